@@ -1,0 +1,361 @@
+"""Losses, held-out evaluation and tracing inputs for the zoo models.
+
+Losses are computed here from the logits (not by the Hugging Face heads) so
+that training, evaluation and loss-barrier curves use one definition:
+
+* ``mlm`` (BERT): cross-entropy on the masked positions only (labels != -100),
+  averaged over masked tokens;
+* ``clm`` (GPT-2, LLaMA): next-token cross-entropy, averaged over all predicted
+  tokens (``block_size - 1`` per sequence);
+* ``cls`` (ViT): cross-entropy of the 10-way digit classification, averaged over
+  images.
+
+Metrics (:func:`eval_metric`): perplexity ``exp(loss)`` for language models
+(lower is better), accuracy in [0, 1] for the ViT (higher is better).
+
+The evaluation batches are deterministic: consecutive non-overlapping token
+blocks of the held-out split (BERT masks drawn with the fixed seed
+:data:`EVAL_MASK_SEED`), or the held-out images in order, in batches of
+:data:`EVAL_BATCH_SIZE`. Losses are token- (image-) weighted over all batches
+used, so ``max_batches`` only trades accuracy for speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import data, zoo
+
+__all__ = [
+    "EVAL_BATCH_SIZE",
+    "EVAL_MASK_SEED",
+    "LOSS_FN_MAX_BATCHES",
+    "Batch",
+    "eval_batches",
+    "model_logits",
+    "batch_loss",
+    "eval_loss",
+    "eval_metric",
+    "metric_name",
+    "higher_is_better",
+    "loss_fn_for",
+    "example_inputs",
+    "baseline_loss",
+]
+
+#: Sequences (images) per evaluation batch.
+EVAL_BATCH_SIZE = 32
+#: Seed of the fixed BERT masking of the evaluation data.
+EVAL_MASK_SEED = 0
+#: Default number of batches used by :func:`loss_fn_for` (cheap, for curves).
+LOSS_FN_MAX_BATCHES = 4
+
+#: A batch: ``{"input_ids", "labels"}`` for LMs (labels are the MLM targets
+#: for BERT and equal to ``input_ids`` for causal LMs) or
+#: ``{"pixel_values", "labels"}`` for the ViT.
+Batch = dict[str, torch.Tensor]
+
+
+# ---------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _all_eval_batches(arch: str, split: str) -> tuple[Batch, ...]:
+    spec = zoo.get_spec(arch)
+    batches: list[Batch] = []
+    if spec.task == "cls":
+        x, y = data.digits(split)
+        for i in range(0, len(y), EVAL_BATCH_SIZE):
+            batches.append({"pixel_values": x[i : i + EVAL_BATCH_SIZE], "labels": y[i : i + EVAL_BATCH_SIZE]})
+        return tuple(batches)
+    blocks = data.token_blocks(spec.dataset, split, spec.block_size)
+    if spec.task == "mlm":
+        inputs, labels = data.mlm_mask(blocks, EVAL_MASK_SEED)
+    else:
+        inputs, labels = blocks, blocks
+    for i in range(0, len(blocks), EVAL_BATCH_SIZE):
+        batches.append({"input_ids": inputs[i : i + EVAL_BATCH_SIZE], "labels": labels[i : i + EVAL_BATCH_SIZE]})
+    return tuple(batches)
+
+
+def eval_batches(arch: str, split: str = "eval", max_batches: int | None = None) -> list[Batch]:
+    """Return the deterministic evaluation batches of ``arch``.
+
+    Parameters
+    ----------
+    arch : str
+        A key of :data:`benchmarks.zoo.SPECS`.
+    split : {"eval", "train"}
+        Data split; ``"train"`` gives the same layout on the training data.
+    max_batches : int, optional
+        Keep only the first ``max_batches`` batches (all when ``None``).
+
+    Returns
+    -------
+    list of dict
+        Batches as described by :data:`Batch` (shared tensors: do not modify).
+    """
+    batches = _all_eval_batches(arch, split)
+    return list(batches if max_batches is None else batches[:max_batches])
+
+
+# ---------------------------------------------------------------------------
+# Losses
+# ---------------------------------------------------------------------------
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def model_logits(model: torch.nn.Module, arch: str, batch: Batch) -> torch.Tensor:
+    """Run ``model`` on a batch and return its logits.
+
+    Decoders are called with ``use_cache=False``. Inputs are moved to the
+    model's device.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A zoo model of architecture ``arch`` (or anything with the same call
+        signature returning an object with ``.logits``).
+    arch : str
+        A key of :data:`benchmarks.zoo.SPECS`.
+    batch : dict
+        A :data:`Batch`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(batch, seq, vocab)`` for LMs, ``(batch, classes)`` for the ViT.
+    """
+    spec = zoo.get_spec(arch)
+    device = _device_of(model)
+    if spec.task == "cls":
+        return model(pixel_values=batch["pixel_values"].to(device)).logits
+    kwargs = {"use_cache": False} if spec.task == "clm" else {}
+    return model(input_ids=batch["input_ids"].to(device), **kwargs).logits
+
+
+def _loss_sum(logits: torch.Tensor, arch: str, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy and number of scored targets."""
+    task = zoo.get_spec(arch).task
+    labels = labels.to(logits.device)
+    if task == "clm":
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    labels = labels.reshape(-1)
+    count = int((labels != -100).sum())
+    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"), count
+
+
+def batch_loss(model: torch.nn.Module, arch: str, batch: Batch) -> torch.Tensor:
+    """Mean training/evaluation loss of ``model`` on one batch (differentiable).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A zoo model of architecture ``arch``.
+    arch : str
+        A key of :data:`benchmarks.zoo.SPECS`.
+    batch : dict
+        A :data:`Batch`.
+
+    Returns
+    -------
+    torch.Tensor
+        Scalar loss (see the module docstring for its definition per task).
+    """
+    total, count = _loss_sum(model_logits(model, arch, batch), arch, batch["labels"])
+    return total / max(count, 1)
+
+
+def _evaluate(model: torch.nn.Module, arch: str, batches: list[Batch]) -> tuple[float, float]:
+    """Return (mean loss, accuracy) over ``batches`` in eval mode, no grad."""
+    was_training = model.training
+    model.eval()
+    loss_total, count, correct = 0.0, 0, 0
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                logits = model_logits(model, arch, batch)
+                total, n = _loss_sum(logits, arch, batch["labels"])
+                loss_total += float(total)
+                count += n
+                if zoo.get_spec(arch).task == "cls":
+                    correct += int((logits.argmax(-1).cpu() == batch["labels"]).sum())
+    finally:
+        model.train(was_training)
+    if count == 0:
+        raise ValueError("no evaluation targets")
+    return loss_total / count, correct / count
+
+
+def eval_loss(
+    model: torch.nn.Module,
+    arch: str,
+    split: str = "eval",
+    max_batches: int | None = None,
+) -> float:
+    """Mean held-out loss of ``model``.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A zoo model of architecture ``arch``; its train/eval mode is restored.
+    arch : str
+        A key of :data:`benchmarks.zoo.SPECS`.
+    split : {"eval", "train"}
+        Data split (default: the held-out split).
+    max_batches : int, optional
+        Use only the first ``max_batches`` evaluation batches (all if ``None``).
+
+    Returns
+    -------
+    float
+        Token-weighted MLM loss on masked tokens (BERT), next-token loss
+        (GPT-2, LLaMA), or image-weighted cross-entropy (ViT), in nats.
+    """
+    return _evaluate(model, arch, eval_batches(arch, split, max_batches))[0]
+
+
+def metric_name(arch: str) -> str:
+    """Name of :func:`eval_metric` for ``arch``: "accuracy" or "perplexity"."""
+    return "accuracy" if zoo.get_spec(arch).task == "cls" else "perplexity"
+
+
+def higher_is_better(arch: str) -> bool:
+    """Whether a larger :func:`eval_metric` is better for ``arch``."""
+    return metric_name(arch) == "accuracy"
+
+
+def eval_metric(
+    model: torch.nn.Module,
+    arch: str,
+    split: str = "eval",
+    max_batches: int | None = None,
+) -> float:
+    """Task metric of ``model`` on held-out data.
+
+    Parameters
+    ----------
+    model, arch, split, max_batches
+        As in :func:`eval_loss`.
+
+    Returns
+    -------
+    float
+        Classification accuracy in [0, 1] for the ViT; perplexity
+        ``exp(eval_loss)`` for the language models.
+    """
+    loss, accuracy = _evaluate(model, arch, eval_batches(arch, split, max_batches))
+    return accuracy if metric_name(arch) == "accuracy" else math.exp(loss)
+
+
+def loss_fn_for(
+    arch: str,
+    split: str = "eval",
+    max_batches: int | None = LOSS_FN_MAX_BATCHES,
+) -> Callable[[torch.nn.Module], float]:
+    """Return a ``model -> float`` loss callable, e.g. for loss-barrier curves.
+
+    The batches are fixed when this is called, so every model (e.g. each
+    interpolation point) is scored on exactly the same data.
+
+    Parameters
+    ----------
+    arch : str
+        A key of :data:`benchmarks.zoo.SPECS`.
+    split : {"eval", "train"}
+        Data split.
+    max_batches : int or None, optional
+        Number of batches used (default :data:`LOSS_FN_MAX_BATCHES`; ``None``
+        for the whole split).
+
+    Returns
+    -------
+    callable
+        ``f(model) -> float`` computing :func:`eval_loss` on those batches.
+    """
+    batches = eval_batches(arch, split, max_batches)
+
+    def loss_fn(model: torch.nn.Module) -> float:
+        return _evaluate(model, arch, batches)[0]
+
+    loss_fn.__name__ = f"loss_fn_{arch}_{split}"
+    return loss_fn
+
+
+def example_inputs(arch: str, batch_size: int = 2) -> tuple[torch.Tensor, ...]:
+    """Return a small real batch of positional inputs for tracing ``arch``.
+
+    Parameters
+    ----------
+    arch : str
+        A key of :data:`benchmarks.zoo.SPECS`.
+    batch_size : int, optional
+        Number of sequences / images (default 2).
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``(input_ids,)`` of shape ``(batch_size, block_size)`` (LongTensor,
+        masked for BERT) for LMs, or ``(pixel_values,)`` of shape
+        ``(batch_size, 1, 8, 8)`` for the ViT; call as ``model(*inputs)``
+        (decoders additionally with ``use_cache=False``).
+    """
+    batch = eval_batches(arch, "eval", 1)[0]
+    key = "pixel_values" if zoo.get_spec(arch).task == "cls" else "input_ids"
+    if batch[key].shape[0] < batch_size:
+        raise ValueError(f"batch_size must be <= {EVAL_BATCH_SIZE}")
+    return (batch[key][:batch_size].clone(),)
+
+
+@functools.lru_cache(maxsize=None)
+def baseline_loss(arch: str, split: str = "eval") -> float:
+    """Loss of the best input-independent predictor, as a "learned anything?" bar.
+
+    For LMs: cross-entropy of the add-one-smoothed unigram distribution of the
+    training tokens, scored on the same targets as :func:`eval_loss`. For the
+    ViT: cross-entropy of the training class frequencies.
+
+    Parameters
+    ----------
+    arch : str
+        A key of :data:`benchmarks.zoo.SPECS`.
+    split : {"eval", "train"}
+        Split whose targets are scored.
+
+    Returns
+    -------
+    float
+        Baseline loss in nats.
+    """
+    spec = zoo.get_spec(arch)
+    if spec.task == "cls":
+        train_targets = data.digits("train")[1]
+        n_classes = data.NUM_DIGIT_CLASSES
+    else:
+        train_targets = data.token_ids(spec.dataset, "train")
+        n_classes = data.VOCAB_SIZE
+    counts = torch.bincount(train_targets, minlength=n_classes).double() + 1.0
+    log_p = (counts / counts.sum()).log()
+    total, count = 0.0, 0
+    for batch in eval_batches(arch, split):
+        labels = batch["labels"]
+        if spec.task == "clm":
+            labels = labels[:, 1:]
+        labels = labels[labels != -100]
+        total += float(-log_p[labels].sum())
+        count += labels.numel()
+    return total / count

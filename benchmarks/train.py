@@ -1,0 +1,391 @@
+"""Training and checkpoint caching for the zoo models.
+
+:func:`train_model` trains ``arch`` from seed ``seed`` with AdamW (linear
+warm-up, cosine decay to 10% of the peak rate, weight decay on matrices only,
+gradient clipping) and caches the result. The seed fixes both the
+initialisation (:func:`benchmarks.zoo.build_model`) and the data order (a
+``torch.Generator`` seeded with ``seed + DATA_SEED_OFFSET`` draws the training
+blocks / images and the dynamic BERT masks), so a given (arch, size, seed,
+steps) is reproducible on a given machine and thread count.
+
+Cache layout (root from ``SYMGRAPH_CACHE``, default ``~/.cache/symgraph``)::
+
+    <root>/models/<arch>-<size>-seed<seed>-steps<steps>-<fingerprint>/
+        config.json
+        model.safetensors
+        training_info.json
+
+The fingerprint hashes everything else that determines the weights (spec
+setting, data contents, optimiser settings, :data:`CACHE_VERSION`), so a
+changed spec table or Python installation never reuses a stale checkpoint.
+Entries are written to a temporary sibling directory and renamed into place,
+so readers never see a partial checkpoint.
+
+Run ``python -m benchmarks.train [--size quick] [--seeds 0 1 2]`` to pre-train
+the whole zoo and print timings and losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import data, evaluate, zoo
+
+__all__ = [
+    "CACHE_VERSION",
+    "DATA_SEED_OFFSET",
+    "ZOO_ARCHS",
+    "num_threads",
+    "checkpoint_dir",
+    "is_cached",
+    "load_checkpoint",
+    "train_model",
+    "training_info",
+    "train_zoo",
+]
+
+#: Bump to invalidate every cached checkpoint.
+CACHE_VERSION = 1
+#: Offset between the initialisation seed and the data-order seed.
+DATA_SEED_OFFSET = 10_000
+#: Optimiser settings shared by every spec.
+WARMUP_FRACTION = 0.05
+MIN_LR_FRACTION = 0.1
+WEIGHT_DECAY = 0.01
+ADAM_BETAS = (0.9, 0.98)
+GRAD_CLIP = 1.0
+#: Default number of CPU threads for training (override: ``SYMGRAPH_NUM_THREADS``).
+DEFAULT_NUM_THREADS = 2
+#: Every spec trained by :func:`train_zoo`: the 4 base archs + the wide model.
+ZOO_ARCHS = zoo.ARCHS + (zoo.WIDE_NARROW_PAIR[1],)
+
+_INFO_FILE = "training_info.json"
+
+
+def num_threads() -> int:
+    """Number of torch threads used for training (env ``SYMGRAPH_NUM_THREADS``, default 2)."""
+    return int(os.environ.get("SYMGRAPH_NUM_THREADS", DEFAULT_NUM_THREADS))
+
+
+# ---------------------------------------------------------------------------
+# Cache keys
+# ---------------------------------------------------------------------------
+
+
+def _resolve_steps(arch: str, size: str, steps: int | None) -> int:
+    return zoo.get_setting(arch, size).steps if steps is None else int(steps)
+
+
+def _fingerprint(arch: str, size: str) -> str:
+    spec = zoo.get_spec(arch)
+    payload = {
+        "version": CACHE_VERSION,
+        "family": spec.family,
+        "task": spec.task,
+        "dataset": spec.dataset,
+        "data": data.data_fingerprint(spec.dataset),
+        "block_size": spec.block_size,
+        "setting": {k: v for k, v in dataclasses.asdict(spec.setting(size)).items() if k != "steps"},
+        "extra": dict(spec.extra),
+        "optim": [WARMUP_FRACTION, MIN_LR_FRACTION, WEIGHT_DECAY, list(ADAM_BETAS), GRAD_CLIP, DATA_SEED_OFFSET],
+    }
+    blob = json.dumps(payload, sort_keys=True).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:10]
+
+
+def checkpoint_dir(arch: str, seed: int, size: str = "quick", steps: int | None = None) -> Path:
+    """Return the cache directory of a trained checkpoint (it may not exist).
+
+    Parameters
+    ----------
+    arch : str
+        A key of :data:`benchmarks.zoo.SPECS`.
+    seed : int
+        Training seed.
+    size : {"quick", "full"}
+        Size setting.
+    steps : int, optional
+        Number of training steps (default: the spec's).
+
+    Returns
+    -------
+    pathlib.Path
+        ``<cache>/models/<arch>-<size>-seed<seed>-steps<steps>-<fingerprint>``.
+    """
+    steps = _resolve_steps(arch, size, steps)
+    name = f"{arch}-{size}-seed{seed}-steps{steps}-{_fingerprint(arch, size)}"
+    return data.cache_dir() / "models" / name
+
+
+def is_cached(arch: str, seed: int, size: str = "quick", steps: int | None = None) -> bool:
+    """Whether a trained checkpoint for these arguments is in the cache."""
+    return (checkpoint_dir(arch, seed, size, steps) / _INFO_FILE).is_file()
+
+
+def load_checkpoint(path: str | os.PathLike, arch: str, attn_implementation: str | None = None) -> torch.nn.Module:
+    """Load a checkpoint saved with ``save_pretrained`` (safetensors).
+
+    Parameters
+    ----------
+    path : path-like
+        Checkpoint directory.
+    arch : str
+        A key of :data:`benchmarks.zoo.SPECS` (selects the model class).
+    attn_implementation : str, optional
+        Attention backend; default :data:`benchmarks.zoo.ATTN_IMPLEMENTATION`.
+
+    Returns
+    -------
+    transformers.PreTrainedModel
+        The model in ``eval()`` mode, float32, on CPU.
+    """
+    model = zoo.model_class(arch).from_pretrained(
+        str(path),
+        attn_implementation=attn_implementation or zoo.ATTN_IMPLEMENTATION,
+        dtype=torch.float32,
+    )
+    return model.eval()
+
+
+def training_info(arch: str, seed: int, size: str = "quick", steps: int | None = None) -> dict:
+    """Return the ``training_info.json`` of a cached checkpoint.
+
+    Contains ``train_seconds``, ``init_eval_loss``, ``eval_loss``,
+    ``final_train_loss`` (mean of the last 10% of steps) and the key fields.
+
+    Raises
+    ------
+    FileNotFoundError
+        If the checkpoint is not cached.
+    """
+    path = checkpoint_dir(arch, seed, size, steps) / _INFO_FILE
+    return json.loads(path.read_text())
+
+
+# ---------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------
+
+
+def _batch_sampler(spec: zoo.ModelSpec, batch_size: int, gen: torch.Generator):
+    """Return a no-argument callable drawing training batches from ``gen``."""
+    if spec.task == "cls":
+        x, y = data.digits("train")
+
+        def sample() -> evaluate.Batch:
+            idx = torch.randint(0, len(y), (batch_size,), generator=gen)
+            return {"pixel_values": x[idx], "labels": y[idx]}
+
+        return sample
+
+    def sample() -> evaluate.Batch:
+        blocks = data.random_blocks(spec.dataset, "train", spec.block_size, batch_size, gen)
+        if spec.task == "mlm":
+            inputs, labels = data.mlm_mask(blocks, generator=gen)
+            return {"input_ids": inputs, "labels": labels}
+        return {"input_ids": blocks, "labels": blocks}
+
+    return sample
+
+
+def _lr_lambda(total_steps: int):
+    warmup = max(1, int(round(WARMUP_FRACTION * total_steps)))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return MIN_LR_FRACTION + (1.0 - MIN_LR_FRACTION) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=ADAM_BETAS)
+
+
+def _fit(model: torch.nn.Module, arch: str, size: str, seed: int, steps: int, verbose: bool) -> list[float]:
+    """Train ``model`` in place; return the per-step training losses."""
+    spec = zoo.get_spec(arch)
+    setting = spec.setting(size)
+    gen = torch.Generator().manual_seed(seed + DATA_SEED_OFFSET)
+    opt = _optimizer(model, setting.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(steps))
+    sample = _batch_sampler(spec, setting.batch_size, gen)
+    losses: list[float] = []
+    model.train()
+    for step in range(steps):
+        batch = sample()
+        loss = evaluate.batch_loss(model, arch, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        opt.step()
+        sched.step()
+        losses.append(loss.detach().item())
+        if verbose and (step + 1) % max(1, steps // 5) == 0:
+            print(f"  [{arch} seed={seed}] step {step + 1}/{steps} loss {losses[-1]:.3f}", flush=True)
+    model.eval()
+    return losses
+
+
+def _save_atomically(model: torch.nn.Module, info: dict, final: Path) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        (tmp / _INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / _INFO_FILE).is_file():  # not a concurrent writer's entry
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def train_model(
+    arch: str,
+    seed: int,
+    size: str = "quick",
+    steps: int | None = None,
+    *,
+    use_cache: bool = True,
+    force: bool = False,
+    verbose: bool = False,
+    attn_implementation: str | None = None,
+) -> torch.nn.Module:
+    """Return ``arch`` trained from ``seed``, loading it from the cache if present.
+
+    Parameters
+    ----------
+    arch : str
+        A key of :data:`benchmarks.zoo.SPECS`.
+    seed : int
+        Seed of both the initialisation and the data order.
+    size : {"quick", "full"}
+        Size setting (model size and default number of steps).
+    steps : int, optional
+        Number of AdamW steps (default: the spec's); part of the cache key.
+    use_cache : bool, optional
+        Read from and write to the cache (default True). With False, always
+        train and never write.
+    force : bool, optional
+        Retrain and overwrite even if a cache entry exists.
+    verbose : bool, optional
+        Print progress.
+    attn_implementation : str, optional
+        Attention backend of the returned model.
+
+    Returns
+    -------
+    transformers.PreTrainedModel
+        The trained model in ``eval()`` mode (float32, CPU).
+    """
+    steps = _resolve_steps(arch, size, steps)
+    path = checkpoint_dir(arch, seed, size, steps)
+    if use_cache and not force and (path / _INFO_FILE).is_file():
+        return load_checkpoint(path, arch, attn_implementation)
+
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads())
+    try:
+        model = zoo.build_model(arch, seed, size, attn_implementation)
+        init_loss = evaluate.eval_loss(model, arch)
+        start = time.perf_counter()
+        losses = _fit(model, arch, size, seed, steps, verbose)
+        seconds = time.perf_counter() - start
+        final_loss = evaluate.eval_loss(model, arch)
+    finally:
+        torch.set_num_threads(previous_threads)
+    tail = losses[-max(1, steps // 10):] if losses else [float("nan")]
+    info = {
+        "arch": arch,
+        "size": size,
+        "seed": seed,
+        "steps": steps,
+        "train_seconds": seconds,
+        "init_eval_loss": init_loss,
+        "eval_loss": final_loss,
+        "final_train_loss": sum(tail) / len(tail),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "num_threads": num_threads(),
+        "cache_version": CACHE_VERSION,
+    }
+    if verbose:
+        print(f"  [{arch} seed={seed}] {seconds:.1f}s eval loss {init_loss:.3f} -> {final_loss:.3f}", flush=True)
+    if use_cache:
+        if force and path.exists():
+            shutil.rmtree(path)
+        _save_atomically(model, info, path)
+    return model
+
+
+def train_zoo(
+    size: str = "quick",
+    seeds: tuple[int, ...] = (0, 1, 2),
+    archs: tuple[str, ...] = ZOO_ARCHS,
+    verbose: bool = True,
+) -> dict[tuple[str, int], dict]:
+    """Train (or load) every (arch, seed) and return their training info.
+
+    Parameters
+    ----------
+    size : {"quick", "full"}
+        Size setting.
+    seeds : tuple of int
+        Seeds to train.
+    archs : tuple of str
+        Specs to train (default :data:`ZOO_ARCHS`).
+    verbose : bool
+        Print progress and a summary table.
+
+    Returns
+    -------
+    dict
+        ``{(arch, seed): training_info}``.
+    """
+    results: dict[tuple[str, int], dict] = {}
+    start = time.perf_counter()
+    for arch in archs:
+        for seed in seeds:
+            cached = is_cached(arch, seed, size)
+            train_model(arch, seed, size, verbose=verbose and not cached)
+            results[(arch, seed)] = training_info(arch, seed, size)
+    if verbose:
+        print(f"total wall time {time.perf_counter() - start:.1f}s")
+        print(f"{'arch':<10} {'seed':>4} {'train s':>8} {'init':>7} {'eval':>7} {'unigram':>8}")
+        for (arch, seed), info in results.items():
+            print(
+                f"{arch:<10} {seed:>4} {info['train_seconds']:>8.1f} {info['init_eval_loss']:>7.3f} "
+                f"{info['eval_loss']:>7.3f} {evaluate.baseline_loss(arch):>8.3f}"
+            )
+    return results
+
+
+def _main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Pre-train the benchmark model zoo into the cache.")
+    parser.add_argument("--size", choices=zoo.SIZES, default="quick")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--archs", nargs="+", default=list(ZOO_ARCHS), choices=sorted(zoo.SPECS))
+    args = parser.parse_args(argv)
+    train_zoo(args.size, tuple(args.seeds), tuple(args.archs))
+
+
+if __name__ == "__main__":
+    _main()

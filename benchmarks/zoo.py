@@ -1,0 +1,312 @@
+"""Model zoo of the benchmark suite: tiny Hugging Face models sized for CPU.
+
+Every model is described by one row of :data:`SPECS`, the single table of
+sizes and training hyper-parameters. A row has a ``quick`` and a ``full``
+:class:`SizeSetting`; ``quick`` is what CI and the default benchmark run use.
+
+========== ======================== ======== ====================================
+name       class                    data     notes
+========== ======================== ======== ====================================
+bert       ``BertForMaskedLM``      prose    MLM, tied decoder, 1 token type
+gpt2       ``GPT2LMHeadModel``      prose    causal LM, tied head; the "narrow"
+                                             half of the wide/narrow pair
+gpt2_wide  ``GPT2LMHeadModel``      prose    as ``gpt2`` with a 2x wider MLP
+llama      ``LlamaForCausalLM``     code     RoPE, SwiGLU, GQA (2 KV heads for 4
+                                             query heads), RMSNorm, untied head
+vit        ``ViTForImageClassific`` digits   1-channel 8x8 images, 2x2 patches
+========== ======================== ======== ====================================
+
+Conventions shared by all models:
+
+* dropout is 0 everywhere, so training / evaluation mode do not change outputs;
+* attention uses :data:`ATTN_IMPLEMENTATION` (``"sdpa"``) unless overridden;
+* decoder configs have ``use_cache=False`` (callers should still pass
+  ``use_cache=False`` to ``forward``);
+* the vocabulary is that of :mod:`benchmarks.data` (``[PAD]`` = 0);
+* a model built with :func:`build_model` for a given seed is bit-identical
+  across calls (``torch.manual_seed(seed)`` immediately before construction).
+
+``gpt2`` and ``gpt2_wide`` (:data:`WIDE_NARROW_PAIR`) differ only in MLP width
+(256 vs 512 hidden units in ``quick``), same depth, embedding width, heads and
+data: the pair for heterogeneous fusion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from . import data
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "SIZES",
+    "SizeSetting",
+    "ModelSpec",
+    "SPECS",
+    "ARCHS",
+    "WIDE_NARROW_PAIR",
+    "get_spec",
+    "get_setting",
+    "make_config",
+    "model_class",
+    "build_model",
+]
+
+#: Attention implementation used by every model unless overridden.
+ATTN_IMPLEMENTATION = "sdpa"
+#: Size settings every spec provides.
+SIZES = ("quick", "full")
+
+
+@dataclass(frozen=True)
+class SizeSetting:
+    """Architecture size and training budget for one (spec, size) pair.
+
+    Attributes
+    ----------
+    hidden : int
+        Model (residual stream) width.
+    layers : int
+        Number of transformer blocks.
+    heads : int
+        Number of attention (query) heads.
+    mlp_mult : int
+        MLP hidden width as a multiple of ``hidden``.
+    steps : int
+        Number of AdamW steps.
+    batch_size : int
+        Sequences (or images) per training step.
+    lr : float
+        Peak learning rate (linear warm-up, cosine decay).
+    kv_heads : int or None
+        Key/value heads for grouped-query attention (LLaMA only); ``None``
+        means one per query head.
+    """
+
+    hidden: int
+    layers: int
+    heads: int
+    mlp_mult: int
+    steps: int
+    batch_size: int
+    lr: float
+    kv_heads: int | None = None
+
+    @property
+    def mlp_width(self) -> int:
+        """MLP hidden width, ``mlp_mult * hidden``."""
+        return self.mlp_mult * self.hidden
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One entry of the model zoo.
+
+    Attributes
+    ----------
+    name : str
+        Key in :data:`SPECS` (also used in cache keys).
+    family : {"bert", "gpt2", "llama", "vit"}
+        Hugging Face model family.
+    task : {"mlm", "clm", "cls"}
+        Training objective: masked LM, causal (next-token) LM, classification.
+    dataset : {"prose", "code", "digits"}
+        Dataset from :mod:`benchmarks.data`.
+    block_size : int
+        Tokens per sequence (LMs; equal for both sizes so evaluation does not
+        depend on size). Ignored by ``cls`` specs.
+    quick, full : SizeSetting
+        The two size settings.
+    extra : Mapping[str, Any]
+        Extra family-specific config keyword arguments.
+    """
+
+    name: str
+    family: str
+    task: str
+    dataset: str
+    block_size: int
+    quick: SizeSetting
+    full: SizeSetting
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def setting(self, size: str) -> SizeSetting:
+        """Return the :class:`SizeSetting` for ``size`` ("quick" or "full")."""
+        if size not in SIZES:
+            raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+        return getattr(self, size)
+
+
+# --- the spec table ---------------------------------------------------------
+# Quick settings are sized so that all 4 architectures x 3 seeds + gpt2_wide
+# train in a few minutes on 2 CPU cores; full settings are ~4x wider/deeper.
+
+_LM_QUICK = SizeSetting(hidden=64, layers=2, heads=4, mlp_mult=4, steps=300, batch_size=32, lr=3e-3)
+_LM_FULL = SizeSetting(hidden=128, layers=4, heads=4, mlp_mult=4, steps=2000, batch_size=32, lr=1e-3)
+
+SPECS: dict[str, ModelSpec] = {
+    "bert": ModelSpec(
+        name="bert", family="bert", task="mlm", dataset="prose", block_size=64,
+        quick=dataclasses.replace(_LM_QUICK, steps=400),
+        full=dataclasses.replace(_LM_FULL, steps=3000),
+    ),
+    "gpt2": ModelSpec(
+        name="gpt2", family="gpt2", task="clm", dataset="prose", block_size=64,
+        quick=_LM_QUICK, full=_LM_FULL,
+    ),
+    "gpt2_wide": ModelSpec(
+        name="gpt2_wide", family="gpt2", task="clm", dataset="prose", block_size=64,
+        quick=dataclasses.replace(_LM_QUICK, mlp_mult=8),
+        full=dataclasses.replace(_LM_FULL, mlp_mult=8),
+    ),
+    "llama": ModelSpec(
+        name="llama", family="llama", task="clm", dataset="code", block_size=64,
+        quick=dataclasses.replace(_LM_QUICK, kv_heads=2),
+        full=dataclasses.replace(_LM_FULL, kv_heads=2),
+        extra={"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu"},
+    ),
+    "vit": ModelSpec(
+        name="vit", family="vit", task="cls", dataset="digits", block_size=0,
+        quick=SizeSetting(hidden=64, layers=2, heads=4, mlp_mult=4, steps=300, batch_size=64, lr=2e-3),
+        full=SizeSetting(hidden=128, layers=4, heads=4, mlp_mult=4, steps=2000, batch_size=64, lr=1e-3),
+        extra={"patch_size": 2},
+    ),
+}
+
+#: The four base architectures, one per model family.
+ARCHS = ("bert", "gpt2", "llama", "vit")
+#: (narrow, wide) spec names of the heterogeneous-fusion pair.
+WIDE_NARROW_PAIR = ("gpt2", "gpt2_wide")
+
+
+def get_spec(arch: str) -> ModelSpec:
+    """Return the :class:`ModelSpec` called ``arch``.
+
+    Parameters
+    ----------
+    arch : str
+        A key of :data:`SPECS`.
+
+    Returns
+    -------
+    ModelSpec
+    """
+    try:
+        return SPECS[arch]
+    except KeyError:
+        raise ValueError(f"unknown arch {arch!r}; known: {sorted(SPECS)}") from None
+
+
+def get_setting(arch: str, size: str = "quick") -> SizeSetting:
+    """Return the :class:`SizeSetting` of ``arch`` at ``size``."""
+    return get_spec(arch).setting(size)
+
+
+def make_config(arch: str, size: str = "quick"):
+    """Build the Hugging Face config of a zoo model.
+
+    Parameters
+    ----------
+    arch : str
+        A key of :data:`SPECS`.
+    size : {"quick", "full"}
+        Size setting.
+
+    Returns
+    -------
+    transformers.PretrainedConfig
+        ``BertConfig``, ``GPT2Config``, ``LlamaConfig`` or ``ViTConfig`` with
+        all dropout set to 0.
+    """
+    from transformers import BertConfig, GPT2Config, LlamaConfig, ViTConfig
+
+    spec = get_spec(arch)
+    s = spec.setting(size)
+    vocab = data.VOCAB_SIZE
+    if spec.family == "bert":
+        return BertConfig(
+            vocab_size=vocab, hidden_size=s.hidden, num_hidden_layers=s.layers,
+            num_attention_heads=s.heads, intermediate_size=s.mlp_width,
+            max_position_embeddings=spec.block_size, type_vocab_size=1,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            pad_token_id=data.PAD_ID, **spec.extra,
+        )
+    if spec.family == "gpt2":
+        return GPT2Config(
+            vocab_size=vocab, n_positions=spec.block_size, n_embd=s.hidden,
+            n_layer=s.layers, n_head=s.heads, n_inner=s.mlp_width,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+            bos_token_id=data.PAD_ID, eos_token_id=data.PAD_ID, pad_token_id=data.PAD_ID,
+            **spec.extra,
+        )
+    if spec.family == "llama":
+        return LlamaConfig(
+            vocab_size=vocab, hidden_size=s.hidden, intermediate_size=s.mlp_width,
+            num_hidden_layers=s.layers, num_attention_heads=s.heads,
+            num_key_value_heads=s.kv_heads or s.heads,
+            max_position_embeddings=spec.block_size, attention_dropout=0.0,
+            tie_word_embeddings=False, use_cache=False,
+            bos_token_id=data.PAD_ID, eos_token_id=data.PAD_ID, pad_token_id=data.PAD_ID,
+            **spec.extra,
+        )
+    if spec.family == "vit":
+        return ViTConfig(
+            image_size=data.DIGIT_IMAGE_SIZE, num_channels=1, hidden_size=s.hidden,
+            num_hidden_layers=s.layers, num_attention_heads=s.heads,
+            intermediate_size=s.mlp_width, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, num_labels=data.NUM_DIGIT_CLASSES,
+            **spec.extra,
+        )
+    raise AssertionError(f"unhandled family {spec.family!r}")
+
+
+def model_class(arch: str) -> type:
+    """Return the Hugging Face model class of ``arch`` (for ``from_pretrained``)."""
+    from transformers import (
+        BertForMaskedLM,
+        GPT2LMHeadModel,
+        LlamaForCausalLM,
+        ViTForImageClassification,
+    )
+
+    return {
+        "bert": BertForMaskedLM,
+        "gpt2": GPT2LMHeadModel,
+        "llama": LlamaForCausalLM,
+        "vit": ViTForImageClassification,
+    }[get_spec(arch).family]
+
+
+def build_model(
+    arch: str,
+    seed: int,
+    size: str = "quick",
+    attn_implementation: str | None = None,
+) -> torch.nn.Module:
+    """Build a randomly initialised zoo model.
+
+    Parameters
+    ----------
+    arch : str
+        A key of :data:`SPECS`.
+    seed : int
+        Initialisation seed; the same seed gives bit-identical weights.
+    size : {"quick", "full"}
+        Size setting.
+    attn_implementation : str, optional
+        Hugging Face attention backend; default :data:`ATTN_IMPLEMENTATION`.
+
+    Returns
+    -------
+    transformers.PreTrainedModel
+        The model, in ``eval()`` mode, on CPU, float32.
+    """
+    config = make_config(arch, size)
+    cls = model_class(arch)
+    torch.manual_seed(seed)
+    model = cls._from_config(config, attn_implementation=attn_implementation or ATTN_IMPLEMENTATION)
+    return model.eval()

@@ -1,0 +1,25 @@
+"""Exceptions raised by symgraph. Every message names what was wrong and what was expected."""
+
+
+class SymgraphError(Exception):
+    """Base class of all symgraph errors."""
+
+
+class TraceError(SymgraphError):
+    """The model could not be traced with ``torch.export``."""
+
+
+class UnsupportedOpError(SymgraphError):
+    """``strict=True`` analysis met an op that has no symmetry rule."""
+
+
+class CertificationError(SymgraphError):
+    """A claimed symmetry changed the model's outputs beyond tolerance."""
+
+
+class InputError(SymgraphError, ValueError):
+    """Bad user input: wrong types, shapes, NaN weights, missing data."""
+
+
+class StructureMismatchError(SymgraphError, ValueError):
+    """Two models' graphs differ in structure and cannot be aligned."""

@@ -1,0 +1,111 @@
+"""The group lattice of axis classes, and sampling of group elements.
+
+Kinds, from largest to smallest::
+
+    gl ⊃ orthogonal ⊃ signed_perm ⊃ perm ⊃ identity
+    gl ⊃ scaled_perm ⊃ perm
+    orthogonal ⊃ rope (2x2 rotations on fixed coordinate pairs)
+
+``meet`` is the intersection. Intersections that are not in the list are rounded *down*
+to a listed subgroup (e.g. ``rope ∧ perm`` → identity), which is always sound.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+KINDS = ("identity", "perm", "signed_perm", "scaled_perm", "rope", "orthogonal", "gl")
+
+# For each kind, the set of kinds it contains (itself included).
+_SUBGROUPS = {
+    "identity": {"identity"},
+    "perm": {"perm", "identity"},
+    "signed_perm": {"signed_perm", "perm", "identity"},
+    "scaled_perm": {"scaled_perm", "perm", "identity"},
+    "rope": {"rope", "identity"},
+    "orthogonal": {"orthogonal", "signed_perm", "perm", "rope", "identity"},
+    "gl": set(KINDS),
+}
+# Largest first, so the first common subgroup found is the meet.
+_ORDER = ("gl", "orthogonal", "scaled_perm", "signed_perm", "rope", "perm", "identity")
+
+PERMUTATION_FAMILY = ("perm", "signed_perm", "scaled_perm")
+CONTINUOUS = ("orthogonal", "gl", "rope")
+
+
+def meet(a: str, b: str) -> str:
+    """Largest listed subgroup of both ``a`` and ``b``.
+
+    >>> meet("gl", "perm"), meet("orthogonal", "scaled_perm"), meet("rope", "perm")
+    ('perm', 'perm', 'identity')
+    """
+    common = _SUBGROUPS[a] & _SUBGROUPS[b]
+    for k in _ORDER:
+        if k in common:
+            return k
+    return "identity"  # pragma: no cover
+
+
+def leq(a: str, b: str) -> bool:
+    """``a`` is a subgroup of ``b``."""
+    return a in _SUBGROUPS[b]
+
+
+def orthogonal_part(kind: str) -> str:
+    """The part of ``kind`` that solvers and ``orthogonal=True`` sampling use."""
+    return {"gl": "orthogonal", "scaled_perm": "perm"}.get(kind, kind)
+
+
+def is_orthogonal_kind(kind: str) -> bool:
+    """Elements of these kinds satisfy ``g^{-T} = g``."""
+    return kind in ("identity", "perm", "signed_perm", "rope", "orthogonal")
+
+
+def _haar(n: int, gen: torch.Generator, batch=()) -> torch.Tensor:
+    a = torch.randn(*batch, n, n, generator=gen, dtype=torch.float64)
+    q, r = torch.linalg.qr(a)
+    d = torch.diagonal(r, dim1=-2, dim2=-1).sign()
+    d[d == 0] = 1
+    return q * d.unsqueeze(-2)
+
+
+def _perm_matrices(n: int, gen: torch.Generator, batch=()) -> torch.Tensor:
+    count = int(math.prod(batch)) if batch else 1
+    eye = torch.eye(n, dtype=torch.float64)
+    mats = torch.stack([eye[torch.randperm(n, generator=gen)] for _ in range(count)])
+    return mats.reshape(*batch, n, n)
+
+
+def sample(kind: str, n: int, gen: torch.Generator, batch=(), pairs=None) -> torch.Tensor:
+    """Draw ``prod(batch)`` independent elements of ``kind`` acting on ``R^n``.
+
+    Returns a float64 tensor of shape ``batch + (n, n)``; element ``g`` acts on a vector ``x``
+    of that axis as ``g @ x``.
+    """
+    batch = tuple(batch)
+    if kind == "identity":
+        return torch.eye(n, dtype=torch.float64).expand(*batch, n, n).clone()
+    if kind == "perm":
+        return _perm_matrices(n, gen, batch)
+    if kind == "signed_perm":
+        signs = torch.randint(0, 2, (*batch, n, 1), generator=gen).double() * 2 - 1
+        return signs * _perm_matrices(n, gen, batch)
+    if kind == "scaled_perm":
+        scales = torch.exp(0.3 * torch.randn(*batch, n, 1, generator=gen, dtype=torch.float64))
+        return scales * _perm_matrices(n, gen, batch)
+    if kind == "orthogonal":
+        return _haar(n, gen, batch)
+    if kind == "gl":
+        s = torch.exp(torch.rand(*batch, 1, n, generator=gen, dtype=torch.float64) - 0.5)
+        return (_haar(n, gen, batch) * s) @ _haar(n, gen, batch)
+    if kind == "rope":
+        if pairs is None:
+            raise ValueError("rope sampling needs the coordinate pairs")
+        g = torch.eye(n, dtype=torch.float64).expand(*batch, n, n).clone()
+        theta = 2 * math.pi * torch.rand(*batch, len(pairs), generator=gen, dtype=torch.float64)
+        for k, (i, j) in enumerate(pairs):
+            c, s = torch.cos(theta[..., k]), torch.sin(theta[..., k])
+            g[..., i, i], g[..., i, j], g[..., j, i], g[..., j, j] = c, -s, s, c
+        return g
+    raise ValueError(f"unknown group kind {kind!r}; expected one of {KINDS}")

@@ -1,0 +1,348 @@
+"""Driver: axis variables for every tensor in an exported graph, rules, union-find, fibres.
+
+Soundness by construction: constants, graph inputs and graph outputs are fixed; an op without
+a rule fixes every axis it touches and is recorded (``strict=True`` raises instead); an output
+axis that a rule leaves unrelated is fixed too.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import UnsupportedOpError
+from . import registry
+from .registry import Meet, NoFiber, Rope, RuleContext, Structure, Unify
+from .rope import find_rope
+from .unionfind import AxisUnionFind
+
+aten = torch.ops.aten
+
+# Ops whose outputs carry no information from their tensor inputs but their shape/dtype.
+CONST_OPS = {
+    aten.arange, aten.full, aten.zeros, aten.ones, aten.empty, aten.scalar_tensor,
+    aten.new_ones, aten.new_zeros, aten.new_full, aten.new_empty, aten.zeros_like,
+    aten.ones_like, aten.full_like, aten.empty_like, aten.rand, aten.randn, aten.eye,
+    aten.tril_indices, aten.triu_indices, aten.linspace, aten.empty_strided,
+}
+# Ops with no tensor output worth an axis (asserts, metadata checks).
+IGNORED = {aten._assert_tensor_metadata, aten._assert_scalar, aten.sym_constrain_range_for_size,
+           aten.sym_constrain_range, aten._assert_async, aten.sym_size, aten.sym_numel,
+           aten.sym_stride}
+
+
+def _packet(t):
+    return t.overloadpacket if isinstance(t, torch._ops.OpOverload) else t
+
+
+def _flat_nodes(args):
+    out = []
+    for a in args:
+        if isinstance(a, torch.fx.Node):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += _flat_nodes(a)
+        elif isinstance(a, dict):
+            out += _flat_nodes(list(a.values()))
+    return out
+
+
+@dataclass
+class FrozenOp:
+    """An op without a symmetry rule, and the axes it fixed."""
+    op: str
+    node: str
+    module: str
+    source: str
+    axes: list = field(default_factory=list)
+
+    def to_dict(self):
+        return {"op": self.op, "node": self.node, "module": self.module, "source": self.source}
+
+
+def module_path(node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _clean_path(path)
+
+
+def _clean_path(path: str) -> str:
+    # torch.export spells submodule paths like "L['self'].layers[0]" or "layers.0"
+    path = path.replace("L['self'].", "").replace("L['self']", "")
+    for ch in "[]":
+        path = path.replace(ch, "." if ch == "[" else "")
+    return path.strip(".")
+
+
+def source_line(node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            return lines[i] + (" | " + lines[i + 1] if i + 1 < len(lines) else "")
+    return ""
+
+
+class AxisAnalysis:
+    """Axis variables and constraints of one exported program, resolved into classes."""
+
+    def __init__(self, ep, strict: bool = False, tied=()):
+        self.ep = ep
+        self.tied = [list(t) for t in tied]
+        self.aliases: dict[str, list] = {}
+        self.graph = ep.graph_module.graph
+        self.strict = strict
+        self.uf = AxisUnionFind()
+        self.node_axes: dict = {}
+        self.origin: dict = {}
+        self.frozen: list[FrozenOp] = []
+        self.nofiber: list = []
+        sig = ep.graph_signature
+        self.param_of = dict(sig.inputs_to_parameters)
+        self.buffer_of = dict(sig.inputs_to_buffers)
+        self.param_nodes: dict[str, torch.fx.Node] = {}
+        self.user_inputs = set(sig.user_inputs)
+
+    # --- axes ----------------------------------------------------------------------------
+    def _alloc(self, val):
+        if isinstance(val, torch.Tensor):
+            return [self.uf.new(int(s)) for s in val.shape]
+        if isinstance(val, (list, tuple)):
+            return [self._alloc(v) for v in val]
+        return None
+
+    def axes_of(self, node):
+        return self.node_axes.get(node)
+
+    def shape_of(self, node):
+        v = node.meta.get("val")
+        return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
+
+    def origin_of(self, node):
+        return self.origin.get(node, "const")
+
+    # --- main ----------------------------------------------------------------------------
+    def run(self):
+        for node in self.graph.nodes:
+            self._classify(node)
+        self._tie()
+        claimed, cons = find_rope(self.graph, self.origin_of, self.axes_of, self.shape_of)
+        self._apply(cons, None)
+        for node in self.graph.nodes:
+            if node.op == "call_function" and node not in claimed and self.origin[node] == "act":
+                self._rule(node)
+            elif node.op == "output":
+                for out in _flat_nodes(node.args):
+                    for a in self._all_axes(out):
+                        self.uf.meet(a, "identity")
+        return self
+
+    def _tie(self):
+        """Tied parameters (one tensor, several names) are one set of axes and one slot."""
+        for names in self.tied:
+            nodes = [(n, self.param_nodes[n]) for n in names if n in self.param_nodes]
+            if len(nodes) < 2:
+                continue
+            nodes.sort(key=lambda nn: -len(nn[1].users))  # the one the graph uses first
+            keep, knode = nodes[0]
+            for other, onode in nodes[1:]:
+                for a, b in zip(self.node_axes[knode], self.node_axes[onode]):
+                    self.uf.union(a, b)
+                del self.param_nodes[other]
+                self.aliases.setdefault(keep, []).append(other)
+
+    def _all_axes(self, node):
+        ax = self.node_axes.get(node)
+        out = []
+        def walk(x):
+            if isinstance(x, int):
+                out.append(x)
+            elif isinstance(x, list):
+                for y in x:
+                    walk(y)
+        walk(ax)
+        return out
+
+    def _classify(self, node):
+        if node.op == "placeholder":
+            self.node_axes[node] = self._alloc(node.meta.get("val"))
+            if node.name in self.param_of:
+                self.origin[node] = "param"
+                self.param_nodes[self.param_of[node.name]] = node
+            elif node.name in self.user_inputs:
+                self.origin[node] = "act"
+                for a in self._all_axes(node):
+                    self.uf.meet(a, "identity")
+            else:  # buffers and lifted constants are data we do not transform
+                self.origin[node] = "const"
+        elif node.op == "call_function":
+            if _packet(node.target) in IGNORED:
+                self.origin[node] = "const"
+                return
+            self.node_axes[node] = self._alloc(node.meta.get("val"))
+            inputs = _flat_nodes(node.args) + _flat_nodes(list(node.kwargs.values()))
+            if _packet(node.target) in CONST_OPS or all(
+                    self.origin.get(i, "const") == "const" for i in inputs):
+                self.origin[node] = "const"
+            else:
+                self.origin[node] = "act"
+        else:
+            self.origin[node] = "const"
+        if self.origin[node] == "const":
+            for a in self._all_axes(node):
+                self.uf.meet(a, "identity")
+
+    def _rule(self, node):
+        if node.target is operator.getitem:
+            src, i = node.args
+            sa = self.node_axes.get(src)
+            if isinstance(sa, list) and i < len(sa) and isinstance(sa[i], list):
+                for o, a in zip(self.node_axes[node] or [], sa[i]):
+                    self.uf.union(o, a)
+                return
+        rule = registry.lookup(node.target)
+        cons = None
+        if rule is not None:
+            ctx = RuleContext(node, self.axes_of, self.origin_of, self.uf.new)
+            cons = rule(ctx)
+        if cons is None:
+            self._freeze_unknown(node)
+            return
+        self._apply(cons, node)
+
+    def _apply(self, cons, node):
+        touched = set()
+        for c in cons:
+            if isinstance(c, Unify):
+                self.uf.union(c.a, c.b, c.dual)
+                touched |= {c.a, c.b}
+            elif isinstance(c, Meet):
+                self.uf.meet(c.axis, c.kind, c.reason)
+                touched.add(c.axis)
+            elif isinstance(c, Structure):
+                self.uf.add_structure(c.axis, c.kind, c.parts)
+                touched |= {c.axis, *c.parts}
+            elif isinstance(c, NoFiber):
+                self.nofiber.append((c.axis, c.over))
+            elif isinstance(c, Rope):
+                self.uf.set_pairs(c.axis, c.pairs, "rotary position embedding")
+                touched.add(c.axis)
+        if node is not None:  # safety net: an output axis no rule spoke of stays fixed
+            for a in self._all_axes(node):
+                if a not in touched and self.uf.size[a] > 1:
+                    self.uf.meet(a, "identity", f"{node.name}: output axis not related by its rule")
+
+    def _freeze_unknown(self, node):
+        if self.strict:
+            raise UnsupportedOpError(
+                f"no symmetry rule for {node.target} at node {node.name} "
+                f"(module {module_path(node) or '<root>'}; {source_line(node)}). "
+                "Register one with symgraph.passes.register, or analyse with strict=False "
+                "to fix the axes it touches.")
+        axes = self._all_axes(node)
+        for i in _flat_nodes(node.args) + _flat_nodes(list(node.kwargs.values())):
+            axes += self._all_axes(i)
+        why = f"{node.name}: no rule for {node.target}"
+        for a in axes:
+            self.uf.meet(a, "identity", why)
+        self.frozen.append(FrozenOp(str(node.target), node.name, module_path(node),
+                                    source_line(node), axes))
+
+    # --- results -------------------------------------------------------------------------
+    def finalize(self):
+        """Push kinds into structure parts, apply rope pairs, compute fibres."""
+        uf = self.uf
+        roots = {uf.find(a)[0] for a in range(len(uf.parent))}
+        for r, pairs in list(uf.pairs.items()):
+            uf.meet(r, "rope")
+        # kinds flow from a structured class into its parts (largest first: parts are smaller)
+        for r in sorted((r for r in roots if r in uf.struct), key=lambda r: -uf.size[r]):
+            kind = uf.kind.get(r, "gl")
+            _, parts = uf.struct[r]
+            for p, _par in parts:
+                uf.meet(p, kind, f"part of a class narrowed to {kind}" if kind != "gl" else None)
+        self.roots = {uf.find(a)[0] for a in range(len(uf.parent))}
+        self._fibres()
+        return self
+
+    def kind(self, root):
+        return self.uf.kind.get(root, "gl")
+
+    def leaves(self, axis):
+        """Leaf classes of an axis: itself, or the leaves of its structure's parts."""
+        r, _ = self.uf.find(axis)
+        if r not in self.uf.struct:
+            return [r]
+        out = []
+        for p, _ in self.uf.struct[r][1]:
+            out += self.leaves(p)
+        return out
+
+    def _prod_candidates(self):
+        """For each leaf class, the leaves that precede it in some product structure."""
+        cand: dict[int, set] = {}
+        uf = self.uf
+
+        def visit(r):
+            kind, parts = uf.struct[r]
+            if kind == "prod":
+                seen = []
+                for p, _ in parts:
+                    pl = self.leaves(p)
+                    for leaf in pl:
+                        cand.setdefault(leaf, set()).update(
+                            x for x in seen if self.kind(x) in ("perm", "identity"))
+                    seen += pl
+        for r in list(self.roots):
+            if r in uf.struct:
+                visit(r)
+        return cand
+
+    def _fibres(self):
+        cand = self._prod_candidates()
+        fib = {leaf: set(c) for leaf, c in cand.items() if c}
+        if fib:
+            for node, ax in self.node_axes.items():
+                if ax is None:
+                    continue
+                tensors = ax if (ax and isinstance(ax[0], list)) else [ax]
+                for t in tensors:
+                    if t is None:
+                        continue
+                    if self.origin.get(node) == "param":  # params: same axis only
+                        for a in t:
+                            present = set(self.leaves(a))
+                            for leaf in present & fib.keys():
+                                fib[leaf] &= present
+                    else:
+                        present = set()
+                        for a in t:
+                            present.update(self.leaves(a))
+                        for leaf in present & fib.keys():
+                            fib[leaf] &= present
+            for a, over in self.nofiber:
+                for leaf in self.leaves(a):
+                    if leaf in fib:
+                        fib[leaf] -= set(self.leaves(over))
+        self.fibre = {}
+        for leaf, f in fib.items():
+            if f and self.kind(leaf) != "identity":
+                # keep the order in which fibre classes appear as outer factors
+                self.fibre[leaf] = tuple(sorted(f, key=lambda x: x))
+        self._order_fibres()
+
+    def _order_fibres(self):
+        # Order fibres outer-to-inner as they appear in a product structure of the leaf.
+        order = {}
+        for r in self.roots:
+            if r in self.uf.struct and self.uf.struct[r][0] == "prod":
+                for i, leaf in enumerate(self.leaves(r)):
+                    order.setdefault(leaf, i)
+        self.fibre = {k: tuple(sorted(v, key=lambda x: order.get(x, 0))) for k, v in self.fibre.items()}
+
+
+def analyze_graph(ep, strict=False, tied=()) -> AxisAnalysis:
+    return AxisAnalysis(ep, strict, tied).run().finalize()

@@ -1,0 +1,132 @@
+"""Rules for reductions and normalisations over an axis.
+
+Sums, means, maxima and variances over an axis are invariant under permuting it (and under
+nothing larger among our groups once means are subtracted or maxima taken), so the reduced axis
+meets ``perm``. Other axes pass through, and elements of their classes may not vary along the
+reduced axis (the reduction mixes those entries).
+"""
+from __future__ import annotations
+
+import torch
+
+from .registry import Meet, NoFiber, Unify, dim, register
+
+aten = torch.ops.aten
+
+
+def _reduce(ctx, x, dims, keepdim, out, kind="perm", what="reduction"):
+    xa = ctx.axes(x)
+    n = len(xa)
+    dims = set(range(n)) if dims is None or len(dims) == 0 else {dim(d, n) for d in dims}
+    cons, j = [], 0
+    for i in range(n):
+        if i in dims:
+            cons.append(Meet(xa[i], kind, f"{ctx.where}: {what} over this axis"))
+            if keepdim:
+                j += 1
+        else:
+            cons.append(Unify(out[j], xa[i]))
+            j += 1
+    cons += [NoFiber(xa[i], xa[d]) for i in range(n) if i not in dims for d in dims]
+    return cons
+
+
+@register([aten.sum.dim_IntList, aten.mean.dim, aten.amax, aten.amin, aten.logsumexp,
+           aten.prod.dim_int, aten.any.dims, aten.all.dims, aten.nansum, aten.nanmean])
+def reduce_dims(ctx):
+    dims = ctx.arg(1, "dim", None)
+    if isinstance(dims, int):
+        dims = [dims]
+    return _reduce(ctx, ctx.arg(0), dims, ctx.arg(2, "keepdim", False), ctx.out)
+
+
+@register([aten.var.correction, aten.std.correction, aten.var_mean.correction,
+           aten.std_mean.correction])
+def var(ctx):
+    dims = ctx.arg(1, "dim", None)
+    keep = ctx.node.kwargs.get("keepdim", False)
+    out = ctx.out[0] if isinstance(ctx.out[0], list) else ctx.out
+    cons = _reduce(ctx, ctx.arg(0), dims, keep, out)
+    if isinstance(ctx.out[0], list):
+        cons += [Unify(a, b) for a, b in zip(ctx.out[0], ctx.out[1])]
+    return cons
+
+
+@register([aten.max.dim, aten.min.dim])
+def max_dim(ctx):
+    # (values, indices): indices name positions along the axis, so the axis is fixed.
+    d = ctx.arg(1)
+    keep = ctx.arg(2, "keepdim", False)
+    cons = _reduce(ctx, ctx.arg(0), [d], keep, ctx.out[0], kind="identity", what="arg-reduction")
+    return cons + [Unify(a, b) for a, b in zip(ctx.out[0], ctx.out[1])]
+
+
+@register([aten.argmax, aten.argmin])
+def argmax(ctx):
+    d = ctx.arg(1, "dim", None)
+    return _reduce(ctx, ctx.arg(0), None if d is None else [d], ctx.arg(2, "keepdim", False),
+                   ctx.out, kind="identity", what="arg-reduction")
+
+
+@register([aten.sum.default, aten.mean.default, aten.amax.default, aten.max.default])
+def reduce_all(ctx):
+    return _reduce(ctx, ctx.arg(0), None, False, ctx.out)
+
+
+@register([aten.linalg_vector_norm, aten.norm.ScalarOpt_dim])
+def norm(ctx):
+    dims = ctx.arg(2, "dim", None)
+    if isinstance(dims, int):
+        dims = [dims]
+    return _reduce(ctx, ctx.arg(0), dims, ctx.arg(3, "keepdim", False), ctx.out)
+
+
+@register([aten.softmax.int, aten._softmax, aten.log_softmax.int, aten._log_softmax,
+           aten.special_softmax])
+def softmax(ctx):
+    x = ctx.arg(0)
+    xa = ctx.axes(x)
+    d = dim(ctx.arg(1), len(xa))
+    cons = [Unify(o, a) for o, a in zip(ctx.out, xa)]
+    cons.append(Meet(xa[d], "perm", f"{ctx.where}: softmax over this axis"))
+    return cons + [NoFiber(xa[i], xa[d]) for i in range(len(xa)) if i != d]
+
+
+def _norm_layer(ctx, x, normalized_ndim, params, out):
+    xa = ctx.axes(x)
+    n = len(xa)
+    cons = [Unify(o, a) for o, a in zip(out, xa)]
+    norm_axes = xa[n - normalized_ndim:]
+    for a in norm_axes:
+        cons.append(Meet(a, "perm", f"{ctx.where}: normalisation over this axis"))
+    for p in params:
+        pa = ctx.axes(p)
+        if pa is not None:
+            cons += [Unify(a, b) for a, b in zip(norm_axes[len(norm_axes) - len(pa):], pa)]
+    cons += [NoFiber(a, b) for a in xa[: n - normalized_ndim] for b in norm_axes]
+    return cons
+
+
+@register(aten.layer_norm)
+def layer_norm(ctx):
+    shape = ctx.arg(1)
+    return _norm_layer(ctx, ctx.arg(0), len(shape), [ctx.arg(2, "weight"), ctx.arg(3, "bias")],
+                       ctx.out)
+
+
+@register(aten.native_layer_norm)
+def native_layer_norm(ctx):
+    shape = ctx.arg(1)
+    out, mean, rstd = ctx.out
+    cons = _norm_layer(ctx, ctx.arg(0), len(shape), [ctx.arg(2), ctx.arg(3)], out)
+    xa = ctx.axes(ctx.arg(0))
+    for stat in (mean, rstd):
+        if stat is not None:
+            cons += [Unify(s, a) for s, a in zip(stat, xa[: len(xa) - len(shape)])]
+    return cons
+
+
+@register(aten.rms_norm)
+def rms_norm(ctx):
+    shape = ctx.arg(1)
+    return _norm_layer(ctx, ctx.arg(0), len(shape), [ctx.arg(2, "weight")], ctx.out)

@@ -1,0 +1,168 @@
+"""Constraint algebra and the rule table.
+
+A rule is a pure function ``rule(ctx) -> list[Constraint]``: it reads the node's input and
+output axes from ``ctx`` (a :class:`RuleContext`) and states how they relate. Rules never
+touch the graph or the union-find; :mod:`symgraph.passes.unionfind` consumes what they say.
+Rules are registered per ATen overload (or overload packet) with :func:`register`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Unify:
+    """Axes ``a`` and ``b`` transform together; with ``dual`` b takes ``g^{-T}`` where a takes ``g``."""
+    a: int
+    b: int
+    dual: bool = False
+
+
+@dataclass(frozen=True)
+class Meet:
+    """Narrow the group of ``axis``'s class to (its meet with) ``kind``; ``reason`` says why."""
+    axis: int
+    kind: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Structure:
+    """``axis`` is a product (row-major flatten) or direct sum (concatenation) of ``parts``."""
+    axis: int
+    kind: str  # "prod" | "sum"
+    parts: tuple
+
+
+@dataclass(frozen=True)
+class NoFiber:
+    """Elements of ``axis``'s class may not vary along ``over``'s class (they are mixed there)."""
+    axis: int
+    over: int
+
+
+@dataclass(frozen=True)
+class Rope:
+    """``axis`` carries rotary position embeddings rotating the coordinate ``pairs``."""
+    axis: int
+    pairs: tuple
+
+
+Constraint = Unify | Meet | Structure | NoFiber | Rope
+
+_RULES: dict = {}
+
+
+def register(ops) -> Callable:
+    """Register a rule for one ATen overload/packet or a list of them."""
+    if not isinstance(ops, (list, tuple)):
+        ops = [ops]
+
+    def deco(fn):
+        for op in ops:
+            _RULES[op] = fn
+        return fn
+
+    return deco
+
+
+def lookup(target):
+    """The rule for ``target`` (an OpOverload, its packet, or a Python callable), or None."""
+    rule = _RULES.get(target)
+    if rule is None and isinstance(target, torch._ops.OpOverload):
+        rule = _RULES.get(target.overloadpacket)
+    return rule
+
+
+def has_rule(target) -> bool:
+    return lookup(target) is not None
+
+
+class RuleContext:
+    """What a rule sees of one node: its arguments and their axis ids."""
+
+    def __init__(self, node, axes_of, kind_of, new_axis):
+        self.node = node
+        self._axes_of = axes_of
+        self._kind_of = kind_of
+        self._new_axis = new_axis
+
+    # --- arguments -------------------------------------------------------------------
+    @property
+    def args(self):
+        return self.node.args
+
+    def arg(self, i, name=None, default=None):
+        if i < len(self.node.args):
+            return self.node.args[i]
+        if name is not None and name in self.node.kwargs:
+            return self.node.kwargs[name]
+        return default
+
+    def axes(self, value):
+        """Axis ids of a tensor argument (an fx Node), or None for non-tensors."""
+        if isinstance(value, torch.fx.Node):
+            return self._axes_of(value)
+        return None
+
+    def shape(self, value):
+        if isinstance(value, torch.fx.Node):
+            v = value.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                return tuple(int(s) for s in v.shape)
+        return None
+
+    def origin(self, value):
+        """'param', 'const' or 'act' for a tensor argument; 'scalar' for anything else."""
+        if isinstance(value, torch.fx.Node):
+            return self._kind_of(value)
+        return "scalar"
+
+    @property
+    def out(self):
+        return self._axes_of(self.node)
+
+    @property
+    def out_shape(self):
+        return self.shape(self.node)
+
+    def new_axis(self, size: int) -> int:
+        return self._new_axis(size)
+
+    @property
+    def where(self) -> str:
+        return self.node.name
+
+
+# --- helpers shared by several rule files ------------------------------------------------
+
+def broadcast(out_axes, out_shape, operands: Iterable, ctx: RuleContext, on_broadcast=None):
+    """Right-aligned broadcasting: unify each operand axis with the output axis it feeds.
+
+    Operand axes of size 1 against a larger output axis are broadcasts; ``on_broadcast`` (a
+    kind or None) is met on such output axes. Yields constraints.
+    """
+    out = []
+    for v in operands:
+        axes, shape = ctx.axes(v), ctx.shape(v)
+        if axes is None:
+            continue
+        offset = len(out_axes) - len(axes)
+        for k, (a, s) in enumerate(zip(axes, shape)):
+            o = offset + k
+            if s == out_shape[o]:
+                out.append(Unify(out_axes[o], a))
+            elif s == 1 and on_broadcast is not None and out_shape[o] > 1:
+                out.append(Meet(out_axes[o], on_broadcast, f"{ctx.where}: broadcast operand"))
+        if on_broadcast is not None:
+            for o in range(offset):  # operand lacks these leading axes entirely
+                if out_shape[o] > 1:
+                    out.append(Meet(out_axes[o], on_broadcast, f"{ctx.where}: broadcast operand"))
+    return out
+
+
+def dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d

@@ -1,0 +1,132 @@
+"""Tracing: ``torch.export`` into an ATen graph whose ops all have rules or are core ATen."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+
+import torch
+
+from .errors import InputError, TraceError
+from .passes import has_rule
+
+aten = torch.ops.aten
+
+
+def _is_hf(model) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except Exception:  # pragma: no cover
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def model_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def default_inputs(model, batch: int = 2, seq: int = 8):
+    """Example inputs for a Hugging Face model, built from its config (no data needed).
+
+    Returns ``(args, kwargs)``. Token ids are in range, images have the configured size, and
+    decoders get ``use_cache=False``.
+    """
+    if not _is_hf(model):
+        raise InputError(
+            f"{type(model).__name__} is not a Hugging Face model, so symgraph cannot build "
+            "example inputs for it; pass inputs=(tensor, ...) positional inputs or a dict of "
+            "keyword inputs.")
+    cfg = model.config
+    dev = model_device(model)
+    name = getattr(model, "main_input_name", "input_ids")
+    params = inspect.signature(model.forward).parameters
+    kwargs = {}
+    if name == "pixel_values":
+        size = getattr(cfg, "image_size", 224)
+        size = size if isinstance(size, (tuple, list)) else (size, size)
+        ch = getattr(cfg, "num_channels", 3)
+        gen = torch.Generator().manual_seed(0)
+        kwargs[name] = torch.randn(batch, ch, *size, generator=gen).to(dev)
+    elif name == "input_ids":
+        vocab = getattr(cfg, "vocab_size", None)
+        if vocab is None:
+            raise InputError(f"{type(model).__name__}'s config has no vocab_size; pass inputs=")
+        maxpos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        seq = min(seq, maxpos) if maxpos else seq
+        gen = torch.Generator().manual_seed(0)
+        kwargs[name] = torch.randint(0, vocab, (batch, seq), generator=gen).to(dev)
+    else:
+        raise InputError(f"cannot build example inputs for main input {name!r}; pass inputs=")
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    return (), kwargs
+
+
+def split_inputs(model, inputs):
+    """Normalise the user's ``inputs`` into ``(args, kwargs)``."""
+    if inputs is None:
+        return default_inputs(model)
+    if isinstance(inputs, dict):
+        kwargs = dict(inputs)
+        if _is_hf(model) and "use_cache" in inspect.signature(model.forward).parameters:
+            kwargs.setdefault("use_cache", False)
+        return (), kwargs
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), {}
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    raise InputError(
+        f"inputs must be a tuple of positional example inputs or a dict of keyword inputs, "
+        f"got {type(inputs).__name__}")
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Put ``model`` in eval mode and restore every module's flag afterwards."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, f in flags:
+            m.training = f
+
+
+def _unruled_decomposable(ep):
+    from torch._decomp import core_aten_decompositions
+    table = core_aten_decompositions()
+    ops = set()
+    for n in ep.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            if not has_rule(n.target) and n.target in table:
+                ops.add(n.target)
+    return {op: table[op] for op in ops}
+
+
+def trace(model, inputs=None):
+    """Export ``model`` (unchanged; eval mode inside) to an ATen-level ExportedProgram.
+
+    Ops without a rule that core ATen can decompose are decomposed; the rest stay and the
+    analysis fixes the axes they touch.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise InputError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    args, kwargs = split_inputs(model, inputs)
+    with eval_mode(model), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            ep = torch.export.export(model, args, kwargs, strict=False)
+        except Exception as e:  # noqa: BLE001 - report any tracing failure uniformly
+            raise TraceError(
+                f"torch.export could not trace {type(model).__name__}: "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+                "Hint: the model must run on the given example inputs with static control flow; "
+                "for Hugging Face decoders pass use_cache=False.") from e
+        for _ in range(3):
+            table = _unruled_decomposable(ep)
+            if not table:
+                break
+            ep = ep.run_decompositions(table)
+    return ep, args, kwargs

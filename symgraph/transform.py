@@ -1,0 +1,177 @@
+"""Applying group elements to parameters.
+
+An element of a leaf class is a tensor ``[*fibre_sizes, n, n]``: one ``n×n`` matrix per entry
+of the outer (head) classes it is fibred over. For a parameter axis we build the full matrix of
+the axis from its structure: a sum is block-diagonal; a product applies each factor's element
+along its factor axis, innermost first (fibred elements are indexed by their outer factor's
+*source* index), which is ``perm(heads) ≀ G(head_dim)``.
+"""
+from __future__ import annotations
+
+import copy
+import string
+
+import torch
+
+from .errors import InputError
+
+
+def _inv_t(E):
+    return torch.linalg.inv(E).mT
+
+
+def axis_matrix(an, axis: int, elements: dict, parity: int = 0, _memo=None):
+    """Full ``n×n`` matrix acting on ``axis`` (float64), or None when it is the identity."""
+    E, fib = _node(an, axis, parity, elements)
+    if fib:
+        raise AssertionError("parameter axis with an unresolved fibre")  # analysis guarantees
+    return E
+
+
+def _leaf(an, r, p, elements):
+    E = elements.get(r)
+    if E is None:
+        return None, ()
+    if p:
+        E = _inv_t(E)
+    return E, an.fibre.get(r, ())
+
+
+def _factors(an, axis, par):
+    """Flatten nested products: list of (axis, parity) factors."""
+    r, p = an.uf.find(axis)
+    p ^= par
+    s = an.uf.struct.get(r)
+    if s is not None and s[0] == "prod":
+        out = []
+        for a, pa in s[1]:
+            out += _factors(an, a, pa ^ p)
+        return out
+    return [(axis, par)]
+
+
+def _node(an, axis, par, elements):
+    uf = an.uf
+    r, p = uf.find(axis)
+    p ^= par
+    n = uf.size[r]
+    s = uf.struct.get(r)
+    if s is None:
+        return _leaf(an, r, p, elements)
+    kind, parts = s
+    if kind == "sum":
+        subs = [(_node(an, a, pa ^ p, elements), uf.size[uf.find(a)[0]]) for a, pa in parts]
+        if all(E is None for (E, _), _ in subs):
+            return None, ()
+        fibres = []
+        for (E, f), _ in subs:
+            fibres += [x for x in f if x not in fibres]
+        fsz = [uf.size[x] for x in fibres]
+        out = torch.zeros(*fsz, n, n, dtype=torch.float64)
+        off = 0
+        for (E, f), m in subs:
+            if E is None:
+                E = torch.eye(m, dtype=torch.float64)
+            E = _broadcast_fibres(E, f, fibres, uf)
+            out[..., off:off + m, off:off + m] = E
+            off += m
+        return out, tuple(fibres)
+    # product
+    factors = _factors(an, axis, par)
+    fclasses = [uf.find(a)[0] for a, _ in factors]
+    fsizes = [uf.size[c] for c in fclasses]
+    subs = []
+    for a, pa in factors:
+        ra, pra = uf.find(a)
+        if ra in uf.struct:  # a sum inside a product
+            subs.append(_node(an, a, pa, elements))
+        else:
+            subs.append(_leaf(an, ra, pra ^ pa, elements))
+    if all(E is None for E, _ in subs):
+        return None, ()
+    outer = []
+    for _, f in subs:
+        outer += [x for x in f if x not in fclasses and x not in outer]
+    letters = iter(string.ascii_letters)
+    o_l = [next(letters) for _ in outer]
+    f_l = [next(letters) for _ in factors]
+    col = next(letters)
+    osz = [uf.size[x] for x in outer]
+    X = torch.eye(n, dtype=torch.float64).reshape(*fsizes, n)
+    X = X.expand(*osz, *fsizes, n).clone() if osz else X
+    for k in reversed(range(len(factors))):
+        E, f = subs[k]
+        if E is None:
+            continue
+        sub_l = [f_l[fclasses.index(x)] if x in fclasses else o_l[outer.index(x)] for x in f]
+        new = next(letters)
+        x_sub = o_l + f_l + [col]
+        out_sub = o_l + [new if i == k else c for i, c in enumerate(f_l)] + [col]
+        X = torch.einsum(f"{''.join(sub_l)}{new}{f_l[k]},{''.join(x_sub)}->{''.join(out_sub)}",
+                         E, X)
+    return X.reshape(*osz, n, n), tuple(outer)
+
+
+def _broadcast_fibres(E, have, want, uf):
+    """Expand ``E [*have, m, m]`` to ``[*want, m, m]`` (``have`` ⊆ ``want``)."""
+    if list(have) == list(want):
+        return E
+    m = E.shape[-1]
+    shape = []
+    idx = []
+    for x in want:
+        if x in have:
+            shape.append(uf.size[x])
+        else:
+            shape.append(1)
+    perm = [have.index(x) for x in want if x in have]
+    E = E.permute(*perm, len(have), len(have) + 1) if have else E
+    E = E.reshape(*shape, m, m)
+    del idx
+    return E.expand(*[uf.size[x] for x in want], m, m)
+
+
+def apply_along(t: torch.Tensor, d: int, M: torch.Tensor) -> torch.Tensor:
+    """``t`` with ``M`` applied along dim ``d``: ``t'[.., i, ..] = Σ_j M[i, j] t[.., j, ..]``."""
+    moved = t.movedim(d, 0)
+    shape = moved.shape
+    out = (M.to(t.dtype) @ moved.reshape(shape[0], -1)).reshape(shape)
+    return out.movedim(0, d)
+
+
+def transformed_state(report, transform, model) -> dict:
+    """New values of every parameter the transform moves: ``{fqn: tensor}``."""
+    an = report._analysis
+    out = {}
+    for name, node in an.param_nodes.items():
+        axes = an.node_axes[node]
+        try:
+            p = model.get_parameter(name)
+        except AttributeError as e:
+            raise InputError(f"model has no parameter {name!r} that its report names; "
+                             "transform the model the report was computed from") from e
+        if p.is_meta:
+            raise InputError(f"parameter {name!r} is on the meta device: no weights to transform")
+        if tuple(p.shape) != tuple(an.uf.size[a] for a in axes):
+            raise InputError(f"parameter {name!r} has shape {tuple(p.shape)}, the report expects "
+                             f"{tuple(an.uf.size[a] for a in axes)}")
+        val = None
+        for d, a in enumerate(axes):
+            M = axis_matrix(an, a, transform.elements)
+            if M is None:
+                continue
+            base = p.detach() if val is None else val
+            val = apply_along(base.double() if base.dtype != torch.float64 else base, d, M)
+        if val is not None:
+            out[name] = val.to(p.dtype)
+    return out
+
+
+def transform(model, t):
+    """Return a transformed copy of ``model``; ``model`` itself is never modified."""
+    new = copy.deepcopy(model)
+    state = transformed_state(t.report, t, model)
+    with torch.no_grad():
+        for name, val in state.items():
+            new.get_parameter(name).copy_(val)
+    return new
