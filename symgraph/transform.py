@@ -20,8 +20,31 @@ def _inv_t(E):
     return torch.linalg.inv(E).mT
 
 
-def axis_matrix(an, axis: int, elements: dict, parity: int = 0, _memo=None):
-    """Full ``n×n`` matrix acting on ``axis`` (float64), or None when it is the identity."""
+class Map:
+    """A (possibly rectangular) map between two models' coordinates of one class.
+
+    ``co [*fibres, n_A, n_B]`` acts on covariant slots, ``contra`` on contravariant ones. For a
+    group element ``g``: ``co = g``, ``contra = g^{-T}``. For a transport plan ``T``: ``co``
+    averages B's units into each of A's (row-normalised T), ``contra`` sums their contributions
+    (column-normalised T), so that a function-preserving widening is undone exactly.
+    """
+
+    def __init__(self, co, contra):
+        self.co, self.contra = co, contra
+
+    @classmethod
+    def from_plan(cls, T):
+        co = T / T.sum(-1, keepdim=True).clamp_min(1e-300)
+        contra = T / T.sum(-2, keepdim=True).clamp_min(1e-300)
+        return cls(co, contra)
+
+    @property
+    def shape(self):
+        return self.co.shape
+
+
+def axis_matrix(an, axis: int, elements: dict, parity: int = 0):
+    """Full ``n_A×n_B`` matrix acting on ``axis`` (float64), or None when it is the identity."""
     E, fib = _node(an, axis, parity, elements)
     if fib:
         raise AssertionError("parameter axis with an unresolved fibre")  # analysis guarantees
@@ -32,7 +55,9 @@ def _leaf(an, r, p, elements):
     E = elements.get(r)
     if E is None:
         return None, ()
-    if p:
+    if isinstance(E, Map):
+        E = E.contra if p else E.co
+    elif p:
         E = _inv_t(E)
     return E, an.fibre.get(r, ())
 
@@ -54,7 +79,6 @@ def _node(an, axis, par, elements):
     uf = an.uf
     r, p = uf.find(axis)
     p ^= par
-    n = uf.size[r]
     s = uf.struct.get(r)
     if s is None:
         return _leaf(an, r, p, elements)
@@ -66,17 +90,19 @@ def _node(an, axis, par, elements):
         fibres = []
         for (E, f), _ in subs:
             fibres += [x for x in f if x not in fibres]
-        fsz = [uf.size[x] for x in fibres]
-        out = torch.zeros(*fsz, n, n, dtype=torch.float64)
-        off = 0
+        blocks = []
         for (E, f), m in subs:
-            if E is None:
-                E = torch.eye(m, dtype=torch.float64)
-            E = _broadcast_fibres(E, f, fibres, uf)
-            out[..., off:off + m, off:off + m] = E
-            off += m
+            E = torch.eye(m, dtype=torch.float64) if E is None else E
+            blocks.append(_broadcast_fibres(E, f, fibres, uf))
+        na, nb = sum(b.shape[-2] for b in blocks), sum(b.shape[-1] for b in blocks)
+        out = torch.zeros(*[uf.size[x] for x in fibres], na, nb, dtype=torch.float64)
+        oa = ob = 0
+        for b in blocks:
+            out[..., oa:oa + b.shape[-2], ob:ob + b.shape[-1]] = b
+            oa, ob = oa + b.shape[-2], ob + b.shape[-1]
         return out, tuple(fibres)
     # product
+    n = uf.size[r]
     factors = _factors(an, axis, par)
     fclasses = [uf.find(a)[0] for a, _ in factors]
     fsizes = [uf.size[c] for c in fclasses]
@@ -109,26 +135,19 @@ def _node(an, axis, par, elements):
         out_sub = o_l + [new if i == k else c for i, c in enumerate(f_l)] + [col]
         X = torch.einsum(f"{''.join(sub_l)}{new}{f_l[k]},{''.join(x_sub)}->{''.join(out_sub)}",
                          E, X)
-    return X.reshape(*osz, n, n), tuple(outer)
+    return X.reshape(*osz, -1, n), tuple(outer)
 
 
 def _broadcast_fibres(E, have, want, uf):
-    """Expand ``E [*have, m, m]`` to ``[*want, m, m]`` (``have`` ⊆ ``want``)."""
+    """Expand ``E [*have, a, b]`` to ``[*want, a, b]`` (``have`` ⊆ ``want``)."""
     if list(have) == list(want):
         return E
-    m = E.shape[-1]
-    shape = []
-    idx = []
-    for x in want:
-        if x in have:
-            shape.append(uf.size[x])
-        else:
-            shape.append(1)
-    perm = [have.index(x) for x in want if x in have]
-    E = E.permute(*perm, len(have), len(have) + 1) if have else E
-    E = E.reshape(*shape, m, m)
-    del idx
-    return E.expand(*[uf.size[x] for x in want], m, m)
+    perm = [list(have).index(x) for x in want if x in have]
+    if have:
+        E = E.permute(*perm, len(have), len(have) + 1)
+    shape = [uf.size[x] if x in have else 1 for x in want]
+    E = E.reshape(*shape, *E.shape[-2:])
+    return E.expand(*[uf.size[x] for x in want], *E.shape[-2:])
 
 
 def apply_along(t: torch.Tensor, d: int, M: torch.Tensor) -> torch.Tensor:
@@ -152,7 +171,7 @@ def transformed_state(report, transform, model) -> dict:
                              "transform the model the report was computed from") from e
         if p.is_meta:
             raise InputError(f"parameter {name!r} is on the meta device: no weights to transform")
-        if tuple(p.shape) != tuple(an.uf.size[a] for a in axes):
+        if tuple(p.shape) != tuple(an.uf.size[a] for a in axes):  # noqa: SIM102
             raise InputError(f"parameter {name!r} has shape {tuple(p.shape)}, the report expects "
                              f"{tuple(an.uf.size[a] for a in axes)}")
         val = None

@@ -1,0 +1,7 @@
+"""Solvers: one entry point per problem, results as :class:`SolveResult`.
+
+Every solver maximises ``<X, S>`` (the Frobenius inner product) for a similarity ``S`` of shape
+``[n_A, n_B]`` over its feasible set; ``X`` maps B's coordinates into A's (``x_A ≈ X x_B``).
+"""
+from ._solvers import (SolveResult, hungarian, nested_heads, optimal_transport, procrustes,  # noqa: F401
+                       rope_procrustes, solve)

@@ -1,0 +1,181 @@
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+
+SOLVERS = ("hungarian", "procrustes", "rope", "ot", "sinkhorn")
+
+
+@dataclass
+class SolveResult:
+    """A solved element or map.
+
+    element : float64 tensor ``[n_A, n_B]`` (or ``[*blocks, n_A, n_B]``).
+    objective : the attained ``<element, S>`` (summed over blocks).
+    status : "optimal", "soft" (transport map), or a message.
+    seconds : time in the assignment/SVD/OT call itself.
+    """
+    element: torch.Tensor
+    objective: float
+    status: str = "optimal"
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def _np(S):
+    return S.detach().double().cpu().numpy() if isinstance(S, torch.Tensor) else np.asarray(S, float)
+
+
+def hungarian(S) -> SolveResult:
+    """Permutation maximising ``Σ_i S[i, π(i)]`` (Jonker–Volgenant via SciPy).
+
+    >>> r = hungarian(torch.tensor([[0., 1.], [1., 0.]]))
+    >>> r.element.tolist(), r.objective
+    ([[0.0, 1.0], [1.0, 0.0]], 2.0)
+    """
+    s = _np(S)
+    t = time.perf_counter()
+    rows, cols = linear_sum_assignment(s, maximize=True)
+    dt = time.perf_counter() - t
+    P = torch.zeros(s.shape, dtype=torch.float64)
+    P[rows, cols] = 1.0
+    return SolveResult(P, float(s[rows, cols].sum()), seconds=dt)
+
+
+def procrustes(S, rescale: bool = False) -> SolveResult:
+    """Orthogonal ``R = U Vᵀ`` maximising ``<R, S>`` where ``S = U Σ Vᵀ``.
+
+    With ``rescale`` (seed 003) the element is ``c·R``; ``c`` is returned in ``extra`` and is not
+    applied (scalar rescaling is a merge-time weighting, not a symmetry of the model).
+    """
+    s = torch.as_tensor(S, dtype=torch.float64)
+    t = time.perf_counter()
+    U, sig, Vh = torch.linalg.svd(s, full_matrices=False)
+    R = U @ Vh
+    dt = time.perf_counter() - t
+    extra = {}
+    if rescale:
+        extra["scale"] = float(sig.sum() / max(torch.trace(s @ s.mT).sqrt().item(), 1e-30))
+    return SolveResult(R, float(sig.sum()), seconds=dt, extra=extra)
+
+
+def rope_procrustes(S, pairs) -> SolveResult:
+    """Block rotation on the given coordinate pairs maximising ``<R, S>``."""
+    s = torch.as_tensor(S, dtype=torch.float64)
+    n = s.shape[-1]
+    R = torch.eye(n, dtype=torch.float64).expand_as(s).clone()
+    obj = 0.0
+    t = time.perf_counter()
+    for i, j in pairs:
+        a = s[..., i, i] + s[..., j, j]
+        b = s[..., j, i] - s[..., i, j]
+        th = torch.atan2(b, a)
+        c, sn = torch.cos(th), torch.sin(th)
+        R[..., i, i], R[..., i, j], R[..., j, i], R[..., j, j] = c, -sn, sn, c
+        obj += float(torch.sqrt(a * a + b * b).sum())
+    return SolveResult(R, obj, seconds=time.perf_counter() - t)
+
+
+def optimal_transport(S, reg: float | None = None) -> SolveResult:
+    """Transport plan between A's and B's units (uniform marginals) for similarity ``S``.
+
+    ``reg=None``: exact (``ot.emd``); else entropic Sinkhorn (``ot.sinkhorn``) with that
+    regularisation relative to the cost scale. The plan ``T [n_A, n_B]`` sums to 1.
+    """
+    import ot
+    s = _np(S)
+    cost = s.max() - s
+    scale = max(cost.max(), 1e-12)
+    a = np.full(s.shape[0], 1.0 / s.shape[0])
+    b = np.full(s.shape[1], 1.0 / s.shape[1])
+    t = time.perf_counter()
+    if reg is None:
+        T = ot.emd(a, b, cost / scale)
+        status = "optimal"
+    else:
+        T = ot.sinkhorn(a, b, cost / scale, reg, numItermax=2000)
+        status = "soft"
+    dt = time.perf_counter() - t
+    T = torch.as_tensor(T, dtype=torch.float64)
+    return SolveResult(T, float((T * torch.as_tensor(s)).sum()), status=status, seconds=dt)
+
+
+def _inner(kind, S, pairs, inner):
+    if kind == "rope":
+        return rope_procrustes(S, pairs)
+    if kind in ("orthogonal", "gl") and inner != "hungarian":
+        return procrustes(S)
+    if S.shape[0] == S.shape[1]:
+        return hungarian(S)
+    return optimal_transport(S)
+
+
+def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrustes",
+                 outer: str = "hungarian") -> tuple:
+    """Outer matching of heads whose cost is the best inner alignment of each head pair.
+
+    ``S_inner[c]`` is ``[H_A, H_B, n_A, n_B]`` for inner class ``c``. Returns
+    ``(outer_result, [inner element [H_B, n_A, n_B] per class])`` where the inner element of
+    B's head ``b`` is the solution for its matched pair. ``inner="hungarian"`` matches head
+    dimensions by permutation (seed 002); ``"procrustes"`` rotates them (seed 003).
+    """
+    HA, HB = S_inner[0].shape[:2]
+    score = torch.zeros(HA, HB, dtype=torch.float64)
+    sols = []
+    secs = 0.0
+    for S, kind, pr in zip(S_inner, kinds, pairs):
+        if kind in ("rope",) or (kind in ("orthogonal", "gl") and inner != "hungarian"):
+            res = _inner(kind, S, pr, inner)  # batched over head pairs
+            el = res.element
+            obj = (el * S).sum((-1, -2))
+            secs += res.seconds
+        else:
+            el = torch.zeros_like(S)
+            obj = torch.zeros(HA, HB, dtype=torch.float64)
+            for a in range(HA):
+                for b in range(HB):
+                    r = _inner(kind, S[a, b], pr, inner)
+                    el[a, b], obj[a, b] = r.element, r.objective
+                    secs += r.seconds
+        score += obj
+        sols.append(el)
+    out = hungarian(score) if (outer == "hungarian" and HA == HB) else optimal_transport(score)
+    match = out.element.argmax(0)  # B head b -> A head
+    inner_els = [el[match, torch.arange(HB)] for el in sols]
+    out.seconds += secs
+    return out, inner_els
+
+
+def solve(kind: str, S, *, pairs=None, solver: str | None = None, rescale=False,
+          reg: float | None = None) -> SolveResult:
+    """Dispatch on the group kind (or an explicit ``solver``)."""
+    S = torch.as_tensor(S, dtype=torch.float64)
+    square = S.shape[-1] == S.shape[-2]
+    if solver is None:
+        if not square:
+            solver = "ot"
+        elif kind == "rope":
+            solver = "rope"
+        elif kind in ("orthogonal", "gl"):
+            solver = "procrustes"
+        else:
+            solver = "hungarian"
+    if solver == "hungarian":
+        return hungarian(S)
+    if solver == "procrustes":
+        return procrustes(S, rescale)
+    if solver == "rope":
+        return rope_procrustes(S, pairs)
+    if solver == "ot":
+        return optimal_transport(S)
+    if solver == "sinkhorn":
+        return optimal_transport(S, reg=reg if reg is not None else 0.01)
+    raise ValueError(f"unknown solver {solver!r}; expected one of {SOLVERS}")
+
+
+_ = math
