@@ -68,15 +68,15 @@ def split_inputs(model, inputs):
     """Normalise the user's ``inputs`` into ``(args, kwargs)``."""
     if inputs is None:
         return default_inputs(model)
+    extra = {}
+    if _is_hf(model) and "use_cache" in inspect.signature(model.forward).parameters:
+        extra["use_cache"] = False
     if isinstance(inputs, dict):
-        kwargs = dict(inputs)
-        if _is_hf(model) and "use_cache" in inspect.signature(model.forward).parameters:
-            kwargs.setdefault("use_cache", False)
-        return (), kwargs
+        return (), {**extra, **inputs}
     if isinstance(inputs, torch.Tensor):
-        return (inputs,), {}
+        return (inputs,), extra
     if isinstance(inputs, (tuple, list)):
-        return tuple(inputs), {}
+        return tuple(inputs), extra
     raise InputError(
         f"inputs must be a tuple of positional example inputs or a dict of keyword inputs, "
         f"got {type(inputs).__name__}")

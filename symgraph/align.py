@@ -1,0 +1,588 @@
+"""Alignment: fill every class of the report with a group element or transport map that
+carries model B into model A's basis.
+
+Similarity comes from weights (data-free coordinate descent over all classes: Git Re-Basin's
+weight matching generalised to rotations and head-structured classes) or from activations
+(streamed cross-correlations at each class's observation points, seed 002's recipe). Head
+classes are solved jointly with the classes fibred over them (nested matching: an outer
+assignment of heads whose cost is each head pair's best inner alignment).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import solve as S
+from .errors import InputError, StructureMismatchError
+from .groups import orthogonal_part
+from .trace import eval_mode, split_inputs
+from .transform import Map, apply_along, axis_matrix
+
+# --- coordinate tables ---------------------------------------------------------------------
+
+
+def coord_table(an, axis):
+    """Per coordinate of ``axis``: the index into each leaf class, and a path id that tells
+    apart the segments of direct sums. Returns ``(paths [n], {leaf_root: idx [n] or -1})``."""
+    uf = an.uf
+    r, _ = uf.find(axis)
+    n = uf.size[r]
+    s = uf.struct.get(r)
+    if s is None:
+        return np.zeros(n, np.int64), {r: np.arange(n)}
+    kind, parts = s
+    subs = [coord_table(an, a) for a, _ in parts]
+    if kind == "sum":
+        paths, leaves, off = [], {}, 0
+        for k, (p, t) in enumerate(subs):
+            m = len(p)
+            paths.append(p * 64 + k + 1)
+            for leaf, idx in t.items():
+                arr = leaves.setdefault(leaf, np.full(n, -1, np.int64))
+                arr[off:off + m] = idx
+            off += m
+        return np.concatenate(paths), leaves
+    sizes = [len(p) for p, _ in subs]
+    grids = np.meshgrid(*[np.arange(s_) for s_ in sizes], indexing="ij")
+    grids = [g.reshape(-1) for g in grids]
+    paths = np.zeros(n, np.int64)
+    leaves = {}
+    for k, ((p, t), g) in enumerate(zip(subs, grids)):
+        paths = paths * 4096 + p[g]
+        for leaf, idx in t.items():
+            leaves[leaf] = idx[g]
+    return paths, leaves
+
+
+def leaf_views(an, axis, target):
+    """Index arrays ``[*fibre_sizes, n_target, *other_leaf_sizes]`` into ``axis``'s coordinates,
+    one per occurrence of ``target`` (sorted by path so that two models agree)."""
+    paths, leaves = coord_table(an, axis)
+    if target not in leaves:
+        return []
+    fib = [f for f in an.fibre.get(target, ()) if f in leaves]
+    out = []
+    present = leaves[target] >= 0
+    for path in sorted(set(paths[present].tolist())):
+        cs = np.nonzero(present & (paths == path))[0]
+        others = [leaf for leaf, idx in leaves.items()
+                  if leaf != target and leaf not in fib and (idx[cs] >= 0).all()]
+        dims = fib + [target] + others
+        shape = [an.uf.size[d] for d in dims]
+        idx = np.full(shape, -1, np.int64)
+        idx[tuple(leaves[d][cs] for d in dims)] = cs
+        if (idx < 0).any():
+            continue
+        out.append((torch.as_tensor(idx), len(fib)))
+    return out
+
+
+# --- the alignment object ------------------------------------------------------------------
+
+
+@dataclass
+class Alignment:
+    """Group elements / transport maps for B's classes, keyed by B's class roots."""
+    report_a: object
+    report_b: object
+    elements: dict
+    results: dict = field(default_factory=dict)  # group id -> SolveResult
+    similarity: str = "weights"
+    seconds: dict = field(default_factory=dict)
+
+    def state(self, model_b) -> dict:
+        """B's parameters in A's basis (and A's shapes): ``{fqn: tensor}``."""
+        an = self.report_b._analysis
+        out = {}
+        for name, node in an.param_nodes.items():
+            p = model_b.get_parameter(name).detach()
+            val = p.double()
+            for d, a in enumerate(an.node_axes[node]):
+                M = axis_matrix(an, a, self.elements)
+                if M is not None:
+                    val = apply_along(val, d, M)
+            out[name] = val.to(p.dtype)
+        return out
+
+    def apply(self, model_b, template=None):
+        """A new model computing B's function (exactly, for group elements) in A's basis.
+
+        ``model_b`` is not modified. When widths differ the result has A's architecture
+        (``template``, default: a copy of the anchor model given to :func:`align`).
+        """
+        _check_finite(model_b, "model_b")
+        state = self.state(model_b)
+        shapes_same = all(tuple(model_b.get_parameter(k).shape) == tuple(v.shape)
+                          for k, v in state.items())
+        base = template if template is not None else (model_b if shapes_same else self._template)
+        new = copy.deepcopy(base)
+        with torch.no_grad():
+            for k, v in state.items():
+                new.get_parameter(k).copy_(v)
+            if base is not model_b:  # carry over B's parameters no class touched
+                for k, p in model_b.named_parameters():
+                    if k not in state and tuple(new.get_parameter(k).shape) == tuple(p.shape):
+                        new.get_parameter(k).copy_(p)
+        return new
+
+    _template = None
+
+
+# --- validation ----------------------------------------------------------------------------
+
+
+def _check_finite(model, label):
+    for name, p in model.named_parameters():
+        if not p.is_meta and not torch.isfinite(p).all():
+            bad = int((~torch.isfinite(p)).sum())
+            raise InputError(f"{label} has {bad} NaN/inf values in parameter {name!r}; "
+                             "expected finite weights")
+
+
+def check_compatible(ra, rb):
+    """Same graph structure (sizes may differ on non-fixed classes); name the first difference."""
+    ga, gb = ra.groups, rb.groups
+    ea, eb = ra._analysis, rb._analysis
+    na = [n for n in ea.graph.nodes if n.op == "call_function"]
+    nb = [n for n in eb.graph.nodes if n.op == "call_function"]
+    for x, y in zip(na, nb):
+        if x.target != y.target:
+            raise StructureMismatchError(
+                f"the models' graphs differ at node {x.name} ({x.target}) vs {y.name} ({y.target}); "
+                "expected two models of the same architecture (same ops in the same order)")
+    if len(na) != len(nb):
+        raise StructureMismatchError(
+            f"the models' graphs differ in length ({len(na)} vs {len(nb)} ops); expected the same "
+            "architecture and depth")
+    pa, pb = list(ea.param_nodes), list(eb.param_nodes)
+    if pa != pb:
+        diff = next((x, y) for x, y in zip(pa + [None], pb + [None]) if x != y)
+        raise StructureMismatchError(f"parameter names differ: {diff[0]!r} vs {diff[1]!r}")
+    for name in pa:
+        sa = [ea.uf.size[a] for a in ea.node_axes[ea.param_nodes[name]]]
+        sb = [eb.uf.size[a] for a in eb.node_axes[eb.param_nodes[name]]]
+        for d, (x, y, a) in enumerate(zip(sa, sb, ea.node_axes[ea.param_nodes[name]])):
+            if x != y and ea.kind(ea.uf.find(a)[0]) == "identity" and not ea.uf.struct.get(ea.uf.find(a)[0]):
+                raise StructureMismatchError(
+                    f"parameter {name!r} dim {d} has size {x} in model A and {y} in model B, and "
+                    "that axis is fixed (e.g. vocabulary, labels, input features): expected equal "
+                    "sizes (mismatched vocabularies?)")
+    if len(ga) != len(gb) or any(x.kind != y.kind or bool(x.outer) != bool(y.outer) for x, y in zip(ga, gb)):
+        for x, y in zip(ga, gb):
+            if x.kind != y.kind:
+                raise StructureMismatchError(
+                    f"symmetry group {x.id} ({x.module}) is {x.kind} in A but {y.kind} in B")
+        raise StructureMismatchError(f"the models have {len(ga)} and {len(gb)} symmetry groups")
+
+
+# --- similarity from weights ---------------------------------------------------------------
+
+
+class _WeightFeatures:
+    def __init__(self, ra, rb, model_a, model_b):
+        self.ra, self.rb = ra, rb
+        self.ea, self.eb = ra._analysis, rb._analysis
+        self.A = {k: model_a.get_parameter(k).detach().double() for k in self.ea.param_nodes}
+        self.B = {k: model_b.get_parameter(k).detach().double() for k in self.eb.param_nodes}
+
+    def similarity(self, ga, gb, elements, cross_fibres: bool):
+        """``S [*F_A, *F_B, n_A, n_B]`` (cross_fibres) summed over every slot of the group."""
+        total = None
+        for (name, d) in dict.fromkeys(ga.params):
+            na, nb = self.ea.param_nodes[name], self.eb.param_nodes[name]
+            ax_a, ax_b = self.ea.node_axes[na], self.eb.node_axes[nb]
+            tb = self.B[name]
+            for k, a in enumerate(ax_b):  # other dims into A's basis
+                if k == d:
+                    continue
+                M = axis_matrix(self.eb, a, elements)
+                if M is not None:
+                    tb = apply_along(tb, k, M)
+            ta = self.A[name]
+            va, vb = leaf_views(self.ea, ax_a[d], ga.root), leaf_views(self.eb, ax_b[d], gb.root)
+            for (ia, fa), (ib, fb) in zip(va, vb):
+                xa = _gather(ta, d, ia, fa)  # [*F, n, m]
+                xb = _gather(tb, d, ib, fb)
+                if xa.shape[-1] != xb.shape[-1]:
+                    continue
+                s = _cross(xa, xb, fa, cross_fibres)
+                total = s if total is None else total + s
+        return total
+
+
+def _gather(t, d, idx, nf):
+    moved = t.movedim(d, 0)
+    x = moved[idx.reshape(-1)].reshape(*idx.shape, *moved.shape[1:])
+    lead = idx.shape[: nf + 1]
+    return x.reshape(*lead, -1)
+
+
+def _cross(xa, xb, nf, cross_fibres):
+    if nf == 0:
+        return xa @ xb.mT
+    fa = xa.reshape(-1, *xa.shape[nf:])  # flatten fibres into one index
+    fb = xb.reshape(-1, *xb.shape[nf:])
+    if cross_fibres:
+        return torch.einsum("aim,bjm->abij", fa, fb)
+    return torch.einsum("aim,ajm->aij", fa, fb)
+
+
+# --- similarity from activations -----------------------------------------------------------
+
+
+class _Capture(torch.fx.Interpreter):
+    def __init__(self, gm, names, sink):
+        super().__init__(gm)
+        self.names, self.sink = names, sink
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n.name in self.names and isinstance(out, torch.Tensor):
+            self.sink(n.name, out)
+        return out
+
+
+_OBS_OPS = ("linear", "addmm", "mm", "matmul", "bmm", "conv", "embedding", "layer_norm", "gelu",
+            "relu", "silu", "tanh", "sigmoid", "mul", "add", "scaled_dot_product_attention", "cat")
+
+
+def _observation_points(an, root, limit=24):
+    pts = []
+    for node, ax in an.node_axes.items():
+        if node.op != "call_function" or an.origin.get(node) != "act" or not ax or isinstance(ax[0], list):
+            continue
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if name not in _OBS_OPS:
+            continue
+        for k, a in enumerate(ax):
+            if root in set(an.leaves(a)):
+                pts.append((node, k))
+                break
+    if len(pts) > limit:
+        sel = np.linspace(0, len(pts) - 1, limit).round().astype(int)
+        pts = [pts[i] for i in sorted(set(sel.tolist()))]
+    return pts
+
+
+class _ActStats:
+    """Streaming cross-moments of one class's coordinates in A and B."""
+
+    def __init__(self):
+        self.n = 0
+        self.sa = self.sb = self.saa = self.sbb = self.sab = None
+
+    def add(self, xa, xb, nf):
+        # xa [N, *F, n] -> flatten fibres
+        xa = xa.reshape(xa.shape[0], -1, xa.shape[-1]) if nf else xa.unsqueeze(1)
+        xb = xb.reshape(xb.shape[0], -1, xb.shape[-1]) if nf else xb.unsqueeze(1)
+        sab = torch.einsum("tai,tbj->abij", xa, xb)
+        upd = (xa.sum(0), xb.sum(0), (xa * xa).sum(0), (xb * xb).sum(0), sab)
+        if self.sa is None:
+            self.sa, self.sb, self.saa, self.sbb, self.sab = upd
+        else:
+            self.sa, self.sb, self.saa, self.sbb, self.sab = (
+                x + y for x, y in zip((self.sa, self.sb, self.saa, self.sbb, self.sab), upd))
+        self.n += xa.shape[0]
+
+    def matrix(self, kind):
+        n = max(self.n, 1)
+        ma, mb = self.sa / n, self.sb / n
+        cov = self.sab / n - torch.einsum("ai,bj->abij", ma, mb)
+        if kind in ("orthogonal", "gl", "rope"):
+            return cov
+        sa = (self.saa / n - ma * ma).clamp_min(1e-12).sqrt()
+        sb = (self.sbb / n - mb * mb).clamp_min(1e-12).sqrt()
+        return cov / torch.einsum("ai,bj->abij", sa, sb)
+
+
+def _activation_similarity(ra, rb, ma, mb, data, pairs, max_samples=4096):
+    ea, eb = ra._analysis, rb._analysis
+    plan = {}  # group index -> list of (node_a, node_b, k)
+    na_by_name = {n.name: n for n in ea.graph.nodes}
+    nodes_a, nodes_b = list(ea.graph.nodes), list(eb.graph.nodes)
+    pos_b = {n: i for i, n in enumerate(nodes_b)}
+    pos_a = {n: i for i, n in enumerate(nodes_a)}
+    for i, (ga, gb) in enumerate(pairs):
+        pts = []
+        for node_b, k in _observation_points(eb, gb.root):
+            node_a = nodes_a[pos_b[node_b]] if pos_b[node_b] < len(nodes_a) else None
+            if node_a is None or node_a.target != node_b.target:
+                continue
+            pts.append((node_a, node_b, k))
+        plan[i] = pts
+    names_a = {p[0].name for pts in plan.values() for p in pts}
+    names_b = {p[1].name for pts in plan.values() for p in pts}
+    stats = {i: _ActStats() for i in plan}
+    views = {}
+    for i, pts in plan.items():
+        ga, gb = pairs[i]
+        for node_a, node_b, k in pts:
+            va = leaf_views(ea, ea.node_axes[node_a][k], ga.root)
+            vb = leaf_views(eb, eb.node_axes[node_b][k], gb.root)
+            views[(i, node_a.name)] = (va, vb, k)
+    gm_a, gm_b = ea.ep.module(), eb.ep.module()
+    del na_by_name, pos_a
+    for bi, batch in enumerate(data):
+        args, kwargs = _batch_inputs(ra, batch, bi)
+        cap_a, cap_b = {}, {}
+        with torch.no_grad():
+            _run_capture(gm_a, names_a, cap_a, args, kwargs)
+            _run_capture(gm_b, names_b, cap_b, args, kwargs)
+        for i, pts in plan.items():
+            for node_a, node_b, k in pts:
+                va, vb, k = views[(i, node_a.name)]
+                xa, xb = cap_a[node_a.name].double(), cap_b[node_b.name].double()
+                for (ia, fa), (ib, fb) in zip(va, vb):
+                    a = _act_gather(xa, k, ia, fa)
+                    b = _act_gather(xb, k, ib, fb)
+                    if a.shape[0] > max_samples:
+                        sel = torch.linspace(0, a.shape[0] - 1, max_samples).long()
+                        a, b = a[sel], b[sel]
+                    stats[i].add(a, b, fa)
+    return stats, plan
+
+
+def _act_gather(x, k, idx, nf):
+    """``x`` gathered along axis ``k`` by ``idx [*F, n, *O]`` → samples ``[N, *F, n]``.
+
+    Every other axis of ``x`` and the other leaves ``O`` of the same axis count as samples.
+    """
+    moved = x.movedim(k, -1)
+    lead = moved.dim() - 1
+    g = moved[..., idx.reshape(-1)].reshape(*moved.shape[:-1], *idx.shape)
+    n_o = idx.dim() - nf - 1
+    if n_o:
+        g = g.movedim(tuple(range(g.dim() - n_o, g.dim())), tuple(range(n_o)))
+    keep = idx.shape[: nf + 1]
+    return g.reshape(-1, *keep)
+
+
+def _run_capture(gm, names, sink, args, kwargs):
+    def put(name, val):
+        sink[name] = val.detach()
+    # ExportedProgram.module() is a GraphModule whose forward flattens (args, kwargs)
+    interp = _Capture(gm, names, put)
+    flat = _flatten_for(gm, args, kwargs)
+    interp.run(*flat)
+
+
+def _flatten_for(gm, args, kwargs):
+    import torch.utils._pytree as pytree
+    spec = getattr(gm, "_in_spec", None)
+    if spec is not None and spec.num_children == 2:
+        kw_spec = spec.children_specs[1]
+        keys = kw_spec.context if kw_spec.context else list(kwargs)
+        kwargs = {k: kwargs[k] for k in keys if k in kwargs}
+    flat, _ = pytree.tree_flatten((args, kwargs))
+    return flat
+
+
+def _batch_inputs(report, batch, index):
+    args, kwargs = report._inputs
+    if isinstance(batch, dict):
+        b_args, b_kwargs = (), {**{k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}, **batch}
+    elif isinstance(batch, torch.Tensor):
+        b_args, b_kwargs = (batch,), {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    elif isinstance(batch, (tuple, list)):
+        b_args, b_kwargs = tuple(batch), {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    else:
+        raise InputError(f"data batch {index} is a {type(batch).__name__}; expected the same form as "
+                         "inputs (a tuple of tensors or a dict of keyword tensors)")
+    ex = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+    got = [t for t in list(b_args) + list(b_kwargs.values()) if isinstance(t, torch.Tensor)]
+    if len(ex) != len(got) or any(tuple(x.shape) != tuple(y.shape) for x, y in zip(ex, got)):
+        raise InputError(
+            f"data batch {index} has tensor shapes {[tuple(t.shape) for t in got]}; expected "
+            f"{[tuple(t.shape) for t in ex]} (the shapes the models were traced with: every batch "
+            "must have the same shapes as the first)")
+    if isinstance(batch, dict):
+        # keep the traced keyword order
+        b_kwargs = {k: b_kwargs[k] for k in kwargs} | {k: v for k, v in b_kwargs.items() if k not in kwargs}
+    return b_args, b_kwargs
+
+
+# --- the solve loop ------------------------------------------------------------------------
+
+
+def _units(ra):
+    """Solve units: head families (outer perm class + classes fibred directly over it) and the
+    remaining groups, in report order."""
+    an = ra._analysis
+    by_root = {g.root: g for g in ra.groups}
+    fam: dict[int, list] = {}
+    for g in ra.groups:
+        fib = an.fibre.get(g.root, ())
+        if len(fib) == 1:
+            fam.setdefault(fib[0], []).append(g)
+    units, done = [], set()
+    for g in ra.groups:
+        if g.id in done:
+            continue
+        if g.root in fam:
+            units.append(("family", g, fam[g.root]))
+            done |= {g.id} | {x.id for x in fam[g.root]}
+    for outer, members in fam.items():
+        if outer not in by_root and not any(m.id in done for m in members):
+            units.append(("fixed-heads", None, members))
+            done |= {m.id for m in members}
+    for g in ra.groups:
+        if g.id not in done:
+            units.append(("single", g, []))
+            done.add(g.id)
+    units.sort(key=lambda u: (u[1] or u[2][0]).id)
+    return units
+
+
+def _element_from(result, kind, nA, nB):
+    el = result.element
+    if result.status == "soft" or nA != nB or (el.shape[-1] != el.shape[-2]):
+        return Map.from_plan(el)
+    return el
+
+
+def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procrustes",
+          max_iter: int = 6, groups=None, rescale: bool = False, reg: float | None = None,
+          report_a=None, report_b=None) -> Alignment:
+    """Align ``model_b`` to ``model_a``'s basis.
+
+    Parameters
+    ----------
+    inputs : example inputs (tuple / dict), default from the config (HF) or the first batch.
+    data : iterable of batches in the same form as ``inputs``: similarity from activations.
+        Without it, similarity from weights (data-free).
+    solver : None (by group kind: Hungarian / Procrustes / RoPE / OT for different widths),
+        "ot" (exact transport), "sinkhorn" (soft maps, ``reg``).
+    inner : "procrustes" (seed 003) or "hungarian" (seed 002) inside heads.
+    groups : optional predicate ``group -> bool`` selecting which groups to align.
+    """
+    from . import analyze
+    for m, label in ((model_a, "model_a"), (model_b, "model_b")):
+        if not isinstance(m, torch.nn.Module):
+            raise InputError(f"{label} must be a torch.nn.Module, got {type(m).__name__}")
+        _check_finite(m, label)
+    data = list(data) if data is not None else None
+    if data is not None and len(data) == 0:
+        raise InputError("data is empty; expected at least one batch")
+    if inputs is None and data is not None:
+        inputs = data[0]
+    t0 = time.perf_counter()
+    ra = report_a or analyze(model_a, inputs)
+    rb = report_b or analyze(model_b, inputs if inputs is not None else None)
+    t_an = time.perf_counter() - t0
+    check_compatible(ra, rb)
+    pairs = list(zip(ra.groups, rb.groups))
+    sel = [groups(ga) if groups else True for ga, _ in pairs]
+    b_of = {ga.id: gb for ga, gb in pairs}
+    elements: dict = {}
+    results: dict = {}
+    solve_s = 0.0
+    units = [u for u in _units(ra) if any(sel[g.id] for g in ([u[1]] if u[1] else []) + u[2])]
+    if data is None:
+        feats = _WeightFeatures(ra, rb, model_a, model_b)
+        sim = lambda ga, cross: feats.similarity(ga, b_of[ga.id], elements, cross)  # noqa: E731
+        sweeps = max_iter
+    else:
+        stats, _ = _activation_similarity(ra, rb, model_a, model_b, data,
+                                          [(ga, b_of[ga.id]) for ga in ra.groups])
+        sim = lambda ga, cross: _act_matrix(stats[ga.id], ga, cross)  # noqa: E731
+        sweeps = 1
+    prev = None
+    for sweep in range(sweeps):
+        for kind, outer, members in units:
+            if kind == "single":
+                ga = outer
+                s = sim(ga, False)
+                if s is None:
+                    continue
+                res, el = _solve_single(ga, b_of[ga.id], s, solver, rescale, reg, ra, rb)
+                elements[b_of[ga.id].root] = el
+                results[ga.id] = res
+                solve_s += res.seconds
+            else:
+                mem = [m for m in members if sel[m.id]]
+                Ss = [sim(m, True) for m in mem]
+                keep = [(m, s) for m, s in zip(mem, Ss) if s is not None]
+                if not keep:
+                    continue
+                if kind == "fixed-heads":
+                    for m, s in keep:
+                        diag = torch.stack([s[h, h] for h in range(s.shape[0])])
+                        res = S.solve(_solver_kind(m, solver), diag, pairs=m.pairs, solver=_inner_solver(m, inner))
+                        elements[b_of[m.id].root] = res.element
+                        results[m.id] = res
+                        solve_s += res.seconds
+                    continue
+                kinds = [orthogonal_part(m.kind) for m, _ in keep]
+                out_res, inner_els = S.nested_heads(
+                    [s for _, s in keep], kinds, [m.pairs for m, _ in keep], inner=inner,
+                    outer="hungarian" if solver not in ("ot", "sinkhorn") else "ot")
+                HA, HB = keep[0][1].shape[:2]
+                elements[b_of[outer.id].root] = _element_from(out_res, "perm", HA, HB)
+                results[outer.id] = out_res
+                solve_s += out_res.seconds
+                for (m, s), el in zip(keep, inner_els):
+                    nA, nB = s.shape[-2:]
+                    elements[b_of[m.id].root] = el if nA == nB else Map.from_plan(el)
+                    results[m.id] = S.SolveResult(el, float((el * s[out_res.element.argmax(0), torch.arange(HB)]).sum()))
+        sig = _signature(elements)
+        if prev is not None and sig == prev:
+            break
+        prev = sig
+    al = Alignment(ra, rb, elements, results, "weights" if data is None else "activations",
+                   {"analyze": t_an, "solver": solve_s, "total": time.perf_counter() - t0,
+                    "sweeps": sweep + 1})
+    al._template = model_a
+    return al
+
+
+def _signature(elements):
+    out = []
+    for k in sorted(elements):
+        v = elements[k]
+        v = v.co if isinstance(v, Map) else v
+        out.append((k, round(float(v.abs().sum()), 6), round(float((v * torch.arange(v.numel()).reshape(v.shape)).sum()), 3)))
+    return tuple(out)
+
+
+def _solver_kind(g, solver):
+    return orthogonal_part(g.kind)
+
+
+def _inner_solver(g, inner):
+    if g.kind == "rope":
+        return "rope"
+    if orthogonal_part(g.kind) == "orthogonal":
+        return "hungarian" if inner == "hungarian" else "procrustes"
+    return "hungarian"
+
+
+def _solve_single(ga, gb, s, solver, rescale, reg, ra, rb):
+    kind = orthogonal_part(ga.kind)
+    nA, nB = s.shape[-2:]
+    if s.dim() == 3:  # fibred over a fixed class, solved per fibre entry
+        res_list = [S.solve(kind, s[h], pairs=ga.pairs, solver=None if nA == nB else "ot") for h in range(s.shape[0])]
+        el = torch.stack([r.element for r in res_list])
+        res = S.SolveResult(el, sum(r.objective for r in res_list), seconds=sum(r.seconds for r in res_list))
+        return res, el if nA == nB else Map.from_plan(el)
+    use = solver if (solver in ("ot", "sinkhorn") and kind in ("perm", "signed_perm")) else None
+    if kind not in ("perm", "signed_perm") and solver == "hungarian":
+        use = None
+    res = S.solve(kind, s, pairs=ga.pairs, solver=use, rescale=rescale, reg=reg)
+    return res, _element_from(res, kind, nA, nB)
+
+
+def _act_matrix(stats, g, cross):
+    if stats.n == 0:
+        return None
+    m = stats.matrix(orthogonal_part(g.kind))  # [Fa, Fb, n, n]
+    if g.outer or m.shape[0] > 1:
+        return m if cross else torch.stack([m[h, h] for h in range(m.shape[0])])
+    return m[0, 0]
+
+
+_ = math
