@@ -207,19 +207,55 @@ class _WeightFeatures:
             va, vb = leaf_views(self.ea, ax_a[d], ga.root), leaf_views(self.eb, ax_b[d], gb.root)
             for (ia, fa), (ib, fb) in zip(va, vb):
                 xa = _gather(ta, d, ia, fa)  # [*F, n, m]
-                xb = _gather(tb, d, ib, fb)
+                xb = _gather(tb, d, ib, fb, self._other_leaf_elements(ax_b[d], gb.root, elements))
                 if xa.shape[-1] != xb.shape[-1]:
                     continue
                 s = _cross(xa, xb, fa, cross_fibres)
                 total = s if total is None else total + s
         return total
 
+    def _other_leaf_elements(self, axis, target, elements):
+        """(position among O, element, fibre positions) for O leaves that have elements."""
+        an = self.eb
+        paths, leaves = coord_table(an, axis)
+        fib = [f for f in an.fibre.get(target, ()) if f in leaves]
+        present = leaves[target] >= 0
+        others = [leaf for leaf, idx in leaves.items()
+                  if leaf != target and leaf not in fib and (idx[present] >= 0).all()]
+        out = []
+        dims = fib + [target] + others
+        for j, leaf in enumerate(others):
+            E = elements.get(leaf)
+            if E is None:
+                continue
+            E = E.co if isinstance(E, Map) else E
+            lf = an.fibre.get(leaf, ())
+            if any(f not in dims for f in lf):
+                continue
+            out.append((j, E, [dims.index(f) for f in lf]))
+        return out
 
-def _gather(t, d, idx, nf):
+
+def _gather(t, d, idx, nf, others=None):
+    """Gather ``t``'s dim ``d`` by ``idx [*F, n, *O]`` → ``[*F, n, m]``; ``others`` holds the
+    current elements of the O leaves (applied first, so B's O coordinates are in A's order)."""
     moved = t.movedim(d, 0)
     x = moved[idx.reshape(-1)].reshape(*idx.shape, *moved.shape[1:])
+    for pos, E, fpos in (others or []):
+        x = _apply_leaf(x, nf + 1 + pos, E, fpos)
     lead = idx.shape[: nf + 1]
     return x.reshape(*lead, -1)
+
+
+def _apply_leaf(x, pos, E, fpos):
+    """Apply ``E [*fibres, a, b]`` along dim ``pos`` of ``x``; fibres index dims ``fpos``."""
+    import string
+    L = string.ascii_letters
+    xs = [L[i] for i in range(x.dim())]
+    new = L[x.dim()]
+    es = "".join(xs[p] for p in fpos) + new + xs[pos]
+    out = [new if i == pos else c for i, c in enumerate(xs)]
+    return torch.einsum(f"{es},{''.join(xs)}->{''.join(out)}", E.to(x.dtype), x)
 
 
 def _cross(xa, xb, nf, cross_fibres):
@@ -261,7 +297,10 @@ def _observation_points(an, root, limit=24):
             continue
         for k, a in enumerate(ax):
             if root in set(an.leaves(a)):
-                pts.append((node, k))
+                # the other axes become samples: they must be fixed (batch, sequence)
+                if all(an.kind(leaf) == "identity" for j, b in enumerate(ax) if j != k
+                       for leaf in an.leaves(b)):
+                    pts.append((node, k))
                 break
     if len(pts) > limit:
         sel = np.linspace(0, len(pts) - 1, limit).round().astype(int)
@@ -324,7 +363,11 @@ def _activation_similarity(ra, rb, ma, mb, data, pairs, max_samples=4096):
         for node_a, node_b, k in pts:
             va = leaf_views(ea, ea.node_axes[node_a][k], ga.root)
             vb = leaf_views(eb, eb.node_axes[node_b][k], gb.root)
-            views[(i, node_a.name)] = (va, vb, k)
+            need = len(ea.fibre.get(ga.root, ()))
+            # heads on another axis of the tensor, or other leaves mixed in: not a clean view
+            ok = [(x, y) for x, y in zip(va, vb)
+                  if x[1] == need and x[0].dim() == need + 1 and y[0].dim() == x[0].dim()]
+            views[(i, node_a.name)] = ([x for x, _ in ok], [y for _, y in ok], k)
     gm_a, gm_b = ea.ep.module(), eb.ep.module()
     del na_by_name, pos_a
     for bi, batch in enumerate(data):
@@ -482,15 +525,20 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
     results: dict = {}
     solve_s = 0.0
     units = [u for u in _units(ra) if any(sel[g.id] for g in ([u[1]] if u[1] else []) + u[2])]
+    feats = _WeightFeatures(ra, rb, model_a, model_b)
+    wsim = lambda ga, cross: feats.similarity(ga, b_of[ga.id], elements, cross)  # noqa: E731
+    sweeps = max_iter
     if data is None:
-        feats = _WeightFeatures(ra, rb, model_a, model_b)
-        sim = lambda ga, cross: feats.similarity(ga, b_of[ga.id], elements, cross)  # noqa: E731
-        sweeps = max_iter
+        sim = wsim
     else:
         stats, _ = _activation_similarity(ra, rb, model_a, model_b, data,
                                           [(ga, b_of[ga.id]) for ga in ra.groups])
-        sim = lambda ga, cross: _act_matrix(stats[ga.id], ga, cross)  # noqa: E731
-        sweeps = 1
+        # activations where a class is observed cleanly; weights (given the rest) elsewhere
+        def sim(ga, cross):
+            m = _act_matrix(stats[ga.id], ga, cross)
+            return m if m is not None else wsim(ga, cross)
+        if all(stats[g.id].n > 0 for g in ra.groups):
+            sweeps = 1
     prev = None
     for sweep in range(sweeps):
         for kind, outer, members in units:

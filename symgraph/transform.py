@@ -125,7 +125,7 @@ def _node(an, axis, par, elements):
     osz = [uf.size[x] for x in outer]
     X = torch.eye(n, dtype=torch.float64).reshape(*fsizes, n)
     X = X.expand(*osz, *fsizes, n).clone() if osz else X
-    for k in reversed(range(len(factors))):
+    for k in _application_order(subs, fclasses):
         E, f = subs[k]
         if E is None:
             continue
@@ -136,6 +136,20 @@ def _node(an, axis, par, elements):
         X = torch.einsum(f"{''.join(sub_l)}{new}{f_l[k]},{''.join(x_sub)}->{''.join(out_sub)}",
                          E, X)
     return X.reshape(*osz, -1, n), tuple(outer)
+
+
+def _application_order(subs, fclasses):
+    """Innermost factor first, but a factor fibred over another factor of the same product
+    always acts before it: fibred elements are indexed by the *source* index of their outer
+    factor, whichever order the factors have in this flatten (``(H, d)`` or ``(d, H)``)."""
+    needs = [{fclasses.index(x) for x in f if x in fclasses} for _, f in subs]
+    left, order = list(range(len(subs))), []
+    while left:
+        ready = [k for k in left if not any(k in needs[m] for m in left if m != k)]
+        k = max(ready) if ready else max(left)
+        order.append(k)
+        left.remove(k)
+    return order
 
 
 def _broadcast_fibres(E, have, want, uf):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import Meet, Structure, Unify, dim, register
+from .registry import Meet, NoFiber, Structure, Unify, dim, register
 
 aten = torch.ops.aten
 
@@ -149,5 +149,13 @@ def along_axis_order(ctx):
     dims = [dims] if isinstance(dims, int) else list(dims)
     dims = {dim(d, len(xa)) for d in dims}
     cons = [Unify(o, a) for o, a in zip(ctx.out, xa)]
-    return cons + [Meet(xa[d], "identity", f"{ctx.where}: order-dependent along this axis")
-                   for d in dims]
+    cons += [Meet(xa[d], "identity", f"{ctx.where}: order-dependent along this axis")
+             for d in dims]
+    # entries along ``d`` are mixed (cumsum) or moved (flip, roll): the other axes' elements
+    # may not vary along it, and a running product is nonlinear in them.
+    others = [k for k in range(len(xa)) if k not in dims]
+    cons += [NoFiber(xa[k], xa[d]) for k in others for d in dims]
+    if ctx.node.target.overloadpacket == aten.cumprod:
+        cons += [Meet(xa[k], "perm", f"{ctx.where}: running product is elementwise nonlinear")
+                 for k in others if ctx.shape(x)[k] > 1]
+    return cons
