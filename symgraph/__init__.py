@@ -11,6 +11,8 @@ from .passes import analyze_graph
 from .report import Group, SymmetryReport, Transform  # noqa: F401
 from .trace import trace
 from .transform import transform  # noqa: F401
+from .align import Alignment, align  # noqa: F401,E402
+from .merge import interpolate, loss_barrier, merge  # noqa: F401,E402
 
 
 

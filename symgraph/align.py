@@ -107,6 +107,9 @@ class Alignment:
                 if M is not None:
                     val = apply_along(val, d, M)
             out[name] = val.to(p.dtype)
+        for keep, others in an.aliases.items():  # tied names share the value
+            for o in others:
+                out[o] = out[keep]
         return out
 
     def apply(self, model_b, template=None):
@@ -192,7 +195,7 @@ class _WeightFeatures:
 
     def similarity(self, ga, gb, elements, cross_fibres: bool):
         """``S [*F_A, *F_B, n_A, n_B]`` (cross_fibres) summed over every slot of the group."""
-        total = None
+        total, na2, nb2 = None, 0.0, 0.0
         for (name, d) in dict.fromkeys(ga.params):
             na, nb = self.ea.param_nodes[name], self.eb.param_nodes[name]
             ax_a, ax_b = self.ea.node_axes[na], self.eb.node_axes[nb]
@@ -212,6 +215,14 @@ class _WeightFeatures:
                     continue
                 s = _cross(xa, xb, fa, cross_fibres)
                 total = s if total is None else total + s
+                if fa and cross_fibres:
+                    na2 = na2 + (xa.reshape(-1, *xa.shape[fa:]) ** 2).sum((-1, -2))
+                    nb2 = nb2 + (xb.reshape(-1, *xb.shape[fb:]) ** 2).sum((-1, -2))
+        if total is not None and total.dim() == 4:
+            # per head pair, scale by the features' norms: the matching pair then scores
+            # exactly 1 per class and every other pair at most 1 (Cauchy-Schwarz)
+            total = total / (na2.clamp_min(1e-30).sqrt()[:, None, None, None]
+                             * nb2.clamp_min(1e-30).sqrt()[None, :, None, None])
         return total
 
     def _other_leaf_elements(self, axis, target, elements):
@@ -627,7 +638,13 @@ def _solve_single(ga, gb, s, solver, rescale, reg, ra, rb):
 def _act_matrix(stats, g, cross):
     if stats.n == 0:
         return None
-    m = stats.matrix(orthogonal_part(g.kind))  # [Fa, Fb, n, n]
+    kind = orthogonal_part(g.kind)
+    m = stats.matrix(kind)  # [Fa, Fb, n, n]
+    if kind in ("orthogonal", "rope") and m.shape[0] > 1:
+        n = max(stats.n, 1)
+        va = (stats.saa / n - (stats.sa / n) ** 2).sum(-1).clamp_min(1e-30).sqrt()
+        vb = (stats.sbb / n - (stats.sb / n) ** 2).sum(-1).clamp_min(1e-30).sqrt()
+        m = m / (va[:, None, None, None] * vb[None, :, None, None])
     if g.outer or m.shape[0] > 1:
         return m if cross else torch.stack([m[h, h] for h in range(m.shape[0])])
     return m[0, 0]

@@ -94,13 +94,33 @@ def eval_mode(model):
             m.training = f
 
 
+def _varying_nodes(ep):
+    """Nodes whose values depend on a parameter or a user input. The analysis never applies a
+    rule to the others (constants: positions, masks), so they need no decomposition."""
+    from .passes.analysis import CONST_OPS
+    sig = ep.graph_signature
+    sources = set(sig.inputs_to_parameters) | set(sig.user_inputs)
+    varying = set()
+    for n in ep.graph.nodes:
+        if n.op == "placeholder":
+            if n.name in sources:
+                varying.add(n)
+        elif n.op == "call_function":
+            t = n.target
+            packet = t.overloadpacket if isinstance(t, torch._ops.OpOverload) else t
+            if packet not in CONST_OPS and any(i in varying for i in n.all_input_nodes):
+                varying.add(n)
+    return varying
+
+
 def _unruled_decomposable(ep):
     from torch._decomp import core_aten_decompositions
     table = core_aten_decompositions()
     ops = set()
+    varying = _varying_nodes(ep)
     for n in ep.graph.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            if not has_rule(n.target) and n.target in table:
+            if n in varying and not has_rule(n.target) and n.target in table:
                 ops.add(n.target)
     return {op: table[op] for op in ops}
 

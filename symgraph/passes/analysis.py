@@ -258,6 +258,7 @@ class AxisAnalysis:
         roots = {uf.find(a)[0] for a in range(len(uf.parent))}
         for r, pairs in list(uf.pairs.items()):
             uf.meet(r, "rope")
+            self._split_pairs(r)
         # kinds flow from a structured class into its parts (largest first: parts are smaller)
         for r in sorted((r for r in roots if r in uf.struct), key=lambda r: -uf.size[r]):
             kind = uf.kind.get(r, "gl")
@@ -267,6 +268,35 @@ class AxisAnalysis:
         self.roots = {uf.find(a)[0] for a in range(len(uf.parent))}
         self._fibres()
         return self
+
+    def _split_pairs(self, r):
+        """A rotary class that was later cut into parts: its elements are built from the
+        parts', so hand each part the pairs inside it; a pair across a cut, or a product
+        structure, leaves only the identity."""
+        uf = self.uf
+        r, _ = uf.find(r)
+        s = uf.struct.get(r)
+        if s is None or r not in uf.pairs:
+            return
+        pairs = uf.pairs.pop(r)
+        kind, parts = s
+        bounds, off = [], 0
+        for p, _ in parts:
+            n = uf.size[uf.find(p)[0]]
+            bounds.append((off, off + n))
+            off += n
+        inside = [[(i - a, j - a) for i, j in pairs if a <= i < b and a <= j < b]
+                  for a, b in bounds]
+        if kind != "sum" or sum(map(len, inside)) != len(pairs):
+            for p, _ in parts:
+                uf.meet(p, "identity", "rotary pairs cut by a later split")
+            return
+        for (p, _), sub in zip(parts, inside):
+            if sub:
+                uf.set_pairs(p, sub, "rotary position embedding (a segment)")
+                self._split_pairs(p)
+            else:
+                uf.meet(p, "identity", "segment of a rotary axis without pairs")
 
     def kind(self, root):
         return self.uf.kind.get(root, "gl")

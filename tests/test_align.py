@@ -1,0 +1,209 @@
+"""Alignment and merging (issue #3): exact recovery, widening, trained pairs, bad input."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM, ViTConfig, ViTForImageClassification)
+
+import symgraph
+from symgraph.solve import hungarian, optimal_transport, procrustes, rope_procrustes
+
+transformers.logging.set_verbosity_error()
+V = 50
+
+
+def _bert():
+    return BertForMaskedLM(BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=64,
+                                      max_position_embeddings=32))
+
+
+def _gpt2():
+    return GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=32))
+
+
+def _llama(**kw):
+    cfg = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32)
+    cfg.update(kw)
+    return LlamaForCausalLM(LlamaConfig(**cfg))
+
+
+def _vit():
+    return ViTForImageClassification(ViTConfig(image_size=16, patch_size=4, hidden_size=32,
+                                               num_hidden_layers=2, num_attention_heads=4,
+                                               intermediate_size=64, num_labels=3))
+
+
+BUILDERS = {"bert": _bert, "gpt2": _gpt2, "llama": _llama, "vit": _vit}
+
+
+def _batches(name, n=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if name == "vit":
+        return [(torch.randn(2, 3, 16, 16, generator=g),) for _ in range(n)]
+    return [(torch.randint(0, V, (2, 8), generator=g),) for _ in range(n)]
+
+
+def _rel_params(a, b):
+    num = sum(((p.double() - q.double()) ** 2).sum() for p, q in zip(a.parameters(), b.parameters()))
+    den = sum((p.double() ** 2).sum() for p in a.parameters())
+    return float((num / den).sqrt())
+
+
+def _logits(m, x):
+    with torch.no_grad():
+        m.eval()
+        out = m(*x, **({"use_cache": False} if "use_cache" in m.forward.__code__.co_varnames else {}))
+        return out.logits
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+@pytest.mark.parametrize("mode", ["weights", "activations"])
+def test_exact_recovery(name, mode):
+    torch.manual_seed(0)
+    A = BUILDERS[name]().eval()
+    rep = symgraph.analyze(A)
+    B = symgraph.transform(A, rep.random_transform(seed=5, orthogonal=True))
+    assert _rel_params(A, B) > 0.1  # B really is scrambled
+    before = copy.deepcopy(B.state_dict())
+    data = _batches(name) if mode == "activations" else None
+    al = symgraph.align(A, B, data=data)
+    C = al.apply(B)
+    assert _rel_params(A, C) < 1e-6
+    for k, v in B.state_dict().items():  # B untouched
+        assert torch.equal(v, before[k])
+    merged = symgraph.merge([A, B], data=data, align=mode)
+    x = _batches(name, 1, seed=9)[0]
+    la, lm = _logits(A, x), _logits(merged, x)
+    assert float((la - lm).norm() / la.norm()) < 1e-5
+    naive = symgraph.merge([A, B], align=None)
+    assert float((la - _logits(naive, x)).norm() / la.norm()) > 1e-2
+
+
+def _widen_mlp(A, perm_seed=0):
+    """GPT-2 with every MLP unit duplicated, outgoing weights split, units shuffled."""
+    cfg = copy.deepcopy(A.config)
+    cfg.n_inner = 2 * (A.config.n_inner or 4 * A.config.n_embd)
+    B = GPT2LMHeadModel(cfg).eval()
+    sd = {k: v.clone() for k, v in A.state_dict().items()}
+    g = torch.Generator().manual_seed(perm_seed)
+    for i in range(cfg.n_layer):
+        p = f"transformer.h.{i}.mlp."
+        n = A.get_parameter(p + "c_fc.bias").shape[0]
+        order = torch.randperm(2 * n, generator=g)
+        w_in = torch.cat([sd[p + "c_fc.weight"]] * 2, 1)[:, order]   # Conv1D [in, out]
+        b_in = torch.cat([sd[p + "c_fc.bias"]] * 2)[order]
+        w_out = (torch.cat([sd[p + "c_proj.weight"]] * 2, 0) / 2)[order]
+        sd[p + "c_fc.weight"], sd[p + "c_fc.bias"], sd[p + "c_proj.weight"] = w_in, b_in, w_out
+    B.load_state_dict(sd, strict=False)
+    return B
+
+
+def test_widening_mlp_fuses_back():
+    torch.manual_seed(0)
+    A = _gpt2().eval()
+    B = _widen_mlp(A)
+    x = _batches("gpt2", 1, seed=3)[0]
+    lb, la = _logits(B, x), _logits(A, x)
+    assert float((la - lb).norm() / la.norm()) < 1e-5  # the widening preserves the function
+    merged = symgraph.merge([A, B])
+    assert merged.get_parameter("transformer.h.0.mlp.c_fc.weight").shape == (32, 128)
+    assert float((la - _logits(merged, x)).norm() / la.norm()) < 1e-4
+
+
+def test_widening_heads_fuses_back():
+    torch.manual_seed(0)
+    A = _llama(num_attention_heads=4, num_key_value_heads=4, head_dim=8).eval()
+    cfg = copy.deepcopy(A.config)
+    cfg.num_attention_heads = cfg.num_key_value_heads = 8
+    B = LlamaForCausalLM(cfg).eval()
+    sd = {k: v.clone() for k, v in A.state_dict().items()}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.self_attn."
+        for w in ("q_proj", "k_proj", "v_proj"):
+            W = sd[p + w + ".weight"].reshape(4, 8, -1)
+            sd[p + w + ".weight"] = torch.stack([W, W], 1).reshape(64, -1)
+        O = sd[p + "o_proj.weight"].reshape(-1, 4, 8)
+        sd[p + "o_proj.weight"] = (torch.stack([O, O], 2) / 2).reshape(O.shape[0], 64)
+    B.load_state_dict(sd)
+    x = _batches("llama", 1, seed=3)[0]
+    la = _logits(A, x)
+    assert float((la - _logits(B, x)).norm() / la.norm()) < 1e-5
+    merged = symgraph.merge([A, B])
+    assert merged.config.num_attention_heads == 4
+    assert float((la - _logits(merged, x)).norm() / la.norm()) < 1e-4
+
+
+def _train_mlp(seed, X, y, steps=300):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(X.shape[1], 64), torch.nn.ReLU(),
+                            torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    opt = torch.optim.Adam(m.parameters(), 1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(X), y).backward()
+        opt.step()
+    return m
+
+
+def test_trained_pair_aligned_merge_beats_vanilla():
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    X = torch.tensor(d.data, dtype=torch.float32) / 16
+    y = torch.tensor(d.target)
+    A, B = _train_mlp(0, X, y), _train_mlp(1, X, y)
+    loss = lambda m: float(torch.nn.functional.cross_entropy(m(X), y))  # noqa: E731
+    inputs = (X[:64],)
+    vanilla = loss(symgraph.merge([A, B], inputs, align=None))
+    by_w = loss(symgraph.merge([A, B], inputs, align="weights"))
+    data = [(X[i:i + 64],) for i in range(0, 1024, 64)]
+    by_a = loss(symgraph.merge([A, B], align="activations", data=data))
+    assert by_w < vanilla and by_a < vanilla
+    curve = symgraph.interpolate(A, B, None, loss)
+    assert len(curve) == 21 and curve[0][0] == 0.0 and curve[-1][0] == 1.0
+    assert symgraph.loss_barrier(curve) > 0
+
+
+def test_solvers_exact():
+    P = torch.eye(5)[torch.randperm(5)]
+    assert torch.equal(hungarian(P.double()).element, P.double())
+    Q, _ = torch.linalg.qr(torch.randn(6, 6, dtype=torch.float64))
+    C = torch.randn(6, 6, dtype=torch.float64)
+    C = C @ C.T + 6 * torch.eye(6, dtype=torch.float64)
+    assert torch.allclose(procrustes(C @ Q).element, Q, atol=1e-8)
+    th = 0.7
+    R = torch.eye(4, dtype=torch.float64)
+    R[0, 0] = R[2, 2] = torch.cos(torch.tensor(th))
+    R[0, 2], R[2, 0] = -torch.sin(torch.tensor(th)), torch.sin(torch.tensor(th))
+    assert torch.allclose(rope_procrustes(R, [(0, 2), (1, 3)]).element, R, atol=1e-8)
+    T = optimal_transport(torch.eye(3, dtype=torch.float64)).element
+    assert torch.allclose(T * 3, torch.eye(3, dtype=torch.float64), atol=1e-8)
+
+
+def test_bad_inputs():
+    torch.manual_seed(0)
+    A, G = _bert().eval(), _gpt2().eval()
+    with pytest.raises(symgraph.StructureMismatchError, match="differ"):
+        symgraph.align(A, G)
+    cfg = copy.deepcopy(A.config)
+    cfg.vocab_size = 60
+    A2 = BertForMaskedLM(cfg).eval()
+    with pytest.raises(symgraph.StructureMismatchError, match="vocabular"):
+        symgraph.align(A, A2, inputs=(torch.randint(0, 50, (2, 8)),))
+    Bn = copy.deepcopy(A)
+    with torch.no_grad():
+        Bn.get_parameter("bert.encoder.layer.0.output.dense.weight")[0, 0] = float("nan")
+    with pytest.raises(symgraph.InputError, match="layer.0.output.dense.weight"):
+        symgraph.align(A, Bn)
+    with pytest.raises(symgraph.InputError, match="shapes"):
+        symgraph.align(A, copy.deepcopy(A), data=[(torch.randint(0, 50, (2, 8)),),
+                                                 (torch.randint(0, 50, (3, 8)),)])
+    with pytest.raises(symgraph.InputError, match="at least 2"):
+        symgraph.merge([A])
+    with pytest.raises(symgraph.InputError, match="needs data"):
+        symgraph.merge([A, copy.deepcopy(A)], method="fisher")
