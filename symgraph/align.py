@@ -209,8 +209,11 @@ class _WeightFeatures:
             ta = self.A[name]
             va, vb = leaf_views(self.ea, ax_a[d], ga.root), leaf_views(self.eb, ax_b[d], gb.root)
             for (ia, fa), (ib, fb) in zip(va, vb):
+                others = self._other_leaf_elements(ax_b[d], gb.root, elements)
+                if others is None:
+                    continue  # another leaf of this axis is not solved yet: its order is unknown
                 xa = _gather(ta, d, ia, fa)  # [*F, n, m]
-                xb = _gather(tb, d, ib, fb, self._other_leaf_elements(ax_b[d], gb.root, elements))
+                xb = _gather(tb, d, ib, fb, others)
                 if xa.shape[-1] != xb.shape[-1]:
                     continue
                 s = _cross(xa, xb, fa, cross_fibres)
@@ -238,6 +241,8 @@ class _WeightFeatures:
         for j, leaf in enumerate(others):
             E = elements.get(leaf)
             if E is None:
+                if an.kind(leaf) != "identity" and an.uf.size[leaf] > 1:
+                    return None
                 continue
             E = E.co if isinstance(E, Map) else E
             lf = an.fibre.get(leaf, ())

@@ -114,15 +114,25 @@ def _varying_nodes(ep):
 
 
 def _unruled_decomposable(ep):
+    """Decompositions for the unruled ops on parameter/input-dependent values, and whether a
+    re-trace is needed anyway (composite ops, wrapped subgraphs: ``run_decompositions``
+    inlines them)."""
     from torch._decomp import core_aten_decompositions
     table = core_aten_decompositions()
-    ops = set()
-    varying = _varying_nodes(ep)
-    for n in ep.graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            if n in varying and not has_rule(n.target) and n.target in table:
-                ops.add(n.target)
-    return {op: table[op] for op in ops}
+    ops, retrace = set(), False
+    cia = torch._C.DispatchKey.CompositeImplicitAutograd
+    for n in _varying_nodes(ep):
+        t = n.target
+        if n.op != "call_function":
+            continue
+        if isinstance(t, torch._ops.HigherOrderOperator):
+            retrace = True
+        elif isinstance(t, torch._ops.OpOverload) and not has_rule(t):
+            if t in table:
+                ops.add(t)
+            elif t.has_kernel_for_dispatch_key(cia):
+                retrace = True
+    return {op: table[op] for op in ops}, retrace
 
 
 def trace(model, inputs=None):
@@ -145,8 +155,8 @@ def trace(model, inputs=None):
                 "Hint: the model must run on the given example inputs with static control flow; "
                 "for Hugging Face decoders pass use_cache=False.") from e
         for _ in range(3):
-            table = _unruled_decomposable(ep)
-            if not table:
+            table, retrace = _unruled_decomposable(ep)
+            if not table and not retrace:
                 break
             ep = ep.run_decompositions(table)
     return ep, args, kwargs

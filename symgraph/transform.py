@@ -168,7 +168,7 @@ def apply_along(t: torch.Tensor, d: int, M: torch.Tensor) -> torch.Tensor:
     """``t`` with ``M`` applied along dim ``d``: ``t'[.., i, ..] = Σ_j M[i, j] t[.., j, ..]``."""
     moved = t.movedim(d, 0)
     shape = moved.shape
-    out = (M.to(t.dtype) @ moved.reshape(shape[0], -1)).reshape(shape)
+    out = (M.to(t.dtype) @ moved.reshape(shape[0], -1)).reshape(M.shape[0], *shape[1:])
     return out.movedim(0, d)
 
 

@@ -218,6 +218,14 @@ class _ConstIds:
                 return np.stack([self.ids(t, k - 1) for t in tensors], axis=d - (nd - k))
             # along a leading dim: each trailing coordinate must agree in every input
             return self._combine([self.ids(t, k) for t in tensors], tail)
+        if p == aten.repeat_interleave and isinstance(node.args[1], int):
+            src, reps = node.args[0], node.args[1]
+            d = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+            if d is None:
+                return None
+            d = d + nd if d < 0 else d
+            arr = self.ids(src, k)
+            return arr if d < nd - k else np.repeat(arr, reps, axis=d - (nd - k))
         if p == aten.slice:
             src, d = node.args[0], node.args[1] if len(node.args) > 1 else 0
             d = d + nd if d < 0 else d
