@@ -146,13 +146,19 @@ class AxisAnalysis:
             nodes = [(n, self.param_nodes[n]) for n in names if n in self.param_nodes]
             if len(nodes) < 2:
                 continue
-            nodes.sort(key=lambda nn: -len(nn[1].users))  # the one the graph uses first
-            keep, knode = nodes[0]
-            for other, onode in nodes[1:]:
-                for a, b in zip(self.node_axes[knode], self.node_axes[onode]):
-                    self.uf.union(a, b)
-                del self.param_nodes[other]
-                self.aliases.setdefault(keep, []).append(other)
+            # report the tensor under its first name (model order: the embedding, not the
+            # tied head), with the placeholder the graph actually uses (export routes every
+            # use to one of them)
+            keep = nodes[0][0]
+            knode = max(nodes, key=lambda nn: len(nn[1].users))[1]
+            for other, onode in nodes:
+                if onode is not knode:
+                    for a, b in zip(self.node_axes[knode], self.node_axes[onode]):
+                        self.uf.union(a, b)
+                if other != keep:
+                    del self.param_nodes[other]
+                    self.aliases.setdefault(keep, []).append(other)
+            self.param_nodes[keep] = knode
 
     def _all_axes(self, node):
         ax = self.node_axes.get(node)
