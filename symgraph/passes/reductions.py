@@ -14,7 +14,18 @@ from .registry import Meet, NoFiber, Unify, dim, register
 aten = torch.ops.aten
 
 
-def _reduce(ctx, x, dims, keepdim, out, kind="perm", what="reduction"):
+# Reductions that are linear in their input: the kept axes may take any linear map.
+_LINEAR = {aten.sum, aten.mean}
+
+
+def _nonlinear_others(ctx, xa, shape, reduced, what):
+    """A nonlinear function of each slice along ``reduced`` (max, variance, softmax, norms) is
+    an elementwise-nonlinear map along every other axis: only permutations commute with it."""
+    return [Meet(xa[i], "perm", f"{ctx.where}: {what} is nonlinear along this axis")
+            for i in range(len(xa)) if i not in reduced and shape[i] > 1]
+
+
+def _reduce(ctx, x, dims, keepdim, out, kind="perm", what="reduction", linear=False):
     xa = ctx.axes(x)
     n = len(xa)
     dims = set(range(n)) if dims is None or len(dims) == 0 else {dim(d, n) for d in dims}
@@ -28,6 +39,8 @@ def _reduce(ctx, x, dims, keepdim, out, kind="perm", what="reduction"):
             cons.append(Unify(out[j], xa[i]))
             j += 1
     cons += [NoFiber(xa[i], xa[d]) for i in range(n) if i not in dims for d in dims]
+    if not linear:
+        cons += _nonlinear_others(ctx, xa, ctx.shape(x), dims, what)
     return cons
 
 
@@ -37,7 +50,8 @@ def reduce_dims(ctx):
     dims = ctx.arg(1, "dim", None)
     if isinstance(dims, int):
         dims = [dims]
-    return _reduce(ctx, ctx.arg(0), dims, ctx.arg(2, "keepdim", False), ctx.out)
+    return _reduce(ctx, ctx.arg(0), dims, ctx.arg(2, "keepdim", False), ctx.out,
+                   linear=ctx.node.target.overloadpacket in _LINEAR)
 
 
 @register([aten.var.correction, aten.std.correction, aten.var_mean.correction,
@@ -70,7 +84,8 @@ def argmax(ctx):
 
 @register([aten.sum.default, aten.mean.default, aten.amax.default, aten.max.default])
 def reduce_all(ctx):
-    return _reduce(ctx, ctx.arg(0), None, False, ctx.out)
+    return _reduce(ctx, ctx.arg(0), None, False, ctx.out,
+                   linear=ctx.node.target.overloadpacket in _LINEAR)
 
 
 @register([aten.linalg_vector_norm, aten.norm.ScalarOpt_dim])
@@ -89,6 +104,7 @@ def softmax(ctx):
     d = dim(ctx.arg(1), len(xa))
     cons = [Unify(o, a) for o, a in zip(ctx.out, xa)]
     cons.append(Meet(xa[d], "perm", f"{ctx.where}: softmax over this axis"))
+    cons += _nonlinear_others(ctx, xa, ctx.shape(x), {d}, "softmax")
     return cons + [NoFiber(xa[i], xa[d]) for i in range(len(xa)) if i != d]
 
 
@@ -104,7 +120,8 @@ def _norm_layer(ctx, x, normalized_ndim, params, out):
         if pa is not None:
             cons += [Unify(a, b) for a, b in zip(norm_axes[len(norm_axes) - len(pa):], pa)]
     cons += [NoFiber(a, b) for a in xa[: n - normalized_ndim] for b in norm_axes]
-    return cons
+    return cons + _nonlinear_others(ctx, xa, ctx.shape(x), set(range(n - normalized_ndim, n)),
+                                    "normalisation")
 
 
 @register(aten.layer_norm)

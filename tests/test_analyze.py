@@ -1,0 +1,465 @@
+"""``symgraph.analyze`` on real architectures: soundness (certificates), completeness (the
+groups every layer must have, with their exact parameter slots) and the report's behaviour.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import symgraph
+from symgraph.groups import PERMUTATION_FAMILY
+
+from conftest import build_hf, build_mlp
+
+TOL = 1e-6
+ALL = ["bert", "gpt2", "llama", "vit", "encoder", "mlp"]
+
+
+# --- helpers ------------------------------------------------------------------------------
+def names(group):
+    return {p for p, _ in group.params}
+
+
+def slots(group):
+    return set(group.params)
+
+
+def in_layer(groups, prefix):
+    """Groups all of whose parameters live under ``prefix`` (e.g. ``"transformer.h.0."``)."""
+    return [g for g in groups if all(p.startswith(prefix) for p in names(g))]
+
+
+def one(groups, what):
+    assert len(groups) == 1, f"expected exactly one {what}, got {[(g.kind, g.size, g.blocks) for g in groups]}"
+    return groups[0]
+
+
+def rel_change(a, b):
+    return ((a.double() - b.double()).norm() / a.double().norm().clamp_min(1e-30)).item()
+
+
+# --- 1. soundness: certificates, and the transforms really move the weights ---------------
+@pytest.mark.parametrize("tiny", ALL, indirect=True)
+def test_certificate(tiny):
+    worst = tiny.report.certify(tiny.model, inputs=tiny.inputs)
+    assert 0.0 <= worst <= TOL
+    assert len(tiny.report.groups) > 0
+    assert tiny.report.frozen == []  # every op of these models has a rule
+
+
+@pytest.mark.parametrize("tiny", ALL, indirect=True)
+def test_transform_moves_weights_and_leaves_model_alone(tiny):
+    model, report = tiny.model, tiny.report
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    new = symgraph.transform(model, report.random_transform(seed=1))
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    for k in before:  # the original is bit-identical
+        assert torch.equal(before[k], after[k]), k
+    moved = {p for g in report.groups for p, _ in g.params}
+    assert moved, "no group has parameter slots"
+    new_params = dict(new.named_parameters())
+    for name in moved:
+        change = rel_change(model.get_parameter(name), new_params[name])
+        assert change > 0.1, f"{name} moved only by {change:.3g}"
+    untouched = set(new_params) - moved - {a for al in report._analysis.aliases.values() for a in al}
+    for name in untouched:  # parameters in no group keep their values
+        assert torch.equal(model.get_parameter(name), new_params[name]), name
+    # and the transformed copy computes the same function (float32 here: loose tolerance)
+    args, kwargs = report._inputs if tiny.inputs is None else (tiny.inputs, {})
+    with torch.no_grad():
+        a, b = model(*args, **kwargs), new(*args, **kwargs)
+    a = a if isinstance(a, torch.Tensor) else a[0]
+    b = b if isinstance(b, torch.Tensor) else b[0]
+    assert torch.allclose(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_orthogonal_part_certifies(llama, bert):
+    for tiny in (llama, bert):
+        t = tiny.report.random_transform(seed=5, orthogonal=True)
+        for g in tiny.report.groups:
+            E = t.element(g).reshape(-1, g.dim, g.dim)
+            eye = torch.eye(g.dim, dtype=torch.float64)
+            assert torch.allclose(E @ E.mT, eye.expand_as(E), atol=1e-10), g.kind
+
+
+# --- 2. completeness ----------------------------------------------------------------------
+MLP = {  # layer prefix, MLP up-projection (param, out dim), MLP width attribute
+    "bert": ("bert.encoder.layer.{i}.", ("intermediate.dense.weight", 0), "intermediate_size"),
+    "gpt2": ("transformer.h.{i}.", ("mlp.c_fc.weight", 1), "n_inner"),
+    "llama": ("model.layers.{i}.", ("mlp.up_proj.weight", 0), "intermediate_size"),
+    "vit": ("vit.layers.{i}.", ("mlp.fc1.weight", 0), "intermediate_size"),
+}
+
+
+@pytest.mark.parametrize("tiny", list(MLP), indirect=True)
+def test_one_mlp_permutation_per_layer(tiny):
+    prefix, (up, dim), width_attr = MLP[tiny.name]
+    width = getattr(tiny.config, width_attr)
+    for i in range(tiny.config.num_hidden_layers):
+        pre = prefix.format(i=i)
+        perms = [g for g in in_layer(tiny.report.groups, pre)
+                 if g.kind in PERMUTATION_FAMILY and g.size == width]
+        g = one(perms, f"MLP permutation in {pre}")
+        assert (pre + up, dim) in g.params
+        assert g.blocks == 1 and g.dim == width
+
+
+def test_mlp_permutation_slots(llama):
+    for i in range(2):
+        pre = f"model.layers.{i}.mlp."
+        g = one([g for g in llama.report.groups if (pre + "up_proj.weight", 0) in g.params], "MLP group")
+        assert g.kind == "perm"  # SiLU gate times up: only permutations
+        assert slots(g) == {(pre + "gate_proj.weight", 0), (pre + "up_proj.weight", 0),
+                            (pre + "down_proj.weight", 1)}
+        assert dict(zip(g.params, g.variance))[(pre + "down_proj.weight", 1)] == "contra"
+
+
+ATTN = {  # q, k, v weights (param, head-axis dim), output projection (param, in dim), biases
+    "bert": ("attention.self.query", "attention.self.key", "attention.self.value",
+             "attention.output.dense"),
+    "vit": ("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj"),
+}
+
+
+def _head_groups(report, pre, heads, head_dim):
+    groups = in_layer(report.groups, pre)
+    qk = [g for g in groups if g.kind == "gl" and g.blocks == heads and g.dim == head_dim]
+    hp = one([g for g in groups if g.kind == "perm" and g.size == heads and g.blocks == 1],
+             f"head permutation in {pre}")
+    return qk, hp
+
+
+@pytest.mark.parametrize("tiny", ["bert", "vit"], indirect=True)
+def test_head_groups_separate_qkv(tiny):
+    cfg = tiny.config
+    heads, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    prefix = MLP[tiny.name][0]
+    q, k, v, o = ATTN[tiny.name]
+    for i in range(cfg.num_hidden_layers):
+        pre = prefix.format(i=i)
+        gl, hp = _head_groups(tiny.report, pre, heads, head_dim)
+        assert len(gl) == 2, [(g.kind, g.size, g.blocks) for g in gl]
+        qk = one([g for g in gl if (pre + q + ".weight", 0) in g.params], "QK group")
+        vo = one([g for g in gl if (pre + v + ".weight", 0) in g.params], "VO group")
+        # exact slots: Q and K rows (and biases), K contravariant
+        assert slots(qk) == {(pre + q + ".weight", 0), (pre + q + ".bias", 0),
+                             (pre + k + ".weight", 0), (pre + k + ".bias", 0)}
+        var = dict(zip(qk.params, qk.variance))
+        assert var[(pre + q + ".weight", 0)] == "co" and var[(pre + k + ".weight", 0)] == "contra"
+        assert slots(vo) == {(pre + v + ".weight", 0), (pre + v + ".bias", 0), (pre + o + ".weight", 1)}
+        assert dict(zip(vo.params, vo.variance))[(pre + o + ".weight", 1)] == "contra"
+        for g in (qk, vo):
+            assert g.size == heads * head_dim
+            assert g.outer == [hp.id]
+        # the head permutation acts on Q, K, V rows and the output's columns together
+        assert slots(hp) >= {(pre + x + ".weight", 0) for x in (q, k, v)} | {(pre + o + ".weight", 1)}
+
+
+def test_head_groups_gpt2_fused_qkv(gpt2):
+    cfg = gpt2.config
+    heads, head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
+    for i in range(cfg.n_layer):
+        pre = f"transformer.h.{i}.attn."
+        gl, hp = _head_groups(gpt2.report, f"transformer.h.{i}.", heads, head_dim)
+        assert len(gl) == 2
+        # Conv1D: c_attn.weight is [in, 3*out]; Q and K are segments of the same slot
+        qk = one([g for g in gl if (pre + "c_proj.weight", 0) not in g.params], "QK group")
+        vo = one([g for g in gl if (pre + "c_proj.weight", 0) in g.params], "VO group")
+        assert sorted(zip(qk.params, qk.variance)) == sorted([
+            ((pre + "c_attn.weight", 1), "co"), ((pre + "c_attn.weight", 1), "contra"),
+            ((pre + "c_attn.bias", 0), "co"), ((pre + "c_attn.bias", 0), "contra")])
+        assert slots(vo) == {(pre + "c_attn.weight", 1), (pre + "c_attn.bias", 0),
+                             (pre + "c_proj.weight", 0)}
+        assert qk.outer == vo.outer == [hp.id]
+        assert (pre + "c_proj.weight", 0) in hp.params
+
+
+def test_llama_gqa_groups(llama):
+    cfg = llama.config
+    kv, heads = cfg.num_key_value_heads, cfg.num_attention_heads
+    head_dim = cfg.hidden_size // heads
+    assert kv < heads
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}.self_attn."
+        groups = in_layer(llama.report.groups, pre)
+        rope = one([g for g in groups if g.kind == "rope"], "rope QK group")
+        assert (rope.blocks, rope.dim) == (kv, head_dim)
+        assert slots(rope) == {(pre + "q_proj.weight", 0), (pre + "k_proj.weight", 0)}
+        assert rope.pairs == tuple((j, j + head_dim // 2) for j in range(head_dim // 2))  # rotate_half
+        vo = one([g for g in groups if g.kind == "gl"], "VO group")
+        assert (vo.blocks, vo.dim) == (kv, head_dim)
+        assert slots(vo) == {(pre + "v_proj.weight", 0), (pre + "o_proj.weight", 1)}
+        kvp = one([g for g in groups if g.kind == "perm" and g.size == kv], "KV-head permutation")
+        assert slots(kvp) == {(pre + x + "_proj.weight", 0) for x in "qkv"} | {(pre + "o_proj.weight", 1)}
+        assert rope.outer == vo.outer == [kvp.id]
+        # query heads sharing a KV head may be permuted among themselves (per KV head)
+        rep = one([g for g in groups if g.kind == "perm" and g.blocks > 1], "query-in-group perm")
+        assert (rep.blocks, rep.dim, rep.outer) == (kv, heads // kv, [kvp.id])
+        assert slots(rep) == {(pre + "q_proj.weight", 0), (pre + "o_proj.weight", 1)}
+
+
+RESIDUAL = {  # embedding slots, per-layer norms, final norms
+    "bert": ([("bert.embeddings.word_embeddings.weight", 1), ("bert.embeddings.position_embeddings.weight", 1),
+              ("bert.embeddings.token_type_embeddings.weight", 1), ("bert.embeddings.LayerNorm.weight", 0)],
+             "bert.encoder.layer.{i}.", ["attention.output.LayerNorm.weight", "attention.output.LayerNorm.bias",
+                                         "output.LayerNorm.weight", "output.LayerNorm.bias"],
+             ["cls.predictions.transform.LayerNorm.weight"]),
+    "gpt2": ([("transformer.wte.weight", 1), ("transformer.wpe.weight", 1)],
+             "transformer.h.{i}.", ["ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias"],
+             ["transformer.ln_f.weight", "transformer.ln_f.bias"]),
+    "llama": ([("model.embed_tokens.weight", 1)], "model.layers.{i}.",
+              ["input_layernorm.weight", "post_attention_layernorm.weight"], ["model.norm.weight"]),
+    "vit": ([("vit.embeddings.patch_embeddings.projection.weight", 0), ("vit.embeddings.cls_token", 2),
+             ("vit.embeddings.position_embeddings", 2)], "vit.layers.{i}.",
+            ["layernorm_before.weight", "layernorm_before.bias", "layernorm_after.weight",
+             "layernorm_after.bias"], ["vit.layernorm.weight"]),
+}
+
+
+@pytest.mark.parametrize("tiny", list(RESIDUAL), indirect=True)
+def test_single_residual_stream_class(tiny):
+    emb, prefix, norms, final = RESIDUAL[tiny.name]
+    hidden = tiny.config.hidden_size
+    res = [g for g in tiny.report.groups if set(emb) & slots(g)]
+    g = one(res, "residual-stream class")
+    assert g.kind == "perm" and g.size == hidden and g.blocks == 1
+    want = set(emb) | {(n, 0) for n in final}
+    for i in range(tiny.config.num_hidden_layers):
+        want |= {(prefix.format(i=i) + n, 0) for n in norms}
+    assert want <= slots(g), sorted(want - slots(g))
+    # no other group spans layers: each layer's own classes stay inside it
+    l0, l1 = prefix.format(i=0), prefix.format(i=1)
+    spanning = [h for h in tiny.report.groups if h is not g
+                and any(p.startswith(l0) for p in names(h)) and any(p.startswith(l1) for p in names(h))]
+    assert spanning == []
+
+
+def test_tied_embedding_reported_once(gpt2, bert):
+    for tiny, emb, head in ((gpt2, "transformer.wte.weight", "lm_head.weight"),
+                            (bert, "bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")):
+        assert [head] in tiny.report._analysis.aliases.values()
+        all_names = {p for g in tiny.report.groups for p in names(g)}
+        assert emb in all_names and head not in all_names
+        assert [g.kind for g in tiny.report.group_of(emb, 1)] == ["perm"]
+
+
+def test_mlp_model_groups(mlp):
+    w = mlp.info["widths"]
+    kinds = {(g.kind, g.size): slots(g) for g in mlp.report.groups}
+    assert kinds == {("scaled_perm", w[1]): {("0.weight", 0), ("0.bias", 0), ("2.weight", 1)},
+                     ("perm", w[2]): {("2.weight", 0), ("2.bias", 0), ("4.weight", 1)}}
+
+
+def test_transformer_encoder_groups(encoder):
+    d, heads, ff = encoder.info["d"], encoder.info["heads"], encoder.info["ff"]
+    for i in range(2):
+        pre = f"layers.{i}."
+        groups = in_layer(encoder.report.groups, pre)
+        mlp = one([g for g in groups if g.kind in PERMUTATION_FAMILY and g.size == ff], "MLP perm")
+        assert mlp.kind == "scaled_perm"  # ReLU
+        hp = one([g for g in groups if g.kind == "perm" and g.size == heads], "head perm")
+        inner = [g for g in groups if g.blocks == heads]
+        assert inner and all(g.outer == [hp.id] and g.dim == d // heads for g in inner)
+        assert (pre + "self_attn.out_proj.weight", 1) in hp.params
+    # the residual stream is tied to the graph input (not transformable): no group of width d
+    assert [g for g in encoder.report.groups if g.size == d and g.blocks == 1] == []
+
+
+# --- partial and interleaved rotary -------------------------------------------------------
+def test_partial_rotary_phi(phi):
+    cfg = phi.config
+    heads = cfg.num_attention_heads
+    head_dim = cfg.hidden_size // heads
+    factor = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor") \
+        or getattr(cfg, "partial_rotary_factor")  # transformers 5 moved it into rope_parameters
+    rot = int(head_dim * factor)
+    assert 0 < rot < head_dim
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}.self_attn."
+        groups = in_layer(phi.report.groups, pre)
+        rope = one([g for g in groups if g.kind == "rope"], "rope group")
+        assert (rope.blocks, rope.dim) == (heads, rot)
+        assert rope.pairs == tuple((j, j + rot // 2) for j in range(rot // 2))
+        qk_slots = {(pre + "q_proj.weight", 0), (pre + "q_proj.bias", 0),
+                    (pre + "k_proj.weight", 0), (pre + "k_proj.bias", 0)}
+        assert slots(rope) == qk_slots
+        # the pass-through part of Q/K is a separate, full GL group per head
+        rest = one([g for g in groups if g.kind == "gl" and slots(g) == qk_slots], "non-rotary QK group")
+        assert (rest.blocks, rest.dim) == (heads, head_dim - rot)
+        vo = one([g for g in groups if g.kind == "gl" and (pre + "dense.weight", 1) in g.params], "VO")
+        assert (vo.blocks, vo.dim) == (heads, head_dim)
+        hp = one([g for g in groups if g.kind == "perm" and g.size == heads], "head perm")
+        assert rope.outer == rest.outer == vo.outer == [hp.id]
+    assert phi.report.certify(phi.model) <= TOL
+
+
+def test_interleaved_rotary_gptj(gptj):
+    cfg = gptj.config
+    head_dim = cfg.n_embd // cfg.n_head
+    for i in range(cfg.n_layer):
+        pre = f"transformer.h.{i}.attn."
+        groups = in_layer(gptj.report.groups, pre)
+        rope = one([g for g in groups if g.kind == "rope"], "rope group")
+        assert (rope.blocks, rope.dim) == (cfg.n_head, cfg.rotary_dim)
+        assert rope.pairs == tuple((2 * j, 2 * j + 1) for j in range(cfg.rotary_dim // 2))  # GPT-J pairs
+        rest = one([g for g in groups if g.kind == "gl" and (pre + "k_proj.weight", 0) in g.params],
+                   "non-rotary QK group")
+        assert rest.dim == head_dim - cfg.rotary_dim
+    assert gptj.report.certify(gptj.model) <= TOL
+
+
+# --- 4. other behaviours ------------------------------------------------------------------
+def _structure(report):
+    return [(g.kind, g.size, g.dim, g.blocks, tuple(g.outer), g.pairs, sorted(g.params))
+            for g in report.groups]
+
+
+def test_meta_device_same_structure(llama):
+    meta, _ = build_hf("llama", device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+    report = symgraph.analyze(meta)
+    assert _structure(report) == _structure(llama.report)
+    with pytest.raises(symgraph.InputError, match="meta"):
+        report.certify(meta)
+
+
+class _Sorter(torch.nn.Module):
+    def forward(self, x):
+        return torch.sort(x, dim=-1).values
+
+
+class _Unruled(torch.nn.Module):
+    """An MLP with an op symgraph has no rule for (sort over channels) in a submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.block = torch.nn.Sequential(torch.nn.ReLU(), _Sorter())
+        self.fc2 = torch.nn.Linear(8, 3)
+        self.fc3 = torch.nn.Linear(3, 5)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(self.block(self.fc1(x)))))
+
+
+def test_strict_raises_naming_the_op():
+    with pytest.raises(symgraph.UnsupportedOpError, match=r"aten\.sort") as e:
+        symgraph.analyze(_Unruled(), inputs=(torch.randn(2, 4),), strict=True)
+    assert "block.1" in str(e.value)  # the module path
+
+
+def test_frozen_entries_name_op_node_module():
+    model = _Unruled()
+    x = torch.randn(2, 4)
+    report = symgraph.analyze(model, inputs=(x,))
+    f = one(report.frozen, "frozen op")
+    assert f.op == "aten.sort.default"
+    assert f.node.startswith("sort")
+    assert f.module == "block.1"
+    assert "torch.sort" in f.source
+    assert f.to_dict() == {"op": f.op, "node": f.node, "module": f.module, "source": f.source}
+    # the sort freezes fc1's outputs, but fc2 -> fc3 still has its (scaled) permutation
+    assert [(g.kind, g.size, sorted(g.params)) for g in report.groups] == [
+        ("scaled_perm", 3, [("fc2.bias", 0), ("fc2.weight", 0), ("fc3.weight", 1)])]
+    assert "aten.sort.default" in report.summary() and "block.1" in report.summary()
+    assert report.certify(model, inputs=(x,)) <= TOL
+
+
+def test_to_json_round_trip(bert):
+    d = json.loads(bert.report.to_json())
+    assert d["model"] == "BertForMaskedLM"
+    assert len(d["groups"]) == len(bert.report.groups)
+    assert d["degrees_of_freedom"] == bert.report.degrees_of_freedom > 0
+    assert d["frozen"] == []
+    for g, j in zip(bert.report.groups, d["groups"]):
+        assert {"kind", "size", "blocks", "params", "module"} <= j.keys()
+        assert (j["kind"], j["size"], j["blocks"], j["module"]) == (g.kind, g.size, g.blocks, g.module)
+        assert [tuple(p) for p in j["params"]] == g.params
+        assert j["variance"] == g.variance and j["outer"] == g.outer
+
+
+def test_to_json_frozen_fields():
+    d = json.loads(symgraph.analyze(_Unruled(), inputs=(torch.randn(2, 4),)).to_json())
+    assert [f["op"] for f in d["frozen"]] == ["aten.sort.default"]
+    assert d["frozen"][0]["module"] == "block.1" and d["frozen"][0]["node"]
+
+
+@pytest.mark.parametrize("ext", [".dot", ".png"])
+def test_save_graph(bert, tmp_path, ext):
+    path = tmp_path / ("g" + ext)
+    assert bert.report.save_graph(str(path)) == str(path)
+    data = path.read_bytes()
+    assert len(data) > 100
+    if ext == ".dot":
+        text = data.decode()
+        assert text.startswith("digraph")
+        assert text.count("[label=") >= len(bert.report.groups)
+    else:
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(tmp_path.iterdir()) == [path]  # written atomically: no temporary left behind
+
+
+def test_save_graph_unknown_format(bert, tmp_path):
+    with pytest.raises(symgraph.InputError):
+        bert.report.save_graph(str(tmp_path / "g.txt"))
+
+
+@pytest.mark.parametrize("tiny", ["bert", "llama"], indirect=True)
+def test_summary_mentions_each_module(tiny):
+    text = tiny.report.summary()
+    assert text.startswith(f"Symmetry report for {type(tiny.model).__name__}: {len(tiny.report.groups)} groups")
+    for g in tiny.report.groups:
+        assert (g.module or "(model)") in text
+        assert f"{g.kind:<12}" in text
+    layers = tiny.config.num_hidden_layers
+    prefix = MLP[tiny.name][0]
+    for i in range(layers):
+        assert prefix.format(i=i).rstrip(".") in text
+
+
+def test_model_left_unchanged():
+    model, cfg = build_hf("gpt2", seed=3)
+    model.train()
+    model.transformer.h[0].eval()  # a mix of flags, which must come back exactly
+    flags = [m.training for m in model.modules()]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = symgraph.analyze(model)
+    assert [m.training for m in model.modules()] == flags
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.requires_grad for p in model.parameters())
+    assert len(report.groups) > 0
+
+
+@pytest.mark.parametrize("bad", [3, "input", 1.5, {1, 2}])
+def test_bad_inputs_type(bad):
+    model, _, _ = build_mlp()
+    with pytest.raises(symgraph.InputError, match="inputs must be"):
+        symgraph.analyze(model, inputs=bad)
+
+
+def test_missing_inputs_for_plain_module():
+    model, _, _ = build_mlp()
+    with pytest.raises(symgraph.InputError, match="pass inputs="):
+        symgraph.analyze(model)
+
+
+def test_not_a_module():
+    with pytest.raises(symgraph.InputError, match="torch.nn.Module"):
+        symgraph.analyze(lambda x: x, inputs=(torch.randn(2),))
+
+
+def test_dict_inputs_equivalent_to_default(gpt2):
+    ids = gpt2.report._inputs[1]["input_ids"]
+    report = symgraph.analyze(gpt2.model, inputs={"input_ids": ids})
+    assert _structure(report) == _structure(gpt2.report)
+
+
+def test_randomized_vectors_are_not_trivial(bert):
+    # the fixtures' norm weights and biases are random (see conftest), so a permutation of
+    # them is visible in the certificate
+    ln = bert.model.bert.embeddings.LayerNorm
+    assert ln.weight.std() > 0.1 and ln.bias.abs().max() > 0.1
