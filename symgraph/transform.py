@@ -168,6 +168,8 @@ def apply_along(t: torch.Tensor, d: int, M: torch.Tensor) -> torch.Tensor:
     """``t`` with ``M`` applied along dim ``d``: ``t'[.., i, ..] = Σ_j M[i, j] t[.., j, ..]``."""
     moved = t.movedim(d, 0)
     shape = moved.shape
+    if M.shape[0] == M.shape[1] and bool(((M == 0) | (M == 1)).all()) and bool((M.sum(1) == 1).all()):
+        return moved[M.argmax(1)].movedim(0, d)  # a permutation: gather, no matmul
     out = (M.to(t.dtype) @ moved.reshape(shape[0], -1)).reshape(M.shape[0], *shape[1:])
     return out.movedim(0, d)
 
