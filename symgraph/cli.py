@@ -295,6 +295,10 @@ def main(argv=None) -> int:
     debug = getattr(args, "debug", False)
     if debug:
         return args.func(args)
+    import warnings
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
     from .errors import SymgraphError, TraceError
     try:
         return args.func(args)
