@@ -12,7 +12,7 @@ import torch
 import transformers
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
-       "PYTHONWARNINGS": "ignore"}
+       "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
 def cli(*args, cwd=None, timeout=120):
