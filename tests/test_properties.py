@@ -7,6 +7,8 @@ element of *every* reported group, applied together, leaves the outputs unchange
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,22 +65,129 @@ class Gate(torch.nn.Module):
         return self.down(self.act(self.gate(x)) * self.up(x))
 
 
-class Attention(torch.nn.Module):
-    """Multi-head self-attention: head reshape, SDPA, merge heads, output projection."""
+def _rope_tables(s, d, interleaved, dtype):
+    f = torch.arange(s, dtype=dtype)[:, None] * torch.exp(-torch.arange(d // 2, dtype=dtype))
+    emb = f.repeat_interleave(2, -1) if interleaved else torch.cat([f, f], -1)
+    return emb.cos(), emb.sin()
 
-    def __init__(self, c, heads, bias, causal):
+
+def _rotate(x, interleaved):
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+class Attention(torch.nn.Module):
+    """Multi-head self-attention: head reshape, SDPA (or matmul + softmax), merge heads, output
+    projection; optionally grouped-query (``expand`` + ``reshape`` of K/V), rotary Q/K
+    (``rotate_half`` or interleaved pairs) and heads merged as ``(head_dim, heads)``."""
+
+    def __init__(self, c, heads, bias, causal, kv=None, rope=None, eager=False, swap=False):
         super().__init__()
         self.h, self.d, self.causal = heads, c // heads, causal
+        self.kv = kv or heads
+        self.rope, self.eager, self.swap = rope, eager, swap
         self.q = torch.nn.Linear(c, c, bias=bias)
-        self.k = torch.nn.Linear(c, c, bias=bias)
-        self.v = torch.nn.Linear(c, c, bias=bias)
+        self.k = torch.nn.Linear(c, self.kv * self.d, bias=bias)
+        self.v = torch.nn.Linear(c, self.kv * self.d, bias=bias)
         self.o = torch.nn.Linear(c, c, bias=bias)
 
     def forward(self, x):
         b, s, c = x.shape
-        q, k, v = (p(x).view(b, s, self.h, self.d).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        return self.o(y.transpose(1, 2).reshape(b, s, c))
+        q = self.q(x).view(b, s, self.h, self.d).transpose(1, 2)
+        k, v = (p(x).view(b, s, self.kv, self.d).transpose(1, 2) for p in (self.k, self.v))
+        if self.rope is not None:
+            cos, sin = _rope_tables(s, self.d, self.rope == "interleaved", x.dtype)
+            q = q * cos + _rotate(q, self.rope == "interleaved") * sin
+            k = k * cos + _rotate(k, self.rope == "interleaved") * sin
+        if self.kv != self.h:
+            r = self.h // self.kv
+            k, v = (t[:, :, None].expand(b, self.kv, r, s, self.d).reshape(b, self.h, s, self.d)
+                    for t in (k, v))
+        if self.eager:
+            a = q @ k.transpose(-1, -2) / math.sqrt(self.d)
+            if self.causal:
+                a = a.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+            y = torch.softmax(a, dim=-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        if self.swap:
+            y = y.permute(0, 2, 3, 1).reshape(b, s, c)
+        else:
+            y = y.transpose(1, 2).reshape(b, s, c)
+        return self.o(y)
+
+
+HEAD_OPS = {
+    "softmax_d": lambda m, y: torch.softmax(y, -1),
+    "softmax_h": lambda m, y: torch.softmax(y, 2),
+    "layernorm_d": lambda m, y: F.layer_norm(y, y.shape[-1:]),
+    "max_center": lambda m, y: y - y.amax(-1, keepdim=True),
+    "sum_scale": lambda m, y: y * y.sum(-1, keepdim=True),
+    "mean_heads": lambda m, y: y + y.mean(2, keepdim=True),
+    "cumsum_heads": lambda m, y: y.cumsum(2),
+    "flip_heads": lambda m, y: y.flip(2),
+    "scale_hd": lambda m, y: y * m.p_hd,
+    "scale_d": lambda m, y: y * m.p_d,
+    "tanh": lambda m, y: torch.tanh(y),
+    "var": lambda m, y: y * y.var(-1, keepdim=True),
+}
+
+
+class Heads(torch.nn.Module):
+    """Project, split the width into ``(heads, head_dim)``, apply a per-head or cross-head op,
+    merge (in either order) and project back."""
+
+    def __init__(self, c, heads, op, swap, bias):
+        super().__init__()
+        self.h, self.d, self.op, self.swap = heads, c // heads, op, swap
+        self.inp = torch.nn.Linear(c, c, bias=bias)
+        self.out = torch.nn.Linear(c, c, bias=bias)
+        self.p_hd = torch.nn.Parameter(torch.randn(heads, c // heads))
+        self.p_d = torch.nn.Parameter(torch.randn(c // heads))
+
+    def forward(self, x):
+        b, s, c = x.shape
+        y = HEAD_OPS[self.op](self, self.inp(x).view(b, s, self.h, self.d))
+        y = y.transpose(-1, -2).reshape(b, s, c) if self.swap else y.reshape(b, s, c)
+        return self.out(y)
+
+
+class Scale(torch.nn.Module):
+    """Channel-wise parameter scale (LayerScale), optionally with scalar arithmetic."""
+
+    def __init__(self, c, scalar):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(c))
+        self.scalar = scalar
+
+    def forward(self, x):
+        y = x * self.w
+        return 0.5 * y + 1.0 if self.scalar else y
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm written out: ``x * rsqrt(mean(x²) + eps) * w``."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(c))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.w
+
+
+class Widen(torch.nn.Module):
+    """``cat([x, W x])`` on the channels, then back to the width ``c``."""
+
+    def __init__(self, c, extra, bias):
+        super().__init__()
+        self.a = torch.nn.Linear(c, extra, bias=bias)
+        self.b = torch.nn.Linear(c + extra, c, bias=bias)
+
+    def forward(self, x):
+        return self.b(torch.cat([x, F.gelu(self.a(x))], dim=-1))
 
 
 class SliceCat(torch.nn.Module):
@@ -115,11 +224,11 @@ class Net(torch.nn.Module):
 @st.composite
 def width_block(draw, c, depth):
     """A block mapping width ``c`` to width ``c``."""
-    choices = ["linear", "act", "norm", "gate"]
+    choices = ["linear", "act", "norm", "gate", "scale", "widen"]
     if c >= 2:
         choices.append("slicecat")
     if c % 2 == 0:
-        choices.append("attention")
+        choices += ["attention", "heads"]
     if depth < 2:
         choices.append("residual")
     what = draw(st.sampled_from(choices))
@@ -129,12 +238,24 @@ def width_block(draw, c, depth):
     if what == "act":
         return Act(draw(st.sampled_from(sorted(Act.FNS))))
     if what == "norm":
-        return torch.nn.LayerNorm(c, elementwise_affine=draw(st.booleans()))
+        kind = draw(st.sampled_from(["layer", "rms"]))
+        return torch.nn.LayerNorm(c, elementwise_affine=draw(st.booleans())) if kind == "layer" \
+            else RMSNorm(c)
     if what == "gate":
         return Gate(c, draw(st.integers(2, 6)), draw(st.sampled_from(sorted(Act.FNS))), bias)
+    if what == "scale":
+        return Scale(c, draw(st.booleans()))
+    if what == "widen":
+        return Widen(c, draw(st.integers(1, 3)), bias)
+    if what == "heads":
+        heads = draw(st.sampled_from([h for h in (2, c // 2) if c % h == 0]))
+        return Heads(c, heads, draw(st.sampled_from(sorted(HEAD_OPS))), draw(st.booleans()), bias)
     if what == "attention":
         heads = draw(st.sampled_from([h for h in (1, 2, c // 2) if c % h == 0]))
-        return Attention(c, heads, bias, draw(st.booleans()))
+        kv = draw(st.sampled_from([k for k in (1, heads // 2, heads) if k >= 1 and heads % k == 0]))
+        rope = draw(st.sampled_from([None, "half", "interleaved"])) if (c // heads) % 2 == 0 else None
+        return Attention(c, heads, bias, draw(st.booleans()), kv=kv, rope=rope,
+                         eager=draw(st.booleans()), swap=draw(st.booleans()))
     if what == "slicecat":
         k = draw(st.integers(1, c - 1))
         first = draw(width_block(k, depth + 1)) if depth < 2 else Act("relu")

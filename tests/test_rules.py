@@ -475,3 +475,52 @@ def test_partial_rope_by_hand():
     r = analyze(Partial("half"), x_of(B, S, 4))
     assert sorted((g.kind, g.size, g.pairs) for g in r.groups) == [
         ("gl", 2, None), ("rope", 4, ((0, 2), (1, 3)))]
+
+
+# --- rounding, casts and copies -----------------------------------------------------------
+@pytest.mark.parametrize("f", [lambda h: torch.div(h, 0.3, rounding_mode="floor"),
+                               lambda h: torch.div(h, 0.3, rounding_mode="trunc"),
+                               lambda h: (3 * h).to(torch.int64).to(h.dtype),
+                               lambda h: h.bool().to(h.dtype) * h],
+                         ids=["floor_div", "trunc_div", "int_cast", "bool_cast"])
+def test_rounding_is_nonlinear(f):
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.b(f(self.a(x)))
+
+    r = analyze(M(), x_of(B, 4))
+    assert [(g.kind, g.size) for g in r.groups] == [("perm", 6)]
+
+
+def test_functional_copy_takes_the_source():
+    """``dst.copy_(src)`` functionalised to ``copy(dst, src)`` has src's values, not dst's."""
+    from symgraph.passes import analyze_graph
+    from symgraph.report import SymmetryReport
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = torch.nn.Linear(4, 6), torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            h = self.a(x)
+            h.copy_(self.b(x))
+            return self.c(h)
+
+    m = M()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.5)
+    x = x_of(B, 4)
+    ep = torch.export.export(m, (x,), strict=False).run_decompositions({})
+    assert "aten.copy.default" in {str(n.target) for n in ep.graph.nodes}
+    r = SymmetryReport(analyze_graph(ep), "M", ((x,), {}))
+    assert r.certify(m, inputs=(x,)) <= TOL
+    by_slot = {p: g for g in r.groups for p in g.params}
+    # b's rows flow into c; a's rows are overwritten (a free class of their own)
+    assert by_slot[("b.weight", 0)] is by_slot[("c.weight", 1)]
+    assert by_slot[("a.weight", 0)] is not by_slot[("c.weight", 1)]

@@ -34,9 +34,33 @@ LINEAR_UNARY = [
     aten.clone, aten.alias, aten.detach, aten.contiguous, aten.neg, aten.positive,
     aten.lift_fresh_copy, aten._to_copy, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
     aten.to.other, aten.type_as, aten.view_as, aten.real, aten.resolve_conj, aten.resolve_neg,
-    aten.conj_physical, aten.copy,
+    aten.conj_physical,
 ]
-register(LINEAR_UNARY)(_unary(None))
+_linear_unary = _unary(None)
+
+
+def _casts_to_integer(ctx):
+    """A cast from floating point to an integer or bool dtype rounds: elementwise nonlinear."""
+    x, out = ctx.arg(0), ctx.node.meta.get("val")
+    src = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
+            and src.is_floating_point() and not (out.is_floating_point() or out.is_complex()))
+
+
+@register(LINEAR_UNARY)
+def linear_unary(ctx):
+    cons = _linear_unary(ctx)
+    if _casts_to_integer(ctx):
+        cons += [Meet(o, "perm", f"{ctx.where}: cast to an integer dtype rounds")
+                 for o, s in zip(ctx.out, ctx.out_shape) if s > 1]
+    return cons
+
+
+@register(aten.copy)
+def copy(ctx):
+    # copy(dst, src) (functionalised ``dst.copy_(src)``) has src's values, broadcast to dst's
+    # shape; dst only gives the shape.
+    return broadcast(ctx.out, ctx.out_shape, [ctx.arg(1)], ctx, on_broadcast="perm")
 
 # Positively homogeneous: f(c x) = c f(x) for c > 0.
 register([aten.relu, aten.leaky_relu])(_unary("scaled_perm"))
@@ -114,9 +138,11 @@ def mul(ctx):
     return cons
 
 
-@register([aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode])
+@register([aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.div.Scalar_mode])
 def div(ctx):
     a, b = ctx.arg(0), ctx.arg(1)
+    if ctx.arg(2, "rounding_mode") is not None:  # floor/trunc division: elementwise nonlinear
+        return _nonlinear_nary(ctx)
     if _is_scalar(ctx, b):
         return broadcast(ctx.out, ctx.out_shape, [a], ctx)
     cons = broadcast(ctx.out, ctx.out_shape, [a, b], ctx)

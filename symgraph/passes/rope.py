@@ -16,7 +16,7 @@ import operator
 import numpy as np
 import torch
 
-from .registry import Rope, Unify
+from .registry import Meet, Rope, Unify
 
 aten = torch.ops.aten
 _BIG = 2 ** 62
@@ -320,8 +320,14 @@ def find_rope(graph, origin, axes_of, shape_of):
             if any(u not in pattern for m in internal for u in m.users):
                 continue  # an intermediate value escapes: not a pure RoPE application
             xa, out = axes_of(x), axes_of(node)
+            xs, os_ = shape_of(x), shape_of(node)
             off = len(out) - len(xa)
-            new = [Unify(o, a) for o, a in zip(out[off:], xa)]
+            new = []
+            for k, o in enumerate(out):  # x broadcast against the tables: those axes are fixed
+                if k >= off and xs[k - off] == os_[k]:
+                    new.append(Unify(o, xa[k - off]))
+                else:
+                    new.append(Meet(o, "identity", f"{node.name}: rotary tables broadcast x"))
             for const in (c, s):  # constants broadcast over other axes; their last axis is the angle
                 ca, cs = axes_of(const), shape_of(const)
                 coff = len(out) - len(ca)
