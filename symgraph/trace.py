@@ -117,22 +117,24 @@ def _unruled_decomposable(ep):
     """Decompositions for the unruled ops on parameter/input-dependent values, and whether a
     re-trace is needed anyway (composite ops, wrapped subgraphs: ``run_decompositions``
     inlines them)."""
-    from torch._decomp import core_aten_decompositions
-    table = core_aten_decompositions()
-    ops, retrace = set(), False
-    cia = torch._C.DispatchKey.CompositeImplicitAutograd
+    from .passes.analysis import IGNORED
+    unruled, retrace = set(), False
     for n in _varying_nodes(ep):
         t = n.target
         if n.op != "call_function":
             continue
         if isinstance(t, torch._ops.HigherOrderOperator):
             retrace = True
-        elif isinstance(t, torch._ops.OpOverload) and not has_rule(t):
-            if t in table:
-                ops.add(t)
-            elif t.has_kernel_for_dispatch_key(cia):
-                retrace = True
-    return {op: table[op] for op in ops}, retrace
+        elif isinstance(t, torch._ops.OpOverload) and not has_rule(t) \
+                and t.overloadpacket not in IGNORED:
+            unruled.add(t)
+    if not unruled:  # the usual case: building the table alone costs ~60 ms
+        return {}, retrace
+    from torch._decomp import core_aten_decompositions
+    table = core_aten_decompositions()
+    cia = torch._C.DispatchKey.CompositeImplicitAutograd
+    retrace = retrace or any(t not in table and t.has_kernel_for_dispatch_key(cia) for t in unruled)
+    return {t: table[t] for t in unruled if t in table}, retrace
 
 
 def trace(model, inputs=None):

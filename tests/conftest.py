@@ -93,6 +93,14 @@ def gptj_config():
         bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 
+def neox_config():
+    return transformers.GPTNeoXConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
+        intermediate_size=48, max_position_embeddings=32, rotary_pct=0.5, hidden_dropout=0.0,
+        attention_dropout=0.0, attn_implementation=ATTN, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0)
+
+
 HF = {
     "bert": (transformers.BertForMaskedLM, bert_config),
     "gpt2": (transformers.GPT2LMHeadModel, gpt2_config),
@@ -100,6 +108,7 @@ HF = {
     "vit": (transformers.ViTForImageClassification, vit_config),
     "phi": (transformers.PhiForCausalLM, phi_config),
     "gptj": (transformers.GPTJForCausalLM, gptj_config),
+    "neox": (transformers.GPTNeoXForCausalLM, neox_config),
 }
 
 
@@ -168,6 +177,11 @@ def phi():
 @pytest.fixture(scope="session")
 def gptj():
     return _hf_fixture("gptj")
+
+
+@pytest.fixture(scope="session")
+def neox():
+    return _hf_fixture("neox")
 
 
 @pytest.fixture(scope="session")

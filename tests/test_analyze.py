@@ -296,6 +296,25 @@ def test_partial_rotary_phi(phi):
     assert phi.report.certify(phi.model) <= TOL
 
 
+def test_partial_rotary_neox_fused_qkv(neox):
+    # fused QKV split with chunk (a composite op: symgraph re-traces to decompose it)
+    cfg = neox.config
+    heads = cfg.num_attention_heads
+    head_dim = cfg.hidden_size // heads
+    assert neox.report.frozen == []
+    for i in range(cfg.num_hidden_layers):
+        pre = f"gpt_neox.layers.{i}.attention."
+        groups = in_layer(neox.report.groups, pre)
+        rope = one([g for g in groups if g.kind == "rope"], "rope group")
+        assert (rope.blocks, rope.dim) == (heads, head_dim // 2)
+        assert set(rope.params) == {(pre + "query_key_value.weight", 0), (pre + "query_key_value.bias", 0)}
+        assert sorted(rope.variance) == ["co", "co", "contra", "contra"]  # Q rows co, K rows contra
+        rest = [g for g in groups if g.kind == "gl" and g.dim == head_dim - rope.dim]
+        vo = [g for g in groups if g.kind == "gl" and (pre + "dense.weight", 1) in g.params]
+        assert len(rest) == 1 and len(vo) == 1 and vo[0].dim == head_dim
+    assert neox.report.certify(neox.model) <= TOL
+
+
 def test_interleaved_rotary_gptj(gptj):
     cfg = gptj.config
     head_dim = cfg.n_embd // cfg.n_head

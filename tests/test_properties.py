@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import symgraph
-from symgraph.groups import PERMUTATION_FAMILY
 from symgraph.passes import has_rule
 
 aten = torch.ops.aten
@@ -287,14 +286,31 @@ def networks(draw):
     return net, x
 
 
-@settings(max_examples=30, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(networks())
-def test_random_networks_certify(net_x):
-    net, x = net_x
+def check_network(net, x):
     report = symgraph.analyze(net, inputs=(x,))
-    # the op without a rule is reported, by name
-    assert any(f.op == str(NORULE_OP) for f in report.frozen), report.frozen
+    # the op without a rule is reported, by name, with the module that ran it
+    frozen = [f for f in report.frozen if f.op == str(NORULE_OP)]
+    assert frozen, report.frozen
+    assert all(f.module.startswith("blocks.") for f in frozen)
     # soundness: one random element of every group at once leaves the outputs unchanged
     worst = report.certify(net, inputs=(x,), trials=2)
     assert worst <= 1e-6
+    # and every group is a real symmetry with parameter slots
+    assert all(g.params and g.size > 1 and g.kind != "identity" for g in report.groups)
+    return report
+
+
+_HC = [HealthCheck.too_slow, HealthCheck.data_too_large]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=_HC)
+@given(networks())
+def test_random_networks_certify(net_x):
+    check_network(*net_x)
+
+
+@pytest.mark.slow
+@settings(max_examples=400, deadline=None, suppress_health_check=_HC)
+@given(networks())
+def test_random_networks_certify_long(net_x):
+    check_network(*net_x)
