@@ -161,7 +161,8 @@ def load_checkpoint(path: str | os.PathLike, arch: str, attn_implementation: str
 def training_info(arch: str, seed: int, size: str = "quick", steps: int | None = None) -> dict:
     """Return the ``training_info.json`` of a cached checkpoint.
 
-    Contains ``train_seconds``, ``init_eval_loss``, ``eval_loss``,
+    Contains ``train_seconds`` (wall), ``train_cpu_seconds`` (process CPU
+    time, all threads), ``init_eval_loss``, ``eval_loss``,
     ``final_train_loss`` (mean of the last 10% of steps) and the key fields.
 
     Raises
@@ -243,11 +244,24 @@ def _fit(model: torch.nn.Module, arch: str, size: str, seed: int, steps: int, ve
     return losses
 
 
+def _save_quietly(model: torch.nn.Module, directory: Path) -> None:
+    """``save_pretrained`` (safetensors) without the per-shard progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(str(directory), safe_serialization=True)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _save_atomically(model: torch.nn.Module, info: dict, final: Path) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        _save_quietly(model, tmp)
         (tmp / _INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
         try:
             os.rename(tmp, final)
@@ -302,15 +316,17 @@ def train_model(
     if use_cache and not force and (path / _INFO_FILE).is_file():
         return load_checkpoint(path, arch, attn_implementation)
 
+    record = use_cache or verbose  # the held-out losses only go to the info file / log
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(num_threads())
     try:
         model = zoo.build_model(arch, seed, size, attn_implementation)
-        init_loss = evaluate.eval_loss(model, arch)
-        start = time.perf_counter()
+        init_loss = evaluate.eval_loss(model, arch) if record else float("nan")
+        start, cpu_start = time.perf_counter(), time.process_time()
         losses = _fit(model, arch, size, seed, steps, verbose)
         seconds = time.perf_counter() - start
-        final_loss = evaluate.eval_loss(model, arch)
+        cpu_seconds = time.process_time() - cpu_start
+        final_loss = evaluate.eval_loss(model, arch) if record else float("nan")
     finally:
         torch.set_num_threads(previous_threads)
     tail = losses[-max(1, steps // 10):] if losses else [float("nan")]
@@ -320,6 +336,7 @@ def train_model(
         "seed": seed,
         "steps": steps,
         "train_seconds": seconds,
+        "train_cpu_seconds": cpu_seconds,
         "init_eval_loss": init_loss,
         "eval_loss": final_loss,
         "final_train_loss": sum(tail) / len(tail),

@@ -145,13 +145,13 @@ class ModelSpec:
 # Quick settings are sized so that all 4 architectures x 3 seeds + gpt2_wide
 # train in a few minutes on 2 CPU cores; full settings are ~4x wider/deeper.
 
-_LM_QUICK = SizeSetting(hidden=64, layers=2, heads=4, mlp_mult=4, steps=300, batch_size=32, lr=3e-3)
+_LM_QUICK = SizeSetting(hidden=64, layers=2, heads=4, mlp_mult=4, steps=500, batch_size=32, lr=3e-3)
 _LM_FULL = SizeSetting(hidden=128, layers=4, heads=4, mlp_mult=4, steps=2000, batch_size=32, lr=1e-3)
 
 SPECS: dict[str, ModelSpec] = {
     "bert": ModelSpec(
         name="bert", family="bert", task="mlm", dataset="prose", block_size=64,
-        quick=dataclasses.replace(_LM_QUICK, steps=400),
+        quick=dataclasses.replace(_LM_QUICK, steps=700),
         full=dataclasses.replace(_LM_FULL, steps=3000),
     ),
     "gpt2": ModelSpec(
@@ -239,7 +239,8 @@ def make_config(arch: str, size: str = "quick"):
         return GPT2Config(
             vocab_size=vocab, n_positions=spec.block_size, n_embd=s.hidden,
             n_layer=s.layers, n_head=s.heads, n_inner=s.mlp_width,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
+            use_cache=False,
             bos_token_id=data.PAD_ID, eos_token_id=data.PAD_ID, pad_token_id=data.PAD_ID,
             **spec.extra,
         )
