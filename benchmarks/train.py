@@ -16,7 +16,8 @@ Cache layout (root from ``SYMGRAPH_CACHE``, default ``~/.cache/symgraph``)::
         training_info.json
 
 The fingerprint hashes everything else that determines the weights (spec
-setting, data contents, optimiser settings, :data:`CACHE_VERSION`), so a
+setting, model config, data contents, optimiser settings,
+:data:`CACHE_VERSION`), so a
 changed spec table or Python installation never reuses a stale checkpoint.
 Entries are written to a temporary sibling directory and renamed into place,
 so readers never see a partial checkpoint.
@@ -28,6 +29,7 @@ the whole zoo and print timings and losses.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -78,6 +80,20 @@ def num_threads() -> int:
     return int(os.environ.get("SYMGRAPH_NUM_THREADS", DEFAULT_NUM_THREADS))
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    """Silence the Hugging Face per-shard save / load progress bars."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 # ---------------------------------------------------------------------------
 # Cache keys
 # ---------------------------------------------------------------------------
@@ -97,6 +113,7 @@ def _fingerprint(arch: str, size: str) -> str:
         "data": data.data_fingerprint(spec.dataset),
         "block_size": spec.block_size,
         "setting": {k: v for k, v in dataclasses.asdict(spec.setting(size)).items() if k != "steps"},
+        "config": {k: v for k, v in zoo.make_config(arch, size).to_dict().items() if k != "transformers_version"},
         "extra": dict(spec.extra),
         "optim": [WARMUP_FRACTION, MIN_LR_FRACTION, WEIGHT_DECAY, list(ADAM_BETAS), GRAD_CLIP, DATA_SEED_OFFSET],
     }
@@ -150,11 +167,12 @@ def load_checkpoint(path: str | os.PathLike, arch: str, attn_implementation: str
     transformers.PreTrainedModel
         The model in ``eval()`` mode, float32, on CPU.
     """
-    model = zoo.model_class(arch).from_pretrained(
-        str(path),
-        attn_implementation=attn_implementation or zoo.ATTN_IMPLEMENTATION,
-        dtype=torch.float32,
-    )
+    with _no_progress_bars():
+        model = zoo.model_class(arch).from_pretrained(
+            str(path),
+            attn_implementation=attn_implementation or zoo.ATTN_IMPLEMENTATION,
+            dtype=torch.float32,
+        )
     return model.eval()
 
 
@@ -244,24 +262,12 @@ def _fit(model: torch.nn.Module, arch: str, size: str, seed: int, steps: int, ve
     return losses
 
 
-def _save_quietly(model: torch.nn.Module, directory: Path) -> None:
-    """``save_pretrained`` (safetensors) without the per-shard progress bar."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(str(directory), safe_serialization=True)
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
 def _save_atomically(model: torch.nn.Module, info: dict, final: Path) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
-        _save_quietly(model, tmp)
+        with _no_progress_bars():
+            model.save_pretrained(str(tmp), safe_serialization=True)
         (tmp / _INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
         try:
             os.rename(tmp, final)
