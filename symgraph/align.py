@@ -10,7 +10,6 @@ assignment of heads whose cost is each head pair's best inner alignment).
 from __future__ import annotations
 
 import copy
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -20,13 +19,21 @@ import torch
 from . import solve as S
 from .errors import InputError, StructureMismatchError
 from .groups import orthogonal_part
-from .trace import eval_mode, split_inputs
 from .transform import Map, apply_along, axis_matrix
 
 # --- coordinate tables ---------------------------------------------------------------------
 
 
 def coord_table(an, axis):
+    """Memoised :func:`_coord_table` (an analysis' structures are final once it is built)."""
+    r = an.uf.find(axis)[0]
+    memo = an.__dict__.setdefault("_coord_tables", {})
+    if r not in memo:
+        memo[r] = _coord_table(an, axis)
+    return memo[r]
+
+
+def _coord_table(an, axis):
     """Per coordinate of ``axis``: the index into each leaf class, and a path id that tells
     apart the segments of direct sums. Returns ``(paths [n], {leaf_root: idx [n] or -1})``."""
     uf = an.uf
@@ -355,13 +362,11 @@ class _ActStats:
         return cov / torch.einsum("ai,bj->abij", sa, sb)
 
 
-def _activation_similarity(ra, rb, ma, mb, data, pairs, max_samples=4096):
+def _activation_similarity(ra, rb, data, pairs, max_samples=4096):
     ea, eb = ra._analysis, rb._analysis
     plan = {}  # group index -> list of (node_a, node_b, k)
-    na_by_name = {n.name: n for n in ea.graph.nodes}
     nodes_a, nodes_b = list(ea.graph.nodes), list(eb.graph.nodes)
     pos_b = {n: i for i, n in enumerate(nodes_b)}
-    pos_a = {n: i for i, n in enumerate(nodes_a)}
     for i, (ga, gb) in enumerate(pairs):
         pts = []
         for node_b, k in _observation_points(eb, gb.root):
@@ -385,7 +390,6 @@ def _activation_similarity(ra, rb, ma, mb, data, pairs, max_samples=4096):
                   if x[1] == need and x[0].dim() == need + 1 and y[0].dim() == x[0].dim()]
             views[(i, node_a.name)] = ([x for x, _ in ok], [y for _, y in ok], k)
     gm_a, gm_b = ea.ep.module(), eb.ep.module()
-    del na_by_name, pos_a
     for bi, batch in enumerate(data):
         args, kwargs = _batch_inputs(ra, batch, bi)
         cap_a, cap_b = {}, {}
@@ -412,7 +416,6 @@ def _act_gather(x, k, idx, nf):
     Every other axis of ``x`` and the other leaves ``O`` of the same axis count as samples.
     """
     moved = x.movedim(k, -1)
-    lead = moved.dim() - 1
     g = moved[..., idx.reshape(-1)].reshape(*moved.shape[:-1], *idx.shape)
     n_o = idx.dim() - nf - 1
     if n_o:
@@ -547,7 +550,7 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
     if data is None:
         sim = wsim
     else:
-        stats, _ = _activation_similarity(ra, rb, model_a, model_b, data,
+        stats, _ = _activation_similarity(ra, rb, data,
                                           [(ga, b_of[ga.id]) for ga in ra.groups])
         # activations where a class is observed cleanly; weights (given the rest) elsewhere
         def sim(ga, cross):
@@ -576,7 +579,7 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
                 if kind == "fixed-heads":
                     for m, s in keep:
                         diag = torch.stack([s[h, h] for h in range(s.shape[0])])
-                        res = S.solve(_solver_kind(m, solver), diag, pairs=m.pairs, solver=_inner_solver(m, inner))
+                        res = S.solve(orthogonal_part(m.kind), diag, pairs=m.pairs, solver=_inner_solver(m, inner))
                         elements[b_of[m.id].root] = res.element
                         results[m.id] = res
                         solve_s += res.seconds
@@ -611,10 +614,6 @@ def _signature(elements):
         v = v.co if isinstance(v, Map) else v
         out.append((k, round(float(v.abs().sum()), 6), round(float((v * torch.arange(v.numel()).reshape(v.shape)).sum()), 3)))
     return tuple(out)
-
-
-def _solver_kind(g, solver):
-    return orthogonal_part(g.kind)
 
 
 def _inner_solver(g, inner):
@@ -654,5 +653,3 @@ def _act_matrix(stats, g, cross):
         return m if cross else torch.stack([m[h, h] for h in range(m.shape[0])])
     return m[0, 0]
 
-
-_ = math

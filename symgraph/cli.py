@@ -6,7 +6,6 @@ nothing written; ``--debug`` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import textwrap

@@ -55,22 +55,14 @@ def _signed_map(node, x, nodes):
         end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else len(v)
         step = node.args[4] if len(node.args) > 4 else 1
         out = v[start:min(end, len(v)):step]
-    elif p in (aten.cat,):
+    elif p in (aten.cat, aten.stack):
         tensors, d = node.args[0], node.args[1] if len(node.args) > 1 else 0
         if d not in (-1, nd - 1):
             return None
         vs = [_signed_map(t, x, nodes) for t in tensors]
         if any(v is None or v.ndim != 1 for v in vs):
             return None
-        out = np.concatenate(vs)
-    elif p in (aten.stack,):
-        tensors, d = node.args[0], node.args[1] if len(node.args) > 1 else 0
-        if d not in (-1, nd - 1):
-            return None
-        vs = [_signed_map(t, x, nodes) for t in tensors]
-        if any(v is None or v.ndim != 1 for v in vs):
-            return None
-        out = np.stack(vs, axis=-1)
+        out = np.concatenate(vs) if p == aten.cat else np.stack(vs, axis=-1)
     elif p in (aten.unsqueeze,):
         src, d = node.args
         if d not in (-1, nd - 1):

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -177,5 +176,3 @@ def solve(kind: str, S, *, pairs=None, solver: str | None = None, rescale=False,
         return optimal_transport(S, reg=reg if reg is not None else 0.01)
     raise ValueError(f"unknown solver {solver!r}; expected one of {SOLVERS}")
 
-
-_ = math
