@@ -520,7 +520,10 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
     solver : None (by group kind: Hungarian / Procrustes / RoPE / OT for different widths),
         "ot" (exact transport), "sinkhorn" (soft maps, ``reg``).
     inner : "procrustes" (seed 003) or "hungarian" (seed 002) inside heads.
-    groups : optional predicate ``group -> bool`` selecting which groups to align.
+    groups : optional predicate ``group -> bool`` selecting which groups to align. Groups
+        not selected keep B's order; when a head class is not selected but classes fibred
+        over it are, heads are paired by index and each head's inner element is solved
+        (seed 003's per-head Procrustes).
     """
     from . import analyze
     for m, label in ((model_a, "model_a"), (model_b, "model_b")):
@@ -576,7 +579,8 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
                 keep = [(m, s) for m, s in zip(mem, Ss) if s is not None]
                 if not keep:
                     continue
-                if kind == "fixed-heads":
+                if kind == "fixed-heads" or not sel[outer.id]:
+                    # heads kept in index order (no head class, or not selected): per-head inner
                     for m, s in keep:
                         diag = torch.stack([s[h, h] for h in range(s.shape[0])])
                         res = S.solve(orthogonal_part(m.kind), diag, pairs=m.pairs, solver=_inner_solver(m, inner))
