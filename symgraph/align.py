@@ -19,7 +19,7 @@ import torch
 from . import solve as S
 from .errors import InputError, StructureMismatchError
 from .groups import orthogonal_part
-from .transform import Map, apply_along, axis_matrix
+from .transform import Map, _is_perm, apply_along, axis_matrix
 
 # --- coordinate tables ---------------------------------------------------------------------
 
@@ -148,7 +148,8 @@ class Alignment:
 
 def _check_finite(model, label):
     for name, p in model.named_parameters():
-        if not p.is_meta and not torch.isfinite(p).all():
+        # a sum is finite iff every term is, barring overflow: then check element-wise
+        if not p.is_meta and not torch.isfinite(p.detach().sum()) and not torch.isfinite(p).all():
             bad = int((~torch.isfinite(p)).sum())
             raise InputError(f"{label} has {bad} NaN/inf values in parameter {name!r}; "
                              "expected finite weights")
@@ -194,46 +195,125 @@ def check_compatible(ra, rb):
 
 
 class _WeightFeatures:
+    """Similarity of a class from the weights, as a sum of per-slot contributions.
+
+    A slot's contribution depends on the elements of the classes on the parameter's other
+    axes (its *dependencies*); contributions are cached with the versions of those elements
+    and recomputed only when one of them changed. Weights stay in their own dtype (no float64
+    copies of either model): permutation classes rank in that dtype, continuous classes gather
+    their (small) slices into float64 so that Procrustes is exact.
+    """
+
+    CACHE_NUMEL = 1 << 20  # contributions larger than this (e.g. MLP×MLP) are not kept
+
     def __init__(self, ra, rb, model_a, model_b):
         self.ra, self.rb = ra, rb
         self.ea, self.eb = ra._analysis, rb._analysis
-        self.A = {k: model_a.get_parameter(k).detach().double() for k in self.ea.param_nodes}
-        self.B = {k: model_b.get_parameter(k).detach().double() for k in self.eb.param_nodes}
+        self.A = {k: model_a.get_parameter(k).detach() for k in self.ea.param_nodes}
+        self.B = {k: model_b.get_parameter(k).detach() for k in self.eb.param_nodes}
+        self._cache: dict = {}
+        self._deps: dict = {}
+        self._axis_memo: dict = {}
+        self.versions: dict = {}  # shared with the solve loop: B class root -> changes so far
 
-    def similarity(self, ga, gb, elements, cross_fibres: bool):
-        """``S [*F_A, *F_B, n_A, n_B]`` (cross_fibres) summed over every slot of the group."""
-        total, na2, nb2 = None, 0.0, 0.0
-        for (name, d) in dict.fromkeys(ga.params):
-            na, nb = self.ea.param_nodes[name], self.eb.param_nodes[name]
-            ax_a, ax_b = self.ea.node_axes[na], self.eb.node_axes[nb]
-            tb = self.B[name]
-            for k, a in enumerate(ax_b):  # other dims into A's basis
-                if k == d:
-                    continue
-                M = axis_matrix(self.eb, a, elements)
-                if M is not None:
-                    tb = apply_along(tb, k, M)
-            ta = self.A[name]
-            va, vb = leaf_views(self.ea, ax_a[d], ga.root), leaf_views(self.eb, ax_b[d], gb.root)
-            for (ia, fa), (ib, fb) in zip(va, vb):
-                others = self._other_leaf_elements(ax_b[d], gb.root, elements)
-                if others is None:
-                    continue  # another leaf of this axis is not solved yet: its order is unknown
-                xa = _gather(ta, d, ia, fa)  # [*F, n, m]
-                xb = _gather(tb, d, ib, fb, others)
-                if xa.shape[-1] != xb.shape[-1]:
-                    continue
-                s = _cross(xa, xb, fa, cross_fibres)
-                total = s if total is None else total + s
-                if fa and cross_fibres:
-                    na2 = na2 + (xa.reshape(-1, *xa.shape[fa:]) ** 2).sum((-1, -2))
-                    nb2 = nb2 + (xb.reshape(-1, *xb.shape[fb:]) ** 2).sum((-1, -2))
+    def _axis_op(self, a, elements):
+        """B's current map on axis ``a``: an index vector for a permutation, else the dense
+        matrix; memoised by the versions of the axis' leaf classes."""
+        eb = self.eb
+        leaves = eb.leaves(a)
+        key = (eb.uf.find(a), tuple((r in elements, self.versions.get(r, 0)) for r in leaves))
+        hit = self._axis_memo.get(key, False)
+        if hit is False:
+            M = axis_matrix(eb, a, elements)
+            if M is not None and _is_perm(M):
+                M = M.argmax(1)
+            hit = M
+            if M is None or M.dim() == 1 or M.numel() <= self.CACHE_NUMEL:
+                self._axis_memo[key] = hit
+        return hit
+
+    def slots(self, ga):
+        return list(dict.fromkeys(ga.params))
+
+    def deps(self, gb, name, d):
+        """B's leaf classes (other than ``gb`` and its fibres) that the slot's feature uses."""
+        key = (gb.root, name, d)
+        if key not in self._deps:
+            eb = self.eb
+            ax = eb.node_axes[eb.param_nodes[name]]
+            out = set()
+            for k, a in enumerate(ax):
+                if k != d:
+                    out.update(eb.leaves(a))
+            fib = set(eb.fibre.get(gb.root, ()))
+            out.update(x for x in eb.leaves(ax[d]) if x != gb.root and x not in fib)
+            self._deps[key] = frozenset(out)
+        return self._deps[key]
+
+    def similarity(self, ga, gb, elements, cross_fibres: bool, versions=None, usable=None):
+        """``(S, complete, deps)``: ``S [*F_A, *F_B, n_A, n_B]`` (cross_fibres) summed over the
+        slots whose dependencies are ``usable`` (all by default); ``complete`` is False when a
+        slot was left out; ``deps`` are the classes the used slots depend on."""
+        versions = versions if versions is not None else {}
+        exact = orthogonal_part(ga.kind) not in ("perm", "signed_perm")
+        total, na2, nb2, complete, used = None, 0.0, 0.0, True, set()
+        for name, d in self.slots(ga):
+            dep = self.deps(gb, name, d)
+            if usable is not None and not usable(dep):
+                complete = False
+                continue
+            key = (ga.id, name, d, cross_fibres)
+            ver = tuple(sorted((r, versions.get(r, 0)) for r in dep))
+            hit = self._cache.get(key)
+            if hit is None or hit[0] != ver:
+                val = self._slot(ga, gb, name, d, elements, cross_fibres, exact)
+                if val[0] is not None and val[0].numel() <= self.CACHE_NUMEL and not val[3]:
+                    self._cache[key] = (ver, val)
+            else:
+                val = hit[1]
+            s, a2, b2, partial = val
+            complete &= not partial
+            if s is None:
+                continue
+            used |= dep
+            total = s if total is None else total + s
+            na2, nb2 = na2 + a2, nb2 + b2
         if total is not None and total.dim() == 4:
             # per head pair, scale by the features' norms: the matching pair then scores
             # exactly 1 per class and every other pair at most 1 (Cauchy-Schwarz)
             total = total / (na2.clamp_min(1e-30).sqrt()[:, None, None, None]
                              * nb2.clamp_min(1e-30).sqrt()[None, :, None, None])
-        return total
+        return total, complete, frozenset(used)
+
+    def _slot(self, ga, gb, name, d, elements, cross_fibres, exact):
+        na, nb = self.ea.param_nodes[name], self.eb.param_nodes[name]
+        ax_a, ax_b = self.ea.node_axes[na], self.eb.node_axes[nb]
+        ta, tb = self.A[name], self.B[name]
+        if exact:
+            ta, tb = ta.double(), tb.double()
+        for k, a in enumerate(ax_b):  # other dims into A's basis
+            if k == d:
+                continue
+            M = self._axis_op(a, elements)
+            if M is not None:
+                tb = apply_along(tb, k, M)
+        total, a2, b2, partial = None, 0.0, 0.0, False
+        va, vb = leaf_views(self.ea, ax_a[d], ga.root), leaf_views(self.eb, ax_b[d], gb.root)
+        for (ia, fa), (ib, fb) in zip(va, vb):
+            others = self._other_leaf_elements(ax_b[d], gb.root, elements)
+            if others is None:
+                partial = True  # another leaf of this axis is not solved yet: order unknown
+                continue
+            xa = _gather(ta, d, ia, fa)  # [*F, n, m]
+            xb = _gather(tb, d, ib, fb, others)
+            if xa.shape[-1] != xb.shape[-1]:
+                continue
+            s = _cross(xa, xb, fa, cross_fibres)
+            total = s if total is None else total + s
+            if fa and cross_fibres:
+                a2 = a2 + (xa.reshape(-1, *xa.shape[fa:]) ** 2).sum((-1, -2))
+                b2 = b2 + (xb.reshape(-1, *xb.shape[fb:]) ** 2).sum((-1, -2))
+        return total, a2, b2, partial
 
     def _other_leaf_elements(self, axis, target, elements):
         """(position among O, element, fibre positions) for O leaves that have elements."""
@@ -263,7 +343,12 @@ def _gather(t, d, idx, nf, others=None):
     """Gather ``t``'s dim ``d`` by ``idx [*F, n, *O]`` → ``[*F, n, m]``; ``others`` holds the
     current elements of the O leaves (applied first, so B's O coordinates are in A's order)."""
     moved = t.movedim(d, 0)
-    x = moved[idx.reshape(-1)].reshape(*idx.shape, *moved.shape[1:])
+    flat = idx.reshape(-1)
+    if nf == 0 and idx.dim() == 1 and len(flat) == moved.shape[0] and bool(
+            (flat == torch.arange(len(flat))).all()):
+        x = moved  # the whole axis in order: a view, no copy (embeddings)
+    else:
+        x = moved[flat].reshape(*idx.shape, *moved.shape[1:])
     for pos, E, fpos in (others or []):
         x = _apply_leaf(x, nf + 1 + pos, E, fpos)
     lead = idx.shape[: nf + 1]
@@ -548,7 +633,11 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
     solve_s = 0.0
     units = [u for u in _units(ra) if any(sel[g.id] for g in ([u[1]] if u[1] else []) + u[2])]
     feats = _WeightFeatures(ra, rb, model_a, model_b)
-    wsim = lambda ga, cross: feats.similarity(ga, b_of[ga.id], elements, cross)  # noqa: E731
+    versions = feats.versions  # B class root -> number of times its element changed
+    state = {"usable": None}
+
+    def wsim(ga, cross):
+        return feats.similarity(ga, b_of[ga.id], elements, cross, versions, state["usable"])
     sweeps = max_iter
     if data is None:
         sim = wsim
@@ -558,52 +647,76 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
         # activations where a class is observed cleanly; weights (given the rest) elsewhere
         def sim(ga, cross):
             m = _act_matrix(stats[ga.id], ga, cross)
-            return m if m is not None else wsim(ga, cross)
+            return (m, True, frozenset()) if m is not None else wsim(ga, cross)
         if all(stats[g.id].n > 0 for g in ra.groups):
             sweeps = 1
-    prev = None
+
+    def roots(u):
+        kind, outer, members = u
+        gs = ([outer] if outer is not None and sel[outer.id] else []) + [m for m in members if sel[m.id]]
+        return {b_of[g.id].root for g in gs}
+
+    def set_element(g, el, res):
+        nonlocal solve_s, changed
+        r = b_of[g.id].root
+        if not _same(elements.get(r), el):
+            versions[r] = versions.get(r, 0) + 1
+            changed = True
+        elements[r] = el
+        results[g.id] = res
+        solve_s += res.seconds
+
+    last: dict = {}  # unit index -> (versions of the classes it used, complete)
     for sweep in range(sweeps):
-        for kind, outer, members in units:
+        changed = False
+        if sweep == 0:
+            order = _schedule(units, roots, feats, b_of, sel)
+        for ui in order:
+            kind, outer, members = units[ui]
+            if sweep > 0 and ui in last:
+                used, complete = last[ui]
+                if complete and all(versions.get(r, 0) == v for r, v in used.items()):
+                    continue  # nothing it depends on changed since it was solved
+            # first sweep: only slots whose other axes are known (fixed or already solved)
+            pending = set().union(*(roots(units[j]) for j in order[order.index(ui) + 1:])) \
+                if sweep == 0 else set()
+            state["usable"] = (lambda dep: not (dep & pending)) if pending else None
+            mem = [outer] if kind == "single" else [m for m in members if sel[m.id]]
+            got = [sim(m, kind != "single") for m in mem]
+            if sweep == 0 and not any(x[0] is not None for x in got):
+                state["usable"] = None  # nothing clean: assume the rest in B's order for now
+                got = [sim(m, kind != "single") for m in mem]
+            state["usable"] = None
+            used = set().union(*(x[2] for x in got))
+            last[ui] = ({r: versions.get(r, 0) for r in used}, all(x[1] for x in got))
+            keep = [(m, x[0]) for m, x in zip(mem, got) if x[0] is not None]
+            if not keep:
+                continue
             if kind == "single":
-                ga = outer
-                s = sim(ga, False)
-                if s is None:
-                    continue
+                ga, s = keep[0]
                 res, el = _solve_single(ga, b_of[ga.id], s, solver, rescale, reg, ra, rb)
-                elements[b_of[ga.id].root] = el
-                results[ga.id] = res
-                solve_s += res.seconds
+                set_element(ga, el, res)
+            elif kind == "fixed-heads" or not sel[outer.id]:
+                # heads kept in index order (no head class, or not selected): per-head inner
+                for m, s in keep:
+                    diag = torch.stack([s[h, h] for h in range(s.shape[0])])
+                    res = S.solve(orthogonal_part(m.kind), diag, pairs=m.pairs,
+                                  solver=_inner_solver(m, inner))
+                    set_element(m, res.element, res)
             else:
-                mem = [m for m in members if sel[m.id]]
-                Ss = [sim(m, True) for m in mem]
-                keep = [(m, s) for m, s in zip(mem, Ss) if s is not None]
-                if not keep:
-                    continue
-                if kind == "fixed-heads" or not sel[outer.id]:
-                    # heads kept in index order (no head class, or not selected): per-head inner
-                    for m, s in keep:
-                        diag = torch.stack([s[h, h] for h in range(s.shape[0])])
-                        res = S.solve(orthogonal_part(m.kind), diag, pairs=m.pairs, solver=_inner_solver(m, inner))
-                        elements[b_of[m.id].root] = res.element
-                        results[m.id] = res
-                        solve_s += res.seconds
-                    continue
                 kinds = [orthogonal_part(m.kind) for m, _ in keep]
                 out_res, inner_els = S.nested_heads(
                     [s for _, s in keep], kinds, [m.pairs for m, _ in keep], inner=inner,
                     outer="hungarian" if solver not in ("ot", "sinkhorn") else "ot")
                 HA, HB = keep[0][1].shape[:2]
-                elements[b_of[outer.id].root] = _element_from(out_res, "perm", HA, HB)
-                results[outer.id] = out_res
-                solve_s += out_res.seconds
+                set_element(outer, _element_from(out_res, "perm", HA, HB), out_res)
+                match = out_res.element.argmax(0)
                 for (m, s), el in zip(keep, inner_els):
                     nA, nB = s.shape[-2:]
-                    elements[b_of[m.id].root] = el if nA == nB else Map.from_plan(el)
-                    results[m.id] = S.SolveResult(el, float((el * s[out_res.element.argmax(0), torch.arange(HB)]).sum()))
-        sig = _signature(elements)
-        if prev is not None and sig == prev:
+                    obj = float((el * s[match, torch.arange(HB)]).sum())
+                    set_element(m, el if nA == nB else Map.from_plan(el), S.SolveResult(el, obj))
+        if not changed:
             break
-        prev = sig
     al = Alignment(ra, rb, elements, results, "weights" if data is None else "activations",
                    {"analyze": t_an, "solver": solve_s, "total": time.perf_counter() - t0,
                     "sweeps": sweep + 1})
@@ -611,13 +724,35 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
     return al
 
 
-def _signature(elements):
-    out = []
-    for k in sorted(elements):
-        v = elements[k]
-        v = v.co if isinstance(v, Map) else v
-        out.append((k, round(float(v.abs().sum()), 6), round(float((v * torch.arange(v.numel()).reshape(v.shape)).sum()), 3)))
-    return tuple(out)
+def _same(old, new):
+    if old is None:
+        return False
+    a = old.co if isinstance(old, Map) else old
+    b = new.co if isinstance(new, Map) else new
+    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=0, atol=1e-9))
+
+
+def _schedule(units, roots, feats, b_of, sel):
+    """Order the first sweep so that each unit is solved when as much of its weight (by
+    parameter size) as possible has its other axes known: classes whose features sit on fixed
+    axes (the residual stream through the embeddings) go first, then the ones that need them."""
+    pending = set().union(*(roots(u) for u in units)) if units else set()
+    left, order = list(range(len(units))), []
+    slot_info = {}
+    for i, (kind, outer, members) in enumerate(units):
+        gs = [outer] if kind == "single" else [m for m in members if sel[m.id]]
+        slot_info[i] = [(feats.deps(b_of[g.id], n, d), feats.B[n].numel())
+                        for g in gs for n, d in feats.slots(g)]
+    while left:
+        def known(i):
+            mine = roots(units[i])
+            tot = sum(w for _, w in slot_info[i]) or 1
+            return sum(w for dep, w in slot_info[i] if not (dep & (pending - mine))) / tot
+        best = max(left, key=lambda i: (known(i), -i))
+        order.append(best)
+        left.remove(best)
+        pending -= roots(units[best])
+    return order
 
 
 def _inner_solver(g, inner):

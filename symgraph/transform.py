@@ -17,7 +17,20 @@ from .errors import InputError
 
 
 def _inv_t(E):
+    if _is_perm(E):
+        return E  # P^{-T} = P
+    eye = torch.eye(E.shape[-1], dtype=E.dtype)
+    if E.shape[-1] == E.shape[-2] and bool(((E @ E.mT) - eye).abs().max() <= 1e-12):
+        return E  # orthogonal (Procrustes, RoPE): R^{-T} = R
     return torch.linalg.inv(E).mT
+
+
+def _is_perm(M):
+    """A (batch of) permutation matrices: exactly one nonzero per row, rows and columns sum
+    to 1 (so that nonzero is 1 and no column is hit twice). Three reductions, no copies."""
+    n = M.shape[-1]
+    return (M.shape[-2] == n and int(M.count_nonzero()) == M.numel() // n
+            and bool((M.sum(-1) == 1).all()) and bool((M.sum(-2) == 1).all()))
 
 
 class Map:
@@ -164,11 +177,16 @@ def _broadcast_fibres(E, have, want, uf):
     return E.expand(*[uf.size[x] for x in want], *E.shape[-2:])
 
 
-def apply_along(t: torch.Tensor, d: int, M: torch.Tensor) -> torch.Tensor:
-    """``t`` with ``M`` applied along dim ``d``: ``t'[.., i, ..] = Σ_j M[i, j] t[.., j, ..]``."""
+def apply_along(t: torch.Tensor, d: int, M) -> torch.Tensor:
+    """``t`` with ``M`` applied along dim ``d``: ``t'[.., i, ..] = Σ_j M[i, j] t[.., j, ..]``.
+
+    ``M`` may also be a 1-D index tensor: the permutation ``t'[.., i, ..] = t[.., M[i], ..]``.
+    """
     moved = t.movedim(d, 0)
     shape = moved.shape
-    if M.shape[0] == M.shape[1] and bool(((M == 0) | (M == 1)).all()) and bool((M.sum(1) == 1).all()):
+    if M.dim() == 1:
+        return moved[M].movedim(0, d)
+    if _is_perm(M):
         return moved[M.argmax(1)].movedim(0, d)  # a permutation: gather, no matmul
     out = (M.to(t.dtype) @ moved.reshape(shape[0], -1)).reshape(M.shape[0], *shape[1:])
     return out.movedim(0, d)

@@ -39,11 +39,18 @@ def hungarian(S) -> SolveResult:
     """
     s = _np(S)
     t = time.perf_counter()
-    rows, cols = linear_sum_assignment(s, maximize=True)
+    am = s.argmax(1)
+    if s.shape[0] == s.shape[1] and np.unique(am).size == s.shape[0]:
+        # every row's best column is distinct: Σ_i max_j S_ij is attained, so this permutation
+        # is optimal without running the assignment (models already nearly aligned)
+        rows, cols, status = np.arange(s.shape[0]), am, "optimal (row maxima)"
+    else:
+        rows, cols = linear_sum_assignment(s, maximize=True)
+        status = "optimal"
     dt = time.perf_counter() - t
     P = torch.zeros(s.shape, dtype=torch.float64)
     P[rows, cols] = 1.0
-    return SolveResult(P, float(s[rows, cols].sum()), seconds=dt)
+    return SolveResult(P, float(s[rows, cols].sum()), status=status, seconds=dt)
 
 
 def procrustes(S, rescale: bool = False) -> SolveResult:
@@ -123,12 +130,21 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
     B's head ``b`` is the solution for its matched pair. ``inner="hungarian"`` matches head
     dimensions by permutation (seed 002); ``"procrustes"`` rotates them (seed 003).
     """
+    S_inner = [torch.as_tensor(S, dtype=torch.float64) for S in S_inner]
     HA, HB = S_inner[0].shape[:2]
     score = torch.zeros(HA, HB, dtype=torch.float64)
     sols = []
     secs = 0.0
     for S, kind, pr in zip(S_inner, kinds, pairs):
-        if kind in ("rope",) or (kind in ("orthogonal", "gl") and inner != "hungarian"):
+        if kind in ("orthogonal", "gl") and inner != "hungarian":
+            # score every head pair by its Procrustes optimum (the nuclear norm, from the
+            # eigenvalues of S Sᵀ: far cheaper than H_A·H_B SVDs); rotations only for the matches
+            t = time.perf_counter()
+            ev = torch.linalg.eigvalsh(S @ S.mT)
+            obj = ev.clamp_min(0).sqrt().sum(-1)
+            secs += time.perf_counter() - t
+            el = None
+        elif kind == "rope":
             res = _inner(kind, S, pr, inner)  # batched over head pairs
             el = res.element
             obj = (el * S).sum((-1, -2))
@@ -145,7 +161,14 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
         sols.append(el)
     out = hungarian(score) if (outer == "hungarian" and HA == HB) else optimal_transport(score)
     match = out.element.argmax(0)  # B head b -> A head
-    inner_els = [el[match, torch.arange(HB)] for el in sols]
+    inner_els = []
+    for S, el in zip(S_inner, sols):
+        if el is None:  # rotations of the matched pairs only
+            res = procrustes(S[match, torch.arange(HB)])
+            secs += res.seconds
+            inner_els.append(res.element)
+        else:
+            inner_els.append(el[match, torch.arange(HB)])
     out.seconds += secs
     return out, inner_els
 
