@@ -1,0 +1,373 @@
+"""Merging methods compared by the benchmark suite, one function per method.
+
+Every method takes a :class:`Pair` (anchor ``a``, second model ``b``, their symmetry reports,
+alignment data) and returns an :class:`Outcome`: either ``b`` carried into ``a``'s basis
+(``b_aligned``; the runner then walks the 21-point line ``λθ_A + (1−λ)θ_B'``) or a single
+merged model (``merged``; Fisher and RegMean, which are not interpolations).
+
+The seed methods are re-expressed with :func:`symgraph.align` by choosing *which* symmetry
+classes each seed aligns and *how* (solver, inner solve, similarity source). Group roles are
+read from the report's structure, never from module names (:func:`roles`):
+
+* head classes: the ids that appear in some group's ``outer``;
+* head-inner classes: groups fibred over a head class (``outer`` non-empty);
+* residual stream: the unfibred, non-head permutation class with the most parameter slots;
+* MLP: every other unfibred, non-head permutation class;
+* VO-inner vs QK-inner: the output projection is the parameter of a head class whose slot
+  variance is the minority one (Q, K, V carry the heads covariantly, O contravariantly); the
+  continuous head-inner class that also acts on that parameter is VO, the others are QK.
+
+Deviations from the seed papers are listed in each function's docstring and repeated in the
+suite's ``report.md`` (:data:`DEVIATIONS`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from scipy.optimize import minimize_scalar
+
+import symgraph
+from symgraph.groups import PERMUTATION_FAMILY
+
+__all__ = ["Pair", "Outcome", "Roles", "roles", "METHODS", "DEVIATIONS", "SINKHORN_REG",
+           "vanilla", "seed002", "seed003", "seed003_rescale", "seed004",
+           "fisher", "fisher_aligned", "regmean", "regmean_aligned",
+           "symgraph_weights", "symgraph_activations", "rescale_heads"]
+
+#: Entropic regularisation of seed 004's Sinkhorn maps (its ViT config: 0.08 with activations).
+SINKHORN_REG = 0.08
+
+
+@dataclass
+class Pair:
+    """Two trained models of one architecture and what every method may use.
+
+    ``data`` is a list of alignment batches (positional-input tuples, training split) and
+    ``report_a`` / ``report_b`` the models' symmetry reports (computed once per pair).
+    """
+    arch: str
+    a: torch.nn.Module
+    b: torch.nn.Module
+    data: list
+    report_a: object
+    report_b: object
+
+
+@dataclass
+class Outcome:
+    """What a method produced: ``b_aligned`` (interpolation methods) or ``merged``."""
+    b_aligned: torch.nn.Module | None = None
+    merged: torch.nn.Module | None = None
+    alignment: object = None
+    seconds: float = 0.0          # wall time of the method (alignment + merge), no evaluation
+    align_seconds: float = 0.0    # time inside symgraph.align (its own clock), if any
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return "interpolation" if self.b_aligned is not None else "merged"
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Group ids of a report by structural role (see the module docstring)."""
+    residual: frozenset
+    mlp: frozenset
+    heads: frozenset
+    head_inner: frozenset
+    vo_inner: frozenset
+    qk_inner: frozenset
+    out_params: frozenset  # parameter names of the attention output projections
+
+    @property
+    def continuous_inner(self) -> frozenset:
+        return self.vo_inner | self.qk_inner
+
+
+def roles(report) -> Roles:
+    """Classify ``report.groups`` by structure (no module or parameter names)."""
+    groups = report.groups
+    heads = frozenset(o for g in groups for o in g.outer)
+    head_inner = frozenset(g.id for g in groups if g.outer)
+    unfibred = [g for g in groups if not g.outer and g.id not in heads and g.kind in PERMUTATION_FAMILY]
+    residual = frozenset([max(unfibred, key=lambda g: (len(g.params), -g.id)).id]) if unfibred else frozenset()
+    mlp = frozenset(g.id for g in unfibred if g.id not in residual)
+    out_params = set()
+    for g in groups:
+        if g.id not in heads:
+            continue
+        by_var: dict[str, set] = {}
+        for (name, _), var in zip(g.params, g.variance):
+            by_var.setdefault(var, set()).add(name)
+        if len(by_var) == 2:
+            out_params |= min(by_var.values(), key=len)
+    continuous = [g for g in groups if g.outer and g.kind not in PERMUTATION_FAMILY]
+    vo = frozenset(g.id for g in continuous if any(n in out_params for n, _ in g.params))
+    qk = frozenset(g.id for g in continuous if g.id not in vo)
+    return Roles(residual, mlp, heads, head_inner, vo, qk, frozenset(out_params))
+
+
+def _timed_align(p: Pair, **kw):
+    t = time.perf_counter()
+    al = symgraph.align(p.a, p.b, report_a=p.report_a, report_b=p.report_b, **kw)
+    return al, time.perf_counter() - t
+
+
+def _aligned(p: Pair, al, t0: float, **extra) -> Outcome:
+    b2 = al.apply(p.b)
+    return Outcome(b_aligned=b2, alignment=al, seconds=time.perf_counter() - t0,
+                   align_seconds=al.seconds.get("total", 0.0), extra=extra)
+
+
+# --- interpolation methods -------------------------------------------------------------------
+
+
+def vanilla(p: Pair) -> Outcome:
+    """Plain weight averaging / interpolation, no alignment (every seed's baseline)."""
+    return Outcome(b_aligned=p.b)
+
+
+def seed002(p: Pair) -> Outcome:
+    """Verma & Elbayad (seed 002): permutations from activation correlations.
+
+    Aligned: MLP units (Hungarian on cross-correlation), residual stream (one permutation for
+    the whole stream, the paper's "All"), attention heads by nested matching (outer Hungarian
+    over head pairs whose cost is the inner Hungarian on the head-dim correlation of the
+    attention output, i.e. the features before the output projection), and the head-dim
+    permutation found there is applied to Q and K as well as V/O, as the paper applies
+    ``P_MHA`` to W_Q, W_K, W_V. Data: training-split batches through both models.
+
+    Deviations: (1) symgraph scores the head-dim block with covariances normalised per head
+    pair (not per-feature correlations) before the inner Hungarian; (2) LLaMA: Q/K head dims
+    carry RoPE, where no permutation but the identity is a symmetry, so Q/K keep their
+    order there; query heads are permuted only within their KV group (GQA), a constraint the
+    paper (no GQA) never meets; (3) BERT-style post-LN and pre-LN blocks are treated alike
+    (the residual class is whatever the graph ties together).
+    """
+    t0 = time.perf_counter()
+    r = roles(p.report_a)
+    perm_inner = {g.id for g in p.report_a.groups if g.outer and g.kind in PERMUTATION_FAMILY}
+    sel = r.residual | r.mlp | r.heads | r.vo_inner | perm_inner
+    al = symgraph.align(p.a, p.b, data=p.data, inner="hungarian", groups=lambda g: g.id in sel,
+                        report_a=p.report_a, report_b=p.report_b)
+    tied = _tie_qk_to_vo(p, r, al)
+    return _aligned(p, al, t0, qk_tied_to_vo=tied)
+
+
+def _tie_qk_to_vo(p: Pair, r: Roles, al) -> int:
+    """Give each QK-inner class the VO-inner element of its heads (seed 002's shared P_MHA)."""
+    ga, gb = p.report_a.groups, p.report_b.groups
+    n = 0
+    for qk in sorted(r.qk_inner):
+        if ga[qk].kind == "rope":
+            continue  # only pair rotations are symmetries under RoPE
+        for vo in r.vo_inner:
+            E = al.elements.get(gb[vo].root)
+            if ga[vo].outer == ga[qk].outer and E is not None and ga[vo].dim == ga[qk].dim:
+                al.elements[gb[qk].root] = E.clone()
+                n += 1
+                break
+    return n
+
+
+def seed003(p: Pair) -> Outcome:
+    """Zhang et al. (seed 003, the method of seed 000): data-free matching from weights.
+
+    Aligned: MLP units by Hungarian on the weight inner products of both MLP matrices (and
+    bias); per attention head an orthogonal Procrustes rotation for the QK pair and one for
+    the VO pair, heads paired by index (no head permutation), residual stream not aligned.
+
+    Deviations: (1) LLaMA's Q/K carry RoPE; a full rotation there would change the function,
+    so the QK rotation is restricted to the 2×2 frequency-pair rotations that commute with
+    RoPE (symgraph's ``rope`` class); (2) GQA: one rotation per KV head (shared by its query
+    heads) for VO and QK; (3) weight similarities are computed after the already-solved
+    classes are applied (coordinate descent, up to symgraph's ``max_iter`` sweeps), where the
+    paper solves each layer once against the unaligned neighbours.
+    """
+    t0 = time.perf_counter()
+    r = roles(p.report_a)
+    sel = r.mlp | r.continuous_inner
+    al = symgraph.align(p.a, p.b, inner="procrustes", groups=lambda g: g.id in sel,
+                        report_a=p.report_a, report_b=p.report_b)
+    return _aligned(p, al, t0)
+
+
+def seed003_rescale(p: Pair) -> Outcome:
+    """Seed 003 with its scalar rescaling: after each head's rotation R, a scalar ``a > 0``
+    per head and per QK / VO pair minimising ``‖W_A − a·R W_B‖² + ‖W'_A − R W'_B / a‖²``
+    (the query/value side takes ``a``, the key/output side ``1/a``: a GL symmetry).
+
+    Deviation: ``symgraph.align(..., rescale=True)`` computes a Procrustes scale but does not
+    apply it (and skips it on the per-head path), so the scale is fitted here, in closed
+    form per head over the already-rotated weights (:func:`rescale_heads`).
+    """
+    t0 = time.perf_counter()
+    out = seed003(p)
+    r = roles(p.report_a)
+    scales = rescale_heads(p, out.alignment, sorted(r.continuous_inner))
+    out.b_aligned = out.alignment.apply(p.b)
+    out.seconds = time.perf_counter() - t0
+    out.extra["scales"] = {str(k): v for k, v in scales.items()}
+    return out
+
+
+def rescale_heads(p: Pair, al, group_ids) -> dict:
+    """Fit one positive scalar per head of each listed head-inner class; update ``al`` in place.
+
+    The covariant slots of head ``h`` take ``a_h·E_h`` and the contravariant ones
+    ``E_h^{-T}/a_h`` (so the model's function is unchanged). Which parameter entries belong
+    to which head and side is read off the alignment itself: the element of every head is
+    scaled by a distinct power of two and the ratio to the unscaled state identifies the
+    entry. Returns ``{group id: [a_h, ...]}``.
+    """
+    gb = p.report_b.groups
+    A = {k: v.detach().double() for k, v in p.a.named_parameters()}
+    base = {k: v.double() for k, v in al.state(p.b).items()}
+    out = {}
+    for gid in group_ids:
+        root = gb[gid].root
+        E = al.elements.get(root)
+        if E is None or not isinstance(E, torch.Tensor) or E.dim() != 3:
+            continue
+        H = E.shape[0]
+        tags = 2.0 ** torch.arange(1, H + 1, dtype=torch.float64)
+        probe = dict(al.elements)
+        probe[root] = E * tags[:, None, None]
+        st = symgraph.Alignment(al.report_a, al.report_b, probe).state(p.b)
+        acc = np.zeros((H, 4))  # q=Σb², c=Σab (co side); k=Σb², d=Σab (contra side)
+        for name in dict.fromkeys(n for n, _ in gb[gid].params):
+            b0, b1, a = base[name], st[name].double(), A[name]
+            nz = b0.abs() > 1e-30
+            k = torch.zeros_like(b0)
+            k[nz] = torch.round(torch.log2((b1[nz] / b0[nz]).abs()))
+            for h in range(H):
+                for side, sign in ((0, 1), (2, -1)):
+                    m = k == sign * (h + 1)
+                    acc[h, side] += float((b0[m] ** 2).sum())
+                    acc[h, side + 1] += float((a[m] * b0[m]).sum())
+        scales = []
+        for h in range(H):
+            q, c, kk, d = acc[h]
+            f = lambda t: q * np.exp(2 * t) - 2 * c * np.exp(t) + kk * np.exp(-2 * t) - 2 * d * np.exp(-t)  # noqa: E731
+            res = minimize_scalar(f, bounds=(-4.0, 4.0), method="bounded")
+            scales.append(float(np.exp(res.x)) if f(res.x) < f(0.0) else 1.0)
+        al.elements[root] = E * torch.tensor(scales, dtype=torch.float64)[:, None, None]
+        out[gid] = scales
+    return out
+
+
+def seed004(p: Pair) -> Outcome:
+    """Imfeld et al. (seed 004): OT fusion with soft Sinkhorn transport maps from activations.
+
+    As in the seed's ViT configuration: activation-based ground metric, Sinkhorn with
+    regularisation :data:`SINKHORN_REG` (0.08), soft maps for the MLP units and the residual
+    stream; every class is aligned.
+
+    Deviations: (1) the seed carries one transport map per residual branch and mixes them
+    with a policy ("mean" in its config); symgraph's residual stream is a single class, so one
+    soft map serves every residual point (the policy-free limit); (2) the seed ignores heads
+    (one map over the full Q, K and V widths, Q and K even "separate"), which is not a
+    symmetry of multi-head attention; here heads are matched by exact OT over head pairs (a
+    hard map) with a Hungarian map inside each head, and Q/K share their head-dim map;
+    (3) the ground cost is ``max(corr) − corr`` (correlations), not the seed's Euclidean
+    distance between standardised activations; for standardised features these order pairs
+    identically up to the max normalisation.
+    """
+    t0 = time.perf_counter()
+    al = symgraph.align(p.a, p.b, data=p.data, solver="sinkhorn", reg=SINKHORN_REG, inner="hungarian",
+                        report_a=p.report_a, report_b=p.report_b)
+    return _aligned(p, al, t0)
+
+
+def symgraph_weights(p: Pair) -> Outcome:
+    """symgraph, data-free: every class the report finds (residual stream, MLP, head
+    permutation with per-head inner rotations, RoPE pair rotations, GQA-shared elements),
+    weight matching by coordinate descent."""
+    t0 = time.perf_counter()
+    al = symgraph.align(p.a, p.b, report_a=p.report_a, report_b=p.report_b)
+    return _aligned(p, al, t0)
+
+
+def symgraph_activations(p: Pair) -> Outcome:
+    """symgraph from activations: every class, similarity from streamed activation
+    correlations / covariances on the alignment data (weights where a class is not observed
+    cleanly)."""
+    t0 = time.perf_counter()
+    al = symgraph.align(p.a, p.b, data=p.data, report_a=p.report_a, report_b=p.report_b)
+    return _aligned(p, al, t0)
+
+
+# --- single merged model ---------------------------------------------------------------------
+
+
+def _merge(p: Pair, method: str, align) -> Outcome:
+    t0 = time.perf_counter()
+    merged, als = symgraph.merge([p.a, p.b], data=p.data, method=method, align=align,
+                                 return_alignments=True)
+    al = als[1]
+    return Outcome(merged=merged, alignment=al, seconds=time.perf_counter() - t0,
+                   align_seconds=al.seconds.get("total", 0.0) if al is not None else 0.0)
+
+
+def fisher(p: Pair) -> Outcome:
+    """Fisher merging (seed 000's base): diagonal Fisher of each model's own predictions on
+    the alignment data, no alignment."""
+    return _merge(p, "fisher", None)
+
+
+def fisher_aligned(p: Pair) -> Outcome:
+    """Fisher merging after symgraph's weight matching (seed 000's "+match" uses data-free
+    matching; here it is symgraph's full alignment rather than seed 003's subset)."""
+    return _merge(p, "fisher", "weights")
+
+
+def regmean(p: Pair) -> Outcome:
+    """RegMean (seed 000's base): per linear layer ``(Σ W_i G_i)(Σ G_i)^{-1}`` with input Grams
+    regularised towards their diagonal (α = 0.9), no alignment."""
+    return _merge(p, "regmean", None)
+
+
+def regmean_aligned(p: Pair) -> Outcome:
+    """RegMean after symgraph's weight matching (Grams transformed with the weights)."""
+    return _merge(p, "regmean", "weights")
+
+
+#: name -> (function, short description). Order = table order.
+METHODS: dict[str, tuple[Callable[[Pair], Outcome], str]] = {
+    "vanilla": (vanilla, "plain averaging"),
+    "seed002": (seed002, "Verma & Elbayad: activation perms (FFN, heads nested, residual)"),
+    "seed003": (seed003, "Zhang et al.: FFN Hungarian + per-head Procrustes QK/VO, weights"),
+    "seed003_rescale": (seed003_rescale, "seed 003 + per-head scalar rescaling"),
+    "seed004": (seed004, "Imfeld et al.: OT fusion, soft Sinkhorn maps from activations"),
+    "fisher": (fisher, "Fisher merging, no alignment"),
+    "fisher_aligned": (fisher_aligned, "Fisher merging after symgraph weight matching"),
+    "regmean": (regmean, "RegMean, no alignment"),
+    "regmean_aligned": (regmean_aligned, "RegMean after symgraph weight matching"),
+    "symgraph_weights": (symgraph_weights, "symgraph, all classes, weight matching"),
+    "symgraph_activations": (symgraph_activations, "symgraph, all classes, activation matching"),
+}
+
+#: Methods that are symgraph's own (the "some symgraph method beats vanilla" check).
+SYMGRAPH_METHODS = ("symgraph_weights", "symgraph_activations")
+
+#: One line per seed method: what differs from the paper (also in each docstring).
+DEVIATIONS = {
+    "seed002": "head-dim scores are covariances normalised per head pair (not per-feature "
+               "correlations); LLaMA Q/K keep their head-dim order (RoPE admits no permutation); "
+               "GQA query heads permuted only within their KV group.",
+    "seed003": "LLaMA QK rotation restricted to RoPE's 2x2 frequency-pair rotations; GQA: one "
+               "rotation per KV head; weight similarities use the already-solved classes "
+               "(coordinate descent) instead of one pass against unaligned neighbours.",
+    "seed003_rescale": "the scalar is fitted here per head after the rotation "
+                       "(symgraph.align(rescale=True) computes but never applies it).",
+    "seed004": "one soft map for the whole residual stream instead of per-branch maps mixed by "
+               "the 'mean' policy; heads matched by exact OT (hard) with a Hungarian map inside "
+               "each head and Q/K sharing it, where the seed ignores heads with separate soft "
+               "maps for Q, K, V; cost max(corr)-corr instead of Euclidean distance.",
+    "fisher_aligned": "alignment is symgraph's full weight matching, not seed 003's subset.",
+    "regmean_aligned": "alignment is symgraph's full weight matching, not seed 003's subset.",
+}

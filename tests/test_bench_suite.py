@@ -1,0 +1,189 @@
+"""The benchmark suite end to end on a tiny setting, and the method building blocks.
+
+The runner is executed once per session (ViT only: no tokenizer to train; 2 seeds trained for
+a few steps into a temporary cache), and the tests check the values it wrote.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import pytest
+import torch
+
+import symgraph
+from benchmarks import __main__ as runner
+from benchmarks import evaluate, methods, train, zoo
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    out = tmp_path_factory.mktemp("out") / "suite"
+    old = os.environ.get("SYMGRAPH_CACHE")
+    os.environ["SYMGRAPH_CACHE"] = str(cache)
+    try:
+        summary = runner.run(str(out), quick=True, archs=["vit"], seeds=[0, 1], steps=STEPS)
+        cached = [train.is_cached("vit", s, "quick", STEPS) for s in (0, 1)]
+    finally:
+        if old is None:
+            os.environ.pop("SYMGRAPH_CACHE")
+        else:
+            os.environ["SYMGRAPH_CACHE"] = old
+    records = json.loads((out / "results.json").read_text())
+    return {"out": out, "summary": summary, "records": records, "cached": cached,
+            "report": (out / "report.md").read_text()}
+
+
+def _rec(records, method, kind=None):
+    rs = [r for r in records if r["method"] == method and (kind is None or r["kind"] == kind)]
+    assert len(rs) == 1, (method, len(rs))
+    return rs[0]
+
+
+def test_outputs_written(suite):
+    out = suite["out"]
+    for name in ("results.json", "report.md", "barrier_vit.png", "attention_correlation.png",
+                 "class_graph_vit.png"):
+        path = out / name
+        assert path.is_file() and path.stat().st_size > 0, name
+        if name.endswith(".png"):
+            assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".bench-")]  # temp dir gone
+    assert all(suite["cached"])  # checkpoints cached for the next run
+
+
+def test_one_record_per_method_with_fields(suite):
+    recs = [r for r in suite["records"] if r["kind"] in ("interpolation", "merged")]
+    assert sorted(r["method"] for r in recs) == sorted(methods.METHODS)
+    for r in recs:
+        for key in ("arch", "method", "pair", "barrier", "loss_mid", "metric_mid", "seconds",
+                    "align_seconds", "analyze_seconds", "loss_a", "loss_b", "metric_a", "metric_b"):
+            assert key in r, key
+        assert r["arch"] == "vit" and r["pair"] == [0, 1]
+        assert math.isfinite(r["barrier"]) and r["seconds"] >= 0
+        assert 0.0 <= r["metric_mid"] <= 1.0  # accuracy
+        if r["kind"] == "interpolation":
+            lam = [x for x, _ in r["curve"]]
+            assert len(lam) == 21 and lam[0] == 0.0 and lam[-1] == 1.0
+        assert (r["kind"] == "merged") == r["method"].startswith(("fisher", "regmean"))
+
+
+def test_vanilla_barrier_is_curve_max_minus_endpoint_mean(suite):
+    r = _rec(suite["records"], "vanilla")
+    losses = [l for _, l in r["curve"]]
+    assert r["barrier"] == pytest.approx(max(losses) - 0.5 * (losses[0] + losses[-1]), abs=1e-9)
+    assert losses[-1] == pytest.approx(r["loss_a"], abs=1e-9)  # λ=1 is A
+    assert losses[0] == pytest.approx(r["loss_b"], abs=1e-9)
+    assert r["barrier"] == pytest.approx(r["barrier_curve"], abs=1e-9)
+    assert r["loss_mid"] == pytest.approx(losses[10], abs=1e-12)
+
+
+def test_exact_alignments_keep_b_function(suite):
+    """Group elements (perms, rotations, rescaled rotations) leave B's loss unchanged."""
+    for m in ("seed002", "seed003", "seed003_rescale", "symgraph_weights", "symgraph_activations"):
+        r = _rec(suite["records"], m)
+        assert r["loss_b_aligned"] == pytest.approx(r["loss_b"], abs=2e-4), m
+        assert r["barrier"] == pytest.approx(r["barrier_curve"], abs=2e-4), m
+
+
+def test_merged_barrier_is_midpoint_gap(suite):
+    for m in ("fisher", "fisher_aligned", "regmean", "regmean_aligned"):
+        r = _rec(suite["records"], m)
+        assert r["curve"] is None
+        assert r["barrier"] == pytest.approx(r["loss_mid"] - 0.5 * (r["loss_a"] + r["loss_b"]), abs=1e-12)
+    assert _rec(suite["records"], "fisher")["align_seconds"] == 0.0
+    assert _rec(suite["records"], "fisher_aligned")["align_seconds"] > 0.0
+
+
+def test_speed_rows(suite):
+    sp = [r for r in suite["records"] if r["kind"] == "speed"]
+    assert sorted(r["method"] for r in sp) == ["align_activations", "align_weights", "analyze"]
+    for r in sp:
+        assert r["seconds"] > 0 and r["peak_rss_mb"] is not None and r["peak_rss_mb"] >= 0
+    assert sp[0]["detail"]["groups"] == 9
+
+
+def test_report_tables(suite):
+    md = suite["report"]
+    section = md.split("## Loss barrier")[1].split("\n## ")[0]
+    for m in methods.METHODS:
+        row = re.search(rf"^\| {re.escape(m)} \| (\S+)", section, re.M)
+        assert row, m
+        val = float(row.group(1).strip("*"))
+        assert val == pytest.approx(_rec(suite["records"], m)["barrier"], abs=1e-3)
+    assert "## Findings" in md and "## Speed and memory" in md
+    assert "| vit |" in md.split("## Speed and memory")[1]
+    assert "analyze_8b.json" in md  # the other issues' measurements are pulled in
+    for fig in ("barrier_vit.png", "attention_correlation.png", "class_graph_vit.png"):
+        assert f"({fig})" in md
+
+
+def test_heatmap_alignment_raises_diagonal_correlation(suite):
+    hm = suite["summary"]["heatmap"]
+    assert hm["head_dim"] == zoo.get_setting("vit").hidden // zoo.get_setting("vit").heads
+    assert hm["diag_after"] > hm["diag_before"] + 0.2
+
+
+# --- building blocks -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
+def test_roles_are_structural(arch):
+    m = zoo.build_model(arch, 0)
+    rep = symgraph.analyze(m, evaluate.example_inputs(arch))
+    r = methods.roles(rep)
+    layers = zoo.get_setting(arch).layers
+    (res,) = r.residual
+    assert rep.groups[res].size == zoo.get_setting(arch).hidden
+    assert len(r.mlp) == len(r.heads) == len(r.vo_inner) == len(r.qk_inner) == layers
+    assert all(rep.groups[g].size == zoo.get_setting(arch).mlp_width for g in r.mlp)
+    # the output projections found by variance are the attention output layers
+    suffix = {"gpt2": "attn.c_proj.weight", "llama": "self_attn.o_proj.weight",
+              "bert": "attention.output.dense.weight"}[arch]
+    assert len(r.out_params) == layers and all(n.endswith(suffix) for n in r.out_params)
+    kinds = {rep.groups[g].kind for g in r.qk_inner}
+    assert kinds == ({"rope"} if arch == "llama" else {"gl"})
+
+
+def _pair(arch, steps=0):
+    a, b = zoo.build_model(arch, 0), zoo.build_model(arch, 1)
+    data = [(x["input_ids"],) for x in evaluate.eval_batches(arch, "train", 2)]
+    return methods.Pair(arch, a, b, data, symgraph.analyze(a, data[0]), symgraph.analyze(b, data[0]))
+
+
+def test_seed002_ties_qk_to_vo_and_seed003_skips_residual():
+    p = _pair("gpt2")
+    r = methods.roles(p.report_a)
+    out = methods.seed002(p)
+    els = out.alignment.elements
+    gb = p.report_b.groups
+    for qk in r.qk_inner:
+        vo = next(v for v in r.vo_inner if gb[v].outer == gb[qk].outer)
+        E = els[gb[qk].root]
+        assert torch.equal(E, els[gb[vo].root])
+        assert bool(((E == 0) | (E == 1)).all())  # permutations inside heads (Hungarian)
+    out3 = methods.seed003(p)
+    assert set(out3.alignment.results) == set(r.mlp | r.continuous_inner)
+
+
+def test_rescale_heads_preserves_function_and_lowers_distance():
+    p = _pair("gpt2")
+    base = methods.seed003(p)
+    out = methods.seed003_rescale(p)
+    x = evaluate.eval_batches("gpt2", "eval", 1)[0]
+    with torch.no_grad():
+        ref = evaluate.model_logits(p.b, "gpt2", x)
+        got = evaluate.model_logits(out.b_aligned, "gpt2", x)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    scales = [s for v in out.extra["scales"].values() for s in v]
+    assert len(scales) == 2 * zoo.get_setting("gpt2").layers * zoo.get_setting("gpt2").heads  # QK and VO
+    assert all(s > 0 for s in scales) and any(abs(s - 1) > 1e-3 for s in scales)
+
+    def dist(m):
+        return sum(float((pa - pm).pow(2).sum()) for pa, pm in zip(p.a.parameters(), m.parameters()))
+    assert dist(out.b_aligned) <= dist(base.b_aligned) + 1e-9
