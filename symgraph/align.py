@@ -19,7 +19,7 @@ import torch
 from . import solve as S
 from .errors import InputError, StructureMismatchError
 from .groups import orthogonal_part
-from .transform import Map, _is_perm, apply_along, axis_matrix
+from .transform import Map, Perm, _is_perm, apply_along, axis_matrix
 
 # --- coordinate tables ---------------------------------------------------------------------
 
@@ -225,7 +225,7 @@ class _WeightFeatures:
         hit = self._axis_memo.get(key, False)
         if hit is False:
             M = axis_matrix(eb, a, elements)
-            if M is not None and _is_perm(M):
+            if M is not None and M.dim() > 1 and _is_perm(M):
                 M = M.argmax(1)
             hit = M
             if M is None or M.dim() == 1 or M.numel() <= self.CACHE_NUMEL:
@@ -331,7 +331,7 @@ class _WeightFeatures:
                 if an.kind(leaf) != "identity" and an.uf.size[leaf] > 1:
                     return None
                 continue
-            E = E.co if isinstance(E, Map) else E
+            E = E.co if isinstance(E, Map) else E.dense() if isinstance(E, Perm) else E
             lf = an.fibre.get(leaf, ())
             if any(f not in dims for f in lf):
                 continue
@@ -659,6 +659,9 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
     def set_element(g, el, res):
         nonlocal solve_s, changed
         r = b_of[g.id].root
+        if isinstance(el, torch.Tensor) and el.dim() == 2 and _is_perm(el):
+            el = Perm.from_matrix(el)  # n indices instead of an n×n matrix
+            res.element = el
         if not _same(elements.get(r), el):
             versions[r] = versions.get(r, 0) + 1
             changed = True
@@ -709,8 +712,8 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
                     [s for _, s in keep], kinds, [m.pairs for m, _ in keep], inner=inner,
                     outer="hungarian" if solver not in ("ot", "sinkhorn") else "ot")
                 HA, HB = keep[0][1].shape[:2]
-                set_element(outer, _element_from(out_res, "perm", HA, HB), out_res)
                 match = out_res.element.argmax(0)
+                set_element(outer, _element_from(out_res, "perm", HA, HB), out_res)
                 for (m, s), el in zip(keep, inner_els):
                     nA, nB = s.shape[-2:]
                     obj = float((el * s[match, torch.arange(HB)]).sum())
@@ -727,6 +730,9 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
 def _same(old, new):
     if old is None:
         return False
+    if isinstance(old, Perm) or isinstance(new, Perm):
+        return (isinstance(old, Perm) and isinstance(new, Perm)
+                and torch.equal(old.index, new.index))
     a = old.co if isinstance(old, Map) else old
     b = new.co if isinstance(new, Map) else new
     return a.shape == b.shape and bool(torch.allclose(a, b, rtol=0, atol=1e-9))

@@ -28,9 +28,36 @@ def _inv_t(E):
 def _is_perm(M):
     """A (batch of) permutation matrices: exactly one nonzero per row, rows and columns sum
     to 1 (so that nonzero is 1 and no column is hit twice). Three reductions, no copies."""
+    if getattr(M, "_symgraph_perm", False):
+        return True
     n = M.shape[-1]
     return (M.shape[-2] == n and int(M.count_nonzero()) == M.numel() // n
             and bool((M.sum(-1) == 1).all()) and bool((M.sum(-2) == 1).all()))
+
+
+class Perm:
+    """A permutation element kept as indices (``n`` integers instead of an ``n×n`` matrix):
+    row ``i`` of the matrix has its 1 in column ``index[i]``. Used by :func:`symgraph.align`
+    for unfibred permutation classes; :func:`axis_matrix` returns the index vector for them."""
+
+    def __init__(self, index):
+        self.index = torch.as_tensor(index, dtype=torch.long)
+
+    @classmethod
+    def from_matrix(cls, M):
+        return cls(M.argmax(-1))
+
+    @property
+    def shape(self):
+        n = len(self.index)
+        return torch.Size((n, n))
+
+    def dense(self, dtype=torch.float64):
+        n = len(self.index)
+        M = torch.zeros(n, n, dtype=dtype)
+        M[torch.arange(n), self.index] = 1
+        M._symgraph_perm = True
+        return M
 
 
 class Map:
@@ -57,7 +84,13 @@ class Map:
 
 
 def axis_matrix(an, axis: int, elements: dict, parity: int = 0):
-    """Full ``n_A×n_B`` matrix acting on ``axis`` (float64), or None when it is the identity."""
+    """Full ``n_A×n_B`` matrix acting on ``axis`` (float64), or None when it is the identity.
+
+    For an unstructured axis whose element is a :class:`Perm`, the 1-D index vector instead
+    (``P^{-T} = P``, so parity does not matter); :func:`apply_along` takes either."""
+    r, _ = an.uf.find(axis)
+    if r not in an.uf.struct and isinstance(elements.get(r), Perm):
+        return elements[r].index
     E, fib = _node(an, axis, parity, elements)
     if fib:
         raise AssertionError("parameter axis with an unresolved fibre")  # analysis guarantees
@@ -68,7 +101,9 @@ def _leaf(an, r, p, elements):
     E = elements.get(r)
     if E is None:
         return None, ()
-    if isinstance(E, Map):
+    if isinstance(E, Perm):
+        E = E.dense()
+    elif isinstance(E, Map):
         E = E.contra if p else E.co
     elif p:
         E = _inv_t(E)

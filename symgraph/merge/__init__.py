@@ -178,7 +178,7 @@ def _transform_stat(al, stat, square):
         for d, a in enumerate(an.node_axes[node]):
             M = axis_matrix(an, a, al.elements)
             if M is not None:
-                val = apply_along(val, d, M * M if square else M)
+                val = apply_along(val, d, M * M if square and M.dim() > 1 else M)
         out[name] = val
     return out
 
@@ -191,7 +191,12 @@ def _transform_grams(al, grams, lin):
             continue
         M = axis_matrix(an, an.node_axes[x][-1], al.elements)
         G = grams[wname]
-        out[wname] = G if M is None else M @ G @ M.T
+        if M is None:
+            out[wname] = G
+        elif M.dim() == 1:  # a permutation's index vector
+            out[wname] = G[M][:, M]
+        else:
+            out[wname] = M @ G @ M.T
     return out
 
 
