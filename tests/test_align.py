@@ -259,3 +259,38 @@ def test_trained_transformers_aligned_merge_beats_vanilla(arch, one_thread):
     by_a = loss(symgraph.merge([A, B], align="activations", data=_byte_batches(train, 4, 16, 5)))
     assert vanilla > max(la, lb) + 0.2  # a real barrier to remove
     assert by_w < vanilla - 0.1 and by_a < vanilla - 0.1, (la, lb, vanilla, by_w, by_a)
+
+
+def test_widening_hidden_fuses_back():
+    """Every residual-stream unit duplicated (RMSNorm statistics unchanged), readers' weights
+    halved: B computes A's function at twice the hidden width; the merge returns A's width."""
+    torch.manual_seed(0)
+    A = _llama(num_key_value_heads=4, tie_word_embeddings=False).eval()
+    cfg = copy.deepcopy(A.config)
+    cfg.hidden_size = 64
+    cfg.head_dim = A.config.hidden_size // A.config.num_attention_heads
+    B = LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    order = torch.randperm(64, generator=g)
+    dup = lambda t, d: torch.cat([t, t], d).index_select(d, order)  # noqa: E731
+    sd = {}
+    for k, v in A.state_dict().items():
+        if k.endswith("embed_tokens.weight"):
+            sd[k] = dup(v, 1)
+        elif k.endswith(("norm.weight",)):
+            sd[k] = dup(v, 0)
+        elif k.endswith(("o_proj.weight", "down_proj.weight")):
+            sd[k] = dup(v, 0)  # writers into the stream
+        elif k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                         "up_proj.weight", "lm_head.weight")):
+            sd[k] = dup(v, 1) / 2  # readers of the stream
+        else:
+            sd[k] = v
+    B.load_state_dict(sd)
+    x = _batches("llama", 1, seed=3)[0]
+    la = _logits(A, x)
+    assert float((la - _logits(B, x)).norm() / la.norm()) < 1e-5
+    merged = symgraph.merge([A, B])
+    assert merged.config.hidden_size == 32
+    assert merged.get_parameter("model.embed_tokens.weight").shape == (V, 32)
+    assert float((la - _logits(merged, x)).norm() / la.norm()) < 1e-4
