@@ -258,7 +258,8 @@ def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=
     summary = {"protocol": "quick" if quick else "full", "settings": st.__dict__ | {"seeds": list(st.seeds)},
                "archs": list(archs), "methods": method_names, "train_seconds": train_s,
                "threads": torch.get_num_threads(), "torch": torch.__version__,
-               "python": platform.python_version(), "cache": str(_cache_root())}
+               "python": platform.python_version(), "cache": str(_cache_root()),
+               "symgraph_commit": _git_state()}
     tmp = Path(tempfile.mkdtemp(prefix=".bench-", dir=_parent_of(out)))
     try:
         from . import report as rep
@@ -274,6 +275,18 @@ def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=
     log(f"wrote {out}/results.json, report.md and {len(figures)} figures in "
         f"{time.perf_counter() - t_start:.0f}s")
     return summary
+
+
+def _git_state() -> str | None:
+    """The repository's HEAD commit, with "+dirty" when symgraph/ has uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "symgraph"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def _cache_root():

@@ -172,7 +172,7 @@ def markdown(records, summary, figures) -> str:
     L = ["# symgraph benchmark suite", ""]
     L.append(f"Protocol **{summary['protocol']}**, model size **{st['size']}**, seeds {st['seeds']}, "
              f"pairs per architecture {n_pairs}, {summary['threads']} torch thread(s), torch "
-             f"{summary['torch']}, Python {summary['python']}. Wall time {summary['wall_seconds']:.0f} s "
+             f"{summary['torch']}, Python {summary['python']}, symgraph at `{summary.get('symgraph_commit')}`. Wall time {summary['wall_seconds']:.0f} s "
              f"(training / loading {summary['train_seconds']:.0f} s). Curves: 21-point λ grid on "
              f"{st['curve_batches'] or 'all'} held-out batches; λ=0.5 metric on "
              f"{st['metric_batches'] or 'all'} held-out batches; activation statistics from "
@@ -336,6 +336,24 @@ def findings(records, archs, methods, summary) -> list[str]:
     if beats:
         F.insert(0, f"- Some symgraph method has a lower mean barrier than vanilla averaging on "
                     f"{sum(beats)}/{len(beats)} architectures.")
+    from . import evaluate
+    for a in archs:
+        hib = evaluate.higher_is_better(a)
+        vals = {m: _stat(records, a, m, "metric_mid")[0] for m in methods}
+        vals = {m: x for m, x in vals.items() if x is not None}
+        if not vals:
+            continue
+        top = (max if hib else min)(vals, key=vals.get)
+        name = evaluate.metric_name(a)
+        syms = {m: vals[m] for m in SYMGRAPH_METHODS if m in vals}
+        line = (f"- Merged-model {name} on {a} (λ = 0.5): best `{top}` {vals[top]:.3f}, vanilla "
+                f"{vals.get('vanilla', float('nan')):.3f}")
+        if syms:
+            bs = (max if hib else min)(syms, key=syms.get)
+            line += f", best symgraph `{bs}` {syms[bs]:.3f}"
+        if top.startswith("seed"):
+            line += " — a seed method has the best merged model here"
+        F.append(line + ".")
     s3, s3r = [], []
     for a in archs:
         x, v, y = mean(a, "seed003"), mean(a, "vanilla"), mean(a, "seed003_rescale")
