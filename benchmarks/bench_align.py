@@ -78,11 +78,11 @@ def seed003_matching(A, B, layers, heads):
     return time.perf_counter() - t0, solver_s
 
 
-def run(layers: int = 12, out: str | None = None) -> dict:
+def run(layers: int = 12, out: str | None = None, threads: int | None = None) -> dict:
     import transformers
     import symgraph
     transformers.logging.set_verbosity_error()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
     cfg = transformers.BertConfig(num_hidden_layers=layers, hidden_size=768, intermediate_size=3072,
                                   num_attention_heads=12, vocab_size=30522)
     torch.manual_seed(0)
@@ -143,5 +143,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--out", default="benchmarks/results/align_bert_base.json")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     a = ap.parse_args()
-    run(a.layers, a.out)
+    run(a.layers, a.out, a.threads)
