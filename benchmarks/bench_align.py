@@ -126,6 +126,7 @@ def run(layers: int = 12, out: str | None = None, threads: int | None = None) ->
         "ratio_align_minus_analyze_over_seed003": (t_align - al.seconds.get("analyze", 0)) / t_seed,
         "two_models_weights_mb": weights_mb,
         "rss_before_align_mb": mem.before, "peak_rss_during_align_mb": mem.peak,
+        "peak_rss_mb": mem.peak,
         "peak_over_weights": mem.peak / weights_mb,
         "align_extra_over_weights": (mem.peak - mem.before) / weights_mb,
         "recovery_max_rel_error": err,
