@@ -141,6 +141,7 @@ class Alignment:
         return new
 
     _template = None
+    scales: dict = None  # group id -> per-block scalars fitted by ``rescale=True``
 
 
 # --- validation ----------------------------------------------------------------------------
@@ -605,6 +606,8 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
     solver : None (by group kind: Hungarian / Procrustes / RoPE / OT for different widths),
         "ot" (exact transport), "sinkhorn" (soft maps, ``reg``).
     inner : "procrustes" (seed 003) or "hungarian" (seed 002) inside heads.
+    rescale : seed 003's rescaling: after the rotations, each ``gl`` class (per head) also
+        takes the positive scalar that brings B's weights closest to A's (``alignment.scales``).
     groups : optional predicate ``group -> bool`` selecting which groups to align. Groups
         not selected keep B's order; when a head class is not selected but classes fibred
         over it are, heads are paired by index and each head's inner element is solved
@@ -721,10 +724,59 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
         if not changed:
             break
     al = Alignment(ra, rb, elements, results, "weights" if data is None else "activations",
-                   {"analyze": t_an, "solver": solve_s, "total": time.perf_counter() - t0,
-                    "sweeps": sweep + 1})
+                   {"analyze": t_an, "solver": solve_s, "sweeps": sweep + 1})
     al._template = model_a
+    if rescale:
+        al.scales = _fit_scales(al, model_a, model_b, [g for g in ra.groups if sel[g.id]], b_of)
+    al.seconds["total"] = time.perf_counter() - t0
     return al
+
+
+def _fit_scales(al, model_a, model_b, groups, b_of):
+    """Seed 003's rescaling: for each ``gl`` class, per block (head), the scalar ``a > 0``
+    minimising ``Σ_co ‖A − a·B'‖² + Σ_contra ‖A − B'/a‖²`` over its slots, where ``B'`` is B
+    in A's basis. ``a·E`` is still in GL (co slots scale by ``a``, contra by ``1/a``), so the
+    model's function is unchanged. Updates ``al.elements``; returns ``{group id: [a, ...]}``."""
+    from scipy.optimize import minimize_scalar
+    ea, eb = al.report_a._analysis, al.report_b._analysis
+    targets = [g for g in groups if g.kind == "gl" and b_of[g.id].root in al.elements
+               and isinstance(al.elements[b_of[g.id].root], torch.Tensor)]
+    if not targets:
+        return {}
+    Bp = al.state(model_b)
+    out = {}
+    for g in targets:
+        gb = b_of[g.id]
+        E = al.elements[gb.root]
+        nblk = int(np.prod(E.shape[:-2])) if E.dim() > 2 else 1
+        # E's blocks are indexed by B's heads; the views below by A's: B head of each A head
+        fib = [al.elements.get(f) for f in eb.fibre.get(gb.root, ())]
+        if any(not (f is None or isinstance(f, Perm)) for f in fib):
+            continue  # heads matched by a soft/rectangular map: no per-head correspondence
+        acc = torch.zeros(nblk, 4, dtype=torch.float64)  # co: Σb², Σab; contra: Σb², Σab
+        for (name, d), var in zip(g.params, g.variance):
+            ax = ea.node_axes[ea.param_nodes[name]]
+            ta = model_a.get_parameter(name).detach().double()
+            tb = Bp[name].double()
+            for idx, nf in leaf_views(ea, ax[d], g.root):
+                xa = _gather(ta, d, idx, nf).reshape(nblk, -1)
+                xb = _gather(tb, d, idx, nf).reshape(nblk, -1)
+                k = 0 if var == "co" else 2
+                acc[:, k] += (xb * xb).sum(1)
+                acc[:, k + 1] += (xa * xb).sum(1)
+        acc = acc.reshape(*E.shape[:-2], 4)
+        for j, f in enumerate(fib):
+            if f is not None:
+                acc = acc.index_copy(j, f.index, acc.clone())  # A head i -> B head index[i]
+        scales = []
+        for q, c, kk, dd in acc.reshape(nblk, 4).tolist():
+            f = lambda t: q * np.exp(2 * t) - 2 * c * np.exp(t) + kk * np.exp(-2 * t) - 2 * dd * np.exp(-t)  # noqa: E731
+            r = minimize_scalar(f, bounds=(-6.0, 6.0), method="bounded")
+            scales.append(float(np.exp(r.x)) if f(r.x) < f(0.0) else 1.0)
+        sc = torch.tensor(scales, dtype=torch.float64).reshape(*E.shape[:-2], 1, 1)
+        al.elements[gb.root] = E * sc
+        out[g.id] = scales
+    return out
 
 
 def _same(old, new):

@@ -294,3 +294,26 @@ def test_widening_hidden_fuses_back():
     assert merged.config.hidden_size == 32
     assert merged.get_parameter("model.embed_tokens.weight").shape == (V, 32)
     assert float((la - _logits(merged, x)).norm() / la.norm()) < 1e-4
+
+
+def test_rescale_recovers_per_head_scaling():
+    """B = A moved by rotations *and* per-head scalars on the GL (QK, VO) classes: rotations
+    alone leave B off A by the scalars; ``rescale=True`` (seed 003) fits them back exactly."""
+    torch.manual_seed(0)
+    A = _bert().eval()
+    rep = symgraph.analyze(A)
+    t = rep.random_transform(seed=2, orthogonal=True)
+    g = torch.Generator().manual_seed(3)
+    for grp in rep.groups:
+        if grp.kind == "gl":
+            E = t.elements[grp.root]
+            t.elements[grp.root] = E * (0.5 + 1.5 * torch.rand(E.shape[0], 1, 1, generator=g, dtype=torch.float64))
+    B = symgraph.transform(A, t)
+    plain = symgraph.align(A, B)
+    assert _rel_params(A, plain.apply(B)) > 1e-2
+    al = symgraph.align(A, B, rescale=True)
+    assert _rel_params(A, al.apply(B)) < 1e-6
+    assert set(al.scales) == {grp.id for grp in rep.groups if grp.kind == "gl"}
+    x = _batches("bert", 1, seed=4)[0]
+    la = _logits(A, x)
+    assert float((la - _logits(al.apply(B), x)).norm() / la.norm()) < 1e-5
