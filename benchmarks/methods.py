@@ -26,9 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import torch
-from scipy.optimize import minimize_scalar
 
 import symgraph
 from symgraph.groups import PERMUTATION_FAMILY
@@ -36,7 +34,7 @@ from symgraph.groups import PERMUTATION_FAMILY
 __all__ = ["Pair", "Outcome", "Roles", "roles", "METHODS", "DEVIATIONS", "SINKHORN_REG",
            "vanilla", "seed002", "seed003", "seed003_rescale", "seed004",
            "fisher", "fisher_aligned", "regmean", "regmean_aligned",
-           "symgraph_weights", "symgraph_activations", "rescale_heads"]
+           "symgraph_weights", "symgraph_activations"]
 
 #: Entropic regularisation of seed 004's Sinkhorn maps (its ViT config: 0.08 with activations).
 SINKHORN_REG = 0.08
@@ -199,64 +197,16 @@ def seed003(p: Pair) -> Outcome:
 def seed003_rescale(p: Pair) -> Outcome:
     """Seed 003 with its scalar rescaling: after each head's rotation R, a scalar ``a > 0``
     per head and per QK / VO pair minimising ``‖W_A − a·R W_B‖² + ‖W'_A − R W'_B / a‖²``
-    (the query/value side takes ``a``, the key/output side ``1/a``: a GL symmetry).
-
-    Deviation: ``symgraph.align(..., rescale=True)`` computes a Procrustes scale but does not
-    apply it (and skips it on the per-head path), so the scale is fitted here, in closed
-    form per head over the already-rotated weights (:func:`rescale_heads`).
+    (the query/value side takes ``a``, the key/output side ``1/a``: a GL symmetry), fitted by
+    ``symgraph.align(..., rescale=True)`` (``alignment.scales``).
     """
     t0 = time.perf_counter()
-    out = seed003(p)
     r = roles(p.report_a)
-    scales = rescale_heads(p, out.alignment, sorted(r.continuous_inner))
-    out.b_aligned = out.alignment.apply(p.b)
-    out.seconds = time.perf_counter() - t0
-    out.extra["scales"] = {str(k): v for k, v in scales.items()}
-    return out
-
-
-def rescale_heads(p: Pair, al, group_ids) -> dict:
-    """Fit one positive scalar per head of each listed head-inner class; update ``al`` in place.
-
-    The covariant slots of head ``h`` take ``a_h·E_h`` and the contravariant ones
-    ``E_h^{-T}/a_h`` (so the model's function is unchanged). Which parameter entries belong
-    to which head and side is read off the alignment itself: the element of every head is
-    scaled by a distinct power of two and the ratio to the unscaled state identifies the
-    entry. Returns ``{group id: [a_h, ...]}``.
-    """
-    gb = p.report_b.groups
-    A = {k: v.detach().double() for k, v in p.a.named_parameters()}
-    base = {k: v.double() for k, v in al.state(p.b).items()}
-    out = {}
-    for gid in group_ids:
-        root = gb[gid].root
-        E = al.elements.get(root)
-        if E is None or not isinstance(E, torch.Tensor) or E.dim() != 3:
-            continue
-        H = E.shape[0]
-        tags = 2.0 ** torch.arange(1, H + 1, dtype=torch.float64)
-        probe = dict(al.elements)
-        probe[root] = E * tags[:, None, None]
-        st = symgraph.Alignment(al.report_a, al.report_b, probe).state(p.b)
-        acc = np.zeros((H, 4))  # q=Σb², c=Σab (co side); k=Σb², d=Σab (contra side)
-        for name in dict.fromkeys(n for n, _ in gb[gid].params):
-            b0, b1, a = base[name], st[name].double(), A[name]
-            nz = b0.abs() > 1e-30
-            k = torch.zeros_like(b0)
-            k[nz] = torch.round(torch.log2((b1[nz] / b0[nz]).abs()))
-            for h in range(H):
-                for side, sign in ((0, 1), (2, -1)):
-                    m = k == sign * (h + 1)
-                    acc[h, side] += float((b0[m] ** 2).sum())
-                    acc[h, side + 1] += float((a[m] * b0[m]).sum())
-        scales = []
-        for h in range(H):
-            q, c, kk, d = acc[h]
-            f = lambda t: q * np.exp(2 * t) - 2 * c * np.exp(t) + kk * np.exp(-2 * t) - 2 * d * np.exp(-t)  # noqa: E731
-            res = minimize_scalar(f, bounds=(-4.0, 4.0), method="bounded")
-            scales.append(float(np.exp(res.x)) if f(res.x) < f(0.0) else 1.0)
-        al.elements[root] = E * torch.tensor(scales, dtype=torch.float64)[:, None, None]
-        out[gid] = scales
+    sel = r.mlp | r.continuous_inner
+    al = symgraph.align(p.a, p.b, inner="procrustes", groups=lambda g: g.id in sel,
+                        rescale=True, report_a=p.report_a, report_b=p.report_b)
+    out = _aligned(p, al, t0)
+    out.extra["scales"] = {str(k): v for k, v in (al.scales or {}).items()}
     return out
 
 
@@ -362,8 +312,8 @@ DEVIATIONS = {
     "seed003": "LLaMA QK rotation restricted to RoPE's 2x2 frequency-pair rotations; GQA: one "
                "rotation per KV head; weight similarities use the already-solved classes "
                "(coordinate descent) instead of one pass against unaligned neighbours.",
-    "seed003_rescale": "the scalar is fitted here per head after the rotation "
-                       "(symgraph.align(rescale=True) computes but never applies it).",
+    "seed003_rescale": "as seed003; the per-head scalar is fitted once after the rotations "
+                       "(closed 1-D fit per head), not jointly with them.",
     "seed004": "one soft map for the whole residual stream instead of per-branch maps mixed by "
                "the 'mean' policy; heads matched by exact OT (hard) with a Hungarian map inside "
                "each head and Q/K sharing it, where the seed ignores heads with separate soft "
