@@ -523,7 +523,7 @@ def _flatten_for(gm, args, kwargs):
     import torch.utils._pytree as pytree
     spec = getattr(gm, "_in_spec", None)
     if spec is not None and spec.num_children == 2:
-        kw_spec = spec.children_specs[1]
+        kw_spec = spec.child(1) if hasattr(spec, "child") else spec.children_specs[1]
         keys = kw_spec.context if kw_spec.context else list(kwargs)
         kwargs = {k: kwargs[k] for k in keys if k in kwargs}
     flat, _ = pytree.tree_flatten((args, kwargs))

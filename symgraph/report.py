@@ -276,6 +276,9 @@ class SymmetryReport:
                     self._draw_matplotlib(tmp)
             else:
                 raise InputError(f"unknown graph format {ext!r}: expected .dot, .png or .svg")
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a picture is an ordinary file
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
