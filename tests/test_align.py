@@ -317,3 +317,41 @@ def test_rescale_recovers_per_head_scaling():
     x = _batches("bert", 1, seed=4)[0]
     la = _logits(A, x)
     assert float((la - _logits(al.apply(B), x)).norm() / la.norm()) < 1e-5
+
+
+def _more_architectures():
+    """Models the analysis and alignment were not written against (no per-model code)."""
+    tf = transformers
+    return {
+        "distilbert": lambda: tf.DistilBertForMaskedLM(tf.DistilBertConfig(
+            vocab_size=V, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=32)),
+        "roberta": lambda: tf.RobertaForMaskedLM(tf.RobertaConfig(
+            vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=40)),
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(
+            vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32)),
+        "gpt_neox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(  # fused QKV, partial rotary
+            vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=32, rotary_pct=0.5)),
+        "gptj": lambda: tf.GPTJForCausalLM(tf.GPTJConfig(  # interleaved RoPE, parallel block
+            vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32)),
+        "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(  # ReLU: positive scaling of MLP units
+            vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+            max_position_embeddings=32, word_embed_proj_dim=32)),
+        "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(  # multi-query attention
+            vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=8, intermediate_size=64, max_position_embeddings=32)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_more_architectures()))
+def test_exact_recovery_more_architectures(name, one_thread):
+    torch.manual_seed(0)
+    A = _more_architectures()[name]().eval()
+    rep = symgraph.analyze(A)
+    B = symgraph.transform(A, rep.random_transform(seed=1, orthogonal=True))
+    assert _rel_params(A, B) > 0.1
+    assert _rel_params(A, symgraph.align(A, B, report_a=rep).apply(B)) < 1e-6
+    data = _batches(name)
+    assert _rel_params(A, symgraph.align(A, B, data=data, report_a=rep).apply(B)) < 1e-6
