@@ -15,36 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import threading
 import time
 
 import torch
 from scipy.optimize import linear_sum_assignment
 
-
-def _rss_now_mb():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
-
-
-class PeakRSS:
-    """Peak resident memory while the block runs (sampled every 5 ms from /proc)."""
-
-    def __enter__(self):
-        self.before = self.peak = _rss_now_mb()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._poll, daemon=True)
-        self._t.start()
-        return self
-
-    def _poll(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _rss_now_mb())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, _rss_now_mb())
+from .speed import _rss_now_mb, peak_rss
 
 
 def seed003_matching(A, B, layers, heads):
@@ -91,7 +67,8 @@ def run(layers: int = 12, out: str | None = None, threads: int | None = None) ->
     B = symgraph.transform(A, rep.random_transform(seed=1, orthogonal=True))
     weights_mb = 2 * sum(p.numel() * p.element_size() for p in A.parameters()) / 2 ** 20
     from symgraph.solve import _solvers
-    with PeakRSS() as mem:
+    rss_before = _rss_now_mb()
+    with peak_rss() as mem:
         t = time.perf_counter()
         al = symgraph.align(A, B, report_a=rep)
         t_align = time.perf_counter() - t
@@ -125,10 +102,10 @@ def run(layers: int = 12, out: str | None = None, threads: int | None = None) ->
         "ratio_align_over_seed003_without_row_maxima": t_plain / t_seed,
         "ratio_align_minus_analyze_over_seed003": (t_align - al.seconds.get("analyze", 0)) / t_seed,
         "two_models_weights_mb": weights_mb,
-        "rss_before_align_mb": mem.before, "peak_rss_during_align_mb": mem.peak,
-        "peak_rss_mb": mem.peak,
-        "peak_over_weights": mem.peak / weights_mb,
-        "align_extra_over_weights": (mem.peak - mem.before) / weights_mb,
+        "rss_before_align_mb": rss_before, "peak_rss_during_align_mb": mem["peak_mb"],
+        "peak_rss_mb": mem["peak_mb"],
+        "peak_over_weights": mem["peak_mb"] / weights_mb,
+        "align_extra_over_weights": (mem["peak_mb"] - rss_before) / weights_mb,
         "recovery_max_rel_error": err,
     }
     for k, v in res.items():
