@@ -706,9 +706,9 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
                 # heads kept in index order (no head class, or not selected): per-head inner
                 for m, s in keep:
                     diag = torch.stack([s[h, h] for h in range(s.shape[0])])
-                    res = S.solve(orthogonal_part(m.kind), diag, pairs=m.pairs,
-                                  solver=_inner_solver(m, inner))
-                    set_element(m, res.element, res)
+                    res = S.inner_blocks(orthogonal_part(m.kind), diag, m.pairs, inner)
+                    el = res.element
+                    set_element(m, el if el.shape[-1] == el.shape[-2] else Map.from_plan(el), res)
             else:
                 kinds = [orthogonal_part(m.kind) for m, _ in keep]
                 out_res, inner_els = S.nested_heads(
@@ -811,14 +811,6 @@ def _schedule(units, roots, feats, b_of, sel):
         left.remove(best)
         pending -= roots(units[best])
     return order
-
-
-def _inner_solver(g, inner):
-    if g.kind == "rope":
-        return "rope"
-    if orthogonal_part(g.kind) == "orthogonal":
-        return "hungarian" if inner == "hungarian" else "procrustes"
-    return "hungarian"
 
 
 def _solve_single(ga, gb, s, solver, rescale, reg, ra, rb):

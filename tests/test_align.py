@@ -355,3 +355,26 @@ def test_exact_recovery_more_architectures(name, one_thread):
     assert _rel_params(A, symgraph.align(A, B, report_a=rep).apply(B)) < 1e-6
     data = _batches(name)
     assert _rel_params(A, symgraph.align(A, B, data=data, report_a=rep).apply(B)) < 1e-6
+
+
+@pytest.mark.parametrize("inner", ["hungarian", "procrustes"])
+def test_heads_paired_by_index_when_head_class_not_selected(inner):
+    """``groups=`` leaving the head permutation out (seed 003's setting): heads stay paired by
+    index and each head's inner element is solved, by assignment or by rotation."""
+    torch.manual_seed(0)
+    A = _bert().eval()
+    rep = symgraph.analyze(A)
+    heads = {o for g in rep.groups for o in g.outer}
+    t = rep.random_transform(seed=1, orthogonal=True)
+    g = torch.Generator().manual_seed(2)
+    for grp in rep.groups:
+        if grp.id in heads:
+            t.elements[grp.root] = torch.eye(grp.size, dtype=torch.float64)
+        elif grp.outer:  # permutations inside each head: what both inner solvers can recover
+            eye = torch.eye(grp.dim, dtype=torch.float64)
+            t.elements[grp.root] = torch.stack([eye[torch.randperm(grp.dim, generator=g)]
+                                                for _ in range(grp.blocks)])
+    B = symgraph.transform(A, t)
+    al = symgraph.align(A, B, groups=lambda grp: grp.id not in heads, inner=inner)
+    assert not any(grp.id in al.results for grp in rep.groups if grp.id in heads)
+    assert _rel_params(A, al.apply(B)) < 1e-6

@@ -124,6 +124,18 @@ def _inner(kind, S, pairs, inner):
     return optimal_transport(S)
 
 
+def inner_blocks(kind, S, pairs=None, inner: str = "procrustes") -> SolveResult:
+    """One inner element per block (head) of ``S [H, n_A, n_B]``, heads already paired:
+    batched Procrustes / RoPE rotations, or one assignment (or transport) per head."""
+    S = torch.as_tensor(S, dtype=torch.float64)
+    if kind == "rope" or (kind in ("orthogonal", "gl") and inner != "hungarian"):
+        return _inner(kind, S, pairs, inner)
+    rs = [_inner(kind, S[h], pairs, inner) for h in range(S.shape[0])]
+    return SolveResult(torch.stack([r.element for r in rs]), sum(r.objective for r in rs),
+                       status=rs[0].status if rs else "optimal",
+                       seconds=sum(r.seconds for r in rs))
+
+
 def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrustes",
                  outer: str = "hungarian") -> tuple:
     """Outer matching of heads whose cost is the best inner alignment of each head pair.
