@@ -251,11 +251,11 @@ class _WeightFeatures:
             self._deps[key] = frozenset(out)
         return self._deps[key]
 
-    def similarity(self, ga, gb, elements, cross_fibres: bool, versions=None, usable=None):
+    def similarity(self, ga, gb, elements, cross_fibres: bool, usable=None):
         """``(S, complete, deps)``: ``S [*F_A, *F_B, n_A, n_B]`` (cross_fibres) summed over the
         slots whose dependencies are ``usable`` (all by default); ``complete`` is False when a
         slot was left out; ``deps`` are the classes the used slots depend on."""
-        versions = versions if versions is not None else {}
+        versions = self.versions
         exact = orthogonal_part(ga.kind) not in ("perm", "signed_perm")
         total, na2, nb2, complete, used = None, 0.0, 0.0, True, set()
         for name, d in self.slots(ga):
@@ -289,6 +289,11 @@ class _WeightFeatures:
     def _slot(self, ga, gb, name, d, elements, cross_fibres, exact):
         na, nb = self.ea.param_nodes[name], self.eb.param_nodes[name]
         ax_a, ax_b = self.ea.node_axes[na], self.eb.node_axes[nb]
+        total, a2, b2 = None, 0.0, 0.0
+        va, vb = leaf_views(self.ea, ax_a[d], ga.root), leaf_views(self.eb, ax_b[d], gb.root)
+        others = self._other_leaf_elements(ax_b[d], gb.root, elements) if va else []
+        if others is None:  # another leaf of this axis is not solved yet: its order is unknown
+            return None, a2, b2, True
         ta, tb = self.A[name], self.B[name]
         if exact:
             ta, tb = ta.double(), tb.double()
@@ -298,13 +303,7 @@ class _WeightFeatures:
             M = self._axis_op(a, elements)
             if M is not None:
                 tb = apply_along(tb, k, M)
-        total, a2, b2, partial = None, 0.0, 0.0, False
-        va, vb = leaf_views(self.ea, ax_a[d], ga.root), leaf_views(self.eb, ax_b[d], gb.root)
         for (ia, fa), (ib, fb) in zip(va, vb):
-            others = self._other_leaf_elements(ax_b[d], gb.root, elements)
-            if others is None:
-                partial = True  # another leaf of this axis is not solved yet: order unknown
-                continue
             xa = _gather(ta, d, ia, fa)  # [*F, n, m]
             xb = _gather(tb, d, ib, fb, others)
             if xa.shape[-1] != xb.shape[-1]:
@@ -314,7 +313,7 @@ class _WeightFeatures:
             if fa and cross_fibres:
                 a2 = a2 + (xa.reshape(-1, *xa.shape[fa:]) ** 2).sum((-1, -2))
                 b2 = b2 + (xb.reshape(-1, *xb.shape[fb:]) ** 2).sum((-1, -2))
-        return total, a2, b2, partial
+        return total, a2, b2, False
 
     def _other_leaf_elements(self, axis, target, elements):
         """(position among O, element, fibre positions) for O leaves that have elements."""
@@ -637,10 +636,9 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
     units = [u for u in _units(ra) if any(sel[g.id] for g in ([u[1]] if u[1] else []) + u[2])]
     feats = _WeightFeatures(ra, rb, model_a, model_b)
     versions = feats.versions  # B class root -> number of times its element changed
-    state = {"usable": None}
 
-    def wsim(ga, cross):
-        return feats.similarity(ga, b_of[ga.id], elements, cross, versions, state["usable"])
+    def wsim(ga, cross, usable=None):
+        return feats.similarity(ga, b_of[ga.id], elements, cross, usable)
     sweeps = max_iter
     if data is None:
         sim = wsim
@@ -648,9 +646,9 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
         stats, _ = _activation_similarity(ra, rb, data,
                                           [(ga, b_of[ga.id]) for ga in ra.groups])
         # activations where a class is observed cleanly; weights (given the rest) elsewhere
-        def sim(ga, cross):
+        def sim(ga, cross, usable=None):
             m = _act_matrix(stats[ga.id], ga, cross)
-            return (m, True, frozenset()) if m is not None else wsim(ga, cross)
+            return (m, True, frozenset()) if m is not None else wsim(ga, cross, usable)
         if all(stats[g.id].n > 0 for g in ra.groups):
             sweeps = 1
 
@@ -677,6 +675,7 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
         changed = False
         if sweep == 0:
             order = _schedule(units, roots, feats, b_of, sel)
+        pending = set().union(*(roots(u) for u in units)) if sweep == 0 else set()
         for ui in order:
             kind, outer, members = units[ui]
             if sweep > 0 and ui in last:
@@ -684,15 +683,13 @@ def align(model_a, model_b, inputs=None, *, data=None, solver=None, inner="procr
                 if complete and all(versions.get(r, 0) == v for r, v in used.items()):
                     continue  # nothing it depends on changed since it was solved
             # first sweep: only slots whose other axes are known (fixed or already solved)
-            pending = set().union(*(roots(units[j]) for j in order[order.index(ui) + 1:])) \
-                if sweep == 0 else set()
-            state["usable"] = (lambda dep: not (dep & pending)) if pending else None
+            pending -= roots(units[ui])
+            usable = (lambda dep: not (dep & pending)) if pending else None
             mem = [outer] if kind == "single" else [m for m in members if sel[m.id]]
-            got = [sim(m, kind != "single") for m in mem]
-            if sweep == 0 and not any(x[0] is not None for x in got):
-                state["usable"] = None  # nothing clean: assume the rest in B's order for now
+            got = [sim(m, kind != "single", usable) for m in mem]
+            if usable is not None and not any(x[0] is not None for x in got):
+                # nothing clean: assume the rest in B's order for now
                 got = [sim(m, kind != "single") for m in mem]
-            state["usable"] = None
             used = set().union(*(x[2] for x in got))
             last[ui] = ({r: versions.get(r, 0) for r in used}, all(x[1] for x in got))
             keep = [(m, x[0]) for m, x in zip(mem, got) if x[0] is not None]
