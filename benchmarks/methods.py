@@ -158,15 +158,15 @@ def seed002(p: Pair) -> Outcome:
 
 def _tie_qk_to_vo(p: Pair, r: Roles, al) -> int:
     """Give each QK-inner class the VO-inner element of its heads (seed 002's shared P_MHA)."""
-    ga, gb = p.report_a.groups, p.report_b.groups
+    ga = p.report_a.groups
     n = 0
     for qk in sorted(r.qk_inner):
         if ga[qk].kind == "rope":
             continue  # only pair rotations are symmetries under RoPE
         for vo in r.vo_inner:
-            E = al.elements.get(gb[vo].root)
+            E = al.elements.get(vo)
             if ga[vo].outer == ga[qk].outer and E is not None and ga[vo].dim == ga[qk].dim:
-                al.elements[gb[qk].root] = E.clone()
+                al.elements[qk] = E.clone()
                 n += 1
                 break
     return n
@@ -206,7 +206,7 @@ def seed003_rescale(p: Pair) -> Outcome:
     al = symgraph.align(p.a, p.b, inner="procrustes", groups=lambda g: g.id in sel,
                         rescale=True, report_a=p.report_a, report_b=p.report_b)
     out = _aligned(p, al, t0)
-    out.extra["scales"] = {str(k): v for k, v in (al.scales or {}).items()}
+    out.extra["scales"] = {str(k): v for k, v in al.scales.items()}
     return out
 
 
@@ -256,10 +256,9 @@ def symgraph_activations(p: Pair) -> Outcome:
 
 def _merge(p: Pair, method: str, align) -> Outcome:
     t0 = time.perf_counter()
-    merged, als = symgraph.merge([p.a, p.b], data=p.data, method=method, align=align,
-                                 return_alignments=True)
-    al = als[1]
-    return Outcome(merged=merged, alignment=al, seconds=time.perf_counter() - t0,
+    res = symgraph.merge([p.a, p.b], data=p.data, method=method, align=align)
+    al = res.alignments[1]
+    return Outcome(merged=res.model, alignment=al, seconds=time.perf_counter() - t0,
                    align_seconds=al.seconds.get("total", 0.0) if al is not None else 0.0)
 
 

@@ -1,45 +1,27 @@
 """symgraph: a graph-based symmetry compiler for neural networks.
 
 ``analyze(model)`` traces a model and reports every weight-space symmetry its graph admits;
-``transform`` applies a group element; ``report.certify`` checks a claim numerically.
+``transform`` applies a group element; ``align`` fills every class for two models; ``merge``
+aligns and combines N models; ``interpolate``/``loss_barrier`` evaluate the result.
+This module only re-exports; see README "Architecture" for where each piece lives.
 """
 from __future__ import annotations
 
-from .errors import (CertificationError, InputError, StructureMismatchError, SymgraphError,  # noqa: F401
+from .alignment import AlignOptions, Alignment, align
+from .api import analyze, tied_parameters
+from .apply import transform
+from .errors import (CertificationError, InputError, StructureMismatchError, SymgraphError,
                      TraceError, UnsupportedOpError)
-from .passes import analyze_graph
-from .report import Group, SymmetryReport, Transform  # noqa: F401
-from .trace import trace
-from .transform import transform  # noqa: F401
-from .align import Alignment, align  # noqa: F401,E402
-from .merge import interpolate, loss_barrier, merge  # noqa: F401,E402
-
-
-
-def tied_parameters(model) -> list:
-    """Groups of parameter names that share one tensor (tied embeddings, shared layers)."""
-    by_id: dict = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
-
+from .evaluate import interpolate, loss_barrier
+from .merging import MergeResult, merge, merge_methods, register_merge
+from .report import Group, SymmetryReport, Transform
 
 __version__ = "0.1.0"
 
-
-def analyze(model, inputs=None, *, strict: bool = False) -> SymmetryReport:
-    """Trace ``model`` and infer its symmetry groups.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-        Left untouched. Hugging Face models need no ``inputs`` (built from the config); a model
-        on the ``meta`` device is analysed without weights.
-    inputs : tuple | dict | None
-        Positional example inputs, or keyword inputs.
-    strict : bool
-        Raise :class:`UnsupportedOpError` on an op without a rule instead of freezing its axes.
-    """
-    ep, args, kwargs = trace(model, inputs)
-    an = analyze_graph(ep, strict=strict, tied=tied_parameters(model))
-    return SymmetryReport(an, type(model).__name__, (args, kwargs))
+__all__ = [
+    "analyze", "tied_parameters", "SymmetryReport", "Group", "Transform", "transform",
+    "align", "AlignOptions", "Alignment", "merge", "MergeResult", "merge_methods",
+    "register_merge", "interpolate", "loss_barrier", "SymgraphError", "InputError",
+    "StructureMismatchError", "TraceError", "UnsupportedOpError", "CertificationError",
+    "__version__",
+]

@@ -17,11 +17,16 @@ MERGE_KEYS = {
     "models": "a list of at least 2 model paths / names",
     "out": "an output directory path (string)",
     "align": "one of 'weights', 'activations', 'none'",
-    "method": "one of 'average', 'fisher', 'regmean'",
+    "method": "a merge method name (symgraph.merge_methods())",
     "weights": "a list of numbers, one per model",
     "data": "a path to a .safetensors or .pt data file (string)",
     "force": "true or false",
 }
+
+
+def _methods() -> tuple:
+    from .merging import merge_methods
+    return merge_methods()
 
 
 class _Refusal(Exception):
@@ -118,7 +123,7 @@ def _read_config(path: str) -> dict:
             raise bad("align", cfg["align"])
         out["align"] = a
     if "method" in cfg:
-        if cfg["method"] not in ("average", "fisher", "regmean"):
+        if cfg["method"] not in _methods():
             raise bad("method", cfg["method"])
         out["method"] = cfg["method"]
     if "weights" in cfg:
@@ -186,7 +191,8 @@ def _solver_summary(alignments):
 
 
 def cmd_merge(args) -> int:
-    from . import merge
+    from .alignment.checks import check_finite
+    from .merging import merge
     from .io import check_checkpoint_dir, check_out, load_data, load_model, save_atomic
     opts = _merge_options(args)
     out = check_out(opts["out"], opts["force"])
@@ -204,12 +210,11 @@ def cmd_merge(args) -> int:
     align = None if opts["align"] == "none" else opts["align"]
     t0 = time.time()
     with _progress(total=1, desc=f"merging ({opts['method']}, align={opts['align']})") as bar:
-        merged, alignments = merge(models, weights=opts["weights"], align=align, data=data,
-                                   method=opts["method"], return_alignments=True)
+        result = merge(models, weights=opts["weights"], align=align, data=data, method=opts["method"])
+        merged, alignments = result.model, result.alignments
         bar.update()
     seconds = time.time() - t0
-    from .align import _check_finite
-    _check_finite(merged, "the merged model")
+    check_finite(merged, "the merged model")
     first = os.path.expanduser(opts["models"][0])
     meta = {"symgraph_version": _version(), "inputs": [os.path.abspath(os.path.expanduser(m))
                                                       if os.path.exists(os.path.expanduser(m)) else m
@@ -263,7 +268,7 @@ def build_parser():
     m.add_argument("--config", metavar="YAML", help="merge options from a YAML file")
     m.add_argument("--out", metavar="DIR", help="output directory (must not exist unless --force)")
     m.add_argument("--align", choices=("weights", "activations", "none"), default=None)
-    m.add_argument("--method", choices=("average", "fisher", "regmean"), default=None)
+    m.add_argument("--method", choices=_methods(), default=None)
     m.add_argument("--weights", type=float, nargs="+", metavar="W", default=None)
     m.add_argument("--data", metavar="FILE", help=".safetensors/.pt with 'input_ids' [N, S]")
     m.add_argument("--force", action="store_true", help="replace an existing --out")

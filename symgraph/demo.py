@@ -133,8 +133,8 @@ def run_demo(out: str = "symgraph-demo", seconds: float | None = None, force_ret
     rows, curves = [], {}
     for name in tqdm(("none", "weights", "activations"), desc="merging", file=sys.stderr, leave=False):
         align = None if name == "none" else name
-        merged, als = symgraph.merge([a, b], align=align, data=data, method="average",
-                                     return_alignments=True)
+        res = symgraph.merge([a, b], align=align, data=data, method="average")
+        merged, als = res.model, res.alignments
         b_in_a = b if als[1] is None else als[1].apply(b)
         curve = symgraph.interpolate(a, b_in_a, lambdas=lambdas, loss_fn=loss_fn)
         curves[name] = curve

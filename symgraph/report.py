@@ -1,19 +1,19 @@
-"""The symmetry report: groups, frozen ops, elements, certificates, pictures."""
+"""The symmetry report: groups, frozen ops, elements, certificates; and the one documented
+view of the analysis (parameters, axes, the groups on an axis, observation points) that
+alignment, transforms and merging read. Classes are named by group id everywhere outside.
+"""
 from __future__ import annotations
 
 import copy
 import json
 import math
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass, field
 
 import torch
 
 from .errors import CertificationError, InputError
 from .groups import orthogonal_part, sample
+from .passes.axes import axis_matrix, leaf_views, observation_points, other_leaf_elements
 from .trace import eval_mode, split_inputs
 
 
@@ -36,7 +36,6 @@ class Group:
     variance: list
     outer: list = field(default_factory=list)
     pairs: tuple | None = None
-    root: int = -1
 
     @property
     def dof(self) -> int:
@@ -55,12 +54,12 @@ class Group:
 
 @dataclass
 class Transform:
-    """One group element per group: ``elements[root]`` is ``[*fibre_sizes, n, n]`` float64."""
+    """One group element per group: ``elements[group.id]`` is ``[*fibre_sizes, n, n]`` float64."""
     report: "SymmetryReport"
     elements: dict
 
     def element(self, group: Group) -> torch.Tensor:
-        return self.elements[group.root]
+        return self.elements[group.id]
 
 
 def _common_prefix(names):
@@ -105,6 +104,7 @@ class SymmetryReport:
         self._inputs = inputs
         self.groups: list[Group] = []
         self.frozen = analysis.frozen
+        self._nodes = None
         self._build()
 
     # --- construction --------------------------------------------------------------------
@@ -133,8 +133,9 @@ class SymmetryReport:
                 id=ids[r], kind=an.kind(r), size=uf.size[r] * blocks, dim=uf.size[r],
                 blocks=blocks, module=_common_prefix(names),
                 params=[(s[0], s[1]) for s in slots[r]], variance=[s[2] for s in slots[r]],
-                outer=[ids[f] for f in fib if f in ids], pairs=uf.pairs.get(r), root=r))
-        self._by_root = {g.root: g for g in self.groups}
+                outer=[ids[f] for f in fib if f in ids], pairs=uf.pairs.get(r)))
+        self._gid = ids  # union-find root -> group id (private: roots never leave this file)
+        self._root = {i: r for r, i in ids.items()}
 
     # --- queries -------------------------------------------------------------------------
     def by_module(self, prefix: str):
@@ -152,13 +153,10 @@ class SymmetryReport:
     def random_transform(self, seed: int = 0, orthogonal: bool = False) -> Transform:
         """One random element of every group (``orthogonal=True``: from its orthogonal part)."""
         gen = torch.Generator().manual_seed(seed)
-        an = self._analysis
         elements = {}
         for g in self.groups:
             kind = orthogonal_part(g.kind) if orthogonal else g.kind
-            fib = an.fibre.get(g.root, ())
-            batch = tuple(an.uf.size[f] for f in fib)
-            elements[g.root] = sample(kind, g.dim, gen, batch=batch, pairs=g.pairs)
+            elements[g.id] = sample(kind, g.dim, gen, batch=self.fibre_shape(g.id), pairs=g.pairs)
         return Transform(self, elements)
 
     def identity_transform(self) -> Transform:
@@ -169,7 +167,7 @@ class SymmetryReport:
 
         Raises :class:`CertificationError` when it exceeds ``tol``.
         """
-        from .transform import transform
+        from .apply import transform
         if any(p.is_meta for p in model.parameters()):
             raise InputError("cannot certify a model on the meta device: it has no weights")
         args, kwargs = split_inputs(model, inputs) if inputs is not None else self._inputs
@@ -224,88 +222,153 @@ class SymmetryReport:
 
     def to_networkx(self):
         """The transport-map flow: groups as nodes, parameters as edges between them."""
-        import networkx as nx
-        G = nx.MultiDiGraph()
-        for g in self.groups:
-            G.add_node(g.id, kind=g.kind, size=g.size, blocks=g.blocks, module=g.module,
-                       label=f"{g.id}: {g.kind} {g.size}" + (f" ({g.blocks} heads)" if g.blocks > 1 else ""))
-        by_param: dict = {}
-        for g in self.groups:
-            for (p, d), v in zip(g.params, g.variance):
-                by_param.setdefault(p, set()).add((d, g.id))
-        for p, entries in by_param.items():
-            outs = {gid for d, gid in entries if d == 0}
-            ins = {gid for d, gid in entries if d != 0}
-            for a in ins:
-                for b in outs:
-                    if a != b:
-                        G.add_edge(a, b, param=p)
-            if not ins or not outs:
-                for gid in ins | outs:
-                    G.nodes[gid].setdefault("params", []).append(p)
-        return G
+        from .draw import to_networkx
+        return to_networkx(self)
 
     def to_dot(self) -> str:
-        G = self.to_networkx()
-        colors = {"perm": "lightblue", "scaled_perm": "lightcyan", "signed_perm": "lavender",
-                  "orthogonal": "palegreen", "gl": "gold", "rope": "salmon"}
-        lines = ["digraph symmetry {", "  rankdir=LR; node [shape=box, style=filled];"]
-        for n, d in G.nodes(data=True):
-            lab = d["label"] + (f"\\n{d['module']}" if d["module"] else "")
-            lines.append(f'  g{n} [label="{lab}", fillcolor="{colors.get(d["kind"], "white")}"];')
-        for a, b, d in G.edges(data=True):
-            lines.append(f'  g{a} -> g{b} [label="{d["param"].split(".")[-2] if "." in d["param"] else d["param"]}", fontsize=8];')
-        lines.append("}")
-        return "\n".join(lines)
+        from .draw import to_dot
+        return to_dot(self)
 
     def save_graph(self, path: str) -> str:
         """Write the class graph to ``.dot``, ``.png`` or ``.svg`` (atomically)."""
-        ext = os.path.splitext(path)[1].lower()
-        d = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=d, suffix=ext)
-        os.close(fd)
-        try:
-            if ext == ".dot":
-                with open(tmp, "w") as f:
-                    f.write(self.to_dot())
-            elif ext in (".png", ".svg"):
-                if shutil.which("dot"):
-                    subprocess.run(["dot", f"-T{ext[1:]}", "-o", tmp], input=self.to_dot(),
-                                   text=True, check=True)
-                else:
-                    self._draw_matplotlib(tmp)
+        from .draw import save_graph
+        return save_graph(self, path)
+
+    # --- the view of the analysis that alignment, transforms and merging use --------------
+    # Axes are opaque integer handles (``param_axes``); classes are named by group id; element
+    # dicts are ``{group id: element}``. Nothing outside this file and ``passes/`` reads the
+    # analysis itself.
+
+    @property
+    def parameters(self) -> list:
+        """Parameter names in graph order (one name per tied tensor: see :attr:`aliases`)."""
+        return list(self._analysis.param_nodes)
+
+    @property
+    def aliases(self) -> dict:
+        """Tied parameters: ``{reported name: [other names of the same tensor]}``."""
+        return {k: list(v) for k, v in self._analysis.aliases.items()}
+
+    @property
+    def inputs(self):
+        """``(args, kwargs)`` the model was traced with."""
+        return self._inputs
+
+    @property
+    def exported_program(self):
+        return self._analysis.ep
+
+    def param_axes(self, name: str) -> tuple:
+        """Axis handles of parameter ``name``'s dims."""
+        an = self._analysis
+        return tuple(an.node_axes[an.param_nodes[name]])
+
+    def axis_size(self, axis) -> int:
+        return self._analysis.uf.size[axis]
+
+    def axis_key(self, axis):
+        """A hashable key equal for axes that always carry the same map."""
+        return self._analysis.uf.find(axis)
+
+    def axis_groups(self, axis) -> list:
+        """Ids of the groups among the leaf classes of ``axis`` (e.g. heads and head_dim)."""
+        return [self._gid[r] for r in self._analysis.leaves(axis) if r in self._gid]
+
+    def axis_fixed(self, axis) -> bool:
+        """Whether ``axis`` is one fixed class with no structure (vocabulary, labels, ...)."""
+        an = self._analysis
+        r = an.uf.find(axis)[0]
+        return an.kind(r) == "identity" and r not in an.uf.struct
+
+    def axis_structure(self, axis):
+        """``None`` for a leaf axis, else ``(kind, [part sizes])``: ``"prod"`` (flatten) or
+        ``"sum"`` (concatenation)."""
+        an = self._analysis
+        s = an.uf.struct.get(an.uf.find(axis)[0])
+        return None if s is None else (s[0], [an.uf.size[an.uf.find(p)[0]] for p, _ in s[1]])
+
+    def _roots(self, elements: dict) -> dict:
+        return {self._root[g]: e for g, e in elements.items()}
+
+    def axis_map(self, axis, elements: dict):
+        """The matrix carrying ``axis``'s coordinates by ``elements`` (``{group id: element}``):
+        ``[n_A, n_B]`` float64, or a 1-D index vector for an unfibred :class:`Perm`, or None
+        for the identity."""
+        return axis_matrix(self._analysis, axis, self._roots(elements))
+
+    def leaf_views(self, axis, gid):
+        """Index arrays ``[*fibre_sizes, n_group, *other_leaf_sizes]`` into ``axis``'s
+        coordinates, one per occurrence of group ``gid`` on it, with the number of fibre dims:
+        ``[(idx, n_fibres), ...]`` (sorted by path, so that two models agree)."""
+        return leaf_views(self._analysis, axis, self._root[gid])
+
+    def other_leaf_elements(self, axis, gid, elements):
+        """For :meth:`leaf_views`' other leaves: ``[(position, element, fibre dims)]`` of those
+        with an element; None when one of them is a group without an element yet."""
+        return other_leaf_elements(self._analysis, axis, self._root[gid], self._roots(elements))
+
+    def head_families(self) -> list:
+        """Classes fibred over exactly one class: ``[(outer group id or None, [member ids])]``;
+        ``None`` when the heads are fixed (their class is not a group)."""
+        an = self._analysis
+        fam: dict = {}
+        for g in self.groups:
+            fib = an.fibre.get(self._root[g.id], ())
+            if len(fib) == 1:
+                fam.setdefault(fib[0], []).append(g.id)
+        return [(self._gid.get(outer), members) for outer, members in fam.items()]
+
+    def fibre_groups(self, gid) -> tuple:
+        """Per class that group ``gid``'s element is fibred over (outer to inner, the leading
+        dims of the element): its group id, or None for a fixed class."""
+        an = self._analysis
+        return tuple(self._gid.get(f) for f in an.fibre.get(self._root[gid], ()))
+
+    def fibre_shape(self, gid) -> tuple:
+        """Sizes of the classes (groups or fixed) that group ``gid``'s element is fibred over."""
+        an = self._analysis
+        return tuple(an.uf.size[f] for f in an.fibre.get(self._root[gid], ()))
+
+    def nodes(self) -> list:
+        """Every graph node as ``(name, op, target)``, in graph order."""
+        if self._nodes is None:
+            self._nodes = [(n.name, n.op, n.target) for n in self._analysis.graph.nodes]
+        return self._nodes
+
+    def activation_axes(self, node_name) -> tuple:
+        """Axis handles of an op's output tensor."""
+        an = self._analysis
+        return tuple(an.node_axes[self._node_by_name()[node_name]])
+
+    def _node_by_name(self):
+        return {n.name: n for n in self._analysis.graph.nodes}
+
+    def observation_points(self, gid, limit: int = 24) -> list:
+        """Where group ``gid``'s coordinates can be read from activations (ops whose rule is
+        marked ``observe``): ``[(node position, node name, dim)]``."""
+        an = self._analysis
+        pos = {n: i for i, n in enumerate(an.graph.nodes)}
+        return [(pos[node], node.name, k)
+                for node, k in observation_points(an, self._root[gid], limit)]
+
+    def linear_layers(self) -> list:
+        """Linear maps on a parameter: ``[(weight name, input node name, input feature axis,
+        layout)]`` with layout ``"out_in"`` (``linear``) or ``"in_out"`` (``addmm``)."""
+        aten = torch.ops.aten
+        an = self._analysis
+        rev = {n: k for k, n in an.param_nodes.items()}
+        out = []
+        for node in an.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target == aten.linear.default and node.args[1] in rev:
+                w, x, layout = rev[node.args[1]], node.args[0], "out_in"
+            elif node.target == aten.addmm.default and node.args[2] in rev:
+                w, x, layout = rev[node.args[2]], node.args[1], "in_out"
             else:
-                raise InputError(f"unknown graph format {ext!r}: expected .dot, .png or .svg")
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a picture is an ordinary file
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return path
-
-    def _draw_matplotlib(self, path):
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import networkx as nx
-        G = self.to_networkx()
-        fig, ax = plt.subplots(figsize=(max(8, len(G) * 0.35), 8))
-        try:
-            pos = nx.kamada_kawai_layout(G) if len(G) > 1 else nx.spring_layout(G)
-        except Exception:  # noqa: BLE001 - layout is cosmetic
-            pos = nx.spring_layout(G, seed=0)
-        colors = {"perm": "#9cc9f0", "scaled_perm": "#c7eef0", "signed_perm": "#dcd0f5",
-                  "orthogonal": "#a8e6a1", "gl": "#f5d76e", "rope": "#f4a48f"}
-        nx.draw_networkx(G, pos, ax=ax, node_color=[colors.get(G.nodes[n]["kind"], "#ddd") for n in G],
-                         labels={n: G.nodes[n]["label"] for n in G}, font_size=6, node_size=600,
-                         arrowsize=8)
-        ax.set_title(f"symmetry classes of {self.model_name}")
-        ax.axis("off")
-        fig.savefig(path, dpi=120, bbox_inches="tight", format=os.path.splitext(path)[1][1:])
-        plt.close(fig)
-
+                continue
+            out.append((w, x.name, an.node_axes[x][-1], layout))
+        return out
 
 def _leaves_par(an, axis, par):
     r, p = an.uf.find(axis)

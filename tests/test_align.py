@@ -78,11 +78,11 @@ def test_exact_recovery(name, mode):
     assert _rel_params(A, C) < 1e-6
     for k, v in B.state_dict().items():  # B untouched
         assert torch.equal(v, before[k])
-    merged = symgraph.merge([A, B], data=data, align=mode)
+    merged = symgraph.merge([A, B], data=data, align=mode).model
     x = _batches(name, 1, seed=9)[0]
     la, lm = _logits(A, x), _logits(merged, x)
     assert float((la - lm).norm() / la.norm()) < 1e-5
-    naive = symgraph.merge([A, B], align=None)
+    naive = symgraph.merge([A, B], align=None).model
     assert float((la - _logits(naive, x)).norm() / la.norm()) > 1e-2
 
 
@@ -112,7 +112,7 @@ def test_widening_mlp_fuses_back():
     x = _batches("gpt2", 1, seed=3)[0]
     lb, la = _logits(B, x), _logits(A, x)
     assert float((la - lb).norm() / la.norm()) < 1e-5  # the widening preserves the function
-    merged = symgraph.merge([A, B])
+    merged = symgraph.merge([A, B]).model
     assert merged.get_parameter("transformer.h.0.mlp.c_fc.weight").shape == (32, 128)
     assert float((la - _logits(merged, x)).norm() / la.norm()) < 1e-4
 
@@ -135,7 +135,7 @@ def test_widening_heads_fuses_back():
     x = _batches("llama", 1, seed=3)[0]
     la = _logits(A, x)
     assert float((la - _logits(B, x)).norm() / la.norm()) < 1e-5
-    merged = symgraph.merge([A, B])
+    merged = symgraph.merge([A, B]).model
     assert merged.config.num_attention_heads == 4
     assert float((la - _logits(merged, x)).norm() / la.norm()) < 1e-4
 
@@ -160,10 +160,10 @@ def test_trained_pair_aligned_merge_beats_vanilla():
     A, B = _train_mlp(0, X, y), _train_mlp(1, X, y)
     loss = lambda m: float(torch.nn.functional.cross_entropy(m(X), y))  # noqa: E731
     inputs = (X[:64],)
-    vanilla = loss(symgraph.merge([A, B], inputs, align=None))
-    by_w = loss(symgraph.merge([A, B], inputs, align="weights"))
+    vanilla = loss(symgraph.merge([A, B], inputs, align=None).model)
+    by_w = loss(symgraph.merge([A, B], inputs, align="weights").model)
     data = [(X[i:i + 64],) for i in range(0, 1024, 64)]
-    by_a = loss(symgraph.merge([A, B], align="activations", data=data))
+    by_a = loss(symgraph.merge([A, B], align="activations", data=data).model)
     assert by_w < vanilla and by_a < vanilla
     curve = symgraph.interpolate(A, B, None, loss)
     assert len(curve) == 21 and curve[0][0] == 0.0 and curve[-1][0] == 1.0
@@ -254,9 +254,9 @@ def test_trained_transformers_aligned_merge_beats_vanilla(arch, one_thread):
         with torch.no_grad():
             return sum(float(m(x, labels=x).loss) for x in ev) / len(ev)
     la, lb = loss(A), loss(B)
-    vanilla = loss(symgraph.merge([A, B], (ev[0][:2],), align=None))
-    by_w = loss(symgraph.merge([A, B], (ev[0][:2],), align="weights"))
-    by_a = loss(symgraph.merge([A, B], align="activations", data=_byte_batches(train, 4, 16, 5)))
+    vanilla = loss(symgraph.merge([A, B], (ev[0][:2],), align=None).model)
+    by_w = loss(symgraph.merge([A, B], (ev[0][:2],), align="weights").model)
+    by_a = loss(symgraph.merge([A, B], align="activations", data=_byte_batches(train, 4, 16, 5)).model)
     assert vanilla > max(la, lb) + 0.2  # a real barrier to remove
     assert by_w < vanilla - 0.1 and by_a < vanilla - 0.1, (la, lb, vanilla, by_w, by_a)
 
@@ -290,7 +290,7 @@ def test_widening_hidden_fuses_back():
     x = _batches("llama", 1, seed=3)[0]
     la = _logits(A, x)
     assert float((la - _logits(B, x)).norm() / la.norm()) < 1e-5
-    merged = symgraph.merge([A, B])
+    merged = symgraph.merge([A, B]).model
     assert merged.config.hidden_size == 32
     assert merged.get_parameter("model.embed_tokens.weight").shape == (V, 32)
     assert float((la - _logits(merged, x)).norm() / la.norm()) < 1e-4
@@ -306,8 +306,8 @@ def test_rescale_recovers_per_head_scaling():
     g = torch.Generator().manual_seed(3)
     for grp in rep.groups:
         if grp.kind == "gl":
-            E = t.elements[grp.root]
-            t.elements[grp.root] = E * (0.5 + 1.5 * torch.rand(E.shape[0], 1, 1, generator=g, dtype=torch.float64))
+            E = t.elements[grp.id]
+            t.elements[grp.id] = E * (0.5 + 1.5 * torch.rand(E.shape[0], 1, 1, generator=g, dtype=torch.float64))
     B = symgraph.transform(A, t)
     plain = symgraph.align(A, B)
     assert _rel_params(A, plain.apply(B)) > 1e-2
@@ -369,10 +369,10 @@ def test_heads_paired_by_index_when_head_class_not_selected(inner):
     g = torch.Generator().manual_seed(2)
     for grp in rep.groups:
         if grp.id in heads:
-            t.elements[grp.root] = torch.eye(grp.size, dtype=torch.float64)
+            t.elements[grp.id] = torch.eye(grp.size, dtype=torch.float64)
         elif grp.outer:  # permutations inside each head: what both inner solvers can recover
             eye = torch.eye(grp.dim, dtype=torch.float64)
-            t.elements[grp.root] = torch.stack([eye[torch.randperm(grp.dim, generator=g)]
+            t.elements[grp.id] = torch.stack([eye[torch.randperm(grp.dim, generator=g)]
                                                 for _ in range(grp.blocks)])
     B = symgraph.transform(A, t)
     al = symgraph.align(A, B, groups=lambda grp: grp.id not in heads, inner=inner)

@@ -64,7 +64,7 @@ def test_transform_moves_weights_and_leaves_model_alone(tiny):
     for name in moved:
         change = rel_change(model.get_parameter(name), new_params[name])
         assert change > 0.1, f"{name} moved only by {change:.3g}"
-    untouched = set(new_params) - moved - {a for al in report._analysis.aliases.values() for a in al}
+    untouched = set(new_params) - moved - {a for al in report.aliases.values() for a in al}
     for name in untouched:  # parameters in no group keep their values
         assert torch.equal(model.get_parameter(name), new_params[name]), name
     # and the transformed copy computes the same function (float32 here: loose tolerance)
@@ -240,7 +240,7 @@ def test_single_residual_stream_class(tiny):
 def test_tied_embedding_reported_once(gpt2, bert):
     for tiny, emb, head in ((gpt2, "transformer.wte.weight", "lm_head.weight"),
                             (bert, "bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")):
-        assert [head] in tiny.report._analysis.aliases.values()
+        assert [head] in tiny.report.aliases.values()
         all_names = {p for g in tiny.report.groups for p in names(g)}
         assert emb in all_names and head not in all_names
         assert [g.kind for g in tiny.report.group_of(emb, 1)] == ["perm"]

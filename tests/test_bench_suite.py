@@ -164,8 +164,8 @@ def test_seed002_ties_qk_to_vo_and_seed003_skips_residual():
     gb = p.report_b.groups
     for qk in r.qk_inner:
         vo = next(v for v in r.vo_inner if gb[v].outer == gb[qk].outer)
-        E = els[gb[qk].root]
-        assert torch.equal(E, els[gb[vo].root])
+        E = els[qk]
+        assert torch.equal(E, els[vo])
         assert bool(((E == 0) | (E == 1)).all())  # permutations inside heads (Hungarian)
     out3 = methods.seed003(p)
     assert set(out3.alignment.results) == set(r.mlp | r.continuous_inner)

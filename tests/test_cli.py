@@ -182,9 +182,9 @@ def test_merge_refusals(ckpts, tmp_path, case):
 def test_analyze_refusals(ckpts, tmp_path):
     refused(cli("analyze", tmp_path / "nowhere"), "does not exist")
     # an untraceable model: the CLI turns the TraceError into a refusal with a hint
-    code = ("import sys, symgraph, symgraph.cli as c\n"
+    code = ("import sys, symgraph, symgraph.api, symgraph.cli as c\n"
             "def boom(*a, **k): raise symgraph.TraceError('torch.export failed at data-dependent branch')\n"
-            "symgraph.trace = boom\n"
+            "symgraph.api.trace = boom\n"
             f"sys.exit(c.main(['analyze', {str(ckpts / 'bert0')!r}]))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     refused(r, "data-dependent branch", "Hint")

@@ -43,13 +43,8 @@ def summary(report):
 
 def structure(report, param, dim):
     """``(kind, part sizes)`` of the class of ``param``'s axis ``dim`` (None: a leaf)."""
-    an = report._analysis
-    axis = an.node_axes[an.param_nodes[param]][dim]
-    r, _ = an.uf.find(axis)
-    s = an.uf.struct.get(r)
-    if s is None:
-        return None
-    return s[0], [an.uf.size[an.uf.find(p)[0]] for p, _ in s[1]]
+    s = report.axis_structure(report.param_axes(param)[dim])
+    return None if s is None else (s[0], s[1])
 
 
 # --- view / reshape -----------------------------------------------------------------------

@@ -14,7 +14,7 @@ from .registry import Meet, Structure, Unify, register
 aten = torch.ops.aten
 
 
-@register(aten.scaled_dot_product_attention)
+@register(aten.scaled_dot_product_attention, observe=True)
 def sdpa(ctx):
     q, k, v = ctx.arg(0), ctx.arg(1), ctx.arg(2)
     mask = ctx.arg(3, "attn_mask")

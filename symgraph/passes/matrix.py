@@ -14,7 +14,7 @@ from .registry import Meet, Unify, broadcast, register
 aten = torch.ops.aten
 
 
-@register(aten.linear)
+@register(aten.linear, observe=True)
 def linear(ctx):
     x, w, b = ctx.arg(0), ctx.arg(1), ctx.arg(2, "bias")
     xa, wa, out = ctx.axes(x), ctx.axes(w), ctx.out
@@ -25,7 +25,7 @@ def linear(ctx):
     return cons
 
 
-@register(aten.addmm)
+@register(aten.addmm, observe=True)
 def addmm(ctx):
     # bias + x @ W  with W [in, out] (GPT-2's Conv1D).
     b, x, w = ctx.arg(0), ctx.arg(1), ctx.arg(2)
@@ -35,7 +35,7 @@ def addmm(ctx):
     return cons
 
 
-@register(aten.mm)
+@register(aten.mm, observe=True)
 def mm(ctx):
     a, b = ctx.axes(ctx.arg(0)), ctx.axes(ctx.arg(1))
     return [Unify(ctx.out[0], a[0]), Unify(a[1], b[0], dual=True), Unify(ctx.out[1], b[1])]
@@ -56,7 +56,7 @@ def _batched_product(ctx, a_node, b_node):
     return cons
 
 
-@register([aten.bmm, aten.matmul])
+@register([aten.bmm, aten.matmul], observe=True)
 def bmm(ctx):
     if len(ctx.shape(ctx.arg(0))) < 2 or len(ctx.shape(ctx.arg(1))) < 2:
         return None  # vector products: let the driver freeze them
@@ -69,7 +69,7 @@ def baddbmm(ctx):
     return cons + broadcast(ctx.out, ctx.out_shape, [ctx.arg(0)], ctx, on_broadcast="perm")
 
 
-@register(aten.embedding)
+@register(aten.embedding, observe=True)
 def embedding(ctx):
     # out[..., :] = W[ids[...], :]: rows are picked by data, columns carry the class.
     w, ids = ctx.arg(0), ctx.arg(1)
@@ -80,7 +80,7 @@ def embedding(ctx):
     return cons
 
 
-@register([aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution])
+@register([aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution], observe=True)
 def conv(ctx):
     x, w, b = ctx.arg(0), ctx.arg(1), ctx.arg(2, "bias")
     groups = ctx.arg(8 if ctx.node.target == aten.convolution.default else 6, "groups", 1)

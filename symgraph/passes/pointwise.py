@@ -63,11 +63,11 @@ def copy(ctx):
     return broadcast(ctx.out, ctx.out_shape, [ctx.arg(1)], ctx, on_broadcast="perm")
 
 # Positively homogeneous: f(c x) = c f(x) for c > 0.
-register([aten.relu, aten.leaky_relu])(_unary("scaled_perm"))
+register([aten.relu, aten.leaky_relu], observe=[aten.relu])(_unary("scaled_perm"))
 
 # Odd: f(-x) = -f(x).
 register([aten.tanh, aten.erf, aten.sin, aten.sinh, aten.asinh, aten.atan, aten.arctan,
-          aten.sign, aten.erfinv, aten.tan, aten.asin])(_unary("signed_perm"))
+          aten.sign, aten.erfinv, aten.tan, aten.asin], observe=[aten.tanh])(_unary("signed_perm"))
 
 # Everything else elementwise: only coordinate permutations commute with it.
 register([
@@ -79,7 +79,7 @@ register([
     aten.logit, aten.floor, aten.ceil, aten.round, aten.trunc, aten.frac, aten.sgn,
     aten.ne.Scalar, aten.eq.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar,
     aten.ge.Scalar, aten.nan_to_num, aten.fill.Scalar,
-])(_unary("perm"))
+], observe=[aten.gelu, aten.silu, aten.sigmoid])(_unary("perm"))
 
 
 @register([aten.dropout, aten.feature_dropout, aten.alpha_dropout])
@@ -101,7 +101,7 @@ def _is_scalar(ctx, v):
 
 
 @register([aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.rsub.Tensor,
-           aten.rsub.Scalar, aten.add_.Tensor, aten.sub_.Tensor])
+           aten.rsub.Scalar, aten.add_.Tensor, aten.sub_.Tensor], observe=[aten.add])
 def add(ctx):
     # a + b: both sides take the same map. A constant shift c·1 commutes only with maps that
     # fix the all-ones vector: among our groups, permutations.
@@ -122,7 +122,7 @@ def _varying(ctx, v, o_idx):
     return k >= 0 and shape[k] == ctx.out_shape[o_idx] and shape[k] > 1
 
 
-@register([aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor])
+@register([aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor], observe=[aten.mul])
 def mul(ctx):
     # x * s with s constant along an axis is linear along that axis; x * y with both varying
     # along it is an elementwise product: (g x) ⊙ (g y) = g (x ⊙ y) only for permutations.

@@ -124,7 +124,7 @@ def _norm_layer(ctx, x, normalized_ndim, params, out):
                                     "normalisation")
 
 
-@register(aten.layer_norm)
+@register(aten.layer_norm, observe=True)
 def layer_norm(ctx):
     shape = ctx.arg(1)
     return _norm_layer(ctx, ctx.arg(0), len(shape), [ctx.arg(2, "weight"), ctx.arg(3, "bias")],

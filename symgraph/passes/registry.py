@@ -4,6 +4,9 @@ A rule is a pure function ``rule(ctx) -> list[Constraint]``: it reads the node's
 output axes from ``ctx`` (a :class:`RuleContext`) and states how they relate. Rules never
 touch the graph or the union-find; :mod:`symgraph.passes.unionfind` consumes what they say.
 Rules are registered per ATen overload (or overload packet) with :func:`register`.
+``register(..., observe=...)`` also marks ops whose output is a good *observation point* for
+activation matching (a linear map, a norm, a nonlinearity, attention, a sum or product, a
+concatenation): alignment from activations reads a class's coordinates there.
 """
 from __future__ import annotations
 
@@ -54,12 +57,23 @@ class Rope:
 Constraint = Unify | Meet | Structure | NoFiber | Rope
 
 _RULES: dict = {}
+_OBSERVED: set = set()  # op packets whose outputs are observation points
 
 
-def register(ops) -> Callable:
-    """Register a rule for one ATen overload/packet or a list of them."""
+def _packet(op):
+    return op.overloadpacket if isinstance(op, torch._ops.OpOverload) else op
+
+
+def register(ops, observe=False) -> Callable:
+    """Register a rule for one ATen overload/packet or a list of them.
+
+    ``observe``: True marks every op of the list (all overloads of its packet) as an
+    observation point for activation matching; a list marks only those ops.
+    """
     if not isinstance(ops, (list, tuple)):
         ops = [ops]
+    seen = ops if observe is True else (observe or ())
+    _OBSERVED.update(_packet(op) for op in seen)
 
     def deco(fn):
         for op in ops:
@@ -67,6 +81,11 @@ def register(ops) -> Callable:
         return fn
 
     return deco
+
+
+def observed(target) -> bool:
+    """Whether ``target``'s output is an observation point (see :func:`register`)."""
+    return _packet(target) in _OBSERVED
 
 
 def lookup(target):

@@ -62,7 +62,7 @@ def split(ctx):
     return cons + [Structure(xa[d], "sum", tuple(o[d] for o in outs))]
 
 
-@register([aten.cat, aten.concat, aten.concatenate])
+@register([aten.cat, aten.concat, aten.concatenate], observe=[aten.cat])
 def cat(ctx):
     tensors = [t for t in ctx.arg(0) if ctx.shape(t) is not None and 0 not in ctx.shape(t)]
     d = dim(ctx.arg(1, "dim", 0), len(ctx.out))

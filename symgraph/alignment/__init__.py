@@ -1,0 +1,19 @@
+"""Alignment: similarity (from weights or activations) → schedule of solve units → solvers →
+an :class:`Alignment` keyed by group id.
+
+- ``checks``      refusals before aligning (finiteness, structure, data batches)
+- ``weights``     similarity of a class from the weights, per parameter slot, cached
+- ``activations`` similarity from activations at the observation points the rules mark
+- ``schedule``    solve units (head families, single classes) and the first sweep's order
+- ``solve_unit``  one unit from its similarity matrices (nested matching for heads)
+- ``sweeps``      the coordinate-descent loop over units
+- ``rescale``     seed 003's per-head scalars after the rotations
+- ``result``      :class:`Alignment` (apply / state / to_json)
+- ``driver``      :func:`align` and :class:`AlignOptions`
+"""
+from __future__ import annotations
+
+from .driver import AlignOptions, align
+from .result import Alignment
+
+__all__ = ["align", "AlignOptions", "Alignment"]

@@ -1,0 +1,151 @@
+"""Similarity of a class from activations (seed 002's recipe): the graph is run on each data
+batch, the outputs of ops whose rule is marked ``observe`` are captured where a class's
+coordinates appear with only fixed classes beside them, and streamed cross-moments of A's and
+B's coordinates give a correlation (permutations) or covariance (rotations) matrix."""
+from __future__ import annotations
+
+import torch
+
+from ..groups import orthogonal_part
+from .checks import batch_inputs
+
+__all__ = ["ActStats", "activation_similarity", "act_matrix", "run_capture"]
+
+
+class _Capture(torch.fx.Interpreter):
+    def __init__(self, gm, names, sink):
+        super().__init__(gm)
+        self.names, self.sink = names, sink
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n.name in self.names and isinstance(out, torch.Tensor):
+            self.sink(n.name, out)
+        return out
+
+
+class ActStats:
+    """Streaming cross-moments of one class's coordinates in A and B."""
+
+    def __init__(self):
+        self.n = 0
+        self.sa = self.sb = self.saa = self.sbb = self.sab = None
+
+    def add(self, xa, xb, nf):
+        # xa [N, *F, n] -> flatten fibres
+        xa = xa.reshape(xa.shape[0], -1, xa.shape[-1]) if nf else xa.unsqueeze(1)
+        xb = xb.reshape(xb.shape[0], -1, xb.shape[-1]) if nf else xb.unsqueeze(1)
+        sab = torch.einsum("tai,tbj->abij", xa, xb)
+        upd = (xa.sum(0), xb.sum(0), (xa * xa).sum(0), (xb * xb).sum(0), sab)
+        if self.sa is None:
+            self.sa, self.sb, self.saa, self.sbb, self.sab = upd
+        else:
+            self.sa, self.sb, self.saa, self.sbb, self.sab = (
+                x + y for x, y in zip((self.sa, self.sb, self.saa, self.sbb, self.sab), upd))
+        self.n += xa.shape[0]
+
+    def matrix(self, kind):
+        n = max(self.n, 1)
+        ma, mb = self.sa / n, self.sb / n
+        cov = self.sab / n - torch.einsum("ai,bj->abij", ma, mb)
+        if kind in ("orthogonal", "gl", "rope"):
+            return cov
+        sa = (self.saa / n - ma * ma).clamp_min(1e-12).sqrt()
+        sb = (self.sbb / n - mb * mb).clamp_min(1e-12).sqrt()
+        return cov / torch.einsum("ai,bj->abij", sa, sb)
+
+
+def activation_similarity(ra, rb, data, pairs, max_samples=4096):
+    """Streamed statistics ``{i: ActStats}`` for each ``(group A, group B)`` of ``pairs`` at
+    its observation points (ops whose rule is marked ``observe``), over ``data``."""
+    plan = {}  # pair index -> list of (node name in A, node name in B, dim)
+    nodes_a, nodes_b = ra.nodes(), rb.nodes()
+    for i, (ga, gb) in enumerate(pairs):
+        pts = []
+        for pos, name_b, k in rb.observation_points(gb.id):
+            if pos >= len(nodes_a) or nodes_a[pos][2] != nodes_b[pos][2]:
+                continue
+            pts.append((nodes_a[pos][0], name_b, k))
+        plan[i] = pts
+    names_a = {p[0] for pts in plan.values() for p in pts}
+    names_b = {p[1] for pts in plan.values() for p in pts}
+    stats = {i: ActStats() for i in plan}
+    views = {}
+    for i, pts in plan.items():
+        ga, gb = pairs[i]
+        for node_a, node_b, k in pts:
+            va = ra.leaf_views(ra.activation_axes(node_a)[k], ga.id)
+            vb = rb.leaf_views(rb.activation_axes(node_b)[k], gb.id)
+            need = len(ra.fibre_shape(ga.id))
+            # heads on another axis of the tensor, or other leaves mixed in: not a clean view
+            ok = [(x, y) for x, y in zip(va, vb)
+                  if x[1] == need and x[0].dim() == need + 1 and y[0].dim() == x[0].dim()]
+            views[(i, node_a)] = ([x for x, _ in ok], [y for _, y in ok], k)
+    gm_a, gm_b = ra.exported_program.module(), rb.exported_program.module()
+    for bi, batch in enumerate(data):
+        args, kwargs = batch_inputs(ra, batch, bi)
+        cap_a, cap_b = {}, {}
+        with torch.no_grad():
+            run_capture(gm_a, names_a, cap_a, args, kwargs)
+            run_capture(gm_b, names_b, cap_b, args, kwargs)
+        for i, pts in plan.items():
+            for node_a, node_b, k in pts:
+                va, vb, k = views[(i, node_a)]
+                xa, xb = cap_a[node_a].double(), cap_b[node_b].double()
+                for (ia, fa), (ib, fb) in zip(va, vb):
+                    a = _act_gather(xa, k, ia, fa)
+                    b = _act_gather(xb, k, ib, fb)
+                    if a.shape[0] > max_samples:
+                        sel = torch.linspace(0, a.shape[0] - 1, max_samples).long()
+                        a, b = a[sel], b[sel]
+                    stats[i].add(a, b, fa)
+    return stats, plan
+
+
+def _act_gather(x, k, idx, nf):
+    """``x`` gathered along axis ``k`` by ``idx [*F, n, *O]`` → samples ``[N, *F, n]``.
+
+    Every other axis of ``x`` and the other leaves ``O`` of the same axis count as samples.
+    """
+    moved = x.movedim(k, -1)
+    g = moved[..., idx.reshape(-1)].reshape(*moved.shape[:-1], *idx.shape)
+    n_o = idx.dim() - nf - 1
+    if n_o:
+        g = g.movedim(tuple(range(g.dim() - n_o, g.dim())), tuple(range(n_o)))
+    keep = idx.shape[: nf + 1]
+    return g.reshape(-1, *keep)
+
+
+def run_capture(gm, names, sink, args, kwargs):
+    def put(name, val):
+        sink[name] = val.detach()
+    # ExportedProgram.module() is a GraphModule whose forward flattens (args, kwargs)
+    interp = _Capture(gm, names, put)
+    flat = _flatten_for(gm, args, kwargs)
+    interp.run(*flat)
+
+
+def _flatten_for(gm, args, kwargs):
+    import torch.utils._pytree as pytree
+    spec = getattr(gm, "_in_spec", None)
+    if spec is not None and spec.num_children == 2:
+        kw_spec = spec.child(1) if hasattr(spec, "child") else spec.children_specs[1]
+        keys = kw_spec.context if kw_spec.context else list(kwargs)
+        kwargs = {k: kwargs[k] for k in keys if k in kwargs}
+    flat, _ = pytree.tree_flatten((args, kwargs))
+    return flat
+
+
+def act_matrix(stats, g, cross):
+    if stats.n == 0:
+        return None
+    kind = orthogonal_part(g.kind)
+    m = stats.matrix(kind)  # [Fa, Fb, n, n]
+    if kind in ("orthogonal", "rope") and m.shape[0] > 1:
+        n = max(stats.n, 1)
+        va = (stats.saa / n - (stats.sa / n) ** 2).sum(-1).clamp_min(1e-30).sqrt()
+        vb = (stats.sbb / n - (stats.sb / n) ** 2).sum(-1).clamp_min(1e-30).sqrt()
+        m = m / (va[:, None, None, None] * vb[None, :, None, None])
+    if g.outer or m.shape[0] > 1:
+        return m if cross else torch.stack([m[h, h] for h in range(m.shape[0])])
+    return m[0, 0]

@@ -1,0 +1,78 @@
+"""Refusals before alignment: non-finite weights, models of different structure, data
+batches that do not match the traced inputs."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError, StructureMismatchError
+
+__all__ = ["check_finite", "check_compatible", "batch_inputs"]
+
+
+def check_finite(model, label):
+    for name, p in model.named_parameters():
+        # a sum is finite iff every term is, barring overflow: then check element-wise
+        if not p.is_meta and not torch.isfinite(p.detach().sum()) and not torch.isfinite(p).all():
+            bad = int((~torch.isfinite(p)).sum())
+            raise InputError(f"{label} has {bad} NaN/inf values in parameter {name!r}; "
+                             "expected finite weights")
+
+
+def check_compatible(ra, rb):
+    """Same graph structure (sizes may differ on non-fixed classes); name the first difference."""
+    ga, gb = ra.groups, rb.groups
+    na = [(n, t) for n, op, t in ra.nodes() if op == "call_function"]
+    nb = [(n, t) for n, op, t in rb.nodes() if op == "call_function"]
+    for (xn, xt), (yn, yt) in zip(na, nb):
+        if xt != yt:
+            raise StructureMismatchError(
+                f"the models' graphs differ at node {xn} ({xt}) vs {yn} ({yt}); "
+                "expected two models of the same architecture (same ops in the same order)")
+    if len(na) != len(nb):
+        raise StructureMismatchError(
+            f"the models' graphs differ in length ({len(na)} vs {len(nb)} ops); expected the same "
+            "architecture and depth")
+    pa, pb = ra.parameters, rb.parameters
+    if pa != pb:
+        diff = next((x, y) for x, y in zip(pa + [None], pb + [None]) if x != y)
+        raise StructureMismatchError(f"parameter names differ: {diff[0]!r} vs {diff[1]!r}")
+    for name in pa:
+        axa, axb = ra.param_axes(name), rb.param_axes(name)
+        for d, (a, b) in enumerate(zip(axa, axb)):
+            x, y = ra.axis_size(a), rb.axis_size(b)
+            if x != y and ra.axis_fixed(a):
+                raise StructureMismatchError(
+                    f"parameter {name!r} dim {d} has size {x} in model A and {y} in model B, and "
+                    "that axis is fixed (e.g. vocabulary, labels, input features): expected equal "
+                    "sizes (mismatched vocabularies?)")
+    if len(ga) != len(gb) or any(x.kind != y.kind or bool(x.outer) != bool(y.outer) for x, y in zip(ga, gb)):
+        for x, y in zip(ga, gb):
+            if x.kind != y.kind:
+                raise StructureMismatchError(
+                    f"symmetry group {x.id} ({x.module}) is {x.kind} in A but {y.kind} in B")
+        raise StructureMismatchError(f"the models have {len(ga)} and {len(gb)} symmetry groups")
+
+
+def batch_inputs(report, batch, index):
+    """``(args, kwargs)`` for one data batch, checked against the traced inputs' shapes."""
+    args, kwargs = report.inputs
+    if isinstance(batch, dict):
+        b_args, b_kwargs = (), {**{k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}, **batch}
+    elif isinstance(batch, torch.Tensor):
+        b_args, b_kwargs = (batch,), {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    elif isinstance(batch, (tuple, list)):
+        b_args, b_kwargs = tuple(batch), {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    else:
+        raise InputError(f"data batch {index} is a {type(batch).__name__}; expected the same form as "
+                         "inputs (a tuple of tensors or a dict of keyword tensors)")
+    ex = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+    got = [t for t in list(b_args) + list(b_kwargs.values()) if isinstance(t, torch.Tensor)]
+    if len(ex) != len(got) or any(tuple(x.shape) != tuple(y.shape) for x, y in zip(ex, got)):
+        raise InputError(
+            f"data batch {index} has tensor shapes {[tuple(t.shape) for t in got]}; expected "
+            f"{[tuple(t.shape) for t in ex]} (the shapes the models were traced with: every batch "
+            "must have the same shapes as the first)")
+    if isinstance(batch, dict):
+        # keep the traced keyword order
+        b_kwargs = {k: b_kwargs[k] for k in kwargs} | {k: v for k, v in b_kwargs.items() if k not in kwargs}
+    return b_args, b_kwargs

@@ -1,0 +1,114 @@
+"""``align()``: fill every class of the report with a group element or transport map that
+carries model B into model A's basis."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+
+from ..api import analyze
+from ..errors import InputError
+from .activations import act_matrix, activation_similarity
+from .checks import check_compatible, check_finite
+from .rescale import fit_scales
+from .result import Alignment
+from .sweeps import Sweeps
+from .weights import WeightFeatures
+
+__all__ = ["AlignOptions", "align"]
+
+_SOLVERS = (None, "hungarian", "ot", "sinkhorn")
+
+
+@dataclass(frozen=True)
+class AlignOptions:
+    """How :func:`align` solves.
+
+    solver : None (by group kind: Hungarian / Procrustes / RoPE / OT for different widths),
+        "ot" (exact transport), "sinkhorn" (soft maps with entropic ``reg``).
+    inner : "procrustes" (seed 003) or "hungarian" (seed 002) inside heads.
+    max_iter : at most this many sweeps of coordinate descent (weights).
+    groups : optional predicate ``group -> bool`` selecting the classes to align. Unselected
+        classes keep B's order; when a head class is unselected but classes fibred over it are
+        selected, heads are paired by index and each head's inner element is solved.
+    rescale : seed 003's rescaling, a positive scalar per head of each ``gl`` class after the
+        rotations (``alignment.scales``).
+    """
+    solver: str | None = None
+    inner: str = "procrustes"
+    max_iter: int = 6
+    groups: Callable | None = None
+    rescale: bool = False
+    reg: float | None = None
+
+    def __post_init__(self):
+        if self.solver not in _SOLVERS:
+            raise InputError(f"solver={self.solver!r}; expected one of {_SOLVERS}")
+        if self.inner not in ("procrustes", "hungarian"):
+            raise InputError(f"inner={self.inner!r}; expected 'procrustes' or 'hungarian'")
+        if not isinstance(self.max_iter, int) or self.max_iter < 1:
+            raise InputError(f"max_iter={self.max_iter!r}; expected a positive integer")
+
+    def selected(self, group) -> bool:
+        return True if self.groups is None else bool(self.groups(group))
+
+    @classmethod
+    def build(cls, options=None, **kw) -> "AlignOptions":
+        names = {f.name for f in fields(cls)}
+        bad = sorted(set(kw) - names)
+        if bad:
+            raise InputError(f"unknown align option(s) {bad}; expected some of {sorted(names)}")
+        base = options or cls()
+        return cls(**{f.name: kw.get(f.name, getattr(base, f.name)) for f in fields(cls)})
+
+
+def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=None,
+          options: AlignOptions | None = None, **option_kw) -> Alignment:
+    """Align ``model_b`` to ``model_a``'s basis; returns an :class:`Alignment`.
+
+    inputs : example inputs (tuple / dict), default from the config (HF) or the first batch.
+    data : iterable of batches in the same form as ``inputs``: similarity from activations
+        where a class is observed cleanly, from weights elsewhere. Without it, weights only.
+    report_a, report_b : reuse reports already computed for the two models.
+    options / keywords : an :class:`AlignOptions` (``solver``, ``inner``, ``max_iter``,
+        ``groups``, ``rescale``, ``reg``), or its fields as keywords.
+    """
+    opts = AlignOptions.build(options, **option_kw)
+    for m, label in ((model_a, "model_a"), (model_b, "model_b")):
+        if not isinstance(m, torch.nn.Module):
+            raise InputError(f"{label} must be a torch.nn.Module, got {type(m).__name__}")
+        check_finite(m, label)
+    data = list(data) if data is not None else None
+    if data is not None and len(data) == 0:
+        raise InputError("data is empty; expected at least one batch")
+    inputs = data[0] if inputs is None and data is not None else inputs
+    t0 = time.perf_counter()
+    ra = report_a or analyze(model_a, inputs)
+    rb = report_b or analyze(model_b, inputs)
+    t_an = time.perf_counter() - t0
+    check_compatible(ra, rb)
+    feats = WeightFeatures(ra, rb, model_a, model_b)
+    run = Sweeps(ra, opts, feats, None)
+    b_of = dict(zip((g.id for g in ra.groups), rb.groups))
+
+    def by_weights(ga, cross, usable=None):
+        return feats.similarity(ga, b_of[ga.id], run.elements, cross, usable)
+    run.similarity, sweeps = by_weights, opts.max_iter
+    if data is not None:
+        stats, _ = activation_similarity(ra, rb, data, [(ga, b_of[ga.id]) for ga in ra.groups])
+
+        def by_activations(ga, cross, usable=None):  # weights (given the rest) where unobserved
+            m = act_matrix(stats[ga.id], ga, cross)
+            return (m, True, frozenset()) if m is not None else by_weights(ga, cross, usable)
+        run.similarity = by_activations
+        sweeps = 1 if all(stats[g.id].n > 0 for g in ra.groups) else sweeps
+    n_sweeps = run.run(sweeps)
+    al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
+                   {"analyze": t_an, "solver": run.solver_seconds, "sweeps": n_sweeps},
+                   template=model_a)
+    if opts.rescale:
+        al.scales = fit_scales(al, model_a, model_b, [g for g in ra.groups if opts.selected(g)])
+    al.seconds["total"] = time.perf_counter() - t0
+    return al

@@ -1,0 +1,87 @@
+"""The result of :func:`symgraph.align`: one element or transport map per class, keyed by group
+id (the same id names a class in A's and B's reports), with the means to apply it."""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from ..apply import map_parameters
+from ..elements import Map, Perm
+from .checks import check_finite
+
+__all__ = ["Alignment"]
+
+
+@dataclass
+class Alignment:
+    """Group elements / transport maps carrying B's classes into A's basis.
+
+    ``elements[group_id]``: a ``[*fibres, n_A, n_B]`` tensor, a :class:`~symgraph.elements.Perm`
+    (unfibred permutation as indices) or a :class:`~symgraph.elements.Map` (rectangular or soft
+    map). ``results[group_id]``: the solver's :class:`~symgraph.solve.SolveResult`. ``scales``:
+    per-head scalars fitted by ``rescale=True``. ``seconds``: analyze / solver / total time.
+    """
+    report_a: object
+    report_b: object
+    elements: dict
+    results: dict = field(default_factory=dict)
+    similarity: str = "weights"
+    seconds: dict = field(default_factory=dict)
+    scales: dict = field(default_factory=dict)
+    template: object = field(default=None, repr=False)  # A's model: the shapes of a fused result
+
+    def state(self, model_b) -> dict:
+        """B's parameters in A's basis (and A's shapes): ``{fqn: tensor}`` in B's dtypes."""
+        rb = self.report_b
+        tensors = {name: model_b.get_parameter(name).detach() for name in rb.parameters}
+        moved = map_parameters(rb, self.elements, tensors)
+        out = {k: moved[k].to(t.dtype) if k in moved else t.clone() for k, t in tensors.items()}
+        for keep, others in rb.aliases.items():  # tied names share the value
+            for o in others:
+                out[o] = out[keep]
+        return out
+
+    def apply(self, model_b, template=None):
+        """A new model computing B's function (exactly, for group elements) in A's basis.
+
+        ``model_b`` is not modified. When widths differ the result has A's architecture
+        (``template``, default: the anchor model given to :func:`align`).
+        """
+        check_finite(model_b, "model_b")
+        state = self.state(model_b)
+        shapes_same = all(tuple(model_b.get_parameter(k).shape) == tuple(v.shape)
+                          for k, v in state.items())
+        base = template if template is not None else (model_b if shapes_same else self.template)
+        new = copy.deepcopy(base)
+        with torch.no_grad():
+            for k, v in state.items():
+                new.get_parameter(k).copy_(v)
+            if base is not model_b:  # carry over B's parameters no class touched
+                for k, p in model_b.named_parameters():
+                    if k not in state and tuple(new.get_parameter(k).shape) == tuple(p.shape):
+                        new.get_parameter(k).copy_(p)
+        return new
+
+    def to_dict(self) -> dict:
+        """A JSON-able summary: per group its kind, solver status and objective, and the
+        element itself for permutations (index lists)."""
+        groups = []
+        for g in self.report_a.groups:
+            el, res = self.elements.get(g.id), self.results.get(g.id)
+            entry = {"id": g.id, "module": g.module, "kind": g.kind, "aligned": el is not None}
+            if res is not None:
+                entry |= {"status": res.status, "objective": float(res.objective)}
+            if isinstance(el, Perm):
+                entry["permutation"] = el.index.tolist()
+            elif isinstance(el, Map):
+                entry["map_shape"] = list(el.shape)
+            if g.id in self.scales:
+                entry["scales"] = list(self.scales[g.id])
+            groups.append(entry)
+        return {"similarity": self.similarity, "seconds": dict(self.seconds), "groups": groups}
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **({"indent": 2} | kw))

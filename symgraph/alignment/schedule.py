@@ -1,0 +1,68 @@
+"""Solve units and the order of the first sweep.
+
+A *unit* is what one solver call fills in: a head family (an outer head permutation class and
+the classes fibred directly over it, solved jointly by nested matching), classes fibred over
+fixed heads (solved per head), or a single class.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["Unit", "units", "first_sweep_order"]
+
+
+class Unit(NamedTuple):
+    kind: str  # "single" | "family" | "fixed-heads"
+    outer: object  # the head Group (family), the Group itself (single), or None (fixed heads)
+    members: list  # Groups fibred over ``outer`` (family, fixed heads); [] for a single
+
+    def groups(self, selected) -> list:
+        """The unit's groups that ``selected(group)`` keeps (the outer class first)."""
+        gs = [self.outer] if self.outer is not None else []
+        return [g for g in gs + list(self.members) if selected(g)]
+
+
+def units(report) -> list:
+    """The solve units of ``report``'s groups, ordered by their first group's id."""
+    groups = report.groups
+    families = report.head_families()
+    by_outer = {outer: members for outer, members in families if outer is not None}
+    out, done = [], set()
+    for g in groups:
+        if g.id not in done and g.id in by_outer:
+            out.append(Unit("family", g, [groups[m] for m in by_outer[g.id]]))
+            done |= {g.id, *by_outer[g.id]}
+    for outer, members in families:
+        if outer is None and not any(m in done for m in members):
+            out.append(Unit("fixed-heads", None, [groups[m] for m in members]))
+            done |= set(members)
+    for g in groups:
+        if g.id not in done:
+            out.append(Unit("single", g, []))
+            done.add(g.id)
+    out.sort(key=lambda u: (u.outer or u.members[0]).id)
+    return out
+
+
+def first_sweep_order(units_, ids_of, solved_groups, feats):
+    """Order the first sweep so that each unit is solved when as much of its weight (by
+    parameter size) as possible has its other axes known: classes whose features sit on fixed
+    axes (the residual stream through the embeddings) go first, then the ones that need them.
+
+    ``ids_of(unit)``: the group ids the unit solves; ``solved_groups(unit)``: the groups whose
+    similarity it computes; ``feats``: the :class:`~.weights.WeightFeatures` (slots, deps)."""
+    pending = set().union(*(ids_of(u) for u in units_)) if units_ else set()
+    left, order = list(range(len(units_))), []
+    slot_info = {i: [(feats.deps(g, n, d), feats.B[n].numel())
+                     for g in solved_groups(u) for n, d in feats.slots(g)]
+                 for i, u in enumerate(units_)}
+    while left:
+        def known(i):
+            mine = ids_of(units_[i])
+            tot = sum(w for _, w in slot_info[i]) or 1
+            return sum(w for dep, w in slot_info[i] if not (dep & (pending - mine))) / tot
+        best = max(left, key=lambda i: (known(i), -i))
+        order.append(best)
+        left.remove(best)
+        pending -= ids_of(units_[best])
+    return order

@@ -1,0 +1,63 @@
+"""Solving one unit from its similarity matrices: a single class, classes fibred over fixed
+heads (per head), or a head family (nested matching: an outer assignment of heads whose cost
+is each head pair's best inner alignment)."""
+from __future__ import annotations
+
+import torch
+
+from .. import solve as S
+from ..elements import Map
+from ..groups import orthogonal_part
+
+__all__ = ["solve_unit"]
+
+
+def solve_unit(unit, sims, opts) -> list:
+    """``[(group, element, SolveResult)]`` for ``unit`` given ``sims``: ``[(group, S)]`` for the
+    groups whose similarity is known (the members; the class itself for a single)."""
+    if unit.kind == "single":
+        g, s = sims[0]
+        res, el = _solve_single(g, s, opts)
+        return [(g, el, res)]
+    if unit.kind == "fixed-heads" or not opts.selected(unit.outer):
+        # heads kept in index order (no head class, or not selected): per-head inner solve
+        out = []
+        for m, s in sims:
+            diag = torch.stack([s[h, h] for h in range(s.shape[0])])
+            res = S.inner_blocks(orthogonal_part(m.kind), diag, m.pairs, opts.inner)
+            el = res.element
+            out.append((m, el if el.shape[-1] == el.shape[-2] else Map.from_plan(el), res))
+        return out
+    kinds = [orthogonal_part(m.kind) for m, _ in sims]
+    out_res, inner_els = S.nested_heads(
+        [s for _, s in sims], kinds, [m.pairs for m, _ in sims], inner=opts.inner,
+        outer="hungarian" if opts.solver not in ("ot", "sinkhorn") else "ot")
+    HA, HB = sims[0][1].shape[:2]
+    match = out_res.element.argmax(0)
+    out = [(unit.outer, _element_from(out_res, HA, HB), out_res)]
+    for (m, s), el in zip(sims, inner_els):
+        nA, nB = s.shape[-2:]
+        obj = float((el * s[match, torch.arange(HB)]).sum())
+        out.append((m, el if nA == nB else Map.from_plan(el), S.SolveResult(el, obj)))
+    return out
+
+
+def _element_from(result, nA, nB):
+    el = result.element
+    if result.status == "soft" or nA != nB or (el.shape[-1] != el.shape[-2]):
+        return Map.from_plan(el)
+    return el
+
+
+def _solve_single(g, s, opts):
+    kind = orthogonal_part(g.kind)
+    nA, nB = s.shape[-2:]
+    if s.dim() == 3:  # fibred over a fixed class, solved per fibre entry
+        res_list = [S.solve(kind, s[h], pairs=g.pairs, solver=None if nA == nB else "ot")
+                    for h in range(s.shape[0])]
+        el = torch.stack([r.element for r in res_list])
+        res = S.SolveResult(el, sum(r.objective for r in res_list), seconds=sum(r.seconds for r in res_list))
+        return res, el if nA == nB else Map.from_plan(el)
+    use = opts.solver if (opts.solver in ("ot", "sinkhorn") and kind in ("perm", "signed_perm")) else None
+    res = S.solve(kind, s, pairs=g.pairs, solver=use, rescale=opts.rescale, reg=opts.reg)
+    return res, _element_from(res, nA, nB)

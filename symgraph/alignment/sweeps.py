@@ -1,0 +1,96 @@
+"""The coordinate-descent loop: sweep over the solve units until no element changes.
+
+The first sweep runs in dependency order (:func:`~.schedule.first_sweep_order`) and uses only
+the slots whose other axes are already known; later sweeps re-solve a unit only if it left
+slots out or something it used has changed since.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..elements import Map, Perm, is_perm
+from .schedule import first_sweep_order, units
+from .solve_unit import solve_unit
+
+__all__ = ["Sweeps"]
+
+
+class Sweeps:
+    """Elements, solver results and change counts of one alignment, and the loop filling them.
+
+    ``similarity(group, cross_fibres, usable)`` returns ``(S, complete, deps)`` (see
+    :meth:`~.weights.WeightFeatures.similarity`); ``versions`` is shared with it.
+    """
+
+    def __init__(self, report_a, opts, feats, similarity):
+        self.opts, self.feats, self.similarity = opts, feats, similarity
+        self.elements: dict = {}
+        self.results: dict = {}
+        self.versions = feats.versions  # group id -> number of times its element changed
+        self.solver_seconds = 0.0
+        self.units = [u for u in units(report_a) if u.groups(opts.selected)]
+        self.changed = False
+
+    def ids(self, unit) -> set:
+        return {g.id for g in unit.groups(self.opts.selected)}
+
+    def _solved_groups(self, unit) -> list:
+        return [unit.outer] if unit.kind == "single" else [m for m in unit.members if self.opts.selected(m)]
+
+    def run(self, sweeps: int) -> int:
+        """Sweep at most ``sweeps`` times; returns the number of sweeps run."""
+        last: dict = {}  # unit index -> (versions of the classes it used, complete)
+        order = first_sweep_order(self.units, self.ids, self._solved_groups, self.feats)
+        sweep = 0
+        for sweep in range(sweeps):
+            self.changed = False
+            pending = set().union(*(self.ids(u) for u in self.units)) if sweep == 0 else set()
+            for ui in order:
+                if sweep > 0 and ui in last:
+                    used, complete = last[ui]
+                    if complete and all(self.versions.get(g, 0) == v for g, v in used.items()):
+                        continue  # nothing it depends on changed since it was solved
+                pending -= self.ids(self.units[ui])
+                last[ui] = self._solve(self.units[ui], pending)
+            if not self.changed:
+                break
+        return sweep + 1
+
+    def _solve(self, unit, pending):
+        """Solve one unit; first sweep: only slots whose other axes are known (fixed or
+        already solved). Returns what it used, for the skip test of later sweeps."""
+        usable = (lambda dep: not (dep & pending)) if pending else None
+        mem = self._solved_groups(unit)
+        cross = unit.kind != "single"
+        got = [self.similarity(m, cross, usable) for m in mem]
+        if usable is not None and not any(x[0] is not None for x in got):
+            got = [self.similarity(m, cross) for m in mem]  # nothing clean: B's order for the rest
+        used = set().union(*(x[2] for x in got))
+        record = ({g: self.versions.get(g, 0) for g in used}, all(x[1] for x in got))
+        sims = [(m, x[0]) for m, x in zip(mem, got) if x[0] is not None]
+        if sims:
+            for g, el, res in solve_unit(unit, sims, self.opts):
+                self._set(g, el, res)
+        return record
+
+    def _set(self, g, el, res):
+        if isinstance(el, torch.Tensor) and el.dim() == 2 and is_perm(el):
+            el = Perm.from_matrix(el)  # n indices instead of an n×n matrix
+            res.element = el
+        if not _same(self.elements.get(g.id), el):
+            self.versions[g.id] = self.versions.get(g.id, 0) + 1
+            self.changed = True
+        self.elements[g.id] = el
+        self.results[g.id] = res
+        self.solver_seconds += res.seconds
+
+
+def _same(old, new):
+    if old is None:
+        return False
+    if isinstance(old, Perm) or isinstance(new, Perm):
+        return (isinstance(old, Perm) and isinstance(new, Perm)
+                and torch.equal(old.index, new.index))
+    a = old.co if isinstance(old, Map) else old
+    b = new.co if isinstance(new, Map) else new
+    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=0, atol=1e-9))

@@ -1,0 +1,166 @@
+"""Similarity of a class from the weights (data-free): Git Re-Basin's weight matching
+generalised to rotations and head-structured classes, as a sum of per-slot contributions."""
+from __future__ import annotations
+
+import string
+
+import torch
+
+from ..elements import apply_along, is_perm
+from ..groups import orthogonal_part
+
+__all__ = ["WeightFeatures", "gather", "cross"]
+
+
+class WeightFeatures:
+    """Similarity of a class from the weights, as a sum of per-slot contributions.
+
+    A slot's contribution depends on the elements of the classes on the parameter's other
+    axes (its *dependencies*); contributions are cached with the versions of those elements
+    and recomputed only when one of them changed. Weights stay in their own dtype (no float64
+    copies of either model): permutation classes rank in that dtype, continuous classes gather
+    their (small) slices into float64 so that Procrustes is exact.
+    """
+
+    CACHE_NUMEL = 1 << 20  # contributions larger than this (e.g. MLP×MLP) are not kept
+
+    def __init__(self, ra, rb, model_a, model_b):
+        self.ra, self.rb = ra, rb
+        self.A = {k: model_a.get_parameter(k).detach() for k in ra.parameters}
+        self.B = {k: model_b.get_parameter(k).detach() for k in rb.parameters}
+        self._cache: dict = {}
+        self._deps: dict = {}
+        self._axis_memo: dict = {}
+        self.versions: dict = {}  # shared with the solve loop: group id -> changes so far
+
+    def _axis_op(self, a, elements):
+        """B's current map on axis ``a``: an index vector for a permutation, else the dense
+        matrix; memoised by the versions of the axis' leaf classes."""
+        rb = self.rb
+        key = (rb.axis_key(a), tuple((g in elements, self.versions.get(g, 0)) for g in rb.axis_groups(a)))
+        hit = self._axis_memo.get(key, False)
+        if hit is False:
+            M = rb.axis_map(a, elements)
+            if M is not None and M.dim() > 1 and is_perm(M):
+                M = M.argmax(1)
+            hit = M
+            if M is None or M.dim() == 1 or M.numel() <= self.CACHE_NUMEL:
+                self._axis_memo[key] = hit
+        return hit
+
+    def slots(self, ga):
+        return list(dict.fromkeys(ga.params))
+
+    def deps(self, gb, name, d):
+        """B's leaf classes (other than ``gb`` and its fibres) that the slot's feature uses."""
+        key = (gb.id, name, d)
+        if key not in self._deps:
+            rb = self.rb
+            ax = rb.param_axes(name)
+            out = set()
+            for k, a in enumerate(ax):
+                if k != d:
+                    out.update(rb.axis_groups(a))
+            fib = set(gb.outer)
+            out.update(x for x in rb.axis_groups(ax[d]) if x != gb.id and x not in fib)
+            self._deps[key] = frozenset(out)
+        return self._deps[key]
+
+    def similarity(self, ga, gb, elements, cross_fibres: bool, usable=None):
+        """``(S, complete, deps)``: ``S [*F_A, *F_B, n_A, n_B]`` (cross_fibres) summed over the
+        slots whose dependencies are ``usable`` (all by default); ``complete`` is False when a
+        slot was left out; ``deps`` are the classes the used slots depend on."""
+        versions = self.versions
+        exact = orthogonal_part(ga.kind) not in ("perm", "signed_perm")
+        total, na2, nb2, complete, used = None, 0.0, 0.0, True, set()
+        for name, d in self.slots(ga):
+            dep = self.deps(gb, name, d)
+            if usable is not None and not usable(dep):
+                complete = False
+                continue
+            key = (ga.id, name, d, cross_fibres)
+            ver = tuple(sorted((r, versions.get(r, 0)) for r in dep))
+            hit = self._cache.get(key)
+            if hit is None or hit[0] != ver:
+                val = self._slot(ga, gb, name, d, elements, cross_fibres, exact)
+                if val[0] is not None and val[0].numel() <= self.CACHE_NUMEL and not val[3]:
+                    self._cache[key] = (ver, val)
+            else:
+                val = hit[1]
+            s, a2, b2, partial = val
+            complete &= not partial
+            if s is None:
+                continue
+            used |= dep
+            total = s if total is None else total + s
+            na2, nb2 = na2 + a2, nb2 + b2
+        if total is not None and total.dim() == 4:
+            # per head pair, scale by the features' norms: the matching pair then scores
+            # exactly 1 per class and every other pair at most 1 (Cauchy-Schwarz)
+            total = total / (na2.clamp_min(1e-30).sqrt()[:, None, None, None]
+                             * nb2.clamp_min(1e-30).sqrt()[None, :, None, None])
+        return total, complete, frozenset(used)
+
+    def _slot(self, ga, gb, name, d, elements, cross_fibres, exact):
+        ax_a, ax_b = self.ra.param_axes(name), self.rb.param_axes(name)
+        total, a2, b2 = None, 0.0, 0.0
+        va, vb = self.ra.leaf_views(ax_a[d], ga.id), self.rb.leaf_views(ax_b[d], gb.id)
+        others = self.rb.other_leaf_elements(ax_b[d], gb.id, elements) if va else []
+        if others is None:  # another leaf of this axis is not solved yet: its order is unknown
+            return None, a2, b2, True
+        ta, tb = self.A[name], self.B[name]
+        if exact:
+            ta, tb = ta.double(), tb.double()
+        for k, a in enumerate(ax_b):  # other dims into A's basis
+            if k == d:
+                continue
+            M = self._axis_op(a, elements)
+            if M is not None:
+                tb = apply_along(tb, k, M)
+        for (ia, fa), (ib, fb) in zip(va, vb):
+            xa = gather(ta, d, ia, fa)  # [*F, n, m]
+            xb = gather(tb, d, ib, fb, others)
+            if xa.shape[-1] != xb.shape[-1]:
+                continue
+            s = cross(xa, xb, fa, cross_fibres)
+            total = s if total is None else total + s
+            if fa and cross_fibres:
+                a2 = a2 + (xa.reshape(-1, *xa.shape[fa:]) ** 2).sum((-1, -2))
+                b2 = b2 + (xb.reshape(-1, *xb.shape[fb:]) ** 2).sum((-1, -2))
+        return total, a2, b2, False
+
+
+def gather(t, d, idx, nf, others=None):
+    """Gather ``t``'s dim ``d`` by ``idx [*F, n, *O]`` → ``[*F, n, m]``; ``others`` holds the
+    current elements of the O leaves (applied first, so B's O coordinates are in A's order)."""
+    moved = t.movedim(d, 0)
+    flat = idx.reshape(-1)
+    if nf == 0 and idx.dim() == 1 and len(flat) == moved.shape[0] and bool(
+            (flat == torch.arange(len(flat))).all()):
+        x = moved  # the whole axis in order: a view, no copy (embeddings)
+    else:
+        x = moved[flat].reshape(*idx.shape, *moved.shape[1:])
+    for pos, E, fpos in (others or []):
+        x = _apply_leaf(x, nf + 1 + pos, E, fpos)
+    lead = idx.shape[: nf + 1]
+    return x.reshape(*lead, -1)
+
+
+def _apply_leaf(x, pos, E, fpos):
+    """Apply ``E [*fibres, a, b]`` along dim ``pos`` of ``x``; fibres index dims ``fpos``."""
+    L = string.ascii_letters
+    xs = [L[i] for i in range(x.dim())]
+    new = L[x.dim()]
+    es = "".join(xs[p] for p in fpos) + new + xs[pos]
+    out = [new if i == pos else c for i, c in enumerate(xs)]
+    return torch.einsum(f"{es},{''.join(xs)}->{''.join(out)}", E.to(x.dtype), x)
+
+
+def cross(xa, xb, nf, cross_fibres):
+    if nf == 0:
+        return xa @ xb.mT
+    fa = xa.reshape(-1, *xa.shape[nf:])  # flatten fibres into one index
+    fb = xb.reshape(-1, *xb.shape[nf:])
+    if cross_fibres:
+        return torch.einsum("aim,bjm->abij", fa, fb)
+    return torch.einsum("aim,ajm->aij", fa, fb)

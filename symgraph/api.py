@@ -1,0 +1,34 @@
+"""The entry point of the analysis: trace a model and report its symmetry groups."""
+from __future__ import annotations
+
+from .passes import analyze_graph
+from .report import SymmetryReport
+from .trace import trace
+
+__all__ = ["analyze", "tied_parameters"]
+
+
+def tied_parameters(model) -> list:
+    """Groups of parameter names that share one tensor (tied embeddings, shared layers)."""
+    by_id: dict = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def analyze(model, inputs=None, *, strict: bool = False) -> SymmetryReport:
+    """Trace ``model`` and infer its symmetry groups.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Left untouched. Hugging Face models need no ``inputs`` (built from the config); a model
+        on the ``meta`` device is analysed without weights.
+    inputs : tuple | dict | None
+        Positional example inputs, or keyword inputs.
+    strict : bool
+        Raise :class:`UnsupportedOpError` on an op without a rule instead of freezing its axes.
+    """
+    ep, args, kwargs = trace(model, inputs)
+    an = analyze_graph(ep, strict=strict, tied=tied_parameters(model))
+    return SymmetryReport(an, type(model).__name__, (args, kwargs))

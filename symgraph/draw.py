@@ -1,0 +1,96 @@
+"""Pictures of a report: the transport-map flow as a networkx graph, Graphviz dot, PNG/SVG."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+
+from .errors import InputError
+
+__all__ = ["to_networkx", "to_dot", "save_graph"]
+
+
+def to_networkx(report):
+    """The transport-map flow: groups as nodes, parameters as edges between them."""
+    import networkx as nx
+    G = nx.MultiDiGraph()
+    for g in report.groups:
+        G.add_node(g.id, kind=g.kind, size=g.size, blocks=g.blocks, module=g.module,
+                   label=f"{g.id}: {g.kind} {g.size}" + (f" ({g.blocks} heads)" if g.blocks > 1 else ""))
+    by_param: dict = {}
+    for g in report.groups:
+        for (p, d), v in zip(g.params, g.variance):
+            by_param.setdefault(p, set()).add((d, g.id))
+    for p, entries in by_param.items():
+        outs = {gid for d, gid in entries if d == 0}
+        ins = {gid for d, gid in entries if d != 0}
+        for a in ins:
+            for b in outs:
+                if a != b:
+                    G.add_edge(a, b, param=p)
+        if not ins or not outs:
+            for gid in ins | outs:
+                G.nodes[gid].setdefault("params", []).append(p)
+    return G
+
+def to_dot(report) -> str:
+    G = to_networkx(report)
+    colors = {"perm": "lightblue", "scaled_perm": "lightcyan", "signed_perm": "lavender",
+              "orthogonal": "palegreen", "gl": "gold", "rope": "salmon"}
+    lines = ["digraph symmetry {", "  rankdir=LR; node [shape=box, style=filled];"]
+    for n, d in G.nodes(data=True):
+        lab = d["label"] + (f"\\n{d['module']}" if d["module"] else "")
+        lines.append(f'  g{n} [label="{lab}", fillcolor="{colors.get(d["kind"], "white")}"];')
+    for a, b, d in G.edges(data=True):
+        lines.append(f'  g{a} -> g{b} [label="{d["param"].split(".")[-2] if "." in d["param"] else d["param"]}", fontsize=8];')
+    lines.append("}")
+    return "\n".join(lines)
+
+def save_graph(report, path: str) -> str:
+    """Write the class graph to ``.dot``, ``.png`` or ``.svg`` (atomically)."""
+    ext = os.path.splitext(path)[1].lower()
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, suffix=ext)
+    os.close(fd)
+    try:
+        if ext == ".dot":
+            with open(tmp, "w") as f:
+                f.write(to_dot(report))
+        elif ext in (".png", ".svg"):
+            if shutil.which("dot"):
+                subprocess.run(["dot", f"-T{ext[1:]}", "-o", tmp], input=to_dot(report),
+                               text=True, check=True)
+            else:
+                _draw_matplotlib(report, tmp)
+        else:
+            raise InputError(f"unknown graph format {ext!r}: expected .dot, .png or .svg")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a picture is an ordinary file
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+def _draw_matplotlib(report, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import networkx as nx
+    G = to_networkx(report)
+    fig, ax = plt.subplots(figsize=(max(8, len(G) * 0.35), 8))
+    try:
+        pos = nx.kamada_kawai_layout(G) if len(G) > 1 else nx.spring_layout(G)
+    except Exception:  # noqa: BLE001 - layout is cosmetic
+        pos = nx.spring_layout(G, seed=0)
+    colors = {"perm": "#9cc9f0", "scaled_perm": "#c7eef0", "signed_perm": "#dcd0f5",
+              "orthogonal": "#a8e6a1", "gl": "#f5d76e", "rope": "#f4a48f"}
+    nx.draw_networkx(G, pos, ax=ax, node_color=[colors.get(G.nodes[n]["kind"], "#ddd") for n in G],
+                     labels={n: G.nodes[n]["label"] for n in G}, font_size=6, node_size=600,
+                     arrowsize=8)
+    ax.set_title(f"symmetry classes of {report.model_name}")
+    ax.axis("off")
+    fig.savefig(path, dpi=120, bbox_inches="tight", format=os.path.splitext(path)[1][1:])
+    plt.close(fig)

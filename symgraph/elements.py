@@ -1,0 +1,94 @@
+"""Group elements and transport maps as values, and their action along one tensor dimension.
+
+An element of a leaf class is a tensor ``[*fibre_sizes, n, n]`` (one ``n×n`` matrix per entry
+of the outer head classes it is fibred over), a :class:`Perm` (an unfibred permutation kept as
+indices), or a :class:`Map` (a possibly rectangular map between two models' coordinates).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Perm", "Map", "is_perm", "inv_t", "apply_along"]
+
+
+def inv_t(E):
+    """``E^{-T}`` (no inversion for permutations and orthogonal matrices)."""
+    if is_perm(E):
+        return E  # P^{-T} = P
+    eye = torch.eye(E.shape[-1], dtype=E.dtype)
+    if E.shape[-1] == E.shape[-2] and bool(((E @ E.mT) - eye).abs().max() <= 1e-12):
+        return E  # orthogonal (Procrustes, RoPE): R^{-T} = R
+    return torch.linalg.inv(E).mT
+
+
+def is_perm(M):
+    """A (batch of) permutation matrices: exactly one nonzero per row, rows and columns sum
+    to 1 (so that nonzero is 1 and no column is hit twice). Three reductions, no copies."""
+    if getattr(M, "_symgraph_perm", False):
+        return True
+    n = M.shape[-1]
+    return (M.shape[-2] == n and int(M.count_nonzero()) == M.numel() // n
+            and bool((M.sum(-1) == 1).all()) and bool((M.sum(-2) == 1).all()))
+
+
+class Perm:
+    """A permutation element kept as indices (``n`` integers instead of an ``n×n`` matrix):
+    row ``i`` of the matrix has its 1 in column ``index[i]``. Used by :func:`symgraph.align`
+    for unfibred permutation classes; :func:`axis_matrix` returns the index vector for them."""
+
+    def __init__(self, index):
+        self.index = torch.as_tensor(index, dtype=torch.long)
+
+    @classmethod
+    def from_matrix(cls, M):
+        return cls(M.argmax(-1))
+
+    @property
+    def shape(self):
+        n = len(self.index)
+        return torch.Size((n, n))
+
+    def dense(self, dtype=torch.float64):
+        n = len(self.index)
+        M = torch.zeros(n, n, dtype=dtype)
+        M[torch.arange(n), self.index] = 1
+        M._symgraph_perm = True
+        return M
+
+
+class Map:
+    """A (possibly rectangular) map between two models' coordinates of one class.
+
+    ``co [*fibres, n_A, n_B]`` acts on covariant slots, ``contra`` on contravariant ones. For a
+    group element ``g``: ``co = g``, ``contra = g^{-T}``. For a transport plan ``T``: ``co``
+    averages B's units into each of A's (row-normalised T), ``contra`` sums their contributions
+    (column-normalised T), so that a function-preserving widening is undone exactly.
+    """
+
+    def __init__(self, co, contra):
+        self.co, self.contra = co, contra
+
+    @classmethod
+    def from_plan(cls, T):
+        co = T / T.sum(-1, keepdim=True).clamp_min(1e-300)
+        contra = T / T.sum(-2, keepdim=True).clamp_min(1e-300)
+        return cls(co, contra)
+
+    @property
+    def shape(self):
+        return self.co.shape
+
+
+def apply_along(t: torch.Tensor, d: int, M) -> torch.Tensor:
+    """``t`` with ``M`` applied along dim ``d``: ``t'[.., i, ..] = Σ_j M[i, j] t[.., j, ..]``.
+
+    ``M`` may also be a 1-D index tensor: the permutation ``t'[.., i, ..] = t[.., M[i], ..]``.
+    """
+    moved = t.movedim(d, 0)
+    shape = moved.shape
+    if M.dim() == 1:
+        return moved[M].movedim(0, d)
+    if is_perm(M):
+        return moved[M.argmax(1)].movedim(0, d)  # a permutation: gather, no matmul
+    out = (M.to(t.dtype) @ moved.reshape(shape[0], -1)).reshape(M.shape[0], *shape[1:])
+    return out.movedim(0, d)

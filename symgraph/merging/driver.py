@@ -1,0 +1,104 @@
+"""``merge()``: align N models to an anchor, move each method's statistics with the weights,
+combine."""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..alignment import align as align_models
+from ..alignment.checks import check_finite
+from ..api import analyze
+from ..errors import InputError
+from . import registry
+
+__all__ = ["MergeResult", "merge"]
+
+
+@dataclass
+class MergeResult:
+    """What :func:`merge` returns: the merged ``model`` (the anchor's architecture and dtypes),
+    one :class:`~symgraph.Alignment` per input model (None for the anchor and when not
+    aligned), and ``timings`` in seconds (``analyze``, ``align``, ``statistics``,
+    ``combine``, ``total``)."""
+    model: object
+    alignments: list
+    timings: dict = field(default_factory=dict)
+
+
+def merge(models, inputs=None, *, weights=None, align="weights", data=None, method="average",
+          anchor: int = 0, method_options: dict | None = None, **align_options) -> MergeResult:
+    """Merge ``models`` (N ≥ 2) into a new model of the anchor's architecture.
+
+    align : "weights" (data-free), "activations" (needs ``data``) or None (no alignment).
+    method : a registered name (``symgraph.merge_methods()``: "average", "fisher",
+        "regmean", ...) or a :class:`~symgraph.merging.MergeMethod` instance;
+        ``method_options`` go to its constructor (e.g. ``{"alpha": 0.5}`` for RegMean).
+    weights : per-model mixing weights (default uniform).
+    align_options : :class:`~symgraph.AlignOptions` fields (``solver``, ``inner``, ...).
+    """
+    t0 = time.perf_counter()
+    models = list(models)
+    if len(models) < 2:
+        raise InputError(f"merge needs at least 2 models, got {len(models)}")
+    how = registry.get(method, **(method_options or {}))
+    if align not in ("weights", "activations", None, "none"):
+        raise InputError(f"align must be 'weights', 'activations' or None, got {align!r}")
+    align = None if align == "none" else align
+    if (how.needs_data or align == "activations") and data is None:
+        raise InputError(f"method={method!r} with align={align!r} needs data (an iterable of batches)")
+    data = list(data) if data is not None else None
+    w = np.ones(len(models)) if weights is None else np.asarray(weights, float)
+    if w.shape != (len(models),) or not np.isfinite(w).all() or w.sum() <= 0:
+        raise InputError(f"weights must be {len(models)} finite numbers with a positive sum, got {weights!r}")
+    for i, m in enumerate(models):
+        check_finite(m, f"model {i}")
+    inputs = data[0] if inputs is None and data is not None else inputs
+    A = models[anchor]
+    ra = analyze(A, inputs)
+    timings = {"analyze": time.perf_counter() - t0, "align": 0.0, "statistics": 0.0}
+    states, stats, alignments = [], [], []
+    for i, m in enumerate(models):
+        t1 = time.perf_counter()
+        al, rep = None, ra
+        if i != anchor and align is not None:
+            al = align_models(A, m, inputs, data=data if align == "activations" else None,
+                              report_a=ra, **align_options)
+            rep = al.report_b
+            st = {k: v.double() for k, v in al.state(m).items()}
+            for k, p in m.named_parameters():
+                st.setdefault(k, p.detach().double())
+        else:
+            if i != anchor:
+                _check_same_shapes(A, m, i)
+                rep = analyze(m, inputs) if how.needs_data else None
+            st = {k: p.detach().double() for k, p in m.named_parameters()}
+        t2 = time.perf_counter()
+        timings["align"] += t2 - t1
+        alignments.append(al)
+        states.append(st)
+        stats.append(how.to_anchor(how.statistics(m, rep, data), al) if how.needs_data else None)
+        timings["statistics"] += time.perf_counter() - t2
+    t3 = time.perf_counter()
+    merged = how.combine(states, stats, w / w.sum(), ra)
+    out = copy.deepcopy(A)
+    params = dict(out.named_parameters())
+    with torch.no_grad():
+        for k, v in merged.items():
+            params[k].copy_(v.to(params[k].dtype))
+    timings["combine"] = time.perf_counter() - t3
+    timings["total"] = time.perf_counter() - t0
+    return MergeResult(out, alignments, timings)
+
+
+def _check_same_shapes(A, m, i):
+    anchor_params = dict(A.named_parameters())
+    for k, p in m.named_parameters():
+        if k in anchor_params and tuple(p.shape) != tuple(anchor_params[k].shape):
+            raise InputError(f"model {i} parameter {k!r} has shape {tuple(p.shape)}, the "
+                             f"anchor's is {tuple(anchor_params[k].shape)}: models of "
+                             "different widths need align='weights' or 'activations'")
+
