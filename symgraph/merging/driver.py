@@ -41,21 +41,9 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     align_options : :class:`~symgraph.AlignOptions` fields (``solver``, ``inner``, ...).
     """
     t0 = time.perf_counter()
-    models = list(models)
-    if len(models) < 2:
-        raise InputError(f"merge needs at least 2 models, got {len(models)}")
+    models, data = list(models), (list(data) if data is not None else None)
     how = registry.get(method, **(method_options or {}))
-    if align not in ("weights", "activations", None, "none"):
-        raise InputError(f"align must be 'weights', 'activations' or None, got {align!r}")
-    align = None if align == "none" else align
-    if (how.needs_data or align == "activations") and data is None:
-        raise InputError(f"method={method!r} with align={align!r} needs data (an iterable of batches)")
-    data = list(data) if data is not None else None
-    w = np.ones(len(models)) if weights is None else np.asarray(weights, float)
-    if w.shape != (len(models),) or not np.isfinite(w).all() or w.sum() <= 0:
-        raise InputError(f"weights must be {len(models)} finite numbers with a positive sum, got {weights!r}")
-    for i, m in enumerate(models):
-        check_finite(m, f"model {i}")
+    align, w = _check_arguments(models, how, align, data, weights)
     inputs = data[0] if inputs is None and data is not None else inputs
     A = models[anchor]
     ra = analyze(A, inputs)
@@ -83,7 +71,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         stats.append(how.to_anchor(how.statistics(m, rep, data), al) if how.needs_data else None)
         timings["statistics"] += time.perf_counter() - t2
     t3 = time.perf_counter()
-    merged = how.combine(states, stats, w / w.sum(), ra)
+    merged = how.combine(states, stats, w, ra)
     out = copy.deepcopy(A)
     params = dict(out.named_parameters())
     with torch.no_grad():
@@ -92,6 +80,25 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     timings["combine"] = time.perf_counter() - t3
     timings["total"] = time.perf_counter() - t0
     return MergeResult(out, alignments, timings)
+
+
+def _check_arguments(models, how, align, data, weights):
+    """The alignment mode (None for no alignment) and the normalised mixing weights."""
+    if len(models) < 2:
+        raise InputError(f"merge needs at least 2 models, got {len(models)}")
+    if align not in ("weights", "activations", None, "none"):
+        raise InputError(f"align must be 'weights', 'activations' or None, got {align!r}")
+    align = None if align == "none" else align
+    if (how.needs_data or align == "activations") and data is None:
+        raise InputError(f"method={how.name!r} with align={align!r} needs data (an iterable of batches)")
+    w = np.ones(len(models)) if weights is None else np.asarray(weights, float)
+    if w.shape != (len(models),) or not np.isfinite(w).all() or w.sum() <= 0:
+        raise InputError(f"weights must be {len(models)} finite numbers with a positive sum, got {weights!r}")
+    if data is not None and len(data) == 0:
+        raise InputError("data is empty; expected at least one batch")
+    for i, m in enumerate(models):
+        check_finite(m, f"model {i}")
+    return align, w / w.sum()
 
 
 def _check_same_shapes(A, m, i):
