@@ -31,7 +31,6 @@ _SUBGROUPS = {
 _ORDER = ("gl", "orthogonal", "scaled_perm", "signed_perm", "rope", "perm", "identity")
 
 PERMUTATION_FAMILY = ("perm", "signed_perm", "scaled_perm")
-CONTINUOUS = ("orthogonal", "gl", "rope")
 
 
 def meet(a: str, b: str) -> str:
@@ -47,19 +46,9 @@ def meet(a: str, b: str) -> str:
     return "identity"  # pragma: no cover
 
 
-def leq(a: str, b: str) -> bool:
-    """``a`` is a subgroup of ``b``."""
-    return a in _SUBGROUPS[b]
-
-
 def orthogonal_part(kind: str) -> str:
     """The part of ``kind`` that solvers and ``orthogonal=True`` sampling use."""
     return {"gl": "orthogonal", "scaled_perm": "perm"}.get(kind, kind)
-
-
-def is_orthogonal_kind(kind: str) -> bool:
-    """Elements of these kinds satisfy ``g^{-T} = g``."""
-    return kind in ("identity", "perm", "signed_perm", "rope", "orthogonal")
 
 
 def _haar(n: int, gen: torch.Generator, batch=()) -> torch.Tensor:

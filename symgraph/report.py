@@ -159,9 +159,6 @@ class SymmetryReport:
             elements[g.id] = sample(kind, g.dim, gen, batch=self.fibre_shape(g.id), pairs=g.pairs)
         return Transform(self, elements)
 
-    def identity_transform(self) -> Transform:
-        return Transform(self, {})
-
     def certify(self, model, inputs=None, trials: int = 3, tol: float = 1e-6) -> float:
         """Apply random elements of every group in float64; return the worst relative change.
 

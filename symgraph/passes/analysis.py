@@ -102,7 +102,6 @@ class AxisAnalysis:
         self.nofiber: list = []
         sig = ep.graph_signature
         self.param_of = dict(sig.inputs_to_parameters)
-        self.buffer_of = dict(sig.inputs_to_buffers)
         self.param_nodes: dict[str, torch.fx.Node] = {}
         self.user_inputs = set(sig.user_inputs)
 
