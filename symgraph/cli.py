@@ -13,15 +13,6 @@ import time
 
 EXIT_REFUSED = 2
 
-MERGE_KEYS = {
-    "models": "a list of at least 2 model paths / names",
-    "out": "an output directory path (string)",
-    "align": "one of 'weights', 'activations', 'none'",
-    "method": "a merge method name (symgraph.merge_methods())",
-    "weights": "a list of numbers, one per model",
-    "data": "a path to a .safetensors or .pt data file (string)",
-    "force": "true or false",
-}
 
 
 def _methods() -> tuple:
@@ -75,107 +66,6 @@ def cmd_analyze(args) -> int:
 # --- merge ---------------------------------------------------------------------------------
 
 
-def _read_config(path: str) -> dict:
-    import yaml
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"merge config {path!r} does not exist; expected a YAML file with keys "
-                                f"{', '.join(MERGE_KEYS)}")
-    try:
-        with open(path) as f:
-            cfg = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise _Refusal(f"merge config {path!r} is not valid YAML ({str(e).splitlines()[0]}); expected a "
-                       f"mapping with keys {', '.join(MERGE_KEYS)}") from None
-    if not isinstance(cfg, dict):
-        raise _Refusal(f"merge config {path!r} holds a {type(cfg).__name__}; expected a mapping with keys "
-                       f"{', '.join(MERGE_KEYS)}")
-    for k in cfg:
-        if k not in MERGE_KEYS:
-            raise _Refusal(f"merge config {path!r} has an unknown key {k!r}; expected only "
-                           f"{', '.join(MERGE_KEYS)}")
-    base = os.path.dirname(os.path.abspath(path))
-
-    def rel(p):  # paths in the config are relative to the config file
-        p = os.path.expanduser(p)
-        q = os.path.join(base, p)
-        return q if not os.path.isabs(p) and os.path.exists(q) else p
-
-    def bad(k, v):
-        return _Refusal(f"merge config {path!r}: key {k!r} is {v!r} ({type(v).__name__}); expected "
-                        f"{MERGE_KEYS[k]}")
-
-    out = {}
-    if "models" not in cfg:
-        raise _Refusal(f"merge config {path!r} has no 'models' key; expected {MERGE_KEYS['models']}")
-    ms = cfg["models"]
-    if not isinstance(ms, list) or len(ms) < 2 or not all(isinstance(m, str) for m in ms):
-        raise bad("models", ms)
-    out["models"] = [rel(m) for m in ms]
-    if "out" in cfg:
-        if not isinstance(cfg["out"], str):
-            raise bad("out", cfg["out"])
-        o = os.path.expanduser(cfg["out"])
-        out["out"] = o if os.path.isabs(o) else os.path.join(base, o)
-    if "align" in cfg:
-        a = cfg["align"]
-        a = "none" if a is None or a is False else a
-        if a not in ("weights", "activations", "none"):
-            raise bad("align", cfg["align"])
-        out["align"] = a
-    if "method" in cfg:
-        if cfg["method"] not in _methods():
-            raise bad("method", cfg["method"])
-        out["method"] = cfg["method"]
-    if "weights" in cfg:
-        w = cfg["weights"]
-        if not isinstance(w, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in w):
-            raise bad("weights", w)
-        out["weights"] = [float(x) for x in w]
-    if "data" in cfg:
-        if not isinstance(cfg["data"], str):
-            raise bad("data", cfg["data"])
-        out["data"] = rel(cfg["data"])
-    if "force" in cfg:
-        if not isinstance(cfg["force"], bool):
-            raise bad("force", cfg["force"])
-        out["force"] = cfg["force"]
-    return out
-
-
-def _merge_options(args) -> dict:
-    opts = {"models": [], "out": None, "align": "weights", "method": "average", "weights": None,
-            "data": None, "force": False}
-    if args.config:
-        opts.update(_read_config(args.config))
-    # command-line values override the config
-    if args.models:
-        if args.config and opts["models"]:
-            raise _Refusal("models given both on the command line and in --config; expected one or the other")
-        opts["models"] = list(args.models)
-    for k in ("out", "align", "method", "weights", "data"):
-        v = getattr(args, k)
-        if v is not None:
-            opts[k] = v
-    if args.force:
-        opts["force"] = True
-    if len(opts["models"]) < 2:
-        raise _Refusal(f"merge needs at least 2 models, got {len(opts['models'])}; expected "
-                       "`symgraph merge A B [C ...] --out DIR` or `symgraph merge --config merge.yaml`")
-    if not opts["out"]:
-        raise _Refusal("merge needs an output directory; expected --out DIR (or 'out:' in the config)")
-    if opts["weights"] is not None and len(opts["weights"]) != len(opts["models"]):
-        raise _Refusal(f"--weights has {len(opts['weights'])} values for {len(opts['models'])} models; "
-                       "expected one weight per model")
-    if opts["weights"] is not None and (any(w < 0 for w in opts["weights"]) or sum(opts["weights"]) <= 0):
-        raise _Refusal(f"--weights {opts['weights']} must be non-negative with a positive sum")
-    needs_data = opts["method"] != "average" or opts["align"] == "activations"
-    if needs_data and not opts["data"]:
-        raise _Refusal(f"--align {opts['align']} with --method {opts['method']} needs --data FILE (a "
-                       ".safetensors or .pt file with a tensor 'input_ids' [N, S]); expected --data, or "
-                       "--align weights/none with --method average")
-    return opts
-
-
 def _solver_summary(alignments):
     out = []
     for i, al in enumerate(alignments):
@@ -192,9 +82,10 @@ def _solver_summary(alignments):
 
 def cmd_merge(args) -> int:
     from .alignment.checks import check_finite
+    from .config import merge_options
     from .merging import merge
     from .io import check_checkpoint_dir, check_out, load_data, load_model, save_atomic
-    opts = _merge_options(args)
+    opts = merge_options(vars(args))
     out = check_out(opts["out"], opts["force"])
     for m in opts["models"]:  # fail fast on a missing path, before loading anything
         p = os.path.expanduser(m)
