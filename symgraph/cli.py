@@ -11,6 +11,8 @@ import sys
 import textwrap
 import time
 
+__all__ = ['main', 'build_parser']
+
 EXIT_REFUSED = 2
 
 

@@ -1,3 +1,5 @@
+
+__all__ = ['SymgraphError', 'TraceError', 'UnsupportedOpError', 'CertificationError', 'InputError', 'StructureMismatchError']
 """Exceptions raised by symgraph. Every message names what was wrong and what was expected."""
 
 

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+__all__ = ['KINDS', 'PERMUTATION_FAMILY', 'meet', 'orthogonal_part', 'sample']
+
 KINDS = ("identity", "perm", "signed_perm", "scaled_perm", "rope", "orthogonal", "gl")
 
 # For each kind, the set of kinds it contains (itself included).

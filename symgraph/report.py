@@ -16,6 +16,8 @@ from .groups import orthogonal_part, sample
 from .passes.axes import axis_matrix, leaf_views, observation_points, other_leaf_elements
 from .trace import eval_mode, split_inputs
 
+__all__ = ['SymmetryReport', 'Group', 'Transform']
+
 
 @dataclass
 class Group:

@@ -10,6 +10,8 @@ import torch
 from .errors import InputError, TraceError
 from .passes import has_rule
 
+__all__ = ['model_device', 'default_inputs', 'split_inputs', 'eval_mode', 'trace']
+
 aten = torch.ops.aten
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from .registry import MergeMethod, register
 
+__all__ = ['Average']
+
 
 @register("average")
 class Average(MergeMethod):

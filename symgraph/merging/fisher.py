@@ -9,6 +9,8 @@ from ..apply import map_parameters
 from ..errors import InputError
 from .registry import MergeMethod, register
 
+__all__ = ['Fisher']
+
 
 @register("fisher")
 class Fisher(MergeMethod):

@@ -10,6 +10,8 @@ from ..alignment.checks import batch_inputs
 from .average import Average
 from .registry import register
 
+__all__ = ['RegMean']
+
 
 @register("regmean")
 class RegMean(Average):

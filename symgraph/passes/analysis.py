@@ -17,6 +17,8 @@ from .registry import Meet, NoFiber, Rope, RuleContext, Structure, Unify
 from .rope import find_rope
 from .unionfind import AxisUnionFind
 
+__all__ = ['AxisAnalysis', 'FrozenOp', 'analyze_graph']
+
 aten = torch.ops.aten
 
 # Ops whose outputs carry no information from their tensor inputs but their shape/dtype.

@@ -11,6 +11,8 @@ import torch
 
 from .registry import Meet, Structure, Unify, register
 
+__all__: list = []  # rule file: its rules register themselves on import
+
 aten = torch.ops.aten
 
 

@@ -11,6 +11,8 @@ import torch
 
 from .registry import Meet, Unify, broadcast, register
 
+__all__: list = []  # rule file: its rules register themselves on import
+
 aten = torch.ops.aten
 
 

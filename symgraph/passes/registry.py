@@ -15,6 +15,8 @@ from typing import Callable, Iterable
 
 import torch
 
+__all__ = ['Unify', 'Meet', 'Structure', 'NoFiber', 'Rope', 'register', 'observed', 'lookup', 'has_rule', 'RuleContext', 'broadcast', 'dim']
+
 
 @dataclass(frozen=True)
 class Unify:

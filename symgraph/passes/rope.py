@@ -18,6 +18,8 @@ import torch
 
 from .registry import Meet, Rope, Unify
 
+__all__ = ['find_rope']
+
 aten = torch.ops.aten
 _BIG = 2 ** 62
 

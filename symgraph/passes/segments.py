@@ -10,6 +10,8 @@ import torch
 
 from .registry import Meet, NoFiber, Structure, Unify, dim, register
 
+__all__: list = []  # rule file: its rules register themselves on import
+
 aten = torch.ops.aten
 
 _BIG = 2 ** 62

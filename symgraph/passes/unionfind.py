@@ -13,6 +13,8 @@ import math
 from ..groups import meet
 from .views import refine
 
+__all__ = ['AxisUnionFind']
+
 
 class AxisUnionFind:
     def __init__(self):

@@ -5,3 +5,5 @@ Every solver maximises ``<X, S>`` (the Frobenius inner product) for a similarity
 """
 from ._solvers import (SolveResult, hungarian, inner_blocks, nested_heads,  # noqa: F401
                        optimal_transport, procrustes, rope_procrustes, solve)
+
+__all__ = ['SolveResult', 'hungarian', 'inner_blocks', 'nested_heads', 'optimal_transport', 'procrustes', 'rope_procrustes', 'solve']

@@ -7,6 +7,8 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
+__all__ = ['SolveResult', 'hungarian', 'procrustes', 'rope_procrustes', 'optimal_transport', 'inner_blocks', 'nested_heads', 'solve', 'SOLVERS', 'ROW_MAXIMA']
+
 SOLVERS = ("hungarian", "procrustes", "rope", "ot", "sinkhorn")
 ROW_MAXIMA = True  # skip the assignment when the row maxima already form a permutation
 
