@@ -11,9 +11,13 @@ import sys
 import textwrap
 import time
 
+from .errors import InputError
+
 __all__ = ['main', 'build_parser']
 
 EXIT_REFUSED = 2
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 
 
@@ -85,10 +89,13 @@ def _solver_summary(alignments):
 def cmd_merge(args) -> int:
     from .alignment.checks import check_finite
     from .config import merge_options
+    from .errors import StructureMismatchError
+    from .io import check_checkpoint_dir, load_data, load_model
     from .merging import merge
-    from .io import check_checkpoint_dir, check_out, load_data, load_model, save_atomic
+    from .output import check_out, model_card, save_atomic
     opts = merge_options(vars(args))
-    out = check_out(opts["out"], opts["force"])
+    inputs = list(opts["models"]) + ([opts["data"]] if opts["data"] else [])
+    out = check_out(opts["out"], force=opts["force"], inputs=inputs)  # before any work
     for m in opts["models"]:  # fail fast on a missing path, before loading anything
         p = os.path.expanduser(m)
         if os.path.exists(p) or m.startswith((".", "/", "~")) or m.count("/") > 1:
@@ -96,18 +103,18 @@ def cmd_merge(args) -> int:
     if opts["data"] and not os.path.isfile(opts["data"]):
         raise FileNotFoundError(f"data file {opts['data']!r} does not exist; expected a .safetensors or "
                                 ".pt file holding a tensor 'input_ids' [N, S] (or 'pixel_values')")
-    models = []
-    for m in _progress(opts["models"], desc="loading", unit="model"):
-        models.append(load_model(m))
+    models = [load_model(m) for m in _progress(opts["models"], desc="loading", unit="model")]
+    _check_same_family(models, opts["models"])
     data = load_data(opts["data"], models[0]) if opts["data"] else None
     align = None if opts["align"] == "none" else opts["align"]
     t0 = time.time()
-    with _progress(total=1, desc=f"merging ({opts['method']}, align={opts['align']})") as bar:
-        result = merge(models, weights=opts["weights"], align=align, data=data, method=opts["method"])
-        merged, alignments = result.model, result.alignments
-        bar.update()
+    try:
+        result = merge(models, weights=opts["weights"], align=align, data=data, method=opts["method"],
+                       progress=True)
+    except (StructureMismatchError, InputError) as e:
+        raise type(e)(f"{e}{_config_diff(models, opts['models'])}") from None
     seconds = time.time() - t0
-    check_finite(merged, "the merged model")
+    check_finite(result.model, "the merged model")
     first = os.path.expanduser(opts["models"][0])
     meta = {"symgraph_version": _version(), "inputs": [os.path.abspath(os.path.expanduser(m))
                                                       if os.path.exists(os.path.expanduser(m)) else m
@@ -115,13 +122,67 @@ def cmd_merge(args) -> int:
             "options": {"align": opts["align"], "method": opts["method"], "weights": opts["weights"],
                         "data": os.path.abspath(opts["data"]) if opts["data"] else None,
                         "data_batches": len(data) if data else 0},
-            "seconds": seconds, "alignments": _solver_summary(alignments)}
+            "dtype": str(next(result.model.parameters()).dtype).removeprefix("torch."),
+            "seconds": seconds, "alignments": _solver_summary(result.alignments)}
     with _progress(total=1, desc="writing") as bar:
-        save_atomic(merged, out, tokenizer_from=first if os.path.isdir(first) else None, meta=meta,
-                    force=opts["force"])
+        save_atomic(result.model, out, force=opts["force"], inputs=inputs, meta=meta,
+                    tokenizer_from=first if os.path.isdir(first) else None,
+                    card=model_card(_config_yaml(meta), _card_summary(meta)))
         bar.update()
     print(f"merged {len(models)} models ({opts['method']}, align={opts['align']}) into {out}")
     return 0
+
+
+def _check_same_family(models, names):
+    """Refuse models of different classes before any work, naming them."""
+    classes = [type(m).__name__ for m in models]
+    for name, cls in zip(names[1:], classes[1:]):
+        if cls != classes[0]:
+            raise InputError(f"{names[0]!r} is a {classes[0]} but {name!r} is a {cls}; expected models of "
+                             "one architecture")
+
+
+def _config_diff(models, names) -> str:
+    """``" (configs differ: num_hidden_layers 2 vs 3, ...)"`` or ``""``."""
+    skip = {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "_commit_hash"}
+    cfgs = [getattr(m, "config", None) for m in models]
+    if any(c is None for c in cfgs):
+        return ""
+    base = cfgs[0].to_dict()
+    diffs = []
+    for name, c in zip(names[1:], cfgs[1:]):
+        d = c.to_dict()
+        for k in sorted(set(base) | set(d)):
+            if k not in skip and base.get(k) != d.get(k) and not isinstance(base.get(k), dict):
+                diffs.append(f"{k} {base.get(k)!r} vs {d.get(k)!r}")
+    return f" (configs differ: {', '.join(diffs[:6])}{' ...' if len(diffs) > 6 else ''})" if diffs else ""
+
+
+def _config_yaml(meta) -> str:
+    import yaml
+    o = meta["options"]
+    cfg = {"models": meta["inputs"], "align": o["align"], "method": o["method"]}
+    if o["weights"] is not None:
+        cfg["weights"] = o["weights"]
+    if o["data"]:
+        cfg["data"] = o["data"]
+    cfg["out"] = "merged"
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def _card_summary(meta) -> str:
+    lines = [f"symgraph {meta['symgraph_version']}, weights in {meta['dtype']}, "
+             f"{meta['seconds']:.1f} s."]
+    for al in meta["alignments"]:
+        by = {}
+        for g in al["groups"]:
+            by[g["status"]] = by.get(g["status"], 0) + 1
+        stats = ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
+        lines.append(f"- model {al['model']} aligned to model 0 from {al['similarity']}: "
+                     f"{len(al['groups'])} symmetry groups solved ({stats}).")
+    if not meta["alignments"]:
+        lines.append("- no alignment (plain combination in each model's own basis).")
+    return "\n".join(lines)
 
 
 def _version():
@@ -197,6 +258,8 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     from .errors import SymgraphError, TraceError
+    from .output import Terminated, terminate_on_sigterm
+    terminate_on_sigterm()
     try:
         return args.func(args)
     except TraceError as e:
@@ -206,7 +269,11 @@ def main(argv=None) -> int:
     except (SymgraphError, _Refusal, FileNotFoundError, ValueError, OSError) as e:
         return _refuse(str(e) if str(e) else type(e).__name__)
     except KeyboardInterrupt:
-        return _refuse("interrupted; nothing was written")
+        _refuse("interrupted (Ctrl-C); nothing was written")
+        return EXIT_INTERRUPTED
+    except Terminated:
+        _refuse("terminated (SIGTERM); nothing was written")
+        return EXIT_TERMINATED
 
 
 if __name__ == "__main__":

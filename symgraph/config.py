@@ -4,7 +4,7 @@ A config is a mapping with these keys (all optional but ``models``; command-line
 
     models: [path_a, path_b, ...]   # save_pretrained directories, demo names or hub ids
     out: merged                     # output directory
-    align: weights                  # weights | activations | none  (YAML false/null → none)
+    align: weights                  # weights | activations | none  (a bare no/off is refused)
     method: average                 # a registered method: symgraph.merge_methods()
     weights: [0.5, 0.5]             # one mixing weight per model
     data: batches.safetensors       # 'input_ids' [N, S] (or 'pixel_values'), for activations
@@ -15,12 +15,16 @@ Relative paths are read relative to the config file.
 from __future__ import annotations
 
 import os
+from typing import Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationError, field_validator)
 
 from .errors import InputError
 from .merging import get as get_method
 from .merging import merge_methods
 
-__all__ = ["MERGE_KEYS", "read_merge_config", "merge_options"]
+__all__ = ["MERGE_KEYS", "MergeConfig", "read_merge_config", "merge_options"]
 
 MERGE_KEYS = {
     "models": "a list of at least 2 model paths / names",
@@ -33,25 +37,51 @@ MERGE_KEYS = {
 }
 
 
+class MergeConfig(BaseModel):
+    """The schema of a YAML merge config (see the module docstring)."""
+    model_config = ConfigDict(extra="forbid")
+    models: list[StrictStr] = Field(min_length=2)
+    out: StrictStr | None = None
+    align: Literal["weights", "activations", "none"] = "weights"
+    method: StrictStr = "average"
+    weights: list[StrictFloat | StrictInt] | None = None
+    data: StrictStr | None = None
+    force: StrictBool = False
+
+    @field_validator("align", mode="before")
+    @classmethod
+    def _no_yaml_booleans(cls, v):
+        if isinstance(v, bool) or v is None:
+            raise ValueError(f"is the YAML value {v!r} (YAML reads no/off/false as a boolean); write "
+                             "'none' in quotes, or 'weights' / 'activations'")
+        return v
+
+    @field_validator("method")
+    @classmethod
+    def _registered(cls, v):
+        if v not in merge_methods():
+            raise ValueError(f"is not a merge method; expected one of {merge_methods()}")
+        return v
+
+
 def read_merge_config(path: str) -> dict:
-    """The options of a YAML merge config, checked; paths relative to the config file."""
+    """The options of a YAML merge config, validated; paths relative to the config file."""
     import yaml
+    keys = ", ".join(MERGE_KEYS)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"merge config {path!r} does not exist; expected a YAML file with keys "
-                                f"{', '.join(MERGE_KEYS)}")
+        raise FileNotFoundError(f"merge config {path!r} does not exist; expected a YAML file with keys {keys}")
     try:
         with open(path) as f:
             cfg = yaml.safe_load(f)
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise InputError(f"merge config {path!r} is not valid YAML ({str(e).splitlines()[0]}); expected a "
-                       f"mapping with keys {', '.join(MERGE_KEYS)}") from None
+                         f"mapping with keys {keys}") from None
     if not isinstance(cfg, dict):
-        raise InputError(f"merge config {path!r} holds a {type(cfg).__name__}; expected a mapping with keys "
-                       f"{', '.join(MERGE_KEYS)}")
-    for k in cfg:
-        if k not in MERGE_KEYS:
-            raise InputError(f"merge config {path!r} has an unknown key {k!r}; expected only "
-                           f"{', '.join(MERGE_KEYS)}")
+        raise InputError(f"merge config {path!r} holds a {type(cfg).__name__}; expected a mapping with keys {keys}")
+    try:
+        parsed = MergeConfig.model_validate(cfg)
+    except ValidationError as e:
+        raise InputError(_explain(path, cfg, e.errors()[0])) from None
     base = os.path.dirname(os.path.abspath(path))
 
     def rel(p):  # paths in the config are relative to the config file
@@ -59,46 +89,30 @@ def read_merge_config(path: str) -> dict:
         q = os.path.join(base, p)
         return q if not os.path.isabs(p) and os.path.exists(q) else p
 
-    def bad(k, v):
-        return InputError(f"merge config {path!r}: key {k!r} is {v!r} ({type(v).__name__}); expected "
-                        f"{MERGE_KEYS[k]}")
-
-    out = {}
-    if "models" not in cfg:
-        raise InputError(f"merge config {path!r} has no 'models' key; expected {MERGE_KEYS['models']}")
-    ms = cfg["models"]
-    if not isinstance(ms, list) or len(ms) < 2 or not all(isinstance(m, str) for m in ms):
-        raise bad("models", ms)
-    out["models"] = [rel(m) for m in ms]
-    if "out" in cfg:
-        if not isinstance(cfg["out"], str):
-            raise bad("out", cfg["out"])
-        o = os.path.expanduser(cfg["out"])
+    out = parsed.model_dump(exclude_unset=True)
+    out["models"] = [rel(m) for m in parsed.models]
+    if parsed.out is not None:
+        o = os.path.expanduser(parsed.out)
         out["out"] = o if os.path.isabs(o) else os.path.join(base, o)
-    if "align" in cfg:
-        a = cfg["align"]
-        a = "none" if a is None or a is False else a
-        if a not in ("weights", "activations", "none"):
-            raise bad("align", cfg["align"])
-        out["align"] = a
-    if "method" in cfg:
-        if cfg["method"] not in merge_methods():
-            raise bad("method", cfg["method"])
-        out["method"] = cfg["method"]
-    if "weights" in cfg:
-        w = cfg["weights"]
-        if not isinstance(w, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in w):
-            raise bad("weights", w)
-        out["weights"] = [float(x) for x in w]
-    if "data" in cfg:
-        if not isinstance(cfg["data"], str):
-            raise bad("data", cfg["data"])
-        out["data"] = rel(cfg["data"])
-    if "force" in cfg:
-        if not isinstance(cfg["force"], bool):
-            raise bad("force", cfg["force"])
-        out["force"] = cfg["force"]
+    if parsed.data is not None:
+        out["data"] = rel(parsed.data)
+    if parsed.weights is not None:
+        out["weights"] = [float(x) for x in parsed.weights]
     return out
+
+
+def _explain(path, cfg, err) -> str:
+    """One line for pydantic's first error, naming the key."""
+    key = str(err["loc"][0]) if err.get("loc") else "?"
+    if err["type"] == "extra_forbidden":
+        return f"merge config {path!r} has an unknown key {key!r}; expected only {', '.join(MERGE_KEYS)}"
+    if err["type"] == "missing":
+        return f"merge config {path!r} has no {key!r} key; expected {MERGE_KEYS[key]}"
+    v = cfg.get(key)
+    why = err.get("msg", "").removeprefix("Value error, ")
+    why = f" ({why})" if err["type"] == "value_error" else ""
+    return (f"merge config {path!r}: key {key!r} is {v!r} ({type(v).__name__}){why}; expected "
+            f"{MERGE_KEYS.get(key, 'a valid value')}")
 
 
 def merge_options(args: dict) -> dict:

@@ -1,25 +1,21 @@
-"""Loading and saving checkpoints for the command line: local ``save_pretrained`` directories,
-built-in tiny demo models, hub ids, data files, and atomic writes of merged models.
-
-Weights are read with ``safetensors`` (never unpickled); a ``pytorch_model.bin`` is read with
-``torch.load(weights_only=True)``.
+"""Inputs of the command line: models (a ``save_pretrained`` directory, a built-in tiny demo
+model, or a hub id: :mod:`symgraph.checkpoints` loads them exactly) and data files.
+Writing is :mod:`symgraph.output`'s job.
 """
 from __future__ import annotations
 
-import json
-import math
 import os
-import shutil
-import tempfile
 
 import torch
 
+from .checkpoints import check_checkpoint_dir, load_hub, load_local
 from .errors import InputError
+from .output import TOKENIZER_FILES, check_out, save_atomic  # noqa: F401 - re-exported
+
+__all__ = ["DEMO_MODELS", "BATCH_ROWS", "demo_model", "load_model", "load_data", "check_checkpoint_dir",
+           "load_local", "check_out", "save_atomic", "TOKENIZER_FILES"]
 
 DEMO_MODELS = ("tiny-bert", "tiny-gpt2", "tiny-llama", "tiny-vit")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
-                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-                   "spiece.model", "sentencepiece.bpe.model", "preprocessor_config.json")
 BATCH_ROWS = 8
 
 
@@ -63,126 +59,18 @@ def demo_model(name: str):
     raise InputError(f"unknown demo model {name!r}; expected one of {', '.join(DEMO_MODELS)}")
 
 
-# --- local checkpoints ---------------------------------------------------------------------
-
-
-def _weights_file(path: str):
-    for fn in ("model.safetensors", "pytorch_model.bin"):
-        p = os.path.join(path, fn)
-        if os.path.isfile(p):
-            return p
-    return None
-
-
-def check_checkpoint_dir(path: str):
-    """Refuse a missing path or a directory without a config or weights."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model path {path!r} does not exist; expected a directory written by "
-                                "save_pretrained (config.json + model.safetensors)")
-    if not os.path.isdir(path):
-        raise InputError(f"model path {path!r} is a file; expected a directory written by "
-                         "save_pretrained (config.json + model.safetensors)")
-    missing = []
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        missing.append("config.json")
-    if _weights_file(path) is None:
-        if any(f.endswith(".safetensors.index.json") or f.endswith(".bin.index.json") for f in os.listdir(path)):
-            raise InputError(f"{path!r} holds a sharded checkpoint, which is not supported; expected a "
-                             "single model.safetensors")
-        missing.append("model.safetensors (or pytorch_model.bin)")
-    if missing:
-        raise InputError(f"directory {path!r} has no {' and no '.join(missing)}; expected a "
-                         "save_pretrained directory (config.json + model.safetensors)")
-
-
-def _check_tensors_finite(sd: dict, where: str):
-    for k, v in sd.items():
-        if torch.is_floating_point(v) and not torch.isfinite(v).all():
-            bad = int((~torch.isfinite(v)).sum())
-            raise InputError(f"checkpoint {where!r} has {bad} NaN/inf values in tensor {k!r}; expected "
-                             "finite weights (was the model trained with a diverging loss?)")
-
-
-def load_local(path: str):
-    """Build the model class named in ``config.architectures[0]`` and load its weights."""
-    check_checkpoint_dir(path)
-    tf = _quiet_transformers()
-    try:
-        cfg = tf.AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-        raise InputError(f"cannot read {os.path.join(path, 'config.json')}: {e}; expected a "
-                         "Hugging Face config written by save_pretrained") from None
-    archs = getattr(cfg, "architectures", None) or []
-    if not archs:
-        raise InputError(f"{os.path.join(path, 'config.json')} has no 'architectures' entry; expected "
-                         "the model class name (e.g. [\"BertForMaskedLM\"]) as save_pretrained writes it")
-    cls = getattr(tf, archs[0], None)
-    if cls is None:
-        raise InputError(f"config architecture {archs[0]!r} is not a transformers class; expected a "
-                         "model class available in the installed transformers")
-    wf = _weights_file(path)
-    if wf.endswith(".safetensors"):
-        from safetensors.torch import load_file
-        try:
-            sd = load_file(wf)
-        except Exception as e:  # noqa: BLE001 - corrupt file
-            raise InputError(f"cannot read {wf!r}: {e}; expected a valid safetensors file") from None
-    else:
-        try:
-            sd = torch.load(wf, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001
-            raise InputError(f"cannot read {wf!r} with weights_only=True: {e}; expected a plain state "
-                             "dict (convert it to model.safetensors)") from None
-    _check_tensors_finite(sd, path)
-    torch.manual_seed(0)
-    model = cls(cfg)
-    missing, unexpected = _load_state(model, sd)
-    if unexpected and len(unexpected) == len(sd):
-        raise InputError(f"none of the tensors in {wf!r} match {archs[0]}'s parameters (e.g. "
-                         f"{unexpected[0]!r}); expected weights saved from that class")
-    model.eval()
-    return model
-
-
-def _load_state(model, sd):
-    own = model.state_dict()
-    sd = dict(sd)
-    # accept weights saved from a base model or with a base-model prefix
-    prefix = getattr(model, "base_model_prefix", "")
-    if prefix and not any(k in own for k in sd):
-        if all(f"{prefix}.{k}" in own for k in list(sd)[:5]):
-            sd = {f"{prefix}.{k}": v for k, v in sd.items()}
-    for k, v in sd.items():
-        if k in own and tuple(own[k].shape) != tuple(v.shape):
-            raise InputError(f"tensor {k!r} has shape {tuple(v.shape)} in the checkpoint but "
-                             f"{tuple(own[k].shape)} in the config's model; expected matching shapes")
-    res = model.load_state_dict(sd, strict=False)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    return res.missing_keys, res.unexpected_keys
+# --- checkpoints ----------------------------------------------------------------------
 
 
 def load_model(spec: str):
-    """A local directory, a demo name, or (if neither) a hub id."""
+    """A local ``save_pretrained`` directory, a demo name, or (if neither) a hub id; loaded
+    completely or refused (see :mod:`symgraph.checkpoints`)."""
     local = os.path.expanduser(spec)
     if os.path.exists(local) or spec.startswith((".", "/", "~")) or spec.endswith("/") or spec.count("/") > 1:
         return load_local(local)
     if spec in DEMO_MODELS:
         return demo_model(spec)
-    tf = _quiet_transformers()
-    try:
-        cfg = tf.AutoConfig.from_pretrained(spec)
-        archs = getattr(cfg, "architectures", None) or []
-        cls = (getattr(tf, archs[0], None) if archs else None) or tf.AutoModel
-        m = cls.from_pretrained(spec, use_safetensors=True)
-    except Exception as e:  # noqa: BLE001 - offline, no such repo, ...
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FileNotFoundError(
-            f"{spec!r} is not a local path, not a built-in demo ({', '.join(DEMO_MODELS)}), and "
-            f"could not be loaded from the Hugging Face hub ({msg}); expected a save_pretrained "
-            "directory, a demo name, or a reachable hub id with safetensors weights") from None
-    m.eval()
-    return m
+    return load_hub(spec, hint=f", not a built-in demo ({', '.join(DEMO_MODELS)}),")
 
 
 # --- data ----------------------------------------------------------------------------------
@@ -251,63 +139,3 @@ def load_data(path: str, model=None):
     rows = min(BATCH_ROWS, n)
     nb = max(1, n // rows)  # equal-shaped batches: a partial last batch is dropped
     return [{key: x[i * rows:(i + 1) * rows]} for i in range(nb)]
-
-
-# --- writing -------------------------------------------------------------------------------
-
-
-def check_out(out: str, force: bool):
-    out = os.path.abspath(out)
-    if os.path.exists(out) and not force:
-        raise InputError(f"output {out!r} already exists; pass --force to replace it, or choose a new "
-                         "--out directory")
-    parent = os.path.dirname(out)
-    if not os.path.isdir(parent):
-        raise FileNotFoundError(f"the parent directory of --out {out!r} does not exist; expected an "
-                                "existing directory to write into")
-    return out
-
-
-def save_atomic(model, out: str, *, tokenizer_from=None, meta=None, force=False):
-    """``save_pretrained`` into a temp dir next to ``out``, then rename it into place."""
-    out = check_out(out, force)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer_from and os.path.isdir(tokenizer_from):
-            for fn in TOKENIZER_FILES:
-                src = os.path.join(tokenizer_from, fn)
-                if os.path.isfile(src):
-                    shutil.copy2(src, os.path.join(tmp, fn))
-        if meta is not None:
-            with open(os.path.join(tmp, "symgraph_merge.json"), "w") as f:
-                json.dump(_jsonable(meta), f, indent=2)
-        if os.path.exists(out):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
-            os.rmdir(old)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.unlink(old)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float):
-        return x if math.isfinite(x) else str(x)
-    if isinstance(x, (str, int, bool)) or x is None:
-        return x
-    if isinstance(x, torch.Tensor) and x.numel() == 1:
-        return float(x)
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return str(x)

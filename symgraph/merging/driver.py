@@ -3,11 +3,13 @@ combine."""
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from ..alignment import align as align_models
 from ..alignment.checks import check_finite
@@ -30,7 +32,8 @@ class MergeResult:
 
 
 def merge(models, inputs=None, *, weights=None, align="weights", data=None, method="average",
-          anchor: int = 0, method_options: dict | None = None, **align_options) -> MergeResult:
+          anchor: int = 0, method_options: dict | None = None, progress: bool = False,
+          **align_options) -> MergeResult:
     """Merge ``models`` (N ≥ 2) into a new model of the anchor's architecture.
 
     align : "weights" (data-free), "activations" (needs ``data``) or None (no alignment).
@@ -38,6 +41,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         "regmean", ...) or a :class:`~symgraph.merging.MergeMethod` instance;
         ``method_options`` go to its constructor (e.g. ``{"alpha": 0.5}`` for RegMean).
     weights : per-model mixing weights (default uniform).
+    progress : a progress bar (stderr) over the models.
     align_options : :class:`~symgraph.AlignOptions` fields (``solver``, ``inner``, ...).
     """
     t0 = time.perf_counter()
@@ -49,7 +53,9 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     ra = analyze(A, inputs)
     timings = {"analyze": time.perf_counter() - t0, "align": 0.0, "statistics": 0.0}
     states, stats, alignments = [], [], []
-    for i, m in enumerate(models):
+    bar = tqdm(models, desc=f"merging ({how.name}, align={align})", unit="model", file=sys.stderr,
+               leave=False, disable=not progress)
+    for i, m in enumerate(bar):
         t1 = time.perf_counter()
         al, rep = None, ra
         if i != anchor and align is not None:

@@ -1,0 +1,160 @@
+"""Writing results without ever touching what is not ours.
+
+``--out`` is vetted before any work (:func:`check_out`): it may not be an input, contain an
+input, be or contain the current directory, or be an existing directory that symgraph did not
+write (a previous output carries the marker file :data:`MARKER`); its parent must exist and be
+writable. The model is written to a temporary sibling and renamed into place
+(:func:`save_atomic`); the temporary directory is removed on any failure, Ctrl-C or SIGTERM
+(:func:`terminate_on_sigterm` turns SIGTERM into :class:`Terminated`). New directories follow
+the umask like any ``mkdir``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import tempfile
+
+import torch
+
+from .errors import InputError
+
+__all__ = ["MARKER", "Terminated", "check_out", "save_atomic", "terminate_on_sigterm", "model_card"]
+
+MARKER = "symgraph_merge.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "spiece.model", "sentencepiece.bpe.model", "preprocessor_config.json")
+
+
+class Terminated(Exception):
+    """SIGTERM arrived; raised in the main thread so that ``finally`` blocks clean up."""
+
+
+def terminate_on_sigterm():
+    """Install a SIGTERM handler raising :class:`Terminated` (main thread only)."""
+    def handler(signum, frame):
+        raise Terminated("terminated by SIGTERM")
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave the default
+        pass
+
+
+def _real(p: str) -> str:
+    return os.path.realpath(os.path.abspath(os.path.expanduser(p)))
+
+
+def _inside(path: str, root: str) -> bool:
+    """``path`` is ``root`` or below it (both real paths)."""
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def check_out(out: str, *, force: bool = False, inputs=()) -> str:
+    """The absolute output path, refused (before any work) when writing it could lose data."""
+    if not out or not str(out).strip():
+        raise InputError("--out is empty; expected the path of a new output directory")
+    path = _real(str(out))
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"the parent directory of --out {out!r} does not exist; expected an "
+                                "existing directory to write into")
+    cwd = _real(os.getcwd())
+    if _inside(cwd, path):
+        raise InputError(f"--out {out!r} is the current directory or contains it; expected a new "
+                         "directory (e.g. --out merged)")
+    for inp in inputs:
+        if inp and os.path.exists(os.path.expanduser(str(inp))):
+            real = _real(str(inp))
+            if _inside(real, path):
+                raise InputError(f"--out {out!r} is an input model ({inp!r}) or contains it; expected a "
+                                 "directory apart from the inputs")
+    if os.path.lexists(path):
+        if not os.path.isdir(path) or os.path.islink(path):
+            raise InputError(f"--out {out!r} exists and is not a directory; expected a new directory")
+        entries = os.listdir(path)
+        if entries and MARKER not in entries:
+            raise InputError(f"output {out!r} already exists and was not written by symgraph (no "
+                             f"{MARKER}), so even --force will not replace it; expected a new or empty "
+                             "directory, or a previous symgraph output")
+        if entries and not force:
+            raise InputError(f"output {out!r} already exists; pass --force to replace it, or choose a "
+                             "new --out directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"cannot write into {parent!r} (permission denied); expected a writable "
+                         "directory for --out")
+    return path
+
+
+def _umask_mode(base=0o777):
+    mask = os.umask(0)
+    os.umask(mask)
+    return base & ~mask
+
+
+def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_from=None,
+                meta: dict | None = None, card: str | None = None) -> str:
+    """``save_pretrained`` into a temporary sibling of ``out``, then rename it into place.
+
+    Writes :data:`MARKER` (``meta`` as JSON) and, with ``card``, a README.md. Replaces an
+    existing ``out`` only when :func:`check_out` allows it (``force``, and it is a previous
+    symgraph output or empty). The temporary directory never outlives the call.
+    """
+    out = check_out(out, force=force, inputs=inputs)
+    parent = os.path.dirname(out)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    old = None
+    try:
+        os.chmod(tmp, _umask_mode())
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer_from and os.path.isdir(tokenizer_from):
+            for fn in TOKENIZER_FILES:
+                src = os.path.join(tokenizer_from, fn)
+                if os.path.isfile(src):
+                    shutil.copy2(src, os.path.join(tmp, fn))
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump(_jsonable(meta or {}), f, indent=2)
+        if card is not None:
+            with open(os.path.join(tmp, "README.md"), "w") as f:
+                f.write(card)
+        if os.path.lexists(out):
+            check_out(out, force=force, inputs=inputs)  # still ours, right before replacing it
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
+            os.rmdir(old)
+            os.replace(out, old)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and os.path.isdir(old):
+            if os.path.exists(out):
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(old, out)  # the new output never arrived: put the previous one back
+    return out
+
+
+def model_card(config_yaml: str, summary: str) -> str:
+    """A README.md for a merged model: how to reproduce it and what the alignment did."""
+    return ("# Merged with symgraph\n\n"
+            "Reproduce with `symgraph merge --config merge.yaml`, where `merge.yaml` is:\n\n"
+            f"```yaml\n{config_yaml.rstrip()}\n```\n\n## Alignment\n\n{summary.rstrip()}\n")
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float):
+        return x if math.isfinite(x) else str(x)
+    if isinstance(x, (str, int, bool)) or x is None:
+        return x
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        return float(x)
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return str(x)
