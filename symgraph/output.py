@@ -82,9 +82,11 @@ def check_out(out: str, *, force: bool = False, inputs=()) -> str:
         if entries and not force:
             raise InputError(f"output {out!r} already exists; pass --force to replace it, or choose a "
                              "new --out directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"cannot write into {parent!r} (permission denied); expected a writable "
-                         "directory for --out")
+    try:  # a real probe: permission bits do not stop root, a read-only file system does
+        os.rmdir(tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.probe-", dir=parent))
+    except OSError as e:
+        raise InputError(f"cannot write into {parent!r} ({e.strerror or e}); expected a writable "
+                         "directory for --out") from None
     return path
 
 

@@ -45,6 +45,11 @@ def check_compatible(ra, rb):
                     f"parameter {name!r} dim {d} has size {x} in model A and {y} in model B, and "
                     "that axis is fixed (e.g. vocabulary, labels, input features): expected equal "
                     "sizes (mismatched vocabularies?)")
+    for x, y in zip(ga, gb):
+        if x.kind == "rope" and tuple(x.pairs or ()) != tuple(y.pairs or ()):
+            raise StructureMismatchError(
+                f"symmetry group {x.id} ({x.module}) rotates {x.dim} rotary coordinates in A but {y.dim} "
+                "in B (different head_dim or rotary fraction); expected the same attention head size")
     if len(ga) != len(gb) or any(x.kind != y.kind or bool(x.outer) != bool(y.outer) for x, y in zip(ga, gb)):
         for x, y in zip(ga, gb):
             if x.kind != y.kind:

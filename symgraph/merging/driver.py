@@ -108,10 +108,16 @@ def _check_arguments(models, how, align, data, weights):
 
 
 def _check_same_shapes(A, m, i):
-    anchor_params = dict(A.named_parameters())
-    for k, p in m.named_parameters():
+    anchor_params, params = dict(A.named_parameters()), dict(m.named_parameters())
+    if set(anchor_params) != set(params):
+        only_a, only_m = sorted(set(anchor_params) - set(params)), sorted(set(params) - set(anchor_params))
+        raise InputError(f"model {i} and the anchor have different parameters (only in the anchor: "
+                         f"{only_a[:3]}, only in model {i}: {only_m[:3]}); expected one architecture "
+                         "and depth")
+    for k, p in params.items():
         if k in anchor_params and tuple(p.shape) != tuple(anchor_params[k].shape):
             raise InputError(f"model {i} parameter {k!r} has shape {tuple(p.shape)}, the "
                              f"anchor's is {tuple(anchor_params[k].shape)}: models of "
-                             "different widths need align='weights' or 'activations'")
+                             "different widths need alignment (align='weights' or 'activations'; "
+                             "on the command line --align weights or --align activations)")
 
