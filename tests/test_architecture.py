@@ -90,18 +90,31 @@ def test_alignment_is_keyed_by_group_id_and_serialises():
 
 
 def test_new_merge_method_is_a_registered_class():
-    @register("anchor_only_test")
-    class AnchorOnly(MergeMethod):
-        def combine(self, states, stats, weights, report):
-            return dict(states[0])
+    calls = []
 
-    assert "anchor_only_test" in symgraph.merge_methods()
+    @register("second_only_test")
+    class SecondOnly(MergeMethod):
+        # keeps the aligned non-anchor model: an output that cannot come from the merge's own
+        # copy of the anchor, so it shows that this class's combine produced the model
+        def combine(self, states, stats, weights, report):
+            calls.append((len(states), [float(w) for w in weights], stats))
+            return {k: v.clone() for k, v in states[1].items()}
+
+    assert "second_only_test" in symgraph.merge_methods()
     a, inputs, _ = build_mlp(seed=0)
     b, _, _ = build_mlp(seed=1)
-    res = symgraph.merge([a, b], inputs, method="anchor_only_test")
+    res = symgraph.merge([a, b], inputs, method="second_only_test", weights=[1, 3])
+    assert calls == [(2, [0.25, 0.75], [None, None])]  # called once, normalised weights, no stats
     assert isinstance(res, symgraph.MergeResult) and res.alignments[0] is None
     assert res.alignments[1] is not None and res.timings["total"] >= res.timings["align"] > 0
-    for (k, p), q in zip(a.named_parameters(), res.model.parameters()):
-        assert torch.equal(p, q), k
+    aligned_b = res.alignments[1].state(b)
+    merged = dict(res.model.named_parameters())
+    assert set(merged) == set(aligned_b)
+    for k, q in merged.items():
+        assert torch.equal(q, aligned_b[k]), k
+    assert any(not torch.equal(p, merged[k]) for k, p in a.named_parameters())  # not the anchor
+    with torch.no_grad():  # aligned B: B's function in A's basis
+        torch.testing.assert_close(res.model(*inputs), b(*inputs), atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(res.model(*inputs), a(*inputs), atol=1e-3)
     with pytest.raises(symgraph.InputError, match="unknown method"):
         symgraph.merge([a, copy.deepcopy(b)], inputs, method="no_such_method")

@@ -103,9 +103,25 @@ def test_merged_barrier_is_midpoint_gap(suite):
 def test_speed_rows(suite):
     sp = [r for r in suite["records"] if r["kind"] == "speed"]
     assert sorted(r["method"] for r in sp) == ["align_activations", "align_weights", "analyze"]
+    d = sp[0]["detail"]  # one fresh-process measurement behind all three rows
+    assert all(r["detail"] == d for r in sp)
+    assert d["arch"] == "vit" and d["size"] == "quick" and d["seeds"] == [0, 1]
+    assert d["groups"] == 9 and d["threads"] >= 1
+    assert d["alignment_batches"] == runner.settings_for(True).align_batches
+    n = sum(p.numel() for p in zoo.build_model("vit", 0, "quick").parameters())
+    assert d["parameters"] == n
+    assert d["model_weights_mb"] == pytest.approx(4 * n / 2 ** 20)  # float32
+    assert isinstance(d["baseline_rss_mb"], float) and 50 < d["baseline_rss_mb"] < 8192
     for r in sp:
-        assert r["seconds"] > 0 and r["peak_rss_mb"] is not None and r["peak_rss_mb"] >= 0
-    assert sp[0]["detail"]["groups"] == 9
+        m = r["method"]
+        assert r["arch"] == "vit" and r["pair"] == [0, 1] and r["size"] == "quick"
+        assert r["barrier"] is None and r["metric_mid"] is None
+        # the row's numbers are the measurement's, under the row's own method
+        assert r["seconds"] == d[f"{m}_seconds"] and r["peak_rss_mb"] == d[f"peak_rss_{m}_mb"]
+        assert isinstance(r["seconds"], float) and 0 < r["seconds"] < 300
+        peak = r["peak_rss_mb"]
+        assert isinstance(peak, float) and math.isfinite(peak), (m, peak)
+        assert 0 < peak < 4096, (m, peak)  # above the baseline, and tiny models stay small
 
 
 def test_report_tables(suite):
