@@ -18,6 +18,7 @@ __all__ = ['main', 'build_parser']
 EXIT_REFUSED = 2
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
+MIN_USEFUL_ROWS = 32  # fewer data rows than this: warn that activation statistics are noisy
 
 
 
@@ -106,6 +107,10 @@ def cmd_merge(args) -> int:
     models = [load_model(m) for m in _progress(opts["models"], desc="loading", unit="model")]
     _check_same_family(models, opts["models"])
     data = load_data(opts["data"], models[0]) if opts["data"] else None
+    rows = sum(next(iter(b.values())).shape[0] for b in data) if data else 0
+    if data and rows < MIN_USEFUL_ROWS:
+        print(f"symgraph: warning: only {rows} rows of data in {opts['data']!r}; statistics from fewer "
+              f"than {MIN_USEFUL_ROWS} rows are noisy (the merge goes on)", file=sys.stderr)
     align = None if opts["align"] == "none" else opts["align"]
     t0 = time.time()
     try:

@@ -135,7 +135,5 @@ def load_data(path: str, model=None):
         x = x.float()
         if not torch.isfinite(x).all():
             raise InputError(f"'pixel_values' in {path!r} contains NaN/inf; expected finite values")
-    n = x.shape[0]
-    rows = min(BATCH_ROWS, n)
-    nb = max(1, n // rows)  # equal-shaped batches: a partial last batch is dropped
-    return [{key: x[i * rows:(i + 1) * rows]} for i in range(nb)]
+    # batches of BATCH_ROWS rows and a last, smaller one (traced again for its shape): no row dropped
+    return [{key: x[i:i + BATCH_ROWS]} for i in range(0, x.shape[0], BATCH_ROWS)]

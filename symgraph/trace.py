@@ -61,6 +61,10 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
         kwargs[name] = torch.randint(0, vocab, (batch, seq), generator=gen).to(dev)
     else:
         raise InputError(f"cannot build example inputs for main input {name!r}; pass inputs=")
+    if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params and name == "input_ids":
+        start = getattr(cfg, "decoder_start_token_id", None)
+        start = 0 if start is None else int(start)
+        kwargs["decoder_input_ids"] = torch.full((batch, 1), start, dtype=torch.long, device=dev)
     if "use_cache" in params:
         kwargs["use_cache"] = False
     return (), kwargs
@@ -139,6 +143,24 @@ def _unruled_decomposable(ep):
     return {t: table[t] for t in unruled if t in table}, retrace
 
 
+def _hint(model, args, kwargs) -> str:
+    """What to try, for the kind of model that failed."""
+    shapes = {k: tuple(v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    shapes |= {f"arg{i}": tuple(v.shape) for i, v in enumerate(args) if isinstance(v, torch.Tensor)}
+    cfg = getattr(model, "config", None)
+    if "pixel_values" in shapes:
+        return (f"the model was run on pixel_values of shape {shapes['pixel_values']}; check that it "
+                "matches the config (num_channels, image_size) or pass inputs= of the right shape.")
+    if getattr(cfg, "is_encoder_decoder", False):
+        return ("encoder-decoder models need decoder_input_ids as well as input_ids; pass inputs="
+                "{'input_ids': ..., 'decoder_input_ids': ...}.")
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        return ("the model must run on the example inputs with static control flow; Hugging Face "
+                "decoders are traced with use_cache=False.")
+    return ("the model must run on the given example inputs (shapes " + str(shapes) + ") with static "
+            "control flow (no data-dependent branches).")
+
+
 def trace(model, inputs=None):
     """Export ``model`` (unchanged; eval mode inside) to an ATen-level ExportedProgram.
 
@@ -156,8 +178,7 @@ def trace(model, inputs=None):
             raise TraceError(
                 f"torch.export could not trace {type(model).__name__}: "
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
-                "Hint: the model must run on the given example inputs with static control flow; "
-                "for Hugging Face decoders pass use_cache=False.") from e
+                f"Hint: {_hint(model, args, kwargs)}") from e
         for _ in range(3):
             table, retrace = _unruled_decomposable(ep)
             if not table and not retrace:

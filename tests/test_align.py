@@ -184,9 +184,9 @@ def test_bad_inputs():
         Bn.get_parameter("bert.encoder.layer.0.output.dense.weight")[0, 0] = float("nan")
     with pytest.raises(symgraph.InputError, match="layer.0.output.dense.weight"):
         symgraph.align(A, Bn)
-    with pytest.raises(symgraph.InputError, match="shapes"):
+    with pytest.raises(symgraph.InputError, match="expected 1"):
         symgraph.align(A, copy.deepcopy(A), data=[(torch.randint(0, 50, (2, 8)),),
-                                                 (torch.randint(0, 50, (3, 8)),)])
+                                                 (torch.randint(0, 50, (3, 8)), torch.ones(3, 8))])
     with pytest.raises(symgraph.InputError, match="at least 2"):
         symgraph.merge([A])
     with pytest.raises(symgraph.InputError, match="needs data"):
@@ -361,3 +361,21 @@ def test_heads_paired_by_index_when_head_class_not_selected(inner):
     al = symgraph.align(A, B, groups=lambda grp: grp.id not in heads, inner=inner)
     assert not any(grp.id in al.results for grp in rep.groups if grp.id in heads)
     assert _rel_params(A, al.apply(B)) < 1e-6
+
+
+def test_data_of_any_batch_size_and_length():
+    """Batches of other shapes than the traced one are traced again: alignment from them is
+    still exact, and RegMean / Fisher merges of a model with its transformed copy keep its
+    function."""
+    torch.manual_seed(0)
+    A = _gpt2().eval()
+    B = symgraph.transform(A, symgraph.analyze(A).random_transform(seed=1, orthogonal=True))
+    g = torch.Generator().manual_seed(3)
+    data = [{"input_ids": torch.randint(0, 50, shape, generator=g)} for shape in ((2, 8), (3, 12), (1, 5))]
+    C = symgraph.align(A, B, data=data).apply(B)
+    assert _rel_params(A, C) < 1e-6
+    x = {"input_ids": torch.randint(0, 50, (2, 7), generator=g)}
+    for method in ("regmean", "fisher"):
+        merged = symgraph.merge([A, B], data=data, align="activations", method=method).model
+        la, lm = _logits(A, (x["input_ids"],)), _logits(merged, (x["input_ids"],))
+        assert float((la - lm).norm() / la.norm()) < 1e-5, method

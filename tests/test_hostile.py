@@ -286,3 +286,30 @@ def test_save_pretrained_round_trip_is_exact(arch, tmp_path):
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
+
+
+def test_small_odd_sized_data_is_used_whole_with_a_warning(ws, tmp_path):
+    g = torch.Generator().manual_seed(1)
+    save_file({"input_ids": torch.randint(0, 100, (11, 6), generator=g)}, str(tmp_path / "d.safetensors"))
+    out = tmp_path / "m"
+    r = subprocess.run([sys.executable, "-m", "symgraph.cli", "merge", str(ws / I / "bert0"), str(ws / I / "bert1"),
+                        "--align", "activations", "--data", str(tmp_path / "d.safetensors"), "--out", str(out)],
+                       capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert "warning: only 11 rows" in " ".join(r.stderr.split())
+    meta = json.loads((out / "symgraph_merge.json").read_text())
+    assert meta["options"]["data_batches"] == 2  # 8 + 3 rows: the odd batch is traced again, not dropped
+
+
+def test_encoder_decoder_is_traced_with_decoder_inputs(tmp_path):
+    """T5 used to be refused as untraceable with a misleading hint."""
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
+                                decoder_start_token_id=0)
+    cfg.architectures = ["T5ForConditionalGeneration"]
+    transformers.T5ForConditionalGeneration(cfg).save_pretrained(tmp_path / "t5")
+    r = subprocess.run([sys.executable, "-m", "symgraph.cli", "analyze", str(tmp_path / "t5"), "--json"],
+                       capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=180)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["model"] == "T5ForConditionalGeneration" and len(d["groups"]) >= 10 and d["frozen"] == []

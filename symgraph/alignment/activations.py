@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..groups import orthogonal_part
-from .checks import batch_inputs
+from .checks import batch_inputs, by_shape
 
 __all__ = ["ActStats", "activation_similarity", "act_matrix", "run_capture"]
 
@@ -55,10 +55,41 @@ class ActStats:
         return cov / torch.einsum("ai,bj->abij", sa, sb)
 
 
-def activation_similarity(ra, rb, data, pairs, max_samples=4096):
+def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096):
     """Streamed statistics ``{i: ActStats}`` for each ``(group A, group B)`` of ``pairs`` at
-    its observation points (ops whose rule is marked ``observe``), over ``data``."""
-    plan = {}  # pair index -> list of (node name in A, node name in B, dim)
+    its observation points (ops whose rule is marked ``observe``), over ``data``. Batches of
+    other shapes than the traced ones are traced again when ``models`` (A, B) are given."""
+    stats = {i: ActStats() for i in range(len(pairs))}
+    for (sa, sb), batches in by_shape((ra, rb), models, data):
+        spairs = [(sa.groups[ga.id], sb.groups[gb.id]) for ga, gb in pairs]
+        plan, views = _plan(sa, sb, spairs)
+        names_a = {p[0] for pts in plan.values() for p in pts}
+        names_b = {p[1] for pts in plan.values() for p in pts}
+        gm_a, gm_b = sa.exported_program.module(), sb.exported_program.module()
+        for bi, batch in batches:
+            args, kwargs = batch_inputs(sa, batch, bi)
+            cap_a, cap_b = {}, {}
+            with torch.no_grad():
+                run_capture(gm_a, names_a, cap_a, args, kwargs)
+                run_capture(gm_b, names_b, cap_b, args, kwargs)
+            for i, pts in plan.items():
+                for node_a, node_b, _ in pts:
+                    va, vb, k = views[(i, node_a)]
+                    xa, xb = cap_a[node_a].double(), cap_b[node_b].double()
+                    for (ia, fa), (ib, fb) in zip(va, vb):
+                        a = _act_gather(xa, k, ia, fa)
+                        b = _act_gather(xb, k, ib, fb)
+                        if a.shape[0] > max_samples:
+                            sel = torch.linspace(0, a.shape[0] - 1, max_samples).long()
+                            a, b = a[sel], b[sel]
+                        stats[i].add(a, b, fa)
+    return stats
+
+
+def _plan(ra, rb, pairs):
+    """Observation points per pair ``{i: [(node in A, node in B, dim)]}`` and the index views
+    of each class's coordinates there."""
+    plan = {}
     nodes_a, nodes_b = ra.nodes(), rb.nodes()
     for i, (ga, gb) in enumerate(pairs):
         pts = []
@@ -67,9 +98,6 @@ def activation_similarity(ra, rb, data, pairs, max_samples=4096):
                 continue
             pts.append((nodes_a[pos][0], name_b, k))
         plan[i] = pts
-    names_a = {p[0] for pts in plan.values() for p in pts}
-    names_b = {p[1] for pts in plan.values() for p in pts}
-    stats = {i: ActStats() for i in plan}
     views = {}
     for i, pts in plan.items():
         ga, gb = pairs[i]
@@ -81,25 +109,7 @@ def activation_similarity(ra, rb, data, pairs, max_samples=4096):
             ok = [(x, y) for x, y in zip(va, vb)
                   if x[1] == need and x[0].dim() == need + 1 and y[0].dim() == x[0].dim()]
             views[(i, node_a)] = ([x for x, _ in ok], [y for _, y in ok], k)
-    gm_a, gm_b = ra.exported_program.module(), rb.exported_program.module()
-    for bi, batch in enumerate(data):
-        args, kwargs = batch_inputs(ra, batch, bi)
-        cap_a, cap_b = {}, {}
-        with torch.no_grad():
-            run_capture(gm_a, names_a, cap_a, args, kwargs)
-            run_capture(gm_b, names_b, cap_b, args, kwargs)
-        for i, pts in plan.items():
-            for node_a, node_b, k in pts:
-                va, vb, k = views[(i, node_a)]
-                xa, xb = cap_a[node_a].double(), cap_b[node_b].double()
-                for (ia, fa), (ib, fb) in zip(va, vb):
-                    a = _act_gather(xa, k, ia, fa)
-                    b = _act_gather(xb, k, ib, fb)
-                    if a.shape[0] > max_samples:
-                        sel = torch.linspace(0, a.shape[0] - 1, max_samples).long()
-                        a, b = a[sel], b[sel]
-                    stats[i].add(a, b, fa)
-    return stats, plan
+    return plan, views
 
 
 def _act_gather(x, k, idx, nf):

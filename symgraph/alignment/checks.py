@@ -6,7 +6,7 @@ import torch
 
 from ..errors import InputError, StructureMismatchError
 
-__all__ = ["check_finite", "check_compatible", "batch_inputs"]
+__all__ = ["check_finite", "check_compatible", "batch_inputs", "by_shape"]
 
 
 def check_finite(model, label):
@@ -58,7 +58,7 @@ def check_compatible(ra, rb):
         raise StructureMismatchError(f"the models have {len(ga)} and {len(gb)} symmetry groups")
 
 
-def batch_inputs(report, batch, index):
+def batch_inputs(report, batch, index, check_shapes: bool = True):
     """``(args, kwargs)`` for one data batch, checked against the traced inputs' shapes."""
     args, kwargs = report.inputs
     if isinstance(batch, dict):
@@ -72,7 +72,10 @@ def batch_inputs(report, batch, index):
                          "inputs (a tuple of tensors or a dict of keyword tensors)")
     ex = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
     got = [t for t in list(b_args) + list(b_kwargs.values()) if isinstance(t, torch.Tensor)]
-    if len(ex) != len(got) or any(tuple(x.shape) != tuple(y.shape) for x, y in zip(ex, got)):
+    if len(ex) != len(got):
+        raise InputError(f"data batch {index} has {len(got)} tensors; expected {len(ex)} (the same form as "
+                         "the inputs the models were traced with)")
+    if check_shapes and any(tuple(x.shape) != tuple(y.shape) for x, y in zip(ex, got)):
         raise InputError(
             f"data batch {index} has tensor shapes {[tuple(t.shape) for t in got]}; expected "
             f"{[tuple(t.shape) for t in ex]} (the shapes the models were traced with: every batch "
@@ -81,3 +84,36 @@ def batch_inputs(report, batch, index):
         # keep the traced keyword order
         b_kwargs = {k: b_kwargs[k] for k in kwargs} | {k: v for k, v in b_kwargs.items() if k not in kwargs}
     return b_args, b_kwargs
+
+
+def _shapes(report, batch, index) -> tuple:
+    args, kwargs = batch_inputs(report, batch, index, check_shapes=False)
+    return tuple(tuple(t.shape) for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor))
+
+
+def by_shape(reports, models, data) -> list:
+    """The batches of ``data`` grouped by their tensor shapes: ``[(reports, [(index, batch)])]``,
+    each group with reports of ``models`` traced on that shape (the given ``reports`` where the
+    shapes are the traced ones). An exported graph has static shapes; other batch sizes and
+    sequence lengths are traced again, and their groups must be the same."""
+    from ..api import analyze
+    args, kwargs = reports[0].inputs
+    traced = tuple(tuple(t.shape) for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor))
+    groups: dict = {}
+    for i, batch in enumerate(data):
+        groups.setdefault(_shapes(reports[0], batch, i), []).append((i, batch))
+    out = []
+    for shapes, items in groups.items():
+        if shapes == traced:
+            out.append((tuple(reports), items))
+            continue
+        if models is None:
+            batch_inputs(reports[0], items[0][1], items[0][0])  # the shape refusal
+        new = tuple(analyze(m, items[0][1]) for m in models)
+        for r, n in zip(reports, new):
+            if [(g.kind, g.dim, g.blocks) for g in r.groups] != [(g.kind, g.dim, g.blocks) for g in n.groups]:
+                raise InputError(f"data batch {items[0][0]} (tensor shapes {list(shapes)}) gives the model "
+                                 f"other symmetry groups than the traced shapes {list(traced)}; expected "
+                                 "batches of the traced shapes")
+        out.append((new, items))
+    return out

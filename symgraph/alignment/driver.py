@@ -97,7 +97,8 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
         return feats.similarity(ga, b_of[ga.id], run.elements, cross, usable)
     run.similarity, sweeps = by_weights, opts.max_iter
     if data is not None:
-        stats, _ = activation_similarity(ra, rb, data, [(ga, b_of[ga.id]) for ga in ra.groups])
+        stats = activation_similarity(ra, rb, data, [(ga, b_of[ga.id]) for ga in ra.groups],
+                                      models=(model_a, model_b))
 
         def by_activations(ga, cross, usable=None):  # weights (given the rest) where unobserved
             m = act_matrix(stats[ga.id], ga, cross)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..alignment.activations import run_capture
-from ..alignment.checks import batch_inputs
+from ..alignment.checks import batch_inputs, by_shape
 from .average import Average
 from .registry import register
 
@@ -21,19 +21,20 @@ class RegMean(Average):
         self.alpha = alpha
 
     def statistics(self, model, report, data):
-        layers = report.linear_layers()
-        names = {x for _, x, _, _ in layers}
-        gm = report.exported_program.module()
         grams = {}
-        for i, batch in enumerate(data):
-            args, kwargs = batch_inputs(report, batch, i)
-            cap = {}
-            with torch.no_grad():
-                run_capture(gm, names, cap, args, kwargs)
-            for w, x, _, _ in layers:
-                if x in cap:
-                    X = cap[x].double().reshape(-1, cap[x].shape[-1])
-                    grams[w] = grams.get(w, 0) + X.T @ X
+        for (rep,), batches in by_shape((report,), (model,), data):  # other shapes: traced again
+            layers = rep.linear_layers()
+            names = {x for _, x, _, _ in layers}
+            gm = rep.exported_program.module()
+            for i, batch in batches:
+                args, kwargs = batch_inputs(rep, batch, i)
+                cap = {}
+                with torch.no_grad():
+                    run_capture(gm, names, cap, args, kwargs)
+                for w, x, _, _ in layers:
+                    if x in cap:
+                        X = cap[x].double().reshape(-1, cap[x].shape[-1])
+                        grams[w] = grams.get(w, 0) + X.T @ X
         return grams
 
     def to_anchor(self, grams, alignment):
