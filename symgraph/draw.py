@@ -74,23 +74,39 @@ def save_graph(report, path: str) -> str:
             os.unlink(tmp)
     return path
 
+KIND_NAMES = {"perm": "permutation", "scaled_perm": "scaled permutation", "signed_perm": "signed permutation",
+              "orthogonal": "orthogonal", "gl": "GL (any invertible)", "rope": "RoPE pair rotations"}
+
+
+def _short(module: str, parts: int = 3) -> str:
+    """The last ``parts`` components of a module path (``layer.1.attention.self``)."""
+    return ".".join(module.split(".")[-parts:]) if module else "(model)"
+
+
 def _draw_matplotlib(report, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import networkx as nx
+    from matplotlib.patches import Patch
     G = to_networkx(report)
-    fig, ax = plt.subplots(figsize=(max(8, len(G) * 0.35), 8))
+    fig, ax = plt.subplots(figsize=(max(9, len(G) * 0.45), 9))
     try:
         pos = nx.kamada_kawai_layout(G) if len(G) > 1 else nx.spring_layout(G)
     except Exception:  # noqa: BLE001 - layout is cosmetic
         pos = nx.spring_layout(G, seed=0)
     colors = {"perm": "#9cc9f0", "scaled_perm": "#c7eef0", "signed_perm": "#dcd0f5",
               "orthogonal": "#a8e6a1", "gl": "#f5d76e", "rope": "#f4a48f"}
+    labels = {n: f"{n}: {d['kind']} {d['size']}" + (f" ({d['blocks']} heads)" if d["blocks"] > 1 else "")
+              + f"\n{_short(d['module'])}" for n, d in G.nodes(data=True)}
     nx.draw_networkx(G, pos, ax=ax, node_color=[colors.get(G.nodes[n]["kind"], "#ddd") for n in G],
-                     labels={n: G.nodes[n]["label"] for n in G}, font_size=6, node_size=600,
-                     arrowsize=8)
-    ax.set_title(f"symmetry classes of {report.model_name}")
+                     labels=labels, font_size=6, node_size=900, arrowsize=8, edge_color="#888")
+    kinds = sorted({d["kind"] for _, d in G.nodes(data=True)})
+    ax.legend(handles=[Patch(color=colors.get(k, "#ddd"), label=KIND_NAMES.get(k, k)) for k in kinds],
+              title="group kind (node: id: kind size, module)", loc="upper left", fontsize=7,
+              title_fontsize=7, frameon=True)
+    ax.set_title(f"symmetry classes of {report.model_name}: {len(G)} groups; an arrow A→B is a "
+                 "parameter whose input axis is in A and output axis in B", fontsize=9)
     ax.axis("off")
     fig.savefig(path, dpi=120, bbox_inches="tight", format=os.path.splitext(path)[1][1:])
     plt.close(fig)

@@ -313,3 +313,18 @@ def test_encoder_decoder_is_traced_with_decoder_inputs(tmp_path):
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["model"] == "T5ForConditionalGeneration" and len(d["groups"]) >= 10 and d["frozen"] == []
+
+
+def test_ctrl_c_while_starting_is_one_line(tmp_path):
+    """A Ctrl-C while the console script imports torch (simulated at the import of symgraph)."""
+    code = ("import sys, symgraph_entry\n"
+            "class Interrupt:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'symgraph':\n"
+            "            raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, Interrupt())\n"
+            "symgraph_entry.main()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=tmp_path,
+                       timeout=60)
+    assert r.returncode == 130 and "Traceback" not in r.stderr
+    assert r.stderr == "symgraph: interrupted (Ctrl-C) while starting; nothing was written\n"
