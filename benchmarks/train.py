@@ -2,11 +2,12 @@
 
 :func:`train_model` trains ``arch`` from seed ``seed`` with AdamW (linear
 warm-up, cosine decay to 10% of the peak rate, weight decay on matrices only,
-gradient clipping) and caches the result. The seed fixes both the
-initialisation (:func:`benchmarks.zoo.build_model`) and the data order (a
-``torch.Generator`` seeded with ``seed + DATA_SEED_OFFSET`` draws the training
-blocks / images and the dynamic BERT masks), so a given (arch, size, seed,
-steps) is reproducible on a given machine and thread count.
+gradient clipping; the loop is :func:`symgraph.models.train`) and caches the
+result. The seed fixes both the initialisation
+(:func:`benchmarks.zoo.build_model`) and the data order (a ``torch.Generator``
+seeded with ``seed + DATA_SEED_OFFSET`` draws the training blocks / images and
+the dynamic BERT masks), so a given (arch, size, seed, steps) is reproducible
+on a given machine and thread count.
 
 Cache layout (root from ``SYMGRAPH_CACHE``, default ``~/.cache/symgraph``)::
 
@@ -33,7 +34,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from symgraph import models
 
 from . import data, evaluate, zoo
 
@@ -218,48 +220,23 @@ def _batch_sampler(spec: zoo.ModelSpec, batch_size: int, gen: torch.Generator):
     return sample
 
 
-def _lr_lambda(total_steps: int):
-    warmup = max(1, int(round(WARMUP_FRACTION * total_steps)))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return MIN_LR_FRACTION + (1.0 - MIN_LR_FRACTION) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def _optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=ADAM_BETAS)
-
-
 def _fit(model: torch.nn.Module, arch: str, size: str, seed: int, steps: int, verbose: bool) -> list[float]:
-    """Train ``model`` in place; return the per-step training losses."""
+    """Train ``model`` in place (:func:`symgraph.models.train`); return the per-step training losses."""
     spec = zoo.get_spec(arch)
     setting = spec.setting(size)
     gen = torch.Generator().manual_seed(seed + DATA_SEED_OFFSET)
-    opt = _optimizer(model, setting.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(steps))
-    sample = _batch_sampler(spec, setting.batch_size, gen)
-    losses: list[float] = []
-    model.train()
-    for step in range(steps):
-        batch = sample()
-        loss = evaluate.batch_loss(model, arch, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-        opt.step()
-        sched.step()
-        losses.append(loss.detach().item())
-        if verbose and (step + 1) % max(1, steps // 5) == 0:
-            print(f"  [{arch} seed={seed}] step {step + 1}/{steps} loss {losses[-1]:.3f}", flush=True)
-    model.eval()
-    return losses
+    every = max(1, steps // 5)
+
+    def report(step: int, loss: float, _elapsed: float) -> None:
+        if verbose and step % every == 0:
+            print(f"  [{arch} seed={seed}] step {step}/{steps} loss {loss:.3f}", flush=True)
+
+    return models.train(
+        model, _batch_sampler(spec, setting.batch_size, gen), steps=steps, lr=setting.lr,
+        loss_fn=lambda m, batch: evaluate.batch_loss(m, arch, batch),
+        weight_decay=WEIGHT_DECAY, betas=ADAM_BETAS, grad_clip=GRAD_CLIP,
+        schedule=models.warmup_cosine(steps, WARMUP_FRACTION, MIN_LR_FRACTION), progress=report,
+    )
 
 
 def _save_atomically(model: torch.nn.Module, info: dict, final: Path) -> None:

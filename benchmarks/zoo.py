@@ -26,6 +26,9 @@ Conventions shared by all models:
 * a model built with :func:`build_model` for a given seed is bit-identical
   across calls (``torch.manual_seed(seed)`` immediately before construction).
 
+Configs and models are built by :mod:`symgraph.models` (the one builder of tiny
+models); this module holds only the table of sizes and training budgets.
+
 ``gpt2`` and ``gpt2_wide`` (:data:`WIDE_NARROW_PAIR`) differ only in MLP width
 (256 vs 512 hidden units in ``quick``), same depth, embedding width, heads and
 data: the pair for heterogeneous fusion.
@@ -38,6 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
+
+from symgraph import models
 
 from . import data
 
@@ -206,8 +211,30 @@ def get_setting(arch: str, size: str = "quick") -> SizeSetting:
     return get_spec(arch).setting(size)
 
 
+def _overrides(spec: ModelSpec, size: str) -> dict[str, Any]:
+    """The :func:`symgraph.models.config` keywords of ``spec`` at ``size``."""
+    s = spec.setting(size)
+    sizes = dict(hidden=s.hidden, layers=s.layers, heads=s.heads, mlp=s.mlp_width)
+    tokens = dict(bos_token_id=data.PAD_ID, eos_token_id=data.PAD_ID, pad_token_id=data.PAD_ID)
+    if spec.family == "bert":
+        family = dict(vocab=data.VOCAB_SIZE, positions=spec.block_size, type_vocab_size=1,
+                      pad_token_id=data.PAD_ID)
+    elif spec.family == "gpt2":
+        family = dict(vocab=data.VOCAB_SIZE, positions=spec.block_size, summary_first_dropout=0.0, **tokens)
+    elif spec.family == "llama":
+        family = dict(vocab=data.VOCAB_SIZE, positions=spec.block_size, kv_heads=s.kv_heads or s.heads,
+                      tie_word_embeddings=False, **tokens)
+    elif spec.family == "vit":
+        family = dict(image_size=data.DIGIT_IMAGE_SIZE, channels=1, num_labels=data.NUM_DIGIT_CLASSES)
+    else:
+        raise AssertionError(f"unhandled family {spec.family!r}")
+    # architectures=None: the configs stay as the checkpoint fingerprints recorded them
+    # (save_pretrained writes the class name into the saved config anyway)
+    return {**sizes, **family, "architectures": None, **spec.extra}
+
+
 def make_config(arch: str, size: str = "quick"):
-    """Build the Hugging Face config of a zoo model.
+    """Build the Hugging Face config of a zoo model (through :func:`symgraph.models.config`).
 
     Parameters
     ----------
@@ -220,66 +247,15 @@ def make_config(arch: str, size: str = "quick"):
     -------
     transformers.PretrainedConfig
         ``BertConfig``, ``GPT2Config``, ``LlamaConfig`` or ``ViTConfig`` with
-        all dropout set to 0.
+        all dropout set to 0 (decoders: ``use_cache=False``).
     """
-    from transformers import BertConfig, GPT2Config, LlamaConfig, ViTConfig
-
     spec = get_spec(arch)
-    s = spec.setting(size)
-    vocab = data.VOCAB_SIZE
-    if spec.family == "bert":
-        return BertConfig(
-            vocab_size=vocab, hidden_size=s.hidden, num_hidden_layers=s.layers,
-            num_attention_heads=s.heads, intermediate_size=s.mlp_width,
-            max_position_embeddings=spec.block_size, type_vocab_size=1,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            pad_token_id=data.PAD_ID, **spec.extra,
-        )
-    if spec.family == "gpt2":
-        return GPT2Config(
-            vocab_size=vocab, n_positions=spec.block_size, n_embd=s.hidden,
-            n_layer=s.layers, n_head=s.heads, n_inner=s.mlp_width,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
-            use_cache=False,
-            bos_token_id=data.PAD_ID, eos_token_id=data.PAD_ID, pad_token_id=data.PAD_ID,
-            **spec.extra,
-        )
-    if spec.family == "llama":
-        return LlamaConfig(
-            vocab_size=vocab, hidden_size=s.hidden, intermediate_size=s.mlp_width,
-            num_hidden_layers=s.layers, num_attention_heads=s.heads,
-            num_key_value_heads=s.kv_heads or s.heads,
-            max_position_embeddings=spec.block_size, attention_dropout=0.0,
-            tie_word_embeddings=False, use_cache=False,
-            bos_token_id=data.PAD_ID, eos_token_id=data.PAD_ID, pad_token_id=data.PAD_ID,
-            **spec.extra,
-        )
-    if spec.family == "vit":
-        return ViTConfig(
-            image_size=data.DIGIT_IMAGE_SIZE, num_channels=1, hidden_size=s.hidden,
-            num_hidden_layers=s.layers, num_attention_heads=s.heads,
-            intermediate_size=s.mlp_width, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0, num_labels=data.NUM_DIGIT_CLASSES,
-            **spec.extra,
-        )
-    raise AssertionError(f"unhandled family {spec.family!r}")
+    return models.config(spec.family, **_overrides(spec, size))
 
 
 def model_class(arch: str) -> type:
     """Return the Hugging Face model class of ``arch`` (for ``from_pretrained``)."""
-    from transformers import (
-        BertForMaskedLM,
-        GPT2LMHeadModel,
-        LlamaForCausalLM,
-        ViTForImageClassification,
-    )
-
-    return {
-        "bert": BertForMaskedLM,
-        "gpt2": GPT2LMHeadModel,
-        "llama": LlamaForCausalLM,
-        "vit": ViTForImageClassification,
-    }[get_spec(arch).family]
+    return models.model_class(get_spec(arch).family)
 
 
 def build_model(
@@ -288,7 +264,7 @@ def build_model(
     size: str = "quick",
     attn_implementation: str | None = None,
 ) -> torch.nn.Module:
-    """Build a randomly initialised zoo model.
+    """Build a randomly initialised zoo model (through :func:`symgraph.models.build`).
 
     Parameters
     ----------
@@ -306,8 +282,6 @@ def build_model(
     transformers.PreTrainedModel
         The model, in ``eval()`` mode, on CPU, float32.
     """
-    config = make_config(arch, size)
-    cls = model_class(arch)
-    torch.manual_seed(seed)
-    model = cls._from_config(config, attn_implementation=attn_implementation or ATTN_IMPLEMENTATION)
-    return model.eval()
+    spec = get_spec(arch)
+    return models.build(spec.family, seed, attn_implementation=attn_implementation or ATTN_IMPLEMENTATION,
+                        **_overrides(spec, size))

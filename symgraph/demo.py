@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
+
+__all__ = ["run_demo", "trained_models", "make_model", "corpus", "batches", "heldout_loss_fn",
+           "cache_dir"]
 
 CACHE_VERSION = "demo-gpt2-char-v1"
 SEQ = 64
 BATCH = 32
 SEEDS = (0, 1)
 DEFAULT_SECONDS = 80.0
+LR = 3e-3
+# symgraph.models.build keywords of the demo's GPT-2 (HF's default use_cache, no pad token)
+MODEL = dict(vocab=256, hidden=64, layers=2, heads=4, mlp=None, positions=SEQ, use_cache=None,
+             pad_token_id=None)
 
 
 def cache_dir() -> str:
@@ -35,13 +41,13 @@ def corpus() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make_model(seed: int):
-    import transformers as tf
-    tf.logging.set_verbosity_error()
-    torch.manual_seed(seed)
-    cfg = tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=SEQ,
-                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    cfg.architectures = ["GPT2LMHeadModel"]
-    return tf.GPT2LMHeadModel(cfg)
+    """The demo's char-level GPT-2 (byte vocabulary, 2 layers of width 64), seeded, built by
+    :mod:`symgraph.models`."""
+    import transformers
+
+    from . import models
+    transformers.logging.set_verbosity_error()
+    return models.build("gpt2", seed, **MODEL)
 
 
 def batches(stream: torch.Tensor, n: int, rows: int, seed: int) -> list[torch.Tensor]:
@@ -77,34 +83,25 @@ def trained_models(seconds: float | None = None, retrain: bool = False):
 
 
 def _train_with_bar(seed, stream, seconds, bar, base):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the model is tiny: thread overhead dominates
-    try:
-        return _train_loop(seed, stream, seconds, bar, base)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _train_loop(seed, stream, seconds, bar, base):
+    """Train the seed's model for ``seconds`` on one thread (the model is tiny: thread overhead
+    dominates), showing progress on ``bar`` from ``base`` seconds on."""
+    from . import models
     model = make_model(seed)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     g = torch.Generator().manual_seed(1000 + seed)
-    t0, step = time.time(), 0
-    while time.time() - t0 < seconds:
+
+    def sample():
         starts = torch.randint(0, len(stream) - SEQ, (BATCH,), generator=g)
         x = torch.stack([stream[s:s + SEQ] for s in starts.tolist()])
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
+        return {"input_ids": x, "labels": x}
+
+    def progress(step, loss, elapsed):
         if step % 10 == 0:
-            bar.set_postfix_str(f"seed {seed} step {step} loss {loss.item():.3f}")
-            bar.n = base + min(time.time() - t0, seconds)
+            bar.set_postfix_str(f"seed {seed} step {step} loss {loss:.3f}")
+            bar.n = base + min(elapsed, seconds)
             bar.refresh()
-    model.eval()
+
+    models.train(model, sample, seconds=seconds, lr=LR, weight_decay=0.01, decay_vectors=True,
+                 grad_clip=1.0, progress=progress, threads=1)
     return model
 
 

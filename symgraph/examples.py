@@ -4,27 +4,27 @@ from __future__ import annotations
 import sys
 import warnings
 
+__all__ = ["EXAMPLES", "build", "main"]
+
+# name -> sizes given to symgraph.models.build (Hugging Face defaults for everything else)
+EXAMPLES = {
+    "bert": dict(vocab=100, hidden=32, layers=2, heads=4, mlp=64),
+    "gpt2": dict(vocab=100, hidden=32, layers=2, heads=4),
+    "llama": dict(vocab=100, hidden=32, layers=2, heads=4, kv_heads=2, mlp=64),
+    "vit": dict(image_size=16, patch_size=4, hidden=32, layers=2, heads=4, mlp=64, num_labels=10),
+}
+
 
 def build(name: str):
-    """Tiny random-weight Hugging Face models (seed 0), built from configs: no download."""
-    import torch
-    import transformers as tf
-    tf.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    if name == "bert":
-        return tf.BertForMaskedLM(tf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
-                                                num_attention_heads=4, intermediate_size=64))
-    if name == "gpt2":
-        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4))
-    if name == "llama":
-        return tf.LlamaForCausalLM(tf.LlamaConfig(
-            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, intermediate_size=64))
-    if name == "vit":
-        return tf.ViTForImageClassification(tf.ViTConfig(
-            image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
-            num_attention_heads=4, intermediate_size=64, num_labels=10))
-    raise SystemExit(f"unknown built-in model {name!r}; expected one of bert, gpt2, llama, vit")
+    """Tiny random-weight Hugging Face models (seed 0, ``eval()`` mode), built from configs by
+    :mod:`symgraph.models`: no download."""
+    if name not in EXAMPLES:
+        raise SystemExit(f"unknown built-in model {name!r}; expected one of {', '.join(EXAMPLES)}")
+    import transformers
+
+    from . import models
+    transformers.logging.set_verbosity_error()
+    return models.build(name, 0, base="hf", **EXAMPLES[name])
 
 
 def main(argv=None):

@@ -16,6 +16,15 @@ __all__ = ["DEMO_MODELS", "BATCH_ROWS", "demo_model", "load_model", "load_data",
            "load_local", "check_out", "save_atomic", "TOKENIZER_FILES"]
 
 DEMO_MODELS = ("tiny-bert", "tiny-gpt2", "tiny-llama", "tiny-vit")
+# name -> (symgraph.models architecture, model class, sizes)
+_DEMO_SIZES = {
+    "tiny-bert": ("bert", None, dict(vocab=128, hidden=32, layers=2, heads=4, mlp=64, positions=64)),
+    "tiny-gpt2": ("gpt2", None, dict(vocab=128, hidden=32, layers=2, heads=4, positions=64)),
+    "tiny-llama": ("llama", None, dict(vocab=128, hidden=32, layers=2, heads=4, kv_heads=2, mlp=64,
+                                       positions=64)),
+    "tiny-vit": ("vit", "ViTModel", dict(image_size=16, patch_size=4, channels=3, hidden=32, layers=2,
+                                         heads=4, mlp=64)),
+}
 BATCH_ROWS = 8
 
 
@@ -34,29 +43,15 @@ def _quiet_transformers():
 
 
 def demo_model(name: str):
-    """A tiny random-weight model (seed 0) of a well-known architecture."""
-    tf = _quiet_transformers()
-    torch.manual_seed(0)
-    if name == "tiny-bert":
-        cfg = tf.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=64, max_position_embeddings=64)
-        cfg.architectures = ["BertForMaskedLM"]
-        return tf.BertForMaskedLM(cfg)
-    if name == "tiny-gpt2":
-        cfg = tf.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64)
-        cfg.architectures = ["GPT2LMHeadModel"]
-        return tf.GPT2LMHeadModel(cfg)
-    if name == "tiny-llama":
-        cfg = tf.LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
-        cfg.architectures = ["LlamaForCausalLM"]
-        return tf.LlamaForCausalLM(cfg)
-    if name == "tiny-vit":
-        cfg = tf.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32,
-                           num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
-        cfg.architectures = ["ViTModel"]
-        return tf.ViTModel(cfg)
-    raise InputError(f"unknown demo model {name!r}; expected one of {', '.join(DEMO_MODELS)}")
+    """A tiny random-weight model (seed 0) of a well-known architecture in ``eval()`` mode, like
+    a loaded checkpoint; built by :mod:`symgraph.models` with Hugging Face's defaults for
+    everything but the sizes."""
+    if name not in DEMO_MODELS:
+        raise InputError(f"unknown demo model {name!r}; expected one of {', '.join(DEMO_MODELS)}")
+    _quiet_transformers()
+    from . import models
+    arch, cls, sizes = _DEMO_SIZES[name]
+    return models.build(arch, 0, base="hf", cls=cls, **sizes)
 
 
 # --- checkpoints ----------------------------------------------------------------------
