@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .checkpoints import check_checkpoint_dir, load_hub, load_local
+from .checkpoints import _quiet_transformers, check_checkpoint_dir, load_hub, load_local
 from .errors import InputError
 from .output import TOKENIZER_FILES, check_out, save_atomic  # noqa: F401 - re-exported
 
@@ -26,17 +26,6 @@ _DEMO_SIZES = {
                                          heads=4, mlp=64)),
 }
 BATCH_ROWS = 8
-
-
-def _quiet_transformers():
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import transformers
-    transformers.logging.set_verbosity_error()
-    try:
-        transformers.logging.disable_progress_bar()
-    except AttributeError:  # pragma: no cover
-        pass
-    return transformers
 
 
 # --- built-in demo models ------------------------------------------------------------------
