@@ -379,3 +379,16 @@ def test_data_of_any_batch_size_and_length():
         merged = symgraph.merge([A, B], data=data, align="activations", method=method).model
         la, lm = _logits(A, (x["input_ids"],)), _logits(merged, (x["input_ids"],))
         assert float((la - lm).norm() / la.norm()) < 1e-5, method
+
+
+@pytest.mark.parametrize("solver,reg", [("ot", None), ("sinkhorn", 1e-3)])
+def test_transport_solvers_recover_a_permuted_copy(solver, reg):
+    """An exact transport plan between equal widths is a permutation / n: it must act as that
+    permutation (it used to be applied raw, scaling weights by 1/n); a sharp Sinkhorn map too."""
+    torch.manual_seed(0)
+    A = _gpt2().eval()
+    B = symgraph.transform(A, symgraph.analyze(A).random_transform(seed=2, orthogonal=True))
+    al = symgraph.align(A, B, solver=solver, reg=reg)
+    assert _rel_params(A, al.apply(B)) < 1e-6
+    if solver == "ot":  # head and unit permutations come out as permutations
+        assert all(not isinstance(e, symgraph.elements.Map) for e in al.elements.values())

@@ -212,3 +212,17 @@ def test_optimal_transport_rectangular_and_sinkhorn_marginals():
     torch.testing.assert_close(soft.element.sum(1), torch.full((3,), 1 / 3, dtype=F64), atol=1e-6, rtol=0)
     torch.testing.assert_close(soft.element.sum(0), torch.full((5,), 1 / 5, dtype=F64), atol=1e-6, rtol=0)
     assert soft.objective <= exact.objective + 1e-12  # entropic plan never beats the exact one
+
+
+def test_sinkhorn_converges_at_small_reg():
+    g = torch.Generator().manual_seed(0)
+    P = torch.eye(48, dtype=torch.float64)[torch.randperm(48, generator=g)]
+    S = P + 0.1 * torch.randn(48, 48, generator=g, dtype=torch.float64)
+    for reg in (1e-2, 1e-3, 1e-4):
+        res = optimal_transport(S, reg=reg)
+        T = res.element
+        assert res.status == "soft" and res.extra["plan"] and torch.isfinite(T).all()
+        torch.testing.assert_close(T.sum(1), torch.full((48,), 1 / 48, dtype=torch.float64), atol=1e-9, rtol=0)
+        torch.testing.assert_close(T.sum(0), torch.full((48,), 1 / 48, dtype=torch.float64), atol=1e-9, rtol=0)
+        if reg <= 1e-3:  # nearly the permutation
+            assert torch.equal(T.argmax(1), P.argmax(1))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import solve as S
-from ..elements import Map
+from ..elements import Map, is_perm
 from ..groups import orthogonal_part
 
 __all__ = ["solve_unit"]
@@ -25,8 +25,7 @@ def solve_unit(unit, sims, opts) -> list:
         for m, s in sims:
             diag = torch.stack([s[h, h] for h in range(s.shape[0])])
             res = S.inner_blocks(orthogonal_part(m.kind), diag, m.pairs, opts.inner)
-            el = res.element
-            out.append((m, el if el.shape[-1] == el.shape[-2] else Map.from_plan(el), res))
+            out.append((m, element_from(res), res))
         return out
     kinds = [orthogonal_part(m.kind) for m, _ in sims]
     out_res, inner_els = S.nested_heads(
@@ -34,19 +33,30 @@ def solve_unit(unit, sims, opts) -> list:
         outer="hungarian" if opts.solver not in ("ot", "sinkhorn") else "ot")
     HA, HB = sims[0][1].shape[:2]
     match = out_res.element.argmax(0)
-    out = [(unit.outer, _element_from(out_res, HA, HB), out_res)]
+    out = [(unit.outer, element_from(out_res), out_res)]
     for (m, s), el in zip(sims, inner_els):
         nA, nB = s.shape[-2:]
         obj = float((el * s[match, torch.arange(HB)]).sum())
-        out.append((m, el if nA == nB else Map.from_plan(el), S.SolveResult(el, obj)))
+        res = S.SolveResult(el, obj, extra={"plan": nA != nB})
+        out.append((m, element_from(res), res))
     return out
 
 
-def _element_from(result, nA, nB):
+def element_from(result):
+    """The one place where a solver's output becomes an element: a transport plan (sums to 1)
+    becomes a :class:`Map` (rows averaged into A's units, columns summed: a function-preserving
+    widening is undone exactly), except that an exact plan between equal widths is a
+    permutation divided by n and is returned as that permutation. A soft (Sinkhorn) map is not
+    a symmetry: B's function is only approximately kept."""
     el = result.element
-    if result.status == "soft" or nA != nB or (el.shape[-1] != el.shape[-2]):
-        return Map.from_plan(el)
-    return el
+    plan = result.extra.get("plan") or result.status == "soft" or el.shape[-1] != el.shape[-2]
+    if not plan:
+        return el
+    if result.status != "soft" and el.shape[-1] == el.shape[-2]:
+        P = (el * el.shape[-1]).round()
+        if torch.allclose(el * el.shape[-1], P, atol=1e-9) and is_perm(P):
+            return P
+    return Map.from_plan(el)
 
 
 def _solve_single(g, s, opts):
@@ -56,8 +66,9 @@ def _solve_single(g, s, opts):
         res_list = [S.solve(kind, s[h], pairs=g.pairs, solver=None if nA == nB else "ot")
                     for h in range(s.shape[0])]
         el = torch.stack([r.element for r in res_list])
-        res = S.SolveResult(el, sum(r.objective for r in res_list), seconds=sum(r.seconds for r in res_list))
-        return res, el if nA == nB else Map.from_plan(el)
+        res = S.SolveResult(el, sum(r.objective for r in res_list), seconds=sum(r.seconds for r in res_list),
+                            extra={"plan": any(r.extra.get("plan") for r in res_list)})
+        return res, element_from(res)
     use = opts.solver if (opts.solver in ("ot", "sinkhorn") and kind in ("perm", "signed_perm")) else None
     res = S.solve(kind, s, pairs=g.pairs, solver=use, rescale=opts.rescale, reg=opts.reg)
-    return res, _element_from(res, nA, nB)
+    return res, element_from(res)

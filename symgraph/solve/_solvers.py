@@ -95,8 +95,9 @@ def rope_procrustes(S, pairs) -> SolveResult:
 def optimal_transport(S, reg: float | None = None) -> SolveResult:
     """Transport plan between A's and B's units (uniform marginals) for similarity ``S``.
 
-    ``reg=None``: exact (``ot.emd``); else entropic Sinkhorn (``ot.sinkhorn``) with that
-    regularisation relative to the cost scale. The plan ``T [n_A, n_B]`` sums to 1.
+    ``reg=None``: exact (``ot.emd``); else entropic Sinkhorn (``ot.sinkhorn``, log-domain below
+    1e-2) with that regularisation relative to the cost scale. The plan ``T [n_A, n_B]`` sums
+    to 1; ``extra["plan"]`` marks it (``alignment.solve_unit.element_from`` makes it a map).
     """
     import ot
     s = _np(S)
@@ -109,11 +110,14 @@ def optimal_transport(S, reg: float | None = None) -> SolveResult:
         T = ot.emd(a, b, cost / scale)
         status = "optimal"
     else:
-        T = ot.sinkhorn(a, b, cost / scale, reg, numItermax=2000)
+        # log-domain iterations: the plain ones overflow (NaN plans) below reg ~ 1e-3
+        T = ot.sinkhorn(a, b, cost / scale, reg, numItermax=2000,
+                        method="sinkhorn_log" if reg < 1e-2 else "sinkhorn")
         status = "soft"
     dt = time.perf_counter() - t
     T = torch.as_tensor(T, dtype=torch.float64)
-    return SolveResult(T, float((T * torch.as_tensor(s)).sum()), status=status, seconds=dt)
+    return SolveResult(T, float((T * torch.as_tensor(s)).sum()), status=status, seconds=dt,
+                       extra={"plan": True})
 
 
 def _inner(kind, S, pairs, inner):
@@ -135,7 +139,8 @@ def inner_blocks(kind, S, pairs=None, inner: str = "procrustes") -> SolveResult:
     rs = [_inner(kind, S[h], pairs, inner) for h in range(S.shape[0])]
     return SolveResult(torch.stack([r.element for r in rs]), sum(r.objective for r in rs),
                        status=rs[0].status if rs else "optimal",
-                       seconds=sum(r.seconds for r in rs))
+                       seconds=sum(r.seconds for r in rs),
+                       extra={"plan": any(r.extra.get("plan") for r in rs)})
 
 
 def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrustes",
