@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .elements import Perm
 from .errors import CertificationError, InputError
 from .groups import orthogonal_part, sample
 from .passes.axes import axis_matrix, leaf_views, observation_points, other_leaf_elements
@@ -56,12 +57,15 @@ class Group:
 
 @dataclass
 class Transform:
-    """One group element per group: ``elements[group.id]`` is ``[*fibre_sizes, n, n]`` float64."""
+    """One group element per group: ``elements[group.id]`` is ``[*fibre_sizes, n, n]`` float64,
+    or a :class:`~symgraph.elements.Perm` for an unfibred permutation."""
     report: "SymmetryReport"
     elements: dict
 
     def element(self, group: Group) -> torch.Tensor:
-        return self.elements[group.id]
+        """The element of ``group`` as a dense ``[*fibre_sizes, n, n]`` float64 tensor."""
+        E = self.elements[group.id]
+        return E.dense() if isinstance(E, Perm) else E
 
 
 def _common_prefix(names):
@@ -153,12 +157,19 @@ class SymmetryReport:
 
     # --- group elements ------------------------------------------------------------------
     def random_transform(self, seed: int = 0, orthogonal: bool = False) -> Transform:
-        """One random element of every group (``orthogonal=True``: from its orthogonal part)."""
+        """One random element of every group (``orthogonal=True``: from its orthogonal part).
+
+        Unfibred permutations are :class:`~symgraph.elements.Perm` index vectors (an MLP class
+        of 11008 units would be a 1 GB dense matrix); the same seed draws the same elements."""
         gen = torch.Generator().manual_seed(seed)
         elements = {}
         for g in self.groups:
             kind = orthogonal_part(g.kind) if orthogonal else g.kind
-            elements[g.id] = sample(kind, g.dim, gen, batch=self.fibre_shape(g.id), pairs=g.pairs)
+            shape = self.fibre_shape(g.id)
+            if kind == "perm" and not shape:
+                elements[g.id] = Perm(torch.randperm(g.dim, generator=gen))
+            else:
+                elements[g.id] = sample(kind, g.dim, gen, batch=shape, pairs=g.pairs)
         return Transform(self, elements)
 
     def certify(self, model, inputs=None, trials: int = 3, tol: float = 1e-6) -> float:
