@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 import symgraph
 from symgraph.groups import PERMUTATION_FAMILY
@@ -482,3 +483,18 @@ def test_randomized_vectors_are_not_trivial(bert):
     # them is visible in the certificate
     ln = bert.model.bert.embeddings.LayerNorm
     assert ln.weight.std() > 0.1 and ln.bias.abs().max() > 0.1
+
+
+def test_moe_without_float64_kernels_certifies_in_float32():
+    """Mixtral's grouped expert matmuls have no float64 kernel: the certificate runs in float32
+    against FLOAT32_TOL and says so (it used to crash)."""
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=48, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=32)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    report = symgraph.analyze(model)
+    with pytest.warns(UserWarning, match="certified in float32"):
+        worst = report.certify(model)
+    assert worst < symgraph.report.FLOAT32_TOL
+    assert {g.kind for g in report.groups} >= {"perm", "rope"}
