@@ -11,7 +11,8 @@ read from the report's structure, never from module names (:func:`roles`):
 
 * head classes: the ids that appear in some group's ``outer``;
 * head-inner classes: groups fibred over a head class (``outer`` non-empty);
-* residual stream: the unfibred, non-head permutation class with the most parameter slots;
+* residual stream: the unfibred, non-head class with the most parameter slots (a permutation
+  class, or an orthogonal one where norm gains fold: ``report.folds``);
 * MLP: every other unfibred, non-head permutation class;
 * VO-inner vs QK-inner: the output projection is the parameter of a head class whose slot
   variance is the minority one (Q, K, V carry the heads covariantly, O contravariantly); the
@@ -34,7 +35,8 @@ from symgraph.groups import PERMUTATION_FAMILY
 __all__ = ["Pair", "Outcome", "Roles", "roles", "METHODS", "DEVIATIONS", "SINKHORN_REG",
            "vanilla", "seed002", "seed003", "seed003_rescale", "seed004",
            "fisher", "fisher_aligned", "regmean", "regmean_aligned",
-           "symgraph_weights", "symgraph_activations"]
+           "symgraph_weights_perm", "symgraph_activations_perm", "symgraph_weights",
+           "symgraph_activations"]
 
 #: Entropic regularisation of seed 004's Sinkhorn maps (its ViT config: 0.08 with activations).
 SINKHORN_REG = 0.08
@@ -53,6 +55,19 @@ class Pair:
     data: list
     report_a: object
     report_b: object
+    _perm: tuple | None = field(default=None, repr=False)
+
+    def perm_reports(self) -> tuple:
+        """Reports without norm folding (``fold_norms=False``): the residual stream is a
+        permutation class, as in the seed papers."""
+        if self._perm is None:
+            if not (self.report_a.folds or self.report_b.folds):
+                self._perm = (self.report_a, self.report_b)
+            else:
+                x = self.data[0] if self.data else None
+                self._perm = (symgraph.analyze(self.a, x, fold_norms=False),
+                              symgraph.analyze(self.b, x, fold_norms=False))
+        return self._perm
 
 
 @dataclass
@@ -92,7 +107,8 @@ def roles(report) -> Roles:
     heads = frozenset(o for g in groups for o in g.outer)
     head_inner = frozenset(g.id for g in groups if g.outer)
     unfibred = [g for g in groups if not g.outer and g.id not in heads and g.kind in PERMUTATION_FAMILY]
-    residual = frozenset([max(unfibred, key=lambda g: (len(g.params), -g.id)).id]) if unfibred else frozenset()
+    stream = [g for g in groups if not g.outer and g.id not in heads and g.kind != "gl"]
+    residual = frozenset([max(stream, key=lambda g: (len(g.params), -g.id)).id]) if stream else frozenset()
     mlp = frozenset(g.id for g in unfibred if g.id not in residual)
     out_params = set()
     for g in groups:
@@ -109,10 +125,10 @@ def roles(report) -> Roles:
     return Roles(residual, mlp, heads, head_inner, vo, qk, frozenset(out_params))
 
 
-def _timed_align(p: Pair, **kw):
-    t = time.perf_counter()
-    al = symgraph.align(p.a, p.b, report_a=p.report_a, report_b=p.report_b, **kw)
-    return al, time.perf_counter() - t
+def _perm_align(p: Pair, **kw):
+    """``symgraph.align`` on the reports without norm folding (the seeds' permutation stream)."""
+    ra, rb = p.perm_reports()
+    return symgraph.align(p.a, p.b, report_a=ra, report_b=rb, fold_norms=False, **kw)
 
 
 def _aligned(p: Pair, al, t0: float, **extra) -> Outcome:
@@ -147,18 +163,18 @@ def seed002(p: Pair) -> Outcome:
     (the residual class is whatever the graph ties together).
     """
     t0 = time.perf_counter()
-    r = roles(p.report_a)
-    perm_inner = {g.id for g in p.report_a.groups if g.outer and g.kind in PERMUTATION_FAMILY}
+    ra = p.perm_reports()[0]
+    r = roles(ra)
+    perm_inner = {g.id for g in ra.groups if g.outer and g.kind in PERMUTATION_FAMILY}
     sel = r.residual | r.mlp | r.heads | r.vo_inner | perm_inner
-    al = symgraph.align(p.a, p.b, data=p.data, inner="hungarian", groups=lambda g: g.id in sel,
-                        report_a=p.report_a, report_b=p.report_b)
-    tied = _tie_qk_to_vo(p, r, al)
+    al = _perm_align(p, data=p.data, inner="hungarian", groups=lambda g: g.id in sel)
+    tied = _tie_qk_to_vo(ra, r, al)
     return _aligned(p, al, t0, qk_tied_to_vo=tied)
 
 
-def _tie_qk_to_vo(p: Pair, r: Roles, al) -> int:
+def _tie_qk_to_vo(report, r: Roles, al) -> int:
     """Give each QK-inner class the VO-inner element of its heads (seed 002's shared P_MHA)."""
-    ga = p.report_a.groups
+    ga = report.groups
     n = 0
     for qk in sorted(r.qk_inner):
         if ga[qk].kind == "rope":
@@ -187,10 +203,9 @@ def seed003(p: Pair) -> Outcome:
     paper solves each layer once against the unaligned neighbours.
     """
     t0 = time.perf_counter()
-    r = roles(p.report_a)
+    r = roles(p.perm_reports()[0])
     sel = r.mlp | r.continuous_inner
-    al = symgraph.align(p.a, p.b, inner="procrustes", groups=lambda g: g.id in sel,
-                        report_a=p.report_a, report_b=p.report_b)
+    al = _perm_align(p, inner="procrustes", groups=lambda g: g.id in sel)
     return _aligned(p, al, t0)
 
 
@@ -201,10 +216,9 @@ def seed003_rescale(p: Pair) -> Outcome:
     ``symgraph.align(..., rescale=True)`` (``alignment.scales``).
     """
     t0 = time.perf_counter()
-    r = roles(p.report_a)
+    r = roles(p.perm_reports()[0])
     sel = r.mlp | r.continuous_inner
-    al = symgraph.align(p.a, p.b, inner="procrustes", groups=lambda g: g.id in sel,
-                        rescale=True, report_a=p.report_a, report_b=p.report_b)
+    al = _perm_align(p, inner="procrustes", groups=lambda g: g.id in sel, rescale=True)
     out = _aligned(p, al, t0)
     out.extra["scales"] = {str(k): v for k, v in al.scales.items()}
     return out
@@ -228,15 +242,27 @@ def seed004(p: Pair) -> Outcome:
     identically up to the max normalisation.
     """
     t0 = time.perf_counter()
-    al = symgraph.align(p.a, p.b, data=p.data, solver="sinkhorn", reg=SINKHORN_REG, inner="hungarian",
-                        report_a=p.report_a, report_b=p.report_b)
+    al = _perm_align(p, data=p.data, solver="sinkhorn", reg=SINKHORN_REG, inner="hungarian")
     return _aligned(p, al, t0)
 
 
+def symgraph_weights_perm(p: Pair) -> Outcome:
+    """symgraph_weights without norm folding: the residual stream stays a permutation class
+    (the ablation of the residual rotations)."""
+    t0 = time.perf_counter()
+    return _aligned(p, _perm_align(p), t0)
+
+
+def symgraph_activations_perm(p: Pair) -> Outcome:
+    """symgraph_activations without norm folding (residual stream as a permutation)."""
+    t0 = time.perf_counter()
+    return _aligned(p, _perm_align(p, data=p.data), t0)
+
+
 def symgraph_weights(p: Pair) -> Outcome:
-    """symgraph, data-free: every class the report finds (residual stream, MLP, head
-    permutation with per-head inner rotations, RoPE pair rotations, GQA-shared elements),
-    weight matching by coordinate descent."""
+    """symgraph, data-free: every class the report finds (residual stream, orthogonal where
+    norm gains fold, MLP, head permutation with per-head inner rotations, RoPE pair rotations,
+    GQA-shared elements), weight matching by coordinate descent."""
     t0 = time.perf_counter()
     al = symgraph.align(p.a, p.b, report_a=p.report_a, report_b=p.report_b)
     return _aligned(p, al, t0)
@@ -296,12 +322,16 @@ METHODS: dict[str, tuple[Callable[[Pair], Outcome], str]] = {
     "fisher_aligned": (fisher_aligned, "Fisher merging after symgraph weight matching"),
     "regmean": (regmean, "RegMean, no alignment"),
     "regmean_aligned": (regmean_aligned, "RegMean after symgraph weight matching"),
+    "symgraph_weights_perm": (symgraph_weights_perm, "symgraph weight matching, residual as a permutation"),
+    "symgraph_activations_perm": (symgraph_activations_perm,
+                                  "symgraph activation matching, residual as a permutation"),
     "symgraph_weights": (symgraph_weights, "symgraph, all classes, weight matching"),
     "symgraph_activations": (symgraph_activations, "symgraph, all classes, activation matching"),
 }
 
 #: Methods that are symgraph's own (the "some symgraph method beats vanilla" check).
-SYMGRAPH_METHODS = ("symgraph_weights", "symgraph_activations")
+SYMGRAPH_METHODS = ("symgraph_weights_perm", "symgraph_activations_perm", "symgraph_weights",
+                    "symgraph_activations")
 
 #: One line per seed method: what differs from the paper (also in each docstring).
 DEVIATIONS = {

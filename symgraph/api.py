@@ -16,7 +16,7 @@ def tied_parameters(model) -> list:
     return [names for names in by_id.values() if len(names) > 1]
 
 
-def analyze(model, inputs=None, *, strict: bool = False) -> SymmetryReport:
+def analyze(model, inputs=None, *, strict: bool = False, fold_norms: bool = True) -> SymmetryReport:
     """Trace ``model`` and infer its symmetry groups.
 
     Parameters
@@ -28,7 +28,10 @@ def analyze(model, inputs=None, *, strict: bool = False) -> SymmetryReport:
         Positional example inputs, or keyword inputs.
     strict : bool
         Raise :class:`UnsupportedOpError` on an op without a rule instead of freezing its axes.
+    fold_norms : bool
+        Describe the model with foldable norm gains folded into the layers that read them
+        (``report.folds``): residual streams then admit orthogonal maps, not only permutations.
     """
     ep, args, kwargs = trace(model, inputs)
-    an = analyze_graph(ep, strict=strict, tied=tied_parameters(model))
+    an = analyze_graph(ep, strict=strict, tied=tied_parameters(model), fold_norms=fold_norms)
     return SymmetryReport(an, type(model).__name__, (args, kwargs))

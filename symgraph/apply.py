@@ -13,7 +13,7 @@ import torch
 from .elements import apply_along
 from .errors import InputError
 
-__all__ = ["map_parameters", "transformed_state", "transform"]
+__all__ = ["map_parameters", "move", "transformed_state", "transform"]
 
 
 def map_parameters(report, elements: dict, tensors: dict, *, squared: bool = False) -> dict:
@@ -55,8 +55,20 @@ def transformed_state(report, transform, model) -> dict:
         if tuple(p.shape) != want:
             raise InputError(f"parameter {name!r} has shape {tuple(p.shape)}, the report expects {want}")
         tensors[name] = p.detach()
-    moved = map_parameters(report, transform.elements, tensors)
-    return {k: v.to(tensors[k].dtype) for k, v in moved.items()}
+    return {k: v.to(tensors[k].dtype) for k, v in move(report, transform.elements, tensors).items()}
+
+
+def move(report, elements: dict, tensors: dict, gauge: dict | None = None) -> dict:
+    """:func:`map_parameters` for a model whose report folds norm gains: fold, map, unfold
+    into ``gauge``'s gains (default: ``tensors``' own). Returns float64 values of every
+    tensor that changed."""
+    if not report.folds:
+        return map_parameters(report, elements, tensors)
+    folded = {**tensors, **report.fold(tensors)}
+    moved = map_parameters(report, elements, folded)
+    folded.update(moved)
+    back = report.unfold(folded, tensors if gauge is None else gauge)
+    return {k: back.get(k, folded[k]) for k in set(moved) | set(back)}
 
 
 def transform(model, t):

@@ -37,7 +37,8 @@ def to_networkx(report):
 def to_dot(report) -> str:
     G = to_networkx(report)
     colors = {"perm": "lightblue", "scaled_perm": "lightcyan", "signed_perm": "lavender",
-              "orthogonal": "palegreen", "gl": "gold", "rope": "salmon"}
+              "orthogonal": "palegreen", "orthogonal_mean": "honeydew", "gl": "gold",
+              "rope": "salmon"}
     lines = ["digraph symmetry {", "  rankdir=LR; node [shape=box, style=filled];"]
     for n, d in G.nodes(data=True):
         lab = d["label"] + (f"\\n{d['module']}" if d["module"] else "")
@@ -75,7 +76,8 @@ def save_graph(report, path: str) -> str:
     return path
 
 KIND_NAMES = {"perm": "permutation", "scaled_perm": "scaled permutation", "signed_perm": "signed permutation",
-              "orthogonal": "orthogonal", "gl": "GL (any invertible)", "rope": "RoPE pair rotations"}
+              "orthogonal": "orthogonal", "orthogonal_mean": "orthogonal fixing the mean",
+              "gl": "GL (any invertible)", "rope": "RoPE pair rotations"}
 
 
 def _short(module: str, parts: int = 3) -> str:
@@ -96,7 +98,8 @@ def _draw_matplotlib(report, path):
     except Exception:  # noqa: BLE001 - layout is cosmetic
         pos = nx.spring_layout(G, seed=0)
     colors = {"perm": "#9cc9f0", "scaled_perm": "#c7eef0", "signed_perm": "#dcd0f5",
-              "orthogonal": "#a8e6a1", "gl": "#f5d76e", "rope": "#f4a48f"}
+              "orthogonal": "#a8e6a1", "orthogonal_mean": "#d4f2cf", "gl": "#f5d76e",
+              "rope": "#f4a48f"}
     labels = {n: f"{n}: {d['kind']} {d['size']}" + (f" ({d['blocks']} heads)" if d["blocks"] > 1 else "")
               + f"\n{_short(d['module'])}" for n, d in G.nodes(data=True)}
     nx.draw_networkx(G, pos, ax=ax, node_color=[colors.get(G.nodes[n]["kind"], "#ddd") for n in G],

@@ -5,6 +5,8 @@ Kinds, from largest to smallest::
     gl ⊃ orthogonal ⊃ signed_perm ⊃ perm ⊃ identity
     gl ⊃ scaled_perm ⊃ perm
     orthogonal ⊃ rope (2x2 rotations on fixed coordinate pairs)
+    orthogonal ⊃ orthogonal_mean ⊃ perm (orthogonal maps fixing the all-ones vector: they
+        keep every vector's mean, so they commute with LayerNorm's centring)
 
 ``meet`` is the intersection. Intersections that are not in the list are rounded *down*
 to a listed subgroup (e.g. ``rope ∧ perm`` → identity), which is always sound.
@@ -15,9 +17,10 @@ import math
 
 import torch
 
-__all__ = ['KINDS', 'PERMUTATION_FAMILY', 'meet', 'orthogonal_part', 'sample']
+__all__ = ['KINDS', 'PERMUTATION_FAMILY', 'meet', 'ones_basis', 'orthogonal_part', 'sample']
 
-KINDS = ("identity", "perm", "signed_perm", "scaled_perm", "rope", "orthogonal", "gl")
+KINDS = ("identity", "perm", "signed_perm", "scaled_perm", "rope", "orthogonal_mean",
+         "orthogonal", "gl")
 
 # For each kind, the set of kinds it contains (itself included).
 _SUBGROUPS = {
@@ -26,11 +29,12 @@ _SUBGROUPS = {
     "signed_perm": {"signed_perm", "perm", "identity"},
     "scaled_perm": {"scaled_perm", "perm", "identity"},
     "rope": {"rope", "identity"},
-    "orthogonal": {"orthogonal", "signed_perm", "perm", "rope", "identity"},
+    "orthogonal_mean": {"orthogonal_mean", "perm", "identity"},
+    "orthogonal": {"orthogonal", "orthogonal_mean", "signed_perm", "perm", "rope", "identity"},
     "gl": set(KINDS),
 }
 # Largest first, so the first common subgroup found is the meet.
-_ORDER = ("gl", "orthogonal", "scaled_perm", "signed_perm", "rope", "perm", "identity")
+_ORDER = ("gl", "orthogonal", "orthogonal_mean", "scaled_perm", "signed_perm", "rope", "perm", "identity")
 
 PERMUTATION_FAMILY = ("perm", "signed_perm", "scaled_perm")
 
@@ -61,6 +65,28 @@ def _haar(n: int, gen: torch.Generator, batch=()) -> torch.Tensor:
     return q * d.unsqueeze(-2)
 
 
+def ones_basis(n: int, dtype=torch.float64, device=None) -> torch.Tensor:
+    """An orthogonal ``H [n, n]`` whose first column is ``𝟙/√n`` (a Householder reflection):
+    its other columns are an orthonormal basis of the vectors with mean 0."""
+    v = torch.full((n,), -1.0 / math.sqrt(n), dtype=dtype, device=device)
+    v[0] += 1.0
+    nv = v.norm()
+    H = torch.eye(n, dtype=dtype, device=device)
+    if nv > 1e-12:
+        v = v / nv
+        H = H - 2.0 * torch.outer(v, v)
+    return H
+
+
+def _haar_mean(n: int, gen: torch.Generator, batch=()) -> torch.Tensor:
+    """Haar-random orthogonal maps that fix 𝟙: ``H diag(1, R) Hᵀ`` with ``R ∈ O(n-1)``."""
+    H = ones_basis(n)
+    inner = torch.eye(n, dtype=torch.float64).expand(*batch, n, n).clone()
+    if n > 1:
+        inner[..., 1:, 1:] = _haar(n - 1, gen, batch)
+    return H @ inner @ H.mT
+
+
 def _perm_matrices(n: int, gen: torch.Generator, batch=()) -> torch.Tensor:
     count = int(math.prod(batch)) if batch else 1
     eye = torch.eye(n, dtype=torch.float64)
@@ -87,6 +113,8 @@ def sample(kind: str, n: int, gen: torch.Generator, batch=(), pairs=None) -> tor
         return scales * _perm_matrices(n, gen, batch)
     if kind == "orthogonal":
         return _haar(n, gen, batch)
+    if kind == "orthogonal_mean":
+        return _haar_mean(n, gen, batch)
     if kind == "gl":
         s = torch.exp(torch.rand(*batch, 1, n, generator=gen, dtype=torch.float64) - 0.5)
         return (_haar(n, gen, batch) * s) @ _haar(n, gen, batch)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import folding
 from .elements import Perm
 from .errors import CertificationError, InputError
 from .groups import orthogonal_part, sample
@@ -48,6 +49,7 @@ class Group:
         """Continuous degrees of freedom (0 for discrete groups)."""
         n = self.dim
         per = {"gl": n * n, "orthogonal": n * (n - 1) // 2, "rope": len(self.pairs or ()),
+               "orthogonal_mean": (n - 1) * (n - 2) // 2,
                "scaled_perm": n}.get(self.kind, 0)
         return per * self.blocks
 
@@ -241,6 +243,7 @@ class SymmetryReport:
     def to_dict(self):
         return {"model": self.model_name, "groups": [g.to_dict() for g in self.groups],
                 "frozen": [f.to_dict() for f in self.frozen],
+                "folds": [f.to_dict() for f in self.folds],
                 "degrees_of_freedom": self.degrees_of_freedom}
 
     def to_json(self, **kw) -> str:
@@ -269,6 +272,20 @@ class SymmetryReport:
     def parameters(self) -> list:
         """Parameter names in graph order (one name per tied tensor: see :attr:`aliases`)."""
         return list(self._analysis.param_nodes)
+
+    @property
+    def folds(self) -> list:
+        """Norms whose gains fold into their readers (:class:`~symgraph.passes.norms.Fold`):
+        the groups describe the model with these folded; transforms fold first, unfold after."""
+        return list(self._analysis.folds)
+
+    def fold(self, tensors: dict) -> dict:
+        """New (float64) values of the parameters the folds change: gains 1, shifts 0."""
+        return folding.fold(self._analysis.folds, tensors)
+
+    def unfold(self, tensors: dict, gauge: dict) -> dict:
+        """Folded ``tensors`` back into the gains and shifts of ``gauge`` (float64)."""
+        return folding.unfold(self._analysis.folds, tensors, gauge)
 
     @property
     def aliases(self) -> dict:

@@ -65,8 +65,10 @@ def test_transform_moves_weights_and_leaves_model_alone(tiny):
     for name in moved:
         change = rel_change(model.get_parameter(name), new_params[name])
         assert change > 0.1, f"{name} moved only by {change:.3g}"
-    untouched = set(new_params) - moved - {a for al in report.aliases.values() for a in al}
-    for name in untouched:  # parameters in no group keep their values
+    folded = {n for f in report.folds for n in (f.shift, *(b for _, _, b in f.readers)) if n}
+    untouched = (set(new_params) - moved - folded
+                 - {a for al in report.aliases.values() for a in al})
+    for name in untouched:  # parameters in no group (nor in a norm fold) keep their values
         assert torch.equal(model.get_parameter(name), new_params[name]), name
     # and the transformed copy computes the same function (float32 here: loose tolerance)
     args, kwargs = report._inputs if tiny.inputs is None else (tiny.inputs, {})
@@ -220,17 +222,28 @@ RESIDUAL = {  # embedding slots, per-layer norms, final norms
 }
 
 
+RESIDUAL_KIND = {"bert": "perm", "gpt2": "perm", "llama": "orthogonal", "vit": "orthogonal_mean"}
+
+
 @pytest.mark.parametrize("tiny", list(RESIDUAL), indirect=True)
 def test_single_residual_stream_class(tiny):
     emb, prefix, norms, final = RESIDUAL[tiny.name]
     hidden = tiny.config.hidden_size
     res = [g for g in tiny.report.groups if set(emb) & slots(g)]
     g = one(res, "residual-stream class")
-    assert g.kind == "perm" and g.size == hidden and g.blocks == 1
-    want = set(emb) | {(n, 0) for n in final}
-    for i in range(tiny.config.num_hidden_layers):
-        want |= {(prefix.format(i=i) + n, 0) for n in norms}
-    assert want <= slots(g), sorted(want - slots(g))
+    # pre-norm models with an untied head fold their norm gains into the readers, and the
+    # stream admits rotations (fixing 𝟙 under LayerNorm); tied GPT-2 and post-LN BERT cannot
+    kind = RESIDUAL_KIND[tiny.name]
+    assert g.kind == kind and g.size == hidden and g.blocks == 1
+    gains = {prefix.format(i=i) + n for i in range(tiny.config.num_hidden_layers) for n in norms}
+    gains |= set(final)
+    folded = {n for f in tiny.report.folds for n in (f.gain, f.shift) if n and not f.keep_shift}
+    if kind == "perm":
+        assert folded == set()
+        assert set(emb) | {(n, 0) for n in gains} <= slots(g), sorted(set(emb) - slots(g))
+    else:  # every norm folds: gains (and shifts, into the readers' biases) leave the class
+        assert {n for n in gains if n.endswith("weight")} <= folded
+        assert set(emb) <= slots(g) and not {n for n, _ in slots(g)} & folded
     # no other group spans layers: each layer's own classes stay inside it
     l0, l1 = prefix.format(i=0), prefix.format(i=1)
     spanning = [h for h in tiny.report.groups if h is not g

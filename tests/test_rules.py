@@ -193,9 +193,10 @@ def test_strided_slice_fixes_the_axis():
     (torch.nn.Tanh(), "signed_perm"), (torch.sin, "signed_perm"),
     (torch.nn.GELU(), "perm"), (torch.nn.SiLU(), "perm"), (torch.nn.Sigmoid(), "perm"),
     (torch.nn.Identity(), "gl"), (lambda y: 3.0 * y, "gl"), (lambda y: y / 2, "gl"),
-    (lambda y: y + 1.0, "perm"), (torch.nn.LayerNorm(6), "perm"),
+    (lambda y: y + 1.0, "perm"), (torch.nn.LayerNorm(6), "orthogonal_mean"),
+    (torch.nn.RMSNorm(6), "orthogonal"),
 ], ids=["relu", "leaky_relu", "tanh", "sin", "gelu", "silu", "sigmoid", "identity", "scale",
-        "div", "shift", "layernorm"])
+        "div", "shift", "layernorm", "rmsnorm"])
 def test_elementwise_kind(act, kind):
     class M(torch.nn.Module):
         def __init__(self):
@@ -208,11 +209,19 @@ def test_elementwise_kind(act, kind):
     m = M()
     r = analyze(m, x_of(B, 4))
     slots = {("a.weight", 0), ("a.bias", 0), ("b.weight", 1)}
-    if isinstance(act, torch.nn.LayerNorm):
-        slots |= {("act.weight", 0), ("act.bias", 0)}
+    # a norm's gain (and shift) fold into b, which reads it: the normalised axis then takes
+    # rotations (fixing 𝟙 for LayerNorm); the certificate checks it
     assert summary(r) == {(kind, 6, 1): slots}
     variance = dict(zip(r.groups[0].params, r.groups[0].variance))
     assert variance[("a.weight", 0)] == "co" and variance[("b.weight", 1)] == "contra"
+    if isinstance(act, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
+        assert [f.gain for f in r.folds] == ["act.weight"]
+        with torch.no_grad():
+            m.act.weight.uniform_(0.5, 1.5)
+        assert r.certify(m) < 1e-9
+        unfolded = symgraph.analyze(m, (x_of(B, 4),), fold_norms=False)  # without folding: perms
+        norm = {("act.weight", 0)} | ({("act.bias", 0)} if isinstance(act, torch.nn.LayerNorm) else set())
+        assert summary(unfolded) == {("perm", 6, 1): slots | norm}
 
 
 class Gate(torch.nn.Module):

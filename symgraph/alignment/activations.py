@@ -48,7 +48,7 @@ class ActStats:
         n = max(self.n, 1)
         ma, mb = self.sa / n, self.sb / n
         cov = self.sab / n - torch.einsum("ai,bj->abij", ma, mb)
-        if kind in ("orthogonal", "gl", "rope"):
+        if kind in ("orthogonal", "orthogonal_mean", "gl", "rope"):
             return cov
         sa = (self.saa / n - ma * ma).clamp_min(1e-12).sqrt()
         sb = (self.sbb / n - mb * mb).clamp_min(1e-12).sqrt()
@@ -151,7 +151,7 @@ def act_matrix(stats, g, cross):
         return None
     kind = orthogonal_part(g.kind)
     m = stats.matrix(kind)  # [Fa, Fb, n, n]
-    if kind in ("orthogonal", "rope") and m.shape[0] > 1:
+    if kind in ("orthogonal", "orthogonal_mean", "rope") and m.shape[0] > 1:
         n = max(stats.n, 1)
         va = (stats.saa / n - (stats.sa / n) ** 2).sum(-1).clamp_min(1e-30).sqrt()
         vb = (stats.sbb / n - (stats.sb / n) ** 2).sum(-1).clamp_min(1e-30).sqrt()

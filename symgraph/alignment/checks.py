@@ -36,7 +36,13 @@ def check_compatible(ra, rb):
     if pa != pb:
         diff = next((x, y) for x, y in zip(pa + [None], pb + [None]) if x != y)
         raise StructureMismatchError(f"parameter names differ: {diff[0]!r} vs {diff[1]!r}")
+    if [f.to_dict() for f in ra.folds] != [f.to_dict() for f in rb.folds]:
+        raise StructureMismatchError("the models fold different norms into their readers; "
+                                     "expected the same architecture")
+    gauge = {n for f in ra.folds for n in (f.gain, None if f.keep_shift else f.shift) if n}
     for name in pa:
+        if name in gauge:  # a folded gain or shift: B's takes A's values (Alignment.gauge)
+            continue
         axa, axb = ra.param_axes(name), rb.param_axes(name)
         for d, (a, b) in enumerate(zip(axa, axb)):
             x, y = ra.axis_size(a), rb.axis_size(b)

@@ -10,6 +10,7 @@ import torch
 
 from ..api import analyze
 from ..errors import InputError
+from ..folding import gauge
 from .activations import act_matrix, activation_similarity
 from .checks import check_compatible, check_finite
 from .rescale import fit_scales
@@ -35,6 +36,9 @@ class AlignOptions:
         selected, heads are paired by index and each head's inner element is solved.
     rescale : seed 003's rescaling, a positive scalar per head of each ``gl`` class after the
         rotations (``alignment.scales``).
+    fold_norms : analyse with foldable norm gains folded (``symgraph.analyze``): residual
+        streams are then solved as orthogonal maps (RMSNorm) or orthogonal maps fixing 𝟙
+        (LayerNorm); False keeps them permutations.
     """
     solver: str | None = None
     inner: str = "procrustes"
@@ -42,6 +46,7 @@ class AlignOptions:
     groups: Callable | None = None
     rescale: bool = False
     reg: float | None = None
+    fold_norms: bool = True
 
     def __post_init__(self):
         if self.solver not in _SOLVERS:
@@ -85,8 +90,8 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
         raise InputError("data is empty; expected at least one batch")
     inputs = data[0] if inputs is None and data is not None else inputs
     t0 = time.perf_counter()
-    ra = report_a or analyze(model_a, inputs)
-    rb = report_b or analyze(model_b, inputs)
+    ra = report_a or analyze(model_a, inputs, fold_norms=opts.fold_norms)
+    rb = report_b or analyze(model_b, inputs, fold_norms=opts.fold_norms)
     t_an = time.perf_counter() - t0
     check_compatible(ra, rb)
     feats = WeightFeatures(ra, rb, model_a, model_b)
@@ -108,7 +113,7 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     n_sweeps = run.run(sweeps)
     al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                    {"analyze": t_an, "solver": run.solver_seconds, "sweeps": n_sweeps},
-                   template=model_a)
+                   template=model_a, gauge=gauge(ra.folds, dict(model_a.named_parameters())))
     if opts.rescale:
         al.scales = fit_scales(al, model_a, model_b, [g for g in ra.groups if opts.selected(g)])
     al.seconds["total"] = time.perf_counter() - t0

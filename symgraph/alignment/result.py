@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..apply import map_parameters
+from ..apply import move
 from ..elements import Map, Perm
 from .checks import check_finite
 
@@ -23,6 +23,8 @@ class Alignment:
     (unfibred permutation as indices) or a :class:`~symgraph.elements.Map` (rectangular or soft
     map). ``results[group_id]``: the solver's :class:`~symgraph.solve.SolveResult`. ``scales``:
     per-head scalars fitted by ``rescale=True``. ``seconds``: analyze / solver / total time.
+    Where the reports fold norm gains (``report.folds``), B is folded, moved and unfolded into
+    A's gains (``gauge``): the result has A's gains and shifts and B's function.
     """
     report_a: object
     report_b: object
@@ -32,12 +34,14 @@ class Alignment:
     seconds: dict = field(default_factory=dict)
     scales: dict = field(default_factory=dict)
     template: object = field(default=None, repr=False)  # A's model: the shapes of a fused result
+    gauge: dict = field(default_factory=dict, repr=False)  # A's folded norm gains and shifts
+    refined: dict = field(default_factory=dict)  # what refine did (steps, losses, seconds)
 
     def state(self, model_b) -> dict:
         """B's parameters in A's basis (and A's shapes): ``{fqn: tensor}`` in B's dtypes."""
         rb = self.report_b
         tensors = {name: model_b.get_parameter(name).detach() for name in rb.parameters}
-        moved = map_parameters(rb, self.elements, tensors)
+        moved = move(rb, self.elements, tensors, self.gauge or None)
         out = {k: moved[k].to(t.dtype) if k in moved else t.clone() for k, t in tensors.items()}
         for keep, others in rb.aliases.items():  # tied names share the value
             for o in others:
@@ -81,7 +85,8 @@ class Alignment:
             if g.id in self.scales:
                 entry["scales"] = list(self.scales[g.id])
             groups.append(entry)
-        return {"similarity": self.similarity, "seconds": dict(self.seconds), "groups": groups}
+        return {"similarity": self.similarity, "seconds": dict(self.seconds),
+                "refined": dict(self.refined), "groups": groups}
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **({"indent": 2} | kw))

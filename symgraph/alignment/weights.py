@@ -26,8 +26,8 @@ class WeightFeatures:
 
     def __init__(self, ra, rb, model_a, model_b):
         self.ra, self.rb = ra, rb
-        self.A = {k: model_a.get_parameter(k).detach() for k in ra.parameters}
-        self.B = {k: model_b.get_parameter(k).detach() for k in rb.parameters}
+        self.A = _folded(ra, {k: model_a.get_parameter(k).detach() for k in ra.parameters})
+        self.B = _folded(rb, {k: model_b.get_parameter(k).detach() for k in rb.parameters})
         self._cache: dict = {}
         self._deps: dict = {}
         self._axis_memo: dict = {}
@@ -128,6 +128,11 @@ class WeightFeatures:
                 a2 = a2 + (xa.reshape(-1, *xa.shape[fa:]) ** 2).sum((-1, -2))
                 b2 = b2 + (xb.reshape(-1, *xb.shape[fb:]) ** 2).sum((-1, -2))
         return total, a2, b2, False
+
+
+def _folded(report, tensors):
+    """The weights with norm gains folded into their readers (what the classes act on)."""
+    return tensors | {k: v.to(tensors[k].dtype) for k, v in report.fold(tensors).items()}
 
 
 def gather(t, d, idx, nf, others=None):

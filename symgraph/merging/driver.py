@@ -50,7 +50,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     align, w = _check_arguments(models, how, align, data, weights)
     inputs = data[0] if inputs is None and data is not None else inputs
     A = models[anchor]
-    ra = analyze(A, inputs)
+    ra = analyze(A, inputs, fold_norms=align_options.get("fold_norms", True))
     timings = {"analyze": time.perf_counter() - t0, "align": 0.0, "statistics": 0.0}
     states, stats, alignments = [], [], []
     bar = tqdm(models, desc=f"merging ({how.name}, align={align})", unit="model", file=sys.stderr,
@@ -74,7 +74,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         timings["align"] += t2 - t1
         alignments.append(al)
         states.append(st)
-        stats.append(how.to_anchor(how.statistics(m, rep, data), al) if how.needs_data else None)
+        stats.append(_statistics(how, m, rep, al, ra, data) if how.needs_data else None)
         timings["statistics"] += time.perf_counter() - t2
     t3 = time.perf_counter()
     merged = how.combine(states, stats, w, ra)
@@ -86,6 +86,15 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     timings["combine"] = time.perf_counter() - t3
     timings["total"] = time.perf_counter() - t0
     return MergeResult(out, alignments, timings)
+
+
+def _statistics(how, m, rep, al, ra, data):
+    """The method's statistics of model ``m`` in the anchor's basis. Where norm gains fold,
+    B's gains are carried into A's (``Alignment.gauge``), which no map of B's statistics
+    expresses: they are measured on the aligned model itself."""
+    if al is not None and ra.folds:
+        return how.statistics(al.apply(m), ra, data)
+    return how.to_anchor(how.statistics(m, rep, data), al)
 
 
 def _check_arguments(models, how, align, data, weights):

@@ -14,6 +14,7 @@ import torch
 from ..errors import UnsupportedOpError
 from . import registry
 from .registry import Meet, NoFiber, Rope, RuleContext, Structure, Unify
+from .norms import find_norms
 from .rope import find_rope
 from .unionfind import AxisUnionFind
 
@@ -28,6 +29,9 @@ CONST_OPS = {
     aten.ones_like, aten.full_like, aten.empty_like, aten.rand, aten.randn, aten.eye,
     aten.tril_indices, aten.triu_indices, aten.linspace, aten.empty_strided,
 }
+# Stream groups a norm fold can open up.
+WIDE = ("orthogonal", "orthogonal_mean")
+
 # Ops with no tensor output worth an axis (asserts, metadata checks).
 IGNORED = {aten._assert_tensor_metadata, aten._assert_scalar, aten.sym_constrain_range_for_size,
            aten.sym_constrain_range, aten._assert_async, aten.sym_size, aten.sym_numel,
@@ -91,8 +95,13 @@ def source_line(node) -> str:
 class AxisAnalysis:
     """Axis variables and constraints of one exported program, resolved into classes."""
 
-    def __init__(self, ep, strict: bool = False, tied=()):
+    def __init__(self, ep, strict: bool = False, tied=(), fold_norms: bool = True,
+                 skip_folds=frozenset()):
         self.ep = ep
+        self.fold_norms = fold_norms
+        self.skip_folds = skip_folds
+        self.folds: list = []
+        self.unobservable: set = set()
         self.tied = [list(t) for t in tied]
         self.aliases: dict[str, list] = {}
         self.graph = ep.graph_module.graph
@@ -132,6 +141,9 @@ class AxisAnalysis:
         self._tie()
         claimed, cons = find_rope(self.graph, self.origin_of, self.axes_of, self.shape_of)
         self._apply(cons, None)
+        normed, cons, self.folds, self.unobservable = find_norms(self, self.fold_norms, self.skip_folds)
+        self._apply(cons, None)
+        claimed = claimed | normed
         for node in self.graph.nodes:
             if node.op == "call_function" and node not in claimed and self.origin[node] == "act":
                 self._rule(node)
@@ -305,6 +317,11 @@ class AxisAnalysis:
             else:
                 uf.meet(p, "identity", "segment of a rotary axis without pairs")
 
+    def stream_kind(self, node_name):
+        """The group kind of the last axis of node ``node_name``'s output."""
+        node = next(n for n in self.graph.nodes if n.name == node_name)
+        return self.kind(self.uf.find(self.node_axes[node][-1])[0])
+
     def kind(self, root):
         return self.uf.kind.get(root, "gl")
 
@@ -381,5 +398,12 @@ class AxisAnalysis:
         self.fibre = {k: tuple(sorted(v, key=lambda x: order.get(x, 0))) for k, v in self.fibre.items()}
 
 
-def analyze_graph(ep, strict=False, tied=()) -> AxisAnalysis:
-    return AxisAnalysis(ep, strict, tied).run().finalize()
+def analyze_graph(ep, strict=False, tied=(), fold_norms=True) -> AxisAnalysis:
+    """Analyse ``ep``. A norm gain is folded only where that widens its stream's group beyond
+    permutations (elsewhere, e.g. a stream read by a tied head, the fold would change the
+    weights for nothing): folds that did not are dropped and the graph analysed again."""
+    an = AxisAnalysis(ep, strict, tied, fold_norms).run().finalize()
+    useless = frozenset(f.node for f in an.folds if an.stream_kind(f.node) not in WIDE)
+    if useless:
+        an = AxisAnalysis(ep, strict, tied, fold_norms, useless).run().finalize()
+    return an

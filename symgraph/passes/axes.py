@@ -247,7 +247,7 @@ def observation_points(an, root, limit=24):
     for node, ax in an.node_axes.items():
         if node.op != "call_function" or an.origin.get(node) != "act" or not ax or isinstance(ax[0], list):
             continue
-        if not observed(node.target):
+        if not observed(node.target) or node in an.unobservable:
             continue
         for k, a in enumerate(ax):
             if root in set(an.leaves(a)):

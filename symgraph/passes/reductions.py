@@ -110,13 +110,17 @@ def softmax(ctx):
     return cons + [NoFiber(xa[i], xa[d]) for i in range(len(xa)) if i != d]
 
 
-def _norm_layer(ctx, x, normalized_ndim, params, out):
+def _norm_layer(ctx, x, normalized_ndim, params, out, unscaled="perm"):
+    """A normalisation over the last ``normalized_ndim`` axes with affine ``params``. Without
+    a gain over a single axis it commutes with ``unscaled`` (orthogonal maps for RMS
+    normalisation, those fixing 𝟙 for LayerNorm); a gain leaves permutations."""
     xa = ctx.axes(x)
     n = len(xa)
     cons = [Unify(o, a) for o, a in zip(out, xa)]
     norm_axes = xa[n - normalized_ndim:]
+    kind = unscaled if (normalized_ndim == 1 and ctx.axes(params[0]) is None) else "perm"
     for a in norm_axes:
-        cons.append(Meet(a, "perm", f"{ctx.where}: normalisation over this axis"))
+        cons.append(Meet(a, kind, f"{ctx.where}: normalisation over this axis"))
     for p in params:
         pa = ctx.axes(p)
         if pa is not None:
@@ -130,14 +134,15 @@ def _norm_layer(ctx, x, normalized_ndim, params, out):
 def layer_norm(ctx):
     shape = ctx.arg(1)
     return _norm_layer(ctx, ctx.arg(0), len(shape), [ctx.arg(2, "weight"), ctx.arg(3, "bias")],
-                       ctx.out)
+                       ctx.out, unscaled="orthogonal_mean")
 
 
 @register(aten.native_layer_norm)
 def native_layer_norm(ctx):
     shape = ctx.arg(1)
     out, mean, rstd = ctx.out
-    cons = _norm_layer(ctx, ctx.arg(0), len(shape), [ctx.arg(2), ctx.arg(3)], out)
+    cons = _norm_layer(ctx, ctx.arg(0), len(shape), [ctx.arg(2), ctx.arg(3)], out,
+                       unscaled="orthogonal_mean")
     xa = ctx.axes(ctx.arg(0))
     for stat in (mean, rstd):
         if stat is not None:
@@ -148,4 +153,5 @@ def native_layer_norm(ctx):
 @register(aten.rms_norm)
 def rms_norm(ctx):
     shape = ctx.arg(1)
-    return _norm_layer(ctx, ctx.arg(0), len(shape), [ctx.arg(2, "weight")], ctx.out)
+    return _norm_layer(ctx, ctx.arg(0), len(shape), [ctx.arg(2, "weight")], ctx.out,
+                       unscaled="orthogonal")

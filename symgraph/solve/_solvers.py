@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-__all__ = ['SolveResult', 'hungarian', 'procrustes', 'rope_procrustes', 'optimal_transport', 'inner_blocks', 'nested_heads', 'solve', 'SOLVERS', 'ROW_MAXIMA']
+__all__ = ['SolveResult', 'hungarian', 'procrustes', 'procrustes_mean', 'rope_procrustes', 'optimal_transport', 'inner_blocks', 'nested_heads', 'solve', 'SOLVERS', 'ROW_MAXIMA']
 
 SOLVERS = ("hungarian", "procrustes", "rope", "ot", "sinkhorn")
 ROW_MAXIMA = True  # skip the assignment when the row maxima already form a permutation
@@ -75,6 +75,26 @@ def procrustes(S, rescale: bool = False) -> SolveResult:
     return SolveResult(R, float(sig.sum()), seconds=dt, extra=extra)
 
 
+def procrustes_mean(S) -> SolveResult:
+    """Orthogonal ``R`` with ``R𝟙 = 𝟙`` maximising ``<R, S>`` (the group of a LayerNorm
+    stream): ``R = H diag(1, U Vᵀ) Hᵀ`` where ``H`` is an orthogonal basis whose first column is
+    ``𝟙/√n`` and ``U Σ Vᵀ`` is the SVD of the mean-free block of ``Hᵀ S H``."""
+    from ..groups import ones_basis
+    s = torch.as_tensor(S, dtype=torch.float64)
+    n = s.shape[-1]
+    t = time.perf_counter()
+    H = ones_basis(n, device=s.device)
+    T = H.mT @ s @ H
+    inner = torch.eye(n, dtype=torch.float64, device=s.device).expand_as(s).clone()
+    obj = T[..., 0, 0]
+    if n > 1:
+        U, sig, Vh = torch.linalg.svd(T[..., 1:, 1:], full_matrices=False)
+        inner[..., 1:, 1:] = U @ Vh
+        obj = obj + sig.sum(-1)
+    R = H @ inner @ H.mT
+    return SolveResult(R, float(obj.sum()), seconds=time.perf_counter() - t)
+
+
 def rope_procrustes(S, pairs) -> SolveResult:
     """Block rotation on the given coordinate pairs maximising ``<R, S>``."""
     s = torch.as_tensor(S, dtype=torch.float64)
@@ -123,6 +143,8 @@ def optimal_transport(S, reg: float | None = None) -> SolveResult:
 def _inner(kind, S, pairs, inner):
     if kind == "rope":
         return rope_procrustes(S, pairs)
+    if kind == "orthogonal_mean" and inner != "hungarian":
+        return procrustes_mean(S)
     if kind in ("orthogonal", "gl") and inner != "hungarian":
         return procrustes(S)
     if S.shape[0] == S.shape[1]:
@@ -134,7 +156,7 @@ def inner_blocks(kind, S, pairs=None, inner: str = "procrustes") -> SolveResult:
     """One inner element per block (head) of ``S [H, n_A, n_B]``, heads already paired:
     batched Procrustes / RoPE rotations, or one assignment (or transport) per head."""
     S = torch.as_tensor(S, dtype=torch.float64)
-    if kind == "rope" or (kind in ("orthogonal", "gl") and inner != "hungarian"):
+    if kind == "rope" or (kind in ("orthogonal", "orthogonal_mean", "gl") and inner != "hungarian"):
         return _inner(kind, S, pairs, inner)
     rs = [_inner(kind, S[h], pairs, inner) for h in range(S.shape[0])]
     return SolveResult(torch.stack([r.element for r in rs]), sum(r.objective for r in rs),
@@ -207,6 +229,8 @@ def solve(kind: str, S, *, pairs=None, solver: str | None = None, rescale=False,
             solver = "rope"
         elif kind in ("orthogonal", "gl"):
             solver = "procrustes"
+        elif kind == "orthogonal_mean":
+            return procrustes_mean(S)
         else:
             solver = "hungarian"
     if solver == "hungarian":
