@@ -88,7 +88,7 @@ def apply_along(t: torch.Tensor, d: int, M) -> torch.Tensor:
     shape = moved.shape
     if M.dim() == 1:
         return moved[M].movedim(0, d)
-    if is_perm(M):
+    if not M.requires_grad and is_perm(M):
         return moved[M.argmax(1)].movedim(0, d)  # a permutation: gather, no matmul
     out = (M.to(t.dtype) @ moved.reshape(shape[0], -1)).reshape(M.shape[0], *shape[1:])
     return out.movedim(0, d)

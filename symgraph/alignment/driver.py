@@ -13,6 +13,7 @@ from ..errors import InputError
 from ..folding import gauge
 from .activations import act_matrix, activation_similarity
 from .checks import check_compatible, check_finite
+from .refine import refine
 from .rescale import fit_scales
 from .result import Alignment
 from .sweeps import Sweeps
@@ -36,6 +37,10 @@ class AlignOptions:
         selected, heads are paired by index and each head's inner element is solved.
     rescale : seed 003's rescaling, a positive scalar per head of each ``gl`` class after the
         rotations (``alignment.scales``).
+    refine : after solving, optimise the elements for this many steps so that the model
+        interpolated at λ ~ U(0.4, 0.6) has low loss on ``data`` (learned matching; see
+        :mod:`symgraph.alignment.refine`); ``loss_fn(model, batch)`` gives the loss (default:
+        the model's own, e.g. language-model loss), ``refine_lr`` the Adam step size.
     fold_norms : analyse with foldable norm gains folded (``symgraph.analyze``): residual
         streams are then solved as orthogonal maps (RMSNorm) or orthogonal maps fixing 𝟙
         (LayerNorm); False keeps them permutations.
@@ -47,8 +52,17 @@ class AlignOptions:
     rescale: bool = False
     reg: float | None = None
     fold_norms: bool = True
+    refine: int = 0
+    loss_fn: Callable | None = None
+    refine_lr: float = 1e-2
 
     def __post_init__(self):
+        if not isinstance(self.refine, int) or isinstance(self.refine, bool) or self.refine < 0:
+            raise InputError(f"refine={self.refine!r}; expected a number of steps (an integer >= 0)")
+        if not (isinstance(self.refine_lr, (int, float)) and self.refine_lr > 0):
+            raise InputError(f"refine_lr={self.refine_lr!r}; expected a positive step size")
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise InputError("loss_fn must be a function loss_fn(model, batch) -> scalar tensor")
         if self.solver not in _SOLVERS:
             raise InputError(f"solver={self.solver!r}; expected one of {_SOLVERS}")
         if self.inner not in ("procrustes", "hungarian"):
@@ -78,7 +92,8 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
         where a class is observed cleanly, from weights elsewhere. Without it, weights only.
     report_a, report_b : reuse reports already computed for the two models.
     options / keywords : an :class:`AlignOptions` (``solver``, ``inner``, ``max_iter``,
-        ``groups``, ``rescale``, ``reg``), or its fields as keywords.
+        ``groups``, ``rescale``, ``reg``, ``fold_norms``, ``refine``, ``loss_fn``,
+        ``refine_lr``), or its fields as keywords.
     """
     opts = AlignOptions.build(options, **option_kw)
     for m, label in ((model_a, "model_a"), (model_b, "model_b")):
@@ -114,6 +129,10 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                    {"analyze": t_an, "solver": run.solver_seconds, "sweeps": n_sweeps},
                    template=model_a, gauge=gauge(ra.folds, dict(model_a.named_parameters())))
+    if opts.refine:
+        if data is None:
+            raise InputError(f"refine={opts.refine} needs data: batches to compute the loss on")
+        al.refined = refine(al, model_a, model_b, data, opts.refine, opts.loss_fn, opts.refine_lr)
     if opts.rescale:
         al.scales = fit_scales(al, model_a, model_b, [g for g in ra.groups if opts.selected(g)])
     al.seconds["total"] = time.perf_counter() - t0

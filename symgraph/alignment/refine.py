@@ -1,0 +1,219 @@
+"""Learned matching: optimise solved elements so the interpolated model has low loss.
+
+Starting from :func:`symgraph.align`'s elements, each step draws ``λ ~ U(0.4, 0.6)``, carries
+B into A's basis with the current elements, and takes a gradient step on the loss of
+``(1 − λ)·θ_A + λ·θ_B′`` on one batch. Continuous classes are optimised on their group:
+rotations through ``torch.nn.utils.parametrizations.orthogonal`` (the orthogonal maps fixing
+𝟙 as ``H diag(1, R) Hᵀ`` with ``R`` orthogonal), RoPE pair rotations by their angles.
+Unfibred permutation classes use Git Re-Basin's straight-through estimator: a score matrix
+whose forward value is its Hungarian projection and whose gradient passes straight through.
+Head permutations, permutations inside heads and soft transport maps keep their solved
+values. The result is projected back onto the groups exactly, so it is still a symmetry of B.
+Memory: about one extra copy of the parameters (B′), plus the score matrices of the
+permutation classes.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+from torch.nn.utils import parametrizations
+from tqdm import tqdm
+
+from .. import solve as S
+from ..apply import move
+from ..elements import Map, Perm
+from ..errors import InputError
+from ..groups import PERMUTATION_FAMILY, ones_basis, orthogonal_part
+
+__all__ = ["refine", "default_loss"]
+
+
+def default_loss(model, batch):
+    """The model's own loss: ``model(**batch).loss``, with ``labels = input_ids`` added for a
+    model with an output embedding (causal and masked LMs) when the batch has no labels."""
+    if isinstance(batch, dict):
+        kw = dict(batch)
+        if "labels" not in kw and "input_ids" in kw and _has_lm_head(model):
+            kw["labels"] = kw["input_ids"]
+        out = model(**kw)
+        loss = getattr(out, "loss", None)
+        if loss is not None:
+            return loss
+    raise InputError("refine needs a loss: batches (dicts) for a model that returns .loss "
+                     "(Hugging Face models with labels, or language models), or "
+                     "loss_fn(model, batch) -> scalar")
+
+
+def _has_lm_head(model):
+    get = getattr(model, "get_output_embeddings", None)
+    return callable(get) and get() is not None
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, W):
+        super().__init__()
+        self.weight = torch.nn.Parameter(W.clone())
+
+
+class _Learned:
+    """The trainable parametrisation of one class's element."""
+
+    def __init__(self, g, E):
+        self.kind = orthogonal_part(g.kind)
+        self.g = g
+        self.H = None
+        if self.kind in PERMUTATION_FAMILY:
+            P = E.dense() if isinstance(E, Perm) else E
+            self.score = torch.nn.Parameter(P.clone().double())
+            self.params = [self.score]
+        elif self.kind == "rope":
+            pairs = g.pairs
+            i = torch.tensor([p[0] for p in pairs])
+            j = torch.tensor([p[1] for p in pairs])
+            self.pairs = (i, j)
+            self.base = E.clone()
+            self.theta = torch.nn.Parameter(torch.atan2(E[..., j, i], E[..., i, i]).clone())
+            self.params = [self.theta]
+        else:  # orthogonal, orthogonal_mean, gl (its orthogonal part, where solved so)
+            if self.kind == "orthogonal_mean":
+                self.H = ones_basis(E.shape[-1], device=E.device)
+                E = (self.H.mT @ E @ self.H)[..., 1:, 1:]
+            self.mod = _Holder(E.double())
+            parametrizations.orthogonal(self.mod, "weight")
+            with torch.no_grad():
+                self.mod.weight = E.double()  # right inverse: start at the solved element
+            self.params = list(self.mod.parameters())
+
+    def element(self):
+        if self.kind in PERMUTATION_FAMILY:
+            with torch.no_grad():
+                hard = S.hungarian(self.score.detach()).element.to(self.score)
+            return hard + self.score - self.score.detach()
+        if self.kind == "rope":
+            i, j = self.pairs
+            return _rope(self.base, i, j, torch.cos(self.theta), torch.sin(self.theta))
+        W = self.mod.weight
+        if self.H is None:
+            return W
+        n = self.H.shape[0]
+        inner = torch.zeros(*W.shape[:-2], n, n, dtype=W.dtype, device=W.device)
+        inner[..., 0, 0] = 1
+        inner[..., 1:, 1:] = W
+        return self.H @ inner @ self.H.mT
+
+    def final(self):
+        """The element projected exactly onto the group."""
+        with torch.no_grad():
+            if self.kind in PERMUTATION_FAMILY:
+                return Perm.from_matrix(S.hungarian(self.score).element)
+            E = self.element().detach()
+            if self.kind == "rope":
+                return E
+            U, _, Vh = torch.linalg.svd(E)
+            return U @ Vh
+
+
+def _rope(base, i, j, c, s):
+    """``base`` with the 2×2 rotations by (cos, sin) = (c, s) on the pairs (i, j)."""
+    R = base.detach().clone()
+    R[..., i, i], R[..., i, j], R[..., j, i], R[..., j, j] = c, -s, s, c
+    return R
+
+
+def _learnable(report, al):
+    heads = {o for g in report.groups for o in g.outer}
+    out = {}
+    for g in report.groups:
+        E = al.elements.get(g.id)
+        if E is None or isinstance(E, Map) or g.id in heads:
+            continue
+        kind = orthogonal_part(g.kind)
+        if kind in PERMUTATION_FAMILY and (g.outer or not isinstance(E, (Perm, torch.Tensor))):
+            continue
+        if kind == "identity" or (kind == "orthogonal" and isinstance(E, torch.Tensor)
+                                  and not torch.allclose(E @ E.mT, torch.eye(E.shape[-1], dtype=E.dtype),
+                                                         atol=1e-8)):
+            continue
+        out[g.id] = _Learned(g, E)
+    return out
+
+
+class _Bound(torch.nn.Module):
+    """Model A's module run on other parameter values (``loss_fn(model, batch)`` calls it)."""
+
+    def __init__(self, model, values):
+        super().__init__()
+        self.model, self.values = model, values
+
+    def forward(self, *args, **kwargs):
+        return torch.func.functional_call(self.model, self.values, args, kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.model, name)
+
+
+def refine(al, model_a, model_b, data, steps: int, loss_fn=None, lr: float = 1e-2,
+           seed: int = 0, progress: bool = True) -> dict:
+    """Optimise ``al``'s elements in place for ``steps`` steps; returns what happened
+    (``steps``, ``loss_first``/``loss_last`` (mean of the first/last 10% of steps), ``classes``,
+    ``seconds``)."""
+    if not data:
+        raise InputError("refine needs data: an iterable of batches to compute the loss on")
+    loss_fn = loss_fn or default_loss
+    ra, rb = al.report_a, al.report_b
+    learn = _learnable(ra, al)
+    if not learn:
+        return {"steps": 0, "classes": 0}
+    t0 = time.perf_counter()
+    ta = {k: p.detach() for k, p in model_a.named_parameters()}
+    tb = {k: model_b.get_parameter(k).detach() for k in rb.parameters}
+    aliases = ra.aliases
+    opt = torch.optim.Adam([p for x in learn.values() for p in x.params], lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    was = model_a.training
+    model_a.eval()
+    bar = tqdm(range(steps), desc="refine", unit="step", file=sys.stderr, leave=False,
+               disable=None if progress else True)  # None: only on a terminal
+    try:
+        for step in bar:
+            batch = data[step % len(data)]
+            lam = 0.4 + 0.2 * float(torch.rand((), generator=gen))
+            els = dict(al.elements)
+            els.update({gid: x.element() for gid, x in learn.items()})
+            moved = move(rb, els, tb, al.gauge or None)
+            values = {}
+            for k, a in ta.items():
+                b = moved.get(k)
+                if b is None:
+                    b = tb.get(k, a)
+                values[k] = (1 - lam) * a + lam * b.to(a.dtype)
+            for keep, others in aliases.items():
+                for o in others:
+                    values[o] = values[keep]
+            loss = _call(loss_fn, _Bound(model_a, values), batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    finally:
+        model_a.train(was)
+    for gid, x in learn.items():
+        al.elements[gid] = x.final()
+    k = max(1, math.ceil(len(losses) / 10))
+    return {"steps": steps, "classes": len(learn), "loss_first": sum(losses[:k]) / k,
+            "loss_last": sum(losses[-k:]) / k, "seconds": time.perf_counter() - t0}
+
+
+def _call(loss_fn, model, batch):
+    loss = loss_fn(model, batch)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise InputError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+    return loss
