@@ -83,7 +83,8 @@ def _solver_summary(alignments):
             groups.append({"group": gid, "objective": getattr(res, "objective", None),
                            "status": getattr(res, "status", None),
                            "seconds": getattr(res, "seconds", None)})
-        out.append({"model": i, "similarity": getattr(al, "similarity", None), "groups": groups})
+        out.append({"model": i, "similarity": getattr(al, "similarity", None), "groups": groups,
+                    "refined": dict(getattr(al, "refined", {}) or {})})
     return out
 
 
@@ -115,7 +116,8 @@ def cmd_merge(args) -> int:
     t0 = time.time()
     try:
         result = merge(models, weights=opts["weights"], align=align, data=data, method=opts["method"],
-                       progress=True)
+                       repair=opts["repair"], progress=True, refine=opts["refine"],
+                       fold_norms=opts["fold_norms"])
     except (StructureMismatchError, InputError) as e:
         raise type(e)(f"{e}{_config_diff(models, opts['models'])}") from None
     seconds = time.time() - t0
@@ -126,15 +128,18 @@ def cmd_merge(args) -> int:
                                                       for m in opts["models"]],
             "options": {"align": opts["align"], "method": opts["method"], "weights": opts["weights"],
                         "data": os.path.abspath(opts["data"]) if opts["data"] else None,
-                        "data_batches": len(data) if data else 0},
+                        "data_batches": len(data) if data else 0, "repair": opts["repair"],
+                        "refine": opts["refine"], "fold_norms": opts["fold_norms"]},
             "dtype": str(next(result.model.parameters()).dtype).removeprefix("torch."),
-            "seconds": seconds, "alignments": _solver_summary(result.alignments)}
+            "seconds": seconds, "alignments": _solver_summary(result.alignments),
+            "repair": result.repair.to_dict() if result.repair is not None else None}
     with _progress(total=1, desc="writing") as bar:
         save_atomic(result.model, out, force=opts["force"], inputs=inputs, meta=meta,
                     tokenizer_from=first if os.path.isdir(first) else None,
                     card=model_card(_config_yaml(meta), _card_summary(meta)))
         bar.update()
-    print(f"merged {len(models)} models ({opts['method']}, align={opts['align']}) into {out}")
+    print(f"merged {len(models)} models ({opts['method']}, align={opts['align']}"
+          f"{', repair' if opts['repair'] else ''}) into {out}")
     return 0
 
 
@@ -171,6 +176,12 @@ def _config_yaml(meta) -> str:
         cfg["weights"] = o["weights"]
     if o["data"]:
         cfg["data"] = o["data"]
+    if o.get("repair"):
+        cfg["repair"] = True
+    if o.get("refine"):
+        cfg["refine"] = o["refine"]
+    if o.get("fold_norms") is False:
+        cfg["fold_norms"] = False
     cfg["out"] = "merged"
     return yaml.safe_dump(cfg, sort_keys=False)
 
@@ -187,6 +198,13 @@ def _card_summary(meta) -> str:
                      f"{len(al['groups'])} symmetry groups solved ({stats}).")
     if not meta["alignments"]:
         lines.append("- no alignment (plain combination in each model's own basis).")
+    rep = meta.get("repair")
+    if rep and rep["layers"]:
+        n = len(rep["layers"])
+        before = sum(x["before"] for x in rep["layers"]) / n
+        after = sum(x["after"] for x in rep["layers"]) / n
+        lines.append(f"- REPAIR: {n} layers renormalised to the inputs' interpolated activation "
+                     f"statistics (mean |std/target - 1| {before:.3g} -> {after:.3g}).")
     return "\n".join(lines)
 
 
@@ -230,6 +248,14 @@ def build_parser():
     m.add_argument("--method", choices=_methods(), default=None)
     m.add_argument("--weights", type=float, nargs="+", metavar="W", default=None)
     m.add_argument("--data", metavar="FILE", help=".safetensors/.pt with 'input_ids' [N, S]")
+    m.add_argument("--repair", action="store_true", default=None,
+                   help="REPAIR: renormalise the merge's hidden activations to the inputs' "
+                   "interpolated mean and std (needs --data)")
+    m.add_argument("--refine", type=int, metavar="N", default=None,
+                   help="learned matching: N optimisation steps after activation matching, on "
+                   "the model's own loss over --data")
+    m.add_argument("--no-fold-norms", action="store_true", default=None,
+                   help="keep residual streams permutations (do not fold norm gains)")
     m.add_argument("--force", action="store_true", help="replace an existing --out")
     m.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     m.set_defaults(func=cmd_merge)

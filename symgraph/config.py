@@ -8,6 +8,9 @@ A config is a mapping with these keys (all optional but ``models``; command-line
     method: average                 # a registered method: symgraph.merge_methods()
     weights: [0.5, 0.5]             # one mixing weight per model
     data: batches.safetensors       # 'input_ids' [N, S] (or 'pixel_values'), for activations
+    repair: false                   # REPAIR the merge's activation statistics (needs data)
+    refine: 0                       # learned-matching steps after alignment (needs data)
+    fold_norms: true                # residual streams as rotations (false: permutations)
     force: false                    # replace an existing out
 
 Relative paths are read relative to the config file.
@@ -33,6 +36,9 @@ MERGE_KEYS = {
     "method": "a merge method name (symgraph.merge_methods())",
     "weights": "a list of numbers, one per model",
     "data": "a path to a .safetensors or .pt data file (string)",
+    "repair": "true or false (REPAIR needs data)",
+    "refine": "a number of steps (an integer >= 0; needs data)",
+    "fold_norms": "true or false",
     "force": "true or false",
 }
 
@@ -46,6 +52,9 @@ class MergeConfig(BaseModel):
     method: StrictStr = "average"
     weights: list[StrictFloat | StrictInt] | None = None
     data: StrictStr | None = None
+    repair: StrictBool = False
+    refine: StrictInt = 0
+    fold_norms: StrictBool = True
     force: StrictBool = False
 
     @field_validator("align", mode="before")
@@ -119,7 +128,7 @@ def merge_options(args: dict) -> dict:
     """Merge options from the command line (``args``: argparse's namespace as a dict) over a
     ``config`` file's; refuses missing or inconsistent ones."""
     opts = {"models": [], "out": None, "align": "weights", "method": "average", "weights": None,
-            "data": None, "force": False}
+            "data": None, "repair": False, "refine": 0, "fold_norms": True, "force": False}
     if args.get("config"):
         opts.update(read_merge_config(args["config"]))
     # command-line values override the config
@@ -133,6 +142,20 @@ def merge_options(args: dict) -> dict:
             opts[k] = v
     if args.get("force"):
         opts["force"] = True
+    if args.get("repair"):
+        opts["repair"] = True
+    if args.get("refine") is not None:
+        opts["refine"] = args["refine"]
+    if args.get("no_fold_norms"):
+        opts["fold_norms"] = False
+    if opts["refine"] < 0:
+        raise InputError(f"--refine {opts['refine']}: expected a number of steps >= 0")
+    if opts["refine"] and not opts["data"]:
+        raise InputError("--refine needs --data FILE (batches for activation matching and the loss)")
+    if opts["refine"] and opts["align"] in ("none", None):
+        raise InputError("--refine needs an alignment to refine; expected --align activations")
+    if opts["refine"]:
+        opts["align"] = "activations"  # learned matching starts from activation matching
     if len(opts["models"]) < 2:
         raise InputError(f"merge needs at least 2 models, got {len(opts['models'])}; expected "
                        "`symgraph merge A B [C ...] --out DIR` or `symgraph merge --config merge.yaml`")
@@ -143,6 +166,8 @@ def merge_options(args: dict) -> dict:
                        "expected one weight per model")
     if opts["weights"] is not None and (any(w < 0 for w in opts["weights"]) or sum(opts["weights"]) <= 0):
         raise InputError(f"--weights {opts['weights']} must be non-negative with a positive sum")
+    if opts["repair"] and not opts["data"]:
+        raise InputError("--repair needs --data FILE (batches to measure activation statistics on)")
     needs_data = get_method(opts["method"]).needs_data or opts["align"] == "activations"
     if needs_data and not opts["data"]:
         raise InputError(f"--align {opts['align']} with --method {opts['method']} needs --data FILE (a "

@@ -90,3 +90,45 @@ def test_refine_refuses_bad_input(pair):
     y = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     with pytest.raises(InputError, match="refine needs a loss"):
         symgraph.align(x, y, data=[(torch.randn(16, 4),)], refine=2)
+
+
+# --- the command line ------------------------------------------------------------------------
+def _cli(*args):
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    return subprocess.run([sys.executable, "-m", "symgraph.cli", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_cli_refine_and_no_fold_norms(tmp_path, pair):
+    import json
+
+    from safetensors.torch import save_file
+    a, b, data = pair
+    a.save_pretrained(tmp_path / "a")
+    b.save_pretrained(tmp_path / "b")
+    save_file({"input_ids": torch.cat([x["input_ids"] for x in data])}, str(tmp_path / "d.safetensors"))
+    out = tmp_path / "m"
+    r = _cli("merge", tmp_path / "a", tmp_path / "b", "--out", out, "--refine", "4",
+             "--data", tmp_path / "d.safetensors")
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((out / "symgraph_merge.json").read_text())
+    assert meta["options"]["refine"] == 4 and meta["options"]["align"] == "activations"
+    info = meta["alignments"][0]["refined"]
+    assert info["steps"] == 4 and info["loss_last"] > 0
+    r = _cli("merge", tmp_path / "a", tmp_path / "b", "--out", tmp_path / "p", "--no-fold-norms")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "p" / "symgraph_merge.json").read_text())["options"]["fold_norms"] is False
+    for args, msg in ((["--refine", "3"], "--refine needs --data"),
+                      (["--refine", "-2", "--data", tmp_path / "d.safetensors"], "expected a number of steps"),
+                      (["--refine", "2", "--align", "none", "--data", tmp_path / "d.safetensors"],
+                       "needs an alignment")):
+        r = _cli("merge", tmp_path / "a", tmp_path / "b", "--out", tmp_path / "x", *args)
+        assert r.returncode == 2 and msg in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+        assert not (tmp_path / "x").exists()
+    y = tmp_path / "c.yaml"
+    y.write_text(f"models: [{tmp_path / 'a'}, {tmp_path / 'b'}]\nout: {tmp_path / 'y'}\nrefine: lots\n")
+    r = _cli("merge", "--config", y)
+    assert r.returncode == 2 and "'refine'" in r.stderr

@@ -16,6 +16,7 @@ from ..alignment.checks import check_finite
 from ..api import analyze
 from ..errors import InputError
 from . import registry
+from .repair import RepairReport, renormalize
 
 __all__ = ["MergeResult", "merge"]
 
@@ -25,15 +26,18 @@ class MergeResult:
     """What :func:`merge` returns: the merged ``model`` (the anchor's architecture and dtypes),
     one :class:`~symgraph.Alignment` per input model (None for the anchor and when not
     aligned), and ``timings`` in seconds (``analyze``, ``align``, ``statistics``,
-    ``combine``, ``total``)."""
+    ``combine``, ``repair`` with ``repair=True``, ``total``). ``repair``: with ``repair=True``
+    the :class:`~symgraph.merging.repair.RepairReport` (per repaired layer the mean
+    ``|σ_merged/σ_target − 1|`` before and after), else None."""
     model: object
     alignments: list
     timings: dict = field(default_factory=dict)
+    repair: RepairReport | None = None
 
 
 def merge(models, inputs=None, *, weights=None, align="weights", data=None, method="average",
           anchor: int = 0, method_options: dict | None = None, progress: bool = False,
-          **align_options) -> MergeResult:
+          repair: bool = False, **align_options) -> MergeResult:
     """Merge ``models`` (N ≥ 2) into a new model of the anchor's architecture.
 
     align : "weights" (data-free), "activations" (needs ``data``) or None (no alignment).
@@ -41,13 +45,16 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         "regmean", ...) or a :class:`~symgraph.merging.MergeMethod` instance;
         ``method_options`` go to its constructor (e.g. ``{"alpha": 0.5}`` for RegMean).
     weights : per-model mixing weights (default uniform).
+    repair : REPAIR (Jordan et al. 2023) after combining: every hidden channel that feeds a
+        nonlinearity gets, on ``data`` (required), the mean and std interpolated from model A
+        and the other models in A's basis (:mod:`symgraph.merging.repair`).
     progress : a progress bar (stderr) over the models.
     align_options : :class:`~symgraph.AlignOptions` fields (``solver``, ``inner``, ...).
     """
     t0 = time.perf_counter()
     models, data = list(models), (list(data) if data is not None else None)
     how = registry.get(method, **(method_options or {}))
-    align, w = _check_arguments(models, how, align, data, weights)
+    align, w = _check_arguments(models, how, align, data, weights, repair)
     inputs = data[0] if inputs is None and data is not None else inputs
     A = models[anchor]
     ra = analyze(A, inputs, fold_norms=align_options.get("fold_norms", True))
@@ -59,7 +66,8 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         t1 = time.perf_counter()
         al, rep = None, ra
         if i != anchor and align is not None:
-            al = align_models(A, m, inputs, data=data if align == "activations" else None,
+            al = align_models(A, m, inputs, data=data if align == "activations" or
+                              align_options.get("refine") else None,
                               report_a=ra, **align_options)
             rep = al.report_b
             st = {k: v.double() for k, v in al.state(m).items()}
@@ -84,8 +92,14 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         for k, v in merged.items():
             params[k].copy_(v.to(params[k].dtype))
     timings["combine"] = time.perf_counter() - t3
+    repaired = None
+    if repair:
+        # the parents in A's basis: the models themselves where not aligned, else their states
+        parents = [m if al is None else st for m, al, st in zip(models, alignments, states)]
+        repaired = renormalize(out, parents, w, data, ra)
+        timings["repair"] = repaired.seconds
     timings["total"] = time.perf_counter() - t0
-    return MergeResult(out, alignments, timings)
+    return MergeResult(out, alignments, timings, repaired)
 
 
 def _statistics(how, m, rep, al, ra, data):
@@ -97,7 +111,7 @@ def _statistics(how, m, rep, al, ra, data):
     return how.to_anchor(how.statistics(m, rep, data), al)
 
 
-def _check_arguments(models, how, align, data, weights):
+def _check_arguments(models, how, align, data, weights, repair=False):
     """The alignment mode (None for no alignment) and the normalised mixing weights."""
     if len(models) < 2:
         raise InputError(f"merge needs at least 2 models, got {len(models)}")
@@ -106,6 +120,8 @@ def _check_arguments(models, how, align, data, weights):
     align = None if align == "none" else align
     if (how.needs_data or align == "activations") and data is None:
         raise InputError(f"method={how.name!r} with align={align!r} needs data (an iterable of batches)")
+    if repair and data is None:
+        raise InputError("repair=True needs data (an iterable of batches to measure activations on)")
     w = np.ones(len(models)) if weights is None else np.asarray(weights, float)
     if w.shape != (len(models),) or not np.isfinite(w).all() or w.sum() <= 0:
         raise InputError(f"weights must be {len(models)} finite numbers with a positive sum, got {weights!r}")

@@ -1,0 +1,449 @@
+"""REPAIR (Jordan et al., ICLR 2023): renormalise the merged model's pre-activations.
+
+Averaging networks, even aligned ones, shrinks the spread of their hidden units ("variance
+collapse"): a merged unit mixes units that are only partly correlated, and its std on the data
+falls below the parents'. REPAIR measures on data every repaired channel ``c`` of the parents
+(model A and the other models *in A's basis*) and of the merge, and gives the merged channel
+the interpolated statistics ``μ*_c = Σ_i w_i μ_{i,c}``, ``σ*_c = Σ_i w_i σ_{i,c}`` by an affine
+change of the layer that produces it (weight row ``W[c]``, bias ``b[c]``; ``μ_c``, ``σ_c``
+the merge's)::
+
+    s = σ*_c / σ_c      W'[c] = s · W[c]      b'[c] = s · (b[c] − μ_c) + μ*_c
+
+exactly, for the same input. A layer without a bias is only rescaled, ``s = rms*_c / rms_c``.
+
+Which channels (:func:`find_sites`), from the exported graph, never from names: the outputs of
+a ``linear`` / ``addmm`` / ``mm`` / ``conv`` on a parameter weight (used there only; the bias
+too) that, through relayouts, casts and affine maps by constants, reach an elementwise
+nonlinearity (``gelu``, ``relu``, ``silu``, ``pow`` of a decomposed GELU, ...) or a product with
+another learned input-dependent tensor (a gate: SwiGLU's up), and no normalisation first
+(``layer_norm``, ``batch_norm``, ``group_norm``, ``rms_norm``, softmax, or a decomposed one: a
+reduction combined back with the channel, ``x · rsqrt(mean x²)``), which would undo it. So MLP
+hidden units (GPT-2, BERT, ViT, LLaMA gate and up) and conv channels before a ReLU; not
+attention projections, residual writers, heads, or convs followed by a BatchNorm.
+
+Statistics are taken at those graph nodes (:func:`~symgraph.alignment.activations.run_capture`)
+by running the anchor's exported graph on each model's own tensors
+(``torch.func.functional_call``): the parents' states, the merged model's parameters. Every
+sample counts (batch, positions, pixels; padding too).
+
+``sequential=True`` (default) corrects in *waves* — every repaired layer with no uncorrected
+repaired layer among its graph ancestors (a block's gate and up are one wave) — re-measuring
+the merge before each wave (a run that stops at the wave's last node), so every channel ends at
+its target. REPAIR's reference code gets this approximately in one pass: its reset layers are
+train-mode BatchNorms, so each layer sees its predecessors already corrected with per-batch
+statistics. ``sequential=False`` measures once and corrects all: exact for the first layer
+only, since later inputs move after they were measured (on a plain average of two trained MLPs
+the corrections compound and overshoot).
+"""
+from __future__ import annotations
+
+import operator
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from ..alignment.activations import run_capture
+from ..alignment.checks import batch_inputs, by_shape
+from ..errors import InputError
+
+__all__ = ["Site", "RepairLayer", "RepairReport", "find_sites", "renormalize"]
+
+aten = torch.ops.aten
+
+
+def _packets(names: str) -> set:
+    return {getattr(aten, n) for n in names.split() if hasattr(aten, n)}
+
+
+# values pass through element for element (maybe a subset, or a cast)
+_LAYOUT = _packets("view reshape _unsafe_view permute transpose t contiguous clone alias detach "
+                   "expand unsqueeze squeeze flatten unflatten split split_with_sizes chunk unbind "
+                   "slice select narrow to _to_copy type_as dropout feature_dropout lift_fresh_copy "
+                   "_to_dim_order_copy")
+_ADD, _MUL, _NEG, _POW = (_packets(x) for x in ("add sub rsub", "mul div", "neg positive", "pow"))
+# elementwise and nonlinear in their (one) varying input
+_NONLINEAR = _packets("relu relu_ relu6 gelu silu tanh sigmoid elu selu celu leaky_relu hardtanh "
+                      "hardsigmoid hardswish softplus mish prelu _prelu_kernel glu erf erfinv exp "
+                      "exp2 expm1 log log1p log2 sin cos tan asin atan arctan sinh cosh asinh abs "
+                      "sqrt rsqrt square reciprocal log_sigmoid log_sigmoid_forward clamp clamp_min "
+                      "clamp_max threshold hardshrink softshrink logit rrelu sign sgn maximum minimum")
+_NORMS = _packets("layer_norm native_layer_norm batch_norm native_batch_norm _native_batch_norm_legit "
+                  "_native_batch_norm_legit_no_training _native_batch_norm_legit_functional "
+                  "cudnn_batch_norm group_norm native_group_norm instance_norm rms_norm "
+                  "_fused_rms_norm softmax _softmax log_softmax _log_softmax _safe_softmax")
+_REDUCTIONS = _packets("mean sum var std var_mean std_mean norm linalg_vector_norm amax amin "
+                       "logsumexp max min prod")
+_SKIP = _packets("_assert_tensor_metadata")
+
+
+def _packet(node):
+    t = node.target
+    return t.overloadpacket if isinstance(t, torch._ops.OpOverload) else t
+
+
+# --- which channels ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Site:
+    """One repaired layer: ``weight`` (and ``bias``, or None) produce the channels of graph
+    node ``node`` along its dim ``channel_dim``; ``out_dim`` is the weight's output dim."""
+    weight: str
+    bias: str | None
+    node: str
+    channel_dim: int
+    out_dim: int
+    channels: int
+
+
+def _layer(node, params):
+    """``(weight, bias, channel dim of the output, output dim of the weight)`` of a linear map on
+    parameters, or None."""
+    t, a = node.target, node.args
+    isp = lambda x: isinstance(x, torch.fx.Node) and x.name in params  # noqa: E731
+    third = a[2] if len(a) > 2 else node.kwargs.get("bias")
+    if node.op != "call_function":
+        return None
+    if t == aten.linear.default and isp(a[1]):
+        w, bias, ch, od = a[1], third, -1, 0
+    elif t == aten.addmm.default and isp(a[2]) and node.kwargs.get("beta", 1) == 1 \
+            and node.kwargs.get("alpha", 1) == 1:
+        w, bias, ch, od = a[2], a[0], -1, 1
+    elif t == aten.mm.default and isp(a[1]):
+        w, bias, ch, od = a[1], None, -1, 1
+    elif (t in (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+          or (t == aten.convolution.default and not a[6])) and isp(a[1]):  # a[6]: transposed
+        w, bias, ch, od = a[1], third, 1, 0
+    else:
+        return None
+    if bias is not None and not (isp(bias) and bias.meta.get("val") is not None
+                                 and bias.meta["val"].dim() == 1):
+        return None  # a bias that is not a plain parameter vector: leave the layer alone
+    return w, bias, ch, od
+
+
+def _dependence(graph, sources):
+    """Nodes that depend on any of ``sources`` (placeholder names)."""
+    dep = set()
+    for n in graph.nodes:
+        if n.name in sources if n.op == "placeholder" else any(i in dep for i in n.all_input_nodes):
+            dep.add(n)
+    return dep
+
+
+def _closure(start, admit):
+    """``start`` and every node reached from it through users ``u`` with ``admit(u, closure)``."""
+    seen, stack = set(start), list(start)
+    while stack:
+        for u in stack.pop().users:
+            if u not in seen and u.op == "call_function" and admit(u, seen):
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def _pointwise(p):
+    return p in _LAYOUT or p in _ADD or p in _MUL or p in _NEG or p in _NONLINEAR or p in _POW \
+        or p is operator.getitem
+
+
+def _classify(src, varying):
+    """``"activation"``, ``"normalised"`` or None for the output of node ``src``."""
+    def affine(u, A):  # relayouts, casts, sums of affine values and constants, × or ÷ by constants
+        p, n = _packet(u), [i for i in u.all_input_nodes if i in A]
+        other = [i for i in u.all_input_nodes if i not in A]
+        own = sum(a in A for a in u.args if isinstance(a, torch.fx.Node))
+        return (p in _LAYOUT or u.target is operator.getitem or p in _NEG
+                or (p in _ADD and not any(i in varying for i in other))
+                or (p in _MUL and not any(i in varying for i in other) and own == 1
+                    and (p == aten.mul or u.args[0] in n))
+                or (p in _POW and len(u.args) > 1 and u.args[1] == 1))
+
+    A = _closure({src}, affine)
+    found = set()
+    for u in {u for n in A for u in n.users if u not in A and u.op == "call_function"}:
+        p = _packet(u)
+        if p in _NORMS:
+            found.add("normalised")
+        elif p in _NONLINEAR or p in _POW or p in _MUL:
+            # a nonlinearity, x·x, c / x, or a product with a learned input-dependent tensor
+            # (a gate). ``varying`` holds values that depend on the inputs *and* a parameter:
+            # a product with a mask or a rotary table stays affine.
+            found.add("activation")
+    if "normalised" in found or _decomposed_norm(A, varying):
+        return "normalised"
+    return "activation" if found else None
+
+
+def _decomposed_norm(A, varying):
+    """Whether a reduction of a value derived elementwise from ``A`` (only) is combined back
+    with a value of ``A``: ``x − mean x``, ``x · rsqrt(mean x²)``."""
+    P = _closure(A, lambda u, P: _pointwise(_packet(u))
+                 and all(i in P or i not in varying for i in u.all_input_nodes))
+    for r in {u for n in P for u in n.users if _packet(u) in _REDUCTIONS}:
+        Q = _closure({r}, lambda u, Q: _pointwise(_packet(u)))
+        if any(i in A for q in Q - {r} for i in q.all_input_nodes):
+            return True
+    return False
+
+
+def find_sites(report) -> list:
+    """The layers REPAIR corrects in the model of ``report`` (graph order): see the module
+    docstring. Read from ``report.exported_program`` only."""
+    ep = report.exported_program
+    sig, graph = ep.graph_signature, ep.graph
+    params = dict(sig.inputs_to_parameters)
+    varying = _dependence(graph, set(sig.user_inputs)) & _dependence(graph, set(params))
+    out = []
+    for node in graph.nodes:
+        if (lay := _layer(node, params)) is None:
+            continue
+        w, b, ch, od = lay
+        val, wval = node.meta.get("val"), w.meta.get("val")
+        if len(w.users) != 1 or (b is not None and len(b.users) != 1) \
+                or val is None or wval is None or val.shape[ch] != wval.shape[od] \
+                or _classify(node, varying) != "activation":
+            continue  # shared weights produce other channels elsewhere
+        out.append(Site(params[w.name], params[b.name] if b is not None else None, node.name,
+                        ch if ch >= 0 else val.dim() + ch, od, int(wval.shape[od])))
+    return out
+
+
+def _waves(report, sites) -> list:
+    """Sites grouped so that no site has a graph ancestor among its own or later waves."""
+    names, depth, wave, out = {s.node for s in sites}, {}, {}, {}
+    for n in report.exported_program.graph.nodes:
+        d = max((depth[i] for i in n.all_input_nodes if i in depth), default=0)
+        if n.name in names:
+            wave[n.name], d = d, d + 1
+        depth[n] = d
+    for s in sites:
+        out.setdefault(wave[s.node], []).append(s)
+    return [out[k] for k in sorted(out)]
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+
+class _Done(Exception):  # raised inside the interpreter once the last wanted node has run
+    pass
+
+
+class _Moments:
+    """Streamed per-channel sums (float64) at the wanted nodes ``dims`` (``{node name: (key,
+    channel dim)}``), as a ``run_capture`` sink that stops the run after node ``last``."""
+
+    def __init__(self, dims: dict, last: str, sums=None):
+        self.dims, self.last = dims, last
+        self.sums = sums if sums is not None else {}  # key -> [n, Σx, Σx²]
+
+    def __setitem__(self, name, x):
+        key, dim = self.dims[name]
+        x = x.detach().movedim(dim, -1)
+        x = x.reshape(-1, x.shape[-1]).double()
+        acc = self.sums.setdefault(key, [0, 0, 0])
+        acc[0], acc[1], acc[2] = acc[0] + x.shape[0], acc[1] + x.sum(0), acc[2] + (x * x).sum(0)
+        if name == self.last:
+            raise _Done
+
+    def stats(self, key):
+        """``(mean, std, rms)`` per channel."""
+        n, s1, s2 = self.sums[key]
+        mean, sq = s1 / n, s2 / n
+        return mean, (sq - mean * mean).clamp_min(0).sqrt(), sq.sqrt()
+
+
+class _Runner(torch.nn.Module):
+    """The exported graph as a module, so that ``functional_call`` can give it any tensors."""
+
+    def __init__(self, gm):
+        super().__init__()
+        self.gm, self.tied = gm, {}  # tied: one list of names per tensor
+        for name, t in [*gm.named_parameters(remove_duplicate=False),
+                        *gm.named_buffers(remove_duplicate=False)]:
+            self.tied.setdefault(id(t), []).append(name)
+
+    def state(self, tensors: dict) -> dict:
+        """``functional_call``'s dict: each graph tensor from ``tensors`` under any of its names
+        (tied names get the same tensor); the graph's own (the anchor's) where none is given."""
+        out = {}
+        for names in self.tied.values():
+            v = next((tensors[n] for n in names if n in tensors), None)
+            out.update({f"gm.{n}": v for n in names} if v is not None else {})
+        return out
+
+    def forward(self, names, sink, args, kwargs):
+        run_capture(self.gm, names, sink, args, kwargs)
+
+
+class _Graphs:
+    """The anchor's exported graph per batch shape, with its sites there."""
+
+    def __init__(self, report, model, data, sites):
+        self.groups = []
+        for (rep,), batches in by_shape((report,), (model,), data):
+            here = {s.weight: s for s in (sites if rep is report else find_sites(rep))}
+            if not {s.weight for s in sites} <= set(here):
+                raise InputError("data batches of other shapes give the model other layers to "
+                                 "repair; expected batches of the first batch's shapes")
+            order = {n.name: i for i, n in enumerate(rep.exported_program.graph.nodes)}
+            self.groups.append((rep, _Runner(rep.exported_program.module()), here, order, batches))
+
+    def measure(self, tensors: dict, keys) -> _Moments:
+        """Per-channel moments at the sites ``keys`` (weight names) of the model with parameters
+        (and buffers) ``tensors``; each run stops after the last of them."""
+        sums: dict = {}
+        for rep, runner, here, order, batches in self.groups:
+            state = runner.state(tensors)
+            dims = {here[k].node: (k, here[k].channel_dim) for k in keys}
+            sink = _Moments(dims, max(dims, key=order.__getitem__), sums)
+            for bi, batch in batches:
+                args, kwargs = batch_inputs(rep, batch, bi)
+                try:
+                    with torch.no_grad():
+                        torch.func.functional_call(runner, state, (set(dims), sink, args, kwargs),
+                                                   strict=False, tie_weights=False)
+                except _Done:
+                    pass
+        return sink
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+@dataclass
+class RepairLayer:
+    """One repaired layer. ``statistic``: ``"std"`` (with a bias: mean and std matched) or
+    ``"rms"`` (no bias: rescaled only). ``before`` / ``after``: the mean over its channels of
+    ``|σ_merged / σ_target − 1|`` (root mean squares for ``"rms"``) before REPAIR and after;
+    ``mean_before`` / ``mean_after``: the mean of ``|μ_merged − μ_target| / σ_target``."""
+    weight: str
+    bias: str | None
+    channels: int
+    statistic: str
+    before: float
+    after: float
+    mean_before: float
+    mean_after: float
+
+    def to_dict(self):
+        return dict(self.__dict__)
+
+
+@dataclass
+class RepairReport:
+    """What REPAIR did: ``layers`` (:class:`RepairLayer`, graph order), ``sequential``,
+    ``passes`` over the data (parents and merged model), ``seconds``."""
+    layers: list = field(default_factory=list)
+    sequential: bool = True
+    passes: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self):
+        return {"sequential": self.sequential, "passes": self.passes, "seconds": self.seconds,
+                "layers": [x.to_dict() for x in self.layers]}
+
+    def summary(self) -> str:
+        n = len(self.layers)
+        if not n:
+            return "REPAIR: no channel to repair"
+        b, a = (sum(getattr(x, k) for x in self.layers) / n for k in ("before", "after"))
+        return (f"REPAIR: {n} layers, {sum(x.channels for x in self.layers)} channels; mean "
+                f"|σ/σ*−1| {b:.3g} → {a:.3g} ({self.seconds:.1f} s)")
+
+
+def _errors(stats, target, statistic):
+    """``(mean |m/t − 1|, mean |μ − μ*| / σ*)`` over the channels with a positive target."""
+    (mean, std, rms), (t_mean, t_std, t_rms) = stats, target
+    m, t = (std, t_std) if statistic == "std" else (rms, t_rms)
+    ok = t > 0
+    if not ok.any():
+        return 0.0, 0.0
+    return ((m[ok] / t[ok]) - 1).abs().mean().item(), \
+        ((mean[ok] - t_mean[ok]).abs() / t_std[ok].clamp_min(1e-30)).mean().item()
+
+
+# --- the correction --------------------------------------------------------------------------
+
+
+def renormalize(model, parents, weights, data, report=None, *, sequential: bool = True) -> RepairReport:
+    """REPAIR ``model`` (the merge, modified in place) towards the interpolated statistics of
+    ``parents`` with mixing ``weights``, measured on ``data`` (a list of batches, the models'
+    input form).
+
+    parents : models, or ``{name: tensor}`` parameter states, of ``model``'s architecture and
+        in its basis (aligned); missing names are ``model``'s.
+    report : ``symgraph.analyze(model)`` (or of any model of that architecture); traced on
+        ``data[0]`` when None.
+    sequential : correct in waves, re-measuring the merge before each (see the module
+        docstring); False: measure once and correct every layer from that one measurement.
+
+    Returns a :class:`RepairReport`; for a layer without a bias (``"rms"``) only the root mean
+    square is matched, so its ``mean_after`` is not expected to be 0.
+    """
+    t0 = time.perf_counter()
+    data = list(data) if data is not None else []
+    weights = [float(w) for w in weights]
+    if not data:
+        raise InputError("REPAIR needs data: a non-empty list of batches to measure activations on")
+    if len(weights) != len(parents) or sum(weights) <= 0:
+        raise InputError(f"REPAIR needs one mixing weight per parent ({len(parents)}), with a "
+                         f"positive sum; got {weights}")
+    weights = [w / sum(weights) for w in weights]
+    if report is None:
+        from ..api import analyze
+        report = analyze(model, data[0])
+    sites = find_sites(report)
+    if not sites:
+        warnings.warn("REPAIR found no channel to repair (no linear or conv output feeds an "
+                      "elementwise nonlinearity without a normalisation first)", stacklevel=2)
+        return RepairReport([], sequential, 0, time.perf_counter() - t0)
+    graphs, keys = _Graphs(report, model, data, sites), [s.weight for s in sites]
+    own = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    targets = {k: [0, 0, 0] for k in keys}  # the parents' interpolated (mean, std, rms)
+    for p, w in zip(parents, weights):
+        src = {**dict(p.named_buffers()), **dict(p.named_parameters())} \
+            if isinstance(p, torch.nn.Module) else p
+        mom = graphs.measure({k: v.detach().to(device=own[k].device, dtype=own[k].dtype)
+                              if k in own else v.detach() for k, v in src.items()}, keys)
+        for k in keys:
+            targets[k] = [t + w * x for t, x in zip(targets[k], mom.stats(k))]
+
+    def merged(ks):
+        return graphs.measure({k: v.detach() for k, v in own.items()}, ks)
+
+    before = merged(keys)
+    waves = _waves(report, sites) if sequential else [sites]
+    for i, wave in enumerate(waves):
+        mom = before if i == 0 else merged([s.weight for s in wave])
+        for s in wave:
+            _correct(model, s, mom.stats(s.weight), targets[s.weight])
+    after, layers = merged(keys), []
+    for s in sites:
+        kind = "std" if s.bias is not None else "rms"
+        b, mb = _errors(before.stats(s.weight), targets[s.weight], kind)
+        a, ma = _errors(after.stats(s.weight), targets[s.weight], kind)
+        layers.append(RepairLayer(s.weight, s.bias, s.channels, kind, b, a, mb, ma))
+    passes = len(parents) + len(waves) + 1
+    return RepairReport(layers, sequential, passes, time.perf_counter() - t0)
+
+
+def _correct(model, site, stats, target):
+    """``W[c] ← s·W[c]``, ``b[c] ← s·(b[c] − μ_c) + μ*_c`` (no bias: ``s`` from the rms)."""
+    (mean, std, rms), (t_mean, t_std, t_rms) = stats, target
+    m, t = (std, t_std) if site.bias is not None else (rms, t_rms)
+    # a channel the merge made constant (relative to the layer's targets) cannot be rescaled
+    live = m > 1e-12 * float(t.abs().max().clamp_min(torch.finfo(torch.float64).tiny))
+    scale = torch.where(live, t / torch.where(live, m, torch.ones_like(m)), torch.ones_like(m))
+    W = model.get_parameter(site.weight)
+    shape = [1] * W.dim()
+    shape[site.out_dim] = -1
+    with torch.no_grad():
+        W.copy_((W.double() * scale.to(W.device).reshape(shape)).to(W.dtype))
+        if site.bias is not None:
+            b = model.get_parameter(site.bias)
+            new = scale * (b.detach().double().to(scale.device) - mean) + t_mean
+            b.copy_(new.to(device=b.device, dtype=b.dtype))
