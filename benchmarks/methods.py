@@ -36,7 +36,7 @@ __all__ = ["Pair", "Outcome", "Roles", "roles", "METHODS", "DEVIATIONS", "SINKHO
            "vanilla", "seed002", "seed003", "seed003_rescale", "seed004",
            "fisher", "fisher_aligned", "regmean", "regmean_aligned",
            "symgraph_weights_perm", "symgraph_activations_perm", "symgraph_weights",
-           "symgraph_activations", "symgraph_refine"]
+           "symgraph_activations", "symgraph_refine", "vanilla_repair", "symgraph_repair"]
 
 #: Entropic regularisation of seed 004's Sinkhorn maps (its ViT config: 0.08 with activations).
 SINKHORN_REG = 0.08
@@ -300,12 +300,26 @@ def symgraph_refine(p: Pair) -> Outcome:
 # --- single merged model ---------------------------------------------------------------------
 
 
-def _merge(p: Pair, method: str, align) -> Outcome:
+def _merge(p: Pair, method: str, align, repair: bool = False) -> Outcome:
     t0 = time.perf_counter()
-    res = symgraph.merge([p.a, p.b], data=p.data, method=method, align=align)
+    res = symgraph.merge([p.a, p.b], data=p.data, method=method, align=align, repair=repair)
     al = res.alignments[1]
+    extra = {"repair": res.repair.to_dict()} if res.repair is not None else {}
     return Outcome(merged=res.model, alignment=al, seconds=time.perf_counter() - t0,
-                   align_seconds=al.seconds.get("total", 0.0) if al is not None else 0.0)
+                   align_seconds=al.seconds.get("total", 0.0) if al is not None else 0.0,
+                   extra=extra)
+
+
+def vanilla_repair(p: Pair) -> Outcome:
+    """Plain averaging, then REPAIR (``merge(..., align=None, repair=True)``) on the alignment
+    data: hidden pre-activation statistics set to the parents' interpolation."""
+    return _merge(p, "average", None, repair=True)
+
+
+def symgraph_repair(p: Pair) -> Outcome:
+    """symgraph activation matching, averaging, then REPAIR (``merge(..., align="activations",
+    repair=True)``)."""
+    return _merge(p, "average", "activations", repair=True)
 
 
 def fisher(p: Pair) -> Outcome:
@@ -340,6 +354,8 @@ METHODS: dict[str, tuple[Callable[[Pair], Outcome], str]] = {
     "seed004": (seed004, "Imfeld et al.: OT fusion, soft Sinkhorn maps from activations"),
     "fisher": (fisher, "Fisher merging, no alignment"),
     "fisher_aligned": (fisher_aligned, "Fisher merging after symgraph weight matching"),
+    "vanilla_repair": (vanilla_repair, "plain averaging + REPAIR"),
+    "symgraph_repair": (symgraph_repair, "symgraph activation matching + averaging + REPAIR"),
     "regmean": (regmean, "RegMean, no alignment"),
     "regmean_aligned": (regmean_aligned, "RegMean after symgraph weight matching"),
     "symgraph_weights_perm": (symgraph_weights_perm, "symgraph weight matching, residual as a permutation"),
@@ -352,7 +368,7 @@ METHODS: dict[str, tuple[Callable[[Pair], Outcome], str]] = {
 
 #: Methods that are symgraph's own (the "some symgraph method beats vanilla" check).
 SYMGRAPH_METHODS = ("symgraph_weights_perm", "symgraph_activations_perm", "symgraph_weights",
-                    "symgraph_activations", "symgraph_refine")
+                    "symgraph_activations", "symgraph_refine", "symgraph_repair")
 
 #: One line per seed method: what differs from the paper (also in each docstring).
 DEVIATIONS = {

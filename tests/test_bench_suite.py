@@ -70,7 +70,8 @@ def test_one_record_per_method_with_fields(suite):
         if r["kind"] == "interpolation":
             lam = [x for x, _ in r["curve"]]
             assert len(lam) == 21 and lam[0] == 0.0 and lam[-1] == 1.0
-        assert (r["kind"] == "merged") == r["method"].startswith(("fisher", "regmean"))
+        assert (r["kind"] == "merged") == (r["method"].startswith(("fisher", "regmean"))
+                                           or r["method"].endswith("_repair"))
 
 
 def test_vanilla_barrier_is_curve_max_minus_endpoint_mean(suite):
@@ -85,7 +86,8 @@ def test_vanilla_barrier_is_curve_max_minus_endpoint_mean(suite):
 
 def test_exact_alignments_keep_b_function(suite):
     """Group elements (perms, rotations, rescaled rotations) leave B's loss unchanged."""
-    for m in ("seed002", "seed003", "seed003_rescale", "symgraph_weights", "symgraph_activations"):
+    for m in ("seed002", "seed003", "seed003_rescale", "symgraph_weights", "symgraph_activations",
+              "symgraph_weights_perm", "symgraph_activations_perm", "symgraph_refine"):
         r = _rec(suite["records"], m)
         assert r["loss_b_aligned"] == pytest.approx(r["loss_b"], abs=2e-4), m
         assert r["barrier"] == pytest.approx(r["barrier_curve"], abs=2e-4), m

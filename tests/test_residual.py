@@ -175,3 +175,24 @@ def test_tied_embeddings_stay_tied_after_alignment():
             p.add_(0.1 * torch.randn_like(p))
     Bt = symgraph.align(A, B).apply(B)
     assert Bt.lm_head.weight.data_ptr() == Bt.model.embed_tokens.weight.data_ptr()
+
+
+def test_regmean_statistics_run_on_the_models_own_tensors():
+    """With norm folds, merge measures B's statistics on B aligned, through A's report: the
+    Grams must be B's (a report's graph carries the tensors it was traced with)."""
+    from symgraph.merging.regmean import RegMean
+    A, B = _model("llama"), _model("llama")
+    with torch.no_grad():
+        for p in B.parameters():
+            p.mul_(1.5)
+    ra, rb = symgraph.analyze(A), symgraph.analyze(B)
+    data = [ra.inputs[1]]
+    mine, through_a = RegMean().statistics(B, rb, data), RegMean().statistics(B, ra, data)
+    theirs = RegMean().statistics(A, ra, data)
+    for k in mine:
+        assert torch.allclose(mine[k], through_a[k])
+        assert not torch.allclose(mine[k], theirs[k])
+    avg = symgraph.merge([A, B], data=data, method="average").model
+    reg = symgraph.merge([A, B], data=data, method="regmean").model
+    w = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.allclose(avg.get_parameter(w), reg.get_parameter(w), atol=1e-4)
