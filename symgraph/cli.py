@@ -225,11 +225,19 @@ def cmd_demo(args) -> int:
 # --- main ----------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (``symgraph merge: argument --refine: invalid int value``),
+    exit 2; ``-h`` still prints the full usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} -h)\n")
+
+
 def build_parser():
-    p = argparse.ArgumentParser(prog="symgraph", description="Graph-based symmetry compiler: analyse "
-                                "and merge neural networks.")
+    p = _Parser(prog="symgraph", description="Graph-based symmetry compiler: analyse "
+                "and merge neural networks.")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line refusals")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     a = sub.add_parser("analyze", help="report the weight-space symmetries of a model")
     a.add_argument("model", help="save_pretrained directory, demo name (tiny-bert, tiny-gpt2, "

@@ -132,3 +132,11 @@ def test_cli_refine_and_no_fold_norms(tmp_path, pair):
     y.write_text(f"models: [{tmp_path / 'a'}, {tmp_path / 'b'}]\nout: {tmp_path / 'y'}\nrefine: lots\n")
     r = _cli("merge", "--config", y)
     assert r.returncode == 2 and "'refine'" in r.stderr
+
+
+def test_cli_usage_errors_are_one_line(tmp_path):
+    for args in (["merge", "a", "b", "--out", tmp_path / "x", "--refine", "abc"], ["bogus"], []):
+        r = _cli(*args)
+        assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+        assert "usage:" not in r.stderr and "Traceback" not in r.stderr
+    assert "invalid int value: 'abc'" in _cli("merge", "a", "b", "--refine", "abc").stderr
