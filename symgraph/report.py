@@ -230,6 +230,14 @@ class SymmetryReport:
             more = f" (+{len(names) - 4})" if len(names) > 4 else ""
             lines.append(f"{g.id:>4}  {(g.module or '(model)'):<40.40} {g.kind:<12} {g.size:>6} "
                          f"{g.blocks:>6} {','.join(map(str, g.outer)) or '-':<8} {shown}{more}")
+        if self.folds:
+            lines.append("")
+            lines.append(f"{len(self.folds)} norm gains fold into the layers that read them "
+                         "(transforms fold, move and unfold; analyze(..., fold_norms=False) keeps "
+                         "residual streams permutations):")
+            for f in self.folds:
+                readers = ", ".join(w for w, _, _ in f.readers)
+                lines.append(f"  {f.gain} -> {readers}")
         if self.frozen:
             lines.append("")
             lines.append("Frozen by ops without a rule (their axes are fixed):")

@@ -196,3 +196,22 @@ def test_regmean_statistics_run_on_the_models_own_tensors():
     reg = symgraph.merge([A, B], data=data, method="regmean").model
     w = "model.layers.0.mlp.down_proj.weight"
     assert not torch.allclose(avg.get_parameter(w), reg.get_parameter(w), atol=1e-4)
+
+
+def test_cli_analyze_reports_folds_and_can_keep_permutations():
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+    def run(*a):
+        r = subprocess.run([sys.executable, "-m", "symgraph.cli", "analyze", "tiny-llama", *a],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+    folded = json.loads(run("--json"))
+    plain = json.loads(run("--json", "--no-fold-norms"))
+    assert folded["groups"][0]["kind"] == "orthogonal" and len(folded["folds"]) == 5
+    assert plain["groups"][0]["kind"] == "perm" and plain["folds"] == []
+    assert "norm gains fold into the layers that read them" in run()
