@@ -215,3 +215,17 @@ def test_cli_analyze_reports_folds_and_can_keep_permutations():
     assert folded["groups"][0]["kind"] == "orthogonal" and len(folded["folds"]) == 5
     assert plain["groups"][0]["kind"] == "perm" and plain["folds"] == []
     assert "norm gains fold into the layers that read them" in run()
+
+
+def test_sequence_classification_pooled_by_index_keeps_the_stream():
+    """LlamaForSequenceClassification picks each row's last token with two index tensors
+    (batch, position): a token-axis op that must not freeze the channels."""
+    import transformers
+
+    from symgraph.models import config
+    cfg = config("llama")
+    cfg.num_labels, cfg.pad_token_id = 3, 0
+    m = randomize_vectors(transformers.LlamaForSequenceClassification(cfg).eval(), seed=1).double()
+    r = symgraph.analyze(m)
+    assert r.frozen == [] and _stream(r).kind == "orthogonal"
+    assert r.certify(m, trials=1) < 1e-6

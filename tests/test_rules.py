@@ -528,3 +528,45 @@ def test_functional_copy_takes_the_source():
     # b's rows flow into c; a's rows are overwritten (a free class of their own)
     assert by_slot[("b.weight", 0)] is by_slot[("c.weight", 1)]
     assert by_slot[("a.weight", 0)] is not by_slot[("c.weight", 1)]
+
+
+# --- token-axis ops leave channels alone ------------------------------------------------------
+class PoolByIndex(torch.nn.Module):
+    """Sequence classification's pooling: the hidden state at each row's last position."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)
+
+    def forward(self, x, last):
+        h = torch.relu(self.inp(x))
+        return self.out(h[torch.arange(x.shape[0]), last])
+
+
+class PadTokens(torch.nn.Module):
+    """Padding along the sequence (and a nonzero pad along another axis)."""
+
+    def __init__(self, value=0.0):
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)
+        self.value = value
+
+    def forward(self, x):
+        h = F.pad(torch.relu(self.inp(x)).transpose(1, 2), (1, 2), value=self.value)
+        return self.out(h.transpose(1, 2))
+
+
+def test_pooling_by_index_keeps_channel_groups():
+    x = x_of(B, 5, 4)
+    last = torch.arange(B) % 5
+    m = PoolByIndex()
+    r = analyze(m, x, last)
+    assert summary(r) == {("scaled_perm", 6, 1): {("inp.weight", 0), ("inp.bias", 0), ("out.weight", 1)}}
+    assert r.frozen == []
+
+
+@pytest.mark.parametrize("value,kind", [(0.0, "scaled_perm"), (1.0, "perm")])
+def test_constant_pad_along_tokens_keeps_channel_groups(value, kind):
+    r = analyze(PadTokens(value), x_of(B, 5, 4))
+    assert summary(r) == {(kind, 6, 1): {("inp.weight", 0), ("inp.bias", 0), ("out.weight", 1)}}
+    assert r.frozen == []

@@ -123,8 +123,10 @@ def index(ctx):
     x, indices = ctx.arg(0), ctx.arg(1)
     xa = ctx.axes(x)
     picked = [k for k, i in enumerate(indices) if i is not None]
+    if len(picked) > 1:
+        return _multi_index(ctx, xa, indices, picked)
     if len(picked) != 1:
-        return None  # several advanced indices: no rule, the driver freezes
+        return None
     k = picked[0]
     idx = indices[k]
     ia = ctx.axes(idx)
@@ -135,6 +137,52 @@ def index(ctx):
     cons += [Unify(ctx.out[k + p], a) for p, a in enumerate(ia)]
     tail = len(ia) + k
     cons += [Unify(ctx.out[tail + p], a) for p, a in enumerate(xa[k + 1:])]
+    return cons
+
+
+def _multi_index(ctx, xa, indices, picked):
+    """``x[i, j]`` with several index tensors (pooling by index: ``h[arange(B), last]``): the
+    indexed axes are fixed, the index tensors' broadcast axes come first when the indexed axes
+    are not adjacent and in their place otherwise, and every other axis passes through."""
+    if any(ctx.axes(indices[k]) is None for k in picked):
+        return None
+    nb = len(ctx.out) - (len(xa) - len(picked))  # broadcast dims of the index tensors
+    adjacent = picked == list(range(picked[0], picked[-1] + 1))
+    rest = [p for p in range(len(xa)) if p not in picked]
+    if adjacent:
+        before = [p for p in rest if p < picked[0]]
+        after = [p for p in rest if p > picked[-1]]
+        order = before + [None] * nb + after
+    else:
+        order = [None] * nb + rest
+    cons = [Meet(xa[k], "identity", f"{ctx.where}: indexed by a tensor") for k in picked]
+    for o, p in zip(ctx.out, order):
+        cons.append(Meet(o, "identity", f"{ctx.where}: index positions") if p is None
+                    else Unify(o, xa[p]))
+    # entries along the indexed axes are picked per position: the rest may not vary along them
+    cons += [NoFiber(xa[p], xa[k]) for p in rest for k in picked]
+    return cons
+
+
+@register(aten.constant_pad_nd)
+def constant_pad(ctx):
+    """Padding with a constant along some axes (window attention, convolutions): the padded
+    axes are fixed; the others pass through (only permutations keep a nonzero pad value)."""
+    x = ctx.arg(0)
+    xa, pad = ctx.axes(x), list(ctx.arg(1))
+    value = ctx.arg(2, "value", 0) or 0
+    n = len(xa)
+    padded = {n - 1 - i // 2 for i in range(len(pad)) if pad[i] != 0}
+    cons = []
+    for k in range(n):
+        if k in padded:
+            cons.append(Meet(xa[k], "identity", f"{ctx.where}: padded along this axis"))
+            cons.append(Meet(ctx.out[k], "identity", f"{ctx.where}: padded along this axis"))
+        else:
+            cons.append(Unify(ctx.out[k], xa[k]))
+            if value != 0 and ctx.shape(x)[k] > 1:
+                cons.append(Meet(xa[k], "perm", f"{ctx.where}: padded with {value}"))
+    cons += [NoFiber(xa[k], xa[d]) for k in range(n) if k not in padded for d in padded]
     return cons
 
 
