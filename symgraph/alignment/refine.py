@@ -42,9 +42,10 @@ def default_loss(model, batch):
         loss = getattr(out, "loss", None)
         if loss is not None:
             return loss
-    raise InputError("refine needs a loss: batches (dicts) for a model that returns .loss "
-                     "(Hugging Face models with labels, or language models), or "
-                     "loss_fn(model, batch) -> scalar")
+    name = getattr(model, "wrapped_name", type(model).__name__)
+    raise InputError(f"refine needs a loss, and {name} computes none from its "
+                     "inputs alone (language models do: labels = input_ids); expected batches "
+                     "with labels, or from Python loss_fn(model, batch) -> scalar")
 
 
 def _has_lm_head(model):
@@ -147,6 +148,7 @@ class _Bound(torch.nn.Module):
     def __init__(self, model, values):
         super().__init__()
         self.model, self.values = model, values
+        self.wrapped_name = type(model).__name__
 
     def forward(self, *args, **kwargs):
         return torch.func.functional_call(self.model, self.values, args, kwargs)
