@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import transformers
 
 import symgraph
+from conftest import cli
 from symgraph import models
 from symgraph.merging.repair import find_sites, renormalize
 
 F = torch.nn.functional
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
-       "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 D, K, HIDDEN = 16, 8, (32, 32, 32, 32)
 
 
@@ -223,11 +219,6 @@ def test_inputs_untouched_dtype_kept_and_refusals():
 # --- the command line ------------------------------------------------------------------------
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "symgraph.cli", *map(str, args)], capture_output=True,
-                          text=True, env=ENV, timeout=180)
-
-
 def test_cli_repair(tmp_path):
     from safetensors.torch import save_file
     cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -271,3 +262,16 @@ def test_cli_repair(tmp_path):
     y.write_text(f"models: [{a}, {b}]\nout: {tmp_path / 'm3'}\nrepair: yes please\n")
     r = cli("merge", "--config", y)
     assert r.returncode == 2 and "'repair'" in r.stderr
+
+
+def test_a_parent_state_missing_a_parameter_is_refused():
+    """The graph runs on exactly the tensors given: a parent state without some parameter is
+    refused by name, never filled in silently with the anchor's."""
+    A, B = models.build("gpt2", seed=0), models.build("gpt2", seed=1)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 64, (4, 8), generator=g)}]
+    state = {k: v.detach().clone() for k, v in B.named_parameters()}
+    gone = "transformer.h.0.mlp.c_fc.weight"
+    del state[gone]
+    with pytest.raises(symgraph.InputError, match=gone):
+        renormalize(copy.deepcopy(A), [A, state], [0.5, 0.5], data)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
 from ..groups import orthogonal_part
 from .checks import batch_inputs, by_shape
 
-__all__ = ["ActStats", "activation_similarity", "act_matrix", "run_capture"]
+__all__ = ["ActStats", "activation_similarity", "act_matrix", "run_capture", "GraphRunner"]
 
 
 class _Capture(torch.fx.Interpreter):
@@ -144,6 +145,38 @@ def _flatten_for(gm, args, kwargs):
         kwargs = {k: kwargs[k] for k in keys if k in kwargs}
     flat, _ = pytree.tree_flatten((args, kwargs))
     return flat
+
+
+class GraphRunner(torch.nn.Module):
+    """An exported graph as a module, so that ``torch.func.functional_call`` runs it (with
+    :func:`run_capture`) on any model's tensors, not the ones it was traced with."""
+
+    def __init__(self, gm):
+        super().__init__()
+        self.gm, self.tied = gm, {}  # tied: id -> (names of the tensor, the tensor, is a buffer)
+        for buffer, named in ((False, gm.named_parameters(remove_duplicate=False)),
+                              (True, gm.named_buffers(remove_duplicate=False))):
+            for name, t in named:
+                self.tied.setdefault(id(t), ([], t, buffer))[0].append(name)
+
+    def state(self, tensors: dict) -> dict:
+        """``functional_call``'s complete dict: each graph tensor from ``tensors`` under every
+        one of its names (tied names get the same tensor). Every parameter must be given;
+        a buffer that is not (merge passes parameter states only) is the graph's own, the
+        anchor's."""
+        out, missing = {}, []
+        for names, own, buffer in self.tied.values():
+            v = next((tensors[n] for n in names if n in tensors), None)
+            if v is None and not buffer:
+                missing.append(names[0])
+            out.update({f"gm.{n}": own if v is None else v for n in names})
+        if missing:
+            raise InputError(f"REPAIR was given a model state without parameter(s) {missing[:5]}; "
+                             "expected every parameter of the anchor's architecture")
+        return out
+
+    def forward(self, names, sink, args, kwargs):
+        run_capture(self.gm, names, sink, args, kwargs)
 
 
 def act_matrix(stats, g, cross):

@@ -5,21 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from ..alignment.activations import run_capture
+from ..alignment.activations import GraphRunner
 from ..alignment.checks import batch_inputs, by_shape
 from .average import Average
 from .registry import register
 
 __all__ = ['RegMean']
-
-
-class _Runner(torch.nn.Module):
-    def __init__(self, gm):
-        super().__init__()
-        self.gm = gm
-
-    def forward(self, names, cap, args, kwargs):
-        run_capture(self.gm, names, cap, args, kwargs)
 
 
 @register("regmean")
@@ -34,16 +25,16 @@ class RegMean(Average):
         for (rep,), batches in by_shape((report,), (model,), data):  # other shapes: traced again
             layers = rep.linear_layers()
             names = {x for _, x, _, _ in layers}
-            runner = _Runner(rep.exported_program.module())
-            own = dict(runner.named_parameters())
             # the graph runs on ``model``'s tensors (not those it was traced with): statistics
             # of an aligned copy measured with the anchor's report
-            values = {"gm." + k: v for k, v in model.named_parameters() if "gm." + k in own}
+            runner = GraphRunner(rep.exported_program.module())
+            values = runner.state({**dict(model.named_buffers()), **dict(model.named_parameters())})
             for i, batch in batches:
                 args, kwargs = batch_inputs(rep, batch, i)
                 cap = {}
                 with torch.no_grad():
-                    torch.func.functional_call(runner, values, (names, cap, args, kwargs))
+                    torch.func.functional_call(runner, values, (names, cap, args, kwargs),
+                                               strict=True, tie_weights=False)
                 for w, x, _, _ in layers:
                     if x in cap:
                         X = cap[x].double().reshape(-1, cap[x].shape[-1])

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..alignment.activations import run_capture
+from ..alignment.activations import GraphRunner
 from ..alignment.checks import batch_inputs, by_shape
 from ..errors import InputError
 
@@ -256,29 +256,6 @@ class _Moments:
         return mean, (sq - mean * mean).clamp_min(0).sqrt(), sq.sqrt()
 
 
-class _Runner(torch.nn.Module):
-    """The exported graph as a module, so that ``functional_call`` can give it any tensors."""
-
-    def __init__(self, gm):
-        super().__init__()
-        self.gm, self.tied = gm, {}  # tied: one list of names per tensor
-        for name, t in [*gm.named_parameters(remove_duplicate=False),
-                        *gm.named_buffers(remove_duplicate=False)]:
-            self.tied.setdefault(id(t), []).append(name)
-
-    def state(self, tensors: dict) -> dict:
-        """``functional_call``'s dict: each graph tensor from ``tensors`` under any of its names
-        (tied names get the same tensor); the graph's own (the anchor's) where none is given."""
-        out = {}
-        for names in self.tied.values():
-            v = next((tensors[n] for n in names if n in tensors), None)
-            out.update({f"gm.{n}": v for n in names} if v is not None else {})
-        return out
-
-    def forward(self, names, sink, args, kwargs):
-        run_capture(self.gm, names, sink, args, kwargs)
-
-
 class _Graphs:
     """The anchor's exported graph per batch shape, with its sites there."""
 
@@ -290,7 +267,7 @@ class _Graphs:
                 raise InputError("data batches of other shapes give the model other layers to "
                                  "repair; expected batches of the first batch's shapes")
             order = {n.name: i for i, n in enumerate(rep.exported_program.graph.nodes)}
-            self.groups.append((rep, _Runner(rep.exported_program.module()), here, order, batches))
+            self.groups.append((rep, GraphRunner(rep.exported_program.module()), here, order, batches))
 
     def measure(self, tensors: dict, keys) -> _Moments:
         """Per-channel moments at the sites ``keys`` (weight names) of the model with parameters
@@ -305,7 +282,7 @@ class _Graphs:
                 try:
                     with torch.no_grad():
                         torch.func.functional_call(runner, state, (set(dims), sink, args, kwargs),
-                                                   strict=False, tie_weights=False)
+                                                   strict=True, tie_weights=False)
                 except _Done:
                     pass
         return sink
