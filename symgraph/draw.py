@@ -71,7 +71,7 @@ def save_graph(report, path: str) -> str:
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a picture is an ordinary file
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
+        if os.path.exists(tmp):  # this call's mkstemp file (renamed onto ``path`` on success)
             os.unlink(tmp)
     return path
 

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-__all__ = ['KINDS', 'PERMUTATION_FAMILY', 'meet', 'ones_basis', 'orthogonal_part', 'sample']
+__all__ = ['KINDS', 'PERMUTATION_FAMILY', 'meet', 'ones_basis', 'orthogonal_part', 'pair_rotations', 'sample']
 
 KINDS = ("identity", "perm", "signed_perm", "scaled_perm", "rope", "orthogonal_mean",
          "orthogonal", "gl")
@@ -87,6 +87,17 @@ def _haar_mean(n: int, gen: torch.Generator, batch=()) -> torch.Tensor:
     return H @ inner @ H.mT
 
 
+def pair_rotations(base: torch.Tensor, pairs, c, s) -> torch.Tensor:
+    """A copy of ``base [..., n, n]`` with the 2×2 rotation ``[[c, -s], [s, c]]`` on each
+    coordinate pair ``(i, j)`` of ``pairs`` (``c``, ``s``: ``[..., len(pairs)]``); differentiable
+    in ``c`` and ``s``."""
+    i = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+    j = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+    R = base.detach().clone()
+    R[..., i, i], R[..., i, j], R[..., j, i], R[..., j, j] = c, -s, s, c
+    return R
+
+
 def _perm_matrices(n: int, gen: torch.Generator, batch=()) -> torch.Tensor:
     count = int(math.prod(batch)) if batch else 1
     eye = torch.eye(n, dtype=torch.float64)
@@ -121,10 +132,7 @@ def sample(kind: str, n: int, gen: torch.Generator, batch=(), pairs=None) -> tor
     if kind == "rope":
         if pairs is None:
             raise ValueError("rope sampling needs the coordinate pairs")
-        g = torch.eye(n, dtype=torch.float64).expand(*batch, n, n).clone()
+        g = torch.eye(n, dtype=torch.float64).expand(*batch, n, n)
         theta = 2 * math.pi * torch.rand(*batch, len(pairs), generator=gen, dtype=torch.float64)
-        for k, (i, j) in enumerate(pairs):
-            c, s = torch.cos(theta[..., k]), torch.sin(theta[..., k])
-            g[..., i, i], g[..., i, j], g[..., j, i], g[..., j, j] = c, -s, s, c
-        return g
+        return pair_rotations(g, pairs, torch.cos(theta), torch.sin(theta))
     raise ValueError(f"unknown group kind {kind!r}; expected one of {KINDS}")

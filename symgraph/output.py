@@ -128,6 +128,8 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
             os.replace(out, old)
         os.replace(tmp, out)
     finally:
+        # the only deletions: ``tmp`` (this call's mkdtemp, a random sibling name) and ``old``
+        # (the previous output, vetted by check_out as symgraph's own just before the move)
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and os.path.isdir(old):

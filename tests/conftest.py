@@ -8,6 +8,8 @@ hide a wrong bias or norm slot from the certificates.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -121,3 +123,14 @@ def mlp():
 def tiny(request):
     """Indirect access to the session fixtures by name (for parametrised tests)."""
     return request.getfixturevalue(request.param)
+
+
+# --- the command line, as a subprocess ----------------------------------------------------
+CLI_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+def cli(*args, cwd=None, timeout=180):
+    """Run ``python -m symgraph.cli *args``; returns the CompletedProcess (text output)."""
+    return subprocess.run([sys.executable, "-m", "symgraph.cli", *map(str, args)],
+                          capture_output=True, text=True, env=CLI_ENV, cwd=cwd, timeout=timeout)

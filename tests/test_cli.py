@@ -11,13 +11,8 @@ import pytest
 import torch
 import transformers
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
-       "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-
-
-def cli(*args, cwd=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "symgraph.cli", *map(str, args)], capture_output=True,
-                          text=True, env=ENV, cwd=cwd, timeout=timeout)
+from conftest import CLI_ENV as ENV
+from conftest import cli
 
 
 def bert(seed):

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import symgraph
+from conftest import cli
 from symgraph.elements import Perm
 from symgraph.errors import InputError
 from symgraph.models import build, train
@@ -93,15 +94,6 @@ def test_refine_refuses_bad_input(pair):
 
 
 # --- the command line ------------------------------------------------------------------------
-def _cli(*args):
-    import os
-    import subprocess
-    import sys
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    return subprocess.run([sys.executable, "-m", "symgraph.cli", *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=300)
-
-
 def test_cli_refine_and_no_fold_norms(tmp_path, pair):
     import json
 
@@ -111,32 +103,32 @@ def test_cli_refine_and_no_fold_norms(tmp_path, pair):
     b.save_pretrained(tmp_path / "b")
     save_file({"input_ids": torch.cat([x["input_ids"] for x in data])}, str(tmp_path / "d.safetensors"))
     out = tmp_path / "m"
-    r = _cli("merge", tmp_path / "a", tmp_path / "b", "--out", out, "--refine", "4",
+    r = cli("merge", tmp_path / "a", tmp_path / "b", "--out", out, "--refine", "4",
              "--data", tmp_path / "d.safetensors")
     assert r.returncode == 0, r.stderr
     meta = json.loads((out / "symgraph_merge.json").read_text())
     assert meta["options"]["refine"] == 4 and meta["options"]["align"] == "activations"
     info = meta["alignments"][0]["refined"]
     assert info["steps"] == 4 and info["loss_last"] > 0
-    r = _cli("merge", tmp_path / "a", tmp_path / "b", "--out", tmp_path / "p", "--no-fold-norms")
+    r = cli("merge", tmp_path / "a", tmp_path / "b", "--out", tmp_path / "p", "--no-fold-norms")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "p" / "symgraph_merge.json").read_text())["options"]["fold_norms"] is False
     for args, msg in ((["--refine", "3"], "--refine needs --data"),
                       (["--refine", "-2", "--data", tmp_path / "d.safetensors"], "expected a number of steps"),
                       (["--refine", "2", "--align", "none", "--data", tmp_path / "d.safetensors"],
                        "needs an alignment")):
-        r = _cli("merge", tmp_path / "a", tmp_path / "b", "--out", tmp_path / "x", *args)
+        r = cli("merge", tmp_path / "a", tmp_path / "b", "--out", tmp_path / "x", *args)
         assert r.returncode == 2 and msg in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
         assert not (tmp_path / "x").exists()
     y = tmp_path / "c.yaml"
     y.write_text(f"models: [{tmp_path / 'a'}, {tmp_path / 'b'}]\nout: {tmp_path / 'y'}\nrefine: lots\n")
-    r = _cli("merge", "--config", y)
+    r = cli("merge", "--config", y)
     assert r.returncode == 2 and "'refine'" in r.stderr
 
 
 def test_cli_usage_errors_are_one_line(tmp_path):
     for args in (["merge", "a", "b", "--out", tmp_path / "x", "--refine", "abc"], ["bogus"], []):
-        r = _cli(*args)
+        r = cli(*args)
         assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
         assert "usage:" not in r.stderr and "Traceback" not in r.stderr
-    assert "invalid int value: 'abc'" in _cli("merge", "a", "b", "--refine", "abc").stderr
+    assert "invalid int value: 'abc'" in cli("merge", "a", "b", "--refine", "abc").stderr

@@ -200,14 +200,11 @@ def test_regmean_statistics_run_on_the_models_own_tensors():
 
 def test_cli_analyze_reports_folds_and_can_keep_permutations():
     import json
-    import os
-    import subprocess
-    import sys
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+    from conftest import cli
 
     def run(*a):
-        r = subprocess.run([sys.executable, "-m", "symgraph.cli", "analyze", "tiny-llama", *a],
-                           capture_output=True, text=True, env=env, timeout=300)
+        r = cli("analyze", "tiny-llama", *a, timeout=300)
         assert r.returncode == 0, r.stderr
         return r.stdout
     folded = json.loads(run("--json"))

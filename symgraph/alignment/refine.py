@@ -26,7 +26,7 @@ from .. import solve as S
 from ..apply import move
 from ..elements import Map, Perm
 from ..errors import InputError
-from ..groups import PERMUTATION_FAMILY, ones_basis, orthogonal_part
+from ..groups import PERMUTATION_FAMILY, ones_basis, orthogonal_part, pair_rotations
 
 __all__ = ["refine", "default_loss"]
 
@@ -64,18 +64,14 @@ class _Learned:
 
     def __init__(self, g, E):
         self.kind = orthogonal_part(g.kind)
-        self.g = g
         self.H = None
         if self.kind in PERMUTATION_FAMILY:
             P = E.dense() if isinstance(E, Perm) else E
             self.score = torch.nn.Parameter(P.clone().double())
             self.params = [self.score]
         elif self.kind == "rope":
-            pairs = g.pairs
-            i = torch.tensor([p[0] for p in pairs])
-            j = torch.tensor([p[1] for p in pairs])
-            self.pairs = (i, j)
-            self.base = E.clone()
+            self.pairs, self.base = g.pairs, E.clone()
+            i, j = (torch.tensor(x, dtype=torch.long) for x in zip(*g.pairs))
             self.theta = torch.nn.Parameter(torch.atan2(E[..., j, i], E[..., i, i]).clone())
             self.params = [self.theta]
         else:  # orthogonal, orthogonal_mean, gl (its orthogonal part, where solved so)
@@ -94,8 +90,7 @@ class _Learned:
                 hard = S.hungarian(self.score.detach()).element.to(self.score)
             return hard + self.score - self.score.detach()
         if self.kind == "rope":
-            i, j = self.pairs
-            return _rope(self.base, i, j, torch.cos(self.theta), torch.sin(self.theta))
+            return pair_rotations(self.base, self.pairs, torch.cos(self.theta), torch.sin(self.theta))
         W = self.mod.weight
         if self.H is None:
             return W
@@ -115,13 +110,6 @@ class _Learned:
                 return E
             U, _, Vh = torch.linalg.svd(E)
             return U @ Vh
-
-
-def _rope(base, i, j, c, s):
-    """``base`` with the 2×2 rotations by (cos, sin) = (c, s) on the pairs (i, j)."""
-    R = base.detach().clone()
-    R[..., i, i], R[..., i, j], R[..., j, i], R[..., j, j] = c, -s, s, c
-    return R
 
 
 def _learnable(report, al):

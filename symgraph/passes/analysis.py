@@ -317,9 +317,8 @@ class AxisAnalysis:
             else:
                 uf.meet(p, "identity", "segment of a rotary axis without pairs")
 
-    def stream_kind(self, node_name):
-        """The group kind of the last axis of node ``node_name``'s output."""
-        node = next(n for n in self.graph.nodes if n.name == node_name)
+    def stream_kind(self, node):
+        """The group kind of the last axis of ``node``'s output."""
         return self.kind(self.uf.find(self.node_axes[node][-1])[0])
 
     def kind(self, root):
@@ -403,7 +402,8 @@ def analyze_graph(ep, strict=False, tied=(), fold_norms=True) -> AxisAnalysis:
     permutations (elsewhere, e.g. a stream read by a tied head, the fold would change the
     weights for nothing): folds that did not are dropped and the graph analysed again."""
     an = AxisAnalysis(ep, strict, tied, fold_norms).run().finalize()
-    useless = frozenset(f.node for f in an.folds if an.stream_kind(f.node) not in WIDE)
+    by_name = {n.name: n for n in an.graph.nodes}
+    useless = frozenset(f.node for f in an.folds if an.stream_kind(by_name[f.node]) not in WIDE)
     if useless:
         an = AxisAnalysis(ep, strict, tied, fold_norms, useless).run().finalize()
     return an

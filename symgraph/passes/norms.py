@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .registry import Meet, NoFiber, Unify
+from .rope import _ndim, _packet
 
 __all__ = ["Fold", "find_norms"]
 
@@ -53,18 +54,8 @@ class Fold:
                 "readers": [[w, d, b] for w, d, b in self.readers]}
 
 
-def _packet(node):
-    t = getattr(node, "target", None)
-    return t.overloadpacket if isinstance(t, torch._ops.OpOverload) else t
-
-
 def _node(x):
     return x if isinstance(x, torch.fx.Node) else None
-
-
-def _ndim(node):
-    v = node.meta.get("val")
-    return v.dim() if isinstance(v, torch.Tensor) else None
 
 
 def _shape(node):

@@ -25,7 +25,8 @@ _BIG = 2 ** 62
 
 
 def _packet(node):
-    t = node.target
+    """The op packet of a graph node (``aten.mul`` for ``aten.mul.Tensor``); None for values."""
+    t = getattr(node, "target", None)
     return t.overloadpacket if isinstance(t, torch._ops.OpOverload) else t
 
 
