@@ -1,16 +1,20 @@
 """Similarity of a class from activations (seed 002's recipe): the graph is run on each data
 batch, the outputs of ops whose rule is marked ``observe`` are captured where a class's
 coordinates appear with only fixed classes beside them, and streamed cross-moments of A's and
-B's coordinates give a correlation (permutations) or covariance (rotations) matrix."""
+B's coordinates give a correlation (permutations) or covariance (rotations) matrix. Under
+``torch.distributed`` each process streams its own batches and the sums are all-reduced
+(:mod:`symgraph.distributed`)."""
 from __future__ import annotations
 
 import torch
 
+from .. import distributed
 from ..errors import InputError
 from ..groups import orthogonal_part
 from .checks import batch_inputs, by_shape
 
-__all__ = ["ActStats", "activation_similarity", "act_matrix", "run_capture", "GraphRunner"]
+__all__ = ["ActStats", "all_reduce_stats", "activation_similarity", "act_matrix", "run_capture",
+           "GraphRunner"]
 
 
 class _Capture(torch.fx.Interpreter):
@@ -25,8 +29,13 @@ class _Capture(torch.fx.Interpreter):
         return out
 
 
+_SUMS = ("sa", "sb", "saa", "sbb", "sab")
+
+
 class ActStats:
-    """Streaming cross-moments of one class's coordinates in A and B."""
+    """Streaming cross-moments of one class's coordinates in A and B: ``n`` samples and the
+    sums ``sa``, ``sb`` (``[F, n]``), ``saa``, ``sbb`` and ``sab`` (``[Fa, Fb, n, n]``),
+    None before the first sample."""
 
     def __init__(self):
         self.n = 0
@@ -45,6 +54,12 @@ class ActStats:
                 x + y for x, y in zip((self.sa, self.sb, self.saa, self.sbb, self.sab), upd))
         self.n += xa.shape[0]
 
+    def all_reduce(self) -> "ActStats":
+        """Sum ``n`` and the sums over all processes (:func:`all_reduce_stats`); returns
+        ``self``."""
+        all_reduce_stats({0: self})
+        return self
+
     def matrix(self, kind):
         n = max(self.n, 1)
         ma, mb = self.sa / n, self.sb / n
@@ -56,10 +71,30 @@ class ActStats:
         return cov / torch.einsum("ai,bj->abij", sa, sb)
 
 
+def all_reduce_stats(stats: dict) -> dict:
+    """``{key: ActStats}`` summed over all processes, in place (one reduction for all): a
+    process without samples of a class (sums None) counts as zeros of the shapes the others
+    have. A no-op when not distributed. Returns ``stats``."""
+    if not distributed.is_active():
+        return stats
+    local = {}
+    for i, s in stats.items():
+        local[(i, "n")] = s.n
+        local.update({(i, f): getattr(s, f) for f in _SUMS if getattr(s, f) is not None})
+    total = distributed.all_reduce_dict(local)
+    for i, s in stats.items():
+        s.n = total[(i, "n")]
+        for f in _SUMS:
+            setattr(s, f, total.get((i, f)))
+    return stats
+
+
 def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096):
     """Streamed statistics ``{i: ActStats}`` for each ``(group A, group B)`` of ``pairs`` at
     its observation points (ops whose rule is marked ``observe``), over ``data``. Batches of
-    other shapes than the traced ones are traced again when ``models`` (A, B) are given."""
+    other shapes than the traced ones are traced again when ``models`` (A, B) are given.
+    Under ``torch.distributed`` ``data`` is this process's shard, and the statistics returned
+    are summed over all processes (every process must call it)."""
     stats = {i: ActStats() for i in range(len(pairs))}
     for (sa, sb), batches in by_shape((ra, rb), models, data):
         spairs = [(sa.groups[ga.id], sb.groups[gb.id]) for ga, gb in pairs]
@@ -84,7 +119,7 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096):
                             sel = torch.linspace(0, a.shape[0] - 1, max_samples).long()
                             a, b = a[sel], b[sel]
                         stats[i].add(a, b, fa)
-    return stats
+    return all_reduce_stats(stats)
 
 
 def _plan(ra, rb, pairs):

@@ -1,9 +1,12 @@
 """Fisher merging: a per-coordinate average weighted by each model's diagonal Fisher of its
-own predictive distribution. The Fisher moves into the anchor's basis with the squared map."""
+own predictive distribution. The Fisher moves into the anchor's basis with the squared map.
+Under ``torch.distributed`` the sums of squared gradients are all-reduced over the processes'
+shards of the data (:mod:`symgraph.distributed`)."""
 from __future__ import annotations
 
 import torch
 
+from .. import distributed
 from ..alignment.checks import batch_inputs
 from ..apply import map_parameters
 from ..errors import InputError
@@ -37,7 +40,7 @@ class Fisher(MergeMethod):
             model.zero_grad(set_to_none=True)
         finally:
             model.train(was)
-        return fis
+        return distributed.all_reduce_dict(fis)  # sums over every process's batches
 
     def to_anchor(self, stat, alignment):
         if alignment is None:

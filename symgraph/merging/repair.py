@@ -25,7 +25,9 @@ attention projections, residual writers, heads, or convs followed by a BatchNorm
 Statistics are taken at those graph nodes (:func:`~symgraph.alignment.activations.run_capture`)
 by running the anchor's exported graph on each model's own tensors
 (``torch.func.functional_call``): the parents' states, the merged model's parameters. Every
-sample counts (batch, positions, pixels; padding too).
+sample counts (batch, positions, pixels; padding too). Under ``torch.distributed`` each
+process measures its own batches and the per-channel sums and counts are all-reduced
+(:mod:`symgraph.distributed`) before the moments are taken.
 
 ``sequential=True`` (default) corrects in *waves* — every repaired layer with no uncorrected
 repaired layer among its graph ancestors (a block's gate and up are one wave) — re-measuring
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import distributed
 from ..alignment.activations import GraphRunner
 from ..alignment.checks import batch_inputs, by_shape
 from ..errors import InputError
@@ -249,6 +252,16 @@ class _Moments:
         if name == self.last:
             raise _Done
 
+    def all_reduce(self):
+        """Sum the counts and sums over all processes (a no-op when not distributed)."""
+        if not distributed.is_active():
+            return
+        local = {(k, j): x for k, acc in self.sums.items() for j, x in enumerate(acc)
+                 if j == 0 or isinstance(x, torch.Tensor)}
+        total = distributed.all_reduce_dict(local)
+        for k, j in total:
+            self.sums.setdefault(k, [0, 0, 0])[j] = total[(k, j)]
+
     def stats(self, key):
         """``(mean, std, rms)`` per channel."""
         n, s1, s2 = self.sums[key]
@@ -285,6 +298,7 @@ class _Graphs:
                                                    strict=True, tie_weights=False)
                 except _Done:
                     pass
+        sink.all_reduce()  # sums over every process's batches
         return sink
 
 
