@@ -15,7 +15,7 @@ def inv_t(E):
     """``E^{-T}`` (no inversion for permutations and orthogonal matrices)."""
     if is_perm(E):
         return E  # P^{-T} = P
-    eye = torch.eye(E.shape[-1], dtype=E.dtype)
+    eye = torch.eye(E.shape[-1], dtype=E.dtype, device=E.device)
     if E.shape[-1] == E.shape[-2] and bool(((E @ E.mT) - eye).abs().max() <= 1e-12):
         return E  # orthogonal (Procrustes, RoPE): R^{-T} = R
     return torch.linalg.inv(E).mT
@@ -50,8 +50,8 @@ class Perm:
 
     def dense(self, dtype=torch.float64):
         n = len(self.index)
-        M = torch.zeros(n, n, dtype=dtype)
-        M[torch.arange(n), self.index] = 1
+        M = torch.zeros(n, n, dtype=dtype, device=self.index.device)
+        M[torch.arange(n, device=self.index.device), self.index] = 1
         M._symgraph_perm = True
         return M
 
@@ -87,8 +87,8 @@ def apply_along(t: torch.Tensor, d: int, M) -> torch.Tensor:
     moved = t.movedim(d, 0)
     shape = moved.shape
     if M.dim() == 1:
-        return moved[M].movedim(0, d)
+        return moved[M.to(t.device)].movedim(0, d)
     if not M.requires_grad and is_perm(M):
-        return moved[M.argmax(1)].movedim(0, d)  # a permutation: gather, no matmul
-    out = (M.to(t.dtype) @ moved.reshape(shape[0], -1)).reshape(M.shape[0], *shape[1:])
+        return moved[M.argmax(1).to(t.device)].movedim(0, d)  # a permutation: gather, no matmul
+    out = (M.to(t.device, t.dtype) @ moved.reshape(shape[0], -1)).reshape(M.shape[0], *shape[1:])
     return out.movedim(0, d)

@@ -50,7 +50,7 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
         size = size if isinstance(size, (tuple, list)) else (size, size)
         ch = getattr(cfg, "num_channels", 3)
         gen = torch.Generator().manual_seed(0)
-        kwargs[name] = torch.randn(batch, ch, *size, generator=gen).to(dev)
+        kwargs[name] = torch.randn(batch, ch, *size, generator=gen, device="cpu").to(dev)
     elif name == "input_ids":
         vocab = getattr(cfg, "vocab_size", None)
         if vocab is None:
@@ -58,7 +58,7 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
         maxpos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         seq = min(seq, maxpos) if maxpos else seq
         gen = torch.Generator().manual_seed(0)
-        kwargs[name] = torch.randint(0, vocab, (batch, seq), generator=gen).to(dev)
+        kwargs[name] = torch.randint(0, vocab, (batch, seq), generator=gen, device="cpu").to(dev)
     else:
         raise InputError(f"cannot build example inputs for main input {name!r}; pass inputs=")
     if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params and name == "input_ids":

@@ -19,7 +19,7 @@ from .result import Alignment
 from .sweeps import Sweeps
 from .weights import WeightFeatures
 
-__all__ = ["AlignOptions", "align"]
+__all__ = ["AlignOptions", "align", "align_weights"]
 
 _SOLVERS = (None, "hungarian", "ot", "sinkhorn")
 
@@ -109,13 +109,9 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     rb = report_b or analyze(model_b, inputs, fold_norms=opts.fold_norms)
     t_an = time.perf_counter() - t0
     check_compatible(ra, rb)
-    feats = WeightFeatures(ra, rb, model_a, model_b)
-    run = Sweeps(ra, opts, feats, None)
-    b_of = dict(zip((g.id for g in ra.groups), rb.groups))
-
-    def by_weights(ga, cross, usable=None):
-        return feats.similarity(ga, b_of[ga.id], run.elements, cross, usable)
-    run.similarity, sweeps = by_weights, opts.max_iter
+    feats = WeightFeatures.from_models(ra, rb, model_a, model_b)
+    run, b_of = _sweeps(ra, rb, feats, opts)
+    by_weights, sweeps = run.similarity, opts.max_iter
     if data is not None:
         stats = activation_similarity(ra, rb, data, [(ga, b_of[ga.id]) for ga in ra.groups],
                                       models=(model_a, model_b))
@@ -135,5 +131,37 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
         al.refined = refine(al, model_a, model_b, data, opts.refine, opts.loss_fn, opts.refine_lr)
     if opts.rescale:
         al.scales = fit_scales(al, model_a, model_b, [g for g in ra.groups if opts.selected(g)])
+    al.seconds["total"] = time.perf_counter() - t0
+    return al
+
+
+def _sweeps(ra, rb, feats, opts):
+    """The coordinate-descent loop over ``ra``'s classes with weight similarity, and the map
+    from A's group ids to B's groups."""
+    run = Sweeps(ra, opts, feats, None)
+    b_of = dict(zip((g.id for g in ra.groups), rb.groups))
+
+    def by_weights(ga, cross, usable=None):
+        return feats.similarity(ga, b_of[ga.id], run.elements, cross, usable)
+    run.similarity = by_weights
+    return run, b_of
+
+
+def align_weights(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOptions | None = None,
+                  **option_kw) -> Alignment:
+    """Weight matching from tensors rather than modules: ``tensors_a`` / ``tensors_b`` map
+    each parameter name of the reports to its tensor (any ``Mapping``; a lazy one reads them
+    on demand, see :mod:`symgraph.streaming`); ``gauge_a``: A's norm gains and shifts
+    (:func:`symgraph.folding.gauge`). The result has no template (``Alignment.state`` works;
+    ``apply`` needs a ``template``)."""
+    opts = AlignOptions.build(options, **option_kw)
+    if opts.refine or opts.rescale:
+        raise InputError("refine and rescale need the models themselves; use symgraph.align")
+    t0 = time.perf_counter()
+    check_compatible(ra, rb)
+    run, _ = _sweeps(ra, rb, WeightFeatures(ra, rb, tensors_a, tensors_b), opts)
+    n_sweeps = run.run(opts.max_iter)
+    al = Alignment(ra, rb, run.elements, run.results, "weights",
+                   {"solver": run.solver_seconds, "sweeps": n_sweeps}, gauge=gauge_a)
     al.seconds["total"] = time.perf_counter() - t0
     return al

@@ -32,11 +32,11 @@ def solve_unit(unit, sims, opts) -> list:
         [s for _, s in sims], kinds, [m.pairs for m, _ in sims], inner=opts.inner,
         outer="hungarian" if opts.solver not in ("ot", "sinkhorn") else "ot")
     HA, HB = sims[0][1].shape[:2]
-    match = out_res.element.argmax(0)
+    match = out_res.element.argmax(0).to(sims[0][1].device)
     out = [(unit.outer, element_from(out_res), out_res)]
     for (m, s), el in zip(sims, inner_els):
         nA, nB = s.shape[-2:]
-        obj = float((el * s[match, torch.arange(HB)]).sum())
+        obj = float((el * s[match, torch.arange(HB, device=s.device)]).sum())
         res = S.SolveResult(el, obj, extra={"plan": nA != nB})
         out.append((m, element_from(res), res))
     return out

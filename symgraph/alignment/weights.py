@@ -24,14 +24,21 @@ class WeightFeatures:
 
     CACHE_NUMEL = 1 << 20  # contributions larger than this (e.g. MLP×MLP) are not kept
 
-    def __init__(self, ra, rb, model_a, model_b):
+    def __init__(self, ra, rb, tensors_a, tensors_b):
+        """``tensors_a`` / ``tensors_b``: ``{parameter name: tensor}`` of the two models with
+        the reports' norm gains folded (any ``Mapping``; :mod:`symgraph.streaming` passes lazy
+        ones that read a checkpoint on demand)."""
         self.ra, self.rb = ra, rb
-        self.A = _folded(ra, {k: model_a.get_parameter(k).detach() for k in ra.parameters})
-        self.B = _folded(rb, {k: model_b.get_parameter(k).detach() for k in rb.parameters})
+        self.A, self.B = tensors_a, tensors_b
         self._cache: dict = {}
         self._deps: dict = {}
         self._axis_memo: dict = {}
         self.versions: dict = {}  # shared with the solve loop: group id -> changes so far
+
+    @classmethod
+    def from_models(cls, ra, rb, model_a, model_b):
+        return cls(ra, rb, _folded(ra, {k: model_a.get_parameter(k).detach() for k in ra.parameters}),
+                   _folded(rb, {k: model_b.get_parameter(k).detach() for k in rb.parameters}))
 
     def _axis_op(self, a, elements):
         """B's current map on axis ``a``: an index vector for a permutation, else the dense
@@ -141,10 +148,10 @@ def gather(t, d, idx, nf, others=None):
     moved = t.movedim(d, 0)
     flat = idx.reshape(-1)
     if nf == 0 and idx.dim() == 1 and len(flat) == moved.shape[0] and bool(
-            (flat == torch.arange(len(flat))).all()):
+            (flat == torch.arange(len(flat), device=flat.device)).all()):
         x = moved  # the whole axis in order: a view, no copy (embeddings)
     else:
-        x = moved[flat].reshape(*idx.shape, *moved.shape[1:])
+        x = moved[flat.to(moved.device)].reshape(*idx.shape, *moved.shape[1:])
     for pos, E, fpos in (others or []):
         x = _apply_leaf(x, nf + 1 + pos, E, fpos)
     lead = idx.shape[: nf + 1]
@@ -158,7 +165,7 @@ def _apply_leaf(x, pos, E, fpos):
     new = L[x.dim()]
     es = "".join(xs[p] for p in fpos) + new + xs[pos]
     out = [new if i == pos else c for i, c in enumerate(xs)]
-    return torch.einsum(f"{es},{''.join(xs)}->{''.join(out)}", E.to(x.dtype), x)
+    return torch.einsum(f"{es},{''.join(xs)}->{''.join(out)}", E.to(x.device, x.dtype), x)
 
 
 def cross(xa, xb, nf, cross_fibres):

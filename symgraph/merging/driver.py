@@ -70,14 +70,14 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
                               align_options.get("refine") else None,
                               report_a=ra, **align_options)
             rep = al.report_b
-            st = {k: v.double() for k, v in al.state(m).items()}
+            st = {k: _acc(v) for k, v in al.state(m).items()}
             for k, p in m.named_parameters():
-                st.setdefault(k, p.detach().double())
+                st.setdefault(k, _acc(p.detach()))
         else:
             if i != anchor:
                 _check_same_shapes(A, m, i)
                 rep = analyze(m, inputs) if how.needs_data else None
-            st = {k: p.detach().double() for k, p in m.named_parameters()}
+            st = {k: _acc(p.detach()) for k, p in m.named_parameters()}
         t2 = time.perf_counter()
         timings["align"] += t2 - t1
         alignments.append(al)
@@ -100,6 +100,11 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         timings["repair"] = repaired.seconds
     timings["total"] = time.perf_counter() - t0
     return MergeResult(out, alignments, timings, repaired)
+
+
+def _acc(t):
+    """A weight in the accumulation dtype: float32 (float64 stays float64), on its device."""
+    return t.to(torch.promote_types(t.dtype, torch.float32)) if t.is_floating_point() else t
 
 
 def _statistics(how, m, rep, al, ra, data):

@@ -34,8 +34,8 @@ class MergeMethod:
         return stat
 
     def combine(self, states, stats, weights, report) -> dict:
-        """Merged ``{name: float64 tensor}`` from the aligned ``states`` (float64, anchor's
-        basis), their ``stats`` and the normalised mixing ``weights``; ``report`` is the
+        """Merged ``{name: tensor}`` from the aligned ``states`` (float32, or float64 for
+        float64 models; anchor's basis), their ``stats`` and the normalised mixing ``weights``; ``report`` is the
         anchor's."""
         raise NotImplementedError
 

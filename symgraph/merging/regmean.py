@@ -1,10 +1,12 @@
 """RegMean: per linear layer, ``W* = (Σ wᵢ Wᵢ Gᵢ)(Σ wᵢ Gᵢ)⁻¹`` with ``Gᵢ`` the Gram matrix of the
 layer's inputs in model i, regularised towards its diagonal; other parameters are averaged.
-A Gram ``G = Σ x xᵀ`` moves into the anchor's basis as ``M G Mᵀ``."""
+A Gram ``G = Σ x xᵀ`` moves into the anchor's basis as ``M G Mᵀ``. Under ``torch.distributed``
+the Grams are all-reduced over the processes' shards of the data (:mod:`symgraph.distributed`)."""
 from __future__ import annotations
 
 import torch
 
+from .. import distributed
 from ..alignment.activations import GraphRunner
 from ..alignment.checks import batch_inputs, by_shape
 from .average import Average
@@ -39,7 +41,7 @@ class RegMean(Average):
                     if x in cap:
                         X = cap[x].double().reshape(-1, cap[x].shape[-1])
                         grams[w] = grams.get(w, 0) + X.T @ X
-        return grams
+        return distributed.all_reduce_dict(grams)  # sums over every process's batches
 
     def to_anchor(self, grams, alignment):
         if alignment is None:
@@ -65,7 +67,7 @@ class RegMean(Average):
             if not all(w in g for g in stats):
                 continue
             Gs = [a * g[w] + (1 - a) * torch.diag(torch.diag(g[w])) for g in stats]
-            Ws = [s[w] if layout == "out_in" else s[w].T for s in states]
+            Ws = [(s[w] if layout == "out_in" else s[w].T).to(G.dtype) for s, G in zip(states, Gs)]
             num = sum(wi * W @ G for wi, W, G in zip(weights, Ws, Gs))
             den = sum(wi * G for wi, G in zip(weights, Gs))
             Wm = torch.linalg.solve(den.T + 1e-8 * torch.eye(den.shape[0], dtype=den.dtype), num.T).T

@@ -76,11 +76,12 @@ def _node(an, axis, par, elements):
         for (E, f), _ in subs:
             fibres += [x for x in f if x not in fibres]
         blocks = []
+        dev = next(E.device for (E, _), _ in subs if E is not None)  # the elements' device
         for (E, f), m in subs:
-            E = torch.eye(m, dtype=torch.float64) if E is None else E
+            E = torch.eye(m, dtype=torch.float64, device=dev) if E is None else E
             blocks.append(_broadcast_fibres(E, f, fibres, uf))
         na, nb = sum(b.shape[-2] for b in blocks), sum(b.shape[-1] for b in blocks)
-        out = torch.zeros(*[uf.size[x] for x in fibres], na, nb, dtype=torch.float64)
+        out = torch.zeros(*[uf.size[x] for x in fibres], na, nb, dtype=torch.float64, device=dev)
         oa = ob = 0
         for b in blocks:
             out[..., oa:oa + b.shape[-2], ob:ob + b.shape[-1]] = b
@@ -108,7 +109,8 @@ def _node(an, axis, par, elements):
     f_l = [next(letters) for _ in factors]
     col = next(letters)
     osz = [uf.size[x] for x in outer]
-    X = torch.eye(n, dtype=torch.float64).reshape(*fsizes, n)
+    dev = next(E.device for E, _ in subs if E is not None)  # the elements' device
+    X = torch.eye(n, dtype=torch.float64, device=dev).reshape(*fsizes, n)
     X = X.expand(*osz, *fsizes, n).clone() if osz else X
     for k in _application_order(subs, fclasses):
         E, f = subs[k]
@@ -210,7 +212,7 @@ def leaf_views(an, axis, target):
         idx[tuple(leaves[d][cs] for d in dims)] = cs
         if (idx < 0).any():
             continue
-        out.append((torch.as_tensor(idx), len(fib)))
+        out.append((torch.as_tensor(idx, device="cpu"), len(fib)))  # structure: on the CPU
     return out
 
 

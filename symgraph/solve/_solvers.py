@@ -53,6 +53,7 @@ def hungarian(S) -> SolveResult:
     dt = time.perf_counter() - t
     P = torch.zeros(s.shape, dtype=torch.float64)
     P[rows, cols] = 1.0
+    P = P.to(S.device) if isinstance(S, torch.Tensor) else P  # back to the similarity's device
     if s.shape[0] == s.shape[1]:
         P._symgraph_perm = True  # a hint for transform._is_perm (skips re-checking)
     return SolveResult(P, float(s[rows, cols].sum()), status=status, seconds=dt)
@@ -99,7 +100,7 @@ def rope_procrustes(S, pairs) -> SolveResult:
     """Block rotation on the given coordinate pairs maximising ``<R, S>``."""
     s = torch.as_tensor(S, dtype=torch.float64)
     n = s.shape[-1]
-    R = torch.eye(n, dtype=torch.float64).expand_as(s).clone()
+    R = torch.eye(n, dtype=torch.float64, device=s.device).expand_as(s).clone()
     obj = 0.0
     t = time.perf_counter()
     for i, j in pairs:
@@ -136,8 +137,9 @@ def optimal_transport(S, reg: float | None = None) -> SolveResult:
         status = "soft"
     dt = time.perf_counter() - t
     T = torch.as_tensor(T, dtype=torch.float64)
-    return SolveResult(T, float((T * torch.as_tensor(s)).sum()), status=status, seconds=dt,
-                       extra={"plan": True})
+    obj = float((T * torch.as_tensor(s)).sum())
+    T = T.to(S.device) if isinstance(S, torch.Tensor) else T  # back to the similarity's device
+    return SolveResult(T, obj, status=status, seconds=dt, extra={"plan": True})
 
 
 def _inner(kind, S, pairs, inner):
@@ -176,7 +178,8 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
     """
     S_inner = [torch.as_tensor(S, dtype=torch.float64) for S in S_inner]
     HA, HB = S_inner[0].shape[:2]
-    score = torch.zeros(HA, HB, dtype=torch.float64)
+    dev = S_inner[0].device
+    score = torch.zeros(HA, HB, dtype=torch.float64, device=dev)
     sols = []
     secs = 0.0
     for S, kind, pr in zip(S_inner, kinds, pairs):
@@ -195,7 +198,7 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
             secs += res.seconds
         else:
             el = torch.zeros_like(S)
-            obj = torch.zeros(HA, HB, dtype=torch.float64)
+            obj = torch.zeros(HA, HB, dtype=torch.float64, device=dev)
             for a in range(HA):
                 for b in range(HB):
                     r = _inner(kind, S[a, b], pr, inner)
@@ -204,15 +207,16 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
         score += obj
         sols.append(el)
     out = hungarian(score) if (outer == "hungarian" and HA == HB) else optimal_transport(score)
-    match = out.element.argmax(0)  # B head b -> A head
+    match = out.element.argmax(0).to(dev)  # B head b -> A head
+    heads_b = torch.arange(HB, device=dev)
     inner_els = []
     for S, el in zip(S_inner, sols):
         if el is None:  # rotations of the matched pairs only
-            res = procrustes(S[match, torch.arange(HB)])
+            res = procrustes(S[match, heads_b])
             secs += res.seconds
             inner_els.append(res.element)
         else:
-            inner_els.append(el[match, torch.arange(HB)])
+            inner_els.append(el[match, heads_b])
     out.seconds += secs
     return out, inner_els
 

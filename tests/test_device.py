@@ -1,0 +1,83 @@
+"""Device and dtype follow the model: outputs in the inputs' dtype, merges accumulated in
+float32, nothing created on the default device where the model's tensors live elsewhere, and
+(marked ``gpu``, run on a CUDA machine) the whole pipeline on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import symgraph
+from symgraph.elements import Perm
+
+from conftest import build_hf
+
+
+def _pair(dtype):
+    a, _ = build_hf("llama", 0)
+    b, _ = build_hf("llama", 1)
+    return a.to(dtype), b.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_outputs_keep_the_dtype(dtype):
+    a, b = _pair(dtype)
+    ra = symgraph.analyze(a)
+    moved = symgraph.transform(a, ra.random_transform(seed=0))
+    al = symgraph.align(a, b, report_a=ra)
+    b_in_a = al.apply(b)
+    res = symgraph.merge([a, b])
+    for m in (moved, b_in_a, res.model):
+        assert {p.dtype for p in m.parameters()} == {dtype}
+        assert {p.device.type for p in m.parameters()} == {"cpu"}
+    # the merge is accumulated in float32 and rounded once: (A + B aligned) / 2
+    state = al.state(b)
+    for k, p in res.model.named_parameters():
+        want = (0.5 * a.get_parameter(k).float() + 0.5 * state[k].float()).to(dtype)
+        assert torch.equal(p.detach(), want), k
+    assert all(p.dtype == dtype for p in a.parameters())  # the inputs stay untouched
+
+
+def test_nothing_is_created_on_the_default_device():
+    """With the default device set to ``meta``, a tensor created without the model's device
+    would be a meta tensor and fail against the CPU weights: transform, Alignment.state and
+    Alignment.apply must give the same CPU results as without it."""
+    a, b = _pair(torch.float32)
+    ra = symgraph.analyze(a)
+    t = ra.random_transform(seed=2)
+    al = symgraph.align(a, b, report_a=ra)
+    assert any(isinstance(e, Perm) for e in al.elements.values())
+    ref_t, ref_s = symgraph.transform(a, t), al.state(b)
+    with torch.device("meta"):
+        got_t, got_s, got_b = symgraph.transform(a, t), al.state(b), al.apply(b)
+    for k, p in ref_t.named_parameters():
+        assert got_t.get_parameter(k).device.type == "cpu" and torch.equal(got_t.get_parameter(k), p), k
+    for k, v in ref_s.items():
+        assert got_s[k].device.type == "cpu" and torch.equal(got_s[k], v), k
+        assert torch.equal(got_b.get_parameter(k).detach(), v), k
+
+
+@pytest.mark.gpu
+def test_pipeline_on_cuda():
+    """analyze / transform / align / merge on a TinyLlama-shaped random model on CUDA: every
+    output on the GPU in bf16, a transformed copy recovered, the certificate in float64."""
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False, use_cache=False)
+    torch.manual_seed(0)
+    a = LlamaForCausalLM(cfg).eval().double().cuda()
+    report = symgraph.analyze(a)
+    assert report.certify(a) < 1e-8
+    b = symgraph.transform(a, report.random_transform(seed=1, orthogonal=True))
+    assert all(p.is_cuda for p in b.parameters())
+    al = symgraph.align(a, b, report_a=report)
+    back = al.apply(b)
+    err = max(float((back.get_parameter(k) - p).abs().max()) for k, p in a.named_parameters())
+    assert err < 1e-8
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    res = symgraph.merge([a16, b16])
+    assert {(p.device.type, p.dtype) for p in res.model.parameters()} == {("cuda", torch.bfloat16)}
+    x = torch.randint(0, 512, (2, 16), device="cuda")
+    with torch.no_grad():
+        la, lm = a16(x).logits.float(), res.model(x).logits.float()
+    assert (la - lm).abs().max() < 0.1 * la.abs().max()
