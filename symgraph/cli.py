@@ -105,6 +105,9 @@ def cmd_merge(args) -> int:
     if opts["data"] and not os.path.isfile(opts["data"]):
         raise FileNotFoundError(f"data file {opts['data']!r} does not exist; expected a .safetensors or "
                                 ".pt file holding a tensor 'input_ids' [N, S] (or 'pixel_values')")
+    job = _streaming_job(opts)
+    if job is not None:
+        return _merge_streaming(job, opts, out, inputs)
     models = [load_model(m) for m in _progress(opts["models"], desc="loading", unit="model")]
     _check_same_family(models, opts["models"])
     data = load_data(opts["data"], models[0]) if opts["data"] else None
@@ -131,7 +134,7 @@ def cmd_merge(args) -> int:
                         "data_batches": len(data) if data else 0, "repair": opts["repair"],
                         "refine": opts["refine"], "fold_norms": opts["fold_norms"]},
             "dtype": str(next(result.model.parameters()).dtype).removeprefix("torch."),
-            "seconds": seconds, "alignments": _solver_summary(result.alignments),
+            "mode": "in-memory", "seconds": seconds, "alignments": _solver_summary(result.alignments),
             "repair": result.repair.to_dict() if result.repair is not None else None}
     with _progress(total=1, desc="writing") as bar:
         save_atomic(result.model, out, force=opts["force"], inputs=inputs, meta=meta,
@@ -140,6 +143,54 @@ def cmd_merge(args) -> int:
         bar.update()
     print(f"merged {len(models)} models ({opts['method']}, align={opts['align']}"
           f"{', repair' if opts['repair'] else ''}) into {out}")
+    return 0
+
+
+def _streaming_job(opts):
+    """A :class:`~symgraph.streaming.StreamingMerge` when the merge needs no model in memory
+    (a plain average aligned by weights or not at all, of local checkpoints whose tensor names
+    are the model's), else None: the models are loaded."""
+    if (opts["method"] != "average" or opts["align"] == "activations" or opts["repair"]
+            or opts["refine"] or not all(os.path.isdir(os.path.expanduser(m)) for m in opts["models"])):
+        return None
+    from .streaming import Checkpoint, KeysDiffer, StreamingMerge
+    paths = [os.path.expanduser(m) for m in opts["models"]]
+    try:
+        return StreamingMerge(paths, weights=opts["weights"], align=opts["align"],
+                              fold_norms=opts["fold_norms"], progress=True)
+    except KeysDiffer:  # transformers converts these names on load: only from_pretrained can
+        return None
+    except InputError as e:
+        ckpts = []
+        for p in paths:
+            try:
+                ckpts.append(Checkpoint(p))
+            except InputError:
+                raise e from None
+        raise type(e)(f"{e}{_config_diff(ckpts, opts['models'])}") from None
+
+
+def _merge_streaming(job, opts, out, inputs) -> int:
+    """``symgraph merge`` out of core: headers checked, alignment solved from tensors read on
+    demand, the merge written shard by shard."""
+    from .output import model_card, save_atomic
+    from .errors import StructureMismatchError
+    t0 = time.time()
+    try:
+        job.align()
+    except (StructureMismatchError, InputError) as e:
+        raise type(e)(f"{e}{_config_diff(job.ckpts, opts['models'])}") from None
+    anchor = job.ckpts[job.anchor]
+    meta = {"symgraph_version": _version(),
+            "inputs": [os.path.abspath(os.path.expanduser(m)) for m in opts["models"]],
+            "options": {"align": opts["align"], "method": opts["method"], "weights": opts["weights"],
+                        "data": None, "data_batches": 0, "repair": False, "refine": 0,
+                        "fold_norms": opts["fold_norms"]},
+            "dtype": str(anchor.dtype).removeprefix("torch."), "mode": "streaming",
+            "seconds": time.time() - t0, "alignments": _solver_summary(job.alignments), "repair": None}
+    save_atomic(job.write, out, force=opts["force"], inputs=inputs, meta=meta, tokenizer_from=anchor.path,
+                card=model_card(_config_yaml(meta), _card_summary(meta)))
+    print(f"merged {len(job.ckpts)} models (average, align={opts['align']}, out of core) into {out}")
     return 0
 
 

@@ -13,7 +13,7 @@ import torch
 
 from .errors import InputError
 
-__all__ = ["fold", "unfold", "gauge"]
+__all__ = ["fold", "unfold", "gauge", "members"]
 
 
 def _along(v, axis, ndim):
@@ -77,3 +77,10 @@ def gauge(folds, tensors: dict) -> dict:
     """The gains and shifts of ``tensors`` (detached), to unfold another model into."""
     names = [n for f in folds for n in (f.gain, f.shift) if n]
     return {n: tensors[n].detach() for n in names if n in tensors}
+
+
+def members(f) -> tuple:
+    """Every parameter a fold reads or writes (gain, shift, the readers' weights and biases):
+    the tensors that must be folded, moved and unfolded together."""
+    names = [f.gain, f.shift] + [n for w, _, b in f.readers for n in (w, b)]
+    return tuple(dict.fromkeys(n for n in names if n))

@@ -98,7 +98,8 @@ def _umask_mode(base=0o777):
 
 def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_from=None,
                 meta: dict | None = None, card: str | None = None) -> str:
-    """``save_pretrained`` into a temporary sibling of ``out``, then rename it into place.
+    """``save_pretrained`` into a temporary sibling of ``out``, then rename it into place
+    (``model`` may also be a function writing a checkpoint into the directory it is given).
 
     Writes :data:`MARKER` (``meta`` as JSON) and, with ``card``, a README.md. Replaces an
     existing ``out`` only when :func:`check_out` allows it (``force``, and it is a previous
@@ -110,7 +111,10 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
     old = None
     try:
         os.chmod(tmp, _umask_mode())
-        model.save_pretrained(tmp, safe_serialization=True)
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(tmp, safe_serialization=True)
+        else:  # a writer: ``model(directory)`` writes the weights (out-of-core merging)
+            model(tmp)
         if tokenizer_from and os.path.isdir(tokenizer_from):
             for fn in TOKENIZER_FILES:
                 src = os.path.join(tokenizer_from, fn)

@@ -205,6 +205,11 @@ def test_sigterm_while_writing_leaves_nothing(ws):
             "def slow(self, *a, **k):\n"
             "    orig(self, *a, **k); sys.stderr.write('SAVED\\n'); sys.stderr.flush(); time.sleep(120)\n"
             "transformers.PreTrainedModel.save_pretrained = slow\n"
+            "import symgraph.streaming as st\n"  # the out-of-core writer (a plain average)
+            "orig_w = st.StreamingMerge.write\n"
+            "def slow_w(self, *a, **k):\n"
+            "    r = orig_w(self, *a, **k); sys.stderr.write('SAVED\\n'); sys.stderr.flush(); time.sleep(120)\n"
+            "st.StreamingMerge.write = slow_w\n"
             f"sys.exit(c.main(['merge', {str(ws / I / 'bert0')!r}, {str(ws / I / 'bert1')!r}, "
             f"'--out', {str(ws / 'sig_out')!r}]))\n")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ws / "work", env=ENV, stdout=subprocess.PIPE,

@@ -1,0 +1,135 @@
+"""Out-of-core merging (:mod:`symgraph.streaming`): sharded bf16 checkpoints in, sharded bf16
+checkpoint out, equal to the in-memory merge with the same alignment; refusals before work."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+import symgraph
+from symgraph.streaming import Checkpoint, KeysDiffer, StreamingMerge, merge_checkpoints
+
+from conftest import build_hf, cli
+
+
+def _pair(tmp_path, name="llama", dtype=torch.bfloat16, shard="10KB"):
+    """Two checkpoints of one architecture in ``dtype``: A, and B = A under a random element
+    plus noise (so the alignment has something to find and the merge is not A)."""
+    a, _ = build_hf(name, 0)
+    b = symgraph.transform(a, symgraph.analyze(a).random_transform(seed=3))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in b.parameters():
+            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=g))
+    for m, d in ((a, "a"), (b, "b")):
+        m.to(dtype).save_pretrained(tmp_path / d, max_shard_size=shard)
+    return str(tmp_path / "a"), str(tmp_path / "b")
+
+
+def _tensors(path):
+    out = {}
+    index = os.path.join(path, "model.safetensors.index.json")
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+    for f in files:
+        with safe_open(os.path.join(path, f), "pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_sharded_bf16_merge_equals_in_memory(tmp_path, name):
+    pa, pb = _pair(tmp_path, name)
+    assert os.path.exists(os.path.join(pa, "model.safetensors.index.json"))  # the inputs are sharded
+    job = merge_checkpoints([pa, pb], str(tmp_path / "out"), max_shard_size="8KB")
+    out = _tensors(str(tmp_path / "out"))
+    assert os.path.exists(tmp_path / "out" / "model.safetensors.index.json")  # sharded output
+    index = json.load(open(tmp_path / "out" / "model.safetensors.index.json"))
+    assert set(index["weight_map"]) == set(_tensors(pa)) == set(out)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())
+    assert all(t.dtype == torch.bfloat16 for t in out.values())
+    # the in-memory merge with the same alignment, from the models from_pretrained loads
+    A, B = (AutoModelForCausalLM.from_pretrained(p) for p in (pa, pb))
+    al = job.alignments[1]
+    assert al.report_b.folds == al.report_a.folds
+    mem = symgraph.merge([A, B]).model
+    expect = {k: v.detach() for k, v in mem.state_dict().items()}
+    for k, t in out.items():
+        e = expect[k].float()
+        # bf16 precision: one rounding of values accumulated in float32 vs float64
+        assert (t.float() - e).abs().max() <= 2 ** -7 * e.abs().max() + 1e-6, k
+    # and the merge is neither input: the alignment mattered
+    diff = {k: (out[k].float() - v.float()).abs().max() for k, v in _tensors(pa).items()}
+    assert max(diff.values()) > 1e-3
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert merged.dtype == torch.bfloat16
+
+
+def test_alignment_recovers_a_permuted_copy(tmp_path):
+    """B = A under a random element (with a dense residual rotation): streaming weight
+    matching finds it, and the merge is A to bf16 rounding."""
+    a, _ = build_hf("llama", 0)
+    a = a.double()
+    b = symgraph.transform(a, symgraph.analyze(a).random_transform(seed=5, orthogonal=True))
+    a.save_pretrained(tmp_path / "a")
+    b.save_pretrained(tmp_path / "b")
+    job = merge_checkpoints([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "out"))
+    assert any(g.kind == "orthogonal" for g in job.report.groups)
+    out, ref = _tensors(str(tmp_path / "out")), _tensors(str(tmp_path / "a"))
+    assert max(float((out[k] - ref[k]).abs().max()) for k in ref) < 1e-9
+    assert all(out[k].dtype == torch.float64 for k in out)  # dtype as it came in
+
+
+def test_align_none_is_the_plain_average(tmp_path):
+    pa, pb = _pair(tmp_path, "gpt2", dtype=torch.float32)
+    merge_checkpoints([pa, pb], str(tmp_path / "out"), align="none", weights=[3, 1])
+    out, ta, tb = _tensors(str(tmp_path / "out")), _tensors(pa), _tensors(pb)
+    for k in ta:
+        assert torch.allclose(out[k], 0.75 * ta[k] + 0.25 * tb[k], atol=1e-7), k
+
+
+def test_checkpoint_refuses_before_reading(tmp_path):
+    pa, _ = _pair(tmp_path, "llama", dtype=torch.float32, shard="10MB")
+    ck = Checkpoint(pa)
+    assert ck.dtype == torch.float32 and all(p.is_meta for p in ck.model.parameters())
+    # an extra tensor the model does not have
+    from safetensors.torch import save_file
+    ts = _tensors(pa)
+    save_file(ts | {"extra.weight": torch.zeros(2)}, os.path.join(pa, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(KeysDiffer, match="extra.weight"):
+        Checkpoint(pa)
+    missing = {k: v for k, v in ts.items() if "layers.1.mlp.up_proj" not in k}
+    save_file(missing, os.path.join(pa, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(KeysDiffer, match="up_proj"):
+        Checkpoint(pa)
+    resized = ts | {"model.norm.weight": torch.ones(7)}
+    save_file(resized, os.path.join(pa, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(symgraph.InputError, match="model.norm.weight"):
+        Checkpoint(pa)
+
+
+def test_nan_is_refused_and_nothing_is_written(tmp_path):
+    pa, pb = _pair(tmp_path, "llama", dtype=torch.float32, shard="10MB")
+    ts = _tensors(pb)
+    ts["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    from safetensors.torch import save_file
+    save_file(ts, os.path.join(pb, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(symgraph.InputError, match="down_proj"):
+        merge_checkpoints([pa, pb], str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+
+
+def test_cli_streams_plain_averages(tmp_path):
+    pa, pb = _pair(tmp_path, "llama")
+    r = cli("merge", pa, pb, "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    meta = json.load(open(tmp_path / "out" / "symgraph_merge.json"))
+    assert meta["mode"] == "streaming" and meta["dtype"] == "bfloat16"
+    assert len(meta["alignments"][0]["groups"]) == len(symgraph.analyze(build_hf("llama", 0)[0]).groups)
+    job = StreamingMerge([pa, pb])
+    job.align()
+    for k, t in _tensors(str(tmp_path / "out")).items():
+        assert t.dtype == torch.bfloat16, k
