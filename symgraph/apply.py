@@ -16,12 +16,13 @@ from .errors import InputError
 __all__ = ["map_parameters", "move", "transformed_state", "transform"]
 
 
-def map_parameters(report, elements: dict, tensors: dict, *, squared: bool = False) -> dict:
+def map_parameters(report, elements: dict, tensors: dict, *, squared: bool = False,
+                   dtype=torch.float64) -> dict:
     """``tensors`` (``{parameter name: tensor}`` in the model of ``report``) with each class
     element of ``elements`` (``{group id: element}``) applied along every axis it acts on.
 
-    Returns ``{name: tensor}`` for the tensors some element moved, in float64 (a tensor no
-    element touches is left out). ``squared``: apply ``M ⊙ M`` instead of ``M`` (diagonal
+    Returns ``{name: tensor}`` for the tensors some element moved, in ``dtype`` (float64 by
+    default; a tensor no element touches is left out). ``squared``: apply ``M ⊙ M`` instead of ``M`` (diagonal
     second moments, e.g. Fishers).
     """
     out = {}
@@ -34,7 +35,7 @@ def map_parameters(report, elements: dict, tensors: dict, *, squared: bool = Fal
             if squared and M.dim() > 1:
                 M = M * M
             base = t if val is None else val
-            val = apply_along(base if base.dtype == torch.float64 else base.double(), d, M)
+            val = apply_along(base if base.dtype == dtype else base.to(dtype), d, M)
         if val is not None:
             out[name] = val
     return out
@@ -58,16 +59,16 @@ def transformed_state(report, transform, model) -> dict:
     return {k: v.to(tensors[k].dtype) for k, v in move(report, transform.elements, tensors).items()}
 
 
-def move(report, elements: dict, tensors: dict, gauge: dict | None = None) -> dict:
+def move(report, elements: dict, tensors: dict, gauge: dict | None = None, dtype=torch.float64) -> dict:
     """:func:`map_parameters` for a model whose report folds norm gains: fold, map, unfold
-    into ``gauge``'s gains (default: ``tensors``' own). Returns float64 values of every
-    tensor that changed."""
+    into ``gauge``'s gains (default: ``tensors``' own). Returns values of every tensor that
+    changed, in ``dtype``."""
     if not report.folds:
-        return map_parameters(report, elements, tensors)
-    folded = {**tensors, **report.fold(tensors)}
-    moved = map_parameters(report, elements, folded)
+        return map_parameters(report, elements, tensors, dtype=dtype)
+    folded = {**tensors, **report.fold(tensors, dtype)}
+    moved = map_parameters(report, elements, folded, dtype=dtype)
     folded.update(moved)
-    back = report.unfold(folded, tensors if gauge is None else gauge)
+    back = report.unfold(folded, tensors if gauge is None else gauge, dtype)
     return {k: back.get(k, folded[k]) for k in set(moved) | set(back)}
 
 

@@ -13,8 +13,8 @@ __all__ = ["Perm", "Map", "is_perm", "inv_t", "apply_along"]
 
 def inv_t(E):
     """``E^{-T}`` (no inversion for permutations and orthogonal matrices)."""
-    if is_perm(E):
-        return E  # P^{-T} = P
+    if getattr(E, "_symgraph_orth", False) or is_perm(E):
+        return E  # P^{-T} = P; a solver's rotation
     eye = torch.eye(E.shape[-1], dtype=E.dtype, device=E.device)
     if E.shape[-1] == E.shape[-2] and bool(((E @ E.mT) - eye).abs().max() <= 1e-12):
         return E  # orthogonal (Procrustes, RoPE): R^{-T} = R

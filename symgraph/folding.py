@@ -22,21 +22,21 @@ def _along(v, axis, ndim):
     return v.reshape(shape)
 
 
-def fold(folds, tensors: dict) -> dict:
-    """Float64 values of the parameters ``folds`` change, with gains 1 and shifts 0."""
+def fold(folds, tensors: dict, dtype=torch.float64) -> dict:
+    """Values (in ``dtype``) of the parameters ``folds`` change, with gains 1 and shifts 0."""
     out = {}
     for f in folds:
         if f.gain not in tensors:
             continue
-        g = tensors[f.gain].double()
-        beta = tensors[f.shift].double() if f.shift else None
+        g = tensors[f.gain].to(dtype)
+        beta = tensors[f.shift].to(dtype) if f.shift else None
         if f.keep_shift:
             _nonzero(f, g)
             out[f.shift], beta = beta / g, None
         for w, axis, b in f.readers:
-            W = tensors[w].double()
+            W = tensors[w].to(dtype)
             if beta is not None:
-                out[b] = tensors[b].double() + torch.tensordot(W, beta, dims=([axis], [0]))
+                out[b] = tensors[b].to(dtype) + torch.tensordot(W, beta, dims=([axis], [0]))
             out[w] = W * _along(g, axis, W.dim())
         out[f.gain] = torch.ones_like(g)
         if beta is not None:
@@ -44,22 +44,22 @@ def fold(folds, tensors: dict) -> dict:
     return out
 
 
-def unfold(folds, tensors: dict, gauge: dict) -> dict:
-    """Float64 values that put the folded ``tensors`` back in the gains and shifts of ``gauge``
-    (``{name: tensor}`` holding every gain and shift of ``folds``)."""
+def unfold(folds, tensors: dict, gauge: dict, dtype=torch.float64) -> dict:
+    """Values (in ``dtype``) that put the folded ``tensors`` back in the gains and shifts of
+    ``gauge`` (``{name: tensor}`` holding every gain and shift of ``folds``)."""
     out = {}
     for f in folds:
         if f.gain not in tensors:
             continue
-        g = gauge[f.gain].double().to(tensors[f.gain].device)
+        g = gauge[f.gain].to(dtype).to(tensors[f.gain].device)
         _nonzero(f, g)
-        beta = gauge[f.shift].double().to(g.device) if f.shift else None
+        beta = gauge[f.shift].to(dtype).to(g.device) if f.shift else None
         if f.keep_shift:
-            out[f.shift], beta = tensors[f.shift].double() * g, None
+            out[f.shift], beta = tensors[f.shift].to(dtype) * g, None
         for w, axis, b in f.readers:
-            W = tensors[w].double() / _along(g, axis, tensors[w].dim())
+            W = tensors[w].to(dtype) / _along(g, axis, tensors[w].dim())
             if beta is not None:
-                out[b] = tensors[b].double() - torch.tensordot(W, beta, dims=([axis], [0]))
+                out[b] = tensors[b].to(dtype) - torch.tensordot(W, beta, dims=([axis], [0]))
             out[w] = W
         out[f.gain] = g.clone()
         if beta is not None:

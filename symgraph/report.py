@@ -287,13 +287,13 @@ class SymmetryReport:
         the groups describe the model with these folded; transforms fold first, unfold after."""
         return list(self._analysis.folds)
 
-    def fold(self, tensors: dict) -> dict:
-        """New (float64) values of the parameters the folds change: gains 1, shifts 0."""
-        return folding.fold(self._analysis.folds, tensors)
+    def fold(self, tensors: dict, dtype=torch.float64) -> dict:
+        """New values (in ``dtype``) of the parameters the folds change: gains 1, shifts 0."""
+        return folding.fold(self._analysis.folds, tensors, dtype)
 
-    def unfold(self, tensors: dict, gauge: dict) -> dict:
-        """Folded ``tensors`` back into the gains and shifts of ``gauge`` (float64)."""
-        return folding.unfold(self._analysis.folds, tensors, gauge)
+    def unfold(self, tensors: dict, gauge: dict, dtype=torch.float64) -> dict:
+        """Folded ``tensors`` back into the gains and shifts of ``gauge`` (in ``dtype``)."""
+        return folding.unfold(self._analysis.folds, tensors, gauge, dtype)
 
     @property
     def aliases(self) -> dict:

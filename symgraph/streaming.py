@@ -95,12 +95,17 @@ class Checkpoint:
         self.cls = _model_class(tf, self.config, cfg_path)
         self.files = self._files()
         self.keys = list(self.files)
-        self._open: dict = {}
         self.shapes, self.dtypes = {}, {}
-        for key in self.keys:
-            sl = self._handle(self.files[key]).get_slice(key)
-            self.shapes[key] = tuple(sl.get_shape())
-            self.dtypes[key] = _DTYPES.get(sl.get_dtype())
+        for file in dict.fromkeys(self.files.values()):
+            with self._handle(file) as h:
+                for key in h.keys():
+                    if self.files.get(key) == file:
+                        sl = h.get_slice(key)
+                        self.shapes[key], self.dtypes[key] = tuple(sl.get_shape()), _DTYPES.get(sl.get_dtype())
+        absent = sorted(set(self.files) - set(self.shapes))
+        if absent:
+            raise InputError(f"{self.path!r}: tensor(s) {_names(absent)} are in the index but not in "
+                             "their shard; expected a complete checkpoint")
         floats = [self.dtypes[k] for k in self.keys if self.dtypes[k] is not None and self.dtypes[k].is_floating_point]
         self.dtype = max(set(floats), key=floats.count) if floats else torch.float32
         with torch.device("meta"):
@@ -141,18 +146,18 @@ class Checkpoint:
 
     def _handle(self, file):
         from safetensors import safe_open
-        h = self._open.get(file)
-        if h is None:
-            try:
-                h = self._open[file] = safe_open(file, framework="pt", device="cpu")
-            except Exception as e:  # noqa: BLE001
-                raise InputError(f"cannot read {file!r}: {' '.join(str(e).split())[:200]}; expected "
-                                 "valid safetensors files written by save_pretrained") from None
-        return h
+        try:
+            return safe_open(file, framework="pt", device="cpu")
+        except Exception as e:  # noqa: BLE001
+            raise InputError(f"cannot read {file!r}: {' '.join(str(e).split())[:200]}; expected "
+                             "valid safetensors files written by save_pretrained") from None
 
     def read(self, key: str) -> torch.Tensor:
-        """A checkpoint tensor, checked finite."""
-        t = self._handle(self.files[key]).get_tensor(key)
+        """A checkpoint tensor (a copy), checked finite. The file is mapped only for the read:
+        pages of a mapping that stays open count as the process's resident memory, and over
+        a whole model would add up to its size."""
+        with self._handle(self.files[key]) as h:
+            t = h.get_tensor(key)
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
             raise InputError(f"checkpoint {self.path!r} has {bad} NaN/inf values in tensor {key!r}; "
@@ -191,9 +196,6 @@ class Checkpoint:
                              f"config says ({_names(resized)}; {k!r} is {self.shapes[k]}, the config gives "
                              f"{tuple(sd[k].shape)}); expected the checkpoint of this config")
 
-    def close(self):
-        self._open.clear()
-
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -209,8 +211,8 @@ class Folded(Mapping):
     (what the symmetry classes act on), read on demand. A fold's tensors are read and folded
     together; the most recently used values are kept up to ``budget`` bytes."""
 
-    def __init__(self, report, ckpt: Checkpoint, budget: int = DEFAULT_CACHE):
-        self.report, self.ckpt, self.budget = report, ckpt, budget
+    def __init__(self, report, ckpt: Checkpoint, budget: int = DEFAULT_CACHE, dtype=torch.float64):
+        self.report, self.ckpt, self.budget, self.dtype = report, ckpt, budget, dtype
         self.unit = {n: members(f) for f in report.folds for n in members(f)}
         self._cache: OrderedDict = OrderedDict()
         self._bytes = 0
@@ -223,7 +225,7 @@ class Folded(Mapping):
         names = self.unit.get(name, (name,))
         raw = {n: self.ckpt.get(n) for n in names}
         self.reads += len(raw)
-        vals = raw | {k: v.to(raw[k].dtype) for k, v in self.report.fold(raw).items()}
+        vals = raw | {k: v.to(raw[k].dtype) for k, v in self.report.fold(raw, self.dtype).items()}
         for n, v in vals.items():
             self._put(n, v)
         return vals[name]
@@ -278,6 +280,9 @@ class StreamingMerge:
         self.align_options = align_options
         self.ckpts = [Checkpoint(p) for p in paths]
         self._check_family()
+        # rotations are solved and applied in float32 for 16- and 32-bit weights (their own
+        # precision is far coarser), in float64 for float64 checkpoints
+        self.work_dtype = torch.float64 if any(c.dtype == torch.float64 for c in self.ckpts) else torch.float32
         self.alignments: list = [None] * len(paths)
         self.report = None
         self.timings: dict = {}
@@ -309,7 +314,7 @@ class StreamingMerge:
         if self.align_mode is None:
             return self.alignments
         t1 = time.perf_counter()
-        fa = Folded(ra, A, self.cache_bytes)
+        fa = Folded(ra, A, self.cache_bytes, self.work_dtype)
         gains = gauge(ra.folds, {n: A.get(n) for f in ra.folds for n in (f.gain, f.shift) if n})
         with tqdm(total=len(self.ckpts) - 1, desc="aligning", unit="model", file=sys.stderr,
                   leave=False, disable=not self.progress) as bar:
@@ -319,8 +324,8 @@ class StreamingMerge:
                 same = {n: tuple(p.shape) for n, p in c.model.named_parameters()} == \
                        {n: tuple(p.shape) for n, p in A.model.named_parameters()}
                 rb = ra if same else analyze(c.model, fold_norms=self.fold_norms)
-                self.alignments[i] = align_weights(ra, rb, fa, Folded(rb, c, self.cache_bytes), gains,
-                                                   **self.align_options)
+                self.alignments[i] = align_weights(ra, rb, fa, Folded(rb, c, self.cache_bytes, self.work_dtype), gains,
+                                                   exact_dtype=self.work_dtype, **self.align_options)
                 bar.update()
         self.timings["align"] = time.perf_counter() - t1
         return self.alignments
@@ -332,21 +337,26 @@ class StreamingMerge:
             self.align()
         t0 = time.perf_counter()
         A = self.ckpts[self.anchor]
-        writer = _ShardWriter(directory, self.shard_bytes)
-        done = set()
+        order, seen = [], set()  # (anchor keys, parameters merged for them or None: a buffer)
+        for key in A.keys:
+            if key in seen:
+                continue
+            name = A.param_of.get(key)
+            names = self._unit(name) if name is not None else None
+            keys = (key,) if names is None else tuple(k for n in names for k in A.params[n] if k in A.shapes)
+            order.append((keys, names))
+            seen.update(keys)
+        writer = _ShardWriter(directory, self.shard_bytes,
+                              [(k, A.shapes[k], A.dtypes[k]) for keys, _ in order for k in keys])
         with tqdm(total=len(A.keys), desc="writing", unit="tensor", file=sys.stderr, leave=False,
                   disable=not self.progress) as bar:
-            for key in A.keys:
-                if key in done:
-                    continue
-                name = A.param_of.get(key)
-                if name is None:  # a buffer: the anchor's
-                    out = {key: A.read(key)}
+            for keys, names in order:
+                if names is None:  # a buffer: the anchor's
+                    out = {keys[0]: A.read(keys[0])}
                 else:
-                    out = {A.key_of[n]: v for n, v in self._merged(self._unit(name)).items()}
-                for k, v in out.items():
-                    writer.add(k, v)
-                    done.add(k)
+                    out = {k: v for n, v in self._merged(names).items() for k in A.params[n]}
+                for k in keys:
+                    writer.add(k, out[k])
                     bar.update()
         info = writer.close()
         shutil.copy2(os.path.join(A.path, "config.json"), os.path.join(directory, "config.json"))
@@ -377,7 +387,7 @@ class StreamingMerge:
                 vals = {n: c.get(n) for n in names}
                 al = self.alignments[i]
                 if al is not None:
-                    vals = vals | move(al.report_b, al.elements, vals, own)
+                    vals = vals | move(al.report_b, al.elements, vals, own, dtype=self.work_dtype)
             for n in names:
                 acc[n].add_(vals[n].to(acc[n].dtype), alpha=float(w))
         out = {}
@@ -389,41 +399,74 @@ class StreamingMerge:
 
 
 class _ShardWriter:
-    """Tensors appended in order into shards of at most ``limit`` bytes, named and indexed as
-    ``save_pretrained`` names them (one ``model.safetensors`` when everything fits one)."""
+    """The output shards, written one tensor at a time.
 
-    def __init__(self, directory, limit):
-        self.dir, self.limit = directory, limit
-        self.buf, self.size, self.shards, self.where, self.total = {}, 0, [], {}, 0
+    The tensors, their order, shapes and dtypes are known before any value (the anchor's
+    checkpoint), so each shard's safetensors header is written first and every tensor is
+    appended as it is computed: memory holds one tensor, not a shard (``save_file`` would
+    build the whole shard in memory). Shards hold at most ``limit`` bytes (a larger tensor
+    gets its own) and are named and indexed as ``save_pretrained`` names them (one
+    ``model.safetensors`` when everything fits one). Files are read back by ``safe_open``.
+    """
+
+    def __init__(self, directory, limit, plan):
+        self.dir = directory
+        shards, cur, size = [], [], 0
+        for key, shape, dtype in plan:
+            n = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+            if cur and size + n > limit:
+                shards.append(cur)
+                cur, size = [], 0
+            cur.append((key, tuple(shape), dtype, n))
+            size += n
+        shards.append(cur)
+        k = len(shards)
+        self.names = [SINGLE if k == 1 else f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)]
+        self.shards = shards
+        self.shard_of = {key: i for i, sh in enumerate(shards) for key, *_ in sh}
+        self.total = sum(n for sh in shards for *_, n in sh)
+        self._file, self._current, self._next = None, -1, None
 
     def add(self, key, t):
-        n = t.numel() * t.element_size()
-        if self.buf and self.size + n > self.limit:
-            self._flush()
-        self.buf[key] = t.contiguous()
-        self.size += n
-        self.total += n
+        i = self.shard_of[key]
+        if i != self._current:
+            self._open(i)
+        want_key, shape, dtype, n = self._next.pop(0)
+        if want_key != key or tuple(t.shape) != shape or t.dtype != dtype:
+            raise RuntimeError(f"shard writer expected {want_key} {shape} {dtype}, got {key} "
+                               f"{tuple(t.shape)} {t.dtype}")  # a bug, not bad input
+        self._file.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
 
-    def _flush(self):
-        from safetensors.torch import save_file
-        tmp = os.path.join(self.dir, f".shard-{len(self.shards):05d}.safetensors")
-        save_file(self.buf, tmp, metadata={"format": "pt"})
-        self.shards.append((tmp, list(self.buf)))
-        self.buf, self.size = {}, 0
+    def _open(self, i):
+        if self._file is not None:
+            self._close_shard()
+        header, off = {"__metadata__": {"format": "pt"}}, 0
+        for key, shape, dtype, n in self.shards[i]:
+            header[key] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+            off += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self._file = open(os.path.join(self.dir, self.names[i]), "wb")
+        self._file.write(len(raw).to_bytes(8, "little") + raw)
+        self._current, self._next = i, list(self.shards[i])
+
+    def _close_shard(self):
+        if self._next:
+            raise RuntimeError(f"shard {self.names[self._current]} is missing {self._next[0][0]}")
+        self._file.close()
+        self._file = None
 
     def close(self) -> dict:
-        if self.buf or not self.shards:
-            self._flush()
-        k = len(self.shards)
-        weight_map = {}
-        for i, (tmp, keys) in enumerate(self.shards):
-            name = SINGLE if k == 1 else f"model-{i + 1:05d}-of-{k:05d}.safetensors"
-            os.replace(tmp, os.path.join(self.dir, name))
-            weight_map.update({key: name for key in keys})
-        if k > 1:
+        if self._file is not None:
+            self._close_shard()
+        if len(self.shards) > 1:
+            weight_map = {key: self.names[i] for key, i in self.shard_of.items()}
             with open(os.path.join(self.dir, INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": self.total}, "weight_map": weight_map}, f, indent=2)
-        return {"tensors": len(weight_map), "bytes": self.total, "shards": k}
+        return {"tensors": len(self.shard_of), "bytes": self.total, "shards": len(self.shards)}
+
+
+_ST_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 def merge_checkpoints(paths, out: str, *, weights=None, align="weights", anchor: int = 0, force: bool = False,

@@ -148,18 +148,19 @@ def _sweeps(ra, rb, feats, opts):
 
 
 def align_weights(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOptions | None = None,
-                  **option_kw) -> Alignment:
+                  exact_dtype=torch.float64, **option_kw) -> Alignment:
     """Weight matching from tensors rather than modules: ``tensors_a`` / ``tensors_b`` map
     each parameter name of the reports to its tensor (any ``Mapping``; a lazy one reads them
     on demand, see :mod:`symgraph.streaming`); ``gauge_a``: A's norm gains and shifts
-    (:func:`symgraph.folding.gauge`). The result has no template (``Alignment.state`` works;
+    (:func:`symgraph.folding.gauge`); ``exact_dtype``: what rotations are solved in (see
+    :class:`~.weights.WeightFeatures`). The result has no template (``Alignment.state`` works;
     ``apply`` needs a ``template``)."""
     opts = AlignOptions.build(options, **option_kw)
     if opts.refine or opts.rescale:
         raise InputError("refine and rescale need the models themselves; use symgraph.align")
     t0 = time.perf_counter()
     check_compatible(ra, rb)
-    run, _ = _sweeps(ra, rb, WeightFeatures(ra, rb, tensors_a, tensors_b), opts)
+    run, _ = _sweeps(ra, rb, WeightFeatures(ra, rb, tensors_a, tensors_b, exact_dtype), opts)
     n_sweeps = run.run(opts.max_iter)
     al = Alignment(ra, rb, run.elements, run.results, "weights",
                    {"solver": run.solver_seconds, "sweeps": n_sweeps}, gauge=gauge_a)

@@ -24,11 +24,12 @@ class WeightFeatures:
 
     CACHE_NUMEL = 1 << 20  # contributions larger than this (e.g. MLP×MLP) are not kept
 
-    def __init__(self, ra, rb, tensors_a, tensors_b):
+    def __init__(self, ra, rb, tensors_a, tensors_b, exact_dtype=torch.float64):
         """``tensors_a`` / ``tensors_b``: ``{parameter name: tensor}`` of the two models with
         the reports' norm gains folded (any ``Mapping``; :mod:`symgraph.streaming` passes lazy
-        ones that read a checkpoint on demand)."""
-        self.ra, self.rb = ra, rb
+        ones that read a checkpoint on demand). ``exact_dtype``: what continuous classes
+        (rotations) gather their slices in; float32 is ample for 16-bit weights."""
+        self.ra, self.rb, self.exact_dtype = ra, rb, exact_dtype
         self.A, self.B = tensors_a, tensors_b
         self._cache: dict = {}
         self._deps: dict = {}
@@ -117,7 +118,7 @@ class WeightFeatures:
             return None, a2, b2, True
         ta, tb = self.A[name], self.B[name]
         if exact:
-            ta, tb = ta.double(), tb.double()
+            ta, tb = ta.to(self.exact_dtype), tb.to(self.exact_dtype)
         for k, a in enumerate(ax_b):  # other dims into A's basis
             if k == d:
                 continue

@@ -73,6 +73,7 @@ def procrustes(S, rescale: bool = False) -> SolveResult:
     extra = {}
     if rescale:
         extra["scale"] = float(sig.sum() / max(torch.trace(s @ s.mT).sqrt().item(), 1e-30))
+    R._symgraph_orth = True  # a hint for elements.inv_t (R^{-T} = R without an n^3 check)
     return SolveResult(R, float(sig.sum()), seconds=dt, extra=extra)
 
 
@@ -93,6 +94,7 @@ def procrustes_mean(S) -> SolveResult:
         inner[..., 1:, 1:] = U @ Vh
         obj = obj + sig.sum(-1)
     R = H @ inner @ H.mT
+    R._symgraph_orth = True
     return SolveResult(R, float(obj.sum()), seconds=time.perf_counter() - t)
 
 
@@ -110,6 +112,7 @@ def rope_procrustes(S, pairs) -> SolveResult:
         c, sn = torch.cos(th), torch.sin(th)
         R[..., i, i], R[..., i, j], R[..., j, i], R[..., j, j] = c, -sn, sn, c
         obj += float(torch.sqrt(a * a + b * b).sum())
+    R._symgraph_orth = True
     return SolveResult(R, obj, seconds=time.perf_counter() - t)
 
 
