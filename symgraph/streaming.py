@@ -152,21 +152,22 @@ class Checkpoint:
             raise InputError(f"cannot read {file!r}: {' '.join(str(e).split())[:200]}; expected "
                              "valid safetensors files written by save_pretrained") from None
 
-    def read(self, key: str) -> torch.Tensor:
-        """A checkpoint tensor (a copy), checked finite. The file is mapped only for the read:
-        pages of a mapping that stays open count as the process's resident memory, and over
-        a whole model would add up to its size."""
+    def read(self, key: str, check: bool = True) -> torch.Tensor:
+        """A checkpoint tensor (a copy), checked finite unless ``check=False`` (the caller
+        checks what it computes from it). The file is mapped only for the read: pages of a
+        mapping that stays open count as the process's resident memory, and over a whole
+        model would add up to its size."""
         with self._handle(self.files[key]) as h:
             t = h.get_tensor(key)
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if check and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
             raise InputError(f"checkpoint {self.path!r} has {bad} NaN/inf values in tensor {key!r}; "
                              "expected finite weights (was the model trained with a diverging loss?)")
         return t
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, check: bool = True) -> torch.Tensor:
         """The parameter ``name`` (any of its tied names)."""
-        return self.read(self.key_of[self.param_of.get(name, name)])
+        return self.read(self.key_of[self.param_of.get(name, name)], check)
 
     def nbytes(self, key: str) -> int:
         return int(np.prod(self.shapes[key], dtype=np.int64)) * _itemsize(self.dtypes[key])
@@ -308,11 +309,11 @@ class StreamingMerge:
         from .api import analyze
         t0 = time.perf_counter()
         A = self.ckpts[self.anchor]
+        if self.align_mode is None:  # nothing to move: every tensor is averaged as it is
+            return self.alignments
         ra = analyze(A.model, fold_norms=self.fold_norms)
         self.report = ra
         self.timings["analyze"] = time.perf_counter() - t0
-        if self.align_mode is None:
-            return self.alignments
         t1 = time.perf_counter()
         fa = Folded(ra, A, self.cache_bytes, self.work_dtype)
         gains = gauge(ra.folds, {n: A.get(n) for f in ra.folds for n in (f.gain, f.shift) if n})
@@ -333,7 +334,7 @@ class StreamingMerge:
     def write(self, directory: str) -> dict:
         """Write the merged checkpoint into ``directory`` (shards, index, config); returns
         ``{"tensors": n, "bytes": total, "shards": k}``."""
-        if self.report is None:
+        if self.report is None and self.align_mode is not None:
             self.align()
         t0 = time.perf_counter()
         A = self.ckpts[self.anchor]
@@ -378,13 +379,15 @@ class StreamingMerge:
         """Merged values of ``names`` in the anchor's dtypes: each model's tensors moved into
         the anchor's basis (float64 where a map acts), averaged in float32."""
         A = self.ckpts[self.anchor]
-        own = {n: A.get(n) for n in names}
+        # inputs are checked finite through the result (NaN and inf survive averaging and
+        # maps); only a non-finite result makes us look for the input that caused it
+        own = {n: A.get(n, check=False) for n in names}
         acc = {n: torch.zeros(v.shape, dtype=torch.promote_types(v.dtype, torch.float32)) for n, v in own.items()}
         for i, (c, w) in enumerate(zip(self.ckpts, self.weights)):
             if i == self.anchor:
                 vals = own
             else:
-                vals = {n: c.get(n) for n in names}
+                vals = {n: c.get(n, check=False) for n in names}
                 al = self.alignments[i]
                 if al is not None:
                     vals = vals | move(al.report_b, al.elements, vals, own, dtype=self.work_dtype)
@@ -393,7 +396,11 @@ class StreamingMerge:
         out = {}
         for n, v in acc.items():
             if not bool(torch.isfinite(v).all()):
-                raise InputError(f"the merged tensor {n!r} is not finite; expected finite inputs")
+                for c in self.ckpts:
+                    for m in names:
+                        c.get(m)  # raises naming the checkpoint and the tensor
+                raise InputError(f"the merged tensor {n!r} is not finite (the inputs are); expected "
+                                 "weights whose average stays within the dtype's range")
             out[n] = v.to(own[n].dtype)
         return out
 
@@ -435,7 +442,7 @@ class _ShardWriter:
         if want_key != key or tuple(t.shape) != shape or t.dtype != dtype:
             raise RuntimeError(f"shard writer expected {want_key} {shape} {dtype}, got {key} "
                                f"{tuple(t.shape)} {t.dtype}")  # a bug, not bad input
-        self._file.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        self._file.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
 
     def _open(self, i):
         if self._file is not None:
