@@ -70,5 +70,5 @@ def _solve_single(g, s, opts):
                             extra={"plan": any(r.extra.get("plan") for r in res_list)})
         return res, element_from(res)
     use = opts.solver if (opts.solver in ("ot", "sinkhorn") and kind in ("perm", "signed_perm")) else None
-    res = S.solve(kind, s, pairs=g.pairs, solver=use, rescale=opts.rescale, reg=opts.reg)
+    res = S.solve(kind, s, pairs=g.pairs, solver=use, rescale=opts.rescale, reg=opts.reg, dense=False)
     return res, element_from(res)

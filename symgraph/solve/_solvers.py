@@ -33,8 +33,11 @@ def _np(S):
     return S.detach().double().cpu().numpy() if isinstance(S, torch.Tensor) else np.asarray(S, float)
 
 
-def hungarian(S) -> SolveResult:
+def hungarian(S, dense: bool = True) -> SolveResult:
     """Permutation maximising ``Σ_i S[i, π(i)]`` (Jonker–Volgenant via SciPy).
+
+    The element is the permutation matrix, or with ``dense=False`` (square ``S``) a
+    :class:`~symgraph.elements.Perm` of ``n`` indices (no ``n×n`` matrix is built).
 
     >>> r = hungarian(torch.tensor([[0., 1.], [1., 0.]]))
     >>> r.element.tolist(), r.objective
@@ -51,12 +54,18 @@ def hungarian(S) -> SolveResult:
         rows, cols = linear_sum_assignment(s, maximize=True)
         status = "optimal"
     dt = time.perf_counter() - t
+    obj = float(s[rows, cols].sum())
+    if not dense and s.shape[0] == s.shape[1]:
+        from ..elements import Perm
+        index = torch.as_tensor(cols, dtype=torch.long, device="cpu")
+        return SolveResult(Perm(index.to(S.device) if isinstance(S, torch.Tensor) else index), obj,
+                           status=status, seconds=dt)
     P = torch.zeros(s.shape, dtype=torch.float64)
     P[rows, cols] = 1.0
     P = P.to(S.device) if isinstance(S, torch.Tensor) else P  # back to the similarity's device
     if s.shape[0] == s.shape[1]:
         P._symgraph_perm = True  # a hint for transform._is_perm (skips re-checking)
-    return SolveResult(P, float(s[rows, cols].sum()), status=status, seconds=dt)
+    return SolveResult(P, obj, status=status, seconds=dt)
 
 
 def procrustes(S, rescale: bool = False) -> SolveResult:
@@ -225,8 +234,9 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
 
 
 def solve(kind: str, S, *, pairs=None, solver: str | None = None, rescale=False,
-          reg: float | None = None) -> SolveResult:
-    """Dispatch on the group kind (or an explicit ``solver``)."""
+          reg: float | None = None, dense: bool = True) -> SolveResult:
+    """Dispatch on the group kind (or an explicit ``solver``); ``dense=False``: a
+    permutation comes back as a :class:`~symgraph.elements.Perm` (see :func:`hungarian`)."""
     S = torch.as_tensor(S, dtype=torch.float64)
     square = S.shape[-1] == S.shape[-2]
     if solver is None:
@@ -241,7 +251,7 @@ def solve(kind: str, S, *, pairs=None, solver: str | None = None, rescale=False,
         else:
             solver = "hungarian"
     if solver == "hungarian":
-        return hungarian(S)
+        return hungarian(S, dense)
     if solver == "procrustes":
         return procrustes(S, rescale)
     if solver == "rope":
