@@ -3,6 +3,8 @@
 Every caller that moves tensors by a set of elements — :func:`transform` (a group element of
 one model), :meth:`symgraph.Alignment.state` (model B into A's basis) and merging's
 statistics (Fishers move with the squared map) — goes through :func:`map_parameters`.
+Buffers that a group moves (``report.buffers``: BatchNorm's running statistics) are walked like
+parameters: :func:`stored_tensors` reads both, :func:`write_state` writes both.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import torch
 from .elements import apply_along
 from .errors import InputError
 
-__all__ = ["map_parameters", "move", "transformed_state", "transform"]
+__all__ = ["map_parameters", "move", "stored_tensors", "write_state", "transformed_state",
+           "transform"]
 
 
 def map_parameters(report, elements: dict, tensors: dict, *, squared: bool = False,
@@ -41,21 +44,46 @@ def map_parameters(report, elements: dict, tensors: dict, *, squared: bool = Fal
     return out
 
 
+def _tensor(model, name, buffer):
+    return model.get_buffer(name) if buffer else model.get_parameter(name)
+
+
+def stored_tensors(report, model, check: bool = False) -> dict:
+    """``{name: tensor}`` (detached) of ``model``'s parameters and moved buffers named by
+    ``report``. ``check``: refuse missing, meta or mis-shaped tensors by name."""
+    out = {}
+    for buffer, names in ((False, report.parameters), (True, report.buffers)):
+        what = "buffer" if buffer else "parameter"
+        for name in names:
+            try:
+                t = _tensor(model, name, buffer)
+            except AttributeError as e:
+                raise InputError(f"model has no {what} {name!r} that its report names; "
+                                 "use the model the report was computed from") from e
+            if check:
+                if t.is_meta:
+                    raise InputError(f"{what} {name!r} is on the meta device: no weights to transform")
+                want = tuple(report.axis_size(a) for a in report.param_axes(name))
+                if tuple(t.shape) != want:
+                    raise InputError(f"{what} {name!r} has shape {tuple(t.shape)}, the report expects {want}")
+            out[name] = t.detach()
+    return out
+
+
+def write_state(model, state: dict, buffers=()) -> None:
+    """Copy ``state`` (``{name: tensor}``) into ``model``'s parameters, and into its buffers
+    for the names in ``buffers``, each in the tensor's own dtype and device."""
+    buffers = set(buffers)
+    with torch.no_grad():
+        for name, val in state.items():
+            t = _tensor(model, name, name in buffers)
+            t.copy_(val.to(device=t.device, dtype=t.dtype))
+
+
 def transformed_state(report, transform, model) -> dict:
-    """New values of every parameter the transform moves: ``{fqn: tensor}`` in its dtype."""
-    tensors = {}
-    for name in report.parameters:
-        try:
-            p = model.get_parameter(name)
-        except AttributeError as e:
-            raise InputError(f"model has no parameter {name!r} that its report names; "
-                             "transform the model the report was computed from") from e
-        if p.is_meta:
-            raise InputError(f"parameter {name!r} is on the meta device: no weights to transform")
-        want = tuple(report.axis_size(a) for a in report.param_axes(name))
-        if tuple(p.shape) != want:
-            raise InputError(f"parameter {name!r} has shape {tuple(p.shape)}, the report expects {want}")
-        tensors[name] = p.detach()
+    """New values of every parameter (and moved buffer) the transform moves: ``{fqn: tensor}``
+    in its dtype."""
+    tensors = stored_tensors(report, model, check=True)
     return {k: v.to(tensors[k].dtype) for k, v in move(report, transform.elements, tensors).items()}
 
 
@@ -76,8 +104,5 @@ def transform(model, t):
     """Return a copy of ``model`` moved by the group element ``t`` (a :class:`Transform`);
     ``model`` itself is never modified."""
     new = copy.deepcopy(model)
-    state = transformed_state(t.report, t, model)
-    with torch.no_grad():
-        for name, val in state.items():
-            new.get_parameter(name).copy_(val)
+    write_state(new, transformed_state(t.report, t, model), t.report.buffers)
     return new

@@ -16,7 +16,8 @@ from . import folding
 from .elements import Perm
 from .errors import CertificationError, InputError
 from .groups import orthogonal_part, sample
-from .passes.axes import axis_matrix, leaf_views, observation_points, other_leaf_elements
+from .passes.axes import (axis_matrix, leaf_views, leaves_with_parity, observation_points,
+                          other_leaf_elements, stored_slots)
 from .trace import eval_mode, split_inputs
 
 __all__ = ['SymmetryReport', 'Group', 'Transform', 'FLOAT32_TOL']
@@ -31,7 +32,10 @@ class Group:
     ``size`` is the number of coordinates it acts on (``blocks × dim``); ``blocks`` > 1 for a
     head-structured class whose element is chosen independently per head (``outer`` lists the
     head groups it is fibred over); ``params`` lists ``(param_name, dim)`` slots and
-    ``variance`` whether each takes ``g`` ("co") or ``g^{-T}`` ("contra").
+    ``variance`` whether each takes ``g`` ("co") or ``g^{-T}`` ("contra"). ``buffers`` lists
+    ``(buffer_name, dim)`` of the buffers that move with the class (BatchNorm's running
+    statistics): transforms, alignments and merges carry them, weight matching does not read them.
+    ``why``: the rule that narrowed the class to its kind (None for ``gl``).
     """
     id: int
     kind: str
@@ -43,6 +47,8 @@ class Group:
     variance: list
     outer: list = field(default_factory=list)
     pairs: tuple | None = None
+    buffers: list = field(default_factory=list)
+    why: str | None = None
 
     @property
     def dof(self) -> int:
@@ -57,7 +63,7 @@ class Group:
         return {"id": self.id, "kind": self.kind, "size": self.size, "dim": self.dim,
                 "blocks": self.blocks, "module": self.module, "outer": self.outer,
                 "params": [[p, d] for p, d in self.params], "variance": self.variance,
-                "dof": self.dof}
+                "buffers": [[b, d] for b, d in self.buffers], "why": self.why, "dof": self.dof}
 
 
 @dataclass
@@ -122,20 +128,17 @@ class SymmetryReport:
     def _build(self):
         an = self._analysis
         uf = an.uf
-        slots: dict[int, list] = {}
-        for name, node in an.param_nodes.items():
-            for d, a in enumerate(an.node_axes[node]):
-                for leaf, par in _leaves_par(an, a, 0):
-                    slots.setdefault(leaf, []).append((name, d, "contra" if par else "co"))
+        slots = stored_slots(an, an.param_nodes)
         roots = [r for r in slots if an.kind(r) != "identity" and uf.size[r] > 1]
         # order groups by first appearance among parameters (model order)
         order = {}
         for i, (name, node) in enumerate(an.param_nodes.items()):
             for a in an.node_axes[node]:
-                for leaf, _ in _leaves_par(an, a, 0):
+                for leaf, _ in leaves_with_parity(an, a, 0):
                     order.setdefault(leaf, i)
         roots.sort(key=lambda r: (order.get(r, 0), r))
         ids = {r: i for i, r in enumerate(roots)}
+        bslots = stored_slots(an, an.buffer_nodes)  # buffers no group acts on keep their values
         for r in roots:
             fib = an.fibre.get(r, ())
             blocks = math.prod(uf.size[f] for f in fib) if fib else 1
@@ -144,7 +147,11 @@ class SymmetryReport:
                 id=ids[r], kind=an.kind(r), size=uf.size[r] * blocks, dim=uf.size[r],
                 blocks=blocks, module=_common_prefix(names),
                 params=[(s[0], s[1]) for s in slots[r]], variance=[s[2] for s in slots[r]],
-                outer=[ids[f] for f in fib if f in ids], pairs=uf.pairs.get(r)))
+                outer=[ids[f] for f in fib if f in ids], pairs=uf.pairs.get(r),
+                buffers=[(s[0], s[1]) for s in bslots.get(r, [])],
+                why=next((w for k, w in reversed(uf.reasons.get(r, [])) if k == an.kind(r)), None)))
+        moved = {b for g in self.groups for b, _ in g.buffers}
+        self._buffers = [n for n in an.buffer_nodes if n in moved]
         self._gid = ids  # union-find root -> group id (private: roots never leave this file)
         self._root = {i: r for r, i in ids.items()}
 
@@ -230,6 +237,9 @@ class SymmetryReport:
             more = f" (+{len(names) - 4})" if len(names) > 4 else ""
             lines.append(f"{g.id:>4}  {(g.module or '(model)'):<40.40} {g.kind:<12} {g.size:>6} "
                          f"{g.blocks:>6} {','.join(map(str, g.outer)) or '-':<8} {shown}{more}")
+        if self.buffers:
+            lines += ["", f"{len(self.buffers)} buffers move with their groups: "
+                      + ", ".join(self.buffers[:6]) + (" ..." if len(self.buffers) > 6 else "")]
         if self.folds:
             lines.append("")
             lines.append(f"{len(self.folds)} norm gains fold into the layers that read them "
@@ -251,6 +261,7 @@ class SymmetryReport:
     def to_dict(self):
         return {"model": self.model_name, "groups": [g.to_dict() for g in self.groups],
                 "frozen": [f.to_dict() for f in self.frozen],
+                "buffers": self.buffers, "fixed_buffers": self.fixed_buffers,
                 "folds": [f.to_dict() for f in self.folds],
                 "degrees_of_freedom": self.degrees_of_freedom}
 
@@ -282,6 +293,17 @@ class SymmetryReport:
         return list(self._analysis.param_nodes)
 
     @property
+    def buffers(self) -> list:
+        """Names of the buffers that some group moves (running statistics), in graph order;
+        :meth:`param_axes` takes them too. Other buffers stay as they are."""
+        return list(self._buffers)
+
+    @property
+    def fixed_buffers(self) -> dict:
+        """``{name: why}`` of the buffers no rule relates (they fix the classes they meet)."""
+        return dict(self._analysis.fixed_buffers)
+
+    @property
     def folds(self) -> list:
         """Norms whose gains fold into their readers (:class:`~symgraph.passes.norms.Fold`):
         the groups describe the model with these folded; transforms fold first, unfold after."""
@@ -310,9 +332,10 @@ class SymmetryReport:
         return self._analysis.ep
 
     def param_axes(self, name: str) -> tuple:
-        """Axis handles of parameter ``name``'s dims."""
+        """Axis handles of parameter (or moved buffer, :attr:`buffers`) ``name``'s dims."""
         an = self._analysis
-        return tuple(an.node_axes[an.param_nodes[name]])
+        node = an.param_nodes.get(name)
+        return tuple(an.node_axes[an.buffer_nodes[name] if node is None else node])
 
     def axis_size(self, axis) -> int:
         return self._analysis.uf.size[axis]
@@ -420,14 +443,3 @@ class SymmetryReport:
                 continue
             out.append((w, x.name, an.node_axes[x][-1], layout))
         return out
-
-def _leaves_par(an, axis, par):
-    r, p = an.uf.find(axis)
-    p ^= par
-    s = an.uf.struct.get(r)
-    if s is None:
-        return [(r, p)]
-    out = []
-    for a, pa in s[1]:
-        out += _leaves_par(an, a, pa ^ p)
-    return out

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..apply import move
+from ..apply import move, stored_tensors, write_state
 from ..elements import Map, Perm
 from .checks import check_finite
 
@@ -38,9 +38,10 @@ class Alignment:
     refined: dict = field(default_factory=dict)  # what refine did (steps, losses, seconds)
 
     def state(self, model_b) -> dict:
-        """B's parameters in A's basis (and A's shapes): ``{fqn: tensor}`` in B's dtypes."""
+        """B's parameters and moved buffers (``report_b.buffers``: running statistics) in A's
+        basis (and A's shapes): ``{fqn: tensor}`` in B's dtypes."""
         rb = self.report_b
-        tensors = {name: model_b.get_parameter(name).detach() for name in rb.parameters}
+        tensors = stored_tensors(rb, model_b)
         moved = move(rb, self.elements, tensors, self.gauge or None)
         out = {k: moved[k].to(t.dtype) if k in moved else t.clone() for k, t in tensors.items()}
         for keep, others in rb.aliases.items():  # tied names share the value
@@ -56,17 +57,17 @@ class Alignment:
         """
         check_finite(model_b, "model_b")
         state = self.state(model_b)
-        shapes_same = all(tuple(model_b.get_parameter(k).shape) == tuple(v.shape)
-                          for k, v in state.items())
+        own = {**dict(model_b.named_parameters(remove_duplicate=False)), **dict(model_b.named_buffers())}
+        shapes_same = all(tuple(own[k].shape) == tuple(v.shape) for k, v in state.items())
         base = template if template is not None else (model_b if shapes_same else self.template)
         new = copy.deepcopy(base)
-        with torch.no_grad():
-            for k, v in state.items():
-                new.get_parameter(k).copy_(v)
-            if base is not model_b:  # carry over B's parameters no class touched
-                for k, p in model_b.named_parameters():
-                    if k not in state and tuple(new.get_parameter(k).shape) == tuple(p.shape):
-                        new.get_parameter(k).copy_(p)
+        write_state(new, state, self.report_b.buffers)
+        if base is not model_b:  # carry over B's parameters and buffers no class touched
+            mine = {**dict(new.named_parameters()), **dict(new.named_buffers())}
+            with torch.no_grad():
+                for k, p in own.items():
+                    if k not in state and k in mine and tuple(mine[k].shape) == tuple(p.shape):
+                        mine[k].copy_(p)
         return new
 
     def to_dict(self) -> dict:

@@ -1,5 +1,6 @@
 """``merge()``: align N models to an anchor, move each method's statistics with the weights,
-combine."""
+combine. Buffers that a group moves (the anchor report's ``buffers``: running statistics) are
+the weighted average of the models' buffers in A's basis; every other buffer is the anchor's."""
 from __future__ import annotations
 
 import copy
@@ -59,7 +60,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     A = models[anchor]
     ra = analyze(A, inputs, fold_norms=align_options.get("fold_norms", True))
     timings = {"analyze": time.perf_counter() - t0, "align": 0.0, "statistics": 0.0}
-    states, stats, alignments = [], [], []
+    states, stats, alignments, buffers = [], [], [], []
     bar = tqdm(models, desc=f"merging ({how.name}, align={align})", unit="model", file=sys.stderr,
                leave=False, disable=not progress)
     for i, m in enumerate(bar):
@@ -73,14 +74,18 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
             st = {k: _acc(v) for k, v in al.state(m).items()}
             for k, p in m.named_parameters():
                 st.setdefault(k, _acc(p.detach()))
+            for k in ra.buffers:
+                st.setdefault(k, _acc(m.get_buffer(k).detach()))
         else:
             if i != anchor:
                 _check_same_shapes(A, m, i)
                 rep = analyze(m, inputs) if how.needs_data else None
             st = {k: _acc(p.detach()) for k, p in m.named_parameters()}
+            st |= {k: _acc(m.get_buffer(k).detach()) for k in ra.buffers}
         t2 = time.perf_counter()
         timings["align"] += t2 - t1
         alignments.append(al)
+        buffers.append({k: st.pop(k) for k in ra.buffers if k in st})
         states.append(st)
         stats.append(_statistics(how, m, rep, al, ra, data) if how.needs_data else None)
         timings["statistics"] += time.perf_counter() - t2
@@ -91,11 +96,14 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     with torch.no_grad():
         for k, v in merged.items():
             params[k].copy_(v.to(params[k].dtype))
+        for k in ra.buffers:  # running statistics: the weighted average in A's basis
+            out.get_buffer(k).copy_(sum(wi * b[k] for wi, b in zip(w, buffers)))
     timings["combine"] = time.perf_counter() - t3
     repaired = None
     if repair:
         # the parents in A's basis: the models themselves where not aligned, else their states
-        parents = [m if al is None else st for m, al, st in zip(models, alignments, states)]
+        parents = [m if al is None else st | bf
+                   for m, al, st, bf in zip(models, alignments, states, buffers)]
         repaired = renormalize(out, parents, w, data, ra)
         timings["repair"] = repaired.seconds
     timings["total"] = time.perf_counter() - t0

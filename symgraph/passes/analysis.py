@@ -3,6 +3,10 @@
 Soundness by construction: constants, graph inputs and graph outputs are fixed; an op without
 a rule fixes every axis it touches and is recorded (``strict=True`` raises instead); an output
 axis that a rule leaves unrelated is fixed too.
+
+Buffers are data like constants, except that a floating-point buffer read only by ops whose
+rules relate each of its axes (BatchNorm's running statistics) moves with those classes as a
+parameter would (``buffer_nodes``); any other buffer is fixed, with the reason.
 """
 from __future__ import annotations
 
@@ -114,7 +118,11 @@ class AxisAnalysis:
         sig = ep.graph_signature
         self.param_of = dict(sig.inputs_to_parameters)
         self.param_nodes: dict[str, torch.fx.Node] = {}
+        self.buffer_of = dict(sig.inputs_to_buffers)
+        self.buffer_nodes: dict[str, torch.fx.Node] = {}  # buffers no rule fixed (after run)
+        self.fixed_buffers: dict[str, str] = {}  # the others: name -> why
         self.user_inputs = set(sig.user_inputs)
+        self.touched: dict = {}  # node reading a buffer -> the axes its rule's constraints mention
 
     # --- axes ----------------------------------------------------------------------------
     def _alloc(self, val):
@@ -151,7 +159,30 @@ class AxisAnalysis:
                 for out in _flat_nodes(node.args):
                     for a in self._all_axes(out):
                         self.uf.meet(a, "identity")
+        self._settle_buffers()
         return self
+
+    def _settle_buffers(self):
+        """Keep a buffer movable only where every reader's rule related each of its axes; fix
+        the others (and move them to ``fixed_buffers``)."""
+        for name, node in list(self.buffer_nodes.items()):
+            if (why := self._buffer_fixed(node)) is not None:
+                self.fixed_buffers[name] = why
+                del self.buffer_nodes[name]
+                for a in self._all_axes(node):
+                    self.uf.meet(a, "identity", f"buffer {name}: {why}")
+
+    def _buffer_fixed(self, node):
+        """Why ``node`` (a buffer) must stay as it is, or None when it may move."""
+        if not (isinstance(v := node.meta.get("val"), torch.Tensor) and v.is_floating_point()):
+            return "not a floating-point tensor"
+        axes = [a for a in self._all_axes(node) if self.uf.size[a] > 1]
+        for user in node.users:
+            if user not in self.touched:
+                return f"read by {user.name} ({user.target}), which has no rule relating it"
+            if any(a not in self.touched[user] for a in axes):
+                return f"an axis not related by the rule of {user.name} ({user.target})"
+        return None if node.users else "not read by the graph"
 
     def _tie(self):
         """Tied parameters (one tensor, several names) are one set of axes and one slot."""
@@ -195,7 +226,11 @@ class AxisAnalysis:
                 self.origin[node] = "act"
                 for a in self._all_axes(node):
                     self.uf.meet(a, "identity")
-            else:  # buffers and lifted constants are data we do not transform
+            elif node.name in self.buffer_of:  # data, but a rule may relate its axes
+                self.origin[node] = "const"
+                self.buffer_nodes[self.buffer_of[node.name]] = node
+                return  # its axes are settled after the rules (_settle_buffers)
+            else:  # lifted constants are data we do not transform
                 self.origin[node] = "const"
         elif node.op == "call_function":
             if _packet(node.target) in IGNORED:
@@ -249,7 +284,10 @@ class AxisAnalysis:
             elif isinstance(c, Rope):
                 self.uf.set_pairs(c.axis, c.pairs, "rotary position embedding")
                 touched.add(c.axis)
-        if node is not None:  # safety net: an output axis no rule spoke of stays fixed
+        if node is not None:
+            if any(i.op == "placeholder" and i.name in self.buffer_of for i in node.all_input_nodes):
+                self.touched[node] = touched
+            # safety net: an output axis no rule spoke of stays fixed
             for a in self._all_axes(node):
                 if a not in touched and self.uf.size[a] > 1:
                     self.uf.meet(a, "identity", f"{node.name}: output axis not related by its rule")
@@ -281,9 +319,9 @@ class AxisAnalysis:
         # kinds flow from a structured class into its parts (largest first: parts are smaller)
         for r in sorted((r for r in roots if r in uf.struct), key=lambda r: -uf.size[r]):
             kind = uf.kind.get(r, "gl")
-            _, parts = uf.struct[r]
-            for p, _par in parts:
-                uf.meet(p, kind, f"part of a class narrowed to {kind}" if kind != "gl" else None)
+            why = next((w for k, w in reversed(uf.reasons.get(r, [])) if k == kind), "")
+            for p, _par in uf.struct[r][1]:
+                uf.meet(p, kind, f"part of a class narrowed to {kind} ({why})" if kind != "gl" else None)
         self.roots = {uf.find(a)[0] for a in range(len(uf.parent))}
         self._fibres()
         return self
@@ -357,6 +395,7 @@ class AxisAnalysis:
     def _fibres(self):
         cand = self._prod_candidates()
         fib = {leaf: set(c) for leaf, c in cand.items() if c}
+        buffers = set(self.buffer_nodes.values())
         if fib:
             for node, ax in self.node_axes.items():
                 if ax is None:
@@ -365,7 +404,7 @@ class AxisAnalysis:
                 for t in tensors:
                     if t is None:
                         continue
-                    if self.origin.get(node) == "param":  # params: same axis only
+                    if self.origin.get(node) == "param" or node in buffers:  # stored: same axis only
                         for a in t:
                             present = set(self.leaves(a))
                             for leaf in present & fib.keys():

@@ -17,7 +17,8 @@ import torch
 
 from ..elements import Map, Perm, inv_t
 
-__all__ = ["axis_matrix", "coord_table", "leaf_views", "other_leaf_elements", "observation_points"]
+__all__ = ["axis_matrix", "coord_table", "leaf_views", "other_leaf_elements", "observation_points",
+           "leaves_with_parity", "stored_slots"]
 
 
 def axis_matrix(an, axis: int, elements: dict, parity: int = 0):
@@ -261,3 +262,26 @@ def observation_points(an, root, limit=24):
         sel = np.linspace(0, len(pts) - 1, limit).round().astype(int)
         pts = [pts[i] for i in sorted(set(sel.tolist()))]
     return pts
+
+
+def stored_slots(an, nodes) -> dict:
+    """``{leaf root: [(name, dim, "co" | "contra")]}`` of the placeholders ``nodes``."""
+    out: dict[int, list] = {}
+    for name, node in nodes.items():
+        for d, a in enumerate(an.node_axes[node]):
+            for leaf, par in leaves_with_parity(an, a, 0):
+                out.setdefault(leaf, []).append((name, d, "contra" if par else "co"))
+    return out
+
+
+def leaves_with_parity(an, axis, par=0):
+    """``[(leaf root, parity)]`` of ``axis``: itself, or its structure's parts' leaves."""
+    r, p = an.uf.find(axis)
+    p ^= par
+    s = an.uf.struct.get(r)
+    if s is None:
+        return [(r, p)]
+    out = []
+    for a, pa in s[1]:
+        out += leaves_with_parity(an, a, pa ^ p)
+    return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import Meet, Unify, broadcast, register
+from .registry import Meet, NoFiber, Structure, Unify, broadcast, register
 
 __all__: list = []  # rule file: its rules register themselves on import
 
@@ -84,17 +84,32 @@ def embedding(ctx):
 
 @register([aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution], observe=True)
 def conv(ctx):
+    # Channels contract like a linear layer's; spatial axes are fixed (kernels, strides and
+    # padding name positions). With ``groups`` G > 1 the weight is block diagonal: input
+    # channels are ``(G, I)`` and output channels ``(G, O)`` (row-major), the weight is
+    # ``[G·O, I, *k]``. A class G permutes whole groups (perm: mixing groups breaks the blocks);
+    # I and O each take one map for every group (I must: the weight's I axis has no G beside
+    # it; O could vary per group, but alignment solves elements fibred over one class only, and
+    # groups refined by a later grouped convolution would nest them). Depthwise (I = O = 1):
+    # input and output channels are one class G.
     x, w, b = ctx.arg(0), ctx.arg(1), ctx.arg(2, "bias")
     groups = ctx.arg(8 if ctx.node.target == aten.convolution.default else 6, "groups", 1)
     if ctx.node.target == aten.convolution.default and ctx.arg(6, "transposed", False):
         return None
-    if groups != 1:
-        return None  # grouped convolutions: no rule yet, the driver freezes them
     xa, wa, out = ctx.axes(x), ctx.axes(w), ctx.out
     batched = len(xa) == len(wa)
     off = 1 if batched else 0
     cons = [Unify(out[0], xa[0])] if batched else []
-    cons += [Unify(xa[off], wa[1], dual=True), Unify(out[off], wa[0])]
+    if groups == 1:
+        cons += [Unify(xa[off], wa[1], dual=True), Unify(out[off], wa[0])]
+    else:
+        wshape = ctx.shape(w)
+        g = ctx.new_axis(groups)
+        i, o = ctx.new_axis(wshape[1]), ctx.new_axis(wshape[0] // groups)
+        cons += [Structure(xa[off], "prod", (g, i)), Structure(out[off], "prod", (g, o)),
+                 Unify(out[off], wa[0]), Unify(i, wa[1], dual=True), NoFiber(o, g),
+                 Meet(g, "perm", f"{ctx.where}: groups of a grouped convolution (permuted whole, "
+                                 "one map inside every group)")]
     if ctx.axes(b) is not None:
         cons.append(Unify(out[off], ctx.axes(b)[0]))
     why = f"{ctx.where}: spatial axis of a convolution"

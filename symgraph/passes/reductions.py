@@ -155,3 +155,50 @@ def rms_norm(ctx):
     shape = ctx.arg(1)
     return _norm_layer(ctx, ctx.arg(0), len(shape), [ctx.arg(2, "weight")], ctx.out,
                        unscaled="orthogonal")
+
+
+# Batch normalisation: ``(op, index of the training flag or None, True: batch statistics
+# always, index of the first running statistic or None)``.
+_BATCH_NORMS = [
+    (aten._native_batch_norm_legit_no_training.default, None, False, 3),
+    (aten._native_batch_norm_legit.default, 5, False, 3),
+    (aten._native_batch_norm_legit.no_stats, None, True, None),
+    (aten._native_batch_norm_legit_functional.default, 5, False, 3),
+    (aten.native_batch_norm.default, 5, False, 3),
+    (aten.batch_norm.default, 5, False, 3),
+]
+_BN = {op: rest for op, *rest in _BATCH_NORMS}
+
+
+@register([op for op, *_ in _BATCH_NORMS], observe=True)
+def batch_norm(ctx):
+    # y[:, c] = (x[:, c] − μ_c) / σ_c · w_c + b_c: a diagonal affine map per channel (dim 1),
+    # with μ, σ the running statistics (eval) or the batch's (training, or no running stats).
+    # Channel permutations carry weight, bias and running statistics along: one class, perm
+    # only. Every other axis sees a per-channel shift (eval) or is reduced over (batch stats).
+    flag, always, stats = _BN[ctx.node.target]
+    x = ctx.arg(0)
+    xa, shape = ctx.axes(x), ctx.shape(x)
+    batch = always or (flag is not None and bool(ctx.arg(flag, "training", False)))
+    outs = ctx.out if isinstance(ctx.out[0], list) else [ctx.out]
+    c = xa[1]
+    cons = [Unify(o, a) for o, a in zip(outs[0], xa)]
+    cons.append(Meet(c, "perm", f"{ctx.where}: batch normalisation is a per-channel affine map"))
+    tensors = [ctx.arg(1, "weight"), ctx.arg(2, "bias")]
+    if stats is not None:
+        tensors += [ctx.arg(stats, "running_mean"), ctx.arg(stats + 1, "running_var")]
+    for t in tensors:
+        if ctx.axes(t) is not None:
+            cons.append(Unify(c, ctx.axes(t)[0]))
+    vals = ctx.node.meta.get("val")
+    for k, extra in enumerate(outs[1:], 1):  # saved / updated statistics (empty in eval)
+        v = vals[k] if isinstance(vals, (list, tuple)) else None
+        if extra and len(extra) == 1 and isinstance(v, torch.Tensor) and v.shape[0] == shape[1]:
+            cons.append(Unify(c, extra[0]))
+    what = "batch statistics over this axis" if batch else "a per-channel shift along this axis"
+    others = [i for i in range(len(xa)) if i != 1]
+    cons += [Meet(xa[i], "perm", f"{ctx.where}: {what}") for i in others if shape[i] > 1]
+    cons += [NoFiber(xa[i], c) for i in others]
+    if batch:
+        cons += [NoFiber(c, xa[i]) for i in others]
+    return cons

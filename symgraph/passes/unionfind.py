@@ -137,7 +137,12 @@ class AxisUnionFind:
         else:
             ref = None
         if ref is None:
-            self.meet(r, "identity", f"incompatible structures {k1}{s1} and {k2}{s2}")
+            why = f"incompatible structures {k1}{s1} and {k2}{s2}"
+            self.meet(r, "identity", why)
+            # the parts of both are fixed too: other axes (a view's output, a grouped
+            # convolution's other side) share them, and must not move without this one
+            for p, _ in p1 + p2:
+                self.meet(p, "identity", why)
             return
         sizes, a_parts, b_parts = ref
         atoms = [self.new(s) for s in sizes]
