@@ -134,3 +134,35 @@ def test_cli_streams_plain_averages(tmp_path):
     job.align()
     for k, t in _tensors(str(tmp_path / "out")).items():
         assert t.dtype == torch.bfloat16, k
+
+
+def test_batchnorm_running_statistics_move_and_average(tmp_path):
+    """A conv net with BatchNorm (RegNet): the running statistics move with their channels
+    and are averaged like the weights, out of core as in memory."""
+    from transformers import RegNetConfig, RegNetForImageClassification
+    cfg = RegNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=4,
+                       num_labels=5)
+    torch.manual_seed(0)
+    a = RegNetForImageClassification(cfg).eval()
+    with torch.no_grad():
+        for name, buf in a.named_buffers():
+            if "running_mean" in name:
+                buf.normal_()
+            elif "running_var" in name:
+                buf.uniform_(0.5, 2.0)
+    x = torch.randn(2, 3, 32, 32)
+    report = symgraph.analyze(a, {"pixel_values": x})
+    assert report.buffers  # the running statistics are moved by classes
+    b = symgraph.transform(a, report.random_transform(seed=1, orthogonal=True))
+    a.save_pretrained(tmp_path / "a")
+    b.save_pretrained(tmp_path / "b")
+    ta, tb = _tensors(str(tmp_path / "a")), _tensors(str(tmp_path / "b"))
+    moved = [k for k in report.buffers if not torch.equal(ta[k], tb[k])]
+    assert moved  # B's statistics are in another channel order
+    merge_checkpoints([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "out"))
+    out = _tensors(str(tmp_path / "out"))
+    assert max(float((out[k].double() - ta[k].double()).abs().max()) for k in ta) < 1e-5
+    merge_checkpoints([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "none"), align="none")
+    out = _tensors(str(tmp_path / "none"))
+    for k in moved:
+        assert torch.allclose(out[k], 0.5 * ta[k] + 0.5 * tb[k], atol=1e-6), k
