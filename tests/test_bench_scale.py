@@ -1,0 +1,75 @@
+"""``benchmarks.bench_scale``: the meta-device checkpoint writer lays a checkpoint out exactly as
+``save_pretrained`` does and ``from_pretrained`` loads it completely in bf16 with the seeded
+values; the measuring wrapper reports a child's own peak RSS (not the largest child's so far),
+its return code, last stderr line and timeout. mergekit is not run here."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from benchmarks import bench_scale as bs
+
+MiB = 2 ** 20
+
+
+@pytest.mark.parametrize("shard", ["5MB", "1GB"])
+def test_writer_matches_save_pretrained_and_loads_in_bf16(tmp_path, shard):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    cfg = bs.llama_config("tiny")
+    info = bs.write_checkpoint(tmp_path / "ours", cfg, seed=7, max_shard_size=shard)
+    ours = sorted(p.name for p in (tmp_path / "ours").iterdir())
+    assert info["shards"] == (2 if shard == "5MB" else 1)  # the tiny model is ~7 MB
+
+    # the reference layout: a materialised bf16 model through save_pretrained
+    ref = LlamaForCausalLM(bs.llama_config("tiny")).to(torch.bfloat16)
+    ref.save_pretrained(tmp_path / "ref", max_shard_size=shard)
+    del ref
+    assert ours == sorted(p.name for p in (tmp_path / "ref").iterdir())
+    for name in ours:
+        if name.endswith(".json"):  # index (total_parameters, total_size, weight_map), config, generation
+            assert (tmp_path / "ours" / name).read_text() == (tmp_path / "ref" / name).read_text(), name
+
+    model, load = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", output_loading_info=True)
+    assert not load["missing_keys"] and not load["unexpected_keys"] and not load["mismatched_keys"]
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    sd = model.state_dict()
+    for k in ("model.layers.1.mlp.down_proj.weight", "lm_head.weight", "model.embed_tokens.weight"):
+        assert torch.equal(sd[k], bs.make_tensor(k, sd[k].shape, 7)), k
+        assert 0.018 < float(sd[k].float().std()) < 0.022
+    assert torch.equal(sd["model.norm.weight"], torch.ones(256, dtype=torch.bfloat16))
+    assert torch.equal(sd["model.layers.0.input_layernorm.weight"], torch.ones(256, dtype=torch.bfloat16))
+    # the seeding restated: the generator seed of a tensor is a function of (model seed, name) only
+    import zlib
+    g = torch.Generator().manual_seed((7 * 1_000_003 + zlib.crc32(b"lm_head.weight")) % 2 ** 63)
+    expect = (torch.randn(4096, 256, generator=g) * 0.02).to(torch.bfloat16)
+    assert torch.equal(sd["lm_head.weight"], expect)
+
+
+def test_two_seeds_differ():
+    shape = (64, 32)
+    a = bs.make_tensor("model.layers.0.self_attn.q_proj.weight", shape, 0)
+    b = bs.make_tensor("model.layers.0.self_attn.q_proj.weight", shape, 1)
+    c = bs.make_tensor("model.layers.0.self_attn.k_proj.weight", shape, 0)
+    assert not torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(a, bs.make_tensor("model.layers.0.self_attn.q_proj.weight", shape, 0))
+
+
+def test_wrapper_reports_the_childs_own_peak_rss():
+    big = bs.measure([sys.executable, "-c", "b = b'x' * (300 << 20); print(len(b))"], timeout=120)
+    assert big["rc"] == 0 and not big["timed_out"] and big["stdout"].strip() == str(300 << 20)
+    assert 300 * MiB <= big["peak_rss_bytes"] <= 400 * MiB, big["peak_rss_bytes"] / MiB
+    assert big["wall_s"] > 0 and big["user_s"] + big["sys_s"] > 0
+    # a small child measured afterwards reports its own figure, not the big one's
+    small = bs.measure([sys.executable, "-c", "pass"], timeout=120)
+    assert small["rc"] == 0 and small["peak_rss_bytes"] < 100 * MiB, small["peak_rss_bytes"] / MiB
+
+
+def test_wrapper_records_failure_and_timeout():
+    bad = bs.measure([sys.executable, "-c", "import sys; print('first'); sys.exit('the last line')"],
+                     timeout=120)
+    assert bad["rc"] == 1 and bad["error"] == "the last line"
+    slow = bs.measure([sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
+    assert slow["timed_out"] and slow["rc"] != 0 and slow["wall_s"] < 30
+    assert "timed out" in slow["error"]
