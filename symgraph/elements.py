@@ -90,5 +90,8 @@ def apply_along(t: torch.Tensor, d: int, M) -> torch.Tensor:
         return moved[M.to(t.device)].movedim(0, d)
     if not M.requires_grad and is_perm(M):
         return moved[M.argmax(1).to(t.device)].movedim(0, d)  # a permutation: gather, no matmul
-    out = (M.to(t.device, t.dtype) @ moved.reshape(shape[0], -1)).reshape(M.shape[0], *shape[1:])
+    M = M.to(t.device, t.dtype)
+    if d == t.dim() - 1:  # the last dim: one matmul, no transposed copy of t
+        return t @ M.mT
+    out = (M @ moved.reshape(shape[0], -1)).reshape(M.shape[0], *shape[1:])
     return out.movedim(0, d)

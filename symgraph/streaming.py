@@ -87,6 +87,19 @@ class Folded(Mapping):
         return len(self.report.parameters)
 
 
+def _return_freed_memory():
+    """Ask glibc to serve allocations from 1 MiB up with their own mappings, returned to the
+    system when freed. Its default threshold grows to 32 MiB as blocks are freed, so the
+    tensors of a layer come from the heap and its high-water mark stays resident (on a
+    TinyLlama-1.1B-shaped pair: 1.7 GB resident after alignment for 34 MB of live tensors).
+    Process-wide, like any mallopt; a no-op without glibc."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        pass
+
+
 class StreamingMerge:
     """Analyse, align and write a merge of checkpoints without loading any of them whole.
 
@@ -115,6 +128,7 @@ class StreamingMerge:
         self.anchor, self.fold_norms, self.progress = anchor, fold_norms, progress
         self.shard_bytes, self.cache_bytes = parse_size(max_shard_size), cache_bytes
         self.align_options = align_options
+        _return_freed_memory()
         self.ckpts = [Checkpoint(p) for p in paths]
         self._check_family()
         # rotations are solved and applied in float32 for 16- and 32-bit weights (their own
@@ -219,12 +233,13 @@ class StreamingMerge:
 
     def _merged(self, names) -> dict:
         """Merged values of ``names`` in the anchor's dtypes: each model's tensors moved into
-        the anchor's basis (float64 where a map acts), averaged in float32."""
+        the anchor's basis (in the work dtype where a map acts), averaged in float32 (float64
+        for float64 checkpoints)."""
         A = self.ckpts[self.anchor]
         # inputs are checked finite through the result (NaN and inf survive averaging and
         # maps); only a non-finite result makes us look for the input that caused it
         own = {n: A.get(n, check=False) for n in names}
-        acc = {n: torch.zeros(v.shape, dtype=torch.promote_types(v.dtype, torch.float32)) for n, v in own.items()}
+        acc = {}
         for i, (c, w) in enumerate(zip(self.ckpts, self.weights)):
             if i == self.anchor:
                 vals = own
@@ -234,16 +249,19 @@ class StreamingMerge:
                 if al is not None:
                     vals = vals | move(al.report_b, al.elements, vals, own, dtype=self.work_dtype)
             for n in names:
-                acc[n].add_(vals[n].to(acc[n].dtype), alpha=float(w))
+                if n in acc:
+                    acc[n].add_(vals[n], alpha=float(w))  # promoted into float32 as it is read
+                else:
+                    acc[n] = vals[n].to(torch.promote_types(own[n].dtype, torch.float32), copy=True).mul_(float(w))
         out = {}
         for n, v in acc.items():
-            if not bool(torch.isfinite(v).all()):
+            out[n] = v.to(own[n].dtype)
+            if not bool(torch.isfinite(out[n]).all()):  # checked in the output dtype: overflow too
                 for c in self.ckpts:
                     for m in names:
                         c.get(m)  # raises naming the checkpoint and the tensor
-                raise InputError(f"the merged tensor {n!r} is not finite (the inputs are); expected "
-                                 "weights whose average stays within the dtype's range")
-            out[n] = v.to(own[n].dtype)
+                raise InputError(f"the merged tensor {n!r} is not finite in {own[n].dtype} (the inputs "
+                                 "are); expected weights whose average stays within the dtype's range")
         return out
 
 
