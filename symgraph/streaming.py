@@ -234,33 +234,36 @@ class StreamingMerge:
     def _merged(self, names) -> dict:
         """Merged values of ``names`` in the anchor's dtypes: each model's tensors moved into
         the anchor's basis (in the work dtype where a map acts), averaged in float32 (float64
-        for float64 checkpoints)."""
+        for float64 checkpoints). The anchor's tensors go first; of them only the small ones
+        (norm gains and shifts, the gauge B is unfolded into) are kept while the others are read."""
         A = self.ckpts[self.anchor]
         # inputs are checked finite through the result (NaN and inf survive averaging and
         # maps); only a non-finite result makes us look for the input that caused it
-        own = {n: A.get(n, check=False) for n in names}
-        acc = {}
+        acc, dtypes, gains = {}, {}, {}
+        for n in names:
+            t = A.get(n, check=False)
+            dtypes[n] = t.dtype
+            acc[n] = t.to(torch.promote_types(t.dtype, torch.float32), copy=True).mul_(float(self.weights[self.anchor]))
+            if t.dim() <= 1:
+                gains[n] = t
+            del t
         for i, (c, w) in enumerate(zip(self.ckpts, self.weights)):
             if i == self.anchor:
-                vals = own
-            else:
-                vals = {n: c.get(n, check=False) for n in names}
-                al = self.alignments[i]
-                if al is not None:
-                    vals = vals | move(al.report_b, al.elements, vals, own, dtype=self.work_dtype)
+                continue
+            vals = {n: c.get(n, check=False) for n in names}
+            al = self.alignments[i]
+            if al is not None:
+                vals = vals | move(al.report_b, al.elements, vals, gains, dtype=self.work_dtype)
             for n in names:
-                if n in acc:
-                    acc[n].add_(vals[n], alpha=float(w))  # promoted into float32 as it is read
-                else:
-                    acc[n] = vals[n].to(torch.promote_types(own[n].dtype, torch.float32), copy=True).mul_(float(w))
+                acc[n].add_(vals.pop(n), alpha=float(w))  # promoted into float32 as it is read
         out = {}
-        for n, v in acc.items():
-            out[n] = v.to(own[n].dtype)
+        for n in names:
+            out[n] = acc.pop(n).to(dtypes[n])
             if not bool(torch.isfinite(out[n]).all()):  # checked in the output dtype: overflow too
                 for c in self.ckpts:
                     for m in names:
                         c.get(m)  # raises naming the checkpoint and the tensor
-                raise InputError(f"the merged tensor {n!r} is not finite in {own[n].dtype} (the inputs "
+                raise InputError(f"the merged tensor {n!r} is not finite in {dtypes[n]} (the inputs "
                                  "are); expected weights whose average stays within the dtype's range")
         return out
 
