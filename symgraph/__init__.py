@@ -15,12 +15,13 @@ from .errors import (CertificationError, InputError, StructureMismatchError, Sym
 from .evaluate import interpolate, loss_barrier
 from .merging import MergeResult, merge, merge_methods, register_merge
 from .report import Group, SymmetryReport, Transform
+from .streaming import merge_checkpoints
 
 __version__ = "0.1.0"
 
 __all__ = [
     "analyze", "tied_parameters", "SymmetryReport", "Group", "Transform", "transform",
-    "align", "AlignOptions", "Alignment", "merge", "MergeResult", "merge_methods",
+    "align", "AlignOptions", "Alignment", "merge", "MergeResult", "merge_methods", "merge_checkpoints",
     "register_merge", "interpolate", "loss_barrier", "SymgraphError", "InputError",
     "StructureMismatchError", "TraceError", "UnsupportedOpError", "CertificationError",
     "__version__",

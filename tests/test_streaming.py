@@ -11,7 +11,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import symgraph
-from symgraph.streaming import Checkpoint, KeysDiffer, StreamingMerge, merge_checkpoints
+from symgraph.streaming import Checkpoint, KeysDiffer, StreamingMerge
+from symgraph import merge_checkpoints
 
 from conftest import build_hf, cli
 
