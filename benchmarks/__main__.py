@@ -40,7 +40,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from .provenance import REPO_ROOT, git_state
+
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
@@ -259,7 +260,7 @@ def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=
                "archs": list(archs), "methods": method_names, "train_seconds": train_s,
                "threads": torch.get_num_threads(), "torch": torch.__version__,
                "python": platform.python_version(), "cache": str(_cache_root()),
-               "symgraph_commit": _git_state()}
+               "symgraph_commit": git_state()}
     tmp = Path(tempfile.mkdtemp(prefix=".bench-", dir=_parent_of(out)))
     try:
         from . import report as rep
@@ -277,16 +278,6 @@ def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=
     return summary
 
 
-def _git_state() -> str | None:
-    """The repository's HEAD commit, with "+dirty" when symgraph/ has uncommitted changes."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "symgraph"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
 
 
 def _cache_root():

@@ -72,7 +72,8 @@ import time
 import zlib
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from .provenance import REPO_ROOT, git_state
+
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "scale.json"
 DEFAULT_WORK = "/tmp/symgraph-scale"
 GB = 1e9
@@ -526,15 +527,6 @@ def machine_info() -> dict:
             "cuda_available": torch.cuda.is_available(), "platform": platform.platform()}
 
 
-def _git_state() -> str | None:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "symgraph"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
 
 
 def _symgraph_cmd() -> list:
@@ -566,7 +558,7 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
            "config": SHAPES[shape] | {"num_hidden_layers": n_layers}, "dtype": "bfloat16",
            **sizes, "full_model_parameters": full["parameters"], "full_model_bytes": full["bytes"],
            "bytes_on_disk_per_model": dir_bytes(a), "pair": pair, "cache": cache, "stages": {},
-           "run": {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "symgraph_commit": _git_state(),
+           "run": {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "symgraph_commit": git_state(),
                    "timeout_s": timeout}}
     outdir = Path(pair["dir"]) / "out"
     outdir.mkdir(exist_ok=True)

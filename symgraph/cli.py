@@ -154,19 +154,14 @@ def _streaming_job(opts):
             or opts["refine"] or not all(os.path.isdir(os.path.expanduser(m)) for m in opts["models"])):
         return None
     from .streaming import Checkpoint, KeysDiffer, StreamingMerge
-    paths = [os.path.expanduser(m) for m in opts["models"]]
     try:
-        return StreamingMerge(paths, weights=opts["weights"], align=opts["align"],
-                              fold_norms=opts["fold_norms"], progress=True)
+        ckpts = [Checkpoint(os.path.expanduser(m)) for m in opts["models"]]
     except KeysDiffer:  # transformers converts these names on load: only from_pretrained can
         return None
+    try:
+        return StreamingMerge(ckpts, weights=opts["weights"], align=opts["align"],
+                              fold_norms=opts["fold_norms"], progress=True)
     except InputError as e:
-        ckpts = []
-        for p in paths:
-            try:
-                ckpts.append(Checkpoint(p))
-            except InputError:
-                raise e from None
         raise type(e)(f"{e}{_config_diff(ckpts, opts['models'])}") from None
 
 

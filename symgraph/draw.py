@@ -52,7 +52,8 @@ def save_graph(report, path: str) -> str:
     """Write the class graph to ``.dot``, ``.png`` or ``.svg`` (atomically)."""
     ext = os.path.splitext(path)[1].lower()
     d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, suffix=ext)
+    prefix = f".{os.path.basename(path)}.tmp-"
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=prefix, suffix=ext)
     os.close(fd)
     try:
         if ext == ".dot":
@@ -71,7 +72,9 @@ def save_graph(report, path: str) -> str:
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a picture is an ordinary file
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):  # this call's mkstemp file (renamed onto ``path`` on success)
+        # the only deletion: this call's mkstemp file (renamed onto ``path`` on success)
+        if (os.path.dirname(tmp) == d and os.path.basename(tmp).startswith(prefix)
+                and os.path.isfile(tmp) and not os.path.islink(tmp)):
             os.unlink(tmp)
     return path
 

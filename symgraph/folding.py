@@ -13,7 +13,7 @@ import torch
 
 from .errors import InputError
 
-__all__ = ["fold", "unfold", "gauge", "members"]
+__all__ = ["fold", "unfold", "gauge", "members", "groups"]
 
 
 def _along(v, axis, ndim):
@@ -84,3 +84,8 @@ def members(f) -> tuple:
     the tensors that must be folded, moved and unfolded together."""
     names = [f.gain, f.shift] + [n for w, _, b in f.readers for n in (w, b)]
     return tuple(dict.fromkeys(n for n in names if n))
+
+
+def groups(folds) -> dict:
+    """``{parameter: members(fold)}`` for every parameter a fold touches (others: absent)."""
+    return {n: members(f) for f in folds for n in members(f)}

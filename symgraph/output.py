@@ -107,7 +107,8 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
     """
     out = check_out(out, force=force, inputs=inputs)
     parent = os.path.dirname(out)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    tmp_prefix, old_prefix = f".{os.path.basename(out)}.tmp-", f".{os.path.basename(out)}.old-"
+    tmp = tempfile.mkdtemp(prefix=tmp_prefix, dir=parent)
     old = None
     try:
         os.chmod(tmp, _umask_mode())
@@ -127,21 +128,28 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
                 f.write(card)
         if os.path.lexists(out):
             check_out(out, force=force, inputs=inputs)  # still ours, right before replacing it
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
+            old = tempfile.mkdtemp(prefix=old_prefix, dir=parent)
             os.rmdir(old)
             os.replace(out, old)
         os.replace(tmp, out)
     finally:
         # the only deletions: ``tmp`` (this call's mkdtemp, a random sibling name) and ``old``
         # (the previous output, vetted by check_out as symgraph's own just before the move)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+        _remove_own(tmp, parent, tmp_prefix)
         if old is not None and os.path.isdir(old):
             if os.path.exists(out):
-                shutil.rmtree(old, ignore_errors=True)
+                _remove_own(old, parent, old_prefix)
             else:
                 os.replace(old, out)  # the new output never arrived: put the previous one back
     return out
+
+
+def _remove_own(path: str, parent: str, prefix: str):
+    """Delete ``path`` only if it is what :func:`save_atomic` created: a real directory directly
+    in ``parent`` whose name starts with ``prefix`` (a ``mkdtemp`` name). Anything else stays."""
+    if (os.path.dirname(path) == parent and os.path.basename(path).startswith(prefix)
+            and os.path.isdir(path) and not os.path.islink(path)):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def model_card(config_yaml: str, summary: str) -> str:

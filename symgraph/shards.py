@@ -68,16 +68,17 @@ class Checkpoint:
             raise InputError(f"cannot read {cfg_path}: {' '.join(str(e).split())[:200]}; expected a "
                              "Hugging Face config written by save_pretrained") from None
         self.cls = _model_class(tf, self.config, cfg_path)
-        self.files = self._files()
-        self.keys = list(self.files)
-        self.shapes, self.dtypes = {}, {}
-        for file in dict.fromkeys(self.files.values()):
-            with self._handle(file) as h:
+        index = self._index()  # tensor -> shard file, None for one model.safetensors
+        self.files, self.shapes, self.dtypes = {}, {}, {}
+        for file in (dict.fromkeys(index.values()) if index is not None else [os.path.join(path, SINGLE)]):
+            with self._handle(file) as h:  # each header read once
                 for key in h.keys():
-                    if self.files.get(key) == file:
+                    if index is None or index.get(key) == file:
                         sl = h.get_slice(key)
+                        self.files[key] = file
                         self.shapes[key], self.dtypes[key] = tuple(sl.get_shape()), _DTYPES.get(sl.get_dtype())
-        absent = sorted(set(self.files) - set(self.shapes))
+        self.keys = list(index if index is not None else self.files)
+        absent = sorted(set(index or ()) - set(self.shapes))
         if absent:
             raise InputError(f"{self.path!r}: tensor(s) {_names(absent)} are in the index but not in "
                              "their shard; expected a complete checkpoint")
@@ -95,8 +96,8 @@ class Checkpoint:
 
     # --- reading -------------------------------------------------------------------------
 
-    def _files(self) -> dict:
-        from safetensors import safe_open
+    def _index(self) -> dict | None:
+        """``{tensor: shard path}`` from ``model.safetensors.index.json``; None without one."""
         index = os.path.join(self.path, INDEX)
         if os.path.isfile(index):
             try:
@@ -111,21 +112,16 @@ class Checkpoint:
                 raise InputError(f"{index!r} names shard(s) that are not there ({_names(absent)}); "
                                  "expected every shard of the checkpoint")
             return files
-        single = os.path.join(self.path, SINGLE)
-        try:
-            with safe_open(single, framework="pt") as f:
-                return {k: single for k in f.keys()}
-        except Exception as e:  # noqa: BLE001 - safetensors' own errors (truncated, corrupt header)
-            raise InputError(f"cannot read the weights of {self.path!r}: {' '.join(str(e).split())[:200]}; "
-                             "expected valid safetensors files written by save_pretrained") from None
+        return None
 
     def _handle(self, file):
         from safetensors import safe_open
         try:
             return safe_open(file, framework="pt", device="cpu")
-        except Exception as e:  # noqa: BLE001
-            raise InputError(f"cannot read {file!r}: {' '.join(str(e).split())[:200]}; expected "
-                             "valid safetensors files written by save_pretrained") from None
+        except Exception as e:  # noqa: BLE001 - safetensors' own errors (truncated, corrupt header)
+            raise InputError(f"cannot read the weights of {self.path!r} ({os.path.basename(file)}): "
+                             f"{' '.join(str(e).split())[:200]}; expected valid safetensors files written "
+                             "by save_pretrained") from None
 
     def read(self, key: str, check: bool = True) -> torch.Tensor:
         """A checkpoint tensor (a copy), checked finite unless ``check=False`` (the caller
@@ -143,9 +139,6 @@ class Checkpoint:
     def get(self, name: str, check: bool = True) -> torch.Tensor:
         """The parameter ``name`` (any of its tied names), or the buffer ``name``."""
         return self.read(self.key_of.get(self.param_of.get(name, name), name), check)
-
-    def nbytes(self, key: str) -> int:
-        return int(np.prod(self.shapes[key], dtype=np.int64)) * _itemsize(self.dtypes[key])
 
     # --- checks --------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from .apply import move
 from .errors import InputError
-from .folding import gauge, members
+from .folding import gauge, groups
 from .shards import Checkpoint, KeysDiffer, ShardWriter, parse_size
 
 __all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "merge_checkpoints", "parse_size"]
@@ -50,10 +50,9 @@ class Folded(Mapping):
 
     def __init__(self, report, ckpt: Checkpoint, budget: int = DEFAULT_CACHE, dtype=torch.float64):
         self.report, self.ckpt, self.budget, self.dtype = report, ckpt, budget, dtype
-        self.unit = {n: members(f) for f in report.folds for n in members(f)}
+        self.unit = groups(report.folds)
         self._cache: OrderedDict = OrderedDict()
         self._bytes = 0
-        self.reads = 0
 
     def __getitem__(self, name):
         if name in self._cache:
@@ -61,7 +60,6 @@ class Folded(Mapping):
             return self._cache[name]
         names = self.unit.get(name, (name,))
         raw = {n: self.ckpt.get(n) for n in names}
-        self.reads += len(raw)
         vals = raw | {k: v.to(raw[k].dtype) for k, v in self.report.fold(raw, self.dtype).items()}
         for n, v in vals.items():
             self._put(n, v)
@@ -103,7 +101,8 @@ def _return_freed_memory():
 class StreamingMerge:
     """Analyse, align and write a merge of checkpoints without loading any of them whole.
 
-    ``paths``: two or more ``save_pretrained`` directories of one architecture; ``align``:
+    ``paths``: two or more ``save_pretrained`` directories (or :class:`Checkpoint` s) of one
+    architecture; ``align``:
     "weights" or None; ``weights``: mixing weights (uniform by default). The constructor reads
     headers only; :meth:`align` solves; :meth:`write` writes the merged checkpoint into a
     directory (``save_atomic`` passes its temporary one).
@@ -129,7 +128,7 @@ class StreamingMerge:
         self.shard_bytes, self.cache_bytes = parse_size(max_shard_size), cache_bytes
         self.align_options = align_options
         _return_freed_memory()
-        self.ckpts = [Checkpoint(p) for p in paths]
+        self.ckpts = [p if isinstance(p, Checkpoint) else Checkpoint(p) for p in paths]
         self._check_family()
         # rotations are solved and applied in float32 for 16- and 32-bit weights (their own
         # precision is far coarser), in float64 for float64 checkpoints
@@ -188,12 +187,13 @@ class StreamingMerge:
             self.align()
         t0 = time.perf_counter()
         A = self.ckpts[self.anchor]
+        unit = groups(self.report.folds) if self.report is not None else {}
         order, seen = [], set()  # (anchor keys, parameters merged for them or None: a buffer)
         for key in A.keys:
             if key in seen:
                 continue
             name = A.param_of.get(key)
-            names = self._unit(name) if name is not None else None
+            names = unit.get(name, (name,)) if name is not None else None
             keys = (key,) if names is None else tuple(k for n in names for k in A.params[n] if k in A.shapes)
             order.append((keys, names))
             seen.update(keys)
@@ -223,13 +223,6 @@ class StreamingMerge:
         dtype = self.ckpts[self.anchor].dtypes[buffer]
         return (dtype is not None and dtype.is_floating_point
                 and (self.align_mode is None or buffer in self.report.buffers))
-
-    def _unit(self, name) -> tuple:
-        """The parameters moved together with ``name``: its fold's, or itself."""
-        for f in self.report.folds if self.report is not None else ():
-            if name in members(f):
-                return members(f)
-        return (name,)
 
     def _merged(self, names) -> dict:
         """Merged values of ``names`` in the anchor's dtypes: each model's tensors moved into
