@@ -13,6 +13,7 @@ from ..errors import InputError
 from ..folding import gauge
 from .activations import act_matrix, activation_similarity
 from .checks import check_compatible, check_finite
+from .masses import MASSES, mass_function
 from .refine import refine
 from .rescale import fit_scales
 from .result import Alignment
@@ -41,6 +42,10 @@ class AlignOptions:
         interpolated at λ ~ U(0.4, 0.6) has low loss on ``data`` (learned matching; see
         :mod:`symgraph.alignment.refine`); ``loss_fn(model, batch)`` gives the loss (default:
         the model's own, e.g. language-model loss), ``refine_lr`` the Adam step size.
+    masses : the units' masses in a transport between different widths: "auto" (what each
+        unit contributes: activation RMS × outgoing weight norm with ``data``, weight norm
+        without), "weights", "activations", "uniform" (see :mod:`~.masses`). Explicit
+        "weights"/"activations" also apply to ``solver="ot"``/``"sinkhorn"`` between equal widths.
     fold_norms : analyse with foldable norm gains folded (``symgraph.analyze``): residual
         streams are then solved as orthogonal maps (RMSNorm) or orthogonal maps fixing 𝟙
         (LayerNorm); False keeps them permutations.
@@ -51,6 +56,7 @@ class AlignOptions:
     groups: Callable | None = None
     rescale: bool = False
     reg: float | None = None
+    masses: str = "auto"
     fold_norms: bool = True
     refine: int = 0
     loss_fn: Callable | None = None
@@ -65,6 +71,8 @@ class AlignOptions:
             raise InputError("loss_fn must be a function loss_fn(model, batch) -> scalar tensor")
         if self.solver not in _SOLVERS:
             raise InputError(f"solver={self.solver!r}; expected one of {_SOLVERS}")
+        if self.masses not in MASSES:
+            raise InputError(f"masses={self.masses!r}; expected one of {MASSES}")
         if self.inner not in ("procrustes", "hungarian"):
             raise InputError(f"inner={self.inner!r}; expected 'procrustes' or 'hungarian'")
         if not isinstance(self.max_iter, int) or self.max_iter < 1:
@@ -92,7 +100,7 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
         where a class is observed cleanly, from weights elsewhere. Without it, weights only.
     report_a, report_b : reuse reports already computed for the two models.
     options / keywords : an :class:`AlignOptions` (``solver``, ``inner``, ``max_iter``,
-        ``groups``, ``rescale``, ``reg``, ``fold_norms``, ``refine``, ``loss_fn``,
+        ``groups``, ``rescale``, ``reg``, ``masses``, ``fold_norms``, ``refine``, ``loss_fn``,
         ``refine_lr``), or its fields as keywords.
     """
     opts = AlignOptions.build(options, **option_kw)
@@ -112,6 +120,7 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     feats = WeightFeatures.from_models(ra, rb, model_a, model_b)
     run, b_of = _sweeps(ra, rb, feats, opts)
     by_weights, sweeps = run.similarity, opts.max_iter
+    stats = None
     if data is not None:
         stats = activation_similarity(ra, rb, data, [(ga, b_of[ga.id]) for ga in ra.groups],
                                       models=(model_a, model_b))
@@ -121,6 +130,7 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
             return (m, True, frozenset()) if m is not None else by_weights(ga, cross, usable)
         run.similarity = by_activations
         sweeps = 1 if all(stats[g.id].n > 0 for g in ra.groups) else sweeps
+    run.masses = mass_function(feats, b_of, opts.masses, stats)
     n_sweeps = run.run(sweeps)
     al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                    {"analyze": t_an, "solver": run.solver_seconds, "sweeps": n_sweeps},
@@ -160,7 +170,9 @@ def align_weights(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
         raise InputError("refine and rescale need the models themselves; use symgraph.align")
     t0 = time.perf_counter()
     check_compatible(ra, rb)
-    run, _ = _sweeps(ra, rb, WeightFeatures(ra, rb, tensors_a, tensors_b, exact_dtype), opts)
+    feats = WeightFeatures(ra, rb, tensors_a, tensors_b, exact_dtype)
+    run, b_of = _sweeps(ra, rb, feats, opts)
+    run.masses = mass_function(feats, b_of, opts.masses)
     n_sweeps = run.run(opts.max_iter)
     al = Alignment(ra, rb, run.elements, run.results, "weights",
                    {"solver": run.solver_seconds, "sweeps": n_sweeps}, gauge=gauge_a)

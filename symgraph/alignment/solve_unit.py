@@ -12,12 +12,15 @@ from ..groups import orthogonal_part
 __all__ = ["solve_unit"]
 
 
-def solve_unit(unit, sims, opts) -> list:
+def solve_unit(unit, sims, opts, masses=None) -> list:
     """``[(group, element, SolveResult)]`` for ``unit`` given ``sims``: ``[(group, S)]`` for the
-    groups whose similarity is known (the members; the class itself for a single)."""
+    groups whose similarity is known (the members; the class itself for a single).
+    ``masses(group, unequal)``: the units' masses ``(a, b)`` for a transport, or None
+    (uniform; see :mod:`~.masses`)."""
+    masses = masses or (lambda g, unequal: None)
     if unit.kind == "single":
         g, s = sims[0]
-        res, el = _solve_single(g, s, opts)
+        res, el = _solve_single(g, s, opts, masses)
         return [(g, el, res)]
     if unit.kind == "fixed-heads" or not opts.selected(unit.outer):
         # heads kept in index order (no head class, or not selected): per-head inner solve
@@ -28,10 +31,11 @@ def solve_unit(unit, sims, opts) -> list:
             out.append((m, element_from(res), res))
         return out
     kinds = [orthogonal_part(m.kind) for m, _ in sims]
+    HA, HB = sims[0][1].shape[:2]
     out_res, inner_els = S.nested_heads(
         [s for _, s in sims], kinds, [m.pairs for m, _ in sims], inner=opts.inner,
-        outer="hungarian" if opts.solver not in ("ot", "sinkhorn") else "ot")
-    HA, HB = sims[0][1].shape[:2]
+        outer="hungarian" if opts.solver not in ("ot", "sinkhorn") else "ot",
+        masses=masses(unit.outer, HA != HB))
     match = out_res.element.argmax(0).to(sims[0][1].device)
     out = [(unit.outer, element_from(out_res), out_res)]
     for (m, s), el in zip(sims, inner_els):
@@ -59,7 +63,7 @@ def element_from(result):
     return Map.from_plan(el)
 
 
-def _solve_single(g, s, opts):
+def _solve_single(g, s, opts, masses):
     kind = orthogonal_part(g.kind)
     nA, nB = s.shape[-2:]
     if s.dim() == 3:  # fibred over a fixed class, solved per fibre entry
@@ -70,5 +74,7 @@ def _solve_single(g, s, opts):
                             extra={"plan": any(r.extra.get("plan") for r in res_list)})
         return res, element_from(res)
     use = opts.solver if (opts.solver in ("ot", "sinkhorn") and kind in ("perm", "signed_perm")) else None
-    res = S.solve(kind, s, pairs=g.pairs, solver=use, rescale=opts.rescale, reg=opts.reg, dense=False)
+    ms = masses(g, nA != nB) if (use or nA != nB) else None
+    res = S.solve(kind, s, pairs=g.pairs, solver=use, rescale=opts.rescale, reg=opts.reg,
+                  dense=False, masses=ms)
     return res, element_from(res)

@@ -30,6 +30,7 @@ class Sweeps:
         self.solver_seconds = 0.0
         self.units = [u for u in units(report_a) if u.groups(opts.selected)]
         self.changed = False
+        self.masses = None  # (group, unequal) -> unit masses or None: see .masses
 
     def ids(self, unit) -> set:
         return {g.id for g in unit.groups(self.opts.selected)}
@@ -69,7 +70,7 @@ class Sweeps:
         record = ({g: self.versions.get(g, 0) for g in used}, all(x[1] for x in got))
         sims = [(m, x[0]) for m, x in zip(mem, got) if x[0] is not None]
         if sims:
-            for g, el, res in solve_unit(unit, sims, self.opts):
+            for g, el, res in solve_unit(unit, sims, self.opts, self.masses):
                 self._set(g, el, res)
         return record
 

@@ -125,22 +125,41 @@ def rope_procrustes(S, pairs) -> SolveResult:
     return SolveResult(R, obj, seconds=time.perf_counter() - t)
 
 
-def optimal_transport(S, reg: float | None = None) -> SolveResult:
-    """Transport plan between A's and B's units (uniform marginals) for similarity ``S``.
+def _marginal(m, n):
+    """Unit masses as a distribution: uniform where ``m`` is None, else ``m`` normalised, with
+    a floor (1e-9 of the mean) so that a unit of zero mass (a dead unit) still takes part."""
+    if m is None:
+        return np.full(n, 1.0 / n)
+    m = np.abs(_np(m).astype(np.float64).reshape(-1))
+    if m.shape != (n,) or not np.isfinite(m).all():
+        raise ValueError(f"unit masses must be {n} finite numbers, got shape {m.shape}")
+    total = m.sum()
+    if total <= 0:
+        return np.full(n, 1.0 / n)
+    m = m / total
+    m = np.maximum(m, 1e-9 / n)
+    return m / m.sum()
 
-    ``reg=None``: exact (``ot.emd``); else entropic Sinkhorn (``ot.sinkhorn``, log-domain below
-    1e-2) with that regularisation relative to the cost scale. The plan ``T [n_A, n_B]`` sums
-    to 1; ``extra["plan"]`` marks it (``alignment.solve_unit.element_from`` makes it a map).
+
+def optimal_transport(S, reg: float | None = None, a=None, b=None) -> SolveResult:
+    """Transport plan between A's and B's units for similarity ``S``.
+
+    ``a [n_A]`` / ``b [n_B]``: the units' masses (normalised here; uniform where None). With
+    masses proportional to what each unit contributes (:mod:`symgraph.alignment.masses`), a
+    unit of A that B copies k times, its outgoing weight split among the copies, receives
+    exactly those copies. ``reg=None``: exact (``ot.emd``); else entropic Sinkhorn
+    (``ot.sinkhorn``, log-domain below 1e-2) with that regularisation relative to the cost
+    scale. The plan ``T [n_A, n_B]`` sums to 1; ``extra["plan"]`` marks it
+    (``alignment.solve_unit.element_from`` makes it a map).
     """
     import ot
     s = _np(S)
     cost = s.max() - s
     scale = max(cost.max(), 1e-12)
-    a = np.full(s.shape[0], 1.0 / s.shape[0])
-    b = np.full(s.shape[1], 1.0 / s.shape[1])
+    a, b = _marginal(a, s.shape[0]), _marginal(b, s.shape[1])
     t = time.perf_counter()
     if reg is None:
-        T = ot.emd(a, b, cost / scale)
+        T = ot.emd(a, b, cost / scale, numItermax=max(100000, 50 * s.size))
         status = "optimal"
     else:
         # log-domain iterations: the plain ones overflow (NaN plans) below reg ~ 1e-3
@@ -180,13 +199,14 @@ def inner_blocks(kind, S, pairs=None, inner: str = "procrustes") -> SolveResult:
 
 
 def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrustes",
-                 outer: str = "hungarian") -> tuple:
+                 outer: str = "hungarian", masses=None) -> tuple:
     """Outer matching of heads whose cost is the best inner alignment of each head pair.
 
     ``S_inner[c]`` is ``[H_A, H_B, n_A, n_B]`` for inner class ``c``. Returns
     ``(outer_result, [inner element [H_B, n_A, n_B] per class])`` where the inner element of
     B's head ``b`` is the solution for its matched pair. ``inner="hungarian"`` matches head
     dimensions by permutation (seed 002); ``"procrustes"`` rotates them (seed 003).
+    ``masses``: ``(a [H_A], b [H_B])`` head masses for a transport between head counts.
     """
     S_inner = [torch.as_tensor(S, dtype=torch.float64) for S in S_inner]
     HA, HB = S_inner[0].shape[:2]
@@ -218,7 +238,8 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
                     secs += r.seconds
         score += obj
         sols.append(el)
-    out = hungarian(score) if (outer == "hungarian" and HA == HB) else optimal_transport(score)
+    out = (hungarian(score) if (outer == "hungarian" and HA == HB)
+           else optimal_transport(score, a=(masses or (None, None))[0], b=(masses or (None, None))[1]))
     match = out.element.argmax(0).to(dev)  # B head b -> A head
     heads_b = torch.arange(HB, device=dev)
     inner_els = []
@@ -234,9 +255,11 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
 
 
 def solve(kind: str, S, *, pairs=None, solver: str | None = None, rescale=False,
-          reg: float | None = None, dense: bool = True) -> SolveResult:
+          reg: float | None = None, dense: bool = True, masses=None) -> SolveResult:
     """Dispatch on the group kind (or an explicit ``solver``); ``dense=False``: a
-    permutation comes back as a :class:`~symgraph.elements.Perm` (see :func:`hungarian`)."""
+    permutation comes back as a :class:`~symgraph.elements.Perm` (see :func:`hungarian`);
+    ``masses``: ``(a, b)`` unit masses for the transport solvers (uniform where None)."""
+    a, b = masses or (None, None)
     S = torch.as_tensor(S, dtype=torch.float64)
     square = S.shape[-1] == S.shape[-2]
     if solver is None:
@@ -257,8 +280,8 @@ def solve(kind: str, S, *, pairs=None, solver: str | None = None, rescale=False,
     if solver == "rope":
         return rope_procrustes(S, pairs)
     if solver == "ot":
-        return optimal_transport(S)
+        return optimal_transport(S, a=a, b=b)
     if solver == "sinkhorn":
-        return optimal_transport(S, reg=reg if reg is not None else 0.01)
+        return optimal_transport(S, reg=reg if reg is not None else 0.01, a=a, b=b)
     raise ValueError(f"unknown solver {solver!r}; expected one of {SOLVERS}")
 

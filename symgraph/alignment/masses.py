@@ -1,0 +1,72 @@
+"""Unit masses for transport between classes of different widths (the marginals of the OT).
+
+A unit's mass is what it contributes downstream: the norm of its *contravariant* slices (the
+weights that read it, where a transport map sums B's units into A's: an MLP unit's outgoing
+column, a head's output-projection block), times the unit's activation RMS where activation
+statistics observed the class. A function-preserving widening copies a unit k times with the
+same incoming weights and splits its outgoing weights ``w`` into ``α_1 w, …, α_k w`` with
+``α_i ≥ 0`` summing to 1: the copies' masses then sum to the original unit's, so the exact
+transport sends each copy wholly to its original and the map (rows averaged, columns summed)
+undoes the widening exactly. Uniform masses give a unit copied three times the mass of one,
+and the plan must spill the surplus onto other units.
+
+Uniform masses remain where a class has no contravariant slot, for classes fibred over heads
+(solved per head) and for splits of mixed sign (a copy with ``α < 0`` counts ``|α|``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .weights import gather
+
+__all__ = ["MASSES", "unit_masses", "mass_function"]
+
+MASSES = ("auto", "weights", "activations", "uniform")
+
+
+def unit_masses(report, tensors, group, act_rms=None):
+    """``[n]`` masses of an unfibred class of ``report`` from its contravariant slices of
+    ``tensors`` (norm gains folded), times ``act_rms [n]`` when given; None when the class is
+    fibred or has no contravariant slot."""
+    if group.outer:
+        return None
+    sq = None
+    for (name, d), var in dict(zip(group.params, group.variance)).items():
+        if var != "contra":
+            continue
+        axis = report.param_axes(name)[d]
+        for idx, nf in report.leaf_views(axis, group.id):
+            if nf:
+                continue
+            x = gather(tensors[name], d, idx, nf).to(torch.float64)
+            part = (x * x).sum(-1)
+            sq = part if sq is None else sq + part
+    if sq is None:
+        return None
+    m = sq.sqrt()
+    if act_rms is not None and act_rms.shape == m.shape:
+        m = m * act_rms.to(m)
+    return m
+
+
+def mass_function(feats, b_of, mode: str = "auto", stats=None):
+    """``f(group_a, unequal) -> (a, b) | None``: the masses of A's and B's units of a class
+    (None: uniform). ``mode``: "weights" (contributions from weight norms), "activations"
+    (weights times activation RMS where ``stats`` observed the class, weights elsewhere),
+    "uniform", or "auto" (activations when given, else weights, used only between
+    different widths: between equal widths the exact plan stays a permutation)."""
+    def rms(st, which):
+        if st is None or st.n == 0:
+            return None
+        sq = st.saa if which == "a" else st.sbb
+        return (sq.reshape(-1, sq.shape[-1])[0] / st.n).clamp_min(0).sqrt() if sq.shape[0] == 1 else None
+
+    def fn(ga, unequal: bool):
+        if mode == "uniform" or (mode == "auto" and not unequal):
+            return None
+        gb = b_of[ga.id]
+        st = stats.get(ga.id) if (stats is not None and mode in ("auto", "activations")) else None
+        ma = unit_masses(feats.ra, feats.A, ga, rms(st, "a"))
+        mb = unit_masses(feats.rb, feats.B, gb, rms(st, "b"))
+        return None if ma is None or mb is None else (ma, mb)
+    return fn
