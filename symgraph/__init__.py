@@ -2,7 +2,8 @@
 
 ``analyze(model)`` traces a model and reports every weight-space symmetry its graph admits;
 ``transform`` applies a group element; ``align`` fills every class for two models; ``merge``
-aligns and combines N models; ``interpolate``/``loss_barrier`` evaluate the result.
+aligns and combines N models; ``resize`` widens or compresses classes;
+``interpolate``/``loss_barrier`` evaluate the result.
 This module only re-exports; see README "Architecture" for where each piece lives.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .errors import (CertificationError, InputError, StructureMismatchError, Sym
 from .evaluate import interpolate, loss_barrier
 from .merging import MergeResult, merge, merge_methods, register_merge
 from .report import Group, SymmetryReport, Transform
+from .resize import ResizeResult, resize
 from .streaming import merge_checkpoints
 
 __version__ = "0.1.0"
@@ -22,7 +24,8 @@ __version__ = "0.1.0"
 __all__ = [
     "analyze", "tied_parameters", "SymmetryReport", "Group", "Transform", "transform",
     "align", "AlignOptions", "Alignment", "merge", "MergeResult", "merge_methods", "merge_checkpoints",
-    "register_merge", "interpolate", "loss_barrier", "SymgraphError", "InputError",
+    "register_merge", "resize", "ResizeResult", "interpolate", "loss_barrier", "SymgraphError",
+    "InputError",
     "StructureMismatchError", "TraceError", "UnsupportedOpError", "CertificationError",
     "__version__",
 ]

@@ -1,4 +1,4 @@
-"""The ``symgraph`` command: ``analyze``, ``merge`` and ``demo``, thin over the library.
+"""The ``symgraph`` command: ``analyze``, ``merge``, ``resize`` and ``demo``, thin over the library.
 
 Every refusal is one paragraph on stderr (what was wrong, what was expected), exit code 2,
 nothing written; ``--debug`` shows the traceback instead.
@@ -259,6 +259,48 @@ def _version():
     return __version__
 
 
+# --- resize --------------------------------------------------------------------------------
+
+
+def cmd_resize(args) -> int:
+    from . import analyze
+    from .io import check_checkpoint_dir, load_model
+    from .output import check_out, save_atomic
+    from .resize import resize, same_role
+    widths = {}
+    for spec in args.width:
+        ids, sep, n = spec.partition("=")
+        try:
+            ids, n = [int(i) for i in ids.split(",")], int(n)
+        except ValueError:
+            raise _Refusal(f"--width {spec!r}: expected IDS=N (group ids from symgraph analyze, "
+                           "comma-separated, and the new width), e.g. --width 5,10=96") from None
+        widths.update({i: n for i in ids})
+    out = check_out(args.out, force=args.force, inputs=[args.model])
+    if os.path.exists(os.path.expanduser(args.model)):
+        check_checkpoint_dir(os.path.expanduser(args.model))
+    model = load_model(args.model)
+    report = analyze(model)
+    if args.every_layer:
+        widths = same_role(report, widths)
+    t0 = time.time()
+    res = resize(model, widths, split=args.split, seed=args.seed, report=report)
+    meta = {"symgraph_version": _version(), "inputs": [os.path.abspath(os.path.expanduser(args.model))
+                                                      if os.path.exists(os.path.expanduser(args.model))
+                                                      else args.model],
+            "mode": "resize", "widths": res.widths, "config": res.config, "error": res.error,
+            "split": args.split, "seed": args.seed, "seconds": time.time() - t0,
+            "dtype": str(next(res.model.parameters()).dtype).removeprefix("torch.")}
+    src = os.path.expanduser(args.model)
+    save_atomic(res.model, out, force=args.force, inputs=[args.model], meta=meta,
+                tokenizer_from=src if os.path.isdir(src) else None)
+    sizes = ", ".join(f"{g}: {a} -> {b}" for g, (a, b) in sorted(res.widths.items()))
+    cfg = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in res.config.items())
+    print(f"resized classes {sizes}{f' ({cfg})' if cfg else ''}; relative output deviation "
+          f"{res.error:.3g}; wrote {out}")
+    return 0
+
+
 # --- demo ----------------------------------------------------------------------------------
 
 
@@ -315,6 +357,22 @@ def build_parser():
     m.add_argument("--force", action="store_true", help="replace an existing --out")
     m.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     m.set_defaults(func=cmd_merge)
+
+    r = sub.add_parser("resize", help="widen (function-preserving) or shrink (compress) "
+                       "permutation classes of a model")
+    r.add_argument("model", help="save_pretrained directory, demo name or hub id")
+    r.add_argument("--width", action="append", required=True, metavar="IDS=N",
+                   help="new width N for the classes IDS (ids from symgraph analyze, e.g. 5,10=96)")
+    r.add_argument("--every-layer", action="store_true",
+                   help="also resize every class with the same role in the other layers")
+    r.add_argument("--split", choices=("even", "random"), default="even",
+                   help="how a widened unit's outgoing weights are shared by its copies")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", metavar="DIR", required=True, help="output directory (must not exist "
+                   "unless --force)")
+    r.add_argument("--force", action="store_true", help="replace an existing --out")
+    r.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+    r.set_defaults(func=cmd_resize)
 
     d = sub.add_parser("demo", help="train two tiny char-level GPT-2s and compare merges")
     d.add_argument("--out", metavar="DIR", default="symgraph-demo")
