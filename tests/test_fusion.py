@@ -139,3 +139,19 @@ def test_masses_option_is_checked():
     A = models.mlp(0)
     with pytest.raises(symgraph.InputError, match="masses"):
         symgraph.align(A, A, (torch.randn(2, 6),), masses="norms")
+
+
+@pytest.mark.parametrize("masses", ["auto", "weights"])
+def test_resized_with_random_splits_fuses_back_from_activations(masses):
+    """``symgraph.resize`` widens both hidden layers with random shares; matching from
+    activations (masses from activation RMS × outgoing norm) fuses it back like matching
+    from weights."""
+    A = models.mlp(0, (6, 16, 12, 3)).double()
+    x = torch.randn(64, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    r = symgraph.analyze(A, (x,))
+    B = symgraph.resize(A, {g.id: 2 * g.size + 5 for g in r.groups}, (x,), split="random").model
+    data = [(x[i:i + 16],) for i in range(0, 64, 16)]
+    merged = symgraph.merge([A, B], align="activations", data=data, masses=masses).model
+    assert _rel(A(x), merged(x).detach()) < 1e-6
+    # two consecutive widened layers: the masses of the first read the second's map
+    assert _rel(A(x), symgraph.merge([A, B], (x,), masses=masses).model(x).detach()) < 1e-6

@@ -130,8 +130,11 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
             return (m, True, frozenset()) if m is not None else by_weights(ga, cross, usable)
         run.similarity = by_activations
         sweeps = 1 if all(stats[g.id].n > 0 for g in ra.groups) else sweeps
-    run.masses = mass_function(feats, b_of, opts.masses, stats)
+    run.masses = mass_function(feats, b_of, opts.masses, stats, run.elements)
     n_sweeps = run.run(sweeps)
+    if sweeps == 1 and any(g.size != b_of[g.id].size for g in ra.groups):
+        # transport masses read B's other axes in A's basis: solve once more with them known
+        n_sweeps += run.run(1)
     al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                    {"analyze": t_an, "solver": run.solver_seconds, "sweeps": n_sweeps},
                    template=model_a, gauge=gauge(ra.folds, dict(model_a.named_parameters())))
@@ -172,7 +175,7 @@ def align_weights(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
     check_compatible(ra, rb)
     feats = WeightFeatures(ra, rb, tensors_a, tensors_b, exact_dtype)
     run, b_of = _sweeps(ra, rb, feats, opts)
-    run.masses = mass_function(feats, b_of, opts.masses)
+    run.masses = mass_function(feats, b_of, opts.masses, elements=run.elements)
     n_sweeps = run.run(opts.max_iter)
     al = Alignment(ra, rb, run.elements, run.results, "weights",
                    {"solver": run.solver_seconds, "sweeps": n_sweeps}, gauge=gauge_a)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..elements import apply_along
 from .weights import gather
 
 __all__ = ["MASSES", "unit_masses", "mass_function"]
@@ -24,21 +25,28 @@ __all__ = ["MASSES", "unit_masses", "mass_function"]
 MASSES = ("auto", "weights", "activations", "uniform")
 
 
-def unit_masses(report, tensors, group, act_rms=None):
+def unit_masses(report, tensors, group, act_rms=None, axis_op=None):
     """``[n]`` masses of an unfibred class of ``report`` from its contravariant slices of
     ``tensors`` (norm gains folded), times ``act_rms [n]`` when given; None when the class is
-    fibred or has no contravariant slot."""
+    fibred or has no contravariant slot. ``axis_op(axis)``: the current map of another axis
+    into the reference basis (model B's slices are measured in A's coordinates: a widened
+    reader's rows are averaged back before the norm is taken), or None."""
     if group.outer:
         return None
     sq = None
     for (name, d), var in dict(zip(group.params, group.variance)).items():
         if var != "contra":
             continue
-        axis = report.param_axes(name)[d]
-        for idx, nf in report.leaf_views(axis, group.id):
+        axes = report.param_axes(name)
+        t = tensors[name]
+        for k, a in enumerate(axes):
+            M = axis_op(a) if (axis_op is not None and k != d) else None
+            if M is not None:
+                t = apply_along(t, k, M)
+        for idx, nf in report.leaf_views(axes[d], group.id):
             if nf:
                 continue
-            x = gather(tensors[name], d, idx, nf).to(torch.float64)
+            x = gather(t, d, idx, nf).to(torch.float64)
             part = (x * x).sum(-1)
             sq = part if sq is None else sq + part
     if sq is None:
@@ -49,12 +57,13 @@ def unit_masses(report, tensors, group, act_rms=None):
     return m
 
 
-def mass_function(feats, b_of, mode: str = "auto", stats=None):
+def mass_function(feats, b_of, mode: str = "auto", stats=None, elements=None):
     """``f(group_a, unequal) -> (a, b) | None``: the masses of A's and B's units of a class
     (None: uniform). ``mode``: "weights" (contributions from weight norms), "activations"
     (weights times activation RMS where ``stats`` observed the class, weights elsewhere),
     "uniform", or "auto" (activations when given, else weights, used only between
-    different widths: between equal widths the exact plan stays a permutation)."""
+    different widths: between equal widths the exact plan stays a permutation).
+    ``elements``: the solve loop's current elements (B's other axes are mapped by them)."""
     def rms(st, which):
         if st is None or st.n == 0:
             return None
@@ -67,6 +76,7 @@ def mass_function(feats, b_of, mode: str = "auto", stats=None):
         gb = b_of[ga.id]
         st = stats.get(ga.id) if (stats is not None and mode in ("auto", "activations")) else None
         ma = unit_masses(feats.ra, feats.A, ga, rms(st, "a"))
-        mb = unit_masses(feats.rb, feats.B, gb, rms(st, "b"))
+        op = (lambda a: feats._axis_op(a, elements)) if elements is not None else None
+        mb = unit_masses(feats.rb, feats.B, gb, rms(st, "b"), op)
         return None if ma is None or mb is None else (ma, mb)
     return fn
