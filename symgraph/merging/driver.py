@@ -1,6 +1,7 @@
-"""``merge()``: align N models to an anchor, move each method's statistics with the weights,
-combine. Buffers that a group moves (the anchor report's ``buffers``: running statistics) are
-the weighted average of the models' buffers in A's basis; every other buffer is the anchor's."""
+"""``merge()``: align N models to an anchor (or to a shared universe, :mod:`.universe`), move
+each method's statistics with the weights, combine. Buffers that a group moves (the anchor
+report's ``buffers``: running statistics) are the weighted average of the models' buffers in
+A's basis; every other buffer is the anchor's."""
 from __future__ import annotations
 
 import copy
@@ -26,19 +27,24 @@ __all__ = ["MergeResult", "merge"]
 class MergeResult:
     """What :func:`merge` returns: the merged ``model`` (the anchor's architecture and dtypes),
     one :class:`~symgraph.Alignment` per input model (None for the anchor and when not
-    aligned), and ``timings`` in seconds (``analyze``, ``align``, ``statistics``,
-    ``combine``, ``repair`` with ``repair=True``, ``total``). ``repair``: with ``repair=True``
+    aligned; with ``anchor="universe"`` every model's, into the shared basis), and ``timings``
+    in seconds (``analyze``, ``align``, ``statistics``, ``combine``, ``repair`` with
+    ``repair=True``, ``total``). ``repair``: with ``repair=True``
     the :class:`~symgraph.merging.repair.RepairReport` (per repaired layer the mean
-    ``|σ_merged/σ_target − 1|`` before and after), else None."""
+    ``|σ_merged/σ_target − 1|`` before and after), else None. ``universe``: with
+    ``anchor="universe"`` what the rounds did (``rounds``, per round ``changed`` elements,
+    ``converged``, ...; see :func:`~symgraph.merging.universe.align_universe`), else None."""
     model: object
     alignments: list
     timings: dict = field(default_factory=dict)
     repair: RepairReport | None = None
+    universe: dict | None = None
 
 
 def merge(models, inputs=None, *, weights=None, align="weights", data=None, method="average",
-          anchor: int = 0, method_options: dict | None = None, progress: bool = False,
-          repair: bool = False, **align_options) -> MergeResult:
+          anchor: int | str = 0, method_options: dict | None = None, progress: bool = False,
+          repair: bool = False, universe_options: dict | None = None,
+          **align_options) -> MergeResult:
     """Merge ``models`` (N ≥ 2) into a new model of the anchor's architecture.
 
     align : "weights" (data-free), "activations" (needs ``data``) or None (no alignment).
@@ -46,6 +52,10 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         "regmean", ...) or a :class:`~symgraph.merging.MergeMethod` instance;
         ``method_options`` go to its constructor (e.g. ``{"alpha": 0.5}`` for RegMean).
     weights : per-model mixing weights (default uniform).
+    anchor : the index of the model whose basis the others are aligned to, or "universe":
+        align every model to the mean of the others until no element changes (MergeMany;
+        :mod:`symgraph.merging.universe`, options ``universe_options``: ``max_rounds``,
+        ``tol``); the result has models[0]'s architecture and every model an alignment.
     repair : REPAIR (Jordan et al. 2023) after combining: every hidden channel that feeds a
         nonlinearity gets, on ``data`` (required), the mean and std interpolated from model A
         and the other models in A's basis (:mod:`symgraph.merging.repair`).
@@ -56,10 +66,17 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     models, data = list(models), (list(data) if data is not None else None)
     how = registry.get(method, **(method_options or {}))
     align, w = _check_arguments(models, how, align, data, weights, repair)
+    anchor = _check_anchor(anchor, len(models), align, universe_options)
     inputs = data[0] if inputs is None and data is not None else inputs
-    A = models[anchor]
+    A = models[0 if anchor == "universe" else anchor]
     ra = analyze(A, inputs, fold_norms=align_options.get("fold_norms", True))
     timings = {"analyze": time.perf_counter() - t0, "align": 0.0, "statistics": 0.0}
+    universe, found = None, None
+    if anchor == "universe":  # every model's alignment to the mean of the others
+        from .universe import align_universe
+        found, universe = align_universe(models, inputs, ra, align, data, w, universe_options,
+                                         progress, **align_options)
+        timings["align"] = universe["seconds"]
     states, stats, alignments, buffers = [], [], [], []
     bar = tqdm(models, desc=f"merging ({how.name}, align={align})", unit="model", file=sys.stderr,
                leave=False, disable=not progress)
@@ -67,15 +84,11 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         t1 = time.perf_counter()
         al, rep = None, ra
         if i != anchor and align is not None:
-            al = align_models(A, m, inputs, data=data if align == "activations" or
-                              align_options.get("refine") else None,
-                              report_a=ra, **align_options)
+            al = found[i] if found else align_models(
+                A, m, inputs, data=data if align == "activations" or align_options.get("refine")
+                else None, report_a=ra, **align_options)
             rep = al.report_b
-            st = {k: _acc(v) for k, v in al.state(m).items()}
-            for k, p in m.named_parameters():
-                st.setdefault(k, _acc(p.detach()))
-            for k in ra.buffers:
-                st.setdefault(k, _acc(m.get_buffer(k).detach()))
+            st = aligned_state(m, al, ra)
         else:
             if i != anchor:
                 _check_same_shapes(A, m, i)
@@ -107,7 +120,23 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         repaired = renormalize(out, parents, w, data, ra)
         timings["repair"] = repaired.seconds
     timings["total"] = time.perf_counter() - t0
-    return MergeResult(out, alignments, timings, repaired)
+    return MergeResult(out, alignments, timings, repaired, universe)
+
+
+def aligned_state(m, al, ra) -> dict:
+    """Model ``m``'s parameters and moved buffers (``ra.buffers``) in the anchor's basis by
+    ``al`` (None: its own basis), each in the accumulation dtype (:func:`_acc`); tied
+    weights once, under ``named_parameters``' name."""
+    if al is None:
+        st = {k: _acc(p.detach()) for k, p in m.named_parameters()}
+        return st | {k: _acc(m.get_buffer(k).detach()) for k in ra.buffers}
+    own = dict(m.named_parameters())  # tied weights once, under their first name
+    st = {k: _acc(v) for k, v in al.state(m).items() if k in own or k in ra.buffers}
+    for k, p in own.items():
+        st.setdefault(k, _acc(p.detach()))
+    for k in ra.buffers:
+        st.setdefault(k, _acc(m.get_buffer(k).detach()))
+    return st
 
 
 def _acc(t):
@@ -143,6 +172,24 @@ def _check_arguments(models, how, align, data, weights, repair=False):
     for i, m in enumerate(models):
         check_finite(m, f"model {i}")
     return align, w / w.sum()
+
+
+def _check_anchor(anchor, n, align, universe_options=None):
+    """The anchor as an index in ``range(n)``, or "universe" (which needs an alignment)."""
+    if universe_options is not None and anchor != "universe":
+        raise InputError(f"universe_options={universe_options!r} apply only with "
+                         f"anchor='universe', not anchor={anchor!r}")
+    if isinstance(anchor, str):
+        if anchor != "universe":
+            raise InputError(f"anchor={anchor!r}; expected a model index (0..{n - 1}) or "
+                             "'universe' (align every model to the mean of the others)")
+        if align is None:
+            raise InputError("anchor='universe' aligns the models to each other and needs "
+                             "align='weights' or 'activations', not align=None")
+        return anchor
+    if isinstance(anchor, bool) or not isinstance(anchor, (int, np.integer)) or not -n <= anchor < n:
+        raise InputError(f"anchor={anchor!r}; expected a model index (0..{n - 1}) or 'universe'")
+    return int(anchor) % n
 
 
 def _check_same_shapes(A, m, i):

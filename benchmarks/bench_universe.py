@@ -1,0 +1,207 @@
+"""Benchmark: N models merged in one universe vs to an anchor (issue 15, item 4).
+
+For each architecture of the suite, ``max(n_models)`` models are trained from seeds 0, 1, ...
+(cached under ``$SYMGRAPH_CACHE``, :func:`benchmarks.train.train_model`), and for each N the
+first N are averaged three ways:
+
+- ``vanilla``: the plain average, no alignment (``align=None``);
+- ``anchor``: every model aligned to model 0, then averaged (``symgraph.merge``'s default);
+- ``universe``: every model aligned to the mean of the others until no element changes
+  (``anchor="universe"``, MergeMany).
+
+Barrier of the N-model average: ``L(merged) − mean_i L(θ_i)`` on the held-out batches
+(:func:`benchmarks.evaluate.loss_fn_for`). A universe record also carries its rounds, the
+changed elements per round, whether it converged, and the spread
+``Σ w_i‖θ_i − θ̄‖² / Σ w_i‖θ_i‖²`` after the anchor round and at the end.
+
+``python -m benchmarks.bench_universe [--size quick] [--archs gpt2 llama] [--n 3 4 5]
+[--out DIR]`` prints the table and writes ``universe.json``, ``universe.md`` and plots.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+MODES = ("vanilla", "anchor", "universe")
+ARCHS = ("gpt2", "llama", "bert", "vit")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(size: str = "quick", archs=ARCHS, n_models=(3, 4, 5), steps: int | None = None, *,
+        eval_batches: int | None = 4, align_batches: int = 4, align: str = "weights",
+        universe_options: dict | None = None, verbose: bool = True) -> list[dict]:
+    """One record per (arch, N, mode); see the module docstring. ``steps`` overrides the
+    training steps (tests), ``eval_batches`` the held-out batches of every loss (None: all),
+    ``align`` is "weights" or "activations" (then on ``align_batches`` training batches)."""
+    import symgraph
+
+    from . import evaluate, speed, train
+    n_models = sorted({int(n) for n in n_models})
+    if not n_models or n_models[0] < 2:
+        raise ValueError(f"n_models must be numbers of models >= 2, got {n_models}")
+    seeds = tuple(range(n_models[-1]))
+    records = []
+    for arch in archs:
+        t = time.perf_counter()
+        models = [train.train_model(arch, s, size, steps) for s in seeds]
+        if verbose:
+            log(f"{arch}: {len(models)} models ready in {time.perf_counter() - t:.1f}s")
+        data = speed.alignment_data(arch, align_batches)
+        loss_fn = evaluate.loss_fn_for(arch, max_batches=eval_batches)
+        losses = [loss_fn(m) for m in models]
+        for n in n_models:
+            ms, parents = models[:n], losses[:n]
+            mean_parent = sum(parents) / n
+            for mode in MODES:
+                t = time.perf_counter()
+                kw = {"align": None} if mode == "vanilla" else {"align": align}
+                if align == "activations" and mode != "vanilla":
+                    kw["data"] = data
+                if mode == "universe":
+                    kw |= {"anchor": "universe", "universe_options": universe_options}
+                res = symgraph.merge(ms, data[0], **kw)
+                seconds = time.perf_counter() - t
+                loss = loss_fn(res.model)
+                rec = {"arch": arch, "size": size, "n_models": n, "seeds": list(seeds[:n]),
+                       "mode": mode, "align": None if mode == "vanilla" else align,
+                       "steps": steps, "parent_losses": parents, "mean_parent_loss": mean_parent,
+                       "loss_merged": loss, "barrier": loss - mean_parent,
+                       "seconds": seconds, "align_seconds": res.timings.get("align", 0.0),
+                       "rounds": None, "converged": None, "stopped": None, "changed": None,
+                       "spread_anchor": None, "spread": None}
+                if res.universe is not None:
+                    u = res.universe
+                    rec |= {"rounds": u["rounds"], "converged": u["converged"],
+                            "stopped": u["stopped"], "changed": u["changed"], "drifted": u["drifted"],
+                            "max_change": u["max_change"], "round_seconds": u["round_seconds"],
+                            "spread_anchor": u["distance"][0], "spread": u["distance"][-1]}
+                records.append(rec)
+                if verbose:
+                    extra = "" if res.universe is None else (
+                        f"  rounds {rec['rounds']} ({rec['stopped']}) changed {rec['changed']}")
+                    log(f"  {arch} N={n} {mode:<8} L {loss:.4f} (parents {mean_parent:.4f}) "
+                        f"barrier {rec['barrier']:+.4f}  {seconds:6.1f}s{extra}")
+    return records
+
+
+def _table(records):
+    """``{(arch, n): {mode: record}}`` in the order the records came."""
+    rows = {}
+    for r in records:
+        rows.setdefault((r["arch"], r["n_models"]), {})[r["mode"]] = r
+    return rows
+
+
+def markdown(records) -> str:
+    """A Markdown table: per architecture and N the barrier of each mode, the universe's gain
+    over the anchor, its rounds and spreads."""
+    lines = ["| arch | N | mean parent loss | vanilla | anchor | universe | universe − anchor | "
+             "rounds | converged | spread anchor → universe | align s (anchor / universe) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x: "—" if x is None else f"{x:+.4f}"  # noqa: E731
+    for (arch, n), by in _table(records).items():
+        any_r = next(iter(by.values()))
+        b = {m: (by[m]["barrier"] if m in by else None) for m in MODES}
+        u, a = by.get("universe"), by.get("anchor")
+        gain = fmt(b["universe"] - b["anchor"]) if u and a else "—"
+        rounds = f"{u['rounds']}" if u else "—"
+        conv = ("yes" if u["converged"] else f"no ({u['stopped']})") if u else "—"
+        spread = f"{u['spread_anchor']:.4f} → {u['spread']:.4f}" if u else "—"
+        secs = (f"{a['align_seconds']:.1f} / {u['align_seconds']:.1f}" if u and a else "—")
+        lines.append(f"| {arch} | {n} | {any_r['mean_parent_loss']:.4f} | {fmt(b['vanilla'])} | "
+                     f"{fmt(b['anchor'])} | {fmt(b['universe'])} | {gain} | {rounds} | {conv} | "
+                     f"{spread} | {secs} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(records, out_dir) -> list[str]:
+    """``universe_barrier.png`` (barrier against N, one panel per architecture, a line per
+    mode) and ``universe_rounds.png`` (changed elements per universe round); returns the file
+    names written into ``out_dir``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    archs = list(dict.fromkeys(r["arch"] for r in records))
+    if not archs:
+        return []
+    written = []
+    fig, axes = plt.subplots(1, len(archs), figsize=(4 * len(archs), 3.4), squeeze=False)
+    for ax, arch in zip(axes[0], archs):
+        for mode, style in zip(MODES, ("o--", "s-", "^-")):
+            rs = sorted((r for r in records if r["arch"] == arch and r["mode"] == mode),
+                        key=lambda r: r["n_models"])
+            if rs:
+                ax.plot([r["n_models"] for r in rs], [r["barrier"] for r in rs], style, label=mode)
+        ax.set_title(arch)
+        ax.set_xlabel("models merged (N)")
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    axes[0][0].set_ylabel("L(average) − mean parent loss")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "universe_barrier.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    written.append("universe_barrier.png")
+    uni = [r for r in records if r["mode"] == "universe" and r["changed"]]
+    if uni:
+        fig, ax = plt.subplots(figsize=(5, 3.4))
+        for r in uni:
+            ax.plot(range(1, len(r["changed"]) + 1), r["changed"], "o-",
+                    label=f"{r['arch']} N={r['n_models']}")
+        ax.set_xlabel("universe round")
+        ax.set_ylabel("elements changed")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "universe_rounds.png", dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append("universe_rounds.png")
+    return written
+
+
+def _clean(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_universe",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="quick", choices=("quick", "full"))
+    ap.add_argument("--archs", nargs="+", default=list(ARCHS))
+    ap.add_argument("--n", nargs="+", type=int, default=[3, 4, 5], help="numbers of models merged")
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default: the zoo's)")
+    ap.add_argument("--eval-batches", type=int, default=4, help="held-out batches per loss (0: all)")
+    ap.add_argument("--align", default="weights", choices=("weights", "activations"))
+    ap.add_argument("--max-rounds", type=int, default=None)
+    ap.add_argument("--out", default=None, help="directory for universe.json / .md / plots")
+    args = ap.parse_args(argv)
+    opts = None if args.max_rounds is None else {"max_rounds": args.max_rounds}
+    records = run(args.size, args.archs, args.n, args.steps, eval_batches=args.eval_batches or None,
+                  align=args.align, universe_options=opts)
+    print(markdown(records))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "universe.json").write_text(json.dumps(_clean(records), indent=1))
+        (out / "universe.md").write_text(markdown(records))
+        plot(records, out)
+
+
+if __name__ == "__main__":
+    main()
