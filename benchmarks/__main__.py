@@ -8,6 +8,9 @@
    get a 21-point loss curve ``λθ_A + (1−λ)θ_B'`` (λ=1 is A), merged-model methods
    (Fisher, RegMean) one merged model;
 3. fuses the wide GPT-2 into the narrow one and compares with the narrow model alone;
+   fine-tunes fused models against their parents (:mod:`benchmarks.bench_finetune`) and
+   merges N = 3 (quick) or 3-5 models per architecture into an anchor's basis vs a shared
+   universe (:mod:`benchmarks.bench_universe`);
 4. measures analyze / align time and peak memory per architecture in fresh processes;
 5. writes ``results.json``, ``report.md`` and PNG plots into ``--out`` (built in a temporary
    directory, then each file is moved into place).
@@ -219,7 +222,8 @@ def run_speed(st: Settings, arch: str) -> dict:
 
 
 def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=None,
-        steps=None, method_names=None, speed: bool = True, hetero: bool = True) -> dict:
+        steps=None, method_names=None, speed: bool = True, hetero: bool = True,
+        finetune: bool = True, universe: bool = True) -> dict:
     """Run the suite and write its outputs into ``out``; returns the summary dict."""
     from . import train, zoo
     from .methods import METHODS
@@ -245,6 +249,19 @@ def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=
     if hetero:
         log("heterogeneous fusion ...")
         records += run_hetero(st, lambdas)
+    sections = {}
+    if finetune and hetero:
+        from . import bench_finetune
+        log("fine-tune after fusion ...")
+        sections["finetune"] = (bench_finetune, bench_finetune.run(
+            st.size, steps=st.steps, K=10 if st.steps else None, eval_every=5 if st.steps else None,
+            eval_batches=st.curve_batches))
+    if universe:
+        from . import bench_universe
+        log("N models: anchor vs universe ...")
+        sections["universe"] = (bench_universe, bench_universe.run(
+            st.size, archs, n_models=(3,) if quick else (3, 4, 5), steps=st.steps,
+            eval_batches=st.curve_batches))
     if speed:
         log("speed rows ...")
         for arch in archs:
@@ -265,11 +282,16 @@ def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=
     try:
         from . import report as rep
         figures = rep.plots(tmp, records, keep, archs)
+        more = []
+        for name, (mod, res) in sections.items():
+            figures += mod.plot(res, tmp)
+            _write_json(tmp / f"{name}.json", res)
+            more.append(_demote(mod.markdown(res)))
         summary["wall_seconds"] = time.perf_counter() - t_start
         summary["figures"] = figures
         summary["heatmap"] = next((k["heatmap"] for k in keep.values() if k and "heatmap" in k), None)
         _write_json(tmp / "results.json", records)
-        (tmp / "report.md").write_text(rep.markdown(records, summary, figures))
+        (tmp / "report.md").write_text("\n\n".join([rep.markdown(records, summary, figures)] + more))
         _publish(tmp, Path(out))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -278,6 +300,11 @@ def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=
     return summary
 
 
+
+
+def _demote(md: str) -> str:
+    """A stand-alone report as a section of the suite's: every heading one level down."""
+    return "\n".join("#" + line if line.startswith("#") else line for line in md.splitlines())
 
 
 def _cache_root():
@@ -329,11 +356,16 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=None, help="override training steps (tests)")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=None)
     ap.add_argument("--no-speed", action="store_true", help="skip the speed rows")
-    ap.add_argument("--no-hetero", action="store_true", help="skip heterogeneous fusion")
+    ap.add_argument("--no-hetero", action="store_true", help="skip heterogeneous fusion (and "
+                    "fine-tuning after fusion)")
+    ap.add_argument("--no-finetune", action="store_true", help="skip fine-tuning after fusion")
+    ap.add_argument("--no-universe", action="store_true", help="skip N-model merging (anchor vs "
+                    "universe)")
     a = ap.parse_args(argv)
     out = a.out or ("bench-quick" if a.quick else str(RESULTS_DIR / "suite"))
     run(out, a.quick, a.archs, a.pairs, a.size, a.seeds, a.steps, a.methods,
-        speed=not a.no_speed, hetero=not a.no_hetero)
+        speed=not a.no_speed, hetero=not a.no_hetero, finetune=not a.no_finetune,
+        universe=not a.no_universe)
 
 
 if __name__ == "__main__":
