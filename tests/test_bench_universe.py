@@ -53,8 +53,11 @@ def test_records(records):
 
 def test_markdown_and_plots(records, tmp_path):
     md = bench_universe.markdown(records)
-    lines = md.strip().splitlines()
-    assert lines[0].startswith("| arch | N |") and len(lines) == 2 + 2  # header, rule, N=2, N=3
+    assert md.startswith("# N models: anchor vs universe")
+    wins = sum(by["universe"]["barrier"] < by["anchor"]["barrier"] for by in bench_universe._table(records).values())
+    assert f"lower barrier in {wins} of 2 rows" in md
+    lines = md[md.index("| arch | N |"):].strip().splitlines()
+    assert len(lines) == 2 + 2  # header, rule, N=2, N=3
     assert lines[2].startswith("| vit | 2 |") and lines[3].startswith("| vit | 3 |")
     by = {(r["n_models"], r["mode"]): r for r in records}
     assert f"{by[(3, 'universe')]['barrier']:+.4f}" in lines[3]
