@@ -7,6 +7,7 @@ import subprocess
 import tempfile
 
 from .errors import InputError
+from .output import identity, remove_own
 
 __all__ = ["to_networkx", "to_dot", "save_graph"]
 
@@ -54,6 +55,7 @@ def save_graph(report, path: str) -> str:
     d = os.path.dirname(os.path.abspath(path))
     prefix = f".{os.path.basename(path)}.tmp-"
     fd, tmp = tempfile.mkstemp(dir=d, prefix=prefix, suffix=ext)
+    made = identity(tmp)
     os.close(fd)
     try:
         if ext == ".dot":
@@ -72,10 +74,9 @@ def save_graph(report, path: str) -> str:
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a picture is an ordinary file
         os.replace(tmp, path)
     finally:
-        # the only deletion: this call's mkstemp file (renamed onto ``path`` on success)
-        if (os.path.dirname(tmp) == d and os.path.basename(tmp).startswith(prefix)
-                and os.path.isfile(tmp) and not os.path.islink(tmp)):
-            os.unlink(tmp)
+        # the only deletion: this call's mkstemp file, if still there (renamed onto ``path``
+        # on success)
+        remove_own(tmp, made)
     return path
 
 KIND_NAMES = {"perm": "permutation", "scaled_perm": "scaled permutation", "signed_perm": "signed permutation",

@@ -15,13 +15,15 @@ import math
 import os
 import shutil
 import signal
+import stat
 import tempfile
 
 import torch
 
 from .errors import InputError
 
-__all__ = ["MARKER", "Terminated", "check_out", "save_atomic", "terminate_on_sigterm", "model_card"]
+__all__ = ["MARKER", "Terminated", "check_out", "save_atomic", "terminate_on_sigterm", "model_card",
+           "identity", "remove_own"]
 
 MARKER = "symgraph_merge.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
@@ -109,6 +111,7 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
     parent = os.path.dirname(out)
     tmp_prefix, old_prefix = f".{os.path.basename(out)}.tmp-", f".{os.path.basename(out)}.old-"
     tmp = tempfile.mkdtemp(prefix=tmp_prefix, dir=parent)
+    made = {tmp: identity(tmp)}  # what this call created (or moved aside): all it may delete
     old = None
     try:
         os.chmod(tmp, _umask_mode())
@@ -131,25 +134,40 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
             old = tempfile.mkdtemp(prefix=old_prefix, dir=parent)
             os.rmdir(old)
             os.replace(out, old)
+            made[old] = identity(old)
         os.replace(tmp, out)
     finally:
         # the only deletions: ``tmp`` (this call's mkdtemp, a random sibling name) and ``old``
         # (the previous output, vetted by check_out as symgraph's own just before the move)
-        _remove_own(tmp, parent, tmp_prefix)
-        if old is not None and os.path.isdir(old):
+        remove_own(tmp, made[tmp])
+        if old is not None and old in made and os.path.isdir(old):
             if os.path.exists(out):
-                _remove_own(old, parent, old_prefix)
+                remove_own(old, made[old])
             else:
                 os.replace(old, out)  # the new output never arrived: put the previous one back
     return out
 
 
-def _remove_own(path: str, parent: str, prefix: str):
-    """Delete ``path`` only if it is what :func:`save_atomic` created: a real directory directly
-    in ``parent`` whose name starts with ``prefix`` (a ``mkdtemp`` name). Anything else stays."""
-    if (os.path.dirname(path) == parent and os.path.basename(path).startswith(prefix)
-            and os.path.isdir(path) and not os.path.islink(path)):
+def identity(path: str) -> tuple:
+    """``(device, inode)`` of ``path`` itself (a link is not followed)."""
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino
+
+
+def remove_own(path: str, ident: tuple) -> None:
+    """Delete ``path`` only if it is still the very file or directory this process created:
+    the same ``(device, inode)`` as ``ident`` (taken when it was made), not a link. Whatever
+    else now has that name, or a name never created here, stays."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (st.st_dev, st.st_ino) != tuple(ident) or stat.S_ISLNK(st.st_mode):
+        return
+    if stat.S_ISDIR(st.st_mode):
         shutil.rmtree(path, ignore_errors=True)
+    else:
+        os.unlink(path)
 
 
 def model_card(config_yaml: str, summary: str) -> str:

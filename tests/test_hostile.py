@@ -333,3 +333,28 @@ def test_ctrl_c_while_starting_is_one_line(tmp_path):
                        timeout=60)
     assert r.returncode == 130 and "Traceback" not in r.stderr
     assert r.stderr == "symgraph: interrupted (Ctrl-C) while starting; nothing was written\n"
+
+
+def test_remove_own_deletes_only_what_it_created(tmp_path):
+    """Deletion goes by identity: a directory or file put in place of the one symgraph made
+    (same name, another inode) and a link are left alone."""
+    from symgraph.output import identity, remove_own
+    made = tmp_path / "made"
+    made.mkdir()
+    ident = identity(made)
+    made.rename(tmp_path / "moved")  # still exists: the new directory gets another inode
+    made.mkdir()  # someone else's directory under the same name
+    (made / "keep").write_text("x")
+    remove_own(str(made), ident)
+    assert (made / "keep").read_text() == "x"
+    link = tmp_path / "link"
+    link.symlink_to(made)
+    remove_own(str(link), identity(link))
+    assert link.is_symlink() and (made / "keep").exists()  # a link is never followed nor removed
+    f = tmp_path / "f"
+    f.write_text("y")
+    remove_own(str(f), identity(f))
+    remove_own(str(made), identity(made))
+    remove_own(str(tmp_path / "moved"), ident)
+    assert not f.exists() and not made.exists() and not (tmp_path / "moved").exists()
+    remove_own(str(tmp_path / "never"), (0, 0))  # a name never created: nothing happens
