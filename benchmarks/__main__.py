@@ -29,21 +29,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from .provenance import REPO_ROOT, git_state
+from .provenance import REPO_ROOT, git_state, staged, write_json
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
@@ -278,23 +274,19 @@ def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=
                "threads": torch.get_num_threads(), "torch": torch.__version__,
                "python": platform.python_version(), "cache": str(_cache_root()),
                "symgraph_commit": git_state()}
-    tmp = Path(tempfile.mkdtemp(prefix=".bench-", dir=_parent_of(out)))
-    try:
+    with staged(out) as tmp:
         from . import report as rep
         figures = rep.plots(tmp, records, keep, archs)
         more = []
         for name, (mod, res) in sections.items():
             figures += mod.plot(res, tmp)
-            _write_json(tmp / f"{name}.json", res)
+            write_json(tmp / f"{name}.json", res)
             more.append(_demote(mod.markdown(res)))
         summary["wall_seconds"] = time.perf_counter() - t_start
         summary["figures"] = figures
         summary["heatmap"] = next((k["heatmap"] for k in keep.values() if k and "heatmap" in k), None)
-        _write_json(tmp / "results.json", records)
+        write_json(tmp / "results.json", records)
         (tmp / "report.md").write_text("\n\n".join([rep.markdown(records, summary, figures)] + more))
-        _publish(tmp, Path(out))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log(f"wrote {out}/results.json, report.md and {len(figures)} figures in "
         f"{time.perf_counter() - t_start:.0f}s")
     return summary
@@ -310,35 +302,6 @@ def _demote(md: str) -> str:
 def _cache_root():
     from . import data
     return data.cache_dir()
-
-
-def _parent_of(out) -> str:
-    parent = Path(out).resolve().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    return str(parent)
-
-
-def _clean(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, (np.floating, np.integer)):
-        return _clean(x.item())
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(_clean(obj), indent=1))
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Move every file of ``tmp`` into ``out`` (each one atomically replaced)."""
-    out.mkdir(parents=True, exist_ok=True)
-    for f in sorted(tmp.iterdir()):
-        os.replace(f, out / f.name)
 
 
 def main(argv=None) -> None:

@@ -35,15 +35,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import math
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from .provenance import staged, write_json
 
 __all__ = [
     "DEFAULT_PAIRS",
@@ -404,16 +402,6 @@ def markdown(result: dict) -> str:
 # --- command line -----------------------------------------------------------------------------
 
 
-def _clean(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
 def main(argv=None) -> dict:
     """``python -m benchmarks.bench_finetune --out DIR``: run, then write ``results.json``,
     ``report.md`` and the PNGs into DIR (built in a temporary sibling, then moved in)."""
@@ -432,18 +420,11 @@ def main(argv=None) -> dict:
     result = run(a.size, K=a.K, eval_every=a.eval_every, lr=a.lr, steps=a.steps,
                  eval_batches=a.eval_batches, align_batches=a.align_batches, verbose=True)
     out = Path(a.out).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".finetune-", dir=out.parent))
-    try:
+    with staged(out, ".finetune-") as tmp:
         figures = [Path(f).name for f in plot(result, tmp)]
         result["protocol"]["figures"] = figures
-        (tmp / "results.json").write_text(json.dumps(_clean(result), indent=1))
+        write_json(tmp / "results.json", result)
         (tmp / "report.md").write_text(markdown(result))
-        out.mkdir(parents=True, exist_ok=True)
-        for f in sorted(tmp.iterdir()):
-            os.replace(f, out / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # our own mkdtemp directory, empty on success
     print(f"wrote {out}/results.json, report.md and {len(figures)} figure(s)")
     return result
 

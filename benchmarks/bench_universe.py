@@ -20,11 +20,11 @@ changed elements per round, whether it converged, and the spread
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 import time
 from pathlib import Path
+
+from .provenance import staged, write_json
 
 MODES = ("vanilla", "anchor", "universe")
 ARCHS = ("gpt2", "llama", "bert", "vit")
@@ -179,16 +179,6 @@ def plot(records, out_dir) -> list[str]:
     return written
 
 
-def _clean(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_universe",
                                  description=__doc__.split("\n")[0])
@@ -206,11 +196,10 @@ def main(argv=None) -> None:
                   align=args.align, universe_options=opts)
     print(markdown(records))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "universe.json").write_text(json.dumps(_clean(records), indent=1))
-        (out / "universe.md").write_text(markdown(records))
-        plot(records, out)
+        with staged(args.out, ".universe-") as tmp:
+            write_json(tmp / "universe.json", records)
+            (tmp / "universe.md").write_text(markdown(records))
+            plot(records, tmp)
 
 
 if __name__ == "__main__":

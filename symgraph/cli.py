@@ -92,16 +92,13 @@ def cmd_merge(args) -> int:
     from .alignment.checks import check_finite
     from .config import merge_options
     from .errors import StructureMismatchError
-    from .io import check_checkpoint_dir, load_data, load_model
+    from .io import load_data, load_model
     from .merging import merge
     from .output import check_out, model_card, save_atomic
     opts = merge_options(vars(args))
     inputs = list(opts["models"]) + ([opts["data"]] if opts["data"] else [])
     out = check_out(opts["out"], force=opts["force"], inputs=inputs)  # before any work
-    for m in opts["models"]:  # fail fast on a missing path, before loading anything
-        p = os.path.expanduser(m)
-        if os.path.exists(p) or m.startswith((".", "/", "~")) or m.count("/") > 1:
-            check_checkpoint_dir(p)
+    _check_paths(opts["models"])
     if opts["data"] and not os.path.isfile(opts["data"]):
         raise FileNotFoundError(f"data file {opts['data']!r} does not exist; expected a .safetensors or "
                                 ".pt file holding a tensor 'input_ids' [N, S] (or 'pixel_values')")
@@ -126,9 +123,7 @@ def cmd_merge(args) -> int:
     seconds = time.time() - t0
     check_finite(result.model, "the merged model")
     first = os.path.expanduser(opts["models"][0])
-    meta = {"symgraph_version": _version(), "inputs": [os.path.abspath(os.path.expanduser(m))
-                                                      if os.path.exists(os.path.expanduser(m)) else m
-                                                      for m in opts["models"]],
+    meta = {"symgraph_version": _version(), "inputs": _input_names(opts["models"]),
             "options": {"align": opts["align"], "method": opts["method"], "weights": opts["weights"],
                         "data": os.path.abspath(opts["data"]) if opts["data"] else None,
                         "data_batches": len(data) if data else 0, "repair": opts["repair"],
@@ -177,7 +172,7 @@ def _merge_streaming(job, opts, out, inputs) -> int:
         raise type(e)(f"{e}{_config_diff(job.ckpts, opts['models'])}") from None
     anchor = job.ckpts[job.anchor]
     meta = {"symgraph_version": _version(),
-            "inputs": [os.path.abspath(os.path.expanduser(m)) for m in opts["models"]],
+            "inputs": _input_names(opts["models"]),
             "options": {"align": opts["align"], "method": opts["method"], "weights": opts["weights"],
                         "data": None, "data_batches": 0, "repair": False, "refine": 0,
                         "fold_norms": opts["fold_norms"]},
@@ -187,6 +182,22 @@ def _merge_streaming(job, opts, out, inputs) -> int:
                 card=model_card(_config_yaml(meta), _card_summary(meta)))
     print(f"merged {len(job.ckpts)} models (average, align={opts['align']}, out of core) into {out}")
     return 0
+
+
+def _check_paths(specs):
+    """Fail fast on a missing local path, before loading anything (a spec that is not a path
+    is a demo name or hub id, tried when loading)."""
+    from .io import check_checkpoint_dir
+    for m in specs:
+        p = os.path.expanduser(m)
+        if os.path.exists(p) or m.startswith((".", "/", "~")) or m.count("/") > 1:
+            check_checkpoint_dir(p)
+
+
+def _input_names(specs) -> list:
+    """What the output's metadata records as its inputs: absolute paths for local ones."""
+    return [os.path.abspath(os.path.expanduser(m)) if os.path.exists(os.path.expanduser(m)) else m
+            for m in specs]
 
 
 def _check_same_family(models, names):
@@ -264,12 +275,12 @@ def _version():
 
 def cmd_resize(args) -> int:
     from . import analyze
-    from .io import check_checkpoint_dir, load_model
+    from .io import load_model
     from .output import check_out, save_atomic
     from .resize import resize, same_role
     widths = {}
     for spec in args.width:
-        ids, sep, n = spec.partition("=")
+        ids, _, n = spec.partition("=")
         try:
             ids, n = [int(i) for i in ids.split(",")], int(n)
         except ValueError:
@@ -277,17 +288,14 @@ def cmd_resize(args) -> int:
                            "comma-separated, and the new width), e.g. --width 5,10=96") from None
         widths.update({i: n for i in ids})
     out = check_out(args.out, force=args.force, inputs=[args.model])
-    if os.path.exists(os.path.expanduser(args.model)):
-        check_checkpoint_dir(os.path.expanduser(args.model))
+    _check_paths([args.model])
     model = load_model(args.model)
     report = analyze(model)
     if args.every_layer:
         widths = same_role(report, widths)
     t0 = time.time()
     res = resize(model, widths, split=args.split, seed=args.seed, report=report)
-    meta = {"symgraph_version": _version(), "inputs": [os.path.abspath(os.path.expanduser(args.model))
-                                                      if os.path.exists(os.path.expanduser(args.model))
-                                                      else args.model],
+    meta = {"symgraph_version": _version(), "inputs": _input_names([args.model]),
             "mode": "resize", "widths": res.widths, "config": res.config, "error": res.error,
             "split": args.split, "seed": args.seed, "seconds": time.time() - t0,
             "dtype": str(next(res.model.parameters()).dtype).removeprefix("torch.")}

@@ -18,7 +18,7 @@ from .errors import CertificationError, InputError
 from .groups import orthogonal_part, sample
 from .passes.axes import (axis_matrix, leaf_views, leaves_with_parity, observation_points,
                           other_leaf_elements, stored_slots)
-from .trace import eval_mode, split_inputs
+from .trace import eval_mode, flatten_outputs, output_deviation, split_inputs
 
 __all__ = ['SymmetryReport', 'Group', 'Transform', 'FLOAT32_TOL']
 
@@ -90,16 +90,6 @@ def _common_prefix(names):
         else:
             break
     return ".".join(out)
-
-
-def _flatten_outputs(out):
-    if isinstance(out, torch.Tensor):
-        return [out] if out.is_floating_point() else []
-    if isinstance(out, dict) or hasattr(out, "items"):
-        return [t for v in out.values() for t in _flatten_outputs(v)]
-    if isinstance(out, (list, tuple)):
-        return [t for v in out for t in _flatten_outputs(v)]
-    return []
 
 
 def _cast(x, dtype):
@@ -215,13 +205,12 @@ class SymmetryReport:
         args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
         worst = 0.0
         with torch.no_grad(), eval_mode(m):
-            base = _flatten_outputs(m(*args, **kwargs))
+            base = flatten_outputs(m(*args, **kwargs))
             for trial in range(trials):
                 mt = transform(m, self.random_transform(seed=trial))
                 with eval_mode(mt):
-                    out = _flatten_outputs(mt(*args, **kwargs))
-                for a, b in zip(base, out):
-                    worst = max(worst, (a - b).norm().item() / max(a.norm().item(), 1e-30))
+                    out = flatten_outputs(mt(*args, **kwargs))
+                worst = max(worst, output_deviation(base, out))
         return worst
 
     # --- presentation --------------------------------------------------------------------

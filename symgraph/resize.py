@@ -24,15 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .alignment.masses import unit_masses
-from .alignment.weights import gather
+from .alignment.masses import slices, unit_masses
 from .api import analyze
 from .apply import move, stored_tensors
 from .elements import Map
 from .errors import InputError
 from .groups import PERMUTATION_FAMILY
-from .report import _flatten_outputs
-from .trace import eval_mode, split_inputs
+from .trace import eval_mode, flatten_outputs, output_deviation, split_inputs
 
 __all__ = ["ResizeResult", "resize", "resizable", "same_role"]
 
@@ -164,12 +162,7 @@ def _widen(n: int, m: int, split: str, gen) -> Map:
 def _shrink(report, tensors, g, m: int, gen) -> Map:
     """Weighted k-means (k-means++ start) of the units' incoming slices into ``m`` clusters;
     the plan ``T [m, n]`` holds each unit's mass in its cluster's row."""
-    feats = []
-    for (name, d), var in dict(zip(g.params, g.variance)).items():
-        if var != "co":
-            continue
-        for idx, nf in report.leaf_views(report.param_axes(name)[d], g.id):
-            feats.append(gather(tensors[name], d, idx, nf).to(torch.float64))
+    feats = list(slices(report, tensors, g, "co"))
     if not feats:
         raise InputError(f"class {g.id} has no incoming weights to cluster its units by")
     X = torch.cat(feats, -1)
@@ -184,7 +177,6 @@ def _shrink(report, tensors, g, m: int, gen) -> Map:
 
 
 def _kmeans(X, w, k, gen, iters: int = 100):
-    n = X.shape[0]
     first = int(torch.multinomial(w / w.sum(), 1, generator=gen))
     C = [X[first]]
     d2 = ((X - C[0]) ** 2).sum(-1)
@@ -212,12 +204,7 @@ def _kmeans(X, w, k, gen, iters: int = 100):
 
 def _deviation(a, b, args, kwargs) -> float:
     with torch.no_grad(), eval_mode(a), eval_mode(b):
-        oa, ob = _flatten_outputs(a(*args, **kwargs)), _flatten_outputs(b(*args, **kwargs))
-    worst = 0.0
-    for x, y in zip(oa, ob):
-        x, y = x.double(), y.double()
-        worst = max(worst, float((x - y).norm() / x.norm().clamp_min(1e-30)))
-    return worst
+        return output_deviation(flatten_outputs(a(*args, **kwargs)), flatten_outputs(b(*args, **kwargs)))
 
 
 # --- the new model ------------------------------------------------------------------------

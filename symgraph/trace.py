@@ -10,7 +10,8 @@ import torch
 from .errors import InputError, TraceError
 from .passes import has_rule
 
-__all__ = ['model_device', 'default_inputs', 'split_inputs', 'eval_mode', 'trace']
+__all__ = ['model_device', 'default_inputs', 'split_inputs', 'eval_mode', 'trace', 'flatten_outputs',
+           'output_deviation']
 
 aten = torch.ops.aten
 
@@ -185,3 +186,23 @@ def trace(model, inputs=None):
                 break
             ep = ep.run_decompositions(table)
     return ep, args, kwargs
+
+
+def flatten_outputs(out) -> list:
+    """The floating-point tensors of a model's output (tensors, dicts, model outputs, tuples)."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, dict) or hasattr(out, "items"):
+        return [t for v in out.values() for t in flatten_outputs(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in flatten_outputs(v)]
+    return []
+
+
+def output_deviation(base: list, out: list) -> float:
+    """The largest relative change ``‖a − b‖ / ‖a‖`` over paired outputs (float64 norms)."""
+    worst = 0.0
+    for a, b in zip(base, out):
+        a, b = a.double(), b.double()
+        worst = max(worst, float((a - b).norm()) / max(float(a.norm()), 1e-30))
+    return worst

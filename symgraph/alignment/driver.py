@@ -129,12 +129,11 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
             m = act_matrix(stats[ga.id], ga, cross)
             return (m, True, frozenset()) if m is not None else by_weights(ga, cross, usable)
         run.similarity = by_activations
-        sweeps = 1 if all(stats[g.id].n > 0 for g in ra.groups) else sweeps
+        # every class observed: one sweep, unless transport masses read other classes' maps
+        if all(stats[g.id].n > 0 for g in ra.groups) and all(g.size == b_of[g.id].size for g in ra.groups):
+            sweeps = 1
     run.masses = mass_function(feats, b_of, opts.masses, stats, run.elements)
     n_sweeps = run.run(sweeps)
-    if sweeps == 1 and any(g.size != b_of[g.id].size for g in ra.groups):
-        # transport masses read B's other axes in A's basis: solve once more with them known
-        n_sweeps += run.run(1)
     al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                    {"analyze": t_an, "solver": run.solver_seconds, "sweeps": n_sweeps},
                    template=model_a, gauge=gauge(ra.folds, dict(model_a.named_parameters())))

@@ -20,9 +20,27 @@ import torch
 from ..elements import apply_along
 from .weights import gather
 
-__all__ = ["MASSES", "unit_masses", "mass_function"]
+__all__ = ["MASSES", "slices", "unit_masses", "mass_function"]
 
 MASSES = ("auto", "weights", "activations", "uniform")
+
+
+def slices(report, tensors, group, variance: str, axis_op=None):
+    """The ``[n, m]`` float64 slices of an unfibred class's units in its ``variance`` ("co" or
+    "contra") slots of ``tensors``, one per slot and view. ``axis_op(axis)``: the current map
+    of another axis into the reference basis (applied first), or None."""
+    for (name, d), var in dict(zip(group.params, group.variance)).items():
+        if var != variance:
+            continue
+        axes = report.param_axes(name)
+        t = tensors[name]
+        for k, a in enumerate(axes):
+            M = axis_op(a) if (axis_op is not None and k != d) else None
+            if M is not None:
+                t = apply_along(t, k, M)
+        for idx, nf in report.leaf_views(axes[d], group.id):
+            if not nf:
+                yield gather(t, d, idx, nf).to(torch.float64)
 
 
 def unit_masses(report, tensors, group, act_rms=None, axis_op=None):
@@ -33,33 +51,19 @@ def unit_masses(report, tensors, group, act_rms=None, axis_op=None):
     reader's rows are averaged back before the norm is taken), or None."""
     if group.outer:
         return None
-    sq = None
-    for (name, d), var in dict(zip(group.params, group.variance)).items():
-        if var != "contra":
-            continue
-        axes = report.param_axes(name)
-        t = tensors[name]
-        for k, a in enumerate(axes):
-            M = axis_op(a) if (axis_op is not None and k != d) else None
-            if M is not None:
-                t = apply_along(t, k, M)
-        for idx, nf in report.leaf_views(axes[d], group.id):
-            if nf:
-                continue
-            x = gather(t, d, idx, nf).to(torch.float64)
-            part = (x * x).sum(-1)
-            sq = part if sq is None else sq + part
-    if sq is None:
+    sq = [(x * x).sum(-1) for x in slices(report, tensors, group, "contra", axis_op)]
+    if not sq:
         return None
-    m = sq.sqrt()
+    m = sum(sq).sqrt()
     if act_rms is not None and act_rms.shape == m.shape:
         m = m * act_rms.to(m)
     return m
 
 
 def mass_function(feats, b_of, mode: str = "auto", stats=None, elements=None):
-    """``f(group_a, unequal) -> (a, b) | None``: the masses of A's and B's units of a class
-    (None: uniform). ``mode``: "weights" (contributions from weight norms), "activations"
+    """``f(group_a) -> (a, b) | None``: the masses of A's and B's units of a class (None:
+    uniform); ``f.deps(group_a)``: B's classes those masses read (the solve loop re-solves the
+    class when one of them changes). ``mode``: "weights" (contributions from weight norms), "activations"
     (weights times activation RMS where ``stats`` observed the class, weights elsewhere),
     "uniform", or "auto" (activations when given, else weights, used only between
     different widths: between equal widths the exact plan stays a permutation).
@@ -70,8 +74,11 @@ def mass_function(feats, b_of, mode: str = "auto", stats=None, elements=None):
         sq = st.saa if which == "a" else st.sbb
         return (sq.reshape(-1, sq.shape[-1])[0] / st.n).clamp_min(0).sqrt() if sq.shape[0] == 1 else None
 
-    def fn(ga, unequal: bool):
-        if mode == "uniform" or (mode == "auto" and not unequal):
+    def used(ga) -> bool:
+        return mode != "uniform" and (mode != "auto" or ga.size != b_of[ga.id].size)
+
+    def fn(ga):
+        if not used(ga):
             return None
         gb = b_of[ga.id]
         st = stats.get(ga.id) if (stats is not None and mode in ("auto", "activations")) else None
@@ -79,4 +86,12 @@ def mass_function(feats, b_of, mode: str = "auto", stats=None, elements=None):
         op = (lambda a: feats._axis_op(a, elements)) if elements is not None else None
         mb = unit_masses(feats.rb, feats.B, gb, rms(st, "b"), op)
         return None if ma is None or mb is None else (ma, mb)
+
+    def deps(ga) -> frozenset:
+        if not used(ga) or ga.outer:
+            return frozenset()
+        gb = b_of[ga.id]
+        return frozenset().union(*(feats.deps(gb, name, d) for (name, d), var
+                                   in zip(gb.params, gb.variance) if var == "contra"))
+    fn.deps = deps
     return fn

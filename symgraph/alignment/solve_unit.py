@@ -15,9 +15,9 @@ __all__ = ["solve_unit"]
 def solve_unit(unit, sims, opts, masses=None) -> list:
     """``[(group, element, SolveResult)]`` for ``unit`` given ``sims``: ``[(group, S)]`` for the
     groups whose similarity is known (the members; the class itself for a single).
-    ``masses(group, unequal)``: the units' masses ``(a, b)`` for a transport, or None
-    (uniform; see :mod:`~.masses`)."""
-    masses = masses or (lambda g, unequal: None)
+    ``masses(group)``: the units' masses ``(a, b)`` for a transport, or None (uniform; see
+    :mod:`~.masses`)."""
+    masses = masses or (lambda g: None)
     if unit.kind == "single":
         g, s = sims[0]
         res, el = _solve_single(g, s, opts, masses)
@@ -35,7 +35,7 @@ def solve_unit(unit, sims, opts, masses=None) -> list:
     out_res, inner_els = S.nested_heads(
         [s for _, s in sims], kinds, [m.pairs for m, _ in sims], inner=opts.inner,
         outer="hungarian" if opts.solver not in ("ot", "sinkhorn") else "ot",
-        masses=masses(unit.outer, HA != HB))
+        masses=masses(unit.outer))
     match = out_res.element.argmax(0).to(sims[0][1].device)
     out = [(unit.outer, element_from(out_res), out_res)]
     for (m, s), el in zip(sims, inner_els):
@@ -74,7 +74,7 @@ def _solve_single(g, s, opts, masses):
                             extra={"plan": any(r.extra.get("plan") for r in res_list)})
         return res, element_from(res)
     use = opts.solver if (opts.solver in ("ot", "sinkhorn") and kind in ("perm", "signed_perm")) else None
-    ms = masses(g, nA != nB) if (use or nA != nB) else None
+    ms = masses(g) if (use or nA != nB) else None
     res = S.solve(kind, s, pairs=g.pairs, solver=use, rescale=opts.rescale, reg=opts.reg,
                   dense=False, masses=ms)
     return res, element_from(res)

@@ -30,7 +30,7 @@ class Sweeps:
         self.solver_seconds = 0.0
         self.units = [u for u in units(report_a) if u.groups(opts.selected)]
         self.changed = False
-        self.masses = None  # (group, unequal) -> unit masses or None: see .masses
+        self.masses = None  # group -> unit masses or None, with .deps(group): see .masses
 
     def ids(self, unit) -> set:
         return {g.id for g in unit.groups(self.opts.selected)}
@@ -67,6 +67,8 @@ class Sweeps:
         if usable is not None and not any(x[0] is not None for x in got):
             got = [self.similarity(m, cross) for m in mem]  # nothing clean: B's order for the rest
         used = set().union(*(x[2] for x in got))
+        if self.masses is not None and unit.outer is not None:
+            used |= self.masses.deps(unit.outer)  # transport masses read other classes too
         record = ({g: self.versions.get(g, 0) for g in used}, all(x[1] for x in got))
         sims = [(m, x[0]) for m, x in zip(mem, got) if x[0] is not None]
         if sims:

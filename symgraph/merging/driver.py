@@ -93,8 +93,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
             if i != anchor:
                 _check_same_shapes(A, m, i)
                 rep = analyze(m, inputs) if how.needs_data else None
-            st = {k: _acc(p.detach()) for k, p in m.named_parameters()}
-            st |= {k: _acc(m.get_buffer(k).detach()) for k in ra.buffers}
+            st = aligned_state(m, None, ra)
         t2 = time.perf_counter()
         timings["align"] += t2 - t1
         alignments.append(al)
