@@ -18,7 +18,7 @@ from .errors import CertificationError, InputError
 from .groups import orthogonal_part, sample
 from .passes.axes import (axis_matrix, leaf_views, leaves_with_parity, observation_points,
                           other_leaf_elements, stored_slots)
-from .trace import eval_mode, flatten_outputs, output_deviation, split_inputs
+from .trace import eval_mode, flatten_outputs, graph_friendly, output_deviation, split_inputs
 
 __all__ = ['SymmetryReport', 'Group', 'Transform', 'FLOAT32_TOL']
 
@@ -204,11 +204,11 @@ class SymmetryReport:
         m = copy.deepcopy(model).to(dtype)
         args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
         worst = 0.0
-        with torch.no_grad(), eval_mode(m):
+        with torch.no_grad(), eval_mode(m), graph_friendly(m):
             base = flatten_outputs(m(*args, **kwargs))
             for trial in range(trials):
                 mt = transform(m, self.random_transform(seed=trial))
-                with eval_mode(mt):
+                with eval_mode(mt), graph_friendly(mt):
                     out = flatten_outputs(mt(*args, **kwargs))
                 worst = max(worst, output_deviation(base, out))
         return worst

@@ -101,6 +101,27 @@ def eval_mode(model):
             m.training = f
 
 
+@contextlib.contextmanager
+def graph_friendly(model):
+    """Hugging Face mixture-of-experts blocks run under an *experts implementation*
+    (``config._experts_implementation``). ``grouped_mm`` sorts tokens by expert, an order that
+    depends on the routing labels' values, so no rule can follow the experts through it;
+    ``batched_mm`` (the same function) gathers each token's expert weights and uses batched
+    matmuls (:mod:`symgraph.passes.labels`). Trace and certify with ``batched_mm``; every config
+    is restored afterwards."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and isinstance(getattr(c, "_experts_implementation", None), str)}
+    saved = {k: c._experts_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            if c._experts_implementation not in ("batched_mm", "eager"):
+                c._experts_implementation = "batched_mm"
+        yield model
+    finally:
+        for k, c in configs.items():
+            c._experts_implementation = saved[k]
+
+
 def _varying_nodes(ep):
     """Nodes whose values depend on a parameter or a user input. The analysis never applies a
     rule to the others (constants: positions, masks), so they need no decomposition."""
@@ -171,7 +192,7 @@ def trace(model, inputs=None):
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"expected a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = split_inputs(model, inputs)
-    with eval_mode(model), warnings.catch_warnings():
+    with eval_mode(model), graph_friendly(model), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             ep = torch.export.export(model, args, kwargs, strict=False)

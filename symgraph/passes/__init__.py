@@ -1,5 +1,5 @@
 """Analysis passes. Importing the rule files registers their rules (one file per op family)."""
-from . import attention, matrix, pointwise, pooling, reductions, segments, views  # noqa: F401
+from . import attention, labels, matrix, pointwise, pooling, reductions, segments, views  # noqa: F401
 from .analysis import AxisAnalysis, analyze_graph  # noqa: F401
 from .registry import has_rule, lookup, observed, register  # noqa: F401
 

@@ -11,13 +11,13 @@ parameter would (``buffer_nodes``); any other buffer is fixed, with the reason.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import UnsupportedOpError
-from . import registry
-from .registry import Meet, NoFiber, Rope, RuleContext, Structure, Unify
+from . import labels, registry
+from .nodes import FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path, packet as _packet, source_line
+from .registry import Label, Meet, NoFiber, Rope, RuleContext, Structure, Unify
 from .norms import find_norms
 from .rope import find_rope
 from .unionfind import AxisUnionFind
@@ -40,60 +40,6 @@ WIDE = ("orthogonal", "orthogonal_mean")
 IGNORED = {aten._assert_tensor_metadata, aten._assert_scalar, aten.sym_constrain_range_for_size,
            aten.sym_constrain_range, aten._assert_async, aten.sym_size, aten.sym_numel,
            aten.sym_stride}
-
-
-def _packet(t):
-    return t.overloadpacket if isinstance(t, torch._ops.OpOverload) else t
-
-
-def _flat_nodes(args):
-    out = []
-    for a in args:
-        if isinstance(a, torch.fx.Node):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out += _flat_nodes(a)
-        elif isinstance(a, dict):
-            out += _flat_nodes(list(a.values()))
-    return out
-
-
-@dataclass
-class FrozenOp:
-    """An op without a symmetry rule, and the axes it fixed."""
-    op: str
-    node: str
-    module: str
-    source: str
-    axes: list = field(default_factory=list)
-
-    def to_dict(self):
-        return {"op": self.op, "node": self.node, "module": self.module, "source": self.source}
-
-
-def module_path(node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return _clean_path(path)
-
-
-def _clean_path(path: str) -> str:
-    # torch.export spells submodule paths like "L['self'].layers[0]" or "layers.0"
-    path = path.replace("L['self'].", "").replace("L['self']", "")
-    for ch in "[]":
-        path = path.replace(ch, "." if ch == "[" else "")
-    return path.strip(".")
-
-
-def source_line(node) -> str:
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File "):
-            return lines[i] + (" | " + lines[i + 1] if i + 1 < len(lines) else "")
-    return ""
 
 
 class AxisAnalysis:
@@ -123,6 +69,7 @@ class AxisAnalysis:
         self.fixed_buffers: dict[str, str] = {}  # the others: name -> why
         self.user_inputs = set(sig.user_inputs)
         self.touched: dict = {}  # node reading a buffer -> the axes its rule's constraints mention
+        self.labels: dict = {}  # node (or (node, i)) -> (axis, size): its values label that class
 
     # --- axes ----------------------------------------------------------------------------
     def _alloc(self, val):
@@ -152,13 +99,18 @@ class AxisAnalysis:
         normed, cons, self.folds, self.unobservable = find_norms(self, self.fold_norms, self.skip_folds)
         self._apply(cons, None)
         claimed = claimed | normed
+        live = live_nodes(self.graph)
         for node in self.graph.nodes:
-            if node.op == "call_function" and node not in claimed and self.origin[node] == "act":
+            if node.op == "call_function" and node not in claimed and self.origin[node] == "act" \
+                    and node in live:
+                self._apply(labels.flow(self.labels, node), None)
                 self._rule(node)
             elif node.op == "output":
                 for out in _flat_nodes(node.args):
                     for a in self._all_axes(out):
                         self.uf.meet(a, "identity")
+                    if out in self.labels:
+                        self.uf.meet(self.labels[out][0], "identity", "labels in a graph output")
         self._settle_buffers()
         return self
 
@@ -256,11 +208,13 @@ class AxisAnalysis:
             if isinstance(sa, list) and i < len(sa) and isinstance(sa[i], list):
                 for o, a in zip(self.node_axes[node] or [], sa[i]):
                     self.uf.union(o, a)
+                if (src, i) in self.labels:
+                    self.labels[node] = self.labels[src, i]
                 return
         rule = registry.lookup(node.target)
         cons = None
         if rule is not None:
-            ctx = RuleContext(node, self.axes_of, self.origin_of, self.uf.new)
+            ctx = RuleContext(node, self.axes_of, self.origin_of, self.uf.new, self.labels.get)
             cons = rule(ctx)
         if cons is None:
             self._freeze_unknown(node)
@@ -284,6 +238,8 @@ class AxisAnalysis:
             elif isinstance(c, Rope):
                 self.uf.set_pairs(c.axis, c.pairs, "rotary position embedding")
                 touched.add(c.axis)
+            elif isinstance(c, Label):
+                self.labels[node if c.out is None else (node, c.out)] = (c.axis, c.size)
         if node is not None:
             if any(i.op == "placeholder" and i.name in self.buffer_of for i in node.all_input_nodes):
                 self.touched[node] = touched

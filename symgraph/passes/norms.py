@@ -128,6 +128,11 @@ def _transparent(u, n, d):
     if p in (aten.select, aten.slice):
         dim = u.args[1] if len(u.args) > 1 else 0
         return not _last(dim, _ndim(n))
+    if p is aten.unsqueeze:  # a new axis anywhere but last
+        return not _last(u.args[1], _ndim(n) + 1)
+    if p is aten.expand:  # repeats along other axes (each token once per routed expert)
+        so = _shape(u)
+        return bool(so and so[-1] == d)
     return False
 
 
@@ -159,7 +164,30 @@ class _Graph:
         if p is aten.mm and u.args[0] is n:
             w = self.param(u.args[1], 2)
             return None if w is None else (w, 0, None, u.args[1])
+        if p is aten.unsqueeze and len(u.users) == 1:
+            return self.gathered_reader(u, n)
         return None
+
+    def gathered_reader(self, u, n):
+        """``bmm(W[labels], n.unsqueeze(-1))`` (or ``bmm(n.unsqueeze(1), W[labels])``): each
+        row of ``n`` read by the weights its labels pick from a stacked ``W`` (mixture-of-experts
+        experts; no bias)."""
+        (b,) = u.users
+        if _packet(b) is not aten.bmm or _ndim(n) != 2:
+            return None
+        if _last(u.args[1], 3) and b.args[1] is u:
+            sel, axis = b.args[0], 2
+        elif u.args[1] in (1, -2) and b.args[0] is u:
+            sel, axis = b.args[1], 1
+        else:
+            return None
+        if sel.target is not aten.index.Tensor or len(sel.users) != 1:
+            return None
+        idx = sel.args[1]
+        if len(idx) != 1 or idx[0] is None:
+            return None
+        w = self.param(sel.args[0], 3)
+        return None if w is None else (w, axis, None, sel.args[0])
 
     def readers(self, G, d, shift):
         """Every path from ``G`` to a linear reader, or None if one goes elsewhere."""

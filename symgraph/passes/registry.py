@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 
 import torch
 
-__all__ = ['Unify', 'Meet', 'Structure', 'NoFiber', 'Rope', 'register', 'observed', 'lookup', 'has_rule', 'RuleContext', 'broadcast', 'dim']
+__all__ = ['Unify', 'Meet', 'Structure', 'NoFiber', 'Rope', 'Label', 'register', 'observed', 'lookup', 'has_rule', 'RuleContext', 'broadcast', 'dim']
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,17 @@ class Rope:
     pairs: tuple
 
 
-Constraint = Unify | Meet | Structure | NoFiber | Rope
+@dataclass(frozen=True)
+class Label:
+    """The *values* of output ``out`` (its index in a tuple output; None for a single tensor)
+    are coordinates of ``axis``'s class, which has ``size`` entries (top-k's indices over the
+    experts: which expert each token goes to). See :mod:`symgraph.passes.labels`."""
+    out: int | None
+    axis: int
+    size: int
+
+
+Constraint = Unify | Meet | Structure | NoFiber | Rope | Label
 
 _RULES: dict = {}
 _OBSERVED: set = set()  # op packets whose outputs are observation points
@@ -105,11 +115,12 @@ def has_rule(target) -> bool:
 class RuleContext:
     """What a rule sees of one node: its arguments and their axis ids."""
 
-    def __init__(self, node, axes_of, kind_of, new_axis):
+    def __init__(self, node, axes_of, kind_of, new_axis, label_of=None):
         self.node = node
         self._axes_of = axes_of
         self._kind_of = kind_of
         self._new_axis = new_axis
+        self._label_of = label_of
 
     # --- arguments -------------------------------------------------------------------
     @property
@@ -141,6 +152,13 @@ class RuleContext:
         if isinstance(value, torch.fx.Node):
             return self._kind_of(value)
         return "scalar"
+
+    def label(self, value):
+        """``(axis, size)`` when the values of tensor argument ``value`` are coordinates of
+        ``axis``'s class (a :class:`Label`), else None."""
+        if isinstance(value, torch.fx.Node) and self._label_of is not None:
+            return self._label_of(value)
+        return None
 
     @property
     def out(self):

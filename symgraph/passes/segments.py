@@ -132,7 +132,15 @@ def index(ctx):
     ia = ctx.axes(idx)
     if ia is None:
         return None
-    cons = [Meet(xa[k], "identity", f"{ctx.where}: indexed by a tensor")]
+    lab = ctx.label(idx)
+    if lab is not None and lab[1] == ctx.shape(x)[k]:
+        # ``w[labels]``: relabelling the class and permuting the indexed axis alike leaves the
+        # result unchanged (:mod:`symgraph.passes.labels`)
+        cons = [Unify(xa[k], lab[0]), Meet(xa[k], "perm", f"{ctx.where}: indexed by labels")]
+    else:
+        cons = [Meet(xa[k], "identity", f"{ctx.where}: indexed by a tensor")]
+        if lab is not None:
+            cons.append(Meet(lab[0], "identity", f"{ctx.where}: labels index an axis of another size"))
     cons += [Unify(ctx.out[p], xa[p]) for p in range(k)]
     cons += [Unify(ctx.out[k + p], a) for p, a in enumerate(ia)]
     tail = len(ia) + k

@@ -1,0 +1,80 @@
+"""Graph helpers shared by the passes: op packets, the nodes an argument list mentions, the
+nodes whose values reach an output, and where a node came from (module, source line)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["FrozenOp", "flat_nodes", "live_nodes", "module_path", "packet", "source_line"]
+
+
+def packet(t):
+    return t.overloadpacket if isinstance(t, torch._ops.OpOverload) else t
+
+
+def flat_nodes(args):
+    out = []
+    for a in args:
+        if isinstance(a, torch.fx.Node):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += flat_nodes(a)
+        elif isinstance(a, dict):
+            out += flat_nodes(list(a.values()))
+    return out
+
+
+@dataclass
+class FrozenOp:
+    """An op without a symmetry rule, and the axes it fixed."""
+    op: str
+    node: str
+    module: str
+    source: str
+    axes: list = field(default_factory=list)
+
+    def to_dict(self):
+        return {"op": self.op, "node": self.node, "module": self.module, "source": self.source}
+
+
+def module_path(node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _clean_path(path)
+
+
+def _clean_path(path: str) -> str:
+    # torch.export spells submodule paths like "L['self'].layers[0]" or "layers.0"
+    path = path.replace("L['self'].", "").replace("L['self']", "")
+    for ch in "[]":
+        path = path.replace(ch, "." if ch == "[" else "")
+    return path.strip(".")
+
+
+def source_line(node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            return lines[i] + (" | " + lines[i + 1] if i + 1 < len(lines) else "")
+    return ""
+
+
+def live_nodes(graph) -> set:
+    """Nodes whose values can reach the graph's output. A value used only for its shape
+    (``embed_positions(x[:, :, -1])``) is dead after export and constrains nothing. Ops that
+    mutate an argument count as live, with everything they read."""
+    live, stack = set(), []
+    for n in graph.nodes:
+        t = n.target
+        if n.op == "output" or (isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable):
+            stack.append(n)
+    while stack:
+        n = stack.pop()
+        if n not in live:
+            live.add(n)
+            stack += n.all_input_nodes
+    return live
