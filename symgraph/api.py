@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .passes import analyze_graph
 from .report import SymmetryReport
-from .trace import trace
+from .trace import output_positions, trace
 
 __all__ = ["analyze", "tied_parameters"]
 
@@ -16,7 +16,8 @@ def tied_parameters(model) -> list:
     return [names for names in by_id.values() if len(names) > 1]
 
 
-def analyze(model, inputs=None, *, strict: bool = False, fold_norms: bool = True) -> SymmetryReport:
+def analyze(model, inputs=None, *, strict: bool = False, fold_norms: bool = True,
+            outputs=None) -> SymmetryReport:
     """Trace ``model`` and infer its symmetry groups.
 
     Parameters
@@ -31,7 +32,13 @@ def analyze(model, inputs=None, *, strict: bool = False, fold_norms: bool = True
     fold_norms : bool
         Describe the model with foldable norm gains folded into the layers that read them
         (``report.folds``): residual streams then admit orthogonal maps, not only permutations.
+    outputs : the outputs a symmetry must keep: keys of the model's output (``["logits"]``) or
+        positions of a tuple output. Default: every output. A model that also returns hidden
+        states (``CLIPModel``, BART's ``encoder_last_hidden_state``) fixes the streams they
+        come from, since a symmetry would change them; name the outputs that matter to free them.
     """
     ep, args, kwargs = trace(model, inputs)
-    an = analyze_graph(ep, strict=strict, tied=tied_parameters(model), fold_norms=fold_norms)
-    return SymmetryReport(an, type(model).__name__, (args, kwargs))
+    outputs = None if outputs is None else tuple([outputs] if isinstance(outputs, str) else outputs)
+    an = analyze_graph(ep, strict=strict, tied=tied_parameters(model), fold_norms=fold_norms,
+                       keep=output_positions(ep, outputs))
+    return SymmetryReport(an, type(model).__name__, (args, kwargs), outputs)

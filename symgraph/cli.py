@@ -56,7 +56,7 @@ def cmd_analyze(args) -> int:
         model = load_model(args.model)
         bar.update()
         bar.set_postfix_str("tracing")
-        report = analyze(model, fold_norms=not args.no_fold_norms)
+        report = analyze(model, fold_norms=not args.no_fold_norms, outputs=args.outputs)
         bar.update()
     if args.json:
         print(report.to_json())
@@ -341,6 +341,8 @@ def build_parser():
     a.add_argument("--json", action="store_true", help="print only the JSON report")
     a.add_argument("--no-fold-norms", action="store_true",
                    help="do not fold norm gains (residual streams stay permutations)")
+    a.add_argument("--outputs", nargs="+", metavar="NAME", default=None,
+                   help="the outputs a symmetry must keep (e.g. logits); default: all")
     a.add_argument("--dot", metavar="FILE", help="write the group graph as Graphviz .dot")
     a.add_argument("--png", metavar="FILE", help="write the group graph as .png (or .svg)")
     a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)

@@ -18,7 +18,8 @@ from .errors import CertificationError, InputError
 from .groups import orthogonal_part, sample
 from .passes.axes import (axis_matrix, leaf_views, leaves_with_parity, observation_points,
                           other_leaf_elements, stored_slots)
-from .trace import eval_mode, flatten_outputs, graph_friendly, output_deviation, split_inputs
+from .trace import (eval_mode, flatten_outputs, graph_friendly, output_deviation, select_outputs,
+                    split_inputs)
 
 __all__ = ['SymmetryReport', 'Group', 'Transform', 'FLOAT32_TOL']
 
@@ -105,9 +106,10 @@ def _cast(x, dtype):
 class SymmetryReport:
     """What ``symgraph.analyze`` found: every weight-space symmetry the graph admits."""
 
-    def __init__(self, analysis, model_name: str, inputs):
+    def __init__(self, analysis, model_name: str, inputs, outputs=None):
         self._analysis = analysis
         self.model_name = model_name
+        self.outputs = outputs  # the outputs its symmetries keep (None: all)
         self._inputs = inputs
         self.groups: list[Group] = []
         self.frozen = analysis.frozen
@@ -205,11 +207,11 @@ class SymmetryReport:
         args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
         worst = 0.0
         with torch.no_grad(), eval_mode(m), graph_friendly(m):
-            base = flatten_outputs(m(*args, **kwargs))
+            base = flatten_outputs(select_outputs(m(*args, **kwargs), self.outputs))
             for trial in range(trials):
                 mt = transform(m, self.random_transform(seed=trial))
                 with eval_mode(mt), graph_friendly(mt):
-                    out = flatten_outputs(mt(*args, **kwargs))
+                    out = flatten_outputs(select_outputs(mt(*args, **kwargs), self.outputs))
                 worst = max(worst, output_deviation(base, out))
         return worst
 

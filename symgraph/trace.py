@@ -209,6 +209,36 @@ def trace(model, inputs=None):
     return ep, args, kwargs
 
 
+def _fields(tree) -> list:
+    if hasattr(tree, "keys"):
+        return list(tree.keys())
+    return list(range(len(tree))) if isinstance(tree, (list, tuple)) else []
+
+
+def select_outputs(out, names):
+    """The parts of a model output ``out`` named in ``names`` (keys of a dict or model
+    output, positions of a tuple), in that order; ``out`` itself for None."""
+    if names is None:
+        return out
+    fields = _fields(out)
+    missing = [n for n in names if n not in fields]
+    if missing:
+        raise InputError(f"outputs={list(names)}: the model has no output {missing[0]!r}; "
+                         f"expected some of {fields}")
+    return [out[n] for n in names]
+
+
+def output_positions(ep, names):
+    """Positions among the exported graph's flat outputs of the outputs named in ``names``
+    (see :func:`select_outputs`), or None for all."""
+    if names is None:
+        return None
+    from torch.utils import _pytree as pytree
+    spec = ep.call_spec.out_spec
+    tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    return frozenset(pytree.tree_leaves(select_outputs(tree, names)))
+
+
 def flatten_outputs(out) -> list:
     """The floating-point tensors of a model's output (tensors, dicts, model outputs, tuples)."""
     if isinstance(out, torch.Tensor):

@@ -115,7 +115,7 @@ def by_shape(reports, models, data) -> list:
             continue
         if models is None:
             batch_inputs(reports[0], items[0][1], items[0][0])  # the shape refusal
-        new = tuple(analyze(m, items[0][1]) for m in models)
+        new = tuple(analyze(m, items[0][1], outputs=reports[0].outputs) for m in models)
         for r, n in zip(reports, new):
             if [(g.kind, g.dim, g.blocks) for g in r.groups] != [(g.kind, g.dim, g.blocks) for g in n.groups]:
                 raise InputError(f"data batch {items[0][0]} (tensor shapes {list(shapes)}) gives the model "

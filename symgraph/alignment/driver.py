@@ -49,6 +49,8 @@ class AlignOptions:
     fold_norms : analyse with foldable norm gains folded (``symgraph.analyze``): residual
         streams are then solved as orthogonal maps (RMSNorm) or orthogonal maps fixing 𝟙
         (LayerNorm); False keeps them permutations.
+    outputs : the model outputs the alignment must keep (``symgraph.analyze``'s ``outputs``,
+        e.g. ``["logits"]`` for a model that also returns hidden states); default all.
     """
     solver: str | None = None
     inner: str = "procrustes"
@@ -58,6 +60,7 @@ class AlignOptions:
     reg: float | None = None
     masses: str = "auto"
     fold_norms: bool = True
+    outputs: tuple | None = None
     refine: int = 0
     loss_fn: Callable | None = None
     refine_lr: float = 1e-2
@@ -113,8 +116,8 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
         raise InputError("data is empty; expected at least one batch")
     inputs = data[0] if inputs is None and data is not None else inputs
     t0 = time.perf_counter()
-    ra = report_a or analyze(model_a, inputs, fold_norms=opts.fold_norms)
-    rb = report_b or analyze(model_b, inputs, fold_norms=opts.fold_norms)
+    ra = report_a or analyze(model_a, inputs, fold_norms=opts.fold_norms, outputs=opts.outputs)
+    rb = report_b or analyze(model_b, inputs, fold_norms=opts.fold_norms, outputs=ra.outputs)
     t_an = time.perf_counter() - t0
     check_compatible(ra, rb)
     feats = WeightFeatures.from_models(ra, rb, model_a, model_b)

@@ -16,7 +16,8 @@ import torch
 
 from ..errors import UnsupportedOpError
 from . import labels, registry
-from .nodes import FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path, packet as _packet, source_line
+from .nodes import (FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path, output_nodes,
+                    packet as _packet, source_line)
 from .registry import Label, Meet, NoFiber, Rope, RuleContext, Structure, Unify
 from .norms import find_norms
 from .rope import find_rope
@@ -46,8 +47,9 @@ class AxisAnalysis:
     """Axis variables and constraints of one exported program, resolved into classes."""
 
     def __init__(self, ep, strict: bool = False, tied=(), fold_norms: bool = True,
-                 skip_folds=frozenset()):
+                 skip_folds=frozenset(), keep=None):
         self.ep = ep
+        self.keep = keep  # positions of the outputs a symmetry must keep (None: all)
         self.fold_norms = fold_norms
         self.skip_folds = skip_folds
         self.folds: list = []
@@ -99,14 +101,16 @@ class AxisAnalysis:
         normed, cons, self.folds, self.unobservable = find_norms(self, self.fold_norms, self.skip_folds)
         self._apply(cons, None)
         claimed = claimed | normed
-        live = live_nodes(self.graph)
+        live = live_nodes(self.graph, self.keep)
         for node in self.graph.nodes:
             if node.op == "call_function" and node not in claimed and self.origin[node] == "act" \
                     and node in live:
                 self._apply(labels.flow(self.labels, node), None)
                 self._rule(node)
             elif node.op == "output":
-                for out in _flat_nodes(node.args):
+                for i, out in enumerate(output_nodes(node)):
+                    if out is None or (self.keep is not None and i not in self.keep):
+                        continue
                     for a in self._all_axes(out):
                         self.uf.meet(a, "identity")
                     if out in self.labels:
@@ -392,13 +396,13 @@ class AxisAnalysis:
         self.fibre = {k: tuple(sorted(v, key=lambda x: order.get(x, 0))) for k, v in self.fibre.items()}
 
 
-def analyze_graph(ep, strict=False, tied=(), fold_norms=True) -> AxisAnalysis:
+def analyze_graph(ep, strict=False, tied=(), fold_norms=True, keep=None) -> AxisAnalysis:
     """Analyse ``ep``. A norm gain is folded only where that widens its stream's group beyond
     permutations (elsewhere, e.g. a stream read by a tied head, the fold would change the
     weights for nothing): folds that did not are dropped and the graph analysed again."""
-    an = AxisAnalysis(ep, strict, tied, fold_norms).run().finalize()
+    an = AxisAnalysis(ep, strict, tied, fold_norms, keep=keep).run().finalize()
     by_name = {n.name: n for n in an.graph.nodes}
     useless = frozenset(f.node for f in an.folds if an.stream_kind(by_name[f.node]) not in WIDE)
     if useless:
-        an = AxisAnalysis(ep, strict, tied, fold_norms, useless).run().finalize()
+        an = AxisAnalysis(ep, strict, tied, fold_norms, useless, keep).run().finalize()
     return an

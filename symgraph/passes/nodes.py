@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["FrozenOp", "flat_nodes", "live_nodes", "module_path", "packet", "source_line"]
+__all__ = ["FrozenOp", "flat_nodes", "live_nodes", "module_path", "output_nodes", "packet",
+           "source_line"]
 
 
 def packet(t):
@@ -63,14 +64,19 @@ def source_line(node) -> str:
     return ""
 
 
-def live_nodes(graph) -> set:
-    """Nodes whose values can reach the graph's output. A value used only for its shape
-    (``embed_positions(x[:, :, -1])``) is dead after export and constrains nothing. Ops that
-    mutate an argument count as live, with everything they read."""
+def live_nodes(graph, keep=None) -> set:
+    """Nodes whose values can reach the graph's output (only the outputs at the positions in
+    ``keep``, when given). A value used only for its shape (``embed_positions(x[:, :, -1])``)
+    is dead after export and constrains nothing. Ops that mutate an argument count as live,
+    with everything they read."""
     live, stack = set(), []
     for n in graph.nodes:
         t = n.target
-        if n.op == "output" or (isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable):
+        if n.op == "output":
+            live.add(n)
+            stack += [o for i, o in enumerate(output_nodes(n))
+                      if o is not None and (keep is None or i in keep)]
+        elif isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable:
             stack.append(n)
     while stack:
         n = stack.pop()
@@ -78,3 +84,9 @@ def live_nodes(graph) -> set:
             live.add(n)
             stack += n.all_input_nodes
     return live
+
+
+def output_nodes(node) -> list:
+    """The graph output node's values in pytree-leaf order (None where not a node)."""
+    outs = node.args[0] if node.args and isinstance(node.args[0], (list, tuple)) else node.args
+    return [o if isinstance(o, torch.fx.Node) else None for o in outs]

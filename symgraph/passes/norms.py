@@ -71,9 +71,30 @@ def _last(d, nd):
     return d in (-1, nd - 1)
 
 
+def _root(r, mul):
+    """``r`` is ``rsqrt(·)`` / ``·^-0.5`` (for a product) or ``sqrt(·)`` / ``·^0.5`` (for a
+    quotient)."""
+    p = _packet(r)
+    if p is (aten.rsqrt if mul else aten.sqrt):
+        return True
+    return p is aten.pow and len(r.args) == 2 and r.args[1] == (-0.5 if mul else 0.5)
+
+
+def _l2(r, x):
+    """``r`` is ``‖x‖₂`` over the last axis, kept (``x.norm(dim=-1, keepdim=True)``)."""
+    if _packet(r) is not aten.linalg_vector_norm or r.args[0] is not x:
+        return False
+    ordr = r.args[1] if len(r.args) > 1 else r.kwargs.get("ord", 2)
+    dims = r.args[2] if len(r.args) > 2 else r.kwargs.get("dim")
+    keep = r.args[3] if len(r.args) > 3 else r.kwargs.get("keepdim", False)
+    return ordr == 2 and keep and isinstance(dims, (list, tuple)) and len(dims) == 1 \
+        and _last(dims[0], _ndim(x) or 0)
+
+
 def _rms(node):
     """``(x, internal nodes)`` if ``node`` is ``x · rsqrt(mean(x², -1) + ε)`` (or
-    ``x / sqrt(...)``), else None."""
+    ``x / sqrt(...)``, a sum for the mean, a power ±½ for the root, or ``x / ‖x‖₂``: L2
+    normalisation, CLIP's embeddings), else None. All commute with orthogonal maps."""
     p = _packet(node)
     if p not in (aten.mul, aten.div) or len(node.args) != 2:
         return None
@@ -83,7 +104,9 @@ def _rms(node):
         x, r = _node(x), _node(r)
         if x is None or r is None or len(_users(r)) != 1:
             continue
-        if _packet(r) is not (aten.rsqrt if p is aten.mul else aten.sqrt):
+        if p is aten.div and _l2(r, x) and _shape(x) == _shape(node):
+            return x, [r]
+        if not _root(r, p is aten.mul):
             continue
         inner, internal = r.args[0], [r]
         if _packet(inner) is aten.add and len(_users(inner)) == 1:
@@ -93,7 +116,7 @@ def _rms(node):
                 continue
             internal.append(inner)
             inner = m[0]
-        if _packet(inner) is not aten.mean or len(_users(inner)) != 1:
+        if _packet(inner) not in (aten.mean, aten.sum) or len(_users(inner)) != 1:
             continue
         dims = inner.args[1] if len(inner.args) > 1 else None
         keep = inner.args[2] if len(inner.args) > 2 else inner.kwargs.get("keepdim", False)

@@ -64,6 +64,13 @@ def copy(ctx):
     # shape; dst only gives the shape.
     return broadcast(ctx.out, ctx.out_shape, [ctx.arg(1)], ctx, on_broadcast="perm")
 
+
+@register(aten.copy_)
+def copy_(ctx):
+    # dst.copy_(src) in place (shift_tokens_right writes ids this way): dst's later readers see
+    # src's values, so dst, src and the result transform alike.
+    return broadcast(ctx.out, ctx.out_shape, [ctx.arg(0), ctx.arg(1)], ctx, on_broadcast="perm")
+
 # Positively homogeneous: f(c x) = c f(x) for c > 0.
 register([aten.relu, aten.leaky_relu], observe=[aten.relu])(_unary("scaled_perm"))
 
@@ -169,3 +176,4 @@ register([
     aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.__and__.Tensor, aten.__or__.Tensor,
     aten.atan2, aten.fmod.Tensor, aten.remainder.Tensor, aten.lerp.Scalar, aten.clamp.Tensor,
 ])(_nonlinear_nary)
+
