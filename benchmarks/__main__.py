@@ -10,7 +10,9 @@
 3. fuses the wide GPT-2 into the narrow one and compares with the narrow model alone;
    fine-tunes fused models against their parents (:mod:`benchmarks.bench_finetune`) and
    merges N = 3 (quick) or 3-5 models per architecture into an anchor's basis vs a shared
-   universe (:mod:`benchmarks.bench_universe`);
+   universe (:mod:`benchmarks.bench_universe`); interpolates pairs of BatchNorm CNNs trained
+   on the digits, vanilla / weight / activation matching, each with and without REPAIR
+   (BatchNorm statistics reset; :mod:`benchmarks.bench_cnn`);
 4. measures analyze / align time and peak memory per architecture in fresh processes;
 5. writes ``results.json``, ``report.md`` and PNG plots into ``--out`` (built in a temporary
    directory, then each file is moved into place).
@@ -219,7 +221,7 @@ def run_speed(st: Settings, arch: str) -> dict:
 
 def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=None,
         steps=None, method_names=None, speed: bool = True, hetero: bool = True,
-        finetune: bool = True, universe: bool = True) -> dict:
+        finetune: bool = True, universe: bool = True, cnn: bool = True) -> dict:
     """Run the suite and write its outputs into ``out``; returns the summary dict."""
     from . import train, zoo
     from .methods import METHODS
@@ -258,6 +260,10 @@ def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=
         sections["universe"] = (bench_universe, bench_universe.run(
             st.size, archs, n_models=(3,) if quick else (3, 4, 5), steps=st.steps,
             eval_batches=st.curve_batches))
+    if cnn:
+        from . import bench_cnn
+        log("BatchNorm CNNs: alignment and REPAIR ...")
+        sections["cnn"] = (bench_cnn, bench_cnn.run(st.size, st.seeds, st.pairs, st.steps))
     if speed:
         log("speed rows ...")
         for arch in archs:
@@ -324,11 +330,13 @@ def main(argv=None) -> None:
     ap.add_argument("--no-finetune", action="store_true", help="skip fine-tuning after fusion")
     ap.add_argument("--no-universe", action="store_true", help="skip N-model merging (anchor vs "
                     "universe)")
+    ap.add_argument("--no-cnn", action="store_true", help="skip the BatchNorm CNN pairs (alignment "
+                    "and REPAIR on the digits)")
     a = ap.parse_args(argv)
     out = a.out or ("bench-quick" if a.quick else str(RESULTS_DIR / "suite"))
     run(out, a.quick, a.archs, a.pairs, a.size, a.seeds, a.steps, a.methods,
         speed=not a.no_speed, hetero=not a.no_hetero, finetune=not a.no_finetune,
-        universe=not a.no_universe)
+        universe=not a.no_universe, cnn=not a.no_cnn)
 
 
 if __name__ == "__main__":

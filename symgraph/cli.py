@@ -262,6 +262,9 @@ def _card_summary(meta) -> str:
         after = sum(x["after"] for x in rep["layers"]) / n
         lines.append(f"- REPAIR: {n} layers renormalised to the inputs' interpolated activation "
                      f"statistics (mean |std/target - 1| {before:.3g} -> {after:.3g}).")
+    if rep and rep.get("batchnorm"):
+        lines.append(f"- REPAIR: BatchNorm running statistics of {len(rep['batchnorm'])} layers "
+                     "recomputed on the data for the merged model.")
     return "\n".join(lines)
 
 

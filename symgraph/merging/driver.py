@@ -18,7 +18,8 @@ from ..alignment.checks import check_finite
 from ..api import analyze
 from ..errors import InputError
 from . import registry
-from .repair import RepairReport, renormalize
+from .batchnorm import repair as repair_merge
+from .repair import RepairReport
 
 __all__ = ["MergeResult", "merge"]
 
@@ -58,7 +59,9 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         ``tol``); the result has models[0]'s architecture and every model an alignment.
     repair : REPAIR (Jordan et al. 2023) after combining: every hidden channel that feeds a
         nonlinearity gets, on ``data`` (required), the mean and std interpolated from model A
-        and the other models in A's basis (:mod:`symgraph.merging.repair`).
+        and the other models in A's basis (:mod:`symgraph.merging.repair`); BatchNorm layers
+        get their running statistics recomputed on ``data`` for the merged model
+        (:mod:`symgraph.merging.batchnorm`; ``MergeResult.repair.batchnorm``).
     progress : a progress bar (stderr) over the models.
     align_options : :class:`~symgraph.AlignOptions` fields (``solver``, ``inner``, ...).
     """
@@ -69,7 +72,8 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     anchor = _check_anchor(anchor, len(models), align, universe_options)
     inputs = data[0] if inputs is None and data is not None else inputs
     A = models[0 if anchor == "universe" else anchor]
-    ra = analyze(A, inputs, fold_norms=align_options.get("fold_norms", True))
+    ra = analyze(A, inputs, fold_norms=align_options.get("fold_norms", True),
+                 outputs=align_options.get("outputs"))
     timings = {"analyze": time.perf_counter() - t0, "align": 0.0, "statistics": 0.0}
     universe, found = None, None
     if anchor == "universe":  # every model's alignment to the mean of the others
@@ -92,7 +96,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         else:
             if i != anchor:
                 _check_same_shapes(A, m, i)
-                rep = analyze(m, inputs) if how.needs_data else None
+                rep = analyze(m, inputs, outputs=ra.outputs) if how.needs_data else None
             st = aligned_state(m, None, ra)
         t2 = time.perf_counter()
         timings["align"] += t2 - t1
@@ -116,7 +120,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         # the parents in A's basis: the models themselves where not aligned, else their states
         parents = [m if al is None else st | bf
                    for m, al, st, bf in zip(models, alignments, states, buffers)]
-        repaired = renormalize(out, parents, w, data, ra)
+        repaired = repair_merge(out, parents, w, data, ra)
         timings["repair"] = repaired.seconds
     timings["total"] = time.perf_counter() - t0
     return MergeResult(out, alignments, timings, repaired, universe)

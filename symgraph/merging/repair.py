@@ -327,23 +327,28 @@ class RepairLayer:
 @dataclass
 class RepairReport:
     """What REPAIR did: ``layers`` (:class:`RepairLayer`, graph order), ``sequential``,
-    ``passes`` over the data (parents and merged model), ``seconds``."""
+    ``passes`` over the data (parents and merged model), ``seconds``; ``batchnorm``: the
+    BatchNorm modules whose running statistics were reset on the data, forward order
+    (:class:`~symgraph.merging.batchnorm.BatchNormReset`)."""
     layers: list = field(default_factory=list)
     sequential: bool = True
     passes: int = 0
     seconds: float = 0.0
+    batchnorm: list = field(default_factory=list)
 
     def to_dict(self):
         return {"sequential": self.sequential, "passes": self.passes, "seconds": self.seconds,
-                "layers": [x.to_dict() for x in self.layers]}
+                "layers": [x.to_dict() for x in self.layers],
+                "batchnorm": [x.to_dict() for x in self.batchnorm]}
 
     def summary(self) -> str:
-        n = len(self.layers)
+        n, nb = len(self.layers), len(self.batchnorm)
+        bn = f"BatchNorm statistics reset in {nb} layers" if nb else ""
         if not n:
-            return "REPAIR: no channel to repair"
+            return f"REPAIR: {bn or 'no channel to repair'}" + (f" ({self.seconds:.1f} s)" if nb else "")
         b, a = (sum(getattr(x, k) for x in self.layers) / n for k in ("before", "after"))
         return (f"REPAIR: {n} layers, {sum(x.channels for x in self.layers)} channels; mean "
-                f"|σ/σ*−1| {b:.3g} → {a:.3g} ({self.seconds:.1f} s)")
+                f"|σ/σ*−1| {b:.3g} → {a:.3g}{'; ' + bn if bn else ''} ({self.seconds:.1f} s)")
 
 
 def _errors(stats, target, statistic):
