@@ -166,3 +166,59 @@ def test_fused_qkv_with_grouped_kv():
     # the nested classes (query heads and QK maps within K/V heads) converge slowly under
     # coordinate descent: 1.6e-3 after the default 6 sweeps, 6e-9 after 20
     assert recovered(m, r, (x,), max_iter=30) < 1e-8
+
+
+class MHA(nn.Module):
+    """``nn.MultiheadAttention`` (packed ``in_proj``: one [3E, E] weight, taken apart by
+    unflatten + select) in a custom module with a residual and a head."""
+
+    def __init__(self, d=16, h=4):
+        super().__init__()
+        self.emb, self.head = nn.Linear(5, d), nn.Linear(d, 3)
+        self.att = nn.MultiheadAttention(d, h, batch_first=True)
+
+    def forward(self, x):
+        h = self.emb(x)
+        a, _ = self.att(h, h, h, need_weights=False)
+        return self.head(h + a)
+
+
+def test_multihead_attention_packed_in_proj():
+    torch.manual_seed(0)
+    m, x = MHA().eval().double(), torch.randn(2, 6, 5, dtype=torch.float64)
+    r = symgraph.analyze(m, (x,))
+    assert r.frozen == [] and r.certify(m, (x,)) < CERT
+    # the packed axis is Q ⊕ K ⊕ V, each split into heads: QK and VO maps per head, as for
+    # separate projections (it was one orthogonal map shared by Q, K, V and O)
+    packed = r.param_axes("att.in_proj_weight")[0]
+    assert r.axis_structure(packed) == ("sum", [16, 16, 16])
+    assert kinds(r, "att") == [("gl", 4, 4), ("gl", 4, 4), ("perm", 4, 1)]
+    (vo,) = [g for g in r.groups if ("att.out_proj.weight", 1) in g.params and g.kind == "gl"]
+    (qk,) = [g for g in r.groups if g.kind == "gl" and g.blocks == 4 and g != vo]
+    assert ("att.out_proj.weight", 1) not in qk.params
+    # slow coordinate descent between the free residual map and the per-head maps:
+    # 6e-4 after the default 6 sweeps, 2e-9 after 20
+    assert recovered(m, r, (x,), max_iter=30) < 1e-8
+
+
+def test_mamba2_mixer_channels():
+    cfg = transformers.Mamba2Config(vocab_size=64, hidden_size=16, state_size=8, num_hidden_layers=1,
+                                    num_heads=4, head_dim=8, expand=2, n_groups=1, chunk_size=4,
+                                    use_cache=False)
+    m, x = randomized(transformers.Mamba2ForCausalLM(cfg)), {"input_ids": ids()}
+    r = symgraph.analyze(m, x)
+    assert r.frozen == [] and r.certify(m, x) < 1e-6  # the scan runs partly in float32
+    mix = "backbone.layers.0.mixer"
+    # SSM heads (A, D, dt bias move with them), the state channels of B and C, and the
+    # channels inside each head (through the depthwise conv1d, the gated norm, out_proj).
+    # The scan's zero initial state fixes nothing (it used to fix all three).
+    heads = only(r, f"{mix}.A_log", 0)
+    assert (heads.kind, heads.size) == ("perm", 4)
+    assert {(f"{mix}.D", 0), (f"{mix}.dt_bias", 0)} <= set(heads.params)
+    inner = [g for g in r.group_of(f"{mix}.out_proj.weight", 1) if g != heads]
+    assert [(g.kind, g.dim, g.blocks, g.outer) for g in inner] == [("perm", 8, 4, [heads.id])]
+    assert (f"{mix}.norm.weight", 0) in inner[0].params
+    state = [g for g in r.groups if g.kind == "perm" and g.size == 8 and g.blocks == 1]
+    assert len(state) == 1 and (f"{mix}.conv1d.weight", 0) in state[0].params
+    assert only(r, "backbone.embeddings.weight", 1).kind == "orthogonal"
+    assert recovered(m, r, x) < 1e-9

@@ -20,6 +20,7 @@ from .nodes import (FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path
                     packet as _packet, source_line)
 from .registry import Label, Meet, NoFiber, Rope, RuleContext, Structure, Unify
 from .norms import find_norms
+from .packed import find_packed
 from .rope import find_rope
 from .unionfind import AxisUnionFind
 
@@ -34,6 +35,18 @@ CONST_OPS = {
     aten.ones_like, aten.full_like, aten.empty_like, aten.rand, aten.randn, aten.eye,
     aten.tril_indices, aten.triu_indices, aten.linspace, aten.empty_strided,
 }
+_ZEROS = {aten.zeros, aten.zeros_like, aten.new_zeros}
+_FULL = {aten.full, aten.full_like, aten.new_full}
+
+
+def _zeros(node) -> bool:
+    """A tensor of zeros (a scan's initial state): every linear map keeps it, so it fixes
+    nothing it is concatenated or added to."""
+    p = _packet(node.target)
+    return p in _ZEROS or (p in _FULL and len(node.args) > 1 and node.args[-1] == 0
+                           and not isinstance(node.args[-1], bool))
+
+
 # Stream groups a norm fold can open up.
 WIDE = ("orthogonal", "orthogonal_mean")
 
@@ -100,7 +113,9 @@ class AxisAnalysis:
         self._apply(cons, None)
         normed, cons, self.folds, self.unobservable = find_norms(self, self.fold_norms, self.skip_folds)
         self._apply(cons, None)
-        claimed = claimed | normed
+        packed, cons = find_packed(self)
+        self._apply(cons, None)
+        claimed = claimed | normed | packed
         live = live_nodes(self.graph, self.keep)
         for node in self.graph.nodes:
             if node.op == "call_function" and node not in claimed and self.origin[node] == "act" \
@@ -201,7 +216,7 @@ class AxisAnalysis:
                 self.origin[node] = "act"
         else:
             self.origin[node] = "const"
-        if self.origin[node] == "const":
+        if self.origin[node] == "const" and not _zeros(node):
             for a in self._all_axes(node):
                 self.uf.meet(a, "identity")
 
