@@ -14,6 +14,8 @@ gpt2_wide  ``GPT2LMHeadModel``      prose    as ``gpt2`` with a 2x wider MLP
 llama      ``LlamaForCausalLM``     code     RoPE, SwiGLU, GQA (2 KV heads for 4
                                              query heads), RMSNorm, untied head
 vit        ``ViTForImageClassific`` digits   1-channel 8x8 images, 2x2 patches
+mixtral    ``MixtralForCausalLM``   prose    mixture of experts: 4 SwiGLU experts
+                                             (top-2 routing), GQA, RMSNorm, RoPE
 ========== ======================== ======== ====================================
 
 Conventions shared by all models:
@@ -32,6 +34,10 @@ models); this module holds only the table of sizes and training budgets.
 ``gpt2`` and ``gpt2_wide`` (:data:`WIDE_NARROW_PAIR`) differ only in MLP width
 (256 vs 512 hidden units in ``quick``), same depth, embedding width, heads and
 data: the pair for heterogeneous fusion.
+
+``mixtral`` (:data:`MOE_ARCHS`) is not one of the default :data:`ARCHS`: the suite runs it
+with ``python -m benchmarks --archs mixtral`` (its expert order is a permutation class of
+the router rows and stacked expert weights).
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ __all__ = [
     "ModelSpec",
     "SPECS",
     "ARCHS",
+    "MOE_ARCHS",
     "WIDE_NARROW_PAIR",
     "get_spec",
     "get_setting",
@@ -115,7 +122,7 @@ class ModelSpec:
     ----------
     name : str
         Key in :data:`SPECS` (also used in cache keys).
-    family : {"bert", "gpt2", "llama", "vit"}
+    family : {"bert", "gpt2", "llama", "vit", "mixtral"}
         Hugging Face model family.
     task : {"mlm", "clm", "cls"}
         Training objective: masked LM, causal (next-token) LM, classification.
@@ -180,10 +187,21 @@ SPECS: dict[str, ModelSpec] = {
         full=SizeSetting(hidden=128, layers=4, heads=4, mlp_mult=4, steps=2000, batch_size=64, lr=1e-3),
         extra={"patch_size": 2},
     ),
+    # 4 experts of 2*hidden units each, top-2: as many active MLP units per token as the
+    # dense models' 4*hidden
+    "mixtral": ModelSpec(
+        name="mixtral", family="mixtral", task="clm", dataset="prose", block_size=64,
+        quick=dataclasses.replace(_LM_QUICK, mlp_mult=2, kv_heads=2),
+        full=dataclasses.replace(_LM_FULL, mlp_mult=2, kv_heads=2),
+        extra={"num_local_experts": 4, "num_experts_per_tok": 2,
+               "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu"},
+    ),
 }
 
 #: The four base architectures, one per model family.
 ARCHS = ("bert", "gpt2", "llama", "vit")
+#: Mixture-of-experts decoders: selectable (``--archs``), not in the default :data:`ARCHS`.
+MOE_ARCHS = ("mixtral",)
 #: (narrow, wide) spec names of the heterogeneous-fusion pair.
 WIDE_NARROW_PAIR = ("gpt2", "gpt2_wide")
 
@@ -221,7 +239,7 @@ def _overrides(spec: ModelSpec, size: str) -> dict[str, Any]:
                       pad_token_id=data.PAD_ID)
     elif spec.family == "gpt2":
         family = dict(vocab=data.VOCAB_SIZE, positions=spec.block_size, summary_first_dropout=0.0, **tokens)
-    elif spec.family == "llama":
+    elif spec.family in ("llama", "mixtral"):
         family = dict(vocab=data.VOCAB_SIZE, positions=spec.block_size, kv_heads=s.kv_heads or s.heads,
                       tie_word_embeddings=False, **tokens)
     elif spec.family == "vit":

@@ -5,7 +5,8 @@ for the tests, the benchmarks, ``symgraph demo``, the CLI's ``tiny-*`` models an
 * :func:`config` returns a Hugging Face config of one of :data:`ARCHS`, from small default
   sizes (:data:`TINY`) and keyword overrides: the sizes by short names (``hidden``,
   ``layers``, ``heads``, ``kv_heads``, ``mlp``, ``vocab``, ``positions``, ``image_size``,
-  ``patch_size``, ``channels``, ``num_labels``), ``attn_implementation``, ``dropout``,
+  ``patch_size``, ``channels``, ``num_labels``; ``experts`` for the mixture-of-experts
+  ``mixtral``, whose ``mlp`` is one expert's width), ``attn_implementation``, ``dropout``,
   ``use_cache``, and any other field of the config by its own name (``rope_theta=...``).
 * :func:`build` builds the model from that config, seeded, in ``eval()`` mode.
 * :func:`randomize_vectors`, :func:`transformer_encoder` and :func:`mlp` make the
@@ -46,13 +47,14 @@ _CLASSES = {
     "phi": ("PhiConfig", "PhiForCausalLM"),
     "gptj": ("GPTJConfig", "GPTJForCausalLM"),
     "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
 #: The architectures :func:`config` and :func:`build` know.
 ARCHS = tuple(_CLASSES)
 #: Architecture -> name of the default model class (a head for a tiny task).
 MODEL_CLASSES = {arch: cls for arch, (_, cls) in _CLASSES.items()}
 #: Causal decoders: ``use_cache`` and special token ids apply.
-DECODERS = frozenset({"gpt2", "llama", "phi", "gptj", "neox"})
+DECODERS = frozenset({"gpt2", "llama", "phi", "gptj", "neox", "mixtral"})
 
 # short size name -> config field, per architecture
 _GPT_NAMES = {"vocab": "vocab_size", "hidden": "n_embd", "layers": "n_layer", "heads": "n_head",
@@ -70,6 +72,8 @@ _SIZE_NAMES = {
     "phi": {**_LM_NAMES, "kv_heads": "num_key_value_heads"},
     "gptj": _GPT_NAMES,
     "neox": _LM_NAMES,
+    # mlp: each expert's hidden width
+    "mixtral": {**_LM_NAMES, "kv_heads": "num_key_value_heads", "experts": "num_local_experts"},
 }
 
 #: Default sizes (and architecture-specific fields) of ``base="tiny"``: two layers, 4 heads.
@@ -84,6 +88,8 @@ TINY: dict[str, dict[str, Any]] = {
     "gptj": dict(vocab=64, hidden=32, layers=2, heads=4, rotary_dim=4, mlp=48, positions=32,
                  attn_implementation="eager"),
     "neox": dict(vocab=64, hidden=32, layers=2, heads=4, mlp=48, positions=32, rotary_pct=0.5),
+    "mixtral": dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=24, positions=32,
+                    experts=4, num_experts_per_tok=2),
 }
 
 #: The dropout probabilities of each architecture's backbone, set by ``dropout=``.
@@ -95,6 +101,7 @@ DROPOUT_FIELDS = {
     "phi": ("resid_pdrop", "embd_pdrop", "attention_dropout"),
     "gptj": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
     "neox": ("hidden_dropout", "attention_dropout"),
+    "mixtral": ("attention_dropout",),
 }
 
 _UNSET = object()

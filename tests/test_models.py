@@ -263,3 +263,19 @@ def test_warmup_cosine():
     assert f(55) == pytest.approx(0.2 + 0.8 * 0.5) and f(100) == pytest.approx(0.2)
     assert all(f(i) >= f(i + 1) for i in range(10, 100))
     assert models.warmup_cosine(3)(0) == 1.0  # at least one warm-up step
+
+
+def test_mixtral_is_a_mixture_of_experts_with_an_expert_permutation_class():
+    import symgraph
+    cfg = models.config("mixtral")
+    assert (cfg.num_local_experts, cfg.num_experts_per_tok) == (4, 2)
+    assert cfg.num_key_value_heads < cfg.num_attention_heads  # GQA
+    model = models.build("mixtral", seed=0)
+    report = symgraph.analyze(model, _inputs(model)["input_ids"])
+    for layer in range(cfg.num_hidden_layers):
+        mlp = f"model.layers.{layer}.mlp"
+        (experts,) = report.group_of(f"{mlp}.gate.weight", 0)  # the router's rows
+        assert (experts.kind, experts.size) == ("perm", cfg.num_local_experts)
+        assert (f"{mlp}.experts.gate_up_proj", 0) in experts.params
+        (hidden,) = report.group_of(f"{mlp}.experts.down_proj", 2)
+        assert (hidden.kind, hidden.size) == ("perm", cfg.intermediate_size)
