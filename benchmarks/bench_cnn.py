@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .provenance import REPO_ROOT, git_state, staged, write_json
+from .provenance import REPO_ROOT, git_state, write_result
 
 __all__ = ["WIDTHS", "STEPS", "DigitsCNN", "train_cnn", "run", "markdown", "plot", "main"]
 
@@ -370,10 +370,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(train.num_threads())
     res = run(a.size, a.seeds, a.pairs, a.steps)
     print(markdown(res))
-    with staged(a.out, ".cnn-") as tmp:
-        write_json(tmp / "results.json", res)
-        (tmp / "report.md").write_text(markdown(res))
-        plot(res, tmp)
+    write_result(a.out, ".cnn-", res, markdown, plot)
 
 
 if __name__ == "__main__":

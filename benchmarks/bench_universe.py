@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from .provenance import staged, write_json
+from .provenance import write_result
 
 MODES = ("vanilla", "anchor", "universe")
 ARCHS = ("gpt2", "llama", "bert", "vit")
@@ -196,10 +196,7 @@ def main(argv=None) -> None:
                   align=args.align, universe_options=opts)
     print(markdown(records))
     if args.out:
-        with staged(args.out, ".universe-") as tmp:
-            write_json(tmp / "universe.json", records)
-            (tmp / "universe.md").write_text(markdown(records))
-            plot(records, tmp)
+        write_result(args.out, ".universe-", records, markdown, plot, "universe.json", "universe.md")
 
 
 if __name__ == "__main__":

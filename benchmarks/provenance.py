@@ -63,3 +63,14 @@ def staged(out, prefix: str = ".bench-"):
             os.replace(f, out / f.name)
     finally:
         remove_own(str(tmp), made)
+
+
+def write_result(out, prefix: str, record, markdown, plot=None, json_name: str = "results.json",
+                 md_name: str = "report.md") -> None:
+    """``record`` as JSON, its ``markdown(record)`` report and ``plot(record, dir)``'s figures,
+    written into ``out`` through :func:`staged`."""
+    with staged(out, prefix) as tmp:
+        write_json(tmp / json_name, record)
+        (tmp / md_name).write_text(markdown(record))
+        if plot is not None:
+            plot(record, tmp)

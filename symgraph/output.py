@@ -157,17 +157,27 @@ def identity(path: str) -> tuple:
 def remove_own(path: str, ident: tuple) -> None:
     """Delete ``path`` only if it is still the very file or directory this process created:
     the same ``(device, inode)`` as ``ident`` (taken when it was made), not a link. Whatever
-    else now has that name, or a name never created here, stays."""
+    else now has that name, or a name never created here, stays. The check and the deletion go
+    through one handle on the parent directory, so a parent swapped in between is not
+    followed, and the tree is removed without following links inside it."""
+    parent, name = os.path.split(os.path.abspath(path))
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+        pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
         return
-    if (st.st_dev, st.st_ino) != tuple(ident) or stat.S_ISLNK(st.st_mode):
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        os.unlink(path)
+    try:
+        try:
+            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) != tuple(ident) or stat.S_ISLNK(st.st_mode):
+            return
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(name, dir_fd=pfd, ignore_errors=True)
+        else:
+            os.unlink(name, dir_fd=pfd)
+    finally:
+        os.close(pfd)
 
 
 def model_card(config_yaml: str, summary: str) -> str:
