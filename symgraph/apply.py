@@ -30,7 +30,7 @@ def map_parameters(report, elements: dict, tensors: dict, *, squared: bool = Fal
     """
     out = {}
     for name, t in tensors.items():
-        val = None
+        val, t = None, report.view(name, t)  # stacked experts: (experts × hidden) as one axis
         for d, axis in enumerate(report.param_axes(name)):
             M = report.axis_map(axis, elements)
             if M is None:
@@ -40,7 +40,7 @@ def map_parameters(report, elements: dict, tensors: dict, *, squared: bool = Fal
             base = t if val is None else val
             val = apply_along(base if base.dtype == dtype else base.to(dtype), d, M)
         if val is not None:
-            out[name] = val
+            out[name] = report.unview(name, val)
     return out
 
 
@@ -63,7 +63,7 @@ def stored_tensors(report, model, check: bool = False) -> dict:
             if check:
                 if t.is_meta:
                     raise InputError(f"{what} {name!r} is on the meta device: no weights to transform")
-                want = tuple(report.axis_size(a) for a in report.param_axes(name))
+                want = report.param_shape(name)
                 if tuple(t.shape) != want:
                     raise InputError(f"{what} {name!r} has shape {tuple(t.shape)}, the report expects {want}")
             out[name] = t.detach()

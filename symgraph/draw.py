@@ -9,7 +9,39 @@ import tempfile
 from .errors import InputError
 from .output import identity, remove_own
 
-__all__ = ["to_networkx", "to_dot", "save_graph"]
+__all__ = ["summary", "to_networkx", "to_dot", "save_graph"]
+
+
+def summary(report) -> str:
+    """The text of :meth:`SymmetryReport.summary`."""
+    lines = [f"Symmetry report for {report.model_name}: {len(report.groups)} groups, "
+             f"{report.degrees_of_freedom} continuous degrees of freedom, "
+             f"{len(report.frozen)} ops without a rule"]
+    hdr = f"{'id':>4}  {'module':<40} {'kind':<12} {'size':>6} {'blocks':>6} {'outer':<8} params"
+    lines += [hdr, "-" * len(hdr)]
+    for g in sorted(report.groups, key=lambda g: (g.module, g.id)):
+        names = sorted({p for p, _ in g.params})
+        shown = ", ".join(n[len(g.module) + 1:] if g.module else n for n in names[:4])
+        more = f" (+{len(names) - 4})" if len(names) > 4 else ""
+        lines.append(f"{g.id:>4}  {(g.module or '(model)'):<40.40} {g.kind:<12} {g.size:>6} "
+                     f"{g.blocks:>6} {','.join(map(str, g.outer)) or '-':<8} {shown}{more}")
+    if report.buffers:
+        lines += ["", f"{len(report.buffers)} buffers move with their groups: "
+                  + ", ".join(report.buffers[:6]) + (" ..." if len(report.buffers) > 6 else "")]
+    if report.folds:
+        lines.append("")
+        lines.append(f"{len(report.folds)} norm gains fold into the layers that read them "
+                     "(transforms fold, move and unfold; analyze(..., fold_norms=False) keeps "
+                     "residual streams permutations):")
+        for f in report.folds:
+            readers = ", ".join(w for w, _, _ in f.readers)
+            lines.append(f"  {f.gain} -> {readers}")
+    if report.frozen:
+        lines.append("")
+        lines.append("Frozen by ops without a rule (their axes are fixed):")
+        for f in report.frozen:
+            lines.append(f"  {f.op} at {f.node} in {f.module or '<root>'}  {f.source}")
+    return "\n".join(lines)
 
 
 def to_networkx(report):

@@ -18,6 +18,7 @@ from .errors import CertificationError, InputError
 from .groups import orthogonal_part, sample
 from .passes.axes import (axis_matrix, leaf_views, leaves_with_parity, observation_points,
                           other_leaf_elements, stored_slots)
+from .passes.stacked import unview_of, view_of
 from .trace import (eval_mode, flatten_outputs, graph_friendly, output_deviation, select_outputs,
                     split_inputs)
 
@@ -152,8 +153,12 @@ class SymmetryReport:
         return [g for g in self.groups if g.module.startswith(prefix)]
 
     def group_of(self, param: str, dim: int):
-        """Groups acting on ``param``'s dimension ``dim``."""
-        return [g for g in self.groups if (param, dim) in g.params]
+        """Groups acting on ``param``'s (stored) dimension ``dim``."""
+        raw = self._analysis.raw_axes.get(param)
+        if raw is None:
+            return [g for g in self.groups if (param, dim) in g.params]
+        ids = set(self.axis_groups(raw[dim]))
+        return [g for g in self.groups if g.id in ids]
 
     @property
     def degrees_of_freedom(self) -> int:
@@ -217,34 +222,9 @@ class SymmetryReport:
 
     # --- presentation --------------------------------------------------------------------
     def summary(self) -> str:
-        lines = [f"Symmetry report for {self.model_name}: {len(self.groups)} groups, "
-                 f"{self.degrees_of_freedom} continuous degrees of freedom, "
-                 f"{len(self.frozen)} ops without a rule"]
-        hdr = f"{'id':>4}  {'module':<40} {'kind':<12} {'size':>6} {'blocks':>6} {'outer':<8} params"
-        lines += [hdr, "-" * len(hdr)]
-        for g in sorted(self.groups, key=lambda g: (g.module, g.id)):
-            names = sorted({p for p, _ in g.params})
-            shown = ", ".join(n[len(g.module) + 1:] if g.module else n for n in names[:4])
-            more = f" (+{len(names) - 4})" if len(names) > 4 else ""
-            lines.append(f"{g.id:>4}  {(g.module or '(model)'):<40.40} {g.kind:<12} {g.size:>6} "
-                         f"{g.blocks:>6} {','.join(map(str, g.outer)) or '-':<8} {shown}{more}")
-        if self.buffers:
-            lines += ["", f"{len(self.buffers)} buffers move with their groups: "
-                      + ", ".join(self.buffers[:6]) + (" ..." if len(self.buffers) > 6 else "")]
-        if self.folds:
-            lines.append("")
-            lines.append(f"{len(self.folds)} norm gains fold into the layers that read them "
-                         "(transforms fold, move and unfold; analyze(..., fold_norms=False) keeps "
-                         "residual streams permutations):")
-            for f in self.folds:
-                readers = ", ".join(w for w, _, _ in f.readers)
-                lines.append(f"  {f.gain} -> {readers}")
-        if self.frozen:
-            lines.append("")
-            lines.append("Frozen by ops without a rule (their axes are fixed):")
-            for f in self.frozen:
-                lines.append(f"  {f.op} at {f.node} in {f.module or '<root>'}  {f.source}")
-        return "\n".join(lines)
+        """The groups as a table, then moved buffers, folds and frozen ops."""
+        from .draw import summary
+        return summary(self)
 
     def __repr__(self):
         return f"<SymmetryReport {self.model_name}: {len(self.groups)} groups>"
@@ -254,6 +234,7 @@ class SymmetryReport:
                 "frozen": [f.to_dict() for f in self.frozen],
                 "buffers": self.buffers, "fixed_buffers": self.fixed_buffers,
                 "folds": [f.to_dict() for f in self.folds],
+                "stacked": {k: list(v) for k, v in self.stacked.items()},
                 "degrees_of_freedom": self.degrees_of_freedom}
 
     def to_json(self, **kw) -> str:
@@ -321,6 +302,30 @@ class SymmetryReport:
     @property
     def exported_program(self):
         return self._analysis.ep
+
+    @property
+    def stacked(self) -> dict:
+        """Parameters stored with a class on one axis and a class fibred over it on another
+        (experts × hidden units of stacked expert weights): ``{name: (outer dim, inner dim)}``.
+        :meth:`param_axes`, ``Group.params`` and every element see them *viewed*, the two dims
+        flattened into one (outer first): :meth:`view` and :meth:`unview` convert."""
+        return dict(self._analysis.stacked)
+
+    def view(self, name: str, t):
+        """Stored tensor ``t`` of parameter ``name`` in the layout of :meth:`param_axes`."""
+        s = self._analysis.stacked.get(name)
+        return t if s is None else view_of(t, *s)
+
+    def unview(self, name: str, x):
+        """Inverse of :meth:`view`: the stored layout of parameter ``name``."""
+        s = self._analysis.stacked.get(name)
+        return x if s is None else unview_of(x, *s, self.param_shape(name))
+
+    def param_shape(self, name: str) -> tuple:
+        """The stored shape of parameter (or moved buffer) ``name``."""
+        an = self._analysis
+        node = an.param_nodes.get(name) or an.buffer_nodes[name]
+        return tuple(int(x) for x in node.meta["val"].shape)
 
     def param_axes(self, name: str) -> tuple:
         """Axis handles of parameter (or moved buffer, :attr:`buffers`) ``name``'s dims."""

@@ -76,13 +76,18 @@ def test_moe_groups_certified_and_recovered(build):
         experts = only(r, f"{mlp}.gate.weight", 0)  # the router's rows are the experts
         assert (experts.kind, experts.size) == ("perm", E)
         assert {(f"{mlp}.experts.gate_up_proj", 0), (f"{mlp}.experts.down_proj", 0)} <= set(experts.params)
+        # each expert's hidden units are its own class: fibred over the experts, with the
+        # stacked weights viewed as (experts × hidden) on one axis
         hidden = only(r, f"{mlp}.experts.down_proj", 2)
-        assert (hidden.kind, hidden.size) == ("perm", I)
-        assert r.axis_structure(r.param_axes(f"{mlp}.experts.gate_up_proj")[1]) == ("sum", [I, I])
+        assert (hidden.kind, hidden.dim, hidden.blocks, hidden.outer) == ("perm", I, E, [experts.id])
+        assert r.stacked[f"{mlp}.experts.gate_up_proj"] == (0, 1)
+        assert r.stacked[f"{mlp}.experts.down_proj"] == (0, 2)
+        assert r.axis_structure(r.param_axes(f"{mlp}.experts.gate_up_proj")[0]) == ("prod", [E, 2 * I])
         assert r.group_of(f"{mlp}.experts.gate_up_proj", 1) == [hidden]
+        assert r.group_of(f"{mlp}.experts.gate_up_proj", 0) == [experts]
     stream = only(r, "model.embed_tokens.weight", 1)
     assert stream.kind == "orthogonal" and stream.size == D
-    assert ("model.layers.1.mlp.experts.gate_up_proj", 2) in stream.params
+    assert r.group_of("model.layers.1.mlp.experts.gate_up_proj", 2) == [stream]
     folded = {w for f in r.folds for w, _, _ in f.readers}
     assert "model.layers.0.mlp.experts.gate_up_proj" in folded
 
@@ -131,3 +136,59 @@ def test_labels_read_as_numbers_fix_the_experts(numbers):
     else:
         (g,) = experts
         assert g.kind == "perm" and ("w", 0) in g.params
+
+
+class _Experts(torch.nn.Module):
+    """Stacked experts read through the router's labels on the way in and out; ``shared``
+    adds one bias over every expert's hidden units, which ties their orders together."""
+
+    def __init__(self, shared):
+        super().__init__()
+        self.router = torch.nn.Linear(D, E, bias=False)
+        self.w_in = torch.nn.Parameter(torch.randn(E, I, D))
+        self.w_out = torch.nn.Parameter(torch.randn(E, D, I))
+        self.bias = torch.nn.Parameter(torch.randn(I)) if shared else None
+
+    def forward(self, x):
+        top = torch.topk(torch.softmax(self.router(x), -1), K, dim=-1)
+        idx = top.indices.reshape(-1)
+        xs = x.repeat_interleave(K, 0)
+        h = torch.bmm(self.w_in[idx], xs.unsqueeze(-1)).squeeze(-1)
+        if self.bias is not None:
+            h = h + self.bias
+        y = torch.bmm(self.w_out[idx], torch.nn.functional.silu(h).unsqueeze(-1)).squeeze(-1)
+        return (y * top.values.reshape(-1, 1)).reshape(-1, K, D).sum(1)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_each_expert_has_its_own_hidden_class(shared):
+    torch.manual_seed(0)
+    m, x = _Experts(shared).double().eval(), torch.randn(6, D, dtype=torch.float64)
+    r = symgraph.analyze(m, (x,))
+    assert r.certify(m, (x,)) < 1e-9
+    (experts,) = r.group_of("router.weight", 0)
+    (hidden,) = r.group_of("w_in", 1)
+    assert r.group_of("w_out", 2) == [hidden] and r.group_of("w_in", 0) == [experts]
+    if shared:  # a tensor with the hidden units and no expert: one order for all experts
+        assert (hidden.blocks, hidden.outer, r.stacked) == (1, [], {})
+        assert r.group_of("bias", 0) == [hidden]
+        return
+    assert (hidden.kind, hidden.dim, hidden.blocks, hidden.outer) == ("perm", I, E, [experts.id])
+    assert r.stacked == {"w_in": (0, 1), "w_out": (0, 2)}
+    # one expert's units permuted alone keeps the function; the same map on all does not
+    # reach it: recovery must undo a different permutation per expert
+    t = r.random_transform(seed=1)
+    P = t.elements[hidden.id]
+    assert P.shape == (E, I, I) and not all(torch.equal(P[0], P[e]) for e in range(1, E))
+    moved = symgraph.transform(m, t)
+    assert (moved(x) - m(x)).abs().max() < 1e-12
+    al = symgraph.align(m, moved, (x,))
+    got = al.apply(moved).state_dict()
+    assert max((got[k] - v).abs().max().item() for k, v in m.state_dict().items()) < 1e-12
+    # the stored layout: expert e's rows of w_in are permuted by P[e] only
+    back = r.unview("w_in", r.view("w_in", m.w_in.detach()))
+    assert torch.equal(back, m.w_in.detach())
+    # expert e's rows are permuted by its own P[e], then land where the expert order puts them
+    W, moved_w = m.w_in.detach(), moved.w_in.detach()
+    for f, e in enumerate(t.elements[experts.id].index.tolist()):
+        assert torch.equal(moved_w[f], P[e] @ W[e])

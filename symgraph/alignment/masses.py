@@ -33,7 +33,7 @@ def slices(report, tensors, group, variance: str, axis_op=None):
         if var != variance:
             continue
         axes = report.param_axes(name)
-        t = tensors[name]
+        t = report.view(name, tensors[name])
         for k, a in enumerate(axes):
             M = axis_op(a) if (axis_op is not None and k != d) else None
             if M is not None:

@@ -33,8 +33,8 @@ def fit_scales(al, model_a, model_b, groups):
         acc = torch.zeros(nblk, 4, dtype=torch.float64)  # co: Σb², Σab; contra: Σb², Σab
         for (name, d), var in zip(g.params, g.variance):
             ax = ra.param_axes(name)
-            ta = model_a.get_parameter(name).detach().double()
-            tb = Bp[name].double()
+            ta = ra.view(name, model_a.get_parameter(name).detach().double())
+            tb = ra.view(name, Bp[name].double())
             for idx, nf in ra.leaf_views(ax[d], g.id):
                 xa = gather(ta, d, idx, nf).reshape(nblk, -1)
                 xb = gather(tb, d, idx, nf).reshape(nblk, -1)

@@ -116,7 +116,7 @@ class WeightFeatures:
         others = self.rb.other_leaf_elements(ax_b[d], gb.id, elements) if va else []
         if others is None:  # another leaf of this axis is not solved yet: its order is unknown
             return None, a2, b2, True
-        ta, tb = self.A[name], self.B[name]
+        ta, tb = self.ra.view(name, self.A[name]), self.rb.view(name, self.B[name])
         if exact:
             ta, tb = ta.to(self.exact_dtype), tb.to(self.exact_dtype)
         for k, a in enumerate(ax_b):  # other dims into A's basis

@@ -15,7 +15,7 @@ import operator
 import torch
 
 from ..errors import UnsupportedOpError
-from . import labels, registry
+from . import labels, registry, stacked
 from .nodes import (FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path, output_nodes,
                     packet as _packet, source_line)
 from .registry import Label, Meet, NoFiber, Rope, RuleContext, Structure, Unify
@@ -85,6 +85,8 @@ class AxisAnalysis:
         self.user_inputs = set(sig.user_inputs)
         self.touched: dict = {}  # node reading a buffer -> the axes its rule's constraints mention
         self.labels: dict = {}  # node (or (node, i)) -> (axis, size): its values label that class
+        self.stacked: dict = {}  # parameter name -> (o, j): viewed with axes o, j as one
+        self.raw_axes: dict = {}  # and its stored axes
 
     # --- axes ----------------------------------------------------------------------------
     def _alloc(self, val):
@@ -369,6 +371,12 @@ class AxisAnalysis:
 
     def _fibres(self):
         cand = self._prod_candidates()
+        classes = stacked.label_classes(self)  # experts: fibres across a parameter's axes
+        carry = stacked.carried(self, classes) if classes else {}
+        for node in self.param_nodes.values() if classes else ():
+            for j, a in enumerate(self.node_axes[node]):
+                for leaf in self.leaves(a):
+                    cand.setdefault(leaf, set()).update(self._labelled(node, j, classes) - {leaf})
         fib = {leaf: set(c) for leaf, c in cand.items() if c}
         buffers = set(self.buffer_nodes.values())
         if fib:
@@ -379,13 +387,15 @@ class AxisAnalysis:
                 for t in tensors:
                     if t is None:
                         continue
-                    if self.origin.get(node) == "param" or node in buffers:  # stored: same axis only
-                        for a in t:
+                    if self.origin.get(node) == "param" or node in buffers:  # stored: same axis
+                        for j, a in enumerate(t):  # (or a label class on another axis)
                             present = set(self.leaves(a))
+                            if node not in buffers and classes:
+                                present |= self._labelled(node, j, classes)
                             for leaf in present & fib.keys():
                                 fib[leaf] &= present
                     else:
-                        present = set()
+                        present = set(carry.get(node, ()))
                         for a in t:
                             present.update(self.leaves(a))
                         for leaf in present & fib.keys():
@@ -399,7 +409,14 @@ class AxisAnalysis:
             if f and self.kind(leaf) != "identity":
                 # keep the order in which fibre classes appear as outer factors
                 self.fibre[leaf] = tuple(sorted(f, key=lambda x: x))
+        self.stacked = stacked.stack(self, classes) if classes else {}
         self._order_fibres()
+
+    def _labelled(self, node, j, classes) -> set:
+        """Label classes on the axes of parameter ``node`` other than ``j``."""
+        ax = self.node_axes[node]
+        return {r for o, a in enumerate(ax) if o != j
+                for r in [self.uf.find(a)[0]] if r in classes and r not in self.uf.struct}
 
     def _order_fibres(self):
         # Order fibres outer-to-inner as they appear in a product structure of the leaf.
