@@ -25,6 +25,8 @@ def summary(report) -> str:
         more = f" (+{len(names) - 4})" if len(names) > 4 else ""
         lines.append(f"{g.id:>4}  {(g.module or '(model)'):<40.40} {g.kind:<12} {g.size:>6} "
                      f"{g.blocks:>6} {','.join(map(str, g.outer)) or '-':<8} {shown}{more}")
+    for gid, why in report.shared.items():
+        lines.append(f"group {gid}: {why}")
     if report.buffers:
         lines += ["", f"{len(report.buffers)} buffers move with their groups: "
                   + ", ".join(report.buffers[:6]) + (" ..." if len(report.buffers) > 6 else "")]

@@ -311,6 +311,12 @@ class SymmetryReport:
         flattened into one (outer first): :meth:`view` and :meth:`unview` convert."""
         return dict(self._analysis.stacked)
 
+    @property
+    def shared(self) -> dict:
+        """``{group id: why}``: classes that could have one element per member of a label class
+        (each expert's hidden units) but keep one for all, because that is too large."""
+        return {self._gid[r]: w for r, w in self._analysis.shared.items() if r in self._gid}
+
     def view(self, name: str, t):
         """Stored tensor ``t`` of parameter ``name`` in the layout of :meth:`param_axes`."""
         s = self._analysis.stacked.get(name)

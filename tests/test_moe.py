@@ -192,3 +192,17 @@ def test_each_expert_has_its_own_hidden_class(shared):
     W, moved_w = m.w_in.detach(), moved.w_in.detach()
     for f, e in enumerate(t.elements[experts.id].index.tolist()):
         assert torch.equal(moved_w[f], P[e] @ W[e])
+
+
+def test_experts_too_large_for_per_expert_classes_share_one(monkeypatch):
+    """Per-expert elements cost (experts × units)² entries; past the limit the hidden class is
+    one permutation for all experts (a subgroup: still certified), and the report says so."""
+    from symgraph.passes import stacked
+    monkeypatch.setattr(stacked, "MAX_STACKED", (E * I) ** 2 - 1)
+    torch.manual_seed(0)
+    m, x = _Experts(False).double().eval(), torch.randn(6, D, dtype=torch.float64)
+    r = symgraph.analyze(m, (x,))
+    (hidden,) = r.group_of("w_in", 1)
+    assert (hidden.blocks, hidden.outer, r.stacked) == (1, [], {})
+    assert "one order for all 4 members" in r.shared[hidden.id] and r.shared[hidden.id] in r.summary()
+    assert r.certify(m, (x,)) < 1e-9

@@ -87,6 +87,7 @@ class AxisAnalysis:
         self.labels: dict = {}  # node (or (node, i)) -> (axis, size): its values label that class
         self.stacked: dict = {}  # parameter name -> (o, j): viewed with axes o, j as one
         self.raw_axes: dict = {}  # and its stored axes
+        self.shared: dict = {}  # leaf -> why it is not per member (stacked.MAX_STACKED)
 
     # --- axes ----------------------------------------------------------------------------
     def _alloc(self, val):

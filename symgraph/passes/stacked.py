@@ -39,6 +39,9 @@ __all__ = ["carried", "label_classes", "stack", "view_of", "unview_of"]
 
 aten = torch.ops.aten
 
+#: Largest ``(members × units)²`` of a per-member class (:func:`stack`).
+MAX_STACKED = 4096 ** 2
+
 _KEEP_ROWS = RELAYOUT | {aten.split, aten.split_with_sizes, aten.chunk, aten.bmm, aten.matmul,
                          aten.mm, aten.baddbmm, aten.addmm}
 
@@ -108,8 +111,13 @@ def stack(an, classes) -> dict:
     ``{name: (o, j)}``, with their node axes replaced by the viewed ones (a new product axis
     ``(E, L)`` at ``o``). A class fibred over ``E`` on two axes of one tensor cannot be viewed
     so: it loses that fibre (one element for every member: a subgroup, still sound). The
-    stored axes of the viewed parameters are kept in ``an.raw_axes``."""
-    an.raw_axes = {}
+    stored axes of the viewed parameters are kept in ``an.raw_axes``.
+
+    Per-member elements cost ``(E·L)²`` entries where they act (the viewed axis' matrix, the
+    nested matching's similarity of every member pair): beyond :data:`MAX_STACKED` (as much
+    as the head maps of a 4096-wide attention) the class keeps one element for all members,
+    and ``an.shared[leaf]`` says why."""
+    an.raw_axes, an.shared = {}, {}
     while True:
         plan, drop = {}, set()
         for name, node in an.param_nodes.items():
@@ -120,7 +128,16 @@ def stack(an, classes) -> dict:
                     continue
                 dims = [j for j, b in enumerate(ax) if j != o
                         and any(r in an.fibre.get(leaf, ()) for leaf in an.leaves(b))]
-                if len(dims) == 1 and name not in plan:
+                big = [j for j in dims if (an.uf.size[r] * an.uf.size[an.uf.find(ax[j])[0]]) ** 2
+                       > MAX_STACKED]
+                for j in big:
+                    for leaf in an.leaves(ax[j]):
+                        an.shared[leaf] = (f"one order for all {an.uf.size[r]} members: per-member "
+                                           f"elements on {name} would need more than "
+                                           f"{MAX_STACKED} entries (stacked.MAX_STACKED)")
+                if big:
+                    drop |= {(leaf, r) for j in dims for leaf in an.leaves(ax[j])}
+                elif len(dims) == 1 and name not in plan:
                     plan[name] = (o, dims[0])
                 elif dims:
                     drop |= {(leaf, r) for j in dims for leaf in an.leaves(ax[j])}
