@@ -123,22 +123,31 @@ class Checkpoint:
                              f"{' '.join(str(e).split())[:200]}; expected valid safetensors files written "
                              "by save_pretrained") from None
 
-    def read(self, key: str, check: bool = True) -> torch.Tensor:
+    def read(self, key: str, check: bool = True, part=None) -> torch.Tensor:
         """A checkpoint tensor (a copy), checked finite unless ``check=False`` (the caller
-        checks what it computes from it). The file is mapped only for the read: pages of a
-        mapping that stays open count as the process's resident memory, and over a whole
-        model would add up to its size."""
+        checks what it computes from it); ``part=(dim, start, stop)`` reads that slice only.
+        The file is mapped only for the read: pages of a mapping that stays open count as the
+        process's resident memory, and over a whole model would add up to its size."""
         with self._handle(self.files[key]) as h:
-            t = h.get_tensor(key)
+            if part is None:
+                t = h.get_tensor(key)
+            else:
+                d, start, stop = part
+                t = h.get_slice(key)[(slice(None),) * d + (slice(start, stop),)]
         if check and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
             raise InputError(f"checkpoint {self.path!r} has {bad} NaN/inf values in tensor {key!r}; "
                              "expected finite weights (was the model trained with a diverging loss?)")
         return t
 
-    def get(self, name: str, check: bool = True) -> torch.Tensor:
-        """The parameter ``name`` (any of its tied names), or the buffer ``name``."""
-        return self.read(self.key_of.get(self.param_of.get(name, name), name), check)
+    def key(self, name: str) -> str:
+        """The checkpoint key of the parameter ``name`` (any of its tied names) or buffer ``name``."""
+        return self.key_of.get(self.param_of.get(name, name), name)
+
+    def get(self, name: str, check: bool = True, part=None) -> torch.Tensor:
+        """The parameter ``name`` (any of its tied names), or the buffer ``name``; ``part``:
+        as :meth:`read`."""
+        return self.read(self.key(name), check, part)
 
     # --- checks --------------------------------------------------------------------------
 
@@ -201,17 +210,26 @@ class ShardWriter:
         self.shards = shards
         self.shard_of = {key: i for i, sh in enumerate(shards) for key, *_ in sh}
         self.total = sum(n for sh in shards for *_, n in sh)
-        self._file, self._current, self._next = None, -1, None
+        self._file, self._current, self._next, self._rows = None, -1, None, 0
 
     def add(self, key, t):
+        """Append ``key``'s value ``t``: the whole tensor, or consecutive slices of it along
+        dim 0 (rows are contiguous in the file), so that a large tensor computed in slices
+        is never held whole."""
         i = self.shard_of[key]
         if i != self._current:
             self._open(i)
-        want_key, shape, dtype, n = self._next.pop(0)
-        if want_key != key or tuple(t.shape) != shape or t.dtype != dtype:
-            raise RuntimeError(f"shard writer expected {want_key} {shape} {dtype}, got {key} "
-                               f"{tuple(t.shape)} {t.dtype}")  # a bug, not bad input
+        want_key, shape, dtype, n = self._next[0]
+        rows, total = (t.shape[0], shape[0]) if shape else (1, 1)
+        if (want_key != key or t.dtype != dtype or t.dim() != len(shape) or tuple(t.shape[1:]) != shape[1:]
+                or self._rows + rows > total):
+            raise RuntimeError(f"shard writer expected {want_key} {shape} {dtype} (rows {self._rows}:), got "
+                               f"{key} {tuple(t.shape)} {t.dtype}")  # a bug, not bad input
         self._file.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+        self._rows += rows
+        if self._rows == total:
+            self._next.pop(0)
+            self._rows = 0
 
     def _open(self, i):
         if self._file is not None:
@@ -224,7 +242,7 @@ class ShardWriter:
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         self._file = open(os.path.join(self.dir, self.names[i]), "wb")
         self._file.write(len(raw).to_bytes(8, "little") + raw)
-        self._current, self._next = i, list(self.shards[i])
+        self._current, self._next, self._rows = i, list(self.shards[i]), 0
 
     def _close_shard(self):
         if self._next:

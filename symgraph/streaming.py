@@ -9,7 +9,10 @@ views of the tensors (:class:`Folded`, a bounded cache), then writes the merge o
 group at a time (a norm fold's gain, shift and readers move together; every other tensor
 alone): each model's tensors are moved into the anchor's basis, averaged in float32, cast to
 the anchor checkpoint's dtype for that tensor and streamed into the output shards
-(:class:`~symgraph.shards.ShardWriter`). Floating-point buffers a class moves (BatchNorm's
+(:class:`~symgraph.shards.ShardWriter`). A group with a tensor over :data:`CHUNK_BYTES` is
+computed in slices along an axis that no map and no fold acts on (an embedding's and LM
+head's vocabulary), bit for bit the whole computation, so that its float32 working copies
+never exist whole. Floating-point buffers a class moves (BatchNorm's
 running statistics) are moved and averaged like the weights (all floating-point buffers are
 averaged without alignment); other buffers are the anchor's. Memory holds a few layers'
 tensors, whatever the model's size.
@@ -40,6 +43,7 @@ __all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "merge_checkp
 
 DEFAULT_SHARD = 2 << 30  # bytes per output shard
 DEFAULT_CACHE = 256 << 20  # bytes of folded tensors kept per model while aligning
+CHUNK_BYTES = 64 << 20  # a group's tensors over this (in the work dtype) are merged in slices of it
 EXTRA_FILES = ("generation_config.json",)
 
 
@@ -78,6 +82,13 @@ class Folded(Mapping):
             _, old = self._cache.popitem(last=False)
             self._bytes -= old.numel() * old.element_size()
 
+    def clear(self):
+        """Drop the cached values. The alignment's bookkeeping holds this mapping in reference
+        cycles, which would keep the cache (up to ``budget``) until Python's cycle collector
+        runs: on the 1.1B shape, through the write."""
+        self._cache.clear()
+        self._bytes = 0
+
     def __iter__(self):
         return iter(self.report.parameters)
 
@@ -110,7 +121,7 @@ class StreamingMerge:
 
     def __init__(self, paths, *, weights=None, align="weights", anchor: int = 0, fold_norms: bool = True,
                  max_shard_size=DEFAULT_SHARD, progress: bool = False, cache_bytes: int = DEFAULT_CACHE,
-                 **align_options):
+                 outputs=None, **align_options):
         paths = list(paths)
         if len(paths) < 2:
             raise InputError(f"merge needs at least 2 checkpoints, got {len(paths)}")
@@ -125,6 +136,7 @@ class StreamingMerge:
         self.weights = w / w.sum()
         self.align_mode = None if align in (None, "none") else align
         self.anchor, self.fold_norms, self.progress = anchor, fold_norms, progress
+        self.outputs = outputs  # the outputs the alignment keeps (None: all)
         self.shard_bytes, self.cache_bytes = parse_size(max_shard_size), cache_bytes
         self.align_options = align_options
         _return_freed_memory()
@@ -160,7 +172,7 @@ class StreamingMerge:
         A = self.ckpts[self.anchor]
         if self.align_mode is None:  # nothing to move: every tensor is averaged as it is
             return self.alignments
-        ra = analyze(A.model, fold_norms=self.fold_norms)
+        ra = analyze(A.model, fold_norms=self.fold_norms, outputs=self.outputs)
         self.report = ra
         self.timings["analyze"] = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -173,10 +185,13 @@ class StreamingMerge:
                     continue
                 same = {n: tuple(p.shape) for n, p in c.model.named_parameters()} == \
                        {n: tuple(p.shape) for n, p in A.model.named_parameters()}
-                rb = ra if same else analyze(c.model, fold_norms=self.fold_norms)
-                self.alignments[i] = align_weights(ra, rb, fa, Folded(rb, c, self.cache_bytes, self.work_dtype), gains,
-                                                   exact_dtype=self.work_dtype, **self.align_options)
+                rb = ra if same else analyze(c.model, fold_norms=self.fold_norms, outputs=self.outputs)
+                fb = Folded(rb, c, self.cache_bytes, self.work_dtype)
+                self.alignments[i] = align_weights(ra, rb, fa, fb, gains, exact_dtype=self.work_dtype,
+                                                   **self.align_options)
+                fb.clear()
                 bar.update()
+        fa.clear()
         self.timings["align"] = time.perf_counter() - t1
         return self.alignments
 
@@ -188,27 +203,30 @@ class StreamingMerge:
         t0 = time.perf_counter()
         A = self.ckpts[self.anchor]
         unit = groups(self.report.folds) if self.report is not None else {}
-        order, seen = [], set()  # (anchor keys, parameters merged for them or None: a buffer)
+        order, seen = [], set()  # (anchor keys, (names merged for them, split) or None: the anchor's)
         for key in A.keys:
             if key in seen:
                 continue
             name = A.param_of.get(key)
-            names = unit.get(name, (name,)) if name is not None else None
-            keys = (key,) if names is None else tuple(k for n in names for k in A.params[n] if k in A.shapes)
-            order.append((keys, names))
+            if name is None:  # a buffer: averaged (and moved) or the anchor's
+                names = (key,) if self._averaged(key) else None
+            else:
+                names = unit.get(name, (name,))
+            split = self._split(names) if names is not None else None
+            names = names if split is None else tuple(split[0])  # the order _pieces yields them in
+            keys = (key,) if names is None else tuple(k for n in names for k in self._keys(n))
+            order.append((keys, None if names is None else (names, split)))
             seen.update(keys)
         writer = ShardWriter(directory, self.shard_bytes,
                               [(k, A.shapes[k], A.dtypes[k]) for keys, _ in order for k in keys])
         with tqdm(total=len(A.keys), desc="writing", unit="tensor", file=sys.stderr, leave=False,
                   disable=not self.progress) as bar:
-            for keys, names in order:
-                if names is None:  # a buffer: averaged (and moved) or the anchor's
-                    out = self._merged(keys) if self._averaged(keys[0]) else {keys[0]: A.read(keys[0])}
-                else:
-                    out = {k: v for n, v in self._merged(names).items() for k in A.params[n]}
-                for k in keys:
-                    writer.add(k, out[k])
-                    bar.update()
+            for keys, job in order:
+                pieces = self._pieces(*job) if job else [(keys[0], A.read(keys[0]))]
+                for n, v in pieces:
+                    for k in self._keys(n):
+                        writer.add(k, v)
+                bar.update(len(keys))
         info = writer.close()
         shutil.copy2(os.path.join(A.path, "config.json"), os.path.join(directory, "config.json"))
         for fn in EXTRA_FILES:
@@ -224,17 +242,106 @@ class StreamingMerge:
         return (dtype is not None and dtype.is_floating_point
                 and (self.align_mode is None or buffer in self.report.buffers))
 
-    def _merged(self, names) -> dict:
+    def _keys(self, name) -> list:
+        """The anchor checkpoint's keys holding parameter (or buffer) ``name``."""
+        A = self.ckpts[self.anchor]
+        return [k for k in A.params.get(name, (name,)) if k in A.shapes]
+
+    def _split(self, names):
+        """How to compute a group whose largest tensor is over ``CHUNK_BYTES`` (in the work
+        dtype) in slices: ``(order, dims, size, step, streamed)``, slicing each tensor of
+        ``dims`` at ``dims[name]`` (one axis class of ``size`` coordinates, ``step`` at a
+        time); None to compute it whole. Slices are independent where no map acts along the
+        sliced axis (for every alignment), no fold scales along it or has its gain or shift
+        sliced, and each reader's bias is sliced with its weight (the shift's contraction runs
+        along the fold axis): every other step acts along other axes or element-wise, so the
+        slices are those of the whole computation. ``order``: the unsliced tensors (taken from
+        the first slice), then ``streamed`` (or None), written slice by slice as it comes (the
+        largest tensor sliced along dim 0 under one checkpoint key), then the others (assembled)."""
+        A, R = self.ckpts[self.anchor], self.report
+        if R is not None and any(n in R.stacked for n in names):
+            return None  # the report's axes are of the viewed (experts × hidden) layout
+        item = torch.empty((), dtype=self.work_dtype).element_size()
+        shapes = {n: A.shapes[A.key(n)] for n in names}
+        numel = {n: int(np.prod(shapes[n], dtype=np.int64)) for n in names}
+        big = max(names, key=numel.get)
+        if numel[big] * item <= CHUNK_BYTES:
+            return None
+        for d in range(len(shapes[big])):
+            dims = {big: d} if R is None else self._sliceable(names, R.axis_key(R.param_axes(big)[d]))
+            if not dims or item * sum(numel[n] for n in names if n not in dims) > CHUNK_BYTES:
+                continue  # a whole remainder this large is recomputed for every slice: not worth it
+            row = item * sum(numel[n] // max(shapes[n][e], 1) for n, e in dims.items())
+            rows = [n for n, e in dims.items() if e == 0 and len(self._keys(n)) == 1]
+            first = max(rows, key=numel.get) if rows else None
+            order = [n for n in names if n not in dims] + [first] * bool(first)
+            order += [n for n in dims if n != first]
+            return tuple(order), dims, shapes[big][d], max(1, CHUNK_BYTES // max(row, 1)), first
+        return None
+
+    def _sliceable(self, names, key) -> dict | None:
+        """``{name: dim}`` of the tensors of ``names`` with a dim of the anchor's axis class
+        ``key``, when the group can be computed in slices along it (see :meth:`_split`)."""
+        A, R = self.ckpts[self.anchor], self.report
+        dims = {}
+        for n in names:
+            hits = [d for d, a in enumerate(R.param_axes(n)) if R.axis_key(a) == key]
+            if len(hits) > 1:
+                return None
+            dims.update({n: hits[0]} if hits else {})
+        for al, c in zip(self.alignments, self.ckpts):
+            if al is None:
+                continue
+            rb = al.report_b
+            for n, d in dims.items():
+                if (c.shapes[c.key(n)][d] != A.shapes[A.key(n)][d]
+                        or rb.axis_map(rb.param_axes(n)[d], al.elements) is not None):
+                    return None
+            for f in rb.folds:
+                if f.gain in dims or f.shift in dims:
+                    return None
+                for w, axis, b in f.readers:
+                    bias_dim = dims[w] - (dims[w] > axis) if w in dims else None
+                    if dims.get(w) == axis or (b and dims.get(b) != bias_dim):
+                        return None
+        return dims
+
+    def _pieces(self, names, split):
+        """``(name, value)`` of the merged ``names`` in write order: whole, or slice by slice
+        (``split``: see :meth:`_split`), so that memory holds a few slices of a large tensor
+        in the work dtype (others of its group assembled in the anchor's dtype), not several
+        whole copies."""
+        if split is None:
+            yield from self._merged(names).items()
+            return
+        order, dims, size, step, streamed = split
+        A, whole = self.ckpts[self.anchor], {}
+        for start in range(0, size, step):
+            stop = min(start + step, size)
+            out = self._merged(names, {n: (d, start, stop) for n, d in dims.items()})
+            for n in order:
+                if n == streamed or (n not in dims and start == 0):
+                    yield n, out[n]
+                elif n in dims:
+                    if n not in whole:
+                        whole[n] = torch.empty(A.shapes[A.key(n)], dtype=out[n].dtype)
+                    whole[n].narrow(dims[n], start, stop - start).copy_(out[n])
+            del out
+        yield from whole.items()
+
+    def _merged(self, names, parts=None) -> dict:
         """Merged values of ``names`` in the anchor's dtypes: each model's tensors moved into
         the anchor's basis (in the work dtype where a map acts), averaged in float32 (float64
-        for float64 checkpoints). The anchor's tensors go first; of them only the small ones
-        (norm gains and shifts, the gauge B is unfolded into) are kept while the others are read."""
-        A = self.ckpts[self.anchor]
+        for float64 checkpoints); ``parts``: ``{name: (dim, start, stop)}``, the slices to
+        compute of those tensors (see :meth:`_split`). The anchor's tensors go first; of them
+        only the small ones (norm gains and shifts, the gauge B is unfolded into) are kept
+        while the others are read."""
+        A, parts = self.ckpts[self.anchor], parts or {}
         # inputs are checked finite through the result (NaN and inf survive averaging and
         # maps); only a non-finite result makes us look for the input that caused it
         acc, dtypes, gains = {}, {}, {}
         for n in names:
-            t = A.get(n, check=False)
+            t = A.get(n, check=False, part=parts.get(n))
             dtypes[n] = t.dtype
             acc[n] = t.to(torch.promote_types(t.dtype, torch.float32), copy=True).mul_(float(self.weights[self.anchor]))
             if t.dim() <= 1:
@@ -243,7 +350,7 @@ class StreamingMerge:
         for i, (c, w) in enumerate(zip(self.ckpts, self.weights)):
             if i == self.anchor:
                 continue
-            vals = {n: c.get(n, check=False) for n in names}
+            vals = {n: c.get(n, check=False, part=parts.get(n)) for n in names}
             al = self.alignments[i]
             if al is not None:
                 vals = vals | move(al.report_b, al.elements, vals, gains, dtype=self.work_dtype)
