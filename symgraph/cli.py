@@ -117,7 +117,7 @@ def cmd_merge(args) -> int:
     try:
         result = merge(models, weights=opts["weights"], align=align, data=data, method=opts["method"],
                        repair=opts["repair"], progress=True, refine=opts["refine"],
-                       fold_norms=opts["fold_norms"])
+                       fold_norms=opts["fold_norms"], outputs=opts["outputs"])
     except (StructureMismatchError, InputError) as e:
         raise type(e)(f"{e}{_config_diff(models, opts['models'])}") from None
     seconds = time.time() - t0
@@ -127,7 +127,8 @@ def cmd_merge(args) -> int:
             "options": {"align": opts["align"], "method": opts["method"], "weights": opts["weights"],
                         "data": os.path.abspath(opts["data"]) if opts["data"] else None,
                         "data_batches": len(data) if data else 0, "repair": opts["repair"],
-                        "refine": opts["refine"], "fold_norms": opts["fold_norms"]},
+                        "refine": opts["refine"], "fold_norms": opts["fold_norms"],
+                        "outputs": opts["outputs"]},
             "dtype": str(next(result.model.parameters()).dtype).removeprefix("torch."),
             "mode": "in-memory", "seconds": seconds, "alignments": _solver_summary(result.alignments),
             "repair": result.repair.to_dict() if result.repair is not None else None}
@@ -155,7 +156,7 @@ def _streaming_job(opts):
         return None
     try:
         return StreamingMerge(ckpts, weights=opts["weights"], align=opts["align"],
-                              fold_norms=opts["fold_norms"], progress=True)
+                              fold_norms=opts["fold_norms"], outputs=opts["outputs"], progress=True)
     except InputError as e:
         raise type(e)(f"{e}{_config_diff(ckpts, opts['models'])}") from None
 
@@ -175,7 +176,7 @@ def _merge_streaming(job, opts, out, inputs) -> int:
             "inputs": _input_names(opts["models"]),
             "options": {"align": opts["align"], "method": opts["method"], "weights": opts["weights"],
                         "data": None, "data_batches": 0, "repair": False, "refine": 0,
-                        "fold_norms": opts["fold_norms"]},
+                        "fold_norms": opts["fold_norms"], "outputs": opts["outputs"]},
             "dtype": str(anchor.dtype).removeprefix("torch."), "mode": "streaming",
             "seconds": time.time() - t0, "alignments": _solver_summary(job.alignments), "repair": None}
     save_atomic(job.write, out, force=opts["force"], inputs=inputs, meta=meta, tokenizer_from=anchor.path,
@@ -367,6 +368,8 @@ def build_parser():
                    "the model's own loss over --data")
     m.add_argument("--no-fold-norms", action="store_true", default=None,
                    help="keep residual streams permutations (do not fold norm gains)")
+    m.add_argument("--outputs", nargs="+", metavar="NAME", default=None,
+                   help="the outputs the alignment must keep (e.g. logits); default: all")
     m.add_argument("--force", action="store_true", help="replace an existing --out")
     m.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     m.set_defaults(func=cmd_merge)

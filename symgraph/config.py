@@ -39,6 +39,7 @@ MERGE_KEYS = {
     "repair": "true or false (REPAIR needs data)",
     "refine": "a number of steps (an integer >= 0; needs data)",
     "fold_norms": "true or false",
+    "outputs": "a list of output names a symmetry must keep (e.g. [logits])",
     "force": "true or false",
 }
 
@@ -55,6 +56,7 @@ class MergeConfig(BaseModel):
     repair: StrictBool = False
     refine: StrictInt = 0
     fold_norms: StrictBool = True
+    outputs: list[StrictStr] | None = Field(default=None, min_length=1)
     force: StrictBool = False
 
     @field_validator("align", mode="before")
@@ -128,7 +130,8 @@ def merge_options(args: dict) -> dict:
     """Merge options from the command line (``args``: argparse's namespace as a dict) over a
     ``config`` file's; refuses missing or inconsistent ones."""
     opts = {"models": [], "out": None, "align": "weights", "method": "average", "weights": None,
-            "data": None, "repair": False, "refine": 0, "fold_norms": True, "force": False}
+            "data": None, "repair": False, "refine": 0, "fold_norms": True, "outputs": None,
+            "force": False}
     if args.get("config"):
         opts.update(read_merge_config(args["config"]))
     # command-line values override the config
@@ -136,7 +139,7 @@ def merge_options(args: dict) -> dict:
         if args.get("config") and opts["models"]:
             raise InputError("models given both on the command line and in --config; expected one or the other")
         opts["models"] = list(args["models"])
-    for k in ("out", "align", "method", "weights", "data"):
+    for k in ("out", "align", "method", "weights", "data", "outputs"):
         v = args.get(k)
         if v is not None:
             opts[k] = v

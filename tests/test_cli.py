@@ -111,11 +111,13 @@ def test_merge_yaml_config(ckpts, tmp_path):
     out = tmp_path / "ymerged"
     cfg = tmp_path / "merge.yaml"
     cfg.write_text(f"models:\n  - {ckpts / 'bert0'}\n  - {ckpts / 'bert1'}\nout: ymerged\n"
-                   f"align: activations\nmethod: regmean\ndata: {ckpts / 'data.safetensors'}\n")
+                   f"align: activations\nmethod: regmean\ndata: {ckpts / 'data.safetensors'}\n"
+                   "outputs: [logits]\n")
     r = cli("merge", "--config", cfg)
     assert r.returncode == 0, r.stderr
     meta = _check_merged(out, [ckpts / "bert0", ckpts / "bert1"])
     assert meta["options"]["method"] == "regmean" and meta["options"]["data_batches"] == 2
+    assert meta["options"]["outputs"] == ["logits"]
 
 
 # --- refusals ------------------------------------------------------------------------------
@@ -130,7 +132,8 @@ def refused(r, *needles):
 
 
 @pytest.mark.parametrize("case", ["different_arch", "nan", "missing", "empty_dir", "no_weights",
-                                  "bad_data", "out_exists", "yaml_bad_key", "yaml_bad_type"])
+                                  "bad_data", "out_exists", "yaml_bad_key", "yaml_bad_type",
+                                  "bad_output", "yaml_bad_output"])
 def test_merge_refusals(ckpts, tmp_path, case):
     before = digest(ckpts)
     out = tmp_path / "out"
@@ -165,6 +168,14 @@ def test_merge_refusals(ckpts, tmp_path, case):
         (tmp_path / "m.yaml").write_text(f"models: [{b0}, {b1}]\nout: {out}\nalignment: weights\n")
         r = cli("merge", "--config", tmp_path / "m.yaml")
         refused(r, "'alignment'", "expected only")
+    elif case == "bad_output":  # out of core, and in memory (activations)
+        refused(cli("merge", b0, b1, "--out", out, "--outputs", "logitz"), "'logitz'", "logits")
+        r = cli("merge", b0, b1, "--out", out, "--outputs", "logitz", "--align", "activations",
+                "--data", ckpts / "data.safetensors")
+        refused(r, "'logitz'", "logits")
+    elif case == "yaml_bad_output":
+        (tmp_path / "m.yaml").write_text(f"models: [{b0}, {b1}]\nout: {out}\noutputs: logits\n")
+        refused(cli("merge", "--config", tmp_path / "m.yaml"), "'outputs'", "a list of output names")
     elif case == "yaml_bad_type":
         (tmp_path / "m.yaml").write_text(f"models: [{b0}, {b1}]\nout: {out}\nweights: 0.5\n")
         r = cli("merge", "--config", tmp_path / "m.yaml")
