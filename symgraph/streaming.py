@@ -255,9 +255,12 @@ class StreamingMerge:
         sliced axis (for every alignment), no fold scales along it or has its gain or shift
         sliced, and each reader's bias is sliced with its weight (the shift's contraction runs
         along the fold axis): every other step acts along other axes or element-wise, so the
-        slices are those of the whole computation. ``order``: the unsliced tensors (taken from
-        the first slice), then ``streamed`` (or None), written slice by slice as it comes (the
-        largest tensor sliced along dim 0 under one checkpoint key), then the others (assembled)."""
+        slices are those of the whole computation (element-wise steps and permutations
+        exactly; a dense map is a matrix product whose rows MKL gives bit for bit for slices of
+        thousands of rows, as on the 1.1B shape, but not for every slice size). ``order``: the
+        unsliced tensors (taken from the first slice), then ``streamed`` (or None), written
+        slice by slice as it comes (the largest tensor sliced along dim 0 under one checkpoint
+        key), then the others (assembled)."""
         A, R = self.ckpts[self.anchor], self.report
         if R is not None and any(n in R.stacked for n in names):
             return None  # the report's axes are of the viewed (experts × hidden) layout

@@ -278,4 +278,7 @@ def test_mixtral_is_a_mixture_of_experts_with_an_expert_permutation_class():
         assert (experts.kind, experts.size) == ("perm", cfg.num_local_experts)
         assert (f"{mlp}.experts.gate_up_proj", 0) in experts.params
         (hidden,) = report.group_of(f"{mlp}.experts.down_proj", 2)
-        assert (hidden.kind, hidden.size) == ("perm", cfg.intermediate_size)
+        # one hidden-unit order per expert
+        assert (hidden.kind, hidden.dim, hidden.blocks) == ("perm", cfg.intermediate_size,
+                                                            cfg.num_local_experts)
+        assert hidden.outer == [experts.id]
