@@ -173,6 +173,7 @@ def view_of(t, o, j):
 
 
 def unview_of(x, o, j, shape):
-    """Inverse of :func:`view_of` for a stored tensor of ``shape``."""
+    """Inverse of :func:`view_of` for a stored tensor of ``shape`` (the outer size is read
+    from ``x``: a resize may have changed the number of members)."""
     p = _pos(o, j)
-    return x.unflatten(p, (shape[o], shape[j])).movedim(p + 1, j)
+    return x.unflatten(p, (-1, shape[j])).movedim(p + 1, j)
