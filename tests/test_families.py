@@ -144,14 +144,16 @@ class FusedGQA(nn.Module):
         self.o, self.head = nn.Linear(d, d, bias=False), nn.Linear(d, 3)
 
     def forward(self, x):
-        B, T, _ = x.shape
-        h = self.emb(x)
+        return self.head(self.attend(self.emb(x)))
+
+    def attend(self, h):
+        B, T, _ = h.shape
         q, k, v = self.Wqkv(h).split([self.h * self.hd, self.kv * self.hd, self.kv * self.hd], -1)
         q = q.view(B, T, self.h, self.hd).transpose(1, 2)
         k, v = (t.view(B, T, self.kv, self.hd).transpose(1, 2).repeat_interleave(self.h // self.kv, 1)
                 for t in (k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
-        return self.head(h + self.o(a))
+        return h + self.o(a)
 
 
 def test_fused_qkv_with_grouped_kv():
@@ -168,6 +170,45 @@ def test_fused_qkv_with_grouped_kv():
             and g.blocks == 2} >= {("gl", 8, 2), ("perm", 4, 2)}
     # the nested classes (query heads and QK maps within K/V heads) converge slowly under
     # coordinate descent: 1.6e-3 after the default 6 sweeps, 6e-9 after 20
+    assert recovered(m, r, (x,), max_iter=30) < 1e-8
+
+
+class DbrxStyle(FusedGQA):
+    """A DBRX block: the fused-Wqkv GQA attention above, then a top-k routed GLU mixture of
+    experts whose weights are stored flat, ``[E·I, d]`` as DBRX stores them, viewed per expert
+    and gathered by the router's labels."""
+
+    def __init__(self, d=16, E=4, k=2, I=6):
+        super().__init__(d)
+        self.E, self.k, self.I = E, k, I
+        self.router = nn.Linear(d, E, bias=False)
+        self.w1, self.v1, self.w2 = (nn.Parameter(torch.randn(E * I, d) / 4) for _ in range(3))
+
+    def forward(self, x):
+        h = self.attend(self.emb(x))
+        flat = h.reshape(-1, h.shape[-1])
+        top = torch.topk(torch.softmax(self.router(flat), -1), self.k, dim=-1)
+        idx = top.indices.reshape(-1)
+        xs = flat.repeat_interleave(self.k, 0).unsqueeze(-1)
+        w1, v1, w2 = (w.view(self.E, self.I, -1)[idx] for w in (self.w1, self.v1, self.w2))
+        g = F.silu(torch.bmm(w1, xs)) * torch.bmm(v1, xs)
+        y = torch.bmm(w2.transpose(1, 2), g).squeeze(-1) * top.values.reshape(-1, 1)
+        return self.head(h + y.reshape(-1, self.k, h.shape[-1]).sum(1).reshape(h.shape))
+
+
+def test_dbrx_block_fused_gqa_and_experts():
+    torch.manual_seed(0)
+    m, x = DbrxStyle().eval().double(), torch.randn(2, 6, 5, dtype=torch.float64)
+    r = symgraph.analyze(m, (x,))
+    assert r.frozen == [] and r.certify(m, (x,)) < CERT
+    (experts,) = r.group_of("router.weight", 0)
+    assert (experts.kind, experts.size) == ("perm", 4)
+    # the flat [E·I, d] weights: experts × hidden on one axis, each expert its own order
+    for w in ("w1", "v1", "w2"):
+        assert r.axis_structure(r.param_axes(w)[0]) == ("prod", [4, 6])
+    (hidden,) = [g for g in r.group_of("w2", 0) if g != experts]
+    assert (hidden.kind, hidden.dim, hidden.blocks, hidden.outer) == ("perm", 6, 4, [experts.id])
+    assert {("gl", 4, 2), ("perm", 2, 1), ("perm", 2, 2)} <= set(kinds(r))  # attention as above
     assert recovered(m, r, (x,), max_iter=30) < 1e-8
 
 
