@@ -210,6 +210,14 @@ def test_dbrx_block_fused_gqa_and_experts():
     assert (hidden.kind, hidden.dim, hidden.blocks, hidden.outer) == ("perm", 6, 4, [experts.id])
     assert {("gl", 4, 2), ("perm", 2, 1), ("perm", 2, 2)} <= set(kinds(r))  # attention as above
     assert recovered(m, r, (x,), max_iter=30) < 1e-8
+    # the same size bound as for stacked weights: past it, one order for all experts
+    from symgraph.passes import stacked
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stacked, "MAX_STACKED", (4 * 6) ** 2 - 1)
+        r = symgraph.analyze(m, (x,))
+    (hidden,) = [g for g in r.group_of("w2", 0) if g != experts]
+    assert (hidden.blocks, hidden.outer) == (1, []) and hidden.id in r.shared
+    assert r.certify(m, (x,)) < CERT
 
 
 class MHA(nn.Module):

@@ -118,6 +118,15 @@ def stack(an, classes) -> dict:
     as the head maps of a 4096-wide attention) the class keeps one element for all members,
     and ``an.shared[leaf]`` says why."""
     an.raw_axes, an.shared = {}, {}
+    for leaf, fib in list(an.fibre.items()):  # stored flat ([E·I, d]) or stacked alike
+        for r in fib:
+            if r in classes and (an.uf.size[r] * an.uf.size[leaf]) ** 2 > MAX_STACKED:
+                an.shared[leaf] = (f"one order for all {an.uf.size[r]} members: per-member "
+                                   f"elements would need more than {MAX_STACKED} entries "
+                                   "(symgraph.passes.stacked.MAX_STACKED)")
+                an.fibre[leaf] = tuple(f for f in an.fibre[leaf] if f != r)
+        if not an.fibre[leaf]:
+            del an.fibre[leaf]
     while True:
         plan, drop = {}, set()
         for name, node in an.param_nodes.items():
@@ -128,16 +137,7 @@ def stack(an, classes) -> dict:
                     continue
                 dims = [j for j, b in enumerate(ax) if j != o
                         and any(r in an.fibre.get(leaf, ()) for leaf in an.leaves(b))]
-                big = [j for j in dims if (an.uf.size[r] * an.uf.size[an.uf.find(ax[j])[0]]) ** 2
-                       > MAX_STACKED]
-                for j in big:
-                    for leaf in an.leaves(ax[j]):
-                        an.shared[leaf] = (f"one order for all {an.uf.size[r]} members: per-member "
-                                           f"elements on {name} would need more than "
-                                           f"{MAX_STACKED} entries (stacked.MAX_STACKED)")
-                if big:
-                    drop |= {(leaf, r) for j in dims for leaf in an.leaves(ax[j])}
-                elif len(dims) == 1 and name not in plan:
+                if len(dims) == 1 and name not in plan:
                     plan[name] = (o, dims[0])
                 elif dims:
                     drop |= {(leaf, r) for j in dims for leaf in an.leaves(ax[j])}
