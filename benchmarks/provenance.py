@@ -62,7 +62,7 @@ def staged(out, prefix: str = ".bench-"):
         for f in sorted(tmp.iterdir()):
             os.replace(f, out / f.name)
     finally:
-        remove_own(str(tmp), made)
+        remove_own(str(tmp), made, prefix)
 
 
 def write_result(out, prefix: str, record, markdown, plot=None, json_name: str = "results.json",

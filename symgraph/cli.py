@@ -124,11 +124,7 @@ def cmd_merge(args) -> int:
     check_finite(result.model, "the merged model")
     first = os.path.expanduser(opts["models"][0])
     meta = {"symgraph_version": _version(), "inputs": _input_names(opts["models"]),
-            "options": {"align": opts["align"], "method": opts["method"], "weights": opts["weights"],
-                        "data": os.path.abspath(opts["data"]) if opts["data"] else None,
-                        "data_batches": len(data) if data else 0, "repair": opts["repair"],
-                        "refine": opts["refine"], "fold_norms": opts["fold_norms"],
-                        "outputs": opts["outputs"]},
+            "options": _options_meta(opts, data),
             "dtype": str(next(result.model.parameters()).dtype).removeprefix("torch."),
             "mode": "in-memory", "seconds": seconds, "alignments": _solver_summary(result.alignments),
             "repair": result.repair.to_dict() if result.repair is not None else None}
@@ -174,15 +170,21 @@ def _merge_streaming(job, opts, out, inputs) -> int:
     anchor = job.ckpts[job.anchor]
     meta = {"symgraph_version": _version(),
             "inputs": _input_names(opts["models"]),
-            "options": {"align": opts["align"], "method": opts["method"], "weights": opts["weights"],
-                        "data": None, "data_batches": 0, "repair": False, "refine": 0,
-                        "fold_norms": opts["fold_norms"], "outputs": opts["outputs"]},
+            "options": _options_meta({**opts, "data": None, "repair": False, "refine": 0}),
             "dtype": str(anchor.dtype).removeprefix("torch."), "mode": "streaming",
             "seconds": time.time() - t0, "alignments": _solver_summary(job.alignments), "repair": None}
     save_atomic(job.write, out, force=opts["force"], inputs=inputs, meta=meta, tokenizer_from=anchor.path,
                 card=model_card(_config_yaml(meta), _card_summary(meta)))
     print(f"merged {len(job.ckpts)} models (average, align={opts['align']}, out of core) into {out}")
     return 0
+
+
+def _options_meta(opts, data=None) -> dict:
+    """The merge options ``symgraph_merge.json`` records (``data``: the batches read)."""
+    return {"align": opts["align"], "method": opts["method"], "weights": opts["weights"],
+            "data": os.path.abspath(opts["data"]) if opts["data"] else None,
+            "data_batches": len(data) if data else 0, "repair": opts["repair"],
+            "refine": opts["refine"], "fold_norms": opts["fold_norms"], "outputs": opts["outputs"]}
 
 
 def _check_paths(specs):

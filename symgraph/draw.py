@@ -110,7 +110,7 @@ def save_graph(report, path: str) -> str:
     finally:
         # the only deletion: this call's mkstemp file, if still there (renamed onto ``path``
         # on success)
-        remove_own(tmp, made)
+        remove_own(tmp, made, prefix)
     return path
 
 KIND_NAMES = {"perm": "permutation", "scaled_perm": "scaled permutation", "signed_perm": "signed permutation",

@@ -139,10 +139,10 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
     finally:
         # the only deletions: ``tmp`` (this call's mkdtemp, a random sibling name) and ``old``
         # (the previous output, vetted by check_out as symgraph's own just before the move)
-        remove_own(tmp, made[tmp])
+        remove_own(tmp, made[tmp], tmp_prefix)
         if old is not None and old in made and os.path.isdir(old):
             if os.path.exists(out):
-                remove_own(old, made[old])
+                remove_own(old, made[old], old_prefix)
             else:
                 os.replace(old, out)  # the new output never arrived: put the previous one back
     return out
@@ -154,13 +154,16 @@ def identity(path: str) -> tuple:
     return st.st_dev, st.st_ino
 
 
-def remove_own(path: str, ident: tuple) -> None:
+def remove_own(path: str, ident: tuple, prefix: str | None = None) -> None:
     """Delete ``path`` only if it is still the very file or directory this process created:
-    the same ``(device, inode)`` as ``ident`` (taken when it was made), not a link. Whatever
-    else now has that name, or a name never created here, stays. The check and the deletion go
-    through one handle on the parent directory, so a parent swapped in between is not
-    followed, and the tree is removed without following links inside it."""
+    the same ``(device, inode)`` as ``ident`` (taken when it was made), not a link, and (with
+    ``prefix``, as every caller in symgraph passes) named with the temporary prefix it was
+    made under. Whatever else now has that name, or a name never created here, stays. The
+    check and the deletion go through one handle on the parent directory, so a parent swapped
+    in between is not followed, and the tree is removed without following links inside it."""
     parent, name = os.path.split(os.path.abspath(path))
+    if prefix is not None and not name.startswith(prefix):
+        return
     try:
         pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:

@@ -358,3 +358,18 @@ def test_remove_own_deletes_only_what_it_created(tmp_path):
     remove_own(str(tmp_path / "moved"), ident)
     assert not f.exists() and not made.exists() and not (tmp_path / "moved").exists()
     remove_own(str(tmp_path / "never"), (0, 0))  # a name never created: nothing happens
+
+
+def test_remove_own_with_a_prefix_leaves_other_names(tmp_path):
+    """Every caller in symgraph names the temporary prefix it created under: a path of the
+    right identity but another name (renamed by someone) is left alone."""
+    from symgraph.output import identity, remove_own
+    made = tmp_path / ".out.tmp-abc"
+    made.mkdir()
+    ident = identity(made)
+    made.rename(tmp_path / "users-dir")
+    remove_own(str(tmp_path / "users-dir"), ident, ".out.tmp-")
+    assert (tmp_path / "users-dir").is_dir()
+    (tmp_path / "users-dir").rename(made)
+    remove_own(str(made), ident, ".out.tmp-")
+    assert not made.exists()

@@ -17,7 +17,7 @@ import torch
 from ..errors import UnsupportedOpError
 from . import labels, registry, stacked
 from .nodes import (FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path, output_nodes,
-                    packet as _packet, source_line)
+                    packet as _packet, source_line, tensor_axes)
 from .registry import Label, Meet, NoFiber, Rope, RuleContext, Structure, Unify
 from .norms import find_norms
 from .packed import find_packed
@@ -374,25 +374,24 @@ class AxisAnalysis:
         cand = self._prod_candidates()
         classes = stacked.label_classes(self)  # experts: fibres across a parameter's axes
         carry = stacked.carried(self, classes) if classes else {}
-        for node in self.param_nodes.values() if classes else ():
-            for j, a in enumerate(self.node_axes[node]):
+        labelled = {node: self._labelled(node, classes) for node in self.param_nodes.values()} \
+            if classes else {}
+        for node, per_axis in labelled.items():
+            for a, other in zip(self.node_axes[node], per_axis):
                 for leaf in self.leaves(a):
-                    cand.setdefault(leaf, set()).update(self._labelled(node, j, classes) - {leaf})
+                    cand.setdefault(leaf, set()).update(other - {leaf})
         fib = {leaf: set(c) for leaf, c in cand.items() if c}
         buffers = set(self.buffer_nodes.values())
         if fib:
             for node, ax in self.node_axes.items():
                 if ax is None:
                     continue
-                tensors = ax if (ax and isinstance(ax[0], list)) else [ax]
-                for t in tensors:
-                    if t is None:
-                        continue
+                for t in tensor_axes(ax):
                     if self.origin.get(node) == "param" or node in buffers:  # stored: same axis
                         for j, a in enumerate(t):  # (or a label class on another axis)
                             present = set(self.leaves(a))
-                            if node not in buffers and classes:
-                                present |= self._labelled(node, j, classes)
+                            if node in labelled:
+                                present |= labelled[node][j]
                             for leaf in present & fib.keys():
                                 fib[leaf] &= present
                     else:
@@ -413,11 +412,11 @@ class AxisAnalysis:
         self.stacked = stacked.stack(self, classes) if classes else {}
         self._order_fibres()
 
-    def _labelled(self, node, j, classes) -> set:
-        """Label classes on the axes of parameter ``node`` other than ``j``."""
-        ax = self.node_axes[node]
-        return {r for o, a in enumerate(ax) if o != j
-                for r in [self.uf.find(a)[0]] if r in classes and r not in self.uf.struct}
+    def _labelled(self, node, classes) -> list:
+        """Per axis of parameter ``node``: the label classes on its other axes."""
+        roots = [self.uf.find(a)[0] for a in self.node_axes[node]]
+        here = [{r} if r in classes and r not in self.uf.struct else set() for r in roots]
+        return [set().union(*(h for o, h in enumerate(here) if o != j)) for j in range(len(here))]
 
     def _order_fibres(self):
         # Order fibres outer-to-inner as they appear in a product structure of the leaf.

@@ -29,7 +29,7 @@ from .nodes import packet
 from .reductions import _nonlinear_others
 from .registry import Label, Meet, NoFiber, Unify, dim, register
 
-__all__ = ["RELAYOUT", "flow", "topk"]
+__all__ = ["RELAYOUT", "flow", "label_index", "topk"]
 
 aten = torch.ops.aten
 
@@ -39,6 +39,15 @@ RELAYOUT = {aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squ
             aten.contiguous, aten.alias, aten.slice, aten.select, aten._to_copy, aten.detach,
             aten.lift_fresh_copy, aten.view_copy, aten.expand_copy, aten.squeeze_copy,
             aten.unsqueeze_copy, aten.permute_copy, aten.slice_copy, aten.select_copy}
+
+
+def label_index(node, labels: dict):
+    """``(k, index node)`` when ``node`` is ``x[..., idx, ...]`` with one index tensor ``idx``
+    (at position ``k``) that holds labels, else None."""
+    if node.target is not aten.index.Tensor:
+        return None
+    picked = [(k, i) for k, i in enumerate(node.args[1]) if i is not None]
+    return picked[0] if len(picked) == 1 and picked[0][1] in labels else None
 
 
 def _integer(node) -> bool:
@@ -56,10 +65,9 @@ def flow(labels: dict, node) -> list:
     if p in RELAYOUT and src in labels and _integer(node):
         labels[node] = labels[src]
         ins.remove(src)
-    if node.target is aten.index.Tensor:  # one index tensor: the rule reads its labels
-        picked = [i for i in node.args[1] if i is not None]
-        if len(picked) == 1 and picked[0] in ins:
-            ins.remove(picked[0])
+    picked = label_index(node, labels)  # one index tensor: the rule reads its labels
+    if picked is not None and picked[1] in ins:
+        ins.remove(picked[1])
     return [Meet(labels[i][0], "identity", f"{node.name}: reads the labels in {i.name} as numbers")
             for i in ins]
 

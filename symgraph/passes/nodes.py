@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["FrozenOp", "flat_nodes", "live_nodes", "module_path", "output_nodes", "packet",
-           "source_line"]
+           "source_line", "tensor_axes"]
 
 
 def packet(t):
@@ -90,3 +90,10 @@ def output_nodes(node) -> list:
     """The graph output node's values in pytree-leaf order (None where not a node)."""
     outs = node.args[0] if node.args and isinstance(node.args[0], (list, tuple)) else node.args
     return [o if isinstance(o, torch.fx.Node) else None for o in outs]
+
+
+def tensor_axes(ax) -> list:
+    """A node's axes as a list per output tensor (one for a single tensor; None skipped)."""
+    if ax is None:
+        return []
+    return [t for t in ax if t is not None] if (ax and isinstance(ax[0], list)) else [ax]

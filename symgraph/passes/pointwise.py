@@ -176,4 +176,3 @@ register([
     aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.__and__.Tensor, aten.__or__.Tensor,
     aten.atan2, aten.fmod.Tensor, aten.remainder.Tensor, aten.lerp.Scalar, aten.clamp.Tensor,
 ])(_nonlinear_nary)
-

@@ -32,8 +32,8 @@ import operator
 
 import torch
 
-from .labels import RELAYOUT
-from .nodes import packet
+from .labels import RELAYOUT, label_index
+from .nodes import packet, tensor_axes
 
 __all__ = ["carried", "label_classes", "stack", "view_of", "unview_of"]
 
@@ -60,12 +60,6 @@ def _roots(an, axes) -> frozenset:
     return frozenset(an.uf.find(a)[0] for a in axes)
 
 
-def _tensors(ax):
-    if ax is None:
-        return []
-    return [t for t in ax if t is not None] if (ax and isinstance(ax[0], list)) else [ax]
-
-
 def carried(an, classes) -> dict:
     """``{node: {label root: roots of the labels' axes}}``: the activations whose rows belong,
     each, to the member of a label class that its labels name (see the module docstring)."""
@@ -73,15 +67,14 @@ def carried(an, classes) -> dict:
     for node in an.graph.nodes:
         if node.op != "call_function" or an.origin.get(node) != "act":
             continue
-        if node.target is aten.index.Tensor:
-            picked = [i for i in node.args[1] if i is not None]
-            if len(picked) == 1 and picked[0] in an.labels:
-                r = an.uf.find(an.labels[picked[0]][0])[0]
-                src = an.node_axes.get(node.args[0])
-                k = next(i for i, x in enumerate(node.args[1]) if x is not None)
-                if r in classes and src and an.uf.find(src[k])[0] == r:  # joined: w[labels]
-                    carry[node] = {r: _roots(an, an.node_axes[picked[0]])}
-                    continue
+        picked = label_index(node, an.labels)
+        if picked is not None:
+            k, idx = picked
+            r = an.uf.find(an.labels[idx][0])[0]
+            src = an.node_axes.get(node.args[0])
+            if r in classes and src and an.uf.find(src[k])[0] == r:  # joined: w[labels]
+                carry[node] = {r: _roots(an, an.node_axes[idx])}
+                continue
         ins = [i for i in node.all_input_nodes if i in carry]
         if not ins or not _keeps_rows(node):
             continue
@@ -89,7 +82,7 @@ def carried(an, classes) -> dict:
         for i in ins:
             for r, rows in carry[i].items():
                 merged[r] = rows if merged.get(r, rows) == rows else None  # two label sets: none
-        outs = [_roots(an, t) for t in _tensors(an.node_axes.get(node))]
+        outs = [_roots(an, t) for t in tensor_axes(an.node_axes.get(node))]
         keep = {r: rows for r, rows in merged.items()
                 if rows is not None and outs and all(rows <= o for o in outs)}
         if keep:
