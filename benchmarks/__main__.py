@@ -262,6 +262,10 @@ def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=
             eval_batches=st.curve_batches))
     if cnn:
         from . import bench_cnn
+        cnn = st.size in bench_cnn.WIDTHS
+        if not cnn:
+            log(f"BatchNorm CNNs: no {st.size!r} size (sizes: {', '.join(bench_cnn.WIDTHS)}); skipped")
+    if cnn:
         log("BatchNorm CNNs: alignment and REPAIR ...")
         sections["cnn"] = (bench_cnn, bench_cnn.run(st.size, st.seeds, st.pairs, st.steps))
     if speed:

@@ -176,7 +176,7 @@ def run(size: str = "quick", pairs=DEFAULT_PAIRS, K: int | None = None, eval_eve
 
     Parameters
     ----------
-    size : {"quick", "full"}
+    size : {"quick", "medium", "full"}
         Zoo size of the parents.
     pairs : sequence of (arch_a, seed_a, arch_b, seed_b)
         Parents; the fusions have A's architecture (A is the narrow model of a narrow/wide pair).

@@ -180,9 +180,10 @@ def plot(records, out_dir) -> list[str]:
 
 
 def main(argv=None) -> None:
+    from . import zoo
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_universe",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--size", default="quick", choices=("quick", "full"))
+    ap.add_argument("--size", default="quick", choices=zoo.SIZES)
     ap.add_argument("--archs", nargs="+", default=list(ARCHS))
     ap.add_argument("--n", nargs="+", type=int, default=[3, 4, 5], help="numbers of models merged")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: the zoo's)")

@@ -132,7 +132,7 @@ def checkpoint_dir(arch: str, seed: int, size: str = "quick", steps: int | None 
         A key of :data:`benchmarks.zoo.SPECS`.
     seed : int
         Training seed.
-    size : {"quick", "full"}
+    size : {"quick", "medium", "full"}
         Size setting.
     steps : int, optional
         Number of training steps (default: the spec's).
@@ -275,7 +275,7 @@ def train_model(
         A key of :data:`benchmarks.zoo.SPECS`.
     seed : int
         Seed of both the initialisation and the data order.
-    size : {"quick", "full"}
+    size : {"quick", "medium", "full"}
         Size setting (model size and default number of steps).
     steps : int, optional
         Number of AdamW steps (default: the spec's); part of the cache key.
@@ -346,7 +346,7 @@ def train_zoo(
 
     Parameters
     ----------
-    size : {"quick", "full"}
+    size : {"quick", "medium", "full"}
         Size setting.
     seeds : tuple of int
         Seeds to train.

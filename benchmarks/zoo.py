@@ -71,7 +71,7 @@ __all__ = [
 #: Attention implementation used by every model unless overridden.
 ATTN_IMPLEMENTATION = "sdpa"
 #: Size settings every spec provides.
-SIZES = ("quick", "full")
+SIZES = ("quick", "medium", "full")
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,10 @@ class ModelSpec:
     block_size : int
         Tokens per sequence (LMs; equal for both sizes so evaluation does not
         depend on size). Ignored by ``cls`` specs.
-    quick, full : SizeSetting
-        The two size settings.
+    quick, medium, full : SizeSetting
+        The size settings. ``medium`` is the size of the published transformer alignment
+        results (6 layers, width 256, 4 heads, MLP 1024; Theus et al. 2025 use 6-8 layers of
+        width 256-512), trained until the held-out loss stops improving.
     extra : Mapping[str, Any]
         Extra family-specific config keyword arguments.
     """
@@ -144,13 +146,17 @@ class ModelSpec:
     block_size: int
     quick: SizeSetting
     full: SizeSetting
+    medium: SizeSetting | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def setting(self, size: str) -> SizeSetting:
-        """Return the :class:`SizeSetting` for ``size`` ("quick" or "full")."""
+        """Return the :class:`SizeSetting` for ``size`` (one of :data:`SIZES`)."""
         if size not in SIZES:
             raise ValueError(f"size must be one of {SIZES}, got {size!r}")
-        return getattr(self, size)
+        setting = getattr(self, size)
+        if setting is None:
+            raise ValueError(f"{self.name} has no {size!r} size")
+        return setting
 
 
 # --- the spec table ---------------------------------------------------------
@@ -158,32 +164,37 @@ class ModelSpec:
 # train in a few minutes on 2 CPU cores; full settings are ~4x wider/deeper.
 
 _LM_QUICK = SizeSetting(hidden=64, layers=2, heads=4, mlp_mult=4, steps=500, batch_size=32, lr=3e-3)
+_LM_MEDIUM = SizeSetting(hidden=256, layers=6, heads=4, mlp_mult=4, steps=1000, batch_size=32, lr=1e-3)
 _LM_FULL = SizeSetting(hidden=128, layers=4, heads=4, mlp_mult=4, steps=2000, batch_size=32, lr=1e-3)
 
 SPECS: dict[str, ModelSpec] = {
     "bert": ModelSpec(
         name="bert", family="bert", task="mlm", dataset="prose", block_size=64,
         quick=dataclasses.replace(_LM_QUICK, steps=700),
+        medium=_LM_MEDIUM,
         full=dataclasses.replace(_LM_FULL, steps=3000),
     ),
     "gpt2": ModelSpec(
         name="gpt2", family="gpt2", task="clm", dataset="prose", block_size=64,
-        quick=_LM_QUICK, full=_LM_FULL,
+        quick=_LM_QUICK, medium=_LM_MEDIUM, full=_LM_FULL,
     ),
     "gpt2_wide": ModelSpec(
         name="gpt2_wide", family="gpt2", task="clm", dataset="prose", block_size=64,
         quick=dataclasses.replace(_LM_QUICK, mlp_mult=8),
+        medium=dataclasses.replace(_LM_MEDIUM, mlp_mult=8),
         full=dataclasses.replace(_LM_FULL, mlp_mult=8),
     ),
     "llama": ModelSpec(
         name="llama", family="llama", task="clm", dataset="code", block_size=64,
         quick=dataclasses.replace(_LM_QUICK, kv_heads=2),
+        medium=dataclasses.replace(_LM_MEDIUM, kv_heads=2),
         full=dataclasses.replace(_LM_FULL, kv_heads=2),
         extra={"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu"},
     ),
     "vit": ModelSpec(
         name="vit", family="vit", task="cls", dataset="digits", block_size=0,
         quick=SizeSetting(hidden=64, layers=2, heads=4, mlp_mult=4, steps=300, batch_size=64, lr=2e-3),
+        medium=SizeSetting(hidden=256, layers=6, heads=4, mlp_mult=4, steps=1000, batch_size=64, lr=1e-3),
         full=SizeSetting(hidden=128, layers=4, heads=4, mlp_mult=4, steps=2000, batch_size=64, lr=1e-3),
         extra={"patch_size": 2},
     ),
@@ -192,6 +203,7 @@ SPECS: dict[str, ModelSpec] = {
     "mixtral": ModelSpec(
         name="mixtral", family="mixtral", task="clm", dataset="prose", block_size=64,
         quick=dataclasses.replace(_LM_QUICK, mlp_mult=2, kv_heads=2),
+        medium=dataclasses.replace(_LM_MEDIUM, mlp_mult=2, kv_heads=2),
         full=dataclasses.replace(_LM_FULL, mlp_mult=2, kv_heads=2),
         extra={"num_local_experts": 4, "num_experts_per_tok": 2,
                "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu"},
@@ -258,7 +270,7 @@ def make_config(arch: str, size: str = "quick"):
     ----------
     arch : str
         A key of :data:`SPECS`.
-    size : {"quick", "full"}
+    size : {"quick", "medium", "full"}
         Size setting.
 
     Returns
@@ -290,7 +302,7 @@ def build_model(
         A key of :data:`SPECS`.
     seed : int
         Initialisation seed; the same seed gives bit-identical weights.
-    size : {"quick", "full"}
+    size : {"quick", "medium", "full"}
         Size setting.
     attn_implementation : str, optional
         Hugging Face attention backend; default :data:`ATTN_IMPLEMENTATION`.

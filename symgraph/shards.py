@@ -93,6 +93,7 @@ class Checkpoint:
         self._check_complete()
         self.key_of = {n: next(a for a in names if a in self.shapes) for n, names in self.params.items()}
         self.param_of = {a: n for n, names in self.params.items() for a in names}
+        self._computed = None  # buffers the constructor computes (fetch builds them once)
 
     # --- reading -------------------------------------------------------------------------
 
@@ -140,6 +141,21 @@ class Checkpoint:
                              "expected finite weights (was the model trained with a diverging loss?)")
         return t
 
+    def fetch(self, name: str) -> torch.Tensor:
+        """A graph attribute of the model by name, for running it out of core
+        (:class:`~symgraph.alignment.activations.Stepper`): a parameter or persistent buffer
+        read from the file; a buffer the checkpoint does not hold (computed by the model's
+        constructor, e.g. rotary frequencies) as the constructor computes it on the CPU."""
+        key = self.key(name)
+        if key in self.files:
+            return self.read(key, check=False)
+        if self._computed is None:
+            self._computed = computed_buffers(self.cls, self.config)
+        if name not in self._computed:
+            raise InputError(f"{self.path!r} has no tensor {name!r} and the model does not compute one; "
+                             "expected a complete checkpoint")
+        return self._computed[name]
+
     def key(self, name: str) -> str:
         """The checkpoint key of the parameter ``name`` (any of its tied names) or buffer ``name``."""
         return self.key_of.get(self.param_of.get(name, name), name)
@@ -173,6 +189,24 @@ class Checkpoint:
             raise InputError(f"refusing {self.path!r}: {len(resized)} tensor(s) have other shapes than the "
                              f"config says ({_names(resized)}; {k!r} is {self.shapes[k]}, the config gives "
                              f"{tuple(sd[k].shape)}); expected the checkpoint of this config")
+
+
+def computed_buffers(cls, config) -> dict:
+    """``{name: tensor}`` of the buffers ``cls(config)`` computes on the CPU. The model is
+    built with every parameter on ``meta`` as it is registered (no weight memory, no
+    initialisation work), so only its buffers take memory."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        model = cls(config)
+    finally:
+        torch.nn.Module.register_parameter = register
+    return {n: b for n, b in model.named_buffers(remove_duplicate=False) if not b.is_meta}
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

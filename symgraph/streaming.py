@@ -4,8 +4,12 @@ The checkpoints are :class:`~symgraph.shards.Checkpoint` s: checked complete fro
 their model built on the ``meta`` device for the analysis, each tensor read when needed.
 
 :class:`StreamingMerge` analyses the anchor's meta model, aligns every other checkpoint by
-weight matching (:func:`symgraph.alignment.driver.align_weights`) through lazy, norm-folded
-views of the tensors (:class:`Folded`, a bounded cache), then writes the merge one tensor
+weight matching (:func:`symgraph.alignment.driver.align_tensors`) through lazy, norm-folded
+views of the tensors (:class:`Folded`, a bounded cache), or by activations: the analysis's
+graphs of the anchor and the other model run side by side on the data, op by op, each
+weight read from its checkpoint when an op takes it and dropped after
+(:class:`~symgraph.alignment.activations.Stepper`), so memory holds the live activations and
+a few weights. It then writes the merge one tensor
 group at a time (a norm fold's gain, shift and readers move together; every other tensor
 alone): each model's tensors are moved into the anchor's basis, averaged in float32, cast to
 the anchor checkpoint's dtype for that tensor and streamed into the output shards
@@ -18,8 +22,8 @@ averaged without alignment); other buffers are the anchor's. Memory holds a few 
 tensors, whatever the model's size.
 
 :func:`merge_checkpoints` is the Python entry (``symgraph merge`` uses it for plain averages
-with ``--align weights`` or ``none``); activation statistics, Fisher, RegMean, REPAIR and
-learned matching still load the models (:func:`symgraph.merge`).
+aligned by weights, by activations or not at all); Fisher, RegMean, REPAIR and learned
+matching still load the models (:func:`symgraph.merge`).
 """
 from __future__ import annotations
 
@@ -113,21 +117,25 @@ class StreamingMerge:
     """Analyse, align and write a merge of checkpoints without loading any of them whole.
 
     ``paths``: two or more ``save_pretrained`` directories (or :class:`Checkpoint` s) of one
-    architecture; ``align``:
-    "weights" or None; ``weights``: mixing weights (uniform by default). The constructor reads
+    architecture; ``align``: "weights", "activations" (with ``data``, batches as for
+    :func:`symgraph.align`) or None; ``weights``: mixing weights (uniform by default). The constructor reads
     headers only; :meth:`align` solves; :meth:`write` writes the merged checkpoint into a
     directory (``save_atomic`` passes its temporary one).
     """
 
     def __init__(self, paths, *, weights=None, align="weights", anchor: int = 0, fold_norms: bool = True,
                  max_shard_size=DEFAULT_SHARD, progress: bool = False, cache_bytes: int = DEFAULT_CACHE,
-                 outputs=None, **align_options):
+                 outputs=None, data=None, **align_options):
         paths = list(paths)
         if len(paths) < 2:
             raise InputError(f"merge needs at least 2 checkpoints, got {len(paths)}")
-        if align not in ("weights", None, "none"):
-            raise InputError(f"out-of-core merging aligns by weights or not at all, got align={align!r}; "
-                             "activation alignment loads the models (symgraph.merge)")
+        if align not in ("weights", "activations", None, "none"):
+            raise InputError(f"align={align!r}; expected 'weights', 'activations' or None")
+        data = list(data) if data is not None else None
+        if align == "activations" and not data:
+            raise InputError("align='activations' needs data: a list of batches (e.g. dicts with 'input_ids')")
+        if data and align != "activations":
+            raise InputError(f"data is used by align='activations' only, got align={align!r}")
         if not 0 <= anchor < len(paths):
             raise InputError(f"anchor={anchor} is not one of the {len(paths)} checkpoints")
         w = np.ones(len(paths)) if weights is None else np.asarray(weights, float)
@@ -137,6 +145,7 @@ class StreamingMerge:
         self.align_mode = None if align in (None, "none") else align
         self.anchor, self.fold_norms, self.progress = anchor, fold_norms, progress
         self.outputs = outputs  # the outputs the alignment keeps (None: all)
+        self.data = data
         self.shard_bytes, self.cache_bytes = parse_size(max_shard_size), cache_bytes
         self.align_options = align_options
         _return_freed_memory()
@@ -166,13 +175,14 @@ class StreamingMerge:
 
     def align(self):
         """Analyse the anchor's meta model and solve every other checkpoint by weights."""
-        from .alignment.driver import align_weights
+        from .alignment.driver import align_tensors
         from .api import analyze
         t0 = time.perf_counter()
         A = self.ckpts[self.anchor]
         if self.align_mode is None:  # nothing to move: every tensor is averaged as it is
             return self.alignments
-        ra = analyze(A.model, fold_norms=self.fold_norms, outputs=self.outputs)
+        example = self.data[0] if self.data else None
+        ra = analyze(A.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
         self.report = ra
         self.timings["analyze"] = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -185,10 +195,13 @@ class StreamingMerge:
                     continue
                 same = {n: tuple(p.shape) for n, p in c.model.named_parameters()} == \
                        {n: tuple(p.shape) for n, p in A.model.named_parameters()}
-                rb = ra if same else analyze(c.model, fold_norms=self.fold_norms, outputs=self.outputs)
+                rb = ra if same and not self.data else analyze(c.model, example, fold_norms=self.fold_norms,
+                                                               outputs=self.outputs)
                 fb = Folded(rb, c, self.cache_bytes, self.work_dtype)
-                self.alignments[i] = align_weights(ra, rb, fa, fb, gains, exact_dtype=self.work_dtype,
-                                                   **self.align_options)
+                acts = {} if not self.data else dict(data=self.data, models=(A.model, c.model),
+                                                     fetch=(A.fetch, c.fetch))
+                self.alignments[i] = align_tensors(ra, rb, fa, fb, gains, exact_dtype=self.work_dtype,
+                                                   **acts, **self.align_options)
                 fb.clear()
                 bar.update()
         fa.clear()
@@ -376,7 +389,8 @@ def merge_checkpoints(paths, out: str, *, weights=None, align="weights", anchor:
                       **align_options) -> StreamingMerge:
     """Merge ``save_pretrained`` checkpoints into ``out`` without loading any model whole
     (see the module docstring); ``out`` is vetted and written atomically like ``symgraph
-    merge``'s output (:func:`symgraph.output.save_atomic`). Returns the
+    merge``'s output (:func:`symgraph.output.save_atomic`); ``align="activations"`` with
+    ``data=`` batches aligns by activation statistics, still out of core. Returns the
     :class:`StreamingMerge` (``alignments``, ``timings``)."""
     from .output import check_out, save_atomic
     check_out(out, force=force, inputs=paths)

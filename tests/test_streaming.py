@@ -198,3 +198,86 @@ def test_merging_in_slices_is_bit_identical(tmp_path, monkeypatch, name, stream)
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def _batches(vocab=32, n=3, rows=4, seq=16):
+    return [{"input_ids": torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(i))}
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("name,dtype", [("llama", torch.float32), ("gpt2", torch.float32),
+                                        ("llama", torch.bfloat16)])
+def test_activation_alignment_out_of_core_equals_in_memory(tmp_path, name, dtype):
+    """Activation statistics streamed op by op from the checkpoints (graphs traced on meta)
+    give the in-memory alignment of the loaded models, element for element, and the same merge."""
+    pa, pb = _pair(tmp_path, name, dtype=dtype)
+    data = _batches()
+    job = merge_checkpoints([pa, pb], str(tmp_path / "out"), align="activations", data=data)
+    A, B = (AutoModelForCausalLM.from_pretrained(p) for p in (pa, pb))
+    al, streamed = symgraph.align(A, B, data=data), job.alignments[1]
+    assert streamed.similarity == al.similarity == "activations"
+    n_perm = 0
+    for gid, e in al.elements.items():
+        s = streamed.elements[gid]
+        if isinstance(e, symgraph.elements.Perm):
+            assert torch.equal(e.index, s.index), gid
+            n_perm += 1
+        else:
+            assert (e.double() - s.double()).abs().max() < 1e-5, gid
+    assert n_perm >= 2
+    mem = {k: v.detach() for k, v in symgraph.merge([A, B], align="activations", data=data).model.state_dict().items()}
+    for k, t in _tensors(str(tmp_path / "out")).items():
+        assert t.dtype == dtype, k
+        e = mem[k].float()
+        tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+        assert (t.float() - e).abs().max() <= tol * e.abs().max() + 1e-6, k
+
+
+def test_out_of_core_graph_holds_one_op_s_weights(tmp_path):
+    """Running a graph traced on meta from a checkpoint reads each weight when an op takes it
+    and drops it after: at no time are more than a few weights alive, out of the model's many."""
+    import weakref
+    from symgraph.alignment.activations import Stepper, _flatten_for, on_device
+    from symgraph.alignment.checks import batch_inputs
+    a, _ = build_hf("llama", 0)
+    a.save_pretrained(tmp_path / "a")
+    ckpt = Checkpoint(str(tmp_path / "a"))
+    report = symgraph.analyze(ckpt.model, _batches()[0])
+    gm = on_device(report.exported_program.module(), "cpu")
+    alive, peak, reads = [], [0], [0]
+
+    def fetch(name):
+        t = ckpt.fetch(name)
+        alive.append(weakref.ref(t))
+        peak[0] = max(peak[0], sum(r() is not None for r in alive))
+        reads[0] += 1
+        return t
+    x = _batches()[0]
+    names = {n.name for n in gm.graph.nodes if n.op == "call_function"}
+    out = dict(Stepper(gm, fetch).steps(_flatten_for(gm, *batch_inputs(report, x, 0)), names))
+    n_weights = len(list(a.named_parameters()))
+    assert reads[0] >= n_weights and n_weights >= 20
+    assert peak[0] <= 3, peak[0]
+    # and it computes the model: the last op's output is the loaded model's logits
+    logits = a(**x, use_cache=False).logits
+    assert any(v.shape == logits.shape and torch.allclose(v, logits, atol=1e-5) for v in out.values())
+
+
+def test_cli_streams_activation_alignment(tmp_path):
+    pa, pb = _pair(tmp_path, "llama")
+    from safetensors.torch import save_file
+    save_file({"input_ids": torch.cat([b["input_ids"] for b in _batches(n=8)])}, str(tmp_path / "d.safetensors"))
+    r = cli("merge", pa, pb, "--out", str(tmp_path / "out"), "--align", "activations",
+            "--data", str(tmp_path / "d.safetensors"))
+    assert r.returncode == 0, r.stderr
+    meta = json.load(open(tmp_path / "out" / "symgraph_merge.json"))
+    assert meta["mode"] == "streaming" and meta["options"]["align"] == "activations"
+    assert meta["options"]["data"]
+
+
+def test_streaming_activation_options_are_checked(tmp_path):
+    pa, pb = _pair(tmp_path, "llama")
+    with pytest.raises(symgraph.errors.InputError, match="needs data"):
+        StreamingMerge([pa, pb], align="activations")
+    with pytest.raises(symgraph.errors.InputError, match="used by align='activations' only"):
+        StreamingMerge([pa, pb], align="weights", data=_batches())

@@ -6,6 +6,8 @@ B's coordinates give a correlation (permutations) or covariance (rotations) matr
 (:mod:`symgraph.distributed`)."""
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from .. import distributed
@@ -14,7 +16,7 @@ from ..groups import orthogonal_part
 from .checks import batch_inputs, by_shape
 
 __all__ = ["ActStats", "all_reduce_stats", "activation_similarity", "act_matrix", "run_capture",
-           "GraphRunner"]
+           "GraphRunner", "Stepper", "lockstep", "on_device"]
 
 
 class _Capture(torch.fx.Interpreter):
@@ -89,37 +91,142 @@ def all_reduce_stats(stats: dict) -> dict:
     return stats
 
 
-def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096):
+def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fetch=None):
     """Streamed statistics ``{i: ActStats}`` for each ``(group A, group B)`` of ``pairs`` at
     its observation points (ops whose rule is marked ``observe``), over ``data``. Batches of
     other shapes than the traced ones are traced again when ``models`` (A, B) are given.
-    Under ``torch.distributed`` ``data`` is this process's shard, and the statistics returned
-    are summed over all processes (every process must call it)."""
+    A's and B's graphs run side by side, op by op (:class:`Stepper`): a captured output is
+    kept only until its counterpart in the other model is computed. ``fetch``: two functions
+    ``name -> tensor`` giving each model's parameters and buffers on the CPU, read when an op
+    needs one and dropped after it (out of core: the graphs may be traced on ``meta``); None
+    runs the graphs' own tensors. Under ``torch.distributed`` ``data`` is this process's shard, and the
+    statistics returned are summed over all processes (every process must call it)."""
     stats = {i: ActStats() for i in range(len(pairs))}
+    fa, fb = fetch or (None, None)
     for (sa, sb), batches in by_shape((ra, rb), models, data):
         spairs = [(sa.groups[ga.id], sb.groups[gb.id]) for ga, gb in pairs]
         plan, views = _plan(sa, sb, spairs)
-        names_a = {p[0] for pts in plan.values() for p in pts}
-        names_b = {p[1] for pts in plan.values() for p in pts}
+        points: dict = {}  # (node in A, node in B) -> [(pair index, its views)]
+        for i, pts in plan.items():
+            for node_a, node_b, _ in pts:
+                points.setdefault((node_a, node_b), []).append((i, views[(i, node_a)]))
         gm_a, gm_b = sa.exported_program.module(), sb.exported_program.module()
+        if fetch is not None:  # traced where the models were (maybe meta); fetch reads to the CPU
+            gm_a, gm_b = on_device(gm_a, "cpu"), on_device(gm_b, "cpu")
         for bi, batch in batches:
             args, kwargs = batch_inputs(sa, batch, bi)
-            cap_a, cap_b = {}, {}
             with torch.no_grad():
-                run_capture(gm_a, names_a, cap_a, args, kwargs)
-                run_capture(gm_b, names_b, cap_b, args, kwargs)
-            for i, pts in plan.items():
-                for node_a, node_b, _ in pts:
-                    va, vb, k = views[(i, node_a)]
-                    xa, xb = cap_a[node_a].double(), cap_b[node_b].double()
-                    for (ia, fa), (ib, fb) in zip(va, vb):
-                        a = _act_gather(xa, k, ia, fa)
-                        b = _act_gather(xb, k, ib, fb)
-                        if a.shape[0] > max_samples:
-                            sel = torch.linspace(0, a.shape[0] - 1, max_samples).long()
-                            a, b = a[sel], b[sel]
-                        stats[i].add(a, b, fa)
+                run_a = Stepper(gm_a, fa).steps(_flatten_for(gm_a, args, kwargs), {a for a, _ in points})
+                run_b = Stepper(gm_b, fb).steps(_flatten_for(gm_b, args, kwargs), {b for _, b in points})
+                for (node_a, node_b), xa, xb in lockstep(run_a, run_b, list(points)):
+                    xa, xb = xa.double(), xb.double()
+                    for i, (va, vb, k) in points[(node_a, node_b)]:
+                        for (ia, fa_), (ib, fb_) in zip(va, vb):
+                            a = _act_gather(xa, k, ia, fa_)
+                            b = _act_gather(xb, k, ib, fb_)
+                            if a.shape[0] > max_samples:
+                                sel = torch.linspace(0, a.shape[0] - 1, max_samples).long()
+                                a, b = a[sel], b[sel]
+                            stats[i].add(a, b, fa_)
     return all_reduce_stats(stats)
+
+
+def on_device(gm, device):
+    """``gm`` (changed in place) computing on ``device``: an
+    exported graph has the tracing device written into its ops (``device=`` arguments,
+    tensor-metadata assertions, also in the subgraphs of higher-order ops); the assertions,
+    which compute nothing, are dropped, and devices are rewritten."""
+    device = torch.device(device)
+    swap = lambda x: device if isinstance(x, torch.device) and x != device else x  # noqa: E731
+    for sub in gm.modules():
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        for node in list(sub.graph.nodes):
+            if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+                sub.graph.erase_node(node)
+                continue
+            node.args = torch.fx.node.map_aggregate(node.args, swap)
+            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+        sub.recompile()
+    return gm
+
+
+class _Lazy:
+    """A graph attribute not read yet (its name)."""
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+
+class Stepper(torch.fx.Interpreter):
+    """An exported graph (``ExportedProgram.module()``) run op by op as a generator of chosen
+    outputs. With ``fetch`` (``name -> tensor``), each parameter or buffer is read when an op
+    takes it and dropped when the op is done: memory holds the live activations and one op's
+    weights, so a graph traced on ``meta`` runs on tensors streamed from a checkpoint."""
+
+    def __init__(self, gm, fetch=None):
+        super().__init__(gm)
+        self.fetch = fetch
+        self.lazy = set()
+        if fetch is not None:
+            self.lazy = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+            self.lazy |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+
+    def get_attr(self, target, args, kwargs):
+        if target in self.lazy:
+            return _Lazy(target)
+        return super().get_attr(target, args, kwargs)
+
+    def fetch_args_kwargs_from_env(self, n):
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        if not self.lazy:
+            return args, kwargs
+        load = lambda x: self.fetch(x.name) if isinstance(x, _Lazy) else x  # noqa: E731
+        return torch.fx.node.map_aggregate(args, load), torch.fx.node.map_aggregate(kwargs, load)
+
+    def steps(self, flat_args, names):
+        """Run the graph on ``flat_args``; yield ``(node name, output)`` for the nodes in
+        ``names`` as they are computed. Values are freed after their last use."""
+        self.env, self.args_iter = {}, iter(flat_args)
+        for node in self.graph.nodes:
+            self.env[node] = self.run_node(node)
+            if node.name in names and isinstance(self.env[node], torch.Tensor):
+                yield node.name, self.env[node].detach()
+            for dead in self.user_to_last_uses.get(node, ()):
+                del self.env[dead]
+            if node.op == "output":
+                break
+        self.env.clear()
+
+
+def lockstep(run_a, run_b, points):
+    """``((node in A, node in B), value in A, value in B)`` for each pair of ``points`` as soon
+    as both runs (generators of ``(node name, value)``) have computed it. A value is kept until
+    every point that uses it is done; the run that is behind on the first open point advances,
+    so with corresponding graphs at most about one layer's captures are held."""
+    need_a, need_b = Counter(a for a, _ in points), Counter(b for _, b in points)
+    held_a, held_b = {}, {}
+    todo = list(points)
+    while todo:
+        ready = [p for p in todo if p[0] in held_a and p[1] in held_b]
+        if not ready:
+            run, held, first = (run_a, held_a, todo[0][0]) if todo[0][0] not in held_a else (run_b, held_b, todo[0][1])
+            try:
+                name, value = next(run)
+            except StopIteration:
+                raise RuntimeError(f"the graph ended before computing {first!r}") from None
+            held[name] = value
+            continue
+        for p in ready:
+            todo.remove(p)
+            yield p, held_a[p[0]], held_b[p[1]]
+            for name, need, held in ((p[0], need_a, held_a), (p[1], need_b, held_b)):
+                need[name] -= 1
+                if not need[name]:
+                    del held[name]
+    for run in (run_a, run_b):
+        run.close()
 
 
 def _plan(ra, rb, pairs):

@@ -20,7 +20,7 @@ from .result import Alignment
 from .sweeps import Sweeps
 from .weights import WeightFeatures
 
-__all__ = ["AlignOptions", "align", "align_weights"]
+__all__ = ["AlignOptions", "align", "align_tensors"]
 
 _SOLVERS = (None, "hungarian", "ot", "sinkhorn")
 
@@ -122,19 +122,7 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     check_compatible(ra, rb)
     feats = WeightFeatures.from_models(ra, rb, model_a, model_b)
     run, b_of = _sweeps(ra, rb, feats, opts)
-    by_weights, sweeps = run.similarity, opts.max_iter
-    stats = None
-    if data is not None:
-        stats = activation_similarity(ra, rb, data, [(ga, b_of[ga.id]) for ga in ra.groups],
-                                      models=(model_a, model_b))
-
-        def by_activations(ga, cross, usable=None):  # weights (given the rest) where unobserved
-            m = act_matrix(stats[ga.id], ga, cross)
-            return (m, True, frozenset()) if m is not None else by_weights(ga, cross, usable)
-        run.similarity = by_activations
-        # every class observed: one sweep, unless transport masses read other classes' maps
-        if all(stats[g.id].n > 0 for g in ra.groups) and all(g.size == b_of[g.id].size for g in ra.groups):
-            sweeps = 1
+    stats, sweeps = _with_activations(run, ra, rb, b_of, data, (model_a, model_b), opts.max_iter)
     run.masses = mass_function(feats, b_of, opts.masses, stats, run.elements)
     n_sweeps = run.run(sweeps)
     al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
@@ -150,6 +138,25 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     return al
 
 
+def _with_activations(run, ra, rb, b_of, data, models, sweeps, fetch=None):
+    """Point ``run`` at activation similarity where a class is observed on ``data`` (weights,
+    given the rest, elsewhere); returns the statistics (None without data) and the number of
+    sweeps: one when every class is observed, unless transport masses read other classes' maps."""
+    if data is None:
+        return None, sweeps
+    by_weights = run.similarity
+    stats = activation_similarity(ra, rb, data, [(ga, b_of[ga.id]) for ga in ra.groups],
+                                  models=models, fetch=fetch)
+
+    def by_activations(ga, cross, usable=None):
+        m = act_matrix(stats[ga.id], ga, cross)
+        return (m, True, frozenset()) if m is not None else by_weights(ga, cross, usable)
+    run.similarity = by_activations
+    if all(stats[g.id].n > 0 for g in ra.groups) and all(g.size == b_of[g.id].size for g in ra.groups):
+        sweeps = 1
+    return stats, sweeps
+
+
 def _sweeps(ra, rb, feats, opts):
     """The coordinate-descent loop over ``ra``'s classes with weight similarity, and the map
     from A's group ids to B's groups."""
@@ -162,24 +169,30 @@ def _sweeps(ra, rb, feats, opts):
     return run, b_of
 
 
-def align_weights(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOptions | None = None,
-                  exact_dtype=torch.float64, **option_kw) -> Alignment:
-    """Weight matching from tensors rather than modules: ``tensors_a`` / ``tensors_b`` map
-    each parameter name of the reports to its tensor (any ``Mapping``; a lazy one reads them
-    on demand, see :mod:`symgraph.streaming`); ``gauge_a``: A's norm gains and shifts
+def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOptions | None = None,
+                  exact_dtype=torch.float64, data=None, models=None, fetch=None, **option_kw) -> Alignment:
+    """Alignment from tensors rather than modules: ``tensors_a`` / ``tensors_b`` map each
+    parameter name of the reports to its tensor (any ``Mapping``; a lazy one reads them on
+    demand, see :mod:`symgraph.streaming`); ``gauge_a``: A's norm gains and shifts
     (:func:`symgraph.folding.gauge`); ``exact_dtype``: what rotations are solved in (see
-    :class:`~.weights.WeightFeatures`). The result has no template (``Alignment.state`` works;
-    ``apply`` needs a ``template``)."""
+    :class:`~.weights.WeightFeatures`). Weight matching; with ``data``, activation statistics
+    where a class is observed, the graphs run op by op on ``fetch`` (two functions ``name ->
+    tensor`` reading each model's parameters and buffers when an op needs them) and retraced
+    from ``models`` (A, B; may be on ``meta``) for batches of other shapes. The result has no
+    template (``Alignment.state`` works; ``apply`` needs a ``template``)."""
     opts = AlignOptions.build(options, **option_kw)
     if opts.refine or opts.rescale:
         raise InputError("refine and rescale need the models themselves; use symgraph.align")
+    if data is not None and fetch is None:
+        raise InputError("activation statistics from tensors need fetch: two functions name -> tensor")
     t0 = time.perf_counter()
     check_compatible(ra, rb)
     feats = WeightFeatures(ra, rb, tensors_a, tensors_b, exact_dtype)
     run, b_of = _sweeps(ra, rb, feats, opts)
-    run.masses = mass_function(feats, b_of, opts.masses, elements=run.elements)
-    n_sweeps = run.run(opts.max_iter)
-    al = Alignment(ra, rb, run.elements, run.results, "weights",
+    stats, sweeps = _with_activations(run, ra, rb, b_of, data, models, opts.max_iter, fetch)
+    run.masses = mass_function(feats, b_of, opts.masses, stats, run.elements)
+    n_sweeps = run.run(sweeps)
+    al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                    {"solver": run.solver_seconds, "sweeps": n_sweeps}, gauge=gauge_a)
     al.seconds["total"] = time.perf_counter() - t0
     return al
