@@ -48,6 +48,7 @@ __all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "merge_checkp
 DEFAULT_SHARD = 2 << 30  # bytes per output shard
 DEFAULT_CACHE = 256 << 20  # bytes of folded tensors kept per model while aligning
 CHUNK_BYTES = 64 << 20  # a group's tensors over this (in the work dtype) are merged in slices of it
+STATS_BYTES = 256 << 20  # activation statistics are taken in passes of this many bytes, solved as each ends
 EXTRA_FILES = ("generation_config.json",)
 
 
@@ -199,7 +200,7 @@ class StreamingMerge:
                                                                outputs=self.outputs)
                 fb = Folded(rb, c, self.cache_bytes, self.work_dtype)
                 acts = {} if not self.data else dict(data=self.data, models=(A.model, c.model),
-                                                     fetch=(A.fetch, c.fetch))
+                                                     fetch=(A.fetch, c.fetch), stats_budget=STATS_BYTES)
                 self.alignments[i] = align_tensors(ra, rb, fa, fb, gains, exact_dtype=self.work_dtype,
                                                    **acts, **self.align_options)
                 fb.clear()

@@ -205,13 +205,28 @@ def _batches(vocab=32, n=3, rows=4, seq=16):
             for i in range(n)]
 
 
-@pytest.mark.parametrize("name,dtype", [("llama", torch.float32), ("gpt2", torch.float32),
-                                        ("llama", torch.bfloat16)])
-def test_activation_alignment_out_of_core_equals_in_memory(tmp_path, name, dtype):
+@pytest.mark.parametrize("name,dtype,passes", [("llama", torch.float32, False), ("gpt2", torch.float32, True),
+                                               ("llama", torch.float32, True), ("llama", torch.bfloat16, False)])
+def test_activation_alignment_out_of_core_equals_in_memory(tmp_path, monkeypatch, name, dtype, passes):
     """Activation statistics streamed op by op from the checkpoints (graphs traced on meta)
-    give the in-memory alignment of the loaded models, element for element, and the same merge."""
+    give the in-memory alignment of the loaded models, element for element, and the same merge;
+    also when the statistics are taken class by class in passes (``passes``: a 1-byte budget),
+    each class solved and its statistics dropped as its pass ends."""
+    import symgraph.alignment.activations as acts
+    import symgraph.streaming as streaming
     pa, pb = _pair(tmp_path, name, dtype=dtype)
     data = _batches()
+    seen = []
+    if passes:
+        monkeypatch.setattr(streaming, "STATS_BYTES", 1)
+        run = acts.activation_similarity
+
+        def spy(*a, on_done=None, **kw):
+            def done(ids, stats):
+                seen.append({i for i, s in stats.items() if s.sab is not None})  # held before this pass's solve
+                on_done(ids, stats)
+            return run(*a, on_done=done if on_done else None, **kw)
+        monkeypatch.setattr("symgraph.alignment.driver.activation_similarity", spy)
     job = merge_checkpoints([pa, pb], str(tmp_path / "out"), align="activations", data=data)
     A, B = (AutoModelForCausalLM.from_pretrained(p) for p in (pa, pb))
     al, streamed = symgraph.align(A, B, data=data), job.alignments[1]
@@ -225,6 +240,11 @@ def test_activation_alignment_out_of_core_equals_in_memory(tmp_path, name, dtype
         else:
             assert (e.double() - s.double()).abs().max() < 1e-5, gid
     assert n_perm >= 2
+    if passes:  # one pass per class; the classes solved alone (residual, MLP) are dropped as their
+        # pass ends, so at most one of them is ever held (head families wait for all their members)
+        from symgraph.alignment.schedule import units
+        singles = {u.outer.id for u in units(al.report_a) if u.kind == "single"}
+        assert len(seen) == len(al.elements) and max(len(held & singles) for held in seen) == 1
     mem = {k: v.detach() for k, v in symgraph.merge([A, B], align="activations", data=data).model.state_dict().items()}
     for k, t in _tensors(str(tmp_path / "out")).items():
         assert t.dtype == dtype, k

@@ -6,6 +6,7 @@ B's coordinates give a correlation (permutations) or covariance (rotations) matr
 (:mod:`symgraph.distributed`)."""
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
@@ -56,6 +57,10 @@ class ActStats:
                 x + y for x, y in zip((self.sa, self.sb, self.saa, self.sbb, self.sab), upd))
         self.n += xa.shape[0]
 
+    def release(self):
+        """Drop the sums (``n`` stays, telling that the class was observed)."""
+        self.sa = self.sb = self.saa = self.sbb = self.sab = None
+
     def all_reduce(self) -> "ActStats":
         """Sum ``n`` and the sums over all processes (:func:`all_reduce_stats`); returns
         ``self``."""
@@ -91,7 +96,8 @@ def all_reduce_stats(stats: dict) -> dict:
     return stats
 
 
-def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fetch=None):
+def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fetch=None,
+                          on_done=None, budget=None):
     """Streamed statistics ``{i: ActStats}`` for each ``(group A, group B)`` of ``pairs`` at
     its observation points (ops whose rule is marked ``observe``), over ``data``. Batches of
     other shapes than the traced ones are traced again when ``models`` (A, B) are given.
@@ -99,36 +105,77 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
     kept only until its counterpart in the other model is computed. ``fetch``: two functions
     ``name -> tensor`` giving each model's parameters and buffers on the CPU, read when an op
     needs one and dropped after it (out of core: the graphs may be traced on ``meta``); None
-    runs the graphs' own tensors. Under ``torch.distributed`` ``data`` is this process's shard, and the
-    statistics returned are summed over all processes (every process must call it)."""
+    runs the graphs' own tensors.
+
+    ``on_done(indices)``, with ``budget`` (bytes): the pairs are taken in passes over the data,
+    in the order their last observation point is computed, each pass holding statistics of
+    about ``budget`` bytes and running the graphs only as far as its last point; after each
+    pass ``on_done(indices, stats)`` gets the indices it completed (and may
+    :meth:`ActStats.release` them),
+    so that memory holds one pass's statistics rather than every class's (a 7B model's MLP
+    classes alone are 32 × 11008² cross-moments). Under ``torch.distributed`` ``data`` is this
+    process's shard, and the statistics are summed over all processes before they are
+    returned or given to ``on_done`` (every process must call it)."""
     stats = {i: ActStats() for i in range(len(pairs))}
     fa, fb = fetch or (None, None)
+    shapes = []
     for (sa, sb), batches in by_shape((ra, rb), models, data):
         spairs = [(sa.groups[ga.id], sb.groups[gb.id]) for ga, gb in pairs]
         plan, views = _plan(sa, sb, spairs)
-        points: dict = {}  # (node in A, node in B) -> [(pair index, its views)]
-        for i, pts in plan.items():
-            for node_a, node_b, _ in pts:
-                points.setdefault((node_a, node_b), []).append((i, views[(i, node_a)]))
         gm_a, gm_b = sa.exported_program.module(), sb.exported_program.module()
         if fetch is not None:  # traced where the models were (maybe meta); fetch reads to the CPU
             gm_a, gm_b = on_device(gm_a, "cpu"), on_device(gm_b, "cpu")
-        for bi, batch in batches:
-            args, kwargs = batch_inputs(sa, batch, bi)
-            with torch.no_grad():
-                run_a = Stepper(gm_a, fa).steps(_flatten_for(gm_a, args, kwargs), {a for a, _ in points})
-                run_b = Stepper(gm_b, fb).steps(_flatten_for(gm_b, args, kwargs), {b for _, b in points})
-                for (node_a, node_b), xa, xb in lockstep(run_a, run_b, list(points)):
-                    xa, xb = xa.double(), xb.double()
-                    for i, (va, vb, k) in points[(node_a, node_b)]:
-                        for (ia, fa_), (ib, fb_) in zip(va, vb):
-                            a = _act_gather(xa, k, ia, fa_)
-                            b = _act_gather(xb, k, ib, fb_)
-                            if a.shape[0] > max_samples:
-                                sel = torch.linspace(0, a.shape[0] - 1, max_samples).long()
-                                a, b = a[sel], b[sel]
-                            stats[i].add(a, b, fa_)
-    return all_reduce_stats(stats)
+        shapes.append((sa, plan, views, gm_a, gm_b, batches))
+    passes = [list(range(len(pairs)))] if on_done is None else _passes(shapes[0][0], shapes[0][1], pairs, budget)
+    for todo in passes:
+        for sa, plan, views, gm_a, gm_b, batches in shapes:
+            points: dict = {}  # (node in A, node in B) -> [(pair index, its views)]
+            for i in todo:
+                for node_a, node_b, _ in plan[i]:
+                    points.setdefault((node_a, node_b), []).append((i, views[(i, node_a)]))
+            if not points:
+                continue
+            for bi, batch in batches:
+                args, kwargs = batch_inputs(sa, batch, bi)
+                with torch.no_grad():
+                    run_a = Stepper(gm_a, fa).steps(_flatten_for(gm_a, args, kwargs), {a for a, _ in points})
+                    run_b = Stepper(gm_b, fb).steps(_flatten_for(gm_b, args, kwargs), {b for _, b in points})
+                    for point, xa, xb in lockstep(run_a, run_b, list(points)):
+                        _add(stats, points[point], xa.double(), xb.double(), max_samples)
+        all_reduce_stats({i: stats[i] for i in todo})
+        if on_done is not None:
+            on_done(todo, stats)
+    return stats
+
+
+def _add(stats, uses, xa, xb, max_samples):
+    """One observation point's captures into the statistics of the pairs observed there."""
+    for i, (va, vb, k) in uses:
+        for (ia, fa), (ib, fb) in zip(va, vb):
+            a = _act_gather(xa, k, ia, fa)
+            b = _act_gather(xb, k, ib, fb)
+            if a.shape[0] > max_samples:
+                sel = torch.linspace(0, a.shape[0] - 1, max_samples).long()
+                a, b = a[sel], b[sel]
+            stats[i].add(a, b, fa)
+
+
+def _passes(sa, plan, pairs, budget):
+    """The pair indices in passes: ordered by their last observation point in A's graph, cut
+    where a pass's cross-moments (``[Fa, Fb, n, n]`` float64) would pass ``budget`` bytes."""
+    order = {name: pos for pos, (name, _, _) in enumerate(sa.nodes())}
+    last = {i: max((order[a] for a, _, _ in plan[i]), default=-1) for i in plan}
+    out, size = [[]], 0
+    for i in sorted(plan, key=lambda i: (last[i], i)):
+        ga = pairs[i][0]
+        fibres = math.prod(sa.fibre_shape(ga.id)) if ga.outer else 1
+        nbytes = 8 * (fibres * ga.size) ** 2
+        if out[-1] and budget is not None and size + nbytes > budget:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += nbytes
+    return out
 
 
 def on_device(gm, device):

@@ -11,7 +11,7 @@ import torch
 from ..api import analyze
 from ..errors import InputError
 from ..folding import gauge
-from .activations import act_matrix, activation_similarity
+from .activations import _plan, act_matrix, activation_similarity
 from .checks import check_compatible, check_finite
 from .masses import MASSES, mass_function
 from .refine import refine
@@ -138,23 +138,53 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     return al
 
 
-def _with_activations(run, ra, rb, b_of, data, models, sweeps, fetch=None):
+def _with_activations(run, ra, rb, b_of, data, models, sweeps, fetch=None, budget=None):
     """Point ``run`` at activation similarity where a class is observed on ``data`` (weights,
     given the rest, elsewhere); returns the statistics (None without data) and the number of
-    sweeps: one when every class is observed, unless transport masses read other classes' maps."""
+    sweeps: one when every class is observed, unless transport masses read other classes' maps.
+
+    With ``budget`` (bytes), when widths are equal and masses are "auto" (no activation solve
+    then reads another class), the statistics are taken in passes of about ``budget`` bytes,
+    and each unit whose similarity is all observed is solved, and its statistics dropped, as
+    soon as its last pass is done; :meth:`Sweeps.run` takes it as solved at its place in the
+    first sweep, so the other units see what they would have seen. Memory holds one pass's
+    statistics (and those of head families still waiting for a member)."""
     if data is None:
         return None, sweeps
     by_weights = run.similarity
-    stats = activation_similarity(ra, rb, data, [(ga, b_of[ga.id]) for ga in ra.groups],
-                                  models=models, fetch=fetch)
+    pairs = [(ga, b_of[ga.id]) for ga in ra.groups]
+    early = budget is not None and run.opts.masses == "auto" and all(g.size == b_of[g.id].size for g in ra.groups)
+    observed = {ga.id for ga, gb in pairs if early and _observed(ra, rb, ga, gb)}
+    stats: dict = {}
 
     def by_activations(ga, cross, usable=None):
         m = act_matrix(stats[ga.id], ga, cross)
         return (m, True, frozenset()) if m is not None else by_weights(ga, cross, usable)
+
+    def solve_done(ids, got):
+        stats.update(got)
+        done.update(pairs[i][0].id for i in ids)
+        for ui, unit in enumerate(run.units):
+            gids = run.ids(unit)
+            reads = {g.id for g in run.solved_groups(unit)}  # a head family reads its members only
+            if ui not in run.presolved and gids <= done and reads <= observed:
+                run.solve_early(ui)
+                for g in gids:
+                    stats[g].release()
+
+    done: set = set()
     run.similarity = by_activations
+    stats.update(activation_similarity(ra, rb, data, pairs, models=models, fetch=fetch,
+                                       on_done=solve_done if early else None, budget=budget))
     if all(stats[g.id].n > 0 for g in ra.groups) and all(g.size == b_of[g.id].size for g in ra.groups):
         sweeps = 1
     return stats, sweeps
+
+
+def _observed(ra, rb, ga, gb) -> bool:
+    """Whether the class has a clean observation point in both graphs (any data observes it)."""
+    plan, views = _plan(ra, rb, [(ga, gb)])
+    return any(views[(0, a)][0] for a, _, _ in plan[0])
 
 
 def _sweeps(ra, rb, feats, opts):
@@ -170,7 +200,8 @@ def _sweeps(ra, rb, feats, opts):
 
 
 def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOptions | None = None,
-                  exact_dtype=torch.float64, data=None, models=None, fetch=None, **option_kw) -> Alignment:
+                  exact_dtype=torch.float64, data=None, models=None, fetch=None, stats_budget=None,
+                  **option_kw) -> Alignment:
     """Alignment from tensors rather than modules: ``tensors_a`` / ``tensors_b`` map each
     parameter name of the reports to its tensor (any ``Mapping``; a lazy one reads them on
     demand, see :mod:`symgraph.streaming`); ``gauge_a``: A's norm gains and shifts
@@ -178,7 +209,9 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
     :class:`~.weights.WeightFeatures`). Weight matching; with ``data``, activation statistics
     where a class is observed, the graphs run op by op on ``fetch`` (two functions ``name ->
     tensor`` reading each model's parameters and buffers when an op needs them) and retraced
-    from ``models`` (A, B; may be on ``meta``) for batches of other shapes. The result has no
+    from ``models`` (A, B; may be on ``meta``) for batches of other shapes; ``stats_budget``
+    (bytes): statistics taken in passes and solved as each completes (see
+    :func:`_with_activations`). The result has no
     template (``Alignment.state`` works; ``apply`` needs a ``template``)."""
     opts = AlignOptions.build(options, **option_kw)
     if opts.refine or opts.rescale:
@@ -189,7 +222,7 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
     check_compatible(ra, rb)
     feats = WeightFeatures(ra, rb, tensors_a, tensors_b, exact_dtype)
     run, b_of = _sweeps(ra, rb, feats, opts)
-    stats, sweeps = _with_activations(run, ra, rb, b_of, data, models, opts.max_iter, fetch)
+    stats, sweeps = _with_activations(run, ra, rb, b_of, data, models, opts.max_iter, fetch, stats_budget)
     run.masses = mass_function(feats, b_of, opts.masses, stats, run.elements)
     n_sweeps = run.run(sweeps)
     al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",

@@ -31,22 +31,27 @@ class Sweeps:
         self.units = [u for u in units(report_a) if u.groups(opts.selected)]
         self.changed = False
         self.masses = None  # group -> unit masses or None, with .deps(group): see .masses
+        self.presolved: dict = {}  # unit index -> what its early solve used (solve_early)
 
     def ids(self, unit) -> set:
         return {g.id for g in unit.groups(self.opts.selected)}
 
-    def _solved_groups(self, unit) -> list:
+    def solved_groups(self, unit) -> list:
         return [unit.outer] if unit.kind == "single" else [m for m in unit.members if self.opts.selected(m)]
 
     def run(self, sweeps: int) -> int:
         """Sweep at most ``sweeps`` times; returns the number of sweeps run."""
         last: dict = {}  # unit index -> (versions of the classes it used, complete)
-        order = first_sweep_order(self.units, self.ids, self._solved_groups, self.feats)
+        order = first_sweep_order(self.units, self.ids, self.solved_groups, self.feats)
         sweep = 0
         for sweep in range(sweeps):
             self.changed = False
             pending = set().union(*(self.ids(u) for u in self.units)) if sweep == 0 else set()
             for ui in order:
+                if sweep == 0 and ui in self.presolved:
+                    pending -= self.ids(self.units[ui])
+                    last[ui] = self.presolved[ui]
+                    continue
                 if sweep > 0 and ui in last:
                     used, complete = last[ui]
                     if complete and all(self.versions.get(g, 0) == v for g, v in used.items()):
@@ -57,11 +62,17 @@ class Sweeps:
                 break
         return sweep + 1
 
+    def solve_early(self, ui):
+        """Solve unit ``ui`` now, before :meth:`run` (which then takes it as solved in its first
+        sweep): for a unit whose similarity reads no other class (activation statistics),
+        so that its statistics can be dropped at once."""
+        self.presolved[ui] = self._solve(self.units[ui], set())
+
     def _solve(self, unit, pending):
         """Solve one unit; first sweep: only slots whose other axes are known (fixed or
         already solved). Returns what it used, for the skip test of later sweeps."""
         usable = (lambda dep: not (dep & pending)) if pending else None
-        mem = self._solved_groups(unit)
+        mem = self.solved_groups(unit)
         cross = unit.kind != "single"
         got = [self.similarity(m, cross, usable) for m in mem]
         if usable is not None and not any(x[0] is not None for x in got):
