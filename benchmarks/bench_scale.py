@@ -38,6 +38,9 @@ rc -9) is recorded with its return code and the last line of its stderr, and the
   settings: ``--lazy-unpickle --no-async-write --no-copy-tokenizer --out-shard-size 500M``
   (parameters per output shard, about 1 GB in bf16, like the inputs), no CUDA.
 * ``symgraph_none`` / ``symgraph_weights``: ``symgraph merge A B --out O --align none|weights``.
+* ``symgraph_activations``: ``symgraph merge A B --out O --align activations --data D`` with
+  ``D`` :data:`DATA_ROWS` random rows of :data:`DATA_TOKENS` token ids (fixed seed): out of
+  core, the two graphs run side by side from the checkpoints, statistics in passes.
 
 Before each merge stage the inputs' page-cache state is set by ``--cache``: ``warm`` (default)
 reads both inputs through once, ``cold`` drops them (as above). GB is 10^9 bytes throughout.
@@ -96,7 +99,9 @@ SHAPES = {
                num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
                rms_norm_eps=1e-5),
 }
-STAGES = ("read_cold", "read_warm", "mergekit_linear", "symgraph_none", "symgraph_weights")
+STAGES = ("read_cold", "read_warm", "mergekit_linear", "symgraph_none", "symgraph_weights",
+          "symgraph_activations")
+DATA_ROWS, DATA_TOKENS = 32, 128  # symgraph_activations' data: 4 batches of 8 rows
 
 #: The measuring wrapper: runs one child (its stdout/stderr to files, own process group), kills
 #: the group on timeout, then prints wall time and RUSAGE_CHILDREN (= that child's figures).
@@ -625,13 +630,15 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
             finish("mergekit_linear", r, mk_out)
 
     # symgraph
-    for align in ("none", "weights"):
+    for align in ("none", "weights", "activations"):
         name = f"symgraph_{align}"
         if name not in stages:
             continue
         out = outdir / name
         shutil.rmtree(out, ignore_errors=True)
         cmd = _symgraph_cmd() + ["merge", a, b, "--out", str(out), "--align", align]
+        if align == "activations":
+            cmd += ["--data", _token_data(Path(pair["dir"]), config.vocab_size)]
         prep_cache()
         r = measure(cmd, timeout=timeout, env=_env(), cwd=REPO_ROOT, log_prefix=str(logdir / name))
         r["cmd"] = [str(c) for c in cmd]
@@ -649,7 +656,7 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
     checks = {"from_pretrained": load_check}
     t = time.perf_counter()
     checks["inputs"] = {m: check_output(p, a, load_check) for m, p in (("a", a), ("b", b))}
-    for name in ("mergekit_linear", "symgraph_none", "symgraph_weights"):
+    for name in ("mergekit_linear", "symgraph_none", "symgraph_weights", "symgraph_activations"):
         r = rec["stages"].get(name, {})
         if r.get("ok") and r.get("out"):
             checks[name] = check_output(r["out"], a, load_check)
@@ -666,6 +673,16 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
     if not keep_outputs:
         shutil.rmtree(outdir, ignore_errors=True)
     return rec
+
+
+def _token_data(directory: Path, vocab: int) -> str:
+    """A data file of :data:`DATA_ROWS` × :data:`DATA_TOKENS` random token ids (seed 0)."""
+    import torch
+    from safetensors.torch import save_file
+    path = directory / "data.safetensors"
+    ids = torch.randint(0, vocab, (DATA_ROWS, DATA_TOKENS), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, str(path))
+    return str(path)
 
 
 # --- reporting ---------------------------------------------------------------------------------
