@@ -107,13 +107,12 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
     needs one and dropped after it (out of core: the graphs may be traced on ``meta``); None
     runs the graphs' own tensors.
 
-    ``on_done(indices)``, with ``budget`` (bytes): the pairs are taken in passes over the data,
-    in the order their last observation point is computed, each pass holding statistics of
-    about ``budget`` bytes and running the graphs only as far as its last point; after each
-    pass ``on_done(indices, stats)`` gets the indices it completed (and may
-    :meth:`ActStats.release` them),
-    so that memory holds one pass's statistics rather than every class's (a 7B model's MLP
-    classes alone are 32 × 11008² cross-moments). Under ``torch.distributed`` ``data`` is this
+    ``on_done(indices, stats)``, with ``budget`` (bytes): the pairs are taken in passes over
+    the data, in the order their last observation point is computed, each pass holding
+    statistics of about ``budget`` bytes and running the graphs only as far as its last point;
+    after each pass ``on_done`` gets the indices it completed (and may :meth:`ActStats.release`
+    them), so that memory holds one pass's statistics rather than every class's (a 7B model's
+    MLP classes alone are 32 × 11008² cross-moments). Under ``torch.distributed`` ``data`` is this
     process's shard, and the statistics are summed over all processes before they are
     returned or given to ``on_done`` (every process must call it)."""
     stats = {i: ActStats() for i in range(len(pairs))}
@@ -125,10 +124,12 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
         gm_a, gm_b = sa.exported_program.module(), sb.exported_program.module()
         if fetch is not None:  # traced where the models were (maybe meta); fetch reads to the CPU
             gm_a, gm_b = on_device(gm_a, "cpu"), on_device(gm_b, "cpu")
-        shapes.append((sa, plan, views, gm_a, gm_b, batches))
-    passes = [list(range(len(pairs)))] if on_done is None else _passes(shapes[0][0], shapes[0][1], pairs, budget)
+        order = {name: pos for pos, (name, _, _) in enumerate(sa.nodes())}
+        shapes.append((sa, plan, views, gm_a, gm_b, batches, order))
+    sa0, plan0, order0 = shapes[0][0], shapes[0][1], shapes[0][-1]
+    passes = [list(range(len(pairs)))] if on_done is None else _passes(sa0, plan0, order0, pairs, budget)
     for todo in passes:
-        for sa, plan, views, gm_a, gm_b, batches in shapes:
+        for sa, plan, views, gm_a, gm_b, batches, order in shapes:
             points: dict = {}  # (node in A, node in B) -> [(pair index, its views)]
             for i in todo:
                 for node_a, node_b, _ in plan[i]:
@@ -140,7 +141,8 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
                 with torch.no_grad():
                     run_a = Stepper(gm_a, fa).steps(_flatten_for(gm_a, args, kwargs), {a for a, _ in points})
                     run_b = Stepper(gm_b, fb).steps(_flatten_for(gm_b, args, kwargs), {b for _, b in points})
-                    for point, xa, xb in lockstep(run_a, run_b, list(points)):
+                    in_order = sorted(points, key=lambda p: order[p[0]])
+                    for point, xa, xb in lockstep(run_a, run_b, in_order):
                         _add(stats, points[point], xa.double(), xb.double(), max_samples)
         all_reduce_stats({i: stats[i] for i in todo})
         if on_done is not None:
@@ -160,10 +162,10 @@ def _add(stats, uses, xa, xb, max_samples):
             stats[i].add(a, b, fa)
 
 
-def _passes(sa, plan, pairs, budget):
-    """The pair indices in passes: ordered by their last observation point in A's graph, cut
-    where a pass's cross-moments (``[Fa, Fb, n, n]`` float64) would pass ``budget`` bytes."""
-    order = {name: pos for pos, (name, _, _) in enumerate(sa.nodes())}
+def _passes(sa, plan, order, pairs, budget):
+    """The pair indices in passes: ordered by their last observation point in A's graph
+    (``order``: node name -> position), cut where a pass's cross-moments (``[Fa, Fb, n, n]``
+    float64) would pass ``budget`` bytes."""
     last = {i: max((order[a] for a, _, _ in plan[i]), default=-1) for i in plan}
     out, size = [[]], 0
     for i in sorted(plan, key=lambda i: (last[i], i)):
@@ -179,10 +181,10 @@ def _passes(sa, plan, pairs, budget):
 
 
 def on_device(gm, device):
-    """``gm`` (changed in place) computing on ``device``: an
-    exported graph has the tracing device written into its ops (``device=`` arguments,
-    tensor-metadata assertions, also in the subgraphs of higher-order ops); the assertions,
-    which compute nothing, are dropped, and devices are rewritten."""
+    """``gm`` (changed in place) computing on ``device``: an exported graph has the tracing
+    device written into its ops (``device=`` arguments, tensor-metadata assertions, also in
+    the subgraphs of higher-order ops); the assertions, which compute nothing, are dropped,
+    and devices are rewritten."""
     device = torch.device(device)
     swap = lambda x: device if isinstance(x, torch.device) and x != device else x  # noqa: E731
     for sub in gm.modules():
@@ -248,10 +250,10 @@ class Stepper(torch.fx.Interpreter):
 
 
 def lockstep(run_a, run_b, points):
-    """``((node in A, node in B), value in A, value in B)`` for each pair of ``points`` as soon
-    as both runs (generators of ``(node name, value)``) have computed it. A value is kept until
-    every point that uses it is done; the run that is behind on the first open point advances,
-    so with corresponding graphs at most about one layer's captures are held."""
+    """``((node in A, node in B), value in A, value in B)`` for each pair of ``points`` (in A's
+    graph order) as soon as both runs (generators of ``(node name, value)``) have computed it.
+    A value is kept until every point that uses it is done; the run that is behind on the first
+    open point advances, so with corresponding graphs about one layer's captures are held."""
     need_a, need_b = Counter(a for a, _ in points), Counter(b for _, b in points)
     held_a, held_b = {}, {}
     todo = list(points)
