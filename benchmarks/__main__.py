@@ -232,6 +232,8 @@ def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=
     if len(st.seeds) < 2:
         raise SystemExit("need at least 2 seeds to form a pair")
     method_names = list(method_names or METHODS)
+    skipped = [k for k, on in (("speed", speed), ("hetero", hetero), ("finetune", finetune),
+                               ("universe", universe), ("cnn", cnn)) if not on]  # as asked
     hetero = hetero and "gpt2" in archs
     lambdas = np.linspace(0.0, 1.0, 21).round(4)
     log(f"symgraph benchmark suite: {'quick' if quick else 'full'} protocol, size={st.size}, "
@@ -283,7 +285,8 @@ def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=
                "archs": list(archs), "methods": method_names, "train_seconds": train_s,
                "threads": torch.get_num_threads(), "torch": torch.__version__,
                "python": platform.python_version(), "cache": str(_cache_root()),
-               "symgraph_commit": git_state()}
+               "symgraph_commit": git_state(),
+               "skipped": skipped}
     with staged(out) as tmp:
         from . import report as rep
         figures = rep.plots(tmp, records, keep, archs)

@@ -179,7 +179,9 @@ def markdown(records, summary, figures) -> str:
              f"{st['align_batches']} training batches.")
     L.append("")
     L.append("Regenerate: `python -m benchmarks" + (" --quick" if summary["protocol"] == "quick" else "")
-             + (f" --size {st['size']}" if (summary["protocol"] == "full") != (st["size"] == "full") else "")
+             + (f" --size {st['size']}" if st["size"] != summary["protocol"] else "")
+             + (" --seeds " + " ".join(map(str, st["seeds"])) if list(st["seeds"]) != [0, 1, 2] else "")
+             + "".join(f" --no-{k}" for k in summary.get("skipped", ()))
              + "`.")
     L += ["", "## Models", ""]
     rows = []

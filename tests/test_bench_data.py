@@ -225,3 +225,16 @@ def test_training_is_deterministic_and_seed_dependent():
     c = train.train_model("llama", 6, steps=2, use_cache=False)
     assert _state_equal(a, b)
     assert not _state_equal(a, c)
+
+
+@pytest.mark.parametrize("arch", zoo.ARCHS)
+def test_medium_size_is_the_published_alignment_size(arch):
+    """``medium``: 6 layers, width 256, 4 heads, MLP 1024 (Theus et al.'s range), its own cache key."""
+    from benchmarks import train
+    s = zoo.get_setting(arch, "medium")
+    assert (s.layers, s.hidden, s.heads, s.mlp_width) == (6, 256, 4, 1024)
+    cfg = zoo.make_config(arch, "medium")
+    assert cfg.num_hidden_layers == 6 and cfg.hidden_size == 256 and cfg.num_attention_heads == 4
+    assert train.checkpoint_dir(arch, 0, "medium") != train.checkpoint_dir(arch, 0, "quick")
+    with pytest.raises(ValueError, match="size must be one of"):
+        zoo.get_setting(arch, "huge")
