@@ -145,18 +145,15 @@ class ModelSpec:
     dataset: str
     block_size: int
     quick: SizeSetting
+    medium: SizeSetting
     full: SizeSetting
-    medium: SizeSetting | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def setting(self, size: str) -> SizeSetting:
         """Return the :class:`SizeSetting` for ``size`` (one of :data:`SIZES`)."""
         if size not in SIZES:
             raise ValueError(f"size must be one of {SIZES}, got {size!r}")
-        setting = getattr(self, size)
-        if setting is None:
-            raise ValueError(f"{self.name} has no {size!r} size")
-        return setting
+        return getattr(self, size)
 
 
 # --- the spec table ---------------------------------------------------------

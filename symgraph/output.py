@@ -154,15 +154,17 @@ def identity(path: str) -> tuple:
     return st.st_dev, st.st_ino
 
 
-def remove_own(path: str, ident: tuple, prefix: str | None = None) -> None:
+def remove_own(path: str, ident: tuple, prefix: str) -> None:
     """Delete ``path`` only if it is still the very file or directory this process created:
-    the same ``(device, inode)`` as ``ident`` (taken when it was made), not a link, and (with
-    ``prefix``, as every caller in symgraph passes) named with the temporary prefix it was
-    made under. Whatever else now has that name, or a name never created here, stays. The
-    check and the deletion go through one handle on the parent directory, so a parent swapped
-    in between is not followed, and the tree is removed without following links inside it."""
+    named with the (non-empty) temporary prefix it was made under, the same ``(device,
+    inode)`` as ``ident`` (taken when it was made), and not a link. Whatever else now has that
+    name, or a name never created here, stays. The check and the deletion go through one
+    handle on the parent directory, so a parent swapped in between is not followed, and the
+    tree is removed without following links inside it."""
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError("remove_own needs the temporary prefix the path was created under")
     parent, name = os.path.split(os.path.abspath(path))
-    if prefix is not None and not name.startswith(prefix):
+    if not name.startswith(prefix):
         return
     try:
         pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)

@@ -196,8 +196,7 @@ class StreamingMerge:
                     continue
                 same = {n: tuple(p.shape) for n, p in c.model.named_parameters()} == \
                        {n: tuple(p.shape) for n, p in A.model.named_parameters()}
-                rb = ra if same and not self.data else analyze(c.model, example, fold_norms=self.fold_norms,
-                                                               outputs=self.outputs)
+                rb = ra if same else analyze(c.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
                 fb = Folded(rb, c, self.cache_bytes, self.work_dtype)
                 acts = {} if not self.data else dict(data=self.data, models=(A.model, c.model),
                                                      fetch=(A.fetch, c.fetch), stats_budget=STATS_BYTES)

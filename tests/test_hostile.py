@@ -345,19 +345,21 @@ def test_remove_own_deletes_only_what_it_created(tmp_path):
     made.rename(tmp_path / "moved")  # still exists: the new directory gets another inode
     made.mkdir()  # someone else's directory under the same name
     (made / "keep").write_text("x")
-    remove_own(str(made), ident)
+    remove_own(str(made), ident, "made")
     assert (made / "keep").read_text() == "x"
     link = tmp_path / "link"
     link.symlink_to(made)
-    remove_own(str(link), identity(link))
+    remove_own(str(link), identity(link), "link")
     assert link.is_symlink() and (made / "keep").exists()  # a link is never followed nor removed
     f = tmp_path / "f"
     f.write_text("y")
-    remove_own(str(f), identity(f))
-    remove_own(str(made), identity(made))
-    remove_own(str(tmp_path / "moved"), ident)
+    remove_own(str(f), identity(f), "f")
+    remove_own(str(made), identity(made), "made")
+    remove_own(str(tmp_path / "moved"), ident, "moved")
     assert not f.exists() and not made.exists() and not (tmp_path / "moved").exists()
-    remove_own(str(tmp_path / "never"), (0, 0))  # a name never created: nothing happens
+    remove_own(str(tmp_path / "never"), (0, 0), "never")  # a name never created: nothing happens
+    with pytest.raises(ValueError, match="temporary prefix"):
+        remove_own(str(tmp_path / "moved"), ident, "")  # no prefix, no deletion of any name
 
 
 def test_remove_own_with_a_prefix_leaves_other_names(tmp_path):

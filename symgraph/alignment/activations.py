@@ -121,9 +121,11 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
     for (sa, sb), batches in by_shape((ra, rb), models, data):
         spairs = [(sa.groups[ga.id], sb.groups[gb.id]) for ga, gb in pairs]
         plan, views = _plan(sa, sb, spairs)
-        gm_a, gm_b = sa.exported_program.module(), sb.exported_program.module()
+        gm_a = sa.exported_program.module()
+        gm_b = gm_a if sb is sa else sb.exported_program.module()  # a Stepper keeps its own state
         if fetch is not None:  # traced where the models were (maybe meta); fetch reads to the CPU
-            gm_a, gm_b = on_device(gm_a, "cpu"), on_device(gm_b, "cpu")
+            for gm in (gm_a,) if gm_b is gm_a else (gm_a, gm_b):
+                on_device(gm, "cpu")  # in place
         order = {name: pos for pos, (name, _, _) in enumerate(sa.nodes())}
         shapes.append((sa, plan, views, gm_a, gm_b, batches, order))
     sa0, plan0, order0 = shapes[0][0], shapes[0][1], shapes[0][-1]
@@ -244,8 +246,6 @@ class Stepper(torch.fx.Interpreter):
                 yield node.name, self.env[node].detach()
             for dead in self.user_to_last_uses.get(node, ()):
                 del self.env[dead]
-            if node.op == "output":
-                break
         self.env.clear()
 
 

@@ -11,7 +11,7 @@ import torch
 from ..api import analyze
 from ..errors import InputError
 from ..folding import gauge
-from .activations import _plan, act_matrix, activation_similarity
+from .activations import act_matrix, activation_similarity
 from .checks import check_compatible, check_finite
 from .masses import MASSES, mass_function
 from .refine import refine
@@ -153,21 +153,21 @@ def _with_activations(run, ra, rb, b_of, data, models, sweeps, fetch=None, budge
         return None, sweeps
     by_weights = run.similarity
     pairs = [(ga, b_of[ga.id]) for ga in ra.groups]
-    early = budget is not None and run.opts.masses == "auto" and all(g.size == b_of[g.id].size for g in ra.groups)
-    observed = {ga.id for ga, gb in pairs if early and _observed(ra, rb, ga, gb)}
+    equal = all(g.size == b_of[g.id].size for g in ra.groups)
+    early = budget is not None and run.opts.masses == "auto" and equal
     stats: dict = {}
 
     def by_activations(ga, cross, usable=None):
         m = act_matrix(stats[ga.id], ga, cross)
         return (m, True, frozenset()) if m is not None else by_weights(ga, cross, usable)
 
-    def solve_done(ids, got):
+    def solve_done(ids, got):  # a pass is complete: its classes' statistics are final
         stats.update(got)
         done.update(pairs[i][0].id for i in ids)
         for ui, unit in enumerate(run.units):
             gids = run.ids(unit)
             reads = {g.id for g in run.solved_groups(unit)}  # a head family reads its members only
-            if ui not in run.presolved and gids <= done and reads <= observed:
+            if ui not in run.presolved and gids <= done and all(stats[g].n > 0 for g in reads):
                 run.solve_early(ui)
                 for g in gids:
                     stats[g].release()
@@ -176,15 +176,9 @@ def _with_activations(run, ra, rb, b_of, data, models, sweeps, fetch=None, budge
     run.similarity = by_activations
     stats.update(activation_similarity(ra, rb, data, pairs, models=models, fetch=fetch,
                                        on_done=solve_done if early else None, budget=budget))
-    if all(stats[g.id].n > 0 for g in ra.groups) and all(g.size == b_of[g.id].size for g in ra.groups):
+    if equal and all(stats[g.id].n > 0 for g in ra.groups):
         sweeps = 1
     return stats, sweeps
-
-
-def _observed(ra, rb, ga, gb) -> bool:
-    """Whether the class has a clean observation point in both graphs (any data observes it)."""
-    plan, views = _plan(ra, rb, [(ga, gb)])
-    return any(views[(0, a)][0] for a, _, _ in plan[0])
 
 
 def _sweeps(ra, rb, feats, opts):
