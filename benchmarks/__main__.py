@@ -324,9 +324,9 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="quick protocol (< ~15 min on 2 cores)")
     ap.add_argument("--out", default=None, help="output directory (default: benchmarks/results/suite, "
                     "or bench-quick with --quick)")
-    ap.add_argument("--archs", nargs="+", choices=zoo.ARCHS + zoo.MOE_ARCHS, default=None,
-                    help=f"architectures (default: {' '.join(zoo.ARCHS)}; "
-                    f"{' '.join(zoo.MOE_ARCHS)}: mixture of experts, on request)")
+    ap.add_argument("--archs", nargs="+", choices=zoo.ARCHS + zoo.MOE_ARCHS + zoo.VARIANT_ARCHS,
+                    default=None, help=f"architectures (default: {' '.join(zoo.ARCHS)}; on request: "
+                    f"{' '.join(zoo.MOE_ARCHS)} (mixture of experts), {' '.join(zoo.VARIANT_ARCHS)})")
     ap.add_argument("--pairs", type=int, default=None, help="seed pairs per architecture (default: all)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default 0 1 2)")
     ap.add_argument("--size", choices=zoo.SIZES, default=None,

@@ -11,6 +11,8 @@ bert       ``BertForMaskedLM``      prose    MLM, tied decoder, 1 token type
 gpt2       ``GPT2LMHeadModel``      prose    causal LM, tied head; the "narrow"
                                              half of the wide/narrow pair
 gpt2_wide  ``GPT2LMHeadModel``      prose    as ``gpt2`` with a 2x wider MLP
+gpt2_untie ``GPT2LMHeadModel``      prose    ``gpt2_untied``: as ``gpt2`` with an
+                                             untied head
 llama      ``LlamaForCausalLM``     code     RoPE, SwiGLU, GQA (2 KV heads for 4
                                              query heads), RMSNorm, untied head
 vit        ``ViTForImageClassific`` digits   1-channel 8x8 images, 2x2 patches
@@ -37,7 +39,9 @@ data: the pair for heterogeneous fusion.
 
 ``mixtral`` (:data:`MOE_ARCHS`) is not one of the default :data:`ARCHS`: the suite runs it
 with ``python -m benchmarks --archs mixtral`` (its expert order is a permutation class of
-the router rows and stacked expert weights).
+the router rows and stacked expert weights). Nor is ``gpt2_untied`` (:data:`VARIANT_ARCHS`):
+with an untied head the final LayerNorm's gain folds into the head, so its residual stream
+admits the orthogonal maps fixing 𝟙, which the tied ``gpt2`` does not.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ __all__ = [
     "SPECS",
     "ARCHS",
     "MOE_ARCHS",
+    "VARIANT_ARCHS",
     "WIDE_NARROW_PAIR",
     "get_spec",
     "get_setting",
@@ -181,6 +186,13 @@ SPECS: dict[str, ModelSpec] = {
         medium=dataclasses.replace(_LM_MEDIUM, mlp_mult=8),
         full=dataclasses.replace(_LM_FULL, mlp_mult=8),
     ),
+    # as gpt2 with its own output head: the residual stream then admits the orthogonal maps
+    # fixing the all-ones vector (the final LayerNorm's gain folds into the head)
+    "gpt2_untied": ModelSpec(
+        name="gpt2_untied", family="gpt2", task="clm", dataset="prose", block_size=64,
+        quick=_LM_QUICK, medium=_LM_MEDIUM, full=_LM_FULL,
+        extra={"tie_word_embeddings": False},
+    ),
     "llama": ModelSpec(
         name="llama", family="llama", task="clm", dataset="code", block_size=64,
         quick=dataclasses.replace(_LM_QUICK, kv_heads=2),
@@ -211,6 +223,8 @@ SPECS: dict[str, ModelSpec] = {
 ARCHS = ("bert", "gpt2", "llama", "vit")
 #: Mixture-of-experts decoders: selectable (``--archs``), not in the default :data:`ARCHS`.
 MOE_ARCHS = ("mixtral",)
+#: Variants of a base architecture, selectable (``--archs``), not in the default :data:`ARCHS`.
+VARIANT_ARCHS = ("gpt2_untied",)
 #: (narrow, wide) spec names of the heterogeneous-fusion pair.
 WIDE_NARROW_PAIR = ("gpt2", "gpt2_wide")
 

@@ -238,3 +238,19 @@ def test_medium_size_is_the_published_alignment_size(arch):
     assert train.checkpoint_dir(arch, 0, "medium") != train.checkpoint_dir(arch, 0, "quick")
     with pytest.raises(ValueError, match="size must be one of"):
         zoo.get_setting(arch, "huge")
+
+
+def test_untied_gpt2_variant_differs_only_in_its_head_and_its_residual_group():
+    """``gpt2_untied`` is ``gpt2`` with its own head: same config otherwise, and only it admits
+    the orthogonal maps fixing 𝟙 on the residual stream (the tied one: permutations)."""
+    import symgraph
+    tied, untied = (zoo.make_config(a).to_dict() for a in ("gpt2", "gpt2_untied"))
+    assert tied.pop("tie_word_embeddings") is True and untied.pop("tie_word_embeddings") is False
+    assert tied == untied
+    ids = torch.randint(1, 50, (2, 8))
+    kinds = {}
+    for arch in ("gpt2", "gpt2_untied"):
+        r = symgraph.analyze(zoo.build_model(arch, 0), {"input_ids": ids})
+        kinds[arch] = {g.kind for g in r.groups if g.size == zoo.get_setting(arch).hidden}
+    assert "orthogonal_mean" in kinds["gpt2_untied"] and "orthogonal_mean" not in kinds["gpt2"]
+    assert "gpt2_untied" in zoo.VARIANT_ARCHS and "gpt2_untied" not in zoo.ARCHS

@@ -66,6 +66,24 @@ def test_refine_lowers_the_interpolated_loss_and_keeps_b(pair):
     assert al.to_dict()["refined"]["steps"] == 40
 
 
+def test_refine_starts_from_the_alignment_with_the_lower_midpoint_loss(pair):
+    from symgraph.alignment.refine import choose_start
+    a, b, data = pair
+    starts = {"activations": symgraph.align(a, b, data=data), "weights": symgraph.align(a, b),
+              "unaligned": symgraph.align(a, b, groups=lambda g: False)}
+    name, losses = choose_start(starts, a, b, data)
+    expected = {k: _mid_loss(a, al.apply(b), data) for k, al in starts.items()}
+    assert losses == pytest.approx(expected, abs=1e-5)
+    assert name == min(expected, key=expected.get)
+    assert losses["unaligned"] > max(losses["activations"], losses["weights"]) + 0.05
+    # align(refine=N) starts from the better of activations and weights, and says so
+    al = symgraph.align(a, b, data=data, refine=3)
+    got = al.refined
+    best = min(("activations", "weights"), key=losses.get)
+    assert got["start"] == best and al.similarity == best
+    assert got["start_loss"] == pytest.approx({k: losses[k] for k in ("activations", "weights")}, abs=1e-5)
+
+
 def test_refine_with_a_custom_loss(pair):
     a, b, data = pair
     calls = []
@@ -75,7 +93,8 @@ def test_refine_with_a_custom_loss(pair):
         logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
         return torch.nn.functional.cross_entropy(logits.reshape(-1, V), batch["input_ids"][:, 1:].reshape(-1))
     al = symgraph.align(a, b, data=data, refine=5, loss_fn=loss_fn)
-    assert len(calls) == 5 and al.refined["steps"] == 5
+    # 5 steps, and each of the two starts (activations, weights) scored on every batch
+    assert len(calls) == 5 + 2 * len(data) and al.refined["steps"] == 5
 
 
 def test_refine_refuses_bad_input(pair):

@@ -1,6 +1,7 @@
 """Learned matching: optimise solved elements so the interpolated model has low loss.
 
-Starting from :func:`symgraph.align`'s elements, each step draws ``λ ~ U(0.4, 0.6)``, carries
+Starting from :func:`symgraph.align`'s elements (by activations or by weights alone,
+whichever gives the lower midpoint loss on the data: :func:`choose_start`), each step draws ``λ ~ U(0.4, 0.6)``, carries
 B into A's basis with the current elements, and takes a gradient step on the loss of
 ``(1 − λ)·θ_A + λ·θ_B′`` on one batch. Continuous classes are optimised on their group:
 rotations through ``torch.nn.utils.parametrizations.orthogonal`` (the orthogonal maps fixing
@@ -28,7 +29,10 @@ from ..elements import Map, Perm
 from ..errors import InputError
 from ..groups import PERMUTATION_FAMILY, ones_basis, orthogonal_part, pair_rotations
 
-__all__ = ["refine", "default_loss"]
+__all__ = ["refine", "default_loss", "choose_start"]
+
+#: Batches :func:`choose_start` evaluates each candidate start on.
+START_BATCHES = 8
 
 
 def default_loss(model, batch):
@@ -148,7 +152,7 @@ class _Bound(torch.nn.Module):
             return getattr(self.model, name)
 
 
-def refine(al, model_a, model_b, data, steps: int, loss_fn=None, lr: float = 1e-2,
+def refine(al, model_a, model_b, data, steps: int, loss_fn=None, lr: float = 1e-3,
            seed: int = 0, progress: bool = True) -> dict:
     """Optimise ``al``'s elements in place for ``steps`` steps; returns what happened
     (``steps``, ``loss_first``/``loss_last`` (mean of the first/last 10% of steps), ``classes``,
@@ -156,14 +160,11 @@ def refine(al, model_a, model_b, data, steps: int, loss_fn=None, lr: float = 1e-
     if not data:
         raise InputError("refine needs data: an iterable of batches to compute the loss on")
     loss_fn = loss_fn or default_loss
-    ra, rb = al.report_a, al.report_b
-    learn = _learnable(ra, al)
+    learn = _learnable(al.report_a, al)
     if not learn:
         return {"steps": 0, "classes": 0}
     t0 = time.perf_counter()
-    ta = {k: p.detach() for k, p in model_a.named_parameters()}
-    tb = {k: model_b.get_parameter(k).detach() for k in rb.parameters}
-    aliases = ra.aliases
+    ta, tb = _values(al, model_a, model_b)
     opt = torch.optim.Adam([p for x in learn.values() for p in x.params], lr=lr)
     gen = torch.Generator().manual_seed(seed)
     losses = []
@@ -177,17 +178,7 @@ def refine(al, model_a, model_b, data, steps: int, loss_fn=None, lr: float = 1e-
             lam = 0.4 + 0.2 * float(torch.rand((), generator=gen))
             els = dict(al.elements)
             els.update({gid: x.element() for gid, x in learn.items()})
-            moved = move(rb, els, tb, al.gauge or None)
-            values = {}
-            for k, a in ta.items():
-                b = moved.get(k)
-                if b is None:
-                    b = tb.get(k, a)
-                values[k] = (1 - lam) * a + lam * b.to(a.dtype)
-            for keep, others in aliases.items():
-                for o in others:
-                    values[o] = values[keep]
-            loss = _call(loss_fn, _Bound(model_a, values), batch)
+            loss = _call(loss_fn, _Bound(model_a, _between(al, ta, tb, els, lam)), batch)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -200,6 +191,48 @@ def refine(al, model_a, model_b, data, steps: int, loss_fn=None, lr: float = 1e-
     k = max(1, math.ceil(len(losses) / 10))
     return {"steps": steps, "classes": len(learn), "loss_first": sum(losses[:k]) / k,
             "loss_last": sum(losses[-k:]) / k, "seconds": time.perf_counter() - t0}
+
+
+def choose_start(alignments: dict, model_a, model_b, data, loss_fn=None, batches: int = START_BATCHES):
+    """The name of the alignment (of ``{name: Alignment}``) whose model halfway between A and
+    B has the lowest mean loss on the first ``batches`` batches of ``data``, and every
+    alignment's loss (``{name: loss}``)."""
+    loss_fn = loss_fn or default_loss
+    ta, tb = _values(next(iter(alignments.values())), model_a, model_b)
+    was = model_a.training
+    model_a.eval()
+    losses = {}
+    try:
+        with torch.no_grad():
+            for name, al in alignments.items():
+                model = _Bound(model_a, _between(al, ta, tb, al.elements, 0.5))
+                got = [float(_call(loss_fn, model, b)) for b in list(data)[:batches]]
+                losses[name] = sum(got) / len(got)
+    finally:
+        model_a.train(was)
+    return min(losses, key=losses.get), losses
+
+
+def _values(al, model_a, model_b):
+    """A's parameters and B's parameters of the report (detached)."""
+    return ({k: p.detach() for k, p in model_a.named_parameters()},
+            {k: model_b.get_parameter(k).detach() for k in al.report_b.parameters})
+
+
+def _between(al, ta, tb, elements, lam) -> dict:
+    """``(1 − λ)·θ_A + λ·θ_B′`` for every parameter name of A (tied names included), B carried
+    into A's basis by ``elements``."""
+    moved = move(al.report_b, elements, tb, al.gauge or None)
+    values = {}
+    for k, a in ta.items():
+        b = moved.get(k)
+        if b is None:
+            b = tb.get(k, a)
+        values[k] = (1 - lam) * a + lam * b.to(a.dtype)
+    for keep, others in al.report_a.aliases.items():
+        for o in others:
+            values[o] = values[keep]
+    return values
 
 
 def _call(loss_fn, model, batch):
