@@ -84,6 +84,11 @@ def check_out(out: str, *, force: bool = False, inputs=()) -> str:
         if entries and not force:
             raise InputError(f"output {out!r} already exists; pass --force to replace it, or choose a "
                              "new --out directory")
+        foreign = sorted(set(entries) - set(written_files(path))) if entries else []
+        if foreign:
+            raise InputError(f"output {out!r} holds {_list(foreign)}, which symgraph did not write there "
+                             f"(its {MARKER} lists what it wrote), so even --force will not replace it; "
+                             "expected those moved out first, or a new --out directory")
     try:  # a real probe: permission bits do not stop root, a read-only file system does
         os.rmdir(tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.probe-", dir=parent))
     except OSError as e:
@@ -112,7 +117,7 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
     tmp_prefix, old_prefix = f".{os.path.basename(out)}.tmp-", f".{os.path.basename(out)}.old-"
     tmp = tempfile.mkdtemp(prefix=tmp_prefix, dir=parent)
     made = {tmp: identity(tmp)}  # what this call created (or moved aside): all it may delete
-    old = None
+    old, owned = None, ()
     try:
         os.chmod(tmp, _umask_mode())
         if hasattr(model, "save_pretrained"):
@@ -124,13 +129,15 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
                 src = os.path.join(tokenizer_from, fn)
                 if os.path.isfile(src):
                     shutil.copy2(src, os.path.join(tmp, fn))
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump(_jsonable(meta or {}), f, indent=2)
         if card is not None:
             with open(os.path.join(tmp, "README.md"), "w") as f:
                 f.write(card)
+        written = sorted(os.listdir(tmp)) + [MARKER]  # what a later --force may delete
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump({**_jsonable(meta or {}), "files": written}, f, indent=2)
         if os.path.lexists(out):
             check_out(out, force=force, inputs=inputs)  # still ours, right before replacing it
+            owned = written_files(out)
             old = tempfile.mkdtemp(prefix=old_prefix, dir=parent)
             os.rmdir(old)
             os.replace(out, old)
@@ -142,10 +149,26 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
         remove_own(tmp, made[tmp], tmp_prefix)
         if old is not None and old in made and os.path.isdir(old):
             if os.path.exists(out):
-                remove_own(old, made[old], old_prefix)
+                remove_own(old, made[old], old_prefix, only=owned)
             else:
                 os.replace(old, out)  # the new output never arrived: put the previous one back
     return out
+
+
+def written_files(out: str) -> set:
+    """The names symgraph wrote into its previous output ``out``: the ``files`` its
+    :data:`MARKER` lists (only the marker itself when it lists none or cannot be read)."""
+    try:
+        with open(os.path.join(out, MARKER)) as f:
+            files = json.load(f).get("files")
+    except (OSError, ValueError, AttributeError):
+        files = None
+    ok = isinstance(files, list) and all(isinstance(n, str) and n == os.path.basename(n) for n in files)
+    return set(files if ok else ()) | {MARKER}
+
+
+def _list(names, k=5):
+    return ", ".join(repr(n) for n in names[:k]) + (f" and {len(names) - k} more" if len(names) > k else "")
 
 
 def identity(path: str) -> tuple:
@@ -154,13 +177,14 @@ def identity(path: str) -> tuple:
     return st.st_dev, st.st_ino
 
 
-def remove_own(path: str, ident: tuple, prefix: str) -> None:
+def remove_own(path: str, ident: tuple, prefix: str, only=None) -> None:
     """Delete ``path`` only if it is still the very file or directory this process created:
     named with the (non-empty) temporary prefix it was made under, the same ``(device,
     inode)`` as ``ident`` (taken when it was made), and not a link. Whatever else now has that
     name, or a name never created here, stays. The check and the deletion go through one
     handle on the parent directory, so a parent swapped in between is not followed, and the
-    tree is removed without following links inside it."""
+    tree is removed without following links inside it. With ``only`` (names), a directory
+    loses just those entries, and is removed only if nothing else is left in it."""
     if not isinstance(prefix, str) or not prefix:
         raise ValueError("remove_own needs the temporary prefix the path was created under")
     parent, name = os.path.split(os.path.abspath(path))
@@ -177,12 +201,36 @@ def remove_own(path: str, ident: tuple, prefix: str) -> None:
             return
         if (st.st_dev, st.st_ino) != tuple(ident) or stat.S_ISLNK(st.st_mode):
             return
-        if stat.S_ISDIR(st.st_mode):
+        if stat.S_ISDIR(st.st_mode) and only is not None:
+            _remove_entries(name, pfd, only)
+        elif stat.S_ISDIR(st.st_mode):
             shutil.rmtree(name, dir_fd=pfd, ignore_errors=True)
         else:
             os.unlink(name, dir_fd=pfd)
     finally:
         os.close(pfd)
+
+
+def _remove_entries(name, pfd, only):
+    """Unlink the plain files ``only`` names in directory ``name`` (of ``pfd``), then the
+    directory if that emptied it."""
+    try:
+        dfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=pfd)
+    except OSError:
+        return
+    try:
+        for entry in only:
+            try:
+                if stat.S_ISREG(os.stat(entry, dir_fd=dfd, follow_symlinks=False).st_mode):
+                    os.unlink(entry, dir_fd=dfd)
+            except OSError:
+                pass
+    finally:
+        os.close(dfd)
+    try:
+        os.rmdir(name, dir_fd=pfd)
+    except OSError:
+        pass  # something else is in it: it stays
 
 
 def model_card(config_yaml: str, summary: str) -> str:

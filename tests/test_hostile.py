@@ -375,3 +375,27 @@ def test_remove_own_with_a_prefix_leaves_other_names(tmp_path):
     (tmp_path / "users-dir").rename(made)
     remove_own(str(made), ident, ".out.tmp-")
     assert not made.exists()
+
+
+def test_force_replaces_only_what_symgraph_wrote(tmp_path):
+    """--force replaces a previous output only while it holds nothing but the files its marker
+    lists; a file the user added there is named, refused and left in place."""
+    import json
+    from symgraph.errors import InputError
+    from symgraph.output import MARKER, save_atomic
+
+    def writer(d):
+        (tmp_path / "w").write_text("")
+        with open(f"{d}/model.safetensors", "wb") as f:
+            f.write(b"x")
+    out = tmp_path / "out"
+    save_atomic(writer, str(out))
+    assert json.loads((out / MARKER).read_text())["files"] == ["model.safetensors", MARKER]
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(InputError, match="notes.txt"):
+        save_atomic(writer, str(out), force=True)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").exists()
+    (out / "notes.txt").unlink()
+    save_atomic(writer, str(out), force=True)
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "model.safetensors"])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
