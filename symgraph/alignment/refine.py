@@ -15,6 +15,7 @@ permutation classes.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -168,11 +169,9 @@ def refine(al, model_a, model_b, data, steps: int, loss_fn=None, lr: float = 1e-
     opt = torch.optim.Adam([p for x in learn.values() for p in x.params], lr=lr)
     gen = torch.Generator().manual_seed(seed)
     losses = []
-    was = model_a.training
-    model_a.eval()
     bar = tqdm(range(steps), desc="refine", unit="step", file=sys.stderr, leave=False,
                disable=None if progress else True)  # None: only on a terminal
-    try:
+    with _evaluating(model_a):
         for step in bar:
             batch = data[step % len(data)]
             lam = 0.4 + 0.2 * float(torch.rand((), generator=gen))
@@ -184,8 +183,6 @@ def refine(al, model_a, model_b, data, steps: int, loss_fn=None, lr: float = 1e-
             opt.step()
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
-    finally:
-        model_a.train(was)
     for gid, x in learn.items():
         al.elements[gid] = x.final()
     k = max(1, math.ceil(len(losses) / 10))
@@ -199,18 +196,24 @@ def choose_start(alignments: dict, model_a, model_b, data, loss_fn=None, batches
     alignment's loss (``{name: loss}``)."""
     loss_fn = loss_fn or default_loss
     ta, tb = _values(next(iter(alignments.values())), model_a, model_b)
-    was = model_a.training
-    model_a.eval()
     losses = {}
-    try:
-        with torch.no_grad():
-            for name, al in alignments.items():
-                model = _Bound(model_a, _between(al, ta, tb, al.elements, 0.5))
-                got = [float(_call(loss_fn, model, b)) for b in list(data)[:batches]]
-                losses[name] = sum(got) / len(got)
-    finally:
-        model_a.train(was)
+    with _evaluating(model_a), torch.no_grad():
+        for name, al in alignments.items():
+            model = _Bound(model_a, _between(al, ta, tb, al.elements, 0.5))
+            got = [float(_call(loss_fn, model, b)) for b in list(data)[:batches]]
+            losses[name] = sum(got) / len(got)
     return min(losses, key=losses.get), losses
+
+
+@contextlib.contextmanager
+def _evaluating(model):
+    """``model`` in eval mode (no dropout) for the block; its own mode restored after."""
+    was = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was)
 
 
 def _values(al, model_a, model_b):
