@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import targets
 from .methods import DEVIATIONS, METHODS, SYMGRAPH_METHODS, roles
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -198,6 +199,7 @@ def markdown(records, summary, figures) -> str:
           "with the original B's loss. Fisher / RegMean produce one merged model: their entry is the "
           "midpoint gap `L(merged) − ½(L_A + L_B)`. Best per column in bold.", ""]
     L.append(_metric_table(records, archs, methods, "barrier", best=min))
+    L += targets.section(records, archs)
     L += ["", "## Held-out loss of the merged model (λ = 0.5)", ""]
     L.append(_metric_table(records, archs, methods, "loss_mid", best=min))
     L += ["", "## Task metric of the merged model (λ = 0.5)", "",

@@ -135,6 +135,12 @@ def test_report_tables(suite):
         val = float(row.group(1).strip("*"))
         assert val == pytest.approx(_rec(suite["records"], m)["barrier"], abs=1e-3)
     assert "## Findings" in md and "## Speed and memory" in md
+    row = re.search(r"^\| vit \| (\S+) \| (\S+) `(\w+)` \((\S+)\)", md.split("## Targets")[1], re.M)
+    van, best = _rec(suite["records"], "vanilla")["barrier"], float(row.group(2))
+    assert float(row.group(1)) == pytest.approx(van, abs=1e-3)
+    assert row.group(3) in methods.SYMGRAPH_METHODS and row.group(3) != "symgraph_refine"
+    assert best == pytest.approx(_rec(suite["records"], row.group(3))["barrier"], abs=1e-3)
+    assert float(row.group(4)) == pytest.approx(best / van, abs=0.01)
     assert "| vit |" in md.split("## Speed and memory")[1]
     assert "analyze_8b.json" in md  # the other issues' measurements are pulled in
     for fig in ("barrier_vit.png", "attention_correlation.png", "class_graph_vit.png"):
@@ -205,3 +211,31 @@ def test_rescale_heads_preserves_function_and_lowers_distance():
     def dist(m):
         return sum(float((pa - pm).pow(2).sum()) for pa, pm in zip(p.a.parameters(), m.parameters()))
     assert dist(out.b_aligned) <= dist(base.b_aligned) + 1e-9
+
+
+def test_targets_are_read_from_pair_means():
+    from benchmarks import targets
+
+    def rec(arch, method, *barriers):
+        kind = "merged" if method.endswith("aligned") else "interpolation"
+        return [{"arch": arch, "method": method, "kind": kind, "barrier": b} for b in barriers]
+
+    records = (rec("a", "vanilla", 1.0, 2.0) + rec("a", "symgraph_weights", 0.3, 0.6)
+               + rec("a", "symgraph_activations", 0.4, 0.6) + rec("a", "symgraph_refine", 0.05, 0.07)
+               + rec("a", "seed002", 0.5, 0.5) + rec("a", "seed004", 0.1, 0.9)
+               + rec("a", "regmean_aligned", 0.2, 0.2) + rec("a", "fisher_aligned", 0.1, 0.3)
+               + rec("b", "vanilla", 1.0) + rec("b", "symgraph_weights", 0.2)
+               + rec("b", "regmean_aligned", 0.1) + rec("c", "symgraph_weights", 0.1))
+    a, b = targets.targets(records, ["a", "b", "c"])  # no vanilla for c: no row
+    assert a["vanilla"] == pytest.approx(1.5)
+    assert a["without"] == ("symgraph_weights", pytest.approx(0.45))
+    assert a["ratio_without"] == pytest.approx(0.3) and a["ratio_refine"] == pytest.approx(0.04)
+    assert a["seed"] == ("seed002", pytest.approx(0.5))  # seed004's mean is 0.5 too: ties by name
+    assert a["aligned"][1] == pytest.approx(0.2)
+    assert a["met"] == {"without refine": True, "with refine": True, "< seeds": True,
+                        "< aligned Fisher, RegMean": True}
+    assert b["refine"] is None and b["met"] == {"without refine": True, "with refine": None,
+                                                "< seeds": None, "< aligned Fisher, RegMean": False}
+    md = "\n".join(targets.section(records, ["a", "b"]))
+    assert "| a | 1.500 | 0.450 `symgraph_weights` (0.30) | 0.060 (0.04) |" in md
+    assert md.count("\n| ") == 3  # header and two rows
