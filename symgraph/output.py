@@ -87,8 +87,9 @@ def check_out(out: str, *, force: bool = False, inputs=()) -> str:
         foreign = sorted(set(entries) - set(written_files(path))) if entries else []
         if foreign:
             raise InputError(f"output {out!r} holds {_list(foreign)}, which symgraph did not write there "
-                             f"(its {MARKER} lists what it wrote), so even --force will not replace it; "
-                             "expected those moved out first, or a new --out directory")
+                             f"or which changed since (its {MARKER} lists what it wrote), so even "
+                             "--force will not replace it; expected those moved out first, or a new "
+                             "--out directory")
     try:  # a real probe: permission bits do not stop root, a read-only file system does
         os.rmdir(tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.probe-", dir=parent))
     except OSError as e:
@@ -118,8 +119,7 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
     tmp = tempfile.mkdtemp(prefix=tmp_prefix, dir=parent)
     made = {tmp: identity(tmp)}  # what this call created (or moved aside): all it may delete
     old, owned = None, ()
-    try:
-        os.chmod(tmp, _umask_mode())
+    try:  # mkdtemp's 0700 until the rename: nobody else can add entries while it is written
         if hasattr(model, "save_pretrained"):
             model.save_pretrained(tmp, safe_serialization=True)
         else:  # a writer: ``model(directory)`` writes the weights (out-of-core merging)
@@ -132,9 +132,11 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
         if card is not None:
             with open(os.path.join(tmp, "README.md"), "w") as f:
                 f.write(card)
-        written = sorted(os.listdir(tmp)) + [MARKER]  # what a later --force may delete
+        written = sorted(os.listdir(tmp))  # what a later --force may delete, and how to know it
+        ids = {n: list(_file_id(os.lstat(os.path.join(tmp, n)))) for n in written}
         with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump({**_jsonable(meta or {}), "files": written}, f, indent=2)
+            json.dump({**_jsonable(meta or {}), "files": written + [MARKER], "file_ids": ids}, f, indent=2)
+        os.chmod(tmp, _umask_mode())
         if os.path.lexists(out):
             check_out(out, force=force, inputs=inputs)  # still ours, right before replacing it
             owned = written_files(out)
@@ -155,16 +157,37 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
     return out
 
 
-def written_files(out: str) -> set:
-    """The names symgraph wrote into its previous output ``out``: the ``files`` its
-    :data:`MARKER` lists (only the marker itself when it lists none or cannot be read)."""
+def _file_id(st) -> tuple:
+    """What identifies a file symgraph wrote: inode, size and modification time (a rename keeps
+    them; replacing or rewriting the file changes them)."""
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def written_files(out: str) -> dict:
+    """The plain files symgraph wrote into its previous output ``out`` and still unchanged there,
+    ``{name: identity}`` (:func:`_file_id`): the ``files`` its :data:`MARKER` lists with the
+    identities it recorded, and the marker itself when it reads as symgraph's (a JSON object).
+    A file replaced or rewritten since is not in it, so it is never deleted."""
+    path = os.path.join(out, MARKER)
     try:
-        with open(os.path.join(out, MARKER)) as f:
-            files = json.load(f).get("files")
-    except (OSError, ValueError, AttributeError):
-        files = None
-    ok = isinstance(files, list) and all(isinstance(n, str) and n == os.path.basename(n) for n in files)
-    return set(files if ok else ()) | {MARKER}
+        with open(path) as f:
+            st, meta = os.fstat(f.fileno()), json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(meta, dict) or not stat.S_ISREG(st.st_mode) or os.path.islink(path):
+        return {}
+    own = {MARKER: _file_id(st)}
+    files, ids = meta.get("files"), meta.get("file_ids")
+    if isinstance(files, list) and isinstance(ids, dict):
+        for n in files:
+            got = ids.get(n) if isinstance(n, str) and n == os.path.basename(n) else None
+            try:
+                now = os.lstat(os.path.join(out, n)) if got else None
+            except OSError:
+                now = None
+            if now is not None and stat.S_ISREG(now.st_mode) and list(_file_id(now)) == got:
+                own[n] = tuple(got)
+    return own
 
 
 def _list(names, k=5):
@@ -182,9 +205,12 @@ def remove_own(path: str, ident: tuple, prefix: str, only=None) -> None:
     named with the (non-empty) temporary prefix it was made under, the same ``(device,
     inode)`` as ``ident`` (taken when it was made), and not a link. Whatever else now has that
     name, or a name never created here, stays. The check and the deletion go through one
-    handle on the parent directory, so a parent swapped in between is not followed, and the
-    tree is removed without following links inside it. With ``only`` (names), a directory
-    loses just those entries, and is removed only if nothing else is left in it."""
+    handle on the parent directory, so a parent swapped in between is not followed.
+
+    A directory loses only plain files directly in it, and is removed only if that empties it
+    (links, subdirectories and anything else stay, and so does the directory): every file of
+    the directory when ``only`` is None (this call's own private temporary directory), else
+    just the files ``only`` maps to their identity (:func:`written_files`) that still have it."""
     if not isinstance(prefix, str) or not prefix:
         raise ValueError("remove_own needs the temporary prefix the path was created under")
     parent, name = os.path.split(os.path.abspath(path))
@@ -201,10 +227,8 @@ def remove_own(path: str, ident: tuple, prefix: str, only=None) -> None:
             return
         if (st.st_dev, st.st_ino) != tuple(ident) or stat.S_ISLNK(st.st_mode):
             return
-        if stat.S_ISDIR(st.st_mode) and only is not None:
+        if stat.S_ISDIR(st.st_mode):
             _remove_entries(name, pfd, only)
-        elif stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(name, dir_fd=pfd, ignore_errors=True)
         else:
             os.unlink(name, dir_fd=pfd)
     finally:
@@ -212,16 +236,17 @@ def remove_own(path: str, ident: tuple, prefix: str, only=None) -> None:
 
 
 def _remove_entries(name, pfd, only):
-    """Unlink the plain files ``only`` names in directory ``name`` (of ``pfd``), then the
-    directory if that emptied it."""
+    """Unlink the plain files in directory ``name`` (of ``pfd``) — all of them, or those
+    ``only`` maps to their current identity — then the directory if that emptied it."""
     try:
         dfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=pfd)
     except OSError:
         return
     try:
-        for entry in only:
+        for entry in os.listdir(dfd) if only is None else only:
             try:
-                if stat.S_ISREG(os.stat(entry, dir_fd=dfd, follow_symlinks=False).st_mode):
+                st = os.stat(entry, dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and (only is None or _file_id(st) == tuple(only[entry])):
                     os.unlink(entry, dir_fd=dfd)
             except OSError:
                 pass

@@ -399,3 +399,39 @@ def test_force_replaces_only_what_symgraph_wrote(tmp_path):
     save_atomic(writer, str(out), force=True)
     assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "model.safetensors"])
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def test_force_keeps_a_listed_file_the_user_rewrote(tmp_path):
+    """A file symgraph wrote and the user has since rewritten (same name, other contents) is
+    no longer symgraph's: --force is refused, names it, and it stays as the user left it."""
+    from symgraph.errors import InputError
+    from symgraph.output import MARKER, save_atomic, written_files
+
+    def writer(d):
+        with open(f"{d}/model.safetensors", "wb") as f:
+            f.write(b"x")
+    out = tmp_path / "out"
+    save_atomic(writer, str(out))
+    assert set(written_files(str(out))) == {"model.safetensors", MARKER}
+    (out / "model.safetensors").write_bytes(b"the user's own weights")
+    assert set(written_files(str(out))) == {MARKER}
+    with pytest.raises(InputError, match="model.safetensors"):
+        save_atomic(writer, str(out), force=True)
+    assert (out / "model.safetensors").read_bytes() == b"the user's own weights"
+
+
+def test_remove_own_takes_only_plain_files_out_of_a_directory(tmp_path):
+    """A directory symgraph made loses the plain files in it; a subdirectory or link found
+    there is not symgraph's output: it stays, and with it the directory."""
+    from symgraph.output import identity, remove_own
+    made = tmp_path / ".out.tmp-x"
+    made.mkdir()
+    (made / "model.safetensors").write_bytes(b"x")
+    (made / "sub").mkdir()
+    (made / "sub" / "keep").write_text("k")
+    outside = tmp_path / "outside"
+    outside.write_text("o")
+    (made / "link").symlink_to(outside)
+    remove_own(str(made), identity(made), ".out.tmp-")
+    assert sorted(p.name for p in made.iterdir()) == ["link", "sub"]
+    assert (made / "sub" / "keep").read_text() == "k" and outside.read_text() == "o"
