@@ -56,6 +56,13 @@ def _inside(path: str, root: str) -> bool:
 
 def check_out(out: str, *, force: bool = False, inputs=()) -> str:
     """The absolute output path, refused (before any work) when writing it could lose data."""
+    return _vet(out, force, inputs)[0]
+
+
+def _vet(out, force, inputs) -> tuple:
+    """:func:`check_out`'s path, and what symgraph wrote into it when it is a previous output
+    (:func:`written_files`; empty otherwise): all that replacing it may delete."""
+    owned = {}
     if not out or not str(out).strip():
         raise InputError("--out is empty; expected the path of a new output directory")
     path = _real(str(out))
@@ -84,7 +91,8 @@ def check_out(out: str, *, force: bool = False, inputs=()) -> str:
         if entries and not force:
             raise InputError(f"output {out!r} already exists; pass --force to replace it, or choose a "
                              "new --out directory")
-        foreign = sorted(set(entries) - set(written_files(path))) if entries else []
+        owned = written_files(path) if entries else {}
+        foreign = sorted(set(entries) - set(owned))
         if foreign:
             raise InputError(f"output {out!r} holds {_list(foreign)}, which symgraph did not write there "
                              f"or which changed since (its {MARKER} lists what it wrote), so even "
@@ -95,7 +103,7 @@ def check_out(out: str, *, force: bool = False, inputs=()) -> str:
     except OSError as e:
         raise InputError(f"cannot write into {parent!r} ({e.strerror or e}); expected a writable "
                          "directory for --out") from None
-    return path
+    return path, owned
 
 
 def _umask_mode(base=0o777):
@@ -138,8 +146,7 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
             json.dump({**_jsonable(meta or {}), "files": written + [MARKER], "file_ids": ids}, f, indent=2)
         os.chmod(tmp, _umask_mode())
         if os.path.lexists(out):
-            check_out(out, force=force, inputs=inputs)  # still ours, right before replacing it
-            owned = written_files(out)
+            owned = _vet(out, force, inputs)[1]  # still ours, right before replacing it
             old = tempfile.mkdtemp(prefix=old_prefix, dir=parent)
             os.rmdir(old)
             os.replace(out, old)
