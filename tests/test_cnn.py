@@ -133,8 +133,9 @@ def roundtrip(model, x, seed=5):
     moved = symgraph.transform(model, report.random_transform(seed=seed, orthogonal=True))
     for b in report.buffers:  # the running statistics moved with the channels
         assert not torch.equal(moved.get_buffer(b), model.get_buffer(b)), b
-    with torch.no_grad():
-        assert torch.allclose(moved(x), model(x), atol=1e-5)
+    with torch.no_grad():  # float32 sums in another order: the tolerance scales with the outputs
+        out = model(x)
+        assert torch.allclose(moved(x), out, atol=1e-6 * max(1.0, out.abs().max().item()), rtol=1e-5)
     al = symgraph.align(model, moved, (x,))
     state = al.state(moved)
     assert set(report.buffers) <= set(state)

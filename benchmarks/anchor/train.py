@@ -1,0 +1,337 @@
+"""Train one parent of the Theus et al. (2025) Tiny Shakespeare protocol, resumably.
+
+``python -m benchmarks.anchor.train --corpus F --tokenizer DIR --seed N [--cache DIR]
+[--threads T] [--max-steps K] [--data-seed S]``
+
+Follows the authors' ``train.py`` + ``run_train.sh`` (HF Trainer, transformers 4.50.1) with the
+Trainer's defaults made explicit: AdamW (betas 0.9/0.999, eps 1e-8, lr 3e-4, weight decay 0.01 on
+all weights except biases and LayerNorm parameters), gradient-norm clipping at 1.0, cosine schedule
+over ``100 * steps_per_epoch`` steps with ``ceil(0.05 * total)`` linear warm-up steps, batch 32 with
+the last partial batch of an epoch kept, evaluation on validation every 50 steps, early stopping
+after 5 consecutive evaluations without a strict improvement, best-validation model kept and scored
+once on test. Forward/backward run under bf16 autocast on CPU; parameters and optimizer state stay
+fp32; evaluation is fp32.
+
+Seeds: ``--seed`` seeds the initialisation (``torch.manual_seed(seed)`` then building the model).
+As in the authors' code -- whose Trainer re-seeds the global RNG with ``TrainingArguments.seed``
+(default 42, never set by their script) -- the data order and the dropout masks come from a data
+seed that is the same for every parent (``--data-seed``, default 42).
+
+Cache layout (``--cache``, default ``$SYMGRAPH_CACHE/anchor`` or ``~/.cache/symgraph/anchor``):
+``tokens-<hash>.pt`` (token ids of the splits), ``parent-seed{N}.ckpt.pt`` (resume checkpoint,
+rewritten atomically at every evaluation), ``parent-seed{N}/`` (best-validation model,
+``save_pretrained`` safetensors, plus ``train_log.json``). Load a parent with
+``GPT2LMHeadModel.from_pretrained(<cache>/parent-seed{N})``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from benchmarks.anchor.data import (
+    BLOCK_SIZE,
+    AnchorError,
+    batches,
+    config,
+    default_cache,
+    lm_loss,
+    load_splits,
+    sequences,
+    steps_per_epoch,
+    test_loss,
+)
+
+DATA_SEED = 42  # HF TrainingArguments.seed default: the authors' data order and dropout seed
+
+
+def parent_dir(cache: str | os.PathLike, seed: int) -> Path:
+    """Directory of the best-validation model of parent ``seed`` (``save_pretrained`` format)."""
+    return Path(cache) / f"parent-seed{seed}"
+
+
+def checkpoint_path(cache: str | os.PathLike, seed: int) -> Path:
+    """The resume checkpoint of parent ``seed``."""
+    return Path(cache) / f"parent-seed{seed}.ckpt.pt"
+
+
+def load_parent(cache: str | os.PathLike | None, seed: int):
+    """The trained best-validation parent ``seed`` as a ``GPT2LMHeadModel`` in eval mode."""
+    from transformers import GPT2LMHeadModel
+
+    d = parent_dir(cache if cache is not None else default_cache(), seed)
+    if not (d / "config.json").is_file():
+        raise AnchorError(f"no trained parent at {d}")
+    return GPT2LMHeadModel.from_pretrained(str(d)).eval()
+
+
+def read_log(cache: str | os.PathLike, seed: int) -> dict | None:
+    """``train_log.json`` of parent ``seed``, or None."""
+    p = parent_dir(cache, seed) / "train_log.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def _atomic_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _atomic_torch(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _save_best(model, out: Path, log: dict) -> None:
+    """Replace ``out`` by a fresh ``save_pretrained`` directory (written aside, then renamed)."""
+    tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
+    for p in (tmp, old):
+        if p.exists():
+            shutil.rmtree(p)
+    model.save_pretrained(str(tmp))
+    _atomic_json(tmp / "train_log.json", log)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _write_log(out: Path, log: dict) -> None:
+    if out.is_dir():
+        _atomic_json(out / "train_log.json", log)
+
+
+def _recover_best_dir(out: Path) -> None:
+    old = out.with_name(out.name + ".old")
+    if not out.exists() and old.exists():  # crashed between the two renames of _save_best
+        os.replace(old, out)
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW groups as the HF Trainer: no decay for biases and LayerNorm parameters."""
+    decay, no_decay = [], []
+    for mod in model.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            if isinstance(mod, torch.nn.LayerNorm) or "bias" in name:
+                no_decay.append(p)
+            else:
+                decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def train(
+    corpus: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike,
+    seed: int,
+    cache: str | os.PathLike | None = None,
+    threads: int | None = None,
+    max_steps: int | None = None,
+    data_seed: int = DATA_SEED,
+    config_overrides: dict | None = None,
+    block_size: int = BLOCK_SIZE,
+    batch_size: int = 32,
+    epochs: int = 100,
+    lr: float = 3e-4,
+    weight_decay: float = 0.01,
+    warmup_ratio: float = 0.05,
+    max_grad_norm: float = 1.0,
+    eval_every: int = 50,
+    patience: int = 5,
+    bf16: bool = True,
+    log_every: int = 5,
+    echo: Callable[[str], None] | None = None,
+) -> dict:
+    """Train (or resume, or return at once if finished) parent ``seed``; returns its train log.
+
+    ``max_steps`` stops after that global step with a checkpoint (the run is not ``done``; the
+    schedule is still the full 100-epoch one). ``config_overrides``/``block_size``/``batch_size``
+    /``eval_every`` exist for tests; changing them for an existing checkpoint is an error."""
+    from transformers import GPT2LMHeadModel, get_cosine_schedule_with_warmup
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    def say(msg: str) -> None:
+        (echo or (lambda m: print(m, flush=True)))(msg)
+
+    cache = Path(cache) if cache is not None else default_cache()
+    cache.mkdir(parents=True, exist_ok=True)
+    out, ckpt_path = parent_dir(cache, seed), checkpoint_path(cache, seed)
+    _recover_best_dir(out)
+    prev = read_log(cache, seed)
+    if prev is not None and prev.get("done"):
+        say(f"seed {seed}: already trained (test loss {prev.get('final_test_loss')}), {out}")
+        return prev
+    if threads:
+        torch.set_num_threads(int(threads))
+
+    splits = load_splits(corpus, tokenizer_dir, cache=cache)
+    train_seqs = sequences(splits["train"], block_size)
+    val_seqs = sequences(splits["validation"], block_size)
+    test_seqs = sequences(splits["test"], block_size)
+    if min(train_seqs.shape[0], val_seqs.shape[0], test_seqs.shape[0]) == 0:
+        raise AnchorError(f"a split has no complete {block_size}-token sequence")
+    spe = steps_per_epoch(train_seqs.shape[0], batch_size)
+    total = epochs * spe
+    warmup = math.ceil(warmup_ratio * total)
+    cfg = config(block_size=block_size, **(config_overrides or {}))
+    protocol = dict(
+        seed=seed, data_seed=data_seed, config=cfg.to_diff_dict(), block_size=block_size,
+        batch_size=batch_size, epochs=epochs, lr=lr, weight_decay=weight_decay,
+        warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm, eval_every=eval_every,
+        patience=patience, bf16=bf16, n_train=int(train_seqs.shape[0]),
+        n_val=int(val_seqs.shape[0]), n_test=int(test_seqs.shape[0]),
+    )
+    protocol["config"].pop("transformers_version", None)
+
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(cfg)
+    model.train()
+    opt = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    sched = get_cosine_schedule_with_warmup(opt, warmup, total)
+    torch.manual_seed(data_seed)  # the dropout stream (global RNG), same for every parent
+
+    st = dict(step=0, epoch=0, batch=0, best_val=None, best_step=None, bad_evals=0, done=False)
+    log = dict(
+        seed=seed, data_seed=data_seed, protocol=protocol, steps_per_epoch=spe, total_steps=total,
+        warmup_steps=warmup, n_params=sum(p.numel() for p in model.parameters()), train_loss=[],
+        step_seconds=[], evals=[], best_step=None, best_val_loss=None, final_test_loss=None,
+        stop_reason=None, done=False, wall_seconds=0.0,
+    )
+    if ckpt_path.is_file():
+        ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        if ck["protocol"] != protocol:
+            raise AnchorError(f"checkpoint {ckpt_path} was made with other settings; remove it to restart")
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        torch.set_rng_state(ck["rng"])
+        st, log = ck["state"], ck["log"]
+        say(f"seed {seed}: resumed at step {st['step']} (epoch {st['epoch']}, batch {st['batch']})")
+    else:
+        say(f"seed {seed}: {log['n_params']} params, {protocol['n_train']}/{protocol['n_val']}/"
+            f"{protocol['n_test']} train/val/test sequences of {block_size}, {spe} steps/epoch, "
+            f"{total} steps max, {warmup} warm-up")
+
+    def checkpoint() -> None:
+        _atomic_torch(ckpt_path, dict(
+            protocol=protocol, model=model.state_dict(), optimizer=opt.state_dict(),
+            scheduler=sched.state_dict(), rng=torch.get_rng_state(), state=st, log=log))
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    window: list[tuple[float, float]] = []
+    stop = None
+    while st["epoch"] < epochs and stop is None:
+        for xb in batches(train_seqs, batch_size, seed=data_seed, epoch=st["epoch"], start=st["batch"]):
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = model(input_ids=xb).logits
+            loss = lm_loss(logits, xb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            opt.step()
+            sched.step()
+            dt = time.perf_counter() - t0
+            st["step"] += 1
+            st["batch"] += 1
+            lv = loss.item()
+            log["train_loss"].append(round(lv, 6))
+            log["step_seconds"].append(round(dt, 4))
+            log["wall_seconds"] += dt
+            window.append((lv, dt))
+            step = st["step"]
+            if step % eval_every == 0:
+                t1 = time.perf_counter()
+                val = test_loss(model, val_seqs)
+                ev_s = time.perf_counter() - t1
+                log["wall_seconds"] += ev_s
+                best = st["best_val"] is None or (val < st["best_val"] and abs(val - st["best_val"]) > 0.0)
+                if best:
+                    st.update(best_val=val, best_step=step, bad_evals=0)
+                    log.update(best_step=step, best_val_loss=val)
+                else:
+                    st["bad_evals"] += 1
+                log["evals"].append(dict(step=step, epoch=round(step / spe, 3), val_loss=round(val, 6),
+                                         best=best, eval_seconds=round(ev_s, 2)))
+                if st["bad_evals"] >= patience:
+                    stop = "early_stop"
+                if best:
+                    _save_best(model, out, log)
+                else:
+                    _write_log(out, log)
+                tl = sum(w[0] for w in window) / max(len(window), 1)
+                tag = " *best*" if best else f" (no gain {st['bad_evals']}/{patience})"
+                say(f"step {step} ep {step / spe:.2f} train {tl:.4f} val {val:.4f}{tag} "
+                    f"lr {sched.get_last_lr()[0]:.2e} {dt:.2f} s/step eval {ev_s:.1f} s")
+                window = []
+            elif step % log_every == 0 or step <= 3:
+                tl = sum(w[0] for w in window) / len(window)
+                ts = sum(w[1] for w in window) / len(window)
+                say(f"step {step} ep {step / spe:.2f} train {tl:.4f} lr {sched.get_last_lr()[0]:.2e} "
+                    f"{ts:.2f} s/step")
+                if step > 3:
+                    window = []
+            if stop is None and max_steps is not None and step >= max_steps:
+                stop = "max_steps"
+            if step % eval_every == 0 or stop is not None:
+                if stop is None or stop == "max_steps":
+                    checkpoint()
+            if stop is not None:
+                break
+        else:
+            st["epoch"] += 1
+            st["batch"] = 0
+    if stop == "max_steps":
+        say(f"seed {seed}: stopped at step {st['step']} (--max-steps), checkpoint {ckpt_path}")
+        return log
+    log["stop_reason"] = stop or "epochs"
+    if st["best_step"] is None:  # never evaluated: keep the final model as the parent
+        val = test_loss(model, val_seqs)
+        st.update(best_val=val, best_step=st["step"])
+        log.update(best_step=st["step"], best_val_loss=val)
+        _save_best(model, out, log)
+    best_model = GPT2LMHeadModel.from_pretrained(str(out))
+    log["final_test_loss"] = test_loss(best_model, test_seqs)
+    log["done"] = st["done"] = True
+    _write_log(out, log)
+    checkpoint()
+    say(f"seed {seed}: done ({log['stop_reason']}) at step {st['step']}, best step {log['best_step']} "
+        f"val {log['best_val_loss']:.4f} test {log['final_test_loss']:.4f} -> {out}")
+    return log
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.anchor.train", description=__doc__.split("\n")[0])
+    p.add_argument("--corpus", required=True, help="tinyshakespeare.txt")
+    p.add_argument("--tokenizer", required=True, help="GPT-2 tokenizer directory")
+    p.add_argument("--seed", type=int, required=True, help="initialisation seed of this parent")
+    p.add_argument("--cache", default=None, help="cache dir (default $SYMGRAPH_CACHE/anchor)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--max-steps", type=int, default=None, help="stop (resumably) after this step")
+    p.add_argument("--data-seed", type=int, default=DATA_SEED,
+                   help="data-order and dropout seed (authors: 42 for every parent)")
+    a = p.parse_args(argv)
+    try:
+        train(a.corpus, a.tokenizer, a.seed, cache=a.cache, threads=a.threads,
+              max_steps=a.max_steps, data_seed=a.data_seed)
+    except AnchorError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

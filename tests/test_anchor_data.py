@@ -1,0 +1,168 @@
+"""Fast tests of the Theus et al. (2025) anchor protocol (benchmarks.anchor): data split,
+sequence cutting, batching, errors, evaluation, and bit-exact resumable training of a tiny model."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.anchor import data
+from benchmarks.anchor import train as tr
+
+TOKENIZER = Path("/work/shared/anchors/theus2025/gpt2_tokenizer")
+needs_tokenizer = pytest.mark.skipif(not (TOKENIZER / "tokenizer.json").is_file(),
+                                     reason="GPT-2 tokenizer files not available")
+
+TINY = dict(n_embd=8, n_layer=1, n_head=2, n_inner=16)
+
+
+def synthetic_text(n_lines: int = 120) -> str:
+    g = torch.Generator().manual_seed(0)
+    words = ["thou", "art", "the", "king", "of", "my", "heart", "and", "ROMEO:", "JULIET:",
+             "what", "light", "through", "yonder", "window", "breaks", "love", ",", ".", "!"]
+    lines = []
+    for _ in range(n_lines):
+        k = int(torch.randint(3, 12, (1,), generator=g))
+        idx = torch.randint(0, len(words), (k,), generator=g).tolist()
+        lines.append(" ".join(words[i] for i in idx))
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    p = tmp_path / "tiny.txt"
+    p.write_text(synthetic_text(), encoding="utf-8")
+    return p
+
+
+def test_split_text_contiguous_90_5_5():
+    text = synthetic_text()
+    n = len(text)
+    tr_, va, te = data.split_text(text)
+    assert tr_ + va + te == text
+    assert len(te) == round(n * 0.05) and len(va) == round(n * 0.05)
+    assert len(tr_) == n - len(va) - len(te)
+    assert abs(len(tr_) / n - 0.9) < 1e-3
+
+
+@needs_tokenizer
+def test_load_splits_tokenizes_each_split_whole(corpus, tmp_path):
+    text = corpus.read_text(encoding="utf-8")
+    splits = data.load_splits(corpus, TOKENIZER, cache=tmp_path / "c")
+    tok = data.load_tokenizer(TOKENIZER)
+    for ids, part in zip((splits[k] for k in data.SPLITS), data.split_text(text)):
+        assert ids.dtype == torch.long
+        assert ids.tolist() == tok(part)["input_ids"]
+    assert tok.decode(splits["train"].tolist()) + tok.decode(splits["validation"].tolist()) \
+        + tok.decode(splits["test"].tolist()) == text
+    # second call reads the cache and gives the same tensors
+    assert len(list((tmp_path / "c").glob("tokens-*.pt"))) == 1
+    again = data.load_splits(corpus, TOKENIZER, cache=tmp_path / "c")
+    for k in data.SPLITS:
+        assert torch.equal(again[k], splits[k])
+
+
+def test_sequences_non_overlapping_256_drop_tail():
+    ids = torch.arange(3 * 256 + 100)
+    seqs = data.sequences(ids)
+    assert seqs.shape == (3, 256)
+    assert torch.equal(seqs.reshape(-1), ids[: 3 * 256])  # from token 0, contiguous, tail dropped
+    assert data.sequences(torch.arange(255)).shape == (0, 256)
+
+
+def test_batches_cover_the_split_each_epoch():
+    seqs = data.sequences(torch.arange(10 * 256))
+    assert data.steps_per_epoch(10, 4) == 3
+    for epoch in (0, 1):
+        got = list(data.batches(seqs, 4, seed=42, epoch=epoch))
+        assert [b.shape[0] for b in got] == [4, 4, 2]  # last partial batch kept
+        firsts = torch.cat([b[:, 0] for b in got]) // 256
+        assert sorted(firsts.tolist()) == list(range(10))
+        assert all(b.shape[1] == 256 for b in got)
+    e0 = torch.cat(list(data.batches(seqs, 4, seed=42, epoch=0)))
+    e1 = torch.cat(list(data.batches(seqs, 4, seed=42, epoch=1)))
+    assert not torch.equal(e0, e1)
+    tail = torch.cat(list(data.batches(seqs, 4, seed=42, epoch=0, start=1)))
+    assert torch.equal(tail, e0[4:])
+    assert torch.equal(torch.cat(list(data.batches(seqs, 4))), seqs)
+
+
+def test_missing_paths_raise_one_line_error(tmp_path, corpus, capsys):
+    with pytest.raises(data.AnchorError) as e:
+        data.load_splits(tmp_path / "nope.txt", TOKENIZER, cache=False)
+    assert "corpus" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(data.AnchorError) as e:
+        data.load_splits(corpus, tmp_path / "no_tok", cache=False)
+    assert "tokenizer" in str(e.value) and "\n" not in str(e.value)
+    rc = tr.main(["--corpus", str(tmp_path / "nope.txt"), "--tokenizer", str(TOKENIZER),
+                  "--seed", "0", "--cache", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("error: corpus file not found")
+
+
+def test_config_is_the_protocol():
+    c = data.config()
+    assert (c.n_layer, c.n_head, c.n_embd, c.n_inner, c.n_positions) == (6, 4, 256, 1024, 256)
+    assert c.tie_word_embeddings is False and c.activation_function == "gelu_new"
+    assert (c.resid_pdrop, c.embd_pdrop, c.attn_pdrop) == (0.1, 0.1, 0.1)
+    assert c.vocab_size == 50257
+
+
+def test_test_loss_matches_hf_loss_in_eval_mode():
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(data.config(vocab_size=97, block_size=16, **TINY)).train()
+    seqs = torch.randint(0, 97, (5, 16))
+    got = data.test_loss(model, seqs, batch_size=2, block_size=16)
+    assert model.training  # mode restored
+    model.eval()
+    with torch.no_grad():
+        ref = model(input_ids=seqs, labels=seqs).loss
+    torch.testing.assert_close(torch.tensor(got), ref.float(), rtol=1e-5, atol=1e-5)
+
+
+def _tiny_train(corpus, cache, **kw):
+    args = dict(config_overrides=TINY, block_size=16, batch_size=2, eval_every=1000, threads=None,
+                echo=lambda m: None)
+    args.update(kw)
+    return tr.train(corpus, TOKENIZER, 3, cache=cache, **args)
+
+
+def _ckpt(cache):
+    return torch.load(tr.checkpoint_path(cache, 3), map_location="cpu", weights_only=False)
+
+
+@needs_tokenizer
+def test_resume_gives_the_same_weights(corpus, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _tiny_train(corpus, a, max_steps=2)  # uninterrupted
+    _tiny_train(corpus, b, max_steps=1)  # interrupted after step 1 ...
+    assert _ckpt(b)["state"]["step"] == 1
+    _tiny_train(corpus, b, max_steps=2)  # ... and resumed
+    ca, cb = _ckpt(a), _ckpt(b)
+    assert ca["state"]["step"] == cb["state"]["step"] == 2
+    torch.testing.assert_close(cb["model"], ca["model"], rtol=0, atol=0)
+    torch.testing.assert_close(cb["optimizer"]["state"], ca["optimizer"]["state"], rtol=0, atol=0)
+    assert cb["scheduler"]["last_epoch"] == ca["scheduler"]["last_epoch"] == 2
+    assert ca["log"]["train_loss"] == cb["log"]["train_loss"]
+    # no temp files left behind by the atomic writes
+    assert not any(f.name.endswith(".tmp" + str(os.getpid())) for f in b.iterdir())
+
+
+@needs_tokenizer
+def test_full_tiny_run_early_stops_keeps_best_and_returns_when_done(corpus, tmp_path):
+    cache = tmp_path / "c"
+    log = _tiny_train(corpus, cache, epochs=2, eval_every=3, patience=2, lr=0.0)
+    assert log["done"]
+    assert log["stop_reason"] == "early_stop"  # lr 0: the loss never strictly improves
+    assert log["best_step"] == 3 and [e["best"] for e in log["evals"]] == [True, False, False]
+    parent = tr.load_parent(cache, 3)
+    splits = data.load_splits(corpus, TOKENIZER, cache=cache)
+    assert log["final_test_loss"] == pytest.approx(
+        data.test_loss(parent, splits["test"], block_size=16), rel=1e-6)
+    again = _tiny_train(corpus, cache, epochs=2, eval_every=3, patience=2, lr=0.0)
+    assert again == tr.read_log(cache, 3) and again["done"]
