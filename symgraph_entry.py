@@ -5,7 +5,7 @@ import sys
 
 def main():
     try:
-        from symgraph.cli import main as run
+        from symgraph.cli.main import main as run
     except KeyboardInterrupt:
         sys.stderr.write("symgraph: interrupted (Ctrl-C) while starting; nothing was written\n")
         sys.exit(130)

@@ -1,8 +1,8 @@
-"""Benchmark: ``symgraph.align`` on a BERT-base-shaped pair vs a plain seed-003 matching.
+"""Benchmark: ``symgraph.align`` on a BERT-base-shaped pair vs a plain Zhang et al. 2024 matching.
 
 Both models have random weights (12 layers, hidden 768, MLP 3072, 12 heads); B is a random
 symmetry transform of A, so the alignment has a known answer. In the same run we time a plain
-re-implementation of seed 003's matching (FFN Hungarian + per-head Procrustes on QK and VO, no
+re-implementation of Zhang et al. 2024's matching (FFN Hungarian + per-head Procrustes on QK and VO, no
 residual or head permutation) and report the ratio, the share of time in the assignment/SVD
 solvers, and peak resident memory during `align` (sampled from /proc) relative to the two
 models' weights. The same alignment is also timed with the row-maxima certificate off (every
@@ -24,7 +24,7 @@ from .speed import _rss_now_mb, peak_rss
 
 
 def seed003_matching(A, B, layers, heads):
-    """FFN Hungarian + per-head Procrustes (QK and VO), from weights (seed 003's recipe), in the
+    """FFN Hungarian + per-head Procrustes (QK and VO), from weights (Zhang et al. 2024's recipe), in the
     weights' own dtype, as a plain implementation would run it."""
     solver_s = 0.0
     t0 = time.perf_counter()

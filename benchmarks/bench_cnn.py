@@ -119,7 +119,7 @@ def _checkpoint_dir(seed: int, size: str, steps: int) -> Path:
 def train_cnn(seed: int, size: str = "quick", steps: int | None = None) -> tuple:
     """``(model, training info)``: :class:`DigitsCNN` trained from ``seed`` (see the module
     docstring), loaded from the cache when there."""
-    from symgraph import models
+    from symgraph.testing import models
 
     from . import data, train
     steps = STEPS[size] if steps is None else int(steps)

@@ -1,5 +1,5 @@
 """Benchmark: fine-tune after fusion (Imfeld et al., ICLR 2024, "Transformer fusion with optimal
-transport", seed 004).
+transport", Imfeld et al. 2024).
 
 The paper's claim: a fused transformer, after a short fine-tuning, beats its converged parents.
 The protocol here, for each pair of parents (A, B) from :func:`benchmarks.train.train_model`:
@@ -11,9 +11,9 @@ The protocol here, for each pair of parents (A, B) from :func:`benchmarks.train.
   (``vanilla``), which is defined only when A and B have the same parameter shapes (for a
   narrow/wide pair the record says so and has no vanilla contestant);
 * **fine-tuning** -- every contestant is trained for the same ``K`` AdamW steps by
-  :func:`symgraph.models.train` with the suite's optimiser settings (:mod:`benchmarks.train`:
+  :func:`symgraph.testing.models.train` with the suite's optimiser settings (:mod:`benchmarks.train`:
   betas, weight decay on matrices only, gradient clipping) and schedule
-  (:func:`symgraph.models.warmup_cosine` over the ``K`` steps, warm-up 5%, decay to 10% of the
+  (:func:`symgraph.testing.models.warmup_cosine` over the ``K`` steps, warm-up 5%, decay to 10% of the
   peak), the zoo's batch size, and the same training batches in the same order (the suite's
   sampler with a fresh ``torch.Generator`` seeded with :data:`FINETUNE_DATA_SEED`, a seed no
   parent was trained with);
@@ -103,7 +103,7 @@ def _check_pair(pair) -> None:
 def _finetune(model, arch: str, K: int, eval_every: int, lr: float, batch_size: int, data_seed: int,
               loss_fn) -> dict:
     """Fine-tune a copy of ``model`` for ``K`` steps; the held-out loss every ``eval_every`` steps."""
-    from symgraph import models
+    from symgraph.testing import models
 
     from . import evaluate, train, zoo
     model = copy.deepcopy(model)

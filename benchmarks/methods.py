@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 import symgraph
-from symgraph.groups import PERMUTATION_FAMILY
+from symgraph.core.groups import PERMUTATION_FAMILY
 
 __all__ = ["Pair", "Outcome", "Roles", "roles", "METHODS", "DEVIATIONS", "SINKHORN_REG",
            "vanilla", "seed002", "seed003", "seed003_rescale", "seed004",
@@ -38,7 +38,7 @@ __all__ = ["Pair", "Outcome", "Roles", "roles", "METHODS", "DEVIATIONS", "SINKHO
            "symgraph_weights_perm", "symgraph_activations_perm", "symgraph_weights",
            "symgraph_activations", "symgraph_refine", "vanilla_repair", "symgraph_repair"]
 
-#: Entropic regularisation of seed 004's Sinkhorn maps (its ViT config: 0.08 with activations).
+#: Entropic regularisation of Imfeld et al. 2024's Sinkhorn maps (its ViT config: 0.08 with activations).
 SINKHORN_REG = 0.08
 
 
@@ -146,7 +146,7 @@ def vanilla(p: Pair) -> Outcome:
 
 
 def seed002(p: Pair) -> Outcome:
-    """Verma & Elbayad (seed 002): permutations from activation correlations.
+    """Verma & Elbayad 2024: permutations from activation correlations.
 
     Aligned: MLP units (Hungarian on cross-correlation), residual stream (one permutation for
     the whole stream, the paper's "All"), attention heads by nested matching (outer Hungarian
@@ -173,7 +173,7 @@ def seed002(p: Pair) -> Outcome:
 
 
 def _tie_qk_to_vo(report, r: Roles, al) -> int:
-    """Give each QK-inner class the VO-inner element of its heads (seed 002's shared P_MHA)."""
+    """Give each QK-inner class the VO-inner element of its heads (Verma & Elbayad 2024's shared P_MHA)."""
     ga = report.groups
     n = 0
     for qk in sorted(r.qk_inner):
@@ -189,7 +189,7 @@ def _tie_qk_to_vo(report, r: Roles, al) -> int:
 
 
 def seed003(p: Pair) -> Outcome:
-    """Zhang et al. (seed 003, the method of seed 000): data-free matching from weights.
+    """Zhang et al. 2024: data-free matching from weights.
 
     Aligned: MLP units by Hungarian on the weight inner products of both MLP matrices (and
     bias); per attention head an orthogonal Procrustes rotation for the QK pair and one for
@@ -225,7 +225,7 @@ def seed003_rescale(p: Pair) -> Outcome:
 
 
 def seed004(p: Pair) -> Outcome:
-    """Imfeld et al. (seed 004): OT fusion with soft Sinkhorn transport maps from activations.
+    """Imfeld et al. 2024: OT fusion with soft Sinkhorn transport maps from activations.
 
     As in the seed's ViT configuration: activation-based ground metric, Sinkhorn with
     regularisation :data:`SINKHORN_REG` (0.08), soft maps for the MLP units and the residual
@@ -329,19 +329,19 @@ def symgraph_repair(p: Pair) -> Outcome:
 
 
 def fisher(p: Pair) -> Outcome:
-    """Fisher merging (seed 000's base): diagonal Fisher of each model's own predictions on
+    """Fisher merging (Zhang et al. 2024's base): diagonal Fisher of each model's own predictions on
     the alignment data, no alignment."""
     return _merge(p, "fisher", None)
 
 
 def fisher_aligned(p: Pair) -> Outcome:
-    """Fisher merging after symgraph's weight matching (seed 000's "+match" uses data-free
-    matching; here it is symgraph's full alignment rather than seed 003's subset)."""
+    """Fisher merging after symgraph's weight matching (Zhang et al. 2024's "+match" uses data-free
+    matching; here it is symgraph's full alignment rather than Zhang et al. 2024's subset)."""
     return _merge(p, "fisher", "weights")
 
 
 def regmean(p: Pair) -> Outcome:
-    """RegMean (seed 000's base): per linear layer ``(Σ W_i G_i)(Σ G_i)^{-1}`` with input Grams
+    """RegMean (Zhang et al. 2024's base): per linear layer ``(Σ W_i G_i)(Σ G_i)^{-1}`` with input Grams
     regularised towards their diagonal (α = 0.9), no alignment."""
     return _merge(p, "regmean", None)
 
@@ -356,7 +356,7 @@ METHODS: dict[str, tuple[Callable[[Pair], Outcome], str]] = {
     "vanilla": (vanilla, "plain averaging"),
     "seed002": (seed002, "Verma & Elbayad: activation perms (FFN, heads nested, residual)"),
     "seed003": (seed003, "Zhang et al.: FFN Hungarian + per-head Procrustes QK/VO, weights"),
-    "seed003_rescale": (seed003_rescale, "seed 003 + per-head scalar rescaling"),
+    "seed003_rescale": (seed003_rescale, "Zhang et al. 2024 + per-head scalar rescaling"),
     "seed004": (seed004, "Imfeld et al.: OT fusion, soft Sinkhorn maps from activations"),
     "fisher": (fisher, "Fisher merging, no alignment"),
     "fisher_aligned": (fisher_aligned, "Fisher merging after symgraph weight matching"),
@@ -390,6 +390,6 @@ DEVIATIONS = {
                "the 'mean' policy; heads matched by exact OT (hard) with a Hungarian map inside "
                "each head and Q/K sharing it, where the seed ignores heads with separate soft "
                "maps for Q, K, V; cost max(corr)-corr instead of Euclidean distance.",
-    "fisher_aligned": "alignment is symgraph's full weight matching, not seed 003's subset.",
-    "regmean_aligned": "alignment is symgraph's full weight matching, not seed 003's subset.",
+    "fisher_aligned": "alignment is symgraph's full weight matching, not Zhang et al. 2024's subset.",
+    "regmean_aligned": "alignment is symgraph's full weight matching, not Zhang et al. 2024's subset.",
 }

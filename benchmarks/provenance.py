@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from symgraph.output import identity, remove_own
+from symgraph.checkpoints.outdir import identity, remove_own
 
 __all__ = ["REPO_ROOT", "git_state", "jsonable", "write_json", "staged"]
 

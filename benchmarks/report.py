@@ -288,7 +288,7 @@ def _speed_section(records, archs):
         d = json.loads(Path(path).read_text())
         L += ["", f"**BERT-base-shaped align** (`benchmarks/results/{os.path.basename(path)}`): {d.get('config')}; "
               f"align {d['align_seconds']:.1f} s (solver share {d['align_solver_share']:.0%}, {d.get('sweeps')} sweeps) "
-              f"vs a plain seed-003 matching {d['seed003_seconds']:.1f} s (ratio {d['ratio_align_over_seed003']:.2f}×); "
+              f"vs a plain Zhang et al. 2024 matching {d['seed003_seconds']:.1f} s (ratio {d['ratio_align_over_seed003']:.2f}×); "
               f"peak RSS {d['peak_rss_mb']:.0f} MB = {d['peak_over_weights']:.1f}× the two models' weights; "
               f"exact-recovery error {d['recovery_max_rel_error']:.1e}."]
     p8 = RESULTS_DIR / "analyze_8b.json"

@@ -2,7 +2,7 @@
 
 :func:`train_model` trains ``arch`` from seed ``seed`` with AdamW (linear
 warm-up, cosine decay to 10% of the peak rate, weight decay on matrices only,
-gradient clipping; the loop is :func:`symgraph.models.train`) and caches the
+gradient clipping; the loop is :func:`symgraph.testing.models.train`) and caches the
 result. The seed fixes both the initialisation
 (:func:`benchmarks.zoo.build_model`) and the data order (a ``torch.Generator``
 seeded with ``seed + DATA_SEED_OFFSET`` draws the training blocks / images and
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from symgraph import models
+from symgraph.testing import models
 
 from . import data, evaluate, zoo
 
@@ -221,7 +221,7 @@ def _batch_sampler(spec: zoo.ModelSpec, batch_size: int, gen: torch.Generator):
 
 
 def _fit(model: torch.nn.Module, arch: str, size: str, seed: int, steps: int, verbose: bool) -> list[float]:
-    """Train ``model`` in place (:func:`symgraph.models.train`); return the per-step training losses."""
+    """Train ``model`` in place (:func:`symgraph.testing.models.train`); return the per-step training losses."""
     spec = zoo.get_spec(arch)
     setting = spec.setting(size)
     gen = torch.Generator().manual_seed(seed + DATA_SEED_OFFSET)

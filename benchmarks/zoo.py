@@ -30,7 +30,7 @@ Conventions shared by all models:
 * a model built with :func:`build_model` for a given seed is bit-identical
   across calls (``torch.manual_seed(seed)`` immediately before construction).
 
-Configs and models are built by :mod:`symgraph.models` (the one builder of tiny
+Configs and models are built by :mod:`symgraph.testing.models` (the one builder of tiny
 models); this module holds only the table of sizes and training budgets.
 
 ``gpt2`` and ``gpt2_wide`` (:data:`WIDE_NARROW_PAIR`) differ only in MLP width
@@ -52,7 +52,7 @@ from typing import Any, Mapping
 
 import torch
 
-from symgraph import models
+from symgraph.testing import models
 
 from . import data
 
@@ -253,7 +253,7 @@ def get_setting(arch: str, size: str = "quick") -> SizeSetting:
 
 
 def _overrides(spec: ModelSpec, size: str) -> dict[str, Any]:
-    """The :func:`symgraph.models.config` keywords of ``spec`` at ``size``."""
+    """The :func:`symgraph.testing.models.config` keywords of ``spec`` at ``size``."""
     s = spec.setting(size)
     sizes = dict(hidden=s.hidden, layers=s.layers, heads=s.heads, mlp=s.mlp_width)
     tokens = dict(bos_token_id=data.PAD_ID, eos_token_id=data.PAD_ID, pad_token_id=data.PAD_ID)
@@ -275,7 +275,7 @@ def _overrides(spec: ModelSpec, size: str) -> dict[str, Any]:
 
 
 def make_config(arch: str, size: str = "quick"):
-    """Build the Hugging Face config of a zoo model (through :func:`symgraph.models.config`).
+    """Build the Hugging Face config of a zoo model (through :func:`symgraph.testing.models.config`).
 
     Parameters
     ----------
@@ -305,7 +305,7 @@ def build_model(
     size: str = "quick",
     attn_implementation: str | None = None,
 ) -> torch.nn.Module:
-    """Build a randomly initialised zoo model (through :func:`symgraph.models.build`).
+    """Build a randomly initialised zoo model (through :func:`symgraph.testing.models.build`).
 
     Parameters
     ----------

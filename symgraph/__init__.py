@@ -9,15 +9,14 @@ This module only re-exports; see README "Architecture" for where each piece live
 from __future__ import annotations
 
 from .alignment import AlignOptions, Alignment, align
-from .api import analyze, tied_parameters
-from .apply import transform
-from .errors import (CertificationError, InputError, StructureMismatchError, SymgraphError,
-                     TraceError, UnsupportedOpError)
-from .evaluate import interpolate, loss_barrier
+from .report.api import analyze, tied_parameters
+from .transform.apply import transform
+from .errors import CertificationError, InputError, StructureMismatchError, SymgraphError, TraceError, UnsupportedOpError
+from .merging.barrier import interpolate, loss_barrier
 from .merging import MergeResult, merge, merge_methods, register_merge
-from .report import Group, SymmetryReport, Transform
-from .resize import ResizeResult, resize
-from .streaming import merge_checkpoints
+from .report.symmetry import Group, SymmetryReport, Transform
+from .merging.resize import ResizeResult, resize
+from .merging.streaming import merge_checkpoints
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,5 @@
 """Shared tiny-model fixtures: random-weight, two-layer models of the architectures symgraph
-must understand (built by :mod:`symgraph.models`), each analysed once per session.
+must understand (built by :mod:`symgraph.testing.models`), each analysed once per session.
 
 Every 1-d parameter (norm weights, biases) is re-drawn at random: Hugging Face initialises
 norm weights to ones and biases to zeros, which every permutation leaves unchanged and would
@@ -20,8 +20,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import symgraph  # noqa: E402
-from symgraph import models  # noqa: E402
-from symgraph.models import randomize_vectors  # noqa: E402, F401 - re-exported for tests
+from symgraph.testing import models  # noqa: E402
+from symgraph.testing.models import randomize_vectors  # noqa: E402, F401 - re-exported for tests
 
 transformers.logging.set_verbosity_error()
 
@@ -42,12 +42,12 @@ class Tiny:
 
 # --- builders (also used directly by tests that need a fresh model) -------------------------
 # The fixtures' configs keep Hugging Face's default use_cache (and GPT-2 no pad token): they
-# predate symgraph.models' conventions, and tests may compare against them.
+# predate symgraph.testing.models' conventions, and tests may compare against them.
 _LEGACY = {"gpt2": {"pad_token_id": None}}
 
 
 def build_hf(name, seed=0, device=None):
-    """``(model, config)``: the tiny ``name`` model of :mod:`symgraph.models` (two layers,
+    """``(model, config)``: the tiny ``name`` model of :mod:`symgraph.testing.models` (two layers,
     seed ``seed``, eval mode), its 1-d parameters re-drawn unless built on ``device``."""
     model = models.build(name, seed, device=device, use_cache=None, **_LEGACY.get(name, {}))
     if device is None:
@@ -132,5 +132,5 @@ CLI_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
 
 def cli(*args, cwd=None, timeout=180):
     """Run ``python -m symgraph.cli *args``; returns the CompletedProcess (text output)."""
-    return subprocess.run([sys.executable, "-m", "symgraph.cli", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "symgraph", *map(str, args)],
                           capture_output=True, text=True, env=CLI_ENV, cwd=cwd, timeout=timeout)

@@ -15,11 +15,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import symgraph  # noqa: E402
-from symgraph import distributed, models  # noqa: E402
+from symgraph.core import distributed  # noqa: E402
+from symgraph.testing import models  # noqa: E402
 from symgraph.alignment.activations import ActStats, activation_similarity  # noqa: E402
-from symgraph.elements import Perm  # noqa: E402
-from symgraph.merging.fisher import Fisher  # noqa: E402
-from symgraph.merging.regmean import RegMean  # noqa: E402
+from symgraph.core.elements import Perm  # noqa: E402
+from symgraph.merging.methods.fisher import Fisher  # noqa: E402
+from symgraph.merging.methods.regmean import RegMean  # noqa: E402
 
 BATCHES, BATCH, SEQ = 5, 2, 8  # 5 batches: uneven shards of 3 and 2
 

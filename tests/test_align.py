@@ -10,7 +10,7 @@ from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadMod
                           LlamaForCausalLM, ViTConfig, ViTForImageClassification)
 
 import symgraph
-import symgraph.demo
+import symgraph.cli.demo
 
 transformers.logging.set_verbosity_error()
 V = 50
@@ -229,7 +229,7 @@ def test_trained_transformers_aligned_merge_beats_vanilla(arch, one_thread):
     """Two byte-level LMs trained for a few seconds from different seeds (init and data order)
     on pydoc prose: merged at λ=0.5, alignment by weights and by activations both give a lower
     held-out loss than plain averaging."""
-    train, held = symgraph.demo.corpus()
+    train, held = symgraph.cli.demo.corpus()
     A, B = _trained_lm(arch, 0, train), _trained_lm(arch, 1, train)
     ev = _byte_batches(held, 4, 32, 7)
 
@@ -281,7 +281,7 @@ def test_widening_hidden_fuses_back():
 
 def test_rescale_recovers_per_head_scaling():
     """B = A moved by rotations *and* per-head scalars on the GL (QK, VO) classes: rotations
-    alone leave B off A by the scalars; ``rescale=True`` (seed 003) fits them back exactly."""
+    alone leave B off A by the scalars; ``rescale=True`` (Zhang et al. 2024) fits them back exactly."""
     torch.manual_seed(0)
     A = _bert().eval()
     rep = symgraph.analyze(A)
@@ -342,7 +342,7 @@ def test_exact_recovery_more_architectures(name, one_thread):
 
 @pytest.mark.parametrize("inner", ["hungarian", "procrustes"])
 def test_heads_paired_by_index_when_head_class_not_selected(inner):
-    """``groups=`` leaving the head permutation out (seed 003's setting): heads stay paired by
+    """``groups=`` leaving the head permutation out (Zhang et al. 2024's setting): heads stay paired by
     index and each head's inner element is solved, by assignment or by rotation."""
     torch.manual_seed(0)
     A = _bert().eval()
@@ -391,4 +391,4 @@ def test_transport_solvers_recover_a_permuted_copy(solver, reg):
     al = symgraph.align(A, B, solver=solver, reg=reg)
     assert _rel_params(A, al.apply(B)) < 1e-6
     if solver == "ot":  # head and unit permutations come out as permutations
-        assert all(not isinstance(e, symgraph.elements.Map) for e in al.elements.values())
+        assert all(not isinstance(e, symgraph.core.elements.Map) for e in al.elements.values())

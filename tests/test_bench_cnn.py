@@ -12,6 +12,8 @@ from benchmarks import __main__ as runner
 from benchmarks import bench_cnn
 from benchmarks.provenance import jsonable
 
+pytestmark = pytest.mark.slow  # trains 2 CNNs in its fixture (~10 s of CPU)
+
 STEPS = 30
 METHODS = ["vanilla", "vanilla+repair", "weights", "weights+repair", "activations",
            "activations+repair"]

@@ -196,6 +196,7 @@ def _state_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.slow  # trains (3 steps) and reloads: ~15 s per arch
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
 def test_cache_round_trip(tmp_path, monkeypatch, arch):
     monkeypatch.setenv("SYMGRAPH_CACHE", str(tmp_path))
@@ -219,6 +220,7 @@ def test_cache_round_trip(tmp_path, monkeypatch, arch):
     assert not train.is_cached(arch, 1, steps=3) and not train.is_cached(arch, 0, steps=4)
 
 
+@pytest.mark.slow  # trains three models: ~10 s
 def test_training_is_deterministic_and_seed_dependent():
     a = train.train_model("llama", 5, steps=2, use_cache=False)
     b = train.train_model("llama", 5, steps=2, use_cache=False)

@@ -16,6 +16,8 @@ import torch
 import symgraph
 from benchmarks import bench_finetune, evaluate, speed, train, zoo
 
+pytestmark = pytest.mark.slow  # trains parents and fine-tunes merges in its fixture (setup ~10-55 s)
+
 STEPS = 10          # parent training steps
 K, EVERY = 4, 2     # fine-tuning budget and evaluation interval
 EVAL_BATCHES = 2

@@ -17,6 +17,8 @@ import symgraph
 from benchmarks import __main__ as runner
 from benchmarks import evaluate, methods, train, zoo
 
+pytestmark = pytest.mark.slow  # trains the suite's parents in its fixture (setup 35 s to minutes)
+
 STEPS = 20
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from benchmarks import bench_universe, train
 
+pytestmark = pytest.mark.slow  # trains 3 ViTs and runs universe alignment in its fixture (setup minutes)
+
 STEPS = 10
 
 

@@ -188,9 +188,9 @@ def test_merge_refusals(ckpts, tmp_path, case):
 def test_analyze_refusals(ckpts, tmp_path):
     refused(cli("analyze", tmp_path / "nowhere"), "does not exist")
     # an untraceable model: the CLI turns the TraceError into a refusal with a hint
-    code = ("import sys, symgraph, symgraph.api, symgraph.cli as c\n"
+    code = ("import sys, symgraph, symgraph.report.api, symgraph.cli.main as c\n"
             "def boom(*a, **k): raise symgraph.TraceError('torch.export failed at data-dependent branch')\n"
-            "symgraph.api.trace = boom\n"
+            "symgraph.report.api.trace = boom\n"
             f"sys.exit(c.main(['analyze', {str(ckpts / 'bert0')!r}]))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     refused(r, "data-dependent branch", "Hint")
@@ -204,7 +204,7 @@ def test_debug_shows_traceback(tmp_path):
 @pytest.mark.slow
 def test_demo_smoke(tmp_path):
     env = {**ENV, "SYMGRAPH_CACHE": str(tmp_path / "cache")}
-    r = subprocess.run([sys.executable, "-m", "symgraph.cli", "demo", "--out", str(tmp_path / "demo"),
+    r = subprocess.run([sys.executable, "-m", "symgraph", "demo", "--out", str(tmp_path / "demo"),
                         "--seconds", "6"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "barrier" in r.stdout and "activations" in r.stdout

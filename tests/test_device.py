@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import symgraph
-from symgraph.elements import Perm
+from symgraph.core.elements import Perm
 
 from conftest import build_hf
 

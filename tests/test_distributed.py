@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dist_worker
-from symgraph import distributed
+from symgraph.core import distributed
 from symgraph.alignment.activations import ActStats, all_reduce_stats
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import symgraph
-from symgraph import models
-from symgraph.models import randomize_vectors
+from symgraph.testing import models
+from symgraph.testing.models import randomize_vectors
 from symgraph.solve import optimal_transport
 
 

@@ -91,7 +91,7 @@ def ws(tmp_path_factory):
 
 
 def run(ws, *args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "symgraph.cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "symgraph", *map(str, args)], capture_output=True,
                           text=True, env=ENV, cwd=ws / "work", timeout=timeout)
 
 
@@ -200,12 +200,12 @@ def test_sigterm_while_writing_leaves_nothing(ws):
     """SIGTERM while the output is half written (the temporary directory exists): exit 143, one
     line, no temporary directory, no output, nothing else touched."""
     before = digest(ws)
-    code = ("import sys, time, transformers, symgraph.cli as c\n"
+    code = ("import sys, time, transformers, symgraph.cli.main as c\n"
             "orig = transformers.PreTrainedModel.save_pretrained\n"
             "def slow(self, *a, **k):\n"
             "    orig(self, *a, **k); sys.stderr.write('SAVED\\n'); sys.stderr.flush(); time.sleep(120)\n"
             "transformers.PreTrainedModel.save_pretrained = slow\n"
-            "import symgraph.streaming as st\n"  # the out-of-core writer (a plain average)
+            "import symgraph.merging.streaming as st\n"  # the out-of-core writer (a plain average)
             "orig_w = st.StreamingMerge.write\n"
             "def slow_w(self, *a, **k):\n"
             "    r = orig_w(self, *a, **k); sys.stderr.write('SAVED\\n'); sys.stderr.flush(); time.sleep(120)\n"
@@ -246,7 +246,7 @@ def test_bf16_sharded_round_trip_keeps_dtype(ws, tmp_path):
         assert (d / "model.safetensors.index.json").exists()
         srcs.append(d)
     out = tmp_path / "merged"
-    r = subprocess.run([sys.executable, "-m", "symgraph.cli", "merge", *map(str, srcs), "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "symgraph", "merge", *map(str, srcs), "--out", str(out)],
                        capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=180)
     assert r.returncode == 0, r.stderr
     m = transformers.BertForMaskedLM.from_pretrained(out)
@@ -255,7 +255,7 @@ def test_bf16_sharded_round_trip_keeps_dtype(ws, tmp_path):
     card = (out / "README.md").read_text()
     assert "symgraph merge --config" in card and "align: weights" in card and "bfloat16" in card
     # --force replaces a previous symgraph output, and only that
-    r = subprocess.run([sys.executable, "-m", "symgraph.cli", "merge", *map(str, srcs), "--out", str(out),
+    r = subprocess.run([sys.executable, "-m", "symgraph", "merge", *map(str, srcs), "--out", str(out),
                         "--force", "--align", "none"], capture_output=True, text=True, env=ENV, cwd=tmp_path,
                        timeout=180)
     assert r.returncode == 0, r.stderr
@@ -282,7 +282,7 @@ ROUND_TRIP = {
 @pytest.mark.parametrize("arch", list(ROUND_TRIP))
 def test_save_pretrained_round_trip_is_exact(arch, tmp_path):
     """Checkpoints whose keys transformers renames on load (the old loader left them at random)."""
-    from symgraph.io import load_model
+    from symgraph.checkpoints.specs import load_model
     torch.manual_seed(0)
     m = ROUND_TRIP[arch]().eval()
     m.save_pretrained(tmp_path / arch)
@@ -297,7 +297,7 @@ def test_small_odd_sized_data_is_used_whole_with_a_warning(ws, tmp_path):
     g = torch.Generator().manual_seed(1)
     save_file({"input_ids": torch.randint(0, 100, (11, 6), generator=g)}, str(tmp_path / "d.safetensors"))
     out = tmp_path / "m"
-    r = subprocess.run([sys.executable, "-m", "symgraph.cli", "merge", str(ws / I / "bert0"), str(ws / I / "bert1"),
+    r = subprocess.run([sys.executable, "-m", "symgraph", "merge", str(ws / I / "bert0"), str(ws / I / "bert1"),
                         "--align", "activations", "--data", str(tmp_path / "d.safetensors"), "--out", str(out)],
                        capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=180)
     assert r.returncode == 0, r.stderr
@@ -313,7 +313,7 @@ def test_encoder_decoder_is_traced_with_decoder_inputs(tmp_path):
                                 decoder_start_token_id=0)
     cfg.architectures = ["T5ForConditionalGeneration"]
     transformers.T5ForConditionalGeneration(cfg).save_pretrained(tmp_path / "t5")
-    r = subprocess.run([sys.executable, "-m", "symgraph.cli", "analyze", str(tmp_path / "t5"), "--json"],
+    r = subprocess.run([sys.executable, "-m", "symgraph", "analyze", str(tmp_path / "t5"), "--json"],
                        capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=180)
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
@@ -338,7 +338,7 @@ def test_ctrl_c_while_starting_is_one_line(tmp_path):
 def test_remove_own_deletes_only_what_it_created(tmp_path):
     """Deletion goes by identity: a directory or file put in place of the one symgraph made
     (same name, another inode) and a link are left alone."""
-    from symgraph.output import identity, remove_own
+    from symgraph.checkpoints.outdir import identity, remove_own
     made = tmp_path / "made"
     made.mkdir()
     ident = identity(made)
@@ -365,7 +365,7 @@ def test_remove_own_deletes_only_what_it_created(tmp_path):
 def test_remove_own_with_a_prefix_leaves_other_names(tmp_path):
     """Every caller in symgraph names the temporary prefix it created under: a path of the
     right identity but another name (renamed by someone) is left alone."""
-    from symgraph.output import identity, remove_own
+    from symgraph.checkpoints.outdir import identity, remove_own
     made = tmp_path / ".out.tmp-abc"
     made.mkdir()
     ident = identity(made)
@@ -382,7 +382,7 @@ def test_force_replaces_only_what_symgraph_wrote(tmp_path):
     lists; a file the user added there is named, refused and left in place."""
     import json
     from symgraph.errors import InputError
-    from symgraph.output import MARKER, save_atomic
+    from symgraph.checkpoints.outdir import MARKER, save_atomic
 
     def writer(d):
         (tmp_path / "w").write_text("")
@@ -405,7 +405,7 @@ def test_force_keeps_a_listed_file_the_user_rewrote(tmp_path):
     """A file symgraph wrote and the user has since rewritten (same name, other contents) is
     no longer symgraph's: --force is refused, names it, and it stays as the user left it."""
     from symgraph.errors import InputError
-    from symgraph.output import MARKER, save_atomic, written_files
+    from symgraph.checkpoints.outdir import MARKER, save_atomic, written_files
 
     def writer(d):
         with open(f"{d}/model.safetensors", "wb") as f:
@@ -423,7 +423,7 @@ def test_force_keeps_a_listed_file_the_user_rewrote(tmp_path):
 def test_remove_own_takes_only_plain_files_out_of_a_directory(tmp_path):
     """A directory symgraph made loses the plain files in it; a subdirectory or link found
     there is not symgraph's output: it stays, and with it the directory."""
-    from symgraph.output import identity, remove_own
+    from symgraph.checkpoints.outdir import identity, remove_own
     made = tmp_path / ".out.tmp-x"
     made.mkdir()
     (made / "model.safetensors").write_bytes(b"x")

@@ -1,4 +1,4 @@
-"""symgraph.models: the one builder of tiny models (tests, benchmarks, demo, CLI, examples)
+"""symgraph.testing.models: the one builder of tiny models (tests, benchmarks, demo, CLI, examples)
 and the training loop shared by the benchmarks and the demo."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from symgraph import models
+from symgraph.testing import models
 
 
 def _state_equal(a, b):
@@ -113,7 +113,7 @@ def test_build_class_and_meta_device():
 
 
 def test_save_pretrained_round_trip_through_the_cli_loader(tmp_path):
-    from symgraph.io import load_local
+    from symgraph.checkpoints.specs import load_local
     model = models.build("llama", seed=2, hidden=16, mlp=24)
     model.save_pretrained(str(tmp_path / "m"), safe_serialization=True)
     loaded = load_local(str(tmp_path / "m"))
@@ -121,7 +121,8 @@ def test_save_pretrained_round_trip_through_the_cli_loader(tmp_path):
 
 
 def test_callers_build_through_models():
-    from symgraph import demo, examples, io
+    from symgraph.cli import demo, examples
+    from symgraph.checkpoints import specs as io
     tiny = io.demo_model("tiny-llama")
     assert _state_equal(tiny, models.build("llama", 0, base="hf", **io._DEMO_SIZES["tiny-llama"][2]))
     assert io.demo_model("tiny-bert").config.hidden_dropout_prob == 0.1  # HF default, as always

@@ -4,9 +4,9 @@ import torch
 
 import symgraph
 from conftest import cli
-from symgraph.elements import Perm
+from symgraph.core.elements import Perm
 from symgraph.errors import InputError
-from symgraph.models import build, train
+from symgraph.testing.models import build, train
 
 V = 64
 

@@ -5,10 +5,10 @@ import torch
 
 import symgraph
 from symgraph import solve as S
-from symgraph.apply import transform
+from symgraph.transform.apply import transform
 from symgraph.errors import InputError
-from symgraph.groups import meet, sample
-from symgraph.models import build, randomize_vectors
+from symgraph.core.groups import meet, sample
+from symgraph.testing.models import build, randomize_vectors
 
 
 def _model(arch, **kw):
@@ -180,7 +180,7 @@ def test_tied_embeddings_stay_tied_after_alignment():
 def test_regmean_statistics_run_on_the_models_own_tensors():
     """With norm folds, merge measures B's statistics on B aligned, through A's report: the
     Grams must be B's (a report's graph carries the tensors it was traced with)."""
-    from symgraph.merging.regmean import RegMean
+    from symgraph.merging.methods.regmean import RegMean
     A, B = _model("llama"), _model("llama")
     with torch.no_grad():
         for p in B.parameters():
@@ -219,7 +219,7 @@ def test_sequence_classification_pooled_by_index_keeps_the_stream():
     (batch, position): a token-axis op that must not freeze the channels."""
     import transformers
 
-    from symgraph.models import config
+    from symgraph.testing.models import config
     cfg = config("llama")
     cfg.num_labels, cfg.pad_token_id = 3, 0
     m = randomize_vectors(transformers.LlamaForSequenceClassification(cfg).eval(), seed=1).double()

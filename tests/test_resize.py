@@ -10,9 +10,9 @@ import torch
 from conftest import cli
 
 import symgraph
-from symgraph import models
-from symgraph.models import randomize_vectors
-from symgraph.resize import same_role
+from symgraph.testing import models
+from symgraph.testing.models import randomize_vectors
+from symgraph.merging.resize import same_role
 
 
 def _rel(a, b):

@@ -1,4 +1,4 @@
-"""Out-of-core merging (:mod:`symgraph.streaming`): sharded bf16 checkpoints in, sharded bf16
+"""Out-of-core merging (:mod:`symgraph.merging.streaming`): sharded bf16 checkpoints in, sharded bf16
 checkpoint out, equal to the in-memory merge with the same alignment; refusals before work."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import symgraph
-from symgraph.streaming import Checkpoint, KeysDiffer, StreamingMerge
+from symgraph.merging.streaming import Checkpoint, KeysDiffer, StreamingMerge
 from symgraph import merge_checkpoints
 
 from conftest import build_hf, cli
@@ -174,7 +174,7 @@ def test_merging_in_slices_is_bit_identical(tmp_path, monkeypatch, name, stream)
     """Groups over ``CHUNK_BYTES`` are merged in slices along an axis no map and no fold acts
     on (vocabulary, positions), streamed to the shard row block by row block or assembled
     (``stream=False``): the same bytes as the whole computation, dense residual maps included."""
-    from symgraph import streaming
+    from symgraph.merging import streaming
     pa, pb = _pair(tmp_path, name)
     job = StreamingMerge([pa, pb], max_shard_size="8KB")
     job.align()
@@ -213,7 +213,7 @@ def test_activation_alignment_out_of_core_equals_in_memory(tmp_path, monkeypatch
     also when the statistics are taken class by class in passes (``passes``: a 1-byte budget),
     each class solved and its statistics dropped as its pass ends."""
     import symgraph.alignment.activations as acts
-    import symgraph.streaming as streaming
+    import symgraph.merging.streaming as streaming
     pa, pb = _pair(tmp_path, name, dtype=dtype)
     data = _batches()
     seen = []
@@ -234,7 +234,7 @@ def test_activation_alignment_out_of_core_equals_in_memory(tmp_path, monkeypatch
     n_perm = 0
     for gid, e in al.elements.items():
         s = streamed.elements[gid]
-        if isinstance(e, symgraph.elements.Perm):
+        if isinstance(e, symgraph.core.elements.Perm):
             assert torch.equal(e.index, s.index), gid
             n_perm += 1
         else:

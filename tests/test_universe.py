@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import symgraph
-from symgraph import models
-from symgraph.elements import Map
+from symgraph.testing import models
+from symgraph.core.elements import Map
 from symgraph.errors import InputError
 
 # --- a toy regression task and briefly trained MLPs -------------------------------------------
@@ -160,7 +160,7 @@ def test_methods_with_data_and_other_widths(trained):
 def test_a_common_drift_is_not_a_change():
     """The universe is defined up to one element applied to every model: a round that moves
     every model's element of a class by the same D (E_i' = D E_i) changes nothing else."""
-    from symgraph.elements import Perm
+    from symgraph.core.elements import Perm
     from symgraph.merging.universe import _changes
     g = torch.Generator().manual_seed(0)
     rot = lambda: torch.linalg.qr(torch.randn(2, 6, 6, generator=g, dtype=torch.float64))[0]  # noqa: E731

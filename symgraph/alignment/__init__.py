@@ -7,7 +7,7 @@ an :class:`Alignment` keyed by group id.
 - ``schedule``    solve units (head families, single classes) and the first sweep's order
 - ``solve_unit``  one unit from its similarity matrices (nested matching for heads)
 - ``sweeps``      the coordinate-descent loop over units
-- ``rescale``     seed 003's per-head scalars after the rotations
+- ``rescale``     Zhang et al. 2024's per-head scalars after the rotations
 - ``result``      :class:`Alignment` (apply / state / to_json)
 - ``driver``      :func:`align` and :class:`AlignOptions`
 """

@@ -1,4 +1,4 @@
-"""Similarity of a class from activations (seed 002's recipe): the graph is run on each data
+"""Similarity of a class from activations (Verma & Elbayad 2024's recipe): the graph is run on each data
 batch, the outputs of ops whose rule is marked ``observe`` are captured where a class's
 coordinates appear with only fixed classes beside them, and streamed cross-moments of A's and
 B's coordinates give a correlation (permutations) or covariance (rotations) matrix. Under
@@ -11,9 +11,9 @@ from collections import Counter
 
 import torch
 
-from .. import distributed
+from ..core import distributed
 from ..errors import InputError
-from ..groups import orthogonal_part
+from ..core.groups import orthogonal_part
 from .checks import batch_inputs, by_shape
 
 __all__ = ["ActStats", "all_reduce_stats", "activation_similarity", "act_matrix", "run_capture",

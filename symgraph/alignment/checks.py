@@ -102,7 +102,7 @@ def by_shape(reports, models, data) -> list:
     each group with reports of ``models`` traced on that shape (the given ``reports`` where the
     shapes are the traced ones). An exported graph has static shapes; other batch sizes and
     sequence lengths are traced again, and their groups must be the same."""
-    from ..api import analyze
+    from ..report.api import analyze
     args, kwargs = reports[0].inputs
     traced = tuple(tuple(t.shape) for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor))
     groups: dict = {}

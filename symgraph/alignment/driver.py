@@ -8,9 +8,9 @@ from typing import Callable
 
 import torch
 
-from ..api import analyze
+from ..report.api import analyze
 from ..errors import InputError
-from ..folding import gauge
+from ..transform.folding import gauge
 from .activations import act_matrix, activation_similarity
 from .checks import check_compatible, check_finite
 from .masses import MASSES, mass_function
@@ -31,12 +31,12 @@ class AlignOptions:
 
     solver : None (by group kind: Hungarian / Procrustes / RoPE / OT for different widths),
         "ot" (exact transport), "sinkhorn" (soft maps with entropic ``reg``).
-    inner : "procrustes" (seed 003) or "hungarian" (seed 002) inside heads.
+    inner : "procrustes" (Zhang et al. 2024) or "hungarian" (Verma & Elbayad 2024) inside heads.
     max_iter : at most this many sweeps of coordinate descent (weights).
     groups : optional predicate ``group -> bool`` selecting the classes to align. Unselected
         classes keep B's order; when a head class is unselected but classes fibred over it are
         selected, heads are paired by index and each head's inner element is solved.
-    rescale : seed 003's rescaling, a positive scalar per head of each ``gl`` class after the
+    rescale : Zhang et al. 2024's rescaling, a positive scalar per head of each ``gl`` class after the
         rotations (``alignment.scales``).
     refine : after solving, optimise the elements for this many steps so that the model
         interpolated at λ ~ U(0.4, 0.6) has low loss on ``data`` (learned matching; see
@@ -226,7 +226,7 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
                   **option_kw) -> Alignment:
     """Alignment from tensors rather than modules: ``tensors_a`` / ``tensors_b`` map each
     parameter name of the reports to its tensor (any ``Mapping``; a lazy one reads them on
-    demand, see :mod:`symgraph.streaming`); ``gauge_a``: A's norm gains and shifts
+    demand, see :mod:`symgraph.merging.streaming`); ``gauge_a``: A's norm gains and shifts
     (:func:`symgraph.folding.gauge`); ``exact_dtype``: what rotations are solved in (see
     :class:`~.weights.WeightFeatures`). Weight matching; with ``data``, activation statistics
     where a class is observed, the graphs run op by op on ``fetch`` (two functions ``name ->

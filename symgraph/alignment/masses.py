@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..elements import apply_along
+from ..core.elements import apply_along
 from .weights import gather
 
 __all__ = ["MASSES", "slices", "unit_masses", "mass_function"]

@@ -25,10 +25,10 @@ from torch.nn.utils import parametrizations
 from tqdm import tqdm
 
 from .. import solve as S
-from ..apply import move
-from ..elements import Map, Perm
+from ..transform.apply import move
+from ..core.elements import Map, Perm
 from ..errors import InputError
-from ..groups import PERMUTATION_FAMILY, ones_basis, orthogonal_part, pair_rotations
+from ..core.groups import PERMUTATION_FAMILY, ones_basis, orthogonal_part, pair_rotations
 
 __all__ = ["refine", "default_loss", "choose_start"]
 

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from scipy.optimize import minimize_scalar
 
-from ..elements import Perm
+from ..core.elements import Perm
 from .weights import gather
 
 __all__ = ["fit_scales"]

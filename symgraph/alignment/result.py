@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..apply import move, stored_tensors, write_state
-from ..elements import Map, Perm
+from ..transform.apply import move, stored_tensors, write_state
+from ..core.elements import Map, Perm
 from .checks import check_finite
 
 __all__ = ["Alignment"]

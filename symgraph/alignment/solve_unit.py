@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from .. import solve as S
-from ..elements import Map, is_perm
-from ..groups import orthogonal_part
+from ..core.elements import Map, is_perm
+from ..core.groups import orthogonal_part
 
 __all__ = ["solve_unit"]
 

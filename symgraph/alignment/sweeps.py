@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..elements import Map, Perm, is_perm
+from ..core.elements import Map, Perm, is_perm
 from .schedule import first_sweep_order, units
 from .solve_unit import solve_unit
 

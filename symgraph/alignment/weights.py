@@ -6,8 +6,8 @@ import string
 
 import torch
 
-from ..elements import apply_along, is_perm
-from ..groups import orthogonal_part
+from ..core.elements import apply_along, is_perm
+from ..core.groups import orthogonal_part
 
 __all__ = ["WeightFeatures", "gather", "cross"]
 
@@ -26,7 +26,7 @@ class WeightFeatures:
 
     def __init__(self, ra, rb, tensors_a, tensors_b, exact_dtype=torch.float64):
         """``tensors_a`` / ``tensors_b``: ``{parameter name: tensor}`` of the two models with
-        the reports' norm gains folded (any ``Mapping``; :mod:`symgraph.streaming` passes lazy
+        the reports' norm gains folded (any ``Mapping``; :mod:`symgraph.merging.streaming` passes lazy
         ones that read a checkpoint on demand). ``exact_dtype``: what continuous classes
         (rotations) gather their slices in; float32 is ample for 16-bit weights."""
         self.ra, self.rb, self.exact_dtype = ra, rb, exact_dtype

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from .driver import MergeResult, merge
-from .registry import MergeMethod, get, names, register
+from .methods.registry import MergeMethod, get, names, register
 
 merge_methods = names
 register_merge = register

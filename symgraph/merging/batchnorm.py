@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import distributed
+from ..core import distributed
 from ..errors import InputError
 from .repair import RepairReport, find_sites, renormalize
 
@@ -183,7 +183,7 @@ def repair(model, parents, weights, data, report=None, *, sequential: bool = Tru
         raise InputError("REPAIR needs data: a non-empty list of batches to measure activations on")
     first = reset_batchnorm(model, data, names)  # the merge's own collapse, reported
     if report is None:
-        from ..api import analyze
+        from ..report.api import analyze
         report = analyze(model, data[0])
     if find_sites(report):
         rep = renormalize(model, parents, weights, data, report, sequential=sequential)

@@ -15,9 +15,11 @@ from tqdm import tqdm
 
 from ..alignment import align as align_models
 from ..alignment.checks import check_finite
-from ..api import analyze
+from ..report.api import analyze
 from ..errors import InputError
-from . import registry
+from .methods import registry
+from .methods.registry import mixing_weights
+from .state import acc as _acc, aligned_state
 from .batchnorm import repair as repair_merge
 from .repair import RepairReport
 
@@ -44,8 +46,8 @@ class MergeResult:
 
 def merge(models, inputs=None, *, weights=None, align="weights", data=None, method="average",
           anchor: int | str = 0, method_options: dict | None = None, progress: bool = False,
-          repair: bool = False, universe_options: dict | None = None,
-          **align_options) -> MergeResult:
+          repair: bool = False, universe_options: dict | None = None, attention: str = "heads",
+          untie: bool = False, **align_options) -> MergeResult:
     """Merge ``models`` (N ≥ 2) into a new model of the anchor's architecture.
 
     align : "weights" (data-free), "activations" (needs ``data``) or None (no alignment).
@@ -63,11 +65,25 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         get their running statistics recomputed on ``data`` for the merged model
         (:mod:`symgraph.merging.batchnorm`; ``MergeResult.repair.batchnorm``).
     progress : a progress bar (stderr) over the models.
+    attention : "heads" (the parents' architecture) or "circuits": every head interpolates its
+        ``QKᵀ`` and ``OV`` forms, in heads N times as wide (Theus et al. 2025;
+        :mod:`symgraph.merging.circuits`; method "average" only).
+    untie : give tied weights (GPT-2's head and embedding) their own tensors first
+        (:mod:`symgraph.merging.untie`), so the residual stream admits orthogonal maps; the
+        merge has ``tie_word_embeddings=False``.
     align_options : :class:`~symgraph.AlignOptions` fields (``solver``, ``inner``, ...).
     """
     t0 = time.perf_counter()
     models, data = list(models), (list(data) if data is not None else None)
+    if attention not in ("heads", "circuits"):
+        raise InputError(f"attention={attention!r}; expected 'heads' or 'circuits'")
+    if untie:
+        from .untie import untie as untie_model
+        models = [untie_model(m) for m in models]
     how = registry.get(method, **(method_options or {}))
+    if attention == "circuits" and (how.name != "average" or repair or anchor == "universe"):
+        raise InputError("attention='circuits' merges by weighted averaging to one anchor; expected "
+                         "method='average' without repair or a universe")
     align, w = _check_arguments(models, how, align, data, weights, repair)
     anchor = _check_anchor(anchor, len(models), align, universe_options)
     inputs = data[0] if inputs is None and data is not None else inputs
@@ -106,6 +122,15 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         stats.append(_statistics(how, m, rep, al, ra, data) if how.needs_data else None)
         timings["statistics"] += time.perf_counter() - t2
     t3 = time.perf_counter()
+    if attention == "circuits":
+        from .circuits import circuit_merge
+        parents = [m if al is None else al.apply(m) for m, al in zip(models, alignments)]
+        parents = parents[anchor:anchor + 1] + parents[:anchor] + parents[anchor + 1:]
+        ws = [w[anchor]] + [x for i, x in enumerate(w) if i != anchor]
+        out = circuit_merge(parents, ws, analyze(A, inputs, fold_norms=False, outputs=ra.outputs))
+        timings["combine"] = time.perf_counter() - t3
+        timings["total"] = time.perf_counter() - t0
+        return MergeResult(out, alignments, timings, None, universe)
     merged = how.combine(states, stats, w, ra)
     out = copy.deepcopy(A)
     params = dict(out.named_parameters())
@@ -124,27 +149,6 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         timings["repair"] = repaired.seconds
     timings["total"] = time.perf_counter() - t0
     return MergeResult(out, alignments, timings, repaired, universe)
-
-
-def aligned_state(m, al, ra) -> dict:
-    """Model ``m``'s parameters and moved buffers (``ra.buffers``) in the anchor's basis by
-    ``al`` (None: its own basis), each in the accumulation dtype (:func:`_acc`); tied
-    weights once, under ``named_parameters``' name."""
-    if al is None:
-        st = {k: _acc(p.detach()) for k, p in m.named_parameters()}
-        return st | {k: _acc(m.get_buffer(k).detach()) for k in ra.buffers}
-    own = dict(m.named_parameters())  # tied weights once, under their first name
-    st = {k: _acc(v) for k, v in al.state(m).items() if k in own or k in ra.buffers}
-    for k, p in own.items():
-        st.setdefault(k, _acc(p.detach()))
-    for k in ra.buffers:
-        st.setdefault(k, _acc(m.get_buffer(k).detach()))
-    return st
-
-
-def _acc(t):
-    """A weight in the accumulation dtype: float32 (float64 stays float64), on its device."""
-    return t.to(torch.promote_types(t.dtype, torch.float32)) if t.is_floating_point() else t
 
 
 def _statistics(how, m, rep, al, ra, data):
@@ -167,14 +171,12 @@ def _check_arguments(models, how, align, data, weights, repair=False):
         raise InputError(f"method={how.name!r} with align={align!r} needs data (an iterable of batches)")
     if repair and data is None:
         raise InputError("repair=True needs data (an iterable of batches to measure activations on)")
-    w = np.ones(len(models)) if weights is None else np.asarray(weights, float)
-    if w.shape != (len(models),) or not np.isfinite(w).all() or w.sum() <= 0:
-        raise InputError(f"weights must be {len(models)} finite numbers with a positive sum, got {weights!r}")
+    w = mixing_weights(weights, len(models))
     if data is not None and len(data) == 0:
         raise InputError("data is empty; expected at least one batch")
     for i, m in enumerate(models):
         check_finite(m, f"model {i}")
-    return align, w / w.sum()
+    return align, w
 
 
 def _check_anchor(anchor, n, align, universe_options=None):

@@ -47,44 +47,37 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import distributed
+from ..core import distributed
 from ..alignment.activations import GraphRunner
 from ..alignment.checks import batch_inputs, by_shape
 from ..errors import InputError
+from ..analysis.nodes import packet, packets
 
 __all__ = ["Site", "RepairLayer", "RepairReport", "find_sites", "renormalize"]
+
 
 aten = torch.ops.aten
 
 
-def _packets(names: str) -> set:
-    return {getattr(aten, n) for n in names.split() if hasattr(aten, n)}
-
-
 # values pass through element for element (maybe a subset, or a cast)
-_LAYOUT = _packets("view reshape _unsafe_view permute transpose t contiguous clone alias detach "
+_LAYOUT = packets("view reshape _unsafe_view permute transpose t contiguous clone alias detach "
                    "expand unsqueeze squeeze flatten unflatten split split_with_sizes chunk unbind "
                    "slice select narrow to _to_copy type_as dropout feature_dropout lift_fresh_copy "
                    "_to_dim_order_copy")
-_ADD, _MUL, _NEG, _POW = (_packets(x) for x in ("add sub rsub", "mul div", "neg positive", "pow"))
+_ADD, _MUL, _NEG, _POW = (packets(x) for x in ("add sub rsub", "mul div", "neg positive", "pow"))
 # elementwise and nonlinear in their (one) varying input
-_NONLINEAR = _packets("relu relu_ relu6 gelu silu tanh sigmoid elu selu celu leaky_relu hardtanh "
+_NONLINEAR = packets("relu relu_ relu6 gelu silu tanh sigmoid elu selu celu leaky_relu hardtanh "
                       "hardsigmoid hardswish softplus mish prelu _prelu_kernel glu erf erfinv exp "
                       "exp2 expm1 log log1p log2 sin cos tan asin atan arctan sinh cosh asinh abs "
                       "sqrt rsqrt square reciprocal log_sigmoid log_sigmoid_forward clamp clamp_min "
                       "clamp_max threshold hardshrink softshrink logit rrelu sign sgn maximum minimum")
-_NORMS = _packets("layer_norm native_layer_norm batch_norm native_batch_norm _native_batch_norm_legit "
+_NORMS = packets("layer_norm native_layer_norm batch_norm native_batch_norm _native_batch_norm_legit "
                   "_native_batch_norm_legit_no_training _native_batch_norm_legit_functional "
                   "cudnn_batch_norm group_norm native_group_norm instance_norm rms_norm "
                   "_fused_rms_norm softmax _softmax log_softmax _log_softmax _safe_softmax")
-_REDUCTIONS = _packets("mean sum var std var_mean std_mean norm linalg_vector_norm amax amin "
+_REDUCTIONS = packets("mean sum var std var_mean std_mean norm linalg_vector_norm amax amin "
                        "logsumexp max min prod")
-_SKIP = _packets("_assert_tensor_metadata")
-
-
-def _packet(node):
-    t = node.target
-    return t.overloadpacket if isinstance(t, torch._ops.OpOverload) else t
+_SKIP = packets("_assert_tensor_metadata")
 
 
 # --- which channels ---------------------------------------------------------------------------
@@ -156,7 +149,7 @@ def _pointwise(p):
 def _classify(src, varying):
     """``"activation"``, ``"normalised"`` or None for the output of node ``src``."""
     def affine(u, A):  # relayouts, casts, sums of affine values and constants, × or ÷ by constants
-        p, n = _packet(u), [i for i in u.all_input_nodes if i in A]
+        p, n = packet(u), [i for i in u.all_input_nodes if i in A]
         other = [i for i in u.all_input_nodes if i not in A]
         own = sum(a in A for a in u.args if isinstance(a, torch.fx.Node))
         return (p in _LAYOUT or u.target is operator.getitem or p in _NEG
@@ -168,7 +161,7 @@ def _classify(src, varying):
     A = _closure({src}, affine)
     found = set()
     for u in {u for n in A for u in n.users if u not in A and u.op == "call_function"}:
-        p = _packet(u)
+        p = packet(u)
         if p in _NORMS:
             found.add("normalised")
         elif p in _NONLINEAR or p in _POW or p in _MUL:
@@ -184,10 +177,10 @@ def _classify(src, varying):
 def _decomposed_norm(A, varying):
     """Whether a reduction of a value derived elementwise from ``A`` (only) is combined back
     with a value of ``A``: ``x − mean x``, ``x · rsqrt(mean x²)``."""
-    P = _closure(A, lambda u, P: _pointwise(_packet(u))
+    P = _closure(A, lambda u, P: _pointwise(packet(u))
                  and all(i in P or i not in varying for i in u.all_input_nodes))
-    for r in {u for n in P for u in n.users if _packet(u) in _REDUCTIONS}:
-        Q = _closure({r}, lambda u, Q: _pointwise(_packet(u)))
+    for r in {u for n in P for u in n.users if packet(u) in _REDUCTIONS}:
+        Q = _closure({r}, lambda u, Q: _pointwise(packet(u)))
         if any(i in A for q in Q - {r} for i in q.all_input_nodes):
             return True
     return False
@@ -390,7 +383,7 @@ def renormalize(model, parents, weights, data, report=None, *, sequential: bool 
                          f"positive sum; got {weights}")
     weights = [w / sum(weights) for w in weights]
     if report is None:
-        from ..api import analyze
+        from ..report.api import analyze
         report = analyze(model, data[0])
     sites = find_sites(report)
     if not sites:

@@ -46,10 +46,10 @@ import torch
 from tqdm import tqdm
 
 from ..alignment import align as align_models
-from ..apply import write_state
-from ..elements import Map, Perm
+from ..transform.apply import write_state
+from ..core.elements import Map, Perm
 from ..errors import InputError
-from .driver import aligned_state
+from .state import aligned_state
 
 __all__ = ["DEFAULTS", "align_universe", "universe_options"]
 

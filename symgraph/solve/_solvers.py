@@ -56,7 +56,7 @@ def hungarian(S, dense: bool = True) -> SolveResult:
     dt = time.perf_counter() - t
     obj = float(s[rows, cols].sum())
     if not dense and s.shape[0] == s.shape[1]:
-        from ..elements import Perm
+        from ..core.elements import Perm
         index = torch.as_tensor(cols, dtype=torch.long, device="cpu")
         return SolveResult(Perm(index.to(S.device) if isinstance(S, torch.Tensor) else index), obj,
                            status=status, seconds=dt)
@@ -71,7 +71,7 @@ def hungarian(S, dense: bool = True) -> SolveResult:
 def procrustes(S, rescale: bool = False) -> SolveResult:
     """Orthogonal ``R = U Vᵀ`` maximising ``<R, S>`` where ``S = U Σ Vᵀ``.
 
-    With ``rescale`` (seed 003) the element is ``c·R``; ``c`` is returned in ``extra`` and is not
+    With ``rescale`` (Zhang et al. 2024) the element is ``c·R``; ``c`` is returned in ``extra`` and is not
     applied (scalar rescaling is a merge-time weighting, not a symmetry of the model).
     """
     s = torch.as_tensor(S, dtype=torch.float64)
@@ -90,7 +90,7 @@ def procrustes_mean(S) -> SolveResult:
     """Orthogonal ``R`` with ``R𝟙 = 𝟙`` maximising ``<R, S>`` (the group of a LayerNorm
     stream): ``R = H diag(1, U Vᵀ) Hᵀ`` where ``H`` is an orthogonal basis whose first column is
     ``𝟙/√n`` and ``U Σ Vᵀ`` is the SVD of the mean-free block of ``Hᵀ S H``."""
-    from ..groups import ones_basis
+    from ..core.groups import ones_basis
     s = torch.as_tensor(S, dtype=torch.float64)
     n = s.shape[-1]
     t = time.perf_counter()
@@ -205,7 +205,7 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
     ``S_inner[c]`` is ``[H_A, H_B, n_A, n_B]`` for inner class ``c``. Returns
     ``(outer_result, [inner element [H_B, n_A, n_B] per class])`` where the inner element of
     B's head ``b`` is the solution for its matched pair. ``inner="hungarian"`` matches head
-    dimensions by permutation (seed 002); ``"procrustes"`` rotates them (seed 003).
+    dimensions by permutation (Verma & Elbayad 2024); ``"procrustes"`` rotates them (Zhang et al. 2024).
     ``masses``: ``(a [H_A], b [H_B])`` head masses for a transport between head counts.
     """
     S_inner = [torch.as_tensor(S, dtype=torch.float64) for S in S_inner]

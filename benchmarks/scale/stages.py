@@ -1,0 +1,189 @@
+"""One shape's run: the pair, each stage in its own measured process, the ratios against
+mergekit and the checks of the outputs."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from ..provenance import REPO_ROOT, git_state
+from .checkpoints import dir_bytes, ensure_pair, llama_config, model_sizes, weight_files
+from .checks import check_output, compare_outputs
+from .common import DATA_ROWS, DATA_TOKENS, ENTRY, GB, MERGEKIT_SHARD_PARAMS, SHAPES, _env, log
+from .measure import measure
+from .mergekit import ensure_mergekit, mergekit_config, mergekit_version
+from .pagecache import drop_cache, warm_cache
+
+
+def machine_info() -> dict:
+    import torch
+    mem = None
+    try:
+        for ln in Path("/proc/meminfo").read_text().splitlines():
+            if ln.startswith("MemTotal:"):
+                mem = int(ln.split()[1]) * 1024
+    except OSError:
+        pass
+    cpu = platform.processor() or None
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import transformers
+    return {"cores": os.cpu_count(), "ram_gb": mem / GB if mem else None, "cpu": cpu,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": "cpu",
+            "cuda_available": torch.cuda.is_available(), "platform": platform.platform()}
+
+
+
+
+def _symgraph_cmd() -> list:
+    exe = Path(sys.executable).parent / "symgraph"
+    if exe.exists():
+        return [str(exe)]
+    return [sys.executable, "-c", "import sys; from symgraph.cli import main; sys.exit(main())"]
+
+
+
+def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float, cache: str,
+              mergekit_venv: Path, load_check_gb: float, keep_outputs: bool) -> dict:
+    config = llama_config(shape, layers)
+    n_layers = config.num_hidden_layers
+    full = model_sizes(llama_config(shape))
+    sizes = model_sizes(config)
+    log(f"[{shape}, {n_layers} layers] {sizes['parameters'] / 1e9:.3f} B parameters, "
+        f"{sizes['bytes'] / GB:.2f} GB per model")
+    pair = ensure_pair(work, shape, layers)
+    a, b = pair["a"], pair["b"]
+    inputs = [str(f) for m in (a, b) for f in weight_files(m)]
+    bytes_in = sum(os.path.getsize(f) for f in inputs)
+    rec = {"shape": shape, "layers": n_layers, "full_layers": SHAPES[shape]["num_hidden_layers"],
+           "config": SHAPES[shape] | {"num_hidden_layers": n_layers}, "dtype": "bfloat16",
+           **sizes, "full_model_parameters": full["parameters"], "full_model_bytes": full["bytes"],
+           "bytes_on_disk_per_model": dir_bytes(a), "pair": pair, "cache": cache, "stages": {},
+           "run": {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "symgraph_commit": git_state(),
+                   "timeout_s": timeout}}
+    outdir = Path(pair["dir"]) / "out"
+    outdir.mkdir(exist_ok=True)
+    logdir = Path(pair["dir"]) / "logs"
+    logdir.mkdir(exist_ok=True)
+
+    def prep_cache():
+        if cache == "cold":
+            drop_cache(inputs)
+        else:
+            warm_cache(inputs)
+
+    def finish(name, r, out=None, b_in=bytes_in):
+        r["bytes_in"] = b_in
+        if out is not None and r["rc"] == 0 and Path(out).exists():
+            r["bytes_out"] = dir_bytes(out)
+            r["out"] = str(out)
+        r["peak_rss_gb"] = r["peak_rss_bytes"] / GB
+        r["cpu_s"] = r["user_s"] + r["sys_s"]
+        r["in_gb_per_s"] = b_in / GB / r["wall_s"] if r["wall_s"] else None
+        r["seconds_per_layer"] = r["wall_s"] / n_layers
+        r["ok"] = r["rc"] == 0 and not r["timed_out"]
+        rec["stages"][name] = r
+        status = "ok" if r["ok"] else f"FAILED rc={r['rc']}: {r.get('error')}"
+        log(f"  {name:<17} {r['wall_s']:8.1f} s  peak RSS {r['peak_rss_gb']:6.2f} GB  {status}")
+
+    # read throughput, model A only
+    for name, mode in (("read_cold", "cold"), ("read_warm", "warm")):
+        if name not in stages:
+            continue
+        files_a = [str(f) for f in weight_files(a)]
+        if mode == "cold":
+            drop_cache(files_a)
+        else:
+            warm_cache(files_a)
+        r = measure([sys.executable, "-m", ENTRY, "--_read", a], timeout=timeout,
+                    env=_env(), cwd=REPO_ROOT, log_prefix=str(logdir / name))
+        if r["rc"] == 0:
+            try:
+                r["read"] = json.loads(Path(r["stdout_log"]).read_text().strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                pass
+        finish(name, r, b_in=sum(os.path.getsize(f) for f in files_a))
+
+    # mergekit
+    mk_out = outdir / "mergekit_linear"
+    if "mergekit_linear" in stages:
+        exe, msg = ensure_mergekit(mergekit_venv)
+        rec["mergekit"] = {"venv": str(mergekit_venv), "message": msg}
+        if exe is None:
+            log(f"  mergekit_linear    skipped: {msg}")
+            rec["stages"]["mergekit_linear"] = {"skipped": msg, "ok": False}
+        else:
+            rec["mergekit"]["versions"] = mergekit_version(mergekit_venv)
+            cfg = Path(pair["dir"]) / "mergekit.yml"
+            cfg.write_text(mergekit_config(a, b))
+            shutil.rmtree(mk_out, ignore_errors=True)
+            cmd = [exe, str(cfg), str(mk_out), "--lazy-unpickle", "--no-async-write", "--no-copy-tokenizer",
+                   "--no-cuda", "--out-shard-size", MERGEKIT_SHARD_PARAMS, "--quiet"]
+            prep_cache()
+            r = measure(cmd, timeout=timeout, env=_env(CUDA_VISIBLE_DEVICES=""), cwd=pair["dir"],
+                        log_prefix=str(logdir / "mergekit_linear"))
+            r["cmd"] = [str(c) for c in cmd]
+            finish("mergekit_linear", r, mk_out)
+
+    # symgraph
+    for align in ("none", "weights", "activations"):
+        name = f"symgraph_{align}"
+        if name not in stages:
+            continue
+        out = outdir / name
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = _symgraph_cmd() + ["merge", a, b, "--out", str(out), "--align", align]
+        if align == "activations":
+            cmd += ["--data", _token_data(Path(pair["dir"]), config.vocab_size)]
+        prep_cache()
+        r = measure(cmd, timeout=timeout, env=_env(), cwd=REPO_ROOT, log_prefix=str(logdir / name))
+        r["cmd"] = [str(c) for c in cmd]
+        finish(name, r, out)
+
+    # ratios against mergekit
+    mk = rec["stages"].get("mergekit_linear", {})
+    for name, r in rec["stages"].items():
+        if name.startswith("symgraph") and mk.get("ok") and r.get("ok"):
+            r["time_ratio_vs_mergekit"] = r["wall_s"] / mk["wall_s"]
+            r["rss_ratio_vs_mergekit"] = r["peak_rss_bytes"] / mk["peak_rss_bytes"]
+
+    # checks
+    load_check = sizes["bytes"] <= load_check_gb * GB
+    checks = {"from_pretrained": load_check}
+    t = time.perf_counter()
+    checks["inputs"] = {m: check_output(p, a, load_check) for m, p in (("a", a), ("b", b))}
+    for name in ("mergekit_linear", "symgraph_none", "symgraph_weights", "symgraph_activations"):
+        r = rec["stages"].get(name, {})
+        if r.get("ok") and r.get("out"):
+            checks[name] = check_output(r["out"], a, load_check)
+    st = rec["stages"]
+    if st.get("symgraph_none", {}).get("ok") and st.get("mergekit_linear", {}).get("ok"):
+        checks["none_vs_mergekit"] = compare_outputs(outdir / "symgraph_none", mk_out, a, b)
+    checks["seconds"] = time.perf_counter() - t
+    rec["checks"] = checks
+    for k, v in checks.items():
+        if isinstance(v, dict) and "ok" in v:
+            log(f"  check {k:<17} {'ok' if v['ok'] else 'FAILED'}"
+                + (f"  (max |symgraph - mergekit| {v['symgraph_vs_mergekit']['max_abs_diff']:.3g})"
+                   if k == "none_vs_mergekit" and "symgraph_vs_mergekit" in v else ""))
+    if not keep_outputs:
+        shutil.rmtree(outdir, ignore_errors=True)
+    return rec
+
+
+def _token_data(directory: Path, vocab: int) -> str:
+    """A data file of :data:`DATA_ROWS` × :data:`DATA_TOKENS` random token ids (seed 0)."""
+    import torch
+    from safetensors.torch import save_file
+    path = directory / "data.safetensors"
+    ids = torch.randint(0, vocab, (DATA_ROWS, DATA_TOKENS), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, str(path))
+    return str(path)

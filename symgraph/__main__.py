@@ -1,0 +1,6 @@
+"""``python -m symgraph ...`` runs the ``symgraph`` command."""
+import sys
+
+from .cli.main import main
+
+sys.exit(main())

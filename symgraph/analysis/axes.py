@@ -1,0 +1,318 @@
+"""Queries on a finished analysis, in union-find terms (roots): the matrix of a group element
+along an axis, and the coordinate tables that index an axis by its leaf classes.
+
+Only :mod:`symgraph.report` calls these; everything else asks the report, which speaks in
+group ids. Elements are ``{root: element}`` here.
+
+The matrix of an axis is built from its structure: a sum is block-diagonal; a product applies
+each factor's element along its factor axis, innermost first (fibred elements are indexed by
+their outer factor's *source* index), which is ``perm(heads) ≀ G(head_dim)``.
+"""
+from __future__ import annotations
+
+import string
+
+import numpy as np
+import torch
+
+from ..core.elements import Map, Perm, inv_t
+
+__all__ = ["axis_matrix", "coord_table", "leaf_views", "other_leaf_elements", "observation_points",
+           "leaves_with_parity", "stored_slots"]
+
+
+def axis_matrix(an, axis: int, elements: dict, parity: int = 0):
+    """Full ``n_A×n_B`` matrix acting on ``axis`` (float64), or None when it is the identity.
+
+    For an unstructured axis whose element is a :class:`Perm`, the 1-D index vector instead
+    (``P^{-T} = P``, so parity does not matter); :func:`apply_along` takes either."""
+    r, _ = an.uf.find(axis)
+    if r not in an.uf.struct and isinstance(elements.get(r), Perm):
+        return elements[r].index
+    E, fib = _node(an, axis, parity, elements)
+    if fib:
+        raise AssertionError("parameter axis with an unresolved fibre")  # analysis guarantees
+    return E
+
+
+def _leaf(an, r, p, elements):
+    E = elements.get(r)
+    if E is None:
+        return None, ()
+    if isinstance(E, Perm):
+        E = E.dense()
+    elif isinstance(E, Map):
+        E = E.contra if p else E.co
+    elif p:
+        E = inv_t(E)
+    return E, an.fibre.get(r, ())
+
+
+def _factors(an, axis, par):
+    """Flatten nested products: list of (axis, parity) factors."""
+    r, p = an.uf.find(axis)
+    p ^= par
+    s = an.uf.struct.get(r)
+    if s is not None and s[0] == "prod":
+        out = []
+        for a, pa in s[1]:
+            out += _factors(an, a, pa ^ p)
+        return out
+    return [(axis, par)]
+
+
+def _node(an, axis, par, elements):
+    uf = an.uf
+    r, p = uf.find(axis)
+    p ^= par
+    s = uf.struct.get(r)
+    if s is None:
+        return _leaf(an, r, p, elements)
+    kind, parts = s
+    if kind == "sum":
+        subs = [(_node(an, a, pa ^ p, elements), uf.size[uf.find(a)[0]]) for a, pa in parts]
+        if all(E is None for (E, _), _ in subs):
+            return None, ()
+        fibres = []
+        for (E, f), _ in subs:
+            fibres += [x for x in f if x not in fibres]
+        blocks = []
+        dev = next(E.device for (E, _), _ in subs if E is not None)  # the elements' device
+        for (E, f), m in subs:
+            E = torch.eye(m, dtype=torch.float64, device=dev) if E is None else E
+            blocks.append(_broadcast_fibres(E, f, fibres, uf))
+        na, nb = sum(b.shape[-2] for b in blocks), sum(b.shape[-1] for b in blocks)
+        out = torch.zeros(*[uf.size[x] for x in fibres], na, nb, dtype=torch.float64, device=dev)
+        oa = ob = 0
+        for b in blocks:
+            out[..., oa:oa + b.shape[-2], ob:ob + b.shape[-1]] = b
+            oa, ob = oa + b.shape[-2], ob + b.shape[-1]
+        return out, tuple(fibres)
+    # product
+    n = uf.size[r]
+    factors = _factors(an, axis, par)
+    fclasses = [uf.find(a)[0] for a, _ in factors]
+    fsizes = [uf.size[c] for c in fclasses]
+    subs = []
+    for a, pa in factors:
+        ra, pra = uf.find(a)
+        if ra in uf.struct:  # a sum inside a product
+            subs.append(_node(an, a, pa, elements))
+        else:
+            subs.append(_leaf(an, ra, pra ^ pa, elements))
+    if all(E is None for E, _ in subs):
+        return None, ()
+    outer = []
+    for _, f in subs:
+        outer += [x for x in f if x not in fclasses and x not in outer]
+    letters = iter(string.ascii_letters)
+    o_l = [next(letters) for _ in outer]
+    f_l = [next(letters) for _ in factors]
+    col = next(letters)
+    osz = [uf.size[x] for x in outer]
+    dev = next(E.device for E, _ in subs if E is not None)  # the elements' device
+    X = torch.eye(n, dtype=torch.float64, device=dev).reshape(*fsizes, n)
+    X = X.expand(*osz, *fsizes, n).clone() if osz else X
+    for k in _application_order(subs, fclasses):
+        E, f = subs[k]
+        if E is None:
+            continue
+        sub_l = [f_l[fclasses.index(x)] if x in fclasses else o_l[outer.index(x)] for x in f]
+        new = next(letters)
+        x_sub = o_l + f_l + [col]
+        out_sub = o_l + [new if i == k else c for i, c in enumerate(f_l)] + [col]
+        X = torch.einsum(f"{''.join(sub_l)}{new}{f_l[k]},{''.join(x_sub)}->{''.join(out_sub)}",
+                         E, X)
+    return X.reshape(*osz, -1, n), tuple(outer)
+
+
+def _application_order(subs, fclasses):
+    """Innermost factor first, but a factor fibred over another factor of the same product
+    always acts before it: fibred elements are indexed by the *source* index of their outer
+    factor, whichever order the factors have in this flatten (``(H, d)`` or ``(d, H)``)."""
+    needs = [{fclasses.index(x) for x in f if x in fclasses} for _, f in subs]
+    left, order = list(range(len(subs))), []
+    while left:
+        ready = [k for k in left if not any(k in needs[m] for m in left if m != k)]
+        k = max(ready) if ready else max(left)
+        order.append(k)
+        left.remove(k)
+    return order
+
+
+def _broadcast_fibres(E, have, want, uf):
+    """Expand ``E [*have, a, b]`` to ``[*want, a, b]`` (``have`` ⊆ ``want``)."""
+    if list(have) == list(want):
+        return E
+    perm = [list(have).index(x) for x in want if x in have]
+    if have:
+        E = E.permute(*perm, len(have), len(have) + 1)
+    shape = [uf.size[x] if x in have else 1 for x in want]
+    E = E.reshape(*shape, *E.shape[-2:])
+    return E.expand(*[uf.size[x] for x in want], *E.shape[-2:])
+
+
+def coord_table(an, axis):
+    """Memoised :func:`_coord_table` (an analysis' structures are final once it is built)."""
+    r = an.uf.find(axis)[0]
+    memo = an.__dict__.setdefault("_coord_tables", {})
+    if r not in memo:
+        memo[r] = _coord_table(an, axis)
+    return memo[r]
+
+
+def _coord_table(an, axis):
+    """Per coordinate of ``axis``: the index into each leaf class, and a path id that tells
+    apart the segments of direct sums. Returns ``(paths [n], {leaf_root: idx [n] or -1})``."""
+    uf = an.uf
+    r, _ = uf.find(axis)
+    n = uf.size[r]
+    s = uf.struct.get(r)
+    if s is None:
+        return np.zeros(n, np.int64), {r: np.arange(n)}
+    kind, parts = s
+    subs = [coord_table(an, a) for a, _ in parts]
+    if kind == "sum":
+        paths, leaves, off = [], {}, 0
+        for k, (p, t) in enumerate(subs):
+            m = len(p)
+            paths.append(p * 64 + k + 1)
+            for leaf, idx in t.items():
+                arr = leaves.setdefault(leaf, np.full(n, -1, np.int64))
+                arr[off:off + m] = idx
+            off += m
+        return np.concatenate(paths), leaves
+    sizes = [len(p) for p, _ in subs]
+    grids = np.meshgrid(*[np.arange(s_) for s_ in sizes], indexing="ij")
+    grids = [g.reshape(-1) for g in grids]
+    paths = np.zeros(n, np.int64)
+    leaves = {}
+    for k, ((p, t), g) in enumerate(zip(subs, grids)):
+        paths = paths * 4096 + p[g]
+        for leaf, idx in t.items():
+            leaves[leaf] = idx[g]
+    return paths, leaves
+
+
+def leaf_views(an, axis, target):
+    """Index arrays ``[*fibre_sizes, n_target, *other_leaf_sizes]`` into ``axis``'s coordinates,
+    one per occurrence of ``target`` (sorted by path so that two models agree)."""
+    paths, leaves = coord_table(an, axis)
+    if target not in leaves:
+        return []
+    fib = [f for f in an.fibre.get(target, ()) if f in leaves]
+    out = []
+    present = leaves[target] >= 0
+    for path in sorted(set(paths[present].tolist())):
+        cs = np.nonzero(present & (paths == path))[0]
+        others = [leaf for leaf, idx in leaves.items()
+                  if leaf != target and leaf not in fib and (idx[cs] >= 0).all()]
+        dims = fib + [target] + others
+        shape = [an.uf.size[d] for d in dims]
+        idx = np.full(shape, -1, np.int64)
+        idx[tuple(leaves[d][cs] for d in dims)] = cs
+        if (idx < 0).any():
+            continue
+        out.append((torch.as_tensor(idx, device="cpu"), len(fib)))  # structure: on the CPU
+    return out
+
+
+def other_leaf_elements(an, axis, target, elements):
+    """(position among O, element, fibre positions) for O leaves that have elements."""
+    paths, leaves = coord_table(an, axis)
+    fib = [f for f in an.fibre.get(target, ()) if f in leaves]
+    present = leaves[target] >= 0
+    others = [leaf for leaf, idx in leaves.items()
+              if leaf != target and leaf not in fib and (idx[present] >= 0).all()]
+    out = []
+    dims = fib + [target] + others
+    for j, leaf in enumerate(others):
+        E = elements.get(leaf)
+        if E is None:
+            if an.kind(leaf) != "identity" and an.uf.size[leaf] > 1:
+                return None
+            continue
+        E = E.co if isinstance(E, Map) else E.dense() if isinstance(E, Perm) else E
+        lf = an.fibre.get(leaf, ())
+        if any(f not in dims for f in lf):
+            continue
+        out.append((j, E, [dims.index(f) for f in lf]))
+    return out
+
+
+def observation_points(an, root, limit=24):
+    """``(node, dim)`` where ``root``'s coordinates can be read from an activation: the
+    output of an op whose rule is marked ``observe`` (see :func:`registry.register`), with
+    ``root`` on that dim and only fixed classes (batch, sequence) on the others, which become
+    samples. At most ``limit``, evenly spread through the graph."""
+    from .registry import observed
+    pts = []
+    for node, ax in an.node_axes.items():
+        if node.op != "call_function" or an.origin.get(node) != "act" or not ax or isinstance(ax[0], list):
+            continue
+        if not observed(node.target) or node in an.unobservable:
+            continue
+        for k, a in enumerate(ax):
+            if root in set(an.leaves(a)):
+                if all(an.kind(leaf) == "identity" for j, b in enumerate(ax) if j != k
+                       for leaf in an.leaves(b)):
+                    pts.append((node, k))
+                break
+    if len(pts) > limit:
+        sel = np.linspace(0, len(pts) - 1, limit).round().astype(int)
+        pts = [pts[i] for i in sorted(set(sel.tolist()))]
+    return pts
+
+
+def stored_slots(an, nodes) -> dict:
+    """``{leaf root: [(name, dim, "co" | "contra")]}`` of the placeholders ``nodes``."""
+    out: dict[int, list] = {}
+    for name, node in nodes.items():
+        for d, a in enumerate(an.node_axes[node]):
+            for leaf, par in leaves_with_parity(an, a, 0):
+                out.setdefault(leaf, []).append((name, d, "contra" if par else "co"))
+    return out
+
+
+def leaves_with_parity(an, axis, par=0):
+    """``[(leaf root, parity)]`` of ``axis``: itself, or its structure's parts' leaves."""
+    r, p = an.uf.find(axis)
+    p ^= par
+    s = an.uf.struct.get(r)
+    if s is None:
+        return [(r, p)]
+    out = []
+    for a, pa in s[1]:
+        out += leaves_with_parity(an, a, pa ^ p)
+    return out
+
+
+def linear_layers(an) -> list:
+    """Linear maps on a parameter: ``[(weight name, input node name, input feature axis,
+    layout)]`` with layout ``"out_in"`` (``linear``) or ``"in_out"`` (``addmm``)."""
+    aten = torch.ops.aten
+    rev = {n: k for k, n in an.param_nodes.items()}
+    out = []
+    for node in an.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target == aten.linear.default and node.args[1] in rev:
+            w, x, layout = rev[node.args[1]], node.args[0], "out_in"
+        elif node.target == aten.addmm.default and node.args[2] in rev:
+            w, x, layout = rev[node.args[2]], node.args[1], "in_out"
+        else:
+            continue
+        out.append((w, x.name, an.node_axes[x][-1], layout))
+    return out
+
+
+def attention_sites(an) -> list:
+    """``[(node name, query head-size axis, value head-size axis)]`` per
+    ``scaled_dot_product_attention`` op (the key's axis is unified with the query's)."""
+    sdpa = torch.ops.aten.scaled_dot_product_attention
+    out = []
+    for node in an.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "overloadpacket", None) is sdpa:
+            q, _, v = node.args[:3]
+            out.append((node.name, an.node_axes[q][-1], an.node_axes[v][-1]))
+    return out

@@ -1,0 +1,440 @@
+"""Driver: axis variables for every tensor in an exported graph, rules, union-find, fibres.
+
+Soundness by construction: constants, graph inputs and graph outputs are fixed; an op without
+a rule fixes every axis it touches and is recorded (``strict=True`` raises instead); an output
+axis that a rule leaves unrelated is fixed too.
+
+Buffers are data like constants, except that a floating-point buffer read only by ops whose
+rules relate each of its axes (BatchNorm's running statistics) moves with those classes as a
+parameter would (``buffer_nodes``); any other buffer is fixed, with the reason.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..errors import UnsupportedOpError
+from . import labels, registry
+from .patterns import stacked
+from .nodes import FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path, output_nodes, packet as _packet, source_line, tensor_axes
+from .registry import Label, Meet, NoFiber, Rope, RuleContext, Structure, Unify
+from .patterns.norms import find_norms
+from .patterns.packed import find_packed
+from .patterns.rope import find_rope
+from .unionfind import AxisUnionFind
+
+__all__ = ['AxisAnalysis', 'FrozenOp', 'analyze_graph']
+
+aten = torch.ops.aten
+
+# Ops whose outputs carry no information from their tensor inputs but their shape/dtype.
+CONST_OPS = {
+    aten.arange, aten.full, aten.zeros, aten.ones, aten.empty, aten.scalar_tensor,
+    aten.new_ones, aten.new_zeros, aten.new_full, aten.new_empty, aten.zeros_like,
+    aten.ones_like, aten.full_like, aten.empty_like, aten.rand, aten.randn, aten.eye,
+    aten.tril_indices, aten.triu_indices, aten.linspace, aten.empty_strided,
+}
+_ZEROS = {aten.zeros, aten.zeros_like, aten.new_zeros}
+_FULL = {aten.full, aten.full_like, aten.new_full}
+
+
+def _zeros(node) -> bool:
+    """A tensor of zeros (a scan's initial state): every linear map keeps it, so it fixes
+    nothing it is concatenated or added to."""
+    p = _packet(node.target)
+    return p in _ZEROS or (p in _FULL and len(node.args) > 1 and node.args[-1] == 0
+                           and not isinstance(node.args[-1], bool))
+
+
+# Stream groups a norm fold can open up.
+WIDE = ("orthogonal", "orthogonal_mean")
+
+# Ops with no tensor output worth an axis (asserts, metadata checks).
+IGNORED = {aten._assert_tensor_metadata, aten._assert_scalar, aten.sym_constrain_range_for_size,
+           aten.sym_constrain_range, aten._assert_async, aten.sym_size, aten.sym_numel,
+           aten.sym_stride}
+
+
+class AxisAnalysis:
+    """Axis variables and constraints of one exported program, resolved into classes."""
+
+    def __init__(self, ep, strict: bool = False, tied=(), fold_norms: bool = True,
+                 skip_folds=frozenset(), keep=None):
+        self.ep = ep
+        self.keep = keep  # positions of the outputs a symmetry must keep (None: all)
+        self.fold_norms = fold_norms
+        self.skip_folds = skip_folds
+        self.folds: list = []
+        self.unobservable: set = set()
+        self.tied = [list(t) for t in tied]
+        self.aliases: dict[str, list] = {}
+        self.graph = ep.graph_module.graph
+        self.strict = strict
+        self.uf = AxisUnionFind()
+        self.node_axes: dict = {}
+        self.origin: dict = {}
+        self.frozen: list[FrozenOp] = []
+        self.nofiber: list = []
+        sig = ep.graph_signature
+        self.param_of = dict(sig.inputs_to_parameters)
+        self.param_nodes: dict[str, torch.fx.Node] = {}
+        self.buffer_of = dict(sig.inputs_to_buffers)
+        self.buffer_nodes: dict[str, torch.fx.Node] = {}  # buffers no rule fixed (after run)
+        self.fixed_buffers: dict[str, str] = {}  # the others: name -> why
+        self.user_inputs = set(sig.user_inputs)
+        self.touched: dict = {}  # node reading a buffer -> the axes its rule's constraints mention
+        self.labels: dict = {}  # node (or (node, i)) -> (axis, size): its values label that class
+        self.stacked: dict = {}  # parameter name -> (o, j): viewed with axes o, j as one
+        self.raw_axes: dict = {}  # and its stored axes
+        self.shared: dict = {}  # leaf -> why it is not per member (stacked.MAX_STACKED)
+
+    # --- axes ----------------------------------------------------------------------------
+    def _alloc(self, val):
+        if isinstance(val, torch.Tensor):
+            return [self.uf.new(int(s)) for s in val.shape]
+        if isinstance(val, (list, tuple)):
+            return [self._alloc(v) for v in val]
+        return None
+
+    def axes_of(self, node):
+        return self.node_axes.get(node)
+
+    def shape_of(self, node):
+        v = node.meta.get("val")
+        return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
+
+    def origin_of(self, node):
+        return self.origin.get(node, "const")
+
+    # --- main ----------------------------------------------------------------------------
+    def run(self):
+        for node in self.graph.nodes:
+            self._classify(node)
+        self._tie()
+        claimed, cons = find_rope(self.graph, self.origin_of, self.axes_of, self.shape_of)
+        self._apply(cons, None)
+        normed, cons, self.folds, self.unobservable = find_norms(self, self.fold_norms, self.skip_folds)
+        self._apply(cons, None)
+        packed, cons = find_packed(self)
+        self._apply(cons, None)
+        claimed = claimed | normed | packed
+        live = live_nodes(self.graph, self.keep)
+        for node in self.graph.nodes:
+            if node.op == "call_function" and node not in claimed and self.origin[node] == "act" \
+                    and node in live:
+                self._apply(labels.flow(self.labels, node), None)
+                self._rule(node)
+            elif node.op == "output":
+                for i, out in enumerate(output_nodes(node)):
+                    if out is None or (self.keep is not None and i not in self.keep):
+                        continue
+                    for a in self._all_axes(out):
+                        self.uf.meet(a, "identity")
+                    if out in self.labels:
+                        self.uf.meet(self.labels[out][0], "identity", "labels in a graph output")
+        self._settle_buffers()
+        return self
+
+    def _settle_buffers(self):
+        """Keep a buffer movable only where every reader's rule related each of its axes; fix
+        the others (and move them to ``fixed_buffers``)."""
+        for name, node in list(self.buffer_nodes.items()):
+            if (why := self._buffer_fixed(node)) is not None:
+                self.fixed_buffers[name] = why
+                del self.buffer_nodes[name]
+                for a in self._all_axes(node):
+                    self.uf.meet(a, "identity", f"buffer {name}: {why}")
+
+    def _buffer_fixed(self, node):
+        """Why ``node`` (a buffer) must stay as it is, or None when it may move."""
+        if not (isinstance(v := node.meta.get("val"), torch.Tensor) and v.is_floating_point()):
+            return "not a floating-point tensor"
+        axes = [a for a in self._all_axes(node) if self.uf.size[a] > 1]
+        for user in node.users:
+            if user not in self.touched:
+                return f"read by {user.name} ({user.target}), which has no rule relating it"
+            if any(a not in self.touched[user] for a in axes):
+                return f"an axis not related by the rule of {user.name} ({user.target})"
+        return None if node.users else "not read by the graph"
+
+    def _tie(self):
+        """Tied parameters (one tensor, several names) are one set of axes and one slot."""
+        for names in self.tied:
+            nodes = [(n, self.param_nodes[n]) for n in names if n in self.param_nodes]
+            if len(nodes) < 2:
+                continue
+            # report the tensor under its first name (model order: the embedding, not the
+            # tied head), with the placeholder the graph actually uses (export routes every
+            # use to one of them)
+            keep = nodes[0][0]
+            knode = max(nodes, key=lambda nn: len(nn[1].users))[1]
+            for other, onode in nodes:
+                if onode is not knode:
+                    for a, b in zip(self.node_axes[knode], self.node_axes[onode]):
+                        self.uf.union(a, b)
+                if other != keep:
+                    del self.param_nodes[other]
+                    self.aliases.setdefault(keep, []).append(other)
+            self.param_nodes[keep] = knode
+
+    def _all_axes(self, node):
+        ax = self.node_axes.get(node)
+        out = []
+        def walk(x):
+            if isinstance(x, int):
+                out.append(x)
+            elif isinstance(x, list):
+                for y in x:
+                    walk(y)
+        walk(ax)
+        return out
+
+    def _classify(self, node):
+        if node.op == "placeholder":
+            self.node_axes[node] = self._alloc(node.meta.get("val"))
+            if node.name in self.param_of:
+                self.origin[node] = "param"
+                self.param_nodes[self.param_of[node.name]] = node
+            elif node.name in self.user_inputs:
+                self.origin[node] = "act"
+                for a in self._all_axes(node):
+                    self.uf.meet(a, "identity")
+            elif node.name in self.buffer_of:  # data, but a rule may relate its axes
+                self.origin[node] = "const"
+                self.buffer_nodes[self.buffer_of[node.name]] = node
+                return  # its axes are settled after the rules (_settle_buffers)
+            else:  # lifted constants are data we do not transform
+                self.origin[node] = "const"
+        elif node.op == "call_function":
+            if _packet(node.target) in IGNORED:
+                self.origin[node] = "const"
+                return
+            self.node_axes[node] = self._alloc(node.meta.get("val"))
+            inputs = _flat_nodes(node.args) + _flat_nodes(list(node.kwargs.values()))
+            if _packet(node.target) in CONST_OPS or all(
+                    self.origin.get(i, "const") == "const" for i in inputs):
+                self.origin[node] = "const"
+            else:
+                self.origin[node] = "act"
+        else:
+            self.origin[node] = "const"
+        if self.origin[node] == "const" and not _zeros(node):
+            for a in self._all_axes(node):
+                self.uf.meet(a, "identity")
+
+    def _rule(self, node):
+        if node.target is operator.getitem:
+            src, i = node.args
+            sa = self.node_axes.get(src)
+            if isinstance(sa, list) and i < len(sa) and isinstance(sa[i], list):
+                for o, a in zip(self.node_axes[node] or [], sa[i]):
+                    self.uf.union(o, a)
+                if (src, i) in self.labels:
+                    self.labels[node] = self.labels[src, i]
+                return
+        rule = registry.lookup(node.target)
+        cons = None
+        if rule is not None:
+            ctx = RuleContext(node, self.axes_of, self.origin_of, self.uf.new, self.labels.get)
+            cons = rule(ctx)
+        if cons is None:
+            self._freeze_unknown(node)
+            return
+        self._apply(cons, node)
+
+    def _apply(self, cons, node):
+        touched = set()
+        for c in cons:
+            if isinstance(c, Unify):
+                self.uf.union(c.a, c.b, c.dual)
+                touched |= {c.a, c.b}
+            elif isinstance(c, Meet):
+                self.uf.meet(c.axis, c.kind, c.reason)
+                touched.add(c.axis)
+            elif isinstance(c, Structure):
+                self.uf.add_structure(c.axis, c.kind, c.parts)
+                touched |= {c.axis, *c.parts}
+            elif isinstance(c, NoFiber):
+                self.nofiber.append((c.axis, c.over))
+            elif isinstance(c, Rope):
+                self.uf.set_pairs(c.axis, c.pairs, "rotary position embedding")
+                touched.add(c.axis)
+            elif isinstance(c, Label):
+                self.labels[node if c.out is None else (node, c.out)] = (c.axis, c.size)
+        if node is not None:
+            if any(i.op == "placeholder" and i.name in self.buffer_of for i in node.all_input_nodes):
+                self.touched[node] = touched
+            # safety net: an output axis no rule spoke of stays fixed
+            for a in self._all_axes(node):
+                if a not in touched and self.uf.size[a] > 1:
+                    self.uf.meet(a, "identity", f"{node.name}: output axis not related by its rule")
+
+    def _freeze_unknown(self, node):
+        if self.strict:
+            raise UnsupportedOpError(
+                f"no symmetry rule for {node.target} at node {node.name} "
+                f"(module {module_path(node) or '<root>'}; {source_line(node)}). "
+                "Register one with symgraph.analysis.register, or analyse with strict=False "
+                "to fix the axes it touches.")
+        axes = self._all_axes(node)
+        for i in _flat_nodes(node.args) + _flat_nodes(list(node.kwargs.values())):
+            axes += self._all_axes(i)
+        why = f"{node.name}: no rule for {node.target}"
+        for a in axes:
+            self.uf.meet(a, "identity", why)
+        self.frozen.append(FrozenOp(str(node.target), node.name, module_path(node),
+                                    source_line(node), axes))
+
+    # --- results -------------------------------------------------------------------------
+    def finalize(self):
+        """Push kinds into structure parts, apply rope pairs, compute fibres."""
+        uf = self.uf
+        roots = {uf.find(a)[0] for a in range(len(uf.parent))}
+        for r, pairs in list(uf.pairs.items()):
+            uf.meet(r, "rope")
+            self._split_pairs(r)
+        # kinds flow from a structured class into its parts (largest first: parts are smaller)
+        for r in sorted((r for r in roots if r in uf.struct), key=lambda r: -uf.size[r]):
+            kind = uf.kind.get(r, "gl")
+            why = next((w for k, w in reversed(uf.reasons.get(r, [])) if k == kind), "")
+            for p, _par in uf.struct[r][1]:
+                uf.meet(p, kind, f"part of a class narrowed to {kind} ({why})" if kind != "gl" else None)
+        self.roots = {uf.find(a)[0] for a in range(len(uf.parent))}
+        self._fibres()
+        return self
+
+    def _split_pairs(self, r):
+        """A rotary class that was later cut into parts: its elements are built from the
+        parts', so hand each part the pairs inside it; a pair across a cut, or a product
+        structure, leaves only the identity."""
+        uf = self.uf
+        r, _ = uf.find(r)
+        s = uf.struct.get(r)
+        if s is None or r not in uf.pairs:
+            return
+        pairs = uf.pairs.pop(r)
+        kind, parts = s
+        bounds, off = [], 0
+        for p, _ in parts:
+            n = uf.size[uf.find(p)[0]]
+            bounds.append((off, off + n))
+            off += n
+        inside = [[(i - a, j - a) for i, j in pairs if a <= i < b and a <= j < b]
+                  for a, b in bounds]
+        if kind != "sum" or sum(map(len, inside)) != len(pairs):
+            for p, _ in parts:
+                uf.meet(p, "identity", "rotary pairs cut by a later split")
+            return
+        for (p, _), sub in zip(parts, inside):
+            if sub:
+                uf.set_pairs(p, sub, "rotary position embedding (a segment)")
+                self._split_pairs(p)
+            else:
+                uf.meet(p, "identity", "segment of a rotary axis without pairs")
+
+    def stream_kind(self, node):
+        """The group kind of the last axis of ``node``'s output."""
+        return self.kind(self.uf.find(self.node_axes[node][-1])[0])
+
+    def kind(self, root):
+        return self.uf.kind.get(root, "gl")
+
+    def leaves(self, axis):
+        """Leaf classes of an axis: itself, or the leaves of its structure's parts."""
+        r, _ = self.uf.find(axis)
+        if r not in self.uf.struct:
+            return [r]
+        out = []
+        for p, _ in self.uf.struct[r][1]:
+            out += self.leaves(p)
+        return out
+
+    def _prod_candidates(self):
+        """For each leaf class, the leaves that precede it in some product structure."""
+        cand: dict[int, set] = {}
+        uf = self.uf
+
+        def visit(r):
+            kind, parts = uf.struct[r]
+            if kind == "prod":
+                seen = []
+                for p, _ in parts:
+                    pl = self.leaves(p)
+                    for leaf in pl:
+                        cand.setdefault(leaf, set()).update(
+                            x for x in seen if self.kind(x) in ("perm", "identity"))
+                    seen += pl
+        for r in list(self.roots):
+            if r in uf.struct:
+                visit(r)
+        return cand
+
+    def _fibres(self):
+        cand = self._prod_candidates()
+        classes = stacked.label_classes(self)  # experts: fibres across a parameter's axes
+        carry = stacked.carried(self, classes) if classes else {}
+        labelled = {node: self._labelled(node, classes) for node in self.param_nodes.values()} \
+            if classes else {}
+        for node, per_axis in labelled.items():
+            for a, other in zip(self.node_axes[node], per_axis):
+                for leaf in self.leaves(a):
+                    cand.setdefault(leaf, set()).update(other - {leaf})
+        fib = {leaf: set(c) for leaf, c in cand.items() if c}
+        buffers = set(self.buffer_nodes.values())
+        if fib:
+            for node, ax in self.node_axes.items():
+                if ax is None:
+                    continue
+                for t in tensor_axes(ax):
+                    if self.origin.get(node) == "param" or node in buffers:  # stored: same axis
+                        for j, a in enumerate(t):  # (or a label class on another axis)
+                            present = set(self.leaves(a))
+                            if node in labelled:
+                                present |= labelled[node][j]
+                            for leaf in present & fib.keys():
+                                fib[leaf] &= present
+                    else:
+                        present = set(carry.get(node, ()))
+                        for a in t:
+                            present.update(self.leaves(a))
+                        for leaf in present & fib.keys():
+                            fib[leaf] &= present
+            for a, over in self.nofiber:
+                for leaf in self.leaves(a):
+                    if leaf in fib:
+                        fib[leaf] -= set(self.leaves(over))
+        self.fibre = {}
+        for leaf, f in fib.items():
+            if f and self.kind(leaf) != "identity":
+                # keep the order in which fibre classes appear as outer factors
+                self.fibre[leaf] = tuple(sorted(f, key=lambda x: x))
+        self.stacked = stacked.stack(self, classes) if classes else {}
+        self._order_fibres()
+
+    def _labelled(self, node, classes) -> list:
+        """Per axis of parameter ``node``: the label classes on its other axes."""
+        roots = [self.uf.find(a)[0] for a in self.node_axes[node]]
+        here = [{r} if r in classes and r not in self.uf.struct else set() for r in roots]
+        return [set().union(*(h for o, h in enumerate(here) if o != j)) for j in range(len(here))]
+
+    def _order_fibres(self):
+        # Order fibres outer-to-inner as they appear in a product structure of the leaf.
+        order = {}
+        for r in self.roots:
+            if r in self.uf.struct and self.uf.struct[r][0] == "prod":
+                for i, leaf in enumerate(self.leaves(r)):
+                    order.setdefault(leaf, i)
+        self.fibre = {k: tuple(sorted(v, key=lambda x: order.get(x, 0))) for k, v in self.fibre.items()}
+
+
+def analyze_graph(ep, strict=False, tied=(), fold_norms=True, keep=None) -> AxisAnalysis:
+    """Analyse ``ep``. A norm gain is folded only where that widens its stream's group beyond
+    permutations (elsewhere, e.g. a stream read by a tied head, the fold would change the
+    weights for nothing): folds that did not are dropped and the graph analysed again."""
+    an = AxisAnalysis(ep, strict, tied, fold_norms, keep=keep).run().finalize()
+    by_name = {n.name: n for n in an.graph.nodes}
+    useless = frozenset(f.node for f in an.folds if an.stream_kind(by_name[f.node]) not in WIDE)
+    if useless:
+        an = AxisAnalysis(ep, strict, tied, fold_norms, useless, keep).run().finalize()
+    return an

@@ -1,0 +1,119 @@
+"""Graph helpers shared by the passes: op packets, the nodes an argument list mentions, the
+nodes whose values reach an output, and where a node came from (module, source line)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["FrozenOp", "flat_nodes", "live_nodes", "module_path", "ndim", "op_of", "output_nodes", "packet", "packets",
+           "source_line", "tensor_axes"]
+
+
+def packet(t):
+    """The op packet (``aten.mul`` for ``aten.mul.Tensor``) of an op or of a graph node's
+    target; anything else (a placeholder's name, a Python callable) is returned as it is."""
+    t = t.target if isinstance(t, torch.fx.Node) else t
+    return t.overloadpacket if isinstance(t, torch._ops.OpOverload) else t
+
+
+def op_of(node):
+    """The op packet a graph node calls; None for anything that is not a node (constants)."""
+    return packet(node) if isinstance(node, torch.fx.Node) else None
+
+
+def packets(names: str) -> set:
+    """The ATen packets named in a space-separated list (names this torch lacks are skipped)."""
+    aten = torch.ops.aten
+    return {getattr(aten, n) for n in names.split() if hasattr(aten, n)}
+
+
+def ndim(node):
+    """The number of dimensions of a node's tensor value, or None for other values."""
+    v = node.meta.get("val")
+    return v.dim() if isinstance(v, torch.Tensor) else None
+
+
+def flat_nodes(args):
+    out = []
+    for a in args:
+        if isinstance(a, torch.fx.Node):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += flat_nodes(a)
+        elif isinstance(a, dict):
+            out += flat_nodes(list(a.values()))
+    return out
+
+
+@dataclass
+class FrozenOp:
+    """An op without a symmetry rule, and the axes it fixed."""
+    op: str
+    node: str
+    module: str
+    source: str
+    axes: list = field(default_factory=list)
+
+    def to_dict(self):
+        return {"op": self.op, "node": self.node, "module": self.module, "source": self.source}
+
+
+def module_path(node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _clean_path(path)
+
+
+def _clean_path(path: str) -> str:
+    # torch.export spells submodule paths like "L['self'].layers[0]" or "layers.0"
+    path = path.replace("L['self'].", "").replace("L['self']", "")
+    for ch in "[]":
+        path = path.replace(ch, "." if ch == "[" else "")
+    return path.strip(".")
+
+
+def source_line(node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            return lines[i] + (" | " + lines[i + 1] if i + 1 < len(lines) else "")
+    return ""
+
+
+def live_nodes(graph, keep=None) -> set:
+    """Nodes whose values can reach the graph's output (only the outputs at the positions in
+    ``keep``, when given). A value used only for its shape (``embed_positions(x[:, :, -1])``)
+    is dead after export and constrains nothing. Ops that mutate an argument count as live,
+    with everything they read."""
+    live, stack = set(), []
+    for n in graph.nodes:
+        t = n.target
+        if n.op == "output":
+            live.add(n)
+            stack += [o for i, o in enumerate(output_nodes(n))
+                      if o is not None and (keep is None or i in keep)]
+        elif isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable:
+            stack.append(n)
+    while stack:
+        n = stack.pop()
+        if n not in live:
+            live.add(n)
+            stack += n.all_input_nodes
+    return live
+
+
+def output_nodes(node) -> list:
+    """The graph output node's values in pytree-leaf order (None where not a node)."""
+    outs = node.args[0] if node.args and isinstance(node.args[0], (list, tuple)) else node.args
+    return [o if isinstance(o, torch.fx.Node) else None for o in outs]
+
+
+def tensor_axes(ax) -> list:
+    """A node's axes as a list per output tensor (one for a single tensor; None skipped)."""
+    if ax is None:
+        return []
+    return [t for t in ax if t is not None] if (ax and isinstance(ax[0], list)) else [ax]

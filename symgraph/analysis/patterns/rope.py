@@ -1,0 +1,326 @@
+"""Pattern pass: rotary position embeddings, recognised from what the graph computes.
+
+RoPE is ``y = x ⊙ cos + R(x) ⊙ sin`` where ``cos``/``sin`` are constants and ``R`` is a
+90° rotation of coordinate pairs built from slices, negation and concatenation/stacking along
+the last axis: ``rotate_half`` pairs ``(i, i + d/2)``, the interleaved (GPT-J) form pairs
+``(2i, 2i + 1)``. The pass evaluates ``R`` symbolically on signed coordinate indices, checks
+``R² = -I``, and claims the pattern's nodes. Maps commuting with every position's rotation,
+among ours, are independent 2×2 rotations of each pair: the class meets ``rope``.
+No module names are consulted; partial rotary (a slice of the head dim) falls out because the
+pattern's ``x`` may itself be a slice.
+"""
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+import torch
+
+from ..registry import Meet, Rope, Unify
+from ..nodes import ndim, op_of
+
+__all__ = ['find_rope']
+
+
+aten = torch.ops.aten
+_BIG = 2 ** 62
+
+
+def _signed_map(node, x, nodes):
+    """Signed coordinate indices (1-based) of ``node`` along x's last axis, or None."""
+    if node is x:
+        n = x.meta["val"].shape[-1]
+        return np.arange(1, n + 1)
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    p = op_of(node)
+    nd = ndim(node)
+    if p in (aten.neg,):
+        v = _signed_map(node.args[0], x, nodes)
+        out = None if v is None else -v
+    elif p in (aten.slice,):
+        src, d = node.args[0], node.args[1] if len(node.args) > 1 else 0
+        if d not in (-1, ndim(src) - 1):
+            return None
+        v = _signed_map(src, x, nodes)
+        if v is None or v.ndim != 1:
+            return None
+        start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+        end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else len(v)
+        step = node.args[4] if len(node.args) > 4 else 1
+        out = v[start:min(end, len(v)):step]
+    elif p in (aten.cat, aten.stack):
+        tensors, d = node.args[0], node.args[1] if len(node.args) > 1 else 0
+        if d not in (-1, nd - 1):
+            return None
+        vs = [_signed_map(t, x, nodes) for t in tensors]
+        if any(v is None or v.ndim != 1 for v in vs):
+            return None
+        out = np.concatenate(vs) if p == aten.cat else np.stack(vs, axis=-1)
+    elif p in (aten.unsqueeze,):
+        src, d = node.args
+        if d not in (-1, nd - 1):
+            return None
+        v = _signed_map(src, x, nodes)
+        out = None if v is None or v.ndim != 1 else v[:, None]
+    elif p in (aten.view, aten.reshape, aten.flatten, aten._unsafe_view):
+        src = node.args[0]
+        v = _signed_map(src, x, nodes)
+        if v is None:
+            return None
+        in_shape = tuple(src.meta["val"].shape)
+        out_shape = tuple(node.meta["val"].shape)
+        if v.ndim == 2 and in_shape[:-2] == out_shape[:-1] and out_shape[-1] == v.size:
+            out = v.reshape(-1)
+        elif v.ndim == 1 and in_shape == out_shape:
+            out = v
+        else:
+            return None
+    elif p in (aten.clone, aten.contiguous, aten.alias):
+        out = _signed_map(node.args[0], x, nodes)
+    else:
+        return None
+    if out is not None:
+        nodes.add(node)
+    return out
+
+
+def _rotation_pairs(v):
+    """Pairs of a signed permutation that squares to minus the identity, else None."""
+    n = len(v)
+    if v.ndim != 1 or sorted(abs(v)) != list(range(1, n + 1)):
+        return None
+    perm, sign = abs(v) - 1, np.sign(v)
+    pairs = set()
+    for i in range(n):
+        j = perm[i]
+        if j == i or perm[j] != i or sign[i] * sign[j] != -1:
+            return None
+        pairs.add((int(min(i, j)), int(max(i, j))))
+    return tuple(sorted(pairs))
+
+
+# Elementwise ops: equal inputs at two coordinates give equal outputs there.
+_ELEMENTWISE = {
+    aten.cos, aten.sin, aten.exp, aten.neg, aten.mul, aten.div, aten.add, aten.sub, aten.rsub,
+    aten.pow, aten.reciprocal, aten.sqrt, aten.rsqrt, aten._to_copy, aten.clone,
+    aten.contiguous, aten.alias, aten.detach, aten.lift_fresh_copy, aten.to, aten.type_as,
+}
+_VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
+          aten.unsqueeze, aten.squeeze}
+
+
+class _ConstIds:
+    """Which coordinates of a constant are equal *by construction*.
+
+    ``ids(node, k)`` is an int array of ``node``'s trailing ``k`` dims: equal ids mean equal
+    values at every index of the leading dims. Anything not understood is a fresh leaf (all
+    ids distinct), so the answer errs towards "not equal".
+    """
+
+    def __init__(self):
+        self.memo, self.next, self.codes, self.alias = {}, 0, {}, {}
+
+    def _leaf(self, shape):
+        n = int(np.prod(shape)) if len(shape) else 1
+        out = np.arange(self.next, self.next + n).reshape(shape)
+        self.next += n
+        return out
+
+    def ids(self, node, k):
+        shape = tuple(int(x) for x in node.meta["val"].shape) if isinstance(node, torch.fx.Node) \
+            and isinstance(node.meta.get("val"), torch.Tensor) else None
+        if shape is None:
+            return None
+        k = min(k, len(shape))
+        key = (node, k)
+        if key not in self.memo:
+            try:
+                out = self._ids(node, k, shape)
+            except Exception:  # noqa: BLE001 - anything unexpected: a fresh leaf
+                out = None
+            self.memo[key] = out if out is not None else self._leaf(shape[len(shape) - k:])
+        return self.memo[key]
+
+    def _combine(self, arrays, shape):
+        """Ids of an elementwise function of several arrays: equal iff equal in all."""
+        arrays = [np.broadcast_to(a, shape).reshape(-1) for a in arrays]
+        if len(arrays) == 1:
+            return arrays[0].reshape(shape)
+        out = np.empty(len(arrays[0]), dtype=np.int64)
+        for i, row in enumerate(zip(*arrays)):
+            out[i] = self.codes.setdefault(row, -1 - len(self.codes))
+        return out.reshape(shape)
+
+    def _ids(self, node, k, shape):
+        if node.op == "placeholder" and node in self.alias:  # inside a wrapped subgraph
+            return self.ids(self.alias[node], k)
+        if node.op != "call_function":
+            return None
+        if node.target is operator.getitem and _subgraph(node.args[0]) is not None:
+            sub, operands = _subgraph(node.args[0])
+            inner = [n for n in sub.graph.nodes if n.op == "placeholder"]
+            self.alias.update(zip(inner, operands))
+            out = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+            return self.ids(out[node.args[1]], k)
+        p = op_of(node)
+        tail = shape[len(shape) - k:]
+        nd = len(shape)
+        if p in _ELEMENTWISE:
+            ops = [a for a in list(node.args) + list(node.kwargs.values())
+                   if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+            if not ops:
+                return None
+            arrs = []
+            for a in ops:
+                ash = tuple(a.meta["val"].shape)
+                arr = self.ids(a, k)
+                kk = min(k, len(ash))
+                arrs.append(arr.reshape((1,) * (k - kk) + tuple(arr.shape)))
+            return self._combine(arrs, tail)
+        if p in _VIEWS:
+            src = node.args[0]
+            ss = tuple(int(x) for x in src.meta["val"].shape)
+            n = int(np.prod(tail))
+            for m in range(0, len(ss) + 1):
+                if int(np.prod(ss[len(ss) - m:])) == n:
+                    return self.ids(src, m).reshape(tail)
+                if int(np.prod(ss[len(ss) - m:])) > n:
+                    return None
+            return None
+        if p == aten.expand:
+            src = node.args[0]
+            ss = tuple(int(x) for x in src.meta["val"].shape)
+            kk = min(k, len(ss))
+            arr = self.ids(src, kk)
+            return np.broadcast_to(arr.reshape((1,) * (k - kk) + tuple(arr.shape)), tail)
+        if p in (aten.cat, aten.stack):
+            tensors = node.args[0]
+            d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+            d = d + nd if d < 0 else d
+            if p == aten.cat and d >= nd - k:
+                return np.concatenate([self.ids(t, k) for t in tensors], axis=d - (nd - k))
+            if p == aten.stack and d >= nd - k:
+                return np.stack([self.ids(t, k - 1) for t in tensors], axis=d - (nd - k))
+            # along a leading dim: each trailing coordinate must agree in every input
+            return self._combine([self.ids(t, k) for t in tensors], tail)
+        if p == aten.repeat_interleave and isinstance(node.args[1], int):
+            src, reps = node.args[0], node.args[1]
+            d = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+            if d is None:
+                return None
+            d = d + nd if d < 0 else d
+            arr = self.ids(src, k)
+            return arr if d < nd - k else np.repeat(arr, reps, axis=d - (nd - k))
+        if p == aten.slice:
+            src, d = node.args[0], node.args[1] if len(node.args) > 1 else 0
+            d = d + nd if d < 0 else d
+            arr = self.ids(src, k)
+            if d < nd - k:
+                return arr
+            n = arr.shape[d - (nd - k)]
+            start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+            end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else n
+            step = node.args[4] if len(node.args) > 4 else 1
+            idx = [slice(None)] * k
+            idx[d - (nd - k)] = slice(start, min(end, n), step)
+            return arr[tuple(idx)]
+        if node.target is operator.getitem and op_of(node.args[0]) in (aten.split, aten.split_with_sizes):
+            sp, i = node.args
+            src, sizes = sp.args[0], sp.args[1]
+            d = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
+            d = d + nd if d < 0 else d
+            arr = self.ids(src, k)
+            if d < nd - k:
+                return arr
+            n = arr.shape[d - (nd - k)]
+            if isinstance(sizes, int):
+                sizes = [sizes] * (-(-n // sizes))
+            start = sum(sizes[:i])
+            idx = [slice(None)] * k
+            idx[d - (nd - k)] = slice(start, start + sizes[i])
+            return arr[tuple(idx)]
+        return None
+
+
+def _subgraph(node):
+    """``(GraphModule, operands)`` of a higher-order op that runs a subgraph
+    (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``: HF rotary embeddings), or None."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and isinstance(node.target, torch._ops.HigherOrderOperator)):
+        return None
+    for i, a in enumerate(node.args):
+        if isinstance(a, torch.fx.Node) and a.op == "get_attr":
+            sub = getattr(node.graph.owning_module, a.target, None)
+            if isinstance(sub, torch.fx.GraphModule):
+                return sub, [x for x in node.args[i + 1:]]
+    return None
+
+
+def _pair_symmetric(const, pairs, ids):
+    """``const`` takes equal values on both coordinates of every pair, along its last axis."""
+    shape = const.meta["val"].shape
+    if len(shape) == 0 or int(shape[-1]) == 1:
+        return True
+    v = ids.ids(const, 1)
+    return all(v[i] == v[j] for i, j in pairs)
+
+
+def _split_mul(node, origin):
+    """mul(a, b) → (varying operand, constant operand) or None."""
+    if not (isinstance(node, torch.fx.Node) and op_of(node) == aten.mul):
+        return None
+    a, b = node.args[:2]
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+        return None
+    if origin(a) == "const" and origin(b) != "const":
+        return b, a
+    if origin(b) == "const" and origin(a) != "const":
+        return a, b
+    return None
+
+
+def find_rope(graph, origin, axes_of, shape_of):
+    """Return ``(claimed_nodes, constraints)`` for every RoPE application in ``graph``."""
+    claimed, cons = set(), []
+    ids = _ConstIds()
+    for node in graph.nodes:
+        if node.op != "call_function" or op_of(node) != aten.add:
+            continue
+        ops = [_split_mul(a, origin) for a in node.args[:2]]
+        if any(o is None for o in ops):
+            continue
+        for (x, c), (r, s) in (ops, ops[::-1]):
+            inner = set()
+            v = _signed_map(r, x, inner)
+            pairs = None if v is None else _rotation_pairs(v)
+            if pairs is None:
+                continue
+            # rotations of a pair commute with [[c_i, -s_i], [s_j, c_j]] only when c_i = c_j
+            # and s_i = s_j: the constants must be built pair-symmetric (cat((f, f)),
+            # repeat_interleave), which we check on how they are computed, not on values.
+            if not (_pair_symmetric(c, pairs, ids) and _pair_symmetric(s, pairs, ids)):
+                continue
+            pattern = inner | {node, node.args[0], node.args[1]}
+            internal = pattern - {node}
+            if any(u not in pattern for m in internal for u in m.users):
+                continue  # an intermediate value escapes: not a pure RoPE application
+            xa, out = axes_of(x), axes_of(node)
+            xs, os_ = shape_of(x), shape_of(node)
+            off = len(out) - len(xa)
+            new = []
+            for k, o in enumerate(out):  # x broadcast against the tables: those axes are fixed
+                if k >= off and xs[k - off] == os_[k]:
+                    new.append(Unify(o, xa[k - off]))
+                else:
+                    new.append(Meet(o, "identity", f"{node.name}: rotary tables broadcast x"))
+            for const in (c, s):  # constants broadcast over other axes; their last axis is the angle
+                ca, cs = axes_of(const), shape_of(const)
+                coff = len(out) - len(ca)
+                new += [Unify(out[coff + k], a) for k, a in enumerate(ca[:-1])
+                        if cs[k] == shape_of(node)[coff + k]]
+            new.append(Rope(xa[-1], pairs))
+            claimed |= pattern
+            cons += new
+            break
+    return claimed, cons

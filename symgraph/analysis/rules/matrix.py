@@ -1,0 +1,117 @@
+"""Rules for contractions: linear layers, matrix products, embeddings and convolutions.
+
+For ``y = x Wᵀ`` the contracted axes pair up dually: if ``x ↦ g x`` along its last axis then
+``W ↦ W g⁻¹``, i.e. W's in-dim takes ``g^{-T}`` (contravariant). The output axis is a new
+class shared with W's out-dim and the bias (covariant). Batch axes of a product of two varying
+operands are independent problems: only permutations commute with them.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..registry import Meet, NoFiber, Structure, Unify, broadcast, register
+
+__all__: list = []  # rule file: its rules register themselves on import
+
+aten = torch.ops.aten
+
+
+@register(aten.linear, observe=True)
+def linear(ctx):
+    x, w, b = ctx.arg(0), ctx.arg(1), ctx.arg(2, "bias")
+    xa, wa, out = ctx.axes(x), ctx.axes(w), ctx.out
+    cons = [Unify(o, a) for o, a in zip(out[:-1], xa[:-1])]
+    cons += [Unify(xa[-1], wa[-1], dual=True), Unify(out[-1], wa[0])]
+    if ctx.axes(b) is not None:
+        cons.append(Unify(out[-1], ctx.axes(b)[-1]))
+    return cons
+
+
+@register(aten.addmm, observe=True)
+def addmm(ctx):
+    # bias + x @ W  with W [in, out] (GPT-2's Conv1D).
+    b, x, w = ctx.arg(0), ctx.arg(1), ctx.arg(2)
+    xa, wa, out = ctx.axes(x), ctx.axes(w), ctx.out
+    cons = [Unify(out[0], xa[0]), Unify(xa[1], wa[0], dual=True), Unify(out[1], wa[1])]
+    cons += broadcast(out, ctx.out_shape, [b], ctx, on_broadcast="perm")
+    return cons
+
+
+@register(aten.mm, observe=True)
+def mm(ctx):
+    a, b = ctx.axes(ctx.arg(0)), ctx.axes(ctx.arg(1))
+    return [Unify(ctx.out[0], a[0]), Unify(a[1], b[0], dual=True), Unify(ctx.out[1], b[1])]
+
+
+def _batched_product(ctx, a_node, b_node):
+    a, b, out = ctx.axes(a_node), ctx.axes(b_node), ctx.out
+    ash, bsh = ctx.shape(a_node), ctx.shape(b_node)
+    cons = [Unify(a[-1], b[-2], dual=True), Unify(out[-2], a[-2]), Unify(out[-1], b[-1])]
+    nb = len(out) - 2
+    for o in range(nb):
+        for axes, shape in ((a, ash), (b, bsh)):
+            k = o - (nb - (len(axes) - 2))
+            if k >= 0 and shape[k] == ctx.out_shape[o]:
+                cons.append(Unify(out[o], axes[k]))
+        if ctx.out_shape[o] > 1:
+            cons.append(Meet(out[o], "perm", f"{ctx.where}: batch axis of a matrix product"))
+    return cons
+
+
+@register([aten.bmm, aten.matmul], observe=True)
+def bmm(ctx):
+    if len(ctx.shape(ctx.arg(0))) < 2 or len(ctx.shape(ctx.arg(1))) < 2:
+        return None  # vector products: let the driver freeze them
+    return _batched_product(ctx, ctx.arg(0), ctx.arg(1))
+
+
+@register(aten.baddbmm)
+def baddbmm(ctx):
+    cons = _batched_product(ctx, ctx.arg(1), ctx.arg(2))
+    return cons + broadcast(ctx.out, ctx.out_shape, [ctx.arg(0)], ctx, on_broadcast="perm")
+
+
+@register(aten.embedding, observe=True)
+def embedding(ctx):
+    # out[..., :] = W[ids[...], :]: rows are picked by data, columns carry the class.
+    w, ids = ctx.arg(0), ctx.arg(1)
+    wa = ctx.axes(w)
+    cons = [Unify(o, a) for o, a in zip(ctx.out[:-1], ctx.axes(ids))]
+    cons += [Unify(ctx.out[-1], wa[1]),
+             Meet(wa[0], "identity", f"{ctx.where}: embedding rows are indexed by input ids")]
+    return cons
+
+
+@register([aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution], observe=True)
+def conv(ctx):
+    # Channels contract like a linear layer's; spatial axes are fixed (kernels, strides and
+    # padding name positions). With ``groups`` G > 1 the weight is block diagonal: input
+    # channels are ``(G, I)`` and output channels ``(G, O)`` (row-major), the weight is
+    # ``[G·O, I, *k]``. A class G permutes whole groups (perm: mixing groups breaks the blocks);
+    # I and O each take one map for every group (I must: the weight's I axis has no G beside
+    # it; O could vary per group, but alignment solves elements fibred over one class only, and
+    # groups refined by a later grouped convolution would nest them). Depthwise (I = O = 1):
+    # input and output channels are one class G.
+    x, w, b = ctx.arg(0), ctx.arg(1), ctx.arg(2, "bias")
+    groups = ctx.arg(8 if ctx.node.target == aten.convolution.default else 6, "groups", 1)
+    if ctx.node.target == aten.convolution.default and ctx.arg(6, "transposed", False):
+        return None
+    xa, wa, out = ctx.axes(x), ctx.axes(w), ctx.out
+    batched = len(xa) == len(wa)
+    off = 1 if batched else 0
+    cons = [Unify(out[0], xa[0])] if batched else []
+    if groups == 1:
+        cons += [Unify(xa[off], wa[1], dual=True), Unify(out[off], wa[0])]
+    else:
+        wshape = ctx.shape(w)
+        g = ctx.new_axis(groups)
+        i, o = ctx.new_axis(wshape[1]), ctx.new_axis(wshape[0] // groups)
+        cons += [Structure(xa[off], "prod", (g, i)), Structure(out[off], "prod", (g, o)),
+                 Unify(out[off], wa[0]), Unify(i, wa[1], dual=True), NoFiber(o, g),
+                 Meet(g, "perm", f"{ctx.where}: groups of a grouped convolution (permuted whole, "
+                                 "one map inside every group)")]
+    if ctx.axes(b) is not None:
+        cons.append(Unify(out[off], ctx.axes(b)[0]))
+    why = f"{ctx.where}: spatial axis of a convolution"
+    cons += [Meet(a, "identity", why) for a in list(xa[off + 1:]) + list(wa[2:]) + list(out[off + 1:])]
+    return cons

@@ -1,0 +1,219 @@
+"""Rules for ops that cut an axis into segments or pick entries of it.
+
+``slice``/``split``/``cat`` make an axis a direct sum of segments (fused QKV projections,
+``rotate_half``): a map acting block-diagonally on the segments commutes with them. Picking
+single entries (``select``, ``index``) fixes the axis.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..registry import Meet, NoFiber, Structure, Unify, dim, register
+
+__all__: list = []  # rule file: its rules register themselves on import
+
+aten = torch.ops.aten
+
+_BIG = 2 ** 62
+
+
+def _others(xa, out, d):
+    """Unify every axis but ``d`` of input and output (which keep the same rank)."""
+    return [Unify(o, a) for k, (o, a) in enumerate(zip(out, xa)) if k != d]
+
+
+@register([aten.slice.Tensor, aten.slice_copy.Tensor])
+def slice_(ctx):
+    x = ctx.arg(0)
+    xa, xs = ctx.axes(x), ctx.shape(x)
+    d = dim(ctx.arg(1, "dim", 0), len(xa))
+    n = xs[d]
+    start = ctx.arg(2, "start", None) or 0
+    end = ctx.arg(3, "end", None)
+    step = ctx.arg(4, "step", 1) or 1
+    end = n if end is None or end >= _BIG else end
+    start, end = (start + n if start < 0 else start), (end + n if end < 0 else end)
+    start, end = max(0, min(start, n)), max(0, min(end, n))
+    cons = _others(xa, ctx.out, d)
+    if step == 1 and start == 0 and end == n:
+        return cons + [Unify(ctx.out[d], xa[d])]
+    if step != 1:
+        why = f"{ctx.where}: strided slice"
+        return cons + [Meet(xa[d], "identity", why), Meet(ctx.out[d], "identity", why)]
+    parts = []
+    if start > 0:
+        parts.append(ctx.new_axis(start))
+    parts.append(ctx.out[d])
+    if end < n:
+        parts.append(ctx.new_axis(n - end))
+    return cons + [Structure(xa[d], "sum", tuple(parts))]
+
+
+@register([aten.split.Tensor, aten.split_with_sizes, aten.split_copy.Tensor,
+           aten.split_with_sizes_copy])
+def split(ctx):
+    x = ctx.arg(0)
+    xa = ctx.axes(x)
+    d = dim(ctx.arg(2, "dim", 0), len(xa))
+    outs = [o for o in ctx.out if o is not None]
+    cons = []
+    for o in outs:
+        cons += _others(xa, o, d)
+    if len(outs) == 1:
+        return cons + [Unify(outs[0][d], xa[d])]
+    return cons + [Structure(xa[d], "sum", tuple(o[d] for o in outs))]
+
+
+@register([aten.cat, aten.concat, aten.concatenate], observe=[aten.cat])
+def cat(ctx):
+    tensors = [t for t in ctx.arg(0) if ctx.shape(t) is not None and 0 not in ctx.shape(t)]
+    d = dim(ctx.arg(1, "dim", 0), len(ctx.out))
+    cons = []
+    for t in tensors:
+        cons += _others(ctx.axes(t), ctx.out, d)
+    if len(tensors) == 1:
+        return cons + [Unify(ctx.out[d], ctx.axes(tensors[0])[d])]
+    return cons + [Structure(ctx.out[d], "sum", tuple(ctx.axes(t)[d] for t in tensors))]
+
+
+@register(aten.stack)
+def stack(ctx):
+    tensors = ctx.arg(0)
+    d = dim(ctx.arg(1, "dim", 0), len(ctx.out))
+    others = [o for k, o in enumerate(ctx.out) if k != d]
+    cons = [Meet(ctx.out[d], "identity", f"{ctx.where}: stacked axis indexes its inputs")]
+    for t in tensors:
+        cons += [Unify(o, a) for o, a in zip(others, ctx.axes(t))]
+    return cons
+
+
+@register([aten.select.int, aten.select_copy.int])
+def select(ctx):
+    x = ctx.arg(0)
+    xa = ctx.axes(x)
+    d = dim(ctx.arg(1), len(xa))
+    rest = [a for k, a in enumerate(xa) if k != d]
+    return [Meet(xa[d], "identity", f"{ctx.where}: selects one entry")] + [
+        Unify(o, a) for o, a in zip(ctx.out, rest)]
+
+
+@register([aten.unbind.int, aten.unbind_copy.int])
+def unbind(ctx):
+    x = ctx.arg(0)
+    xa = ctx.axes(x)
+    d = dim(ctx.arg(1, "dim", 0), len(xa))
+    rest = [a for k, a in enumerate(xa) if k != d]
+    cons = [Meet(xa[d], "identity", f"{ctx.where}: unbinds entries")]
+    for o in ctx.out:
+        cons += [Unify(p, a) for p, a in zip(o, rest)]
+    return cons
+
+
+@register(aten.index_select)
+def index_select(ctx):
+    x, idx = ctx.arg(0), ctx.arg(2)
+    xa = ctx.axes(x)
+    d = dim(ctx.arg(1), len(xa))
+    cons = _others(xa, ctx.out, d) + [Meet(xa[d], "identity", f"{ctx.where}: picks entries")]
+    return cons + [Unify(ctx.out[d], ctx.axes(idx)[0])]
+
+
+@register(aten.index.Tensor)
+def index(ctx):
+    x, indices = ctx.arg(0), ctx.arg(1)
+    xa = ctx.axes(x)
+    picked = [k for k, i in enumerate(indices) if i is not None]
+    if len(picked) > 1:
+        return _multi_index(ctx, xa, indices, picked)
+    if len(picked) != 1:
+        return None
+    k = picked[0]
+    idx = indices[k]
+    ia = ctx.axes(idx)
+    if ia is None:
+        return None
+    lab = ctx.label(idx)
+    if lab is not None and lab[1] == ctx.shape(x)[k]:
+        # ``w[labels]``: relabelling the class and permuting the indexed axis alike leaves the
+        # result unchanged (:mod:`symgraph.passes.labels`)
+        cons = [Unify(xa[k], lab[0]), Meet(xa[k], "perm", f"{ctx.where}: indexed by labels")]
+    else:
+        cons = [Meet(xa[k], "identity", f"{ctx.where}: indexed by a tensor")]
+        if lab is not None:
+            cons.append(Meet(lab[0], "identity", f"{ctx.where}: labels index an axis of another size"))
+    cons += [Unify(ctx.out[p], xa[p]) for p in range(k)]
+    cons += [Unify(ctx.out[k + p], a) for p, a in enumerate(ia)]
+    tail = len(ia) + k
+    cons += [Unify(ctx.out[tail + p], a) for p, a in enumerate(xa[k + 1:])]
+    return cons
+
+
+def _multi_index(ctx, xa, indices, picked):
+    """``x[i, j]`` with several index tensors (pooling by index: ``h[arange(B), last]``): the
+    indexed axes are fixed, the index tensors' broadcast axes come first when the indexed axes
+    are not adjacent and in their place otherwise, and every other axis passes through."""
+    if any(ctx.axes(indices[k]) is None for k in picked):
+        return None
+    nb = len(ctx.out) - (len(xa) - len(picked))  # broadcast dims of the index tensors
+    adjacent = picked == list(range(picked[0], picked[-1] + 1))
+    rest = [p for p in range(len(xa)) if p not in picked]
+    if adjacent:
+        before = [p for p in rest if p < picked[0]]
+        after = [p for p in rest if p > picked[-1]]
+        order = before + [None] * nb + after
+    else:
+        order = [None] * nb + rest
+    cons = [Meet(xa[k], "identity", f"{ctx.where}: indexed by a tensor") for k in picked]
+    for o, p in zip(ctx.out, order):
+        cons.append(Meet(o, "identity", f"{ctx.where}: index positions") if p is None
+                    else Unify(o, xa[p]))
+    # entries along the indexed axes are picked per position: the rest may not vary along them
+    cons += [NoFiber(xa[p], xa[k]) for p in rest for k in picked]
+    return cons
+
+
+@register(aten.constant_pad_nd)
+def constant_pad(ctx):
+    """Padding with a constant along some axes (window attention, convolutions): the padded
+    axes are fixed; the others pass through (only permutations keep a nonzero pad value)."""
+    x = ctx.arg(0)
+    xa, pad = ctx.axes(x), list(ctx.arg(1))
+    value = ctx.arg(2, "value", 0) or 0
+    n = len(xa)
+    padded = {n - 1 - i // 2 for i in range(len(pad)) if pad[i] != 0}
+    cons = []
+    for k in range(n):
+        if k in padded:
+            cons.append(Meet(xa[k], "identity", f"{ctx.where}: padded along this axis"))
+            cons.append(Meet(ctx.out[k], "identity", f"{ctx.where}: padded along this axis"))
+        else:
+            cons.append(Unify(ctx.out[k], xa[k]))
+            if value != 0 and ctx.shape(x)[k] > 1:
+                cons.append(Meet(xa[k], "perm", f"{ctx.where}: padded with {value}"))
+    cons += [NoFiber(xa[k], xa[d]) for k in range(n) if k not in padded for d in padded]
+    return cons
+
+
+@register([aten.cumsum, aten.cumprod, aten.flip, aten.roll])
+def along_axis_order(ctx):
+    # These depend on the order of entries along the axis: fix it, pass the rest through.
+    x = ctx.arg(0)
+    xa = ctx.axes(x)
+    dims = ctx.arg(1)
+    if ctx.node.target.overloadpacket == aten.roll:
+        dims = ctx.arg(2, "dims", [])
+        if not dims:
+            return None
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    dims = {dim(d, len(xa)) for d in dims}
+    cons = [Unify(o, a) for o, a in zip(ctx.out, xa)]
+    cons += [Meet(xa[d], "identity", f"{ctx.where}: order-dependent along this axis")
+             for d in dims]
+    # entries along ``d`` are mixed (cumsum) or moved (flip, roll): the other axes' elements
+    # may not vary along it, and a running product is nonlinear in them.
+    others = [k for k in range(len(xa)) if k not in dims]
+    cons += [NoFiber(xa[k], xa[d]) for k in others for d in dims]
+    if ctx.node.target.overloadpacket == aten.cumprod:
+        cons += [Meet(xa[k], "perm", f"{ctx.where}: running product is elementwise nonlinear")
+                 for k in others if ctx.shape(x)[k] > 1]
+    return cons

@@ -1,0 +1,126 @@
+"""Rules for ops that move, split or merge axes without touching values.
+
+``view``/``reshape`` split or merge dimensions: the finest common refinement of the two shapes
+gives "atoms"; a dimension made of several atoms is a product class (``H*d → (H, d)`` makes the
+projection width ``Prod(heads, head_dim)``). Broadcasting (``expand``) creates axes along which
+values are constant: only permutations leave such an axis unchanged.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..registry import Meet, Structure, Unify, dim, register
+
+__all__: list = []  # rule file: its rules register themselves on import
+
+aten = torch.ops.aten
+
+
+def refine(a_sizes, b_sizes):
+    """Common refinement of two factorisations of the same number.
+
+    Returns ``(atoms, a_parts, b_parts)`` with atom sizes and, per input factor, the indices of
+    its atoms; or None when the factorisations cross (e.g. ``6x4`` vs ``4x6``).
+    """
+    atoms, a_parts, b_parts = [], [[] for _ in a_sizes], [[] for _ in b_sizes]
+    i = j = 0
+    ra, rb = (a_sizes[0] if a_sizes else 1), (b_sizes[0] if b_sizes else 1)
+    while i < len(a_sizes) and j < len(b_sizes):
+        lo, hi = min(ra, rb), max(ra, rb)
+        if hi % lo:
+            return None
+        atoms.append(lo)
+        a_parts[i].append(len(atoms) - 1)
+        b_parts[j].append(len(atoms) - 1)
+        ra //= lo
+        rb //= lo
+        if ra == 1:
+            i += 1
+            ra = a_sizes[i] if i < len(a_sizes) else 1
+        if rb == 1:
+            j += 1
+            rb = b_sizes[j] if j < len(b_sizes) else 1
+    if i != len(a_sizes) or j != len(b_sizes):
+        return None
+    return atoms, a_parts, b_parts
+
+
+def reshape_constraints(ctx, in_axes, in_shape, out_axes, out_shape):
+    ins = [(a, s) for a, s in zip(in_axes, in_shape) if s != 1]
+    outs = [(a, s) for a, s in zip(out_axes, out_shape) if s != 1]
+    cons = []
+    i = j = 0
+    while i < len(ins) and j < len(outs):
+        gi, gj = [ins[i]], [outs[j]]
+        i, j = i + 1, j + 1
+        while math.prod(s for _, s in gi) != math.prod(s for _, s in gj):
+            if math.prod(s for _, s in gi) < math.prod(s for _, s in gj):
+                gi.append(ins[i]); i += 1
+            else:
+                gj.append(outs[j]); j += 1
+        if len(gi) == 1 and len(gj) == 1:
+            cons.append(Unify(gi[0][0], gj[0][0]))
+            continue
+        ref = refine([s for _, s in gi], [s for _, s in gj])
+        if ref is None:
+            why = f"{ctx.where}: reshape mixes axes {[s for _, s in gi]} -> {[s for _, s in gj]}"
+            cons += [Meet(a, "identity", why) for a, _ in gi + gj]
+            continue
+        sizes, a_parts, b_parts = ref
+        atoms = [ctx.new_axis(s) for s in sizes]
+        for group, parts in ((gi, a_parts), (gj, b_parts)):
+            for (axis, _), idx in zip(group, parts):
+                if len(idx) == 1:
+                    cons.append(Unify(axis, atoms[idx[0]]))
+                else:
+                    cons.append(Structure(axis, "prod", tuple(atoms[k] for k in idx)))
+    return cons
+
+
+@register([aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
+           aten.view_copy, aten._reshape_alias, aten.squeeze, aten.unsqueeze, aten.squeeze_copy,
+           aten.unsqueeze_copy])
+def view(ctx):
+    x = ctx.arg(0)
+    return reshape_constraints(ctx, ctx.axes(x), ctx.shape(x), ctx.out, ctx.out_shape)
+
+
+@register([aten.permute, aten.permute_copy])
+def permute(ctx):
+    xa = ctx.axes(ctx.arg(0))
+    dims = [dim(d, len(xa)) for d in ctx.arg(1)]
+    return [Unify(ctx.out[i], xa[d]) for i, d in enumerate(dims)]
+
+
+@register([aten.transpose, aten.transpose_copy, aten.swapaxes, aten.swapdims])
+def transpose(ctx):
+    xa = list(ctx.axes(ctx.arg(0)))
+    if len(xa) == 0:
+        return []
+    d0, d1 = dim(ctx.arg(1), len(xa)), dim(ctx.arg(2), len(xa))
+    xa[d0], xa[d1] = xa[d1], xa[d0]
+    return [Unify(o, a) for o, a in zip(ctx.out, xa)]
+
+
+@register([aten.t, aten.numpy_T])
+def t(ctx):
+    xa = ctx.axes(ctx.arg(0))
+    return [Unify(o, a) for o, a in zip(ctx.out, reversed(xa))]
+
+
+@register([aten.expand, aten.expand_copy, aten.expand_as, aten.broadcast_to])
+def expand(ctx):
+    x = ctx.arg(0)
+    xa, xs = ctx.axes(x), ctx.shape(x)
+    out, os = ctx.out, ctx.out_shape
+    off = len(out) - len(xa)
+    cons = []
+    for o in range(len(out)):
+        k = o - off
+        if k >= 0 and xs[k] == os[o]:
+            cons.append(Unify(out[o], xa[k]))
+        elif os[o] > 1:
+            cons.append(Meet(out[o], "perm", f"{ctx.where}: broadcast (expanded) axis"))
+    return cons

@@ -1,0 +1,258 @@
+"""Tracing: ``torch.export`` into an ATen graph whose ops all have rules or are core ATen."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+
+import torch
+
+from ..errors import InputError, TraceError
+from .nodes import packet
+from .registry import has_rule
+
+__all__ = ['model_device', 'default_inputs', 'split_inputs', 'eval_mode', 'trace', 'flatten_outputs',
+           'output_deviation']
+
+aten = torch.ops.aten
+
+
+def _is_hf(model) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except Exception:  # pragma: no cover
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def model_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def default_inputs(model, batch: int = 2, seq: int = 8):
+    """Example inputs for a Hugging Face model, built from its config (no data needed).
+
+    Returns ``(args, kwargs)``. Token ids are in range, images have the configured size, and
+    decoders get ``use_cache=False``.
+    """
+    if not _is_hf(model):
+        raise InputError(
+            f"{type(model).__name__} is not a Hugging Face model, so symgraph cannot build "
+            "example inputs for it; pass inputs=(tensor, ...) positional inputs or a dict of "
+            "keyword inputs.")
+    cfg = model.config
+    dev = model_device(model)
+    name = getattr(model, "main_input_name", "input_ids")
+    params = inspect.signature(model.forward).parameters
+    kwargs = {}
+    if name == "pixel_values":
+        size = getattr(cfg, "image_size", 224)
+        size = size if isinstance(size, (tuple, list)) else (size, size)
+        ch = getattr(cfg, "num_channels", 3)
+        gen = torch.Generator().manual_seed(0)
+        kwargs[name] = torch.randn(batch, ch, *size, generator=gen, device="cpu").to(dev)
+    elif name == "input_ids":
+        vocab = getattr(cfg, "vocab_size", None)
+        if vocab is None:
+            raise InputError(f"{type(model).__name__}'s config has no vocab_size; pass inputs=")
+        maxpos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        seq = min(seq, maxpos) if maxpos else seq
+        gen = torch.Generator().manual_seed(0)
+        kwargs[name] = torch.randint(0, vocab, (batch, seq), generator=gen, device="cpu").to(dev)
+    else:
+        raise InputError(f"cannot build example inputs for main input {name!r}; pass inputs=")
+    if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params and name == "input_ids":
+        start = getattr(cfg, "decoder_start_token_id", None)
+        start = 0 if start is None else int(start)
+        kwargs["decoder_input_ids"] = torch.full((batch, 1), start, dtype=torch.long, device=dev)
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    return (), kwargs
+
+
+def split_inputs(model, inputs):
+    """Normalise the user's ``inputs`` into ``(args, kwargs)``."""
+    if inputs is None:
+        return default_inputs(model)
+    extra = {}
+    if _is_hf(model) and "use_cache" in inspect.signature(model.forward).parameters:
+        extra["use_cache"] = False
+    if isinstance(inputs, dict):
+        return (), {**extra, **inputs}
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), extra
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), extra
+    raise InputError(
+        f"inputs must be a tuple of positional example inputs or a dict of keyword inputs, "
+        f"got {type(inputs).__name__}")
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Put ``model`` in eval mode and restore every module's flag afterwards."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, f in flags:
+            m.training = f
+
+
+@contextlib.contextmanager
+def graph_friendly(model):
+    """Hugging Face mixture-of-experts blocks run under an *experts implementation*
+    (``config._experts_implementation``). ``grouped_mm`` sorts tokens by expert, an order that
+    depends on the routing labels' values, so no rule can follow the experts through it;
+    ``batched_mm`` (the same function) gathers each token's expert weights and uses batched
+    matmuls (:mod:`symgraph.passes.labels`). Trace and certify with ``batched_mm``; every config
+    is restored afterwards."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and isinstance(getattr(c, "_experts_implementation", None), str)}
+    saved = {k: c._experts_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            if c._experts_implementation not in ("batched_mm", "eager"):
+                c._experts_implementation = "batched_mm"
+        yield model
+    finally:
+        for k, c in configs.items():
+            c._experts_implementation = saved[k]
+
+
+def _varying_nodes(ep):
+    """Nodes whose values depend on a parameter or a user input. The analysis never applies a
+    rule to the others (constants: positions, masks), so they need no decomposition."""
+    from .driver import CONST_OPS
+    sig = ep.graph_signature
+    sources = set(sig.inputs_to_parameters) | set(sig.user_inputs)
+    varying = set()
+    for n in ep.graph.nodes:
+        if n.op == "placeholder":
+            if n.name in sources:
+                varying.add(n)
+        elif n.op == "call_function":
+            if packet(n) not in CONST_OPS and any(i in varying for i in n.all_input_nodes):
+                varying.add(n)
+    return varying
+
+
+def _unruled_decomposable(ep):
+    """Decompositions for the unruled ops on parameter/input-dependent values, and whether a
+    re-trace is needed anyway (composite ops, wrapped subgraphs: ``run_decompositions``
+    inlines them)."""
+    from .driver import IGNORED
+    unruled, retrace = set(), False
+    for n in _varying_nodes(ep):
+        t = n.target
+        if n.op != "call_function":
+            continue
+        if isinstance(t, torch._ops.HigherOrderOperator):
+            retrace = True
+        elif isinstance(t, torch._ops.OpOverload) and not has_rule(t) \
+                and t.overloadpacket not in IGNORED:
+            unruled.add(t)
+    if not unruled:  # the usual case: building the table alone costs ~60 ms
+        return {}, retrace
+    from torch._decomp import core_aten_decompositions
+    table = core_aten_decompositions()
+    cia = torch._C.DispatchKey.CompositeImplicitAutograd
+    retrace = retrace or any(t not in table and t.has_kernel_for_dispatch_key(cia) for t in unruled)
+    return {t: table[t] for t in unruled if t in table}, retrace
+
+
+def _hint(model, args, kwargs) -> str:
+    """What to try, for the kind of model that failed."""
+    shapes = {k: tuple(v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    shapes |= {f"arg{i}": tuple(v.shape) for i, v in enumerate(args) if isinstance(v, torch.Tensor)}
+    cfg = getattr(model, "config", None)
+    if "pixel_values" in shapes:
+        return (f"the model was run on pixel_values of shape {shapes['pixel_values']}; check that it "
+                "matches the config (num_channels, image_size) or pass inputs= of the right shape.")
+    if getattr(cfg, "is_encoder_decoder", False):
+        return ("encoder-decoder models need decoder_input_ids as well as input_ids; pass inputs="
+                "{'input_ids': ..., 'decoder_input_ids': ...}.")
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        return ("the model must run on the example inputs with static control flow; Hugging Face "
+                "decoders are traced with use_cache=False.")
+    return ("the model must run on the given example inputs (shapes " + str(shapes) + ") with static "
+            "control flow (no data-dependent branches).")
+
+
+def trace(model, inputs=None):
+    """Export ``model`` (unchanged; eval mode inside) to an ATen-level ExportedProgram.
+
+    Ops without a rule that core ATen can decompose are decomposed; the rest stay and the
+    analysis fixes the axes they touch.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise InputError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    args, kwargs = split_inputs(model, inputs)
+    with eval_mode(model), graph_friendly(model), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            ep = torch.export.export(model, args, kwargs, strict=False)
+        except Exception as e:  # noqa: BLE001 - report any tracing failure uniformly
+            raise TraceError(
+                f"torch.export could not trace {type(model).__name__}: "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+                f"Hint: {_hint(model, args, kwargs)}") from e
+        for _ in range(3):
+            table, retrace = _unruled_decomposable(ep)
+            if not table and not retrace:
+                break
+            ep = ep.run_decompositions(table)
+    return ep, args, kwargs
+
+
+def _fields(tree) -> list:
+    if hasattr(tree, "keys"):
+        return list(tree.keys())
+    return list(range(len(tree))) if isinstance(tree, (list, tuple)) else []
+
+
+def select_outputs(out, names):
+    """The parts of a model output ``out`` named in ``names`` (keys of a dict or model
+    output, positions of a tuple), in that order; ``out`` itself for None."""
+    if names is None:
+        return out
+    fields = _fields(out)
+    missing = [n for n in names if n not in fields]
+    if missing:
+        raise InputError(f"outputs={list(names)}: the model has no output {missing[0]!r}; "
+                         f"expected some of {fields}")
+    return [out[n] for n in names]
+
+
+def output_positions(ep, names):
+    """Positions among the exported graph's flat outputs of the outputs named in ``names``
+    (see :func:`select_outputs`), or None for all."""
+    if names is None:
+        return None
+    from torch.utils import _pytree as pytree
+    spec = ep.call_spec.out_spec
+    tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    return frozenset(pytree.tree_leaves(select_outputs(tree, names)))
+
+
+def flatten_outputs(out) -> list:
+    """The floating-point tensors of a model's output (tensors, dicts, model outputs, tuples)."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, dict) or hasattr(out, "items"):
+        return [t for v in out.values() for t in flatten_outputs(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in flatten_outputs(v)]
+    return []
+
+
+def output_deviation(base: list, out: list) -> float:
+    """The largest relative change ``‖a − b‖ / ‖a‖`` over paired outputs (float64 norms)."""
+    worst = 0.0
+    for a, b in zip(base, out):
+        a, b = a.double(), b.double()
+        worst = max(worst, float((a - b).norm()) / max(float(a.norm()), 1e-30))
+    return worst

@@ -1,0 +1,184 @@
+"""Union-find over axis variables, with duality parity, group kinds and structure.
+
+Each axis ``a`` is ``root^p``: it transforms by its class element ``g`` when ``p = 0`` and by
+``g^{-T}`` when ``p = 1``. A cycle that forces ``g = g^{-T}`` narrows the class to its
+orthogonal part. A root may carry a structure: ``prod`` (the axis is the row-major flatten of
+its parts) or ``sum`` (the concatenation of its parts); parts are ``(axis, parity)`` pairs.
+Unifying two structured classes unifies their parts, refining when the cut points differ.
+"""
+from __future__ import annotations
+
+import math
+
+from ..core.groups import meet
+from .rules.views import refine
+
+__all__ = ['AxisUnionFind']
+
+
+class AxisUnionFind:
+    def __init__(self):
+        self.parent: list[int] = []
+        self.parity: list[int] = []
+        self.size: list[int] = []
+        self.kind: dict[int, str] = {}
+        self.reasons: dict[int, list] = {}
+        self.struct: dict[int, tuple] = {}
+        self.pairs: dict[int, tuple] = {}
+        self._pending: list = []
+
+    # --- variables -----------------------------------------------------------------------
+    def new(self, size: int) -> int:
+        self.parent.append(len(self.parent))
+        self.parity.append(0)
+        self.size.append(int(size))
+        return len(self.parent) - 1
+
+    def find(self, a: int):
+        path = []
+        while self.parent[a] != a:
+            path.append(a)
+            a = self.parent[a]
+        root = a
+        # compress, accumulating parity from the top
+        acc = 0
+        for node in reversed(path):
+            acc ^= self.parity[node]
+            self.parent[node] = root
+            self.parity[node] = acc
+        return root, (self.parity[path[0]] if path else 0)
+
+    # --- constraints ---------------------------------------------------------------------
+    def meet(self, a: int, kind: str, reason: str | None = None):
+        r, _ = self.find(a)
+        old = self.kind.get(r, "gl")
+        new = meet(old, kind)
+        if new != old:
+            self.kind[r] = new
+            if reason:
+                self.reasons.setdefault(r, []).append((new, reason))
+
+    def set_pairs(self, a: int, pairs, reason: str):
+        r, _ = self.find(a)
+        pairs = tuple(sorted(tuple(sorted(p)) for p in pairs))
+        if r in self.pairs and self.pairs[r] != pairs:
+            self.meet(r, "identity", reason + " (conflicting rotary pairs)")
+        self.pairs[r] = pairs
+        self.meet(r, "rope", reason)
+
+    def union(self, a: int, b: int, dual: bool = False):
+        self._pending.append((a, b, int(dual)))
+        self._drain()
+
+    def add_structure(self, a: int, kind: str, parts):
+        parts = tuple((p, 0) if isinstance(p, int) else p for p in parts)
+        if kind == "prod":  # size-1 factors carry nothing; size-1 segments do
+            parts = tuple(p for p in parts if self.size[p[0]] != 1)
+        if len(parts) == 0:
+            return
+        if len(parts) == 1:
+            self.union(a, parts[0][0], bool(parts[0][1]))
+            return
+        r, pr = self.find(a)
+        parts = tuple((p, par ^ pr) for p, par in parts)
+        self._merge_structure(r, (kind, parts))
+        self._drain()
+
+    # --- internals -----------------------------------------------------------------------
+    def _drain(self):
+        while self._pending:
+            a, b, dual = self._pending.pop()
+            self._union1(a, b, dual)
+
+    def _union1(self, a, b, dual):
+        ra, pa = self.find(a)
+        rb, pb = self.find(b)
+        if ra == rb:
+            if pa ^ pb != dual:
+                self.meet(ra, "orthogonal", "axis paired with its own dual")
+            return
+        if self.size[ra] != self.size[rb]:
+            raise AssertionError(f"rule bug: unify axes of sizes {self.size[ra]} and {self.size[rb]}")
+        q = pa ^ dual ^ pb  # rb = ra^q
+        self.parent[rb] = ra
+        self.parity[rb] = q
+        kb = self.kind.pop(rb, "gl")
+        reasons_b = self.reasons.pop(rb, [])
+        self.reasons.setdefault(ra, []).extend(reasons_b)
+        if not self.reasons[ra]:
+            del self.reasons[ra]
+        self.meet(ra, kb)
+        if rb in self.pairs:
+            pairs = self.pairs.pop(rb)
+            if ra in self.pairs and self.pairs[ra] != pairs:
+                self.meet(ra, "identity", "conflicting rotary pairs")
+            self.pairs[ra] = pairs
+        sb = self.struct.pop(rb, None)
+        if sb is not None:
+            kind, parts = sb
+            self._merge_structure(ra, (kind, tuple((p, par ^ q) for p, par in parts)))
+
+    def _merge_structure(self, r, new):
+        old = self.struct.get(r)
+        if old is None:
+            self.struct[r] = new
+            return
+        (k1, p1), (k2, p2) = old, new
+        s1 = [self.size[p] for p, _ in p1]
+        s2 = [self.size[p] for p, _ in p2]
+        if k1 == k2 and s1 == s2:
+            for (x, px), (y, py) in zip(p1, p2):
+                self._pending.append((x, y, px ^ py))
+            return
+        if k1 == k2 == "prod":
+            ref = refine(s1, s2)
+        elif k1 == k2 == "sum":
+            ref = _refine_sum(s1, s2)
+        else:
+            ref = None
+        if ref is None:
+            why = f"incompatible structures {k1}{s1} and {k2}{s2}"
+            self.meet(r, "identity", why)
+            # the parts of both are fixed too: other axes (a view's output, a grouped
+            # convolution's other side) share them, and must not move without this one
+            for p, _ in p1 + p2:
+                self.meet(p, "identity", why)
+            return
+        sizes, a_parts, b_parts = ref
+        atoms = [self.new(s) for s in sizes]
+        for parts, idxs in ((p1, a_parts), (p2, b_parts)):
+            for (p, par), idx in zip(parts, idxs):
+                if len(idx) == 1:
+                    self._pending.append((p, atoms[idx[0]], par))
+                else:
+                    rp, pp = self.find(p)
+                    sub = tuple((atoms[i], par ^ pp) for i in idx)
+                    self._merge_structure(rp, (k1, sub))
+        self.struct[r] = (k1, tuple((a, 0) for a in atoms))
+
+
+def _refine_sum(s1, s2):
+    """Common refinement of two segmentations of one axis: cut at every cut point of either."""
+    if sum(s1) != sum(s2):
+        return None
+    cuts = sorted(set(_cuts(s1)) | set(_cuts(s2)))
+    sizes = [b - a for a, b in zip(cuts, cuts[1:])]
+    def owners(s):
+        out, start = [], 0
+        for n in s:
+            out.append([i for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if a >= start and b <= start + n])
+            start += n
+        return out
+    return sizes, owners(s1), owners(s2)
+
+
+def _cuts(sizes):
+    out, acc = [0], 0
+    for s in sizes:
+        acc += s
+        out.append(acc)
+    return out
+
+
+def prod(xs):
+    return math.prod(xs)

@@ -1,0 +1,220 @@
+"""Writing results without ever touching what is not ours.
+
+``--out`` is vetted before any work (:func:`check_out`): it may not be an input, contain an
+input, be or contain the current directory, or be an existing directory that symgraph did not
+write (a previous output carries the marker file :data:`MARKER`); its parent must exist and be
+writable. The model is written to a temporary sibling and renamed into place
+(:func:`save_atomic`); the temporary directory is removed on any failure, Ctrl-C or SIGTERM
+(:func:`terminate_on_sigterm` turns SIGTERM into :class:`Terminated`). New directories follow
+the umask like any ``mkdir``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import stat
+import tempfile
+
+import torch
+
+from ..core.files import file_id, identity, remove_own  # noqa: F401 - remove_own re-exported
+from ..errors import InputError
+
+__all__ = ["MARKER", "Terminated", "check_out", "save_atomic", "terminate_on_sigterm", "model_card",
+           "identity", "remove_own"]
+
+MARKER = "symgraph_merge.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "spiece.model", "sentencepiece.bpe.model", "preprocessor_config.json")
+
+
+class Terminated(Exception):
+    """SIGTERM arrived; raised in the main thread so that ``finally`` blocks clean up."""
+
+
+def terminate_on_sigterm():
+    """Install a SIGTERM handler raising :class:`Terminated` (main thread only)."""
+    def handler(signum, frame):
+        raise Terminated("terminated by SIGTERM")
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave the default
+        pass
+
+
+def _real(p: str) -> str:
+    return os.path.realpath(os.path.abspath(os.path.expanduser(p)))
+
+
+def _inside(path: str, root: str) -> bool:
+    """``path`` is ``root`` or below it (both real paths)."""
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def check_out(out: str, *, force: bool = False, inputs=()) -> str:
+    """The absolute output path, refused (before any work) when writing it could lose data."""
+    return _vet(out, force, inputs)[0]
+
+
+def _vet(out, force, inputs) -> tuple:
+    """:func:`check_out`'s path, and what symgraph wrote into it when it is a previous output
+    (:func:`written_files`; empty otherwise): all that replacing it may delete."""
+    owned = {}
+    if not out or not str(out).strip():
+        raise InputError("--out is empty; expected the path of a new output directory")
+    path = _real(str(out))
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"the parent directory of --out {out!r} does not exist; expected an "
+                                "existing directory to write into")
+    cwd = _real(os.getcwd())
+    if _inside(cwd, path):
+        raise InputError(f"--out {out!r} is the current directory or contains it; expected a new "
+                         "directory (e.g. --out merged)")
+    for inp in inputs:
+        if inp and os.path.exists(os.path.expanduser(str(inp))):
+            real = _real(str(inp))
+            if _inside(real, path):
+                raise InputError(f"--out {out!r} is an input model ({inp!r}) or contains it; expected a "
+                                 "directory apart from the inputs")
+    if os.path.lexists(path):
+        if not os.path.isdir(path) or os.path.islink(path):
+            raise InputError(f"--out {out!r} exists and is not a directory; expected a new directory")
+        entries = os.listdir(path)
+        if entries and MARKER not in entries:
+            raise InputError(f"output {out!r} already exists and was not written by symgraph (no "
+                             f"{MARKER}), so even --force will not replace it; expected a new or empty "
+                             "directory, or a previous symgraph output")
+        if entries and not force:
+            raise InputError(f"output {out!r} already exists; pass --force to replace it, or choose a "
+                             "new --out directory")
+        owned = written_files(path) if entries else {}
+        foreign = sorted(set(entries) - set(owned))
+        if foreign:
+            raise InputError(f"output {out!r} holds {_list(foreign)}, which symgraph did not write there "
+                             f"or which changed since (its {MARKER} lists what it wrote), so even "
+                             "--force will not replace it; expected those moved out first, or a new "
+                             "--out directory")
+    try:  # a real probe: permission bits do not stop root, a read-only file system does
+        os.rmdir(tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.probe-", dir=parent))
+    except OSError as e:
+        raise InputError(f"cannot write into {parent!r} ({e.strerror or e}); expected a writable "
+                         "directory for --out") from None
+    return path, owned
+
+
+def _umask_mode(base=0o777):
+    mask = os.umask(0)
+    os.umask(mask)
+    return base & ~mask
+
+
+def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_from=None,
+                meta: dict | None = None, card: str | None = None) -> str:
+    """``save_pretrained`` into a temporary sibling of ``out``, then rename it into place
+    (``model`` may also be a function writing a checkpoint into the directory it is given).
+
+    Writes :data:`MARKER` (``meta`` as JSON) and, with ``card``, a README.md. Replaces an
+    existing ``out`` only when :func:`check_out` allows it (``force``, and it is a previous
+    symgraph output or empty). The temporary directory never outlives the call.
+    """
+    out = check_out(out, force=force, inputs=inputs)
+    parent = os.path.dirname(out)
+    tmp_prefix, old_prefix = f".{os.path.basename(out)}.tmp-", f".{os.path.basename(out)}.old-"
+    tmp = tempfile.mkdtemp(prefix=tmp_prefix, dir=parent)
+    made = {tmp: identity(tmp)}  # what this call created (or moved aside): all it may delete
+    old, owned = None, ()
+    try:  # mkdtemp's 0700 until the rename: nobody else can add entries while it is written
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(tmp, safe_serialization=True)
+        else:  # a writer: ``model(directory)`` writes the weights (out-of-core merging)
+            model(tmp)
+        if tokenizer_from and os.path.isdir(tokenizer_from):
+            for fn in TOKENIZER_FILES:
+                src = os.path.join(tokenizer_from, fn)
+                if os.path.isfile(src):
+                    shutil.copy2(src, os.path.join(tmp, fn))
+        if card is not None:
+            with open(os.path.join(tmp, "README.md"), "w") as f:
+                f.write(card)
+        written = sorted(os.listdir(tmp))  # what a later --force may delete, and how to know it
+        ids = {n: list(file_id(os.lstat(os.path.join(tmp, n)))) for n in written}
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump({**_jsonable(meta or {}), "files": written + [MARKER], "file_ids": ids}, f, indent=2)
+        os.chmod(tmp, _umask_mode())
+        if os.path.lexists(out):
+            owned = _vet(out, force, inputs)[1]  # still ours, right before replacing it
+            old = tempfile.mkdtemp(prefix=old_prefix, dir=parent)
+            os.rmdir(old)
+            os.replace(out, old)
+            made[old] = identity(old)
+        os.replace(tmp, out)
+    finally:
+        # the only deletions: ``tmp`` (this call's mkdtemp, a random sibling name) and ``old``
+        # (the previous output, vetted by check_out as symgraph's own just before the move)
+        remove_own(tmp, made[tmp], tmp_prefix)
+        if old is not None and old in made and os.path.isdir(old):
+            if os.path.exists(out):
+                remove_own(old, made[old], old_prefix, only=owned)
+            else:
+                os.replace(old, out)  # the new output never arrived: put the previous one back
+    return out
+
+
+def written_files(out: str) -> dict:
+    """The plain files symgraph wrote into its previous output ``out`` and still unchanged there,
+    ``{name: identity}`` (:func:`_file_id`): the ``files`` its :data:`MARKER` lists with the
+    identities it recorded, and the marker itself when it reads as symgraph's (a JSON object).
+    A file replaced or rewritten since is not in it, so it is never deleted."""
+    path = os.path.join(out, MARKER)
+    try:
+        with open(path) as f:
+            st, meta = os.fstat(f.fileno()), json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(meta, dict) or not stat.S_ISREG(st.st_mode) or os.path.islink(path):
+        return {}
+    own = {MARKER: file_id(st)}
+    files, ids = meta.get("files"), meta.get("file_ids")
+    if isinstance(files, list) and isinstance(ids, dict):
+        for n in files:
+            got = ids.get(n) if isinstance(n, str) and n == os.path.basename(n) else None
+            try:
+                now = os.lstat(os.path.join(out, n)) if got else None
+            except OSError:
+                now = None
+            if now is not None and stat.S_ISREG(now.st_mode) and list(file_id(now)) == got:
+                own[n] = tuple(got)
+    return own
+
+
+def _list(names, k=5):
+    return ", ".join(repr(n) for n in names[:k]) + (f" and {len(names) - k} more" if len(names) > k else "")
+
+
+def model_card(config_yaml: str, summary: str) -> str:
+    """A README.md for a merged model: how to reproduce it and what the alignment did."""
+    return ("# Merged with symgraph\n\n"
+            "Reproduce with `symgraph merge --config merge.yaml`, where `merge.yaml` is:\n\n"
+            f"```yaml\n{config_yaml.rstrip()}\n```\n\n## Alignment\n\n{summary.rstrip()}\n")
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float):
+        return x if math.isfinite(x) else str(x)
+    if isinstance(x, (str, int, bool)) or x is None:
+        return x
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        return float(x)
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return str(x)

@@ -1,0 +1,297 @@
+"""Safetensors checkpoints read and written one tensor at a time.
+
+:class:`Checkpoint` opens a ``save_pretrained`` directory (one ``model.safetensors`` or shards
+with ``model.safetensors.index.json``): its model is built on the ``meta`` device from the
+config (no weights), the tensors are checked against it from the file headers alone (every
+parameter present, tied names counting once; no unused tensor; shapes as the config says),
+and each tensor is read, through safetensors' ``safe_open``, only when asked for.
+:class:`ShardWriter` writes tensors whose names, shapes and dtypes are known in advance into
+shards named and indexed as ``save_pretrained`` names them, one tensor at a time.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from .loading import EXPECTED, _model_class, _names, _quiet_transformers, check_checkpoint_dir
+from ..errors import InputError
+
+__all__ = ["Checkpoint", "KeysDiffer", "ShardWriter", "parse_size", "INDEX", "SINGLE"]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class KeysDiffer(InputError):
+    """The checkpoint's tensor names are not the built model's (transformers renames or
+    converts them on load, e.g. fused MoE experts): it can only be merged after
+    ``from_pretrained``."""
+
+
+def parse_size(size) -> int:
+    """Bytes from an int or a string such as ``"2GB"``, ``"500MB"`` (powers of 1000 as
+    ``save_pretrained``; ``GiB``/``MiB`` powers of 1024)."""
+    if isinstance(size, int) and size > 0:
+        return size
+    s = str(size).strip().upper()
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "B": 1}
+    for u, f in units.items():
+        if s.endswith(u):
+            try:
+                v = float(s[: -len(u)])
+            except ValueError:
+                break
+            if v > 0:
+                return int(v * f)
+    raise InputError(f"shard size {size!r}; expected a positive size such as '2GB' or '500MB'")
+
+class Checkpoint:
+    """A ``save_pretrained`` directory read tensor by tensor.
+
+    ``model``: the architecture on the ``meta`` device (no weights), in the checkpoint's
+    dtype; ``params``: parameter name → the names it goes by (tied weights share one);
+    ``keys``: the checkpoint's tensor names in file order; :meth:`get` reads a parameter,
+    :meth:`read` a checkpoint tensor.
+    """
+
+    def __init__(self, path: str):
+        check_checkpoint_dir(path)
+        self.path = path
+        tf = _quiet_transformers()
+        cfg_path = os.path.join(path, "config.json")
+        try:
+            self.config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+            raise InputError(f"cannot read {cfg_path}: {' '.join(str(e).split())[:200]}; expected a "
+                             "Hugging Face config written by save_pretrained") from None
+        self.cls = _model_class(tf, self.config, cfg_path)
+        index = self._index()  # tensor -> shard file, None for one model.safetensors
+        self.files, self.shapes, self.dtypes = {}, {}, {}
+        for file in (dict.fromkeys(index.values()) if index is not None else [os.path.join(path, SINGLE)]):
+            with self._handle(file) as h:  # each header read once
+                for key in h.keys():
+                    if index is None or index.get(key) == file:
+                        sl = h.get_slice(key)
+                        self.files[key] = file
+                        self.shapes[key], self.dtypes[key] = tuple(sl.get_shape()), _DTYPES.get(sl.get_dtype())
+        self.keys = list(index if index is not None else self.files)
+        absent = sorted(set(index or ()) - set(self.shapes))
+        if absent:
+            raise InputError(f"{self.path!r}: tensor(s) {_names(absent)} are in the index but not in "
+                             "their shard; expected a complete checkpoint")
+        floats = [self.dtypes[k] for k in self.keys if self.dtypes[k] is not None and self.dtypes[k].is_floating_point]
+        self.dtype = max(set(floats), key=floats.count) if floats else torch.float32
+        with torch.device("meta"):
+            self.model = self.cls(self.config).to(self.dtype).eval()
+        self.params = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            self.params.setdefault(id(p), []).append(name)
+        self.params = {names[0]: names for names in self.params.values()}
+        self._check_complete()
+        self.key_of = {n: next(a for a in names if a in self.shapes) for n, names in self.params.items()}
+        self.param_of = {a: n for n, names in self.params.items() for a in names}
+        self._computed = None  # buffers the constructor computes (fetch builds them once)
+
+    # --- reading -------------------------------------------------------------------------
+
+    def _index(self) -> dict | None:
+        """``{tensor: shard path}`` from ``model.safetensors.index.json``; None without one."""
+        index = os.path.join(self.path, INDEX)
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise InputError(f"cannot read {index!r} ({e}); expected the index save_pretrained "
+                                 "writes ({'weight_map': {tensor: shard file}})") from None
+            files = {k: os.path.join(self.path, v) for k, v in weight_map.items()}
+            absent = sorted({v for v in files.values() if not os.path.isfile(v)})
+            if absent:
+                raise InputError(f"{index!r} names shard(s) that are not there ({_names(absent)}); "
+                                 "expected every shard of the checkpoint")
+            return files
+        return None
+
+    def _handle(self, file):
+        from safetensors import safe_open
+        try:
+            return safe_open(file, framework="pt", device="cpu")
+        except Exception as e:  # noqa: BLE001 - safetensors' own errors (truncated, corrupt header)
+            raise InputError(f"cannot read the weights of {self.path!r} ({os.path.basename(file)}): "
+                             f"{' '.join(str(e).split())[:200]}; expected valid safetensors files written "
+                             "by save_pretrained") from None
+
+    def read(self, key: str, check: bool = True, part=None) -> torch.Tensor:
+        """A checkpoint tensor (a copy), checked finite unless ``check=False`` (the caller
+        checks what it computes from it); ``part=(dim, start, stop)`` reads that slice only.
+        The file is mapped only for the read: pages of a mapping that stays open count as the
+        process's resident memory, and over a whole model would add up to its size."""
+        with self._handle(self.files[key]) as h:
+            if part is None:
+                t = h.get_tensor(key)
+            else:
+                d, start, stop = part
+                t = h.get_slice(key)[(slice(None),) * d + (slice(start, stop),)]
+        if check and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise InputError(f"checkpoint {self.path!r} has {bad} NaN/inf values in tensor {key!r}; "
+                             "expected finite weights (was the model trained with a diverging loss?)")
+        return t
+
+    def fetch(self, name: str) -> torch.Tensor:
+        """A graph attribute of the model by name, for running it out of core
+        (:class:`~symgraph.alignment.activations.Stepper`): a parameter or persistent buffer
+        read from the file; a buffer the checkpoint does not hold (computed by the model's
+        constructor, e.g. rotary frequencies) as the constructor computes it on the CPU."""
+        key = self.key(name)
+        if key in self.files:
+            return self.read(key, check=False)
+        if self._computed is None:
+            self._computed = computed_buffers(self.cls, self.config)
+        if name not in self._computed:
+            raise InputError(f"{self.path!r} has no tensor {name!r} and the model does not compute one; "
+                             "expected a complete checkpoint")
+        return self._computed[name]
+
+    def key(self, name: str) -> str:
+        """The checkpoint key of the parameter ``name`` (any of its tied names) or buffer ``name``."""
+        return self.key_of.get(self.param_of.get(name, name), name)
+
+    def get(self, name: str, check: bool = True, part=None) -> torch.Tensor:
+        """The parameter ``name`` (any of its tied names), or the buffer ``name``; ``part``:
+        as :meth:`read`."""
+        return self.read(self.key(name), check, part)
+
+    # --- checks --------------------------------------------------------------------------
+
+    def _check_complete(self):
+        """Refuse (naming the tensors) a checkpoint without some parameter, with tensors the
+        model does not use, or with shapes other than the config's: before reading any value."""
+        expected = set(self.model.state_dict().keys())
+        unused = sorted(set(self.shapes) - expected)
+        missing = sorted(names[0] for names in self.params.values() if not any(a in self.shapes for a in names))
+        cls = self.cls.__name__
+        if unused or missing:
+            parts = []
+            if missing:
+                parts.append(f"{len(missing)} parameter(s) of {cls} are not in the checkpoint ({_names(missing)})")
+            if unused:
+                parts.append(f"{len(unused)} checkpoint tensor(s) are not {cls}'s ({_names(unused)})")
+            raise KeysDiffer(f"refusing {self.path!r}: " + "; ".join(parts) + f"; expected {EXPECTED} "
+                             f"holding exactly the tensors of {cls}")
+        sd = self.model.state_dict()
+        resized = sorted(k for k in self.shapes if tuple(sd[k].shape) != self.shapes[k])
+        if resized:
+            k = resized[0]
+            raise InputError(f"refusing {self.path!r}: {len(resized)} tensor(s) have other shapes than the "
+                             f"config says ({_names(resized)}; {k!r} is {self.shapes[k]}, the config gives "
+                             f"{tuple(sd[k].shape)}); expected the checkpoint of this config")
+
+
+def computed_buffers(cls, config) -> dict:
+    """``{name: tensor}`` of the buffers ``cls(config)`` computes on the CPU. The model is
+    built with every parameter on ``meta`` as it is registered (no weight memory, no
+    initialisation work), so only its buffers take memory."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        model = cls(config)
+    finally:
+        torch.nn.Module.register_parameter = register
+    return {n: b for n, b in model.named_buffers(remove_duplicate=False) if not b.is_meta}
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
+
+class ShardWriter:
+    """The output shards, written one tensor at a time.
+
+    The tensors, their order, shapes and dtypes are known before any value (the anchor's
+    checkpoint), so each shard's safetensors header is written first and every tensor is
+    appended as it is computed: memory holds one tensor, not a shard (``save_file`` would
+    build the whole shard in memory). Shards hold at most ``limit`` bytes (a larger tensor
+    gets its own) and are named and indexed as ``save_pretrained`` names them (one
+    ``model.safetensors`` when everything fits one). Files are read back by ``safe_open``.
+    """
+
+    def __init__(self, directory, limit, plan):
+        self.dir = directory
+        shards, cur, size = [], [], 0
+        for key, shape, dtype in plan:
+            n = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+            if cur and size + n > limit:
+                shards.append(cur)
+                cur, size = [], 0
+            cur.append((key, tuple(shape), dtype, n))
+            size += n
+        shards.append(cur)
+        k = len(shards)
+        self.names = [SINGLE if k == 1 else f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)]
+        self.shards = shards
+        self.shard_of = {key: i for i, sh in enumerate(shards) for key, *_ in sh}
+        self.total = sum(n for sh in shards for *_, n in sh)
+        self._file, self._current, self._next, self._rows = None, -1, None, 0
+
+    def add(self, key, t):
+        """Append ``key``'s value ``t``: the whole tensor, or consecutive slices of it along
+        dim 0 (rows are contiguous in the file), so that a large tensor computed in slices
+        is never held whole."""
+        i = self.shard_of[key]
+        if i != self._current:
+            self._open(i)
+        want_key, shape, dtype, n = self._next[0]
+        rows, total = (t.shape[0], shape[0]) if shape else (1, 1)
+        if (want_key != key or t.dtype != dtype or t.dim() != len(shape) or tuple(t.shape[1:]) != shape[1:]
+                or self._rows + rows > total):
+            raise RuntimeError(f"shard writer expected {want_key} {shape} {dtype} (rows {self._rows}:), got "
+                               f"{key} {tuple(t.shape)} {t.dtype}")  # a bug, not bad input
+        self._file.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+        self._rows += rows
+        if self._rows == total:
+            self._next.pop(0)
+            self._rows = 0
+
+    def _open(self, i):
+        if self._file is not None:
+            self._close_shard()
+        header, off = {"__metadata__": {"format": "pt"}}, 0
+        for key, shape, dtype, n in self.shards[i]:
+            header[key] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+            off += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self._file = open(os.path.join(self.dir, self.names[i]), "wb")
+        self._file.write(len(raw).to_bytes(8, "little") + raw)
+        self._current, self._next, self._rows = i, list(self.shards[i]), 0
+
+    def _close_shard(self):
+        if self._next:
+            raise RuntimeError(f"shard {self.names[self._current]} is missing {self._next[0][0]}")
+        self._file.close()
+        self._file = None
+
+    def close(self) -> dict:
+        if self._file is not None:
+            self._close_shard()
+        if len(self.shards) > 1:
+            weight_map = {key: self.names[i] for key, i in self.shard_of.items()}
+            with open(os.path.join(self.dir, INDEX), "w") as f:
+                json.dump({"metadata": {"total_size": self.total}, "weight_map": weight_map}, f, indent=2)
+        return {"tensors": len(self.shard_of), "bytes": self.total, "shards": len(self.shards)}
+
+
+_ST_NAMES = {v: k for k, v in _DTYPES.items()}

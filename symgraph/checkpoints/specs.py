@@ -1,0 +1,123 @@
+"""Inputs of the command line: models (a ``save_pretrained`` directory, a built-in tiny demo
+model, or a hub id: :mod:`symgraph.checkpoints` loads them exactly) and data files.
+Writing is :mod:`symgraph.checkpoints.outdir`'s job.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .loading import _quiet_transformers, check_checkpoint_dir, load_hub, load_local
+from ..errors import InputError
+from .outdir import TOKENIZER_FILES, check_out, save_atomic  # noqa: F401 - re-exported
+
+__all__ = ["DEMO_MODELS", "BATCH_ROWS", "demo_model", "load_model", "load_data", "check_checkpoint_dir",
+           "load_local", "check_out", "save_atomic", "TOKENIZER_FILES"]
+
+DEMO_MODELS = ("tiny-bert", "tiny-gpt2", "tiny-llama", "tiny-vit")
+# name -> (symgraph.testing.models architecture, model class, sizes)
+_DEMO_SIZES = {
+    "tiny-bert": ("bert", None, dict(vocab=128, hidden=32, layers=2, heads=4, mlp=64, positions=64)),
+    "tiny-gpt2": ("gpt2", None, dict(vocab=128, hidden=32, layers=2, heads=4, positions=64)),
+    "tiny-llama": ("llama", None, dict(vocab=128, hidden=32, layers=2, heads=4, kv_heads=2, mlp=64,
+                                       positions=64)),
+    "tiny-vit": ("vit", "ViTModel", dict(image_size=16, patch_size=4, channels=3, hidden=32, layers=2,
+                                         heads=4, mlp=64)),
+}
+BATCH_ROWS = 8
+
+
+# --- built-in demo models ------------------------------------------------------------------
+
+
+def demo_model(name: str):
+    """A tiny random-weight model (seed 0) of a well-known architecture in ``eval()`` mode, like
+    a loaded checkpoint; built by :mod:`symgraph.testing.models` with Hugging Face's defaults for
+    everything but the sizes."""
+    if name not in DEMO_MODELS:
+        raise InputError(f"unknown demo model {name!r}; expected one of {', '.join(DEMO_MODELS)}")
+    _quiet_transformers()
+    from ..testing import models
+    arch, cls, sizes = _DEMO_SIZES[name]
+    return models.build(arch, 0, base="hf", cls=cls, **sizes)
+
+
+# --- checkpoints ----------------------------------------------------------------------
+
+
+def load_model(spec: str):
+    """A local ``save_pretrained`` directory, a demo name, or (if neither) a hub id; loaded
+    completely or refused (see :mod:`symgraph.checkpoints`)."""
+    local = os.path.expanduser(spec)
+    if os.path.exists(local) or spec.startswith((".", "/", "~")) or spec.endswith("/") or spec.count("/") > 1:
+        return load_local(local)
+    if spec in DEMO_MODELS:
+        return demo_model(spec)
+    return load_hub(spec, hint=f", not a built-in demo ({', '.join(DEMO_MODELS)}),")
+
+
+# --- data ----------------------------------------------------------------------------------
+
+
+def load_data(path: str, model=None):
+    """Batches of ``BATCH_ROWS`` rows from a ``.safetensors``/``.pt`` file with ``input_ids`` or
+    ``pixel_values``. Returns a list of keyword dicts."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path!r} does not exist; expected a .safetensors or .pt "
+                                "file holding a tensor 'input_ids' [N, S] (or 'pixel_values')")
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+        try:
+            d = load_file(path)
+        except Exception as e:  # noqa: BLE001
+            raise InputError(f"cannot read data file {path!r}: {e}; expected a valid safetensors file") from None
+    elif path.endswith((".pt", ".pth")):
+        try:
+            d = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise InputError(f"cannot read data file {path!r} with weights_only=True: {e}; expected a "
+                             "dict of tensors or a tensor") from None
+        if isinstance(d, torch.Tensor):
+            d = {"input_ids": d}
+    else:
+        raise InputError(f"data file {path!r} has an unknown extension; expected .safetensors or .pt")
+    if not isinstance(d, dict):
+        raise InputError(f"data file {path!r} holds a {type(d).__name__}; expected a dict with a tensor "
+                         "'input_ids' [N, S] or 'pixel_values' [N, C, H, W]")
+    main = getattr(model, "main_input_name", None) if model is not None else None
+    key = main if main in d else next((k for k in ("input_ids", "pixel_values") if k in d), None)
+    if key is None:
+        raise InputError(f"data file {path!r} has keys {sorted(d)}; expected a tensor 'input_ids' [N, S] "
+                         "or 'pixel_values' [N, C, H, W]")
+    if main and key != main:
+        raise InputError(f"data file {path!r} holds {key!r} but the model's input is {main!r}; expected "
+                         f"a tensor {main!r}")
+    x = d[key]
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"{key!r} in {path!r} is a {type(x).__name__}; expected a tensor")
+    if key == "input_ids":
+        if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] < 1:
+            raise InputError(f"'input_ids' in {path!r} has shape {tuple(x.shape)}; expected a 2-d tensor "
+                             "[N, S] of token ids (N rows, S tokens)")
+        if torch.is_floating_point(x):
+            raise InputError(f"'input_ids' in {path!r} has dtype {x.dtype}; expected integer token ids")
+        x = x.long()
+        cfg = getattr(model, "config", None)
+        vocab = getattr(cfg, "vocab_size", None)
+        if vocab is not None and (int(x.min()) < 0 or int(x.max()) >= vocab):
+            raise InputError(f"'input_ids' in {path!r} range over [{int(x.min())}, {int(x.max())}]; "
+                             f"expected ids in [0, {vocab - 1}] (the model's vocabulary)")
+        maxpos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        if maxpos and x.shape[1] > maxpos:
+            raise InputError(f"'input_ids' in {path!r} has {x.shape[1]} tokens per row; expected at "
+                             f"most {maxpos} (the model's max_position_embeddings)")
+    else:
+        if x.dim() != 4:
+            raise InputError(f"'pixel_values' in {path!r} has shape {tuple(x.shape)}; expected a 4-d "
+                             "tensor [N, C, H, W]")
+        x = x.float()
+        if not torch.isfinite(x).all():
+            raise InputError(f"'pixel_values' in {path!r} contains NaN/inf; expected finite values")
+    # batches of BATCH_ROWS rows and a last, smaller one (traced again for its shape): no row dropped
+    return [{key: x[i:i + BATCH_ROWS]} for i in range(0, x.shape[0], BATCH_ROWS)]

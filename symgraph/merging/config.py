@@ -1,0 +1,200 @@
+"""The merge configuration: one frozen, validated :class:`MergeConfig` that
+:func:`symgraph.merging.run.run_merge` takes, read from a YAML file and the command line's
+options over it (:func:`merge_options`). Defaults and validation live here only.
+
+A config is a mapping with these keys (all optional but ``models``; command-line values win)::
+
+    models: [path_a, path_b, ...]   # save_pretrained directories, demo names or hub ids
+    out: merged                     # output directory
+    align: weights                  # weights | activations | none  (a bare no/off is refused)
+    method: average                 # a registered method: symgraph.merge_methods()
+    weights: [0.5, 0.5]             # one mixing weight per model
+    data: batches.safetensors       # 'input_ids' [N, S] (or 'pixel_values'), for activations
+    repair: false                   # REPAIR the merge's activation statistics (needs data)
+    refine: 0                       # learned-matching steps after alignment (needs data)
+    fold_norms: true                # residual streams as rotations (false: permutations)
+    attention: heads                # heads | circuits (heads N times as wide: QK and OV interpolated)
+    untie: false                    # give a tied head its own weights before aligning
+    force: false                    # replace an existing out
+
+Relative paths are read relative to the config file.
+"""
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationError, field_validator)
+
+from ..errors import InputError
+from .methods.registry import get as get_method, mixing_weights, names as merge_methods
+
+__all__ = ["MERGE_KEYS", "MergeConfig", "read_merge_config", "merge_options", "defaults", "to_yaml"]
+
+MERGE_KEYS = {
+    "models": "a list of at least 2 model paths / names",
+    "out": "an output directory path (string)",
+    "align": "one of 'weights', 'activations', 'none'",
+    "method": "a merge method name (symgraph.merge_methods())",
+    "weights": "a list of numbers, one per model",
+    "data": "a path to a .safetensors or .pt data file (string)",
+    "repair": "true or false (REPAIR needs data)",
+    "refine": "a number of steps (an integer >= 0; needs data)",
+    "fold_norms": "true or false",
+    "attention": "one of 'heads', 'circuits'",
+    "untie": "true or false",
+    "outputs": "a list of output names a symmetry must keep (e.g. [logits])",
+    "force": "true or false",
+}
+
+
+class MergeConfig(BaseModel):
+    """A merge job (see the module docstring); frozen once built by :func:`merge_options`."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    models: list[StrictStr] = Field(min_length=2)
+    out: StrictStr | None = None
+    align: Literal["weights", "activations", "none"] = "weights"
+    method: StrictStr = "average"
+    weights: list[StrictFloat | StrictInt] | None = None
+    data: StrictStr | None = None
+    repair: StrictBool = False
+    refine: StrictInt = 0
+    fold_norms: StrictBool = True
+    attention: Literal["heads", "circuits"] = "heads"
+    untie: StrictBool = False
+    outputs: list[StrictStr] | None = Field(default=None, min_length=1)
+    force: StrictBool = False
+
+    @field_validator("align", mode="before")
+    @classmethod
+    def _no_yaml_booleans(cls, v):
+        if isinstance(v, bool) or v is None:
+            raise ValueError(f"is the YAML value {v!r} (YAML reads no/off/false as a boolean); write "
+                             "'none' in quotes, or 'weights' / 'activations'")
+        return v
+
+    @field_validator("method")
+    @classmethod
+    def _registered(cls, v):
+        if v not in merge_methods():
+            raise ValueError(f"is not a merge method; expected one of {merge_methods()}")
+        return v
+
+
+def read_merge_config(path: str) -> dict:
+    """The options of a YAML merge config, validated; paths relative to the config file."""
+    import yaml
+    keys = ", ".join(MERGE_KEYS)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"merge config {path!r} does not exist; expected a YAML file with keys {keys}")
+    try:
+        with open(path) as f:
+            cfg = yaml.safe_load(f)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise InputError(f"merge config {path!r} is not valid YAML ({str(e).splitlines()[0]}); expected a "
+                         f"mapping with keys {keys}") from None
+    if not isinstance(cfg, dict):
+        raise InputError(f"merge config {path!r} holds a {type(cfg).__name__}; expected a mapping with keys {keys}")
+    try:
+        parsed = MergeConfig.model_validate(cfg)
+    except ValidationError as e:
+        raise InputError(_explain(path, cfg, e.errors()[0])) from None
+    base = os.path.dirname(os.path.abspath(path))
+
+    def rel(p):  # paths in the config are relative to the config file
+        p = os.path.expanduser(p)
+        q = os.path.join(base, p)
+        return q if not os.path.isabs(p) and os.path.exists(q) else p
+
+    out = parsed.model_dump(exclude_unset=True)
+    out["models"] = [rel(m) for m in parsed.models]
+    if parsed.out is not None:
+        o = os.path.expanduser(parsed.out)
+        out["out"] = o if os.path.isabs(o) else os.path.join(base, o)
+    if parsed.data is not None:
+        out["data"] = rel(parsed.data)
+    if parsed.weights is not None:
+        out["weights"] = [float(x) for x in parsed.weights]
+    return out
+
+
+def _explain(path, cfg, err) -> str:
+    """One line for pydantic's first error, naming the key."""
+    key = str(err["loc"][0]) if err.get("loc") else "?"
+    if err["type"] == "extra_forbidden":
+        return f"merge config {path!r} has an unknown key {key!r}; expected only {', '.join(MERGE_KEYS)}"
+    if err["type"] == "missing":
+        return f"merge config {path!r} has no {key!r} key; expected {MERGE_KEYS[key]}"
+    v = cfg.get(key)
+    why = err.get("msg", "").removeprefix("Value error, ")
+    why = f" ({why})" if err["type"] == "value_error" else ""
+    return (f"merge config {path!r}: key {key!r} is {v!r} ({type(v).__name__}){why}; expected "
+            f"{MERGE_KEYS.get(key, 'a valid value')}")
+
+
+def defaults() -> dict:
+    """Every option's default, from the schema."""
+    return {k: f.default for k, f in MergeConfig.model_fields.items() if k != "models"} | {"models": []}
+
+
+def merge_options(args: dict) -> MergeConfig:
+    """The merge job from the command line (``args``: argparse's namespace as a dict) over a
+    ``config`` file's options; refuses missing or inconsistent ones."""
+    opts = defaults()
+    if args.get("config"):
+        opts.update(read_merge_config(args["config"]))
+    # command-line values override the config
+    if args.get("models"):
+        if args.get("config") and opts["models"]:
+            raise InputError("models given both on the command line and in --config; expected one or the other")
+        opts["models"] = list(args["models"])
+    for k in ("out", "align", "method", "weights", "data", "outputs", "attention"):
+        v = args.get(k)
+        if v is not None:
+            opts[k] = v
+    for flag in ("force", "repair", "untie"):
+        if args.get(flag):
+            opts[flag] = True
+    if args.get("refine") is not None:
+        opts["refine"] = args["refine"]
+    if args.get("no_fold_norms"):
+        opts["fold_norms"] = False
+    check(opts)
+    if opts["refine"]:
+        opts["align"] = "activations"  # learned matching starts from activation matching
+    return MergeConfig.model_validate(opts)
+
+
+def check(opts: dict) -> None:
+    """The checks between options (one option's type is the schema's job)."""
+    if opts["refine"] < 0:
+        raise InputError(f"--refine {opts['refine']}: expected a number of steps >= 0")
+    if opts["refine"] and not opts["data"]:
+        raise InputError("--refine needs --data FILE (batches for activation matching and the loss)")
+    if opts["refine"] and opts["align"] in ("none", None):
+        raise InputError("--refine needs an alignment to refine; expected --align activations")
+    if len(opts["models"]) < 2:
+        raise InputError(f"merge needs at least 2 models, got {len(opts['models'])}; expected "
+                         "`symgraph merge A B [C ...] --out DIR` or `symgraph merge --config merge.yaml`")
+    if not opts["out"]:
+        raise InputError("merge needs an output directory; expected --out DIR (or 'out:' in the config)")
+    if opts["weights"] is not None:
+        mixing_weights(opts["weights"], len(opts["models"]))
+    if opts["attention"] == "circuits" and (opts["method"] != "average" or opts["repair"]):
+        raise InputError("--attention circuits merges by averaging; expected --method average without --repair")
+    if opts["repair"] and not opts["data"]:
+        raise InputError("--repair needs --data FILE (batches to measure activation statistics on)")
+    needs_data = get_method(opts["method"]).needs_data or opts["align"] == "activations"
+    if needs_data and not opts["data"]:
+        raise InputError(f"--align {opts['align']} with --method {opts['method']} needs --data FILE (a "
+                         ".safetensors or .pt file with a tensor 'input_ids' [N, S]); expected --data, or "
+                         "--align weights/none with --method average")
+
+
+def to_yaml(cfg: MergeConfig, out: str = "merged") -> str:
+    """The YAML config that reproduces ``cfg`` (options at their default left out)."""
+    import yaml
+    d = cfg.model_dump(exclude_defaults=True, exclude={"force", "out", "models"})
+    head = {"models": list(cfg.models), "align": cfg.align, "method": cfg.method}
+    return yaml.safe_dump({**head, **d, "out": out}, sort_keys=False)

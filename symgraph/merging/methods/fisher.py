@@ -1,0 +1,71 @@
+"""Fisher merging: a per-coordinate average weighted by each model's diagonal Fisher of its
+own predictive distribution. The Fisher moves into the anchor's basis with the squared map.
+Under ``torch.distributed`` the sums of squared gradients are all-reduced over the processes'
+shards of the data (:mod:`symgraph.distributed`)."""
+from __future__ import annotations
+
+import torch
+
+from ...core import distributed
+from ...alignment.checks import batch_inputs
+from ...transform.apply import map_parameters
+from ...errors import InputError
+from .registry import MergeMethod, register
+
+__all__ = ['Fisher']
+
+
+@register("fisher")
+class Fisher(MergeMethod):
+    needs_data = True
+
+    def __init__(self, eps: float = 1e-12):
+        self.eps = eps
+
+    def statistics(self, model, report, data):
+        params = dict(model.named_parameters())
+        fis = {k: torch.zeros_like(p, dtype=torch.float64) for k, p in params.items()}
+        was = model.training
+        model.eval()
+        try:
+            for i, batch in enumerate(data):
+                args, kwargs = batch_inputs(report, batch, i, check_shapes=False)  # run eagerly
+                model.zero_grad(set_to_none=True)
+                logp = torch.log_softmax(_logits(model(*args, **kwargs)).float(), -1)
+                loss = -(logp.gather(-1, logp.argmax(-1, keepdim=True))).sum()  # labels: argmax
+                loss.backward()
+                for k, p in params.items():
+                    if p.grad is not None:
+                        fis[k] += p.grad.detach().double() ** 2
+            model.zero_grad(set_to_none=True)
+        finally:
+            model.train(was)
+        return distributed.all_reduce_dict(fis)  # sums over every process's batches
+
+    def to_anchor(self, stat, alignment):
+        if alignment is None:
+            return stat
+        rb = alignment.report_b
+        moved = map_parameters(rb, alignment.elements,
+                               {k: v for k, v in stat.items() if k in set(rb.parameters)}, squared=True)
+        return {**stat, **moved}
+
+    def combine(self, states, stats, weights, report):
+        out = {}
+        for k in states[0]:
+            fs = [f[k] + self.eps for f in stats]
+            num = sum(w * f * s[k] for w, f, s in zip(weights, fs, states))
+            out[k] = num / sum(w * f for w, f in zip(weights, fs))
+        return out
+
+
+def _logits(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    if isinstance(out, dict):
+        return next(iter(out.values()))
+    raise InputError("cannot find the model's output tensor for Fisher statistics")

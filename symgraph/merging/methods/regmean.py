@@ -1,0 +1,75 @@
+"""RegMean: per linear layer, ``W* = (Σ wᵢ Wᵢ Gᵢ)(Σ wᵢ Gᵢ)⁻¹`` with ``Gᵢ`` the Gram matrix of the
+layer's inputs in model i, regularised towards its diagonal; other parameters are averaged.
+A Gram ``G = Σ x xᵀ`` moves into the anchor's basis as ``M G Mᵀ``. Under ``torch.distributed``
+the Grams are all-reduced over the processes' shards of the data (:mod:`symgraph.distributed`)."""
+from __future__ import annotations
+
+import torch
+
+from ...core import distributed
+from ...alignment.activations import GraphRunner
+from ...alignment.checks import batch_inputs, by_shape
+from .average import Average
+from .registry import register
+
+__all__ = ['RegMean']
+
+
+@register("regmean")
+class RegMean(Average):
+    needs_data = True
+
+    def __init__(self, alpha: float = 0.9):
+        self.alpha = alpha
+
+    def statistics(self, model, report, data):
+        grams = {}
+        for (rep,), batches in by_shape((report,), (model,), data):  # other shapes: traced again
+            layers = rep.linear_layers()
+            names = {x for _, x, _, _ in layers}
+            # the graph runs on ``model``'s tensors (not those it was traced with): statistics
+            # of an aligned copy measured with the anchor's report
+            runner = GraphRunner(rep.exported_program.module())
+            values = runner.state({**dict(model.named_buffers()), **dict(model.named_parameters())})
+            for i, batch in batches:
+                args, kwargs = batch_inputs(rep, batch, i)
+                cap = {}
+                with torch.no_grad():
+                    torch.func.functional_call(runner, values, (names, cap, args, kwargs),
+                                               strict=True, tie_weights=False)
+                for w, x, _, _ in layers:
+                    if x in cap:
+                        X = cap[x].double().reshape(-1, cap[x].shape[-1])
+                        grams[w] = grams.get(w, 0) + X.T @ X
+        return distributed.all_reduce_dict(grams)  # sums over every process's batches
+
+    def to_anchor(self, grams, alignment):
+        if alignment is None:
+            return grams
+        rb = alignment.report_b
+        out = {}
+        for w, _, axis, _ in rb.linear_layers():
+            if w not in grams:
+                continue
+            M, G = rb.axis_map(axis, alignment.elements), grams[w]
+            if M is None:
+                out[w] = G
+            elif M.dim() == 1:  # a permutation's index vector
+                out[w] = G[M][:, M]
+            else:
+                out[w] = M @ G @ M.T
+        return out
+
+    def combine(self, states, stats, weights, report):
+        merged = super().combine(states, stats, weights, report)
+        a = self.alpha
+        for w, _, _, layout in report.linear_layers():
+            if not all(w in g for g in stats):
+                continue
+            Gs = [a * g[w] + (1 - a) * torch.diag(torch.diag(g[w])) for g in stats]
+            Ws = [(s[w] if layout == "out_in" else s[w].T).to(G.dtype) for s, G in zip(states, Gs)]
+            num = sum(wi * W @ G for wi, W, G in zip(weights, Ws, Gs))
+            den = sum(wi * G for wi, G in zip(weights, Gs))
+            Wm = torch.linalg.solve(den.T + 1e-8 * torch.eye(den.shape[0], dtype=den.dtype), num.T).T
+            merged[w] = Wm if layout == "out_in" else Wm.T
+        return merged

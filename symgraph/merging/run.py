@@ -1,0 +1,271 @@
+"""The one merge entry: :func:`run_merge` takes a :class:`~symgraph.merging.config.MergeConfig`,
+vets the output directory before any work, chooses the out-of-core path (a plain average of
+local checkpoints, aligned by weights, by activations or not at all) or the in-memory one
+(every other method, REPAIR, learned matching, demo names and hub ids), and writes the merge
+atomically with its record (``symgraph_merge.json``) and model card. The ``symgraph merge``
+command and :func:`symgraph.merge_checkpoints` both call it."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ..errors import InputError, StructureMismatchError
+from .config import MergeConfig, to_yaml
+
+__all__ = ["run_merge", "MergeOutcome", "MIN_USEFUL_ROWS"]
+
+MIN_USEFUL_ROWS = 32  # fewer data rows than this: warn that activation statistics are noisy
+
+
+@dataclass
+class MergeOutcome:
+    """What :func:`run_merge` wrote: the directory, the path taken (``"streaming"`` or
+    ``"in-memory"``), the number of models, the record written beside the model, and the
+    out-of-core job (its ``alignments`` and ``timings``) or the in-memory
+    :class:`~symgraph.merging.driver.MergeResult`."""
+    out: str
+    mode: str
+    n_models: int
+    meta: dict = field(default_factory=dict)
+    job: object = None
+
+    def summary(self, cfg: MergeConfig) -> str:
+        how = (f"{cfg.method}, align={cfg.align}" + (", repair" if cfg.repair else "")
+               + (", circuit-space heads" if cfg.attention == "circuits" else "") + (", untied" if cfg.untie else ""))
+        where = ", out of core" if self.mode == "streaming" else ""
+        return f"merged {self.n_models} models ({how}{where}) into {self.out}"
+
+
+def progress_bar(iterable=None, *, enabled: bool = True, **kw):
+    """tqdm on stderr (disabled: a plain pass-through)."""
+    from tqdm import tqdm
+    return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, leave=False, disable=not enabled or None, **kw)
+
+
+def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anchor: int = 0,
+              progress: bool = True, **streaming_options) -> MergeOutcome:
+    """Merge ``cfg.models`` into ``cfg.out``.
+
+    ``streaming``: None chooses (out of core whenever the job allows it), True requires the
+    out-of-core path (refused, saying why, when the job needs models in memory), False
+    forces loading the models. ``data``: batches already loaded (else ``cfg.data`` is read).
+    ``anchor`` and ``streaming_options`` (``max_shard_size``, ``cache_bytes``) reach the
+    out-of-core job."""
+    from ..checkpoints.outdir import check_out
+    inputs = list(cfg.models) + ([cfg.data] if cfg.data else [])
+    out = check_out(cfg.out, force=cfg.force, inputs=inputs)  # before any work
+    check_paths(cfg.models)
+    if cfg.data and not os.path.isfile(cfg.data):
+        raise FileNotFoundError(f"data file {cfg.data!r} does not exist; expected a .safetensors or "
+                                ".pt file holding a tensor 'input_ids' [N, S] (or 'pixel_values')")
+    job = None
+    if streaming is not False:
+        why = _needs_memory(cfg)
+        if why is None:
+            job = _streaming_job(cfg, data, anchor, progress, streaming_options)
+            why = None if job is not None else "its tensor names are converted by from_pretrained"
+        if job is None and streaming:
+            raise InputError(f"this merge cannot run out of core: {why}; expected a plain average "
+                             "(method 'average', no repair or refine) of local checkpoint directories")
+    if job is not None:
+        return _merge_streaming(job, cfg, out, inputs)
+    return _merge_in_memory(cfg, out, inputs, data, anchor, progress)
+
+
+def _needs_memory(cfg) -> str | None:
+    """Why the job needs its models in memory, or None."""
+    if cfg.method != "average":
+        return f"method {cfg.method!r} combines statistics of loaded models"
+    if cfg.repair or cfg.refine:
+        return "REPAIR and learned matching run the merged model"
+    if cfg.attention == "circuits" or cfg.untie:
+        return "circuit-space heads and untied weights change the architecture"
+    local = [m for m in cfg.models if os.path.isdir(os.path.expanduser(m))]
+    if len(local) != len(cfg.models):
+        return "not every model is a local checkpoint directory"
+    return None
+
+
+def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
+    from ..alignment.checks import check_finite
+    from ..checkpoints.outdir import model_card, save_atomic
+    from ..checkpoints.specs import load_model
+    from .driver import merge
+    models = [load_model(m) for m in progress_bar(cfg.models, enabled=progress, desc="loading", unit="model")]
+    _check_same_family(models, cfg.models)
+    data = data if data is not None else _data(cfg, models[0])
+    t0 = time.time()
+    try:
+        result = merge(models, weights=cfg.weights, align=None if cfg.align == "none" else cfg.align,
+                       data=data, method=cfg.method, repair=cfg.repair, progress=progress,
+                       refine=cfg.refine, fold_norms=cfg.fold_norms, outputs=cfg.outputs, anchor=anchor,
+                       attention=cfg.attention, untie=cfg.untie)
+    except (StructureMismatchError, InputError) as e:
+        raise type(e)(f"{e}{_config_diff(models, cfg.models)}") from None
+    check_finite(result.model, "the merged model")
+    meta = _meta(cfg, data, mode="in-memory", seconds=time.time() - t0, alignments=result.alignments,
+                 dtype=next(result.model.parameters()).dtype,
+                 repair=result.repair.to_dict() if result.repair is not None else None)
+    meta["architecture"] = _architecture_change(models[0], result.model)
+    first = os.path.expanduser(cfg.models[0])
+    with progress_bar(total=1, enabled=progress, desc="writing") as bar:
+        save_atomic(result.model, out, force=cfg.force, inputs=inputs, meta=meta,
+                    tokenizer_from=first if os.path.isdir(first) else None,
+                    card=model_card(to_yaml(cfg), _card_summary(meta)))
+        bar.update()
+    return MergeOutcome(out, "in-memory", len(models), meta, result)
+
+
+def _streaming_job(cfg, data, anchor, progress, options):
+    """A :class:`~symgraph.merging.streaming.StreamingMerge` for the job, or None when
+    transformers would rename the checkpoints' tensors on load (only from_pretrained can)."""
+    from .streaming import Checkpoint, KeysDiffer, StreamingMerge
+    try:
+        ckpts = [Checkpoint(os.path.expanduser(m)) for m in cfg.models]
+    except KeysDiffer:
+        return None
+    if cfg.align == "activations" and data is None:
+        data = _data(cfg, ckpts[0].model)
+    try:
+        return StreamingMerge(ckpts, weights=cfg.weights, align=cfg.align,
+                              data=data if cfg.align == "activations" else None, anchor=anchor,
+                              fold_norms=cfg.fold_norms, outputs=cfg.outputs, progress=progress, **options)
+    except InputError as e:
+        raise type(e)(f"{e}{_config_diff(ckpts, cfg.models)}") from None
+
+
+def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:
+    """Out of core: headers checked, alignment solved from tensors read on demand, the merge
+    written shard by shard."""
+    from ..checkpoints.outdir import model_card, save_atomic
+    t0 = time.time()
+    try:
+        job.align()
+    except (StructureMismatchError, InputError) as e:
+        raise type(e)(f"{e}{_config_diff(job.ckpts, cfg.models)}") from None
+    anchor = job.ckpts[job.anchor]
+    meta = _meta(cfg, job.data, mode="streaming", seconds=time.time() - t0, alignments=job.alignments,
+                 dtype=anchor.dtype, repair=None)
+    save_atomic(job.write, out, force=cfg.force, inputs=inputs, meta=meta, tokenizer_from=anchor.path,
+                card=model_card(to_yaml(cfg), _card_summary(meta)))
+    return MergeOutcome(out, "streaming", len(job.ckpts), meta, job)
+
+
+def _meta(cfg, data, *, mode, seconds, alignments, dtype, repair) -> dict:
+    """The record ``symgraph_merge.json`` holds (the same keys on both paths)."""
+    from .. import __version__
+    options = cfg.model_dump(exclude={"models", "out", "force"})
+    options["data"] = os.path.abspath(cfg.data) if cfg.data and data else None
+    options["data_batches"] = len(data) if data else 0
+    return {"symgraph_version": __version__, "inputs": input_names(cfg.models), "options": options,
+            "dtype": str(dtype).removeprefix("torch."), "mode": mode, "seconds": seconds,
+            "alignments": _solver_summary(alignments), "repair": repair}
+
+
+def _architecture_change(parent, merged) -> list:
+    """What the merged model changes of the parents' architecture (circuit-space heads, an
+    untied head), each as one sentence; empty when it has the parents' architecture."""
+    changes = []
+    pc, mc = getattr(parent, "config", None), getattr(merged, "config", None)
+    if pc is not None and mc is not None:
+        if getattr(pc, "head_dim", None) != getattr(mc, "head_dim", None):
+            changes.append(f"attention heads are {mc.head_dim} wide instead of {pc.head_dim} (circuit space: each "
+                           "head interpolates the parents' QK and OV forms; 2x the attention parameters per "
+                           "model merged)")
+        if getattr(pc, "tie_word_embeddings", False) and not getattr(mc, "tie_word_embeddings", False):
+            extra = sum(p.numel() for p in merged.parameters()) - sum(p.numel() for p in parent.parameters())
+            changes.append(f"the head is untied from the embedding: {extra} more parameters (one vocabulary x "
+                           "width matrix)")
+    return changes
+
+
+def _data(cfg, model):
+    """The ``cfg.data`` batches for ``model`` (None without), with a warning when they are few."""
+    from ..checkpoints.specs import load_data
+    data = load_data(cfg.data, model) if cfg.data else None
+    rows = sum(next(iter(b.values())).shape[0] for b in data) if data else 0
+    if data and rows < MIN_USEFUL_ROWS:
+        print(f"symgraph: warning: only {rows} rows of data in {cfg.data!r}; statistics from fewer "
+              f"than {MIN_USEFUL_ROWS} rows are noisy (the merge goes on)", file=sys.stderr)
+    return data
+
+
+def _solver_summary(alignments):
+    out = []
+    for i, al in enumerate(alignments):
+        if al is None:
+            continue
+        groups = [{"group": gid, "objective": getattr(res, "objective", None),
+                   "status": getattr(res, "status", None), "seconds": getattr(res, "seconds", None)}
+                  for gid, res in sorted(getattr(al, "results", {}).items(), key=lambda kv: str(kv[0]))]
+        out.append({"model": i, "similarity": getattr(al, "similarity", None), "groups": groups,
+                    "refined": dict(getattr(al, "refined", {}) or {})})
+    return out
+
+
+def check_paths(specs):
+    """Fail fast on a missing local path, before loading anything (a spec that is not a path
+    is a demo name or hub id, tried when loading)."""
+    from ..checkpoints.specs import check_checkpoint_dir
+    for m in specs:
+        p = os.path.expanduser(m)
+        if os.path.exists(p) or m.startswith((".", "/", "~")) or m.count("/") > 1:
+            check_checkpoint_dir(p)
+
+
+def input_names(specs) -> list:
+    """What the output's metadata records as its inputs: absolute paths for local ones."""
+    return [os.path.abspath(os.path.expanduser(m)) if os.path.exists(os.path.expanduser(m)) else m
+            for m in specs]
+
+
+def _check_same_family(models, names):
+    """Refuse models of different classes before any work, naming them."""
+    classes = [type(m).__name__ for m in models]
+    for name, cls in zip(names[1:], classes[1:]):
+        if cls != classes[0]:
+            raise InputError(f"{names[0]!r} is a {classes[0]} but {name!r} is a {cls}; expected models of "
+                             "one architecture")
+
+
+def _config_diff(models, names) -> str:
+    """``" (configs differ: num_hidden_layers 2 vs 3, ...)"`` or ``""``."""
+    skip = {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "_commit_hash"}
+    cfgs = [getattr(m, "config", None) for m in models]
+    if any(c is None for c in cfgs):
+        return ""
+    base = cfgs[0].to_dict()
+    diffs = []
+    for name, c in zip(names[1:], cfgs[1:]):
+        d = c.to_dict()
+        for k in sorted(set(base) | set(d)):
+            if k not in skip and base.get(k) != d.get(k) and not isinstance(base.get(k), dict):
+                diffs.append(f"{k} {base.get(k)!r} vs {d.get(k)!r}")
+    return f" (configs differ: {', '.join(diffs[:6])}{' ...' if len(diffs) > 6 else ''})" if diffs else ""
+
+
+def _card_summary(meta) -> str:
+    lines = [f"symgraph {meta['symgraph_version']}, weights in {meta['dtype']}, {meta['seconds']:.1f} s."]
+    for al in meta["alignments"]:
+        by = {}
+        for g in al["groups"]:
+            by[g["status"]] = by.get(g["status"], 0) + 1
+        stats = ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
+        lines.append(f"- model {al['model']} aligned to model {0} from {al['similarity']}: "
+                     f"{len(al['groups'])} symmetry groups solved ({stats}).")
+    if not meta["alignments"]:
+        lines.append("- no alignment (plain combination in each model's own basis).")
+    lines += [f"- architecture change: {c}." for c in meta.get("architecture", [])]
+    rep = meta.get("repair")
+    if rep and rep["layers"]:
+        n = len(rep["layers"])
+        before = sum(x["before"] for x in rep["layers"]) / n
+        after = sum(x["after"] for x in rep["layers"]) / n
+        lines.append(f"- REPAIR: {n} layers renormalised to the inputs' interpolated activation "
+                     f"statistics (mean |std/target - 1| {before:.3g} -> {after:.3g}).")
+    if rep and rep.get("batchnorm"):
+        lines.append(f"- REPAIR: BatchNorm running statistics of {len(rep['batchnorm'])} layers "
+                     "recomputed on the data for the merged model.")
+    return "\n".join(lines)

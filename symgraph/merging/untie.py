@@ -1,0 +1,42 @@
+"""Untying shared weights (Theus et al. 2025 clone GPT-2's ``lm_head`` before folding the final
+norm): with its own head, the residual stream no longer has to map the vocabulary embedding
+and the output projection by one shared element, so it admits its orthogonal maps. The
+merged model then stores one more ``vocabulary × width`` matrix."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..report.api import tied_parameters
+
+__all__ = ["untie", "untie_cost"]
+
+
+def untie(model):
+    """A copy of ``model`` whose tied parameters are separate tensors (the first name of each
+    tied group keeps the original; every other name gets a copy), with a config that says
+    so (``tie_word_embeddings=False``), so that ``save_pretrained`` / ``from_pretrained`` keep
+    them apart. ``model`` is left untouched."""
+    out = copy.deepcopy(model)
+    for names in tied_parameters(out):
+        for name in names[1:]:
+            parent, _, attr = name.rpartition(".")
+            mod = out.get_submodule(parent) if parent else out
+            setattr(mod, attr, torch.nn.Parameter(getattr(mod, attr).detach().clone(),
+                                                  requires_grad=getattr(mod, attr).requires_grad))
+    cfg = getattr(out, "config", None)
+    for c in {id(x): x for x in (cfg, getattr(cfg, "get_text_config", lambda: None)())}.values():
+        if c is not None and getattr(c, "tie_word_embeddings", False):
+            c.tie_word_embeddings = False
+    return out
+
+
+def untie_cost(model) -> dict:
+    """What untying adds: ``{"tensors": [name, ...], "parameters": count}``."""
+    names, count = [], 0
+    for group in tied_parameters(model):
+        p = model.get_parameter(group[0])
+        names += group[1:]
+        count += p.numel() * (len(group) - 1)
+    return {"tensors": names, "parameters": count}

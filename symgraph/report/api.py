@@ -1,0 +1,44 @@
+"""The entry point of the analysis: trace a model and report its symmetry groups."""
+from __future__ import annotations
+
+from ..analysis import analyze_graph
+from .symmetry import SymmetryReport
+from ..analysis.trace import output_positions, trace
+
+__all__ = ["analyze", "tied_parameters"]
+
+
+def tied_parameters(model) -> list:
+    """Groups of parameter names that share one tensor (tied embeddings, shared layers)."""
+    by_id: dict = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def analyze(model, inputs=None, *, strict: bool = False, fold_norms: bool = True,
+            outputs=None) -> SymmetryReport:
+    """Trace ``model`` and infer its symmetry groups.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Left untouched. Hugging Face models need no ``inputs`` (built from the config); a model
+        on the ``meta`` device is analysed without weights.
+    inputs : tuple | dict | None
+        Positional example inputs, or keyword inputs.
+    strict : bool
+        Raise :class:`UnsupportedOpError` on an op without a rule instead of freezing its axes.
+    fold_norms : bool
+        Describe the model with foldable norm gains folded into the layers that read them
+        (``report.folds``): residual streams then admit orthogonal maps, not only permutations.
+    outputs : the outputs a symmetry must keep: keys of the model's output (``["logits"]``) or
+        positions of a tuple output. Default: every output. A model that also returns hidden
+        states (``CLIPModel``, BART's ``encoder_last_hidden_state``) fixes the streams they
+        come from, since a symmetry would change them; name the outputs that matter to free them.
+    """
+    ep, args, kwargs = trace(model, inputs)
+    outputs = None if outputs is None else tuple([outputs] if isinstance(outputs, str) else outputs)
+    an = analyze_graph(ep, strict=strict, tied=tied_parameters(model), fold_norms=fold_norms,
+                       keep=output_positions(ep, outputs))
+    return SymmetryReport(an, type(model).__name__, (args, kwargs), outputs)

@@ -1,0 +1,1 @@
+"""Tiny models built from configs (``models``) for tests, benchmarks, the demo and examples."""

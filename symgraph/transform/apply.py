@@ -1,0 +1,108 @@
+"""Applying group elements to parameters: the one walk "(parameter, axis, element)".
+
+Every caller that moves tensors by a set of elements — :func:`transform` (a group element of
+one model), :meth:`symgraph.Alignment.state` (model B into A's basis) and merging's
+statistics (Fishers move with the squared map) — goes through :func:`map_parameters`.
+Buffers that a group moves (``report.buffers``: BatchNorm's running statistics) are walked like
+parameters: :func:`stored_tensors` reads both, :func:`write_state` writes both.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..core.elements import apply_along
+from ..errors import InputError
+
+__all__ = ["map_parameters", "move", "stored_tensors", "write_state", "transformed_state",
+           "transform"]
+
+
+def map_parameters(report, elements: dict, tensors: dict, *, squared: bool = False,
+                   dtype=torch.float64) -> dict:
+    """``tensors`` (``{parameter name: tensor}`` in the model of ``report``) with each class
+    element of ``elements`` (``{group id: element}``) applied along every axis it acts on.
+
+    Returns ``{name: tensor}`` for the tensors some element moved, in ``dtype`` (float64 by
+    default; a tensor no element touches is left out). ``squared``: apply ``M ⊙ M`` instead of ``M`` (diagonal
+    second moments, e.g. Fishers).
+    """
+    out = {}
+    for name, t in tensors.items():
+        val, t = None, report.view(name, t)  # stacked experts: (experts × hidden) as one axis
+        for d, axis in enumerate(report.param_axes(name)):
+            M = report.axis_map(axis, elements)
+            if M is None:
+                continue
+            if squared and M.dim() > 1:
+                M = M * M
+            base = t if val is None else val
+            val = apply_along(base if base.dtype == dtype else base.to(dtype), d, M)
+        if val is not None:
+            out[name] = report.unview(name, val)
+    return out
+
+
+def _tensor(model, name, buffer):
+    return model.get_buffer(name) if buffer else model.get_parameter(name)
+
+
+def stored_tensors(report, model, check: bool = False) -> dict:
+    """``{name: tensor}`` (detached) of ``model``'s parameters and moved buffers named by
+    ``report``. ``check``: refuse missing, meta or mis-shaped tensors by name."""
+    out = {}
+    for buffer, names in ((False, report.parameters), (True, report.buffers)):
+        what = "buffer" if buffer else "parameter"
+        for name in names:
+            try:
+                t = _tensor(model, name, buffer)
+            except AttributeError as e:
+                raise InputError(f"model has no {what} {name!r} that its report names; "
+                                 "use the model the report was computed from") from e
+            if check:
+                if t.is_meta:
+                    raise InputError(f"{what} {name!r} is on the meta device: no weights to transform")
+                want = report.param_shape(name)
+                if tuple(t.shape) != want:
+                    raise InputError(f"{what} {name!r} has shape {tuple(t.shape)}, the report expects {want}")
+            out[name] = t.detach()
+    return out
+
+
+def write_state(model, state: dict, buffers=()) -> None:
+    """Copy ``state`` (``{name: tensor}``) into ``model``'s parameters, and into its buffers
+    for the names in ``buffers``, each in the tensor's own dtype and device."""
+    buffers = set(buffers)
+    with torch.no_grad():
+        for name, val in state.items():
+            t = _tensor(model, name, name in buffers)
+            t.copy_(val.to(device=t.device, dtype=t.dtype))
+
+
+def transformed_state(report, transform, model) -> dict:
+    """New values of every parameter (and moved buffer) the transform moves: ``{fqn: tensor}``
+    in its dtype."""
+    tensors = stored_tensors(report, model, check=True)
+    return {k: v.to(tensors[k].dtype) for k, v in move(report, transform.elements, tensors).items()}
+
+
+def move(report, elements: dict, tensors: dict, gauge: dict | None = None, dtype=torch.float64) -> dict:
+    """:func:`map_parameters` for a model whose report folds norm gains: fold, map, unfold
+    into ``gauge``'s gains (default: ``tensors``' own). Returns values of every tensor that
+    changed, in ``dtype``."""
+    if not report.folds:
+        return map_parameters(report, elements, tensors, dtype=dtype)
+    folded = {**tensors, **report.fold(tensors, dtype)}
+    moved = map_parameters(report, elements, folded, dtype=dtype)
+    folded.update(moved)
+    back = report.unfold(folded, tensors if gauge is None else gauge, dtype)
+    return {k: back.get(k, folded[k]) for k in set(moved) | set(back)}
+
+
+def transform(model, t):
+    """Return a copy of ``model`` moved by the group element ``t`` (a :class:`Transform`);
+    ``model`` itself is never modified."""
+    new = copy.deepcopy(model)
+    write_state(new, transformed_state(t.report, t, model), t.report.buffers)
+    return new

@@ -1,0 +1,35 @@
+"""Helpers of the ``symgraph.analyze`` tests (``test_analyze*.py``): the tolerance, selecting
+groups by parameter prefix, and the MLP table of the tiny transformers."""
+from __future__ import annotations
+
+TOL = 1e-6
+
+
+def names(group):
+    return {p for p, _ in group.params}
+
+
+def slots(group):
+    return set(group.params)
+
+
+def in_layer(groups, prefix):
+    """Groups all of whose parameters live under ``prefix`` (e.g. ``"transformer.h.0."``)."""
+    return [g for g in groups if all(p.startswith(prefix) for p in names(g))]
+
+
+def one(groups, what):
+    assert len(groups) == 1, f"expected exactly one {what}, got {[(g.kind, g.size, g.blocks) for g in groups]}"
+    return groups[0]
+
+
+def rel_change(a, b):
+    return ((a.double() - b.double()).norm() / a.double().norm().clamp_min(1e-30)).item()
+
+
+MLP = {  # layer prefix, MLP up-projection (param, out dim), MLP width attribute
+    "bert": ("bert.encoder.layer.{i}.", ("intermediate.dense.weight", 0), "intermediate_size"),
+    "gpt2": ("transformer.h.{i}.", ("mlp.c_fc.weight", 1), "n_inner"),
+    "llama": ("model.layers.{i}.", ("mlp.up_proj.weight", 0), "intermediate_size"),
+    "vit": ("vit.layers.{i}.", ("mlp.fc1.weight", 0), "intermediate_size"),
+}
