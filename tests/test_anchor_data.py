@@ -166,3 +166,30 @@ def test_full_tiny_run_early_stops_keeps_best_and_returns_when_done(corpus, tmp_
         data.test_loss(parent, splits["test"], block_size=16), rel=1e-6)
     again = _tiny_train(corpus, cache, epochs=2, eval_every=3, patience=2, lr=0.0)
     assert again == tr.read_log(cache, 3) and again["done"]
+
+
+def test_table_rows_on_tiny_untied_gpt2():
+    """The table's rows on two tiny untied GPT-2s: barriers from an 11-point curve whose ends
+    are the parents' losses; a circuit-space row on GPT-2 records why it is not available."""
+    import symgraph
+    from symgraph.merging.untie import untie
+    from symgraph.testing import models
+    from benchmarks.anchor import table
+    A, B = (untie(models.build("gpt2", seed=s, vocab=64, hidden=32, layers=1, heads=4, positions=64))
+            for s in (0, 1))
+    g = torch.Generator().manual_seed(0)
+    test = torch.randint(0, 64, (4, 32), generator=g)
+    train = [{"input_ids": torch.randint(0, 64, (4, 32), generator=g)} for _ in range(2)]
+    rows = [table.run_row(n, A, B, train=train, test=test, refine_steps=2, circuits=False)
+            for n in ("vanilla", "weights", "learned")]
+    for r in rows:
+        assert [lam for lam, _ in r["curve"]] == pytest.approx(list(table.LAMBDAS))
+        ends = dict(r["curve"])
+        assert ends[1.0] == pytest.approx(table.D.test_loss(A, test), abs=1e-5)
+        assert r["barrier"] == pytest.approx(symgraph.loss_barrier(r["curve"]))
+    assert rows[2]["refine_steps"] == 2
+    c = table.run_row("weights", A, B, train=train, test=test, refine_steps=0, circuits=True)
+    assert c["barrier"] is None and "head_dim" in c["note"]
+    md = table.markdown({"rows": rows + [c], "parent_test_loss": [5.3, 5.3], "protocol_note": "x",
+                         "command": "python -m benchmarks.anchor"})
+    assert "| weights | 0.34 |" in md and "Circuit space not evaluated" in md

@@ -1,0 +1,166 @@
+"""The Theus et al. (2025) Tiny Shakespeare table, side by side with symgraph's rows.
+
+``python -m benchmarks.anchor --corpus F --tokenizer DIR [--out DIR]`` trains (or loads from the
+cache) the two parents of the protocol (:mod:`benchmarks.anchor.train`), then for each method
+aligns parent B to parent A with symgraph, evaluates the test loss on an 11-point λ grid and
+reports the barrier ``max_λ L(λ) − ½(L(A) + L(B))`` next to the paper's Table 2, with each
+row's wall time, ``results.json``, ``report.md`` and ``curves.png``.
+
+Rows, in the parents' architecture: vanilla averaging, activation matching, weight matching,
+learned matching (residual orthogonal map: symgraph's default on the untied model; and
+permutations only: ``fold_norms=False``). In circuit space (heads twice as wide,
+:mod:`symgraph.merging.circuits`) the same alignments are interpolated in the wider heads,
+where the model's config can state the head size; otherwise the row records the refusal.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import data as D
+
+#: Theus et al. 2025, Table 2, GPT-2 on Tiny Shakespeare (loss barriers; circuit space for the
+#: aligned rows, as their code measures them).
+PAPER = {"vanilla": 2.02, "activations": 1.43, "weights": 0.34, "learned": 0.02, "learned_perm": 0.63}
+LAMBDAS = np.linspace(0.0, 1.0, 11)
+
+#: row name -> (symgraph align, fold_norms, learned-matching steps)
+ROWS = {
+    "vanilla": (None, True, 0),
+    "activations": ("activations", True, 0),
+    "weights": ("weights", True, 0),
+    "learned": ("activations", True, -1),
+    "learned_perm": ("activations", False, -1),
+}
+
+
+def _batches(seqs: torch.Tensor, batch_size: int, limit: int) -> list:
+    return [{"input_ids": seqs[i:i + batch_size]} for i in range(0, min(len(seqs), limit), batch_size)]
+
+
+def _loss_fn(test: torch.Tensor, batch_size: int):
+    def loss(model) -> float:
+        return D.test_loss(model, test, batch_size=batch_size)
+    return loss
+
+
+def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8) -> dict:
+    """One row: align B to A as the row says, the curve on the test split, its barrier."""
+    import symgraph
+    align, fold, steps = ROWS[name]
+    steps = refine_steps if steps < 0 else steps
+    t0 = time.perf_counter()
+    Bal, note = B, None
+    if align is not None:
+        al = symgraph.align(A, B, train[0], data=train if align == "activations" else None,
+                            fold_norms=fold, refine=steps)
+        Bal = al.apply(B)
+    t_align = time.perf_counter() - t0
+    loss = _loss_fn(test, eval_bs)
+    if circuits:
+        curve = []
+        try:
+            for lam in LAMBDAS:
+                m = symgraph.merge([A, Bal], weights=[lam, 1 - lam], align=None, attention="circuits").model
+                curve.append((float(lam), loss(m)))
+        except symgraph.InputError as e:
+            curve, note = [], str(e)
+    else:
+        curve = symgraph.interpolate(A, Bal, LAMBDAS, loss)
+    barrier = symgraph.loss_barrier(curve) if curve else None
+    return {"row": name, "space": "circuits" if circuits else "heads", "barrier": barrier, "curve": curve,
+            "align_seconds": t_align, "seconds": time.perf_counter() - t0, "refine_steps": steps,
+            "note": note}
+
+
+def markdown(result: dict) -> str:
+    rows = {(r["row"], r["space"]): r for r in result["rows"]}
+    van = rows.get(("vanilla", "heads"), {}).get("barrier")
+    lines = ["# Theus et al. 2025 protocol: GPT-2 on Tiny Shakespeare", "",
+             f"Parents' test loss: {', '.join(f'{x:.3f}' for x in result['parent_test_loss'])} "
+             f"(paper: about 5.28). {result['protocol_note']}", "",
+             "| method | paper (circuit space) | symgraph, parents' architecture | × vanilla | symgraph, circuit space | wall s |",
+             "|---|---|---|---|---|---|"]
+    for name in ROWS:
+        h, c = rows.get((name, "heads")), rows.get((name, "circuits"))
+        hb = "—" if h is None or h["barrier"] is None else f"{h['barrier']:.3f}"
+        ratio = "—" if h is None or h["barrier"] is None or not van else f"{h['barrier'] / van:.2f}"
+        cb = "—" if c is None else (f"{c['barrier']:.3f}" if c["barrier"] is not None else "n/a")
+        secs = sum(r["seconds"] for r in (h, c) if r)
+        lines.append(f"| {name} | {PAPER[name]:.2f} | {hb} | {ratio} | {cb} | {secs:.0f} |")
+    notes = sorted({r["note"] for r in result["rows"] if r.get("note")})
+    if notes:
+        lines += ["", "Circuit space not evaluated: " + " ".join(notes)]
+    lines += ["", "Regenerate: `" + result["command"] + "`"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in result["rows"]:
+        if r["curve"]:
+            xs, ys = zip(*sorted(r["curve"]))
+            ax.plot(xs, ys, marker="o", ms=3, label=f"{r['row']} ({r['space']})")
+    ax.set_xlabel("λ (1 = parent A)")
+    ax.set_ylabel("test loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    from .train import load_parent, read_log, train as train_parent
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.anchor", description=__doc__.splitlines()[0])
+    ap.add_argument("--corpus", required=True)
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--cache", default=None)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "anchor"))
+    ap.add_argument("--seeds", type=int, nargs=2, default=(0, 1))
+    ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    ap.add_argument("--refine-steps", type=int, default=200)
+    ap.add_argument("--data-rows", type=int, default=64, help="training sequences for activation statistics")
+    ap.add_argument("--max-steps", type=int, default=None, help="cap parent training (not the protocol)")
+    ap.add_argument("--no-circuits", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        splits = D.load_splits(a.corpus, a.tokenizer, a.cache)
+    except D.AnchorError as e:
+        print(f"benchmarks.anchor: {e}", file=sys.stderr)
+        return 2
+    cache = Path(a.cache) if a.cache else D.default_cache()
+    parents, done = [], []
+    for s in a.seeds:
+        train_parent(a.corpus, a.tokenizer, s, cache=cache, max_steps=a.max_steps)
+        parents.append(load_parent(cache, s).eval())
+        done.append(bool((read_log(cache, s) or {}).get("done")))
+    test = D.sequences(splits["test"])
+    train = _batches(D.sequences(splits["train"]), 8, a.data_rows)
+    result = {"parent_test_loss": [D.test_loss(p, test) for p in parents], "rows": [],
+              "protocol_note": "Parents trained to early stopping." if all(done) else
+              "PARENTS NOT TRAINED TO THE PROTOCOL'S END (--max-steps): not comparable to the paper.",
+              "command": "python -m benchmarks.anchor --corpus CORPUS --tokenizer TOKENIZER_DIR"}
+    A, B = parents
+    for name in a.rows:
+        for circuits in (False,) if a.no_circuits or name == "vanilla" else (False, True):
+            r = run_row(name, A, B, train=train, test=test, refine_steps=a.refine_steps,
+                        circuits=circuits)
+            print(f"{name:12s} {r['space']:8s} barrier {r['barrier']} ({r['seconds']:.0f} s){' ' + r['note'] if r['note'] else ''}",
+                  flush=True)
+            result["rows"].append(r)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "report.md").write_text(markdown(result))
+    plot(result, out / "curves.png")
+    print(f"wrote {out}/results.json, report.md, curves.png")
+    return 0
