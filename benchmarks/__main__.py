@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .harness import machine_info
 from .provenance import REPO_ROOT, git_state, staged, write_json
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -284,7 +285,7 @@ def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=
     summary = {"protocol": "quick" if quick else "full", "settings": st.__dict__ | {"seeds": list(st.seeds)},
                "archs": list(archs), "methods": method_names, "train_seconds": train_s,
                "threads": torch.get_num_threads(), "torch": torch.__version__,
-               "python": platform.python_version(), "cache": str(_cache_root()),
+               "python": platform.python_version(), "cache": str(_cache_root()), "machine": machine_info(),
                "symgraph_commit": git_state(),
                "skipped": skipped}
     with staged(out) as tmp:

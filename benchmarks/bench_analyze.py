@@ -29,6 +29,8 @@ import warnings
 
 import torch
 
+from .harness import peak_rss_mb
+
 DEFAULT_OUT = os.path.join("benchmarks", "results", "analyze_8b.json")
 
 #: Llama-3-8B shapes.
@@ -75,8 +77,7 @@ def _timed(fn, *a):
 
 
 def _max_rss_mb() -> float:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
+    return peak_rss_mb()
 
 
 def run(out: str | None = None, layers: int | None = None, repeats: int = 3) -> dict:

@@ -13,32 +13,11 @@ from pathlib import Path
 from ..provenance import REPO_ROOT, git_state
 from .checkpoints import dir_bytes, ensure_pair, llama_config, model_sizes, weight_files
 from .checks import check_output, compare_outputs
+from ..harness import machine_info  # noqa: F401 - used by run_shape's records
 from .common import DATA_ROWS, DATA_TOKENS, ENTRY, GB, MERGEKIT_SHARD_PARAMS, SHAPES, _env, log
 from .measure import measure
 from .mergekit import ensure_mergekit, mergekit_config, mergekit_version
 from .pagecache import drop_cache, warm_cache
-
-
-def machine_info() -> dict:
-    import torch
-    mem = None
-    try:
-        for ln in Path("/proc/meminfo").read_text().splitlines():
-            if ln.startswith("MemTotal:"):
-                mem = int(ln.split()[1]) * 1024
-    except OSError:
-        pass
-    cpu = platform.processor() or None
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    import transformers
-    return {"cores": os.cpu_count(), "ram_gb": mem / GB if mem else None, "cpu": cpu,
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "device": "cpu",
-            "cuda_available": torch.cuda.is_available(), "platform": platform.platform()}
 
 
 

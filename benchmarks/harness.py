@@ -1,0 +1,42 @@
+"""What every benchmark measures the same way: the machine it ran on (:func:`machine_info`) and
+this process's peak resident memory (:func:`peak_rss_mb`); the sampled peak of a code region
+is :func:`benchmarks.speed.peak_rss`, a child process's is :func:`benchmarks.scale.measure.measure`."""
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+from pathlib import Path
+
+GB = 1024 ** 3
+
+__all__ = ["machine_info", "peak_rss_mb"]
+
+
+def machine_info() -> dict:
+    import torch
+    mem = None
+    try:
+        for ln in Path("/proc/meminfo").read_text().splitlines():
+            if ln.startswith("MemTotal:"):
+                mem = int(ln.split()[1]) * 1024
+    except OSError:
+        pass
+    cpu = platform.processor() or None
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import transformers
+    return {"cores": os.cpu_count(), "ram_gb": mem / GB if mem else None, "cpu": cpu,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": "cpu",
+            "cuda_available": torch.cuda.is_available(), "platform": platform.platform()}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set so far (``ru_maxrss``), in MiB."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
