@@ -435,3 +435,4 @@ def test_remove_own_takes_only_plain_files_out_of_a_directory(tmp_path):
     remove_own(str(made), identity(made), ".out.tmp-")
     assert sorted(p.name for p in made.iterdir()) == ["link", "sub"]
     assert (made / "sub" / "keep").read_text() == "k" and outside.read_text() == "o"
+

@@ -53,6 +53,22 @@ def check_checkpoint_dir(path: str):
         raise InputError(f"directory {path!r} has no {' and no '.join(missing)}; expected {EXPECTED}")
 
 
+def refuse_remote_code(path: str) -> None:
+    """Refuse a checkpoint whose config asks for its own Python code (``auto_map``), before
+    transformers reads it: no code from a model directory ever runs, and nothing prompts."""
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return  # unreadable configs are refused by the loader with their own message
+    auto = raw.get("auto_map") if isinstance(raw, dict) else None
+    if auto:
+        entry = next(iter(auto.items())) if isinstance(auto, dict) else auto
+        raise InputError(f"{cfg_path} asks for the directory's own code (auto_map {entry!r}); symgraph never "
+                         "runs code from a model directory; expected a model class that transformers ships")
+
+
 def _model_class(tf, cfg, where):
     archs = getattr(cfg, "architectures", None) or []
     if not archs:
@@ -103,7 +119,7 @@ def check_weights_finite(model, where: str):
 def _from_pretrained(cls, source, where, **kw):
     try:
         model, info = cls.from_pretrained(source, dtype="auto", use_safetensors=True,
-                                          output_loading_info=True, **kw)
+                                          output_loading_info=True, trust_remote_code=False, **kw)
     except (OSError, ValueError, RuntimeError, KeyError, EnvironmentError) as e:
         msg = " ".join(str(e).split())[:300] or type(e).__name__
         raise InputError(f"cannot load {where}: {msg}; expected {EXPECTED} with valid safetensors "
@@ -121,10 +137,11 @@ def _from_pretrained(cls, source, where, **kw):
 def load_local(path: str):
     """The model of a ``save_pretrained`` directory, loaded completely or refused."""
     check_checkpoint_dir(path)
+    refuse_remote_code(path)
     tf = _quiet_transformers()
     cfg_path = os.path.join(path, "config.json")
     try:
-        cfg = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+        cfg = tf.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
         raise InputError(f"cannot read {cfg_path}: {' '.join(str(e).split())[:200]}; expected a "
                          "Hugging Face config written by save_pretrained") from None
@@ -145,7 +162,7 @@ def load_hub(spec: str, hint: str = ""):
     tf = _quiet_transformers()
     offline = _offline()
     try:
-        cfg = tf.AutoConfig.from_pretrained(spec, local_files_only=offline)
+        cfg = tf.AutoConfig.from_pretrained(spec, local_files_only=offline, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - offline, no such repo, ...
         msg = " ".join(str(e).split())[:200] or type(e).__name__
         where = "the local hub cache (offline: HF_HUB_OFFLINE is set)" if offline else "the Hugging Face hub"

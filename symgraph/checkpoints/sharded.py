@@ -16,7 +16,7 @@ import os
 import numpy as np
 import torch
 
-from .loading import EXPECTED, _model_class, _names, _quiet_transformers, check_checkpoint_dir
+from .loading import EXPECTED, _model_class, _names, _quiet_transformers, check_checkpoint_dir, refuse_remote_code
 from ..errors import InputError
 
 __all__ = ["Checkpoint", "KeysDiffer", "ShardWriter", "parse_size", "INDEX", "SINGLE"]
@@ -59,11 +59,12 @@ class Checkpoint:
 
     def __init__(self, path: str):
         check_checkpoint_dir(path)
+        refuse_remote_code(path)
         self.path = path
         tf = _quiet_transformers()
         cfg_path = os.path.join(path, "config.json")
         try:
-            self.config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+            self.config = tf.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
             raise InputError(f"cannot read {cfg_path}: {' '.join(str(e).split())[:200]}; expected a "
                              "Hugging Face config written by save_pretrained") from None
