@@ -47,7 +47,7 @@ def plan(report) -> CircuitPlan:
     for s in sites:
         for role in ("qk", "vo"):
             g = by_gid.get(s[role])
-            if g is None or g.kind in ("identity", "perm") and g.blocks == 1 and not g.outer:
+            if g is None or not g.outer:  # not fibred over a head class
                 raise InputError(f"attention op {s['node']}: its {role.upper()} head size is not a per-head "
                                  "class of the report; expected heads the analysis resolves (GL or RoPE per head)")
             half = None
@@ -173,16 +173,17 @@ def circuit_merge(models, weights, report):
         new = type(models[0])(cfg)
     new = new.to_empty(device=next(models[0].parameters()).device)
     want = new.state_dict()
-    wrong = [k for k, v in merged.items() if k in want and tuple(want[k].shape) != tuple(v.shape)]
+    missing, extra = sorted(set(want) - set(merged)), sorted(set(merged) - set(want))
+    if missing or extra:
+        raise InputError(f"the circuit-space model and the parents disagree on tensors (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}); expected the parents' tensors, heads widened")
+    wrong = [k for k, v in merged.items() if tuple(want[k].shape) != tuple(v.shape)]
     if wrong:
         raise InputError(f"{type(cfg).__name__} with head_dim {cfg.head_dim} builds {wrong[0]} as "
                          f"{tuple(want[wrong[0]].shape)}, not {tuple(merged[wrong[0]].shape)}; the config "
                          "cannot express the wider heads")
-    new.load_state_dict({k: v.to(dtype) for k, v in merged.items() if k in want}, strict=False, assign=True)
+    new.load_state_dict({k: v.to(dtype) for k, v in merged.items()}, strict=True, assign=True)
     _recompute_buffers(new, cfg)
-    missing = [k for k in want if k not in merged]
-    if missing:
-        raise InputError(f"the merged model lacks {missing[:3]}; expected every tensor of the parents")
     return new.eval()
 
 

@@ -127,7 +127,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         parents = [m if al is None else al.apply(m) for m, al in zip(models, alignments)]
         parents = parents[anchor:anchor + 1] + parents[:anchor] + parents[anchor + 1:]
         ws = [w[anchor]] + [x for i, x in enumerate(w) if i != anchor]
-        out = circuit_merge(parents, ws, analyze(A, inputs, fold_norms=False, outputs=ra.outputs))
+        out = circuit_merge(parents, ws, ra)  # the head classes do not depend on folding
         timings["combine"] = time.perf_counter() - t3
         timings["total"] = time.perf_counter() - t0
         return MergeResult(out, alignments, timings, None, universe)

@@ -253,7 +253,7 @@ def _card_summary(meta) -> str:
         for g in al["groups"]:
             by[g["status"]] = by.get(g["status"], 0) + 1
         stats = ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
-        lines.append(f"- model {al['model']} aligned to model {0} from {al['similarity']}: "
+        lines.append(f"- model {al['model']} aligned to model 0 from {al['similarity']}: "
                      f"{len(al['groups'])} symmetry groups solved ({stats}).")
     if not meta["alignments"]:
         lines.append("- no alignment (plain combination in each model's own basis).")
