@@ -170,7 +170,8 @@ def test_full_tiny_run_early_stops_keeps_best_and_returns_when_done(corpus, tmp_
 
 def test_table_rows_on_tiny_untied_gpt2():
     """The table's rows on two tiny untied GPT-2s: barriers from an 11-point curve whose ends
-    are the parents' losses; a circuit-space row on GPT-2 records why it is not available."""
+    are the parents' losses; circuit-space rows (GPT-2 widened in memory, learned matching in
+    that space) whose ends are the parents' losses too."""
     import symgraph
     from symgraph.merging.untie import untie
     from symgraph.testing import models
@@ -188,8 +189,13 @@ def test_table_rows_on_tiny_untied_gpt2():
         assert ends[1.0] == pytest.approx(table.D.test_loss(A, test), abs=1e-5)
         assert r["barrier"] == pytest.approx(symgraph.loss_barrier(r["curve"]))
     assert rows[2]["refine_steps"] == 2
-    c = table.run_row("weights", A, B, train=train, test=test, refine_steps=0, circuits=True)
-    assert c["barrier"] is None and "head_dim" in c["note"]
-    md = table.markdown({"rows": rows + [c], "parent_test_loss": [5.3, 5.3], "protocol_note": "x",
+    cs = [table.run_row(n, A, B, train=train, test=test, refine_steps=2, circuits=True)
+          for n in ("weights", "learned")]
+    for c, r in zip(cs, rows[1:]):
+        ends = dict(c["curve"])
+        assert ends[1.0] == pytest.approx(table.D.test_loss(A, test), abs=1e-5) and c["note"] is None
+        assert c["space"] == "circuits" and c["barrier"] == pytest.approx(symgraph.loss_barrier(c["curve"]))
+    assert dict(cs[0]["curve"])[0.0] == pytest.approx(dict(rows[1]["curve"])[0.0], abs=1e-5)  # same aligned B
+    md = table.markdown({"rows": rows + cs, "parent_test_loss": [5.3, 5.3], "protocol_note": "x",
                          "command": "python -m benchmarks.anchor"})
-    assert "| weights | 0.34 |" in md and "Circuit space not evaluated" in md
+    assert "| weights | 0.34 |" in md and f"{cs[0]['barrier']:.3f}" in md

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -75,12 +76,56 @@ def test_exported_circuit_checkpoint_loads_with_from_pretrained(tmp_path):
     torch.testing.assert_close(_logits(loaded, x), _logits(mem, x), atol=1e-5, rtol=0)
 
 
-def test_gpt2_circuits_refused_in_one_line_naming_head_dim(tmp_path):
-    G = models.build("gpt2", **GPT2)
-    with pytest.raises(symgraph.InputError, match="no head_dim field"):
-        symgraph.merge([G, G], attention="circuits")
+@pytest.fixture(scope="module")
+def gpt2_pair():
+    A = models.build("gpt2", **GPT2)
+    B = symgraph.transform(A, symgraph.analyze(A).random_transform(seed=0, orthogonal=True))
+    return A, B, torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.3, 1.0])
+def test_gpt2_circuit_merge_in_memory_of_a_transformed_copy_is_the_model(gpt2_pair, lam):
+    from symgraph.merging.widen import Resized
+    A, B, x = gpt2_pair
+    before = {k: v.clone() for k, v in A.state_dict().items()}
+    m = symgraph.merge([A, B], weights=[lam, 1 - lam], attention="circuits").model
+    assert isinstance(m, Resized) and "no head_dim field" in m.why_not_saved
+    assert m.state["transformer.h.0.attn.c_attn.weight"].shape == (32, 3 * 2 * 32)  # packed q, k, v: 2x
+    assert m.state["transformer.h.1.attn.c_proj.weight"].shape == (2 * 32, 32)
+    torch.testing.assert_close(_logits(m, x), _logits(A, x), atol=1e-5, rtol=0)
+    y = x[:1, :7]  # another input shape: traced again, same function
+    torch.testing.assert_close(_logits(m, y), _logits(A, y), atol=1e-5, rtol=0)
+    assert all(torch.equal(v, A.state_dict()[k]) for k, v in before.items())  # A untouched
+
+
+def test_gpt2_circuit_endpoints_interpolate_and_learned_matching():
+    from symgraph.merging.circuits import circuit_between
+    A, B = models.build("gpt2", seed=0, **GPT2), models.build("gpt2", seed=1, **GPT2)
+    x = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    al = symgraph.align(A, B)
+    Bal = al.apply(B)
+    for lam, want in ((1.0, _logits(A, x)), (0.0, _logits(Bal, x))):
+        got = _logits(symgraph.merge([A, B], weights=[lam, 1 - lam], attention="circuits").model, x)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    mid = symgraph.merge([A, B], attention="circuits").model
+    assert (_logits(mid, x) - _logits(A, x)).abs().max() > 1e-2
+
+    def loss(m):
+        with torch.no_grad():
+            return float(m(input_ids=x, labels=x).loss)
+    curve = symgraph.interpolate(A, Bal, [0.0, 0.5, 1.0], loss, attention="circuits")
+    assert curve[0][1] == pytest.approx(loss(Bal), abs=1e-5) and curve[2][1] == pytest.approx(loss(A), abs=1e-5)
+    assert curve[1][1] == pytest.approx(loss(mid), abs=1e-5)  # the same circuit-space model
+    data = [{"input_ids": torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i))} for i in range(2)]
+    ref = symgraph.align(A, B, data[0], data=data, refine=3, between=circuit_between(A))
+    assert ref.refined["steps"] == 3 and math.isfinite(ref.refined["loss_last"])
+    torch.testing.assert_close(_logits(ref.apply(B), x), _logits(B, x), atol=1e-4, rtol=0)  # still a symmetry
+
+
+def test_gpt2_circuits_cannot_be_saved_and_the_cli_says_why_in_one_line(tmp_path):
     r = cli("merge", "tiny-gpt2", "tiny-gpt2", "--out", tmp_path / "o", "--attention", "circuits")
-    assert r.returncode == 2 and "head_dim" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "no head_dim field" in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.count("symgraph:") == 1 and "in Python" in r.stderr
     assert not (tmp_path / "o").exists()
 
 

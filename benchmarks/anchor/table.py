@@ -10,7 +10,8 @@ Rows, in the parents' architecture: vanilla averaging, activation matching, weig
 learned matching (residual orthogonal map: symgraph's default on the untied model; and
 permutations only: ``fold_norms=False``). In circuit space (heads twice as wide,
 :mod:`symgraph.merging.circuits`) the same alignments are interpolated in the wider heads,
-where the model's config can state the head size; otherwise the row records the refusal.
+(GPT-2's config cannot state the head size: the traced program is widened in memory,
+:mod:`symgraph.merging.widen`), and the learned rows train in that space.
 """
 from __future__ import annotations
 
@@ -51,32 +52,29 @@ def _loss_fn(test: torch.Tensor, batch_size: int):
 
 
 def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8) -> dict:
-    """One row: align B to A as the row says, the curve on the test split, its barrier."""
+    """One row: align B to A as the row says (learned matching trains in the row's space), the
+    curve on the test split in that space, its barrier."""
     import symgraph
+    from symgraph.merging.circuits import circuit_between
     align, fold, steps = ROWS[name]
     steps = refine_steps if steps < 0 else steps
     t0 = time.perf_counter()
-    Bal, note = B, None
+    Bal, note, refined = B, None, None
     if align is not None:
+        extra = {"between": circuit_between(A)} if circuits and steps else {}
         al = symgraph.align(A, B, train[0], data=train if align == "activations" else None,
-                            fold_norms=fold, refine=steps)
-        Bal = al.apply(B)
+                            fold_norms=fold, refine=steps, **extra)
+        Bal, refined = al.apply(B), getattr(al, "refined", None)
     t_align = time.perf_counter() - t0
-    loss = _loss_fn(test, eval_bs)
-    if circuits:
-        curve = []
-        try:
-            for lam in LAMBDAS:
-                m = symgraph.merge([A, Bal], weights=[lam, 1 - lam], align=None, attention="circuits").model
-                curve.append((float(lam), loss(m)))
-        except symgraph.InputError as e:
-            curve, note = [], str(e)
-    else:
-        curve = symgraph.interpolate(A, Bal, LAMBDAS, loss)
+    try:
+        curve = symgraph.interpolate(A, Bal, LAMBDAS, _loss_fn(test, eval_bs),
+                                     attention="circuits" if circuits else "heads")
+    except symgraph.InputError as e:
+        curve, note = [], str(e)
     barrier = symgraph.loss_barrier(curve) if curve else None
     return {"row": name, "space": "circuits" if circuits else "heads", "barrier": barrier, "curve": curve,
             "align_seconds": t_align, "seconds": time.perf_counter() - t0, "refine_steps": steps,
-            "note": note}
+            "refined": refined, "note": note}
 
 
 def markdown(result: dict) -> str:
@@ -151,7 +149,7 @@ def main(argv=None) -> int:
               "command": "python -m benchmarks.anchor --corpus CORPUS --tokenizer TOKENIZER_DIR"}
     A, B = parents
     for name in a.rows:
-        for circuits in (False,) if a.no_circuits or name == "vanilla" else (False, True):
+        for circuits in (False,) if a.no_circuits else (False, True):
             r = run_row(name, A, B, train=train, test=test, refine_steps=a.refine_steps,
                         circuits=circuits)
             print(f"{name:12s} {r['space']:8s} barrier {r['barrier']} ({r['seconds']:.0f} s){' ' + r['note'] if r['note'] else ''}",

@@ -43,6 +43,9 @@ class AlignOptions:
         :mod:`symgraph.alignment.refine`); ``loss_fn(model, batch)`` gives the loss (default:
         the model's own, e.g. language-model loss), ``refine_lr`` the Adam step size (1e-3:
         on the suite's LLaMA pair, 2000 steps at 1e-2 ended at a higher barrier than at 1e-3).
+        ``between(θ_A, θ_B′, λ) -> model``: the model between A and B that learned matching
+        trains (default: the linear interpolation in A's architecture;
+        ``symgraph.merging.circuits.circuit_between(model_a)`` trains in circuit space).
     masses : the units' masses in a transport between different widths: "auto" (what each
         unit contributes: activation RMS × outgoing weight norm with ``data``, weight norm
         without), "weights", "activations", "uniform" (see :mod:`~.masses`). Explicit
@@ -65,6 +68,7 @@ class AlignOptions:
     refine: int = 0
     loss_fn: Callable | None = None
     refine_lr: float = 1e-3
+    between: Callable | None = None
 
     def __post_init__(self):
         if not isinstance(self.refine, int) or isinstance(self.refine, bool) or self.refine < 0:
@@ -192,10 +196,11 @@ def _refined(al, model_a, model_b, data, opts) -> Alignment:
     quick one). ``refined["start"]`` says which, ``refined["start_loss"]`` their losses."""
     t0 = time.perf_counter()
     starts = {"activations": al, "weights": _solved(al.report_a, al.report_b, model_a, model_b, None, opts)}
-    name, losses = choose_start(starts, model_a, model_b, data, opts.loss_fn)
+    name, losses = choose_start(starts, model_a, model_b, data, opts.loss_fn, between=opts.between)
     best = starts[name]
     best.seconds = {**al.seconds, "start": time.perf_counter() - t0}
-    best.refined = refine(best, model_a, model_b, data, opts.refine, opts.loss_fn, opts.refine_lr)
+    best.refined = refine(best, model_a, model_b, data, opts.refine, opts.loss_fn, opts.refine_lr,
+                          between=opts.between)
     best.refined.update(start=name, start_loss=losses)
     return best
 

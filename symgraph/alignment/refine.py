@@ -30,7 +30,7 @@ from ..core.elements import Map, Perm
 from ..errors import InputError
 from ..core.groups import PERMUTATION_FAMILY, ones_basis, orthogonal_part, pair_rotations
 
-__all__ = ["refine", "default_loss", "choose_start"]
+__all__ = ["refine", "default_loss", "choose_start", "linear", "Bound"]
 
 #: Batches :func:`choose_start` evaluates each candidate start on.
 START_BATCHES = 8
@@ -135,7 +135,7 @@ def _learnable(report, al):
     return out
 
 
-class _Bound(torch.nn.Module):
+class Bound(torch.nn.Module):
     """Model A's module run on other parameter values (``loss_fn(model, batch)`` calls it)."""
 
     def __init__(self, model, values):
@@ -154,10 +154,11 @@ class _Bound(torch.nn.Module):
 
 
 def refine(al, model_a, model_b, data, steps: int, loss_fn=None, lr: float = 1e-3,
-           seed: int = 0, progress: bool = True) -> dict:
+           seed: int = 0, progress: bool = True, between=None) -> dict:
     """Optimise ``al``'s elements in place for ``steps`` steps; returns what happened
     (``steps``, ``loss_first``/``loss_last`` (mean of the first/last 10% of steps), ``classes``,
-    ``seconds``)."""
+    ``seconds``). ``between(θ_A, θ_B′, λ) -> model`` is the model trained on (λ the weight
+    of B′); default :func:`linear`, the interpolation in A's architecture."""
     if not data:
         raise InputError("refine needs data: an iterable of batches to compute the loss on")
     loss_fn = loss_fn or default_loss
@@ -165,6 +166,7 @@ def refine(al, model_a, model_b, data, steps: int, loss_fn=None, lr: float = 1e-
     if not learn:
         return {"steps": 0, "classes": 0}
     t0 = time.perf_counter()
+    between = between or linear(model_a)
     ta, tb = _values(al, model_a, model_b)
     opt = torch.optim.Adam([p for x in learn.values() for p in x.params], lr=lr)
     gen = torch.Generator().manual_seed(seed)
@@ -177,7 +179,7 @@ def refine(al, model_a, model_b, data, steps: int, loss_fn=None, lr: float = 1e-
             lam = 0.4 + 0.2 * float(torch.rand((), generator=gen))
             els = dict(al.elements)
             els.update({gid: x.element() for gid, x in learn.items()})
-            loss = _call(loss_fn, _Bound(model_a, _between(al, ta, tb, els, lam)), batch)
+            loss = _call(loss_fn, between(ta, _carried(al, ta, tb, els), lam), batch)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -190,16 +192,17 @@ def refine(al, model_a, model_b, data, steps: int, loss_fn=None, lr: float = 1e-
             "loss_last": sum(losses[-k:]) / k, "seconds": time.perf_counter() - t0}
 
 
-def choose_start(alignments: dict, model_a, model_b, data, loss_fn=None, batches: int = START_BATCHES):
+def choose_start(alignments: dict, model_a, model_b, data, loss_fn=None, batches: int = START_BATCHES,
+                 between=None):
     """The name of the alignment (of ``{name: Alignment}``) whose model halfway between A and
     B has the lowest mean loss on the first ``batches`` batches of ``data``, and every
     alignment's loss (``{name: loss}``)."""
-    loss_fn = loss_fn or default_loss
+    loss_fn, between = loss_fn or default_loss, between or linear(model_a)
     ta, tb = _values(next(iter(alignments.values())), model_a, model_b)
     losses = {}
     with _evaluating(model_a), torch.no_grad():
         for name, al in alignments.items():
-            model = _Bound(model_a, _between(al, ta, tb, al.elements, 0.5))
+            model = between(ta, _carried(al, ta, tb, al.elements), 0.5)
             got = [float(_call(loss_fn, model, b)) for b in list(data)[:batches]]
             losses[name] = sum(got) / len(got)
     return min(losses, key=losses.get), losses
@@ -217,25 +220,35 @@ def _evaluating(model):
 
 
 def _values(al, model_a, model_b):
-    """A's parameters and B's parameters of the report (detached)."""
-    return ({k: p.detach() for k, p in model_a.named_parameters()},
-            {k: model_b.get_parameter(k).detach() for k in al.report_b.parameters})
+    """A's parameters (tied names included) and B's parameters of the report (detached)."""
+    ta = {k: p.detach() for k, p in model_a.named_parameters()}
+    for keep, others in al.report_a.aliases.items():
+        ta.update({o: ta[keep] for o in others if keep in ta})
+    return ta, {k: model_b.get_parameter(k).detach() for k in al.report_b.parameters}
 
 
-def _between(al, ta, tb, elements, lam) -> dict:
-    """``(1 − λ)·θ_A + λ·θ_B′`` for every parameter name of A (tied names included), B carried
-    into A's basis by ``elements``."""
+def _carried(al, ta, tb, elements) -> dict:
+    """B's parameters carried into A's basis by ``elements``, for every parameter name of A
+    (tied names included)."""
     moved = move(al.report_b, elements, tb, al.gauge or None)
     values = {}
     for k, a in ta.items():
         b = moved.get(k)
-        if b is None:
-            b = tb.get(k, a)
-        values[k] = (1 - lam) * a + lam * b.to(a.dtype)
+        values[k] = (tb.get(k, a) if b is None else b).to(a.dtype)
     for keep, others in al.report_a.aliases.items():
-        for o in others:
-            values[o] = values[keep]
+        values.update({o: values[keep] for o in others if keep in values})
     return values
+
+
+def linear(model_a):
+    """The default model between A and B′: ``(1 − λ)·θ_A + λ·θ_B′`` run by A's module."""
+    def between(ta, tb, lam):
+        out, done = {}, {}
+        for k, a in ta.items():  # tied names share one tensor, as functional_call wants
+            key = (id(a), id(tb[k]))
+            out[k] = done[key] = done[key] if key in done else (1 - lam) * a + lam * tb[k]
+        return Bound(model_a, out)
+    return between
 
 
 def _call(loss_fn, model, batch):

@@ -18,7 +18,7 @@ import torch
 from ..core.elements import Map, Perm, inv_t
 
 __all__ = ["axis_matrix", "coord_table", "leaf_views", "other_leaf_elements", "observation_points",
-           "leaves_with_parity", "stored_slots"]
+           "leaves_with_parity", "stored_slots", "axis_tree", "resized_shapes"]
 
 
 def axis_matrix(an, axis: int, elements: dict, parity: int = 0):
@@ -316,3 +316,39 @@ def attention_sites(an) -> list:
             q, _, v = node.args[:3]
             out.append((node.name, an.node_axes[q][-1], an.node_axes[v][-1]))
     return out
+
+
+def axis_tree(an, axis):
+    """``axis`` down to its leaf classes: ``("leaf", size, root)`` or ``(kind, [subtrees])``
+    with kind ``"prod"`` (row-major flatten) or ``"sum"`` (concatenation)."""
+    r, _ = an.uf.find(axis)
+    s = an.uf.struct.get(r)
+    if s is None:
+        return ("leaf", an.uf.size[r], r)
+    return (s[0], [axis_tree(an, p) for p, _ in s[1]])
+
+
+def resized_shapes(an, sizes: dict) -> dict:
+    """Every node's output shape (a list of shapes for a list output) when the leaf classes
+    ``sizes`` (``{root: new size}``) change size and every other class keeps its own."""
+    memo: dict = {}
+
+    def size(a):
+        r, _ = an.uf.find(a)
+        if r not in memo:
+            s = an.uf.struct.get(r)
+            if r in sizes:
+                memo[r] = int(sizes[r])
+            elif s is None:
+                memo[r] = an.uf.size[r]
+            else:
+                parts = [size(p) for p, _ in s[1]]
+                memo[r] = int(np.prod(parts)) if s[0] == "prod" else sum(parts)
+        return memo[r]
+
+    def walk(x):
+        if isinstance(x, (list, tuple)) and all(isinstance(v, int) for v in x):
+            return tuple(size(a) for a in x)
+        return [None if v is None else walk(v) for v in x] if isinstance(x, (list, tuple)) else None
+
+    return {node.name: walk(axes) for node, axes in an.node_axes.items() if axes is not None}

@@ -9,7 +9,10 @@ query/key side ``Q = [√w_1·Q_1; …; √w_N·Q_N]`` and ``K = [√w_1·K_1; �
 (``√N``). Every other weight is the weighted average. The merged model stays in the parents'
 architecture family wherever its config can state a head size (an explicit ``head_dim``);
 RoPE pairs keep their own frequencies through per-pair factors (``longrope``-type rope
-parameters, attention factor 1).
+parameters, attention factor 1). Where no config field can state it (GPT-2 derives the head
+size from the width), the merged model is the parents' traced program with the head classes
+widened (:mod:`symgraph.merging.widen`), which keeps the parents' softmax scale instead: it
+runs in memory and cannot be saved as a checkpoint.
 
 The heads are found from the report (:meth:`~symgraph.report.SymmetryReport.attention_groups`),
 never from module names.
@@ -23,48 +26,74 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["circuit_merge", "circuit_state", "CircuitPlan", "plan"]
+__all__ = ["circuit_merge", "circuit_state", "circuit_between", "CircuitPlan", "plan"]
 
 
 class CircuitPlan:
-    """Which slots of which parameters widen, and how (from one model's report).
+    """Which parameters widen, and how (from one model's report).
 
-    ``slots``: ``{param: [(dim, head size, rope half or None, scale on the query side)]}``."""
+    ``slots``: ``{param: (dim, axis tree, scale on the query side)}``; ``wide``: ``{group id:
+    rope half or None}`` of the head-size classes that widen."""
 
-    def __init__(self, slots: dict, head_dim: int, rope: bool):
-        self.slots, self.head_dim, self.rope = slots, head_dim, rope
+    def __init__(self, slots: dict, wide: dict, head_dim: int, rope: bool):
+        self.slots, self.wide, self.head_dim, self.rope = slots, wide, head_dim, rope
 
 
-def plan(report) -> CircuitPlan:
-    """The widening of every attention head of ``report``'s model, refused (one line) where
-    the heads are not laid out ``[heads, head size]`` on a projection."""
+def plan(report, query_scale: bool = True) -> CircuitPlan:
+    """The widening of every attention head of ``report``'s model: the head-size classes of
+    its attention ops, and every parameter axis they are part of (also packed, as GPT-2's
+    ``c_attn``). ``query_scale``: fold the wider head's softmax scale (``√N``) into the query
+    side (a config that states the new head size), or leave it to the program (:mod:`.widen`)."""
     by_gid = {g.id: g for g in report.groups}
     sites = report.attention_groups()
     if not sites:
         raise InputError(f"{report.model_name} has no attention op (scaled_dot_product_attention) whose "
                          "heads the analysis found; circuit-space merging needs attention heads")
-    slots, sizes, rope = {}, set(), False
+    wide, sizes, qk = {}, set(), set()
     for s in sites:
         for role in ("qk", "vo"):
             g = by_gid.get(s[role])
             if g is None or not g.outer:  # not fibred over a head class
                 raise InputError(f"attention op {s['node']}: its {role.upper()} head size is not a per-head "
                                  "class of the report; expected heads the analysis resolves (GL or RoPE per head)")
-            half = None
-            if g.kind == "rope":
-                rope, half = True, _rope_half(g)
-            for param, dim in g.params:
-                axis = report.param_axes(param)[dim]
-                st = report.axis_structure(axis)
-                if st is None or st[0] != "prod" or st[1][-1] != g.dim:
-                    raise InputError(f"{param} dim {dim} is laid out as {st}; circuit-space merging expects "
-                                     f"[heads, head size {g.dim}] on every projection")
-                qside = role == "qk" and g.variance[g.params.index((param, dim))] == "co"
-                slots.setdefault(param, []).append((dim, g.dim, half, qside))
+            wide[g.id] = _rope_half(g) if g.kind == "rope" else None
             sizes.add(g.dim)
+            if role == "qk":
+                qk.add(g.id)
     if len(sizes) != 1:
         raise InputError(f"attention head sizes differ across layers ({sorted(sizes)}); expected one head size")
-    return CircuitPlan(slots, sizes.pop(), rope)
+    slots = {}
+    for param in report.parameters + report.buffers:
+        for dim, axis in enumerate(report.param_axes(param)):
+            tree = report.axis_tree(axis)
+            found = _leaves(tree, wide)
+            if not found:
+                continue
+            if param in slots:
+                raise InputError(f"{param} carries heads on two axes; expected one")
+            qside = False
+            if query_scale and any(gid in qk for gid in found):
+                gid = next(g for g in found if g in qk)
+                if len(found) > 1:
+                    raise InputError(f"{param} dim {dim} packs query and key heads; the wider head's softmax "
+                                     "scale cannot be folded into its query side")
+                g = by_gid[gid]
+                qside = g.variance[g.params.index((param, dim))] == "co"
+            slots[param] = (dim, tree, qside)
+    return CircuitPlan(slots, wide, sizes.pop(), any(h is not None for h in wide.values()))
+
+
+def _leaves(tree, wide) -> list:
+    if tree[0] == "leaf":
+        return [tree[2]] if tree[2] in wide else []
+    return [g for t in tree[1] for g in _leaves(t, wide)]
+
+
+def _size(tree) -> int:
+    if tree[0] == "leaf":
+        return tree[1]
+    parts = [_size(t) for t in tree[1]]
+    return math.prod(parts) if tree[0] == "prod" else sum(parts)
 
 
 def _rope_half(g) -> int:
@@ -76,20 +105,32 @@ def _rope_half(g) -> int:
     return half
 
 
-def _widen(tensors, dim, d, half, scales):
-    """Concatenate per-head blocks of ``tensors`` (one per model) along ``dim``: each head's
-    ``N·d`` coordinates are the models' ``d`` in turn — or, with RoPE, the models' first
-    halves then their second halves, so pair ``(j, j + N·d/2)`` is a pair of one model."""
-    parts = []
-    for t, s in zip(tensors, scales):
-        t = t.movedim(dim, -1)
-        parts.append(s * t.reshape(*t.shape[:-1], -1, d))
-    if half is None:
-        out = torch.cat(parts, dim=-1)
-    else:
-        out = torch.cat([p[..., :half] for p in parts] + [p[..., half:] for p in parts], dim=-1)
-    out = out.reshape(*out.shape[:-2], -1)
-    return out.movedim(-1, dim)
+def _widen(ts, dim, tree, weights, scales, wide):
+    """The merged tensor along ``dim`` (structure ``tree``) from the models' ``ts``: a widened
+    head-size leaf concatenates the models' scaled coordinates (with RoPE, the models' first
+    halves then their second halves, so pair ``(j, j + N·d/2)`` is a pair of one model); a
+    part without a widened leaf is the weighted average; sums and products recurse."""
+    if not _leaves(tree, wide):
+        return sum(w * t for w, t in zip(weights, ts))
+    kind, sub = tree[0], tree[1]
+    if kind == "leaf":
+        parts = [s * t for s, t in zip(scales, ts)]
+        half = wide[tree[2]]
+        if half is not None:
+            parts = [p.narrow(dim, 0, half) for p in parts] + [p.narrow(dim, half, half) for p in parts]
+        return torch.cat(parts, dim)
+    sizes = [_size(t) for t in sub]
+    if kind == "sum":
+        pieces = [t.split(sizes, dim) for t in ts]
+        return torch.cat([_widen([p[j] for p in pieces], dim, part, weights, scales, wide)
+                          for j, part in enumerate(sub)], dim)
+    carriers = [j for j, part in enumerate(sub) if _leaves(part, wide)]
+    if len(carriers) != 1:
+        raise InputError(f"an axis is a product of {len(carriers)} head sizes; expected one")
+    j = carriers[0]
+    split = [t.reshape(*t.shape[:dim], *sizes, *t.shape[dim + 1:]) for t in ts]
+    out = _widen(split, dim + j, sub[j], weights, scales, wide)
+    return out.flatten(dim, dim + len(sizes) - 1)
 
 
 def circuit_state(states, weights, cplan: CircuitPlan) -> dict:
@@ -102,21 +143,26 @@ def circuit_state(states, weights, cplan: CircuitPlan) -> dict:
         if name not in cplan.slots:
             out[name] = sum(w * t for w, t in zip(weights, ts))
             continue
-        (dim, d, half, qside), *more = cplan.slots[name]
-        if more:
-            raise InputError(f"{name} carries heads on {len(more) + 1} axes; expected one")
+        dim, tree, qside = cplan.slots[name]
         scales = [math.sqrt(w) * (math.sqrt(n) if qside else 1.0) for w in weights]
-        out[name] = _widen(ts, dim, d, half, scales)
+        out[name] = _widen(ts, dim, tree, weights, scales, cplan.wide)
     return out
 
 
-def _check_config(model, n):
+def _wider(report, n) -> dict:
+    """``{group id: n × size}`` of ``report``'s head-size classes."""
+    dims = {g.id: g.dim for g in report.groups}
+    return {g: n * dims[g] for g in plan(report, query_scale=False).wide}
+
+
+def _why_no_config(model, n) -> str | None:
+    """Why ``model``'s config cannot state ``n``-fold heads, or None where it can."""
     cfg = getattr(model, "config", None)
     if cfg is None or "head_dim" not in cfg.to_dict():
         name = type(cfg).__name__ if cfg is not None else type(model).__name__
-        raise InputError(f"{name} has no head_dim field (its head size is derived from the width), so a "
-                         f"circuit-space model with {n}x wider heads cannot be built or saved; expected a "
-                         "config with head_dim (LLaMA, Qwen2, Mistral, Gemma...)")
+        return (f"{name} has no head_dim field (its head size is derived from the width), so a checkpoint "
+                f"cannot state the {n}x wider circuit-space heads; the merged model runs in memory only")
+    return None
 
 
 def _config(model, cplan: CircuitPlan, n: int):
@@ -160,15 +206,27 @@ def _inv_freq(model, cfg, d):
 def circuit_merge(models, weights, report):
     """Circuit-space merge of ``models`` (aligned, one architecture) with mixing ``weights``
     into a new model whose heads are ``len(models)`` times as wide; ``report`` is the
-    anchor's. Its ``config`` says the new head size; parents are left untouched."""
-    _check_config(models[0], len(models))
-    cplan = plan(report)
+    anchor's; parents are left untouched.
+
+    Where the config states a head size (``head_dim``), the result is the parents' model class
+    with a config saying the new size (saved and loaded like any checkpoint). Otherwise it is
+    the parents' own traced program with the head classes widened
+    (:class:`~symgraph.merging.widen.Resized`): in memory only, ``why_not_saved`` says why."""
     n = len(models)
-    cfg = _config(models[0], cplan, n)
+    why = _why_no_config(models[0], n)
+    cplan = plan(report, query_scale=why is None)
     dtype = next(models[0].parameters()).dtype
     states = [{k: v.detach().to(torch.promote_types(v.dtype, torch.float32)) for k, v in m.state_dict().items()}
               for m in models]
     merged = circuit_state(states, [float(w) for w in weights], cplan)
+    if why is not None:
+        if cplan.rope:
+            raise InputError(why.replace("the merged model runs in memory only", "and its rotary heads "
+                             "need per-pair frequencies a config states; expected a config with head_dim"))
+        from .widen import Resized
+        return Resized(models[0], {k: v.to(dtype) for k, v in merged.items()}, lambda rep: _wider(rep, n), why,
+                       key=("circuits", n)).eval()
+    cfg = _config(models[0], cplan, n)
     with torch.device("meta"):
         new = type(models[0])(cfg)
     new = new.to_empty(device=next(models[0].parameters()).device)
@@ -198,3 +256,20 @@ def _recompute_buffers(model, cfg):
             fresh = type(mod)(config=cfg)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, fresh)
+
+
+def circuit_between(model_a, report=None):
+    """Learned matching in circuit space (Theus et al. 2025): ``between(θ_A, θ_B′, λ)`` gives
+    the circuit-space model of A and B′ with weights ``(1 − λ, λ)`` on those (differentiable)
+    tensors, for ``symgraph.align(..., refine=N, between=circuit_between(A))``."""
+    from ..alignment.refine import Bound
+    from ..report import analyze
+    report = report if report is not None else analyze(model_a)
+    why = _why_no_config(model_a, 2)
+    cplan = plan(report, query_scale=why is None)
+    skeleton = circuit_merge([model_a, model_a], [0.5, 0.5], report)
+
+    def between(ta, tb, lam):
+        state = circuit_state([ta, tb], [1 - lam, lam], cplan)
+        return skeleton.with_state(state) if why else Bound(skeleton, state)
+    return between

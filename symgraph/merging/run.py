@@ -95,6 +95,12 @@ def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
     from .driver import merge
     models = [load_model(m) for m in progress_bar(cfg.models, enabled=progress, desc="loading", unit="model")]
     _check_same_family(models, cfg.models)
+    if cfg.attention == "circuits":
+        from .circuits import _why_no_config
+        why = _why_no_config(models[0], len(models))
+        if why:
+            raise InputError(f"{why} (symgraph.merge(..., attention='circuits') in Python); expected a config "
+                             "with head_dim (LLaMA, Qwen2, Mistral, Gemma...) for a saved checkpoint")
     data = data if data is not None else _data(cfg, models[0])
     t0 = time.time()
     try:

@@ -16,7 +16,7 @@ from ..transform import folding
 from ..core.elements import Perm
 from ..errors import CertificationError, InputError
 from ..core.groups import orthogonal_part, sample
-from ..analysis.axes import attention_sites, axis_matrix, leaf_views, linear_layers, leaves_with_parity, observation_points, other_leaf_elements, stored_slots
+from ..analysis.axes import attention_sites, axis_matrix, axis_tree, resized_shapes, leaf_views, linear_layers, leaves_with_parity, observation_points, other_leaf_elements, stored_slots
 from ..analysis.patterns.stacked import unview_of, view_of
 from ..analysis.trace import eval_mode, flatten_outputs, graph_friendly, output_deviation, select_outputs, split_inputs
 
@@ -115,7 +115,6 @@ class SymmetryReport:
         self._nodes = None
         self._build()
 
-    # --- construction --------------------------------------------------------------------
     def _build(self):
         an = self._analysis
         uf = an.uf
@@ -360,6 +359,16 @@ class SymmetryReport:
         an = self._analysis
         s = an.uf.struct.get(an.uf.find(axis)[0])
         return None if s is None else (s[0], [an.uf.size[an.uf.find(p)[0]] for p, _ in s[1]])
+
+    def axis_tree(self, axis, _t=None):
+        """``axis`` down to its leaves: ``("leaf", size, group id or None)`` or ``(kind, [subtrees])``."""
+        t = axis_tree(self._analysis, axis) if _t is None else _t
+        return ("leaf", t[1], self._gid.get(t[2])) if t[0] == "leaf" else (t[0], [self.axis_tree(None, x) for x in t[1]])
+
+    def resized_shapes(self, sizes: dict) -> dict:
+        """``{node name: output shape}`` of the traced graph when groups ``sizes`` (``{group id: new
+        per-block size}``) change size (a list of shapes for an op with a list output)."""
+        return resized_shapes(self._analysis, {self._root[g]: n for g, n in sizes.items()})
 
     def _roots(self, elements: dict) -> dict:
         return {self._root[g]: e for g, e in elements.items()}
