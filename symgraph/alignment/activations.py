@@ -220,9 +220,11 @@ class Stepper(torch.fx.Interpreter):
         super().__init__(gm)
         self.fetch = fetch
         self.lazy = set()
-        if fetch is not None:
-            self.lazy = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
-            self.lazy |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+        self.dtypes = {}  # the dtype the graph was traced with, per tensor: a fetched tensor stored
+        if fetch is not None:  # narrower (models saved in different dtypes) is cast up to it
+            named = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
+            self.lazy = {n for n, _ in named}
+            self.dtypes = {n: t.dtype for n, t in named if t.is_floating_point()}
 
     def get_attr(self, target, args, kwargs):
         if target in self.lazy:
@@ -233,8 +235,15 @@ class Stepper(torch.fx.Interpreter):
         args, kwargs = super().fetch_args_kwargs_from_env(n)
         if not self.lazy:
             return args, kwargs
-        load = lambda x: self.fetch(x.name) if isinstance(x, _Lazy) else x  # noqa: E731
+        load = lambda x: self._load(x.name) if isinstance(x, _Lazy) else x  # noqa: E731
         return torch.fx.node.map_aggregate(args, load), torch.fx.node.map_aggregate(kwargs, load)
+
+    def _load(self, name):
+        t = self.fetch(name)
+        want = self.dtypes.get(name)
+        if want is None or not t.is_floating_point() or torch.finfo(t.dtype).bits >= torch.finfo(want).bits:
+            return t
+        return t.to(want)  # a narrower stored tensor in a wider graph (models stored in different dtypes)
 
     def steps(self, flat_args, names):
         """Run the graph on ``flat_args``; yield ``(node name, output)`` for the nodes in

@@ -119,6 +119,9 @@ class WeightFeatures:
         ta, tb = self.ra.view(name, self.A[name]), self.rb.view(name, self.B[name])
         if exact:
             ta, tb = ta.to(self.exact_dtype), tb.to(self.exact_dtype)
+        elif ta.dtype != tb.dtype:  # models stored in different dtypes: compare in a common one
+            common = torch.promote_types(torch.promote_types(ta.dtype, tb.dtype), torch.float32)
+            ta, tb = ta.to(common), tb.to(common)
         for k, a in enumerate(ax_b):  # other dims into A's basis
             if k == d:
                 continue

@@ -81,6 +81,9 @@ def _vet(out, force, inputs) -> tuple:
             if _inside(real, path):
                 raise InputError(f"--out {out!r} is an input model ({inp!r}) or contains it; expected a "
                                  "directory apart from the inputs")
+            if os.path.isdir(real) and _inside(path, real):
+                raise InputError(f"--out {out!r} is inside the input directory {inp!r} (resolving links: "
+                                 f"{real}); expected a directory apart from the inputs")
     if os.path.lexists(path):
         if not os.path.isdir(path) or os.path.islink(path):
             raise InputError(f"--out {out!r} exists and is not a directory; expected a new directory")
@@ -129,10 +132,16 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
     made = {tmp: identity(tmp)}  # what this call created (or moved aside): all it may delete
     old, owned = None, ()
     try:  # mkdtemp's 0700 until the rename: nobody else can add entries while it is written
-        if hasattr(model, "save_pretrained"):
-            model.save_pretrained(tmp, safe_serialization=True)
-        else:  # a writer: ``model(directory)`` writes the weights (out-of-core merging)
-            model(tmp)
+        try:
+            if hasattr(model, "save_pretrained"):
+                model.save_pretrained(tmp, safe_serialization=True)
+            else:  # a writer: ``model(directory)`` writes the weights (out-of-core merging)
+                model(tmp)
+        except Exception as e:  # a full disk, a quota, an I/O error (OSError or safetensors' own)
+            if not isinstance(e, OSError) and "safetensor" not in type(e).__name__.lower():
+                raise
+            raise InputError(f"writing the merged model into {parent!r} failed ({_short(e)}); nothing was "
+                             "written; expected enough free space and a writable directory for --out") from None
         if tokenizer_from and os.path.isdir(tokenizer_from):
             for fn in TOKENIZER_FILES:
                 src = os.path.join(tokenizer_from, fn)
@@ -163,6 +172,10 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
             else:
                 os.replace(old, out)  # the new output never arrived: put the previous one back
     return out
+
+
+def _short(e) -> str:
+    return (getattr(e, "strerror", None) or str(e).splitlines()[0] if str(e) else type(e).__name__)[:200]
 
 
 def written_files(out: str) -> dict:

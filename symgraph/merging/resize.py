@@ -19,6 +19,8 @@ parameters replaced, and the shape attributes of ``torch.nn``'s own layers updat
 from __future__ import annotations
 
 import copy
+import math
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -74,6 +76,7 @@ def resize(model, widths, inputs=None, *, split: str = "even", seed: int = 0,
         raise InputError(f"split={split!r}; expected 'even' or 'random'")
     report = report or analyze(model, inputs)
     targets = _targets(report, widths)
+    _check_memory(report, model, targets)
     tensors = stored_tensors(report, model, check=True)
     gen = torch.Generator().manual_seed(seed)
     maps = {}
@@ -93,6 +96,37 @@ def resize(model, widths, inputs=None, *, split: str = "even", seed: int = 0,
                          "reduces over the class (a norm or sum); only classes mapped elementwise "
                          "can be widened exactly")
     return ResizeResult(new, {g.id: (g.size, m) for g, m in targets}, err, cfg, maps)
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation (``MemAvailable``; physical memory where
+    the kernel does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_memory(report, model, targets):
+    """Refuse widths whose model does not fit: the resized copy, the moved tensors and the
+    parent (about three copies of the new parameters) must fit in the available memory."""
+    grow = {}
+    for g, m in targets:
+        for p, d in g.params:
+            grow.setdefault(p, {})[d] = m / g.size
+    total = 0
+    for name, t in model.state_dict().items():
+        total += t.numel() * t.element_size() * math.prod(grow.get(name, {}).values())
+    need, have = 3 * total, available_memory()
+    if need > have:
+        sizes = ", ".join(f"class {g.id}: {g.size} -> {m}" for g, m in targets)
+        raise InputError(f"resizing ({sizes}) gives a model of {total / 2**30:.3g} GiB, which needs about "
+                         f"{need / 2**30:.3g} GiB to build, and {have / 2**30:.3g} GiB is available; expected "
+                         "widths whose model fits in memory")
 
 
 def _role(report, g):

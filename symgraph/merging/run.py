@@ -95,6 +95,7 @@ def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
     from .driver import merge
     models = [load_model(m) for m in progress_bar(cfg.models, enabled=progress, desc="loading", unit="model")]
     _check_same_family(models, cfg.models)
+    check_compatible([getattr(m, "config", None) for m in models], cfg.models)
     if cfg.attention == "circuits":
         from .circuits import _why_no_config
         why = _why_no_config(models[0], len(models))
@@ -113,7 +114,8 @@ def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
     check_finite(result.model, "the merged model")
     meta = _meta(cfg, data, mode="in-memory", seconds=time.time() - t0, alignments=result.alignments,
                  dtype=next(result.model.parameters()).dtype,
-                 repair=result.repair.to_dict() if result.repair is not None else None)
+                 repair=result.repair.to_dict() if result.repair is not None else None,
+                 input_dtypes=[next(m.parameters()).dtype for m in models])
     meta["architecture"] = _architecture_change(models[0], result.model)
     first = os.path.expanduser(cfg.models[0])
     with progress_bar(total=1, enabled=progress, desc="writing") as bar:
@@ -132,6 +134,7 @@ def _streaming_job(cfg, data, anchor, progress, options):
         ckpts = [Checkpoint(os.path.expanduser(m)) for m in cfg.models]
     except KeysDiffer:
         return None
+    check_compatible([c.config for c in ckpts], cfg.models)
     if cfg.align == "activations" and data is None:
         data = _data(cfg, ckpts[0].model)
     try:
@@ -153,13 +156,13 @@ def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:
         raise type(e)(f"{e}{_config_diff(job.ckpts, cfg.models)}") from None
     anchor = job.ckpts[job.anchor]
     meta = _meta(cfg, job.data, mode="streaming", seconds=time.time() - t0, alignments=job.alignments,
-                 dtype=anchor.dtype, repair=None)
+                 dtype=anchor.dtype, repair=None, input_dtypes=[c.dtype for c in job.ckpts])
     save_atomic(job.write, out, force=cfg.force, inputs=inputs, meta=meta, tokenizer_from=anchor.path,
                 card=model_card(to_yaml(cfg), _card_summary(meta)))
     return MergeOutcome(out, "streaming", len(job.ckpts), meta, job)
 
 
-def _meta(cfg, data, *, mode, seconds, alignments, dtype, repair) -> dict:
+def _meta(cfg, data, *, mode, seconds, alignments, dtype, repair, input_dtypes=()) -> dict:
     """The record ``symgraph_merge.json`` holds (the same keys on both paths)."""
     from .. import __version__
     options = cfg.model_dump(exclude={"models", "out", "force"})
@@ -167,7 +170,8 @@ def _meta(cfg, data, *, mode, seconds, alignments, dtype, repair) -> dict:
     options["data_batches"] = len(data) if data else 0
     return {"symgraph_version": __version__, "inputs": input_names(cfg.models), "options": options,
             "dtype": str(dtype).removeprefix("torch."), "mode": mode, "seconds": seconds,
-            "alignments": _solver_summary(alignments), "repair": repair}
+            "alignments": _solver_summary(alignments), "repair": repair,
+            "input_dtypes": [str(d).removeprefix("torch.") for d in input_dtypes]}
 
 
 def _architecture_change(parent, merged) -> list:
@@ -236,6 +240,39 @@ def _check_same_family(models, names):
                              "one architecture")
 
 
+#: Config fields that do not change what a model computes in evaluation.
+_NOT_FUNCTION = {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "_commit_hash",
+                 "use_cache", "return_dict", "output_attentions", "output_hidden_states", "torchscript",
+                 "id2label", "label2id", "tokenizer_class", "task_specific_params", "finetuning_task", "prefix",
+                 "initializer_range", "initializer_factor", "attn_implementation", "_attn_implementation",
+                 "_attn_implementation_autoset", "problem_type"}
+
+
+def check_compatible(configs, names):
+    """Refuse, before any work, models whose configs differ in a field that changes the function
+    but not the tensors' shapes (an activation, a RoPE base, a norm epsilon, a flag): the merged
+    model would silently follow the anchor's. Integer fields (sizes) are left to the shape
+    checks, which know which widths an alignment can bridge; dropout rates do not count."""
+    if any(c is None for c in configs):
+        return
+    base = configs[0].to_dict()
+    for name, c in zip(names[1:], configs[1:]):
+        d = c.to_dict()
+        kinds = [(x.get("architectures") or [x.get("model_type")])[0] for x in (base, d)]
+        if kinds[0] != kinds[1]:
+            raise InputError(f"{names[0]!r} is a {kinds[0]} but {name!r} is a {kinds[1]}; expected models of "
+                             "one architecture")
+        for k in sorted(set(base) | set(d)):
+            a, b = base.get(k), d.get(k)
+            if k in _NOT_FUNCTION or a == b or "dropout" in k or "pdrop" in k:
+                continue
+            if isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and not isinstance(b, bool):
+                continue
+            raise InputError(f"{names[0]!r} and {name!r} differ in config field {k!r} ({a!r} vs {b!r}), which "
+                             "changes what the model computes; expected models of one configuration (apart "
+                             "from widths an alignment can bridge)")
+
+
 def _config_diff(models, names) -> str:
     """``" (configs differ: num_hidden_layers 2 vs 3, ...)"`` or ``""``."""
     skip = {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "_commit_hash"}
@@ -264,6 +301,10 @@ def _card_summary(meta) -> str:
     if not meta["alignments"]:
         lines.append("- no alignment (plain combination in each model's own basis).")
     lines += [f"- architecture change: {c}." for c in meta.get("architecture", [])]
+    kinds = list(dict.fromkeys(meta.get("input_dtypes") or []))
+    if len(kinds) > 1:
+        lines.append(f"- the inputs are stored in {' and '.join(kinds)}: merged in float32 (or wider) and "
+                     f"written in the anchor's {meta['dtype']}.")
     rep = meta.get("repair")
     if rep and rep["layers"]:
         n = len(rep["layers"])

@@ -153,6 +153,9 @@ class StreamingMerge:
         # rotations are solved and applied in float32 for 16- and 32-bit weights (their own
         # precision is far coarser), in float64 for float64 checkpoints
         self.work_dtype = torch.float64 if any(c.dtype == torch.float64 for c in self.ckpts) else torch.float32
+        if len({c.dtype for c in self.ckpts}) > 1:  # stored in different dtypes: every graph (traced on
+            for c in self.ckpts:                    # meta) runs in the work dtype, tensors cast up to it
+                c.model = c.model.to(self.work_dtype)
         self.alignments: list = [None] * len(paths)
         self.report = None
         self.timings: dict = {}

@@ -1,0 +1,137 @@
+"""Hostile input, round 3, through the ``symgraph`` command: an ``--out`` inside an input (also
+through a link), a config that differs in what the model computes (both paths), models stored
+in different dtypes, a width whose model cannot fit, a disk that fills while writing. Each
+ends in exit 2 and one paragraph, or a correct result; nothing outside ``--out`` changes."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import symgraph
+from symgraph.testing import models
+
+from test_cli import ENV, digest
+
+L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ws3")
+    inp = root / "inputs"
+    (root / "work").mkdir()
+    (root / "notes.txt").write_text("the user's own file")
+    models.build("llama", seed=0, **L).save_pretrained(inp / "a")
+    models.build("llama", seed=1, **L).to(torch.bfloat16).save_pretrained(inp / "b16")
+    models.build("llama", seed=1, rope_theta=500.0, **L).save_pretrained(inp / "theta")
+    models.build("llama", seed=1, hidden_act="gelu", **L).save_pretrained(inp / "gelu")
+    save_file({"input_ids": torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))},
+              str(inp / "data.safetensors"))
+    os.symlink(inp / "a", root / "link_to_a")
+    return root
+
+
+def run(ws, *args, preexec=None):
+    return subprocess.run([sys.executable, "-m", "symgraph", *map(str, args)], capture_output=True, text=True,
+                          env=ENV, cwd=ws / "work", timeout=300, preexec_fn=preexec)
+
+
+def _refused(r, *needles):
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    refusals = r.stderr.count("symgraph:") - r.stderr.count("symgraph: warning")
+    assert "Traceback" not in r.stderr and refusals == 1, r.stderr
+    err = " ".join(r.stderr.split())
+    for n in needles:
+        assert n in err, (n, err)
+
+
+I = "inputs"  # noqa: E741
+CASES = [
+    ("out_inside_input", lambda w: ["merge", w / I / "a", w / I / "b16", "--out", w / I / "a" / "merged"],
+     ["inside the input directory"]),
+    ("out_inside_input_through_link", lambda w: ["merge", w / "link_to_a", w / I / "b16", "--out",
+                                                 w / I / "a" / "merged"], ["inside the input directory"]),
+    ("rope_theta_differs_out_of_core", lambda w: ["merge", w / I / "a", w / I / "theta", "--out", w / "o"],
+     ["rope_theta", "500.0", "changes what the model computes"]),
+    ("hidden_act_differs_out_of_core", lambda w: ["merge", w / I / "a", w / I / "gelu", "--align", "none",
+                                                  "--out", w / "o"], ["'hidden_act'", "'silu' vs 'gelu'"]),
+    ("hidden_act_differs_in_memory", lambda w: ["merge", w / I / "a", w / I / "gelu", "--repair", "--data",
+                                                w / I / "data.safetensors", "--out", w / "o"], ["'hidden_act'"]),
+    ("resize_beyond_memory", lambda w: ["resize", w / I / "a", "--width", "5=1000000000", "--out", w / "o"],
+     ["GiB is available", "fits in memory"]),
+]
+
+
+@pytest.mark.parametrize("case,argv,needles", CASES, ids=[c[0] for c in CASES])
+def test_refusal(ws, case, argv, needles):
+    before = digest(ws)
+    _refused(run(ws, *argv(ws)), *needles)
+    assert digest(ws) == before
+
+
+def test_resize_class_5_is_an_mlp_class(ws):
+    """The resize case above names class 5: it must be a permutation class (the memory check,
+    not a kind refusal, is what stops it)."""
+    A = models.build("llama", seed=0, **L)
+    g = {g.id: g for g in symgraph.analyze(A).groups}[5]
+    assert g.kind == "perm" and g.size == 48
+
+
+@pytest.mark.parametrize("align", ["weights", "activations"])
+def test_mixed_dtypes_merge_in_float32_written_in_the_anchors_dtype(ws, tmp_path, align):
+    out = tmp_path / "o"
+    extra = ["--data", ws / I / "data.safetensors"] if align == "activations" else []
+    r = run(ws, "merge", ws / I / "a", ws / I / "b16", "--align", align, *extra, "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        got = {k: f.get_tensor(k) for k in f.keys()}
+    assert {t.dtype for t in got.values()} == {torch.float32}  # the anchor's dtype
+    A = models.build("llama", seed=0, **L)
+    B = models.build("llama", seed=1, **L).to(torch.bfloat16).float()  # the stored values, exactly
+    data = [{"input_ids": safe_open(str(ws / I / "data.safetensors"), "pt").get_tensor("input_ids")}] \
+        if align == "activations" else None
+    want = symgraph.merge([A, B], align=align, data=data).model.state_dict()
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k], atol=1e-5, rtol=0)
+    card = (out / "README.md").read_text()
+    assert "stored in float32 and bfloat16" in card and "float32" in json.loads(
+        (out / "symgraph_merge.json").read_text())["input_dtypes"]
+
+
+def _small_files():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+
+@pytest.mark.parametrize("path", ["out_of_core", "in_memory"])
+def test_disk_full_while_writing_is_one_line_and_leaves_nothing(ws, path):
+    extra = ["--repair", "--data", ws / I / "data.safetensors"] if path == "in_memory" else []
+    before = digest(ws)
+    r = run(ws, "merge", ws / I / "a", ws / I / "a", *extra, "--out", ws / "work" / "o", preexec=_small_files)
+    _refused(r, "failed", "nothing was written", "free space")
+    assert digest(ws) == before and sorted(os.listdir(ws / "work")) == []  # no output, no temporary
+
+
+def test_mixed_dtypes_with_a_bfloat16_anchor_written_in_bfloat16(ws, tmp_path):
+    out = tmp_path / "o"
+    r = run(ws, "merge", ws / I / "b16", ws / I / "a", "--align", "activations", "--data",
+            ws / I / "data.safetensors", "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        got = {k: f.get_tensor(k) for k in f.keys()}
+    assert {t.dtype for t in got.values()} == {torch.bfloat16}
+    A = models.build("llama", seed=1, **L).to(torch.bfloat16).float()
+    B = models.build("llama", seed=0, **L)
+    data = [{"input_ids": safe_open(str(ws / I / "data.safetensors"), "pt").get_tensor("input_ids")}]
+    want = symgraph.merge([A, B], align="activations", data=data).model.state_dict()
+    for k, v in got.items():  # merged in float32 on both sides, then rounded to bfloat16
+        torch.testing.assert_close(v.float(), want[k].to(torch.bfloat16).float(), atol=1e-6, rtol=1e-2)
