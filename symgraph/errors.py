@@ -1,5 +1,5 @@
 
-__all__ = ['SymgraphError', 'TraceError', 'UnsupportedOpError', 'CertificationError', 'InputError', 'StructureMismatchError']
+__all__ = ['SymgraphError', 'TraceError', 'UnsupportedOpError', 'CertificationError', 'InputError', 'StructureMismatchError', 'NeedsMemory']
 """Exceptions raised by symgraph. Every message names what was wrong and what was expected."""
 
 
@@ -25,3 +25,7 @@ class InputError(SymgraphError, ValueError):
 
 class StructureMismatchError(SymgraphError, ValueError):
     """Two models' graphs differ in structure and cannot be aligned."""
+
+
+class NeedsMemory(InputError):
+    """An out-of-core job met something only loaded models can run (the in-memory path can)."""

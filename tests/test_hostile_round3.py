@@ -135,3 +135,28 @@ def test_mixed_dtypes_with_a_bfloat16_anchor_written_in_bfloat16(ws, tmp_path):
     want = symgraph.merge([A, B], align="activations", data=data).model.state_dict()
     for k, v in got.items():  # merged in float32 on both sides, then rounded to bfloat16
         torch.testing.assert_close(v.float(), want[k].to(torch.bfloat16).float(), atol=1e-6, rtol=1e-2)
+
+
+def test_falcon_activation_alignment_needs_loaded_models_and_says_so(ws, tmp_path):
+    """Falcon's multi-query attention creates index constants in its forward; traced on meta
+    they hold no values, so out of core is refused and ``symgraph merge`` loads the models,
+    giving the in-memory merge exactly (it used to read uninitialised memory)."""
+    import transformers
+    from symgraph.merging.streaming import merge_checkpoints
+    paths = []
+    for s in (0, 1):
+        torch.manual_seed(s)
+        cfg = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        multi_query=True, new_decoder_architecture=False, parallel_attn=True,
+                                        bias=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        cfg.architectures = ["FalconForCausalLM"]
+        transformers.FalconForCausalLM(cfg).save_pretrained(tmp_path / f"f{s}")
+        paths.append(tmp_path / f"f{s}")
+    data_file = ws / I / "data.safetensors"
+    r = run(ws, "merge", *paths, "--align", "activations", "--data", data_file, "--out", tmp_path / "o")
+    assert r.returncode == 0 and "loaded in memory" in r.stderr, r.stderr[-2000:]
+    assert json.loads((tmp_path / "o" / "symgraph_merge.json").read_text())["mode"] == "in-memory"
+    data = [{"input_ids": safe_open(str(data_file), "pt").get_tensor("input_ids")}]
+    with pytest.raises(symgraph.InputError, match="cannot run out of core: the traced graph creates tensor constants"):
+        merge_checkpoints([str(p) for p in paths], str(tmp_path / "o2"), align="activations", data=data)
+    assert not (tmp_path / "o2").exists()

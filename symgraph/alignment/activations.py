@@ -12,7 +12,7 @@ from collections import Counter
 import torch
 
 from ..core import distributed
-from ..errors import InputError
+from ..errors import InputError, NeedsMemory
 from ..core.groups import orthogonal_part
 from .checks import batch_inputs, by_shape
 
@@ -126,6 +126,10 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
         if fetch is not None:  # traced where the models were (maybe meta); fetch reads to the CPU
             for gm in (gm_a,) if gm_b is gm_a else (gm_a, gm_b):
                 on_device(gm, "cpu")  # in place
+                lost = meta_constants(gm)
+                if lost:
+                    raise NeedsMemory(f"the traced graph creates tensor constants ({', '.join(lost[:3])}) whose "
+                                      "values a model traced without weights (on meta) does not hold")
         order = {name: pos for pos, (name, _, _) in enumerate(sa.nodes())}
         shapes.append((sa, plan, views, gm_a, gm_b, batches, order))
     sa0, plan0, order0 = shapes[0][0], shapes[0][1], shapes[0][-1]
@@ -179,6 +183,21 @@ def _passes(sa, plan, order, pairs, budget):
             size = 0
         out[-1].append(i)
         size += nbytes
+    return out
+
+
+def meta_constants(gm) -> list:
+    """Tensor attributes of ``gm`` that are neither parameters nor buffers and hold no values
+    (traced on ``meta``: constants the forward created, such as index tensors)."""
+    import operator
+    named = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    named |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target not in named:
+            t = operator.attrgetter(node.target)(gm)
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                out.append(node.target)
     return out
 
 

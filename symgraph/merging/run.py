@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..errors import InputError, StructureMismatchError
+from ..errors import InputError, NeedsMemory, StructureMismatchError
 from .config import MergeConfig, to_yaml
 
 __all__ = ["run_merge", "MergeOutcome", "MIN_USEFUL_ROWS"]
@@ -70,7 +70,13 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
             raise InputError(f"this merge cannot run out of core: {why}; expected a plain average "
                              "(method 'average', no repair or refine) of local checkpoint directories")
     if job is not None:
-        return _merge_streaming(job, cfg, out, inputs)
+        try:
+            return _merge_streaming(job, cfg, out, inputs)
+        except NeedsMemory as e:  # found while aligning, before anything is written
+            if streaming:
+                raise InputError(f"this merge cannot run out of core: {e}; expected a merge the "
+                                 "out-of-core path can run, or streaming=None to load the models") from None
+            print(f"symgraph: note: {e}, so the models are loaded in memory for this merge", file=sys.stderr)
     return _merge_in_memory(cfg, out, inputs, data, anchor, progress)
 
 
