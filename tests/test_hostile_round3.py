@@ -121,6 +121,7 @@ def test_disk_full_while_writing_is_one_line_and_leaves_nothing(ws, path):
     assert digest(ws) == before and sorted(os.listdir(ws / "work")) == []  # no output, no temporary
 
 
+@pytest.mark.slow  # the float32-anchor cases above cover mixed dtypes in the default run
 def test_mixed_dtypes_with_a_bfloat16_anchor_written_in_bfloat16(ws, tmp_path):
     out = tmp_path / "o"
     r = run(ws, "merge", ws / I / "b16", ws / I / "a", "--align", "activations", "--data",
