@@ -66,6 +66,10 @@ CASES = [
                                                   "--out", w / "o"], ["'hidden_act'", "'silu' vs 'gelu'"]),
     ("hidden_act_differs_in_memory", lambda w: ["merge", w / I / "a", w / I / "gelu", "--repair", "--data",
                                                 w / I / "data.safetensors", "--out", w / "o"], ["'hidden_act'"]),
+    ("data_is_a_directory", lambda w: ["merge", w / I / "a", w / I / "b16", "--align", "activations", "--data",
+                                       w / I, "--out", w / "o"], ["is a directory", ".safetensors"]),
+    ("resize_to_the_current_width", lambda w: ["resize", w / I / "a", "--width", "5=48", "--out", w / "o"],
+     ["already 48 wide", "new width"]),
     ("resize_beyond_memory", lambda w: ["resize", w / I / "a", "--width", "5=1000000000", "--out", w / "o"],
      ["GiB is available", "fits in memory"]),
 ]
@@ -161,3 +165,9 @@ def test_falcon_activation_alignment_needs_loaded_models_and_says_so(ws, tmp_pat
     with pytest.raises(symgraph.InputError, match="cannot run out of core: the traced graph creates tensor constants"):
         merge_checkpoints([str(p) for p in paths], str(tmp_path / "o2"), align="activations", data=data)
     assert not (tmp_path / "o2").exists()
+
+
+def test_model_card_keeps_non_ascii_paths():
+    from symgraph.merging.config import MergeConfig, to_yaml
+    text = to_yaml(MergeConfig(models=["/data/modèle_a", "/data/b"], out="fusionné"))
+    assert "modèle_a" in text and "\\x" not in text and "\\u" not in text  # not escaped

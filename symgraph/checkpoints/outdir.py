@@ -148,7 +148,7 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
                 if os.path.isfile(src):
                     shutil.copy2(src, os.path.join(tmp, fn))
         if card is not None:
-            with open(os.path.join(tmp, "README.md"), "w") as f:
+            with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
                 f.write(card)
         written = sorted(os.listdir(tmp))  # what a later --force may delete, and how to know it
         ids = {n: list(file_id(os.lstat(os.path.join(tmp, n)))) for n in written}

@@ -197,4 +197,4 @@ def to_yaml(cfg: MergeConfig, out: str = "merged") -> str:
     import yaml
     d = cfg.model_dump(exclude_defaults=True, exclude={"force", "out", "models"})
     head = {"models": list(cfg.models), "align": cfg.align, "method": cfg.method}
-    return yaml.safe_dump({**head, **d, "out": out}, sort_keys=False)
+    return yaml.safe_dump({**head, **d, "out": out}, sort_keys=False, allow_unicode=True)

@@ -170,6 +170,8 @@ def _targets(report, widths) -> list:
             raise InputError(f"class {gid} ({g.module or 'model'}, {g.kind}) cannot be resized: {why}")
         if not isinstance(m, int) or isinstance(m, bool) or m < 1:
             raise InputError(f"width {m!r} for class {gid}; expected a positive integer")
+        if m == g.size:
+            raise InputError(f"class {gid} ({g.module or 'model'}) is already {m} wide; expected a new width")
         out[gid] = (g, m)
     return list(out.values())
 

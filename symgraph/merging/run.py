@@ -57,6 +57,9 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
     inputs = list(cfg.models) + ([cfg.data] if cfg.data else [])
     out = check_out(cfg.out, force=cfg.force, inputs=inputs)  # before any work
     check_paths(cfg.models)
+    if cfg.data and os.path.isdir(os.path.expanduser(cfg.data)):
+        raise InputError(f"data {cfg.data!r} is a directory; expected a .safetensors or .pt file holding a "
+                         "tensor 'input_ids' [N, S] (or 'pixel_values')")
     if cfg.data and not os.path.isfile(cfg.data):
         raise FileNotFoundError(f"data file {cfg.data!r} does not exist; expected a .safetensors or "
                                 ".pt file holding a tensor 'input_ids' [N, S] (or 'pixel_values')")
@@ -203,7 +206,7 @@ def _data(cfg, model):
     data = load_data(cfg.data, model) if cfg.data else None
     rows = sum(next(iter(b.values())).shape[0] for b in data) if data else 0
     if data and rows < MIN_USEFUL_ROWS:
-        print(f"symgraph: warning: only {rows} rows of data in {cfg.data!r}; statistics from fewer "
+        print(f"symgraph: warning: only {rows} row{'s' if rows != 1 else ''} of data in {cfg.data!r}; statistics from fewer "
               f"than {MIN_USEFUL_ROWS} rows are noisy (the merge goes on)", file=sys.stderr)
     return data
 
