@@ -15,7 +15,7 @@ from .activations import act_matrix, activation_similarity
 from .checks import check_compatible, check_finite
 from .masses import MASSES, mass_function
 from .refine import choose_start, refine
-from .rescale import fit_scales
+from .rescale import fit_gl, fit_scales
 from .result import Alignment
 from .sweeps import Sweeps
 from .weights import WeightFeatures
@@ -46,6 +46,10 @@ class AlignOptions:
         ``between(θ_A, θ_B′, λ) -> model``: the model between A and B that learned matching
         trains (default: the linear interpolation in A's architecture;
         ``symgraph.merging.circuits.circuit_between(model_a)`` trains in circuit space).
+    full_groups : after the orthogonal parts are solved, fit the rest of the groups the
+        report claims (GL per head on QK and VO, the scales of RoPE's scaled rotations:
+        :func:`~symgraph.alignment.rescale.fit_gl`), keeping a fit only where it brings B
+        closer to A; exact for a transformed copy. False keeps the orthogonal elements.
     masses : the units' masses in a transport between different widths: "auto" (what each
         unit contributes: activation RMS × outgoing weight norm with ``data``, weight norm
         without), "weights", "activations", "uniform" (see :mod:`~.masses`). Explicit
@@ -69,6 +73,7 @@ class AlignOptions:
     loss_fn: Callable | None = None
     refine_lr: float = 1e-3
     between: Callable | None = None
+    full_groups: bool = False
 
     def __post_init__(self):
         if not isinstance(self.refine, int) or isinstance(self.refine, bool) or self.refine < 0:
@@ -131,6 +136,8 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     al.seconds["analyze"] = t_an
     if opts.refine:
         al = _refined(al, model_a, model_b, data, opts)
+    if opts.full_groups:
+        al.full_groups = fit_gl(al, model_a, model_b, [g for g in ra.groups if opts.selected(g)])
     if opts.rescale:
         al.scales = fit_scales(al, model_a, model_b, [g for g in ra.groups if opts.selected(g)])
     al.seconds["total"] = time.perf_counter() - t0

@@ -9,7 +9,7 @@ from scipy.optimize import minimize_scalar
 from ..core.elements import Perm
 from .weights import gather
 
-__all__ = ["fit_scales"]
+__all__ = ["fit_scales", "fit_gl"]
 
 
 def fit_scales(al, model_a, model_b, groups):
@@ -58,3 +58,101 @@ def _best_scale(q, c, kk, dd):
         return q * np.exp(2 * t) - 2 * c * np.exp(t) + kk * np.exp(-2 * t) - 2 * dd * np.exp(-t)
     r = minimize_scalar(f, bounds=(-6.0, 6.0), method="bounded")
     return float(np.exp(r.x)) if f(r.x) < f(0.0) else 1.0
+
+
+def fit_gl(al, model_a, model_b, groups) -> dict:
+    """The full groups the report claims, after their orthogonal part is solved: for each
+    ``gl`` class, per block (head), the matrix ``G`` for which ``G·E`` (``E`` the solved
+    element) brings B closest to A over the class's slots, ``Σ_co ‖X_A − G·X_B′‖² +
+    Σ_contra ‖Y_A − G⁻ᵀ·Y_B′‖²``; for each ``rope`` class, per RoPE pair, the scalar of its
+    scaled rotation. The candidates are the identity (the orthogonal solve), the least-squares
+    fit of the co slots and that of the contra slots; the best is kept. Every candidate is in
+    the group, so B's function is unchanged whatever is chosen; for a transformed copy the
+    least-squares fits are exact. Updates ``al.elements``; returns ``{group id: kept}`` with
+    kept one of ``"orthogonal"``, ``"co"``, ``"contra"`` per block (``"pairs"`` for RoPE)."""
+    ra = al.report_a
+    targets = [g for g in groups if g.kind in ("gl", "rope") and isinstance(al.elements.get(g.id), torch.Tensor)
+               and al.elements[g.id].dim() >= 2 and al.elements[g.id].shape[-1] == al.elements[g.id].shape[-2]]
+    if not targets:
+        return {}
+    Bp = al.state(model_b)
+    out = {}
+    for g in targets:
+        E = al.elements[g.id]
+        n = E.shape[-1]
+        nblk = int(np.prod(E.shape[:-2])) if E.dim() > 2 else 1
+        fib = [None if f is None else al.elements.get(f) for f in ra.fibre_groups(g.id)]
+        if any(not (f is None or isinstance(f, Perm)) for f in fib):
+            continue
+        acc = torch.zeros(2, 2, nblk, n, n, dtype=torch.float64)  # [co/contra][XaXbᵀ, XbXbᵀ]
+        for name, d in dict.fromkeys(g.params):  # a packed slot (q and k in one) is listed twice
+            ax = ra.param_axes(name)
+            ta = ra.view(name, model_a.get_parameter(name).detach().double())
+            tb = ra.view(name, Bp[name].double())
+            for idx, nf, k in ra.leaf_views(ax[d], g.id, with_parity=True):
+                xa = gather(ta, d, idx, nf).reshape(nblk, n, -1)
+                xb = gather(tb, d, idx, nf).reshape(nblk, n, -1)
+                acc[k, 0] += xa @ xb.mT
+                acc[k, 1] += xb @ xb.mT
+        acc = acc.reshape(2, 2, *E.shape[:-2], n, n)
+        for j, f in enumerate(fib):
+            if f is not None:
+                acc = acc.index_copy(2 + j, f.index, acc.clone())  # A head i -> B head index[i]
+        acc = acc.reshape(2, 2, nblk, n, n)
+        G, kept = (_pair_scales if g.kind == "rope" else _best_gl)(acc, g)
+        al.elements[g.id] = (G.reshape(E.shape).to(E.dtype) @ E)
+        out[g.id] = kept
+    return out
+
+
+def _objective(G, acc):
+    """``Σ_co ‖X_A − G X_B′‖² + Σ_contra ‖Y_A − G⁻ᵀ Y_B′‖²`` up to a constant, per block."""
+    H = torch.linalg.inv(G).mT
+    (cax, cxx), (cay, cyy) = acc
+    f = -2 * (G * cax).sum((-1, -2)) + (G @ cxx * G).sum((-1, -2))
+    return f - 2 * (H * cay).sum((-1, -2)) + (H @ cyy * H).sum((-1, -2))
+
+
+def _solve_ls(c, s):
+    """``c s⁻¹`` per block where ``s`` is well conditioned, else None for that block."""
+    ok = torch.linalg.cond(s) < 1e10
+    sol = torch.linalg.lstsq(s.mT, c.mT).solution.mT  # X s = c  <=>  sᵀ Xᵀ = cᵀ
+    return sol, ok
+
+
+def _best_gl(acc, g):
+    nblk, n = acc.shape[2], acc.shape[-1]
+    eye = torch.eye(n, dtype=torch.float64).expand(nblk, n, n)
+    cands, oks = [eye], [torch.ones(nblk, dtype=torch.bool)]
+    co, ok = _solve_ls(acc[0, 0], acc[0, 1])
+    cands.append(co)
+    oks.append(ok & (torch.linalg.cond(co) < 1e8))
+    h, ok = _solve_ls(acc[1, 0], acc[1, 1])
+    good = ok & (torch.linalg.cond(h) < 1e8)
+    cands.append(torch.where(good[:, None, None], torch.linalg.inv(torch.where(good[:, None, None], h, eye)).mT, eye))
+    oks.append(good)
+    best, kept = eye.clone(), []
+    fs = torch.stack([torch.where(o, _objective(torch.where(o[:, None, None], c, eye), acc), torch.inf)
+                      for c, o in zip(cands, oks)])
+    pick = fs.argmin(0)
+    for b in range(nblk):
+        best[b] = cands[int(pick[b])][b]
+        kept.append(("orthogonal", "co", "contra")[int(pick[b])])
+    return best, kept
+
+
+def _pair_scales(acc, g):
+    """Per RoPE pair, the scalar of its scaled rotation (pairs ``g.pairs``)."""
+    nblk, n = acc.shape[2], acc.shape[-1]
+    d = torch.diagonal(acc, dim1=-2, dim2=-1)  # [2, 2, nblk, n]: per coordinate <a, b>, |b|²
+    scale = torch.ones(nblk, n, dtype=torch.float64)
+    for p in g.pairs or ():
+        p = list(p)
+        c, q = d[0, 0][:, p].sum(-1), d[0, 1][:, p].sum(-1)
+        dd, kk = d[1, 0][:, p].sum(-1), d[1, 1][:, p].sum(-1)
+        for b in range(nblk):
+            f = lambda a, b=b: float(q[b] * a * a - 2 * c[b] * a + kk[b] / (a * a) - 2 * dd[b] / a)  # noqa: E731
+            cands = [1.0] + [x for x in (float(c[b] / q[b]) if q[b] > 0 else 0.0,
+                                         float(kk[b] / dd[b]) if dd[b] > 0 else 0.0) if x > 0]
+            scale[b, p] = min(cands, key=f)
+    return torch.diag_embed(scale), "pairs"

@@ -36,6 +36,7 @@ class Alignment:
     template: object = field(default=None, repr=False)  # A's model: the shapes of a fused result
     gauge: dict = field(default_factory=dict, repr=False)  # A's folded norm gains and shifts
     refined: dict = field(default_factory=dict)  # what refine did (steps, losses, seconds)
+    full_groups: dict = field(default_factory=dict)  # what fit_gl kept per gl/rope class
 
     def state(self, model_b) -> dict:
         """B's parameters and moved buffers (``report_b.buffers``: running statistics) in A's

@@ -194,9 +194,37 @@ def _coord_table(an, axis):
     return paths, leaves
 
 
-def leaf_views(an, axis, target):
+def _coord_parity(an, axis, par=0) -> dict:
+    """Per coordinate of ``axis``: ``{leaf root: parity [n]}`` (1: the leaf acts there by its
+    element's inverse transpose), along :func:`_coord_table`'s layout."""
+    r, p = an.uf.find(axis)
+    p ^= par
+    n = an.uf.size[r]
+    s = an.uf.struct.get(r)
+    if s is None:
+        return {r: np.full(n, p, np.int8)}
+    kind, parts = s
+    subs = [(_coord_parity(an, a, pa ^ p), an.uf.size[an.uf.find(a)[0]]) for a, pa in parts]
+    out: dict = {}
+    if kind == "sum":
+        off = 0
+        for t, m in subs:
+            for leaf, arr in t.items():
+                out.setdefault(leaf, np.zeros(n, np.int8))[off:off + m] = arr
+            off += m
+        return out
+    grids = np.meshgrid(*[np.arange(m) for _, m in subs], indexing="ij")
+    for (t, _), g in zip(subs, grids):
+        for leaf, arr in t.items():
+            out[leaf] = arr[g.reshape(-1)]
+    return out
+
+
+def leaf_views(an, axis, target, with_parity: bool = False):
     """Index arrays ``[*fibre_sizes, n_target, *other_leaf_sizes]`` into ``axis``'s coordinates,
-    one per occurrence of ``target`` (sorted by path so that two models agree)."""
+    one per occurrence of ``target`` (sorted by path so that two models agree); with
+    ``with_parity``, each with its parity (1: ``target`` acts there by ``E⁻ᵀ``, "contra")."""
+    parity = _coord_parity(an, axis)[target] if with_parity else None
     paths, leaves = coord_table(an, axis)
     if target not in leaves:
         return []
@@ -213,7 +241,8 @@ def leaf_views(an, axis, target):
         idx[tuple(leaves[d][cs] for d in dims)] = cs
         if (idx < 0).any():
             continue
-        out.append((torch.as_tensor(idx, device="cpu"), len(fib)))  # structure: on the CPU
+        view = (torch.as_tensor(idx, device="cpu"), len(fib))  # structure: on the CPU
+        out.append(view + (int(parity[cs[0]]),) if with_parity else view)
     return out
 
 

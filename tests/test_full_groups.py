@@ -1,0 +1,56 @@
+"""Recovering the full groups the report claims (GL per head on QK and VO, RoPE's scaled
+rotations), not only their orthogonal part: ``align(..., full_groups=True)``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import symgraph
+from symgraph.testing import models
+
+
+def _rel(m, A, args, kwargs):
+    with torch.no_grad():
+        o, r = m(*args, **kwargs)[0].double(), A(*args, **kwargs)[0].double()
+    return float((o - r).abs().max() / r.abs().max())
+
+
+def _data(n=4):
+    return [{"input_ids": torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(i))} for i in range(n)]
+
+
+# (arch, align, tolerance with full groups): a random_transform (full groups, not orthogonal=True)
+# of the model merged back into it. LLaMA by weights stops at ~1e-5: its residual stream is an
+# orthogonal class solved before the heads' GL parts are fitted (see the issue notes).
+CASES = [("gpt2", "weights", 1e-6), ("gpt2", "activations", 1e-6), ("bert", "weights", 1e-6),
+         ("llama", "activations", 1e-6), ("llama", "weights", 1e-4)]
+
+
+@pytest.mark.parametrize("arch,align,tol", CASES, ids=[f"{a}-{b}" for a, b, _ in CASES])
+def test_a_transformed_copy_merges_back_into_the_model(arch, align, tol):
+    A = models.build(arch)
+    rep = symgraph.analyze(A)
+    B = symgraph.transform(A, rep.random_transform(seed=0))
+    args, kwargs = rep.inputs
+    data = _data() if align == "activations" else None
+    if arch == "bert":
+        args, kwargs = (), {"input_ids": torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(9))}
+    orth = _rel(symgraph.merge([A, B], align=align, data=data).model, A, args, kwargs)
+    full = _rel(symgraph.merge([A, B], align=align, data=data, full_groups=True).model, A, args, kwargs)
+    assert full < tol, full
+    assert orth > 10 * full and orth > 1e-5, (orth, full)  # the orthogonal solve alone is not exact
+
+
+def test_fitted_elements_stay_symmetries_on_a_real_pair():
+    """On two seeds the fit is kept only where it brings B closer to A; whatever it keeps, B's
+    function is unchanged (every candidate is in the group)."""
+    A, B = models.build("llama", seed=0), models.build("llama", seed=1)
+    al = symgraph.align(A, B, full_groups=True)
+    assert set(al.full_groups) == {g.id for g in symgraph.analyze(A).groups if g.kind in ("gl", "rope")}
+    x = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(al.apply(B)(x).logits, B(x).logits, atol=1e-4, rtol=0)
+    orth = symgraph.align(A, B)
+    sa = A.state_dict()
+    dist = [sum(float((sa[k].double() - s[k].double()).pow(2).sum()) for k in sa) for s in (orth.state(B), al.state(B))]
+    assert dist[1] <= dist[0] + 1e-9, dist
