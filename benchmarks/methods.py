@@ -36,7 +36,8 @@ __all__ = ["Pair", "Outcome", "Roles", "roles", "METHODS", "DEVIATIONS", "SINKHO
            "vanilla", "seed002", "seed003", "seed003_rescale", "seed004",
            "fisher", "fisher_aligned", "regmean", "regmean_aligned",
            "symgraph_weights_perm", "symgraph_activations_perm", "symgraph_weights",
-           "symgraph_activations", "symgraph_refine", "vanilla_repair", "symgraph_repair"]
+           "symgraph_activations", "symgraph_refine", "vanilla_repair", "symgraph_repair",
+           "symgraph_weights_full", "symgraph_activations_full"]
 
 #: Entropic regularisation of Imfeld et al. 2024's Sinkhorn maps (its ViT config: 0.08 with activations).
 SINKHORN_REG = 0.08
@@ -277,6 +278,21 @@ def symgraph_activations(p: Pair) -> Outcome:
     return _aligned(p, al, t0)
 
 
+def symgraph_weights_full(p: Pair) -> Outcome:
+    """symgraph_weights, then the full groups fitted (``full_groups=True``: GL per head, RoPE
+    pair scales, alternated with the residual streams)."""
+    t0 = time.perf_counter()
+    al = symgraph.align(p.a, p.b, report_a=p.report_a, report_b=p.report_b, full_groups=True)
+    return _aligned(p, al, t0)
+
+
+def symgraph_activations_full(p: Pair) -> Outcome:
+    """symgraph_activations, then the full groups fitted (``full_groups=True``)."""
+    t0 = time.perf_counter()
+    al = symgraph.align(p.a, p.b, data=p.data, report_a=p.report_a, report_b=p.report_b, full_groups=True)
+    return _aligned(p, al, t0)
+
+
 #: Learned matching (symgraph_refine): steps, Adam step size, training batches for the loss.
 REFINE_STEPS, REFINE_LR, REFINE_BATCHES = 200, 1e-3, 32
 
@@ -370,11 +386,14 @@ METHODS: dict[str, tuple[Callable[[Pair], Outcome], str]] = {
     "symgraph_weights": (symgraph_weights, "symgraph, all classes, weight matching"),
     "symgraph_activations": (symgraph_activations, "symgraph, all classes, activation matching"),
     "symgraph_refine": (symgraph_refine, "symgraph learned matching (from activations or weights)"),
+    "symgraph_weights_full": (symgraph_weights_full, "symgraph weight matching + full groups (GL, RoPE scales)"),
+    "symgraph_activations_full": (symgraph_activations_full, "symgraph activation matching + full groups"),
 }
 
 #: Methods that are symgraph's own (the "some symgraph method beats vanilla" check).
 SYMGRAPH_METHODS = ("symgraph_weights_perm", "symgraph_activations_perm", "symgraph_weights",
-                    "symgraph_activations", "symgraph_refine", "symgraph_repair")
+                    "symgraph_activations", "symgraph_refine", "symgraph_repair", "symgraph_weights_full",
+                    "symgraph_activations_full")
 
 #: One line per seed method: what differs from the paper (also in each docstring).
 DEVIATIONS = {

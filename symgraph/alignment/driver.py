@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from ..report.api import analyze
+from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
 from ..errors import InputError
 from ..transform.folding import gauge
 from .activations import act_matrix, activation_similarity
@@ -17,6 +18,7 @@ from .masses import MASSES, mass_function
 from .refine import choose_start, refine
 from .rescale import fit_gl, fit_scales
 from .result import Alignment
+from .solve_unit import _solve_single
 from .sweeps import Sweeps
 from .weights import WeightFeatures
 
@@ -137,7 +139,7 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     if opts.refine:
         al = _refined(al, model_a, model_b, data, opts)
     if opts.full_groups:
-        al.full_groups = fit_gl(al, model_a, model_b, [g for g in ra.groups if opts.selected(g)])
+        al.full_groups = _full_groups(al, model_a, model_b, opts)
     if opts.rescale:
         al.scales = fit_scales(al, model_a, model_b, [g for g in ra.groups if opts.selected(g)])
     al.seconds["total"] = time.perf_counter() - t0
@@ -194,6 +196,31 @@ def _solved(ra, rb, model_a, model_b, data, opts) -> Alignment:
     return Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                      {"solver": run.solver_seconds, "sweeps": n_sweeps},
                      template=model_a, gauge=gauge(ra.folds, dict(model_a.named_parameters())))
+
+
+def _full_groups(al, model_a, model_b, opts, rounds: int = 4) -> dict:
+    """:func:`fit_gl`, alternated with re-solving the unfibred continuous classes (residual
+    streams, whose similarity reads the heads' maps) against the fitted heads: the residual
+    solved against orthogonal-only heads is off where the heads' maps are not orthogonal."""
+    ra, rb = al.report_a, al.report_b
+    sel = [g for g in ra.groups if opts.selected(g)]
+    kept = fit_gl(al, model_a, model_b, sel)
+    free = [g for g in sel if not g.outer and g.kind not in ("gl", "rope") and isinstance(al.elements.get(g.id), torch.Tensor)
+            and orthogonal_part(g.kind) not in PERMUTATION_FAMILY]
+    if not kept or not free:
+        return kept
+    feats = WeightFeatures.from_models(ra, rb, model_a, model_b)
+    b_of = dict(zip((g.id for g in ra.groups), rb.groups))
+    for _ in range(rounds):
+        for gid in kept:
+            feats.versions[gid] = feats.versions.get(gid, 0) + 1  # their elements changed
+        for g in free:
+            sim, _, _ = feats.similarity(g, b_of[g.id], al.elements, False)
+            if sim is not None:
+                al.elements[g.id] = _solve_single(g, sim, opts, lambda _g: None)[1]
+                feats.versions[g.id] = feats.versions.get(g.id, 0) + 1
+        kept = fit_gl(al, model_a, model_b, sel)
+    return kept
 
 
 def _refined(al, model_a, model_b, data, opts) -> Alignment:

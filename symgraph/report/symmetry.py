@@ -380,10 +380,9 @@ class SymmetryReport:
         return axis_matrix(self._analysis, axis, self._roots(elements))
 
     def leaf_views(self, axis, gid, with_parity: bool = False):
-        """Index arrays ``[*fibre_sizes, n_group, *other_leaf_sizes]`` into ``axis``'s
-        coordinates, one per occurrence of group ``gid`` on it, with the number of fibre dims:
-        ``[(idx, n_fibres), ...]`` (sorted by path, so that two models agree); ``with_parity``
-        adds each occurrence's parity (1: the group acts there by ``E⁻ᵀ``)."""
+        """Index arrays ``[*fibre_sizes, n_group, *other_leaf_sizes]`` into ``axis``'s coordinates,
+        one per occurrence of group ``gid``: ``[(idx, n_fibres), ...]`` (sorted by path, so that two
+        models agree); ``with_parity`` adds each one's parity (1: the group acts by ``E⁻ᵀ``)."""
         return leaf_views(self._analysis, axis, self._root[gid], with_parity)
 
     def other_leaf_elements(self, axis, gid, elements):
