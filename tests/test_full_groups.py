@@ -53,3 +53,20 @@ def test_fitted_elements_stay_symmetries_on_a_real_pair():
     sa = A.state_dict()
     dist = [sum(float((sa[k].double() - s[k].double()).pow(2).sum()) for k in sa) for s in (orth.state(B), al.state(B))]
     assert dist[1] <= dist[0] + 1e-9, dist
+
+
+def test_cli_full_groups_merges_a_transformed_copy_back(tmp_path):
+    from safetensors.torch import load_file
+
+    from conftest import cli
+    A = models.build("gpt2")
+    B = symgraph.transform(A, symgraph.analyze(A).random_transform(seed=0))
+    A.save_pretrained(tmp_path / "a")
+    B.save_pretrained(tmp_path / "b")
+    r = cli("merge", tmp_path / "a", tmp_path / "b", "--full-groups", "--out", tmp_path / "o")
+    assert r.returncode == 0, r.stderr[-2000:]
+    got, want = load_file(str(tmp_path / "o" / "model.safetensors")), A.state_dict()
+    assert max(float((got[k] - want[k]).abs().max()) for k in got) < 1e-5
+    assert "full_groups: true" in (tmp_path / "o" / "README.md").read_text()
+    r = cli("merge", tmp_path / "a", tmp_path / "b", "--full-groups", "--align", "none", "--out", tmp_path / "o2")
+    assert r.returncode == 2 and "--full-groups" in r.stderr and not (tmp_path / "o2").exists()

@@ -168,6 +168,9 @@ def build_parser():
     m.add_argument("--untie", action="store_true", default=None,
                    help="give a tied head its own weights first (the residual stream then admits "
                    "orthogonal maps; one more vocabulary x width matrix)")
+    m.add_argument("--full-groups", action="store_true", default=None,
+                   help="after the rotations, fit each head's GL map and each RoPE pair's scale "
+                   "(the full groups the report claims; exact for a transformed copy; loads the models)")
     m.add_argument("--force", action="store_true", help="replace an existing --out")
     m.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     m.set_defaults(func=cmd_merge)

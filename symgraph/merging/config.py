@@ -15,6 +15,7 @@ A config is a mapping with these keys (all optional but ``models``; command-line
     fold_norms: true                # residual streams as rotations (false: permutations)
     attention: heads                # heads | circuits (heads N times as wide: QK and OV interpolated)
     untie: false                    # give a tied head its own weights before aligning
+    full_groups: false              # fit the GL part of heads and RoPE pair scales after the rotations
     force: false                    # replace an existing out
 
 Relative paths are read relative to the config file.
@@ -44,6 +45,7 @@ MERGE_KEYS = {
     "fold_norms": "true or false",
     "attention": "one of 'heads', 'circuits'",
     "untie": "true or false",
+    "full_groups": "true or false",
     "outputs": "a list of output names a symmetry must keep (e.g. [logits])",
     "force": "true or false",
 }
@@ -63,6 +65,7 @@ class MergeConfig(BaseModel):
     fold_norms: StrictBool = True
     attention: Literal["heads", "circuits"] = "heads"
     untie: StrictBool = False
+    full_groups: StrictBool = False
     outputs: list[StrictStr] | None = Field(default=None, min_length=1)
     force: StrictBool = False
 
@@ -153,7 +156,7 @@ def merge_options(args: dict) -> MergeConfig:
         v = args.get(k)
         if v is not None:
             opts[k] = v
-    for flag in ("force", "repair", "untie"):
+    for flag in ("force", "repair", "untie", "full_groups"):
         if args.get(flag):
             opts[flag] = True
     if args.get("refine") is not None:
@@ -183,6 +186,8 @@ def check(opts: dict) -> None:
         mixing_weights(opts["weights"], len(opts["models"]))
     if opts["attention"] == "circuits" and (opts["method"] != "average" or opts["repair"]):
         raise InputError("--attention circuits merges by averaging; expected --method average without --repair")
+    if opts["full_groups"] and opts["align"] in ("none", None):
+        raise InputError("--full-groups fits the groups an alignment solves; expected --align weights or activations")
     if opts["repair"] and not opts["data"]:
         raise InputError("--repair needs --data FILE (batches to measure activation statistics on)")
     needs_data = get_method(opts["method"]).needs_data or opts["align"] == "activations"

@@ -91,6 +91,8 @@ def _needs_memory(cfg) -> str | None:
         return "REPAIR and learned matching run the merged model"
     if cfg.attention == "circuits" or cfg.untie:
         return "circuit-space heads and untied weights change the architecture"
+    if cfg.full_groups:
+        return "fitting the full groups reads the loaded models"
     local = [m for m in cfg.models if os.path.isdir(os.path.expanduser(m))]
     if len(local) != len(cfg.models):
         return "not every model is a local checkpoint directory"
@@ -117,7 +119,8 @@ def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
         result = merge(models, weights=cfg.weights, align=None if cfg.align == "none" else cfg.align,
                        data=data, method=cfg.method, repair=cfg.repair, progress=progress,
                        refine=cfg.refine, fold_norms=cfg.fold_norms, outputs=cfg.outputs, anchor=anchor,
-                       attention=cfg.attention, untie=cfg.untie)
+                       attention=cfg.attention, untie=cfg.untie,
+                       **({"full_groups": True} if cfg.full_groups else {}))
     except (StructureMismatchError, InputError) as e:
         raise type(e)(f"{e}{_config_diff(models, cfg.models)}") from None
     check_finite(result.model, "the merged model")
