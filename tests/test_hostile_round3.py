@@ -171,3 +171,26 @@ def test_model_card_keeps_non_ascii_paths():
     from symgraph.merging.config import MergeConfig, to_yaml
     text = to_yaml(MergeConfig(models=["/data/modèle_a", "/data/b"], out="fusionné"))
     assert "modèle_a" in text and "\\x" not in text and "\\u" not in text  # not escaped
+
+
+def test_integer_tensors_are_the_anchors_never_averaged(tmp_path):
+    """BatchNorm's num_batches_tracked (int64) differs between models trained for different
+    lengths: the merge keeps the anchor's, exactly, on the out-of-core path."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from symgraph.merging.streaming import merge_checkpoints
+    for s, count in ((0, 7), (1, 1000001)):
+        torch.manual_seed(s)
+        cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                        layer_type="basic", num_labels=3)
+        cfg.architectures = ["ResNetForImageClassification"]
+        m = transformers.ResNetForImageClassification(cfg).eval()
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.BatchNorm2d):
+                mod.num_batches_tracked.fill_(count)
+        m.save_pretrained(tmp_path / f"r{s}")
+    merge_checkpoints([str(tmp_path / "r0"), str(tmp_path / "r1")], str(tmp_path / "o"), align="weights")
+    out = load_file(str(tmp_path / "o" / "model.safetensors"))
+    ints = {k: v for k, v in out.items() if not v.dtype.is_floating_point}
+    assert ints and all(v.dtype == torch.int64 and int(v) == 7 for v in ints.values())

@@ -356,10 +356,13 @@ class StreamingMerge:
         A, parts = self.ckpts[self.anchor], parts or {}
         # inputs are checked finite through the result (NaN and inf survive averaging and
         # maps); only a non-finite result makes us look for the input that caused it
-        acc, dtypes, gains = {}, {}, {}
+        acc, dtypes, gains, ints = {}, {}, {}, {}
         for n in names:
             t = A.get(n, check=False, part=parts.get(n))
             dtypes[n] = t.dtype
+            if not t.dtype.is_floating_point:  # integers (ids, counts) are never averaged: the anchor's
+                ints[n] = t.clone()
+                continue
             acc[n] = t.to(torch.promote_types(t.dtype, torch.float32), copy=True).mul_(float(self.weights[self.anchor]))
             if t.dim() <= 1:
                 gains[n] = t
@@ -372,9 +375,15 @@ class StreamingMerge:
             if al is not None:
                 vals = vals | move(al.report_b, al.elements, vals, gains, dtype=self.work_dtype)
             for n in names:
-                acc[n].add_(vals.pop(n), alpha=float(w))  # promoted into float32 as it is read
+                v = vals.pop(n)
+                if n in ints:  # the anchor's (a counter such as num_batches_tracked may differ)
+                    continue
+                acc[n].add_(v, alpha=float(w))  # promoted into float32 as it is read
         out = {}
         for n in names:
+            if n in ints:
+                out[n] = ints.pop(n)
+                continue
             out[n] = acc.pop(n).to(dtypes[n])
             if not bool(torch.isfinite(out[n]).all()):  # checked in the output dtype: overflow too
                 for c in self.ckpts:
