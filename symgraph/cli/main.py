@@ -1,4 +1,4 @@
-"""The ``symgraph`` command: ``analyze``, ``merge``, ``resize`` and ``demo``, thin over the library.
+"""The ``symgraph`` command: ``analyze``, ``merge``, ``barrier``, ``resize`` and ``demo``, thin over the library.
 
 Every refusal is one paragraph on stderr (what was wrong, what was expected), exit code 2,
 nothing written; ``--debug`` shows the traceback instead.
@@ -13,6 +13,7 @@ import time
 
 from .. import __version__
 from ..merging.run import check_paths, input_names, progress_bar
+from .barrier import add_parser as add_barrier_parser
 from .merge import cmd_merge
 
 __all__ = ['main', 'build_parser']
@@ -174,6 +175,8 @@ def build_parser():
     m.add_argument("--force", action="store_true", help="replace an existing --out")
     m.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     m.set_defaults(func=cmd_merge)
+
+    add_barrier_parser(sub, argparse.SUPPRESS)
 
     r = sub.add_parser("resize", help="widen (function-preserving) or shrink (compress) "
                        "permutation classes of a model")

@@ -1,0 +1,116 @@
+"""``symgraph barrier A B --data F``: does alignment help on *your* pair and data? The loss
+on the data along the line between A and B, for each alignment asked for (none, weights,
+activations), as a table, JSON and a plot; the barrier is ``max_λ L(λ) − ½(L(A) + L(B))``
+(Verma & Elbayad 2024), in the parents' architecture or in circuit space (Theus et al. 2025).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+__all__ = ["cmd_barrier", "barrier_curves"]
+
+
+def barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, attention: str = "heads",
+                   progress: bool = False) -> list:
+    """``[{"align", "curve": [(λ, loss)], "barrier", "seconds"}]``: the mean loss over ``data``
+    (the model's own loss: language models use ``labels = input_ids``) at ``points`` values of
+    λ from B (0) to A (1), with B aligned to A as each row says."""
+    import torch
+
+    from ..alignment.driver import align
+    from ..alignment.refine import default_loss
+    from ..merging.barrier import interpolate, loss_barrier
+
+    def loss(m):
+        with torch.no_grad():
+            return float(sum(float(default_loss(m, b)) for b in data) / len(data))
+
+    rows = []
+    for how in aligns:
+        t0 = time.perf_counter()
+        Bal = B if how == "none" else align(A, B, data[0], data=data if how == "activations" else None).apply(B)
+        curve = interpolate(A, Bal, np.linspace(0.0, 1.0, points), loss, attention=attention)
+        rows.append({"align": how, "curve": curve, "barrier": loss_barrier(curve),
+                     "midpoint": dict(curve).get(0.5), "seconds": time.perf_counter() - t0})
+    return rows
+
+
+def _table(rows, attention) -> str:
+    ends = dict(rows[0]["curve"])
+    lines = [f"loss on the data: A {ends[1.0]:.4f}, B {ends[0.0]:.4f} ({attention})",
+             f"{'align':<12} {'barrier':>8} {'L(0.5)':>8} {'seconds':>8}"]
+    for r in rows:
+        mid = "—" if r["midpoint"] is None else f"{r['midpoint']:.4f}"
+        lines.append(f"{r['align']:<12} {r['barrier']:>8.4f} {mid:>8} {r['seconds']:>8.1f}")
+    return "\n".join(lines)
+
+
+def _plot(rows, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for r in rows:
+        xs, ys = zip(*r["curve"])
+        ax.plot(xs, ys, marker="o", ms=3, label=f"{r['align']} (barrier {r['barrier']:.3f})")
+    ax.set_xlabel("λ (0 = B, 1 = A)")
+    ax.set_ylabel("loss on the data")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_barrier(args) -> int:
+    from ..checkpoints.outdir import check_out, save_atomic
+    from ..checkpoints.specs import load_data, load_model
+    from ..errors import InputError
+    from ..merging.run import check_paths, input_names
+    if args.points < 3:
+        raise InputError(f"--points {args.points}: expected at least 3 (the ends and a middle)")
+    inputs = [args.a, args.b, args.data]
+    if args.out:
+        check_out(args.out, force=args.force, inputs=inputs)  # before any work
+    check_paths([args.a, args.b])
+    A, B = load_model(args.a), load_model(args.b)
+    if type(A) is not type(B):
+        raise InputError(f"{args.a!r} is a {type(A).__name__} but {args.b!r} is a {type(B).__name__}; "
+                         "expected two models of one architecture")
+    data = load_data(args.data, A)
+    rows = barrier_curves(A, B, data, tuple(dict.fromkeys(args.align)), args.points, args.attention)
+    print(_table(rows, args.attention))
+    if args.out:
+        record = {"inputs": input_names([args.a, args.b]), "data": os.path.abspath(args.data),
+                  "attention": args.attention, "rows": rows}
+
+        def write(d):
+            with open(os.path.join(d, "barrier.json"), "w", encoding="utf-8") as f:
+                json.dump(record, f, indent=1)
+            _plot(rows, os.path.join(d, "barrier.png"), f"{os.path.basename(str(args.a))} vs "
+                  f"{os.path.basename(str(args.b))}")
+        out = save_atomic(write, args.out, force=args.force, inputs=inputs, meta={"mode": "barrier"})
+        print(f"wrote {out}/barrier.json and barrier.png")
+    return 0
+
+
+def add_parser(sub, debug_default):
+    b = sub.add_parser("barrier", help="the loss along the line between two models, with and without "
+                       "alignment (does alignment help on your pair and data?)")
+    b.add_argument("a", help="model A (save_pretrained directory, demo name or hub id)")
+    b.add_argument("b", help="model B, of A's architecture")
+    b.add_argument("--data", required=True, metavar="FILE", help=".safetensors/.pt with 'input_ids' [N, S]")
+    b.add_argument("--align", nargs="+", choices=("none", "weights", "activations"),
+                   default=["none", "weights", "activations"], help="the alignments to compare")
+    b.add_argument("--attention", choices=("heads", "circuits"), default="heads",
+                   help="circuits: the line in circuit space (heads N times as wide)")
+    b.add_argument("--points", type=int, default=11, help="values of λ (default 11)")
+    b.add_argument("--out", metavar="DIR", help="write barrier.json and barrier.png into this new directory")
+    b.add_argument("--force", action="store_true", help="replace an existing --out (a previous output)")
+    b.add_argument("--debug", action="store_true", default=debug_default)
+    b.set_defaults(func=cmd_barrier)
+    return b

@@ -1,0 +1,64 @@
+"""``symgraph barrier A B --data F``: the loss along the line between two models, with and
+without alignment, as a table, JSON and a plot."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import symgraph
+from symgraph.alignment.refine import default_loss
+from symgraph.checkpoints.specs import load_data
+from symgraph.testing import models
+
+from conftest import cli
+
+L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("barrier")
+    for s in (0, 1):
+        models.build("llama", seed=s, **L).save_pretrained(root / f"m{s}")
+    models.build("gpt2", vocab=64, hidden=32, layers=2, heads=4, positions=64).save_pretrained(root / "g")
+    save_file({"input_ids": torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))},
+              str(root / "data.safetensors"))
+    return root
+
+
+def test_barrier_table_json_and_plot_match_the_library(pair, tmp_path):
+    r = cli("barrier", pair / "m0", pair / "m1", "--data", pair / "data.safetensors", "--align", "none", "weights",
+            "--out", tmp_path / "o")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = json.loads((tmp_path / "o" / "barrier.json").read_text())
+    assert [row["align"] for row in rec["rows"]] == ["none", "weights"] and "weights" in r.stdout
+    assert (tmp_path / "o" / "barrier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    A, B = models.build("llama", seed=0, **L), models.build("llama", seed=1, **L)
+    data = load_data(str(pair / "data.safetensors"), A)
+
+    def loss(m):
+        with torch.no_grad():
+            return float(sum(float(default_loss(m, b)) for b in data) / len(data))
+    for row, Bal in zip(rec["rows"], (B, symgraph.align(A, B).apply(B))):
+        curve = symgraph.interpolate(A, Bal, np.linspace(0, 1, 11), loss)
+        assert row["barrier"] == pytest.approx(symgraph.loss_barrier(curve), abs=1e-5)
+        assert [lam for lam, _ in row["curve"]] == pytest.approx([lam for lam, _ in curve])
+    ends = dict(rec["rows"][0]["curve"])
+    assert ends[1.0] == pytest.approx(loss(A), abs=1e-5) and ends[0.0] == pytest.approx(loss(B), abs=1e-5)
+
+
+@pytest.mark.parametrize("extra,needle", [(["--points", "2"], "at least 3"),
+                                          (["--align", "nonsense"], "invalid choice")])
+def test_barrier_refuses_bad_options_in_one_line(pair, extra, needle):
+    r = cli("barrier", pair / "m0", pair / "m1", "--data", pair / "data.safetensors", *extra)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_barrier_refuses_two_architectures(pair, tmp_path):
+    r = cli("barrier", pair / "m0", pair / "g", "--data", pair / "data.safetensors", "--out", tmp_path / "o")
+    assert r.returncode == 2 and "LlamaForCausalLM" in r.stderr and "GPT2LMHeadModel" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
