@@ -62,3 +62,21 @@ def test_barrier_refuses_two_architectures(pair, tmp_path):
     r = cli("barrier", pair / "m0", pair / "g", "--data", pair / "data.safetensors", "--out", tmp_path / "o")
     assert r.returncode == 2 and "LlamaForCausalLM" in r.stderr and "GPT2LMHeadModel" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow  # trains the demo's two models (a few seconds each)
+def test_barrier_on_the_demo_pair_reproduces_the_demos_table(tmp_path, monkeypatch):
+    from symgraph.cli import demo
+    monkeypatch.setenv("SYMGRAPH_CACHE", str(tmp_path / "cache"))
+    rows = demo.run_demo(out=str(tmp_path / "demo"), seconds=6)
+    train, held = demo.corpus()
+    save_file({"input_ids": torch.cat(demo.batches(held, 4, 16, seed=123))}, str(tmp_path / "held.safetensors"))
+    save_file({"input_ids": torch.cat(demo.batches(train, 8, 8, seed=7))}, str(tmp_path / "train.safetensors"))
+    root = tmp_path / "cache" / demo.CACHE_VERSION
+    r = cli("barrier", root / "seed0", root / "seed1", "--data", tmp_path / "held.safetensors", "--align-data",
+            tmp_path / "train.safetensors", "--points", "21", "--out", tmp_path / "o")
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = {row["align"]: row for row in json.loads((tmp_path / "o" / "barrier.json").read_text())["rows"]}
+    for name, l05, barrier, _, _ in rows:
+        assert got[name]["barrier"] == pytest.approx(barrier, abs=1e-4), name
+        assert got[name]["midpoint"] == pytest.approx(l05, abs=1e-4), name

@@ -15,10 +15,11 @@ __all__ = ["cmd_barrier", "barrier_curves"]
 
 
 def barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, attention: str = "heads",
-                   progress: bool = False) -> list:
+                   align_data=None) -> list:
     """``[{"align", "curve": [(λ, loss)], "barrier", "seconds"}]``: the mean loss over ``data``
     (the model's own loss: language models use ``labels = input_ids``) at ``points`` values of
-    λ from B (0) to A (1), with B aligned to A as each row says."""
+    λ from B (0) to A (1), with B aligned to A as each row says (activations measured on
+    ``align_data``, default ``data``)."""
     import torch
 
     from ..alignment.driver import align
@@ -29,10 +30,10 @@ def barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, att
         with torch.no_grad():
             return float(sum(float(default_loss(m, b)) for b in data) / len(data))
 
-    rows = []
+    rows, adata = [], align_data or data
     for how in aligns:
         t0 = time.perf_counter()
-        Bal = B if how == "none" else align(A, B, data[0], data=data if how == "activations" else None).apply(B)
+        Bal = B if how == "none" else align(A, B, adata[0], data=adata if how == "activations" else None).apply(B)
         curve = interpolate(A, Bal, np.linspace(0.0, 1.0, points), loss, attention=attention)
         rows.append({"align": how, "curve": curve, "barrier": loss_barrier(curve),
                      "midpoint": dict(curve).get(0.5), "seconds": time.perf_counter() - t0})
@@ -73,7 +74,7 @@ def cmd_barrier(args) -> int:
     from ..merging.run import check_paths, input_names
     if args.points < 3:
         raise InputError(f"--points {args.points}: expected at least 3 (the ends and a middle)")
-    inputs = [args.a, args.b, args.data]
+    inputs = [args.a, args.b, args.data] + ([args.align_data] if args.align_data else [])
     if args.out:
         check_out(args.out, force=args.force, inputs=inputs)  # before any work
     check_paths([args.a, args.b])
@@ -82,10 +83,12 @@ def cmd_barrier(args) -> int:
         raise InputError(f"{args.a!r} is a {type(A).__name__} but {args.b!r} is a {type(B).__name__}; "
                          "expected two models of one architecture")
     data = load_data(args.data, A)
-    rows = barrier_curves(A, B, data, tuple(dict.fromkeys(args.align)), args.points, args.attention)
+    adata = load_data(args.align_data, A) if args.align_data else None
+    rows = barrier_curves(A, B, data, tuple(dict.fromkeys(args.align)), args.points, args.attention, adata)
     print(_table(rows, args.attention))
     if args.out:
         record = {"inputs": input_names([args.a, args.b]), "data": os.path.abspath(args.data),
+                  "align_data": os.path.abspath(args.align_data) if args.align_data else None,
                   "attention": args.attention, "rows": rows}
 
         def write(d):
@@ -104,6 +107,8 @@ def add_parser(sub, debug_default):
     b.add_argument("a", help="model A (save_pretrained directory, demo name or hub id)")
     b.add_argument("b", help="model B, of A's architecture")
     b.add_argument("--data", required=True, metavar="FILE", help=".safetensors/.pt with 'input_ids' [N, S]")
+    b.add_argument("--align-data", metavar="FILE", default=None,
+                   help="batches for activation matching (default: --data; the loss is always on --data)")
     b.add_argument("--align", nargs="+", choices=("none", "weights", "activations"),
                    default=["none", "weights", "activations"], help="the alignments to compare")
     b.add_argument("--attention", choices=("heads", "circuits"), default="heads",
