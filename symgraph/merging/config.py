@@ -18,7 +18,9 @@ A config is a mapping with these keys (all optional but ``models``; command-line
     full_groups: false              # fit the GL part of heads and RoPE pair scales after the rotations
     force: false                    # replace an existing out
 
-Relative paths are read relative to the config file.
+Relative paths are read relative to the config file. A mergekit config (``merge_method:
+linear``, ``models: [{model: ..., parameters: {weight: ...}}]``) is read too
+(:func:`from_mergekit`).
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
 from ..errors import InputError
 from .methods.registry import get as get_method, mixing_weights, names as merge_methods
 
-__all__ = ["MERGE_KEYS", "MergeConfig", "read_merge_config", "merge_options", "defaults", "to_yaml"]
+__all__ = ["MERGE_KEYS", "MergeConfig", "read_merge_config", "merge_options", "defaults", "to_yaml",
+           "from_mergekit"]
 
 MERGE_KEYS = {
     "models": "a list of at least 2 model paths / names",
@@ -99,6 +102,8 @@ def read_merge_config(path: str) -> dict:
                          f"mapping with keys {keys}") from None
     if not isinstance(cfg, dict):
         raise InputError(f"merge config {path!r} holds a {type(cfg).__name__}; expected a mapping with keys {keys}")
+    if "merge_method" in cfg or any(isinstance(m, dict) for m in cfg.get("models") or []):
+        cfg = from_mergekit(cfg, path)
     try:
         parsed = MergeConfig.model_validate(cfg)
     except ValidationError as e:
@@ -120,6 +125,60 @@ def read_merge_config(path: str) -> dict:
     if parsed.weights is not None:
         out["weights"] = [float(x) for x in parsed.weights]
     return out
+
+
+#: mergekit methods that combine task vectors against a shared base model.
+_NEEDS_BASE = {"task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs", "breadcrumbs_ties",
+               "della", "della_linear", "model_stock", "sce", "nearswap"}
+
+
+def from_mergekit(cfg: dict, path: str) -> dict:
+    """symgraph's options from a mergekit config (``merge_method``, ``models: [{model:,
+    parameters: {weight:}}]``, ``parameters: {normalize:}``, ``dtype``): ``linear`` is
+    symgraph's ``average`` (after alignment: symgraph aligns first, unless ``align: none``);
+    methods that need a ``base_model`` are refused with the reason; other keys by name."""
+    cfg = dict(cfg)
+    where = f"mergekit config {path!r}"
+    method = cfg.pop("merge_method", "linear")
+    if method in _NEEDS_BASE or cfg.get("base_model") is not None:
+        raise InputError(f"{where}: merge_method {method!r}{' with a base_model' if cfg.get('base_model') else ''} "
+                         "combines task vectors against a shared base model, and symgraph merges models that "
+                         "share no base (it aligns them first); expected merge_method linear (symgraph's average), "
+                         "or align with symgraph and merge with mergekit")
+    if method != "linear" and method not in merge_methods():
+        raise InputError(f"{where}: merge_method {method!r} has no symgraph counterpart; expected linear "
+                         f"(symgraph's average) or one of {merge_methods()}")
+    cfg["method"] = "average" if method == "linear" else method
+    cfg.pop("base_model", None)
+    dtype = cfg.pop("dtype", None)
+    if dtype is not None:
+        raise InputError(f"{where}: dtype {dtype!r}: symgraph writes each tensor in the first model's dtype "
+                         "(models stored in other dtypes are merged in float32); expected no dtype key")
+    top = dict(cfg.pop("parameters", None) or {})
+    if top.pop("normalize", True) is not True:
+        raise InputError(f"{where}: parameters.normalize false; symgraph always normalises the weights to sum "
+                         "to 1; expected normalize: true or no key")
+    if top:
+        raise InputError(f"{where}: parameters {sorted(top)} are not symgraph options; expected only weight "
+                         "(per model) and normalize")
+    models, weights = [], []
+    for i, m in enumerate(cfg.get("models") or []):
+        if not isinstance(m, dict) or not isinstance(m.get("model"), str):
+            raise InputError(f"{where}: models[{i}] is {m!r}; expected {{model: path, parameters: {{weight: w}}}}")
+        extra = sorted(set(m) - {"model", "parameters"})
+        params = dict(m.get("parameters") or {})
+        w = params.pop("weight", None)
+        if extra or params:
+            raise InputError(f"{where}: models[{i}] has {extra + sorted(params)}; expected only model and "
+                             "parameters.weight")
+        models.append(m["model"])
+        weights.append(w)
+    if any(w is None for w in weights) and any(w is not None for w in weights):
+        raise InputError(f"{where}: some models have a weight and others not; expected a weight for each or none")
+    cfg["models"] = models
+    if weights and weights[0] is not None:
+        cfg["weights"] = weights
+    return cfg
 
 
 def _explain(path, cfg, err) -> str:

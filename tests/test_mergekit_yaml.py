@@ -1,0 +1,52 @@
+"""mergekit's YAML read by ``symgraph merge --config``: linear is symgraph's average (after
+alignment), per-model weights; methods that need a base model and unknown keys refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import symgraph
+from symgraph.merging.config import read_merge_config
+from symgraph.testing import models
+
+from conftest import cli
+
+G = dict(vocab=64, hidden=32, layers=2, heads=4, positions=64)
+
+
+def _yaml(tmp_path, text):
+    p = tmp_path / "mk.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_linear_with_weights_merges_like_symgraph(tmp_path):
+    A, B = models.build("gpt2", seed=0, **G), models.build("gpt2", seed=1, **G)
+    A.save_pretrained(tmp_path / "a")
+    B.save_pretrained(tmp_path / "b")
+    cfg = _yaml(tmp_path, "merge_method: linear\nmodels:\n  - model: a\n    parameters:\n      weight: 0.7\n"
+                          "  - model: b\n    parameters:\n      weight: 0.3\nparameters:\n  normalize: true\n")
+    opts = read_merge_config(str(cfg))
+    assert opts["method"] == "average" and opts["weights"] == [0.7, 0.3]
+    assert opts["models"] == [str(tmp_path / "a"), str(tmp_path / "b")]
+    r = cli("merge", "--config", cfg, "--out", tmp_path / "o")
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = load_file(str(tmp_path / "o" / "model.safetensors"))
+    want = symgraph.merge([A, B], weights=[0.7, 0.3]).model.state_dict()
+    assert max(float((got[k] - want[k]).abs().max()) for k in got) < 1e-5
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("merge_method: ties\nbase_model: a\nmodels:\n  - model: a\n  - model: b\n", "shared base model"),
+    ("merge_method: slerp\nmodels:\n  - model: a\n  - model: b\n", "no symgraph counterpart"),
+    ("merge_method: linear\ndtype: bfloat16\nmodels:\n  - model: a\n  - model: b\n", "dtype"),
+    ("merge_method: linear\nmodels:\n  - model: a\n    parameters:\n      weight: 1\n      density: 0.5\n"
+     "  - model: b\n", "density"),
+    ("merge_method: linear\nmodels:\n  - model: a\n    parameters:\n      weight: 1\n  - model: b\n", "a weight for each"),
+    ("merge_method: linear\nparameters:\n  normalize: false\nmodels:\n  - model: a\n  - model: b\n", "normalize"),
+])
+def test_mergekit_refusals_are_one_line(tmp_path, text, needle):
+    r = cli("merge", "--config", _yaml(tmp_path, text), "--out", tmp_path / "o")
+    assert r.returncode == 2 and needle in " ".join(r.stderr.split()) and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()
