@@ -21,11 +21,13 @@ def _data(n=4):
 
 # (arch, align, tolerance with full groups): a random_transform (full groups, not orthogonal=True)
 # of the model merged back into it.
-CASES = [("gpt2", "weights", 1e-6), ("gpt2", "activations", 1e-6), ("bert", "weights", 1e-6),
-         ("llama", "activations", 1e-6), ("llama", "weights", 1e-6), ("vit", "weights", 1e-6)]
+CASES = [("gpt2", "weights", 1e-6), pytest.param("gpt2", "activations", 1e-6, marks=pytest.mark.slow),
+         pytest.param("bert", "weights", 1e-6, marks=pytest.mark.slow), ("llama", "activations", 1e-6),
+         ("llama", "weights", 1e-6), pytest.param("vit", "weights", 1e-6, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("arch,align,tol", CASES, ids=[f"{a}-{b}" for a, b, _ in CASES])
+@pytest.mark.parametrize("arch,align,tol", CASES,
+                         ids=[f"{c[0]}-{c[1]}" if isinstance(c, tuple) else f"{c.values[0]}-{c.values[1]}" for c in CASES])
 def test_a_transformed_copy_merges_back_into_the_model(arch, align, tol):
     A = models.build(arch)
     rep = symgraph.analyze(A)

@@ -46,7 +46,14 @@ def test_linear_with_weights_merges_like_symgraph(tmp_path):
     ("merge_method: linear\nmodels:\n  - model: a\n    parameters:\n      weight: 1\n  - model: b\n", "a weight for each"),
     ("merge_method: linear\nparameters:\n  normalize: false\nmodels:\n  - model: a\n  - model: b\n", "normalize"),
 ])
-def test_mergekit_refusals_are_one_line(tmp_path, text, needle):
-    r = cli("merge", "--config", _yaml(tmp_path, text), "--out", tmp_path / "o")
-    assert r.returncode == 2 and needle in " ".join(r.stderr.split()) and "Traceback" not in r.stderr, r.stderr
+def test_mergekit_refusals_name_what_is_wrong(tmp_path, text, needle):
+    with pytest.raises(symgraph.InputError) as e:
+        read_merge_config(str(_yaml(tmp_path, text)))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_mergekit_refusal_through_the_cli_is_one_paragraph(tmp_path):
+    r = cli("merge", "--config", _yaml(tmp_path, "merge_method: ties\nbase_model: a\nmodels:\n  - model: a\n"
+                                                  "  - model: b\n"), "--out", tmp_path / "o")
+    assert r.returncode == 2 and "shared base model" in " ".join(r.stderr.split()) and "Traceback" not in r.stderr
     assert not (tmp_path / "o").exists()
