@@ -58,6 +58,10 @@ def cmd_analyze(args) -> int:
         print(report.to_json())
     else:
         print(report.summary())
+    if args.certify:  # random elements of every group applied, outputs compared (raises when off)
+        dev = report.certify(model)
+        print(f"certified: random elements of all {len(report.groups)} groups change the outputs by at most "
+              f"{dev:.2e} (relative)", file=sys.stderr if args.json else sys.stdout)
     for p in (args.dot, args.png):
         if p:
             report.save_graph(p)
@@ -140,6 +144,8 @@ def build_parser():
                    help="do not fold norm gains (residual streams stay permutations)")
     a.add_argument("--outputs", nargs="+", metavar="NAME", default=None,
                    help="the outputs a symmetry must keep (e.g. logits); default: all")
+    a.add_argument("--certify", action="store_true",
+                   help="apply random elements of every group and print the outputs' deviation")
     a.add_argument("--dot", metavar="FILE", help="write the group graph as Graphviz .dot")
     a.add_argument("--png", metavar="FILE", help="write the group graph as .png (or .svg)")
     a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
