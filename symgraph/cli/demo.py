@@ -1,4 +1,4 @@
-"""``symgraph demo``: two tiny char-level GPT-2s trained from different seeds on the prose in
+"""``symgraph demo``: two tiny byte-level GPT-2s trained from different seeds on the prose in
 ``pydoc_data.topics`` (shipped with Python, no download), merged without alignment, with
 weight matching and with activation matching; prints held-out loss at λ=0.5 and the loss
 barrier of each, and plots the interpolation curves to ``barrier.png``.
@@ -41,7 +41,7 @@ def corpus() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make_model(seed: int):
-    """The demo's char-level GPT-2 (byte vocabulary, 2 layers of width 64), seeded, built by
+    """The demo's byte-level GPT-2 (byte vocabulary, 2 layers of width 64), seeded, built by
     :mod:`symgraph.testing.models`."""
     import transformers
 
@@ -136,7 +136,7 @@ def run_demo(out: str = "symgraph-demo", seconds: float | None = None, force_ret
         curve = symgraph.interpolate(a, b_in_a, lambdas=lambdas, loss_fn=loss_fn)
         curves[name] = curve
         rows.append((name, loss_fn(merged), symgraph.loss_barrier(curve), curve[-1][1], curve[0][1]))
-    print(f"held-out loss (nats/byte) of two char-level GPT-2s (seeds {SEEDS[0]}, {SEEDS[1]}): "
+    print(f"held-out loss (nats/byte) of two byte-level GPT-2s (seeds {SEEDS[0]}, {SEEDS[1]}): "
           f"A = {rows[0][3]:.3f}, B = {rows[0][4]:.3f}")
     print(f"{'align':<12} {'loss @ λ=0.5':>13} {'barrier':>9}")
     print("-" * 36)
@@ -159,7 +159,7 @@ def _plot(curves, path):
         ax.plot(lam, loss, marker="o", ms=3, label=f"align={name}")
     ax.set_xlabel("λ  (λ·θ_A + (1−λ)·θ_B)")
     ax.set_ylabel("held-out loss (nats/byte)")
-    ax.set_title("Linear interpolation between two char-level GPT-2s")
+    ax.set_title("Linear interpolation between two byte-level GPT-2s")
     ax.legend()
     fig.tight_layout()
     tmp = path + ".tmp.png"

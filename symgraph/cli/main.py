@@ -200,7 +200,7 @@ def build_parser():
     r.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     r.set_defaults(func=cmd_resize)
 
-    d = sub.add_parser("demo", help="train two tiny char-level GPT-2s and compare merges")
+    d = sub.add_parser("demo", help="train two tiny byte-level GPT-2s and compare merges")
     d.add_argument("--out", metavar="DIR", default="symgraph-demo")
     d.add_argument("--seconds", type=float, default=None, help="training budget in seconds (total)")
     d.add_argument("--retrain", action="store_true", help="ignore the cached models")

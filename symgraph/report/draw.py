@@ -17,14 +17,17 @@ def summary(report) -> str:
     lines = [f"Symmetry report for {report.model_name}: {len(report.groups)} groups, "
              f"{report.degrees_of_freedom} continuous degrees of freedom, "
              f"{len(report.frozen)} ops without a rule"]
-    hdr = f"{'id':>4}  {'module':<40} {'kind':<12} {'size':>6} {'blocks':>6} {'outer':<8} params"
+    w = max([len("module")] + [len(g.module or "(model)") for g in report.groups])
+    hdr = f"{'id':>4}  {'module':<{w}} {'kind':<12} {'size':>6} {'blocks':>6} {'outer':<8} params"
     lines += [hdr, "-" * len(hdr)]
     for g in sorted(report.groups, key=lambda g: (g.module, g.id)):
         names = sorted({p for p, _ in g.params})
         shown = ", ".join(n[len(g.module) + 1:] if g.module else n for n in names[:4])
         more = f" (+{len(names) - 4})" if len(names) > 4 else ""
-        lines.append(f"{g.id:>4}  {(g.module or '(model)'):<40.40} {g.kind:<12} {g.size:>6} "
+        lines.append(f"{g.id:>4}  {(g.module or '(model)'):<{w}} {g.kind:<12} {g.size:>6} "
                      f"{g.blocks:>6} {','.join(map(str, g.outer)) or '-':<8} {shown}{more}")
+    lines.append("size: coordinates acted on (blocks x per-block size); blocks: independent copies of the "
+                 "element (one per head); outer: the ids of the classes it is fibred over (its heads)")
     for gid, why in report.shared.items():
         lines.append(f"group {gid}: {why}")
     if report.buffers:
