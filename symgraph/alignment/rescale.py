@@ -26,10 +26,9 @@ def fit_scales(al, model_a, model_b, groups):
     for g in targets:
         E = al.elements[g.id]
         nblk = int(np.prod(E.shape[:-2])) if E.dim() > 2 else 1
-        # E's blocks are indexed by B's heads; the views below by A's: B head of each A head
-        fib = [None if f is None else al.elements.get(f) for f in ra.fibre_groups(g.id)]
-        if any(not (f is None or isinstance(f, Perm)) for f in fib):
-            continue  # heads matched by a soft/rectangular map: no per-head correspondence
+        fib = _head_maps(al, g)  # E's blocks are indexed by B's heads, the views below by A's
+        if fib is None:
+            continue
         acc = torch.zeros(nblk, 4, dtype=torch.float64)  # co: Σb², Σab; contra: Σb², Σab
         for (name, d), var in zip(g.params, g.variance):
             ax = ra.param_axes(name)
@@ -41,15 +40,28 @@ def fit_scales(al, model_a, model_b, groups):
                 k = 0 if var == "co" else 2
                 acc[:, k] += (xb * xb).sum(1)
                 acc[:, k + 1] += (xa * xb).sum(1)
-        acc = acc.reshape(*E.shape[:-2], 4)
-        for j, f in enumerate(fib):
-            if f is not None:
-                acc = acc.index_copy(j, f.index, acc.clone())  # A head i -> B head index[i]
+        acc = _by_b_heads(acc.reshape(*E.shape[:-2], 4), fib, 0)
         scales = [_best_scale(*row) for row in acc.reshape(nblk, 4).tolist()]
         sc = torch.tensor(scales, dtype=torch.float64).reshape(*E.shape[:-2], 1, 1)
         al.elements[g.id] = E * sc
         out[g.id] = scales
     return out
+
+
+def _head_maps(al, g):
+    """The element of each class ``g`` is fibred over (None for a fixed one), or None when
+    heads were matched by a soft or rectangular map (no per-head correspondence)."""
+    fib = [None if f is None else al.elements.get(f) for f in al.report_a.fibre_groups(g.id)]
+    return None if any(not (f is None or isinstance(f, Perm)) for f in fib) else fib
+
+
+def _by_b_heads(acc, fib, lead: int):
+    """Statistics indexed by A's heads (dims ``lead..``) re-indexed by B's, as the element's
+    blocks are: A head i -> B head index[i]."""
+    for j, f in enumerate(fib):
+        if f is not None:
+            acc = acc.index_copy(lead + j, f.index, acc.clone())
+    return acc
 
 
 def _best_scale(q, c, kk, dd):
@@ -81,8 +93,8 @@ def fit_gl(al, model_a, model_b, groups) -> dict:
         E = al.elements[g.id]
         n = E.shape[-1]
         nblk = int(np.prod(E.shape[:-2])) if E.dim() > 2 else 1
-        fib = [None if f is None else al.elements.get(f) for f in ra.fibre_groups(g.id)]
-        if any(not (f is None or isinstance(f, Perm)) for f in fib):
+        fib = _head_maps(al, g)
+        if fib is None:
             continue
         acc = torch.zeros(2, 2, nblk, n, n, dtype=torch.float64)  # [co/contra][XaXbᵀ, XbXbᵀ]
         for name, d in dict.fromkeys(g.params):  # a packed slot (q and k in one) is listed twice
@@ -94,11 +106,7 @@ def fit_gl(al, model_a, model_b, groups) -> dict:
                 xb = gather(tb, d, idx, nf).reshape(nblk, n, -1)
                 acc[k, 0] += xa @ xb.mT
                 acc[k, 1] += xb @ xb.mT
-        acc = acc.reshape(2, 2, *E.shape[:-2], n, n)
-        for j, f in enumerate(fib):
-            if f is not None:
-                acc = acc.index_copy(2 + j, f.index, acc.clone())  # A head i -> B head index[i]
-        acc = acc.reshape(2, 2, nblk, n, n)
+        acc = _by_b_heads(acc.reshape(2, 2, *E.shape[:-2], n, n), fib, 2).reshape(2, 2, nblk, n, n)
         G, kept = (_pair_scales if g.kind == "rope" else _best_gl)(acc, g)
         al.elements[g.id] = (G.reshape(E.shape).to(E.dtype) @ E)
         out[g.id] = kept
@@ -129,7 +137,7 @@ def _best_gl(acc, g):
     oks.append(ok & (torch.linalg.cond(co) < 1e8))
     h, ok = _solve_ls(acc[1, 0], acc[1, 1])
     good = ok & (torch.linalg.cond(h) < 1e8)
-    cands.append(torch.where(good[:, None, None], torch.linalg.inv(torch.where(good[:, None, None], h, eye)).mT, eye))
+    cands.append(torch.linalg.inv(torch.where(good[:, None, None], h, eye)).mT)  # the identity where not good
     oks.append(good)
     best, kept = eye.clone(), []
     fs = torch.stack([torch.where(o, _objective(torch.where(o[:, None, None], c, eye), acc), torch.inf)

@@ -253,8 +253,8 @@ def _check_same_family(models, names):
 
 
 #: Config fields that do not change what a model computes in evaluation.
-_NOT_FUNCTION = {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "_commit_hash",
-                 "use_cache", "return_dict", "output_attentions", "output_hidden_states", "torchscript",
+_METADATA = {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "_commit_hash"}
+_NOT_FUNCTION = _METADATA | {"use_cache", "return_dict", "output_attentions", "output_hidden_states", "torchscript",
                  "id2label", "label2id", "tokenizer_class", "task_specific_params", "finetuning_task", "prefix",
                  "initializer_range", "initializer_factor", "attn_implementation", "_attn_implementation",
                  "_attn_implementation_autoset", "problem_type"}
@@ -287,7 +287,7 @@ def check_compatible(configs, names):
 
 def _config_diff(models, names) -> str:
     """``" (configs differ: num_hidden_layers 2 vs 3, ...)"`` or ``""``."""
-    skip = {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "_commit_hash"}
+    skip = _METADATA
     cfgs = [getattr(m, "config", None) for m in models]
     if any(c is None for c in cfgs):
         return ""

@@ -43,9 +43,11 @@ def rewrite(gm: torch.fx.GraphModule, old: dict, new: dict) -> torch.fx.GraphMod
     """Rewrite ``gm``'s size arguments in place from the node shapes ``old`` to ``new``
     (``{node name: shape}``); refuses an op whose sizes it cannot rewrite."""
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.name not in new or new[node.name] == old.get(node.name):
-            if node.op == "call_function" and node.target is _SDPA:
-                _keep_scale(node, old)
+        if node.op != "call_function":
+            continue
+        if node.target is _SDPA:
+            _keep_scale(node, old)
+        if node.name not in new or new[node.name] == old.get(node.name):
             continue
         t, shape = node.target, new[node.name]
         if t in _SHAPE_ARG:
@@ -59,14 +61,13 @@ def rewrite(gm: torch.fx.GraphModule, old: dict, new: dict) -> torch.fx.GraphMod
             node.args, node.kwargs = (node.args[0], sizes, dim), {}
         elif t is _aten.slice.Tensor:
             _full_slice(node, old, new)
-        elif t is _SDPA:
-            _keep_scale(node, old)
     gm.recompile()
     return gm
 
 
 def _full_slice(node, old, new):
-    x, dim, start, end, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
+    defaults = (None, 0, None, None, 1)  # slice.Tensor(self, dim=0, start=None, end=None, step=1)
+    x, dim, start, end, step = tuple(node.args) + defaults[len(node.args):]
     was, now = old[x.name][dim], new[x.name][dim]
     if was == now:
         return
