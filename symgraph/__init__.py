@@ -8,7 +8,7 @@ This module only re-exports; see README "Architecture" for where each piece live
 """
 from __future__ import annotations
 
-from .alignment import AlignOptions, Alignment, align
+from .alignment import AlignOptions, Alignment, align, load_alignment
 from .report.api import analyze, tied_parameters
 from .transform.apply import transform
 from .errors import CertificationError, InputError, StructureMismatchError, SymgraphError, TraceError, UnsupportedOpError
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "analyze", "tied_parameters", "SymmetryReport", "Group", "Transform", "transform",
-    "align", "AlignOptions", "Alignment", "merge", "MergeResult", "merge_methods", "merge_checkpoints",
+    "align", "AlignOptions", "Alignment", "load_alignment", "merge", "MergeResult", "merge_methods", "merge_checkpoints",
     "register_merge", "resize", "ResizeResult", "interpolate", "loss_barrier", "SymgraphError",
     "InputError",
     "StructureMismatchError", "TraceError", "UnsupportedOpError", "CertificationError",

@@ -8,12 +8,14 @@ an :class:`Alignment` keyed by group id.
 - ``solve_unit``  one unit from its similarity matrices (nested matching for heads)
 - ``sweeps``      the coordinate-descent loop over units
 - ``rescale``     Zhang et al. 2024's per-head scalars after the rotations
-- ``result``      :class:`Alignment` (apply / state / to_json)
+- ``result``      :class:`Alignment` (apply / state / to_json / save)
+- ``saved``       an alignment as a safetensors file (:func:`load_alignment`)
 - ``driver``      :func:`align` and :class:`AlignOptions`
 """
 from __future__ import annotations
 
 from .driver import AlignOptions, align
 from .result import Alignment
+from .saved import load_alignment
 
-__all__ = ["align", "AlignOptions", "Alignment"]
+__all__ = ["align", "AlignOptions", "Alignment", "load_alignment"]

@@ -136,6 +136,7 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
         raise InputError(f"refine={opts.refine} needs data: batches to compute the loss on")
     al = _solved(ra, rb, model_a, model_b, data, opts)
     al.seconds["analyze"] = t_an
+    al.options = _report_options(opts, ra)
     if opts.refine:
         al = _refined(al, model_a, model_b, data, opts)
     if opts.full_groups:
@@ -187,6 +188,11 @@ def _with_activations(run, ra, rb, b_of, data, models, sweeps, fetch=None, budge
     if equal and all(stats[g.id].n > 0 for g in ra.groups):
         sweeps = 1
     return stats, sweeps
+
+
+def _report_options(opts, ra) -> dict:
+    """What a model must be analysed with for an alignment to apply to it (kept when saved)."""
+    return {"fold_norms": bool(opts.fold_norms), "outputs": list(ra.outputs) if ra.outputs else None}
 
 
 def _solved(ra, rb, model_a, model_b, data, opts) -> Alignment:
@@ -285,5 +291,6 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
     run, n_sweeps = _solve(ra, rb, feats, opts, data, models, fetch, stats_budget)
     al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                    {"solver": run.solver_seconds, "sweeps": n_sweeps}, gauge=gauge_a)
+    al.options = _report_options(opts, ra)
     al.seconds["total"] = time.perf_counter() - t0
     return al

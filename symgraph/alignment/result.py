@@ -37,12 +37,37 @@ class Alignment:
     gauge: dict = field(default_factory=dict, repr=False)  # A's folded norm gains and shifts
     refined: dict = field(default_factory=dict)  # what refine did (steps, losses, seconds)
     full_groups: dict = field(default_factory=dict)  # what fit_gl kept per gl/rope class
+    options: dict = field(default_factory=dict)  # the analysis options (fold_norms, outputs) B's report used
+    fingerprints: dict = field(default_factory=dict)  # a loaded alignment's {"a", "b"}: see saved.fingerprint
+
+    def report_for(self, model_b):
+        """B's report, or for a loaded alignment (no reports) ``model_b``'s, analysed with the
+        saved options and refused unless its symmetry structure is B's."""
+        if self.report_b is not None:
+            return self.report_b
+        from ..report.api import analyze
+        from .saved import fingerprint
+        rep = analyze(model_b, fold_norms=self.options.get("fold_norms", True), outputs=self.options.get("outputs"))
+        if self.fingerprints.get("b") and fingerprint(rep) != self.fingerprints["b"]:
+            from ..errors import InputError
+            raise InputError(f"the model ({type(model_b).__name__}) has another symmetry structure than the "
+                             "model B this alignment was solved for (another architecture, width or config); "
+                             "expected a model of B's architecture and shapes, e.g. a fine-tune of B")
+        return rep
+
+    def save(self, path: str) -> str:
+        """Write this alignment into ``path`` (a ``.safetensors`` file); see
+        :func:`symgraph.load_alignment`."""
+        from .saved import save_alignment
+        return save_alignment(self, path)
 
     def state(self, model_b) -> dict:
         """B's parameters and moved buffers (``report_b.buffers``: running statistics) in A's
         basis (and A's shapes): ``{fqn: tensor}`` in B's dtypes."""
-        rb = self.report_b
-        tensors = stored_tensors(rb, model_b)
+        return self._state(model_b, self.report_for(model_b))
+
+    def _state(self, model_b, rb) -> dict:
+        tensors = stored_tensors(rb, model_b, check=self.report_b is None)
         moved = move(rb, self.elements, tensors, self.gauge or None)
         out = {k: moved[k].to(t.dtype) if k in moved else t.clone() for k, t in tensors.items()}
         for keep, others in rb.aliases.items():  # tied names share the value
@@ -57,12 +82,13 @@ class Alignment:
         (``template``, default: the anchor model given to :func:`align`).
         """
         check_finite(model_b, "model_b")
-        state = self.state(model_b)
+        rb = self.report_for(model_b)
+        state = self._state(model_b, rb)
         own = {**dict(model_b.named_parameters(remove_duplicate=False)), **dict(model_b.named_buffers())}
         shapes_same = all(tuple(own[k].shape) == tuple(v.shape) for k, v in state.items())
         base = template if template is not None else (model_b if shapes_same else self.template)
         new = copy.deepcopy(base)
-        write_state(new, state, self.report_b.buffers)
+        write_state(new, state, rb.buffers)
         if base is not model_b:  # carry over B's parameters and buffers no class touched
             mine = {**dict(new.named_parameters()), **dict(new.named_buffers())}
             with torch.no_grad():
@@ -75,7 +101,7 @@ class Alignment:
         """A JSON-able summary: per group its kind, solver status and objective, and the
         element itself for permutations (index lists)."""
         groups = []
-        for g in self.report_a.groups:
+        for g in (self.report_a.groups if self.report_a is not None else ()):
             el, res = self.elements.get(g.id), self.results.get(g.id)
             entry = {"id": g.id, "module": g.module, "kind": g.kind, "aligned": el is not None}
             if res is not None:

@@ -221,73 +221,91 @@ def _itemsize(dtype) -> int:
 class ShardWriter:
     """The output shards, written one tensor at a time.
 
-    The tensors, their order, shapes and dtypes are known before any value (the anchor's
-    checkpoint), so each shard's safetensors header is written first and every tensor is
-    appended as it is computed: memory holds one tensor, not a shard (``save_file`` would
-    build the whole shard in memory). Shards hold at most ``limit`` bytes (a larger tensor
-    gets its own) and are named and indexed as ``save_pretrained`` names them (one
-    ``model.safetensors`` when everything fits one). Files are read back by ``safe_open``.
+    The tensors, their shapes and dtypes are known before any value (the anchor's
+    checkpoint), so each shard's safetensors header is written when it is opened and every
+    tensor is written at its place as it is computed, in any order: memory holds one tensor,
+    not a shard (``save_file`` would build the whole shard in memory). ``limit`` (bytes): shards
+    of at most that many bytes in ``plan`` order (a larger tensor gets its own), named and
+    indexed as ``save_pretrained`` names them (one ``model.safetensors`` when everything fits
+    one); or ``layout``: ``[(file name, [keys])]``, the shards of an input to copy. Files are
+    read back by ``safe_open``.
     """
 
-    def __init__(self, directory, limit, plan):
+    def __init__(self, directory, limit, plan, layout=None):
         self.dir = directory
-        shards, cur, size = [], [], 0
-        for key, shape, dtype in plan:
-            n = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
-            if cur and size + n > limit:
-                shards.append(cur)
-                cur, size = [], 0
-            cur.append((key, tuple(shape), dtype, n))
-            size += n
-        shards.append(cur)
-        k = len(shards)
-        self.names = [SINGLE if k == 1 else f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)]
-        self.shards = shards
-        self.shard_of = {key: i for i, sh in enumerate(shards) for key, *_ in sh}
-        self.total = sum(n for sh in shards for *_, n in sh)
-        self._file, self._current, self._next, self._rows = None, -1, None, 0
+        info = {key: (tuple(shape), dtype, int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype))
+                for key, shape, dtype in plan}
+        if layout is None:
+            shards, cur, size = [], [], 0
+            for key, (*_, n) in info.items():
+                if cur and size + n > limit:
+                    shards.append(cur)
+                    cur, size = [], 0
+                cur.append(key)
+                size += n
+            shards.append(cur)
+            k = len(shards)
+            self.names = [SINGLE if k == 1 else f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)]
+        else:
+            self.names, shards = [n for n, _ in layout], [list(keys) for _, keys in layout]
+            if sorted(k for sh in shards for k in sh) != sorted(info):
+                raise RuntimeError("shard layout does not hold exactly the planned tensors")  # a bug
+        self.shards = [[(key, *info[key]) for key in sh] for sh in shards]
+        self.shard_of = {key: i for i, sh in enumerate(shards) for key in sh}
+        self.total = sum(n for *_, n in info.values())
+        self._info = info
+        self._files: dict = {}
+        self._where: dict = {}  # key -> (shard, data offset in its file)
+        self._rows = {key: 0 for key in info}
 
     def add(self, key, t):
-        """Append ``key``'s value ``t``: the whole tensor, or consecutive slices of it along
+        """Write ``key``'s value ``t``: the whole tensor, or consecutive slices of it along
         dim 0 (rows are contiguous in the file), so that a large tensor computed in slices
         is never held whole."""
         i = self.shard_of[key]
-        if i != self._current:
+        if i not in self._files:
             self._open(i)
-        want_key, shape, dtype, n = self._next[0]
+        shape, dtype, n = self._info[key]
         rows, total = (t.shape[0], shape[0]) if shape else (1, 1)
-        if (want_key != key or t.dtype != dtype or t.dim() != len(shape) or tuple(t.shape[1:]) != shape[1:]
-                or self._rows + rows > total):
-            raise RuntimeError(f"shard writer expected {want_key} {shape} {dtype} (rows {self._rows}:), got "
+        done = self._rows[key]
+        if t.dtype != dtype or t.dim() != len(shape) or tuple(t.shape[1:]) != shape[1:] or done + rows > total:
+            raise RuntimeError(f"shard writer expected {key} {shape} {dtype} (rows {done}:), got "
                                f"{key} {tuple(t.shape)} {t.dtype}")  # a bug, not bad input
-        self._file.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
-        self._rows += rows
-        if self._rows == total:
-            self._next.pop(0)
-            self._rows = 0
+        data = memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+        at = self._where[key] + (n // total) * done if total else self._where[key]
+        fd = self._files[i].fileno()
+        while len(data):
+            k = os.pwrite(fd, data, at)
+            data, at = data[k:], at + k
+        self._rows[key] = done + rows
 
     def _open(self, i):
-        if self._file is not None:
-            self._close_shard()
         header, off = {"__metadata__": {"format": "pt"}}, 0
         for key, shape, dtype, n in self.shards[i]:
             header[key] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
             off += n
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        self._file = open(os.path.join(self.dir, self.names[i]), "wb")
-        self._file.write(len(raw).to_bytes(8, "little") + raw)
-        self._current, self._next, self._rows = i, list(self.shards[i]), 0
-
-    def _close_shard(self):
-        if self._next:
-            raise RuntimeError(f"shard {self.names[self._current]} is missing {self._next[0][0]}")
-        self._file.close()
-        self._file = None
+        f = open(os.path.join(self.dir, self.names[i]), "wb")
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.flush()
+        base = 8 + len(raw)
+        for key, shape, dtype, n in self.shards[i]:
+            self._where[key] = base
+            base += n
+        self._files[i] = f
 
     def close(self) -> dict:
-        if self._file is not None:
-            self._close_shard()
+        for i in range(len(self.shards)):  # a shard of empty tensors only still gets its header
+            if i not in self._files:
+                self._open(i)
+        missing = [key for sh in self.shards for key, shape, _, _ in sh
+                   if self._rows[key] != (shape[0] if shape else 1)]
+        for f in self._files.values():
+            f.close()
+        self._files = {}
+        if missing:
+            raise RuntimeError(f"shard writer: {missing[0]} was not written in full")  # a bug
         if len(self.shards) > 1:
             weight_map = {key: self.names[i] for key, i in self.shard_of.items()}
             with open(os.path.join(self.dir, INDEX), "w") as f:

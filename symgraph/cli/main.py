@@ -1,4 +1,5 @@
-"""The ``symgraph`` command: ``analyze``, ``merge``, ``barrier``, ``resize`` and ``demo``, thin over the library.
+"""The ``symgraph`` command: ``analyze``, ``merge``, ``barrier``, ``align``, ``apply``, ``resize`` and
+``demo``, thin over the library.
 
 Every refusal is one paragraph on stderr (what was wrong, what was expected), exit code 2,
 nothing written; ``--debug`` shows the traceback instead.
@@ -13,6 +14,7 @@ import time
 
 from .. import __version__
 from ..merging.run import check_paths, input_names, progress_bar
+from .align import add_parsers as add_align_parsers
 from .barrier import add_parser as add_barrier_parser
 from .merge import cmd_merge
 
@@ -183,6 +185,7 @@ def build_parser():
     m.set_defaults(func=cmd_merge)
 
     add_barrier_parser(sub, argparse.SUPPRESS)
+    add_align_parsers(sub, argparse.SUPPRESS)
 
     r = sub.add_parser("resize", help="widen (function-preserving) or shrink (compress) "
                        "permutation classes of a model")
