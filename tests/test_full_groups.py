@@ -72,3 +72,27 @@ def test_cli_full_groups_merges_a_transformed_copy_back(tmp_path):
     assert "full_groups: true" in (tmp_path / "o" / "README.md").read_text()
     r = cli("merge", tmp_path / "a", tmp_path / "b", "--full-groups", "--align", "none", "--out", tmp_path / "o2")
     assert r.returncode == 2 and "--full-groups" in r.stderr and not (tmp_path / "o2").exists()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_rescale_recovers_per_head_scales_also_in_a_packed_projection(arch):
+    """Zhang et al. 2024's per-head scalars: a copy whose heads are scaled (QK by a, so K by
+    1/a; VO likewise) is merged back exactly; GPT-2 packs Q (co) and K (contra) in one slot."""
+    from symgraph.report.symmetry import Transform
+    A = models.build(arch, seed=0)
+    rep = symgraph.analyze(A)
+    gen = torch.Generator().manual_seed(0)
+    elements = {}
+    for g in rep.groups:
+        shape = rep.fibre_shape(g.id)
+        eye = torch.eye(g.dim, dtype=torch.float64).expand(*shape, g.dim, g.dim)
+        if g.kind == "gl":
+            elements[g.id] = eye * torch.empty(*shape, 1, 1, dtype=torch.float64).uniform_(0.5, 2.0, generator=gen)
+        else:
+            elements[g.id] = eye.clone()
+    B = symgraph.transform(A, Transform(rep, elements))
+    dev = lambda m: max(float((p - q).abs().max()) for p, q in zip(A.parameters(), m.parameters()))  # noqa: E731
+    assert dev(B) > 1e-2
+    plain = symgraph.align(A, B).apply(B)
+    scaled = symgraph.align(A, B, rescale=True).apply(B)
+    assert dev(scaled) < 1e-6 < dev(plain)

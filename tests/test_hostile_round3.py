@@ -194,3 +194,57 @@ def test_integer_tensors_are_the_anchors_never_averaged(tmp_path):
     out = load_file(str(tmp_path / "o" / "model.safetensors"))
     ints = {k: v for k, v in out.items() if not v.dtype.is_floating_point}
     assert ints and all(v.dtype == torch.int64 and int(v) == 7 for v in ints.values())
+
+
+def test_special_files_bad_indexes_and_yaml_values_are_one_line(ws, tmp_path, capsys):
+    """Inputs that are not regular files (a FIFO would block the read forever), a shard index
+    that is not save_pretrained's, and a config file's value named as the config's (not as a
+    flag). In process, with an alarm: a blocked read fails the test instead of hanging it."""
+    import shutil
+    from symgraph.cli.main import main
+    a, b = ws / I / "a", ws / I / "b16"
+    os.mkfifo(tmp_path / "fifo.safetensors")
+    fifo_dir = tmp_path / "fifo_dir"
+    fifo_dir.mkdir()
+    shutil.copy(a / "config.json", fifo_dir / "config.json")
+    os.mkfifo(fifo_dir / "model.safetensors")
+    sharded = tmp_path / "sharded"
+    models.build("llama", seed=0, **L).save_pretrained(sharded, max_shard_size="20KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    bad = {}
+    for name, text in (("no_metadata", json.dumps({"weight_map": index["weight_map"]})),
+                       ("int_map", json.dumps({"metadata": {}, "weight_map": 5})), ("a_list", "[1, 2]")):
+        shutil.copytree(sharded, tmp_path / name)
+        (tmp_path / name / "model.safetensors.index.json").write_text(text)
+        bad[name] = tmp_path / name
+    (tmp_path / "neg.yaml").write_text(f"models: [{a}, {b}]\nrefine: -3\nout: {tmp_path / 'o'}\n")
+    (tmp_path / "repair.yaml").write_text(f"models: [{a}, {b}]\nrepair: true\nout: {tmp_path / 'o'}\n")
+    cases = [
+        (["merge", a, b, "--align", "activations", "--data", tmp_path / "fifo.safetensors"], ["FIFO", "regular file"]),
+        (["merge", a, fifo_dir], ["FIFO", "model.safetensors"]),
+        (["merge", "--config", tmp_path / "fifo.safetensors"], ["merge config", "FIFO"]),
+        (["analyze", bad["no_metadata"]], ["no 'metadata' object"]),
+        (["merge", a, bad["no_metadata"]], ["no 'metadata' object"]),
+        (["merge", a, bad["int_map"]], ["'weight_map' that is a int"]),
+        (["analyze", bad["a_list"]], ["holds a JSON list"]),
+        (["merge", "--config", tmp_path / "neg.yaml"], ["'refine: -3' in", "number of steps"]),
+        (["merge", "--config", tmp_path / "repair.yaml"], ["'repair:' in", "needs --data FILE"]),
+    ]
+    before = digest(ws)
+    old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("blocked")))
+    try:
+        for argv, needles in cases:
+            argv = [str(x) for x in argv] + (["--out", str(tmp_path / "o")] if argv[0] == "merge"
+                                              and "--config" not in argv else [])
+            signal.alarm(60)
+            rc = main(argv)
+            signal.alarm(0)
+            err = capsys.readouterr().err
+            assert rc == 2 and "Traceback" not in err and err.count("symgraph:") == 1, (argv, err)
+            for n in needles:
+                assert n in " ".join(err.split()), (argv, n, err)
+            assert not (tmp_path / "o").exists()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert digest(ws) == before

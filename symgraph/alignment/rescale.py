@@ -30,14 +30,16 @@ def fit_scales(al, model_a, model_b, groups):
         if fib is None:
             continue
         acc = torch.zeros(nblk, 4, dtype=torch.float64)  # co: Σb², Σab; contra: Σb², Σab
-        for (name, d), var in zip(g.params, g.variance):
+        for name, d in g.params:
             ax = ra.param_axes(name)
             ta = ra.view(name, model_a.get_parameter(name).detach().double())
             tb = ra.view(name, Bp[name].double())
-            for idx, nf in ra.leaf_views(ax[d], g.id):
+            # each occurrence's own variance: a packed projection (GPT-2's c_attn) holds the
+            # class's Q (co) and K (contra) leaves in one slot
+            for idx, nf, parity in ra.leaf_views(ax[d], g.id, with_parity=True):
                 xa = gather(ta, d, idx, nf).reshape(nblk, -1)
                 xb = gather(tb, d, idx, nf).reshape(nblk, -1)
-                k = 0 if var == "co" else 2
+                k = 2 * parity
                 acc[:, k] += (xb * xb).sum(1)
                 acc[:, k + 1] += (xa * xb).sum(1)
         acc = _by_b_heads(acc.reshape(*E.shape[:-2], 4), fib, 0)

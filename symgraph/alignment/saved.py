@@ -75,9 +75,9 @@ def load_alignment(path: str) -> Alignment:
     p = os.path.expanduser(str(path))
     if os.path.isdir(p):
         p = os.path.join(p, ALIGNMENT_FILE)
-    if not os.path.isfile(p):
-        raise FileNotFoundError(f"alignment {path!r} does not exist; expected a {ALIGNMENT_FILE} file "
-                                "written by symgraph align (or the directory holding it)")
+    from ..core.files import check_input_file
+    check_input_file(p, "alignment", f"a {ALIGNMENT_FILE} file written by symgraph align (or the directory "
+                     "holding it)")
     try:
         with safe_open(p, framework="pt") as f:
             raw = (f.metadata() or {}).get("symgraph")

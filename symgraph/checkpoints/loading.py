@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from ..core.files import special_file
 from ..errors import InputError
 
 __all__ = ["check_checkpoint_dir", "load_local", "load_hub", "refuse_incomplete", "check_weights_finite"]
@@ -41,6 +42,13 @@ def check_checkpoint_dir(path: str):
     if not os.path.isdir(path):
         raise InputError(f"model path {path!r} is a file; expected {EXPECTED}")
     files = set(os.listdir(path))
+    for f in sorted(files):  # what symgraph may open: never block on a FIFO or a device
+        what = special_file(os.path.join(path, f)) if f.endswith((".json", ".safetensors", ".txt", ".model")) else None
+        if what:
+            raise InputError(f"{os.path.join(path, f)!r} is {what}, not a regular file; expected {EXPECTED} "
+                             "of regular files")
+    if SAFETENSORS[1] in files:
+        read_index(os.path.join(path, SAFETENSORS[1]))
     has_weights = any(f in files for f in SAFETENSORS)
     if not has_weights and any(f in files for f in PICKLES):
         raise InputError(f"{path!r} holds only pytorch_model.bin, a pickle, which symgraph does not "
@@ -51,6 +59,29 @@ def check_checkpoint_dir(path: str):
         missing.append("model.safetensors")
     if missing:
         raise InputError(f"directory {path!r} has no {' and no '.join(missing)}; expected {EXPECTED}")
+
+
+def read_index(index: str) -> dict:
+    """The ``weight_map`` of a shard index ``model.safetensors.index.json``, refused in one
+    line unless it is what ``save_pretrained`` writes (a ``metadata`` object and a
+    ``weight_map`` of tensor name -> file name: transformers reads both)."""
+    expected = ("expected the index save_pretrained writes ({'metadata': {...}, 'weight_map': {tensor: "
+                "shard file}})")
+    try:
+        with open(index) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot read {index!r} ({e}); {expected}") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"{index!r} holds a JSON {type(raw).__name__}; {expected}")
+    wm = raw.get("weight_map")
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        what = ("no 'weight_map'" if wm is None else f"a 'weight_map' that is a {type(wm).__name__}"
+                if not isinstance(wm, dict) else "'weight_map' entries that are not tensor name -> file name")
+        raise InputError(f"{index!r} has {what}; {expected}")
+    if not isinstance(raw.get("metadata"), dict):
+        raise InputError(f"{index!r} has no 'metadata' object; {expected}")
+    return wm
 
 
 def refuse_remote_code(path: str) -> None:

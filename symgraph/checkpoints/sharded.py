@@ -16,7 +16,7 @@ import os
 import numpy as np
 import torch
 
-from .loading import EXPECTED, _model_class, _names, _quiet_transformers, check_checkpoint_dir, refuse_remote_code
+from .loading import EXPECTED, read_index, _model_class, _names, _quiet_transformers, check_checkpoint_dir, refuse_remote_code
 from ..errors import InputError
 
 __all__ = ["Checkpoint", "KeysDiffer", "ShardWriter", "parse_size", "INDEX", "SINGLE"]
@@ -102,12 +102,7 @@ class Checkpoint:
         """``{tensor: shard path}`` from ``model.safetensors.index.json``; None without one."""
         index = os.path.join(self.path, INDEX)
         if os.path.isfile(index):
-            try:
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise InputError(f"cannot read {index!r} ({e}); expected the index save_pretrained "
-                                 "writes ({'weight_map': {tensor: shard file}})") from None
+            weight_map = read_index(index)
             files = {k: os.path.join(self.path, v) for k, v in weight_map.items()}
             absent = sorted({v for v in files.values() if not os.path.isfile(v)})
             if absent:

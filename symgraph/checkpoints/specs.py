@@ -9,6 +9,7 @@ import os
 import torch
 
 from .loading import _quiet_transformers, check_checkpoint_dir, load_hub, load_local
+from ..core.files import check_input_file
 from ..errors import InputError
 from .outdir import TOKENIZER_FILES, check_out, save_atomic  # noqa: F401 - re-exported
 
@@ -60,12 +61,13 @@ def load_model(spec: str):
 # --- data ----------------------------------------------------------------------------------
 
 
+DATA_EXPECTED = "a .safetensors or .pt file holding a tensor 'input_ids' [N, S] (or 'pixel_values')"
+
+
 def load_data(path: str, model=None):
     """Batches of ``BATCH_ROWS`` rows from a ``.safetensors``/``.pt`` file with ``input_ids`` or
     ``pixel_values``. Returns a list of keyword dicts."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file {path!r} does not exist; expected a .safetensors or .pt "
-                                "file holding a tensor 'input_ids' [N, S] (or 'pixel_values')")
+    check_input_file(path, "data file", DATA_EXPECTED)
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
         try:

@@ -6,7 +6,38 @@ from __future__ import annotations
 import os
 import stat
 
-__all__ = ["identity", "file_id", "remove_own"]
+__all__ = ["identity", "file_id", "remove_own", "special_file", "check_input_file"]
+
+
+def check_input_file(path: str, what: str, expected: str) -> None:
+    """Refuse, before opening it, an input file that is missing, a directory or not a regular
+    file (a FIFO would block the read): ``"{what} {path!r} ...; expected {expected}"``."""
+    from ..errors import InputError
+    p = os.path.expanduser(str(path))
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"{what} {path!r} does not exist; expected {expected}")
+    if os.path.isdir(p):
+        raise InputError(f"{what} {path!r} is a directory; expected {expected}")
+    kind = special_file(p)
+    if kind:
+        raise InputError(f"{what} {path!r} is {kind}, not a regular file; expected {expected}")
+
+
+def special_file(path: str) -> str | None:
+    """What ``path`` is when it exists but is not a regular file (through links): "a FIFO",
+    "a socket", "a character device"...; None for a regular file, a directory or nothing.
+    Opening a FIFO blocks until a writer comes: inputs are checked with this first."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def file_id(st) -> tuple:

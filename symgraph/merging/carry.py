@@ -107,9 +107,10 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
     inputs = [a, b] + ([data] if data else [])
     out = check_out(out, force=force, inputs=inputs)
     check_paths([a, b])
-    if data and not os.path.isfile(data):
-        raise FileNotFoundError(f"data file {data!r} does not exist; expected a .safetensors or .pt file "
-                                "holding a tensor 'input_ids' [N, S] (or 'pixel_values')")
+    if data:
+        from ..checkpoints.specs import DATA_EXPECTED
+        from ..core.files import check_input_file
+        check_input_file(data, "data file", DATA_EXPECTED)
     for p in (a, b):
         if not os.path.isdir(os.path.expanduser(p)):
             raise InputError(f"{p!r} is not a local checkpoint directory; expected save_pretrained directories "

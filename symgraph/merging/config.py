@@ -92,8 +92,8 @@ def read_merge_config(path: str) -> dict:
     """The options of a YAML merge config, validated; paths relative to the config file."""
     import yaml
     keys = ", ".join(MERGE_KEYS)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"merge config {path!r} does not exist; expected a YAML file with keys {keys}")
+    from ..core.files import check_input_file
+    check_input_file(path, "merge config", f"a YAML file with keys {keys}")
     try:
         with open(path) as f:
             cfg = yaml.safe_load(f)
@@ -204,38 +204,44 @@ def merge_options(args: dict) -> MergeConfig:
     """The merge job from the command line (``args``: argparse's namespace as a dict) over a
     ``config`` file's options; refuses missing or inconsistent ones."""
     opts = defaults()
+    from_file: set = set()
     if args.get("config"):
-        opts.update(read_merge_config(args["config"]))
+        read = read_merge_config(args["config"])
+        opts.update(read)
+        from_file = {k for k in read if k != "models"}
     # command-line values override the config
     if args.get("models"):
         if args.get("config") and opts["models"]:
             raise InputError("models given both on the command line and in --config; expected one or the other")
         opts["models"] = list(args["models"])
-    for k in ("out", "align", "method", "weights", "data", "outputs", "attention"):
-        v = args.get(k)
-        if v is not None:
-            opts[k] = v
-    for flag in ("force", "repair", "untie", "full_groups"):
-        if args.get(flag):
-            opts[flag] = True
-    if args.get("refine") is not None:
-        opts["refine"] = args["refine"]
-    if args.get("no_fold_norms"):
-        opts["fold_norms"] = False
-    check(opts)
+    given = [k for k in ("out", "align", "method", "weights", "data", "outputs", "attention") if args.get(k) is not None]
+    given += [f for f in ("force", "repair", "untie", "full_groups") if args.get(f)]
+    given += ["refine"] * (args.get("refine") is not None) + ["fold_norms"] * bool(args.get("no_fold_norms"))
+    for k in given:
+        opts[k] = False if k == "fold_norms" else (True if k in ("force", "repair", "untie", "full_groups")
+                                                   else args[k])
+    from_file -= set(given)
+    config = args.get("config")
+    check(opts, lambda k: f"'{k}:' in {config}" if k in from_file else
+          ("--no-fold-norms" if k == "fold_norms" else "--" + k.replace("_", "-")))
     if opts["refine"]:
         opts["align"] = "activations"  # learned matching starts from activation matching
     return MergeConfig.model_validate(opts)
 
 
-def check(opts: dict) -> None:
-    """The checks between options (one option's type is the schema's job)."""
+def check(opts: dict, name=lambda k: "--" + k.replace("_", "-")) -> None:
+    """The checks between options (one option's type is the schema's job); ``name(key)`` says
+    where an option came from in a refusal (``--refine``, or ``'refine:' in merge.yaml``)."""
+    n = name
+    data = f"{n('data')} FILE" if n("data").startswith("--") else n("data")
     if opts["refine"] < 0:
-        raise InputError(f"--refine {opts['refine']}: expected a number of steps >= 0")
+        said = (f"{n('refine')} {opts['refine']}" if n("refine").startswith("--")
+                else n("refine").replace("refine:", f"refine: {opts['refine']}"))
+        raise InputError(f"{said}: expected a number of steps >= 0")
     if opts["refine"] and not opts["data"]:
-        raise InputError("--refine needs --data FILE (batches for activation matching and the loss)")
+        raise InputError(f"{n('refine')} needs {data} (batches for activation matching and the loss)")
     if opts["refine"] and opts["align"] in ("none", None):
-        raise InputError("--refine needs an alignment to refine; expected --align activations")
+        raise InputError(f"{n('refine')} needs an alignment to refine; expected {n('align')} activations")
     if len(opts["models"]) < 2:
         raise InputError(f"merge needs at least 2 models, got {len(opts['models'])}; expected "
                          "`symgraph merge A B [C ...] --out DIR` or `symgraph merge --config merge.yaml`")
@@ -244,16 +250,18 @@ def check(opts: dict) -> None:
     if opts["weights"] is not None:
         mixing_weights(opts["weights"], len(opts["models"]))
     if opts["attention"] == "circuits" and (opts["method"] != "average" or opts["repair"]):
-        raise InputError("--attention circuits merges by averaging; expected --method average without --repair")
+        raise InputError(f"{n('attention')} circuits merges by averaging; expected {n('method')} average without "
+                         f"{n('repair')}")
     if opts["full_groups"] and opts["align"] in ("none", None):
-        raise InputError("--full-groups fits the groups an alignment solves; expected --align weights or activations")
+        raise InputError(f"{n('full_groups')} fits the groups an alignment solves; expected {n('align')} weights "
+                         "or activations")
     if opts["repair"] and not opts["data"]:
-        raise InputError("--repair needs --data FILE (batches to measure activation statistics on)")
+        raise InputError(f"{n('repair')} needs {data} (batches to measure activation statistics on)")
     needs_data = get_method(opts["method"]).needs_data or opts["align"] == "activations"
     if needs_data and not opts["data"]:
-        raise InputError(f"--align {opts['align']} with --method {opts['method']} needs --data FILE (a "
-                         ".safetensors or .pt file with a tensor 'input_ids' [N, S]); expected --data, or "
-                         "--align weights/none with --method average")
+        raise InputError(f"{n('align')} {opts['align']} with {n('method')} {opts['method']} needs {data} (a "
+                         ".safetensors or .pt file with a tensor 'input_ids' [N, S]); expected it, or "
+                         f"{n('align')} weights/none with {n('method')} average")
 
 
 def to_yaml(cfg: MergeConfig, out: str = "merged") -> str:

@@ -57,12 +57,10 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
     inputs = list(cfg.models) + ([cfg.data] if cfg.data else [])
     out = check_out(cfg.out, force=cfg.force, inputs=inputs)  # before any work
     check_paths(cfg.models)
-    if cfg.data and os.path.isdir(os.path.expanduser(cfg.data)):
-        raise InputError(f"data {cfg.data!r} is a directory; expected a .safetensors or .pt file holding a "
-                         "tensor 'input_ids' [N, S] (or 'pixel_values')")
-    if cfg.data and not os.path.isfile(cfg.data):
-        raise FileNotFoundError(f"data file {cfg.data!r} does not exist; expected a .safetensors or "
-                                ".pt file holding a tensor 'input_ids' [N, S] (or 'pixel_values')")
+    if cfg.data:
+        from ..checkpoints.specs import DATA_EXPECTED
+        from ..core.files import check_input_file
+        check_input_file(cfg.data, "data file", DATA_EXPECTED)
     job = None
     if streaming is not False:
         why = _needs_memory(cfg)
