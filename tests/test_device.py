@@ -3,6 +3,8 @@ float32, nothing created on the default device where the model's tensors live el
 (marked ``gpu``, run on a CUDA machine) the whole pipeline on a GPU."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -81,3 +83,63 @@ def test_pipeline_on_cuda():
     with torch.no_grad():
         la, lm = a16(x).logits.float(), res.model(x).logits.float()
     assert (la - lm).abs().max() < 0.1 * la.abs().max()
+
+
+def _flows(A, B, data):
+    """Every path of the pipeline, as ``{name: state dict}`` (and the report's certificate)."""
+    rep = symgraph.analyze(A)
+    out = {"transform": symgraph.transform(A, rep.random_transform(seed=0)).state_dict()}
+    al = symgraph.align(A, B, report_a=rep)
+    out["align_weights"] = al.apply(B).state_dict()
+    out["align_activations"] = symgraph.align(A, B, data=data, report_a=rep).apply(B).state_dict()
+    out["full_groups"] = symgraph.align(A, B, report_a=rep, full_groups=True, rescale=True).apply(B).state_dict()
+    out["refine"] = symgraph.align(A, B, data=data, report_a=rep, refine=2).apply(B).state_dict()
+    out["merge_repair"] = symgraph.merge([A, B], align="activations", data=data, repair=True).model.state_dict()
+    out["merge_fisher"] = symgraph.merge([A, B], method="fisher", data=data).model.state_dict()
+    out["universe"] = symgraph.merge([A, B], anchor="universe").model.state_dict()
+    out["circuits"] = symgraph.merge([A, B], attention="circuits").model.state_dict()
+    return out
+
+
+def test_the_pipeline_on_a_device_that_is_not_the_cpu():
+    """The whole pipeline on ``fakegpu`` (symgraph.testing.device: PyTorch's PrivateUse1 key
+    from Python, computing on the CPU inside): an op mixing its tensors with CPU tensors
+    raises, so a tensor the library creates on the default device fails here, without a GPU.
+    Every result stays on the device and equals the CPU run."""
+    from symgraph.testing.device import install
+    from symgraph.testing.models import build
+    dev = torch.device(install())
+    a, b = build("llama", seed=0), build("llama", seed=1)  # use_cache=False: HF's cache makes tensors from lists
+    data = [{"input_ids": torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(i))} for i in range(3)]
+    want = _flows(a, b, data)
+    A, B = copy.deepcopy(a).to(dev), copy.deepcopy(b).to(dev)
+    got = _flows(A, B, [{k: v.to(dev) for k, v in x.items()} for x in data])
+    for flow, state in want.items():
+        for k, v in state.items():
+            g = got[flow][k]
+            assert g.device.type == dev.type, (flow, k, g.device)
+            assert torch.allclose(g.cpu(), v, atol=1e-6, rtol=1e-5), (flow, k, float((g.cpu() - v).abs().max()))
+
+
+def test_cli_merge_on_a_device(tmp_path, capsys):
+    """``symgraph merge --device DEV``: the models are loaded and merged there, the output is the
+    CPU run's; a CUDA device on a machine without one is one line."""
+    from safetensors.torch import load_file
+    from symgraph.cli.main import main
+    from symgraph.testing.device import install
+    from symgraph.testing.models import build
+    dev = install()
+    for seed in (0, 1):
+        build("llama", seed=seed).save_pretrained(tmp_path / f"m{seed}")
+    args = [str(tmp_path / "m0"), str(tmp_path / "m1"), "--align", "weights"]
+    assert main(["merge", *args, "--device", dev, "--out", str(tmp_path / "on_dev")]) == 0
+    assert main(["merge", *args, "--out", str(tmp_path / "on_cpu")]) == 0
+    got, want = load_file(str(tmp_path / "on_dev" / "model.safetensors")), load_file(str(tmp_path / "on_cpu" / "model.safetensors"))
+    assert set(got) == set(want) and all(torch.allclose(got[k], want[k], atol=1e-6) for k in got)
+    capsys.readouterr()
+    if not torch.cuda.is_available():
+        assert main(["merge", *args, "--device", "cuda", "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert "CUDA device but this machine has none" in " ".join(err.split()) and err.count("symgraph:") == 1
+    assert main(["merge", *args, "--device", "toaster", "--out", str(tmp_path / "x")]) == 2
+    assert "not a device name" in capsys.readouterr().err

@@ -163,7 +163,7 @@ def _add(stats, uses, xa, xb, max_samples):
             a = _act_gather(xa, k, ia, fa)
             b = _act_gather(xb, k, ib, fb)
             if a.shape[0] > max_samples:
-                sel = torch.linspace(0, a.shape[0] - 1, max_samples).long()
+                sel = torch.linspace(0, a.shape[0] - 1, max_samples, device=a.device).long()
                 a, b = a[sel], b[sel]
             stats[i].add(a, b, fa)
 
@@ -338,7 +338,7 @@ def _act_gather(x, k, idx, nf):
     Every other axis of ``x`` and the other leaves ``O`` of the same axis count as samples.
     """
     moved = x.movedim(k, -1)
-    g = moved[..., idx.reshape(-1)].reshape(*moved.shape[:-1], *idx.shape)
+    g = moved[..., idx.reshape(-1).to(x.device)].reshape(*moved.shape[:-1], *idx.shape)
     n_o = idx.dim() - nf - 1
     if n_o:
         g = g.movedim(tuple(range(g.dim() - n_o, g.dim())), tuple(range(n_o)))

@@ -16,7 +16,7 @@ from .activations import act_matrix, activation_similarity
 from .checks import check_compatible, check_finite
 from .masses import MASSES, mass_function
 from .refine import choose_start, refine
-from .rescale import fit_gl, fit_scales
+from .rescale import fit_gl, fit_scales, fit_unit_scales
 from .result import Alignment
 from .solve_unit import _solve_single
 from .sweeps import Sweeps
@@ -204,20 +204,28 @@ def _solved(ra, rb, model_a, model_b, data, opts) -> Alignment:
                      template=model_a, gauge=gauge(ra.folds, dict(model_a.named_parameters())))
 
 
-def _full_groups(al, model_a, model_b, opts, rounds: int = 4) -> dict:
-    """:func:`fit_gl`, alternated with re-solving the unfibred continuous classes (residual
-    streams, whose similarity reads the heads' maps) against the fitted heads: the residual
-    solved against orthogonal-only heads is off where the heads' maps are not orthogonal."""
+def _full_groups(al, model_a, model_b, opts, rounds: int = 16, tol: float = 1e-10) -> dict:
+    """:func:`fit_unit_scales` and :func:`fit_gl`, alternated with re-solving the continuous
+    classes against the fitted heads (residual streams, whose similarity reads the heads'
+    maps, and the heads' orthogonal parts, e.g. RoPE rotations, which read the streams): each
+    solved against the other's orthogonal-only solution is off where the maps are not
+    orthogonal. Alternates until no element moves by more than ``tol`` (at most ``rounds``;
+    a transformed copy takes about 8)."""
     ra, rb = al.report_a, al.report_b
     sel = [g for g in ra.groups if opts.selected(g)]
+    units = fit_unit_scales(al, model_a, model_b, sel)  # scaled permutations: exact after the permutation
     kept = fit_gl(al, model_a, model_b, sel)
+    scaled = {gid: f"{n} unit scales" for gid, n in units.items()}
     free = [g for g in sel if not g.outer and g.kind not in ("gl", "rope") and isinstance(al.elements.get(g.id), torch.Tensor)
             and orthogonal_part(g.kind) not in PERMUTATION_FAMILY]
     if not kept or not free:
-        return kept
+        return {**kept, **scaled}
     feats = WeightFeatures.from_models(ra, rb, model_a, model_b)
     b_of = dict(zip((g.id for g in ra.groups), rb.groups))
+    members = [g for g in sel if g.outer and g.id in kept and isinstance(al.elements.get(g.id), torch.Tensor)]
+    watched = [g.id for g in free + members]
     for _ in range(rounds):
+        before = {gid: al.elements[gid].clone() for gid in watched if isinstance(al.elements.get(gid), torch.Tensor)}
         for gid in kept:
             feats.versions[gid] = feats.versions.get(gid, 0) + 1  # their elements changed
         for g in free:
@@ -225,8 +233,39 @@ def _full_groups(al, model_a, model_b, opts, rounds: int = 4) -> dict:
             if sim is not None:
                 al.elements[g.id] = _solve_single(g, sim, opts, lambda _g: None)[1]
                 feats.versions[g.id] = feats.versions.get(g.id, 0) + 1
+        for g in members:  # the heads' orthogonal parts (RoPE rotations) again, against the new streams
+            el = _resolve_member(al, g, feats, b_of[g.id], opts)
+            if el is not None:
+                al.elements[g.id] = el
+                feats.versions[g.id] = feats.versions.get(g.id, 0) + 1
         kept = fit_gl(al, model_a, model_b, sel)
-    return kept
+        if all(al.elements[g].shape == E.shape and float((al.elements[g] - E).abs().max()) <= tol
+               for g, E in before.items()):
+            break
+    return {**kept, **scaled}
+
+
+def _resolve_member(al, g, feats, gb, opts):
+    """The orthogonal part of a head class ``g`` (fibred over one head class whose heads were
+    matched by a permutation) solved again per matched head pair; None otherwise."""
+    from .rescale import _head_maps
+    fib = _head_maps(al, g)
+    E = al.elements[g.id]
+    if fib is None or len(fib) != 1 or E.dim() != 3:
+        return None
+    sim, _, _ = feats.similarity(g, gb, al.elements, True)  # [H_A, H_B, n, n]
+    if sim is None or sim.dim() != 4:
+        return None
+    hb = torch.arange(sim.shape[1], device=sim.device)
+    if fib[0] is None:
+        ha = hb
+    else:  # E is indexed by B's heads: B head index[i] is A head i
+        ha = torch.empty_like(fib[0].index).to(sim.device)
+        ha[fib[0].index.to(sim.device)] = torch.arange(len(ha), device=sim.device)
+    _, el = _solve_single(g, sim[ha, hb], opts, lambda _g: None)
+    if not isinstance(el, torch.Tensor) or el.shape != E.shape:
+        return None
+    return el.to(E.dtype)
 
 
 def _refined(al, model_a, model_b, data, opts) -> Alignment:

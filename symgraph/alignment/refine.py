@@ -76,7 +76,7 @@ class _Learned:
             self.params = [self.score]
         elif self.kind == "rope":
             self.pairs, self.base = g.pairs, E.clone()
-            i, j = (torch.tensor(x, dtype=torch.long) for x in zip(*g.pairs))
+            i, j = (torch.tensor(x, dtype=torch.long).to(E.device) for x in zip(*g.pairs))
             self.theta = torch.nn.Parameter(torch.atan2(E[..., j, i], E[..., i, i]).clone())
             self.params = [self.theta]
         else:  # orthogonal, orthogonal_mean, gl (its orthogonal part, where solved so)
@@ -128,7 +128,7 @@ def _learnable(report, al):
         if kind in PERMUTATION_FAMILY and (g.outer or not isinstance(E, (Perm, torch.Tensor))):
             continue
         if kind == "identity" or (kind == "orthogonal" and isinstance(E, torch.Tensor)
-                                  and not torch.allclose(E @ E.mT, torch.eye(E.shape[-1], dtype=E.dtype),
+                                  and not torch.allclose(E @ E.mT, torch.eye(E.shape[-1], dtype=E.dtype, device=E.device),
                                                          atol=1e-8)):
             continue
         out[g.id] = _Learned(g, E)

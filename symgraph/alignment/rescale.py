@@ -9,7 +9,7 @@ from scipy.optimize import minimize_scalar
 from ..core.elements import Perm
 from .weights import gather
 
-__all__ = ["fit_scales", "fit_gl"]
+__all__ = ["fit_scales", "fit_gl", "fit_unit_scales"]
 
 
 def fit_scales(al, model_a, model_b, groups):
@@ -29,7 +29,7 @@ def fit_scales(al, model_a, model_b, groups):
         fib = _head_maps(al, g)  # E's blocks are indexed by B's heads, the views below by A's
         if fib is None:
             continue
-        acc = torch.zeros(nblk, 4, dtype=torch.float64)  # co: Σb², Σab; contra: Σb², Σab
+        acc = torch.zeros(nblk, 4, dtype=torch.float64, device=E.device)  # co: Σb², Σab; contra: Σb², Σab
         for name, d in g.params:
             ax = ra.param_axes(name)
             ta = ra.view(name, model_a.get_parameter(name).detach().double())
@@ -43,11 +43,59 @@ def fit_scales(al, model_a, model_b, groups):
                 acc[:, k] += (xb * xb).sum(1)
                 acc[:, k + 1] += (xa * xb).sum(1)
         acc = _by_b_heads(acc.reshape(*E.shape[:-2], 4), fib, 0)
-        scales = [_best_scale(*row) for row in acc.reshape(nblk, 4).tolist()]
-        sc = torch.tensor(scales, dtype=torch.float64).reshape(*E.shape[:-2], 1, 1)
+        scales = [_best_scale(*row) for row in acc.reshape(nblk, 4).cpu().tolist()]
+        sc = torch.tensor(scales, dtype=torch.float64).to(E.device).reshape(*E.shape[:-2], 1, 1)
         al.elements[g.id] = E * sc
         out[g.id] = scales
     return out
+
+
+def fit_unit_scales(al, model_a, model_b, groups) -> dict:
+    """The positive scale of each unit of a ``scaled_perm`` class (a ReLU's units: a scale ``s``
+    on a unit's inputs is undone by ``1/s`` on its outputs), fitted after the permutation:
+    per unit ``argmin_s Σ_co ‖a − s·b′‖² + Σ_contra ‖a − b′/s‖²`` (exact for a transformed
+    copy). The element becomes ``diag(s)·P`` (dense: ``n×n``). Updates ``al.elements``;
+    returns ``{group id: number of units rescaled}``."""
+    ra = al.report_a
+    targets = [g for g in groups if g.kind == "scaled_perm" and not g.outer
+               and isinstance(al.elements.get(g.id), (Perm, torch.Tensor))]
+    if not targets:
+        return {}
+    Bp = al.state(model_b)
+    out = {}
+    for g in targets:
+        E = al.elements[g.id]
+        P = E.dense() if isinstance(E, Perm) else E.double()
+        if P.dim() != 2 or P.shape[0] != P.shape[1]:
+            continue
+        acc = torch.zeros(4, P.shape[0], dtype=torch.float64, device=P.device)  # co Σb², Σab; contra
+        for name, d in g.params:
+            ax = ra.param_axes(name)
+            ta = ra.view(name, model_a.get_parameter(name).detach().double())
+            tb = ra.view(name, Bp[name].double())
+            for idx, nf, parity in ra.leaf_views(ax[d], g.id, with_parity=True):
+                xa, xb = gather(ta, d, idx, nf).reshape(P.shape[0], -1), gather(tb, d, idx, nf).reshape(P.shape[0], -1)
+                acc[2 * parity] += (xb * xb).sum(1)
+                acc[2 * parity + 1] += (xa * xb).sum(1)
+        scales = _best_scales(*acc)
+        al.elements[g.id] = scales[:, None] * P
+        out[g.id] = int((scales != 1).sum())
+    return out
+
+
+def _best_scales(q, c, kk, dd, iters: int = 80):
+    """:func:`_best_scale` for many units at once: golden-section search over ``log a`` in
+    [-6, 6] (the objective is unimodal in ``log a``), kept where it beats ``a = 1``."""
+    def f(t):
+        return q * torch.exp(2 * t) - 2 * c * torch.exp(t) + kk * torch.exp(-2 * t) - 2 * dd * torch.exp(-t)
+    lo, hi = torch.full_like(q, -6.0), torch.full_like(q, 6.0)
+    r = (5 ** 0.5 - 1) / 2
+    for _ in range(iters):
+        m1, m2 = hi - r * (hi - lo), lo + r * (hi - lo)
+        left = f(m1) < f(m2)
+        hi, lo = torch.where(left, m2, hi), torch.where(left, lo, m1)
+    t = (lo + hi) / 2
+    return torch.where(f(t) < f(torch.zeros_like(t)), torch.exp(t), torch.ones_like(t))
 
 
 def _head_maps(al, g):
@@ -98,7 +146,7 @@ def fit_gl(al, model_a, model_b, groups) -> dict:
         fib = _head_maps(al, g)
         if fib is None:
             continue
-        acc = torch.zeros(2, 2, nblk, n, n, dtype=torch.float64)  # [co/contra][XaXbᵀ, XbXbᵀ]
+        acc = torch.zeros(2, 2, nblk, n, n, dtype=torch.float64, device=E.device)  # [co/contra][XaXbᵀ, XbXbᵀ]
         for name, d in dict.fromkeys(g.params):  # a packed slot (q and k in one) is listed twice
             ax = ra.param_axes(name)
             ta = ra.view(name, model_a.get_parameter(name).detach().double())
@@ -132,8 +180,8 @@ def _solve_ls(c, s):
 
 def _best_gl(acc, g):
     nblk, n = acc.shape[2], acc.shape[-1]
-    eye = torch.eye(n, dtype=torch.float64).expand(nblk, n, n)
-    cands, oks = [eye], [torch.ones(nblk, dtype=torch.bool)]
+    eye = torch.eye(n, dtype=torch.float64, device=acc.device).expand(nblk, n, n)
+    cands, oks = [eye], [torch.ones(nblk, dtype=torch.bool, device=acc.device)]
     co, ok = _solve_ls(acc[0, 0], acc[0, 1])
     cands.append(co)
     oks.append(ok & (torch.linalg.cond(co) < 1e8))
@@ -155,9 +203,9 @@ def _pair_scales(acc, g):
     """Per RoPE pair, the scalar of its scaled rotation (pairs ``g.pairs``)."""
     nblk, n = acc.shape[2], acc.shape[-1]
     d = torch.diagonal(acc, dim1=-2, dim2=-1)  # [2, 2, nblk, n]: per coordinate <a, b>, |b|²
-    scale = torch.ones(nblk, n, dtype=torch.float64)
+    scale = torch.ones(nblk, n, dtype=torch.float64, device=acc.device)
     for p in g.pairs or ():
-        p = list(p)
+        p = torch.tensor(list(p)).to(acc.device)  # an index tensor on the device (a list is copied per use)
         c, q = d[0, 0][:, p].sum(-1), d[0, 1][:, p].sum(-1)
         dd, kk = d[1, 0][:, p].sum(-1), d[1, 1][:, p].sum(-1)
         for b in range(nblk):

@@ -180,6 +180,9 @@ def build_parser():
     m.add_argument("--full-groups", action="store_true", default=None,
                    help="after the rotations, fit each head's GL map and each RoPE pair's scale "
                    "(the full groups the report claims; exact for a transformed copy; loads the models)")
+    m.add_argument("--device", metavar="DEV", default=None,
+                   help="compute on this device (cpu, cuda, cuda:N; like mergekit's --cuda): the models are "
+                   "loaded there; the output is written as on the CPU")
     m.add_argument("--force", action="store_true", help="replace an existing --out")
     m.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     m.set_defaults(func=cmd_merge)

@@ -91,8 +91,8 @@ def pair_rotations(base: torch.Tensor, pairs, c, s) -> torch.Tensor:
     """A copy of ``base [..., n, n]`` with the 2×2 rotation ``[[c, -s], [s, c]]`` on each
     coordinate pair ``(i, j)`` of ``pairs`` (``c``, ``s``: ``[..., len(pairs)]``); differentiable
     in ``c`` and ``s``."""
-    i = torch.tensor([p[0] for p in pairs], dtype=torch.long)
-    j = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+    i = torch.tensor([p[0] for p in pairs], dtype=torch.long).to(base.device)
+    j = torch.tensor([p[1] for p in pairs], dtype=torch.long).to(base.device)
     R = base.detach().clone()
     R[..., i, i], R[..., i, j], R[..., j, i], R[..., j, j] = c, -s, s, c
     return R

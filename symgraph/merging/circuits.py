@@ -252,8 +252,7 @@ def _recompute_buffers(model, cfg):
     for name, mod in list(model.named_modules()):
         if not getattr(mod, "_non_persistent_buffers_set", None) or any(True for _ in mod.parameters(recurse=False)):
             continue
-        with torch.device(dev):
-            fresh = type(mod)(config=cfg)
+        fresh = type(mod)(config=cfg).to(dev)  # built on the CPU: its buffers are small
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, fresh)
 

@@ -50,6 +50,7 @@ MERGE_KEYS = {
     "untie": "true or false",
     "full_groups": "true or false",
     "outputs": "a list of output names a symmetry must keep (e.g. [logits])",
+    "device": "where to compute: 'cpu', 'cuda' or 'cuda:N' (not cpu: the models are loaded there)",
     "force": "true or false",
 }
 
@@ -70,7 +71,27 @@ class MergeConfig(BaseModel):
     untie: StrictBool = False
     full_groups: StrictBool = False
     outputs: list[StrictStr] | None = Field(default=None, min_length=1)
+    device: StrictStr = "cpu"
     force: StrictBool = False
+
+    @field_validator("device")
+    @classmethod
+    def _usable_device(cls, v):
+        import torch
+        try:
+            dev = torch.device(v)
+        except (RuntimeError, ValueError):
+            raise ValueError("is not a device name; expected 'cpu', 'cuda' or 'cuda:N'") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("names a CUDA device but this machine has none (torch.cuda.is_available() is "
+                             "False); expected 'cpu', or a machine with a GPU and a CUDA build of torch")
+        if dev.type != "cpu":
+            try:
+                torch.empty(1, device=dev)
+            except (RuntimeError, AssertionError) as e:
+                raise ValueError(f"cannot hold a tensor ({' '.join(str(e).split())[:120]}); expected a "
+                                 "usable device") from None
+        return str(dev)
 
     @field_validator("align", mode="before")
     @classmethod
@@ -214,7 +235,7 @@ def merge_options(args: dict) -> MergeConfig:
         if args.get("config") and opts["models"]:
             raise InputError("models given both on the command line and in --config; expected one or the other")
         opts["models"] = list(args["models"])
-    given = [k for k in ("out", "align", "method", "weights", "data", "outputs", "attention") if args.get(k) is not None]
+    given = [k for k in ("out", "align", "method", "weights", "data", "outputs", "attention", "device") if args.get(k) is not None]
     given += [f for f in ("force", "repair", "untie", "full_groups") if args.get(f)]
     given += ["refine"] * (args.get("refine") is not None) + ["fold_norms"] * bool(args.get("no_fold_norms"))
     for k in given:

@@ -91,6 +91,8 @@ def _needs_memory(cfg) -> str | None:
         return "circuit-space heads and untied weights change the architecture"
     if cfg.full_groups:
         return "fitting the full groups reads the loaded models"
+    if cfg.device != "cpu":
+        return f"computing on {cfg.device} loads the models there"
     local = [m for m in cfg.models if os.path.isdir(os.path.expanduser(m))]
     if len(local) != len(cfg.models):
         return "not every model is a local checkpoint directory"
@@ -102,7 +104,8 @@ def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
     from ..checkpoints.outdir import model_card, save_atomic
     from ..checkpoints.specs import load_model
     from .driver import merge
-    models = [load_model(m) for m in progress_bar(cfg.models, enabled=progress, desc="loading", unit="model")]
+    models = [load_model(m).to(cfg.device)
+              for m in progress_bar(cfg.models, enabled=progress, desc="loading", unit="model")]
     _check_same_family(models, cfg.models)
     check_compatible([getattr(m, "config", None) for m in models], cfg.models)
     if cfg.attention == "circuits":
@@ -112,6 +115,8 @@ def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
             raise InputError(f"{why} (symgraph.merge(..., attention='circuits') in Python); expected a config "
                              "with head_dim (LLaMA, Qwen2, Mistral, Gemma...) for a saved checkpoint")
     data = data if data is not None else _data(cfg, models[0])
+    if data and cfg.device != "cpu":
+        data = [{k: v.to(cfg.device) if hasattr(v, "to") else v for k, v in b.items()} for b in data]
     t0 = time.time()
     try:
         result = merge(models, weights=cfg.weights, align=None if cfg.align == "none" else cfg.align,
@@ -122,6 +127,8 @@ def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
     except (StructureMismatchError, InputError) as e:
         raise type(e)(f"{e}{_config_diff(models, cfg.models)}") from None
     check_finite(result.model, "the merged model")
+    if cfg.device != "cpu":
+        result.model.to("cpu")  # written from the CPU (safetensors reads host memory)
     meta = _meta(cfg, data, mode="in-memory", seconds=time.time() - t0, alignments=result.alignments,
                  dtype=next(result.model.parameters()).dtype,
                  repair=result.repair.to_dict() if result.repair is not None else None,
