@@ -189,3 +189,41 @@ def test_model_without_float64_kernels_certifies_in_float32():
         worst = report.certify(model)
     assert 0 < worst < symgraph.report.symmetry.FLOAT32_TOL
     assert [(g.kind, g.size) for g in report.groups] == [("scaled_perm", 10)]
+
+
+class _ExpertsNoDouble(_NoDouble):
+    """Like Hugging Face's experts: no float64 kernel until its eager loop is chosen."""
+    eager = False
+
+    def set_experts_implementation(self, name):
+        self.eager = name == "eager"
+
+    def forward(self, x):
+        if self.eager:
+            return self.down(torch.relu(self.up(x)))
+        return super().forward(x)
+
+
+def test_experts_certify_in_float64_through_their_eager_loop():
+    """A model whose grouped matmul has no float64 kernel but which can switch to its eager
+    experts loop (``set_experts_implementation``) is certified in float64, with no warning;
+    the model passed in is not switched."""
+    import warnings
+    model, x = _ExpertsNoDouble().eval(), torch.randn(4, 6)
+    report = symgraph.analyze(model, (x,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        worst = report.certify(model)
+    assert worst < 1e-12 and not model.eager
+
+
+def test_mixtral_certifies_in_float64():
+    """Mixtral on torch 2.13's CPU: float64 throughout (Hugging Face's router softmax runs in
+    float32, hence a float32-level deviation), no float32 fallback."""
+    import warnings
+    from symgraph.testing import models
+    model = models.build("mixtral", seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        worst = symgraph.analyze(model).certify(model)
+    assert worst < 1e-6

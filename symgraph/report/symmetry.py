@@ -4,25 +4,22 @@ alignment, transforms and merging read. Classes are named by group id everywhere
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from ..transform import folding
 from ..core.elements import Perm
-from ..errors import CertificationError, InputError
+from ..errors import InputError
 from ..core.groups import orthogonal_part, sample
 from ..analysis.axes import attention_sites, axis_matrix, axis_tree, resized_shapes, leaf_views, linear_layers, leaves_with_parity, observation_points, other_leaf_elements, stored_slots
 from ..analysis.patterns.stacked import unview_of, view_of
-from ..analysis.trace import eval_mode, flatten_outputs, graph_friendly, output_deviation, select_outputs, split_inputs
 
 __all__ = ['SymmetryReport', 'Group', 'Transform', 'FLOAT32_TOL']
 
-FLOAT32_TOL = 1e-4  # certificates of models that cannot run in float64
+from .certify import FLOAT32_TOL  # noqa: E402 - re-exported
 
 
 @dataclass
@@ -92,14 +89,6 @@ def _common_prefix(names):
     return ".".join(out)
 
 
-def _cast(x, dtype):
-    if isinstance(x, torch.Tensor):
-        return x.to(dtype) if x.is_floating_point() else x
-    if isinstance(x, dict):
-        return {k: _cast(v, dtype) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_cast(v, dtype) for v in x)
-    return x
 
 
 class SymmetryReport:
@@ -179,43 +168,10 @@ class SymmetryReport:
         return Transform(self, elements)
 
     def certify(self, model, inputs=None, trials: int = 3, tol: float = 1e-6) -> float:
-        """Apply random elements of every group in float64; return the worst relative change.
-
-        A model with an op that has no float64 kernel (e.g. grouped matmuls of MoE experts) is
-        certified in float32 instead, against ``max(tol, FLOAT32_TOL)``, with a warning that
-        says so. Raises :class:`CertificationError` when the change exceeds the tolerance.
-        """
-        if any(p.is_meta for p in model.parameters()):
-            raise InputError("cannot certify a model on the meta device: it has no weights")
-        args, kwargs = split_inputs(model, inputs) if inputs is not None else self._inputs
-        try:
-            worst, used = self._certify_in(model, args, kwargs, trials, torch.float64), tol
-        except RuntimeError as e:
-            if "Double" not in str(e) and "double" not in str(e):
-                raise
-            used = max(tol, FLOAT32_TOL)
-            warnings.warn(f"{self.model_name} cannot run in float64 ({str(e).splitlines()[0][:120]}); "
-                          f"certified in float32 against a tolerance of {used:g}", stacklevel=2)
-            worst = self._certify_in(model, args, kwargs, trials, torch.float32)
-        if worst > used:
-            raise CertificationError(
-                f"symmetry certificate failed for {self.model_name}: transformed outputs differ "
-                f"by {worst:.3g} (relative), expected at most {used:g}")
-        return worst
-
-    def _certify_in(self, model, args, kwargs, trials, dtype) -> float:
-        from ..transform.apply import transform
-        m = copy.deepcopy(model).to(dtype)
-        args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
-        worst = 0.0
-        with torch.no_grad(), eval_mode(m), graph_friendly(m):
-            base = flatten_outputs(select_outputs(m(*args, **kwargs), self.outputs))
-            for trial in range(trials):
-                mt = transform(m, self.random_transform(seed=trial))
-                with eval_mode(mt), graph_friendly(mt):
-                    out = flatten_outputs(select_outputs(mt(*args, **kwargs), self.outputs))
-                worst = max(worst, output_deviation(base, out))
-        return worst
+        """Apply random elements of every group in float64; return the worst relative change
+        (raises :class:`CertificationError` over ``tol``; see :func:`.certify.certify`)."""
+        from .certify import certify
+        return certify(self, model, inputs, trials, tol)
 
     # --- presentation --------------------------------------------------------------------
     def summary(self) -> str:
