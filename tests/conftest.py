@@ -24,6 +24,13 @@ from symgraph.testing import models  # noqa: E402
 from symgraph.testing.models import randomize_vectors  # noqa: E402, F401 - re-exported for tests
 
 transformers.logging.set_verbosity_error()
+# tiny models: a second thread only adds synchronisation (and, beside another busy process,
+# oversubscription that made one file 10x slower); tests that want more threads set them
+torch.set_num_threads(1)
+# the test device (tests/test_device.py) is registered before any backward pass: autograd's
+# engine sizes its per-device queues when it first runs
+from symgraph.testing.device import install as _install_test_device  # noqa: E402
+_install_test_device()
 
 LAYERS = 2
 
