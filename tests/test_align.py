@@ -392,3 +392,30 @@ def test_transport_solvers_recover_a_permuted_copy(solver, reg):
     assert _rel_params(A, al.apply(B)) < 1e-6
     if solver == "ot":  # head and unit permutations come out as permutations
         assert all(not isinstance(e, symgraph.core.elements.Map) for e in al.elements.values())
+
+
+class _TanhMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(6, 16), torch.nn.Linear(16, 12), torch.nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def test_odd_activations_are_recovered_as_signed_permutations():
+    """tanh is odd: a unit may flip the signs of its input and output weights. The report says
+    signed_perm, random_transform flips signs, and weight and activation matching (and learned
+    matching) recover the copy exactly, signs included."""
+    torch.manual_seed(0)
+    A, x = _TanhMLP().eval(), torch.randn(8, 6)
+    rep = symgraph.analyze(A, (x,))
+    assert [g.kind for g in rep.groups] == ["signed_perm", "signed_perm"]
+    B = symgraph.transform(A, rep.random_transform(seed=0))
+    dev = lambda m: max(float((p - q).abs().max()) for p, q in zip(A.parameters(), m.parameters()))  # noqa: E731
+    assert dev(B) > 0.1
+    data = [(torch.randn(32, 6),) for _ in range(3)]
+    for al in (symgraph.align(A, B, (x,)), symgraph.align(A, B, (x,), data=data),
+               symgraph.align(A, B, (x,), data=data, refine=3, loss_fn=lambda m, b: m(*b).pow(2).mean())):
+        assert dev(al.apply(B)) < 1e-6
+        assert any(bool((al.elements[g.id] < 0).any()) for g in rep.groups)  # signs were flipped back

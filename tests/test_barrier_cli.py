@@ -32,10 +32,11 @@ def pair(tmp_path_factory):
 
 def test_barrier_table_json_and_plot_match_the_library(pair, tmp_path):
     r = cli("barrier", pair / "m0", pair / "m1", "--data", pair / "data.safetensors", "--align", "none", "weights",
-            "--out", tmp_path / "o")
+            "--out-of-core", "--out", tmp_path / "o")
     assert r.returncode == 0, r.stderr[-2000:]
     rec = json.loads((tmp_path / "o" / "barrier.json").read_text())
     assert [row["align"] for row in rec["rows"]] == ["none", "weights"] and "weights" in r.stdout
+    assert rec["mode"] == "out of core"  # --out-of-core: nothing loaded whole
     assert (tmp_path / "o" / "barrier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     A, B = models.build("llama", seed=0, **L), models.build("llama", seed=1, **L)
     data = load_data(str(pair / "data.safetensors"), A)
@@ -49,6 +50,32 @@ def test_barrier_table_json_and_plot_match_the_library(pair, tmp_path):
         assert [lam for lam, _ in row["curve"]] == pytest.approx([lam for lam, _ in curve])
     ends = dict(rec["rows"][0]["curve"])
     assert ends[1.0] == pytest.approx(loss(A), abs=1e-5) and ends[0.0] == pytest.approx(loss(B), abs=1e-5)
+
+
+def test_out_of_core_curves_equal_the_in_memory_ones(pair):
+    """The streamed line (the model's own program run op by op on interpolated tensors read
+    from the checkpoints) gives the in-memory losses, for each alignment, with the same
+    alignment applied in memory."""
+    from symgraph.checkpoints.sharded import Checkpoint
+    from symgraph.cli.barrier import streamed_barrier_curves
+    A, B = models.build("llama", seed=0, **L), models.build("llama", seed=1, **L)
+    data = load_data(str(pair / "data.safetensors"), A)[:2]
+    ca, cb = Checkpoint(str(pair / "m0")), Checkpoint(str(pair / "m1"))
+    rows = streamed_barrier_curves(ca, cb, data, ("none", "weights", "activations"), points=3)
+
+    def loss(m):
+        with torch.no_grad():
+            return float(sum(float(default_loss(m, b)) for b in data) / len(data))
+    from symgraph.merging.streaming import StreamingMerge
+    for row in rows:
+        Bal = B
+        if row["align"] != "none":
+            job = StreamingMerge([ca, cb], align=row["align"], data=data if row["align"] == "activations" else None)
+            job.align()
+            Bal = job.alignments[1].apply(B, template=A)
+        want = symgraph.interpolate(A, Bal, np.linspace(0, 1, 3), loss)
+        assert [x for _, x in row["curve"]] == pytest.approx([x for _, x in want], abs=1e-5), row["align"]
+    assert rows[1]["barrier"] < rows[0]["barrier"]
 
 
 @pytest.mark.parametrize("extra,needle", [(["--points", "2"], "at least 3"),

@@ -17,7 +17,7 @@ from ..core.groups import orthogonal_part
 from .checks import batch_inputs, by_shape
 
 __all__ = ["ActStats", "all_reduce_stats", "activation_similarity", "act_matrix", "run_capture",
-           "GraphRunner", "Stepper", "lockstep", "on_device"]
+           "GraphRunner", "Stepper", "lockstep", "on_device", "streamed_outputs"]
 
 
 class _Capture(torch.fx.Interpreter):
@@ -353,6 +353,26 @@ def run_capture(gm, names, sink, args, kwargs):
     interp = _Capture(gm, names, put)
     flat = _flatten_for(gm, args, kwargs)
     interp.run(*flat)
+
+
+def streamed_outputs(ep, args, kwargs, fetch) -> list:
+    """The flat outputs of exported program ``ep`` (traced on ``meta`` or anywhere) run op by op
+    on the CPU, each parameter and buffer read by ``fetch(name)`` when an op takes it (see
+    :class:`Stepper`). Raises :class:`NeedsMemory` when the graph holds constants a model
+    without weights does not have."""
+    gm = ep.module()
+    on_device(gm, "cpu")
+    lost = meta_constants(gm)
+    if lost:
+        raise NeedsMemory(f"the traced graph creates tensor constants ({', '.join(lost[:3])}) whose values a "
+                          "model traced without weights (on meta) does not hold")
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    import torch.utils._pytree as pytree
+    flat_out, _ = pytree.tree_flatten(out.args[0])
+    names = [n.name for n in flat_out if isinstance(n, torch.fx.Node)]
+    with torch.no_grad():
+        got = dict(Stepper(gm, fetch).steps(_flatten_for(gm, args, kwargs), set(names)))
+    return [got.get(n) for n in names]
 
 
 def _flatten_for(gm, args, kwargs):

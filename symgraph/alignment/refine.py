@@ -89,10 +89,16 @@ class _Learned:
                 self.mod.weight = E.double()  # right inverse: start at the solved element
             self.params = list(self.mod.parameters())
 
+    def _project(self, score):
+        """The nearest element of the (signed) permutation group (a straight-through target)."""
+        if self.kind == "signed_perm":
+            return S.signed_hungarian(score).element
+        return S.hungarian(score).element
+
     def element(self):
         if self.kind in PERMUTATION_FAMILY:
             with torch.no_grad():
-                hard = S.hungarian(self.score.detach()).element.to(self.score)
+                hard = self._project(self.score.detach()).to(self.score)
             return hard + self.score - self.score.detach()
         if self.kind == "rope":
             return pair_rotations(self.base, self.pairs, torch.cos(self.theta), torch.sin(self.theta))
@@ -109,7 +115,8 @@ class _Learned:
         """The element projected exactly onto the group."""
         with torch.no_grad():
             if self.kind in PERMUTATION_FAMILY:
-                return Perm.from_matrix(S.hungarian(self.score).element)
+                P = self._project(self.score)
+                return P if self.kind == "signed_perm" else Perm.from_matrix(P)
             E = self.element().detach()
             if self.kind == "rope":
                 return E

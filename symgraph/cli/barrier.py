@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-__all__ = ["cmd_barrier", "barrier_curves"]
+__all__ = ["cmd_barrier", "barrier_curves", "streamed_barrier_curves"]
 
 
 def barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, attention: str = "heads",
@@ -35,6 +35,29 @@ def barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, att
         t0 = time.perf_counter()
         Bal = B if how == "none" else align(A, B, adata[0], data=adata if how == "activations" else None).apply(B)
         curve = interpolate(A, Bal, np.linspace(0.0, 1.0, points), loss, attention=attention)
+        rows.append({"align": how, "curve": curve, "barrier": loss_barrier(curve),
+                     "midpoint": dict(curve).get(0.5), "seconds": time.perf_counter() - t0})
+    return rows
+
+
+def streamed_barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, align_data=None) -> list:
+    """:func:`barrier_curves` out of core: ``A``, ``B`` are checkpoints
+    (:class:`~symgraph.checkpoints.sharded.Checkpoint`); the alignments are solved as
+    ``symgraph merge`` solves them out of core and every point of the line runs the model's own
+    program on tensors read and interpolated as each op takes them
+    (:func:`~symgraph.merging.barrier.streamed_curve`): memory holds activations and a few
+    layers' tensors, never a model."""
+    from ..merging.barrier import loss_barrier, streamed_curve
+    from ..merging.streaming import StreamingMerge
+    rows = []
+    for how in aligns:
+        t0 = time.perf_counter()
+        al = None
+        if how != "none":
+            job = StreamingMerge([A, B], align=how, data=(align_data or data) if how == "activations" else None)
+            job.align()
+            al = job.alignments[1]
+        curve = streamed_curve(A, B, data, np.linspace(0.0, 1.0, points), al)
         rows.append({"align": how, "curve": curve, "barrier": loss_barrier(curve),
                      "midpoint": dict(curve).get(0.5), "seconds": time.perf_counter() - t0})
     return rows
@@ -78,18 +101,22 @@ def cmd_barrier(args) -> int:
     if args.out:
         check_out(args.out, force=args.force, inputs=inputs)  # before any work
     check_paths([args.a, args.b])
-    A, B = load_model(args.a), load_model(args.b)
-    if type(A) is not type(B):
-        raise InputError(f"{args.a!r} is a {type(A).__name__} but {args.b!r} is a {type(B).__name__}; "
-                         "expected two models of one architecture")
-    data = load_data(args.data, A)
-    adata = load_data(args.align_data, A) if args.align_data else None
-    rows = barrier_curves(A, B, data, tuple(dict.fromkeys(args.align)), args.points, args.attention, adata)
+    aligns = tuple(dict.fromkeys(args.align))
+    rows = _streamed(args, aligns) if args.attention == "heads" else None
+    mode = "out of core" if rows is not None else "in memory"
+    if rows is None:
+        A, B = load_model(args.a), load_model(args.b)
+        if type(A) is not type(B):
+            raise InputError(f"{args.a!r} is a {type(A).__name__} but {args.b!r} is a {type(B).__name__}; "
+                             "expected two models of one architecture")
+        data = load_data(args.data, A)
+        adata = load_data(args.align_data, A) if args.align_data else None
+        rows = barrier_curves(A, B, data, aligns, args.points, args.attention, adata)
     print(_table(rows, args.attention))
     if args.out:
         record = {"inputs": input_names([args.a, args.b]), "data": os.path.abspath(args.data),
                   "align_data": os.path.abspath(args.align_data) if args.align_data else None,
-                  "attention": args.attention, "rows": rows}
+                  "attention": args.attention, "mode": mode, "rows": rows}
 
         def write(d):
             with open(os.path.join(d, "barrier.json"), "w", encoding="utf-8") as f:
@@ -99,6 +126,43 @@ def cmd_barrier(args) -> int:
         out = save_atomic(write, args.out, force=args.force, inputs=inputs, meta={"mode": "barrier"})
         print(f"wrote {out}/barrier.json and barrier.png")
     return 0
+
+
+def _streamed(args, aligns):
+    """The rows out of core when both models are local checkpoints whose tensors the model
+    uses as stored and three float32 copies of a model would take over half the available
+    memory (or ``--out-of-core``); None (load them) otherwise, with a note when a graph needs
+    the weights."""
+    import sys
+
+    from ..checkpoints.specs import load_data
+    from ..errors import InputError, NeedsMemory
+    from ..merging.streaming import Checkpoint, KeysDiffer
+    if not all(os.path.isdir(os.path.expanduser(p)) for p in (args.a, args.b)):
+        return None
+    try:
+        A, B = (Checkpoint(os.path.expanduser(p)) for p in (args.a, args.b))
+    except KeysDiffer:
+        return None
+    if A.cls is not B.cls:
+        raise InputError(f"{args.a!r} is a {A.cls.__name__} but {args.b!r} is a {B.cls.__name__}; expected two "
+                         "models of one architecture")
+    if A.shapes != B.shapes:
+        k = sorted(k for k in set(A.shapes) | set(B.shapes) if A.shapes.get(k) != B.shapes.get(k))[0]
+        raise InputError(f"{args.a!r} and {args.b!r} differ in tensor {k!r} ({A.shapes.get(k)} vs {B.shapes.get(k)}); "
+                         "expected two models of one architecture and width")
+    if not args.out_of_core:  # in memory when A, B and the line's model fit easily (faster)
+        from ..merging.resize import available_memory
+        need = 3 * 4 * sum(int(np.prod(shape, dtype=np.int64)) for shape in A.shapes.values())
+        if need < available_memory() // 2:
+            return None
+    data = load_data(args.data, A.model)
+    adata = load_data(args.align_data, A.model) if args.align_data else None
+    try:
+        return streamed_barrier_curves(A, B, data, aligns, args.points, adata)
+    except NeedsMemory as e:
+        print(f"symgraph: note: {e}, so the models are loaded in memory", file=sys.stderr)
+        return None
 
 
 def add_parser(sub, debug_default):
@@ -114,6 +178,9 @@ def add_parser(sub, debug_default):
     b.add_argument("--attention", choices=("heads", "circuits"), default="heads",
                    help="circuits: the line in circuit space (heads N times as wide)")
     b.add_argument("--points", type=int, default=11, help="values of λ (default 11)")
+    b.add_argument("--out-of-core", action="store_true",
+                   help="never load a model whole (the default only for models that would not fit "
+                   "easily): slower, each point runs the model op by op on tensors read from disk")
     b.add_argument("--out", metavar="DIR", help="write barrier.json and barrier.png into this new directory")
     b.add_argument("--force", action="store_true", help="replace an existing --out (a previous output)")
     b.add_argument("--debug", action="store_true", default=debug_default)

@@ -8,7 +8,7 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["interpolate", "loss_barrier"]
+__all__ = ["interpolate", "loss_barrier", "streamed_curve", "interpolated_fetch"]
 
 
 def interpolate(a, b, lambdas=None, loss_fn=None, attention: str = "heads"):
@@ -49,3 +49,70 @@ def loss_barrier(curve) -> float:
         raise InputError("loss_barrier needs at least the two end points")
     lo, hi = curve[0][1], curve[-1][1]
     return max(l for _, l in curve) - 0.5 * (lo + hi)
+
+
+def interpolated_fetch(A, B, lam: float, al=None):
+    """``fetch(name)`` of the model ``λθ_A + (1−λ)θ_B′`` read from checkpoints ``A`` and ``B``
+    (:class:`~symgraph.checkpoints.sharded.Checkpoint`), ``B′`` being B moved by the alignment
+    ``al`` (None: B as it is). A norm fold's tensors are moved together when one of them is
+    first read and kept until each is read; integer tensors are A's. Computed in float32
+    (float64 for float64 tensors), returned in A's dtype."""
+    from ..transform.apply import move
+    from ..transform.folding import groups
+    rb = al.report_b if al is not None else None
+    unit = groups(rb.folds) if rb is not None else {}
+    moved = set(rb.parameters) | set(rb.buffers) if rb is not None else set()
+    canon = {o: k for k, others in rb.aliases.items() for o in others} if rb is not None else {}
+    held: dict = {}
+
+    def b_value(name):
+        name = canon.get(name, name)  # a tied name: the reported one moves
+        if name in held:
+            return held.pop(name)
+        if name not in moved:
+            return B.fetch(name)
+        names = unit.get(name, (name,))
+        vals = {n: B.fetch(n) for n in names}
+        gauge = {n: al.gauge[n] for n in names if n in (al.gauge or {})} or None
+        new = move(rb, al.elements, vals, gauge)
+        held.update({n: new.get(n, vals[n]) for n in names if n != name})
+        return new.get(name, vals[name])
+
+    def fetch(name):
+        a, b = A.fetch(name), b_value(name)
+        if not a.is_floating_point():
+            return a
+        work = torch.promote_types(a.dtype, torch.float32)
+        return (lam * a.to(work) + (1 - lam) * b.to(work)).to(a.dtype)
+    return fetch
+
+
+def streamed_curve(A, B, data, lambdas, al=None) -> list:
+    """``[(λ, mean loss over data)]`` along ``λθ_A + (1−λ)θ_B′`` with nothing loaded whole:
+    the model's own program (traced on ``meta`` with ``labels = input_ids`` for a model with an
+    output embedding, so it computes its own loss) runs op by op on tensors read from the
+    checkpoints (:func:`interpolated_fetch`). Equals :func:`interpolate` with the model's own
+    loss."""
+    from ..alignment.activations import streamed_outputs
+    from ..analysis.trace import split_inputs, trace
+    lm = callable(getattr(A.model, "get_output_embeddings", None)) and A.model.get_output_embeddings() is not None
+    programs = {}
+    curve = []
+    for lam in lambdas:
+        fetch = interpolated_fetch(A, B, float(lam), al)
+        total = 0.0
+        for batch in data:
+            kw = dict(batch) | ({"labels": batch["input_ids"]} if lm and "labels" not in batch else {})
+            key = tuple((k, tuple(v.shape)) for k, v in sorted(kw.items()))
+            if key not in programs:
+                meta = {k: torch.zeros(v.shape, dtype=v.dtype, device="meta") for k, v in kw.items()}
+                programs[key] = trace(A.model, meta)[0]
+            args, kwargs = split_inputs(A.model, kw)
+            outs = streamed_outputs(programs[key], args, kwargs, fetch)
+            loss = next((o for o in outs if isinstance(o, torch.Tensor) and o.dim() == 0), None)
+            if loss is None:
+                raise InputError(f"{type(A.model).__name__} computes no loss from its inputs (language models do: "
+                                 "labels = input_ids); expected a model with an output embedding")
+            total += float(loss)
+        curve.append((float(lam), total / len(data)))
+    return curve

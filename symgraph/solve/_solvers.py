@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-__all__ = ['SolveResult', 'hungarian', 'procrustes', 'procrustes_mean', 'rope_procrustes', 'optimal_transport', 'inner_blocks', 'nested_heads', 'solve', 'SOLVERS', 'ROW_MAXIMA']
+__all__ = ['SolveResult', 'hungarian', 'signed_hungarian', 'procrustes', 'procrustes_mean', 'rope_procrustes', 'optimal_transport', 'inner_blocks', 'nested_heads', 'solve', 'SOLVERS', 'ROW_MAXIMA']
 
 SOLVERS = ("hungarian", "procrustes", "rope", "ot", "sinkhorn")
 ROW_MAXIMA = True  # skip the assignment when the row maxima already form a permutation
@@ -66,6 +66,17 @@ def hungarian(S, dense: bool = True) -> SolveResult:
     if s.shape[0] == s.shape[1]:
         P._symgraph_perm = True  # a hint for transform._is_perm (skips re-checking)
     return SolveResult(P, obj, status=status, seconds=dt)
+
+
+def signed_hungarian(S) -> SolveResult:
+    """Signed permutation maximising ``Σ_i s_i S[i, π(i)]`` over permutations ``π`` and signs
+    ``s_i = ±1`` (an odd activation's units: ``tanh(−x) = −tanh(x)``, so a unit may flip its
+    input and output signs): the assignment of ``|S|``, each pair signed as its entry. A dense
+    matrix with ``±1`` entries (orthogonal)."""
+    s = torch.as_tensor(S, dtype=torch.float64)
+    res = hungarian(s.abs(), dense=True)
+    P = res.element * torch.sign(s).where(s != 0, torch.ones_like(s))
+    return SolveResult(P, res.objective, status=res.status, seconds=res.seconds)
 
 
 def procrustes(S, rescale: bool = False) -> SolveResult:
@@ -271,6 +282,8 @@ def solve(kind: str, S, *, pairs=None, solver: str | None = None, rescale=False,
             solver = "procrustes"
         elif kind == "orthogonal_mean":
             return procrustes_mean(S)
+        elif kind == "signed_perm":
+            return signed_hungarian(S)
         else:
             solver = "hungarian"
     if solver == "hungarian":
