@@ -26,12 +26,13 @@ def test_linear_with_weights_merges_like_symgraph(tmp_path):
     A.save_pretrained(tmp_path / "a")
     B.save_pretrained(tmp_path / "b")
     cfg = _yaml(tmp_path, "merge_method: linear\nmodels:\n  - model: a\n    parameters:\n      weight: 0.7\n"
-                          "  - model: b\n    parameters:\n      weight: 0.3\nparameters:\n  normalize: true\n")
+                          "  - model: b\n    parameters:\n      weight: 0.3\nparameters:\n  normalize: true\ndtype: bfloat16\n")
     opts = read_merge_config(str(cfg))
     assert opts["method"] == "average" and opts["weights"] == [0.7, 0.3]
     assert opts["models"] == [str(tmp_path / "a"), str(tmp_path / "b")]
     r = cli("merge", "--config", cfg, "--out", tmp_path / "o")
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "symgraph computes in float32" in " ".join(r.stderr.split())  # mergekit's dtype: said, not silent
     got = load_file(str(tmp_path / "o" / "model.safetensors"))
     want = symgraph.merge([A, B], weights=[0.7, 0.3]).model.state_dict()
     assert max(float((got[k] - want[k]).abs().max()) for k in got) < 1e-5
@@ -40,7 +41,7 @@ def test_linear_with_weights_merges_like_symgraph(tmp_path):
 @pytest.mark.parametrize("text,needle", [
     ("merge_method: ties\nbase_model: a\nmodels:\n  - model: a\n  - model: b\n", "shared base model"),
     ("merge_method: slerp\nmodels:\n  - model: a\n  - model: b\n", "no symgraph counterpart"),
-    ("merge_method: linear\ndtype: bfloat16\nmodels:\n  - model: a\n  - model: b\n", "dtype"),
+    ("merge_method: linear\ndtype: int8\nmodels:\n  - model: a\n  - model: b\n", "compute dtype"),
     ("merge_method: linear\nmodels:\n  - model: a\n    parameters:\n      weight: 1\n      density: 0.5\n"
      "  - model: b\n", "density"),
     ("merge_method: linear\nmodels:\n  - model: a\n    parameters:\n      weight: 1\n  - model: b\n", "a weight for each"),

@@ -172,9 +172,13 @@ def from_mergekit(cfg: dict, path: str) -> dict:
     cfg["method"] = "average" if method == "linear" else method
     cfg.pop("base_model", None)
     dtype = cfg.pop("dtype", None)
-    if dtype is not None:
-        raise InputError(f"{where}: dtype {dtype!r}: symgraph writes each tensor in the first model's dtype "
-                         "(models stored in other dtypes are merged in float32); expected no dtype key")
+    if dtype is not None:  # mergekit's compute dtype: symgraph computes in float32 (or wider) anyway
+        if dtype not in ("float32", "float16", "bfloat16", "float64"):
+            raise InputError(f"{where}: dtype {dtype!r}; expected float32, float16 or bfloat16 (mergekit's "
+                             "compute dtype)")
+        import sys
+        print(f"symgraph: note: dtype {dtype} in {where}: symgraph computes in float32 (float64 for float64 "
+              "models) and writes each tensor in the first model's dtype", file=sys.stderr)
     top = dict(cfg.pop("parameters", None) or {})
     if top.pop("normalize", True) is not True:
         raise InputError(f"{where}: parameters.normalize false; symgraph always normalises the weights to sum "
