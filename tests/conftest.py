@@ -141,3 +141,29 @@ def cli(*args, cwd=None, timeout=180):
     """Run ``python -m symgraph.cli *args``; returns the CompletedProcess (text output)."""
     return subprocess.run([sys.executable, "-m", "symgraph", *map(str, args)],
                           capture_output=True, text=True, env=CLI_ENV, cwd=cwd, timeout=timeout)
+
+
+def successor_sampler(seed, vocab=64):
+    """Batches of a noisy deterministic successor language (``x -> 3x + 1 mod vocab``, 20%
+    noise), 16 rows of 16 tokens with ``labels = input_ids``: what tiny LMs learn in seconds."""
+    g = torch.Generator().manual_seed(seed)
+
+    def sample():
+        seq = [torch.randint(0, vocab, (16, 1), generator=g)]
+        for _ in range(15):
+            nxt = (3 * seq[-1] + 1) % vocab
+            noise = torch.randint(0, vocab, nxt.shape, generator=g)
+            seq.append(torch.where(torch.rand(nxt.shape, generator=g) < 0.2, noise, nxt))
+        ids = torch.cat(seq, 1)
+        return {"input_ids": ids, "labels": ids}
+    return sample
+
+
+def checkpoint_tensors(d) -> dict:
+    """Every tensor of the ``model*.safetensors`` files of directory ``d``."""
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted(os.listdir(d)):
+        if f.startswith("model") and f.endswith(".safetensors"):
+            out |= load_file(os.path.join(d, f))
+    return out

@@ -10,35 +10,14 @@ import os
 import pytest
 import torch
 import transformers as tf
-from safetensors.torch import load_file
 
 import symgraph
 from symgraph.cli.main import main
 from symgraph.testing.models import build, train
 
+from conftest import checkpoint_tensors, successor_sampler
+
 V = 64
-
-
-def _sampler(seed):
-    g = torch.Generator().manual_seed(seed)
-
-    def sample():  # a noisy deterministic successor language
-        seq = [torch.randint(0, V, (16, 1), generator=g)]
-        for _ in range(15):
-            nxt = (3 * seq[-1] + 1) % V
-            noise = torch.randint(0, V, nxt.shape, generator=g)
-            seq.append(torch.where(torch.rand(nxt.shape, generator=g) < 0.2, noise, nxt))
-        ids = torch.cat(seq, 1)
-        return {"input_ids": ids, "labels": ids}
-    return sample
-
-
-def _tensors(d) -> dict:
-    out = {}
-    for f in sorted(os.listdir(d)):
-        if f.startswith("model") and f.endswith(".safetensors"):
-            out |= load_file(os.path.join(d, f))
-    return out
 
 
 def _loss(model, data) -> float:
@@ -51,12 +30,12 @@ def pair(tmp_path_factory):
     """Two trained tiny LLaMAs in bf16: A in one file, B in shards."""
     d = tmp_path_factory.mktemp("pair")
     a, b = build("llama", seed=1, vocab=V), build("llama", seed=2, vocab=V)
-    train(a, _sampler(1), steps=150, lr=3e-3, threads=1)
-    train(b, _sampler(2), steps=150, lr=3e-3, threads=1)
+    train(a, successor_sampler(1), steps=150, lr=3e-3, threads=1)
+    train(b, successor_sampler(2), steps=150, lr=3e-3, threads=1)
     a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
     a.save_pretrained(d / "a")
     b.save_pretrained(d / "b", max_shard_size="20KB")
-    s = _sampler(99)
+    s = successor_sampler(99)
     return d, a, b, [s() for _ in range(4)]
 
 
@@ -69,8 +48,8 @@ def test_align_writes_b_in_a_basis_sharded_like_b(pair, capsys):
     assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors") and f.startswith("model")) == shards_b
     idx_b = json.loads((d / "b" / "model.safetensors.index.json").read_text())["weight_map"]
     assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"] == idx_b
-    got = _tensors(out)
-    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in _tensors(d / "b").items()}
+    got = checkpoint_tensors(out)
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in checkpoint_tensors(d / "b").items()}
     # the written tensors are the saved alignment applied in memory, bit for bit
     al = symgraph.load_alignment(out)
     want = al.apply(B).state_dict()
@@ -95,11 +74,11 @@ def test_a_fine_tune_of_b_is_carried_by_the_saved_alignment(pair):
     out = d / "b_in_a2"
     assert main(["align", str(d / "a"), str(d / "b"), "--out", str(out)]) == 0
     C = copy.deepcopy(B).float()
-    train(C, _sampler(7), steps=20, lr=1e-3, threads=1)
+    train(C, successor_sampler(7), steps=20, lr=1e-3, threads=1)
     C = C.to(torch.bfloat16)
     C.save_pretrained(d / "c")
     assert main(["apply", str(out / "symgraph_alignment.safetensors"), str(d / "c"), "--out", str(d / "c_in_a")]) == 0
-    got = _tensors(d / "c_in_a")
+    got = checkpoint_tensors(d / "c_in_a")
     want = symgraph.load_alignment(out).apply(C).state_dict()
     assert all(torch.equal(got[k], want[k]) for k in got)  # exact
     Cal = tf.AutoModelForCausalLM.from_pretrained(d / "c_in_a")

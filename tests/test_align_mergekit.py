@@ -13,16 +13,9 @@ import transformers as tf
 
 from symgraph.cli.main import main
 
+from conftest import checkpoint_tensors
+
 pytestmark = pytest.mark.slow
-
-
-def _tensors(d) -> dict:
-    from safetensors.torch import load_file
-    out = {}
-    for f in sorted(os.listdir(d)):
-        if f.startswith("model") and f.endswith(".safetensors"):
-            out |= load_file(os.path.join(d, f))
-    return out
 
 
 def test_mergekit_linear_of_the_aligned_checkpoint_is_symgraphs_merge(tmp_path):
@@ -46,8 +39,8 @@ def test_mergekit_linear_of_the_aligned_checkpoint_is_symgraphs_merge(tmp_path):
     # mergekit averages A and the bf16-rounded aligned B; symgraph averages A and the aligned B
     # before rounding. The two differ by the rounding of B' (half an ulp of |B'|, halved) plus
     # the output's: within one ulp of the larger input element, where a ≈ -b' cancels too.
-    sym, mk = _tensors(tmp_path / "sym"), _tensors(tmp_path / "mk")
-    ta, tb = _tensors(a), _tensors(tmp_path / "b_in_a")
+    sym, mk = checkpoint_tensors(tmp_path / "sym"), checkpoint_tensors(tmp_path / "mk")
+    ta, tb = checkpoint_tensors(a), checkpoint_tensors(tmp_path / "b_in_a")
     assert set(sym) == set(mk) == set(ta)
     same = total = 0
     for k in sorted(sym):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import symgraph
-from conftest import cli
+from conftest import cli, successor_sampler
 from symgraph.core.elements import Perm
 from symgraph.errors import InputError
 from symgraph.testing.models import build, train
@@ -11,26 +11,12 @@ from symgraph.testing.models import build, train
 V = 64
 
 
-def _sampler(seed):
-    g = torch.Generator().manual_seed(seed)
-
-    def sample():  # a noisy deterministic successor language
-        seq = [torch.randint(0, V, (16, 1), generator=g)]
-        for _ in range(15):
-            nxt = (3 * seq[-1] + 1) % V
-            noise = torch.randint(0, V, nxt.shape, generator=g)
-            seq.append(torch.where(torch.rand(nxt.shape, generator=g) < 0.2, noise, nxt))
-        ids = torch.cat(seq, 1)
-        return {"input_ids": ids, "labels": ids}
-    return sample
-
-
 @pytest.fixture(scope="module")
 def pair():
     a, b = build("llama", seed=1), build("llama", seed=2)
-    train(a, _sampler(1), steps=150, lr=3e-3, threads=1)
-    train(b, _sampler(2), steps=150, lr=3e-3, threads=1)
-    s = _sampler(99)
+    train(a, successor_sampler(1), steps=150, lr=3e-3, threads=1)
+    train(b, successor_sampler(2), steps=150, lr=3e-3, threads=1)
+    s = successor_sampler(99)
     return a, b, [s() for _ in range(4)]
 
 
