@@ -148,17 +148,39 @@ def main(argv=None) -> int:
               "PARENTS NOT TRAINED TO THE PROTOCOL'S END (--max-steps): not comparable to the paper.",
               "command": "python -m benchmarks.anchor --corpus CORPUS --tokenizer TOKENIZER_DIR"}
     A, B = parents
+    kept = _previous_rows(Path(a.out), result["parent_test_loss"], a.refine_steps)
     for name in a.rows:
         for circuits in (False,) if a.no_circuits else (False, True):
+            space = "circuits" if circuits else "heads"
+            if (name, space) in kept:  # measured by an earlier run on these parents
+                result["rows"].append(kept[(name, space)])
+                print(f"{name:12s} {space:8s} kept from {a.out}/results.json", flush=True)
+                continue
             r = run_row(name, A, B, train=train, test=test, refine_steps=a.refine_steps,
                         circuits=circuits)
             print(f"{name:12s} {r['space']:8s} barrier {r['barrier']} ({r['seconds']:.0f} s){' ' + r['note'] if r['note'] else ''}",
                   flush=True)
             result["rows"].append(r)
-    out = Path(a.out)
+            write(result, Path(a.out))  # after every row: a stopped run keeps what it measured
+    print(f"wrote {a.out}/results.json, report.md, curves.png")
+    return 0
+
+
+def _previous_rows(out: Path, parent_loss: list, refine_steps: int) -> dict:
+    """Rows of an earlier (stopped) run on the same parents and settings, keyed (row, space)."""
+    try:
+        prev = json.loads((out / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    old = prev.get("parent_test_loss", [])
+    if len(old) != len(parent_loss) or not np.allclose(old, parent_loss, rtol=0, atol=1e-9):
+        return {}
+    return {(r["row"], r["space"]): r for r in prev.get("rows", [])
+            if r["row"] in ROWS and (ROWS[r["row"]][2] >= 0 or r.get("refine_steps") == refine_steps)}
+
+
+def write(result: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "report.md").write_text(markdown(result))
     plot(result, out / "curves.png")
-    print(f"wrote {out}/results.json, report.md, curves.png")
-    return 0
