@@ -37,7 +37,8 @@ __all__ = ["Pair", "Outcome", "Roles", "roles", "METHODS", "DEVIATIONS", "SINKHO
            "fisher", "fisher_aligned", "regmean", "regmean_aligned",
            "symgraph_weights_perm", "symgraph_activations_perm", "symgraph_weights",
            "symgraph_activations", "symgraph_refine", "vanilla_repair", "symgraph_repair",
-           "symgraph_weights_full", "symgraph_activations_full"]
+           "symgraph_weights_full", "symgraph_activations_full", "symgraph_weights_exact",
+           "symgraph_weights_bf16"]
 
 #: Entropic regularisation of Imfeld et al. 2024's Sinkhorn maps (its ViT config: 0.08 with activations).
 SINKHORN_REG = 0.08
@@ -269,6 +270,21 @@ def symgraph_weights(p: Pair) -> Outcome:
     return _aligned(p, al, t0)
 
 
+def symgraph_weights_exact(p: Pair) -> Outcome:
+    """symgraph_weights with every change taken (``tol=0``: sweeps until nothing changes, at
+    most ``max_iter``) and exact products: the reference the fast defaults are measured against."""
+    t0 = time.perf_counter()
+    al = symgraph.align(p.a, p.b, report_a=p.report_a, report_b=p.report_b, tol=0.0, similarity="exact")
+    return _aligned(p, al, t0)
+
+
+def symgraph_weights_bf16(p: Pair) -> Outcome:
+    """symgraph_weights with every similarity product in bfloat16 (summed in float32)."""
+    t0 = time.perf_counter()
+    al = symgraph.align(p.a, p.b, report_a=p.report_a, report_b=p.report_b, similarity="bf16")
+    return _aligned(p, al, t0)
+
+
 def symgraph_activations(p: Pair) -> Outcome:
     """symgraph from activations: every class, similarity from streamed activation
     correlations / covariances on the alignment data (weights where a class is not observed
@@ -385,6 +401,8 @@ METHODS: dict[str, tuple[Callable[[Pair], Outcome], str]] = {
                                   "symgraph activation matching, residual as a permutation"),
     "symgraph_weights": (symgraph_weights, "symgraph, all classes, weight matching"),
     "symgraph_activations": (symgraph_activations, "symgraph, all classes, activation matching"),
+    "symgraph_weights_exact": (symgraph_weights_exact, "symgraph weight matching, tol=0, exact products"),
+    "symgraph_weights_bf16": (symgraph_weights_bf16, "symgraph weight matching, bf16 products"),
     "symgraph_refine": (symgraph_refine, "symgraph learned matching (from activations or weights)"),
     "symgraph_weights_full": (symgraph_weights_full, "symgraph weight matching + full groups (GL, RoPE scales)"),
     "symgraph_activations_full": (symgraph_activations_full, "symgraph activation matching + full groups"),
@@ -392,6 +410,7 @@ METHODS: dict[str, tuple[Callable[[Pair], Outcome], str]] = {
 
 #: Methods that are symgraph's own (the "some symgraph method beats vanilla" check).
 SYMGRAPH_METHODS = ("symgraph_weights_perm", "symgraph_activations_perm", "symgraph_weights",
+                    "symgraph_weights_exact", "symgraph_weights_bf16",
                     "symgraph_activations", "symgraph_refine", "symgraph_repair", "symgraph_weights_full",
                     "symgraph_activations_full")
 

@@ -61,6 +61,14 @@ class AlignOptions:
         (LayerNorm); False keeps them permutations.
     outputs : the model outputs the alignment must keep (``symgraph.analyze``'s ``outputs``,
         e.g. ``["logits"]`` for a model that also returns hidden states); default all.
+    similarity : the precision of the weight-matching products: "auto" (bfloat16 products,
+        accumulated in float32, when both models' weights are 16-bit: the inputs' own precision;
+        else exact), "bf16" (always), "exact" (the weights' dtype for permutations, ``exact_dtype``
+        for rotations).
+    tol : a class re-solved in a later sweep keeps its element unless the new one raises its
+        own objective ``<element, S>`` by more than this fraction: near-ties and rotations that
+        move in the fifth digit then stop re-solving every class that reads them, and the sweeps
+        end. 0 takes every change (sweeps until nothing changes, at most ``max_iter``).
     """
     solver: str | None = None
     inner: str = "procrustes"
@@ -76,6 +84,8 @@ class AlignOptions:
     refine_lr: float = 1e-3
     between: Callable | None = None
     full_groups: bool = False
+    similarity: str = "auto"
+    tol: float = 1e-4
 
     def __post_init__(self):
         if not isinstance(self.refine, int) or isinstance(self.refine, bool) or self.refine < 0:
@@ -90,6 +100,10 @@ class AlignOptions:
             raise InputError(f"masses={self.masses!r}; expected one of {MASSES}")
         if self.inner not in ("procrustes", "hungarian"):
             raise InputError(f"inner={self.inner!r}; expected 'procrustes' or 'hungarian'")
+        if self.similarity not in ("auto", "bf16", "exact"):
+            raise InputError(f"similarity={self.similarity!r}; expected 'auto', 'bf16' or 'exact'")
+        if not (isinstance(self.tol, (int, float)) and not isinstance(self.tol, bool) and 0 <= self.tol < 1):
+            raise InputError(f"tol={self.tol!r}; expected a number in [0, 1)")
         if not isinstance(self.max_iter, int) or self.max_iter < 1:
             raise InputError(f"max_iter={self.max_iter!r}; expected a positive integer")
 
@@ -197,7 +211,7 @@ def _report_options(opts, ra) -> dict:
 
 def _solved(ra, rb, model_a, model_b, data, opts) -> Alignment:
     """One alignment of the models: weight matching, with activation statistics from ``data``."""
-    feats = WeightFeatures.from_models(ra, rb, model_a, model_b)
+    feats = WeightFeatures.from_models(ra, rb, model_a, model_b, products=opts.similarity)
     run, n_sweeps = _solve(ra, rb, feats, opts, data, (model_a, model_b))
     return Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                      {"solver": run.solver_seconds, "sweeps": n_sweeps},
@@ -326,7 +340,7 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
         raise InputError("activation statistics from tensors need fetch: two functions name -> tensor")
     t0 = time.perf_counter()
     check_compatible(ra, rb)
-    feats = WeightFeatures(ra, rb, tensors_a, tensors_b, exact_dtype)
+    feats = WeightFeatures(ra, rb, tensors_a, tensors_b, exact_dtype, products=opts.similarity)
     run, n_sweeps = _solve(ra, rb, feats, opts, data, models, fetch, stats_budget)
     al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                    {"solver": run.solver_seconds, "sweeps": n_sweeps}, gauge=gauge_a)

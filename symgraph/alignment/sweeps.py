@@ -83,20 +83,85 @@ class Sweeps:
         record = ({g: self.versions.get(g, 0) for g in used}, all(x[1] for x in got))
         sims = [(m, x[0]) for m, x in zip(mem, got) if x[0] is not None]
         if sims:
-            for g, el, res in solve_unit(unit, sims, self.opts, self.masses):
-                self._set(g, el, res)
+            solved = solve_unit(unit, sims, self.opts, self.masses)
+            if self._negligible(unit, sims, solved):
+                self.solver_seconds += sum(res.seconds for _, _, res in solved)
+            else:
+                for g, el, res in solved:
+                    self._set(g, el, res)
         return record
+
+    def _negligible(self, unit, sims, solved) -> bool:
+        """Whether the unit's new elements gain at most ``tol`` (relative) on the unit's own
+        objective (``Σ <element, S>`` over its classes, heads matched as the outer element
+        says) over the elements it had: then the old ones stay and nothing that reads them is
+        re-solved. Near-ties (units of nearly equal similarity, rotations moving in the fifth
+        digit) would otherwise re-solve every class that reads them, sweep after sweep."""
+        if self.opts.tol <= 0:
+            return False
+        new = {g.id: el for g, el, _ in solved}
+        old = {g.id: self.elements.get(g.id) for g, _, _ in solved}
+        if any(e is None or isinstance(e, Map) for e in (*new.values(), *old.values())):
+            return False
+        new_score, old_score = _unit_score(unit, sims, new), _unit_score(unit, sims, old)
+        if new_score is None or old_score is None:
+            return False
+        return new_score - old_score <= self.opts.tol * abs(new_score)
 
     def _set(self, g, el, res):
         if isinstance(el, torch.Tensor) and el.dim() == 2 and is_perm(el):
             el = Perm.from_matrix(el)  # n indices instead of an n×n matrix
             res.element = el
-        if not _same(self.elements.get(g.id), el):
-            self.versions[g.id] = self.versions.get(g.id, 0) + 1
-            self.changed = True
+        self.solver_seconds += res.seconds
+        if _same(self.elements.get(g.id), el):
+            return
+        self.versions[g.id] = self.versions.get(g.id, 0) + 1
+        self.changed = True
         self.elements[g.id] = el
         self.results[g.id] = res
-        self.solver_seconds += res.seconds
+
+
+def _unit_score(unit, sims, els):
+    """``Σ <element, S>`` of a unit's classes for elements ``els`` (group id -> element): a
+    single class; classes fibred over fixed heads (head h with head h); a head family (each B
+    head with the A head the outer element matches it to). None where a shape does not fit."""
+    total = 0.0
+    if unit.kind == "single":
+        g, S = sims[0]
+        return _score(els[g.id], S)
+    if unit.kind == "family" and unit.outer.id in els:
+        P = els[unit.outer.id]
+        if isinstance(P, Perm):
+            match = torch.empty_like(P.index)
+            match[P.index] = torch.arange(len(P.index), device=P.index.device)
+        elif isinstance(P, torch.Tensor) and P.dim() == 2:
+            match = P.argmax(0)
+        else:
+            return None
+    else:
+        match = None
+    for g, S in sims:
+        el = els.get(g.id)
+        if S.dim() != 4 or not isinstance(el, torch.Tensor):
+            return None
+        HB = S.shape[1]
+        rows = match.to(S.device) if match is not None else torch.arange(HB, device=S.device)
+        sub = S[rows, torch.arange(HB, device=S.device)]
+        if el.shape != sub.shape:
+            return None
+        total += float((el.to(S.device, S.dtype) * sub).sum())
+    return total
+
+
+def _score(el, S):
+    """``<el, S>`` for a permutation (index or matrix) or a dense element of ``S``'s shape."""
+    if isinstance(el, Perm):
+        if S.dim() != 2 or len(el.index) != S.shape[0]:
+            return None
+        return float(S.gather(1, el.index.to(S.device)[:, None]).sum())
+    if not isinstance(el, torch.Tensor) or el.shape != S.shape:
+        return None
+    return float((el.to(S.device, S.dtype) * S).sum())
 
 
 def _same(old, new):
@@ -107,4 +172,4 @@ def _same(old, new):
                 and torch.equal(old.index, new.index))
     a = old.co if isinstance(old, Map) else old
     b = new.co if isinstance(new, Map) else new
-    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=0, atol=1e-9))
+    return a.shape == b.shape and bool(torch.allclose(a, b.to(a.dtype), rtol=0, atol=1e-9))

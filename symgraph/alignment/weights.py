@@ -24,12 +24,15 @@ class WeightFeatures:
 
     CACHE_NUMEL = 1 << 20  # contributions larger than this (e.g. MLP×MLP) are not kept
 
-    def __init__(self, ra, rb, tensors_a, tensors_b, exact_dtype=torch.float64):
+    def __init__(self, ra, rb, tensors_a, tensors_b, exact_dtype=torch.float64, products="exact"):
         """``tensors_a`` / ``tensors_b``: ``{parameter name: tensor}`` of the two models with
         the reports' norm gains folded (any ``Mapping``; :mod:`symgraph.merging.streaming` passes lazy
         ones that read a checkpoint on demand). ``exact_dtype``: what continuous classes
-        (rotations) gather their slices in; float32 is ample for 16-bit weights."""
-        self.ra, self.rb, self.exact_dtype = ra, rb, exact_dtype
+        (rotations) gather their slices in; float32 is ample for 16-bit weights.
+        ``products``: "exact", "bf16" (every product in bfloat16, summed in float32: the
+        kernels accumulate each product in float32 and round its result once) or "auto" (bf16
+        for a slot whose two tensors are both 16-bit)."""
+        self.ra, self.rb, self.exact_dtype, self.products = ra, rb, exact_dtype, products
         self.A, self.B = tensors_a, tensors_b
         self._cache: dict = {}
         self._deps: dict = {}
@@ -37,9 +40,10 @@ class WeightFeatures:
         self.versions: dict = {}  # shared with the solve loop: group id -> changes so far
 
     @classmethod
-    def from_models(cls, ra, rb, model_a, model_b):
+    def from_models(cls, ra, rb, model_a, model_b, products="exact"):
         return cls(ra, rb, _folded(ra, {k: model_a.get_parameter(k).detach() for k in ra.parameters}),
-                   _folded(rb, {k: model_b.get_parameter(k).detach() for k in rb.parameters}))
+                   _folded(rb, {k: model_b.get_parameter(k).detach() for k in rb.parameters}),
+                   products=products)
 
     def _axis_op(self, a, elements):
         """B's current map on axis ``a``: an index vector for a permutation, else the dense
@@ -91,7 +95,9 @@ class WeightFeatures:
             hit = self._cache.get(key)
             if hit is None or hit[0] != ver:
                 val = self._slot(ga, gb, name, d, elements, cross_fibres, exact)
-                if val[0] is not None and val[0].numel() <= self.CACHE_NUMEL and not val[3]:
+                # kept when small, or when it reads no other class (fixed for the whole solve:
+                # the embeddings' and head's Grams of a residual stream)
+                if val[0] is not None and (val[0].numel() <= self.CACHE_NUMEL or not dep) and not val[3]:
                     self._cache[key] = (ver, val)
             else:
                 val = hit[1]
@@ -117,11 +123,14 @@ class WeightFeatures:
         if others is None:  # another leaf of this axis is not solved yet: its order is unknown
             return None, a2, b2, True
         ta, tb = self.ra.view(name, self.A[name]), self.rb.view(name, self.B[name])
-        if exact:
+        acc = self.exact_dtype if exact else torch.promote_types(
+            torch.promote_types(ta.dtype, tb.dtype), torch.float32)  # what contributions sum in
+        if self.products == "bf16" or (self.products == "auto" and ta.dtype in _HALF and tb.dtype in _HALF):
+            ta, tb = ta.to(torch.bfloat16), tb.to(torch.bfloat16)
+        elif exact:
             ta, tb = ta.to(self.exact_dtype), tb.to(self.exact_dtype)
         elif ta.dtype != tb.dtype:  # models stored in different dtypes: compare in a common one
-            common = torch.promote_types(torch.promote_types(ta.dtype, tb.dtype), torch.float32)
-            ta, tb = ta.to(common), tb.to(common)
+            ta, tb = ta.to(acc), tb.to(acc)
         for k, a in enumerate(ax_b):  # other dims into A's basis
             if k == d:
                 continue
@@ -133,12 +142,15 @@ class WeightFeatures:
             xb = gather(tb, d, ib, fb, others)
             if xa.shape[-1] != xb.shape[-1]:
                 continue
-            s = cross(xa, xb, fa, cross_fibres)
+            s = cross(xa, xb, fa, cross_fibres).to(acc)
             total = s if total is None else total + s
             if fa and cross_fibres:
-                a2 = a2 + (xa.reshape(-1, *xa.shape[fa:]) ** 2).sum((-1, -2))
-                b2 = b2 + (xb.reshape(-1, *xb.shape[fb:]) ** 2).sum((-1, -2))
+                a2 = a2 + (xa.reshape(-1, *xa.shape[fa:]).to(acc) ** 2).sum((-1, -2))
+                b2 = b2 + (xb.reshape(-1, *xb.shape[fb:]).to(acc) ** 2).sum((-1, -2))
         return total, a2, b2, False
+
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def _folded(report, tensors):

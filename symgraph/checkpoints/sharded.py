@@ -71,6 +71,7 @@ class Checkpoint:
         self.cls = _model_class(tf, self.config, cfg_path)
         index = self._index()  # tensor -> shard file, None for one model.safetensors
         self.files, self.shapes, self.dtypes = {}, {}, {}
+        self._finite: set = set()  # tensors already checked finite (alignment reads them again per sweep)
         for file in (dict.fromkeys(index.values()) if index is not None else [os.path.join(path, SINGLE)]):
             with self._handle(file) as h:  # each header read once
                 for key in h.keys():
@@ -131,10 +132,13 @@ class Checkpoint:
             else:
                 d, start, stop = part
                 t = h.get_slice(key)[(slice(None),) * d + (slice(start, stop),)]
-        if check and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
-            raise InputError(f"checkpoint {self.path!r} has {bad} NaN/inf values in tensor {key!r}; "
-                             "expected finite weights (was the model trained with a diverging loss?)")
+        if check and t.is_floating_point() and (part is not None or key not in self._finite):
+            if not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise InputError(f"checkpoint {self.path!r} has {bad} NaN/inf values in tensor {key!r}; "
+                                 "expected finite weights (was the model trained with a diverging loss?)")
+            if part is None:
+                self._finite.add(key)
         return t
 
     def fetch(self, name: str) -> torch.Tensor:

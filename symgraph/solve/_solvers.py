@@ -33,6 +33,38 @@ def _np(S):
     return S.detach().double().cpu().numpy() if isinstance(S, torch.Tensor) else np.asarray(S, float)
 
 
+#: Square assignments from this size on are solved on sparse candidate sets first.
+SPARSE_N = 4096
+#: Candidates per row and per column of a sparse assignment.
+SPARSE_K = 64
+
+
+def _sparse_assignment(s):
+    """The best permutation among each row's and each column's ``SPARSE_K`` largest entries
+    (SciPy's ``min_weight_full_bipartite_matching``, LAPJVsp): ``(rows, cols, status)``, or
+    ``(None,) * 3`` when those candidates hold no full matching (the caller solves densely).
+    On the suite's and the scale benchmark's MLP classes the candidates hold the dense optimum;
+    on pure noise at n = 5632 it takes 0.4 s where the dense solve takes 3.8 s, same answer."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import min_weight_full_bipartite_matching
+    n, k = s.shape[0], min(SPARSE_K, s.shape[0])
+    t = torch.from_numpy(s)
+    r_idx = torch.topk(t, k, dim=1).indices.numpy()
+    c_idx = torch.topk(t, k, dim=0).indices.numpy()
+    rows = np.concatenate([np.repeat(np.arange(n), k), c_idx.reshape(-1)])
+    cols = np.concatenate([r_idx.reshape(-1), np.tile(np.arange(n), k)])
+    keep = np.unique(rows * n + cols)
+    rows, cols = keep // n, keep % n
+    vals = s[rows, cols]
+    w = (vals.max() - vals) + 1.0  # positive costs (an explicit zero would drop the edge)
+    try:
+        rr, cc = min_weight_full_bipartite_matching(coo_matrix((w, (rows, cols)), shape=(n, n)).tocsr())
+    except ValueError:
+        return None, None, None
+    order = np.argsort(rr)
+    return rr[order], cc[order], f"optimal among top-{k} candidates"
+
+
 def hungarian(S, dense: bool = True) -> SolveResult:
     """Permutation maximising ``Σ_i S[i, π(i)]`` (Jonker–Volgenant via SciPy).
 
@@ -51,8 +83,10 @@ def hungarian(S, dense: bool = True) -> SolveResult:
         # is optimal without running the assignment (models already nearly aligned)
         rows, cols, status = np.arange(s.shape[0]), am, "optimal (row maxima)"
     else:
-        rows, cols = linear_sum_assignment(s, maximize=True)
-        status = "optimal"
+        rows, cols, status = _sparse_assignment(s) if s.shape[0] == s.shape[1] >= SPARSE_N else (None,) * 3
+        if rows is None:
+            rows, cols = linear_sum_assignment(s, maximize=True)
+            status = "optimal"
     dt = time.perf_counter() - t
     obj = float(s[rows, cols].sum())
     if not dense and s.shape[0] == s.shape[1]:
@@ -79,13 +113,21 @@ def signed_hungarian(S) -> SolveResult:
     return SolveResult(P, res.objective, status=res.status, seconds=res.seconds)
 
 
+def _float(S):
+    """``S`` as a float tensor for a factorisation: float32 stays float32 (the similarity of
+    16-bit weights: an SVD in float32 is twice as fast and as exact as its input), anything
+    else becomes float64."""
+    s = torch.as_tensor(S)
+    return s if s.dtype in (torch.float32, torch.float64) else s.to(torch.float64)
+
+
 def procrustes(S, rescale: bool = False) -> SolveResult:
     """Orthogonal ``R = U Vᵀ`` maximising ``<R, S>`` where ``S = U Σ Vᵀ``.
 
     With ``rescale`` (Zhang et al. 2024) the element is ``c·R``; ``c`` is returned in ``extra`` and is not
     applied (scalar rescaling is a merge-time weighting, not a symmetry of the model).
     """
-    s = torch.as_tensor(S, dtype=torch.float64)
+    s = _float(S)
     t = time.perf_counter()
     U, sig, Vh = torch.linalg.svd(s, full_matrices=False)
     R = U @ Vh
@@ -271,7 +313,7 @@ def solve(kind: str, S, *, pairs=None, solver: str | None = None, rescale=False,
     permutation comes back as a :class:`~symgraph.elements.Perm` (see :func:`hungarian`);
     ``masses``: ``(a, b)`` unit masses for the transport solvers (uniform where None)."""
     a, b = masses or (None, None)
-    S = torch.as_tensor(S, dtype=torch.float64)
+    S = torch.as_tensor(S, dtype=torch.float64) if solver is not None or kind != "orthogonal" else _float(S)
     square = S.shape[-1] == S.shape[-2]
     if solver is None:
         if not square:

@@ -1,0 +1,235 @@
+"""Cost model of out-of-core alignment: for each stage of ``symgraph merge --align weights`` on
+a LLaMA-shaped bf16 pair, its FLOPs and bytes, its time, and the achieved GFLOP/s and GB/s next
+to the machine's measured matmul peak and read throughput in the same run.
+
+    python -m benchmarks.bench_cost [--shape 1b] [--layers N] [--work DIR] [--label NAME]
+                                    [--out benchmarks/results/cost/cost.json] [--align weights]
+
+The pair is :mod:`benchmarks.bench_scale`'s (same writer, same cache under ``--work``). The
+merge runs in this process with the library's stage functions wrapped (a counting shim, nothing
+else changes); every call is timed and its work counted:
+
+* ``similarity``: ``alignment.weights.cross``, ``2·F·n_A·n_B·m`` FLOPs for ``[F, n, m]`` features
+  (the Gram products Σ W_A W_Bᵀ), in the dtype the products run in;
+* ``apply maps``: dense ``alignment.weights.apply_along`` (B's other axes into A's basis),
+  ``2·n·n·rest`` FLOPs; gathers (permutations) count their bytes;
+* ``procrustes``: ``torch.linalg.svd`` of ``n×n``, counted as 22·n³ (Golub & Van Loan's count
+  for U, Σ and V by R-SVD);
+* ``assignment``: ``linear_sum_assignment`` (scipy), reported as time and n (its cost is not
+  FLOP-bound; counted as n³ for a reference rate);
+* ``read``: checkpoint tensor reads (bytes), against the measured page-cache read throughput;
+* ``fold``: norm gains folded into readers; ``write``: the whole write phase (bytes written).
+
+Peaks are measured first: ``torch.mm`` of 4096² in float32 and bfloat16 (best of 3), SVD of a
+2048² float64 and float32 matrix, and reading model A's files from the page cache. Results go to
+``--out`` (JSON, one entry per ``--label``, kept across runs) and a Markdown table beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cost" / "cost.json"
+
+
+def _best(f, n=3) -> float:
+    f()
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def peaks(files) -> dict:
+    """The machine's measured rates, in this process (same threads as the merge)."""
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(4096, 4096).to(dt), torch.randn(4096, 4096).to(dt)
+        out[f"mm_{str(dt)[6:]}_gflops"] = 2 * 4096 ** 3 / _best(lambda: a @ b) / 1e9
+    for dt in (torch.float64, torch.float32):
+        s = torch.randn(2048, 2048, dtype=dt)
+        out[f"svd_{str(dt)[6:]}_gflops"] = 22 * 2048 ** 3 / _best(lambda: torch.linalg.svd(s, full_matrices=False), 1) / 1e9
+    total, t = 0, time.perf_counter()
+    for f in files:
+        with open(f, "rb") as fh:
+            while chunk := fh.read(64 << 20):
+                total += len(chunk)
+    out["read_gbs"] = total / (time.perf_counter() - t) / 1e9
+    return out
+
+
+class Counter:
+    """Wraps the stage functions; ``rows`` maps stage -> [calls, seconds, flops, bytes, dtypes]."""
+
+    def __init__(self):
+        self.rows = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0, set()])
+        self._undo = []
+
+    def wrap(self, owner, name, stage, cost):
+        f = getattr(owner, name)
+
+        def shim(*a, **k):
+            t = time.perf_counter()
+            r = f(*a, **k)
+            dt = time.perf_counter() - t
+            st, flops, nbytes, dtype = cost(r, *a, **k)
+            st = st or stage
+            row = self.rows[f"{st}, {dtype}" if dtype and flops else st]
+            row[0] += 1
+            row[1] += dt
+            row[2] += flops
+            row[3] += nbytes
+            if dtype:
+                row[4].add(dtype)
+            return r
+        setattr(owner, name, shim)
+        self._undo.append((owner, name, f))
+
+    def undo(self):
+        for owner, name, f in reversed(self._undo):
+            setattr(owner, name, f)
+
+
+def _cross_cost(r, xa, xb, nf, cross_fibres):
+    F = 1
+    for s in xa.shape[:nf]:
+        F *= s
+    Fb = 1
+    for s in xb.shape[:nf]:
+        Fb *= s
+    n, m, nb = xa.shape[-2], xa.shape[-1], xb.shape[-2]
+    pairs = F * Fb if (nf and cross_fibres) else F
+    return None, 2.0 * pairs * n * nb * m, 0.0, str(xa.dtype)[6:]
+
+
+def _apply_cost(r, t, d, M):
+    if M.dim() == 1 or (not M.requires_grad and M.dim() == 2 and bool(((M == 0) | (M == 1)).all())
+                        and bool((M.sum(0) == 1).all())):
+        return "apply maps (gather)", 0.0, 2.0 * t.numel() * t.element_size(), str(t.dtype)[6:]
+    rest = t.numel() // t.shape[d]
+    return "apply maps (dense)", 2.0 * M.shape[0] * M.shape[1] * rest, 0.0, str(t.dtype)[6:]
+
+
+def instrument() -> Counter:
+    from symgraph.alignment import weights as W
+    from symgraph.solve import _solvers as SV
+    from symgraph.checkpoints.sharded import Checkpoint
+    from symgraph.transform import folding
+    from symgraph.merging.streaming import StreamingMerge
+    c = Counter()
+    c.wrap(W, "cross", "similarity", _cross_cost)
+    c.wrap(W, "apply_along", "apply maps", _apply_cost)
+    c.wrap(torch.linalg, "svd", "procrustes",
+           lambda r, s, *a, **k: (None, 22.0 * s.shape[-1] ** 3 * (s.numel() // s.shape[-1] ** 2), 0.0,
+                                  str(s.dtype)[6:]))
+    c.wrap(SV, "linear_sum_assignment", "assignment",
+           lambda r, s, *a, **k: (None, float(min(s.shape)) ** 3, 0.0, None))
+    c.wrap(Checkpoint, "read", "read", lambda r, *a, **k: (None, 0.0, float(r.numel() * r.element_size()),
+                                                           str(r.dtype)[6:]))
+    c.wrap(folding, "fold", "fold", lambda r, *a, **k: (None, 0.0, 0.0, None))
+    c.wrap(StreamingMerge, "write", "write (whole phase)", lambda r, *a, **k: (None, 0.0, 0.0, None))
+    return c
+
+
+def run(shape="1b", layers=2, work="/tmp/symgraph-scale", align="weights") -> dict:
+    from benchmarks.scale.checkpoints import ensure_pair
+    pair = ensure_pair(Path(work), shape, layers)
+    a, b = pair["a"], pair["b"]
+    files = sorted(str(p) for p in Path(a).glob("*.safetensors"))
+    pk = peaks(files)
+    out = Path(work) / f"cost-out-{shape}-L{layers}"
+    shutil.rmtree(out, ignore_errors=True)
+    from symgraph.cli.main import main as cli
+    c = instrument()
+    t0 = time.perf_counter()
+    try:
+        rc = cli(["merge", a, b, "--out", str(out), "--align", align])
+    finally:
+        c.undo()
+    wall = time.perf_counter() - t0
+    shutil.rmtree(out, ignore_errors=True)
+    rows = {}
+    for stage, (n, sec, fl, nb, dts) in c.rows.items():
+        dt = ",".join(sorted(dts))
+        peak = pk["mm_bfloat16_gflops"] if dt == "bfloat16" else pk["mm_float32_gflops"]
+        if stage.startswith("procrustes"):
+            peak = pk["svd_float64_gflops"] if "float64" in dt else pk["svd_float32_gflops"]
+        rows[stage] = {"calls": n, "seconds": sec, "gflop": fl / 1e9, "gb": nb / 1e9, "dtype": dt,
+                       "gflops": fl / 1e9 / sec if sec and fl else None,
+                       "of_peak": (fl / 1e9 / sec / peak) if sec and fl and not stage.startswith("assignment") else None,
+                       "gbs": nb / 1e9 / sec if sec and nb else None,
+                       "of_read_peak": (nb / 1e9 / sec / pk["read_gbs"]) if sec and nb and stage.startswith("read") else None}
+    return {"shape": shape, "layers": layers, "align": align, "rc": rc, "wall_seconds": wall, "peaks": pk,
+            "stages": rows, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "torch": torch.__version__,
+            "when": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": _commit()}
+
+
+def _commit() -> str:
+    import subprocess
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return "?"
+
+
+def markdown(results: dict) -> str:
+    lines = ["# Cost model: `symgraph merge --align weights` by stage", "",
+             "Written by `python -m benchmarks.bench_cost` (see its docstring). Time is inclusive "
+             "per stage (a stage called inside another, e.g. a read inside a fold, is counted in both); "
+             "`of peak` is achieved GFLOP/s over the same run's measured rate for that dtype "
+             "(matmul 4096², SVD 2048²), `of read peak` GB/s over the page-cache read rate.", ""]
+    for label, r in results.items():
+        pk = r["peaks"]
+        lines += [f"## {label}: {r['shape']}, {r['layers']} layers, commit {r['commit']}, {r['when']}", "",
+                  f"Wall {r['wall_seconds']:.1f} s (rc {r['rc']}), {r['threads']} threads. Peaks: matmul "
+                  f"fp32 {pk['mm_float32_gflops']:.0f} GFLOP/s, bf16 {pk['mm_bfloat16_gflops']:.0f} GFLOP/s; "
+                  f"SVD fp64 {pk['svd_float64_gflops']:.0f}, fp32 {pk['svd_float32_gflops']:.0f} GFLOP/s; "
+                  f"read {pk['read_gbs']:.2f} GB/s.", "",
+                  "| stage | calls | s | GFLOP | GFLOP/s | of peak | GB | GB/s | dtype |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for st, x in sorted(r["stages"].items(), key=lambda kv: -kv[1]["seconds"]):
+            f = lambda v, fmt: "–" if v is None else format(v, fmt)  # noqa: E731
+            of = x["of_peak"] if x["of_peak"] is not None else x.get("of_read_peak")
+            lines.append(f"| {st} | {x['calls']} | {x['seconds']:.1f} | {f(x['gflop'] or None, '.0f')} | "
+                         f"{f(x['gflops'], '.0f')} | {f(of, '.0%')} | {f(x['gb'] or None, '.2f')} | "
+                         f"{f(x['gbs'], '.2f')} | {x['dtype']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_cost", description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="1b")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--work", default="/tmp/symgraph-scale")
+    ap.add_argument("--align", default="weights", choices=("weights",))
+    ap.add_argument("--label", default=None, help="entry name in --out (default: shape-Llayers-commit)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    a = ap.parse_args(argv)
+    r = run(a.shape, a.layers, a.work, a.align)
+    label = a.label or f"{a.shape}-L{a.layers}-{r['commit']}"
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    results[label] = r
+    out.write_text(json.dumps(results, indent=1))
+    out.with_suffix(".md").write_text(markdown(results))
+    print(markdown({label: r}))
+    return 0 if r["rc"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
