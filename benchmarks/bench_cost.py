@@ -15,8 +15,9 @@ else changes); every call is timed and its work counted:
   ``2·n·n·rest`` FLOPs; gathers (permutations) count their bytes;
 * ``procrustes``: ``torch.linalg.svd`` of ``n×n``, counted as 22·n³ (Golub & Van Loan's count
   for U, Σ and V by R-SVD);
-* ``assignment``: ``linear_sum_assignment`` (scipy), reported as time and n (its cost is not
-  FLOP-bound; counted as n³ for a reference rate);
+* ``assignment``: ``solve.hungarian`` by how it ended (dense Jonker–Volgenant, sparse top-k
+  candidates, row maxima), reported as time (its cost is not FLOP-bound; counted as n³ for a
+  reference rate);
 * ``read``: checkpoint tensor reads (bytes), against the measured page-cache read throughput;
 * ``fold``: norm gains folded into readers; ``write``: the whole write phase (bytes written).
 
@@ -133,8 +134,8 @@ def instrument() -> Counter:
     c.wrap(torch.linalg, "svd", "procrustes",
            lambda r, s, *a, **k: (None, 22.0 * s.shape[-1] ** 3 * (s.numel() // s.shape[-1] ** 2), 0.0,
                                   str(s.dtype)[6:]))
-    c.wrap(SV, "linear_sum_assignment", "assignment",
-           lambda r, s, *a, **k: (None, float(min(s.shape)) ** 3, 0.0, None))
+    c.wrap(SV, "hungarian", "assignment",
+           lambda r, s, *a, **k: (f"assignment ({r.status.split(' (')[0]})", float(min(s.shape)) ** 3, 0.0, None))
     c.wrap(Checkpoint, "read", "read", lambda r, *a, **k: (None, 0.0, float(r.numel() * r.element_size()),
                                                            str(r.dtype)[6:]))
     c.wrap(folding, "fold", "fold", lambda r, *a, **k: (None, 0.0, 0.0, None))
@@ -142,7 +143,7 @@ def instrument() -> Counter:
     return c
 
 
-def run(shape="1b", layers=2, work="/tmp/symgraph-scale", align="weights") -> dict:
+def run(shape="1b", layers=2, work="/tmp/symgraph-scale", align="weights", extra=()) -> dict:
     from benchmarks.scale.checkpoints import ensure_pair
     pair = ensure_pair(Path(work), shape, layers)
     a, b = pair["a"], pair["b"]
@@ -154,7 +155,7 @@ def run(shape="1b", layers=2, work="/tmp/symgraph-scale", align="weights") -> di
     c = instrument()
     t0 = time.perf_counter()
     try:
-        rc = cli(["merge", a, b, "--out", str(out), "--align", align])
+        rc = cli(["merge", a, b, "--out", str(out), "--align", align, *extra])
     finally:
         c.undo()
     wall = time.perf_counter() - t0
@@ -170,7 +171,7 @@ def run(shape="1b", layers=2, work="/tmp/symgraph-scale", align="weights") -> di
                        "of_peak": (fl / 1e9 / sec / peak) if sec and fl and not stage.startswith("assignment") else None,
                        "gbs": nb / 1e9 / sec if sec and nb else None,
                        "of_read_peak": (nb / 1e9 / sec / pk["read_gbs"]) if sec and nb and stage.startswith("read") else None}
-    return {"shape": shape, "layers": layers, "align": align, "rc": rc, "wall_seconds": wall, "peaks": pk,
+    return {"shape": shape, "layers": layers, "align": align, "options": list(extra), "rc": rc, "wall_seconds": wall, "peaks": pk,
             "stages": rows, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "torch": torch.__version__,
             "when": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": _commit()}
@@ -193,7 +194,8 @@ def markdown(results: dict) -> str:
              "(matmul 4096², SVD 2048²), `of read peak` GB/s over the page-cache read rate.", ""]
     for label, r in results.items():
         pk = r["peaks"]
-        lines += [f"## {label}: {r['shape']}, {r['layers']} layers, commit {r['commit']}, {r['when']}", "",
+        opts = " ".join(r.get("options") or []) or "default options"
+        lines += [f"## {label}: {r['shape']}, {r['layers']} layers, {opts}, commit {r['commit']}, {r['when']}", "",
                   f"Wall {r['wall_seconds']:.1f} s (rc {r['rc']}), {r['threads']} threads. Peaks: matmul "
                   f"fp32 {pk['mm_float32_gflops']:.0f} GFLOP/s, bf16 {pk['mm_bfloat16_gflops']:.0f} GFLOP/s; "
                   f"SVD fp64 {pk['svd_float64_gflops']:.0f}, fp32 {pk['svd_float32_gflops']:.0f} GFLOP/s; "
@@ -216,10 +218,11 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--work", default="/tmp/symgraph-scale")
     ap.add_argument("--align", default="weights", choices=("weights",))
+    ap.add_argument("--sketch", type=int, default=0, help="symgraph merge --sketch K")
     ap.add_argument("--label", default=None, help="entry name in --out (default: shape-Llayers-commit)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     a = ap.parse_args(argv)
-    r = run(a.shape, a.layers, a.work, a.align)
+    r = run(a.shape, a.layers, a.work, a.align, ["--sketch", str(a.sketch)] if a.sketch else [])
     label = a.label or f"{a.shape}-L{a.layers}-{r['commit']}"
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

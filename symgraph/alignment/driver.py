@@ -65,6 +65,9 @@ class AlignOptions:
         accumulated in float32, when both models' weights are 16-bit: the inputs' own precision;
         else exact), "bf16" (always), "exact" (the weights' dtype for permutations, ``exact_dtype``
         for rotations).
+    sketch : k > 0: permutation classes compare their rows through a shared random
+        projection of k columns where a matrix's other axis is wider than 2k (Johnson–
+        Lindenstrauss; ``WeightFeatures``); 0 (default) computes the similarity exactly.
     tol : a class re-solved in a later sweep keeps its element unless the new one raises its
         own objective ``<element, S>`` by more than this fraction: near-ties and rotations that
         move in the fifth digit then stop re-solving every class that reads them, and the sweeps
@@ -85,6 +88,7 @@ class AlignOptions:
     between: Callable | None = None
     full_groups: bool = False
     similarity: str = "auto"
+    sketch: int = 0
     tol: float = 1e-4
 
     def __post_init__(self):
@@ -102,6 +106,8 @@ class AlignOptions:
             raise InputError(f"inner={self.inner!r}; expected 'procrustes' or 'hungarian'")
         if self.similarity not in ("auto", "bf16", "exact"):
             raise InputError(f"similarity={self.similarity!r}; expected 'auto', 'bf16' or 'exact'")
+        if not isinstance(self.sketch, int) or isinstance(self.sketch, bool) or self.sketch < 0:
+            raise InputError(f"sketch={self.sketch!r}; expected a number of columns (an integer >= 0)")
         if not (isinstance(self.tol, (int, float)) and not isinstance(self.tol, bool) and 0 <= self.tol < 1):
             raise InputError(f"tol={self.tol!r}; expected a number in [0, 1)")
         if not isinstance(self.max_iter, int) or self.max_iter < 1:
@@ -211,7 +217,7 @@ def _report_options(opts, ra) -> dict:
 
 def _solved(ra, rb, model_a, model_b, data, opts) -> Alignment:
     """One alignment of the models: weight matching, with activation statistics from ``data``."""
-    feats = WeightFeatures.from_models(ra, rb, model_a, model_b, products=opts.similarity)
+    feats = WeightFeatures.from_models(ra, rb, model_a, model_b, products=opts.similarity, sketch=opts.sketch)
     run, n_sweeps = _solve(ra, rb, feats, opts, data, (model_a, model_b))
     return Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                      {"solver": run.solver_seconds, "sweeps": n_sweeps},
@@ -340,7 +346,7 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
         raise InputError("activation statistics from tensors need fetch: two functions name -> tensor")
     t0 = time.perf_counter()
     check_compatible(ra, rb)
-    feats = WeightFeatures(ra, rb, tensors_a, tensors_b, exact_dtype, products=opts.similarity)
+    feats = WeightFeatures(ra, rb, tensors_a, tensors_b, exact_dtype, products=opts.similarity, sketch=opts.sketch)
     run, n_sweeps = _solve(ra, rb, feats, opts, data, models, fetch, stats_budget)
     al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                    {"solver": run.solver_seconds, "sweeps": n_sweeps}, gauge=gauge_a)

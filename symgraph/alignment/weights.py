@@ -24,15 +24,19 @@ class WeightFeatures:
 
     CACHE_NUMEL = 1 << 20  # contributions larger than this (e.g. MLP×MLP) are not kept
 
-    def __init__(self, ra, rb, tensors_a, tensors_b, exact_dtype=torch.float64, products="exact"):
+    def __init__(self, ra, rb, tensors_a, tensors_b, exact_dtype=torch.float64, products="exact", sketch=0):
         """``tensors_a`` / ``tensors_b``: ``{parameter name: tensor}`` of the two models with
         the reports' norm gains folded (any ``Mapping``; :mod:`symgraph.merging.streaming` passes lazy
         ones that read a checkpoint on demand). ``exact_dtype``: what continuous classes
         (rotations) gather their slices in; float32 is ample for 16-bit weights.
         ``products``: "exact", "bf16" (every product in bfloat16, summed in float32: the
         kernels accumulate each product in float32 and round its result once) or "auto" (bf16
-        for a slot whose two tensors are both 16-bit)."""
+        for a slot whose two tensors are both 16-bit). ``sketch``: k > 0 compares a permutation
+        class's rows through a shared random projection of k columns (Johnson–Lindenstrauss:
+        ``S ≈ (X_A Ω)(X_B M_Bᵀ Ω)ᵀ``, B's map applied to Ω rather than to its weights) where a
+        matrix's other axis is wider than 2k; 0 computes S exactly."""
         self.ra, self.rb, self.exact_dtype, self.products = ra, rb, exact_dtype, products
+        self.sketch, self._omega = int(sketch), {}
         self.A, self.B = tensors_a, tensors_b
         self._cache: dict = {}
         self._deps: dict = {}
@@ -40,10 +44,10 @@ class WeightFeatures:
         self.versions: dict = {}  # shared with the solve loop: group id -> changes so far
 
     @classmethod
-    def from_models(cls, ra, rb, model_a, model_b, products="exact"):
+    def from_models(cls, ra, rb, model_a, model_b, products="exact", sketch=0):
         return cls(ra, rb, _folded(ra, {k: model_a.get_parameter(k).detach() for k in ra.parameters}),
                    _folded(rb, {k: model_b.get_parameter(k).detach() for k in rb.parameters}),
-                   products=products)
+                   products=products, sketch=sketch)
 
     def _axis_op(self, a, elements):
         """B's current map on axis ``a``: an index vector for a permutation, else the dense
@@ -131,6 +135,9 @@ class WeightFeatures:
             ta, tb = ta.to(self.exact_dtype), tb.to(self.exact_dtype)
         elif ta.dtype != tb.dtype:  # models stored in different dtypes: compare in a common one
             ta, tb = ta.to(acc), tb.to(acc)
+        if (self.sketch and not exact and ta.dim() == 2 and len(va) == 1 and va[0][1] == 0 and not others
+                and ta.shape[1 - d] > 2 * self.sketch):
+            return self._sketched(ta, tb, d, ax_b[1 - d], va[0][0], vb[0][0], elements, acc)
         for k, a in enumerate(ax_b):  # other dims into A's basis
             if k == d:
                 continue
@@ -148,6 +155,29 @@ class WeightFeatures:
                 a2 = a2 + (xa.reshape(-1, *xa.shape[fa:]).to(acc) ** 2).sum((-1, -2))
                 b2 = b2 + (xb.reshape(-1, *xb.shape[fb:]).to(acc) ** 2).sum((-1, -2))
         return total, a2, b2, False
+
+
+    def _sketched(self, ta, tb, d, axis_b, ia, ib, elements, acc):
+        """A matrix slot's contribution through the shared projection ``Ω [m, k]``: A's rows
+        times Ω, B's rows times ``M_Bᵀ Ω`` (its other axis' map moved onto Ω: k·m² instead of
+        n·m² for a dense map, a gather of Ω for a permutation)."""
+        m = ta.shape[1 - d]
+        key = (m, self.sketch, ta.dtype, ta.device)
+        if key not in self._omega:
+            g = torch.Generator().manual_seed(m * 7919 + self.sketch)
+            self._omega[key] = (torch.randn(m, self.sketch, generator=g) / self.sketch ** 0.5).to(ta.device, ta.dtype)
+        om = self._omega[key]
+        M = self._axis_op(axis_b, elements)
+        if M is None:
+            om_b = om
+        elif M.dim() == 1:  # B's coordinate M[i] goes to A's i: Ω's row i moves to M[i]
+            om_b = torch.empty_like(om)
+            om_b[M.to(om.device)] = om
+        else:
+            om_b = M.to(om.device, om.dtype).mT @ om
+        xa = ta.movedim(d, 0)[ia.reshape(-1).to(ta.device)] @ om
+        xb = tb.movedim(d, 0)[ib.reshape(-1).to(tb.device)] @ om_b
+        return (xa @ xb.mT).to(acc), 0.0, 0.0, False
 
 
 _HALF = (torch.bfloat16, torch.float16)

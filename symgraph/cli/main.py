@@ -180,6 +180,9 @@ def build_parser():
     m.add_argument("--full-groups", action="store_true", default=None,
                    help="after the rotations, fit each head's GL map and each RoPE pair's scale "
                    "(the full groups the report claims; exact for a transformed copy; loads the models)")
+    m.add_argument("--sketch", type=int, metavar="K", default=None,
+                   help="weight matching compares permutation classes through a shared random projection "
+                   "of K columns where a matrix is wider than 2K (faster, approximate; default 0: exact)")
     m.add_argument("--device", metavar="DEV", default=None,
                    help="compute on this device (cpu, cuda, cuda:N; like mergekit's --cuda): the models are "
                    "loaded there; the output is written as on the CPU")

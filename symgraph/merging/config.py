@@ -16,6 +16,7 @@ A config is a mapping with these keys (all optional but ``models``; command-line
     attention: heads                # heads | circuits (heads N times as wide: QK and OV interpolated)
     untie: false                    # give a tied head its own weights before aligning
     full_groups: false              # fit the GL part of heads and RoPE pair scales after the rotations
+    sketch: 0                       # k > 0: weight-matching similarity through a k-column random projection
     force: false                    # replace an existing out
 
 Relative paths are read relative to the config file. A mergekit config (``merge_method:
@@ -49,6 +50,7 @@ MERGE_KEYS = {
     "attention": "one of 'heads', 'circuits'",
     "untie": "true or false",
     "full_groups": "true or false",
+    "sketch": "a number of projection columns (an integer >= 0; 0: exact similarity)",
     "outputs": "a list of output names a symmetry must keep (e.g. [logits])",
     "device": "where to compute: 'cpu', 'cuda' or 'cuda:N' (not cpu: the models are loaded there)",
     "force": "true or false",
@@ -70,6 +72,7 @@ class MergeConfig(BaseModel):
     attention: Literal["heads", "circuits"] = "heads"
     untie: StrictBool = False
     full_groups: StrictBool = False
+    sketch: StrictInt = 0
     outputs: list[StrictStr] | None = Field(default=None, min_length=1)
     device: StrictStr = "cpu"
     force: StrictBool = False
@@ -239,7 +242,8 @@ def merge_options(args: dict) -> MergeConfig:
         if args.get("config") and opts["models"]:
             raise InputError("models given both on the command line and in --config; expected one or the other")
         opts["models"] = list(args["models"])
-    given = [k for k in ("out", "align", "method", "weights", "data", "outputs", "attention", "device") if args.get(k) is not None]
+    given = [k for k in ("out", "align", "method", "weights", "data", "outputs", "attention", "device", "sketch")
+             if args.get(k) is not None]
     given += [f for f in ("force", "repair", "untie", "full_groups") if args.get(f)]
     given += ["refine"] * (args.get("refine") is not None) + ["fold_norms"] * bool(args.get("no_fold_norms"))
     for k in given:
@@ -277,6 +281,10 @@ def check(opts: dict, name=lambda k: "--" + k.replace("_", "-")) -> None:
     if opts["attention"] == "circuits" and (opts["method"] != "average" or opts["repair"]):
         raise InputError(f"{n('attention')} circuits merges by averaging; expected {n('method')} average without "
                          f"{n('repair')}")
+    if opts["sketch"] < 0:
+        raise InputError(f"{n('sketch')} {opts['sketch']}: expected a number of projection columns >= 0")
+    if opts["sketch"] and opts["align"] != "weights":
+        raise InputError(f"{n('sketch')} sketches weight matching; expected {n('align')} weights")
     if opts["full_groups"] and opts["align"] in ("none", None):
         raise InputError(f"{n('full_groups')} fits the groups an alignment solves; expected {n('align')} weights "
                          "or activations")

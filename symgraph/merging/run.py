@@ -123,7 +123,8 @@ def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
                        data=data, method=cfg.method, repair=cfg.repair, progress=progress,
                        refine=cfg.refine, fold_norms=cfg.fold_norms, outputs=cfg.outputs, anchor=anchor,
                        attention=cfg.attention, untie=cfg.untie,
-                       **({"full_groups": True} if cfg.full_groups else {}))
+                       **({"full_groups": True} if cfg.full_groups else {}),
+                       **({"sketch": cfg.sketch} if cfg.sketch else {}))
     except (StructureMismatchError, InputError) as e:
         raise type(e)(f"{e}{_config_diff(models, cfg.models)}") from None
     check_finite(result.model, "the merged model")
@@ -157,7 +158,8 @@ def _streaming_job(cfg, data, anchor, progress, options):
     try:
         return StreamingMerge(ckpts, weights=cfg.weights, align=cfg.align,
                               data=data if cfg.align == "activations" else None, anchor=anchor,
-                              fold_norms=cfg.fold_norms, outputs=cfg.outputs, progress=progress, **options)
+                              fold_norms=cfg.fold_norms, outputs=cfg.outputs, progress=progress,
+                              **({"sketch": cfg.sketch} if cfg.sketch else {}), **options)
     except InputError as e:
         raise type(e)(f"{e}{_config_diff(ckpts, cfg.models)}") from None
 
