@@ -84,22 +84,20 @@ def test_transformed_copy_recovered_exactly_with_the_defaults():
 
 
 def test_bf16_products_match_exact_on_a_bf16_transformed_copy():
-    """similarity="bf16" (the default "auto" for 16-bit weights): every permutation of a
-    transformed copy found as by exact products, and the rotations within bf16's precision."""
+    """similarity="bf16": every permutation of a transformed copy found as by exact products,
+    and the rotations within bf16's precision."""
     A = M.build("llama", seed=0)
     B = _copy(A)
     A16, B16 = A.to(torch.bfloat16), B.to(torch.bfloat16)
     fast = symgraph.align(A16, B16, similarity="bf16")
     slow = symgraph.align(A16, B16, similarity="exact")
-    auto = symgraph.align(A16, B16)
     moved = 0
     for gid, e in slow.elements.items():
-        f, a = fast.elements[gid], auto.elements[gid]
+        f = fast.elements[gid]
         if isinstance(e, Perm):
-            assert torch.equal(e.index, f.index) and torch.equal(e.index, a.index), gid
+            assert torch.equal(e.index, f.index), gid
         elif isinstance(e, torch.Tensor):
             assert float((e.double() - f.double()).abs().max()) < 2e-2, gid
-            assert torch.equal(f, a), gid
             moved += 1
     assert moved > 0
 

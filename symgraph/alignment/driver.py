@@ -61,10 +61,11 @@ class AlignOptions:
         (LayerNorm); False keeps them permutations.
     outputs : the model outputs the alignment must keep (``symgraph.analyze``'s ``outputs``,
         e.g. ``["logits"]`` for a model that also returns hidden states); default all.
-    similarity : the precision of the weight-matching products: "auto" (bfloat16 products,
-        accumulated in float32, when both models' weights are 16-bit: the inputs' own precision;
-        else exact), "bf16" (always), "exact" (the weights' dtype for permutations, ``exact_dtype``
-        for rotations).
+    similarity : the precision of the weight-matching products: "exact" (permutation classes
+        in the weights' own dtype, bfloat16 for a bf16 checkpoint; rotations in float64, or
+        float32 out of core) or "bf16" (every product in bfloat16, about 2x faster for the
+        rotations' products on a CPU with bf16 units; each product's result is rounded to
+        bfloat16, which moves some suite barriers by more than their pair-to-pair spread).
     sketch : k > 0: permutation classes compare their rows through a shared random
         projection of k columns where a matrix's other axis is wider than 2k (Johnson–
         Lindenstrauss; ``WeightFeatures``); 0 (default) computes the similarity exactly.
@@ -87,7 +88,7 @@ class AlignOptions:
     refine_lr: float = 1e-3
     between: Callable | None = None
     full_groups: bool = False
-    similarity: str = "auto"
+    similarity: str = "exact"
     sketch: int = 0
     tol: float = 1e-4
 
@@ -104,8 +105,8 @@ class AlignOptions:
             raise InputError(f"masses={self.masses!r}; expected one of {MASSES}")
         if self.inner not in ("procrustes", "hungarian"):
             raise InputError(f"inner={self.inner!r}; expected 'procrustes' or 'hungarian'")
-        if self.similarity not in ("auto", "bf16", "exact"):
-            raise InputError(f"similarity={self.similarity!r}; expected 'auto', 'bf16' or 'exact'")
+        if self.similarity not in ("bf16", "exact"):
+            raise InputError(f"similarity={self.similarity!r}; expected 'exact' or 'bf16'")
         if not isinstance(self.sketch, int) or isinstance(self.sketch, bool) or self.sketch < 0:
             raise InputError(f"sketch={self.sketch!r}; expected a number of columns (an integer >= 0)")
         if not (isinstance(self.tol, (int, float)) and not isinstance(self.tol, bool) and 0 <= self.tol < 1):

@@ -29,9 +29,10 @@ class WeightFeatures:
         the reports' norm gains folded (any ``Mapping``; :mod:`symgraph.merging.streaming` passes lazy
         ones that read a checkpoint on demand). ``exact_dtype``: what continuous classes
         (rotations) gather their slices in; float32 is ample for 16-bit weights.
-        ``products``: "exact", "bf16" (every product in bfloat16, summed in float32: the
-        kernels accumulate each product in float32 and round its result once) or "auto" (bf16
-        for a slot whose two tensors are both 16-bit). ``sketch``: k > 0 compares a permutation
+        ``products``: "exact" (permutation classes in the weights' own dtype, rotations in
+        ``exact_dtype``; contributions summed in at least float32) or "bf16" (every product in
+        bfloat16: the CPU kernels accumulate in float32 but round each result to bfloat16, as
+        no CPU kernel writes a float32 result from bfloat16 inputs). ``sketch``: k > 0 compares a permutation
         class's rows through a shared random projection of k columns (Johnson–Lindenstrauss:
         ``S ≈ (X_A Ω)(X_B M_Bᵀ Ω)ᵀ``, B's map applied to Ω rather than to its weights) where a
         matrix's other axis is wider than 2k; 0 computes S exactly."""
@@ -129,7 +130,7 @@ class WeightFeatures:
         ta, tb = self.ra.view(name, self.A[name]), self.rb.view(name, self.B[name])
         acc = self.exact_dtype if exact else torch.promote_types(
             torch.promote_types(ta.dtype, tb.dtype), torch.float32)  # what contributions sum in
-        if self.products == "bf16" or (self.products == "auto" and ta.dtype in _HALF and tb.dtype in _HALF):
+        if self.products == "bf16":
             ta, tb = ta.to(torch.bfloat16), tb.to(torch.bfloat16)
         elif exact:
             ta, tb = ta.to(self.exact_dtype), tb.to(self.exact_dtype)

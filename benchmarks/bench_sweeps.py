@@ -1,0 +1,101 @@
+"""What the speed settings of weight matching cost in quality: the suite's trained pairs aligned
+with each setting, the barrier (11-point curve, quick protocol's 4 held-out batches) and the
+number of sweeps, against the exact reference (``tol=0``, exact products, no sketch).
+
+    python -m benchmarks.bench_sweeps [--archs gpt2 llama bert vit] [--size quick]
+                                      [--out benchmarks/results/speed_quality/sweeps.json]
+
+Settings: ``tol`` (a unit keeps its element unless a re-solve gains more than that fraction
+of its objective), ``similarity="bf16"`` (products in bfloat16), ``sketch=k`` (a k-column
+projection, k a quarter of the model width so that it applies at these sizes). Reported per
+architecture: each pair's barrier and sweeps, the mean, and the pair-to-pair standard
+deviation of the exact reference (the issue's yardstick: a setting is "unchanged" when every
+pair's barrier is within that spread of the reference).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+import symgraph
+
+from . import evaluate, train
+
+LAMBDAS = np.linspace(0.0, 1.0, 11)
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "speed_quality" / "sweeps.json"
+
+
+def settings(width: int) -> dict:
+    return {"exact (tol=0)": dict(tol=0.0, similarity="exact"),
+            "default (tol=1e-4)": {},
+            "tol=1e-3": dict(tol=1e-3),
+            "tol=1e-2": dict(tol=1e-2),
+            "bf16 products": dict(similarity="bf16"),
+            f"sketch={max(width // 4, 4)}": dict(sketch=max(width // 4, 4))}
+
+
+def run(archs, size="quick", seeds=(0, 1, 2), max_batches=4) -> dict:
+    out = {}
+    for arch in archs:
+        models = {s: train.train_model(arch, s, size=size) for s in seeds}
+        loss = evaluate.loss_fn_for(arch, max_batches=max_batches)
+        width = getattr(models[seeds[0]].config, "hidden_size", None) or models[seeds[0]].config.n_embd
+        rows = {}
+        for name, kw in settings(width).items():
+            per = []
+            for a, b in itertools.combinations(seeds, 2):
+                A, B = models[a], models[b]
+                t0 = time.perf_counter()
+                al = symgraph.align(A, B, **kw)
+                secs = time.perf_counter() - t0
+                bar = symgraph.loss_barrier(symgraph.interpolate(A, al.apply(B), LAMBDAS, loss))
+                per.append({"pair": [a, b], "barrier": bar, "sweeps": al.seconds.get("sweeps"), "align_seconds": secs})
+                print(f"{arch:6s} {a}-{b} {name:20s} barrier {bar:.4f} sweeps {al.seconds.get('sweeps')} "
+                      f"{secs:.2f} s", flush=True)
+            rows[name] = {"pairs": per, "mean": float(np.mean([p["barrier"] for p in per]))}
+        ref = [p["barrier"] for p in rows["exact (tol=0)"]["pairs"]]
+        spread = float(np.std(ref, ddof=1))
+        for name, r in rows.items():
+            r["max_abs_diff_to_exact"] = float(max(abs(p["barrier"] - q) for p, q in zip(r["pairs"], ref)))
+            r["within_spread"] = r["max_abs_diff_to_exact"] <= spread
+        out[arch] = {"width": width, "exact_pair_std": spread, "settings": rows}
+    return out
+
+
+def markdown(res: dict) -> str:
+    lines = ["# Weight matching: speed settings against the exact reference (suite pairs)", "",
+             "Written by `python -m benchmarks.bench_sweeps`. Barrier: mean over the 3 pairs; "
+             "Δ: largest |barrier − exact| over the pairs; spread: the exact barriers' pair-to-pair "
+             "standard deviation; sweeps: per pair.", "",
+             "| arch | setting | mean barrier | Δ to exact | spread | within | sweeps |",
+             "|---|---|---:|---:|---:|---|---|"]
+    for arch, a in res.items():
+        for name, r in a["settings"].items():
+            sw = ", ".join(str(p["sweeps"]) for p in r["pairs"])
+            lines.append(f"| {arch} | {name} | {r['mean']:.3f} | {r['max_abs_diff_to_exact']:.3f} | "
+                         f"{a['exact_pair_std']:.3f} | {'yes' if r['within_spread'] else 'no'} | {sw} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_sweeps", description=__doc__.splitlines()[0])
+    ap.add_argument("--archs", nargs="+", default=["gpt2", "llama", "bert", "vit"])
+    ap.add_argument("--size", default="quick")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    a = ap.parse_args(argv)
+    res = run(a.archs, a.size)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    out.with_suffix(".md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
