@@ -32,7 +32,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "speed_quality" / "s
 
 def settings(width: int) -> dict:
     return {"exact (tol=0)": dict(tol=0.0, similarity="exact"),
-            "default (tol=1e-4)": {},
+            "tol=1e-4": dict(tol=1e-4),
             "tol=1e-3": dict(tol=1e-3),
             "tol=1e-2": dict(tol=1e-2),
             "bf16 products": dict(similarity="bf16"),

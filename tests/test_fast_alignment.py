@@ -69,15 +69,14 @@ def test_tolerance_ends_the_sweeps_and_zero_takes_every_change():
     loose = symgraph.align(A, B, tol=0.5)
     exact = symgraph.align(A, B, tol=0.0, max_iter=6)
     assert loose.seconds["sweeps"] <= 3 < exact.seconds["sweeps"]
-    default = symgraph.align(A, B)
-    assert 2 <= default.seconds["sweeps"] <= exact.seconds["sweeps"]
+    assert symgraph.align(A, B).seconds["sweeps"] == exact.seconds["sweeps"]  # the default is tol=0
 
 
 def test_transformed_copy_recovered_exactly_with_the_defaults():
-    """The tolerance never costs exactness: a transformed copy's first solve is exact."""
+    """A tolerance keeps a transformed copy's exact first solve (LLaMA: no nested classes)."""
     A = M.build("llama", seed=0)
     B = _copy(A)
-    al = symgraph.align(A, B)
+    al = symgraph.align(A, B, tol=1e-4)
     Bal = al.apply(B)
     for (n, p), q in zip(A.named_parameters(), Bal.parameters()):
         assert torch.allclose(p, q, atol=1e-5, rtol=0), n
