@@ -181,17 +181,19 @@ def test_table_rows_on_tiny_untied_gpt2():
     g = torch.Generator().manual_seed(0)
     test = torch.randint(0, 64, (4, 32), generator=g)
     train = [{"input_ids": torch.randint(0, 64, (4, 32), generator=g)} for _ in range(2)]
-    rows = [table.run_row(n, A, B, train=train, test=test, refine_steps=2, circuits=False)
-            for n in ("vanilla", "weights", "learned")]
+    rows = [table.run_row(n, A, B, train=train, test=test, refine_steps=2, circuits=False,
+                          seen=train[0]["input_ids"][:, :3])  # a few of the 64 tokens
+            for n in ("vanilla", "weights", "learned", "weights_seen")]
     for r in rows:
         assert [lam for lam, _ in r["curve"]] == pytest.approx(list(table.LAMBDAS))
         ends = dict(r["curve"])
         assert ends[1.0] == pytest.approx(table.D.test_loss(A, test), abs=1e-5)
         assert r["barrier"] == pytest.approx(symgraph.loss_barrier(r["curve"]))
     assert rows[2]["refine_steps"] == 2
+    assert rows[3]["curve"][5] != rows[1]["curve"][5]  # the seen rows change the alignment
     cs = [table.run_row(n, A, B, train=train, test=test, refine_steps=2, circuits=True)
           for n in ("weights", "learned")]
-    for c, r in zip(cs, rows[1:]):
+    for c, r in zip(cs, rows[1:3]):
         ends = dict(c["curve"])
         assert ends[1.0] == pytest.approx(table.D.test_loss(A, test), abs=1e-5) and c["note"] is None
         assert c["space"] == "circuits" and c["barrier"] == pytest.approx(symgraph.loss_barrier(c["curve"]))

@@ -150,3 +150,34 @@ def test_cli_sketch_streams_and_is_checked(tmp_path):
         r = cli("merge", pa, pb, "--out", str(tmp_path / "bad"), *args)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_rows_of_unseen_tokens_are_left_out_of_weight_matching():
+    """Theus et al. 2025 match the token embeddings of tokens seen in training only: the other
+    rows of a trained model are its random initialisation. A transformed copy whose unseen
+    embedding rows are redrawn is recovered exactly with ``rows=report.input_rows(data)``,
+    and not without (those rows pull the residual rotation); a tied embedding (every row is
+    trained as the head) gives no rows."""
+    import transformers as tf
+    from benchmarks.anchor import data as D
+    torch.manual_seed(0)
+    A = tf.GPT2LMHeadModel(D.config(vocab_size=400, n_layer=1, n_embd=32, n_head=2)).eval()
+    rep = symgraph.analyze(A)
+    B = symgraph.transform(A, rep.random_transform(seed=2, orthogonal=True))
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    rows = rep.input_rows([{"input_ids": ids}])
+    assert list(rows) == ["transformer.wte.weight"] and torch.equal(rows["transformer.wte.weight"], ids.unique())
+    unseen = torch.ones(400, dtype=torch.bool)
+    unseen[ids.unique()] = False
+    with torch.no_grad():
+        B.transformer.wte.weight[unseen] = 0.5 * torch.randn(int(unseen.sum()), 32)
+    A_seen = {k: v for k, v in A.state_dict().items() if k != "transformer.wte.weight"}
+
+    def err(al):
+        Bal = al.apply(B).state_dict()
+        return max(float((v - Bal[k]).abs().max()) for k, v in A_seen.items() if v.is_floating_point())
+    assert err(symgraph.align(A, B, rows=rows)) < 1e-5
+    assert err(symgraph.align(A, B)) > 1e-2
+    assert symgraph.analyze(M.build("gpt2", seed=0)).input_rows([{"input_ids": ids}]) == {}
+    with pytest.raises(symgraph.InputError, match="rows must map"):
+        symgraph.align(A, B, rows={"transformer.wte.weight": [1, 2]})

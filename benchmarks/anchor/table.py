@@ -7,7 +7,8 @@ reports the barrier ``max_λ L(λ) − ½(L(A) + L(B))`` next to the paper's Tab
 row's wall time, ``results.json``, ``report.md`` and ``curves.png``.
 
 Rows, in the parents' architecture: vanilla averaging, activation matching, weight matching,
-learned matching (residual orthogonal map: symgraph's default on the untied model; and
+weight matching on the embedding rows of tokens seen in training only (``weights_seen``, as
+Theus et al. match), learned matching (residual orthogonal map: symgraph's default on the untied model; and
 permutations only: ``fold_norms=False``). In circuit space (heads twice as wide,
 :mod:`symgraph.merging.circuits`) the same alignments are interpolated in the wider heads,
 (GPT-2's config cannot state the head size: the traced program is widened in memory,
@@ -36,6 +37,7 @@ ROWS = {
     "vanilla": (None, True, 0),
     "activations": ("activations", True, 0),
     "weights": ("weights", True, 0),
+    "weights_seen": ("weights", True, 0),  # token-embedding rows of tokens seen in training only
     "learned": ("activations", True, -1),
     "learned_perm": ("activations", False, -1),
 }
@@ -51,7 +53,7 @@ def _loss_fn(test: torch.Tensor, batch_size: int):
     return loss
 
 
-def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8) -> dict:
+def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8, seen=None) -> dict:
     """One row: align B to A as the row says (learned matching trains in the row's space), the
     curve on the test split in that space, its barrier."""
     import symgraph
@@ -62,6 +64,8 @@ def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8)
     Bal, note, refined = B, None, None
     if align is not None:
         extra = {"between": circuit_between(A)} if circuits and steps else {}
+        if name == "weights_seen":  # Theus et al.: embedding rows of the tokens seen in training
+            extra["rows"] = symgraph.analyze(A).input_rows([{"input_ids": seen.reshape(1, -1)}])
         al = symgraph.align(A, B, train[0], data=train if align == "activations" else None,
                             fold_norms=fold, refine=steps, **extra)
         Bal, refined = al.apply(B), getattr(al, "refined", None)
@@ -91,7 +95,8 @@ def markdown(result: dict) -> str:
         ratio = "—" if h is None or h["barrier"] is None or not van else f"{h['barrier'] / van:.2f}"
         cb = "—" if c is None else (f"{c['barrier']:.3f}" if c["barrier"] is not None else "n/a")
         secs = sum(r["seconds"] for r in (h, c) if r)
-        lines.append(f"| {name} | {PAPER[name]:.2f} | {hb} | {ratio} | {cb} | {secs:.0f} |")
+        paper = f"{PAPER[name]:.2f}" if name in PAPER else "—"
+        lines.append(f"| {name} | {paper} | {hb} | {ratio} | {cb} | {secs:.0f} |")
     notes = sorted({r["note"] for r in result["rows"] if r.get("note")})
     if notes:
         lines += ["", "Circuit space not evaluated: " + " ".join(notes)]
@@ -157,7 +162,7 @@ def main(argv=None) -> int:
                 print(f"{name:12s} {space:8s} kept from {a.out}/results.json", flush=True)
                 continue
             r = run_row(name, A, B, train=train, test=test, refine_steps=a.refine_steps,
-                        circuits=circuits)
+                        circuits=circuits, seen=splits["train"])
             print(f"{name:12s} {r['space']:8s} barrier {r['barrier']} ({r['seconds']:.0f} s){' ' + r['note'] if r['note'] else ''}",
                   flush=True)
             result["rows"].append(r)

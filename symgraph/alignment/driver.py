@@ -69,6 +69,10 @@ class AlignOptions:
     sketch : k > 0: permutation classes compare their rows through a shared random
         projection of k columns where a matrix's other axis is wider than 2k (Johnson–
         Lindenstrauss; ``WeightFeatures``); 0 (default) computes the similarity exactly.
+    rows : ``{parameter: row indices}``: weight matching reads only these rows of those
+        parameters (e.g. ``report.input_rows(data)``: the token embeddings of tokens the data
+        holds, as Theus et al. 2025 match; the other rows of a trained model are its random
+        initialisation). Default: every row.
     tol : a class re-solved in a later sweep keeps its element unless the new one raises its
         own objective ``<element, S>`` by more than this fraction: near-ties and rotations that
         move in the fifth digit then stop re-solving every class that reads them, and the sweeps
@@ -93,6 +97,7 @@ class AlignOptions:
     full_groups: bool = False
     similarity: str = "exact"
     sketch: int = 0
+    rows: dict | None = None
     tol: float = 0.0
 
     def __post_init__(self):
@@ -112,6 +117,10 @@ class AlignOptions:
             raise InputError(f"similarity={self.similarity!r}; expected 'exact' or 'bf16'")
         if not isinstance(self.sketch, int) or isinstance(self.sketch, bool) or self.sketch < 0:
             raise InputError(f"sketch={self.sketch!r}; expected a number of columns (an integer >= 0)")
+        if self.rows is not None and not (isinstance(self.rows, dict) and all(
+                isinstance(v, torch.Tensor) and v.dim() == 1 and not v.is_floating_point() for v in self.rows.values())):
+            raise InputError("rows must map parameter names to 1-D integer index tensors "
+                             "(e.g. report.input_rows(batches))")
         if not (isinstance(self.tol, (int, float)) and not isinstance(self.tol, bool) and 0 <= self.tol < 1):
             raise InputError(f"tol={self.tol!r}; expected a number in [0, 1)")
         if not isinstance(self.max_iter, int) or self.max_iter < 1:
@@ -221,7 +230,8 @@ def _report_options(opts, ra) -> dict:
 
 def _solved(ra, rb, model_a, model_b, data, opts) -> Alignment:
     """One alignment of the models: weight matching, with activation statistics from ``data``."""
-    feats = WeightFeatures.from_models(ra, rb, model_a, model_b, products=opts.similarity, sketch=opts.sketch)
+    feats = WeightFeatures.from_models(ra, rb, model_a, model_b, products=opts.similarity,
+                                       sketch=opts.sketch, rows=opts.rows)
     run, n_sweeps = _solve(ra, rb, feats, opts, data, (model_a, model_b))
     return Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                      {"solver": run.solver_seconds, "sweeps": n_sweeps},
@@ -350,7 +360,8 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
         raise InputError("activation statistics from tensors need fetch: two functions name -> tensor")
     t0 = time.perf_counter()
     check_compatible(ra, rb)
-    feats = WeightFeatures(ra, rb, tensors_a, tensors_b, exact_dtype, products=opts.similarity, sketch=opts.sketch)
+    feats = WeightFeatures(ra, rb, tensors_a, tensors_b, exact_dtype, products=opts.similarity,
+                           sketch=opts.sketch, rows=opts.rows)
     run, n_sweeps = _solve(ra, rb, feats, opts, data, models, fetch, stats_budget)
     al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                    {"solver": run.solver_seconds, "sweeps": n_sweeps}, gauge=gauge_a)

@@ -24,7 +24,8 @@ class WeightFeatures:
 
     CACHE_NUMEL = 1 << 20  # contributions larger than this (e.g. MLP×MLP) are not kept
 
-    def __init__(self, ra, rb, tensors_a, tensors_b, exact_dtype=torch.float64, products="exact", sketch=0):
+    def __init__(self, ra, rb, tensors_a, tensors_b, exact_dtype=torch.float64, products="exact", sketch=0,
+                 rows=None):
         """``tensors_a`` / ``tensors_b``: ``{parameter name: tensor}`` of the two models with
         the reports' norm gains folded (any ``Mapping``; :mod:`symgraph.merging.streaming` passes lazy
         ones that read a checkpoint on demand). ``exact_dtype``: what continuous classes
@@ -35,9 +36,13 @@ class WeightFeatures:
         no CPU kernel writes a float32 result from bfloat16 inputs). ``sketch``: k > 0 compares a permutation
         class's rows through a shared random projection of k columns (Johnson–Lindenstrauss:
         ``S ≈ (X_A Ω)(X_B M_Bᵀ Ω)ᵀ``, B's map applied to Ω rather than to its weights) where a
-        matrix's other axis is wider than 2k; 0 computes S exactly."""
+        matrix's other axis is wider than 2k; 0 computes S exactly. ``rows``: ``{parameter:
+        row indices}``: those parameters' slots read only these rows of their first axis (an
+        axis no class acts on), e.g. the token embeddings of tokens seen in the data
+        (``SymmetryReport.input_rows``; Theus et al. 2025 match on those only)."""
         self.ra, self.rb, self.exact_dtype, self.products = ra, rb, exact_dtype, products
         self.sketch, self._omega = int(sketch), {}
+        self.rows = dict(rows or {})
         self.A, self.B = tensors_a, tensors_b
         self._cache: dict = {}
         self._deps: dict = {}
@@ -45,10 +50,9 @@ class WeightFeatures:
         self.versions: dict = {}  # shared with the solve loop: group id -> changes so far
 
     @classmethod
-    def from_models(cls, ra, rb, model_a, model_b, products="exact", sketch=0):
+    def from_models(cls, ra, rb, model_a, model_b, **options):
         return cls(ra, rb, _folded(ra, {k: model_a.get_parameter(k).detach() for k in ra.parameters}),
-                   _folded(rb, {k: model_b.get_parameter(k).detach() for k in rb.parameters}),
-                   products=products, sketch=sketch)
+                   _folded(rb, {k: model_b.get_parameter(k).detach() for k in rb.parameters}), **options)
 
     def _axis_op(self, a, elements):
         """B's current map on axis ``a``: an index vector for a permutation, else the dense
@@ -128,6 +132,9 @@ class WeightFeatures:
         if others is None:  # another leaf of this axis is not solved yet: its order is unknown
             return None, a2, b2, True
         ta, tb = self.ra.view(name, self.A[name]), self.rb.view(name, self.B[name])
+        r = self.rows.get(name)
+        if r is not None and d != 0 and ta.dim() == len(ax_a) and not self.rb.axis_groups(ax_b[0]):
+            ta, tb = ta.index_select(0, r.to(ta.device)), tb.index_select(0, r.to(tb.device))
         acc = self.exact_dtype if exact else torch.promote_types(
             torch.promote_types(ta.dtype, tb.dtype), torch.float32)  # what contributions sum in
         if self.products == "bf16":

@@ -14,7 +14,7 @@ from ..transform import folding
 from ..core.elements import Perm
 from ..errors import InputError
 from ..core.groups import orthogonal_part, sample
-from ..analysis.axes import attention_sites, axis_matrix, axis_tree, resized_shapes, leaf_views, linear_layers, leaves_with_parity, observation_points, other_leaf_elements, stored_slots
+from ..analysis.axes import attention_sites, axis_matrix, input_rows, axis_tree, resized_shapes, leaf_views, linear_layers, leaves_with_parity, observation_points, other_leaf_elements, stored_slots
 from ..analysis.patterns.stacked import unview_of, view_of
 
 __all__ = ['SymmetryReport', 'Group', 'Transform', 'FLOAT32_TOL']
@@ -381,6 +381,11 @@ class SymmetryReport:
 
     def _node_by_name(self):
         return {n.name: n for n in self._analysis.graph.nodes}
+
+    def input_rows(self, batches) -> dict:
+        """``{parameter: row indices}``: the rows of each token embedding (a parameter the
+        graph indexes by an input as given) that ``batches`` read (``align(..., rows=...)``)."""
+        return input_rows(self._analysis, batches)
 
     def observation_points(self, gid, limit: int = 24) -> list:
         """Where group ``gid``'s coordinates can be read from activations (ops whose rule is
