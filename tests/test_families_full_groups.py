@@ -75,3 +75,11 @@ def test_a_transformed_copy_merges_back_by_weights_and_activations(name):
     for data in (None, _batches(A)):
         al = symgraph.align(A, B, data=data, report_a=rep, full_groups=True)
         assert _rel(A, al.apply(B)) < 1e-6, (name, "weights" if data is None else "activations")
+
+
+def test_roberta_gathers_token_types_without_freezing():
+    """RoBERTa gathers its token types by position ids (``torch.gather`` on a buffer): the
+    gather rule leaves nothing frozen."""
+    A = MORE["roberta"]().eval()
+    rep = symgraph.analyze(A)
+    assert rep.frozen == [] and rep.certify(A) < 1e-6

@@ -192,3 +192,29 @@ def test_constant_pad_along_tokens_keeps_channel_groups(value, kind):
     r = analyze(PadTokens(value), x_of(B, 5, 4))
     assert summary(r) == {(kind, 6, 1): {("inp.weight", 0), ("inp.bias", 0), ("out.weight", 1)}}
     assert r.frozen == []
+
+
+class GatherTokens(torch.nn.Module):
+    """Hidden states gathered along the tokens by data (``torch.gather``, as RoBERTa gathers its
+    token types by position ids), then read out."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, x, pos):
+        h = torch.relu(self.inp(x))
+        picked = torch.gather(h, 1, pos[:, :, None].expand(-1, -1, h.shape[-1]))
+        return self.out(picked)
+
+
+def test_gather_along_tokens_keeps_channel_groups():
+    """gather picks entries of one axis by values (fixed there); every other axis is one
+    coordinate of input, index and output: the hidden units stay a class, nothing frozen
+    (a permutation class: the index's hidden axis is an expanded constant, which a permutation
+    leaves unchanged and the rule ties to the output's)."""
+    x = x_of(B, 5, 4)
+    pos = torch.tensor([[4, 0, 0], [1, 2, 3]])[:B]
+    r = analyze(GatherTokens(), x, pos)
+    assert summary(r) == {("perm", 6, 1): {("inp.weight", 0), ("inp.bias", 0), ("out.weight", 1)}}
+    assert r.frozen == []

@@ -118,6 +118,30 @@ def index_select(ctx):
     return cons + [Unify(ctx.out[d], ctx.axes(idx)[0])]
 
 
+@register(aten.gather)
+def gather(ctx):
+    # out[.., j, ..] = x[.., idx[.., j, ..], ..] along ``dim``: x's entries there are picked by
+    # values (fixed); out and idx share every axis; off ``dim`` out is x's coordinate where the
+    # sizes agree (gather allows a smaller idx there: such an axis is a prefix, fixed).
+    x, idx = ctx.arg(0), ctx.arg(2)
+    xa, ia = ctx.axes(x), ctx.axes(idx)
+    if ia is None:
+        return None
+    d = dim(ctx.arg(1), len(xa))
+    xs, ishape = ctx.shape(x), ctx.shape(idx)
+    cons = [Meet(xa[d], "identity", f"{ctx.where}: entries picked by index values")]
+    for k, o in enumerate(ctx.out):
+        cons.append(Unify(o, ia[k]))
+        if k == d:
+            continue
+        if xs[k] == ishape[k]:
+            cons.append(Unify(o, xa[k]))
+        else:
+            cons += [Meet(xa[k], "identity", f"{ctx.where}: a prefix of this axis is gathered"),
+                     Meet(o, "identity", f"{ctx.where}: a prefix of this axis is gathered")]
+    return cons
+
+
 @register(aten.index.Tensor)
 def index(ctx):
     x, indices = ctx.arg(0), ctx.arg(1)
