@@ -83,3 +83,14 @@ def test_roberta_gathers_token_types_without_freezing():
     A = MORE["roberta"]().eval()
     rep = symgraph.analyze(A)
     assert rep.frozen == [] and rep.certify(A) < 1e-6
+
+
+def test_falcon_multi_query_has_head_classes():
+    """Falcon's multi-query split (``qkv.view(..., heads + 2, d)[..., :-2, :]``, ``[..., [-2], :]``,
+    ``[..., [-1], :]``): literal index lists read as slices, so the query heads are a class and
+    the shared key head's RoPE rotation one element for all of them."""
+    A = MORE["falcon"]().eval()
+    rep = symgraph.analyze(A)
+    attn = [(g.kind, g.size, g.blocks) for g in rep.groups if g.module.endswith("self_attention")]
+    assert ("perm", 4, 1) in attn and ("rope", 8, 1) in attn
+    assert rep.frozen == [] and rep.certify(A) < 1e-6

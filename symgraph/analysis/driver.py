@@ -83,11 +83,20 @@ class AxisAnalysis:
         self.buffer_nodes: dict[str, torch.fx.Node] = {}  # buffers no rule fixed (after run)
         self.fixed_buffers: dict[str, str] = {}  # the others: name -> why
         self.user_inputs = set(sig.user_inputs)
+        self._constants = {n: ep.constants[k] for n, k in sig.inputs_to_lifted_tensor_constants.items()
+                           if isinstance(ep.constants.get(k), torch.Tensor)}
         self.touched: dict = {}  # node reading a buffer -> the axes its rule's constraints mention
         self.labels: dict = {}  # node (or (node, i)) -> (axis, size): its values label that class
         self.stacked: dict = {}  # parameter name -> (o, j): viewed with axes o, j as one
         self.raw_axes: dict = {}  # and its stored axes
         self.shared: dict = {}  # leaf -> why it is not per member (stacked.MAX_STACKED)
+
+    def constant_of(self, node):
+        """A lifted constant's values (through copies of it), else None."""
+        while node.op == "call_function" and _packet(node.target) in (
+                torch.ops.aten.lift_fresh_copy, torch.ops.aten.clone, torch.ops.aten.alias):
+            node = node.args[0]
+        return self._constants.get(node.name) if node.op == "placeholder" else None
 
     # --- axes ----------------------------------------------------------------------------
     def _alloc(self, val):
@@ -236,7 +245,7 @@ class AxisAnalysis:
         rule = registry.lookup(node.target)
         cons = None
         if rule is not None:
-            ctx = RuleContext(node, self.axes_of, self.origin_of, self.uf.new, self.labels.get)
+            ctx = RuleContext(node, self.axes_of, self.origin_of, self.uf.new, self.labels.get, self.constant_of)
             cons = rule(ctx)
         if cons is None:
             self._freeze_unknown(node)

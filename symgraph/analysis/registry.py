@@ -124,12 +124,13 @@ def has_rule(target) -> bool:
 class RuleContext:
     """What a rule sees of one node: its arguments and their axis ids."""
 
-    def __init__(self, node, axes_of, kind_of, new_axis, label_of=None):
+    def __init__(self, node, axes_of, kind_of, new_axis, label_of=None, constant_of=None):
         self.node = node
         self._axes_of = axes_of
         self._kind_of = kind_of
         self._new_axis = new_axis
         self._label_of = label_of
+        self._constant_of = constant_of
 
     # --- arguments -------------------------------------------------------------------
     @property
@@ -167,6 +168,13 @@ class RuleContext:
         ``axis``'s class (a :class:`Label`), else None."""
         if isinstance(value, torch.fx.Node) and self._label_of is not None:
             return self._label_of(value)
+        return None
+
+    def constant(self, value):
+        """The values of a tensor argument that is a constant of the program (a literal the
+        model's code wrote, lifted by export), else None."""
+        if isinstance(value, torch.fx.Node) and self._constant_of is not None:
+            return self._constant_of(value)
         return None
 
     @property

@@ -161,6 +161,14 @@ def index(ctx):
         # ``w[labels]``: relabelling the class and permuting the indexed axis alike leaves the
         # result unchanged (:mod:`symgraph.passes.labels`)
         cons = [Unify(xa[k], lab[0]), Meet(xa[k], "perm", f"{ctx.where}: indexed by labels")]
+    elif (seg := _constant_range(ctx.constant(idx), ctx.shape(x)[k])) is not None and len(ia) == 1:
+        # ``x[..., [a, a+1, ..., b-1]]`` with literal indices (Falcon's multi-query split
+        # ``qkv[..., [-2], :]``): a slice, the axis a sum of segments
+        a, b = seg
+        n = ctx.shape(x)[k]
+        parts = ([ctx.new_axis(a)] if a > 0 else []) + [ctx.out[k]] + ([ctx.new_axis(n - b)] if b < n else [])
+        cons = [Structure(xa[k], "sum", tuple(parts))]
+        return cons + [Unify(ctx.out[p], xa[p]) for p in range(len(xa)) if p != k]
     else:
         cons = [Meet(xa[k], "identity", f"{ctx.where}: indexed by a tensor")]
         if lab is not None:
@@ -170,6 +178,17 @@ def index(ctx):
     tail = len(ia) + k
     cons += [Unify(ctx.out[tail + p], a) for p, a in enumerate(xa[k + 1:])]
     return cons
+
+
+def _constant_range(values, n):
+    """``(a, b)`` when ``values`` is a literal 1-D index tensor holding ``a, a+1, ..., b-1``
+    (negative indices counted from ``n``), else None."""
+    if values is None or values.dim() != 1 or values.numel() == 0 or values.is_floating_point():
+        return None
+    v = [int(i) + n if int(i) < 0 else int(i) for i in values.tolist()]
+    if v != list(range(v[0], v[0] + len(v))) or not 0 <= v[0] < v[-1] + 1 <= n:
+        return None
+    return v[0], v[-1] + 1
 
 
 def _multi_index(ctx, xa, indices, picked):
