@@ -115,8 +115,8 @@ def _cross_cost(r, xa, xb, nf, cross_fibres):
 
 
 def _apply_cost(r, t, d, M):
-    if M.dim() == 1 or (not M.requires_grad and M.dim() == 2 and bool(((M == 0) | (M == 1)).all())
-                        and bool((M.sum(0) == 1).all())):
+    from symgraph.core.elements import is_perm
+    if M.dim() == 1 or (not M.requires_grad and is_perm(M)):  # as apply_along decides
         return "apply maps (gather)", 0.0, 2.0 * t.numel() * t.element_size(), str(t.dtype)[6:]
     rest = t.numel() // t.shape[d]
     return "apply maps (dense)", 2.0 * M.shape[0] * M.shape[1] * rest, 0.0, str(t.dtype)[6:]
