@@ -226,9 +226,11 @@ def test_register_refuses_a_second_rule_for_an_op():
 def test_coverage_lists_the_ops_without_a_rule():
     from symgraph.cli.coverage import unruled_ops
     from symgraph.testing import models
-    ops = unruled_ops(models.build("bert", vocab=64, hidden=16, layers=1, heads=2, mlp=32, positions=32))
+    ops = unruled_ops(models.build("gptj", vocab=64, hidden=16, layers=1, heads=2, positions=32))
     assert all(not registry.has_rule(getattr(torch.ops.aten, k.split(".")[1])) or "." in k for k in ops)
-    assert "aten.gather.default" in ops  # BERT's position/type ids
+    assert ops["aten.repeat_interleave.self_int"] > 0  # GPT-J's interleaved rotary tables
+    assert "aten.gather.default" not in unruled_ops(
+        models.build("bert", vocab=64, hidden=16, layers=1, heads=2, mlp=32, positions=32))  # has a rule now
     assert unruled_ops(models.build("gpt2", vocab=64, hidden=16, layers=1, heads=2, positions=32)).get(
         "aten.linear.default") is None
 

@@ -96,7 +96,8 @@ class AxisAnalysis:
         while node.op == "call_function" and _packet(node.target) in (
                 torch.ops.aten.lift_fresh_copy, torch.ops.aten.clone, torch.ops.aten.alias):
             node = node.args[0]
-        return self._constants.get(node.name) if node.op == "placeholder" else None
+        value = self._constants.get(node.name) if node.op == "placeholder" else None
+        return None if value is None or value.is_meta else value  # traced on meta: values unknown
 
     # --- axes ----------------------------------------------------------------------------
     def _alloc(self, val):
