@@ -38,6 +38,7 @@ ROWS = {
     "activations": ("activations", True, 0),
     "weights": ("weights", True, 0),
     "weights_seen": ("weights", True, 0),  # token-embedding rows of tokens seen in training only
+    "weights_cols": ("weights", True, 0),  # seen rows, and each residual block scaled by 1/columns
     "learned": ("activations", True, -1),
     "learned_perm": ("activations", False, -1),
 }
@@ -64,8 +65,10 @@ def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8,
     Bal, note, refined = B, None, None
     if align is not None:
         extra = {"between": circuit_between(A)} if circuits and steps else {}
-        if name == "weights_seen":  # Theus et al.: embedding rows of the tokens seen in training
+        if name in ("weights_seen", "weights_cols"):  # Theus et al.: embedding rows of tokens seen in training
             extra["rows"] = symgraph.analyze(A).input_rows([{"input_ids": seen.reshape(1, -1)}])
+        if name == "weights_cols":  # Theus et al.: each block scaled by 1/√columns in the residual Procrustes
+            extra["block_scale"] = "columns"
         al = symgraph.align(A, B, train[0], data=train if align == "activations" else None,
                             fold_norms=fold, refine=steps, **extra)
         Bal, refined = al.apply(B), getattr(al, "refined", None)

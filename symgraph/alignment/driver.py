@@ -73,6 +73,14 @@ class AlignOptions:
         parameters (e.g. ``report.input_rows(data)``: the token embeddings of tokens the data
         holds, as Theus et al. 2025 match; the other rows of a trained model are its random
         initialisation). Default: every row.
+    block_scale : "none" (default: each slot's contribution as is) or "columns": a rotation
+        class's slots (the residual stream's embeddings, head and block weights) each divided by
+        their number of columns, as Theus et al. 2025 scale each block by 1/√columns on both
+        sides, so that the embedding table does not outweigh every block weight.
+    head_cost : how a head family's heads are paired by weights: "procrustes" (default: each
+        pair scored by its best inner rotation, summed over the classes) or "circuits" (the
+        ``gl`` classes score a pair by the distance of its circuits ``W_Qᵀ W_K`` and
+        ``W_O W_V``, invariant under the whole GL(d_k) per head: Theus et al. 2025's head cost).
     tol : a class re-solved in a later sweep keeps its element unless the new one raises its
         own objective ``<element, S>`` by more than this fraction: near-ties and rotations that
         move in the fifth digit then stop re-solving every class that reads them, and the sweeps
@@ -99,6 +107,8 @@ class AlignOptions:
     sketch: int = 0
     rows: dict | None = None
     tol: float = 0.0
+    block_scale: str = "none"
+    head_cost: str = "procrustes"
 
     def __post_init__(self):
         if not isinstance(self.refine, int) or isinstance(self.refine, bool) or self.refine < 0:
@@ -123,6 +133,10 @@ class AlignOptions:
                              "(e.g. report.input_rows(batches))")
         if not (isinstance(self.tol, (int, float)) and not isinstance(self.tol, bool) and 0 <= self.tol < 1):
             raise InputError(f"tol={self.tol!r}; expected a number in [0, 1)")
+        if self.block_scale not in ("none", "columns"):
+            raise InputError(f"block_scale={self.block_scale!r}; expected 'none' or 'columns'")
+        if self.head_cost not in ("procrustes", "circuits"):
+            raise InputError(f"head_cost={self.head_cost!r}; expected 'procrustes' or 'circuits'")
         if not isinstance(self.max_iter, int) or self.max_iter < 1:
             raise InputError(f"max_iter={self.max_iter!r}; expected a positive integer")
 
@@ -231,7 +245,8 @@ def _report_options(opts, ra) -> dict:
 def _solved(ra, rb, model_a, model_b, data, opts) -> Alignment:
     """One alignment of the models: weight matching, with activation statistics from ``data``."""
     feats = WeightFeatures.from_models(ra, rb, model_a, model_b, products=opts.similarity,
-                                       sketch=opts.sketch, rows=opts.rows)
+                                       sketch=opts.sketch, rows=opts.rows,
+                                       block_scale=opts.block_scale, head_cost=opts.head_cost)
     run, n_sweeps = _solve(ra, rb, feats, opts, data, (model_a, model_b))
     return Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                      {"solver": run.solver_seconds, "sweeps": n_sweeps},
@@ -361,7 +376,8 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
     t0 = time.perf_counter()
     check_compatible(ra, rb)
     feats = WeightFeatures(ra, rb, tensors_a, tensors_b, exact_dtype, products=opts.similarity,
-                           sketch=opts.sketch, rows=opts.rows)
+                           sketch=opts.sketch, rows=opts.rows,
+                                       block_scale=opts.block_scale, head_cost=opts.head_cost)
     run, n_sweeps = _solve(ra, rb, feats, opts, data, models, fetch, stats_budget)
     al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                    {"solver": run.solver_seconds, "sweeps": n_sweeps}, gauge=gauge_a)

@@ -12,11 +12,12 @@ from ..core.groups import orthogonal_part
 __all__ = ["solve_unit"]
 
 
-def solve_unit(unit, sims, opts, masses=None) -> list:
+def solve_unit(unit, sims, opts, masses=None, scores=None) -> list:
     """``[(group, element, SolveResult)]`` for ``unit`` given ``sims``: ``[(group, S)]`` for the
     groups whose similarity is known (the members; the class itself for a single).
     ``masses(group)``: the units' masses ``(a, b)`` for a transport, or None (uniform; see
-    :mod:`~.masses`)."""
+    :mod:`~.masses`). ``scores``: ``{group id: [H_A, H_B]}`` head-pair scores that replace a
+    member's inner objective in the outer matching (circuit distances)."""
     masses = masses or (lambda g: None)
     if unit.kind == "single":
         g, s = sims[0]
@@ -35,7 +36,7 @@ def solve_unit(unit, sims, opts, masses=None) -> list:
     out_res, inner_els = S.nested_heads(
         [s for _, s in sims], kinds, [m.pairs for m, _ in sims], inner=opts.inner,
         outer="hungarian" if opts.solver not in ("ot", "sinkhorn") else "ot",
-        masses=masses(unit.outer))
+        masses=masses(unit.outer), scores=[(scores or {}).get(m.id) for m, _ in sims])
     match = out_res.element.argmax(0).to(sims[0][1].device)
     out = [(unit.outer, element_from(out_res), out_res)]
     for (m, s), el in zip(sims, inner_els):

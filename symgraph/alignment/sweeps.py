@@ -77,13 +77,15 @@ class Sweeps:
         got = [self.similarity(m, cross, usable) for m in mem]
         if usable is not None and not any(x[0] is not None for x in got):
             got = [self.similarity(m, cross) for m in mem]  # nothing clean: B's order for the rest
+        scores = getattr(self.feats, "head_scores", {})
+        scores = {m.id: scores.pop(m.id) for m in mem if m.id in scores}  # this call's only
         used = set().union(*(x[2] for x in got))
         if self.masses is not None and unit.outer is not None:
             used |= self.masses.deps(unit.outer)  # transport masses read other classes too
         record = ({g: self.versions.get(g, 0) for g in used}, all(x[1] for x in got))
         sims = [(m, x[0]) for m, x in zip(mem, got) if x[0] is not None]
         if sims:
-            solved = solve_unit(unit, sims, self.opts, self.masses)
+            solved = solve_unit(unit, sims, self.opts, self.masses, scores)
             if self._negligible(unit, sims, solved):
                 self.solver_seconds += sum(res.seconds for _, _, res in solved)
             else:

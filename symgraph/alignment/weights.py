@@ -25,7 +25,7 @@ class WeightFeatures:
     CACHE_NUMEL = 1 << 20  # contributions larger than this (e.g. MLP×MLP) are not kept
 
     def __init__(self, ra, rb, tensors_a, tensors_b, exact_dtype=torch.float64, products="exact", sketch=0,
-                 rows=None):
+                 rows=None, block_scale="none", head_cost="procrustes"):
         """``tensors_a`` / ``tensors_b``: ``{parameter name: tensor}`` of the two models with
         the reports' norm gains folded (any ``Mapping``; :mod:`symgraph.merging.streaming` passes lazy
         ones that read a checkpoint on demand). ``exact_dtype``: what continuous classes
@@ -39,10 +39,18 @@ class WeightFeatures:
         matrix's other axis is wider than 2k; 0 computes S exactly. ``rows``: ``{parameter:
         row indices}``: those parameters' slots read only these rows of their first axis (an
         axis no class acts on), e.g. the token embeddings of tokens seen in the data
-        (``SymmetryReport.input_rows``; Theus et al. 2025 match on those only)."""
+        (``SymmetryReport.input_rows``; Theus et al. 2025 match on those only). ``block_scale``:
+        "columns" divides each slot of a rotation class (one not fibred over heads) by its
+        number of columns (Theus et al. 2025's 1/√columns on both sides); "none" sums them as
+        they are. ``head_cost``: "circuits" also scores each head pair of a ``gl`` class (QK,
+        VO) by the distance of their circuits ``‖X_Aᵀ Y_A − X_B′ᵀ Y_B′‖`` (co slots X, contra
+        slots Y: ``W_Qᵀ W_K``, ``W_O W_V``; invariant under the whole GL(d_k) per head, Theus et
+        al. 2025's head cost), relative to A's mean circuit norm, in :attr:`head_scores`."""
         self.ra, self.rb, self.exact_dtype, self.products = ra, rb, exact_dtype, products
         self.sketch, self._omega = int(sketch), {}
         self.rows = dict(rows or {})
+        self.block_scale, self.head_cost = block_scale, head_cost
+        self.head_scores: dict = {}  # group id -> [H_A, H_B] circuit scores of the last similarity
         self.A, self.B = tensors_a, tensors_b
         self._cache: dict = {}
         self._deps: dict = {}
@@ -94,6 +102,9 @@ class WeightFeatures:
         versions = self.versions
         exact = orthogonal_part(ga.kind) not in ("perm", "signed_perm")
         total, na2, nb2, complete, used = None, 0.0, 0.0, True, set()
+        circ = self.head_cost == "circuits" and cross_fibres and ga.kind == "gl"
+        parts = None  # circuits: [S per parity, A's Grams per parity, B's Grams per parity]
+        self.head_scores.pop(ga.id, None)
         for name, d in self.slots(ga):
             dep = self.deps(gb, name, d)
             if usable is not None and not usable(dep):
@@ -103,20 +114,24 @@ class WeightFeatures:
             ver = tuple(sorted((r, versions.get(r, 0)) for r in dep))
             hit = self._cache.get(key)
             if hit is None or hit[0] != ver:
-                val = self._slot(ga, gb, name, d, elements, cross_fibres, exact)
+                val = self._slot(ga, gb, name, d, elements, cross_fibres, exact, circ)
                 # kept when small, or when it reads no other class (fixed for the whole solve:
                 # the embeddings' and head's Grams of a residual stream)
                 if val[0] is not None and (val[0].numel() <= self.CACHE_NUMEL or not dep) and not val[3]:
                     self._cache[key] = (ver, val)
             else:
                 val = hit[1]
-            s, a2, b2, partial = val
+            s, a2, b2, partial, *cp = val
             complete &= not partial
             if s is None:
                 continue
+            if circ and cp and cp[0] is not None:
+                parts = list(cp[0]) if parts is None else [x + y for x, y in zip(parts, cp[0])]
             used |= dep
             total = s if total is None else total + s
             na2, nb2 = na2 + a2, nb2 + b2
+        if circ and parts is not None and total is not None and total.dim() == 4:
+            self.head_scores[ga.id] = _circuit_scores(*parts)
         if total is not None and total.dim() == 4:
             # per head pair, scale by the features' norms: the matching pair then scores
             # exactly 1 per class and every other pair at most 1 (Cauchy-Schwarz)
@@ -124,10 +139,11 @@ class WeightFeatures:
                              * nb2.clamp_min(1e-30).sqrt()[None, :, None, None])
         return total, complete, frozenset(used)
 
-    def _slot(self, ga, gb, name, d, elements, cross_fibres, exact):
+    def _slot(self, ga, gb, name, d, elements, cross_fibres, exact, circ=False):
         ax_a, ax_b = self.ra.param_axes(name), self.rb.param_axes(name)
-        total, a2, b2 = None, 0.0, 0.0
+        total, a2, b2, parts = None, 0.0, 0.0, None
         va, vb = self.ra.leaf_views(ax_a[d], ga.id), self.rb.leaf_views(ax_b[d], gb.id)
+        parity = [k for *_, k in self.ra.leaf_views(ax_a[d], ga.id, with_parity=True)] if circ else []
         others = self.rb.other_leaf_elements(ax_b[d], gb.id, elements) if va else []
         if others is None:  # another leaf of this axis is not solved yet: its order is unknown
             return None, a2, b2, True
@@ -152,17 +168,27 @@ class WeightFeatures:
             M = self._axis_op(a, elements)
             if M is not None:
                 tb = apply_along(tb, k, M)
-        for (ia, fa), (ib, fb) in zip(va, vb):
+        for v, ((ia, fa), (ib, fb)) in enumerate(zip(va, vb)):
             xa = gather(ta, d, ia, fa)  # [*F, n, m]
             xb = gather(tb, d, ib, fb, others)
             if xa.shape[-1] != xb.shape[-1]:
                 continue
             s = cross(xa, xb, fa, cross_fibres).to(acc)
+            if parity and fa:
+                fla, flb = (x.reshape(-1, *x.shape[fa:]).to(acc) for x in (xa, xb))
+                k = parity[v]
+                part = [torch.zeros(2, *s.shape, dtype=acc, device=s.device),
+                        torch.zeros(2, fla.shape[0], *fla.shape[1:2] * 2, dtype=acc, device=s.device),
+                        torch.zeros(2, flb.shape[0], *flb.shape[1:2] * 2, dtype=acc, device=s.device)]
+                part[0][k], part[1][k], part[2][k] = s, fla @ fla.mT, flb @ flb.mT
+                parts = part if parts is None else [x + y for x, y in zip(parts, part)]
+            if exact and fa == 0 and self.block_scale == "columns":
+                s = s / xa.shape[-1]
             total = s if total is None else total + s
             if fa and cross_fibres:
                 a2 = a2 + (xa.reshape(-1, *xa.shape[fa:]).to(acc) ** 2).sum((-1, -2))
                 b2 = b2 + (xb.reshape(-1, *xb.shape[fb:]).to(acc) ** 2).sum((-1, -2))
-        return total, a2, b2, False
+        return total, a2, b2, False, parts
 
 
     def _sketched(self, ta, tb, d, axis_b, ia, ib, elements, acc):
@@ -189,6 +215,17 @@ class WeightFeatures:
 
 
 _HALF = (torch.bfloat16, torch.float16)
+
+
+def _circuit_scores(S, GA, GB):
+    """``-‖C_A,i − C_B,j‖ / mean_i ‖C_A,i‖`` for every head pair, from the co (0) and contra (1)
+    parts: ``S [2, H_A, H_B, n, n]`` (``X_A X_B′ᵀ``), ``GA [2, H_A, n, n]``, ``GB [2, H_B, n, n]``
+    (each model's own Grams). With ``C = Xᵀ Y``: ``<C_A, C_B> = Σ (X_A X_Bᵀ) ⊙ (Y_A Y_Bᵀ)``."""
+    dot = (S[0] * S[1]).sum((-1, -2))
+    na = (GA[0] * GA[1]).sum((-1, -2))
+    nb = (GB[0] * GB[1]).sum((-1, -2))
+    dist = (na[:, None] + nb[None, :] - 2 * dot).clamp_min(0).sqrt()
+    return -dist / na.clamp_min(0).sqrt().mean().clamp_min(1e-30)
 
 
 def _folded(report, tensors):

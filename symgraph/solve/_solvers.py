@@ -252,7 +252,7 @@ def inner_blocks(kind, S, pairs=None, inner: str = "procrustes") -> SolveResult:
 
 
 def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrustes",
-                 outer: str = "hungarian", masses=None) -> tuple:
+                 outer: str = "hungarian", masses=None, scores=None) -> tuple:
     """Outer matching of heads whose cost is the best inner alignment of each head pair.
 
     ``S_inner[c]`` is ``[H_A, H_B, n_A, n_B]`` for inner class ``c``. Returns
@@ -260,6 +260,8 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
     B's head ``b`` is the solution for its matched pair. ``inner="hungarian"`` matches head
     dimensions by permutation (Verma & Elbayad 2024); ``"procrustes"`` rotates them (Zhang et al. 2024).
     ``masses``: ``(a [H_A], b [H_B])`` head masses for a transport between head counts.
+    ``scores[c]``: ``[H_A, H_B]`` (or None) scores class ``c`` adds to the outer matching in
+    place of its inner optimum (e.g. circuit distances, Theus et al. 2025).
     """
     S_inner = [torch.as_tensor(S, dtype=torch.float64) for S in S_inner]
     HA, HB = S_inner[0].shape[:2]
@@ -267,8 +269,11 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
     score = torch.zeros(HA, HB, dtype=torch.float64, device=dev)
     sols = []
     secs = 0.0
-    for S, kind, pr in zip(S_inner, kinds, pairs):
-        if kind in ("orthogonal", "gl") and inner != "hungarian":
+    scores = list(scores or [None] * len(S_inner))
+    for S, kind, pr, given in zip(S_inner, kinds, pairs, scores):
+        if given is not None and kind in ("orthogonal", "gl") and inner != "hungarian":
+            obj, el = torch.as_tensor(given, dtype=torch.float64, device=dev), None
+        elif kind in ("orthogonal", "gl") and inner != "hungarian":
             # score every head pair by its Procrustes optimum (the nuclear norm, from the
             # eigenvalues of S Sᵀ: far cheaper than H_A·H_B SVDs); rotations only for the matches
             t = time.perf_counter()
