@@ -249,7 +249,7 @@ def _solved(ra, rb, model_a, model_b, data, opts) -> Alignment:
                                        block_scale=opts.block_scale, head_cost=opts.head_cost)
     run, n_sweeps = _solve(ra, rb, feats, opts, data, (model_a, model_b))
     return Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
-                     {"solver": run.solver_seconds, "sweeps": n_sweeps},
+                     {"solver": run.solver_seconds, "sweeps": n_sweeps, "deferred": run.deferred},
                      template=model_a, gauge=gauge(ra.folds, dict(model_a.named_parameters())))
 
 
@@ -380,7 +380,7 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
                                        block_scale=opts.block_scale, head_cost=opts.head_cost)
     run, n_sweeps = _solve(ra, rb, feats, opts, data, models, fetch, stats_budget)
     al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
-                   {"solver": run.solver_seconds, "sweeps": n_sweeps}, gauge=gauge_a)
+                   {"solver": run.solver_seconds, "sweeps": n_sweeps, "deferred": run.deferred}, gauge=gauge_a)
     al.options = _report_options(opts, ra)
     al.seconds["total"] = time.perf_counter() - t0
     return al

@@ -32,6 +32,7 @@ class Sweeps:
         self.changed = False
         self.masses = None  # group -> unit masses or None, with .deps(group): see .masses
         self.presolved: dict = {}  # unit index -> what its early solve used (solve_early)
+        self.deferred = 0  # unit solves postponed while other units still changed (see run)
 
     def ids(self, unit) -> set:
         return {g.id for g in unit.groups(self.opts.selected)}
@@ -40,27 +41,59 @@ class Sweeps:
         return [unit.outer] if unit.kind == "single" else [m for m in unit.members if self.opts.selected(m)]
 
     def run(self, sweeps: int) -> int:
-        """Sweep at most ``sweeps`` times; returns the number of sweeps run."""
+        """Sweep at most ``sweeps`` times; returns the number of sweeps run.
+
+        A unit whose last re-solve kept its elements (a *stable* unit: typically an MLP's
+        permutation once the residual stream has settled) is deferred while other units are
+        still changing, except in the last allowed sweep: the rest (rotations, heads) converge
+        without recomputing its similarity each time it reads a changed rotation. When a
+        sweep changes nothing else, the deferred units are re-solved against the converged
+        rest; the loop ends only when that changes nothing either, so the result is the same
+        kind of fixed point as without deferral."""
         last: dict = {}  # unit index -> (versions of the classes it used, complete)
+        stable: set = set()
         order = first_sweep_order(self.units, self.ids, self.solved_groups, self.feats)
         sweep = 0
         for sweep in range(sweeps):
             self.changed = False
             pending = set().union(*(self.ids(u) for u in self.units)) if sweep == 0 else set()
+            deferred = []
             for ui in order:
                 if sweep == 0 and ui in self.presolved:
                     pending -= self.ids(self.units[ui])
                     last[ui] = self.presolved[ui]
                     continue
-                if sweep > 0 and ui in last:
-                    used, complete = last[ui]
-                    if complete and all(self.versions.get(g, 0) == v for g, v in used.items()):
-                        continue  # nothing it depends on changed since it was solved
+                if sweep > 0 and self._current(ui, last):
+                    continue  # nothing it depends on changed since it was solved
+                if sweep > 1 and ui in stable and sweep < sweeps - 1:
+                    deferred.append(ui)
+                    self.deferred += 1
+                    continue
                 pending -= self.ids(self.units[ui])
-                last[ui] = self._solve(self.units[ui], pending)
+                self._resolve(ui, pending, last, stable, sweep)
+            if not self.changed and deferred:
+                for ui in deferred:  # the rest has converged: check the deferred units against it
+                    if not self._current(ui, last):
+                        self._resolve(ui, pending, last, stable, sweep)
             if not self.changed:
                 break
         return sweep + 1
+
+    def _current(self, ui, last) -> bool:
+        """Whether unit ``ui`` was solved, completely, from the classes' present elements."""
+        if ui not in last:
+            return False
+        used, complete = last[ui]
+        return complete and all(self.versions.get(g, 0) == v for g, v in used.items())
+
+    def _resolve(self, ui, pending, last, stable, sweep):
+        ids = self.ids(self.units[ui])
+        before = {g: self.versions.get(g, 0) for g in ids}
+        last[ui] = self._solve(self.units[ui], pending)
+        if sweep > 0 and all(self.versions.get(g, 0) == v for g, v in before.items()):
+            stable.add(ui)
+        else:
+            stable.discard(ui)
 
     def solve_early(self, ui):
         """Solve unit ``ui`` now, before :meth:`run` (which then takes it as solved in its first
