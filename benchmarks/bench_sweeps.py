@@ -5,7 +5,9 @@ number of sweeps, against the exact reference (``tol=0``, exact products, no ske
     python -m benchmarks.bench_sweeps [--archs gpt2 llama bert vit] [--size quick]
                                       [--out benchmarks/results/speed_quality/sweeps.json]
 
-Settings: ``tol`` (a unit keeps its element unless a re-solve gains more than that fraction
+Settings: ``defer=False`` (every unit whose inputs changed re-solved in every sweep, as before
+deferral), ``head_cost="circuits"`` and ``block_scale="columns"`` (Theus et al. 2025's head
+cost and block scaling), ``tol`` (a unit keeps its element unless a re-solve gains more than that fraction
 of its objective), ``similarity="bf16"`` (products in bfloat16), ``sketch=k`` (a k-column
 projection, k a quarter of the model width so that it applies at these sizes). Reported per
 architecture: each pair's barrier and sweeps, the mean, and the pair-to-pair standard
@@ -36,10 +38,13 @@ def settings(width: int) -> dict:
             "tol=1e-3": dict(tol=1e-3),
             "tol=1e-2": dict(tol=1e-2),
             "bf16 products": dict(similarity="bf16"),
-            f"sketch={max(width // 4, 4)}": dict(sketch=max(width // 4, 4))}
+            f"sketch={max(width // 4, 4)}": dict(sketch=max(width // 4, 4)),
+            "no deferral": dict(defer=False),
+            "head_cost=circuits": dict(head_cost="circuits"),
+            "block_scale=columns": dict(block_scale="columns")}
 
 
-def run(archs, size="quick", seeds=(0, 1, 2), max_batches=4) -> dict:
+def run(archs, size="quick", seeds=(0, 1, 2), max_batches=4, only=None) -> dict:
     out = {}
     for arch in archs:
         models = {s: train.train_model(arch, s, size=size) for s in seeds}
@@ -47,6 +52,8 @@ def run(archs, size="quick", seeds=(0, 1, 2), max_batches=4) -> dict:
         width = getattr(models[seeds[0]].config, "hidden_size", None) or models[seeds[0]].config.n_embd
         rows = {}
         for name, kw in settings(width).items():
+            if only and name not in only and name != "exact (tol=0)":
+                continue
             per = []
             for a, b in itertools.combinations(seeds, 2):
                 A, B = models[a], models[b]
@@ -87,8 +94,10 @@ def main(argv=None) -> int:
     ap.add_argument("--archs", nargs="+", default=["gpt2", "llama", "bert", "vit"])
     ap.add_argument("--size", default="quick")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--settings", nargs="+", default=None,
+                    help="run only these settings (names as in the table; the exact reference always runs)")
     a = ap.parse_args(argv)
-    res = run(a.archs, a.size)
+    res = run(a.archs, a.size, only=a.settings)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))

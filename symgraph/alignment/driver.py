@@ -81,6 +81,10 @@ class AlignOptions:
         pair scored by its best inner rotation, summed over the classes) or "circuits" (the
         ``gl`` classes score a pair by the distance of its circuits ``W_Qᵀ W_K`` and
         ``W_O W_V``, invariant under the whole GL(d_k) per head: Theus et al. 2025's head cost).
+    defer : True (default): a unit whose last re-solve kept its elements (an MLP permutation
+        once the residual stream settles) waits while other units still change, and is
+        re-solved against them once they converge (``Sweeps.run``); False re-solves every unit
+        whose inputs changed in every sweep.
     tol : a class re-solved in a later sweep keeps its element unless the new one raises its
         own objective ``<element, S>`` by more than this fraction: near-ties and rotations that
         move in the fifth digit then stop re-solving every class that reads them, and the sweeps
@@ -109,6 +113,7 @@ class AlignOptions:
     tol: float = 0.0
     block_scale: str = "none"
     head_cost: str = "procrustes"
+    defer: bool = True
 
     def __post_init__(self):
         if not isinstance(self.refine, int) or isinstance(self.refine, bool) or self.refine < 0:

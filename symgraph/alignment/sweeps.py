@@ -65,7 +65,7 @@ class Sweeps:
                     continue
                 if sweep > 0 and self._current(ui, last):
                     continue  # nothing it depends on changed since it was solved
-                if sweep > 1 and ui in stable and sweep < sweeps - 1:
+                if sweep > 1 and ui in stable and sweep < sweeps - 1 and self.opts.defer:
                     deferred.append(ui)
                     self.deferred += 1
                     continue
