@@ -1,8 +1,8 @@
-"""Exact recovery of the full groups on 21 families no per-model code names: a
+"""Exact recovery of the full groups on 22 families no per-model code names: a
 ``random_transform(seed=0)`` of the model (full groups: GL per head on QK and VO, RoPE's scaled
 rotations, ReLU's scaled permutations, not only their orthogonal part) merged back into it by
 weights and by activations with ``full_groups=True`` (Hugging Face classes built from tiny
-configs; the eight of ``symgraph.testing.models`` plus thirteen more)."""
+configs; the eight of ``symgraph.testing.models`` plus fourteen more)."""
 from __future__ import annotations
 
 import pytest
@@ -37,6 +37,10 @@ MORE = {
     "roberta": lambda: tf.RobertaForMaskedLM(tf.RobertaConfig(**_T, intermediate_size=64, max_position_embeddings=40)),
     "electra": lambda: tf.ElectraForMaskedLM(tf.ElectraConfig(**_T, embedding_size=32, intermediate_size=64,
                                                               max_position_embeddings=32)),
+    "modernbert": lambda: tf.ModernBertForMaskedLM(tf.ModernBertConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=32, global_attn_every_n_layers=1, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, cls_token_id=1, sep_token_id=2)),
     "deit": lambda: tf.DeiTForImageClassification(tf.DeiTConfig(image_size=16, patch_size=4, hidden_size=32,
                                                                  num_hidden_layers=2, num_attention_heads=4,
                                                                  intermediate_size=64, num_labels=5)),
@@ -93,4 +97,15 @@ def test_falcon_multi_query_has_head_classes():
     rep = symgraph.analyze(A)
     attn = [(g.kind, g.size, g.blocks) for g in rep.groups if g.module.endswith("self_attention")]
     assert ("perm", 4, 1) in attn and ("rope", 8, 1) in attn
+    assert rep.frozen == [] and rep.certify(A) < 1e-6
+
+
+def test_modernbert_packed_qkv_has_qk_and_vo_classes_per_head():
+    """ModernBERT packs Q, K and V as ``Wqkv(x).view(b, s, 3, H, d).unbind(dim=-3)``: the packed
+    axis is a sum of three ``H × d`` parts, so each head gets a RoPE class on QK and a GL class
+    on VO, as in separate projections (one shared class for Q, K and V before)."""
+    A = MORE["modernbert"]().eval()
+    rep = symgraph.analyze(A)
+    kinds = sorted((g.kind, g.size, g.blocks) for g in rep.groups if ".attn" in g.module)
+    assert kinds == sorted([("perm", 4, 1), ("gl", 32, 4), ("rope", 32, 4)] * 2)
     assert rep.frozen == [] and rep.certify(A) < 1e-6

@@ -7,9 +7,14 @@ V/O can then only share one orthogonal map. When every use of the unflattened te
 relayouts only (unsqueeze, transpose, permute, squeeze, contiguous, clone), in a constant
 ``select`` (or ``unbind``) along the new leading axis, it is a split: the packed axis is the
 *sum* ``E ⊕ E ⊕ E`` of independent parts (as ``split`` gives), each entry's tensor carrying its
-own part, and the usual attention rules then find QK and VO classes per head.
+own part, and the usual attention rules then find QK and VO classes per head. The same holds
+when the packed axis is unflattened (or viewed) into more factors, the count first:
+ModernBERT's ``view(b, s, 3, H, d)`` then ``unbind(dim=-3)`` gives each entry an ``H × d``
+part, a product of its own head and head-dimension axes.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -57,6 +62,13 @@ def _ends(node, labels, out):
         if p is aten.select and u.args[0] is node and labels[u.args[1] % len(labels)] == "n":
             k = u.args[1] % len(labels)
             out.append((u, u.args[2], labels[:k] + labels[k + 1:]))
+        elif (p is aten.unbind and u.args[0] is node
+              and labels[(u.args[1] if len(u.args) > 1 else 0) % len(labels)] == "n"):
+            k = (u.args[1] if len(u.args) > 1 else 0) % len(labels)
+            for g in u.users:
+                if g.target is not operator.getitem or not isinstance(g.args[1], int):
+                    return False
+                out.append((g, g.args[1], labels[:k] + labels[k + 1:]))
         elif p in _RELAYOUT and u.args[0] is node:
             lab = _relayout(labels, u)
             if lab is None or not _ends(u, lab, out):
@@ -70,28 +82,47 @@ def find_packed(an):
     """``(claimed nodes, constraints)`` for every packed projection taken apart by entry."""
     claimed, cons = set(), []
     for node in an.graph.nodes:
-        if node.op != "call_function" or packet(node.target) is not aten.unflatten:
+        if node.op != "call_function":
             continue
-        x, d, sizes = node.args[0], node.args[1], list(node.args[2])
-        xa = an.axes_of(x)
-        if xa is None or an.origin_of(x) != "act" or len(sizes) != 2 or d % len(xa) != len(xa) - 1:
+        split = _last_axis_split(an, node)
+        if split is None:
             continue
-        n, m = sizes
-        labels = list(range(len(xa) - 1)) + ["n", "m"]
+        x, xa, n, ms = split
+        labels = list(range(len(xa) - 1)) + ["n"] + [("m", j) for j in range(len(ms))]
         ends = []
         if not _ends(node, labels, ends) or sorted(e for _, e, _ in ends) != list(range(n)):
             continue
-        parts = [an.uf.new(m) for _ in range(n)]
+        parts = [an.uf.new(int(torch.tensor(ms).prod())) for _ in range(n)]
         cons.append(Structure(xa[-1], "sum", tuple(parts)))
+        factors = [[p] if len(ms) == 1 else [an.uf.new(m) for m in ms] for p in parts]
+        if len(ms) > 1:
+            cons += [Structure(p, "prod", tuple(f)) for p, f in zip(parts, factors)]
         for sel, entry, lab in ends:
             for o, tag in zip(an.axes_of(sel), lab):
-                if tag == "m":
-                    cons.append(Unify(o, parts[entry]))
+                if isinstance(tag, tuple):
+                    cons.append(Unify(o, factors[entry][tag[1]]))
                 elif tag is not None:
                     cons.append(Unify(o, xa[tag]))
             claimed.add(sel)
         claimed |= _chain(node, {s for s, _, _ in ends})
     return claimed, cons
+
+
+def _last_axis_split(an, node):
+    """``(input, its axes, n, [m, ...])`` when ``node`` unflattens (or views) an activation's last
+    axis into ``(n, m, ...)`` keeping its other axes; else None."""
+    p = packet(node.target)
+    if p not in (aten.unflatten, aten.view, aten.reshape, aten._unsafe_view) or not node.args:
+        return None
+    x = node.args[0]
+    xa, xs, os_ = an.axes_of(x), an.shape_of(x), an.shape_of(node)
+    if xa is None or xs is None or os_ is None or an.origin_of(x) != "act" or len(os_) < len(xs) + 1:
+        return None
+    lead = len(xs) - 1
+    if list(os_[:lead]) != list(xs[:lead]) or int(torch.tensor(os_[lead:]).prod()) != xs[-1]:
+        return None
+    n, ms = int(os_[lead]), [int(m) for m in os_[lead + 1:]]
+    return (x, xa, n, ms) if n > 1 and all(m > 1 for m in ms) else None
 
 
 def _chain(node, stop):
