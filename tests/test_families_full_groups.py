@@ -91,12 +91,15 @@ def test_roberta_gathers_token_types_without_freezing():
 
 def test_falcon_multi_query_has_head_classes():
     """Falcon's multi-query split (``qkv.view(..., heads + 2, d)[..., :-2, :]``, ``[..., [-2], :]``,
-    ``[..., [-1], :]``): literal index lists read as slices, so the query heads are a class and
-    the shared key head's RoPE rotation one element for all of them."""
+    ``[..., [-1], :]``): the packed axis is a sum of the query heads, the key head and the value
+    head (literal index lists read as ranges), so the query heads are a class, the shared key
+    head's RoPE rotation one element for all of them, and the shared value head a GL class of its
+    own (one element, its inverse on every head's block of the output projection)."""
     A = MORE["falcon"]().eval()
     rep = symgraph.analyze(A)
     attn = [(g.kind, g.size, g.blocks) for g in rep.groups if g.module.endswith("self_attention")]
-    assert ("perm", 4, 1) in attn and ("rope", 8, 1) in attn
+    assert ("perm", 4, 1) in attn and ("gl", 8, 1) in attn
+    assert [(g.kind, g.size) for g in rep.groups if g.module.endswith("query_key_value")] == [("rope", 8)] * 2
     assert rep.frozen == [] and rep.certify(A) < 1e-6
 
 

@@ -144,9 +144,7 @@ class WeightFeatures:
         total, a2, b2, parts = None, 0.0, 0.0, None
         va, vb = self.ra.leaf_views(ax_a[d], ga.id), self.rb.leaf_views(ax_b[d], gb.id)
         parity = [k for *_, k in self.ra.leaf_views(ax_a[d], ga.id, with_parity=True)] if circ else []
-        others = self.rb.other_leaf_elements(ax_b[d], gb.id, elements) if va else []
-        if others is None:  # another leaf of this axis is not solved yet: its order is unknown
-            return None, a2, b2, True
+        others = self.rb.other_leaf_elements(ax_b[d], gb.id, elements) if va else []  # per view
         ta, tb = self.ra.view(name, self.A[name]), self.rb.view(name, self.B[name])
         r = self.rows.get(name)
         if r is not None and d != 0 and ta.dim() == len(ax_a) and not self.rb.axis_groups(ax_b[0]):
@@ -159,7 +157,7 @@ class WeightFeatures:
             ta, tb = ta.to(self.exact_dtype), tb.to(self.exact_dtype)
         elif ta.dtype != tb.dtype:  # models stored in different dtypes: compare in a common one
             ta, tb = ta.to(acc), tb.to(acc)
-        if (self.sketch and not exact and ta.dim() == 2 and len(va) == 1 and va[0][1] == 0 and not others
+        if (self.sketch and not exact and ta.dim() == 2 and len(va) == 1 and va[0][1] == 0 and others == [[]]
                 and ta.shape[1 - d] > 2 * self.sketch):
             return self._sketched(ta, tb, d, ax_b[1 - d], va[0][0], vb[0][0], elements, acc)
         for k, a in enumerate(ax_b):  # other dims into A's basis
@@ -168,9 +166,14 @@ class WeightFeatures:
             M = self._axis_op(a, elements)
             if M is not None:
                 tb = apply_along(tb, k, M)
+        if others and all(o is None for o in others):  # no view's other leaves are solved yet
+            return None, a2, b2, True
+        partial = any(o is None for o in others)
         for v, ((ia, fa), (ib, fb)) in enumerate(zip(va, vb)):
+            if others[v] is None:  # this view's other leaves are not solved yet, another view's
+                others[v] = []     # are (a fused QKV's keys): B's order for it, re-solved later
             xa = gather(ta, d, ia, fa)  # [*F, n, m]
-            xb = gather(tb, d, ib, fb, others)
+            xb = gather(tb, d, ib, fb, others[v])
             if xa.shape[-1] != xb.shape[-1]:
                 continue
             s = cross(xa, xb, fa, cross_fibres).to(acc)
@@ -188,7 +191,7 @@ class WeightFeatures:
             if fa and cross_fibres:
                 a2 = a2 + (xa.reshape(-1, *xa.shape[fa:]).to(acc) ** 2).sum((-1, -2))
                 b2 = b2 + (xb.reshape(-1, *xb.shape[fb:]).to(acc) ** 2).sum((-1, -2))
-        return total, a2, b2, False, parts
+        return total, a2, b2, partial, parts
 
 
     def _sketched(self, ta, tb, d, axis_b, ia, ib, elements, acc):

@@ -220,11 +220,9 @@ def _coord_parity(an, axis, par=0) -> dict:
     return out
 
 
-def leaf_views(an, axis, target, with_parity: bool = False):
-    """Index arrays ``[*fibre_sizes, n_target, *other_leaf_sizes]`` into ``axis``'s coordinates,
-    one per occurrence of ``target`` (sorted by path so that two models agree); with
-    ``with_parity``, each with its parity (1: ``target`` acts there by ``E⁻ᵀ``, "contra")."""
-    parity = _coord_parity(an, axis)[target] if with_parity else None
+def _views(an, axis, target):
+    """Per occurrence of ``target`` on ``axis`` (sorted by path, so that two models agree):
+    ``(coordinates, index array [*fibres, n_target, *others], fibres, others)``."""
     paths, leaves = coord_table(an, axis)
     if target not in leaves:
         return []
@@ -236,36 +234,47 @@ def leaf_views(an, axis, target, with_parity: bool = False):
         others = [leaf for leaf, idx in leaves.items()
                   if leaf != target and leaf not in fib and (idx[cs] >= 0).all()]
         dims = fib + [target] + others
-        shape = [an.uf.size[d] for d in dims]
-        idx = np.full(shape, -1, np.int64)
+        idx = np.full([an.uf.size[d] for d in dims], -1, np.int64)
         idx[tuple(leaves[d][cs] for d in dims)] = cs
-        if (idx < 0).any():
-            continue
+        if not (idx < 0).any():
+            out.append((cs, idx, fib, others))
+    return out
+
+
+def leaf_views(an, axis, target, with_parity: bool = False):
+    """Index arrays ``[*fibre_sizes, n_target, *other_leaf_sizes]`` into ``axis``'s coordinates,
+    one per occurrence of ``target`` (sorted by path so that two models agree); with
+    ``with_parity``, each with its parity (1: ``target`` acts there by ``E⁻ᵀ``, "contra")."""
+    parity = _coord_parity(an, axis)[target] if with_parity else None
+    out = []
+    for cs, idx, fib, _ in _views(an, axis, target):
         view = (torch.as_tensor(idx, device="cpu"), len(fib))  # structure: on the CPU
         out.append(view + (int(parity[cs[0]]),) if with_parity else view)
     return out
 
 
 def other_leaf_elements(an, axis, target, elements):
-    """(position among O, element, fibre positions) for O leaves that have elements."""
-    paths, leaves = coord_table(an, axis)
-    fib = [f for f in an.fibre.get(target, ()) if f in leaves]
-    present = leaves[target] >= 0
-    others = [leaf for leaf, idx in leaves.items()
-              if leaf != target and leaf not in fib and (idx[present] >= 0).all()]
+    """Per view of :func:`leaf_views` (same order), ``[(position among its O, element, fibre
+    positions)]`` for its other leaves that have elements, or None for a view where one of them
+    is a class without an element yet. Each occurrence has its own other leaves (a packed
+    projection's query part has the query heads beside the head dimensions, its key part not)."""
     out = []
-    dims = fib + [target] + others
-    for j, leaf in enumerate(others):
-        E = elements.get(leaf)
-        if E is None:
-            if an.kind(leaf) != "identity" and an.uf.size[leaf] > 1:
-                return None
-            continue
-        E = E.co if isinstance(E, Map) else E.dense() if isinstance(E, Perm) else E
-        lf = an.fibre.get(leaf, ())
-        if any(f not in dims for f in lf):
-            continue
-        out.append((j, E, [dims.index(f) for f in lf]))
+    for _, _, fib, others in _views(an, axis, target):
+        dims = fib + [target] + others
+        mine = []
+        for j, leaf in enumerate(others):
+            E = elements.get(leaf)
+            if E is None:
+                if an.kind(leaf) != "identity" and an.uf.size[leaf] > 1:
+                    mine = None
+                    break
+                continue
+            E = E.co if isinstance(E, Map) else E.dense() if isinstance(E, Perm) else E
+            lf = an.fibre.get(leaf, ())
+            if any(f not in dims for f in lf):
+                continue
+            mine.append((j, E, [dims.index(f) for f in lf]))
+        out.append(mine)
     return out
 
 

@@ -342,8 +342,8 @@ class SymmetryReport:
         return leaf_views(self._analysis, axis, self._root[gid], with_parity)
 
     def other_leaf_elements(self, axis, gid, elements):
-        """For :meth:`leaf_views`' other leaves: ``[(position, element, fibre dims)]`` of those
-        with an element; None when one of them is a group without an element yet."""
+        """Per view of :meth:`leaf_views`, its other leaves: ``[(position, element, fibre dims)]``
+        of those with an element; None for a view where one of them has no element yet."""
         return other_leaf_elements(self._analysis, axis, self._root[gid], self._roots(elements))
 
     def head_families(self) -> list:

@@ -54,28 +54,54 @@ def _relayout(labels, node):
     return None
 
 
-def _ends(node, labels, out):
-    """Collect ``(select node, entry, labels of its output)`` for every path from ``node``;
-    False if a path does anything else."""
+def _ends(an, node, labels, n, out):
+    """Collect ``(end node, (a, b), labels of its output)`` for every path from ``node`` to where
+    it takes entries ``a..b-1`` of the ``"n"`` axis: ``select``/``unbind`` (one entry, the axis
+    gone), a ``slice`` with step 1 or an ``index`` by a literal range (the axis kept, labelled
+    ``"seg"``); False if a path does anything else."""
+    from ..rules.segments import _constant_range
     for u in node.users:
         p = packet(u.target)
-        if p is aten.select and u.args[0] is node and labels[u.args[1] % len(labels)] == "n":
-            k = u.args[1] % len(labels)
-            out.append((u, u.args[2], labels[:k] + labels[k + 1:]))
-        elif (p is aten.unbind and u.args[0] is node
-              and labels[(u.args[1] if len(u.args) > 1 else 0) % len(labels)] == "n"):
-            k = (u.args[1] if len(u.args) > 1 else 0) % len(labels)
+        k = labels.index("n")
+        if u.args[0] is not node:
+            return False
+        if p is aten.select and u.args[1] % len(labels) == k:
+            e = u.args[2] % n
+            out.append((u, (e, e + 1), labels[:k] + labels[k + 1:]))
+        elif p is aten.unbind and (u.args[1] if len(u.args) > 1 else 0) % len(labels) == k:
             for g in u.users:
                 if g.target is not operator.getitem or not isinstance(g.args[1], int):
                     return False
-                out.append((g, g.args[1], labels[:k] + labels[k + 1:]))
-        elif p in _RELAYOUT and u.args[0] is node:
+                out.append((g, (g.args[1], g.args[1] + 1), labels[:k] + labels[k + 1:]))
+        elif p is aten.slice and len(u.args) > 1 and u.args[1] % len(labels) == k:
+            a, b = (list(u.args[2:4]) + [None, None])[:2]
+            step = u.args[4] if len(u.args) > 4 else 1
+            a, b, _ = slice(a, b).indices(n)
+            if step != 1 or a >= b:
+                return False
+            out.append((u, (a, b), labels[:k] + ["seg"] + labels[k + 1:]))
+        elif p is aten.index and len(u.args[1]) == k + 1 and all(i is None for i in u.args[1][:k]):
+            seg = _constant_range(an.constant_of(u.args[1][k]), n) if u.args[1][k] is not None else None
+            if seg is None:
+                return False
+            out.append((u, seg, labels[:k] + ["seg"] + labels[k + 1:]))
+        elif p in _RELAYOUT:
             lab = _relayout(labels, u)
-            if lab is None or not _ends(u, lab, out):
+            if lab is None or "n" not in lab or not _ends(an, u, lab, n, out):
                 return False
         else:
             return False
     return True
+
+
+def _tiles(segs, n) -> bool:
+    """Whether the distinct segments ``segs`` cover ``0..n-1`` without overlap."""
+    at = 0
+    for a, b in sorted(set(segs)):
+        if a != at:
+            return False
+        at = b
+    return at == n
 
 
 def find_packed(an):
@@ -90,21 +116,33 @@ def find_packed(an):
         x, xa, n, ms = split
         labels = list(range(len(xa) - 1)) + ["n"] + [("m", j) for j in range(len(ms))]
         ends = []
-        if not _ends(node, labels, ends) or sorted(e for _, e, _ in ends) != list(range(n)):
+        if not _ends(an, node, labels, n, ends) or not _tiles([e for _, e, _ in ends], n):
             continue
-        parts = [an.uf.new(int(torch.tensor(ms).prod())) for _ in range(n)]
-        cons.append(Structure(xa[-1], "sum", tuple(parts)))
-        factors = [[p] if len(ms) == 1 else [an.uf.new(m) for m in ms] for p in parts]
-        if len(ms) > 1:
-            cons += [Structure(p, "prod", tuple(f)) for p, f in zip(parts, factors)]
-        for sel, entry, lab in ends:
-            for o, tag in zip(an.axes_of(sel), lab):
-                if isinstance(tag, tuple):
-                    cons.append(Unify(o, factors[entry][tag[1]]))
+        kept = {}  # segment -> whether its ends keep the n axis
+        if any(kept.setdefault(seg, "seg" in lab) != ("seg" in lab) for _, seg, lab in ends):
+            continue  # one segment both selected and sliced: not worth the cases
+        M = int(torch.tensor(ms).prod())
+        segs = sorted(kept)
+        parts = {seg: an.uf.new((seg[1] - seg[0]) * M) for seg in segs}
+        cons.append(Structure(xa[-1], "sum", tuple(parts[seg] for seg in segs)))
+        factors = {}
+        for seg in segs:
+            f = ([an.uf.new(seg[1] - seg[0])] if kept[seg] else []) + (
+                [an.uf.new(m) for m in ms] if len(ms) > 1 or kept[seg] else [parts[seg]])
+            if len(f) > 1:
+                cons.append(Structure(parts[seg], "prod", tuple(f)))
+            factors[seg] = f
+        for end, seg, lab in ends:
+            f = factors[seg]
+            for o, tag in zip(an.axes_of(end), lab):
+                if tag == "seg":
+                    cons.append(Unify(o, f[0]))
+                elif isinstance(tag, tuple):
+                    cons.append(Unify(o, f[tag[1] + (1 if kept[seg] else 0)]))
                 elif tag is not None:
                     cons.append(Unify(o, xa[tag]))
-            claimed.add(sel)
-        claimed |= _chain(node, {s for s, _, _ in ends})
+            claimed.add(end)
+        claimed |= _chain(node, {e for e, _, _ in ends})
     return claimed, cons
 
 
