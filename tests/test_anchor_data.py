@@ -183,7 +183,7 @@ def test_table_rows_on_tiny_untied_gpt2():
     train = [{"input_ids": torch.randint(0, 64, (4, 32), generator=g)} for _ in range(2)]
     rows = [table.run_row(n, A, B, train=train, test=test, refine_steps=2, circuits=False,
                           seen=train[0]["input_ids"][:, :3])  # a few of the 64 tokens
-            for n in ("vanilla", "weights", "learned", "weights_seen")]
+            for n in ("vanilla", "weights", "learned", "weights_seen", "weights_cols", "weights_circ")]
     for r in rows:
         assert [lam for lam, _ in r["curve"]] == pytest.approx(list(table.LAMBDAS))
         ends = dict(r["curve"])

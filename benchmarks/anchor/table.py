@@ -8,7 +8,8 @@ row's wall time, ``results.json``, ``report.md`` and ``curves.png``.
 
 Rows, in the parents' architecture: vanilla averaging, activation matching, weight matching,
 weight matching on the embedding rows of tokens seen in training only (``weights_seen``, as
-Theus et al. match), learned matching (residual orthogonal map: symgraph's default on the untied model; and
+Theus et al. match), and with their other two costs on top (``weights_cols``: each residual block
+scaled by its columns; ``weights_circ``: heads paired by circuit distance), learned matching (residual orthogonal map: symgraph's default on the untied model; and
 permutations only: ``fold_norms=False``). In circuit space (heads twice as wide,
 :mod:`symgraph.merging.circuits`) the same alignments are interpolated in the wider heads,
 (GPT-2's config cannot state the head size: the traced program is widened in memory,
@@ -39,6 +40,7 @@ ROWS = {
     "weights": ("weights", True, 0),
     "weights_seen": ("weights", True, 0),  # token-embedding rows of tokens seen in training only
     "weights_cols": ("weights", True, 0),  # seen rows, and each residual block scaled by 1/columns
+    "weights_circ": ("weights", True, 0),  # seen rows, heads paired by circuit distance
     "learned": ("activations", True, -1),
     "learned_perm": ("activations", False, -1),
 }
@@ -65,10 +67,12 @@ def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8,
     Bal, note, refined = B, None, None
     if align is not None:
         extra = {"between": circuit_between(A)} if circuits and steps else {}
-        if name in ("weights_seen", "weights_cols"):  # Theus et al.: embedding rows of tokens seen in training
+        if name in ("weights_seen", "weights_cols", "weights_circ"):  # Theus et al.: rows of tokens seen in training
             extra["rows"] = symgraph.analyze(A).input_rows([{"input_ids": seen.reshape(1, -1)}])
         if name == "weights_cols":  # Theus et al.: each block scaled by 1/√columns in the residual Procrustes
             extra["block_scale"] = "columns"
+        if name == "weights_circ":  # Theus et al.: heads paired by ‖QK_A − QK_B‖ + ‖OV_A − OV_B‖
+            extra["head_cost"] = "circuits"
         al = symgraph.align(A, B, train[0], data=train if align == "activations" else None,
                             fold_norms=fold, refine=steps, **extra)
         Bal, refined = al.apply(B), getattr(al, "refined", None)
