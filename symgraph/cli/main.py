@@ -180,6 +180,9 @@ def build_parser():
     m.add_argument("--full-groups", action="store_true", default=None,
                    help="after the rotations, fit each head's GL map and each RoPE pair's scale "
                    "(the full groups the report claims; exact for a transformed copy; loads the models)")
+    m.add_argument("--seen-rows", action="store_true", default=None,
+                   help="weight matching reads only the token-embedding rows of tokens in --data (the rows "
+                   "a model trained on such data updated; Theus et al. 2025)")
     m.add_argument("--sketch", type=int, metavar="K", default=None,
                    help="weight matching compares permutation classes through a shared random projection "
                    "of K columns where a matrix is wider than 2K (faster, approximate; default 0: exact)")

@@ -17,6 +17,7 @@ A config is a mapping with these keys (all optional but ``models``; command-line
     untie: false                    # give a tied head its own weights before aligning
     full_groups: false              # fit the GL part of heads and RoPE pair scales after the rotations
     sketch: 0                       # k > 0: weight-matching similarity through a k-column random projection
+    seen_rows: false                # weight matching reads only the embedding rows of tokens in data
     force: false                    # replace an existing out
 
 Relative paths are read relative to the config file. A mergekit config (``merge_method:
@@ -51,6 +52,7 @@ MERGE_KEYS = {
     "untie": "true or false",
     "full_groups": "true or false",
     "sketch": "a number of projection columns (an integer >= 0; 0: exact similarity)",
+    "seen_rows": "true or false (needs data)",
     "outputs": "a list of output names a symmetry must keep (e.g. [logits])",
     "device": "where to compute: 'cpu', 'cuda' or 'cuda:N' (not cpu: the models are loaded there)",
     "force": "true or false",
@@ -73,6 +75,7 @@ class MergeConfig(BaseModel):
     untie: StrictBool = False
     full_groups: StrictBool = False
     sketch: StrictInt = 0
+    seen_rows: StrictBool = False
     outputs: list[StrictStr] | None = Field(default=None, min_length=1)
     device: StrictStr = "cpu"
     force: StrictBool = False
@@ -244,11 +247,11 @@ def merge_options(args: dict) -> MergeConfig:
         opts["models"] = list(args["models"])
     given = [k for k in ("out", "align", "method", "weights", "data", "outputs", "attention", "device", "sketch")
              if args.get(k) is not None]
-    given += [f for f in ("force", "repair", "untie", "full_groups") if args.get(f)]
+    given += [f for f in ("force", "repair", "untie", "full_groups", "seen_rows") if args.get(f)]
     given += ["refine"] * (args.get("refine") is not None) + ["fold_norms"] * bool(args.get("no_fold_norms"))
     for k in given:
-        opts[k] = False if k == "fold_norms" else (True if k in ("force", "repair", "untie", "full_groups")
-                                                   else args[k])
+        opts[k] = False if k == "fold_norms" else (True if k in ("force", "repair", "untie", "full_groups",
+                                                                 "seen_rows") else args[k])
     from_file -= set(given)
     config = args.get("config")
     check(opts, lambda k: f"'{k}:' in {config}" if k in from_file else
@@ -285,6 +288,10 @@ def check(opts: dict, name=lambda k: "--" + k.replace("_", "-")) -> None:
         raise InputError(f"{n('sketch')} {opts['sketch']}: expected a number of projection columns >= 0")
     if opts["sketch"] and opts["align"] != "weights":
         raise InputError(f"{n('sketch')} sketches weight matching; expected {n('align')} weights")
+    if opts["seen_rows"] and not opts["data"]:
+        raise InputError(f"{n('seen_rows')} reads the embedding rows of the tokens in the data; expected {data}")
+    if opts["seen_rows"] and opts["align"] != "weights":
+        raise InputError(f"{n('seen_rows')} restricts weight matching; expected {n('align')} weights")
     if opts["full_groups"] and opts["align"] in ("none", None):
         raise InputError(f"{n('full_groups')} fits the groups an alignment solves; expected {n('align')} weights "
                          "or activations")

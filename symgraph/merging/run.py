@@ -124,7 +124,8 @@ def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
                        refine=cfg.refine, fold_norms=cfg.fold_norms, outputs=cfg.outputs, anchor=anchor,
                        attention=cfg.attention, untie=cfg.untie,
                        **({"full_groups": True} if cfg.full_groups else {}),
-                       **({"sketch": cfg.sketch} if cfg.sketch else {}))
+                       **({"sketch": cfg.sketch} if cfg.sketch else {}),
+                       **({"rows": _seen_rows(models[0], data)} if cfg.seen_rows else {}))
     except (StructureMismatchError, InputError) as e:
         raise type(e)(f"{e}{_config_diff(models, cfg.models)}") from None
     check_finite(result.model, "the merged model")
@@ -153,8 +154,10 @@ def _streaming_job(cfg, data, anchor, progress, options):
     except KeysDiffer:
         return None
     check_compatible([c.config for c in ckpts], cfg.models)
-    if cfg.align == "activations" and data is None:
+    if (cfg.align == "activations" or cfg.seen_rows) and data is None:
         data = _data(cfg, ckpts[0].model)
+    if cfg.seen_rows:
+        options = {**options, "rows_from": data}
     try:
         return StreamingMerge(ckpts, weights=cfg.weights, align=cfg.align,
                               data=data if cfg.align == "activations" else None, anchor=anchor,
@@ -162,6 +165,13 @@ def _streaming_job(cfg, data, anchor, progress, options):
                               **({"sketch": cfg.sketch} if cfg.sketch else {}), **options)
     except InputError as e:
         raise type(e)(f"{e}{_config_diff(ckpts, cfg.models)}") from None
+
+
+def _seen_rows(model, data) -> dict:
+    """``--seen-rows``: the token-embedding rows the data holds (Theus et al. 2025 match on those:
+    a trained model's other rows are its initialisation)."""
+    from ..report.api import analyze
+    return analyze(model).input_rows(data)
 
 
 def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:

@@ -127,7 +127,7 @@ class StreamingMerge:
 
     def __init__(self, paths, *, weights=None, align="weights", anchor: int = 0, fold_norms: bool = True,
                  max_shard_size=DEFAULT_SHARD, progress: bool = False, cache_bytes: int = DEFAULT_CACHE,
-                 outputs=None, data=None, **align_options):
+                 outputs=None, data=None, rows_from=None, **align_options):
         paths = list(paths)
         if len(paths) < 2:
             raise InputError(f"merge needs at least 2 checkpoints, got {len(paths)}")
@@ -147,6 +147,7 @@ class StreamingMerge:
         self.data = data
         self.shard_bytes, self.cache_bytes = parse_size(max_shard_size), cache_bytes
         self.align_options = align_options
+        self.rows_from = list(rows_from) if rows_from is not None else None  # batches: read only their tokens' rows
         _return_freed_memory()
         self.ckpts = [p if isinstance(p, Checkpoint) else Checkpoint(p) for p in paths]
         self._check_family()
@@ -186,6 +187,8 @@ class StreamingMerge:
         example = self.data[0] if self.data else None
         ra = analyze(A.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
         self.report = ra
+        if self.rows_from:  # weight matching reads only the embedding rows of the tokens in these batches
+            self.align_options = {**self.align_options, "rows": ra.input_rows(self.rows_from)}
         self.timings["analyze"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         fa = Folded(ra, A, self.cache_bytes, self.work_dtype)
