@@ -225,7 +225,9 @@ def _data(cfg, model):
     from ..checkpoints.specs import load_data
     data = load_data(cfg.data, model) if cfg.data else None
     rows = sum(next(iter(b.values())).shape[0] for b in data) if data else 0
-    if data and rows < MIN_USEFUL_ROWS:
+    from .methods.registry import get as get_method
+    stats = cfg.align == "activations" or cfg.repair or cfg.refine or get_method(cfg.method).needs_data
+    if data and rows < MIN_USEFUL_ROWS and stats:  # (--seen-rows alone only reads which tokens occur)
         print(f"symgraph: warning: only {rows} row{'s' if rows != 1 else ''} of data in {cfg.data!r}; statistics from fewer "
               f"than {MIN_USEFUL_ROWS} rows are noisy (the merge goes on)", file=sys.stderr)
     return data
