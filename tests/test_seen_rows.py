@@ -3,9 +3,6 @@ token-embedding rows of the tokens in the data (Theus et al. 2025), out of core 
 alike, as ``align(..., rows=report.input_rows(batches))`` does in Python."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -15,7 +12,7 @@ from symgraph.merging.config import merge_options
 from symgraph.merging.run import run_merge
 from symgraph.testing import models
 
-from test_cli import ENV
+from conftest import cli
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 
@@ -31,8 +28,7 @@ def ws(tmp_path_factory):
 
 
 def _run(ws, *args):
-    return subprocess.run([sys.executable, "-m", "symgraph", *map(str, args)], capture_output=True, text=True,
-                          env=ENV, cwd=ws, timeout=300)
+    return cli(*args, cwd=ws, timeout=300)
 
 
 def _weights(d):

@@ -45,6 +45,10 @@ ROWS = {
     "learned_perm": ("activations", False, -1),
 }
 
+#: rows with Theus et al.'s weight-matching costs: the seen-token rows, and what else they set
+SEEN_ROWS = {"weights_seen": {}, "weights_cols": {"block_scale": "columns"},
+             "weights_circ": {"head_cost": "circuits"}}
+
 
 def _batches(seqs: torch.Tensor, batch_size: int, limit: int) -> list:
     return [{"input_ids": seqs[i:i + batch_size]} for i in range(0, min(len(seqs), limit), batch_size)]
@@ -67,12 +71,9 @@ def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8,
     Bal, note, refined = B, None, None
     if align is not None:
         extra = {"between": circuit_between(A)} if circuits and steps else {}
-        if name in ("weights_seen", "weights_cols", "weights_circ"):  # Theus et al.: rows of tokens seen in training
+        if name in SEEN_ROWS:  # Theus et al.: embedding rows of the tokens seen in training, their costs
             extra["rows"] = symgraph.analyze(A).input_rows([{"input_ids": seen.reshape(1, -1)}])
-        if name == "weights_cols":  # Theus et al.: each block scaled by 1/√columns in the residual Procrustes
-            extra["block_scale"] = "columns"
-        if name == "weights_circ":  # Theus et al.: heads paired by ‖QK_A − QK_B‖ + ‖OV_A − OV_B‖
-            extra["head_cost"] = "circuits"
+            extra.update(SEEN_ROWS[name])
         al = symgraph.align(A, B, train[0], data=train if align == "activations" else None,
                             fold_norms=fold, refine=steps, **extra)
         Bal, refined = al.apply(B), getattr(al, "refined", None)

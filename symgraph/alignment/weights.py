@@ -126,12 +126,14 @@ class WeightFeatures:
             if s is None:
                 continue
             if circ and cp and cp[0] is not None:
-                parts = list(cp[0]) if parts is None else [x + y for x, y in zip(parts, cp[0])]
+                for k in (0, 1):
+                    parts = _add_parity(parts, k, [p[k] for p in cp[0]])
             used |= dep
             total = s if total is None else total + s
             na2, nb2 = na2 + a2, nb2 + b2
-        if circ and parts is not None and total is not None and total.dim() == 4:
-            self.head_scores[ga.id] = _circuit_scores(*parts)
+        if circ and parts is not None and total is not None and total.dim() == 4 and all(
+                isinstance(x, torch.Tensor) for p in parts for x in p):  # both sides of the circuit seen
+            self.head_scores[ga.id] = _circuit_scores(*(torch.stack(p) for p in parts))
         if total is not None and total.dim() == 4:
             # per head pair, scale by the features' norms: the matching pair then scores
             # exactly 1 per class and every other pair at most 1 (Cauchy-Schwarz)
@@ -177,14 +179,9 @@ class WeightFeatures:
             if xa.shape[-1] != xb.shape[-1]:
                 continue
             s = cross(xa, xb, fa, cross_fibres).to(acc)
-            if parity and fa:
+            if parity and fa:  # [S, A's Gram, B's Gram] x [co, contra]
                 fla, flb = (x.reshape(-1, *x.shape[fa:]).to(acc) for x in (xa, xb))
-                k = parity[v]
-                part = [torch.zeros(2, *s.shape, dtype=acc, device=s.device),
-                        torch.zeros(2, fla.shape[0], *fla.shape[1:2] * 2, dtype=acc, device=s.device),
-                        torch.zeros(2, flb.shape[0], *flb.shape[1:2] * 2, dtype=acc, device=s.device)]
-                part[0][k], part[1][k], part[2][k] = s, fla @ fla.mT, flb @ flb.mT
-                parts = part if parts is None else [x + y for x, y in zip(parts, part)]
+                parts = _add_parity(parts, parity[v], (s, fla @ fla.mT, flb @ flb.mT))
             if exact and fa == 0 and self.block_scale == "columns":
                 s = s / xa.shape[-1]
             total = s if total is None else total + s
@@ -218,6 +215,14 @@ class WeightFeatures:
 
 
 _HALF = (torch.bfloat16, torch.float16)
+
+
+def _add_parity(parts, k, values):
+    """``parts`` ([S, GA, GB] x [co, contra], 0 where nothing yet) with ``values`` added on side ``k``."""
+    parts = parts or [[0, 0], [0, 0], [0, 0]]
+    for p, x in zip(parts, values):
+        p[k] = p[k] + x
+    return parts
 
 
 def _circuit_scores(S, GA, GB):

@@ -14,6 +14,7 @@ part, a product of its own head and head-dimension axes.
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -121,7 +122,7 @@ def find_packed(an):
         kept = {}  # segment -> whether its ends keep the n axis
         if any(kept.setdefault(seg, "seg" in lab) != ("seg" in lab) for _, seg, lab in ends):
             continue  # one segment both selected and sliced: not worth the cases
-        M = int(torch.tensor(ms).prod())
+        M = math.prod(ms)
         segs = sorted(kept)
         parts = {seg: an.uf.new((seg[1] - seg[0]) * M) for seg in segs}
         cons.append(Structure(xa[-1], "sum", tuple(parts[seg] for seg in segs)))
@@ -157,7 +158,7 @@ def _last_axis_split(an, node):
     if xa is None or xs is None or os_ is None or an.origin_of(x) != "act" or len(os_) < len(xs) + 1:
         return None
     lead = len(xs) - 1
-    if list(os_[:lead]) != list(xs[:lead]) or int(torch.tensor(os_[lead:]).prod()) != xs[-1]:
+    if list(os_[:lead]) != list(xs[:lead]) or math.prod(os_[lead:]) != xs[-1]:
         return None
     n, ms = int(os_[lead]), [int(m) for m in os_[lead + 1:]]
     return (x, xa, n, ms) if n > 1 and all(m > 1 for m in ms) else None
