@@ -198,3 +198,65 @@ def test_deferral_skips_stable_units_without_changing_the_result():
     assert on.seconds["deferred"] > 0 and off.seconds["deferred"] == 0
     perms = [k for k, e in off.elements.items() if isinstance(e, Perm)]
     assert perms and all(torch.equal(on.elements[k].index, off.elements[k].index) for k in perms)
+
+
+def test_pooled_contributions_equal_the_slot_sums_and_follow_the_permutations():
+    """A residual stream's slots that read only permutations (the MLP's) are summed per set of
+    dependencies and kept: the similarity equals the unpooled sum, reuses the pool while those
+    permutations keep their version, and recomputes it when one changes."""
+    from symgraph.alignment.weights import WeightFeatures
+    A, B = M.build("llama", seed=0), M.build("llama", seed=1)
+    ra, rb = symgraph.analyze(A), symgraph.analyze(B)
+    al = symgraph.align(A, B, report_a=ra, report_b=rb)
+    res = next(g for g in ra.groups if g.kind == "orthogonal" and not g.outer)
+    perms = [k for k, e in al.elements.items() if isinstance(e, Perm)]
+    pooled = WeightFeatures.from_models(ra, rb, A, B)
+    plain = WeightFeatures.from_models(ra, rb, A, B)
+    plain.POOL_BYTES = 0
+    gb = rb.groups[ra.groups.index(res)]
+    S0, _, _ = plain.similarity(res, gb, al.elements, False)
+    S1, _, _ = pooled.similarity(res, gb, al.elements, False)
+    assert pooled._pool and not plain._pool
+    assert all(set(dep) <= set(perms) for _, dep, _ in pooled._pool)
+    torch.testing.assert_close(S1, S0, rtol=1e-12, atol=1e-12)
+    calls = []
+    orig = pooled._slot
+    pooled._slot = lambda *a, **k: calls.append(a[2]) or orig(*a, **k)
+    S2, _, _ = pooled.similarity(res, gb, al.elements, False)
+    torch.testing.assert_close(S2, S0, rtol=1e-12, atol=1e-12)
+    assert calls == []  # everything from the pools and the per-slot cache
+    # a permutation changes: its pool is recomputed, the similarity follows
+    p = perms[0]
+    els = dict(al.elements)
+    els[p] = Perm(els[p].index.roll(1))
+    for f in (pooled, plain):
+        f.versions[p] = f.versions.get(p, 0) + 1
+    S3, _, _ = pooled.similarity(res, gb, els, False)
+    S4, _, _ = plain.similarity(res, gb, els, False)
+    assert calls  # the changed pool's slots ran again
+    torch.testing.assert_close(S3, S4, rtol=1e-12, atol=1e-12)
+    assert float((S3 - S0).abs().max()) > 1e-6
+
+
+@pytest.mark.parametrize("name", ["llama", "phi"])
+def test_folded_reads_one_tensor_and_equals_the_whole_fold(tmp_path, name):
+    """Out of core, a folded tensor is computed from its own fold part (gain, shift, its reader,
+    its bias) in the 16-bit dtype where that is exact: bit for bit the whole fold in float32."""
+    from conftest import build_hf
+    from symgraph.checkpoints.sharded import Checkpoint
+    from symgraph.merging.streaming import Folded
+    a, _ = build_hf(name, 0)
+    with torch.no_grad():  # gains and shifts that are not 1 and 0
+        for n, p in a.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    a.to(torch.bfloat16).save_pretrained(tmp_path / "a")
+    ck = Checkpoint(str(tmp_path / "a"))
+    rep = symgraph.analyze(ck.model, fold_norms=True)
+    assert rep.folds and (name != "phi" or any(f.shift for f in rep.folds))
+    raw = {k: ck.get(k) for k in rep.parameters}
+    whole = {k: v.to(raw[k].dtype) for k, v in rep.fold(raw, torch.float32).items()}
+    lazy = Folded(rep, ck, budget=0, dtype=torch.float32)
+    for k in whole:
+        assert lazy[k].dtype == torch.bfloat16
+        assert torch.equal(lazy[k], whole[k]), k

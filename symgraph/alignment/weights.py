@@ -7,7 +7,7 @@ import string
 import torch
 
 from ..core.elements import apply_along, is_perm
-from ..core.groups import orthogonal_part
+from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
 
 __all__ = ["WeightFeatures", "gather", "cross"]
 
@@ -23,6 +23,7 @@ class WeightFeatures:
     """
 
     CACHE_NUMEL = 1 << 20  # contributions larger than this (e.g. MLP×MLP) are not kept
+    POOL_BYTES = 512 << 20  # pooled contributions of discrete dependencies kept (see _poolable)
 
     def __init__(self, ra, rb, tensors_a, tensors_b, exact_dtype=torch.float64, products="exact", sketch=0,
                  rows=None, block_scale="none", head_cost="procrustes"):
@@ -53,6 +54,8 @@ class WeightFeatures:
         self.head_scores: dict = {}  # group id -> [H_A, H_B] circuit scores of the last similarity
         self.A, self.B = tensors_a, tensors_b
         self._cache: dict = {}
+        self._pool: dict = {}  # (group id, deps, cross) -> (versions, summed contributions)
+        self._pool_bytes, self._kinds = 0, None
         self._deps: dict = {}
         self._axis_memo: dict = {}
         self.versions: dict = {}  # shared with the solve loop: group id -> changes so far
@@ -105,6 +108,7 @@ class WeightFeatures:
         circ = self.head_cost == "circuits" and cross_fibres and ga.kind == "gl"
         parts = None  # circuits: [S per parity, A's Grams per parity, B's Grams per parity]
         self.head_scores.pop(ga.id, None)
+        pooled: dict = {}  # pool key -> [versions, sum of its slots, complete] (see _poolable)
         for name, d in self.slots(ga):
             dep = self.deps(gb, name, d)
             if usable is not None and not usable(dep):
@@ -112,6 +116,15 @@ class WeightFeatures:
                 continue
             key = (ga.id, name, d, cross_fibres)
             ver = tuple(sorted((r, versions.get(r, 0)) for r in dep))
+            pool = (ga.id, dep, cross_fibres) if self._poolable(dep, cross_fibres, circ) else None
+            if pool is not None:
+                hit = self._pool.get(pool)
+                if hit is not None and hit[0] == ver:  # the whole pool's sum, once
+                    if pool not in pooled:
+                        pooled[pool] = None
+                        used |= dep
+                        total = hit[1] if total is None else total + hit[1]
+                    continue
             hit = self._cache.get(key)
             if hit is None or hit[0] != ver:
                 val = self._slot(ga, gb, name, d, elements, cross_fibres, exact, circ)
@@ -124,6 +137,8 @@ class WeightFeatures:
             s, a2, b2, partial, *cp = val
             complete &= not partial
             if s is None:
+                if pool is not None:
+                    pooled.setdefault(pool, [ver, 0, True])[2] &= not partial
                 continue
             if circ and cp and cp[0] is not None:
                 for k in (0, 1):
@@ -131,6 +146,10 @@ class WeightFeatures:
             used |= dep
             total = s if total is None else total + s
             na2, nb2 = na2 + a2, nb2 + b2
+            if pool is not None:
+                got = pooled.setdefault(pool, [ver, 0, True])
+                got[1], got[2] = got[1] + s, got[2] and not partial
+        self._keep_pools(pooled)
         if circ and parts is not None and total is not None and total.dim() == 4 and all(
                 isinstance(x, torch.Tensor) for p in parts for x in p):  # both sides of the circuit seen
             self.head_scores[ga.id] = _circuit_scores(*(torch.stack(p) for p in parts))
@@ -140,6 +159,31 @@ class WeightFeatures:
             total = total / (na2.clamp_min(1e-30).sqrt()[:, None, None, None]
                              * nb2.clamp_min(1e-30).sqrt()[None, :, None, None])
         return total, complete, frozenset(used)
+
+    def _poolable(self, dep, cross_fibres, circ) -> bool:
+        """Whether a slot's contribution is summed with the others of the same dependencies and
+        kept (up to :attr:`POOL_BYTES`): a class not fibred over heads (a residual stream),
+        whose slot reads only discrete classes (permutations: an MLP's, which stop changing
+        after a sweep or two, while rotations move a little every sweep). The residual
+        stream's MLP slots are most of its similarity; kept, a sweep recomputes only the slots
+        that read the heads' rotations."""
+        if cross_fibres or circ or not dep:
+            return False
+        if self._kinds is None:
+            self._kinds = {g.id: g.kind for g in self.rb.groups}
+        return all(orthogonal_part(self._kinds.get(g, "")) in PERMUTATION_FAMILY for g in dep)
+
+    def _keep_pools(self, pooled):
+        for pool, got in pooled.items():
+            if got is None or not got[2] or not isinstance(got[1], torch.Tensor):
+                continue  # a hit, or left a slot out: not kept
+            old = self._pool.pop(pool, None)
+            if old is not None:
+                self._pool_bytes -= old[1].numel() * old[1].element_size()
+            size = got[1].numel() * got[1].element_size()
+            if self._pool_bytes + size <= self.POOL_BYTES:
+                self._pool[pool] = (got[0], got[1])
+                self._pool_bytes += size
 
     def _slot(self, ga, gb, name, d, elements, cross_fibres, exact, circ=False):
         ax_a, ax_b = self.ra.param_axes(name), self.rb.param_axes(name)

@@ -33,6 +33,7 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -40,7 +41,8 @@ from tqdm import tqdm
 
 from ..transform.apply import move
 from ..errors import InputError
-from ..transform.folding import gauge, groups
+from ..transform import folding
+from ..transform.folding import gauge, groups, members
 from ..checkpoints.sharded import Checkpoint, KeysDiffer, ShardWriter, parse_size
 from .methods.registry import mixing_weights
 
@@ -60,7 +62,7 @@ class Folded(Mapping):
 
     def __init__(self, report, ckpt: Checkpoint, budget: int = DEFAULT_CACHE, dtype=torch.float64):
         self.report, self.ckpt, self.budget, self.dtype = report, ckpt, budget, dtype
-        self.unit = groups(report.folds)
+        self.folds = {n: f for f in report.folds for n in members(f)}
         self._cache: OrderedDict = OrderedDict()
         self._bytes = 0
 
@@ -68,12 +70,15 @@ class Folded(Mapping):
         if name in self._cache:
             self._cache.move_to_end(name)
             return self._cache[name]
-        names = self.unit.get(name, (name,))
-        raw = {n: self.ckpt.get(n) for n in names}
-        vals = raw | {k: v.to(raw[k].dtype) for k, v in self.report.fold(raw, self.dtype).items()}
-        for n, v in vals.items():
-            self._put(n, v)
-        return vals[name]
+        f = self.folds.get(name)
+        if f is None:
+            v = self.ckpt.get(name)
+        else:  # this tensor's part of its fold only: the gain (and shift), its reader, its bias
+            f = replace(f, readers=tuple(r for r in f.readers if name in (r[0], r[2])))
+            raw = {n: self.ckpt.get(n) for n in members(f)}
+            v = folding.fold([f], raw, _fold_dtype(f, raw, self.dtype)).get(name, raw[name]).to(raw[name].dtype)
+        self._put(name, v)
+        return v
 
     def _put(self, name, v):
         size = v.numel() * v.element_size()
@@ -100,6 +105,16 @@ class Folded(Mapping):
 
     def __len__(self):
         return len(self.report.parameters)
+
+
+def _fold_dtype(f, raw, dtype):
+    """What a fold computes in: the tensors' own 16-bit dtype when it has no shift and every
+    tensor is in that dtype (a gain times a weight is exact in float32 for 16-bit inputs and the
+    result is rounded once either way: the same bits, without float32 copies), else ``dtype``."""
+    dts = {t.dtype for t in raw.values()}
+    if f.shift is None and len(dts) == 1 and next(iter(dts)) in (torch.bfloat16, torch.float16):
+        return next(iter(dts))
+    return dtype
 
 
 def _return_freed_memory():
