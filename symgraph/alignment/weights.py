@@ -6,7 +6,7 @@ import string
 
 import torch
 
-from ..core.elements import apply_along, is_perm
+from ..core.elements import Blocks, apply_along, is_perm
 from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
 
 __all__ = ["WeightFeatures", "gather", "cross"]
@@ -66,14 +66,15 @@ class WeightFeatures:
                    _folded(rb, {k: model_b.get_parameter(k).detach() for k in rb.parameters}), **options)
 
     def _axis_op(self, a, elements):
-        """B's current map on axis ``a``: an index vector for a permutation, else the dense
-        matrix; memoised by the versions of the axis' leaf classes."""
+        """B's current map on axis ``a``: an index vector for a permutation, :class:`Blocks`
+        for a head axis whose map moves whole heads, else the dense matrix; memoised by the
+        versions of the axis' leaf classes."""
         rb = self.rb
         key = (rb.axis_key(a), tuple((g in elements, self.versions.get(g, 0)) for g in rb.axis_groups(a)))
         hit = self._axis_memo.get(key, False)
         if hit is False:
-            M = rb.axis_map(a, elements)
-            if M is not None and M.dim() > 1 and is_perm(M):
+            M = rb.axis_map(a, elements, blocks=True)
+            if M is not None and not isinstance(M, Blocks) and M.dim() > 1 and is_perm(M):
                 M = M.argmax(1)
             hit = M
             if M is None or M.dim() == 1 or M.numel() <= self.CACHE_NUMEL:
@@ -252,7 +253,7 @@ class WeightFeatures:
             om_b = torch.empty_like(om)
             om_b[M.to(om.device)] = om
         else:
-            om_b = M.to(om.device, om.dtype).mT @ om
+            om_b = (M.dense() if isinstance(M, Blocks) else M).to(om.device, om.dtype).mT @ om
         xa = ta.movedim(d, 0)[ia.reshape(-1).to(ta.device)] @ om
         xb = tb.movedim(d, 0)[ib.reshape(-1).to(tb.device)] @ om_b
         return (xa @ xb.mT).to(acc), 0.0, 0.0, False

@@ -403,7 +403,9 @@ class StreamingMerge:
                 out[n] = ints.pop(n)
                 continue
             out[n] = acc.pop(n).to(dtypes[n])
-            if not bool(torch.isfinite(out[n]).all()):  # checked in the output dtype: overflow too
+            o = out[n]  # checked in the output dtype (overflow too); a finite sum: all finite
+            if not (o.is_floating_point() and bool(torch.isfinite(o.sum(dtype=torch.promote_types(o.dtype, torch.float32))))) \
+                    and not bool(torch.isfinite(o).all()):
                 for c in self.ckpts:
                     for m in names:
                         c.get(m)  # raises naming the checkpoint and the tensor

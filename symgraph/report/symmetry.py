@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..transform import folding
-from ..core.elements import Perm
+from ..core.elements import Blocks, Perm, is_perm
 from ..errors import InputError
 from ..core.groups import orthogonal_part, sample
 from ..analysis.axes import attention_sites, axis_matrix, input_rows, axis_tree, resized_shapes, leaf_views, linear_layers, leaves_with_parity, observation_points, other_leaf_elements, stored_slots
@@ -329,11 +329,18 @@ class SymmetryReport:
     def _roots(self, elements: dict) -> dict:
         return {self._root[g]: e for g, e in elements.items()}
 
-    def axis_map(self, axis, elements: dict):
+    def axis_map(self, axis, elements: dict, blocks: bool = False):
         """The matrix carrying ``axis``'s coordinates by ``elements`` (``{group id: element}``):
         ``[n_A, n_B]`` float64, or a 1-D index vector for an unfibred :class:`Perm`, or None
-        for the identity."""
-        return axis_matrix(self._analysis, axis, self._roots(elements))
+        for the identity. ``blocks``: a :class:`~symgraph.core.elements.Blocks` instead of the
+        matrix where the axis is a product (heads × head dims) and the map moves whole blocks
+        (:func:`~symgraph.core.elements.apply_along` takes either)."""
+        M = axis_matrix(self._analysis, axis, self._roots(elements))
+        if blocks and M is not None and M.dim() == 2 and not is_perm(M):
+            st = self.axis_structure(axis)
+            if st is not None and st[0] == "prod":
+                M = Blocks.of(M, [math.prod(st[1][j:]) for j in range(len(st[1]) - 1, 0, -1)]) or M
+        return M
 
     def leaf_views(self, axis, gid, with_parity: bool = False):
         """Index arrays ``[*fibre_sizes, n_group, *other_leaf_sizes]`` into ``axis``'s coordinates,

@@ -12,7 +12,7 @@ import copy
 
 import torch
 
-from ..core.elements import apply_along
+from ..core.elements import Blocks, apply_along
 from ..errors import InputError
 
 __all__ = ["map_parameters", "move", "stored_tensors", "write_state", "transformed_state",
@@ -32,10 +32,12 @@ def map_parameters(report, elements: dict, tensors: dict, *, squared: bool = Fal
     for name, t in tensors.items():
         val, t = None, report.view(name, t)  # stacked experts: (experts × hidden) as one axis
         for d, axis in enumerate(report.param_axes(name)):
-            M = report.axis_map(axis, elements)
+            M = report.axis_map(axis, elements, blocks=True)
             if M is None:
                 continue
-            if squared and M.dim() > 1:
+            if squared and isinstance(M, Blocks):
+                M = Blocks(M.index, M.blocks * M.blocks)
+            elif squared and M.dim() > 1:
                 M = M * M
             base = t if val is None else val
             val = apply_along(base if base.dtype == dtype else base.to(dtype), d, M)
