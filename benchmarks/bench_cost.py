@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import json
 import os
 import platform
@@ -144,7 +145,38 @@ def instrument() -> Counter:
                                                            str(r.dtype)[6:]))
     c.wrap(folding, "fold", "fold", lambda r, *a, **k: (None, 0.0, 0.0, None))
     c.wrap(StreamingMerge, "write", "write (whole phase)", lambda r, *a, **k: (None, 0.0, 0.0, None))
+    _instrument_activations(c)
     return c
+
+
+def _instrument_activations(c: Counter):
+    """``--align activations``: the statistics phase as one stage whose FLOPs PyTorch's
+    ``FlopCounterMode`` counts (the two graphs' forward ops and the cross-moments, every matmul
+    as it runs), the cross-moments alone (``ActStats.add``: ``2·t·F_A·F_B·n_A·n_B`` for the
+    cross sums, float64), and the graph ops run (``Stepper.run_node`` calls) against one run of
+    both graphs over every batch (the ops of the analysis graph × batches × 2)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from symgraph.alignment import activations as ACT
+    from symgraph.alignment import driver as D
+
+    f = D.activation_similarity
+
+    def counted(ra, rb, data, *a, **k):
+        with FlopCounterMode(display=False) as fc:
+            out = f(ra, rb, data, *a, **k)
+        c.rows["graph ops, one run of both graphs over the data"][0] += 2 * len(data) * len(ra.nodes())
+        counted.flops = fc.get_total_flops()
+        return out
+    c._undo.append((D, "activation_similarity", f))
+    D.activation_similarity = counted
+    c.wrap(D, "activation_similarity", "activation statistics (whole phase)",
+           lambda r, *a, **k: (None, float(counted.flops), 0.0, None))
+
+    def moments(r, self, xa, xb, nf):
+        t, fa, fb = xa.shape[0], (math.prod(xa.shape[1:-1]) if nf else 1), (math.prod(xb.shape[1:-1]) if nf else 1)
+        return None, 2.0 * t * fa * fb * xa.shape[-1] * xb.shape[-1], 0.0, str(xa.dtype)[6:]
+    c.wrap(ACT.ActStats, "add", "cross-moments", moments)
+    c.wrap(ACT.Stepper, "run_node", "graph ops run", lambda r, *a, **k: (None, 0.0, 0.0, None))
 
 
 def run(shape="1b", layers=2, work="/tmp/symgraph-scale", align="weights", extra=()) -> dict:
@@ -155,6 +187,10 @@ def run(shape="1b", layers=2, work="/tmp/symgraph-scale", align="weights", extra
     pk = peaks(files)
     out = Path(work) / f"cost-out-{shape}-L{layers}"
     shutil.rmtree(out, ignore_errors=True)
+    if align == "activations":  # bench_scale's data: DATA_ROWS random rows of DATA_TOKENS ids
+        from benchmarks.scale.common import SHAPES
+        from benchmarks.scale.stages import _token_data
+        extra = [*extra, "--data", _token_data(Path(pair["dir"]), SHAPES[shape].get("vocab_size", 32000))]
     from symgraph.cli.main import main as cli
     c = instrument()
     t0 = time.perf_counter()
@@ -191,7 +227,7 @@ def _commit() -> str:
 
 
 def markdown(results: dict) -> str:
-    lines = ["# Cost model: `symgraph merge --align weights` by stage", "",
+    lines = ["# Cost model: `symgraph merge --align weights|activations` by stage", "",
              "Written by `python -m benchmarks.bench_cost` (see its docstring). Time is inclusive "
              "per stage (a stage called inside another, e.g. a read inside a fold, is counted in both); "
              "`of peak` is achieved GFLOP/s over the same run's measured rate for that dtype "
@@ -242,7 +278,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="1b")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--work", default="/tmp/symgraph-scale")
-    ap.add_argument("--align", default="weights", choices=("weights",))
+    ap.add_argument("--align", default="weights", choices=("weights", "activations"))
     ap.add_argument("--sketch", type=int, default=0, help="symgraph merge --sketch K")
     ap.add_argument("--label", default=None, help="entry name in --out (default: shape-Llayers-commit)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))

@@ -7,29 +7,17 @@ B's coordinates give a correlation (permutations) or covariance (rotations) matr
 from __future__ import annotations
 
 import math
-from collections import Counter
-
 import torch
 
 from ..core import distributed
-from ..errors import InputError, NeedsMemory
+from ..errors import NeedsMemory
 from ..core.groups import orthogonal_part
 from .checks import batch_inputs, by_shape
+from .graphrun import (GraphRunner, Stepper, flatten_for, lockstep, meta_constants, on_device,  # noqa: F401
+                       run_capture, streamed_outputs)
 
 __all__ = ["ActStats", "all_reduce_stats", "activation_similarity", "act_matrix", "run_capture",
            "GraphRunner", "Stepper", "lockstep", "on_device", "streamed_outputs"]
-
-
-class _Capture(torch.fx.Interpreter):
-    def __init__(self, gm, names, sink):
-        super().__init__(gm)
-        self.names, self.sink = names, sink
-
-    def run_node(self, n):
-        out = super().run_node(n)
-        if n.name in self.names and isinstance(out, torch.Tensor):
-            self.sink(n.name, out)
-        return out
 
 
 _SUMS = ("sa", "sb", "saa", "sbb", "sab")
@@ -134,25 +122,45 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
         shapes.append((sa, plan, views, gm_a, gm_b, batches, order))
     sa0, plan0, order0 = shapes[0][0], shapes[0][1], shapes[0][-1]
     passes = [list(range(len(pairs)))] if on_done is None else _passes(sa0, plan0, order0, pairs, budget)
+    # Each pass resumes every batch's two runs where the last pass paused them (their live
+    # values kept) and runs them to its last point, capturing there every point of every class
+    # not complete yet: over all passes each op runs once per batch (the graphs are not re-run
+    # from the start), and a class's statistics live from its first point to its pass's end.
+    runs: dict = {}  # (shape, batch) -> [Stepper A, Stepper B, A's inputs, B's inputs]
+    reached = [-1] * len(shapes)  # per shape: the position of the last point run so far
+    pending = set(range(len(pairs)))
     for todo in passes:
-        for sa, plan, views, gm_a, gm_b, batches, order in shapes:
+        for si, (sa, plan, views, gm_a, gm_b, batches, order) in enumerate(shapes):
+            stop = max([order[a] for i in todo for a, _, _ in plan[i]] + [reached[si]])
             points: dict = {}  # (node in A, node in B) -> [(pair index, its views)]
-            for i in todo:
+            for i in sorted(pending):
                 for node_a, node_b, _ in plan[i]:
-                    points.setdefault((node_a, node_b), []).append((i, views[(i, node_a)]))
+                    if reached[si] < order[node_a] <= stop:
+                        points.setdefault((node_a, node_b), []).append((i, views[(i, node_a)]))
+            reached[si] = stop
             if not points:
                 continue
+            in_order = sorted(points, key=lambda p: order[p[0]])
+            last = in_order[-1] if len(passes) > 1 else (None, None)  # where the runs pause
             for bi, batch in batches:
-                args, kwargs = batch_inputs(sa, batch, bi)
+                run = runs.get((si, bi))
+                if run is None:
+                    args, kwargs = batch_inputs(sa, batch, bi)
+                    run = [Stepper(gm_a, fa), Stepper(gm_b, fb),
+                           flatten_for(gm_a, args, kwargs), flatten_for(gm_b, args, kwargs)]
+                    if last[0] is not None:  # paused: kept for the next pass
+                        runs[(si, bi)] = run
+                step_a, step_b, in_a, in_b = run
                 with torch.no_grad():
-                    run_a = Stepper(gm_a, fa).steps(_flatten_for(gm_a, args, kwargs), {a for a, _ in points})
-                    run_b = Stepper(gm_b, fb).steps(_flatten_for(gm_b, args, kwargs), {b for _, b in points})
-                    in_order = sorted(points, key=lambda p: order[p[0]])
-                    for point, xa, xb in lockstep(run_a, run_b, in_order):
+                    run_a = step_a.steps(in_a, {a for a, _ in points}, stop=last[0])
+                    run_b = step_b.steps(in_b, {b for _, b in points}, stop=last[1])
+                    for point, xa, xb in lockstep(run_a, run_b, in_order, drain=last[0] is not None):
                         _add(stats, points[point], xa.double(), xb.double(), max_samples)
+        pending -= set(todo)
         all_reduce_stats({i: stats[i] for i in todo})
         if on_done is not None:
             on_done(todo, stats)
+    runs.clear()  # the paused runs' live values
     return stats
 
 
@@ -184,126 +192,6 @@ def _passes(sa, plan, order, pairs, budget):
         out[-1].append(i)
         size += nbytes
     return out
-
-
-def meta_constants(gm) -> list:
-    """Tensor attributes of ``gm`` that are neither parameters nor buffers and hold no values
-    (traced on ``meta``: constants the forward created, such as index tensors)."""
-    import operator
-    named = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
-    named |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
-    out = []
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target not in named:
-            t = operator.attrgetter(node.target)(gm)
-            if isinstance(t, torch.Tensor) and t.is_meta:
-                out.append(node.target)
-    return out
-
-
-def on_device(gm, device):
-    """``gm`` (changed in place) computing on ``device``: an exported graph has the tracing
-    device written into its ops (``device=`` arguments, tensor-metadata assertions, also in
-    the subgraphs of higher-order ops); the assertions, which compute nothing, are dropped,
-    and devices are rewritten."""
-    device = torch.device(device)
-    swap = lambda x: device if isinstance(x, torch.device) and x != device else x  # noqa: E731
-    for sub in gm.modules():
-        if not isinstance(sub, torch.fx.GraphModule):
-            continue
-        for node in list(sub.graph.nodes):
-            if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
-                sub.graph.erase_node(node)
-                continue
-            node.args = torch.fx.node.map_aggregate(node.args, swap)
-            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
-        sub.recompile()
-    return gm
-
-
-class _Lazy:
-    """A graph attribute not read yet (its name)."""
-    __slots__ = ("name",)
-
-    def __init__(self, name):
-        self.name = name
-
-
-class Stepper(torch.fx.Interpreter):
-    """An exported graph (``ExportedProgram.module()``) run op by op as a generator of chosen
-    outputs. With ``fetch`` (``name -> tensor``), each parameter or buffer is read when an op
-    takes it and dropped when the op is done: memory holds the live activations and one op's
-    weights, so a graph traced on ``meta`` runs on tensors streamed from a checkpoint."""
-
-    def __init__(self, gm, fetch=None):
-        super().__init__(gm)
-        self.fetch = fetch
-        self.lazy = set()
-        self.dtypes = {}  # the dtype the graph was traced with, per tensor: a fetched tensor stored
-        if fetch is not None:  # narrower (models saved in different dtypes) is cast up to it
-            named = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
-            self.lazy = {n for n, _ in named}
-            self.dtypes = {n: t.dtype for n, t in named if t.is_floating_point()}
-
-    def get_attr(self, target, args, kwargs):
-        if target in self.lazy:
-            return _Lazy(target)
-        return super().get_attr(target, args, kwargs)
-
-    def fetch_args_kwargs_from_env(self, n):
-        args, kwargs = super().fetch_args_kwargs_from_env(n)
-        if not self.lazy:
-            return args, kwargs
-        load = lambda x: self._load(x.name) if isinstance(x, _Lazy) else x  # noqa: E731
-        return torch.fx.node.map_aggregate(args, load), torch.fx.node.map_aggregate(kwargs, load)
-
-    def _load(self, name):
-        t = self.fetch(name)
-        want = self.dtypes.get(name)
-        if want is None or not t.is_floating_point() or torch.finfo(t.dtype).bits >= torch.finfo(want).bits:
-            return t
-        return t.to(want)  # a narrower stored tensor in a wider graph (models stored in different dtypes)
-
-    def steps(self, flat_args, names):
-        """Run the graph on ``flat_args``; yield ``(node name, output)`` for the nodes in
-        ``names`` as they are computed. Values are freed after their last use."""
-        self.env, self.args_iter = {}, iter(flat_args)
-        for node in self.graph.nodes:
-            self.env[node] = self.run_node(node)
-            if node.name in names and isinstance(self.env[node], torch.Tensor):
-                yield node.name, self.env[node].detach()
-            for dead in self.user_to_last_uses.get(node, ()):
-                del self.env[dead]
-        self.env.clear()
-
-
-def lockstep(run_a, run_b, points):
-    """``((node in A, node in B), value in A, value in B)`` for each pair of ``points`` (in A's
-    graph order) as soon as both runs (generators of ``(node name, value)``) have computed it.
-    A value is kept until every point that uses it is done; the run that is behind on the first
-    open point advances, so with corresponding graphs about one layer's captures are held."""
-    need_a, need_b = Counter(a for a, _ in points), Counter(b for _, b in points)
-    held_a, held_b = {}, {}
-    todo = list(points)
-    while todo:
-        ready = [p for p in todo if p[0] in held_a and p[1] in held_b]
-        if not ready:
-            run, held, first = (run_a, held_a, todo[0][0]) if todo[0][0] not in held_a else (run_b, held_b, todo[0][1])
-            try:
-                name, value = next(run)
-            except StopIteration:
-                raise RuntimeError(f"the graph ended before computing {first!r}") from None
-            held[name] = value
-            continue
-        for p in ready:
-            todo.remove(p)
-            yield p, held_a[p[0]], held_b[p[1]]
-            for name, need, held in ((p[0], need_a, held_a), (p[1], need_b, held_b)):
-                need[name] -= 1
-                if not need[name]:
-                    del held[name]
-    for run in (run_a, run_b):
-        run.close()
 
 
 def _plan(ra, rb, pairs):
@@ -344,78 +232,6 @@ def _act_gather(x, k, idx, nf):
         g = g.movedim(tuple(range(g.dim() - n_o, g.dim())), tuple(range(n_o)))
     keep = idx.shape[: nf + 1]
     return g.reshape(-1, *keep)
-
-
-def run_capture(gm, names, sink, args, kwargs):
-    def put(name, val):
-        sink[name] = val.detach()
-    # ExportedProgram.module() is a GraphModule whose forward flattens (args, kwargs)
-    interp = _Capture(gm, names, put)
-    flat = _flatten_for(gm, args, kwargs)
-    interp.run(*flat)
-
-
-def streamed_outputs(ep, args, kwargs, fetch) -> list:
-    """The flat outputs of exported program ``ep`` (traced on ``meta`` or anywhere) run op by op
-    on the CPU, each parameter and buffer read by ``fetch(name)`` when an op takes it (see
-    :class:`Stepper`). Raises :class:`NeedsMemory` when the graph holds constants a model
-    without weights does not have."""
-    gm = ep.module()
-    on_device(gm, "cpu")
-    lost = meta_constants(gm)
-    if lost:
-        raise NeedsMemory(f"the traced graph creates tensor constants ({', '.join(lost[:3])}) whose values a "
-                          "model traced without weights (on meta) does not hold")
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    import torch.utils._pytree as pytree
-    flat_out, _ = pytree.tree_flatten(out.args[0])
-    names = [n.name for n in flat_out if isinstance(n, torch.fx.Node)]
-    with torch.no_grad():
-        got = dict(Stepper(gm, fetch).steps(_flatten_for(gm, args, kwargs), set(names)))
-    return [got.get(n) for n in names]
-
-
-def _flatten_for(gm, args, kwargs):
-    import torch.utils._pytree as pytree
-    spec = getattr(gm, "_in_spec", None)
-    if spec is not None and spec.num_children == 2:
-        kw_spec = spec.child(1) if hasattr(spec, "child") else spec.children_specs[1]
-        keys = kw_spec.context if kw_spec.context else list(kwargs)
-        kwargs = {k: kwargs[k] for k in keys if k in kwargs}
-    flat, _ = pytree.tree_flatten((args, kwargs))
-    return flat
-
-
-class GraphRunner(torch.nn.Module):
-    """An exported graph as a module, so that ``torch.func.functional_call`` runs it (with
-    :func:`run_capture`) on any model's tensors, not the ones it was traced with."""
-
-    def __init__(self, gm):
-        super().__init__()
-        self.gm, self.tied = gm, {}  # tied: id -> (names of the tensor, the tensor, is a buffer)
-        for buffer, named in ((False, gm.named_parameters(remove_duplicate=False)),
-                              (True, gm.named_buffers(remove_duplicate=False))):
-            for name, t in named:
-                self.tied.setdefault(id(t), ([], t, buffer))[0].append(name)
-
-    def state(self, tensors: dict) -> dict:
-        """``functional_call``'s complete dict: each graph tensor from ``tensors`` under every
-        one of its names (tied names get the same tensor). Every parameter must be given;
-        a buffer that is not (merge passes parameter states only) is the graph's own, the
-        anchor's."""
-        out, missing = {}, []
-        for names, own, buffer in self.tied.values():
-            v = next((tensors[n] for n in names if n in tensors), None)
-            if v is None and not buffer:
-                missing.append(names[0])
-            out.update({f"gm.{n}": own if v is None else v for n in names})
-        if missing:
-            raise InputError(f"REPAIR was given a model state without parameter(s) {missing[:5]}; "
-                             "expected every parameter of the anchor's architecture")
-        return out
-
-    def forward(self, names, sink, args, kwargs):
-        run_capture(self.gm, names, sink, args, kwargs)
 
 
 def act_matrix(stats, g, cross):

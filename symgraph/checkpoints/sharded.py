@@ -146,7 +146,7 @@ class Checkpoint:
 
     def fetch(self, name: str) -> torch.Tensor:
         """A graph attribute of the model by name, for running it out of core
-        (:class:`~symgraph.alignment.activations.Stepper`): a parameter or persistent buffer
+        (:class:`~symgraph.alignment.graphrun.Stepper`): a parameter or persistent buffer
         read from the file; a buffer the checkpoint does not hold (computed by the model's
         constructor, e.g. rotary frequencies) as the constructor computes it on the CPU."""
         key = self.key(name)

@@ -93,7 +93,7 @@ def streamed_curve(A, B, data, lambdas, al=None) -> list:
     output embedding, so it computes its own loss) runs op by op on tensors read from the
     checkpoints (:func:`interpolated_fetch`). Equals :func:`interpolate` with the model's own
     loss."""
-    from ..alignment.activations import streamed_outputs
+    from ..alignment.graphrun import streamed_outputs
     from ..analysis.trace import split_inputs, trace
     lm = callable(getattr(A.model, "get_output_embeddings", None)) and A.model.get_output_embeddings() is not None
     programs = {}

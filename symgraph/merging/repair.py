@@ -22,7 +22,7 @@ reduction combined back with the channel, ``x · rsqrt(mean x²)``), which would
 hidden units (GPT-2, BERT, ViT, LLaMA gate and up) and conv channels before a ReLU; not
 attention projections, residual writers, heads, or convs followed by a BatchNorm.
 
-Statistics are taken at those graph nodes (:func:`~symgraph.alignment.activations.run_capture`)
+Statistics are taken at those graph nodes (:func:`~symgraph.alignment.graphrun.run_capture`)
 by running the anchor's exported graph on each model's own tensors
 (``torch.func.functional_call``): the parents' states, the merged model's parameters. Every
 sample counts (batch, positions, pixels; padding too). Under ``torch.distributed`` each
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core import distributed
-from ..alignment.activations import GraphRunner
+from ..alignment.graphrun import GraphRunner
 from ..alignment.checks import batch_inputs, by_shape
 from ..errors import InputError
 from ..analysis.nodes import packet, packets

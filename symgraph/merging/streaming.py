@@ -8,7 +8,7 @@ weight matching (:func:`symgraph.alignment.driver.align_tensors`) through lazy, 
 views of the tensors (:class:`Folded`, a bounded cache), or by activations: the analysis's
 graphs of the anchor and the other model run side by side on the data, op by op, each
 weight read from its checkpoint when an op takes it and dropped after
-(:class:`~symgraph.alignment.activations.Stepper`), so memory holds the live activations and
+(:class:`~symgraph.alignment.graphrun.Stepper`), so memory holds the live activations and
 a few weights. It then writes the merge one tensor
 group at a time (a norm fold's gain, shift and readers move together; every other tensor
 alone): each model's tensors are moved into the anchor's basis, averaged in float32, cast to

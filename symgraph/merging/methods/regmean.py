@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...core import distributed
-from ...alignment.activations import GraphRunner
+from ...alignment.graphrun import GraphRunner
 from ...alignment.checks import batch_inputs, by_shape
 from .average import Average
 from .registry import register
