@@ -303,3 +303,23 @@ def test_head_maps_are_applied_block_by_block():
             assert torch.equal(al.elements[k].index, e.index), k
         else:
             torch.testing.assert_close(al.elements[k], e, rtol=0, atol=1e-9)
+
+
+def test_statistics_of_16_bit_activations_in_float32_keep_the_covariance():
+    """16-bit activations' cross products run in float32 on centred samples, the means added
+    back in float64: with a mean 300 times the spread, the covariance equals the float64
+    computation to float32's precision (raw float32 products would lose it to cancellation)."""
+    from symgraph.alignment.activations import ActStats
+    g = torch.Generator().manual_seed(0)
+    mean = 300.0 * torch.randn(48, generator=g, dtype=torch.float64)
+    base = torch.randn(4096, 48, generator=g, dtype=torch.float64)
+    xa = (mean + base).to(torch.bfloat16)
+    xb = (mean.flip(0) + base @ torch.linalg.qr(torch.randn(48, 48, generator=g, dtype=torch.float64))[0]).to(torch.bfloat16)
+    exact, fast = ActStats(), ActStats()
+    for lo in range(0, 4096, 1024):  # in batches, as the passes add them
+        exact.add(xa[lo:lo + 1024], xb[lo:lo + 1024], 0, torch.float64)
+        fast.add(xa[lo:lo + 1024], xb[lo:lo + 1024], 0, torch.float32)
+    C, Cf = exact.matrix("orthogonal")[0, 0], fast.matrix("orthogonal")[0, 0]
+    assert float((C - Cf).abs().max()) <= 1e-5 * float(C.abs().max())
+    raw = (xa.float().T @ xb.float()).double() / 4096 - torch.outer(exact.sa[0], exact.sb[0]) / 4096 ** 2
+    assert float((C - raw).abs().max()) > 10 * float((C - Cf).abs().max())  # what centring avoids

@@ -32,12 +32,24 @@ class ActStats:
         self.n = 0
         self.sa = self.sb = self.saa = self.sbb = self.sab = None
 
-    def add(self, xa, xb, nf):
+    def add(self, xa, xb, nf, work=torch.float64):
+        """Samples ``xa [N, *F, n]``, ``xb``; sums kept in float64. ``work``: the dtype of the
+        cross products (float32 for 16-bit activations: twice the float64 rate). Below float64
+        they are taken of the centred samples and the means' outer product added back in
+        float64 (``Σ a bᵀ = Σ (a − ā)(b − b̄)ᵀ + N ā b̄ᵀ``), so a large mean does not cancel the
+        covariance's digits."""
         # xa [N, *F, n] -> flatten fibres
         xa = xa.reshape(xa.shape[0], -1, xa.shape[-1]) if nf else xa.unsqueeze(1)
         xb = xb.reshape(xb.shape[0], -1, xb.shape[-1]) if nf else xb.unsqueeze(1)
-        sab = torch.einsum("tai,tbj->abij", xa, xb)
-        upd = (xa.sum(0), xb.sum(0), (xa * xa).sum(0), (xb * xb).sum(0), sab)
+        xa, xb = xa.to(torch.float64), xb.to(torch.float64)
+        sa, sb = xa.sum(0), xb.sum(0)
+        if work == torch.float64:
+            sab = torch.einsum("tai,tbj->abij", xa, xb)
+        else:
+            t = xa.shape[0]
+            ca, cb = (xa - sa / t).to(work), (xb - sb / t).to(work)
+            sab = torch.einsum("tai,tbj->abij", ca, cb).to(torch.float64) + torch.einsum("ai,bj->abij", sa, sb) / t
+        upd = (sa, sb, (xa * xa).sum(0), (xb * xb).sum(0), sab)
         if self.sa is None:
             self.sa, self.sb, self.saa, self.sbb, self.sab = upd
         else:
@@ -155,13 +167,16 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
                     run_a = step_a.steps(in_a, {a for a, _ in points}, stop=last[0])
                     run_b = step_b.steps(in_b, {b for _, b in points}, stop=last[1])
                     for point, xa, xb in lockstep(run_a, run_b, in_order, drain=last[0] is not None):
-                        _add(stats, points[point], xa.double(), xb.double(), max_samples)
+                        _add(stats, points[point], xa, xb, max_samples)
         pending -= set(todo)
         all_reduce_stats({i: stats[i] for i in todo})
         if on_done is not None:
             on_done(todo, stats)
     runs.clear()  # the paused runs' live values
     return stats
+
+
+_WIDE = (torch.float32, torch.float64)
 
 
 def _add(stats, uses, xa, xb, max_samples):
@@ -173,7 +188,10 @@ def _add(stats, uses, xa, xb, max_samples):
             if a.shape[0] > max_samples:
                 sel = torch.linspace(0, a.shape[0] - 1, max_samples, device=a.device).long()
                 a, b = a[sel], b[sel]
-            stats[i].add(a, b, fa)
+            # the cross products at the activations' precision: float64 for float32/64 graphs,
+            # float32 for 16-bit ones (whose values hold 8-11 bits), centred so that no mean cancels
+            work = torch.float64 if torch.promote_types(a.dtype, b.dtype) in _WIDE else torch.float32
+            stats[i].add(a, b, fa, work)
 
 
 def _passes(sa, plan, order, pairs, budget):
