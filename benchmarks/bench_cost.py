@@ -153,7 +153,7 @@ def _instrument_activations(c: Counter):
     """``--align activations``: the statistics phase as one stage whose FLOPs PyTorch's
     ``FlopCounterMode`` counts (the two graphs' forward ops and the cross-moments, every matmul
     as it runs), the cross-moments alone (``ActStats.add``: ``2·t·F_A·F_B·n_A·n_B`` for the
-    cross sums, float64), and the graph ops run (``Stepper.run_node`` calls) against one run of
+    cross sums, in the dtype they run in), and the graph ops run (``Stepper.run_node`` calls) against one run of
     both graphs over every batch (the ops of the analysis graph × batches × 2)."""
     from torch.utils.flop_counter import FlopCounterMode
     from symgraph.alignment import activations as ACT
@@ -172,9 +172,9 @@ def _instrument_activations(c: Counter):
     c.wrap(D, "activation_similarity", "activation statistics (whole phase)",
            lambda r, *a, **k: (None, float(counted.flops), 0.0, None))
 
-    def moments(r, self, xa, xb, nf):
+    def moments(r, self, xa, xb, nf, work=torch.float64):
         t, fa, fb = xa.shape[0], (math.prod(xa.shape[1:-1]) if nf else 1), (math.prod(xb.shape[1:-1]) if nf else 1)
-        return None, 2.0 * t * fa * fb * xa.shape[-1] * xb.shape[-1], 0.0, str(xa.dtype)[6:]
+        return None, 2.0 * t * fa * fb * xa.shape[-1] * xb.shape[-1], 0.0, str(work)[6:]
     c.wrap(ACT.ActStats, "add", "cross-moments", moments)
     c.wrap(ACT.Stepper, "run_node", "graph ops run", lambda r, *a, **k: (None, 0.0, 0.0, None))
 
