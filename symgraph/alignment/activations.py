@@ -41,20 +41,27 @@ class ActStats:
         # xa [N, *F, n] -> flatten fibres
         xa = xa.reshape(xa.shape[0], -1, xa.shape[-1]) if nf else xa.unsqueeze(1)
         xb = xb.reshape(xb.shape[0], -1, xb.shape[-1]) if nf else xb.unsqueeze(1)
-        xa, xb = xa.to(torch.float64), xb.to(torch.float64)
-        sa, sb = xa.sum(0), xb.sum(0)
+        sa, sb = xa.sum(0, dtype=torch.float64), xb.sum(0, dtype=torch.float64)
+        t = xa.shape[0]
         if work == torch.float64:
-            sab = torch.einsum("tai,tbj->abij", xa, xb)
-        else:
-            t = xa.shape[0]
-            ca, cb = (xa - sa / t).to(work), (xb - sb / t).to(work)
-            sab = torch.einsum("tai,tbj->abij", ca, cb).to(torch.float64) + torch.einsum("ai,bj->abij", sa, sb) / t
-        upd = (sa, sb, (xa * xa).sum(0), (xb * xb).sum(0), sab)
+            xa, xb = xa.to(torch.float64), xb.to(torch.float64)
+            saa, sbb, sab = (xa * xa).sum(0), (xb * xb).sum(0), torch.einsum("tai,tbj->abij", xa, xb)
+        else:  # Σ a bᵀ = Σ c_a c_bᵀ + sa sbᵀ / t and Σ a² = Σ c_a² + sa² / t, with c = x − x̄
+            ca, cb = xa.to(work) - (sa / t).to(work), xb.to(work) - (sb / t).to(work)
+            saa = (ca * ca).sum(0).to(torch.float64) + sa * sa / t
+            sbb = (cb * cb).sum(0).to(torch.float64) + sb * sb / t
+            sab = torch.einsum("tai,tbj->abij", ca, cb)
         if self.sa is None:
-            self.sa, self.sb, self.saa, self.sbb, self.sab = upd
-        else:
-            self.sa, self.sb, self.saa, self.sbb, self.sab = (
-                x + y for x, y in zip((self.sa, self.sb, self.saa, self.sbb, self.sab), upd))
+            self.sa, self.sb, self.saa, self.sbb = sa, sb, saa, sbb
+            self.sab = sab.to(torch.float64)  # a new tensor either way
+        else:  # in place: no second copy of the (largest) cross sum
+            for name, x in (("sa", sa), ("sb", sb), ("saa", saa), ("sbb", sbb), ("sab", sab)):
+                getattr(self, name).add_(x)
+        if work != torch.float64:  # the means' part, in float64
+            if sa.shape[0] == sb.shape[0] == 1:
+                self.sab[0, 0].addr_(sa[0], sb[0], alpha=1.0 / t)
+            else:
+                self.sab.add_(torch.einsum("ai,bj->abij", sa, sb), alpha=1.0 / t)
         self.n += xa.shape[0]
 
     def release(self):
