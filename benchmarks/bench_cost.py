@@ -57,7 +57,7 @@ def _best(f, n=3) -> float:
 def peaks(files) -> dict:
     """The machine's measured rates, in this process (same threads as the merge)."""
     out = {}
-    for dt in (torch.float32, torch.bfloat16):
+    for dt in (torch.float32, torch.bfloat16, torch.float64):
         a, b = torch.randn(4096, 4096).to(dt), torch.randn(4096, 4096).to(dt)
         out[f"mm_{str(dt)[6:]}_gflops"] = 2 * 4096 ** 3 / _best(lambda: a @ b) / 1e9
     for dt in (torch.float64, torch.float32):
@@ -268,9 +268,23 @@ def _at_peak(r) -> str:
             t += x["gb"] / pk["read_gbs"]
         elif st.startswith("assignment") or st.startswith("write"):
             measured += x["seconds"]
+    act = r["stages"].get("activation statistics (whole phase)")
+    if act and act["gflop"]:
+        mm = {"float32": pk["mm_float32_gflops"], "bfloat16": pk["mm_bfloat16_gflops"],
+              "float64": pk.get("mm_float64_gflops", pk["mm_float32_gflops"] / 2)}
+        mom = {st.split(", ")[1]: x["gflop"] for st, x in r["stages"].items() if st.startswith("cross-moments, ")}
+        fwd = act["gflop"] - sum(mom.values())
+        at = fwd / mm["bfloat16"] + sum(g / mm.get(dt, mm["float32"]) for dt, g in mom.items())
+        t += at
+        ratio = f"{act['seconds'] / at:.2f}" if at else "–"
+        extra = (f" Activation statistics: {act['seconds']:.1f} s for {fwd:.0f} GFLOP of forward ops (both "
+                 f"graphs, at the bf16 rate: the checkpoints are bf16) and {sum(mom.values()):.0f} GFLOP of "
+                 f"cross-moments (each at its dtype's rate) = {at:.1f} s at the peaks: {ratio}x its count.")
+    else:
+        extra = ""
     return (f"Counted work at the measured peaks: {t:.1f} s of matmuls, SVDs and reads, plus "
             f"{measured:.1f} s of assignment and write as measured = {t + measured:.1f} s, against a wall "
-            f"time of {r['wall_seconds']:.1f} s (the rest: analysis, gathers, casts, Python).")
+            f"time of {r['wall_seconds']:.1f} s (the rest: analysis, gathers, casts, Python).{extra}")
 
 
 def main(argv=None) -> int:

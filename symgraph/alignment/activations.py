@@ -26,18 +26,36 @@ _SUMS = ("sa", "sb", "saa", "sbb", "sab")
 class ActStats:
     """Streaming cross-moments of one class's coordinates in A and B: ``n`` samples and the
     sums ``sa``, ``sb`` (``[F, n]``), ``saa``, ``sbb`` and ``sab`` (``[Fa, Fb, n, n]``),
-    None before the first sample."""
+    float64, None before the first sample."""
 
     def __init__(self):
         self.n = 0
-        self.sa = self.sb = self.saa = self.sbb = self.sab = None
+        self.sa = self.sb = self.saa = self.sbb = None
+        self._sab = None
+        self._centred, self._means = None, []  # float32 part of sab not folded in yet (see add)
+
+    @property
+    def sab(self):
+        """``Σ a bᵀ`` in float64 (the float32 centred part and the means' outer products of
+        16-bit samples folded in on first read)."""
+        if self._centred is not None:
+            ma = torch.stack([m for m, _ in self._means])  # [k, Fa, n]: each batch's sum / √t
+            mb = torch.stack([m for _, m in self._means])
+            part = self._centred.to(torch.float64) + torch.einsum("kai,kbj->abij", ma, mb)
+            self._sab = part if self._sab is None else self._sab + part
+            self._centred, self._means = None, []
+        return self._sab
+
+    @sab.setter
+    def sab(self, value):
+        self._sab, self._centred, self._means = value, None, []
 
     def add(self, xa, xb, nf, work=torch.float64):
-        """Samples ``xa [N, *F, n]``, ``xb``; sums kept in float64. ``work``: the dtype of the
-        cross products (float32 for 16-bit activations: twice the float64 rate). Below float64
-        they are taken of the centred samples and the means' outer product added back in
-        float64 (``Σ a bᵀ = Σ (a − ā)(b − b̄)ᵀ + N ā b̄ᵀ``), so a large mean does not cancel the
-        covariance's digits."""
+        """Samples ``xa [N, *F, n]``, ``xb``; sums in float64. ``work``: the dtype of the cross
+        products (float32 for 16-bit activations: twice the float64 rate). Below float64 they
+        are taken of each batch's centred samples and summed in that dtype, and the means'
+        outer products are added in float64 when ``sab`` is read (``Σ a bᵀ = Σ (a − ā)(b − b̄)ᵀ
+        + N ā b̄ᵀ`` per batch), so that a large mean does not cancel the covariance's digits."""
         # xa [N, *F, n] -> flatten fibres
         xa = xa.reshape(xa.shape[0], -1, xa.shape[-1]) if nf else xa.unsqueeze(1)
         xb = xb.reshape(xb.shape[0], -1, xb.shape[-1]) if nf else xb.unsqueeze(1)
@@ -45,24 +63,27 @@ class ActStats:
         t = xa.shape[0]
         if work == torch.float64:
             xa, xb = xa.to(torch.float64), xb.to(torch.float64)
-            saa, sbb, sab = (xa * xa).sum(0), (xb * xb).sum(0), torch.einsum("tai,tbj->abij", xa, xb)
-        else:  # Σ a bᵀ = Σ c_a c_bᵀ + sa sbᵀ / t and Σ a² = Σ c_a² + sa² / t, with c = x − x̄
+            saa, sbb, cross = (xa * xa).sum(0), (xb * xb).sum(0), torch.einsum("tai,tbj->abij", xa, xb)
+            if self.sab is None:
+                self.sab = cross
+            else:
+                self.sab.add_(cross)
+        else:  # Σ a² = Σ c_a² + sa² / t and Σ a bᵀ as above, with c = x − x̄
             ca, cb = xa.to(work) - (sa / t).to(work), xb.to(work) - (sb / t).to(work)
             saa = (ca * ca).sum(0).to(torch.float64) + sa * sa / t
             sbb = (cb * cb).sum(0).to(torch.float64) + sb * sb / t
-            sab = torch.einsum("tai,tbj->abij", ca, cb)
+            cross = torch.einsum("tai,tbj->abij", ca, cb)
+            if self._centred is None:
+                self._centred = cross
+            else:
+                self._centred.add_(cross)
+            self._means.append((sa / t ** 0.5, sb / t ** 0.5))
         if self.sa is None:
             self.sa, self.sb, self.saa, self.sbb = sa, sb, saa, sbb
-            self.sab = sab.to(torch.float64)  # a new tensor either way
-        else:  # in place: no second copy of the (largest) cross sum
-            for name, x in (("sa", sa), ("sb", sb), ("saa", saa), ("sbb", sbb), ("sab", sab)):
+        else:  # in place
+            for name, x in (("sa", sa), ("sb", sb), ("saa", saa), ("sbb", sbb)):
                 getattr(self, name).add_(x)
-        if work != torch.float64:  # the means' part, in float64
-            if sa.shape[0] == sb.shape[0] == 1:
-                self.sab[0, 0].addr_(sa[0], sb[0], alpha=1.0 / t)
-            else:
-                self.sab.add_(torch.einsum("ai,bj->abij", sa, sb), alpha=1.0 / t)
-        self.n += xa.shape[0]
+        self.n += t
 
     def release(self):
         """Drop the sums (``n`` stays, telling that the class was observed)."""
