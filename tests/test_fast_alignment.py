@@ -47,7 +47,7 @@ def test_sparse_assignment_falls_back_when_candidates_hold_no_matching(monkeypat
     s = rng.uniform(0, 0.1, (n, n))
     s[:, 0] += 5.0
     s[0, :] += 5.0
-    assert SV._sparse_assignment(s) == (None, None, None)
+    assert SV._sparse_assignment(torch.from_numpy(s)) == (None, None, None)
     res = SV.hungarian(torch.from_numpy(s), dense=False)
     obj, cols = _dense_objective(s)
     assert res.status == "optimal" and res.objective == pytest.approx(obj, rel=1e-12)

@@ -49,7 +49,7 @@ from .methods.registry import mixing_weights
 __all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "merge_checkpoints", "parse_size"]
 
 DEFAULT_SHARD = 2 << 30  # bytes per output shard
-DEFAULT_CACHE = 256 << 20  # bytes of folded tensors kept per model while aligning
+DEFAULT_CACHE = 64 << 20  # bytes of folded tensors kept per model while aligning (about a layer of 1.1B's MLP)
 CHUNK_BYTES = 64 << 20  # a group's tensors over this (in the work dtype) are merged in slices of it
 STATS_BYTES = 256 << 20  # activation statistics are taken in passes of this many bytes, solved as each ends
 EXTRA_FILES = ("generation_config.json",)

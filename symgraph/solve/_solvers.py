@@ -39,23 +39,23 @@ SPARSE_N = 4096
 SPARSE_K = 64
 
 
-def _sparse_assignment(s):
+def _sparse_assignment(t):
     """The best permutation among each row's and each column's ``SPARSE_K`` largest entries
-    (SciPy's ``min_weight_full_bipartite_matching``, LAPJVsp): ``(rows, cols, status)``, or
-    ``(None,) * 3`` when those candidates hold no full matching (the caller solves densely).
-    On the suite's and the scale benchmark's MLP classes the candidates hold the dense optimum;
-    on pure noise at n = 5632 it takes 0.4 s where the dense solve takes 3.8 s, same answer."""
+    of ``t`` (a CPU tensor; SciPy's ``min_weight_full_bipartite_matching``, LAPJVsp):
+    ``(rows, cols, status)``, or ``(None,) * 3`` when those candidates hold no full matching
+    (the caller solves densely). Only the candidates' values are taken in float64. On the
+    suite's and the scale benchmark's MLP classes the candidates hold the dense optimum; on pure
+    noise at n = 5632 it takes 0.4 s where the dense solve takes 3.8 s, same answer."""
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import min_weight_full_bipartite_matching
-    n, k = s.shape[0], min(SPARSE_K, s.shape[0])
-    t = torch.from_numpy(s)
+    n, k = t.shape[0], min(SPARSE_K, t.shape[0])
     r_idx = torch.topk(t, k, dim=1).indices.numpy()
     c_idx = torch.topk(t, k, dim=0).indices.numpy()
     rows = np.concatenate([np.repeat(np.arange(n), k), c_idx.reshape(-1)])
     cols = np.concatenate([r_idx.reshape(-1), np.tile(np.arange(n), k)])
     keep = np.unique(rows * n + cols)
     rows, cols = keep // n, keep % n
-    vals = s[rows, cols]
+    vals = t[torch.from_numpy(rows), torch.from_numpy(cols)].double().numpy()
     w = (vals.max() - vals) + 1.0  # positive costs (an explicit zero would drop the edge)
     try:
         rr, cc = min_weight_full_bipartite_matching(coo_matrix((w, (rows, cols)), shape=(n, n)).tocsr())
@@ -75,29 +75,32 @@ def hungarian(S, dense: bool = True) -> SolveResult:
     >>> r.element.tolist(), r.objective
     ([[0.0, 1.0], [1.0, 0.0]], 2.0)
     """
-    s = _np(S)
-    t = time.perf_counter()
-    am = s.argmax(1)
-    if ROW_MAXIMA and s.shape[0] == s.shape[1] and np.unique(am).size == s.shape[0]:
+    # in its own float dtype on the CPU (no float64 copy of a large S unless the dense solve runs)
+    t = torch.as_tensor(S).detach().cpu()
+    t = t if t.dtype in (torch.float32, torch.float64) else t.to(torch.float64)
+    t0 = time.perf_counter()
+    am = t.argmax(1)
+    square = t.shape[0] == t.shape[1]
+    if ROW_MAXIMA and square and int(torch.unique(am).numel()) == t.shape[0]:
         # every row's best column is distinct: Σ_i max_j S_ij is attained, so this permutation
         # is optimal without running the assignment (models already nearly aligned)
-        rows, cols, status = np.arange(s.shape[0]), am, "optimal (row maxima)"
+        rows, cols, status = np.arange(t.shape[0]), am.numpy(), "optimal (row maxima)"
     else:
-        rows, cols, status = _sparse_assignment(s) if s.shape[0] == s.shape[1] >= SPARSE_N else (None,) * 3
+        rows, cols, status = _sparse_assignment(t) if square and t.shape[0] >= SPARSE_N else (None,) * 3
         if rows is None:
-            rows, cols = linear_sum_assignment(s, maximize=True)
+            rows, cols = linear_sum_assignment(_np(t), maximize=True)
             status = "optimal"
-    dt = time.perf_counter() - t
-    obj = float(s[rows, cols].sum())
-    if not dense and s.shape[0] == s.shape[1]:
+    dt = time.perf_counter() - t0
+    obj = float(t[torch.as_tensor(rows), torch.as_tensor(cols)].double().sum())
+    if not dense and square:
         from ..core.elements import Perm
         index = torch.as_tensor(cols, dtype=torch.long, device="cpu")
         return SolveResult(Perm(index.to(S.device) if isinstance(S, torch.Tensor) else index), obj,
                            status=status, seconds=dt)
-    P = torch.zeros(s.shape, dtype=torch.float64)
+    P = torch.zeros(t.shape, dtype=torch.float64)
     P[rows, cols] = 1.0
     P = P.to(S.device) if isinstance(S, torch.Tensor) else P  # back to the similarity's device
-    if s.shape[0] == s.shape[1]:
+    if square:
         P._symgraph_perm = True  # a hint for transform._is_perm (skips re-checking)
     return SolveResult(P, obj, status=status, seconds=dt)
 
