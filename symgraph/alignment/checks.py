@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.finite import all_finite
 from ..errors import InputError, StructureMismatchError
 
 __all__ = ["check_finite", "check_compatible", "batch_inputs", "by_shape"]
@@ -11,8 +12,7 @@ __all__ = ["check_finite", "check_compatible", "batch_inputs", "by_shape"]
 
 def check_finite(model, label):
     for name, p in model.named_parameters():
-        # a sum is finite iff every term is, barring overflow: then check element-wise
-        if not p.is_meta and not torch.isfinite(p.detach().sum()) and not torch.isfinite(p).all():
+        if not p.is_meta and not all_finite(p.detach()):
             bad = int((~torch.isfinite(p)).sum())
             raise InputError(f"{label} has {bad} NaN/inf values in parameter {name!r}; "
                              "expected finite weights")

@@ -78,6 +78,8 @@ class Stepper(torch.fx.Interpreter):
     def __init__(self, gm, fetch=None):
         super().__init__(gm)
         self.fetch = fetch
+        self._order = list(self.graph.nodes)
+        self._paused = None  # (live values, inputs, next position) of a run paused by steps(stop=)
         self.lazy = set()
         self.dtypes = {}  # the dtype the graph was traced with, per tensor: a fetched tensor stored
         if fetch is not None:  # narrower (models saved in different dtypes) is cast up to it
@@ -109,14 +111,13 @@ class Stepper(torch.fx.Interpreter):
         ``names`` as they are computed. Values are freed after their last use. ``stop``: pause
         after the node of that name, keeping the live values; the next call resumes there
         (``flat_args`` is then not read again)."""
-        nodes = self.__dict__.setdefault("_order", list(self.graph.nodes))
-        if self.__dict__.get("_paused") is None:
+        if self._paused is None:
             self.env, self.args_iter, start = {}, iter(flat_args), 0
         else:
             self.env, self.args_iter, start = self._paused
         self._paused = None
-        for pos in range(start, len(nodes)):
-            node = nodes[pos]
+        for pos in range(start, len(self._order)):
+            node = self._order[pos]
             self.env[node] = self.run_node(node)
             if node.name in names and isinstance(self.env[node], torch.Tensor):
                 yield node.name, self.env[node].detach()

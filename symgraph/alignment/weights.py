@@ -6,7 +6,7 @@ import string
 
 import torch
 
-from ..core.elements import Blocks, apply_along, is_perm
+from ..core.elements import Blocks, apply_along
 from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
 
 __all__ = ["WeightFeatures", "gather", "cross"]
@@ -73,10 +73,7 @@ class WeightFeatures:
         key = (rb.axis_key(a), tuple((g in elements, self.versions.get(g, 0)) for g in rb.axis_groups(a)))
         hit = self._axis_memo.get(key, False)
         if hit is False:
-            M = rb.axis_map(a, elements, blocks=True)
-            if M is not None and not isinstance(M, Blocks) and M.dim() > 1 and is_perm(M):
-                M = M.argmax(1)
-            hit = M
+            M = hit = rb.axis_map(a, elements, blocks=True)
             if M is None or M.dim() == 1 or M.numel() <= self.CACHE_NUMEL:
                 self._axis_memo[key] = hit
         return hit
@@ -109,7 +106,7 @@ class WeightFeatures:
         circ = self.head_cost == "circuits" and cross_fibres and ga.kind == "gl"
         parts = None  # circuits: [S per parity, A's Grams per parity, B's Grams per parity]
         self.head_scores.pop(ga.id, None)
-        pooled: dict = {}  # pool key -> [versions, sum of its slots, complete] (see _poolable)
+        hits, fresh = set(), {}  # pools read whole; pool -> [versions, sum of its slots, complete]
         for name, d in self.slots(ga):
             dep = self.deps(gb, name, d)
             if usable is not None and not usable(dep):
@@ -121,8 +118,8 @@ class WeightFeatures:
             if pool is not None:
                 hit = self._pool.get(pool)
                 if hit is not None and hit[0] == ver:  # the whole pool's sum, once
-                    if pool not in pooled:
-                        pooled[pool] = None
+                    if pool not in hits:
+                        hits.add(pool)
                         used |= dep
                         total = hit[1] if total is None else total + hit[1]
                     continue
@@ -139,7 +136,7 @@ class WeightFeatures:
             complete &= not partial
             if s is None:
                 if pool is not None:
-                    pooled.setdefault(pool, [ver, 0, True])[2] &= not partial
+                    fresh.setdefault(pool, [ver, 0, True])[2] &= not partial
                 continue
             if circ and cp and cp[0] is not None:
                 for k in (0, 1):
@@ -148,9 +145,9 @@ class WeightFeatures:
             total = s if total is None else total + s
             na2, nb2 = na2 + a2, nb2 + b2
             if pool is not None:
-                got = pooled.setdefault(pool, [ver, 0, True])
+                got = fresh.setdefault(pool, [ver, 0, True])
                 got[1], got[2] = got[1] + s, got[2] and not partial
-        self._keep_pools(pooled)
+        self._keep_pools(fresh)
         if circ and parts is not None and total is not None and total.dim() == 4 and all(
                 isinstance(x, torch.Tensor) for p in parts for x in p):  # both sides of the circuit seen
             self.head_scores[ga.id] = _circuit_scores(*(torch.stack(p) for p in parts))
@@ -174,16 +171,17 @@ class WeightFeatures:
             self._kinds = {g.id: g.kind for g in self.rb.groups}
         return all(orthogonal_part(self._kinds.get(g, "")) in PERMUTATION_FAMILY for g in dep)
 
-    def _keep_pools(self, pooled):
-        for pool, got in pooled.items():
-            if got is None or not got[2] or not isinstance(got[1], torch.Tensor):
-                continue  # a hit, or left a slot out: not kept
+    def _keep_pools(self, fresh):
+        """Keep the pools computed in this call whose every slot took part, within the budget."""
+        for pool, (ver, total, complete) in fresh.items():
+            if not complete or not isinstance(total, torch.Tensor):
+                continue  # left a slot out, or nothing came of it: not kept
             old = self._pool.pop(pool, None)
             if old is not None:
                 self._pool_bytes -= old[1].numel() * old[1].element_size()
-            size = got[1].numel() * got[1].element_size()
+            size = total.numel() * total.element_size()
             if self._pool_bytes + size <= self.POOL_BYTES:
-                self._pool[pool] = (got[0], got[1])
+                self._pool[pool] = (ver, total)
                 self._pool_bytes += size
 
     def _slot(self, ga, gb, name, d, elements, cross_fibres, exact, circ=False):

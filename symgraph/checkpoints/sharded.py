@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .loading import EXPECTED, read_index, _model_class, _names, _quiet_transformers, check_checkpoint_dir, refuse_remote_code
+from ..core.finite import all_finite
 from ..errors import InputError
 
 __all__ = ["Checkpoint", "KeysDiffer", "ShardWriter", "parse_size", "INDEX", "SINGLE"]
@@ -133,10 +134,7 @@ class Checkpoint:
                 d, start, stop = part
                 t = h.get_slice(key)[(slice(None),) * d + (slice(start, stop),)]
         if check and t.is_floating_point() and (part is not None or key not in self._finite):
-            # a finite float32 (float64) sum means every value is finite (one pass, no mask);
-            # a sum that is not finite is checked value by value (it may only have overflowed)
-            if not bool(torch.isfinite(t.sum(dtype=torch.promote_types(t.dtype, torch.float32)))) \
-                    and not bool(torch.isfinite(t).all()):
+            if not all_finite(t):
                 bad = int((~torch.isfinite(t)).sum())
                 raise InputError(f"checkpoint {self.path!r} has {bad} NaN/inf values in tensor {key!r}; "
                                  "expected finite weights (was the model trained with a diverging loss?)")

@@ -1,2 +1,3 @@
 """Values every stage shares: the group lattice (``groups``), group elements as index vectors
-and small blocks (``elements``), and statistics summed across processes (``distributed``)."""
+and small blocks (``elements``), statistics summed across processes (``distributed``), and the
+finiteness check of weights (``finite``)."""

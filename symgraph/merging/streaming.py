@@ -40,6 +40,7 @@ import torch
 from tqdm import tqdm
 
 from ..transform.apply import move
+from ..core.finite import all_finite
 from ..errors import InputError
 from ..transform import folding
 from ..transform.folding import gauge, groups, members
@@ -403,9 +404,7 @@ class StreamingMerge:
                 out[n] = ints.pop(n)
                 continue
             out[n] = acc.pop(n).to(dtypes[n])
-            o = out[n]  # checked in the output dtype (overflow too); a finite sum: all finite
-            if not (o.is_floating_point() and bool(torch.isfinite(o.sum(dtype=torch.promote_types(o.dtype, torch.float32))))) \
-                    and not bool(torch.isfinite(o).all()):
+            if not all_finite(out[n]):  # checked in the output dtype: overflow too
                 for c in self.ckpts:
                     for m in names:
                         c.get(m)  # raises naming the checkpoint and the tensor

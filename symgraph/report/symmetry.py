@@ -332,14 +332,18 @@ class SymmetryReport:
     def axis_map(self, axis, elements: dict, blocks: bool = False):
         """The matrix carrying ``axis``'s coordinates by ``elements`` (``{group id: element}``):
         ``[n_A, n_B]`` float64, or a 1-D index vector for an unfibred :class:`Perm`, or None
-        for the identity. ``blocks``: a :class:`~symgraph.core.elements.Blocks` instead of the
-        matrix where the axis is a product (heads × head dims) and the map moves whole blocks
-        (:func:`~symgraph.core.elements.apply_along` takes either)."""
+        for the identity. ``blocks``: the cheapest form to apply instead of a square matrix: the
+        index vector of any permutation, a :class:`~symgraph.core.elements.Blocks` where the
+        axis is a product (heads × head dims) and the map moves whole blocks
+        (:func:`~symgraph.core.elements.apply_along` takes each)."""
         M = axis_matrix(self._analysis, axis, self._roots(elements))
-        if blocks and M is not None and M.dim() == 2 and not is_perm(M):
-            st = self.axis_structure(axis)
-            if st is not None and st[0] == "prod":
-                M = Blocks.of(M, [math.prod(st[1][j:]) for j in range(len(st[1]) - 1, 0, -1)]) or M
+        if not blocks or M is None or M.dim() != 2 or M.shape[0] != M.shape[1]:
+            return M
+        if is_perm(M):
+            return M.argmax(1)
+        st = self.axis_structure(axis)
+        if st is not None and st[0] == "prod":
+            M = Blocks.of(M, [math.prod(st[1][j:]) for j in range(len(st[1]) - 1, 0, -1)]) or M
         return M
 
     def leaf_views(self, axis, gid, with_parity: bool = False):
