@@ -75,16 +75,19 @@ def peaks(files) -> dict:
 class Counter:
     """Wraps the stage functions; ``rows`` maps stage -> [calls, seconds, flops, bytes, dtypes]."""
 
-    def __init__(self):
+    def __init__(self, sync=None):
         self.rows = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0, set()])
         self._undo = []
+        self._sync = sync or (lambda: None)  # an accelerator's synchronize: each stage's own time
 
     def wrap(self, owner, name, stage, cost):
         f = getattr(owner, name)
 
         def shim(*a, **k):
+            self._sync()
             t = time.perf_counter()
             r = f(*a, **k)
+            self._sync()
             dt = time.perf_counter() - t
             st, flops, nbytes, dtype = cost(r, *a, **k)
             st = st or stage
@@ -127,13 +130,13 @@ def _apply_cost(r, t, d, M):
     return "apply maps (dense)", 2.0 * M.shape[0] * M.shape[1] * rest, 0.0, str(t.dtype)[6:]
 
 
-def instrument() -> Counter:
+def instrument(sync=None) -> Counter:
     from symgraph.alignment import weights as W
     from symgraph.solve import _solvers as SV
     from symgraph.checkpoints.sharded import Checkpoint
     from symgraph.transform import folding
     from symgraph.merging.streaming import StreamingMerge
-    c = Counter()
+    c = Counter(sync)
     c.wrap(W, "cross", "similarity", _cross_cost)
     c.wrap(W, "apply_along", "apply maps", _apply_cost)
     c.wrap(torch.linalg, "svd", "procrustes",
@@ -179,6 +182,24 @@ def _instrument_activations(c: Counter):
     c.wrap(ACT.Stepper, "run_node", "graph ops run", lambda r, *a, **k: (None, 0.0, 0.0, None))
 
 
+def stage_rows(c: Counter, pk: dict) -> dict:
+    """Each counted stage: calls, seconds, GFLOP, GB, achieved rates and the fraction of the
+    measured peak of its dtype (``pk``: :func:`peaks`' keys; ``read_gbs`` may be absent)."""
+    rows = {}
+    for stage, (n, sec, fl, nb, dts) in c.rows.items():
+        dt = ",".join(sorted(dts))
+        peak = pk["mm_bfloat16_gflops"] if dt == "bfloat16" else pk["mm_float32_gflops"]
+        if stage.startswith("procrustes"):
+            peak = pk["svd_float64_gflops"] if "float64" in dt else pk["svd_float32_gflops"]
+        read = pk.get("read_gbs")
+        rows[stage] = {"calls": n, "seconds": sec, "gflop": fl / 1e9, "gb": nb / 1e9, "dtype": dt,
+                       "gflops": fl / 1e9 / sec if sec and fl else None,
+                       "of_peak": (fl / 1e9 / sec / peak) if sec and fl and not stage.startswith("assignment") else None,
+                       "gbs": nb / 1e9 / sec if sec and nb else None,
+                       "of_read_peak": (nb / 1e9 / sec / read) if sec and nb and read and stage.startswith("read") else None}
+    return rows
+
+
 def run(shape="1b", layers=2, work="/tmp/symgraph-scale", align="weights", extra=()) -> dict:
     from benchmarks.scale.checkpoints import ensure_pair
     pair = ensure_pair(Path(work), shape, layers)
@@ -200,17 +221,7 @@ def run(shape="1b", layers=2, work="/tmp/symgraph-scale", align="weights", extra
         c.undo()
     wall = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)
-    rows = {}
-    for stage, (n, sec, fl, nb, dts) in c.rows.items():
-        dt = ",".join(sorted(dts))
-        peak = pk["mm_bfloat16_gflops"] if dt == "bfloat16" else pk["mm_float32_gflops"]
-        if stage.startswith("procrustes"):
-            peak = pk["svd_float64_gflops"] if "float64" in dt else pk["svd_float32_gflops"]
-        rows[stage] = {"calls": n, "seconds": sec, "gflop": fl / 1e9, "gb": nb / 1e9, "dtype": dt,
-                       "gflops": fl / 1e9 / sec if sec and fl else None,
-                       "of_peak": (fl / 1e9 / sec / peak) if sec and fl and not stage.startswith("assignment") else None,
-                       "gbs": nb / 1e9 / sec if sec and nb else None,
-                       "of_read_peak": (nb / 1e9 / sec / pk["read_gbs"]) if sec and nb and stage.startswith("read") else None}
+    rows = stage_rows(c, pk)
     return {"shape": shape, "layers": layers, "align": align, "options": list(extra), "rc": rc, "wall_seconds": wall, "peaks": pk,
             "stages": rows, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "torch": torch.__version__,

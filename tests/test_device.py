@@ -101,14 +101,9 @@ def _flows(A, B, data):
     return out
 
 
-def test_the_pipeline_on_a_device_that_is_not_the_cpu():
-    """The whole pipeline on ``fakegpu`` (symgraph.testing.device: PyTorch's PrivateUse1 key
-    from Python, computing on the CPU inside): an op mixing its tensors with CPU tensors
-    raises, so a tensor the library creates on the default device fails here, without a GPU.
-    Every result stays on the device and equals the CPU run."""
-    from symgraph.testing.device import install
+def _pipeline_on(dev, atol=1e-6, rtol=1e-5):
+    """Every flow of ``_flows`` on ``dev`` equals the CPU run, and every result stays on ``dev``."""
     from symgraph.testing.models import build
-    dev = torch.device(install())
     a, b = build("llama", seed=0), build("llama", seed=1)  # use_cache=False: HF's cache makes tensors from lists
     data = [{"input_ids": torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(i))} for i in range(3)]
     want = _flows(a, b, data)
@@ -118,7 +113,42 @@ def test_the_pipeline_on_a_device_that_is_not_the_cpu():
         for k, v in state.items():
             g = got[flow][k]
             assert g.device.type == dev.type, (flow, k, g.device)
-            assert torch.allclose(g.cpu(), v, atol=1e-6, rtol=1e-5), (flow, k, float((g.cpu() - v).abs().max()))
+            assert torch.allclose(g.cpu(), v, atol=atol, rtol=rtol), (flow, k, float((g.cpu() - v).abs().max()))
+
+
+def test_the_pipeline_on_a_device_that_is_not_the_cpu():
+    """The whole pipeline on ``fakegpu`` (symgraph.testing.device: PyTorch's PrivateUse1 key
+    from Python, computing on the CPU inside): an op mixing its tensors with CPU tensors
+    raises, so a tensor the library creates on the default device fails here, without a GPU.
+    Every result stays on the device and equals the CPU run."""
+    from symgraph.testing.device import install
+    _pipeline_on(torch.device(install()))
+
+
+@pytest.mark.gpu
+def test_the_pipeline_on_cuda():
+    """The same flows on a CUDA device: the same permutations and maps as on the CPU (float32
+    products in another order: equal to 1e-4)."""
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
+    _pipeline_on(torch.device("cuda"), atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_cli_merge_on_cuda(tmp_path):
+    """``symgraph merge --device cuda`` on saved checkpoints: the output equals the CPU run's."""
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
+    from safetensors.torch import load_file
+    from symgraph.cli.main import main
+    from symgraph.testing.models import build
+    for seed in (0, 1):
+        build("llama", seed=seed).save_pretrained(tmp_path / f"m{seed}")
+    args = [str(tmp_path / "m0"), str(tmp_path / "m1"), "--align", "weights"]
+    assert main(["merge", *args, "--device", "cuda", "--out", str(tmp_path / "gpu")]) == 0
+    assert main(["merge", *args, "--out", str(tmp_path / "cpu")]) == 0
+    got, want = load_file(str(tmp_path / "gpu" / "model.safetensors")), load_file(str(tmp_path / "cpu" / "model.safetensors"))
+    assert set(got) == set(want)
+    for k in got:
+        assert torch.allclose(got[k], want[k], atol=1e-4, rtol=1e-3), (k, float((got[k] - want[k]).abs().max()))
 
 
 def test_cli_merge_on_a_device(tmp_path, capsys):

@@ -39,23 +39,35 @@ SPARSE_N = 4096
 SPARSE_K = 64
 
 
+def _candidates(t, k: int):
+    """Each row's and each column's ``k`` largest entries of the square ``t``, on ``t``'s
+    device: ``(rows, cols, values)`` as NumPy arrays (int64, int64, float64), each edge once,
+    in row-major order. Only these ``O(n·k)`` values leave the device."""
+    n = t.shape[0]
+    rv, ri = torch.topk(t, k, dim=1)                # row i's best columns
+    cv, ci = torch.topk(t.t().contiguous(), k, dim=1)  # column j's best rows
+    ar = torch.arange(n, device=t.device).repeat_interleave(k)
+    keys = torch.cat([ar * n + ri.reshape(-1), ci.reshape(-1) * n + ar])
+    vals = torch.cat([rv.reshape(-1), cv.reshape(-1)])
+    keys, order = torch.sort(keys)
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[1:] = keys[1:] != keys[:-1]
+    keys, vals = keys[first].cpu().numpy(), vals[order][first].double().cpu().numpy()
+    return keys // n, keys % n, vals
+
+
 def _sparse_assignment(t):
     """The best permutation among each row's and each column's ``SPARSE_K`` largest entries
-    of ``t`` (a CPU tensor; SciPy's ``min_weight_full_bipartite_matching``, LAPJVsp):
-    ``(rows, cols, status)``, or ``(None,) * 3`` when those candidates hold no full matching
-    (the caller solves densely). Only the candidates' values are taken in float64. On the
-    suite's and the scale benchmark's MLP classes the candidates hold the dense optimum; on pure
-    noise at n = 5632 it takes 0.4 s where the dense solve takes 3.8 s, same answer."""
+    of ``t`` (SciPy's ``min_weight_full_bipartite_matching``, LAPJVsp): ``(rows, cols,
+    status)``, or ``(None,) * 3`` when those candidates hold no full matching (the caller solves
+    densely). The candidates are chosen on ``t``'s device and only their values are taken, in
+    float64, to the CPU. On the suite's and the scale benchmark's MLP classes the candidates
+    hold the dense optimum; on pure noise at n = 5632 it takes 0.4 s where the dense solve
+    takes 3.8 s, same answer."""
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import min_weight_full_bipartite_matching
     n, k = t.shape[0], min(SPARSE_K, t.shape[0])
-    r_idx = torch.topk(t, k, dim=1).indices.numpy()
-    c_idx = torch.topk(t, k, dim=0).indices.numpy()
-    rows = np.concatenate([np.repeat(np.arange(n), k), c_idx.reshape(-1)])
-    cols = np.concatenate([r_idx.reshape(-1), np.tile(np.arange(n), k)])
-    keep = np.unique(rows * n + cols)
-    rows, cols = keep // n, keep % n
-    vals = t[torch.from_numpy(rows), torch.from_numpy(cols)].double().numpy()
+    rows, cols, vals = _candidates(t, k)
     w = (vals.max() - vals) + 1.0  # positive costs (an explicit zero would drop the edge)
     try:
         rr, cc = min_weight_full_bipartite_matching(coo_matrix((w, (rows, cols)), shape=(n, n)).tocsr())
@@ -75,23 +87,25 @@ def hungarian(S, dense: bool = True) -> SolveResult:
     >>> r.element.tolist(), r.objective
     ([[0.0, 1.0], [1.0, 0.0]], 2.0)
     """
-    # in its own float dtype on the CPU (no float64 copy of a large S unless the dense solve runs)
-    t = torch.as_tensor(S).detach().cpu()
+    # in its own float dtype, where it lies: the row maxima and a sparse solve's candidates
+    # are taken there, and S comes to the CPU whole only for a dense solve
+    t = torch.as_tensor(S).detach()
     t = t if t.dtype in (torch.float32, torch.float64) else t.to(torch.float64)
     t0 = time.perf_counter()
-    am = t.argmax(1)
     square = t.shape[0] == t.shape[1]
+    am = t.argmax(1)
     if ROW_MAXIMA and square and int(torch.unique(am).numel()) == t.shape[0]:
         # every row's best column is distinct: Σ_i max_j S_ij is attained, so this permutation
         # is optimal without running the assignment (models already nearly aligned)
-        rows, cols, status = np.arange(t.shape[0]), am.numpy(), "optimal (row maxima)"
+        rows, cols, status = np.arange(t.shape[0]), am.cpu().numpy(), "optimal (row maxima)"
     else:
         rows, cols, status = _sparse_assignment(t) if square and t.shape[0] >= SPARSE_N else (None,) * 3
         if rows is None:
             rows, cols = linear_sum_assignment(_np(t), maximize=True)
             status = "optimal"
     dt = time.perf_counter() - t0
-    obj = float(t[torch.as_tensor(rows), torch.as_tensor(cols)].double().sum())
+    ri, ci = (torch.as_tensor(x, device=t.device) for x in (rows, cols))
+    obj = float(t[ri, ci].double().sum())
     if not dense and square:
         from ..core.elements import Perm
         index = torch.as_tensor(cols, dtype=torch.long, device="cpu")

@@ -1,0 +1,185 @@
+"""Align and merge on an accelerator: a LLaMA-shaped bf16 pair built on ``--device`` (random,
+seeded: ``N(0, 0.02)`` matrices and unit norm gains, :mod:`benchmarks.bench_scale`'s shapes),
+merged in memory by ``symgraph.merge(..., align="weights")`` as ``symgraph merge --device``
+does, against the unaligned merge (``align=None``, the linear merge) in the same run.
+
+    python -m benchmarks.bench_device [--shape 7b] [--layers 2,32] [--device cuda]
+                                      [--stages 2] [--out benchmarks/results/device/device.json]
+
+For each depth: the wall time of the aligned merge (analysis, alignment, combine), the unaligned
+merge's, their ratio, the sweeps run and the device's peak memory. At the depths named in
+``--stages`` the run is repeated with :mod:`benchmarks.bench_cost`'s stage counters, each stage
+synchronised with the device before and after (so its time is its own), and the counted work
+is set against the device's measured matmul and SVD rates (measured first, in this process).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "device" / "device.json"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best(f, device, n=3) -> float:
+    f()
+    _sync(device)
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter()
+        f()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def peaks(device: torch.device) -> dict:
+    """Matmul (``n³`` products, n = 8192 on CUDA, 4096 elsewhere) and SVD rates on ``device``."""
+    n = 8192 if device.type == "cuda" else 4096
+    out = {"mm_n": n}
+    for dt in (torch.float32, torch.bfloat16, torch.float64):
+        a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
+        out[f"mm_{str(dt)[6:]}_gflops"] = 2 * n ** 3 / _best(lambda: a @ b, device) / 1e9
+        del a, b
+    for dt in (torch.float64, torch.float32):
+        s = torch.randn(4096, 4096, device=device, dtype=dt)
+        out[f"svd_{str(dt)[6:]}_gflops"] = 22 * 4096 ** 3 / _best(
+            lambda: torch.linalg.svd(s, full_matrices=False), device, 1) / 1e9
+    return out
+
+
+def build(shape: str, layers: int, seed: int, device: torch.device):
+    """A random bf16 ``LlamaForCausalLM`` of ``shape`` with ``layers`` layers on ``device``,
+    initialised there (``torch.manual_seed(seed)``; the model's own init: ``N(0, 0.02)``)."""
+    from transformers import LlamaForCausalLM
+    from benchmarks.scale.checkpoints import llama_config
+    cfg = llama_config(shape, layers)
+    cfg.use_cache = False
+    torch.manual_seed(seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device if device.type in ("cpu", "cuda") else "cpu"):
+            m = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return m.to(device).eval()
+
+
+def _timed_merge(a, b, device, align):
+    import symgraph
+    _sync(device)
+    t = time.perf_counter()
+    res = symgraph.merge([a, b], align=align)
+    _sync(device)
+    return res, time.perf_counter() - t
+
+
+def run_depth(shape: str, layers: int, device: torch.device, staged: bool, pk: dict) -> dict:
+    a, b = build(shape, layers, 0, device), build(shape, layers, 1, device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    res, wall = _timed_merge(a, b, device, "weights")
+    al = res.alignments[1]
+    out = {"layers": layers, "params": sum(p.numel() for p in a.parameters()),
+           "aligned_seconds": wall, "timings": res.timings,
+           "align_seconds": {k: v for k, v in al.seconds.items() if isinstance(v, (int, float))},
+           "peak_gpu_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None,
+           "on_device": all(p.device == a.parameters().__next__().device for p in res.model.parameters())}
+    del res
+    _, out["unaligned_seconds"] = _timed_merge(a, b, device, None)
+    out["ratio"] = out["aligned_seconds"] / out["unaligned_seconds"]
+    if staged:
+        from benchmarks.bench_cost import instrument, stage_rows
+        c = instrument(sync=lambda: _sync(device))
+        t = time.perf_counter()
+        try:
+            _timed_merge(a, b, device, "weights")
+        finally:
+            c.undo()
+        out["staged_seconds"] = time.perf_counter() - t
+        out["stages"] = stage_rows(c, pk)
+    return out
+
+
+def markdown(results: dict) -> str:
+    lines = ["# Align and merge on an accelerator", "",
+             "Written by `python -m benchmarks.bench_device` (see its docstring): a random LLaMA-shaped "
+             "bf16 pair built on the device, `symgraph.merge(..., align=\"weights\")` in memory (what "
+             "`symgraph merge --device` runs) against the unaligned merge in the same run.", ""]
+    for label, r in results.items():
+        pk = r["peaks"]
+        lines += [f"## {label}: {r['shape']} on {r['device_name']}, commit {r['commit']}, {r['when']}", "",
+                  f"torch {r['torch']}; host {r['cores']} cores. Peaks on the device: matmul {pk['mm_n']}³ "
+                  f"fp32 {pk['mm_float32_gflops']:.0f} GFLOP/s, bf16 {pk['mm_bfloat16_gflops']:.0f}, "
+                  f"fp64 {pk['mm_float64_gflops']:.0f}; SVD 4096² fp64 {pk['svd_float64_gflops']:.0f}, "
+                  f"fp32 {pk['svd_float32_gflops']:.0f} GFLOP/s.", "",
+                  "| layers | params | align + merge | of which analysis | alignment | unaligned merge | ratio | sweeps | peak GPU memory |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for d in r["depths"]:
+            tm, gb = d["timings"], d["peak_gpu_gb"]
+            lines.append(f"| {d['layers']} | {d['params'] / 1e9:.2f} B | {d['aligned_seconds']:.1f} s | "
+                         f"{tm.get('analyze', 0):.1f} s | {tm.get('align', 0):.1f} s | {d['unaligned_seconds']:.1f} s | "
+                         f"{d['ratio']:.1f}x | {d['align_seconds'].get('sweeps', '–')} | "
+                         f"{'–' if gb is None else f'{gb:.1f} GB'} |")
+        for d in r["depths"]:
+            if "stages" not in d:
+                continue
+            lines += ["", f"Stages at {d['layers']} layers (synchronised; wall {d['staged_seconds']:.1f} s):", "",
+                      "| stage | calls | s | GFLOP | GFLOP/s | of peak | dtype |", "|---|---:|---:|---:|---:|---:|---|"]
+            for st, x in sorted(d["stages"].items(), key=lambda kv: -kv[1]["seconds"]):
+                f = lambda v, fmt: "–" if v is None else format(v, fmt)  # noqa: E731
+                lines.append(f"| {st} | {x['calls']} | {x['seconds']:.2f} | {f(x['gflop'] or None, '.0f')} | "
+                             f"{f(x['gflops'], '.0f')} | {f(x['of_peak'], '.1%')} | {x['dtype']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_device", description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="7b")
+    ap.add_argument("--layers", default="2,32", help="comma-separated depths, run in this order")
+    ap.add_argument("--stages", default="2", help="depths (of --layers) also run with stage counters")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--label", default=None)
+    ap.add_argument("--commit", default=os.environ.get("SYMGRAPH_COMMIT", "?"))
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_device: --device cuda but this machine has no CUDA device", file=sys.stderr)
+        return 2
+    depths = [int(x) for x in a.layers.split(",")]
+    staged = {int(x) for x in a.stages.split(",") if x}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    label = a.label or f"{a.shape}-{device.type}-{a.commit}"
+    r = {"shape": a.shape, "device": str(device),
+         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or device.type,
+         "torch": torch.__version__, "cores": os.cpu_count(), "commit": a.commit,
+         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "peaks": peaks(device), "depths": []}
+    print(json.dumps(r["peaks"]), file=sys.stderr, flush=True)
+    for layers in depths:  # each depth is written as soon as it is done
+        r["depths"].append(run_depth(a.shape, layers, device, layers in staged, r["peaks"]))
+        results = json.loads(out.read_text()) if out.is_file() else {}
+        results[label] = r
+        out.write_text(json.dumps(results, indent=1))
+        out.with_suffix(".md").write_text(markdown(results))
+        print(markdown({label: r}), file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

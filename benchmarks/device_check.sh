@@ -1,0 +1,20 @@
+#!/bin/bash
+# The device check, run on a lent CUDA machine from the repository root (it has the image's
+# torch, transformers and scipy; pydantic and its needs travel as wheels in .whl/):
+#   1. the `gpu` tests and the device tests (tests/test_device.py);
+#   2. benchmarks.bench_device: a 7B-shaped bf16 pair, align + merge on the GPU, by depth.
+# Everything it writes goes to $OUT (the device tool's folder; /tmp/device-out elsewhere).
+set -u
+OUT=${OUT:-/tmp/device-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
+python3 -c "import torch, transformers, scipy, pydantic, symgraph; print('torch', torch.__version__, 'transformers', transformers.__version__, 'scipy', scipy.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/env.txt"
+timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -rf tests/test_device.py -m "gpu or not slow" 2>&1 | tee "$OUT/tests.txt"
+timeout "${BENCH_TIMEOUT:-360}" python3 -m benchmarks.bench_device --shape "${SHAPE:-7b}" --layers "${LAYERS:-2,32}" \
+  --stages "${STAGED:-2}" --device cuda --out "$OUT/device.json" 2>&1 | tee "$OUT/bench.txt"
+echo "device check done"
