@@ -68,8 +68,8 @@ class Alignment:
 
     def _state(self, model_b, rb) -> dict:
         tensors = stored_tensors(rb, model_b, check=self.report_b is None)
-        moved = move(rb, self.elements, tensors, self.gauge or None)
-        out = {k: moved[k].to(t.dtype) if k in moved else t.clone() for k, t in tensors.items()}
+        moved = move(rb, self.elements, tensors, self.gauge or None, cast={k: t.dtype for k, t in tensors.items()})
+        out = {k: moved[k] if k in moved else t.clone() for k, t in tensors.items()}
         for keep, others in rb.aliases.items():  # tied names share the value
             for o in others:
                 out[o] = out[keep]

@@ -132,11 +132,13 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         timings["total"] = time.perf_counter() - t0
         return MergeResult(out, alignments, timings, None, universe)
     merged = how.combine(states, stats, w, ra)
+    if not repair:  # the parents' float32 states are done with: freed before A is copied
+        states = stats = None  # (rebound, not cleared: a method may keep the lists)
     out = copy.deepcopy(A)
     params = dict(out.named_parameters())
     with torch.no_grad():
-        for k, v in merged.items():
-            params[k].copy_(v.to(params[k].dtype))
+        for k in list(merged):
+            params[k].copy_(merged.pop(k).to(params[k].dtype))
         for k in ra.buffers:  # running statistics: the weighted average in A's basis
             out.get_buffer(k).copy_(sum(wi * b[k] for wi, b in zip(w, buffers)))
     timings["combine"] = time.perf_counter() - t3

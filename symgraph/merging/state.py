@@ -15,7 +15,11 @@ def aligned_state(m, al, ra) -> dict:
         st = {k: acc(p.detach()) for k, p in m.named_parameters()}
         return st | {k: acc(m.get_buffer(k).detach()) for k in ra.buffers}
     own = dict(m.named_parameters())  # tied weights once, under their first name
-    st = {k: acc(v) for k, v in al.state(m).items() if k in own or k in ra.buffers}
+    moved, st = al.state(m), {}
+    for k in list(moved):  # each converted as the moved value is dropped: one copy at a time
+        v = moved.pop(k)
+        if k in own or k in ra.buffers:
+            st[k] = acc(v)
     for k, p in own.items():
         st.setdefault(k, acc(p.detach()))
     for k in ra.buffers:

@@ -9,10 +9,12 @@ parameters: :func:`stored_tensors` reads both, :func:`write_state` writes both.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch
 
 from ..core.elements import Blocks, apply_along
+from . import folding
 from ..errors import InputError
 
 __all__ = ["map_parameters", "move", "stored_tensors", "write_state", "transformed_state",
@@ -86,20 +88,56 @@ def transformed_state(report, transform, model) -> dict:
     """New values of every parameter (and moved buffer) the transform moves: ``{fqn: tensor}``
     in its dtype."""
     tensors = stored_tensors(report, model, check=True)
-    return {k: v.to(tensors[k].dtype) for k, v in move(report, transform.elements, tensors).items()}
+    return move(report, transform.elements, tensors, cast={k: t.dtype for k, t in tensors.items()})
 
 
-def move(report, elements: dict, tensors: dict, gauge: dict | None = None, dtype=torch.float64) -> dict:
+def move(report, elements: dict, tensors: dict, gauge: dict | None = None, dtype=torch.float64,
+         cast: dict | None = None) -> dict:
     """:func:`map_parameters` for a model whose report folds norm gains: fold, map, unfold
     into ``gauge``'s gains (default: ``tensors``' own). Returns values of every tensor that
-    changed, in ``dtype``."""
+    changed, in ``dtype``.
+
+    ``cast`` (``{name: dtype}``): compute piece by piece (each reader of a fold with its gain,
+    shift and bias; every other tensor alone) and return each value in its ``cast`` dtype at
+    once, so that only one piece is held in ``dtype`` at a time (all of a 7B model in float64
+    is 54 GB). The values are the same: a fold acts on each reader on its own."""
+    if cast is not None:
+        out = {}
+        for fold, names in _pieces(report, tensors):
+            sub = {k: tensors[k] for k in names}
+            got = _move_piece(report, elements, sub, [fold] if fold else [], gauge, dtype)
+            out.update((k, v.to(cast.get(k, v.dtype))) for k, v in got.items())
+        return out
     if not report.folds:
         return map_parameters(report, elements, tensors, dtype=dtype)
-    folded = {**tensors, **report.fold(tensors, dtype)}
+    return _move_piece(report, elements, tensors, report.folds, gauge, dtype)
+
+
+def _move_piece(report, elements, tensors, folds, gauge, dtype) -> dict:
+    if not folds:
+        return map_parameters(report, elements, tensors, dtype=dtype)
+    folded = {**tensors, **folding.fold(folds, tensors, dtype)}
     moved = map_parameters(report, elements, folded, dtype=dtype)
     folded.update(moved)
-    back = report.unfold(folded, tensors if gauge is None else gauge, dtype)
+    back = folding.unfold(folds, folded, tensors if gauge is None else gauge, dtype)
     return {k: back.get(k, folded[k]) for k in set(moved) | set(back)}
+
+
+def _pieces(report, tensors):
+    """``(fold or None, names)``: each reader of a fold whose gain is in ``tensors`` as a fold
+    of its own (with the gain, shift and the reader's bias), then every other tensor alone."""
+    done = set()
+    for f in report.folds:
+        if f.gain not in tensors:
+            continue
+        for r in (f.readers or [None]):
+            fr = replace(f, readers=(r,) if r else ())
+            names = [n for n in folding.members(fr) if n in tensors]
+            done.update(names)
+            yield fr, names
+    for k in tensors:
+        if k not in done:
+            yield None, [k]
 
 
 def transform(model, t):
