@@ -344,7 +344,10 @@ def _solve(ra, rb, feats, opts, data=None, models=None, fetch=None, budget=None)
     run, b_of = _sweeps(ra, rb, feats, opts)
     stats, sweeps = _with_activations(run, ra, rb, b_of, data, models, opts.max_iter, fetch, budget)
     run.masses = mass_function(feats, b_of, opts.masses, stats, run.elements)
-    return run, run.run(sweeps)
+    try:
+        return run, run.run(sweeps)
+    finally:
+        feats.release()
 
 
 def _sweeps(ra, rb, feats, opts):

@@ -60,6 +60,15 @@ class WeightFeatures:
         self._axis_memo: dict = {}
         self.versions: dict = {}  # shared with the solve loop: group id -> changes so far
 
+    def release(self) -> None:
+        """Drop the tensors and everything computed from them. The solve loop holds this object
+        in reference cycles (its similarity closures), which keep it, and a whole model's folded
+        copies, until Python's cycle collector runs: on a GPU, through the merge that follows."""
+        self.A = self.B = None
+        for d in (self._cache, self._pool, self._axis_memo, self._omega):
+            d.clear()
+        self._pool_bytes = 0
+
     @classmethod
     def from_models(cls, ra, rb, model_a, model_b, **options):
         return cls(ra, rb, _folded(ra, {k: model_a.get_parameter(k).detach() for k in ra.parameters}),
