@@ -188,7 +188,8 @@ def stage_rows(c: Counter, pk: dict) -> dict:
     rows = {}
     for stage, (n, sec, fl, nb, dts) in c.rows.items():
         dt = ",".join(sorted(dts))
-        peak = pk["mm_bfloat16_gflops"] if dt == "bfloat16" else pk["mm_float32_gflops"]
+        peak = {"bfloat16": pk["mm_bfloat16_gflops"], "float64": pk.get("mm_float64_gflops", pk["mm_float32_gflops"])
+                }.get(dt, pk["mm_float32_gflops"])
         if stage.startswith("procrustes"):
             peak = pk["svd_float64_gflops"] if "float64" in dt else pk["svd_float32_gflops"]
         read = pk.get("read_gbs")

@@ -19,10 +19,10 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, transformers, scipy, pydantic, symgraph; print('torch', torch.__version__, 'transformers', transformers.__version__, 'scipy', scipy.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/env.txt"
 T=${TESTS_TIMEOUT:-200}
-timeout "$T" python3 -m pytest -q -p no:cacheprovider -p no:logging -rf tests/test_device.py -m gpu 2>&1 | tee "$OUT/tests.txt"
+SYMGRAPH_GPU_TESTS=1 timeout "$T" python3 -m pytest -q -p no:cacheprovider -p no:logging -rf tests/test_device.py -m gpu 2>&1 | tee "$OUT/tests.txt"
 if [ "${FAKEGPU_TESTS:-1}" = 1 ]; then
   timeout "$T" python3 -m pytest -q -p no:cacheprovider -p no:logging -rf tests/test_device.py -m "not gpu and not slow" 2>&1 | tee -a "$OUT/tests.txt"
 fi
 timeout "${BENCH_TIMEOUT:-360}" python3 -m benchmarks.bench_device --shape "${SHAPE:-7b}" --layers "${LAYERS:-2,32}" \
-  --stages "${STAGED:-2}" --device cuda --out "$OUT/device.json" 2>&1 | tee "$OUT/bench.txt"
+  --stages "${STAGED-2}" --device cuda --out "$OUT/device.json" 2>&1 | tee "$OUT/bench.txt"
 echo "device check done"
