@@ -37,6 +37,20 @@ def test_sparse_assignment_finds_the_dense_optimum(monkeypatch):
         assert torch.equal(res.element.index, torch.as_tensor(cols))
 
 
+def test_candidates_are_each_rows_and_columns_best_once():
+    """The sparse assignment's candidates: each row's and each column's k largest entries,
+    every edge once, with its value, on the similarity's own device."""
+    rng = np.random.default_rng(3)
+    n, k = 50, 4
+    s = rng.standard_normal((n, n))
+    rows, cols, vals = SV._candidates(torch.from_numpy(s), k)
+    want = {(i, int(j)) for i in range(n) for j in np.argsort(-s[i])[:k]}
+    want |= {(int(i), j) for j in range(n) for i in np.argsort(-s[:, j])[:k]}
+    got = list(zip(rows.tolist(), cols.tolist()))
+    assert len(got) == len(set(got)) and set(got) == want
+    assert np.array_equal(vals, s[rows, cols]) and vals.dtype == np.float64
+
+
 def test_sparse_assignment_falls_back_when_candidates_hold_no_matching(monkeypatch):
     """Every row's and column's best entry in one row / one column: the candidates hold no
     full matching, and the dense solve answers (the same optimum as SciPy's)."""

@@ -44,10 +44,10 @@ def _candidates(t, k: int):
     device: ``(rows, cols, values)`` as NumPy arrays (int64, int64, float64), each edge once,
     in row-major order. Only these ``O(n·k)`` values leave the device."""
     n = t.shape[0]
-    rv, ri = torch.topk(t, k, dim=1)                # row i's best columns
-    cv, ci = torch.topk(t.t().contiguous(), k, dim=1)  # column j's best rows
-    ar = torch.arange(n, device=t.device).repeat_interleave(k)
-    keys = torch.cat([ar * n + ri.reshape(-1), ci.reshape(-1) * n + ar])
+    rv, ri = torch.topk(t, k, dim=1)  # [n, k]: row i's best columns
+    cv, ci = torch.topk(t, k, dim=0)  # [k, n]: column j's best rows (no transposed copy of t)
+    ar = torch.arange(n, device=t.device)
+    keys = torch.cat([(ar[:, None] * n + ri).reshape(-1), (ci * n + ar).reshape(-1)])
     vals = torch.cat([rv.reshape(-1), cv.reshape(-1)])
     keys, order = torch.sort(keys)
     first = torch.ones_like(keys, dtype=torch.bool)
