@@ -19,6 +19,8 @@ else changes); every call is timed and its work counted:
 * ``assignment``: ``solve.hungarian`` by how it ended (dense Jonker–Volgenant, sparse top-k
   candidates, row maxima), reported as time (its cost is not FLOP-bound; counted as n³ for a
   reference rate);
+* ``unit solve``: ``solve.nested_heads`` / ``inner_blocks`` / ``solve`` as the sweep calls them
+  (time only, inclusive of the SVDs and assignments inside: where the solver time goes by kind);
 * ``read``: checkpoint tensor reads (bytes), against the measured page-cache read throughput;
 * ``fold``: norm gains folded into readers; ``write``: the whole write phase (bytes written).
 
@@ -147,7 +149,11 @@ def instrument(sync=None) -> Counter:
     c.wrap(Checkpoint, "read", "read", lambda r, *a, **k: (None, 0.0, float(r.numel() * r.element_size()),
                                                            str(r.dtype)[6:]))
     c.wrap(folding, "fold", "fold", lambda r, *a, **k: (None, 0.0, 0.0, None))
-    c.wrap(StreamingMerge, "write", "write (whole phase)", lambda r, *a, **k: (None, 0.0, 0.0, None))
+    import symgraph.solve as solve_pkg  # whole unit solves as the sweep calls them (time only,
+    timed = lambda r, *a, **k: (None, 0.0, 0.0, None)  # noqa: E731  inclusive of SVDs and assignments)
+    c.wrap(solve_pkg, "nested_heads", "unit solve: heads (nested)", timed)
+    c.wrap(solve_pkg, "inner_blocks", "unit solve: inner blocks", timed)
+    c.wrap(solve_pkg, "solve", "unit solve", lambda r, kind, *a, **k: (f"unit solve: {kind}", 0.0, 0.0, None))
     _instrument_activations(c)
     return c
 
