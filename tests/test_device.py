@@ -39,6 +39,31 @@ def test_outputs_keep_the_dtype(dtype):
     assert all(p.dtype == dtype for p in a.parameters())  # the inputs stay untouched
 
 
+def test_merge_holds_each_parent_once_in_its_own_dtype():
+    """The merge's states keep bf16 parents in bf16 (the anchor's are its own tensors, not
+    copies) and give float32 at each read: what lets a 7B merge fit an 80 GB GPU."""
+    from symgraph.merging.methods.registry import MergeMethod, register
+    from symgraph.merging.state import Accumulating
+    seen = {}
+
+    @register("record_states_test")
+    class Record(MergeMethod):
+        def combine(self, states, stats, weights, report):
+            seen["types"] = [type(s) for s in states]
+            seen["raw"] = [{k: (v.dtype, v.data_ptr()) for k, v in s.raw.items()} for s in states]
+            seen["read"] = {v.dtype for s in states for v in s.values()}
+            return {k: sum(w * s[k] for w, s in zip(weights, states)) for k in states[0]}
+
+    a, b = _pair(torch.bfloat16)
+    res = symgraph.merge([a, b], method="record_states_test")
+    assert seen["types"] == [Accumulating, Accumulating] and seen["read"] == {torch.float32}
+    assert {dt for r in seen["raw"] for dt, _ in r.values()} == {torch.bfloat16}
+    assert all(seen["raw"][0][k][1] == p.data_ptr() for k, p in a.named_parameters())
+    ref = symgraph.merge([a, b])
+    for k, p in res.model.named_parameters():
+        assert torch.equal(p, ref.model.get_parameter(k)), k
+
+
 def test_nothing_is_created_on_the_default_device():
     """With the default device set to ``meta``, a tensor created without the model's device
     would be a meta tensor and fail against the CPU weights: transform, Alignment.state and

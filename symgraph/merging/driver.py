@@ -108,12 +108,12 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
                 A, m, inputs, data=data if align == "activations" or align_options.get("refine")
                 else None, report_a=ra, **align_options)
             rep = al.report_b
-            st = aligned_state(m, al, ra)
+            st = aligned_state(m, al, ra, lazy=not repair)
         else:
             if i != anchor:
                 _check_same_shapes(A, m, i)
                 rep = analyze(m, inputs, outputs=ra.outputs) if how.needs_data else None
-            st = aligned_state(m, None, ra)
+            st = aligned_state(m, None, ra, lazy=not repair)
         t2 = time.perf_counter()
         timings["align"] += t2 - t1
         alignments.append(al)
@@ -132,7 +132,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         timings["total"] = time.perf_counter() - t0
         return MergeResult(out, alignments, timings, None, universe)
     merged = how.combine(states, stats, w, ra)
-    if not repair:  # the parents' float32 states are done with: freed before A is copied
+    if not repair:  # the parents' states are done with: freed before A is copied
         states = stats = None  # (rebound, not cleared: a method may keep the lists)
     out = copy.deepcopy(A)
     params = dict(out.named_parameters())

@@ -2,29 +2,60 @@
 driver and the universe merge combine."""
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+
 import torch
 
-__all__ = ["aligned_state", "acc"]
+__all__ = ["aligned_state", "acc", "Accumulating"]
 
 
-def aligned_state(m, al, ra) -> dict:
+def aligned_state(m, al, ra, lazy: bool = False):
     """Model ``m``'s parameters and moved buffers (``ra.buffers``) in the anchor's basis by
     ``al`` (None: its own basis), each in the accumulation dtype (:func:`acc`); tied
-    weights once, under ``named_parameters``' name."""
+    weights once, under ``named_parameters``' name. ``lazy``: an :class:`Accumulating`
+    mapping that keeps them in their own dtype (the anchor's own tensors, not copies) and
+    converts each at its read."""
+    conv = (lambda t: t) if lazy else acc  # noqa: E731
     if al is None:
-        st = {k: acc(p.detach()) for k, p in m.named_parameters()}
-        return st | {k: acc(m.get_buffer(k).detach()) for k in ra.buffers}
+        st = {k: conv(p.detach()) for k, p in m.named_parameters()}
+        st |= {k: conv(m.get_buffer(k).detach()) for k in ra.buffers}
+        return Accumulating(st) if lazy else st
     own = dict(m.named_parameters())  # tied weights once, under their first name
     moved, st = al.state(m), {}
     for k in list(moved):  # each converted as the moved value is dropped: one copy at a time
         v = moved.pop(k)
         if k in own or k in ra.buffers:
-            st[k] = acc(v)
+            st[k] = conv(v)
     for k, p in own.items():
-        st.setdefault(k, acc(p.detach()))
+        st.setdefault(k, conv(p.detach()))
     for k in ra.buffers:
-        st.setdefault(k, acc(m.get_buffer(k).detach()))
-    return st
+        st.setdefault(k, conv(m.get_buffer(k).detach()))
+    return Accumulating(st) if lazy else st
+
+
+class Accumulating(MutableMapping):
+    """``{name: tensor}`` held in the tensors' own dtype and read in the accumulation dtype
+    (:func:`acc`, converted at each read). A merge of two bf16 models that holds both parents'
+    states in float32 needs 8 bytes a parameter for them; this holds 2 (the anchor's are its
+    own tensors), so a 7B merge on the device fits an 80 GB GPU."""
+
+    def __init__(self, raw: dict):
+        self.raw = raw
+
+    def __getitem__(self, k):
+        return acc(self.raw[k])
+
+    def __setitem__(self, k, v):
+        self.raw[k] = v
+
+    def __delitem__(self, k):
+        del self.raw[k]
+
+    def __iter__(self):
+        return iter(self.raw)
+
+    def __len__(self):
+        return len(self.raw)
 
 
 def acc(t):
