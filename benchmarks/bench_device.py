@@ -51,7 +51,6 @@ def peaks(device: torch.device) -> dict:
     for dt in (torch.float32, torch.bfloat16, torch.float64):
         a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
         out[f"mm_{str(dt)[6:]}_gflops"] = 2 * n ** 3 / _best(lambda: a @ b, device) / 1e9
-        del a, b
     for dt in (torch.float64, torch.float32):
         s = torch.randn(4096, 4096, device=device, dtype=dt)
         out[f"svd_{str(dt)[6:]}_gflops"] = 22 * 4096 ** 3 / _best(
