@@ -20,7 +20,6 @@ import gc
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
 import time

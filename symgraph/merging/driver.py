@@ -19,7 +19,7 @@ from ..report.api import analyze
 from ..errors import InputError
 from .methods import registry
 from .methods.registry import mixing_weights
-from .state import acc as _acc, aligned_state
+from .state import aligned_state
 from .batchnorm import repair as repair_merge
 from .repair import RepairReport
 

@@ -12,7 +12,6 @@ import torch
 
 from ..transform import folding
 from ..core.elements import Blocks, Perm, is_perm
-from ..errors import InputError
 from ..core.groups import orthogonal_part, sample
 from ..analysis.axes import attention_sites, axis_matrix, input_rows, axis_tree, resized_shapes, leaf_views, linear_layers, leaves_with_parity, observation_points, other_leaf_elements, stored_slots
 from ..analysis.patterns.stacked import unview_of, view_of
