@@ -155,6 +155,8 @@ def instrument(sync=None) -> Counter:
     c.wrap(solve_pkg, "inner_blocks", "unit solve: inner blocks", timed)
     c.wrap(solve_pkg, "solve", "unit solve", lambda r, kind, *a, **k: (f"unit solve: {kind}", 0.0, 0.0, None))
     c.wrap(StreamingMerge, "write", "write (whole phase)", lambda r, *a, **k: (None, 0.0, 0.0, None))
+    from symgraph.report.symmetry import SymmetryReport
+    c.wrap(SymmetryReport, "axis_map", "axis maps built", timed)  # time only (inside similarity and write)
     _instrument_activations(c)
     return c
 
