@@ -46,12 +46,15 @@ import torch
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cost" / "cost.json"
 
 
-def _best(f, n=3) -> float:
+def _best(f, n=3, sync=lambda: None) -> float:
+    """The best of ``n`` timed calls after one warm-up; ``sync``: an accelerator's synchronize."""
     f()
+    sync()
     best = float("inf")
     for _ in range(n):
         t = time.perf_counter()
         f()
+        sync()
         best = min(best, time.perf_counter() - t)
     return best
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_cost import _best
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "device" / "device.json"
 
 
@@ -32,29 +34,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best(f, device, n=3) -> float:
-    f()
-    _sync(device)
-    best = float("inf")
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def peaks(device: torch.device) -> dict:
     """Matmul (``n³`` products, n = 8192 on CUDA, 4096 elsewhere) and SVD rates on ``device``."""
     n = 8192 if device.type == "cuda" else 4096
     out = {"mm_n": n}
     for dt in (torch.float32, torch.bfloat16, torch.float64):
         a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
-        out[f"mm_{str(dt)[6:]}_gflops"] = 2 * n ** 3 / _best(lambda: a @ b, device) / 1e9
+        out[f"mm_{str(dt)[6:]}_gflops"] = 2 * n ** 3 / _best(lambda: a @ b, sync=lambda: _sync(device)) / 1e9
     for dt in (torch.float64, torch.float32):
         s = torch.randn(4096, 4096, device=device, dtype=dt)
         out[f"svd_{str(dt)[6:]}_gflops"] = 22 * 4096 ** 3 / _best(
-            lambda: torch.linalg.svd(s, full_matrices=False), device, 1) / 1e9
+            lambda: torch.linalg.svd(s, full_matrices=False), 1, lambda: _sync(device)) / 1e9
     return out
 
 

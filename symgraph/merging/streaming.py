@@ -33,7 +33,6 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -75,7 +74,7 @@ class Folded(Mapping):
         if f is None:
             v = self.ckpt.get(name)
         else:  # this tensor's part of its fold only: the gain (and shift), its reader, its bias
-            f = replace(f, readers=tuple(r for r in f.readers if name in (r[0], r[2])))
+            f = folding.for_reader(f, name)
             raw = {n: self.ckpt.get(n) for n in members(f)}
             v = folding.fold([f], raw, _fold_dtype(f, raw, self.dtype)).get(name, raw[name]).to(raw[name].dtype)
         self._put(name, v)

@@ -108,9 +108,7 @@ def hungarian(S, dense: bool = True) -> SolveResult:
     obj = float(t[ri, ci].double().sum())
     if not dense and square:
         from ..core.elements import Perm
-        index = torch.as_tensor(cols, dtype=torch.long, device="cpu")
-        return SolveResult(Perm(index.to(S.device) if isinstance(S, torch.Tensor) else index), obj,
-                           status=status, seconds=dt)
+        return SolveResult(Perm(ci.long()), obj, status=status, seconds=dt)
     P = torch.zeros(t.shape, dtype=torch.float64)
     P[rows, cols] = 1.0
     P = P.to(S.device) if isinstance(S, torch.Tensor) else P  # back to the similarity's device

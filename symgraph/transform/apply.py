@@ -9,8 +9,6 @@ parameters: :func:`stored_tensors` reads both, :func:`write_state` writes both.
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
-
 import torch
 
 from ..core.elements import Blocks, apply_along
@@ -130,8 +128,7 @@ def _pieces(report, tensors):
     for f in report.folds:
         if f.gain not in tensors:
             continue
-        for r in (f.readers or [None]):
-            fr = replace(f, readers=(r,) if r else ())
+        for fr in [folding.for_reader(f, r[0]) for r in f.readers] or [f]:
             names = [n for n in folding.members(fr) if n in tensors]
             done.update(names)
             yield fr, names

@@ -9,11 +9,13 @@ A shift the readers cannot take (one has no bias) stays on the stream as ``β / 
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..errors import InputError
 
-__all__ = ["fold", "unfold", "gauge", "members", "groups"]
+__all__ = ["fold", "unfold", "gauge", "members", "groups", "for_reader"]
 
 
 def _along(v, axis, ndim):
@@ -84,6 +86,13 @@ def members(f) -> tuple:
     the tensors that must be folded, moved and unfolded together."""
     names = [f.gain, f.shift] + [n for w, _, b in f.readers for n in (w, b)]
     return tuple(dict.fromkeys(n for n in names if n))
+
+
+def for_reader(f, name):
+    """Fold ``f`` restricted to the reader whose weight or bias is ``name`` (all readers when
+    ``name`` is None): a fold acts on each reader on its own, so a tensor can be folded, moved
+    and unfolded with its gain, shift and bias alone."""
+    return replace(f, readers=tuple(r for r in f.readers if name is None or name in (r[0], r[2])))
 
 
 def groups(folds) -> dict:
