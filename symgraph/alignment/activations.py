@@ -59,19 +59,23 @@ class ActStats:
         # xa [N, *F, n] -> flatten fibres
         xa = xa.reshape(xa.shape[0], -1, xa.shape[-1]) if nf else xa.unsqueeze(1)
         xb = xb.reshape(xb.shape[0], -1, xb.shape[-1]) if nf else xb.unsqueeze(1)
-        sa, sb = xa.sum(0, dtype=torch.float64), xb.sum(0, dtype=torch.float64)
         t = xa.shape[0]
         if work == torch.float64:
             xa, xb = xa.to(torch.float64), xb.to(torch.float64)
+            sa, sb = xa.sum(0), xb.sum(0)
             saa, sbb, cross = (xa * xa).sum(0), (xb * xb).sum(0), torch.einsum("tai,tbj->abij", xa, xb)
             if self.sab is None:
                 self.sab = cross
             else:
                 self.sab.add_(cross)
         else:  # Σ a² = Σ c_a² + sa² / t and Σ a bᵀ as above, with c = x − x̄
-            ca, cb = xa.to(work) - (sa / t).to(work), xb.to(work) - (sb / t).to(work)
-            saa = (ca * ca).sum(0).to(torch.float64) + sa * sa / t
-            sbb = (cb * cb).sum(0).to(torch.float64) + sb * sb / t
+            # one converted copy per side, centred in place. The sums are taken in ``work``: an
+            # error δ in a batch's mean adds only t·δδᵀ to the covariance (the same sums centre
+            # the samples and enter the means' outer products)
+            ca, sa = _centred(xa, work)
+            cb, sb = _centred(xb, work)
+            saa = ca.square().sum(0).to(torch.float64) + sa * sa / t
+            sbb = cb.square().sum(0).to(torch.float64) + sb * sb / t
             cross = torch.einsum("tai,tbj->abij", ca, cb)
             if self._centred is None:
                 self._centred = cross
@@ -104,6 +108,15 @@ class ActStats:
         sa = (self.saa / n - ma * ma).clamp_min(1e-12).sqrt()
         sb = (self.sbb / n - mb * mb).clamp_min(1e-12).sqrt()
         return cov / torch.einsum("ai,bj->abij", sa, sb)
+
+
+def _centred(x, work):
+    """``x`` converted to ``work`` (a copy) and centred in place on its own mean, with its sum
+    in float64."""
+    c = x.to(work, copy=True)
+    s = c.sum(0)
+    c.sub_(s / c.shape[0])
+    return c, s.to(torch.float64)
 
 
 def all_reduce_stats(stats: dict) -> dict:
