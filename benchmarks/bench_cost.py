@@ -233,9 +233,14 @@ def run(shape="1b", layers=2, work="/tmp/symgraph-scale", align="weights", extra
     finally:
         c.undo()
     wall = time.perf_counter() - t0
+    try:  # the sweeps weight matching ran, from the merge's own record
+        meta = json.loads((out / "symgraph_merge.json").read_text())
+        sweeps = [a.get("seconds", {}).get("sweeps") for a in meta.get("alignments", [])]
+    except (OSError, ValueError):
+        sweeps = None
     shutil.rmtree(out, ignore_errors=True)
     rows = stage_rows(c, pk)
-    return {"shape": shape, "layers": layers, "align": align, "options": list(extra), "rc": rc, "wall_seconds": wall, "peaks": pk,
+    return {"shape": shape, "layers": layers, "align": align, "options": list(extra), "rc": rc, "wall_seconds": wall, "sweeps": sweeps, "peaks": pk,
             "stages": rows, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "torch": torch.__version__,
             "when": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": _commit()}
@@ -263,7 +268,8 @@ def markdown(results: dict) -> str:
                   f"Wall {r['wall_seconds']:.1f} s (rc {r['rc']}), {r['threads']} threads. Peaks: matmul "
                   f"fp32 {pk['mm_float32_gflops']:.0f} GFLOP/s, bf16 {pk['mm_bfloat16_gflops']:.0f} GFLOP/s; "
                   f"SVD fp64 {pk['svd_float64_gflops']:.0f}, fp32 {pk['svd_float32_gflops']:.0f} GFLOP/s; "
-                  f"read {pk['read_gbs']:.2f} GB/s.", "",
+                  f"read {pk['read_gbs']:.2f} GB/s."
+                  + (f" Sweeps run: {', '.join(map(str, r['sweeps']))}." if r.get("sweeps") else ""), "",
                   _at_peak(r), "",
                   "| stage | calls | s | GFLOP | GFLOP/s | of peak | GB | GB/s | dtype |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -318,10 +324,12 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="/tmp/symgraph-scale")
     ap.add_argument("--align", default="weights", choices=("weights", "activations"))
     ap.add_argument("--sketch", type=int, default=0, help="symgraph merge --sketch K")
+    ap.add_argument("--tol", type=float, default=0.0, help="symgraph merge --tol X")
     ap.add_argument("--label", default=None, help="entry name in --out (default: shape-Llayers-commit)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     a = ap.parse_args(argv)
-    r = run(a.shape, a.layers, a.work, a.align, ["--sketch", str(a.sketch)] if a.sketch else [])
+    r = run(a.shape, a.layers, a.work, a.align,
+            [*(["--sketch", str(a.sketch)] if a.sketch else []), *(["--tol", str(a.tol)] if a.tol else [])])
     label = a.label or f"{a.shape}-L{a.layers}-{r['commit']}"
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -186,6 +186,9 @@ def build_parser():
     m.add_argument("--sketch", type=int, metavar="K", default=None,
                    help="weight matching compares permutation classes through a shared random projection "
                    "of K columns where a matrix is wider than 2K (faster, approximate; default 0: exact)")
+    m.add_argument("--tol", type=float, metavar="X", default=None,
+                   help="weight matching keeps a class's element unless re-solving it gains more than this "
+                   "fraction of its objective, so the sweeps end sooner (default 0: every change)")
     m.add_argument("--device", metavar="DEV", default=None,
                    help="compute on this device (cpu, cuda, cuda:N; like mergekit's --cuda): the models are "
                    "loaded there; the output is written as on the CPU")

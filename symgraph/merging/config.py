@@ -17,6 +17,7 @@ A config is a mapping with these keys (all optional but ``models``; command-line
     untie: false                    # give a tied head its own weights before aligning
     full_groups: false              # fit the GL part of heads and RoPE pair scales after the rotations
     sketch: 0                       # k > 0: weight-matching similarity through a k-column random projection
+    tol: 0                          # weight matching keeps a class's element unless a re-solve gains more (relative)
     seen_rows: false                # weight matching reads only the embedding rows of tokens in data
     force: false                    # replace an existing out
 
@@ -52,6 +53,7 @@ MERGE_KEYS = {
     "untie": "true or false",
     "full_groups": "true or false",
     "sketch": "a number of projection columns (an integer >= 0; 0: exact similarity)",
+    "tol": "a relative gain in [0, 1) below which a re-solved class keeps its element (0: every change)",
     "seen_rows": "true or false (needs data)",
     "outputs": "a list of output names a symmetry must keep (e.g. [logits])",
     "device": "where to compute: 'cpu', 'cuda' or 'cuda:N' (not cpu: the models are loaded there)",
@@ -75,6 +77,7 @@ class MergeConfig(BaseModel):
     untie: StrictBool = False
     full_groups: StrictBool = False
     sketch: StrictInt = 0
+    tol: StrictFloat | StrictInt = 0
     seen_rows: StrictBool = False
     outputs: list[StrictStr] | None = Field(default=None, min_length=1)
     device: StrictStr = "cpu"
@@ -245,7 +248,8 @@ def merge_options(args: dict) -> MergeConfig:
         if args.get("config") and opts["models"]:
             raise InputError("models given both on the command line and in --config; expected one or the other")
         opts["models"] = list(args["models"])
-    given = [k for k in ("out", "align", "method", "weights", "data", "outputs", "attention", "device", "sketch")
+    given = [k for k in ("out", "align", "method", "weights", "data", "outputs", "attention", "device", "sketch",
+                                "tol")
              if args.get(k) is not None]
     given += [f for f in ("force", "repair", "untie", "full_groups", "seen_rows") if args.get(f)]
     given += ["refine"] * (args.get("refine") is not None) + ["fold_norms"] * bool(args.get("no_fold_norms"))
@@ -288,6 +292,10 @@ def check(opts: dict, name=lambda k: "--" + k.replace("_", "-")) -> None:
         raise InputError(f"{n('sketch')} {opts['sketch']}: expected a number of projection columns >= 0")
     if opts["sketch"] and opts["align"] != "weights":
         raise InputError(f"{n('sketch')} sketches weight matching; expected {n('align')} weights")
+    if not 0 <= opts["tol"] < 1:
+        raise InputError(f"{n('tol')} {opts['tol']}: expected a relative gain in [0, 1)")
+    if opts["tol"] and opts["align"] != "weights":
+        raise InputError(f"{n('tol')} ends the sweeps of weight matching; expected {n('align')} weights")
     if opts["seen_rows"] and not opts["data"]:
         raise InputError(f"{n('seen_rows')} reads the embedding rows of the tokens in the data; expected {data}")
     if opts["seen_rows"] and opts["align"] != "weights":

@@ -125,6 +125,7 @@ def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
                        attention=cfg.attention, untie=cfg.untie,
                        **({"full_groups": True} if cfg.full_groups else {}),
                        **({"sketch": cfg.sketch} if cfg.sketch else {}),
+                       **({"tol": cfg.tol} if cfg.tol else {}),
                        **({"rows": _seen_rows(models[0], data)} if cfg.seen_rows else {}))
     except (StructureMismatchError, InputError) as e:
         raise type(e)(f"{e}{_config_diff(models, cfg.models)}") from None
@@ -162,7 +163,8 @@ def _streaming_job(cfg, data, anchor, progress, options):
         return StreamingMerge(ckpts, weights=cfg.weights, align=cfg.align,
                               data=data if cfg.align == "activations" else None, anchor=anchor,
                               fold_norms=cfg.fold_norms, outputs=cfg.outputs, progress=progress,
-                              **({"sketch": cfg.sketch} if cfg.sketch else {}), **options)
+                              **({"sketch": cfg.sketch} if cfg.sketch else {}),
+                              **({"tol": cfg.tol} if cfg.tol else {}), **options)
     except InputError as e:
         raise type(e)(f"{e}{_config_diff(ckpts, cfg.models)}") from None
 
@@ -242,6 +244,7 @@ def _solver_summary(alignments):
                    "status": getattr(res, "status", None), "seconds": getattr(res, "seconds", None)}
                   for gid, res in sorted(getattr(al, "results", {}).items(), key=lambda kv: str(kv[0]))]
         out.append({"model": i, "similarity": getattr(al, "similarity", None), "groups": groups,
+                    "seconds": dict(getattr(al, "seconds", {}) or {}),  # solver time, sweeps run
                     "refined": dict(getattr(al, "refined", {}) or {})})
     return out
 
