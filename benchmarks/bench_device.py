@@ -45,6 +45,12 @@ def peaks(device: torch.device) -> dict:
         s = torch.randn(4096, 4096, device=device, dtype=dt)
         out[f"svd_{str(dt)[6:]}_gflops"] = 22 * 4096 ** 3 / _best(
             lambda: torch.linalg.svd(s, full_matrices=False), 1, lambda: _sync(device)) / 1e9
+    # a 7B layer's head pairs (32 x 32 of 128², float64), as solve.nested_heads scores them: on
+    # the device, and through the host as it does (PyTorch's CUDA eigh loops over matrices > 32²)
+    g = torch.randn(32, 32, 128, 128, device=device, dtype=torch.float64)
+    g = g @ g.mT
+    out["heads_eigvalsh_device_s"] = _best(lambda: torch.linalg.eigvalsh(g), 1, lambda: _sync(device))
+    out["heads_eigvalsh_host_s"] = _best(lambda: torch.linalg.eigvalsh(g.cpu()).to(device), 1, lambda: _sync(device))
     return out
 
 
@@ -114,7 +120,10 @@ def markdown(results: dict) -> str:
                   f"torch {r['torch']}; host {r['cores']} cores. Peaks on the device: matmul {pk['mm_n']}³ "
                   f"fp32 {pk['mm_float32_gflops']:.0f} GFLOP/s, bf16 {pk['mm_bfloat16_gflops']:.0f}, "
                   f"fp64 {pk['mm_float64_gflops']:.0f}; SVD 4096² fp64 {pk['svd_float64_gflops']:.0f}, "
-                  f"fp32 {pk['svd_float32_gflops']:.0f} GFLOP/s.", "",
+                  f"fp32 {pk['svd_float32_gflops']:.0f} GFLOP/s."
+                  + (f" A layer's head-pair scores (eigvalsh of 32 × 32 matrices of 128², fp64): "
+                     f"{pk['heads_eigvalsh_device_s']:.2f} s on the device, {pk['heads_eigvalsh_host_s']:.2f} s "
+                     "through the host." if "heads_eigvalsh_host_s" in pk else ""), "",
                   "| layers | params | align + merge | of which analysis | alignment | unaligned merge | ratio | sweeps | peak GPU memory |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for d in r["depths"]:

@@ -207,3 +207,33 @@ def test_cli_merge_on_a_device(tmp_path, capsys):
         assert "CUDA device but this machine has none" in " ".join(err.split()) and err.count("symgraph:") == 1
     assert main(["merge", *args, "--device", "toaster", "--out", str(tmp_path / "x")]) == 2
     assert "not a device name" in capsys.readouterr().err
+
+
+def test_batched_decompositions_go_to_the_host(monkeypatch):
+    """PyTorch's CUDA eigh and SVD decompose a batch of matrices larger than 32² one by one
+    (a 7B layer's 1024 head pairs of 128²: seconds on a GPU). On a device that is not the CPU,
+    ``nested_heads`` scores the head pairs and ``procrustes`` rotates the matched ones through
+    the host's LAPACK: the decompositions see CPU tensors, the results are back on the device
+    and equal the CPU run's. Single matrices and batches of small ones stay on the device."""
+    from symgraph.solve import _solvers as SV
+    from symgraph.testing.device import install
+    dev = torch.device(install())
+    seen = []
+    for name in ("svd", "eigvalsh"):
+        real = getattr(torch.linalg, name)
+        monkeypatch.setattr(torch.linalg, name,
+                            lambda x, *a, _r=real, _n=name, **k: seen.append((_n, x.device.type, tuple(x.shape))) or _r(x, *a, **k))
+    g = torch.Generator().manual_seed(0)
+    S = torch.randn(4, 4, 40, 40, generator=g, dtype=torch.float64)
+    S[torch.arange(4), torch.tensor([2, 0, 3, 1])] += 3 * torch.eye(40, dtype=torch.float64)
+    want_out, want_in = SV.nested_heads([S], ["orthogonal"], [None])
+    seen.clear()
+    out, inner = SV.nested_heads([S.to(dev)], ["orthogonal"], [None])
+    assert seen == [("eigvalsh", "cpu", (4, 4, 40, 40)), ("svd", "cpu", (4, 40, 40))]
+    assert inner[0].device.type == dev.type and out.element.device.type == dev.type
+    assert torch.equal(inner[0].cpu(), want_in[0]) and torch.equal(out.element.cpu(), want_out.element)
+    assert out.element.cpu().argmax(0).tolist() == [1, 3, 0, 2]
+    seen.clear()
+    SV.procrustes(S[0, 0].to(dev))                  # one matrix: the device's own kernel
+    SV.procrustes(S[:, :, :8, :8].to(dev))          # a batch of 8²: batched on the device
+    assert seen == [("svd", dev.type, (40, 40)), ("svd", dev.type, (4, 4, 8, 8))]

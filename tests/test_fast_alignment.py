@@ -167,6 +167,39 @@ def test_cli_sketch_streams_and_is_checked(tmp_path):
         assert len(r.stderr.strip().splitlines()) == 1
 
 
+def test_cli_tol_ends_the_sweeps_sooner_and_is_checked(tmp_path):
+    """``symgraph merge --tol X``: the sweep tolerance of ``symgraph.align`` from the command
+    line and a config, recorded with the sweeps the alignment ran (fewer than the exact
+    default's on an unrelated pair); a tol outside [0, 1) or without weight matching is one
+    line, exit 2."""
+    import json
+    from conftest import build_hf, cli
+    a, _ = build_hf("llama", 0)
+    b, _ = build_hf("llama", 1)
+    for m, d in ((a, "a"), (b, "b")):
+        m.save_pretrained(tmp_path / d)
+    pa, pb = str(tmp_path / "a"), str(tmp_path / "b")
+    sweeps = {}
+    for tol in ("0", "0.9"):
+        out = tmp_path / f"out{tol}"
+        r = cli("merge", pa, pb, "--out", str(out), "--tol", tol)
+        assert r.returncode == 0, r.stderr
+        meta = json.load(open(out / "symgraph_merge.json"))
+        assert meta["options"]["tol"] == float(tol)
+        sweeps[tol] = meta["alignments"][0]["seconds"]["sweeps"]
+    assert sweeps["0"] == symgraph.align(a, b).seconds["sweeps"] > sweeps["0.9"] >= 1, sweeps
+    (tmp_path / "bad.yaml").write_text(f"models: [{pa}, {pb}]\nout: {tmp_path / 'bad'}\ntol: 1\n")
+    for args, msg in ((["--tol", "-0.1"], "--tol -0.1: expected a relative gain in [0, 1)"),
+                      (["--tol", "nan"], "--tol nan"),
+                      (["--tol", "0.1", "--align", "none"], "--tol ends the sweeps of weight matching"),
+                      (["--config", str(tmp_path / "bad.yaml")], "'tol:' in")):
+        r = cli("merge", *([] if args[0] == "--config" else [pa, pb, "--out", str(tmp_path / "bad")]), *args)
+        said = r.stderr.strip().replace("\n  ", " ")  # one message, wrapped at 100 columns
+        assert r.returncode == 2 and msg in said and "Traceback" not in said, r.stderr
+        assert len(said.splitlines()) == 1, r.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 def test_rows_of_unseen_tokens_are_left_out_of_weight_matching():
     """Theus et al. 2025 match the token embeddings of tokens seen in training only: the other
     rows of a trained model are its random initialisation. A transformed copy whose unseen

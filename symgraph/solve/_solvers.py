@@ -33,6 +33,31 @@ def _np(S):
     return S.detach().double().cpu().numpy() if isinstance(S, torch.Tensor) else np.asarray(S, float)
 
 
+#: PyTorch's CUDA eigh and SVD batch matrices of at most this size (``linalg_eigh_cusolver``:
+#: syevjBatched up to 32²); a batch of larger ones runs one matrix after another.
+DEVICE_BATCH_MAX = 32
+
+
+def _host(x: torch.Tensor) -> bool:
+    """Whether a batched decomposition of ``x`` goes to the host's LAPACK: ``x`` lies on an
+    accelerator and is a batch of matrices its kernels would decompose one by one (1024 head
+    pairs of 128² at a 7B shape: seconds a layer on a GPU; a fraction of one on the host). The
+    results go back to ``x``'s device."""
+    return x.device.type != "cpu" and x.dim() > 2 and x.shape[:-2].numel() > 1 and x.shape[-1] > DEVICE_BATCH_MAX
+
+
+def _svd(s: torch.Tensor):
+    """``torch.linalg.svd(s, full_matrices=False)``, on the host for a batch (see :func:`_host`)."""
+    if _host(s):
+        return tuple(x.to(s.device) for x in torch.linalg.svd(s.cpu(), full_matrices=False))
+    return torch.linalg.svd(s, full_matrices=False)
+
+
+def _eigvalsh(s: torch.Tensor) -> torch.Tensor:
+    """``torch.linalg.eigvalsh(s)``, on the host for a batch (see :func:`_host`)."""
+    return torch.linalg.eigvalsh(s.cpu()).to(s.device) if _host(s) else torch.linalg.eigvalsh(s)
+
+
 #: Square assignments from this size on are solved on sparse candidate sets first.
 SPARSE_N = 4096
 #: Candidates per row and per column of a sparse assignment.
@@ -144,7 +169,7 @@ def procrustes(S, rescale: bool = False) -> SolveResult:
     """
     s = _float(S)
     t = time.perf_counter()
-    U, sig, Vh = torch.linalg.svd(s, full_matrices=False)
+    U, sig, Vh = _svd(s)
     R = U @ Vh
     dt = time.perf_counter() - t
     extra = {}
@@ -167,7 +192,7 @@ def procrustes_mean(S) -> SolveResult:
     inner = torch.eye(n, dtype=torch.float64, device=s.device).expand_as(s).clone()
     obj = T[..., 0, 0]
     if n > 1:
-        U, sig, Vh = torch.linalg.svd(T[..., 1:, 1:], full_matrices=False)
+        U, sig, Vh = _svd(T[..., 1:, 1:])
         inner[..., 1:, 1:] = U @ Vh
         obj = obj + sig.sum(-1)
     R = H @ inner @ H.mT
@@ -292,7 +317,7 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
             # score every head pair by its Procrustes optimum (the nuclear norm, from the
             # eigenvalues of S Sᵀ: far cheaper than H_A·H_B SVDs); rotations only for the matches
             t = time.perf_counter()
-            ev = torch.linalg.eigvalsh(S @ S.mT)
+            ev = _eigvalsh(S @ S.mT)
             obj = ev.clamp_min(0).sqrt().sum(-1)
             secs += time.perf_counter() - t
             el = None
