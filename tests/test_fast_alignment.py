@@ -370,3 +370,18 @@ def test_statistics_of_16_bit_activations_in_float32_keep_the_covariance():
     assert float((C - Cf).abs().max()) <= 1e-5 * float(C.abs().max())
     raw = (xa.float().T @ xb.float()).double() / 4096 - torch.outer(exact.sa[0], exact.sb[0]) / 4096 ** 2
     assert float((C - raw).abs().max()) > 10 * float((C - Cf).abs().max())  # what centring avoids
+
+
+def test_config_reads_exponent_floats(tmp_path):
+    """``tol: 1e-3`` in a merge config is a number (YAML 1.2), not the string PyYAML's YAML 1.1
+    rules make of it; strings that only look alike stay strings."""
+    from symgraph.merging.config import read_merge_config
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("models: [a, b]\nout: o\ntol: 1e-3\nweights: [2.5E-1, 75e-2]\nmethod: average\n")
+    got = read_merge_config(str(cfg))
+    assert got["tol"] == 1e-3 and got["weights"] == [0.25, 0.75]
+    cfg.write_text("models: [1e-3, b]\nout: 2e5x\n")
+    with pytest.raises(symgraph.InputError, match="'models'"):
+        read_merge_config(str(cfg))  # a model path read as a number is refused by name, not used
+    cfg.write_text("models: ['1e-3', b]\nout: 2e5x\n")
+    assert read_merge_config(str(cfg))["models"][0].endswith("1e-3")

@@ -118,6 +118,19 @@ class MergeConfig(BaseModel):
         return v
 
 
+def _yaml_loader():
+    """PyYAML's safe loader reading ``1e-3`` as a number, as YAML 1.2 does (PyYAML follows YAML
+    1.1, whose floats need a dot: ``tol: 1e-3`` would be the string '1e-3')."""
+    import re
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                 re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+    return Loader
+
+
 def read_merge_config(path: str) -> dict:
     """The options of a YAML merge config, validated; paths relative to the config file."""
     import yaml
@@ -126,7 +139,7 @@ def read_merge_config(path: str) -> dict:
     check_input_file(path, "merge config", f"a YAML file with keys {keys}")
     try:
         with open(path) as f:
-            cfg = yaml.safe_load(f)
+            cfg = yaml.load(f, Loader=_yaml_loader())  # a SafeLoader subclass
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise InputError(f"merge config {path!r} is not valid YAML ({str(e).splitlines()[0]}); expected a "
                          f"mapping with keys {keys}") from None
