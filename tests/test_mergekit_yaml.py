@@ -3,7 +3,6 @@ alignment), per-model weights; methods that need a base model and unknown keys r
 from __future__ import annotations
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 import symgraph
