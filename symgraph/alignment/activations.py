@@ -33,6 +33,7 @@ class ActStats:
         self.sa = self.sb = self.saa = self.sbb = None
         self._sab = None
         self._centred, self._means = None, []  # float32 part of sab not folded in yet (see add)
+        self._shape = None  # ([Fa, n_A], [Fb, n_B]) of the samples behind _centred
 
     @property
     def sab(self):
@@ -41,7 +42,9 @@ class ActStats:
         if self._centred is not None:
             ma = torch.stack([m for m, _ in self._means])  # [k, Fa, n]: each batch's sum / √t
             mb = torch.stack([m for _, m in self._means])
-            part = self._centred.to(torch.float64) + torch.einsum("kai,kbj->abij", ma, mb)
+            (fa, na), (fb, nb) = self._shape
+            centred = self._centred.view(fa, na, fb, nb).permute(0, 2, 1, 3)  # [Fa, Fb, n, n]
+            part = centred.to(torch.float64) + torch.einsum("kai,kbj->abij", ma, mb)
             self._sab = part if self._sab is None else self._sab + part
             self._centred, self._means = None, []
         return self._sab
@@ -74,13 +77,14 @@ class ActStats:
             # the samples and enter the means' outer products)
             ca, sa = _centred(xa, work)
             cb, sb = _centred(xb, work)
-            saa = ca.square().sum(0).to(torch.float64) + sa * sa / t
-            sbb = cb.square().sum(0).to(torch.float64) + sb * sb / t
-            cross = torch.einsum("tai,tbj->abij", ca, cb)
+            # Σ c_a c_bᵀ accumulated by the matmul itself (C += AᵀB), kept as [Fa·n, Fb·n]
+            a2, b2 = ca.reshape(t, -1), cb.reshape(t, -1)
             if self._centred is None:
-                self._centred = cross
+                self._centred, self._shape = a2.T @ b2, (ca.shape[1:], cb.shape[1:])
             else:
-                self._centred.add_(cross)
+                self._centred.addmm_(a2.T, b2)
+            saa = ca.square_().sum(0).to(torch.float64) + sa * sa / t  # the copies are done with
+            sbb = cb.square_().sum(0).to(torch.float64) + sb * sb / t
             self._means.append((sa / t ** 0.5, sb / t ** 0.5))
         if self.sa is None:
             self.sa, self.sb, self.saa, self.sbb = sa, sb, saa, sbb
