@@ -165,33 +165,48 @@ def instrument(sync=None) -> Counter:
 
 
 def _instrument_activations(c: Counter):
-    """``--align activations``: the statistics phase as one stage whose FLOPs PyTorch's
-    ``FlopCounterMode`` counts (the two graphs' forward ops and the cross-moments, every matmul
-    as it runs), the cross-moments alone (``ActStats.add``: ``2·t·F_A·F_B·n_A·n_B`` for the
-    cross sums, in the dtype they run in), and the graph ops run (``Stepper.run_node`` calls) against one run of
-    both graphs over every batch (the ops of the analysis graph × batches × 2)."""
+    """``--align activations``: the statistics phase as one stage whose FLOPs are the two graphs'
+    forward ops (PyTorch's ``FlopCounterMode`` around each ``Stepper.run_node``: every matmul
+    of the graphs as it runs) plus the cross-moments (``ActStats.add``: ``2·t·F_A·F_B·n_A·n_B``
+    for the cross sums, in the dtype they run in, however the library computes them), and the
+    graph ops run against one run of both graphs over every batch (the ops of the analysis
+    graph × batches × 2)."""
     from torch.utils.flop_counter import FlopCounterMode
     from symgraph.alignment import activations as ACT
     from symgraph.alignment import driver as D
+    from symgraph.alignment import graphrun as G
 
-    f = D.activation_similarity
+    graph = {"flops": 0.0}
+    run_node = G.Stepper.run_node
 
-    def counted(ra, rb, data, *a, **k):
+    def counted_node(self, *a, **k):
         with FlopCounterMode(display=False) as fc:
-            out = f(ra, rb, data, *a, **k)
-        c.rows["graph ops, one run of both graphs over the data"][0] += 2 * len(data) * len(ra.nodes())
-        counted.flops = fc.get_total_flops()
+            out = run_node(self, *a, **k)
+        graph["flops"] += fc.get_total_flops()
         return out
-    c._undo.append((D, "activation_similarity", f))
-    D.activation_similarity = counted
-    c.wrap(D, "activation_similarity", "activation statistics (whole phase)",
-           lambda r, *a, **k: (None, float(counted.flops), 0.0, None))
+    c._undo.append((G.Stepper, "run_node", run_node))
+    G.Stepper.run_node = counted_node
+    c.wrap(G.Stepper, "run_node", "graph ops run", lambda r, *a, **k: (None, 0.0, 0.0, None))
 
     def moments(r, self, xa, xb, nf, work=torch.float64):
         t, fa, fb = xa.shape[0], (math.prod(xa.shape[1:-1]) if nf else 1), (math.prod(xb.shape[1:-1]) if nf else 1)
-        return None, 2.0 * t * fa * fb * xa.shape[-1] * xb.shape[-1], 0.0, str(work)[6:]
+        flops = 2.0 * t * fa * fb * xa.shape[-1] * xb.shape[-1]
+        graph["moments"] = graph.get("moments", 0.0) + flops
+        return None, flops, 0.0, str(work)[6:]
     c.wrap(ACT.ActStats, "add", "cross-moments", moments)
-    c.wrap(ACT.Stepper, "run_node", "graph ops run", lambda r, *a, **k: (None, 0.0, 0.0, None))
+
+    f = D.activation_similarity
+
+    def phase(ra, rb, data, *a, **k):
+        before = (graph["flops"], graph.get("moments", 0.0))
+        out = f(ra, rb, data, *a, **k)
+        c.rows["graph ops, one run of both graphs over the data"][0] += 2 * len(data) * len(ra.nodes())
+        phase.flops = graph["flops"] - before[0] + graph.get("moments", 0.0) - before[1]
+        return out
+    c._undo.append((D, "activation_similarity", f))
+    D.activation_similarity = phase
+    c.wrap(D, "activation_similarity", "activation statistics (whole phase)",
+           lambda r, *a, **k: (None, float(phase.flops), 0.0, None))
 
 
 def stage_rows(c: Counter, pk: dict) -> dict:
