@@ -40,12 +40,15 @@ class ActStats:
         """``Σ a bᵀ`` in float64 (the float32 centred part and the means' outer products of
         16-bit samples folded in on first read)."""
         if self._centred is not None:
-            ma = torch.stack([m for m, _ in self._means])  # [k, Fa, n]: each batch's sum / √t
-            mb = torch.stack([m for _, m in self._means])
+            k = len(self._means)
+            ma = torch.stack([m for m, _ in self._means]).reshape(k, -1)  # [k, Fa·n]: each batch's sum / √t
+            mb = torch.stack([m for _, m in self._means]).reshape(k, -1)
             (fa, na), (fb, nb) = self._shape
-            centred = self._centred.view(fa, na, fb, nb).permute(0, 2, 1, 3)  # [Fa, Fb, n, n]
-            part = centred.to(torch.float64) + torch.einsum("kai,kbj->abij", ma, mb)
-            self._sab = part if self._sab is None else self._sab + part
+            part = self._centred.to(torch.float64).addmm_(ma.T, mb)  # [Fa·n, Fb·n]
+            part = part.view(fa, na, fb, nb).permute(0, 2, 1, 3)  # [Fa, Fb, n, n]
+            if fa > 1 or fb > 1:
+                part = part.contiguous()
+            self._sab = part if self._sab is None else self._sab.add_(part)
             self._centred, self._means = None, []
         return self._sab
 
@@ -106,12 +109,13 @@ class ActStats:
     def matrix(self, kind):
         n = max(self.n, 1)
         ma, mb = self.sa / n, self.sb / n
-        cov = self.sab / n - torch.einsum("ai,bj->abij", ma, mb)
+        # in place on one copy of sab (a 11008-wide MLP's is 1 GB in float64)
+        cov = (self.sab / n).sub_(ma[:, None, :, None] * mb[None, :, None, :])
         if kind in ("orthogonal", "orthogonal_mean", "gl", "rope"):
             return cov
         sa = (self.saa / n - ma * ma).clamp_min(1e-12).sqrt()
         sb = (self.sbb / n - mb * mb).clamp_min(1e-12).sqrt()
-        return cov / torch.einsum("ai,bj->abij", sa, sb)
+        return cov.div_(sa[:, None, :, None]).div_(sb[None, :, None, :])
 
 
 def _centred(x, work):
