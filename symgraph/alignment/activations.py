@@ -86,7 +86,8 @@ class ActStats:
                 self._centred, self._shape = a2.T @ b2, (ca.shape[1:], cb.shape[1:])
             else:
                 self._centred.addmm_(a2.T, b2)
-            saa = ca.square_().sum(0).to(torch.float64) + sa * sa / t  # the copies are done with
+            # squared in place: the converted copies are not read after the product
+            saa = ca.square_().sum(0).to(torch.float64) + sa * sa / t
             sbb = cb.square_().sum(0).to(torch.float64) + sb * sb / t
             self._means.append((sa / t ** 0.5, sb / t ** 0.5))
         if self.sa is None:

@@ -261,8 +261,8 @@ def merge_options(args: dict) -> MergeConfig:
         if args.get("config") and opts["models"]:
             raise InputError("models given both on the command line and in --config; expected one or the other")
         opts["models"] = list(args["models"])
-    given = [k for k in ("out", "align", "method", "weights", "data", "outputs", "attention", "device", "sketch",
-                                "tol")
+    given = [k for k in ("out", "align", "method", "weights", "data", "outputs", "attention", "device",
+                         "sketch", "tol")
              if args.get(k) is not None]
     given += [f for f in ("force", "repair", "untie", "full_groups", "seen_rows") if args.get(f)]
     given += ["refine"] * (args.get("refine") is not None) + ["fold_norms"] * bool(args.get("no_fold_norms"))
