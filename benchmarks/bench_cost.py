@@ -176,7 +176,7 @@ def _instrument_activations(c: Counter):
     from symgraph.alignment import driver as D
     from symgraph.alignment import graphrun as G
 
-    graph = {"flops": 0.0}
+    graph = {"flops": 0.0, "moments": 0.0}  # counted so far: forward ops, cross-moments
     run_node = G.Stepper.run_node
 
     def counted_node(self, *a, **k):
@@ -191,17 +191,17 @@ def _instrument_activations(c: Counter):
     def moments(r, self, xa, xb, nf, work=torch.float64):
         t, fa, fb = xa.shape[0], (math.prod(xa.shape[1:-1]) if nf else 1), (math.prod(xb.shape[1:-1]) if nf else 1)
         flops = 2.0 * t * fa * fb * xa.shape[-1] * xb.shape[-1]
-        graph["moments"] = graph.get("moments", 0.0) + flops
+        graph["moments"] += flops
         return None, flops, 0.0, str(work)[6:]
     c.wrap(ACT.ActStats, "add", "cross-moments", moments)
 
     f = D.activation_similarity
 
     def phase(ra, rb, data, *a, **k):
-        before = (graph["flops"], graph.get("moments", 0.0))
+        before = sum(graph.values())
         out = f(ra, rb, data, *a, **k)
         c.rows["graph ops, one run of both graphs over the data"][0] += 2 * len(data) * len(ra.nodes())
-        phase.flops = graph["flops"] - before[0] + graph.get("moments", 0.0) - before[1]
+        phase.flops = sum(graph.values()) - before
         return out
     c._undo.append((D, "activation_similarity", f))
     D.activation_similarity = phase

@@ -124,8 +124,7 @@ def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
                        refine=cfg.refine, fold_norms=cfg.fold_norms, outputs=cfg.outputs, anchor=anchor,
                        attention=cfg.attention, untie=cfg.untie,
                        **({"full_groups": True} if cfg.full_groups else {}),
-                       **({"sketch": cfg.sketch} if cfg.sketch else {}),
-                       **({"tol": cfg.tol} if cfg.tol else {}),
+                       **_speed_options(cfg),
                        **({"rows": _seen_rows(models[0], data)} if cfg.seen_rows else {}))
     except (StructureMismatchError, InputError) as e:
         raise type(e)(f"{e}{_config_diff(models, cfg.models)}") from None
@@ -163,10 +162,15 @@ def _streaming_job(cfg, data, anchor, progress, options):
         return StreamingMerge(ckpts, weights=cfg.weights, align=cfg.align,
                               data=data if cfg.align == "activations" else None, anchor=anchor,
                               fold_norms=cfg.fold_norms, outputs=cfg.outputs, progress=progress,
-                              **({"sketch": cfg.sketch} if cfg.sketch else {}),
-                              **({"tol": cfg.tol} if cfg.tol else {}), **options)
+                              **_speed_options(cfg), **options)
     except InputError as e:
         raise type(e)(f"{e}{_config_diff(ckpts, cfg.models)}") from None
+
+
+def _speed_options(cfg) -> dict:
+    """Weight matching's speed options the config sets (``sketch``, ``tol``), for
+    :func:`symgraph.align` in memory and out of core alike; unset ones keep align's defaults."""
+    return {k: getattr(cfg, k) for k in ("sketch", "tol") if getattr(cfg, k)}
 
 
 def _seen_rows(model, data) -> dict:

@@ -46,16 +46,14 @@ def _host(x: torch.Tensor) -> bool:
     return x.device.type != "cpu" and x.dim() > 2 and x.shape[:-2].numel() > 1 and x.shape[-1] > DEVICE_BATCH_MAX
 
 
-def _svd(s: torch.Tensor):
-    """``torch.linalg.svd(s, full_matrices=False)``, on the host for a batch (see :func:`_host`)."""
-    if _host(s):
-        return tuple(x.to(s.device) for x in torch.linalg.svd(s.cpu(), full_matrices=False))
-    return torch.linalg.svd(s, full_matrices=False)
-
-
-def _eigvalsh(s: torch.Tensor) -> torch.Tensor:
-    """``torch.linalg.eigvalsh(s)``, on the host for a batch (see :func:`_host`)."""
-    return torch.linalg.eigvalsh(s.cpu()).to(s.device) if _host(s) else torch.linalg.eigvalsh(s)
+def _decompose(fn, x: torch.Tensor, **kw):
+    """``fn(x, **kw)`` (a ``torch.linalg`` decomposition), on the host for a batch that the
+    device's kernels would solve one matrix at a time (see :func:`_host`); the results on
+    ``x``'s device."""
+    if not _host(x):
+        return fn(x, **kw)
+    out = fn(x.cpu(), **kw)
+    return out.to(x.device) if isinstance(out, torch.Tensor) else tuple(o.to(x.device) for o in out)
 
 
 #: Square assignments from this size on are solved on sparse candidate sets first.
@@ -169,7 +167,7 @@ def procrustes(S, rescale: bool = False) -> SolveResult:
     """
     s = _float(S)
     t = time.perf_counter()
-    U, sig, Vh = _svd(s)
+    U, sig, Vh = _decompose(torch.linalg.svd, s, full_matrices=False)
     R = U @ Vh
     dt = time.perf_counter() - t
     extra = {}
@@ -192,7 +190,7 @@ def procrustes_mean(S) -> SolveResult:
     inner = torch.eye(n, dtype=torch.float64, device=s.device).expand_as(s).clone()
     obj = T[..., 0, 0]
     if n > 1:
-        U, sig, Vh = _svd(T[..., 1:, 1:])
+        U, sig, Vh = _decompose(torch.linalg.svd, T[..., 1:, 1:], full_matrices=False)
         inner[..., 1:, 1:] = U @ Vh
         obj = obj + sig.sum(-1)
     R = H @ inner @ H.mT
@@ -317,7 +315,7 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
             # score every head pair by its Procrustes optimum (the nuclear norm, from the
             # eigenvalues of S Sᵀ: far cheaper than H_A·H_B SVDs); rotations only for the matches
             t = time.perf_counter()
-            ev = _eigvalsh(S @ S.mT)
+            ev = _decompose(torch.linalg.eigvalsh, S @ S.mT)
             obj = ev.clamp_min(0).sqrt().sum(-1)
             secs += time.perf_counter() - t
             el = None
