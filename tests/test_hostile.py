@@ -224,7 +224,7 @@ def test_sigterm_while_writing_leaves_nothing(ws):
     t = threading.Thread(target=read, daemon=True)
     t.start()
     assert saved.wait(150), "".join(seen)
-    assert [f for f in os.listdir(ws) if f.startswith(".sig_out.tmp-")]  # caught mid-write
+    assert [f for f in os.listdir(ws) if f.startswith(".symgraph-tmp-")]  # caught mid-write
     p.send_signal(signal.SIGTERM)
     p.wait(timeout=60)
     t.join(10)

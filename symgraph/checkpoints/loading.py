@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 
-from ..core.files import special_file
+from ..core.files import model_file
 from ..errors import InputError
 
-__all__ = ["check_checkpoint_dir", "load_local", "load_hub", "refuse_incomplete", "check_weights_finite"]
+__all__ = ["check_checkpoint_dir", "read_layout", "read_config", "build_meta", "Layout", "load_local", "load_hub",
+           "refuse_incomplete", "check_weights_finite"]
 
 SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -35,20 +37,29 @@ def _quiet_transformers():
     return transformers
 
 
+#: Suffixes of the files symgraph or transformers may read from a model directory (configs,
+#: weights, tokenizer and generation files): each must be a regular file inside it.
+READ_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja")
+
+
 def check_checkpoint_dir(path: str):
-    """Refuse a missing path, a file, or a directory without a config or safetensors weights."""
+    """Refuse a missing path, a file, a directory without a config or safetensors weights, and
+    one whose files (or the shards its index names) are not regular files inside it."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist; expected {EXPECTED}")
     if not os.path.isdir(path):
         raise InputError(f"model path {path!r} is a file; expected {EXPECTED}")
     files = set(os.listdir(path))
-    for f in sorted(files):  # what symgraph may open: never block on a FIFO or a device
-        what = special_file(os.path.join(path, f)) if f.endswith((".json", ".safetensors", ".txt", ".model")) else None
-        if what:
-            raise InputError(f"{os.path.join(path, f)!r} is {what}, not a regular file; expected {EXPECTED} "
-                             "of regular files")
+    for f in sorted(files):  # what symgraph may open: never a FIFO, a device or a file elsewhere
+        if f.endswith(READ_SUFFIXES):
+            model_file(path, f)
     if SAFETENSORS[1] in files:
-        read_index(os.path.join(path, SAFETENSORS[1]))
+        if SAFETENSORS[0] in files:
+            raise InputError(f"{path!r} holds both {SAFETENSORS[0]} and a shard index {SAFETENSORS[1]}, so "
+                             "which weights are the model's is ambiguous; expected one of them (move the other "
+                             "out of the directory)")
+        for shard in sorted(set(read_index(os.path.join(path, SAFETENSORS[1])).values())):
+            model_file(path, shard, what=f"shard named by {SAFETENSORS[1]}")
     has_weights = any(f in files for f in SAFETENSORS)
     if not has_weights and any(f in files for f in PICKLES):
         raise InputError(f"{path!r} holds only pytorch_model.bin, a pickle, which symgraph does not "
@@ -59,6 +70,157 @@ def check_checkpoint_dir(path: str):
         missing.append("model.safetensors")
     if missing:
         raise InputError(f"directory {path!r} has no {' and no '.join(missing)}; expected {EXPECTED}")
+
+
+#: safetensors dtype names symgraph reads, and their torch dtypes.
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a checkpoint lives, from the file headers alone: ``files`` (tensor
+    -> real shard path), ``shapes``, ``dtypes`` (torch dtypes), ``keys`` in index (or file)
+    order. The one reading of a checkpoint every path shares (:func:`read_layout`)."""
+    files: dict
+    shapes: dict
+    dtypes: dict
+    keys: list
+
+    @property
+    def dtype(self):
+        """The checkpoint's dtype: its most common floating-point tensor dtype (float32 without one)."""
+        floats = [d for d in self.dtypes.values() if d.is_floating_point]
+        return max(set(floats), key=floats.count) if floats else torch.float32
+
+
+def read_layout(path: str) -> Layout:
+    """The :class:`Layout` of a checked checkpoint directory, refused in one line unless the
+    index and the shards agree exactly: every tensor in exactly one shard, every shard tensor in
+    the index at that shard, every dtype one symgraph reads."""
+    from safetensors import safe_open
+    index = os.path.join(path, SAFETENSORS[1])
+    if os.path.isfile(index):
+        weight_map = read_index(index)
+        real = {f: model_file(path, f, what=f"shard named by {SAFETENSORS[1]}") for f in set(weight_map.values())}
+        shards = sorted(real)
+    else:
+        weight_map, real, shards = None, {SAFETENSORS[0]: model_file(path, SAFETENSORS[0])}, [SAFETENSORS[0]]
+    where, shapes, dtypes = {}, {}, {}
+    for name in shards:
+        try:
+            with safe_open(real[name], framework="pt", device="cpu") as h:
+                for key in h.keys():
+                    if key in where:
+                        raise InputError(f"{path!r}: tensor {key!r} is in two shards ({where[key]} and {name}); "
+                                         "expected every tensor in exactly one shard")
+                    if weight_map is not None and weight_map.get(key) != name:
+                        listed = (f"the index puts it in {weight_map[key]}" if key in weight_map
+                                  else "the index does not list it")
+                        raise InputError(f"{path!r}: shard {name} holds tensor {key!r}, but {listed}; expected "
+                                         f"shards that agree with {SAFETENSORS[1]}")
+                    sl = h.get_slice(key)
+                    kind = sl.get_dtype()
+                    if kind not in DTYPES:
+                        raise InputError(f"{path!r}: tensor {key!r} is stored as {kind}, which symgraph does not "
+                                         f"merge; expected {', '.join(DTYPES)} tensors (dequantise the model first)")
+                    where[key], shapes[key], dtypes[key] = name, tuple(sl.get_shape()), DTYPES[kind]
+        except InputError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors' own errors (truncated, corrupt header)
+            raise InputError(f"cannot read the weights of {path!r} ({name}): {' '.join(str(e).split())[:200]}; "
+                             "expected valid safetensors files written by save_pretrained") from None
+    absent = sorted(set(weight_map or ()) - set(where))
+    if absent:
+        raise InputError(f"{path!r}: tensor(s) {_names(absent)} are in the index but not in their shard; "
+                         "expected a complete checkpoint")
+    keys = list(weight_map) if weight_map is not None else list(where)
+    return Layout({k: real[where[k]] for k in keys}, shapes, dtypes, keys)
+
+
+def read_config(path: str):
+    """The transformers config of a checked checkpoint directory and its model class, refused in
+    one line when transformers cannot read it (a field of the wrong type or value) or when it
+    names no model class transformers ships."""
+    refuse_remote_code(path)
+    tf = _quiet_transformers()
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        cfg = tf.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - a missing or mistyped field (huggingface_hub's strict dataclasses)
+        raise InputError(f"cannot read {cfg_path}: {' '.join(str(e).split())[:200]}; expected a "
+                         "Hugging Face config written by save_pretrained") from None
+    return cfg, _model_class(tf, cfg, cfg_path)
+
+
+def build_meta(cls, config, layout: Layout, where: str):
+    """``cls(config)`` on the ``meta`` device in the checkpoint's dtype (no weights), refused in one
+    line when the config cannot build the model, or would build far more modules than the
+    checkpoint has tensors (an absurd layer count would otherwise run for hours)."""
+    limit = 64 * len(layout.keys) + 4096
+    count = [0]
+    init = torch.nn.Module.__init__
+
+    def counted(self, *a, **k):
+        count[0] += 1
+        if count[0] > limit:
+            raise _TooManyModules
+        init(self, *a, **k)
+    torch.nn.Module.__init__ = counted
+    try:
+        with torch.device("meta"):
+            return cls(config).to(layout.dtype).eval()
+    except _TooManyModules:
+        raise InputError(f"{where} builds more than {limit} modules for a checkpoint of {len(layout.keys)} "
+                         "tensors; expected a config whose sizes match its weights") from None
+    except (InputError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a config field of the wrong type or value, an attention backend
+        raise InputError(f"{where} cannot build {cls.__name__} ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+                         "expected a config whose fields have the types and values transformers accepts") from None
+    finally:
+        torch.nn.Module.__init__ = init
+
+
+class _TooManyModules(Exception):
+    pass
+
+
+class KeysDiffer(InputError):
+    """The checkpoint's tensor names are not the built model's (transformers renames or
+    converts them on load, e.g. fused MoE experts): it can only be merged after
+    ``from_pretrained``."""
+
+
+def check_tensors(model, layout: Layout, path: str) -> dict:
+    """Refuse (naming the tensors) a checkpoint without some parameter of ``model`` (built on
+    ``meta``), with tensors the model does not use, or with shapes other than the config's:
+    before reading any value. Returns ``{parameter: the names it goes by}`` (tied weights
+    share one)."""
+    params = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        params.setdefault(id(p), []).append(name)
+    params = {names[0]: names for names in params.values()}
+    sd = model.state_dict()
+    unused = sorted(set(layout.shapes) - set(sd))
+    missing = sorted(names[0] for names in params.values() if not any(a in layout.shapes for a in names))
+    cls = type(model).__name__
+    if unused or missing:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} parameter(s) of {cls} are not in the checkpoint ({_names(missing)})")
+        if unused:
+            parts.append(f"{len(unused)} checkpoint tensor(s) are not {cls}'s ({_names(unused)})")
+        raise KeysDiffer(f"refusing {path!r}: " + "; ".join(parts) + f"; expected {EXPECTED} "
+                         f"holding exactly the tensors of {cls}")
+    resized = sorted(k for k in layout.shapes if tuple(sd[k].shape) != layout.shapes[k])
+    if resized:
+        k = resized[0]
+        raise InputError(f"refusing {path!r}: {len(resized)} tensor(s) have other shapes than the "
+                         f"config says ({_names(resized)}; {k!r} is {layout.shapes[k]}, the config gives "
+                         f"{tuple(sd[k].shape)}); expected the checkpoint of this config")
+    return params
 
 
 def read_index(index: str) -> dict:
@@ -105,8 +267,8 @@ def _model_class(tf, cfg, where):
     if not archs:
         raise InputError(f"{where} has no 'architectures' entry; expected the model class name "
                          "(e.g. [\"BertForMaskedLM\"]) as save_pretrained writes it")
-    cls = getattr(tf, archs[0], None)
-    if cls is None:
+    cls = getattr(tf, archs[0], None) if isinstance(archs[0], str) and archs[0].isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, tf.PreTrainedModel)):
         raise InputError(f"config architecture {archs[0]!r} is not a transformers class; expected a "
                          "model class available in the installed transformers")
     return cls
@@ -148,8 +310,9 @@ def check_weights_finite(model, where: str):
 
 
 def _from_pretrained(cls, source, where, **kw):
+    kw.setdefault("dtype", "auto")
     try:
-        model, info = cls.from_pretrained(source, dtype="auto", use_safetensors=True,
+        model, info = cls.from_pretrained(source, use_safetensors=True,
                                           output_loading_info=True, trust_remote_code=False, **kw)
     except (OSError, ValueError, RuntimeError, KeyError, EnvironmentError) as e:
         msg = " ".join(str(e).split())[:300] or type(e).__name__
@@ -166,18 +329,18 @@ def _from_pretrained(cls, source, where, **kw):
 
 
 def load_local(path: str):
-    """The model of a ``save_pretrained`` directory, loaded completely or refused."""
+    """The model of a ``save_pretrained`` directory, loaded completely or refused. The checkpoint
+    is read as the out-of-core path reads it first (:func:`read_layout`: files inside the
+    directory, index and shards in agreement; the model built on ``meta`` and checked against
+    the headers), then loaded in its tensors' dtype (not the config's ``dtype``)."""
     check_checkpoint_dir(path)
-    refuse_remote_code(path)
-    tf = _quiet_transformers()
-    cfg_path = os.path.join(path, "config.json")
+    cfg, cls = read_config(path)
+    layout = read_layout(path)
     try:
-        cfg = tf.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-        raise InputError(f"cannot read {cfg_path}: {' '.join(str(e).split())[:200]}; expected a "
-                         "Hugging Face config written by save_pretrained") from None
-    cls = _model_class(tf, cfg, cfg_path)
-    return _from_pretrained(cls, path, repr(path), local_files_only=True)
+        check_tensors(build_meta(cls, cfg, layout, os.path.join(path, "config.json")), layout, path)
+    except KeysDiffer:
+        pass  # names transformers converts on load (fused experts): from_pretrained checks those
+    return _from_pretrained(cls, path, repr(path), local_files_only=True, dtype=layout.dtype)
 
 
 def _offline() -> bool:

@@ -13,17 +13,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import signal
 import stat
 import tempfile
 
 import torch
 
-from ..core.files import file_id, identity, remove_own  # noqa: F401 - remove_own re-exported
+from ..core.files import copy_regular, file_id, identity, model_file, remove_own  # noqa: F401 - remove_own re-exported
 from ..errors import InputError
 
-__all__ = ["MARKER", "Terminated", "check_out", "save_atomic", "terminate_on_sigterm", "model_card",
+__all__ = ["MARKER", "Terminated", "check_out", "check_new_file", "save_atomic", "terminate_on_sigterm", "model_card",
            "identity", "remove_own"]
 
 MARKER = "symgraph_merge.json"
@@ -32,8 +31,40 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "spiece.model", "sentencepiece.bpe.model", "preprocessor_config.json")
 
 
-class Terminated(Exception):
-    """SIGTERM arrived; raised in the main thread so that ``finally`` blocks clean up."""
+class Terminated(BaseException):
+    """SIGTERM arrived; raised in the main thread so that ``finally`` blocks clean up. A
+    ``BaseException`` like ``KeyboardInterrupt``: no ``except Exception`` takes it for bad input."""
+
+
+#: Outputs this process has put in place (the CLI says so when a signal arrives afterwards).
+COMMITTED: list = []
+
+
+class _signals_held:
+    """SIGINT and SIGTERM held back around steps that must not be cut in two (moving the
+    previous output aside and the new one into its place): a signal arriving inside is noted
+    and acted on, as it would have been, on leaving. (A thread signal mask would not do: the
+    process's other threads would still take the signal.) Outside the main thread: no-op."""
+
+    def __enter__(self):
+        self.got, self.old = [], {}
+        try:
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self.old[s] = signal.signal(s, lambda n, f: self.got.append(n))
+        except ValueError:  # not the main thread
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+        if self.got:
+            sig, h = self.got[0], self.old[self.got[0]]
+            if callable(h):
+                h(sig, None)  # raises Terminated / KeyboardInterrupt as it would have
+            elif h == signal.SIG_DFL:
+                os.kill(os.getpid(), sig)
+        return False
 
 
 def terminate_on_sigterm():
@@ -103,11 +134,37 @@ def _vet(out, force, inputs) -> tuple:
                              "--force will not replace it; expected those moved out first, or a new "
                              "--out directory")
     try:  # a real probe: permission bits do not stop root, a read-only file system does
-        os.rmdir(tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.probe-", dir=parent))
+        os.rmdir(tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=parent))
     except OSError as e:
         raise InputError(f"cannot write into {parent!r} ({e.strerror or e}); expected a writable "
                          "directory for --out") from None
     return path, owned
+
+
+#: Temporary siblings of ``--out`` (short: a legal long ``--out`` name still leaves room).
+TMP_PREFIX, OLD_PREFIX, PROBE_PREFIX = ".symgraph-tmp-", ".symgraph-old-", ".symgraph-probe-"
+
+
+def check_new_file(path: str, option: str, inputs=()) -> str:
+    """The absolute path of a single output file (``analyze --dot FILE``), refused before any
+    work when writing it could lose data or change an input: it exists already (symgraph never
+    replaces a file it did not write; a file keeps no record of who wrote it), its directory is
+    missing, or it lies inside an input (through links too)."""
+    if not path or not str(path).strip():
+        raise InputError(f"{option} is empty; expected the path of a new file")
+    real = _real(str(path))
+    parent = os.path.dirname(real)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"the directory of {option} {path!r} does not exist; expected an existing "
+                                "directory")
+    if os.path.lexists(real) or os.path.lexists(os.path.abspath(os.path.expanduser(str(path)))):
+        raise InputError(f"{option} {path!r} already exists, and symgraph never replaces a file it did not "
+                         "write; expected a new file name (or remove the old file first)")
+    for inp in inputs:
+        if inp and os.path.exists(os.path.expanduser(str(inp))) and _inside(real, _real(str(inp))):
+            raise InputError(f"{option} {path!r} is inside the input {inp!r}; expected a path apart from the "
+                             "inputs")
+    return real
 
 
 def _umask_mode(base=0o777):
@@ -127,7 +184,7 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
     """
     out = check_out(out, force=force, inputs=inputs)
     parent = os.path.dirname(out)
-    tmp_prefix, old_prefix = f".{os.path.basename(out)}.tmp-", f".{os.path.basename(out)}.old-"
+    tmp_prefix, old_prefix = TMP_PREFIX, OLD_PREFIX
     tmp = tempfile.mkdtemp(prefix=tmp_prefix, dir=parent)
     made = {tmp: identity(tmp)}  # what this call created (or moved aside): all it may delete
     old, owned = None, ()
@@ -143,10 +200,9 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
             raise InputError(f"writing the merged model into {parent!r} failed ({_short(e)}); nothing was "
                              "written; expected enough free space and a writable directory for --out") from None
         if tokenizer_from and os.path.isdir(tokenizer_from):
-            for fn in TOKENIZER_FILES:
-                src = os.path.join(tokenizer_from, fn)
-                if os.path.isfile(src):
-                    shutil.copy2(src, os.path.join(tmp, fn))
+            for fn in TOKENIZER_FILES:  # regular files inside the model directory only, never a link out
+                if os.path.lexists(os.path.join(tokenizer_from, fn)):
+                    copy_regular(model_file(tokenizer_from, fn, what="tokenizer file"), os.path.join(tmp, fn))
         if card is not None:
             with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
                 f.write(card)
@@ -155,13 +211,17 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump({**_jsonable(meta or {}), "files": written + [MARKER], "file_ids": ids}, f, indent=2)
         os.chmod(tmp, _umask_mode())
-        if os.path.lexists(out):
-            owned = _vet(out, force, inputs)[1]  # still ours, right before replacing it
-            old = tempfile.mkdtemp(prefix=old_prefix, dir=parent)
-            os.rmdir(old)
-            os.replace(out, old)
-            made[old] = identity(old)
-        os.replace(tmp, out)
+        with _signals_held():  # the previous output moved aside and the new one in place: never half
+            if os.path.lexists(out):
+                owned = _vet(out, force, inputs)[1]  # still ours, right before replacing it
+                old = tempfile.mkdtemp(prefix=old_prefix, dir=parent)
+                os.rmdir(old)
+                os.replace(out, old)
+                made[old] = identity(old)
+            os.replace(tmp, out)
+            COMMITTED.append(out)
+            if old is not None:
+                remove_own(old, made[old], old_prefix, only=owned)
     finally:
         # the only deletions: ``tmp`` (this call's mkdtemp, a random sibling name) and ``old``
         # (the previous output, vetted by check_out as symgraph's own just before the move)

@@ -16,7 +16,8 @@ import os
 import numpy as np
 import torch
 
-from .loading import EXPECTED, read_index, _model_class, _names, _quiet_transformers, check_checkpoint_dir, refuse_remote_code
+from .loading import (DTYPES as _DTYPES, KeysDiffer, build_meta, check_checkpoint_dir, check_tensors, read_config,
+                      read_layout)
 from ..core.finite import all_finite
 from ..errors import InputError
 
@@ -24,12 +25,6 @@ __all__ = ["Checkpoint", "KeysDiffer", "ShardWriter", "parse_size", "INDEX", "SI
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-
-
-class KeysDiffer(InputError):
-    """The checkpoint's tensor names are not the built model's (transformers renames or
-    converts them on load, e.g. fused MoE experts): it can only be merged after
-    ``from_pretrained``."""
 
 
 def parse_size(size) -> int:
@@ -60,58 +55,19 @@ class Checkpoint:
 
     def __init__(self, path: str):
         check_checkpoint_dir(path)
-        refuse_remote_code(path)
         self.path = path
-        tf = _quiet_transformers()
-        cfg_path = os.path.join(path, "config.json")
-        try:
-            self.config = tf.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-            raise InputError(f"cannot read {cfg_path}: {' '.join(str(e).split())[:200]}; expected a "
-                             "Hugging Face config written by save_pretrained") from None
-        self.cls = _model_class(tf, self.config, cfg_path)
-        index = self._index()  # tensor -> shard file, None for one model.safetensors
-        self.files, self.shapes, self.dtypes = {}, {}, {}
+        self.config, self.cls = read_config(path)
+        layout = read_layout(path)  # the headers, checked to agree with the index
+        self.files, self.shapes, self.dtypes, self.keys = layout.files, layout.shapes, layout.dtypes, layout.keys
         self._finite: set = set()  # tensors already checked finite (alignment reads them again per sweep)
-        for file in (dict.fromkeys(index.values()) if index is not None else [os.path.join(path, SINGLE)]):
-            with self._handle(file) as h:  # each header read once
-                for key in h.keys():
-                    if index is None or index.get(key) == file:
-                        sl = h.get_slice(key)
-                        self.files[key] = file
-                        self.shapes[key], self.dtypes[key] = tuple(sl.get_shape()), _DTYPES.get(sl.get_dtype())
-        self.keys = list(index if index is not None else self.files)
-        absent = sorted(set(index or ()) - set(self.shapes))
-        if absent:
-            raise InputError(f"{self.path!r}: tensor(s) {_names(absent)} are in the index but not in "
-                             "their shard; expected a complete checkpoint")
-        floats = [self.dtypes[k] for k in self.keys if self.dtypes[k] is not None and self.dtypes[k].is_floating_point]
-        self.dtype = max(set(floats), key=floats.count) if floats else torch.float32
-        with torch.device("meta"):
-            self.model = self.cls(self.config).to(self.dtype).eval()
-        self.params = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            self.params.setdefault(id(p), []).append(name)
-        self.params = {names[0]: names for names in self.params.values()}
-        self._check_complete()
+        self.dtype = layout.dtype
+        self.model = build_meta(self.cls, self.config, layout, os.path.join(path, "config.json"))
+        self.params = check_tensors(self.model, layout, path)
         self.key_of = {n: next(a for a in names if a in self.shapes) for n, names in self.params.items()}
         self.param_of = {a: n for n, names in self.params.items() for a in names}
         self._computed = None  # buffers the constructor computes (fetch builds them once)
 
     # --- reading -------------------------------------------------------------------------
-
-    def _index(self) -> dict | None:
-        """``{tensor: shard path}`` from ``model.safetensors.index.json``; None without one."""
-        index = os.path.join(self.path, INDEX)
-        if os.path.isfile(index):
-            weight_map = read_index(index)
-            files = {k: os.path.join(self.path, v) for k, v in weight_map.items()}
-            absent = sorted({v for v in files.values() if not os.path.isfile(v)})
-            if absent:
-                raise InputError(f"{index!r} names shard(s) that are not there ({_names(absent)}); "
-                                 "expected every shard of the checkpoint")
-            return files
-        return None
 
     def _handle(self, file):
         from safetensors import safe_open
@@ -166,32 +122,6 @@ class Checkpoint:
         as :meth:`read`."""
         return self.read(self.key(name), check, part)
 
-    # --- checks --------------------------------------------------------------------------
-
-    def _check_complete(self):
-        """Refuse (naming the tensors) a checkpoint without some parameter, with tensors the
-        model does not use, or with shapes other than the config's: before reading any value."""
-        expected = set(self.model.state_dict().keys())
-        unused = sorted(set(self.shapes) - expected)
-        missing = sorted(names[0] for names in self.params.values() if not any(a in self.shapes for a in names))
-        cls = self.cls.__name__
-        if unused or missing:
-            parts = []
-            if missing:
-                parts.append(f"{len(missing)} parameter(s) of {cls} are not in the checkpoint ({_names(missing)})")
-            if unused:
-                parts.append(f"{len(unused)} checkpoint tensor(s) are not {cls}'s ({_names(unused)})")
-            raise KeysDiffer(f"refusing {self.path!r}: " + "; ".join(parts) + f"; expected {EXPECTED} "
-                             f"holding exactly the tensors of {cls}")
-        sd = self.model.state_dict()
-        resized = sorted(k for k in self.shapes if tuple(sd[k].shape) != self.shapes[k])
-        if resized:
-            k = resized[0]
-            raise InputError(f"refusing {self.path!r}: {len(resized)} tensor(s) have other shapes than the "
-                             f"config says ({_names(resized)}; {k!r} is {self.shapes[k]}, the config gives "
-                             f"{tuple(sd[k].shape)}); expected the checkpoint of this config")
-
-
 def computed_buffers(cls, config) -> dict:
     """``{name: tensor}`` of the buffers ``cls(config)`` computes on the CPU. The model is
     built with every parameter on ``meta`` as it is registered (no weight memory, no
@@ -208,11 +138,6 @@ def computed_buffers(cls, config) -> dict:
     finally:
         torch.nn.Module.register_parameter = register
     return {n: b for n, b in model.named_buffers(remove_duplicate=False) if not b.is_meta}
-
-
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
 
 
 def _itemsize(dtype) -> int:

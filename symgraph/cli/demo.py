@@ -116,12 +116,16 @@ def heldout_loss_fn(heldout_stream, n_batches: int = 4, rows: int = 16):
 
 
 def run_demo(out: str = "symgraph-demo", seconds: float | None = None, force_retrain: bool = False,
-             n_lambdas: int = 21):
-    """Train (or load cached) models, merge three ways, print a table, write ``barrier.png``."""
+             n_lambdas: int = 21, force: bool = False):
+    """Train (or load cached) models, merge three ways, print a table, write ``barrier.png``
+    into ``out``: a new directory, or (with ``force``) a previous output of symgraph's, vetted
+    before any work and written atomically like every output."""
     import numpy as np
     from tqdm import tqdm
 
     import symgraph
+    from ..checkpoints.outdir import check_out, save_atomic
+    out = check_out(out, force=force)
     a, b = trained_models(seconds, retrain=force_retrain)
     train_stream, heldout = corpus()
     loss_fn = heldout_loss_fn(heldout)
@@ -142,10 +146,9 @@ def run_demo(out: str = "symgraph-demo", seconds: float | None = None, force_ret
     print("-" * 36)
     for name, l05, bar, _, _ in rows:
         print(f"{name:<12} {l05:>13.3f} {bar:>9.3f}")
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "barrier.png")
-    _plot(curves, path)
-    print(f"wrote {path}")
+    save_atomic(lambda d: _plot(curves, os.path.join(d, "barrier.png")), out, force=force,
+                 meta={"mode": "demo", "rows": rows})
+    print(f"wrote {os.path.join(out, 'barrier.png')}")
     return rows
 
 
@@ -162,7 +165,5 @@ def _plot(curves, path):
     ax.set_title("Linear interpolation between two byte-level GPT-2s")
     ax.legend()
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
+    fig.savefig(path, dpi=120)  # into save_atomic's private temporary directory
     plt.close(fig)
-    os.replace(tmp, path)

@@ -41,10 +41,12 @@ class _Refusal(Exception):
 def cmd_analyze(args) -> int:
     from ..report.api import analyze
     from ..checkpoints.specs import load_model
-    for p in (args.dot, args.png):
-        if p and not os.path.isdir(os.path.dirname(os.path.abspath(p))):
-            raise FileNotFoundError(f"the directory of graph output {p!r} does not exist; expected an "
-                                    "existing directory")
+    from ..checkpoints.outdir import check_new_file
+    for opt, p in (("--dot", args.dot), ("--png", args.png)):
+        if p:
+            check_new_file(p, opt, inputs=[args.model])
+    if args.dot and args.png and os.path.realpath(args.dot) == os.path.realpath(args.png):
+        raise _Refusal(f"--dot and --png are both {args.dot!r}; expected two different files")
     if args.dot and not args.dot.lower().endswith(".dot"):
         raise _Refusal(f"--dot {args.dot!r} must end in .dot")
     if args.png and not args.png.lower().endswith((".png", ".svg")):
@@ -117,7 +119,7 @@ def cmd_resize(args) -> int:
 
 def cmd_demo(args) -> int:
     from .demo import run_demo
-    run_demo(out=args.out, seconds=args.seconds, force_retrain=args.retrain)
+    run_demo(out=args.out, seconds=args.seconds, force_retrain=args.retrain, force=args.force)
     return 0
 
 
@@ -219,6 +221,7 @@ def build_parser():
     d.add_argument("--out", metavar="DIR", default="symgraph-demo")
     d.add_argument("--seconds", type=float, default=None, help="training budget in seconds (total)")
     d.add_argument("--retrain", action="store_true", help="ignore the cached models")
+    d.add_argument("--force", action="store_true", help="replace an existing --out (a previous demo output)")
     d.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     d.set_defaults(func=cmd_demo)
     return p
@@ -255,11 +258,16 @@ def main(argv=None) -> int:
     except (SymgraphError, _Refusal, FileNotFoundError, ValueError, OSError) as e:
         return _refuse(str(e) if str(e) else type(e).__name__)
     except KeyboardInterrupt:
-        _refuse("interrupted (Ctrl-C); nothing was written")
+        _refuse(f"interrupted (Ctrl-C); {_what_was_written()}")
         return EXIT_INTERRUPTED
     except Terminated:
-        _refuse("terminated (SIGTERM); nothing was written")
+        _refuse(f"terminated (SIGTERM); {_what_was_written()}")
         return EXIT_TERMINATED
+
+
+def _what_was_written() -> str:
+    from ..checkpoints.outdir import COMMITTED
+    return f"{COMMITTED[-1]} was already complete" if COMMITTED else "nothing was written"
 
 
 if __name__ == "__main__":

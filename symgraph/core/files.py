@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import stat
 
-__all__ = ["identity", "file_id", "remove_own", "special_file", "check_input_file"]
+__all__ = ["identity", "file_id", "remove_own", "special_file", "check_input_file", "model_file", "model_roots",
+           "copy_regular"]
 
 
 def check_input_file(path: str, what: str, expected: str) -> None:
@@ -21,6 +22,64 @@ def check_input_file(path: str, what: str, expected: str) -> None:
     kind = special_file(p)
     if kind:
         raise InputError(f"{what} {path!r} is {kind}, not a regular file; expected {expected}")
+
+
+def model_roots(directory: str) -> tuple:
+    """The real directories a model directory's files may resolve into: the directory itself
+    and, for a Hugging Face cache snapshot (``<repo>/snapshots/<revision>``, whose files are
+    links into ``<repo>/blobs``), that repository's ``blobs`` folder."""
+    root = os.path.realpath(os.path.abspath(os.path.expanduser(str(directory))))
+    parent = os.path.dirname(root)
+    blobs = os.path.join(os.path.dirname(parent), "blobs")
+    return (root, blobs) if os.path.basename(parent) == "snapshots" and os.path.isdir(blobs) else (root,)
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def model_file(directory: str, name: str, *, what: str = "file") -> str:
+    """The real path of the file ``name`` that the model directory ``directory`` names (its
+    config, a shard its index lists, a tokenizer file), refused unless it resolves, after
+    links, inside the directory (:func:`model_roots`) and is a regular file: a model directory
+    is a closed world, and nothing outside it is read or copied because it says so."""
+    from ..errors import InputError
+    shown = os.path.join(str(directory), name)
+    if not name or "\0" in name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        raise InputError(f"{what} {name!r} named in {str(directory)!r} is not a plain name inside that "
+                         "directory; expected the name of a file in the model directory (as save_pretrained "
+                         "writes it)")
+    roots = model_roots(directory)
+    real = os.path.realpath(os.path.join(roots[0], name))
+    if not any(_inside(real, r) for r in roots):
+        raise InputError(f"{what} {shown!r} points outside the model directory (to {real}); symgraph reads "
+                         "only files inside a model directory; expected a regular file in it, not a link out "
+                         "of it")
+    if not os.path.exists(real):
+        raise FileNotFoundError(f"{what} {shown!r} is not there{' (a broken link)' if os.path.islink(shown) else ''}; "
+                                "expected every file the model directory names")
+    kind = special_file(real) or ("a directory" if os.path.isdir(real) else None)
+    if kind:
+        raise InputError(f"{what} {shown!r} is {kind}, not a regular file; expected a regular file in the "
+                         "model directory")
+    return real
+
+
+def copy_regular(src_real: str, dst: str) -> None:
+    """Copy the regular file ``src_real`` (a path :func:`model_file` returned) to the new file
+    ``dst``: opened without following a link at its last component and checked regular through
+    its handle, so a file swapped for a link or a FIFO after the check is never read."""
+    import shutil
+    from ..errors import InputError
+    try:
+        fd = os.open(src_real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise InputError(f"cannot copy {src_real!r} ({e.strerror}); expected a regular file") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise InputError(f"{src_real!r} is not a regular file; expected a regular file to copy")
+        with open(dst, "xb") as g:
+            shutil.copyfileobj(f, g)
 
 
 def special_file(path: str) -> str | None:

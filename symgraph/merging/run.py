@@ -57,6 +57,7 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
     inputs = list(cfg.models) + ([cfg.data] if cfg.data else [])
     out = check_out(cfg.out, force=cfg.force, inputs=inputs)  # before any work
     check_paths(cfg.models)
+    check_dtype_kinds(local_layouts(cfg.models), cfg.models)  # from the headers, before either path
     if cfg.data:
         from ..checkpoints.specs import DATA_EXPECTED
         from ..core.files import check_input_file
@@ -131,6 +132,9 @@ def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
     check_finite(result.model, "the merged model")
     if cfg.device != "cpu":
         result.model.to("cpu")  # written from the CPU (safetensors reads host memory)
+    layout = local_layouts(cfg.models[anchor:anchor + 1])[0]
+    if layout is not None:
+        _as_stored(result.model, layout)
     meta = _meta(cfg, data, mode="in-memory", seconds=time.time() - t0, alignments=result.alignments,
                  dtype=next(result.model.parameters()).dtype,
                  repair=result.repair.to_dict() if result.repair is not None else None,
@@ -261,6 +265,43 @@ def check_paths(specs):
         p = os.path.expanduser(m)
         if os.path.exists(p) or m.startswith((".", "/", "~")) or m.count("/") > 1:
             check_checkpoint_dir(p)
+
+
+def _as_stored(model, layout):
+    """Each floating-point tensor of the merged ``model`` in the dtype the anchor's checkpoint
+    stores it in (``from_pretrained`` loads every tensor in one dtype; the out-of-core path
+    writes each in its own): the dtypes follow the tensors, not the config."""
+    import torch
+    with torch.no_grad():
+        for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+            want = layout.dtypes.get(name)
+            if want is not None and want.is_floating_point and t.is_floating_point() and t.dtype != want:
+                t.data = t.data.to(want)
+
+
+def local_layouts(specs) -> list:
+    """The :class:`~symgraph.checkpoints.loading.Layout` of each local checkpoint directory
+    (None for a demo name or hub id): the one reading of its headers every path starts from."""
+    from ..checkpoints.loading import read_layout
+    return [read_layout(os.path.expanduser(m)) if os.path.isdir(os.path.expanduser(m)) else None for m in specs]
+
+
+def check_dtype_kinds(layouts, names):
+    """Refuse, before any work, a tensor stored as a floating-point number in one model and as
+    an integer in another (no merge can say what it should be), naming it."""
+    first = next((i for i, lay in enumerate(layouts) if lay is not None), None)
+    if first is None:
+        return
+    base = layouts[first]
+    for name, lay in zip(names, layouts):
+        if lay is None or lay is base:
+            continue
+        for k in base.keys:
+            a, b = base.dtypes[k], lay.dtypes.get(k)
+            if b is not None and a.is_floating_point != b.is_floating_point:
+                raise InputError(f"tensor {k!r} is {str(a).removeprefix('torch.')} in {names[first]!r} but "
+                                 f"{str(b).removeprefix('torch.')} in {name!r}; expected the same kind of number "
+                                 "(floating point or integer) in every model")
 
 
 def input_names(specs) -> list:

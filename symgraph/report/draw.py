@@ -90,7 +90,7 @@ def save_graph(report, path: str) -> str:
     """Write the class graph to ``.dot``, ``.png`` or ``.svg`` (atomically)."""
     ext = os.path.splitext(path)[1].lower()
     d = os.path.dirname(os.path.abspath(path))
-    prefix = f".{os.path.basename(path)}.tmp-"
+    prefix = ".symgraph-tmp-"
     fd, tmp = tempfile.mkstemp(dir=d, prefix=prefix, suffix=ext)
     made = identity(tmp)
     os.close(fd)
@@ -109,7 +109,13 @@ def save_graph(report, path: str) -> str:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a picture is an ordinary file
-        os.replace(tmp, path)
+        try:  # a hard link never replaces a file that appeared at ``path`` since it was checked
+            os.link(tmp, path)
+        except FileExistsError:
+            raise InputError(f"{path!r} appeared while the graph was drawn; symgraph never replaces a file "
+                             "it did not write; expected a new file name") from None
+        except OSError:  # a file system without hard links
+            os.replace(tmp, path)
     finally:
         # the only deletion: this call's mkstemp file, if still there (renamed onto ``path``
         # on success)
