@@ -7,7 +7,9 @@ the last axis: ``rotate_half`` pairs ``(i, i + d/2)``, the interleaved (GPT-J) f
 ``R² = -I``, and claims the pattern's nodes. Maps commuting with every position's rotation,
 among ours, are independent 2×2 rotations of each pair: the class meets ``rope``.
 No module names are consulted; partial rotary (a slice of the head dim) falls out because the
-pattern's ``x`` may itself be a slice.
+pattern's ``x`` may itself be a slice. Casts are read through: outside float32, Hugging Face's
+``q.float() * cos + rotate_half(q.float()) * sin`` casts ``q`` once per side, and the rotated
+operand (a second cast of x's source) is x's value, so every dtype gives the same classes.
 """
 from __future__ import annotations
 
@@ -26,9 +28,34 @@ aten = torch.ops.aten
 _BIG = 2 ** 62
 
 
+# Copies that keep a floating-point value (up to rounding to the new dtype): ``q.float()``
+# in the rotary code of a bf16/fp16/fp64 model, ``.to(dtype)``, ``.contiguous()``.
+_COPIES = {aten._to_copy, aten.to, aten.type_as, aten.clone, aten.contiguous, aten.alias,
+           aten.detach, aten.lift_fresh_copy}
+
+
+def _floating(node) -> bool:
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+
+def _value_source(node):
+    """``node`` with floating-point copies and casts peeled off: two nodes with one source hold
+    one value, whatever dtype each was cast to. Traced outside float32, ``rotate_half(q.float())``
+    and ``q.float() * cos`` cast ``q`` twice, so the rotated operand is a second copy of ``x``."""
+    while (isinstance(node, torch.fx.Node) and node.op == "call_function"
+           and op_of(node) in _COPIES and node.args and isinstance(node.args[0], torch.fx.Node)
+           and _floating(node) and _floating(node.args[0])
+           and tuple(node.meta["val"].shape) == tuple(node.args[0].meta["val"].shape)):
+        node = node.args[0]
+    return node
+
+
 def _signed_map(node, x, nodes):
-    """Signed coordinate indices (1-based) of ``node`` along x's last axis, or None."""
-    if node is x:
+    """Signed coordinate indices (1-based) of ``node`` along x's last axis, or None. A copy
+    of ``x``'s value (another cast of its source) is ``x`` itself; it is left to its own rule
+    (not added to ``nodes``), which relates its axes to the source's."""
+    if node is x or (isinstance(node, torch.fx.Node) and _value_source(node) is _value_source(x)):
         n = x.meta["val"].shape[-1]
         return np.arange(1, n + 1)
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":

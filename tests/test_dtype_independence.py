@@ -1,0 +1,238 @@
+"""The report does not depend on the model's dtype (issue 40): every family of
+``test_families.py`` and ``test_families_full_groups.py``, analysed in float32, bfloat16,
+float16 and float64, has the same groups (kind, sizes, the slots they act on and how, their
+rotary pairs, the groups they are fibred over), the same folds, frozen ops and fixed buffers.
+
+Outside float32 the traced graph has casts float32 does not (``q.float()`` in ModernBERT's
+``apply_rotary_pos_emb``, called twice, so the rotated operand is a second copy of ``q``):
+the passes read through them. Real checkpoints are bf16 or fp16, and the out-of-core path
+traces on ``meta`` in the checkpoint's dtype. Certificates run in float64, as everywhere.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import symgraph
+from symgraph.testing import models
+
+tf = pytest.importorskip("transformers")
+
+import test_families as fam  # noqa: E402 - the families' builders and inputs
+from test_families_full_groups import MORE  # noqa: E402
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+# --- a canonical, dtype-free description of a report --------------------------------------
+def summary(report) -> dict:
+    """What the report claims, with nothing that names graph nodes or union-find roots (group
+    ids follow the roots, and the casts of other dtypes are extra nodes): each group by its
+    kind, sizes, slots (with variance), buffers, rotary pairs and the groups it is fibred
+    over (named by their slots)."""
+    key = {g.id: tuple(sorted(zip(map(tuple, g.params), g.variance))) for g in report.groups}
+    groups = sorted((g.kind, g.size, g.dim, g.blocks, key[g.id], tuple(sorted(map(tuple, g.buffers))),
+                     g.pairs, tuple(sorted(key[o] for o in g.outer))) for g in report.groups)
+    return {
+        "groups": groups,
+        "frozen": sorted((f.op, f.module) for f in report.frozen),
+        "folds": sorted((f.gain, f.shift, tuple(map(tuple, f.readers)), f.keep_shift) for f in report.folds),
+        "fixed_buffers": sorted(report.fixed_buffers),
+        "shared": sorted(key[i] for i in report.shared),
+        "stacked": sorted(report.stacked.items()),
+        "parameters": sorted((n, report.param_shape(n)) for n in report.parameters),
+    }
+
+
+def cast(x, dtype):
+    """Floating-point tensors of ``x`` (a tensor, dict, tuple) in ``dtype``; the rest as is."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, dict):
+        return {k: cast(v, dtype) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(cast(v, dtype) for v in x)
+    return x
+
+
+# --- the families: name -> () -> (model, inputs or None, analyze options) -----------------
+# test_families.py builds Swin, CLIP and Mamba2 inside its tests: the same configs here.
+def _swin():
+    cfg = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=8, depths=[2, 2], num_heads=[2, 4],
+                        window_size=2, num_labels=5)
+    return fam.randomized(tf.SwinForImageClassification(cfg)), {"pixel_values": fam.pixels()}, {}
+
+
+def _clip():
+    cfg = tf.CLIPConfig(
+        text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                         num_attention_heads=4, max_position_embeddings=16),
+        vision_config=dict(hidden_size=16, intermediate_size=20, num_hidden_layers=1,
+                           num_attention_heads=4, image_size=16, patch_size=4),
+        projection_dim=8)
+    return (fam.randomized(tf.CLIPModel(cfg)), {"input_ids": fam.ids(), "pixel_values": fam.pixels(16)},
+            {"outputs": ["logits_per_image", "logits_per_text"]})
+
+
+def _mamba2():
+    cfg = tf.Mamba2Config(vocab_size=64, hidden_size=16, state_size=8, num_hidden_layers=1, num_heads=4,
+                          head_dim=8, expand=2, n_groups=1, chunk_size=4, use_cache=False)
+    return fam.randomized(tf.Mamba2ForCausalLM(cfg)), {"input_ids": fam.ids()}, {}
+
+
+def _custom(cls):
+    def build():
+        torch.manual_seed(0)
+        return cls().eval().double(), (torch.randn(2, 6, 5, dtype=torch.float64),), {}
+    return build
+
+
+BUILDERS = {
+    "swin": _swin,
+    "bart": lambda: (fam.bart(), {"input_ids": fam.ids()}, {"outputs": ["logits"]}),
+    "clip": _clip,
+    "fused_gqa": _custom(fam.FusedGQA),
+    "dbrx": _custom(fam.DbrxStyle),
+    "multihead_attention": _custom(fam.MHA),
+    "mamba2": _mamba2,
+    **{name: (lambda name=name: (models.build(name, seed=0), None, {})) for name in models.ARCHS},
+    **{name: (lambda build=build: (build().eval(), None, {})) for name, build in MORE.items()},
+}
+# about 0.3 to 2 s per family and dtype: a representative fast subset (rotary packed QKV,
+# rotary GQA, fused grouped QKV, packed in_proj); the rest is slow
+FAST = {"modernbert", "llama", "fused_gqa", "multihead_attention"}
+# BART in float16 has a data-dependent branch (``if hidden_states.dtype == torch.float16 and
+# not torch.isfinite(hidden_states).all(): clamp``, in 37 transformers models): torch.export
+# cannot trace it (test_bart_float16_is_not_traced below)
+UNTRACEABLE = {("bart", torch.float16)}
+
+
+@functools.lru_cache(maxsize=None)
+def _model(name):
+    return BUILDERS[name]()
+
+
+@functools.lru_cache(maxsize=None)
+def report(name, dtype):
+    """``name`` analysed in ``dtype`` (a copy of the model and its floating-point inputs cast)."""
+    model, inputs, options = _model(name)
+    return symgraph.analyze(copy.deepcopy(model).to(dtype), cast(inputs, dtype), **options)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow)
+                                  for n in BUILDERS])
+def test_report_is_the_same_in_every_dtype(name):
+    want = summary(report(name, torch.float32))
+    assert want["groups"], name
+    for dtype in DTYPES[1:]:
+        if (name, dtype) in UNTRACEABLE:
+            continue
+        got = summary(report(name, dtype))
+        for part in want:
+            assert got[part] == want[part], (name, dtype, part)
+
+
+@pytest.mark.slow
+def test_bart_float16_is_not_traced():
+    """Not a different report: no report (tracing fails). If this starts to pass, drop
+    UNTRACEABLE and the BART fp16 report joins the comparison above."""
+    with pytest.raises(symgraph.TraceError, match="data-dependent"):
+        report("bart", torch.float16)
+
+
+# --- ModernBERT: the rotary classes in bf16 ------------------------------------------------
+def _attention(rep):
+    return sorted((g.kind, g.size, g.dim, g.blocks) for g in rep.groups if ".attn" in g.module)
+
+
+def test_modernbert_bf16_has_per_head_rope_and_vo_classes():
+    """bf16 casts Q and K to float32 twice each (``q.float() * cos + rotate_half(q.float()) * sin``):
+    the rotated copy is the same value, so each head keeps its RoPE class on QK and its GL
+    class on VO (it had no RoPE class and one GL class across Q, K and V)."""
+    per_layer = [("gl", 32, 8, 4), ("perm", 4, 4, 1), ("rope", 32, 8, 4)]
+    for dtype in DTYPES:
+        rep = report("modernbert", dtype)
+        assert _attention(rep) == sorted(per_layer * 2), dtype
+        assert rep.frozen == []
+        for g in rep.groups:
+            if g.kind == "rope":
+                assert g.pairs == ((0, 4), (1, 5), (2, 6), (3, 7))
+                assert {p for p, _ in g.params} == {g.module + ".weight"}  # Q and K rows of Wqkv
+                heads = [h for h in rep.groups if h.id in g.outer]
+                assert [(h.kind, h.size) for h in heads] == [("perm", 4)]
+        # Q, K (rope) and V (gl) are different classes of the packed axis, per head
+        for layer in range(2):
+            wqkv = f"model.layers.{layer}.attn.Wqkv.weight"
+            packed = rep.param_axes(wqkv)[0]
+            assert rep.axis_structure(packed) == ("sum", [32, 32, 32])
+            kinds = sorted(g.kind for g in rep.groups if (wqkv, 0) in g.params)
+            assert kinds == ["gl", "perm", "rope"], (dtype, layer)
+    model = _model("modernbert")[0]
+    for dtype in (torch.bfloat16, torch.float16):  # certified in float64
+        assert report("modernbert", dtype).certify(copy.deepcopy(model).double()) < 1e-9
+
+
+def test_modernbert_on_meta_in_bf16():
+    """The out-of-core path: shapes only, in the checkpoint's dtype."""
+    with torch.device("meta"):
+        model = MORE["modernbert"]().eval().to(torch.bfloat16)
+    rep = symgraph.analyze(model)
+    assert summary(rep) == summary(report("modernbert", torch.float32))
+
+
+# --- the rotary pattern through casts, on a tiny module -----------------------------------
+def _rotate_half(x):
+    n = x.shape[-1] // 2
+    return torch.cat((-x[..., n:], x[..., :n]), dim=-1)
+
+
+class CastRope(nn.Module):
+    """Q/K projections, RoPE computed in float32 with a separate cast of the operand on each
+    side (the Hugging Face code), then attention in the model's dtype. ``other=True`` rotates
+    the key where the query is meant: not a rotation of anything."""
+
+    def __init__(self, d=16, h=2, other=False):
+        super().__init__()
+        self.h, self.hd, self.other = h, d // h, other
+        self.emb, self.q, self.k, self.v, self.o = (nn.Linear(5, d), *(nn.Linear(d, d, bias=False) for _ in range(4)))
+        self.head = nn.Linear(d, 3)
+        self.register_buffer("inv_freq", 1.0 / (100.0 ** (torch.arange(0, self.hd, 2).float() / self.hd)),
+                             persistent=False)
+
+    def forward(self, x):
+        h = self.emb(x)
+        B, T, _ = h.shape
+        q, k, v = (f(h).view(B, T, self.h, self.hd).transpose(1, 2) for f in (self.q, self.k, self.v))
+        ang = torch.arange(T, device=h.device).float()[:, None] * self.inv_freq.float()
+        ang = torch.cat((ang, ang), -1)  # the tables are built pair-symmetric (checked on the graph)
+        cos, sin = ang.cos().to(h.dtype), ang.sin().to(h.dtype)
+        q2 = ((q.float() * cos) + (_rotate_half((k if self.other else q).float()) * sin)).to(h.dtype)
+        k2 = ((k.float() * cos) + (_rotate_half(k.float()) * sin)).to(h.dtype)
+        a = torch.softmax(q2 @ k2.transpose(-1, -2), -1) @ v
+        return self.head(h + self.o(a.transpose(1, 2).reshape(B, T, -1)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_through_casts(dtype):
+    torch.manual_seed(0)
+    m, x = CastRope().eval().double(), torch.randn(2, 6, 5, dtype=torch.float64)
+    rep = symgraph.analyze(copy.deepcopy(m).to(dtype), (x.to(dtype),))
+    (rope,) = [g for g in rep.groups if g.kind == "rope"]
+    assert (rope.dim, rope.blocks, rope.pairs) == (8, 2, ((0, 4), (1, 5), (2, 6), (3, 7)))
+    assert {p for p, _ in rope.params} == {"q.weight", "k.weight"}
+    assert rep.certify(m, (x,)) < 1e-6  # the rotation runs in float32 (.float()) in every dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotating_another_tensor_is_not_rope(dtype):
+    """``q ⊙ cos + R(k) ⊙ sin``: the casts of q and k have different sources, so no RoPE
+    class is claimed on the query side (soundness: a rotation of q's pairs does not commute)."""
+    torch.manual_seed(0)
+    m, x = CastRope(other=True).eval().double(), torch.randn(2, 6, 5, dtype=torch.float64)
+    rep = symgraph.analyze(copy.deepcopy(m).to(dtype), (x.to(dtype),))
+    assert not any(g.kind == "rope" and ("q.weight", 0) in g.params for g in rep.groups)
+    assert rep.certify(m, (x,)) < 1e-6
