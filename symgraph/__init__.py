@@ -16,9 +16,9 @@ from .merging.barrier import interpolate, loss_barrier
 from .merging import MergeResult, merge, merge_methods, register_merge
 from .report.symmetry import Group, SymmetryReport, Transform
 from .merging.resize import ResizeResult, resize
-from .merging.streaming import merge_checkpoints
+from .merging.run import merge_checkpoints
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "analyze", "tied_parameters", "SymmetryReport", "Group", "Transform", "transform",

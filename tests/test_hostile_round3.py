@@ -147,7 +147,7 @@ def test_falcon_activation_alignment_needs_loaded_models_and_says_so(ws, tmp_pat
     they hold no values, so out of core is refused and ``symgraph merge`` loads the models,
     giving the in-memory merge exactly (it used to read uninitialised memory)."""
     import transformers
-    from symgraph.merging.streaming import merge_checkpoints
+    from symgraph import merge_checkpoints
     paths = []
     for s in (0, 1):
         torch.manual_seed(s)
@@ -179,7 +179,7 @@ def test_integer_tensors_are_the_anchors_never_averaged(tmp_path):
     import transformers
     from safetensors.torch import load_file
 
-    from symgraph.merging.streaming import merge_checkpoints
+    from symgraph import merge_checkpoints
     for s, count in ((0, 7), (1, 1000001)):
         torch.manual_seed(s)
         cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],

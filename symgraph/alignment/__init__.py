@@ -15,7 +15,6 @@ an :class:`Alignment` keyed by group id.
 from __future__ import annotations
 
 from .driver import AlignOptions, align
-from .result import Alignment
-from .saved import load_alignment
+from .result import Alignment, load_alignment
 
 __all__ = ["align", "AlignOptions", "Alignment", "load_alignment"]

@@ -144,15 +144,15 @@ _KINDS = _ORTHOGONAL_KINDS + ("scaled_perm", "rope", "gl")
 class ElementGroup:
     """What an element of one group must look like: the group's ``kind``, ``dim`` (the side of
     one block's matrix), ``blocks`` (how many blocks: the product of the fibre sizes) and,
-    where known, ``fibre`` (the sizes of the classes it is fibred over, the element's leading
-    dims); ``dim_a`` / ``fibre_a``: the same in model A (a map's rows), where A differs."""
+    where known, ``stack`` (the sizes of the classes it is fibred over, the element's leading
+    dims); ``dim_a`` / ``stack_a``: the same in model A (a map's rows), where A differs."""
     id: int
     kind: str
     dim: int
     blocks: int
-    fibre: tuple | None = None
+    stack: tuple | None = None
     dim_a: int | None = None
-    fibre_a: tuple | None = None
+    stack_a: tuple | None = None
 
     @property
     def size(self) -> int:
@@ -241,7 +241,7 @@ def _check_index(index, g: ElementGroup):
                    "an integer index vector (int64)")
     n = g.size
     if g.blocks != 1:
-        raise _Bad("an index vector", f"a [{', '.join(map(str, (*(g.fibre or (g.blocks,)), g.dim, g.dim)))}] "
+        raise _Bad("an index vector", f"a [{', '.join(map(str, (*(g.stack or (g.blocks,)), g.dim, g.dim)))}] "
                    "tensor (one matrix per block)")
     if g.kind in ("rope", "identity"):
         raise _Bad("a permutation", f"an element of a {g.kind} group (permutations are not in it)")
@@ -261,7 +261,7 @@ def _check_index(index, g: ElementGroup):
 
 
 def _shape_of(g: ElementGroup, a_side: bool = False) -> list | None:
-    fib = g.fibre_a if a_side and g.fibre_a is not None else g.fibre
+    fib = g.stack_a if a_side and g.stack_a is not None else g.stack
     return None if fib is None else [*fib]
 
 

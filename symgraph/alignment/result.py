@@ -10,9 +10,12 @@ import torch
 
 from ..transform.apply import move, stored_tensors, write_state
 from ..core.elements import Map, Perm
+from ..errors import InputError
+from ..report.api import analyze
 from .checks import check_finite
+from .saved import fingerprint, read_alignment, save_alignment
 
-__all__ = ["Alignment"]
+__all__ = ["Alignment", "load_alignment"]
 
 
 @dataclass
@@ -39,17 +42,15 @@ class Alignment:
     full_groups: dict = field(default_factory=dict)  # what fit_gl kept per gl/rope class
     options: dict = field(default_factory=dict)  # the analysis options (fold_norms, outputs) B's report used
     fingerprints: dict = field(default_factory=dict)  # a loaded alignment's {"a", "b"}: see saved.fingerprint
+    structures: dict = field(default_factory=dict, repr=False)  # a loaded alignment's {"a", "b"}: saved.structure
 
     def report_for(self, model_b):
         """B's report, or for a loaded alignment (no reports) ``model_b``'s, analysed with the
         saved options and refused unless its symmetry structure is B's."""
         if self.report_b is not None:
             return self.report_b
-        from ..report.api import analyze
-        from .saved import fingerprint
         rep = analyze(model_b, fold_norms=self.options.get("fold_norms", True), outputs=self.options.get("outputs"))
         if self.fingerprints.get("b") and fingerprint(rep) != self.fingerprints["b"]:
-            from ..errors import InputError
             raise InputError(f"the model ({type(model_b).__name__}) has another symmetry structure than the "
                              "model B this alignment was solved for (another architecture, width or config); "
                              "expected a model of B's architecture and shapes, e.g. a fine-tune of B")
@@ -58,7 +59,6 @@ class Alignment:
     def save(self, path: str) -> str:
         """Write this alignment into ``path`` (a ``.safetensors`` file); see
         :func:`symgraph.load_alignment`."""
-        from .saved import save_alignment
         return save_alignment(self, path)
 
     def state(self, model_b) -> dict:
@@ -118,3 +118,12 @@ class Alignment:
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **({"indent": 2} | kw))
+
+
+def load_alignment(path: str) -> Alignment:
+    """The alignment saved in ``path`` (a file from :meth:`Alignment.save`, or a directory
+    ``symgraph align`` wrote), every element checked against its group as it is read
+    (:func:`~symgraph.alignment.saved.read_alignment`). Its reports are None:
+    :meth:`Alignment.apply` analyses the model it is given and refuses one whose symmetry
+    structure differs from B's (another architecture or width)."""
+    return Alignment(**read_alignment(path))

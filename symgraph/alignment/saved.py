@@ -17,9 +17,8 @@ import torch
 from ..core.elements import Map, Perm
 from ..errors import InputError
 from .checks import ElementGroup, check_element, check_element_shape
-from .result import Alignment
 
-__all__ = ["save_alignment", "load_alignment", "fingerprint", "structure", "FORMAT"]
+__all__ = ["save_alignment", "read_alignment", "fingerprint", "structure", "FORMAT", "ALIGNMENT_FILE"]
 
 FORMAT = "symgraph-alignment/1"
 
@@ -46,7 +45,7 @@ def fingerprint(report) -> str:
     return _digest(structure(report))
 
 
-def save_alignment(al: Alignment, path: str, *, options: dict | None = None) -> str:
+def save_alignment(al, path: str, *, options: dict | None = None) -> str:
     """Write ``al`` into ``path`` (a ``.safetensors`` file); ``options``: the analysis options
     (``fold_norms``, ``outputs``) a loader must analyse the model it carries with. Returns the
     path. Elements are stored in their own dtype (permutations as int64 indices)."""
@@ -83,8 +82,9 @@ def save_alignment(al: Alignment, path: str, *, options: dict | None = None) -> 
     return path
 
 
-def load_alignment(path: str) -> Alignment:
-    """The alignment saved in ``path`` (a file from :func:`save_alignment`, or a directory
+def read_alignment(path: str) -> dict:
+    """The fields of the :class:`~symgraph.alignment.result.Alignment` saved in ``path``
+    (:func:`~symgraph.alignment.result.load_alignment` builds it): the alignment in ``path`` (a file from :func:`save_alignment`, or a directory
     ``symgraph align`` wrote, holding ``symgraph_alignment.safetensors``). Its reports are
     None: :meth:`Alignment.apply` analyses the model it is given and refuses one whose
     symmetry structure differs from B's (another architecture or width).
@@ -144,12 +144,9 @@ def load_alignment(path: str) -> Alignment:
         if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise InputError(f"{where}: gauge tensor {name!r} (model A's folded norm gain) is not finite floating "
                              "point; expected A's finite gain")
-    al = Alignment(report_a=None, report_b=None, elements=elements, similarity=meta.get("similarity"),
-                   gauge=gauge)
-    al.fingerprints = {"a": meta["fingerprint_a"], "b": meta["fingerprint_b"]}
-    al.structures = {"a": meta["structure_a"], "b": meta["structure_b"]}
-    al.options = meta.get("options") or {}
-    return al
+    return dict(report_a=None, report_b=None, elements=elements, similarity=meta.get("similarity"), gauge=gauge,
+                fingerprints={"a": meta["fingerprint_a"], "b": meta["fingerprint_b"]},
+                structures={"a": meta["structure_a"], "b": meta["structure_b"]}, options=meta.get("options") or {})
 
 
 _SAVED_KINDS = ("perm", "map", "perm-matrix", "orthogonal", "matrix")

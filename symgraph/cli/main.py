@@ -12,7 +12,7 @@ import sys
 import textwrap
 import time
 
-from .. import __version__
+from .._version import __version__
 from ..merging.run import check_paths, input_names, progress_bar
 from .align import add_parsers as add_align_parsers
 from .barrier import add_parser as add_barrier_parser

@@ -153,7 +153,8 @@ def run_apply(alignment: str, model: str, out: str, *, force: bool = False) -> d
     """Carry checkpoint ``model`` (of the architecture and shapes of the B an alignment was
     solved for) into A's basis with the saved ``alignment``; writes ``out`` like
     :func:`run_align` (without the alignment file)."""
-    from ..alignment.saved import fingerprint, load_alignment
+    from ..alignment.result import load_alignment
+    from ..alignment.saved import fingerprint
     from ..checkpoints.outdir import check_out, save_atomic
     from ..checkpoints.sharded import Checkpoint
     from ..report.api import analyze

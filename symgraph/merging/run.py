@@ -11,10 +11,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from .._version import __version__
 from ..errors import InputError, NeedsMemory, StructureMismatchError
+from ..checkpoints.sharded import KeysDiffer
 from .config import MergeConfig, to_yaml
+from .streaming import DEFAULT_SHARD as _DEFAULT_SHARD, Checkpoint, StreamingMerge
 
-__all__ = ["run_merge", "MergeOutcome", "MIN_USEFUL_ROWS"]
+__all__ = ["run_merge", "merge_checkpoints", "MergeOutcome", "MIN_USEFUL_ROWS"]
 
 MIN_USEFUL_ROWS = 32  # fewer data rows than this: warn that activation statistics are noisy
 
@@ -152,7 +155,6 @@ def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
 def _streaming_job(cfg, data, anchor, progress, options):
     """A :class:`~symgraph.merging.streaming.StreamingMerge` for the job, or None when
     transformers would rename the checkpoints' tensors on load (only from_pretrained can)."""
-    from .streaming import Checkpoint, KeysDiffer, StreamingMerge
     try:
         ckpts = [Checkpoint(os.path.expanduser(m)) for m in cfg.models]
     except KeysDiffer:
@@ -203,7 +205,6 @@ def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:
 
 def _meta(cfg, data, *, mode, seconds, alignments, dtype, repair, input_dtypes=()) -> dict:
     """The record ``symgraph_merge.json`` holds (the same keys on both paths)."""
-    from .. import __version__
     options = cfg.model_dump(exclude={"models", "out", "force"})
     options["data"] = os.path.abspath(cfg.data) if cfg.data and data else None
     options["data_batches"] = len(data) if data else 0
@@ -395,3 +396,19 @@ def _card_summary(meta) -> str:
         lines.append(f"- REPAIR: BatchNorm running statistics of {len(rep['batchnorm'])} layers "
                      "recomputed on the data for the merged model.")
     return "\n".join(lines)
+
+
+def merge_checkpoints(paths, out: str, *, weights=None, align="weights", anchor: int = 0, force: bool = False,
+                      fold_norms: bool = True, max_shard_size=_DEFAULT_SHARD, progress: bool = False,
+                      data=None, outputs=None, **options) -> StreamingMerge:
+    """Merge ``save_pretrained`` checkpoints into ``out`` without loading any model whole
+    (see the module docstring), through the one merge entry
+    (:func:`symgraph.merging.run.run_merge`): ``out`` is vetted before any work and written
+    atomically with its record and model card; ``align="activations"`` with ``data=`` batches
+    aligns by activation statistics, still out of core. Returns the :class:`StreamingMerge`
+    (``alignments``, ``timings``)."""
+    cfg = MergeConfig(models=[str(p) for p in paths], out=str(out), weights=weights,
+                      align="none" if align is None else align, force=force, fold_norms=fold_norms,
+                      outputs=outputs)
+    return run_merge(cfg, streaming=True, data=data, anchor=anchor, progress=progress,
+                     max_shard_size=max_shard_size, **options).job

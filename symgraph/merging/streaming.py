@@ -46,7 +46,7 @@ from ..transform.folding import gauge, groups, members
 from ..checkpoints.sharded import Checkpoint, KeysDiffer, ShardWriter, parse_size
 from .methods.registry import mixing_weights
 
-__all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "merge_checkpoints", "parse_size"]
+__all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "parse_size", "DEFAULT_SHARD"]
 
 DEFAULT_SHARD = 2 << 30  # bytes per output shard
 DEFAULT_CACHE = 64 << 20  # bytes of folded tensors kept per model while aligning (about a layer of 1.1B's MLP)
@@ -410,21 +410,3 @@ class StreamingMerge:
                 raise InputError(f"the merged tensor {n!r} is not finite in {dtypes[n]} (the inputs "
                                  "are); expected weights whose average stays within the dtype's range")
         return out
-
-
-def merge_checkpoints(paths, out: str, *, weights=None, align="weights", anchor: int = 0, force: bool = False,
-                      fold_norms: bool = True, max_shard_size=DEFAULT_SHARD, progress: bool = False,
-                      data=None, outputs=None, **options) -> StreamingMerge:
-    """Merge ``save_pretrained`` checkpoints into ``out`` without loading any model whole
-    (see the module docstring), through the one merge entry
-    (:func:`symgraph.merging.run.run_merge`): ``out`` is vetted before any work and written
-    atomically with its record and model card; ``align="activations"`` with ``data=`` batches
-    aligns by activation statistics, still out of core. Returns the :class:`StreamingMerge`
-    (``alignments``, ``timings``)."""
-    from .config import MergeConfig
-    from .run import run_merge
-    cfg = MergeConfig(models=[str(p) for p in paths], out=str(out), weights=weights,
-                      align="none" if align is None else align, force=force, fold_norms=fold_norms,
-                      outputs=outputs)
-    return run_merge(cfg, streaming=True, data=data, anchor=anchor, progress=progress,
-                     max_shard_size=max_shard_size, **options).job
