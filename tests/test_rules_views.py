@@ -139,17 +139,23 @@ def test_split_and_reordered_cat():
 
 
 class Strided(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, n=6):
         super().__init__()
-        self.inp = torch.nn.Linear(4, 6)
-        self.out = torch.nn.Linear(3, 2)
+        self.inp = torch.nn.Linear(4, n)
+        self.out = torch.nn.Linear((n + 1) // 2, 2)
 
     def forward(self, x):
         return self.out(self.inp(x)[..., ::2])
 
 
-def test_strided_slice_fixes_the_axis():
-    assert analyze(Strided(), x_of(B, 4)).groups == []
+def test_strided_slice_reads_the_axis_as_units_of_step_entries():
+    """``x[..., ::2]`` of 6 entries picks entry 0 of each pair ``(2i, 2i+1)``: the axis is the
+    product ``3 × 2`` with the pair position fixed; the 3 pairs move together (an 8-entry
+    axis is not cut that way by ``[..., ::2]`` of 7 entries: fixed)."""
+    r = analyze(Strided(), x_of(B, 4))
+    assert summary(r) == {("gl", 3, 1): {("inp.weight", 0), ("inp.bias", 0), ("out.weight", 1)}}
+    assert structure(r, "inp.weight", 0) == ("prod", [3, 2])
+    assert analyze(Strided(7), x_of(B, 4)).groups == []
 
 
 # --- token-axis ops leave channels alone ------------------------------------------------------

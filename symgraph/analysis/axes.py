@@ -45,7 +45,8 @@ def _leaf(an, r, p, elements):
         E = E.contra if p else E.co
     elif p:
         E = inv_t(E)
-    return E, an.fibre.get(r, ())
+    fib = an.fibre.get(r, ())
+    return E.reshape(*(an.uf.size[f] for f in fib), *E.shape[-2:]), fib  # fibres may come flat
 
 
 def _factors(an, axis, par):
@@ -273,6 +274,7 @@ def other_leaf_elements(an, axis, target, elements):
             lf = an.fibre.get(leaf, ())
             if any(f not in dims for f in lf):
                 continue
+            E = E.reshape(*(an.uf.size[f] for f in lf), *E.shape[-2:])  # fibres may come flat
             mine.append((j, E, [dims.index(f) for f in lf]))
         out.append(mine)
     return out

@@ -405,7 +405,7 @@ class AxisAnalysis:
                             for leaf in present & fib.keys():
                                 fib[leaf] &= present
                     else:
-                        present = set(carry.get(node, ()))
+                        present = {f for r in carry.get(node, ()) for f in stacked.members(self, r)}
                         for a in t:
                             present.update(self.leaves(a))
                         for leaf in present & fib.keys():
@@ -425,7 +425,7 @@ class AxisAnalysis:
     def _labelled(self, node, classes) -> list:
         """Per axis of parameter ``node``: the label classes on its other axes."""
         roots = [self.uf.find(a)[0] for a in self.node_axes[node]]
-        here = [{r} if r in classes and r not in self.uf.struct else set() for r in roots]
+        here = [set(stacked.members(self, r)) if r in classes else set() for r in roots]
         return [set().union(*(h for o, h in enumerate(here) if o != j)) for j in range(len(here))]
 
     def _order_fibres(self):

@@ -68,6 +68,8 @@ def flow(labels: dict, node) -> list:
     picked = label_index(node, labels)  # one index tensor: the rule reads its labels
     if picked is not None and picked[1] in ins:
         ins.remove(picked[1])
+    if p in (aten.scatter, aten.scatter_add, aten.gather) and len(node.args) > 2 and node.args[2] in ins:
+        ins.remove(node.args[2])  # picked or written at labelled entries: their rules read them
     return [Meet(labels[i][0], "identity", f"{node.name}: reads the labels in {i.name} as numbers")
             for i in ins]
 

@@ -28,6 +28,7 @@ it sees ``heads × head_dim``, and :meth:`SymmetryReport.view <symgraph.Symmetry
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -35,7 +36,7 @@ import torch
 from ..labels import RELAYOUT, label_index
 from ..nodes import packet, tensor_axes
 
-__all__ = ["carried", "label_classes", "stack", "view_of", "unview_of"]
+__all__ = ["carried", "label_classes", "members", "stack", "view_of", "unview_of"]
 
 aten = torch.ops.aten
 
@@ -53,6 +54,26 @@ def label_classes(an) -> set:
         r = an.uf.find(axis)[0]
         if an.kind(r) == "perm":
             out.add(r)
+    return out
+
+
+def members(an, r) -> list:
+    """The leaf classes whose coordinates name the members of label class ``r``: ``[r]``, or
+    the factors of a product (DeepSeek's group-limited routing reads the experts as
+    ``groups × experts per group``: a permutation of the groups and, per group, of its
+    experts); none for a class cut into segments."""
+    r = an.uf.find(r)[0]
+    s = an.uf.struct.get(r)
+    if s is None:
+        return [r]
+    if s[0] != "prod":
+        return []
+    out = []
+    for p, _ in s[1]:
+        sub = members(an, p)
+        if not sub:
+            return []
+        out += sub
     return out
 
 
@@ -111,13 +132,16 @@ def stack(an, classes) -> dict:
     as the head maps of a 4096-wide attention) the class keeps one element for all members,
     and ``an.shared[leaf]`` says why."""
     an.raw_axes, an.shared = {}, {}
+    of = {m: r for r in classes for m in members(an, r)}  # member leaf -> its label class
     for leaf, fib in list(an.fibre.items()):  # stored flat ([E·I, d]) or stacked alike
-        for r in fib:
-            if r in classes and (an.uf.size[r] * an.uf.size[leaf]) ** 2 > MAX_STACKED:
-                an.shared[leaf] = (f"one order for all {an.uf.size[r]} members: per-member "
+        for r in {of[f] for f in fib if f in of}:
+            ms = [f for f in fib if of.get(f) == r]
+            n = math.prod(an.uf.size[f] for f in ms)
+            if (n * an.uf.size[leaf]) ** 2 > MAX_STACKED:
+                an.shared[leaf] = (f"one order for all {n} members: per-member "
                                    f"elements would need more than {MAX_STACKED} entries "
                                    "(symgraph.analysis.patterns.stacked.MAX_STACKED)")
-                an.fibre[leaf] = tuple(f for f in an.fibre[leaf] if f != r)
+                an.fibre[leaf] = tuple(f for f in an.fibre[leaf] if f not in ms)
         if not an.fibre[leaf]:
             del an.fibre[leaf]
     while True:
@@ -126,14 +150,15 @@ def stack(an, classes) -> dict:
             ax = an.node_axes[node]
             for o, a in enumerate(ax):
                 r = an.uf.find(a)[0]
-                if r not in classes or r in an.uf.struct:
+                ms = set(members(an, r)) if r in classes else set()
+                if not ms:
                     continue
                 dims = [j for j, b in enumerate(ax) if j != o
-                        and any(r in an.fibre.get(leaf, ()) for leaf in an.leaves(b))]
+                        and any(ms & set(an.fibre.get(leaf, ())) for leaf in an.leaves(b))]
                 if len(dims) == 1 and name not in plan:
                     plan[name] = (o, dims[0])
                 elif dims:
-                    drop |= {(leaf, r) for j in dims for leaf in an.leaves(ax[j])}
+                    drop |= {(leaf, m) for j in dims for leaf in an.leaves(ax[j]) for m in ms}
         if not drop:
             break
         for leaf, r in drop:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..nodes import packet
 from ..registry import Meet, NoFiber, Structure, Unify, dim, register
 
 __all__: list = []  # rule file: its rules register themselves on import
@@ -38,6 +39,15 @@ def slice_(ctx):
     if step == 1 and start == 0 and end == n:
         return cons + [Unify(ctx.out[d], xa[d])]
     if step != 1:
+        if step > 1 and n % step == 0 and start < step and ctx.shape(ctx.node)[d] == n // step:
+            # ``x[..., s::k]`` (GPT-OSS's fused experts: gate and up in alternating columns):
+            # entry ``i·k + s`` is ``(i, s)`` of the row-major product ``n/k × k``; the slice
+            # picks one entry ``s`` of the inner factor (fixed) and keeps the outer factor.
+            # The other slices ``x[..., s'::k]`` read the same outer factor: the interleaved
+            # parts share one class (a GLU's gate ⊙ up unifies them anyway).
+            inner = ctx.new_axis(step)
+            why = f"{ctx.where}: strided slice picks one entry of every {step}"
+            return cons + [Structure(xa[d], "prod", (ctx.out[d], inner)), Meet(inner, "identity", why)]
         why = f"{ctx.where}: strided slice"
         return cons + [Meet(xa[d], "identity", why), Meet(ctx.out[d], "identity", why)]
     parts = []
@@ -74,6 +84,86 @@ def cat(ctx):
     if len(tensors) == 1:
         return cons + [Unify(ctx.out[d], ctx.axes(tensors[0])[d])]
     return cons + [Structure(ctx.out[d], "sum", tuple(ctx.axes(t)[d] for t in tensors))]
+
+
+#: Ops whose result holds no values yet: what a later write leaves of it is never read.
+_BLANK = {aten.empty, aten.new_empty, aten.empty_like, aten.empty_strided}
+
+
+@register(aten.slice_scatter)
+def slice_scatter(ctx):
+    """``out = x`` with ``out[.., a:b, ..] = src`` along ``dim`` (functionalised in-place writes
+    into a slice: DeepSeek's latent attention builds its keys as ``new_empty`` then
+    ``key[..., :n].copy_(k_nope)``, ``key[..., n:].copy_(k_rot)``). The axis is a sum of the
+    part before, ``src``'s part and the part after; the parts before and after are ``x``'s
+    (``x``'s own middle part is overwritten: a free axis). Every other axis is ``src``'s and
+    ``x``'s, except that an uninitialised ``x`` (``empty``: values no program may read before
+    writing them) relates nothing."""
+    x, src = ctx.arg(0), ctx.arg(1)
+    xa, sa, xs = ctx.axes(x), ctx.axes(src), ctx.shape(x)
+    if xa is None or sa is None:
+        return None
+    d = dim(ctx.arg(2, "dim", 0), len(xa))
+    n = xs[d]
+    start, end, step = ctx.arg(3, "start", None), ctx.arg(4, "end", None), ctx.arg(5, "step", 1) or 1
+    start, end, _ = slice(start, None if end is None or end >= _BIG else end).indices(n)
+    if step != 1 or end - start != ctx.shape(src)[d]:
+        return None
+    blank = isinstance(x, torch.fx.Node) and x.op == "call_function" and packet(x.target) in _BLANK
+    cons = _others(sa, ctx.out, d) + ([] if blank else _others(xa, ctx.out, d))
+    if start == 0 and end == n:
+        return cons + [Unify(ctx.out[d], sa[d])]
+    before = [ctx.new_axis(start)] if start > 0 else []
+    after = [ctx.new_axis(n - end)] if end < n else []
+    cons.append(Structure(ctx.out[d], "sum", tuple(before + [sa[d]] + after)))
+    if not blank:
+        cons.append(Structure(xa[d], "sum", tuple(before + [ctx.new_axis(end - start)] + after)))
+    return cons
+
+
+@register([aten.scatter.value, aten.scatter.src, aten.scatter_add, aten.scatter.value_reduce,
+           aten.scatter.reduce])
+def scatter(ctx):
+    """``out = x`` with ``out[.., idx[.., j, ..], ..] = v`` (or ``src[.., j, ..]``, or added to)
+    along ``dim``. Where ``idx`` holds labels of a class of ``x``'s size there (DeepSeek's
+    group-limited routing: ``zeros.scatter_(1, top_groups, 1)``, a mask over the groups), the
+    result is equivariant under relabelling that class and permuting the axis alike, so the
+    axis joins the label class (a permutation class); otherwise its entries are picked by index
+    values (fixed). Off ``dim``, ``out``, ``x``, ``idx`` and ``src`` share the axes of equal
+    sizes; a smaller ``idx`` there writes a prefix (fixed). The slot axis ``j`` is fixed."""
+    x, idx = ctx.arg(0), ctx.arg(2)
+    src = ctx.arg(3) if ctx.node.target in (aten.scatter.src, aten.scatter_add.default,
+                                             aten.scatter.reduce) else None
+    xa, ia, xs, ishape = ctx.axes(x), ctx.axes(idx), ctx.shape(x), ctx.shape(idx)
+    if xa is None or ia is None or len(ia) != len(xa) or (src is not None and ctx.shape(src) != ishape):
+        return None  # a src larger than idx (only its prefix is read): not worth the cases
+    sa = ctx.axes(src)
+    d = dim(ctx.arg(1), len(xa))
+    lab = ctx.label(idx)
+    cons = [Unify(ctx.out[d], xa[d]), Meet(ia[d], "identity", f"{ctx.where}: slots of the written entries")]
+    if sa is not None:
+        cons.append(Unify(sa[d], ia[d]))
+    if lab is not None and lab[1] == xs[d]:
+        cons += [Unify(xa[d], lab[0]), Meet(xa[d], "perm", f"{ctx.where}: written at labelled entries")]
+    else:
+        cons.append(Meet(xa[d], "identity", f"{ctx.where}: entries picked by index values"))
+        if lab is not None:
+            cons.append(Meet(lab[0], "identity", f"{ctx.where}: labels index an axis of another size"))
+    for k, o in enumerate(ctx.out):
+        if k == d:
+            continue
+        cons.append(Unify(o, xa[k]))
+        if ishape[k] == xs[k]:
+            cons.append(Unify(o, ia[k]))
+            if sa is not None:
+                cons.append(Unify(o, sa[k]))
+        else:
+            why = f"{ctx.where}: a prefix of this axis is written"
+            cons += [Meet(o, "identity", why), Meet(ia[k], "identity", why)]
+            if sa is not None:
+                cons.append(Meet(sa[k], "identity", why))
+        cons.append(NoFiber(o, xa[d]))
+    return cons
 
 
 @register(aten.stack)
@@ -129,7 +219,16 @@ def gather(ctx):
         return None
     d = dim(ctx.arg(1), len(xa))
     xs, ishape = ctx.shape(x), ctx.shape(idx)
-    cons = [Meet(xa[d], "identity", f"{ctx.where}: entries picked by index values")]
+    lab = ctx.label(idx)
+    if lab is not None and lab[1] == xs[d]:
+        # ``scores.gather(1, top_k_index)`` (DeepSeek's routing weights): entries picked by
+        # labels of their own axis' class; relabelling and permuting the axis alike leave
+        # the result unchanged
+        cons = [Unify(xa[d], lab[0]), Meet(xa[d], "perm", f"{ctx.where}: gathered by labels")]
+    else:
+        cons = [Meet(xa[d], "identity", f"{ctx.where}: entries picked by index values")]
+        if lab is not None:
+            cons.append(Meet(lab[0], "identity", f"{ctx.where}: labels index an axis of another size"))
     for k, o in enumerate(ctx.out):
         cons.append(Unify(o, ia[k]))
         if k == d:
