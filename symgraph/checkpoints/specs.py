@@ -98,18 +98,27 @@ def load_data(path: str, model=None):
     x = d[key]
     if not isinstance(x, torch.Tensor):
         raise InputError(f"{key!r} in {path!r} is a {type(x).__name__}; expected a tensor")
+    if x.layout != torch.strided or x.is_quantized:
+        kind = "quantized" if x.is_quantized else str(x.layout).removeprefix("torch.")
+        raise InputError(f"{key!r} in {path!r} is a {kind} tensor; expected a dense tensor")
+    x = x.detach()
     if key == "input_ids":
         if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] < 1:
             raise InputError(f"'input_ids' in {path!r} has shape {tuple(x.shape)}; expected a 2-d tensor "
                              "[N, S] of token ids (N rows, S tokens)")
-        if torch.is_floating_point(x):
-            raise InputError(f"'input_ids' in {path!r} has dtype {x.dtype}; expected integer token ids")
-        x = x.long()
+        if x.dtype == torch.bool or torch.is_floating_point(x) or torch.is_complex(x):
+            what = "a bool mask" if x.dtype == torch.bool else "not token ids"
+            raise InputError(f"'input_ids' in {path!r} has dtype {str(x.dtype).removeprefix('torch.')} ({what}); "
+                             "expected an integer tensor of token ids (int64 or int32)")
         cfg = getattr(model, "config", None)
         vocab = getattr(cfg, "vocab_size", None)
-        if vocab is not None and (int(x.min()) < 0 or int(x.max()) >= vocab):
-            raise InputError(f"'input_ids' in {path!r} range over [{int(x.min())}, {int(x.max())}]; "
-                             f"expected ids in [0, {vocab - 1}] (the model's vocabulary)")
+        vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+        lo, hi = (int(v) for v in (x.numpy().min(), x.numpy().max()))  # numpy: torch has no min of uint16..64
+        if lo < 0 or hi >= (vocab if vocab is not None else 2 ** 63):
+            raise InputError(f"'input_ids' in {path!r} range over [{lo}, {hi}]; expected ids in "
+                             + (f"[0, {vocab - 1}] (the model's vocabulary of {vocab} tokens)" if vocab is not None
+                                else "[0, 2**63) (token ids are never negative)"))
+        x = x.long()
         maxpos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         if maxpos and x.shape[1] > maxpos:
             raise InputError(f"'input_ids' in {path!r} has {x.shape[1]} tokens per row; expected at "

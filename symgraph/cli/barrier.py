@@ -24,7 +24,8 @@ def barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, att
 
     from ..alignment.driver import align
     from ..alignment.refine import default_loss
-    from ..merging.barrier import interpolate, loss_barrier
+    from ..merging.barrier import check_points, interpolate, loss_barrier
+    points = check_points(points, "points=")
 
     def loss(m):
         with torch.no_grad():
@@ -47,8 +48,9 @@ def streamed_barrier_curves(A, B, data, aligns=("none", "weights"), points: int 
     program on tensors read and interpolated as each op takes them
     (:func:`~symgraph.merging.barrier.streamed_curve`): memory holds activations and a few
     layers' tensors, never a model."""
-    from ..merging.barrier import loss_barrier, streamed_curve
+    from ..merging.barrier import check_points, loss_barrier, streamed_curve
     from ..merging.streaming import StreamingMerge
+    points = check_points(points, "points=")
     rows = []
     for how in aligns:
         t0 = time.perf_counter()
@@ -94,9 +96,9 @@ def cmd_barrier(args) -> int:
     from ..checkpoints.outdir import check_out, save_atomic
     from ..checkpoints.specs import load_data, load_model
     from ..errors import InputError
+    from ..merging.barrier import check_points
     from ..merging.run import check_paths, input_names
-    if args.points < 3:
-        raise InputError(f"--points {args.points}: expected at least 3 (the ends and a middle)")
+    check_points(args.points, "--points")  # before any work
     inputs = [args.a, args.b, args.data] + ([args.align_data] if args.align_data else [])
     if args.out:
         check_out(args.out, force=args.force, inputs=inputs)  # before any work
@@ -177,7 +179,7 @@ def add_parser(sub, debug_default):
                    default=["none", "weights", "activations"], help="the alignments to compare")
     b.add_argument("--attention", choices=("heads", "circuits"), default="heads",
                    help="circuits: the line in circuit space (heads N times as wide)")
-    b.add_argument("--points", type=int, default=11, help="values of λ (default 11)")
+    b.add_argument("--points", type=int, default=11, help="values of λ, 3 to 1001 (default 11)")
     b.add_argument("--out-of-core", action="store_true",
                    help="never load a model whole (the default only for models that would not fit "
                    "easily): slower, each point runs the model op by op on tensors read from disk")

@@ -11,6 +11,19 @@ from ..errors import InputError
 __all__ = ["interpolate", "loss_barrier", "streamed_curve", "interpolated_fetch"]
 
 
+#: The most values of λ a barrier curve takes (a step of 0.001; each point evaluates the loss on all the data).
+MAX_POINTS = 1001
+
+
+def check_points(points, name: str = "points") -> int:
+    """``points`` (the values of λ along a line, the ends included) as an int, or refused
+    naming ``name`` (``--points`` on the command line) and the accepted range."""
+    if isinstance(points, bool) or not isinstance(points, (int, np.integer)) or not 3 <= points <= MAX_POINTS:
+        raise InputError(f"{name} {points!r}: expected at least 3 and at most {MAX_POINTS} values of λ (the ends "
+                         f"and a middle; {MAX_POINTS} is a step of {1 / (MAX_POINTS - 1):g})")
+    return int(points)
+
+
 def interpolate(a, b, lambdas=None, loss_fn=None, attention: str = "heads"):
     """Losses along ``λθ_A + (1−λ)θ_B``; returns ``[(λ, loss), ...]`` (21 points by default).
 

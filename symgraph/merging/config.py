@@ -60,6 +60,14 @@ MERGE_KEYS = {
     "force": "true or false",
 }
 
+#: Device types that hold no values (every other one is checked to hold a tensor before a merge).
+NO_COMPUTE_DEVICES = ("meta",)
+#: The most learned-matching steps a merge takes (each a forward and backward pass over a batch).
+MAX_REFINE = 1_000_000
+#: The largest merge config read (a config is a few lines), and how deep its values may nest.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_DEPTH = 32
+
 
 class MergeConfig(BaseModel):
     """A merge job (see the module docstring); frozen once built by :func:`merge_options`."""
@@ -91,15 +99,20 @@ class MergeConfig(BaseModel):
             dev = torch.device(v)
         except (RuntimeError, ValueError):
             raise ValueError("is not a device name; expected 'cpu', 'cuda' or 'cuda:N'") from None
+        if dev.type in NO_COMPUTE_DEVICES:  # a meta tensor has a shape and no values: nothing to compute with
+            raise ValueError(f"is not a device symgraph computes on ({dev.type} tensors hold no values); expected "
+                             "'cpu', 'cuda' or 'cuda:N'")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("names a CUDA device but this machine has none (torch.cuda.is_available() is "
                              "False); expected 'cpu', or a machine with a GPU and a CUDA build of torch")
         if dev.type != "cpu":
             try:
                 torch.empty(1, device=dev)
-            except (RuntimeError, AssertionError) as e:
-                raise ValueError(f"cannot hold a tensor ({' '.join(str(e).split())[:120]}); expected a "
-                                 "usable device") from None
+            except Exception as e:  # noqa: BLE001 - no backend (xla, ipu), not compiled in (xpu), no module (hpu)
+                said = " ".join(str(e).split()).split(". ")[0][:120]  # the first sentence
+                raise ValueError(f"cannot hold a tensor ({type(e).__name__}: {said}); "
+                                 "expected 'cpu', 'cuda', 'cuda:N' or another device this torch build "
+                                 "has") from None
         return str(dev)
 
     @field_validator("align", mode="before")
@@ -118,17 +131,64 @@ class MergeConfig(BaseModel):
         return v
 
 
+class _Unreadable(Exception):
+    """A config's YAML that the loader refuses to read on (an alias, nesting too deep, a key
+    given twice): the reason, completed with the file's name by :func:`read_merge_config`."""
+
+
 def _yaml_loader():
     """PyYAML's safe loader reading ``1e-3`` as a number, as YAML 1.2 does (PyYAML follows YAML
-    1.1, whose floats need a dot: ``tol: 1e-3`` would be the string '1e-3')."""
+    1.1, whose floats need a dot: ``tol: 1e-3`` would be the string '1e-3'); bounded: an alias
+    (``*name``, what a "billion laughs" file multiplies itself with) is refused, values nest at
+    most :data:`MAX_CONFIG_DEPTH` deep, and a mapping may not give a key twice (YAML would keep
+    the last silently)."""
     import re
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        _depth = 0
+
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                ev = self.peek_event()
+                raise _Unreadable(f"uses a YAML alias (*{ev.anchor}, line {ev.start_mark.line + 1}); expected "
+                                  "plain values: a merge config takes no anchors (&name) or aliases (*name)")
+            self._depth += 1
+            try:
+                if self._depth > MAX_CONFIG_DEPTH:
+                    mark = self.peek_event().start_mark
+                    raise _Unreadable(f"nests values more than {MAX_CONFIG_DEPTH} deep (line {mark.line + 1}); "
+                                      "expected a mapping of options, each a value or a list of values")
+                return super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
+
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key, _ in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    if (key.tag, key.value) in seen:
+                        raise _Unreadable(f"gives the key {key.value[:80]!r} twice (line {key.start_mark.line + 1}); "
+                                          "expected each key once")
+                    seen.add((key.tag, key.value))
+            return super().construct_mapping(node, deep)
     Loader.add_implicit_resolver("tag:yaml.org,2002:float",
                                  re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
     return Loader
+
+
+def _short(v, n: int = 80) -> str:
+    """``repr(v)`` cut to about ``n`` characters (a refusal is one line, whatever the file holds)."""
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "..."
+
+
+def _is_path(spec: str, base: str) -> bool:
+    """Whether a model ``spec`` in a config is a path (as :func:`symgraph.merging.run.check_paths`
+    tells them): starting with '.', '/' or '~', with more than one '/', or a name that exists
+    beside the config; anything else is a demo name or hub id."""
+    return (spec.startswith((".", "/", "~")) or spec.count("/") > 1 or spec.endswith("/")
+            or os.path.exists(os.path.join(base, spec)))
 
 
 def read_merge_config(path: str) -> dict:
@@ -137,36 +197,66 @@ def read_merge_config(path: str) -> dict:
     keys = ", ".join(MERGE_KEYS)
     from ..core.files import check_input_file
     check_input_file(path, "merge config", f"a YAML file with keys {keys}")
+    with open(os.path.expanduser(path), "rb") as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise InputError(f"merge config {path!r} is over {MAX_CONFIG_BYTES >> 20} MiB; expected a YAML file of "
+                         f"a few lines (at most {MAX_CONFIG_BYTES >> 20} MiB) with keys {keys}")
     try:
-        with open(path) as f:
-            cfg = yaml.load(f, Loader=_yaml_loader())  # a SafeLoader subclass
+        cfg = yaml.load(raw.decode("utf-8"), Loader=_yaml_loader())  # a SafeLoader subclass
+    except _Unreadable as e:
+        raise InputError(f"merge config {path!r} {e}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise InputError(f"merge config {path!r} is not valid YAML ({str(e).splitlines()[0]}); expected a "
+        raise InputError(f"merge config {path!r} is not valid YAML ({str(e).splitlines()[0][:200]}); expected a "
                          f"mapping with keys {keys}") from None
+    except (ValueError, OverflowError, RecursionError) as e:  # a value YAML parses but Python cannot hold
+        raise InputError(f"merge config {path!r} holds a value that cannot be read ({' '.join(str(e).split())[:160]}); "
+                         f"expected a mapping with keys {keys}") from None
     if not isinstance(cfg, dict):
         raise InputError(f"merge config {path!r} holds a {type(cfg).__name__}; expected a mapping with keys {keys}")
-    if "merge_method" in cfg or any(isinstance(m, dict) for m in cfg.get("models") or []):
+    listed = cfg.get("models")
+    if "merge_method" in cfg or (isinstance(listed, list) and any(isinstance(m, dict) for m in listed)):
         cfg = from_mergekit(cfg, path)
     try:
         parsed = MergeConfig.model_validate(cfg)
     except ValidationError as e:
         raise InputError(_explain(path, cfg, e.errors()[0])) from None
-    base = os.path.dirname(os.path.abspath(path))
+    base = os.path.dirname(os.path.abspath(os.path.expanduser(path)))
 
-    def rel(p):  # paths in the config are relative to the config file
-        p = os.path.expanduser(p)
-        q = os.path.join(base, p)
-        return q if not os.path.isabs(p) and os.path.exists(q) else p
+    def resolve(p, what):
+        """A path of the config, relative to the config file (never to the working directory)."""
+        q = os.path.normpath(os.path.join(base, os.path.expanduser(p)))
+        if not os.path.exists(q):
+            rel = "" if os.path.isabs(os.path.expanduser(p)) else " (relative paths in a config are relative " \
+                                                                 "to the config file)"
+            want = "a save_pretrained directory, a demo name or a hub id" if what == "model" else "a data file"
+            raise InputError(f"merge config {path!r}: {what} {_short(p)} does not exist: no {q!r}{rel}; expected "
+                             f"{want}")
+        return q
+
+    def model(m):
+        if _is_path(m, base):
+            return resolve(m, "model")
+        if os.path.exists(os.path.expanduser(m)):  # loading would take it from the working directory
+            raise InputError(f"merge config {path!r}: model {_short(m)} is not beside the config (no "
+                             f"{os.path.join(base, m)!r}) but names {os.path.abspath(m)!r} in the working directory; "
+                             "relative paths in a config are relative to the config file; expected a path from the "
+                             "config's directory, an absolute path, or a demo name or hub id that is no local path")
+        return m  # a demo name or a hub id
 
     out = parsed.model_dump(exclude_unset=True)
-    out["models"] = [rel(m) for m in parsed.models]
+    out["models"] = [model(m) for m in parsed.models]
     if parsed.out is not None:
         o = os.path.expanduser(parsed.out)
         out["out"] = o if os.path.isabs(o) else os.path.join(base, o)
     if parsed.data is not None:
-        out["data"] = rel(parsed.data)
+        out["data"] = resolve(parsed.data, "data")
     if parsed.weights is not None:
-        out["weights"] = [float(x) for x in parsed.weights]
+        try:
+            out["weights"] = [float(x) for x in parsed.weights]
+        except OverflowError:
+            raise InputError(f"merge config {path!r}: key 'weights' is {_short(parsed.weights)}, a number too large "
+                             f"for a float; expected {MERGE_KEYS['weights']}") from None
     return out
 
 
@@ -183,6 +273,9 @@ def from_mergekit(cfg: dict, path: str) -> dict:
     cfg = dict(cfg)
     where = f"mergekit config {path!r}"
     method = cfg.pop("merge_method", "linear")
+    if not isinstance(method, str):
+        raise InputError(f"{where}: merge_method is {_short(method)} ({type(method).__name__}); expected a method "
+                         "name: linear (symgraph's average)")
     if method in _NEEDS_BASE or cfg.get("base_model") is not None:
         raise InputError(f"{where}: merge_method {method!r}{' with a base_model' if cfg.get('base_model') else ''} "
                          "combines task vectors against a shared base model, and symgraph merges models that "
@@ -195,28 +288,37 @@ def from_mergekit(cfg: dict, path: str) -> dict:
     cfg.pop("base_model", None)
     dtype = cfg.pop("dtype", None)
     if dtype is not None:  # mergekit's compute dtype: symgraph computes in float32 (or wider) anyway
-        if dtype not in ("float32", "float16", "bfloat16", "float64"):
-            raise InputError(f"{where}: dtype {dtype!r}; expected float32, float16 or bfloat16 (mergekit's "
+        if not isinstance(dtype, str) or dtype not in ("float32", "float16", "bfloat16", "float64"):
+            raise InputError(f"{where}: dtype {_short(dtype)}; expected float32, float16 or bfloat16 (mergekit's "
                              "compute dtype)")
         import sys
         print(f"symgraph: note: dtype {dtype} in {where}: symgraph computes in float32 (float64 for float64 "
               "models) and writes each tensor in the first model's dtype", file=sys.stderr)
-    top = dict(cfg.pop("parameters", None) or {})
+    top = cfg.pop("parameters", None) or {}
+    if not isinstance(top, dict):
+        raise InputError(f"{where}: parameters is {_short(top)} ({type(top).__name__}); expected a mapping "
+                         "{normalize: true} or no key")
+    top = dict(top)
     if top.pop("normalize", True) is not True:
         raise InputError(f"{where}: parameters.normalize false; symgraph always normalises the weights to sum "
                          "to 1; expected normalize: true or no key")
     if top:
-        raise InputError(f"{where}: parameters {sorted(top)} are not symgraph options; expected only weight "
-                         "(per model) and normalize")
+        raise InputError(f"{where}: parameters {_short(sorted(map(str, top)))} are not symgraph options; expected "
+                         "only weight (per model) and normalize")
     models, weights = [], []
     for i, m in enumerate(cfg.get("models") or []):
         if not isinstance(m, dict) or not isinstance(m.get("model"), str):
-            raise InputError(f"{where}: models[{i}] is {m!r}; expected {{model: path, parameters: {{weight: w}}}}")
-        extra = sorted(set(m) - {"model", "parameters"})
-        params = dict(m.get("parameters") or {})
+            raise InputError(f"{where}: models[{i}] is {_short(m)}; expected {{model: path, parameters: "
+                             "{weight: w}}")
+        extra = sorted(map(str, set(m) - {"model", "parameters"}))
+        params = m.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise InputError(f"{where}: models[{i}].parameters is {_short(params)} ({type(params).__name__}); "
+                             "expected a mapping {weight: w}")
+        params = dict(params)
         w = params.pop("weight", None)
         if extra or params:
-            raise InputError(f"{where}: models[{i}] has {extra + sorted(params)}; expected only model and "
+            raise InputError(f"{where}: models[{i}] has {extra + sorted(map(str, params))}; expected only model and "
                              "parameters.weight")
         models.append(m["model"])
         weights.append(w)
@@ -230,15 +332,17 @@ def from_mergekit(cfg: dict, path: str) -> dict:
 
 def _explain(path, cfg, err) -> str:
     """One line for pydantic's first error, naming the key."""
-    key = str(err["loc"][0]) if err.get("loc") else "?"
+    key = str(err["loc"][0])[:80] if err.get("loc") else "?"
     if err["type"] == "extra_forbidden":
         return f"merge config {path!r} has an unknown key {key!r}; expected only {', '.join(MERGE_KEYS)}"
     if err["type"] == "missing":
         return f"merge config {path!r} has no {key!r} key; expected {MERGE_KEYS[key]}"
     v = cfg.get(key)
     why = err.get("msg", "").removeprefix("Value error, ")
+    if err["type"] == "value_error" and "expected" in why:  # the validator says what it expects
+        return f"merge config {path!r}: key {key!r} is {_short(v)} ({type(v).__name__}): {why}"
     why = f" ({why})" if err["type"] == "value_error" else ""
-    return (f"merge config {path!r}: key {key!r} is {v!r} ({type(v).__name__}){why}; expected "
+    return (f"merge config {path!r}: key {key!r} is {_short(v)} ({type(v).__name__}){why}; expected "
             f"{MERGE_KEYS.get(key, 'a valid value')}")
 
 
@@ -271,11 +375,21 @@ def merge_options(args: dict) -> MergeConfig:
                                                                  "seen_rows") else args[k])
     from_file -= set(given)
     config = args.get("config")
-    check(opts, lambda k: f"'{k}:' in {config}" if k in from_file else
-          ("--no-fold-norms" if k == "fold_norms" else "--" + k.replace("_", "-")))
+
+    def where(k):
+        return (f"'{k}:' in {config}" if k in from_file else
+                ("--no-fold-norms" if k == "fold_norms" else "--" + k.replace("_", "-")))
+    check(opts, where)
     if opts["refine"]:
         opts["align"] = "activations"  # learned matching starts from activation matching
-    return MergeConfig.model_validate(opts)
+    try:
+        return MergeConfig.model_validate(opts)
+    except ValidationError as e:  # a command-line value the schema refuses (a config's were checked on reading)
+        err = e.errors()[0]
+        key = str(err["loc"][0]) if err.get("loc") else "?"
+        why = err.get("msg", "").removeprefix("Value error, ")
+        why = why if "expected" in why else f"{why}; expected {MERGE_KEYS.get(key, 'a valid value')}"
+        raise InputError(f"{where(key)} {_short(opts.get(key))}: {why}") from None
 
 
 def check(opts: dict, name=lambda k: "--" + k.replace("_", "-")) -> None:
@@ -283,10 +397,12 @@ def check(opts: dict, name=lambda k: "--" + k.replace("_", "-")) -> None:
     where an option came from in a refusal (``--refine``, or ``'refine:' in merge.yaml``)."""
     n = name
     data = f"{n('data')} FILE" if n("data").startswith("--") else n("data")
-    if opts["refine"] < 0:
-        said = (f"{n('refine')} {opts['refine']}" if n("refine").startswith("--")
-                else n("refine").replace("refine:", f"refine: {opts['refine']}"))
-        raise InputError(f"{said}: expected a number of steps >= 0")
+
+    def said(k):  # '--refine -3' or "'refine: -3' in merge.yaml"
+        v = _short(opts[k])
+        return f"{n(k)} {v}" if n(k).startswith("--") else n(k).replace(f"{k}:", f"{k}: {v}", 1)
+    if not 0 <= opts["refine"] <= MAX_REFINE:
+        raise InputError(f"{said('refine')}: expected a number of steps in [0, {MAX_REFINE}]")
     if opts["refine"] and not opts["data"]:
         raise InputError(f"{n('refine')} needs {data} (batches for activation matching and the loss)")
     if opts["refine"] and opts["align"] in ("none", None):
@@ -302,7 +418,7 @@ def check(opts: dict, name=lambda k: "--" + k.replace("_", "-")) -> None:
         raise InputError(f"{n('attention')} circuits merges by averaging; expected {n('method')} average without "
                          f"{n('repair')}")
     if opts["sketch"] < 0:
-        raise InputError(f"{n('sketch')} {opts['sketch']}: expected a number of projection columns >= 0")
+        raise InputError(f"{said('sketch')}: expected a number of projection columns >= 0")
     if opts["sketch"] and opts["align"] != "weights":
         raise InputError(f"{n('sketch')} sketches weight matching; expected {n('align')} weights")
     if not 0 <= opts["tol"] < 1:
