@@ -104,6 +104,7 @@ def ws(tmp_path_factory):
     variant("architecture_is_a_function", architectures=["set_seed"])
     variant("flash_attention", attn_implementation="flash_attention_2")
     variant("absurd_layers", num_hidden_layers=10 ** 9)
+    (variant("nested_config") / "config.json").write_text("[" * 200_000 + "]" * 200_000)
     save_file({k: v.to(torch.float8_e4m3fn) for k, v in sd.items()}, str(variant("fp8") / "model.safetensors"),
               metadata={"format": "pt"})
     # dtypes: the tensors, not the config, say what goes out
@@ -158,6 +159,7 @@ REFUSED = [  # (model directory merged with inputs/a, what the one line must say
     ("flash_attention", ["cannot build LlamaForCausalLM", "FlashAttention2"]),
     ("absurd_layers", ["modules for a checkpoint of", "sizes match its weights"]),
     ("fp8", ["F8_E4M3", "dequantise"]),
+    ("nested_config", ["config.json", "nested too deeply"]),
 ]
 
 

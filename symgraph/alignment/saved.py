@@ -165,7 +165,7 @@ def _parse_meta(raw, where):
     after checking it against its fingerprint."""
     try:
         meta = json.loads(raw) if raw is not None else None
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise InputError(f"{where}: its 'symgraph' metadata is not JSON ({str(e)[:60]}); expected the "
                          f"{FORMAT!r} record symgraph align writes") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -212,7 +212,7 @@ def _parse_meta(raw, where):
             folds = [(a, b) for a, b in folds]
             if not all(isinstance(a, str) and isinstance(b, (str, type(None))) for a, b in folds):
                 raise ValueError("folds")
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, RecursionError) as e:
             raise InputError(f"{where}: metadata 'structure_{side}' is malformed ({str(e)[:60]}); expected the "
                              "record symgraph align wrote") from None
         parsed[side] = (table, shapes, folds)

@@ -230,10 +230,9 @@ def read_index(index: str) -> dict:
     expected = ("expected the index save_pretrained writes ({'metadata': {...}, 'weight_map': {tensor: "
                 "shard file}})")
     try:
-        with open(index) as f:
-            raw = json.load(f)
+        raw = read_json(index)
     except (OSError, ValueError) as e:
-        raise InputError(f"cannot read {index!r} ({e}); {expected}") from None
+        raise InputError(f"cannot read {index!r} ({' '.join(str(e).split())[:200]}); {expected}") from None
     if not isinstance(raw, dict):
         raise InputError(f"{index!r} holds a JSON {type(raw).__name__}; {expected}")
     wm = raw.get("weight_map")
@@ -246,15 +245,34 @@ def read_index(index: str) -> dict:
     return wm
 
 
+#: The largest JSON file (a config, a shard index) a model directory may hold.
+JSON_LIMIT = 64 << 20
+
+
+def read_json(path: str):
+    """A model directory's JSON file, bounded: at most :data:`JSON_LIMIT` bytes, nesting Python
+    can parse (a ``ValueError`` saying which otherwise)."""
+    with open(path, "rb") as f:
+        text = f.read(JSON_LIMIT + 1)
+    if len(text) > JSON_LIMIT:
+        raise ValueError(f"it is over {JSON_LIMIT >> 20} MiB")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("it is nested too deeply") from None
+
+
 def refuse_remote_code(path: str) -> None:
     """Refuse a checkpoint whose config asks for its own Python code (``auto_map``), before
     transformers reads it: no code from a model directory ever runs, and nothing prompts."""
     cfg_path = os.path.join(path, "config.json")
     try:
-        with open(cfg_path) as f:
-            raw = json.load(f)
-    except (OSError, ValueError):
+        raw = read_json(cfg_path)
+    except OSError:
         return  # unreadable configs are refused by the loader with their own message
+    except ValueError as e:
+        raise InputError(f"cannot read {cfg_path}: {' '.join(str(e).split())[:200]}; expected a Hugging Face "
+                         "config written by save_pretrained") from None
     auto = raw.get("auto_map") if isinstance(raw, dict) else None
     if auto:
         entry = next(iter(auto.items())) if isinstance(auto, dict) else auto
