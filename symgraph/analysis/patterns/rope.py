@@ -20,6 +20,7 @@ import torch
 
 from ..registry import Meet, Rope, Unify
 from ..nodes import ndim, op_of
+from .rope_forms import complex_ropes, linear_ropes, value_source
 
 __all__ = ['find_rope']
 
@@ -28,34 +29,11 @@ aten = torch.ops.aten
 _BIG = 2 ** 62
 
 
-# Copies that keep a floating-point value (up to rounding to the new dtype): ``q.float()``
-# in the rotary code of a bf16/fp16/fp64 model, ``.to(dtype)``, ``.contiguous()``.
-_COPIES = {aten._to_copy, aten.to, aten.type_as, aten.clone, aten.contiguous, aten.alias,
-           aten.detach, aten.lift_fresh_copy}
-
-
-def _floating(node) -> bool:
-    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
-
-
-def _value_source(node):
-    """``node`` with floating-point copies and casts peeled off: two nodes with one source hold
-    one value, whatever dtype each was cast to. Traced outside float32, ``rotate_half(q.float())``
-    and ``q.float() * cos`` cast ``q`` twice, so the rotated operand is a second copy of ``x``."""
-    while (isinstance(node, torch.fx.Node) and node.op == "call_function"
-           and op_of(node) in _COPIES and node.args and isinstance(node.args[0], torch.fx.Node)
-           and _floating(node) and _floating(node.args[0])
-           and tuple(node.meta["val"].shape) == tuple(node.args[0].meta["val"].shape)):
-        node = node.args[0]
-    return node
-
-
 def _signed_map(node, x, nodes):
     """Signed coordinate indices (1-based) of ``node`` along x's last axis, or None. A copy
     of ``x``'s value (another cast of its source) is ``x`` itself; it is left to its own rule
     (not added to ``nodes``), which relates its axes to the source's."""
-    if node is x or (isinstance(node, torch.fx.Node) and _value_source(node) is _value_source(x)):
+    if node is x or (isinstance(node, torch.fx.Node) and value_source(node) is value_source(x)):
         n = x.meta["val"].shape[-1]
         return np.arange(1, n + 1)
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
@@ -308,7 +286,10 @@ def _split_mul(node, origin):
 
 
 def find_rope(graph, origin, axes_of, shape_of):
-    """Return ``(claimed_nodes, constraints)`` for every RoPE application in ``graph``."""
+    """Return ``(claimed_nodes, constraints)`` for every RoPE application in ``graph``:
+    ``x ⊙ cos + R(x) ⊙ sin`` (rotate_half, interleaved), complex multiplication
+    (:func:`~.rope_forms.complex_ropes`) and concatenated per-pair linear forms
+    (:func:`~.rope_forms.linear_ropes`)."""
     claimed, cons = set(), []
     ids = _ConstIds()
     for node in graph.nodes:
@@ -350,4 +331,9 @@ def find_rope(graph, origin, axes_of, shape_of):
             claimed |= pattern
             cons += new
             break
+    for found in (complex_ropes(graph, origin, axes_of, shape_of, claimed),
+                  linear_ropes(graph, origin, axes_of, shape_of, claimed, ids)):
+        for pattern, new in found:
+            claimed |= pattern
+            cons += new
     return claimed, cons

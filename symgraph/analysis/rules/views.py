@@ -124,3 +124,21 @@ def expand(ctx):
         elif os[o] > 1:
             cons.append(Meet(out[o], "perm", f"{ctx.where}: broadcast (expanded) axis"))
     return cons
+
+
+# A complex tensor ``z[..., n]`` is the real ``x[..., n, 2]`` (real and imaginary parts): a
+# real map on any axis but that last one acts on both parts alike, so the other axes are
+# shared; the (re, im) axis itself stays fixed. Complex RoPE (``view_as_real(view_as_complex(
+# x) * c)``) is read whole by the RoPE pattern; these rules cover every other use.
+@register([aten.view_as_complex, aten.view_as_complex_copy])
+def view_as_complex(ctx):
+    xa = ctx.axes(ctx.arg(0))
+    why = f"{ctx.where}: real and imaginary parts"
+    return [Unify(o, a) for o, a in zip(ctx.out, xa[:-1])] + [Meet(xa[-1], "identity", why)]
+
+
+@register([aten.view_as_real, aten.view_as_real_copy])
+def view_as_real(ctx):
+    xa = ctx.axes(ctx.arg(0))
+    why = f"{ctx.where}: real and imaginary parts"
+    return [Unify(o, a) for o, a in zip(ctx.out[:-1], xa)] + [Meet(ctx.out[-1], "identity", why)]
