@@ -13,6 +13,8 @@ import textwrap
 import time
 
 from .._version import __version__
+from ..merging.config import MergeConfig
+from ..merging.options import add_flags
 from ..merging.run import check_paths, input_names, progress_bar
 from .align import add_parsers as add_align_parsers
 from .barrier import add_parser as add_barrier_parser
@@ -157,44 +159,8 @@ def build_parser():
 
     m = sub.add_parser("merge", help="align and merge N models of one architecture")
     m.add_argument("models", nargs="*", help="two or more model directories / names")
-    m.add_argument("--config", metavar="YAML", help="merge options from a YAML file")
-    m.add_argument("--out", metavar="DIR", help="output directory (must not exist unless --force)")
-    m.add_argument("--align", choices=("weights", "activations", "none"), default=None)
-    m.add_argument("--method", choices=_methods(), default=None)
-    m.add_argument("--weights", type=float, nargs="+", metavar="W", default=None)
-    m.add_argument("--data", metavar="FILE", help=".safetensors/.pt with 'input_ids' [N, S]")
-    m.add_argument("--repair", action="store_true", default=None,
-                   help="REPAIR: renormalise the merge's hidden activations to the inputs' "
-                   "interpolated mean and std (needs --data)")
-    m.add_argument("--refine", type=int, metavar="N", default=None,
-                   help="learned matching: N optimisation steps after activation matching, on "
-                   "the model's own loss over --data")
-    m.add_argument("--no-fold-norms", action="store_true", default=None,
-                   help="keep residual streams permutations (do not fold norm gains)")
-    m.add_argument("--outputs", nargs="+", metavar="NAME", default=None,
-                   help="the outputs the alignment must keep (e.g. logits); default: all")
-    m.add_argument("--attention", choices=("heads", "circuits"), default=None,
-                   help="circuits: each merged head interpolates the parents' QK and OV forms "
-                   "(heads N times as wide; needs a config with head_dim)")
-    m.add_argument("--untie", action="store_true", default=None,
-                   help="give a tied head its own weights first (the residual stream then admits "
-                   "orthogonal maps; one more vocabulary x width matrix)")
-    m.add_argument("--full-groups", action="store_true", default=None,
-                   help="after the rotations, fit each head's GL map and each RoPE pair's scale "
-                   "(the full groups the report claims; exact for a transformed copy; loads the models)")
-    m.add_argument("--seen-rows", action="store_true", default=None,
-                   help="weight matching reads only the token-embedding rows of tokens in --data (the rows "
-                   "a model trained on such data updated; Theus et al. 2025)")
-    m.add_argument("--sketch", type=int, metavar="K", default=None,
-                   help="weight matching compares permutation classes through a shared random projection "
-                   "of K columns where a matrix is wider than 2K (faster, approximate; default 0: exact)")
-    m.add_argument("--tol", type=float, metavar="X", default=None,
-                   help="weight matching keeps a class's element unless re-solving it gains more than this "
-                   "fraction of its objective, so the sweeps end sooner (default 0: every change)")
-    m.add_argument("--device", metavar="DEV", default=None,
-                   help="compute on this device (cpu, cuda, cuda:N; like mergekit's --cuda): the models are "
-                   "loaded there; the output is written as on the CPU")
-    m.add_argument("--force", action="store_true", help="replace an existing --out")
+    m.add_argument("--config", metavar="YAML", help="merge options from a YAML file (the flags below win)")
+    add_flags(m, MergeConfig, choices_for={"method": _methods()})  # every option, from its one declaration
     m.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     m.set_defaults(func=cmd_merge)
 

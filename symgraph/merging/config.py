@@ -2,28 +2,20 @@
 :func:`symgraph.merging.run.run_merge` takes, read from a YAML file and the command line's
 options over it (:func:`merge_options`). Defaults and validation live here only.
 
-A config is a mapping with these keys (all optional but ``models``; command-line values win)::
+Every option is declared once, as a field of :class:`MergeConfig` (its description, what a
+refusal says is expected, its metavar): the YAML keys, the ``symgraph merge`` flags
+(:mod:`symgraph.merging.options`), the defaults and the docs' table (``docs/options.md``) are
+derived from that declaration. A config is a mapping of those keys (all optional but
+``models``; command-line values win), e.g.::
 
-    models: [path_a, path_b, ...]   # save_pretrained directories, demo names or hub ids
-    out: merged                     # output directory
-    align: weights                  # weights | activations | none  (a bare no/off is refused)
-    method: average                 # a registered method: symgraph.merge_methods()
-    weights: [0.5, 0.5]             # one mixing weight per model
-    data: batches.safetensors       # 'input_ids' [N, S] (or 'pixel_values'), for activations
-    repair: false                   # REPAIR the merge's activation statistics (needs data)
-    refine: 0                       # learned-matching steps after alignment (needs data)
-    fold_norms: true                # residual streams as rotations (false: permutations)
-    attention: heads                # heads | circuits (heads N times as wide: QK and OV interpolated)
-    untie: false                    # give a tied head its own weights before aligning
-    full_groups: false              # fit the GL part of heads and RoPE pair scales after the rotations
-    sketch: 0                       # k > 0: weight-matching similarity through a k-column random projection
-    tol: 0                          # weight matching keeps a class's element unless a re-solve gains more (relative)
-    seen_rows: false                # weight matching reads only the embedding rows of tokens in data
-    force: false                    # replace an existing out
+    models: [path_a, path_b]
+    align: activations
+    data: batches.safetensors
+    out: merged
 
 Relative paths are read relative to the config file. A mergekit config (``merge_method:
 linear``, ``models: [{model: ..., parameters: {weight: ...}}]``) is read too
-(:func:`from_mergekit`).
+(:func:`~symgraph.merging.mergekit_config.from_mergekit`).
 """
 from __future__ import annotations
 
@@ -35,30 +27,11 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
 
 from ..errors import InputError
 from .methods.registry import get as get_method, mixing_weights, names as merge_methods
+from .mergekit_config import from_mergekit, short_repr as _short
+from .options import flag, given_options
 
 __all__ = ["MERGE_KEYS", "MergeConfig", "read_merge_config", "merge_options", "defaults", "to_yaml",
            "from_mergekit"]
-
-MERGE_KEYS = {
-    "models": "a list of at least 2 model paths / names",
-    "out": "an output directory path (string)",
-    "align": "one of 'weights', 'activations', 'none'",
-    "method": "a merge method name (symgraph.merge_methods())",
-    "weights": "a list of numbers, one per model",
-    "data": "a path to a .safetensors or .pt data file (string)",
-    "repair": "true or false (REPAIR needs data)",
-    "refine": "a number of steps (an integer >= 0; needs data)",
-    "fold_norms": "true or false",
-    "attention": "one of 'heads', 'circuits'",
-    "untie": "true or false",
-    "full_groups": "true or false",
-    "sketch": "a number of projection columns (an integer >= 0; 0: exact similarity)",
-    "tol": "a relative gain in [0, 1) below which a re-solved class keeps its element (0: every change)",
-    "seen_rows": "true or false (needs data)",
-    "outputs": "a list of output names a symmetry must keep (e.g. [logits])",
-    "device": "where to compute: 'cpu', 'cuda' or 'cuda:N' (not cpu: the models are loaded there)",
-    "force": "true or false",
-}
 
 #: Device types that hold no values (every other one is checked to hold a tensor before a merge).
 NO_COMPUTE_DEVICES = ("meta",)
@@ -69,27 +42,72 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_CONFIG_DEPTH = 32
 
 
+def _opt(expected: str, cli: bool = True, metavar: str | None = None) -> dict:
+    """A field's extra declaration: what a refusal says is ``expected`` of its value, and
+    whether the command line has a flag for it (:mod:`symgraph.merging.options` derives the
+    flag, its help and the docs' row from the field)."""
+    return {"expected": expected, "cli": cli, **({"metavar": metavar} if metavar else {})}
+
+
 class MergeConfig(BaseModel):
     """A merge job (see the module docstring); frozen once built by :func:`merge_options`."""
     model_config = ConfigDict(extra="forbid", frozen=True)
-    models: list[StrictStr] = Field(min_length=2)
-    out: StrictStr | None = None
-    align: Literal["weights", "activations", "none"] = "weights"
-    method: StrictStr = "average"
-    weights: list[StrictFloat | StrictInt] | None = None
-    data: StrictStr | None = None
-    repair: StrictBool = False
-    refine: StrictInt = 0
-    fold_norms: StrictBool = True
-    attention: Literal["heads", "circuits"] = "heads"
-    untie: StrictBool = False
-    full_groups: StrictBool = False
-    sketch: StrictInt = 0
-    tol: StrictFloat | StrictInt = 0
-    seen_rows: StrictBool = False
-    outputs: list[StrictStr] | None = Field(default=None, min_length=1)
-    device: StrictStr = "cpu"
-    force: StrictBool = False
+    models: list[StrictStr] = Field(min_length=2, description="the models: save_pretrained directories, demo "
+                                    "names or hub ids (on the command line: the positional arguments)",
+                                    json_schema_extra=_opt("a list of at least 2 model paths / names", cli=False,
+                                                           metavar="models"))
+    out: StrictStr | None = Field(None, description="output directory (must not exist unless --force)",
+                                  json_schema_extra=_opt("an output directory path (string)", metavar="DIR"))
+    align: Literal["weights", "activations", "none"] = Field(
+        "weights", description="how B is put into A's basis first: by weights (data-free), by activations "
+        "(needs data) or not at all", json_schema_extra=_opt("one of 'weights', 'activations', 'none'"))
+    method: StrictStr = Field("average", description="how the aligned models are combined (a registered method)",
+                              json_schema_extra=_opt("a merge method name (symgraph.merge_methods())"))
+    weights: list[StrictFloat | StrictInt] | None = Field(
+        None, description="one mixing weight per model (normalised to sum 1; default: equal)",
+        json_schema_extra=_opt("a list of numbers, one per model", metavar="W"))
+    data: StrictStr | None = Field(None, description=".safetensors/.pt file with 'input_ids' [N, S] (or "
+                                   "'pixel_values'), for activation statistics",
+                                   json_schema_extra=_opt("a path to a .safetensors or .pt data file (string)", metavar="FILE"))
+    repair: StrictBool = Field(False, description="REPAIR: renormalise the merge's hidden activations to the "
+                               "inputs' interpolated mean and std (needs --data)",
+                               json_schema_extra=_opt("true or false (REPAIR needs data)"))
+    refine: StrictInt = Field(0, description="learned matching: N optimisation steps after activation matching, "
+                              "on the model's own loss over --data (sets align to activations)",
+                              json_schema_extra=_opt(f"a number of steps (an integer >= 0, at most {MAX_REFINE}; "
+                                                     "needs data)", metavar="N"))
+    fold_norms: StrictBool = Field(True, description="fold norm gains into the layers that read them, so "
+                                   "residual streams admit rotations (off: they stay permutations)", json_schema_extra=_opt("true or false"))
+    attention: Literal["heads", "circuits"] = Field(
+        "heads", description="circuits: each merged head interpolates the parents' QK and OV forms (heads N "
+        "times as wide; needs a config with head_dim)", json_schema_extra=_opt("one of 'heads', 'circuits'"))
+    untie: StrictBool = Field(False, description="give a tied head its own weights first (the residual stream "
+                              "then admits orthogonal maps; one more vocabulary x width matrix)",
+                              json_schema_extra=_opt("true or false"))
+    full_groups: StrictBool = Field(False, description="after the rotations, fit each head's GL map and each "
+                                    "RoPE pair's scale (the full groups the report claims; loads the models)",
+                                    json_schema_extra=_opt("true or false"))
+    sketch: StrictInt = Field(0, description="weight matching compares permutation classes through a shared "
+                              "random projection of K columns where a matrix is wider than 2K (0: exact)",
+                              json_schema_extra=_opt("a number of projection columns (an integer >= 0; 0: exact "
+                                                     "similarity)", metavar="K"))
+    tol: StrictFloat | StrictInt = Field(0, description="weight matching keeps a class's element unless re-solving "
+                                         "it gains more than this fraction of its objective (0: every change)",
+                                         json_schema_extra=_opt("a relative gain in [0, 1) below which a "
+                                                                "re-solved class keeps its element (0: every change)", metavar="X"))
+    seen_rows: StrictBool = Field(False, description="weight matching reads only the token-embedding rows of "
+                                  "tokens in --data (Theus et al. 2025)",
+                                  json_schema_extra=_opt("true or false (needs data)"))
+    outputs: list[StrictStr] | None = Field(default=None, min_length=1, description="the outputs a symmetry must "
+                                            "keep (e.g. logits; default: all)",
+                                            json_schema_extra=_opt("a list of output names a symmetry must keep "
+                                                                   "(e.g. [logits])", metavar="NAME"))
+    device: StrictStr = Field("cpu", description="compute on this device (cpu, cuda, cuda:N; like mergekit's "
+                              "--cuda): the models are loaded there; the output is written from the CPU",
+                              json_schema_extra=_opt("where to compute: 'cpu', 'cuda' or 'cuda:N' (not cpu: the "
+                                                     "models are loaded there)", metavar="DEV"))
+    force: StrictBool = Field(False, description="replace an existing --out (a previous symgraph output)",
+                              json_schema_extra=_opt("true or false"))
 
     @field_validator("device")
     @classmethod
@@ -129,6 +147,10 @@ class MergeConfig(BaseModel):
         if v not in merge_methods():
             raise ValueError(f"is not a merge method; expected one of {merge_methods()}")
         return v
+
+
+#: What each key of a merge config expects (derived from the schema).
+MERGE_KEYS = {k: f.json_schema_extra["expected"] for k, f in MergeConfig.model_fields.items()}
 
 
 class _Unreadable(Exception):
@@ -175,12 +197,6 @@ def _yaml_loader():
     Loader.add_implicit_resolver("tag:yaml.org,2002:float",
                                  re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
     return Loader
-
-
-def _short(v, n: int = 80) -> str:
-    """``repr(v)`` cut to about ``n`` characters (a refusal is one line, whatever the file holds)."""
-    r = repr(v)
-    return r if len(r) <= n else r[:n] + "..."
 
 
 def _is_path(spec: str, base: str) -> bool:
@@ -260,76 +276,6 @@ def read_merge_config(path: str) -> dict:
     return out
 
 
-#: mergekit methods that combine task vectors against a shared base model.
-_NEEDS_BASE = {"task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs", "breadcrumbs_ties",
-               "della", "della_linear", "model_stock", "sce", "nearswap"}
-
-
-def from_mergekit(cfg: dict, path: str) -> dict:
-    """symgraph's options from a mergekit config (``merge_method``, ``models: [{model:,
-    parameters: {weight:}}]``, ``parameters: {normalize:}``, ``dtype``): ``linear`` is
-    symgraph's ``average`` (after alignment: symgraph aligns first, unless ``align: none``);
-    methods that need a ``base_model`` are refused with the reason; other keys by name."""
-    cfg = dict(cfg)
-    where = f"mergekit config {path!r}"
-    method = cfg.pop("merge_method", "linear")
-    if not isinstance(method, str):
-        raise InputError(f"{where}: merge_method is {_short(method)} ({type(method).__name__}); expected a method "
-                         "name: linear (symgraph's average)")
-    if method in _NEEDS_BASE or cfg.get("base_model") is not None:
-        raise InputError(f"{where}: merge_method {method!r}{' with a base_model' if cfg.get('base_model') else ''} "
-                         "combines task vectors against a shared base model, and symgraph merges models that "
-                         "share no base (it aligns them first); expected merge_method linear (symgraph's average), "
-                         "or align with symgraph and merge with mergekit")
-    if method != "linear" and method not in merge_methods():
-        raise InputError(f"{where}: merge_method {method!r} has no symgraph counterpart; expected linear "
-                         f"(symgraph's average) or one of {merge_methods()}")
-    cfg["method"] = "average" if method == "linear" else method
-    cfg.pop("base_model", None)
-    dtype = cfg.pop("dtype", None)
-    if dtype is not None:  # mergekit's compute dtype: symgraph computes in float32 (or wider) anyway
-        if not isinstance(dtype, str) or dtype not in ("float32", "float16", "bfloat16", "float64"):
-            raise InputError(f"{where}: dtype {_short(dtype)}; expected float32, float16 or bfloat16 (mergekit's "
-                             "compute dtype)")
-        import sys
-        print(f"symgraph: note: dtype {dtype} in {where}: symgraph computes in float32 (float64 for float64 "
-              "models) and writes each tensor in the first model's dtype", file=sys.stderr)
-    top = cfg.pop("parameters", None) or {}
-    if not isinstance(top, dict):
-        raise InputError(f"{where}: parameters is {_short(top)} ({type(top).__name__}); expected a mapping "
-                         "{normalize: true} or no key")
-    top = dict(top)
-    if top.pop("normalize", True) is not True:
-        raise InputError(f"{where}: parameters.normalize false; symgraph always normalises the weights to sum "
-                         "to 1; expected normalize: true or no key")
-    if top:
-        raise InputError(f"{where}: parameters {_short(sorted(map(str, top)))} are not symgraph options; expected "
-                         "only weight (per model) and normalize")
-    models, weights = [], []
-    for i, m in enumerate(cfg.get("models") or []):
-        if not isinstance(m, dict) or not isinstance(m.get("model"), str):
-            raise InputError(f"{where}: models[{i}] is {_short(m)}; expected {{model: path, parameters: "
-                             "{weight: w}}")
-        extra = sorted(map(str, set(m) - {"model", "parameters"}))
-        params = m.get("parameters") or {}
-        if not isinstance(params, dict):
-            raise InputError(f"{where}: models[{i}].parameters is {_short(params)} ({type(params).__name__}); "
-                             "expected a mapping {weight: w}")
-        params = dict(params)
-        w = params.pop("weight", None)
-        if extra or params:
-            raise InputError(f"{where}: models[{i}] has {extra + sorted(map(str, params))}; expected only model and "
-                             "parameters.weight")
-        models.append(m["model"])
-        weights.append(w)
-    if any(w is None for w in weights) and any(w is not None for w in weights):
-        raise InputError(f"{where}: some models have a weight and others not; expected a weight for each or none")
-    cfg["models"] = models
-    if weights and weights[0] is not None:
-        cfg["weights"] = weights
-    return cfg
-
-
 def _explain(path, cfg, err) -> str:
     """One line for pydantic's first error, naming the key."""
     key = str(err["loc"][0])[:80] if err.get("loc") else "?"
@@ -365,23 +311,19 @@ def merge_options(args: dict) -> MergeConfig:
         if args.get("config") and opts["models"]:
             raise InputError("models given both on the command line and in --config; expected one or the other")
         opts["models"] = list(args["models"])
-    given = [k for k in ("out", "align", "method", "weights", "data", "outputs", "attention", "device",
-                         "sketch", "tol")
-             if args.get(k) is not None]
-    given += [f for f in ("force", "repair", "untie", "full_groups", "seen_rows") if args.get(f)]
-    given += ["refine"] * (args.get("refine") is not None) + ["fold_norms"] * bool(args.get("no_fold_norms"))
-    for k in given:
-        opts[k] = False if k == "fold_norms" else (True if k in ("force", "repair", "untie", "full_groups",
-                                                                 "seen_rows") else args[k])
+    given = given_options(args, MergeConfig)  # the flags the command line set (the schema's fields)
+    opts.update(given)
     from_file -= set(given)
     config = args.get("config")
 
     def where(k):
-        return (f"'{k}:' in {config}" if k in from_file else
-                ("--no-fold-norms" if k == "fold_norms" else "--" + k.replace("_", "-")))
+        return f"'{k}:' in {config}" if k in from_file else flag(MergeConfig, k)
+    if opts["refine"] and opts["align"] == "weights" and ("align" in given or "align" in from_file):
+        raise InputError(f"{where('refine')} starts from activation matching, and {where('align')} says weights; "
+                         f"expected {flag(MergeConfig, 'align')} activations (or no align: refine sets it)")
     check(opts, where)
     if opts["refine"]:
-        opts["align"] = "activations"  # learned matching starts from activation matching
+        opts["align"] = "activations"  # learned matching starts from activation matching (said in --help)
     try:
         return MergeConfig.model_validate(opts)
     except ValidationError as e:  # a command-line value the schema refuses (a config's were checked on reading)
@@ -392,7 +334,7 @@ def merge_options(args: dict) -> MergeConfig:
         raise InputError(f"{where(key)} {_short(opts.get(key))}: {why}") from None
 
 
-def check(opts: dict, name=lambda k: "--" + k.replace("_", "-")) -> None:
+def check(opts: dict, name=lambda k: flag(MergeConfig, k)) -> None:
     """The checks between options (one option's type is the schema's job); ``name(key)`` says
     where an option came from in a refusal (``--refine``, or ``'refine:' in merge.yaml``)."""
     n = name
@@ -447,3 +389,8 @@ def to_yaml(cfg: MergeConfig, out: str = "merged") -> str:
     d = cfg.model_dump(exclude_defaults=True, exclude={"force", "out", "models"})
     head = {"models": list(cfg.models), "align": cfg.align, "method": cfg.method}
     return yaml.safe_dump({**head, **d, "out": out}, sort_keys=False, allow_unicode=True)
+
+
+if __name__ == "__main__":  # python -m symgraph.merging.config > docs/options.md
+    from .options import options_page
+    print(options_page(MergeConfig), end="")

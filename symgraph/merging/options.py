@@ -1,0 +1,126 @@
+"""Everything a merge option is, derived from its one declaration in
+:class:`~symgraph.merging.config.MergeConfig`: a pydantic field whose ``description`` is its
+help and YAML text and whose ``json_schema_extra`` says how the command line spells it
+(``flag``; ``cli: False`` for the keys only a YAML file sets, such as ``models``).
+
+- :func:`add_flags` adds the ``symgraph merge`` flags to an argparse parser;
+- :func:`given_options` reads back the options a command line set (unset flags are None, so a
+  YAML config's values stand);
+- :func:`options_table` is the option table of the docs (YAML key, flag, default, meaning).
+"""
+from __future__ import annotations
+
+import argparse
+import typing
+
+__all__ = ["add_flags", "given_options", "options_table", "options_page", "flag", "Option"]
+
+
+class Option(typing.NamedTuple):
+    """One option as the command line sees it."""
+    key: str          # the YAML key and the schema field
+    metavar: str | None
+    flag: str | None  # "--align", "--no-fold-norms"; None: YAML only
+    kind: str         # "bool", "negated", "list", "choice", "int", "float", "str"
+    choices: tuple
+    element: type | None
+    default: object
+    help: str
+
+
+def _kind(annotation):
+    """(kind, choices, element type) of a field's annotation."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return "choice", tuple(typing.get_args(annotation)), None
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(args) >= 1:
+        if all(typing.get_origin(a) is list for a in args):
+            return _kind(args[0])
+        if len(args) == 1:
+            return _kind(args[0])
+        if {_base(a) for a in args} <= {int, float}:
+            return "float", (), None
+    if origin is list:
+        (inner,) = typing.get_args(annotation) or (str,)
+        el = _base(typing.get_args(inner)[0] if typing.get_origin(inner) is typing.Union else inner)
+        return "list", (), el
+    base = _base(annotation)
+    return {bool: "bool", int: "int", float: "float"}.get(base, "str"), (), None
+
+
+def _base(t):
+    """The plain Python type behind pydantic's strict aliases (``StrictInt`` -> int)."""
+    if typing.get_origin(t) is typing.Annotated:
+        t = typing.get_args(t)[0]
+    return t
+
+
+def options(schema) -> list:
+    """Every field of ``schema`` as an :class:`Option`."""
+    out = []
+    for key, f in schema.model_fields.items():
+        extra = f.json_schema_extra or {}
+        kind, choices, element = _kind(f.annotation)
+        if kind == "bool" and f.default is True:
+            kind = "negated"
+        name = None if extra.get("cli") is False else extra.get("flag") or (
+            "--no-" if kind == "negated" else "--") + key.replace("_", "-")
+        out.append(Option(key, extra.get("metavar"), name, kind, choices, element, f.default, f.description or ""))
+    return out
+
+
+def flag(schema, key: str) -> str:
+    """How the command line spells option ``key`` (``--refine``, ``--no-fold-norms``)."""
+    return next(o.flag for o in options(schema) if o.key == key) or key
+
+
+def add_flags(parser: argparse.ArgumentParser, schema, *, choices_for=None) -> None:
+    """A flag for every command-line option of ``schema``; every default is None (unset), so
+    the YAML config and then the schema's default decide. ``choices_for``: ``{key: choices}``
+    known only at run time (the registered merge methods)."""
+    for o in options(schema):
+        if o.flag is None:
+            continue
+        dest = o.key
+        default = o.default if o.default not in (None, [], ()) else None
+        shown = f" (default: {default})" if default is not None and o.kind not in ("bool", "negated") else ""
+        kw = dict(dest=dest, default=None, help=o.help + shown)
+        if o.kind in ("bool", "negated"):
+            kw["action"] = "store_const"
+            kw["const"] = o.kind == "bool"
+        elif o.kind == "list":
+            kw.update(nargs="+", type=o.element or str, metavar=o.metavar or o.key.upper())
+        elif o.kind == "choice":
+            kw["choices"] = o.choices
+        elif choices_for and o.key in choices_for:
+            kw["choices"] = choices_for[o.key]
+        else:
+            kw["metavar"] = o.metavar or o.key.upper()
+            if o.kind in ("int", "float"):
+                kw["type"] = int if o.kind == "int" else float
+        parser.add_argument(o.flag, **kw)
+
+
+def given_options(args: dict, schema) -> dict:
+    """``{key: value}`` of the options the command line set (argparse's namespace as a dict)."""
+    return {o.key: args[o.key] for o in options(schema) if o.flag is not None and args.get(o.key) is not None}
+
+
+def options_table(schema) -> str:
+    """The docs' option table (markdown), one row per option."""
+    rows = ["| YAML key | flag | default | meaning |", "|---|---|---|---|"]
+    for o in options(schema):
+        default = "(required)" if o.key == "models" else repr(o.default) if o.default is not None else "unset"
+        spelled = f"`{o.flag}`" if o.flag else f"positional `{o.metavar}`" if o.metavar else "(YAML only)"
+        rows.append(f"| `{o.key}` | {spelled} | `{default}` | {o.help} |")
+    return "\n".join(rows)
+
+
+def options_page(schema) -> str:
+    """``docs/options.md``: the option table with how to regenerate it."""
+    return ("# Merge options\n\nEvery option of `symgraph merge`, as a YAML key of `--config` and as a flag "
+            "(the flag wins). Generated from `symgraph.merging.config.MergeConfig` by "
+            "`python -m symgraph.merging.config > docs/options.md`; never edited by hand.\n\n"
+            + options_table(schema) + "\n")
+
