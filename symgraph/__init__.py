@@ -4,7 +4,7 @@
 ``transform`` applies a group element; ``align`` fills every class for two models; ``merge``
 aligns and combines N models; ``resize`` widens or compresses classes;
 ``interpolate``/``loss_barrier`` evaluate the result.
-This module only re-exports; see README "Architecture" for where each piece lives.
+This module only re-exports; see docs/architecture.md for where each piece lives.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
+"""Exceptions raised by symgraph. Every message names what was wrong and what was expected."""
 
 __all__ = ['SymgraphError', 'TraceError', 'UnsupportedOpError', 'CertificationError', 'InputError', 'StructureMismatchError', 'NeedsMemory']
-"""Exceptions raised by symgraph. Every message names what was wrong and what was expected."""
 
 
 class SymgraphError(Exception):

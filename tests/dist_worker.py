@@ -1,5 +1,5 @@
 """One process of tests/test_distributed.py, under ``torchrun`` (gloo): the helpers of
-:mod:`symgraph.distributed` on rank-specific values, then every data statistic and what is
+:mod:`symgraph.core.distributed` on rank-specific values, then every data statistic and what is
 solved from it, on this rank's shard of the batches. Rank r writes ``OUT/rank{r}.pt``.
 
 :func:`compute` is also what the test runs in one process on all the batches."""

@@ -1,4 +1,4 @@
-"""Distributed statistics (:mod:`symgraph.distributed`): two ``torchrun`` processes (gloo, CPU)
+"""Distributed statistics (:mod:`symgraph.core.distributed`): two ``torchrun`` processes (gloo, CPU)
 each measure their own shard of the batches; activation statistics, Fisher and RegMean
 statistics, the alignment and a merge (RegMean, REPAIR) equal one process's on all the
 batches, and are the same on both ranks. The helpers' key-union, dtype and refusal

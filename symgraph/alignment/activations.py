@@ -3,7 +3,7 @@ batch, the outputs of ops whose rule is marked ``observe`` are captured where a 
 coordinates appear with only fixed classes beside them, and streamed cross-moments of A's and
 B's coordinates give a correlation (permutations) or covariance (rotations) matrix. Under
 ``torch.distributed`` each process streams its own batches and the sums are all-reduced
-(:mod:`symgraph.distributed`)."""
+(:mod:`symgraph.core.distributed`)."""
 from __future__ import annotations
 
 import math

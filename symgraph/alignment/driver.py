@@ -368,7 +368,7 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
     """Alignment from tensors rather than modules: ``tensors_a`` / ``tensors_b`` map each
     parameter name of the reports to its tensor (any ``Mapping``; a lazy one reads them on
     demand, see :mod:`symgraph.merging.streaming`); ``gauge_a``: A's norm gains and shifts
-    (:func:`symgraph.folding.gauge`); ``exact_dtype``: what rotations are solved in (see
+    (:func:`symgraph.transform.folding.gauge`); ``exact_dtype``: what rotations are solved in (see
     :class:`~.weights.WeightFeatures`). Weight matching; with ``data``, activation statistics
     where a class is observed, the graphs run op by op on ``fetch`` (two functions ``name ->
     tensor`` reading each model's parameters and buffers when an op needs them) and retraced

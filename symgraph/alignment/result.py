@@ -22,8 +22,8 @@ __all__ = ["Alignment", "load_alignment"]
 class Alignment:
     """Group elements / transport maps carrying B's classes into A's basis.
 
-    ``elements[group_id]``: a ``[*fibres, n_A, n_B]`` tensor, a :class:`~symgraph.elements.Perm`
-    (unfibred permutation as indices) or a :class:`~symgraph.elements.Map` (rectangular or soft
+    ``elements[group_id]``: a ``[*fibres, n_A, n_B]`` tensor, a :class:`~symgraph.core.elements.Perm`
+    (unfibred permutation as indices) or a :class:`~symgraph.core.elements.Map` (rectangular or soft
     map). ``results[group_id]``: the solver's :class:`~symgraph.solve.SolveResult`. ``scales``:
     per-head scalars fitted by ``rescale=True``. ``seconds``: analyze / solver / total time.
     Where the reports fold norm gains (``report.folds``), B is folded, moved and unfolded into

@@ -1,4 +1,4 @@
-"""``python -m symgraph.examples [bert|gpt2|llama|vit]``: report and certify a built-in tiny model."""
+"""``python -m symgraph.cli.examples [bert|gpt2|llama|vit]``: report and certify a built-in tiny model."""
 from __future__ import annotations
 
 import sys

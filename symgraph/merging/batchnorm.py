@@ -17,7 +17,7 @@ in eval mode with the layers before it already reset (one pass over the data per
 stopping once the layer has run), so every layer ends with the statistics of its input in
 the final model. Nothing else changes: momentum, ``num_batches_tracked``, parameters and the
 modules' train / eval modes are left (or put back) as they were. Under ``torch.distributed``
-the sums and counts are all-reduced (:mod:`symgraph.distributed`).
+the sums and counts are all-reduced (:mod:`symgraph.core.distributed`).
 
 :func:`repair` is what ``merge(..., repair=True)`` runs: without BatchNorm layers it is
 :func:`~symgraph.merging.repair.renormalize`; with them, the BatchNorm statistics are reset,

@@ -27,7 +27,7 @@ by running the anchor's exported graph on each model's own tensors
 (``torch.func.functional_call``): the parents' states, the merged model's parameters. Every
 sample counts (batch, positions, pixels; padding too). Under ``torch.distributed`` each
 process measures its own batches and the per-channel sums and counts are all-reduced
-(:mod:`symgraph.distributed`) before the moments are taken.
+(:mod:`symgraph.core.distributed`) before the moments are taken.
 
 ``sequential=True`` (default) corrects in *waves* — every repaired layer with no uncorrected
 repaired layer among its graph ancestors (a block's gate and up are one wave) — re-measuring

@@ -7,8 +7,8 @@ only maps the class elementwise (MLP units, heads). Shrinking (compression, as i
 and ZipIt) clusters the units by their incoming weights (weighted k-means, the weights being
 the transport masses of :mod:`symgraph.alignment.masses`): each cluster becomes one unit whose
 incoming weights are the mass-weighted mean of its members' and whose outgoing weights are
-their sum. The result is a transport map like any other (:class:`~symgraph.elements.Map`)
-moved through the one walk of :mod:`symgraph.apply`; its error is measured, not assumed.
+their sum. The result is a transport map like any other (:class:`~symgraph.core.elements.Map`)
+moved through the one walk of :mod:`symgraph.transform.apply`; its error is measured, not assumed.
 
 The new model: for a Hugging Face model, the config fields that give the new shapes are found
 by building candidate configs on the meta device and comparing every parameter's shape (no

@@ -1,6 +1,6 @@
 """Out-of-core merging: checkpoints read tensor by tensor, never a whole model in memory.
 
-The checkpoints are :class:`~symgraph.shards.Checkpoint` s: checked complete from their headers,
+The checkpoints are :class:`~symgraph.checkpoints.sharded.Checkpoint` s: checked complete from their headers,
 their model built on the ``meta`` device for the analysis, each tensor read when needed.
 
 :class:`StreamingMerge` analyses the anchor's meta model, aligns every other checkpoint by
@@ -13,7 +13,7 @@ a few weights. It then writes the merge one tensor
 group at a time (a norm fold's gain, shift and readers move together; every other tensor
 alone): each model's tensors are moved into the anchor's basis, averaged in float32, cast to
 the anchor checkpoint's dtype for that tensor and streamed into the output shards
-(:class:`~symgraph.shards.ShardWriter`). A group with a tensor over :data:`CHUNK_BYTES` is
+(:class:`~symgraph.checkpoints.sharded.ShardWriter`). A group with a tensor over :data:`CHUNK_BYTES` is
 computed in slices along an axis that no map and no fold acts on (an embedding's and LM
 head's vocabulary), bit for bit the whole computation, so that its float32 working copies
 never exist whole. Floating-point buffers a class moves (BatchNorm's

@@ -65,7 +65,7 @@ class Group:
 @dataclass
 class Transform:
     """One group element per group: ``elements[group.id]`` is ``[*fibre_sizes, n, n]`` float64,
-    or a :class:`~symgraph.elements.Perm` for an unfibred permutation."""
+    or a :class:`~symgraph.core.elements.Perm` for an unfibred permutation."""
     report: "SymmetryReport"
     elements: dict
 
@@ -153,7 +153,7 @@ class SymmetryReport:
     def random_transform(self, seed: int = 0, orthogonal: bool = False) -> Transform:
         """One random element of every group (``orthogonal=True``: from its orthogonal part).
 
-        Unfibred permutations are :class:`~symgraph.elements.Perm` index vectors (an MLP class
+        Unfibred permutations are :class:`~symgraph.core.elements.Perm` index vectors (an MLP class
         of 11008 units would be a 1 GB dense matrix); the same seed draws the same elements."""
         gen = torch.Generator().manual_seed(seed)
         elements = {}
@@ -229,7 +229,7 @@ class SymmetryReport:
 
     @property
     def folds(self) -> list:
-        """Norms whose gains fold into their readers (:class:`~symgraph.passes.norms.Fold`):
+        """Norms whose gains fold into their readers (:class:`~symgraph.passes.patterns.norms.Fold`):
         the groups describe the model with these folded; transforms fold first, unfold after."""
         return list(self._analysis.folds)
 

@@ -104,7 +104,7 @@ def hungarian(S, dense: bool = True) -> SolveResult:
     """Permutation maximising ``Σ_i S[i, π(i)]`` (Jonker–Volgenant via SciPy).
 
     The element is the permutation matrix, or with ``dense=False`` (square ``S``) a
-    :class:`~symgraph.elements.Perm` of ``n`` indices (no ``n×n`` matrix is built).
+    :class:`~symgraph.core.elements.Perm` of ``n`` indices (no ``n×n`` matrix is built).
 
     >>> r = hungarian(torch.tensor([[0., 1.], [1., 0.]]))
     >>> r.element.tolist(), r.objective
@@ -353,7 +353,7 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
 def solve(kind: str, S, *, pairs=None, solver: str | None = None, rescale=False,
           reg: float | None = None, dense: bool = True, masses=None) -> SolveResult:
     """Dispatch on the group kind (or an explicit ``solver``); ``dense=False``: a
-    permutation comes back as a :class:`~symgraph.elements.Perm` (see :func:`hungarian`);
+    permutation comes back as a :class:`~symgraph.core.elements.Perm` (see :func:`hungarian`);
     ``masses``: ``(a, b)`` unit masses for the transport solvers (uniform where None)."""
     a, b = masses or (None, None)
     S = torch.as_tensor(S, dtype=torch.float64) if solver is not None or kind != "orthogonal" else _float(S)

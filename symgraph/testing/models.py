@@ -1,6 +1,6 @@
 """Tiny random-weight models, built from configs (no download): the one place that builds them
 for the tests, the benchmarks, ``symgraph demo``, the CLI's ``tiny-*`` models and
-``python -m symgraph.examples``.
+``python -m symgraph.cli.examples``.
 
 * :func:`config` returns a Hugging Face config of one of :data:`ARCHS`, from small default
   sizes (:data:`TINY`) and keyword overrides: the sizes by short names (``hidden``,
@@ -13,7 +13,7 @@ for the tests, the benchmarks, ``symgraph demo``, the CLI's ``tiny-*`` models an
   non-Hugging-Face test models (and give 1-d parameters values a permutation can see).
 * :func:`train` is the training loop (AdamW, gradient clipping, optional LR schedule such as
   :func:`warmup_cosine`, optional progress callback, a step and/or time budget) of both
-  ``benchmarks/train.py`` and :mod:`symgraph.demo`.
+  ``benchmarks/train.py`` and :mod:`symgraph.cli.demo`.
 
 Conventions of ``base="tiny"`` (the default): dropout 0 (:data:`DROPOUT_FIELDS`); decoders
 have ``use_cache=False`` and special tokens (bos, eos, pad) 0, inside the tiny vocabulary;

@@ -1,6 +1,6 @@
 """Norm gains folded into their readers and back: the values side of ``passes/norms.py``.
 
-A :class:`~symgraph.passes.norms.Fold` names a norm's gain ``g`` (and shift ``β``) and the
+A :class:`~symgraph.passes.patterns.norms.Fold` names a norm's gain ``g`` (and shift ``β``) and the
 linear layers that read it. :func:`fold` moves them into the readers (``W ← W diag g``,
 ``b ← b + W β``, ``g ← 1``, ``β ← 0``), the form the analysis describes; :func:`unfold` moves
 them back out with the gains and shifts of a *gauge* (the model's own, or the anchor's when

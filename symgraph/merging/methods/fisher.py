@@ -1,7 +1,7 @@
 """Fisher merging: a per-coordinate average weighted by each model's diagonal Fisher of its
 own predictive distribution. The Fisher moves into the anchor's basis with the squared map.
 Under ``torch.distributed`` the sums of squared gradients are all-reduced over the processes'
-shards of the data (:mod:`symgraph.distributed`)."""
+shards of the data (:mod:`symgraph.core.distributed`)."""
 from __future__ import annotations
 
 import torch

@@ -1,7 +1,7 @@
 """RegMean: per linear layer, ``W* = (Σ wᵢ Wᵢ Gᵢ)(Σ wᵢ Gᵢ)⁻¹`` with ``Gᵢ`` the Gram matrix of the
 layer's inputs in model i, regularised towards its diagonal; other parameters are averaged.
 A Gram ``G = Σ x xᵀ`` moves into the anchor's basis as ``M G Mᵀ``. Under ``torch.distributed``
-the Grams are all-reduced over the processes' shards of the data (:mod:`symgraph.distributed`)."""
+the Grams are all-reduced over the processes' shards of the data (:mod:`symgraph.core.distributed`)."""
 from __future__ import annotations
 
 import torch
