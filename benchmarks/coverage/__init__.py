@@ -1,0 +1,39 @@
+"""Coverage of the whole Hugging Face library: every model class of the auto mappings for causal
+LM, masked LM, sequence classification and image classification, built tiny from its own
+config defaults, traced, analysed, certified and checked for completeness by structure.
+
+    python -m benchmarks.coverage [--only FAMILY ...] [--tasks causal_lm ...] [--out DIR]
+                                  [--jobs 2] [--timeout 120] [--mem-gb 6]
+
+One row per (model_type, class, task) of ``MODEL_FOR_{CAUSAL_LM,MASKED_LM,SEQUENCE_CLASSIFICATION,
+IMAGE_CLASSIFICATION}_MAPPING_NAMES``:
+
+1. **config**: ``CONFIG_MAPPING[model_type]()`` shrunk by one generic rule (:func:`shrink`, read
+   its docstring; no per-family sizes). A config the rule cannot shrink is a row with the reason.
+2. **build**: the class on that config, float32, ``eval()``, random weights (every 1-d parameter
+   and every constant matrix re-drawn, as the tests do: Hugging Face's ones/zeros hide a wrong slot).
+3. **trace + analyse**: ``symgraph.analyze(model)`` on its default inputs (timed: the analysis
+   seconds of the row).
+4. **certify**: ``report.certify(model)`` with an infinite tolerance so the value is always
+   recorded; sound when ≤ 1e-6 (float64; ``FLOAT32_TOL`` when the model cannot run in float64).
+5. **complete by structure** (:func:`expectations`, from the traced graph and the config, never
+   from module names): every MLP (a linear-like op whose output reaches another linear-like op
+   through elementwise ops with a nonlinearity and no residual add) has a permutation-type class
+   holding the up weight's output slot and the down weight's input slot; every attention site
+   (``scaled_dot_product_attention``, or a softmax over a ≥4-d score tensor) with more than one
+   head has a class with head blocks on its module's weights; a ``rope`` class exists when the
+   config has rotary parameters.
+6. **ops without a rule**: ``symgraph.cli.coverage.unruled_ops(model)``.
+
+Each row runs in a forked child (the parent imports torch, transformers and symgraph once) under
+``resource.setrlimit(RLIMIT_AS)`` and a wall-clock timeout; a failure is recorded with its
+stage, exception type and first line, and the run goes on. Results: ``coverage.json`` and
+``coverage.md`` in ``--out``, headed by the exact command and the commit they were made at.
+"""
+from __future__ import annotations
+
+from .constants import DEFAULT_OUT, TARGET_COMPLETE, TARGET_MEDIAN_S, TASKS, TOL  # noqa: F401
+from .family import *  # noqa: F401,F403
+from .shrink import *  # noqa: F401,F403
+from .structure import *  # noqa: F401,F403
+from .summary import *  # noqa: F401,F403

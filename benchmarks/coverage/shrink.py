@@ -1,0 +1,269 @@
+"""The one generic rule that makes a tiny config of any family (no per-family sizes), and
+the model built on it."""
+from __future__ import annotations
+
+
+
+
+
+
+# --- the one shrinking rule -------------------------------------------------------------------
+
+HIDDEN = 64          # the main width of every (sub-)config
+HEADS = 4            # attention heads (largest power of two <= min(default, HEADS))
+KV_HEADS = 2         # grouped key/value heads (MHA and MQA keep their kind)
+HEAD_DIM = HIDDEN // HEADS
+LAYERS = 2           # main layer counts; qualified layer counts (dense, shared, ...) -> 1
+EXPERTS = 4
+EXPERTS_PER_TOKEN = 2
+VOCAB = 256
+IMAGE = 64
+
+_MAIN_WIDTH = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "emb_dim", "embedding_size",
+               "hidden_dim")
+_WIDTH_TOKENS = {"hidden", "intermediate", "embd", "embed", "emb", "embedding", "ffn", "ff", "dff",
+                 "inner", "dim", "model", "width", "rank", "lowrank", "mlp", "d", "state", "ssm"}
+_NOT_WIDTH = {"position", "positions", "patch", "image", "kernel", "window", "chunk", "stride",
+              "bucket", "buckets", "distance", "max", "seq", "len", "length", "ctx", "sampling",
+              "rate", "bins", "pool", "token", "tokens", "cache", "frames", "mel", "codebook",
+              "top", "topk", "k", "vocab", "feature", "ratio", "multiplier", "factor", "multiple",
+              "of", "by", "divisible", "groups", "group", "num", "layers", "layer", "heads",
+              "head", "experts", "expert", "labels", "channels", "channel", "conv", "offset",
+              "index", "idx", "size_per_layer_input", "per", "merge", "samples", "shape", "xpath",
+              "tag", "subs", "unit", "rel", "padding", "round", "up", "to", "floor", "scale",
+              "pretraining", "tp", "loop", "passes", "cycles", "hash", "seed"}
+_MAIN_LAYER_TOKENS = {"num", "n", "hidden", "encoder", "decoder", "conf", "layers", "layer"}
+_INDEX_TOKENS = {"idx", "idxs", "ids", "indices", "indexes", "index", "layers"}
+
+
+def _tokens(name: str) -> list:
+    return name.lower().split("_")
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_int_list(v) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(x) for x in v)
+
+
+def role(name: str) -> str | None:
+    """The role of an int config field, from its name alone: ``vocab``, ``token_id``, ``layers``
+    (``layers_main`` / ``layers_other``), ``layer_index``, ``heads`` / ``kv_heads``,
+    ``head_dim``, ``experts`` / ``experts_shared`` / ``experts_per_token``, ``groups``,
+    ``image``, ``width``; None for every other field (left at its default)."""
+    t = _tokens(name)
+    s = set(t)
+    if name.startswith("_"):
+        return None
+    if "token" in s and t[-1] in ("id", "ids", "index") or name in ("unk_index", "mask_index"):
+        return "token_id"
+    if "vocab" in s and t[-1] in ("size", "sizes"):
+        return "vocab"
+    if "image" in s and t[-1] == "size":
+        return "image"
+    if ("head" in s or "heads" in s) and (s & {"dim", "size", "d", "channels"}) and "prediction" not in s:
+        return "head_dim"
+    if name in ("d_kv", "kv_channels", "dim_head", "d_head", "mamba_headdim"):
+        return "head_dim"
+    if "heads" in s or name == "n_head":
+        if "per" in s and "ngram" in s:
+            return None
+        if s & {"kv", "key"} or ("query" in s and "groups" in s):
+            return "kv_heads"
+        return "heads"
+    if name == "num_query_groups":
+        return "kv_heads"
+    if s & {"experts", "expert"} or name == "moe_k":
+        if s & {"size", "dim", "hidden", "layer", "offset", "period"}:
+            return "width" if s & {"size", "dim", "hidden"} else None
+        if s & {"tok", "token", "top", "topk", "k"}:
+            return "experts_per_token"
+        if "shared" in s:
+            return "experts_shared"
+        return "experts"
+    if name in ("moe_topk", "moe_top_k"):
+        return "experts_per_token"
+    if ("group" in s or "groups" in s) and (s & {"n", "num", "topk"}) and not s & {"hidden", "size"}:
+        return "groups"
+    if t[-1] in ("layers", "layer", "depth", "depths") and not s & {"offset", "period", "start", "end",
+                                                                     "interval", "step", "per", "every"}:
+        return "layers_main" if s <= _MAIN_LAYER_TOKENS | {"depth", "depths"} else "layers_other"
+    if t[-1] in ("idx", "idxs", "ids", "indices", "indexes"):
+        return "layer_index"
+    if s & _WIDTH_TOKENS and not s & _NOT_WIDTH:
+        return "width"
+    return None
+
+
+def _level_fields(cfg) -> dict:
+    """The declared fields of a config (dataclass fields in transformers 5, else its
+    ``__init__`` parameters), with their current values; derived attributes are not fields."""
+    import dataclasses
+    import inspect
+    if dataclasses.is_dataclass(cfg):
+        names = [f.name for f in dataclasses.fields(cfg)]
+    else:
+        names = [p for p in inspect.signature(type(cfg).__init__).parameters if p not in ("self", "kwargs")]
+    out = {}
+    for n in names:
+        try:
+            out[n] = getattr(cfg, n)
+        except Exception:  # noqa: BLE001 - per-layer attributes refuse a global read
+            continue
+    return out
+
+
+def shrink(cfg) -> dict:
+    """The keyword overrides that make ``cfg`` (a config of its class's defaults) tiny.
+
+    One rule, by field name (:func:`role`), for every config and, recursively, every sub-config
+    (``text_config``, ``vision_config``, ...):
+
+    * widths (hidden / intermediate / embedding / ffn / model / rank / state sizes): scaled by
+      ``HIDDEN / main width`` (the first of hidden_size, d_model, n_embd, dim, embed_dim, ...),
+      rounded to a multiple of 8 (at least 8; widths <= 8 kept). Lists of widths are left alone.
+    * heads: the largest power of two <= min(default, 4); kv heads: = heads when the default is
+      multi-head, 1 when multi-query, else 2; head dims: ``HIDDEN / HEADS`` = 16.
+    * layers: main counts (num_hidden_layers, n_layer, encoder_layers, depth ...) -> min(., 2),
+      qualified counts (num_dense_layers, num_kv_shared_layers, ...) and per-stage depth lists
+      -> min(., 1); lists as long as the old layer count are cut to the new one; lists of layer
+      indices keep the indices below it (the last layer if none).
+    * experts -> min(., 4), shared experts -> min(., 1), experts per token -> min(., 2), routing
+      and state groups -> 1; vocabularies -> min(., 256), token ids beyond it renumbered from
+      the top; image sizes -> min(., 64).
+
+    Only declared fields are passed, so derived ones (``qk_head_dim``, ``layer_types`` computed
+    from the layer count) are recomputed by the config itself.
+    """
+    return _shrink_level(cfg, _vocab_ids(cfg))
+
+
+def _vocab_ids(cfg) -> dict:
+    """``{old token id: new token id}`` for every token id >= VOCAB anywhere in ``cfg``."""
+    from transformers import PretrainedConfig
+    ids = set()
+
+    def walk(c):
+        for k, v in _level_fields(c).items():
+            if isinstance(v, PretrainedConfig):
+                walk(v)
+            elif role(k) == "token_id":
+                for x in (v if _is_int_list(v) else [v] if _is_int(v) else []):
+                    if x >= VOCAB:
+                        ids.add(x)
+    walk(cfg)
+    return {old: VOCAB - 1 - i for i, old in enumerate(sorted(ids, reverse=True))}
+
+
+def _shrink_level(cfg, id_map) -> dict:
+    from transformers import PretrainedConfig
+    fields = _level_fields(cfg)
+    out = {}
+    main = next((fields[k] for k in _MAIN_WIDTH if _is_int(fields.get(k)) and fields[k] > 0), None)
+    scale = HIDDEN / main if main and main > HIDDEN else 1.0
+    q_heads = [v for k, v in fields.items() if role(k) == "heads" and _is_int(v)]
+    q_old = max(q_heads) if q_heads else None
+    q_new = _pow2_floor(min(q_old, HEADS)) if q_old else HEADS
+    old_layers = next((v for k, v in fields.items() if role(k) == "layers_main" and _is_int(v)), None)
+    new_layers = min(old_layers, LAYERS) if old_layers else None
+    for k, v in fields.items():
+        if isinstance(v, PretrainedConfig):
+            sub = _shrink_level(v, id_map)
+            full = _level_fields(v)
+            full = {a: b for a, b in full.items() if not isinstance(b, PretrainedConfig)}
+            out[k] = {**full, **sub, "model_type": getattr(v, "model_type", None)}
+            if out[k]["model_type"] is None:
+                del out[k]["model_type"]
+            continue
+        r = role(k)
+        new = v
+        if r is None and isinstance(v, (list, tuple)) and old_layers and new_layers != old_layers \
+                and len(v) == old_layers:
+            new = type(v)(v[:new_layers])
+        elif _is_int_list(v) and r in ("heads", "layers_main", "layers_other", "token_id", "layer_index"):
+            if r == "heads":
+                new = type(v)(_pow2_floor(min(x, HEADS)) for x in v)
+            elif r in ("layers_main", "layers_other"):
+                if old_layers and len(v) == old_layers:  # one entry per layer: a layer list
+                    new = type(v)(v[:new_layers])
+                elif r == "layers_other" and new_layers and all(x < old_layers for x in v if x >= 0):
+                    new = type(v)(x for x in v if x < new_layers) or type(v)([new_layers - 1])
+                else:
+                    new = type(v)(min(x, 1) for x in v)
+            elif r == "token_id":
+                new = type(v)(id_map.get(x, x) for x in v)
+            elif r == "layer_index" and new_layers:
+                new = type(v)(x for x in v if x < new_layers) or type(v)([new_layers - 1])
+        elif _is_int(v):
+            if r == "vocab":
+                new = min(v, VOCAB)
+            elif r == "token_id":
+                new = id_map.get(v, v)
+            elif r == "image":
+                new = min(v, IMAGE)
+            elif r == "heads":
+                new = _pow2_floor(min(v, HEADS)) if v > 0 else v
+            elif r == "kv_heads":
+                new = q_new if (q_old is None or v == q_old) else (1 if v == 1 else min(KV_HEADS, q_new))
+            elif r == "head_dim":
+                new = HEAD_DIM if v > 0 else v
+            elif r == "layers_main":
+                new = min(v, LAYERS)
+            elif r == "layers_other":
+                new = min(v, 1)
+            elif r == "experts":
+                new = min(v, EXPERTS)
+            elif r == "experts_shared":
+                new = min(v, 1)
+            elif r == "experts_per_token":
+                new = min(v, EXPERTS_PER_TOKEN)
+            elif r == "groups":
+                new = min(v, 1) if v > 0 else v
+            elif r == "width" and v > 8:
+                new = max(8, int(round(v * scale / 8)) * 8)
+        if new != v:
+            out[k] = new
+    return out
+
+
+def tiny_config(model_type: str):
+    """``(config, overrides)``: the class's default config shrunk by :func:`shrink`."""
+    from transformers import CONFIG_MAPPING
+    cls = CONFIG_MAPPING[model_type]
+    overrides = shrink(cls())
+    return cls(**overrides), overrides
+
+
+# --- building ---------------------------------------------------------------------------------
+
+
+def build(model_type: str, class_name: str, seed: int = 0):
+    """``(model, overrides)``: ``class_name`` on the tiny config, float32, eval, random weights.
+    A sequence classifier without a pad token gets the last id of its vocabulary as one: it
+    finds each row's last token by the pad token, and the example batch has two rows."""
+    import torch
+    import transformers
+    cfg, overrides = tiny_config(model_type)
+    if class_name.endswith("ForSequenceClassification") and getattr(cfg, "pad_token_id", 0) is None:
+        vocab = getattr(cfg, "vocab_size", None)
+        cfg.pad_token_id = (vocab if _is_int(vocab) else VOCAB) - 1
+        overrides = {**overrides, "pad_token_id": cfg.pad_token_id}
+    torch.manual_seed(seed)
+    model = getattr(transformers, class_name)(cfg).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_meta or p.numel() < 2 and p.dim() != 1:
+                continue
+            if p.dim() == 1:  # as tests/conftest: norms at 1 and biases at 0 hide a wrong slot
+                p.copy_((1.0 if name.endswith("weight") else 0.0)
+                        + 0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            elif float(p.std()) == 0.0:  # constant (often zero-initialised) matrices
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model, overrides

@@ -1,0 +1,227 @@
+"""The totals, blockers and the markdown table of a run; the run itself."""
+from __future__ import annotations
+
+
+import argparse
+import collections
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+from ..provenance import REPO_ROOT, staged, write_json
+
+from .constants import DEFAULT_OUT, TARGET_COMPLETE, TARGET_MEDIAN_S, TASKS, TOL
+from .family import families, run_isolated
+
+
+# --- summary and outputs ------------------------------------------------------------------------
+
+
+def git_info() -> dict:
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+    try:
+        head = git("rev-parse", "HEAD").strip()
+        status = [ln[3:] for ln in git("status", "--porcelain").splitlines()]
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": head, "dirty": bool(status),
+            "dirty_symgraph": sorted(p for p in status if p.startswith("symgraph/")),
+            "dirty_files": len(status)}
+
+
+def summarize(rows) -> dict:
+    traced = [r for r in rows if r["traced"]]
+    causal = [r for r in rows if r["task"] == "causal_lm"]
+    causal_traced = [r for r in causal if r["traced"]]
+    causal_complete = [r for r in causal_traced if r["complete"]]
+    secs = [r["analyze_seconds"] for r in traced if r.get("analyze_seconds") is not None]
+    fails = collections.Counter()
+    for r in rows:
+        if r.get("error") and not r["traced"]:
+            fails[r["error"]["stage"]] += 1
+    missing = collections.defaultdict(list)
+    unruled = collections.defaultdict(list)
+    for r in traced:
+        for k in sorted({m["kind"] for m in r["structure"]["missing"]} if r.get("structure") else ()):
+            missing[k].append(f"{r['model_type']}/{r['task']}")
+        for op in r.get("unruled_ops", {}):
+            unruled[op].append(f"{r['model_type']}/{r['task']}")
+    pct = len(causal_complete) / len(causal_traced) if causal_traced else None
+    return {
+        "tried": len(rows), "built": sum(r.get("parameters") is not None for r in rows),
+        "traced": len(traced),
+        "sound": sum(bool(r["sound"]) for r in rows),
+        "unsound": sum(r["sound"] is False for r in rows),
+        "complete": sum(bool(r["complete"]) for r in rows),
+        "complete_and_sound": sum(bool(r["complete"]) and bool(r["sound"]) for r in rows),
+        "failures_by_stage": dict(fails),
+        "causal_lm": {"tried": len(causal), "traced": len(causal_traced), "complete": len(causal_complete),
+                      "complete_fraction": pct, "target": TARGET_COMPLETE,
+                      "meets_target": pct is not None and pct >= TARGET_COMPLETE},
+        "by_task": {t: {"tried": sum(r["task"] == t for r in rows),
+                        "traced": sum(r["task"] == t and r["traced"] for r in rows),
+                        "sound": sum(r["task"] == t and bool(r["sound"]) for r in rows),
+                        "complete": sum(r["task"] == t and bool(r["complete"]) for r in rows)}
+                    for t in TASKS if any(r["task"] == t for r in rows)},
+        "median_analyze_seconds": statistics.median(secs) if secs else None,
+        "max_analyze_seconds": max(secs) if secs else None,
+        "target_median_seconds": TARGET_MEDIAN_S,
+        "missing_kinds": {k: v for k, v in sorted(missing.items(), key=lambda kv: -len(kv[1]))},
+        "rope_missing_with_qk_norm": [f"{r['model_type']}/{r['task']}" for r in traced
+                                      if any(m["kind"] == "rope" and m.get("why")
+                                             for m in (r.get("structure") or {}).get("missing", []))],
+        "unruled_ops": {k: v for k, v in sorted(unruled.items(), key=lambda kv: -len(kv[1]))},
+    }
+
+
+def _cell(x) -> str:
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(res: dict) -> str:
+    s, h = res["summary"], res["header"]
+    c = s["causal_lm"]
+    lines = [
+        "# Coverage of the transformers library",
+        "",
+        f"- command: `{h['command']}`",
+        f"- commit: `{h['git']['commit']}`" + (" (dirty: the working tree differs from the commit; "
+                                                f"{len(h['git'].get('dirty_symgraph', []))} files under symgraph/)"
+                                                if h['git'].get('dirty') else ""),
+        f"- transformers {h['machine']['transformers']}, torch {h['machine']['torch']}, "
+        f"{h['machine']['cores']} cores; {h['jobs']} families at a time, {h['threads']} thread(s) each, "
+        f"timeout {h['timeout_s']:.0f} s, memory limit {h['mem_gb']} GB per family; wall {h['wall_seconds']:.0f} s",
+        f"- shrink rule: {h['rule']}",
+        "",
+        "## Totals",
+        "",
+        "| | tried | traced | sound | complete |",
+        "|---|---|---|---|---|",
+    ]
+    for t, b in s["by_task"].items():
+        lines.append(f"| {t} | {b['tried']} | {b['traced']} | {b['sound']} | {b['complete']} |")
+    lines.append(f"| **all** | {s['tried']} | {s['traced']} | {s['sound']} | {s['complete']} |")
+    pct = "n/a" if c["complete_fraction"] is None else f"{100 * c['complete_fraction']:.1f} %"
+    med = s["median_analyze_seconds"]
+    lines += [
+        "",
+        f"- causal LM: **{c['complete']} / {c['traced']} complete of those that trace = {pct}** "
+        f"(target ≥ {100 * c['target']:.0f} %: {'met' if c['meets_target'] else 'NOT met'})",
+        f"- unsound (certificate > tolerance): {s['unsound']}; failures before a trace, by stage: "
+        f"{s['failures_by_stage'] or 'none'}",
+        f"- median analysis time per traced family: **{med:.2f} s** (max {s['max_analyze_seconds']:.1f} s; "
+        f"target ≤ {s['target_median_seconds']:.0f} s: {'met' if med <= s['target_median_seconds'] else 'NOT met'})"
+        if med is not None else "- median analysis time: n/a",
+        "",
+        "## Blockers",
+        "",
+        "Missing class kinds (families):",
+        "",
+    ]
+    for k, fams in s["missing_kinds"].items():
+        lines.append(f"- `{k}` ({len(fams)}): {', '.join(fams)}")
+    qk = s.get("rope_missing_with_qk_norm") or []
+    if qk:
+        lines.append(f"- of the `rope` ones, {len(qk)} normalise queries and keys per dimension before "
+                     f"the rotation (a query/key norm): its gains do not commute with the rotations, so "
+                     f"only a discrete subgroup of SO(2) per pair survives: {', '.join(qk)}")
+    if not s["missing_kinds"]:
+        lines.append("- none")
+    lines += ["", "Ops without a rule (families):", ""]
+    for k, fams in s["unruled_ops"].items():
+        lines.append(f"- `{k}` ({len(fams)}): {', '.join(fams)}")
+    if not s["unruled_ops"]:
+        lines.append("- none")
+    lines += ["", "## Incomplete or unsound families that trace", "",
+              "| model_type | class | task | certificate | missing (module) | ops without a rule |",
+              "|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        if r["traced"] and (not r["complete"] or r["sound"] is False):
+            miss = "; ".join(sorted({f"{m['kind']}" + (f" ({m['module']})" if m["module"] else "")
+                                     + (" (query/key norm)" if m.get("why") else "")
+                                     for m in (r.get("structure") or {}).get("missing", [])})[:4]) or "-"
+            n_miss = len((r.get("structure") or {}).get("missing", []))
+            if n_miss > 4:
+                miss += f" (+{n_miss - 4} more)"
+            cert = "-" if r["certificate"] is None else f"{r['certificate']:.1e}"
+            lines.append(f"| {r['model_type']} | {r['class']} | {r['task']} | {cert} | {_cell(miss)} | "
+                         f"{_cell(', '.join(r.get('unruled_ops') or {}) or '-')} |")
+    lines += ["", "## Families that do not trace", "", "| model_type | class | task | stage | error |",
+              "|---|---|---|---|---|"]
+    for r in res["rows"]:
+        if not r["traced"]:
+            e = r.get("error") or {}
+            lines.append(f"| {r['model_type']} | {r['class']} | {r['task']} | {e.get('stage')} | "
+                         f"{_cell(e.get('type'))}: {_cell(e.get('message', ''))[:200]} |")
+    lines += ["", "## Every family", "",
+              "| model_type | class | task | traced | certificate | sound | complete | MLPs | attn | rope | "
+              "unruled ops | analyse s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        st = r.get("structure") or {}
+        cert = "-" if r["certificate"] is None else f"{r['certificate']:.1e}"
+        rope = "-" if not st else (f"{st['rope_classes']}" + (" (exp.)" if st["rope_expected"] else ""))
+        sec = "-" if r.get("analyze_seconds") is None else f"{r['analyze_seconds']:.2f}"
+        yes = lambda v: "-" if v is None else ("yes" if v else "**no**")  # noqa: E731
+        lines.append(f"| {r['model_type']} | {r['class']} | {r['task']} | {yes(r['traced'])} | {cert} | "
+                     f"{yes(r['sound'])} | {yes(r['complete'])} | {st.get('mlps', '-')} | "
+                     f"{st.get('multihead_attention', '-')} | {rope} | {len(r.get('unruled_ops') or {}) if r['traced'] else '-'} | {sec} |")
+    return "\n".join(lines) + "\n"
+
+
+RULE = ("widths x 64/main width (multiple of 8); heads -> power of two <= 4, kv heads keep MHA/MQA "
+        "else 2, head dims 16; main layer counts -> 2, other layer counts and stage depths -> 1; "
+        "experts -> 4, shared -> 1, per token -> 2, routing/state groups -> 1; vocab -> 256 (token ids "
+        "renumbered); image size -> 64; recursively in sub-configs (benchmarks.coverage.shrink)")
+
+
+def run(out=None, only=None, tasks=None, jobs: int = 2, timeout: float = 120.0, mem_gb: float | None = 6.0,
+        command: str | None = None, log=None) -> dict:
+    """Run the benchmark over the selected families; write ``coverage.json`` / ``coverage.md``
+    into ``out`` (when given) and return the result."""
+    from .harness import machine_info
+    t0 = time.perf_counter()
+    git = git_info()  # before the run: the commit the rows were produced at
+    fams = families(tasks, only)
+    if only:
+        unknown = sorted(set(only) - {f[0] for f in fams} - {f[1] for f in fams})
+        if unknown:
+            raise SystemExit(f"unknown families: {', '.join(unknown)}")
+    rows = run_isolated(fams, jobs, timeout, mem_gb, log)
+    res = {"header": {"command": command or "python -m benchmarks.coverage", "git": git,
+                      "machine": machine_info(), "jobs": jobs,
+                      "threads": max(1, (os.cpu_count() or 1) // max(1, jobs)), "timeout_s": timeout,
+                      "mem_gb": mem_gb, "tolerance": TOL, "rule": RULE,
+                      "tasks": {t: TASKS[t] for t in (tasks or TASKS)}, "only": only,
+                      "wall_seconds": time.perf_counter() - t0},
+           "summary": summarize(rows), "rows": rows}
+    if out:
+        with staged(out, ".coverage-") as tmp:
+            write_json(tmp / "coverage.json", res)
+            (tmp / "coverage.md").write_text(markdown(res))
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.coverage", description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="+", default=None, metavar="FAMILY",
+                    help="model types (or class names) to run (default: every one)")
+    ap.add_argument("--tasks", nargs="+", choices=list(TASKS), default=None)
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: %(default)s)")
+    ap.add_argument("--jobs", type=int, default=2, help="families at a time (default 2)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per family (default 120)")
+    ap.add_argument("--mem-gb", type=float, default=6.0, help="address-space limit per family (0: none)")
+    a = ap.parse_args(argv)
+    command = " ".join(["python -m benchmarks.coverage"] + [shlex.quote(x) for x in
+                                                             (sys.argv[1:] if argv is None else argv)])
+    res = run(a.out, a.only, a.tasks, a.jobs, a.timeout, a.mem_gb or None, command,
+              log=lambda m: print(m, file=sys.stderr, flush=True))
+    s = res["summary"]
+    c = s["causal_lm"]
+    print(f"tried {s['tried']}  traced {s['traced']}  sound {s['sound']}  complete {s['complete']}  "
+          f"causal-LM complete {c['complete']}/{c['traced']}  median analyse "
+          f"{s['median_analyze_seconds'] or float('nan'):.2f} s  -> {a.out}")
+    return 0
