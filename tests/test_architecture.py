@@ -13,7 +13,7 @@ import torch
 
 import symgraph
 from symgraph.merging import MergeMethod, register
-from symgraph.analysis import registry
+from symgraph.passes import registry
 
 from conftest import build_mlp
 
@@ -39,7 +39,7 @@ def test_only_passes_and_report_read_the_analysis():
     offenders = []
     for path in ROOT.rglob("*.py"):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith("analysis/") or rel == "report/symmetry.py":
+        if rel.startswith("passes/") or rel == "report/symmetry.py":
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line):
@@ -146,7 +146,7 @@ def test_random_permutations_are_index_vectors_and_act_as_before():
 #: The stage packages in pipeline order: a module may import from its own package and from
 #: packages before it, never after (``errors`` is the floor; the package root and
 #: ``__main__`` only re-export / run).
-STAGES = ["_version", "errors", "core", "testing", "analysis", "transform", "report", "solve", "alignment",
+STAGES = ["_version", "errors", "core", "testing", "passes", "transform", "report", "solve", "alignment",
           "checkpoints", "merging", "cli"]
 
 

@@ -211,7 +211,7 @@ def test_dbrx_block_fused_gqa_and_experts():
     assert {("gl", 4, 2), ("perm", 2, 1), ("perm", 2, 2)} <= set(kinds(r))  # attention as above
     assert recovered(m, r, (x,), max_iter=30) < 1e-8
     # the same size bound as for stacked weights: past it, one order for all experts
-    from symgraph.analysis.patterns import stacked
+    from symgraph.passes.patterns import stacked
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stacked, "MAX_STACKED", (4 * 6) ** 2 - 1)
         r = symgraph.analyze(m, (x,))

@@ -197,7 +197,7 @@ def test_each_expert_has_its_own_hidden_class(shared):
 def test_experts_too_large_for_per_expert_classes_share_one(monkeypatch):
     """Per-expert elements cost (experts × units)² entries; past the limit the hidden class is
     one permutation for all experts (a subgroup: still certified), and the report says so."""
-    from symgraph.analysis.patterns import stacked
+    from symgraph.passes.patterns import stacked
     monkeypatch.setattr(stacked, "MAX_STACKED", (E * I) ** 2 - 1)
     torch.manual_seed(0)
     m, x = _Experts(False).double().eval(), torch.randn(6, D, dtype=torch.float64)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import symgraph
-from symgraph.analysis import has_rule
+from symgraph.passes import has_rule
 
 aten = torch.ops.aten
 B, S = 2, 4

@@ -6,7 +6,7 @@
   halves): pairs ``(i, i + d/2)``;
 - DeepSeek-V3's ``rope_interleave`` (``cat`` of the even/odd slices' rotations) moves pair
   ``p`` from ``(2p, 2p+1)`` to ``(p, p + d/2)``: left to the rules, so its pairs stay fixed
-  (sound; see :func:`symgraph.analysis.patterns.rope_forms.linear_ropes`);
+  (sound; see :func:`symgraph.passes.patterns.rope_forms.linear_ropes`);
 - scaled tables (YaRN's attention factor, llama3, longrope, linear): the same classes as
   plain RoPE.
 

@@ -104,7 +104,7 @@ def test_rounding_is_nonlinear(f):
 
 def test_functional_copy_takes_the_source():
     """``dst.copy_(src)`` functionalised to ``copy(dst, src)`` has src's values, not dst's."""
-    from symgraph.analysis import analyze_graph
+    from symgraph.passes import analyze_graph
     from symgraph.report.symmetry import SymmetryReport
 
     class M(torch.nn.Module):

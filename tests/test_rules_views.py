@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from symgraph.analysis.rules.views import refine
+from symgraph.passes.rules.views import refine
 
 from rules_helpers import B, S, analyze, structure, summary, x_of
 

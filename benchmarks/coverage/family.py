@@ -35,7 +35,7 @@ def _first_line(e: BaseException) -> str:
 def _one_trace():
     """Trace once per model: ``analyze``, ``unruled_ops`` and :func:`expectations` share the
     exported program (each would otherwise re-export the same model on the same inputs)."""
-    import symgraph.analysis.trace as tr
+    import symgraph.passes.trace as tr
     import symgraph.report.api as api
     orig, cache = tr.trace, {}
 

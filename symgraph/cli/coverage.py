@@ -16,10 +16,10 @@ __all__ = ["unruled_ops", "main"]
 
 def unruled_ops(model) -> collections.Counter:
     """``{op name: count}`` of the call sites in ``model``'s traced graph that have no rule."""
-    from ..analysis.driver import CONST_OPS, IGNORED
-    from ..analysis.nodes import packet
-    from ..analysis.registry import has_rule
-    from ..analysis.trace import trace
+    from ..passes.driver import CONST_OPS, IGNORED
+    from ..passes.nodes import packet
+    from ..passes.registry import has_rule
+    from ..passes.trace import trace
     ep, _, _ = trace(model)
     out = collections.Counter()
     for n in ep.graph.nodes:

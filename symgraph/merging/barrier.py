@@ -107,7 +107,7 @@ def streamed_curve(A, B, data, lambdas, al=None) -> list:
     checkpoints (:func:`interpolated_fetch`). Equals :func:`interpolate` with the model's own
     loss."""
     from ..alignment.graphrun import streamed_outputs
-    from ..analysis.trace import split_inputs, trace
+    from ..passes.trace import split_inputs, trace
     lm = callable(getattr(A.model, "get_output_embeddings", None)) and A.model.get_output_embeddings() is not None
     programs = {}
     curve = []

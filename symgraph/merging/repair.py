@@ -51,7 +51,7 @@ from ..core import distributed
 from ..alignment.graphrun import GraphRunner
 from ..alignment.checks import batch_inputs, by_shape
 from ..errors import InputError
-from ..analysis.nodes import packet, packets
+from ..passes.nodes import packet, packets
 
 __all__ = ["Site", "RepairLayer", "RepairReport", "find_sites", "renormalize"]
 

@@ -32,7 +32,7 @@ from ..transform.apply import move, stored_tensors
 from ..core.elements import Map
 from ..errors import InputError
 from ..core.groups import PERMUTATION_FAMILY
-from ..analysis.trace import eval_mode, flatten_outputs, output_deviation, split_inputs
+from ..passes.trace import eval_mode, flatten_outputs, output_deviation, split_inputs
 
 __all__ = ["ResizeResult", "resize", "resizable", "same_role"]
 

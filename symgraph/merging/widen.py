@@ -149,7 +149,7 @@ class Resized(torch.nn.Module):
         return get() if callable(get) else None
 
     def _inputs(self, args, kwargs):
-        from ..analysis.trace import split_inputs
+        from ..passes.trace import split_inputs
         if args and kwargs:
             raise InputError("a circuit-space program takes positional or keyword inputs, not both")
         return split_inputs(self._template[0], args if args else kwargs)

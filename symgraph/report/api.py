@@ -1,9 +1,9 @@
 """The entry point of the analysis: trace a model and report its symmetry groups."""
 from __future__ import annotations
 
-from ..analysis import analyze_graph
+from ..passes import analyze_graph
 from .symmetry import SymmetryReport
-from ..analysis.trace import output_positions, trace
+from ..passes.trace import output_positions, trace
 
 __all__ = ["analyze", "tied_parameters"]
 

@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from ..analysis.trace import eval_mode, flatten_outputs, graph_friendly, output_deviation, select_outputs, split_inputs
+from ..passes.trace import eval_mode, flatten_outputs, graph_friendly, output_deviation, select_outputs, split_inputs
 from ..errors import CertificationError, InputError
 
 __all__ = ["certify", "FLOAT32_TOL"]

@@ -13,8 +13,8 @@ import torch
 from ..transform import folding
 from ..core.elements import Blocks, Perm, is_perm
 from ..core.groups import orthogonal_part, sample
-from ..analysis.axes import attention_sites, axis_matrix, input_rows, axis_tree, resized_shapes, leaf_views, linear_layers, leaves_with_parity, observation_points, other_leaf_elements, stored_slots
-from ..analysis.patterns.stacked import unview_of, view_of
+from ..passes.axes import attention_sites, axis_matrix, input_rows, axis_tree, resized_shapes, leaf_views, linear_layers, leaves_with_parity, observation_points, other_leaf_elements, stored_slots
+from ..passes.patterns.stacked import unview_of, view_of
 
 __all__ = ['SymmetryReport', 'Group', 'Transform', 'FLOAT32_TOL']
 

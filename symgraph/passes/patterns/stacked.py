@@ -140,7 +140,7 @@ def stack(an, classes) -> dict:
             if (n * an.uf.size[leaf]) ** 2 > MAX_STACKED:
                 an.shared[leaf] = (f"one order for all {n} members: per-member "
                                    f"elements would need more than {MAX_STACKED} entries "
-                                   "(symgraph.analysis.patterns.stacked.MAX_STACKED)")
+                                   "(symgraph.passes.patterns.stacked.MAX_STACKED)")
                 an.fibre[leaf] = tuple(f for f in an.fibre[leaf] if f not in ms)
         if not an.fibre[leaf]:
             del an.fibre[leaf]

@@ -285,7 +285,7 @@ class AxisAnalysis:
             raise UnsupportedOpError(
                 f"no symmetry rule for {node.target} at node {node.name} "
                 f"(module {module_path(node) or '<root>'}; {source_line(node)}). "
-                "Register one with symgraph.analysis.register, or analyse with strict=False "
+                "Register one with symgraph.passes.register, or analyse with strict=False "
                 "to fix the axes it touches.")
         axes = self._all_axes(node)
         for i in _flat_nodes(node.args) + _flat_nodes(list(node.kwargs.values())):
