@@ -82,8 +82,8 @@ def _max_rss_mb() -> float:
 def run(out: str | None = None, layers: int | None = None, repeats: int = 3) -> dict:
     """Run the benchmark; write JSON to ``out`` (when given) and return the results."""
     import symgraph
-    from symgraph.analysis import analyze_graph
-    from symgraph.analysis.trace import trace
+    from symgraph.passes import analyze_graph
+    from symgraph.passes.trace import trace
 
     model, kwargs = build(layers)
     n_params = sum(p.numel() for p in model.parameters())
