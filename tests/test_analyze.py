@@ -246,3 +246,35 @@ def test_transformer_encoder_groups(encoder):
         assert (pre + "self_attn.out_proj.weight", 1) in hp.params
     # the residual stream is tied to the graph input (not transformable): no group of width d
     assert [g for g in encoder.report.groups if g.size == d and g.blocks == 1] == []
+
+
+class _ScanIntoBuffer(torch.nn.Module):
+    """RecurrentGemma's scan: each step written into a zeros buffer in place (``acc[:, t] = s``),
+    then gated by another branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.x, self.y, self.out = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, h):
+        x, y = self.x(h), torch.nn.functional.gelu(self.y(h))
+        acc, state = torch.zeros_like(x), torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            state = 0.5 * state + x[:, t]
+            acc[:, t] = state
+        return self.out(acc * y)
+
+
+def test_in_place_writes_are_read_as_values():
+    """The exported graph writes into the buffer with ``copy_``; read without functionalising,
+    the buffer looked constant and the gate's branch got a permutation of its own (RecurrentGemma
+    certified at 0.63). Functionalised, the gate's branch is never a class of its own and the
+    report certifies."""
+    torch.manual_seed(0)
+    m = _ScanIntoBuffer().eval()
+    h = torch.randn(2, 5, 8)
+    rep = symgraph.analyze(m, (h,))
+    assert rep.certify(m, (h,), tol=1e-9) <= 1e-9
+    owner = {(p[0], p[1]): g.id for g in rep.groups for p in g.params}
+    assert owner.get(("y.weight", 0)) == owner.get(("x.weight", 0))  # never a class of the gate's branch alone
+    assert owner.get(("y.weight", 0)) == owner.get(("out.weight", 1))

@@ -140,12 +140,21 @@ def _varying_nodes(ep):
     return varying
 
 
+def _mutates(ep) -> bool:
+    """Whether the exported graph writes into a tensor in place (``x[:, t] = y`` in a model's
+    loop is ``copy_`` into a view of ``x``): the rules read values as functions of their
+    arguments, so such a graph is functionalised first (``run_decompositions`` turns the write
+    into ``select_scatter``/``slice_scatter``, whose rules see both the base and what is written)."""
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and n.target._schema.is_mutable for n in ep.graph.nodes)
+
+
 def _unruled_decomposable(ep):
     """Decompositions for the unruled ops on parameter/input-dependent values, and whether a
     re-trace is needed anyway (composite ops, wrapped subgraphs: ``run_decompositions``
-    inlines them)."""
+    inlines them; in-place writes: it functionalises them)."""
     from .driver import IGNORED
-    unruled, retrace = set(), False
+    unruled, retrace = set(), _mutates(ep)
     for n in _varying_nodes(ep):
         t = n.target
         if n.op != "call_function":
