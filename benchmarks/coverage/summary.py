@@ -182,7 +182,7 @@ def run(out=None, only=None, tasks=None, jobs: int = 2, timeout: float = 120.0, 
         command: str | None = None, log=None) -> dict:
     """Run the benchmark over the selected families; write ``coverage.json`` / ``coverage.md``
     into ``out`` (when given) and return the result."""
-    from .harness import machine_info
+    from ..harness import machine_info
     t0 = time.perf_counter()
     git = git_info()  # before the run: the commit the rows were produced at
     fams = families(tasks, only)
