@@ -24,6 +24,7 @@ import symgraph
 from symgraph.testing import models
 
 from test_cli import ENV, digest
+from test_hostile_round3 import _refused
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 ALIGNMENT = "symgraph_alignment.safetensors"
@@ -32,15 +33,6 @@ ALIGNMENT = "symgraph_alignment.safetensors"
 def run(ws, *args):
     return subprocess.run([sys.executable, "-m", "symgraph", *map(str, args)], capture_output=True, text=True,
                           env=ENV, cwd=ws / "work", timeout=300)
-
-
-def _refused(r, *needles):
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    refusals = r.stderr.count("symgraph:") - r.stderr.count("symgraph: warning")
-    assert "Traceback" not in r.stderr and refusals == 1, r.stderr
-    err = " ".join(r.stderr.split())
-    for n in needles:
-        assert n in err, (n, err)
 
 
 def _read(path):

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from symgraph.testing import models
 
 from test_cli import ENV, digest
+from test_hostile_round3 import _refused
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 
@@ -95,15 +96,6 @@ def main_in_process(ws, *args, cwd="work", capsys, seconds=60):
         signal.signal(signal.SIGALRM, old)
         os.chdir(old_cwd)
     return SimpleNamespace(returncode=rc, stderr=capsys.readouterr().err)
-
-
-def _refused(r, *needles):
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    refusals = r.stderr.count("symgraph:") - r.stderr.count("symgraph: warning")
-    assert "Traceback" not in r.stderr and refusals == 1, r.stderr
-    err = " ".join(r.stderr.split())
-    for n in needles:
-        assert n in err, (n, err)
 
 
 I, C = "inputs", "configs"  # noqa: E741

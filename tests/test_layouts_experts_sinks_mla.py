@@ -20,14 +20,6 @@ from test_families_full_groups import _batches, _rel
 V, D, I, E = 64, 16, 12, 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def ids():
     return {"input_ids": torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(0))}
 

@@ -25,14 +25,6 @@ from analyze_helpers import TOL, in_layer, one, slots
 from test_families_full_groups import _batches, _rel
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # --- a tiny decoder with a pluggable rotary form --------------------------------------------
 def _angles(s, n):
     inv = 1.0 / 100.0 ** (torch.arange(0, n, 2, dtype=torch.float32) / n)
