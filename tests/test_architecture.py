@@ -228,7 +228,16 @@ def test_coverage_lists_the_ops_without_a_rule():
     from symgraph.testing import models
     ops = unruled_ops(models.build("gptj", vocab=64, hidden=16, layers=1, heads=2, positions=32))
     assert all(not registry.has_rule(getattr(torch.ops.aten, k.split(".")[1])) or "." in k for k in ops)
-    assert ops["aten.repeat_interleave.self_int"] > 0  # GPT-J's interleaved rotary tables
+    assert "aten.repeat_interleave.self_int" not in ops  # GPT-J's rotary tables: a constant path, frozen nothing
+
+    class Spectrum(torch.nn.Module):  # an op without a rule (nor a decomposition) on a parameter's values: counted
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.fft.fft(self.lin(x), dim=-1).abs()
+    assert sum(k for op, k in unruled_ops(Spectrum(), (torch.randn(2, 4),)).items() if "fft" in op) >= 1
     assert "aten.gather.default" not in unruled_ops(
         models.build("bert", vocab=64, hidden=16, layers=1, heads=2, mlp=32, positions=32))  # has a rule now
     assert unruled_ops(models.build("gpt2", vocab=64, hidden=16, layers=1, heads=2, positions=32)).get(

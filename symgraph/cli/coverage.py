@@ -14,15 +14,20 @@ import sys
 __all__ = ["unruled_ops", "main"]
 
 
-def unruled_ops(model) -> collections.Counter:
-    """``{op name: count}`` of the call sites in ``model``'s traced graph that have no rule."""
+def unruled_ops(model, inputs=None) -> collections.Counter:
+    """``{op name: count}`` of the call sites in ``model``'s traced graph that have no rule, on
+    values that depend on a parameter or an input (an op on a constant path, such as a mask's
+    construction, freezes nothing and is not counted)."""
     from ..passes.driver import CONST_OPS, IGNORED
     from ..passes.nodes import packet
     from ..passes.registry import has_rule
-    from ..passes.trace import trace
-    ep, _, _ = trace(model)
+    from ..passes.trace import trace, varying_nodes
+    ep, _, _ = trace(model, inputs)
+    varying = varying_nodes(ep)
     out = collections.Counter()
     for n in ep.graph.nodes:
+        if n not in varying:
+            continue
         if n.op != "call_function" or not hasattr(n.target, "overloadpacket"):
             continue
         if packet(n) in IGNORED or packet(n) in CONST_OPS or has_rule(n.target):

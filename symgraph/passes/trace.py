@@ -11,7 +11,7 @@ from ..errors import InputError, TraceError
 from .nodes import packet
 from .registry import has_rule
 
-__all__ = ['model_device', 'default_inputs', 'split_inputs', 'eval_mode', 'trace', 'flatten_outputs',
+__all__ = ['model_device', 'varying_nodes', 'default_inputs', 'split_inputs', 'eval_mode', 'trace', 'flatten_outputs',
            'output_deviation']
 
 aten = torch.ops.aten
@@ -123,7 +123,7 @@ def graph_friendly(model):
             c._experts_implementation = saved[k]
 
 
-def _varying_nodes(ep):
+def varying_nodes(ep):
     """Nodes whose values depend on a parameter or a user input. The analysis never applies a
     rule to the others (constants: positions, masks), so they need no decomposition."""
     from .driver import CONST_OPS
@@ -155,7 +155,7 @@ def _unruled_decomposable(ep):
     inlines them; in-place writes: it functionalises them)."""
     from .driver import IGNORED
     unruled, retrace = set(), _mutates(ep)
-    for n in _varying_nodes(ep):
+    for n in varying_nodes(ep):
         t = n.target
         if n.op != "call_function":
             continue
