@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 import symgraph
+from symgraph.report.certify import cast_floats
 from symgraph.testing import models
 
 tf = pytest.importorskip("transformers")
@@ -48,40 +49,18 @@ def summary(report) -> dict:
     }
 
 
-def cast(x, dtype):
-    """Floating-point tensors of ``x`` (a tensor, dict, tuple) in ``dtype``; the rest as is."""
-    if isinstance(x, torch.Tensor):
-        return x.to(dtype) if x.is_floating_point() else x
-    if isinstance(x, dict):
-        return {k: cast(v, dtype) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return type(x)(cast(v, dtype) for v in x)
-    return x
-
-
 # --- the families: name -> () -> (model, inputs or None, analyze options) -----------------
-# test_families.py builds Swin, CLIP and Mamba2 inside its tests: the same configs here.
 def _swin():
-    cfg = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=8, depths=[2, 2], num_heads=[2, 4],
-                        window_size=2, num_labels=5)
-    return fam.randomized(tf.SwinForImageClassification(cfg)), {"pixel_values": fam.pixels()}, {}
+    return fam.randomized(tf.SwinForImageClassification(fam.swin_config())), {"pixel_values": fam.pixels()}, {}
 
 
 def _clip():
-    cfg = tf.CLIPConfig(
-        text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-                         num_attention_heads=4, max_position_embeddings=16),
-        vision_config=dict(hidden_size=16, intermediate_size=20, num_hidden_layers=1,
-                           num_attention_heads=4, image_size=16, patch_size=4),
-        projection_dim=8)
-    return (fam.randomized(tf.CLIPModel(cfg)), {"input_ids": fam.ids(), "pixel_values": fam.pixels(16)},
+    return (fam.randomized(tf.CLIPModel(fam.clip_config())), {"input_ids": fam.ids(), "pixel_values": fam.pixels(16)},
             {"outputs": ["logits_per_image", "logits_per_text"]})
 
 
 def _mamba2():
-    cfg = tf.Mamba2Config(vocab_size=64, hidden_size=16, state_size=8, num_hidden_layers=1, num_heads=4,
-                          head_dim=8, expand=2, n_groups=1, chunk_size=4, use_cache=False)
-    return fam.randomized(tf.Mamba2ForCausalLM(cfg)), {"input_ids": fam.ids()}, {}
+    return fam.randomized(tf.Mamba2ForCausalLM(fam.mamba2_config())), {"input_ids": fam.ids()}, {}
 
 
 def _custom(cls):
@@ -120,7 +99,7 @@ def _model(name):
 def report(name, dtype):
     """``name`` analysed in ``dtype`` (a copy of the model and its floating-point inputs cast)."""
     model, inputs, options = _model(name)
-    return symgraph.analyze(copy.deepcopy(model).to(dtype), cast(inputs, dtype), **options)
+    return symgraph.analyze(copy.deepcopy(model).to(dtype), cast_floats(inputs, dtype), **options)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow)

@@ -55,9 +55,28 @@ def only(report, param, dim):
     return g
 
 
+
+def swin_config():
+    return transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=8, depths=[2, 2], num_heads=[2, 4],
+                                   window_size=2, num_labels=5)
+
+
+def clip_config():
+    return transformers.CLIPConfig(
+        text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                         num_attention_heads=4, max_position_embeddings=16),
+        vision_config=dict(hidden_size=16, intermediate_size=20, num_hidden_layers=1,
+                           num_attention_heads=4, image_size=16, patch_size=4),
+        projection_dim=8)
+
+
+def mamba2_config():
+    return transformers.Mamba2Config(vocab_size=64, hidden_size=16, state_size=8, num_hidden_layers=1,
+                                     num_heads=4, head_dim=8, expand=2, n_groups=1, chunk_size=4, use_cache=False)
+
+
 def test_swin():
-    cfg = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=8, depths=[2, 2],
-                                  num_heads=[2, 4], window_size=2, num_labels=5)
+    cfg = swin_config()
     m = randomized(transformers.SwinForImageClassification(cfg))
     x = {"pixel_values": pixels()}
     r = symgraph.analyze(m, x)
@@ -112,12 +131,7 @@ def test_bart_cross_attention_and_streams():
 
 
 def test_clip_towers_and_shared_embedding_space():
-    cfg = transformers.CLIPConfig(
-        text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-                         num_attention_heads=4, max_position_embeddings=16),
-        vision_config=dict(hidden_size=16, intermediate_size=20, num_hidden_layers=1,
-                           num_attention_heads=4, image_size=16, patch_size=4),
-        projection_dim=8)
+    cfg = clip_config()
     m = randomized(transformers.CLIPModel(cfg))
     x = {"input_ids": ids(), "pixel_values": pixels(16)}
     r = symgraph.analyze(m, x, outputs=["logits_per_image", "logits_per_text"])
@@ -254,9 +268,7 @@ def test_multihead_attention_packed_in_proj():
 
 
 def test_mamba2_mixer_channels():
-    cfg = transformers.Mamba2Config(vocab_size=64, hidden_size=16, state_size=8, num_hidden_layers=1,
-                                    num_heads=4, head_dim=8, expand=2, n_groups=1, chunk_size=4,
-                                    use_cache=False)
+    cfg = mamba2_config()
     m, x = randomized(transformers.Mamba2ForCausalLM(cfg)), {"input_ids": ids()}
     r = symgraph.analyze(m, x)
     assert r.frozen == [] and r.certify(m, x) < 1e-6  # the scan runs partly in float32

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from ..core.dtypes import SAFETENSORS_DTYPES
 from ..core.elements import Map, Perm
 from ..errors import InputError
 from .checks import ElementGroup, check_element, check_element_shape
@@ -150,9 +151,6 @@ def read_alignment(path: str) -> dict:
 
 
 _SAVED_KINDS = ("perm", "map", "perm-matrix", "orthogonal", "matrix")
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
 
 
 def _dtype_name(d) -> str:
@@ -257,7 +255,7 @@ def _plan(header, kinds, groups, shapes, folds, where):
                 raise InputError(f"{where}: element {gid} ({kind}) has no tensor {key!r}; expected every element "
                                  "the metadata lists to be in the file")
             dt, shape = header[key]
-            if dt not in _DTYPES:
+            if dt not in SAFETENSORS_DTYPES:
                 raise InputError(f"{where}: tensor {key!r} has dtype {dt}; expected "
                                  f"{'an integer' if kind == 'perm' else 'a floating-point'} dtype")
             check_element_shape(shape, groups[g], stored=kind, where=where)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.dtypes import SAFETENSORS_DTYPES
 from ..core.files import model_file
 from ..errors import InputError
 
@@ -73,9 +74,7 @@ def check_checkpoint_dir(path: str):
 
 
 #: safetensors dtype names symgraph reads, and their torch dtypes.
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+DTYPES = SAFETENSORS_DTYPES
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import tempfile
 
 import torch
 
-from ..core.files import copy_regular, file_id, identity, model_file, remove_own  # noqa: F401 - remove_own re-exported
+from ..core.files import copy_regular, file_id, identity, inside as _inside, model_file, remove_own  # noqa: F401 - remove_own re-exported
 from ..errors import InputError
 
 __all__ = ["MARKER", "Terminated", "check_out", "check_new_file", "save_atomic", "terminate_on_sigterm", "model_card",
@@ -79,11 +79,6 @@ def terminate_on_sigterm():
 
 def _real(p: str) -> str:
     return os.path.realpath(os.path.abspath(os.path.expanduser(p)))
-
-
-def _inside(path: str, root: str) -> bool:
-    """``path`` is ``root`` or below it (both real paths)."""
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def check_out(out: str, *, force: bool = False, inputs=()) -> str:
@@ -224,13 +219,11 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
                 remove_own(old, made[old], old_prefix, only=owned)
     finally:
         # the only deletions: ``tmp`` (this call's mkdtemp, a random sibling name) and ``old``
-        # (the previous output, vetted by check_out as symgraph's own just before the move)
+        # (the previous output, vetted by check_out as symgraph's own just before the move,
+        # removed in the swap above once the new output is in place)
         remove_own(tmp, made[tmp], tmp_prefix)
-        if old is not None and old in made and os.path.isdir(old):
-            if os.path.exists(out):
-                remove_own(old, made[old], old_prefix, only=owned)
-            else:
-                os.replace(old, out)  # the new output never arrived: put the previous one back
+        if old is not None and not os.path.lexists(out) and os.path.isdir(old):
+            os.replace(old, out)  # the new output never arrived: put the previous one back
     return out
 
 

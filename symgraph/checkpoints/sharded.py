@@ -16,7 +16,8 @@ import os
 import numpy as np
 import torch
 
-from .loading import (DTYPES as _DTYPES, KeysDiffer, build_meta, check_checkpoint_dir, check_tensors, read_config,
+from ..core.dtypes import SAFETENSORS_NAMES as _ST_NAMES
+from .loading import (KeysDiffer, build_meta, check_checkpoint_dir, check_tensors, read_config,
                       read_layout)
 from ..core.finite import all_finite
 from ..errors import InputError
@@ -50,14 +51,15 @@ class Checkpoint:
     ``model``: the architecture on the ``meta`` device (no weights), in the checkpoint's
     dtype; ``params``: parameter name → the names it goes by (tied weights share one);
     ``keys``: the checkpoint's tensor names in file order; :meth:`get` reads a parameter,
-    :meth:`read` a checkpoint tensor.
+    :meth:`read` a checkpoint tensor. ``layout``: its :func:`read_layout`, when the caller has
+    read the headers already.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, layout=None):
         check_checkpoint_dir(path)
         self.path = path
         self.config, self.cls = read_config(path)
-        layout = read_layout(path)  # the headers, checked to agree with the index
+        layout = layout or read_layout(path)  # the headers (checked to agree with the index), or the caller's
         self.files, self.shapes, self.dtypes, self.keys = layout.files, layout.shapes, layout.dtypes, layout.keys
         self._finite: set = set()  # tensors already checked finite (alignment reads them again per sweep)
         self.dtype = layout.dtype
@@ -238,4 +240,3 @@ class ShardWriter:
         return {"tensors": len(self.shard_of), "bytes": self.total, "shards": len(self.shards)}
 
 
-_ST_NAMES = {v: k for k, v in _DTYPES.items()}

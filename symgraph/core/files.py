@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import stat
 
-__all__ = ["identity", "file_id", "remove_own", "special_file", "check_input_file", "model_file", "model_roots",
+__all__ = ["identity", "file_id", "remove_own", "special_file", "check_input_file", "inside", "model_file", "model_roots",
            "copy_regular"]
 
 
@@ -34,7 +34,8 @@ def model_roots(directory: str) -> tuple:
     return (root, blobs) if os.path.basename(parent) == "snapshots" and os.path.isdir(blobs) else (root,)
 
 
-def _inside(path: str, root: str) -> bool:
+def inside(path: str, root: str) -> bool:
+    """``path`` is ``root`` or below it (both real paths)."""
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
@@ -51,7 +52,7 @@ def model_file(directory: str, name: str, *, what: str = "file") -> str:
                          "writes it)")
     roots = model_roots(directory)
     real = os.path.realpath(os.path.join(roots[0], name))
-    if not any(_inside(real, r) for r in roots):
+    if not any(inside(real, r) for r in roots):
         raise InputError(f"{what} {shown!r} points outside the model directory (to {real}); symgraph reads "
                          "only files inside a model directory; expected a regular file in it, not a link out "
                          "of it")

@@ -11,6 +11,7 @@ help and YAML text and whose ``json_schema_extra`` says how the command line spe
 from __future__ import annotations
 
 import argparse
+import types
 import typing
 
 __all__ = ["add_flags", "given_options", "options_table", "options_page", "flag", "Option"]
@@ -34,7 +35,7 @@ def _kind(annotation):
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
         return "choice", tuple(typing.get_args(annotation)), None
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(args) >= 1:
+    if origin in (typing.Union, types.UnionType):
         if all(typing.get_origin(a) is list for a in args):
             return _kind(args[0])
         if len(args) == 1:

@@ -60,7 +60,8 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
     inputs = list(cfg.models) + ([cfg.data] if cfg.data else [])
     out = check_out(cfg.out, force=cfg.force, inputs=inputs)  # before any work
     check_paths(cfg.models)
-    check_dtype_kinds(local_layouts(cfg.models), cfg.models)  # from the headers, before either path
+    layouts = local_layouts(cfg.models)  # the headers, read once for both paths
+    check_dtype_kinds(layouts, cfg.models)
     if cfg.data:
         from ..checkpoints.specs import DATA_EXPECTED
         from ..core.files import check_input_file
@@ -69,7 +70,7 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
     if streaming is not False:
         why = _needs_memory(cfg)
         if why is None:
-            job = _streaming_job(cfg, data, anchor, progress, streaming_options)
+            job = _streaming_job(cfg, layouts, data, anchor, progress, streaming_options)
             why = None if job is not None else "its tensor names are converted by from_pretrained"
         if job is None and streaming:
             raise InputError(f"this merge cannot run out of core: {why}; expected a plain average "
@@ -82,7 +83,7 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
                 raise InputError(f"this merge cannot run out of core: {e}; expected a merge the "
                                  "out-of-core path can run, or streaming=None to load the models") from None
             print(f"symgraph: note: {e}, so the models are loaded in memory for this merge", file=sys.stderr)
-    return _merge_in_memory(cfg, out, inputs, data, anchor, progress)
+    return _merge_in_memory(cfg, layouts[anchor], out, inputs, data, anchor, progress)
 
 
 def _needs_memory(cfg) -> str | None:
@@ -103,7 +104,7 @@ def _needs_memory(cfg) -> str | None:
     return None
 
 
-def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
+def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress) -> MergeOutcome:
     from ..alignment.checks import check_finite
     from ..checkpoints.outdir import model_card, save_atomic
     from ..checkpoints.specs import load_model
@@ -135,8 +136,7 @@ def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
     check_finite(result.model, "the merged model")
     if cfg.device != "cpu":
         result.model.to("cpu")  # written from the CPU (safetensors reads host memory)
-    layout = local_layouts(cfg.models[anchor:anchor + 1])[0]
-    if layout is not None:
+    if layout is not None:  # the anchor's headers (None: a demo name or hub id)
         _as_stored(result.model, layout)
     meta = _meta(cfg, data, mode="in-memory", seconds=time.time() - t0, alignments=result.alignments,
                  dtype=next(result.model.parameters()).dtype,
@@ -152,11 +152,11 @@ def _merge_in_memory(cfg, out, inputs, data, anchor, progress) -> MergeOutcome:
     return MergeOutcome(out, "in-memory", len(models), meta, result)
 
 
-def _streaming_job(cfg, data, anchor, progress, options):
+def _streaming_job(cfg, layouts, data, anchor, progress, options):
     """A :class:`~symgraph.merging.streaming.StreamingMerge` for the job, or None when
     transformers would rename the checkpoints' tensors on load (only from_pretrained can)."""
     try:
-        ckpts = [Checkpoint(os.path.expanduser(m)) for m in cfg.models]
+        ckpts = [Checkpoint(os.path.expanduser(m), layout) for m, layout in zip(cfg.models, layouts)]
     except KeysDiffer:
         return None
     check_compatible([c.config for c in ckpts], cfg.models)

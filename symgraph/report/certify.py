@@ -10,7 +10,7 @@ import torch
 from ..passes.trace import eval_mode, flatten_outputs, graph_friendly, output_deviation, select_outputs, split_inputs
 from ..errors import CertificationError, InputError
 
-__all__ = ["certify", "FLOAT32_TOL"]
+__all__ = ["certify", "cast_floats", "FLOAT32_TOL"]
 
 FLOAT32_TOL = 1e-4  # certificates of models that cannot run in float64
 
@@ -55,7 +55,7 @@ def _certify_in(report, model, args, kwargs, trials, dtype, experts=None) -> flo
     m = copy.deepcopy(model).to(dtype)
     if experts:
         m.set_experts_implementation(experts)
-    args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
+    args, kwargs = cast_floats(args, dtype), cast_floats(kwargs, dtype)
     worst = 0.0
     with torch.no_grad(), eval_mode(m), graph_friendly(m):
         base = flatten_outputs(select_outputs(m(*args, **kwargs), report.outputs))
@@ -67,11 +67,12 @@ def _certify_in(report, model, args, kwargs, trials, dtype, experts=None) -> flo
     return worst
 
 
-def _cast(x, dtype):
+def cast_floats(x, dtype):
+    """The floating-point tensors of ``x`` (a tensor, dict, tuple or list) in ``dtype``; the rest as is."""
     if isinstance(x, torch.Tensor):
         return x.to(dtype) if x.is_floating_point() else x
     if isinstance(x, dict):
-        return {k: _cast(v, dtype) for k, v in x.items()}
+        return {k: cast_floats(v, dtype) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return type(x)(_cast(v, dtype) for v in x)
+        return type(x)(cast_floats(v, dtype) for v in x)
     return x
