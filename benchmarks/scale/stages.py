@@ -112,14 +112,15 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
             finish("mergekit_linear", r, mk_out)
 
     # symgraph
-    for align in ("none", "weights", "activations"):
-        name = f"symgraph_{align}"
+    for name, align, method in (("symgraph_none", "none", "average"), ("symgraph_weights", "weights", "average"),
+                                ("symgraph_activations", "activations", "average"),
+                                ("symgraph_regmean", "weights", "regmean"), ("symgraph_fisher", "weights", "fisher")):
         if name not in stages:
             continue
         out = outdir / name
         shutil.rmtree(out, ignore_errors=True)
-        cmd = _symgraph_cmd() + ["merge", a, b, "--out", str(out), "--align", align]
-        if align == "activations":
+        cmd = _symgraph_cmd() + ["merge", a, b, "--out", str(out), "--align", align, "--method", method]
+        if align == "activations" or method != "average":
             cmd += ["--data", _token_data(Path(pair["dir"]), config.vocab_size)]
         prep_cache()
         r = measure(cmd, timeout=timeout, env=_env(), cwd=REPO_ROOT, log_prefix=str(logdir / name))

@@ -25,6 +25,7 @@ from typing import Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError, field_validator)
 
+from ..checkpoints.sharded import parse_size
 from ..errors import InputError
 from .methods.registry import get as get_method, mixing_weights, names as merge_methods
 from .mergekit_config import from_mergekit, short_repr as _short
@@ -103,11 +104,25 @@ class MergeConfig(BaseModel):
                                             json_schema_extra=_opt("a list of output names a symmetry must keep "
                                                                    "(e.g. [logits])", metavar="NAME"))
     device: StrictStr = Field("cpu", description="compute on this device (cpu, cuda, cuda:N; like mergekit's "
-                              "--cuda): the models are loaded there; the output is written from the CPU",
-                              json_schema_extra=_opt("where to compute: 'cpu', 'cuda' or 'cuda:N' (not cpu: the "
-                                                     "models are loaded there)", metavar="DEV"))
+                              "--cuda): out of core, tensors are read from disk, computed there and written "
+                              "back; in memory, the models are loaded there",
+                              json_schema_extra=_opt("where to compute: 'cpu', 'cuda' or 'cuda:N'", metavar="DEV"))
+    memory_budget: StrictStr | None = Field(None, description="bytes the out-of-core engine may hold at once "
+                                            "(its caches, a pass of statistics, a group's working copies), "
+                                            "e.g. 2GB; default: fixed sizes of about 0.5 GB",
+                                            json_schema_extra=_opt("a size such as '2GB' or '500MB'", metavar="SIZE"))
     force: StrictBool = Field(False, description="replace an existing --out (a previous symgraph output)",
                               json_schema_extra=_opt("true or false"))
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _a_size(cls, v):
+        if v is not None:
+            try:
+                parse_size(v)
+            except InputError:
+                raise ValueError("is not a size; expected a size such as '2GB' or '500MB'") from None
+        return v
 
     @field_validator("device")
     @classmethod

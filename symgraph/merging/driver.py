@@ -23,7 +23,7 @@ from .state import aligned_state
 from .batchnorm import repair as repair_merge
 from .repair import RepairReport
 
-__all__ = ["MergeResult", "merge"]
+__all__ = ["MergeResult", "merge", "statistics_in_anchor_basis"]
 
 
 @dataclass
@@ -119,7 +119,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         alignments.append(al)
         buffers.append({k: st.pop(k) for k in ra.buffers if k in st})
         states.append(st)
-        stats.append(_statistics(how, m, rep, al, ra, data) if how.needs_data else None)
+        stats.append(statistics_in_anchor_basis(how, m, rep, al, ra, data) if how.needs_data else None)
         timings["statistics"] += time.perf_counter() - t2
     t3 = time.perf_counter()
     if attention == "circuits":
@@ -153,7 +153,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     return MergeResult(out, alignments, timings, repaired, universe)
 
 
-def _statistics(how, m, rep, al, ra, data):
+def statistics_in_anchor_basis(how, m, rep, al, ra, data):
     """The method's statistics of model ``m`` in the anchor's basis. Where norm gains fold,
     B's gains are carried into A's (``Alignment.gauge``), which no map of B's statistics
     expresses: they are measured on the aligned model itself."""

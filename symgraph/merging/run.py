@@ -15,6 +15,7 @@ from .._version import __version__
 from ..errors import InputError, NeedsMemory, StructureMismatchError
 from ..checkpoints.sharded import KeysDiffer
 from .config import MergeConfig, to_yaml
+from .methods.registry import MergeMethod, get as get_method
 from .streaming import DEFAULT_SHARD as _DEFAULT_SHARD, Checkpoint, StreamingMerge
 
 __all__ = ["run_merge", "merge_checkpoints", "MergeOutcome", "MIN_USEFUL_ROWS"]
@@ -73,8 +74,10 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
             job = _streaming_job(cfg, layouts, data, anchor, progress, streaming_options)
             why = None if job is not None else "its tensor names are converted by from_pretrained"
         if job is None and streaming:
-            raise InputError(f"this merge cannot run out of core: {why}; expected a plain average "
-                             "(method 'average', no repair or refine) of local checkpoint directories")
+            raise InputError(f"this merge cannot run out of core: {why}; expected a merge of local "
+                             "checkpoint directories without repair, refine, circuits, untie or full groups")
+        if job is None:
+            print(f"symgraph: note: the models are loaded in memory for this merge: {why}", file=sys.stderr)
     if job is not None:
         try:
             return _merge_streaming(job, cfg, out, inputs)
@@ -87,17 +90,16 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
 
 
 def _needs_memory(cfg) -> str | None:
-    """Why the job needs its models in memory, or None."""
-    if cfg.method != "average":
-        return f"method {cfg.method!r} combines statistics of loaded models"
+    """Why the job needs its models in memory, or None (the merge engine runs it out of core)."""
+    how = get_method(cfg.method)
+    if how.needs_data and type(how).streamed_statistics is MergeMethod.streamed_statistics:
+        return f"method {cfg.method!r} takes its statistics of loaded models only"
     if cfg.repair or cfg.refine:
         return "REPAIR and learned matching run the merged model"
     if cfg.attention == "circuits" or cfg.untie:
         return "circuit-space heads and untied weights change the architecture"
     if cfg.full_groups:
         return "fitting the full groups reads the loaded models"
-    if cfg.device != "cpu":
-        return f"computing on {cfg.device} loads the models there"
     local = [m for m in cfg.models if os.path.isdir(os.path.expanduser(m))]
     if len(local) != len(cfg.models):
         return "not every model is a local checkpoint directory"
@@ -160,15 +162,16 @@ def _streaming_job(cfg, layouts, data, anchor, progress, options):
     except KeysDiffer:
         return None
     check_compatible([c.config for c in ckpts], cfg.models)
-    if (cfg.align == "activations" or cfg.seen_rows) and data is None:
+    if (cfg.align == "activations" or cfg.seen_rows or get_method(cfg.method).needs_data) and data is None:
         data = _data(cfg, ckpts[0].model)
     if cfg.seen_rows:
         options = {**options, "rows_from": data}
     try:
-        return StreamingMerge(ckpts, weights=cfg.weights, align=cfg.align,
-                              data=data if cfg.align == "activations" else None, anchor=anchor,
-                              fold_norms=cfg.fold_norms, outputs=cfg.outputs, progress=progress,
-                              **_speed_options(cfg), **options)
+        needs = cfg.align == "activations" or get_method(cfg.method).needs_data
+        return StreamingMerge(ckpts, weights=cfg.weights, align=cfg.align, method=cfg.method,
+                              data=data if needs else None, anchor=anchor, device=cfg.device,
+                              memory_budget=cfg.memory_budget, fold_norms=cfg.fold_norms, outputs=cfg.outputs,
+                              progress=progress, **_speed_options(cfg), **options)
     except InputError as e:
         raise type(e)(f"{e}{_config_diff(ckpts, cfg.models)}") from None
 
@@ -236,7 +239,6 @@ def _data(cfg, model):
     from ..checkpoints.specs import load_data
     data = load_data(cfg.data, model) if cfg.data else None
     rows = sum(next(iter(b.values())).shape[0] for b in data) if data else 0
-    from .methods.registry import get as get_method
     stats = cfg.align == "activations" or cfg.repair or cfg.refine or get_method(cfg.method).needs_data
     if data and rows < MIN_USEFUL_ROWS and stats:  # (--seen-rows alone only reads which tokens occur)
         print(f"symgraph: warning: only {rows} row{'s' if rows != 1 else ''} of data in {cfg.data!r}; statistics from fewer "

@@ -1,29 +1,34 @@
-"""Out-of-core merging: checkpoints read tensor by tensor, never a whole model in memory.
+"""The merge engine: checkpoints read tensor by tensor, never a whole model in memory.
 
-The checkpoints are :class:`~symgraph.checkpoints.sharded.Checkpoint` s: checked complete from their headers,
-their model built on the ``meta`` device for the analysis, each tensor read when needed.
+Its steps, in :class:`StreamingMerge`:
 
-:class:`StreamingMerge` analyses the anchor's meta model, aligns every other checkpoint by
-weight matching (:func:`symgraph.alignment.driver.align_tensors`) through lazy, norm-folded
-views of the tensors (:class:`Folded`, a bounded cache), or by activations: the analysis's
-graphs of the anchor and the other model run side by side on the data, op by op, each
-weight read from its checkpoint when an op takes it and dropped after
-(:class:`~symgraph.alignment.graphrun.Stepper`), so memory holds the live activations and
-a few weights. It then writes the merge one tensor
-group at a time (a norm fold's gain, shift and readers move together; every other tensor
-alone): each model's tensors are moved into the anchor's basis, averaged in float32, cast to
-the anchor checkpoint's dtype for that tensor and streamed into the output shards
-(:class:`~symgraph.checkpoints.sharded.ShardWriter`). A group with a tensor over :data:`CHUNK_BYTES` is
-computed in slices along an axis that no map and no fold acts on (an embedding's and LM
-head's vocabulary), bit for bit the whole computation, so that its float32 working copies
-never exist whole. Floating-point buffers a class moves (BatchNorm's
-running statistics) are moved and averaged like the weights (all floating-point buffers are
-averaged without alignment); other buffers are the anchor's. Memory holds a few layers'
-tensors, whatever the model's size.
+1. **plan** — the checkpoints are :class:`~symgraph.checkpoints.sharded.Checkpoint` s, checked
+   complete from their headers, their model built on the ``meta`` device for the analysis;
+2. **align** — every other checkpoint is solved against the anchor by weight matching
+   (:func:`symgraph.alignment.driver.align_tensors`) through lazy, norm-folded views
+   (:class:`~symgraph.merging.views.Folded`), or by activations: the graphs of the anchor and
+   the other model run side by side on the data, op by op, each weight read when an op takes
+   it (:class:`~symgraph.alignment.graphrun.Stepper`);
+3. **statistics** — the merge method's (RegMean's input Grams, Fisher's squared gradients)
+   are taken out of core and spilled to disk (:mod:`symgraph.merging.statistics`);
+4. **read, carry, combine, write** — one tensor group at a time (a norm fold's gain, shift and
+   readers together; every other tensor alone), each model's tensors are read, put on the
+   device, carried into the anchor's basis, combined by the method
+   (:meth:`~symgraph.merging.methods.registry.MergeMethod.combine_group`) in float32 (float64
+   for float64 checkpoints), cast to the anchor checkpoint's dtype for that tensor and streamed
+   into the output shards (:class:`~symgraph.checkpoints.sharded.ShardWriter`).
 
-:func:`merge_checkpoints` is the Python entry (``symgraph merge`` uses it for plain averages
-aligned by weights, by activations or not at all); Fisher, RegMean, REPAIR and learned
-matching still load the models (:func:`symgraph.merge`).
+A group over the chunk size is computed in slices along an axis that no map and no fold acts
+on (an embedding's and LM head's vocabulary), bit for bit the whole computation, so that its
+working copies never exist whole. Floating-point buffers a class moves (BatchNorm's running
+statistics) are moved and combined like the weights (all floating-point buffers without
+alignment); other buffers are the anchor's. The caches, a pass of statistics and a group's
+working copies are sized from one memory budget (:func:`budgets`); :class:`~symgraph.merging.views.Ledger`
+counts the bytes held.
+
+:func:`~symgraph.merging.run.merge_checkpoints` is the Python entry; ``symgraph merge`` runs every
+merge here except REPAIR, learned matching, circuit-space heads, untying and full-group
+fitting, which load the models (:func:`symgraph.merge`, saying so).
 """
 from __future__ import annotations
 
@@ -31,9 +36,7 @@ import os
 import shutil
 import sys
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
-
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -41,93 +44,30 @@ from tqdm import tqdm
 from ..transform.apply import move
 from ..core.finite import all_finite
 from ..errors import InputError
-from ..transform import folding
-from ..transform.folding import gauge, groups, members
+from ..transform.folding import gauge, groups
 from ..checkpoints.sharded import Checkpoint, KeysDiffer, ShardWriter, parse_size
+from .methods import registry
 from .methods.registry import mixing_weights
+from .statistics import Spill
+from .views import DEFAULT_CACHE, Folded, Ledger, elements_on, nbytes, return_freed_memory
 
-__all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "parse_size", "DEFAULT_SHARD"]
+__all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "parse_size", "DEFAULT_SHARD", "budgets"]
 
 DEFAULT_SHARD = 2 << 30  # bytes per output shard
-DEFAULT_CACHE = 64 << 20  # bytes of folded tensors kept per model while aligning (about a layer of 1.1B's MLP)
 CHUNK_BYTES = 64 << 20  # a group's tensors over this (in the work dtype) are merged in slices of it
 STATS_BYTES = 256 << 20  # activation statistics are taken in passes of this many bytes, solved as each ends
 EXTRA_FILES = ("generation_config.json",)
 
 
-class Folded(Mapping):
-    """Parameter name → tensor of a :class:`Checkpoint` with the report's norm gains folded
-    (what the symmetry classes act on), read on demand. A fold's tensors are read and folded
-    together; the most recently used values are kept up to ``budget`` bytes."""
-
-    def __init__(self, report, ckpt: Checkpoint, budget: int = DEFAULT_CACHE, dtype=torch.float64):
-        self.report, self.ckpt, self.budget, self.dtype = report, ckpt, budget, dtype
-        self.folds = {n: f for f in report.folds for n in members(f)}
-        self._cache: OrderedDict = OrderedDict()
-        self._bytes = 0
-
-    def __getitem__(self, name):
-        if name in self._cache:
-            self._cache.move_to_end(name)
-            return self._cache[name]
-        f = self.folds.get(name)
-        if f is None:
-            v = self.ckpt.get(name)
-        else:  # this tensor's part of its fold only: the gain (and shift), its reader, its bias
-            f = folding.for_reader(f, name)
-            raw = {n: self.ckpt.get(n) for n in members(f)}
-            v = folding.fold([f], raw, _fold_dtype(f, raw, self.dtype)).get(name, raw[name]).to(raw[name].dtype)
-        self._put(name, v)
-        return v
-
-    def _put(self, name, v):
-        size = v.numel() * v.element_size()
-        if size > self.budget:
-            return
-        if name in self._cache:
-            old = self._cache.pop(name)
-            self._bytes -= old.numel() * old.element_size()
-        self._cache[name] = v
-        self._bytes += size
-        while self._bytes > self.budget:
-            _, old = self._cache.popitem(last=False)
-            self._bytes -= old.numel() * old.element_size()
-
-    def clear(self):
-        """Drop the cached values. The alignment's bookkeeping holds this mapping in reference
-        cycles, which would keep the cache (up to ``budget``) until Python's cycle collector
-        runs: on the 1.1B shape, through the write."""
-        self._cache.clear()
-        self._bytes = 0
-
-    def __iter__(self):
-        return iter(self.report.parameters)
-
-    def __len__(self):
-        return len(self.report.parameters)
-
-
-def _fold_dtype(f, raw, dtype):
-    """What a fold computes in: the tensors' own 16-bit dtype when it has no shift and every
-    tensor is in that dtype (a gain times a weight is exact in float32 for 16-bit inputs and the
-    result is rounded once either way: the same bits, without float32 copies), else ``dtype``."""
-    dts = {t.dtype for t in raw.values()}
-    if f.shift is None and len(dts) == 1 and next(iter(dts)) in (torch.bfloat16, torch.float16):
-        return next(iter(dts))
-    return dtype
-
-
-def _return_freed_memory():
-    """Ask glibc to serve allocations from 1 MiB up with their own mappings, returned to the
-    system when freed. Its default threshold grows to 32 MiB as blocks are freed, so the
-    tensors of a layer come from the heap and its high-water mark stays resident (on a
-    TinyLlama-1.1B-shaped pair: 1.7 GB resident after alignment for 34 MB of live tensors).
-    Process-wide, like any mallopt; a no-op without glibc."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # pragma: no cover - not glibc
-        pass
+def budgets(memory_budget, n_models: int, cache_bytes: int = DEFAULT_CACHE) -> tuple:
+    """``(cache, chunk, stats)`` bytes from a memory budget (None: the defaults): each
+    model's cache of folded or moved tensors, the size of a group above which it is merged in
+    slices (each of the ``n_models`` models' working copies and the result held at once), and a
+    pass of statistics (activation cross-moments, RegMean's Grams)."""
+    if memory_budget is None:
+        return cache_bytes, CHUNK_BYTES, STATS_BYTES
+    b = parse_size(memory_budget)
+    return b // (4 * n_models), max(1 << 10, b // (4 * (n_models + 2))), b // 2
 
 
 class StreamingMerge:
@@ -135,14 +75,20 @@ class StreamingMerge:
 
     ``paths``: two or more ``save_pretrained`` directories (or :class:`Checkpoint` s) of one
     architecture; ``align``: "weights", "activations" (with ``data``, batches as for
-    :func:`symgraph.align`) or None; ``weights``: mixing weights (uniform by default). The constructor reads
-    headers only; :meth:`align` solves; :meth:`write` writes the merged checkpoint into a
-    directory (``save_atomic`` passes its temporary one).
+    :func:`symgraph.align`) or None; ``weights``: mixing weights (uniform by default);
+    ``method``: a registered merge method (``method_options`` to its constructor) whose
+    statistics it takes out of core (:meth:`~symgraph.merging.methods.registry.MergeMethod.streamed_statistics`,
+    on ``data``); ``device``: where tensors are computed (read from disk on the CPU, written
+    back from it); ``memory_budget``: bytes the engine may hold at once (its caches, a pass's
+    statistics, a group's working copies; see :func:`budgets`). The constructor reads headers
+    only; :meth:`align` solves; :meth:`write` takes the method's statistics and writes the
+    merged checkpoint into a directory (``save_atomic`` passes its temporary one).
     """
 
     def __init__(self, paths, *, weights=None, align="weights", anchor: int = 0, fold_norms: bool = True,
                  max_shard_size=DEFAULT_SHARD, progress: bool = False, cache_bytes: int = DEFAULT_CACHE,
-                 outputs=None, data=None, rows_from=None, **align_options):
+                 outputs=None, data=None, rows_from=None, method="average", method_options=None,
+                 device="cpu", memory_budget=None, **align_options):
         paths = list(paths)
         if len(paths) < 2:
             raise InputError(f"merge needs at least 2 checkpoints, got {len(paths)}")
@@ -151,8 +97,12 @@ class StreamingMerge:
         data = list(data) if data is not None else None
         if align == "activations" and not data:
             raise InputError("align='activations' needs data: a list of batches (e.g. dicts with 'input_ids')")
-        if data and align != "activations":
-            raise InputError(f"data is used by align='activations' only, got align={align!r}")
+        self.how = registry.get(method, **(method_options or {}))
+        if self.how.needs_data and not data:
+            raise InputError(f"method={self.how.name!r} needs data: a list of batches (e.g. dicts with 'input_ids')")
+        if data and align != "activations" and not self.how.needs_data:
+            raise InputError(f"data is used by align='activations' or a method that takes statistics, got "
+                             f"align={align!r} and method={self.how.name!r}")
         if not 0 <= anchor < len(paths):
             raise InputError(f"anchor={anchor} is not one of the {len(paths)} checkpoints")
         self.weights = mixing_weights(weights, len(paths))
@@ -160,10 +110,14 @@ class StreamingMerge:
         self.anchor, self.fold_norms, self.progress = anchor, fold_norms, progress
         self.outputs = outputs  # the outputs the alignment keeps (None: all)
         self.data = data
-        self.shard_bytes, self.cache_bytes = parse_size(max_shard_size), cache_bytes
+        self.shard_bytes = parse_size(max_shard_size)
+        self.device = torch.device(device)
+        self.cache_bytes, self.chunk_bytes, self.stats_bytes = budgets(memory_budget, len(paths), cache_bytes)
+        self.ledger = Ledger()  # the bytes of tensors the engine holds (its peak is what the budget bounds)
+        self.stats: list = [None] * len(paths)
         self.align_options = align_options
         self.rows_from = list(rows_from) if rows_from is not None else None  # batches: read only their tokens' rows
-        _return_freed_memory()
+        return_freed_memory()
         self.ckpts = [p if isinstance(p, Checkpoint) else Checkpoint(p) for p in paths]
         self._check_family()
         # rotations are solved and applied in float32 for 16- and 32-bit weights (their own
@@ -173,7 +127,7 @@ class StreamingMerge:
             for c in self.ckpts:                    # meta) runs in the work dtype, tensors cast up to it
                 c.model = c.model.to(self.work_dtype)
         self.alignments: list = [None] * len(paths)
-        self.report = None
+        self.report = self.graph_report = None  # the anchor's (None: not aligned); the graph statistics run
         self.timings: dict = {}
 
     def _check_family(self):
@@ -197,17 +151,20 @@ class StreamingMerge:
         from ..report.api import analyze
         t0 = time.perf_counter()
         A = self.ckpts[self.anchor]
-        if self.align_mode is None:  # nothing to move: every tensor is averaged as it is
-            return self.alignments
         example = self.data[0] if self.data else None
+        if self.align_mode is None:  # nothing to move: every tensor is combined as it is
+            if self.how.needs_data and self.graph_report is None:  # the graph its statistics are taken on
+                self.graph_report = analyze(A.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
+            return self.alignments
         ra = analyze(A.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
-        self.report = ra
+        self.report = self.graph_report = ra
         if self.rows_from:  # weight matching reads only the embedding rows of the tokens in these batches
             self.align_options = {**self.align_options, "rows": ra.input_rows(self.rows_from)}
         self.timings["analyze"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        fa = Folded(ra, A, self.cache_bytes, self.work_dtype)
-        gains = gauge(ra.folds, {n: A.get(n) for f in ra.folds for n in (f.gain, f.shift) if n})
+        dev = None if self.device.type == "cpu" else self.device
+        fa = Folded(ra, A, self.cache_bytes, self.work_dtype, dev, self.ledger)
+        gains = gauge(ra.folds, {n: A.get(n).to(self.device) for f in ra.folds for n in (f.gain, f.shift) if n})
         with tqdm(total=len(self.ckpts) - 1, desc="aligning", unit="model", file=sys.stderr,
                   leave=False, disable=not self.progress) as bar:
             for i, c in enumerate(self.ckpts):
@@ -216,9 +173,9 @@ class StreamingMerge:
                 same = {n: tuple(p.shape) for n, p in c.model.named_parameters()} == \
                        {n: tuple(p.shape) for n, p in A.model.named_parameters()}
                 rb = ra if same else analyze(c.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
-                fb = Folded(rb, c, self.cache_bytes, self.work_dtype)
-                acts = {} if not self.data else dict(data=self.data, models=(A.model, c.model),
-                                                     fetch=(A.fetch, c.fetch), stats_budget=STATS_BYTES)
+                fb = Folded(rb, c, self.cache_bytes, self.work_dtype, dev, self.ledger)
+                acts = {} if self.align_mode != "activations" else dict(
+                    data=self.data, models=(A.model, c.model), fetch=(A.fetch, c.fetch), stats_budget=self.stats_bytes)
                 self.alignments[i] = align_tensors(ra, rb, fa, fb, gains, exact_dtype=self.work_dtype,
                                                    **acts, **self.align_options)
                 fb.clear()
@@ -228,10 +185,25 @@ class StreamingMerge:
         return self.alignments
 
     def write(self, directory: str) -> dict:
-        """Write the merged checkpoint into ``directory`` (shards, index, config); returns
-        ``{"tensors": n, "bytes": total, "shards": k}``."""
-        if self.report is None and self.align_mode is not None:
+        """Take the method's statistics (spilled to a temporary directory beside ``directory``,
+        removed after) and write the merged checkpoint into ``directory`` (shards, index,
+        config); returns ``{"tensors": n, "bytes": total, "shards": k}``."""
+        if self.graph_report is None and (self.align_mode is not None or self.how.needs_data):
             self.align()
+        self.spill = None
+        if self.how.needs_data:
+            t0 = time.perf_counter()
+            self.spill = Spill(os.path.dirname(os.path.abspath(directory)))
+        try:
+            if self.spill is not None:
+                self.stats = [self.how.streamed_statistics(self, i) for i in range(len(self.ckpts))]
+                self.timings["statistics"] = time.perf_counter() - t0
+            return self._write(directory)
+        finally:
+            if self.spill is not None:
+                self.spill.close()
+
+    def _write(self, directory: str) -> dict:
         t0 = time.perf_counter()
         A = self.ckpts[self.anchor]
         unit = groups(self.report.folds) if self.report is not None else {}
@@ -280,7 +252,7 @@ class StreamingMerge:
         return [k for k in A.params.get(name, (name,)) if k in A.shapes]
 
     def _split(self, names):
-        """How to compute a group whose largest tensor is over ``CHUNK_BYTES`` (in the work
+        """How to compute a group whose tensors are over the engine's chunk size (in the work
         dtype) in slices: ``(order, dims, size, step, streamed)``, slicing each tensor of
         ``dims`` at ``dims[name]`` (one axis class of ``size`` coordinates, ``step`` at a
         time); None to compute it whole. Slices are independent where no map acts along the
@@ -300,18 +272,20 @@ class StreamingMerge:
         shapes = {n: A.shapes[A.key(n)] for n in names}
         numel = {n: int(np.prod(shapes[n], dtype=np.int64)) for n in names}
         big = max(names, key=numel.get)
-        if numel[big] * item <= CHUNK_BYTES:
+        if sum(numel.values()) * item <= self.chunk_bytes:
             return None
         for d in range(len(shapes[big])):
             dims = {big: d} if R is None else self._sliceable(names, R.axis_key(R.param_axes(big)[d]))
-            if not dims or item * sum(numel[n] for n in names if n not in dims) > CHUNK_BYTES:
+            if not dims or item * sum(numel[n] for n in names if n not in dims) > self.chunk_bytes:
+                continue
+            if not all(self.how.sliceable(n, e, self.graph_report) for n, e in dims.items()):
                 continue  # a whole remainder this large is recomputed for every slice: not worth it
             row = item * sum(numel[n] // max(shapes[n][e], 1) for n, e in dims.items())
             rows = [n for n, e in dims.items() if e == 0 and len(self._keys(n)) == 1]
             first = max(rows, key=numel.get) if rows else None
             order = [n for n in names if n not in dims] + [first] * bool(first)
             order += [n for n in dims if n != first]
-            return tuple(order), dims, shapes[big][d], max(1, CHUNK_BYTES // max(row, 1)), first
+            return tuple(order), dims, shapes[big][d], max(1, self.chunk_bytes // max(row, 1)), first
         return None
 
     def _sliceable(self, names, key) -> dict | None:
@@ -365,44 +339,47 @@ class StreamingMerge:
         yield from whole.items()
 
     def _merged(self, names, parts=None) -> dict:
-        """Merged values of ``names`` in the anchor's dtypes: each model's tensors moved into
-        the anchor's basis (in the work dtype where a map acts), averaged in float32 (float64
-        for float64 checkpoints); ``parts``: ``{name: (dim, start, stop)}``, the slices to
-        compute of those tensors (see :meth:`_split`). The anchor's tensors go first; of them
-        only the small ones (norm gains and shifts, the gauge B is unfolded into) are kept
-        while the others are read."""
-        A, parts = self.ckpts[self.anchor], parts or {}
+        """Merged values of ``names`` in the anchor's dtypes: each model's tensors read, put on
+        the device, moved into the anchor's basis (in the work dtype where a map acts) and
+        combined by the method in the work dtype (float32, float64 for float64 checkpoints)
+        with its statistics; ``parts``: ``{name: (dim, start, stop)}``, the slices to compute of
+        those tensors (see :meth:`_split`), the statistics sliced alike. Integer tensors (ids,
+        counts) are the anchor's."""
+        A, parts, dev = self.ckpts[self.anchor], parts or {}, self.device
         # inputs are checked finite through the result (NaN and inf survive averaging and
         # maps); only a non-finite result makes us look for the input that caused it
-        acc, dtypes, gains, ints = {}, {}, {}, {}
-        for n in names:
-            t = A.get(n, check=False, part=parts.get(n))
-            dtypes[n] = t.dtype
-            if not t.dtype.is_floating_point:  # integers (ids, counts) are never averaged: the anchor's
-                ints[n] = t.clone()
-                continue
-            acc[n] = t.to(torch.promote_types(t.dtype, torch.float32), copy=True).mul_(float(self.weights[self.anchor]))
-            if t.dim() <= 1:
-                gains[n] = t
-            del t
-        for i, (c, w) in enumerate(zip(self.ckpts, self.weights)):
-            if i == self.anchor:
-                continue
-            vals = {n: c.get(n, check=False, part=parts.get(n)) for n in names}
-            al = self.alignments[i]
-            if al is not None:
-                vals = vals | move(al.report_b, al.elements, vals, gains, dtype=self.work_dtype)
+        dtypes, ints, gains, values, held = {}, {}, {}, [None] * len(self.ckpts), 0
+        for i in [self.anchor] + [i for i in range(len(self.ckpts)) if i != self.anchor]:
+            c, al = self.ckpts[i], self.alignments[i]
+            vals = {}
             for n in names:
-                v = vals.pop(n)
-                if n in ints:  # the anchor's (a counter such as num_batches_tracked may differ)
-                    continue
-                acc[n].add_(v, alpha=float(w))  # promoted into float32 as it is read
+                t = c.get(n, check=False, part=parts.get(n))
+                if i == self.anchor:
+                    dtypes[n] = t.dtype
+                    if not t.dtype.is_floating_point:
+                        ints[n] = t.clone()
+                if n not in ints:
+                    vals[n] = t.to(dev)
+                    if i == self.anchor and t.dim() <= 1:
+                        gains[n] = vals[n]  # the gauge B's gains are unfolded into
+            if al is not None:
+                vals = vals | move(al.report_b, self._elements(i), vals, gains, dtype=self.work_dtype)
+            values[i] = {n: v.to(self.work_dtype) for n, v in vals.items()}
+            held += sum(nbytes(v) for v in values[i].values())
+            self.ledger.hold(sum(nbytes(v) for v in values[i].values()))
+        full = {n: A.shapes[A.key(n)] for n in parts}
+        stats = [None if st is None else _Sliced(st, parts, full, self.ledger) for st in self.stats]
+        floats = [n for n in names if n not in ints]
+        merged = self.how.combine_group(floats, values, stats, self.weights.tolist(), self.graph_report)
+        self.ledger.hold(sum(nbytes(v) for v in merged.values()))
+        self.ledger.drop(held + sum(nbytes(v) for v in merged.values()) + sum(st.read for st in stats if st))
+        del values
         out = {}
         for n in names:
             if n in ints:
                 out[n] = ints.pop(n)
                 continue
-            out[n] = acc.pop(n).to(dtypes[n])
+            out[n] = merged.pop(n).to(dtypes[n]).to("cpu")
             if not all_finite(out[n]):  # checked in the output dtype: overflow too
                 for c in self.ckpts:
                     for m in names:
@@ -410,3 +387,39 @@ class StreamingMerge:
                 raise InputError(f"the merged tensor {n!r} is not finite in {dtypes[n]} (the inputs "
                                  "are); expected weights whose average stays within the dtype's range")
         return out
+
+    def _elements(self, i) -> dict:
+        """Alignment ``i``'s elements on the device (moved there once)."""
+        if self.device.type == "cpu":
+            return self.alignments[i].elements
+        cache = self.__dict__.setdefault("_device_elements", {})
+        if i not in cache:
+            cache[i] = elements_on(self.alignments[i].elements, self.device)
+        return cache[i]
+
+
+class _Sliced(Mapping):
+    """A model's statistics with each tensor of a sliced name cut like the name's slice (a
+    statistic of the tensor's own shape; others, such as a Gram over a weight's inputs, whole)."""
+
+    def __init__(self, stats, parts, shapes, ledger):
+        self.stats, self.parts, self.shapes, self.ledger, self.read = stats, parts, shapes, ledger, 0
+
+    def __getitem__(self, name):
+        t = self.stats[name]
+        self.read += nbytes(t)  # held until the group is combined
+        self.ledger.hold(nbytes(t))
+        part = self.parts.get(name)
+        if part is None or tuple(t.shape) != tuple(self.shapes[name]):
+            return t
+        d, start, stop = part
+        return t.narrow(d, start, stop - start)
+
+    def __contains__(self, name):
+        return name in self.stats
+
+    def __iter__(self):
+        return iter(self.stats)
+
+    def __len__(self):
+        return len(self.stats)

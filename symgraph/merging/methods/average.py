@@ -8,5 +8,5 @@ __all__ = ['Average']
 
 @register("average")
 class Average(MergeMethod):
-    def combine(self, states, stats, weights, report):
-        return {k: sum(w * s[k] for w, s in zip(weights, states)) for k in states[0]}
+    def combine_group(self, names, values, stats, weights, report):
+        return {k: sum(w * v[k] for w, v in zip(weights, values)) for k in names}

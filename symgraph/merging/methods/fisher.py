@@ -10,6 +10,7 @@ from ...core import distributed
 from ...alignment.checks import batch_inputs
 from ...transform.apply import map_parameters
 from ...errors import InputError
+from ..statistics import whole_model
 from .registry import MergeMethod, register
 
 __all__ = ['Fisher']
@@ -50,11 +51,14 @@ class Fisher(MergeMethod):
                                {k: v for k, v in stat.items() if k in set(rb.parameters)}, squared=True)
         return {**stat, **moved}
 
-    def combine(self, states, stats, weights, report):
+    def streamed_statistics(self, job, i):
+        return whole_model(job, i, self, f"fisher/{i}/")
+
+    def combine_group(self, names, values, stats, weights, report):
         out = {}
-        for k in states[0]:
+        for k in names:
             fs = [f[k] + self.eps for f in stats]
-            num = sum(w * f * s[k] for w, f, s in zip(weights, fs, states))
+            num = sum(w * f * v[k] for w, f, v in zip(weights, fs, values))
             out[k] = num / sum(w * f for w, f in zip(weights, fs))
         return out
 

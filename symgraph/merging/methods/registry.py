@@ -6,8 +6,8 @@ into the anchor's basis together with the weights, and combines the aligned weig
 
     @register("average")
     class Average(MergeMethod):
-        def combine(self, states, stats, weights, report):
-            return {k: sum(w * s[k] for w, s in zip(weights, states)) for k in states[0]}
+        def combine_group(self, names, values, stats, weights, report):
+            return {k: sum(w * v[k] for w, v in zip(weights, values)) for k in names}
 
 Files in ``symgraph/merging/methods/`` are imported on first use, so a new method is one new file.
 """
@@ -41,11 +41,36 @@ class MergeMethod:
         """``stat`` moved into the anchor's basis by ``alignment`` (None: not aligned)."""
         return stat
 
-    def combine(self, states, stats, weights, report) -> dict:
-        """Merged ``{name: tensor}`` from the aligned ``states`` (float32, or float64 for
-        float64 models; anchor's basis), their ``stats`` and the normalised mixing ``weights``; ``report`` is the
-        anchor's."""
+    def streamed_statistics(self, job, i: int):
+        """Out of core: model ``i``'s statistic in the anchor's basis as a mapping ``name ->
+        tensor`` (read when asked for), taken by the merge engine ``job``
+        (:class:`~symgraph.merging.streaming.StreamingMerge`) within its budget; None when the
+        method needs none. A method that needs data implements it with
+        :func:`~symgraph.merging.statistics.input_grams` (sums over data at linear inputs) or
+        :func:`~symgraph.merging.statistics.whole_model` (one model loaded at a time); without
+        it the merge loads the models, saying so."""
+        if self.needs_data:
+            raise NotImplementedError(f"merge method {self.name!r} takes its statistics of loaded models only")
+        return None
+
+    def sliceable(self, name: str, dim: int, report) -> bool:
+        """Whether tensor ``name`` may be merged in slices along ``dim`` (the engine slices
+        large tensors along an axis no map acts on; each slice's statistics are the same slice
+        of the whole tensor's)."""
+        return True
+
+    def combine_group(self, names, values, stats, weights, report) -> dict:
+        """Merged ``{name: tensor}`` of the tensors ``names`` (a unit the engine computes
+        together: a norm fold's members, or one tensor, or a slice of them along an axis no map
+        acts on) from each model's ``values`` (a list of ``{name: tensor}`` in the anchor's basis,
+        float32, or float64 for float64 models), their ``stats`` (mappings, or None) and the
+        normalised mixing ``weights``; ``report`` is the anchor's (None without alignment)."""
         raise NotImplementedError
+
+    def combine(self, states, stats, weights, report) -> dict:
+        """Merged ``{name: tensor}`` of whole aligned ``states``: :meth:`combine_group` over
+        every name (what :func:`symgraph.merge` calls with models in memory)."""
+        return self.combine_group(list(states[0]), states, stats, weights, report)
 
 
 def register(name: str):

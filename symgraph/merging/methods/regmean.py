@@ -4,11 +4,14 @@ A Gram ``G = Σ x xᵀ`` moves into the anchor's basis as ``M G Mᵀ``. Under ``
 the Grams are all-reduced over the processes' shards of the data (:mod:`symgraph.core.distributed`)."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ...core import distributed
 from ...alignment.graphrun import GraphRunner
 from ...alignment.checks import batch_inputs, by_shape
+from ..statistics import input_grams
 from .average import Average
 from .registry import register
 
@@ -60,16 +63,36 @@ class RegMean(Average):
                 out[w] = M @ G @ M.T
         return out
 
-    def combine(self, states, stats, weights, report):
-        merged = super().combine(states, stats, weights, report)
-        a = self.alpha
-        for w, _, _, layout in report.linear_layers():
-            if not all(w in g for g in stats):
+    def streamed_statistics(self, job, i):
+        return input_grams(job, i, f"regmean/{i}/")
+
+    def sliceable(self, name, dim, report):
+        """A linear weight is merged in slices along its outputs only (its Gram is over its inputs)."""
+        return all(dim == (0 if layout == "out_in" else 1) for w, _, _, layout in _layers(report) if w == name)
+
+    def combine_group(self, names, values, stats, weights, report):
+        merged = super().combine_group(names, values, stats, weights, report)
+        a, wanted = self.alpha, set(names)
+        for w, _, _, layout in _layers(report):
+            if w not in wanted or not all(w in g for g in stats):
                 continue
-            Gs = [a * g[w] + (1 - a) * torch.diag(torch.diag(g[w])) for g in stats]
-            Ws = [(s[w] if layout == "out_in" else s[w].T).to(G.dtype) for s, G in zip(states, Gs)]
+            Gs = [a * G + (1 - a) * torch.diag(torch.diag(G)) for G in (g[w] for g in stats)]
+            Ws = [(v[w] if layout == "out_in" else v[w].T).to(G.dtype) for v, G in zip(values, Gs)]
             num = sum(wi * W @ G for wi, W, G in zip(weights, Ws, Gs))
             den = sum(wi * G for wi, G in zip(weights, Gs))
-            Wm = torch.linalg.solve(den.T + 1e-8 * torch.eye(den.shape[0], dtype=den.dtype), num.T).T
+            eye = torch.eye(den.shape[0], dtype=den.dtype, device=den.device)
+            Wm = torch.linalg.solve(den.T + 1e-8 * eye, num.T).T
             merged[w] = Wm if layout == "out_in" else Wm.T
         return merged
+
+
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layers(report) -> list:
+    """``report.linear_layers()``, computed once per report (the combine asks per group)."""
+    if report is None:
+        return []
+    if report not in _LAYERS:
+        _LAYERS[report] = report.linear_layers()
+    return _LAYERS[report]

@@ -1,0 +1,172 @@
+"""A merge method's statistics taken out of core, for the merge engine
+(:class:`~symgraph.merging.streaming.StreamingMerge`).
+
+Two kinds, as the methods declare them (:meth:`~symgraph.merging.methods.registry.MergeMethod.streamed_statistics`):
+
+* **sums over data at the inputs of linear maps** (RegMean's input Grams): the anchor's
+  traced graph runs op by op on each model's tensors carried into the anchor's basis
+  (:class:`~symgraph.merging.views.Aligned`), each weight read when an op takes it
+  (:class:`~symgraph.alignment.graphrun.Stepper`); the inputs are taken in passes whose Grams
+  fit the budget, every batch's run paused where a pass ends and resumed by the next (each op
+  runs once per batch), and a pass's Grams are written to disk as it ends;
+* **statistics of the whole model** (Fisher's squared gradients): one model is loaded at a
+  time, measured as :func:`symgraph.merge` measures it, written to disk and freed, so two
+  parents never sit in memory together.
+
+:class:`Spill` is the disk store: safetensors files in a temporary directory beside the
+output's, read back one tensor at a time by the combine step.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+
+import torch
+
+from ..alignment.checks import batch_inputs, by_shape
+from ..alignment.graphrun import Stepper, flatten_for, meta_constants, on_device
+from ..core import distributed
+from ..errors import NeedsMemory
+from .views import Aligned, nbytes
+
+__all__ = ["Spill", "Stored", "input_grams", "whole_model"]
+
+
+class Spill:
+    """Tensors written to safetensors files in a temporary directory under ``parent`` (beside
+    the output's temporary directory; removed by :meth:`close`), read back one at a time."""
+
+    def __init__(self, parent: str | None = None):
+        self.dir = tempfile.mkdtemp(prefix=".symgraph-tmp-stats-", dir=parent)
+        self.where: dict = {}
+        self._n = 0
+
+    def put(self, tensors: dict):
+        from safetensors.torch import save_file
+        if not tensors:
+            return
+        path = os.path.join(self.dir, f"part-{self._n:05d}.safetensors")
+        self._n += 1
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, path)
+        self.where.update((k, path) for k in tensors)
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+        with safe_open(self.where[key], framework="pt", device="cpu") as h:
+            return h.get_tensor(key)
+
+    def __contains__(self, key):
+        return key in self.where
+
+    def close(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Stored(Mapping):
+    """One model's statistic as a mapping ``name -> tensor`` read from a :class:`Spill`:
+    ``keys`` maps each name to its key in the store (names may share one, as the weights that
+    read one input share its Gram)."""
+
+    def __init__(self, spill: Spill, keys: dict, device=None):
+        # not ``self.keys``: that would hide Mapping.keys() (and break ``dict(stored)``)
+        self.spill, self._keys, self.device = spill, keys, device
+
+    def __getitem__(self, name):
+        t = self.spill.get(self._keys[name])
+        return t if self.device is None else t.to(self.device)
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self):
+        return len(self._keys)
+
+
+def input_grams(job, i: int, prefix: str) -> Stored:
+    """RegMean's statistic of model ``i`` of ``job``: per linear weight of the anchor's report,
+    the Gram ``Σ x xᵀ`` (float64) of its input over ``job.data``, with the model carried into
+    the anchor's basis (as :func:`symgraph.merge` measures an aligned model). Summed over the
+    processes under ``torch.distributed``."""
+    A, ra = job.ckpts[job.anchor], job.graph_report
+    view = Aligned(job.ckpts[i], job.alignments[i], A, ra, job.work_dtype, job.cache_bytes, job.ledger)
+    device = job.device
+    keys: dict = {}
+    for (rep,), batches in by_shape((ra,), (A.model,), job.data):
+        layers = rep.linear_layers()
+        order = {name: pos for pos, (name, _, _) in enumerate(rep.nodes())}
+        users: dict = {}  # input node -> the weights that read it
+        for w, x, _, layout in layers:
+            if x in order:
+                users.setdefault(x, []).append((w, layout))
+        width = {x: A.model.get_parameter(ws[0][0]).shape[1 if ws[0][1] == "out_in" else 0]
+                 for x, ws in users.items()}
+        key = {x: f"{prefix}{min(w for w, _ in ws)}" for x, ws in users.items()}
+        keys.update((w, key[x]) for x, ws in users.items() for w, _ in ws)
+        gm = rep.exported_program.module()
+        on_device(gm, device)
+        lost = meta_constants(gm)
+        if lost:
+            raise NeedsMemory(f"the traced graph creates tensor constants ({', '.join(lost[:3])}) whose values "
+                              "a model traced without weights (on meta) does not hold")
+        fetch = view.fetch if device == "cpu" else (lambda n: view.fetch(n).to(device))
+        runs = {}
+        for todo in _passes(sorted(users, key=lambda n: order.get(n, -1)), width, job.stats_bytes):
+            grams = {x: torch.zeros(width[x], width[x], dtype=torch.float64, device=device) for x in todo}
+            job.ledger.hold(sum(nbytes(g) for g in grams.values()))
+            for bi, batch in batches:
+                if bi not in runs:
+                    args, kwargs = batch_inputs(rep, batch, bi)
+                    flat = [t.to(device) if isinstance(t, torch.Tensor) else t for t in flatten_for(gm, args, kwargs)]
+                    runs[bi] = (Stepper(gm, fetch), flat)
+                step, flat = runs[bi]
+                with torch.no_grad():
+                    for name, val in step.steps(flat, set(todo), stop=todo[-1]):
+                        X = val.double().reshape(-1, val.shape[-1])
+                        grams[name] += X.T @ X
+            grams = distributed.all_reduce_dict(grams)
+            for x, g in grams.items():  # a batch shape traced again adds to the first shape's Grams
+                job.spill.put({key[x]: g + job.spill.get(key[x]) if key[x] in job.spill else g})
+            job.ledger.drop(sum(nbytes(g) for g in grams.values()))
+            del grams
+        runs.clear()
+    view.clear()
+    return Stored(job.spill, keys, None if device == "cpu" else device)
+
+
+def _passes(xs, width, budget):
+    """The input nodes (in graph order) cut into passes of about ``budget`` bytes of float64
+    Grams (at least one node each)."""
+    out, size = [[]], 0
+    for x in xs:
+        n = 8 * width[x] ** 2
+        if out[-1] and size + n > budget:
+            out.append([])
+            size = 0
+        out[-1].append(x)
+        size += n
+    return [p for p in out if p]
+
+
+def whole_model(job, i: int, method, prefix: str) -> Stored:
+    """A statistic that needs the whole model (Fisher's squared gradients): model ``i`` loaded
+    alone (in its stored dtype, on ``job.device``), measured in the anchor's basis exactly as
+    :func:`symgraph.merge` measures it, written to ``job.spill`` and freed."""
+    from ..checkpoints.specs import load_local
+    from .driver import statistics_in_anchor_basis
+    m = load_local(job.ckpts[i].path).to(job.device)
+    job.ledger.hold(sum(nbytes(p) for p in m.parameters()))
+    al = job.alignments[i]
+    rep = al.report_b if al is not None else job.graph_report
+    data = job.data if job.device == "cpu" else [
+        {k: v.to(job.device) if hasattr(v, "to") else v for k, v in b.items()} for b in job.data]
+    stat = statistics_in_anchor_basis(method, m, rep, al, job.graph_report, data)
+    job.ledger.drop(sum(nbytes(p) for p in m.parameters()))
+    del m
+    job.spill.put({f"{prefix}{k}": v for k, v in stat.items()})
+    keys = {k: f"{prefix}{k}" for k in stat}
+    for k in list(keys):  # every name a tied parameter goes by
+        for alias in job.ckpts[job.anchor].params.get(k, ()):
+            keys.setdefault(alias, keys[k])
+    return Stored(job.spill, keys, None if job.device == "cpu" else job.device)

@@ -1,0 +1,139 @@
+"""The one merge engine (:mod:`symgraph.merging.streaming`): every method whose statistics it
+can take runs out of core through ``symgraph merge`` and equals the in-memory merge of the same
+pair; the bytes it holds stay within ``--memory-budget``; a merge on another device (the
+``fakegpu`` test device) equals the CPU's; what cannot stream says so."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from symgraph.cli.main import main as cli
+from symgraph.merging.config import MergeConfig
+from symgraph.merging.run import run_merge
+from symgraph.merging.streaming import StreamingMerge
+from symgraph.testing import models
+
+SIZES = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pair")
+    for i in range(2):
+        models.build("llama", seed=i, **SIZES).save_pretrained(str(d / f"m{i}"))
+    g = torch.Generator().manual_seed(0)
+    save_file({"input_ids": torch.randint(0, 64, (40, 12), generator=g)}, str(d / "data.safetensors"))
+    return d
+
+
+def _load(path):
+    return {k: v for f in sorted(os.listdir(path)) if f.endswith(".safetensors")
+            for k, v in load_file(os.path.join(path, f)).items()}
+
+
+def _rel(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp_min(1e-12))
+               for k in a)
+
+
+@pytest.mark.parametrize("method", ["average", "fisher", "regmean"])
+def test_each_method_out_of_core_equals_in_memory(pair, tmp_path, method, capsys):
+    data = ["--data", str(pair / "data.safetensors")] if method != "average" else []
+    out = tmp_path / "stream"
+    rc = cli(["merge", str(pair / "m0"), str(pair / "m1"), "--out", str(out), "--method", method,
+              "--memory-budget", "128KB", *data])
+    assert rc == 0
+    assert "loaded in memory" not in capsys.readouterr().err  # out of core, not a silent load
+    cfg = MergeConfig(models=[str(pair / "m0"), str(pair / "m1")], out=str(tmp_path / "mem"), method=method,
+                      data=str(pair / "data.safetensors") if data else None)
+    assert run_merge(cfg, streaming=False, progress=False).mode == "in-memory"
+    streamed, loaded = _load(out), _load(tmp_path / "mem")
+    assert _rel(streamed, loaded) < 1e-5
+    if method != "average":  # the statistics change the merge (it is not the plain average)
+        avg = _load(_average(pair, tmp_path))
+        assert _rel(streamed, avg) > 1e-3
+
+
+def _average(pair, tmp_path):
+    out = tmp_path / "avg"
+    if not out.exists():
+        assert cli(["merge", str(pair / "m0"), str(pair / "m1"), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("method", ["average", "regmean"])
+def test_the_engine_holds_no_more_than_its_budget(pair, tmp_path, method):
+    """The bytes the engine holds (caches, a pass of Grams, a group's working copies, the
+    statistics it reads back) stay within the budget, and a smaller budget (more slices,
+    more passes) gives the same merge. (A group no slice can split, such as a norm fold's
+    readers, is held whole: the budget must be above the largest one, here about 80 KB.)"""
+    data = _data(pair) if method != "average" else None
+    tensors = {}
+    for budget in ("128KB", "1MB"):
+        job = StreamingMerge([str(pair / "m0"), str(pair / "m1")], method=method, data=data,
+                             memory_budget=budget)
+        job.align()
+        os.makedirs(tmp_path / budget)
+        job.write(str(tmp_path / budget))
+        assert 0 < job.ledger.peak <= {"128KB": 128 << 10, "1MB": 1 << 20}[budget]
+        assert job.ledger.now == 0  # everything it held was let go
+        tensors[budget] = _load(tmp_path / budget)
+    assert _rel(tensors["128KB"], tensors["1MB"]) < 1e-6
+
+
+def _data(pair):
+    ids = load_file(str(pair / "data.safetensors"))["input_ids"]
+    return [{"input_ids": ids[i:i + 8]} for i in range(0, len(ids), 8)]
+
+
+def test_grams_taken_in_passes_equal_one_pass(pair, tmp_path, monkeypatch):
+    """RegMean's Grams in several passes over the data (each batch's run paused where a pass
+    ends) are the Grams of one pass."""
+    from symgraph.merging import statistics
+    passes = []
+    real = statistics._passes
+    monkeypatch.setattr(statistics, "_passes", lambda *a: passes.append(real(*a)) or passes[-1])
+    grams = {}
+    for budget in (1 << 10, 1 << 30):
+        job = StreamingMerge([str(pair / "m0"), str(pair / "m1")], method="regmean", data=_data(pair))
+        job.stats_bytes = budget
+        job.align()
+        from symgraph.merging.statistics import Spill
+        job.spill = Spill(str(tmp_path))
+        st = job.how.streamed_statistics(job, 1)
+        grams[budget] = {k: st[k] for k in st}
+        job.spill.close()
+    assert len(passes[0]) > 2 and len(passes[1]) == 1
+    for k, g in grams[1 << 30].items():
+        assert torch.allclose(grams[1 << 10][k], g, rtol=1e-12, atol=1e-9), k
+
+
+@pytest.mark.parametrize("method,align", [("average", "weights"), ("regmean", "none"), ("fisher", "none")])
+def test_a_merge_on_another_device_equals_the_cpu(pair, tmp_path, method, align):
+    """The engine on the ``fakegpu`` device: each method's merge equals the CPU's (RegMean and
+    Fisher unaligned: the device's weight matching solves its rotations in float32 on another
+    route, equal to the CPU's to about 5e-6, which RegMean's solve amplifies to 1e-5)."""
+    from symgraph.testing.device import install
+    dev = install()
+    data = str(pair / "data.safetensors") if method != "average" else None
+    outs = {}
+    for device in ("cpu", dev):
+        cfg = MergeConfig(models=[str(pair / "m0"), str(pair / "m1")], out=str(tmp_path / device),
+                          method=method, data=data, device=device, align=align)
+        assert run_merge(cfg, streaming=True, progress=False).mode == "streaming"
+        outs[device] = _load(tmp_path / device)
+    assert _rel(outs[dev], outs["cpu"]) < 1e-5
+
+
+@pytest.mark.parametrize("option,why", [({"repair": True}, "REPAIR"), ({"refine": 2}, "learned matching"),
+                                        ({"untie": True}, "untied"), ({"full_groups": True}, "full groups")])
+def test_what_cannot_stream_says_so(pair, tmp_path, option, why, capsys):
+    cfg = MergeConfig(models=[str(pair / "m0"), str(pair / "m1")], out=str(tmp_path / "o"),
+                      data=str(pair / "data.safetensors"), **option)
+    from symgraph.errors import InputError
+    with pytest.raises(InputError, match=f"cannot run out of core: .*{why}"):
+        run_merge(cfg, streaming=True, progress=False)
