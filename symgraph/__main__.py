@@ -1,6 +1,4 @@
 """``python -m symgraph ...`` runs the ``symgraph`` command."""
-import sys
+from .cli.entry import main
 
-from .cli.main import main
-
-sys.exit(main())
+main()

@@ -218,6 +218,7 @@ def test_batched_decompositions_go_to_the_host(monkeypatch):
     from symgraph.solve import _solvers as SV
     from symgraph.testing.device import install
     dev = torch.device(install())
+    monkeypatch.setattr(SV, "ON_DEVICE", False)  # the decompositions, not the polar iteration (test_solvers_device)
     seen = []
     for name in ("svd", "eigvalsh"):
         real = getattr(torch.linalg, name)

@@ -321,14 +321,17 @@ def test_encoder_decoder_is_traced_with_decoder_inputs(tmp_path):
 
 
 def test_ctrl_c_while_starting_is_one_line(tmp_path):
-    """A Ctrl-C while the console script imports torch (simulated at the import of symgraph)."""
-    code = ("import sys, symgraph_entry\n"
+    """A Ctrl-C while the console script imports torch (simulated at the import of torch): the
+    entry point, ``symgraph`` and ``symgraph.cli`` load without torch, so the script's ``try``
+    is in place first."""
+    code = ("import sys, symgraph.cli.entry as entry\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
             "class Interrupt:\n"
             "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name == 'symgraph':\n"
+            "        if name == 'torch':\n"
             "            raise KeyboardInterrupt\n"
             "sys.meta_path.insert(0, Interrupt())\n"
-            "symgraph_entry.main()\n")
+            "entry.main()\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=tmp_path,
                        timeout=60)
     assert r.returncode == 130 and "Traceback" not in r.stderr

@@ -73,6 +73,7 @@ def check_compatible(ra, rb):
 def batch_inputs(report, batch, index, check_shapes: bool = True):
     """``(args, kwargs)`` for one data batch, checked against the traced inputs' shapes."""
     args, kwargs = report.inputs
+    b_args: tuple
     if isinstance(batch, dict):
         b_args, b_kwargs = (), {**{k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}, **batch}
     elif isinstance(batch, torch.Tensor):

@@ -15,12 +15,15 @@ Uniform masses remain where a class has no contravariant slot, for classes fibre
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from ..core.elements import apply_along
 from .weights import gather
 
-__all__ = ["MASSES", "slices", "unit_masses", "mass_function"]
+__all__ = ["MASSES", "slices", "unit_masses", "mass_function", "MassFunction"]
 
 MASSES = ("auto", "weights", "activations", "uniform")
 
@@ -60,6 +63,16 @@ def unit_masses(report, tensors, group, act_rms=None, axis_op=None):
     return m
 
 
+@dataclass(frozen=True)
+class MassFunction:
+    """``f(group_a)``: the masses of :func:`mass_function`; ``f.deps(group_a)``: B's classes they read."""
+    masses: Callable
+    deps: Callable
+
+    def __call__(self, ga):
+        return self.masses(ga)
+
+
 def mass_function(feats, b_of, mode: str = "auto", stats=None, elements=None):
     """``f(group_a) -> (a, b) | None``: the masses of A's and B's units of a class (None:
     uniform); ``f.deps(group_a)``: B's classes those masses read (the solve loop re-solves the
@@ -93,5 +106,4 @@ def mass_function(feats, b_of, mode: str = "auto", stats=None, elements=None):
         gb = b_of[ga.id]
         return frozenset().union(*(feats.deps(gb, name, d) for (name, d), var
                                    in zip(gb.params, gb.variance) if var == "contra"))
-    fn.deps = deps
-    return fn
+    return MassFunction(fn, deps)

@@ -212,7 +212,7 @@ def choose_start(alignments: dict, model_a, model_b, data, loss_fn=None, batches
             model = between(ta, _carried(al, ta, tb, al.elements), 0.5)
             got = [float(_call(loss_fn, model, b)) for b in list(data)[:batches]]
             losses[name] = sum(got) / len(got)
-    return min(losses, key=losses.get), losses
+    return min(losses, key=losses.__getitem__), losses
 
 
 @contextlib.contextmanager

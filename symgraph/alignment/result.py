@@ -12,6 +12,7 @@ from ..transform.apply import move, stored_tensors, write_state
 from ..core.elements import Map, Perm
 from ..errors import InputError
 from ..report.api import analyze
+from ..report.symmetry import SymmetryReport
 from .checks import check_finite
 from .saved import fingerprint, read_alignment, save_alignment
 
@@ -29,8 +30,8 @@ class Alignment:
     Where the reports fold norm gains (``report.folds``), B is folded, moved and unfolded into
     A's gains (``gauge``): the result has A's gains and shifts and B's function.
     """
-    report_a: object
-    report_b: object
+    report_a: SymmetryReport | None  # None: a loaded alignment without its models' reports
+    report_b: SymmetryReport | None
     elements: dict
     results: dict = field(default_factory=dict)
     similarity: str = "weights"

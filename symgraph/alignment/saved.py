@@ -15,7 +15,7 @@ import os
 import torch
 
 from ..core.dtypes import SAFETENSORS_DTYPES
-from ..core.elements import Map, Perm
+from ..core.elements import Map, Perm, mark_orth, mark_perm
 from ..errors import InputError
 from .checks import ElementGroup, check_element, check_element_shape
 
@@ -124,6 +124,7 @@ def read_alignment(path: str) -> dict:
     elements = {}
     for gid, kind in plan:
         key, g = f"element.{gid}", groups[gid]
+        el: Perm | Map | torch.Tensor
         if kind == "perm":
             el = Perm.__new__(Perm)
             el.index = tensors[key + ".index"]  # checked (integer, in range, each once) before any cast
@@ -133,12 +134,13 @@ def read_alignment(path: str) -> dict:
             el = Map(tensors[key + ".co"], tensors[key + ".contra"])
             check_element(el, g, stored=kind, where=where)
         else:
-            el = tensors[key]
-            check_element(el, g, stored=kind, where=where)
+            mat = tensors[key]
+            check_element(mat, g, stored=kind, where=where)
             if kind == "perm-matrix":
-                el._symgraph_perm = True
+                mat = mark_perm(mat)
             elif kind == "orthogonal":
-                el._symgraph_orth = True
+                mat = mark_orth(mat)
+            el = mat
         elements[gid] = el
     gauge = {k.removeprefix("gauge."): v for k, v in tensors.items() if k.startswith("gauge.")}
     for name, t in gauge.items():

@@ -6,14 +6,14 @@ fixed heads (solved per head), or a single class.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = ["Unit", "units", "first_sweep_order"]
 
 
 class Unit(NamedTuple):
     kind: str  # "single" | "family" | "fixed-heads"
-    outer: object  # the head Group (family), the Group itself (single), or None (fixed heads)
+    outer: Any  # the head Group (family), the Group itself (single), or None (fixed heads)
     members: list  # Groups fibred over ``outer`` (family, fixed heads); [] for a single
 
     def groups(self, selected) -> list:

@@ -115,7 +115,8 @@ class WeightFeatures:
         circ = self.head_cost == "circuits" and cross_fibres and ga.kind == "gl"
         parts = None  # circuits: [S per parity, A's Grams per parity, B's Grams per parity]
         self.head_scores.pop(ga.id, None)
-        hits, fresh = set(), {}  # pools read whole; pool -> [versions, sum of its slots, complete]
+        hits: set = set()
+        fresh: dict = {}  # pools read whole; pool -> [versions, sum of its slots, complete]
         for name, d in self.slots(ga):
             dep = self.deps(gb, name, d)
             if usable is not None and not usable(dep):
@@ -163,8 +164,8 @@ class WeightFeatures:
         if total is not None and total.dim() == 4:
             # per head pair, scale by the features' norms: the matching pair then scores
             # exactly 1 per class and every other pair at most 1 (Cauchy-Schwarz)
-            total = total / (na2.clamp_min(1e-30).sqrt()[:, None, None, None]
-                             * nb2.clamp_min(1e-30).sqrt()[None, :, None, None])
+            total = total / (torch.as_tensor(na2).clamp_min(1e-30).sqrt()[:, None, None, None]
+                             * torch.as_tensor(nb2).clamp_min(1e-30).sqrt()[None, :, None, None])
         return total, complete, frozenset(used)
 
     def _poolable(self, dep, cross_fibres, circ) -> bool:

@@ -106,7 +106,9 @@ def read_layout(path: str) -> Layout:
         shards = sorted(real)
     else:
         weight_map, real, shards = None, {SAFETENSORS[0]: model_file(path, SAFETENSORS[0])}, [SAFETENSORS[0]]
-    where, shapes, dtypes = {}, {}, {}
+    where: dict = {}
+    shapes: dict = {}
+    dtypes: dict = {}
     for name in shards:
         try:
             with safe_open(real[name], framework="pt", device="cpu") as h:
@@ -166,7 +168,7 @@ def build_meta(cls, config, layout: Layout, where: str):
         if count[0] > limit:
             raise _TooManyModules
         init(self, *a, **k)
-    torch.nn.Module.__init__ = counted
+    torch.nn.Module.__init__ = counted  # type: ignore[method-assign]  # deliberate: counts modules while building
     try:
         with torch.device("meta"):
             return cls(config).to(layout.dtype).eval()
@@ -179,7 +181,7 @@ def build_meta(cls, config, layout: Layout, where: str):
         raise InputError(f"{where} cannot build {cls.__name__} ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
                          "expected a config whose fields have the types and values transformers accepts") from None
     finally:
-        torch.nn.Module.__init__ = init
+        torch.nn.Module.__init__ = init  # type: ignore[method-assign]  # put back
 
 
 class _TooManyModules(Exception):
@@ -197,7 +199,7 @@ def check_tensors(model, layout: Layout, path: str) -> dict:
     ``meta``), with tensors the model does not use, or with shapes other than the config's:
     before reading any value. Returns ``{parameter: the names it goes by}`` (tied weights
     share one)."""
-    params = {}
+    params: dict = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), []).append(name)
     params = {names[0]: names for names in params.values()}

@@ -24,7 +24,7 @@ def unruled_ops(model, inputs=None) -> collections.Counter:
     from ..passes.trace import trace, varying_nodes
     ep, _, _ = trace(model, inputs)
     varying = varying_nodes(ep)
-    out = collections.Counter()
+    out: collections.Counter = collections.Counter()
     for n in ep.graph.nodes:
         if n not in varying:
             continue
@@ -42,7 +42,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m symgraph.cli.coverage", description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="+", help="checkpoint directories, demo names or hub ids")
     a = ap.parse_args(argv)
-    seen, where = collections.Counter(), collections.defaultdict(set)
+    seen: collections.Counter = collections.Counter()
+    where: collections.defaultdict = collections.defaultdict(set)
     for spec in a.models:
         try:
             ops = unruled_ops(load_model(spec))

@@ -22,7 +22,7 @@ SEEDS = (0, 1)
 DEFAULT_SECONDS = 80.0
 LR = 3e-3
 # symgraph.testing.models.build keywords of the demo's GPT-2 (HF's default use_cache, no pad token)
-MODEL = dict(vocab=256, hidden=64, layers=2, heads=4, mlp=None, positions=SEQ, use_cache=None,
+MODEL: dict = dict(vocab=256, hidden=64, layers=2, heads=4, mlp=None, positions=SEQ, use_cache=None,
              pad_token_id=None)
 
 

@@ -7,7 +7,7 @@ import warnings
 __all__ = ["EXAMPLES", "build", "main"]
 
 # name -> sizes given to symgraph.testing.models.build (Hugging Face defaults for everything else)
-EXAMPLES = {
+EXAMPLES: dict[str, dict] = {
     "bert": dict(vocab=100, hidden=32, layers=2, heads=4, mlp=64),
     "gpt2": dict(vocab=100, hidden=32, layers=2, heads=4),
     "llama": dict(vocab=100, hidden=32, layers=2, heads=4, kv_heads=2, mlp=64),

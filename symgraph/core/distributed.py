@@ -121,7 +121,7 @@ def all_reduce_dict(d: dict) -> dict:
     if not is_active():
         return d
     local = {k: _meta(k, v) for k, v in d.items()}
-    everyone = [None] * dist.get_world_size()
+    everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)  # keys, shapes and dtypes of every process
     union: dict = {}
     for r, metas in enumerate(everyone):
@@ -137,7 +137,8 @@ def all_reduce_dict(d: dict) -> dict:
 
     # buckets of one reduced dtype, at most _BUCKET elements (or one larger tensor); the same
     # on every process since they follow the union's metadata only
-    buckets, open_ = [], {}
+    buckets: list[list] = []
+    open_: dict[torch.dtype, list] = {}
     for k in keys:
         kind, shape, dtype = union[k]
         wide, n = _wide(dtype), max(1, _numel(shape))
@@ -148,7 +149,7 @@ def all_reduce_dict(d: dict) -> dict:
         b[1] += n
         b[2].append(k)
 
-    out = {}
+    out: dict = {}
     with torch.no_grad():
         for wide, _, ks in buckets:
             parts = []

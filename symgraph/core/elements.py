@@ -8,7 +8,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Perm", "Map", "Blocks", "is_perm", "inv_t", "apply_along"]
+__all__ = ["Perm", "Map", "Blocks", "is_perm", "inv_t", "apply_along", "mark_perm", "mark_orth"]
+
+
+def mark_perm(P: torch.Tensor) -> torch.Tensor:
+    """``P``, marked as a (batch of) permutation matrices: :func:`is_perm` skips its check."""
+    setattr(P, "_symgraph_perm", True)  # a tensor takes Python attributes; torch's stub has no field for it
+    return P
+
+
+def mark_orth(R: torch.Tensor) -> torch.Tensor:
+    """``R``, marked orthogonal: :func:`inv_t` returns it without an ``n³`` check."""
+    setattr(R, "_symgraph_orth", True)
+    return R
 
 
 def inv_t(E):

@@ -132,7 +132,7 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
                          progress=progress)
     job.align()
     al = job.alignments[1]
-    record = {"symgraph_align": {"a": input_names([a])[0], "b": input_names([b])[0], "align": align,
+    record: dict = {"symgraph_align": {"a": input_names([a])[0], "b": input_names([b])[0], "align": align,
                                  "data": os.path.abspath(data) if data else None, "fold_norms": fold_norms,
                                  "outputs": list(outputs) if outputs else None,
                                  "seconds_align": time.time() - t0, "alignment": ALIGNMENT_FILE,
@@ -171,7 +171,7 @@ def run_apply(alignment: str, model: str, out: str, *, force: bool = False) -> d
         raise InputError(f"{model!r} has another symmetry structure than the model B the alignment {alignment!r} "
                          "was solved for (another architecture, width or config); expected a checkpoint of B's "
                          "architecture and shapes, e.g. a fine-tune of B")
-    record = {"symgraph_apply": {"alignment": os.path.abspath(os.path.expanduser(alignment)),
+    record: dict = {"symgraph_apply": {"alignment": os.path.abspath(os.path.expanduser(alignment)),
                                  "model": input_names([model])[0], "seconds": None,
                                  "dtype": str(ckpt.dtype).removeprefix("torch.")}}
     write = carry_writer(ckpt, report, al.elements, al.gauge)

@@ -165,7 +165,8 @@ class MergeConfig(BaseModel):
 
 
 #: What each key of a merge config expects (derived from the schema).
-MERGE_KEYS = {k: f.json_schema_extra["expected"] for k, f in MergeConfig.model_fields.items()}
+MERGE_KEYS = {k: f.json_schema_extra["expected"] for k, f in MergeConfig.model_fields.items()
+              if isinstance(f.json_schema_extra, dict)}
 
 
 class _Unreadable(Exception):

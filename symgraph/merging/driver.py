@@ -16,6 +16,7 @@ from tqdm import tqdm
 from ..alignment import align as align_models
 from ..alignment.checks import check_finite
 from ..report.api import analyze
+from ..report.symmetry import SymmetryReport
 from ..errors import InputError
 from .methods import registry
 from .methods.registry import mixing_weights
@@ -102,7 +103,8 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
                leave=False, disable=not progress)
     for i, m in enumerate(bar):
         t1 = time.perf_counter()
-        al, rep = None, ra
+        al = None
+        rep: SymmetryReport | None = ra
         if i != anchor and align is not None:
             al = found[i] if found else align_models(
                 A, m, inputs, data=data if align == "activations" or align_options.get("refine")
@@ -125,6 +127,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     if attention == "circuits":
         from .circuits import circuit_merge
         parents = [m if al is None else al.apply(m) for m, al in zip(models, alignments)]
+        assert isinstance(anchor, int)  # circuits refuse a universe above
         parents = parents[anchor:anchor + 1] + parents[:anchor] + parents[anchor + 1:]
         ws = [w[anchor]] + [x for i, x in enumerate(w) if i != anchor]
         out = circuit_merge(parents, ws, ra)  # the head classes do not depend on folding
@@ -133,7 +136,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         return MergeResult(out, alignments, timings, None, universe)
     merged = how.combine(states, stats, w, ra)
     if not repair:  # the parents' states are done with: freed before A is copied
-        states = stats = None  # (rebound, not cleared: a method may keep the lists)
+        states, stats = [], []  # (rebound, not cleared: a method may keep the lists)
     out = copy.deepcopy(A)
     params = dict(out.named_parameters())
     with torch.no_grad():

@@ -210,7 +210,10 @@ def find_sites(report) -> list:
 
 def _waves(report, sites) -> list:
     """Sites grouped so that no site has a graph ancestor among its own or later waves."""
-    names, depth, wave, out = {s.node for s in sites}, {}, {}, {}
+    names = {s.node for s in sites}
+    depth: dict = {}
+    wave: dict = {}
+    out: dict = {}
     for n in report.exported_program.graph.nodes:
         d = max((depth[i] for i in n.all_input_nodes if i in depth), default=0)
         if n.name in names:

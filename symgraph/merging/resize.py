@@ -214,14 +214,14 @@ def _shrink(report, tensors, g, m: int, gen) -> Map:
 
 def _kmeans(X, w, k, gen, iters: int = 100):
     first = int(torch.multinomial(w / w.sum(), 1, generator=gen))
-    C = [X[first]]
-    d2 = ((X - C[0]) ** 2).sum(-1)
+    picked = [X[first]]
+    d2 = ((X - picked[0]) ** 2).sum(-1)
     for _ in range(1, k):
         p = w * d2
         nxt = int(torch.multinomial(p / p.sum(), 1, generator=gen)) if p.sum() > 0 else int(d2.argmax())
-        C.append(X[nxt])
+        picked.append(X[nxt])
         d2 = torch.minimum(d2, ((X - X[nxt]) ** 2).sum(-1))
-    C = torch.stack(C)
+    C = torch.stack(picked)
     labels = None
     for _ in range(iters):
         new = torch.cdist(X, C).argmin(1)
@@ -315,7 +315,7 @@ def _config_for(model, shapes: dict):
             if a != b:
                 ratios.add((b, a))
                 news.add(b)
-    cands = {}
+    cands: dict = {}
     for name, v in cfg0.to_dict().items():
         if isinstance(v, bool) or name.endswith("_token_id") or name.startswith("_"):
             continue
@@ -341,7 +341,8 @@ def _config_for(model, shapes: dict):
 def _combos(cands, limit: int = 64):
     """Candidate field assignments, all fields first (one value each), then single fields."""
     names = sorted(cands)
-    out, seen = [], set()
+    out: list = []
+    seen: set = set()
 
     def rec(i, cur):
         if len(out) >= limit:

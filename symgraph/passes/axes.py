@@ -249,8 +249,8 @@ def leaf_views(an, axis, target, with_parity: bool = False):
     parity = _coord_parity(an, axis)[target] if with_parity else None
     out = []
     for cs, idx, fib, _ in _views(an, axis, target):
-        view = (torch.as_tensor(idx, device="cpu"), len(fib))  # structure: on the CPU
-        out.append(view + (int(parity[cs[0]]),) if with_parity else view)
+        view: tuple = (torch.as_tensor(idx, device="cpu"), len(fib))  # structure: on the CPU
+        out.append(view + (int(parity[cs[0]]),) if parity is not None else view)
     return out
 
 

@@ -17,7 +17,7 @@ besides axes, which tensors hold labels of which class (a :class:`~.registry.Lab
   as numbers: the labelled class is fixed, with that reason.
 
 A label class is a permutation class (labels can only be permuted). Hugging Face experts are
-traced with their ``batched_mm`` implementation (:func:`symgraph.trace.graph_friendly`), whose
+traced with their ``batched_mm`` implementation (:func:`symgraph.passes.trace.graph_friendly`), whose
 graph is a gather by labels and batched matmuls; the ``grouped_mm`` one sorts tokens by expert
 (an order that depends on the labels' values) and would fix the experts.
 """

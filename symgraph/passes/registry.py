@@ -201,7 +201,7 @@ def broadcast(out_axes, out_shape, operands: Iterable, ctx: RuleContext, on_broa
     Operand axes of size 1 against a larger output axis are broadcasts; ``on_broadcast`` (a
     kind or None) is met on such output axes. Yields constraints.
     """
-    out = []
+    out: list[Constraint] = []
     for v in operands:
         axes, shape = ctx.axes(v), ctx.shape(v)
         if axes is None:

@@ -46,7 +46,7 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
     dev = model_device(model)
     name = getattr(model, "main_input_name", "input_ids")
     params = inspect.signature(model.forward).parameters
-    kwargs = {}
+    kwargs: dict = {}
     if name == "pixel_values":
         size = getattr(cfg, "image_size", 224)
         size = size if isinstance(size, (tuple, list)) else (size, size)

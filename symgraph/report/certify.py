@@ -43,6 +43,7 @@ def certify(report, model, inputs=None, trials: int = 3, tol: float = 1e-6) -> f
             warnings.warn(f"{report.model_name} cannot run in float64 ({str(e).splitlines()[0][:120]}); "
                           f"certified in float32 against a tolerance of {used:g}", stacklevel=3)
             worst = _certify_in(report, model, args, kwargs, trials, torch.float32)
+    assert worst is not None  # the float32 run above returns a number or raises
     if worst > used:
         raise CertificationError(
             f"symmetry certificate failed for {report.model_name}: transformed outputs differ "

@@ -100,7 +100,7 @@ class SymmetryReport:
         self._inputs = inputs
         self.groups: list[Group] = []
         self.frozen = analysis.frozen
-        self._nodes = None
+        self._nodes: list | None = None
         self._build()
 
     def _build(self):
@@ -156,7 +156,7 @@ class SymmetryReport:
         Unfibred permutations are :class:`~symgraph.core.elements.Perm` index vectors (an MLP class
         of 11008 units would be a 1 GB dense matrix); the same seed draws the same elements."""
         gen = torch.Generator().manual_seed(seed)
-        elements = {}
+        elements: dict = {}
         for g in self.groups:
             kind = orthogonal_part(g.kind) if orthogonal else g.kind
             shape = self.fibre_shape(g.id)
@@ -277,7 +277,10 @@ class SymmetryReport:
     def unview(self, name: str, x):
         """Inverse of :meth:`view`: the stored layout of parameter ``name``."""
         s = self._analysis.stacked.get(name)
-        return x if s is None else unview_of(x, *s, self.param_shape(name))
+        if s is None:
+            return x
+        o, j = s
+        return unview_of(x, o, j, self.param_shape(name))
 
     def param_shape(self, name: str) -> tuple:
         """The stored shape of parameter (or moved buffer) ``name``."""

@@ -1,3 +1,6 @@
+"""The solvers behind :mod:`symgraph.solve`: Hungarian (dense, sparse or by row maxima),
+signed Hungarian, Procrustes (plain, mean-preserving, RoPE pairs), optimal transport, blocks
+per head and nested heads, each returning a :class:`SolveResult`."""
 from __future__ import annotations
 
 import time
@@ -7,10 +10,26 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
+from ..core.elements import Perm, mark_orth, mark_perm
+from ._auction import auction
+from ._polar import DEVICE_BATCH_MAX, _decompose, _host, polar  # noqa: F401 (re-exported)
+
 __all__ = ['SolveResult', 'hungarian', 'signed_hungarian', 'procrustes', 'procrustes_mean', 'rope_procrustes', 'optimal_transport', 'inner_blocks', 'nested_heads', 'solve', 'SOLVERS', 'ROW_MAXIMA']
 
 SOLVERS = ("hungarian", "procrustes", "rope", "ot", "sinkhorn")
 ROW_MAXIMA = True  # skip the assignment when the row maxima already form a permutation
+#: On an accelerator: assignments by the auction on the device (:mod:`._auction`), Procrustes
+#: by the Newton–Schulz polar factor (:mod:`._polar`); CPU tensors keep SciPy and the SVD.
+ON_DEVICE = True
+#: The smallest square side the device auction takes: each of its rounds (about 2n of them)
+#: is a dozen kernel launches and a host sync, which below this side cost more than SciPy's
+#: solve plus the similarity's copy to the host (an estimate from the rounds counted by
+#: benchmarks/bench_solvers.py; to be calibrated on a GPU).
+AUCTION_MIN = 2048
+
+
+def _on_device(x) -> bool:
+    return ON_DEVICE and isinstance(x, torch.Tensor) and x.device.type != "cpu"
 
 
 @dataclass
@@ -22,7 +41,7 @@ class SolveResult:
     status : "optimal", "soft" (transport map), or a message.
     seconds : time in the assignment/SVD/OT call itself.
     """
-    element: torch.Tensor
+    element: torch.Tensor | Perm  # a Perm only from hungarian(dense=False)
     objective: float
     status: str = "optimal"
     seconds: float = 0.0
@@ -31,29 +50,6 @@ class SolveResult:
 
 def _np(S):
     return S.detach().double().cpu().numpy() if isinstance(S, torch.Tensor) else np.asarray(S, float)
-
-
-#: PyTorch's CUDA eigh and SVD batch matrices of at most this size (``linalg_eigh_cusolver``:
-#: syevjBatched up to 32²); a batch of larger ones runs one matrix after another.
-DEVICE_BATCH_MAX = 32
-
-
-def _host(x: torch.Tensor) -> bool:
-    """Whether a batched decomposition of ``x`` goes to the host's LAPACK: ``x`` lies on an
-    accelerator and is a batch of matrices its kernels would decompose one by one (1024 head
-    pairs of 128² at a 7B shape: seconds a layer on a GPU; a fraction of one on the host). The
-    results go back to ``x``'s device."""
-    return x.device.type != "cpu" and x.dim() > 2 and x.shape[:-2].numel() > 1 and x.shape[-1] > DEVICE_BATCH_MAX
-
-
-def _decompose(fn, x: torch.Tensor, **kw):
-    """``fn(x, **kw)`` (a ``torch.linalg`` decomposition), on the host for a batch that the
-    device's kernels would solve one matrix at a time (see :func:`_host`); the results on
-    ``x``'s device."""
-    if not _host(x):
-        return fn(x, **kw)
-    out = fn(x.cpu(), **kw)
-    return out.to(x.device) if isinstance(out, torch.Tensor) else tuple(o.to(x.device) for o in out)
 
 
 #: Square assignments from this size on are solved on sparse candidate sets first.
@@ -75,8 +71,8 @@ def _candidates(t, k: int):
     keys, order = torch.sort(keys)
     first = torch.ones_like(keys, dtype=torch.bool)
     first[1:] = keys[1:] != keys[:-1]
-    keys, vals = keys[first].cpu().numpy(), vals[order][first].double().cpu().numpy()
-    return keys // n, keys % n, vals
+    idx, val = keys[first].cpu().numpy(), vals[order][first].double().cpu().numpy()
+    return idx // n, idx % n, val
 
 
 def _sparse_assignment(t):
@@ -117,26 +113,34 @@ def hungarian(S, dense: bool = True) -> SolveResult:
     t0 = time.perf_counter()
     square = t.shape[0] == t.shape[1]
     am = t.argmax(1)
+    rows: np.ndarray | None
+    cols: np.ndarray | None
+    status: str | None
     if ROW_MAXIMA and square and int(torch.unique(am).numel()) == t.shape[0]:
         # every row's best column is distinct: Σ_i max_j S_ij is attained, so this permutation
         # is optimal without running the assignment (models already nearly aligned)
         rows, cols, status = np.arange(t.shape[0]), am.cpu().numpy(), "optimal (row maxima)"
     else:
         rows, cols, status = _sparse_assignment(t) if square and t.shape[0] >= SPARSE_N else (None,) * 3
+        if rows is None and _on_device(t) and min(t.shape) >= AUCTION_MIN:
+            found = auction(t)  # None: its certificate failed, SciPy decides
+            if found is not None:
+                rows, cols = (x.cpu().numpy() for x in found[:2])
+                status = "optimal (device auction)"
         if rows is None:
             rows, cols = linear_sum_assignment(_np(t), maximize=True)
             status = "optimal"
+    assert rows is not None and cols is not None and status is not None  # every branch above solved
     dt = time.perf_counter() - t0
     ri, ci = (torch.as_tensor(x, device=t.device) for x in (rows, cols))
     obj = float(t[ri, ci].double().sum())
     if not dense and square:
-        from ..core.elements import Perm
         return SolveResult(Perm(ci.long()), obj, status=status, seconds=dt)
     P = torch.zeros(t.shape, dtype=torch.float64)
     P[rows, cols] = 1.0
     P = P.to(S.device) if isinstance(S, torch.Tensor) else P  # back to the similarity's device
     if square:
-        P._symgraph_perm = True  # a hint for transform._is_perm (skips re-checking)
+        P = mark_perm(P)  # a hint for is_perm (skips re-checking)
     return SolveResult(P, obj, status=status, seconds=dt)
 
 
@@ -147,6 +151,7 @@ def signed_hungarian(S) -> SolveResult:
     matrix with ``±1`` entries (orthogonal)."""
     s = torch.as_tensor(S, dtype=torch.float64)
     res = hungarian(s.abs(), dense=True)
+    assert isinstance(res.element, torch.Tensor)  # dense=True: a matrix
     P = res.element * torch.sign(s).where(s != 0, torch.ones_like(s))
     return SolveResult(P, res.objective, status=res.status, seconds=res.seconds)
 
@@ -167,14 +172,19 @@ def procrustes(S, rescale: bool = False) -> SolveResult:
     """
     s = _float(S)
     t = time.perf_counter()
-    U, sig, Vh = _decompose(torch.linalg.svd, s, full_matrices=False)
-    R = U @ Vh
+    extra: dict = {}
+    if _on_device(s):  # matmuls at the device's rate; the SVD only where the iteration fails
+        R, extra["polar"] = polar(s)
+        obj = torch.sum(R * s, dtype=torch.float64)
+    else:
+        U, sig, Vh = _decompose(torch.linalg.svd, s, full_matrices=False)
+        R = U @ Vh
+        obj = sig.sum()
     dt = time.perf_counter() - t
-    extra = {}
     if rescale:
-        extra["scale"] = float(sig.sum() / max(torch.trace(s @ s.mT).sqrt().item(), 1e-30))
-    R._symgraph_orth = True  # a hint for elements.inv_t (R^{-T} = R without an n^3 check)
-    return SolveResult(R, float(sig.sum()), seconds=dt, extra=extra)
+        extra["scale"] = float(obj / max(torch.trace(s @ s.mT).sqrt().item(), 1e-30))
+    R = mark_orth(R)  # a hint for elements.inv_t (R^{-T} = R without an n^3 check)
+    return SolveResult(R, float(obj), seconds=dt, extra=extra)
 
 
 def procrustes_mean(S) -> SolveResult:
@@ -190,11 +200,16 @@ def procrustes_mean(S) -> SolveResult:
     inner = torch.eye(n, dtype=torch.float64, device=s.device).expand_as(s).clone()
     obj = T[..., 0, 0]
     if n > 1:
-        U, sig, Vh = _decompose(torch.linalg.svd, T[..., 1:, 1:], full_matrices=False)
-        inner[..., 1:, 1:] = U @ Vh
-        obj = obj + sig.sum(-1)
+        if _on_device(s):
+            Q, _ = polar(T[..., 1:, 1:])
+            inner[..., 1:, 1:] = Q
+            obj = obj + (Q * T[..., 1:, 1:]).sum((-1, -2))
+        else:
+            U, sig, Vh = _decompose(torch.linalg.svd, T[..., 1:, 1:], full_matrices=False)
+            inner[..., 1:, 1:] = U @ Vh
+            obj = obj + sig.sum(-1)
     R = H @ inner @ H.mT
-    R._symgraph_orth = True
+    R = mark_orth(R)
     return SolveResult(R, float(obj.sum()), seconds=time.perf_counter() - t)
 
 
@@ -205,6 +220,14 @@ def rope_procrustes(S, pairs) -> SolveResult:
     R = torch.eye(n, dtype=torch.float64, device=s.device).expand_as(s).clone()
     obj = 0.0
     t = time.perf_counter()
+    if _on_device(s) and len(pairs):  # every pair at once: no host round trip per pair
+        i, j = (torch.as_tensor(x).to(s.device) for x in zip(*pairs))  # (not as_tensor(device=): PrivateUse1 fails)
+        a = s[..., i, i] + s[..., j, j]
+        b = s[..., j, i] - s[..., i, j]
+        th = torch.atan2(b, a)
+        c, sn = torch.cos(th), torch.sin(th)
+        R[..., i, i], R[..., i, j], R[..., j, i], R[..., j, j] = c, -sn, sn, c
+        pairs, obj = (), float(torch.sqrt(a * a + b * b).sum())
     for i, j in pairs:
         a = s[..., i, i] + s[..., j, j]
         b = s[..., j, i] - s[..., i, j]
@@ -212,7 +235,7 @@ def rope_procrustes(S, pairs) -> SolveResult:
         c, sn = torch.cos(th), torch.sin(th)
         R[..., i, i], R[..., i, j], R[..., j, i], R[..., j, j] = c, -sn, sn, c
         obj += float(torch.sqrt(a * a + b * b).sum())
-    R._symgraph_orth = True
+    R = mark_orth(R)
     return SolveResult(R, obj, seconds=time.perf_counter() - t)
 
 
@@ -315,8 +338,11 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
             # score every head pair by its Procrustes optimum (the nuclear norm, from the
             # eigenvalues of S Sᵀ: far cheaper than H_A·H_B SVDs); rotations only for the matches
             t = time.perf_counter()
-            ev = _decompose(torch.linalg.eigvalsh, S @ S.mT)
-            obj = ev.clamp_min(0).sqrt().sum(-1)
+            if _on_device(S):  # every pair's polar factor, batched: matmuls on the device
+                obj = (polar(S)[0] * S).sum((-1, -2))
+            else:
+                ev = _decompose(torch.linalg.eigvalsh, S @ S.mT)
+                obj = ev.clamp_min(0).sqrt().sum(-1)
             secs += time.perf_counter() - t
             el = None
         elif kind == "rope":
@@ -336,6 +362,7 @@ def nested_heads(S_inner: list, kinds: list, pairs: list, inner: str = "procrust
         sols.append(el)
     out = (hungarian(score) if (outer == "hungarian" and HA == HB)
            else optimal_transport(score, a=(masses or (None, None))[0], b=(masses or (None, None))[1]))
+    assert isinstance(out.element, torch.Tensor)  # a dense assignment or plan
     match = out.element.argmax(0).to(dev)  # B head b -> A head
     heads_b = torch.arange(HB, device=dev)
     inner_els = []

@@ -22,6 +22,7 @@ __all__ = ["install", "DeviceTensor", "MixedDevices", "NAME"]
 NAME = "fakegpu"
 _CROSS = {"aten::_to_copy", "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize"}
 _installed = False
+_lib = None  # the torch.library registration, kept alive once installed
 
 
 class MixedDevices(RuntimeError):
@@ -30,7 +31,7 @@ class MixedDevices(RuntimeError):
 
 class DeviceTensor(torch.Tensor):
     """A tensor on the test device: metadata of its own, values in ``raw`` (a CPU tensor)."""
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's stub types it as a method
 
     @staticmethod
     def __new__(cls, raw):

@@ -117,7 +117,7 @@ def _check_arch(arch: str) -> None:
         raise ValueError(f"unknown architecture {arch!r}; expected one of {', '.join(ARCHS)}")
 
 
-def model_class(arch: str, cls: str | type | None = None) -> type:
+def model_class(arch: str, cls: str | type | None = None) -> type[Any]:
     """The ``transformers`` model class of ``arch``: ``cls`` (a class, or its name in
     ``transformers`` such as ``"ViTModel"``) or the default of :data:`MODEL_CLASSES`."""
     _check_arch(arch)
@@ -131,7 +131,7 @@ def model_class(arch: str, cls: str | type | None = None) -> type:
 
 
 def config(arch: str, *, base: str = "tiny", cls: str | type | None = None,
-           dropout: float | None = _UNSET, use_cache: bool | None = _UNSET, **overrides):
+           dropout: float | None | Any = _UNSET, use_cache: bool | None | Any = _UNSET, **overrides):
     """A Hugging Face config of a tiny ``arch`` model.
 
     Parameters

@@ -100,7 +100,7 @@ def move(report, elements: dict, tensors: dict, gauge: dict | None = None, dtype
     once, so that only one piece is held in ``dtype`` at a time (all of a 7B model in float64
     is 54 GB). The values are the same: a fold acts on each reader on its own."""
     if cast is not None:
-        out = {}
+        out: dict = {}
         for fold, names in _pieces(report, tensors):
             sub = {k: tensors[k] for k in names}
             got = _move_piece(report, elements, sub, [fold] if fold else [], gauge, dtype)

@@ -150,15 +150,15 @@ def stack(an, classes) -> dict:
             ax = an.node_axes[node]
             for o, a in enumerate(ax):
                 r = an.uf.find(a)[0]
-                ms = set(members(an, r)) if r in classes else set()
-                if not ms:
+                mset = set(members(an, r)) if r in classes else set()
+                if not mset:
                     continue
                 dims = [j for j, b in enumerate(ax) if j != o
-                        and any(ms & set(an.fibre.get(leaf, ())) for leaf in an.leaves(b))]
+                        and any(mset & set(an.fibre.get(leaf, ())) for leaf in an.leaves(b))]
                 if len(dims) == 1 and name not in plan:
                     plan[name] = (o, dims[0])
                 elif dims:
-                    drop |= {(leaf, m) for j in dims for leaf in an.leaves(ax[j]) for m in ms}
+                    drop |= {(leaf, m) for j in dims for leaf in an.leaves(ax[j]) for m in mset}
         if not drop:
             break
         for leaf, r in drop:
