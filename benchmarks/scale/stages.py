@@ -25,7 +25,7 @@ def _symgraph_cmd() -> list:
     exe = Path(sys.executable).parent / "symgraph"
     if exe.exists():
         return [str(exe)]
-    return [sys.executable, "-c", "import sys; from symgraph.cli import main; sys.exit(main())"]
+    return [sys.executable, "-m", "symgraph"]
 
 
 
