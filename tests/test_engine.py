@@ -137,3 +137,10 @@ def test_what_cannot_stream_says_so(pair, tmp_path, option, why, capsys):
     from symgraph.errors import InputError
     with pytest.raises(InputError, match=f"cannot run out of core: .*{why}"):
         run_merge(cfg, streaming=True, progress=False)
+
+
+def test_a_merge_that_loads_the_models_says_why(pair, tmp_path, capsys):
+    cfg = MergeConfig(models=[str(pair / "m0"), str(pair / "m1")], out=str(tmp_path / "o"), untie=True)
+    assert run_merge(cfg, progress=False).mode == "in-memory"
+    err = capsys.readouterr().err
+    assert "note: the models are loaded in memory for this merge: circuit-space heads and untied" in err

@@ -47,7 +47,7 @@ def run(ws, *args, preexec=None):
 
 def _refused(r, *needles):
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    refusals = r.stderr.count("symgraph:") - r.stderr.count("symgraph: warning")
+    refusals = r.stderr.count("symgraph:") - r.stderr.count("symgraph: warning") - r.stderr.count("symgraph: note")
     assert "Traceback" not in r.stderr and refusals == 1, r.stderr
     err = " ".join(r.stderr.split())
     for n in needles:

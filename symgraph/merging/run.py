@@ -76,8 +76,6 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
         if job is None and streaming:
             raise InputError(f"this merge cannot run out of core: {why}; expected a merge of local "
                              "checkpoint directories without repair, refine, circuits, untie or full groups")
-        if job is None:
-            print(f"symgraph: note: the models are loaded in memory for this merge: {why}", file=sys.stderr)
     if job is not None:
         try:
             return _merge_streaming(job, cfg, out, inputs)
@@ -86,7 +84,8 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
                 raise InputError(f"this merge cannot run out of core: {e}; expected a merge the "
                                  "out-of-core path can run, or streaming=None to load the models") from None
             print(f"symgraph: note: {e}, so the models are loaded in memory for this merge", file=sys.stderr)
-    return _merge_in_memory(cfg, layouts[anchor], out, inputs, data, anchor, progress)
+    return _merge_in_memory(cfg, layouts[anchor], out, inputs, data, anchor, progress,
+                            why if streaming is None else None)
 
 
 def _needs_memory(cfg) -> str | None:
@@ -106,7 +105,9 @@ def _needs_memory(cfg) -> str | None:
     return None
 
 
-def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress) -> MergeOutcome:
+def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None) -> MergeOutcome:
+    """The models loaded (on ``cfg.device``) and merged by :func:`symgraph.merge`; ``why``: the
+    reason the engine could not run it out of core, said once the job is checked."""
     from ..alignment.checks import check_finite
     from ..checkpoints.outdir import model_card, save_atomic
     from ..checkpoints.specs import load_model
@@ -122,6 +123,8 @@ def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress) -> MergeO
             raise InputError(f"{why} (symgraph.merge(..., attention='circuits') in Python); expected a config "
                              "with head_dim (LLaMA, Qwen2, Mistral, Gemma...) for a saved checkpoint")
     data = data if data is not None else _data(cfg, models[0])
+    if why:
+        print(f"symgraph: note: the models are loaded in memory for this merge: {why}", file=sys.stderr)
     if data and cfg.device != "cpu":
         data = [{k: v.to(cfg.device) if hasattr(v, "to") else v for k, v in b.items()} for b in data]
     t0 = time.time()
