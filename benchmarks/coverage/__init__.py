@@ -21,8 +21,11 @@ IMAGE_CLASSIFICATION}_MAPPING_NAMES``:
    through elementwise ops with a nonlinearity and no residual add) has a permutation-type class
    holding the up weight's output slot and the down weight's input slot; every attention site
    (``scaled_dot_product_attention``, or a softmax over a ≥4-d score tensor) with more than one
-   head has a class with head blocks on its module's weights; a ``rope`` class exists when the
-   config has rotary parameters.
+   head has a class with head blocks on its module's weights (multi-query attention, one key
+   head broadcast to all: a permutation class of the head blocks, as nothing can be per head);
+   a ``rope`` class exists when the config has rotary parameters, unless every rotated query is
+   first normalised by a norm the rotations cannot pass (``rope_blocked``: the reason, not a
+   miss; :mod:`.attention`).
 6. **ops without a rule**: ``symgraph.cli.coverage.unruled_ops(model)``.
 
 Each row runs in a forked child (the parent imports torch, transformers and symgraph once) under
@@ -33,6 +36,7 @@ stage, exception type and first line, and the run goes on. Results: ``coverage.j
 from __future__ import annotations
 
 from .constants import DEFAULT_OUT, TARGET_COMPLETE, TARGET_MEDIAN_S, TASKS, TOL  # noqa: F401
+from .attention import *  # noqa: F401,F403
 from .family import *  # noqa: F401,F403
 from .shrink import *  # noqa: F401,F403
 from .structure import *  # noqa: F401,F403

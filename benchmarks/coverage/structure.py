@@ -4,20 +4,13 @@ from __future__ import annotations
 
 
 import collections
-import math
 
-
-
+from .attention import ROPE_ABSENT, ROPE_BLOCKED, attention_units  # noqa: F401 - re-exported
+from .graph import _LINEAR, _from_param, _is_constant, _pname, _shape, _source
 
 # --- completeness by structure ----------------------------------------------------------------
 
-_PASS = {"t", "transpose", "permute", "_to_copy", "clone", "contiguous", "alias", "detach", "expand",
-         "lift_fresh_copy", "index", "select", "unsqueeze", "view", "reshape", "_unsafe_view", "to",
-         "type_as", "expand_as"}
-#: linear-like ops: (activation arg, weight arg, weight's output dim, weight's input dim)
-_LINEAR = {"linear": (0, 1, 0, 1), "addmm": (1, 2, 1, 0), "mm": (0, 1, 1, 0), "bmm": (0, 1, 2, 1),
-           "matmul": (0, 1, -1, -2), "baddbmm": (1, 2, 2, 1), "convolution": (0, 1, 0, 1),
-           "conv1d": (0, 1, 0, 1), "conv2d": (0, 1, 0, 1), "conv3d": (0, 1, 0, 1)}
+_TRIG = {"sin", "cos", "polar", "view_as_complex"}
 _STOP = {"scaled_dot_product_attention", "softmax", "_softmax", "log_softmax", "_log_softmax",
          "layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm",
          "native_group_norm", "embedding", "mean", "sum", "amax", "amin", "var", "var_mean", "std",
@@ -29,100 +22,6 @@ _NONLINEAR = {"gelu", "silu", "relu", "tanh", "sigmoid", "erf", "exp", "pow", "l
               "rsqrt", "sqrt", "reciprocal", "log", "square", "prelu", "_prelu_kernel", "where",
               "maximum", "minimum", "sign"}
 PERMLIKE = {"perm", "scaled_perm", "signed_perm", "orthogonal", "orthogonal_mean", "gl"}
-
-
-def _pname(n) -> str | None:
-    p = getattr(n.target, "overloadpacket", None)
-    return getattr(p, "__name__", None) if p is not None else None
-
-
-def _shape(n):
-    v = n.meta.get("val") if hasattr(n, "meta") else None
-    return tuple(v.shape) if hasattr(v, "shape") else None
-
-
-def _module_paths(n) -> list:
-    """Module paths of ``n``, innermost first (torch.export's ``nn_module_stack``)."""
-    out = []
-    for path, _ in reversed(list((n.meta.get("nn_module_stack") or {}).values())):
-        path = path.replace("L['self'].", "").replace("L['self']", "")
-        path = path.replace("[", ".").replace("]", "").replace("'", "").strip(".")
-        out.append(path)
-    return out
-
-
-def _source(ep, node, dim):
-    """The ``(parameter, dim)`` that ``node``'s dimension ``dim`` reads, walking back through
-    copies, transposes, views and expert gathers; None if it is not a parameter's."""
-    params = ep.graph_signature.inputs_to_parameters
-    for _ in range(32):
-        if not hasattr(node, "op"):
-            return None
-        if node.op == "placeholder":
-            return (params[node.name], dim) if node.name in params else None
-        name, shape = _pname(node), _shape(node)
-        if name not in _PASS or shape is None or not node.args or not hasattr(node.args[0], "op"):
-            return None
-        src = node.args[0]
-        sshape = _shape(src)
-        if sshape is None:
-            return None
-        dim %= max(len(shape), 1)
-        if name == "t":
-            dim = 1 - dim if len(shape) == 2 else dim
-        elif name == "transpose":
-            a, b = (d % len(shape) for d in node.args[1:3])
-            dim = b if dim == a else a if dim == b else dim
-        elif name == "permute":
-            dim = list(node.args[1])[dim] % len(shape)
-        elif name == "select":
-            if dim >= node.args[1] % len(sshape):
-                dim += 1
-        elif name == "unsqueeze":
-            d = node.args[1] % len(shape)
-            if dim == d:
-                return None
-            dim -= dim > d
-        elif name == "index":
-            idx = node.args[1]
-            if len(shape) != len(sshape) or dim < len(idx):
-                return None
-        elif name in ("view", "reshape", "_unsafe_view"):
-            tail = math.prod(shape[dim + 1:])
-            match = [d for d in range(len(sshape)) if sshape[d] == shape[dim]
-                     and math.prod(sshape[d + 1:]) == tail]
-            if not match:
-                return None
-            dim = match[0]
-        elif name in ("expand", "expand_as") and len(shape) != len(sshape):
-            return None
-        node = src
-    return None
-
-
-def _is_constant(ep, node) -> bool:
-    """Whether ``node`` is a parameter, buffer or constant (or a scalar), not an activation."""
-    if not hasattr(node, "op"):
-        return True
-    sig = ep.graph_signature
-    seen = 0
-    while hasattr(node, "op") and seen < 32:
-        if node.op == "placeholder":
-            return node.name not in set(sig.user_inputs)
-        if node.op == "get_attr":
-            return True
-        ins = [a for a in node.all_input_nodes]
-        if not ins:
-            return True
-        if len(ins) > 1:
-            return all(_is_constant(ep, a) for a in ins)
-        node, seen = ins[0], seen + 1
-    return False
-
-
-def _from_param(ep, node) -> bool:
-    s = _shape(node) if hasattr(node, "op") else None
-    return bool(s) and any(_source(ep, node, d) is not None for d in range(len(s)))
 
 
 def _linear_weight(ep, n):
@@ -197,53 +96,19 @@ def mlp_units(ep) -> list:
     return list(units.values())
 
 
-def attention_units(ep) -> list:
-    """Every attention site: ``{"module", "heads"}`` for each ``scaled_dot_product_attention``
-    (heads: dim 1 of the query) and each softmax over a >= 4-d tensor (heads: its dim 1), with
-    the innermost module that holds parameters. One per module."""
-    params = list(ep.graph_signature.inputs_to_parameters.values())
-    out = {}
-    for n in ep.graph.nodes:
-        if n.op != "call_function":
-            continue
-        name = _pname(n) or str(n.target)
-        if "scaled_dot_product" in name or "flash_attention" in name:
-            s = _shape(n.args[0]) if n.args and hasattr(n.args[0], "op") else None
-            query = n.args[0]
-        elif name in ("softmax", "_softmax"):
-            s = _shape(n)
-            s = s if s is not None and len(s) >= 4 else None
-            query = n
-        else:
-            continue
-        if s is None or len(s) < 4:
-            continue
-        module = next((p for p in _module_paths(n) if p and any(q.startswith(p + ".") for q in params)), "")
-        if module not in out:
-            out[module] = {"module": module, "heads": int(s[1]), "qk_norm": _normalised(ep, query)}
-    return list(out.values())
-
-
-_NORMS = {"rsqrt", "rms_norm", "_fused_rms_norm", "layer_norm", "native_layer_norm", "norm",
-          "linalg_vector_norm", "group_norm", "native_group_norm"}
-
-
-def _normalised(ep, node) -> bool:
-    """Whether a norm lies between the projection that makes ``node`` (the query, or the
-    scores) and ``node``: per-dimension gains of a query/key norm do not commute with RoPE's
-    rotations, so such models admit no ``rope`` class (only a discrete subgroup of it)."""
-    stack, seen = [node], set()
-    while stack and len(seen) < 400:
+def _trig_reaches_attention(ep) -> bool:
+    """Whether a sin, cos or complex value flows into an attention (its scores or output)."""
+    stack = [n for n in ep.graph.nodes if _pname(n) in _TRIG]
+    seen = set()
+    while stack:
         n = stack.pop()
-        if n in seen or not hasattr(n, "op") or n.op != "call_function":
+        if n in seen:
             continue
         seen.add(n)
-        name = _pname(n)
-        if name in _NORMS:
+        name = _pname(n) or str(n.target)
+        if "scaled_dot_product" in name or "flash_attention" in name or name in ("softmax", "_softmax"):
             return True
-        if name in _LINEAR and n is not node:
-            continue
-        stack.extend(a for a in n.all_input_nodes if not _is_constant(ep, a))
+        stack.extend(n.users)
     return False
 
 
@@ -307,15 +172,31 @@ def expectations(ep, report, cfg) -> dict:
                             "slots": [list(s) for s in u["up"]] + [list(u["down"])]})
     atts = attention_units(ep)
     for a in atts:
-        if a["heads"] > 1 and not any(p.startswith(a["module"] + ".") for p in headed):
+        if a["heads"] < 2:
+            continue
+        inside = lambda p: p.startswith(a["module"] + ".")  # noqa: E731
+        if a.get("kv_heads") == 1:  # multi-query: one key/value head shared by every query head,
+            # so no class can act per head; the heads are complete as one permutation class
+            ok = any(g.kind in PERMLIKE and g.dim == a["heads"] and any(
+                inside(p) and (shapes.get(p) or ())[d:d + 1] != (g.dim,) for p, d in g.params)
+                for g in report.groups)
+        else:
+            ok = any(inside(p) for p in headed)
+        if not ok:
             missing.append({"kind": "attention-heads", "module": a["module"], "heads": a["heads"]})
-    rope_expected = has_rope(cfg) and bool(atts)
+    rope_cfg = has_rope(cfg) and bool(atts)
     rope_classes = sum(g.kind == "rope" for g in report.groups)
+    # every attention site that rotates its queries normalises them past RoPE's reach: no rope
+    # class can exist (sites without a rotation, such as cross-attention, do not count)
+    rot = [a for a in atts if a["rotated"]]
+    blocked = bool(rot) and all(a["qk_norm"] for a in rot)
+    absent = not rot and not _trig_reaches_attention(ep)  # nothing rotates
+    rope_expected = rope_cfg and not blocked and not absent
     if rope_expected and not rope_classes:
-        qk = [a for a in atts if a["qk_norm"]]
-        missing.append({"kind": "rope", "module": "",
-                        **({"why": "query/key norm: its per-dimension gains do not commute with the "
-                            "rotations (only a discrete subgroup survives)"} if qk and len(qk) == len(atts) else {})})
+        missing.append({"kind": "rope", "module": ""})
     return {"mlps": len(mlps), "attention": len(atts), "qk_norm": sum(a["qk_norm"] for a in atts),
             "multihead_attention": sum(a["heads"] > 1 for a in atts),
-            "rope_expected": rope_expected, "rope_classes": rope_classes, "missing": missing}
+            "multi_query": sum(a.get("kv_heads") == 1 and a["heads"] > 1 for a in atts),
+            "rope_expected": rope_expected, "rope_classes": rope_classes,
+            **({"rope_blocked": ROPE_BLOCKED} if rope_cfg and blocked else {}),
+            **({"rope_blocked": ROPE_ABSENT} if rope_cfg and absent else {}), "missing": missing}

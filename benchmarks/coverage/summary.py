@@ -71,11 +71,19 @@ def summarize(rows) -> dict:
         "max_analyze_seconds": max(secs) if secs else None,
         "target_median_seconds": TARGET_MEDIAN_S,
         "missing_kinds": {k: v for k, v in sorted(missing.items(), key=lambda kv: -len(kv[1]))},
-        "rope_missing_with_qk_norm": [f"{r['model_type']}/{r['task']}" for r in traced
-                                      if any(m["kind"] == "rope" and m.get("why")
-                                             for m in (r.get("structure") or {}).get("missing", []))],
+        "rope_not_expected": _by_reason(traced),
         "unruled_ops": {k: v for k, v in sorted(unruled.items(), key=lambda kv: -len(kv[1]))},
     }
+
+
+def _by_reason(traced) -> dict:
+    """``{why: [model_type/task, ...]}`` of the rows whose graph rules out a rope class."""
+    out = collections.defaultdict(list)
+    for r in traced:
+        why = (r.get("structure") or {}).get("rope_blocked")
+        if why:
+            out[why].append(f"{r['model_type']}/{r['task']}")
+    return dict(out)
 
 
 def _cell(x) -> str:
@@ -124,13 +132,11 @@ def markdown(res: dict) -> str:
     ]
     for k, fams in s["missing_kinds"].items():
         lines.append(f"- `{k}` ({len(fams)}): {', '.join(fams)}")
-    qk = s.get("rope_missing_with_qk_norm") or []
-    if qk:
-        lines.append(f"- of the `rope` ones, {len(qk)} normalise queries and keys per dimension before "
-                     f"the rotation (a query/key norm): its gains do not commute with the rotations, so "
-                     f"only a discrete subgroup of SO(2) per pair survives: {', '.join(qk)}")
     if not s["missing_kinds"]:
         lines.append("- none")
+    for why, fams in (s.get("rope_not_expected") or {}).items():
+        lines.append(f"- not missing: `rope` in {len(fams)} families whose config has rotary "
+                     f"parameters, as the graph proves no rope class can exist ({why}): {', '.join(fams)}")
     lines += ["", "Ops without a rule (families):", ""]
     for k, fams in s["unruled_ops"].items():
         lines.append(f"- `{k}` ({len(fams)}): {', '.join(fams)}")
@@ -163,7 +169,8 @@ def markdown(res: dict) -> str:
     for r in res["rows"]:
         st = r.get("structure") or {}
         cert = "-" if r["certificate"] is None else f"{r['certificate']:.1e}"
-        rope = "-" if not st else (f"{st['rope_classes']}" + (" (exp.)" if st["rope_expected"] else ""))
+        rope = "-" if not st else (f"{st['rope_classes']}" + (" (exp.)" if st["rope_expected"] else "")
+                                   + (" (none possible)" if st.get("rope_blocked") else ""))
         sec = "-" if r.get("analyze_seconds") is None else f"{r['analyze_seconds']:.2f}"
         yes = lambda v: "-" if v is None else ("yes" if v else "**no**")  # noqa: E731
         lines.append(f"| {r['model_type']} | {r['class']} | {r['task']} | {yes(r['traced'])} | {cert} | "

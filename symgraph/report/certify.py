@@ -1,11 +1,13 @@
 """The certificate of a report: random elements of every group applied to the model, its
-outputs compared (float64; see :func:`certify`)."""
+outputs compared (float64 throughout; see :func:`certify`)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ..passes.trace import eval_mode, flatten_outputs, graph_friendly, output_deviation, select_outputs, split_inputs
 from ..errors import CertificationError, InputError
@@ -18,6 +20,12 @@ FLOAT32_TOL = 1e-4  # certificates of models that cannot run in float64
 def certify(report, model, inputs=None, trials: int = 3, tol: float = 1e-6) -> float:
     """Apply random elements of every group of ``report`` in float64; return the worst relative
     change of the outputs, raising :class:`CertificationError` above ``tol``.
+
+    Float64 throughout (:func:`wide_floats`): many models cast to float32 inside (a norm's
+    variance, a softmax's ``dtype=``, a state-space scan's ``.float()``), and those casts alone
+    put an exact symmetry at 1e-7..1e-6 (a deep or ill-conditioned one, such as a random
+    ``gl`` class, at the tolerance). Under :func:`wide_floats` they keep float64, so a sound
+    report certifies at float64 round-off (~1e-14) and a wrong one far above it.
 
     Mixture-of-experts models of Hugging Face, whose grouped matmul has no float64 kernel, are
     certified in float64 through their own eager experts loop (``set_experts_implementation``).
@@ -58,7 +66,8 @@ def _certify_in(report, model, args, kwargs, trials, dtype, experts=None) -> flo
         m.set_experts_implementation(experts)
     args, kwargs = cast_floats(args, dtype), cast_floats(kwargs, dtype)
     worst = 0.0
-    with torch.no_grad(), eval_mode(m), graph_friendly(m):
+    wide = wide_floats() if dtype == torch.float64 else contextlib.nullcontext()
+    with torch.no_grad(), eval_mode(m), graph_friendly(m), wide:
         base = flatten_outputs(select_outputs(m(*args, **kwargs), report.outputs))
         for trial in range(trials):
             mt = transform(m, report.random_transform(seed=trial))
@@ -66,6 +75,46 @@ def _certify_in(report, model, args, kwargs, trials, dtype, experts=None) -> flo
                 out = flatten_outputs(select_outputs(mt(*args, **kwargs), report.outputs))
             worst = max(worst, output_deviation(base, out))
     return worst
+
+
+_NARROW = {torch.float32: torch.float64, torch.float16: torch.float64, torch.bfloat16: torch.float64,
+           torch.complex64: torch.complex128, torch.complex32: torch.complex128}
+_TO_DOUBLE = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16}
+
+
+def _widen(x):
+    if isinstance(x, torch.dtype):
+        return _NARROW.get(x, x)
+    if type(x) in (list, tuple):
+        return type(x)(_widen(v) for v in x)
+    return x
+
+
+class _WideFloats(TorchFunctionMode):
+    """Every float dtype a torch call asks for (``.to(torch.float32)``, ``.float()``,
+    ``softmax(dtype=...)``, ``arange(dtype=torch.float)``) read as float64 (complex as complex128);
+    a reinterpreting ``view(dtype)`` is left alone."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _TO_DOUBLE and args and isinstance(args[0], torch.Tensor):
+            return args[0].double()
+        if func is torch.Tensor.view:
+            return func(*args, **kwargs)
+        return func(*_widen(tuple(args)), **{k: _widen(v) for k, v in kwargs.items()})
+
+
+@contextlib.contextmanager
+def wide_floats():
+    """Run a float64 model in float64 throughout: its own casts to narrower float dtypes, and
+    tensors made at the default dtype, stay float64 (see :func:`certify`)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with _WideFloats():
+            yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def cast_floats(x, dtype):

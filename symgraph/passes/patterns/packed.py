@@ -10,7 +10,10 @@ relayouts only (unsqueeze, transpose, permute, squeeze, contiguous, clone), in a
 own part, and the usual attention rules then find QK and VO classes per head. The same holds
 when the packed axis is unflattened (or viewed) into more factors, the count first:
 ModernBERT's ``view(b, s, 3, H, d)`` then ``unbind(dim=-3)`` gives each entry an ``H × d``
-part, a product of its own head and head-dimension axes.
+part, a product of its own head and head-dimension axes. The count may also come after other
+factors: Persimmon's ``view(b, s, H, 3, d)`` then ``select(3, i)`` makes the packed axis
+``H × (d ⊕ d ⊕ d)``, one head axis (the layout moves a head's Q, K and V rows together) and a
+part per entry, each fibred over the heads as a separate projection's head dimension is.
 """
 from __future__ import annotations
 
@@ -114,10 +117,16 @@ def find_packed(an):
         split = _last_axis_split(an, node)
         if split is None:
             continue
-        x, xa, n, ms = split
-        labels = list(range(len(xa) - 1)) + ["n"] + [("m", j) for j in range(len(ms))]
-        ends = []
-        if not _ends(an, node, labels, n, ends) or not _tiles([e for _, e, _ in ends], n):
+        x, xa, factors_ = split
+        for c in range(len(factors_) - 1):  # the count: the factor the selects take apart
+            # (never the last: a split of the last factor alone is the slice rules' business)
+            pre, n, ms = factors_[:c], factors_[c], factors_[c + 1:]
+            labels = list(range(len(xa) - 1)) + [("p", i) for i in range(c)] + ["n"] + \
+                [("m", j) for j in range(len(ms))]
+            ends = []
+            if _ends(an, node, labels, n, ends) and _tiles([e for _, e, _ in ends], n):
+                break
+        else:
             continue
         kept = {}  # segment -> whether its ends keep the n axis
         if any(kept.setdefault(seg, "seg" in lab) != ("seg" in lab) for _, seg, lab in ends):
@@ -125,19 +134,27 @@ def find_packed(an):
         M = math.prod(ms)
         segs = sorted(kept)
         parts = {seg: an.uf.new((seg[1] - seg[0]) * M) for seg in segs}
-        cons.append(Structure(xa[-1], "sum", tuple(parts[seg] for seg in segs)))
+        outer = [an.uf.new(p) for p in pre]  # factors before the count: shared by every entry
+        packed = an.uf.new(n * M) if outer else xa[-1]
+        if outer:
+            cons.append(Structure(xa[-1], "prod", (*outer, packed)))
+        cons.append(Structure(packed, "sum", tuple(parts[seg] for seg in segs)))
         factors = {}
         for seg in segs:
             f = ([an.uf.new(seg[1] - seg[0])] if kept[seg] else []) + (
                 [an.uf.new(m) for m in ms] if len(ms) > 1 or kept[seg] else [parts[seg]])
             if len(f) > 1:
                 cons.append(Structure(parts[seg], "prod", tuple(f)))
+            elif f[0] != parts[seg]:
+                cons.append(Unify(f[0], parts[seg]))
             factors[seg] = f
         for end, seg, lab in ends:
             f = factors[seg]
             for o, tag in zip(an.axes_of(end), lab):
                 if tag == "seg":
                     cons.append(Unify(o, f[0]))
+                elif isinstance(tag, tuple) and tag[0] == "p":
+                    cons.append(Unify(o, outer[tag[1]]))
                 elif isinstance(tag, tuple):
                     cons.append(Unify(o, f[tag[1] + (1 if kept[seg] else 0)]))
                 elif tag is not None:
@@ -148,8 +165,8 @@ def find_packed(an):
 
 
 def _last_axis_split(an, node):
-    """``(input, its axes, n, [m, ...])`` when ``node`` unflattens (or views) an activation's last
-    axis into ``(n, m, ...)`` keeping its other axes; else None."""
+    """``(input, its axes, [f, ...])`` when ``node`` unflattens (or views) an activation's last
+    axis into factors ``(f, ...)``, all > 1, keeping its other axes; else None."""
     p = packet(node.target)
     if p not in (aten.unflatten, aten.view, aten.reshape, aten._unsafe_view) or not node.args:
         return None
@@ -160,8 +177,8 @@ def _last_axis_split(an, node):
     lead = len(xs) - 1
     if list(os_[:lead]) != list(xs[:lead]) or math.prod(os_[lead:]) != xs[-1]:
         return None
-    n, ms = int(os_[lead]), [int(m) for m in os_[lead + 1:]]
-    return (x, xa, n, ms) if n > 1 and all(m > 1 for m in ms) else None
+    fs = [int(f) for f in os_[lead:]]
+    return (x, xa, fs) if all(f > 1 for f in fs) else None
 
 
 def _chain(node, stop):

@@ -20,7 +20,7 @@ import torch
 
 from ..registry import Meet, Rope, Unify
 from ..nodes import ndim, op_of
-from .rope_forms import complex_ropes, linear_ropes, value_source
+from .rope_forms import complex_ropes, escapes, linear_ropes, value_source
 
 __all__ = ['find_rope']
 
@@ -81,8 +81,8 @@ def _signed_map(node, x, nodes):
             out = v
         else:
             return None
-    elif p in (aten.clone, aten.contiguous, aten.alias):
-        out = _signed_map(node.args[0], x, nodes)
+    elif p in (aten.clone, aten.contiguous, aten.alias, aten.to, aten._to_copy, aten.type_as):
+        out = _signed_map(node.args[0], x, nodes)  # copies and casts (after the rotation, ERNIE)
     else:
         return None
     if out is not None:
@@ -310,8 +310,7 @@ def find_rope(graph, origin, axes_of, shape_of):
             if not (_pair_symmetric(c, pairs, ids) and _pair_symmetric(s, pairs, ids)):
                 continue
             pattern = inner | {node, node.args[0], node.args[1]}
-            internal = pattern - {node}
-            if any(u not in pattern for m in internal for u in m.users):
+            if escapes(pattern, node):
                 continue  # an intermediate value escapes: not a pure RoPE application
             xa, out = axes_of(x), axes_of(node)
             xs, os_ = shape_of(x), shape_of(node)

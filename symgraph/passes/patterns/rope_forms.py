@@ -40,9 +40,13 @@ def value_source(node):
 
 
 # --- shared by the forms below -------------------------------------------------------------
-def _escapes(pattern, root) -> bool:
-    """Whether a value inside ``pattern`` (but its root) is read outside it."""
-    return any(u not in pattern for m in pattern - {root} for u in m.users)
+_CHECKS = {aten._assert_tensor_metadata, aten._assert_scalar, aten._assert_async}  # read no value
+
+
+def escapes(pattern, root) -> bool:
+    """Whether a value inside ``pattern`` (but its root) is read outside it (a metadata check,
+    as a cast leaves after it, reads none)."""
+    return any(u not in pattern and op_of(u) not in _CHECKS for m in pattern - {root} for u in m.users)
 
 
 def _outer_axes(x, out, consts, axes_of, shape_of):
@@ -115,7 +119,7 @@ def complex_ropes(graph, origin, axes_of, shape_of, claimed):
         if os_ != rs[:-2] + (n,) or len(os_) != len(xs):
             continue
         pattern = inner | {m, y, out}
-        if _escapes(pattern, out) or pattern & claimed:
+        if escapes(pattern, out) or pattern & claimed:
             continue
         new = _outer_axes(x, out, consts, axes_of, shape_of)
         new += [Unify(axes_of(out)[-1], axes_of(x)[-1]),
@@ -362,7 +366,7 @@ def linear_ropes(graph, origin, axes_of, shape_of, claimed, ids):
         if forms is None or forms.ndim != 1 or n % 2:
             continue
         blocks = _pair_blocks(list(forms), n)
-        if blocks is None or form.nodes & claimed or _escapes(form.nodes, node) \
+        if blocks is None or form.nodes & claimed or escapes(form.nodes, node) \
                 or not all(pr == o for pr, o in blocks):
             continue
         xa, oa = axes_of(x), axes_of(node)

@@ -1,0 +1,211 @@
+"""Attention sites of a traced graph for the completeness check: their heads, how many distinct
+key heads feed them (1: multi-query), and whether a query/key norm leaves RoPE no class."""
+from __future__ import annotations
+
+import math
+
+from .graph import _LINEAR, _is_constant, _module_paths, _pname, _shape
+
+
+__all__ = ["attention_units", "ROPE_BLOCKED", "ROPE_ABSENT"]
+
+
+ROPE_BLOCKED = ("query/key norm (mean-subtracting, or with per-dimension gains) before the "
+                "rotation: the gains do not commute with the rotations, so only a discrete "
+                "subgroup of each pair's SO(2) survives and no rope class exists")
+ROPE_ABSENT = ("the config has rotary parameters but the traced graph rotates nothing: no attention "
+               "site multiplies its queries by a position table, and no sin, cos or complex value "
+               "reaches an attention (its layers use no positional encoding)")
+
+
+
+def attention_units(ep) -> list:
+    """Every attention site: ``{"module", "heads"}`` for each ``scaled_dot_product_attention``
+    (heads: dim 1 of the query) and each softmax over a >= 4-d tensor (heads: its dim 1), with
+    the innermost module that holds parameters. One per module."""
+    params = list(ep.graph_signature.inputs_to_parameters.values())
+    out = {}
+    for n in ep.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = _pname(n) or str(n.target)
+        if "scaled_dot_product" in name or "flash_attention" in name:
+            s = _shape(n.args[0]) if n.args and hasattr(n.args[0], "op") else None
+            query = n.args[0]
+        elif name in ("softmax", "_softmax"):
+            s = _shape(n)
+            s = s if s is not None and len(s) >= 4 else None
+            query = n
+        else:
+            continue
+        if s is None or len(s) < 4:
+            continue
+        module = next((p for p in _module_paths(n) if p and any(q.startswith(p + ".") for q in params)), "")
+        if module not in out:
+            key = n.args[1]
+            if query is n:  # a softmax: the query and key of the matmul that makes its scores
+                mm = _scores_matmul(n)
+                query, key = (mm.args[0], mm.args[1]) if mm is not None else (n, None)
+            qk_norm, rotated = _normalised(ep, query)
+            out[module] = {"module": module, "heads": int(s[1]), "qk_norm": qk_norm, "rotated": rotated,
+                           "kv_heads": _kv_heads(key, len(s) - 3) if hasattr(key, "op") else None}
+    return list(out.values())
+
+
+_SCORE_OPS = {"add", "sub", "mul", "div", "_to_copy", "to", "masked_fill", "where", "clone",
+              "contiguous", "tanh", "alias"}
+_BROADCAST = {"expand", "expand_as", "unsqueeze", "reshape", "view", "_unsafe_view", "transpose",
+              "permute", "clone", "contiguous", "_to_copy", "to", "alias", "detach", "type_as",
+              "repeat_interleave", "repeat", "squeeze"}
+
+
+def _scores_matmul(softmax):
+    """The ``matmul``/``bmm`` that makes a softmax's scores (through masks, scales and casts),
+    else None."""
+    n = softmax.args[0] if softmax.args else None
+    for _ in range(16):
+        if not hasattr(n, "op") or n.op != "call_function":
+            return None
+        if _pname(n) in ("matmul", "bmm"):
+            return n
+        if _pname(n) not in _SCORE_OPS:
+            return None
+        ins = [a for a in n.all_input_nodes if _shape(a) is not None and len(_shape(a)) >= 3]
+        if not ins:
+            return None
+        n = ins[0]
+    return None
+
+
+def _kv_heads(key, hdim):
+    """How many distinct key heads feed an attention whose head axis is ``hdim`` of ``key``:
+    the key's head count divided by every broadcast (``expand`` of a unit axis, ``repeat``)
+    on its way from the projection; 1 for multi-query attention."""
+    shape = _shape(key)
+    if shape is None or hdim < 0 or hdim >= len(shape):
+        return None
+    heads, n = int(shape[hdim]), key
+    for _ in range(32):
+        name = _pname(n) if hasattr(n, "op") and n.op == "call_function" else None
+        if name not in _BROADCAST or not n.args or not hasattr(n.args[0], "op"):
+            break
+        src, so, si = n.args[0], _shape(n), _shape(n.args[0])
+        if so is not None and si is not None:
+            grow = math.prod(so) // max(math.prod(si), 1)  # broadcast copies (1: a relayout)
+            if grow > 1 and heads % grow == 0:
+                heads //= grow
+        n = src
+    return heads
+
+
+_CENTRED = {"layer_norm", "native_layer_norm", "group_norm", "native_group_norm"}
+
+
+def _gain(ep, n) -> bool:
+    """Whether ``n`` multiplies (or, as a norm op, scales) by a per-dimension parameter."""
+    name = _pname(n)
+    if name in ("rms_norm", "_fused_rms_norm", "layer_norm", "native_layer_norm"):
+        w = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
+        return hasattr(w, "op") and _param_derived(ep, w)
+    if name in ("mul", "mul_"):  # varying along the last (head-dimension) axis: a per-head
+        return any(_is_constant(ep, a) and _param_derived(ep, a)  # scale commutes with rotations
+                   and (_shape(a) or (1,))[-1] > 1 for a in n.all_input_nodes)
+    return False
+
+
+def _param_derived(ep, node) -> bool:
+    """Whether a constant ``node`` with more than one entry is computed from a parameter (a
+    norm's gain ``w``, or Gemma's ``1 + w``)."""
+    s = _shape(node)
+    if not s or math.prod(s) <= 1:
+        return False
+    params = ep.graph_signature.inputs_to_parameters
+    stack, seen = [node], set()
+    while stack and len(seen) < 64:
+        n = stack.pop()
+        if n in seen or not hasattr(n, "op"):
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and n.name in params:
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _rotation(ep, n) -> bool:
+    """Whether ``n`` multiplies by a position table (RoPE's cos or sin: a constant, not made
+    from a parameter, varying along at least two axes)."""
+    if _pname(n) not in ("mul", "mul_"):
+        return False
+    return any(_is_constant(ep, a) and not _param_derived(ep, a)
+               and sum(s > 1 for s in (_shape(a) or ())) >= 2 for a in n.all_input_nodes)
+
+
+def _normalised(ep, node) -> tuple:
+    """``(blocked, rotated)`` for the query ``node``: ``rotated`` whether a RoPE rotation lies
+    between its projection and it; ``blocked`` whether every rotation's input is, on every path
+    back to the projection, normalised by a norm the rotations cannot pass: a mean-subtracting
+    norm, or a norm followed by per-dimension gains (a rotation commutes with an RMS scale
+    alone, and a gain right after the projection folds into it). Then no ``rope`` class can
+    exist: only a discrete subgroup (quarter turns with a swap of the pair's gains) survives.
+    A norm on coordinates that are not rotated (another branch of a ``cat``) blocks nothing."""
+    rotations, stack, seen = [], [node], set()
+    while stack and len(seen) < 400:
+        n = stack.pop()
+        if n in seen or not hasattr(n, "op") or n.op != "call_function":
+            continue
+        seen.add(n)
+        if _rotation(ep, n):
+            rotations.append(n)
+        if _pname(n) in _LINEAR and n is not node:
+            continue
+        stack.extend(a for a in n.all_input_nodes if not _is_constant(ep, a))
+    memo = {}
+
+    def covered(n, gained):
+        if (n, gained) in memo:
+            return memo[n, gained]
+        memo[n, gained] = False  # a cycle or a deep walk: not proven
+        if len(memo) > 2000 or not hasattr(n, "op") or n.op != "call_function":
+            return False
+        name = _pname(n)
+        if name in _CENTRED:
+            out = True
+        elif name in ("rms_norm", "_fused_rms_norm") or name in ("mul", "div") and _norm_scale(n):
+            out = gained or _gain(ep, n)
+        elif name in _LINEAR:
+            out = False
+        else:
+            ins = [n.args[0]] if name in _LIKE else \
+                [a for a in n.all_input_nodes if not _is_constant(ep, a)]  # (*_as: a shape only)
+            g = gained or _gain(ep, n)
+            out = bool(ins) and all(covered(a, g) for a in ins)
+        memo[n, gained] = out
+        return out
+    blocked = bool(rotations) and all(covered(a, False) for r in rotations
+                                      for a in r.all_input_nodes if not _is_constant(ep, a))
+    return blocked, bool(rotations)
+
+
+_LIKE = {"type_as", "to", "_to_copy", "expand_as", "view_as", "reshape_as"}
+
+
+def _norm_scale(n) -> bool:
+    """Whether ``n`` (a mul or div) scales its input by a norm of it: an operand with a unit
+    last axis made from an ``rsqrt``, ``sqrt``, power or vector norm (RMS norm, L2
+    normalisation)."""
+    so = _shape(n)
+    for a in n.all_input_nodes:
+        sa = _shape(a)
+        if not so or not sa or sa[-1] != 1 or so[-1] == 1:
+            continue
+        stack, seen = [a], set()
+        while stack and len(seen) < 12:
+            m = stack.pop()
+            if m in seen or not hasattr(m, "op") or m.op != "call_function":
+                continue
+            seen.add(m)
+            if _pname(m) in ("rsqrt", "sqrt", "norm", "linalg_vector_norm", "pow"):
+                return True
+            stack.extend(m.all_input_nodes)
+    return False

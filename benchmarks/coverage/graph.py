@@ -1,0 +1,107 @@
+"""Reading a traced graph for the completeness check: op names, shapes, module paths, the
+parameter a dimension reads, constants."""
+from __future__ import annotations
+
+import math
+
+
+_PASS = {"t", "transpose", "permute", "_to_copy", "clone", "contiguous", "alias", "detach", "expand",
+         "lift_fresh_copy", "index", "select", "unsqueeze", "view", "reshape", "_unsafe_view", "to",
+         "type_as", "expand_as"}
+#: linear-like ops: (activation arg, weight arg, weight's output dim, weight's input dim)
+_LINEAR = {"linear": (0, 1, 0, 1), "addmm": (1, 2, 1, 0), "mm": (0, 1, 1, 0), "bmm": (0, 1, 2, 1),
+           "matmul": (0, 1, -1, -2), "baddbmm": (1, 2, 2, 1), "convolution": (0, 1, 0, 1),
+           "conv1d": (0, 1, 0, 1), "conv2d": (0, 1, 0, 1), "conv3d": (0, 1, 0, 1)}
+
+def _pname(n) -> str | None:
+    p = getattr(n.target, "overloadpacket", None)
+    return getattr(p, "__name__", None) if p is not None else None
+
+
+def _shape(n):
+    v = n.meta.get("val") if hasattr(n, "meta") else None
+    return tuple(v.shape) if hasattr(v, "shape") else None
+
+
+def _module_paths(n) -> list:
+    """Module paths of ``n``, innermost first (torch.export's ``nn_module_stack``)."""
+    out = []
+    for path, _ in reversed(list((n.meta.get("nn_module_stack") or {}).values())):
+        path = path.replace("L['self'].", "").replace("L['self']", "")
+        path = path.replace("[", ".").replace("]", "").replace("'", "").strip(".")
+        out.append(path)
+    return out
+
+
+def _source(ep, node, dim):
+    """The ``(parameter, dim)`` that ``node``'s dimension ``dim`` reads, walking back through
+    copies, transposes, views and expert gathers; None if it is not a parameter's."""
+    params = ep.graph_signature.inputs_to_parameters
+    for _ in range(32):
+        if not hasattr(node, "op"):
+            return None
+        if node.op == "placeholder":
+            return (params[node.name], dim) if node.name in params else None
+        name, shape = _pname(node), _shape(node)
+        if name not in _PASS or shape is None or not node.args or not hasattr(node.args[0], "op"):
+            return None
+        src = node.args[0]
+        sshape = _shape(src)
+        if sshape is None:
+            return None
+        dim %= max(len(shape), 1)
+        if name == "t":
+            dim = 1 - dim if len(shape) == 2 else dim
+        elif name == "transpose":
+            a, b = (d % len(shape) for d in node.args[1:3])
+            dim = b if dim == a else a if dim == b else dim
+        elif name == "permute":
+            dim = list(node.args[1])[dim] % len(shape)
+        elif name == "select":
+            if dim >= node.args[1] % len(sshape):
+                dim += 1
+        elif name == "unsqueeze":
+            d = node.args[1] % len(shape)
+            if dim == d:
+                return None
+            dim -= dim > d
+        elif name == "index":
+            idx = node.args[1]
+            if len(shape) != len(sshape) or dim < len(idx):
+                return None
+        elif name in ("view", "reshape", "_unsafe_view"):
+            tail = math.prod(shape[dim + 1:])
+            match = [d for d in range(len(sshape)) if sshape[d] == shape[dim]
+                     and math.prod(sshape[d + 1:]) == tail]
+            if not match:
+                return None
+            dim = match[0]
+        elif name in ("expand", "expand_as") and len(shape) != len(sshape):
+            return None
+        node = src
+    return None
+
+
+def _is_constant(ep, node) -> bool:
+    """Whether ``node`` is a parameter, buffer or constant (or a scalar), not an activation."""
+    if not hasattr(node, "op"):
+        return True
+    sig = ep.graph_signature
+    seen = 0
+    while hasattr(node, "op") and seen < 32:
+        if node.op == "placeholder":
+            return node.name not in set(sig.user_inputs)
+        if node.op == "get_attr":
+            return True
+        ins = [a for a in node.all_input_nodes]
+        if not ins:
+            return True
+        if len(ins) > 1:
+            return all(_is_constant(ep, a) for a in ins)
+        node, seen = ins[0], seen + 1
+    return False
+
+
+def _from_param(ep, node) -> bool:
+    s = _shape(node) if hasattr(node, "op") else None
+    return bool(s) and any(_source(ep, node, d) is not None for d in range(len(s)))
