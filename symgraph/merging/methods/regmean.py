@@ -72,16 +72,27 @@ class RegMean(Average):
 
     def combine_group(self, names, values, stats, weights, report):
         merged = super().combine_group(names, values, stats, weights, report)
-        a, wanted = self.alpha, set(names)
+        a, wanted, done = self.alpha, set(names), set()
         for w, _, _, layout in _layers(report):
-            if w not in wanted or not all(w in g for g in stats):
+            if w not in wanted or w in done or not all(w in g for g in stats):
                 continue
-            Gs = [a * G + (1 - a) * torch.diag(torch.diag(G)) for G in (g[w] for g in stats)]
-            Ws = [(v[w] if layout == "out_in" else v[w].T).to(G.dtype) for v, G in zip(values, Gs)]
-            num = sum(wi * W @ G for wi, W, G in zip(weights, Ws, Gs))
-            den = sum(wi * G for wi, G in zip(weights, Gs))
-            eye = torch.eye(den.shape[0], dtype=den.dtype, device=den.device)
-            Wm = torch.linalg.solve(den.T + 1e-8 * eye, num.T).T
+            done.add(w)
+            # (Σ wᵢ Wᵢ Gᵢ)(Σ wᵢ Gᵢ)⁻¹ with Gᵢ ← α Gᵢ + (1 − α) diag(Gᵢ), one Gram held at a time
+            # besides the sum (each is read, regularised and scaled in place; the same values,
+            # bit for bit, as the expressions written out)
+            num = den = None
+            for wi, v, g in zip(weights, values, stats):
+                G = g[w]
+                d = G.diagonal().clone()
+                G.mul_(a).diagonal().add_(d.mul_(1 - a))
+                W = (v[w] if layout == "out_in" else v[w].T).to(G.dtype)
+                t = wi * W @ G
+                num = t if num is None else num.add_(t)
+                del t, W
+                den = G.mul_(wi) if den is None else den.add_(G.mul_(wi))
+                del G
+            den.diagonal().add_(1e-8)
+            Wm = torch.linalg.solve(den.T, num.T).T
             merged[w] = Wm if layout == "out_in" else Wm.T
         return merged
 
