@@ -22,6 +22,7 @@ from .errors import CertificationError, InputError, StructureMismatchError, Symg
 
 if TYPE_CHECKING:  # what type checkers and readers see; at run time __getattr__ imports them
     from .alignment import AlignOptions, Alignment, align, load_alignment
+    from .alignment.compare import compare
     from .merging import MergeResult, merge, merge_methods, register_merge
     from .merging.barrier import interpolate, loss_barrier
     from .merging.resize import ResizeResult, resize
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # what type checkers and readers see; at run time __getattr__
 __all__ = [
     "analyze", "tied_parameters", "SymmetryReport", "Group", "Transform", "transform",
     "align", "AlignOptions", "Alignment", "load_alignment", "merge", "MergeResult", "merge_methods", "merge_checkpoints",
-    "register_merge", "resize", "ResizeResult", "interpolate", "loss_barrier", "SymgraphError",
+    "register_merge", "resize", "ResizeResult", "interpolate", "loss_barrier", "compare", "SymgraphError",
     "InputError",
     "StructureMismatchError", "TraceError", "UnsupportedOpError", "CertificationError",
     "__version__",
@@ -47,6 +48,7 @@ _LAZY = {
     "merge": ".merging", "MergeResult": ".merging", "merge_methods": ".merging", "register_merge": ".merging",
     "merge_checkpoints": ".merging.run", "resize": ".merging.resize", "ResizeResult": ".merging.resize",
     "interpolate": ".merging.barrier", "loss_barrier": ".merging.barrier",
+    "compare": ".alignment.compare",
 }
 
 

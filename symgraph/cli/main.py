@@ -18,6 +18,7 @@ from ..merging.options import add_flags
 from ..merging.run import check_paths, input_names, progress_bar
 from .align import add_parsers as add_align_parsers
 from .barrier import add_parser as add_barrier_parser
+from .compare import add_parser as add_compare_parser
 from .merge import cmd_merge
 
 __all__ = ['main', 'build_parser']
@@ -166,6 +167,7 @@ def build_parser():
 
     add_barrier_parser(sub, argparse.SUPPRESS)
     add_align_parsers(sub, argparse.SUPPRESS)
+    add_compare_parser(sub, argparse.SUPPRESS)
 
     r = sub.add_parser("resize", help="widen (function-preserving) or shrink (compress) "
                        "permutation classes of a model")

@@ -1,0 +1,259 @@
+"""``compare(a, b)``: is model B a copy of model A, up to every symmetry the graph admits?
+
+B is aligned to A (by weights, or activations when ``data`` is given, with the full groups the
+report claims), and each parameter of B-in-A's-basis is compared with A's: the relative
+Frobenius distance ``‖A − B′‖ / ‖A‖``, the cosine and the correlation (the cosine of the
+centred tensors). One verdict comes out of it:
+
+* ``"same"``: every tensor within a tolerance tied to the dtype (:data:`SAME_TOL`) — B is A
+  moved by a group element (the alignment says which kinds);
+* ``"derived"``: the statistic — the median over tensors of the correlation after alignment —
+  stands out from a null: B with the entries of each tensor shuffled (its values, no longer
+  its structure), aligned to A the same way ``null`` times. ``excess = (s − μ₀) / (1 − μ₀)`` is
+  where ``s`` lies between that null level (0) and A itself (1); ``"derived"`` when it is at
+  least ``threshold`` (0.25, fixed before the benchmark ran: ``benchmarks/bench_provenance.py``
+  measures its false-positive rate on independently trained pairs) and the normal tail of
+  ``(s − μ₀) / σ₀`` is below ``alpha``;
+* ``"unrelated"`` otherwise.
+
+Tensors that take A's values by construction (norm gains folded into their readers: the
+alignment's gauge) are listed but carry no evidence. Layers are read from the parameter
+names (the prefix up to the first index of a module list, else the module), not from a table.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import InputError
+from ..report.api import analyze
+from .driver import align
+from .result import Alignment
+
+__all__ = ["compare", "Comparison", "SAME_TOL", "THRESHOLD", "tolerance", "layer_of"]
+
+#: Relative Frobenius distance under which a tensor counts as equal, by the coarser dtype.
+SAME_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+#: ``excess`` at or above which B is "derived" from A (see the module docstring).
+THRESHOLD = 0.25
+#: The one-sided p-value below which a "derived" verdict is given.
+ALPHA = 1e-3
+_SIGMA_FLOOR = 0.01  # σ₀ from a few null draws is noisy: never trust it below this
+
+
+def tolerance(*dtypes) -> float:
+    """The "same" tolerance of the coarsest of ``dtypes`` (1e-5 for float32)."""
+    return max(SAME_TOL.get(d, 1e-5) for d in dtypes)
+
+
+def layer_of(name: str) -> str:
+    """``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.3``; ``lm_head.weight`` -> ``lm_head``."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+@dataclass
+class Comparison:
+    """What :func:`compare` found. ``tensors``: one dict per parameter (``name``, ``layer``,
+    ``shape``, ``rel_distance``, ``cosine``, ``correlation``, ``gauge``); ``layers``: per layer
+    the median correlation and largest distance over its evidence tensors, and whether it
+    carries the verdict; ``null``: the statistic of each shuffled copy."""
+    verdict: str
+    statistic: float
+    excess: float
+    p_value: float | None
+    threshold: float
+    tolerance: float
+    max_rel_distance: float
+    null: list
+    tensors: list
+    layers: list
+    alignment: Alignment = field(repr=False)
+    similarity: str = "weights"
+    alpha: float = ALPHA
+
+    @property
+    def null_mean(self) -> float:
+        return float(sum(self.null) / len(self.null)) if self.null else 0.0
+
+    @property
+    def null_std(self) -> float:
+        n = len(self.null)
+        sd = math.sqrt(sum((x - self.null_mean) ** 2 for x in self.null) / (n - 1)) if n > 1 else 0.0
+        return max(sd, _SIGMA_FLOOR)
+
+    @property
+    def carriers(self) -> list:
+        return [r["layer"] for r in self.layers if r["carries"]]
+
+    def group_kinds(self) -> dict:
+        """``{kind: number of classes}`` the alignment filled."""
+        out: dict = {}
+        for g in (self.alignment.report_a.groups if self.alignment.report_a is not None else ()):
+            if self.alignment.elements.get(g.id) is not None:
+                out[g.kind] = out.get(g.kind, 0) + 1
+        return out
+
+    def summary(self) -> str:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.group_kinds().items()))
+        n_ev = sum(not t["gauge"] for t in self.tensors)
+        p = "—" if self.p_value is None else f"{self.p_value:.2g}" if self.p_value > 0 else "< 1e-300"
+        what = {"same": "B is A moved by a group element (to floating-point precision)",
+                "derived": "B is closer to A than independently trained models get",
+                "unrelated": "no evidence that B comes from A"}[self.verdict]
+        lines = [f"verdict: {self.verdict} ({what})",
+                 f"  max relative distance after alignment {self.max_rel_distance:.2e} "
+                 f"(same needs <= {self.tolerance:.0e})",
+                 f"  median correlation over {n_ev} tensors {self.statistic:.3f}; "
+                 + (f"null {self.null_mean:.3f} ± {self.null_std:.3f} from {len(self.null)} shuffled copies of B; "
+                    if self.null else "no null drawn; ")
+                 + f"excess {self.excess:.2f} (derived needs >= {self.threshold:g}), p {p}",
+                 f"  aligned by {self.similarity}: {kinds or 'no classes'}"]
+        if self.verdict != "unrelated":
+            car = self.carriers
+            lines.append(f"  carried by {len(car)}/{len(self.layers)} layers"
+                         + (f": {', '.join(car[:8])}{' …' if len(car) > 8 else ''}" if car else ""))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"verdict": self.verdict, "statistic": self.statistic, "statistic_name":
+                "median over tensors of the correlation (centred cosine) after alignment",
+                "excess": self.excess, "threshold": self.threshold, "p_value": self.p_value, "alpha": self.alpha,
+                "null": list(self.null), "null_mean": self.null_mean, "null_std": self.null_std,
+                "tolerance": self.tolerance, "max_rel_distance": self.max_rel_distance,
+                "similarity": self.similarity, "group_kinds": self.group_kinds(), "carriers": self.carriers,
+                "layers": self.layers, "tensors": self.tensors, "alignment": self.alignment.to_dict()}
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(_finite(self.to_dict()), **({"indent": 1} | kw))
+
+
+def _finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _check_pair(a, b):
+    for m, label in ((a, "a"), (b, "b")):
+        if not isinstance(m, torch.nn.Module):
+            raise InputError(f"model {label} must be a torch.nn.Module, got {type(m).__name__}")
+    if type(a) is not type(b):
+        raise InputError(f"model A is a {type(a).__name__} but model B is a {type(b).__name__}; expected two "
+                         "models of one architecture")
+    sa = {k: tuple(p.shape) for k, p in a.named_parameters()}
+    sb = {k: tuple(p.shape) for k, p in b.named_parameters()}
+    if sa != sb:
+        k = sorted(k for k in set(sa) | set(sb) if sa.get(k) != sb.get(k))[0]
+        raise InputError(f"models A and B differ in tensor {k!r} ({sa.get(k, 'missing')} vs {sb.get(k, 'missing')}); "
+                         "expected two models of one architecture and width")
+
+
+def _measure(a_state: dict, b_state: dict, names, gauge) -> list:
+    rows = []
+    for name in names:
+        x, y = a_state[name].detach().double().flatten(), b_state[name].detach().double().flatten()
+        na, nb = float(x.norm()), float(y.norm())
+        rel = float((x - y).norm()) / max(na, nb, 1e-300) if max(na, nb) > 0 else 0.0
+        cos = float(x @ y) / (na * nb) if na > 0 and nb > 0 else float(na == nb)
+        xc, yc = (x - x.mean(), y - y.mean()) if x.numel() > 1 else (x, y)
+        nxc, nyc = float(xc.norm()), float(yc.norm())
+        cor = float(xc @ yc) / (nxc * nyc) if nxc > 0 and nyc > 0 else cos
+        rows.append({"name": name, "layer": layer_of(name), "shape": list(a_state[name].shape),
+                     "rel_distance": rel, "cosine": cos, "correlation": cor, "gauge": name in gauge})
+    return rows
+
+
+def _median(v) -> float:
+    v = sorted(v)
+    n = len(v)
+    return float("nan") if n == 0 else (v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2]))
+
+
+def _statistic(rows) -> float:
+    return _median([r["correlation"] for r in rows if not r["gauge"]])
+
+
+def _shuffled(b, names, gen):
+    """A copy of ``b`` whose named tensors each have their entries permuted at random."""
+    out = copy.deepcopy(b)
+    params = dict(out.named_parameters())
+    with torch.no_grad():
+        for n in names:
+            p = params[n]
+            flat = p.detach().reshape(-1)
+            p.copy_(flat[torch.randperm(flat.numel(), generator=gen)].reshape(p.shape))
+    return out
+
+
+def compare(a, b, data=None, *, null: int = 4, threshold: float = THRESHOLD, alpha: float = ALPHA,
+            seed: int = 0, inputs=None, fold_norms: bool = True) -> Comparison:
+    """Is ``b`` a copy of ``a`` (``"same"``), derived from it (``"derived"``) or not
+    (``"unrelated"``), up to every symmetry of their graph? See the module docstring.
+
+    data : batches (as :func:`symgraph.align` takes them): align by activations; default weights.
+    null : how many shuffled copies of B give the null (each one more alignment; 0: none, then
+        the null level is taken as 0 and no p-value is given).
+    threshold, alpha : the "derived" verdict's excess and p-value limits.
+    """
+    _check_pair(a, b)
+    if not (isinstance(null, int) and not isinstance(null, bool) and null >= 0):
+        raise InputError(f"null={null!r}; expected a number of shuffled copies (an integer >= 0)")
+    if not (isinstance(threshold, (int, float)) and 0 < threshold <= 1):
+        raise InputError(f"threshold={threshold!r}; expected a number in (0, 1]")
+    data = list(data) if data is not None else None
+    if data is not None and not data:
+        raise InputError("data is empty; expected at least one batch")
+    inputs = data[0] if inputs is None and data is not None else inputs
+    ra = analyze(a, inputs, fold_norms=fold_norms)
+    rb = analyze(b, inputs, fold_norms=fold_norms, outputs=ra.outputs)
+    gauge = {n for f in ra.folds for n in (f.gain, None if f.keep_shift else f.shift) if n}
+    a_state = {k: p for k, p in a.named_parameters() if p.is_floating_point()}
+    names = list(a_state)
+
+    def aligned(model_b):
+        al = align(a, model_b, data=data, report_a=ra, report_b=rb, full_groups=True)
+        return al, _measure(a_state, al.state(model_b), names, gauge)
+
+    al, rows = aligned(b)
+    s = _statistic(rows)
+    gen = torch.Generator().manual_seed(seed)
+    evidence = [n for n in names if n not in gauge]
+    dtypes = {p.dtype for p in a_state.values()} | {p.dtype for _, p in b.named_parameters() if p.is_floating_point()}
+    tol = tolerance(*dtypes)
+    worst = max((r["rel_distance"] for r in rows if not r["gauge"]), default=0.0)
+    null = 0 if worst <= tol else null  # a copy needs no null
+    null_s = [_statistic(aligned(_shuffled(b, evidence, gen))[1]) for _ in range(null)]
+    res = Comparison("unrelated", s, 0.0, None, float(threshold), tol, worst, null_s, rows, [], al,
+                     similarity="activations" if data is not None else "weights", alpha=alpha)
+    mu0 = res.null_mean
+    res.excess = (s - mu0) / (1 - mu0) if mu0 < 1 else 0.0
+    if null:
+        z = (s - mu0) / res.null_std
+        res.p_value = 0.5 * math.erfc(z / math.sqrt(2))
+    level = mu0 + threshold * (1 - mu0)  # the correlation a layer needs to carry the verdict
+    by_layer: dict = {}
+    for r in rows:
+        by_layer.setdefault(r["layer"], []).append(r)
+    for layer, rs in by_layer.items():
+        ev = [r for r in rs if not r["gauge"]]
+        med = _median([r["correlation"] for r in ev])
+        res.layers.append({"layer": layer, "tensors": len(ev), "correlation": med,
+                           "rel_distance": max((r["rel_distance"] for r in ev), default=0.0),
+                           "carries": bool(ev) and med >= level})
+    if worst <= tol:
+        res.verdict = "same"
+    elif res.excess >= threshold and (res.p_value is None or res.p_value < alpha):
+        res.verdict = "derived"
+    return res
