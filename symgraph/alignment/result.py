@@ -41,6 +41,7 @@ class Alignment:
     gauge: dict = field(default_factory=dict, repr=False)  # A's folded norm gains and shifts
     refined: dict = field(default_factory=dict)  # what refine did (steps, losses, seconds)
     full_groups: dict = field(default_factory=dict)  # what fit_gl kept per gl/rope class
+    shared: dict = field(default_factory=dict)  # how processes shared the solves (.shared.Waves.summary)
     options: dict = field(default_factory=dict)  # the analysis options (fold_norms, outputs) B's report used
     fingerprints: dict = field(default_factory=dict)  # a loaded alignment's {"a", "b"}: see saved.fingerprint
     structures: dict = field(default_factory=dict, repr=False)  # a loaded alignment's {"a", "b"}: saved.structure

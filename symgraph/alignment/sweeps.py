@@ -2,7 +2,8 @@
 
 The first sweep runs in dependency order (:func:`~.schedule.first_sweep_order`) and uses only
 the slots whose other axes are already known; later sweeps re-solve a unit only if it left
-slots out or something it used has changed since.
+slots out or something it used has changed since. Under ``torch.distributed`` the processes
+share the solves (:mod:`.shared`), with one process's elements bit for bit.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from ..core.elements import Map, Perm, is_perm
 from .schedule import first_sweep_order, units
+from .shared import Waves
 from .solve_unit import solve_unit
 
 __all__ = ["Sweeps"]
@@ -33,6 +35,7 @@ class Sweeps:
         self.masses = None  # group -> unit masses or None, with .deps(group): see .masses
         self.presolved: dict = {}  # unit index -> what its early solve used (solve_early)
         self.deferred = 0  # unit solves postponed while other units still changed (see run)
+        self.shared: dict = {}  # how the work was split between processes (see .shared)
 
     def ids(self, unit) -> set:
         return {g.id for g in unit.groups(self.opts.selected)}
@@ -53,12 +56,14 @@ class Sweeps:
         last: dict = {}  # unit index -> (versions of the classes it used, complete)
         stable: set = set()
         order = first_sweep_order(self.units, self.ids, self.solved_groups, self.feats)
+        waves = Waves(self, last, stable)  # one process: each unit solved as it is added
         sweep = 0
         for sweep in range(sweeps):
             self.changed = False
             pending = set().union(*(self.ids(u) for u in self.units)) if sweep == 0 else set()
             deferred = []
             for ui in order:
+                waves.before(ui)  # several processes: solve the wave first if ui reads it
                 if sweep == 0 and ui in self.presolved:
                     pending -= self.ids(self.units[ui])
                     last[ui] = self.presolved[ui]
@@ -70,13 +75,17 @@ class Sweeps:
                     self.deferred += 1
                     continue
                 pending -= self.ids(self.units[ui])
-                self._resolve(ui, pending, last, stable, sweep)
+                waves.add(ui, pending, sweep)
+            waves.flush()
             if not self.changed and deferred:
                 for ui in deferred:  # the rest has converged: check the deferred units against it
+                    waves.before(ui)
                     if not self._current(ui, last):
-                        self._resolve(ui, pending, last, stable, sweep)
+                        waves.add(ui, pending, sweep)
+                waves.flush()
             if not self.changed:
                 break
+        self.shared = waves.summary()
         return sweep + 1
 
     def _current(self, ui, last) -> bool:
@@ -87,9 +96,14 @@ class Sweeps:
         return complete and all(self.versions.get(g, 0) == v for g, v in used.items())
 
     def _resolve(self, ui, pending, last, stable, sweep):
+        self._finish(ui, *self._compute(self.units[ui], pending), last, stable, sweep)
+
+    def _finish(self, ui, record, outcome, last, stable, sweep):
+        """Set what unit ``ui``'s solve found (:meth:`_compute`, here or on another process)."""
         ids = self.ids(self.units[ui])
         before = {g: self.versions.get(g, 0) for g in ids}
-        last[ui] = self._solve(self.units[ui], pending)
+        self._apply(outcome)
+        last[ui] = record
         if sweep > 0 and all(self.versions.get(g, 0) == v for g, v in before.items()):
             stable.add(ui)
         else:
@@ -102,8 +116,17 @@ class Sweeps:
         self.presolved[ui] = self._solve(self.units[ui], set())
 
     def _solve(self, unit, pending):
+        """Solve one unit and set its elements; returns what it used (see :meth:`_compute`)."""
+        record, outcome = self._compute(unit, pending)
+        self._apply(outcome)
+        return record
+
+    def _compute(self, unit, pending, solve: bool = True):
         """Solve one unit; first sweep: only slots whose other axes are known (fixed or
-        already solved). Returns what it used, for the skip test of later sweeps."""
+        already solved). Returns what it used, for the skip test of later sweeps, and what
+        :meth:`_apply` sets: None (nothing solved), or ``(seconds, [(group id, element,
+        SolveResult)])`` (no elements where the change is negligible). Changes no element;
+        ``solve`` False: the similarity only (its caches), no solver call (outcome None)."""
         usable = (lambda dep: not (dep & pending)) if pending else None
         mem = self.solved_groups(unit)
         cross = unit.kind != "single"
@@ -117,14 +140,21 @@ class Sweeps:
             used |= self.masses.deps(unit.outer)  # transport masses read other classes too
         record = ({g: self.versions.get(g, 0) for g in used}, all(x[1] for x in got))
         sims = [(m, x[0]) for m, x in zip(mem, got) if x[0] is not None]
-        if sims:
-            solved = solve_unit(unit, sims, self.opts, self.masses, scores)
-            if self._negligible(unit, sims, solved):
-                self.solver_seconds += sum(res.seconds for _, _, res in solved)
-            else:
-                for g, el, res in solved:
-                    self._set(g, el, res)
-        return record
+        if not sims or not solve:
+            return record, None
+        solved = solve_unit(unit, sims, self.opts, self.masses, scores)
+        if self._negligible(unit, sims, solved):
+            return record, (sum(res.seconds for _, _, res in solved), [])
+        return record, (0.0, [(g.id, el, res) for g, el, res in solved])
+
+    def _apply(self, outcome):
+        if outcome is None:
+            return
+        seconds, solved = outcome
+        if not solved:
+            self.solver_seconds += seconds
+        for gid, el, res in solved:
+            self._set(gid, el, res)
 
     def _negligible(self, unit, sims, solved) -> bool:
         """Whether the unit's new elements gain at most ``tol`` (relative) on the unit's own
@@ -143,17 +173,17 @@ class Sweeps:
             return False
         return new_score - old_score <= self.opts.tol * abs(new_score)
 
-    def _set(self, g, el, res):
+    def _set(self, gid, el, res):
         if isinstance(el, torch.Tensor) and el.dim() == 2 and is_perm(el):
             el = Perm.from_matrix(el)  # n indices instead of an n×n matrix
             res.element = el
         self.solver_seconds += res.seconds
-        if _same(self.elements.get(g.id), el):
+        if _same(self.elements.get(gid), el):
             return
-        self.versions[g.id] = self.versions.get(g.id, 0) + 1
+        self.versions[gid] = self.versions.get(gid, 0) + 1
         self.changed = True
-        self.elements[g.id] = el
-        self.results[g.id] = res
+        self.elements[gid] = el
+        self.results[gid] = res
 
 
 def _unit_score(unit, sims, els):

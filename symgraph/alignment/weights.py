@@ -3,6 +3,7 @@ generalised to rotations and head-structured classes, as a sum of per-slot contr
 from __future__ import annotations
 
 import string
+from typing import Callable
 
 import torch
 
@@ -58,7 +59,11 @@ class WeightFeatures:
         self._pool_bytes, self._kinds = 0, None
         self._deps: dict = {}
         self._axis_memo: dict = {}
+        self._numel: dict = {}
         self.versions: dict = {}  # shared with the solve loop: group id -> changes so far
+        # set by .shared while all processes compute one similarity: ``share([(key, cost,
+        # compute)])[key] -> value`` computes a share of the slots here and gathers the rest
+        self.share: Callable | None = None
 
     def release(self) -> None:
         """Drop the tensors and everything computed from them. The solve loop holds this object
@@ -117,6 +122,9 @@ class WeightFeatures:
         self.head_scores.pop(ga.id, None)
         hits: set = set()
         fresh: dict = {}  # pools read whole; pool -> [versions, sum of its slots, complete]
+        shared = None if self.share is None else self.share(
+            [(key, cost, lambda name=name, d=d: self._slot(ga, gb, name, d, elements, cross_fibres, exact, circ))
+             for key, name, d, cost in self._misses(ga, gb, cross_fibres, usable)])
         for name, d in self.slots(ga):
             dep = self.deps(gb, name, d)
             if usable is not None and not usable(dep):
@@ -135,7 +143,8 @@ class WeightFeatures:
                     continue
             hit = self._cache.get(key)
             if hit is None or hit[0] != ver:
-                val = self._slot(ga, gb, name, d, elements, cross_fibres, exact, circ)
+                val = (self._slot(ga, gb, name, d, elements, cross_fibres, exact, circ) if shared is None
+                       else shared[key])  # computed by one of the processes (see .shared)
                 # kept when small, or when it reads no other class (fixed for the whole solve:
                 # the embeddings' and head's Grams of a residual stream)
                 if val[0] is not None and (val[0].numel() <= self.CACHE_NUMEL or not dep) and not val[3]:
@@ -167,6 +176,32 @@ class WeightFeatures:
             total = total / (torch.as_tensor(na2).clamp_min(1e-30).sqrt()[:, None, None, None]
                              * torch.as_tensor(nb2).clamp_min(1e-30).sqrt()[None, :, None, None])
         return total, complete, frozenset(used)
+
+    def _misses(self, ga, gb, cross_fibres, usable):
+        """``[(cache key, name, dim, cost)]``: the slots :meth:`similarity` computes (neither
+        pooled nor cached with the present versions), cost by B's parameter size."""
+        out = []
+        circ = self.head_cost == "circuits" and cross_fibres and ga.kind == "gl"
+        for name, d in self.slots(ga):
+            dep = self.deps(gb, name, d)
+            if usable is not None and not usable(dep):
+                continue
+            ver = tuple(sorted((r, self.versions.get(r, 0)) for r in dep))
+            if self._poolable(dep, cross_fibres, circ):
+                hit = self._pool.get((ga.id, dep, cross_fibres))
+                if hit is not None and hit[0] == ver:
+                    continue
+            key = (ga.id, name, d, cross_fibres)
+            hit = self._cache.get(key)
+            if hit is None or hit[0] != ver:
+                out.append((key, name, d, self.numel(name)))
+        return out
+
+    def numel(self, name) -> int:
+        """B's parameter ``name``'s size (memoised: a lazy mapping reads it once)."""
+        if name not in self._numel:
+            self._numel[name] = self.B[name].numel()
+        return self._numel[name]
 
     def _poolable(self, dep, cross_fibres, circ) -> bool:
         """Whether a slot's contribution is summed with the others of the same dependencies and

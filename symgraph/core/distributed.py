@@ -8,6 +8,10 @@ process then holds the statistics one process would compute on all the data (up 
 order of float64 additions), and the solves that follow (alignment, merge) are
 deterministic, so every rank gets the same alignment and the same merged model.
 
+Weight matching itself is shared too: each rank solves its share of a sweep's units and the
+residual stream's similarity is split by slot, with one process's elements bit for bit
+(:mod:`symgraph.alignment.shared`).
+
 Without an initialised process group of more than one process (:func:`is_active` False)
 every helper here is a no-op: single-process results are unchanged, bit for bit.
 
