@@ -194,7 +194,7 @@ def run_hetero(st: Settings, lambdas):
         p = methods.Pair(narrow, a, b, data, ra, rb)
         la, lb = loss_fn(a), loss_fn(b)
         ma, mb = metric_fn(a), metric_fn(b)
-        for name in ("symgraph_weights", "symgraph_activations", "seed004"):
+        for name in ("symgraph_weights", "symgraph_activations", "imfeld2024"):
             out = methods.METHODS[name][0](p)
             rec = {"arch": "gpt2_wide->gpt2", "method": name, "pair": [sa, sb], "size": st.size,
                    "loss_a": la, "loss_b": lb, "metric_name": evaluate.metric_name(narrow),

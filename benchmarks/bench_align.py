@@ -23,7 +23,7 @@ from scipy.optimize import linear_sum_assignment
 from .speed import _rss_now_mb, peak_rss
 
 
-def seed003_matching(A, B, layers, heads):
+def zhang2025_matching(A, B, layers, heads):
     """FFN Hungarian + per-head Procrustes (QK and VO), from weights (Zhang et al. 2024's recipe), in the
     weights' own dtype, as a plain implementation would run it."""
     solver_s = 0.0
@@ -83,7 +83,7 @@ def run(layers: int = 12, out: str | None = None, threads: int | None = None) ->
         t_plain = time.perf_counter() - t
     finally:
         _solvers.ROW_MAXIMA = True
-    t_seed, s_seed = seed003_matching(A, B, layers, 12)
+    t_seed, s_seed = zhang2025_matching(A, B, layers, 12)
     res = {
         "config": f"BERT-base-shaped, {layers} layers, 768/3072/12 heads, random weights; B is a "
                   "random symmetry transform of A",
@@ -96,11 +96,11 @@ def run(layers: int = 12, out: str | None = None, threads: int | None = None) ->
         "assignments_certified_by_row_maxima": hits,
         "align_seconds_without_row_maxima": t_plain,
         "align_solver_seconds_without_row_maxima": al2.seconds.get("solver"),
-        "seed003_seconds": t_seed, "seed003_solver_seconds": s_seed,
-        "seed003_solver_share": s_seed / t_seed,
-        "ratio_align_over_seed003": t_align / t_seed,
-        "ratio_align_over_seed003_without_row_maxima": t_plain / t_seed,
-        "ratio_align_minus_analyze_over_seed003": (t_align - al.seconds.get("analyze", 0)) / t_seed,
+        "zhang2025_seconds": t_seed, "zhang2025_solver_seconds": s_seed,
+        "zhang2025_solver_share": s_seed / t_seed,
+        "ratio_align_over_zhang2025": t_align / t_seed,
+        "ratio_align_over_zhang2025_without_row_maxima": t_plain / t_seed,
+        "ratio_align_minus_analyze_over_zhang2025": (t_align - al.seconds.get("analyze", 0)) / t_seed,
         "two_models_weights_mb": weights_mb,
         "rss_before_align_mb": rss_before, "peak_rss_during_align_mb": mem["peak_mb"],
         "peak_rss_mb": mem["peak_mb"],

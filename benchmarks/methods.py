@@ -33,7 +33,8 @@ import symgraph
 from symgraph.core.groups import PERMUTATION_FAMILY
 
 __all__ = ["Pair", "Outcome", "Roles", "roles", "METHODS", "DEVIATIONS", "SINKHORN_REG",
-           "vanilla", "seed002", "seed003", "seed003_rescale", "seed004",
+           "vanilla", "verma2024", "zhang2025", "zhang2025_rescale", "imfeld2024",
+           "SEED_METHODS",
            "fisher", "fisher_aligned", "regmean", "regmean_aligned",
            "symgraph_weights_perm", "symgraph_activations_perm", "symgraph_weights",
            "symgraph_activations", "symgraph_refine", "vanilla_repair", "symgraph_repair",
@@ -147,7 +148,7 @@ def vanilla(p: Pair) -> Outcome:
     return Outcome(b_aligned=p.b)
 
 
-def seed002(p: Pair) -> Outcome:
+def verma2024(p: Pair) -> Outcome:
     """Verma & Elbayad 2024: permutations from activation correlations.
 
     Aligned: MLP units (Hungarian on cross-correlation), residual stream (one permutation for
@@ -190,7 +191,7 @@ def _tie_qk_to_vo(report, r: Roles, al) -> int:
     return n
 
 
-def seed003(p: Pair) -> Outcome:
+def zhang2025(p: Pair) -> Outcome:
     """Zhang et al. 2024: data-free matching from weights.
 
     Aligned: MLP units by Hungarian on the weight inner products of both MLP matrices (and
@@ -211,8 +212,8 @@ def seed003(p: Pair) -> Outcome:
     return _aligned(p, al, t0)
 
 
-def seed003_rescale(p: Pair) -> Outcome:
-    """Seed 003 with its scalar rescaling: after each head's rotation R, a scalar ``a > 0``
+def zhang2025_rescale(p: Pair) -> Outcome:
+    """:func:`zhang2025` with its scalar rescaling: after each head's rotation R, a scalar ``a > 0``
     per head and per QK / VO pair minimising ``‖W_A − a·R W_B‖² + ‖W'_A − R W'_B / a‖²``
     (the query/value side takes ``a``, the key/output side ``1/a``: a GL symmetry), fitted by
     ``symgraph.align(..., rescale=True)`` (``alignment.scales``).
@@ -226,7 +227,7 @@ def seed003_rescale(p: Pair) -> Outcome:
     return out
 
 
-def seed004(p: Pair) -> Outcome:
+def imfeld2024(p: Pair) -> Outcome:
     """Imfeld et al. 2024: OT fusion with soft Sinkhorn transport maps from activations.
 
     As in the seed's ViT configuration: activation-based ground metric, Sinkhorn with
@@ -386,10 +387,10 @@ def regmean_aligned(p: Pair) -> Outcome:
 #: name -> (function, short description). Order = table order.
 METHODS: dict[str, tuple[Callable[[Pair], Outcome], str]] = {
     "vanilla": (vanilla, "plain averaging"),
-    "seed002": (seed002, "Verma & Elbayad: activation perms (FFN, heads nested, residual)"),
-    "seed003": (seed003, "Zhang et al.: FFN Hungarian + per-head Procrustes QK/VO, weights"),
-    "seed003_rescale": (seed003_rescale, "Zhang et al. 2024 + per-head scalar rescaling"),
-    "seed004": (seed004, "Imfeld et al.: OT fusion, soft Sinkhorn maps from activations"),
+    "verma2024": (verma2024, "Verma & Elbayad: activation perms (FFN, heads nested, residual)"),
+    "zhang2025": (zhang2025, "Zhang et al.: FFN Hungarian + per-head Procrustes QK/VO, weights"),
+    "zhang2025_rescale": (zhang2025_rescale, "Zhang et al. + per-head scalar rescaling"),
+    "imfeld2024": (imfeld2024, "Imfeld et al.: OT fusion, soft Sinkhorn maps from activations"),
     "fisher": (fisher, "Fisher merging, no alignment"),
     "fisher_aligned": (fisher_aligned, "Fisher merging after symgraph weight matching"),
     "vanilla_repair": (vanilla_repair, "plain averaging + REPAIR"),
@@ -414,17 +415,20 @@ SYMGRAPH_METHODS = ("symgraph_weights_perm", "symgraph_activations_perm", "symgr
                     "symgraph_activations", "symgraph_refine", "symgraph_repair", "symgraph_weights_full",
                     "symgraph_activations_full")
 
+#: The published ("seed") methods the suite compares against, named after their papers.
+SEED_METHODS = ("verma2024", "zhang2025", "zhang2025_rescale", "imfeld2024")
+
 #: One line per seed method: what differs from the paper (also in each docstring).
 DEVIATIONS = {
-    "seed002": "head-dim scores are covariances normalised per head pair (not per-feature "
+    "verma2024": "head-dim scores are covariances normalised per head pair (not per-feature "
                "correlations); LLaMA Q/K keep their head-dim order (RoPE admits no permutation); "
                "GQA query heads permuted only within their KV group.",
-    "seed003": "LLaMA QK rotation restricted to RoPE's 2x2 frequency-pair rotations; GQA: one "
+    "zhang2025": "LLaMA QK rotation restricted to RoPE's 2x2 frequency-pair rotations; GQA: one "
                "rotation per KV head; weight similarities use the already-solved classes "
                "(coordinate descent) instead of one pass against unaligned neighbours.",
-    "seed003_rescale": "as seed003; the per-head scalar is fitted once after the rotations "
+    "zhang2025_rescale": "as zhang2025; the per-head scalar is fitted once after the rotations "
                        "(closed 1-D fit per head), not jointly with them.",
-    "seed004": "one soft map for the whole residual stream instead of per-branch maps mixed by "
+    "imfeld2024": "one soft map for the whole residual stream instead of per-branch maps mixed by "
                "the 'mean' policy; heads matched by exact OT (hard) with a Hungarian map inside "
                "each head and Q/K sharing it, where the seed ignores heads with separate soft "
                "maps for Q, K, V; cost max(corr)-corr instead of Euclidean distance.",

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from . import targets
-from .methods import DEVIATIONS, METHODS, SYMGRAPH_METHODS, roles
+from .methods import DEVIATIONS, METHODS, SEED_METHODS, SYMGRAPH_METHODS, roles
+from .records import FORMER_NAMES, RENAME_NOTE, renamed
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 HEATMAP_ARCHS = ("gpt2", "bert", "vit", "llama")
@@ -49,7 +50,7 @@ def _fmt(ms, digits=3):
 
 def plots(out: Path, records, keep, archs) -> list[str]:
     """Write every figure into ``out``; returns their file names."""
-    names = []
+    records, names = renamed(records), []
     for arch in archs:
         names.append(barrier_plot(out / f"barrier_{arch}.png", records, arch))
     arch = next((a for a in HEATMAP_ARCHS if a in keep and keep[a]), None)
@@ -76,7 +77,7 @@ def barrier_plot(path: Path, records, arch) -> str:
         if rs[0]["kind"] == "interpolation":
             lam = [x for x, _ in rs[0]["curve"]]
             loss = np.mean([[y for _, y in r["curve"]] for r in rs], axis=0)
-            style = "-" if name in SYMGRAPH_METHODS else ("--" if name.startswith("seed") else ":")
+            style = "-" if name in SYMGRAPH_METHODS else ("--" if name in SEED_METHODS else ":")
             ax.plot(lam, loss, style, marker="o", ms=2.5, label=name)
         else:
             ax.scatter([0.5], [np.mean([r["loss_mid"] for r in rs])], marker="x", s=40, label=name, zorder=3)
@@ -166,8 +167,10 @@ def _stat(records, arch, method, key):
 
 
 def markdown(records, summary, figures) -> str:
+    """``report.md`` from the suite's records (former seed-method names read as the current ones)."""
+    records = renamed(records)
     archs = summary["archs"]
-    methods = [m for m in summary["methods"] if any(_by(records, method=m))]
+    methods = [m for m in (FORMER_NAMES.get(m, m) for m in summary["methods"]) if any(_by(records, method=m))]
     st = summary["settings"]
     n_pairs = {a: len({tuple(r["pair"]) for r in _by(records, arch=a, method=methods[0])}) for a in archs}
     L = ["# symgraph benchmark suite", ""]
@@ -197,7 +200,7 @@ def markdown(records, summary, figures) -> str:
     L += ["", "## Loss barrier (mean ± std over pairs; lower is better)", "",
           "Interpolation methods: `max_λ L(λθ_A + (1−λ)θ_B′) − ½(L_A + L_B)` on the 21-point grid, "
           "with the original B's loss. Fisher / RegMean produce one merged model: their entry is the "
-          "midpoint gap `L(merged) − ½(L_A + L_B)`. Best per column in bold.", ""]
+          "midpoint gap `L(merged) − ½(L_A + L_B)`. Best per column in bold.", "", RENAME_NOTE, ""]
     L.append(_metric_table(records, archs, methods, "barrier", best=min))
     L += targets.section(records, archs)
     L += ["", "## Held-out loss of the merged model (λ = 0.5)", ""]
@@ -207,9 +210,9 @@ def markdown(records, summary, figures) -> str:
     L.append(_metric_table(records, archs, methods, "metric_mid", best=None))
     L += ["", "## Method time (seconds; alignment + merge, no evaluation)", ""]
     L.append(_metric_table(records, archs, methods, "seconds", best=None, digits=2))
-    soft = [r for r in records if r["method"] == "seed004" and r["kind"] == "interpolation"]
+    soft = [r for r in records if r["method"] == "imfeld2024" and r["kind"] == "interpolation"]
     if soft:
-        L += ["", "Soft transport maps (seed004) change B's function: L(B′) − L(B) = "
+        L += ["", "Soft transport maps (imfeld2024) change B's function: L(B′) − L(B) = "
               + ", ".join(f"{a}: {_fmt(_mean_std([r['loss_b_aligned'] - r['loss_b'] for r in soft if r['arch'] == a]))}"
                           for a in archs) + " nats; the barrier measured against B′'s own endpoint "
               "(`barrier_curve`) is " + ", ".join(
@@ -219,7 +222,7 @@ def markdown(records, summary, figures) -> str:
     L += ["", "## Figures", ""]
     for f in figures:
         L.append(f"- `{f}`" + (f"  \n  ![{f}]({f})" if f.endswith(".png") else ""))
-    L += ["", "## Methods and deviations from the seeds", ""]
+    L += ["", "## Methods and deviations from the seeds", "", RENAME_NOTE, ""]
     for m in methods:
         L.append(f"- **{m}** — {METHODS[m][1]}." + (f" *Deviation:* {DEVIATIONS[m]}" if m in DEVIATIONS else ""))
     L += ["", "Full descriptions: the docstrings of `benchmarks/methods.py`.", ""]
@@ -285,10 +288,11 @@ def _speed_section(records, archs):
                          "align s (activations)", "peak MB analyze (both)", "peak MB align(w)", "peak MB align(act)"],
                         rows))
     for path in sorted(glob.glob(str(RESULTS_DIR / "align_bert_base*.json"))):
-        d = json.loads(Path(path).read_text())
+        # records written before the seed methods were named after their papers say seed003
+        d = {k.replace("seed003", "zhang2025"): v for k, v in json.loads(Path(path).read_text()).items()}
         L += ["", f"**BERT-base-shaped align** (`benchmarks/results/{os.path.basename(path)}`): {d.get('config')}; "
               f"align {d['align_seconds']:.1f} s (solver share {d['align_solver_share']:.0%}, {d.get('sweeps')} sweeps) "
-              f"vs a plain Zhang et al. 2024 matching {d['seed003_seconds']:.1f} s (ratio {d['ratio_align_over_seed003']:.2f}×); "
+              f"vs a plain Zhang et al. 2024 matching {d['zhang2025_seconds']:.1f} s (ratio {d['ratio_align_over_zhang2025']:.2f}×); "
               f"peak RSS {d['peak_rss_mb']:.0f} MB = {d['peak_over_weights']:.1f}× the two models' weights; "
               f"exact-recovery error {d['recovery_max_rel_error']:.1e}."]
     p8 = RESULTS_DIR / "analyze_8b.json"
@@ -321,7 +325,7 @@ def findings(records, archs, methods, summary) -> list[str]:
         F.append(f"- **{a}**: vanilla barrier {v:.3f}; best symgraph method `{bm}` {sym[bm]:.3f} "
                  f"({'lower' if ok else 'NOT lower'} than vanilla by {v - sym[bm]:+.3f}; lower on "
                  f"{per_pair[0]}/{per_pair[1]} pairs).")
-        seeds = {m: mean(a, m) for m in methods if m.startswith("seed") and mean(a, m) is not None}
+        seeds = {m: mean(a, m) for m in methods if m in SEED_METHODS and mean(a, m) is not None}
         better = {m: x for m, x in seeds.items() if x < sym[bm]}
         if better:
             F.append("  - A seed method beats symgraph's best here: " + ", ".join(
@@ -355,31 +359,31 @@ def findings(records, archs, methods, summary) -> list[str]:
         if syms:
             bs = (max if hib else min)(syms, key=syms.get)
             line += f", best symgraph `{bs}` {syms[bs]:.3f}"
-        if top.startswith("seed"):
+        if top in SEED_METHODS:
             line += " — a seed method has the best merged model here"
         F.append(line + ".")
     s3, s3r = [], []
     for a in archs:
-        x, v, y = mean(a, "seed003"), mean(a, "vanilla"), mean(a, "seed003_rescale")
+        x, v, y = mean(a, "zhang2025"), mean(a, "vanilla"), mean(a, "zhang2025_rescale")
         sym = min((mean(a, m) for m in SYMGRAPH_METHODS if mean(a, m) is not None), default=None)
         if x is not None and v is not None and sym is not None:
             s3.append((a, v - x, v - sym))
         if x is not None and y is not None:
-            sc = [abs(s - 1) for r in _by(records, arch=a, method="seed003_rescale")
+            sc = [abs(s - 1) for r in _by(records, arch=a, method="zhang2025_rescale")
                   for ss in (r.get("extra") or {}).get("scales", {}).values() for s in ss]
             s3r.append(f"{a} {x - y:+.4f} (mean |a−1| = {np.mean(sc) if sc else float('nan'):.3f})")
     if s3:
-        F.append("- Seed 003 (MLP + per-head rotations from weights; no residual-stream or head "
+        F.append("- `zhang2025` (MLP + per-head rotations from weights; no residual-stream or head "
                  "permutation) lowers the mean barrier relative to vanilla by " + ", ".join(
                      f"{a} {d:+.3f}" for a, d, _ in s3) + " nats, against " + ", ".join(
                      f"{a} {d:+.3f}" for a, _, d in s3) + " for symgraph's best.")
         if all(d < 0.5 * ds for _, d, ds in s3 if ds > 0):
             F.append("  Between models trained from different initialisations the residual bases differ; "
                      "matching MLP units and per-head rotations in unaligned residual coordinates recovers "
-                     "less than half of what aligning the residual stream and head order does. Seed 003 "
+                     "less than half of what aligning the residual stream and head order does. `zhang2025` "
                      "targets models fine-tuned from one checkpoint, whose residual basis is shared.")
     if s3r:
-        F.append("- Seed 003's scalar rescaling changes the mean barrier by " + ", ".join(s3r) + " nats.")
+        F.append("- `zhang2025`'s scalar rescaling (`zhang2025_rescale`) changes the mean barrier by " + ", ".join(s3r) + " nats.")
     for base in ("fisher", "regmean"):
         parts = []
         for a in archs:
@@ -391,16 +395,16 @@ def findings(records, archs, methods, summary) -> list[str]:
         if parts:
             F.append(f"- {base.capitalize()} midpoint gap without → with symgraph alignment: " + "; ".join(parts) + "."
                      + (f" Alignment makes it worse on {', '.join(hurt)}." if hurt else ""))
-    soft = [r for r in records if r["method"] == "seed004" and r["kind"] == "interpolation"]
+    soft = [r for r in records if r["method"] == "imfeld2024" and r["kind"] == "interpolation"]
     if soft:
         parts = []
         for a in archs:
-            mid, sym = mean(a, "seed004", "loss_mid"), mean(a, "symgraph_activations", "loss_mid")
-            bar = mean(a, "seed004")
+            mid, sym = mean(a, "imfeld2024", "loss_mid"), mean(a, "symgraph_activations", "loss_mid")
+            bar = mean(a, "imfeld2024")
             if mid is not None and sym is not None:
                 parts.append(f"{a} L(0.5) {mid:.3f} vs symgraph_activations {sym:.3f} (barrier {bar:.3f})")
         rise = _mean_std([r["loss_b_aligned"] - r["loss_b"] for r in soft])[0]
-        F.append(f"- Seed 004's soft maps are not symmetries: B′ is a different function (L(B′) − L(B) = "
+        F.append(f"- `imfeld2024`'s soft maps are not symmetries: B′ is a different function (L(B′) − L(B) = "
                  f"{rise:+.3f} nats on average), so its barrier against the original endpoints includes "
                  "that loss; midpoints: " + "; ".join(parts) + ".")
     hs = [r for r in records if r["kind"] == "hetero"]

@@ -23,6 +23,7 @@ from .errors import CertificationError, InputError, StructureMismatchError, Symg
 if TYPE_CHECKING:  # what type checkers and readers see; at run time __getattr__ imports them
     from .alignment import AlignOptions, Alignment, align, load_alignment
     from .alignment.compare import compare
+    from .core.groups import GroupKind
     from .merging import MergeResult, merge, merge_methods, register_merge
     from .merging.barrier import interpolate, loss_barrier
     from .merging.resize import ResizeResult, resize
@@ -32,7 +33,7 @@ if TYPE_CHECKING:  # what type checkers and readers see; at run time __getattr__
     from .transform.apply import transform
 
 __all__ = [
-    "analyze", "tied_parameters", "SymmetryReport", "Group", "Transform", "transform",
+    "analyze", "tied_parameters", "SymmetryReport", "Group", "GroupKind", "Transform", "transform",
     "align", "AlignOptions", "Alignment", "load_alignment", "merge", "MergeResult", "merge_methods", "merge_checkpoints",
     "register_merge", "resize", "ResizeResult", "interpolate", "loss_barrier", "compare", "SymgraphError",
     "InputError",
@@ -43,7 +44,7 @@ __all__ = [
 #: Where each lazily imported public name lives.
 _LAZY = {
     "analyze": ".report.api", "tied_parameters": ".report.api", "SymmetryReport": ".report.symmetry",
-    "Group": ".report.symmetry", "Transform": ".report.symmetry", "transform": ".transform.apply",
+    "Group": ".report.symmetry", "GroupKind": ".core.groups", "Transform": ".report.symmetry", "transform": ".transform.apply",
     "align": ".alignment", "AlignOptions": ".alignment", "Alignment": ".alignment", "load_alignment": ".alignment",
     "merge": ".merging", "MergeResult": ".merging", "merge_methods": ".merging", "register_merge": ".merging",
     "merge_checkpoints": ".merging.run", "resize": ".merging.resize", "ResizeResult": ".merging.resize",

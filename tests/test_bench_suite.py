@@ -88,7 +88,7 @@ def test_vanilla_barrier_is_curve_max_minus_endpoint_mean(suite):
 
 def test_exact_alignments_keep_b_function(suite):
     """Group elements (perms, rotations, rescaled rotations) leave B's loss unchanged."""
-    for m in ("seed002", "seed003", "seed003_rescale", "symgraph_weights", "symgraph_activations",
+    for m in ("verma2024", "zhang2025", "zhang2025_rescale", "symgraph_weights", "symgraph_activations",
               "symgraph_weights_perm", "symgraph_activations_perm", "symgraph_refine"):
         r = _rec(suite["records"], m)
         assert r["loss_b_aligned"] == pytest.approx(r["loss_b"], abs=2e-4), m
@@ -182,10 +182,10 @@ def _pair(arch, steps=0):
     return methods.Pair(arch, a, b, data, symgraph.analyze(a, data[0]), symgraph.analyze(b, data[0]))
 
 
-def test_seed002_ties_qk_to_vo_and_seed003_skips_residual():
+def test_verma2024_ties_qk_to_vo_and_zhang2025_skips_residual():
     p = _pair("gpt2")
     r = methods.roles(p.report_a)
-    out = methods.seed002(p)
+    out = methods.verma2024(p)
     els = out.alignment.elements
     gb = p.report_b.groups
     for qk in r.qk_inner:
@@ -193,14 +193,14 @@ def test_seed002_ties_qk_to_vo_and_seed003_skips_residual():
         E = els[qk]
         assert torch.equal(E, els[vo])
         assert bool(((E == 0) | (E == 1)).all())  # permutations inside heads (Hungarian)
-    out3 = methods.seed003(p)
+    out3 = methods.zhang2025(p)
     assert set(out3.alignment.results) == set(r.mlp | r.continuous_inner)
 
 
 def test_rescale_heads_preserves_function_and_lowers_distance():
     p = _pair("gpt2")
-    base = methods.seed003(p)
-    out = methods.seed003_rescale(p)
+    base = methods.zhang2025(p)
+    out = methods.zhang2025_rescale(p)
     x = evaluate.eval_batches("gpt2", "eval", 1)[0]
     with torch.no_grad():
         ref = evaluate.model_logits(p.b, "gpt2", x)
@@ -224,7 +224,7 @@ def test_targets_are_read_from_pair_means():
 
     records = (rec("a", "vanilla", 1.0, 2.0) + rec("a", "symgraph_weights", 0.3, 0.6)
                + rec("a", "symgraph_activations", 0.4, 0.6) + rec("a", "symgraph_refine", 0.05, 0.07)
-               + rec("a", "seed002", 0.5, 0.5) + rec("a", "seed004", 0.1, 0.9)
+               + rec("a", "verma2024", 0.5, 0.5) + rec("a", "imfeld2024", 0.1, 0.9)
                + rec("a", "regmean_aligned", 0.2, 0.2) + rec("a", "fisher_aligned", 0.1, 0.3)
                + rec("b", "vanilla", 1.0) + rec("b", "symgraph_weights", 0.2)
                + rec("b", "regmean_aligned", 0.1) + rec("c", "symgraph_weights", 0.1))
@@ -232,7 +232,7 @@ def test_targets_are_read_from_pair_means():
     assert a["vanilla"] == pytest.approx(1.5)
     assert a["without"] == ("symgraph_weights", pytest.approx(0.45))
     assert a["ratio_without"] == pytest.approx(0.3) and a["ratio_refine"] == pytest.approx(0.04)
-    assert a["seed"] == ("seed002", pytest.approx(0.5))  # seed004's mean is 0.5 too: ties by name
+    assert a["seed"] == ("imfeld2024", pytest.approx(0.5))  # verma2024's mean is 0.5 too: ties by name
     assert a["aligned"][1] == pytest.approx(0.2)
     assert a["met"] == {"without refine": True, "with refine": True, "< seeds": True,
                         "< aligned Fisher, RegMean": True}
@@ -241,3 +241,23 @@ def test_targets_are_read_from_pair_means():
     md = "\n".join(targets.section(records, ["a", "b"]))
     assert "| a | 1.500 | 0.450 `symgraph_weights` (0.30) | 0.060 (0.04) |" in md
     assert md.count("\n| ") == 3  # header and two rows
+
+
+def test_former_seed_method_names_are_read_as_the_papers(tmp_path):
+    """Records written before the seed methods were named after their papers (seed002...) load
+    under the new names, and the report's tables say the new names with the renaming noted."""
+    from benchmarks import records, report, targets
+    old = [{"arch": "a", "method": m, "kind": "interpolation", "barrier": b}
+           for m, b in (("vanilla", 1.0), ("seed002", 0.5), ("seed003", 0.4), ("seed003_rescale", 0.45),
+                        ("seed004", 0.6), ("symgraph_weights", 0.3))]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(old))
+    loaded = records.load_records(path)
+    assert [r["method"] for r in loaded] == ["vanilla", "verma2024", "zhang2025", "zhang2025_rescale",
+                                             "imfeld2024", "symgraph_weights"]
+    assert old[1]["method"] == "seed002"  # renamed copies, the input untouched
+    assert set(records.FORMER_NAMES.values()) == set(methods.SEED_METHODS) <= set(methods.METHODS)
+    assert targets.targets(old, ["a"])[0]["seed"] == ("zhang2025", pytest.approx(0.4))
+    table = report._metric_table(loaded, ["a"], list(methods.SEED_METHODS), "barrier")
+    assert "zhang2025" in table and "seed00" not in table
+    assert "formerly `seed002`" in records.RENAME_NOTE

@@ -147,6 +147,7 @@ def test_sketched_similarity_runs_through_the_projection_and_recovers_a_copy(mon
         symgraph.align(A, other, sketch=-3)
 
 
+@pytest.mark.slow  # over 30 s on 2 cores; the default suite keeps a faster test of this path
 def test_cli_sketch_streams_and_is_checked(tmp_path):
     """``symgraph merge --sketch K``: out of core like the exact merge, the option recorded;
     a negative K or a sketch without weight matching is one line, exit 2."""
@@ -167,6 +168,7 @@ def test_cli_sketch_streams_and_is_checked(tmp_path):
         assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # over 30 s on 2 cores; the default suite keeps a faster test of this path
 def test_cli_tol_ends_the_sweeps_sooner_and_is_checked(tmp_path):
     """``symgraph merge --tol X``: the sweep tolerance of ``symgraph.align`` from the command
     line and a config, recorded with the sweeps the alignment ran (fewer than the exact

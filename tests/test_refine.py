@@ -52,6 +52,7 @@ def test_refine_lowers_the_interpolated_loss_and_keeps_b(pair):
     assert al.to_dict()["refined"]["steps"] == 40
 
 
+@pytest.mark.slow  # over 30 s on 2 cores; the default suite keeps a faster test of this path
 def test_refine_starts_from_the_alignment_with_the_lower_midpoint_loss(pair):
     from symgraph.alignment.refine import choose_start
     a, b, data = pair
@@ -99,6 +100,7 @@ def test_refine_refuses_bad_input(pair):
 
 
 # --- the command line ------------------------------------------------------------------------
+@pytest.mark.slow  # over 30 s on 2 cores; the default suite keeps a faster test of this path
 def test_cli_refine_and_no_fold_norms(tmp_path, pair):
     import json
 

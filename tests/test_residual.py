@@ -198,6 +198,7 @@ def test_regmean_statistics_run_on_the_models_own_tensors():
     assert not torch.allclose(avg.get_parameter(w), reg.get_parameter(w), atol=1e-4)
 
 
+@pytest.mark.slow  # over 30 s on 2 cores; the default suite keeps a faster test of this path
 def test_cli_analyze_reports_folds_and_can_keep_permutations():
     import json
 

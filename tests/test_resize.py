@@ -137,6 +137,7 @@ def test_fusion_into_a_width_smaller_than_both_parents():
     assert small.error == pytest.approx(_rel(fused(X), small.model(X).detach()), rel=1e-9)
 
 
+@pytest.mark.slow  # over 30 s on 2 cores; the default suite keeps a faster test of this path
 def test_cli_resize(tmp_path):
     A = randomize_vectors(models.build("llama", 0), 0).eval()
     A.save_pretrained(tmp_path / "ck")

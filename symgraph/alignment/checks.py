@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.elements import Map, Perm, is_perm
+from ..core.groups import GroupKind
 from ..core.finite import all_finite
 from ..errors import InputError, StructureMismatchError
 
@@ -148,7 +149,7 @@ class ElementGroup:
     where known, ``stack`` (the sizes of the classes it is fibred over, the element's leading
     dims); ``dim_a`` / ``stack_a``: the same in model A (a map's rows), where A differs."""
     id: int
-    kind: str
+    kind: GroupKind
     dim: int
     blocks: int
     stack: tuple | None = None

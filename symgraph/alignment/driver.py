@@ -43,8 +43,7 @@ class AlignOptions:
     refine : after solving, optimise the elements for this many steps so that the model
         interpolated at λ ~ U(0.4, 0.6) has low loss on ``data`` (learned matching; see
         :mod:`symgraph.alignment.refine`); ``loss_fn(model, batch)`` gives the loss (default:
-        the model's own, e.g. language-model loss), ``refine_lr`` the Adam step size (1e-3:
-        on the suite's LLaMA pair, 2000 steps at 1e-2 ended at a higher barrier than at 1e-3).
+        the model's own, e.g. language-model loss), ``refine_lr`` the Adam step size (1e-3).
         ``between(θ_A, θ_B′, λ) -> model``: the model between A and B that learned matching
         trains (default: the linear interpolation in A's architecture;
         ``symgraph.merging.circuits.circuit_between(model_a)`` trains in circuit space).
@@ -63,9 +62,9 @@ class AlignOptions:
         e.g. ``["logits"]`` for a model that also returns hidden states); default all.
     similarity : the precision of the weight-matching products: "exact" (permutation classes
         in the weights' own dtype, bfloat16 for a bf16 checkpoint; rotations in float64, or
-        float32 out of core) or "bf16" (every product in bfloat16, about 2x faster for the
-        rotations' products on a CPU with bf16 units; each product's result is rounded to
-        bfloat16, which moves some suite barriers by more than their pair-to-pair spread).
+        float32 out of core) or "bf16" (every product in bfloat16, faster on a CPU with bf16
+        units; each product's result is rounded to bfloat16, so the solution can differ from
+        the exact one; see docs/benchmarks.md).
     sketch : k > 0: permutation classes compare their rows through a shared random
         projection of k columns where a matrix's other axis is wider than 2k (Johnson–
         Lindenstrauss; ``WeightFeatures``); 0 (default) computes the similarity exactly.
@@ -90,8 +89,7 @@ class AlignOptions:
         move in the fifth digit then stop re-solving every class that reads them, and the sweeps
         end. 0 (default) takes every change (sweeps until nothing changes, at most
         ``max_iter``): the objective is flat near its optimum, so any tol also ends the slow
-        convergence of nested classes (query heads within a fused GQA block: 1e-2 off after the
-        sweeps a tol of 1e-4 allows, 1e-8 after 30).
+        convergence of nested classes (query heads within a fused GQA block).
     """
     solver: str | None = None
     inner: str = "procrustes"
@@ -255,7 +253,8 @@ def _solved(ra, rb, model_a, model_b, data, opts) -> Alignment:
     run, n_sweeps = _solve(ra, rb, feats, opts, data, (model_a, model_b))
     return Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                      {"solver": run.solver_seconds, "sweeps": n_sweeps, "deferred": run.deferred},
-                     template=model_a, gauge=gauge(ra.folds, dict(model_a.named_parameters())))
+                     template=model_a, gauge=gauge(ra.folds, dict(model_a.named_parameters())),
+                     shared=run.shared)
 
 
 def _full_groups(al, model_a, model_b, opts, rounds: int = 16, tol: float = 1e-10) -> dict:
@@ -388,7 +387,8 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
                                        block_scale=opts.block_scale, head_cost=opts.head_cost)
     run, n_sweeps = _solve(ra, rb, feats, opts, data, models, fetch, stats_budget)
     al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
-                   {"solver": run.solver_seconds, "sweeps": n_sweeps, "deferred": run.deferred}, gauge=gauge_a)
+                   {"solver": run.solver_seconds, "sweeps": n_sweeps, "deferred": run.deferred}, gauge=gauge_a,
+                   shared=run.shared)
     al.options = _report_options(opts, ra)
     al.seconds["total"] = time.perf_counter() - t0
     return al

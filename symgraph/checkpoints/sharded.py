@@ -67,7 +67,7 @@ class Checkpoint:
         self.params = check_tensors(self.model, layout, path)
         self.key_of = {n: next(a for a in names if a in self.shapes) for n, names in self.params.items()}
         self.param_of = {a: n for n, names in self.params.items() for a in names}
-        self._computed = None  # buffers the constructor computes (fetch builds them once)
+        self._computed: dict[str, torch.Tensor] | None = None  # buffers the constructor computes (fetch builds them once)
 
     # --- reading -------------------------------------------------------------------------
 
@@ -134,11 +134,12 @@ def computed_buffers(cls, config) -> dict:
         if param is not None and not param.is_meta:
             param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
-    torch.nn.Module.register_parameter = on_meta
+    # a deliberate monkeypatch for the length of the constructor call, restored below
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]  # scoped patch
     try:
         model = cls(config)
     finally:
-        torch.nn.Module.register_parameter = register
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]  # restore
     return {n: b for n, b in model.named_buffers(remove_duplicate=False) if not b.is_meta}
 
 

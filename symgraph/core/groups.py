@@ -14,16 +14,21 @@ to a listed subgroup (e.g. ``rope ∧ perm`` → identity), which is always soun
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
 import torch
 
-__all__ = ['KINDS', 'PERMUTATION_FAMILY', 'meet', 'ones_basis', 'orthogonal_part', 'pair_rotations', 'sample']
+__all__ = ['GroupKind', 'KINDS', 'PERMUTATION_FAMILY', 'meet', 'ones_basis', 'orthogonal_part', 'pair_rotations', 'sample']
 
-KINDS = ("identity", "perm", "signed_perm", "scaled_perm", "rope", "orthogonal_mean",
-         "orthogonal", "gl")
+#: The kind of a symmetry group (:attr:`symgraph.report.symmetry.Group.kind`): one of the
+#: lattice above. Annotating with it lets mypy catch a misspelt kind where one is passed.
+GroupKind = Literal["identity", "perm", "signed_perm", "scaled_perm", "rope", "orthogonal_mean",
+                    "orthogonal", "gl"]
+#: Every :data:`GroupKind`, smallest group first.
+KINDS: tuple[GroupKind, ...] = get_args(GroupKind)
 
 # For each kind, the set of kinds it contains (itself included).
-_SUBGROUPS = {
+_SUBGROUPS: dict[GroupKind, set[GroupKind]] = {
     "identity": {"identity"},
     "perm": {"perm", "identity"},
     "signed_perm": {"signed_perm", "perm", "identity"},
@@ -34,12 +39,12 @@ _SUBGROUPS = {
     "gl": set(KINDS),
 }
 # Largest first, so the first common subgroup found is the meet.
-_ORDER = ("gl", "orthogonal", "orthogonal_mean", "scaled_perm", "signed_perm", "rope", "perm", "identity")
+_ORDER: tuple[GroupKind, ...] = ("gl", "orthogonal", "orthogonal_mean", "scaled_perm", "signed_perm", "rope", "perm", "identity")
 
-PERMUTATION_FAMILY = ("perm", "signed_perm", "scaled_perm")
+PERMUTATION_FAMILY: tuple[GroupKind, ...] = ("perm", "signed_perm", "scaled_perm")
 
 
-def meet(a: str, b: str) -> str:
+def meet(a: GroupKind, b: GroupKind) -> GroupKind:
     """Largest listed subgroup of both ``a`` and ``b``.
 
     >>> meet("gl", "perm"), meet("orthogonal", "scaled_perm"), meet("rope", "perm")
@@ -52,9 +57,10 @@ def meet(a: str, b: str) -> str:
     return "identity"  # pragma: no cover
 
 
-def orthogonal_part(kind: str) -> str:
+def orthogonal_part(kind: GroupKind) -> GroupKind:
     """The part of ``kind`` that solvers and ``orthogonal=True`` sampling use."""
-    return {"gl": "orthogonal", "scaled_perm": "perm"}.get(kind, kind)
+    part: dict[GroupKind, GroupKind] = {"gl": "orthogonal", "scaled_perm": "perm"}
+    return part.get(kind, kind)
 
 
 def _haar(n: int, gen: torch.Generator, batch=()) -> torch.Tensor:
@@ -105,7 +111,7 @@ def _perm_matrices(n: int, gen: torch.Generator, batch=()) -> torch.Tensor:
     return mats.reshape(*batch, n, n)
 
 
-def sample(kind: str, n: int, gen: torch.Generator, batch=(), pairs=None) -> torch.Tensor:
+def sample(kind: GroupKind, n: int, gen: torch.Generator, batch=(), pairs=None) -> torch.Tensor:
     """Draw ``prod(batch)`` independent elements of ``kind`` acting on ``R^n``.
 
     Returns a float64 tensor of shape ``batch + (n, n)``; element ``g`` acts on a vector ``x``

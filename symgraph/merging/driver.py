@@ -38,7 +38,7 @@ class MergeResult:
     ``|σ_merged/σ_target − 1|`` before and after), else None. ``universe``: with
     ``anchor="universe"`` what the rounds did (``rounds``, per round ``changed`` elements,
     ``converged``, ...; see :func:`~symgraph.merging.universe.align_universe`), else None."""
-    model: object
+    model: torch.nn.Module
     alignments: list
     timings: dict = field(default_factory=dict)
     repair: RepairReport | None = None

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..errors import InputError, NeedsMemory, StructureMismatchError
@@ -17,6 +18,9 @@ from ..checkpoints.sharded import KeysDiffer
 from .config import MergeConfig, to_yaml
 from .methods.registry import MergeMethod, get as get_method
 from .streaming import DEFAULT_SHARD as _DEFAULT_SHARD, Checkpoint, StreamingMerge
+
+if TYPE_CHECKING:
+    from .driver import MergeResult
 
 __all__ = ["run_merge", "merge_checkpoints", "MergeOutcome", "MIN_USEFUL_ROWS"]
 
@@ -33,7 +37,7 @@ class MergeOutcome:
     mode: str
     n_models: int
     meta: dict = field(default_factory=dict)
-    job: object = None
+    job: StreamingMerge | MergeResult | None = None
 
     def summary(self, cfg: MergeConfig) -> str:
         how = (f"{cfg.method}, align={cfg.align}" + (", repair" if cfg.repair else "")
@@ -58,6 +62,8 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
     ``anchor`` and ``streaming_options`` (``max_shard_size``, ``cache_bytes``) reach the
     out-of-core job."""
     from ..checkpoints.outdir import check_out
+    if not cfg.out:
+        raise InputError("merge needs an output directory; expected --out DIR (or 'out:' in the config)")
     inputs = list(cfg.models) + ([cfg.data] if cfg.data else [])
     out = check_out(cfg.out, force=cfg.force, inputs=inputs)  # before any work
     check_paths(cfg.models)
@@ -127,13 +133,14 @@ def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None)
         print(f"symgraph: note: the models are loaded in memory for this merge: {why}", file=sys.stderr)
     if data and cfg.device != "cpu":
         data = [{k: v.to(cfg.device) if hasattr(v, "to") else v for k, v in b.items()} for b in data]
+    full: dict[str, Any] = {"full_groups": True} if cfg.full_groups else {}
     t0 = time.time()
     try:
         result = merge(models, weights=cfg.weights, align=None if cfg.align == "none" else cfg.align,
                        data=data, method=cfg.method, repair=cfg.repair, progress=progress,
                        refine=cfg.refine, fold_norms=cfg.fold_norms, outputs=cfg.outputs, anchor=anchor,
                        attention=cfg.attention, untie=cfg.untie,
-                       **({"full_groups": True} if cfg.full_groups else {}),
+                       **full,
                        **_speed_options(cfg),
                        **({"rows": _seen_rows(models[0], data)} if cfg.seen_rows else {}))
     except (StructureMismatchError, InputError) as e:
@@ -361,8 +368,8 @@ def check_compatible(configs, names):
 def _config_diff(models, names) -> str:
     """``" (configs differ: num_hidden_layers 2 vs 3, ...)"`` or ``""``."""
     skip = _METADATA
-    cfgs = [getattr(m, "config", None) for m in models]
-    if any(c is None for c in cfgs):
+    cfgs = [c for c in (getattr(m, "config", None) for m in models) if c is not None]
+    if len(cfgs) != len(models):
         return ""
     base = cfgs[0].to_dict()
     diffs = []
@@ -377,7 +384,7 @@ def _config_diff(models, names) -> str:
 def _card_summary(meta) -> str:
     lines = [f"symgraph {meta['symgraph_version']}, weights in {meta['dtype']}, {meta['seconds']:.1f} s."]
     for al in meta["alignments"]:
-        by = {}
+        by: dict[str, int] = {}
         for g in al["groups"]:
             by[g["status"]] = by.get(g["status"], 0) + 1
         stats = ", ".join(f"{n} {s}" for s, n in sorted(by.items()))
@@ -415,5 +422,7 @@ def merge_checkpoints(paths, out: str, *, weights=None, align="weights", anchor:
     cfg = MergeConfig(models=[str(p) for p in paths], out=str(out), weights=weights,
                       align="none" if align is None else align, force=force, fold_norms=fold_norms,
                       outputs=outputs)
-    return run_merge(cfg, streaming=True, data=data, anchor=anchor, progress=progress,
-                     max_shard_size=max_shard_size, **options).job
+    job = run_merge(cfg, streaming=True, data=data, anchor=anchor, progress=progress,
+                    max_shard_size=max_shard_size, **options).job
+    assert isinstance(job, StreamingMerge)  # streaming=True runs out of core or raises
+    return job

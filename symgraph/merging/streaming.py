@@ -37,6 +37,8 @@ import shutil
 import sys
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -50,6 +52,9 @@ from .methods import registry
 from .methods.registry import mixing_weights
 from .statistics import Spill
 from .views import DEFAULT_CACHE, Folded, Ledger, elements_on, nbytes, return_freed_memory
+
+if TYPE_CHECKING:
+    from ..report.symmetry import SymmetryReport
 
 __all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "parse_size", "DEFAULT_SHARD", "budgets"]
 
@@ -127,7 +132,9 @@ class StreamingMerge:
             for c in self.ckpts:                    # meta) runs in the work dtype, tensors cast up to it
                 c.model = c.model.to(self.work_dtype)
         self.alignments: list = [None] * len(paths)
-        self.report = self.graph_report = None  # the anchor's (None: not aligned); the graph statistics run
+        # the anchor's report (None: not aligned) and the graph the method's statistics run on
+        self.report: SymmetryReport | None = None
+        self.graph_report: SymmetryReport | None = None  # the anchor's (None: not aligned); the graph statistics run
         self.timings: dict = {}
 
     def _check_family(self):
@@ -207,7 +214,8 @@ class StreamingMerge:
         t0 = time.perf_counter()
         A = self.ckpts[self.anchor]
         unit = groups(self.report.folds) if self.report is not None else {}
-        order, seen = [], set()  # (anchor keys, (names merged for them, split) or None: the anchor's)
+        order: list[tuple] = []  # (anchor keys, (names merged for them, split) or None: the anchor's)
+        seen: set[str] = set()
         for key in A.keys:
             if key in seen:
                 continue
@@ -243,8 +251,12 @@ class StreamingMerge:
     def _averaged(self, buffer) -> bool:
         """A floating-point buffer some class moves (or any one, without alignment)."""
         dtype = self.ckpts[self.anchor].dtypes[buffer]
-        return (dtype is not None and dtype.is_floating_point
-                and (self.align_mode is None or buffer in self.report.buffers))
+        if dtype is None or not dtype.is_floating_point:
+            return False
+        if self.align_mode is None:
+            return True
+        assert self.report is not None  # aligned: write() runs align() first
+        return buffer in self.report.buffers
 
     def _keys(self, name) -> list:
         """The anchor checkpoint's keys holding parameter (or buffer) ``name``."""
@@ -292,7 +304,8 @@ class StreamingMerge:
         """``{name: dim}`` of the tensors of ``names`` with a dim of the anchor's axis class
         ``key``, when the group can be computed in slices along it (see :meth:`_split`)."""
         A, R = self.ckpts[self.anchor], self.report
-        dims = {}
+        assert R is not None  # _split asks only with a report
+        dims: dict[str, int] = {}
         for n in names:
             hits = [d for d, a in enumerate(R.param_axes(n)) if R.axis_key(a) == key]
             if len(hits) > 1:
@@ -348,7 +361,8 @@ class StreamingMerge:
         A, parts, dev = self.ckpts[self.anchor], parts or {}, self.device
         # inputs are checked finite through the result (NaN and inf survive averaging and
         # maps); only a non-finite result makes us look for the input that caused it
-        dtypes, ints, gains, values, held = {}, {}, {}, [None] * len(self.ckpts), 0
+        dtypes, ints, gains, held = {}, {}, {}, 0
+        values: list[dict[str, torch.Tensor] | None] = [None] * len(self.ckpts)
         for i in [self.anchor] + [i for i in range(len(self.ckpts)) if i != self.anchor]:
             c, al = self.ckpts[i], self.alignments[i]
             vals = {}
@@ -364,9 +378,9 @@ class StreamingMerge:
                         gains[n] = vals[n]  # the gauge B's gains are unfolded into
             if al is not None:
                 vals = vals | move(al.report_b, self._elements(i), vals, gains, dtype=self.work_dtype)
-            values[i] = {n: v.to(self.work_dtype) for n, v in vals.items()}
-            held += sum(nbytes(v) for v in values[i].values())
-            self.ledger.hold(sum(nbytes(v) for v in values[i].values()))
+            values[i] = own = {n: v.to(self.work_dtype) for n, v in vals.items()}
+            held += sum(nbytes(v) for v in own.values())
+            self.ledger.hold(sum(nbytes(v) for v in own.values()))
         full = {n: A.shapes[A.key(n)] for n in parts}
         stats = [None if st is None else _Sliced(st, parts, full, self.ledger) for st in self.stats]
         floats = [n for n in names if n not in ints]

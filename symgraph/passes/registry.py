@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+
+from ..core.groups import GroupKind
 from .nodes import packet as _packet
 
 __all__ = ['Unify', 'Meet', 'Structure', 'NoFiber', 'Rope', 'Label', 'register', 'observed', 'lookup', 'has_rule', 'RuleContext', 'broadcast', 'dim']
@@ -31,7 +33,7 @@ class Unify:
 class Meet:
     """Narrow the group of ``axis``'s class to (its meet with) ``kind``; ``reason`` says why."""
     axis: int
-    kind: str
+    kind: GroupKind
     reason: str
 
 

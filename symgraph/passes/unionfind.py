@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from ..core.groups import meet
+from ..core.groups import GroupKind, meet
 from .rules.views import refine
 
 __all__ = ['AxisUnionFind']
@@ -21,7 +21,7 @@ class AxisUnionFind:
         self.parent: list[int] = []
         self.parity: list[int] = []
         self.size: list[int] = []
-        self.kind: dict[int, str] = {}
+        self.kind: dict[int, GroupKind] = {}
         self.reasons: dict[int, list] = {}
         self.struct: dict[int, tuple] = {}
         self.pairs: dict[int, tuple] = {}
@@ -49,9 +49,9 @@ class AxisUnionFind:
         return root, (self.parity[path[0]] if path else 0)
 
     # --- constraints ---------------------------------------------------------------------
-    def meet(self, a: int, kind: str, reason: str | None = None):
+    def meet(self, a: int, kind: GroupKind, reason: str | None = None):
         r, _ = self.find(a)
-        old = self.kind.get(r, "gl")
+        old: GroupKind = self.kind.get(r, "gl")
         new = meet(old, kind)
         if new != old:
             self.kind[r] = new

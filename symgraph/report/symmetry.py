@@ -12,7 +12,7 @@ import torch
 
 from ..transform import folding
 from ..core.elements import Blocks, Perm, is_perm
-from ..core.groups import orthogonal_part, sample
+from ..core.groups import GroupKind, orthogonal_part, sample
 from ..passes.axes import attention_sites, axis_matrix, input_rows, axis_tree, resized_shapes, leaf_views, linear_layers, leaves_with_parity, observation_points, other_leaf_elements, stored_slots
 from ..passes.patterns.stacked import unview_of, view_of
 
@@ -25,7 +25,8 @@ from .certify import FLOAT32_TOL  # noqa: E402 - re-exported
 class Group:
     """One symmetry group of the model: a class of axes that transform together.
 
-    ``size`` is the number of coordinates it acts on (``blocks × dim``); ``blocks`` > 1 for a
+    ``kind``: where the class sits in the group lattice (a :data:`~symgraph.core.groups.GroupKind`:
+    ``"perm"``, ``"orthogonal"``, ``"gl"``, ``"rope"``, ...). ``size`` is the number of coordinates it acts on (``blocks × dim``); ``blocks`` > 1 for a
     head-structured class whose element is chosen independently per head (``outer`` lists the
     head groups it is fibred over); ``params`` lists ``(param_name, dim)`` slots and
     ``variance`` whether each takes ``g`` ("co") or ``g^{-T}`` ("contra"). ``buffers`` lists
@@ -34,7 +35,7 @@ class Group:
     ``why``: the rule that narrowed the class to its kind (None for ``gl``).
     """
     id: int
-    kind: str
+    kind: GroupKind
     size: int
     dim: int
     blocks: int
