@@ -5,8 +5,8 @@
 - concatenated per-pair forms that keep x's layout (``cat([x₁c - x₂s, x₂c + x₁s])`` on the
   halves): pairs ``(i, i + d/2)``;
 - DeepSeek-V3's ``rope_interleave`` (``cat`` of the even/odd slices' rotations) moves pair
-  ``p`` from ``(2p, 2p+1)`` to ``(p, p + d/2)``: left to the rules, so its pairs stay fixed
-  (sound; see :func:`symgraph.passes.patterns.rope_forms.linear_ropes`);
+  ``p`` from ``(2p, 2p+1)`` to ``(p, p + d/2)``; query and key alike, so attention's scores
+  undo the move: pairs ``(2i, 2i+1)`` as stored (:mod:`symgraph.passes.patterns.rope_twist`);
 - scaled tables (YaRN's attention factor, llama3, longrope, linear): the same classes as
   plain RoPE.
 
@@ -180,14 +180,22 @@ def test_concatenated_halves_rotation_pairs_i_with_i_plus_half():
     assert rep.certify(A, _ids(0)) <= TOL
 
 
-def test_deepseek_interleave_moves_the_layout_so_its_pairs_stay_fixed():
+def test_deepseek_interleave_pairs_neighbours_as_stored():
     """``cat([x[0::2]·cos - x[1::2]·sin, x[1::2]·cos + x[0::2]·sin])``: output pair ``(p, p+d/2)``
-    is input pair ``(2p, 2p+1)``; one class cannot carry both layouts, so the rotary rows claim
-    nothing (the strided slices fix them) and what is claimed is certified."""
+    is input pair ``(2p, 2p+1)``; the query and the key move alike and meet only in attention's
+    scores, which undo the move: a rope class on the stored pairs, per key head."""
     A = TinyDecoder("deepseek").eval()
     rep = symgraph.analyze(A, inputs=(_ids(0),))
-    assert not [g for g in rep.groups if g.kind == "rope"]
+    rope = _tiny_rope_group(rep, A.cfg, "blocks.0.")
+    assert rope.pairs == ((0, 1), (2, 3), (4, 5), (6, 7))
     assert rep.certify(A, _ids(0)) <= TOL
+
+
+@pytest.mark.slow
+def test_deepseek_interleave_recovered_by_weights_and_activations():
+    A = TinyDecoder("deepseek").eval()
+    rep = symgraph.analyze(A, inputs=(_ids(0),))
+    _recovers(A, rep, _ids(0), [(_ids(i, (4, 12)),) for i in range(3)])
 
 
 # --- Hugging Face families ----------------------------------------------------------------------

@@ -16,12 +16,11 @@ import torch
 
 from ..errors import UnsupportedOpError
 from . import labels, registry
-from .patterns import stacked
+from .patterns import rope as _rope, stacked
 from .nodes import FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path, output_nodes, packet as _packet, source_line, tensor_axes
 from .registry import Label, Meet, NoFiber, Rope, RuleContext, Structure, Unify
 from .patterns.norms import find_norms
 from .patterns.packed import find_packed
-from .patterns.rope import find_rope
 from .unionfind import AxisUnionFind
 
 __all__ = ['AxisAnalysis', 'FrozenOp', 'analyze_graph']
@@ -122,9 +121,10 @@ class AxisAnalysis:
         for node in self.graph.nodes:
             self._classify(node)
         self._tie()
-        claimed, cons = find_rope(self.graph, self.origin_of, self.axes_of, self.shape_of)
+        claimed, cons, permuted = _rope.find_rope(self.graph, self.origin_of, self.axes_of, self.shape_of)
         self._apply(cons, None)
         normed, cons, self.folds, self.unobservable = find_norms(self, self.fold_norms, self.skip_folds)
+        self.unobservable = set(self.unobservable) | permuted
         self._apply(cons, None)
         packed, cons = find_packed(self)
         self._apply(cons, None)

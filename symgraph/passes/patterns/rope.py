@@ -286,7 +286,9 @@ def _split_mul(node, origin):
 
 
 def find_rope(graph, origin, axes_of, shape_of):
-    """Return ``(claimed_nodes, constraints)`` for every RoPE application in ``graph``:
+    """Return ``(claimed_nodes, constraints, unobservable nodes)`` for every RoPE application
+    in ``graph`` (unobservable: where a rotation's output holds its class's coordinates
+    permuted, :mod:`.rope_twist`):
     ``x ⊙ cos + R(x) ⊙ sin`` (rotate_half, interleaved), complex multiplication
     (:func:`~.rope_forms.complex_ropes`) and concatenated per-pair linear forms
     (:func:`~.rope_forms.linear_ropes`)."""
@@ -330,9 +332,10 @@ def find_rope(graph, origin, axes_of, shape_of):
             claimed |= pattern
             cons += new
             break
+    unobservable: set = set()
     for found in (complex_ropes(graph, origin, axes_of, shape_of, claimed),
-                  linear_ropes(graph, origin, axes_of, shape_of, claimed, ids)):
+                  linear_ropes(graph, origin, axes_of, shape_of, claimed, ids, unobservable)):
         for pattern, new in found:
             claimed |= pattern
             cons += new
-    return claimed, cons
+    return claimed, cons, unobservable

@@ -10,6 +10,7 @@ import torch
 
 from ..registry import Meet, Rope, Unify
 from ..nodes import ndim, op_of
+from .rope_twist import cancelling
 
 __all__ = ["complex_ropes", "linear_ropes", "value_source"]
 
@@ -343,19 +344,21 @@ def _pair_blocks(forms, n):
     return sorted(blocks)
 
 
-def linear_ropes(graph, origin, axes_of, shape_of, claimed, ids):
+def linear_ropes(graph, origin, axes_of, shape_of, claimed, ids, unobservable):
     """A concatenation along the last axis whose every coordinate pair is a scaled rotation
     ``[[α, -β], [β, α]]`` of the same pair of ``x``'s coordinates (``α``, ``β`` constants equal
     by construction): such a block commutes with every rotation and scaling of its pair, so
-    the output is x's class with rope pairs. Only where the output keeps x's layout: DeepSeek-V3's
-    ``rope_interleave`` (``cat([x[0::2]·cos - x[1::2]·sin, x[1::2]·cos + x[0::2]·sin])``) moves
-    pair ``p`` from ``(2p, 2p+1)`` to ``(p, p + d/2)``; one class cannot hold two layouts, and
-    the output and x as products (pair index × pair, in two orders; each pair's rotation fibred
-    over the pair index) are sound but beyond what the aligners solve (classes fibred over two
-    classes), so that form is left to the rules (its pairs stay fixed)."""
+    the output is x's class with rope pairs. Where the output leaves x's layout (DeepSeek-V3's
+    ``rope_interleave``, ``cat([x[0::2]·cos - x[1::2]·sin, x[1::2]·cos + x[0::2]·sin])`` moves
+    pair ``p`` from ``(2p, 2p+1)`` to ``(p, p + d/2)``), the same holds only where attention
+    undoes the permutation (:func:`~.rope_twist.cancelling`), whose nodes join ``unobservable``
+    (activations there hold the class's coordinates permuted); elsewhere it is left to the
+    rules (its pairs stay fixed)."""
+    twisted: dict = {}  # outputs in another layout than x's: kept where attention undoes it
+    held: set = set()
     for node in reversed(list(graph.nodes)):
-        if node.op != "call_function" or node in claimed or op_of(node) != aten.cat \
-                or origin(node) == "const" or not _floating(node):
+        if node.op != "call_function" or node in claimed or node in held \
+                or op_of(node) != aten.cat or origin(node) == "const" or not _floating(node):
             continue
         x = _source(node, origin)
         if x is None or not _floating(x) or shape_of(x) is None or len(shape_of(x)) == 0:
@@ -366,10 +369,19 @@ def linear_ropes(graph, origin, axes_of, shape_of, claimed, ids):
         if forms is None or forms.ndim != 1 or n % 2:
             continue
         blocks = _pair_blocks(list(forms), n)
-        if blocks is None or form.nodes & claimed or escapes(form.nodes, node) \
-                or not all(pr == o for pr, o in blocks):
+        if blocks is None or form.nodes & (claimed | held) or escapes(form.nodes, node):
             continue
         xa, oa = axes_of(x), axes_of(node)
         new = _outer_axes(x, node, form.consts, axes_of, shape_of)
         new += [Unify(oa[-1], xa[-1]), Rope(xa[-1], tuple(pr for pr, _ in blocks))]
-        yield form.nodes | {node}, new
+        if all(pr == o for pr, o in blocks):
+            yield form.nodes | {node}, new
+            continue
+        perm = [0] * n  # x's coordinate i is the output's perm[i]
+        for (a, b), (o, p) in blocks:
+            perm[a], perm[b] = o, p
+        twisted[node] = (form.nodes | {node}, new, tuple(perm))
+        held |= form.nodes | {node}
+    for node, region in cancelling([(nd, t[2]) for nd, t in twisted.items()]).items():
+        unobservable |= region
+        yield twisted[node][0], twisted[node][1]
