@@ -14,6 +14,11 @@ import torch
 
 import dist_align_worker
 
+# Two torchrun processes (about 15-25 s): slow. Once, in a full CI run (xdist, 2 workers, under
+# load), rank 0 aborted ("terminate called without an active exception") and the fixture failed;
+# not reproduced alone or beside test_distributed/test_engine. To be found before it runs by default.
+pytestmark = pytest.mark.slow
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
