@@ -5,40 +5,19 @@ batches, and are the same on both ranks. The helpers' key-union, dtype and refus
 behaviour is checked in the same run (tests/dist_worker.py)."""
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import dist_worker
+from dist_helpers import two_ranks
 from symgraph.core import distributed
 from symgraph.alignment.activations import ActStats, all_reduce_stats
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """What each of the two processes wrote: ``[rank 0's, rank 1's]``."""
-    out = tmp_path_factory.mktemp("dist")
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-               [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-           os.path.join(HERE, "dist_worker.py"), str(out)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return [torch.load(out / f"rank{i}.pt", weights_only=False) for i in (0, 1)]
+    return two_ranks("dist_worker.py", tmp_path_factory.mktemp("dist"))
 
 
 def _same(x, y, rtol):

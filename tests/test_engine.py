@@ -144,3 +144,19 @@ def test_a_merge_that_loads_the_models_says_why(pair, tmp_path, capsys):
     assert run_merge(cfg, progress=False).mode == "in-memory"
     err = capsys.readouterr().err
     assert "note: the models are loaded in memory for this merge: circuit-space heads and untied" in err
+
+
+def test_the_spill_deletes_only_what_it_wrote(tmp_path):
+    """Statistics spilled beside the output are removed with their directory, but a file that
+    something else put there stays (and so does the directory)."""
+    from symgraph.merging.statistics import Spill
+    spill = Spill(str(tmp_path))
+    spill.put({"g": torch.ones(3)})
+    assert torch.equal(spill.get("g"), torch.ones(3))
+    (tmp_path / os.path.basename(spill.dir) / "theirs.txt").write_text("keep")
+    spill.close()
+    assert [p.name for p in (tmp_path / os.path.basename(spill.dir)).iterdir()] == ["theirs.txt"]
+    other = Spill(str(tmp_path))
+    other.put({"g": torch.ones(1)})
+    other.close()
+    assert not os.path.exists(other.dir)

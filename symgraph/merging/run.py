@@ -172,12 +172,13 @@ def _streaming_job(cfg, layouts, data, anchor, progress, options):
     except KeysDiffer:
         return None
     check_compatible([c.config for c in ckpts], cfg.models)
-    if (cfg.align == "activations" or cfg.seen_rows or get_method(cfg.method).needs_data) and data is None:
+    stats = get_method(cfg.method).needs_data  # the method takes statistics on the data
+    if (cfg.align == "activations" or cfg.seen_rows or stats) and data is None:
         data = _data(cfg, ckpts[0].model)
     if cfg.seen_rows:
         options = {**options, "rows_from": data}
     try:
-        needs = cfg.align == "activations" or get_method(cfg.method).needs_data
+        needs = cfg.align == "activations" or stats
         return StreamingMerge(ckpts, weights=cfg.weights, align=cfg.align, method=cfg.method,
                               data=data if needs else None, anchor=anchor, device=cfg.device,
                               memory_budget=cfg.memory_budget, fold_norms=cfg.fold_norms, outputs=cfg.outputs,

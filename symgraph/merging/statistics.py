@@ -19,15 +19,17 @@ output's, read back one tensor at a time by the combine step.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from collections.abc import Mapping
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ..alignment.checks import batch_inputs, by_shape
 from ..alignment.graphrun import Stepper, flatten_for, meta_constants, on_device
 from ..core import distributed
+from ..core.files import file_id, identity, remove_own
 from ..errors import NeedsMemory
 from .views import Aligned, nbytes
 
@@ -38,22 +40,24 @@ class Spill:
     """Tensors written to safetensors files in a temporary directory under ``parent`` (beside
     the output's temporary directory; removed by :meth:`close`), read back one at a time."""
 
+    PREFIX = ".symgraph-tmp-stats-"
+
     def __init__(self, parent: str | None = None):
-        self.dir = tempfile.mkdtemp(prefix=".symgraph-tmp-stats-", dir=parent)
+        self.dir = tempfile.mkdtemp(prefix=self.PREFIX, dir=parent)
+        self._made = identity(self.dir)
+        self._files: dict = {}  # the files written here -> their identity: all close() deletes
         self.where: dict = {}
-        self._n = 0
 
     def put(self, tensors: dict):
-        from safetensors.torch import save_file
         if not tensors:
             return
-        path = os.path.join(self.dir, f"part-{self._n:05d}.safetensors")
-        self._n += 1
+        name = f"part-{len(self._files):05d}.safetensors"
+        path = os.path.join(self.dir, name)
         save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, path)
+        self._files[name] = file_id(os.lstat(path))
         self.where.update((k, path) for k in tensors)
 
     def get(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
         with safe_open(self.where[key], framework="pt", device="cpu") as h:
             return h.get_tensor(key)
 
@@ -61,7 +65,8 @@ class Spill:
         return key in self.where
 
     def close(self):
-        shutil.rmtree(self.dir, ignore_errors=True)
+        """Delete the files written here and the directory, if they are still the ones made."""
+        remove_own(self.dir, self._made, self.PREFIX, only=self._files)
 
 
 class Stored(Mapping):

@@ -120,6 +120,7 @@ class StreamingMerge:
         self.cache_bytes, self.chunk_bytes, self.stats_bytes = budgets(memory_budget, len(paths), cache_bytes)
         self.ledger = Ledger()  # the bytes of tensors the engine holds (its peak is what the budget bounds)
         self.stats: list = [None] * len(paths)
+        self._device_elements: dict = {}  # alignment index -> its elements moved to the device once
         self.align_options = align_options
         self.rows_from = list(rows_from) if rows_from is not None else None  # batches: read only their tokens' rows
         return_freed_memory()
@@ -406,10 +407,9 @@ class StreamingMerge:
         """Alignment ``i``'s elements on the device (moved there once)."""
         if self.device.type == "cpu":
             return self.alignments[i].elements
-        cache = self.__dict__.setdefault("_device_elements", {})
-        if i not in cache:
-            cache[i] = elements_on(self.alignments[i].elements, self.device)
-        return cache[i]
+        if i not in self._device_elements:
+            self._device_elements[i] = elements_on(self.alignments[i].elements, self.device)
+        return self._device_elements[i]
 
 
 class _Sliced(Mapping):
