@@ -32,11 +32,11 @@ fitting, which load the models (:func:`symgraph.merge`, saying so).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
 import time
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,7 +51,7 @@ from ..checkpoints.sharded import Checkpoint, KeysDiffer, ShardWriter, parse_siz
 from .methods import registry
 from .methods.registry import mixing_weights
 from .statistics import Spill
-from .views import DEFAULT_CACHE, Folded, Ledger, elements_on, nbytes, return_freed_memory
+from .views import DEFAULT_CACHE, Folded, Ledger, Sliced, elements_on, nbytes, return_freed_memory
 
 if TYPE_CHECKING:
     from ..report.symmetry import SymmetryReport
@@ -137,6 +137,13 @@ class StreamingMerge:
         self.report: SymmetryReport | None = None
         self.graph_report: SymmetryReport | None = None  # the anchor's (None: not aligned); the graph statistics run
         self.timings: dict = {}
+        # what a transform of the plan changes (REPAIR, circuit-space heads, untying): the
+        # combine of a group, the shapes written, corrections of merged tensors, the config
+        self.combine = self.how.combine_group  # (names, values, stats, weights, report) -> merged
+        self.out_shapes: dict = {}      # anchor key -> the shape written (default: the anchor's)
+        self.corrections: dict = {}     # parameter name -> f(merged tensor in its dtype) -> corrected
+        self.config_updates: dict = {}  # config.json fields the merge changes
+        self.prepare: list = []         # f(job), run after the statistics and before writing
 
     def _check_family(self):
         A = self.ckpts[self.anchor]
@@ -206,6 +213,8 @@ class StreamingMerge:
             if self.spill is not None:
                 self.stats = [self.how.streamed_statistics(self, i) for i in range(len(self.ckpts))]
                 self.timings["statistics"] = time.perf_counter() - t0
+            for step in self.prepare:
+                step(self)
             return self._write(directory)
         finally:
             if self.spill is not None:
@@ -231,7 +240,7 @@ class StreamingMerge:
             order.append((keys, None if names is None else (names, split)))
             seen.update(keys)
         writer = ShardWriter(directory, self.shard_bytes,
-                              [(k, A.shapes[k], A.dtypes[k]) for keys, _ in order for k in keys])
+                              [(k, self.out_shapes.get(k, A.shapes[k]), A.dtypes[k]) for keys, _ in order for k in keys])
         with tqdm(total=len(A.keys), desc="writing", unit="tensor", file=sys.stderr, leave=False,
                   disable=not self.progress) as bar:
             for keys, job in order:
@@ -241,13 +250,27 @@ class StreamingMerge:
                         writer.add(k, v)
                 bar.update(len(keys))
         info = writer.close()
-        shutil.copy2(os.path.join(A.path, "config.json"), os.path.join(directory, "config.json"))
+        self._write_config(directory)
         for fn in EXTRA_FILES:
             src = os.path.join(A.path, fn)
             if os.path.isfile(src):
                 shutil.copy2(src, os.path.join(directory, fn))
         self.timings["write"] = time.perf_counter() - t0
         return info
+
+    def _write_config(self, directory: str):
+        """The anchor's ``config.json``, with the fields the merge changes
+        (:attr:`config_updates`)."""
+        src, dst = os.path.join(self.ckpts[self.anchor].path, "config.json"), os.path.join(directory, "config.json")
+        if not self.config_updates:
+            shutil.copy2(src, dst)
+            return
+        with open(src, encoding="utf-8") as f:
+            config = json.load(f)
+        config.update(self.config_updates)
+        with open(dst, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
 
     def _averaged(self, buffer) -> bool:
         """A floating-point buffer some class moves (or any one, without alignment)."""
@@ -281,6 +304,8 @@ class StreamingMerge:
         A, R = self.ckpts[self.anchor], self.report
         if R is not None and any(n in R.stacked for n in names):
             return None  # the report's axes are of the viewed (experts × hidden) layout
+        if any(n in self.corrections or A.key(n) in self.out_shapes for n in names):
+            return None  # a transform's tensors are computed whole
         item = torch.empty((), dtype=self.work_dtype).element_size()
         shapes = {n: A.shapes[A.key(n)] for n in names}
         numel = {n: int(np.prod(shapes[n], dtype=np.int64)) for n in names}
@@ -383,9 +408,9 @@ class StreamingMerge:
             held += sum(nbytes(v) for v in own.values())
             self.ledger.hold(sum(nbytes(v) for v in own.values()))
         full = {n: A.shapes[A.key(n)] for n in parts}
-        stats = [None if st is None else _Sliced(st, parts, full, self.ledger) for st in self.stats]
+        stats = [None if st is None else Sliced(st, parts, full, self.ledger) for st in self.stats]
         floats = [n for n in names if n not in ints]
-        merged = self.how.combine_group(floats, values, stats, self.weights.tolist(), self.graph_report)
+        merged = self.combine(floats, values, stats, self.weights.tolist(), self.graph_report)
         self.ledger.hold(sum(nbytes(v) for v in merged.values()))
         self.ledger.drop(held + sum(nbytes(v) for v in merged.values()) + sum(st.read for st in stats if st))
         del values
@@ -395,6 +420,8 @@ class StreamingMerge:
                 out[n] = ints.pop(n)
                 continue
             out[n] = merged.pop(n).to(dtypes[n]).to("cpu")
+            if n in self.corrections:
+                out[n] = self.corrections[n](out[n])
             if not all_finite(out[n]):  # checked in the output dtype: overflow too
                 for c in self.ckpts:
                     for m in names:
@@ -410,30 +437,3 @@ class StreamingMerge:
         if i not in self._device_elements:
             self._device_elements[i] = elements_on(self.alignments[i].elements, self.device)
         return self._device_elements[i]
-
-
-class _Sliced(Mapping):
-    """A model's statistics with each tensor of a sliced name cut like the name's slice (a
-    statistic of the tensor's own shape; others, such as a Gram over a weight's inputs, whole)."""
-
-    def __init__(self, stats, parts, shapes, ledger):
-        self.stats, self.parts, self.shapes, self.ledger, self.read = stats, parts, shapes, ledger, 0
-
-    def __getitem__(self, name):
-        t = self.stats[name]
-        self.read += nbytes(t)  # held until the group is combined
-        self.ledger.hold(nbytes(t))
-        part = self.parts.get(name)
-        if part is None or tuple(t.shape) != tuple(self.shapes[name]):
-            return t
-        d, start, stop = part
-        return t.narrow(d, start, stop - start)
-
-    def __contains__(self, name):
-        return name in self.stats
-
-    def __iter__(self):
-        return iter(self.stats)
-
-    def __len__(self):
-        return len(self.stats)

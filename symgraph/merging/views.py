@@ -17,7 +17,7 @@ from ..transform import folding
 from ..transform.apply import move
 from ..transform.folding import groups, members
 
-__all__ = ["Folded", "Aligned", "Ledger", "nbytes", "elements_on", "DEFAULT_CACHE", "return_freed_memory"]
+__all__ = ["Folded", "Aligned", "Ledger", "Sliced", "nbytes", "elements_on", "DEFAULT_CACHE", "return_freed_memory"]
 
 DEFAULT_CACHE = 64 << 20  # bytes of folded tensors kept per model while aligning (about a layer of 1.1B's MLP)
 
@@ -203,3 +203,28 @@ def return_freed_memory():
         pass
 
 
+class Sliced(Mapping):
+    """A model's statistics with each tensor of a sliced name cut like the name's slice (a
+    statistic of the tensor's own shape; others, such as a Gram over a weight's inputs, whole)."""
+
+    def __init__(self, stats, parts, shapes, ledger):
+        self.stats, self.parts, self.shapes, self.ledger, self.read = stats, parts, shapes, ledger, 0
+
+    def __getitem__(self, name):
+        t = self.stats[name]
+        self.read += nbytes(t)  # held until the group is combined
+        self.ledger.hold(nbytes(t))
+        part = self.parts.get(name)
+        if part is None or tuple(t.shape) != tuple(self.shapes[name]):
+            return t
+        d, start, stop = part
+        return t.narrow(d, start, stop - start)
+
+    def __contains__(self, name):
+        return name in self.stats
+
+    def __iter__(self):
+        return iter(self.stats)
+
+    def __len__(self):
+        return len(self.stats)
