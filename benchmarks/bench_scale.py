@@ -41,6 +41,9 @@ rc -9) is recorded with its return code and the last line of its stderr, and the
 * ``symgraph_activations``: ``symgraph merge A B --out O --align activations --data D`` with
   ``D`` :data:`DATA_ROWS` random rows of :data:`DATA_TOKENS` token ids (fixed seed): out of
   core, the two graphs run side by side from the checkpoints, statistics in passes.
+* ``symgraph_regmean`` / ``symgraph_fisher`` / ``symgraph_repair``: ``symgraph merge A B --align
+  weights`` with ``--method regmean``, ``--method fisher`` or ``--repair`` and ``--data D``: the
+  merge engine's statistics (input Grams, squared gradients, REPAIR's channel moments) out of core.
 
 Before each merge stage the inputs' page-cache state is set by ``--cache``: ``warm`` (default)
 reads both inputs through once, ``cold`` drops them (as above). GB is 10^9 bytes throughout.

@@ -129,7 +129,7 @@ def test_a_merge_on_another_device_equals_the_cpu(pair, tmp_path, method, align)
     assert _rel(outs[dev], outs["cpu"]) < 1e-5
 
 
-@pytest.mark.parametrize("option,why", [({"repair": True}, "REPAIR"), ({"refine": 2}, "learned matching"),
+@pytest.mark.parametrize("option,why", [({"refine": 2}, "learned matching"),
                                         ({"untie": True}, "untied"), ({"full_groups": True}, "full groups")])
 def test_what_cannot_stream_says_so(pair, tmp_path, option, why, capsys):
     cfg = MergeConfig(models=[str(pair / "m0"), str(pair / "m1")], out=str(tmp_path / "o"),

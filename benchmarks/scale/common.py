@@ -34,7 +34,7 @@ SHAPES = {
                rms_norm_eps=1e-5),
 }
 STAGES = ("read_cold", "read_warm", "mergekit_linear", "symgraph_none", "symgraph_weights",
-          "symgraph_activations", "symgraph_regmean", "symgraph_fisher")
+          "symgraph_activations", "symgraph_regmean", "symgraph_fisher", "symgraph_repair")
 DATA_ROWS, DATA_TOKENS = 32, 128  # symgraph_activations' data: 4 batches of 8 rows
 
 

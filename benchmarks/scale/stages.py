@@ -114,12 +114,14 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
     # symgraph
     for name, align, method in (("symgraph_none", "none", "average"), ("symgraph_weights", "weights", "average"),
                                 ("symgraph_activations", "activations", "average"),
-                                ("symgraph_regmean", "weights", "regmean"), ("symgraph_fisher", "weights", "fisher")):
+                                ("symgraph_regmean", "weights", "regmean"), ("symgraph_fisher", "weights", "fisher"),
+                                ("symgraph_repair", "weights", "repair")):
         if name not in stages:
             continue
         out = outdir / name
         shutil.rmtree(out, ignore_errors=True)
-        cmd = _symgraph_cmd() + ["merge", a, b, "--out", str(out), "--align", align, "--method", method]
+        how = ["--repair"] if method == "repair" else ["--method", method]  # REPAIR after a plain average
+        cmd = _symgraph_cmd() + ["merge", a, b, "--out", str(out), "--align", align, *how]
         if align == "activations" or method != "average":
             cmd += ["--data", _token_data(Path(pair["dir"]), config.vocab_size)]
         prep_cache()

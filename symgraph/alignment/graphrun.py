@@ -106,6 +106,11 @@ class Stepper(torch.fx.Interpreter):
             return t
         return t.to(want)  # a narrower stored tensor in a wider graph (models stored in different dtypes)
 
+    @property
+    def position(self) -> int:
+        """Where the next call of :meth:`steps` starts (0: a new run)."""
+        return self._paused[2] if self._paused is not None else 0
+
     def steps(self, flat_args, names, stop=None):
         """Run the graph on ``flat_args``; yield ``(node name, output)`` for the nodes in
         ``names`` as they are computed. Values are freed after their last use. ``stop``: pause

@@ -16,6 +16,7 @@ import os
 import signal
 import stat
 import tempfile
+from collections.abc import Callable
 
 import torch
 
@@ -169,11 +170,12 @@ def _umask_mode(base=0o777):
 
 
 def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_from=None,
-                meta: dict | None = None, card: str | None = None) -> str:
+                meta: dict | None = None, card: str | Callable[[], str] | None = None) -> str:
     """``save_pretrained`` into a temporary sibling of ``out``, then rename it into place
     (``model`` may also be a function writing a checkpoint into the directory it is given).
 
-    Writes :data:`MARKER` (``meta`` as JSON) and, with ``card``, a README.md. Replaces an
+    Writes :data:`MARKER` (``meta`` as JSON, once the weights are written) and, with ``card``
+    (or a function returning it, called then), a README.md. Replaces an
     existing ``out`` only when :func:`check_out` allows it (``force``, and it is a previous
     symgraph output or empty). The temporary directory never outlives the call.
     """
@@ -200,7 +202,7 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
                     copy_regular(model_file(tokenizer_from, fn, what="tokenizer file"), os.path.join(tmp, fn))
         if card is not None:
             with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
-                f.write(card)
+                f.write(card() if callable(card) else card)
         written = sorted(os.listdir(tmp))  # what a later --force may delete, and how to know it
         ids = {n: list(file_id(os.lstat(os.path.join(tmp, n)))) for n in written}
         with open(os.path.join(tmp, MARKER), "w") as f:

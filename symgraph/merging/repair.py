@@ -22,10 +22,9 @@ reduction combined back with the channel, ``x · rsqrt(mean x²)``), which would
 hidden units (GPT-2, BERT, ViT, LLaMA gate and up) and conv channels before a ReLU; not
 attention projections, residual writers, heads, or convs followed by a BatchNorm.
 
-Statistics are taken at those graph nodes (:func:`~symgraph.alignment.graphrun.run_capture`)
-by running the anchor's exported graph on each model's own tensors
-(``torch.func.functional_call``): the parents' states, the merged model's parameters. Every
-sample counts (batch, positions, pixels; padding too). Under ``torch.distributed`` each
+Statistics are taken at those graph nodes (:func:`~symgraph.alignment.graphrun.run_capture`) by
+running the anchor's exported graph on each model's tensors (``torch.func.functional_call``; out of
+core: :mod:`~symgraph.merging.repair_stream`). Every sample counts (batch, positions, pixels; padding too). Under ``torch.distributed`` each
 process measures its own batches and the per-channel sums and counts are all-reduced
 (:mod:`symgraph.core.distributed`) before the moments are taken.
 
@@ -53,7 +52,7 @@ from ..alignment.checks import batch_inputs, by_shape
 from ..errors import InputError
 from ..passes.nodes import packet, packets
 
-__all__ = ["Site", "RepairLayer", "RepairReport", "find_sites", "renormalize"]
+__all__ = ["Site", "RepairLayer", "RepairReport", "find_sites", "renormalize", "correction"]
 
 
 aten = torch.ops.aten
@@ -235,7 +234,7 @@ class _Moments:
     """Streamed per-channel sums (float64) at the wanted nodes ``dims`` (``{node name: (key,
     channel dim)}``), as a ``run_capture`` sink that stops the run after node ``last``."""
 
-    def __init__(self, dims: dict, last: str, sums=None):
+    def __init__(self, dims: dict, last: str | None, sums=None):
         self.dims, self.last = dims, last
         self.sums = sums if sums is not None else {}  # key -> [n, Σx, Σx²]
 
@@ -363,8 +362,7 @@ def _errors(stats, target, statistic):
 
 def renormalize(model, parents, weights, data, report=None, *, sequential: bool = True) -> RepairReport:
     """REPAIR ``model`` (the merge, modified in place) towards the interpolated statistics of
-    ``parents`` with mixing ``weights``, measured on ``data`` (a list of batches, the models'
-    input form).
+    ``parents`` with mixing ``weights``, measured on ``data`` (a list of batches, the models' input).
 
     parents : models, or ``{name: tensor}`` parameter states, of ``model``'s architecture and
         in its basis (aligned); missing names are ``model``'s.
@@ -424,18 +422,29 @@ def renormalize(model, parents, weights, data, report=None, *, sequential: bool 
 
 
 def _correct(model, site, stats, target):
-    """``W[c] ← s·W[c]``, ``b[c] ← s·(b[c] − μ_c) + μ*_c`` (no bias: ``s`` from the rms)."""
+    """Correct ``site``'s layer of ``model`` in place (see :func:`correction`)."""
+    with torch.no_grad():
+        for name, fix in correction(site, stats, target).items():
+            p = model.get_parameter(name)
+            p.copy_(fix(p.detach()))
+
+
+def correction(site, stats, target) -> dict:
+    """``{parameter: f(tensor) -> corrected}`` of ``site``'s weight (and bias): ``W[c] ← s·W[c]``,
+    ``b[c] ← s·(b[c] − μ_c) + μ*_c`` (no bias: ``s`` from the rms), in float64, cast back."""
     (mean, std, rms), (t_mean, t_std, t_rms) = stats, target
     m, t = (std, t_std) if site.bias is not None else (rms, t_rms)
     # a channel the merge made constant (relative to the layer's targets) cannot be rescaled
     live = m > 1e-12 * float(t.abs().max().clamp_min(torch.finfo(torch.float64).tiny))
     scale = torch.where(live, t / torch.where(live, m, torch.ones_like(m)), torch.ones_like(m))
-    W = model.get_parameter(site.weight)
-    shape = [1] * W.dim()
-    shape[site.out_dim] = -1
-    with torch.no_grad():
-        W.copy_((W.double() * scale.to(W.device).reshape(shape)).to(W.dtype))
-        if site.bias is not None:
-            b = model.get_parameter(site.bias)
-            new = scale * (b.detach().double().to(scale.device) - mean) + t_mean
-            b.copy_(new.to(device=b.device, dtype=b.dtype))
+
+    def weight(W):
+        shape = [1] * W.dim()
+        shape[site.out_dim] = -1
+        return (W.double() * scale.to(W.device).reshape(shape)).to(W.dtype)
+
+    def bias(b):
+        new = scale * (b.double().to(scale.device) - mean) + t_mean
+        return new.to(device=b.device, dtype=b.dtype)
+
+    return {site.weight: weight} | ({site.bias: bias} if site.bias is not None else {})

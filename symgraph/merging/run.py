@@ -1,7 +1,7 @@
 """The one merge entry: :func:`run_merge` takes a :class:`~symgraph.merging.config.MergeConfig`,
 vets the output directory before any work, chooses the out-of-core path (a plain average of
 local checkpoints, aligned by weights, by activations or not at all) or the in-memory one
-(every other method, REPAIR, learned matching, demo names and hub ids), and writes the merge
+(learned matching, circuit-space heads, untying, full groups, demo names and hub ids), and writes the merge
 atomically with its record (``symgraph_merge.json``) and model card. The ``symgraph merge``
 command and :func:`symgraph.merge_checkpoints` both call it."""
 from __future__ import annotations
@@ -99,8 +99,8 @@ def _needs_memory(cfg) -> str | None:
     how = get_method(cfg.method)
     if how.needs_data and type(how).streamed_statistics is MergeMethod.streamed_statistics:
         return f"method {cfg.method!r} takes its statistics of loaded models only"
-    if cfg.repair or cfg.refine:
-        return "REPAIR and learned matching run the merged model"
+    if cfg.refine:
+        return "learned matching trains through the whole merged model"
     if cfg.attention == "circuits" or cfg.untie:
         return "circuit-space heads and untied weights change the architecture"
     if cfg.full_groups:
@@ -172,7 +172,7 @@ def _streaming_job(cfg, layouts, data, anchor, progress, options):
     except KeysDiffer:
         return None
     check_compatible([c.config for c in ckpts], cfg.models)
-    stats = get_method(cfg.method).needs_data  # the method takes statistics on the data
+    stats = get_method(cfg.method).needs_data or cfg.repair  # statistics on the data (the method's, REPAIR's)
     if (cfg.align == "activations" or cfg.seen_rows or stats) and data is None:
         data = _data(cfg, ckpts[0].model)
     if cfg.seen_rows:
@@ -182,7 +182,7 @@ def _streaming_job(cfg, layouts, data, anchor, progress, options):
         return StreamingMerge(ckpts, weights=cfg.weights, align=cfg.align, method=cfg.method,
                               data=data if needs else None, anchor=anchor, device=cfg.device,
                               memory_budget=cfg.memory_budget, fold_norms=cfg.fold_norms, outputs=cfg.outputs,
-                              progress=progress, **_speed_options(cfg), **options)
+                              progress=progress, repair=cfg.repair, **_speed_options(cfg), **options)
     except InputError as e:
         raise type(e)(f"{e}{_config_diff(ckpts, cfg.models)}") from None
 
@@ -212,8 +212,14 @@ def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:
     anchor = job.ckpts[job.anchor]
     meta = _meta(cfg, job.data, mode="streaming", seconds=time.time() - t0, alignments=job.alignments,
                  dtype=anchor.dtype, repair=None, input_dtypes=[c.dtype for c in job.ckpts])
-    save_atomic(job.write, out, force=cfg.force, inputs=inputs, meta=meta, tokenizer_from=anchor.path,
-                card=model_card(to_yaml(cfg), _card_summary(meta)))
+
+    def write(directory):  # the record's REPAIR entry and the card once the merge is measured
+        info = job.write(directory)
+        meta["repair"] = job.repair_report.to_dict() if job.repair_report is not None else None
+        return info
+
+    save_atomic(write, out, force=cfg.force, inputs=inputs, meta=meta, tokenizer_from=anchor.path,
+                card=lambda: model_card(to_yaml(cfg), _card_summary(meta)))
     return MergeOutcome(out, "streaming", len(job.ckpts), meta, job)
 
 

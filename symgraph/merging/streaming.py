@@ -27,8 +27,9 @@ working copies are sized from one memory budget (:func:`budgets`); :class:`~symg
 counts the bytes held.
 
 :func:`~symgraph.merging.run.merge_checkpoints` is the Python entry; ``symgraph merge`` runs every
-merge here except REPAIR, learned matching, circuit-space heads, untying and full-group
-fitting, which load the models (:func:`symgraph.merge`, saying so).
+merge here except learned matching, circuit-space heads, untying and full-group fitting, which
+load the models (:func:`symgraph.merge`, saying so), and REPAIR of models with BatchNorm layers.
+REPAIR runs as the last step before writing (:mod:`~symgraph.merging.repair_stream`).
 """
 from __future__ import annotations
 
@@ -50,11 +51,13 @@ from ..transform.folding import gauge, groups
 from ..checkpoints.sharded import Checkpoint, KeysDiffer, ShardWriter, parse_size
 from .methods import registry
 from .methods.registry import mixing_weights
+from . import repair_stream
 from .statistics import Spill
 from .views import DEFAULT_CACHE, Folded, Ledger, Sliced, elements_on, nbytes, return_freed_memory
 
 if TYPE_CHECKING:
     from ..report.symmetry import SymmetryReport
+    from .repair import RepairReport
 
 __all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "parse_size", "DEFAULT_SHARD", "budgets"]
 
@@ -93,7 +96,7 @@ class StreamingMerge:
     def __init__(self, paths, *, weights=None, align="weights", anchor: int = 0, fold_norms: bool = True,
                  max_shard_size=DEFAULT_SHARD, progress: bool = False, cache_bytes: int = DEFAULT_CACHE,
                  outputs=None, data=None, rows_from=None, method="average", method_options=None,
-                 device="cpu", memory_budget=None, **align_options):
+                 device="cpu", memory_budget=None, repair=False, **align_options):
         paths = list(paths)
         if len(paths) < 2:
             raise InputError(f"merge needs at least 2 checkpoints, got {len(paths)}")
@@ -105,7 +108,11 @@ class StreamingMerge:
         self.how = registry.get(method, **(method_options or {}))
         if self.how.needs_data and not data:
             raise InputError(f"method={self.how.name!r} needs data: a list of batches (e.g. dicts with 'input_ids')")
-        if data and align != "activations" and not self.how.needs_data:
+        if repair and not data:
+            raise InputError("repair=True needs data: a list of batches to measure activations on")
+        self.repair = bool(repair)
+        self.repair_report: RepairReport | None = None  # what REPAIR did (repair=True), once written
+        if data and align != "activations" and not self.how.needs_data and not repair:
             raise InputError(f"data is used by align='activations' or a method that takes statistics, got "
                              f"align={align!r} and method={self.how.name!r}")
         if not 0 <= anchor < len(paths):
@@ -167,8 +174,10 @@ class StreamingMerge:
         t0 = time.perf_counter()
         A = self.ckpts[self.anchor]
         example = self.data[0] if self.data else None
+        if self.repair:
+            repair_stream.check(self)
         if self.align_mode is None:  # nothing to move: every tensor is combined as it is
-            if self.how.needs_data and self.graph_report is None:  # the graph its statistics are taken on
+            if (self.how.needs_data or self.repair) and self.graph_report is None:  # the graph its statistics are taken on
                 self.graph_report = analyze(A.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
             return self.alignments
         ra = analyze(A.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
@@ -203,7 +212,7 @@ class StreamingMerge:
         """Take the method's statistics (spilled to a temporary directory beside ``directory``,
         removed after) and write the merged checkpoint into ``directory`` (shards, index,
         config); returns ``{"tensors": n, "bytes": total, "shards": k}``."""
-        if self.graph_report is None and (self.align_mode is not None or self.how.needs_data):
+        if self.graph_report is None and (self.align_mode is not None or (self.how.needs_data or self.repair)):
             self.align()
         self.spill = None
         if self.how.needs_data:
@@ -215,6 +224,8 @@ class StreamingMerge:
                 self.timings["statistics"] = time.perf_counter() - t0
             for step in self.prepare:
                 step(self)
+            if self.repair:  # last: it measures the merge as written
+                self.repair_report = repair_stream.repair(self)
             return self._write(directory)
         finally:
             if self.spill is not None:
