@@ -68,7 +68,7 @@ def test_exported_circuit_checkpoint_loads_with_from_pretrained(tmp_path):
     r = cli("merge", tmp_path / "m0", tmp_path / "m1", "--out", tmp_path / "out", "--attention", "circuits")
     assert r.returncode == 0, r.stderr
     meta = json.loads((tmp_path / "out" / "symgraph_merge.json").read_text())
-    assert meta["mode"] == "in-memory" and "16 wide instead of 8" in meta["architecture"][0]
+    assert meta["mode"] == "streaming" and "16 wide instead of 8" in meta["architecture"][0]  # out of core
     assert "architecture change" in (tmp_path / "out" / "README.md").read_text()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=False).eval()
     x = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(2))

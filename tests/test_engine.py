@@ -129,8 +129,7 @@ def test_a_merge_on_another_device_equals_the_cpu(pair, tmp_path, method, align)
     assert _rel(outs[dev], outs["cpu"]) < 1e-5
 
 
-@pytest.mark.parametrize("option,why", [({"refine": 2}, "learned matching"),
-                                        ({"untie": True}, "untied"), ({"full_groups": True}, "full groups")])
+@pytest.mark.parametrize("option,why", [({"refine": 2}, "learned matching")])
 def test_what_cannot_stream_says_so(pair, tmp_path, option, why, capsys):
     cfg = MergeConfig(models=[str(pair / "m0"), str(pair / "m1")], out=str(tmp_path / "o"),
                       data=str(pair / "data.safetensors"), **option)
@@ -140,10 +139,11 @@ def test_what_cannot_stream_says_so(pair, tmp_path, option, why, capsys):
 
 
 def test_a_merge_that_loads_the_models_says_why(pair, tmp_path, capsys):
-    cfg = MergeConfig(models=[str(pair / "m0"), str(pair / "m1")], out=str(tmp_path / "o"), untie=True)
+    cfg = MergeConfig(models=[str(pair / "m0"), str(pair / "m1")], out=str(tmp_path / "o"), refine=2,
+                      data=str(pair / "data.safetensors"))
     assert run_merge(cfg, progress=False).mode == "in-memory"
     err = capsys.readouterr().err
-    assert "note: the models are loaded in memory for this merge: circuit-space heads and untied" in err
+    assert "note: the models are loaded in memory for this merge: learned matching" in err
 
 
 def test_the_spill_deletes_only_what_it_wrote(tmp_path):

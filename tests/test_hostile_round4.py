@@ -7,7 +7,7 @@ with 130/143 wherever they arrive.
 
 Refusals run the command in-process (``symgraph.cli.main.main``: the same entry, without a
 second interpreter's start-up per case) on the out-of-core path and on the in-memory one
-(``--full-groups`` loads the models); signal cases run it as a subprocess."""
+(``--repair`` loads the models); signal cases run it as a subprocess."""
 from __future__ import annotations
 
 import json
@@ -139,7 +139,7 @@ def _refused(rc, err, *needles):
 
 
 I = "inputs"  # noqa: E741
-PATHS = {"out_of_core": [], "in_memory": ["--full-groups"]}
+PATHS = {"out_of_core": [], "in_memory": ["--repair", "--data", "../inputs/data.safetensors"]}  # from ws/work
 REFUSED = [  # (model directory merged with inputs/a, what the one line must say)
     ("index_relative", ["not a plain name inside that directory", "../../other/model.safetensors"]),
     ("index_absolute", ["not a plain name inside that directory", "other/model.safetensors"]),
@@ -198,7 +198,7 @@ def test_dtypes_follow_the_tensors_on_both_paths(ws, tmp_path, capsys, case, wan
     for path, out in outs.items():
         assert _dtypes(out) == stored, path
     a, b = load_file(str(outs["out_of_core"] / "model.safetensors")), load_file(str(outs["in_memory"] / "model.safetensors"))
-    for k in a:  # --full-groups fits GL maps on top of the rotations: close, not identical
+    for k in a:  # --repair renormalises the merged layers: close, not identical
         torch.testing.assert_close(a[k].float(), b[k].float(), atol=0.05, rtol=0.05)
 
 

@@ -7,7 +7,8 @@ an :class:`Alignment` keyed by group id.
 - ``schedule``    solve units (head families, single classes) and the first sweep's order
 - ``solve_unit``  one unit from its similarity matrices (nested matching for heads)
 - ``sweeps``      the coordinate-descent loop over units
-- ``rescale``     Zhang et al. 2024's per-head scalars after the rotations
+- ``rescale``     Zhang et al. 2024's per-head scalars after the rotations; GL and unit-scale fits
+- ``fullgroups``  fitting the full groups from loaded models or checkpoints read on demand
 - ``result``      :class:`Alignment` (apply / state / to_json / save)
 - ``saved``       an alignment as a safetensors file (:func:`load_alignment`)
 - ``driver``      :func:`align` and :class:`AlignOptions`

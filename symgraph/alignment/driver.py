@@ -9,16 +9,15 @@ from typing import Callable
 import torch
 
 from ..report.api import analyze
-from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
 from ..errors import InputError
 from ..transform.folding import gauge
 from .activations import act_matrix, activation_similarity
 from .checks import check_compatible, check_finite
 from .masses import MASSES, mass_function
 from .refine import choose_start, refine
-from .rescale import fit_gl, fit_scales, fit_unit_scales
+from .fullgroups import ModelSides, fit_full_groups
+from .rescale import fit_scales
 from .result import Alignment
-from .solve_unit import _solve_single
 from .sweeps import Sweeps
 from .weights import WeightFeatures
 
@@ -190,7 +189,7 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     if opts.refine:
         al = _refined(al, model_a, model_b, data, opts)
     if opts.full_groups:
-        al.full_groups = _full_groups(al, model_a, model_b, opts)
+        al.full_groups = fit_full_groups(al, ModelSides(model_a, model_b), opts)
     if opts.rescale:
         al.scales = fit_scales(al, model_a, model_b, [g for g in ra.groups if opts.selected(g)])
     al.seconds["total"] = time.perf_counter() - t0
@@ -257,70 +256,6 @@ def _solved(ra, rb, model_a, model_b, data, opts) -> Alignment:
                      shared=run.shared)
 
 
-def _full_groups(al, model_a, model_b, opts, rounds: int = 16, tol: float = 1e-10) -> dict:
-    """:func:`fit_unit_scales` and :func:`fit_gl`, alternated with re-solving the continuous
-    classes against the fitted heads (residual streams, whose similarity reads the heads'
-    maps, and the heads' orthogonal parts, e.g. RoPE rotations, which read the streams): each
-    solved against the other's orthogonal-only solution is off where the maps are not
-    orthogonal. Alternates until no element moves by more than ``tol`` (at most ``rounds``;
-    a transformed copy takes about 8)."""
-    ra, rb = al.report_a, al.report_b
-    sel = [g for g in ra.groups if opts.selected(g)]
-    units = fit_unit_scales(al, model_a, model_b, sel)  # scaled permutations: exact after the permutation
-    kept = fit_gl(al, model_a, model_b, sel)
-    scaled = {gid: f"{n} unit scales" for gid, n in units.items()}
-    free = [g for g in sel if not g.outer and g.kind not in ("gl", "rope") and isinstance(al.elements.get(g.id), torch.Tensor)
-            and orthogonal_part(g.kind) not in PERMUTATION_FAMILY]
-    if not kept or not free:
-        return {**kept, **scaled}
-    feats = WeightFeatures.from_models(ra, rb, model_a, model_b)
-    b_of = dict(zip((g.id for g in ra.groups), rb.groups))
-    members = [g for g in sel if g.outer and g.id in kept and isinstance(al.elements.get(g.id), torch.Tensor)]
-    watched = [g.id for g in free + members]
-    for _ in range(rounds):
-        before = {gid: al.elements[gid].clone() for gid in watched if isinstance(al.elements.get(gid), torch.Tensor)}
-        for gid in kept:
-            feats.versions[gid] = feats.versions.get(gid, 0) + 1  # their elements changed
-        for g in free:
-            sim, _, _ = feats.similarity(g, b_of[g.id], al.elements, False)
-            if sim is not None:
-                al.elements[g.id] = _solve_single(g, sim, opts, lambda _g: None)[1]
-                feats.versions[g.id] = feats.versions.get(g.id, 0) + 1
-        for g in members:  # the heads' orthogonal parts (RoPE rotations) again, against the new streams
-            el = _resolve_member(al, g, feats, b_of[g.id], opts)
-            if el is not None:
-                al.elements[g.id] = el
-                feats.versions[g.id] = feats.versions.get(g.id, 0) + 1
-        kept = fit_gl(al, model_a, model_b, sel)
-        if all(al.elements[g].shape == E.shape and float((al.elements[g] - E).abs().max()) <= tol
-               for g, E in before.items()):
-            break
-    return {**kept, **scaled}
-
-
-def _resolve_member(al, g, feats, gb, opts):
-    """The orthogonal part of a head class ``g`` (fibred over one head class whose heads were
-    matched by a permutation) solved again per matched head pair; None otherwise."""
-    from .rescale import _head_maps
-    fib = _head_maps(al, g)
-    E = al.elements[g.id]
-    if fib is None or len(fib) != 1 or E.dim() != 3:
-        return None
-    sim, _, _ = feats.similarity(g, gb, al.elements, True)  # [H_A, H_B, n, n]
-    if sim is None or sim.dim() != 4:
-        return None
-    hb = torch.arange(sim.shape[1], device=sim.device)
-    if fib[0] is None:
-        ha = hb
-    else:  # E is indexed by B's heads: B head index[i] is A head i
-        ha = torch.empty_like(fib[0].index).to(sim.device)
-        ha[fib[0].index.to(sim.device)] = torch.arange(len(ha), device=sim.device)
-    _, el = _solve_single(g, sim[ha, hb], opts, lambda _g: None)
-    if not isinstance(el, torch.Tensor) or el.shape != E.shape:
-        return None
-    return el.to(E.dtype)
-
-
 def _refined(al, model_a, model_b, data, opts) -> Alignment:
     """Learned matching, started from whichever of ``al`` (activations) and weight matching
     alone gives the model halfway between A and B the lower loss on ``data`` (the loss refine
@@ -363,7 +298,7 @@ def _sweeps(ra, rb, feats, opts):
 
 def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOptions | None = None,
                   exact_dtype=torch.float64, data=None, models=None, fetch=None, stats_budget=None,
-                  **option_kw) -> Alignment:
+                  sides=None, **option_kw) -> Alignment:
     """Alignment from tensors rather than modules: ``tensors_a`` / ``tensors_b`` map each
     parameter name of the reports to its tensor (any ``Mapping``; a lazy one reads them on
     demand, see :mod:`symgraph.merging.streaming`); ``gauge_a``: A's norm gains and shifts
@@ -373,11 +308,16 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
     tensor`` reading each model's parameters and buffers when an op needs them) and retraced
     from ``models`` (A, B; may be on ``meta``) for batches of other shapes; ``stats_budget``
     (bytes): statistics taken in passes and solved as each completes (see
-    :func:`_with_activations`). The result has no
+    :func:`_with_activations`). ``full_groups`` reads the stored tensors through ``sides``
+    (see :mod:`~.fullgroups`; :class:`symgraph.merging.views.Sides` reads checkpoints), released
+    at the end. The result has no
     template (``Alignment.state`` works; ``apply`` needs a ``template``)."""
     opts = AlignOptions.build(options, **option_kw)
     if opts.refine or opts.rescale:
         raise InputError("refine and rescale need the models themselves; use symgraph.align")
+    if opts.full_groups and sides is None:
+        raise InputError("full_groups from tensors needs sides: A's stored tensors and B's in A's basis "
+                         "(symgraph.merging.views.Sides); use symgraph.align for models")
     if data is not None and fetch is None:
         raise InputError("activation statistics from tensors need fetch: two functions name -> tensor")
     t0 = time.perf_counter()
@@ -390,5 +330,9 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
                    {"solver": run.solver_seconds, "sweeps": n_sweeps, "deferred": run.deferred}, gauge=gauge_a,
                    shared=run.shared)
     al.options = _report_options(opts, ra)
+    if opts.full_groups:
+        al.full_groups = fit_full_groups(al, sides, opts)
+    elif sides is not None:
+        sides.release()
     al.seconds["total"] = time.perf_counter() - t0
     return al

@@ -50,18 +50,19 @@ def fit_scales(al, model_a, model_b, groups):
     return out
 
 
-def fit_unit_scales(al, model_a, model_b, groups) -> dict:
+def fit_unit_scales(al, sides, groups) -> dict:
     """The positive scale of each unit of a ``scaled_perm`` class (a ReLU's units: a scale ``s``
     on a unit's inputs is undone by ``1/s`` on its outputs), fitted after the permutation:
     per unit ``argmin_s Σ_co ‖a − s·b′‖² + Σ_contra ‖a − b′/s‖²`` (exact for a transformed
-    copy). The element becomes ``diag(s)·P`` (dense: ``n×n``). Updates ``al.elements``;
-    returns ``{group id: number of units rescaled}``."""
+    copy). The element becomes ``diag(s)·P`` (dense: ``n×n``). ``sides``: A's stored tensors
+    and B's in A's basis (:mod:`~.fullgroups`). Updates ``al.elements``; returns ``{group id:
+    number of units rescaled}``."""
     ra = al.report_a
     targets = [g for g in groups if g.kind == "scaled_perm" and not g.outer
                and isinstance(al.elements.get(g.id), (Perm, torch.Tensor))]
     if not targets:
         return {}
-    Bp = al.state(model_b)
+    Bp = sides.moved(al)
     out = {}
     for g in targets:
         E = al.elements[g.id]
@@ -71,7 +72,7 @@ def fit_unit_scales(al, model_a, model_b, groups) -> dict:
         acc = torch.zeros(4, P.shape[0], dtype=torch.float64, device=P.device)  # co Σb², Σab; contra
         for name, d in g.params:
             ax = ra.param_axes(name)
-            ta = ra.view(name, model_a.get_parameter(name).detach().double())
+            ta = ra.view(name, sides.anchor(name).double())
             tb = ra.view(name, Bp[name].double())
             for idx, nf, parity in ra.leaf_views(ax[d], g.id, with_parity=True):
                 xa, xb = gather(ta, d, idx, nf).reshape(P.shape[0], -1), gather(tb, d, idx, nf).reshape(P.shape[0], -1)
@@ -122,7 +123,7 @@ def _best_scale(q, c, kk, dd):
     return float(np.exp(r.x)) if f(r.x) < f(0.0) else 1.0
 
 
-def fit_gl(al, model_a, model_b, groups) -> dict:
+def fit_gl(al, sides, groups) -> dict:
     """The full groups the report claims, after their orthogonal part is solved: for each
     ``gl`` class, per block (head), the matrix ``G`` for which ``G·E`` (``E`` the solved
     element) brings B closest to A over the class's slots, ``Σ_co ‖X_A − G·X_B′‖² +
@@ -130,14 +131,15 @@ def fit_gl(al, model_a, model_b, groups) -> dict:
     scaled rotation. The candidates are the identity (the orthogonal solve), the least-squares
     fit of the co slots and that of the contra slots; the best is kept. Every candidate is in
     the group, so B's function is unchanged whatever is chosen; for a transformed copy the
-    least-squares fits are exact. Updates ``al.elements``; returns ``{group id: kept}`` with
-    kept one of ``"orthogonal"``, ``"co"``, ``"contra"`` per block (``"pairs"`` for RoPE)."""
+    least-squares fits are exact. ``sides``: as :func:`fit_unit_scales`. Updates
+    ``al.elements``; returns ``{group id: kept}`` with kept one of ``"orthogonal"``, ``"co"``,
+    ``"contra"`` per block (``"pairs"`` for RoPE)."""
     ra = al.report_a
     targets = [g for g in groups if g.kind in ("gl", "rope") and isinstance(al.elements.get(g.id), torch.Tensor)
                and al.elements[g.id].dim() >= 2 and al.elements[g.id].shape[-1] == al.elements[g.id].shape[-2]]
     if not targets:
         return {}
-    Bp = al.state(model_b)
+    Bp = sides.moved(al)
     out = {}
     for g in targets:
         E = al.elements[g.id]
@@ -149,7 +151,7 @@ def fit_gl(al, model_a, model_b, groups) -> dict:
         acc = torch.zeros(2, 2, nblk, n, n, dtype=torch.float64, device=E.device)  # [co/contra][XaXbᵀ, XbXbᵀ]
         for name, d in dict.fromkeys(g.params):  # a packed slot (q and k in one) is listed twice
             ax = ra.param_axes(name)
-            ta = ra.view(name, model_a.get_parameter(name).detach().double())
+            ta = ra.view(name, sides.anchor(name).double())
             tb = ra.view(name, Bp[name].double())
             for idx, nf, k in ra.leaf_views(ax[d], g.id, with_parity=True):
                 xa = gather(ta, d, idx, nf).reshape(nblk, n, -1)

@@ -194,15 +194,21 @@ class KeysDiffer(InputError):
     ``from_pretrained``."""
 
 
+def parameter_names(model) -> dict:
+    """``{parameter: the names it goes by}`` of ``model`` (tied weights share one; the first
+    name in module order is the parameter's)."""
+    by_id: dict = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {names[0]: names for names in by_id.values()}
+
+
 def check_tensors(model, layout: Layout, path: str) -> dict:
     """Refuse (naming the tensors) a checkpoint without some parameter of ``model`` (built on
     ``meta``), with tensors the model does not use, or with shapes other than the config's:
     before reading any value. Returns ``{parameter: the names it goes by}`` (tied weights
     share one)."""
-    params: dict = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        params.setdefault(id(p), []).append(name)
-    params = {names[0]: names for names in params.values()}
+    params = parameter_names(model)
     sd = model.state_dict()
     unused = sorted(set(layout.shapes) - set(sd))
     missing = sorted(names[0] for names in params.values() if not any(a in layout.shapes for a in names))

@@ -10,6 +10,7 @@ shards named and indexed as ``save_pretrained`` names them, one tensor at a time
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -17,8 +18,8 @@ import numpy as np
 import torch
 
 from ..core.dtypes import SAFETENSORS_NAMES as _ST_NAMES
-from .loading import (KeysDiffer, build_meta, check_checkpoint_dir, check_tensors, read_config,
-                      read_layout)
+from .loading import (KeysDiffer, build_meta, check_checkpoint_dir, check_tensors, parameter_names,
+                      read_config, read_layout)
 from ..core.finite import all_finite
 from ..errors import InputError
 
@@ -68,6 +69,30 @@ class Checkpoint:
         self.key_of = {n: next(a for a in names if a in self.shapes) for n, names in self.params.items()}
         self.param_of = {a: n for n, names in self.params.items() for a in names}
         self._computed: dict[str, torch.Tensor] | None = None  # buffers the constructor computes (fetch builds them once)
+        self._stored: dict[str, str] = {}  # a key the files lack (an untied name) -> the key it is read from
+        self.source: Checkpoint | None = None  # the checkpoint as stored, when this one reads it as another model
+
+    def untied(self, model) -> Checkpoint:
+        """This checkpoint read as ``model``: its meta :attr:`model` with tied parameters made
+        separate (:func:`symgraph.merging.untie.untie` of it). Every parameter of ``model`` has
+        a key: one of its names the files hold, else its first name (as ``save_pretrained`` of
+        the untied model names it), read from the tensor that name had here (its tied group's
+        stored key); ``keys`` (appended in ``model``'s order), ``shapes`` and ``dtypes`` list
+        those keys, so that a writer writes each; ``source`` is this checkpoint, left untouched."""
+        out = copy.copy(self)
+        out.model, out.config, out.source = model, getattr(model, "config", self.config), self.source or self
+        out.params = parameter_names(model)
+        out.shapes, out.dtypes, out.files = dict(self.shapes), dict(self.dtypes), dict(self.files)
+        out.keys, out._stored, out._finite = list(self.keys), dict(self._stored), set(self._finite)
+        for name, names in out.params.items():
+            if not any(a in self.shapes for a in names):
+                src = self.key(name)
+                out.shapes[name], out.dtypes[name], out.files[name] = self.shapes[src], self.dtypes[src], self.files[src]
+                out._stored[name] = self._stored.get(src, src)
+                out.keys.append(name)
+        out.key_of = {n: next(a for a in names if a in out.shapes) for n, names in out.params.items()}
+        out.param_of = {a: n for n, names in out.params.items() for a in names}
+        return out
 
     # --- reading -------------------------------------------------------------------------
 
@@ -85,12 +110,13 @@ class Checkpoint:
         checks what it computes from it); ``part=(dim, start, stop)`` reads that slice only.
         The file is mapped only for the read: pages of a mapping that stays open count as the
         process's resident memory, and over a whole model would add up to its size."""
+        stored = self._stored.get(key, key)
         with self._handle(self.files[key]) as h:
             if part is None:
-                t = h.get_tensor(key)
+                t = h.get_tensor(stored)
             else:
                 d, start, stop = part
-                t = h.get_slice(key)[(slice(None),) * d + (slice(start, stop),)]
+                t = h.get_slice(stored)[(slice(None),) * d + (slice(start, stop),)]
         if check and t.is_floating_point() and (part is not None or key not in self._finite):
             if not all_finite(t):
                 bad = int((~torch.isfinite(t)).sum())

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["circuit_merge", "circuit_state", "circuit_between", "CircuitPlan", "plan"]
+__all__ = ["circuit_merge", "circuit_state", "circuit_between", "CircuitPlan", "plan", "streamed", "Streamed"]
 
 
 class CircuitPlan:
@@ -272,3 +272,96 @@ def circuit_between(model_a, report=None):
         state = circuit_state([ta, tb], [1 - lam, lam], cplan)
         return skeleton.with_state(state) if why else Bound(skeleton, state)
     return between
+
+
+def streamed(job, attention: str):
+    """Circuit-space heads in the out-of-core engine (a
+    :class:`~symgraph.merging.streaming.StreamingMerge` with ``attention="circuits"``): refuses
+    what :func:`circuit_merge` refuses, then sets the job's hooks (:class:`Streamed`); None
+    for ``attention="heads"`` (the parents' heads, nothing to set)."""
+    if attention not in ("heads", "circuits"):
+        raise InputError(f"attention={attention!r}; expected 'heads' or 'circuits'")
+    return Streamed(job) if attention == "circuits" else None
+
+
+class Streamed:
+    """The hooks of an out-of-core circuit-space merge, set on ``job`` before it writes
+    (``job.prepare``): the plan from the anchor's report, the widened shapes
+    (``job.out_shapes``), the config fields :func:`_config` changes (``job.config_updates``)
+    and a combine that widens the planned tensors by :func:`circuit_state`, the anchor first
+    as :func:`~symgraph.merging.driver.merge` orders it, so the result is the in-memory one."""
+
+    def __init__(self, job):
+        n, A = len(job.ckpts), job.ckpts[job.anchor]
+        if job.how.name != "average" or getattr(job, "repair", False):
+            raise InputError(f"attention='circuits' merges by weighted averaging, not method={job.how.name!r}"
+                             f"{' with repair' if getattr(job, 'repair', False) else ''}; expected "
+                             "method='average' without repair")
+        why = _why_no_config(A.model, n)
+        if why:
+            raise InputError(f"{why} (symgraph.merge(..., attention='circuits') in Python); expected a config "
+                             "with head_dim (LLaMA, Qwen2, Mistral, Gemma...) for a saved checkpoint")
+        self.job, self._built = job, None
+        job.prepare.append(self.prepare)
+
+    def built(self):
+        """``(plan, config, meta model)`` of the merge, from the anchor's report (analysed here
+        when the job is not aligned), as :func:`circuit_merge` builds them."""
+        if self._built is None:
+            job = self.job
+            A = job.ckpts[job.anchor].model  # on the meta device: a config and shapes, no tensors
+            report = job.report
+            if report is None:
+                from ..report.api import analyze
+                report = analyze(A, job.data[0] if job.data else None, fold_norms=job.fold_norms,
+                                 outputs=job.outputs)
+            cplan = plan(report)
+            cfg = _config(A, cplan, len(job.ckpts))
+            with torch.device("meta"):
+                self._built = (cplan, cfg, type(A)(cfg))
+        return self._built
+
+    def prepare(self, job):
+        """Set the job's shapes, config fields and combine (checked against the model class
+        the new config builds, as :func:`circuit_merge` checks them)."""
+        cplan, cfg, new = self.built()
+        A, n = job.ckpts[job.anchor], len(job.ckpts)
+        old = {k: tuple(v.shape) for k, v in A.model.state_dict().items()}
+        want = {k: tuple(v.shape) for k, v in new.state_dict().items()}
+        if set(old) != set(want):
+            k = sorted(set(old) ^ set(want))[0]
+            raise InputError(f"{type(cfg).__name__} with head_dim {cfg.head_dim} and the parents disagree on "
+                             f"tensor {k!r}; expected the parents' tensors, heads widened")
+        for name, shape in old.items():
+            wide = list(shape)
+            if name in cplan.slots:
+                dim, tree, _ = cplan.slots[name]
+                wide[dim] = _wide(tree, cplan.wide, n)
+            if tuple(wide) != want[name]:
+                raise InputError(f"{type(cfg).__name__} with head_dim {cfg.head_dim} builds {name} as "
+                                 f"{want[name]}, not {tuple(wide)}; the config cannot express the wider heads")
+            if name in cplan.slots:
+                for key in job.keys_of(name):
+                    if tuple(A.shapes[key]) != shape:
+                        raise InputError(f"checkpoint tensor {key!r} is stored as {tuple(A.shapes[key])}, not "
+                                         f"{shape} as its parameter; expected heads stored as the model holds them")
+                    job.out_shapes[key] = tuple(wide)
+        before = A.model.config.to_dict()
+        job.config_updates.update({k: v for k, v in cfg.to_dict().items() if before.get(k) != v})
+        job.combine = self.combine
+
+    def combine(self, names, values, stats, weights, report) -> dict:
+        """The merged ``names`` (every model's ``values`` in the anchor's basis, the anchor
+        first), by :func:`circuit_state`."""
+        order = [self.job.anchor] + [i for i in range(len(values)) if i != self.job.anchor]
+        return circuit_state([{k: values[i][k] for k in names} for i in order], [weights[i] for i in order],
+                             self.built()[0])
+
+
+def _wide(tree, wide, n) -> int:
+    """The size of an axis of structure ``tree`` once its head-size leaves in ``wide`` are
+    ``n`` times as wide (what :func:`_widen` makes of it)."""
+    if tree[0] == "leaf":
+        return tree[1] * (n if tree[2] in wide else 1)
+    parts = [_wide(t, wide, n) for t in tree[1]]
+    return math.prod(parts) if tree[0] == "prod" else sum(parts)

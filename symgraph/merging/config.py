@@ -86,7 +86,7 @@ class MergeConfig(BaseModel):
                               "then admits orthogonal maps; one more vocabulary x width matrix)",
                               json_schema_extra=_opt("true or false"))
     full_groups: StrictBool = Field(False, description="after the rotations, fit each head's GL map and each "
-                                    "RoPE pair's scale (the full groups the report claims; loads the models)",
+                                    "RoPE pair's scale (the full groups the report claims)",
                                     json_schema_extra=_opt("true or false"))
     sketch: StrictInt = Field(0, description="weight matching compares permutation classes through a shared "
                               "random projection of K columns where a matrix is wider than 2K (0: exact)",

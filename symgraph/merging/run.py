@@ -1,7 +1,8 @@
 """The one merge entry: :func:`run_merge` takes a :class:`~symgraph.merging.config.MergeConfig`,
 vets the output directory before any work, chooses the out-of-core path (a plain average of
-local checkpoints, aligned by weights, by activations or not at all) or the in-memory one
-(learned matching, circuit-space heads, untying, full groups, demo names and hub ids), and writes the merge
+local checkpoints, aligned by weights, by activations or not at all, circuit-space heads
+and full groups included) or the in-memory one
+(every other method, REPAIR, learned matching, demo names and hub ids), and writes the merge
 atomically with its record (``symgraph_merge.json``) and model card. The ``symgraph merge``
 command and :func:`symgraph.merge_checkpoints` both call it."""
 from __future__ import annotations
@@ -81,7 +82,7 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
             why = None if job is not None else "its tensor names are converted by from_pretrained"
         if job is None and streaming:
             raise InputError(f"this merge cannot run out of core: {why}; expected a merge of local "
-                             "checkpoint directories without repair, refine, circuits, untie or full groups")
+                             "checkpoint directories without repair or refine")
     if job is not None:
         try:
             return _merge_streaming(job, cfg, out, inputs)
@@ -101,10 +102,6 @@ def _needs_memory(cfg) -> str | None:
         return f"method {cfg.method!r} takes its statistics of loaded models only"
     if cfg.refine:
         return "learned matching trains through the whole merged model"
-    if cfg.attention == "circuits" or cfg.untie:
-        return "circuit-space heads and untied weights change the architecture"
-    if cfg.full_groups:
-        return "fitting the full groups reads the loaded models"
     local = [m for m in cfg.models if os.path.isdir(os.path.expanduser(m))]
     if len(local) != len(cfg.models):
         return "not every model is a local checkpoint directory"
@@ -177,12 +174,16 @@ def _streaming_job(cfg, layouts, data, anchor, progress, options):
         data = _data(cfg, ckpts[0].model)
     if cfg.seen_rows:
         options = {**options, "rows_from": data}
+    if cfg.full_groups:  # fitted after the orthogonal solve from the stored tensors, as in memory
+        options = {**options, "full_groups": True}
     try:
         needs = cfg.align == "activations" or stats
         return StreamingMerge(ckpts, weights=cfg.weights, align=cfg.align, method=cfg.method,
                               data=data if needs else None, anchor=anchor, device=cfg.device,
                               memory_budget=cfg.memory_budget, fold_norms=cfg.fold_norms, outputs=cfg.outputs,
-                              progress=progress, repair=cfg.repair, **_speed_options(cfg), **options)
+                              progress=progress, untie=cfg.untie, attention=cfg.attention, repair=cfg.repair,
+                              **_speed_options(cfg),
+                              **options)
     except InputError as e:
         raise type(e)(f"{e}{_config_diff(ckpts, cfg.models)}") from None
 
@@ -212,6 +213,8 @@ def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:
     anchor = job.ckpts[job.anchor]
     meta = _meta(cfg, job.data, mode="streaming", seconds=time.time() - t0, alignments=job.alignments,
                  dtype=anchor.dtype, repair=None, input_dtypes=[c.dtype for c in job.ckpts])
+    merged = job.circuits.built()[2] if job.circuits is not None else anchor.model  # meta models, no tensors
+    meta["architecture"] = _architecture_change((anchor.source or anchor).model, merged)
 
     def write(directory):  # the record's REPAIR entry and the card once the merge is measured
         info = job.write(directory)

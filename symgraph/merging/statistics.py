@@ -31,6 +31,7 @@ from ..alignment.graphrun import Stepper, flatten_for, meta_constants, on_device
 from ..core import distributed
 from ..core.files import file_id, identity, remove_own
 from ..errors import NeedsMemory
+from .untie import untie
 from .views import Aligned, nbytes
 
 __all__ = ["Spill", "Stored", "input_grams", "whole_model"]
@@ -157,10 +158,13 @@ def _passes(xs, width, budget):
 def whole_model(job, i: int, method, prefix: str) -> Stored:
     """A statistic that needs the whole model (Fisher's squared gradients): model ``i`` loaded
     alone (in its stored dtype, on ``job.device``), measured in the anchor's basis exactly as
-    :func:`symgraph.merge` measures it, written to ``job.spill`` and freed."""
+    :func:`symgraph.merge` measures it (untied when its checkpoint is read untied), written to
+    ``job.spill`` and freed."""
     from ..checkpoints.specs import load_local
     from .driver import statistics_in_anchor_basis
     m = load_local(job.ckpts[i].path).to(job.device)
+    if job.ckpts[i].source is not None:  # read as its untied model (StreamingMerge(untie=True))
+        m = untie(m)
     job.ledger.hold(sum(nbytes(p) for p in m.parameters()))
     al = job.alignments[i]
     rep = al.report_b if al is not None else job.graph_report

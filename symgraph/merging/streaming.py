@@ -8,7 +8,7 @@ Its steps, in :class:`StreamingMerge`:
    (:func:`symgraph.alignment.driver.align_tensors`) through lazy, norm-folded views
    (:class:`~symgraph.merging.views.Folded`), or by activations: the graphs of the anchor and
    the other model run side by side on the data, op by op, each weight read when an op takes
-   it (:class:`~symgraph.alignment.graphrun.Stepper`);
+   it (:class:`~symgraph.alignment.graphrun.Stepper`); full groups then fitted from the stored tensors (:class:`~.views.Sides`);
 3. **statistics** — the merge method's (RegMean's input Grams, Fisher's squared gradients)
    are taken out of core and spilled to disk (:mod:`symgraph.merging.statistics`);
 4. **read, carry, combine, write** — one tensor group at a time (a norm fold's gain, shift and
@@ -27,9 +27,10 @@ working copies are sized from one memory budget (:func:`budgets`); :class:`~symg
 counts the bytes held.
 
 :func:`~symgraph.merging.run.merge_checkpoints` is the Python entry; ``symgraph merge`` runs every
-merge here except learned matching, circuit-space heads, untying and full-group fitting, which
-load the models (:func:`symgraph.merge`, saying so), and REPAIR of models with BatchNorm layers.
-REPAIR runs as the last step before writing (:mod:`~symgraph.merging.repair_stream`).
+merge here except learned matching, which loads the models
+(:func:`symgraph.merge`, saying so), and REPAIR of models with BatchNorm layers. REPAIR runs
+as the last step before writing (:mod:`~symgraph.merging.repair_stream`). Untying reads each checkpoint as its untied model
+(:func:`~symgraph.merging.untie.untie_checkpoint`); circuit-space heads widen as they combine (:mod:`.circuits`).
 """
 from __future__ import annotations
 
@@ -40,7 +41,6 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -51,9 +51,10 @@ from ..transform.folding import gauge, groups
 from ..checkpoints.sharded import Checkpoint, KeysDiffer, ShardWriter, parse_size
 from .methods import registry
 from .methods.registry import mixing_weights
-from . import repair_stream
+from . import repair_stream, slicing
 from .statistics import Spill
-from .views import DEFAULT_CACHE, Folded, Ledger, Sliced, elements_on, nbytes, return_freed_memory
+from .untie import untie_checkpoint, untie_config_updates
+from .views import DEFAULT_CACHE, Folded, Ledger, Sides, Sliced, elements_on, nbytes, return_freed_memory
 
 if TYPE_CHECKING:
     from ..report.symmetry import SymmetryReport
@@ -88,15 +89,16 @@ class StreamingMerge:
     statistics it takes out of core (:meth:`~symgraph.merging.methods.registry.MergeMethod.streamed_statistics`,
     on ``data``); ``device``: where tensors are computed (read from disk on the CPU, written
     back from it); ``memory_budget``: bytes the engine may hold at once (its caches, a pass's
-    statistics, a group's working copies; see :func:`budgets`). The constructor reads headers
-    only; :meth:`align` solves; :meth:`write` takes the method's statistics and writes the
-    merged checkpoint into a directory (``save_atomic`` passes its temporary one).
+    statistics, a group's working copies; see :func:`budgets`); ``untie``: tied parameters
+    get their own tensors first and ``attention`` picks heads or circuits, as in :func:`symgraph.merge`.
+    The constructor reads headers only; :meth:`align` solves; :meth:`write` takes the method's
+    statistics and writes the merged checkpoint into a directory (``save_atomic`` passes its temporary one).
     """
 
     def __init__(self, paths, *, weights=None, align="weights", anchor: int = 0, fold_norms: bool = True,
                  max_shard_size=DEFAULT_SHARD, progress: bool = False, cache_bytes: int = DEFAULT_CACHE,
                  outputs=None, data=None, rows_from=None, method="average", method_options=None,
-                 device="cpu", memory_budget=None, repair=False, **align_options):
+                 device="cpu", memory_budget=None, untie=False, attention="heads", repair=False, **align_options):
         paths = list(paths)
         if len(paths) < 2:
             raise InputError(f"merge needs at least 2 checkpoints, got {len(paths)}")
@@ -132,6 +134,7 @@ class StreamingMerge:
         self.rows_from = list(rows_from) if rows_from is not None else None  # batches: read only their tokens' rows
         return_freed_memory()
         self.ckpts = [p if isinstance(p, Checkpoint) else Checkpoint(p) for p in paths]
+        self.ckpts = [untie_checkpoint(c) for c in self.ckpts] if untie else self.ckpts  # before the checks
         self._check_family()
         # rotations are solved and applied in float32 for 16- and 32-bit weights (their own
         # precision is far coarser), in float64 for float64 checkpoints
@@ -149,8 +152,10 @@ class StreamingMerge:
         self.combine = self.how.combine_group  # (names, values, stats, weights, report) -> merged
         self.out_shapes: dict = {}      # anchor key -> the shape written (default: the anchor's)
         self.corrections: dict = {}     # parameter name -> f(merged tensor in its dtype) -> corrected
-        self.config_updates: dict = {}  # config.json fields the merge changes
+        self.config_updates = untie_config_updates(getattr(self.ckpts[anchor].source, "config", None))  # config.json fields
         self.prepare: list = []         # f(job), run after the statistics and before writing
+        from .circuits import streamed  # imported here: the engine loads nothing of a transform it does not run
+        self.circuits = streamed(self, attention)  # circuit-space heads' hooks, set on this job (None: heads)
 
     def _check_family(self):
         A = self.ckpts[self.anchor]
@@ -200,7 +205,8 @@ class StreamingMerge:
                 fb = Folded(rb, c, self.cache_bytes, self.work_dtype, dev, self.ledger)
                 acts = {} if self.align_mode != "activations" else dict(
                     data=self.data, models=(A.model, c.model), fetch=(A.fetch, c.fetch), stats_budget=self.stats_bytes)
-                self.alignments[i] = align_tensors(ra, rb, fa, fb, gains, exact_dtype=self.work_dtype,
+                sides = Sides(A, c, (fa, fb), self.cache_bytes, self.ledger, dev)  # what full groups read
+                self.alignments[i] = align_tensors(ra, rb, fa, fb, gains, exact_dtype=self.work_dtype, sides=sides,
                                                    **acts, **self.align_options)
                 fb.clear()
                 bar.update()
@@ -245,9 +251,9 @@ class StreamingMerge:
                 names = (key,) if self._averaged(key) else None
             else:
                 names = unit.get(name, (name,))
-            split = self._split(names) if names is not None else None
+            split = slicing.split(self, names) if names is not None else None
             names = names if split is None else tuple(split[0])  # the order _pieces yields them in
-            keys = (key,) if names is None else tuple(k for n in names for k in self._keys(n))
+            keys = (key,) if names is None else tuple(k for n in names for k in self.keys_of(n))
             order.append((keys, None if names is None else (names, split)))
             seen.update(keys)
         writer = ShardWriter(directory, self.shard_bytes,
@@ -257,7 +263,7 @@ class StreamingMerge:
             for keys, job in order:
                 pieces = self._pieces(*job) if job else [(keys[0], A.read(keys[0]))]
                 for n, v in pieces:
-                    for k in self._keys(n):
+                    for k in self.keys_of(n):
                         writer.add(k, v)
                 bar.update(len(keys))
         info = writer.close()
@@ -278,7 +284,8 @@ class StreamingMerge:
             return
         with open(src, encoding="utf-8") as f:
             config = json.load(f)
-        config.update(self.config_updates)
+        for k, v in self.config_updates.items():  # a dict value updates a nested config (text_config)
+            config[k] = {**config[k], **v} if isinstance(v, dict) and isinstance(config.get(k), dict) else v
         with open(dst, "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")
@@ -293,81 +300,14 @@ class StreamingMerge:
         assert self.report is not None  # aligned: write() runs align() first
         return buffer in self.report.buffers
 
-    def _keys(self, name) -> list:
+    def keys_of(self, name) -> list:
         """The anchor checkpoint's keys holding parameter (or buffer) ``name``."""
         A = self.ckpts[self.anchor]
         return [k for k in A.params.get(name, (name,)) if k in A.shapes]
 
-    def _split(self, names):
-        """How to compute a group whose tensors are over the engine's chunk size (in the work
-        dtype) in slices: ``(order, dims, size, step, streamed)``, slicing each tensor of
-        ``dims`` at ``dims[name]`` (one axis class of ``size`` coordinates, ``step`` at a
-        time); None to compute it whole. Slices are independent where no map acts along the
-        sliced axis (for every alignment), no fold scales along it or has its gain or shift
-        sliced, and each reader's bias is sliced with its weight (the shift's contraction runs
-        along the fold axis): every other step acts along other axes or element-wise, so the
-        slices are those of the whole computation (element-wise steps and permutations
-        exactly; a dense map is a matrix product whose rows MKL gives bit for bit for slices of
-        thousands of rows, as on the 1.1B shape, but not for every slice size). ``order``: the
-        unsliced tensors (taken from the first slice), then ``streamed`` (or None), written
-        slice by slice as it comes (the largest tensor sliced along dim 0 under one checkpoint
-        key), then the others (assembled)."""
-        A, R = self.ckpts[self.anchor], self.report
-        if R is not None and any(n in R.stacked for n in names):
-            return None  # the report's axes are of the viewed (experts × hidden) layout
-        if any(n in self.corrections or A.key(n) in self.out_shapes for n in names):
-            return None  # a transform's tensors are computed whole
-        item = torch.empty((), dtype=self.work_dtype).element_size()
-        shapes = {n: A.shapes[A.key(n)] for n in names}
-        numel = {n: int(np.prod(shapes[n], dtype=np.int64)) for n in names}
-        big = max(names, key=numel.get)
-        if sum(numel.values()) * item <= self.chunk_bytes:
-            return None
-        for d in range(len(shapes[big])):
-            dims = {big: d} if R is None else self._sliceable(names, R.axis_key(R.param_axes(big)[d]))
-            if not dims or item * sum(numel[n] for n in names if n not in dims) > self.chunk_bytes:
-                continue
-            if not all(self.how.sliceable(n, e, self.graph_report) for n, e in dims.items()):
-                continue  # a whole remainder this large is recomputed for every slice: not worth it
-            row = item * sum(numel[n] // max(shapes[n][e], 1) for n, e in dims.items())
-            rows = [n for n, e in dims.items() if e == 0 and len(self._keys(n)) == 1]
-            first = max(rows, key=numel.get) if rows else None
-            order = [n for n in names if n not in dims] + [first] * bool(first)
-            order += [n for n in dims if n != first]
-            return tuple(order), dims, shapes[big][d], max(1, self.chunk_bytes // max(row, 1)), first
-        return None
-
-    def _sliceable(self, names, key) -> dict | None:
-        """``{name: dim}`` of the tensors of ``names`` with a dim of the anchor's axis class
-        ``key``, when the group can be computed in slices along it (see :meth:`_split`)."""
-        A, R = self.ckpts[self.anchor], self.report
-        assert R is not None  # _split asks only with a report
-        dims: dict[str, int] = {}
-        for n in names:
-            hits = [d for d, a in enumerate(R.param_axes(n)) if R.axis_key(a) == key]
-            if len(hits) > 1:
-                return None
-            dims.update({n: hits[0]} if hits else {})
-        for al, c in zip(self.alignments, self.ckpts):
-            if al is None:
-                continue
-            rb = al.report_b
-            for n, d in dims.items():
-                if (c.shapes[c.key(n)][d] != A.shapes[A.key(n)][d]
-                        or rb.axis_map(rb.param_axes(n)[d], al.elements) is not None):
-                    return None
-            for f in rb.folds:
-                if f.gain in dims or f.shift in dims:
-                    return None
-                for w, axis, b in f.readers:
-                    bias_dim = dims[w] - (dims[w] > axis) if w in dims else None
-                    if dims.get(w) == axis or (b and dims.get(b) != bias_dim):
-                        return None
-        return dims
-
     def _pieces(self, names, split):
         """``(name, value)`` of the merged ``names`` in write order: whole, or slice by slice
-        (``split``: see :meth:`_split`), so that memory holds a few slices of a large tensor
+        (``split``: see :func:`~symgraph.merging.slicing.split`), so that memory holds a few slices of a large tensor
         in the work dtype (others of its group assembled in the anchor's dtype), not several
         whole copies."""
         if split is None:
@@ -393,7 +333,7 @@ class StreamingMerge:
         the device, moved into the anchor's basis (in the work dtype where a map acts) and
         combined by the method in the work dtype (float32, float64 for float64 checkpoints)
         with its statistics; ``parts``: ``{name: (dim, start, stop)}``, the slices to compute of
-        those tensors (see :meth:`_split`), the statistics sliced alike. Integer tensors (ids,
+        those tensors (see :func:`~symgraph.merging.slicing.split`), the statistics sliced alike. Integer tensors (ids,
         counts) are the anchor's."""
         A, parts, dev = self.ckpts[self.anchor], parts or {}, self.device
         # inputs are checked finite through the result (NaN and inf survive averaging and

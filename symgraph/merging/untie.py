@@ -10,7 +10,7 @@ import torch
 
 from ..report.api import tied_parameters
 
-__all__ = ["untie", "untie_cost"]
+__all__ = ["untie", "untie_cost", "untie_checkpoint", "untie_config_updates"]
 
 
 def untie(model):
@@ -29,6 +29,31 @@ def untie(model):
     for c in {id(x): x for x in (cfg, getattr(cfg, "get_text_config", lambda: None)())}.values():
         if c is not None and getattr(c, "tie_word_embeddings", False):
             c.tie_word_embeddings = False
+    return out
+
+
+def untie_checkpoint(ckpt):
+    """A :class:`~symgraph.checkpoints.sharded.Checkpoint` read as its untied model, for the
+    merge engine: its meta model :func:`untie` d, each untied name its own key (as
+    ``save_pretrained`` of the untied model writes it), read from the tied group's stored
+    tensor (:meth:`~symgraph.checkpoints.sharded.Checkpoint.untied`). ``ckpt`` is left untouched."""
+    return ckpt.untied(untie(ckpt.model))
+
+
+def untie_config_updates(config) -> dict:
+    """The ``config.json`` fields :func:`untie` changes in ``config``: ``tie_word_embeddings``
+    false where it is set, at the top and in a nested text config (``{"text_config":
+    {"tie_word_embeddings": False}}``, a field of that nested config); none for ``None``."""
+    out: dict = {}
+    if config is None:
+        return out
+    if getattr(config, "tie_word_embeddings", False):
+        out["tie_word_embeddings"] = False
+    text = getattr(config, "get_text_config", lambda: None)()
+    if text is not None and text is not config and getattr(text, "tie_word_embeddings", False):
+        field = next((k for k, v in vars(config).items() if v is text), None)
+        if field is not None:
+            out[field] = {"tie_word_embeddings": False}
     return out
 
 

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
+from ..alignment.weights import WeightFeatures
 from ..transform import folding
 from ..transform.apply import move
 from ..transform.folding import groups, members
 
-__all__ = ["Folded", "Aligned", "Ledger", "Sliced", "nbytes", "elements_on", "DEFAULT_CACHE", "return_freed_memory"]
+__all__ = ["Folded", "Aligned", "Sides", "Ledger", "Sliced", "nbytes", "elements_on", "DEFAULT_CACHE", "return_freed_memory"]
 
 DEFAULT_CACHE = 64 << 20  # bytes of folded tensors kept per model while aligning (about a layer of 1.1B's MLP)
 
@@ -178,6 +180,58 @@ class Aligned:
 
     def clear(self):
         self._cache.clear()
+
+
+class Sides:
+    """What fitting the full groups (:mod:`symgraph.alignment.fullgroups`) reads of checkpoint
+    ``ckpt`` and the ``anchor``'s, out of core: the anchor's stored tensors, and ``ckpt``'s
+    carried into the anchor's basis by the elements of the moment (an :class:`Aligned` in
+    float64, cast to the stored dtype: what :meth:`~symgraph.Alignment.state` gives a loaded
+    model), each read on demand and kept up to ``budget`` bytes, counted in ``ledger``, put on
+    ``device``; ``folded``: the two checkpoints' :class:`Folded` views, which the continuous
+    classes are re-solved from."""
+
+    def __init__(self, anchor, ckpt, folded, budget: int = DEFAULT_CACHE, ledger: Ledger | None = None,
+                 device=None):
+        self.A, self.ckpt, self.folded, self.device = anchor, ckpt, tuple(folded), device
+        self.budget, self.ledger = budget, ledger or Ledger()
+        self._a = _Cache(budget, self.ledger)
+        self._view: Aligned | None = None
+
+    def anchor(self, name):
+        v = self._a.get(name)
+        if v is None:
+            v = self.A.get(name)
+            v = v if self.device is None else v.to(self.device)
+            self._a.put(name, v)
+        return v
+
+    def moved(self, al):
+        if self._view is not None:
+            self._view.clear()
+        now = replace(al, elements=elements_on(al.elements, "cpu"))  # later fits replace elements, not this
+        self._view = Aligned(self.ckpt, now, self.A, None, torch.float64, self.budget, self.ledger)
+        return _OnDevice(self._view.fetch, self.device)
+
+    def features(self, ra, rb):
+        return WeightFeatures(ra, rb, *self.folded)
+
+    def release(self):
+        self._a.clear()
+        if self._view is not None:
+            self._view.clear()
+        self._view = None
+
+
+class _OnDevice:
+    """``[name]``: ``fetch(name)`` on ``device`` (None: where it is)."""
+
+    def __init__(self, fetch, device):
+        self.fetch, self.device = fetch, device
+
+    def __getitem__(self, name):
+        v = self.fetch(name)
+        return v if self.device is None else v.to(self.device)
 
 
 def _fold_dtype(f, raw, dtype):

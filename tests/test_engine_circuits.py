@@ -1,0 +1,114 @@
+"""Circuit-space heads (``--attention circuits``) out of core: the merge engine widens every
+head as it combines, writes the wider shapes and the config that states them, and its
+checkpoint equals the in-memory circuit merge (tensors, config, logits) within its memory
+budget; what the in-memory path refuses, the engine refuses."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from symgraph.cli.main import main as cli
+from symgraph.errors import InputError
+from symgraph.merging.config import MergeConfig
+from symgraph.merging.run import run_merge
+from symgraph.merging.streaming import StreamingMerge
+from symgraph.testing import models
+
+SIZES = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("circuits")
+    for i in range(2):
+        models.build("llama", seed=i, **SIZES).save_pretrained(str(d / f"m{i}"))
+    return d
+
+
+def _load(path):
+    return {k: v for f in sorted(os.listdir(path)) if f.endswith(".safetensors")
+            for k, v in load_file(os.path.join(path, f)).items()}
+
+
+def _rel(a, b):
+    assert a.keys() == b.keys()
+    assert {k: a[k].shape for k in a} == {k: b[k].shape for k in b}
+    return max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp_min(1e-12))
+               for k in a)
+
+
+def _in_memory(pair, out, anchor=0, **options):
+    cfg = MergeConfig(models=[str(pair / "m0"), str(pair / "m1")], out=str(out), attention="circuits", **options)
+    return run_merge(cfg, streaming=False, progress=False, anchor=anchor)
+
+
+def _logits(path, x):
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    with torch.no_grad():
+        return m, m(x).logits.double()
+
+
+def test_circuits_run_out_of_core_and_equal_the_in_memory_merge(pair, tmp_path, capsys):
+    out = tmp_path / "stream"
+    rc = cli(["merge", str(pair / "m0"), str(pair / "m1"), "--attention", "circuits", "--out", str(out),
+              "--memory-budget", "128KB"])
+    assert rc == 0
+    said = capsys.readouterr()
+    assert "loaded in memory" not in said.err and "circuit-space heads, out of core" in said.out
+    assert _in_memory(pair, tmp_path / "mem").mode == "in-memory"
+    streamed, loaded = _load(out), _load(tmp_path / "mem")
+    assert _rel(streamed, loaded) < 1e-5
+    assert streamed["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 2 * 8, 32)  # 2 KV heads, 2x8 wide
+    x = torch.randint(0, 64, (3, 24), generator=torch.Generator().manual_seed(0))
+    ms, got = _logits(out, x)
+    mm, want = _logits(tmp_path / "mem", x)
+    assert ms.config.head_dim == 16 and ms.config.rope_parameters["rope_type"] == "longrope"
+    drop = {"_name_or_path"}
+    assert ({k: v for k, v in ms.config.to_dict().items() if k not in drop}
+            == {k: v for k, v in mm.config.to_dict().items() if k not in drop})
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    records = [json.load(open(p / "symgraph_merge.json")) for p in (out, tmp_path / "mem")]
+    assert records[0]["mode"] == "streaming" and records[0]["architecture"] == records[1]["architecture"]
+    assert "16 wide instead of 8" in records[0]["architecture"][0]
+
+
+@pytest.mark.parametrize("options", [dict(align="none"), dict(anchor=1, weights=[0.3, 0.7])])
+def test_unaligned_and_other_anchor_equal_in_memory(pair, tmp_path, options):
+    """Without alignment (the anchor analysed for the plan alone) and with the second model
+    as anchor and unequal weights (the anchor first in the widened heads, as in memory)."""
+    cfg = MergeConfig(models=[str(pair / "m0"), str(pair / "m1")], out=str(tmp_path / "stream"),
+                      attention="circuits", **{k: v for k, v in options.items() if k != "anchor"})
+    assert run_merge(cfg, streaming=True, progress=False, anchor=options.get("anchor", 0)).mode == "streaming"
+    _in_memory(pair, tmp_path / "mem", **options)
+    assert _rel(_load(tmp_path / "stream"), _load(tmp_path / "mem")) < 1e-5
+
+
+def test_the_circuit_merge_holds_no_more_than_its_budget(pair, tmp_path):
+    budget = 128 << 10
+    job = StreamingMerge([str(pair / "m0"), str(pair / "m1")], attention="circuits", memory_budget=budget)
+    job.align()
+    job.write(str(tmp_path))
+    assert 0 < job.ledger.peak <= budget
+    assert job.ledger.now == 0  # everything it held was let go
+    assert json.load(open(tmp_path / "config.json"))["head_dim"] == 16
+
+
+def test_what_memory_refuses_the_engine_refuses(pair, tmp_path):
+    paths = [str(pair / "m0"), str(pair / "m1")]
+    with pytest.raises(InputError, match="expected 'heads' or 'circuits'"):
+        StreamingMerge(paths, attention="wide")
+    data = [{"input_ids": torch.randint(0, 64, (4, 8))}]
+    with pytest.raises(InputError, match="weighted averaging.*expected method=.average. without repair"):
+        StreamingMerge(paths, attention="circuits", method="fisher", data=data)
+    with pytest.raises(InputError, match="not method='average' with repair"):
+        StreamingMerge(paths, attention="circuits", repair=True, data=data)
+    for i in range(2):
+        models.build("gpt2", seed=i, vocab=64, hidden=32, layers=2, heads=4, positions=64).save_pretrained(
+            str(tmp_path / f"g{i}"))
+    with pytest.raises(InputError, match="no head_dim field"):
+        StreamingMerge([str(tmp_path / "g0"), str(tmp_path / "g1")], attention="circuits")
