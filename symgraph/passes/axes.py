@@ -103,6 +103,7 @@ def _node(an, axis, par, elements):
             subs.append(_leaf(an, ra, pra ^ pa, elements))
     if all(E is None for E, _ in subs):
         return None, ()
+    subs = [(E, f) if E is None else _gather_fibres(an, E, f, k, factors, fclasses) for k, (E, f) in enumerate(subs)]
     outer = []
     for _, f in subs:
         outer += [x for x in f if x not in fclasses and x not in outer]
@@ -125,6 +126,24 @@ def _node(an, axis, par, elements):
         X = torch.einsum(f"{''.join(sub_l)}{new}{f_l[k]},{''.join(x_sub)}->{''.join(out_sub)}",
                          E, X)
     return X.reshape(*osz, -1, n), tuple(outer)
+
+
+def _gather_fibres(an, E, fib, k, factors, fclasses):
+    """Factor ``k``'s element fibred over a leaf that lies inside another factor (a
+    concatenation of copies of it: a head axis cut in halves, the halves one class) read per
+    coordinate of that factor: ``E``'s fibre dim indexed by the leaf's coordinate there (every
+    coordinate has one, else it stays unresolved), renamed to that factor."""
+    fib = list(fib)
+    for i, x in enumerate(fib):
+        if x in fclasses:
+            continue
+        for j, ((a, _), c) in enumerate(zip(factors, fclasses)):
+            idx = coord_table(an, a)[1].get(x) if j != k and c in an.uf.struct else None
+            if idx is not None and (idx >= 0).all():
+                E = E.index_select(i, torch.as_tensor(idx, device=E.device))
+                fib[i] = c
+                break
+    return E, tuple(fib)
 
 
 def _application_order(subs, fclasses):

@@ -16,11 +16,12 @@ import torch
 
 from ..errors import UnsupportedOpError
 from . import labels, registry
-from .patterns import rope as _rope, stacked
-from .nodes import FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path, output_nodes, packet as _packet, source_line, tensor_axes
+from .patterns import rope as _rope
+from .nodes import FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path, output_nodes, packet as _packet, source_line
 from .registry import Label, Meet, NoFiber, Rope, RuleContext, Structure, Unify
 from .patterns.norms import find_norms
 from .patterns.packed import find_packed
+from .fibres import compute_fibres
 from .unionfind import AxisUnionFind
 
 __all__ = ['AxisAnalysis', 'FrozenOp', 'analyze_graph']
@@ -311,7 +312,7 @@ class AxisAnalysis:
             for p, _par in uf.struct[r][1]:
                 uf.meet(p, kind, f"part of a class narrowed to {kind} ({why})" if kind != "gl" else None)
         self.roots = {uf.find(a)[0] for a in range(len(uf.parent))}
-        self._fibres()
+        compute_fibres(self)
         return self
 
     def _split_pairs(self, r):
@@ -359,83 +360,6 @@ class AxisAnalysis:
         for p, _ in self.uf.struct[r][1]:
             out += self.leaves(p)
         return out
-
-    def _prod_candidates(self):
-        """For each leaf class, the leaves that precede it in some product structure."""
-        cand: dict[int, set] = {}
-        uf = self.uf
-
-        def visit(r):
-            kind, parts = uf.struct[r]
-            if kind == "prod":
-                seen = []
-                for p, _ in parts:
-                    pl = self.leaves(p)
-                    for leaf in pl:
-                        cand.setdefault(leaf, set()).update(
-                            x for x in seen if self.kind(x) in ("perm", "identity"))
-                    seen += pl
-        for r in list(self.roots):
-            if r in uf.struct:
-                visit(r)
-        return cand
-
-    def _fibres(self):
-        cand = self._prod_candidates()
-        classes = stacked.label_classes(self)  # experts: fibres across a parameter's axes
-        carry = stacked.carried(self, classes) if classes else {}
-        labelled = {node: self._labelled(node, classes) for node in self.param_nodes.values()} \
-            if classes else {}
-        for node, per_axis in labelled.items():
-            for a, other in zip(self.node_axes[node], per_axis):
-                for leaf in self.leaves(a):
-                    cand.setdefault(leaf, set()).update(other - {leaf})
-        fib = {leaf: set(c) for leaf, c in cand.items() if c}
-        buffers = set(self.buffer_nodes.values())
-        if fib:
-            for node, ax in self.node_axes.items():
-                if ax is None:
-                    continue
-                for t in tensor_axes(ax):
-                    if self.origin.get(node) == "param" or node in buffers:  # stored: same axis
-                        for j, a in enumerate(t):  # (or a label class on another axis)
-                            present = set(self.leaves(a))
-                            if node in labelled:
-                                present |= labelled[node][j]
-                            for leaf in present & fib.keys():
-                                fib[leaf] &= present
-                    else:
-                        present = {f for r in carry.get(node, ()) for f in stacked.members(self, r)}
-                        for a in t:
-                            present.update(self.leaves(a))
-                        for leaf in present & fib.keys():
-                            fib[leaf] &= present
-            for a, over in self.nofiber:
-                for leaf in self.leaves(a):
-                    if leaf in fib:
-                        fib[leaf] -= set(self.leaves(over))
-        self.fibre = {}
-        for leaf, f in fib.items():
-            if f and self.kind(leaf) != "identity":
-                # keep the order in which fibre classes appear as outer factors
-                self.fibre[leaf] = tuple(sorted(f, key=lambda x: x))
-        self.stacked = stacked.stack(self, classes) if classes else {}
-        self._order_fibres()
-
-    def _labelled(self, node, classes) -> list:
-        """Per axis of parameter ``node``: the label classes on its other axes."""
-        roots = [self.uf.find(a)[0] for a in self.node_axes[node]]
-        here = [set(stacked.members(self, r)) if r in classes else set() for r in roots]
-        return [set().union(*(h for o, h in enumerate(here) if o != j)) for j in range(len(here))]
-
-    def _order_fibres(self):
-        # Order fibres outer-to-inner as they appear in a product structure of the leaf.
-        order = {}
-        for r in self.roots:
-            if r in self.uf.struct and self.uf.struct[r][0] == "prod":
-                for i, leaf in enumerate(self.leaves(r)):
-                    order.setdefault(leaf, i)
-        self.fibre = {k: tuple(sorted(v, key=lambda x: order.get(x, 0))) for k, v in self.fibre.items()}
 
 
 def analyze_graph(ep, strict=False, tied=(), fold_norms=True, keep=None) -> AxisAnalysis:

@@ -18,7 +18,7 @@ per coordinate, which member of ``E`` it belongs to:
   batched matmuls), as long as the labels' axes are still axes of the result (a sum over
   the token or slot axis mixes experts and ends the carry). Anything else ends it, so a
   tensor with ``L`` that does not carry ``E`` (a shared bias, a reduction) keeps one ``L``
-  element for all experts (:meth:`AxisAnalysis._fibres <.analysis.AxisAnalysis._fibres>`).
+  element for all experts (:func:`~symgraph.passes.fibres.compute_fibres`).
 
 A parameter whose axis ``j`` holds such a class and axis ``o`` the label class is then
 *viewed* with the two axes as one product axis ``(E, L)`` (``movedim`` + ``flatten``,

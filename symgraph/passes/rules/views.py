@@ -126,6 +126,36 @@ def expand(ctx):
     return cons
 
 
+#: Most copies :func:`repeat` writes as a concatenation (beyond: a product with a fixed factor).
+MAX_COPIES = 64
+
+
+@register(aten.repeat)
+def repeat(ctx):
+    """``x.repeat(r_0, ..., r_k)``: along each dim, ``r`` copies of ``x`` one after the other,
+    a concatenation ``x ⊕ x ⊕ ...`` (:func:`cat`'s structure, every segment ``x``'s class:
+    the map on ``x`` applied to each copy); ``r`` copies of a dim of size 1, or new leading
+    dims, are broadcasts (values constant along them), as :func:`expand`'s."""
+    x = ctx.arg(0)
+    xa, xs = ctx.axes(x), ctx.shape(x)
+    out, reps = ctx.out, [int(r) for r in ctx.arg(1)]
+    off, why = len(out) - len(xa), f"{ctx.where}: repeated (broadcast) axis"
+    cons: list = []
+    for o, r in enumerate(reps):
+        k = o - off
+        if k >= 0 and r == 1:
+            cons.append(Unify(out[o], xa[k]))
+        elif k < 0 or xs[k] == 1:
+            cons.append(Meet(out[o], "perm", why))
+        elif r <= MAX_COPIES:
+            cons.append(Structure(out[o], "sum", (xa[k],) * r))
+        else:  # one copy per coordinate of a fixed outer factor
+            copies = ctx.new_axis(r)
+            cons += [Structure(out[o], "prod", (copies, xa[k])),
+                     Meet(copies, "identity", f"{ctx.where}: {r} copies")]
+    return cons
+
+
 # A complex tensor ``z[..., n]`` is the real ``x[..., n, 2]`` (real and imaginary parts): a
 # real map on any axis but that last one acts on both parts alike, so the other axes are
 # shared; the (re, im) axis itself stays fixed. Complex RoPE (``view_as_real(view_as_complex(
