@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from ..core.ties import retie, tied_groups
 from ..errors import InputError
 
 __all__ = ["circuit_merge", "circuit_state", "circuit_between", "CircuitPlan", "plan", "streamed", "Streamed"]
@@ -229,6 +230,7 @@ def circuit_merge(models, weights, report):
     cfg = _config(models[0], cplan, n)
     with torch.device("meta"):
         new = type(models[0])(cfg)
+    tied = tied_groups(new)  # to_empty and load_state_dict(assign=True) give each tied name its own tensor
     new = new.to_empty(device=next(models[0].parameters()).device)
     want = new.state_dict()
     missing, extra = sorted(set(want) - set(merged)), sorted(set(merged) - set(want))
@@ -241,6 +243,7 @@ def circuit_merge(models, weights, report):
                          f"{tuple(want[wrong[0]].shape)}, not {tuple(merged[wrong[0]].shape)}; the config "
                          "cannot express the wider heads")
     new.load_state_dict({k: v.to(dtype) for k, v in merged.items()}, strict=True, assign=True)
+    retie(new, tied)
     _recompute_buffers(new, cfg)
     return new.eval()
 

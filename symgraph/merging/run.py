@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
+from ..core.ties import to_device
 from ..errors import InputError, NeedsMemory, StructureMismatchError
 from ..checkpoints.sharded import KeysDiffer
 from .config import MergeConfig, to_yaml
@@ -115,7 +116,7 @@ def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None)
     from ..checkpoints.outdir import model_card, save_atomic
     from ..checkpoints.specs import load_model
     from .driver import merge
-    models = [load_model(m).to(cfg.device)
+    models = [to_device(load_model(m), cfg.device)
               for m in progress_bar(cfg.models, enabled=progress, desc="loading", unit="model")]
     _check_same_family(models, cfg.models)
     check_compatible([getattr(m, "config", None) for m in models], cfg.models)

@@ -30,6 +30,7 @@ from ..alignment.checks import batch_inputs, by_shape
 from ..alignment.graphrun import Stepper, flatten_for, meta_constants, on_device
 from ..core import distributed
 from ..core.files import file_id, identity, remove_own
+from ..core.ties import to_device
 from ..errors import NeedsMemory
 from .untie import untie
 from .views import Aligned, nbytes
@@ -162,7 +163,7 @@ def whole_model(job, i: int, method, prefix: str) -> Stored:
     ``job.spill`` and freed."""
     from ..checkpoints.specs import load_local
     from .driver import statistics_in_anchor_basis
-    m = load_local(job.ckpts[i].path).to(job.device)
+    m = to_device(load_local(job.ckpts[i].path), job.device)
     if job.ckpts[i].source is not None:  # read as its untied model (StreamingMerge(untie=True))
         m = untie(m)
     job.ledger.hold(sum(nbytes(p) for p in m.parameters()))

@@ -1,6 +1,7 @@
 """The entry point of the analysis: trace a model and report its symmetry groups."""
 from __future__ import annotations
 
+from ..core.ties import tied_groups
 from ..passes import analyze_graph
 from .symmetry import SymmetryReport
 from ..passes.trace import output_positions, trace
@@ -10,10 +11,7 @@ __all__ = ["analyze", "tied_parameters"]
 
 def tied_parameters(model) -> list:
     """Groups of parameter names that share one tensor (tied embeddings, shared layers)."""
-    by_id: dict = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
+    return tied_groups(model)
 
 
 def analyze(model, inputs=None, *, strict: bool = False, fold_norms: bool = True,
