@@ -227,7 +227,7 @@ def test_special_files_bad_indexes_and_yaml_values_are_one_line(ws, tmp_path, ca
         (["merge", a, bad["no_metadata"]], ["no 'metadata' object"]),
         (["merge", a, bad["int_map"]], ["'weight_map' that is a int"]),
         (["analyze", bad["a_list"]], ["holds a JSON list"]),
-        (["merge", "--config", tmp_path / "neg.yaml"], ["'refine: -3' in", "number of steps"]),
+        (["merge", "--config", tmp_path / "neg.yaml"], ["key 'refine' is -3", "number of steps"]),
         (["merge", "--config", tmp_path / "repair.yaml"], ["'repair:' in", "needs --data FILE"]),
     ]
     before = digest(ws)

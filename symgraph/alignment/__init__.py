@@ -11,11 +11,13 @@ an :class:`Alignment` keyed by group id.
 - ``fullgroups``  fitting the full groups from loaded models or checkpoints read on demand
 - ``result``      :class:`Alignment` (apply / state / to_json / save)
 - ``saved``       an alignment as a safetensors file (:func:`load_alignment`)
-- ``driver``      :func:`align` and :class:`AlignOptions`
+- ``options``     :class:`AlignOptions`: every option of :func:`align`, typed and checked once
+- ``driver``      :func:`align`
 """
 from __future__ import annotations
 
-from .driver import AlignOptions, align
+from .driver import align
+from .options import AlignOptions
 from .result import Alignment, load_alignment
 
 __all__ = ["align", "AlignOptions", "Alignment", "load_alignment"]

@@ -3,8 +3,6 @@ carries model B into model A's basis."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
-from typing import Callable
 
 import torch
 
@@ -13,7 +11,8 @@ from ..errors import InputError
 from ..transform.folding import gauge
 from .activations import act_matrix, activation_similarity
 from .checks import check_compatible, check_finite
-from .masses import MASSES, mass_function
+from .masses import mass_function
+from .options import AlignOptions
 from .refine import choose_start, refine
 from .fullgroups import ModelSides, fit_full_groups
 from .rescale import fit_scales
@@ -22,137 +21,6 @@ from .sweeps import Sweeps
 from .weights import WeightFeatures
 
 __all__ = ["AlignOptions", "align", "align_tensors"]
-
-_SOLVERS = (None, "hungarian", "ot", "sinkhorn")
-
-
-@dataclass(frozen=True)
-class AlignOptions:
-    """How :func:`align` solves.
-
-    solver : None (by group kind: Hungarian / Procrustes / RoPE / OT for different widths),
-        "ot" (exact transport), "sinkhorn" (soft maps with entropic ``reg``).
-    inner : "procrustes" (Zhang et al. 2024) or "hungarian" (Verma & Elbayad 2024) inside heads.
-    max_iter : at most this many sweeps of coordinate descent (weights).
-    groups : optional predicate ``group -> bool`` selecting the classes to align. Unselected
-        classes keep B's order; when a head class is unselected but classes fibred over it are
-        selected, heads are paired by index and each head's inner element is solved.
-    rescale : Zhang et al. 2024's rescaling, a positive scalar per head of each ``gl`` class after the
-        rotations (``alignment.scales``).
-    refine : after solving, optimise the elements for this many steps so that the model
-        interpolated at λ ~ U(0.4, 0.6) has low loss on ``data`` (learned matching; see
-        :mod:`symgraph.alignment.refine`); ``loss_fn(model, batch)`` gives the loss (default:
-        the model's own, e.g. language-model loss), ``refine_lr`` the Adam step size (1e-3).
-        ``between(θ_A, θ_B′, λ) -> model``: the model between A and B that learned matching
-        trains (default: the linear interpolation in A's architecture;
-        ``symgraph.merging.circuits.circuit_between(model_a)`` trains in circuit space).
-    full_groups : after the orthogonal parts are solved, fit the rest of the groups the
-        report claims (GL per head on QK and VO, the scales of RoPE's scaled rotations:
-        :func:`~symgraph.alignment.rescale.fit_gl`), keeping a fit only where it brings B
-        closer to A; exact for a transformed copy. False keeps the orthogonal elements.
-    masses : the units' masses in a transport between different widths: "auto" (what each
-        unit contributes: activation RMS × outgoing weight norm with ``data``, weight norm
-        without), "weights", "activations", "uniform" (see :mod:`~.masses`). Explicit
-        "weights"/"activations" also apply to ``solver="ot"``/``"sinkhorn"`` between equal widths.
-    fold_norms : analyse with foldable norm gains folded (``symgraph.analyze``): residual
-        streams are then solved as orthogonal maps (RMSNorm) or orthogonal maps fixing 𝟙
-        (LayerNorm); False keeps them permutations.
-    outputs : the model outputs the alignment must keep (``symgraph.analyze``'s ``outputs``,
-        e.g. ``["logits"]`` for a model that also returns hidden states); default all.
-    similarity : the precision of the weight-matching products: "exact" (permutation classes
-        in the weights' own dtype, bfloat16 for a bf16 checkpoint; rotations in float64, or
-        float32 out of core) or "bf16" (every product in bfloat16, faster on a CPU with bf16
-        units; each product's result is rounded to bfloat16, so the solution can differ from
-        the exact one; see docs/benchmarks.md).
-    sketch : k > 0: permutation classes compare their rows through a shared random
-        projection of k columns where a matrix's other axis is wider than 2k (Johnson–
-        Lindenstrauss; ``WeightFeatures``); 0 (default) computes the similarity exactly.
-    rows : ``{parameter: row indices}``: weight matching reads only these rows of those
-        parameters (e.g. ``report.input_rows(data)``: the token embeddings of tokens the data
-        holds, as Theus et al. 2025 match; the other rows of a trained model are its random
-        initialisation). Default: every row.
-    block_scale : "none" (default: each slot's contribution as is) or "columns": a rotation
-        class's slots (the residual stream's embeddings, head and block weights) each divided by
-        their number of columns, as Theus et al. 2025 scale each block by 1/√columns on both
-        sides, so that the embedding table does not outweigh every block weight.
-    head_cost : how a head family's heads are paired by weights: "procrustes" (default: each
-        pair scored by its best inner rotation, summed over the classes) or "circuits" (the
-        ``gl`` classes score a pair by the distance of its circuits ``W_Qᵀ W_K`` and
-        ``W_O W_V``, invariant under the whole GL(d_k) per head: Theus et al. 2025's head cost).
-    defer : True (default): a unit whose last re-solve kept its elements (an MLP permutation
-        once the residual stream settles) waits while other units still change, and is
-        re-solved against them once they converge (``Sweeps.run``); False re-solves every unit
-        whose inputs changed in every sweep.
-    tol : a class re-solved in a later sweep keeps its element unless the new one raises its
-        own objective ``<element, S>`` by more than this fraction: near-ties and rotations that
-        move in the fifth digit then stop re-solving every class that reads them, and the sweeps
-        end. 0 (default) takes every change (sweeps until nothing changes, at most
-        ``max_iter``): the objective is flat near its optimum, so any tol also ends the slow
-        convergence of nested classes (query heads within a fused GQA block).
-    """
-    solver: str | None = None
-    inner: str = "procrustes"
-    max_iter: int = 6
-    groups: Callable | None = None
-    rescale: bool = False
-    reg: float | None = None
-    masses: str = "auto"
-    fold_norms: bool = True
-    outputs: tuple | None = None
-    refine: int = 0
-    loss_fn: Callable | None = None
-    refine_lr: float = 1e-3
-    between: Callable | None = None
-    full_groups: bool = False
-    similarity: str = "exact"
-    sketch: int = 0
-    rows: dict | None = None
-    tol: float = 0.0
-    block_scale: str = "none"
-    head_cost: str = "procrustes"
-    defer: bool = True
-
-    def __post_init__(self):
-        if not isinstance(self.refine, int) or isinstance(self.refine, bool) or self.refine < 0:
-            raise InputError(f"refine={self.refine!r}; expected a number of steps (an integer >= 0)")
-        if not (isinstance(self.refine_lr, (int, float)) and self.refine_lr > 0):
-            raise InputError(f"refine_lr={self.refine_lr!r}; expected a positive step size")
-        if self.loss_fn is not None and not callable(self.loss_fn):
-            raise InputError("loss_fn must be a function loss_fn(model, batch) -> scalar tensor")
-        if self.solver not in _SOLVERS:
-            raise InputError(f"solver={self.solver!r}; expected one of {_SOLVERS}")
-        if self.masses not in MASSES:
-            raise InputError(f"masses={self.masses!r}; expected one of {MASSES}")
-        if self.inner not in ("procrustes", "hungarian"):
-            raise InputError(f"inner={self.inner!r}; expected 'procrustes' or 'hungarian'")
-        if self.similarity not in ("bf16", "exact"):
-            raise InputError(f"similarity={self.similarity!r}; expected 'exact' or 'bf16'")
-        if not isinstance(self.sketch, int) or isinstance(self.sketch, bool) or self.sketch < 0:
-            raise InputError(f"sketch={self.sketch!r}; expected a number of columns (an integer >= 0)")
-        if self.rows is not None and not (isinstance(self.rows, dict) and all(
-                isinstance(v, torch.Tensor) and v.dim() == 1 and not v.is_floating_point() for v in self.rows.values())):
-            raise InputError("rows must map parameter names to 1-D integer index tensors "
-                             "(e.g. report.input_rows(batches))")
-        if not (isinstance(self.tol, (int, float)) and not isinstance(self.tol, bool) and 0 <= self.tol < 1):
-            raise InputError(f"tol={self.tol!r}; expected a number in [0, 1)")
-        if self.block_scale not in ("none", "columns"):
-            raise InputError(f"block_scale={self.block_scale!r}; expected 'none' or 'columns'")
-        if self.head_cost not in ("procrustes", "circuits"):
-            raise InputError(f"head_cost={self.head_cost!r}; expected 'procrustes' or 'circuits'")
-        if not isinstance(self.max_iter, int) or self.max_iter < 1:
-            raise InputError(f"max_iter={self.max_iter!r}; expected a positive integer")
-
-    def selected(self, group) -> bool:
-        return True if self.groups is None else bool(self.groups(group))
-
-    @classmethod
-    def build(cls, options=None, **kw) -> "AlignOptions":
-        names = {f.name for f in fields(cls)}
-        bad = sorted(set(kw) - names)
-        if bad:
-            raise InputError(f"unknown align option(s) {bad}; expected some of {sorted(names)}")
-        base = options or cls()
-        return cls(**{f.name: kw.get(f.name, getattr(base, f.name)) for f in fields(cls)})
 
 
 def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=None,
@@ -163,9 +31,9 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     data : iterable of batches in the same form as ``inputs``: similarity from activations
         where a class is observed cleanly, from weights elsewhere. Without it, weights only.
     report_a, report_b : reuse reports already computed for the two models.
-    options / keywords : an :class:`AlignOptions` (``solver``, ``inner``, ``max_iter``,
-        ``groups``, ``rescale``, ``reg``, ``masses``, ``fold_norms``, ``refine``, ``loss_fn``,
-        ``refine_lr``), or its fields as keywords.
+    options / keywords : an :class:`~symgraph.alignment.options.AlignOptions` (``solver``,
+        ``inner``, ``max_iter``, ``groups``, ``refine``, ``sketch``, ``tol``, ...), or its fields
+        as keywords (a keyword replaces that field of ``options``).
     """
     opts = AlignOptions.build(options, **option_kw)
     for m, label in ((model_a, "model_a"), (model_b, "model_b")):

@@ -16,16 +16,18 @@ Uniform masses remain where a class has no contravariant slot, for classes fibre
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal, get_args
 
 import torch
 
 from ..core.elements import apply_along
 from .weights import gather
 
-__all__ = ["MASSES", "slices", "unit_masses", "mass_function", "MassFunction"]
+__all__ = ["MASSES", "Masses", "slices", "unit_masses", "mass_function", "MassFunction"]
 
-MASSES = ("auto", "weights", "activations", "uniform")
+#: How a transport weighs the units (``AlignOptions.masses``).
+Masses = Literal["auto", "weights", "activations", "uniform"]
+MASSES: tuple[str, ...] = get_args(Masses)
 
 
 def slices(report, tensors, group, variance: str, axis_op=None):

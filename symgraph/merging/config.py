@@ -1,11 +1,14 @@
 """The merge configuration: one frozen, validated :class:`MergeConfig` that
 :func:`symgraph.merging.run.run_merge` takes, read from a YAML file and the command line's
-options over it (:func:`merge_options`). Defaults and validation live here only.
+options over it (:func:`merge_options`). Defaults and validation live in the schema only.
 
 Every option is declared once, as a field of :class:`MergeConfig` (its description, what a
 refusal says is expected, its metavar): the YAML keys, the ``symgraph merge`` flags
 (:mod:`symgraph.merging.options`), the defaults and the docs' table (``docs/options.md``) are
-derived from that declaration. A config is a mapping of those keys (all optional but
+derived from that declaration. The alignment options a merge shares with :func:`symgraph.align`
+(``refine``, ``sketch``, ``tol``, ``outputs``, ``fold_norms``, ``full_groups``) take their type,
+range and default from :class:`~symgraph.alignment.options.AlignOptions`, so the two accept and
+refuse the same values. A config is a mapping of those keys (all optional but
 ``models``; command-line values win), e.g.::
 
     models: [path_a, path_b]
@@ -20,24 +23,24 @@ linear``, ``models: [{model: ..., parameters: {weight: ...}}]``) is read too
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError, field_validator)
 
+from ..alignment.options import MAX_REFINE, AlignOptions, Columns, Fraction, Outputs, Steps
 from ..checkpoints.sharded import parse_size
+from ..core.schema import error_key, expected, refusal, short_repr as _short
 from ..errors import InputError
 from .methods.registry import get as get_method, mixing_weights, names as merge_methods
-from .mergekit_config import from_mergekit, short_repr as _short
+from .mergekit_config import from_mergekit
 from .options import flag, given_options
 
-__all__ = ["MERGE_KEYS", "MergeConfig", "read_merge_config", "merge_options", "defaults", "to_yaml",
+__all__ = ["MERGE_KEYS", "MAX_REFINE", "MergeConfig", "read_merge_config", "merge_options", "defaults", "to_yaml",
            "from_mergekit"]
 
 #: Device types that hold no values (every other one is checked to hold a tensor before a merge).
 NO_COMPUTE_DEVICES = ("meta",)
-#: The most learned-matching steps a merge takes (each a forward and backward pass over a batch).
-MAX_REFINE = 1_000_000
 #: The largest merge config read (a config is a few lines), and how deep its values may nest.
 MAX_CONFIG_BYTES = 1 << 20
 MAX_CONFIG_DEPTH = 32
@@ -48,6 +51,15 @@ def _opt(expected: str, cli: bool = True, metavar: str | None = None) -> dict:
     whether the command line has a flag for it (:mod:`symgraph.merging.options` derives the
     flag, its help and the docs' row from the field)."""
     return {"expected": expected, "cli": cli, **({"metavar": metavar} if metavar else {})}
+
+
+def _align(key: str, description: str, metavar: str | None = None, wanted: str | None = None) -> Any:
+    """A field :class:`~symgraph.alignment.options.AlignOptions` declares too: annotated with the
+    type it declares (``Steps``, ``Columns``, ...: type and range), its default taken from there
+    (and what a refusal expects, unless ``wanted`` says it for the command line); only the
+    command line's description and metavar are added here."""
+    return Field(AlignOptions.model_fields[key].default, description=description,
+                 json_schema_extra=_opt(wanted or expected(AlignOptions, key), metavar=metavar))
 
 
 class MergeConfig(BaseModel):
@@ -73,36 +85,29 @@ class MergeConfig(BaseModel):
     repair: StrictBool = Field(False, description="REPAIR: renormalise the merge's hidden activations to the "
                                "inputs' interpolated mean and std (needs --data)",
                                json_schema_extra=_opt("true or false (REPAIR needs data)"))
-    refine: StrictInt = Field(0, description="learned matching: N optimisation steps after activation matching, "
-                              "on the model's own loss over --data (sets align to activations)",
-                              json_schema_extra=_opt(f"a number of steps (an integer >= 0, at most {MAX_REFINE}; "
-                                                     "needs data)", metavar="N"))
-    fold_norms: StrictBool = Field(True, description="fold norm gains into the layers that read them, so "
-                                   "residual streams admit rotations (off: they stay permutations)", json_schema_extra=_opt("true or false"))
+    refine: Steps = _align("refine", "learned matching: N optimisation steps after activation matching, on the "
+                           "model's own loss over --data (align then defaults to activations; an explicit "
+                           "--align weights or none is refused)", "N",
+                           f"a number of steps (an integer >= 0, at most {MAX_REFINE}; needs data)")
+    fold_norms: StrictBool = _align("fold_norms", "fold norm gains into the layers that read them, so residual "
+                                    "streams admit rotations (off: they stay permutations)")
     attention: Literal["heads", "circuits"] = Field(
         "heads", description="circuits: each merged head interpolates the parents' QK and OV forms (heads N "
         "times as wide; needs a config with head_dim)", json_schema_extra=_opt("one of 'heads', 'circuits'"))
     untie: StrictBool = Field(False, description="give a tied head its own weights first (the residual stream "
                               "then admits orthogonal maps; one more vocabulary x width matrix)",
                               json_schema_extra=_opt("true or false"))
-    full_groups: StrictBool = Field(False, description="after the rotations, fit each head's GL map and each "
-                                    "RoPE pair's scale (the full groups the report claims)",
-                                    json_schema_extra=_opt("true or false"))
-    sketch: StrictInt = Field(0, description="weight matching compares permutation classes through a shared "
-                              "random projection of K columns where a matrix is wider than 2K (0: exact)",
-                              json_schema_extra=_opt("a number of projection columns (an integer >= 0; 0: exact "
-                                                     "similarity)", metavar="K"))
-    tol: StrictFloat | StrictInt = Field(0, description="weight matching keeps a class's element unless re-solving "
-                                         "it gains more than this fraction of its objective (0: every change)",
-                                         json_schema_extra=_opt("a relative gain in [0, 1) below which a "
-                                                                "re-solved class keeps its element (0: every change)", metavar="X"))
+    full_groups: StrictBool = _align("full_groups", "after the rotations, fit each head's GL map and each RoPE "
+                                     "pair's scale (the full groups the report claims)")
+    sketch: Columns = _align("sketch", "weight matching compares permutation classes through a shared random "
+                             "projection of K columns where a matrix is wider than 2K (0: exact)", "K")
+    tol: Fraction = _align("tol", "weight matching keeps a class's element unless re-solving it gains more than "
+                           "this fraction of its objective (0: every change)", "X")
     seen_rows: StrictBool = Field(False, description="weight matching reads only the token-embedding rows of "
                                   "tokens in --data (Theus et al. 2025)",
                                   json_schema_extra=_opt("true or false (needs data)"))
-    outputs: list[StrictStr] | None = Field(default=None, min_length=1, description="the outputs a symmetry must "
-                                            "keep (e.g. logits; default: all)",
-                                            json_schema_extra=_opt("a list of output names a symmetry must keep "
-                                                                   "(e.g. [logits])", metavar="NAME"))
+    outputs: Outputs = _align("outputs", "the outputs a symmetry must keep (e.g. logits; default: all)", "NAME",
+                              "a list of output names a symmetry must keep (e.g. [logits])")
     device: StrictStr = Field("cpu", description="compute on this device (cpu, cuda, cuda:N; like mergekit's "
                               "--cuda): out of core, tensors are read from disk, computed there and written "
                               "back; in memory, the models are loaded there",
@@ -165,8 +170,7 @@ class MergeConfig(BaseModel):
 
 
 #: What each key of a merge config expects (derived from the schema).
-MERGE_KEYS = {k: f.json_schema_extra["expected"] for k, f in MergeConfig.model_fields.items()
-              if isinstance(f.json_schema_extra, dict)}
+MERGE_KEYS = {k: expected(MergeConfig, k) for k in MergeConfig.model_fields}
 
 
 class _Unreadable(Exception):
@@ -294,18 +298,14 @@ def read_merge_config(path: str) -> dict:
 
 def _explain(path, cfg, err) -> str:
     """One line for pydantic's first error, naming the key."""
-    key = str(err["loc"][0])[:80] if err.get("loc") else "?"
+    key = error_key(err)
     if err["type"] == "extra_forbidden":
         return f"merge config {path!r} has an unknown key {key!r}; expected only {', '.join(MERGE_KEYS)}"
     if err["type"] == "missing":
         return f"merge config {path!r} has no {key!r} key; expected {MERGE_KEYS[key]}"
     v = cfg.get(key)
-    why = err.get("msg", "").removeprefix("Value error, ")
-    if err["type"] == "value_error" and "expected" in why:  # the validator says what it expects
-        return f"merge config {path!r}: key {key!r} is {_short(v)} ({type(v).__name__}): {why}"
-    why = f" ({why})" if err["type"] == "value_error" else ""
-    return (f"merge config {path!r}: key {key!r} is {_short(v)} ({type(v).__name__}){why}; expected "
-            f"{MERGE_KEYS.get(key, 'a valid value')}")
+    return refusal(err, f"merge config {path!r}: key {key!r} is {_short(v)} ({type(v).__name__})",
+                   MERGE_KEYS.get(key, "a valid value"))
 
 
 def defaults() -> dict:
@@ -334,53 +334,50 @@ def merge_options(args: dict) -> MergeConfig:
 
     def where(k):
         return f"'{k}:' in {config}" if k in from_file else flag(MergeConfig, k)
-    if opts["refine"] and opts["align"] == "weights" and ("align" in given or "align" in from_file):
+    _job(opts)
+    try:
+        cfg = MergeConfig.model_validate(opts)
+    except ValidationError as e:  # a command-line value the schema refuses (a config's were checked on reading)
+        err = e.errors()[0]
+        key = error_key(err)
+        raise InputError(refusal(err, f"{where(key)} {_short(opts.get(key))}", MERGE_KEYS.get(key, "a valid value"))
+                         ) from None
+    if cfg.refine and cfg.align == "weights" and ("align" in given or "align" in from_file):
         raise InputError(f"{where('refine')} starts from activation matching, and {where('align')} says weights; "
                          f"expected {flag(MergeConfig, 'align')} activations (or no align: refine sets it)")
     check(opts, where)
-    if opts["refine"]:
-        opts["align"] = "activations"  # learned matching starts from activation matching (said in --help)
-    try:
-        return MergeConfig.model_validate(opts)
-    except ValidationError as e:  # a command-line value the schema refuses (a config's were checked on reading)
-        err = e.errors()[0]
-        key = str(err["loc"][0]) if err.get("loc") else "?"
-        why = err.get("msg", "").removeprefix("Value error, ")
-        why = why if "expected" in why else f"{why}; expected {MERGE_KEYS.get(key, 'a valid value')}"
-        raise InputError(f"{where(key)} {_short(opts.get(key))}: {why}") from None
+    if cfg.refine:  # learned matching starts from activation matching (said in --help; an explicit align refused)
+        cfg = cfg.model_copy(update={"align": "activations"})
+    return cfg
 
 
-def check(opts: dict, name=lambda k: flag(MergeConfig, k)) -> None:
-    """The checks between options (one option's type is the schema's job); ``name(key)`` says
-    where an option came from in a refusal (``--refine``, or ``'refine:' in merge.yaml``)."""
-    n = name
-    data = f"{n('data')} FILE" if n("data").startswith("--") else n("data")
-
-    def said(k):  # '--refine -3' or "'refine: -3' in merge.yaml"
-        v = _short(opts[k])
-        return f"{n(k)} {v}" if n(k).startswith("--") else n(k).replace(f"{k}:", f"{k}: {v}", 1)
-    if not 0 <= opts["refine"] <= MAX_REFINE:
-        raise InputError(f"{said('refine')}: expected a number of steps in [0, {MAX_REFINE}]")
-    if opts["refine"] and not opts["data"]:
-        raise InputError(f"{n('refine')} needs {data} (batches for activation matching and the loss)")
-    if opts["refine"] and opts["align"] in ("none", None):
-        raise InputError(f"{n('refine')} needs an alignment to refine; expected {n('align')} activations")
+def _job(opts: dict) -> None:
+    """What every merge needs, asked for as the command line spells it: two models and an output."""
     if len(opts["models"]) < 2:
         raise InputError(f"merge needs at least 2 models, got {len(opts['models'])}; expected "
                          "`symgraph merge A B [C ...] --out DIR` or `symgraph merge --config merge.yaml`")
     if not opts["out"]:
         raise InputError("merge needs an output directory; expected --out DIR (or 'out:' in the config)")
+
+
+def check(opts: dict, name=lambda k: flag(MergeConfig, k)) -> None:
+    """The checks between options, on values the schema accepted (each option's type and range
+    are the schema's job: :class:`MergeConfig`, whose alignment fields :class:`AlignOptions`
+    declares) with two models and an output; ``name(key)`` says where an option came from in a refusal (``--refine``, or
+    ``'refine:' in merge.yaml``)."""
+    n = name
+    data = f"{n('data')} FILE" if n("data").startswith("--") else n("data")
+    if opts["refine"] and not opts["data"]:
+        raise InputError(f"{n('refine')} needs {data} (batches for activation matching and the loss)")
+    if opts["refine"] and opts["align"] in ("none", None):
+        raise InputError(f"{n('refine')} needs an alignment to refine; expected {n('align')} activations")
     if opts["weights"] is not None:
         mixing_weights(opts["weights"], len(opts["models"]))
     if opts["attention"] == "circuits" and (opts["method"] != "average" or opts["repair"]):
         raise InputError(f"{n('attention')} circuits merges by averaging; expected {n('method')} average without "
                          f"{n('repair')}")
-    if opts["sketch"] < 0:
-        raise InputError(f"{said('sketch')}: expected a number of projection columns >= 0")
     if opts["sketch"] and opts["align"] != "weights":
         raise InputError(f"{n('sketch')} sketches weight matching; expected {n('align')} weights")
-    if not 0 <= opts["tol"] < 1:
-        raise InputError(f"{n('tol')} {opts['tol']}: expected a relative gain in [0, 1)")
     if opts["tol"] and opts["align"] != "weights":
         raise InputError(f"{n('tol')} ends the sweeps of weight matching; expected {n('align')} weights")
     if opts["seen_rows"] and not opts["data"]:

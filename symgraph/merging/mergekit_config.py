@@ -3,16 +3,11 @@ parameters: {weight: ...}}]``): :func:`from_mergekit`. symgraph aligns first, so
 combine task vectors against a shared base model are refused with the reason."""
 from __future__ import annotations
 
+from ..core.schema import short_repr
 from ..errors import InputError
 from .methods.registry import names as merge_methods
 
 __all__ = ["from_mergekit", "short_repr"]
-
-
-def short_repr(v, n: int = 80) -> str:
-    """``repr(v)`` cut to about ``n`` characters (a refusal is one line, whatever the file holds)."""
-    r = repr(v)
-    return r if len(r) <= n else r[:n] + "..."
 
 
 #: mergekit methods that combine task vectors against a shared base model.

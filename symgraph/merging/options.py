@@ -31,6 +31,7 @@ class Option(typing.NamedTuple):
 
 def _kind(annotation):
     """(kind, choices, element type) of a field's annotation."""
+    annotation = _base(annotation)  # Annotated[list[...], Field(min_length=1)] -> list[...]
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:

@@ -1,0 +1,42 @@
+"""One line for a value an options schema refuses: what every pydantic schema of symgraph
+(:class:`~symgraph.alignment.options.AlignOptions`, :class:`~symgraph.merging.config.MergeConfig`)
+turns its ``ValidationError`` into, so that a refusal names the option, the value given and what
+the option expects, in the schema's own words (each field's ``json_schema_extra["expected"]``)."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+__all__ = ["short_repr", "expected", "error_key", "refusal"]
+
+
+def short_repr(v, n: int = 80) -> str:
+    """``repr(v)`` on one line, cut to about ``n`` characters (a refusal is one line, whatever
+    the file holds)."""
+    r = repr(v)
+    r = " ".join(r.split()) if "\n" in r else r
+    return r if len(r) <= n else r[:n] + "..."
+
+
+def expected(schema, key: str, fallback: str = "a valid value") -> str:
+    """What field ``key`` of the pydantic model ``schema`` expects (its ``expected`` extra)."""
+    f = schema.model_fields.get(key)
+    extra = f.json_schema_extra if f is not None else None
+    return str(extra["expected"]) if isinstance(extra, dict) and "expected" in extra else fallback
+
+
+def error_key(err: Mapping[str, Any]) -> str:
+    """The top-level field one of pydantic's errors is about (``'?'`` for a model-level one)."""
+    loc = err.get("loc") or ()
+    return str(loc[0])[:80] if loc else "?"
+
+
+def refusal(err: Mapping[str, Any], said: str, wanted: str) -> str:
+    """One line for one of pydantic's errors (``ValidationError.errors()[0]``): ``said`` names the
+    value where it was given (``tol=1.0 (float)``, ``--tol 1.0``, ``merge config 'm.yaml': key
+    'tol' is 1.0 (float)``), ``wanted`` is what the field expects. A field validator's own
+    message is kept (it says what it expects, or is put in brackets before ``wanted``); pydantic's
+    generic wording ("Input should be ...") is left out: ``wanted`` says it for that field."""
+    why = str(err.get("msg", "")).removeprefix("Value error, ")
+    if err.get("type") == "value_error":
+        return f"{said}: {why}" if "expected" in why else f"{said} ({why}); expected {wanted}"
+    return f"{said}; expected {wanted}"
