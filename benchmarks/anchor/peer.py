@@ -1,0 +1,254 @@
+"""Theus et al.'s own released code on our parents: their source, their venv, the glue, the rows.
+
+Their code (GitHub antoniohonsell/Generalized-LMC-for-Transformers, commit 6b207cc, "Add code
+for tiny shakespeare experiments") is never copied into this project: the user fetches it into a
+work directory, and the glue (:mod:`benchmarks.anchor.peer_run`, run by the venv's python)
+imports it from there::
+
+    python -m benchmarks.anchor.peer fetch [--work DIR] [--mirror PATH]   # git clone + checkout 6b207cc
+    python -m benchmarks.anchor.peer venv  [--work DIR]                   # their pins, in DIR/peer-venv
+
+``DIR`` defaults to ``$SYMGRAPH_ANCHOR_PEER``, else ``<anchor cache>/peer``
+(``~/.cache/symgraph/anchor/peer``); the source goes to ``DIR/Generalized-LMC-for-Transformers``,
+the venv to ``DIR/peer-venv`` (created on demand by ``python -m benchmarks.anchor --peer-work
+DIR`` too, as ``benchmarks/scale`` creates mergekit's). The venv holds their pinned
+``transformers==4.50.1`` and what their ``merger.py``/``weight_matching.py``/``utils.py`` import
+(torch: the local CPU wheel 2.13.0, which works with 4.50.1; einops, POT, scipy, numpy,
+safetensors); not wandb/datasets/matplotlib, which only their training and plotting scripts use.
+
+:func:`peer_rows` runs their weight matching (``GPTMerger`` under their ``eval.py`` seed) on two
+saved parents for each variant of :data:`VARIANTS` and evaluates every exported aligned B against
+their absorbed A with *our* evaluation (:func:`symgraph.interpolate`, the anchor's test loss): in
+circuit space (their space; equal to their merger's interpolation, checked at λ = 0.5 on a batch)
+and with the heads' factors interpolated (``heads``: their absorbed form, LayerNorm → RMSNorm,
+gains 1; not the parents' LayerNorm architecture, which their orthogonal residual map leaves).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import data as D
+
+PEER_URL = "https://github.com/antoniohonsell/Generalized-LMC-for-Transformers"
+PEER_COMMIT = "6b207cc4ed21ae363d70f9e7875e14385996588e"
+PEER_NAME = "Generalized-LMC-for-Transformers"
+PEER_LABEL = "peer code (Theus et al. 6b207cc)"
+#: Their ``requirements.txt`` pins transformers only; the rest are the versions this recipe was run with.
+PEER_TORCH = "torch==2.13.0"  # the local CPU wheel; installed first so pip does not pull CUDA
+PEER_PINS = ("transformers==4.50.1", "einops==0.8.2", "POT==0.9.7.post1", "scipy==1.17.1",
+             "numpy==2.4.6", "safetensors==0.8.0")
+RUNNER = Path(__file__).resolve().with_name("peer_run.py")
+_NEEDED = ("merger.py", "weight_matching.py", "utils.py", "enums.py")
+
+#: variant -> (permutations_only, seen-token rows only); each gives a row without their
+#: merger's random near-identity projection and, where it is not the identity, one with it (``_proj``)
+VARIANTS = {"weights": (False, False), "weights_seen": (False, True),
+            "weights_perm": (True, False), "weights_perm_seen": (True, True)}
+
+
+class PeerError(Exception):
+    """A one-line reason the peer's code could not run (no source, no venv, the glue failed)."""
+
+
+def default_work() -> Path:
+    """``$SYMGRAPH_ANCHOR_PEER``, else ``<anchor cache>/peer``."""
+    env = os.environ.get("SYMGRAPH_ANCHOR_PEER")
+    return Path(env) if env else D.default_cache() / "peer"
+
+
+def source_dir(work: str | os.PathLike) -> Path:
+    return Path(work) / PEER_NAME
+
+
+def venv_dir(work: str | os.PathLike) -> Path:
+    return Path(work) / "peer-venv"
+
+
+def python_of(venv: str | os.PathLike) -> Path:
+    return Path(venv) / "bin" / "python"
+
+
+def check_source(src: str | os.PathLike) -> str | None:
+    """Their checkout's commit (None when ``src`` is not a git checkout); PeerError when a file
+    the glue imports is missing."""
+    src = Path(src)
+    missing = [f for f in _NEEDED if not (src / f).is_file()]
+    if missing:
+        raise PeerError(f"no peer source at {src} (missing {', '.join(missing)}); fetch it with "
+                        f"`python -m benchmarks.anchor.peer fetch --work DIR`")
+    r = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    return r.stdout.strip() or None
+
+
+def fetch(work: str | os.PathLike, mirror: str | None = None) -> Path:
+    """``git clone`` their repository (or a local ``mirror`` of it) into ``work`` and check out
+    :data:`PEER_COMMIT`; a checkout already there is only checked out again."""
+    src = source_dir(work)
+    src.parent.mkdir(parents=True, exist_ok=True)
+    if not (src / ".git").exists():
+        subprocess.run(["git", "clone", "-q", mirror or PEER_URL, str(src)], check=True)
+    subprocess.run(["git", "-C", str(src), "checkout", "-q", PEER_COMMIT], check=True)
+    if check_source(src) != PEER_COMMIT:
+        raise PeerError(f"{src} is not at {PEER_COMMIT}")
+    return src
+
+
+def ensure_venv(venv: str | os.PathLike, log=print) -> Path:
+    """The venv's python, the venv created first if absent (their pins; log in ``<venv>.log``)."""
+    venv = Path(venv)
+    py = python_of(venv)
+    if py.exists():
+        return py
+    log(f"creating {venv} ({PEER_TORCH}, then {' '.join(PEER_PINS)}) ...")
+    logf = venv.with_name(venv.name + "-install.log")
+    pip = [str(py), "-m", "pip", "install", "-q"]
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(logf, "w") as lf:
+        for cmd in ([sys.executable, "-m", "venv", "--clear", str(venv)], pip + [PEER_TORCH], pip + list(PEER_PINS)):
+            lf.write("$ " + " ".join(cmd) + "\n")
+            lf.flush()
+            if subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT).returncode != 0:
+                raise PeerError(f"could not create the peer venv: {cmd[-1]} failed (see {logf})")
+    return py
+
+
+def run_glue(python, src, model_a, model_b, out, variants=tuple(VARIANTS), token_freqs=None,
+             check_ids=None, seed: int = 42, threads: int | None = None) -> dict:
+    """Run :mod:`.peer_run` in the peer's venv on two ``save_pretrained`` parents; its JSON."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {"src": str(src), "model_a": str(model_a), "model_b": str(model_b), "out": str(out),
+            "variants": [{"name": v, "permutations_only": VARIANTS[v][0], "seen": VARIANTS[v][1]} for v in variants],
+            "token_freqs": str(token_freqs) if token_freqs else None,
+            "check_ids": str(check_ids) if check_ids else None, "seed": seed,
+            "threads": threads or torch.get_num_threads()}
+    (out / "spec.json").write_text(json.dumps(spec, indent=1))
+    env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1", PYTHONPATH="")
+    t0 = time.perf_counter()
+    r = subprocess.run([str(python), str(RUNNER), str(out / "spec.json")], capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise PeerError(f"the peer glue exited {r.returncode}: {tail}")
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res["seconds_subprocess"] = time.perf_counter() - t0
+    return res
+
+
+class RMSNorm(torch.nn.Module):
+    """Their ``utils.RMSNorm`` (``g · x / sqrt(mean(x²) + ε) + b``), the norm of their absorbed form."""
+
+    def __init__(self, weight, bias, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().clone())
+        self.bias = torch.nn.Parameter(bias.detach().clone())
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * (x / x.pow(2).mean(dim=-1, keepdim=True).add(self.eps).sqrt()) + self.bias
+
+
+def _rms_norms(module):
+    for name, child in list(module.named_children()):
+        if isinstance(child, torch.nn.LayerNorm):
+            setattr(module, name, RMSNorm(child.weight, child.bias, child.eps))
+        else:
+            _rms_norms(child)
+    return module
+
+
+def load_exported(path: str | os.PathLike):
+    """A checkpoint the glue wrote, as the model it stands for: GPT-2 with their RMSNorm."""
+    from transformers import GPT2LMHeadModel
+    return _rms_norms(GPT2LMHeadModel.from_pretrained(str(path), attn_implementation="sdpa").eval())
+
+
+def barrier_theirs(curve) -> float:
+    """Theus et al.'s barrier: ``max_λ L(λ) − (λ·L_A + (1−λ)·L_B)`` (A at λ = 1)."""
+    curve = sorted(curve)
+    lb, la = curve[0][1], curve[-1][1]
+    return max(l - (lam * la + (1 - lam) * lb) for lam, l in curve)
+
+
+def _loss(model, ids) -> float:
+    return D.test_loss(model, ids, batch_size=len(ids))
+
+
+def peer_rows(dir_a, dir_b, B, *, test, seen, src, python, work, lambdas, spaces=("heads", "circuits"),
+              variants=tuple(VARIANTS), eval_bs: int = 8, echo=print) -> list[dict]:
+    """Rows of their weight matching on the parents saved in ``dir_a``/``dir_b`` (``B``: parent B
+    loaded, for the check that their aligned B keeps its loss), evaluated as :func:`run_row`
+    evaluates symgraph's (``test``: ``[n, L]`` ids; ``seen``: training ids, their token counts)."""
+    import symgraph
+    commit = check_source(src)
+    out = Path(work) / "aligned"
+    vocab = B.get_output_embeddings().weight.shape[0]
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(torch.bincount(seen.reshape(-1).long(), minlength=vocab), out / "token_freqs.pt")
+    check = test[:4].clone()
+    torch.save(check, out / "check_ids.pt")
+    res = run_glue(python, src, dir_a, dir_b, out / "models", variants, out / "token_freqs.pt", out / "check_ids.pt")
+    A = load_exported(res["A"])
+    b_loss = _loss(B, check)
+
+    def loss(m):
+        return D.test_loss(m, test, batch_size=eval_bs)
+    rows = []
+    for v in res["variants"]:
+        for kind in ("noproj", "proj"):
+            if kind == "proj" and v["projection_is_identity"]:
+                continue  # permutations only: their projection rounds to the identity
+            name = "peer_" + v["name"] + ("_proj" if kind == "proj" else "")
+            Bal = load_exported(v["dirs"][kind])
+            mid = float(symgraph.interpolate(A, Bal, [0.5], lambda m: _loss(m, check), attention="circuits")[0][1])
+            info = {"commit": commit, "versions": res["versions"], "permutations_only": v["permutations_only"],
+                    "seen_rows": v["seen"], "projection": kind == "proj",
+                    "projection_residual_dist": v["projection_residual_dist"] if kind == "proj" else 0.0,
+                    "replay_max_abs": v["replay_max_abs"], "b_loss_rel_change": abs(_loss(Bal, check) - b_loss) / b_loss,
+                    "mid_loss_their_merger": v.get("merger_mid_loss", {}).get(kind), "mid_loss_ours": mid,
+                    "merger_seconds": v["seconds_merger"]}
+            for space in spaces:
+                t0 = time.perf_counter()
+                curve = symgraph.interpolate(A, Bal, lambdas, loss, attention=space)
+                rows.append({"row": name, "space": space, "by": "peer", "barrier": symgraph.loss_barrier(curve),
+                             "barrier_theirs": barrier_theirs(curve), "curve": curve,
+                             "align_seconds": v["seconds_weight_matching"],
+                             "seconds": v["seconds_weight_matching"] + time.perf_counter() - t0,
+                             "refine_steps": 0, "refined": None, "note": None, "peer": info})
+                echo(f"{name:24s} {space:8s} barrier {rows[-1]['barrier']:.4f} (theirs {rows[-1]['barrier_theirs']:.4f}); "
+                     f"their weight matching {v['seconds_weight_matching']:.1f} s")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.anchor.peer", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("fetch", help=f"clone their repository at {PEER_COMMIT[:7]} into WORK")
+    f.add_argument("--work", default=None, help="work directory (default $SYMGRAPH_ANCHOR_PEER or <cache>/peer)")
+    f.add_argument("--mirror", default=None, help="clone from this local git mirror instead of GitHub")
+    v = sub.add_parser("venv", help="create WORK/peer-venv with their pins")
+    v.add_argument("--work", default=None)
+    a = ap.parse_args(argv)
+    work = Path(a.work) if a.work else default_work()
+    try:
+        if a.cmd == "fetch":
+            print(fetch(work, a.mirror))
+        else:
+            print(ensure_venv(venv_dir(work)))
+    except (PeerError, subprocess.CalledProcessError) as e:
+        print(f"benchmarks.anchor.peer: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Glue that runs Theus et al.'s released weight matching on two of our saved parents.
+
+Runs INSIDE the peer's venv (their pinned ``transformers==4.50.1``; see
+:mod:`benchmarks.anchor.peer`), as ``<peer-venv>/bin/python peer_run.py SPEC.json``; imports
+nothing from this project. ``SPEC.json``: ``{"src": their checkout (commit 6b207cc),
+"model_a"/"model_b": save_pretrained dirs, "out": dir, "variants": [{"name",
+"permutations_only", "seen"}], "token_freqs": .pt or null, "check_ids": .pt ([n, L] int64) or
+null, "seed": 42, "threads": int or null}``. Prints one JSON line (also ``out/result.json``).
+
+Their algorithm is not changed: each variant builds their ``merger.GPTMerger`` (absorb the norm
+gains, LayerNorm -> RMSNorm, mean subtraction, circuits, then ``weight_matching``: 15 rounds of a
+residual orthogonal map or permutation, head and MLP permutations) under ``set_seed(seed)`` as
+their ``eval.py`` does. Spies on ``ortho_residual``/``permute_heads``/``permute_mlp`` record the
+maps their matching applies; replayed on B in their absorbed form with heads (not circuits),
+they give their aligned B as a GPT-2 checkpoint whose LayerNorms are to be read as their
+RMSNorm (weight 1, ``eps`` of the config): ``out/A`` and ``out/B`` (A and B absorbed, their form, not aligned),
+``out/<variant>`` (B aligned, no projection) and ``out/<variant>_proj`` (B aligned, then the
+merger's untrained random near-identity projection, ``merger.py`` 316-321, as their
+``eval.py`` measures "weight matching"). Checks: the replay's circuits equal their matched B's
+(``replay_max_abs``); their merger's loss at λ = 0.5 on ``check_ids``, with the projection
+and with it set to the identity (``merger_mid_loss``), for the caller to compare with its own
+evaluation of the exported pair.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+
+
+def _lm_loss(logits, ids) -> float:
+    import torch.nn.functional as F
+    lg = logits[:, :-1, :].float()
+    return float(F.cross_entropy(lg.reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1)))
+
+
+def _permute_heads_factored(model, i, P):
+    """Their ``permute_heads`` (``new head h = Σ_j P[h, j]·head j``) on a GPT-2 block whose heads
+    are still factored (``c_attn`` [m, 3m] = Q|K|V, ``c_proj`` [m, m])."""
+    import torch
+    attn = model.transformer.h[i].attn
+    h = P.shape[0]
+    with torch.no_grad():
+        w, b = attn.c_attn.weight, attn.c_attn.bias
+        m = w.shape[0]
+        d = m // h
+        w3 = w.reshape(m, 3, h, d)
+        w.copy_(torch.einsum("ij,mqjd->mqid", P, w3).reshape(m, 3 * m))
+        b.copy_(torch.einsum("ij,qjd->qid", P, b.reshape(3, h, d)).reshape(3 * m))
+        pw = attn.c_proj.weight
+        pw.copy_(torch.einsum("ij,jdo->ido", P, pw.reshape(h, d, -1)).reshape(pw.shape))
+
+
+def _replay(model, events, fns):
+    """Apply recorded maps in order: their ``ortho_residual`` and ``permute_mlp`` (``fns``, the
+    unwrapped originals), heads on the factored form."""
+    for ev in events:
+        if ev[0] == "O":
+            fns["ortho_residual"](model, ev[1])
+        elif ev[0] == "heads":
+            _permute_heads_factored(model, ev[1], ev[2])
+        else:
+            fns["permute_mlp"](model, ev[1], ev[2])
+
+
+def _absorbed(src_model, utils):
+    """Their ``GPTMerger._absorb`` steps (absorb gains, RMSNorm, mean subtraction) on a copy."""
+    m = copy.deepcopy(src_model)
+    utils.absorb_ln_scale(m)
+    utils.replace_layernorm(m)
+    utils.apply_mean_subtraction_to_weights(m)
+    return m
+
+
+def _save(model, path, template_config):
+    from transformers import GPT2LMHeadModel
+    cfg = copy.deepcopy(template_config)
+    cfg.tie_word_embeddings = False  # absorbing the final gain unties the output embedding
+    out = GPT2LMHeadModel(cfg)
+    sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    missing, unexpected = out.load_state_dict(sd, strict=False)
+    if [k for k in missing if not k.endswith("attn.bias")] or unexpected:
+        raise RuntimeError(f"state does not fit GPT-2: missing {missing}, unexpected {unexpected}")
+    out.save_pretrained(path, safe_serialization=True)
+
+
+def _max_abs(a, b) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    return max(float((sa[k].float() - sb[k].float()).abs().max()) for k in sa if sa[k].is_floating_point())
+
+
+def run(spec: dict) -> dict:
+    sys.path.insert(0, spec["src"])
+    import torch
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel, set_seed
+
+    import merger as merger_mod
+    import utils
+    import weight_matching as wm
+    from enums import MatrixType
+
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    out = spec["out"]
+    os.makedirs(out, exist_ok=True)
+    events: list = []
+    timing = {}
+    orig = {k: getattr(wm, k) for k in ("ortho_residual", "permute_heads", "permute_mlp")}
+
+    def spy(fn, tag):  # record the map, then apply it with their function
+        def wrapped(model, *args, **kw):
+            vals = [*args, *kw.values()]  # (O) or (layer, P); their permute_mlp passes P=...
+            events.append((tag, *vals[:-1], vals[-1].detach().clone()))
+            return fn(model, *args, **kw)
+        return wrapped
+    wm.ortho_residual = spy(orig["ortho_residual"], "O")
+    wm.permute_heads = spy(orig["permute_heads"], "heads")
+    wm.permute_mlp = spy(orig["permute_mlp"], "mlp")
+    wm_fn = merger_mod.weight_matching
+
+    def timed_wm(*a, **k):
+        t0 = time.perf_counter()
+        r = wm_fn(*a, **k)
+        timing["weight_matching"] = time.perf_counter() - t0
+        return r
+    merger_mod.weight_matching = timed_wm
+
+    def load(path):
+        m = GPT2LMHeadModel.from_pretrained(path).eval()
+        m.config.attn_implementation = "eager"  # as their train_merger.py / eval.py
+        m._attn_implementation = "eager"
+        return m
+
+    freqs = torch.load(spec["token_freqs"], map_location="cpu") if spec.get("token_freqs") else None
+    check = torch.load(spec["check_ids"], map_location="cpu").long() if spec.get("check_ids") else None
+    A0, B0 = load(spec["model_a"]), load(spec["model_b"])
+    cfg = GPT2Config.from_pretrained(spec["model_a"])  # A's own config (not the eager switch above)
+    A_abs, B_abs = _absorbed(A0, utils), _absorbed(B0, utils)
+    _save(A_abs, os.path.join(out, "A"), cfg)
+    _save(B_abs, os.path.join(out, "B"), cfg)  # B in their absorbed form, not aligned
+    res = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+           "A": os.path.join(out, "A"), "B": os.path.join(out, "B"), "variants": []}
+    for v in spec["variants"]:
+        if v.get("seen") and freqs is None:
+            raise SystemExit(f"variant {v['name']}: seen-token rows need token_freqs")
+        events.clear()
+        timing.clear()
+        m0, m1 = load(spec["model_a"]), load(spec["model_b"])
+        set_seed(int(spec.get("seed", 42)))  # their eval.py: set_seed(args.seed) before GPTMerger
+        t0 = time.perf_counter()
+        mg = merger_mod.GPTMerger(m0, m1, token_freqs=freqs if v.get("seen") else None,
+                                  permutations_only=bool(v.get("permutations_only")))
+        total = time.perf_counter() - t0
+        mg.eval()
+        perm = bool(v.get("permutations_only"))
+        rec = {"name": v["name"], "permutations_only": perm, "seen": bool(v.get("seen")),
+               "seconds_merger": total, "seconds_weight_matching": timing.get("weight_matching"),
+               "n_maps": len(events)}
+        # their aligned B, heads factored: replay the recorded maps on B in their absorbed form
+        B_al = copy.deepcopy(B_abs)
+        _replay(B_al, list(events), orig)
+        circ = copy.deepcopy(B_al)
+        for i in range(len(circ.transformer.h)):
+            utils.project_to_attn_circuits(circ, i)
+        rec["replay_max_abs"] = _max_abs(circ, m1)  # m1: their matched B (circuit form)
+        _save(B_al, os.path.join(out, v["name"]), cfg)
+        # the merger's untrained projection: residual ORTHO (PERM with permutations only), heads/MLP PERM
+        proj = mg.proj
+        P_res = utils.project(proj["residual"], matrix_type=MatrixType.PERM if perm else MatrixType.ORTHO).detach()
+        pev = [("O", P_res)]
+        for i in range(len(B_al.transformer.h)):
+            pev.append(("heads", i, utils.project(proj[f"attention_heads_{i}"], MatrixType.PERM).detach()))
+            pev.append(("mlp", i, utils.project(proj[f"mlp_{i}"], MatrixType.PERM).detach()))
+        rec["projection_is_identity"] = all(bool(torch.equal(e[-1], torch.eye(e[-1].shape[0]))) for e in pev)
+        rec["projection_residual_dist"] = float((P_res - torch.eye(P_res.shape[0])).norm())
+        B_pr = copy.deepcopy(B_al)
+        with torch.no_grad():
+            _replay(B_pr, pev, orig)
+        _save(B_pr, os.path.join(out, v["name"] + "_proj"), cfg)
+        rec["dirs"] = {"noproj": os.path.join(out, v["name"]), "proj": os.path.join(out, v["name"] + "_proj")}
+        if check is not None:  # their merger (their interpolation) at λ = 0.5, with and without the projection
+            mid = {}
+            with torch.no_grad():
+                mg.set_sampler(sampler_type=None, fixed_coeff=0.5)
+                mid["proj"] = _lm_loss(mg(input_ids=check).logits, check)
+                for k, p in proj.items():
+                    p.copy_(torch.eye(*p.shape))
+                mid["noproj"] = _lm_loss(mg(input_ids=check).logits, check)
+            rec["merger_mid_loss"] = mid
+        res["variants"].append(rec)
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        print(json.dumps(run(json.load(f))), flush=True)
