@@ -111,3 +111,43 @@ def test_by_activations_a_copy_is_the_same_and_a_stranger_unrelated(dirs, capsys
         assert rc == 0, err
         rec = json.loads(out)
         assert rec["verdict"] == verdict and rec["similarity"] == "activations", rec["verdict"]
+
+
+def test_out_of_core_gives_the_in_memory_numbers(dirs):
+    """``--out-of-core`` (the merge engine's alignment, B read into A's basis tensor by tensor,
+    the null's shuffled copies read the same way): the verdicts, the null and every per-tensor
+    number of the in-memory comparison (float32: float64 solves on both paths)."""
+    from symgraph.cli.compare import compare_paths
+    for other, null in (("tuned", 1), ("copy", 0)):
+        mem = compare_paths(str(dirs / "a"), str(dirs / other), null=null, out_of_core=False)
+        ooc = compare_paths(str(dirs / "a"), str(dirs / other), null=null, out_of_core=True)
+        assert (mem.mode, ooc.mode) == ("in memory", "out of core")
+        assert ooc.verdict == mem.verdict and ooc.group_kinds() == mem.group_kinds(), other
+        assert ooc.statistic == pytest.approx(mem.statistic, abs=1e-9)
+        assert ooc.null == pytest.approx(mem.null, abs=1e-9) and len(ooc.null) == len(mem.null)
+        assert [t["name"] for t in ooc.tensors] == [t["name"] for t in mem.tensors]
+        for x, y in zip(ooc.tensors, mem.tensors):
+            assert x["correlation"] == pytest.approx(y["correlation"], abs=1e-7), x["name"]
+            assert x["rel_distance"] == pytest.approx(y["rel_distance"], abs=1e-7), x["name"]
+
+
+def test_the_command_compares_out_of_core(dirs, capsys):
+    rc, out, err = _run(capsys, "compare", dirs / "a", dirs / "copy", "--out-of-core", "--json")
+    assert rc == 0, err
+    rec = json.loads(out)
+    assert rec["verdict"] == "same" and rec["mode"] == "out of core" and rec["max_rel_distance"] < 1e-6
+    rc, out, err = _run(capsys, "compare", dirs / "a", dirs / "gpt2", "--out-of-core")
+    assert rc == 2 and "architecture" in " ".join(err.split())
+
+
+def test_a_bfloat16_copy_out_of_core_is_the_same(tmp_path):
+    """16-bit checkpoints are solved and moved in float32 out of core (as the engine merges
+    them), in float64 in memory: the same verdict, numbers within bfloat16's rounding."""
+    import torch
+    from symgraph.cli.compare import compare_paths
+    A = models.build("llama", seed=0, **L)
+    A.to(torch.bfloat16).save_pretrained(tmp_path / "a")
+    _moved(models.build("llama", seed=0, **L), 1).to(torch.bfloat16).save_pretrained(tmp_path / "b")
+    mem, ooc = (compare_paths(str(tmp_path / "a"), str(tmp_path / "b"), null=0, out_of_core=o) for o in (False, True))
+    assert mem.verdict == ooc.verdict == "same" and ooc.mode == "out of core" and ooc.tolerance == 1e-2
+    assert ooc.max_rel_distance == pytest.approx(mem.max_rel_distance, abs=1e-6)

@@ -2,50 +2,15 @@
 ``random_transform(seed=0)`` of the model (full groups: GL per head on QK and VO, RoPE's scaled
 rotations, ReLU's scaled permutations, not only their orthogonal part) merged back into it by
 weights and by activations with ``full_groups=True`` (Hugging Face classes built from tiny
-configs; the eight of ``symgraph.testing.models`` plus fourteen more)."""
+configs; the eight of ``symgraph.testing.models`` plus fourteen more: ``benchmarks.families``,
+which the provenance benchmark compares too)."""
 from __future__ import annotations
 
 import pytest
 import torch
-import transformers as tf
 
 import symgraph
-from symgraph.testing import models
-
-V = 64
-_T = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
-MORE = {
-    "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**_T, num_key_value_heads=2, intermediate_size=64,
-                                                        max_position_embeddings=32)),
-    "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**_T, num_key_value_heads=2, intermediate_size=64,
-                                                     max_position_embeddings=32, pad_token_id=0)),
-    "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**_T, num_key_value_heads=1, head_dim=8, intermediate_size=64,
-                                                        max_position_embeddings=32)),
-    "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(**_T, ffn_dim=64, max_position_embeddings=32, word_embed_proj_dim=32)),
-    "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**_T, num_key_value_heads=2, intermediate_size=64,
-                                                              max_position_embeddings=32)),
-    "starcoder2": lambda: tf.Starcoder2ForCausalLM(tf.Starcoder2Config(**_T, num_key_value_heads=2, intermediate_size=64,
-                                                                       max_position_embeddings=32)),
-    "olmo": lambda: tf.OlmoForCausalLM(tf.OlmoConfig(**_T, num_key_value_heads=2, intermediate_size=64,
-                                                     max_position_embeddings=32, pad_token_id=0)),
-    "falcon": lambda: tf.FalconForCausalLM(tf.FalconConfig(**_T, multi_query=True, new_decoder_architecture=False,
-                                                           parallel_attn=True, bias=False)),
-    "stablelm": lambda: tf.StableLmForCausalLM(tf.StableLmConfig(**_T, num_key_value_heads=2, intermediate_size=64,
-                                                                 max_position_embeddings=32)),
-    "distilbert": lambda: tf.DistilBertForMaskedLM(tf.DistilBertConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4,
-                                                                       hidden_dim=64, max_position_embeddings=32)),
-    "roberta": lambda: tf.RobertaForMaskedLM(tf.RobertaConfig(**_T, intermediate_size=64, max_position_embeddings=40)),
-    "electra": lambda: tf.ElectraForMaskedLM(tf.ElectraConfig(**_T, embedding_size=32, intermediate_size=64,
-                                                              max_position_embeddings=32)),
-    "modernbert": lambda: tf.ModernBertForMaskedLM(tf.ModernBertConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=32, global_attn_every_n_layers=1, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, cls_token_id=1, sep_token_id=2)),
-    "deit": lambda: tf.DeiTForImageClassification(tf.DeiTConfig(image_size=16, patch_size=4, hidden_size=32,
-                                                                 num_hidden_layers=2, num_attention_heads=4,
-                                                                 intermediate_size=64, num_labels=5)),
-}
-FAMILIES = list(models.ARCHS) + list(MORE)
+from benchmarks.families import FAMILIES, MORE, batches, build
 
 
 @pytest.fixture(autouse=True)
@@ -62,17 +27,12 @@ def _rel(A, B) -> float:
 
 
 def _batches(A, n=3):
-    g = torch.Generator().manual_seed(0)
-    if getattr(A, "main_input_name", "") == "pixel_values":
-        size = A.config.image_size
-        return [{"pixel_values": torch.randn(4, 3, size, size, generator=g)} for _ in range(n)]
-    return [{"input_ids": torch.randint(0, A.config.vocab_size, (4, 16), generator=g)} for _ in range(n)]
+    return batches(A, n)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_transformed_copy_merges_back_by_weights_and_activations(name):
-    torch.manual_seed(0)
-    A = (models.build(name, seed=0) if name in models.ARCHS else MORE[name]()).eval()
+    A = build(name)
     rep = symgraph.analyze(A)
     B = symgraph.transform(A, rep.random_transform(seed=0))
     assert _rel(A, B) > 0.1

@@ -9,7 +9,7 @@ centred tensors). One verdict comes out of it:
   moved by a group element (the alignment says which kinds);
 * ``"derived"``: the statistic — the median over tensors of the correlation after alignment —
   stands out from a null: B with the entries of each tensor shuffled (its values, no longer
-  its structure), aligned to A the same way ``null`` times. ``excess = (s − μ₀) / (1 − μ₀)`` is
+  its structure; :func:`shuffled`, seeded per tensor), aligned to A the same way ``null`` times. ``excess = (s − μ₀) / (1 − μ₀)`` is
   where ``s`` lies between that null level (0) and A itself (1); ``"derived"`` when it is at
   least ``threshold`` (0.25, fixed before the benchmark ran: ``benchmarks/bench_provenance.py``
   measures its false-positive rate on independently trained pairs) and the normal tail of
@@ -19,12 +19,17 @@ centred tensors). One verdict comes out of it:
 Tensors that take A's values by construction (norm gains folded into their readers: the
 alignment's gauge) are listed but carry no evidence. Layers are read from the parameter
 names (the prefix up to the first index of a module list, else the module), not from a table.
+
+:func:`judge` gives the verdict from any way of solving and reading B in A's basis: :func:`compare`
+holds both models in memory; ``symgraph compare`` on two checkpoints may run it out of core
+(:func:`symgraph.cli.compare.compare_checkpoints`), with the same numbers.
 """
 from __future__ import annotations
 
 import copy
 import json
 import math
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +39,8 @@ from ..report.api import analyze
 from .driver import align
 from .result import Alignment
 
-__all__ = ["compare", "Comparison", "SAME_TOL", "THRESHOLD", "tolerance", "layer_of"]
+__all__ = ["compare", "Comparison", "SAME_TOL", "THRESHOLD", "tolerance", "layer_of", "judge", "measure",
+           "shuffled", "gauge_names", "check_options"]
 
 #: Relative Frobenius distance under which a tensor counts as equal, by the coarser dtype.
 SAME_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -78,6 +84,7 @@ class Comparison:
     alignment: Alignment = field(repr=False)
     similarity: str = "weights"
     alpha: float = ALPHA
+    mode: str = "in memory"  # or "out of core" (``symgraph compare`` on large checkpoints)
 
     @property
     def null_mean(self) -> float:
@@ -115,7 +122,7 @@ class Comparison:
                  + (f"null {self.null_mean:.3f} ± {self.null_std:.3f} from {len(self.null)} shuffled copies of B; "
                     if self.null else "no null drawn; ")
                  + f"excess {self.excess:.2f} (derived needs >= {self.threshold:g}), p {p}",
-                 f"  aligned by {self.similarity}: {kinds or 'no classes'}"]
+                 f"  aligned by {self.similarity} ({self.mode}): {kinds or 'no classes'}"]
         if self.verdict != "unrelated":
             car = self.carriers
             lines.append(f"  carried by {len(car)}/{len(self.layers)} layers"
@@ -128,7 +135,7 @@ class Comparison:
                 "excess": self.excess, "threshold": self.threshold, "p_value": self.p_value, "alpha": self.alpha,
                 "null": list(self.null), "null_mean": self.null_mean, "null_std": self.null_std,
                 "tolerance": self.tolerance, "max_rel_distance": self.max_rel_distance,
-                "similarity": self.similarity, "group_kinds": self.group_kinds(), "carriers": self.carriers,
+                "similarity": self.similarity, "mode": self.mode, "group_kinds": self.group_kinds(), "carriers": self.carriers,
                 "layers": self.layers, "tensors": self.tensors, "alignment": self.alignment.to_dict()}
 
     def to_json(self, **kw) -> str:
@@ -160,17 +167,56 @@ def _check_pair(a, b):
                          "expected two models of one architecture and width")
 
 
-def _measure(a_state: dict, b_state: dict, names, gauge) -> list:
+def check_options(null, threshold) -> None:
+    """Refuse a ``null`` that is not a count or a ``threshold`` outside (0, 1]."""
+    if not (isinstance(null, int) and not isinstance(null, bool) and null >= 0):
+        raise InputError(f"null={null!r}; expected a number of shuffled copies (an integer >= 0)")
+    if not (isinstance(threshold, (int, float)) and 0 < threshold <= 1):
+        raise InputError(f"threshold={threshold!r}; expected a number in (0, 1]")
+
+
+_CHUNK = 1 << 22  # entries per float64 slice of a tensor's statistics (32 MB a copy)
+
+
+def _moments(x, y) -> tuple:
+    """``(‖x−y‖², ‖x‖², ‖y‖², x·y, (x−x̄)·(y−ȳ), ‖x−x̄‖², ‖y−ȳ‖²)`` of two flat tensors, in
+    float64 a slice at a time (two passes: the means, then the sums), so that a large tensor
+    never has float64 copies of its whole."""
+    n = x.numel()
+    spans = [(i, min(i + _CHUNK, n)) for i in range(0, n, _CHUNK)]
+    mx = my = 0.0
+    for i, j in spans:
+        mx += float(x[i:j].double().sum())
+        my += float(y[i:j].double().sum())
+    mx, my = mx / max(n, 1), my / max(n, 1)
+    if n <= 1:
+        mx = my = 0.0  # one entry: nothing to centre
+    acc = [0.0] * 7
+    for i, j in spans:
+        a, b = x[i:j].double(), y[i:j].double()
+        ac, bc = a - mx, b - my
+        for k, v in enumerate(((a - b).square().sum(), a.square().sum(), b.square().sum(), a @ b,
+                               ac @ bc, ac.square().sum(), bc.square().sum())):
+            acc[k] += float(v)
+    return tuple(acc)
+
+
+def measure(read_a, read_b, names, gauge) -> list:
+    """One row per parameter ``name`` (see :class:`Comparison`): A's tensor ``read_a(name)``
+    against B's in A's basis ``read_b(name)``, read one name at a time."""
     rows = []
     for name in names:
-        x, y = a_state[name].detach().double().flatten(), b_state[name].detach().double().flatten()
-        na, nb = float(x.norm()), float(y.norm())
-        rel = float((x - y).norm()) / max(na, nb, 1e-300) if max(na, nb) > 0 else 0.0
-        cos = float(x @ y) / (na * nb) if na > 0 and nb > 0 else float(na == nb)
-        xc, yc = (x - x.mean(), y - y.mean()) if x.numel() > 1 else (x, y)
-        nxc, nyc = float(xc.norm()), float(yc.norm())
-        cor = float(xc @ yc) / (nxc * nyc) if nxc > 0 and nyc > 0 else cos
-        rows.append({"name": name, "layer": layer_of(name), "shape": list(a_state[name].shape),
+        x = read_a(name).detach()
+        y = read_b(name).detach()
+        shape = list(x.shape)
+        d2, a2, b2, ab, abc, ac2, bc2 = _moments(x.reshape(-1), y.reshape(-1))
+        del x, y
+        na, nb = math.sqrt(a2), math.sqrt(b2)
+        rel = math.sqrt(d2) / max(na, nb, 1e-300) if max(na, nb) > 0 else 0.0
+        cos = ab / (na * nb) if na > 0 and nb > 0 else float(na == nb)
+        nxc, nyc = math.sqrt(ac2), math.sqrt(bc2)
+        cor = abc / (nxc * nyc) if nxc > 0 and nyc > 0 else cos
+        rows.append({"name": name, "layer": layer_of(name), "shape": shape,
                      "rel_distance": rel, "cosine": cos, "correlation": cor, "gauge": name in gauge})
     return rows
 
@@ -185,58 +231,45 @@ def _statistic(rows) -> float:
     return _median([r["correlation"] for r in rows if not r["gauge"]])
 
 
-def _shuffled(b, names, gen):
-    """A copy of ``b`` whose named tensors each have their entries permuted at random."""
+def shuffled(t: torch.Tensor, seed: int, draw: int, name: str) -> torch.Tensor:
+    """``t`` with its entries permuted at random: the permutation of shuffled copy ``draw`` of
+    tensor ``name`` under ``seed`` (the same whether the tensor is read from a model or a
+    checkpoint, in any order)."""
+    key = zlib.crc32(f"{seed}:{draw}:{name}".encode())
+    gen = torch.Generator().manual_seed(key)
+    flat = t.detach().reshape(-1)
+    return flat[torch.randperm(flat.numel(), generator=gen, dtype=torch.int32 if flat.numel() < 2**31
+                               else torch.int64)].reshape(t.shape)
+
+
+def _shuffled_model(b, names, seed, draw):
+    """A copy of ``b`` whose named tensors each have their entries permuted (:func:`shuffled`)."""
     out = copy.deepcopy(b)
     params = dict(out.named_parameters())
     with torch.no_grad():
         for n in names:
-            p = params[n]
-            flat = p.detach().reshape(-1)
-            p.copy_(flat[torch.randperm(flat.numel(), generator=gen)].reshape(p.shape))
+            params[n].copy_(shuffled(params[n], seed, draw, n))
     return out
 
 
-def compare(a, b, data=None, *, null: int = 4, threshold: float = THRESHOLD, alpha: float = ALPHA,
-            seed: int = 0, inputs=None, fold_norms: bool = True) -> Comparison:
-    """Is ``b`` a copy of ``a`` (``"same"``), derived from it (``"derived"``) or not
-    (``"unrelated"``), up to every symmetry of their graph? See the module docstring.
+def gauge_names(report) -> set:
+    """The parameters that take A's values by construction: norm gains folded into their
+    readers (and their shifts, unless kept)."""
+    return {n for f in report.folds for n in (f.gain, None if f.keep_shift else f.shift) if n}
 
-    data : batches (as :func:`symgraph.align` takes them): align by activations; default weights.
-    null : how many shuffled copies of B give the null (each one more alignment; 0: none, then
-        the null level is taken as 0 and no p-value is given).
-    threshold, alpha : the "derived" verdict's excess and p-value limits.
-    """
-    _check_pair(a, b)
-    if not (isinstance(null, int) and not isinstance(null, bool) and null >= 0):
-        raise InputError(f"null={null!r}; expected a number of shuffled copies (an integer >= 0)")
-    if not (isinstance(threshold, (int, float)) and 0 < threshold <= 1):
-        raise InputError(f"threshold={threshold!r}; expected a number in (0, 1]")
-    data = list(data) if data is not None else None
-    if data is not None and not data:
-        raise InputError("data is empty; expected at least one batch")
-    inputs = data[0] if inputs is None and data is not None else inputs
-    ra = analyze(a, inputs, fold_norms=fold_norms)
-    rb = analyze(b, inputs, fold_norms=fold_norms, outputs=ra.outputs)
-    gauge = {n for f in ra.folds for n in (f.gain, None if f.keep_shift else f.shift) if n}
-    a_state = {k: p for k, p in a.named_parameters() if p.is_floating_point()}
-    names = list(a_state)
 
-    def aligned(model_b):
-        al = align(a, model_b, data=data, report_a=ra, report_b=rb, full_groups=True)
-        return al, _measure(a_state, al.state(model_b), names, gauge)
-
-    al, rows = aligned(b)
+def judge(solve, tol: float, *, null: int = 4, threshold: float = THRESHOLD, alpha: float = ALPHA,
+          similarity: str = "weights") -> Comparison:
+    """The verdict from ``solve(draw)``: ``(alignment, rows of measure)`` of B (``draw`` None)
+    or of its ``draw``-th shuffled copy aligned to A (called in that order); ``tol``: the "same"
+    tolerance. What :func:`compare` runs in memory and ``symgraph compare`` out of core."""
+    al, rows = solve(None)
     s = _statistic(rows)
-    gen = torch.Generator().manual_seed(seed)
-    evidence = [n for n in names if n not in gauge]
-    dtypes = {p.dtype for p in a_state.values()} | {p.dtype for _, p in b.named_parameters() if p.is_floating_point()}
-    tol = tolerance(*dtypes)
     worst = max((r["rel_distance"] for r in rows if not r["gauge"]), default=0.0)
     null = 0 if worst <= tol else null  # a copy needs no null
-    null_s = [_statistic(aligned(_shuffled(b, evidence, gen))[1]) for _ in range(null)]
+    null_s = [_statistic(solve(k)[1]) for k in range(null)]
     res = Comparison("unrelated", s, 0.0, None, float(threshold), tol, worst, null_s, rows, [], al,
-                     similarity="activations" if data is not None else "weights", alpha=alpha)
+                     similarity=similarity, alpha=alpha)
     mu0 = res.null_mean
     res.excess = (s - mu0) / (1 - mu0) if mu0 < 1 else 0.0
     if null:
@@ -257,3 +290,36 @@ def compare(a, b, data=None, *, null: int = 4, threshold: float = THRESHOLD, alp
     elif res.excess >= threshold and (res.p_value is None or res.p_value < alpha):
         res.verdict = "derived"
     return res
+
+
+def compare(a, b, data=None, *, null: int = 4, threshold: float = THRESHOLD, alpha: float = ALPHA,
+            seed: int = 0, inputs=None, fold_norms: bool = True) -> Comparison:
+    """Is ``b`` a copy of ``a`` (``"same"``), derived from it (``"derived"``) or not
+    (``"unrelated"``), up to every symmetry of their graph? See the module docstring.
+
+    data : batches (as :func:`symgraph.align` takes them): align by activations; default weights.
+    null : how many shuffled copies of B give the null (each one more alignment; 0: none, then
+        the null level is taken as 0 and no p-value is given).
+    threshold, alpha : the "derived" verdict's excess and p-value limits.
+    """
+    _check_pair(a, b)
+    check_options(null, threshold)
+    data = list(data) if data is not None else None
+    if data is not None and not data:
+        raise InputError("data is empty; expected at least one batch")
+    inputs = data[0] if inputs is None and data is not None else inputs
+    ra = analyze(a, inputs, fold_norms=fold_norms)
+    rb = analyze(b, inputs, fold_norms=fold_norms, outputs=ra.outputs)
+    gauge = gauge_names(ra)
+    a_state = {k: p for k, p in a.named_parameters() if p.is_floating_point()}
+    names = list(a_state)
+    evidence = [n for n in names if n not in gauge]
+
+    def solve(draw):
+        model_b = b if draw is None else _shuffled_model(b, evidence, seed, draw)
+        al = align(a, model_b, data=data, report_a=ra, report_b=rb, full_groups=True)
+        return al, measure(a_state.__getitem__, al.state(model_b).__getitem__, names, gauge)
+
+    dtypes = {p.dtype for p in a_state.values()} | {p.dtype for _, p in b.named_parameters() if p.is_floating_point()}
+    return judge(solve, tolerance(*dtypes), null=null, threshold=threshold, alpha=alpha,
+                 similarity="activations" if data is not None else "weights")

@@ -1,12 +1,23 @@
-"""``symgraph compare A B [--data F] [--out DIR] [--json]``: is B a copy of A, derived from
-it, or unrelated, up to every symmetry the graph admits (:func:`symgraph.alignment.compare.compare`)?
-A few lines of verdict and evidence; ``--json`` prints the per-tensor numbers instead;
-``--out`` writes them (compare.json) and a plot of the per-layer similarity (compare.png)."""
+"""``symgraph compare A B [--data F] [--out DIR] [--json] [--out-of-core]``: is B a copy of A,
+derived from it, or unrelated, up to every symmetry the graph admits
+(:func:`symgraph.alignment.compare.compare`)? A few lines of verdict and evidence; ``--json``
+prints the per-tensor numbers instead; ``--out`` writes them (compare.json) and a plot of the
+per-layer similarity (compare.png).
+
+Two ``save_pretrained`` directories are compared out of core (:func:`compare_checkpoints`)
+when loading both would take over half the available memory, or with ``--out-of-core``: B is
+aligned to A by the merge engine (:class:`~symgraph.merging.streaming.StreamingMerge`, full
+groups fitted from the stored tensors) and read into A's basis tensor by tensor
+(:class:`~symgraph.merging.views.Aligned`); the shuffled copies of the null are read the same
+way, so no model is ever whole in memory. The verdict is the same function's
+(:func:`~symgraph.alignment.compare.judge`) on the same numbers."""
 from __future__ import annotations
 
+import copy
 import os
+import sys
 
-__all__ = ["add_parser", "cmd_compare", "plot_layers"]
+__all__ = ["add_parser", "cmd_compare", "plot_layers", "compare_checkpoints", "compare_paths"]
 
 
 def plot_layers(res, path: str, title: str = "") -> None:
@@ -34,24 +45,142 @@ def plot_layers(res, path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-def cmd_compare(args) -> int:
+def _shuffled_checkpoint(ckpt, names, seed: int, draw: int):
+    """``ckpt`` read with the entries of each parameter of ``names`` permuted as
+    :func:`~symgraph.alignment.compare.shuffled` permutes them in memory (a view: the files
+    are not touched)."""
+    from ..alignment.compare import shuffled
+    view, want, read = copy.copy(ckpt), set(names), ckpt.read
+
+    def read_shuffled(key, check=True, part=None):
+        p = ckpt.param_of.get(key)
+        if p not in want:
+            return read(key, check, part)
+        t = shuffled(read(key, check), seed, draw, p)
+        return t if part is None else t.narrow(part[0], part[1], part[2] - part[1]).clone()
+    view.read = read_shuffled
+    return view
+
+
+def _check_checkpoints(A, B, a: str = "A", b: str = "B") -> None:
+    from ..errors import InputError
+    if A.cls is not B.cls:
+        raise InputError(f"{a!r} is a {A.cls.__name__} but {b!r} is a {B.cls.__name__}; expected two models "
+                         "of one architecture")
+    if A.shapes != B.shapes:
+        k = sorted(k for k in set(A.shapes) | set(B.shapes) if A.shapes.get(k) != B.shapes.get(k))[0]
+        raise InputError(f"{a!r} and {b!r} differ in tensor {k!r} ({A.shapes.get(k, 'missing')} vs "
+                         f"{B.shapes.get(k, 'missing')}); expected two models of one architecture and width")
+
+
+def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | None = None,
+                        alpha: float | None = None, seed: int = 0, fold_norms: bool = True, memory_budget=None):
+    """:func:`~symgraph.alignment.compare.compare` out of core: ``A``, ``B`` are
+    :class:`~symgraph.checkpoints.sharded.Checkpoint` s (or ``save_pretrained`` directories).
+    Each alignment (B's, then each shuffled copy's) is the merge engine's
+    (``memory_budget``: as ``symgraph merge --memory-budget``), and each tensor of B in A's
+    basis is read, moved and measured one at a time. Rotations are solved and applied in
+    float64 for 32- and 64-bit checkpoints (as in memory: the same numbers), in float32 for
+    16-bit ones (as the engine merges them)."""
+    import torch
+
+    from ..alignment.compare import ALPHA, THRESHOLD, check_options, gauge_names, judge, measure, tolerance
+    from ..errors import InputError
+    from ..merging.streaming import Checkpoint, StreamingMerge
+    from ..merging.views import Aligned
+    threshold = THRESHOLD if threshold is None else threshold
+    alpha = ALPHA if alpha is None else alpha
+    check_options(null, threshold)
+    A, B = (c if isinstance(c, Checkpoint) else Checkpoint(os.path.expanduser(c)) for c in (A, B))
+    _check_checkpoints(A, B, A.path, B.path)
+    data = list(data) if data is not None else None
+    if data is not None and not data:
+        raise InputError("data is empty; expected at least one batch")
+    names = [n for n, p in A.model.named_parameters() if p.is_floating_point()]
+    dtypes = {c.dtypes[c.key(n)] for c in (A, B) for n in names}
+    work = torch.float32 if dtypes & {torch.float16, torch.bfloat16} else torch.float64
+    gauge: set = set()
+
+    def solve(draw):
+        Bv = B if draw is None else _shuffled_checkpoint(B, [n for n in names if n not in gauge], seed, draw)
+        job = StreamingMerge([A, Bv], align="weights" if data is None else "activations", data=data,
+                             fold_norms=fold_norms, memory_budget=memory_budget, full_groups=True)
+        job.work_dtype = work  # what rotations are solved in (the engine's own choice is float32)
+        al = job.align()[1]
+        if draw is None:
+            gauge.update(gauge_names(job.report))
+        view = Aligned(Bv, al, A, None, work, job.cache_bytes, job.ledger)
+        try:
+            return al, measure(A.get, view.fetch, names, gauge)
+        finally:
+            view.clear()
+
+    res = judge(solve, tolerance(*dtypes), null=null, threshold=threshold, alpha=alpha,
+                similarity="weights" if data is None else "activations")
+    res.mode = "out of core"
+    return res
+
+
+def _checkpoints(a: str, b: str, out_of_core: bool | None):
+    """The two checkpoints when they are compared out of core (both local directories whose
+    tensors the model uses as stored, and ``out_of_core`` or three float32 copies of a model
+    over half the available memory); None: load them."""
+    import numpy as np
+
+    from ..merging.streaming import Checkpoint, KeysDiffer
+    if out_of_core is False or not all(os.path.isdir(os.path.expanduser(p)) for p in (a, b)):
+        if out_of_core:
+            print("symgraph: note: --out-of-core needs two save_pretrained directories; the models are "
+                  "loaded in memory", file=sys.stderr)
+        return None
+    try:
+        A, B = (Checkpoint(os.path.expanduser(p)) for p in (a, b))
+    except KeysDiffer:
+        if out_of_core:
+            print("symgraph: note: transformers renames these checkpoints' tensors on load; the models are "
+                  "loaded in memory", file=sys.stderr)
+        return None
+    _check_checkpoints(A, B, a, b)
+    if not out_of_core:
+        from ..merging.resize import available_memory
+        need = 3 * 4 * sum(int(np.prod(shape, dtype=np.int64)) for shape in A.shapes.values())
+        if need < available_memory() // 2:
+            return None
+    return A, B
+
+
+def compare_paths(a: str, b: str, data: str | None = None, *, null: int = 4, seed: int = 0,
+                  out_of_core: bool | None = None):
+    """What ``symgraph compare A B`` computes: the :class:`~symgraph.alignment.compare.Comparison`
+    of model specs ``a`` and ``b`` (``save_pretrained`` directories, demo names, hub ids; ``data``:
+    a file of batches), out of core or in memory (``out_of_core``: None decides by size, True
+    asks for it, False loads the models); ``.mode`` says which."""
     from ..alignment.compare import compare
-    from ..checkpoints.outdir import check_out, save_atomic
     from ..checkpoints.specs import load_data, load_model
     from ..errors import InputError
-    from ..merging.run import check_paths, input_names
+    from ..merging.run import check_paths
+    if null < 0:
+        raise InputError(f"--null {null}; expected a number of shuffled copies >= 0")
+    check_paths([a, b])
+    ckpts = _checkpoints(a, b, out_of_core)
+    if ckpts is not None:
+        ca, cb = ckpts
+        return compare_checkpoints(ca, cb, load_data(data, ca.model) if data else None, null=null, seed=seed)
+    A, B = load_model(a), load_model(b)
+    if type(A) is not type(B):
+        raise InputError(f"{a!r} is a {type(A).__name__} but {b!r} is a {type(B).__name__}; "
+                         "expected two models of one architecture")
+    return compare(A, B, load_data(data, A) if data else None, null=null, seed=seed)
+
+
+def cmd_compare(args) -> int:
+    from ..checkpoints.outdir import check_out, save_atomic
+    from ..merging.run import input_names
     inputs = [args.a, args.b] + ([args.data] if args.data else [])
     if args.out:
         check_out(args.out, force=args.force, inputs=inputs)  # before any work
-    if args.null < 0:
-        raise InputError(f"--null {args.null}; expected a number of shuffled copies >= 0")
-    check_paths([args.a, args.b])
-    A, B = load_model(args.a), load_model(args.b)
-    if type(A) is not type(B):
-        raise InputError(f"{args.a!r} is a {type(A).__name__} but {args.b!r} is a {type(B).__name__}; "
-                         "expected two models of one architecture")
-    data = load_data(args.data, A) if args.data else None
-    res = compare(A, B, data, null=args.null, seed=args.seed)
+    res = compare_paths(args.a, args.b, args.data, null=args.null, seed=args.seed,
+                        out_of_core=True if args.out_of_core else None)
     print(res.to_json() if args.json else res.summary())
     if args.out:
         record = res.to_json()
@@ -81,6 +210,9 @@ def add_parser(sub, debug_default):
     c.add_argument("--seed", type=int, default=0, help="seed of the shuffles")
     c.add_argument("--json", action="store_true", help="print the per-tensor numbers as JSON")
     c.add_argument("--out", metavar="DIR", help="write compare.json and compare.png into this new directory")
+    c.add_argument("--out-of-core", action="store_true",
+                   help="read two save_pretrained directories tensor by tensor, never a whole model (default: "
+                   "when loading both would take over half the available memory)")
     c.add_argument("--force", action="store_true", help="replace an existing --out (a previous output)")
     c.add_argument("--debug", action="store_true", default=debug_default)
     c.set_defaults(func=cmd_compare)
