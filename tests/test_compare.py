@@ -140,6 +140,7 @@ def test_the_command_compares_out_of_core(dirs, capsys):
     assert rc == 2 and "architecture" in " ".join(err.split())
 
 
+@pytest.mark.slow  # 7 s; the float32 out-of-core path is in the default suite
 def test_a_bfloat16_copy_out_of_core_is_the_same(tmp_path):
     """16-bit checkpoints are solved and moved in float32 out of core (as the engine merges
     them), in float64 in memory: the same verdict, numbers within bfloat16's rounding."""

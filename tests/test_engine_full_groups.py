@@ -49,6 +49,7 @@ def _streamed(paths, out, full=True):
     return got.job
 
 
+@pytest.mark.slow  # 6 s; tests/test_engine.py runs full groups both ways on its pair by default
 def test_full_groups_run_out_of_core_and_equal_the_in_memory_merge(pair, tmp_path, capsys):
     paths = [str(pair / "m0"), str(pair / "m1")]
     assert cli(["merge", *paths, "--full-groups", "--out", str(tmp_path / "s"), "--memory-budget", BUDGET]) == 0

@@ -77,6 +77,7 @@ def test_repair_holds_no_more_than_its_budget(pair, tmp_path):
     assert len(job.repair_report.layers) == (4 if llama else 2) and len(job.corrections) == 4
 
 
+@pytest.mark.slow  # the aligned case runs by default, here and in tests/test_engine.py
 def test_repair_without_alignment_equals_in_memory(pair, tmp_path):
     data = str(pair / "data.safetensors")
     outs = {}
