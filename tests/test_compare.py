@@ -113,6 +113,7 @@ def test_by_activations_a_copy_is_the_same_and_a_stranger_unrelated(dirs, capsys
         assert rec["verdict"] == verdict and rec["similarity"] == "activations", rec["verdict"]
 
 
+@pytest.mark.slow  # 14 s; the command out of core (test_the_command_compares_out_of_core) runs by default
 def test_out_of_core_gives_the_in_memory_numbers(dirs):
     """``--out-of-core`` (the merge engine's alignment, B read into A's basis tensor by tensor,
     the null's shuffled copies read the same way): the verdicts, the null and every per-tensor

@@ -169,6 +169,7 @@ def test_diffllama_recovered_by_weights():
     assert recovered(A, rep) < 1e-6
 
 
+@pytest.mark.slow  # the MHA causal LM runs by default (groups, certificate, recovery)
 @pytest.mark.parametrize("kv, cls", [(2, "DiffLlamaForCausalLM"), (4, "DiffLlamaForSequenceClassification")])
 def test_diffllama_grouped_kv_and_classifier_certified_and_recovered(kv, cls):
     A = diffllama(kv, cls)

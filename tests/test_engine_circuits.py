@@ -77,6 +77,7 @@ def test_circuits_run_out_of_core_and_equal_the_in_memory_merge(pair, tmp_path, 
     assert "16 wide instead of 8" in records[0]["architecture"][0]
 
 
+@pytest.mark.slow  # the aligned merge with anchor 0 runs by default, here and in tests/test_engine.py
 @pytest.mark.parametrize("options", [dict(align="none"), dict(anchor=1, weights=[0.3, 0.7])])
 def test_unaligned_and_other_anchor_equal_in_memory(pair, tmp_path, options):
     """Without alignment (the anchor analysed for the plan alone) and with the second model

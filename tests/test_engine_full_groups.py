@@ -99,6 +99,7 @@ def test_align_tensors_needs_the_stored_tensors_for_full_groups():
         align_tensors(rep, rep, tensors, tensors, {}, full_groups=True)
 
 
+@pytest.mark.slow  # the merges equal in memory by default; this compares the fitted elements too
 def test_the_fit_from_checkpoints_is_the_fit_from_loaded_models(pair):
     """Given one orthogonal solution of two seeds, fitting the full groups from the checkpoints
     (read on demand) and from the loaded models keeps the same fits and gives the same elements.
