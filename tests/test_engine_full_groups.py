@@ -4,10 +4,8 @@ budget, with the numbers of the in-memory merge; a transformed copy (full groups
 their orthogonal part) merges back into the model exactly."""
 from __future__ import annotations
 
-import os
 
 import pytest
-from safetensors.torch import load_file
 
 import symgraph
 from symgraph.cli.main import main as cli
@@ -15,6 +13,8 @@ from symgraph.errors import InputError
 from symgraph.merging.config import MergeConfig
 from symgraph.merging.run import run_merge
 from symgraph.testing import models
+
+from engine_helpers import load, rel
 
 SIZES = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 BUDGET = "256KB"
@@ -31,15 +31,7 @@ def pair(tmp_path_factory):
     return d
 
 
-def _load(path):
-    return {k: v for f in sorted(os.listdir(path)) if f.endswith(".safetensors")
-            for k, v in load_file(os.path.join(path, f)).items()}
-
-
-def _rel(a, b):
-    assert a.keys() == b.keys()
-    return max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp_min(1e-12))
-               for k in a)
+_load, _rel = load, rel
 
 
 def _streamed(paths, out, full=True):

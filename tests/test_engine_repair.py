@@ -19,6 +19,8 @@ from symgraph.merging.run import run_merge
 from symgraph.merging.streaming import StreamingMerge
 from symgraph.testing import models
 
+from engine_helpers import load, rel
+
 SIZES = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 
 
@@ -33,15 +35,7 @@ def pair(request, tmp_path_factory):
     return d
 
 
-def _load(path):
-    return {k: v for f in sorted(os.listdir(path)) if f.endswith(".safetensors")
-            for k, v in load_file(os.path.join(path, f)).items()}
-
-
-def _rel(a, b):
-    assert a.keys() == b.keys()
-    return max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp_min(1e-12))
-               for k in a)
+_load, _rel = load, rel
 
 
 def test_repair_out_of_core_equals_in_memory(pair, tmp_path, capsys):

@@ -5,12 +5,11 @@ in-memory untied merge and stays within its memory budget."""
 from __future__ import annotations
 
 import json
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from symgraph.checkpoints.sharded import Checkpoint, parse_size
 from symgraph.cli.main import main as cli
@@ -19,6 +18,8 @@ from symgraph.merging.run import run_merge
 from symgraph.merging.streaming import StreamingMerge
 from symgraph.merging.untie import untie_checkpoint, untie_config_updates
 from symgraph.testing import models
+
+from engine_helpers import load, rel
 
 SIZES = dict(vocab=64, hidden=32, layers=2, heads=4, mlp=48, positions=64)
 HEAD, EMBED = "lm_head.weight", "transformer.wte.weight"
@@ -45,15 +46,7 @@ def pair(tmp_path_factory):
     return d
 
 
-def _load(path):
-    return {k: v for f in sorted(os.listdir(path)) if f.endswith(".safetensors")
-            for k, v in load_file(os.path.join(path, f)).items()}
-
-
-def _rel(a, b):
-    assert a.keys() == b.keys()
-    return max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp_min(1e-12))
-               for k in a)
+_load, _rel = load, rel
 
 
 def test_a_checkpoint_read_untied_has_the_head_as_its_own_key(pair):
