@@ -57,6 +57,7 @@ def test_fitted_elements_stay_symmetries_on_a_real_pair():
     assert dist[1] <= dist[0] + 1e-9, dist
 
 
+@pytest.mark.slow  # the default suite took 747 s at 29a92d8 (budget 600 s); tests/test_engine.py keeps full groups out of core
 def test_cli_full_groups_merges_a_transformed_copy_back(tmp_path):
     from safetensors.torch import load_file
 

@@ -90,7 +90,7 @@ def test_resize_class_5_is_an_mlp_class(ws):
     assert g.kind == "perm" and g.size == 48
 
 
-@pytest.mark.parametrize("align", ["weights", "activations"])
+@pytest.mark.parametrize("align", ["weights", pytest.param("activations", marks=pytest.mark.slow)])  # 28 s; budget
 def test_mixed_dtypes_merge_in_float32_written_in_the_anchors_dtype(ws, tmp_path, align):
     out = tmp_path / "o"
     extra = ["--data", ws / I / "data.safetensors"] if align == "activations" else []
@@ -116,7 +116,7 @@ def _small_files():
     resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
 
 
-@pytest.mark.parametrize("path", ["out_of_core", "in_memory"])
+@pytest.mark.parametrize("path", ["out_of_core", pytest.param("in_memory", marks=pytest.mark.slow)])  # 24 s; budget
 def test_disk_full_while_writing_is_one_line_and_leaves_nothing(ws, path):
     extra = ["--repair", "--data", ws / I / "data.safetensors"] if path == "in_memory" else []
     before = digest(ws)

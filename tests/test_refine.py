@@ -71,6 +71,7 @@ def test_refine_starts_from_the_alignment_with_the_lower_midpoint_loss(pair):
     assert got["start_loss"] == pytest.approx({k: losses[k] for k in ("activations", "weights")}, abs=1e-5)
 
 
+@pytest.mark.slow  # the default suite took 747 s at 29a92d8 (budget 600 s); test_refine_lowers_the_interpolated_loss_and_keeps_b keeps refine in the default run
 def test_refine_with_a_custom_loss(pair):
     a, b, data = pair
     calls = []

@@ -209,6 +209,7 @@ def test_inputs_untouched_dtype_kept_and_refusals():
 # --- the command line ------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the default suite took 747 s at 29a92d8 (budget 600 s); the library REPAIR tests and tests/test_engine.py keep REPAIR in the default run
 def test_cli_repair(tmp_path):
     from safetensors.torch import save_file
     cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
