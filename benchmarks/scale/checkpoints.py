@@ -41,40 +41,82 @@ def write_checkpoint(path, config, seed: int, max_shard_size=SHARD_SIZE) -> dict
     """Write a random bf16 ``LlamaForCausalLM`` checkpoint into ``path`` as
     ``save_pretrained(max_shard_size=...)`` lays it out, one tensor at a time (the model itself
     lives on the meta device). Written into a temporary sibling and renamed into place."""
+    return write_checkpoints([(path, seed)], config, 1, max_shard_size)[0]
+
+
+def write_checkpoints(jobs, config, workers: int = 1, max_shard_size=SHARD_SIZE) -> list:
+    """:func:`write_checkpoint` for each ``(path, seed)`` of ``jobs``, their shards written by
+    ``workers`` processes at once (spawned, one thread each; 1: in this process, one shard
+    after another). A tensor's value depends only on its name and its model's seed, so the
+    files are the same bytes whatever the number of workers. ``seconds``: the wall time of all
+    the jobs together (the same for each)."""
     import torch
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
-    path = Path(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     sd = model.state_dict()
     split = split_torch_state_dict_into_shards(sd, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
-    tmp = path.with_name(f".{path.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmps = []
+    for path, _ in jobs:
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        tmps.append(tmp)
+    shards = [(str(tmp / f), [(n, tuple(sd[n].shape)) for n in names], seed)
+              for tmp, (_, seed) in zip(tmps, jobs) for f, names in split.filename_to_tensors.items()]
+    shards.sort(key=lambda s: -sum(_numel(shape) for _, shape in s[1]))  # largest first: no long tail
     t = time.perf_counter()
-    for filename, names in split.filename_to_tensors.items():
-        shard = {n: make_tensor(n, sd[n].shape, seed) for n in names}
-        save_file(shard, str(tmp / filename), metadata={"format": "pt"})
-        del shard
-    if split.is_sharded:
-        index = {"metadata": {"total_parameters": model.num_parameters(), **split.metadata},
-                 "weight_map": split.tensor_to_filename}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    cfg = model.config
-    cfg.architectures = [type(model).__name__]
-    cfg.dtype = torch.bfloat16  # what save_pretrained records for a bf16 model
-    cfg.save_pretrained(str(tmp))
-    if getattr(model, "generation_config", None) is not None and model.can_generate():
-        model.generation_config.save_pretrained(str(tmp))
+    if workers <= 1:
+        for s in shards:
+            _write_shard(*s)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(min(workers, len(shards)), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_one_thread) as pool:
+            list(pool.map(_write_shard, *zip(*shards)))
+    out = []
+    for (path, _), tmp in zip(jobs, tmps):
+        path = Path(path)
+        if split.is_sharded:
+            index = {"metadata": {"total_parameters": model.num_parameters(), **split.metadata},
+                     "weight_map": split.tensor_to_filename}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        cfg = model.config
+        cfg.architectures = [type(model).__name__]
+        cfg.dtype = torch.bfloat16  # what save_pretrained records for a bf16 model
+        cfg.save_pretrained(str(tmp))
+        if getattr(model, "generation_config", None) is not None and model.can_generate():
+            model.generation_config.save_pretrained(str(tmp))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        out.append({"bytes": dir_bytes(path), "shards": len(split.filename_to_tensors),
+                    "parameters": model.num_parameters()})
     seconds = time.perf_counter() - t
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    return {"seconds": seconds, "bytes": dir_bytes(path), "shards": len(split.filename_to_tensors),
-            "parameters": model.num_parameters()}
+    return [dict(o, seconds=seconds, workers=max(1, workers)) for o in out]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _one_thread():
+    import torch
+    torch.set_num_threads(1)
+
+
+def _write_shard(file: str, tensors, seed: int) -> None:
+    """One shard file: ``tensors`` ``[(name, shape)]`` of the model with seed ``seed``."""
+    from safetensors.torch import save_file
+    shard = {n: make_tensor(n, shape, seed) for n, shape in tensors}
+    save_file(shard, file, metadata={"format": "pt"})
 
 
 def model_sizes(config) -> dict:
@@ -89,8 +131,10 @@ def model_sizes(config) -> dict:
             "nonlayer_bytes": 2 * (total - layer * config.num_hidden_layers)}
 
 
-def ensure_pair(work: Path, shape: str, layers: int | None, seeds=(0, 1)) -> dict:
-    """The pair directory of ``shape`` (written now, or reused when its ``pair.json`` matches)."""
+def ensure_pair(work: Path, shape: str, layers: int | None, seeds=(0, 1), workers: int = 0) -> dict:
+    """The pair directory of ``shape`` (written now, or reused when its ``pair.json`` matches);
+    ``workers`` > 0: both written by that many processes at once (:func:`write_checkpoints`),
+    else each by one measured child process (its peak RSS recorded)."""
     config = llama_config(shape, layers)
     d = work / f"{shape}-L{config.num_hidden_layers}"
     spec = {"shape": shape, "config": SHAPES[shape] | {"num_hidden_layers": config.num_hidden_layers},
@@ -108,7 +152,13 @@ def ensure_pair(work: Path, shape: str, layers: int | None, seeds=(0, 1)) -> dic
     d.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)
     written = {}
-    for m, seed in zip(("a", "b"), seeds):
+    if workers > 0:
+        log(f"  writing {d / 'a'}, {d / 'b'} (seeds {seeds[0]}, {seeds[1]}; {workers} processes) ...")
+        t = time.perf_counter()
+        for m, info in zip(("a", "b"), write_checkpoints([(d / "a", seeds[0]), (d / "b", seeds[1])], config, workers)):
+            written[m] = dict(info, process_wall_s=time.perf_counter() - t)
+        log(f"    {2 * written['a']['bytes'] / GB:.2f} GB in {written['a']['seconds']:.1f} s")
+    for m, seed in zip(("a", "b"), seeds if workers <= 0 else ()):
         log(f"  writing {d / m} (seed {seed}) ...")
         # in a child process: the benchmark's own process stays small, and the writer's peak RSS
         # shows it never holds a whole model

@@ -1,0 +1,368 @@
+"""Out of core on an accelerator: ``symgraph merge A B --align weights --device DEV`` on a
+LLaMA-shaped bf16 pair read from disk, against the unaligned merge (``--align none``) of the
+same pair on the same device in the same process, by depth.
+
+    python -m benchmarks.bench_device_disk [--shape 7b] [--layers 2,32] [--device cuda]
+        [--stages 2] [--work /tmp/symgraph-device-disk] [--workers N] [--cache asis|cold]
+        [--load-check-gb 2] [--out benchmarks/results/device/disk.json]
+
+For each depth a pair of random bf16 checkpoints is written under ``--work`` by
+:mod:`benchmarks.bench_scale`'s writer (sharded as ``save_pretrained`` shards them, the
+model on the meta device, each tensor seeded by its name), its shards by ``--workers``
+processes at once; its time is recorded and not counted. Then, each as the command runs it
+(:func:`symgraph.merging.run.run_merge` with ``streaming=True``: headers, analysis of the
+meta model, alignment from tensors read on demand, the merge written shard by shard and
+renamed into place, its record and card), in this process: the unaligned merge, the aligned
+merge, and at the depths of ``--stages`` the aligned merge again with
+:mod:`benchmarks.bench_cost`'s stage counters (each stage synchronised with the device).
+Unaligned first: a run the outer ``timeout`` stops still leaves the baseline. A warm-up merge
+of the ``tiny`` shape on the device runs first (imports, the device's context and libraries:
+not counted; its time is recorded).
+
+Per run: wall seconds end to end (no process start, no imports); the engine's timings
+(analysis, alignment, write), the alignment's own (solver seconds, sweeps) and its ledger's
+peak; the device's peak memory (``max_memory_allocated`` / ``max_memory_reserved``, reset
+before each run); the process's peak resident set (``VmHWM`` reset through
+``/proc/self/clear_refs``, else sampled every 0.2 s: safetensors' mapped pages count); the
+bytes read from the checkpoints (``Checkpoint.read``) and how many times the pair that is;
+the devices of the similarities the solvers were given; the inputs' share in the page cache
+just before (``mincore``: the pair was just written, so with ``--cache asis`` the reads come
+from RAM; ``cold`` drops them first); whether the output has the input's tensors, shapes and
+dtype (headers) and, up to ``--load-check-gb`` per model, loads with ``from_pretrained``;
+a few rows of four tensors against the inputs (the unaligned merge against bf16(A/2 + B/2),
+the aligned one against the unaligned). Each output is deleted once measured, each pair once
+its depth is done (``--keep`` keeps them). JSON and Markdown are rewritten after every run,
+and every ``--heartbeat`` seconds during one (elapsed, bytes read, memory so far).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_cost import _best
+from benchmarks.scale.checkpoints import ensure_pair, llama_config, model_sizes, weight_files
+from benchmarks.scale.probe import Probe, meminfo, resident
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "device" / "disk.json"
+DEFAULT_WORK = "/tmp/symgraph-device-disk"
+GB = 1e9
+SAMPLES = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+           "model.layers.0.mlp.gate_proj.weight", "lm_head.weight")
+ROWS = 8  # rows of each sample tensor compared
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def samples(path) -> dict:
+    """The first :data:`ROWS` rows of each of :data:`SAMPLES` (float32)."""
+    from benchmarks.scale.checkpoints import tensor_files
+    from safetensors import safe_open
+    files, out = tensor_files(path), {}
+    for k in SAMPLES:
+        if k in files:
+            with safe_open(str(files[k]), framework="pt") as h:
+                out[k] = h.get_slice(k)[:ROWS].float()
+    return out
+
+
+def _max_diff(x: dict, y: dict) -> float:
+    return max(float((x[k] - y[k]).abs().max()) for k in x)
+
+
+def peaks(device) -> dict:
+    """Matmul and SVD rates on ``device`` for the stage rows' "of peak" (8192³ and 2048² on
+    CUDA; small elsewhere: only the code path is exercised there)."""
+    n, m = (8192, 2048) if device.type == "cuda" else (256, 64)
+    out = {"mm_n": n, "svd_n": m}
+    for dt in (torch.float32, torch.bfloat16, torch.float64):
+        a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
+        out[f"mm_{str(dt)[6:]}_gflops"] = 2 * n ** 3 / _best(lambda: a @ b, sync=lambda: _sync(device)) / 1e9
+    for dt in (torch.float64, torch.float32):
+        s = torch.randn(m, m, device=device, dtype=dt)
+        out[f"svd_{str(dt)[6:]}_gflops"] = 22 * m ** 3 / _best(
+            lambda: torch.linalg.svd(s, full_matrices=False), 1, lambda: _sync(device)) / 1e9
+    return out
+
+
+def merge_once(pair, align, device, out, load_check, probe_args, staged=None, budget=None) -> dict:
+    """One ``run_merge`` of the pair into ``out``, measured (see the module docstring)."""
+    from symgraph.merging.config import MergeConfig
+    from symgraph.merging.run import run_merge
+    from benchmarks.scale.checks import check_output
+    shutil.rmtree(out, ignore_errors=True)
+    inputs = [str(f) for m in (pair["a"], pair["b"]) for f in weight_files(m)]
+    rec = {"align": align, "inputs_in_page_cache": resident(inputs), "meminfo_before": meminfo()}
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        rec["gpu_before_gb"] = torch.cuda.memory_allocated(device) / GB
+    cfg = MergeConfig(models=[pair["a"], pair["b"]], out=str(out), align=align, device=str(device),
+                      memory_budget=budget)
+    counter = None
+    if staged is not None:
+        from benchmarks.bench_cost import instrument
+        counter = instrument(sync=lambda: _sync(device))
+    try:
+        with Probe(probe_args[0], device, *probe_args[1:]) as p:
+            _sync(device)
+            t = time.perf_counter()
+            res = run_merge(cfg, streaming=True, progress=False)
+            _sync(device)
+            rec["wall_s"] = time.perf_counter() - t
+    finally:
+        if counter is not None:
+            counter.undo()
+    job = res.job
+    al = job.alignments[1] if align != "none" else None
+    cuda = device.type == "cuda"
+    rec.update(mode=res.mode, timings=dict(job.timings), ledger_peak_gb=job.ledger.peak / GB,
+               align_seconds={k: v for k, v in (al.seconds if al else {}).items() if isinstance(v, (int, float))},
+               peak_gpu_allocated_gb=torch.cuda.max_memory_allocated(device) / GB if cuda else None,
+               peak_gpu_reserved_gb=torch.cuda.max_memory_reserved(device) / GB if cuda else None,
+               peak_rss_gb=p.rss_peak / GB, rss_peak_from="VmHWM" if p.hwm_reset else "sampled 0.2 s",
+               read_gb=p.read / GB, reads=p.reads, solver_devices=p.solver_devices,
+               element_devices=sorted({t.device.type for e in (al.elements.values() if al else ())
+                                       for t in _tensors(e)}))
+    if counter is not None:
+        from benchmarks.bench_cost import stage_rows
+        rec["stages"] = stage_rows(counter, staged)
+    del res, job, al
+    rec["out_bytes"] = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
+    t = time.perf_counter()
+    rec["check"] = check_output(out, pair["a"], load_check)
+    rec["check"]["seconds"] = time.perf_counter() - t
+    rec["samples"] = samples(out)
+    return rec
+
+
+def _tensors(e):
+    for attr in ("index", "co", "contra"):
+        if isinstance(getattr(e, attr, None), torch.Tensor):
+            yield getattr(e, attr)
+    if isinstance(e, torch.Tensor):
+        yield e
+
+
+def run_depth(a, layers, device, staged_pk, save) -> dict:
+    """One depth: the pair written, the runs measured (``save(depth record)`` after each)."""
+    work = Path(a.work)
+    config = llama_config(a.shape, layers)
+    sizes = model_sizes(config)
+    d = {"layers": layers, "params": sizes["parameters"], "model_gb": sizes["bytes"] / GB, "runs": {}}
+    save(d)
+    pair = ensure_pair(work, a.shape, layers, workers=a.workers)
+    if a.sync:  # the pair's dirty pages written back before any run (not counted)
+        t = time.perf_counter()
+        os.sync()
+        d["sync_s"] = time.perf_counter() - t
+    d["write"] = {"seconds": pair["write"]["a"]["seconds"], "workers": a.workers, "reused": not pair["written"],
+                  "gb": sum(pair["write"][m]["bytes"] for m in "ab") / GB}
+    inputs = {m: samples(pair[m]) for m in "ab"}
+    exact = {k: (inputs["a"][k] * 0.5 + inputs["b"][k] * 0.5).bfloat16().float() for k in inputs["a"]}
+    runs = [("unaligned", "none", None, a.memory_budget), ("aligned", "weights", None, a.memory_budget)]
+    runs = runs[::-1] if a.aligned_first else runs
+    runs += [("aligned_staged", "weights", staged_pk, a.memory_budget)] if staged_pk is not None else []
+    runs += [(f"aligned, budget {b}", "weights", None, b) for at, b in a.budget_runs if at == layers]
+    load_check, got = sizes["bytes"] <= a.load_check_gb * GB, {}
+    for name, align, pk, budget in runs:
+        if a.cache == "cold":
+            from benchmarks.scale.pagecache import drop_cache
+            drop_cache([str(f) for m in "ab" for f in weight_files(pair[m])])
+
+        def beat(now, name=name):
+            d["runs"][name] = {"running": now}
+            save(d)
+            print(f"  [{layers} layers, {name}] {now['elapsed_s']:.0f} s: read {now['read_gb']:.1f} GB, RSS "
+                  f"{now['rss_gb']:.1f} GB" + (f", GPU {now['gpu_now_gb']:.1f} GB now, {now['gpu_peak_gb']:.1f} GB "
+                                               "peak" if now["gpu_now_gb"] is not None else ""),
+                  file=sys.stderr, flush=True)
+        d["runs"][name] = {"running": {"elapsed_s": 0.0}}
+        save(d)
+        try:
+            r = merge_once(pair, align, device, work / "out", load_check, (name, a.heartbeat, beat), pk, budget)
+        except Exception as e:  # noqa: BLE001 - recorded (out of memory, a device error), and the next run goes on
+            import traceback
+            d["runs"][name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}",
+                               "where": traceback.format_exc().splitlines()[-4:-1], "memory_budget": budget,
+                               "running": d["runs"][name].get("running", {}),
+                               "peak_gpu_allocated_gb": torch.cuda.max_memory_allocated(device) / GB
+                               if device.type == "cuda" else None}
+            shutil.rmtree(work / "out", ignore_errors=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            save(d)
+            print(f"  [{layers} layers, {name}] FAILED: {d['runs'][name]['error']}", file=sys.stderr, flush=True)
+            continue
+        r["memory_budget"] = budget
+        r["read_x_pair"] = r["read_gb"] * GB / (2 * sizes["bytes"])
+        got[name] = r.pop("samples")
+        if align == "none":
+            r["samples_vs_exact_average"] = _max_diff(got[name], exact)
+        shutil.rmtree(work / "out", ignore_errors=True)
+        d["runs"][name] = r
+        for other, x in d["runs"].items():  # whichever ran first
+            if x.get("align") == "weights" and "unaligned" in got:
+                x["samples_vs_unaligned"] = _max_diff(got[other], got["unaligned"])
+        if {"unaligned", "aligned"} <= set(got):
+            d["ratio"] = d["runs"]["aligned"]["wall_s"] / d["runs"]["unaligned"]["wall_s"]
+        save(d)
+        print(f"  [{layers} layers, {name}] {r['wall_s']:.1f} s, peak GPU "
+              f"{_f(r['peak_gpu_allocated_gb'])} GB, RSS {r['peak_rss_gb']:.2f} GB, read {r['read_gb']:.1f} GB, "
+              f"output {'ok' if r['check']['ok'] else 'FAILED'}", file=sys.stderr, flush=True)
+    if not a.keep:
+        shutil.rmtree(pair["dir"], ignore_errors=True)
+    return d
+
+
+def warmup(a, device) -> float:
+    """A tiny-shape aligned merge on the device (imports, the device's libraries), timed."""
+    pair = ensure_pair(Path(a.work), "tiny", 1, workers=1)
+    t = time.perf_counter()
+    merge_once(pair, "weights", device, Path(a.work) / "out-warmup", False, ("warmup", 0, None))
+    shutil.rmtree(Path(a.work) / "out-warmup", ignore_errors=True)
+    return time.perf_counter() - t
+
+
+def _f(x, fmt=".1f"):
+    return "–" if x is None else format(x, fmt)
+
+
+def markdown(results: dict) -> str:
+    lines = ["# Out of core on an accelerator", "",
+             "Written by `python -m benchmarks.bench_device_disk` (see its docstring): a random LLaMA-shaped "
+             "bf16 pair written to local disk, then `symgraph merge A B --align weights --device DEV` "
+             "(`run_merge`, out of core) against `--align none` on the same device in the same process.", ""]
+    for label, r in results.items():
+        lines += [f"## {label}: {r['shape']} on {r['device_name']}, commit {r['commit']}, {r['when']}", "",
+                  f"torch {r['torch']}; host {r['cores']} cores, {_f(r.get('ram_gb'))} GB RAM; the engine's memory "
+                  f"budget: {r.get('memory_budget') or 'its default (64 MiB caches per model)'}. Warm-up (tiny "
+                  f"aligned merge, not counted): {_f(r.get('warmup_s'), '.1f')} s. Page cache: `--cache "
+                  f"{r['cache']}` (the pair was just written: with `asis` its pages are in RAM, the share "
+                  "measured by mincore is in the table, with the dirty pages not yet written back as the run "
+                  f"started{'; the pair was synced first' if any('sync_s' in d for d in r['depths']) else ''}). "
+                  "Outputs are written to the page cache (no fsync).", "",
+                  "| layers | params | pair written | run | wall | analysis | alignment | write | solver | sweeps "
+                  "| peak GPU alloc / reserved | peak RSS | read (× pair) | inputs cached, dirty | output |",
+                  "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for d in r["depths"]:
+            w = d.get("write", {})
+            wrote = "reused" if w.get("reused") else f"{_f(w.get('seconds'))} s"
+            for name, x in d["runs"].items():
+                if "wall_s" not in x:
+                    run = x.get("running", {})
+                    state = f"**failed**: {x['error']}".replace("|", "/") if "error" in x else "**unfinished**"
+                    lines.append(f"| {d['layers']} | {d['params'] / 1e9:.2f} B | {wrote} | {name} "
+                                 f"| {state} after {_f(run.get('elapsed_s'), '.0f')} s (read "
+                                 f"{_f(run.get('read_gb'))} GB, GPU peak {_f(run.get('gpu_peak_gb'))} GB) "
+                                 "| | | | | | | | | | |")
+                    continue
+                tm, al, c = x["timings"], x["align_seconds"], x["check"]
+                ok = ("ok" if c["ok"] else "**FAILED**") + (" + loads" if c.get("from_pretrained") else "")
+                if "samples_vs_exact_average" in x:
+                    ok += f"; rows vs bf16 average: {x['samples_vs_exact_average']:.2g}"
+                if "samples_vs_unaligned" in x:
+                    ok += f"; rows vs unaligned: {x['samples_vs_unaligned']:.2g}"
+                lines.append(
+                    f"| {d['layers']} | {d['params'] / 1e9:.2f} B | {wrote} | {name} | "
+                    f"**{x['wall_s']:.1f} s** | {_f(tm.get('analyze'))} | {_f(tm.get('align'))} | "
+                    f"{_f(tm.get('write'))} | {_f(al.get('solver'))} | {al.get('sweeps', '–')} | "
+                    f"{_f(x['peak_gpu_allocated_gb'])} / {_f(x['peak_gpu_reserved_gb'])} GB | "
+                    f"{x['peak_rss_gb']:.1f} GB | {x['read_gb']:.1f} GB ({x['read_x_pair']:.1f}) | "
+                    f"{_f(x['inputs_in_page_cache'] and 100 * x['inputs_in_page_cache'], '.0f')}%, "
+                    f"{_f(x.get('meminfo_before', {}).get('dirty_gb'))} GB | {ok} |")
+        lines += [""] + [f"Aligned ÷ unaligned at {d['layers']} layers: {d['ratio']:.1f}x." for d in r["depths"]
+                         if "ratio" in d]
+        for d in r["depths"]:
+            for name, x in d["runs"].items():
+                if "stages" in x:
+                    lines += ["", f"Stages, {name} at {d['layers']} layers (each synchronised; wall "
+                              f"{x['wall_s']:.1f} s):", "", "| stage | calls | s | GFLOP | GFLOP/s | of peak | GB |",
+                              "|---|---:|---:|---:|---:|---:|---:|"]
+                    for st, s in sorted(x["stages"].items(), key=lambda kv: -kv[1]["seconds"]):
+                        lines.append(f"| {st} | {s['calls']} | {s['seconds']:.2f} | {_f(s['gflop'] or None, '.0f')} | "
+                                     f"{_f(s['gflops'], '.0f')} | {_f(s['of_peak'] and 100 * s['of_peak'], '.1f')}% | "
+                                     f"{_f(s['gb'] or None, '.2f')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_device_disk", description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="7b", help="a bench_scale shape: tiny, 1b, 7b")
+    ap.add_argument("--layers", default="2,32", help="comma-separated depths, run in this order")
+    ap.add_argument("--stages", default="2", help="depths (of --layers) also run with stage counters")
+    ap.add_argument("--device", default="cuda", help="cuda, cpu, or fakegpu (the test device)")
+    ap.add_argument("--work", default=DEFAULT_WORK, help="pairs and outputs (local disk)")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes writing the pair")
+    ap.add_argument("--cache", choices=("asis", "cold"), default="asis")
+    ap.add_argument("--load-check-gb", type=float, default=2.0, help="from_pretrained outputs up to this size")
+    ap.add_argument("--memory-budget", default=None, help="the engine's --memory-budget (default: its own)")
+    ap.add_argument("--budget-runs", default="", help="DEPTH:BUDGET,...: another aligned run at that "
+                    "depth with that --memory-budget (e.g. 2:12GB, a cache of the whole 2-layer pair)")
+    ap.add_argument("--heartbeat", type=float, default=15.0, help="seconds between progress lines (0: none)")
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--sync", action="store_true", help="write the pair back to disk before the runs (os.sync)")
+    ap.add_argument("--aligned-first", action="store_true", help="the aligned merge before the unaligned one")
+    ap.add_argument("--keep", action="store_true", help="keep the pairs")
+    ap.add_argument("--label", default=None)
+    ap.add_argument("--commit", default=os.environ.get("SYMGRAPH_COMMIT", "?"))
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    a = ap.parse_args(argv)
+    a.budget_runs = [(int(x.split(":")[0]), x.split(":")[1]) for x in a.budget_runs.split(",") if x]
+    if a.device.startswith("fakegpu"):
+        from symgraph.testing.device import install
+        install()
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_device_disk: --device cuda but this machine has no CUDA device", file=sys.stderr)
+        return 2
+    from benchmarks.harness import machine_info
+    depths = [int(x) for x in a.layers.split(",")]
+    staged = {int(x) for x in a.stages.split(",") if x}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(a.work).mkdir(parents=True, exist_ok=True)
+    label = a.label or f"{a.shape}-{device.type}-disk-{a.commit}"
+    r = {"shape": a.shape, "device": str(device), "cache": a.cache, "commit": a.commit, "memory_budget": a.memory_budget,
+         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or device.type,
+         "torch": torch.__version__, "cores": os.cpu_count(), "ram_gb": machine_info()["ram_gb"],
+         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "depths": []}
+    lock = threading.Lock()
+
+    def save(d=None):
+        with lock:
+            if d is not None and all(x is not d for x in r["depths"]):
+                r["depths"].append(d)
+            results = json.loads(out.read_text()) if out.is_file() else {}
+            results[label] = r
+            text = json.dumps(results, indent=1, default=lambda o: None)
+            for path, body in ((out, text), (out.with_suffix(".md"), markdown(json.loads(text)))):
+                tmp = path.with_name(f".{path.name}.tmp")  # whole files only: a timeout may stop us any time
+                tmp.write_text(body)
+                os.replace(tmp, path)
+    r["warmup_s"] = None if a.no_warmup else warmup(a, device)
+    r["peaks"] = peaks(device) if staged & set(depths) else None
+    save()
+    for layers in depths:
+        run_depth(a, layers, device, r["peaks"] if layers in staged else None, save)
+        print(markdown({label: r}), file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    sys.exit(main())
