@@ -102,15 +102,23 @@ class Folded(Mapping):
     """Parameter name → tensor of a :class:`~symgraph.checkpoints.sharded.Checkpoint` with the
     report's norm gains folded (what the symmetry classes act on), read on demand. A fold's
     tensors are read and folded together; the most recently used values are kept up to
-    ``budget`` bytes. ``device``: where the values are put (the checkpoint is read on the CPU)."""
+    ``budget`` bytes. ``device``: where the values are put (the checkpoint is read on the CPU).
+
+    On a device, the ``budget`` is kept in host memory (page-locked on CUDA, so a value goes to
+    the device at the link's full rate) and at most :data:`DEFAULT_CACHE` bytes of the most
+    recent values on the device: weight matching's sweeps read every tensor about twice a sweep,
+    and a value kept on the host is copied to the device again instead of read from the
+    checkpoint and folded again; the device's memory holds only the working set."""
 
     def __init__(self, report, ckpt, budget: int = DEFAULT_CACHE, dtype=torch.float64,
                  device=None, ledger: Ledger | None = None):
         self.report, self.ckpt, self.dtype, self.device = report, ckpt, dtype, device
         self.folds = {n: f for f in report.folds for n in members(f)}
         self._cache = _Cache(budget, ledger)
+        self._near = _Cache(min(budget, DEFAULT_CACHE), ledger) if device is not None else None
+        self._pin = device is not None and torch.device(device).type == "cuda"
 
-    def __getitem__(self, name):
+    def _host(self, name):
         v = self._cache.get(name)
         if v is not None:
             return v
@@ -121,9 +129,21 @@ class Folded(Mapping):
             f = folding.for_reader(f, name)
             raw = {n: self.ckpt.get(n) for n in members(f)}
             v = folding.fold([f], raw, _fold_dtype(f, raw, self.dtype)).get(name, raw[name]).to(raw[name].dtype)
-        if self.device is not None:
-            v = v.to(self.device)
+        if self._pin and nbytes(v) <= self._cache.budget:
+            try:
+                v = v.pin_memory()
+            except RuntimeError:  # pragma: no cover - page-locked memory refused: pageable copies
+                self._pin = False
         self._cache.put(name, v)
+        return v
+
+    def __getitem__(self, name):
+        if self._near is None:
+            return self._host(name)
+        v = self._near.get(name)
+        if v is None:
+            v = self._host(name).to(self.device, non_blocking=self._pin)
+            self._near.put(name, v)
         return v
 
     def clear(self):
@@ -131,6 +151,8 @@ class Folded(Mapping):
         cycles, which would keep the cache (up to ``budget``) until Python's cycle collector
         runs: on the 1.1B shape, through the write."""
         self._cache.clear()
+        if self._near is not None:
+            self._near.clear()
 
     def __iter__(self):
         return iter(self.report.parameters)
