@@ -201,22 +201,3 @@ def test_table_rows_on_tiny_untied_gpt2():
     md = table.markdown({"rows": rows + cs, "parent_test_loss": [5.3, 5.3], "protocol_note": "x",
                          "command": "python -m benchmarks.anchor"})
     assert "| weights | 0.34 |" in md and f"{cs[0]['barrier']:.3f}" in md
-
-
-def test_table_keeps_rows_of_a_stopped_run_on_the_same_parents(tmp_path):
-    """A stopped table run resumes: rows measured on the same parents (and, for learned rows,
-    the same number of refine steps) are kept; other parents or settings start over."""
-    from benchmarks.anchor import table
-    rows = [{"row": "weights", "space": "heads", "barrier": 0.5, "curve": [], "seconds": 1.0},
-            {"row": "learned", "space": "circuits", "barrier": 0.1, "curve": [], "seconds": 2.0,
-             "refine_steps": 200},
-            {"row": "learned_perm", "space": "heads", "barrier": 0.3, "curve": [], "seconds": 2.0,
-             "refine_steps": 5}]
-    table.write({"rows": rows, "parent_test_loss": [5.1, 5.2], "protocol_note": "x", "command": "c"},
-                tmp_path)
-    kept = table._previous_rows(tmp_path, [5.1, 5.2], 200)
-    assert sorted(kept) == [("learned", "circuits"), ("weights", "heads")]
-    assert kept[("weights", "heads")]["barrier"] == 0.5
-    assert table._previous_rows(tmp_path, [5.1, 5.3], 200) == {}
-    assert table._previous_rows(tmp_path, [5.1], 200) == {}
-    assert table._previous_rows(tmp_path / "none", [5.1, 5.2], 200) == {}

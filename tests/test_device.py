@@ -239,3 +239,21 @@ def test_batched_decompositions_go_to_the_host(monkeypatch):
     SV.procrustes(S[0, 0].to(dev))                  # one matrix: the device's own kernel
     SV.procrustes(S[:, :, :8, :8].to(dev))          # a batch of 8²: batched on the device
     assert seen == [("svd", dev.type, (40, 40)), ("svd", dev.type, (4, 4, 8, 8))]
+
+
+def test_the_test_device_keeps_its_shapes():
+    """``fakegpu`` factories that fill a resized ``out=`` tensor (``arange``, ``eye``: the circuit
+    -space program's ``arange``) and in-place view ops (``squeeze_``, which ends a vector-matrix
+    product) leave the device tensor's own shape equal to the values' inside, so autograd through
+    them works (learned matching moves 1-d biases by ``t @ M.mT`` and casts them)."""
+    from symgraph.testing.device import install
+    dev = torch.device(install())
+    for x, shape in ((torch.arange(32, device=dev), (32,)), (torch.arange(2, 32, 3, device=dev), (10,)),
+                     (torch.eye(3, 4, device=dev), (3, 4))):
+        assert x.device.type == dev.type and tuple(x.shape) == tuple(x.raw.shape) == shape
+    t = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    M = torch.randn(5, 5, dtype=torch.float64)
+    y = t.to(dev) @ M.to(dev).mT
+    assert tuple(y.shape) == tuple(y.raw.shape) == (5,)
+    y.to(torch.float32).sum().backward()
+    torch.testing.assert_close(t.grad, M.sum(0))

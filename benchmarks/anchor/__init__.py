@@ -16,11 +16,15 @@ Side by side, on the same parents, at one commit::
     python -m benchmarks.anchor.peer venv --work WORK       # WORK/peer-venv: transformers==4.50.1, torch 2.13 CPU, ...
     python -m benchmarks.anchor --corpus CORPUS --tokenizer TOKENIZER_DIR --peer-work WORK [--tiny]
 
-(the venv is also created on demand by the last command). ``--tiny`` trains tiny float32 parents
-for a couple of minutes and writes to ``<cache>/tiny/results``: a smoke run of the whole command.
+(the venv is also created on demand by the last command; ``--peer-python``/``--peer-pythonpath``
+run their code without one). ``--tiny`` trains tiny float32 parents for a couple of minutes and
+writes to ``<cache>/tiny/results``: a smoke run of the whole command. ``--device cuda`` trains
+the parents (float32, TF32 off) and computes every row on the GPU; ``benchmarks/anchor/device.sh``
+runs the whole table, both parents trained concurrently, in one call on a lent GPU machine.
+:mod:`benchmarks.anchor.report` writes ``results.json`` (commit, code digest, device, each row's
+options and wall time), ``report.md`` and ``curves.png`` after every row.
 
-Not done yet: the full-size parents retrained in float32 as theirs (the committed table's parents
-trained under bf16 autocast, and the committed results were not regenerated with the peer rows);
-their learned matching (``train_merger.py``'s HF Trainer loop) with their budget; the seed papers'
-released code (Verma & Elbayad, Imfeld et al., Zhang et al.).
+Not done yet: their learned matching (``train_merger.py``'s HF Trainer loop) and symgraph's
+learned matching with the paper's budget; the seed papers' released code (Verma & Elbayad,
+Imfeld et al., Zhang et al.).
 """

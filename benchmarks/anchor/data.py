@@ -161,9 +161,10 @@ def batches(
     """Batches of ``seqs`` (``[n, L]``): in order when ``seed`` is None, otherwise in the order of
     :func:`epoch_order`; the last batch may be smaller. ``start`` skips that many batches."""
     n = seqs.shape[0]
-    order = torch.arange(n) if seed is None else epoch_order(n, seed, epoch)
+    order = None if seed is None else epoch_order(n, seed, epoch).to(seqs.device)  # drawn on the CPU
     for b in range(start, steps_per_epoch(n, batch_size)):
-        yield seqs[order[b * batch_size: (b + 1) * batch_size]]
+        sl = slice(b * batch_size, (b + 1) * batch_size)
+        yield seqs[sl] if order is None else seqs[order[sl]]
 
 
 def config(vocab_size: int = 50257, block_size: int = BLOCK_SIZE, **overrides):
@@ -200,19 +201,23 @@ def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, reduction: str = "mea
 def test_loss(model, split: torch.Tensor, batch_size: int = 8, block_size: int = BLOCK_SIZE) -> float:
     """Mean token cross-entropy of ``model`` over the sequences of ``split`` (1-d ids, cut with
     :func:`sequences`, or ``[n, L]``), in eval mode (no dropout) and float32, no autocast. Equals
-    the authors' Trainer ``eval_loss`` (all sequences have the same number of targets)."""
+    the authors' Trainer ``eval_loss`` (all sequences have the same number of targets). Computed
+    on the model's device (the batches moved there), summed there in float64, read once."""
     seqs = sequences(split, block_size)
     if seqs.shape[0] == 0:
         raise AnchorError("split has no complete sequence")
+    p = next(iter(model.parameters()), None)
+    dev = p.device if p is not None else seqs.device
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    total, count = None, 0
     try:
-        with torch.autocast("cpu", enabled=False):
+        with torch.autocast(dev.type if dev.type in ("cpu", "cuda") else "cpu", enabled=False):
             for xb in batches(seqs, batch_size):
-                logits = model(input_ids=xb).logits
-                total += float(lm_loss(logits, xb, reduction="sum"))
+                xb = xb.to(dev)
+                s = lm_loss(model(input_ids=xb).logits, xb, reduction="sum").double()
+                total = s if total is None else total + s
                 count += xb.shape[0] * (xb.shape[1] - 1)
     finally:
         model.train(was_training)
-    return total / count
+    return float(total) / count

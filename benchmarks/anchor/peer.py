@@ -16,6 +16,14 @@ DIR`` too, as ``benchmarks/scale`` creates mergekit's). The venv holds their pin
 (torch: the local CPU wheel 2.13.0, which works with 4.50.1; einops, POT, scipy, numpy,
 safetensors); not wandb/datasets/matplotlib, which only their training and plotting scripts use.
 
+Without a venv (a machine with no network): any interpreter that has torch, numpy, scipy and
+einops, with their pins on a ``PYTHONPATH`` put before its own packages, e.g. wheels of
+``transformers==4.50.1``, ``tokenizers<0.22``, ``huggingface_hub<1.0`` and ``POT`` unpacked with
+``pip install --no-deps --no-index --target DIR *.whl``: ``python -m benchmarks.anchor
+--peer-src SRC --peer-python python3 --peer-pythonpath DIR`` (their transformers version is
+checked: a run that imported another one stops). A source copied without its ``.git`` is
+recognised by the digests of the files the glue imports (:data:`PEER_SHA256`).
+
 :func:`peer_rows` runs their weight matching (``GPTMerger`` under their ``eval.py`` seed) on two
 saved parents for each variant of :data:`VARIANTS` and evaluates every exported aligned B against
 their absorbed A with *our* evaluation (:func:`symgraph.interpolate`, the anchor's test loss): in
@@ -26,6 +34,7 @@ gains 1; not the parents' LayerNorm architecture, which their orthogonal residua
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -47,6 +56,10 @@ PEER_PINS = ("transformers==4.50.1", "einops==0.8.2", "POT==0.9.7.post1", "scipy
              "numpy==2.4.6", "safetensors==0.8.0")
 RUNNER = Path(__file__).resolve().with_name("peer_run.py")
 _NEEDED = ("merger.py", "weight_matching.py", "utils.py", "enums.py")
+#: the first 16 hex digits of the sha256 of each file of :data:`_NEEDED` at :data:`PEER_COMMIT`
+PEER_SHA256 = {"merger.py": "e1086b2ff2611fa3", "weight_matching.py": "e03eaa557f4c59e3",
+               "utils.py": "372ce868384b0bed", "enums.py": "90381919bb73ce8d"}
+PEER_TRANSFORMERS = "4.50.1"  # their requirements.txt
 
 #: variant -> (permutations_only, seen-token rows only); each gives a row without their
 #: merger's random near-identity projection and, where it is not the identity, one with it (``_proj``)
@@ -77,17 +90,20 @@ def python_of(venv: str | os.PathLike) -> Path:
 
 
 def check_source(src: str | os.PathLike) -> str | None:
-    """Their checkout's commit (None when ``src`` is not a git checkout); PeerError when a file
+    """Their checkout's commit; for a copy without ``.git``, :data:`PEER_COMMIT` when the files the
+    glue imports are those of that commit (:data:`PEER_SHA256`), else None. PeerError when a file
     the glue imports is missing."""
     src = Path(src)
     missing = [f for f in _NEEDED if not (src / f).is_file()]
     if missing:
         raise PeerError(f"no peer source at {src} (missing {', '.join(missing)}); fetch it with "
                         f"`python -m benchmarks.anchor.peer fetch --work DIR`")
-    r = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True)
-    if r.returncode != 0:
-        return None
-    return r.stdout.strip() or None
+    if (src / ".git").exists():
+        r = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True)
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.strip()
+    same = all(hashlib.sha256((src / f).read_bytes()).hexdigest()[:16] == h for f, h in PEER_SHA256.items())
+    return PEER_COMMIT if same else None
 
 
 def fetch(work: str | os.PathLike, mirror: str | None = None) -> Path:
@@ -122,26 +138,50 @@ def ensure_venv(venv: str | os.PathLike, log=print) -> Path:
     return py
 
 
-def run_glue(python, src, model_a, model_b, out, variants=tuple(VARIANTS), token_freqs=None,
-             check_ids=None, seed: int = 42, threads: int | None = None) -> dict:
-    """Run :mod:`.peer_run` in the peer's venv on two ``save_pretrained`` parents; its JSON."""
+def start_glue(python, src, model_a, model_b, out, variants=tuple(VARIANTS), token_freqs=None,
+               check_ids=None, seed: int = 42, threads: int | None = None, pythonpath: str | None = None,
+               cpus=None) -> dict:
+    """Start :mod:`.peer_run` with the peer's ``python`` (their venv's, or any with ``pythonpath``
+    holding their pins) on two ``save_pretrained`` parents, in the background (``cpus``: the CPU
+    cores it may use; ``threads``: torch's threads there); :func:`finish_glue` waits for it."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     spec = {"src": str(src), "model_a": str(model_a), "model_b": str(model_b), "out": str(out),
             "variants": [{"name": v, "permutations_only": VARIANTS[v][0], "seen": VARIANTS[v][1]} for v in variants],
             "token_freqs": str(token_freqs) if token_freqs else None,
             "check_ids": str(check_ids) if check_ids else None, "seed": seed,
-            "threads": threads or torch.get_num_threads()}
+            "threads": threads or (len(cpus) if cpus else torch.get_num_threads())}
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
-    env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1", PYTHONPATH="")
-    t0 = time.perf_counter()
-    r = subprocess.run([str(python), str(RUNNER), str(out / "spec.json")], capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise PeerError(f"the peer glue exited {r.returncode}: {tail}")
-    res = json.loads(r.stdout.strip().splitlines()[-1])
-    res["seconds_subprocess"] = time.perf_counter() - t0
+    env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1", PYTHONPATH=str(pythonpath or ""))
+    logs = [open(out / "glue.stdout", "w"), open(out / "glue.stderr", "w")]  # files: a full pipe would block it
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None  # the caller checked it can
+    proc = subprocess.Popen([str(python), str(RUNNER), str(out / "spec.json")], stdout=logs[0], stderr=logs[1],
+                            env=env, preexec_fn=pin)
+    return {"proc": proc, "logs": logs, "out": out, "t0": time.perf_counter(), "python": str(python),
+            "pythonpath": pythonpath, "threads": spec["threads"], "cpus": len(cpus) if cpus else None}
+
+
+def finish_glue(job: dict) -> dict:
+    """Wait for a :func:`start_glue` run; its JSON, checked to have run their transformers."""
+    rc = job["proc"].wait()
+    for f in job["logs"]:
+        f.close()
+    out = job["out"]
+    if rc != 0:
+        tail = ((out / "glue.stderr").read_text().strip().splitlines() or ["(no output)"])[-1]
+        raise PeerError(f"the peer glue exited {rc}: {tail}")
+    res = json.loads((out / "glue.stdout").read_text().strip().splitlines()[-1])
+    res["seconds_subprocess"] = time.perf_counter() - job["t0"]
+    res.update(python=job["python"], pythonpath=job["pythonpath"], threads=job["threads"], cpus=job["cpus"])
+    if res["versions"]["transformers"] != PEER_TRANSFORMERS:
+        raise PeerError(f"the peer glue imported transformers {res['versions']['transformers']}, not their "
+                        f"{PEER_TRANSFORMERS} ({job['python']}, PYTHONPATH={job['pythonpath'] or ''!r})")
     return res
+
+
+def run_glue(*args, **kwargs) -> dict:
+    """:func:`start_glue`, then :func:`finish_glue`."""
+    return finish_glue(start_glue(*args, **kwargs))
 
 
 class RMSNorm(torch.nn.Module):
@@ -169,7 +209,9 @@ def _rms_norms(module):
 def load_exported(path: str | os.PathLike):
     """A checkpoint the glue wrote, as the model it stands for: GPT-2 with their RMSNorm."""
     from transformers import GPT2LMHeadModel
-    return _rms_norms(GPT2LMHeadModel.from_pretrained(str(path), attn_implementation="sdpa").eval())
+    m = _rms_norms(GPT2LMHeadModel.from_pretrained(str(path), attn_implementation="sdpa").eval())
+    m.config.use_cache = False  # evaluated whole, as the parents (benchmarks.anchor.table)
+    return m
 
 
 def barrier_theirs(curve) -> float:
@@ -183,21 +225,31 @@ def _loss(model, ids) -> float:
     return D.test_loss(model, ids, batch_size=len(ids))
 
 
-def peer_rows(dir_a, dir_b, B, *, test, seen, src, python, work, lambdas, spaces=("heads", "circuits"),
-              variants=tuple(VARIANTS), eval_bs: int = 8, echo=print) -> list[dict]:
-    """Rows of their weight matching on the parents saved in ``dir_a``/``dir_b`` (``B``: parent B
-    loaded, for the check that their aligned B keeps its loss), evaluated as :func:`run_row`
-    evaluates symgraph's (``test``: ``[n, L]`` ids; ``seen``: training ids, their token counts)."""
-    import symgraph
-    commit = check_source(src)
+def start_peer(dir_a, dir_b, B, *, test, seen, src, python, work, variants=tuple(VARIANTS),
+               pythonpath: str | None = None, cpus=None) -> dict:
+    """Start their weight matching on the parents saved in ``dir_a``/``dir_b`` in the background
+    (``B``: parent B loaded; ``test``: ``[n, L]`` ids; ``seen``: training ids, their token
+    counts); :func:`peer_rows` evaluates what it gives. Their weight matching runs on the CPU, as
+    their code does (it builds its cost matrices there)."""
     out = Path(work) / "aligned"
     vocab = B.get_output_embeddings().weight.shape[0]
     out.mkdir(parents=True, exist_ok=True)
-    torch.save(torch.bincount(seen.reshape(-1).long(), minlength=vocab), out / "token_freqs.pt")
+    torch.save(torch.bincount(seen.reshape(-1).long(), minlength=vocab).cpu(), out / "token_freqs.pt")
     check = test[:4].clone()
-    torch.save(check, out / "check_ids.pt")
-    res = run_glue(python, src, dir_a, dir_b, out / "models", variants, out / "token_freqs.pt", out / "check_ids.pt")
-    A = load_exported(res["A"])
+    torch.save(check.cpu(), out / "check_ids.pt")
+    return {"glue": start_glue(python, src, dir_a, dir_b, out / "models", variants, out / "token_freqs.pt",
+                               out / "check_ids.pt", pythonpath=pythonpath, cpus=cpus),
+            "commit": check_source(src), "check": check}
+
+
+def peer_rows(job, B, *, test, lambdas, spaces=("heads", "circuits"), eval_bs: int = 8, echo=print) -> list[dict]:
+    """Rows of their weight matching (a :func:`start_peer` job, waited for here), evaluated as
+    :func:`run_row` evaluates symgraph's, on B's device (their models moved there)."""
+    import symgraph
+    res = finish_glue(job["glue"])
+    commit, check = job["commit"], job["check"]
+    dev = next(B.parameters()).device
+    A = load_exported(res["A"]).to(dev)
     b_loss = _loss(B, check)
 
     def loss(m):
@@ -208,18 +260,20 @@ def peer_rows(dir_a, dir_b, B, *, test, seen, src, python, work, lambdas, spaces
             if kind == "proj" and v["projection_is_identity"]:
                 continue  # permutations only: their projection rounds to the identity
             name = "peer_" + v["name"] + ("_proj" if kind == "proj" else "")
-            Bal = load_exported(v["dirs"][kind])
+            Bal = load_exported(v["dirs"][kind]).to(dev)
             mid = float(symgraph.interpolate(A, Bal, [0.5], lambda m: _loss(m, check), attention="circuits")[0][1])
             info = {"commit": commit, "versions": res["versions"], "permutations_only": v["permutations_only"],
                     "seen_rows": v["seen"], "projection": kind == "proj",
                     "projection_residual_dist": v["projection_residual_dist"] if kind == "proj" else 0.0,
                     "replay_max_abs": v["replay_max_abs"], "b_loss_rel_change": abs(_loss(Bal, check) - b_loss) / b_loss,
                     "mid_loss_their_merger": v.get("merger_mid_loss", {}).get(kind), "mid_loss_ours": mid,
-                    "merger_seconds": v["seconds_merger"]}
+                    "merger_seconds": v["seconds_merger"], "python": res["python"], "pythonpath": res["pythonpath"],
+                    "align_device": "cpu", "threads": res["threads"], "cpus": res["cpus"]}
             for space in spaces:
                 t0 = time.perf_counter()
                 curve = symgraph.interpolate(A, Bal, lambdas, loss, attention=space)
-                rows.append({"row": name, "space": space, "by": "peer", "barrier": symgraph.loss_barrier(curve),
+                rows.append({"row": name, "space": space, "by": "peer", "device": str(dev),
+                             "barrier": symgraph.loss_barrier(curve),
                              "barrier_theirs": barrier_theirs(curve), "curve": curve,
                              "align_seconds": v["seconds_weight_matching"],
                              "seconds": v["seconds_weight_matching"] + time.perf_counter() - t0,

@@ -1,10 +1,13 @@
 """The Theus et al. (2025) Tiny Shakespeare table, side by side with symgraph's rows.
 
-``python -m benchmarks.anchor --corpus F --tokenizer DIR [--out DIR]`` trains (or loads from the
-cache) the two parents of the protocol (:mod:`benchmarks.anchor.train`), then for each method
-aligns parent B to parent A with symgraph, evaluates the test loss on an 11-point λ grid and
-reports the barrier ``max_λ L(λ) − ½(L(A) + L(B))`` next to the paper's Table 2, with each
-row's wall time, ``results.json``, ``report.md`` and ``curves.png``.
+``python -m benchmarks.anchor --corpus F --tokenizer DIR [--out DIR] [--device cuda]`` trains (or
+loads from the cache) the two parents of the protocol (:mod:`benchmarks.anchor.train`, float32),
+then for each method aligns parent B to parent A with symgraph, evaluates the test loss on an
+11-point λ grid and reports the barrier ``max_λ L(λ) − ½(L(A) + L(B))`` next to the paper's
+Table 2, with each row's wall time and options, ``results.json``, ``report.md``, ``curves.png``
+and the parents' train logs (:mod:`benchmarks.anchor.report`, rewritten after every row).
+Every row is recomputed at the current commit; a run stopped by a time limit, rerun with the
+same ``--out``, keeps only the rows of the same commit, code, device, settings and parents.
 
 Rows, in the parents' architecture: vanilla averaging, activation matching, weight matching,
 weight matching on the embedding rows of tokens seen in training only (``weights_seen``, as
@@ -18,29 +21,37 @@ only: ``fold_norms=False``). In circuit space (heads twice as wide,
 :mod:`symgraph.merging.widen`), and the learned rows train in that space. Each row also records
 Theus et al.'s barrier definition (``barrier_theirs``: ``max_λ L(λ) − (λL_A + (1−λ)L_B)``).
 
-``--peer-work WORK`` (or ``--peer-src``/``--peer-venv``) adds the rows of Theus et al.'s own
-weight matching run on the same two parents in its own venv (:mod:`benchmarks.anchor.peer`,
-"peer code (Theus et al. 6b207cc)"), evaluated by the same code. ``--tiny``: tiny float32
-parents trained for a few minutes (``<cache>/tiny``, results in ``<cache>/tiny/results``), a
-smoke run of the whole command.
+``--device cuda``: parents trained there (TF32 off), and the alignments, curves and test losses
+computed there (models and batches moved; ``fakegpu``, the test device of
+:mod:`symgraph.testing.device`, exercises the same path on a machine without a GPU).
+``--no-train`` uses the cached parents as they are (e.g. trained beforehand by two concurrent
+``python -m benchmarks.anchor.train`` processes, see ``benchmarks/anchor/device.sh``);
+``--train-only`` stops after training them.
+
+``--peer-work WORK`` (or ``--peer-src``/``--peer-venv``, or ``--peer-python``/
+``--peer-pythonpath`` without a venv) adds the rows of Theus et al.'s own weight matching run on
+the same two parents with their pinned transformers (:mod:`benchmarks.anchor.peer`, "peer code
+(Theus et al. 6b207cc)"), evaluated by the same code. ``--tiny``: tiny float32 parents trained for
+a few minutes (``<cache>/tiny``, results in ``<cache>/tiny/results``), a smoke run of the whole
+command.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import shlex
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import data as D
-from .peer import PEER_LABEL, PeerError, barrier_theirs
+from .peer import PeerError, barrier_theirs
+from .report import PAPER, code_digest, commit, markdown, previous_rows, write  # noqa: F401 - re-exported
 
-#: Theus et al. 2025, Table 2, GPT-2 on Tiny Shakespeare (loss barriers; circuit space for the
-#: aligned rows, as their code measures them).
-PAPER = {"vanilla": 2.02, "activations": 1.43, "weights": 0.34, "learned": 0.02, "learned_perm": 0.63}
 LAMBDAS = np.linspace(0.0, 1.0, 11)
 
 #: row name -> (symgraph align, fold_norms, learned-matching steps)
@@ -63,7 +74,7 @@ SEEN_ROWS = {"weights_seen": {}, "weights_cols": {"block_scale": "columns"},
 #: ``--tiny``: parents of this config trained for TINY_STEPS steps in float32 (a smoke run of the
 #: whole command in minutes; not the protocol), evaluated on the first TINY_TEST test sequences
 TINY_CONFIG = dict(n_embd=64, n_layer=2, n_head=4, n_inner=256)
-TINY_TRAIN = dict(block_size=64, batch_size=8, epochs=1, eval_every=50, bf16=False, lr=1e-3)
+TINY_TRAIN = dict(block_size=64, batch_size=8, epochs=1, eval_every=50, lr=1e-3)
 TINY_STEPS, TINY_TEST = 200, 32
 TINY_ROWS = ["vanilla", "weights", "weights_seen", "weights_perm", "weights_perm_seen"]
 
@@ -78,15 +89,26 @@ def _loss_fn(test: torch.Tensor, batch_size: int):
     return loss
 
 
+def _clock(dev: torch.device) -> float:
+    """``time.perf_counter`` once the device's queued work is done (CUDA runs asynchronously)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter()
+
+
 def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8, seen=None) -> dict:
     """One row: align B to A as the row says (learned matching trains in the row's space), the
-    curve on the test split in that space, its barrier."""
+    curve on the test split in that space, its barrier; computed on the parents' device (the
+    batches, ``test`` and ``seen`` live there too)."""
     import symgraph
     from symgraph.merging.circuits import circuit_between
     align, fold, steps = ROWS[name]
     steps = refine_steps if steps < 0 else steps
-    t0 = time.perf_counter()
+    dev = next(A.parameters()).device
+    t0 = _clock(dev)
     Bal, note, refined = B, None, None
+    options = {"align": align, "fold_norms": fold, "refine_steps": steps, "eval_batch": eval_bs,
+               "lambdas": len(LAMBDAS), "test_sequences": int(test.shape[0])}
     if align is not None:
         extra = {"between": circuit_between(A)} if circuits and steps else {}
         if name in SEEN_ROWS:  # Theus et al.: embedding rows of the tokens seen in training, their costs
@@ -95,7 +117,11 @@ def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8,
         al = symgraph.align(A, B, train[0], data=train if align == "activations" else None,
                             fold_norms=fold, refine=steps, **extra)
         Bal, refined = al.apply(B), getattr(al, "refined", None)
-    t_align = time.perf_counter() - t0
+        options.update({k: v for k, v in extra.items() if isinstance(v, str)},
+                       seen_rows={k: int(v.numel()) for k, v in extra.get("rows", {}).items()} or None,
+                       refine_space=("circuits" if "between" in extra else "heads") if steps else None,
+                       data_batches=[list(b["input_ids"].shape) for b in train] if align == "activations" else None)
+    t_align = _clock(dev) - t0
     try:
         curve = symgraph.interpolate(A, Bal, LAMBDAS, _loss_fn(test, eval_bs),
                                      attention="circuits" if circuits else "heads")
@@ -103,114 +129,75 @@ def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8,
         curve, note = [], str(e)
     barrier = symgraph.loss_barrier(curve) if curve else None
     return {"row": name, "space": "circuits" if circuits else "heads", "barrier": barrier, "curve": curve,
-            "barrier_theirs": barrier_theirs(curve) if curve else None,
-            "align_seconds": t_align, "seconds": time.perf_counter() - t0, "refine_steps": steps,
-            "refined": refined, "note": note}
+            "barrier_theirs": barrier_theirs(curve) if curve else None, "device": str(dev),
+            "align_seconds": t_align, "seconds": _clock(dev) - t0, "refine_steps": steps,
+            "refined": refined, "note": note, "options": options}
 
 
-def markdown(result: dict) -> str:
-    rows = {(r["row"], r["space"]): r for r in result["rows"]}
-    van = rows.get(("vanilla", "heads"), {}).get("barrier")
-    lines = ["# Theus et al. 2025 protocol: GPT-2 on Tiny Shakespeare", "",
-             f"Parents' test loss: {', '.join(f'{x:.3f}' for x in result['parent_test_loss'])} "
-             f"(paper: about 5.28). {result['protocol_note']}", "",
-             "| method | paper (circuit space) | symgraph, parents' architecture | × vanilla | symgraph, circuit space | wall s |",
-             "|---|---|---|---|---|---|"]
-    for name in ROWS:
-        h, c = rows.get((name, "heads")), rows.get((name, "circuits"))
-        hb = "—" if h is None or h["barrier"] is None else f"{h['barrier']:.3f}"
-        ratio = "—" if h is None or h["barrier"] is None or not van else f"{h['barrier'] / van:.2f}"
-        cb = "—" if c is None else (f"{c['barrier']:.3f}" if c["barrier"] is not None else "n/a")
-        secs = sum(r["seconds"] for r in (h, c) if r)
-        paper = f"{PAPER[name]:.2f}" if name in PAPER else "—"
-        lines.append(f"| {name} | {paper} | {hb} | {ratio} | {cb} | {secs:.0f} |")
-    notes = sorted({r["note"] for r in result["rows"] if r.get("note")})
-    if notes:
-        lines += ["", "Circuit space not evaluated: " + " ".join(notes)]
-    lines += _peer_markdown(result, rows)
-    lines += ["", "Regenerate: `" + result["command"] + "`"]
-    return "\n".join(lines) + "\n"
+def _device(name: str) -> torch.device:
+    """``name`` as a device: ``fakegpu`` (the test device) registered first; CUDA checked."""
+    if name.startswith("fakegpu"):
+        from symgraph.testing.device import install
+        install()
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise D.AnchorError(f"--device {name}: not a device name ({str(e).splitlines()[0]})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise D.AnchorError(f"--device {name}: this machine has no CUDA device")
+    return dev
 
 
-def _peer_markdown(result: dict, rows: dict) -> list:
-    peer = [r for r in result["rows"] if r.get("by") == "peer"]
-    if not peer:
-        return []
-    info = peer[0]["peer"]
-    v = info.get("versions", {})
-    out = ["", f"## {PEER_LABEL} on the same parents", "",
-           f"Their `weight_matching` through their `GPTMerger` (commit {(info.get('commit') or 'unknown')[:7]}, "
-           f"transformers {v.get('transformers')}, torch {v.get('torch')}, own venv); each aligned B evaluated by "
-           "this benchmark's code on the same test split: heads = the factors interpolated in their absorbed form "
-           "(RMSNorm, gains 1), circuits = their space (equal to their merger at λ = 0.5: column Δ merger). "
-           "Barriers: max L − mean of the ends (theirs: max of L(λ) − (λL_A + (1−λ)L_B)). `_proj`: with their "
-           "merger's untrained random near-identity projection, as their eval.py measures weight matching; "
-           "`_seen`: embedding rows of tokens seen in training.", "",
-           "| method | peer, heads | peer, circuits | peer, circuits (their barrier) | symgraph, circuits | "
-           "symgraph, circuits (their barrier) | their weight matching s | symgraph align s | B loss Δ | Δ merger |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    names = list(dict.fromkeys(r["row"] for r in peer))
-    by = {(r["row"], r["space"]): r for r in peer}
-    for name in names:
-        h, c = by.get((name, "heads")), by.get((name, "circuits"))
-        any_ = h or c
-        mine = rows.get((name[len("peer_"):].removesuffix("_proj"), "circuits"))
-        f = (lambda r, k="barrier": "—" if r is None or r.get(k) is None else f"{r[k]:.4f}")
-        pi = any_["peer"]
-        dm = "—" if pi.get("mid_loss_their_merger") is None else f"{abs(pi['mid_loss_ours'] - pi['mid_loss_their_merger']):.1e}"
-        out.append(f"| {name} | {f(h)} | {f(c)} | {f(c, 'barrier_theirs')} | {f(mine)} | {f(mine, 'barrier_theirs')} | "
-                   f"{any_['align_seconds']:.2f} | "
-                   f"{'—' if mine is None else format(mine['align_seconds'], '.2f')} | {pi['b_loss_rel_change']:.1e} | {dm} |")
-    return out
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in result["rows"]:
-        if r["curve"]:
-            xs, ys = zip(*sorted(r["curve"]))
-            ax.plot(xs, ys, marker="o", ms=3, label=f"{r['row']} ({r['space']})")
-    ax.set_xlabel("λ (1 = parent A)")
-    ax.set_ylabel("test loss")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _parents(a, cache: Path):
-    """Train (or load) the two parents; ``(models, save_pretrained dirs, all done)``."""
+def _parents(a, cache: Path, dev: torch.device):
+    """Train (unless ``--no-train``) or load the two parents, on ``dev``; ``(models, save_pretrained
+    dirs, a summary of each one's train log)``."""
     from .train import load_parent, parent_dir, read_log, train as train_parent
-    models, dirs, done = [], [], []
+    kw = dict(device=dev, bf16=a.precision == "bf16", retrain=a.retrain)
+    models, dirs, info = [], [], []
     for s in a.seeds:
-        if not a.tiny:
-            train_parent(a.corpus, a.tokenizer, s, cache=cache, max_steps=a.max_steps)
-        elif len((read_log(cache, s) or {}).get("train_loss", [])) < TINY_STEPS:
+        if a.no_train:
+            pass
+        elif not a.tiny:
+            train_parent(a.corpus, a.tokenizer, s, cache=cache, max_steps=a.max_steps, **kw)
+        elif a.retrain or len((read_log(cache, s) or {}).get("train_loss", [])) < TINY_STEPS:
             train_parent(a.corpus, a.tokenizer, s, cache=cache, max_steps=TINY_STEPS,
-                         config_overrides=TINY_CONFIG, **TINY_TRAIN)
-        models.append(load_parent(cache, s).eval())
+                         config_overrides=TINY_CONFIG, **TINY_TRAIN, **kw)
+        m = load_parent(cache, s).to(dev).eval()
+        m.config.use_cache = False  # evaluated whole: no key/value cache (HF builds it from Python lists)
+        models.append(m)
         dirs.append(parent_dir(cache, s))
-        done.append(bool((read_log(cache, s) or {}).get("done")))
-    return models, dirs, all(done)
+        log = read_log(cache, s) or {}
+        info.append({"seed": s, "precision": log.get("precision") or
+                     ("bf16" if log.get("protocol", {}).get("bf16") else "float32"),
+                     "device": log.get("device", "cpu"), "torch": (log.get("runs") or [{}])[-1].get("torch"),
+                     "steps": len(log.get("train_loss", [])), "best_step": log.get("best_step"),
+                     "best_val_loss": log.get("best_val_loss"), "final_test_loss": log.get("final_test_loss"),
+                     "stop_reason": log.get("stop_reason"), "done": bool(log.get("done")),
+                     "wall_seconds": log.get("wall_seconds")})
+    return models, dirs, info
 
 
 def _peer_paths(a):
-    """``(source dir, venv python, work dir)`` of the peer's code, the venv created if absent;
-    None when no ``--peer-*`` flag was given."""
+    """``(source dir, python, work dir, PYTHONPATH)`` of the peer's code: their venv's python
+    (created if absent), or ``--peer-python`` with ``--peer-pythonpath``; None when no
+    ``--peer-*`` flag was given."""
+    import shutil
     from . import peer
-    if not (a.peer_work or a.peer_src or a.peer_venv):
+    if not (a.peer_work or a.peer_src or a.peer_venv or a.peer_python):
         return None
     work = Path(a.peer_work) if a.peer_work else peer.default_work()
     src = Path(a.peer_src) if a.peer_src else peer.source_dir(work)
     peer.check_source(src)
+    if a.peer_python:
+        py = shutil.which(a.peer_python)
+        if py is None:
+            raise PeerError(f"--peer-python {a.peer_python}: no such interpreter")
+        return src, Path(py), work, a.peer_pythonpath
     py = peer.ensure_venv(Path(a.peer_venv) if a.peer_venv else peer.venv_dir(work))
-    return src, py, work
+    return src, py, work, a.peer_pythonpath
 
 
-def main(argv=None) -> int:
+def _args(argv):
     from . import peer
     ap = argparse.ArgumentParser(prog="python -m benchmarks.anchor", description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", required=True)
@@ -223,80 +210,143 @@ def main(argv=None) -> int:
     ap.add_argument("--data-rows", type=int, default=64, help="training sequences for activation statistics")
     ap.add_argument("--max-steps", type=int, default=None, help="cap parent training (not the protocol)")
     ap.add_argument("--no-circuits", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda (TF32 off) or fakegpu (the test device): "
+                    "parents' training, alignments, curves and test losses")
+    ap.add_argument("--precision", choices=("float32", "bf16"), default="float32",
+                    help="the parents' training: float32 (the protocol) or bf16 autocast (a variant)")
+    ap.add_argument("--retrain", action="store_true", help="train the parents again from scratch")
+    ap.add_argument("--no-train", action="store_true", help="use the cached parents as they are")
+    ap.add_argument("--train-only", action="store_true", help="train the parents, then stop")
+    ap.add_argument("--eval-batch", type=int, default=None,
+                    help="test sequences per batch of the curves (default 8 on the CPU, 32 elsewhere)")
     ap.add_argument("--tiny", action="store_true", help=f"tiny float32 parents ({TINY_STEPS} steps, <cache>/tiny): "
                     "a smoke run of the whole command, not the protocol")
     ap.add_argument("--peer-work", default=None, help="work dir of the peer's code (source, venv, outputs; see "
                     "benchmarks.anchor.peer): adds the rows of Theus et al.'s own weight matching")
     ap.add_argument("--peer-src", default=None, help="their checkout at 6b207cc (default WORK/" + peer.PEER_NAME + ")")
     ap.add_argument("--peer-venv", default=None, help="their venv (default WORK/peer-venv, created if absent)")
+    ap.add_argument("--peer-python", default=None, help="run their code with this interpreter instead of a venv")
+    ap.add_argument("--peer-pythonpath", default=None,
+                    help="PYTHONPATH for --peer-python: a folder with their pins (transformers==4.50.1, ...)")
     ap.add_argument("--peer-variants", nargs="+", choices=list(peer.VARIANTS), default=list(peer.VARIANTS))
-    a = ap.parse_args(argv)
+    ap.add_argument("--peer-parallel", action="store_true",
+                    help="run their weight matching (CPU) while symgraph's rows run, on the other half of the "
+                         "CPU cores (each side's time is on its half); their rows are evaluated once it is done")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from . import peer
+    from .train import precision_env
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = _args(argv)
+    t_start = time.perf_counter()
     cache = (Path(a.cache) if a.cache else D.default_cache()) / ("tiny" if a.tiny else "")
     out = Path(a.out) if a.out else (cache / "results" if a.tiny else Path(__file__).resolve().parents[1] / "results" / "anchor")
     rows = a.rows or (TINY_ROWS if a.tiny else list(ROWS))
     block = TINY_TRAIN["block_size"] if a.tiny else D.BLOCK_SIZE
     try:
+        dev = _device(a.device)
         splits = D.load_splits(a.corpus, a.tokenizer, a.cache)
-        peer_paths = _peer_paths(a)
+        peer_paths = None if a.train_only else _peer_paths(a)
+        parents, dirs, info = _parents(a, cache, dev)
     except (D.AnchorError, PeerError) as e:
         print(f"benchmarks.anchor: {e}", file=sys.stderr)
         return 2
-    parents, dirs, done = _parents(a, cache)
-    test = D.sequences(splits["test"], block)[:TINY_TEST if a.tiny else None]
-    train = _batches(D.sequences(splits["train"], block), 8, a.data_rows)
+    if a.train_only:
+        print(f"parents trained: {', '.join(str(d) for d in dirs)}")
+        return 0
+    env = precision_env(dev, False)  # the table computes in float32 (TF32 off on CUDA)
+    eval_bs = a.eval_batch or (8 if dev.type == "cpu" else 32)
+    test = D.sequences(splits["test"], block)[:TINY_TEST if a.tiny else None].to(dev)
+    train = _batches(D.sequences(splits["train"], block).to(dev), 8, a.data_rows)
+    seen = splits["train"].to(dev)
+    done = all(p["done"] for p in info)
     note = ("Parents trained to early stopping." if done else
-            "PARENTS NOT TRAINED TO THE PROTOCOL'S END (--max-steps): not comparable to the paper.")
+            "PARENTS NOT TRAINED TO THE PROTOCOL'S END (--max-steps or a stopped run): not comparable to the paper.")
     if a.tiny:
-        note = (f"TINY SMOKE RUN (--tiny): {TINY_CONFIG} parents, {TINY_STEPS} float32 steps, first {len(test)} "
+        note = (f"TINY SMOKE RUN (--tiny): {TINY_CONFIG} parents, {TINY_STEPS} steps, first {len(test)} "
                 f"test sequences of {block}: not the protocol, not comparable to the paper.")
-    result = {"parent_test_loss": [D.test_loss(p, test) for p in parents], "rows": [], "protocol_note": note,
-              "command": "python -m benchmarks.anchor --corpus CORPUS --tokenizer TOKENIZER_DIR"
-                         + (" --tiny" if a.tiny else "") + (" --peer-work WORK" if peer_paths else "")}
-    A, B = parents
-    kept = _previous_rows(out, result["parent_test_loss"], a.refine_steps)
     spaces = ("heads",) if a.no_circuits else ("heads", "circuits")
+    result = {**{k if k != "source" else "commit_source": v for k, v in commit().items()},
+              "code_digest": code_digest(), "device": str(dev), "env": env,
+              "settings": {"tiny": a.tiny, "seeds": list(a.seeds), "rows": rows, "spaces": list(spaces),
+                           "refine_steps": a.refine_steps, "data_rows": a.data_rows, "eval_batch": eval_bs,
+                           "lambdas": [float(x) for x in LAMBDAS]},
+              "parents": info, "parent_test_loss": [D.test_loss(p, test, batch_size=eval_bs) for p in parents],
+              "rows": [], "errors": [], "protocol_note": note, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "command": "python -m benchmarks.anchor " + shlex.join(argv),
+              "driver": os.environ.get("ANCHOR_DRIVER")}  # e.g. benchmarks/anchor/device.sh, which trained the parents
+    A, B = parents
+    kept = previous_rows(out, result)
+    job = None
+
+    def save():
+        result["seconds"] = time.perf_counter() - t_start
+        write(result, out, dirs)  # after every row: a stopped run keeps what it measured
+
+    def peer_done(wait: bool) -> bool:
+        """Their rows, once their run is over (``wait``: wait for it); False when it failed."""
+        nonlocal job
+        if job is None or (not wait and job["glue"]["proc"].poll() is None):
+            return True
+        try:
+            result["rows"] += peer.peer_rows(job, B, test=test, lambdas=LAMBDAS, spaces=spaces, eval_bs=eval_bs,
+                                             echo=lambda m: print(m, flush=True))
+        except Exception as e:  # noqa: BLE001 - one run on a lent machine: record it, keep the rest
+            print(f"benchmarks.anchor: {peer.PEER_LABEL}: {e}", file=sys.stderr)
+            if not isinstance(e, PeerError):
+                traceback.print_exc()
+            result["errors"].append(f"{peer.PEER_LABEL}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            return False
+        finally:
+            job = None
+            save()
+        return True
+
+    def start_peer(cpus=None):
+        src, py, work, pythonpath = peer_paths
+        return peer.start_peer(dirs[0], dirs[1], B, test=test, seen=seen, src=src, python=py, work=work,
+                               variants=a.peer_variants, pythonpath=pythonpath, cpus=cpus)
+    save()
+    ok = True
+    if peer_paths is not None and a.peer_parallel:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) >= 4:  # their half and ours: each side's wall times on its own cores
+            mine, theirs = cores[:len(cores) // 2], cores[len(cores) // 2:]
+            try:
+                os.sched_setaffinity(0, mine)
+                pinned = True
+            except OSError:  # a sandbox without CPU affinity: the halves are thread counts only
+                pinned, theirs = False, None
+            torch.set_num_threads(len(mine))
+            result["peer_parallel"] = {"symgraph_cpus": len(mine), "peer_cpus": len(cores) - len(mine),
+                                       "pinned": pinned}
+            job = start_peer(theirs)
     for name in rows:
         for space in spaces:
-            if (name, space) in kept:  # measured by an earlier run on these parents
+            if (name, space) in kept:  # measured by a stopped run of this commit on these parents
                 result["rows"].append(kept[(name, space)])
-                print(f"{name:12s} {space:8s} kept from {out}/results.json", flush=True)
+                print(f"{name:12s} {space:8s} kept from {out}/results.json (same commit, code and parents)", flush=True)
                 continue
-            r = run_row(name, A, B, train=train, test=test, refine_steps=a.refine_steps,
-                        circuits=space == "circuits", seen=splits["train"])
-            print(f"{name:12s} {r['space']:8s} barrier {r['barrier']} ({r['seconds']:.0f} s){' ' + r['note'] if r['note'] else ''}",
-                  flush=True)
+            try:
+                r = run_row(name, A, B, train=train, test=test, refine_steps=a.refine_steps,
+                            circuits=space == "circuits", seen=seen, eval_bs=eval_bs)
+            except Exception as e:  # noqa: BLE001 - one run on a lent machine: record it, go on to the next row
+                traceback.print_exc()
+                result["errors"].append(f"{name} ({space}): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                ok = False
+                save()
+                continue
+            print(f"{name:12s} {r['space']:8s} barrier {r['barrier']} (align {r['align_seconds']:.1f} s, "
+                  f"{r['seconds']:.1f} s){' ' + r['note'] if r['note'] else ''}", flush=True)
             result["rows"].append(r)
-            write(result, out)  # after every row: a stopped run keeps what it measured
-    if peer_paths is not None:
-        src, py, work = peer_paths
-        try:
-            result["rows"] += peer.peer_rows(dirs[0], dirs[1], B, test=test, seen=splits["train"], src=src,
-                                             python=py, work=work, lambdas=LAMBDAS, spaces=spaces,
-                                             variants=a.peer_variants, echo=lambda m: print(m, flush=True))
-        except PeerError as e:
-            print(f"benchmarks.anchor: {PEER_LABEL}: {e}", file=sys.stderr)
-            write(result, out)
-            return 2
-        write(result, out)
-    print(f"wrote {out}/results.json, report.md, curves.png")
-    return 0
-
-
-def _previous_rows(out: Path, parent_loss: list, refine_steps: int) -> dict:
-    """Rows of an earlier (stopped) run on the same parents and settings, keyed (row, space)."""
-    try:
-        prev = json.loads((out / "results.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    old = prev.get("parent_test_loss", [])
-    if len(old) != len(parent_loss) or not np.allclose(old, parent_loss, rtol=0, atol=1e-9):
-        return {}
-    return {(r["row"], r["space"]): r for r in prev.get("rows", [])
-            if r["row"] in ROWS and (ROWS[r["row"]][2] >= 0 or r.get("refine_steps") == refine_steps)}
-
-
-def write(result: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "report.md").write_text(markdown(result))
-    plot(result, out / "curves.png")
+            save()
+            ok = peer_done(wait=False) and ok
+    if peer_paths is not None and "peer_parallel" not in result:
+        job = start_peer()
+    ok = peer_done(wait=True) and ok
+    print(f"wrote {out}/results.json, report.md, curves.png, train logs ({result['seconds']:.0f} s)")
+    return 0 if ok else 2

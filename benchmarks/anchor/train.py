@@ -1,7 +1,8 @@
 """Train one parent of the Theus et al. (2025) Tiny Shakespeare protocol, resumably.
 
 ``python -m benchmarks.anchor.train --corpus F --tokenizer DIR --seed N [--cache DIR]
-[--threads T] [--max-steps K] [--data-seed S]``
+[--device cpu|cuda] [--precision float32|bf16] [--retrain] [--threads T] [--max-steps K]
+[--data-seed S]``
 
 Follows the authors' ``train.py`` + ``run_train.sh`` (HF Trainer, transformers 4.50.1) with the
 Trainer's defaults made explicit: AdamW (betas 0.9/0.999, eps 1e-8, lr 3e-4, weight decay 0.01 on
@@ -9,8 +10,16 @@ all weights except biases and LayerNorm parameters), gradient-norm clipping at 1
 over ``100 * steps_per_epoch`` steps with ``ceil(0.05 * total)`` linear warm-up steps, batch 32 with
 the last partial batch of an epoch kept, evaluation on validation every 50 steps, early stopping
 after 5 consecutive evaluations without a strict improvement, best-validation model kept and scored
-once on test. Forward/backward run under bf16 autocast on CPU; parameters and optimizer state stay
-fp32; evaluation is fp32.
+once on test. Precision: float32, as the authors (their ``run_train.sh`` passes no ``--fp16``); on
+CUDA with TF32 off (``torch.set_float32_matmul_precision("highest")``, cuDNN TF32 off): true float32
+products. ``--precision bf16`` runs forward/backward under bf16 autocast instead (how the first
+committed parents were trained, on the CPU; parameters and optimizer state stay fp32), a variant to
+report separately. Evaluation is always float32. The device, the precision, the matmul precision
+and the torch/transformers versions of each (re)start are recorded in ``train_log.json``
+(``device``, ``precision``, ``runs``). The two parents are independent processes sharing the cache
+(the token file is written atomically): train them concurrently, e.g. on one GPU::
+
+    for s in 0 1; do python -m benchmarks.anchor.train --corpus F --tokenizer DIR --seed $s --device cuda & done; wait
 
 Seeds: ``--seed`` seeds the initialisation (``torch.manual_seed(seed)`` then building the model).
 As in the authors' code -- whose Trainer re-seeds the global RNG with ``TrainingArguments.seed``
@@ -26,6 +35,7 @@ rewritten atomically at every evaluation), ``parent-seed{N}/`` (best-validation 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -36,6 +46,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.utils._pytree import tree_map
 
 from benchmarks.anchor.data import (
     BLOCK_SIZE,
@@ -51,6 +62,7 @@ from benchmarks.anchor.data import (
 )
 
 DATA_SEED = 42  # HF TrainingArguments.seed default: the authors' data order and dropout seed
+PRECISIONS = ("float32", "bf16")  # float32: the authors' protocol; bf16: autocast, a variant
 
 
 def parent_dir(cache: str | os.PathLike, seed: int) -> Path:
@@ -97,7 +109,10 @@ def _save_best(model, out: Path, log: dict) -> None:
     for p in (tmp, old):
         if p.exists():
             shutil.rmtree(p)
-    model.save_pretrained(str(tmp))
+    state = None
+    if next(model.parameters()).device.type != "cpu":  # safetensors reads host memory
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    model.save_pretrained(str(tmp), state_dict=state)
     _atomic_json(tmp / "train_log.json", log)
     if out.exists():
         os.replace(out, old)
@@ -149,15 +164,22 @@ def train(
     max_grad_norm: float = 1.0,
     eval_every: int = 50,
     patience: int = 5,
-    bf16: bool = True,
+    bf16: bool = False,
     log_every: int = 5,
     echo: Callable[[str], None] | None = None,
+    device: str | torch.device = "cpu",
+    retrain: bool = False,
+    eval_batch: int | None = None,
 ) -> dict:
     """Train (or resume, or return at once if finished) parent ``seed``; returns its train log.
 
     ``max_steps`` stops after that global step with a checkpoint (the run is not ``done``; the
     schedule is still the full 100-epoch one). ``config_overrides``/``block_size``/``batch_size``
-    /``eval_every`` exist for tests; changing them for an existing checkpoint is an error."""
+    /``eval_every`` exist for tests; changing them for an existing checkpoint is an error, and so
+    is asking for another precision than a finished parent's (``retrain``: start over).
+    ``bf16``: forward/backward under bf16 autocast (default float32, the protocol). ``device``:
+    where the model, the batches and the evaluation live (``"cuda"``: TF32 off). ``eval_batch``:
+    sequences per evaluation batch (default 8 on the CPU, 64 elsewhere; the mean is the same)."""
     from transformers import GPT2LMHeadModel, get_cosine_schedule_with_warmup
     from transformers.utils import logging as hf_logging
 
@@ -169,18 +191,31 @@ def train(
     cache = Path(cache) if cache is not None else default_cache()
     cache.mkdir(parents=True, exist_ok=True)
     out, ckpt_path = parent_dir(cache, seed), checkpoint_path(cache, seed)
+    if retrain:
+        for p in (ckpt_path, out):
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
     _recover_best_dir(out)
     prev = read_log(cache, seed)
     if prev is not None and prev.get("done"):
+        was = bool(prev.get("protocol", {}).get("bf16", False))
+        if was != bool(bf16):
+            raise AnchorError(f"parent seed {seed} in {cache} was trained in {PRECISIONS[was]}, not "
+                              f"{PRECISIONS[bool(bf16)]}: use another cache, or retrain it (--retrain)")
         say(f"seed {seed}: already trained (test loss {prev.get('final_test_loss')}), {out}")
         return prev
     if threads:
         torch.set_num_threads(int(threads))
+    dev = torch.device(device)
+    env = precision_env(dev, bf16)
+    eval_bs = eval_batch or (8 if dev.type == "cpu" else 64)
 
     splits = load_splits(corpus, tokenizer_dir, cache=cache)
-    train_seqs = sequences(splits["train"], block_size)
-    val_seqs = sequences(splits["validation"], block_size)
-    test_seqs = sequences(splits["test"], block_size)
+    train_seqs = sequences(splits["train"], block_size).to(dev)
+    val_seqs = sequences(splits["validation"], block_size).to(dev)
+    test_seqs = sequences(splits["test"], block_size).to(dev)
     if min(train_seqs.shape[0], val_seqs.shape[0], test_seqs.shape[0]) == 0:
         raise AnchorError(f"a split has no complete {block_size}-token sequence")
     spe = steps_per_epoch(train_seqs.shape[0], batch_size)
@@ -197,11 +232,12 @@ def train(
     protocol["config"].pop("transformers_version", None)
 
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(cfg)
+    model = GPT2LMHeadModel(cfg).to(dev)  # initialised on the CPU: the same parent on every device
+    model.config.use_cache = False  # after ``protocol``: whole sequences, no key/value cache to build
     model.train()
     opt = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.999), eps=1e-8)
     sched = get_cosine_schedule_with_warmup(opt, warmup, total)
-    torch.manual_seed(data_seed)  # the dropout stream (global RNG), same for every parent
+    torch.manual_seed(data_seed)  # the dropout stream (global RNG, CUDA's too), same for every parent
 
     st = dict(step=0, epoch=0, batch=0, best_val=None, best_step=None, bad_evals=0, done=False)
     log = dict(
@@ -218,6 +254,8 @@ def train(
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
         torch.set_rng_state(ck["rng"])
+        if dev.type == "cuda" and ck.get("rng_cuda") is not None:
+            torch.cuda.set_rng_state(ck["rng_cuda"], dev)
         st, log = ck["state"], ck["log"]
         say(f"seed {seed}: resumed at step {st['step']} (epoch {st['epoch']}, batch {st['batch']})")
     else:
@@ -225,10 +263,16 @@ def train(
             f"{protocol['n_test']} train/val/test sequences of {block_size}, {spe} steps/epoch, "
             f"{total} steps max, {warmup} warm-up")
 
-    def checkpoint() -> None:
+    log.update(device=env["device"], precision=env["precision"])
+    attn = getattr(model.config, "_attn_implementation", None)  # sdpa, as their Trainer's default
+    log["runs"] = log.get("runs", []) + [dict(env, start_step=st["step"], attn_implementation=attn)]
+
+    def checkpoint() -> None:  # host copies: a checkpoint resumes on any device
+        host = lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
         _atomic_torch(ckpt_path, dict(
-            protocol=protocol, model=model.state_dict(), optimizer=opt.state_dict(),
-            scheduler=sched.state_dict(), rng=torch.get_rng_state(), state=st, log=log))
+            protocol=protocol, model=tree_map(host, model.state_dict()), optimizer=tree_map(host, opt.state_dict()),
+            scheduler=sched.state_dict(), rng=torch.get_rng_state(),
+            rng_cuda=torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None, state=st, log=log))
 
     params = [p for p in model.parameters() if p.requires_grad]
     window: list[tuple[float, float]] = []
@@ -236,7 +280,7 @@ def train(
     while st["epoch"] < epochs and stop is None:
         for xb in batches(train_seqs, batch_size, seed=data_seed, epoch=st["epoch"], start=st["batch"]):
             t0 = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
                 logits = model(input_ids=xb).logits
             loss = lm_loss(logits, xb)
             opt.zero_grad(set_to_none=True)
@@ -255,7 +299,7 @@ def train(
             step = st["step"]
             if step % eval_every == 0:
                 t1 = time.perf_counter()
-                val = test_loss(model, val_seqs)
+                val = test_loss(model, val_seqs, batch_size=eval_bs)
                 ev_s = time.perf_counter() - t1
                 log["wall_seconds"] += ev_s
                 best = st["best_val"] is None or (val < st["best_val"] and abs(val - st["best_val"]) > 0.0)
@@ -299,18 +343,38 @@ def train(
         return log
     log["stop_reason"] = stop or "epochs"
     if st["best_step"] is None:  # never evaluated: keep the final model as the parent
-        val = test_loss(model, val_seqs)
+        val = test_loss(model, val_seqs, batch_size=eval_bs)
         st.update(best_val=val, best_step=st["step"])
         log.update(best_step=st["step"], best_val_loss=val)
         _save_best(model, out, log)
-    best_model = GPT2LMHeadModel.from_pretrained(str(out))
-    log["final_test_loss"] = test_loss(best_model, test_seqs)
+    best_model = GPT2LMHeadModel.from_pretrained(str(out)).to(dev)
+    log["final_test_loss"] = test_loss(best_model, test_seqs, batch_size=eval_bs)
     log["done"] = st["done"] = True
     _write_log(out, log)
     checkpoint()
     say(f"seed {seed}: done ({log['stop_reason']}) at step {st['step']}, best step {log['best_step']} "
         f"val {log['best_val_loss']:.4f} test {log['final_test_loss']:.4f} -> {out}")
     return log
+
+
+def precision_env(dev: torch.device, bf16: bool) -> dict:
+    """Set true float32 matrix products on ``dev`` (CUDA: TF32 off, the legacy switches, which
+    torch 2.11 still honours); what a run records (a switch torch refuses is recorded, not fatal)."""
+    import transformers
+    out: dict = {}
+    try:
+        torch.set_float32_matmul_precision("highest")
+        if dev.type == "cuda":
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32 = False
+        out.update(float32_matmul_precision=torch.get_float32_matmul_precision(),
+                   cuda_matmul_allow_tf32=bool(torch.backends.cuda.matmul.allow_tf32) if dev.type == "cuda" else None,
+                   cudnn_allow_tf32=bool(torch.backends.cudnn.allow_tf32) if dev.type == "cuda" else None)
+    except RuntimeError as e:  # e.g. the new fp32_precision API was used elsewhere in this process
+        out["tf32_error"] = str(e).splitlines()[0]
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+    return dict(device=str(dev) + (f" ({name})" if name else ""), precision=PRECISIONS[bool(bf16)], **out,
+                torch=torch.__version__, transformers=transformers.__version__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,10 +387,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=None, help="stop (resumably) after this step")
     p.add_argument("--data-seed", type=int, default=DATA_SEED,
                    help="data-order and dropout seed (authors: 42 for every parent)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda: model, batches, evaluation")
+    p.add_argument("--precision", choices=PRECISIONS, default="float32",
+                   help="float32 (the protocol; TF32 off on CUDA) or bf16 autocast (a variant)")
+    p.add_argument("--retrain", action="store_true", help="remove this parent's checkpoint and model first")
+    p.add_argument("--eval-batch", type=int, default=None, help="sequences per evaluation batch")
     a = p.parse_args(argv)
     try:
+        if a.device.startswith("cuda") and not torch.cuda.is_available():
+            raise AnchorError(f"--device {a.device}: this machine has no CUDA device")
         train(a.corpus, a.tokenizer, a.seed, cache=a.cache, threads=a.threads,
-              max_steps=a.max_steps, data_seed=a.data_seed)
+              max_steps=a.max_steps, data_seed=a.data_seed, device=a.device,
+              bf16=a.precision == "bf16", retrain=a.retrain, eval_batch=a.eval_batch)
     except AnchorError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -23,6 +23,7 @@ NAME = "fakegpu"
 _CROSS = {"aten::_to_copy", "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize"}
 _installed = False
 _lib = None  # the torch.library registration, kept alive once installed
+_aten = None  # the device's own kernels of aten factories (_SIZED_FACTORIES), kept alive too
 
 
 class MixedDevices(RuntimeError):
@@ -67,6 +68,8 @@ def _run(func, args, kwargs):
     dev = kwargs.get("device")
     if dev is not None and torch.device(dev).type != NAME:
         return out  # a copy to another device
+    if torch.Tag.inplace_view in func.tags and isinstance(args[0], DeviceTensor):
+        _mutate_metadata(func, args, kwargs)
     inputs = {id(x.raw) if isinstance(x, DeviceTensor) else id(x): x for x in flat if isinstance(x, torch.Tensor)}
 
     def wrap(y):
@@ -77,19 +80,49 @@ def _run(func, args, kwargs):
     return tree_map(wrap, out)
 
 
+def _mutate_metadata(func, args, kwargs):
+    """An in-place view op (``squeeze_``, ``t_``, ...: matmul of a vector ends in ``squeeze_``)
+    changed the shape of the CPU tensor inside: the same change on the wrapper's own metadata,
+    not dispatched (as ``torch.utils._python_dispatch.return_and_correct_aliasing`` does)."""
+    with torch.utils._mode_utils.no_dispatch():
+        meta = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta)
+
+
 def _factory(op, *args, **kwargs):
     """The PrivateUse1 backend itself: reached by ops without a DeviceTensor argument (factories
     such as ``torch.empty(..., device='fakegpu')``)."""
     return _run(op, args, kwargs)
 
 
+#: factories whose composite kernels fill an empty ``out=`` tensor they resize, which a wrapper
+#: tensor's metadata does not follow (``torch.arange(32, device='fakegpu')`` had shape (0,)):
+#: given kernels of their own on the device, computed on the CPU and wrapped
+_SIZED_FACTORIES = ("arange", "arange.start", "arange.start_step", "eye", "eye.m")
+
+
+def _sized_factory(op):
+    def kernel(*args, **kwargs):
+        return DeviceTensor(op(*args, **{**kwargs, "device": torch.device("cpu")}))
+    return kernel
+
+
 def install() -> str:
     """Register the ``fakegpu`` device (idempotent); returns its name."""
-    global _installed, _lib
+    global _installed, _lib, _aten
     if not _installed:
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
         _setup_privateuseone_for_python_backend(NAME)
         _lib = torch.library.Library("_", "IMPL")
+        _aten = torch.library.Library("aten", "IMPL")
         _lib.fallback(_factory, "PrivateUse1")
+        for name in _SIZED_FACTORIES:
+            packet, _, overload = name.partition(".")
+            _aten.impl(name, _sized_factory(getattr(getattr(torch.ops.aten, packet), overload or "default")),
+                       "PrivateUse1")
         _installed = True
     return NAME

@@ -1,0 +1,196 @@
+"""The anchor table's outputs: ``results.json``, ``report.md``, ``curves.png`` and the parents'
+train logs, written into ``--out`` after every row (a run stopped by a time limit keeps what it
+measured); where they were computed (the commit, a digest of the code, the device, the precision);
+and which rows an earlier, stopped run of the same code on the same parents may lend a resumed one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from .peer import PEER_LABEL
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Theus et al. 2025, Table 2, GPT-2 on Tiny Shakespeare (loss barriers; circuit space for the
+#: aligned rows, as their code measures them; vanilla: the parents' own architecture)
+PAPER = {"vanilla": 2.02, "activations": 1.43, "weights": 0.34, "learned": 0.02, "learned_perm": 0.63}
+
+
+def code_digest(root: Path = ROOT) -> str:
+    """sha256 (16 hex digits) of the code a table depends on: ``symgraph/**/*.py`` and
+    ``benchmarks/anchor/*.py``, by relative path and content."""
+    h = hashlib.sha256()
+    files = sorted([*(root / "symgraph").rglob("*.py"), *(root / "benchmarks" / "anchor").glob("*.py")])
+    for f in files:
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def commit(root: Path = ROOT) -> dict:
+    """``{"commit", "dirty", "source"}``: ``$SYMGRAPH_COMMIT`` (a copy of the tree without
+    ``.git``, e.g. on a lent GPU machine), else ``git rev-parse HEAD`` and whether tracked files
+    differ from it; ``commit`` None when neither is there."""
+    env = os.environ.get("SYMGRAPH_COMMIT")
+    if env:
+        return {"commit": env.strip(), "dirty": None, "source": "SYMGRAPH_COMMIT"}
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+        st = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                            capture_output=True, text=True)
+    except OSError:
+        return {"commit": None, "dirty": None, "source": None}
+    if head.returncode != 0:
+        return {"commit": None, "dirty": None, "source": None}
+    return {"commit": head.stdout.strip(), "dirty": bool(st.stdout.strip()) if st.returncode == 0 else None,
+            "source": "git"}
+
+
+def previous_rows(out: Path, result: dict) -> dict:
+    """Rows of an earlier, stopped run that this one may keep, keyed ``(row, space)``: only from
+    the same commit (known, and the tree not dirty), the same code digest, the same parents (test
+    losses), device and settings; else none (every row is recomputed)."""
+    try:
+        prev = json.loads((out / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if result.get("commit") is None or result.get("dirty"):
+        return {}
+    for k in ("commit", "code_digest", "device", "settings"):
+        if prev.get(k) != result.get(k):
+            return {}
+    old, new = prev.get("parent_test_loss", []), result["parent_test_loss"]
+    if len(old) != len(new) or not np.allclose(old, new, rtol=0, atol=1e-9):
+        return {}
+    return {(r["row"], r["space"]): r for r in prev.get("rows", []) if r.get("by") != "peer"}
+
+
+def _fmt(x, spec=".3f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def header(result: dict) -> list:
+    env = result.get("env") or {}
+    par = sorted({f"{p.get('precision')} on {p.get('device')}" for p in result.get("parents") or []}) or ["unknown"]
+    c = result.get("commit")
+    return [f"Computed on **{env.get('device', result.get('device', 'cpu'))}** in **float32** (matmul precision "
+            f"{env.get('float32_matmul_precision', '?')}"
+            f"{', TF32 off' if env.get('cuda_matmul_allow_tf32') is False and env.get('cudnn_allow_tf32') is False else ''}), "
+            f"torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}; commit "
+            f"{(c or 'unknown')[:10]}{' (dirty tree)' if result.get('dirty') else ''}, code digest "
+            f"{result.get('code_digest', '?')}. Parents trained in **{', '.join(par)}**.", "",
+            f"Parents' test loss: {', '.join(f'{x:.3f}' for x in result['parent_test_loss'])} "
+            f"(paper: about 5.28). {result['protocol_note']}"]
+
+
+def markdown(result: dict) -> str:
+    rows = {(r["row"], r["space"]): r for r in result["rows"] if r.get("by") != "peer"}
+    van = rows.get(("vanilla", "heads"), {}).get("barrier")
+    lines = ["# Theus et al. 2025 protocol: GPT-2 on Tiny Shakespeare", "", *header(result), "",
+             "| method | paper | symgraph, parents' architecture | × vanilla | symgraph, circuit space | "
+             "circuit space (their barrier) | align s | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r for r, _ in rows):
+        h, c = rows.get((name, "heads")), rows.get((name, "circuits"))
+        hb = "—" if h is None or h["barrier"] is None else f"{h['barrier']:.3f}"
+        ratio = "—" if h is None or h["barrier"] is None or not van else f"{h['barrier'] / van:.2f}"
+        cb = "—" if c is None else (f"{c['barrier']:.3f}" if c["barrier"] is not None else "n/a")
+        ct = "—" if c is None else _fmt(c.get("barrier_theirs"))
+        secs = sum(r["seconds"] for r in (h, c) if r)
+        al = max((r.get("align_seconds") or 0.0) for r in (h, c) if r)
+        paper = f"{PAPER[name]:.2f}" if name in PAPER else "—"
+        lines.append(f"| {name} | {paper} | {hb} | {ratio} | {cb} | {ct} | {al:.1f} | {secs:.0f} |")
+    lines += ["", "Paper: circuit space for the aligned rows, the parents' architecture for vanilla. Barrier: "
+              "max L − mean of the ends; theirs: max of L(λ) − (λL_A + (1−λ)L_B). align s: the alignment "
+              "alone, the longer of the two spaces (learned rows: their training included); wall s: both "
+              "spaces, curves included."]
+    notes = sorted({r["note"] for r in result["rows"] if r.get("note")})
+    if notes:
+        lines += ["", "Circuit space not evaluated: " + " ".join(notes)]
+    if result.get("errors"):
+        lines += ["", "**Errors** (rows not measured): " + "; ".join(result["errors"])]
+    lines += _peer_markdown(result, rows)
+    lines += ["", "Regenerate: `" + (result.get("driver") or result["command"]) + "`"
+              + (f" (which ran `{result['command']}`)" if result.get("driver") else "")]
+    return "\n".join(lines) + "\n"
+
+
+def _peer_markdown(result: dict, rows: dict) -> list:
+    peer = [r for r in result["rows"] if r.get("by") == "peer"]
+    if not peer:
+        return []
+    info = peer[0]["peer"]
+    v = info.get("versions", {})
+    out = ["", f"## {PEER_LABEL} on the same parents", "",
+           f"Their `weight_matching` through their `GPTMerger` (commit {(info.get('commit') or 'unknown')[:7]}, "
+           f"transformers {v.get('transformers')}, torch {v.get('torch')}, run on the CPU as their code runs); each "
+           f"aligned B evaluated by this benchmark's code on the same test split (on {peer[0].get('device', 'cpu')}): "
+           "heads = the factors interpolated in their absorbed form "
+           "(RMSNorm, gains 1), circuits = their space (equal to their merger at λ = 0.5: column Δ merger). "
+           "Barriers: max L − mean of the ends (theirs: max of L(λ) − (λL_A + (1−λ)L_B)). `_proj`: with their "
+           "merger's untrained random near-identity projection, as their eval.py measures weight matching; "
+           "`_seen`: embedding rows of tokens seen in training. Their weight matching's time is on the CPU, "
+           f"symgraph's alignment on {result.get('device', 'cpu')}." + _parallel(result), "",
+           "| method | peer, heads | peer, circuits | peer, circuits (their barrier) | symgraph, circuits | "
+           "symgraph, circuits (their barrier) | their weight matching s | symgraph align s | B loss Δ | Δ merger |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    names = list(dict.fromkeys(r["row"] for r in peer))
+    by = {(r["row"], r["space"]): r for r in peer}
+    for name in names:
+        h, c = by.get((name, "heads")), by.get((name, "circuits"))
+        any_ = h or c
+        mine = rows.get((name[len("peer_"):].removesuffix("_proj"), "circuits"))
+        f = (lambda r, k="barrier": "—" if r is None or r.get(k) is None else f"{r[k]:.4f}")
+        pi = any_["peer"]
+        dm = "—" if pi.get("mid_loss_their_merger") is None else f"{abs(pi['mid_loss_ours'] - pi['mid_loss_their_merger']):.1e}"
+        out.append(f"| {name} | {f(h)} | {f(c)} | {f(c, 'barrier_theirs')} | {f(mine)} | {f(mine, 'barrier_theirs')} | "
+                   f"{any_['align_seconds']:.2f} | "
+                   f"{'—' if mine is None else format(mine['align_seconds'], '.2f')} | {pi['b_loss_rel_change']:.1e} | {dm} |")
+    return out
+
+
+def _parallel(result: dict) -> str:
+    par = result.get("peer_parallel")
+    if not par:
+        return ""
+    return (f" Their run and symgraph's rows ran at the same time, on {par['peer_cpus']} and "
+            f"{par['symgraph_cpus']} CPU cores{'' if par.get('pinned') else ' (threads; not pinned)'}.")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in result["rows"]:
+        if r["curve"]:
+            xs, ys = zip(*sorted(r["curve"]))
+            ax.plot(xs, ys, marker="o", ms=3, label=f"{r['row']} ({r['space']})")
+    ax.set_xlabel("λ (1 = parent A)")
+    ax.set_ylabel("test loss")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=5, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(result: dict, out: Path, log_dirs=()) -> None:
+    """``results.json``, ``report.md``, ``curves.png`` into ``out``, and each parent's
+    ``train_log.json`` (from ``log_dirs``) as ``train_log_seed{N}.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, out / "results.json")
+    (out / "report.md").write_text(markdown(result))
+    plot(result, out / "curves.png")
+    for d in log_dirs:
+        src = Path(d) / "train_log.json"
+        seed = Path(d).name.removeprefix("parent-seed")
+        if src.is_file():
+            shutil.copyfile(src, out / f"train_log_seed{seed}.json")
