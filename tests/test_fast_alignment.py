@@ -387,3 +387,37 @@ def test_config_reads_exponent_floats(tmp_path):
         read_merge_config(str(cfg))  # a model path read as a number is refused by name, not used
     cfg.write_text("models: ['1e-3', b]\nout: 2e5x\n")
     assert read_merge_config(str(cfg))["models"][0].endswith("1e-3")
+
+
+def test_output_rows_of_an_untied_head_are_left_out_like_the_embedding_rows():
+    """Theus et al. 2025 leave out the untied head's rows of unseen tokens too (their
+    ``weight_matching``: ``lm_head.weight.index_select(0, active_token_ids)``): a transformed copy
+    whose unseen embedding AND head rows are redrawn is recovered exactly with the input and
+    output rows, not with the input rows alone; a tied head gives no output rows; ids outside
+    the vocabulary are refused."""
+    import transformers as tf
+    from benchmarks.anchor import data as D
+    torch.manual_seed(0)
+    A = tf.GPT2LMHeadModel(D.config(vocab_size=400, n_layer=1, n_embd=32, n_head=2)).eval()
+    rep = symgraph.analyze(A)
+    B = symgraph.transform(A, rep.random_transform(seed=3, orthogonal=True))
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(1))
+    out_rows = rep.output_rows(ids)
+    assert list(out_rows) == ["lm_head.weight"] and torch.equal(out_rows["lm_head.weight"], ids.unique())
+    unseen = torch.ones(400, dtype=torch.bool)
+    unseen[ids.unique()] = False
+    with torch.no_grad():
+        for p in (B.transformer.wte.weight, B.lm_head.weight):
+            p[unseen] = 0.5 * torch.randn(int(unseen.sum()), 32)
+    skip = ("transformer.wte.weight", "lm_head.weight")
+    A_seen = {k: v for k, v in A.state_dict().items() if k not in skip}
+
+    def err(al):
+        Bal = al.apply(B).state_dict()
+        return max(float((v - Bal[k]).abs().max()) for k, v in A_seen.items() if v.is_floating_point())
+    both = {**rep.input_rows([{"input_ids": ids}]), **out_rows}
+    assert err(symgraph.align(A, B, rows=both)) < 1e-5
+    assert err(symgraph.align(A, B, rows=rep.input_rows([{"input_ids": ids}]))) > 1e-2
+    assert symgraph.analyze(M.build("gpt2", seed=0)).output_rows(ids) == {}  # tied head
+    with pytest.raises(symgraph.InputError, match=r"ids must lie in \[0, 400\)"):
+        rep.output_rows([3, 400])

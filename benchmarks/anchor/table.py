@@ -10,7 +10,7 @@ Every row is recomputed at the current commit; a run stopped by a time limit, re
 same ``--out``, keeps only the rows of the same commit, code, device, settings and parents.
 
 Rows, in the parents' architecture: vanilla averaging, activation matching, weight matching,
-weight matching on the embedding rows of tokens seen in training only (``weights_seen``, as
+weight matching on the embedding and untied head rows of tokens seen in training only (``weights_seen``, as
 Theus et al. match), and with their other two costs on top (``weights_cols``: each residual block
 scaled by its columns; ``weights_circ``: heads paired by circuit distance), weight matching with
 permutations only (``weights_perm``, ``weights_perm_seen``: ``fold_norms=False``), learned
@@ -59,7 +59,7 @@ ROWS = {
     "vanilla": (None, True, 0),
     "activations": ("activations", True, 0),
     "weights": ("weights", True, 0),
-    "weights_seen": ("weights", True, 0),  # token-embedding rows of tokens seen in training only
+    "weights_seen": ("weights", True, 0),  # embedding and head rows of tokens seen in training only
     "weights_cols": ("weights", True, 0),  # seen rows, and each residual block scaled by 1/columns
     "weights_circ": ("weights", True, 0),  # seen rows, heads paired by circuit distance
     "weights_perm": ("weights", False, 0),  # permutations only (as Theus et al.'s --permutations_only)
@@ -112,7 +112,8 @@ def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8,
     if align is not None:
         extra = {"between": circuit_between(A)} if circuits and steps else {}
         if name in SEEN_ROWS:  # Theus et al.: embedding rows of the tokens seen in training, their costs
-            extra["rows"] = symgraph.analyze(A).input_rows([{"input_ids": seen.reshape(1, -1)}])
+            rep = symgraph.analyze(A)  # the embedding's rows and the untied head's, as theirs
+            extra["rows"] = {**rep.input_rows([{"input_ids": seen.reshape(1, -1)}]), **rep.output_rows(seen)}
             extra.update(SEEN_ROWS[name])
         al = symgraph.align(A, B, train[0], data=train if align == "activations" else None,
                             fold_norms=fold, refine=steps, **extra)

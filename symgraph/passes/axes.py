@@ -411,30 +411,3 @@ def resized_shapes(an, sizes: dict) -> dict:
         return [None if v is None else walk(v) for v in x] if isinstance(x, (list, tuple)) else None
 
     return {node.name: walk(axes) for node, axes in an.node_axes.items() if axes is not None}
-
-
-def input_rows(an, batches) -> dict:
-    """``{parameter: row indices}`` for each parameter whose rows the graph picks with
-    ``embedding`` by a user input (reshaped at most) and reads nowhere else (token embeddings,
-    not a head tied to them, whose every row is trained): the ids the ``batches`` (dicts keyed
-    by the model's input names) hold. Rows no batch picks are rows a model trained on such data
-    never updated."""
-    from .nodes import packet
-    aten = torch.ops.aten
-    shape_only = {aten.view, aten.reshape, aten._unsafe_view, aten.clone, aten.contiguous, aten.alias}
-    out: dict = {}
-    for node in an.graph.nodes:
-        if node.op != "call_function" or packet(node.target) is not aten.embedding:
-            continue
-        w, ids = node.args[0], node.args[1]
-        while getattr(ids, "op", None) == "call_function" and packet(ids.target) in shape_only:
-            ids = ids.args[0]
-        if (getattr(w, "name", None) not in an.param_of or len(w.users) != 1
-                or getattr(ids, "name", None) not in an.user_inputs):
-            continue
-        vals = [b[ids.name].reshape(-1) for b in batches if isinstance(b, dict) and ids.name in b]
-        if vals:
-            name = an.param_of[w.name]
-            rows = torch.cat([*vals, *([out[name]] if name in out else [])])
-            out[name] = torch.unique(rows.to(torch.long))
-    return out

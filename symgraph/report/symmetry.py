@@ -14,7 +14,8 @@ import torch
 from ..transform import folding
 from ..core.elements import Blocks, Perm, is_perm
 from ..core.groups import orthogonal_part, sample
-from ..passes.axes import (attention_sites, axis_matrix, axis_tree, input_rows, leaf_views, leaves_with_parity,
+from ..passes.rows import input_rows, output_rows
+from ..passes.axes import (attention_sites, axis_matrix, axis_tree, leaf_views, leaves_with_parity,
                            linear_layers, observation_points, other_leaf_elements, resized_shapes, stored_slots)
 from ..passes.patterns.stacked import unview_of, view_of
 
@@ -393,3 +394,9 @@ class SymmetryReport(AxisQueries):
         """``{parameter: row indices}``: the rows of each token embedding (a parameter the
         graph indexes by an input as given) that ``batches`` read (``align(..., rows=...)``)."""
         return input_rows(self._analysis, batches)
+
+    def output_rows(self, ids) -> dict:
+        """``{parameter: row indices}``: the rows ``ids`` of each parameter whose rows are a model
+        output's channels (an untied language-model head: the tokens it predicts), for
+        ``align(..., rows=...)`` beside :meth:`input_rows`, as Theus et al. 2025 match."""
+        return output_rows(self._analysis, ids)
