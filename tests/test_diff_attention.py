@@ -8,6 +8,9 @@ axis is then a concatenation of two copies of one class (the head *pairs*: heads
 concatenation, not over an outer factor: their element on a projection is read per copy.
 ``repeat`` is a concatenation of copies (:func:`symgraph.passes.rules.views.repeat`).
 
+Beam gates each attention head's output by ``sigmoid(gate_proj(x).view_as(attn_output))``:
+``view_as`` is a reshape to the other tensor's shape (it was read as elementwise and crashed).
+
 ERNIE 4.5 MoE stores a routing bias ``[1, E]``: a class of one coordinate is no fibre (it was
 viewed as a product with the experts, which re-rooted the expert class under the fibres).
 
@@ -195,4 +198,31 @@ def test_ernie4_5_moe_certified_and_recovered():
     assert (hidden.dim, hidden.blocks, hidden.outer) == (6, 4, [experts.id])
     assert rep.stacked[f"{mlp}.experts.down_proj"] == (0, 2)
     assert (kind_of(rep, f"{mlp}.shared_experts.down_proj.weight", 1, "perm").dim) == 6
+    assert recovered(A, rep) < 1e-6
+
+
+# --- Beam: a per-head output gate through view_as ---------------------------------------------
+
+def beam():
+    """Dense MLPs only: the experts' ``repeat_interleave`` (no rule) has the graph re-traced
+    through core ATen decompositions, which write ``view_as`` as ``view``."""
+    cfg = transformers.BeamConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=HD, max_position_embeddings=32, use_cache=False,
+        layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["dense", "dense"])
+    return randomized(transformers.BeamForCausalLM(cfg))
+
+
+def test_beam_gated_heads_certified_and_recovered():
+    A = beam()
+    rep = symgraph.analyze(A)
+    assert rep.frozen == [] and rep.certify(A.double()) < CERT
+    A.float()
+    for layer in (0, 1):
+        attn = f"model.layers.{layer}.self_attn"
+        (kv,) = [g for g in rep.group_of(f"{attn}.k_proj.weight", 0) if g.dim == 2]  # kv heads
+        assert (kv.kind, kv.outer) == ("perm", []) and {(f"{attn}.gate_proj.weight", 0), (f"{attn}.gate_bias", 0),
+                                (f"{attn}.o_proj.weight", 1)} <= set(kv.params)
+        assert rep.axis_structure(rep.param_axes(f"{attn}.gate_proj.weight")[0])[0] == "prod"
+        assert rep.group_of(f"{attn}.gate_proj.weight", 0) == rep.group_of(f"{attn}.o_proj.weight", 1)
     assert recovered(A, rep) < 1e-6

@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import symgraph
+
 from symgraph.passes.rules.views import refine
 
 from rules_helpers import B, S, analyze, structure, summary, x_of
@@ -95,6 +97,47 @@ def test_head_merge_order_does_not_matter():
     assert structure(r, "v.weight", 0) == ("prod", [3, 2])
     kinds = sorted((g.kind, g.size, g.blocks) for g in r.groups)
     assert kinds == [("gl", 6, 3), ("gl", 6, 3), ("perm", 3, 1)]
+
+
+class GatedHeads(torch.nn.Module):
+    """A per-head output gate (Beam): ``g(x).view_as(y)`` (or ``reshape_as``) reshapes the flat
+    gate ``[B, S, H*d]`` to the attention output's ``[B, S, H, d]``; ``y`` gives only the shape."""
+
+    def __init__(self, as_op, c=5, h=3, d=4):
+        super().__init__()
+        self.as_op, self.h, self.d = as_op, h, d
+        self.q, self.k, self.v, self.g = (torch.nn.Linear(c, h * d) for _ in range(4))
+        self.gate_bias = torch.nn.Parameter(torch.zeros(h))
+        self.o = torch.nn.Linear(h * d, 2)
+
+    def forward(self, x):
+        q, k, v = (p(x).view(B, S, self.h, self.d).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)  # [B, S, H, d]
+        gate = getattr(self.g(x), self.as_op)(y) + self.gate_bias[None, None, :, None]
+        return self.o((y * torch.sigmoid(gate)).reshape(B, S, self.h * self.d))
+
+
+@pytest.mark.parametrize("as_op", ["view_as", "reshape_as"])
+def test_view_as_reshapes_to_the_other_tensors_shape(as_op):
+    # view_as was read as elementwise (output axes = input axes) and unified the gate's
+    # [H*d] axis with the head axis [H]: "rule bug: unify axes of sizes 4 and 64" on Beam;
+    # reshape_as had no rule and was decomposed by a re-trace, now it has view's
+    m, x = GatedHeads(as_op), x_of(B, S, 5)
+    r = analyze(m, x)
+    assert r.frozen == []
+    assert structure(r, "g.weight", 0) == ("prod", [3, 4]) == structure(r, "o.weight", 1)
+    (heads,) = [g for g in r.groups if g.blocks == 1]
+    assert (heads.kind, heads.dim) == ("perm", 3)
+    assert {("g.weight", 0), ("gate_bias", 0), ("o.weight", 1)} <= set(heads.params)
+    (gated,) = [g for g in r.groups if ("g.weight", 0) in g.params and g.blocks == 3]
+    assert (gated.kind, gated.dim, gated.outer) == ("perm", 4, [heads.id])
+    assert {("v.weight", 0), ("o.weight", 1)} <= set(gated.params)
+    b = symgraph.transform(m, r.random_transform(seed=0))
+    moved = [n for n, p in b.named_parameters() if not torch.equal(p, m.get_parameter(n))]
+    assert {"g.weight", "gate_bias", "o.weight"} <= set(moved)
+    al = symgraph.align(m, b, (x,), report_a=r, full_groups=True)
+    back = al.apply(b)
+    assert max(float((p - back.get_parameter(n)).abs().max()) for n, p in m.named_parameters()) < 1e-5
 
 
 # --- slice / cat --------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def _unary(kind):
 LINEAR_UNARY = [
     aten.clone, aten.alias, aten.detach, aten.contiguous, aten.neg, aten.positive,
     aten.lift_fresh_copy, aten._to_copy, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
-    aten.to.other, aten.type_as, aten.view_as, aten.real, aten.resolve_conj, aten.resolve_neg,
+    aten.to.other, aten.type_as, aten.real, aten.resolve_conj, aten.resolve_neg,
     aten.conj_physical,
 ]
 _linear_unary = _unary(None)

@@ -81,8 +81,10 @@ def reshape_constraints(ctx, in_axes, in_shape, out_axes, out_shape):
 
 @register([aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
            aten.view_copy, aten._reshape_alias, aten.squeeze, aten.unsqueeze, aten.squeeze_copy,
-           aten.unsqueeze_copy])
+           aten.unsqueeze_copy, aten.view_as, aten.reshape_as])
 def view(ctx):
+    # ``x.view_as(y)`` / ``x.reshape_as(y)`` are ``x`` reshaped to ``y``'s shape: ``y`` gives
+    # only the shape (its values are not read), so its axes are not related to the output
     x = ctx.arg(0)
     return reshape_constraints(ctx, ctx.axes(x), ctx.shape(x), ctx.out, ctx.out_shape)
 
