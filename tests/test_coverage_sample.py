@@ -39,6 +39,20 @@ def test_shrink_rule_keeps_divisibility():
     assert cov.role("max_position_embeddings") is None and cov.role("patch_size") is None
 
 
+def test_shrink_rule_fills_expert_counts_left_none_beside_an_moe_width():
+    # Dots1 (and DeepSeek-V2's experts per token) default the counts to None with an MoE width
+    # set: the model would build torch.empty(None, ...) or topk(k=None)
+    cfg, over = cov.tiny_config("dots1")
+    assert (cfg.n_routed_experts, cfg.n_shared_experts, cfg.num_experts_per_tok) == (
+        cov.EXPERTS, 1, cov.EXPERTS_PER_TOKEN) and cfg.moe_intermediate_size == 16
+    assert cov.tiny_config("deepseek_v2")[0].num_experts_per_tok == cov.EXPERTS_PER_TOKEN
+    # set counts are shrunk as before; without a positive MoE width a None count stays None
+    over = cov.shrink(type(cfg)(n_routed_experts=128, n_shared_experts=None, num_experts_per_tok=8))
+    assert (over["n_routed_experts"], over["n_shared_experts"], over["num_experts_per_tok"]) == (4, 1, 2)
+    over = cov.shrink(type(cfg)(moe_intermediate_size=0))
+    assert not {"n_routed_experts", "n_shared_experts", "num_experts_per_tok"} & set(over)
+
+
 @pytest.mark.parametrize("name", [f[0] for f in SAMPLE])
 def test_sample_family_traced_sound_complete(rows, name):
     r = rows[name]

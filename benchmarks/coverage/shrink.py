@@ -33,6 +33,8 @@ _NOT_WIDTH = {"position", "positions", "patch", "image", "kernel", "window", "ch
               "tag", "subs", "unit", "rel", "padding", "round", "up", "to", "floor", "scale",
               "pretraining", "tp", "loop", "passes", "cycles", "hash", "seed"}
 _MAIN_LAYER_TOKENS = {"num", "n", "hidden", "encoder", "decoder", "conf", "layers", "layer"}
+#: expert counts left None beside an MoE width: their shrunk values
+_UNSET_EXPERTS = {"experts": EXPERTS, "experts_shared": 1, "experts_per_token": EXPERTS_PER_TOKEN}
 _INDEX_TOKENS = {"idx", "idxs", "ids", "indices", "indexes", "index", "layers"}
 
 
@@ -134,9 +136,11 @@ def shrink(cfg) -> dict:
       qualified counts (num_dense_layers, num_kv_shared_layers, ...) and per-stage depth lists
       -> min(., 1); lists as long as the old layer count are cut to the new one; lists of layer
       indices keep the indices below it (the last layer if none).
-    * experts -> min(., 4), shared experts -> min(., 1), experts per token -> min(., 2), routing
-      and state groups -> 1; vocabularies -> min(., 256), token ids beyond it renumbered from
-      the top; image sizes -> min(., 64).
+    * experts -> min(., 4), shared experts -> min(., 1), experts per token -> min(., 2); the
+      same 4, 1, 2 for counts left None on a level with a positive MoE width (a width field
+      named with ``moe``: ``moe_intermediate_size``); routing and state groups -> 1;
+      vocabularies -> min(., 256), token ids beyond it renumbered from the top; image sizes
+      -> min(., 64).
 
     Only declared fields are passed, so derived ones (``qk_head_dim``, ``layer_types`` computed
     from the layer count) are recomputed by the config itself.
@@ -172,6 +176,10 @@ def _shrink_level(cfg, id_map) -> dict:
     q_new = _pow2_floor(min(q_old, HEADS)) if q_old else HEADS
     old_layers = next((v for k, v in fields.items() if role(k) == "layers_main" and _is_int(v)), None)
     new_layers = min(old_layers, LAYERS) if old_layers else None
+    # an MoE width set while the expert counts are left None (Dots1: the config's defaults
+    # would build torch.empty(None, ...)): the counts get their shrunk values
+    moe = any(role(k) == "width" and "moe" in _tokens(k) and _is_int(v) and v > 0
+              for k, v in fields.items())
     for k, v in fields.items():
         if isinstance(v, PretrainedConfig):
             sub = _shrink_level(v, id_map)
@@ -183,7 +191,9 @@ def _shrink_level(cfg, id_map) -> dict:
             continue
         r = role(k)
         new = v
-        if r is None and isinstance(v, (list, tuple)) and old_layers and new_layers != old_layers \
+        if v is None and moe and r in _UNSET_EXPERTS:
+            new = _UNSET_EXPERTS[r]
+        elif r is None and isinstance(v, (list, tuple)) and old_layers and new_layers != old_layers \
                 and len(v) == old_layers:
             new = type(v)(v[:new_layers])
         elif _is_int_list(v) and r in ("heads", "layers_main", "layers_other", "token_id", "layer_index"):

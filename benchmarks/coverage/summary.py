@@ -181,7 +181,8 @@ def markdown(res: dict) -> str:
 
 RULE = ("widths x 64/main width (multiple of 8); heads -> power of two <= 4, kv heads keep MHA/MQA "
         "else 2, head dims 16; main layer counts -> 2, other layer counts and stage depths -> 1; "
-        "experts -> 4, shared -> 1, per token -> 2, routing/state groups -> 1; vocab -> 256 (token ids "
+        "experts -> 4, shared -> 1, per token -> 2 (also when left None beside an MoE width), "
+        "routing/state groups -> 1; vocab -> 256 (token ids "
         "renumbered); image size -> 64; recursively in sub-configs (benchmarks.coverage.shrink)")
 
 
