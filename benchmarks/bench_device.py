@@ -34,17 +34,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def peaks(device: torch.device) -> dict:
-    """Matmul (``n³`` products, n = 8192 on CUDA, 4096 elsewhere) and SVD rates on ``device``."""
-    n = 8192 if device.type == "cuda" else 4096
-    out = {"mm_n": n}
+def peaks(device: torch.device, n: int | None = None, svd_n: int = 4096, heads: bool = True) -> dict:
+    """Matmul (``n³`` products; default n = 8192 on CUDA, 4096 elsewhere) and SVD (``svd_n²``)
+    rates on ``device``; ``heads``: also a 7B layer's head-pair scores."""
+    n = n or (8192 if device.type == "cuda" else 4096)
+    out = {"mm_n": n, "svd_n": svd_n}
     for dt in (torch.float32, torch.bfloat16, torch.float64):
         a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
         out[f"mm_{str(dt)[6:]}_gflops"] = 2 * n ** 3 / _best(lambda: a @ b, sync=lambda: _sync(device)) / 1e9
     for dt in (torch.float64, torch.float32):
-        s = torch.randn(4096, 4096, device=device, dtype=dt)
-        out[f"svd_{str(dt)[6:]}_gflops"] = 22 * 4096 ** 3 / _best(
+        s = torch.randn(svd_n, svd_n, device=device, dtype=dt)
+        out[f"svd_{str(dt)[6:]}_gflops"] = 22 * svd_n ** 3 / _best(
             lambda: torch.linalg.svd(s, full_matrices=False), 1, lambda: _sync(device)) / 1e9
+    if not heads:
+        return out
     # a 7B layer's head pairs (32 x 32 of 128², float64), as solve.nested_heads scores them: on
     # the device, and as the library does (through the host: PyTorch's CUDA eigh loops over
     # matrices > 32²)
@@ -147,6 +150,23 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def header(shape: str, device: torch.device, commit: str) -> dict:
+    """What a device benchmark's record starts with: the shape, the device and its name, torch,
+    the host's cores, the commit and when."""
+    return {"shape": shape, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or device.type,
+            "torch": torch.__version__, "cores": os.cpu_count(), "commit": commit,
+            "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def no_cuda(device: torch.device, prog: str) -> bool:
+    """Whether ``device`` is CUDA on a machine without it (said on stderr)."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"{prog}: --device cuda but this machine has no CUDA device", file=sys.stderr)
+        return True
+    return False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_device", description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="7b")
@@ -158,18 +178,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     a = ap.parse_args(argv)
     device = torch.device(a.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_device: --device cuda but this machine has no CUDA device", file=sys.stderr)
+    if no_cuda(device, "bench_device"):
         return 2
     depths = [int(x) for x in a.layers.split(",")]
     staged = {int(x) for x in a.stages.split(",") if x}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     label = a.label or f"{a.shape}-{device.type}-{a.commit}"
-    r = {"shape": a.shape, "device": str(device),
-         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or device.type,
-         "torch": torch.__version__, "cores": os.cpu_count(), "commit": a.commit,
-         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "peaks": peaks(device), "depths": []}
+    r = {**header(a.shape, device, a.commit), "peaks": peaks(device), "depths": []}
     print(json.dumps(r["peaks"]), file=sys.stderr, flush=True)
     for layers in depths:  # each depth is written as soon as it is done
         r["depths"].append(run_depth(a.shape, layers, device, layers in staged, r["peaks"]))

@@ -40,7 +40,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import shutil
 import sys
 import threading
@@ -49,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_cost import _best
+from benchmarks.bench_device import _sync, header, no_cuda, peaks
 from benchmarks.scale.checkpoints import ensure_pair, llama_config, model_sizes, weight_files
 from benchmarks.scale.probe import Probe, meminfo, resident
 
@@ -59,11 +58,6 @@ GB = 1e9
 SAMPLES = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
            "model.layers.0.mlp.gate_proj.weight", "lm_head.weight")
 ROWS = 8  # rows of each sample tensor compared
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def samples(path) -> dict:
@@ -82,19 +76,11 @@ def _max_diff(x: dict, y: dict) -> float:
     return max(float((x[k] - y[k]).abs().max()) for k in x)
 
 
-def peaks(device) -> dict:
+def disk_peaks(device) -> dict:
     """Matmul and SVD rates on ``device`` for the stage rows' "of peak" (8192³ and 2048² on
     CUDA; small elsewhere: only the code path is exercised there)."""
     n, m = (8192, 2048) if device.type == "cuda" else (256, 64)
-    out = {"mm_n": n, "svd_n": m}
-    for dt in (torch.float32, torch.bfloat16, torch.float64):
-        a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
-        out[f"mm_{str(dt)[6:]}_gflops"] = 2 * n ** 3 / _best(lambda: a @ b, sync=lambda: _sync(device)) / 1e9
-    for dt in (torch.float64, torch.float32):
-        s = torch.randn(m, m, device=device, dtype=dt)
-        out[f"svd_{str(dt)[6:]}_gflops"] = 22 * m ** 3 / _best(
-            lambda: torch.linalg.svd(s, full_matrices=False), 1, lambda: _sync(device)) / 1e9
-    return out
+    return peaks(device, n, m, heads=False)
 
 
 def merge_once(pair, align, device, out, load_check, probe_args, staged=None, budget=None) -> dict:
@@ -327,8 +313,7 @@ def main(argv=None) -> int:
         from symgraph.testing.device import install
         install()
     device = torch.device(a.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_device_disk: --device cuda but this machine has no CUDA device", file=sys.stderr)
+    if no_cuda(device, "bench_device_disk"):
         return 2
     from benchmarks.harness import machine_info
     depths = [int(x) for x in a.layers.split(",")]
@@ -337,10 +322,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(a.work).mkdir(parents=True, exist_ok=True)
     label = a.label or f"{a.shape}-{device.type}-disk-{a.commit}"
-    r = {"shape": a.shape, "device": str(device), "cache": a.cache, "commit": a.commit, "memory_budget": a.memory_budget,
-         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or device.type,
-         "torch": torch.__version__, "cores": os.cpu_count(), "ram_gb": machine_info()["ram_gb"],
-         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "depths": []}
+    r = {**header(a.shape, device, a.commit), "cache": a.cache, "memory_budget": a.memory_budget,
+         "ram_gb": machine_info()["ram_gb"], "depths": []}
     lock = threading.Lock()
 
     def save(d=None):
@@ -355,7 +338,7 @@ def main(argv=None) -> int:
                 tmp.write_text(body)
                 os.replace(tmp, path)
     r["warmup_s"] = None if a.no_warmup else warmup(a, device)
-    r["peaks"] = peaks(device) if staged & set(depths) else None
+    r["peaks"] = disk_peaks(device) if staged & set(depths) else None
     save()
     for layers in depths:
         run_depth(a, layers, device, r["peaks"] if layers in staged else None, save)

@@ -23,7 +23,7 @@ from .loading import (KeysDiffer, build_meta, check_checkpoint_dir, check_tensor
 from ..core.finite import all_finite
 from ..errors import InputError
 
-__all__ = ["Checkpoint", "KeysDiffer", "ShardWriter", "parse_size", "INDEX", "SINGLE"]
+__all__ = ["Checkpoint", "KeysDiffer", "check_pair", "ShardWriter", "parse_size", "INDEX", "SINGLE"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -45,6 +45,18 @@ def parse_size(size) -> int:
             if v > 0:
                 return int(v * f)
     raise InputError(f"shard size {size!r}; expected a positive size such as '2GB' or '500MB'")
+
+def check_pair(A, B, a: str = "A", b: str = "B") -> None:
+    """Refuse two :class:`Checkpoint` s (named ``a`` and ``b`` in the message) that are not one
+    architecture at one width: their classes differ, or a tensor's shape (or presence) does."""
+    if A.cls is not B.cls:
+        raise InputError(f"{a!r} is a {A.cls.__name__} but {b!r} is a {B.cls.__name__}; expected two models "
+                         "of one architecture")
+    if A.shapes != B.shapes:
+        k = sorted(k for k in set(A.shapes) | set(B.shapes) if A.shapes.get(k) != B.shapes.get(k))[0]
+        raise InputError(f"{a!r} and {b!r} differ in tensor {k!r} ({A.shapes.get(k, 'missing')} vs "
+                         f"{B.shapes.get(k, 'missing')}); expected two models of one architecture and width")
+
 
 class Checkpoint:
     """A ``save_pretrained`` directory read tensor by tensor.

@@ -137,8 +137,9 @@ def _streamed(args, aligns):
     the weights."""
     import sys
 
+    from ..checkpoints.sharded import check_pair
     from ..checkpoints.specs import load_data
-    from ..errors import InputError, NeedsMemory
+    from ..errors import NeedsMemory
     from ..merging.streaming import Checkpoint, KeysDiffer
     if not all(os.path.isdir(os.path.expanduser(p)) for p in (args.a, args.b)):
         return None
@@ -146,13 +147,7 @@ def _streamed(args, aligns):
         A, B = (Checkpoint(os.path.expanduser(p)) for p in (args.a, args.b))
     except KeysDiffer:
         return None
-    if A.cls is not B.cls:
-        raise InputError(f"{args.a!r} is a {A.cls.__name__} but {args.b!r} is a {B.cls.__name__}; expected two "
-                         "models of one architecture")
-    if A.shapes != B.shapes:
-        k = sorted(k for k in set(A.shapes) | set(B.shapes) if A.shapes.get(k) != B.shapes.get(k))[0]
-        raise InputError(f"{args.a!r} and {args.b!r} differ in tensor {k!r} ({A.shapes.get(k)} vs {B.shapes.get(k)}); "
-                         "expected two models of one architecture and width")
+    check_pair(A, B, args.a, args.b)
     if not args.out_of_core:  # in memory when A, B and the line's model fit easily (faster)
         from ..merging.resize import available_memory
         need = 3 * 4 * sum(int(np.prod(shape, dtype=np.int64)) for shape in A.shapes.values())

@@ -62,17 +62,6 @@ def _shuffled_checkpoint(ckpt, names, seed: int, draw: int):
     return view
 
 
-def _check_checkpoints(A, B, a: str = "A", b: str = "B") -> None:
-    from ..errors import InputError
-    if A.cls is not B.cls:
-        raise InputError(f"{a!r} is a {A.cls.__name__} but {b!r} is a {B.cls.__name__}; expected two models "
-                         "of one architecture")
-    if A.shapes != B.shapes:
-        k = sorted(k for k in set(A.shapes) | set(B.shapes) if A.shapes.get(k) != B.shapes.get(k))[0]
-        raise InputError(f"{a!r} and {b!r} differ in tensor {k!r} ({A.shapes.get(k, 'missing')} vs "
-                         f"{B.shapes.get(k, 'missing')}); expected two models of one architecture and width")
-
-
 def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | None = None,
                         alpha: float | None = None, seed: int = 0, fold_norms: bool = True, memory_budget=None):
     """:func:`~symgraph.alignment.compare.compare` out of core: ``A``, ``B`` are
@@ -86,13 +75,14 @@ def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | No
 
     from ..alignment.compare import ALPHA, THRESHOLD, check_options, gauge_names, judge, measure, tolerance
     from ..errors import InputError
+    from ..checkpoints.sharded import check_pair
     from ..merging.streaming import Checkpoint, StreamingMerge
     from ..merging.views import Aligned
     threshold = THRESHOLD if threshold is None else threshold
     alpha = ALPHA if alpha is None else alpha
     check_options(null, threshold)
     A, B = (c if isinstance(c, Checkpoint) else Checkpoint(os.path.expanduser(c)) for c in (A, B))
-    _check_checkpoints(A, B, A.path, B.path)
+    check_pair(A, B, A.path, B.path)
     data = list(data) if data is not None else None
     if data is not None and not data:
         raise InputError("data is empty; expected at least one batch")
@@ -127,6 +117,7 @@ def _checkpoints(a: str, b: str, out_of_core: bool | None):
     over half the available memory); None: load them."""
     import numpy as np
 
+    from ..checkpoints.sharded import check_pair
     from ..merging.streaming import Checkpoint, KeysDiffer
     if out_of_core is False or not all(os.path.isdir(os.path.expanduser(p)) for p in (a, b)):
         if out_of_core:
@@ -140,7 +131,7 @@ def _checkpoints(a: str, b: str, out_of_core: bool | None):
             print("symgraph: note: transformers renames these checkpoints' tensors on load; the models are "
                   "loaded in memory", file=sys.stderr)
         return None
-    _check_checkpoints(A, B, a, b)
+    check_pair(A, B, a, b)
     if not out_of_core:
         from ..merging.resize import available_memory
         need = 3 * 4 * sum(int(np.prod(shape, dtype=np.int64)) for shape in A.shapes.values())

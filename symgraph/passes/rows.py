@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .nodes import packet
+from .nodes import output_nodes, packet
 
 __all__ = ["input_rows", "output_rows"]
 
@@ -48,16 +48,8 @@ def output_rows(an, ids) -> dict:
     outside the parameter's rows are refused."""
     ids = torch.unique(torch.as_tensor(ids).reshape(-1).to(torch.long))
     out: dict = {}
-    ends = [n for n in an.graph.nodes if n.op == "output"]
-    flat: list = []
-    for n in ends:
-        stack = list(n.args)
-        while stack:
-            a = stack.pop()
-            if isinstance(a, (list, tuple)):
-                stack.extend(a)
-            elif hasattr(a, "op"):
-                flat.append(a)
+    end = next(n for n in an.graph.nodes if n.op == "output")
+    flat = [o for i, o in enumerate(output_nodes(end)) if o is not None and (an.keep is None or i in an.keep)]
     for node in flat:
         while node.op == "call_function" and packet(node.target) in SHAPE_ONLY:
             node = node.args[0]
