@@ -82,7 +82,7 @@ def _average(pair, tmp_path):
     return out
 
 
-@pytest.mark.parametrize("method", ["average", "regmean"])
+@pytest.mark.parametrize("method", ["average", "regmean", "fisher"])
 def test_the_engine_holds_no_more_than_its_budget(pair, tmp_path, method):
     """The bytes the engine holds (caches, a pass of Grams, a group's working copies, the
     statistics it reads back) stay within the budget, and a smaller budget (more slices,

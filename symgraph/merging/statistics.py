@@ -9,9 +9,11 @@ Two kinds, as the methods declare them (:meth:`~symgraph.merging.methods.registr
   (:class:`~symgraph.alignment.graphrun.Stepper`); the inputs are taken in passes whose Grams
   fit the budget, every batch's run paused where a pass ends and resumed by the next (each op
   runs once per batch), and a pass's Grams are written to disk as it ends;
-* **statistics of the whole model** (Fisher's squared gradients): one model is loaded at a
-  time, measured as :func:`symgraph.merge` measures it, written to disk and freed, so two
-  parents never sit in memory together.
+* **statistics of the whole model**: one model is loaded at a time, measured as
+  :func:`symgraph.merge` measures it, written to disk and freed, so two parents never sit in
+  memory together (a method whose statistic needs the loaded model; Fisher's squared
+  gradients are taken without loading it, segment by segment, by
+  :func:`~symgraph.merging.backprop.squared_gradients`).
 
 :class:`Spill` is the disk store: safetensors files in a temporary directory beside the
 output's, read back one tensor at a time by the combine step.

@@ -10,7 +10,7 @@ from ...core import distributed
 from ...alignment.checks import batch_inputs
 from ...transform.apply import map_parameters
 from ...errors import InputError
-from ..statistics import whole_model
+from ..backprop import squared_gradients
 from .registry import MergeMethod, register
 
 __all__ = ['Fisher']
@@ -32,9 +32,7 @@ class Fisher(MergeMethod):
             for i, batch in enumerate(data):
                 args, kwargs = batch_inputs(report, batch, i, check_shapes=False)  # run eagerly
                 model.zero_grad(set_to_none=True)
-                logp = torch.log_softmax(_logits(model(*args, **kwargs)).float(), -1)
-                loss = -(logp.gather(-1, logp.argmax(-1, keepdim=True))).sum()  # labels: argmax
-                loss.backward()
+                self.loss(_logits(model(*args, **kwargs))).backward()
                 for k, p in params.items():
                     if p.grad is not None:
                         fis[k] += p.grad.detach().double() ** 2
@@ -42,6 +40,13 @@ class Fisher(MergeMethod):
         finally:
             model.train(was)
         return distributed.all_reduce_dict(fis)  # sums over every process's batches
+
+    @staticmethod
+    def loss(logits):
+        """The model's negative log-likelihood of its own most likely labels (the empirical
+        Fisher of its predictive distribution at its argmax)."""
+        logp = torch.log_softmax(logits.float(), -1)
+        return -(logp.gather(-1, logp.argmax(-1, keepdim=True))).sum()
 
     def to_anchor(self, stat, alignment):
         if alignment is None:
@@ -52,7 +57,7 @@ class Fisher(MergeMethod):
         return {**stat, **moved}
 
     def streamed_statistics(self, job, i):
-        return whole_model(job, i, self, f"fisher/{i}/")
+        return squared_gradients(job, i, self, f"fisher/{i}/")
 
     def combine_group(self, names, values, stats, weights, report):
         out = {}

@@ -46,7 +46,9 @@ class MergeMethod:
         tensor`` (read when asked for), taken by the merge engine ``job``
         (:class:`~symgraph.merging.streaming.StreamingMerge`) within its budget; None when the
         method needs none. A method that needs data implements it with
-        :func:`~symgraph.merging.statistics.input_grams` (sums over data at linear inputs) or
+        :func:`~symgraph.merging.statistics.input_grams` (sums over data at linear inputs),
+        :func:`~symgraph.merging.backprop.squared_gradients` (squared gradients of a loss, the
+        graph differentiated segment by segment) or
         :func:`~symgraph.merging.statistics.whole_model` (one model loaded at a time); without
         it the merge loads the models, saying so."""
         if self.needs_data:

@@ -1,0 +1,287 @@
+"""Squared gradients of a whole model taken out of core, for statistics such as Fisher's
+(:meth:`~symgraph.merging.methods.registry.MergeMethod.streamed_statistics`).
+
+The anchor's traced graph is cut into **segments** of consecutive ops, each reading at most
+about a budget of weights, the cuts placed where the fewest activation bytes cross (between
+layers, on the residual stream). Gradient checkpointing, one segment at a time:
+
+1. **forward**, without gradients: for each segment, its weights read once, every batch run
+   through it, and the values crossing the next cut kept (about one residual stream per batch
+   and cut);
+2. **backward**, segments in reverse: the segment's weights read again as leaves that take
+   gradients, each batch's segment recomputed from its kept inputs and differentiated with the
+   gradients the later segment left at its outputs (the last segment starts from the
+   method's loss on the graph's first output, the logits); each weight's gradient of each
+   batch is squared and summed in float64 — a weight read by several segments (a tied
+   embedding and head) has its batch gradient summed over them first, as autograd sums a tied
+   parameter's — and a weight whose every reader is done is written to disk and freed.
+
+Memory holds one segment's weights, their float64 sums and one batch's activations within
+the segment, whatever the model's depth. The ops are the traced graph's own, so the
+gradients are those of the eager model (the tests compare them); each value is computed the
+same way in the recomputation as in the forward pass.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..alignment.checks import batch_inputs, by_shape
+from ..alignment.graphrun import Stepper, flatten_for, meta_constants, on_device
+from ..core import distributed
+from ..errors import NeedsMemory
+from .statistics import Stored
+from .views import Aligned, nbytes
+
+__all__ = ["squared_gradients", "plan_segments"]
+
+ACC_BYTES = 8  # float64 sums per weight element
+
+
+def _val_bytes(node) -> int:
+    v = node.meta.get("val") if hasattr(node, "meta") else None
+    vals = v if isinstance(v, (tuple, list)) else [v]
+    return sum(t.numel() * t.element_size() for t in vals if isinstance(t, torch.Tensor))
+
+
+def plan_segments(gm, cost: dict, budget: int) -> list:
+    """Cuts of ``gm``'s nodes (graph order) into segments ``(start, stop)`` whose weights cost
+    (``cost``: graph attribute name -> bytes the segment holds for it) at most about
+    ``budget`` (at least one op each); a cut is placed where the fewest bytes of activations
+    cross it, from the traced shapes."""
+    order = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    last = {n: max((pos[u] for u in n.users), default=pos[n]) for n in order}
+    # bytes crossing a cut before position c: values defined before c and used at or after it
+    delta = [0] * (len(order) + 1)
+    for n in order:
+        if n.op == "get_attr":
+            continue  # read by each segment that uses it, never carried
+        if last[n] > pos[n]:
+            b = _val_bytes(n)
+            delta[pos[n] + 1] += b
+            delta[last[n] + 1] -= b
+    cross, run = [], 0
+    for c in range(len(order) + 1):
+        run += delta[c]
+        cross.append(run)
+    reads = [sum(cost.get(a.target, 0) for a in n.all_input_nodes if a.op == "get_attr") for n in order]
+    cuts, held, first = [0], 0, None  # first: the segment's first op that reads weights
+    for p in range(len(order)):
+        if reads[p] and first is not None and held + reads[p] > budget:
+            # op p would take the segment over the budget: cut at the cheapest place after the
+            # segment's first read and before p at the latest (every segment reads weights,
+            # at most the budget's or one op's)
+            c = min(range(first + 1, p + 1), key=lambda q: (cross[q], -q))
+            cuts.append(c)
+            held = sum(reads[c:p])
+            first = next((q for q in range(c, p) if reads[q]), None)
+        if reads[p] and first is None:
+            first = p
+        held += reads[p]
+    cuts.append(len(order))
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+class _Segment(Stepper):
+    """``gm`` run over positions ``[start, stop)`` from the values crossing ``start``; its
+    weights come from ``weights`` (``name -> tensor``, read by the caller once per segment)."""
+
+    def __init__(self, gm, weights):
+        super().__init__(gm, weights.__getitem__)
+
+    def span(self, env, start, stop, flat=None):
+        self.env, self.args_iter = dict(env), iter(flat or ())
+        for pos in range(start, stop):
+            node = self._order[pos]
+            if node.op == "output":  # the caller takes the outputs it needs from the values
+                break
+            self.env[node] = self.run_node(node)
+            for dead in self.user_to_last_uses.get(node, ()):
+                self.env.pop(dead, None)
+        out, self.env = self.env, {}
+        return out
+
+
+def squared_gradients(job, i: int, method, prefix: str) -> Stored:
+    """Model ``i``'s ``Σ_batches (∂ loss / ∂ w)²`` per parameter (float64), ``loss`` the
+    method's (:meth:`loss` of the graph's first output) on ``job.data``, measured in the
+    anchor's basis as :func:`~symgraph.merging.driver.statistics_in_anchor_basis` measures it
+    in memory: on the aligned model where norm gains fold, else in the model's own basis and
+    moved by the method's :meth:`to_anchor`. Segments of the traced graph are run forward
+    and backward one at a time (see the module's docstring); summed over the processes
+    under ``torch.distributed``; written to ``job.spill`` as each weight is done."""
+    A, ra = job.ckpts[job.anchor], job.graph_report
+    al = job.alignments[i]
+    folded = al is not None and bool(ra.folds)
+    view = Aligned(job.ckpts[i], al if folded else None, A, ra, job.work_dtype, job.cache_bytes, job.ledger)
+    canon = lambda n: A.param_of.get(n, n)  # noqa: E731 - a tied parameter's names -> one
+    params = set(A.param_of)
+    device, keys = job.device, {}
+    for (rep,), batches in by_shape((ra,), (A.model,), job.data):
+        gm = rep.exported_program.module()
+        on_device(gm, device)
+        lost = meta_constants(gm)
+        if lost:
+            raise NeedsMemory(f"the traced graph creates tensor constants ({', '.join(lost[:3])}) whose values "
+                              "a model traced without weights (on meta) does not hold")
+        named = dict(gm.named_parameters(remove_duplicate=False))
+        grads = {n for n in named if n in params}
+        item = {n: t.element_size() for n, t in named.items()}
+        cost = {n: t.numel() * (2 * item[n] + ACC_BYTES) for n, t in named.items()}  # weight, grad, sum
+        segments = plan_segments(gm, cost, max(1, job.stats_bytes))
+        readers: dict = {}  # parameter -> the segments that read it
+        order = list(gm.graph.nodes)
+        for k, (a, b) in enumerate(segments):
+            for node in order[a:b]:
+                for x in node.all_input_nodes:
+                    if x.op == "get_attr" and x.target in grads:
+                        readers.setdefault(canon(x.target), set()).add(k)
+        flats = []
+        for bi, batch in batches:
+            args, kwargs = batch_inputs(rep, batch, bi)
+            flats.append([t.to(device) if isinstance(t, torch.Tensor) else t for t in flatten_for(gm, args, kwargs)])
+        out_node = next(n for n in order if n.op == "output")
+        first = _first_output(out_node)
+
+        lazy = set(named) | {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+        pos = {n: p for p, n in enumerate(order)}
+
+        def read(a, b, leaves):
+            """The weights segment [a, b) reads; tied names share one tensor (one leaf, whose
+            gradient autograd sums over its uses)."""
+            w, by = {}, {}
+            for node in order[a:b]:
+                for x in node.all_input_nodes:
+                    n = x.target
+                    if x.op != "get_attr" or n not in lazy or n in w:
+                        continue
+                    if canon(n) not in by:
+                        t = view.fetch(n)
+                        t = t if device == "cpu" else t.to(device)
+                        by[canon(n)] = t.detach().requires_grad_(True) if (
+                            leaves and n in grads and t.is_floating_point()) else t
+                    w[n] = by[canon(n)]
+            return w
+
+        def live_after(node, b):
+            return any(pos[u] >= b for u in node.users)
+
+        # 1. forward: the values crossing each cut, per batch
+        kept = [[{}] for _ in flats]  # per batch: the env at each cut
+        with torch.no_grad():
+            for k, (a, b) in enumerate(segments[:-1]):
+                w = read(a, b, False)
+                job.ledger.hold(sum(nbytes(t) for t in w.values()))
+                run = _Segment(gm, w)
+                for j, flat in enumerate(flats):
+                    env = run.span(kept[j][k], a, b, flat if k == 0 else None)
+                    kept[j].append({n: v for n, v in env.items() if live_after(n, b)})
+                job.ledger.drop(sum(nbytes(t) for t in w.values()))
+                del w, run
+        # 2. backward, segments in reverse
+        up = [{} for _ in flats]  # per batch: node -> gradient at the current cut
+        pending = [{} for _ in flats]  # per batch: a multi-segment weight's summed gradient
+        sums: dict = {}
+        for k in range(len(segments) - 1, -1, -1):
+            a, b = segments[k]
+            w = read(a, b, True)
+            mine = {canon(n) for n in w if n in grads}
+            for p in mine:
+                sums.setdefault(p, None)
+            uniq = {id(t): t for t in w.values()}  # tied names share a tensor
+            holds = sum(nbytes(t) for t in uniq.values()) + sum(ACC_BYTES * t.numel() for t in uniq.values()
+                                                                if t.requires_grad)
+            job.ledger.hold(holds)
+            run = _Segment(gm, w)
+            leaf = {canon(n): t for n, t in w.items() if n in grads and t.requires_grad}
+            for j, flat in enumerate(flats):
+                with torch.enable_grad():
+                    start = {n: _leaf(v) for n, v in kept[j][k].items()}
+                    env = run.span(start, a, b, flat if k == 0 else None)
+                    if b == len(order):
+                        logits = env[first]
+                        outs, gs = [method.loss(logits)], [None]
+                    else:
+                        outs, gs = [], []
+                        for n, g in up[j].items():
+                            for v, gv in zip(_tensors(env.get(n)), g):
+                                if gv is not None and isinstance(v, torch.Tensor) and v.requires_grad:
+                                    outs.append(v)
+                                    gs.append(gv)
+                    if outs:
+                        torch.autograd.backward(outs, gs)
+                up[j] = {n: [t.grad if isinstance(t, torch.Tensor) else None for t in _tensors(v)]
+                         for n, v in start.items()}
+                up[j] = {n: g for n, g in up[j].items() if any(x is not None for x in g)}
+                del env, outs, gs
+                for p, t in leaf.items():
+                    g, t.grad = t.grad, None
+                    if g is None:
+                        continue
+                    if len(readers.get(p, ())) > 1:
+                        g = g if p not in pending[j] else pending[j].pop(p) + g
+                        if min(readers[p]) < k:
+                            pending[j][p] = g
+                            continue
+                    if sums[p] is None:
+                        sums[p] = torch.zeros(g.shape, dtype=torch.float64, device=g.device)
+                    _add_square(sums[p], g)
+                kept[j][k] = {}
+            done = {p for p in mine if min(readers.get(p, {k})) == k}
+            _finish(job, method, al, folded, prefix, {p: sums.pop(p) for p in done}, params, keys, A)
+            job.ledger.drop(holds)
+            del w, run, leaf
+    view.clear()
+    missing = {A.param_of[n] for n in params} - set(keys)  # parameters no op reads: zero, as in memory
+    _finish(job, method, al, folded, prefix, {p: None for p in missing}, params, keys, A)
+    return Stored(job.spill, keys, None if device == "cpu" else device)
+
+
+def _add_square(acc, g, step: int = 1 << 21):
+    """``acc += g²`` in ``acc``'s float64, a slice at a time (a mixed-dtype op copies its
+    inputs into the common dtype whole: two float64 copies of a large gradient)."""
+    a, g = acc.view(-1), g.detach().reshape(-1)
+    for i in range(0, a.numel(), step):
+        x = g[i:i + step]
+        a[i:i + step].addcmul_(x, x)
+
+
+def _leaf(v):
+    """A value crossing a cut as the next segment's input: its floating tensors (also inside
+    tuples and lists, as multi-output ops give them) detached leaves that take gradients."""
+    import torch.utils._pytree as pytree
+    return pytree.tree_map(lambda t: t.detach().requires_grad_(True)
+                           if isinstance(t, torch.Tensor) and t.is_floating_point() else t, v)
+
+
+def _tensors(v) -> list:
+    import torch.utils._pytree as pytree
+    return pytree.tree_leaves(v)
+
+
+def _first_output(out_node):
+    import torch.utils._pytree as pytree
+    flat, _ = pytree.tree_flatten(out_node.args[0])
+    return next(n for n in flat if isinstance(n, torch.fx.Node))
+
+
+def _finish(job, method, al, folded, prefix, done: dict, params, keys, A):
+    """The finished sums (None: zero) summed over the processes, moved into the anchor's
+    basis, written to the spill (adding to what an earlier batch shape wrote) and named."""
+    if not done:
+        return
+    full = {}
+    for p, s in done.items():
+        shape = A.model.get_parameter(p).shape
+        full[p] = s if s is not None else torch.zeros(shape, dtype=torch.float64, device=job.device)
+    full = distributed.all_reduce_dict(full)
+    if not folded and al is not None:
+        full = method.to_anchor(full, al)
+    put = {}
+    for p, s in full.items():
+        key = f"{prefix}{p}"
+        put[key] = s + job.spill.get(key).to(s.device) if key in job.spill else s
+        for alias in A.params.get(p, (p,)):
+            keys.setdefault(alias, key)
+        keys.setdefault(p, key)
+    job.spill.put(put)
