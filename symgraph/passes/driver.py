@@ -252,7 +252,21 @@ class AxisAnalysis:
         if cons is None:
             self._freeze_unknown(node)
             return
+        bad = self._mismatched(cons)
+        if bad:  # a rule that pairs axes of different sizes is wrong for this node: it says nothing
+            self._freeze_unknown(node, f"the rule for {node.target} paired axes of sizes {bad[0]} and {bad[1]}")
+            return
         self._apply(cons, node)
+
+    def _mismatched(self, cons):
+        """The sizes of the first two axes a :class:`Unify` of ``cons`` pairs that differ in
+        size (a rule bug for this node's shapes), or None."""
+        for c in cons:
+            if isinstance(c, Unify):
+                a, b = self.uf.size[self.uf.find(c.a)[0]], self.uf.size[self.uf.find(c.b)[0]]
+                if a != b:
+                    return a, b
+        return None
 
     def _apply(self, cons, node):
         touched = set()
@@ -281,21 +295,23 @@ class AxisAnalysis:
                 if a not in touched and self.uf.size[a] > 1:
                     self.uf.meet(a, "identity", f"{node.name}: output axis not related by its rule")
 
-    def _freeze_unknown(self, node):
+    def _freeze_unknown(self, node, why=None):
+        """Fix every axis ``node`` and its inputs carry and record it (``why``: a rule that
+        failed on it; None: no rule)."""
         if self.strict:
             raise UnsupportedOpError(
-                f"no symmetry rule for {node.target} at node {node.name} "
+                f"{why or f'no symmetry rule for {node.target}'} at node {node.name} "
                 f"(module {module_path(node) or '<root>'}; {source_line(node)}). "
                 "Register one with symgraph.passes.register, or analyse with strict=False "
                 "to fix the axes it touches.")
         axes = self._all_axes(node)
         for i in _flat_nodes(node.args) + _flat_nodes(list(node.kwargs.values())):
             axes += self._all_axes(i)
-        why = f"{node.name}: no rule for {node.target}"
+        reason = f"{node.name}: {why or f'no rule for {node.target}'}"
         for a in axes:
-            self.uf.meet(a, "identity", why)
+            self.uf.meet(a, "identity", reason)
         self.frozen.append(FrozenOp(str(node.target), node.name, module_path(node),
-                                    source_line(node), axes))
+                                    source_line(node), axes, why or "no rule"))
 
     # --- results -------------------------------------------------------------------------
     def finalize(self):

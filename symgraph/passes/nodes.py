@@ -48,15 +48,18 @@ def flat_nodes(args):
 
 @dataclass
 class FrozenOp:
-    """An op without a symmetry rule, and the axes it fixed."""
+    """An op whose axes are fixed, and why: it has no symmetry rule, or its rule failed on
+    it (paired axes of different sizes: a rule bug, reported rather than raised)."""
     op: str
     node: str
     module: str
     source: str
     axes: list = field(default_factory=list)
+    why: str = "no rule"
 
     def to_dict(self):
-        return {"op": self.op, "node": self.node, "module": self.module, "source": self.source}
+        out = {"op": self.op, "node": self.node, "module": self.module, "source": self.source}
+        return out if self.why == "no rule" else {**out, "why": self.why}
 
 
 def module_path(node) -> str:

@@ -16,7 +16,8 @@ def summary(report) -> str:
     """The text of :meth:`SymmetryReport.summary`."""
     lines = [f"Symmetry report for {report.model_name}: {len(report.groups)} groups, "
              f"{report.degrees_of_freedom} continuous degrees of freedom, "
-             f"{len(report.frozen)} ops without a rule"]
+             f"{sum(f.why == 'no rule' for f in report.frozen)} ops without a rule"
+             + "".join(f", {n} ops whose rule failed" for n in [sum(f.why != 'no rule' for f in report.frozen)] if n)]
     w = max([len("module")] + [len(g.module or "(model)") for g in report.groups])
     hdr = f"{'id':>4}  {'module':<{w}} {'kind':<12} {'size':>6} {'blocks':>6} {'outer':<8} params"
     lines += [hdr, "-" * len(hdr)]
@@ -43,9 +44,10 @@ def summary(report) -> str:
             lines.append(f"  {f.gain} -> {readers}")
     if report.frozen:
         lines.append("")
-        lines.append("Frozen by ops without a rule (their axes are fixed):")
+        lines.append("Frozen ops (their axes are fixed):")
         for f in report.frozen:
-            lines.append(f"  {f.op} at {f.node} in {f.module or '<root>'}  {f.source}")
+            why = "" if f.why == "no rule" else f"  [{f.why}: a symgraph rule bug, please report it]"
+            lines.append(f"  {f.op} at {f.node} in {f.module or '<root>'}  {f.source}{why}")
     return "\n".join(lines)
 
 
