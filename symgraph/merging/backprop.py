@@ -167,15 +167,15 @@ def squared_gradients(job, i: int, method, prefix: str) -> Stored:
             return any(pos[u] >= b for u in node.users)
 
         # 1. forward: the values crossing each cut, per batch
-        kept = [[{}] for _ in flats]  # per batch: the env at each cut
+        kept = _Kept(job, f"{prefix}cuts/{len(keys)}/")
         with torch.no_grad():
             for k, (a, b) in enumerate(segments[:-1]):
                 w = read(a, b, False)
                 job.ledger.hold(sum(nbytes(t) for t in w.values()))
                 run = _Segment(gm, w)
                 for j, flat in enumerate(flats):
-                    env = run.span(kept[j][k], a, b, flat if k == 0 else None)
-                    kept[j].append({n: v for n, v in env.items() if live_after(n, b)})
+                    env = run.span(kept.get(j, k) if k else {}, a, b, None if k else flat)
+                    kept.put(j, k + 1, {n: v for n, v in env.items() if live_after(n, b)})
                 job.ledger.drop(sum(nbytes(t) for t in w.values()))
                 del w, run
         # 2. backward, segments in reverse
@@ -196,8 +196,8 @@ def squared_gradients(job, i: int, method, prefix: str) -> Stored:
             leaf = {canon(n): t for n, t in w.items() if n in grads and t.requires_grad}
             for j, flat in enumerate(flats):
                 with torch.enable_grad():
-                    start = {n: _leaf(v) for n, v in kept[j][k].items()}
-                    env = run.span(start, a, b, flat if k == 0 else None)
+                    start = {n: _leaf(v) for n, v in (kept.pop(j, k) if k else {}).items()}
+                    env = run.span(start, a, b, None if k else flat)
                     if b == len(order):
                         logits = env[first]
                         outs, gs = [method.loss(logits)], [None]
@@ -226,7 +226,6 @@ def squared_gradients(job, i: int, method, prefix: str) -> Stored:
                     if sums[p] is None:
                         sums[p] = torch.zeros(g.shape, dtype=torch.float64, device=g.device)
                     _add_square(sums[p], g)
-                kept[j][k] = {}
             done = {p for p in mine if min(readers.get(p, {k})) == k}
             _finish(job, method, al, folded, prefix, {p: sums.pop(p) for p in done}, params, keys, A)
             job.ledger.drop(holds)
@@ -235,6 +234,45 @@ def squared_gradients(job, i: int, method, prefix: str) -> Stored:
     missing = {A.param_of[n] for n in params} - set(keys)  # parameters no op reads: zero, as in memory
     _finish(job, method, al, folded, prefix, {p: None for p in missing}, params, keys, A)
     return Stored(job.spill, keys, None if device == "cpu" else device)
+
+
+class _Kept:
+    """The values crossing each cut, per batch: held while they fit half the statistics
+    budget, the rest written to the job's spill (one file per batch and cut) and read back
+    when the backward pass reaches them. A model's depth then costs disk, not memory."""
+
+    def __init__(self, job, prefix: str):
+        self.job, self.prefix, self.room = job, prefix, job.stats_bytes // 2
+        self.mem: dict = {}  # (batch, cut) -> (env, bytes held)
+        self.disk: dict = {}  # (batch, cut) -> (values not written, {node: key})
+
+    def put(self, j, k, env):
+        size = sum(nbytes(t) for v in env.values() for t in _tensors(v) if isinstance(t, torch.Tensor))
+        if size <= self.room:
+            self.room -= size
+            self.job.ledger.hold(size)
+            self.mem[j, k] = (env, size)
+            return
+        keys = {n: f"{self.prefix}{j}/{k}/{n.name}" for n, v in env.items() if isinstance(v, torch.Tensor)}
+        # clones: views of one storage cannot share a safetensors file
+        self.job.spill.put({keys[n]: env[n].detach().clone() for n in keys})
+        self.disk[j, k] = ({n: v for n, v in env.items() if n not in keys}, keys)
+
+    def get(self, j, k) -> dict:
+        if (j, k) in self.mem:
+            return self.mem[j, k][0]
+        rest, keys = self.disk[j, k]
+        device = self.job.device
+        return {**rest, **{n: self.job.spill.get(key).to(device) for n, key in keys.items()}}
+
+    def pop(self, j, k) -> dict:
+        env = self.get(j, k)
+        if (j, k) in self.mem:
+            size = self.mem.pop((j, k))[1]
+            self.room += size
+            self.job.ledger.drop(size)
+        self.disk.pop((j, k), None)
+        return env
 
 
 def _add_square(acc, g, step: int = 1 << 21):
