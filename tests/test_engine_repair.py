@@ -83,11 +83,89 @@ def test_repair_without_alignment_equals_in_memory(pair, tmp_path):
     assert _rel(outs[True], outs[False]) < 1e-5
 
 
-def test_batchnorm_models_are_repaired_in_memory():
-    """BatchNorm running statistics are recomputed by training-mode passes over a loaded merge."""
-    job = types.SimpleNamespace(anchor=0, ckpts=[types.SimpleNamespace(model=torch.nn.Sequential(
-        torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)))])
-    with pytest.raises(NeedsMemory, match="BatchNorm"):
-        repair_stream.check(job)
-    job.ckpts[0].model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
-    repair_stream.check(job)
+class _ReadsStatistics(torch.nn.Module):
+    """A BatchNorm layer whose running statistics the forward reads by hand (no batch-norm op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return (self.lin(x) - self.bn.running_mean) / self.bn.running_var.sqrt()
+
+
+def test_batchnorm_statistics_read_outside_a_batchnorm_op_are_repaired_in_memory():
+    """Out of core, REPAIR resets the statistics of the graph's batch-norm ops; statistics the
+    graph reads otherwise are refused (the merge loads the models, saying so)."""
+    import symgraph
+    x = torch.randn(5, 3)
+    for model, refused in ((torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)), False),
+                           (_ReadsStatistics(), True)):
+        job = types.SimpleNamespace(anchor=0, ckpts=[types.SimpleNamespace(model=model)],
+                                    graph_report=symgraph.analyze(model, (x,)))
+        if refused:
+            with pytest.raises(NeedsMemory, match="bn.running_mean.*outside a batch-norm op"):
+                repair_stream.check(job)
+        else:
+            repair_stream.check(job)
+
+
+@pytest.fixture(scope="module")
+def regnets(tmp_path_factory):
+    """Two RegNets (BatchNorm after every conv, and channels REPAIR renormalises) with random
+    running statistics, and images."""
+    from transformers import RegNetConfig, RegNetForImageClassification
+    d = tmp_path_factory.mktemp("regnet")
+    cfg = RegNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=4,
+                       num_labels=5)
+    for i in range(2):
+        torch.manual_seed(i)
+        m = RegNetForImageClassification(cfg).eval()
+        with torch.no_grad():
+            for name, buf in m.named_buffers():
+                if name.endswith("running_mean"):
+                    buf.normal_()
+                elif name.endswith("running_var"):
+                    buf.uniform_(0.5, 2.0)
+        m.save_pretrained(str(d / f"m{i}"))
+    g = torch.Generator().manual_seed(0)
+    save_file({"pixel_values": torch.randn(40, 3, 32, 32, generator=g)}, str(d / "data.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("align", ["weights", "none"])
+def test_batchnorm_models_are_repaired_out_of_core(regnets, tmp_path, align, capsys):
+    """``symgraph merge --repair`` on BatchNorm checkpoints runs out of core (every BatchNorm's
+    running statistics reset on the data in the same pass as the renormalised channels, each
+    layer measured with every one before it final) and agrees with the in-memory REPAIR (which
+    resets, renormalises and resets again: RegNet's squeeze-excitation channels, renormalised,
+    feed BatchNorms that feed the next block's, where the in-memory pass measured them before
+    the final reset — a few 1e-5 apart); each BatchNorm layer of the merge then holds its
+    input's population statistics (resetting the written model again changes nothing), every
+    renormalised channel is at its target, and the statistics differ from the unrepaired merge's."""
+    from transformers import RegNetForImageClassification
+    from symgraph.merging.batchnorm import batchnorm_layers, reset_batchnorm
+    data, models = str(regnets / "data.safetensors"), [str(regnets / "m0"), str(regnets / "m1")]
+    out = tmp_path / "stream"
+    assert cli(["merge", *models, "--out", str(out), "--repair", "--data", data, "--align", align]) == 0
+    assert "loaded in memory" not in capsys.readouterr().err
+    meta = json.load(open(out / "symgraph_merge.json"))
+    assert meta["mode"] == "streaming"
+    merged = RegNetForImageClassification.from_pretrained(str(out)).eval()
+    names = batchnorm_layers(merged)
+    assert len(meta["repair"]["batchnorm"]) == len(names) == 9 and len(meta["repair"]["layers"]) > 0
+    assert all(r["std_ratio"] < 0.9 for r in meta["repair"]["batchnorm"])  # the merge's collapse, reported
+    cfg = MergeConfig(models=models, out=str(tmp_path / "mem"), repair=True, data=data, align=align)
+    assert run_merge(cfg, streaming=False, progress=False).mode == "in-memory"
+    streamed, loaded = _load(out), _load(tmp_path / "mem")
+    assert _rel(streamed, loaded) < 1e-4
+    assert max(x["after"] for x in meta["repair"]["layers"]) < 1e-6
+    images = load_file(data)["pixel_values"]
+    before = {k: v.clone() for k, v in merged.state_dict().items() if "running_" in k}
+    reset_batchnorm(merged, [images[i:i + 8] for i in range(0, 40, 8)])
+    after = {k: v for k, v in merged.state_dict().items() if "running_" in k}
+    assert max(float((after[k] - before[k]).abs().max() / before[k].abs().max()) for k in before) < 1e-5
+    plain = tmp_path / "plain"
+    assert cli(["merge", *models, "--out", str(plain), "--align", align]) == 0
+    unrepaired = _load(plain)
+    assert min(float((streamed[k] - unrepaired[k]).abs().max()) for k in before) > 1e-3

@@ -106,6 +106,13 @@ class Stepper(torch.fx.Interpreter):
             return t
         return t.to(want)  # a narrower stored tensor in a wider graph (models stored in different dtypes)
 
+    def live(self, node):
+        """The value of graph node ``node`` in a paused run (an input of the node it paused
+        before, or any other value still in use)."""
+        if self._paused is None:
+            raise RuntimeError("the run is not paused")
+        return self._paused[0][node]
+
     @property
     def position(self) -> int:
         """Where the next call of :meth:`steps` starts (0: a new run)."""

@@ -20,10 +20,17 @@ op takes it:
   the merge at the layer's own wave (the in-memory report's ``before`` is the uncorrected
   merge everywhere: equal for the first wave).
 
+BatchNorm layers (the graph's batch-norm ops whose running statistics are buffers) are reset
+in the same pass (:mod:`~symgraph.merging.batchnorm`): the runs pause before each, the
+population mean and unbiased variance of its input over every batch (float64 sums, channels on
+dimension 1) become the merge's running statistics (a correction of those buffers), and the
+runs go on through it. Every BatchNorm and repaired layer is thus measured with every one
+before it final: what the in-memory REPAIR gives when no renormalised channel feeds a
+BatchNorm that feeds another (it resets, renormalises and resets again).
+
 The engine then writes every merged tensor with its correction applied. Memory holds each
 batch's live activations at the current layer, a layer's merged weights (the last one read is
-kept whatever its size, for the next batch) and the engine's caches. Models with BatchNorm
-layers (whose running statistics REPAIR recomputes by training-mode passes) are loaded.
+kept whatever its size, for the next batch) and the engine's caches.
 """
 from __future__ import annotations
 
@@ -36,18 +43,56 @@ from ..alignment.checks import batch_inputs, by_shape
 from ..alignment.graphrun import Stepper, flatten_for, meta_constants, on_device
 from ..errors import InputError, NeedsMemory
 from ..transform.folding import groups
-from .batchnorm import batchnorm_layers
+from ..core import distributed
+from .batchnorm import BatchNormReset, batchnorm_layers
 from .repair import RepairLayer, RepairReport, _errors, _Moments, correction, find_sites
 from .views import Aligned, Ledger, _Cache, nbytes
 
-__all__ = ["check", "repair"]
+__all__ = ["check", "repair", "batchnorm_nodes"]
+
+aten = torch.ops.aten
+#: batch-norm ops as exported graphs hold them: the positions of (input, running mean, running var)
+BATCHNORM_OPS = {op: (0, 3, 4) for op in (
+    aten._native_batch_norm_legit_no_training.default, aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit_functional.default, aten.native_batch_norm.default, aten.batch_norm.default)}
+
+
+def batchnorm_nodes(report) -> dict:
+    """``{node name: (running-mean buffer, running-var buffer)}`` of the batch-norm ops of the
+    graph of ``report`` whose running statistics are buffers (graph order)."""
+    ep = report.exported_program
+    buffers = dict(ep.graph_signature.inputs_to_buffers)
+    out = {}
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and node.target in BATCHNORM_OPS:
+            _, m, v = BATCHNORM_OPS[node.target]
+            mean, var = node.args[m], node.args[v]
+            if getattr(mean, "name", None) in buffers and getattr(var, "name", None) in buffers:
+                out[node.name] = (buffers[mean.name], buffers[var.name])
+    return out
 
 
 def check(job):
-    """Raise :class:`~symgraph.errors.NeedsMemory` when the anchor's model has BatchNorm layers."""
-    if batchnorm_layers(job.ckpts[job.anchor].model):
-        raise NeedsMemory("REPAIR recomputes BatchNorm running statistics by training-mode passes "
-                          "over the loaded merge")
+    """Raise :class:`~symgraph.errors.NeedsMemory` when the anchor's model has a BatchNorm layer
+    whose running statistics its graph reads other than through a batch-norm op (the in-memory
+    REPAIR resets them from the module's input; a layer the forward never calls keeps its
+    statistics, on either path)."""
+    A = job.ckpts[job.anchor]
+    if not batchnorm_layers(A.model):
+        return
+    rep = job.graph_report
+    if rep is None:
+        from ..report.api import analyze
+        rep = analyze(A.model, job.data[0] if job.data else None, fold_norms=job.fold_norms, outputs=job.outputs)
+    ep = rep.exported_program
+    read = {b for n, b in ep.graph_signature.inputs_to_buffers.items()
+            if any(x.name == n and x.users for x in ep.graph.nodes if x.op == "placeholder")}
+    found = {b for pair in batchnorm_nodes(rep).values() for b in pair}
+    want = {f"{n}.{s}" for n in batchnorm_layers(A.model) for s in ("running_mean", "running_var")}
+    if (want & read) - found:
+        raise NeedsMemory("REPAIR resets the BatchNorm running statistics "
+                          f"{sorted((want & read) - found)[0]!r}, which the traced graph reads outside a "
+                          "batch-norm op, from the module's input in the loaded merge")
 
 
 class _Last:
@@ -92,8 +137,9 @@ class _Merged:
 
     def fetch(self, name):
         n = self._name(name)
-        if n not in self.known:
-            return self.A.fetch(name)  # the anchor's own (computed rotary frequencies, counters)
+        if n not in self.known:  # the anchor's own (computed rotary frequencies, counters), or its
+            v = self.A.fetch(name)  # BatchNorm statistics no class moves, once reset
+            return self.job.corrections[n](v) if n in self.job.corrections else v
         v = self._cache.get(n)
         if v is None:
             out = self.job._merged(self.units.get(n, (n,)) if n in self.params else (n,))
@@ -144,6 +190,12 @@ class _Runs:
                 for _ in step.steps(flat, frozenset(), stop=self.before[node]):
                     pass
 
+    def inputs(self, node, i: int = 0):
+        """Each run's value of argument ``i`` of ``node`` (the runs paused just before it)."""
+        arg = self.nodes[node].args[i]
+        for step, _ in self.runs:
+            yield step.live(arg)
+
     def at(self, node):
         for step, _ in self.runs:
             yield step.run_node(self.nodes[node]).detach()
@@ -167,25 +219,27 @@ def _moments(here, key, values) -> tuple:
 
 def repair(job) -> RepairReport:
     """REPAIR ``job``'s merge (a :class:`~symgraph.merging.streaming.StreamingMerge` whose
-    alignment and statistics are done): registers each repaired layer's correction in
-    ``job.corrections`` and returns the :class:`~symgraph.merging.repair.RepairReport`."""
+    alignment and statistics are done): registers each repaired layer's correction, and each
+    BatchNorm layer's reset running statistics, in ``job.corrections`` and returns the
+    :class:`~symgraph.merging.repair.RepairReport`."""
     t0 = time.perf_counter()
     A, ra, dev = job.ckpts[job.anchor], job.graph_report, job.device
-    sites = find_sites(ra)
-    if not sites:
+    sites, norms = find_sites(ra), batchnorm_nodes(ra)
+    if not sites and not norms:
         warnings.warn("REPAIR found no channel to repair (no linear or conv output feeds an elementwise "
                       "nonlinearity without a normalisation first)", stacklevel=2)
         return RepairReport([], True, 0, time.perf_counter() - t0)
     keys = [s.weight for s in sites]
-    shapes = []  # (report, its sites by weight, batches) per traced batch shape
+    shapes = []  # (report, its sites by weight and batch norms by running mean, batches) per batch shape
     for (rep,), batches in by_shape((ra,), (A.model,), job.data):
         here = {s.weight: s for s in (sites if rep is ra else find_sites(rep))}
-        if not set(keys) <= set(here):
+        here.update({m: n for n, (m, _) in (norms if rep is ra else batchnorm_nodes(rep)).items()})
+        if not set(keys) | {m for m, _ in norms.values()} <= set(here):
             raise InputError("data batches of other shapes give the model other layers to repair; expected "
                              "batches of the first batch's shapes")
         shapes.append((rep, here, batches))
     targets = {k: [0, 0, 0] for k in keys}  # the parents' interpolated (mean, std, rms)
-    for i, w in enumerate(job.weights.tolist()):
+    for i, w in enumerate(job.weights.tolist() if keys else []):
         view = Aligned(job.ckpts[i], job.alignments[i], A, ra, job.work_dtype, job.cache_bytes, job.ledger)
         fetch = _Last(view.fetch, dev, job.ledger)
         runs = [(_Runs(rep, batches, fetch, dev), here) for rep, here, batches in shapes]
@@ -197,8 +251,15 @@ def repair(job) -> RepairReport:
     merged = _Merged(job)
     fetch = _Last(merged.fetch, dev, job.ledger)
     runs = [(_Runs(rep, batches, fetch, dev), here) for rep, here, batches in shapes]
-    layers = []
-    for k, s in zip(keys, sites):
+    pos = {n.name: i for i, n in enumerate(ra.exported_program.graph.nodes)}
+    events = sorted([(pos[s.node], s) for s in sites] + [(pos[n], mv) for n, mv in norms.items()],
+                    key=lambda e: e[0])
+    layers, resets = [], []
+    for _, ev in events:
+        if isinstance(ev, tuple):
+            resets.append(_reset(job, runs, merged, fetch, *ev))
+            continue
+        k, s = ev.weight, ev
         for r, here in runs:
             r.to(here[k].node)
         before = _moments(runs[0][1], k, [v for r, here in runs for v in r.at(here[k].node)])
@@ -213,4 +274,39 @@ def repair(job) -> RepairReport:
     del runs
     fetch.forget()
     merged.clear()
-    return RepairReport(layers, True, len(job.ckpts) + 1, time.perf_counter() - t0)
+    out = RepairReport(layers, True, (len(job.ckpts) if keys else 0) + 1, time.perf_counter() - t0)
+    out.batchnorm = resets
+    return out
+
+
+def _reset(job, runs, merged, fetch, mean_name, var_name) -> BatchNormReset:
+    """Reset one BatchNorm layer (running statistics ``mean_name``, ``var_name``): its input's
+    population mean and unbiased variance over every batch, measured with the runs paused
+    before it, become the merge's running statistics (as
+    :func:`~symgraph.merging.batchnorm.reset_batchnorm` sets them)."""
+    acc = {"n": 0, "sum": 0, "sumsq": 0}
+    for r, here in runs:
+        node = here[mean_name]
+        r.to(node)
+        for x in r.inputs(node):
+            x = x.detach().double().transpose(0, 1).reshape(x.shape[1], -1)
+            acc["n"] += x.shape[1]
+            acc["sum"] = acc["sum"] + x.sum(1)
+            acc["sumsq"] = acc["sumsq"] + (x * x).sum(1)
+    acc = distributed.all_reduce_dict(acc)
+    n, module = int(acc["n"]), mean_name.rsplit(".", 1)[0]
+    if n < 2:
+        raise InputError(f"BatchNorm module {module!r} saw {n} value(s) per channel on the data; "
+                         "expected at least 2")
+    mean = acc["sum"] / n
+    var = (acc["sumsq"] / n - mean * mean).clamp_min(0) * (n / (n - 1))
+    old_m, old_v = merged.fetch(mean_name).double().cpu(), merged.fetch(var_name).double().cpu()
+    mean, var = mean.cpu(), var.cpu()
+    std = var.sqrt()
+    fixes = {mean_name: lambda t, v=mean: v.to(t), var_name: lambda t, v=var: v.to(t)}
+    job.corrections.update(fixes)
+    merged.correct(fixes)
+    fetch.forget()  # the statistics are read again, reset
+    return BatchNormReset(module, int(mean.numel()), n,
+                          (std / old_v.clamp_min(1e-60).sqrt()).mean().item(),
+                          ((mean - old_m).abs() / std.clamp_min(1e-30)).mean().item())

@@ -28,7 +28,7 @@ counts the bytes held.
 
 :func:`~symgraph.merging.run.merge_checkpoints` is the Python entry; ``symgraph merge`` runs every
 merge here except learned matching, which loads the models
-(:func:`symgraph.merge`, saying so), and REPAIR of models with BatchNorm layers. REPAIR runs
+(:func:`symgraph.merge`, saying so). REPAIR (BatchNorm resets included) runs
 as the last step before writing (:mod:`~symgraph.merging.repair_stream`). Untying reads each checkpoint as its untied model
 (:func:`~symgraph.merging.untie.untie_checkpoint`); circuit-space heads widen as they combine (:mod:`.circuits`).
 """
@@ -261,7 +261,7 @@ class StreamingMerge:
         with tqdm(total=len(A.keys), desc="writing", unit="tensor", file=sys.stderr, leave=False,
                   disable=not self.progress) as bar:
             for keys, job in order:
-                pieces = self._pieces(*job) if job else [(keys[0], A.read(keys[0]))]
+                pieces = self._pieces(*job) if job else [(keys[0], self._anchors(keys[0]))]
                 for n, v in pieces:
                     for k in self.keys_of(n):
                         writer.add(k, v)
@@ -289,6 +289,12 @@ class StreamingMerge:
         with open(dst, "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")
+
+    def _anchors(self, key):
+        """The anchor's own tensor ``key`` as written: with its correction, if REPAIR made one
+        (a BatchNorm layer's running statistics no class moves, reset on the data)."""
+        t = self.ckpts[self.anchor].read(key)
+        return self.corrections[key](t) if key in self.corrections else t
 
     def _averaged(self, buffer) -> bool:
         """A floating-point buffer some class moves (or any one, without alignment)."""

@@ -200,6 +200,9 @@ def trace(model, inputs=None):
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"expected a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = split_inputs(model, inputs)
+    if next((p.is_meta for p in model.parameters()), False):  # a model without weights: floating
+        meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
+        args, kwargs = tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()}  # inputs by shape only
     with eval_mode(model), graph_friendly(model), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
