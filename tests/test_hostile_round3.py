@@ -142,12 +142,15 @@ def test_mixed_dtypes_with_a_bfloat16_anchor_written_in_bfloat16(ws, tmp_path):
         torch.testing.assert_close(v.float(), want[k].to(torch.bfloat16).float(), atol=1e-6, rtol=1e-2)
 
 
-def test_falcon_activation_alignment_needs_loaded_models_and_says_so(ws, tmp_path):
+def test_falcon_activation_alignment_runs_out_of_core_with_its_index_constants(ws, tmp_path, monkeypatch):
     """Falcon's multi-query attention creates index constants in its forward; traced on meta
-    they hold no values, so out of core is refused and ``symgraph merge`` loads the models,
-    giving the in-memory merge exactly (it used to read uninitialised memory)."""
+    they hold no values, so the trace takes them from a fake-CPU twin
+    (``passes.trace._constants_from_fake_twin``) and ``symgraph merge`` runs out of core,
+    equal to the in-memory merge. Without the twin's values the job is refused out of core,
+    and ``symgraph merge`` loads the models (it used to read uninitialised memory)."""
     import transformers
     from symgraph import merge_checkpoints
+    from symgraph.passes import trace as trace_module
     paths = []
     for s in (0, 1):
         torch.manual_seed(s)
@@ -159,9 +162,18 @@ def test_falcon_activation_alignment_needs_loaded_models_and_says_so(ws, tmp_pat
         paths.append(tmp_path / f"f{s}")
     data_file = ws / I / "data.safetensors"
     r = run(ws, "merge", *paths, "--align", "activations", "--data", data_file, "--out", tmp_path / "o")
-    assert r.returncode == 0 and "loaded in memory" in r.stderr, r.stderr[-2000:]
-    assert json.loads((tmp_path / "o" / "symgraph_merge.json").read_text())["mode"] == "in-memory"
+    assert r.returncode == 0 and "loaded in memory" not in r.stderr, r.stderr[-2000:]
+    assert json.loads((tmp_path / "o" / "symgraph_merge.json").read_text())["mode"] == "streaming"
+    from symgraph.merging.config import MergeConfig
+    from symgraph.merging.run import run_merge
+    cfg = MergeConfig(models=[str(p) for p in paths], out=str(tmp_path / "mem"), align="activations",
+                      data=str(data_file))
+    assert run_merge(cfg, streaming=False, progress=False).mode == "in-memory"
+    from safetensors.torch import load_file
+    a, b = load_file(str(tmp_path / "o" / "model.safetensors")), load_file(str(tmp_path / "mem" / "model.safetensors"))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
     data = [{"input_ids": safe_open(str(data_file), "pt").get_tensor("input_ids")}]
+    monkeypatch.setattr(trace_module, "_constants_from_fake_twin", lambda *a, **k: None)
     with pytest.raises(symgraph.InputError, match="cannot run out of core: the traced graph creates tensor constants"):
         merge_checkpoints([str(p) for p in paths], str(tmp_path / "o2"), align="activations", data=data)
     assert not (tmp_path / "o2").exists()

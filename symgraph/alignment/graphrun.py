@@ -48,6 +48,15 @@ def on_device(gm, device):
     and devices are rewritten."""
     device = torch.device(device)
     swap = lambda x: device if isinstance(x, torch.device) and x != device else x  # noqa: E731
+    import operator
+    named = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    named |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+    for node in gm.graph.nodes:  # tensor constants the forward created (index lists) go along
+        if node.op == "get_attr" and node.target not in named:
+            t = operator.attrgetter(node.target)(gm)
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.device != device:
+                owner, _, attr = node.target.rpartition(".")
+                setattr(gm.get_submodule(owner) if owner else gm, attr, t.to(device))
     for sub in gm.modules():
         if not isinstance(sub, torch.fx.GraphModule):
             continue

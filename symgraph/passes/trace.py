@@ -191,6 +191,42 @@ def _hint(model, args, kwargs) -> str:
             "control flow (no data-dependent branches).")
 
 
+def _constants_from_fake_twin(ep, model, args, kwargs):
+    """Give ``ep`` (a model on ``meta`` traced) the values of the tensor constants its forward
+    created on the model's device (index lists such as ``x[..., [-2], :]``: on ``meta`` they
+    hold none, and the rules that read them cannot): the same forward is traced again on a
+    twin whose weights are fake CPU tensors (no memory), where the constants come out real,
+    and each constant the two traces share by name, shape and dtype is taken from it."""
+    lost = {k for k, v in ep.constants.items() if isinstance(v, torch.Tensor) and v.is_meta}
+    owned = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    lost -= owned
+    if not lost:
+        return
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    twin, seen = copy.deepcopy(model), {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for mod in twin.modules():
+            for table in (mod._parameters, mod._buffers):
+                for n, t in list(table.items()):
+                    if t is None:
+                        continue
+                    if id(t) not in seen:  # tied tensors stay tied
+                        fake = torch.empty(t.shape, dtype=t.dtype)
+                        seen[id(t)] = torch.nn.Parameter(fake, t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
+                    table[n] = seen[id(t)]
+    try:
+        with eval_mode(twin), graph_friendly(twin):
+            other = torch.export.export(twin, args, kwargs, strict=False)
+    except Exception:  # noqa: BLE001 - the meta trace stands; its constants stay unknown
+        return
+    for k in lost:
+        v, w = ep.constants[k], other.constants.get(k)
+        if isinstance(w, torch.Tensor) and not isinstance(w, FakeTensor) and w.shape == v.shape and w.dtype == v.dtype:
+            ep.constants[k] = w
+
+
 def trace(model, inputs=None):
     """Export ``model`` (unchanged; eval mode inside) to an ATen-level ExportedProgram.
 
@@ -200,9 +236,11 @@ def trace(model, inputs=None):
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"expected a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = split_inputs(model, inputs)
-    if next((p.is_meta for p in model.parameters()), False):  # a model without weights: floating
+    on_meta = next((p.is_meta for p in model.parameters()), False)
+    given = args, kwargs
+    if on_meta:  # a model without weights: floating inputs by shape only
         meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
-        args, kwargs = tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()}  # inputs by shape only
+        args, kwargs = tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()}
     with eval_mode(model), graph_friendly(model), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -212,6 +250,8 @@ def trace(model, inputs=None):
                 f"torch.export could not trace {type(model).__name__}: "
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
                 f"Hint: {_hint(model, args, kwargs)}") from e
+        if on_meta:
+            _constants_from_fake_twin(ep, model, *given)
         for _ in range(3):
             table, retrace = _unruled_decomposable(ep)
             if not table and not retrace:
