@@ -116,7 +116,8 @@ def squared_gradients(job, i: int, method, prefix: str) -> Stored:
     view = Aligned(job.ckpts[i], al if folded else None, A, ra, job.work_dtype, job.cache_bytes, job.ledger)
     canon = lambda n: A.param_of.get(n, n)  # noqa: E731 - a tied parameter's names -> one
     params = set(A.param_of)
-    device, keys = job.device, {}
+    device = job.device
+    keys: dict = {}
     for (rep,), batches in by_shape((ra,), (A.model,), job.data):
         gm = rep.exported_program.module()
         on_device(gm, device)
@@ -179,8 +180,8 @@ def squared_gradients(job, i: int, method, prefix: str) -> Stored:
                 job.ledger.drop(sum(nbytes(t) for t in w.values()))
                 del w, run
         # 2. backward, segments in reverse
-        up = [{} for _ in flats]  # per batch: node -> gradient at the current cut
-        pending = [{} for _ in flats]  # per batch: a multi-segment weight's summed gradient
+        up: list[dict] = [{} for _ in flats]  # per batch: node -> gradient at the current cut
+        pending: list[dict] = [{} for _ in flats]  # per batch: a multi-segment weight's summed gradient
         sums: dict = {}
         for k in range(len(segments) - 1, -1, -1):
             a, b = segments[k]

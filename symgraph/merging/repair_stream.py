@@ -284,7 +284,7 @@ def _reset(job, runs, merged, fetch, mean_name, var_name) -> BatchNormReset:
     population mean and unbiased variance over every batch, measured with the runs paused
     before it, become the merge's running statistics (as
     :func:`~symgraph.merging.batchnorm.reset_batchnorm` sets them)."""
-    acc = {"n": 0, "sum": 0, "sumsq": 0}
+    acc: dict = {"n": 0, "sum": 0, "sumsq": 0}
     for r, here in runs:
         node = here[mean_name]
         r.to(node)
@@ -298,8 +298,8 @@ def _reset(job, runs, merged, fetch, mean_name, var_name) -> BatchNormReset:
     if n < 2:
         raise InputError(f"BatchNorm module {module!r} saw {n} value(s) per channel on the data; "
                          "expected at least 2")
-    mean = acc["sum"] / n
-    var = (acc["sumsq"] / n - mean * mean).clamp_min(0) * (n / (n - 1))
+    mean: torch.Tensor = acc["sum"] / n
+    var: torch.Tensor = (acc["sumsq"] / n - mean * mean).clamp_min(0) * (n / (n - 1))
     old_m, old_v = merged.fetch(mean_name).double().cpu(), merged.fetch(var_name).double().cpu()
     mean, var = mean.cpu(), var.cpu()
     std = var.sqrt()
