@@ -23,9 +23,13 @@ the 22 tested families (:mod:`benchmarks.families`) as ``symgraph compare`` does
 out of core: its verdict and the error of the recovered element applied (target: all "same",
 1e-6).
 
-``python -m benchmarks.bench_provenance [--models 6] [--families all|none|NAME,...] [--out DIR]``
-regenerates ``benchmarks/results/provenance/`` (report.md, results.json, scores.png): about
-4 minutes on one thread of a 2-core machine.
+``--peer-cisco`` scores the same pairs with a peer's own code, cisco-ai-provenance-kit 1.0.0 in a
+venv of its own, offline (:mod:`benchmarks.provenance_peer`): rows in the same table, per-pair
+scores in results.json.
+
+``python -m benchmarks.bench_provenance [--models 6] [--families all|none|NAME,...] [--peer-cisco]
+[--out DIR]`` regenerates ``benchmarks/results/provenance/`` (report.md, results.json,
+scores.png): about 4 minutes on one thread of a 2-core machine.
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ import argparse
 import copy
 import datetime
 import itertools
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +49,7 @@ import symgraph
 from symgraph.alignment.compare import THRESHOLD
 from symgraph.testing import models
 
+from . import provenance_peer as peer
 from .provenance import git_state, write_result
 from .families import FAMILIES
 from .provenance_families import families_markdown, run_families
@@ -149,9 +156,10 @@ KINDS = ("finetune", "finetune_long", "pruned50", "int8", "merge")
 
 
 def run(n_models: int, n_bases: int, steps: int, finetune_steps: int, long_steps: int, null: int,
-        families=None) -> dict:
+        families=None, peer_python=None, peer_work=None) -> dict:
     """The calibration (trained tiny LLaMAs) and, unless ``families`` is empty, the copies
-    of the tested families (None: all 22)."""
+    of the tested families (None: all 22); with ``peer_python`` (the kit's venv's python) the
+    kit scores the same pairs, saved as checkpoints under ``peer_work``."""
     t_start = time.perf_counter()
     trained = []
     for s in range(n_models):
@@ -173,10 +181,20 @@ def run(n_models: int, n_bases: int, steps: int, finetune_steps: int, long_steps
         cases += [("copy", i, A, 1), ("finetune", i, tuned, 1), ("finetune_long", i, far, 1),
                   ("pruned50", i, pruned(A), 1),
                   ("int8", i, int8(A), 1), ("merge", i, merged(A, partner), 1)]
-    rows = []
+    rows, pairs, t_save = [], [], 0.0
+    if peer_python:
+        peer_work = Path(peer_work or peer.default_work())
+        peer_work.mkdir(parents=True, exist_ok=True)
+        cdir = Path(tempfile.mkdtemp(prefix="cases-", dir=peer_work))
     for n, (kind, i, B, label) in enumerate(cases):
         A = trained[i]
         Bt = symgraph.transform(B, rep.random_transform(seed=1000 + n))
+        if peer_python:
+            t0 = time.perf_counter()
+            if not (cdir / f"a{i}").exists():
+                peer.save_checkpoint(A, cdir / f"a{i}")
+            pairs.append((cdir / f"a{i}", peer.save_checkpoint(Bt, cdir / f"b{n}")))
+            t_save += time.perf_counter() - t0
         t0 = time.perf_counter()
         res = symgraph.compare(A, Bt, null=null, seed=n)
         row = {"kind": kind, "a": i, "label": label, "verdict": res.verdict, "statistic": res.statistic,
@@ -197,7 +215,19 @@ def run(n_models: int, n_bases: int, steps: int, finetune_steps: int, long_steps
     for name in ("huref", "raw"):  # a baseline's threshold: the highest null score (FPR 0 on this null)
         cut = table[name]["null_max"]
         table[name]["tpr_at_fpr0"] = float(np.mean([r[name] > cut for r in pos]))
-    t_cal = time.perf_counter() - t_start
+    t_cal = time.perf_counter() - t_start - t_save  # symgraph's and the baselines' time, not the peer's
+    peer_res = None
+    if peer_python:
+        t0 = time.perf_counter()
+        try:
+            scored = peer.score_pairs(pairs, peer_python, peer_work, threads=torch.get_num_threads())
+        finally:
+            shutil.rmtree(cdir, ignore_errors=True)
+        peer.attach(rows, scored)
+        peer_res = {"name": peer.NAME, "how": peer.HOW, "python": str(peer_python), "versions": scored["versions"],
+                    "pairs": len(pairs), "returncode": scored["returncode"], "scores": peer.peer_table(rows, KINDS),
+                    "seconds_kit": scored["seconds"], "seconds_save": t_save,
+                    "seconds": time.perf_counter() - t0 + t_save}
     fams = run_families(families) if families != [] else None
     fp = [r["verdict"] != "unrelated" for r in neg]
     tp = {k: float(np.mean([r["verdict"] != "unrelated" for r in pos if r["kind"] == k]))
@@ -210,7 +240,7 @@ def run(n_models: int, n_bases: int, steps: int, finetune_steps: int, long_steps
                         "tpr": float(np.mean([r["verdict"] != "unrelated" for r in pos])), "tpr_by_kind": tp,
                         "same_on_copies": all(r["verdict"] == "same" for r in rows if r["kind"] == "copy"),
                         "same_elsewhere": sum(r["verdict"] == "same" for r in rows if r["kind"] != "copy")},
-            "scores": table, "rows": rows, "families": fams,
+            "scores": table, "rows": rows, "families": fams, "peer_cisco": peer_res,
             "seconds": {"train": t_train, "calibration": t_cal, "total": time.perf_counter() - t_start}}
 
 
@@ -239,10 +269,15 @@ def markdown(r) -> str:
     for k, name in names.items():
         pm = " / ".join(f"{x:.3f}" for x in s[k]["positive_min"].values())
         lines.append(f"| {name} | {s[k]['auc']:.3f} | {s[k]['null_max']:.3f} | {pm} |")
+    if r.get("peer_cisco"):
+        lines += peer.table_rows(r["peer_cisco"])
     lines += ["", f"Baselines' TPR with their threshold at the highest null score (FPR 0 on this null): "
-              f"HuRef-style {s['huref']['tpr_at_fpr0']:.2f}, raw {s['raw']['tpr_at_fpr0']:.2f}.", "",
-              f"Runtime: {r['seconds']['calibration']:.0f} s ({r['seconds']['train']:.0f} s training), "
-              f"{r['threads']} threads; with the families' copies {r['seconds']['total']:.0f} s.", ""]
+              f"HuRef-style {s['huref']['tpr_at_fpr0']:.2f}, raw {s['raw']['tpr_at_fpr0']:.2f}.", ""]
+    if r.get("peer_cisco"):
+        lines += [*peer.summary(r["peer_cisco"]), ""]
+    lines += [f"Runtime: {r['seconds']['calibration']:.0f} s ({r['seconds']['train']:.0f} s training), "
+              f"{r['threads']} threads{', without the peer' if r.get('peer_cisco') else ''}; with the families' "
+              f"copies{' and the peer' if r.get('peer_cisco') else ''} {r['seconds']['total']:.0f} s.", ""]
     if r.get("families"):
         lines += [families_markdown(r["families"])]
     return "\n".join(lines)
@@ -252,15 +287,20 @@ def plot(r, out) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    panels = [("excess", "compare (excess)"), ("huref", "HuRef-style (reimpl.)"), ("raw", "raw cosine")]
+    if r.get("peer_cisco"):
+        panels += [("cisco", "cisco kit: pipeline"), ("cisco_identity", "cisco kit: identity"),
+                   ("cisco_eas", "cisco kit: EAS alone")]
+    rows = 1 if len(panels) <= 3 else 2
+    fig, axes = plt.subplots(rows, 3, figsize=(11, 3.4 * rows), squeeze=False)
+    axes = axes.flatten()
     kinds = ["independent", *KINDS, "copy"]
-    for ax, key, title in zip(axes, ("excess", "huref", "raw"),
-                              ("compare (excess)", "HuRef-style (reimpl.)", "raw cosine")):
+    for ax, (key, title) in zip(axes, panels):
         for x, k in enumerate(kinds):
-            ys = [row[key] for row in r["rows"] if row["kind"] == k]
+            ys = [row[key] for row in r["rows"] if row["kind"] == k and row.get(key) is not None]
             ax.scatter([x] * len(ys), ys, s=12, color="tab:gray" if k == "independent" else "tab:red")
-        if key == "excess":
-            ax.axhline(r["threshold"], ls="--", lw=0.8)
+        if key in ("excess", "cisco"):  # the verdict's threshold; the kit's (pipeline > 0.75)
+            ax.axhline(r["threshold"] if key == "excess" else peer.THRESHOLD, ls="--", lw=0.8)
         ax.set_xticks(range(len(kinds)))
         ax.set_xticklabels(kinds, rotation=40, fontsize=7)
         ax.set_title(title, fontsize=9)
@@ -281,14 +321,28 @@ def main(argv=None) -> int:
                     help="torch threads (1: two threads on two shared cores oversubscribe)")
     ap.add_argument("--families", default="all",
                     help="tested families whose transformed copies are compared: all (22), none, or NAME,NAME")
+    ap.add_argument("--peer-cisco", action="store_true",
+                    help=f"score the same pairs with {peer.NAME} (its own code, its own venv, offline)")
+    ap.add_argument("--peer-cisco-work", default=None,
+                    help="the peer's work directory (checkpoints, its venv): default $SYMGRAPH_PEER_CISCO or "
+                         "/tmp/symgraph-peer-cisco")
+    ap.add_argument("--peer-cisco-venv", default=None, help="the kit's venv (default WORK/venv; created if it has no kit)")
+    ap.add_argument("--peer-cisco-python", default=None, help="a Python >= 3.12 to create that venv with")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    peer_work = Path(a.peer_cisco_work) if a.peer_cisco_work else peer.default_work()
+    peer_python = None
+    if a.peer_cisco:
+        try:
+            peer_python = peer.ensure_venv(a.peer_cisco_venv or peer_work / "venv", a.peer_cisco_python)
+        except peer.PeerError as e:
+            ap.error(f"--peer-cisco: {e}")
     fams = None if a.families == "all" else [] if a.families == "none" else a.families.split(",")
     if fams and set(fams) - set(FAMILIES):
         ap.error(f"--families: unknown {', '.join(sorted(set(fams) - set(FAMILIES)))}; expected all, none or "
                  f"names of {', '.join(FAMILIES)}")
-    res = run(a.models, a.bases, a.steps, a.finetune_steps, a.long_steps, a.null, fams)
+    res = run(a.models, a.bases, a.steps, a.finetune_steps, a.long_steps, a.null, fams, peer_python, peer_work)
     write_result(a.out, ".provenance-", res, markdown, plot)
     print(markdown(res))
     return 0
