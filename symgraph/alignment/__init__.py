@@ -5,7 +5,7 @@ an :class:`Alignment` keyed by group id.
 - ``weights``     similarity of a class from the weights, per parameter slot, cached
 - ``activations`` similarity from activations at the observation points the rules mark
 - ``schedule``    solve units (head families, single classes) and the first sweep's order
-- ``solve_unit``  one unit from its similarity matrices (nested matching for heads)
+- ``solve_unit``  one unit from its similarity matrices (nested matching for heads, any depth)
 - ``sweeps``      the coordinate-descent loop over units
 - ``rescale``     Zhang et al. 2024's per-head scalars after the rotations; GL and unit-scale fits
 - ``fullgroups``  fitting the full groups from loaded models or checkpoints read on demand

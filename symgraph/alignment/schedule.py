@@ -1,7 +1,8 @@
 """Solve units and the order of the first sweep.
 
 A *unit* is what one solver call fills in: a head family (an outer head permutation class and
-the classes fibred directly over it, solved jointly by nested matching), classes fibred over
+the classes fibred over it, directly or through one another: expert groups, the experts within
+a group, each expert's hidden units; solved jointly by nested matching), classes fibred over
 fixed heads (solved per head), or a single class.
 """
 from __future__ import annotations
@@ -16,6 +17,11 @@ class Unit(NamedTuple):
     outer: Any  # the head Group (family), the Group itself (single), or None (fixed heads)
     members: list  # Groups fibred over ``outer`` (family, fixed heads); [] for a single
 
+    @property
+    def deep(self) -> bool:
+        """Whether a member is fibred over another member (nested more than one level)."""
+        return any(len(m.outer) > 1 for m in self.members)
+
     def groups(self, selected) -> list:
         """The unit's groups that ``selected(group)`` keeps (the outer class first)."""
         gs = [self.outer] if self.outer is not None else []
@@ -26,7 +32,9 @@ def units(report) -> list:
     """The solve units of ``report``'s groups, ordered by their first group's id."""
     groups = report.groups
     families = report.head_families()
-    by_outer = {outer: members for outer, members in families if outer is not None}
+    by_outer = {outer: list(members) for outer, members in families if outer is not None}
+    for gid in _nested(report, by_outer):  # fibred through a member: joins its family
+        by_outer[report.fibre_groups(gid)[0]].append(gid)
     out, done = [], set()
     for g in groups:
         if g.id not in done and g.id in by_outer:
@@ -42,6 +50,22 @@ def units(report) -> list:
             done.add(g.id)
     out.sort(key=lambda u: (u.outer or u.members[0]).id)
     return out
+
+
+def _nested(report, by_outer) -> list:
+    """Ids of the classes fibred over two or more classes, each class of the chain fibred over
+    the ones before it (a class's outer classes are its innermost outer class's and that class)
+    and the outermost one a family's outer class."""
+    ok: dict = {}
+
+    def chained(gid) -> bool:
+        if gid not in ok:
+            fib = report.fibre_groups(gid)
+            ok[gid] = (len(fib) == 1 and fib[0] in by_outer) or (
+                len(fib) > 1 and None not in fib and tuple(report.fibre_groups(fib[-1])) == tuple(fib[:-1])
+                and chained(fib[-1]))
+        return ok[gid]
+    return [g.id for g in report.groups if len(report.fibre_groups(g.id)) > 1 and chained(g.id)]
 
 
 def first_sweep_order(units_, ids_of, solved_groups, feats):

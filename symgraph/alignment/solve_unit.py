@@ -1,6 +1,7 @@
 """Solving one unit from its similarity matrices: a single class, classes fibred over fixed
 heads (per head), or a head family (nested matching: an outer assignment of heads whose cost
-is each head pair's best inner alignment)."""
+is each head pair's best inner alignment; for classes nested deeper, each level's block pairs
+scored by its own similarity plus the best matches of the classes nested under it)."""
 from __future__ import annotations
 
 import torch
@@ -12,17 +13,20 @@ from ..core.groups import orthogonal_part
 __all__ = ["solve_unit"]
 
 
-def solve_unit(unit, sims, opts, masses=None, scores=None) -> list:
+def solve_unit(unit, sims, opts, masses=None, scores=None, dims_b=None) -> list:
     """``[(group, element, SolveResult)]`` for ``unit`` given ``sims``: ``[(group, S)]`` for the
     groups whose similarity is known (the members; the class itself for a single).
     ``masses(group)``: the units' masses ``(a, b)`` for a transport, or None (uniform; see
     :mod:`~.masses`). ``scores``: ``{group id: [H_A, H_B]}`` head-pair scores that replace a
-    member's inner objective in the outer matching (circuit distances)."""
+    member's inner objective in the outer matching (circuit distances). ``dims_b``: ``{group
+    id: B's per-block size}`` (A's where not given), for a family nested more than one level."""
     masses = masses or (lambda g: None)
     if unit.kind == "single":
         g, s = sims[0]
         res, el = _solve_single(g, s, opts, masses)
         return [(g, el, res)]
+    if unit.deep:
+        return _solve_tree(unit, sims, opts, masses, scores or {}, dims_b or {})
     if unit.kind == "fixed-heads" or not opts.selected(unit.outer):
         # heads kept in index order (no head class, or not selected): per-head inner solve
         out = []
@@ -44,6 +48,37 @@ def solve_unit(unit, sims, opts, masses=None, scores=None) -> list:
         obj = float((el * s[match, torch.arange(HB, device=s.device)]).sum())
         res = S.SolveResult(el, obj, extra={"plan": nA != nB})
         out.append((m, element_from(res), res))
+    return out
+
+
+def _solve_tree(unit, sims, opts, masses, scores, dims_b):
+    """A family nested more than one level (:func:`~symgraph.solve.nested_tree`): each member
+    is matched block by block as its outer classes are, and scores its outer class's block
+    pairs by its own similarity plus its inner members' best matches."""
+    got = dict((m.id, s) for m, s in sims)
+    root = unit.outer.id
+    members = [m for m in unit.members if opts.selected(m)]
+    ids = {root} | {m.id for m in members}
+    members = [m for m in members if all(o in ids for o in m.outer)]  # its chain selected
+    index = {m.id: i for i, m in enumerate(members)}
+    dim = lambda g: (g.dim, dims_b.get(g.id, g.dim))  # noqa: E731
+    solved = opts.selected(unit.outer)  # else its blocks are kept in order
+    out_res, res = S.nested_tree(
+        [got.get(m.id) for m in members], [orthogonal_part(m.kind) for m in members],
+        [m.pairs for m in members], [index[m.outer[-1]] if m.outer[-1] != root else -1 for m in members],
+        [dim(m) for m in members], dim(unit.outer), inner=opts.inner,
+        outer="identity" if not solved else "hungarian" if opts.solver not in ("ot", "sinkhorn") else "ot",
+        masses=masses(unit.outer) if solved else None, scores=[scores.get(m.id) for m in members])
+    if out_res is None:
+        return []
+    out = [(unit.outer, element_from(out_res), out_res)] if solved else []
+    groups = {m.id: m for m in members} | {root: unit.outer}
+    for m, r in zip(members, res):
+        if r is None:
+            continue
+        sizes = [dims_b.get(o, groups[o].dim) for o in m.outer]  # B's blocks, outer to inner
+        r.element = r.element.reshape(*sizes, *r.element.shape[-2:])
+        out.append((m, element_from(r), r))
     return out
 
 

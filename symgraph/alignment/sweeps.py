@@ -36,6 +36,13 @@ class Sweeps:
         self.presolved: dict = {}  # unit index -> what its early solve used (solve_early)
         self.deferred = 0  # unit solves postponed while other units still changed (see run)
         self.shared: dict = {}  # how the work was split between processes (see .shared)
+        rb = getattr(feats, "rb", None)
+        self.dims_b = {} if rb is None else {g.id: g.dim for g in rb.groups}
+        for u in self.units:  # a member's slots that its inner members' own slots hold too
+            for m in u.members if u.deep else ():
+                inner = frozenset(x.id for x in u.members if m.id in x.outer)
+                if inner and hasattr(feats, "nested"):
+                    feats.nested[m.id] = inner
 
     def ids(self, unit) -> set:
         return {g.id for g in unit.groups(self.opts.selected)}
@@ -142,7 +149,7 @@ class Sweeps:
         sims = [(m, x[0]) for m, x in zip(mem, got) if x[0] is not None]
         if not sims or not solve:
             return record, None
-        solved = solve_unit(unit, sims, self.opts, self.masses, scores)
+        solved = solve_unit(unit, sims, self.opts, self.masses, scores, self.dims_b)
         if self._negligible(unit, sims, solved):
             return record, (sum(res.seconds for _, _, res in solved), [])
         return record, (0.0, [(g.id, el, res) for g, el, res in solved])
@@ -189,7 +196,9 @@ class Sweeps:
 def _unit_score(unit, sims, els):
     """``Σ <element, S>`` of a unit's classes for elements ``els`` (group id -> element): a
     single class; classes fibred over fixed heads (head h with head h); a head family (each B
-    head with the A head the outer element matches it to). None where a shape does not fit."""
+    head with the A head the outer element matches it to; a class nested deeper, each of its
+    B blocks with the A block its outer classes' elements match it to). None where a shape
+    does not fit."""
     total = 0.0
     if unit.kind == "single":
         g, S = sims[0]
@@ -211,11 +220,30 @@ def _unit_score(unit, sims, els):
             return None
         HB = S.shape[1]
         rows = match.to(S.device) if match is not None else torch.arange(HB, device=S.device)
+        if len(g.outer) > 1 and unit.kind == "family":
+            rows, el = _blocks_match(g, els, match), el.reshape(-1, *el.shape[-2:])
+            if rows is None or len(rows) != HB:
+                return None
         sub = S[rows, torch.arange(HB, device=S.device)]
         if el.shape != sub.shape:
             return None
         total += float((el.to(S.device, S.dtype) * sub).sum())
     return total
+
+
+def _blocks_match(g, els, match):
+    """B's block -> A's block of a class fibred over several classes (outer to inner), from
+    ``match`` (the outermost class's) and the elements of the others (None if one is missing)."""
+    for o in g.outer[1:]:
+        E = els.get(o)
+        if not isinstance(E, torch.Tensor):
+            return None
+        E = E.reshape(-1, *E.shape[-2:])
+        match = torch.arange(E.shape[0], device=E.device) if match is None else match
+        if len(match) != E.shape[0]:
+            return None
+        match = (match.to(E.device)[:, None] * E.shape[-2] + E.argmax(-2)).reshape(-1)
+    return match
 
 
 def _score(el, S):

@@ -58,6 +58,9 @@ class WeightFeatures:
         self._pool: dict = {}  # (group id, deps, cross) -> (versions, summed contributions)
         self._pool_bytes, self._kinds = 0, None
         self._deps: dict = {}
+        # B's group id -> B's classes nested under it in its solve unit (set by the solve loop
+        # before any similarity): its views holding one of them are left to that class
+        self.nested: dict = {}
         self._axis_memo: dict = {}
         self._numel: dict = {}
         self.versions: dict = {}  # shared with the solve loop: group id -> changes so far
@@ -105,7 +108,7 @@ class WeightFeatures:
             for k, a in enumerate(ax):
                 if k != d:
                     out.update(rb.axis_groups(a))
-            fib = set(gb.outer)
+            fib = set(gb.outer) | self.nested.get(gb.id, frozenset())
             out.update(x for x in rb.axis_groups(ax[d]) if x != gb.id and x not in fib)
             self._deps[key] = frozenset(out)
         return self._deps[key]
@@ -235,6 +238,11 @@ class WeightFeatures:
         va, vb = self.ra.leaf_views(ax_a[d], ga.id), self.rb.leaf_views(ax_b[d], gb.id)
         parity = [k for *_, k in self.ra.leaf_views(ax_a[d], ga.id, with_parity=True)] if circ else []
         others = self.rb.other_leaf_elements(ax_b[d], gb.id, elements) if va else []  # per view
+        if self.nested.get(gb.id) and va:  # views read by a class nested under this one: its own
+            keep = [v for v, o in enumerate(self.rb.other_leaf_groups(ax_b[d], gb.id))
+                    if not self.nested[gb.id] & set(o)]
+            va, vb, others = [va[v] for v in keep], [vb[v] for v in keep], [others[v] for v in keep]
+            parity = [parity[v] for v in keep] if parity else parity
         ta, tb = self.ra.view(name, self.A[name]), self.rb.view(name, self.B[name])
         r = self.rows.get(name)
         if r is not None and d != 0 and ta.dim() == len(ax_a) and not self.rb.axis_groups(ax_b[0]):

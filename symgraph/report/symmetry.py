@@ -16,7 +16,8 @@ from ..core.elements import Blocks, Perm, is_perm
 from ..core.groups import orthogonal_part, sample
 from ..passes.rows import input_rows, output_rows
 from ..passes.axes import (attention_sites, axis_matrix, axis_tree, leaf_views, leaves_with_parity,
-                           linear_layers, observation_points, other_leaf_elements, resized_shapes, stored_slots)
+                           linear_layers, observation_points, other_leaf_elements, other_leaves, resized_shapes,
+                           stored_slots)
 from ..passes.patterns.stacked import unview_of, view_of
 
 __all__ = ['SymmetryReport', 'AxisQueries', 'Group', 'Transform', 'FLOAT32_TOL']
@@ -178,6 +179,10 @@ class AxisQueries:
         """Per view of :meth:`leaf_views`, its other leaves: ``[(position, element, fibre dims)]``
         of those with an element; None for a view where one of them has no element yet."""
         return other_leaf_elements(self._analysis, axis, self._root[gid], self._roots(elements))
+
+    def other_leaf_groups(self, axis, gid) -> list:
+        """Per view of :meth:`leaf_views`, the group ids of its other leaves (None: a fixed class)."""
+        return [[self._gid.get(r) for r in o] for o in other_leaves(self._analysis, axis, self._root[gid])]
 
     def head_families(self) -> list:
         """Classes fibred over exactly one class: ``[(outer group id or None, [member ids])]``;

@@ -311,6 +311,42 @@ def inner_blocks(kind: GroupKind, S, pairs=None, inner: str = "procrustes") -> S
                        extra={"plan": any(r.extra.get("plan") for r in rs)})
 
 
+def pair_objectives(S, kind: GroupKind, pr, inner: str, given=None) -> tuple:
+    """Every block pair's best inner objective of ``S [F_A, F_B, n_A, n_B]`` (float64):
+    ``(obj [F_A, F_B], element [F_A, F_B, n_A, n_B] or None, seconds)``; the element is None
+    for rotations (the polar factors of the matched pairs only are taken later). ``given``:
+    ``[F_A, F_B]`` scores used in place of a rotation class's optimum (circuit distances)."""
+    FA, FB = S.shape[:2]
+    dev, secs = S.device, 0.0
+    if given is not None and kind in ("orthogonal", "gl") and inner != "hungarian":
+        obj, el = torch.as_tensor(given, dtype=torch.float64, device=dev), None
+    elif kind in ("orthogonal", "gl") and inner != "hungarian":
+        # score every head pair by its Procrustes optimum (the nuclear norm, from the
+        # eigenvalues of S Sᵀ: far cheaper than H_A·H_B SVDs); rotations only for the matches
+        t = time.perf_counter()
+        if _on_device(S):  # every pair's polar factor, batched: matmuls on the device
+            obj = (polar(S)[0] * S).sum((-1, -2))
+        else:
+            ev = _decompose(torch.linalg.eigvalsh, S @ S.mT)
+            obj = ev.clamp_min(0).sqrt().sum(-1)
+        secs += time.perf_counter() - t
+        el = None
+    elif kind == "rope":
+        res = _inner(kind, S, pr, inner)  # batched over head pairs
+        el = res.element
+        obj = (el * S).sum((-1, -2))
+        secs += res.seconds
+    else:
+        el = torch.zeros_like(S)
+        obj = torch.zeros(FA, FB, dtype=torch.float64, device=dev)
+        for a in range(FA):
+            for b in range(FB):
+                r = _inner(kind, S[a, b], pr, inner)
+                el[a, b], obj[a, b] = r.element, r.objective
+                secs += r.seconds
+    return obj, el, secs
+
+
 def nested_heads(S_inner: list, kinds: list[GroupKind], pairs: list, inner: str = "procrustes",
                  outer: str = "hungarian", masses=None, scores=None) -> tuple:
     """Outer matching of heads whose cost is the best inner alignment of each head pair.
@@ -331,32 +367,8 @@ def nested_heads(S_inner: list, kinds: list[GroupKind], pairs: list, inner: str 
     secs = 0.0
     scores = list(scores or [None] * len(S_inner))
     for S, kind, pr, given in zip(S_inner, kinds, pairs, scores):
-        if given is not None and kind in ("orthogonal", "gl") and inner != "hungarian":
-            obj, el = torch.as_tensor(given, dtype=torch.float64, device=dev), None
-        elif kind in ("orthogonal", "gl") and inner != "hungarian":
-            # score every head pair by its Procrustes optimum (the nuclear norm, from the
-            # eigenvalues of S Sᵀ: far cheaper than H_A·H_B SVDs); rotations only for the matches
-            t = time.perf_counter()
-            if _on_device(S):  # every pair's polar factor, batched: matmuls on the device
-                obj = (polar(S)[0] * S).sum((-1, -2))
-            else:
-                ev = _decompose(torch.linalg.eigvalsh, S @ S.mT)
-                obj = ev.clamp_min(0).sqrt().sum(-1)
-            secs += time.perf_counter() - t
-            el = None
-        elif kind == "rope":
-            res = _inner(kind, S, pr, inner)  # batched over head pairs
-            el = res.element
-            obj = (el * S).sum((-1, -2))
-            secs += res.seconds
-        else:
-            el = torch.zeros_like(S)
-            obj = torch.zeros(HA, HB, dtype=torch.float64, device=dev)
-            for a in range(HA):
-                for b in range(HB):
-                    r = _inner(kind, S[a, b], pr, inner)
-                    el[a, b], obj[a, b] = r.element, r.objective
-                    secs += r.seconds
+        obj, el, t = pair_objectives(S, kind, pr, inner, given)
+        secs += t
         score += obj
         sols.append(el)
     out = (hungarian(score) if (outer == "hungarian" and HA == HB)
