@@ -15,6 +15,7 @@ import transformers as tf
 
 import symgraph
 from symgraph.report.symmetry import Transform
+from symgraph.solve import nested_tree
 from test_families_full_groups import _batches, _rel
 
 V, D, I, E = 64, 16, 12, 4
@@ -47,11 +48,11 @@ def deepseek_v2():
         qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6, max_position_embeddings=32))
 
 
-def deepseek_v3():
+def deepseek_v3(q_lora_rank=8):
     return tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
         vocab_size=V, hidden_size=D, intermediate_size=24, moe_intermediate_size=I, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=E, num_experts_per_tok=2,
-        n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
+        n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=q_lora_rank, kv_lora_rank=8, qk_rope_head_dim=4,
         qk_nope_head_dim=4, v_head_dim=6, n_group=2, topk_group=1, max_position_embeddings=32))
 
 
@@ -165,7 +166,8 @@ def test_gpt_oss_each_expert_has_its_own_hidden_units_in_alternating_columns(oss
 def test_gpt_oss_sinks_move_with_their_query_heads(oss):
     model, r = oss
     attn = "model.layers.0.self_attn"
-    kv = only(r, f"{attn}.k_proj.weight", 0)
+    kv, rope = r.group_of(f"{attn}.k_proj.weight", 0)  # key/value groups, then the rotary pairs in a head
+    assert (kv.kind, rope.kind, rope.pairs, rope.outer) == ("perm", "rope", ((0, 2), (1, 3)), [kv.id])
     heads = next(g for g in r.group_of(f"{attn}.sinks", 0) if g.outer)  # query heads within a group
     assert r.group_of(f"{attn}.sinks", 0) == [kv, heads]  # sinks [H] = (key/value group, head in it)
     assert (heads.kind, heads.dim, heads.blocks, heads.outer) == ("perm", 2, 2, [kv.id])
@@ -193,9 +195,6 @@ def test_gpt_oss_recovered_by_weights():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="activation matching leaves GPT-OSS's query heads within a "
-                   "key/value group unresolved (their QK part has no class: its split/cat RoPE "
-                   "is not read yet); weights recover them")
 def test_gpt_oss_recovered_by_activations():
     A = randomized(gpt_oss())
     rep = symgraph.analyze(A)
@@ -302,10 +301,45 @@ def test_latent_attention_with_low_rank_queries_has_head_classes(v3):
     assert kinds == [("gl", 4, 4), ("gl", 6, 4)]  # QK's nope part and VO, per head
 
 
+def test_nested_matching_of_three_levels_recovers_a_permuted_copy():
+    """Groups, experts within a group, each expert's hidden units: B is A with each level
+    permuted within the blocks of the levels above it; nested matching finds every level."""
+    G, n, m, k = 3, 2, 5, 7
+    g = torch.Generator().manual_seed(0)
+    XA = torch.randn(G, n, m, k, generator=g, dtype=torch.float64)  # the hidden units' features
+    RA = torch.randn(G, n, k, generator=g, dtype=torch.float64)  # the experts' own (router rows)
+    pg = torch.randperm(G, generator=g)  # B's group b is A's group pg[b]
+    pe = torch.stack([torch.randperm(n, generator=g) for _ in range(G)])  # expert j of B's group b is A's pe[b, j]
+    ph = torch.stack([torch.stack([torch.randperm(m, generator=g) for _ in range(n)]) for _ in range(G)])
+    XB = torch.stack([torch.stack([XA[pg[b], pe[b, j]][ph[b, j]] for j in range(n)]) for b in range(G)])
+    RB = torch.stack([RA[pg[b]][pe[b]] for b in range(G)])
+    S_hidden = torch.einsum("aiuk,bjvk->aibjuv", XA, XB).reshape(G * n, G * n, m, m)
+    S_experts = torch.einsum("aik,bjk->abij", RA, RB)
+    for own in (S_experts, None):  # with the experts' own features, and with none
+        out, (experts, hidden) = nested_tree([own, S_hidden], ["perm", "perm"], [None, None], [-1, 0],
+                                             [(n, n), (m, m)], (G, G))
+        assert torch.equal(out.element.argmax(0), pg)
+        assert torch.equal(experts.element.argmax(-2), pe)  # [G_B, n_A, n_B]: B's expert j -> A's
+        assert torch.equal(hidden.element.argmax(-2).reshape(G, n, m), ph)
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the weight solver matches classes nested one level deep "
-                   "(heads, then their inner class); group-limited routing nests three: groups, "
-                   "experts within a group, each expert's hidden units")
+def test_group_limited_routing_with_full_rank_queries_recovered_by_weights_and_activations():
+    A = randomized(deepseek_v3(q_lora_rank=None))
+    rep = symgraph.analyze(A)
+    B = symgraph.transform(A, rep.random_transform(seed=0))
+    assert _rel(A, B) > 0.1
+    for data in (None, _batches(A)):
+        al = symgraph.align(A, B, data=data, report_a=rep, full_groups=True)
+        assert _rel(A, al.apply(B)) < 1e-6, "weights" if data is None else "activations"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="the nested routing is recovered (groups, experts within a group, "
+                   "each expert's hidden units: see the test above); latent attention with low-rank "
+                   "queries is not: fitting the full groups stops at a fixed point where layer 0's "
+                   "query-latent rotation, shared RoPE rotation and per-head QK GL maps are off (0.37 "
+                   "on kv_b_proj), by weights and by activations")
 def test_group_limited_routing_recovered_by_weights():
     A = randomized(deepseek_v3())
     rep = symgraph.analyze(A)

@@ -3,7 +3,7 @@
 - complex multiplication (Llama 4, DeepSeek-V2: ``view_as_real(view_as_complex(x.view(..., d/2,
   2)) * freqs_cis)``): pairs ``(2i, 2i+1)``, with head permutations as in real RoPE;
 - concatenated per-pair forms that keep x's layout (``cat([x₁c - x₂s, x₂c + x₁s])`` on the
-  halves): pairs ``(i, i + d/2)``;
+  halves, sliced or by ``torch.chunk`` as GPT-OSS takes them): pairs ``(i, i + d/2)``;
 - DeepSeek-V3's ``rope_interleave`` (``cat`` of the even/odd slices' rotations) moves pair
   ``p`` from ``(2p, 2p+1)`` to ``(p, p + d/2)``; query and key alike, so attention's scores
   undo the move: pairs ``(2i, 2i+1)`` as stored (:mod:`symgraph.passes.patterns.rope_twist`);
@@ -54,7 +54,28 @@ def rope_deepseek_interleave(q, k, s):  # DeepSeek-V3's apply_rotary_pos_emb_int
             for x in (q, k)]
 
 
-ROPES = {"complex": rope_complex, "halves_cat": rope_halves_cat, "deepseek": rope_deepseek_interleave}
+def rope_chunk_cat(q, k, s):  # GPT-OSS's _apply_rotary_emb: the halves by torch.chunk
+    f = _angles(s, q.shape[-1])
+    cos, sin = f.cos()[None, None], f.sin()[None, None]
+    out = []
+    for x in (q, k):
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+    return out
+
+
+def rope_chunk_rotate_half(q, k, s):  # x·cos + rotate_half(x)·sin, rotate_half by chunk (ESM)
+    f = torch.cat([_angles(s, q.shape[-1])] * 2, -1)
+    cos, sin = f.cos()[None, None], f.sin()[None, None]
+    out = []
+    for x in (q, k):
+        x1, x2 = x.chunk(2, dim=-1)
+        out.append(x * cos + torch.cat((-x2, x1), dim=-1) * sin)
+    return out
+
+
+ROPES = {"complex": rope_complex, "halves_cat": rope_halves_cat, "deepseek": rope_deepseek_interleave,
+         "chunk_cat": rope_chunk_cat, "chunk_rotate_half": rope_chunk_rotate_half}
 
 
 class Block(nn.Module):
@@ -178,6 +199,26 @@ def test_concatenated_halves_rotation_pairs_i_with_i_plus_half():
     rope = _tiny_rope_group(rep, A.cfg, "blocks.0.")
     assert rope.pairs == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert rep.certify(A, _ids(0)) <= TOL
+
+
+@pytest.mark.parametrize("form", ["chunk_cat", "chunk_rotate_half"])
+def test_chunked_halves_rotation_pairs_i_with_i_plus_half(form):
+    """The halves taken by ``torch.chunk`` (a ``split`` in the graph: GPT-OSS's
+    ``cat((x₁c - x₂s, x₂c + x₁s))``, ESM's ``rotate_half``) of the rotary part that a
+    ``torch.split`` cut from each head: pairs ``(i, i + rot/2)`` on rows ``nope + i`` and
+    ``nope + i + rot/2`` of each key head; certified, and a transformed copy recovered exactly
+    by weights and by activations."""
+    A = TinyDecoder(form).eval()
+    rep = symgraph.analyze(A, inputs=(_ids(0),))
+    assert rep.frozen == []
+    rope = _tiny_rope_group(rep, A.cfg, "blocks.0.")
+    assert rope.pairs == ((0, 4), (1, 5), (2, 6), (3, 7))
+    (idx, nf), = rep.leaf_views(rep.param_axes("blocks.0.k.weight")[0], rope.id)
+    hd = A.cfg["nope"] + A.cfg["rot"]
+    want = torch.tensor([[h * hd + A.cfg["nope"] + j for j in range(A.cfg["rot"])] for h in range(A.cfg["kv"])])
+    assert torch.equal(torch.as_tensor(idx).reshape(want.shape), want)
+    assert rep.certify(A, _ids(0)) <= TOL
+    _recovers(A, rep, _ids(0), [(_ids(i, (4, 12)),) for i in range(3)])
 
 
 def test_deepseek_interleave_pairs_neighbours_as_stored():

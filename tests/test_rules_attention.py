@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import symgraph
 from rules_helpers import B, S, analyze, structure, summary, x_of
 
 
@@ -119,6 +120,49 @@ def test_eager_attention_matches_sdpa_structure():
     r = analyze(EagerAttention(), x_of(B, S, 5))
     assert sorted((g.kind, g.size, g.dim, g.blocks) for g in r.groups) == [
         ("gl", 6, 3, 2), ("gl", 6, 3, 2), ("perm", 2, 2, 1)]
+
+
+class MaskedEager(torch.nn.Module):
+    """Eager grouped-query attention as Hugging Face writes it: scores plus an additive causal
+    mask filled with ``finfo.min`` (``where``) or ``-inf`` (``masked_fill``), then a softmax."""
+
+    def __init__(self, fill, h=4, kv=2, d=4, D=8):
+        super().__init__()
+        self.fill, self.h, self.kv, self.d = fill, h, kv, d
+        self.q, self.o = torch.nn.Linear(D, h * d), torch.nn.Linear(h * d, D)
+        self.k, self.v = torch.nn.Linear(D, kv * d), torch.nn.Linear(D, kv * d)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.h, self.d).transpose(1, 2)
+        k, v = (p(x).view(b, s, self.kv, self.d).transpose(1, 2)[:, :, None]
+                .expand(b, self.kv, self.h // self.kv, s, self.d).reshape(b, self.h, s, self.d) for p in (self.k, self.v))
+        scores = q @ k.transpose(-1, -2) * self.d ** -0.5
+        allowed = torch.arange(s)[None, :] <= torch.arange(s)[:, None]
+        if self.fill == "where":
+            scores = scores + torch.where(allowed, 0.0, torch.finfo(x.dtype).min)
+        else:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        a = torch.softmax(scores, dim=-1) @ v
+        return self.o(a.transpose(1, 2).reshape(b, s, -1))
+
+
+@pytest.mark.parametrize("fill", ["where", "masked_fill"])
+def test_masked_scores_are_not_observed_and_heads_match_by_activations(fill):
+    """The masked scores hold the fill (about -3.4e38, the same in every head) between the mask
+    and the softmax: no observation point there (it would swamp the heads' correlations), the
+    scores before the mask are one; a transformed copy is recovered exactly by activations."""
+    aten = torch.ops.aten
+    m, x = MaskedEager(fill), x_of(B, 7, 8)
+    r = analyze(m, x)
+    heads = next(g for g in r.groups if g.kind == "perm" and g.size == 4)  # query heads in a group
+    targets = {t.overloadpacket for _, _, t in (r.nodes()[pos] for pos, _, _ in r.observation_points(heads.id))}
+    assert aten.matmul in targets and not targets & {aten.add, aten.masked_fill}, targets
+    B2 = symgraph.transform(m, r.random_transform(seed=0))
+    data = [(x_of(4, 9, 8) + i,) for i in range(3)]
+    al = symgraph.align(m, B2, x, data=data, report_a=r, full_groups=True)
+    for p, q in zip(m.parameters(), al.apply(B2).parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5)
 
 
 # --- rotary -------------------------------------------------------------------------------

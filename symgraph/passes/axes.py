@@ -273,6 +273,11 @@ def leaf_views(an, axis, target, with_parity: bool = False):
     return out
 
 
+def other_leaves(an, axis, target) -> list:
+    """Per view of :func:`leaf_views` (same order), the roots of its other leaves."""
+    return [list(others) for *_, others in _views(an, axis, target)]
+
+
 def other_leaf_elements(an, axis, target, elements):
     """Per view of :func:`leaf_views` (same order), ``[(position among its O, element, fibre
     positions)]`` for its other leaves that have elements, or None for a view where one of them
@@ -303,13 +308,15 @@ def observation_points(an, root, limit=24):
     """``(node, dim)`` where ``root``'s coordinates can be read from an activation: the
     output of an op whose rule is marked ``observe`` (see :func:`registry.register`), with
     ``root`` on that dim and only fixed classes (batch, sequence) on the others, which become
-    samples. At most ``limit``, evenly spread through the graph."""
+    samples. At most ``limit``, evenly spread through the graph. Not where a mask's fill
+    value may be (:func:`~.masks.filled_nodes`: eager attention's masked scores)."""
     from .registry import observed
-    pts = []
+    from .masks import filled_nodes
+    pts, filled = [], filled_nodes(an.graph)
     for node, ax in an.node_axes.items():
         if node.op != "call_function" or an.origin.get(node) != "act" or not ax or isinstance(ax[0], list):
             continue
-        if not observed(node.target) or node in an.unobservable:
+        if not observed(node.target) or node in an.unobservable or node in filled:
             continue
         for k, a in enumerate(ax):
             if root in set(an.leaves(a)):

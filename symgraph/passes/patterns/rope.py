@@ -20,7 +20,7 @@ import torch
 
 from ..registry import Meet, Rope, Unify
 from ..nodes import ndim, op_of
-from .rope_forms import complex_ropes, escapes, linear_ropes, value_source
+from .rope_forms import complex_ropes, escapes, linear_ropes, split_part, value_source
 
 __all__ = ['find_rope']
 
@@ -40,7 +40,13 @@ def _signed_map(node, x, nodes):
         return None
     p = op_of(node)
     nd = ndim(node)
-    if p in (aten.neg,):
+    part = split_part(node)
+    if part is not None:  # ``x1, x2 = x.chunk(2, -1)`` (ESM's rotate_half): slices of x
+        v = _signed_map(part[1], x, nodes)
+        out = None if v is None or v.ndim != 1 else v[part[2]:part[3]]
+        if out is not None:
+            nodes.add(part[0])
+    elif p in (aten.neg,):
         v = _signed_map(node.args[0], x, nodes)
         out = None if v is None else -v
     elif p in (aten.slice,):

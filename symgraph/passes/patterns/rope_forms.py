@@ -1,9 +1,12 @@
 """RoPE written other ways than ``x ⊙ cos + R(x) ⊙ sin`` (:mod:`.rope` reads that one): complex
 multiplication ``view_as_real(view_as_complex(x.view(..., d/2, 2)) * c)`` and concatenated
-per-pair linear forms, each recognised from the ops alone; and :func:`value_source`, which
-reads through floating-point casts (every form sees one value whatever dtype it was cast to).
+per-pair linear forms, each recognised from the ops alone; :func:`value_source`, which
+reads through floating-point casts (every form sees one value whatever dtype it was cast to),
+and :func:`split_part`, which reads a ``split``'s part (``x.chunk(2, -1)``) as a slice.
 """
 from __future__ import annotations
+
+import operator
 
 import numpy as np
 import torch
@@ -12,7 +15,7 @@ from ..registry import Meet, Rope, Unify
 from ..nodes import ndim, op_of
 from .rope_twist import cancelling
 
-__all__ = ["complex_ropes", "linear_ropes", "value_source"]
+__all__ = ["complex_ropes", "linear_ropes", "split_part", "value_source"]
 
 aten = torch.ops.aten
 
@@ -38,6 +41,36 @@ def value_source(node):
            and tuple(node.meta["val"].shape) == tuple(node.args[0].meta["val"].shape)):
         node = node.args[0]
     return node
+
+
+_SPLITS = {aten.split, aten.split_with_sizes, aten.split_copy, aten.split_with_sizes_copy,
+           aten.unsafe_split, aten.unsafe_split_with_sizes}
+
+
+def split_part(node):
+    """``(split, source, start, stop)`` where ``node`` is one part of a ``split`` of
+    ``source`` along its last axis (``torch.chunk``/``torch.split``: GPT-OSS's rotary takes
+    the halves so), holding coordinates ``start:stop`` there; else None."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and node.target is operator.getitem and len(node.args) == 2):
+        return None
+    sp, i = node.args
+    if not (isinstance(sp, torch.fx.Node) and op_of(sp) in _SPLITS and isinstance(i, int)):
+        return None
+    src = sp.args[0]
+    sizes = sp.args[1] if len(sp.args) > 1 else sp.kwargs.get("split_size", sp.kwargs.get("split_sizes"))
+    d = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
+    if not isinstance(src, torch.fx.Node) or not isinstance(src.meta.get("val"), torch.Tensor) \
+            or d not in (-1, ndim(src) - 1):
+        return None
+    n = int(src.meta["val"].shape[-1])
+    if isinstance(sizes, int) and sizes > 0:
+        sizes = [min(sizes, n - k) for k in range(0, n, sizes)]
+    if not (isinstance(sizes, (list, tuple)) and all(isinstance(z, int) for z in sizes)
+            and sum(sizes) == n and 0 <= i < len(sizes)):
+        return None
+    start = sum(sizes[:i])
+    return sp, src, start, start + sizes[i]
 
 
 # --- shared by the forms below -------------------------------------------------------------
@@ -190,6 +223,13 @@ class _LinearForm:
             return out
         if node.op != "call_function" or not _floating(node) or self.origin(node) == "const":
             return None
+        part = split_part(node)
+        if part is not None:  # a chunk of x's last axis: a slice (the split is in the pattern)
+            v = self(part[1])
+            if v is None or v.ndim != 1:
+                return None
+            self.nodes.add(part[0])
+            return v[part[2]:part[3]]
         p, nd = op_of(node), ndim(node)
         if p in _COPIES:
             return self(node.args[0])
@@ -270,12 +310,19 @@ def _map(v, fn):
 
 def _source(root, origin):
     """The one activation a candidate root is computed from through the ops
-    :class:`_LinearForm` reads (copies peeled off), or None."""
+    :class:`_LinearForm` reads (copies peeled off), or None. Parts of one ``split`` along the
+    last axis (``x.chunk(2, -1)``) come from the split's input; one part alone is its own
+    source (a partial rotary's ``q_rot`` of ``torch.split(q, [nope, rot], -1)``)."""
     seen, leaves, stack = set(), set(), [root]
     readable = {aten.neg, aten.slice, aten.cat, aten.stack, aten.unsqueeze, aten.view,
                 aten.reshape, aten.flatten, aten._unsafe_view, aten.mul, aten.div, aten.add,
                 aten.sub} | _COPIES
-    while stack and len(leaves) < 2 and len(seen) < 256:
+
+    def whole(leaf):  # the split a part belongs to: parts of one split are one source
+        part = split_part(leaf)
+        return leaf if part is None else part[0]
+
+    while stack and len({whole(v) for v in leaves}) < 2 and len(seen) < 256:
         n = stack.pop()
         if n in seen or not isinstance(n, torch.fx.Node) or origin(n) == "const":
             continue
@@ -288,7 +335,12 @@ def _source(root, origin):
             stack += [a for a in _flat(n.args) if isinstance(a, torch.fx.Node)]
         else:
             leaves.add(n)
-    return next(iter(leaves)) if len(leaves) == 1 and not stack else None
+    if stack or len({whole(v) for v in leaves}) != 1:
+        return None
+    if len(leaves) == 1:
+        return next(iter(leaves))
+    src = split_part(next(iter(leaves)))[1]
+    return None if origin(src) == "const" else value_source(src)
 
 
 def _reads_last(node) -> bool:
