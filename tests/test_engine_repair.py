@@ -133,7 +133,7 @@ def regnets(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("align", ["weights", "none"])
+@pytest.mark.parametrize("align", ["weights", pytest.param("none", marks=pytest.mark.slow)])
 def test_batchnorm_models_are_repaired_out_of_core(regnets, tmp_path, align, capsys):
     """``symgraph merge --repair`` on BatchNorm checkpoints runs out of core (every BatchNorm's
     running statistics reset on the data in the same pass as the renormalised channels, each
