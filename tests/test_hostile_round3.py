@@ -142,6 +142,7 @@ def test_mixed_dtypes_with_a_bfloat16_anchor_written_in_bfloat16(ws, tmp_path):
         torch.testing.assert_close(v.float(), want[k].to(torch.bfloat16).float(), atol=1e-6, rtol=1e-2)
 
 
+@pytest.mark.slow  # 24 s; the meta trace's constants are checked by default in tests/test_meta_constants.py
 def test_falcon_activation_alignment_runs_out_of_core_with_its_index_constants(ws, tmp_path, monkeypatch):
     """Falcon's multi-query attention creates index constants in its forward; traced on meta
     they hold no values, so the trace takes them from a fake-CPU twin
