@@ -83,19 +83,17 @@ def test_mla_interleaved_rope_matches_the_rotate_half_layout():
 @pytest.mark.slow  # the default suite took 747 s at 29a92d8 (budget 600 s); the class and layout tests here keep the rule in the default run
 def test_mla_interleaved_rope_recovered_by_weights_and_activations():
     """Activations inside attention hold the rope coordinates permuted (they are not read
-    there). By weights, latent attention merges back as closely as its rotate_half layout does
-    (the latent classes limit both, not the rope class)."""
-    err = {}
+    there). Latent attention with low-rank queries merges back exactly by weights and by
+    activations, in either layout (float32 weights: about 5e-7)."""
     for interleave in (False, True):
         A = deepseek(layers=2, interleave=interleave)
         rep = symgraph.analyze(A)
         assert sum(g.kind == "rope" for g in rep.groups) == 2
         B = symgraph.transform(A, rep.random_transform(seed=0))
         assert _rel(A, B) > 0.1 and rep.certify(B) < 1e-6
-        err[interleave] = _rel(A, symgraph.align(A, B, report_a=rep, full_groups=True).apply(B))
-        al = symgraph.align(A, B, data=_batches(A), report_a=rep, full_groups=True)
-        assert _rel(A, al.apply(B)) < 1e-5, interleave
-    assert err[True] < 1e-3 and err[True] < 2 * err[False]
+        for data in (None, _batches(A)):
+            al = symgraph.align(A, B, data=data, report_a=rep, full_groups=True)
+            assert _rel(A, al.apply(B)) < 1e-6, (interleave, "weights" if data is None else "activations")
 
 
 class Twisted(torch.nn.Module):
