@@ -249,9 +249,11 @@ class WeightFeatures:
             ta, tb = ta.index_select(0, r.to(ta.device)), tb.index_select(0, r.to(tb.device))
         acc = self.exact_dtype if exact else torch.promote_types(
             torch.promote_types(ta.dtype, tb.dtype), torch.float32)  # what contributions sum in
+        late = (exact and self.products != "bf16" and not circ and _late(ta, tb, self.exact_dtype, va, others)
+                and all(self._axis_op(a, elements) is None for k, a in enumerate(ax_b) if k != d))
         if self.products == "bf16":
             ta, tb = ta.to(torch.bfloat16), tb.to(torch.bfloat16)
-        elif exact:
+        elif exact and not late:
             ta, tb = ta.to(self.exact_dtype), tb.to(self.exact_dtype)
         elif ta.dtype != tb.dtype:  # models stored in different dtypes: compare in a common one
             ta, tb = ta.to(acc), tb.to(acc)
@@ -274,7 +276,7 @@ class WeightFeatures:
             xb = gather(tb, d, ib, fb, others[v])
             if xa.shape[-1] != xb.shape[-1]:
                 continue
-            s = cross(xa, xb, fa, cross_fibres).to(acc)
+            s = _cross_by_columns(xa, xb, acc) if late else cross(xa, xb, fa, cross_fibres).to(acc)
             if parity and fa:  # [S, A's Gram, B's Gram] x [co, contra]
                 fla, flb = (x.reshape(-1, *x.shape[fa:]).to(acc) for x in (xa, xb))
                 parts = _add_parity(parts, parity[v], (s, fla @ fla.mT, flb @ flb.mT))
@@ -311,6 +313,30 @@ class WeightFeatures:
 
 
 _HALF = (torch.bfloat16, torch.float16)
+_LATE_BYTES = 64 << 20  # a slot over this in the exact dtype is converted a slice of columns at a time
+
+
+def _late(ta, tb, dtype, va, others) -> bool:
+    """Whether a slot is converted to the exact ``dtype`` a slice at a time (in
+    :func:`_cross_by_columns`) rather than whole: over :data:`_LATE_BYTES` there, with no
+    fibres and no other leaf's element to apply (nothing to compute in ``dtype`` before the
+    product; the caller checks the maps on the other axes). A 1.1B model's token embeddings
+    or LM head against the residual stream: 0.5 GB of float32 copies, else."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return ((ta.numel() + tb.numel()) * item > _LATE_BYTES and all(fa == 0 for _, fa in va)
+            and all(o == [] for o in others))
+
+
+def _cross_by_columns(xa, xb, dtype):
+    """``xa @ xb.mT`` (``[n, m]``, ``[k, m]``) in ``dtype``, each input converted a slice of
+    columns at a time (about :data:`_LATE_BYTES` for both) and the partial products summed."""
+    item = torch.empty((), dtype=dtype).element_size()
+    step = max(1, _LATE_BYTES // (item * max(xa.shape[0] + xb.shape[0], 1)))
+    out = None
+    for i in range(0, xa.shape[-1], step):
+        part = xa[:, i:i + step].to(dtype) @ xb[:, i:i + step].to(dtype).mT
+        out = part if out is None else out.add_(part)
+    return out
 
 
 def _add_parity(parts, k, values):

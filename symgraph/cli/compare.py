@@ -14,6 +14,7 @@ way, so no model is ever whole in memory. The verdict is the same function's
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import sys
 
@@ -104,6 +105,8 @@ def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | No
             return al, measure(A.get, view.fetch, names, gauge)
         finally:
             view.clear()
+            del job, view
+            gc.collect()  # the engine's reference cycles, before the next draw's alignment
 
     res = judge(solve, tolerance(*dtypes), null=null, threshold=threshold, alpha=alpha,
                 similarity="weights" if data is None else "activations")
