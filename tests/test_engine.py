@@ -35,7 +35,8 @@ _load, _rel = load, rel
 
 
 #: Every merge the engine runs, as (YAML options, its command-line flags, whether it reads data).
-#: Learned matching (refine) is the one that still loads the models: see the tests below.
+#: Learned matching (refine) runs here too: tests/test_engine_refine.py (its elements' optimiser
+#: state needs more than this file's 128KB budget).
 METHODS = {
     "average": ({}, [], False),
     "fisher": ({"method": "fisher"}, ["--method", "fisher"], True),
@@ -146,21 +147,20 @@ def test_a_merge_on_another_device_equals_the_cpu(pair, tmp_path, method, align)
     assert _rel(outs[dev], outs["cpu"]) < 1e-5
 
 
-@pytest.mark.parametrize("option,why", [({"refine": 2}, "learned matching")])
-def test_what_cannot_stream_says_so(pair, tmp_path, option, why, capsys):
-    cfg = MergeConfig(models=[str(pair / "m0"), str(pair / "m1")], out=str(tmp_path / "o"),
-                      data=str(pair / "data.safetensors"), **option)
+def test_what_cannot_stream_says_so(tmp_path):
+    """Models that are not local checkpoint directories (demo names, hub ids) are loaded:
+    streaming=True refuses them, saying why."""
+    cfg = MergeConfig(models=["tiny-llama", "tiny-llama"], out=str(tmp_path / "o"))
     from symgraph.errors import InputError
-    with pytest.raises(InputError, match=f"cannot run out of core: .*{why}"):
+    with pytest.raises(InputError, match="cannot run out of core: not every model is a local checkpoint directory"):
         run_merge(cfg, streaming=True, progress=False)
 
 
-def test_a_merge_that_loads_the_models_says_why(pair, tmp_path, capsys):
-    cfg = MergeConfig(models=[str(pair / "m0"), str(pair / "m1")], out=str(tmp_path / "o"), refine=2,
-                      data=str(pair / "data.safetensors"))
+def test_a_merge_that_loads_the_models_says_why(tmp_path, capsys):
+    cfg = MergeConfig(models=["tiny-llama", "tiny-llama"], out=str(tmp_path / "o"))
     assert run_merge(cfg, progress=False).mode == "in-memory"
     err = capsys.readouterr().err
-    assert "note: the models are loaded in memory for this merge: learned matching" in err
+    assert "note: the models are loaded in memory for this merge: not every model is a local checkpoint" in err
 
 
 def test_the_spill_deletes_only_what_it_wrote(tmp_path):

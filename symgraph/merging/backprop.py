@@ -19,87 +19,24 @@ layers, on the residual stream). Gradient checkpointing, one segment at a time:
 Memory holds one segment's weights, their float64 sums and one batch's activations within
 the segment, whatever the model's depth. The ops are the traced graph's own, so the
 gradients are those of the eager model (the tests compare them); each value is computed the
-same way in the recomputation as in the forward pass.
+same way in the recomputation as in the forward pass. The cutting, the segments' runs and the
+values kept at the cuts are :mod:`.segments`' (learned matching out of core runs on them too).
 """
 from __future__ import annotations
 
 import torch
 
 from ..alignment.checks import batch_inputs, by_shape
-from ..alignment.graphrun import Stepper, flatten_for, meta_constants, on_device
+from ..alignment.graphrun import flatten_for, meta_constants, on_device
 from ..core import distributed
 from ..errors import NeedsMemory
+from .segments import Kept, Segment, backward_span, live_after, output_node, plan_segments
 from .statistics import Stored
 from .views import Aligned, nbytes
 
 __all__ = ["squared_gradients", "plan_segments"]
 
 ACC_BYTES = 8  # float64 sums per weight element
-
-
-def _val_bytes(node) -> int:
-    v = node.meta.get("val") if hasattr(node, "meta") else None
-    vals = v if isinstance(v, (tuple, list)) else [v]
-    return sum(t.numel() * t.element_size() for t in vals if isinstance(t, torch.Tensor))
-
-
-def plan_segments(gm, cost: dict, budget: int) -> list:
-    """Cuts of ``gm``'s nodes (graph order) into segments ``(start, stop)`` whose weights cost
-    (``cost``: graph attribute name -> bytes the segment holds for it) at most about
-    ``budget`` (at least one op each); a cut is placed where the fewest bytes of activations
-    cross it, from the traced shapes."""
-    order = list(gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(order)}
-    last = {n: max((pos[u] for u in n.users), default=pos[n]) for n in order}
-    # bytes crossing a cut before position c: values defined before c and used at or after it
-    delta = [0] * (len(order) + 1)
-    for n in order:
-        if n.op == "get_attr":
-            continue  # read by each segment that uses it, never carried
-        if last[n] > pos[n]:
-            b = _val_bytes(n)
-            delta[pos[n] + 1] += b
-            delta[last[n] + 1] -= b
-    cross, run = [], 0
-    for c in range(len(order) + 1):
-        run += delta[c]
-        cross.append(run)
-    reads = [sum(cost.get(a.target, 0) for a in n.all_input_nodes if a.op == "get_attr") for n in order]
-    cuts, held, first = [0], 0, None  # first: the segment's first op that reads weights
-    for p in range(len(order)):
-        if reads[p] and first is not None and held + reads[p] > budget:
-            # op p would take the segment over the budget: cut at the cheapest place after the
-            # segment's first read and before p at the latest (every segment reads weights,
-            # at most the budget's or one op's)
-            c = min(range(first + 1, p + 1), key=lambda q: (cross[q], -q))
-            cuts.append(c)
-            held = sum(reads[c:p])
-            first = next((q for q in range(c, p) if reads[q]), None)
-        if reads[p] and first is None:
-            first = p
-        held += reads[p]
-    cuts.append(len(order))
-    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
-
-
-class _Segment(Stepper):
-    """``gm`` run over positions ``[start, stop)`` from the values crossing ``start``; its
-    weights come from ``weights`` (``name -> tensor``, read by the caller once per segment)."""
-
-    def __init__(self, gm, weights):
-        super().__init__(gm, weights.__getitem__)
-
-    def span(self, env, start, stop, flat=None):
-        self.env, self.args_iter = dict(env), iter(flat or ())
-        for pos in range(start, stop):
-            node = self._order[pos]
-            if node.op == "output":  # the caller takes the outputs it needs from the values
-                break
-            self.env[node] = self.run_node(node)
-            for dead in self.user_to_last_uses.get(node, ()):
-                self.env.pop(dead, None)
-        out, self.env = self.env, {}
-        return out
 
 
 def squared_gradients(job, i: int, method, prefix: str) -> Stored:
@@ -142,7 +79,7 @@ def squared_gradients(job, i: int, method, prefix: str) -> Stored:
             args, kwargs = batch_inputs(rep, batch, bi)
             flats.append([t.to(device) if isinstance(t, torch.Tensor) else t for t in flatten_for(gm, args, kwargs)])
         out_node = next(n for n in order if n.op == "output")
-        first = _first_output(out_node)
+        first = output_node(out_node)
 
         lazy = set(named) | {n for n, _ in gm.named_buffers(remove_duplicate=False)}
         pos = {n: p for p, n in enumerate(order)}
@@ -164,19 +101,16 @@ def squared_gradients(job, i: int, method, prefix: str) -> Stored:
                     w[n] = by[canon(n)]
             return w
 
-        def live_after(node, b):
-            return any(pos[u] >= b for u in node.users)
-
         # 1. forward: the values crossing each cut, per batch
-        kept = _Kept(job, f"{prefix}cuts/{len(keys)}/")
+        kept = Kept(job.ledger, job.stats_bytes // 2, job.spill, device, f"{prefix}cuts/{len(keys)}/")
         with torch.no_grad():
             for k, (a, b) in enumerate(segments[:-1]):
                 w = read(a, b, False)
                 job.ledger.hold(sum(nbytes(t) for t in w.values()))
-                run = _Segment(gm, w)
+                run = Segment(gm, w)
                 for j, flat in enumerate(flats):
                     env = run.span(kept.get(j, k) if k else {}, a, b, None if k else flat)
-                    kept.put(j, k + 1, {n: v for n, v in env.items() if live_after(n, b)})
+                    kept.put(j, k + 1, {n: v for n, v in env.items() if live_after(pos, n, b)})
                 job.ledger.drop(sum(nbytes(t) for t in w.values()))
                 del w, run
         # 2. backward, segments in reverse
@@ -193,28 +127,11 @@ def squared_gradients(job, i: int, method, prefix: str) -> Stored:
             holds = sum(nbytes(t) for t in uniq.values()) + sum(ACC_BYTES * t.numel() for t in uniq.values()
                                                                 if t.requires_grad)
             job.ledger.hold(holds)
-            run = _Segment(gm, w)
+            run = Segment(gm, w)
             leaf = {canon(n): t for n, t in w.items() if n in grads and t.requires_grad}
             for j, flat in enumerate(flats):
-                with torch.enable_grad():
-                    start = {n: _leaf(v) for n, v in (kept.pop(j, k) if k else {}).items()}
-                    env = run.span(start, a, b, None if k else flat)
-                    if b == len(order):
-                        logits = env[first]
-                        outs, gs = [method.loss(logits)], [None]
-                    else:
-                        outs, gs = [], []
-                        for n, g in up[j].items():
-                            for v, gv in zip(_tensors(env.get(n)), g):
-                                if gv is not None and isinstance(v, torch.Tensor) and v.requires_grad:
-                                    outs.append(v)
-                                    gs.append(gv)
-                    if outs:
-                        torch.autograd.backward(outs, gs)
-                up[j] = {n: [t.grad if isinstance(t, torch.Tensor) else None for t in _tensors(v)]
-                         for n, v in start.items()}
-                up[j] = {n: g for n, g in up[j].items() if any(x is not None for x in g)}
-                del env, outs, gs
+                last = (lambda env: method.loss(env[first])) if b == len(order) else None
+                up[j] = backward_span(run, kept.pop(j, k) if k else {}, a, b, None if k else flat, up[j], last)
                 for p, t in leaf.items():
                     g, t.grad = t.grad, None
                     if g is None:
@@ -237,45 +154,6 @@ def squared_gradients(job, i: int, method, prefix: str) -> Stored:
     return Stored(job.spill, keys, None if device == "cpu" else device)
 
 
-class _Kept:
-    """The values crossing each cut, per batch: held while they fit half the statistics
-    budget, the rest written to the job's spill (one file per batch and cut) and read back
-    when the backward pass reaches them. A model's depth then costs disk, not memory."""
-
-    def __init__(self, job, prefix: str):
-        self.job, self.prefix, self.room = job, prefix, job.stats_bytes // 2
-        self.mem: dict = {}  # (batch, cut) -> (env, bytes held)
-        self.disk: dict = {}  # (batch, cut) -> (values not written, {node: key})
-
-    def put(self, j, k, env):
-        size = sum(nbytes(t) for v in env.values() for t in _tensors(v) if isinstance(t, torch.Tensor))
-        if size <= self.room:
-            self.room -= size
-            self.job.ledger.hold(size)
-            self.mem[j, k] = (env, size)
-            return
-        keys = {n: f"{self.prefix}{j}/{k}/{n.name}" for n, v in env.items() if isinstance(v, torch.Tensor)}
-        # clones: views of one storage cannot share a safetensors file
-        self.job.spill.put({keys[n]: env[n].detach().clone() for n in keys})
-        self.disk[j, k] = ({n: v for n, v in env.items() if n not in keys}, keys)
-
-    def get(self, j, k) -> dict:
-        if (j, k) in self.mem:
-            return self.mem[j, k][0]
-        rest, keys = self.disk[j, k]
-        device = self.job.device
-        return {**rest, **{n: self.job.spill.get(key).to(device) for n, key in keys.items()}}
-
-    def pop(self, j, k) -> dict:
-        env = self.get(j, k)
-        if (j, k) in self.mem:
-            size = self.mem.pop((j, k))[1]
-            self.room += size
-            self.job.ledger.drop(size)
-        self.disk.pop((j, k), None)
-        return env
-
-
 def _add_square(acc, g, step: int = 1 << 21):
     """``acc += g²`` in ``acc``'s float64, a slice at a time (a mixed-dtype op copies its
     inputs into the common dtype whole: two float64 copies of a large gradient)."""
@@ -283,25 +161,6 @@ def _add_square(acc, g, step: int = 1 << 21):
     for i in range(0, a.numel(), step):
         x = g[i:i + step]
         a[i:i + step].addcmul_(x, x)
-
-
-def _leaf(v):
-    """A value crossing a cut as the next segment's input: its floating tensors (also inside
-    tuples and lists, as multi-output ops give them) detached leaves that take gradients."""
-    import torch.utils._pytree as pytree
-    return pytree.tree_map(lambda t: t.detach().requires_grad_(True)
-                           if isinstance(t, torch.Tensor) and t.is_floating_point() else t, v)
-
-
-def _tensors(v) -> list:
-    import torch.utils._pytree as pytree
-    return pytree.tree_leaves(v)
-
-
-def _first_output(out_node):
-    import torch.utils._pytree as pytree
-    flat, _ = pytree.tree_flatten(out_node.args[0])
-    return next(n for n in flat if isinstance(n, torch.fx.Node))
 
 
 def _finish(job, method, al, folded, prefix, done: dict, params, keys, A):

@@ -1,8 +1,9 @@
 """The one merge entry: :func:`run_merge` takes a :class:`~symgraph.merging.config.MergeConfig`,
-vets the output directory before any work, chooses the out-of-core path (a plain average of
-local checkpoints, aligned by weights, by activations or not at all, circuit-space heads
-and full groups included) or the in-memory one
-(every other method, REPAIR, learned matching, demo names and hub ids), and writes the merge
+vets the output directory before any work, chooses the out-of-core path (every merge of
+local checkpoints: each method, aligned by weights, by activations or not at all, REPAIR,
+learned matching, circuit-space heads, untying and full groups included) or the in-memory one
+(demo names and hub ids, checkpoints whose tensor names only ``from_pretrained`` converts,
+and graphs the engine cannot run without weights), and writes the merge
 atomically with its record (``symgraph_merge.json``) and model card. The ``symgraph merge``
 command and :func:`symgraph.merge_checkpoints` both call it."""
 from __future__ import annotations
@@ -83,7 +84,7 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
             why = None if job is not None else "its tensor names are converted by from_pretrained"
         if job is None and streaming:
             raise InputError(f"this merge cannot run out of core: {why}; expected a merge of local "
-                             "checkpoint directories without repair or refine")
+                             "checkpoint directories")
     if job is not None:
         try:
             return _merge_streaming(job, cfg, out, inputs)
@@ -101,8 +102,6 @@ def _needs_memory(cfg) -> str | None:
     how = get_method(cfg.method)
     if how.needs_data and type(how).streamed_statistics is MergeMethod.streamed_statistics:
         return f"method {cfg.method!r} takes its statistics of loaded models only"
-    if cfg.refine:
-        return "learned matching trains through the whole merged model"
     local = [m for m in cfg.models if os.path.isdir(os.path.expanduser(m))]
     if len(local) != len(cfg.models):
         return "not every model is a local checkpoint directory"
@@ -171,15 +170,18 @@ def _streaming_job(cfg, layouts, data, anchor, progress, options):
         return None
     check_compatible([c.config for c in ckpts], cfg.models)
     stats = get_method(cfg.method).needs_data or cfg.repair  # statistics on the data (the method's, REPAIR's)
-    if (cfg.align == "activations" or cfg.seen_rows or stats) and data is None:
+    align = "activations" if cfg.refine else cfg.align  # learned matching starts from activations, as in memory
+    if (align == "activations" or cfg.seen_rows or stats) and data is None:
         data = _data(cfg, ckpts[0].model)
     if cfg.seen_rows:
         options = {**options, "rows_from": data}
     if cfg.full_groups:  # fitted after the orthogonal solve from the stored tensors, as in memory
         options = {**options, "full_groups": True}
     try:
-        needs = cfg.align == "activations" or stats
-        return StreamingMerge(ckpts, weights=cfg.weights, align=cfg.align, method=cfg.method,
+        needs = align == "activations" or stats
+        if cfg.refine:
+            options = {**options, "refine": cfg.refine}
+        return StreamingMerge(ckpts, weights=cfg.weights, align=align, method=cfg.method,
                               data=data if needs else None, anchor=anchor, device=cfg.device,
                               memory_budget=cfg.memory_budget, fold_norms=cfg.fold_norms, outputs=cfg.outputs,
                               progress=progress, untie=cfg.untie, attention=cfg.attention, repair=cfg.repair,

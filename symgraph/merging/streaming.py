@@ -8,7 +8,10 @@ Its steps, in :class:`StreamingMerge`:
    (:func:`symgraph.alignment.driver.align_tensors`) through lazy, norm-folded views
    (:class:`~symgraph.merging.views.Folded`), or by activations: the graphs of the anchor and
    the other model run side by side on the data, op by op, each weight read when an op takes
-   it (:class:`~symgraph.alignment.graphrun.Stepper`); full groups then fitted from the stored tensors (:class:`~.views.Sides`);
+   it (:class:`~symgraph.alignment.graphrun.Stepper`); with ``refine=N``, learned matching
+   from the better of the activation and weight alignments, the model between the two
+   differentiated segment by segment (:mod:`.learned`); full groups then fitted from the
+   stored tensors (:class:`~.views.Sides`);
 3. **statistics** — the merge method's (RegMean's input Grams, Fisher's squared gradients)
    are taken out of core and spilled to disk (:mod:`symgraph.merging.statistics`);
 4. **read, carry, combine, write** — one tensor group at a time (a norm fold's gain, shift and
@@ -27,8 +30,7 @@ working copies are sized from one memory budget (:func:`budgets`); :class:`~symg
 counts the bytes held.
 
 :func:`~symgraph.merging.run.merge_checkpoints` is the Python entry; ``symgraph merge`` runs every
-merge here except learned matching, which loads the models
-(:func:`symgraph.merge`, saying so). REPAIR (BatchNorm resets included) runs
+merge of local checkpoints here, learned matching included. REPAIR (BatchNorm resets included) runs
 as the last step before writing (:mod:`~symgraph.merging.repair_stream`). Untying reads each checkpoint as its untied model
 (:func:`~symgraph.merging.untie.untie_checkpoint`); circuit-space heads widen as they combine (:mod:`.circuits`).
 """
@@ -90,8 +92,10 @@ class StreamingMerge:
     on ``data``); ``device``: where tensors are computed (read from disk on the CPU, written
     back from it); ``memory_budget``: bytes the engine may hold at once (its caches, a pass's
     statistics, a group's working copies; see :func:`budgets`); ``untie``: tied parameters
-    get their own tensors first and ``attention`` picks heads or circuits, as in :func:`symgraph.merge`.
-    The constructor reads headers only; :meth:`align` solves; :meth:`write` takes the method's
+    get their own tensors first and ``attention`` picks heads or circuits, as in :func:`symgraph.merge`;
+    ``refine``: learned matching's steps after activation matching (``refine_lr`` their step
+    size; :mod:`.learned`), as ``symgraph.align(..., refine=N)`` takes them. The constructor
+    reads headers only; :meth:`align` solves; :meth:`write` takes the method's
     statistics and writes the merged checkpoint into a directory (``save_atomic`` passes its temporary one).
     """
 
@@ -127,9 +131,18 @@ class StreamingMerge:
         self.shard_bytes = parse_size(max_shard_size)
         self.device = torch.device(device)
         self.cache_bytes, self.chunk_bytes, self.stats_bytes = budgets(memory_budget, len(paths), cache_bytes)
+        self.memory_budget = memory_budget  # as given (None: the defaults, which learned matching's state may exceed)
         self.ledger = Ledger()  # the bytes of tensors the engine holds (its peak is what the budget bounds)
         self.stats: list = [None] * len(paths)
         self._device_elements: dict = {}  # alignment index -> its elements moved to the device once
+        # learned matching (refine=N steps after activation matching, :mod:`.learned`); the rest go to align_tensors
+        self.refine, self.refine_lr = align_options.pop("refine", 0), align_options.pop("refine_lr", 1e-3)
+        if self.refine and (self.align_mode != "activations" or not data):
+            raise InputError(f"refine={self.refine} starts from activation matching and lowers a loss on the data; "
+                             "expected align='activations' with data")
+        if self.refine and {"loss_fn", "between"} & set(align_options):
+            raise InputError("out of core, learned matching lowers the model's own loss on the anchor's "
+                             "architecture; expected no loss_fn or between (symgraph.align takes them)")
         self.align_options = align_options
         self.rows_from = list(rows_from) if rows_from is not None else None  # batches: read only their tokens' rows
         return_freed_memory()
@@ -206,8 +219,12 @@ class StreamingMerge:
                 acts = {} if self.align_mode != "activations" else dict(
                     data=self.data, models=(A.model, c.model), fetch=(A.fetch, c.fetch), stats_budget=self.stats_bytes)
                 sides = Sides(A, c, (fa, fb), self.cache_bytes, self.ledger, dev)  # what full groups read
-                self.alignments[i] = align_tensors(ra, rb, fa, fb, gains, exact_dtype=self.work_dtype, sides=sides,
-                                                   **acts, **self.align_options)
+                if self.refine:  # imported here: the engine loads nothing of a step it does not run
+                    from .learned import refined
+                    self.alignments[i] = refined(self, i, ra, rb, (fa, fb), gains, sides, acts)
+                else:
+                    self.alignments[i] = align_tensors(ra, rb, fa, fb, gains, exact_dtype=self.work_dtype,
+                                                       sides=sides, **acts, **self.align_options)
                 fb.clear()
                 bar.update()
         fa.clear()

@@ -227,11 +227,12 @@ def _constants_from_fake_twin(ep, model, args, kwargs):
             ep.constants[k] = w
 
 
-def trace(model, inputs=None):
+def trace(model, inputs=None, decompose: bool = True):
     """Export ``model`` (unchanged; eval mode inside) to an ATen-level ExportedProgram.
 
     Ops without a rule that core ATen can decompose are decomposed; the rest stay and the
-    analysis fixes the axes they touch.
+    analysis fixes the axes they touch. ``decompose=False``: the ops as exported (a graph that
+    is only run, never analysed: learned matching's loss).
     """
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"expected a torch.nn.Module, got {type(model).__name__}")
@@ -252,7 +253,7 @@ def trace(model, inputs=None):
                 f"Hint: {_hint(model, args, kwargs)}") from e
         if on_meta:
             _constants_from_fake_twin(ep, model, *given)
-        for _ in range(3):
+        for _ in range(3 if decompose else 0):
             table, retrace = _unruled_decomposable(ep)
             if not table and not retrace:
                 break

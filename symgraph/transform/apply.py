@@ -15,7 +15,7 @@ from ..core.elements import Blocks, apply_along
 from . import folding
 from ..errors import InputError
 
-__all__ = ["map_parameters", "move", "stored_tensors", "write_state", "transformed_state",
+__all__ = ["map_parameters", "move", "move_piece", "stored_tensors", "write_state", "transformed_state",
            "transform"]
 
 
@@ -109,6 +109,15 @@ def move(report, elements: dict, tensors: dict, gauge: dict | None = None, dtype
     if not report.folds:
         return map_parameters(report, elements, tensors, dtype=dtype)
     return _move_piece(report, elements, tensors, report.folds, gauge, dtype)
+
+
+def move_piece(report, elements, tensors: dict, fold=None, gauge: dict | None = None, dtype=torch.float64) -> dict:
+    """:func:`move` of one piece of a model: ``tensors`` holds the members of ``fold`` (one
+    reader's part of a norm fold, :func:`~symgraph.transform.folding.for_reader`: the reader's
+    weight and bias with the gain and shift), or, with ``fold`` None, tensors no fold touches.
+    Each value is the one :func:`move` gives that tensor with the whole model (a fold acts on
+    each reader on its own)."""
+    return _move_piece(report, elements, tensors, [fold] if fold is not None else [], gauge, dtype)
 
 
 def _move_piece(report, elements, tensors, folds, gauge, dtype) -> dict:

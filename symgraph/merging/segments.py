@@ -1,0 +1,176 @@
+"""A traced graph cut into segments and run one segment at a time, forward and backward
+(gradient checkpointing out of core): what :mod:`.backprop` (squared gradients) and
+:mod:`.learned` (learned matching) share.
+
+:func:`plan_segments` cuts the graph's ops into segments that read at most about a budget of
+weights, each cut where the fewest activation bytes cross. A :class:`Segment` runs an op range
+from the values crossing its first cut, its weights given by the caller (read for that
+segment only); :class:`Kept` holds the values crossing each cut per batch (spilled to disk
+beyond its room); :func:`backward_span` recomputes a segment from its kept inputs as leaves
+and differentiates it, from a loss (the last segment) or from the gradients the later segment
+left at its outputs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..alignment.graphrun import Stepper
+from .views import nbytes
+
+__all__ = ["plan_segments", "Segment", "Kept", "backward_span", "leaf", "tensors_in", "output_node",
+           "live_after"]
+
+
+def _val_bytes(node) -> int:
+    v = node.meta.get("val") if hasattr(node, "meta") else None
+    vals = v if isinstance(v, (tuple, list)) else [v]
+    return sum(t.numel() * t.element_size() for t in vals if isinstance(t, torch.Tensor))
+
+
+def plan_segments(gm, cost: dict, budget: int) -> list:
+    """Cuts of ``gm``'s nodes (graph order) into segments ``(start, stop)`` whose weights cost
+    (``cost``: graph attribute name -> bytes the segment holds for it) at most about
+    ``budget`` (at least one op each); a cut is placed where the fewest bytes of activations
+    cross it, from the traced shapes."""
+    order = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    last = {n: max((pos[u] for u in n.users), default=pos[n]) for n in order}
+    # bytes crossing a cut before position c: values defined before c and used at or after it
+    delta = [0] * (len(order) + 1)
+    for n in order:
+        if n.op == "get_attr":
+            continue  # read by each segment that uses it, never carried
+        if last[n] > pos[n]:
+            b = _val_bytes(n)
+            delta[pos[n] + 1] += b
+            delta[last[n] + 1] -= b
+    cross, run = [], 0
+    for c in range(len(order) + 1):
+        run += delta[c]
+        cross.append(run)
+    reads = [sum(cost.get(a.target, 0) for a in n.all_input_nodes if a.op == "get_attr") for n in order]
+    cuts, held, first = [0], 0, None  # first: the segment's first op that reads weights
+    for p in range(len(order)):
+        if reads[p] and first is not None and held + reads[p] > budget:
+            # op p would take the segment over the budget: cut at the cheapest place after the
+            # segment's first read and before p at the latest (every segment reads weights,
+            # at most the budget's or one op's)
+            c = min(range(first + 1, p + 1), key=lambda q: (cross[q], -q))
+            cuts.append(c)
+            held = sum(reads[c:p])
+            first = next((q for q in range(c, p) if reads[q]), None)
+        if reads[p] and first is None:
+            first = p
+        held += reads[p]
+    cuts.append(len(order))
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+class Segment(Stepper):
+    """``gm`` run over positions ``[start, stop)`` from the values crossing ``start``; its
+    weights come from ``weights`` (``name -> tensor``, read by the caller once per segment)."""
+
+    def __init__(self, gm, weights):
+        super().__init__(gm, weights.__getitem__)
+
+    def span(self, env, start, stop, flat=None):
+        self.env, self.args_iter = dict(env), iter(flat or ())
+        for pos in range(start, stop):
+            node = self._order[pos]
+            if node.op == "output":  # the caller takes the outputs it needs from the values
+                break
+            self.env[node] = self.run_node(node)
+            for dead in self.user_to_last_uses.get(node, ()):
+                self.env.pop(dead, None)
+        out, self.env = self.env, {}
+        return out
+
+
+def live_after(pos: dict, node, stop: int) -> bool:
+    """Whether ``node``'s value is read at or after position ``stop`` (``pos``: node -> position)."""
+    return any(pos[u] >= stop for u in node.users)
+
+
+class Kept:
+    """The values crossing each cut, per batch: held while they fit ``room`` bytes (counted in
+    ``ledger``), the rest written to ``spill`` (a :class:`~symgraph.merging.statistics.Spill`;
+    one file per batch and cut) and read back onto ``device`` when asked for. A model's depth
+    then costs disk, not memory."""
+
+    def __init__(self, ledger, room: int, spill, device, prefix: str):
+        self.ledger, self.room, self.spill, self.device, self.prefix = ledger, room, spill, device, prefix
+        self.mem: dict = {}  # (batch, cut) -> (env, bytes held)
+        self.disk: dict = {}  # (batch, cut) -> (values not written, {node: key})
+
+    def put(self, j, k, env):
+        size = sum(nbytes(t) for v in env.values() for t in tensors_in(v))
+        if size <= self.room:
+            self.room -= size
+            self.ledger.hold(size)
+            self.mem[j, k] = (env, size)
+            return
+        keys = {n: f"{self.prefix}{j}/{k}/{n.name}" for n, v in env.items() if isinstance(v, torch.Tensor)}
+        # clones: views of one storage cannot share a safetensors file
+        self.spill.put({keys[n]: env[n].detach().clone() for n in keys})
+        self.disk[j, k] = ({n: v for n, v in env.items() if n not in keys}, keys)
+
+    def get(self, j, k) -> dict:
+        if (j, k) in self.mem:
+            return self.mem[j, k][0]
+        rest, keys = self.disk[j, k]
+        return {**rest, **{n: self.spill.get(key).to(self.device) for n, key in keys.items()}}
+
+    def pop(self, j, k) -> dict:
+        env = self.get(j, k)
+        if (j, k) in self.mem:
+            size = self.mem.pop((j, k))[1]
+            self.room += size
+            self.ledger.drop(size)
+        self.disk.pop((j, k), None)
+        return env
+
+
+def backward_span(run, kept: dict, start: int, stop: int, flat, up: dict, loss=None) -> dict:
+    """Segment ``[start, stop)`` recomputed by ``run`` (a :class:`Segment`) from ``kept`` (the
+    values crossing its first cut; ``flat``: the graph's inputs, for the first segment) as
+    leaves, and differentiated: from ``loss(env)`` (a scalar; the last segment) or from ``up``
+    (``{node: [gradient per tensor]}`` the later segment left at this one's outputs). Gradients
+    accumulate in the leaves the segment's weights were computed from; returns the gradients
+    at the segment's inputs (``up`` for the segment before)."""
+    with torch.enable_grad():
+        inputs = {n: leaf(v) for n, v in kept.items()}
+        env = run.span(inputs, start, stop, flat)
+        if loss is not None:
+            outs, gs = [loss(env)], [None]
+        else:
+            outs, gs = [], []
+            for n, g in up.items():
+                for v, gv in zip(tensors_in(env.get(n)), g):
+                    if gv is not None and isinstance(v, torch.Tensor) and v.requires_grad:
+                        outs.append(v)
+                        gs.append(gv)
+        if outs:
+            torch.autograd.backward(outs, gs)
+    got = {n: [t.grad if isinstance(t, torch.Tensor) else None for t in tensors_in(v)] for n, v in inputs.items()}
+    return {n: g for n, g in got.items() if any(x is not None for x in g)}
+
+
+def leaf(v):
+    """A value crossing a cut as the next segment's input: its floating tensors (also inside
+    tuples and lists, as multi-output ops give them) detached leaves that take gradients."""
+    return pytree.tree_map(lambda t: t.detach().requires_grad_(True)
+                           if isinstance(t, torch.Tensor) and t.is_floating_point() else t, v)
+
+
+def tensors_in(v) -> list:
+    """The tensors (and other leaves) of a value, a tuple or a list of them."""
+    return pytree.tree_leaves(v)
+
+
+def output_node(out_node, position: int | None = None):
+    """The graph node of the graph's flat output at ``position`` (None: its first node)."""
+    flat, _ = pytree.tree_flatten(out_node.args[0])
+    if position is None:
+        return next(n for n in flat if isinstance(n, torch.fx.Node))
+    return flat[position]
