@@ -83,20 +83,22 @@ def disk_peaks(device) -> dict:
     return peaks(device, n, m, heads=False)
 
 
-def merge_once(pair, align, device, out, load_check, probe_args, staged=None, budget=None) -> dict:
-    """One ``run_merge`` of the pair into ``out``, measured (see the module docstring)."""
+def merge_once(pair, align, device, out, load_check, probe_args, staged=None, budget=None, method="average",
+               data=None) -> dict:
+    """One ``run_merge`` of the pair into ``out`` (``method``, reading ``data`` if it needs
+    data), measured (see the module docstring)."""
     from symgraph.merging.config import MergeConfig
     from symgraph.merging.run import run_merge
     from benchmarks.scale.checks import check_output
     shutil.rmtree(out, ignore_errors=True)
     inputs = [str(f) for m in (pair["a"], pair["b"]) for f in weight_files(m)]
-    rec = {"align": align, "inputs_in_page_cache": resident(inputs), "meminfo_before": meminfo()}
+    rec = {"align": align, "method": method, "inputs_in_page_cache": resident(inputs), "meminfo_before": meminfo()}
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         rec["gpu_before_gb"] = torch.cuda.memory_allocated(device) / GB
     cfg = MergeConfig(models=[pair["a"], pair["b"]], out=str(out), align=align, device=str(device),
-                      memory_budget=budget)
+                      memory_budget=budget, method=method, data=data)
     counter = None
     if staged is not None:
         from benchmarks.bench_cost import instrument
@@ -134,6 +136,17 @@ def merge_once(pair, align, device, out, load_check, probe_args, staged=None, bu
     return rec
 
 
+def _token_data(d, vocab: int, rows: int) -> str:
+    """A data file of random token ids (``rows`` sequences of 128) in the pair's directory, for
+    the methods that read data (their statistics' cost, not their quality, is measured)."""
+    from safetensors.torch import save_file
+    path = Path(d) / "data.safetensors"
+    if not path.exists():
+        g = torch.Generator().manual_seed(0)
+        save_file({"input_ids": torch.randint(0, vocab, (rows, 128), generator=g)}, str(path))
+    return str(path)
+
+
 def _tensors(e):
     for attr in ("index", "co", "contra"):
         if isinstance(getattr(e, attr, None), torch.Tensor):
@@ -162,8 +175,11 @@ def run_depth(a, layers, device, staged_pk, save) -> dict:
     runs = runs[::-1] if a.aligned_first else runs
     runs += [("aligned_staged", "weights", staged_pk, a.memory_budget)] if staged_pk is not None else []
     runs += [(f"aligned, budget {b}", "weights", None, b) for at, b in a.budget_runs if at == layers]
+    runs = [(*r, "average") for r in runs] + [(f"{m}, unaligned", "none", None, a.memory_budget, m)
+                                              for m in a.methods]
+    data = _token_data(pair["dir"], config.vocab_size, a.data_rows) if a.methods else None
     load_check, got = sizes["bytes"] <= a.load_check_gb * GB, {}
-    for name, align, pk, budget in runs:
+    for name, align, pk, budget, method in runs:
         if a.cache == "cold":
             from benchmarks.scale.pagecache import drop_cache
             drop_cache([str(f) for m in "ab" for f in weight_files(pair[m])])
@@ -178,7 +194,8 @@ def run_depth(a, layers, device, staged_pk, save) -> dict:
         d["runs"][name] = {"running": {"elapsed_s": 0.0}}
         save(d)
         try:
-            r = merge_once(pair, align, device, work / "out", load_check, (name, a.heartbeat, beat), pk, budget)
+            r = merge_once(pair, align, device, work / "out", load_check, (name, a.heartbeat, beat), pk, budget,
+                           method, data if method != "average" else None)
         except Exception as e:  # noqa: BLE001 - recorded (out of memory, a device error), and the next run goes on
             import traceback
             d["runs"][name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}",
@@ -196,7 +213,7 @@ def run_depth(a, layers, device, staged_pk, save) -> dict:
         r["memory_budget"] = budget
         r["read_x_pair"] = r["read_gb"] * GB / (2 * sizes["bytes"])
         got[name] = r.pop("samples")
-        if align == "none":
+        if align == "none" and method == "average":
             r["samples_vs_exact_average"] = _max_diff(got[name], exact)
         shutil.rmtree(work / "out", ignore_errors=True)
         d["runs"][name] = r
@@ -299,6 +316,9 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-budget", default=None, help="the engine's --memory-budget (default: its own)")
     ap.add_argument("--budget-runs", default="", help="DEPTH:BUDGET,...: another aligned run at that "
                     "depth with that --memory-budget (e.g. 2:12GB, a cache of the whole 2-layer pair)")
+    ap.add_argument("--methods", default="", help="comma-separated methods that read data (regmean, fisher), "
+                    "each also run unaligned at every depth on random token ids")
+    ap.add_argument("--data-rows", type=int, default=16, help="sequences of 128 tokens in their data")
     ap.add_argument("--heartbeat", type=float, default=15.0, help="seconds between progress lines (0: none)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--sync", action="store_true", help="write the pair back to disk before the runs (os.sync)")
@@ -309,6 +329,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     a = ap.parse_args(argv)
     a.budget_runs = [(int(x.split(":")[0]), x.split(":")[1]) for x in a.budget_runs.split(",") if x]
+    a.methods = [m for m in a.methods.split(",") if m]
     if a.device.startswith("fakegpu"):
         from symgraph.testing.device import install
         install()

@@ -20,7 +20,8 @@
 # engine's --memory-budget), ALIGNED_FIRST (1: the aligned merge before the unaligned one),
 # BUDGET_RUNS (default 2:12GB: at 2 layers one more aligned run whose caches hold the whole
 # pair, so that the cost of re-reading the checkpoints shows; empty: none),
-# DEVICE (default cuda; cpu for a dry run), WHEELS (0: do not install .whl/).
+# DEVICE (default cuda; cpu for a dry run), WHEELS (0: do not install .whl/), METHODS (e.g.
+# regmean: that method also merged unaligned at each depth, on random token ids).
 set -u
 START=$SECONDS
 BUDGET=${BUDGET_S:-290}
@@ -54,6 +55,7 @@ if [ "$DT" -gt 40 ]; then
   timeout -k 5 "$DT" python3 -m benchmarks.bench_device_disk --shape "${SHAPE:-7b}" --layers "${DISK_LAYERS:-2,32}" \
     --stages "${STAGED_DISK-2}" --device "$DEVICE" --work "${WORK:-/tmp/symgraph-device-disk}" \
     ${MEMORY_BUDGET:+--memory-budget "$MEMORY_BUDGET"} ${ALIGNED_FIRST:+--aligned-first} \
+    ${METHODS:+--methods "$METHODS"} \
     --budget-runs "${BUDGET_RUNS-2:12GB}" \
     --out "$OUT/disk.json" 2>&1 | tee -a "$OUT/bench.txt"
 fi
