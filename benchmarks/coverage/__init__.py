@@ -23,9 +23,13 @@ IMAGE_CLASSIFICATION}_MAPPING_NAMES``:
    (``scaled_dot_product_attention``, or a softmax over a ≥4-d score tensor) with more than one
    head has a class with head blocks on its module's weights (multi-query attention, one key
    head broadcast to all: a permutation class of the head blocks, as nothing can be per head);
-   a ``rope`` class exists when the config has rotary parameters, unless every rotated query is
-   first normalised by a norm the rotations cannot pass (``rope_blocked``: the reason, not a
-   miss; :mod:`.attention`).
+   a ``rope`` class exists when the config has rotary parameters, unless every rotated query (or
+   its key) is first normalised by a norm the rotations cannot pass (``rope_blocked``: the
+   reason, not a miss; :mod:`.attention`). A softmax over a projection of one activation (a
+   gate, hyper-connection mixing weights) is no attention site, and a query broadcast along the
+   head axis (one learned query) is one head. Each missing class says what blocks it
+   (``why``: the ops or patterns the analysis recorded narrowing its weights' classes, or
+   keeping a head's class from varying per head; :mod:`.why`), and the table lists them.
 6. **ops without a rule**: ``symgraph.cli.coverage.unruled_ops(model)``.
 
 Each row runs in a forked child (the parent imports torch, transformers and symgraph once) under

@@ -19,10 +19,11 @@ ROPE_ABSENT = ("the config has rotary parameters but the traced graph rotates no
 
 
 
-def attention_units(ep) -> list:
+def attention_units(ep, nodes: bool = False) -> list:
     """Every attention site: ``{"module", "heads"}`` for each ``scaled_dot_product_attention``
     (heads: dim 1 of the query) and each softmax over a >= 4-d tensor (heads: its dim 1), with
-    the innermost module that holds parameters. One per module."""
+    the innermost module that holds parameters. One per module. ``nodes``: each unit also
+    holds its query and key nodes (``"query"``, ``"key"``; for :mod:`.why`)."""
     params = list(ep.graph_signature.inputs_to_parameters.values())
     out = {}
     for n in ep.graph.nodes:
@@ -34,7 +35,7 @@ def attention_units(ep) -> list:
             query = n.args[0]
         elif name in ("softmax", "_softmax"):
             s = _shape(n)
-            s = s if s is not None and len(s) >= 4 else None
+            s = s if s is not None and len(s) >= 4 and not _projected_scores(ep, n) else None
             query = n
         else:
             continue
@@ -47,13 +48,74 @@ def attention_units(ep) -> list:
                 mm = _scores_matmul(n)
                 query, key = (mm.args[0], mm.args[1]) if mm is not None else (n, None)
             qk_norm, rotated = _normalised(ep, query)
-            out[module] = {"module": module, "heads": int(s[1]), "qk_norm": qk_norm, "rotated": rotated,
-                           "kv_heads": _kv_heads(key, len(s) - 3) if hasattr(key, "op") else None}
+            # a rope class rotates queries and keys alike: a norm on either blocks it
+            qk_norm = qk_norm or hasattr(key, "op") and _normalised(ep, key)[0]
+            # a query broadcast along the head axis (one learned query expanded over batch and
+            # positions, as Inkling's block attention residuals) is one head, whatever that axis is
+            heads = 1 if query is not n and _broadcast_axis(query, 1) else int(s[1])
+            out[module] = {"module": module, "heads": heads, "qk_norm": qk_norm, "rotated": rotated,
+                           "kv_heads": _kv_heads(key, len(s) - 3) if hasattr(key, "op") else None,
+                           **({"query": query, "key": key} if nodes else {})}
     return list(out.values())
 
 
+def _projected_scores(ep, softmax) -> bool:
+    """Whether a softmax's scores are a projection of one activation (a linear-like op whose
+    weight is a stored parameter, through elementwise ops, views and splits) and no other
+    product: a gate or mixing weight (DeepSeek-V4's hyper-connection streams, one learned
+    query's pooling), not multi-head attention. A product with a computed operand (queries
+    projected from learned latents) is attention."""
+    from .structure import _linear_weight
+    stack, seen, projected = [a for a in softmax.all_input_nodes if not _is_constant(ep, a)], set(), False
+    while stack and len(seen) < 64:
+        n = stack.pop()
+        if n in seen or not hasattr(n, "op") or n.op != "call_function":
+            continue
+        seen.add(n)
+        name = _pname(n)
+        if name in _LINEAR or name == "einsum":
+            if name == "einsum" or _linear_weight(ep, n) is None:
+                return False  # query times key
+            projected = True
+            continue
+        stack.extend(a for a in n.all_input_nodes if not _is_constant(ep, a))
+    return projected and not stack
+
+
+def _broadcast_axis(node, dim) -> bool:
+    """Whether axis ``dim`` of ``node`` is a broadcast: made by ``expand`` from a new or unit
+    axis (through copies, casts, transposes and unsqueezes)."""
+    for _ in range(16):
+        if not hasattr(node, "op") or node.op != "call_function" or not node.args:
+            return False
+        name, src = _pname(node), node.args[0]
+        so, si = _shape(node), _shape(src) if hasattr(src, "op") else None
+        if so is None or si is None:
+            return False
+        dim %= len(so)
+        if name in ("expand", "expand_as"):
+            k = dim - (len(so) - len(si))
+            return k < 0 or si[k] == 1 and so[dim] > 1
+        if name in ("clone", "contiguous", "_to_copy", "to", "alias", "detach", "type_as"):
+            pass
+        elif name == "transpose":
+            a, b = (d % len(so) for d in node.args[1:3])
+            dim = b if dim == a else a if dim == b else dim
+        elif name == "permute":
+            dim = list(node.args[1])[dim] % len(so)
+        elif name == "unsqueeze":
+            d = node.args[1] % len(so)
+            if dim == d:
+                return False
+            dim -= dim > d
+        else:
+            return False
+        node = src
+    return False
+
+
 _SCORE_OPS = {"add", "sub", "mul", "div", "_to_copy", "to", "masked_fill", "where", "clone",
-              "contiguous", "tanh", "alias"}
+              "contiguous", "tanh", "alias", "cat"}  # cat: attention sinks beside the scores
 _BROADCAST = {"expand", "expand_as", "unsqueeze", "reshape", "view", "_unsafe_view", "transpose",
               "permute", "clone", "contiguous", "_to_copy", "to", "alias", "detach", "type_as",
               "repeat_interleave", "repeat", "squeeze"}

@@ -65,8 +65,8 @@ def role(name: str) -> str | None:
         return None
     if "token" in s and t[-1] in ("id", "ids", "index") or name in ("unk_index", "mask_index"):
         return "token_id"
-    if "vocab" in s and t[-1] in ("size", "sizes"):
-        return "vocab"
+    if "vocab" in s and (t[-1] in ("size", "sizes", "vocab") or t[:2] == ["vocab", "size"]):
+        return "vocab"  # (vocab_size_per_layer_input: Gemma 3n's and 4's per-layer embeddings)
     if "image" in s and t[-1] == "size":
         return "image"
     if ("head" in s or "heads" in s) and (s & {"dim", "size", "d", "channels"}) and "prediction" not in s:
@@ -117,7 +117,10 @@ def _level_fields(cfg) -> dict:
         try:
             out[n] = getattr(cfg, n)
         except Exception:  # noqa: BLE001 - per-layer attributes refuse a global read
-            continue
+            # (heterogeneous configs: Dots3's heads, ranks and head dims): the global value
+            # is the instance's own, and the per-layer overrides are derived from other fields
+            if n in vars(cfg):
+                out[n] = vars(cfg)[n]
     return out
 
 
@@ -129,7 +132,8 @@ def shrink(cfg) -> dict:
 
     * widths (hidden / intermediate / embedding / ffn / model / rank / state sizes): scaled by
       ``HIDDEN / main width`` (the first of hidden_size, d_model, n_embd, dim, embed_dim, ...),
-      rounded to a multiple of 8 (at least 8; widths <= 8 kept). Lists of widths are left alone.
+      rounded to a multiple of 8 (at least 8; widths <= 8 kept). A list of widths with one per
+      layer is cut to the new layer count and scaled alike; other lists of widths are left alone.
     * heads: the largest power of two <= min(default, 4); kv heads: = heads when the default is
       multi-head, 1 when multi-query, else 2; head dims: ``HIDDEN / HEADS`` = 16.
     * layers: main counts (num_hidden_layers, n_layer, encoder_layers, depth ...) -> min(., 2),
@@ -196,6 +200,9 @@ def _shrink_level(cfg, id_map) -> dict:
         elif r is None and isinstance(v, (list, tuple)) and old_layers and new_layers != old_layers \
                 and len(v) == old_layers:
             new = type(v)(v[:new_layers])
+        elif r == "width" and _is_int_list(v) and old_layers and len(v) == old_layers:
+            # one width per layer (Gemma 3n's intermediate sizes): cut and scaled as one
+            new = type(v)(max(8, int(round(x * scale / 8)) * 8) if x > 8 else x for x in v[:new_layers])
         elif _is_int_list(v) and r in ("heads", "layers_main", "layers_other", "token_id", "layer_index"):
             if r == "heads":
                 new = type(v)(_pow2_floor(min(x, HEADS)) for x in v)

@@ -7,6 +7,7 @@ import collections
 
 from .attention import ROPE_ABSENT, ROPE_BLOCKED, attention_units  # noqa: F401 - re-exported
 from .graph import _LINEAR, _from_param, _is_constant, _pname, _shape, _source
+from .why import explain
 
 # --- completeness by structure ----------------------------------------------------------------
 
@@ -194,6 +195,7 @@ def expectations(ep, report, cfg) -> dict:
     rope_expected = rope_cfg and not blocked and not absent
     if rope_expected and not rope_classes:
         missing.append({"kind": "rope", "module": ""})
+    explain(ep, report, missing)  # what blocks each, from the analysis
     return {"mlps": len(mlps), "attention": len(atts), "qk_norm": sum(a["qk_norm"] for a in atts),
             "multihead_attention": sum(a["heads"] > 1 for a in atts),
             "multi_query": sum(a.get("kv_heads") == 1 and a["heads"] > 1 for a in atts),

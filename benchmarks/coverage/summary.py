@@ -44,10 +44,14 @@ def summarize(rows) -> dict:
         if r.get("error") and not r["traced"]:
             fails[r["error"]["stage"]] += 1
     missing = collections.defaultdict(list)
+    blocked: dict = collections.defaultdict(lambda: collections.defaultdict(list))
     unruled = collections.defaultdict(list)
     for r in traced:
+        fam = f"{r['model_type']}/{r['task']}"
         for k in sorted({m["kind"] for m in r["structure"]["missing"]} if r.get("structure") else ()):
-            missing[k].append(f"{r['model_type']}/{r['task']}")
+            missing[k].append(fam)
+        for k, why in _whys(r):
+            blocked[k][why].append(fam)
         for op in r.get("unruled_ops", {}):
             unruled[op].append(f"{r['model_type']}/{r['task']}")
     pct = len(causal_complete) / len(causal_traced) if causal_traced else None
@@ -71,9 +75,23 @@ def summarize(rows) -> dict:
         "max_analyze_seconds": max(secs) if secs else None,
         "target_median_seconds": TARGET_MEDIAN_S,
         "missing_kinds": {k: v for k, v in sorted(missing.items(), key=lambda kv: -len(kv[1]))},
+        "blocked_by": {k: dict(v) for k, v in blocked.items()},
         "rope_not_expected": _by_reason(traced),
         "unruled_ops": {k: v for k, v in sorted(unruled.items(), key=lambda kv: -len(kv[1]))},
     }
+
+
+def _whys(r) -> list:
+    """``[(kind, what blocks it)]`` of a row's missing classes, each once: the ops or patterns
+    the analysis recorded (:mod:`.why`), and the ops without a rule in the missing module."""
+    out: list = []
+    frozen = {(b["kind"], b["module"]): b.get("frozen_ops") or [] for b in r.get("blockers") or ()}
+    for m in (r.get("structure") or {}).get("missing", []):
+        ops = frozen.get((m["kind"], m["module"])) or []
+        for why in ([m["why"]] if m.get("why") else []) + [f"no rule for {op}" for op in ops]:
+            if (m["kind"], why) not in out:
+                out.append((m["kind"], why))
+    return out
 
 
 def _by_reason(traced) -> dict:
@@ -132,6 +150,8 @@ def markdown(res: dict) -> str:
     ]
     for k, fams in s["missing_kinds"].items():
         lines.append(f"- `{k}` ({len(fams)}): {', '.join(fams)}")
+        for why, bf in sorted((s.get("blocked_by") or {}).get(k, {}).items(), key=lambda kv: -len(kv[1])):
+            lines.append(f"  - blocked by: {_cell(why)} ({len(bf)}): {', '.join(bf)}")
     if not s["missing_kinds"]:
         lines.append("- none")
     for why, fams in (s.get("rope_not_expected") or {}).items():
@@ -143,19 +163,19 @@ def markdown(res: dict) -> str:
     if not s["unruled_ops"]:
         lines.append("- none")
     lines += ["", "## Incomplete or unsound families that trace", "",
-              "| model_type | class | task | certificate | missing (module) | ops without a rule |",
-              "|---|---|---|---|---|---|"]
+              "| model_type | class | task | certificate | missing (module) | blocked by | ops without a rule |",
+              "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         if r["traced"] and (not r["complete"] or r["sound"] is False):
             miss = "; ".join(sorted({f"{m['kind']}" + (f" ({m['module']})" if m["module"] else "")
-                                     + (" (query/key norm)" if m.get("why") else "")
                                      for m in (r.get("structure") or {}).get("missing", [])})[:4]) or "-"
+            why = "; ".join(f"{k}: {w}" for k, w in _whys(r)) or "-"
             n_miss = len((r.get("structure") or {}).get("missing", []))
             if n_miss > 4:
                 miss += f" (+{n_miss - 4} more)"
             cert = "-" if r["certificate"] is None else f"{r['certificate']:.1e}"
             lines.append(f"| {r['model_type']} | {r['class']} | {r['task']} | {cert} | {_cell(miss)} | "
-                         f"{_cell(', '.join(r.get('unruled_ops') or {}) or '-')} |")
+                         f"{_cell(why)} | {_cell(', '.join(r.get('unruled_ops') or {}) or '-')} |")
     lines += ["", "## Families that do not trace", "", "| model_type | class | task | stage | error |",
               "|---|---|---|---|---|"]
     for r in res["rows"]:
@@ -179,11 +199,13 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-RULE = ("widths x 64/main width (multiple of 8); heads -> power of two <= 4, kv heads keep MHA/MQA "
-        "else 2, head dims 16; main layer counts -> 2, other layer counts and stage depths -> 1; "
-        "experts -> 4, shared -> 1, per token -> 2 (also when left None beside an MoE width), "
-        "routing/state groups -> 1; vocab -> 256 (token ids "
-        "renumbered); image size -> 64; recursively in sub-configs (benchmarks.coverage.shrink)")
+RULE = ("widths x 64/main width (multiple of 8; a list of one width per layer cut and scaled); heads -> "
+        "power of two <= 4, kv heads keep MHA/MQA else 2, head dims 16; main layer counts -> 2, other "
+        "layer counts and stage depths -> 1; experts -> 4, shared -> 1, per token -> 2 (also when left "
+        "None beside an MoE width), routing/state groups -> 1; vocab (also per-layer input "
+        "vocabularies) -> 256 (token ids renumbered); image size -> 64; per-layer attributes of "
+        "heterogeneous configs by their global value; recursively in sub-configs "
+        "(benchmarks.coverage.shrink)")
 
 
 def run(out=None, only=None, tasks=None, jobs: int = 2, timeout: float = 120.0, mem_gb: float | None = 6.0,

@@ -39,12 +39,24 @@ _ZEROS = {aten.zeros, aten.zeros_like, aten.new_zeros}
 _FULL = {aten.full, aten.full_like, aten.new_full}
 
 
+#: ops whose output holds only values of their first argument (a copy of zeros is zeros)
+_COPIES = {aten.clone, aten.alias, aten._to_copy, aten.contiguous, aten.detach, aten.expand,
+           aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.transpose, aten.t,
+           aten.unsqueeze, aten.squeeze, aten.lift_fresh_copy}
+
+
 def _zeros(node) -> bool:
-    """A tensor of zeros (a scan's initial state): every linear map keeps it, so it fixes
-    nothing it is concatenated or added to."""
-    p = _packet(node.target)
-    return p in _ZEROS or (p in _FULL and len(node.args) > 1 and node.args[-1] == 0
-                           and not isinstance(node.args[-1], bool))
+    """A tensor of zeros (a scan's initial state), or a copy, view or cast of one (xLSTM
+    clones its zero state): every linear map keeps it, so it fixes nothing it is concatenated
+    or added to."""
+    for _ in range(16):
+        p = _packet(node.target) if callable(node.target) else None
+        if p in _COPIES and node.args and isinstance(node.args[0], torch.fx.Node):
+            node = node.args[0]
+            continue
+        return p in _ZEROS or (p in _FULL and len(node.args) > 1 and node.args[-1] == 0
+                               and not isinstance(node.args[-1], bool))
+    return False
 
 
 # Stream groups a norm fold can open up.
@@ -76,6 +88,7 @@ class AxisAnalysis:
         self.origin: dict = {}
         self.frozen: list[FrozenOp] = []
         self.nofiber: list = []
+        self.nofiber_why: dict = {}  # (axis, over) -> the op (and reason) that stated it
         sig = ep.graph_signature
         self.param_of = dict(sig.inputs_to_parameters)
         self.param_nodes: dict[str, torch.fx.Node] = {}
@@ -282,6 +295,8 @@ class AxisAnalysis:
                 touched |= {c.axis, *c.parts}
             elif isinstance(c, NoFiber):
                 self.nofiber.append((c.axis, c.over))
+                where = f"{node.name} ({_packet(node.target)})" if node is not None else "a pattern"
+                self.nofiber_why.setdefault((c.axis, c.over), f"{where}: {c.reason}" if c.reason else where)
             elif isinstance(c, Rope):
                 self.uf.set_pairs(c.axis, c.pairs, "rotary position embedding")
                 touched.add(c.axis)

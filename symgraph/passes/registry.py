@@ -47,9 +47,11 @@ class Structure:
 
 @dataclass(frozen=True)
 class NoFiber:
-    """Elements of ``axis``'s class may not vary along ``over``'s class (they are mixed there)."""
+    """Elements of ``axis``'s class may not vary along ``over``'s class (they are mixed there);
+    ``reason`` says why, where the op alone does not."""
     axis: int
     over: int
+    reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,8 @@ class AxisUnionFind:
             ref = _refine_sum(s1, s2)
         else:
             ref = None
+            if self._sum_of_blocks(*((p1, p2) if k1 == "prod" else (p2, p1))):
+                return
         if ref is None:
             why = f"incompatible structures {k1}{s1} and {k2}{s2}"
             self.meet(r, "identity", why)
@@ -155,6 +157,31 @@ class AxisUnionFind:
                     sub = tuple((atoms[i], par ^ pp) for i in idx)
                     self._merge_structure(rp, (k1, sub))
         self.struct[r] = (k1, tuple((a, 0) for a in atoms))
+
+    def _sum_of_blocks(self, prod_parts, sum_parts) -> bool:
+        """An axis that is both ``prod(P0, P1, ..., Pk)`` and a concatenation ``sum(Q1, ...)``
+        cut at multiples of the inner block ``M = |P1|...|Pk|`` (ZAYA concatenates its query
+        and key heads, then convolves them in groups of one head): P0 is the concatenation of
+        ``|Qi| / M`` rows per part, and each Qi is ``prod(its rows, P1, ..., Pk)``, every part
+        sharing the inner factors. ``kron(blockdiag(c_i), g) = blockdiag(kron(c_i, g))``, so
+        this keeps both descriptions. False (nothing done) when a cut falls inside a block."""
+        sizes = [self.size[p] for p, _ in prod_parts]
+        inner = math.prod(sizes[1:])
+        if len(prod_parts) < 2 or inner <= 1 or any(self.size[q] % inner or not self.size[q]
+                                                     for q, _ in sum_parts):
+            return False
+        (a0, q0), rest = prod_parts[0], list(prod_parts[1:])
+        rows = [self.new(self.size[q] // inner) for q, _ in sum_parts]
+        r0, p0 = self.find(a0)
+        self._merge_structure(r0, ("sum", tuple((c, q0 ^ p0) for c in rows)))
+        for (q, qpar), c in zip(sum_parts, rows):
+            rq, pq = self.find(q)
+            parts = ([(c, 0)] if self.size[c] > 1 else []) + rest
+            if len(parts) == 1:
+                self._pending.append((q, parts[0][0], qpar ^ parts[0][1]))
+            else:
+                self._merge_structure(rq, ("prod", tuple((a, par ^ qpar ^ pq) for a, par in parts)))
+        return True
 
 
 def _refine_sum(s1, s2):

@@ -19,6 +19,7 @@ from ..passes.axes import (attention_sites, axis_matrix, axis_tree, leaf_views, 
                            linear_layers, observation_points, other_leaf_elements, other_leaves, resized_shapes,
                            stored_slots)
 from ..passes.patterns.stacked import unview_of, view_of
+from ..passes.why import axis_reasons
 
 __all__ = ['SymmetryReport', 'AxisQueries', 'Group', 'Transform', 'FLOAT32_TOL']
 
@@ -131,6 +132,14 @@ class AxisQueries:
         an = self._analysis
         r = an.uf.find(axis)[0]
         return an.kind(r) == "identity" and r not in an.uf.struct
+
+    def axis_reasons(self, name: str, dim: int) -> list:
+        """Why the classes on axis ``dim`` of parameter ``name`` (or of the output of the graph
+        node ``name``) are what they are, per leaf class: ``{"size", "kind", "reasons",
+        "fibre", "nofiber"}`` (:func:`symgraph.passes.why.axis_reasons`)."""
+        an = self._analysis
+        stored = name in an.param_nodes or name in an.buffer_nodes
+        return axis_reasons(an, (self.param_axes(name) if stored else self.activation_axes(name))[dim])
 
     def axis_structure(self, axis):
         """``None`` for a leaf axis, else ``(kind, [part sizes])``: ``"prod"`` (flatten) or

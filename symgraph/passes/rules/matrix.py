@@ -107,7 +107,9 @@ def conv(ctx):
         g = ctx.new_axis(groups)
         i, o = ctx.new_axis(wshape[1]), ctx.new_axis(wshape[0] // groups)
         cons += [Structure(xa[off], "prod", (g, i)), Structure(out[off], "prod", (g, o)),
-                 Unify(out[off], wa[0]), Unify(i, wa[1], dual=True), NoFiber(o, g),
+                 Unify(out[off], wa[0]), Unify(i, wa[1], dual=True),
+                 NoFiber(o, g, "grouped convolution: its rule takes one map inside every group "
+                                 "(maps per group are not modelled)"),
                  Meet(g, "perm", f"{ctx.where}: groups of a grouped convolution (permuted whole, "
                                  "one map inside every group)")]
     if ctx.axes(b) is not None:

@@ -40,7 +40,8 @@ def _reduce(ctx, x, dims, keepdim, out, kind="perm", what="reduction", linear=Fa
         else:
             cons.append(Unify(out[j], xa[i]))
             j += 1
-    cons += [NoFiber(xa[i], xa[d]) for i in range(n) if i not in dims for d in dims]
+    cons += [NoFiber(xa[i], xa[d], f"{what} along another axis combines its slices, which must "
+                     "share one map") for i in range(n) if i not in dims for d in dims]
     if not linear:
         cons += _nonlinear_others(ctx, xa, ctx.shape(x), dims, what)
     return cons
@@ -92,10 +93,16 @@ def reduce_all(ctx):
 
 @register([aten.linalg_vector_norm, aten.norm.ScalarOpt_dim])
 def norm(ctx):
+    # |x|_p of each slice: sign flips and permutations of the reduced axes keep it, and every
+    # orthogonal map keeps the Euclidean norm (p = 2: ZAYA's L2-normalised queries stay open
+    # to rotations, so RoPE's class survives it)
     dims = ctx.arg(2, "dim", None)
     if isinstance(dims, int):
         dims = [dims]
-    return _reduce(ctx, ctx.arg(0), dims, ctx.arg(3, "keepdim", False), ctx.out)
+    p = ctx.arg(1, "ord" if ctx.node.target.overloadpacket is aten.linalg_vector_norm else "p", 2)
+    kind = "orthogonal" if p is None or not isinstance(p, bool) and p == 2 else "signed_perm"
+    return _reduce(ctx, ctx.arg(0), dims, ctx.arg(3, "keepdim", False), ctx.out, kind=kind,
+                   what=f"{'L2' if kind == 'orthogonal' else 'vector'} norm")
 
 
 @register([aten.softmax.int, aten._softmax, aten.log_softmax.int, aten._log_softmax,
