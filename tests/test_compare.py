@@ -97,7 +97,7 @@ def test_refusals_are_one_line(dirs, capsys, other, words):
 
 def test_python_refuses_models_of_different_shapes():
     with pytest.raises(symgraph.InputError, match="differ in tensor"):
-        symgraph.compare(models.build("llama", **L), models.build("llama", **{**L, "mlp": 40}))
+        symgraph.compare(models.build("llama", **L), models.build("llama", **{**L, "vocab": 48}))
 
 
 @pytest.mark.slow

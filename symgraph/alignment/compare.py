@@ -16,6 +16,12 @@ centred tensors). One verdict comes out of it:
   ``(s − μ₀) / σ₀`` is below ``alpha``;
 * ``"unrelated"`` otherwise.
 
+Models of one architecture whose widths differ (MLP units, heads, a residual stream that is a
+class) are compared through the alignment's transport maps: B, and each shuffled copy of the
+null, is carried into A's shapes (:meth:`Alignment.state`) and measured there; the verdict is
+then at most "derived" (a map between widths is no group element). Shapes that differ along an
+axis no class maps (a vocabulary, a head size) are refused in one line naming the tensor.
+
 Tensors that take A's values by construction (norm gains folded into their readers: the
 alignment's gauge) are listed but carry no evidence. Layers are read from the parameter
 names (the prefix up to the first index of a module list, else the module), not from a table.
@@ -34,13 +40,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, StructureMismatchError
 from ..report.api import analyze
+from .checks import check_compatible
 from .driver import align
 from .result import Alignment
 
 __all__ = ["compare", "Comparison", "SAME_TOL", "THRESHOLD", "tolerance", "layer_of", "judge", "measure",
-           "shuffled", "gauge_names", "check_options"]
+           "shuffled", "gauge_names", "check_options", "shape_differences", "check_widths", "width_refusal",
+           "check_aligned"]
 
 #: Relative Frobenius distance under which a tensor counts as equal, by the coarser dtype.
 SAME_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -70,7 +78,9 @@ class Comparison:
     """What :func:`compare` found. ``tensors``: one dict per parameter (``name``, ``layer``,
     ``shape``, ``rel_distance``, ``cosine``, ``correlation``, ``gauge``); ``layers``: per layer
     the median correlation and largest distance over its evidence tensors, and whether it
-    carries the verdict; ``null``: the statistic of each shuffled copy."""
+    carries the verdict; ``null``: the statistic of each shuffled copy; ``widths``: ``{name:
+    (A's shape, B's shape)}`` of the tensors whose widths differ (B was carried into A's shapes
+    by the alignment's transport maps; the verdict is then at most "derived")."""
     verdict: str
     statistic: float
     excess: float
@@ -85,6 +95,7 @@ class Comparison:
     similarity: str = "weights"
     alpha: float = ALPHA
     mode: str = "in memory"  # or "out of core" (``symgraph compare`` on large checkpoints)
+    widths: dict = field(default_factory=dict)  # {name: (A's shape, B's)} of the tensors whose widths differ
 
     @property
     def null_mean(self) -> float:
@@ -115,14 +126,20 @@ class Comparison:
         what = {"same": "B is A moved by a group element (to floating-point precision)",
                 "derived": "B is closer to A than independently trained models get",
                 "unrelated": "no evidence that B comes from A"}[self.verdict]
+        same = "widths differ: at most derived" if self.widths else f"same needs <= {self.tolerance:.0e}"
         lines = [f"verdict: {self.verdict} ({what})",
-                 f"  max relative distance after alignment {self.max_rel_distance:.2e} "
-                 f"(same needs <= {self.tolerance:.0e})",
+                 f"  max relative distance after alignment {self.max_rel_distance:.2e} ({same})",
                  f"  median correlation over {n_ev} tensors {self.statistic:.3f}; "
                  + (f"null {self.null_mean:.3f} ± {self.null_std:.3f} from {len(self.null)} shuffled copies of B; "
                     if self.null else "no null drawn; ")
                  + f"excess {self.excess:.2f} (derived needs >= {self.threshold:g}), p {p}",
                  f"  aligned by {self.similarity} ({self.mode}): {kinds or 'no classes'}"]
+        if self.widths:
+            k, (x, y) = next(iter(self.widths.items()))
+            more = len(self.widths) - 1
+            lines.append(f"  widths differ in {len(self.widths)} tensors ({k} {list(x)} in A, {list(y)} in B"
+                         + (f", and {more} more" if more else "") + "): B carried into A's shapes by the "
+                         "transport maps")
         if self.verdict != "unrelated":
             car = self.carriers
             lines.append(f"  carried by {len(car)}/{len(self.layers)} layers"
@@ -136,6 +153,7 @@ class Comparison:
                 "null": list(self.null), "null_mean": self.null_mean, "null_std": self.null_std,
                 "tolerance": self.tolerance, "max_rel_distance": self.max_rel_distance,
                 "similarity": self.similarity, "mode": self.mode, "group_kinds": self.group_kinds(), "carriers": self.carriers,
+                "widths": {k: [list(x), list(y)] for k, (x, y) in self.widths.items()},
                 "layers": self.layers, "tensors": self.tensors, "alignment": self.alignment.to_dict()}
 
     def to_json(self, **kw) -> str:
@@ -152,19 +170,57 @@ def _finite(x):
     return x
 
 
-def _check_pair(a, b):
+def _check_pair(a, b) -> dict:
+    """Refuse two models that are not one architecture (types, parameter names, tensor ranks);
+    return ``{name: (A's shape, B's shape)}`` of the tensors whose widths differ (in A's order),
+    which :func:`check_widths` checks once the models are analysed."""
     for m, label in ((a, "a"), (b, "b")):
         if not isinstance(m, torch.nn.Module):
             raise InputError(f"model {label} must be a torch.nn.Module, got {type(m).__name__}")
     if type(a) is not type(b):
         raise InputError(f"model A is a {type(a).__name__} but model B is a {type(b).__name__}; expected two "
                          "models of one architecture")
-    sa = {k: tuple(p.shape) for k, p in a.named_parameters()}
-    sb = {k: tuple(p.shape) for k, p in b.named_parameters()}
-    if sa != sb:
-        k = sorted(k for k in set(sa) | set(sb) if sa.get(k) != sb.get(k))[0]
-        raise InputError(f"models A and B differ in tensor {k!r} ({sa.get(k, 'missing')} vs {sb.get(k, 'missing')}); "
-                         "expected two models of one architecture and width")
+    return shape_differences({k: tuple(p.shape) for k, p in a.named_parameters()},
+                             {k: tuple(p.shape) for k, p in b.named_parameters()})
+
+
+def shape_differences(sa: dict, sb: dict, a: str = "models A and B") -> dict:
+    """``{name: (A's shape, B's shape)}`` of the tensors of ``sa`` whose shapes differ in ``sb``;
+    refuses a tensor that one side lacks or whose rank differs (another architecture)."""
+    odd = sorted(k for k in set(sa) ^ set(sb)) + [k for k in sa if k in sb and len(sa[k]) != len(sb[k])]
+    if odd:
+        k = odd[0]
+        raise InputError(f"{a} differ in tensor {k!r} ({sa.get(k, 'missing')} vs {sb.get(k, 'missing')}); "
+                         "expected two models of one architecture")
+    return {k: (tuple(sa[k]), tuple(sb[k])) for k in sa if tuple(sa[k]) != tuple(sb[k])}
+
+
+def check_widths(ra, rb, widths: dict, a: str = "models A and B") -> None:
+    """Refuse, in one line naming a tensor, models whose shapes (``widths``: from
+    :func:`shape_differences`) differ along an axis that no class maps between widths (a
+    vocabulary, a head size, anything :func:`~symgraph.alignment.checks.check_compatible`
+    refuses)."""
+    if not widths:
+        return
+    try:
+        check_compatible(ra, rb)
+    except StructureMismatchError as e:
+        raise width_refusal(widths, e, a) from None
+
+
+def width_refusal(widths: dict, e: Exception, a: str = "models A and B") -> InputError:
+    """The one-line refusal of models whose widths differ where alignment found them
+    incompatible (``e``): it names the tensor ``e`` names, else the first that differs."""
+    name, (x, y) = next(((k, v) for k, v in widths.items() if repr(k) in str(e)), next(iter(widths.items())))
+    return InputError(f"{a} differ in tensor {name!r} ({x} vs {y}), and alignment cannot map between these "
+                      f"widths: {e}")
+
+
+def check_aligned(name: str, got, want, a: str = "models A and B") -> None:
+    """Refuse B's tensor ``name`` in A's basis when it did not come out in A's shape ``want``."""
+    if tuple(got) != tuple(want):
+        raise InputError(f"{a} differ in tensor {name!r} ({tuple(want)} vs {tuple(got)} after alignment) along "
+                         "an axis that no symmetry class maps between widths; expected equal sizes there")
 
 
 def check_options(null, threshold) -> None:
@@ -261,17 +317,19 @@ def gauge_names(report) -> set:
 
 
 def judge(solve, tol: float, *, null: int = 4, threshold: float = THRESHOLD, alpha: float = ALPHA,
-          similarity: str = "weights") -> Comparison:
+          similarity: str = "weights", widths: dict | None = None) -> Comparison:
     """The verdict from ``solve(draw)``: ``(alignment, rows of measure)`` of B (``draw`` None)
     or of its ``draw``-th shuffled copy aligned to A (called in that order); ``tol``: the "same"
-    tolerance. What :func:`compare` runs in memory and ``symgraph compare`` out of core."""
+    tolerance; ``widths``: the tensors whose widths differ (then never "same"). What
+    :func:`compare` runs in memory and ``symgraph compare`` out of core."""
     al, rows = solve(None)
     s = _statistic(rows)
     worst = max((r["rel_distance"] for r in rows if not r["gauge"]), default=0.0)
-    null = 0 if worst <= tol else null  # a copy needs no null
+    same = worst <= tol and not widths
+    null = 0 if same else null  # a copy needs no null
     null_s = [_statistic(solve(k)[1]) for k in range(null)]
     res = Comparison("unrelated", s, 0.0, None, float(threshold), tol, worst, null_s, rows, [], al,
-                     similarity=similarity, alpha=alpha)
+                     similarity=similarity, alpha=alpha, widths=dict(widths or {}))
     mu0 = res.null_mean
     res.excess = (s - mu0) / (1 - mu0) if mu0 < 1 else 0.0
     if null:
@@ -287,7 +345,7 @@ def judge(solve, tol: float, *, null: int = 4, threshold: float = THRESHOLD, alp
         res.layers.append({"layer": layer, "tensors": len(ev), "correlation": med,
                            "rel_distance": max((r["rel_distance"] for r in ev), default=0.0),
                            "carries": bool(ev) and med >= level})
-    if worst <= tol:
+    if same:
         res.verdict = "same"
     elif res.excess >= threshold and (res.p_value is None or res.p_value < alpha):
         res.verdict = "derived"
@@ -303,8 +361,14 @@ def compare(a, b, data=None, *, null: int = 4, threshold: float = THRESHOLD, alp
     null : how many shuffled copies of B give the null (each one more alignment; 0: none, then
         the null level is taken as 0 and no p-value is given).
     threshold, alpha : the "derived" verdict's excess and p-value limits.
+
+    Models of one architecture whose shapes differ only in the widths of classes (MLP units,
+    heads, a residual stream that is a class) are compared through the alignment's transport
+    maps: B is carried into A's shapes and measured there, and each shuffled copy likewise; the
+    verdict is then at most "derived". Shapes that differ along an axis no class maps (a
+    vocabulary, a head size) are refused, naming the tensor.
     """
-    _check_pair(a, b)
+    widths = _check_pair(a, b)
     check_options(null, threshold)
     data = list(data) if data is not None else None
     if data is not None and not data:
@@ -312,6 +376,7 @@ def compare(a, b, data=None, *, null: int = 4, threshold: float = THRESHOLD, alp
     inputs = data[0] if inputs is None and data is not None else inputs
     ra = analyze(a, inputs, fold_norms=fold_norms)
     rb = analyze(b, inputs, fold_norms=fold_norms, outputs=ra.outputs)
+    check_widths(ra, rb, widths)
     gauge = gauge_names(ra)
     a_state = {k: p for k, p in a.named_parameters() if p.is_floating_point()}
     names = list(a_state)
@@ -320,8 +385,11 @@ def compare(a, b, data=None, *, null: int = 4, threshold: float = THRESHOLD, alp
     def solve(draw):
         model_b = b if draw is None else _shuffled_model(b, evidence, seed, draw)
         al = align(a, model_b, data=data, report_a=ra, report_b=rb, full_groups=True)
-        return al, measure(a_state.__getitem__, al.state(model_b).__getitem__, names, gauge)
+        state = al.state(model_b)
+        for n in names:
+            check_aligned(n, state[n].shape, a_state[n].shape)
+        return al, measure(a_state.__getitem__, state.__getitem__, names, gauge)
 
     dtypes = {p.dtype for p in a_state.values()} | {p.dtype for _, p in b.named_parameters() if p.is_floating_point()}
     return judge(solve, tolerance(*dtypes), null=null, threshold=threshold, alpha=alpha,
-                 similarity="activations" if data is not None else "weights")
+                 similarity="activations" if data is not None else "weights", widths=widths)

@@ -10,7 +10,10 @@ aligned to A by the merge engine (:class:`~symgraph.merging.streaming.StreamingM
 groups fitted from the stored tensors) and read into A's basis tensor by tensor
 (:class:`~symgraph.merging.views.Aligned`); the shuffled copies of the null are read the same
 way, so no model is ever whole in memory. The verdict is the same function's
-(:func:`~symgraph.alignment.compare.judge`) on the same numbers."""
+(:func:`~symgraph.alignment.compare.judge`) on the same numbers. Models of different widths
+(e.g. another ``intermediate_size``) are compared through the transport maps on both paths
+(the engine aligns different widths by weights or activations); shapes that differ along an
+axis no class maps are refused in one line naming the tensor."""
 from __future__ import annotations
 
 import copy
@@ -63,6 +66,20 @@ def _shuffled_checkpoint(ckpt, names, seed: int, draw: int):
     return view
 
 
+def _widths(A, B, a: str, b: str, names) -> dict:
+    """Refuse two :class:`~symgraph.checkpoints.sharded.Checkpoint` s of different classes,
+    tensors or tensor ranks; ``{parameter: (A's shape, B's shape)}`` of ``names`` whose widths
+    differ."""
+    from ..alignment.compare import shape_differences
+    from ..errors import InputError
+    if A.cls is not B.cls:
+        raise InputError(f"{a!r} is a {A.cls.__name__} but {b!r} is a {B.cls.__name__}; expected two models "
+                         "of one architecture")
+    shape_differences(A.shapes, B.shapes, f"{a!r} and {b!r}")
+    return {n: (tuple(A.shapes[A.key(n)]), tuple(B.shapes[B.key(n)])) for n in names
+            if tuple(A.shapes[A.key(n)]) != tuple(B.shapes[B.key(n)])}
+
+
 def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | None = None,
                         alpha: float | None = None, seed: int = 0, fold_norms: bool = True, memory_budget=None):
     """:func:`~symgraph.alignment.compare.compare` out of core: ``A``, ``B`` are
@@ -74,20 +91,20 @@ def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | No
     16-bit ones (as the engine merges them)."""
     import torch
 
-    from ..alignment.compare import ALPHA, THRESHOLD, check_options, gauge_names, judge, measure, tolerance
-    from ..errors import InputError
-    from ..checkpoints.sharded import check_pair
+    from ..alignment.compare import (ALPHA, THRESHOLD, check_aligned, check_options, gauge_names, judge, measure,
+                                     tolerance, width_refusal)
+    from ..errors import InputError, StructureMismatchError
     from ..merging.streaming import Checkpoint, StreamingMerge
     from ..merging.views import Aligned
     threshold = THRESHOLD if threshold is None else threshold
     alpha = ALPHA if alpha is None else alpha
     check_options(null, threshold)
     A, B = (c if isinstance(c, Checkpoint) else Checkpoint(os.path.expanduser(c)) for c in (A, B))
-    check_pair(A, B, A.path, B.path)
+    names = [n for n, p in A.model.named_parameters() if p.is_floating_point()]
+    widths = _widths(A, B, A.path, B.path, names)
     data = list(data) if data is not None else None
     if data is not None and not data:
         raise InputError("data is empty; expected at least one batch")
-    names = [n for n, p in A.model.named_parameters() if p.is_floating_point()]
     dtypes = {c.dtypes[c.key(n)] for c in (A, B) for n in names}
     work = torch.float32 if dtypes & {torch.float16, torch.bfloat16} else torch.float64
     gauge: set = set()
@@ -97,19 +114,27 @@ def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | No
         job = StreamingMerge([A, Bv], align="weights" if data is None else "activations", data=data,
                              fold_norms=fold_norms, memory_budget=memory_budget, full_groups=True)
         job.work_dtype = work  # what rotations are solved in (the engine's own choice is float32)
-        al = job.align()[1]
+        try:
+            al = job.align()[1]
+        except StructureMismatchError as e:
+            raise (width_refusal(widths, e, f"{A.path!r} and {B.path!r}") if widths else e) from None
         if draw is None:
             gauge.update(gauge_names(job.report))
         view = Aligned(Bv, al, A, None, work, job.cache_bytes, job.ledger)
+
+        def read_b(n, fetch=view.fetch):  # B's tensor in A's basis, refused unless in A's shape
+            t = fetch(n)
+            check_aligned(n, t.shape, A.shapes[A.key(n)], f"{A.path!r} and {B.path!r}")
+            return t
         try:
-            return al, measure(A.get, view.fetch, names, gauge)
+            return al, measure(A.get, read_b, names, gauge)
         finally:
             view.clear()
-            del job, view
+            del job, view, read_b
             gc.collect()  # the engine's reference cycles, before the next draw's alignment
 
     res = judge(solve, tolerance(*dtypes), null=null, threshold=threshold, alpha=alpha,
-                similarity="weights" if data is None else "activations")
+                similarity="weights" if data is None else "activations", widths=widths)
     res.mode = "out of core"
     return res
 
@@ -120,7 +145,6 @@ def _checkpoints(a: str, b: str, out_of_core: bool | None):
     over half the available memory); None: load them."""
     import numpy as np
 
-    from ..checkpoints.sharded import check_pair
     from ..merging.streaming import Checkpoint, KeysDiffer
     if out_of_core is False or not all(os.path.isdir(os.path.expanduser(p)) for p in (a, b)):
         if out_of_core:
@@ -134,7 +158,7 @@ def _checkpoints(a: str, b: str, out_of_core: bool | None):
             print("symgraph: note: transformers renames these checkpoints' tensors on load; the models are "
                   "loaded in memory", file=sys.stderr)
         return None
-    check_pair(A, B, a, b)
+    _widths(A, B, a, b, ())
     if not out_of_core:
         from ..merging.resize import available_memory
         need = 3 * 4 * sum(int(np.prod(shape, dtype=np.int64)) for shape in A.shapes.values())
@@ -196,7 +220,8 @@ def add_parser(sub, debug_default):
     c = sub.add_parser("compare", help="whether B is a copy of A (same), derived from it or unrelated, "
                        "up to every symmetry the graph admits")
     c.add_argument("a", help="model A (save_pretrained directory, demo name or hub id)")
-    c.add_argument("b", help="model B, of A's architecture and widths")
+    c.add_argument("b", help="model B, of A's architecture (other widths are compared through the "
+                   "alignment's transport maps: at most derived)")
     c.add_argument("--data", metavar="FILE", help=".safetensors/.pt with 'input_ids' [N, S]: align by "
                    "activations (default: by weights)")
     c.add_argument("--null", type=int, default=4, metavar="N",
