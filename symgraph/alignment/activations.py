@@ -147,7 +147,7 @@ def all_reduce_stats(stats: dict) -> dict:
 
 
 def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fetch=None,
-                          on_done=None, budget=None):
+                          on_done=None, budget=None, device=None):
     """Streamed statistics ``{i: ActStats}`` for each ``(group A, group B)`` of ``pairs`` at
     its observation points (ops whose rule is marked ``observe``), over ``data``. Batches of
     other shapes than the traced ones are traced again when ``models`` (A, B) are given.
@@ -155,7 +155,9 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
     kept only until its counterpart in the other model is computed. ``fetch``: two functions
     ``name -> tensor`` giving each model's parameters and buffers on the CPU, read when an op
     needs one and dropped after it (out of core: the graphs may be traced on ``meta``); None
-    runs the graphs' own tensors.
+    runs the graphs' own tensors. ``device``: where the graphs run with ``fetch`` (the CPU when
+    None): the fetched tensors and the batches are moved there, so that the statistics are on
+    the device of the weight similarities they are solved with.
 
     ``on_done(indices, stats)``, with ``budget`` (bytes): the pairs are taken in passes over
     the data, in the order their last observation point is computed, each pass holding
@@ -166,16 +168,19 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
     process's shard, and the statistics are summed over all processes before they are
     returned or given to ``on_done`` (every process must call it)."""
     stats = {i: ActStats() for i in range(len(pairs))}
+    dev = torch.device(device if device is not None else "cpu")
     fa, fb = fetch or (None, None)
+    if fetch is not None and dev.type != "cpu":
+        fa, fb = (lambda name, f=f: f(name).to(dev) for f in fetch)
     shapes = []
     for (sa, sb), batches in by_shape((ra, rb), models, data):
         spairs = [(sa.groups[ga.id], sb.groups[gb.id]) for ga, gb in pairs]
         plan, views = _plan(sa, sb, spairs)
         gm_a = sa.exported_program.module()
         gm_b = gm_a if sb is sa else sb.exported_program.module()  # a Stepper keeps its own state
-        if fetch is not None:  # traced where the models were (maybe meta); fetch reads to the CPU
+        if fetch is not None:  # traced where the models were (maybe meta); run on the device
             for gm in (gm_a,) if gm_b is gm_a else (gm_a, gm_b):
-                on_device(gm, "cpu")  # in place
+                on_device(gm, dev)  # in place
                 lost = meta_constants(gm)
                 if lost:
                     raise NeedsMemory(f"the traced graph creates tensor constants ({', '.join(lost[:3])}) whose "
@@ -208,8 +213,10 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
                 run = runs.get((si, bi))
                 if run is None:
                     args, kwargs = batch_inputs(sa, batch, bi)
-                    run = [Stepper(gm_a, fa), Stepper(gm_b, fb),
-                           flatten_for(gm_a, args, kwargs), flatten_for(gm_b, args, kwargs)]
+                    flat = [flatten_for(gm, args, kwargs) for gm in (gm_a, gm_b)]
+                    if fetch is not None:  # the batch where the graphs run
+                        flat = [[t.to(dev) if isinstance(t, torch.Tensor) else t for t in f] for f in flat]
+                    run = [Stepper(gm_a, fa), Stepper(gm_b, fb), *flat]
                     if last[0] is not None:  # paused: kept for the next pass
                         runs[(si, bi)] = run
                 step_a, step_b, in_a, in_b = run

@@ -64,7 +64,7 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     return al
 
 
-def _with_activations(run, ra, rb, b_of, data, models, sweeps, fetch=None, budget=None):
+def _with_activations(run, ra, rb, b_of, data, models, sweeps, fetch=None, budget=None, device=None):
     """Point ``run`` at activation similarity where a class is observed on ``data`` (weights,
     given the rest, elsewhere); returns the statistics (None without data) and the number of
     sweeps: one when every class is observed, unless transport masses read other classes' maps.
@@ -101,7 +101,7 @@ def _with_activations(run, ra, rb, b_of, data, models, sweeps, fetch=None, budge
     done: set = set()
     run.similarity = by_activations
     stats.update(activation_similarity(ra, rb, data, pairs, models=models, fetch=fetch,
-                                       on_done=solve_done if early else None, budget=budget))
+                                       on_done=solve_done if early else None, budget=budget, device=device))
     if equal and all(stats[g.id].n > 0 for g in ra.groups):
         sweeps = 1
     return stats, sweeps
@@ -140,11 +140,11 @@ def _refined(al, model_a, model_b, data, opts) -> Alignment:
     return best
 
 
-def _solve(ra, rb, feats, opts, data=None, models=None, fetch=None, budget=None):
+def _solve(ra, rb, feats, opts, data=None, models=None, fetch=None, budget=None, device=None):
     """Fill ``ra``'s classes (coordinate descent over weight similarity, activation statistics
     where ``data`` observes a class); returns the loop and the number of sweeps it ran."""
     run, b_of = _sweeps(ra, rb, feats, opts)
-    stats, sweeps = _with_activations(run, ra, rb, b_of, data, models, opts.max_iter, fetch, budget)
+    stats, sweeps = _with_activations(run, ra, rb, b_of, data, models, opts.max_iter, fetch, budget, device)
     run.masses = mass_function(feats, b_of, opts.masses, stats, run.elements)
     try:
         return run, run.run(sweeps)
@@ -166,7 +166,7 @@ def _sweeps(ra, rb, feats, opts):
 
 def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOptions | None = None,
                   exact_dtype=torch.float64, data=None, models=None, fetch=None, stats_budget=None,
-                  sides=None, **option_kw) -> Alignment:
+                  sides=None, device=None, **option_kw) -> Alignment:
     """Alignment from tensors rather than modules: ``tensors_a`` / ``tensors_b`` map each
     parameter name of the reports to its tensor (any ``Mapping``; a lazy one reads them on
     demand, see :mod:`symgraph.merging.streaming`); ``gauge_a``: A's norm gains and shifts
@@ -174,7 +174,8 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
     :class:`~.weights.WeightFeatures`). Weight matching; with ``data``, activation statistics
     where a class is observed, the graphs run op by op on ``fetch`` (two functions ``name ->
     tensor`` reading each model's parameters and buffers when an op needs them) and retraced
-    from ``models`` (A, B; may be on ``meta``) for batches of other shapes; ``stats_budget``
+    from ``models`` (A, B; may be on ``meta``) for batches of other shapes, on ``device`` (the
+    CPU when None: where the tensors' similarities are computed); ``stats_budget``
     (bytes): statistics taken in passes and solved as each completes (see
     :func:`_with_activations`). ``full_groups`` reads the stored tensors through ``sides``
     (see :mod:`~.fullgroups`; :class:`symgraph.merging.views.Sides` reads checkpoints), released
@@ -193,7 +194,7 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
     feats = WeightFeatures(ra, rb, tensors_a, tensors_b, exact_dtype, products=opts.similarity,
                            sketch=opts.sketch, rows=opts.rows,
                                        block_scale=opts.block_scale, head_cost=opts.head_cost)
-    run, n_sweeps = _solve(ra, rb, feats, opts, data, models, fetch, stats_budget)
+    run, n_sweeps = _solve(ra, rb, feats, opts, data, models, fetch, stats_budget, device)
     al = Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                    {"solver": run.solver_seconds, "sweeps": n_sweeps, "deferred": run.deferred}, gauge=gauge_a,
                    shared=run.shared)

@@ -217,7 +217,8 @@ class StreamingMerge:
                 rb = ra if same else analyze(c.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
                 fb = Folded(rb, c, self.cache_bytes, self.work_dtype, dev, self.ledger)
                 acts = {} if self.align_mode != "activations" else dict(
-                    data=self.data, models=(A.model, c.model), fetch=(A.fetch, c.fetch), stats_budget=self.stats_bytes)
+                    data=self.data, models=(A.model, c.model), fetch=(A.fetch, c.fetch), stats_budget=self.stats_bytes,
+                    device=dev)
                 sides = Sides(A, c, (fa, fb), self.cache_bytes, self.ledger, dev)  # what full groups read
                 if self.refine:  # imported here: the engine loads nothing of a step it does not run
                     from .learned import refined

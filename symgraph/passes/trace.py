@@ -195,16 +195,34 @@ def _constants_from_fake_twin(ep, model, args, kwargs):
     """Give ``ep`` (a model on ``meta`` traced) the values of the tensor constants its forward
     created on the model's device (index lists such as ``x[..., [-2], :]``: on ``meta`` they
     hold none, and the rules that read them cannot): the same forward is traced again on a
-    twin whose weights are fake CPU tensors (no memory), where the constants come out real,
-    and each constant the two traces share by name, shape and dtype is taken from it."""
+    twin whose weights are fake CPU tensors (no memory), on the inputs put on the CPU (a meta
+    one as zeros of its shape: the trace reads no value), where the constants come out real,
+    and each constant the two traces share by name, shape and dtype is taken from it. A twin
+    that cannot be built or traced changes nothing: the meta trace stands, its constants
+    unknown (tracing the twin on the meta inputs as they are fails on torch 2.11, whose fake
+    tensors refuse an op mixing the CPU weights with meta inputs)."""
     lost = {k for k, v in ep.constants.items() if isinstance(v, torch.Tensor) and v.is_meta}
     owned = {n for n, _ in model.named_buffers(remove_duplicate=False)}
     lost -= owned
     if not lost:
         return
+    try:
+        other = _fake_twin_trace(model, args, kwargs)
+    except Exception:  # noqa: BLE001 - the meta trace stands; its constants stay unknown
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+    for k in lost:
+        v, w = ep.constants[k], other.constants.get(k)
+        if isinstance(w, torch.Tensor) and not isinstance(w, FakeTensor) and w.shape == v.shape and w.dtype == v.dtype:
+            ep.constants[k] = w
+
+
+def _fake_twin_trace(model, args, kwargs):
+    """``model``'s forward exported on a copy whose parameters and buffers are fake CPU tensors
+    (tied ones still tied), on ``args``/``kwargs`` put on the CPU."""
     import copy
 
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
     twin, seen = copy.deepcopy(model), {}
     with FakeTensorMode(allow_non_fake_inputs=True):
         for mod in twin.modules():
@@ -213,18 +231,14 @@ def _constants_from_fake_twin(ep, model, args, kwargs):
                     if t is None:
                         continue
                     if id(t) not in seen:  # tied tensors stay tied
-                        fake = torch.empty(t.shape, dtype=t.dtype)
+                        fake = torch.empty(t.shape, dtype=t.dtype, device="cpu")
                         seen[id(t)] = torch.nn.Parameter(fake, t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
                     table[n] = seen[id(t)]
-    try:
-        with eval_mode(twin), graph_friendly(twin):
-            other = torch.export.export(twin, args, kwargs, strict=False)
-    except Exception:  # noqa: BLE001 - the meta trace stands; its constants stay unknown
-        return
-    for k in lost:
-        v, w = ep.constants[k], other.constants.get(k)
-        if isinstance(w, torch.Tensor) and not isinstance(w, FakeTensor) and w.shape == v.shape and w.dtype == v.dtype:
-            ep.constants[k] = w
+    cpu = lambda v: (torch.zeros(v.shape, dtype=v.dtype) if v.is_meta else v.to("cpu")) \
+        if isinstance(v, torch.Tensor) else v  # noqa: E731
+    with eval_mode(twin), graph_friendly(twin):
+        return torch.export.export(twin, tuple(cpu(a) for a in args), {k: cpu(v) for k, v in kwargs.items()},
+                                   strict=False)
 
 
 def trace(model, inputs=None, decompose: bool = True):
@@ -239,13 +253,17 @@ def trace(model, inputs=None, decompose: bool = True):
     args, kwargs = split_inputs(model, inputs)
     on_meta = next((p.is_meta for p in model.parameters()), False)
     given = args, kwargs
-    if on_meta:  # a model without weights: floating inputs by shape only
-        meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
-        args, kwargs = tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()}
+    traced = given
+    if on_meta:  # a model without weights: floating inputs by shape only (returned so), and every
+        # input traced on meta: torch 2.11 refuses an op mixing meta weights with CPU token ids
+        to_meta = lambda v, floats=True: v.to("meta") if isinstance(v, torch.Tensor) and (  # noqa: E731
+            v.is_floating_point() or not floats) else v
+        args, kwargs = tuple(to_meta(a) for a in args), {k: to_meta(v) for k, v in kwargs.items()}
+        traced = tuple(to_meta(a, False) for a in args), {k: to_meta(v, False) for k, v in kwargs.items()}
     with eval_mode(model), graph_friendly(model), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            ep = torch.export.export(model, args, kwargs, strict=False)
+            ep = torch.export.export(model, *traced, strict=False)
         except Exception as e:  # noqa: BLE001 - report any tracing failure uniformly
             raise TraceError(
                 f"torch.export could not trace {type(model).__name__}: "
