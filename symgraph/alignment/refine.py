@@ -30,7 +30,7 @@ from ..core.elements import Map, Perm
 from ..errors import InputError
 from ..core.groups import PERMUTATION_FAMILY, ones_basis, orthogonal_part, pair_rotations
 
-__all__ = ["refine", "default_loss", "choose_start", "linear", "Bound"]
+__all__ = ["refine", "default_loss", "choose_start", "linear", "Bound", "learnable", "has_lm_head"]
 
 #: Batches :func:`choose_start` evaluates each candidate start on.
 START_BATCHES = 8
@@ -41,7 +41,7 @@ def default_loss(model, batch):
     model with an output embedding (causal and masked LMs) when the batch has no labels."""
     if isinstance(batch, dict):
         kw = dict(batch)
-        if "labels" not in kw and "input_ids" in kw and _has_lm_head(model):
+        if "labels" not in kw and "input_ids" in kw and has_lm_head(model):
             kw["labels"] = kw["input_ids"]
         out = model(**kw)
         loss = getattr(out, "loss", None)
@@ -53,7 +53,8 @@ def default_loss(model, batch):
                      "with labels, or from Python loss_fn(model, batch) -> scalar")
 
 
-def _has_lm_head(model):
+def has_lm_head(model) -> bool:
+    """Whether ``model`` has an output embedding (a language model's head)."""
     get = getattr(model, "get_output_embeddings", None)
     return callable(get) and get() is not None
 
@@ -124,7 +125,10 @@ class _Learned:
             return U @ Vh
 
 
-def _learnable(report, al):
+def learnable(report, al) -> dict:
+    """``{class id: its trainable parametrisation}`` for the classes of ``report`` whose
+    element in ``al`` learned matching optimises (unfibred permutations, rotations, RoPE
+    angles; not heads, soft maps or fixed classes)."""
     heads = {o for g in report.groups for o in g.outer}
     out = {}
     for g in report.groups:
@@ -169,7 +173,7 @@ def refine(al, model_a, model_b, data, steps: int, loss_fn=None, lr: float = 1e-
     if not data:
         raise InputError("refine needs data: an iterable of batches to compute the loss on")
     loss_fn = loss_fn or default_loss
-    learn = _learnable(al.report_a, al)
+    learn = learnable(al.report_a, al)
     if not learn:
         return {"steps": 0, "classes": 0}
     t0 = time.perf_counter()

@@ -7,7 +7,7 @@ activations and by weights alone; the start is the one whose model halfway betwe
 the lower mean loss on the first :data:`~symgraph.alignment.refine.START_BATCHES` batches;
 each of the N steps draws ``λ ~ U(0.4, 0.6)`` from the same seeded generator, takes batch
 ``step mod len(data)`` and makes an Adam step on the loss of ``(1 − λ)·θ_A + λ·θ_B′``, B′
-carried into A's basis by the current (learnable) elements (:func:`~symgraph.alignment.refine._learnable`);
+carried into A's basis by the current (learnable) elements (:func:`~symgraph.alignment.refine.learnable`);
 the elements are projected back onto their groups, then full groups are fitted.
 
 The loss is the model's own, ``labels = input_ids`` added for a language model as
@@ -37,7 +37,7 @@ from ..alignment.driver import align_tensors
 from ..alignment.fullgroups import fit_full_groups
 from ..alignment.graphrun import flatten_for, meta_constants, on_device
 from ..alignment.options import AlignOptions
-from ..alignment.refine import START_BATCHES, _has_lm_head, _learnable
+from ..alignment.refine import START_BATCHES, has_lm_head, learnable
 from ..core.elements import Perm
 from ..errors import InputError, NeedsMemory, TraceError
 from ..passes.trace import output_positions, trace
@@ -91,7 +91,7 @@ def loss_inputs(model, batch) -> dict:
                          f"{type(batch).__name__}; expected batches of keyword tensors (language models: "
                          "labels = input_ids)")
     kw = dict(batch)
-    if "labels" not in kw and "input_ids" in kw and _has_lm_head(model):
+    if "labels" not in kw and "input_ids" in kw and has_lm_head(model):
         kw["labels"] = kw["input_ids"]
     return kw
 
@@ -278,7 +278,7 @@ class _Matching:
         in place for ``steps`` steps; returns what happened, as it does."""
         data = self.job.data
         work = replace(al, elements=elements_on(al.elements, self.device))
-        learn = _learnable(al.report_a, work)
+        learn = learnable(al.report_a, work)
         if not learn:
             return {"steps": 0, "classes": 0}
         t0 = time.perf_counter()
