@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .graph import _LINEAR, _is_constant, _module_paths, _pname, _shape
+from .graph import LAYOUT_OPS, _LINEAR, _is_constant, _module_paths, _pname, _shape, dim_before
 
 
 __all__ = ["attention_units", "ROPE_BLOCKED", "ROPE_ABSENT"]
@@ -98,16 +98,10 @@ def _broadcast_axis(node, dim) -> bool:
             return k < 0 or si[k] == 1 and so[dim] > 1
         if name in ("clone", "contiguous", "_to_copy", "to", "alias", "detach", "type_as"):
             pass
-        elif name == "transpose":
-            a, b = (d % len(so) for d in node.args[1:3])
-            dim = b if dim == a else a if dim == b else dim
-        elif name == "permute":
-            dim = list(node.args[1])[dim] % len(so)
-        elif name == "unsqueeze":
-            d = node.args[1] % len(so)
-            if dim == d:
+        elif name in LAYOUT_OPS:
+            dim = dim_before(node, name, dim, len(so))
+            if dim is None:
                 return False
-            dim -= dim > d
         else:
             return False
         node = src

@@ -33,6 +33,22 @@ def _module_paths(n) -> list:
     return out
 
 
+LAYOUT_OPS = ("transpose", "permute", "unsqueeze")
+
+
+def dim_before(node, name: str, dim: int, ndim: int):
+    """The input's dimension that dimension ``dim`` of ``node`` (``ndim`` dimensions, made by
+    layout op ``name`` of :data:`LAYOUT_OPS`) comes from; None for a dimension ``unsqueeze``
+    made."""
+    if name == "transpose":
+        a, b = (d % ndim for d in node.args[1:3])
+        return b if dim == a else a if dim == b else dim
+    if name == "permute":
+        return list(node.args[1])[dim] % ndim
+    d = node.args[1] % ndim  # unsqueeze
+    return None if dim == d else dim - (dim > d)
+
+
 def _source(ep, node, dim):
     """The ``(parameter, dim)`` that ``node``'s dimension ``dim`` reads, walking back through
     copies, transposes, views and expert gathers; None if it is not a parameter's."""
@@ -52,19 +68,13 @@ def _source(ep, node, dim):
         dim %= max(len(shape), 1)
         if name == "t":
             dim = 1 - dim if len(shape) == 2 else dim
-        elif name == "transpose":
-            a, b = (d % len(shape) for d in node.args[1:3])
-            dim = b if dim == a else a if dim == b else dim
-        elif name == "permute":
-            dim = list(node.args[1])[dim] % len(shape)
+        elif name in LAYOUT_OPS:
+            dim = dim_before(node, name, dim, len(shape))
+            if dim is None:
+                return None
         elif name == "select":
             if dim >= node.args[1] % len(sshape):
                 dim += 1
-        elif name == "unsqueeze":
-            d = node.args[1] % len(shape)
-            if dim == d:
-                return None
-            dim -= dim > d
         elif name == "index":
             idx = node.args[1]
             if len(shape) != len(sshape) or dim < len(idx):

@@ -30,7 +30,7 @@ from ..core.elements import Map, Perm
 from ..errors import InputError
 from ..core.groups import PERMUTATION_FAMILY, ones_basis, orthogonal_part, pair_rotations
 
-__all__ = ["refine", "default_loss", "choose_start", "linear", "Bound", "learnable", "has_lm_head"]
+__all__ = ["refine", "default_loss", "choose_start", "linear", "Bound", "learnable", "has_lm_head", "with_labels"]
 
 #: Batches :func:`choose_start` evaluates each candidate start on.
 START_BATCHES = 8
@@ -40,10 +40,7 @@ def default_loss(model, batch):
     """The model's own loss: ``model(**batch).loss``, with ``labels = input_ids`` added for a
     model with an output embedding (causal and masked LMs) when the batch has no labels."""
     if isinstance(batch, dict):
-        kw = dict(batch)
-        if "labels" not in kw and "input_ids" in kw and has_lm_head(model):
-            kw["labels"] = kw["input_ids"]
-        out = model(**kw)
+        out = model(**with_labels(model, batch))
         loss = getattr(out, "loss", None)
         if loss is not None:
             return loss
@@ -51,6 +48,15 @@ def default_loss(model, batch):
     raise InputError(f"refine needs a loss, and {name} computes none from its "
                      "inputs alone (language models do: labels = input_ids); expected batches "
                      "with labels, or from Python loss_fn(model, batch) -> scalar")
+
+
+def with_labels(model, batch: dict) -> dict:
+    """``batch`` with ``labels = input_ids`` added for a model with an output embedding (causal
+    and masked LMs) when it has no labels: what the model's own loss is computed from."""
+    kw = dict(batch)
+    if "labels" not in kw and "input_ids" in kw and has_lm_head(model):
+        kw["labels"] = kw["input_ids"]
+    return kw
 
 
 def has_lm_head(model) -> bool:

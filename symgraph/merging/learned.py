@@ -37,7 +37,7 @@ from ..alignment.driver import align_tensors
 from ..alignment.fullgroups import fit_full_groups
 from ..alignment.graphrun import flatten_for, meta_constants, on_device
 from ..alignment.options import AlignOptions
-from ..alignment.refine import START_BATCHES, has_lm_head, learnable
+from ..alignment.refine import START_BATCHES, learnable, with_labels
 from ..core.elements import Perm
 from ..errors import InputError, NeedsMemory, TraceError
 from ..passes.trace import output_positions, trace
@@ -90,10 +90,7 @@ def loss_inputs(model, batch) -> dict:
         raise InputError(f"refine needs a loss, and {type(model).__name__} computes none from a batch of "
                          f"{type(batch).__name__}; expected batches of keyword tensors (language models: "
                          "labels = input_ids)")
-    kw = dict(batch)
-    if "labels" not in kw and "input_ids" in kw and has_lm_head(model):
-        kw["labels"] = kw["input_ids"]
-    return kw
+    return with_labels(model, batch)
 
 
 class _Graph:
