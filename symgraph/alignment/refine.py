@@ -30,7 +30,8 @@ from ..core.elements import Map, Perm
 from ..errors import InputError
 from ..core.groups import PERMUTATION_FAMILY, ones_basis, orthogonal_part, pair_rotations
 
-__all__ = ["refine", "default_loss", "choose_start", "linear", "Bound", "learnable", "has_lm_head", "with_labels"]
+__all__ = ["refine", "default_loss", "choose_start", "linear", "Bound", "learnable", "has_lm_head", "with_labels",
+           "draw_lambda", "summary"]
 
 #: Batches :func:`choose_start` evaluates each candidate start on.
 START_BATCHES = 8
@@ -193,7 +194,7 @@ def refine(al, model_a, model_b, data, steps: int, loss_fn=None, lr: float = 1e-
     with _evaluating(model_a):
         for step in bar:
             batch = data[step % len(data)]
-            lam = 0.4 + 0.2 * float(torch.rand((), generator=gen))
+            lam = draw_lambda(gen)
             els = dict(al.elements)
             els.update({gid: x.element() for gid, x in learn.items()})
             loss = _call(loss_fn, between(ta, _carried(al, ta, tb, els), lam), batch)
@@ -204,9 +205,20 @@ def refine(al, model_a, model_b, data, steps: int, loss_fn=None, lr: float = 1e-
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
     for gid, x in learn.items():
         al.elements[gid] = x.final()
+    return summary(losses, steps, len(learn), time.perf_counter() - t0)
+
+
+def draw_lambda(gen) -> float:
+    """A step's weight of B′: ``λ ~ U(0.4, 0.6)`` from ``gen``."""
+    return 0.4 + 0.2 * float(torch.rand((), generator=gen))
+
+
+def summary(losses, steps: int, classes: int, seconds: float) -> dict:
+    """What :func:`refine` returns: ``steps``, ``classes``, ``loss_first``/``loss_last`` (mean
+    of the first/last 10% of the steps' losses), ``seconds``."""
     k = max(1, math.ceil(len(losses) / 10))
-    return {"steps": steps, "classes": len(learn), "loss_first": sum(losses[:k]) / k,
-            "loss_last": sum(losses[-k:]) / k, "seconds": time.perf_counter() - t0}
+    return {"steps": steps, "classes": classes, "loss_first": sum(losses[:k]) / k,
+            "loss_last": sum(losses[-k:]) / k, "seconds": seconds}
 
 
 def choose_start(alignments: dict, model_a, model_b, data, loss_fn=None, batches: int = START_BATCHES,

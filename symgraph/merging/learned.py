@@ -25,7 +25,6 @@ the values at the cuts (spilled to disk beyond a quarter of it).
 """
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import replace
@@ -37,7 +36,7 @@ from ..alignment.driver import align_tensors
 from ..alignment.fullgroups import fit_full_groups
 from ..alignment.graphrun import flatten_for, meta_constants, on_device
 from ..alignment.options import AlignOptions
-from ..alignment.refine import START_BATCHES, learnable, with_labels
+from ..alignment.refine import START_BATCHES, draw_lambda, learnable, summary, with_labels
 from ..core.elements import Perm
 from ..errors import InputError, NeedsMemory, TraceError
 from ..passes.trace import output_positions, trace
@@ -301,7 +300,7 @@ class _Matching:
                        disable=not self.job.progress or None)
             for step in bar:
                 batch = data[step % len(data)]
-                lam = 0.4 + 0.2 * float(torch.rand((), generator=gen))
+                lam = draw_lambda(gen)
                 live = {gid: x.element() for gid, x in learn.items()}
                 leaves = {gid: e.detach().requires_grad_(True) for gid, e in live.items()}
                 loss = self._step(batch, work.elements, leaves, lam, budget)
@@ -316,9 +315,7 @@ class _Matching:
             self.job.ledger.drop(state)
         for gid, x in learn.items():
             al.elements[gid] = elements_on({gid: x.final()}, "cpu")[gid]
-        k = max(1, math.ceil(len(losses) / 10))
-        return {"steps": steps, "classes": len(learn), "loss_first": sum(losses[:k]) / k,
-                "loss_last": sum(losses[-k:]) / k, "seconds": time.perf_counter() - t0}
+        return summary(losses, steps, len(learn), time.perf_counter() - t0)
 
     def _step(self, batch, elements, leaves, lam, budget) -> float:
         """One batch's loss of the model between A and B′, differentiated segment by segment
