@@ -26,6 +26,7 @@ def _mid_loss(a, b2, data):
     return out[0][1]
 
 
+@pytest.mark.slow  # ~25-40 s; the default suite's budget is 10 minutes
 def test_refine_lowers_the_interpolated_loss_and_keeps_b(pair):
     a, b, data = pair
     base = symgraph.align(a, b, data=data)
