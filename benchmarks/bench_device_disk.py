@@ -4,7 +4,8 @@ same pair on the same device in the same process, by depth.
 
     python -m benchmarks.bench_device_disk [--shape 7b] [--layers 2,32] [--device cuda]
         [--stages 2] [--work /tmp/symgraph-device-disk] [--workers N] [--cache asis|cold]
-        [--load-check-gb 2] [--out benchmarks/results/device/disk.json]
+        [--load-check-gb 2] [--auction-layers 32] [--skip-aligned] [--methods regmean]
+        [--out benchmarks/results/device/disk.json]
 
 For each depth a pair of random bf16 checkpoints is written under ``--work`` by
 :mod:`benchmarks.bench_scale`'s writer (sharded as ``save_pretrained`` shards them, the
@@ -32,7 +33,17 @@ dtype (headers) and, up to ``--load-check-gb`` per model, loads with ``from_pret
 a few rows of four tensors against the inputs (the unaligned merge against bf16(A/2 + B/2),
 the aligned one against the unaligned). Each output is deleted once measured, each pair once
 its depth is done (``--keep`` keeps them). JSON and Markdown are rewritten after every run,
-and every ``--heartbeat`` seconds during one (elapsed, bytes read, memory so far).
+and every ``--heartbeat`` seconds during one (elapsed, bytes read, memory so far, and the
+assignment and Procrustes calls so far: count and seconds by status and size, so that a run
+the timeout stops still says what its solves cost).
+
+Measurement switches (the library's defaults are not changed): ``--auction-layers DEPTHS``
+adds at those depths the run "aligned, device auction", the aligned merge with
+``symgraph.solve._solvers.SPARSE_N`` raised past any size for that run only, so that square
+assignments from ``AUCTION_MIN`` on go to the device auction instead of the host's sparse
+LAPJVsp on top-k candidates (on a device; on the CPU they go to SciPy's dense solve);
+``--skip-aligned`` runs only the unaligned merge and the ``--methods`` runs (RegMean's cost
+beside the plain average's).
 """
 from __future__ import annotations
 
@@ -49,6 +60,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_device import _sync, header, no_cuda, peaks
+from benchmarks.solver_tally import SolverTally, forced_auction
 from benchmarks.scale.checkpoints import ensure_pair, llama_config, model_sizes, weight_files
 from benchmarks.scale.probe import Probe, meminfo, resident
 
@@ -58,8 +70,6 @@ GB = 1e9
 SAMPLES = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
            "model.layers.0.mlp.gate_proj.weight", "lm_head.weight")
 ROWS = 8  # rows of each sample tensor compared
-
-
 def samples(path) -> dict:
     """The first :data:`ROWS` rows of each of :data:`SAMPLES` (float32)."""
     from benchmarks.scale.checkpoints import tensor_files
@@ -84,9 +94,9 @@ def disk_peaks(device) -> dict:
 
 
 def merge_once(pair, align, device, out, load_check, probe_args, staged=None, budget=None, method="average",
-               data=None) -> dict:
+               data=None, auction=False) -> dict:
     """One ``run_merge`` of the pair into ``out`` (``method``, reading ``data`` if it needs
-    data), measured (see the module docstring)."""
+    data; ``auction``: with the device auction forced, see the module docstring), measured."""
     from symgraph.merging.config import MergeConfig
     from symgraph.merging.run import run_merge
     from benchmarks.scale.checks import check_output
@@ -104,12 +114,15 @@ def merge_once(pair, align, device, out, load_check, probe_args, staged=None, bu
         from benchmarks.bench_cost import instrument
         counter = instrument(sync=lambda: _sync(device))
     try:
-        with Probe(probe_args[0], device, *probe_args[1:]) as p:
+        with forced_auction(auction), SolverTally() as tally, Probe(probe_args[0], device, *probe_args[1:]) as p:
+            from symgraph.solve import _solvers as SV
+            rec["sparse_n"], rec["auction_min"] = SV.SPARSE_N, SV.AUCTION_MIN
             _sync(device)
             t = time.perf_counter()
             res = run_merge(cfg, streaming=True, progress=False)
             _sync(device)
             rec["wall_s"] = time.perf_counter() - t
+        rec["solver_calls"] = tally.summary()
     finally:
         if counter is not None:
             counter.undo()
@@ -173,29 +186,37 @@ def run_depth(a, layers, device, staged_pk, save) -> dict:
     exact = {k: (inputs["a"][k] * 0.5 + inputs["b"][k] * 0.5).bfloat16().float() for k in inputs["a"]}
     runs = [("unaligned", "none", None, a.memory_budget), ("aligned", "weights", None, a.memory_budget)]
     runs = runs[::-1] if a.aligned_first else runs
-    runs += [("aligned_staged", "weights", staged_pk, a.memory_budget)] if staged_pk is not None else []
-    runs += [(f"aligned, budget {b}", "weights", None, b) for at, b in a.budget_runs if at == layers]
-    runs = [(*r, "average") for r in runs] + [(f"{m}, unaligned", "none", None, a.memory_budget, m)
+    runs = [(*r, False) for r in runs]
+    runs += [("aligned, device auction", "weights", None, a.memory_budget, True)] if layers in a.auction_layers else []
+    runs += [("aligned_staged", "weights", staged_pk, a.memory_budget, False)] if staged_pk is not None else []
+    runs += [(f"aligned, budget {b}", "weights", None, b, False) for at, b in a.budget_runs if at == layers]
+    if a.skip_aligned:
+        runs = [r for r in runs if r[1] == "none"]
+    runs = [(*r, "average") for r in runs] + [(f"{m}, unaligned", "none", None, a.memory_budget, False, m)
                                               for m in a.methods]
     data = _token_data(pair["dir"], config.vocab_size, a.data_rows) if a.methods else None
     load_check, got = sizes["bytes"] <= a.load_check_gb * GB, {}
-    for name, align, pk, budget, method in runs:
+    for name, align, pk, budget, auction, method in runs:
         if a.cache == "cold":
             from benchmarks.scale.pagecache import drop_cache
             drop_cache([str(f) for m in "ab" for f in weight_files(pair[m])])
 
         def beat(now, name=name):
+            tally = SolverTally.current
+            now = {**now, "solver_calls": tally.summary() if tally is not None else {}}
             d["runs"][name] = {"running": now}
             save(d)
+            big = "; ".join(f"{k}: {v['calls']} in {v['seconds']:.1f} s" for k, v in now["solver_calls"].items()
+                            if "[n<1024]" not in k)
             print(f"  [{layers} layers, {name}] {now['elapsed_s']:.0f} s: read {now['read_gb']:.1f} GB, RSS "
                   f"{now['rss_gb']:.1f} GB" + (f", GPU {now['gpu_now_gb']:.1f} GB now, {now['gpu_peak_gb']:.1f} GB "
-                                               "peak" if now["gpu_now_gb"] is not None else ""),
-                  file=sys.stderr, flush=True)
+                                               "peak" if now["gpu_now_gb"] is not None else "")
+                  + (f"; {big}" if big else ""), file=sys.stderr, flush=True)
         d["runs"][name] = {"running": {"elapsed_s": 0.0}}
         save(d)
         try:
             r = merge_once(pair, align, device, work / "out", load_check, (name, a.heartbeat, beat), pk, budget,
-                           method, data if method != "average" else None)
+                           method, data if method != "average" else None, auction)
         except Exception as e:  # noqa: BLE001 - recorded (out of memory, a device error), and the next run goes on
             import traceback
             d["runs"][name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}",
@@ -218,7 +239,7 @@ def run_depth(a, layers, device, staged_pk, save) -> dict:
         shutil.rmtree(work / "out", ignore_errors=True)
         d["runs"][name] = r
         for other, x in d["runs"].items():  # whichever ran first
-            if x.get("align") == "weights" and "unaligned" in got:
+            if x.get("align") == "weights" and "unaligned" in got and other in got:
                 x["samples_vs_unaligned"] = _max_diff(got[other], got["unaligned"])
         if {"unaligned", "aligned"} <= set(got):
             d["ratio"] = d["runs"]["aligned"]["wall_s"] / d["runs"]["unaligned"]["wall_s"]
@@ -289,6 +310,13 @@ def markdown(results: dict) -> str:
                     f"{_f(x.get('meminfo_before', {}).get('dirty_gb'))} GB | {ok} |")
         lines += [""] + [f"Aligned ÷ unaligned at {d['layers']} layers: {d['ratio']:.1f}x." for d in r["depths"]
                          if "ratio" in d]
+        for d in r["depths"]:  # the large solves of each run (finished, or so far)
+            for name, x in d["runs"].items():
+                calls = x.get("solver_calls") or x.get("running", {}).get("solver_calls") or {}
+                big = [f"{k}: {v['calls']} calls, {v['seconds']:.1f} s" for k, v in calls.items() if "[n<1024]" not in k]
+                if big:
+                    state = "" if "wall_s" in x else " (so far)"
+                    lines.append(f"Solver calls at n ≥ 1024, {name} at {d['layers']} layers{state}: " + "; ".join(big) + ".")
         for d in r["depths"]:
             for name, x in d["runs"].items():
                 if "stages" in x:
@@ -319,6 +347,9 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="", help="comma-separated methods that read data (regmean, fisher), "
                     "each also run unaligned at every depth on random token ids")
     ap.add_argument("--data-rows", type=int, default=16, help="sequences of 128 tokens in their data")
+    ap.add_argument("--auction-layers", default="", help="depths (of --layers) also aligned with the device "
+                    "auction forced for large squares (SPARSE_N raised for that run: a measurement switch)")
+    ap.add_argument("--skip-aligned", action="store_true", help="only the unaligned merge and the --methods runs")
     ap.add_argument("--heartbeat", type=float, default=15.0, help="seconds between progress lines (0: none)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--sync", action="store_true", help="write the pair back to disk before the runs (os.sync)")
@@ -330,6 +361,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     a.budget_runs = [(int(x.split(":")[0]), x.split(":")[1]) for x in a.budget_runs.split(",") if x]
     a.methods = [m for m in a.methods.split(",") if m]
+    a.auction_layers = {int(x) for x in a.auction_layers.split(",") if x}
     if a.device.startswith("fakegpu"):
         from symgraph.testing.device import install
         install()

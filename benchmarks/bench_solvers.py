@@ -1,28 +1,52 @@
 """The solvers' device paths against the host's: the Newton–Schulz polar factor
-(``symgraph.solve._polar``) against the SVD, and the auction (``symgraph.solve._auction``)
-against SciPy's ``linear_sum_assignment``: time and agreement.
+(``symgraph.solve._polar``) against the SVD, and the assignment paths of ``symgraph.solve``
+(the device auction, ``symgraph.solve._auction``; the sparse LAPJVsp on top-k candidates,
+``_solvers._sparse_assignment``; the library's default path; SciPy's dense
+``linear_sum_assignment``): time and agreement.
 
     python -m benchmarks.bench_solvers [--device cpu] [--out benchmarks/results/solvers]
-                                       [--polar 256 1024 2048] [--assign 256 1024]
+        [--polar 256 1024 2048] [--assign 256 1024] [--kinds uniform noisy_perm]
+        [--width 4096] [--budget S] [--call-timeout S] [--dense-max N] [--dense-timeout S]
 
-Polar factor, float32, per size ``n``: two matrices, a Gaussian one (``randn``: condition number
-of the order of ``n``) and one with singular values log-spaced from 1 to 1/100; for each the
-iteration's steps, fallbacks and time, the float32 SVD's time (``U Vᵀ``), and both results' largest
-entry-wise deviation from the float64 SVD's. Assignment, per size: a uniform random similarity and
-a noisy permutation (``P + 0.3·N(0, 1)``, what aligning two related models looks like), float64;
-the auction's time, phases, rounds and certified gap against SciPy's time and objective (the
-float64 similarity taken to the host is part of SciPy's time on a device). Times are the best of
-``--repeat`` calls after a warm-up (synchronised on CUDA). On the CPU this measures the work, not
-the device's rate: the iteration is matmuls (``~26 n³`` multiply-adds), the SVD ``~11 n³``.
+Polar factor, per size ``n``: a Gaussian matrix (``randn``: condition number of the order of
+``n``), one with singular values log-spaced from 1 to 1/100, and ``product`` (``A Bᵀ`` of two
+random ``n × 2.7n`` matrices, what the residual stream's similarity of two unrelated models is),
+made in float64 on ``--device``; for each the float32 iteration's steps, fallbacks and time (and
+the float64 iteration's time), the float32 and float64 SVDs' times (``U Vᵀ``, on the device),
+and the largest entry-wise deviations from the float64 SVD's factor.
 
-Results: ``results.json`` (with the commit) and ``report.md`` in ``--out``.
+Assignment, per size ``n`` and matrix kind (``--kinds``): ``uniform`` (``rand``, float64),
+``noisy_perm`` (``P + 0.3·N(0, 1)``, float64), ``mlp_random`` and ``mlp_planted`` (float32, built
+as weight matching builds an MLP's similarity: ``Σ_k W_A^k W_B^kᵀ`` over three ``n × --width``
+weights, gate, up and down; B's rows are ``ρ·A[π] + √(1−ρ²)·noise`` with ``ρ = 0`` for
+``mlp_random``, what the benchmarks' random pairs give, and ``ρ`` at the threshold where row maxima
+stop finding ``π`` for ``mlp_planted``). Solvers, each given the similarity on ``--device``:
+``default`` (``symgraph.solve.solve("perm", S, dense=False)``: row maxima, then the sparse solve
+from ``SPARSE_N`` on, else the auction on a device, else SciPy), ``sparse``
+(``_sparse_assignment``: top-``SPARSE_K`` candidates chosen on the device, LAPJVsp on the host),
+``auction`` (on the device; its certificate's gap), and ``scipy`` (dense, float64 on the host, in a
+forked process that ``--dense-timeout`` stops; the copy to the host timed apart), for ``n <=
+--dense-max``. Each solver's objective is computed in float64 from ``S`` and compared with the
+best one found. Rows run in the order of ``--assign`` and ``--kinds``, SciPy last in each;
+every call is stopped past ``--call-timeout`` (an alarm: the auction is a Python loop; SciPy's
+process past ``--dense-timeout``) and no call starts past ``--budget`` seconds. Sizes below 4096
+are timed as the best of ``--repeat`` calls after a warm-up; larger ones once (their warm-up is
+the smaller sizes). Synchronised on CUDA.
+
+Results: ``results.json`` and ``report.md`` in ``--out``, rewritten after every row (a run an
+outer timeout stops still reports); ``auction_vs_sparse`` lists, per size and kind, whether the
+auction was faster than the sparse solve.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
+import pickle
 import platform
+import select
+import signal
 import time
 
 import numpy as np
@@ -31,6 +55,7 @@ import torch
 from .provenance import REPO_ROOT, git_state, write_result
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "solvers"
+BIG = 4096  # from this size on: one timed call, no warm-up
 
 
 def _sync(device):
@@ -38,104 +63,296 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _best(f, repeat, device):
-    out = f()
-    _sync(device)
-    best = float("inf")
-    for _ in range(repeat):
+class _Timeout(Exception):
+    pass
+
+
+def _limited(f, seconds):
+    """``f()``, stopped by an alarm past ``seconds`` (raises :class:`_Timeout`)."""
+    if seconds is None or not hasattr(signal, "SIGALRM"):
+        return f()
+
+    def on_alarm(*_):
+        raise _Timeout(f"over {seconds:.1f} s")
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        return f()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _best(f, repeat, device, warm=True, limit=None):
+    if warm:
+        _limited(f, limit)
+        _sync(device)
+    best, out = float("inf"), None
+    for _ in range(max(1, repeat)):
         t = time.perf_counter()
-        out = f()
+        out = _limited(f, limit)
         _sync(device)
         best = min(best, time.perf_counter() - t)
     return best, out
 
 
-def _matrix(kind, n, g):
+def _gen(device, seed):
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _matrix(kind, n, device, g):
     if kind == "gaussian":
-        return torch.randn(n, n, generator=g, dtype=torch.float64)
-    U, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
-    V, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
-    return (U * torch.logspace(0, -2, n, dtype=torch.float64)) @ V.mT
+        return torch.randn(n, n, generator=g, dtype=torch.float64, device=device)
+    if kind == "product":
+        m = int(2.6875 * n)  # 11008 / 4096
+        A, B = (torch.randn(n, m, generator=g, dtype=torch.float64, device=device) / math.sqrt(m) for _ in range(2))
+        return A @ B.mT
+    U, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64, device=device))
+    V, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64, device=device))
+    return (U * torch.logspace(0, -2, n, dtype=torch.float64, device=device)) @ V.mT
 
 
-def bench_polar(n, device, repeat, seed=0):
+def bench_polar(n, device, repeat, seed=0, kinds=("gaussian", "cond100", "product"), rows=None):
+    """The rows of size ``n``, appended to ``rows`` as each is measured (and returned)."""
     from symgraph.solve._polar import polar
-    g = torch.Generator().manual_seed(seed + n)
-    rows = []
-    for kind in ("gaussian", "cond100"):
-        M64 = _matrix(kind, n, g)
-        U, _, Vh = torch.linalg.svd(M64)
-        ref = U @ Vh
-        M = M64.float().to(device)
-        t_it, (Q, info) = _best(lambda: polar(M), repeat, device)
+    g = _gen(device, seed + n)
+    warm = n < BIG
+    rows = [] if rows is None else rows
+    for kind in kinds:
+        M64 = _matrix(kind, n, device, g)
 
-        def svd():
+        def svd(M):
             U, _, Vh = torch.linalg.svd(M, full_matrices=False)
             return U @ Vh
-        t_svd, R = _best(svd, repeat, device)
+        t_svd64, ref = _best(lambda: svd(M64), repeat, device, warm)
+        M = M64.float()
+        t_it, (Q, info) = _best(lambda: polar(M), repeat, device, warm)
+        t_it64, (Q64, info64) = _best(lambda: polar(M64), repeat, device, warm)
+        t_svd, R = _best(lambda: svd(M), repeat, device, warm)
         rows.append({"n": n, "matrix": kind, "dtype": "float32", "iterations": info["iterations"],
                      "fallback": info["fallback"], "residual": info["residual"],
-                     "iterative_s": t_it, "svd_s": t_svd,
-                     "iterative_dev_from_svd64": float((Q.cpu().double() - ref).abs().max()),
-                     "svd32_dev_from_svd64": float((R.cpu().double() - ref).abs().max()),
-                     "iterative_vs_svd32": float((Q.cpu().double() - R.cpu().double()).abs().max())})
+                     "iterative_s": t_it, "svd_s": t_svd, "svd64_s": t_svd64, "iterative64_s": t_it64,
+                     "iterative64_fallback": info64["fallback"],
+                     "iterative_dev_from_svd64": float((Q.double() - ref).abs().max()),
+                     "iterative64_dev_from_svd64": float((Q64 - ref).abs().max()),
+                     "svd32_dev_from_svd64": float((R.double() - ref).abs().max()),
+                     "iterative_vs_svd32": float((Q.double() - R.double()).abs().max())})
         print(rows[-1], flush=True)
     return rows
 
 
-def bench_assign(n, device, repeat, seed=0):
-    from scipy.optimize import linear_sum_assignment
+def similarity(kind, n, device, width, seed=0):
+    """``(S, planted permutation or None, extra)`` on ``device`` (see the module docstring)."""
+    g = _gen(device, seed + n + 7919 * len(kind))
+    if kind == "uniform":
+        return torch.rand(n, n, generator=g, dtype=torch.float64, device=device), None, {}
+    perm = torch.randperm(n, generator=g, device=device)
+    if kind == "noisy_perm":
+        S = torch.eye(n, dtype=torch.float64, device=device)[perm]
+        return S + 0.3 * torch.randn(n, n, generator=g, dtype=torch.float64, device=device), perm, {}
+    if kind not in ("mlp_random", "mlp_planted"):
+        raise ValueError(f"unknown matrix kind {kind!r}")
+    rho = 0.0 if kind == "mlp_random" else math.sqrt(2 * math.log(n) / (3 * width))
+    S = torch.zeros(n, n, dtype=torch.float32, device=device)
+    for _ in range(3):  # gate, up, down: each a unit's row (or column) of width entries
+        A = torch.randn(n, width, generator=g, device=device) / math.sqrt(width)
+        N = torch.randn(n, width, generator=g, device=device) / math.sqrt(width)
+        B = torch.empty_like(A)
+        B[perm] = rho * A + math.sqrt(1 - rho * rho) * N  # B's unit perm[i] is A's unit i
+        S += A @ B.mT
+        del A, N, B
+    return S, (perm if rho else None), {"rho": rho, "width": width}
+
+
+def _objective(S, cols):
+    c = torch.as_tensor(cols, device=S.device).long()
+    return float(S.gather(1, c[:, None]).double().sum())
+
+
+def _dense_in_child(s: np.ndarray, timeout: float):
+    """SciPy's dense assignment of the host array ``s`` in a forked process: ``(cols, seconds)``,
+    or raises :class:`_Timeout` (the child killed) past ``timeout``."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: SciPy only (no torch, no device)
+        try:
+            os.close(r)
+            from scipy.optimize import linear_sum_assignment
+            t = time.perf_counter()
+            _, c = linear_sum_assignment(s, maximize=True)
+            body = pickle.dumps((c.astype(np.int64), time.perf_counter() - t))
+            with os.fdopen(w, "wb") as f:
+                f.write(body)
+        finally:
+            os._exit(0)
+    os.close(w)
+    data, deadline = b"", time.perf_counter() + timeout
+    try:
+        with os.fdopen(r, "rb") as f:
+            while True:
+                left = deadline - time.perf_counter()
+                if left <= 0 or not select.select([f], [], [], left)[0]:
+                    raise _Timeout(f"over {timeout:.1f} s")
+                chunk = os.read(f.fileno(), 1 << 20)
+                if not chunk:
+                    break
+                data += chunk
+    except _Timeout:
+        os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        os.waitpid(pid, 0)
+    if not data:
+        raise RuntimeError("the SciPy process ended without a result")
+    return pickle.loads(data)
+
+
+def _solvers():
+    from symgraph.solve import _solvers as SV
     from symgraph.solve._auction import auction
-    g = torch.Generator().manual_seed(seed + n)
-    rows = []
-    for kind in ("uniform", "noisy_perm"):
-        if kind == "uniform":
-            S = torch.rand(n, n, generator=g, dtype=torch.float64)
-        else:
-            S = torch.eye(n, dtype=torch.float64)[torch.randperm(n, generator=g)]
-            S = S + 0.3 * torch.randn(n, n, generator=g, dtype=torch.float64)
-        Sd = S.to(device)
-        t_a, out = _best(lambda: auction(Sd), repeat, device)
-        t_s, (r, c) = _best(lambda: linear_sum_assignment(Sd.cpu().numpy(), maximize=True), repeat, device)
-        s = S.numpy()
-        want = float(s[r, c].sum())
-        row = {"n": n, "matrix": kind, "scipy_s": t_s, "auction_s": t_a, "scipy_objective": want,
-               "certified": out is not None}
-        if out is not None:
-            rows_, cols, info = out
-            cols = cols.cpu().numpy()
-            row |= {"objective_diff": float(s[np.arange(n), cols].sum()) - want,
-                    "same_permutation": bool((cols == c).all()), "phases": info["phases"],
-                    "rounds": info["rounds"], "gap": info["gap"], "gap_bound": info["bound"]}
-        rows.append(row)
-        print(row, flush=True)
-    return rows
+
+    def default(S):
+        r = SV.solve("perm", S, dense=False)
+        return r.element.index.cpu().numpy(), {"status": r.status}
+
+    def sparse(S):
+        rows, cols, status = SV._sparse_assignment(S)
+        if rows is None:
+            return None, {"status": "no full matching among the candidates"}
+        return cols, {"status": status, "k": SV.SPARSE_K}
+
+    def auc(S):
+        out = auction(S)
+        if out is None:
+            return None, {"status": "certificate failed"}
+        _, cols, info = out
+        return cols.cpu().numpy(), {"status": "certified", **{k: info[k] for k in ("phases", "rounds", "gap", "bound")}}
+    return {"default": default, "sparse": sparse, "auction": auc}
+
+
+def bench_assign_row(n, kind, S, planted, extra, device, repeat, limit):
+    """The on-device solvers of one similarity (``dict`` row)."""
+    row = {"n": n, "matrix": kind, "dtype": str(S.dtype)[6:], **extra, "solvers": {}}
+    am = S.argmax(1)
+    row["row_maxima_permutation"] = int(torch.unique(am).numel()) == n
+    if planted is not None:
+        row["planted_objective"] = _objective(S, planted)  # row i -> column perm[i]
+    for name, f in _solvers().items():
+        left = limit()
+        if left <= 0:
+            row["solvers"][name] = {"skipped": "budget spent"}
+            continue
+        try:
+            t, (cols, info) = _best(lambda f=f: f(S), repeat, device, warm=n < BIG, limit=left)
+        except _Timeout as e:
+            row["solvers"][name] = {"timeout": str(e)}
+            _sync(device)
+            print(f"  {kind} n={n} {name}: {e}", flush=True)
+            continue
+        rec = {"seconds": t, **info}
+        if cols is not None:
+            rec["objective"] = _objective(S, cols)
+            rec["permutation"] = bool(np.unique(np.asarray(cols)).size == n)
+            if planted is not None:
+                rec["planted_recovered"] = float((torch.as_tensor(cols, device=S.device) == planted).double().mean())
+            rec["cols"] = np.asarray(cols)  # dropped before writing
+        row["solvers"][name] = rec
+        print(f"  {kind} n={n} {name}: {t:.3f} s {info.get('status', '')}", flush=True)
+    return row
+
+
+def bench_dense_row(row, S, device, limit):
+    """SciPy's dense solve of ``S`` added to ``row``."""
+    left = limit()
+    if left <= 0:
+        row["solvers"]["scipy"] = {"skipped": "budget spent"}
+        return
+    _sync(device)
+    t = time.perf_counter()
+    s = S.detach().double().cpu().numpy()
+    copy = time.perf_counter() - t
+    try:
+        cols, secs = _dense_in_child(s, left)
+    except _Timeout as e:
+        row["solvers"]["scipy"] = {"timeout": str(e), "copy_s": copy}
+        print(f"  {row['matrix']} n={row['n']} scipy: {e}", flush=True)
+        return
+    row["solvers"]["scipy"] = {"seconds": secs + copy, "solve_s": secs, "copy_s": copy, "status": "optimal",
+                               "objective": float(s[np.arange(s.shape[0]), cols].sum()), "cols": cols}
+    print(f"  {row['matrix']} n={row['n']} scipy: {secs:.3f} s (+ {copy:.3f} s copy)", flush=True)
+
+
+def agree(row):
+    """Each solver's objective against the best found, and permutations against SciPy's."""
+    objs = [x["objective"] for x in row["solvers"].values() if "objective" in x]
+    if not objs:
+        return
+    best = max(objs)
+    row["best_objective"] = best
+    ref = row["solvers"].get("scipy", {}).get("cols")
+    for x in row["solvers"].values():
+        if "objective" in x:
+            x["objective_vs_best"] = x["objective"] - best
+            if ref is not None and "cols" in x:
+                x["same_as_scipy"] = bool((np.asarray(x["cols"]) == ref).all())
+
+
+def _public(rows):
+    return [{**r, "solvers": {k: {a: b for a, b in v.items() if a != "cols"} for k, v in r["solvers"].items()}}
+            for r in rows]
+
+
+def verdicts(rows):
+    out = []
+    for r in rows:
+        a, s = r["solvers"].get("auction", {}), r["solvers"].get("sparse", {})
+        ta = a.get("seconds") if "objective" in a else None
+        ts = s.get("seconds") if "objective" in s else None
+        if ta is None and ts is None:
+            continue
+        out.append({"n": r["n"], "matrix": r["matrix"], "auction_s": ta, "sparse_s": ts,
+                    "auction_faster": ta is not None and (ts is None or ta < ts)})
+    return out
+
+
+def _s(x, key="seconds"):
+    if "seconds" in x and key in x:
+        return f"{x[key]:.3f} s"
+    return x.get("timeout") or x.get("skipped") or x.get("status") or "–"
 
 
 def markdown(rec) -> str:
     lines = ["# Solvers: the device paths against the host's", "",
              f"Written by `python -m benchmarks.bench_solvers` at commit {rec['commit']}, {rec['when']}, on "
-             f"{rec['device_name']} (torch {rec['torch']}, {rec['threads']} threads); best of {rec['repeat']} "
-             "after a warm-up.", "",
-             "## Polar factor (float32): Newton–Schulz (Chen–Chow scaling) against the SVD", "",
-             "| n | matrix | steps | fallback | iterative | SVD | iterative − SVD64 | SVD32 − SVD64 | iterative − SVD32 |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{rec['device_name']} (torch {rec['torch']}, {rec['threads']} threads); sizes below {BIG}: best of "
+             f"{rec['repeat']} after a warm-up, larger: one call. Budget {rec.get('budget')} s; "
+             f"{'finished' if rec.get('done') else 'unfinished (rewritten after every row)'}.", "",
+             "## Polar factor: Newton–Schulz (Chen–Chow scaling) against the SVD, on the device", "",
+             "| n | matrix | steps | fallback | iterative f32 | iterative f64 | SVD f32 | SVD f64 | iterative − SVD64 "
+             "| SVD32 − SVD64 | iterative64 − SVD64 |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rec["polar"]:
         lines.append(f"| {r['n']} | {r['matrix']} | {r['iterations']} | {r['fallback']} | {r['iterative_s']:.3f} s | "
-                     f"{r['svd_s']:.3f} s | {r['iterative_dev_from_svd64']:.1e} | {r['svd32_dev_from_svd64']:.1e} | "
-                     f"{r['iterative_vs_svd32']:.1e} |")
+                     f"{r['iterative64_s']:.3f} s | {r['svd_s']:.3f} s | {r['svd64_s']:.3f} s | "
+                     f"{r['iterative_dev_from_svd64']:.1e} | {r['svd32_dev_from_svd64']:.1e} | "
+                     f"{r['iterative64_dev_from_svd64']:.1e} |")
     lines += ["", "Deviations: the largest entry-wise difference of the orthogonal factors.", "",
-              "## Assignment (float64): auction (ε-scaling, int64 benefits) against SciPy", "",
-              "| n | matrix | auction | SciPy | phases | rounds | objective − SciPy's | same permutation | certified gap (bound) |",
-              "|---:|---|---:|---:|---:|---:|---:|---|---|"]
+              "## Assignment: the library's default path, sparse top-k, device auction, dense SciPy", "",
+              "| n | matrix | row maxima a perm. | default (status) | sparse top-k | auction (phases, rounds) "
+              "| SciPy dense (copy) | objective − best: default / sparse / auction / SciPy | planted recovered |",
+              "|---:|---|---|---|---:|---:|---:|---|---:|"]
     for r in rec["assign"]:
-        if not r["certified"]:
-            lines.append(f"| {r['n']} | {r['matrix']} | {r['auction_s']:.3f} s | {r['scipy_s']:.3f} s | – | – | "
-                         "certificate failed | – | – |")
-            continue
-        lines.append(f"| {r['n']} | {r['matrix']} | {r['auction_s']:.3f} s | {r['scipy_s']:.3f} s | {r['phases']} | "
-                     f"{r['rounds']} | {r['objective_diff']:.1e} | {r['same_permutation']} | "
-                     f"{r['gap']:.1e} ({r['gap_bound']:.1e}) |")
+        sv = r["solvers"]
+        d, sp, au, sc = (sv.get(k, {}) for k in ("default", "sparse", "auction", "scipy"))
+        auc = _s(au) + (f" ({au['phases']}, {au['rounds']})" if "rounds" in au else "")
+        sci = _s(sc) + (f" ({sc['copy_s']:.2f} s)" if "copy_s" in sc and "seconds" in sc else "")
+        diffs = " / ".join(f"{x['objective_vs_best']:.1e}" if "objective_vs_best" in x else "–" for x in (d, sp, au, sc))
+        rec_ = max((x.get("planted_recovered", -1) for x in sv.values()), default=-1)
+        lines.append(f"| {r['n']} | {r['matrix']} | {r['row_maxima_permutation']} | {_s(d)} ({d.get('status', '–')}) "
+                     f"| {_s(sp)} | {auc} | {sci} | {diffs} | {'–' if rec_ < 0 else f'{rec_:.3f}'} |")
+    if rec.get("auction_vs_sparse"):
+        lines += ["", "Auction faster than the sparse solve: " + ", ".join(
+            f"n={v['n']} {v['matrix']}: {v['auction_faster']}" for v in rec["auction_vs_sparse"]) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -144,17 +361,62 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--polar", type=int, nargs="*", default=[256, 1024, 2048])
+    ap.add_argument("--polar-kinds", nargs="*", default=["gaussian", "cond100", "product"])
     ap.add_argument("--assign", type=int, nargs="*", default=[256, 1024])
+    ap.add_argument("--kinds", nargs="*", default=["uniform", "noisy_perm", "mlp_random", "mlp_planted"])
+    ap.add_argument("--width", type=int, default=4096, help="the mlp kinds' weight width (the hidden size)")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=None, help="no call starts after this many seconds")
+    ap.add_argument("--call-timeout", type=float, default=120.0, help="each call stopped past this")
+    ap.add_argument("--dense-max", type=int, default=1 << 30, help="SciPy's dense solve up to this size")
+    ap.add_argument("--dense-timeout", type=float, default=120.0)
+    ap.add_argument("--commit", default=os.environ.get("SYMGRAPH_COMMIT"))
     a = ap.parse_args(argv)
     device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_solvers: --device cuda but this machine has no CUDA device")
+        return 2
+    t0 = time.perf_counter()
+
+    def limit(cap=a.call_timeout):
+        left = math.inf if a.budget is None else a.budget - (time.perf_counter() - t0)
+        return min(cap, left)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or 'CPU'} ({os.cpu_count()} cores)"
-    rec = {"commit": git_state(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
+    rec = {"commit": a.commit or git_state(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": str(device), "device_name": name, "torch": torch.__version__,
-           "threads": torch.get_num_threads(), "repeat": a.repeat,
-           "polar": [r for n in a.polar for r in bench_polar(n, device, a.repeat)],
-           "assign": [r for n in a.assign for r in bench_assign(n, device, a.repeat)]}
-    write_result(a.out, ".solvers-", rec, markdown)
+           "threads": torch.get_num_threads(), "repeat": a.repeat, "budget": a.budget, "polar": [], "assign": [],
+           "done": False}
+    rows: list = []
+
+    def save():
+        rec["assign"] = _public(rows)
+        rec["auction_vs_sparse"] = verdicts(rows)
+        write_result(a.out, ".solvers-", rec, markdown)
+    for n in a.polar:
+        if limit() <= 0:
+            break
+        try:
+            _limited(lambda: bench_polar(n, device, a.repeat, kinds=a.polar_kinds, rows=rec["polar"]), limit())
+        except _Timeout as e:
+            print(f"  polar n={n}: {e}", flush=True)
+        save()
+    for n in a.assign:
+        for kind in a.kinds:
+            if limit() <= 0:
+                break
+            S, planted, extra = similarity(kind, n, device, a.width)
+            row = bench_assign_row(n, kind, S, planted, extra, device, a.repeat, limit)
+            rows.append(row)
+            agree(row)
+            save()
+            if n <= a.dense_max:
+                bench_dense_row(row, S, device, lambda: limit(a.dense_timeout))
+                agree(row)
+                save()
+            del S
+    rec["done"] = True
+    rec["seconds"] = time.perf_counter() - t0
+    save()
     print(markdown(rec))
     return 0
 
