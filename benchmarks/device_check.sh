@@ -33,7 +33,7 @@
 # env.txt, solvers.txt + solvers/ (results.json, report.md), tests.txt, bench.txt (the
 # benchmarks' logs), device.json/.md, disk.json/.md, regmean.json/.md.
 # Knobs (environment): BUDGET_S, TESTS_TIMEOUT, FAKEGPU_TESTS, MEMORY_BENCH (0: skip step 2),
-# BENCH_TIMEOUT, SHAPE, LAYERS, STAGED, DISK_LAYERS, STAGED_DISK, WORK, MEMORY_BUDGET (the
+# BENCH_TIMEOUT, SHAPE, LAYERS, STAGED, DISK_LAYERS, STAGED_DISK, WORK, REGMEAN_MEMORY_BUDGET (RegMean's; default: the engine's), MEMORY_BUDGET (the
 # engine's --memory-budget), ALIGNED_FIRST (1: the aligned merge before the unaligned one),
 # BUDGET_RUNS (default 2:12GB: at 2 layers one more aligned run whose caches hold the whole
 # pair, so that the cost of re-reading the checkpoints shows; empty: none),
@@ -119,7 +119,7 @@ if [ -n "${REGMEAN_LAYERS-}" ] && [ "$DT" -gt 30 ]; then
   mkdir -p "$WORK"
   timeout -k 5 "$DT" python3 -m benchmarks.bench_device_disk --shape "$SHAPE" --layers "$REGMEAN_LAYERS" \
     --stages "" --device "$DEVICE" --work "$WORK" --methods regmean --skip-aligned \
-    ${MEMORY_BUDGET:+--memory-budget "$MEMORY_BUDGET"} --budget-runs "" \
+    ${REGMEAN_MEMORY_BUDGET:+--memory-budget "$REGMEAN_MEMORY_BUDGET"} --budget-runs "" \
     --out "$OUT/regmean.json" 2>&1 | tee -a "$OUT/bench.txt"
   rm -rf "$WORK"
 fi
