@@ -135,15 +135,17 @@ def test_new_merge_method_is_a_registered_class():
     class SecondOnly(MergeMethod):
         # keeps the aligned non-anchor model: an output that cannot come from the merge's own
         # copy of the anchor, so it shows that this class's combine produced the model
-        def combine(self, states, stats, weights, report):
-            calls.append((len(states), [float(w) for w in weights], stats))
-            return {k: v.clone() for k, v in states[1].items()}
+        def combine_group(self, names, values, stats, weights, report):
+            calls.append((tuple(names), len(values), [float(w) for w in weights], stats))
+            return {k: values[1][k].clone() for k in names}
 
     assert "second_only_test" in symgraph.merge_methods()
     a, inputs, _ = build_mlp(seed=0)
     b, _, _ = build_mlp(seed=1)
     res = symgraph.merge([a, b], inputs, method="second_only_test", weights=[1, 3])
-    assert calls == [(2, [0.25, 0.75], [None, None])]  # called once, normalised weights, no stats
+    # the engine calls it per group of tensors: every parameter once, normalised weights, no stats
+    assert sorted(n for c in calls for n in c[0]) == sorted(k for k, _ in a.named_parameters())
+    assert all(c[1:] == (2, [0.25, 0.75], [None, None]) for c in calls)
     assert isinstance(res, symgraph.MergeResult) and res.alignments[0] is None
     assert res.alignments[1] is not None and res.timings["total"] >= res.timings["align"] > 0
     aligned_b = res.alignments[1].state(b)
@@ -157,6 +159,14 @@ def test_new_merge_method_is_a_registered_class():
         assert not torch.allclose(res.model(*inputs), a(*inputs), atol=1e-3)
     with pytest.raises(symgraph.InputError, match="unknown method"):
         symgraph.merge([a, copy.deepcopy(b)], inputs, method="no_such_method")
+
+    class WholeStatesOnly(MergeMethod):  # the former whole-state API: refused in one line
+        name = "whole_states_only"
+
+        def combine(self, states, stats, weights, report):
+            return states[0]
+    with pytest.raises(symgraph.InputError, match="defines no combine_group; expected combine_group"):
+        symgraph.merge([a, b], inputs, method=WholeStatesOnly())
 
 
 def test_random_permutations_are_index_vectors_and_act_as_before():

@@ -5,7 +5,6 @@ in-memory untied merge and stays within its memory budget."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from symgraph.checkpoints.sharded import Checkpoint, parse_size
 from symgraph.cli.main import main as cli
 from symgraph.merging.config import MergeConfig
 from symgraph.merging.run import run_merge
+from symgraph.merging.sinks import write_config
 from symgraph.merging.streaming import StreamingMerge
 from symgraph.merging.untie import untie_checkpoint, untie_config_updates
 from symgraph.testing import models
@@ -112,8 +112,6 @@ def test_the_config_updates_reach_a_nested_text_config(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "in" / "config.json").write_text(json.dumps(
         {"tie_word_embeddings": True, "text_config": {"hidden_size": 8, "tie_word_embeddings": True}}))
-    job = SimpleNamespace(ckpts=[SimpleNamespace(path=str(tmp_path / "in"))], anchor=0,
-                          config_updates=untie_config_updates(Gemma3Config()))
-    StreamingMerge._write_config(job, str(tmp_path / "out"))  # a job with only what it reads
+    write_config(str(tmp_path / "in"), str(tmp_path / "out"), untie_config_updates(Gemma3Config()))
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written == {"tie_word_embeddings": False, "text_config": {"hidden_size": 8, "tie_word_embeddings": False}}

@@ -106,6 +106,10 @@ class Checkpoint:
         out.param_of = {a: n for n, names in out.params.items() for a in names}
         return out
 
+    def retyped(self, dtype) -> torch.nn.Module:
+        """The meta model in ``dtype`` (graphs of checkpoints stored in different dtypes run in one)."""
+        return self.model.to(dtype)
+
     # --- reading -------------------------------------------------------------------------
 
     def _handle(self, file):

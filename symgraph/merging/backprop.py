@@ -42,7 +42,7 @@ ACC_BYTES = 8  # float64 sums per weight element
 def squared_gradients(job, i: int, method, prefix: str) -> Stored:
     """Model ``i``'s ``Σ_batches (∂ loss / ∂ w)²`` per parameter (float64), ``loss`` the
     method's (:meth:`loss` of the graph's first output) on ``job.data``, measured in the
-    anchor's basis as :func:`~symgraph.merging.driver.statistics_in_anchor_basis` measures it
+    anchor's basis as :func:`~symgraph.merging.statistics.statistics_in_anchor_basis` measures it
     in memory: on the aligned model where norm gains fold, else in the model's own basis and
     moved by the method's :meth:`to_anchor`. Segments of the traced graph are run forward
     and backward one at a time (see the module's docstring); summed over the processes

@@ -156,7 +156,7 @@ def _wider(report, n) -> dict:
     return {g: n * dims[g] for g in plan(report, query_scale=False).wide}
 
 
-def _why_no_config(model, n) -> str | None:
+def why_no_config(model, n) -> str | None:
     """Why ``model``'s config cannot state ``n``-fold heads, or None where it can."""
     cfg = getattr(model, "config", None)
     if cfg is None or "head_dim" not in cfg.to_dict():
@@ -214,7 +214,7 @@ def circuit_merge(models, weights, report):
     the parents' own traced program with the head classes widened
     (:class:`~symgraph.merging.widen.Resized`): in memory only, ``why_not_saved`` says why."""
     n = len(models)
-    why = _why_no_config(models[0], n)
+    why = why_no_config(models[0], n)
     cplan = plan(report, query_scale=why is None)
     dtype = next(models[0].parameters()).dtype
     states = [{k: v.detach().to(torch.promote_types(v.dtype, torch.float32)) for k, v in m.state_dict().items()}
@@ -248,6 +248,24 @@ def circuit_merge(models, weights, report):
     return new.eval()
 
 
+def wide_model(A, cfg, device):
+    """``(model, finish)``: ``A``'s class built from the circuit-space ``cfg`` with empty tensors on
+    ``device`` (tied names each their own until ``finish(model)``, run once every tensor is
+    written, ties them again and rebuilds the buffers the config computes), as
+    :func:`circuit_merge` builds it; what the merge engine writes a merge of models in memory
+    into."""
+    with torch.device("meta"):
+        new = type(A)(cfg)
+    tied = tied_groups(new)
+    new = new.to_empty(device=device)
+
+    def finish(model):
+        retie(model, tied)
+        _recompute_buffers(model, cfg)
+        model.eval()
+    return new, finish
+
+
 def _recompute_buffers(model, cfg):
     """Non-persistent buffers (RoPE frequencies) hold no saved value: rebuild the modules that
     own them from the new config, on the model's device."""
@@ -267,7 +285,7 @@ def circuit_between(model_a, report=None):
     from ..alignment.refine import Bound
     from ..report import analyze
     report = report if report is not None else analyze(model_a)
-    why = _why_no_config(model_a, 2)
+    why = why_no_config(model_a, 2)
     cplan = plan(report, query_scale=why is None)
     skeleton = circuit_merge([model_a, model_a], [0.5, 0.5], report)
 
@@ -300,7 +318,7 @@ class Streamed:
             raise InputError(f"attention='circuits' merges by weighted averaging, not method={job.how.name!r}"
                              f"{' with repair' if getattr(job, 'repair', False) else ''}; expected "
                              "method='average' without repair")
-        why = _why_no_config(A.model, n)
+        why = why_no_config(A.model, n)
         if why:
             raise InputError(f"{why} (symgraph.merge(..., attention='circuits') in Python); expected a config "
                              "with head_dim (LLaMA, Qwen2, Mistral, Gemma...) for a saved checkpoint")

@@ -16,13 +16,14 @@ from tqdm import tqdm
 from ..alignment import align as align_models
 from ..alignment.checks import check_finite
 from ..report.api import analyze
-from ..report.symmetry import SymmetryReport
 from ..errors import InputError
+from ..checkpoints.memory import ModelCheckpoint
+from .circuits import circuit_merge, why_no_config, wide_model
 from .methods import registry
 from .methods.registry import mixing_weights
-from .state import aligned_state
-from .batchnorm import repair as repair_merge
 from .repair import RepairReport
+from .statistics import statistics_in_anchor_basis
+from .streaming import StreamingMerge
 
 __all__ = ["MergeResult", "merge", "statistics_in_anchor_basis"]
 
@@ -98,71 +99,77 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         found, universe = align_universe(models, inputs, ra, align, data, w, universe_options,
                                          progress, **align_options)
         timings["align"] = universe["seconds"]
-    states, stats, alignments, buffers = [], [], [], []
-    bar = tqdm(models, desc=f"merging ({how.name}, align={align})", unit="model", file=sys.stderr,
-               leave=False, disable=not progress)
+    alignments: list = []
+    bar = tqdm(models, desc=f"aligning (align={align})", unit="model", file=sys.stderr,
+               leave=False, disable=not progress or align is None)
     for i, m in enumerate(bar):
         t1 = time.perf_counter()
-        al = None
-        rep: SymmetryReport | None = ra
-        if i != anchor and align is not None:
-            al = found[i] if found else align_models(
-                A, m, inputs, data=data if align == "activations" or align_options.get("refine")
-                else None, report_a=ra, **align_options)
-            rep = al.report_b
-            st = aligned_state(m, al, ra, lazy=not repair)
-        else:
-            if i != anchor:
-                _check_same_shapes(A, m, i)
-                rep = analyze(m, inputs, outputs=ra.outputs) if how.needs_data else None
-            st = aligned_state(m, None, ra, lazy=not repair)
-        t2 = time.perf_counter()
-        timings["align"] += t2 - t1
+        al = found[i] if found else None
+        if al is None and i != anchor and align is not None:
+            al = align_models(A, m, inputs, data=data if align == "activations" or align_options.get("refine")
+                              else None, report_a=ra, **align_options)
+        elif i != anchor and align is None:
+            _check_same_shapes(A, m, i)
         alignments.append(al)
-        buffers.append({k: st.pop(k) for k in ra.buffers if k in st})
-        states.append(st)
-        stats.append(statistics_in_anchor_basis(how, m, rep, al, ra, data) if how.needs_data else None)
-        timings["statistics"] += time.perf_counter() - t2
+        timings["align"] += time.perf_counter() - t1
     t3 = time.perf_counter()
-    if attention == "circuits":
-        from .circuits import circuit_merge
-        parents = [m if al is None else al.apply(m) for m, al in zip(models, alignments)]
-        assert isinstance(anchor, int)  # circuits refuse a universe above
-        parents = parents[anchor:anchor + 1] + parents[:anchor] + parents[anchor + 1:]
-        ws = [w[anchor]] + [x for i, x in enumerate(w) if i != anchor]
-        out = circuit_merge(parents, ws, ra)  # the head classes do not depend on folding
+    if attention == "circuits" and why_no_config(A, len(models)):  # a traced program widened: in memory only
+        out = _circuits_without_config(models, alignments, w, anchor, ra)
         timings["combine"] = time.perf_counter() - t3
         timings["total"] = time.perf_counter() - t0
         return MergeResult(out, alignments, timings, None, universe)
-    merged = how.combine(states, stats, w, ra)
-    if not repair:  # the parents' states are done with: freed before A is copied
-        states, stats = [], []  # (rebound, not cleared: a method may keep the lists)
-    out = copy.deepcopy(A)
-    params = dict(out.named_parameters())
-    with torch.no_grad():
-        for k in list(merged):
-            params[k].copy_(merged.pop(k).to(params[k].dtype))
-        for k in ra.buffers:  # running statistics: the weighted average in A's basis
-            out.get_buffer(k).copy_(sum(wi * b[k] for wi, b in zip(w, buffers)))
-    timings["combine"] = time.perf_counter() - t3
-    repaired = None
+    job = _engine(models, how, align, anchor, w, data, repair, attention, align_options)
+    job.use(ra, alignments)
+    out, finish = _output_model(job, A)
+    targets = out.state_dict(keep_vars=True)
+
+    def put(key, t):
+        with torch.no_grad():
+            targets[key].copy_(t)
+    job.write_into(put, device=_device(A))
+    finish(out)
+    timings["statistics"] = job.timings.get("statistics", 0.0)
+    timings["combine"] = time.perf_counter() - t3 - timings["statistics"]
     if repair:
-        # the parents in A's basis: the models themselves where not aligned, else their states
-        parents = [m if al is None else st | bf
-                   for m, al, st, bf in zip(models, alignments, states, buffers)]
-        repaired = repair_merge(out, parents, w, data, ra)
-        timings["repair"] = repaired.seconds
+        assert job.repair_report is not None  # written with repair=True
+        timings["repair"] = job.repair_report.seconds
     timings["total"] = time.perf_counter() - t0
-    return MergeResult(out, alignments, timings, repaired, universe)
+    return MergeResult(out, alignments, timings, job.repair_report, universe)
 
 
-def statistics_in_anchor_basis(how, m, rep, al, ra, data):
-    """The method's statistics of model ``m`` in the anchor's basis. Where norm gains fold,
-    B's gains are carried into A's (``Alignment.gauge``), which no map of B's statistics
-    expresses: they are measured on the aligned model itself."""
-    if al is not None and ra.folds:
-        return how.statistics(al.apply(m), ra, data)
-    return how.to_anchor(how.statistics(m, rep, data), al)
+def _device(model) -> torch.device:
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _engine(models, how, align, anchor, w, data, repair, attention, align_options) -> StreamingMerge:
+    """The merge engine over ``models`` in memory (each a :class:`ModelCheckpoint`), on their
+    device, without a memory budget (the models are loaded already): what the alignment found
+    is given to it (:meth:`StreamingMerge.use`)."""
+    needs = how.needs_data or repair or align == "activations"  # the engine checks the data is used
+    return StreamingMerge([ModelCheckpoint(m, f"model {i}") for i, m in enumerate(models)], weights=w,
+                          align=align, anchor=0 if anchor == "universe" else anchor,
+                          fold_norms=align_options.get("fold_norms", True), outputs=align_options.get("outputs"),
+                          data=data if needs else None, method=how, device=_device(models[0]), repair=repair,
+                          attention=attention)
+
+
+def _output_model(job, A):
+    """The model the merged tensors are written into, and what completes it once written: a
+    copy of ``A``, or for circuit-space heads ``A``'s class built from the widened config
+    (:func:`~symgraph.merging.circuits.wide_model`)."""
+    if job.circuits is None:
+        return copy.deepcopy(A), lambda m: None
+    return wide_model(A, job.circuits.built()[1], _device(A))
+
+
+def _circuits_without_config(models, alignments, w, anchor, ra):
+    """Circuit-space heads for a model whose config cannot state them: the parents' traced
+    program widened (:func:`~symgraph.merging.circuits.circuit_merge`), in memory only."""
+    parents = [m if al is None else al.apply(m) for m, al in zip(models, alignments)]
+    parents = parents[anchor:anchor + 1] + parents[:anchor] + parents[anchor + 1:]
+    ws = [w[anchor]] + [x for i, x in enumerate(w) if i != anchor]
+    return circuit_merge(parents, ws, ra)  # the head classes do not depend on folding
 
 
 def _check_arguments(models, how, align, data, weights, repair=False):

@@ -120,8 +120,8 @@ def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None)
     _check_same_family(models, cfg.models)
     check_compatible([getattr(m, "config", None) for m in models], cfg.models)
     if cfg.attention == "circuits":
-        from .circuits import _why_no_config
-        why = _why_no_config(models[0], len(models))
+        from .circuits import why_no_config
+        why = why_no_config(models[0], len(models))
         if why:
             raise InputError(f"{why} (symgraph.merge(..., attention='circuits') in Python); expected a config "
                              "with head_dim (LLaMA, Qwen2, Mistral, Gemma...) for a saved checkpoint")

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 
 import torch
 from safetensors import safe_open
+from torch.utils._pytree import tree_map
 from safetensors.torch import save_file
 
 from ..alignment.checks import batch_inputs, by_shape
@@ -37,7 +38,7 @@ from ..errors import NeedsMemory
 from .untie import untie
 from .views import Aligned, nbytes
 
-__all__ = ["Spill", "Stored", "input_grams", "whole_model"]
+__all__ = ["Spill", "MemorySpill", "Stored", "input_grams", "whole_model", "statistics_in_anchor_basis"]
 
 
 class Spill:
@@ -73,6 +74,27 @@ class Spill:
         remove_own(self.dir, self._made, self.PREFIX, only=self._files)
 
 
+class MemorySpill:
+    """:class:`Spill`'s interface over tensors kept in memory: the store of a merge of models
+    already loaded (:func:`symgraph.merge`), which writes no file. :meth:`get` returns a copy,
+    as a read from disk does (a combine may work in its statistics' tensors in place)."""
+
+    def __init__(self):
+        self._tensors: dict = {}
+
+    def put(self, tensors: dict):
+        self._tensors.update((k, v.detach()) for k, v in tensors.items())
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._tensors[key].clone()
+
+    def __contains__(self, key):
+        return key in self._tensors
+
+    def close(self):
+        self._tensors.clear()
+
+
 class Stored(Mapping):
     """One model's statistic as a mapping ``name -> tensor`` read from a :class:`Spill`:
     ``keys`` maps each name to its key in the store (names may share one, as the weights that
@@ -106,8 +128,12 @@ def input_grams(job, i: int, prefix: str) -> Stored:
         layers = rep.linear_layers()
         order = {name: pos for pos, (name, _, _) in enumerate(rep.nodes())}
         users: dict = {}  # input node -> the weights that read it
+        # a linear map reading a graph input directly gets no Gram (every model's would be the
+        # data's own, the same for all: RegMean is then their weighted average, what the
+        # combine does for a weight without statistics); the op-by-op run yields computed nodes only
+        given = {n.name for n in rep.exported_program.graph.nodes if n.op == "placeholder"}
         for w, x, _, layout in layers:
-            if x in order:
+            if x in order and x not in given:
                 users.setdefault(x, []).append((w, layout))
         width = {x: A.model.get_parameter(ws[0][0]).shape[1 if ws[0][1] == "out_in" else 0]
                  for x, ws in users.items()}
@@ -163,18 +189,22 @@ def whole_model(job, i: int, method, prefix: str) -> Stored:
     alone (in its stored dtype, on ``job.device``), measured in the anchor's basis exactly as
     :func:`symgraph.merge` measures it (untied when its checkpoint is read untied), written to
     ``job.spill`` and freed."""
-    from ..checkpoints.specs import load_local
-    from .driver import statistics_in_anchor_basis
-    m = to_device(load_local(job.ckpts[i].path), job.device)
-    if job.ckpts[i].source is not None:  # read as its untied model (StreamingMerge(untie=True))
-        m = untie(m)
-    job.ledger.hold(sum(nbytes(p) for p in m.parameters()))
+    loaded = getattr(job.ckpts[i], "module", None)  # a model in memory (ModelCheckpoint): measured as it is
+    if loaded is None:
+        from ..checkpoints.specs import load_local
+        m = to_device(load_local(job.ckpts[i].path), job.device)
+        if job.ckpts[i].source is not None:  # read as its untied model (StreamingMerge(untie=True))
+            m = untie(m)
+    else:
+        m = loaded
+    held = 0 if loaded is not None else sum(nbytes(p) for p in m.parameters())
+    job.ledger.hold(held)
     al = job.alignments[i]
     rep = al.report_b if al is not None else job.graph_report
-    data = job.data if job.device == "cpu" else [
-        {k: v.to(job.device) if hasattr(v, "to") else v for k, v in b.items()} for b in job.data]
+    data = job.data if job.device.type == "cpu" else [  # batches of any structure (dicts, tuples)
+        tree_map(lambda v: v.to(job.device) if isinstance(v, torch.Tensor) else v, b) for b in job.data]
     stat = statistics_in_anchor_basis(method, m, rep, al, job.graph_report, data)
-    job.ledger.drop(sum(nbytes(p) for p in m.parameters()))
+    job.ledger.drop(held)
     del m
     job.spill.put({f"{prefix}{k}": v for k, v in stat.items()})
     keys = {k: f"{prefix}{k}" for k in stat}
@@ -182,3 +212,12 @@ def whole_model(job, i: int, method, prefix: str) -> Stored:
         for alias in job.ckpts[job.anchor].params.get(k, ()):
             keys.setdefault(alias, keys[k])
     return Stored(job.spill, keys, None if job.device == "cpu" else job.device)
+
+
+def statistics_in_anchor_basis(how, m, rep, al, ra, data):
+    """The method's statistics of model ``m`` (loaded) in the anchor's basis. Where norm gains
+    fold, B's gains are carried into A's (``Alignment.gauge``), which no map of B's statistics
+    expresses: they are measured on the aligned model itself."""
+    if al is not None and ra.folds:
+        return how.statistics(al.apply(m), ra, data)
+    return how.to_anchor(how.statistics(m, rep, data), al)

@@ -36,7 +36,6 @@ as the last step before writing (:mod:`~symgraph.merging.repair_stream`). Untyin
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -54,7 +53,8 @@ from ..checkpoints.sharded import Checkpoint, KeysDiffer, ShardWriter, parse_siz
 from .methods import registry
 from .methods.registry import mixing_weights
 from . import repair_stream, slicing
-from .statistics import Spill
+from .sinks import Into, write_config
+from .statistics import MemorySpill, Spill
 from .untie import untie_checkpoint, untie_config_updates
 from .views import DEFAULT_CACHE, Folded, Ledger, Sides, Sliced, elements_on, nbytes, return_freed_memory
 
@@ -130,6 +130,7 @@ class StreamingMerge:
         self.data = data
         self.shard_bytes = parse_size(max_shard_size)
         self.device = torch.device(device)
+        self.out_device = torch.device("cpu")  # where merged tensors go (written from the CPU; write_into: any)
         self.cache_bytes, self.chunk_bytes, self.stats_bytes = budgets(memory_budget, len(paths), cache_bytes)
         self.memory_budget = memory_budget  # as given (None: the defaults, which learned matching's state may exceed)
         self.ledger = Ledger()  # the bytes of tensors the engine holds (its peak is what the budget bounds)
@@ -146,7 +147,7 @@ class StreamingMerge:
         self.align_options = align_options
         self.rows_from = list(rows_from) if rows_from is not None else None  # batches: read only their tokens' rows
         return_freed_memory()
-        self.ckpts = [p if isinstance(p, Checkpoint) else Checkpoint(p) for p in paths]
+        self.ckpts = [Checkpoint(os.fspath(p)) if isinstance(p, (str, os.PathLike)) else p for p in paths]  # or ModelCheckpoints
         self.ckpts = [untie_checkpoint(c) for c in self.ckpts] if untie else self.ckpts  # before the checks
         self._check_family()
         # rotations are solved and applied in float32 for 16- and 32-bit weights (their own
@@ -154,12 +155,13 @@ class StreamingMerge:
         self.work_dtype = torch.float64 if any(c.dtype == torch.float64 for c in self.ckpts) else torch.float32
         if len({c.dtype for c in self.ckpts}) > 1:  # stored in different dtypes: every graph (traced on
             for c in self.ckpts:                    # meta) runs in the work dtype, tensors cast up to it
-                c.model = c.model.to(self.work_dtype)
+                c.model = c.retyped(self.work_dtype)
         self.alignments: list = [None] * len(paths)
         # the anchor's report (None: not aligned) and the graph the method's statistics run on
         self.report: SymmetryReport | None = None
         self.graph_report: SymmetryReport | None = None  # the anchor's (None: not aligned); the graph statistics run
         self.timings: dict = {}
+        self.spill: Spill | MemorySpill | None = None  # the method's statistics while writing
         # what a transform of the plan changes (REPAIR, circuit-space heads, untying): the
         # combine of a group, the shapes written, corrections of merged tensors, the config
         self.combine = self.how.combine_group  # (names, values, stats, weights, report) -> merged
@@ -232,16 +234,40 @@ class StreamingMerge:
         self.timings["align"] = time.perf_counter() - t1
         return self.alignments
 
+    def use(self, report, alignments):
+        """Take the alignment step's result instead of running :meth:`align`: the anchor's
+        ``report`` and one :class:`~symgraph.Alignment` (or None) per checkpoint, as
+        :func:`symgraph.merge` finds them for models in memory (the anchor's own entry is not
+        None only for a shared universe's basis)."""
+        if self.repair:
+            repair_stream.check(self)
+        self.graph_report = report
+        self.report = report if self.align_mode is not None else None
+        self.alignments = list(alignments)
+
     def write(self, directory: str) -> dict:
         """Take the method's statistics (spilled to a temporary directory beside ``directory``,
         removed after) and write the merged checkpoint into ``directory`` (shards, index,
         config); returns ``{"tensors": n, "bytes": total, "shards": k}``."""
+        return self._finish(lambda: Spill(os.path.dirname(os.path.abspath(directory))),
+                            lambda: self._write(directory))
+
+    def write_into(self, add, device=None) -> dict:
+        """The merge of models in memory: statistics kept in memory, each merged tensor given to
+        ``add(key, tensor)`` (in the anchor's dtype for that key, on ``device``: default the
+        job's) as it is computed; returns ``{"tensors": n, "bytes": total, "shards": 0}``."""
+        self.out_device = torch.device(device) if device is not None else self.device
+        sink = Into(add)
+        return self._finish(MemorySpill, lambda: self._emit(self._order(), sink) or sink.close())
+
+    def _finish(self, make_spill, write) -> dict:
+        """Statistics, the plan's transforms and REPAIR, then ``write()``."""
         if self.graph_report is None and (self.align_mode is not None or (self.how.needs_data or self.repair)):
             self.align()
         self.spill = None
         if self.how.needs_data:
             t0 = time.perf_counter()
-            self.spill = Spill(os.path.dirname(os.path.abspath(directory)))
+            self.spill = make_spill()
         try:
             if self.spill is not None:
                 self.stats = [self.how.streamed_statistics(self, i) for i in range(len(self.ckpts))]
@@ -250,16 +276,20 @@ class StreamingMerge:
                 step(self)
             if self.repair:  # last: it measures the merge as written
                 self.repair_report = repair_stream.repair(self)
-            return self._write(directory)
+            t1 = time.perf_counter()
+            info = write()
+            self.timings["write"] = time.perf_counter() - t1
+            return info
         finally:
             if self.spill is not None:
                 self.spill.close()
 
-    def _write(self, directory: str) -> dict:
-        t0 = time.perf_counter()
+    def _order(self) -> list:
+        """``(anchor keys, (names merged for them, split) or None: the anchor's own)`` in the
+        anchor's key order: the plan's tensor-group tasks."""
         A = self.ckpts[self.anchor]
         unit = groups(self.report.folds) if self.report is not None else {}
-        order: list[tuple] = []  # (anchor keys, (names merged for them, split) or None: the anchor's)
+        order: list[tuple] = []
         seen: set[str] = set()
         for key in A.keys:
             if key in seen:
@@ -274,8 +304,11 @@ class StreamingMerge:
             keys = (key,) if names is None else tuple(k for n in names for k in self.keys_of(n))
             order.append((keys, None if names is None else (names, split)))
             seen.update(keys)
-        writer = ShardWriter(directory, self.shard_bytes,
-                              [(k, self.out_shapes.get(k, A.shapes[k]), A.dtypes[k]) for keys, _ in order for k in keys])
+        return order
+
+    def _emit(self, order, writer):
+        """Each task of ``order`` computed and given to ``writer.add(key, tensor)``."""
+        A = self.ckpts[self.anchor]
         with tqdm(total=len(A.keys), desc="writing", unit="tensor", file=sys.stderr, leave=False,
                   disable=not self.progress) as bar:
             for keys, job in order:
@@ -284,29 +317,20 @@ class StreamingMerge:
                     for k in self.keys_of(n):
                         writer.add(k, v)
                 bar.update(len(keys))
+
+    def _write(self, directory: str) -> dict:
+        A = self.ckpts[self.anchor]
+        order = self._order()
+        writer = ShardWriter(directory, self.shard_bytes,
+                              [(k, self.out_shapes.get(k, A.shapes[k]), A.dtypes[k]) for keys, _ in order for k in keys])
+        self._emit(order, writer)
         info = writer.close()
-        self._write_config(directory)
+        write_config(A.path, directory, self.config_updates)
         for fn in EXTRA_FILES:
             src = os.path.join(A.path, fn)
             if os.path.isfile(src):
                 shutil.copy2(src, os.path.join(directory, fn))
-        self.timings["write"] = time.perf_counter() - t0
         return info
-
-    def _write_config(self, directory: str):
-        """The anchor's ``config.json``, with the fields the merge changes
-        (:attr:`config_updates`)."""
-        src, dst = os.path.join(self.ckpts[self.anchor].path, "config.json"), os.path.join(directory, "config.json")
-        if not self.config_updates:
-            shutil.copy2(src, dst)
-            return
-        with open(src, encoding="utf-8") as f:
-            config = json.load(f)
-        for k, v in self.config_updates.items():  # a dict value updates a nested config (text_config)
-            config[k] = {**config[k], **v} if isinstance(v, dict) and isinstance(config.get(k), dict) else v
-        with open(dst, "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-            f.write("\n")
 
     def _anchors(self, key):
         """The anchor's own tensor ``key`` as written: with its correction, if REPAIR made one
@@ -347,7 +371,7 @@ class StreamingMerge:
                     yield n, out[n]
                 elif n in dims:
                     if n not in whole:
-                        whole[n] = torch.empty(A.shapes[A.key(n)], dtype=out[n].dtype)
+                        whole[n] = torch.empty(A.shapes[A.key(n)], dtype=out[n].dtype, device=self.out_device)
                     whole[n].narrow(dims[n], start, stop - start).copy_(out[n])
             del out
         yield from whole.items()
@@ -377,8 +401,9 @@ class StreamingMerge:
                     vals[n] = t.to(dev)
                     if i == self.anchor and t.dim() <= 1:
                         gains[n] = vals[n]  # the gauge B's gains are unfolded into
-            if al is not None:
-                vals = vals | move(al.report_b, self._elements(i), vals, gains, dtype=self.work_dtype)
+            if al is not None:  # the anchor's own alignment (a shared universe) unfolds into its own gauge
+                gauge = al.gauge if i == self.anchor else gains
+                vals = vals | move(al.report_b, self._elements(i), vals, gauge, dtype=self.work_dtype)
             values[i] = own = {n: v.to(self.work_dtype) for n, v in vals.items()}
             held += sum(nbytes(v) for v in own.values())
             self.ledger.hold(sum(nbytes(v) for v in own.values()))
@@ -394,7 +419,7 @@ class StreamingMerge:
             if n in ints:
                 out[n] = ints.pop(n)
                 continue
-            out[n] = merged.pop(n).to(dtypes[n]).to("cpu")
+            out[n] = merged.pop(n).to(dtypes[n]).to(self.out_device)
             if n in self.corrections:
                 out[n] = self.corrections[n](out[n])
             if not all_finite(out[n]):  # checked in the output dtype: overflow too
@@ -412,3 +437,4 @@ class StreamingMerge:
         if i not in self._device_elements:
             self._device_elements[i] = elements_on(self.alignments[i].elements, self.device)
         return self._device_elements[i]
+

@@ -14,6 +14,7 @@ Files in ``symgraph/merging/methods/`` are imported on first use, so a new metho
 from __future__ import annotations
 
 from ...errors import InputError
+from ..statistics import whole_model
 
 __all__ = ["MergeMethod", "register", "get", "names", "mixing_weights"]
 
@@ -51,9 +52,11 @@ class MergeMethod:
         graph differentiated segment by segment) or
         :func:`~symgraph.merging.statistics.whole_model` (one model loaded at a time); without
         it the merge loads the models, saying so."""
-        if self.needs_data:
+        if not self.needs_data:
+            return None
+        if getattr(job.ckpts[i], "module", None) is None:
             raise NotImplementedError(f"merge method {self.name!r} takes its statistics of loaded models only")
-        return None
+        return whole_model(job, i, self, f"{self.name}/{i}/")  # models in memory: measured as they are
 
     def sliceable(self, name: str, dim: int, report) -> bool:
         """Whether tensor ``name`` may be merged in slices along ``dim`` (the engine slices
@@ -67,7 +70,9 @@ class MergeMethod:
         acts on) from each model's ``values`` (a list of ``{name: tensor}`` in the anchor's basis,
         float32, or float64 for float64 models), their ``stats`` (mappings, or None) and the
         normalised mixing ``weights``; ``report`` is the anchor's (None without alignment)."""
-        raise NotImplementedError
+        raise InputError(f"merge method {self.name!r} ({type(self).__name__}) defines no combine_group; "
+                         "expected combine_group(names, values, stats, weights, report), which the merge "
+                         "engine calls for each group of tensors (in memory and out of core alike)")
 
     def combine(self, states, stats, weights, report) -> dict:
         """Merged ``{name: tensor}`` of whole aligned ``states``: :meth:`combine_group` over

@@ -1,0 +1,44 @@
+"""Where the merge engine's tensors go besides the output shards
+(:class:`~symgraph.checkpoints.sharded.ShardWriter`): a function that takes each merged tensor
+(:class:`Into`: a merge of models in memory fills its model with them), and the output's
+``config.json`` (:func:`write_config`)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from .views import nbytes
+
+__all__ = ["Into", "write_config"]
+
+
+class Into:
+    """A writer into a function ``add(key, tensor)``
+    (:meth:`~symgraph.merging.streaming.StreamingMerge.write_into`), counting what it was given."""
+
+    def __init__(self, add):
+        self.add_fn, self.tensors, self.bytes = add, 0, 0
+
+    def add(self, key, t):
+        self.add_fn(key, t)
+        self.tensors, self.bytes = self.tensors + 1, self.bytes + nbytes(t)
+
+    def close(self) -> dict:
+        return {"tensors": self.tensors, "bytes": self.bytes, "shards": 0}
+
+
+def write_config(source_dir: str, directory: str, updates: dict) -> None:
+    """The anchor's ``config.json`` (from ``source_dir``) into ``directory``, with the fields the
+    merge changes (``updates``; a dict value updates a nested config such as ``text_config``)."""
+    src, dst = os.path.join(source_dir, "config.json"), os.path.join(directory, "config.json")
+    if not updates:
+        shutil.copy2(src, dst)
+        return
+    with open(src, encoding="utf-8") as f:
+        config = json.load(f)
+    for k, v in updates.items():
+        config[k] = {**config[k], **v} if isinstance(v, dict) and isinstance(config.get(k), dict) else v
+    with open(dst, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
