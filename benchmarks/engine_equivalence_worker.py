@@ -1,0 +1,79 @@
+"""One case of :mod:`benchmarks.bench_engine_equivalence`, run as a script in a fresh process
+with ``PYTHONPATH`` naming the source tree under test (so that ``symgraph`` is that tree's):
+``python engine_equivalence_worker.py CASE OUT.safetensors``. Builds the case's tiny models
+and data from seeds, runs ``symgraph.merge``, writes the merged state (every floating-point
+tensor, in float32) and prints one JSON line: the seconds and where ``symgraph`` came from.
+Uses only the public API both trees share."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+import symgraph
+from symgraph.testing import models
+
+N_BATCHES, ROWS, SEQ = 3, 4, 8
+
+
+def _tokens(vocab: int, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, vocab, (ROWS, SEQ), generator=g)} for _ in range(N_BATCHES)]
+
+
+def _images(seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [{"pixel_values": torch.randn(ROWS, 3, 8, 8, generator=g)} for _ in range(N_BATCHES)]
+
+
+def _vectors(seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(32, 6, generator=g),) for _ in range(N_BATCHES)]
+
+
+def case(name: str):
+    """``(models, merge keywords)`` of case ``name``: ``arch/setting``."""
+    arch, _, setting = name.partition("/")
+    n = 3 if setting.startswith("universe") else 2
+    if arch == "mlp":
+        ms, data = [models.mlp(s, (6, 16, 12, 3)) for s in range(n)], _vectors()
+        kw: dict = {"inputs": data[0]}
+    else:
+        ms = [models.randomize_vectors(models.build(arch, s), s) for s in range(n)]
+        data = _images() if arch == "vit" else _tokens(ms[0].config.vocab_size)
+        kw = {}
+    settings = {
+        "average": dict(align="weights"),
+        "unaligned": dict(align=None),
+        "activations": dict(align="activations", data=data),
+        "fisher": dict(method="fisher", data=data),
+        "regmean": dict(method="regmean", data=data),
+        "repair": dict(repair=True, data=data),
+        "universe": dict(anchor="universe"),
+        "universe_regmean": dict(anchor="universe", method="regmean", data=data),
+        "circuits": dict(attention="circuits"),
+        "untie": dict(untie=True),
+        "full_groups": dict(full_groups=True),
+        "weights_1_3": dict(weights=[1, 3]),
+    }
+    return ms, {**kw, **settings[setting]}
+
+
+def main(argv) -> int:
+    name, out = argv[1], argv[2]
+    ms, kw = case(name)
+    inputs = kw.pop("inputs", None)
+    t0 = time.perf_counter()
+    res = symgraph.merge(ms, inputs, **kw)
+    seconds = time.perf_counter() - t0
+    from safetensors.torch import save_file
+    state = {k: v.detach().float().contiguous() for k, v in res.model.state_dict().items() if v.is_floating_point()}
+    save_file(state, out)
+    print(json.dumps({"case": name, "seconds": seconds, "symgraph": symgraph.__file__}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
