@@ -16,11 +16,12 @@ from tqdm import tqdm
 from ..alignment import align as align_models
 from ..alignment.checks import check_finite
 from ..report.api import analyze
-from ..errors import InputError
+from ..errors import InputError, NeedsMemory
 from ..checkpoints.memory import ModelCheckpoint
 from .circuits import circuit_merge, why_no_config, wide_model
 from .methods import registry
 from .methods.registry import mixing_weights
+from .batchnorm import repair as repair_loaded
 from .repair import RepairReport
 from .statistics import statistics_in_anchor_basis
 from .streaming import StreamingMerge
@@ -119,7 +120,13 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         timings["total"] = time.perf_counter() - t0
         return MergeResult(out, alignments, timings, None, universe)
     job = _engine(models, how, align, anchor, w, data, repair, attention, align_options)
-    job.use(ra, alignments)
+    loaded_repair = False
+    try:
+        job.use(ra, alignments)
+    except NeedsMemory:  # BatchNorm statistics the graph reads outside a batch-norm op: REPAIR
+        job = _engine(models, how, align, anchor, w, data, False, attention, align_options)  # of the loaded merge
+        job.use(ra, alignments)
+        loaded_repair = True
     out, finish = _output_model(job, A)
     targets = out.state_dict(keep_vars=True)
 
@@ -130,11 +137,15 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     finish(out)
     timings["statistics"] = job.timings.get("statistics", 0.0)
     timings["combine"] = time.perf_counter() - t3 - timings["statistics"]
+    repaired = job.repair_report
+    if loaded_repair:  # the merged model itself measured, the parents carried into A's basis
+        parents = [m if al is None else al.apply(m) for m, al in zip(models, alignments)]
+        repaired = repair_loaded(out, parents, w, data, ra)
     if repair:
-        assert job.repair_report is not None  # written with repair=True
-        timings["repair"] = job.repair_report.seconds
+        assert repaired is not None  # written with repair=True
+        timings["repair"] = repaired.seconds
     timings["total"] = time.perf_counter() - t0
-    return MergeResult(out, alignments, timings, job.repair_report, universe)
+    return MergeResult(out, alignments, timings, repaired, universe)
 
 
 def _device(model) -> torch.device:
