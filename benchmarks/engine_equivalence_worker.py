@@ -69,7 +69,7 @@ def main(argv) -> int:
     res = symgraph.merge(ms, inputs, **kw)
     seconds = time.perf_counter() - t0
     from safetensors.torch import save_file
-    state = {k: v.detach().float().contiguous() for k, v in res.model.state_dict().items() if v.is_floating_point()}
+    state = {k: v.detach().float().clone() for k, v in res.model.state_dict().items() if v.is_floating_point()}  # tied: own copies
     save_file(state, out)
     print(json.dumps({"case": name, "seconds": seconds, "symgraph": symgraph.__file__}))
     return 0
