@@ -27,16 +27,23 @@ sweep solves to :class:`Waves` rather than solving each at once:
   The owner alone calls the solver; its elements are all-gathered like a wave's. The
   contributions are gathered a few per rank at a time, as the sum reads them.
 
-In one process :class:`Waves` solves each unit as it is added: the loop is unchanged.
+In one process with one host solver thread (:data:`symgraph.solve.turns.THREADS`) :class:`Waves`
+solves each unit as it is added: the loop is unchanged. With several, it forms the same waves
+(the pool rule aside: the units' similarities, and so the pools' keep-or-drop decisions, run in
+the sweep's order) and solves a wave's units through :func:`~symgraph.solve.turns.in_turn`:
+one at a time in the wave's order, their host assignment solves overlapping; the outcomes are
+set in that order, so the elements are the sequential loop's, bit for bit.
 """
 from __future__ import annotations
 
 import io
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from ..core import distributed
+from ..solve import turns
 
 __all__ = ["Waves", "split_slots", "gather"]
 
@@ -47,15 +54,19 @@ class Waves:
     def __init__(self, run, last: dict, stable: set):
         self.run, self.last, self.stable = run, last, stable
         self.active = distributed.is_active()
+        self.local = not self.active and turns.THREADS > 1  # one process: waves, solves at once
         self.items: list = []  # [(unit index, pending ids, sweep)]
         self.solving: set = set()  # group ids the wave solves
         self.solo = self.pooling = False  # a unit solved by all ranks; one that may keep pools
         self.solved_here: set = set()  # group ids of the units this rank solved
         self.slots = [0, 0]  # slot contributions computed here, by all ranks (collective units)
-        if self.active:
+        if self.active or self.local:
             self._plan()
 
     def _plan(self) -> None:
+        """What each unit reads (other than its own classes), which units read the classes of
+        two or more others (collective), which may keep pools and, several processes, each
+        unit's owner."""
         run, feats = self.run, self.run.feats
         n = len(run.units)
         ids = [run.ids(u) for u in run.units]
@@ -69,7 +80,7 @@ class Waves:
                 for name, d in feats.slots(g):
                     dep = feats.deps(g, name, d)
                     reads |= dep
-                    c += feats.numel(name)
+                    c += feats.numel(name) if self.active else 0  # (a lazy mapping reads it)
                     pools |= unit.kind == "single" and feats._poolable(dep, False, False)
             for g in unit.groups(run.opts.selected):
                 reads.update(g.outer)
@@ -94,14 +105,15 @@ class Waves:
 
     def before(self, ui: int) -> None:
         """Solve the wave first if unit ``ui`` cannot join it (it reads what the wave solves, or
-        it or the wave is solved by all ranks together)."""
-        if self.active and self.items and (self.solo or ui in self.collective or self.reads[ui] & self.solving
-                                           or (ui in self.pools and self.pooling)):
+        it or the wave is collective; several processes: both may keep pools)."""
+        if (self.active or self.local) and self.items and (
+                self.solo or ui in self.collective or self.reads[ui] & self.solving
+                or (self.active and ui in self.pools and self.pooling)):
             self.flush()
 
     def add(self, ui: int, pending: set, sweep: int) -> None:
         """Unit ``ui`` is solved next (``pending``: the classes not yet solved in the first sweep)."""
-        if not self.active:
+        if not (self.active or self.local):
             self.run._resolve(ui, pending, self.last, self.stable, sweep)
             return
         self.items.append((ui, set(pending), sweep))
@@ -111,9 +123,16 @@ class Waves:
 
     def flush(self) -> None:
         """Solve the wave: each unit on its owner (a collective unit's similarity on every
-        rank), then every rank sets every outcome in the order the units were added."""
+        rank), then every rank sets every outcome in the order the units were added; one
+        process: its units in turn (:func:`~symgraph.solve.turns.in_turn`), outcomes in order."""
         items, self.items, self.solving, self.solo, self.pooling = self.items, [], set(), False, False
         if not items:
+            return
+        if self.local:  # one process: similarities in order, host solves overlapping
+            run = self.run
+            outs = turns.in_turn([partial(run._compute, run.units[ui], pending) for ui, pending, _ in items])
+            for (ui, _, sweep), (record, outcome) in zip(items, outs):
+                run._finish(ui, record, outcome, self.last, self.stable, sweep)
             return
         run, me = self.run, distributed.rank()
         feats = run.feats

@@ -12,6 +12,7 @@ from scipy.optimize import linear_sum_assignment
 
 from ..core.elements import Perm, mark_orth, mark_perm
 from ..core.groups import GroupKind
+from . import turns
 from ._auction import auction
 from ._polar import DEVICE_BATCH_MAX, _decompose, _host, polar  # noqa: F401 (re-exported)
 
@@ -81,14 +82,13 @@ def _sparse_assignment(t):
     of ``t`` (SciPy's ``min_weight_full_bipartite_matching``, LAPJVsp): ``(rows, cols,
     status)``, or ``(None,) * 3`` when those candidates hold no full matching (the caller solves
     densely). The candidates are chosen on ``t``'s device and only their values are taken, in
-    float64, to the CPU."""
+    float64, to the CPU. Within :func:`.turns.in_turn` the solve runs in a worker process."""
     from scipy.sparse import coo_matrix
-    from scipy.sparse.csgraph import min_weight_full_bipartite_matching
     n, k = t.shape[0], min(SPARSE_K, t.shape[0])
     rows, cols, vals = _candidates(t, k)
     w = (vals.max() - vals) + 1.0  # positive costs (an explicit zero would drop the edge)
     try:
-        rr, cc = min_weight_full_bipartite_matching(coo_matrix((w, (rows, cols)), shape=(n, n)).tocsr())
+        rr, cc = turns.lapjvsp(coo_matrix((w, (rows, cols)), shape=(n, n)).tocsr())
     except ValueError:
         return None, None, None
     order = np.argsort(rr)
@@ -109,7 +109,7 @@ def hungarian(S, dense: bool = True) -> SolveResult:
     # are taken there, and S comes to the CPU whole only for a dense solve
     t = torch.as_tensor(S).detach()
     t = t if t.dtype in (torch.float32, torch.float64) else t.to(torch.float64)
-    t0 = time.perf_counter()
+    t0, w0 = time.perf_counter(), turns.waited()
     square = t.shape[0] == t.shape[1]
     am = t.argmax(1)
     rows: np.ndarray | None
@@ -127,10 +127,11 @@ def hungarian(S, dense: bool = True) -> SolveResult:
                 rows, cols = (x.cpu().numpy() for x in found[:2])
                 status = "optimal (device auction)"
         if rows is None:
-            rows, cols = linear_sum_assignment(_np(t), maximize=True)
+            # (SciPy releases the GIL while it solves: other units run meanwhile in a turn)
+            rows, cols = turns.outside(linear_sum_assignment, _np(t), maximize=True)
             status = "optimal"
     assert rows is not None and cols is not None and status is not None  # every branch above solved
-    dt = time.perf_counter() - t0
+    dt = time.perf_counter() - t0 - (turns.waited() - w0)  # not the time other units held the baton
     ri, ci = (torch.as_tensor(x, device=t.device) for x in (rows, cols))
     obj = float(t[ri, ci].double().sum())
     if not dense and square:
