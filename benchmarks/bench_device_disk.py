@@ -351,6 +351,8 @@ def main(argv=None) -> int:
                     "auction forced for large squares (SPARSE_N raised for that run: a measurement switch)")
     ap.add_argument("--skip-aligned", action="store_true", help="only the unaligned merge and the --methods runs")
     ap.add_argument("--heartbeat", type=float, default=15.0, help="seconds between progress lines (0: none)")
+    ap.add_argument("--solver-threads", type=int, default=None, help="symgraph.solve.turns.THREADS: host "
+                    "solves of a sweep's independent units at once (1: one after the other; default: the library's)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--sync", action="store_true", help="write the pair back to disk before the runs (os.sync)")
     ap.add_argument("--aligned-first", action="store_true", help="the aligned merge before the unaligned one")
@@ -362,6 +364,9 @@ def main(argv=None) -> int:
     a.budget_runs = [(int(x.split(":")[0]), x.split(":")[1]) for x in a.budget_runs.split(",") if x]
     a.methods = [m for m in a.methods.split(",") if m]
     a.auction_layers = {int(x) for x in a.auction_layers.split(",") if x}
+    if a.solver_threads is not None:
+        from symgraph.solve import turns
+        turns.THREADS = max(1, a.solver_threads)
     if a.device.startswith("fakegpu"):
         from symgraph.testing.device import install
         install()
@@ -374,7 +379,8 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(a.work).mkdir(parents=True, exist_ok=True)
-    label = a.label or f"{a.shape}-{device.type}-disk-{a.commit}"
+    threads = f"-solver-threads-{a.solver_threads}" if a.solver_threads is not None else ""
+    label = a.label or f"{a.shape}-{device.type}-disk{threads}-{a.commit}"
     r = {**header(a.shape, device, a.commit), "cache": a.cache, "memory_budget": a.memory_budget,
          "ram_gb": machine_info()["ram_gb"], "depths": []}
     lock = threading.Lock()

@@ -33,7 +33,7 @@
 # env.txt, solvers.txt + solvers/ (results.json, report.md), tests.txt, bench.txt (the
 # benchmarks' logs), device.json/.md, disk.json/.md, regmean.json/.md.
 # Knobs (environment): BUDGET_S, TESTS_TIMEOUT, FAKEGPU_TESTS, MEMORY_BENCH (0: skip step 2),
-# BENCH_TIMEOUT, SHAPE, LAYERS, STAGED, DISK_LAYERS, STAGED_DISK, WORK, REGMEAN_MEMORY_BUDGET (RegMean's; default: the engine's), MEMORY_BUDGET (the
+# SOLVER_THREADS (symgraph.solve.turns.THREADS for the out-of-core runs), BENCH_TIMEOUT, SHAPE, LAYERS, STAGED, DISK_LAYERS, STAGED_DISK, WORK, REGMEAN_MEMORY_BUDGET (RegMean's; default: the engine's), MEMORY_BUDGET (the
 # engine's --memory-budget), ALIGNED_FIRST (1: the aligned merge before the unaligned one),
 # BUDGET_RUNS (default 2:12GB: at 2 layers one more aligned run whose caches hold the whole
 # pair, so that the cost of re-reading the checkpoints shows; empty: none),
@@ -109,7 +109,7 @@ if [ "${DISK:-1}" = 1 ] && [ "$DT" -gt 40 ]; then
     --stages "${STAGED_DISK-2}" --device "$DEVICE" --work "$WORK" \
     ${MEMORY_BUDGET:+--memory-budget "$MEMORY_BUDGET"} ${ALIGNED_FIRST:+--aligned-first} \
     ${METHODS:+--methods "$METHODS"} ${AUCTION_LAYERS:+--auction-layers "$AUCTION_LAYERS"} \
-    --budget-runs "${BUDGET_RUNS-2:12GB}" \
+    ${SOLVER_THREADS:+--solver-threads "$SOLVER_THREADS"} --budget-runs "${BUDGET_RUNS-2:12GB}" \
     --out "$OUT/disk.json" 2>&1 | tee -a "$OUT/bench.txt"
 fi
 rm -rf "$WORK"
