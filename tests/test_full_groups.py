@@ -97,3 +97,23 @@ def test_rescale_recovers_per_head_scales_also_in_a_packed_projection(arch):
     plain = symgraph.align(A, B).apply(B)
     scaled = symgraph.align(A, B, rescale=True).apply(B)
     assert dev(scaled) < 1e-6 < dev(plain)
+
+
+def test_the_axis_maps_kept_are_those_of_the_present_elements(monkeypatch):
+    """Weight matching keeps B's axis maps for the elements of the moment only, one map per axis
+    (per which of its classes have an element), not one per version of them: on an unrelated
+    pair the full-group fit runs all its rounds, each moving every head's map, and maps kept
+    per version grew with rounds × layers (issue 45: 0.8 GB at the 1.1B shape, out of core)."""
+    from symgraph.alignment.weights import WeightFeatures
+    kept = []  # per features object, at its release: (maps kept, axes they are of)
+    release = WeightFeatures.release
+
+    def counted(self):
+        kept.append((len(self._axis_memo), len({k[0] for k in self._axis_memo})))
+        release(self)
+    monkeypatch.setattr(WeightFeatures, "release", counted)
+    L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
+    al = symgraph.align(models.build("llama", seed=0, **L), models.build("llama", seed=5, **L), full_groups=True)
+    assert al.full_groups and len(kept) == 2  # weight matching's features, then the fit's
+    assert all(n <= 2 * axes for n, axes in kept), kept
+    assert kept[1][0] == kept[1][1], kept  # the fit: every class has its element, one map an axis
