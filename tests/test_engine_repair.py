@@ -19,6 +19,8 @@ from symgraph.merging.run import run_merge
 from symgraph.merging.streaming import StreamingMerge
 from symgraph.testing import models
 
+from repair_helpers import ReadsStatistics
+
 from engine_helpers import load, rel
 
 SIZES = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
@@ -83,16 +85,6 @@ def test_repair_without_alignment_equals_in_memory(pair, tmp_path):
     assert _rel(outs[True], outs[False]) < 1e-5
 
 
-class _ReadsStatistics(torch.nn.Module):
-    """A BatchNorm layer whose running statistics the forward reads by hand (no batch-norm op)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin, self.bn = torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)
-
-    def forward(self, x):
-        return (self.lin(x) - self.bn.running_mean) / self.bn.running_var.sqrt()
-
 
 def test_batchnorm_statistics_read_outside_a_batchnorm_op_are_repaired_in_memory():
     """Out of core, REPAIR resets the statistics of the graph's batch-norm ops; statistics the
@@ -100,7 +92,7 @@ def test_batchnorm_statistics_read_outside_a_batchnorm_op_are_repaired_in_memory
     import symgraph
     x = torch.randn(5, 3)
     for model, refused in ((torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)), False),
-                           (_ReadsStatistics(), True)):
+                           (ReadsStatistics(), True)):
         job = types.SimpleNamespace(anchor=0, ckpts=[types.SimpleNamespace(model=model)],
                                     graph_report=symgraph.analyze(model, (x,)))
         if refused:

@@ -16,6 +16,8 @@ from symgraph.merging import MergeMethod
 from symgraph.merging.streaming import StreamingMerge
 from symgraph.testing import models
 
+from repair_helpers import ReadsStatistics
+
 
 def _mlp_pair():
     A, B = models.mlp(0, (6, 16, 12, 3)), models.mlp(1, (6, 16, 12, 3))
@@ -113,23 +115,13 @@ def test_tied_llama_merge_keeps_the_tie_and_equals_the_average():
         assert torch.allclose(p, 0.5 * A.get_parameter(k) + 0.5 * B.get_parameter(k), atol=1e-6), k
 
 
-class _ReadsStatistics(torch.nn.Module):
-    """A BatchNorm layer whose running statistics the forward reads by hand (no batch-norm op)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin, self.bn = torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)
-
-    def forward(self, x):
-        return (self.lin(x) - self.bn.running_mean) / self.bn.running_var.sqrt()
-
 
 def test_repair_of_statistics_read_outside_a_batchnorm_op_runs_on_the_loaded_merge():
     """The engine's REPAIR refuses a graph that reads BatchNorm statistics by hand (out of core
     that loads the models); in memory the merge goes on and REPAIR measures the merged model
     itself: no batch-norm op runs here, so nothing is reset and the merge is the average."""
     torch.manual_seed(0)
-    A, B = _ReadsStatistics().eval(), _ReadsStatistics().eval()
+    A, B = ReadsStatistics().eval(), ReadsStatistics().eval()
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(16, 3, generator=g),) for _ in range(3)]
     res = symgraph.merge([A, B], data=data, align=None, repair=True)

@@ -8,7 +8,7 @@ import copy
 
 import torch
 
-from ..core.finite import all_finite
+from ..core.finite import check_read
 from ..errors import InputError
 from .loading import parameter_names
 
@@ -35,10 +35,9 @@ class ModelCheckpoint:
         self.source = None  # as stored: this is the model itself
         self.files: dict = {}
         self.params = parameter_names(module)
-        first = {names[0] for names in self.params.values()}
         alias = {a for names in self.params.values() for a in names[1:]}
         state = module.state_dict(keep_vars=True)
-        self._tensors = {k: v for k, v in state.items() if k not in alias or k in first}
+        self._tensors = {k: v for k, v in state.items() if k not in alias}  # tied names once
         self.keys = list(self._tensors)
         self.shapes = {k: tuple(v.shape) for k, v in self._tensors.items()}
         self.dtypes = {k: v.dtype for k, v in self._tensors.items()}
@@ -65,13 +64,8 @@ class ModelCheckpoint:
         if part is not None:
             d, start, stop = part
             t = t.narrow(d, start, stop - start)
-        if check and t.is_floating_point() and (part is not None or key not in self._finite):
-            if not all_finite(t):
-                bad = int((~torch.isfinite(t)).sum())
-                raise InputError(f"{self.path} has {bad} NaN/inf values in tensor {key!r}; expected finite "
-                                 "weights (was the model trained with a diverging loss?)")
-            if part is None:
-                self._finite.add(key)
+        if check:
+            check_read(t, key, self._finite, part is None, self.path)
         return t.clone()
 
     def fetch(self, name: str) -> torch.Tensor:

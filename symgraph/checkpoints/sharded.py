@@ -20,7 +20,7 @@ import torch
 from ..core.dtypes import SAFETENSORS_NAMES as _ST_NAMES
 from .loading import (KeysDiffer, build_meta, check_checkpoint_dir, check_tensors, parameter_names,
                       read_config, read_layout)
-from ..core.finite import all_finite
+from ..core.finite import check_read
 from ..errors import InputError
 
 __all__ = ["Checkpoint", "KeysDiffer", "check_pair", "ShardWriter", "parse_size", "INDEX", "SINGLE"]
@@ -133,13 +133,8 @@ class Checkpoint:
             else:
                 d, start, stop = part
                 t = h.get_slice(stored)[(slice(None),) * d + (slice(start, stop),)]
-        if check and t.is_floating_point() and (part is not None or key not in self._finite):
-            if not all_finite(t):
-                bad = int((~torch.isfinite(t)).sum())
-                raise InputError(f"checkpoint {self.path!r} has {bad} NaN/inf values in tensor {key!r}; "
-                                 "expected finite weights (was the model trained with a diverging loss?)")
-            if part is None:
-                self._finite.add(key)
+        if check:
+            check_read(t, key, self._finite, part is None, f"checkpoint {self.path!r}")
         return t
 
     def fetch(self, name: str) -> torch.Tensor:

@@ -257,8 +257,7 @@ class StreamingMerge:
         ``add(key, tensor)`` (in the anchor's dtype for that key, on ``device``: default the
         job's) as it is computed; returns ``{"tensors": n, "bytes": total, "shards": 0}``."""
         self.out_device = torch.device(device) if device is not None else self.device
-        sink = Into(add)
-        return self._finish(MemorySpill, lambda: self._emit(self._order(), sink) or sink.close())
+        return self._finish(MemorySpill, lambda: self._write_into(Into(add)))
 
     def _finish(self, make_spill, write) -> dict:
         """Statistics, the plan's transforms and REPAIR, then ``write()``."""
@@ -317,6 +316,10 @@ class StreamingMerge:
                     for k in self.keys_of(n):
                         writer.add(k, v)
                 bar.update(len(keys))
+
+    def _write_into(self, sink: Into) -> dict:
+        self._emit(self._order(), sink)
+        return sink.close()
 
     def _write(self, directory: str) -> dict:
         A = self.ckpts[self.anchor]
