@@ -177,3 +177,36 @@ def test_the_spill_deletes_only_what_it_wrote(tmp_path):
     other.put({"g": torch.ones(1)})
     other.close()
     assert not os.path.exists(other.dir)
+
+
+@pytest.mark.parametrize("method", ["fisher", "regmean"])
+def test_statistics_of_a_group_merged_in_slices(pair, tmp_path, monkeypatch, method):
+    """A group over the chunk size is merged in slices: Fisher's squared gradients (a tensor's
+    own shape) are read from the store slice by slice, never whole; RegMean's Grams (over a
+    weight's inputs: square like a square weight, which is sliced along its outputs) whole.
+    The merge is the whole computation's, byte for byte."""
+    from symgraph.merging import statistics
+    reads: list = []
+    real = statistics.Spill.get
+
+    def spy(self, key, part=None, shape=None):
+        t = real(self, key, part, shape)
+        reads.append((part is not None, shape is not None and tuple(t.shape) != tuple(shape)))
+        return t
+    monkeypatch.setattr(statistics.Spill, "get", spy)
+    outs = {}
+    for chunk in (1 << 30, 1000):
+        job = StreamingMerge([str(pair / "m0"), str(pair / "m1")], method=method, data=_data(pair), align="none")
+        job.align()
+        job.chunk_bytes = chunk
+        reads.clear()
+        os.makedirs(tmp_path / str(chunk))
+        job.write(str(tmp_path / str(chunk)))
+        outs[chunk] = _load(tmp_path / str(chunk))
+    asked, sliced = sum(a for a, _ in reads), sum(s for _, s in reads)
+    if method == "fisher":
+        assert asked > 0 and sliced == asked  # every sliced group's statistic read as its slice
+    else:
+        assert asked == 0  # the Grams whole
+    for k, v in outs[1 << 30].items():
+        assert torch.equal(v, outs[1000][k]), k

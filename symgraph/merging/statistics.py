@@ -62,8 +62,15 @@ class Spill:
         self._files[name] = file_id(os.lstat(path))
         self.where.update((k, path) for k in tensors)
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, part=None, shape=None) -> torch.Tensor:
+        """Tensor ``key``; with ``part = (dim, start, stop)``, only that slice of it when its
+        shape is ``shape`` (read from disk alone; otherwise the whole tensor)."""
         with safe_open(self.where[key], framework="pt", device="cpu") as h:
+            if part is not None:
+                sl = h.get_slice(key)
+                if tuple(sl.get_shape()) == tuple(shape):
+                    d, start, stop = part
+                    return sl[(slice(None),) * d + (slice(start, stop),)]
             return h.get_tensor(key)
 
     def __contains__(self, key):
@@ -85,8 +92,12 @@ class MemorySpill:
     def put(self, tensors: dict):
         self._tensors.update((k, v.detach()) for k, v in tensors.items())
 
-    def get(self, key: str) -> torch.Tensor:
-        return self._tensors[key].clone()
+    def get(self, key: str, part=None, shape=None) -> torch.Tensor:
+        t = self._tensors[key]
+        if part is not None and tuple(t.shape) == tuple(shape):
+            d, start, stop = part
+            t = t.narrow(d, start, stop - start)
+        return t.clone()
 
     def __contains__(self, key):
         return key in self._tensors
@@ -105,7 +116,12 @@ class Stored(Mapping):
         self.spill, self._keys, self.device = spill, keys, device
 
     def __getitem__(self, name):
-        t = self.spill.get(self._keys[name])
+        return self.part(name)
+
+    def part(self, name, part=None, shape=None):
+        """``self[name]``, or with ``part = (dim, start, stop)`` only that slice of it when its
+        shape is ``shape`` (see :meth:`Spill.get`)."""
+        t = self.spill.get(self._keys[name], part, shape)
         return t if self.device is None else t.to(self.device)
 
     def __iter__(self):

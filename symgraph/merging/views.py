@@ -311,15 +311,20 @@ class Sliced(Mapping):
     """A model's statistics with each tensor of a sliced name cut like the name's slice (a
     statistic of the tensor's own shape; others, such as a Gram over a weight's inputs, whole)."""
 
-    def __init__(self, stats, parts, shapes, ledger):
+    def __init__(self, stats, parts, shapes, ledger, elementwise: bool = True):
         self.stats, self.parts, self.shapes, self.ledger, self.read = stats, parts, shapes, ledger, 0
+        self.elementwise = elementwise  # the method's: statistics of the tensors' own shapes
 
     def __getitem__(self, name):
-        t = self.stats[name]
+        part = self.parts.get(name) if self.elementwise else None
+        if part is not None and hasattr(self.stats, "part"):  # only the slice read from the store
+            t = self.stats.part(name, part, self.shapes[name])
+            sliced = tuple(t.shape) != tuple(self.shapes[name])
+        else:
+            t, sliced = self.stats[name], False
         self.read += nbytes(t)  # held until the group is combined
         self.ledger.hold(nbytes(t))
-        part = self.parts.get(name)
-        if part is None or tuple(t.shape) != tuple(self.shapes[name]):
+        if sliced or part is None or tuple(t.shape) != tuple(self.shapes[name]):
             return t
         d, start, stop = part
         return t.narrow(d, start, stop - start)

@@ -25,6 +25,11 @@ class MergeMethod:
     """Base class: plain weighted averaging needs no statistics."""
     name = "?"
     needs_data = False
+    #: Whether each statistic has its tensor's own shape, element for element (Fisher's
+    #: squared gradients): a slice of the tensor then reads only that slice of its statistic.
+    #: False for statistics of another shape (RegMean's Gram over a weight's inputs, square
+    #: like a square weight): read whole.
+    elementwise_statistics = True
 
     @classmethod
     def parameters(cls) -> dict:

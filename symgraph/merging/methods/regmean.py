@@ -66,6 +66,8 @@ class RegMean(Average):
     def streamed_statistics(self, job, i):
         return input_grams(job, i, f"regmean/{i}/")
 
+    elementwise_statistics = False  # a Gram over the weight's inputs, never sliced with it
+
     def sliceable(self, name, dim, report):
         """A linear weight is merged in slices along its outputs only (its Gram is over its inputs)."""
         return all(dim == (0 if layout == "out_in" else 1) for w, _, _, layout in _layers(report) if w == name)
