@@ -60,7 +60,7 @@ class Fisher(MergeMethod):
         return squared_gradients(job, i, self, f"fisher/{i}/")
 
     def combine_group(self, names, values, stats, weights, report):
-        # Σ wᵢ (Fᵢ + ε) θᵢ / Σ wᵢ (Fᵢ + ε), three float64 buffers at a time (each model's
+        # Σ wᵢ (Fᵢ + ε) θᵢ / Σ wᵢ (Fᵢ + ε), three buffers at a time (each model's
         # term made in place: the same values, bit for bit, as the expression written out)
         out = {}
         for k in names:
