@@ -13,9 +13,9 @@ layers, on the residual stream). Gradient checkpointing, one segment at a time:
    gradients the later segment left at its outputs (the last segment starts from the
    method's loss on the graph's first output, the logits); each weight's gradient of each
    batch is squared and summed in the work dtype (float32; float64 for float64 models) — a
-   weight read by several segments (a tied
-   embedding and head) has its batch gradient summed over them first, as autograd sums a tied
-   parameter's — and a weight whose every reader is done is written to disk and freed.
+   weight read by several segments (a tied embedding and head) has its batch gradient summed
+   over them first, as autograd sums a tied parameter's — and a weight whose every reader
+   is done is written to disk and freed.
 
 Memory holds one segment's weights, their sums and one batch's activations within
 the segment, whatever the model's depth. The ops are the traced graph's own, so the
@@ -36,7 +36,6 @@ from .statistics import Stored
 from .views import Aligned, nbytes
 
 __all__ = ["squared_gradients", "plan_segments"]
-
 
 
 def squared_gradients(job, i: int, method, prefix: str) -> Stored:

@@ -411,8 +411,7 @@ class StreamingMerge:
             held += sum(nbytes(v) for v in own.values())
             self.ledger.hold(sum(nbytes(v) for v in own.values()))
         full = {n: A.shapes[A.key(n)] for n in parts}
-        stats = [None if st is None else Sliced(st, parts, full, self.ledger,
-                                                      getattr(self.how, "elementwise_statistics", True))
+        stats = [None if st is None else Sliced(st, parts, full, self.ledger, self.how.elementwise_statistics)
                  for st in self.stats]
         floats = [n for n in names if n not in ints]
         merged = self.combine(floats, values, stats, self.weights.tolist(), self.graph_report)

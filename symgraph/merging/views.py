@@ -317,14 +317,14 @@ class Sliced(Mapping):
 
     def __getitem__(self, name):
         part = self.parts.get(name) if self.elementwise else None
-        if part is not None and hasattr(self.stats, "part"):  # only the slice read from the store
-            t = self.stats.part(name, part, self.shapes[name])
-            sliced = tuple(t.shape) != tuple(self.shapes[name])
+        if part is not None and hasattr(self.stats, "part"):  # the store reads the slice alone
+            t = self.stats.part(name, part, self.shapes[name])  # (or the whole, of another shape)
+            part = None
         else:
-            t, sliced = self.stats[name], False
+            t = self.stats[name]
         self.read += nbytes(t)  # held until the group is combined
         self.ledger.hold(nbytes(t))
-        if sliced or part is None or tuple(t.shape) != tuple(self.shapes[name]):
+        if part is None or tuple(t.shape) != tuple(self.shapes[name]):
             return t
         d, start, stop = part
         return t.narrow(d, start, stop - start)
