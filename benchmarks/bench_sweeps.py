@@ -1,11 +1,14 @@
 """What the speed settings of weight matching cost in quality: the suite's trained pairs aligned
 with each setting, the barrier (11-point curve, quick protocol's 4 held-out batches) and the
-number of sweeps, against the exact reference (``tol=0``, exact products, no sketch).
+number of sweeps, against the exact reference (sweeps until no element changes, ``tol=0``,
+exact products, no sketch, up to 6 sweeps).
 
     python -m benchmarks.bench_sweeps [--archs gpt2 llama bert vit] [--size quick]
                                       [--out benchmarks/results/speed_quality/sweeps.json]
 
-Settings: ``defer=False`` (every unit whose inputs changed re-solved in every sweep, as before
+Settings: ``until="discrete"`` (from the second sweep on, the loop ends once a sweep changes
+no permutation or head matching), ``max_iter=k`` (the loop stops after k sweeps),
+``defer=False`` (every unit whose inputs changed re-solved in every sweep, as before
 deferral), ``head_cost="circuits"`` and ``block_scale="columns"`` (Theus et al. 2025's head
 cost and block scaling), ``tol`` (a unit keeps its element unless a re-solve gains more than that fraction
 of its objective), ``similarity="bf16"`` (products in bfloat16), ``sketch=k`` (a k-column
@@ -38,11 +41,26 @@ LAMBDAS = np.linspace(0.0, 1.0, 11)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "speed_quality" / "sweeps.json"
 
 
+#: The exact reference (the defaults): sweeps until no element changes (``until="exact"``,
+#: ``tol=0``), exact products, at most this many sweeps.
+EXACT_SWEEPS = 6
+EXACT = "exact (until=exact, tol=0)"
+
+
 def settings(width: int) -> dict:
-    return {"exact (tol=0)": dict(tol=0.0, similarity="exact"),
+    """Each setting as what it changes from the exact reference (``until="exact"``, ``tol=0``,
+    exact products, at most :data:`EXACT_SWEEPS` sweeps)."""
+    base = dict(until="exact", tol=0.0, similarity="exact", max_iter=EXACT_SWEEPS)
+    rows = {EXACT: {},
             "tol=1e-4": dict(tol=1e-4),
             "tol=1e-3": dict(tol=1e-3),
             "tol=1e-2": dict(tol=1e-2),
+            # from the second sweep on, stop once no discrete element changes
+            "until=discrete": dict(until="discrete"),
+            # fewer sweeps: the loop stops after this many, converged or not
+            "max_iter=2": dict(max_iter=2),
+            "max_iter=3": dict(max_iter=3),
+            "max_iter=4": dict(max_iter=4),
             "bf16 products": dict(similarity="bf16"),
             f"sketch={max(width // 4, 4)}": dict(sketch=max(width // 4, 4)),
             "no deferral": dict(defer=False),
@@ -53,9 +71,10 @@ def settings(width: int) -> dict:
             # float32 products of the same bf16 weights
             "bf16 weights, exact": dict(cast=torch.bfloat16),
             "bf16 weights, bf16 products": dict(cast=torch.bfloat16, similarity="bf16")}
+    return {name: base | kw for name, kw in rows.items()}
 
 
-REFERENCE = {"bf16 weights, bf16 products": "bf16 weights, exact"}  # default: "exact (tol=0)"
+REFERENCE = {"bf16 weights, bf16 products": "bf16 weights, exact"}  # default: EXACT
 
 
 def run(archs, size="quick", seeds=(0, 1, 2), max_batches=4, only=None) -> dict:
@@ -66,7 +85,7 @@ def run(archs, size="quick", seeds=(0, 1, 2), max_batches=4, only=None) -> dict:
         width = getattr(models[seeds[0]].config, "hidden_size", None) or models[seeds[0]].config.n_embd
         rows = {}
         for name, kw in settings(width).items():
-            if only and name not in only and name != "exact (tol=0)" and name not in {
+            if only and name not in only and name != EXACT and name not in {
                     REFERENCE.get(o) for o in only}:
                 continue
             per = []
@@ -85,9 +104,9 @@ def run(archs, size="quick", seeds=(0, 1, 2), max_batches=4, only=None) -> dict:
                 print(f"{arch:6s} {a}-{b} {name:20s} barrier {bar:.4f} sweeps {al.seconds.get('sweeps')} "
                       f"{secs:.2f} s", flush=True)
             rows[name] = {"pairs": per, "mean": float(np.mean([p["barrier"] for p in per]))}
-        spread = float(np.std([p["barrier"] for p in rows["exact (tol=0)"]["pairs"]], ddof=1))
+        spread = float(np.std([p["barrier"] for p in rows[EXACT]["pairs"]], ddof=1))
         for name, r in rows.items():
-            r["reference"] = REFERENCE.get(name, "exact (tol=0)") if REFERENCE.get(name) in rows else "exact (tol=0)"
+            r["reference"] = REFERENCE.get(name, EXACT) if REFERENCE.get(name) in rows else EXACT
             ref = [p["barrier"] for p in rows[r["reference"]]["pairs"]]
             r["max_abs_diff_to_exact"] = float(max(abs(p["barrier"] - q) for p, q in zip(r["pairs"], ref)))
             r["within_spread"] = r["max_abs_diff_to_exact"] <= spread

@@ -182,14 +182,17 @@ def test_cli_tol_ends_the_sweeps_sooner_and_is_checked(tmp_path):
         m.save_pretrained(tmp_path / d)
     pa, pb = str(tmp_path / "a"), str(tmp_path / "b")
     sweeps = {}
-    for tol in ("0", "0.9"):
-        out = tmp_path / f"out{tol}"
-        r = cli("merge", pa, pb, "--out", str(out), "--tol", tol)
+    for tol, rule, n in (("0", "exact", "6"), ("0.9", "exact", "6"), ("0", "discrete", "1")):
+        out = tmp_path / f"out{tol}-{rule}-{n}"
+        r = cli("merge", pa, pb, "--out", str(out), "--tol", tol, "--until", rule, "--max-iter", n)
         assert r.returncode == 0, r.stderr
         meta = json.load(open(out / "symgraph_merge.json"))
-        assert meta["options"]["tol"] == float(tol)
-        sweeps[tol] = meta["alignments"][0]["seconds"]["sweeps"]
-    assert sweeps["0"] == symgraph.align(a, b).seconds["sweeps"] > sweeps["0.9"] >= 1, sweeps
+        assert meta["options"]["tol"] == float(tol) and meta["options"]["max_iter"] == int(n)
+        assert meta["options"]["until"] == rule
+        sweeps[tol, n] = meta["alignments"][0]["seconds"]["sweeps"]
+    exact = symgraph.align(a, b).seconds["sweeps"]
+    assert sweeps["0", "6"] == exact > sweeps["0.9", "6"] >= 1, sweeps
+    assert sweeps["0", "1"] == 1
     (tmp_path / "bad.yaml").write_text(f"models: [{pa}, {pb}]\nout: {tmp_path / 'bad'}\ntol: 1\n")
     for args, msg in ((["--tol", "-0.1"], "--tol -0.1; expected a relative gain in [0, 1)"),
                       (["--tol", "nan"], "--tol nan"),

@@ -73,3 +73,27 @@ def test_refine_never_silently_changes_an_explicit_align():
         _cli(["a", "b", "--out", "o", "--data", "d.pt", "--refine", "5", "--align", "weights"])
     assert _cli(["a", "b", "--out", "o", "--data", "d.pt", "--refine", "5"]).align == "activations"
     assert flag(MergeConfig, "fold_norms") == "--no-fold-norms"
+
+
+def test_max_iter_and_until_reach_align_and_are_checked(tmp_path):
+    """``--max-iter N`` and ``--until exact|discrete`` (``max_iter:``, ``until:`` in a config) end
+    the sweeps of the merge's alignment (passed to ``symgraph.align``, whose defaults they
+    share); 0, an unknown rule (argparse's choices on the command line) and either without an alignment are refused, one line each."""
+    from symgraph.alignment.options import AlignOptions
+    from symgraph.merging.run import _speed_options
+    cfg = _cli(["a", "b", "--out", "o"])
+    assert (cfg.max_iter, cfg.until) == (AlignOptions().max_iter, AlignOptions().until) == (6, "exact")
+    cfg = _cli(["a", "b", "--out", "o", "--max-iter", "7", "--until", "discrete"])
+    assert (cfg.max_iter, cfg.until) == (7, "discrete")
+    assert {k: _speed_options(cfg)[k] for k in ("max_iter", "until")} == {"max_iter": 7, "until": "discrete"}
+    (tmp_path / "m.yaml").write_text("models: [a, b]\nout: o\nmax_iter: 3\n")
+    assert _cli(["--config", str(tmp_path / "m.yaml")]).max_iter == 3
+    (tmp_path / "bad.yaml").write_text("models: [a, b]\nout: o\nuntil: never\n")
+    with pytest.raises(InputError, match="until"):
+        _cli(["--config", str(tmp_path / "bad.yaml")])
+    for argv, msg in ((["--max-iter", "0"], "--max-iter 0; expected a number of sweeps"),
+                      (["--max-iter", "3", "--align", "none"], "--max-iter ends the sweeps of an alignment"),
+                      (["--until", "discrete", "--align", "none"], "--until ends the sweeps of an alignment")):
+        with pytest.raises(InputError, match=msg) as e:
+            _cli(["a", "b", "--out", "o", *argv])
+        assert len(str(e.value).splitlines()) == 1

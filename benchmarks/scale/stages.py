@@ -113,6 +113,7 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
 
     # symgraph
     for name, align, method in (("symgraph_none", "none", "average"), ("symgraph_weights", "weights", "average"),
+                                ("symgraph_weights_discrete", "weights", "average"),  # --until discrete: fewer sweeps
                                 ("symgraph_weights_tol", "weights", "average"),  # --tol 1e-3: fewer sweeps
                                 ("symgraph_activations", "activations", "average"),
                                 ("symgraph_regmean", "weights", "regmean"), ("symgraph_fisher", "weights", "fisher"),
@@ -123,6 +124,8 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
         shutil.rmtree(out, ignore_errors=True)
         how = ["--repair"] if method == "repair" else ["--method", method]  # REPAIR after a plain average
         cmd = _symgraph_cmd() + ["merge", a, b, "--out", str(out), "--align", align, *how]
+        if name.endswith("_discrete"):  # the sweeps end once no discrete element changes
+            cmd += ["--until", "discrete"]
         if name.endswith("_tol"):  # the sweeps end once no class gains 0.1% (benchmarks/results/speed_quality/sweeps.md)
             cmd += ["--tol", "1e-3"]
         if align == "activations" or method != "average":
@@ -144,7 +147,8 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
     checks = {"from_pretrained": load_check}
     t = time.perf_counter()
     checks["inputs"] = {m: check_output(p, a, load_check) for m, p in (("a", a), ("b", b))}
-    for name in ("mergekit_linear", "symgraph_none", "symgraph_weights", "symgraph_weights_tol", "symgraph_activations"):
+    for name in ("mergekit_linear", "symgraph_none", "symgraph_weights", "symgraph_weights_discrete", "symgraph_weights_tol",
+                 "symgraph_activations"):
         r = rec["stages"].get(name, {})
         if r.get("ok") and r.get("out"):
             checks[name] = check_output(r["out"], a, load_check)

@@ -32,8 +32,8 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
         where a class is observed cleanly, from weights elsewhere. Without it, weights only.
     report_a, report_b : reuse reports already computed for the two models.
     options / keywords : an :class:`~symgraph.alignment.options.AlignOptions` (``solver``,
-        ``inner``, ``max_iter``, ``groups``, ``refine``, ``sketch``, ``tol``, ...), or its fields
-        as keywords (a keyword replaces that field of ``options``).
+        ``inner``, ``max_iter``, ``until``, ``groups``, ``refine``, ``sketch``, ``tol``, ...), or
+        its fields as keywords (a keyword replaces that field of ``options``).
     """
     opts = AlignOptions.build(options, **option_kw)
     for m, label in ((model_a, "model_a"), (model_b, "model_b")):

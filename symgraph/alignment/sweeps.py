@@ -32,6 +32,8 @@ class Sweeps:
         self.solver_seconds = 0.0
         self.units = [u for u in units(report_a) if u.groups(opts.selected)]
         self.changed = False
+        self.moved = False  # a discrete element changed in this sweep (see _discrete_change)
+        self.discrete_at: dict = {}  # group id -> its version at its last discrete change
         self.masses = None  # group -> unit masses or None, with .deps(group): see .masses
         self.presolved: dict = {}  # unit index -> what its early solve used (solve_early)
         self.deferred = 0  # unit solves postponed while other units still changed (see run)
@@ -59,14 +61,16 @@ class Sweeps:
         without recomputing its similarity each time it reads a changed rotation. When a
         sweep changes nothing else, the deferred units are re-solved against the converged
         rest; the loop ends only when that changes nothing either, so the result is the same
-        kind of fixed point as without deferral."""
+        kind of fixed point as without deferral. With ``until="discrete"`` "nothing" means no
+        discrete element from the second sweep on, and a deferred unit is re-solved only if a
+        class it reads changed discretely since its last solve."""
         last: dict = {}  # unit index -> (versions of the classes it used, complete)
         stable: set = set()
         order = first_sweep_order(self.units, self.ids, self.solved_groups, self.feats)
         waves = Waves(self, last, stable)  # one process: each unit solved as it is added
         sweep = 0
         for sweep in range(sweeps):
-            self.changed = False
+            self.changed = self.moved = False
             pending = set().union(*(self.ids(u) for u in self.units)) if sweep == 0 else set()
             deferred = []
             for ui in order:
@@ -84,16 +88,32 @@ class Sweeps:
                 pending -= self.ids(self.units[ui])
                 waves.add(ui, pending, sweep)
             waves.flush()
-            if not self.changed and deferred:
+            if not self._going(sweep) and deferred:
                 for ui in deferred:  # the rest has converged: check the deferred units against it
                     waves.before(ui)
-                    if not self._current(ui, last):
+                    if not self._current(ui, last) and self._recheck(ui, last):
                         waves.add(ui, pending, sweep)
                 waves.flush()
-            if not self.changed:
+            if not self._going(sweep):
                 break
         self.shared = waves.summary()
         return sweep + 1
+
+    def _going(self, sweep) -> bool:
+        """Whether the sweep just run calls for another (``until``, see AlignOptions): anything
+        changed ("exact"), or, from the second sweep on, a discrete element ("discrete")."""
+        if self.opts.until == "discrete" and sweep >= 1:
+            return self.moved
+        return self.changed
+
+    def _recheck(self, ui, last) -> bool:
+        """Whether a deferred (stable) unit is re-solved once the rest has converged: always
+        (``until="exact"``), or when a class it reads changed discretely since its last solve
+        ("discrete": a rotation's drift alone does not call for it)."""
+        if self.opts.until == "exact":
+            return True
+        used, complete = last[ui]
+        return not complete or any(self.discrete_at.get(g, 0) > v for g, v in used.items())
 
     def _current(self, ui, last) -> bool:
         """Whether unit ``ui`` was solved, completely, from the classes' present elements."""
@@ -189,6 +209,9 @@ class Sweeps:
             return
         self.versions[gid] = self.versions.get(gid, 0) + 1
         self.changed = True
+        if _discrete_change(self.elements.get(gid), el):
+            self.moved = True
+            self.discrete_at[gid] = self.versions[gid]
         self.elements[gid] = el
         self.results[gid] = res
 
@@ -266,3 +289,31 @@ def _same(old, new):
     a = old.co if isinstance(old, Map) else old
     b = new.co if isinstance(new, Map) else new
     return a.shape == b.shape and bool(torch.allclose(a, b.to(a.dtype), rtol=0, atol=1e-9))
+
+
+def _discrete_change(old, new) -> bool:
+    """Whether an element's discrete part changed (the element itself did): a permutation's
+    order, a head matching, the pattern of a signed or scaled permutation (which coordinate each
+    row reads), a transport plan, or its shape or form; a rotation that moves keeps its (dense)
+    pattern: not discrete."""
+    if old is None or isinstance(old, Perm) or isinstance(new, Perm):
+        return not (isinstance(old, Perm) and isinstance(new, Perm) and torch.equal(old.index, new.index))
+    if isinstance(old, Map) or isinstance(new, Map):
+        return True  # a transport plan between widths: a vertex of its polytope, discrete too
+    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or old.shape != new.shape:
+        return True
+    pa, pb = _pattern(old), _pattern(new)
+    if pa is None or pb is None:
+        return (pa is None) != (pb is None)  # a monomial map became dense or the reverse
+    return not torch.equal(pa, pb.to(pa.device))
+
+
+def _pattern(E):
+    """For a (batch of) matrices with exactly one nonzero per row (permutations, signed or
+    scaled): the column each row reads; None for any other (a rotation)."""
+    if E.dim() < 2:
+        return None
+    nz = E != 0
+    if not bool((nz.sum(-1) == 1).all()):
+        return None
+    return nz.to(torch.uint8).argmax(-1)

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError, field_validator)
 
-from ..alignment.options import MAX_REFINE, AlignOptions, Columns, Fraction, Outputs, Steps
+from ..alignment.options import MAX_REFINE, AlignOptions, Columns, Fraction, Outputs, Steps, Sweeps
 from ..checkpoints.sharded import parse_size
 from ..core.schema import error_key, expected, refusal, short_repr as _short
 from ..errors import InputError
@@ -103,6 +103,11 @@ class MergeConfig(BaseModel):
                              "projection of K columns where a matrix is wider than 2K (0: exact)", "K")
     tol: Fraction = _align("tol", "weight matching keeps a class's element unless re-solving it gains more than "
                            "this fraction of its objective (0: every change)", "X")
+    max_iter: Sweeps = _align("max_iter", "weight matching stops after at most this many sweeps of coordinate "
+                              "descent", "N")
+    until: Literal["exact", "discrete"] = _align(
+        "until", "the sweeps end once one changes no element (exact) or, from the second sweep on, no "
+        "permutation or head matching (discrete: faster, rotations less converged)")
     seen_rows: StrictBool = Field(False, description="weight matching reads only the token-embedding rows of "
                                   "tokens in --data (Theus et al. 2025)",
                                   json_schema_extra=_opt("true or false (needs data)"))
@@ -380,6 +385,10 @@ def check(opts: dict, name=lambda k: flag(MergeConfig, k)) -> None:
         raise InputError(f"{n('sketch')} sketches weight matching; expected {n('align')} weights")
     if opts["tol"] and opts["align"] != "weights":
         raise InputError(f"{n('tol')} ends the sweeps of weight matching; expected {n('align')} weights")
+    for key in ("max_iter", "until"):
+        if opts[key] != AlignOptions.model_fields[key].default and opts["align"] in ("none", None):
+            raise InputError(f"{n(key)} ends the sweeps of an alignment; expected {n('align')} weights or "
+                             "activations")
     if opts["seen_rows"] and not opts["data"]:
         raise InputError(f"{n('seen_rows')} reads the embedding rows of the tokens in the data; expected {data}")
     if opts["seen_rows"] and opts["align"] != "weights":

@@ -192,9 +192,10 @@ def _streaming_job(cfg, layouts, data, anchor, progress, options):
 
 
 def _speed_options(cfg) -> dict:
-    """Weight matching's speed options the config sets (``sketch``, ``tol``), for
-    :func:`symgraph.align` in memory and out of core alike; unset ones keep align's defaults."""
-    return {k: getattr(cfg, k) for k in ("sketch", "tol") if getattr(cfg, k)}
+    """Weight matching's speed options the config sets (``sketch``, ``tol``, ``max_iter``,
+    ``until``), for :func:`symgraph.align` in memory and out of core alike; unset ones keep
+    align's defaults."""
+    return {k: getattr(cfg, k) for k in ("sketch", "tol", "max_iter", "until") if getattr(cfg, k)}
 
 
 def _seen_rows(model, data) -> dict:
