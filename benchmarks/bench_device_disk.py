@@ -66,6 +66,7 @@ from benchmarks.scale.probe import Probe, meminfo, resident
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "device" / "disk.json"
 DEFAULT_WORK = "/tmp/symgraph-device-disk"
+UNTIL_DISCRETE = "aligned, until discrete"  # the run of --discrete-layers
 GB = 1e9
 SAMPLES = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
            "model.layers.0.mlp.gate_proj.weight", "lm_head.weight")
@@ -94,21 +95,22 @@ def disk_peaks(device) -> dict:
 
 
 def merge_once(pair, align, device, out, load_check, probe_args, staged=None, budget=None, method="average",
-               data=None, auction=False) -> dict:
+               data=None, auction=False, until="exact") -> dict:
     """One ``run_merge`` of the pair into ``out`` (``method``, reading ``data`` if it needs
-    data; ``auction``: with the device auction forced, see the module docstring), measured."""
+    data; ``auction``: with the device auction forced, see the module docstring; ``until``:
+    when weight matching's sweeps end), measured."""
     from symgraph.merging.config import MergeConfig
     from symgraph.merging.run import run_merge
     from benchmarks.scale.checks import check_output
     shutil.rmtree(out, ignore_errors=True)
     inputs = [str(f) for m in (pair["a"], pair["b"]) for f in weight_files(m)]
-    rec = {"align": align, "method": method, "inputs_in_page_cache": resident(inputs), "meminfo_before": meminfo()}
+    rec = {"align": align, "method": method, "until": until, "inputs_in_page_cache": resident(inputs), "meminfo_before": meminfo()}
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         rec["gpu_before_gb"] = torch.cuda.memory_allocated(device) / GB
     cfg = MergeConfig(models=[pair["a"], pair["b"]], out=str(out), align=align, device=str(device),
-                      memory_budget=budget, method=method, data=data)
+                      memory_budget=budget, method=method, data=data, until=until)
     counter = None
     if staged is not None:
         from benchmarks.bench_cost import instrument
@@ -188,6 +190,7 @@ def run_depth(a, layers, device, staged_pk, save) -> dict:
     runs = runs[::-1] if a.aligned_first else runs
     runs = [(*r, False) for r in runs]
     runs += [("aligned, device auction", "weights", None, a.memory_budget, True)] if layers in a.auction_layers else []
+    runs += [(UNTIL_DISCRETE, "weights", None, a.memory_budget, False)] if layers in a.discrete_layers else []
     runs += [("aligned_staged", "weights", staged_pk, a.memory_budget, False)] if staged_pk is not None else []
     runs += [(f"aligned, budget {b}", "weights", None, b, False) for at, b in a.budget_runs if at == layers]
     if a.skip_aligned:
@@ -216,7 +219,8 @@ def run_depth(a, layers, device, staged_pk, save) -> dict:
         save(d)
         try:
             r = merge_once(pair, align, device, work / "out", load_check, (name, a.heartbeat, beat), pk, budget,
-                           method, data if method != "average" else None, auction)
+                           method, data if method != "average" else None, auction,
+                           "discrete" if name == UNTIL_DISCRETE else "exact")
         except Exception as e:  # noqa: BLE001 - recorded (out of memory, a device error), and the next run goes on
             import traceback
             d["runs"][name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}",
@@ -349,6 +353,8 @@ def main(argv=None) -> int:
     ap.add_argument("--data-rows", type=int, default=16, help="sequences of 128 tokens in their data")
     ap.add_argument("--auction-layers", default="", help="depths (of --layers) also aligned with the device "
                     "auction forced for large squares (SPARSE_N raised for that run: a measurement switch)")
+    ap.add_argument("--discrete-layers", default="", help="depths (of --layers) also aligned with --until "
+                    "discrete (the sweeps end once no discrete element changes)")
     ap.add_argument("--skip-aligned", action="store_true", help="only the unaligned merge and the --methods runs")
     ap.add_argument("--heartbeat", type=float, default=15.0, help="seconds between progress lines (0: none)")
     ap.add_argument("--solver-threads", type=int, default=None, help="symgraph.solve.turns.THREADS: host "
@@ -364,6 +370,7 @@ def main(argv=None) -> int:
     a.budget_runs = [(int(x.split(":")[0]), x.split(":")[1]) for x in a.budget_runs.split(",") if x]
     a.methods = [m for m in a.methods.split(",") if m]
     a.auction_layers = {int(x) for x in a.auction_layers.split(",") if x}
+    a.discrete_layers = {int(x) for x in a.discrete_layers.split(",") if x}
     if a.solver_threads is not None:
         from symgraph.solve import turns
         turns.THREADS = max(1, a.solver_threads)

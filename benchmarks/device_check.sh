@@ -22,7 +22,8 @@
 #      also aligned with the device auction forced for large squares (bench_device_disk
 #      --auction-layers, a measurement switch); "auto": the deepest of DISK_LAYERS if step 0
 #      found the auction faster than the sparse solve at its largest size on the random MLP
-#      similarity, else none;
+#      similarity, else none; DISCRETE_LAYERS: depths also aligned with --until discrete (the
+#      sweeps end once no discrete element changes);
 #   4. (REGMEAN_LAYERS set) bench_device_disk --methods regmean --skip-aligned at those depths:
 #      RegMean out of core beside the plain average, in the time left (REGMEAN_RESERVE, default
 #      100 s, is kept for it), into regmean.json/.md. Its spilled float64 Grams take about
@@ -40,7 +41,7 @@
 # DEVICE (default cuda; cpu for a dry run), WHEELS (0: do not install .whl/), METHODS (e.g.
 # regmean: that method also merged unaligned at each depth, on random token ids), TESTS (0: skip
 # step 1), SOLVERS, SOLVERS_TIMEOUT, SOLVERS_ARGS, DISK (0: skip step 3), AUCTION_LAYERS,
-# REGMEAN_LAYERS, REGMEAN_RESERVE. A dry run on the CPU at the tiny shape: DEVICE=cpu SHAPE=tiny
+# DISCRETE_LAYERS, REGMEAN_LAYERS, REGMEAN_RESERVE. A dry run on the CPU at the tiny shape: DEVICE=cpu SHAPE=tiny
 # WHEELS=0 TESTS=0 (with the other knobs of the real run).
 set -u
 START=$SECONDS
@@ -109,6 +110,7 @@ if [ "${DISK:-1}" = 1 ] && [ "$DT" -gt 40 ]; then
     --stages "${STAGED_DISK-2}" --device "$DEVICE" --work "$WORK" \
     ${MEMORY_BUDGET:+--memory-budget "$MEMORY_BUDGET"} ${ALIGNED_FIRST:+--aligned-first} \
     ${METHODS:+--methods "$METHODS"} ${AUCTION_LAYERS:+--auction-layers "$AUCTION_LAYERS"} \
+    ${DISCRETE_LAYERS:+--discrete-layers "$DISCRETE_LAYERS"} \
     ${SOLVER_THREADS:+--solver-threads "$SOLVER_THREADS"} --budget-runs "${BUDGET_RUNS-2:12GB}" \
     --out "$OUT/disk.json" 2>&1 | tee -a "$OUT/bench.txt"
 fi
