@@ -27,6 +27,7 @@ import argparse
 import copy
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -36,6 +37,7 @@ import torch
 import symgraph
 
 from . import evaluate, train
+from .provenance import git_state
 
 LAMBDAS = np.linspace(0.0, 1.0, 11)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "speed_quality" / "sweeps.json"
@@ -114,9 +116,11 @@ def run(archs, size="quick", seeds=(0, 1, 2), max_batches=4, only=None) -> dict:
     return out
 
 
-def markdown(res: dict) -> str:
+def markdown(res: dict, run: dict | None = None) -> str:
+    run = run or {}
     lines = ["# Weight matching: speed settings against the exact reference (suite pairs)", "",
-             "Written by `python -m benchmarks.bench_sweeps`. Barrier: mean over the 3 pairs; "
+             f"Written by `{run.get('command', 'python -m benchmarks.bench_sweeps')}` at symgraph "
+             f"{run.get('commit', '?')} ({run.get('time', '?')}). Barrier: mean over the 3 pairs; "
              "Δ: largest |barrier − reference| over the pairs (the exact setting; for bf16 products of "
              "bf16 weights, the exact products of the same bf16 weights); spread: the exact barriers' pair-to-pair "
              "standard deviation; sweeps: per pair.", "",
@@ -139,11 +143,13 @@ def main(argv=None) -> int:
                     help="run only these settings (names as in the table; the exact reference always runs)")
     a = ap.parse_args(argv)
     res = run(a.archs, a.size, only=a.settings)
+    meta = {"command": " ".join(["python -m benchmarks.bench_sweeps", *(argv if argv is not None else sys.argv[1:])]),
+            "commit": git_state(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    out.with_suffix(".md").write_text(markdown(res))
-    print(markdown(res))
+    out.write_text(json.dumps({"run": meta, **res}, indent=1))
+    out.with_suffix(".md").write_text(markdown(res, meta))
+    print(markdown(res, meta))
     return 0
 
 
