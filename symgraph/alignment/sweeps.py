@@ -311,8 +311,8 @@ def _discrete_change(old, new) -> bool:
 def _pattern(E):
     """For a (batch of) matrices with exactly one nonzero per row (permutations, signed or
     scaled): the column each row reads; None for any other (a rotation)."""
-    if E.dim() < 2:
-        return None
+    if E.dim() < 2 or int(E.count_nonzero()) != E.numel() // E.shape[-1]:
+        return None  # a dense map (a rotation): one reduction, no mask of its size
     nz = E != 0
     if not bool((nz.sum(-1) == 1).all()):
         return None
