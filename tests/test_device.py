@@ -201,7 +201,10 @@ def test_cli_merge_on_a_device(tmp_path, capsys):
     assert main(["merge", *args, "--device", dev, "--out", str(tmp_path / "on_dev")]) == 0
     assert main(["merge", *args, "--out", str(tmp_path / "on_cpu")]) == 0
     got, want = load_file(str(tmp_path / "on_dev" / "model.safetensors")), load_file(str(tmp_path / "on_cpu" / "model.safetensors"))
-    assert set(got) == set(want) and all(torch.allclose(got[k], want[k], atol=1e-6) for k in got)
+    # float32 outputs, solved by the device's polar iteration on one side and LAPACK on the
+    # other: equal to a few float32 ulps of the largest weights (1.1e-6 after the 4 sweeps of
+    # until="gap", 6.8e-7 after 6 exact ones)
+    assert set(got) == set(want) and all(torch.allclose(got[k], want[k], atol=1e-5) for k in got)
     capsys.readouterr()
     if not torch.cuda.is_available():
         assert main(["merge", *args, "--device", "cuda", "--out", str(tmp_path / "x")]) == 2

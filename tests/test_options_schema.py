@@ -82,7 +82,7 @@ def test_max_iter_and_until_reach_align_and_are_checked(tmp_path):
     from symgraph.alignment.options import AlignOptions
     from symgraph.merging.run import _speed_options
     cfg = _cli(["a", "b", "--out", "o"])
-    assert (cfg.max_iter, cfg.until) == (AlignOptions().max_iter, AlignOptions().until) == (6, "exact")
+    assert (cfg.max_iter, cfg.until) == (AlignOptions().max_iter, AlignOptions().until) == (6, "gap")
     cfg = _cli(["a", "b", "--out", "o", "--max-iter", "7", "--until", "discrete"])
     assert (cfg.max_iter, cfg.until) == (7, "discrete")
     assert {k: _speed_options(cfg)[k] for k in ("max_iter", "until")} == {"max_iter": 7, "until": "discrete"}

@@ -62,17 +62,19 @@ class AlignOptions(BaseModel):
         6, json_schema_extra=_expects("a number of sweeps (an integer >= 1)"))
     """At most this many sweeps of coordinate descent (weights); ``until`` may end them sooner.
     Nested head classes of a transformed copy converge slowly (1e-8 needs about 20 sweeps)."""
-    until: Literal["exact", "discrete"] = Field("exact", json_schema_extra=_expects("'exact' or 'discrete'"))
-    """When the sweeps end before ``max_iter``. "exact" (default): once no element changes (or
-    none by more than ``tol``). "discrete": from the second sweep on, once a sweep changes no
-    discrete element (a permutation's order, a head matching, the pattern of a signed or scaled
-    permutation, a transport plan): every class, rotations included, has then been solved with
-    all the others known, and what still moves is a rotation drifting, on an unrelated pair by a
-    few parts in 10³ a sweep without end. On the suite's trained pairs it keeps every barrier
-    within its pair-to-pair spread of "exact" (``benchmarks/results/speed_quality/sweeps.md``)
-    and a 1.1B-shaped unrelated pair stops after 3 sweeps instead of 6; but it also stops the
-    slow convergence of a transformed copy's nested head classes early (fused QKV with grouped
-    K/V: 8e-2 from exact instead of 2e-3), so it is not the default."""
+    until: Literal["exact", "discrete", "gap"] = Field("gap", json_schema_extra=_expects("'exact', 'discrete' or 'gap'"))
+    """When the sweeps end before ``max_iter``. "gap" (default): from the second sweep on, once a
+    sweep changes no discrete element (a permutation's order, a head matching, the pattern of a
+    signed or scaled permutation, a transport plan) and none of its solves closes 5% or more of
+    its unit's remaining gap ``bound − <element, S>`` (the bound by Cauchy–Schwarz,
+    ``Σ ‖X_A‖ ‖X_B‖``; per head pair 1): a transformed copy's nested head classes close 60-90% of
+    theirs every sweep and go on until exact; two unrelated models' rotations drift by a few
+    parts in 10³ of a gap near the whole bound, without end, and stop (a 1.1B-shaped random pair:
+    3 sweeps instead of 6). "exact": once no element changes (or none by more than ``tol``).
+    "discrete": from the second sweep on, once no discrete element changes; it also stops a
+    transformed copy's slow convergence early (fused QKV with grouped K/V: 8e-2 from exact
+    instead of 2e-3). On the suite's trained pairs both keep every barrier within its
+    pair-to-pair spread of "exact" (``benchmarks/results/speed_quality/sweeps.md``)."""
     groups: Callable | None = Field(None, json_schema_extra=_expects("a predicate group -> bool, or None"))
     """Optional predicate ``group -> bool`` selecting the classes to align. Unselected classes keep
     B's order; when a head class is unselected but classes fibred over it are selected, heads are

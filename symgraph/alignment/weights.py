@@ -53,6 +53,9 @@ class WeightFeatures:
         self.rows = dict(rows or {})
         self.block_scale, self.head_cost = block_scale, head_cost
         self.head_scores: dict = {}  # group id -> [H_A, H_B] circuit scores of the last similarity
+        # group id -> the Cauchy–Schwarz bound on ``<element, S>`` of its last similarity (None:
+        # unknown, e.g. sketched), for the solve loop's ``until="gap"``
+        self.bounds: dict = {}
         self.A, self.B = tensors_a, tensors_b
         self._cache: dict = {}
         self._pool: dict = {}  # (group id, deps, cross) -> (versions, summed contributions)
@@ -63,6 +66,7 @@ class WeightFeatures:
         self.nested: dict = {}
         self._axis_memo: dict = {}  # (axis key, which of its classes have elements) -> (versions, map)
         self._numel: dict = {}
+        self._norms: dict = {}  # (group id, parameter, dim, view) -> the norm of A's slice
         self.versions: dict = {}  # shared with the solve loop: group id -> changes so far
         # set by .shared while all processes compute one similarity: ``share([(key, cost,
         # compute)])[key] -> value`` computes a share of the slots here and gathers the rest
@@ -73,7 +77,7 @@ class WeightFeatures:
         in reference cycles (its similarity closures), which keep it, and a whole model's folded
         copies, until Python's cycle collector runs: on a GPU, through the merge that follows."""
         self.A = self.B = None
-        for d in (self._cache, self._pool, self._axis_memo, self._omega):
+        for d in (self._cache, self._pool, self._axis_memo, self._omega, self._norms):
             d.clear()
         self._pool_bytes = 0
 
@@ -126,7 +130,7 @@ class WeightFeatures:
         slot was left out; ``deps`` are the classes the used slots depend on."""
         versions = self.versions
         exact = orthogonal_part(ga.kind) not in ("perm", "signed_perm")
-        total, na2, nb2, complete, used = None, 0.0, 0.0, True, set()
+        total, na2, nb2, complete, used, bound = None, 0.0, 0.0, True, set(), 0.0
         circ = self.head_cost == "circuits" and cross_fibres and ga.kind == "gl"
         parts = None  # circuits: [S per parity, A's Grams per parity, B's Grams per parity]
         self.head_scores.pop(ga.id, None)
@@ -150,6 +154,7 @@ class WeightFeatures:
                         hits.add(pool)
                         used |= dep
                         total = hit[1] if total is None else total + hit[1]
+                        bound = _plus(bound, hit[2])
                     continue
             hit = self._cache.get(key)
             if hit is None or hit[0] != ver:
@@ -161,21 +166,21 @@ class WeightFeatures:
                     self._cache[key] = (ver, val)
             else:
                 val = hit[1]
-            s, a2, b2, partial, *cp = val
+            s, a2, b2, partial, cp, fro = val
             complete &= not partial
             if s is None:
                 if pool is not None:
-                    fresh.setdefault(pool, [ver, 0, True])[2] &= not partial
+                    fresh.setdefault(pool, [ver, 0, True, 0.0])[2] &= not partial
                 continue
-            if circ and cp and cp[0] is not None:
+            if circ and cp is not None:
                 for k in (0, 1):
-                    parts = _add_parity(parts, k, [p[k] for p in cp[0]])
+                    parts = _add_parity(parts, k, [p[k] for p in cp])
             used |= dep
             total = s if total is None else total + s
-            na2, nb2 = na2 + a2, nb2 + b2
+            na2, nb2, bound = na2 + a2, nb2 + b2, _plus(bound, fro)
             if pool is not None:
-                got = fresh.setdefault(pool, [ver, 0, True])
-                got[1], got[2] = got[1] + s, got[2] and not partial
+                got = fresh.setdefault(pool, [ver, 0, True, 0.0])
+                got[1], got[2], got[3] = got[1] + s, got[2] and not partial, _plus(got[3], fro)
         self._keep_pools(fresh)
         if circ and parts is not None and total is not None and total.dim() == 4 and all(
                 isinstance(x, torch.Tensor) for p in parts for x in p):  # both sides of the circuit seen
@@ -185,6 +190,8 @@ class WeightFeatures:
             # exactly 1 per class and every other pair at most 1 (Cauchy-Schwarz)
             total = total / (torch.as_tensor(na2).clamp_min(1e-30).sqrt()[:, None, None, None]
                              * torch.as_tensor(nb2).clamp_min(1e-30).sqrt()[None, :, None, None])
+            bound = float(total.shape[1])  # each B fibre's matched pair scores at most 1
+        self.bounds[ga.id] = bound
         return total, complete, frozenset(used)
 
     def _misses(self, ga, gb, cross_fibres, usable):
@@ -228,7 +235,7 @@ class WeightFeatures:
 
     def _keep_pools(self, fresh):
         """Keep the pools computed in this call whose every slot took part, within the budget."""
-        for pool, (ver, total, complete) in fresh.items():
+        for pool, (ver, total, complete, fro) in fresh.items():
             if not complete or not isinstance(total, torch.Tensor):
                 continue  # left a slot out, or nothing came of it: not kept
             old = self._pool.pop(pool, None)
@@ -236,12 +243,12 @@ class WeightFeatures:
                 self._pool_bytes -= old[1].numel() * old[1].element_size()
             size = total.numel() * total.element_size()
             if self._pool_bytes + size <= self.POOL_BYTES:
-                self._pool[pool] = (ver, total)
+                self._pool[pool] = (ver, total, fro)
                 self._pool_bytes += size
 
     def _slot(self, ga, gb, name, d, elements, cross_fibres, exact, circ=False):
         ax_a, ax_b = self.ra.param_axes(name), self.rb.param_axes(name)
-        total, a2, b2, parts = None, 0.0, 0.0, None
+        total, a2, b2, parts, fro = None, 0.0, 0.0, None, 0.0
         va, vb = self.ra.leaf_views(ax_a[d], ga.id), self.rb.leaf_views(ax_b[d], gb.id)
         parity = [k for *_, k in self.ra.leaf_views(ax_a[d], ga.id, with_parity=True)] if circ else []
         others = self.rb.other_leaf_elements(ax_b[d], gb.id, elements) if va else []  # per view
@@ -274,7 +281,7 @@ class WeightFeatures:
             if M is not None:
                 tb = apply_along(tb, k, M)
         if others and all(o is None for o in others):  # no view's other leaves are solved yet
-            return None, a2, b2, True
+            return None, a2, b2, True, None, 0.0
         partial = any(o is None for o in others)
         for v, ((ia, fa), (ib, fb)) in enumerate(zip(va, vb)):
             if others[v] is None:  # this view's other leaves are not solved yet, another view's
@@ -287,13 +294,22 @@ class WeightFeatures:
             if parity and fa:  # [S, A's Gram, B's Gram] x [co, contra]
                 fla, flb = (x.reshape(-1, *x.shape[fa:]).to(acc) for x in (xa, xb))
                 parts = _add_parity(parts, parity[v], (s, fla @ fla.mT, flb @ flb.mT))
+            # Cauchy–Schwarz: <E, xa xbᵀ> <= ‖xa‖ ‖xb‖ for an orthogonal or permutation E (A's
+            # side is never transformed: its norm is read once)
+            f = 0.0
+            if not (fa and cross_fibres):  # (per head pair, the norms below bound it)
+                na = self._norms.get((ga.id, name, d, v))
+                if na is None:
+                    na = self._norms[(ga.id, name, d, v)] = frobenius(xa)
+                f = na * frobenius(xb)
             if exact and fa == 0 and self.block_scale == "columns":
-                s = s / xa.shape[-1]
+                s, f = s / xa.shape[-1], f / xa.shape[-1]
             total = s if total is None else total + s
+            fro += f
             if fa and cross_fibres:
                 a2 = a2 + (xa.reshape(-1, *xa.shape[fa:]).to(acc) ** 2).sum((-1, -2))
                 b2 = b2 + (xb.reshape(-1, *xb.shape[fb:]).to(acc) ** 2).sum((-1, -2))
-        return total, a2, b2, partial, parts
+        return total, a2, b2, partial, parts, fro
 
 
     def _sketched(self, ta, tb, d, axis_b, ia, ib, elements, acc):
@@ -316,7 +332,7 @@ class WeightFeatures:
             om_b = (M.dense() if isinstance(M, Blocks) else M).to(om.device, om.dtype).mT @ om
         xa = ta.movedim(d, 0)[ia.reshape(-1).to(ta.device)] @ om
         xb = tb.movedim(d, 0)[ib.reshape(-1).to(tb.device)] @ om_b
-        return (xa @ xb.mT).to(acc), 0.0, 0.0, False
+        return (xa @ xb.mT).to(acc), 0.0, 0.0, False, None, None  # a projection: no bound
 
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -344,6 +360,29 @@ def _cross_by_columns(xa, xb, dtype):
         part = xa[:, i:i + step].to(dtype) @ xb[:, i:i + step].to(dtype).mT
         out = part if out is None else out.add_(part)
     return out
+
+
+def frobenius(x) -> float:
+    """``‖x‖_F`` in float64 (``torch.linalg.vector_norm`` of a float32 or bfloat16 tensor of 64M
+    elements is off by 0.5%), a slice of about 64K elements converted at a time, in the storage's
+    order (the norm does not depend on the order of the dims)."""
+    if x.numel() == 0:
+        return 0.0
+    if x.dim() == 0:
+        return abs(float(x))
+    if not x.is_contiguous():
+        x = x.permute(*sorted(range(x.dim()), key=lambda k: -x.stride(k)))
+    step = max(1, (1 << 16) // max(1, x[0].numel()))  # 512 KiB slices: from the heap, not fresh pages
+    total = 0.0
+    for i in range(0, x.shape[0], step):
+        c = x[i:i + step].to(torch.float64).reshape(-1)
+        total += float(torch.dot(c, c))
+    return total ** 0.5
+
+
+def _plus(bound, f):
+    """A bound plus a contribution's (None, unknown, stays unknown)."""
+    return None if bound is None or f is None else bound + f
 
 
 def _add_parity(parts, k, values):

@@ -105,9 +105,10 @@ class MergeConfig(BaseModel):
                            "this fraction of its objective (0: every change)", "X")
     max_iter: Sweeps = _align("max_iter", "weight matching stops after at most this many sweeps of coordinate "
                               "descent", "N")
-    until: Literal["exact", "discrete"] = _align(
-        "until", "the sweeps end once one changes no element (exact) or, from the second sweep on, no "
-        "permutation or head matching (discrete: faster, rotations less converged)")
+    until: Literal["exact", "discrete", "gap"] = _align(
+        "until", "the sweeps end, from the second on, once one changes no permutation or head matching and "
+        "closes under 5 percent of any unit's gap to its bound (gap, default), once one changes no element (exact), "
+        "or no permutation or head matching (discrete: faster, rotations less converged)")
     seen_rows: StrictBool = Field(False, description="weight matching reads only the token-embedding rows of "
                                   "tokens in --data (Theus et al. 2025)",
                                   json_schema_extra=_opt("true or false (needs data)"))
