@@ -95,7 +95,7 @@ def disk_peaks(device) -> dict:
 
 
 def merge_once(pair, align, device, out, load_check, probe_args, staged=None, budget=None, method="average",
-               data=None, auction=False, until="exact") -> dict:
+               data=None, auction=False, until="gap") -> dict:
     """One ``run_merge`` of the pair into ``out`` (``method``, reading ``data`` if it needs
     data; ``auction``: with the device auction forced, see the module docstring; ``until``:
     when weight matching's sweeps end), measured."""
@@ -220,7 +220,7 @@ def run_depth(a, layers, device, staged_pk, save) -> dict:
         try:
             r = merge_once(pair, align, device, work / "out", load_check, (name, a.heartbeat, beat), pk, budget,
                            method, data if method != "average" else None, auction,
-                           "discrete" if name == UNTIL_DISCRETE else "exact")
+                           "discrete" if name == UNTIL_DISCRETE else "gap")
         except Exception as e:  # noqa: BLE001 - recorded (out of memory, a device error), and the next run goes on
             import traceback
             d["runs"][name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}",

@@ -38,7 +38,8 @@ rc -9) is recorded with its return code and the last line of its stderr, and the
   settings: ``--lazy-unpickle --no-async-write --no-copy-tokenizer --out-shard-size 500M``
   (parameters per output shard, about 1 GB in bf16, like the inputs), no CUDA.
 * ``symgraph_none`` / ``symgraph_weights``: ``symgraph merge A B --out O --align none|weights``;
-  ``symgraph_weights_discrete`` adds ``--until discrete`` (the sweeps end once no discrete
+  ``symgraph_weights_exact`` adds ``--until exact`` (the sweeps end once no element changes:
+  the default before ``gap``), ``symgraph_weights_discrete`` adds ``--until discrete`` (the sweeps end once no discrete
   element changes), ``symgraph_weights_tol`` ``--tol 1e-3``.
 * ``symgraph_activations``: ``symgraph merge A B --out O --align activations --data D`` with
   ``D`` :data:`DATA_ROWS` random rows of :data:`DATA_TOKENS` token ids (fixed seed): out of

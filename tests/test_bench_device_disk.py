@@ -48,7 +48,7 @@ def test_bench_device_disk_tiny_on_the_cpu(tmp_path):
     r, d, md = _run(tmp_path, "cpu", extra=["--discrete-layers", "1"])
     al = _check_runs(d)
     disc = d["runs"]["aligned, until discrete"]
-    assert (disc["until"], al["until"]) == ("discrete", "exact")
+    assert (disc["until"], al["until"]) == ("discrete", "gap")
     assert 1 <= disc["align_seconds"]["sweeps"] <= al["align_seconds"]["sweeps"]
     assert set(al["solver_devices"]) == {"cpu"} and al["peak_gpu_allocated_gb"] is None
     st = d["runs"]["aligned_staged"]["stages"]

@@ -33,7 +33,8 @@ SHAPES = {
                num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
                rms_norm_eps=1e-5),
 }
-STAGES = ("read_cold", "read_warm", "mergekit_linear", "symgraph_none", "symgraph_weights", "symgraph_weights_discrete",
+STAGES = ("read_cold", "read_warm", "mergekit_linear", "symgraph_none", "symgraph_weights", "symgraph_weights_exact",
+          "symgraph_weights_discrete",
           "symgraph_weights_tol", "symgraph_activations", "symgraph_regmean", "symgraph_fisher", "symgraph_repair")
 DATA_ROWS, DATA_TOKENS = 32, 128  # symgraph_activations' data: 4 batches of 8 rows
 

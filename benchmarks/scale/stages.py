@@ -113,6 +113,7 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
 
     # symgraph
     for name, align, method in (("symgraph_none", "none", "average"), ("symgraph_weights", "weights", "average"),
+                                ("symgraph_weights_exact", "weights", "average"),  # --until exact: the former default
                                 ("symgraph_weights_discrete", "weights", "average"),  # --until discrete: fewer sweeps
                                 ("symgraph_weights_tol", "weights", "average"),  # --tol 1e-3: fewer sweeps
                                 ("symgraph_activations", "activations", "average"),
@@ -126,6 +127,8 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
         cmd = _symgraph_cmd() + ["merge", a, b, "--out", str(out), "--align", align, *how]
         if name.endswith("_discrete"):  # the sweeps end once no discrete element changes
             cmd += ["--until", "discrete"]
+        if name.endswith("_exact"):  # the sweeps end once no element changes
+            cmd += ["--until", "exact"]
         if name.endswith("_tol"):  # the sweeps end once no class gains 0.1% (benchmarks/results/speed_quality/sweeps.md)
             cmd += ["--tol", "1e-3"]
         if align == "activations" or method != "average":
@@ -147,7 +150,7 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
     checks = {"from_pretrained": load_check}
     t = time.perf_counter()
     checks["inputs"] = {m: check_output(p, a, load_check) for m, p in (("a", a), ("b", b))}
-    for name in ("mergekit_linear", "symgraph_none", "symgraph_weights", "symgraph_weights_discrete", "symgraph_weights_tol",
+    for name in ("mergekit_linear", "symgraph_none", "symgraph_weights", "symgraph_weights_exact", "symgraph_weights_discrete", "symgraph_weights_tol",
                  "symgraph_activations"):
         r = rec["stages"].get(name, {})
         if r.get("ok") and r.get("out"):
