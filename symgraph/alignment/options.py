@@ -74,7 +74,7 @@ class AlignOptions(BaseModel):
     "discrete": from the second sweep on, once no discrete element changes; it also stops a
     transformed copy's slow convergence early (fused QKV with grouped K/V: 8e-2 from exact
     instead of 2e-3). On the suite's trained pairs both keep every barrier within its
-    pair-to-pair spread of "exact" (``benchmarks/results/speed_quality/sweeps.md``)."""
+    pair-to-pair spread of "exact" (``benchmarks/results/speed_quality/sweep_rules.md``)."""
     groups: Callable | None = Field(None, json_schema_extra=_expects("a predicate group -> bool, or None"))
     """Optional predicate ``group -> bool`` selecting the classes to align. Unselected classes keep
     B's order; when a head class is unselected but classes fibred over it are selected, heads are
