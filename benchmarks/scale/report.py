@@ -67,6 +67,9 @@ def markdown(result: dict) -> str:
                   if isinstance(v, dict) and "ok" in v]
         checks = [f"input {m_} {'ok' if v['ok'] else 'FAILED'}"
                   for m_, v in c.get("inputs", {}).items()] + checks
+        sweeps = [f"{n_} {', '.join(map(str, r_['sweeps']))}" for n_, r_ in rec["stages"].items() if r_.get("sweeps")]
+        if sweeps:
+            lines += ["", "Sweeps of weight matching (from each output's `symgraph_merge.json`): " + "; ".join(sweeps) + "."]
         lines += ["", "Checks (" + ("`from_pretrained` + " if c.get("from_pretrained") else "")
                   + "names/shapes/bf16 from headers): " + (", ".join(checks) or "none") + "."]
         cmp_ = c.get("none_vs_mergekit")

@@ -63,6 +63,10 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
         if out is not None and r["rc"] == 0 and Path(out).exists():
             r["bytes_out"] = dir_bytes(out)
             r["out"] = str(out)
+            meta = Path(out) / "symgraph_merge.json"  # symgraph's own record: its alignment's sweeps
+            if meta.exists():
+                als = [x for x in json.loads(meta.read_text()).get("alignments", []) if x]
+                r["sweeps"] = [x.get("seconds", {}).get("sweeps") for x in als] or None
         r["peak_rss_gb"] = r["peak_rss_bytes"] / GB
         r["cpu_s"] = r["user_s"] + r["sys_s"]
         r["in_gb_per_s"] = b_in / GB / r["wall_s"] if r["wall_s"] else None
