@@ -140,7 +140,7 @@ class AlignOptions(BaseModel):
     """A class re-solved in a later sweep keeps its element unless the new one raises its own
     objective ``<element, S>`` by more than this fraction: near-ties and rotations that move in the
     fifth digit then stop re-solving every class that reads them, and the sweeps end. 0 (default)
-    takes every change (sweeps until nothing changes, at most ``max_iter``): the objective is flat
+    takes every change (sweeps until ``until`` ends them, at most ``max_iter``): the objective is flat
     near its optimum, so any tol also ends the slow convergence of nested classes (query heads
     within a fused GQA block)."""
     block_scale: Literal["none", "columns"] = Field("none", json_schema_extra=_expects("'none' or 'columns'"))

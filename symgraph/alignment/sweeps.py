@@ -1,4 +1,6 @@
-"""The coordinate-descent loop: sweep over the solve units until no element changes.
+"""The coordinate-descent loop: sweep over the solve units until they settle (``until``: no
+element changes; no discrete one; or, the default, no discrete one and no solve closing a real
+share of its unit's gap to the Cauchy–Schwarz bound).
 
 The first sweep runs in dependency order (:func:`~.schedule.first_sweep_order`) and uses only
 the slots whose other axes are already known; later sweeps re-solve a unit only if it left
