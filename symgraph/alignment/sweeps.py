@@ -69,8 +69,9 @@ class Sweeps:
         sweep changes nothing else, the deferred units are re-solved against the converged
         rest; the loop ends only when that changes nothing either, so the result is the same
         kind of fixed point as without deferral. With ``until="discrete"`` "nothing" means no
-        discrete element from the second sweep on, and a deferred unit is re-solved only if a
-        class it reads changed discretely since its last solve."""
+        discrete element from the second sweep on (with ``"gap"``, nor a solve closing
+        :data:`GAP_SHARE` of its unit's gap), and a deferred unit is re-solved only if a class
+        it reads changed discretely since its last solve."""
         last: dict = {}  # unit index -> (versions of the classes it used, complete)
         stable: set = set()
         order = first_sweep_order(self.units, self.ids, self.solved_groups, self.feats)
@@ -109,7 +110,8 @@ class Sweeps:
 
     def _going(self, sweep) -> bool:
         """Whether the sweep just run calls for another (``until``, see AlignOptions): anything
-        changed ("exact"), or, from the second sweep on, a discrete element ("discrete")."""
+        changed ("exact"); from the second sweep on, a discrete element ("discrete"), or a
+        discrete element or a solve that closed :data:`GAP_SHARE` of its unit's gap ("gap")."""
         if self.opts.until == "discrete" and sweep >= 1:
             return self.moved
         if self.opts.until == "gap" and sweep >= 1:
@@ -119,7 +121,7 @@ class Sweeps:
     def _recheck(self, ui, last) -> bool:
         """Whether a deferred (stable) unit is re-solved once the rest has converged: always
         (``until="exact"``), or when a class it reads changed discretely since its last solve
-        ("discrete": a rotation's drift alone does not call for it)."""
+        ("discrete", "gap": a rotation's drift alone does not call for it)."""
         if self.opts.until == "exact":
             return True
         used, complete = last[ui]
