@@ -105,7 +105,7 @@ def test_the_bound_holds_and_is_reached_by_a_copy():
     ra, rb = symgraph.analyze(A), symgraph.analyze(B)
     checked = 0
     for other, rel in ((B, False), (A, True)):
-        f = WeightFeatures.from_models(ra, rb if other is B else ra, A, other)
+        f = WeightFeatures.from_models(ra, rb if other is B else ra, A, other, bounds=True)
         for g in ra.groups:
             if g.outer or g.kind not in ("orthogonal", "perm"):
                 continue

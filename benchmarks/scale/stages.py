@@ -18,7 +18,11 @@ from .measure import measure
 from .mergekit import ensure_mergekit, mergekit_config, mergekit_version
 from .pagecache import drop_cache, warm_cache
 
-
+# the stages that end weight matching's sweeps by another rule than the default (until gap)
+SWEEP_FLAGS = {"symgraph_weights_exact": ["--until", "exact"],  # once no element changes
+               "symgraph_weights_discrete": ["--until", "discrete"],  # once no discrete element changes
+               # once no class gains 0.1% (benchmarks/results/speed_quality/sweeps.md)
+               "symgraph_weights_tol": ["--tol", "1e-3"]}
 
 
 def _symgraph_cmd() -> list:
@@ -129,12 +133,7 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
         shutil.rmtree(out, ignore_errors=True)
         how = ["--repair"] if method == "repair" else ["--method", method]  # REPAIR after a plain average
         cmd = _symgraph_cmd() + ["merge", a, b, "--out", str(out), "--align", align, *how]
-        if name.endswith("_discrete"):  # the sweeps end once no discrete element changes
-            cmd += ["--until", "discrete"]
-        if name.endswith("_exact"):  # the sweeps end once no element changes
-            cmd += ["--until", "exact"]
-        if name.endswith("_tol"):  # the sweeps end once no class gains 0.1% (benchmarks/results/speed_quality/sweeps.md)
-            cmd += ["--tol", "1e-3"]
+        cmd += SWEEP_FLAGS.get(name, [])
         if align == "activations" or method != "average":
             cmd += ["--data", _token_data(Path(pair["dir"]), config.vocab_size)]
         prep_cache()

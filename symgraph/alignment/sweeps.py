@@ -45,6 +45,8 @@ class Sweeps:
         self.presolved: dict = {}  # unit index -> what its early solve used (solve_early)
         self.deferred = 0  # unit solves postponed while other units still changed (see run)
         self.shared: dict = {}  # how the work was split between processes (see .shared)
+        if opts.until == "gap" and getattr(feats, "bounds", 0) is None:  # read by this rule alone
+            feats.bounds = {}  # the similarity's Cauchy–Schwarz bounds (see _progress)
         rb = getattr(feats, "rb", None)
         self.dims_b = {} if rb is None else {g.id: g.dim for g in rb.groups}
         for u in self.units:  # a member's slots that its inner members' own slots hold too
@@ -206,14 +208,22 @@ class Sweeps:
         digit) would otherwise re-solve every class that reads them, sweep after sweep."""
         if self.opts.tol <= 0:
             return False
+        scores = self._scores(unit, sims, solved)
+        if scores is None:
+            return False
+        new_score, old_score = scores
+        return new_score - old_score <= self.opts.tol * abs(new_score)
+
+    def _scores(self, unit, sims, solved):
+        """``(new, old)``: the unit's objective ``Σ <element, S>`` for the elements just solved
+        and for those it had, against the same ``S``; None where they cannot be compared (no
+        earlier element, a transport plan, a shape that does not fit)."""
         new = {g.id: el for g, el, _ in solved}
         old = {g.id: self.elements.get(g.id) for g, _, _ in solved}
         if any(e is None or isinstance(e, Map) for e in (*new.values(), *old.values())):
-            return False
+            return None
         new_score, old_score = _unit_score(unit, sims, new), _unit_score(unit, sims, old)
-        if new_score is None or old_score is None:
-            return False
-        return new_score - old_score <= self.opts.tol * abs(new_score)
+        return None if new_score is None or old_score is None else (new_score, old_score)
 
     def _progress(self, unit, sims, solved) -> float:
         """The share of its remaining gap that the unit's solve closed: ``(new − old) / (bound −
@@ -222,20 +232,17 @@ class Sweeps:
         copy's nested classes close a large share every sweep until they are exact; two unrelated
         models' rotations drift by a few parts in 10³ of a gap near the whole bound. 1 where it
         cannot tell (no bound, no earlier element, a score that does not fit)."""
-        bounds = getattr(self.feats, "bounds", {})
+        bounds = getattr(self.feats, "bounds", None) or {}
         bound = 0.0
         for g, _ in sims:
             b = bounds.get(g.id)
             if b is None:
                 return 1.0
             bound += b
-        new = {g.id: el for g, el, _ in solved}
-        old = {g.id: self.elements.get(g.id) for g, _, _ in solved}
-        if any(e is None or isinstance(e, Map) for e in (*new.values(), *old.values())):
+        scores = self._scores(unit, sims, solved)
+        if scores is None or bound - scores[1] <= 0:
             return 1.0
-        new_score, old_score = _unit_score(unit, sims, new), _unit_score(unit, sims, old)
-        if new_score is None or old_score is None or bound - old_score <= 0:
-            return 1.0
+        new_score, old_score = scores
         return max(0.0, new_score - old_score) / (bound - old_score)
 
     def _set(self, gid, el, res):

@@ -27,7 +27,7 @@ class WeightFeatures:
     POOL_BYTES = 512 << 20  # pooled contributions of discrete dependencies kept (see _poolable)
 
     def __init__(self, ra, rb, tensors_a, tensors_b, exact_dtype=torch.float64, products="exact", sketch=0,
-                 rows=None, block_scale="none", head_cost="procrustes"):
+                 rows=None, block_scale="none", head_cost="procrustes", bounds=False):
         """``tensors_a`` / ``tensors_b``: ``{parameter name: tensor}`` of the two models with
         the reports' norm gains folded (any ``Mapping``; :mod:`symgraph.merging.streaming` passes lazy
         ones that read a checkpoint on demand). ``exact_dtype``: what continuous classes
@@ -53,9 +53,10 @@ class WeightFeatures:
         self.rows = dict(rows or {})
         self.block_scale, self.head_cost = block_scale, head_cost
         self.head_scores: dict = {}  # group id -> [H_A, H_B] circuit scores of the last similarity
-        # group id -> the Cauchy–Schwarz bound on ``<element, S>`` of its last similarity (None:
-        # unknown, e.g. sketched), for the solve loop's ``until="gap"``
-        self.bounds: dict = {}
+        # ``bounds``: group id -> the Cauchy–Schwarz bound on ``<element, S>`` of its last
+        # similarity (None: unknown, e.g. sketched), for the solve loop's ``until="gap"``, which
+        # turns it on; None: not computed (a norm of B's slice per slot saved)
+        self.bounds: dict | None = {} if bounds else None
         self.A, self.B = tensors_a, tensors_b
         self._cache: dict = {}
         self._pool: dict = {}  # (group id, deps, cross) -> (versions, summed contributions)
@@ -191,7 +192,8 @@ class WeightFeatures:
             total = total / (torch.as_tensor(na2).clamp_min(1e-30).sqrt()[:, None, None, None]
                              * torch.as_tensor(nb2).clamp_min(1e-30).sqrt()[None, :, None, None])
             bound = float(total.shape[1])  # each B fibre's matched pair scores at most 1
-        self.bounds[ga.id] = bound
+        if self.bounds is not None:
+            self.bounds[ga.id] = bound
         return total, complete, frozenset(used)
 
     def _misses(self, ga, gb, cross_fibres, usable):
@@ -297,7 +299,7 @@ class WeightFeatures:
             # Cauchy–Schwarz: <E, xa xbᵀ> <= ‖xa‖ ‖xb‖ for an orthogonal or permutation E (A's
             # side is never transformed: its norm is read once)
             f = 0.0
-            if not (fa and cross_fibres):  # (per head pair, the norms below bound it)
+            if self.bounds is not None and not (fa and cross_fibres):  # (per head pair, the norms below bound it)
                 na = self._norms.get((ga.id, name, d, v))
                 if na is None:
                     na = self._norms[(ga.id, name, d, v)] = frobenius(xa)
