@@ -25,6 +25,7 @@ class WeightFeatures:
 
     CACHE_NUMEL = 1 << 20  # contributions larger than this (e.g. MLP×MLP) are not kept
     POOL_BYTES = 512 << 20  # pooled contributions of discrete dependencies kept (see _poolable)
+    AXIS_MAP_NUMEL = 1 << 24  # B's maps kept up to this size (a residual stream's rotation at d = 4096)
 
     def __init__(self, ra, rb, tensors_a, tensors_b, exact_dtype=torch.float64, products="exact", sketch=0,
                  rows=None, block_scale="none", head_cost="procrustes", bounds=False):
@@ -93,7 +94,9 @@ class WeightFeatures:
         versions of the axis' leaf classes. One map per axis (and which of its classes have an
         element): versions only grow, so a map of older versions is never asked for again, and
         kept it would stay for the whole solve (a head axis' 1 MB map of every sweep and every
-        round of the full-group fit: 0.8 GB at the 1.1B shape's 16 rounds)."""
+        round of the full-group fit: 0.8 GB at the 1.1B shape's 16 rounds). Maps up to
+        :attr:`AXIS_MAP_NUMEL` are kept: the residual stream's rotation is asked for by every
+        slot of every layer (built anew each time: 8 s of a 22-layer 1.1B alignment)."""
         rb = self.rb
         now = tuple((g in elements, self.versions.get(g, 0)) for g in rb.axis_groups(a))
         key = (rb.axis_key(a), tuple(has for has, _ in now))
@@ -101,7 +104,7 @@ class WeightFeatures:
         if hit is not None and hit[0] == now:
             return hit[1]
         M = rb.axis_map(a, elements, blocks=True)
-        if M is None or M.dim() == 1 or M.numel() <= self.CACHE_NUMEL:
+        if M is None or M.dim() == 1 or M.numel() <= self.AXIS_MAP_NUMEL:
             self._axis_memo[key] = (now, M)
         else:
             self._axis_memo.pop(key, None)  # an older version's map
@@ -131,7 +134,7 @@ class WeightFeatures:
         slot was left out; ``deps`` are the classes the used slots depend on."""
         versions = self.versions
         exact = orthogonal_part(ga.kind) not in ("perm", "signed_perm")
-        total, na2, nb2, complete, used, bound = None, 0.0, 0.0, True, set(), 0.0
+        total, na2, nb2, complete, used, bound = None, 0.0, 0.0, True, set(), 0.0  # total: see _sum
         circ = self.head_cost == "circuits" and cross_fibres and ga.kind == "gl"
         parts = None  # circuits: [S per parity, A's Grams per parity, B's Grams per parity]
         self.head_scores.pop(ga.id, None)
@@ -154,7 +157,7 @@ class WeightFeatures:
                     if pool not in hits:
                         hits.add(pool)
                         used |= dep
-                        total = hit[1] if total is None else total + hit[1]
+                        total = _sum(total, hit[1])
                         bound = _plus(bound, hit[2])
                     continue
             hit = self._cache.get(key)
@@ -171,18 +174,19 @@ class WeightFeatures:
             complete &= not partial
             if s is None:
                 if pool is not None:
-                    fresh.setdefault(pool, [ver, 0, True, 0.0])[2] &= not partial
+                    fresh.setdefault(pool, [ver, None, True, 0.0])[2] &= not partial
                 continue
             if circ and cp is not None:
                 for k in (0, 1):
                     parts = _add_parity(parts, k, [p[k] for p in cp])
             used |= dep
-            total = s if total is None else total + s
+            total = _sum(total, s)
             na2, nb2, bound = na2 + a2, nb2 + b2, _plus(bound, fro)
             if pool is not None:
-                got = fresh.setdefault(pool, [ver, 0, True, 0.0])
-                got[1], got[2], got[3] = got[1] + s, got[2] and not partial, _plus(got[3], fro)
+                got = fresh.setdefault(pool, [ver, None, True, 0.0])
+                got[1], got[2], got[3] = _sum(got[1], s), got[2] and not partial, _plus(got[3], fro)
         self._keep_pools(fresh)
+        total = total.value if isinstance(total, _Sum) else total
         if circ and parts is not None and total is not None and total.dim() == 4 and all(
                 isinstance(x, torch.Tensor) for p in parts for x in p):  # both sides of the circuit seen
             self.head_scores[ga.id] = _circuit_scores(*(torch.stack(p) for p in parts))
@@ -238,6 +242,7 @@ class WeightFeatures:
     def _keep_pools(self, fresh):
         """Keep the pools computed in this call whose every slot took part, within the budget."""
         for pool, (ver, total, complete, fro) in fresh.items():
+            total = total.value if isinstance(total, _Sum) else total
             if not complete or not isinstance(total, torch.Tensor):
                 continue  # left a slot out, or nothing came of it: not kept
             old = self._pool.pop(pool, None)
@@ -292,7 +297,9 @@ class WeightFeatures:
             xb = gather(tb, d, ib, fb, others[v])
             if xa.shape[-1] != xb.shape[-1]:
                 continue
-            s = _cross_by_columns(xa, xb, acc) if late else cross(xa, xb, fa, cross_fibres).to(acc)
+            s = _cross_by_columns(xa, xb, acc) if late else cross(xa, xb, fa, cross_fibres)
+            if fa or parity or len(va) > 1 or exact:  # (else the caller sums it in float32: _sum)
+                s = s.to(acc)
             if parity and fa:  # [S, A's Gram, B's Gram] x [co, contra]
                 fla, flb = (x.reshape(-1, *x.shape[fa:]).to(acc) for x in (xa, xb))
                 parts = _add_parity(parts, parity[v], (s, fla @ fla.mT, flb @ flb.mT))
@@ -374,12 +381,39 @@ def frobenius(x) -> float:
         return abs(float(x))
     if not x.is_contiguous():
         x = x.permute(*sorted(range(x.dim()), key=lambda k: -x.stride(k)))
-    step = max(1, (1 << 16) // max(1, x[0].numel()))  # 512 KiB slices: from the heap, not fresh pages
-    total = 0.0
+    row = max(1, x[0].numel())
+    # 8 MiB slices through one buffer: few operations (each costs ~0.1 ms on a thread of
+    # in_turn's, whatever its size), no fresh pages per slice
+    step = max(1, (1 << 20) // row)
+    buf = torch.empty(step * row, dtype=torch.float64, device=x.device)
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
     for i in range(0, x.shape[0], step):
-        c = x[i:i + step].to(torch.float64).reshape(-1)
-        total += float(torch.dot(c, c))
-    return total ** 0.5
+        part = x[i:i + step]
+        c = buf[:part.numel()].view(part.shape)
+        c.copy_(part)
+        total += torch.dot(c.view(-1), c.view(-1))
+    return float(total) ** 0.5
+
+
+class _Sum:
+    """A sum :meth:`WeightFeatures.similarity` owns (it made the tensor): added to in place."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _sum(total, s):
+    """``total + s`` at least in float32 (a slot's contribution of 16-bit weights comes in their
+    dtype, the sum as before: each addition rounded in float32), in place once the sum is a
+    tensor of our own (:class:`_Sum`): no new n×n tensor per slot (an MLP's: 127 MB at
+    n = 5632). ``s`` itself and cached sums are never changed."""
+    if total is None:
+        return s if s.dtype.is_floating_point and s.element_size() >= 4 else _Sum(s.float())
+    if isinstance(total, _Sum):
+        total.value.add_(s)
+        return total
+    return _Sum(total + s if total.element_size() >= 4 or s.element_size() >= 4 else total.float() + s)
 
 
 def _plus(bound, f):
