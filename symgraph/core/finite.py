@@ -9,13 +9,14 @@ __all__ = ["all_finite", "check_read"]
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """Whether every value of ``t`` is finite: one float32 (float64) sum when it is finite (a
-    NaN or inf makes the sum one), else value by value (the sum may only have overflowed).
-    Integer tensors are finite."""
-    if not t.is_floating_point():
+    """Whether every value of ``t`` is finite: its smallest and largest values are (an inf is
+    one of them; a NaN makes both NaN: PyTorch's min/max reductions propagate NaN). One pass in
+    ``t``'s own dtype, no float32 copy (a float32 sum of a 16-bit tensor runs about 20× slower).
+    Integer and empty tensors are finite."""
+    if not t.is_floating_point() or t.numel() == 0:
         return True
-    return bool(torch.isfinite(t.sum(dtype=torch.promote_types(t.dtype, torch.float32)))) or bool(
-        torch.isfinite(t).all())
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def check_read(t: torch.Tensor, key: str, seen: set, whole: bool, where: str) -> None:
