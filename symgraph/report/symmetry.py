@@ -14,6 +14,7 @@ import torch
 from ..transform import folding
 from ..core.elements import Blocks, Perm, is_perm
 from ..core.groups import orthogonal_part, sample
+from ..passes.blockmaps import block_map
 from ..passes.rows import input_rows, output_rows
 from ..passes.axes import (attention_sites, axis_matrix, axis_tree, leaf_views, leaves_with_parity,
                            linear_layers, observation_points, other_leaf_elements, other_leaves, resized_shapes,
@@ -168,6 +169,11 @@ class AxisQueries:
         index vector of any permutation, a :class:`~symgraph.core.elements.Blocks` where the
         axis is a product (heads × head dims) and the map moves whole blocks
         (:func:`~symgraph.core.elements.apply_along` takes each)."""
+        if blocks:  # a head axis whose heads move whole: built as blocks (see passes.blockmaps)
+            st = self.axis_structure(axis)
+            fast = None if st is None else block_map(self._analysis, axis, self._roots(elements), st[1])
+            if fast is not None:
+                return fast
         M = axis_matrix(self._analysis, axis, self._roots(elements))
         if not blocks or M is None or M.dim() != 2 or M.shape[0] != M.shape[1]:
             return M
