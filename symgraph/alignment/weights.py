@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from ..core.elements import Blocks, apply_along
+from .sums import OwnedSum, add_into, frobenius, plus_bound  # noqa: F401 (frobenius: re-exported)
 from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
 
 __all__ = ["WeightFeatures", "gather", "cross"]
@@ -134,7 +135,7 @@ class WeightFeatures:
         slot was left out; ``deps`` are the classes the used slots depend on."""
         versions = self.versions
         exact = orthogonal_part(ga.kind) not in ("perm", "signed_perm")
-        total, na2, nb2, complete, used, bound = None, 0.0, 0.0, True, set(), 0.0  # total: see _sum
+        total, na2, nb2, complete, used, bound = None, 0.0, 0.0, True, set(), 0.0  # total: see add_into
         circ = self.head_cost == "circuits" and cross_fibres and ga.kind == "gl"
         parts = None  # circuits: [S per parity, A's Grams per parity, B's Grams per parity]
         self.head_scores.pop(ga.id, None)
@@ -157,8 +158,8 @@ class WeightFeatures:
                     if pool not in hits:
                         hits.add(pool)
                         used |= dep
-                        total = _sum(total, hit[1])
-                        bound = _plus(bound, hit[2])
+                        total = add_into(total, hit[1])
+                        bound = plus_bound(bound, hit[2])
                     continue
             hit = self._cache.get(key)
             if hit is None or hit[0] != ver:
@@ -180,13 +181,13 @@ class WeightFeatures:
                 for k in (0, 1):
                     parts = _add_parity(parts, k, [p[k] for p in cp])
             used |= dep
-            total = _sum(total, s)
-            na2, nb2, bound = na2 + a2, nb2 + b2, _plus(bound, fro)
+            total = add_into(total, s)
+            na2, nb2, bound = na2 + a2, nb2 + b2, plus_bound(bound, fro)
             if pool is not None:
                 got = fresh.setdefault(pool, [ver, None, True, 0.0])
-                got[1], got[2], got[3] = _sum(got[1], s), got[2] and not partial, _plus(got[3], fro)
+                got[1], got[2], got[3] = add_into(got[1], s), got[2] and not partial, plus_bound(got[3], fro)
         self._keep_pools(fresh)
-        total = total.value if isinstance(total, _Sum) else total
+        total = total.value if isinstance(total, OwnedSum) else total
         if circ and parts is not None and total is not None and total.dim() == 4 and all(
                 isinstance(x, torch.Tensor) for p in parts for x in p):  # both sides of the circuit seen
             self.head_scores[ga.id] = _circuit_scores(*(torch.stack(p) for p in parts))
@@ -242,7 +243,7 @@ class WeightFeatures:
     def _keep_pools(self, fresh):
         """Keep the pools computed in this call whose every slot took part, within the budget."""
         for pool, (ver, total, complete, fro) in fresh.items():
-            total = total.value if isinstance(total, _Sum) else total
+            total = total.value if isinstance(total, OwnedSum) else total
             if not complete or not isinstance(total, torch.Tensor):
                 continue  # left a slot out, or nothing came of it: not kept
             old = self._pool.pop(pool, None)
@@ -298,7 +299,7 @@ class WeightFeatures:
             if xa.shape[-1] != xb.shape[-1]:
                 continue
             s = _cross_by_columns(xa, xb, acc) if late else cross(xa, xb, fa, cross_fibres)
-            if fa or parity or len(va) > 1 or exact:  # (else the caller sums it in float32: _sum)
+            if fa or parity or len(va) > 1 or exact:  # (else the caller sums it in float32: add_into)
                 s = s.to(acc)
             if parity and fa:  # [S, A's Gram, B's Gram] x [co, contra]
                 fla, flb = (x.reshape(-1, *x.shape[fa:]).to(acc) for x in (xa, xb))
@@ -369,56 +370,6 @@ def _cross_by_columns(xa, xb, dtype):
         part = xa[:, i:i + step].to(dtype) @ xb[:, i:i + step].to(dtype).mT
         out = part if out is None else out.add_(part)
     return out
-
-
-def frobenius(x) -> float:
-    """``‖x‖_F`` in float64 (``torch.linalg.vector_norm`` of a float32 or bfloat16 tensor of 64M
-    elements is off by 0.5%), a slice of about 64K elements converted at a time, in the storage's
-    order (the norm does not depend on the order of the dims)."""
-    if x.numel() == 0:
-        return 0.0
-    if x.dim() == 0:
-        return abs(float(x))
-    if not x.is_contiguous():
-        x = x.permute(*sorted(range(x.dim()), key=lambda k: -x.stride(k)))
-    row = max(1, x[0].numel())
-    # 8 MiB slices through one buffer: few operations (each costs ~0.1 ms on a thread of
-    # in_turn's, whatever its size), no fresh pages per slice
-    step = max(1, (1 << 20) // row)
-    buf = torch.empty(step * row, dtype=torch.float64, device=x.device)
-    total = torch.zeros((), dtype=torch.float64, device=x.device)
-    for i in range(0, x.shape[0], step):
-        part = x[i:i + step]
-        c = buf[:part.numel()].view(part.shape)
-        c.copy_(part)
-        total += torch.dot(c.view(-1), c.view(-1))
-    return float(total) ** 0.5
-
-
-class _Sum:
-    """A sum :meth:`WeightFeatures.similarity` owns (it made the tensor): added to in place."""
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
-
-
-def _sum(total, s):
-    """``total + s`` at least in float32 (a slot's contribution of 16-bit weights comes in their
-    dtype, the sum as before: each addition rounded in float32), in place once the sum is a
-    tensor of our own (:class:`_Sum`): no new n×n tensor per slot (an MLP's: 127 MB at
-    n = 5632). ``s`` itself and cached sums are never changed."""
-    if total is None:
-        return s if s.dtype.is_floating_point and s.element_size() >= 4 else _Sum(s.float())
-    if isinstance(total, _Sum):
-        total.value.add_(s)
-        return total
-    return _Sum(total + s if total.element_size() >= 4 or s.element_size() >= 4 else total.float() + s)
-
-
-def _plus(bound, f):
-    """A bound plus a contribution's (None, unknown, stays unknown)."""
-    return None if bound is None or f is None else bound + f
 
 
 def _add_parity(parts, k, values):

@@ -58,20 +58,20 @@ def block_map(an, axis, elements: dict, top_sizes):
     dev = next(E.device for E, _ in subs if E is not None)
     H = math.prod(sizes[:m])
     ar = torch.arange(H, device=dev)  # each block's coordinates in the outer factors, row-major
-    coords = torch.stack([(ar // math.prod(sizes[j + 1:m])) % sizes[j] for j in range(m)], 1)
+    coords = [(ar // math.prod(sizes[j + 1:m])) % sizes[j] for j in range(m)]  # replaced, never
+    # written to: they index the elements (autograd keeps them when the elements are learned)
     blocks = None
     for k in _application_order(subs, fclasses):
         E, f = subs[k]
         if E is None:
             continue
-        at = tuple(coords[:, fclasses.index(x)] for x in f)
+        at = tuple(coords[fclasses.index(x)] for x in f)
         Eh = E[at] if at else E.expand(H, *E.shape[-2:])  # [H, n, n]: each block's element
         if k == m:
             blocks = Eh.to(torch.float64)  # applied to the identity: its own entries
         else:  # the coordinate this factor sends each block's to: the row of the 1 in its column
-            coords[:, k] = Eh[torch.arange(H, device=dev), :, coords[:, k]].argmax(-1)
-    target = coords[:, 0] if m == 1 else torch.stack(
-        [coords[:, j] * math.prod(sizes[j + 1:m]) for j in range(m)]).sum(0)
+            coords[k] = Eh[torch.arange(H, device=dev), :, coords[k]].argmax(-1)
+    target = sum(coords[j] * math.prod(sizes[j + 1:m]) for j in range(m))
     index = torch.empty(H, dtype=torch.long, device=dev)
     index[target] = torch.arange(H, device=dev)  # output block -> the source block it reads
     if blocks is None or is_perm(blocks):  # the whole map is a permutation: its index vector

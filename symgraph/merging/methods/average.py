@@ -15,12 +15,12 @@ class Average(MergeMethod):
 
 
 def _weighted_sum(weights, tensors):
-    """``Σ w_i t_i``, each product rounded and added in order as ``sum(w * t ...)`` does, into
-    one new tensor (not one per product and per sum: two passes fewer over each tensor)."""
+    """``sum(w * t ...)`` bit for bit (each product rounded, added in order, starting from 0: a
+    sum of negative zeros is +0), into one new tensor rather than one per product and per sum."""
     out = None
     for w, t in zip(weights, tensors):
         if out is None:
-            out = t * w
+            out = torch.mul(t, w).add_(0)  # 0 + w·t, as sum() starts: -0.0 becomes +0.0
         else:
             out.add_(torch.mul(t, w))
     return out
