@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from ..core.elements import Blocks, apply_along
-from .sums import OwnedSum, add_into, frobenius, plus_bound  # noqa: F401 (frobenius: re-exported)
+from .sums import add_into, frobenius, plus_bound, settled  # noqa: F401 (frobenius: re-exported)
 from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
 
 __all__ = ["WeightFeatures", "gather", "cross"]
@@ -97,7 +97,7 @@ class WeightFeatures:
         kept it would stay for the whole solve (a head axis' 1 MB map of every sweep and every
         round of the full-group fit: 0.8 GB at the 1.1B shape's 16 rounds). Maps up to
         :attr:`AXIS_MAP_NUMEL` are kept: the residual stream's rotation is asked for by every
-        slot of every layer (built anew each time: 8 s of a 22-layer 1.1B alignment)."""
+        slot of every layer, and was built anew each time."""
         rb = self.rb
         now = tuple((g in elements, self.versions.get(g, 0)) for g in rb.axis_groups(a))
         key = (rb.axis_key(a), tuple(has for has, _ in now))
@@ -187,7 +187,7 @@ class WeightFeatures:
                 got = fresh.setdefault(pool, [ver, None, True, 0.0])
                 got[1], got[2], got[3] = add_into(got[1], s), got[2] and not partial, plus_bound(got[3], fro)
         self._keep_pools(fresh)
-        total = total.value if isinstance(total, OwnedSum) else total
+        total = settled(total)
         if circ and parts is not None and total is not None and total.dim() == 4 and all(
                 isinstance(x, torch.Tensor) for p in parts for x in p):  # both sides of the circuit seen
             self.head_scores[ga.id] = _circuit_scores(*(torch.stack(p) for p in parts))
@@ -243,7 +243,7 @@ class WeightFeatures:
     def _keep_pools(self, fresh):
         """Keep the pools computed in this call whose every slot took part, within the budget."""
         for pool, (ver, total, complete, fro) in fresh.items():
-            total = total.value if isinstance(total, OwnedSum) else total
+            total = settled(total)
             if not complete or not isinstance(total, torch.Tensor):
                 continue  # left a slot out, or nothing came of it: not kept
             old = self._pool.pop(pool, None)

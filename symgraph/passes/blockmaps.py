@@ -22,13 +22,12 @@ from .axes import _application_order, _factors, _gather_fibres, _leaf
 __all__ = ["block_map"]
 
 
-def block_map(an, axis, elements: dict, top_sizes):
+def block_map(an, axis, elements: dict):
     """What ``axis_map(axis, elements, blocks=True)`` returns (the index vector when the map is
     a permutation, else :class:`Blocks` at the innermost factor's size), for a product axis
     whose factors are leaves, every factor but the innermost carrying a permutation (per fibre)
     or nothing, and the innermost a square element (or nothing), fibred over factors of the
-    axis only. None for any other axis (``top_sizes``: the sizes of the product's own parts;
-    the composed matrix decides those)."""
+    axis only. None for any other axis (the composed matrix decides those)."""
     uf = an.uf
     r, _ = uf.find(axis)
     s = uf.struct.get(r)
@@ -40,7 +39,7 @@ def block_map(an, axis, elements: dict, top_sizes):
         return None
     sizes = [uf.size[c] for c in fclasses]
     m, b = len(factors) - 1, sizes[-1]
-    if m < 1 or top_sizes[-1] != b:
+    if m < 1 or uf.size[uf.find(s[1][-1][0])[0]] != b:
         return None  # the innermost part is itself a product: its blocks are larger
     subs = []
     for k, (a, pa) in enumerate(factors):
@@ -74,10 +73,11 @@ def block_map(an, axis, elements: dict, top_sizes):
     target = sum(coords[j] * math.prod(sizes[j + 1:m]) for j in range(m))
     index = torch.empty(H, dtype=torch.long, device=dev)
     index[target] = torch.arange(H, device=dev)  # output block -> the source block it reads
-    if blocks is None or is_perm(blocks):  # the whole map is a permutation: its index vector
-        inner = torch.arange(b, device=dev).expand(H, b) if blocks is None else blocks[index].argmax(-1)
-        return (index[:, None] * b + inner).reshape(-1)
+    if blocks is None:  # the whole map is a permutation of blocks: its index vector
+        return (index[:, None] * b + torch.arange(b, device=dev)).reshape(-1)
     blocks = blocks[index]
+    if is_perm(blocks):  # a permutation within each block too
+        return (index[:, None] * b + blocks.argmax(-1)).reshape(-1)
     if not bool((blocks != 0).flatten(1).any(1).all()):
         return None  # a zero block: not a map of this form
     return Blocks(index, blocks)

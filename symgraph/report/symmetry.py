@@ -169,12 +169,14 @@ class AxisQueries:
         index vector of any permutation, a :class:`~symgraph.core.elements.Blocks` where the
         axis is a product (heads × head dims) and the map moves whole blocks
         (:func:`~symgraph.core.elements.apply_along` takes each)."""
-        if blocks:  # a head axis whose heads move whole: built as blocks (see passes.blockmaps)
-            st = self.axis_structure(axis)
-            fast = None if st is None else block_map(self._analysis, axis, self._roots(elements), st[1])
-            if fast is not None:
-                return fast
-        M = axis_matrix(self._analysis, axis, self._roots(elements))
+        roots = self._roots(elements)
+        fast = block_map(self._analysis, axis, roots) if blocks else None  # see passes.blockmaps
+        return fast if fast is not None else self._composed_map(axis, roots, blocks)
+
+    def _composed_map(self, axis, roots: dict, blocks: bool):
+        """:meth:`axis_map` through the composed ``n×n`` matrix (:func:`axis_matrix`), its
+        permutation or blocks found in it: every axis :func:`block_map` does not take."""
+        M = axis_matrix(self._analysis, axis, roots)
         if not blocks or M is None or M.dim() != 2 or M.shape[0] != M.shape[1]:
             return M
         if is_perm(M):
