@@ -54,6 +54,8 @@ class Sweeps:
                 inner = frozenset(x.id for x in u.members if m.id in x.outer)
                 if inner and hasattr(feats, "nested"):
                     feats.nested[m.id] = inner
+            if hasattr(feats, "share_maps"):
+                feats.share_maps(self.solved_groups(u))
 
     def ids(self, unit) -> set:
         return {g.id for g in unit.groups(self.opts.selected)}

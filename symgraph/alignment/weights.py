@@ -2,12 +2,12 @@
 generalised to rotations and head-structured classes, as a sum of per-slot contributions."""
 from __future__ import annotations
 
-import string
 from typing import Callable
 
 import torch
 
 from ..core.elements import Blocks, apply_along
+from .products import HALF, cross, cross_by_columns, gather, sliced
 from .sums import add_into, frobenius, plus_bound, settled  # noqa: F401 (frobenius: re-exported)
 from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
 
@@ -27,6 +27,7 @@ class WeightFeatures:
     CACHE_NUMEL = 1 << 20  # contributions larger than this (e.g. MLP×MLP) are not kept
     POOL_BYTES = 512 << 20  # pooled contributions of discrete dependencies kept (see _poolable)
     AXIS_MAP_NUMEL = 1 << 24  # B's maps kept up to this size (a residual stream's rotation at d = 4096)
+    MAPPED_KEPT = 4  # B's mapped slices of :attr:`mapped_once` kept (a head family reads two, twice)
 
     def __init__(self, ra, rb, tensors_a, tensors_b, exact_dtype=torch.float64, products="exact", sketch=0,
                  rows=None, block_scale="none", head_cost="procrustes", bounds=False):
@@ -67,6 +68,11 @@ class WeightFeatures:
         # B's group id -> B's classes nested under it in its solve unit (set by the solve loop
         # before any similarity): its views holding one of them are left to that class
         self.nested: dict = {}
+        # (parameter, dim) whose B slice, its other axes mapped, a unit's rotation classes and
+        # its permutation classes both read (set by the solve loop: :meth:`share_maps`); the
+        # dense maps are applied once, in the exact dtype, and kept a while (:attr:`_mapped`)
+        self.mapped_once: set = set()
+        self._mapped: dict = {}  # (parameter, dim) -> (the maps applied, B's mapped tensor)
         self._axis_memo: dict = {}  # (axis key, which of its classes have elements) -> (versions, map)
         self._numel: dict = {}
         self._norms: dict = {}  # (group id, parameter, dim, view) -> the norm of A's slice
@@ -80,7 +86,7 @@ class WeightFeatures:
         in reference cycles (its similarity closures), which keep it, and a whole model's folded
         copies, until Python's cycle collector runs: on a GPU, through the merge that follows."""
         self.A = self.B = None
-        for d in (self._cache, self._pool, self._axis_memo, self._omega, self._norms):
+        for d in (self._cache, self._pool, self._axis_memo, self._omega, self._norms, self._mapped):
             d.clear()
         self._pool_bytes = 0
 
@@ -113,6 +119,48 @@ class WeightFeatures:
 
     def slots(self, ga):
         return list(dict.fromkeys(ga.params))
+
+    def share_maps(self, groups) -> None:
+        """Note the slots that rotation classes and permutation classes of one solve unit
+        (``groups``: a head family's members) both read: a query projection's head
+        permutation and its RoPE rotations, an output projection's head permutation and its
+        per-head GL. B's slice, with the residual stream's rotation applied, is then computed
+        once in the exact dtype; the permutation class ranks its rounding to the weights'
+        dtype (rather than a product with the rotation rounded to it first)."""
+        if self.products == "bf16":
+            return
+        exact: set = set()
+        ranked: set = set()
+        for g in groups:
+            (ranked if orthogonal_part(g.kind) in ("perm", "signed_perm") else exact).update(self.slots(g))
+        self.mapped_once |= exact & ranked
+
+    def _mapped_b(self, name, d, tb, ax_b, elements, exact, stored):
+        """B's slice ``tb`` with the maps of its axes other than ``d`` applied: in its dtype,
+        or for a slot of :attr:`mapped_once` of 16-bit weights (``stored``: their dtype) in
+        the exact dtype (kept for the unit's other classes; a permutation class gets it
+        rounded back to the weights' dtype)."""
+        maps = [(k, M) for k, a in enumerate(ax_b) if k != d and (M := self._axis_op(a, elements)) is not None]
+        if not maps:
+            return tb
+        own = tb.dtype
+        if (name, d) in self.mapped_once and stored in HALF:
+            hit = self._mapped.get((name, d))
+            if hit is not None and len(hit[0]) == len(maps) and all(
+                    k == k2 and M is M2 for (k, M), (k2, M2) in zip(maps, hit[0])):
+                out = hit[1]
+            else:
+                out = tb.to(self.exact_dtype)
+                for k, M in maps:
+                    out = apply_along(out, k, M)
+                self._mapped.pop((name, d), None)
+                while len(self._mapped) >= self.MAPPED_KEPT:
+                    self._mapped.pop(next(iter(self._mapped)))
+                self._mapped[(name, d)] = (maps, out)
+            return out if exact else out.to(own)
+        for k, M in maps:
+            tb = apply_along(tb, k, M)
+        return tb
 
     def deps(self, gb, name, d):
         """B's leaf classes (other than ``gb`` and its fibres) that the slot's feature uses."""
@@ -269,9 +317,10 @@ class WeightFeatures:
         r = self.rows.get(name)
         if r is not None and d != 0 and ta.dim() == len(ax_a) and not self.rb.axis_groups(ax_b[0]):
             ta, tb = ta.index_select(0, r.to(ta.device)), tb.index_select(0, r.to(tb.device))
+        stored = tb.dtype
         acc = self.exact_dtype if exact else torch.promote_types(
             torch.promote_types(ta.dtype, tb.dtype), torch.float32)  # what contributions sum in
-        late = (exact and self.products != "bf16" and not circ and _late(ta, tb, self.exact_dtype, va, others)
+        late = (exact and self.products != "bf16" and not circ and sliced(ta, tb, self.exact_dtype, va, others)
                 and all(self._axis_op(a, elements) is None for k, a in enumerate(ax_b) if k != d))
         if self.products == "bf16":
             ta, tb = ta.to(torch.bfloat16), tb.to(torch.bfloat16)
@@ -282,12 +331,7 @@ class WeightFeatures:
         if (self.sketch and not exact and ta.dim() == 2 and len(va) == 1 and va[0][1] == 0 and others == [[]]
                 and ta.shape[1 - d] > 2 * self.sketch):
             return self._sketched(ta, tb, d, ax_b[1 - d], va[0][0], vb[0][0], elements, acc)
-        for k, a in enumerate(ax_b):  # other dims into A's basis
-            if k == d:
-                continue
-            M = self._axis_op(a, elements)
-            if M is not None:
-                tb = apply_along(tb, k, M)
+        tb = self._mapped_b(name, d, tb, ax_b, elements, exact, stored)  # other dims into A's basis
         if others and all(o is None for o in others):  # no view's other leaves are solved yet
             return None, a2, b2, True, None, 0.0
         partial = any(o is None for o in others)
@@ -298,7 +342,7 @@ class WeightFeatures:
             xb = gather(tb, d, ib, fb, others[v])
             if xa.shape[-1] != xb.shape[-1]:
                 continue
-            s = _cross_by_columns(xa, xb, acc) if late else cross(xa, xb, fa, cross_fibres)
+            s = cross_by_columns(xa, xb, acc) if late else cross(xa, xb, fa, cross_fibres)
             if fa or parity or len(va) > 1 or exact:  # (else the caller sums it in float32: add_into)
                 s = s.to(acc)
             if parity and fa:  # [S, A's Gram, B's Gram] x [co, contra]
@@ -345,33 +389,6 @@ class WeightFeatures:
         return (xa @ xb.mT).to(acc), 0.0, 0.0, False, None, None  # a projection: no bound
 
 
-_HALF = (torch.bfloat16, torch.float16)
-_LATE_BYTES = 64 << 20  # a slot over this in the exact dtype is converted a slice of columns at a time
-
-
-def _late(ta, tb, dtype, va, others) -> bool:
-    """Whether a slot is converted to the exact ``dtype`` a slice at a time (in
-    :func:`_cross_by_columns`) rather than whole: over :data:`_LATE_BYTES` there, with no
-    fibres and no other leaf's element to apply (nothing to compute in ``dtype`` before the
-    product; the caller checks the maps on the other axes). A 1.1B model's token embeddings
-    or LM head against the residual stream: 0.5 GB of float32 copies, else."""
-    item = torch.empty((), dtype=dtype).element_size()
-    return ((ta.numel() + tb.numel()) * item > _LATE_BYTES and all(fa == 0 for _, fa in va)
-            and all(o == [] for o in others))
-
-
-def _cross_by_columns(xa, xb, dtype):
-    """``xa @ xb.mT`` (``[n, m]``, ``[k, m]``) in ``dtype``, each input converted a slice of
-    columns at a time (about :data:`_LATE_BYTES` for both) and the partial products summed."""
-    item = torch.empty((), dtype=dtype).element_size()
-    step = max(1, _LATE_BYTES // (item * max(xa.shape[0] + xb.shape[0], 1)))
-    out = None
-    for i in range(0, xa.shape[-1], step):
-        part = xa[:, i:i + step].to(dtype) @ xb[:, i:i + step].to(dtype).mT
-        out = part if out is None else out.add_(part)
-    return out
-
-
 def _add_parity(parts, k, values):
     """``parts`` ([S, GA, GB] x [co, contra], 0 where nothing yet) with ``values`` added on side ``k``."""
     parts = parts or [[0, 0], [0, 0], [0, 0]]
@@ -394,39 +411,3 @@ def _circuit_scores(S, GA, GB):
 def _folded(report, tensors):
     """The weights with norm gains folded into their readers (what the classes act on)."""
     return tensors | {k: v.to(tensors[k].dtype) for k, v in report.fold(tensors).items()}
-
-
-def gather(t, d, idx, nf, others=None):
-    """Gather ``t``'s dim ``d`` by ``idx [*F, n, *O]`` → ``[*F, n, m]``; ``others`` holds the
-    current elements of the O leaves (applied first, so B's O coordinates are in A's order)."""
-    moved = t.movedim(d, 0)
-    flat = idx.reshape(-1)
-    if nf == 0 and idx.dim() == 1 and len(flat) == moved.shape[0] and bool(
-            (flat == torch.arange(len(flat), device=flat.device)).all()):
-        x = moved  # the whole axis in order: a view, no copy (embeddings)
-    else:
-        x = moved[flat.to(moved.device)].reshape(*idx.shape, *moved.shape[1:])
-    for pos, E, fpos in (others or []):
-        x = _apply_leaf(x, nf + 1 + pos, E, fpos)
-    lead = idx.shape[: nf + 1]
-    return x.reshape(*lead, -1)
-
-
-def _apply_leaf(x, pos, E, fpos):
-    """Apply ``E [*fibres, a, b]`` along dim ``pos`` of ``x``; fibres index dims ``fpos``."""
-    L = string.ascii_letters
-    xs = [L[i] for i in range(x.dim())]
-    new = L[x.dim()]
-    es = "".join(xs[p] for p in fpos) + new + xs[pos]
-    out = [new if i == pos else c for i, c in enumerate(xs)]
-    return torch.einsum(f"{es},{''.join(xs)}->{''.join(out)}", E.to(x.device, x.dtype), x)
-
-
-def cross(xa, xb, nf, cross_fibres):
-    if nf == 0:
-        return xa @ xb.mT
-    fa = xa.reshape(-1, *xa.shape[nf:])  # flatten fibres into one index
-    fb = xb.reshape(-1, *xb.shape[nf:])
-    if cross_fibres:
-        return torch.einsum("aim,bjm->abij", fa, fb)
-    return torch.einsum("aim,ajm->aij", fa, fb)
