@@ -66,3 +66,41 @@ def test_rotation_and_permutation_classes_of_a_unit_map_bs_slice_once(monkeypatc
                 assert len(calls) == 2 and torch.equal(ranked, apply_along(tb, k, R))
             assert exact.dtype == torch.float32 and torch.equal(exact, want)
         monkeypatch.undo()
+
+
+def test_shard_writer_writes_on_its_thread_the_same_bytes_and_raises_a_failed_write(tmp_path, monkeypatch):
+    """The writer's thread writes each value while the next is computed: the files read back
+    as ``save_file``'s values (tensors in any order, one in row slices), at most
+    ``PENDING`` values held; a failed write is raised by ``close``."""
+    import pytest
+    from safetensors import safe_open
+    import symgraph.checkpoints.sharded as sh
+    g = torch.Generator().manual_seed(0)
+    vals = {f"t{i}": torch.randn(64 + i, 48, generator=g).to(torch.bfloat16) for i in range(6)}
+    plan = [(k, tuple(v.shape), v.dtype) for k, v in vals.items()]
+    held = []
+    submit = sh.ShardWriter._pool
+    monkeypatch.setattr(sh.ShardWriter, "_pool", lambda self: held.append(len(self._pending)) or submit(self))
+    w = sh.ShardWriter(str(tmp_path), 20_000, plan)
+    for k in reversed(list(vals)):
+        if k == "t2":
+            for r in range(0, vals[k].shape[0], 16):
+                w.add(k, vals[k][r:r + 16].clone())
+        else:
+            w.add(k, vals[k])
+    info = w.close()
+    assert info["shards"] > 1 and max(held) <= sh.ShardWriter.PENDING
+    got = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            got.update({k: h.get_tensor(k) for k in h.keys()})
+    assert got.keys() == vals.keys() and all(torch.equal(got[k], v) for k, v in vals.items())
+
+    def fail(fd, data, at):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(sh, "_pwrite", fail)
+    (tmp_path / "x").mkdir()
+    w = sh.ShardWriter(str(tmp_path / "x"), None, plan[:1])
+    w.add("t0", vals["t0"])
+    with pytest.raises(OSError, match="No space left"):
+        w.close()

@@ -183,6 +183,12 @@ def computed_buffers(cls, config) -> dict:
 def _itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
 
+def _pwrite(fd, data, at) -> None:
+    while len(data):
+        k = os.pwrite(fd, data, at)
+        data, at = data[k:], at + k
+
+
 class ShardWriter:
     """The output shards, written one tensor at a time.
 
@@ -195,6 +201,8 @@ class ShardWriter:
     one); or ``layout``: ``[(file name, [keys])]``, the shards of an input to copy. Files are
     read back by ``safe_open``.
     """
+
+    PENDING = 2  # values written by the writer thread while the next ones are computed
 
     def __init__(self, directory, limit, plan, layout=None):
         self.dir = directory
@@ -222,6 +230,8 @@ class ShardWriter:
         self._files: dict = {}
         self._where: dict = {}  # key -> (shard, data offset in its file)
         self._rows = {key: 0 for key in info}
+        self._pending: list = []  # writes under way (futures)
+        self._writer = None
 
     def add(self, key, t):
         """Write ``key``'s value ``t``: the whole tensor, or consecutive slices of it along
@@ -238,11 +248,29 @@ class ShardWriter:
                                f"{key} {tuple(t.shape)} {t.dtype}")  # a bug, not bad input
         data = memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
         at = self._where[key] + (n // total) * done if total else self._where[key]
-        fd = self._files[i].fileno()
-        while len(data):
-            k = os.pwrite(fd, data, at)
-            data, at = data[k:], at + k
         self._rows[key] = done + rows
+        while len(self._pending) >= self.PENDING:  # at most this many values held for writing
+            self._pending.pop(0).result()
+        self._pending.append(self._pool().submit(_pwrite, self._files[i].fileno(), data, at))
+
+    def _pool(self):
+        """The one thread that writes (``os.pwrite`` releases the GIL: the next tensor is
+        computed meanwhile; a disk slower than the merge holds :attr:`PENDING` values)."""
+        if self._writer is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="symgraph-write")
+        return self._writer
+
+    def _drain(self) -> None:
+        """Wait for every pending write (the first failure raised, once all have ended)."""
+        pending, self._pending = self._pending, []
+        errors = [f.exception() for f in pending]
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        for e in errors:
+            if e is not None:
+                raise e
 
     def _open(self, i):
         header, off = {"__metadata__": {"format": "pt"}}, 0
@@ -261,6 +289,7 @@ class ShardWriter:
         self._files[i] = f
 
     def close(self) -> dict:
+        self._drain()
         for i in range(len(self.shards)):  # a shard of empty tensors only still gets its header
             if i not in self._files:
                 self._open(i)
