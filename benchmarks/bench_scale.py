@@ -48,8 +48,10 @@ rc -9) is recorded with its return code and the last line of its stderr, and the
   weights`` with ``--method regmean``, ``--method fisher`` or ``--repair`` and ``--data D``: the
   merge engine's statistics (input Grams, squared gradients, REPAIR's channel moments) out of core.
 
-Before each merge stage the inputs' page-cache state is set by ``--cache``: ``warm`` (default)
-reads both inputs through once, ``cold`` drops them (as above). GB is 10^9 bytes throughout.
+Before each merge stage the earlier stages' outputs are written back (``os.sync``: a disk that
+writes back slower than a merge writes would otherwise charge one stage for another's output)
+and the inputs' page-cache state is set by ``--cache``: ``warm`` (default) reads both inputs
+through once, ``cold`` drops them (as above). GB is 10^9 bytes throughout.
 
 Checks. Every output must hold exactly the input's tensor names with the input's shapes, all
 bf16 (from the safetensors headers, no data read) and an index whose ``weight_map`` points at

@@ -38,7 +38,7 @@ def markdown(result: dict) -> str:
                   f"vocab {rec['config']['vocab_size']}; one layer {rec['layer_bytes'] / GB:.3f} GB, "
                   f"embeddings + head + norm {rec['nonlayer_bytes'] / GB:.3f} GB; full depth "
                   f"{rec['full_model_bytes'] / GB:.2f} GB per model. "
-                  f"Page cache before merges: {rec['cache']}."
+                  f"Page cache before merges: {rec['cache']}, earlier outputs written back (os.sync)."
                   + _writer_note(rec["pair"]) +
                   f" Run {rec['run']['time']}, symgraph {rec['run']['symgraph_commit']}"
                   + (f", mergekit/torch/transformers {mk}" if mk else "") + ".", "",
