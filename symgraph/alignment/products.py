@@ -6,6 +6,8 @@ import string
 
 import torch
 
+from ..core.gemm import linear
+
 __all__ = ["gather", "cross", "sliced", "cross_by_columns", "HALF"]
 
 HALF = (torch.bfloat16, torch.float16)
@@ -30,7 +32,7 @@ def cross_by_columns(xa, xb, dtype):
     step = max(1, _LATE_BYTES // (item * max(xa.shape[0] + xb.shape[0], 1)))
     out = None
     for i in range(0, xa.shape[-1], step):
-        part = xa[:, i:i + step].to(dtype) @ xb[:, i:i + step].to(dtype).mT
+        part = linear(xa[:, i:i + step].to(dtype), xb[:, i:i + step].to(dtype))
         out = part if out is None else out.add_(part)
     return out
 
@@ -63,7 +65,7 @@ def _apply_leaf(x, pos, E, fpos):
 
 def cross(xa, xb, nf, cross_fibres):
     if nf == 0:
-        return xa @ xb.mT
+        return linear(xa, xb)
     fa = xa.reshape(-1, *xa.shape[nf:])  # flatten fibres into one index
     fb = xb.reshape(-1, *xb.shape[nf:])
     if cross_fibres:
