@@ -75,3 +75,27 @@ def _last_line(path) -> str | None:
     lines = [ln.strip() for ln in _PROGRESS_BAR.sub("\n", text).splitlines()]
     lines = [ln for ln in lines if ln]
     return lines[-1][-500:] if lines else None
+
+
+_RATES = r"""
+import json, time, torch
+out = {}
+for dt in (torch.float32, torch.bfloat16):
+    a, b = torch.randn(4096, 4096).to(dt), torch.randn(4096, 4096).to(dt)
+    a @ b
+    best = min((lambda t: (a @ b, time.perf_counter() - t)[1])(time.perf_counter()) for _ in range(3))
+    out[str(dt)[6:]] = 2 * 4096 ** 3 / best / 1e9
+print(json.dumps(out))
+"""
+
+
+def matmul_rates(env=None) -> dict | None:
+    """The machine's float32 and bfloat16 matmul rates now (GFLOP/s, 4096², best of 3) in a
+    fresh process with the merges' threads: the yardstick of a run's seconds on a machine whose
+    speed drifts (a 2-core cloud VM's float32 rate moved between 110 and 180 GFLOP/s in one
+    session). None where the probe fails."""
+    r = subprocess.run([sys.executable, "-c", _RATES], capture_output=True, text=True, env=env)
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
+    except (ValueError, IndexError):
+        return None

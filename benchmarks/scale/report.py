@@ -41,7 +41,7 @@ def markdown(result: dict) -> str:
                   f"Page cache before merges: {rec['cache']}, earlier outputs written back (os.sync)."
                   + _writer_note(rec["pair"]) +
                   f" Run {rec['run']['time']}, symgraph {rec['run']['symgraph_commit']}"
-                  + (f", mergekit/torch/transformers {mk}" if mk else "") + ".", "",
+                  + (f", mergekit/torch/transformers {mk}" if mk else "") + "." + _rates_note(rec), "",
                   "| stage | wall s | CPU s | peak RSS GB | in GB | out GB | s / layer | time × mergekit "
                   "| RSS × mergekit | status |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -84,3 +84,14 @@ def markdown(result: dict) -> str:
             lines.append(f"`--align none` vs mergekit: FAILED ({cmp_.get('error')}).")
         lines.append("")
     return "\n".join(lines)
+
+
+def _rates_note(rec) -> str:
+    """The machine's matmul rates before and after the stages (:func:`.measure.matmul_rates`)."""
+    r = rec.get("matmul_gflops") or {}
+    b, a = r.get("before"), r.get("after")
+    if not b or not a:
+        return ""
+    return (f" The machine's matmul rates (4096², best of 3, a fresh process) before / after the stages: "
+            f"float32 {b['float32']:.0f} / {a['float32']:.0f} GFLOP/s, bfloat16 {b['bfloat16']:.0f} / "
+            f"{a['bfloat16']:.0f} GFLOP/s.")

@@ -14,7 +14,7 @@ from .checkpoints import dir_bytes, ensure_pair, llama_config, model_sizes, weig
 from .checks import check_output, compare_outputs
 from ..harness import machine_info  # noqa: F401 - used by run_shape's records
 from .common import DATA_ROWS, DATA_TOKENS, ENTRY, GB, MERGEKIT_SHARD_PARAMS, SHAPES, _env, log
-from .measure import measure
+from .measure import matmul_rates, measure
 from .mergekit import ensure_mergekit, mergekit_config, mergekit_version
 from .pagecache import drop_cache, warm_cache
 
@@ -55,6 +55,8 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
     outdir.mkdir(exist_ok=True)
     logdir = Path(pair["dir"]) / "logs"
     logdir.mkdir(exist_ok=True)
+
+    rec["matmul_gflops"] = {"before": matmul_rates(_env())}
 
     def prep_cache():
         os.sync()  # no stage pays for an earlier stage's writes (this disk writes back at ~40 MB/s)
@@ -162,6 +164,7 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
     st = rec["stages"]
     if st.get("symgraph_none", {}).get("ok") and st.get("mergekit_linear", {}).get("ok"):
         checks["none_vs_mergekit"] = compare_outputs(outdir / "symgraph_none", mk_out, a, b)
+    rec["matmul_gflops"]["after"] = matmul_rates(_env())
     checks["seconds"] = time.perf_counter() - t
     rec["checks"] = checks
     for k, v in checks.items():
