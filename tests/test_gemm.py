@@ -40,3 +40,12 @@ def test_everything_else_is_pytorchs_matmul(monkeypatch):
     out = G.linear(xg, w)
     out.sum().backward()
     torch.testing.assert_close(xg.grad, w.sum(0).expand_as(x))
+
+
+def test_a_build_whose_onednn_refuses_falls_back_to_matmul(monkeypatch):
+    def refuse(*a):
+        raise RuntimeError("could not create a primitive")
+    monkeypatch.setattr(G, "_OP", refuse)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    x, w = _pair(40, 30, 20)
+    assert torch.equal(G.linear(x, w), x @ w.mT) and G._OP is None
