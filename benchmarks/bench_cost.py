@@ -59,12 +59,18 @@ def _best(f, n=3, sync=lambda: None) -> float:
     return best
 
 
+def matmul_gflops(dtypes, n: int = 4096, device="cpu", sync=lambda: None) -> dict:
+    """``{dtype name: GFLOP/s}`` of an ``n×n`` matmul on ``device``, best of 3 (:func:`_best`)."""
+    out = {}
+    for dt in dtypes:
+        a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
+        out[str(dt)[6:]] = 2 * n ** 3 / _best(lambda: a @ b, sync=sync) / 1e9
+    return out
+
+
 def peaks(files) -> dict:
     """The machine's measured rates, in this process (same threads as the merge)."""
-    out = {}
-    for dt in (torch.float32, torch.bfloat16, torch.float64):
-        a, b = torch.randn(4096, 4096).to(dt), torch.randn(4096, 4096).to(dt)
-        out[f"mm_{str(dt)[6:]}_gflops"] = 2 * 4096 ** 3 / _best(lambda: a @ b) / 1e9
+    out = {f"mm_{k}_gflops": v for k, v in matmul_gflops((torch.float32, torch.bfloat16, torch.float64)).items()}
     for dt in (torch.float64, torch.float32):
         s = torch.randn(2048, 2048, dtype=dt)
         out[f"svd_{str(dt)[6:]}_gflops"] = 22 * 2048 ** 3 / _best(lambda: torch.linalg.svd(s, full_matrices=False), 1) / 1e9

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_cost import _best
+from benchmarks.bench_cost import _best, matmul_gflops
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "device" / "device.json"
 
@@ -39,9 +39,8 @@ def peaks(device: torch.device, n: int | None = None, svd_n: int = 4096, heads: 
     rates on ``device``; ``heads``: also a 7B layer's head-pair scores."""
     n = n or (8192 if device.type == "cuda" else 4096)
     out = {"mm_n": n, "svd_n": svd_n}
-    for dt in (torch.float32, torch.bfloat16, torch.float64):
-        a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
-        out[f"mm_{str(dt)[6:]}_gflops"] = 2 * n ** 3 / _best(lambda: a @ b, sync=lambda: _sync(device)) / 1e9
+    out |= {f"mm_{k}_gflops": v for k, v in matmul_gflops(
+        (torch.float32, torch.bfloat16, torch.float64), n, device, lambda: _sync(device)).items()}
     for dt in (torch.float64, torch.float32):
         s = torch.randn(svd_n, svd_n, device=device, dtype=dt)
         out[f"svd_{str(dt)[6:]}_gflops"] = 22 * svd_n ** 3 / _best(

@@ -57,8 +57,8 @@ def test_rotation_and_permutation_classes_of_a_unit_map_bs_slice_once(monkeypatc
             assert R is not None and R.dim() == 2
             want = apply_along(tb.float(), k, R)
             del calls[:]
-            ranked = feats._mapped_b(name, d, tb, ax, elements, False, tb.dtype)
-            exact = feats._mapped_b(name, d, tb.float(), ax, elements, True, tb.dtype)
+            ranked = feats._mapped_b(name, d, tb, [(k, R)], False, tb.dtype)
+            exact = feats._mapped_b(name, d, tb.float(), [(k, R)], True, tb.dtype)
             if dtype == torch.bfloat16:
                 assert len(calls) == 1  # once for both classes
                 assert ranked.dtype == torch.bfloat16 and torch.equal(ranked, want.to(torch.bfloat16))

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..provenance import REPO_ROOT
+
 #: The measuring wrapper: runs one child (its stdout/stderr to files, own process group), kills
 #: the group on timeout, then prints wall time and RUSAGE_CHILDREN (= that child's figures).
 _WRAPPER = r"""
@@ -77,16 +79,8 @@ def _last_line(path) -> str | None:
     return lines[-1][-500:] if lines else None
 
 
-_RATES = r"""
-import json, time, torch
-out = {}
-for dt in (torch.float32, torch.bfloat16):
-    a, b = torch.randn(4096, 4096).to(dt), torch.randn(4096, 4096).to(dt)
-    a @ b
-    best = min((lambda t: (a @ b, time.perf_counter() - t)[1])(time.perf_counter()) for _ in range(3))
-    out[str(dt)[6:]] = 2 * 4096 ** 3 / best / 1e9
-print(json.dumps(out))
-"""
+_RATES = ("import json, torch; from benchmarks.bench_cost import matmul_gflops; "
+          "print(json.dumps(matmul_gflops((torch.float32, torch.bfloat16))))")
 
 
 def matmul_rates(env=None) -> dict | None:
@@ -94,7 +88,7 @@ def matmul_rates(env=None) -> dict | None:
     fresh process with the merges' threads: the yardstick of a run's seconds on a machine whose
     speed drifts (a 2-core cloud VM's float32 rate moved between 110 and 180 GFLOP/s in one
     session). None where the probe fails."""
-    r = subprocess.run([sys.executable, "-c", _RATES], capture_output=True, text=True, env=env)
+    r = subprocess.run([sys.executable, "-c", _RATES], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
     try:
         return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
     except (ValueError, IndexError):

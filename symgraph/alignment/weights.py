@@ -135,32 +135,24 @@ class WeightFeatures:
             (ranked if orthogonal_part(g.kind) in ("perm", "signed_perm") else exact).update(self.slots(g))
         self.mapped_once |= exact & ranked
 
-    def _mapped_b(self, name, d, tb, ax_b, elements, exact, stored):
-        """B's slice ``tb`` with the maps of its axes other than ``d`` applied: in its dtype,
-        or for a slot of :attr:`mapped_once` of 16-bit weights (``stored``: their dtype) in
-        the exact dtype (kept for the unit's other classes; a permutation class gets it
-        rounded back to the weights' dtype)."""
-        maps = [(k, M) for k, a in enumerate(ax_b) if k != d and (M := self._axis_op(a, elements)) is not None]
-        if not maps:
-            return tb
-        own = tb.dtype
-        if (name, d) in self.mapped_once and stored in HALF:
-            hit = self._mapped.get((name, d))
-            if hit is not None and len(hit[0]) == len(maps) and all(
-                    k == k2 and M is M2 for (k, M), (k2, M2) in zip(maps, hit[0])):
-                out = hit[1]
-            else:
-                out = tb.to(self.exact_dtype)
-                for k, M in maps:
-                    out = apply_along(out, k, M)
-                self._mapped.pop((name, d), None)
-                while len(self._mapped) >= self.MAPPED_KEPT:
-                    self._mapped.pop(next(iter(self._mapped)))
-                self._mapped[(name, d)] = (maps, out)
-            return out if exact else out.to(own)
-        for k, M in maps:
-            tb = apply_along(tb, k, M)
-        return tb
+    def _mapped_b(self, name, d, tb, maps, exact, stored):
+        """B's slice ``tb`` with ``maps`` (``[(dim, map)]``: its axes other than ``d``) applied:
+        in its dtype, or for a slot of :attr:`mapped_once` of 16-bit weights (``stored``: their
+        dtype) in the exact dtype (kept for the unit's other classes; a permutation class gets
+        it rounded back to the weights' dtype)."""
+        if not maps or (name, d) not in self.mapped_once or stored not in HALF:
+            return _applied(tb, maps)
+        hit = self._mapped.get((name, d))
+        if hit is not None and [k for k, _ in hit[0]] == [k for k, _ in maps] and all(
+                M is M2 for (_, M), (_, M2) in zip(maps, hit[0])):  # the maps _axis_op kept
+            out = hit[1]
+        else:
+            out = _applied(tb.to(self.exact_dtype), maps)
+            self._mapped.pop((name, d), None)
+            while len(self._mapped) >= self.MAPPED_KEPT:
+                self._mapped.pop(next(iter(self._mapped)))
+            self._mapped[(name, d)] = (maps, out)
+        return out if exact else out.to(tb.dtype)
 
     def deps(self, gb, name, d):
         """B's leaf classes (other than ``gb`` and its fibres) that the slot's feature uses."""
@@ -320,8 +312,9 @@ class WeightFeatures:
         stored = tb.dtype
         acc = self.exact_dtype if exact else torch.promote_types(
             torch.promote_types(ta.dtype, tb.dtype), torch.float32)  # what contributions sum in
-        late = (exact and self.products != "bf16" and not circ and sliced(ta, tb, self.exact_dtype, va, others)
-                and all(self._axis_op(a, elements) is None for k, a in enumerate(ax_b) if k != d))
+        maps = [(k, M) for k, a in enumerate(ax_b) if k != d and (M := self._axis_op(a, elements)) is not None]
+        late = (exact and self.products != "bf16" and not circ and not maps
+                and sliced(ta, tb, self.exact_dtype, va, others))
         if self.products == "bf16":
             ta, tb = ta.to(torch.bfloat16), tb.to(torch.bfloat16)
         elif exact and not late:
@@ -331,7 +324,7 @@ class WeightFeatures:
         if (self.sketch and not exact and ta.dim() == 2 and len(va) == 1 and va[0][1] == 0 and others == [[]]
                 and ta.shape[1 - d] > 2 * self.sketch):
             return self._sketched(ta, tb, d, ax_b[1 - d], va[0][0], vb[0][0], elements, acc)
-        tb = self._mapped_b(name, d, tb, ax_b, elements, exact, stored)  # other dims into A's basis
+        tb = self._mapped_b(name, d, tb, maps, exact, stored)  # other dims into A's basis
         if others and all(o is None for o in others):  # no view's other leaves are solved yet
             return None, a2, b2, True, None, 0.0
         partial = any(o is None for o in others)
@@ -387,6 +380,13 @@ class WeightFeatures:
         xa = ta.movedim(d, 0)[ia.reshape(-1).to(ta.device)] @ om
         xb = tb.movedim(d, 0)[ib.reshape(-1).to(tb.device)] @ om_b
         return (xa @ xb.mT).to(acc), 0.0, 0.0, False, None, None  # a projection: no bound
+
+
+def _applied(t, maps):
+    """``t`` with each ``(dim, map)`` of ``maps`` applied in turn."""
+    for k, M in maps:
+        t = apply_along(t, k, M)
+    return t
 
 
 def _add_parity(parts, k, values):

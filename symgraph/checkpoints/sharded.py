@@ -183,6 +183,7 @@ def computed_buffers(cls, config) -> dict:
 def _itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size() if dtype is not None else 1
 
+
 def _pwrite(fd, data, at) -> None:
     while len(data):
         k = os.pwrite(fd, data, at)

@@ -157,6 +157,6 @@ def apply_along(t: torch.Tensor, d: int, M) -> torch.Tensor:
         return moved[M.argmax(1).to(t.device)].movedim(0, d)  # a permutation: gather, no matmul
     M = M.to(t.device, t.dtype)
     if d == t.dim() - 1:  # the last dim: one matmul, no transposed copy of t
-        return linear(t, M) if t.dim() == 2 else t @ M.mT
+        return linear(t, M)
     out = (M @ moved.reshape(shape[0], -1)).reshape(M.shape[0], *shape[1:])
     return out.movedim(0, d)

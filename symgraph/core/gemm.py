@@ -12,7 +12,8 @@ import torch
 
 __all__ = ["linear"]
 
-_OP = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+_OP = (getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+       if torch.backends.mkldnn.is_available() else None)
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -20,13 +21,12 @@ def _rows(t: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.mT`` (``x [m, k]``, ``w [n, k]``): through oneDNN for float32 CPU matrices
+    """``x @ w.mT`` (``x [..., k]``, ``w [n, k]``): through oneDNN for float32 CPU matrices
     stored by rows with nothing to differentiate, else PyTorch's matmul."""
     if (_OP is not None and x.dtype == torch.float32 and w.dtype == torch.float32
             and x.device.type == "cpu" and w.device.type == "cpu" and _rows(x) and _rows(w)
             and x.shape[0] and w.shape[0] and x.shape[1]
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-            and torch.backends.mkldnn.is_available()):
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         try:
             return _OP(x, w, None, "none", [], "")
         except RuntimeError:  # a build whose oneDNN refuses it: PyTorch's matmul from now on
