@@ -1,18 +1,23 @@
-"""Where a benchmark result comes from (the repository and the commit it was run at), and
-how a result is written (JSON without NaN or numpy scalars)."""
+"""Where a benchmark result comes from and how it is written: the commit and the command it was
+run with (each results directory's ``record.json``, checked by :func:`record_problems`), the
+machine's matmul rates, results as JSON without NaN or numpy scalars, Markdown tables
+(:func:`table`) and the progress log (:func:`log`)."""
 from __future__ import annotations
 
 import contextlib
 import json
 import math
 import os
+import shlex
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 from symgraph.checkpoints.outdir import identity, remove_own
 
-__all__ = ["REPO_ROOT", "git_state", "jsonable", "write_json", "staged"]
+__all__ = ["REPO_ROOT", "RECORD", "RESULTS_ROOT", "git_state", "jsonable", "write_json", "staged", "write_result",
+           "log", "table", "commit_info", "command_line", "matmul_rates", "add_record", "record_problems"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,3 +79,130 @@ def write_result(out, prefix: str, record, markdown, plot=None, json_name: str =
         (tmp / md_name).write_text(markdown(record))
         if plot is not None:
             plot(record, tmp)
+
+
+# --- the one logger and the one table writer ----------------------------------------------------
+
+
+def log(msg: str) -> None:
+    """A benchmark's progress line, on stderr (stdout stays for what a command prints)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def table(header, rows, align=None) -> list[str]:
+    """A Markdown table's lines: ``header`` (cells), ``rows`` (cells, each ``str()``-ed) and
+    ``align``, one of ``"l"``, ``"r"``, ``"c"`` or ``None`` per column (``---``, ``---:``,
+    ``:---:``, ``---``; None: every column ``---``)."""
+    marks = {"l": ":---", "r": "---:", "c": ":---:", None: "---"}
+    align = align or [None] * len(header)
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(marks[a] for a in align) + "|",
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
+
+# --- what a record names: the command and the commit ---------------------------------------------
+
+
+def commit_info(root: Path = REPO_ROOT) -> dict:
+    """``{"commit", "dirty", "source"}``: ``$SYMGRAPH_COMMIT`` (a copy of the tree without
+    ``.git``, e.g. on a lent GPU machine), else ``git rev-parse HEAD`` and whether tracked files
+    differ from it; ``commit`` None when neither is there."""
+    env = os.environ.get("SYMGRAPH_COMMIT")
+    if env:
+        return {"commit": env.strip(), "dirty": None, "source": "SYMGRAPH_COMMIT"}
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+        st = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                            capture_output=True, text=True)
+    except OSError:
+        return {"commit": None, "dirty": None, "source": None}
+    if head.returncode != 0:
+        return {"commit": None, "dirty": None, "source": None}
+    return {"commit": head.stdout.strip(), "dirty": bool(st.stdout.strip()) if st.returncode == 0 else None,
+            "source": "git"}
+
+
+def command_line(argv=None, module: str | None = None) -> str:
+    """The command that ran: ``python -m MODULE ARGS`` (``argv`` defaults to ``sys.argv[1:]``;
+    ``module`` to the running ``__main__``'s), each argument shell-quoted."""
+    if module is None:
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        module = spec.name.removesuffix(".__main__") if spec is not None else "benchmarks"
+    args = sys.argv[1:] if argv is None else list(argv)
+    return " ".join(["python", "-m", module, *map(shlex.quote, args)])
+
+
+#: The file in every directory under ``benchmarks/results/`` that names, for each of its files,
+#: the command that regenerates it and the commit it was run at.
+RECORD = "record.json"
+RESULTS_ROOT = REPO_ROOT / "benchmarks" / "results"
+
+
+def matmul_rates(n: int = 2048) -> dict:
+    """This machine's float32 and bfloat16 matmul rates, GFLOP/s (``n×n``, best of 3): the
+    yardstick a record's seconds are read against."""
+    import torch
+    from .bench_cost import matmul_gflops
+    return {k: round(v, 1) for k, v in matmul_gflops((torch.float32, torch.bfloat16), n=n).items()}
+
+
+def add_record(out, files, command: str, *, rates: dict | None = None, how: str = "written by the run") -> dict:
+    """The entry of ``out/record.json`` for ``files`` (names in ``out``): ``command``, this tree's
+    commit (:func:`commit_info`) and, when given, the machine's matmul ``rates``; an earlier entry
+    naming any of these files is replaced, the others are kept. Returns the entry."""
+    out = Path(out)
+    info = commit_info()
+    entry = {"files": sorted(str(f) for f in files), "command": command, "commit": info["commit"],
+             "commit_is": "run", "how": how}
+    if info["dirty"]:
+        entry["dirty"] = True
+    if rates is not None:
+        entry["matmul_gflops"] = rates
+    path = out / RECORD
+    old = json.loads(path.read_text())["entries"] if path.is_file() else []
+    keep = [e for e in old if not set(e["files"]) & set(entry["files"])]
+    path.write_text(json.dumps({"entries": [*keep, entry]}, indent=1, ensure_ascii=False) + "\n")
+    return entry
+
+
+def _covering(path: Path, root: Path):
+    """The nearest ``record.json`` at or above ``path``'s directory, up to ``root``."""
+    d = path.parent
+    while True:
+        if (d / RECORD).is_file():
+            return d
+        if d == root:
+            return None
+        d = d.parent
+
+
+def record_problems(root: Path = RESULTS_ROOT, exists=None) -> list[str]:
+    """What is wrong with the records under ``root``, one line each (none: every file is named
+    by exactly one entry of the nearest ``record.json``, every entry names files that exist, a
+    command, or why there is none, and a commit for which ``exists(commit)`` holds)."""
+    root = Path(root)
+    problems, covered = [], {}
+    for rec in sorted(root.rglob(RECORD)):
+        try:
+            entries = json.loads(rec.read_text())["entries"]
+        except (ValueError, KeyError, TypeError) as e:
+            problems.append(f"{rec.relative_to(root)}: not a record ({e})")
+            continue
+        for i, e in enumerate(entries):
+            where = f"{rec.relative_to(root)} entry {i}"
+            if not (isinstance(e.get("command"), str) and e["command"].strip()) and not e.get("not_established"):
+                problems.append(f"{where}: no command and no reason why none")
+            if not isinstance(e.get("commit"), str) or (exists is not None and not exists(e["commit"])):
+                problems.append(f"{where}: commit {e.get('commit')!r} is not in this repository's history")
+            if not e.get("files"):
+                problems.append(f"{where}: names no files")
+            for f in e.get("files") or ():
+                p = (rec.parent / f).resolve()
+                if not p.is_file():
+                    problems.append(f"{where}: {f} does not exist")
+                covered.setdefault(p, []).append((rec.parent, where))
+    for p in sorted(q for q in root.rglob("*") if q.is_file() and q.name != RECORD):
+        owners = [w for d, w in covered.get(p.resolve(), ()) if d == _covering(p, root)]
+        if len(owners) != 1:
+            problems.append(f"{p.relative_to(root)}: named by {len(owners)} entries of its nearest {RECORD}"
+                            + (f" ({', '.join(owners)})" if owners else ""))
+    return problems

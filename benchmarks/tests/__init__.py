@@ -1,0 +1,1 @@
+"""Tests of the benchmarks' own tooling: the runner, the results writer, the records."""

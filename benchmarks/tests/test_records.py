@@ -1,0 +1,109 @@
+"""Every results record names the command that regenerates it and a commit in this repository's
+history: each file under ``benchmarks/results/`` is named by exactly one entry of the nearest
+``record.json``, and the entry's commit is an ancestor of HEAD (``git cat-file -e`` and
+``git merge-base --is-ancestor``). Needs the repository's full history: a shallow or absent
+``.git`` fails with the reason, it does not skip."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from benchmarks import provenance as pv
+
+
+def _git(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(pv.REPO_ROOT), *args], capture_output=True, text=True)
+
+
+def in_history(sha: str) -> bool:
+    """Whether ``sha`` names a commit that is HEAD or one of its ancestors."""
+    return (_git("cat-file", "-e", f"{sha}^{{commit}}").returncode == 0
+            and _git("merge-base", "--is-ancestor", sha, "HEAD").returncode == 0)
+
+
+@pytest.fixture(scope="module")
+def history():
+    top = _git("rev-parse", "--is-shallow-repository")
+    if top.returncode != 0:
+        pytest.fail("the records' commits are checked against git history, and this tree has none "
+                    f"({top.stderr.strip()}): run the tests in a clone of the repository")
+    if top.stdout.strip() == "true":
+        pytest.fail("this clone is shallow: the records' commits are older than its history "
+                    "(git fetch --unshallow, or clone with full history as .ci/run's CI does)")
+    return in_history
+
+
+def test_every_results_file_names_its_command_and_an_existing_commit(history):
+    problems = pv.record_problems(pv.RESULTS_ROOT, exists=history)
+    assert not problems, "\n".join(problems)
+
+
+def test_every_results_directory_has_its_record():
+    dirs = [d for d in pv.RESULTS_ROOT.iterdir() if d.is_dir()]
+    assert dirs and all((d / pv.RECORD).is_file() for d in dirs), [d.name for d in dirs if not (d / pv.RECORD).is_file()]
+    assert (pv.RESULTS_ROOT / pv.RECORD).is_file()  # the files at the top
+
+
+def test_a_record_without_a_command_says_why():
+    for rec in pv.RESULTS_ROOT.rglob(pv.RECORD):
+        for e in json.loads(rec.read_text())["entries"]:
+            assert e["command"] or len(e.get("not_established", "")) > 20, (rec, e["files"])
+            assert e["how"], (rec, e["files"])
+
+
+def _record(root, entries):
+    (root / pv.RECORD).write_text(json.dumps({"entries": entries}))
+
+
+def test_the_check_finds_every_kind_of_fault(tmp_path):
+    head = _git("rev-parse", "HEAD").stdout.strip()
+    (tmp_path / "a").mkdir()
+    for f in ("a/x.md", "a/y.json", "a/z.png", "top.json"):
+        (tmp_path / f).write_text("{}")
+    _record(tmp_path, [{"files": ["top.json"], "command": "python -m benchmarks.x", "commit": head}])
+    _record(tmp_path / "a", [
+        {"files": ["x.md", "y.json"], "command": "python -m benchmarks.y", "commit": head},
+        {"files": ["y.json", "gone.md"], "command": "", "commit": "0" * 40},
+    ])
+    problems = pv.record_problems(tmp_path, exists=in_history)
+    text = "\n".join(problems)
+    assert "a/record.json entry 1: no command and no reason why none" in text
+    assert "a/record.json entry 1: commit '" + "0" * 40 + "' is not in this repository's history" in text
+    assert "a/record.json entry 1: gone.md does not exist" in text
+    assert "a/y.json: named by 2 entries" in text      # two entries claim it
+    assert "a/z.png: named by 0 entries" in text       # nobody claims it
+    assert not any(p.startswith(("top.json", "a/x.md")) for p in problems), problems
+    assert len(problems) == 5, problems
+
+
+def test_a_file_is_owned_by_its_nearest_record_only(tmp_path):
+    head = _git("rev-parse", "HEAD").stdout.strip()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.md").write_text("x")
+    _record(tmp_path, [{"files": ["a/x.md"], "command": "python -m benchmarks.x", "commit": head}])
+    assert pv.record_problems(tmp_path, exists=in_history) == []
+    _record(tmp_path / "a", [])   # now a/record.json is the nearest, and it does not name x.md
+    assert pv.record_problems(tmp_path, exists=in_history) == ["a/x.md: named by 0 entries of its nearest record.json"]
+
+
+def test_add_record_replaces_the_entry_of_the_same_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("SYMGRAPH_COMMIT", "abc1234")
+    pv.add_record(tmp_path, ["r.md", "r.json"], "python -m benchmarks.one")
+    pv.add_record(tmp_path, ["s.md"], "python -m benchmarks.two", rates={"float32": 100.0})
+    e = pv.add_record(tmp_path, ["r.json"], "python -m benchmarks.three --fast")
+    entries = json.loads((tmp_path / pv.RECORD).read_text())["entries"]
+    assert [x["command"] for x in entries] == ["python -m benchmarks.two", "python -m benchmarks.three --fast"]
+    assert entries[0]["matmul_gflops"] == {"float32": 100.0}
+    assert e == entries[1] and e["commit"] == "abc1234" and e["files"] == ["r.json"]
+
+
+def test_command_line_quotes_what_the_shell_would_split():
+    assert pv.command_line(["--settings", "bf16 weights, exact", "--n", "3"], module="benchmarks.bench_sweeps") \
+        == "python -m benchmarks.bench_sweeps --settings 'bf16 weights, exact' --n 3"
+
+
+def test_table_aligns_columns():
+    assert pv.table(["a", "b"], [[1, "x"], [2.5, None]], align=[None, "r"]) == [
+        "| a | b |", "|---|---:|", "| 1 | x |", "| 2.5 | None |"]
