@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Meet, NoFiber, Unify, dim, register
+from ..registry import Meet, NoFiber, Structure, Unify, dim, register
 
 __all__: list = []  # rule file: its rules register themselves on import
 
@@ -208,4 +208,36 @@ def batch_norm(ctx):
     cons += [NoFiber(xa[i], c) for i in others]
     if batch:
         cons += [NoFiber(c, xa[i]) for i in others]
+    return cons
+
+
+@register([aten.native_group_norm, aten.group_norm])
+def group_norm(ctx):
+    # Channels (dim 1) in G contiguous groups: y[:, g, j] = (x[:, g, j] − μ_g) / σ_g · w + b,
+    # the statistics over a group's channels and every spatial position. Channels are the
+    # product ``groups × per_group`` (as heads × head_dim): permuting whole groups moves their
+    # statistics along, and permuting the channels inside one group keeps its statistics, an
+    # independent permutation per group (perm(G) ≀ perm(C/G)); gains and biases are
+    # covariant slots. Spatial axes are reduced over; the batch axis sees a nonlinear map.
+    native = ctx.node.target.overloadpacket is aten.native_group_norm
+    x = ctx.arg(0)
+    groups = ctx.arg(6, "group") if native else ctx.arg(1, "num_groups")
+    params = [ctx.arg(1, "weight"), ctx.arg(2, "bias")] if native else \
+        [ctx.arg(2, "weight"), ctx.arg(3, "bias")]
+    xa, shape = ctx.axes(x), ctx.shape(x)
+    out = ctx.out[0] if native else ctx.out
+    c, spatial = xa[1], list(xa[2:])
+    g, inner = ctx.new_axis(groups), ctx.new_axis(shape[1] // groups)
+    why = f"{ctx.where}: group normalisation"
+    cons = [Unify(o, a) for o, a in zip(out, xa)]
+    cons += [Structure(c, "prod", (g, inner)), Meet(g, "perm", f"{why} (groups permuted whole)"),
+             Meet(inner, "perm", f"{why} (channels within a group)")]
+    cons += [Unify(c, ctx.axes(p)[0]) for p in params if ctx.axes(p) is not None]
+    cons += [Meet(a, "perm", f"{why}: reduced over this axis") for a, s in zip(spatial, shape[2:]) if s > 1]
+    cons += [NoFiber(a, c) for a in spatial] + [NoFiber(xa[0], b) for b in [c, *spatial]]
+    if shape[0] > 1:
+        cons.append(Meet(xa[0], "perm", f"{why} is nonlinear along this axis"))
+    for stat in (ctx.out[1:] if native else ()):  # mean and 1/σ: [N, G]
+        if stat and len(stat) == 2:
+            cons += [Unify(stat[0], xa[0]), Unify(stat[1], g)]
     return cons
