@@ -46,11 +46,12 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_CONFIG_DEPTH = 32
 
 
-def _opt(expected: str, cli: bool = True, metavar: str | None = None) -> dict:
+def _opt(expected: str, cli: bool = True, metavar: str | None = None, flag: str | None = None) -> dict:
     """A field's extra declaration: what a refusal says is ``expected`` of its value, and
     whether the command line has a flag for it (:mod:`symgraph.merging.options` derives the
-    flag, its help and the docs' row from the field)."""
-    return {"expected": expected, "cli": cli, **({"metavar": metavar} if metavar else {})}
+    flag, its help and the docs' row from the field; ``flag`` when it is not ``--key``)."""
+    return {"expected": expected, "cli": cli, **({"metavar": metavar} if metavar else {}),
+            **({"flag": flag} if flag else {})}
 
 
 def _align(key: str, description: str, metavar: str | None = None, wanted: str | None = None) -> Any:
@@ -76,6 +77,11 @@ class MergeConfig(BaseModel):
         "(needs data) or not at all", json_schema_extra=_opt("one of 'weights', 'activations', 'none'"))
     method: StrictStr = Field("average", description="how the aligned models are combined (a registered method)",
                               json_schema_extra=_opt("a merge method name (symgraph.merge_methods())"))
+    parameters: dict[StrictStr, Any] = Field(
+        {}, description="the merge method's parameters, NAME=VALUE (e.g. alpha=0.1 for regmean; mergekit's "
+        "parameters: key); each method declares its own, recorded in symgraph_merge.json",
+        json_schema_extra=_opt("a mapping of the method's parameter names to values", metavar="NAME=VALUE",
+                               flag="--parameter"))
     weights: list[StrictFloat | StrictInt] | None = Field(
         None, description="one mixing weight per model (normalised to sum 1; default: equal)",
         json_schema_extra=_opt("a list of numbers, one per model", metavar="W"))
@@ -173,6 +179,19 @@ class MergeConfig(BaseModel):
         if v not in merge_methods():
             raise ValueError(f"is not a merge method; expected one of {merge_methods()}")
         return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _declared(cls, v, info):
+        """The method's parameters, each checked by its ``Parameters`` declaration (the values
+        typed as it declares them: a command line's ``alpha=0.1`` is the number 0.1)."""
+        if "method" not in info.data:  # the method itself was refused
+            return v
+        try:
+            params = get_method(info.data["method"], **v).params
+        except InputError as e:
+            raise ValueError(str(e)) from None
+        return {k: getattr(params, k) for k in v}
 
 
 #: What each key of a merge config expects (derived from the schema).

@@ -17,7 +17,8 @@ _NEEDS_BASE = {"task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrum
 
 def from_mergekit(cfg: dict, path: str) -> dict:
     """symgraph's options from a mergekit config (``merge_method``, ``models: [{model:,
-    parameters: {weight:}}]``, ``parameters: {normalize:}``, ``dtype``): ``linear`` is
+    parameters: {weight:}}]``, ``parameters: {normalize:, ...}``, ``dtype``; the top-level
+    ``parameters`` besides ``normalize`` are the method's own, as in mergekit): ``linear`` is
     symgraph's ``average`` (after alignment: symgraph aligns first, unless ``align: none``);
     methods that need a ``base_model`` are refused with the reason; other keys by name."""
     cfg = dict(cfg)
@@ -52,9 +53,8 @@ def from_mergekit(cfg: dict, path: str) -> dict:
     if top.pop("normalize", True) is not True:
         raise InputError(f"{where}: parameters.normalize false; symgraph always normalises the weights to sum "
                          "to 1; expected normalize: true or no key")
-    if top:
-        raise InputError(f"{where}: parameters {short_repr(sorted(map(str, top)))} are not symgraph options; expected "
-                         "only weight (per model) and normalize")
+    if top:  # the method's own (RegMean's alpha, Fisher's eps), checked by its declaration
+        cfg["parameters"] = top
     models, weights = [], []
     for i, m in enumerate(cfg.get("models") or []):
         if not isinstance(m, dict) or not isinstance(m.get("model"), str):

@@ -43,6 +43,8 @@ def _kind(annotation):
             return _kind(args[0])
         if {_base(a) for a in args} <= {int, float}:
             return "float", (), None
+    if origin is dict:
+        return "mapping", (), None
     if origin is list:
         (inner,) = typing.get_args(annotation) or (str,)
         el = _base(typing.get_args(inner)[0] if typing.get_origin(inner) is typing.Union else inner)
@@ -85,14 +87,17 @@ def add_flags(parser: argparse.ArgumentParser, schema, *, choices_for=None) -> N
         if o.flag is None:
             continue
         dest = o.key
-        default = o.default if o.default not in (None, [], ()) else None
+        default = o.default if o.default not in (None, [], (), {}) else None
         shown = f" (default: {default})" if default is not None and o.kind not in ("bool", "negated") else ""
-        kw = dict(dest=dest, default=None, help=o.help + shown)
+        text = f"switch off the default: {o.help}" if o.kind == "negated" else o.help  # says what it turns off
+        kw = dict(dest=dest, default=None, help=text + shown)
         if o.kind in ("bool", "negated"):
             kw["action"] = "store_const"
             kw["const"] = o.kind == "bool"
         elif o.kind == "list":
             kw.update(nargs="+", type=o.element or str, metavar=o.metavar or o.key.upper())
+        elif o.kind == "mapping":  # NAME=VALUE, the flag given once per name
+            kw.update(action="append", metavar=o.metavar or "NAME=VALUE")
         elif o.kind == "choice":
             kw["choices"] = o.choices
         elif choices_for and o.key in choices_for:
@@ -105,8 +110,45 @@ def add_flags(parser: argparse.ArgumentParser, schema, *, choices_for=None) -> N
 
 
 def given_options(args: dict, schema) -> dict:
-    """``{key: value}`` of the options the command line set (argparse's namespace as a dict)."""
-    return {o.key: args[o.key] for o in options(schema) if o.flag is not None and args.get(o.key) is not None}
+    """``{key: value}`` of the options the command line set (argparse's namespace as a dict); a
+    mapping option's ``NAME=VALUE`` words become a dict, each value read as a YAML scalar is."""
+    out = {}
+    for o in options(schema):
+        if o.flag is not None and args.get(o.key) is not None:
+            out[o.key] = _mapping(o.flag, args[o.key]) if o.kind == "mapping" else args[o.key]
+    return out
+
+
+def _mapping(flag_name: str, words) -> dict:
+    """``["alpha=0.1", ...]`` as ``{"alpha": 0.1}`` (a dict given in Python stays as it is)."""
+    if isinstance(words, dict):
+        return words
+    from ..core.schema import short_repr
+    from ..errors import InputError
+    out: dict = {}
+    for w in words:
+        name, eq, text = str(w).partition("=")
+        if not eq or not name.strip():
+            raise InputError(f"{flag_name} {short_repr(w)} is not NAME=VALUE; expected e.g. {flag_name} alpha=0.1")
+        if name.strip() in out:
+            raise InputError(f"{flag_name} gives {name.strip()!r} twice; expected each name once")
+        out[name.strip()] = _scalar(text.strip())
+    return out
+
+
+def _scalar(text: str):
+    """A command-line value as YAML reads a scalar (``0.1``, ``1e-3``, ``true``, ``abc``)."""
+    import yaml
+    try:
+        v = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(v, str):
+        try:
+            return float(v)  # 1e-3: YAML 1.1 wants a dot, YAML 1.2 (and a merge config) does not
+        except ValueError:
+            return v
+    return v if isinstance(v, (int, float, bool)) or v is None else text
 
 
 def options_table(schema) -> str:

@@ -134,7 +134,8 @@ def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None)
     t0 = time.time()
     try:
         result = merge(models, weights=cfg.weights, align=None if cfg.align == "none" else cfg.align,
-                       data=data, method=cfg.method, repair=cfg.repair, progress=progress,
+                       data=data, method=cfg.method, method_options=cfg.parameters, repair=cfg.repair,
+                       progress=progress,
                        refine=cfg.refine, fold_norms=cfg.fold_norms, outputs=cfg.outputs, anchor=anchor,
                        attention=cfg.attention, untie=cfg.untie,
                        **full,
@@ -182,6 +183,7 @@ def _streaming_job(cfg, layouts, data, anchor, progress, options):
         if cfg.refine:
             options = {**options, "refine": cfg.refine}
         return StreamingMerge(ckpts, weights=cfg.weights, align=align, method=cfg.method,
+                              method_options=cfg.parameters,
                               data=data if needs else None, anchor=anchor, device=cfg.device,
                               memory_budget=cfg.memory_budget, fold_norms=cfg.fold_norms, outputs=cfg.outputs,
                               progress=progress, untie=cfg.untie, attention=cfg.attention, repair=cfg.repair,
@@ -233,6 +235,7 @@ def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:
 def _meta(cfg, data, *, mode, seconds, alignments, dtype, repair, input_dtypes=()) -> dict:
     """The record ``symgraph_merge.json`` holds (the same keys on both paths)."""
     options = cfg.model_dump(exclude={"models", "out", "force"})
+    options["parameters"] = get_method(cfg.method, **cfg.parameters).params.model_dump()  # defaults too
     options["data"] = os.path.abspath(cfg.data) if cfg.data and data else None
     options["data_batches"] = len(data) if data else 0
     return {"symgraph_version": __version__, "inputs": input_names(cfg.models), "options": options,

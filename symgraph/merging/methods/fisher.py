@@ -5,13 +5,14 @@ shards of the data (:mod:`symgraph.core.distributed`)."""
 from __future__ import annotations
 
 import torch
+from pydantic import Field
 
 from ...core import distributed
 from ...alignment.checks import batch_inputs
 from ...transform.apply import map_parameters
 from ...errors import InputError
 from ..backprop import squared_gradients
-from .registry import MergeMethod, register
+from .registry import MergeMethod, MethodParameters, register
 
 __all__ = ['Fisher']
 
@@ -20,8 +21,10 @@ __all__ = ['Fisher']
 class Fisher(MergeMethod):
     needs_data = True
 
-    def __init__(self, eps: float = 1e-12):
-        self.eps = eps
+    class Parameters(MethodParameters):
+        eps: float = Field(1e-12, ge=0, allow_inf_nan=False,
+                           description="a number >= 0 added to every Fisher value, so coordinates no model's "
+                                       "data moves are averaged by the weights")
 
     def statistics(self, model, report, data):
         params = dict(model.named_parameters())

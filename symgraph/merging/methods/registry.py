@@ -9,35 +9,56 @@ into the anchor's basis together with the weights, and combines the aligned weig
         def combine_group(self, names, values, stats, weights, report):
             return {k: sum(w * v[k] for w, v in zip(weights, values)) for k in names}
 
+A method with parameters declares them once, as a pydantic model named ``Parameters`` (types,
+ranges, defaults, descriptions): the constructor, YAML ``parameters:`` (mergekit's key), the
+``--parameter NAME=VALUE`` flag and the record ``symgraph_merge.json`` all take them from it, and
+each validated value is an attribute of the instance (``self.alpha``)::
+
+    class Parameters(MethodParameters):
+        alpha: float = Field(0.9, ge=0, le=1, description="...")
+
 Files in ``symgraph/merging/methods/`` are imported on first use, so a new method is one new file.
 """
 from __future__ import annotations
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ...core.schema import short_repr
 from ...errors import InputError
 from ..statistics import whole_model
 
-__all__ = ["MergeMethod", "register", "get", "names", "mixing_weights"]
+__all__ = ["MergeMethod", "MethodParameters", "register", "get", "names", "mixing_weights", "describe_parameters"]
 
 _METHODS: dict = {}
+
+
+class MethodParameters(BaseModel):
+    """A method's typed parameters (a subclass declares them as fields; this one has none):
+    frozen, unknown names refused, values strictly of their type (``true`` is no number)."""
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class MergeMethod:
     """Base class: plain weighted averaging needs no statistics."""
     name = "?"
     needs_data = False
+    #: The method's parameters (see the module docstring); validated by the constructor.
+    Parameters: type[MethodParameters] = MethodParameters
     #: Whether each statistic has its tensor's own shape, element for element (Fisher's
     #: squared gradients): a slice of the tensor then reads only that slice of its statistic.
     #: False for statistics of another shape (RegMean's Gram over a weight's inputs, square
     #: like a square weight): read whole.
     elementwise_statistics = True
 
+    def __init__(self, **parameters):
+        self.params = validate_parameters(type(self), parameters)
+        for k, v in self.params.model_dump().items():  # each value an attribute (self.alpha)
+            setattr(self, k, v)
+
     @classmethod
     def parameters(cls) -> dict:
-        """The method's parameters and their defaults, as its constructor declares them."""
-        import inspect
-        sig = inspect.signature(cls.__init__)
-        return {k: p.default for k, p in sig.parameters.items()
-                if k != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        """The method's parameters and their defaults, as its ``Parameters`` declares them."""
+        return {k: f.default for k, f in cls.Parameters.model_fields.items()}
 
     def statistics(self, model, report, data):
         """A statistic of ``model`` (in its own basis), or None."""
@@ -108,14 +129,41 @@ def get(method, **kw) -> MergeMethod:
     _discover()
     if method not in _METHODS:
         raise InputError(f"unknown method {method!r}; expected one of {tuple(_METHODS)}")
-    unknown = sorted(set(kw) - set(_METHODS[method].parameters()))
+    return _METHODS[method](**kw)
+
+
+def describe_parameters(cls) -> str:
+    """The parameters of method class ``cls`` in words: ``alpha (a number in [0, 1], default
+    0.9: ...)``, or that it takes none."""
+    fields = cls.Parameters.model_fields
+    if not fields:
+        return f"no parameters (method {cls.name!r} takes none)"
+    return "; ".join(f"{k} (default {f.default!r}: {f.description or 'see the method'})" for k, f in fields.items())
+
+
+def validate_parameters(cls, given) -> MethodParameters:
+    """``given`` (a mapping of parameter names to values) validated by method class ``cls``'s
+    ``Parameters``, or refused in one line naming the method's parameters."""
+    if not isinstance(given, dict):
+        raise InputError(f"parameters of merge method {cls.name!r} are {short_repr(given)} "
+                         f"({type(given).__name__}); expected a mapping of {describe_parameters(cls)}")
+    unknown = sorted(map(str, set(given) - set(cls.Parameters.model_fields)))
     if unknown:
-        raise InputError(f"merge method {method!r} has no parameter {unknown[0]!r}; expected "
-                         f"{_METHODS[method].parameters() or 'no parameters'}")
+        raise InputError(f"merge method {cls.name!r} has no parameter {unknown[0]!r}; expected "
+                         f"{describe_parameters(cls)}")
     try:
-        return _METHODS[method](**kw)
-    except TypeError as e:
-        raise InputError(f"bad options {kw} for merge method {method!r}: {e}") from None
+        return cls.Parameters.model_validate(given)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = str(err["loc"][0]) if err.get("loc") else "?"
+        why = str(err.get("msg", "")).removeprefix("Value error, ")
+        raise InputError(f"merge method {cls.name!r} parameter {key!r} is {short_repr(given.get(key))} "
+                         f"({why}); expected {key} {_field_words(cls.Parameters.model_fields.get(key))}") from None
+
+
+def _field_words(f) -> str:
+    """A parameter's declaration in words: its description and default."""
+    return "(a valid value)" if f is None else f"({f.description or 'see the method'}; default {f.default!r})"
 
 
 def _discover():

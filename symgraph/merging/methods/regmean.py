@@ -7,13 +7,14 @@ from __future__ import annotations
 import weakref
 
 import torch
+from pydantic import Field
 
 from ...core import distributed
 from ...alignment.graphrun import GraphRunner
 from ...alignment.checks import batch_inputs, by_shape
 from ..statistics import input_grams
 from .average import Average
-from .registry import register
+from .registry import MethodParameters, register
 
 __all__ = ['RegMean']
 
@@ -22,8 +23,10 @@ __all__ = ['RegMean']
 class RegMean(Average):
     needs_data = True
 
-    def __init__(self, alpha: float = 0.9):
-        self.alpha = alpha
+    class Parameters(MethodParameters):
+        alpha: float = Field(0.9, ge=0, le=1, allow_inf_nan=False,
+                             description="a number in [0, 1]: each Gram is alpha G + (1 - alpha) diag(G), "
+                                         "1 the plain Gram, 0 its diagonal alone")
 
     def statistics(self, model, report, data):
         grams = {}
