@@ -16,7 +16,7 @@ from pathlib import Path
 
 from symgraph.checkpoints.outdir import identity, remove_own
 
-__all__ = ["REPO_ROOT", "RECORD", "RESULTS_ROOT", "git_state", "jsonable", "write_json", "staged", "write_result",
+__all__ = ["REPO_ROOT", "RECORD", "RESULTS_ROOT", "git_state", "jsonable", "machine_free", "write_json", "staged", "write_result",
            "log", "table", "commit_info", "command_line", "matmul_rates", "add_record", "record_problems"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -47,9 +47,18 @@ def jsonable(x):
     return x
 
 
+def machine_free(text: str) -> str:
+    """``text`` with this checkout's path written ``<repo>`` and the home directory ``~``: a
+    committed record names no machine's paths (tests/test_machine_paths.py checks the tree)."""
+    for path, name in ((str(REPO_ROOT), "<repo>"), (str(Path.home()), "~")):
+        if len(path) > 1:
+            text = text.replace(path + "/", name + "/").replace(f'"{path}"', f'"{name}"')
+    return text
+
+
 def write_json(path, obj) -> None:
-    """``obj`` (made :func:`jsonable`) into ``path``."""
-    Path(path).write_text(json.dumps(jsonable(obj), indent=1))
+    """``obj`` (made :func:`jsonable`, paths :func:`machine_free`) into ``path``."""
+    Path(path).write_text(machine_free(json.dumps(jsonable(obj), indent=1)))
 
 
 @contextlib.contextmanager

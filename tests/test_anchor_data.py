@@ -11,9 +11,12 @@ import torch
 from benchmarks.anchor import data
 from benchmarks.anchor import train as tr
 
-TOKENIZER = Path("/work/shared/anchors/theus2025/gpt2_tokenizer")
+# the GPT-2 tokenizer files: $ANCHOR_TOKENIZER, else .anchor-data/gpt2_tokenizer in the checkout
+# (where benchmarks/anchor/device.sh reads them)
+TOKENIZER = Path(os.environ.get("ANCHOR_TOKENIZER")
+                 or Path(__file__).resolve().parent.parent / ".anchor-data" / "gpt2_tokenizer")
 needs_tokenizer = pytest.mark.skipif(not (TOKENIZER / "tokenizer.json").is_file(),
-                                     reason="GPT-2 tokenizer files not available")
+                                     reason=f"GPT-2 tokenizer files not in {TOKENIZER} (set ANCHOR_TOKENIZER)")
 
 TINY = dict(n_embd=8, n_layer=1, n_head=2, n_inner=16)
 

@@ -8,8 +8,8 @@
 #   3. the whole table on the GPU (--no-train: the parents as step 2 left them), with the rows of
 #      the peer's own code (their source in .peersrc, run by python3 with PYTHONPATH=/tmp/peersite,
 #      on the CPU while symgraph's rows run, each on half of the cores).
-# Corpus and tokenizer come from .anchor-data/ (a copy of /work/shared/anchors/theus2025/, which
-# does not travel). Carry: .whl .peerwhl .peersrc .anchor-data. What comes back ($OUT, 8 files,
+# Corpus and tokenizer come from .anchor-data/ (a copy of the shared anchors/theus2025/ folder,
+# which does not travel). Carry: .whl .peerwhl .peersrc .anchor-data. What comes back ($OUT, 8 files,
 # the tool's limit): anchor/{results.json,report.md,curves.png,train_log_seed0.json,
 # train_log_seed1.json} (rewritten after every row: a run stopped by its time limit keeps what it
 # measured), log.txt and the trainers' outputs train0.txt, train1.txt.
