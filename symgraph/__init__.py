@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # what type checkers and readers see; at run time __getattr__
     from .merging import MergeResult, merge, merge_methods, register_merge
     from .merging.barrier import interpolate, loss_barrier
     from .merging.resize import ResizeResult, resize
+    from .merging.rotate import RotateResult, rotate
     from .merging.run import merge_checkpoints
     from .report.api import analyze, tied_parameters
     from .report.symmetry import Group, SymmetryReport, Transform
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # what type checkers and readers see; at run time __getattr__
 __all__ = [
     "analyze", "tied_parameters", "SymmetryReport", "Group", "GroupKind", "Transform", "transform",
     "align", "AlignOptions", "Alignment", "load_alignment", "merge", "MergeResult", "merge_methods", "merge_checkpoints",
-    "register_merge", "resize", "ResizeResult", "interpolate", "loss_barrier", "compare", "SymgraphError",
+    "register_merge", "resize", "ResizeResult", "rotate", "RotateResult", "interpolate", "loss_barrier", "compare", "SymgraphError",
     "InputError",
     "StructureMismatchError", "TraceError", "UnsupportedOpError", "CertificationError",
     "__version__",
@@ -48,6 +49,7 @@ _LAZY = {
     "align": ".alignment", "AlignOptions": ".alignment", "Alignment": ".alignment", "load_alignment": ".alignment",
     "merge": ".merging", "MergeResult": ".merging", "merge_methods": ".merging", "register_merge": ".merging",
     "merge_checkpoints": ".merging.run", "resize": ".merging.resize", "ResizeResult": ".merging.resize",
+    "rotate": ".merging.rotate", "RotateResult": ".merging.rotate",
     "interpolate": ".merging.barrier", "loss_barrier": ".merging.barrier",
     "compare": ".alignment.compare",
 }
