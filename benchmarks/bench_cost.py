@@ -43,29 +43,9 @@ from pathlib import Path
 
 import torch
 
+from .provenance import best_time, matmul_gflops
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cost" / "cost.json"
-
-
-def _best(f, n=3, sync=lambda: None) -> float:
-    """The best of ``n`` timed calls after one warm-up; ``sync``: an accelerator's synchronize."""
-    f()
-    sync()
-    best = float("inf")
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        sync()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def matmul_gflops(dtypes, n: int = 4096, device="cpu", sync=lambda: None) -> dict:
-    """``{dtype name: GFLOP/s}`` of an ``n×n`` matmul on ``device``, best of 3 (:func:`_best`)."""
-    out = {}
-    for dt in dtypes:
-        a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
-        out[str(dt)[6:]] = 2 * n ** 3 / _best(lambda: a @ b, sync=sync) / 1e9
-    return out
 
 
 def peaks(files) -> dict:
@@ -73,7 +53,7 @@ def peaks(files) -> dict:
     out = {f"mm_{k}_gflops": v for k, v in matmul_gflops((torch.float32, torch.bfloat16, torch.float64)).items()}
     for dt in (torch.float64, torch.float32):
         s = torch.randn(2048, 2048, dtype=dt)
-        out[f"svd_{str(dt)[6:]}_gflops"] = 22 * 2048 ** 3 / _best(lambda: torch.linalg.svd(s, full_matrices=False), 1) / 1e9
+        out[f"svd_{str(dt)[6:]}_gflops"] = 22 * 2048 ** 3 / best_time(lambda: torch.linalg.svd(s, full_matrices=False), 1) / 1e9
     total, t = 0, time.perf_counter()
     for f in files:
         with open(f, "rb") as fh:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_cost import _best, matmul_gflops
+from benchmarks.provenance import best_time, matmul_gflops
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "device" / "device.json"
 
@@ -43,7 +43,7 @@ def peaks(device: torch.device, n: int | None = None, svd_n: int = 4096, heads: 
         (torch.float32, torch.bfloat16, torch.float64), n, device, lambda: _sync(device)).items()}
     for dt in (torch.float64, torch.float32):
         s = torch.randn(svd_n, svd_n, device=device, dtype=dt)
-        out[f"svd_{str(dt)[6:]}_gflops"] = 22 * svd_n ** 3 / _best(
+        out[f"svd_{str(dt)[6:]}_gflops"] = 22 * svd_n ** 3 / best_time(
             lambda: torch.linalg.svd(s, full_matrices=False), 1, lambda: _sync(device)) / 1e9
     if not heads:
         return out
@@ -53,8 +53,8 @@ def peaks(device: torch.device, n: int | None = None, svd_n: int = 4096, heads: 
     from symgraph.solve._solvers import _decompose
     g = torch.randn(32, 32, 128, 128, device=device, dtype=torch.float64)
     g = g @ g.mT
-    out["heads_eigvalsh_device_s"] = _best(lambda: torch.linalg.eigvalsh(g), 1, lambda: _sync(device))
-    out["heads_eigvalsh_host_s"] = _best(lambda: _decompose(torch.linalg.eigvalsh, g), 1, lambda: _sync(device))
+    out["heads_eigvalsh_device_s"] = best_time(lambda: torch.linalg.eigvalsh(g), 1, lambda: _sync(device))
+    out["heads_eigvalsh_host_s"] = best_time(lambda: _decompose(torch.linalg.eigvalsh, g), 1, lambda: _sync(device))
     return out
 
 

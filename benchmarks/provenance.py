@@ -12,12 +12,13 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from symgraph.checkpoints.outdir import identity, remove_own
 
 __all__ = ["REPO_ROOT", "RECORD", "RESULTS_ROOT", "git_state", "jsonable", "machine_free", "write_json", "staged", "write_result",
-           "log", "table", "commit_info", "command_line", "matmul_rates", "add_record", "record_problems"]
+           "log", "table", "commit_info", "command_line", "best_time", "matmul_gflops", "matmul_rates", "add_record", "record_problems"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,11 +147,33 @@ RECORD = "record.json"
 RESULTS_ROOT = REPO_ROOT / "benchmarks" / "results"
 
 
+def best_time(f, n=3, sync=lambda: None) -> float:
+    """The best of ``n`` timed calls after one warm-up; ``sync``: an accelerator's synchronize."""
+    f()
+    sync()
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter()
+        f()
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def matmul_gflops(dtypes, n: int = 4096, device="cpu", sync=lambda: None) -> dict:
+    """``{dtype name: GFLOP/s}`` of an ``n×n`` matmul on ``device``, best of 3 (:func:`best_time`)."""
+    import torch
+    out = {}
+    for dt in dtypes:
+        a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
+        out[str(dt)[6:]] = 2 * n ** 3 / best_time(lambda: a @ b, sync=sync) / 1e9
+    return out
+
+
 def matmul_rates(n: int = 2048) -> dict:
     """This machine's float32 and bfloat16 matmul rates, GFLOP/s (``n×n``, best of 3): the
     yardstick a record's seconds are read against."""
     import torch
-    from .bench_cost import matmul_gflops
     return {k: round(v, 1) for k, v in matmul_gflops((torch.float32, torch.bfloat16), n=n).items()}
 
 

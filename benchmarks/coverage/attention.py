@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .graph import LAYOUT_OPS, _LINEAR, _is_constant, _module_paths, _pname, _shape, dim_before
+from .graph import LAYOUT_OPS, _LINEAR, _is_constant, _module_paths, _pname, _shape, dim_before, linear_weight
 
 
 __all__ = ["attention_units", "ROPE_BLOCKED", "ROPE_ABSENT"]
@@ -65,7 +65,6 @@ def _projected_scores(ep, softmax) -> bool:
     product: a gate or mixing weight (DeepSeek-V4's hyper-connection streams, one learned
     query's pooling), not multi-head attention. A product with a computed operand (queries
     projected from learned latents) is attention."""
-    from .structure import _linear_weight
     stack, seen, projected = [a for a in softmax.all_input_nodes if not _is_constant(ep, a)], set(), False
     while stack and len(seen) < 64:
         n = stack.pop()
@@ -74,7 +73,7 @@ def _projected_scores(ep, softmax) -> bool:
         seen.add(n)
         name = _pname(n)
         if name in _LINEAR or name == "einsum":
-            if name == "einsum" or _linear_weight(ep, n) is None:
+            if name == "einsum" or linear_weight(ep, n) is None:
                 return False  # query times key
             projected = True
             continue

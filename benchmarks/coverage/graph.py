@@ -115,3 +115,28 @@ def _is_constant(ep, node) -> bool:
 def _from_param(ep, node) -> bool:
     s = _shape(node) if hasattr(node, "op") else None
     return bool(s) and any(_source(ep, node, d) is not None for d in range(len(s)))
+
+
+def linear_weight(ep, n):
+    """``(activation arg, (param, out dim), (param, in dim))`` of a linear-like op whose weight
+    is a parameter, else None."""
+    spec = _LINEAR.get(_pname(n))
+    if spec is None or len(n.args) <= max(spec[0], spec[1]):
+        return None
+    a, w, od, idim = spec
+    if _pname(n) in ("mm", "bmm", "matmul") and not _from_param(ep, n.args[1]) \
+            and _from_param(ep, n.args[0]):
+        a, w, od, idim = 1, 0, -2, -1  # weight on the left: W @ x
+    if _pname(n) == "convolution" and (len(n.args) > 8 and n.args[8] != 1 or n.args[6]):
+        return None  # grouped / transposed convolution
+    if _pname(n) in ("conv1d", "conv2d", "conv3d") and len(n.args) > 6 and n.args[6] != 1:
+        return None
+    wn = n.args[w]
+    ws = _shape(wn) if hasattr(wn, "op") else None
+    if ws is None:
+        return None
+    out = _source(ep, wn, od % len(ws))
+    inn = _source(ep, wn, idim % len(ws))
+    if out is None or inn is None:
+        return None
+    return n.args[a], out, inn

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 
 from .attention import ROPE_ABSENT, ROPE_BLOCKED, attention_units  # noqa: F401 - re-exported
-from .graph import _LINEAR, _from_param, _is_constant, _pname, _shape, _source
+from .graph import _LINEAR, _from_param, _is_constant, _pname, _shape, _source, linear_weight
 from .why import explain
 
 # --- completeness by structure ----------------------------------------------------------------
@@ -25,31 +25,6 @@ _NONLINEAR = {"gelu", "silu", "relu", "tanh", "sigmoid", "erf", "exp", "pow", "l
 PERMLIKE = {"perm", "scaled_perm", "signed_perm", "orthogonal", "orthogonal_mean", "gl"}
 
 
-def _linear_weight(ep, n):
-    """``(activation arg, (param, out dim), (param, in dim))`` of a linear-like op whose weight
-    is a parameter, else None."""
-    spec = _LINEAR.get(_pname(n))
-    if spec is None or len(n.args) <= max(spec[0], spec[1]):
-        return None
-    a, w, od, idim = spec
-    if _pname(n) in ("mm", "bmm", "matmul") and not _from_param(ep, n.args[1]) \
-            and _from_param(ep, n.args[0]):
-        a, w, od, idim = 1, 0, -2, -1  # weight on the left: W @ x
-    if _pname(n) == "convolution" and (len(n.args) > 8 and n.args[8] != 1 or n.args[6]):
-        return None  # grouped / transposed convolution
-    if _pname(n) in ("conv1d", "conv2d", "conv3d") and len(n.args) > 6 and n.args[6] != 1:
-        return None
-    wn = n.args[w]
-    ws = _shape(wn) if hasattr(wn, "op") else None
-    if ws is None:
-        return None
-    out = _source(ep, wn, od % len(ws))
-    inn = _source(ep, wn, idim % len(ws))
-    if out is None or inn is None:
-        return None
-    return n.args[a], out, inn
-
-
 def mlp_units(ep) -> list:
     """Every MLP of the graph: ``{"module", "up": [(param, out dim)], "down": (param, in dim)}``
     for each linear-like op (the down projection) that a linear-like op (an up projection)
@@ -62,7 +37,7 @@ def mlp_units(ep) -> list:
     lin = {}
     for n in ep.graph.nodes:
         if n.op == "call_function":
-            w = _linear_weight(ep, n)
+            w = linear_weight(ep, n)
             if w is not None:
                 lin[n] = w
     units = {}

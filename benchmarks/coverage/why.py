@@ -9,7 +9,7 @@ import re
 from symgraph.core.groups import meet
 
 from .attention import attention_units
-from .graph import _LINEAR, _is_constant, _pname, _source
+from .graph import _LINEAR, _is_constant, _pname, _source, linear_weight
 
 __all__ = ["explain"]
 
@@ -40,7 +40,6 @@ def explain(ep, report, missing) -> None:
 def projection(ep, node):
     """``(param, dim)``: the output slot of the first linear-like op with a parameter weight
     on the way back from ``node`` (the query's projection), else None."""
-    from .structure import _linear_weight
     queue, seen = collections.deque([node]), set()
     while queue and len(seen) < 256:
         n = queue.popleft()
@@ -48,7 +47,7 @@ def projection(ep, node):
             continue
         seen.add(n)
         if _pname(n) in _LINEAR or _pname(n) == "einsum":
-            w = _linear_weight(ep, n)
+            w = linear_weight(ep, n)
             if w is not None:
                 return w[1]
             if _pname(n) in ("convolution", "conv1d", "conv2d", "conv3d") and len(n.args) > 1:

@@ -79,7 +79,7 @@ def _last_line(path) -> str | None:
     return lines[-1][-500:] if lines else None
 
 
-_RATES = ("import json, torch; from benchmarks.bench_cost import matmul_gflops; "
+_RATES = ("import json, torch; from benchmarks.provenance import matmul_gflops; "
           "print(json.dumps(matmul_gflops((torch.float32, torch.bfloat16))))")
 
 
