@@ -26,18 +26,19 @@ import os
 from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      ValidationError, field_validator)
+                      ValidationError, field_validator, model_validator)
 
 from ..alignment.options import MAX_REFINE, AlignOptions, Columns, Fraction, Outputs, Steps, Sweeps
 from ..checkpoints.sharded import parse_size
 from ..core.schema import error_key, expected, refusal, short_repr as _short
 from ..errors import InputError
-from .methods.registry import get as get_method, mixing_weights, names as merge_methods
+from .methods.registry import get as get_method, names as merge_methods
 from .mergekit_config import from_mergekit
 from .options import flag, given_options
+from .rules import check
 
 __all__ = ["MERGE_KEYS", "MAX_REFINE", "MergeConfig", "read_merge_config", "merge_options", "defaults", "to_yaml",
-           "from_mergekit"]
+           "from_mergekit", "build_config", "check"]
 
 #: Device types that hold no values (every other one is checked to hold a tensor before a merge).
 NO_COMPUTE_DEVICES = ("meta",)
@@ -63,8 +64,23 @@ def _align(key: str, description: str, metavar: str | None = None, wanted: str |
                  json_schema_extra=_opt(wanted or expected(AlignOptions, key), metavar=metavar))
 
 
-class MergeConfig(BaseModel):
-    """A merge job (see the module docstring); frozen once built by :func:`merge_options`."""
+class _OneLine(type(BaseModel)):  # type: ignore[misc]  # pydantic's model metaclass
+    """``MergeConfig(...)`` refused in one :class:`InputError` line, the command line's (a
+    metaclass: pydantic runs a model's own ``__init__`` inside ``model_validate`` too, without
+    its context)."""
+    def __call__(cls, *args, **fields):
+        try:
+            return super().__call__(*args, **fields)
+        except ValidationError as e:
+            raise InputError(_refused(e, fields, lambda k: flag(MergeConfig, k))) from None
+
+
+class MergeConfig(BaseModel, metaclass=_OneLine):
+    """A merge job (see the module docstring): frozen, and checked whole when built, however it is
+    built (:func:`merge_options` from a command line and a YAML file, :func:`build_config` or
+    ``MergeConfig(...)`` in Python): each field by its type and range, the fields together by
+    :func:`check` (``repair`` needs ``data``, ...). Built in Python, a refusal is one
+    :class:`~symgraph.errors.InputError` line, the one the command line prints."""
     model_config = ConfigDict(extra="forbid", frozen=True)
     models: list[StrictStr] = Field(min_length=2, description="the models: save_pretrained directories, demo "
                                     "names or hub ids (on the command line: the positional arguments)",
@@ -180,6 +196,17 @@ class MergeConfig(BaseModel):
             raise ValueError(f"is not a merge method; expected one of {merge_methods()}")
         return v
 
+    @model_validator(mode="after")
+    def _consistent(self, info):
+        """The rules between fields (:func:`check`), named as the context's ``name(key)`` says
+        (default: the flags); a context ``{"fields_only": True}`` (a YAML file read before the
+        command line completes it) skips them, ``{"batches": True}`` says data come as batches
+        already loaded rather than as ``data``."""
+        ctx = info.context or {}
+        if not ctx.get("fields_only"):
+            check(self.model_dump(), ctx.get("name") or (lambda k: flag(MergeConfig, k)), ctx.get("batches", False))
+        return self
+
     @field_validator("parameters")
     @classmethod
     def _declared(cls, v, info):
@@ -279,7 +306,7 @@ def read_merge_config(path: str) -> dict:
     if "merge_method" in cfg or (isinstance(listed, list) and any(isinstance(m, dict) for m in listed)):
         cfg = from_mergekit(cfg, path)
     try:
-        parsed = MergeConfig.model_validate(cfg)
+        parsed = MergeConfig.model_validate(cfg, context={"fields_only": True})  # the rules between: once complete
     except ValidationError as e:
         raise InputError(_explain(path, cfg, e.errors()[0])) from None
     base = os.path.dirname(os.path.abspath(os.path.expanduser(path)))
@@ -333,6 +360,30 @@ def _explain(path, cfg, err) -> str:
                    MERGE_KEYS.get(key, "a valid value"))
 
 
+def _refused(e: ValidationError, given: dict, name) -> str:
+    """One line for the first error of a config's validation: a field's names it and the value
+    given (``name(key)``: a flag, or where a YAML file set it); a rule between fields says it all."""
+    err = e.errors()[0]
+    if not err.get("loc"):  # the model's validator: check()'s own line
+        return str(err.get("msg", "")).removeprefix("Value error, ")
+    key = error_key(err)
+    if key not in MergeConfig.model_fields:
+        return f"{key!r} is not a merge option; expected only {', '.join(MERGE_KEYS)}"
+    return refusal(err, f"{name(key)} {_short(given.get(key))}", MERGE_KEYS.get(key, "a valid value"))
+
+
+def build_config(fields: dict, *, batches: bool = False, name=None) -> MergeConfig:
+    """A :class:`MergeConfig` of ``fields``, checked whole, or one :class:`InputError` line;
+    ``batches``: the data come as batches already loaded (``run_merge(cfg, data=...)``), so
+    the options that need data have it without ``data``; ``name(key)``: how a refusal names
+    an option (default: its flag)."""
+    name = name or (lambda k: flag(MergeConfig, k))
+    try:
+        return MergeConfig.model_validate(fields, context={"batches": batches, "name": name})
+    except ValidationError as e:
+        raise InputError(_refused(e, fields, name)) from None
+
+
 def defaults() -> dict:
     """Every option's default, from the schema."""
     return {k: f.default for k, f in MergeConfig.model_fields.items() if k != "models"} | {"models": []}
@@ -360,17 +411,10 @@ def merge_options(args: dict) -> MergeConfig:
     def where(k):
         return f"'{k}:' in {config}" if k in from_file else flag(MergeConfig, k)
     _job(opts)
-    try:
-        cfg = MergeConfig.model_validate(opts)
-    except ValidationError as e:  # a command-line value the schema refuses (a config's were checked on reading)
-        err = e.errors()[0]
-        key = error_key(err)
-        raise InputError(refusal(err, f"{where(key)} {_short(opts.get(key))}", MERGE_KEYS.get(key, "a valid value"))
-                         ) from None
-    if cfg.refine and cfg.align == "weights" and ("align" in given or "align" in from_file):
+    if opts["refine"] and opts["align"] == "weights" and ("align" in given or "align" in from_file):
         raise InputError(f"{where('refine')} starts from activation matching, and {where('align')} says weights; "
                          f"expected {flag(MergeConfig, 'align')} activations (or no align: refine sets it)")
-    check(opts, where)
+    cfg = build_config(opts, name=where)  # every field, then the rules between them (check)
     if cfg.refine:  # learned matching starts from activation matching (said in --help; an explicit align refused)
         cfg = cfg.model_copy(update={"align": "activations"})
     return cfg
@@ -383,46 +427,6 @@ def _job(opts: dict) -> None:
                          "`symgraph merge A B [C ...] --out DIR` or `symgraph merge --config merge.yaml`")
     if not opts["out"]:
         raise InputError("merge needs an output directory; expected --out DIR (or 'out:' in the config)")
-
-
-def check(opts: dict, name=lambda k: flag(MergeConfig, k)) -> None:
-    """The checks between options, on values the schema accepted (each option's type and range
-    are the schema's job: :class:`MergeConfig`, whose alignment fields :class:`AlignOptions`
-    declares) with two models and an output; ``name(key)`` says where an option came from in a refusal (``--refine``, or
-    ``'refine:' in merge.yaml``)."""
-    n = name
-    data = f"{n('data')} FILE" if n("data").startswith("--") else n("data")
-    if opts["refine"] and not opts["data"]:
-        raise InputError(f"{n('refine')} needs {data} (batches for activation matching and the loss)")
-    if opts["refine"] and opts["align"] in ("none", None):
-        raise InputError(f"{n('refine')} needs an alignment to refine; expected {n('align')} activations")
-    if opts["weights"] is not None:
-        mixing_weights(opts["weights"], len(opts["models"]))
-    if opts["attention"] == "circuits" and (opts["method"] != "average" or opts["repair"]):
-        raise InputError(f"{n('attention')} circuits merges by averaging; expected {n('method')} average without "
-                         f"{n('repair')}")
-    if opts["sketch"] and opts["align"] != "weights":
-        raise InputError(f"{n('sketch')} sketches weight matching; expected {n('align')} weights")
-    if opts["tol"] and opts["align"] != "weights":
-        raise InputError(f"{n('tol')} ends the sweeps of weight matching; expected {n('align')} weights")
-    for key in ("max_iter", "until"):
-        if opts[key] != AlignOptions.model_fields[key].default and opts["align"] in ("none", None):
-            raise InputError(f"{n(key)} ends the sweeps of an alignment; expected {n('align')} weights or "
-                             "activations")
-    if opts["seen_rows"] and not opts["data"]:
-        raise InputError(f"{n('seen_rows')} reads the embedding rows of the tokens in the data; expected {data}")
-    if opts["seen_rows"] and opts["align"] != "weights":
-        raise InputError(f"{n('seen_rows')} restricts weight matching; expected {n('align')} weights")
-    if opts["full_groups"] and opts["align"] in ("none", None):
-        raise InputError(f"{n('full_groups')} fits the groups an alignment solves; expected {n('align')} weights "
-                         "or activations")
-    if opts["repair"] and not opts["data"]:
-        raise InputError(f"{n('repair')} needs {data} (batches to measure activation statistics on)")
-    needs_data = get_method(opts["method"]).needs_data or opts["align"] == "activations"
-    if needs_data and not opts["data"]:
-        raise InputError(f"{n('align')} {opts['align']} with {n('method')} {opts['method']} needs {data} (a "
-                         ".safetensors or .pt file with a tensor 'input_ids' [N, S]); expected it, or "
-                         f"{n('align')} weights/none with {n('method')} average")
 
 
 def to_yaml(cfg: MergeConfig, out: str = "merged") -> str:

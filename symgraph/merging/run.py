@@ -18,7 +18,7 @@ from .._version import __version__
 from ..core.ties import to_device
 from ..errors import InputError, NeedsMemory, StructureMismatchError
 from ..checkpoints.sharded import KeysDiffer
-from .config import MergeConfig, to_yaml
+from .config import MergeConfig, build_config, to_yaml
 from .methods.registry import MergeMethod, get as get_method
 from .streaming import DEFAULT_SHARD as _DEFAULT_SHARD, Checkpoint, StreamingMerge
 
@@ -434,11 +434,14 @@ def merge_checkpoints(paths, out: str, *, weights=None, align="weights", anchor:
     (see the module docstring), through the one merge entry
     (:func:`symgraph.merging.run.run_merge`): ``out`` is vetted before any work and written
     atomically with its record and model card; ``align="activations"`` with ``data=`` batches
-    aligns by activation statistics, still out of core. Returns the :class:`StreamingMerge`
-    (``alignments``, ``timings``)."""
-    cfg = MergeConfig(models=[str(p) for p in paths], out=str(out), weights=weights,
-                      align="none" if align is None else align, force=force, fold_norms=fold_norms,
-                      outputs=outputs)
+    aligns by activation statistics, still out of core; other keywords that are
+    :class:`~symgraph.merging.config.MergeConfig` fields (``method``, ``parameters``, ``repair``,
+    ``memory_budget``, ...) complete its config, checked whole as the command line's is, and the
+    rest reach the engine. Returns the :class:`StreamingMerge` (``alignments``, ``timings``)."""
+    fields = {k: options.pop(k) for k in list(options) if k in MergeConfig.model_fields}  # method=, repair=, ...
+    cfg = build_config(dict(models=[str(p) for p in paths], out=str(out), weights=weights,
+                            align="none" if align is None else align, force=force, fold_norms=fold_norms,
+                            outputs=outputs, **fields), batches=data is not None)
     job = run_merge(cfg, streaming=True, data=data, anchor=anchor, progress=progress,
                     max_shard_size=max_shard_size, **options).job
     assert isinstance(job, StreamingMerge)  # streaming=True runs out of core or raises

@@ -1,0 +1,74 @@
+"""One frozen MergeConfig for every entry point: the rules between its fields ("repair needs
+data", "sketch needs weight matching", ...) are its validator, so a config built in Python is
+refused with the same one line as the command line, a YAML file's options are checked once the
+command line has completed them, and ``merge_checkpoints`` builds and checks the same config."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from symgraph.cli.main import main
+from symgraph.errors import InputError
+from symgraph.merging.config import MergeConfig, build_config, merge_options, read_merge_config
+from symgraph.merging.run import merge_checkpoints
+from symgraph.testing import models
+
+CASES = [  # (fields, the command line's flags, what the refusal says)
+    (dict(repair=True), ["--repair"], "--repair needs --data FILE (batches to measure activation statistics on)"),
+    (dict(method="regmean"), ["--method", "regmean"], "--align weights with --method regmean needs --data FILE"),
+    (dict(align="none", sketch=8), ["--align", "none", "--sketch", "8"],
+     "--sketch sketches weight matching; expected --align weights"),
+    (dict(seen_rows=True), ["--seen-rows"], "--seen-rows reads the embedding rows of the tokens in the data"),
+    (dict(attention="circuits", method="fisher", data="d.pt"),
+     ["--attention", "circuits", "--method", "fisher", "--data", "d.pt"], "--attention circuits merges by averaging"),
+]
+
+
+@pytest.mark.parametrize("fields,flags,said", CASES)
+def test_a_config_built_in_python_is_refused_as_the_command_line_is(fields, flags, said, capsys, tmp_path):
+    with pytest.raises(InputError) as python:
+        MergeConfig(models=["a", "b"], out=str(tmp_path / "o"), **fields)
+    assert str(python.value).startswith(said) and "\n" not in str(python.value)
+    rc = main(["merge", "a", "b", "--out", str(tmp_path / "o"), *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("symgraph:") == 1 and "Traceback" not in err, err
+    assert " ".join(err.split()) == f"symgraph: {python.value}"  # the same line, word for word
+    assert not (tmp_path / "o").exists()
+
+
+def test_field_errors_are_one_line_too_and_a_valid_config_is_frozen():
+    with pytest.raises(InputError, match=r"^--tol 5; expected"):
+        MergeConfig(models=["a", "b"], tol=5)
+    with pytest.raises(InputError, match="'bogus' is not a merge option; expected only models, out"):
+        MergeConfig(models=["a", "b"], bogus=1)
+    cfg = MergeConfig(models=["a", "b"], repair=True, data="d.pt")
+    with pytest.raises(Exception, match="frozen"):
+        cfg.repair = False
+    # data given as batches already loaded (run_merge(cfg, data=...)) count as data
+    assert build_config(dict(models=["a", "b"], align="activations"), batches=True).align == "activations"
+    with pytest.raises(InputError, match="--align activations with --method average needs --data"):
+        build_config(dict(models=["a", "b"], align="activations"))
+
+
+def test_a_yaml_file_is_checked_once_the_command_line_completes_it(tmp_path):
+    (tmp_path / "m.yaml").write_text("models: [a, b]\nrepair: true\nout: o\n")
+    assert read_merge_config(str(tmp_path / "m.yaml"))["repair"] is True  # not yet complete: no refusal
+    cfg = merge_options({"config": str(tmp_path / "m.yaml"), "data": "d.pt"})
+    assert cfg.repair and cfg.data == "d.pt"
+    with pytest.raises(InputError, match=r"^'repair:' in .*m.yaml needs --data FILE \(batches"):
+        merge_options({"config": str(tmp_path / "m.yaml")})
+
+
+def test_merge_checkpoints_builds_the_same_checked_config(tmp_path):
+    L = dict(vocab=64, hidden=32, layers=1, heads=4, kv_heads=2, mlp=48, positions=64)
+    for s in (0, 1):
+        models.build("llama", seed=s, **L).save_pretrained(tmp_path / f"m{s}")
+    paths = [str(tmp_path / "m0"), str(tmp_path / "m1")]
+    with pytest.raises(InputError, match="^--repair needs --data FILE"):
+        merge_checkpoints(paths, str(tmp_path / "o"), repair=True)
+    with pytest.raises(InputError, match="has no parameter 'beta'"):
+        merge_checkpoints(paths, str(tmp_path / "o"), method="regmean", parameters={"beta": 1},
+                          data=[{"input_ids": torch.zeros(2, 4, dtype=torch.long)}])
+    assert not (tmp_path / "o").exists()
+    job = merge_checkpoints(paths, str(tmp_path / "o"), align=None, memory_budget="64KB")
+    assert job.memory_budget == "64KB" and (tmp_path / "o" / "symgraph_merge.json").exists()
