@@ -117,10 +117,15 @@ def run(layers: int = 12, out: str | None = None, threads: int | None = None) ->
     return res
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_align", description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--out", default="benchmarks/results/align_bert_base.json")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     run(a.layers, a.out, a.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

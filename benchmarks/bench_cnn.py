@@ -28,7 +28,7 @@ the same model up to float rounding).
 
 **Numbers** -- cross-entropy (``loss``) and accuracy on the whole held-out split along each
 curve; barrier ``max_λ L(λ) − ½(L_A + L_B)`` with the parents' own losses, the suite's
-definition (``benchmarks/__main__.py``); ``barrier_curve``: with the curve's own endpoints
+definition (``benchmarks/suite.py``); ``barrier_curve``: with the curve's own endpoints
 (``symgraph.loss_barrier``); ``acc_drop``: ``½(acc_A + acc_B) − min_λ acc(λ)``.
 
 ``python -m benchmarks.bench_cnn [--size quick] [--seeds 0 1 2] [--out DIR]`` writes

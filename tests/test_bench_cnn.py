@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from benchmarks import __main__ as runner
+from benchmarks import suite as runner
 from benchmarks import bench_cnn
 from benchmarks.provenance import jsonable
 

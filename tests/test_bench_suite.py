@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import symgraph
-from benchmarks import __main__ as runner
+from benchmarks import suite as runner
 from benchmarks import evaluate, methods, train, zoo
 
 pytestmark = pytest.mark.slow  # trains the suite's parents in its fixture (setup 35 s to minutes)
