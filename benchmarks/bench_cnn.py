@@ -41,7 +41,6 @@ import copy
 import hashlib
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -50,7 +49,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .provenance import REPO_ROOT, git_state, write_result
+from .provenance import REPO_ROOT, git_state, log, write_result
 
 __all__ = ["WIDTHS", "STEPS", "DigitsCNN", "train_cnn", "run", "markdown", "plot", "main"]
 
@@ -65,10 +64,6 @@ DATA_BATCH = 256
 ALIGNS = {"vanilla": None, "weights": "weights", "activations": "activations"}
 LAMBDAS = np.linspace(0.0, 1.0, 21).round(4)
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "cnn"
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class DigitsCNN(nn.Module):

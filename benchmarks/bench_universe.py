@@ -20,18 +20,13 @@ changed elements per round, whether it converged, and the spread
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-from .provenance import write_result
+from .provenance import log, write_result
 
 MODES = ("vanilla", "anchor", "universe")
 ARCHS = ("gpt2", "llama", "bert", "vit")
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def run(size: str = "quick", archs=ARCHS, n_models=(3, 4, 5), steps: int | None = None, *,

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from .harness import machine_info
-from .provenance import REPO_ROOT, git_state, staged, write_json
+from .provenance import REPO_ROOT, git_state, log, staged, write_json
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
@@ -68,10 +68,6 @@ def settings_for(quick: bool, size=None, seeds=None, pairs=None, steps=None) -> 
                         align_batches=4, steps=steps, hetero_pairs=1 if pairs is None else pairs)
     return Settings(size or "full", seeds, pairs, curve_batches=None, metric_batches=None,
                     align_batches=8, steps=steps, hetero_pairs=pairs)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # --- evaluation of one outcome ---------------------------------------------------------------

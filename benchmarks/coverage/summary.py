@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from ..provenance import REPO_ROOT, staged, write_json
+from ..provenance import REPO_ROOT, log, staged, write_json
 
 from .constants import DEFAULT_OUT, TARGET_COMPLETE, TARGET_MEDIAN_S, TASKS, TOL
 from .family import families, run_isolated
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
     command = " ".join(["python -m benchmarks.coverage"] + [shlex.quote(x) for x in
                                                              (sys.argv[1:] if argv is None else argv)])
     res = run(a.out, a.only, a.tasks, a.jobs, a.timeout, a.mem_gb or None, command,
-              log=lambda m: print(m, file=sys.stderr, flush=True))
+              log=log)
     s = res["summary"]
     c = s["causal_lm"]
     print(f"tried {s['tried']}  traced {s['traced']}  sound {s['sound']}  complete {s['complete']}  "

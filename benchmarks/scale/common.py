@@ -3,9 +3,8 @@ environment its child processes run in."""
 from __future__ import annotations
 
 import os
-import sys
 
-from ..provenance import REPO_ROOT
+from ..provenance import REPO_ROOT, log  # noqa: F401 - log: the scale benchmark's, re-exported
 
 #: The module the stage runner re-enters as ``python -m ENTRY --_write ...`` / ``--_read ...``
 #: (the hidden flags of :func:`benchmarks.bench_scale.main`).
@@ -37,10 +36,6 @@ STAGES = ("read_cold", "read_warm", "mergekit_linear", "symgraph_none", "symgrap
           "symgraph_weights_discrete",
           "symgraph_weights_tol", "symgraph_activations", "symgraph_regmean", "symgraph_fisher", "symgraph_repair")
 DATA_ROWS, DATA_TOKENS = 32, 128  # symgraph_activations' data: 4 batches of 8 rows
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 
