@@ -65,7 +65,7 @@ def test_align_writes_b_in_a_basis_sharded_like_b(pair, capsys):
     dist = lambda m: sum(float((p.float() - q.float()).norm() ** 2) for p, q in  # noqa: E731
                          zip(A.parameters(), m.parameters()))
     assert dist(Bal) < 0.8 * dist(B)
-    rec = json.loads((out / "symgraph_merge.json").read_text())["symgraph_align"]
+    rec = json.loads((out / "symgraph_align.json").read_text())["symgraph_align"]
     assert rec["align"] == "weights" and rec["dtype"] == "bfloat16"
 
 

@@ -147,7 +147,7 @@ def test_cli_resize(tmp_path):
               "--split", "random", "--out", str(tmp_path / "wide"))
     assert res.returncode == 0, res.stderr
     assert "intermediate_size 48 -> 80" in res.stdout
-    meta = json.loads((tmp_path / "wide" / "symgraph_merge.json").read_text())
+    meta = json.loads((tmp_path / "wide" / "symgraph_resize.json").read_text())
     assert meta["mode"] == "resize" and meta["error"] < 1e-5
     wide = type(A).from_pretrained(tmp_path / "wide").eval()
     assert wide.config.intermediate_size == 80

@@ -376,17 +376,51 @@ def _offline() -> bool:
         return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
 
 
-def load_hub(spec: str, hint: str = ""):
-    """A hub id, loaded completely or refused; offline, only from the local cache (at once)."""
-    tf = _quiet_transformers()
-    offline = _offline()
+def _hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face hub (its endpoint, ``HF_ENDPOINT``) cannot be reached now, or None:
+    one connection attempt of at most ``timeout`` seconds instead of the hub client's retries."""
+    import socket
+    from urllib.parse import urlsplit
     try:
-        cfg = tf.AutoConfig.from_pretrained(spec, local_files_only=offline, trust_remote_code=False)
+        from huggingface_hub import constants
+        endpoint = constants.ENDPOINT
+    except Exception:  # noqa: BLE001 - old huggingface_hub
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlsplit(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname or "", port), timeout=timeout).close()
+    except OSError as e:
+        return f"{endpoint} cannot be reached: {e.strerror or type(e).__name__}"
+    return None
+
+
+def _quiet_hub():
+    """The hub client's log lines (retries, warnings) kept from the user: a failure is one refusal."""
+    import logging
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+        disable_progress_bars()
+    except Exception:  # noqa: BLE001 - old huggingface_hub
+        pass
+
+
+def load_hub(spec: str, hint: str = ""):
+    """A hub id, loaded completely or refused; offline (``HF_HUB_OFFLINE``) or with the hub
+    out of reach, only from the local cache, and a name it lacks fails at once in one line."""
+    tf = _quiet_transformers()
+    _quiet_hub()
+    offline = _offline()
+    why = "HF_HUB_OFFLINE is set" if offline else _hub_unreachable()
+    try:
+        cfg = tf.AutoConfig.from_pretrained(spec, local_files_only=why is not None, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - offline, no such repo, ...
+        if why is not None:
+            raise InputError(f"no model directory {spec!r} here{hint} and it is not in the local hub cache "
+                             f"({why}); expected {EXPECTED}, or a hub id the hub can serve") from None
         msg = " ".join(str(e).split())[:200] or type(e).__name__
-        where = "the local hub cache (offline: HF_HUB_OFFLINE is set)" if offline else "the Hugging Face hub"
-        raise FileNotFoundError(f"{spec!r} is not a local path{hint} and could not be loaded from {where} "
-                                f"({msg}); expected {EXPECTED}, or a reachable hub id with safetensors "
-                                "weights") from None
+        raise InputError(f"no model directory {spec!r} here{hint} and the Hugging Face hub could not load it "
+                         f"({msg}); expected {EXPECTED}, or a hub id with safetensors weights") from None
     cls = _model_class(tf, cfg, f"the config of {spec!r}")
-    return _from_pretrained(cls, spec, repr(spec), local_files_only=offline)
+    return _from_pretrained(cls, spec, repr(spec), local_files_only=why is not None)

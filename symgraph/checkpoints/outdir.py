@@ -23,10 +23,15 @@ import torch
 from ..core.files import copy_regular, file_id, identity, inside as _inside, model_file, remove_own  # noqa: F401 - remove_own re-exported
 from ..errors import InputError
 
-__all__ = ["MARKER", "Terminated", "check_out", "check_new_file", "save_atomic", "terminate_on_sigterm", "model_card",
+__all__ = ["MARKER", "RECORDS", "record_of", "Terminated", "check_out", "check_new_file", "save_atomic",
+           "terminate_on_sigterm", "model_card",
            "identity", "remove_own"]
 
 MARKER = "symgraph_merge.json"
+#: The record each command writes into its output (``merge``'s is :data:`MARKER`): any of them
+#: marks a previous symgraph output.
+RECORDS = (MARKER, "symgraph_align.json", "symgraph_apply.json", "symgraph_barrier.json", "symgraph_compare.json",
+           "symgraph_demo.json", "symgraph_resize.json", "symgraph_rotate.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                    "spiece.model", "sentencepiece.bpe.model", "preprocessor_config.json")
@@ -115,10 +120,10 @@ def _vet(out, force, inputs) -> tuple:
         if not os.path.isdir(path) or os.path.islink(path):
             raise InputError(f"--out {out!r} exists and is not a directory; expected a new directory")
         entries = os.listdir(path)
-        if entries and MARKER not in entries:
+        if entries and record_of(entries) is None:
             raise InputError(f"output {out!r} already exists and was not written by symgraph (no "
-                             f"{MARKER}), so even --force will not replace it; expected a new or empty "
-                             "directory, or a previous symgraph output")
+                             f"{MARKER} or another symgraph_*.json record), so even --force will not replace "
+                             "it; expected a new or empty directory, or a previous symgraph output")
         if entries and not force:
             raise InputError(f"output {out!r} already exists; pass --force to replace it, or choose a "
                              "new --out directory")
@@ -126,7 +131,7 @@ def _vet(out, force, inputs) -> tuple:
         foreign = sorted(set(entries) - set(owned))
         if foreign:
             raise InputError(f"output {out!r} holds {_list(foreign)}, which symgraph did not write there "
-                             f"or which changed since (its {MARKER} lists what it wrote), so even "
+                             f"or which changed since (its {record_of(entries)} lists what it wrote), so even "
                              "--force will not replace it; expected those moved out first, or a new "
                              "--out directory")
     try:  # a real probe: permission bits do not stop root, a read-only file system does
@@ -170,11 +175,13 @@ def _umask_mode(base=0o777):
 
 
 def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_from=None,
-                meta: dict | None = None, card: str | Callable[[], str] | None = None) -> str:
+                meta: dict | None = None, card: str | Callable[[], str] | None = None,
+                record: str = MARKER) -> str:
     """``save_pretrained`` into a temporary sibling of ``out``, then rename it into place
     (``model`` may also be a function writing a checkpoint into the directory it is given).
 
-    Writes :data:`MARKER` (``meta`` as JSON, once the weights are written) and, with ``card``
+    Writes ``record`` (one of :data:`RECORDS`, the command's own: ``meta`` as JSON, once the
+    weights are written) and, with ``card``
     (or a function returning it, called then), a README.md. Replaces an
     existing ``out`` only when :func:`check_out` allows it (``force``, and it is a previous
     symgraph output or empty). The temporary directory never outlives the call.
@@ -205,8 +212,9 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
                 f.write(card() if callable(card) else card)
         written = sorted(os.listdir(tmp))  # what a later --force may delete, and how to know it
         ids = {n: list(file_id(os.lstat(os.path.join(tmp, n)))) for n in written}
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump({**_jsonable(meta or {}), "files": written + [MARKER], "file_ids": ids}, f, indent=2)
+        assert record in RECORDS, record
+        with open(os.path.join(tmp, record), "w") as f:
+            json.dump({**_jsonable(meta or {}), "files": written + [record], "file_ids": ids}, f, indent=2)
         os.chmod(tmp, _umask_mode())
         with _signals_held():  # the previous output moved aside and the new one in place: never half
             if os.path.lexists(out):
@@ -238,7 +246,11 @@ def written_files(out: str) -> dict:
     ``{name: identity}`` (:func:`_file_id`): the ``files`` its :data:`MARKER` lists with the
     identities it recorded, and the marker itself when it reads as symgraph's (a JSON object).
     A file replaced or rewritten since is not in it, so it is never deleted."""
-    path = os.path.join(out, MARKER)
+    try:
+        name = record_of(os.listdir(out)) or MARKER
+    except OSError:
+        return {}
+    path = os.path.join(out, name)
     try:
         with open(path) as f:
             st, meta = os.fstat(f.fileno()), json.load(f)
@@ -246,7 +258,7 @@ def written_files(out: str) -> dict:
         return {}
     if not isinstance(meta, dict) or not stat.S_ISREG(st.st_mode) or os.path.islink(path):
         return {}
-    own = {MARKER: file_id(st)}
+    own = {name: file_id(st)}
     files, ids = meta.get("files"), meta.get("file_ids")
     if isinstance(files, list) and isinstance(ids, dict):
         for n in files:
@@ -258,6 +270,11 @@ def written_files(out: str) -> dict:
             if now is not None and stat.S_ISREG(now.st_mode) and list(file_id(now)) == got:
                 own[n] = tuple(got)
     return own
+
+
+def record_of(entries) -> str | None:
+    """The symgraph record among a directory's ``entries`` (the first of :data:`RECORDS`), or None."""
+    return next((r for r in RECORDS if r in entries), None)
 
 
 def _list(names, k=5):

@@ -13,8 +13,8 @@ from ..core.files import check_input_file
 from ..errors import InputError
 from .outdir import TOKENIZER_FILES, check_out, save_atomic  # noqa: F401 - re-exported
 
-__all__ = ["DEMO_MODELS", "BATCH_ROWS", "demo_model", "load_model", "load_data", "check_checkpoint_dir",
-           "load_local", "check_out", "save_atomic", "TOKENIZER_FILES"]
+__all__ = ["DEMO_MODELS", "BATCH_ROWS", "MODEL_EXPECTED", "model_kind", "demo_model", "load_model", "load_data",
+           "check_checkpoint_dir", "load_local", "check_out", "save_atomic", "TOKENIZER_FILES"]
 
 DEMO_MODELS = ("tiny-bert", "tiny-gpt2", "tiny-llama", "tiny-vit")
 # name -> (symgraph.testing.models architecture, model class, sizes)
@@ -47,15 +47,34 @@ def demo_model(name: str):
 # --- checkpoints ----------------------------------------------------------------------
 
 
-def load_model(spec: str):
-    """A local ``save_pretrained`` directory, a demo name, or (if neither) a hub id; loaded
-    completely or refused (see :mod:`symgraph.checkpoints`)."""
+MODEL_EXPECTED = (f"a save_pretrained directory, a demo name ({', '.join(DEMO_MODELS)}) or an owner/name hub "
+                  "id")
+
+
+def model_kind(spec: str) -> str:
+    """What a model argument names: ``"local"`` (a path), ``"demo"`` or ``"hub"`` (an
+    ``owner/name`` id). A name that is none of these (no ``/``, not here, not a demo: a typo
+    in a local path) is refused at once, before any hub is asked."""
     local = os.path.expanduser(spec)
     if os.path.exists(local) or spec.startswith((".", "/", "~")) or spec.endswith("/") or spec.count("/") > 1:
-        return load_local(local)
+        return "local"
     if spec in DEMO_MODELS:
+        return "demo"
+    owner, _, name = spec.partition("/")
+    if not (owner and name):
+        raise InputError(f"no model directory {spec!r} here; expected {MODEL_EXPECTED}")
+    return "hub"
+
+
+def load_model(spec: str):
+    """A local ``save_pretrained`` directory, a demo name, or an ``owner/name`` hub id; loaded
+    completely or refused (see :mod:`symgraph.checkpoints`)."""
+    kind = model_kind(spec)
+    if kind == "local":
+        return load_local(os.path.expanduser(spec))
+    if kind == "demo":
         return demo_model(spec)
-    return load_hub(spec, hint=f", not a built-in demo ({', '.join(DEMO_MODELS)}),")
+    return load_hub(spec)
 
 
 # --- data ----------------------------------------------------------------------------------

@@ -125,7 +125,8 @@ def cmd_barrier(args) -> int:
                 json.dump(record, f, indent=1)
             _plot(rows, os.path.join(d, "barrier.png"), f"{os.path.basename(str(args.a))} vs "
                   f"{os.path.basename(str(args.b))}")
-        out = save_atomic(write, args.out, force=args.force, inputs=inputs, meta={"mode": "barrier"})
+        out = save_atomic(write, args.out, force=args.force, inputs=inputs, meta={"mode": "barrier"},
+                          record="symgraph_barrier.json")
         print(f"wrote {out}/barrier.json and barrier.png")
     return 0
 

@@ -210,7 +210,8 @@ def cmd_compare(args) -> int:
                         f"{os.path.basename(os.path.normpath(str(args.b)))} in the basis of "
                         f"{os.path.basename(os.path.normpath(str(args.a)))}")
         out = save_atomic(write, args.out, force=args.force, inputs=inputs,
-                          meta={"mode": "compare", "inputs": input_names([args.a, args.b]), "verdict": res.verdict})
+                          meta={"mode": "compare", "inputs": input_names([args.a, args.b]), "verdict": res.verdict},
+                          record="symgraph_compare.json")
         if not args.json:
             print(f"wrote {out}/compare.json and compare.png")
     return 0

@@ -147,7 +147,7 @@ def run_demo(out: str = "symgraph-demo", seconds: float | None = None, force_ret
     for name, l05, bar, _, _ in rows:
         print(f"{name:<12} {l05:>13.3f} {bar:>9.3f}")
     save_atomic(lambda d: _plot(curves, os.path.join(d, "barrier.png")), out, force=force,
-                 meta={"mode": "demo", "rows": rows})
+                 meta={"mode": "demo", "rows": rows}, record="symgraph_demo.json")
     print(f"wrote {os.path.join(out, 'barrier.png')}")
     return rows
 

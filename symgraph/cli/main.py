@@ -110,7 +110,7 @@ def cmd_resize(args) -> int:
             "dtype": str(next(res.model.parameters()).dtype).removeprefix("torch.")}
     src = os.path.expanduser(args.model)
     save_atomic(res.model, out, force=args.force, inputs=[args.model], meta=meta,
-                tokenizer_from=src if os.path.isdir(src) else None)
+                tokenizer_from=src if os.path.isdir(src) else None, record="symgraph_resize.json")
     sizes = ", ".join(f"{g}: {a} -> {b}" for g, (a, b) in sorted(res.widths.items()))
     cfg = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in res.config.items())
     print(f"resized classes {sizes}{f' ({cfg})' if cfg else ''}; relative output deviation "
@@ -142,6 +142,7 @@ def build_parser():
     p = _Parser(prog="symgraph", description="Graph-based symmetry compiler: analyse "
                 "and merge neural networks.")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line refusals")
+    p.add_argument("--version", action="version", version=f"symgraph {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     a = sub.add_parser("analyze", help="report the weight-space symmetries of a model")

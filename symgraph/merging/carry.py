@@ -143,7 +143,8 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
         info = write(directory)
         save_alignment(al, os.path.join(directory, ALIGNMENT_FILE))
         return info
-    save_atomic(writer, out, force=force, inputs=inputs, meta=record, tokenizer_from=ckpts[1].path)
+    save_atomic(writer, out, force=force, inputs=inputs, meta=record, tokenizer_from=ckpts[1].path,
+                record="symgraph_align.json")
     record["seconds"] = time.time() - t0
     record["out"] = out
     return record
@@ -175,7 +176,8 @@ def run_apply(alignment: str, model: str, out: str, *, force: bool = False) -> d
                                  "model": input_names([model])[0], "seconds": None,
                                  "dtype": str(ckpt.dtype).removeprefix("torch.")}}
     write = carry_writer(ckpt, report, al.elements, al.gauge)
-    save_atomic(write, out, force=force, inputs=[alignment, model], meta=record, tokenizer_from=ckpt.path)
+    save_atomic(write, out, force=force, inputs=[alignment, model], meta=record, tokenizer_from=ckpt.path,
+                record="symgraph_apply.json")
     record["symgraph_apply"]["seconds"] = time.time() - t0
     record["out"] = out
     return record
@@ -183,6 +185,6 @@ def run_apply(alignment: str, model: str, out: str, *, force: bool = False) -> d
 
 def read_record(directory: str) -> dict:
     """The record :func:`run_align` / :func:`run_apply` wrote beside a checkpoint."""
-    from ..checkpoints.outdir import MARKER
-    with open(os.path.join(directory, MARKER)) as f:
+    from ..checkpoints.outdir import MARKER, record_of
+    with open(os.path.join(directory, record_of(os.listdir(directory)) or MARKER)) as f:
         return json.load(f)

@@ -144,10 +144,15 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
                                             "(its caches, a pass of statistics, a group's working copies), "
                                             "e.g. 2GB; default: fixed sizes of about 0.5 GB",
                                             json_schema_extra=_opt("a size such as '2GB' or '500MB'", metavar="SIZE"))
+    max_shard_size: StrictStr | None = Field(None, description="largest file of the merged checkpoint, e.g. "
+                                             "2GB; default: the first model's largest file, so the output is "
+                                             "sharded like the input",
+                                             json_schema_extra=_opt("a size such as '2GB' or '500MB'",
+                                                                    metavar="SIZE"))
     force: StrictBool = Field(False, description="replace an existing --out (a previous symgraph output)",
                               json_schema_extra=_opt("true or false"))
 
-    @field_validator("memory_budget")
+    @field_validator("memory_budget", "max_shard_size")
     @classmethod
     def _a_size(cls, v):
         if v is not None:

@@ -19,6 +19,7 @@ from ..core.ties import to_device
 from ..errors import InputError, NeedsMemory, StructureMismatchError
 from ..checkpoints.sharded import KeysDiffer
 from .config import MergeConfig, build_config, to_yaml
+from .compat import check_compatible, check_same_family, config_diff
 from .methods.registry import MergeMethod, get as get_method
 from .streaming import DEFAULT_SHARD as _DEFAULT_SHARD, Checkpoint, StreamingMerge
 
@@ -76,6 +77,9 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
         from ..checkpoints.specs import DATA_EXPECTED
         from ..core.files import check_input_file
         check_input_file(cfg.data, "data file", DATA_EXPECTED)
+        cfg = _without_unused_data(cfg)
+    if "max_shard_size" not in streaming_options:
+        streaming_options = {**streaming_options, "max_shard_size": _shard_size(cfg, layouts[anchor])}
     job = None
     if streaming is not False:
         why = _needs_memory(cfg)
@@ -94,7 +98,35 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
                                  "out-of-core path can run, or streaming=None to load the models") from None
             print(f"symgraph: note: {e}, so the models are loaded in memory for this merge", file=sys.stderr)
     return _merge_in_memory(cfg, layouts[anchor], out, inputs, data, anchor, progress,
-                            why if streaming is None else None)
+                            why if streaming is None else None, streaming_options["max_shard_size"])
+
+
+def _without_unused_data(cfg):
+    """``cfg``, its ``data`` dropped with a one-line warning when no step of the merge reads it
+    (the record and the card then say ``data: null``)."""
+    if cfg.align == "activations" or cfg.repair or cfg.refine or cfg.seen_rows or get_method(cfg.method).needs_data:
+        return cfg
+    print(f"symgraph: warning: --data {cfg.data!r} is used by no step of this merge (--align {cfg.align}, "
+          f"method {cfg.method}, no --repair, --refine or --seen-rows); the merge goes on without it",
+          file=sys.stderr)
+    return cfg.model_copy(update={"data": None})
+
+
+def _shard_size(cfg, layout) -> int:
+    """Bytes per output file: ``cfg.max_shard_size``, else the anchor's largest file (the output
+    sharded like the input), else the default."""
+    from ..checkpoints.sharded import parse_size
+    if cfg.max_shard_size:
+        return parse_size(cfg.max_shard_size)
+    files = set(layout.files.values()) if layout is not None else ()
+    return max(os.path.getsize(f) for f in files) if files else _DEFAULT_SHARD
+
+
+def _card_yaml(cfg, out: str) -> str:
+    """The config that reproduces the merge wherever it is run: the inputs and ``out`` as
+    absolute paths (a config's relative paths are relative to the config file)."""
+    data = os.path.abspath(cfg.data) if cfg.data else None
+    return to_yaml(cfg.model_copy(update={"models": input_names(cfg.models), "data": data}), out)
 
 
 def _needs_memory(cfg) -> str | None:
@@ -108,7 +140,8 @@ def _needs_memory(cfg) -> str | None:
     return None
 
 
-def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None) -> MergeOutcome:
+def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None,
+                     shard=_DEFAULT_SHARD) -> MergeOutcome:
     """The models loaded (on ``cfg.device``) and merged by :func:`symgraph.merge`; ``why``: the
     reason the engine could not run it out of core, said once the job is checked."""
     from ..alignment.checks import check_finite
@@ -117,7 +150,7 @@ def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None)
     from .driver import merge
     models = [to_device(load_model(m), cfg.device)
               for m in progress_bar(cfg.models, enabled=progress, desc="loading", unit="model")]
-    _check_same_family(models, cfg.models)
+    check_same_family(models, cfg.models)
     check_compatible([getattr(m, "config", None) for m in models], cfg.models)
     if cfg.attention == "circuits":
         from .circuits import why_no_config
@@ -142,7 +175,7 @@ def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None)
                        **_speed_options(cfg),
                        **({"rows": _seen_rows(models[0], data)} if cfg.seen_rows else {}))
     except (StructureMismatchError, InputError) as e:
-        raise type(e)(f"{e}{_config_diff(models, cfg.models)}") from None
+        raise type(e)(f"{e}{config_diff(models, cfg.models)}") from None
     check_finite(result.model, "the merged model")
     if cfg.device != "cpu":
         result.model.to("cpu")  # written from the CPU (safetensors reads host memory)
@@ -155,9 +188,10 @@ def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None)
     meta["architecture"] = _architecture_change(models[0], result.model)
     first = os.path.expanduser(cfg.models[0])
     with progress_bar(total=1, enabled=progress, desc="writing") as bar:
-        save_atomic(result.model, out, force=cfg.force, inputs=inputs, meta=meta,
+        save_atomic(lambda d: result.model.save_pretrained(d, safe_serialization=True, max_shard_size=shard),
+                    out, force=cfg.force, inputs=inputs, meta=meta,
                     tokenizer_from=first if os.path.isdir(first) else None,
-                    card=model_card(to_yaml(cfg), _card_summary(meta)))
+                    card=model_card(_card_yaml(cfg, out), _card_summary(meta)))
         bar.update()
     return MergeOutcome(out, "in-memory", len(models), meta, result)
 
@@ -190,7 +224,7 @@ def _streaming_job(cfg, layouts, data, anchor, progress, options):
                               **_speed_options(cfg),
                               **options)
     except InputError as e:
-        raise type(e)(f"{e}{_config_diff(ckpts, cfg.models)}") from None
+        raise type(e)(f"{e}{config_diff(ckpts, cfg.models)}") from None
 
 
 def _speed_options(cfg) -> dict:
@@ -215,7 +249,7 @@ def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:
     try:
         job.align()
     except (StructureMismatchError, InputError) as e:
-        raise type(e)(f"{e}{_config_diff(job.ckpts, cfg.models)}") from None
+        raise type(e)(f"{e}{config_diff(job.ckpts, cfg.models)}") from None
     anchor = job.ckpts[job.anchor]
     meta = _meta(cfg, job.data, mode="streaming", seconds=time.time() - t0, alignments=job.alignments,
                  dtype=anchor.dtype, repair=None, input_dtypes=[c.dtype for c in job.ckpts])
@@ -228,7 +262,7 @@ def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:
         return info
 
     save_atomic(write, out, force=cfg.force, inputs=inputs, meta=meta, tokenizer_from=anchor.path,
-                card=lambda: model_card(to_yaml(cfg), _card_summary(meta)))
+                card=lambda: model_card(_card_yaml(cfg, out), _card_summary(meta)))
     return MergeOutcome(out, "streaming", len(job.ckpts), meta, job)
 
 
@@ -288,13 +322,12 @@ def _solver_summary(alignments):
 
 
 def check_paths(specs):
-    """Fail fast on a missing local path, before loading anything (a spec that is not a path
-    is a demo name or hub id, tried when loading)."""
-    from ..checkpoints.specs import check_checkpoint_dir
+    """Fail fast on a missing local path or a name that is none of a path, a demo name and an
+    ``owner/name`` hub id, before loading anything (hub ids are tried when loading)."""
+    from ..checkpoints.specs import check_checkpoint_dir, model_kind
     for m in specs:
-        p = os.path.expanduser(m)
-        if os.path.exists(p) or m.startswith((".", "/", "~")) or m.count("/") > 1:
-            check_checkpoint_dir(p)
+        if model_kind(m) == "local":
+            check_checkpoint_dir(os.path.expanduser(m))
 
 
 def _as_stored(model, layout):
@@ -338,64 +371,6 @@ def input_names(specs) -> list:
     """What the output's metadata records as its inputs: absolute paths for local ones."""
     return [os.path.abspath(os.path.expanduser(m)) if os.path.exists(os.path.expanduser(m)) else m
             for m in specs]
-
-
-def _check_same_family(models, names):
-    """Refuse models of different classes before any work, naming them."""
-    classes = [type(m).__name__ for m in models]
-    for name, cls in zip(names[1:], classes[1:]):
-        if cls != classes[0]:
-            raise InputError(f"{names[0]!r} is a {classes[0]} but {name!r} is a {cls}; expected models of "
-                             "one architecture")
-
-
-#: Config fields that do not change what a model computes in evaluation.
-_METADATA = {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "_commit_hash"}
-_NOT_FUNCTION = _METADATA | {"use_cache", "return_dict", "output_attentions", "output_hidden_states", "torchscript",
-                 "id2label", "label2id", "tokenizer_class", "task_specific_params", "finetuning_task", "prefix",
-                 "initializer_range", "initializer_factor", "attn_implementation", "_attn_implementation",
-                 "_attn_implementation_autoset", "problem_type"}
-
-
-def check_compatible(configs, names):
-    """Refuse, before any work, models whose configs differ in a field that changes the function
-    but not the tensors' shapes (an activation, a RoPE base, a norm epsilon, a flag): the merged
-    model would silently follow the anchor's. Integer fields (sizes) are left to the shape
-    checks, which know which widths an alignment can bridge; dropout rates do not count."""
-    if any(c is None for c in configs):
-        return
-    base = configs[0].to_dict()
-    for name, c in zip(names[1:], configs[1:]):
-        d = c.to_dict()
-        kinds = [(x.get("architectures") or [x.get("model_type")])[0] for x in (base, d)]
-        if kinds[0] != kinds[1]:
-            raise InputError(f"{names[0]!r} is a {kinds[0]} but {name!r} is a {kinds[1]}; expected models of "
-                             "one architecture")
-        for k in sorted(set(base) | set(d)):
-            a, b = base.get(k), d.get(k)
-            if k in _NOT_FUNCTION or a == b or "dropout" in k or "pdrop" in k:
-                continue
-            if isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and not isinstance(b, bool):
-                continue
-            raise InputError(f"{names[0]!r} and {name!r} differ in config field {k!r} ({a!r} vs {b!r}), which "
-                             "changes what the model computes; expected models of one configuration (apart "
-                             "from widths an alignment can bridge)")
-
-
-def _config_diff(models, names) -> str:
-    """``" (configs differ: num_hidden_layers 2 vs 3, ...)"`` or ``""``."""
-    skip = _METADATA
-    cfgs = [c for c in (getattr(m, "config", None) for m in models) if c is not None]
-    if len(cfgs) != len(models):
-        return ""
-    base = cfgs[0].to_dict()
-    diffs = []
-    for name, c in zip(names[1:], cfgs[1:]):
-        d = c.to_dict()
-        for k in sorted(set(base) | set(d)):
-            if k not in skip and base.get(k) != d.get(k) and not isinstance(base.get(k), dict):
-                diffs.append(f"{k} {base.get(k)!r} vs {d.get(k)!r}")
-    return f" (configs differ: {', '.join(diffs[:6])}{' ...' if len(diffs) > 6 else ''})" if diffs else ""
 
 
 def _card_summary(meta) -> str:

@@ -1,0 +1,149 @@
+"""A user's first hour (issue 62), through the ``symgraph`` command in this process: a typo in a
+local path or a hub that cannot be reached fails at once in one line; ``--version``; ``merge -h``
+says what ``--no-fold-norms`` does; a depth mismatch is named as a user would; every command
+writes a record of its own name; the model card reproduces the actual ``out:`` and inputs; data
+no step reads is said and recorded as null; the output is sharded like the input
+(``--max-shard-size`` to choose)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from test_hostile_round4_inputs import main_in_process
+
+
+def qwen2(layers: int, seed: int, path, shard: str | None = None):
+    """A tiny Qwen2 (the issue's newcomer models), saved in bf16, sharded when ``shard`` says."""
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
+                                   use_cache=False, tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"])
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    root = tmp_path_factory.mktemp("first_hour")
+    (root / "work").mkdir()
+    qwen2(3, 0, root / "qa", shard="20KB")
+    qwen2(3, 1, root / "qb", shard="20KB")
+    qwen2(4, 1, root / "deep")
+    ids = torch.randint(0, 64, (40, 12), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, str(root / "data.safetensors"))
+    return root
+
+
+def cli(ws, capsys, *args, seconds=120):
+    """``(returncode, stdout, stderr)`` of ``symgraph ARGS`` run from ``ws/work``."""
+    r = main_in_process(ws, *args, capsys=capsys, seconds=seconds)
+    return r.returncode, r.stderr
+
+
+def one_line(rc, err, *needles):
+    assert rc == 2, err
+    assert err.count("symgraph:") == 1 and "Traceback" not in err, err
+    flat = " ".join(err.split())
+    for n in needles:
+        assert n in flat, (n, flat)
+
+
+@pytest.mark.parametrize("args, name", [(["merge", "qa", "qx", "--out", "o"], "qa"), (["analyze", "qx"], "qx"),
+                                        (["compare", "../qa", "qx"], "qx")])
+def test_a_typo_in_a_local_path_fails_at_once(ws, capsys, args, name):
+    t0 = time.perf_counter()
+    rc, err = cli(ws, capsys, *args)
+    took = time.perf_counter() - t0
+    one_line(rc, err, f"no model directory {name!r} here", "owner/name hub id", "save_pretrained directory")
+    assert took < 3, took
+    assert not os.path.exists(ws / "work" / "o")
+
+
+def test_an_unreachable_hub_fails_at_once_without_its_client_noise(ws, capsys, monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    t0 = time.perf_counter()
+    rc, err = cli(ws, capsys, "analyze", "nobody/nothing")
+    took = time.perf_counter() - t0
+    one_line(rc, err, "no model directory 'nobody/nothing' here", "http://127.0.0.1:9 cannot be reached",
+             "not in the local hub cache")
+    assert "Retry" not in err and "huggingface.co" not in err
+    assert took < 3, took
+
+
+def test_offline_hub_id_fails_in_one_line(ws, capsys, monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    rc, err = cli(ws, capsys, "merge", "nobody/nothing", "../qa", "--out", "o")
+    one_line(rc, err, "'nobody/nothing'", "HF_HUB_OFFLINE is set")
+
+
+def test_version(capsys):
+    from symgraph._version import __version__
+    from symgraph.cli.main import main
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"symgraph {__version__}"
+
+
+def test_merge_help_says_no_fold_norms_switches_folding_off(capsys):
+    from symgraph.cli.main import main
+    with pytest.raises(SystemExit):
+        main(["merge", "-h"])
+    out = " ".join(capsys.readouterr().out.split())
+    text = out[out.index("--no-fold-norms "):]
+    assert text.startswith("--no-fold-norms switch off the default: fold norm gains"), text[:120]
+    assert "--max-shard-size SIZE" in out
+
+
+def test_a_depth_mismatch_is_named_by_its_layer_count(ws, capsys):
+    rc, err = cli(ws, capsys, "merge", "../qa", "../deep", "--out", "o")
+    one_line(rc, err, "'num_hidden_layers' (3 vs 4", "one depth")
+    assert "differ in config field 'layer_types'" not in err
+
+
+def test_merge_card_record_shards_and_unused_data(ws, capsys):
+    rc, err = cli(ws, capsys, "merge", "../qa", "../qb", "--data", "../data.safetensors", "--out", "m")
+    assert rc == 0, err
+    assert err.count("symgraph: warning") == 1 and "used by no step of this merge" in err, err
+    out = ws / "work" / "m"
+    rec = json.loads((out / "symgraph_merge.json").read_text())
+    assert rec["options"]["data"] is None and rec["options"]["data_batches"] == 0
+    card = (out / "README.md").read_text()
+    assert f"out: {out}\n" in card and "out: merged" not in card
+    assert f"- {ws / 'qa'}\n" in card and "data:" not in card
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert shards == sorted(p.name for p in (ws / "qa").glob("*.safetensors")) and len(shards) == 3
+    rc, err = cli(ws, capsys, "merge", "../qa", "../qb", "--align", "none", "--max-shard-size", "1GB",
+                  "--out", "one")
+    assert rc == 0, err
+    assert sorted(p.name for p in (ws / "work" / "one").glob("*.safetensors")) == ["model.safetensors"]
+    rc, err = cli(ws, capsys, "merge", "../qa", "../qb", "--max-shard-size", "big", "--out", "bad")
+    one_line(rc, err, "--max-shard-size", "'2GB'")
+
+
+def test_each_command_writes_a_record_of_its_own_name(ws, capsys):
+    runs = {"compare": ["compare", "../qa", "../qb", "--null", "2", "--out", "c"],
+            "barrier": ["barrier", "../qa", "../qb", "--data", "../data.safetensors", "--points", "3",
+                        "--align", "none", "--out", "b"],
+            "align": ["align", "../qa", "../qb", "--out", "a"]}
+    for name, args in runs.items():
+        rc, err = cli(ws, capsys, *args, seconds=300)
+        assert rc == 0, (name, err)
+        out = ws / "work" / args[-1]
+        files = {p.name for p in out.iterdir()}
+        assert f"symgraph_{name}.json" in files and "symgraph_merge.json" not in files, (name, files)
+        rec = json.loads((out / f"symgraph_{name}.json").read_text())
+        assert f"symgraph_{name}.json" in rec["files"]
+    # a previous output of any command is recognised as symgraph's: --force replaces it
+    rc, err = cli(ws, capsys, *runs["compare"], "--force")
+    assert rc == 0, err
