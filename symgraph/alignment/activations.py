@@ -10,6 +10,7 @@ import math
 import torch
 
 from ..core import distributed
+from ..core.finite import require_finite
 from ..errors import NeedsMemory
 from ..core.groups import orthogonal_part
 from .checks import batch_inputs, by_shape
@@ -224,6 +225,8 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
                     run_a = step_a.steps(in_a, {a for a, _ in points}, stop=last[0])
                     run_b = step_b.steps(in_b, {b for _, b in points}, stop=last[1])
                     for point, xa, xb in lockstep(run_a, run_b, in_order, drain=last[0] is not None):
+                        require_finite("activation statistics", f"the two models' outputs of op {point[0]!r} on "
+                                       f"batch {bi} of the data", xa, xb)
                         _add(stats, points[point], xa, xb, max_samples)
         pending -= set(todo)
         all_reduce_stats({i: stats[i] for i in todo})

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.dtypes import SAFETENSORS_DTYPES
+from ..core.finite import check_config_numbers
 from ..core.files import model_file
 from ..errors import InputError
 
@@ -152,6 +153,7 @@ def read_config(path: str):
     except Exception as e:  # noqa: BLE001 - a missing or mistyped field (huggingface_hub's strict dataclasses)
         raise InputError(f"cannot read {cfg_path}: {' '.join(str(e).split())[:200]}; expected a "
                          "Hugging Face config written by save_pretrained") from None
+    check_config_numbers(cfg.to_dict(), cfg_path)  # a NaN or negative epsilon: a model that computes NaN
     return cfg, _model_class(tf, cfg, cfg_path)
 
 
@@ -422,5 +424,6 @@ def load_hub(spec: str, hint: str = ""):
         msg = " ".join(str(e).split())[:200] or type(e).__name__
         raise InputError(f"no model directory {spec!r} here{hint} and the Hugging Face hub could not load it "
                          f"({msg}); expected {EXPECTED}, or a hub id with safetensors weights") from None
+    check_config_numbers(cfg.to_dict(), f"the config of {spec!r}")
     cls = _model_class(tf, cfg, f"the config of {spec!r}")
     return _from_pretrained(cls, spec, repr(spec), local_files_only=why is not None)

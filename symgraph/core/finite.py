@@ -1,11 +1,13 @@
-"""The finiteness check every reader of weights shares."""
+"""The finiteness checks every reader of weights, configs and statistics shares."""
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ..errors import InputError
 
-__all__ = ["all_finite", "check_read"]
+__all__ = ["all_finite", "check_read", "check_config_numbers", "same_value", "require_finite"]
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -30,3 +32,60 @@ def check_read(t: torch.Tensor, key: str, seen: set, whole: bool, where: str) ->
                          "(was the model trained with a diverging loss?)")
     if whole:
         seen.add(key)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _fields(d, prefix=""):
+    """``(dotted name, value)`` of every number in a config's nested dicts and lists."""
+    items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, (list, tuple)) else ()
+    for k, v in items:
+        name = f"{prefix}{k}" if isinstance(d, dict) else f"{prefix.rstrip('.')}[{k}]"
+        if _is_number(v):
+            yield name, v
+        else:
+            yield from _fields(v, name + ".")
+
+
+#: How a config field that is a norm's (or an optimiser's) epsilon ends its name: it must not be negative.
+EPS_SUFFIXES = ("eps", "epsilon")
+
+
+def check_config_numbers(config: dict, where: str) -> None:
+    """Refuse, naming the field, a model config (``config.to_dict()``, nested dicts and lists
+    included) holding a number that is NaN or infinite, or an epsilon (a field whose name ends
+    in ``eps`` / ``epsilon``, e.g. ``rms_norm_eps``) below 0: such a model computes NaN (a
+    norm's ``rsqrt(mean(x²) + eps)`` of a negative value), which every later stage would
+    otherwise meet as NaN statistics."""
+    for name, v in _fields(config):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise InputError(f"{where}: config field {name!r} is {v!r}; expected a finite number")
+        if name.rsplit(".", 1)[-1].lower().endswith(EPS_SUFFIXES) and v < 0:
+            raise InputError(f"{where}: config field {name!r} is {v!r}; expected a number >= 0 (an epsilon "
+                             "added to keep a norm's denominator positive)")
+
+
+def same_value(a, b) -> bool:
+    """``a == b``, with NaN equal to NaN (in nested dicts and lists too): two configs that hold
+    the same NaN field are the same config."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def require_finite(stage: str, what: str, *tensors: torch.Tensor):
+    """``tensors`` (returned as they are: one, or a tuple), refused in one line naming ``stage``
+    (``"REPAIR"``, ``"activation statistics"``) and ``what`` was measured when any holds a NaN
+    or inf: statistics of a model that computes non-finite values on the data (an activation
+    that overflows) would otherwise become zeros or a solver's traceback."""
+    for t in tensors:
+        if not all_finite(t.detach()):
+            raise InputError(f"{stage}: {what} hold NaN/inf values; expected a model that computes finite "
+                             "values there (are activations overflowing the dtype, or a config field off?)")
+    return tensors[0] if len(tensors) == 1 else tensors

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import distributed
+from ..core.finite import require_finite
 from ..errors import InputError
 from .repair import RepairReport, find_sites, renormalize
 
@@ -157,6 +158,7 @@ def reset_batchnorm(model, data, names=None) -> list:
                                      "on the data; expected at least 2")
                 mean = acc["sum"] / n
                 var = (acc["sumsq"] / n - mean * mean).clamp_min(0) * (n / (n - 1))
+                require_finite("REPAIR", f"the input statistics of BatchNorm module {name!r}", mean, var)
                 old_m, old_v = bn.running_mean.double(), bn.running_var.double()
                 std = var.sqrt()
                 out.append(BatchNormReset(

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core import distributed
+from ..core import distributed, finite
 from ..alignment.graphrun import GraphRunner
 from ..alignment.checks import batch_inputs, by_shape
 from ..errors import InputError
@@ -260,7 +260,7 @@ class _Moments:
     def stats(self, key):
         """``(mean, std, rms)`` per channel."""
         n, s1, s2 = self.sums[key]
-        mean, sq = s1 / n, s2 / n
+        mean, sq = finite.require_finite("REPAIR", f"the channel statistics at {key!r} on the data", s1 / n, s2 / n)
         return mean, (sq - mean * mean).clamp_min(0).sqrt(), sq.sqrt()
 
 

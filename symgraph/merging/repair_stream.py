@@ -44,6 +44,7 @@ from ..alignment.graphrun import Stepper, flatten_for, meta_constants, on_device
 from ..errors import InputError, NeedsMemory
 from ..transform.folding import groups
 from ..core import distributed
+from ..core.finite import require_finite
 from .batchnorm import BatchNormReset, batchnorm_layers
 from .repair import RepairLayer, RepairReport, _errors, _Moments, correction, find_sites
 from .views import Aligned, Ledger, _Cache, nbytes
@@ -300,6 +301,7 @@ def _reset(job, runs, merged, fetch, mean_name, var_name) -> BatchNormReset:
                          "expected at least 2")
     mean: torch.Tensor = acc["sum"] / n
     var: torch.Tensor = (acc["sumsq"] / n - mean * mean).clamp_min(0) * (n / (n - 1))
+    require_finite("REPAIR", f"the input statistics of BatchNorm module {module!r}", mean, var)
     old_m, old_v = merged.fetch(mean_name).double().cpu(), merged.fetch(var_name).double().cpu()
     mean, var = mean.cpu(), var.cpu()
     std = var.sqrt()

@@ -30,6 +30,7 @@ from ..alignment.masses import slices, unit_masses
 from ..report.api import analyze
 from ..transform.apply import move, stored_tensors
 from ..core.elements import Map
+from ..core.finite import require_finite
 from ..errors import InputError
 from ..core.groups import PERMUTATION_FAMILY
 from ..passes.trace import eval_mode, flatten_outputs, output_deviation, split_inputs
@@ -239,8 +240,13 @@ def _kmeans(X, w, k, gen, iters: int = 100):
 
 
 def _deviation(a, b, args, kwargs) -> float:
+    """The resized model's relative output deviation from the original's, refused in one line
+    when either computes NaN/inf on the inputs (a deviation is measured, never assumed)."""
     with torch.no_grad(), eval_mode(a), eval_mode(b):
-        return output_deviation(flatten_outputs(a(*args, **kwargs)), flatten_outputs(b(*args, **kwargs)))
+        before, after = flatten_outputs(a(*args, **kwargs)), flatten_outputs(b(*args, **kwargs))
+    require_finite("resize", "the original model's outputs on the check inputs", *before)
+    require_finite("resize", "the resized model's outputs on the check inputs", *after)
+    return output_deviation(before, after)
 
 
 # --- the new model ------------------------------------------------------------------------

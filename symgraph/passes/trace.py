@@ -321,9 +321,14 @@ def flatten_outputs(out) -> list:
 
 
 def output_deviation(base: list, out: list) -> float:
-    """The largest relative change ``‖a − b‖ / ‖a‖`` over paired outputs (float64 norms)."""
+    """The largest relative change ``‖a − b‖ / ‖a‖`` over paired outputs (float64 norms); NaN
+    when either side holds a NaN or inf (no deviation is measured: never 0 by ``max`` skipping
+    a NaN)."""
     worst = 0.0
     for a, b in zip(base, out):
         a, b = a.double(), b.double()
-        worst = max(worst, float((a - b).norm()) / max(float(a.norm()), 1e-30))
+        d = float((a - b).norm()) / max(float(a.norm()), 1e-30)
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()) or d != d:
+            return float("nan")
+        worst = max(worst, d)
     return worst
