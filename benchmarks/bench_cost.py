@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from .provenance import best_time, matmul_gflops
+from .provenance import best_time, matmul_gflops, table
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cost" / "cost.json"
 
@@ -271,16 +271,14 @@ def markdown(results: dict) -> str:
                   f"SVD fp64 {pk['svd_float64_gflops']:.0f}, fp32 {pk['svd_float32_gflops']:.0f} GFLOP/s; "
                   f"read {pk['read_gbs']:.2f} GB/s."
                   + (f" Sweeps run: {', '.join(map(str, r['sweeps']))}." if r.get("sweeps") else ""), "",
-                  _at_peak(r), "",
-                  "| stage | calls | s | GFLOP | GFLOP/s | of peak | GB | GB/s | dtype |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for st, x in sorted(r["stages"].items(), key=lambda kv: -kv[1]["seconds"]):
-            f = lambda v, fmt: "–" if v is None else format(v, fmt)  # noqa: E731
-            of = x["of_peak"] if x["of_peak"] is not None else x.get("of_read_peak")
-            lines.append(f"| {st} | {x['calls']} | {x['seconds']:.1f} | {f(x['gflop'] or None, '.0f')} | "
-                         f"{f(x['gflops'], '.0f')} | {f(of, '.0%')} | {f(x['gb'] or None, '.2f')} | "
-                         f"{f(x['gbs'], '.2f')} | {x['dtype']} |")
-        lines.append("")
+                  _at_peak(r), ""]
+        f = lambda v, fmt: "–" if v is None else format(v, fmt)  # noqa: E731
+        lines += table(["stage", "calls", "s", "GFLOP", "GFLOP/s", "of peak", "GB", "GB/s", "dtype"],
+                       [[st, x["calls"], f"{x['seconds']:.1f}", f(x["gflop"] or None, ".0f"), f(x["gflops"], ".0f"),
+                         f(x["of_peak"] if x["of_peak"] is not None else x.get("of_read_peak"), ".0%"),
+                         f(x["gb"] or None, ".2f"), f(x["gbs"], ".2f"), x["dtype"]]
+                        for st, x in sorted(r["stages"].items(), key=lambda kv: -kv[1]["seconds"])],
+                       [None] + ["r"] * 7 + [None]) + [""]
     return "\n".join(lines)
 
 

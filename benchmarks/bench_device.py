@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.provenance import best_time, matmul_gflops
+from benchmarks.provenance import best_time, matmul_gflops, table
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "device" / "device.json"
 
@@ -127,24 +127,22 @@ def markdown(results: dict) -> str:
                   f"fp32 {pk['svd_float32_gflops']:.0f} GFLOP/s."
                   + (f" A layer's head-pair scores (eigvalsh of 32 × 32 matrices of 128², fp64): "
                      f"{pk['heads_eigvalsh_device_s']:.2f} s on the device, {pk['heads_eigvalsh_host_s']:.2f} s "
-                     "through the host." if "heads_eigvalsh_host_s" in pk else ""), "",
-                  "| layers | params | align + merge | of which analysis | alignment | unaligned merge | ratio | sweeps | peak GPU memory |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for d in r["depths"]:
-            tm, gb = d["timings"], d["peak_gpu_gb"]
-            lines.append(f"| {d['layers']} | {d['params'] / 1e9:.2f} B | {d['aligned_seconds']:.1f} s | "
-                         f"{tm.get('analyze', 0):.1f} s | {tm.get('align', 0):.1f} s | {d['unaligned_seconds']:.1f} s | "
-                         f"{d['ratio']:.1f}x | {d['align_seconds'].get('sweeps', '–')} | "
-                         f"{'–' if gb is None else f'{gb:.1f} GB'} |")
-        for d in r["depths"]:
-            if "stages" not in d:
-                continue
-            lines += ["", f"Stages at {d['layers']} layers (synchronised; wall {d['staged_seconds']:.1f} s):", "",
-                      "| stage | calls | s | GFLOP | GFLOP/s | of peak | dtype |", "|---|---:|---:|---:|---:|---:|---|"]
-            for st, x in sorted(d["stages"].items(), key=lambda kv: -kv[1]["seconds"]):
-                f = lambda v, fmt: "–" if v is None else format(v, fmt)  # noqa: E731
-                lines.append(f"| {st} | {x['calls']} | {x['seconds']:.2f} | {f(x['gflop'] or None, '.0f')} | "
-                             f"{f(x['gflops'], '.0f')} | {f(x['of_peak'], '.1%')} | {x['dtype']} |")
+                     "through the host." if "heads_eigvalsh_host_s" in pk else ""), ""]
+        lines += table(["layers", "params", "align + merge", "of which analysis", "alignment", "unaligned merge",
+                        "ratio", "sweeps", "peak GPU memory"],
+                       [[d["layers"], f"{d['params'] / 1e9:.2f} B", f"{d['aligned_seconds']:.1f} s",
+                         f"{d['timings'].get('analyze', 0):.1f} s", f"{d['timings'].get('align', 0):.1f} s",
+                         f"{d['unaligned_seconds']:.1f} s", f"{d['ratio']:.1f}x", d["align_seconds"].get("sweeps", "–"),
+                         "–" if d["peak_gpu_gb"] is None else f"{d['peak_gpu_gb']:.1f} GB"] for d in r["depths"]],
+                       ["r"] * 9)
+        f = lambda v, fmt: "–" if v is None else format(v, fmt)  # noqa: E731
+        for d in (d for d in r["depths"] if "stages" in d):
+            lines += ["", f"Stages at {d['layers']} layers (synchronised; wall {d['staged_seconds']:.1f} s):", ""]
+            lines += table(["stage", "calls", "s", "GFLOP", "GFLOP/s", "of peak", "dtype"],
+                           [[st, x["calls"], f"{x['seconds']:.2f}", f(x["gflop"] or None, ".0f"), f(x["gflops"], ".0f"),
+                             f(x["of_peak"], ".1%"), x["dtype"]]
+                            for st, x in sorted(d["stages"].items(), key=lambda kv: -kv[1]["seconds"])],
+                           [None] + ["r"] * 5 + [None])
         lines.append("")
     return "\n".join(lines)
 

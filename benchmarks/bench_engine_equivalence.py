@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .provenance import REPO_ROOT, git_state, write_json
+from .provenance import REPO_ROOT, git_state, table, write_json
 
 WORKER = Path(__file__).resolve().parent / "engine_equivalence_worker.py"
 CASES = ("mlp/average", "mlp/regmean", "mlp/repair", "mlp/universe_regmean",
@@ -89,15 +89,17 @@ def report(rows, before, state) -> str:
              f"Written by `python -m benchmarks.bench_engine_equivalence --before <checkout of {before}>` "
              f"at {state or '?'}: each case's tiny "
              "seeded models merged by `symgraph.merge` in a fresh process with the older tree's symgraph "
-             f"(`{before}`) and with this one; the merged states compared tensor by tensor.", "",
-             "| case | before s | after s | bitwise equal | max |Δ| / max |θ| | at |", "|---|---:|---:|---|---:|---|"]
+             f"(`{before}`) and with this one; the merged states compared tensor by tensor.", ""]
+    cells = []
     for r in rows:
         if "max_rel_diff" not in r:
             err = r["before"].get("error") or r["after"].get("error") or r.get("shape_differs") or r.get("only_after")
-            lines.append(f"| {r['case']} | – | – | – | – | {err} |")
+            cells.append([r["case"], "–", "–", "–", "–", err])
             continue
-        lines.append(f"| {r['case']} | {r['before']['seconds']:.2f} | {r['after']['seconds']:.2f} | "
-                     f"{'yes' if r['bitwise'] else 'no'} | {r['max_rel_diff']:.1e} | {r['at'] or '–'} |")
+        cells.append([r["case"], f"{r['before']['seconds']:.2f}", f"{r['after']['seconds']:.2f}",
+                      "yes" if r["bitwise"] else "no", f"{r['max_rel_diff']:.1e}", r["at"] or "–"])
+    lines += table(["case", "before s", "after s", "bitwise equal", "max |Δ| / max |θ|", "at"], cells,
+                   [None, "r", "r", None, "r", None])
     return "\n".join(lines) + "\n"
 
 

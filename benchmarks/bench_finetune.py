@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .provenance import staged, write_json
+from .provenance import staged, table, write_json
 
 __all__ = [
     "DEFAULT_PAIRS",
@@ -382,18 +382,18 @@ def markdown(result: dict) -> str:
     ]
     for rec in result["pairs"]:
         s = rec["summary"]
-        lines += [f"## {rec['pair']['name']}", "",
-                  f"| contestant | model | loss at step 0 | loss after {K} steps | best parent − this |",
-                  "|---|---|---|---|---|"]
+        lines += [f"## {rec['pair']['name']}", ""]
+        rows = []
         for name, c in rec["contestants"].items():
             model = f"{c['arch']}" + (f" seed {c['seed']}" if "seed" in c else " (A's shape)")
             final = f"{c['final_loss']:.4f}"
             if name == s["best_parent"] or (name == s["best_fused"] and s["fusion_beats_best_parent"]):
                 final = f"**{final}**"
-            lines.append(f"| {_LABELS.get(name, name)} | {model} | {c['initial_loss']:.4f} | {final} | "
-                         f"{s['best_parent_after_K'] - c['final_loss']:+.4f} |")
+            rows.append([_LABELS.get(name, name), model, f"{c['initial_loss']:.4f}", final,
+                         f"{s['best_parent_after_K'] - c['final_loss']:+.4f}"])
         if rec["vanilla_note"]:
-            lines.append("| vanilla average | — | — | — | — |")
+            rows.append(["vanilla average", "—", "—", "—", "—"])
+        lines += table(["contestant", "model", "loss at step 0", f"loss after {K} steps", "best parent − this"], rows)
         figure = f"![{rec['pair']['name']}](finetune_{rec['pair']['slug']}.png)"
         lines += ["", _sentence(rec, K), "", figure, ""]
     return "\n".join(lines)

@@ -50,7 +50,7 @@ from symgraph.alignment.compare import THRESHOLD
 from symgraph.testing import models
 
 from . import provenance_peer as peer
-from .provenance import git_state, write_result
+from .provenance import git_state, table, write_result
 from .families import FAMILIES
 from .provenance_families import families_markdown, run_families
 
@@ -259,16 +259,14 @@ def markdown(r) -> str:
              f"({', '.join(f'{k} {x:.2f}' for k, x in v['tpr_by_kind'].items())}); transformed exact copies "
              f"all 'same': {v['same_on_copies']}; 'same' elsewhere: {v['same_elsewhere']}. Smallest p-value "
              f"on the null pairs: {min(x['p_value'] for x in r['rows'] if x['label'] == 0):.2g} (the shuffled "
-             "null is tighter than independently trained pairs: the p-value alone would not do).", "",
-             "| score | ROC AUC | highest null | lowest positive (" + " / ".join(KINDS) + ") |",
-             "|---|---|---|---|"]
+             "null is tighter than independently trained pairs: the p-value alone would not do).", ""]
     names = {"excess": "compare: excess over shuffled null (verdict's score)",
              "statistic": "compare: median correlation after alignment",
              "huref": "baseline (reimplementation): HuRef-style invariants, median cosine",
              "raw": "baseline: raw weight cosine, no alignment"}
-    for k, name in names.items():
-        pm = " / ".join(f"{x:.3f}" for x in s[k]["positive_min"].values())
-        lines.append(f"| {name} | {s[k]['auc']:.3f} | {s[k]['null_max']:.3f} | {pm} |")
+    lines += table(["score", "ROC AUC", "highest null", "lowest positive (" + " / ".join(KINDS) + ")"],
+                   [[name, f"{s[k]['auc']:.3f}", f"{s[k]['null_max']:.3f}",
+                     " / ".join(f"{x:.3f}" for x in s[k]["positive_min"].values())] for k, name in names.items()])
     if r.get("peer_cisco"):
         lines += peer.table_rows(r["peer_cisco"])
     lines += ["", f"Baselines' TPR with their threshold at the highest null score (FPR 0 on this null): "

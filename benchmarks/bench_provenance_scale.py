@@ -24,7 +24,7 @@ import sys
 import types
 from pathlib import Path
 
-from .provenance import REPO_ROOT, git_state, write_result
+from .provenance import REPO_ROOT, git_state, table, write_result
 from .scale.checkpoints import ensure_pair, llama_config, model_sizes
 from .scale.common import DEFAULT_WORK, GB, SHARD_SIZE, _env, log
 from .scale.measure import measure
@@ -105,14 +105,13 @@ def markdown(r) -> str:
              f"TinyLlama-1.1B's shape with {r['layers']} of {r['full_layers']} decoder layers "
              f"({r['sizes']['parameters'] / 1e9:.2f} B parameters, {r['sizes']['bytes'] / GB:.2f} GB per model), "
              "random bf16 weights; B = A moved by a random element of the full groups, written tensor by "
-             f"tensor; C independent. Each comparison in its own process. Target: peak RSS ≤ {r['target_peak_rss_gb']} GB.", "",
-             "| pair | verdict | expected | max rel. distance | excess | null draws | wall s | peak RSS GB |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, expected in (("copy", "same"), ("independent", "unrelated")):
-        x = r["rows"][name]
-        lines.append(f"| {name} | {x.get('verdict', 'failed: ' + str(x.get('error')))} | {expected} | "
-                     f"{x.get('max_rel_distance', float('nan')):.2e} | {x.get('excess', float('nan')):.3f} | "
-                     f"{len(x.get('null') or [])} | {x['wall_s']:.0f} | {x['peak_rss_gb']:.2f} |")
+             f"tensor; C independent. Each comparison in its own process. Target: peak RSS ≤ {r['target_peak_rss_gb']} GB.", ""]
+    rows = [[name, x.get("verdict", "failed: " + str(x.get("error"))), expected,
+             f"{x.get('max_rel_distance', float('nan')):.2e}", f"{x.get('excess', float('nan')):.3f}",
+             len(x.get("null") or []), f"{x['wall_s']:.0f}", f"{x['peak_rss_gb']:.2f}"]
+            for name, expected in (("copy", "same"), ("independent", "unrelated")) for x in [r["rows"][name]]]
+    lines += table(["pair", "verdict", "expected", "max rel. distance", "excess", "null draws", "wall s",
+                    "peak RSS GB"], rows)
     lines += ["", f"Verdicts as expected: {all(r['verdicts_ok'].values())}; peak RSS within the target: "
               f"{r['peak_rss_ok']}.", ""]
     return "\n".join(lines)

@@ -52,7 +52,7 @@ import time
 import numpy as np
 import torch
 
-from .provenance import REPO_ROOT, git_state, write_result
+from .provenance import REPO_ROOT, git_state, table, write_result
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "solvers"
 BIG = 4096  # from this size on: one timed call, no warm-up
@@ -327,15 +327,14 @@ def markdown(rec) -> str:
              f"{rec['device_name']} (torch {rec['torch']}, {rec['threads']} threads); sizes below {BIG}: best of "
              f"{rec['repeat']} after a warm-up, larger: one call. Budget {rec.get('budget')} s; "
              f"{'finished' if rec.get('done') else 'unfinished (rewritten after every row)'}.", "",
-             "## Polar factor: Newton–Schulz (Chen–Chow scaling) against the SVD, on the device", "",
-             "| n | matrix | steps | fallback | iterative f32 | iterative f64 | SVD f32 | SVD f64 | iterative − SVD64 "
-             "| SVD32 − SVD64 | iterative64 − SVD64 |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rec["polar"]:
-        lines.append(f"| {r['n']} | {r['matrix']} | {r['iterations']} | {r['fallback']} | {r['iterative_s']:.3f} s | "
-                     f"{r['iterative64_s']:.3f} s | {r['svd_s']:.3f} s | {r['svd64_s']:.3f} s | "
-                     f"{r['iterative_dev_from_svd64']:.1e} | {r['svd32_dev_from_svd64']:.1e} | "
-                     f"{r['iterative64_dev_from_svd64']:.1e} |")
+             "## Polar factor: Newton–Schulz (Chen–Chow scaling) against the SVD, on the device", ""]
+    lines += table(["n", "matrix", "steps", "fallback", "iterative f32", "iterative f64", "SVD f32", "SVD f64",
+                    "iterative − SVD64", "SVD32 − SVD64", "iterative64 − SVD64"],
+                   [[r["n"], r["matrix"], r["iterations"], r["fallback"], f"{r['iterative_s']:.3f} s",
+                     f"{r['iterative64_s']:.3f} s", f"{r['svd_s']:.3f} s", f"{r['svd64_s']:.3f} s",
+                     f"{r['iterative_dev_from_svd64']:.1e}", f"{r['svd32_dev_from_svd64']:.1e}",
+                     f"{r['iterative64_dev_from_svd64']:.1e}"] for r in rec["polar"]],
+                   ["r", None] + ["r"] * 9)
     lines += ["", "Deviations: the largest entry-wise difference of the orthogonal factors.", "",
               "## Assignment: the library's default path, sparse top-k, device auction, dense SciPy", "",
               "| n | matrix | row maxima a perm. | default (status) | sparse top-k | auction (phases, rounds) "

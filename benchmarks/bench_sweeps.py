@@ -38,7 +38,7 @@ import torch
 import symgraph
 
 from . import evaluate, train
-from .provenance import git_state
+from .provenance import git_state, table
 
 LAMBDAS = np.linspace(0.0, 1.0, 11)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "speed_quality" / "sweeps.json"
@@ -126,14 +126,12 @@ def markdown(res: dict, run: dict | None = None) -> str:
              f"{run.get('commit', '?')} ({run.get('time', '?')}). Barrier: mean over the 3 pairs; "
              "Δ: largest |barrier − reference| over the pairs (the exact setting; for bf16 products of "
              "bf16 weights, the exact products of the same bf16 weights); spread: the exact barriers' pair-to-pair "
-             "standard deviation; sweeps: per pair.", "",
-             "| arch | setting | mean barrier | Δ to reference | spread | within | sweeps |",
-             "|---|---|---:|---:|---:|---|---|"]
-    for arch, a in res.items():
-        for name, r in a["settings"].items():
-            sw = ", ".join(str(p["sweeps"]) for p in r["pairs"])
-            lines.append(f"| {arch} | {name} | {r['mean']:.3f} | {r['max_abs_diff_to_exact']:.3f} | "
-                         f"{a['exact_pair_std']:.3f} | {'yes' if r['within_spread'] else 'no'} | {sw} |")
+             "standard deviation; sweeps: per pair.", ""]
+    lines += table(["arch", "setting", "mean barrier", "Δ to reference", "spread", "within", "sweeps"],
+                   [[arch, name, f"{r['mean']:.3f}", f"{r['max_abs_diff_to_exact']:.3f}", f"{a['exact_pair_std']:.3f}",
+                     "yes" if r["within_spread"] else "no", ", ".join(str(p["sweeps"]) for p in r["pairs"])]
+                    for arch, a in res.items() for name, r in a["settings"].items()],
+                   [None, None, "r", "r", "r", None, None])
     return "\n".join(lines) + "\n"
 
 

@@ -23,7 +23,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .provenance import log, write_result
+from .provenance import log, table, write_result
 
 MODES = ("vanilla", "anchor", "universe")
 ARCHS = ("gpt2", "llama", "bert", "vit")
@@ -106,10 +106,8 @@ def markdown(records) -> str:
              "`universe` aligns every model to the mean of the others until no element changes "
              "(`symgraph.merge(..., anchor=\"universe\")`, MergeMany). Weight matching; "
              f"the universe has the lower barrier in {wins} of {total} rows.", "",
-             "![barrier](universe_barrier.png) ![rounds](universe_rounds.png)", "",
-             "| arch | N | mean parent loss | vanilla | anchor | universe | universe − anchor | "
-             "rounds | converged | spread anchor → universe | align s (anchor / universe) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "![barrier](universe_barrier.png) ![rounds](universe_rounds.png)", ""]
+    rows = []
     fmt = lambda x: "—" if x is None else f"{x:+.4f}"  # noqa: E731
     for (arch, n), by in _table(records).items():
         any_r = next(iter(by.values()))
@@ -120,9 +118,10 @@ def markdown(records) -> str:
         conv = ("yes" if u["converged"] else f"no ({u['stopped']})") if u else "—"
         spread = f"{u['spread_anchor']:.4f} → {u['spread']:.4f}" if u else "—"
         secs = (f"{a['align_seconds']:.1f} / {u['align_seconds']:.1f}" if u and a else "—")
-        lines.append(f"| {arch} | {n} | {any_r['mean_parent_loss']:.4f} | {fmt(b['vanilla'])} | "
-                     f"{fmt(b['anchor'])} | {fmt(b['universe'])} | {gain} | {rounds} | {conv} | "
-                     f"{spread} | {secs} |")
+        rows.append([arch, n, f"{any_r['mean_parent_loss']:.4f}", fmt(b["vanilla"]), fmt(b["anchor"]),
+                     fmt(b["universe"]), gain, rounds, conv, spread, secs])
+    lines += table(["arch", "N", "mean parent loss", "vanilla", "anchor", "universe", "universe − anchor",
+                    "rounds", "converged", "spread anchor → universe", "align s (anchor / universe)"], rows)
     return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,7 @@ import torch
 
 from . import targets
 from .methods import DEVIATIONS, METHODS, SEED_METHODS, SYMGRAPH_METHODS, roles
+from .provenance import table
 from .records import FORMER_NAMES, RENAME_NOTE, renamed
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -157,9 +158,7 @@ def _by(records, **kw):
 
 
 def _table(header, rows):
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(out)
+    return "\n".join(table(header, rows))
 
 
 def _stat(records, arch, method, key):
