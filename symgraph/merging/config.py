@@ -23,7 +23,7 @@ linear``, ``models: [{model: ..., parameters: {weight: ...}}]``) is read too
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError, field_validator, model_validator)
@@ -35,13 +35,15 @@ from ..errors import InputError
 from .methods.registry import get as get_method, names as merge_methods
 from .mergekit_config import from_mergekit
 from .options import flag, given_options
-from .rules import check
+from .rules import check, refused
 
 __all__ = ["MERGE_KEYS", "MAX_REFINE", "MergeConfig", "read_merge_config", "merge_options", "defaults", "to_yaml",
            "from_mergekit", "build_config", "check"]
 
 #: Device types that hold no values (every other one is checked to hold a tensor before a merge).
 NO_COMPUTE_DEVICES = ("meta",)
+#: The largest --memory-budget (bytes: 1000000GB; a larger one is a typo, or an overflow).
+MAX_BUDGET = 10 ** 15
 #: The largest merge config read (a config is a few lines), and how deep its values may nest.
 MAX_CONFIG_BYTES = 1 << 20
 MAX_CONFIG_DEPTH = 32
@@ -72,7 +74,7 @@ class _OneLine(type(BaseModel)):  # type: ignore[misc]  # pydantic's model metac
         try:
             return super().__call__(*args, **fields)
         except ValidationError as e:
-            raise InputError(_refused(e, fields, lambda k: flag(MergeConfig, k))) from None
+            raise InputError(refused(e, fields, lambda k: flag(MergeConfig, k), MergeConfig)) from None
 
 
 class MergeConfig(BaseModel, metaclass=_OneLine):
@@ -98,9 +100,13 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
         "parameters: key); each method declares its own, recorded in symgraph_merge.json",
         json_schema_extra=_opt("a mapping of the method's parameter names to values", metavar="NAME=VALUE",
                                flag="--parameter"))
-    weights: list[StrictFloat | StrictInt] | None = Field(
+    anchor: StrictInt | Literal["universe"] = Field(
+        0, description="the model the others are aligned to (its index), or universe: every model aligned to the "
+        "mean of the others, round after round (MergeMany), out of core within the budget",
+        json_schema_extra=_opt("a model index (0, 1, ...) or 'universe'", metavar="N|universe"))
+    weights: list[Annotated[StrictFloat, Field(allow_inf_nan=False)] | StrictInt] | None = Field(
         None, description="one mixing weight per model (normalised to sum 1; default: equal)",
-        json_schema_extra=_opt("a list of numbers, one per model", metavar="W"))
+        json_schema_extra=_opt("a list of finite numbers, one per model", metavar="W"))
     data: StrictStr | None = Field(None, description=".safetensors/.pt file with 'input_ids' [N, S] (or "
                                    "'pixel_values'), for activation statistics",
                                    json_schema_extra=_opt("a path to a .safetensors or .pt data file (string)", metavar="FILE"))
@@ -143,7 +149,8 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
     memory_budget: StrictStr | None = Field(None, description="bytes the out-of-core engine may hold at once "
                                             "(its caches, a pass of statistics, a group's working copies), "
                                             "e.g. 2GB; default: fixed sizes of about 0.5 GB",
-                                            json_schema_extra=_opt("a size such as '2GB' or '500MB'", metavar="SIZE"))
+                                            json_schema_extra=_opt(f"a size such as '2GB' or '500MB', above 0 and at most {MAX_BUDGET // 10 ** 9}GB",
+                                                                   metavar="SIZE"))
     max_shard_size: StrictStr | None = Field(None, description="largest file of the merged checkpoint, e.g. "
                                              "2GB; default: the first model's largest file, so the output is "
                                              "sharded like the input",
@@ -157,9 +164,12 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
     def _a_size(cls, v):
         if v is not None:
             try:
-                parse_size(v)
-            except InputError:
-                raise ValueError("is not a size; expected a size such as '2GB' or '500MB'") from None
+                size = parse_size(v)
+            except (InputError, OverflowError):  # 1e999GB: a float that is inf
+                size = None
+            if size is None or not 0 < size <= MAX_BUDGET:
+                raise ValueError(f"is not a size from 1B to {MAX_BUDGET // 10 ** 9}GB; expected a size such as '2GB' "
+                                 "or '500MB'")
         return v
 
     @field_validator("device")
@@ -365,18 +375,6 @@ def _explain(path, cfg, err) -> str:
                    MERGE_KEYS.get(key, "a valid value"))
 
 
-def _refused(e: ValidationError, given: dict, name) -> str:
-    """One line for the first error of a config's validation: a field's names it and the value
-    given (``name(key)``: a flag, or where a YAML file set it); a rule between fields says it all."""
-    err = e.errors()[0]
-    if not err.get("loc"):  # the model's validator: check()'s own line
-        return str(err.get("msg", "")).removeprefix("Value error, ")
-    key = error_key(err)
-    if key not in MergeConfig.model_fields:
-        return f"{key!r} is not a merge option; expected only {', '.join(MERGE_KEYS)}"
-    return refusal(err, f"{name(key)} {_short(given.get(key))}", MERGE_KEYS.get(key, "a valid value"))
-
-
 def build_config(fields: dict, *, batches: bool = False, name=None) -> MergeConfig:
     """A :class:`MergeConfig` of ``fields``, checked whole, or one :class:`InputError` line;
     ``batches``: the data come as batches already loaded (``run_merge(cfg, data=...)``), so
@@ -386,7 +384,7 @@ def build_config(fields: dict, *, batches: bool = False, name=None) -> MergeConf
     try:
         return MergeConfig.model_validate(fields, context={"batches": batches, "name": name})
     except ValidationError as e:
-        raise InputError(_refused(e, fields, name)) from None
+        raise InputError(refused(e, fields, name, MergeConfig)) from None
 
 
 def defaults() -> dict:

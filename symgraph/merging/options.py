@@ -43,6 +43,9 @@ def _kind(annotation):
             return _kind(args[0])
         if {_base(a) for a in args} <= {int, float}:
             return "float", (), None
+        words = [w for a in args if typing.get_origin(a) is typing.Literal for w in typing.get_args(a)]
+        if words and {_base(a) for a in args if typing.get_origin(a) is not typing.Literal} == {int}:
+            return "int_or_choice", tuple(words), int
     if origin is dict:
         return "mapping", (), None
     if origin is list:
@@ -98,6 +101,8 @@ def add_flags(parser: argparse.ArgumentParser, schema, *, choices_for=None) -> N
             kw.update(nargs="+", type=o.element or str, metavar=o.metavar or o.key.upper())
         elif o.kind == "mapping":  # NAME=VALUE, the flag given once per name
             kw.update(action="append", metavar=o.metavar or "NAME=VALUE")
+        elif o.kind == "int_or_choice":  # --anchor 2 or --anchor universe
+            kw.update(type=_int_or_word, metavar=o.metavar or "|".join(("N",) + o.choices))
         elif o.kind == "choice":
             kw["choices"] = o.choices
         elif choices_for and o.key in choices_for:
@@ -117,6 +122,11 @@ def given_options(args: dict, schema) -> dict:
         if o.flag is not None and args.get(o.key) is not None:
             out[o.key] = _mapping(o.flag, args[o.key]) if o.kind == "mapping" else args[o.key]
     return out
+
+
+def _int_or_word(text: str):
+    """A command-line value that is a whole number (``2``, ``-1``) or a word (``universe``)."""
+    return int(text) if text.lstrip("-").isdigit() else text
 
 
 def _mapping(flag_name: str, words) -> dict:

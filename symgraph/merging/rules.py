@@ -6,10 +6,11 @@ them, each refusal one line naming the options as they were given."""
 from __future__ import annotations
 
 from ..alignment.options import AlignOptions
+from ..core.schema import error_key, expected, refusal, short_repr
 from ..errors import InputError
 from .methods.registry import get as get_method, mixing_weights
 
-__all__ = ["check"]
+__all__ = ["check", "refused"]
 
 
 def check(opts: dict, name, batches: bool = False) -> None:
@@ -45,6 +46,13 @@ def check(opts: dict, name, batches: bool = False) -> None:
     if opts["full_groups"] and opts["align"] in ("none", None):
         raise InputError(f"{n('full_groups')} fits the groups an alignment solves; expected {n('align')} weights "
                          "or activations")
+    anchor, count = opts["anchor"], len(opts["models"])
+    if anchor == "universe" and (opts["align"] in ("none", None) or opts["attention"] == "circuits"):
+        raise InputError(f"{n('anchor')} universe aligns every model to the mean of the others; expected "
+                         f"{n('align')} weights or activations, with {n('attention')} heads")
+    if anchor != "universe" and not 0 <= anchor < count:
+        raise InputError(f"{n('anchor')} {anchor} is not one of the {count} models; expected an index 0..{count - 1} "
+                         "or universe")
     if opts["repair"] and not opts["data"]:
         raise InputError(f"{n('repair')} needs {data} (batches to measure activation statistics on)")
     needs_data = get_method(opts["method"]).needs_data or opts["align"] == "activations"
@@ -52,3 +60,16 @@ def check(opts: dict, name, batches: bool = False) -> None:
         raise InputError(f"{n('align')} {opts['align']} with {n('method')} {opts['method']} needs {data} (a "
                          ".safetensors or .pt file with a tensor 'input_ids' [N, S]); expected it, or "
                          f"{n('align')} weights/none with {n('method')} average")
+
+
+def refused(e, given: dict, name, schema) -> str:
+    """One line for the first error of a config's validation (``e``, pydantic's, of ``schema``):
+    a field's names it and the value ``given`` (``name(key)``: a flag, or where a YAML file set
+    it); a rule between fields (:func:`check`) says it all."""
+    err = e.errors()[0]
+    if not err.get("loc"):  # the model's validator: check()'s own line
+        return str(err.get("msg", "")).removeprefix("Value error, ")
+    key = error_key(err)
+    if key not in schema.model_fields:
+        return f"{key!r} is not a merge option; expected only {', '.join(schema.model_fields)}"
+    return refusal(err, f"{name(key)} {short_repr(given.get(key))}", expected(schema, key))

@@ -56,15 +56,21 @@ def progress_bar(iterable=None, *, enabled: bool = True, **kw):
     return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, leave=False, disable=not enabled or None, **kw)
 
 
-def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anchor: int = 0,
+def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anchor: int | None = None,
               progress: bool = True, **streaming_options) -> MergeOutcome:
     """Merge ``cfg.models`` into ``cfg.out``.
 
     ``streaming``: None chooses (out of core whenever the job allows it), True requires the
     out-of-core path (refused, saying why, when the job needs models in memory), False
     forces loading the models. ``data``: batches already loaded (else ``cfg.data`` is read).
-    ``anchor`` and ``streaming_options`` (``max_shard_size``, ``cache_bytes``) reach the
-    out-of-core job."""
+    ``anchor`` (kept for callers: ``cfg.anchor``'s value, which it replaces) and
+    ``streaming_options`` (``max_shard_size``, ``cache_bytes``) reach the out-of-core job. With
+    ``cfg.anchor == "universe"`` every model is aligned into a shared universe
+    (:mod:`.universe_stream` out of core, :mod:`.universe` in memory) and the merge has the
+    first model's architecture."""
+    if anchor is not None and anchor != cfg.anchor:
+        cfg = build_config({**cfg.model_dump(), "anchor": anchor}, batches=data is not None)
+    anchor = 0 if cfg.anchor == "universe" else cfg.anchor  # the model whose architecture the merge has
     from ..checkpoints.outdir import check_out
     if not cfg.out:
         raise InputError("merge needs an output directory; expected --out DIR (or 'out:' in the config)")
@@ -132,6 +138,8 @@ def _card_yaml(cfg, out: str) -> str:
 def _needs_memory(cfg) -> str | None:
     """Why the job needs its models in memory, or None (the merge engine runs it out of core)."""
     how = get_method(cfg.method)
+    if cfg.anchor == "universe" and (cfg.refine or cfg.untie):
+        return "the shared universe out of core takes no learned matching or untying"
     if how.needs_data and type(how).streamed_statistics is MergeMethod.streamed_statistics:
         return f"method {cfg.method!r} takes its statistics of loaded models only"
     local = [m for m in cfg.models if os.path.isdir(os.path.expanduser(m))]
@@ -169,7 +177,8 @@ def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None,
         result = merge(models, weights=cfg.weights, align=None if cfg.align == "none" else cfg.align,
                        data=data, method=cfg.method, method_options=cfg.parameters, repair=cfg.repair,
                        progress=progress,
-                       refine=cfg.refine, fold_norms=cfg.fold_norms, outputs=cfg.outputs, anchor=anchor,
+                       refine=cfg.refine, fold_norms=cfg.fold_norms, outputs=cfg.outputs,
+                       anchor="universe" if cfg.anchor == "universe" else anchor,
                        attention=cfg.attention, untie=cfg.untie,
                        **full,
                        **_speed_options(cfg),
@@ -186,6 +195,7 @@ def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None,
                  repair=result.repair.to_dict() if result.repair is not None else None,
                  input_dtypes=[next(m.parameters()).dtype for m in models])
     meta["architecture"] = _architecture_change(models[0], result.model)
+    meta["universe"] = result.universe  # the shared universe's rounds (None: an anchor)
     first = os.path.expanduser(cfg.models[0])
     with progress_bar(total=1, enabled=progress, desc="writing") as bar:
         save_atomic(lambda d: result.model.save_pretrained(d, safe_serialization=True, max_shard_size=shard),
@@ -246,8 +256,13 @@ def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:
     written shard by shard."""
     from ..checkpoints.outdir import model_card, save_atomic
     t0 = time.time()
+    universe = None
     try:
-        job.align()
+        if cfg.anchor == "universe":  # rounds of engine plans, their means written beside the output
+            from .universe_stream import align_universe_streamed
+            universe = align_universe_streamed(job, os.path.dirname(out))
+        else:
+            job.align()
     except (StructureMismatchError, InputError) as e:
         raise type(e)(f"{e}{config_diff(job.ckpts, cfg.models)}") from None
     anchor = job.ckpts[job.anchor]
@@ -255,6 +270,7 @@ def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:
                  dtype=anchor.dtype, repair=None, input_dtypes=[c.dtype for c in job.ckpts])
     merged = job.circuits.built()[2] if job.circuits is not None else anchor.model  # meta models, no tensors
     meta["architecture"] = _architecture_change((anchor.source or anchor).model, merged)
+    meta["universe"] = universe
 
     def write(directory):  # the record's REPAIR entry and the card once the merge is measured
         info = job.write(directory)
@@ -402,7 +418,7 @@ def _card_summary(meta) -> str:
     return "\n".join(lines)
 
 
-def merge_checkpoints(paths, out: str, *, weights=None, align="weights", anchor: int = 0, force: bool = False,
+def merge_checkpoints(paths, out: str, *, weights=None, align="weights", anchor: int | str = 0, force: bool = False,
                       fold_norms: bool = True, max_shard_size=_DEFAULT_SHARD, progress: bool = False,
                       data=None, outputs=None, **options) -> StreamingMerge:
     """Merge ``save_pretrained`` checkpoints into ``out`` without loading any model whole
@@ -416,8 +432,8 @@ def merge_checkpoints(paths, out: str, *, weights=None, align="weights", anchor:
     fields = {k: options.pop(k) for k in list(options) if k in MergeConfig.model_fields}  # method=, repair=, ...
     cfg = build_config(dict(models=[str(p) for p in paths], out=str(out), weights=weights,
                             align="none" if align is None else align, force=force, fold_norms=fold_norms,
-                            outputs=outputs, **fields), batches=data is not None)
-    job = run_merge(cfg, streaming=True, data=data, anchor=anchor, progress=progress,
+                            outputs=outputs, anchor=anchor, **fields), batches=data is not None)
+    job = run_merge(cfg, streaming=True, data=data, progress=progress,
                     max_shard_size=max_shard_size, **options).job
     assert isinstance(job, StreamingMerge)  # streaming=True runs out of core or raises
     return job

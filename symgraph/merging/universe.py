@@ -51,7 +51,7 @@ from ..core.elements import Map, Perm
 from ..errors import InputError
 from .state import aligned_state
 
-__all__ = ["DEFAULTS", "align_universe", "universe_options"]
+__all__ = ["DEFAULTS", "align_universe", "universe_options", "round_changes"]
 
 #: ``universe_options`` of :func:`symgraph.merge` and their defaults.
 DEFAULTS = {"max_rounds": 10, "tol": 1e-4}
@@ -87,7 +87,7 @@ def align_universe(models, inputs, ra, align, data, weights, options=None, progr
     ``rounds`` (universe rounds run after round 0), ``converged`` (the last round changed
     nothing), ``stopped`` ("converged" / "max_rounds"), per round ``changed`` (elements that
     changed, all models), ``changed_per_model``, ``drifted`` (groups whose every model moved by
-    one common element: the universe's basis turning as a whole, see :func:`_changes`; not a
+    one common element: the universe's basis turning as a whole, see :func:`round_changes`; not a
     change), ``max_change`` (largest entry change of a matrix element, 0 when there are none),
     ``distance`` (round 0 first: ``Σ w_i‖θ_i − θ̄‖² / Σ w_i‖θ_i‖²``, the spread MergeMany
     shrinks), ``round_seconds`` (round 0 first); ``elements`` (per model), ``max_rounds``,
@@ -119,7 +119,7 @@ def align_universe(models, inputs, ra, align, data, weights, options=None, progr
             alignments[i] = align_models(target, m, inputs, report_a=ra, report_b=reports[i], **kw)
             states[i] = aligned_state(m, alignments[i], ra)
             bar.update()
-        per_model, drifted, worst = _changes(before, [al.elements for al in alignments], opts["tol"])
+        per_model, drifted, worst = round_changes(before, [al.elements for al in alignments], opts["tol"])
         record["rounds"] = r
         record["changed"].append(sum(per_model))
         record["changed_per_model"].append(per_model)
@@ -157,7 +157,7 @@ def _mean_model(A, states, weights, i, ra):
     return out
 
 
-def _changes(before, after, tol):
+def round_changes(before, after, tol):
     """One round's changes: (per model the number of its elements that changed, the number of
     groups that moved only as a whole, the largest entry change of a matrix element).
 
