@@ -5,6 +5,7 @@ Writing is :mod:`symgraph.checkpoints.outdir`'s job.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -14,7 +15,7 @@ from ..errors import InputError
 from .outdir import TOKENIZER_FILES, check_out, save_atomic  # noqa: F401 - re-exported
 
 __all__ = ["DEMO_MODELS", "BATCH_ROWS", "MODEL_EXPECTED", "model_kind", "demo_model", "load_model", "load_data",
-           "check_checkpoint_dir", "load_local", "check_out", "save_atomic", "TOKENIZER_FILES"]
+           "unpadded", "check_checkpoint_dir", "load_local", "check_out", "save_atomic", "TOKENIZER_FILES"]
 
 DEMO_MODELS = ("tiny-bert", "tiny-gpt2", "tiny-llama", "tiny-vit")
 # name -> (symgraph.testing.models architecture, model class, sizes)
@@ -80,7 +81,8 @@ def load_model(spec: str):
 # --- data ----------------------------------------------------------------------------------
 
 
-DATA_EXPECTED = "a .safetensors or .pt file holding a tensor 'input_ids' [N, S] (or 'pixel_values')"
+DATA_EXPECTED = ("a .safetensors or .pt file holding a tensor 'input_ids' [N, S] (and optionally its "
+                 "'attention_mask'), or 'pixel_values'")
 
 
 def load_data(path: str, model=None):
@@ -149,5 +151,44 @@ def load_data(path: str, model=None):
         x = x.float()
         if not torch.isfinite(x).all():
             raise InputError(f"'pixel_values' in {path!r} contains NaN/inf; expected finite values")
+    unused = sorted(k for k in d if k not in (key, "attention_mask"))
+    if unused:
+        print(f"symgraph: warning: data file {path!r} holds {unused}, which symgraph does not read (it reads "
+              f"{key!r} and 'attention_mask')", file=sys.stderr)
+    if "attention_mask" in d:
+        return unpadded(x, d["attention_mask"], path) if key == "input_ids" else _no_mask(path, key)
     # batches of BATCH_ROWS rows and a last, smaller one (traced again for its shape): no row dropped
     return [{key: x[i:i + BATCH_ROWS]} for i in range(0, x.shape[0], BATCH_ROWS)]
+
+
+def _no_mask(path, key):
+    raise InputError(f"data file {path!r} holds an 'attention_mask' beside {key!r}; expected a mask only with "
+                     "'input_ids' (token rows and their padding)")
+
+
+def unpadded(ids: torch.Tensor, mask, path: str = "data") -> list:
+    """Batches of the rows of ``ids`` with their padding (``mask`` 0) cut off, rows of one length
+    together (``BATCH_ROWS`` at most; each length is traced once): every step that reads data
+    (activation statistics, RegMean's Grams, REPAIR, the barrier's loss, compare) then sees the
+    tokens alone, as if each row had been given unpadded. A row's mask must be ones then zeros
+    (right padding) or zeros then ones (left padding), with at least one token."""
+    if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise InputError(f"'attention_mask' in {path!r} has shape {shape}; expected {tuple(ids.shape)}, the "
+                         "shape of 'input_ids'")
+    if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+        raise InputError(f"'attention_mask' in {path!r} holds values other than 0 and 1 (dtype "
+                         f"{str(mask.dtype).removeprefix('torch.')}); expected 1 for a token, 0 for padding")
+    m = mask.bool()
+    n = m.sum(1)
+    steps = (m[:, 1:] != m[:, :-1]).sum(1)
+    bad = ((n == 0) | (steps > 1)).nonzero().flatten().tolist()
+    if bad:
+        what = "all zeros" if n[bad[0]] == 0 else "not one run of ones"
+        raise InputError(f"'attention_mask' in {path!r} row {bad[0]} is {what}; expected each row ones then zeros "
+                         "(right padding) or zeros then ones (left padding)")
+    by_length: dict = {}
+    for i in range(ids.shape[0]):
+        by_length.setdefault(int(n[i]), []).append(ids[i][m[i]])
+    return [{"input_ids": torch.stack(rows[j:j + BATCH_ROWS])} for _, rows in sorted(by_length.items(), reverse=True)
+            for j in range(0, len(rows), BATCH_ROWS)]
