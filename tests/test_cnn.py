@@ -192,9 +192,13 @@ def test_grouped_convolutions():
     # of 2; c3's 18 outputs (6 × 3) are c4's depthwise channels, each with 2 outputs
     assert r.axis_structure(r.param_axes("c1.weight")[0]) == ("prod", [3, 4])
     assert r.axis_structure(r.param_axes("c4.weight")[0])[0] == "prod"
-    assert kinds(r) == [("perm", 2, 1), ("perm", 2, 1), ("perm", 3, 1), ("perm", 3, 1),
-                        ("perm", 4, 1), ("scaled_perm", 2, 1)]
-    assert all(not g.outer for g in r.groups)  # one element per class, shared by all groups
+    # a grouped conv's outputs inside a group take a map per group (c3's 3 outputs per group:
+    # one per each of its 6 groups; c4's multiplier 2: one per channel); its inputs inside a
+    # group one map for every group (the weight's input axis does not say which group)
+    assert kinds(r) == [("perm", 2, 1), ("perm", 3, 1), ("perm", 4, 1), ("perm", 6, 3),
+                        ("perm", 18, 6), ("scaled_perm", 36, 18)]
+    # nested along a chain: c2's groups (3), c3's (6 = 3 × 2), c4's channels (18 = 6 × 3)
+    assert {g.blocks: len(g.outer) for g in r.groups if g.outer} == {3: 1, 6: 2, 18: 3}
     assert "groups of a grouped convolution" in r.groups[0].why  # the report says what it did
     assert r.frozen == []
 
@@ -244,11 +248,11 @@ def test_regnet():
     assert r.frozen == [] and len(r.buffers) == 2 * sum(
         isinstance(mod, nn.BatchNorm2d) for mod in m.modules())
     # streams: embedder (8), stage 0 (8), stage 1 (16); per Y block a grouped conv of width-4
-    # groups: the groups (2 in stage 0, 4 in stage 1) and one map inside them before and after;
-    # the squeeze-excitation bottlenecks (ReLU: scaled permutations)
+    # groups: the groups (2 in stage 0, 4 in stage 1), one map inside them before it and one per
+    # group after it; the squeeze-excitation bottlenecks (ReLU: scaled permutations)
     assert kinds(r) == sorted([("perm", 8, 1), ("perm", 8, 1), ("perm", 16, 1), ("perm", 2, 1)]
-                              + [("perm", 4, 1)] * 8 + [("scaled_perm", 2, 1)] * 2
-                              + [("scaled_perm", 4, 1)])
+                              + [("perm", 4, 1)] * 5 + [("perm", 8, 2)] + [("perm", 16, 4)] * 2
+                              + [("scaled_perm", 2, 1)] * 2 + [("scaled_perm", 4, 1)])
     b = symgraph.transform(m, r.random_transform(seed=3, orthogonal=True))
     al = symgraph.align(m, b, x)
     assert_state_equal(al.apply(b), m)

@@ -150,7 +150,7 @@ def test_depthwise_conv_is_one_permutation_class():
     assert structure(r, "c2.weight", 0) == ("prod", [6, 2])
     assert summary(r) == {("perm", 6, 1): {("c1.weight", 0), ("c1.bias", 0), ("c2.weight", 0),
                                            ("c2.bias", 0), ("fc.weight", 1)},
-                          ("gl", 2, 1): {("c2.weight", 0), ("c2.bias", 0), ("fc.weight", 1)}}
+                          ("gl", 12, 6): {("c2.weight", 0), ("c2.bias", 0), ("fc.weight", 1)}}  # per channel
 
 
 def test_grouped_conv_permutes_whole_groups():
@@ -161,7 +161,7 @@ def test_grouped_conv_permutes_whole_groups():
         ("perm", 3, 1): {("c1.weight", 0), ("c1.bias", 0), ("c2.weight", 0), ("c2.bias", 0),
                          ("fc.weight", 1)},
         ("scaled_perm", 2, 1): {("c1.weight", 0), ("c1.bias", 0), ("c2.weight", 1)},
-        ("gl", 3, 1): {("c2.weight", 0), ("c2.bias", 0), ("fc.weight", 1)}}
+        ("gl", 9, 3): {("c2.weight", 0), ("c2.bias", 0), ("fc.weight", 1)}}  # one map per group
 
 
 class CrossedGroups(torch.nn.Module):
@@ -186,4 +186,4 @@ def test_crossing_group_structures_fix_the_axis_and_its_parts():
     assert r.group_of("c2.weight", 0) == [] and r.group_of("c3.weight", 1) == []
     assert structure(r, "c3.weight", 0) == ("prod", [4, 2])
     assert summary(r) == {("scaled_perm", 4, 1): {("c1.weight", 0), ("c1.bias", 0), ("c2.weight", 1)},
-                          ("gl", 2, 1): {("c3.weight", 0), ("c3.bias", 0), ("fc.weight", 1)}}
+                          ("gl", 8, 4): {("c3.weight", 0), ("c3.bias", 0), ("fc.weight", 1)}}

@@ -59,6 +59,7 @@ def compute_fibres(an) -> None:
     an.fibre = {leaf: tuple(sorted(f)) for leaf, f in fib.items() if f and an.kind(leaf) != "identity"}
     an.stacked = stacked.stack(an, classes) if classes else {}
     _order_fibres(an)
+    _chains(an)
 
 
 def _resolved(an, axis, leaf) -> set:
@@ -106,3 +107,28 @@ def _order_fibres(an) -> None:
             for i, leaf in enumerate(an.leaves(r)):
                 order.setdefault(leaf, i)
     an.fibre = {k: tuple(sorted(v, key=lambda x: order.get(x, 0))) for k, v in an.fibre.items()}
+
+
+def _chains(an) -> None:
+    """Keep of each fibre its longest inner part that is a chain: every class of it fibred over
+    exactly the ones before it (an expert group, its experts, each expert's hidden units). A
+    class fibred over classes that are not (a head dim over a grouped convolution's groups and
+    the heads inside a group, when those heads are one permutation for every group) loses the
+    outer ones: elements are solved nested along a chain only, and dropping is sound."""
+    done: dict = {}
+
+    def chain(leaf) -> tuple:
+        if leaf not in done:
+            done[leaf] = ()  # a cycle (never expected) keeps nothing
+            fib = an.fibre.get(leaf, ())
+            keep = next((fib[j:] for j in range(len(fib))
+                         if len(fib) - j == 1 or chain(fib[-1]) == fib[j:-1]), ())
+            done[leaf] = keep
+        return done[leaf]
+
+    for leaf in list(an.fibre):
+        kept = chain(leaf)
+        if kept:
+            an.fibre[leaf] = kept
+        else:
+            del an.fibre[leaf]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Meet, NoFiber, Structure, Unify, broadcast, register
+from ..registry import Meet, Structure, Unify, broadcast, register
 
 __all__: list = []  # rule file: its rules register themselves on import
 
@@ -88,10 +88,10 @@ def conv(ctx):
     # padding name positions). With ``groups`` G > 1 the weight is block diagonal: input
     # channels are ``(G, I)`` and output channels ``(G, O)`` (row-major), the weight is
     # ``[G·O, I, *k]``. A class G permutes whole groups (perm: mixing groups breaks the blocks);
-    # I and O each take one map for every group (I must: the weight's I axis has no G beside
-    # it; O could vary per group, but alignment solves elements fibred over one class only, and
-    # groups refined by a later grouped convolution would nest them). Depthwise (I = O = 1):
-    # input and output channels are one class G.
+    # O may take a map per group (each group's rows are its own: a product G × O, as heads ×
+    # head_dim, where every tensor says which group); I takes one map for every group (the
+    # weight's I axis has no G beside it). Depthwise (I = O = 1): input and output channels are
+    # one class G.
     x, w, b = ctx.arg(0), ctx.arg(1), ctx.arg(2, "bias")
     groups = ctx.arg(8 if ctx.node.target == aten.convolution.default else 6, "groups", 1)
     if ctx.node.target == aten.convolution.default and ctx.arg(6, "transposed", False):
@@ -108,10 +108,8 @@ def conv(ctx):
         i, o = ctx.new_axis(wshape[1]), ctx.new_axis(wshape[0] // groups)
         cons += [Structure(xa[off], "prod", (g, i)), Structure(out[off], "prod", (g, o)),
                  Unify(out[off], wa[0]), Unify(i, wa[1], dual=True),
-                 NoFiber(o, g, "grouped convolution: its rule takes one map inside every group "
-                                 "(maps per group are not modelled)"),
-                 Meet(g, "perm", f"{ctx.where}: groups of a grouped convolution (permuted whole, "
-                                 "one map inside every group)")]
+                 Meet(g, "perm", f"{ctx.where}: groups of a grouped convolution (permuted whole; "
+                                 "its inputs inside a group one map for every group)")]
     if ctx.axes(b) is not None:
         cons.append(Unify(out[off], ctx.axes(b)[0]))
     why = f"{ctx.where}: spatial axis of a convolution"
