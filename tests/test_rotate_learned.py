@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import symgraph
-from symgraph.merging.rotate import rotation_classes, rotation_elements, rotation_report
+from symgraph.merging.rotation import rotation_classes, rotation_elements, rotation_report
 from symgraph.merging.rotate_learned import learn_rotations, quantized_loss
 from symgraph.transform.apply import stored_tensors
 

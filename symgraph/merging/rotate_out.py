@@ -20,7 +20,7 @@ import torch
 from ..errors import InputError
 from ..transform.apply import move_piece
 from ..transform.folding import for_reader, members
-from .rotate import ones_gauge, rotation_classes, rotation_elements, rotation_report
+from .rotation import ones_gauge, rotation_classes, rotation_elements, rotation_report
 from .untie import untie_config_updates
 
 __all__ = ["rotate_checkpoint", "piece_bytes", "WORK_BYTES"]
