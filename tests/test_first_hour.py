@@ -147,3 +147,20 @@ def test_each_command_writes_a_record_of_its_own_name(ws, capsys):
     # a previous output of any command is recognised as symgraph's: --force replaces it
     rc, err = cli(ws, capsys, *runs["compare"], "--force")
     assert rc == 0, err
+
+
+def test_a_width_change_is_said_on_stdout_in_the_record_and_the_card(tmp_path, capsys):
+    from symgraph.cli.main import main
+    from symgraph.testing import models
+    sizes = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, positions=64)
+    models.build("llama", seed=0, mlp=48, **sizes).save_pretrained(tmp_path / "a")
+    models.build("llama", seed=1, mlp=64, **sizes).save_pretrained(tmp_path / "b")
+    capsys.readouterr()
+    assert main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "o")]) == 0
+    said = f"'{tmp_path / 'b'}': intermediate_size 64 -> 48"
+    assert f"widths differ, transported into the anchor's ({said})" in capsys.readouterr().out
+    assert json.loads((tmp_path / "o" / "symgraph_merge.json").read_text())["width_change"] == [said]
+    assert f"- width change: {said}" in (tmp_path / "o" / "README.md").read_text()
+    assert main(["merge", str(tmp_path / "a"), str(tmp_path / "a"), "--out", str(tmp_path / "same")]) == 0
+    assert "widths differ" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "same" / "symgraph_merge.json").read_text())["width_change"] == []

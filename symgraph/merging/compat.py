@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..errors import InputError
 
-__all__ = ["check_same_family", "check_compatible", "config_diff", "METADATA", "NOT_FUNCTION"]
+__all__ = ["check_same_family", "check_compatible", "config_diff", "width_change", "METADATA", "NOT_FUNCTION"]
 
 
 def check_same_family(models, names):
@@ -77,3 +77,20 @@ def config_diff(models, names) -> str:
             if k not in skip and base.get(k) != d.get(k) and not isinstance(base.get(k), (dict, list)):
                 diffs.append(f"{k} {base.get(k)!r} vs {d.get(k)!r}")
     return f" (configs differ: {', '.join(diffs[:6])}{' ...' if len(diffs) > 6 else ''})" if diffs else ""
+
+
+def width_change(configs, names, anchor: int = 0) -> list:
+    """The sizes in which a model's config differs from the anchor's (``configs[anchor]``), as
+    ``"'b': intermediate_size 64 -> 48"``: widths the alignment bridges by transport (the merge has
+    the anchor's); empty when every model has the anchor's sizes."""
+    if any(c is None for c in configs):
+        return []
+    base = configs[anchor].to_dict()
+    out = []
+    for name, c in zip(names, configs):
+        d = c.to_dict()
+        diffs = [f"{k} {d[k]} -> {base[k]}" for k in sorted(set(base) & set(d))
+                 if k not in NOT_FUNCTION and type(base[k]) is int and type(d[k]) is int and base[k] != d[k]]
+        if diffs:
+            out.append(f"{name!r}: {', '.join(diffs)}")
+    return out

@@ -19,7 +19,7 @@ from ..core.ties import to_device
 from ..errors import InputError, NeedsMemory, StructureMismatchError
 from ..checkpoints.sharded import KeysDiffer
 from .config import MergeConfig, build_config, to_yaml
-from .compat import check_compatible, check_same_family, config_diff
+from .compat import check_compatible, check_same_family, config_diff, width_change
 from .methods.registry import MergeMethod, get as get_method
 from .streaming import DEFAULT_SHARD as _DEFAULT_SHARD, Checkpoint, StreamingMerge
 
@@ -47,7 +47,9 @@ class MergeOutcome:
         how = (f"{cfg.method}, align={cfg.align}" + (", repair" if cfg.repair else "")
                + (", circuit-space heads" if cfg.attention == "circuits" else "") + (", untied" if cfg.untie else ""))
         where = ", out of core" if self.mode == "streaming" else ""
-        return f"merged {self.n_models} models ({how}{where}) into {self.out}"
+        widths = self.meta.get("width_change")
+        moved = f"; widths differ, transported into the anchor's ({'; '.join(widths)})" if widths else ""
+        return f"merged {self.n_models} models ({how}{where}) into {self.out}{moved}"
 
 
 def progress_bar(iterable=None, *, enabled: bool = True, **kw):
@@ -195,6 +197,7 @@ def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None,
                  repair=result.repair.to_dict() if result.repair is not None else None,
                  input_dtypes=[next(m.parameters()).dtype for m in models])
     meta["architecture"] = _architecture_change(models[0], result.model)
+    meta["width_change"] = width_change([getattr(m, "config", None) for m in models], cfg.models, anchor)
     meta["universe"] = result.universe  # the shared universe's rounds (None: an anchor)
     first = os.path.expanduser(cfg.models[0])
     with progress_bar(total=1, enabled=progress, desc="writing") as bar:
@@ -270,6 +273,7 @@ def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:
                  dtype=anchor.dtype, repair=None, input_dtypes=[c.dtype for c in job.ckpts])
     merged = job.circuits.built()[2] if job.circuits is not None else anchor.model  # meta models, no tensors
     meta["architecture"] = _architecture_change((anchor.source or anchor).model, merged)
+    meta["width_change"] = width_change([c.config for c in job.ckpts], cfg.models, job.anchor)
     meta["universe"] = universe
 
     def write(directory):  # the record's REPAIR entry and the card once the merge is measured
@@ -401,6 +405,8 @@ def _card_summary(meta) -> str:
     if not meta["alignments"]:
         lines.append("- no alignment (plain combination in each model's own basis).")
     lines += [f"- architecture change: {c}." for c in meta.get("architecture", [])]
+    lines += [f"- width change: {c} (transported into the anchor's widths by the alignment)."
+              for c in meta.get("width_change") or []]
     kinds = list(dict.fromkeys(meta.get("input_dtypes") or []))
     if len(kinds) > 1:
         lines.append(f"- the inputs are stored in {' and '.join(kinds)}: merged in float32 (or wider) and "
