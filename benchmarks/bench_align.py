@@ -20,6 +20,7 @@ import time
 import torch
 from scipy.optimize import linear_sum_assignment
 
+from .provenance import register
 from .speed import _rss_now_mb, peak_rss
 
 
@@ -124,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     a = ap.parse_args(argv)
     run(a.layers, a.out, a.threads)
+    if a.out:
+        register(os.path.dirname(os.path.abspath(a.out)), [os.path.basename(a.out)])
     return 0
 
 

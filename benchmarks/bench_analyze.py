@@ -29,6 +29,7 @@ import warnings
 import torch
 
 from .harness import peak_rss_mb
+from .provenance import register
 
 DEFAULT_OUT = os.path.join("benchmarks", "results", "analyze_8b.json")
 
@@ -181,6 +182,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     res = run(args.out, layers=args.layers, repeats=args.repeats)
+    if args.out:
+        register(os.path.dirname(os.path.abspath(args.out)), [os.path.basename(args.out)])
     print(format_table(res))
     print(f"wrote {args.out}")
     return 0

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from .provenance import best_time, matmul_gflops, table
+from .provenance import best_time, matmul_gflops, table, write_beside
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cost" / "cost.json"
 
@@ -331,11 +331,9 @@ def main(argv=None) -> int:
             [*(["--sketch", str(a.sketch)] if a.sketch else []), *(["--tol", str(a.tol)] if a.tol else [])])
     label = a.label or f"{a.shape}-L{a.layers}-{r['commit']}"
     out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(out.read_text()) if out.is_file() else {}
     results[label] = r
-    out.write_text(json.dumps(results, indent=1))
-    out.with_suffix(".md").write_text(markdown(results))
+    write_beside(out, results, markdown(results))
     print(markdown({label: r}))
     return 0 if r["rc"] == 0 else 1
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.provenance import best_time, matmul_gflops, table
+from benchmarks.provenance import best_time, matmul_gflops, table, write_beside
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "device" / "device.json"
 
@@ -188,8 +188,7 @@ def main(argv=None) -> int:
         r["depths"].append(run_depth(a.shape, layers, device, layers in staged, r["peaks"]))
         results = json.loads(out.read_text()) if out.is_file() else {}
         results[label] = r
-        out.write_text(json.dumps(results, indent=1))
-        out.with_suffix(".md").write_text(markdown(results))
+        write_beside(out, results, markdown(results))
         print(markdown({label: r}), file=sys.stderr, flush=True)
     return 0
 

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .provenance import REPO_ROOT, git_state, table, write_json
+from .provenance import REPO_ROOT, git_state, register, table, write_json
 
 WORKER = Path(__file__).resolve().parent / "engine_equivalence_worker.py"
 CASES = ("mlp/average", "mlp/regmean", "mlp/repair", "mlp/universe_regmean",
@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     write_json(out / "results.json", {"before": before_commit, "after": state, "cases": rows,
                                       "written": time.strftime("%Y-%m-%dT%H:%M:%S")})
     (out / "report.md").write_text(report(rows, before_commit, state))
+    register(out, ["results.json", "report.md"])
     return 0
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .provenance import staged, table, write_json
+from .provenance import register, staged, table, write_json
 
 __all__ = [
     "DEFAULT_PAIRS",
@@ -425,6 +425,7 @@ def main(argv=None) -> dict:
         result["protocol"]["figures"] = figures
         write_json(tmp / "results.json", result)
         (tmp / "report.md").write_text(markdown(result))
+    register(out, ["results.json", "report.md", *figures])
     print(f"wrote {out}/results.json, report.md and {len(figures)} figure(s)")
     return result
 

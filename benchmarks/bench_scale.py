@@ -80,6 +80,7 @@ from pathlib import Path
 
 # the parts live in benchmarks/scale/, one job a module; re-exported here, where callers and
 # tests have always found them
+from .provenance import write_beside
 from .scale.checkpoints import (dir_bytes, ensure_pair, llama_config, make_tensor, model_sizes,  # noqa: F401
                                 tensor_files, tensor_seed, weight_files, write_checkpoint)
 from .scale.checks import check_output, compare_outputs, load_check_dir  # noqa: F401
@@ -122,11 +123,7 @@ def run(shapes, layers=None, work=DEFAULT_WORK, out=str(DEFAULT_OUT), stages=STA
 
 
 def _write(result: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for path, text in ((out, json.dumps(result, indent=1)), (out.with_suffix(".md"), markdown(result))):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    write_beside(out, result, markdown(result))
 
 
 def main(argv=None) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ import torch
 import symgraph
 
 from . import evaluate, train
-from .provenance import git_state, table
+from .provenance import git_state, table, write_beside
 
 LAMBDAS = np.linspace(0.0, 1.0, 11)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "speed_quality" / "sweeps.json"
@@ -146,10 +145,7 @@ def main(argv=None) -> int:
     res = run(a.archs, a.size, only=a.settings)
     meta = {"command": " ".join(["python -m benchmarks.bench_sweeps", *(argv if argv is not None else sys.argv[1:])]),
             "commit": git_state(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"run": meta, **res}, indent=1))
-    out.with_suffix(".md").write_text(markdown(res, meta))
+    write_beside(a.out, {"run": meta, **res}, markdown(res, meta), meta["command"])
     print(markdown(res, meta))
     return 0
 

@@ -20,6 +20,7 @@ import symgraph
 from symgraph.merging.untie import untie
 
 from . import evaluate, train
+from .provenance import register, write_json
 
 LAMBDAS = np.linspace(0, 1, 11)
 
@@ -59,7 +60,8 @@ def main(argv=None) -> int:
     res = run(a.size, a.seeds, a.max_batches)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"untie_merge_{a.size}.json").write_text(json.dumps(res, indent=1))
+    write_json(out / f"untie_merge_{a.size}.json", res)
+    register(out, [f"untie_merge_{a.size}.json"])
     print(f"mean barrier: vanilla {res['mean']['vanilla']:.3f}, weights (tied) {res['mean']['weights_tied']:.3f} "
           f"({res['ratio_tied']:.2f}x), weights (untied merge) {res['mean']['weights_untied']:.3f} "
           f"({res['ratio_untied']:.2f}x)")

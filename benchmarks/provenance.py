@@ -5,6 +5,7 @@ machine's matmul rates, results as JSON without NaN or numpy scalars, Markdown t
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -17,8 +18,8 @@ from pathlib import Path
 
 from symgraph.checkpoints.outdir import identity, remove_own
 
-__all__ = ["REPO_ROOT", "RECORD", "RESULTS_ROOT", "git_state", "jsonable", "machine_free", "write_json", "staged", "write_result",
-           "log", "table", "commit_info", "command_line", "best_time", "matmul_gflops", "matmul_rates", "add_record", "record_problems"]
+__all__ = ["REPO_ROOT", "RECORD", "RESULTS_ROOT", "git_state", "jsonable", "machine_free", "write_json", "staged", "write_result", "write_beside",
+           "register", "log", "table", "commit_info", "command_line", "best_time", "matmul_gflops", "matmul_rates", "add_record", "record_problems"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,14 +82,39 @@ def staged(out, prefix: str = ".bench-"):
 
 
 def write_result(out, prefix: str, record, markdown, plot=None, json_name: str = "results.json",
-                 md_name: str = "report.md") -> None:
+                 md_name: str = "report.md", command: str | None = None) -> None:
     """``record`` as JSON, its ``markdown(record)`` report and ``plot(record, dir)``'s figures,
-    written into ``out`` through :func:`staged`."""
+    written into ``out`` through :func:`staged`, and their entry in ``out``'s ``record.json``
+    (:func:`register`): ``command`` (default: this process's, :func:`command_line`), the
+    commit, the machine's matmul rates."""
     with staged(out, prefix) as tmp:
         write_json(tmp / json_name, record)
         (tmp / md_name).write_text(markdown(record))
         if plot is not None:
             plot(record, tmp)
+        names = [f.name for f in tmp.iterdir()]
+    register(out, names, command)
+
+
+def write_beside(path, record, markdown: str, command: str | None = None) -> None:
+    """``record`` as JSON at ``path`` (:func:`write_json`'s form) and ``markdown`` beside it
+    (``.md``), each file replaced whole (a run stopped at any time leaves whole files), and
+    their entry in the directory's ``record.json`` (:func:`register`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    md = path.with_suffix(".md")
+    for p, text in ((path, machine_free(json.dumps(jsonable(record), indent=1))), (md, markdown)):
+        tmp = p.with_name(f".{p.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, p)
+    register(path.parent, [path.name, md.name], command)
+
+
+def register(out, files, command: str | None = None) -> dict:
+    """:func:`add_record` with this process's command (:func:`command_line`) unless given, and the
+    machine's matmul rates (:func:`matmul_rates`, measured once a process: call it before the
+    runs it must not disturb)."""
+    return add_record(out, files, command or command_line(), rates=matmul_rates())
 
 
 # --- the one logger and the one table writer ----------------------------------------------------
@@ -170,9 +196,10 @@ def matmul_gflops(dtypes, n: int = 4096, device="cpu", sync=lambda: None) -> dic
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def matmul_rates(n: int = 2048) -> dict:
-    """This machine's float32 and bfloat16 matmul rates, GFLOP/s (``n×n``, best of 3): the
-    yardstick a record's seconds are read against."""
+    """This machine's float32 and bfloat16 matmul rates, GFLOP/s (``n×n``, best of 3; measured
+    once a process): the yardstick a record's seconds are read against."""
     import torch
     return {k: round(v, 1) for k, v in matmul_gflops((torch.float32, torch.bfloat16), n=n).items()}
 
@@ -188,7 +215,7 @@ def add_record(out, files, command: str, *, rates: dict | None = None, how: str 
     if info["dirty"]:
         entry["dirty"] = True
     if rates is not None:
-        entry["matmul_gflops"] = rates
+        entry["matmul_gflops"] = dict(rates)
     path = out / RECORD
     old = json.loads(path.read_text())["entries"] if path.is_file() else []
     keep = [e for e in old if not set(e["files"]) & set(entry["files"])]

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from .harness import machine_info
-from .provenance import REPO_ROOT, git_state, log, staged, write_json
+from .provenance import REPO_ROOT, git_state, log, register, staged, write_json
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
@@ -298,6 +298,8 @@ def run(out: str, quick: bool = False, archs=None, pairs=None, size=None, seeds=
         summary["heatmap"] = next((k["heatmap"] for k in keep.values() if k and "heatmap" in k), None)
         write_json(tmp / "results.json", records)
         (tmp / "report.md").write_text("\n\n".join([rep.markdown(records, summary, figures)] + more))
+        written = [f.name for f in tmp.iterdir()]
+    register(out, written)
     log(f"wrote {out}/results.json, report.md and {len(figures)} figures in "
         f"{time.perf_counter() - t_start:.0f}s")
     return summary

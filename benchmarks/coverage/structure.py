@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 
 from .attention import ROPE_ABSENT, ROPE_BLOCKED, attention_units  # noqa: F401 - re-exported
-from .graph import _LINEAR, _from_param, _is_constant, _pname, _shape, _source, linear_weight
+from .graph import _LINEAR, _is_constant, _pname, _shape, linear_weight
 from .why import explain
 
 # --- completeness by structure ----------------------------------------------------------------

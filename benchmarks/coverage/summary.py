@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from ..provenance import REPO_ROOT, log, staged, write_json
+from ..provenance import REPO_ROOT, log, register, staged, write_json
 
 from .constants import DEFAULT_OUT, TARGET_COMPLETE, TARGET_MEDIAN_S, TASKS, TOL
 from .family import families, run_isolated
@@ -232,6 +232,7 @@ def run(out=None, only=None, tasks=None, jobs: int = 2, timeout: float = 120.0, 
         with staged(out, ".coverage-") as tmp:
             write_json(tmp / "coverage.json", res)
             (tmp / "coverage.md").write_text(markdown(res))
+        register(out, ["coverage.json", "coverage.md"])
     return res
 
 

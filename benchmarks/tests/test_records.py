@@ -107,3 +107,21 @@ def test_command_line_quotes_what_the_shell_would_split():
 def test_table_aligns_columns():
     assert pv.table(["a", "b"], [[1, "x"], [2.5, None]], align=[None, "r"]) == [
         "| a | b |", "|---|---:|", "| 1 | x |", "| 2.5 | None |"]
+
+
+def test_write_result_writes_the_files_and_their_record(tmp_path, monkeypatch):
+    monkeypatch.delenv("SYMGRAPH_COMMIT", raising=False)
+    out = tmp_path / "r"
+
+    def plot(rec, d):
+        (d / "fig.png").write_bytes(b"png")
+    pv.write_result(out, ".t-", {"x": float("nan"), "path": str(pv.REPO_ROOT / "a")},
+                    lambda rec: "\n".join(pv.table(["x"], [[rec["x"]]])), plot, command="python -m benchmarks.t --n 1")
+    assert json.loads((out / "results.json").read_text()) == {"x": None, "path": "<repo>/a"}
+    assert (out / "report.md").read_text() == "| x |\n|---|\n| nan |"
+    (e,) = json.loads((out / pv.RECORD).read_text())["entries"]
+    assert e["files"] == ["fig.png", "report.md", "results.json"] and e["command"] == "python -m benchmarks.t --n 1"
+    assert e["commit"] == _git("rev-parse", "HEAD").stdout.strip()
+    assert set(e["matmul_gflops"]) == {"float32", "bfloat16"} and all(v > 0 for v in e["matmul_gflops"].values())
+    assert pv.record_problems(out, exists=in_history) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]   # the staging directory is gone
