@@ -10,14 +10,15 @@ offline (``HF_HUB_OFFLINE=1``) a name that is not in the local cache fails at on
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..core.dtypes import SAFETENSORS_DTYPES
 from ..core.finite import check_config_numbers
-from ..core.files import model_file
+from ..core.files import PinnedFile, model_file
 from ..errors import InputError
 
 __all__ = ["check_checkpoint_dir", "read_layout", "read_config", "build_meta", "Layout", "load_local", "load_hub",
@@ -82,11 +83,25 @@ DTYPES = SAFETENSORS_DTYPES
 class Layout:
     """Where each tensor of a checkpoint lives, from the file headers alone: ``files`` (tensor
     -> real shard path), ``shapes``, ``dtypes`` (torch dtypes), ``keys`` in index (or file)
-    order. The one reading of a checkpoint every path shares (:func:`read_layout`)."""
+    order. The one reading of a checkpoint every path shares (:func:`read_layout`). ``pins``:
+    shard path -> its :class:`~symgraph.core.files.PinnedFile`, opened when the headers were
+    read: every later read of the run goes through it and is checked against it."""
     files: dict
     shapes: dict
     dtypes: dict
     keys: list
+    pins: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def check_unchanged(self) -> None:
+        """Refuse (one line, naming the file) a shard replaced or rewritten since it was pinned."""
+        for pin in self.pins.values():
+            pin.check()
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the tensors' values (what a model of these tensors takes on disk)."""
+        return sum(math.prod(self.shapes[k]) * torch.empty((), dtype=self.dtypes[k]).element_size()
+                   for k in self.keys)
 
     @property
     def dtype(self):
@@ -110,9 +125,11 @@ def read_layout(path: str) -> Layout:
     where: dict = {}
     shapes: dict = {}
     dtypes: dict = {}
+    pins: dict = {}
     for name in shards:
         try:
-            with safe_open(real[name], framework="pt", device="cpu") as h:
+            pins[real[name]] = pin = PinnedFile(real[name])  # opened once for the run, every read checked
+            with safe_open(pin.reader, framework="pt", device="cpu") as h:
                 for key in h.keys():
                     if key in where:
                         raise InputError(f"{path!r}: tensor {key!r} is in two shards ({where[key]} and {name}); "
@@ -138,7 +155,7 @@ def read_layout(path: str) -> Layout:
         raise InputError(f"{path!r}: tensor(s) {_names(absent)} are in the index but not in their shard; "
                          "expected a complete checkpoint")
     keys = list(weight_map) if weight_map is not None else list(where)
-    return Layout({k: real[where[k]] for k in keys}, shapes, dtypes, keys)
+    return Layout({k: real[where[k]] for k in keys}, shapes, dtypes, keys, pins)
 
 
 def read_config(path: str):
@@ -367,7 +384,9 @@ def load_local(path: str):
         check_tensors(build_meta(cls, cfg, layout, os.path.join(path, "config.json")), layout, path)
     except KeysDiffer:
         pass  # names transformers converts on load (fused experts): from_pretrained checks those
-    return _from_pretrained(cls, path, repr(path), local_files_only=True, dtype=layout.dtype)
+    model = _from_pretrained(cls, path, repr(path), local_files_only=True, dtype=layout.dtype)
+    layout.check_unchanged()  # the weights loaded are those of the files whose headers were checked
+    return model
 
 
 def _offline() -> bool:

@@ -1,18 +1,24 @@
 """Writing results without ever touching what is not ours.
 
-``--out`` is vetted before any work (:func:`check_out`): it may not be an input, contain an
-input, be or contain the current directory, or be an existing directory that symgraph did not
-write (a previous output carries the marker file :data:`MARKER`); its parent must exist and be
-writable. The model is written to a temporary sibling and renamed into place
-(:func:`save_atomic`); the temporary directory is removed on any failure, Ctrl-C or SIGTERM
-(:func:`terminate_on_sigterm` turns SIGTERM into :class:`Terminated`). New directories follow
-the umask like any ``mkdir``.
+``--out`` is vetted before any work (:func:`check_out`): its name must fit the file system
+(each name at most ``NAME_MAX`` bytes, the path at most ``PATH_MAX``); it may not be a mount
+point (the finished output is renamed into place, which a mount point cannot take), an input,
+contain an input, be or contain the current directory, or be an existing directory that
+symgraph did not write (a previous output carries the marker file :data:`MARKER`); its parent
+must exist and be writable; and (:func:`check_space`, once the inputs' headers are read) its
+file system must have room for the tensors the output will hold. The model is written to a
+temporary sibling, marked as this run's (:mod:`~symgraph.checkpoints.leftovers`), and renamed
+into place (:func:`save_atomic`); the temporary directory is removed on any failure, Ctrl-C or
+SIGTERM (:func:`terminate_on_sigterm` turns SIGTERM into :class:`Terminated`), and a killed
+run's is removed by the next run on the same ``--out``. New directories follow the umask like
+any ``mkdir``.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import signal
 import stat
 import tempfile
@@ -22,10 +28,11 @@ import torch
 
 from ..core.files import copy_regular, file_id, identity, inside as _inside, model_file, remove_own  # noqa: F401 - remove_own re-exported
 from ..errors import InputError
+from .leftovers import RUN_MARKER, mark_run, sweep, unmark_run
 
 __all__ = ["MARKER", "RECORDS", "record_of", "Terminated", "check_out", "check_new_file", "save_atomic",
            "terminate_on_sigterm", "model_card",
-           "identity", "remove_own"]
+           "identity", "remove_own", "check_space", "human_bytes"]
 
 MARKER = "symgraph_merge.json"
 #: The record each command writes into its output (``merge``'s is :data:`MARKER`): any of them
@@ -88,8 +95,57 @@ def _real(p: str) -> str:
 
 
 def check_out(out: str, *, force: bool = False, inputs=()) -> str:
-    """The absolute output path, refused (before any work) when writing it could lose data."""
-    return _vet(out, force, inputs)[0]
+    """The absolute output path, refused (before any work) when writing it could lose data or
+    could not end in place; a killed run's temporary directory beside it is removed (and said)."""
+    path = _vet(out, force, inputs)[0]
+    sweep(path, TMP_PREFIX)
+    return path
+
+
+def check_space(out: str, need: int, what: str = "the merged model") -> None:
+    """Refuse, in one line with human units, an output of ``need`` bytes that the free space
+    of ``out``'s file system cannot hold (where the free space is known)."""
+    try:
+        free = shutil.disk_usage(os.path.dirname(out)).free
+    except OSError:
+        return
+    if need > free:
+        raise InputError(f"--out {out!r}: {what} needs {human_bytes(need)} but its file system has "
+                         f"{human_bytes(free)} free; expected room for the output (free some space, or "
+                         "choose an --out on another file system)")
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes in decimal units: ``"1.2 GB"``, ``"300 MB"``, ``"512 B"``."""
+    for unit, f in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= f:
+            return f"{n / f:.3g} {unit}"
+    return f"{n} B"
+
+
+def _check_name(out: str) -> None:
+    """Refuse an ``--out`` whose names (or whole path, or temporary sibling's name) the file
+    system cannot hold: found at the end otherwise, after all the work."""
+    path = os.path.abspath(os.path.expanduser(out))
+    parent = os.path.dirname(path)
+    while parent != os.path.dirname(parent) and not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    limits = []
+    for key, default in (("PC_NAME_MAX", 255), ("PC_PATH_MAX", 4096)):
+        try:
+            limits.append(os.pathconf(parent, key))
+        except (OSError, ValueError):
+            limits.append(default)
+    name_max, path_max = limits
+    for name in path.split(os.sep) + [TMP_PREFIX + "x" * 8, OLD_PREFIX + "x" * 8]:
+        size = len(os.fsencode(name))
+        if size > name_max:
+            shown = name if len(name) <= 40 else name[:40] + "..."
+            raise InputError(f"--out has a name of {size} bytes ({shown!r}); expected names of at most "
+                             f"{name_max} bytes, as the file system holds them")
+    if len(os.fsencode(path)) >= path_max:
+        raise InputError(f"--out is a path of {len(os.fsencode(path))} bytes; expected a path shorter than "
+                         f"{path_max} bytes, as the file system holds it")
 
 
 def _vet(out, force, inputs) -> tuple:
@@ -98,6 +154,7 @@ def _vet(out, force, inputs) -> tuple:
     owned = {}
     if not out or not str(out).strip():
         raise InputError("--out is empty; expected the path of a new output directory")
+    _check_name(str(out))
     path = _real(str(out))
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
@@ -119,6 +176,10 @@ def _vet(out, force, inputs) -> tuple:
     if os.path.lexists(path):
         if not os.path.isdir(path) or os.path.islink(path):
             raise InputError(f"--out {out!r} exists and is not a directory; expected a new directory")
+        if os.path.ismount(path):
+            raise InputError(f"--out {out!r} is a mount point, and symgraph writes a new directory beside it and "
+                             "renames that into place, which a mount point cannot take; expected a directory "
+                             f"inside it (e.g. --out {os.path.join(str(out), 'merged')!r})")
         entries = os.listdir(path)
         if entries and record_of(entries) is None:
             raise InputError(f"output {out!r} already exists and was not written by symgraph (no "
@@ -189,8 +250,7 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
     out = check_out(out, force=force, inputs=inputs)
     parent = os.path.dirname(out)
     tmp_prefix, old_prefix = TMP_PREFIX, OLD_PREFIX
-    tmp = tempfile.mkdtemp(prefix=tmp_prefix, dir=parent)
-    made = {tmp: identity(tmp)}  # what this call created (or moved aside): all it may delete
+    tmp, made = _new_tmp(parent, out)  # what this call created (or moved aside): all it may delete
     old, owned = None, ()
     try:  # mkdtemp's 0700 until the rename: nobody else can add entries while it is written
         try:
@@ -210,7 +270,7 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
         if card is not None:
             with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
                 f.write(card() if callable(card) else card)
-        written = sorted(os.listdir(tmp))  # what a later --force may delete, and how to know it
+        written = sorted(set(os.listdir(tmp)) - {RUN_MARKER})  # what a later --force may delete, and how to know it
         ids = {n: list(file_id(os.lstat(os.path.join(tmp, n)))) for n in written}
         assert record in RECORDS, record
         with open(os.path.join(tmp, record), "w") as f:
@@ -223,7 +283,7 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
                 os.rmdir(old)
                 os.replace(out, old)
                 made[old] = identity(old)
-            os.replace(tmp, out)
+            os.replace(unmark_run(tmp), out)
             COMMITTED.append(out)
             if old is not None:
                 remove_own(old, made[old], old_prefix, only=owned)
@@ -235,6 +295,20 @@ def save_atomic(model, out: str, *, force: bool = False, inputs=(), tokenizer_fr
         if old is not None and not os.path.lexists(out) and os.path.isdir(old):
             os.replace(old, out)  # the new output never arrived: put the previous one back
     return out
+
+
+def _new_tmp(parent: str, out: str) -> tuple:
+    """A new private temporary directory in ``parent`` for the output ``out``, marked as this
+    run's (:func:`~symgraph.checkpoints.leftovers.mark_run`: should this process be killed, the
+    next run on ``out`` knows whose it is), and ``{it: its identity}``."""
+    tmp = tempfile.mkdtemp(prefix=TMP_PREFIX, dir=parent)
+    made = {tmp: identity(tmp)}
+    try:
+        mark_run(tmp, out)
+    except BaseException:
+        remove_own(tmp, made[tmp], TMP_PREFIX)
+        raise
+    return tmp, made
 
 
 def _short(e) -> str:

@@ -4,7 +4,9 @@
 with ``model.safetensors.index.json``): its model is built on the ``meta`` device from the
 config (no weights), the tensors are checked against it from the file headers alone (every
 parameter present, tied names counting once; no unused tensor; shapes as the config says),
-and each tensor is read, through safetensors' ``safe_open``, only when asked for.
+and each tensor is read, through safetensors' ``safe_open``, only when asked for, from the
+file pinned when its header was read (:class:`~symgraph.core.files.PinnedFile`): a file
+replaced or rewritten during the run is refused, never read as a mix of two versions.
 :class:`ShardWriter` writes tensors whose names, shapes and dtypes are known in advance into
 shards named and indexed as ``save_pretrained`` names them, one tensor at a time.
 """
@@ -74,6 +76,7 @@ class Checkpoint:
         self.config, self.cls = read_config(path)
         layout = layout or read_layout(path)  # the headers (checked to agree with the index), or the caller's
         self.files, self.shapes, self.dtypes, self.keys = layout.files, layout.shapes, layout.dtypes, layout.keys
+        self.pins = layout.pins  # shard path -> the file opened with the headers (a read checks it)
         self._finite: set = set()  # tensors already checked finite (alignment reads them again per sweep)
         self.dtype = layout.dtype
         self.model = build_meta(self.cls, self.config, layout, os.path.join(path, "config.json"))
@@ -112,11 +115,18 @@ class Checkpoint:
 
     # --- reading -------------------------------------------------------------------------
 
-    def _handle(self, file):
+    def check_unchanged(self) -> None:
+        """Refuse (one line, naming the file) a shard replaced or rewritten since it was pinned."""
+        for pin in self.pins.values():
+            pin.check()
+
+    def _handle(self, file, pin=None):
         from safetensors import safe_open
         try:
-            return safe_open(file, framework="pt", device="cpu")
+            return safe_open(pin.reader if pin is not None else file, framework="pt", device="cpu")
         except Exception as e:  # noqa: BLE001 - safetensors' own errors (truncated, corrupt header)
+            if pin is not None:
+                pin.check()  # a file that changed says so
             raise InputError(f"cannot read the weights of {self.path!r} ({os.path.basename(file)}): "
                              f"{' '.join(str(e).split())[:200]}; expected valid safetensors files written "
                              "by save_pretrained") from None
@@ -125,14 +135,20 @@ class Checkpoint:
         """A checkpoint tensor (a copy), checked finite unless ``check=False`` (the caller
         checks what it computes from it); ``part=(dim, start, stop)`` reads that slice only.
         The file is mapped only for the read: pages of a mapping that stays open count as the
-        process's resident memory, and over a whole model would add up to its size."""
+        process's resident memory, and over a whole model would add up to its size. It is the
+        file pinned with the headers, checked unchanged before and after the read."""
         stored = self._stored.get(key, key)
-        with self._handle(self.files[key]) as h:
+        pin = self.pins.get(self.files[key])
+        if pin is not None:
+            pin.check()
+        with self._handle(self.files[key], pin) as h:
             if part is None:
                 t = h.get_tensor(stored)
             else:
                 d, start, stop = part
                 t = h.get_slice(stored)[(slice(None),) * d + (slice(start, stop),)]
+        if pin is not None:
+            pin.check()  # rewritten in place while it was read
         if check:
             check_read(t, key, self._finite, part is None, f"checkpoint {self.path!r}")
         return t

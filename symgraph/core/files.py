@@ -1,13 +1,16 @@
-"""Deleting only what this process created: files named by their ``(device, inode)``
-identity and checked through one handle on their parent directory (what every writer of
-symgraph — the output directory, the graph drawing — uses to clean up)."""
+"""Files by their identity: deleting only what this process created (files named by their
+``(device, inode)`` identity and checked through one handle on their parent directory, what
+every writer of symgraph — the output directory, the graph drawing — uses to clean up), and
+input files pinned for a run (:class:`PinnedFile`: opened once, every read checked against
+what was opened)."""
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
 __all__ = ["identity", "file_id", "remove_own", "special_file", "check_input_file", "inside", "model_file", "model_roots",
-           "copy_regular"]
+           "copy_regular", "PinnedFile", "pin_id"]
 
 
 def check_input_file(path: str, what: str, expected: str) -> None:
@@ -168,3 +171,50 @@ def _remove_entries(name, pfd, only):
         os.rmdir(name, dir_fd=pfd)
     except OSError:
         pass  # something else is in it: it stays
+
+
+class PinnedFile:
+    """An input file opened once for the run and pinned: its identity (device, inode, size,
+    modification time) taken from the open handle, which stays open. :attr:`reader` is a path
+    that opens the pinned file itself (``/proc/self/fd/N``), not whatever now has its name, so
+    every read sees one version of it; :meth:`check` refuses, in one line, a file that was
+    replaced (an atomic ``os.replace``, as ``save_pretrained`` writes), removed or rewritten in
+    place since. Without a handle to spare (the process's file limit) the identity is taken
+    from the path and checked the same way; reads then go through the path."""
+
+    def __init__(self, path: str, what: str = "checkpoint file"):
+        import weakref
+        self.path, self.what, self.fd = path, what, None
+        try:
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+        self.id = pin_id(os.fstat(self.fd) if self.fd is not None else os.stat(path))
+        if self.fd is not None:
+            weakref.finalize(self, os.close, self.fd)
+        proc = f"/proc/self/fd/{self.fd}"
+        self.reader = proc if self.fd is not None and os.path.exists(proc) else path
+
+    def check(self) -> None:
+        """Refuse (InputError) unless ``path`` still names the pinned file, unchanged."""
+        from ..errors import InputError
+        try:
+            now = pin_id(os.stat(self.path))
+        except OSError as e:
+            now, how = None, f"it is gone: {e.strerror}"
+        else:
+            held = pin_id(os.fstat(self.fd)) if self.fd is not None else now
+            how = (f"another file took its name: inode {self.id[1]} -> {now[1]}" if now[:2] != self.id[:2]
+                   else None if now == self.id == held else "it was rewritten in place: size or modification "
+                   f"time {self.id[2]}, {self.id[3]} -> {held[2]}, {held[3]}")
+        if how is not None:
+            raise InputError(f"{self.what} {self.path!r} changed during the run ({how}), so the tensors read "
+                             "from it could mix two versions; nothing was written; expected inputs that stay "
+                             "unchanged until symgraph ends (merge a copy of a checkpoint that is still being "
+                             "saved)")
+
+
+def pin_id(st) -> tuple:
+    """What pins an input file: device, inode, size and modification time (ns)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns

@@ -73,7 +73,7 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
     if anchor is not None and anchor != cfg.anchor:
         cfg = build_config({**cfg.model_dump(), "anchor": anchor}, batches=data is not None)
     anchor = 0 if cfg.anchor == "universe" else cfg.anchor  # the model whose architecture the merge has
-    from ..checkpoints.outdir import check_out
+    from ..checkpoints.outdir import check_out, check_space
     if not cfg.out:
         raise InputError("merge needs an output directory; expected --out DIR (or 'out:' in the config)")
     inputs = list(cfg.models) + ([cfg.data] if cfg.data else [])
@@ -81,6 +81,8 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
     check_paths(cfg.models)
     layouts = local_layouts(cfg.models)  # the headers, read once for both paths
     check_dtype_kinds(layouts, cfg.models)
+    if 0 <= anchor < len(layouts) and layouts[anchor] is not None:  # room for the anchor's tensors, before any work
+        check_space(out, layouts[anchor].nbytes)
     if cfg.data:
         from ..checkpoints.specs import DATA_EXPECTED
         from ..core.files import check_input_file
@@ -278,6 +280,8 @@ def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:
 
     def write(directory):  # the record's REPAIR entry and the card once the merge is measured
         info = job.write(directory)
+        for c in job.ckpts:  # no input changed under the run, up to its end
+            getattr(c, "check_unchanged", lambda: None)()
         meta["repair"] = job.repair_report.to_dict() if job.repair_report is not None else None
         return info
 
