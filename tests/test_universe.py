@@ -161,7 +161,7 @@ def test_a_common_drift_is_not_a_change():
     """The universe is defined up to one element applied to every model: a round that moves
     every model's element of a class by the same D (E_i' = D E_i) changes nothing else."""
     from symgraph.core.elements import Perm
-    from symgraph.merging.universe import _changes
+    from symgraph.merging.universe import round_changes as _changes
     g = torch.Generator().manual_seed(0)
     rot = lambda: torch.linalg.qr(torch.randn(2, 6, 6, generator=g, dtype=torch.float64))[0]  # noqa: E731
     E = [rot() for _ in range(3)]
