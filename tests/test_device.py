@@ -151,7 +151,7 @@ def _pipeline_on(dev, atol=1e-6, rtol=1e-5):
             assert torch.allclose(g.cpu(), v, atol=atol, rtol=rtol), (flow, k, float((g.cpu() - v).abs().max()))
 
 
-@pytest.mark.slow  # the default suite took 747 s at 29a92d8 (budget 600 s); the other fakegpu tests here and tests/test_bench_device_disk.py keep the device path
+@pytest.mark.slow  # the default suite took 747 s at 29a92d8 (budget 600 s); the other fakegpu tests here and benchmarks/tests/test_bench_device_disk.py keep the device path
 def test_the_pipeline_on_a_device_that_is_not_the_cpu():
     """The whole pipeline on ``fakegpu`` (symgraph.testing.device: PyTorch's PrivateUse1 key
     from Python, computing on the CPU inside): an op mixing its tensors with CPU tensors

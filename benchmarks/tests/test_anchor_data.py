@@ -14,7 +14,7 @@ from benchmarks.anchor import train as tr
 # the GPT-2 tokenizer files: $ANCHOR_TOKENIZER, else .anchor-data/gpt2_tokenizer in the checkout
 # (where benchmarks/anchor/device.sh reads them)
 TOKENIZER = Path(os.environ.get("ANCHOR_TOKENIZER")
-                 or Path(__file__).resolve().parent.parent / ".anchor-data" / "gpt2_tokenizer")
+                 or Path(__file__).resolve().parents[2] / ".anchor-data" / "gpt2_tokenizer")
 needs_tokenizer = pytest.mark.skipif(not (TOKENIZER / "tokenizer.json").is_file(),
                                      reason=f"GPT-2 tokenizer files not in {TOKENIZER} (set ANCHOR_TOKENIZER)")
 

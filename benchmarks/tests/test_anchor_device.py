@@ -14,7 +14,7 @@ import torch
 from benchmarks.anchor import data, peer, report, table
 from benchmarks.anchor import train as tr
 
-from test_anchor_data import TINY, TOKENIZER, needs_tokenizer, synthetic_text
+from benchmarks.tests.test_anchor_data import TINY, TOKENIZER, needs_tokenizer, synthetic_text
 
 
 @pytest.fixture
