@@ -11,10 +11,10 @@ import torch
 
 from ..core import distributed
 from ..core.finite import require_finite
-from ..errors import NeedsMemory
+from ..core.progress import bar
 from ..core.groups import orthogonal_part
 from .checks import batch_inputs, by_shape
-from .graphrun import (GraphRunner, Stepper, flatten_for, lockstep, meta_constants, on_device,  # noqa: F401
+from .graphrun import (GraphRunner, Stepper, flatten_for, lockstep, meta_constants, on_device, runnable,  # noqa: F401
                        run_capture, streamed_outputs)
 
 __all__ = ["ActStats", "all_reduce_stats", "activation_similarity", "act_matrix", "run_capture",
@@ -181,11 +181,7 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
         gm_b = gm_a if sb is sa else sb.exported_program.module()  # a Stepper keeps its own state
         if fetch is not None:  # traced where the models were (maybe meta); run on the device
             for gm in (gm_a,) if gm_b is gm_a else (gm_a, gm_b):
-                on_device(gm, dev)  # in place
-                lost = meta_constants(gm)
-                if lost:
-                    raise NeedsMemory(f"the traced graph creates tensor constants ({', '.join(lost[:3])}) whose "
-                                      "values a model traced without weights (on meta) does not hold")
+                runnable(gm, dev)  # in place
         order = {name: pos for pos, (name, _, _) in enumerate(sa.nodes())}
         shapes.append((sa, plan, views, gm_a, gm_b, batches, order))
     sa0, plan0, order0 = shapes[0][0], shapes[0][1], shapes[0][-1]
@@ -210,7 +206,8 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
                 continue
             in_order = sorted(points, key=lambda p: order[p[0]])
             last = in_order[-1] if len(passes) > 1 else (None, None)  # where the runs pause
-            for bi, batch in batches:
+            for bi, batch in bar(batches, desc=f"activation statistics (pass {passes.index(todo) + 1} of "
+                                 f"{len(passes)})", unit="batch"):
                 run = runs.get((si, bi))
                 if run is None:
                     args, kwargs = batch_inputs(sa, batch, bi)

@@ -11,7 +11,7 @@ import torch
 from ..errors import InputError, NeedsMemory
 
 __all__ = ["run_capture", "GraphRunner", "Stepper", "lockstep", "on_device", "meta_constants",
-           "streamed_outputs", "flatten_for"]
+           "streamed_outputs", "flatten_for", "runnable"]
 
 
 class _Capture(torch.fx.Interpreter):
@@ -39,6 +39,19 @@ def meta_constants(gm) -> list:
             if isinstance(t, torch.Tensor) and t.is_meta:
                 out.append(node.target)
     return out
+
+
+def runnable(gm, device):
+    """``gm`` (a traced graph module, maybe traced on ``meta``) ready to run op by op on
+    ``device``, its weights read when an op takes them: :func:`on_device` (in place), and
+    :class:`NeedsMemory` when it holds constants the forward created that a model traced
+    without weights does not have (:func:`meta_constants`). Every op-by-op run starts here."""
+    on_device(gm, device)
+    lost = meta_constants(gm)
+    if lost:
+        raise NeedsMemory(f"the traced graph creates tensor constants ({', '.join(lost[:3])}) whose values a "
+                          "model traced without weights (on meta) does not hold")
+    return gm
 
 
 def on_device(gm, device):
@@ -196,12 +209,7 @@ def streamed_outputs(ep, args, kwargs, fetch) -> list:
     on the CPU, each parameter and buffer read by ``fetch(name)`` when an op takes it (see
     :class:`Stepper`). Raises :class:`NeedsMemory` when the graph holds constants a model
     without weights does not have."""
-    gm = ep.module()
-    on_device(gm, "cpu")
-    lost = meta_constants(gm)
-    if lost:
-        raise NeedsMemory(f"the traced graph creates tensor constants ({', '.join(lost[:3])}) whose values a "
-                          "model traced without weights (on meta) does not hold")
+    gm = runnable(ep.module(), "cpu")
     out = next(n for n in gm.graph.nodes if n.op == "output")
     import torch.utils._pytree as pytree
     flat_out, _ = pytree.tree_flatten(out.args[0])

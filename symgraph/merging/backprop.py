@@ -28,9 +28,8 @@ from __future__ import annotations
 import torch
 
 from ..alignment.checks import batch_inputs, by_shape
-from ..alignment.graphrun import flatten_for, meta_constants, on_device
+from ..alignment.graphrun import flatten_for, runnable
 from ..core import distributed
-from ..errors import NeedsMemory
 from .segments import Kept, Segment, backward_span, live_after, output_node, plan_segments
 from .statistics import Stored
 from .views import Aligned, nbytes
@@ -57,12 +56,7 @@ def squared_gradients(job, i: int, method, prefix: str) -> Stored:
     device = job.device
     keys: dict = {}
     for (rep,), batches in by_shape((ra,), (A.model,), job.data):
-        gm = rep.exported_program.module()
-        on_device(gm, device)
-        lost = meta_constants(gm)
-        if lost:
-            raise NeedsMemory(f"the traced graph creates tensor constants ({', '.join(lost[:3])}) whose values "
-                              "a model traced without weights (on meta) does not hold")
+        gm = runnable(rep.exported_program.module(), device)
         named = dict(gm.named_parameters(remove_duplicate=False))
         grads = {n for n in named if n in params}
         item = {n: t.element_size() for n, t in named.items()}

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from ..alignment.driver import align_tensors
 from ..alignment.fullgroups import fit_full_groups
-from ..alignment.graphrun import flatten_for, meta_constants, on_device
+from ..alignment.graphrun import flatten_for, runnable
 from ..alignment.options import AlignOptions
 from ..alignment.refine import START_BATCHES, draw_lambda, learnable, summary, with_labels
 from ..core.elements import Perm
@@ -106,12 +106,7 @@ class _Graph:
             raise InputError(f"refine needs a loss, and {type(model).__name__} computes none from its inputs "
                              "alone (language models do: labels = input_ids); expected a model that returns "
                              "a loss") from None
-        gm = ep.module()
-        on_device(gm, device)
-        lost = meta_constants(gm)
-        if lost:
-            raise NeedsMemory(f"the traced graph creates tensor constants ({', '.join(lost[:3])}) whose values "
-                              "a model traced without weights (on meta) does not hold")
+        gm = runnable(ep.module(), device)
         self.gm, self.order = gm, list(gm.graph.nodes)
         self.pos = {n: p for p, n in enumerate(self.order)}
         self.loss = output_node(next(n for n in self.order if n.op == "output"), min(where))

@@ -40,11 +40,12 @@ import warnings
 import torch
 
 from ..alignment.checks import batch_inputs, by_shape
-from ..alignment.graphrun import Stepper, flatten_for, meta_constants, on_device
+from ..alignment.graphrun import Stepper, flatten_for, runnable
 from ..errors import InputError, NeedsMemory
 from ..transform.folding import groups
 from ..core import distributed
 from ..core.finite import require_finite
+from ..core.progress import bar
 from .batchnorm import BatchNormReset, batchnorm_layers
 from .repair import RepairLayer, RepairReport, _errors, _Moments, correction, find_sites
 from .views import Aligned, Ledger, _Cache, nbytes
@@ -166,12 +167,7 @@ class _Runs:
     keeping it), ``through(node)`` advances each past it and yields its output."""
 
     def __init__(self, rep, batches, fetch, device):
-        gm = rep.exported_program.module()
-        on_device(gm, device)
-        lost = meta_constants(gm)
-        if lost:
-            raise NeedsMemory(f"the traced graph creates tensor constants ({', '.join(lost[:3])}) whose values "
-                              "a model traced without weights (on meta) does not hold")
+        gm = runnable(rep.exported_program.module(), device)
         order = list(gm.graph.nodes)
         self.nodes = {n.name: n for n in order}
         self.pos = {n.name: i for i, n in enumerate(order)}
@@ -256,7 +252,7 @@ def repair(job) -> RepairReport:
     events = sorted([(pos[s.node], s) for s in sites] + [(pos[n], mv) for n, mv in norms.items()],
                     key=lambda e: e[0])
     layers, resets = [], []
-    for _, ev in events:
+    for _, ev in bar(events, desc="REPAIR", unit="layer"):
         if isinstance(ev, tuple):
             resets.append(_reset(job, runs, merged, fetch, *ev))
             continue

@@ -30,11 +30,11 @@ from torch.utils._pytree import tree_map
 from safetensors.torch import save_file
 
 from ..alignment.checks import batch_inputs, by_shape
-from ..alignment.graphrun import Stepper, flatten_for, meta_constants, on_device
+from ..alignment.graphrun import Stepper, flatten_for, runnable
 from ..core import distributed
 from ..core.files import file_id, identity, remove_own
+from ..core.progress import bar
 from ..core.ties import to_device
-from ..errors import NeedsMemory
 from .untie import untie
 from .views import Aligned, nbytes
 
@@ -155,18 +155,13 @@ def input_grams(job, i: int, prefix: str) -> Stored:
                  for x, ws in users.items()}
         key = {x: f"{prefix}{min(w for w, _ in ws)}" for x, ws in users.items()}
         keys.update((w, key[x]) for x, ws in users.items() for w, _ in ws)
-        gm = rep.exported_program.module()
-        on_device(gm, device)
-        lost = meta_constants(gm)
-        if lost:
-            raise NeedsMemory(f"the traced graph creates tensor constants ({', '.join(lost[:3])}) whose values "
-                              "a model traced without weights (on meta) does not hold")
+        gm = runnable(rep.exported_program.module(), device)
         fetch = view.fetch if device == "cpu" else (lambda n: view.fetch(n).to(device))
         runs = {}
         for todo in _passes(sorted(users, key=lambda n: order.get(n, -1)), width, job.stats_bytes):
             grams = {x: torch.zeros(width[x], width[x], dtype=torch.float64, device=device) for x in todo}
             job.ledger.hold(sum(nbytes(g) for g in grams.values()))
-            for bi, batch in batches:
+            for bi, batch in bar(batches, desc="statistics", unit="batch"):
                 if bi not in runs:
                     args, kwargs = batch_inputs(rep, batch, bi)
                     flat = [t.to(device) if isinstance(t, torch.Tensor) else t for t in flatten_for(gm, args, kwargs)]
