@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from .provenance import best_time, matmul_gflops, table, write_beside
+from .provenance import best_time, commit_info, matmul_gflops, table, write_beside
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cost" / "cost.json"
 
@@ -244,16 +244,7 @@ def run(shape="1b", layers=2, work="/tmp/symgraph-scale", align="weights", extra
     return {"shape": shape, "layers": layers, "align": align, "options": list(extra), "rc": rc, "wall_seconds": wall, "sweeps": sweeps, "peaks": pk,
             "stages": rows, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "torch": torch.__version__,
-            "when": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": _commit()}
-
-
-def _commit() -> str:
-    import subprocess
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return "?"
+            "when": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": (commit_info()["commit"] or "?")[:7]}
 
 
 def markdown(results: dict) -> str:

@@ -9,11 +9,11 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
+from ..provenance import commit_info as commit  # noqa: F401 - the table's commit (re-exported)
 from .peer import PEER_LABEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,25 +30,6 @@ def code_digest(root: Path = ROOT) -> str:
     for f in files:
         h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:16]
-
-
-def commit(root: Path = ROOT) -> dict:
-    """``{"commit", "dirty", "source"}``: ``$SYMGRAPH_COMMIT`` (a copy of the tree without
-    ``.git``, e.g. on a lent GPU machine), else ``git rev-parse HEAD`` and whether tracked files
-    differ from it; ``commit`` None when neither is there."""
-    env = os.environ.get("SYMGRAPH_COMMIT")
-    if env:
-        return {"commit": env.strip(), "dirty": None, "source": "SYMGRAPH_COMMIT"}
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
-        st = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                            capture_output=True, text=True)
-    except OSError:
-        return {"commit": None, "dirty": None, "source": None}
-    if head.returncode != 0:
-        return {"commit": None, "dirty": None, "source": None}
-    return {"commit": head.stdout.strip(), "dirty": bool(st.stdout.strip()) if st.returncode == 0 else None,
-            "source": "git"}
 
 
 def previous_rows(out: Path, result: dict) -> dict:
