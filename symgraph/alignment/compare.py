@@ -14,7 +14,9 @@ centred tensors). One verdict comes out of it:
   least ``threshold`` (0.25, fixed before the benchmark ran: ``benchmarks/bench_provenance.py``
   measures its false-positive rate on independently trained pairs) and the normal tail of
   ``(s − μ₀) / σ₀`` is below ``alpha``;
-* ``"unrelated"`` otherwise.
+* ``"unrelated"`` otherwise;
+* ``"undetermined"`` when B is not a copy and no null was drawn (``null=0``): without a null
+  level and a p-value the rule can say neither "derived" nor "unrelated".
 
 Models of one architecture whose widths differ (MLP units, heads, a residual stream that is a
 class) are compared through the alignment's transport maps: B, and each shuffled copy of the
@@ -37,11 +39,15 @@ import json
 import math
 import zlib
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
+from pydantic import Field, StrictInt
 
+from ..core.schema import Number
 from ..errors import InputError, StructureMismatchError
 from ..report.api import analyze
+from ..core.progress import bar
 from .checks import check_compatible
 from .driver import align
 from .result import Alignment
@@ -56,6 +62,10 @@ SAME_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torc
 THRESHOLD = 0.25
 #: The one-sided p-value below which a "derived" verdict is given.
 ALPHA = 1e-3
+#: The most shuffled copies a null draws (each is one more alignment of a whole model).
+MAX_NULL = 1000
+NULL_DRAWS = Number(Annotated[StrictInt, Field(ge=0, le=MAX_NULL)],
+                    f"a number of shuffled copies, an integer from 0 to {MAX_NULL}")
 _SIGMA_FLOOR = 0.01  # σ₀ from a few null draws is noisy: never trust it below this
 
 
@@ -125,7 +135,8 @@ class Comparison:
         p = "—" if self.p_value is None else f"{self.p_value:.2g}" if self.p_value > 0 else "< 1e-300"
         what = {"same": "B is A moved by a group element (to floating-point precision)",
                 "derived": "B is closer to A than independently trained models get",
-                "unrelated": "no evidence that B comes from A"}[self.verdict]
+                "unrelated": "no evidence that B comes from A",
+                "undetermined": "not a copy; telling derived from unrelated needs a null, and null=0 drew none"}[self.verdict]
         same = "widths differ: at most derived" if self.widths else f"same needs <= {self.tolerance:.0e}"
         lines = [f"verdict: {self.verdict} ({what})",
                  f"  max relative distance after alignment {self.max_rel_distance:.2e} ({same})",
@@ -140,7 +151,7 @@ class Comparison:
             lines.append(f"  widths differ in {len(self.widths)} tensors ({k} {list(x)} in A, {list(y)} in B"
                          + (f", and {more} more" if more else "") + "): B carried into A's shapes by the "
                          "transport maps")
-        if self.verdict != "unrelated":
+        if self.verdict not in ("unrelated", "undetermined"):
             car = self.carriers
             lines.append(f"  carried by {len(car)}/{len(self.layers)} layers"
                          + (f": {', '.join(car[:8])}{' …' if len(car) > 8 else ''}" if car else ""))
@@ -223,10 +234,10 @@ def check_aligned(name: str, got, want, a: str = "models A and B") -> None:
                          "an axis that no symmetry class maps between widths; expected equal sizes there")
 
 
-def check_options(null, threshold) -> None:
-    """Refuse a ``null`` that is not a count or a ``threshold`` outside (0, 1]."""
-    if not (isinstance(null, int) and not isinstance(null, bool) and null >= 0):
-        raise InputError(f"null={null!r}; expected a number of shuffled copies (an integer >= 0)")
+def check_options(null, threshold, said: str = "null=") -> None:
+    """Refuse a ``null`` that is not a count of :data:`NULL_DRAWS` (``said``: how it was given) or
+    a ``threshold`` outside (0, 1]."""
+    NULL_DRAWS.check(null, said)
     if not (isinstance(threshold, (int, float)) and 0 < threshold <= 1):
         raise InputError(f"threshold={threshold!r}; expected a number in (0, 1]")
 
@@ -327,7 +338,7 @@ def judge(solve, tol: float, *, null: int = 4, threshold: float = THRESHOLD, alp
     worst = max((r["rel_distance"] for r in rows if not r["gauge"]), default=0.0)
     same = worst <= tol and not widths
     null = 0 if same else null  # a copy needs no null
-    null_s = [_statistic(solve(k)[1]) for k in range(null)]
+    null_s = [_statistic(solve(k)[1]) for k in bar(range(null), desc="null (shuffled copies of B)", unit="draw")]
     res = Comparison("unrelated", s, 0.0, None, float(threshold), tol, worst, null_s, rows, [], al,
                      similarity=similarity, alpha=alpha, widths=dict(widths or {}))
     mu0 = res.null_mean
@@ -344,10 +355,12 @@ def judge(solve, tol: float, *, null: int = 4, threshold: float = THRESHOLD, alp
         med = _median([r["correlation"] for r in ev])
         res.layers.append({"layer": layer, "tensors": len(ev), "correlation": med,
                            "rel_distance": max((r["rel_distance"] for r in ev), default=0.0),
-                           "carries": bool(ev) and med >= level})
+                           "carries": bool(ev) and (same or bool(null)) and med >= level})
     if same:
         res.verdict = "same"
-    elif res.excess >= threshold and (res.p_value is None or res.p_value < alpha):
+    elif not null:  # the rule needs a null's level and p-value: with no draw it tells neither way
+        res.verdict = "undetermined"
+    elif res.excess >= threshold and res.p_value < alpha:
         res.verdict = "derived"
     return res
 
@@ -359,7 +372,7 @@ def compare(a, b, data=None, *, null: int = 4, threshold: float = THRESHOLD, alp
 
     data : batches (as :func:`symgraph.align` takes them): align by activations; default weights.
     null : how many shuffled copies of B give the null (each one more alignment; 0: none, then
-        the null level is taken as 0 and no p-value is given).
+        only "same" can be told, anything else is "undetermined").
     threshold, alpha : the "derived" verdict's excess and p-value limits.
 
     Models of one architecture whose shapes differ only in the widths of classes (MLP units,

@@ -25,10 +25,12 @@ MAX_REFINE = 1_000_000
 
 #: A number of learned-matching steps.
 Steps = Annotated[StrictInt, Field(ge=0, le=MAX_REFINE)]
+#: The most sweeps of coordinate descent an alignment takes, and the most sketch columns.
+MAX_SWEEPS, MAX_COLUMNS = 1000, 1 << 20
 #: A number of sweeps of coordinate descent (at least one).
-Sweeps = Annotated[StrictInt, Field(ge=1)]
+Sweeps = Annotated[StrictInt, Field(ge=1, le=MAX_SWEEPS)]
 #: A number of sketch columns (0: none).
-Columns = Annotated[StrictInt, Field(ge=0)]
+Columns = Annotated[StrictInt, Field(ge=0, le=MAX_COLUMNS)]
 #: A relative gain in [0, 1).
 Fraction = Annotated[StrictFloat, Field(ge=0, lt=1, allow_inf_nan=False)]
 #: The outputs a symmetry must keep: names (keys of the model's output) or positions of a tuple output.
@@ -59,7 +61,7 @@ class AlignOptions(BaseModel):
         "procrustes", json_schema_extra=_expects("'procrustes' or 'hungarian'"))
     """"procrustes" (Zhang et al. 2024) or "hungarian" (Verma & Elbayad 2024) inside heads."""
     max_iter: Sweeps = Field(
-        6, json_schema_extra=_expects("a number of sweeps (an integer >= 1)"))
+        6, json_schema_extra=_expects(f"a number of sweeps (an integer >= 1, at most {MAX_SWEEPS})"))
     """At most this many sweeps of coordinate descent (weights); ``until`` may end them sooner.
     Nested head classes of a transformed copy converge slowly (1e-8 needs about 20 sweeps)."""
     until: Literal["exact", "discrete", "gap"] = Field("gap", json_schema_extra=_expects("'exact', 'discrete' or 'gap'"))
@@ -125,7 +127,7 @@ class AlignOptions(BaseModel):
     "bf16" (every product in bfloat16, faster on a CPU with bf16 units; each product's result is
     rounded to bfloat16, so the solution can differ from the exact one; see docs/benchmarks.md)."""
     sketch: Columns = Field(0, json_schema_extra=_expects(
-        "a number of projection columns (an integer >= 0; 0: exact similarity)"))
+        f"a number of projection columns (an integer >= 0, at most {MAX_COLUMNS}; 0: exact similarity)"))
     """k > 0: permutation classes compare their rows through a shared random projection of k
     columns where a matrix's other axis is wider than 2k (Johnson–Lindenstrauss;
     ``WeightFeatures``); 0 (default) computes the similarity exactly."""

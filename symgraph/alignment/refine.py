@@ -37,18 +37,21 @@ __all__ = ["refine", "default_loss", "choose_start", "linear", "Bound", "learnab
 START_BATCHES = 8
 
 
-def default_loss(model, batch):
+def default_loss(model, batch, purpose: str = "refine", expected: str | None = None):
     """The model's own loss: ``model(**batch).loss``, with ``labels = input_ids`` added for a
-    model with an output embedding (causal and masked LMs) when the batch has no labels."""
+    model with an output embedding (causal and masked LMs) when the batch has no labels. A model
+    that computes none is refused in one line naming ``purpose``, what asked for the loss
+    (``"refine"``, ``"barrier"``), and ``expected`` (default: batches with labels)."""
     if isinstance(batch, dict):
         out = model(**with_labels(model, batch))
         loss = getattr(out, "loss", None)
         if loss is not None:
             return loss
     name = getattr(model, "wrapped_name", type(model).__name__)
-    raise InputError(f"refine needs a loss, and {name} computes none from its "
-                     "inputs alone (language models do: labels = input_ids); expected batches "
-                     "with labels, or from Python loss_fn(model, batch) -> scalar")
+    given = f"its inputs {', '.join(map(repr, batch))}" if isinstance(batch, dict) else "its inputs"
+    raise InputError(f"{purpose} needs a loss, and {name} computes none from {given} alone (language models do: "
+                     "labels = input_ids); expected " + (expected or "batches with labels, or from Python "
+                                                         "loss_fn(model, batch) -> scalar"))
 
 
 def with_labels(model, batch: dict) -> dict:

@@ -85,6 +85,22 @@ DATA_EXPECTED = ("a .safetensors or .pt file holding a tensor 'input_ids' [N, S]
                  "'attention_mask'), or 'pixel_values'")
 
 
+def check_dense(x: torch.Tensor, where: str) -> None:
+    """Refuse, in one line, a tensor of a data file that is not a dense CPU tensor holding its
+    values: on the meta device (no values), nested (ragged rows), sparse, quantized, another
+    device's, or a tensor subclass (whose operations are its own code)."""
+    kind = ("a meta-device tensor (a shape without values)" if x.device.type == "meta"
+            else "a nested (ragged) tensor" if x.is_nested
+            else "a quantized tensor" if x.is_quantized
+            else f"a {str(x.layout).removeprefix('torch.')} tensor" if x.layout != torch.strided
+            else f"a tensor on {x.device}" if x.device.type != "cpu"
+            else f"a {type(x).__name__} (a tensor subclass)" if type(x) not in (torch.Tensor, torch.nn.Parameter)
+            else None)
+    if kind is not None:
+        raise InputError(f"{where} is {kind}; expected a dense CPU tensor of rows (as torch.tensor or "
+                         "safetensors' save_file writes one)")
+
+
 def load_data(path: str, model=None):
     """Batches of ``BATCH_ROWS`` rows from a ``.safetensors``/``.pt`` file with ``input_ids`` or
     ``pixel_values``. Returns a list of keyword dicts."""
@@ -119,9 +135,9 @@ def load_data(path: str, model=None):
     x = d[key]
     if not isinstance(x, torch.Tensor):
         raise InputError(f"{key!r} in {path!r} is a {type(x).__name__}; expected a tensor")
-    if x.layout != torch.strided or x.is_quantized:
-        kind = "quantized" if x.is_quantized else str(x.layout).removeprefix("torch.")
-        raise InputError(f"{key!r} in {path!r} is a {kind} tensor; expected a dense tensor")
+    for k, t in d.items():  # every tensor of the file, read or not, is an ordinary one
+        if isinstance(t, torch.Tensor):
+            check_dense(t, f"{str(k)[:80]!r} in {path!r}")
     x = x.detach()
     if key == "input_ids":
         if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] < 1:
@@ -148,6 +164,9 @@ def load_data(path: str, model=None):
         if x.dim() != 4:
             raise InputError(f"'pixel_values' in {path!r} has shape {tuple(x.shape)}; expected a 4-d "
                              "tensor [N, C, H, W]")
+        if not x.is_floating_point():
+            raise InputError(f"'pixel_values' in {path!r} has dtype {str(x.dtype).removeprefix('torch.')}; expected "
+                             "floating-point pixel values (the image processor's output, not raw bytes)")
         x = x.float()
         if not torch.isfinite(x).all():
             raise InputError(f"'pixel_values' in {path!r} contains NaN/inf; expected finite values")

@@ -11,7 +11,11 @@ import time
 
 import numpy as np
 
-__all__ = ["cmd_barrier", "barrier_curves", "streamed_barrier_curves"]
+__all__ = ["cmd_barrier", "barrier_curves", "streamed_barrier_curves", "NO_LOSS"]
+
+#: What a barrier refused for want of a loss expects: the loss is the model's own on the data.
+NO_LOSS = ("a model that computes its own loss from the data file (a causal or masked language model: a data "
+           "file holds no labels), or from Python symgraph.interpolate(a, b, lambdas, loss_fn)")
 
 
 def barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, attention: str = "heads",
@@ -29,7 +33,10 @@ def barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, att
 
     def loss(m):
         with torch.no_grad():
-            return float(sum(float(default_loss(m, b)) for b in data) / len(data))
+            return float(sum(float(default_loss(m, b, "barrier", NO_LOSS)) for b in data) / len(data))
+    if data:  # before any alignment: a model without a loss of its own is refused at once
+        with torch.no_grad():
+            default_loss(A, data[0], "barrier", NO_LOSS)
 
     rows, adata = [], align_data or data
     for how in aligns:

@@ -177,8 +177,10 @@ def compare_paths(a: str, b: str, data: str | None = None, *, null: int = 4, see
     from ..checkpoints.specs import load_data, load_model
     from ..errors import InputError
     from ..merging.run import check_paths
-    if null < 0:
-        raise InputError(f"--null {null}; expected a number of shuffled copies >= 0")
+    from ..alignment.compare import THRESHOLD, check_options
+    from ..core.schema import SEED
+    check_options(null, THRESHOLD, "--null")
+    SEED.check(seed, "--seed")
     check_paths([a, b])
     ckpts = _checkpoints(a, b, out_of_core)
     if ckpts is not None:
@@ -194,6 +196,10 @@ def compare_paths(a: str, b: str, data: str | None = None, *, null: int = 4, see
 def cmd_compare(args) -> int:
     from ..checkpoints.outdir import check_out, save_atomic
     from ..merging.run import input_names
+    from ..alignment.compare import THRESHOLD, check_options
+    from ..core.schema import SEED
+    check_options(args.null, THRESHOLD, "--null")  # before any work
+    SEED.check(args.seed, "--seed")
     inputs = [args.a, args.b] + ([args.data] if args.data else [])
     if args.out:
         check_out(args.out, force=args.force, inputs=inputs)  # before any work

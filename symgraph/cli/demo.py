@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Annotated
 
 import torch
+from pydantic import Field, StrictFloat, StrictInt
+
+from ..core.schema import Number
 
 __all__ = ["run_demo", "trained_models", "make_model", "corpus", "batches", "heldout_loss_fn",
            "cache_dir"]
@@ -20,6 +24,9 @@ SEQ = 64
 BATCH = 32
 SEEDS = (0, 1)
 DEFAULT_SECONDS = 80.0
+#: The training budget: finite, above 0, at most a day.
+SECONDS = Number(Annotated[StrictFloat | StrictInt, Field(gt=0, le=86400, allow_inf_nan=False)],
+                 "a training budget in seconds, above 0 and at most 86400 (a day)")
 LR = 3e-3
 # symgraph.testing.models.build keywords of the demo's GPT-2 (HF's default use_cache, no pad token)
 MODEL: dict = dict(vocab=256, hidden=64, layers=2, heads=4, mlp=None, positions=SEQ, use_cache=None,
@@ -61,7 +68,7 @@ def trained_models(seconds: float | None = None, retrain: bool = False):
     from tqdm import tqdm
 
     from ..checkpoints.specs import load_local, save_atomic
-    seconds = DEFAULT_SECONDS if seconds is None else float(seconds)
+    seconds = DEFAULT_SECONDS if seconds is None else float(SECONDS.check(seconds, "seconds="))
     root = cache_dir()
     os.makedirs(root, exist_ok=True)
     train_stream, _ = corpus()
@@ -125,6 +132,8 @@ def run_demo(out: str = "symgraph-demo", seconds: float | None = None, force_ret
 
     import symgraph
     from ..checkpoints.outdir import check_out, save_atomic
+    if seconds is not None:
+        SECONDS.check(seconds, "seconds=")
     out = check_out(out, force=force)
     a, b = trained_models(seconds, retrain=force_retrain)
     train_stream, heldout = corpus()

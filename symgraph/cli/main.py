@@ -46,6 +46,7 @@ def cmd_analyze(args) -> int:
     from ..report.api import analyze
     from ..checkpoints.specs import load_model
     from ..checkpoints.outdir import check_new_file
+    from ..errors import InputError
     for opt, p in (("--dot", args.dot), ("--png", args.png)):
         if p:
             check_new_file(p, opt, inputs=[args.model])
@@ -70,9 +71,12 @@ def cmd_analyze(args) -> int:
         dev = report.certify(model)
         print(f"certified: random elements of all {len(report.groups)} groups change the outputs by at most "
               f"{dev:.2e} (relative)", file=sys.stderr if args.json else sys.stdout)
-    for p in (args.dot, args.png):
+    for opt, p in (("--dot", args.dot), ("--png", args.png)):
         if p:
-            report.save_graph(p)
+            try:
+                report.save_graph(p)
+            except InputError as e:  # Graphviz that cannot draw: the option named
+                raise InputError(f"{opt}: {e}") from None
             if not args.json:
                 print(f"wrote {p}")
     return 0
@@ -87,6 +91,7 @@ def cmd_resize(args) -> int:
     from ..checkpoints.specs import load_model
     from ..checkpoints.outdir import check_out, save_atomic
     from ..merging.resize import resize, same_role
+    from ..core.schema import SEED
     widths = {}
     for spec in args.width:
         ids, _, n = spec.partition("=")
@@ -96,6 +101,7 @@ def cmd_resize(args) -> int:
             raise _Refusal(f"--width {spec!r}: expected IDS=N (group ids from symgraph analyze, "
                            "comma-separated, and the new width), e.g. --width 5,10=96") from None
         widths.update({i: n for i in ids})
+    SEED.check(args.seed, "--seed")
     out = check_out(args.out, force=args.force, inputs=[args.model])
     check_paths([args.model])
     model = load_model(args.model)
@@ -122,7 +128,9 @@ def cmd_resize(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from .demo import SECONDS, run_demo
+    if args.seconds is not None:
+        SECONDS.check(args.seconds, "--seconds")  # before any work
     run_demo(out=args.out, seconds=args.seconds, force_retrain=args.retrain, force=args.force)
     return 0
 

@@ -4,9 +4,11 @@ turns its ``ValidationError`` into, so that a refusal names the option, the valu
 the option expects, in the schema's own words (each field's ``json_schema_extra["expected"]``)."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping
 
-__all__ = ["short_repr", "expected", "error_key", "refusal"]
+from pydantic import Field, StrictInt, TypeAdapter, ValidationError
+
+__all__ = ["short_repr", "expected", "error_key", "refusal", "Number", "SEED"]
 
 
 def short_repr(v, n: int = 80) -> str:
@@ -40,3 +42,26 @@ def refusal(err: Mapping[str, Any], said: str, wanted: str) -> str:
     if err.get("type") == "value_error":
         return f"{said}: {why}" if "expected" in why else f"{said} ({why}); expected {wanted}"
     return f"{said}; expected {wanted}"
+
+
+class Number:
+    """A numeric option a command declares outside a pydantic model (``demo --seconds``,
+    ``compare --null``, a seed): its type and finite range as a pydantic annotation and what a
+    refusal says is expected, declared once and checked by that declaration wherever the value
+    enters (the command line names its flag, the Python API its keyword)."""
+
+    def __init__(self, annotation, expected: str):
+        self.adapter, self.expected = TypeAdapter(annotation), expected
+
+    def check(self, value, said: str):
+        """``value`` as the declaration reads it, or an :class:`~symgraph.errors.InputError` of one
+        line naming the option where it was given (``said``: ``--seconds``, ``seconds=``) and its range."""
+        from ..errors import InputError
+        try:
+            return self.adapter.validate_python(value)
+        except ValidationError:
+            raise InputError(f"{said} {short_repr(value)}; expected {self.expected}") from None
+
+
+#: A random seed: every generator symgraph seeds (torch's, numpy's) takes it as it is.
+SEED = Number(Annotated[StrictInt, Field(ge=0, le=2 ** 32 - 1)], "a seed, an integer from 0 to 2**32 - 1")

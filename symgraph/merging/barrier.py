@@ -6,6 +6,7 @@ import copy
 import numpy as np
 import torch
 
+from ..core.progress import bar
 from ..errors import InputError
 
 __all__ = ["interpolate", "loss_barrier", "streamed_curve", "interpolated_fetch"]
@@ -47,7 +48,7 @@ def interpolate(a, b, lambdas=None, loss_fn=None, attention: str = "heads"):
         return [(float(lam), float(loss_fn(circuit_merge([a, b], [lam, 1 - lam], rep)))) for lam in lambdas]
     m = copy.deepcopy(a)
     curve = []
-    for lam in lambdas:
+    for lam in bar(lambdas, desc="barrier", unit="point"):
         with torch.no_grad():
             for k, p in m.named_parameters():
                 p.copy_(lam * pa[k] + (1 - lam) * pb[k])
@@ -111,7 +112,7 @@ def streamed_curve(A, B, data, lambdas, al=None) -> list:
     lm = callable(getattr(A.model, "get_output_embeddings", None)) and A.model.get_output_embeddings() is not None
     programs = {}
     curve = []
-    for lam in lambdas:
+    for lam in bar(lambdas, desc="barrier", unit="point"):
         fetch = interpolated_fetch(A, B, float(lam), al)
         total = 0.0
         for batch in data:
@@ -124,8 +125,9 @@ def streamed_curve(A, B, data, lambdas, al=None) -> list:
             outs = streamed_outputs(programs[key], args, kwargs, fetch)
             loss = next((o for o in outs if isinstance(o, torch.Tensor) and o.dim() == 0), None)
             if loss is None:
-                raise InputError(f"{type(A.model).__name__} computes no loss from its inputs (language models do: "
-                                 "labels = input_ids); expected a model with an output embedding")
+                raise InputError(f"barrier needs a loss, and {type(A.model).__name__} computes none from its inputs "
+                                 f"{', '.join(map(repr, batch))} alone (language models do: labels = input_ids); "
+                                 "expected a model with an output embedding (a causal or masked language model)")
             total += float(loss)
         curve.append((float(lam), total / len(data)))
     return curve

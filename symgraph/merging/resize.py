@@ -31,6 +31,7 @@ from ..report.api import analyze
 from ..transform.apply import move, stored_tensors
 from ..core.elements import Map
 from ..core.finite import require_finite
+from ..core.schema import SEED
 from ..errors import InputError
 from ..core.groups import PERMUTATION_FAMILY
 from ..passes.trace import eval_mode, flatten_outputs, output_deviation, split_inputs
@@ -75,6 +76,7 @@ def resize(model, widths, inputs=None, *, split: str = "even", seed: int = 0,
     """
     if split not in ("even", "random"):
         raise InputError(f"split={split!r}; expected 'even' or 'random'")
+    SEED.check(seed, "seed=")
     report = report or analyze(model, inputs)
     targets = _targets(report, widths)
     _check_memory(report, model, targets)

@@ -101,9 +101,9 @@ def save_graph(report, path: str) -> str:
             with open(tmp, "w") as f:
                 f.write(to_dot(report))
         elif ext in (".png", ".svg"):
-            if shutil.which("dot"):
-                subprocess.run(["dot", f"-T{ext[1:]}", "-o", tmp], input=to_dot(report),
-                               text=True, check=True)
+            dot = shutil.which("dot")
+            if dot:
+                _run_dot(dot, ext[1:], tmp, to_dot(report), path)
             else:
                 _draw_matplotlib(report, tmp)
         else:
@@ -123,6 +123,32 @@ def save_graph(report, path: str) -> str:
         # on success)
         remove_own(tmp, made, prefix)
     return path
+
+#: Seconds Graphviz may take to draw a report's graph (a few hundred nodes take well under one).
+DOT_SECONDS = 120
+
+
+def _run_dot(dot: str, fmt: str, tmp: str, text: str, path: str) -> None:
+    """Graphviz ``dot`` draws ``text`` as ``fmt`` into ``tmp``; one that fails (no PNG support,
+    not executable), hangs or writes nothing is refused in one line naming it and its message."""
+    why = None
+    try:
+        r = subprocess.run([dot, f"-T{fmt}", "-o", tmp], input=text, text=True, capture_output=True,
+                           timeout=DOT_SECONDS)
+    except subprocess.TimeoutExpired:
+        why = f"ran over {DOT_SECONDS} s"
+    except OSError as e:
+        why = f"could not run ({e.strerror or type(e).__name__})"
+    else:
+        said = " ".join((r.stderr or r.stdout or "").split())[:200]
+        if r.returncode != 0:
+            why = f"exited with status {r.returncode}" + (f": {said}" if said else "")
+        elif os.path.getsize(tmp) == 0:
+            why = "wrote nothing" + (f" ({said})" if said else "")
+    if why is not None:
+        raise InputError(f"cannot draw {path!r}: Graphviz {dot!r} -T{fmt} {why}; expected a Graphviz that writes "
+                         f"{fmt.upper()} (check `dot -T{fmt}`), or write --dot FILE.dot and draw it yourself")
+
 
 KIND_NAMES = {"perm": "permutation", "scaled_perm": "scaled permutation", "signed_perm": "signed permutation",
               "orthogonal": "orthogonal", "orthogonal_mean": "orthogonal fixing the mean",
