@@ -8,6 +8,7 @@ import warnings
 import torch
 
 from ..errors import InputError, TraceError
+from .inputs import default_inputs, is_hf
 from .nodes import packet
 from .registry import has_rule
 
@@ -17,59 +18,13 @@ __all__ = ['model_device', 'varying_nodes', 'default_inputs', 'split_inputs', 'e
 aten = torch.ops.aten
 
 
-def _is_hf(model) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except Exception:  # pragma: no cover
-        return False
-    return isinstance(model, PreTrainedModel)
+_is_hf = is_hf
 
 
 def model_device(model) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def default_inputs(model, batch: int = 2, seq: int = 8):
-    """Example inputs for a Hugging Face model, built from its config (no data needed).
-
-    Returns ``(args, kwargs)``. Token ids are in range, images have the configured size, and
-    decoders get ``use_cache=False``.
-    """
-    if not _is_hf(model):
-        raise InputError(
-            f"{type(model).__name__} is not a Hugging Face model, so symgraph cannot build "
-            "example inputs for it; pass inputs=(tensor, ...) positional inputs or a dict of "
-            "keyword inputs.")
-    cfg = model.config
-    dev = model_device(model)
-    name = getattr(model, "main_input_name", "input_ids")
-    params = inspect.signature(model.forward).parameters
-    kwargs: dict = {}
-    if name == "pixel_values":
-        size = getattr(cfg, "image_size", 224)
-        size = size if isinstance(size, (tuple, list)) else (size, size)
-        ch = getattr(cfg, "num_channels", 3)
-        gen = torch.Generator().manual_seed(0)
-        kwargs[name] = torch.randn(batch, ch, *size, generator=gen, device="cpu").to(dev)
-    elif name == "input_ids":
-        vocab = getattr(cfg, "vocab_size", None)
-        if vocab is None:
-            raise InputError(f"{type(model).__name__}'s config has no vocab_size; pass inputs=")
-        maxpos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-        seq = min(seq, maxpos) if maxpos else seq
-        gen = torch.Generator().manual_seed(0)
-        kwargs[name] = torch.randint(0, vocab, (batch, seq), generator=gen, device="cpu").to(dev)
-    else:
-        raise InputError(f"cannot build example inputs for main input {name!r}; pass inputs=")
-    if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params and name == "input_ids":
-        start = getattr(cfg, "decoder_start_token_id", None)
-        start = 0 if start is None else int(start)
-        kwargs["decoder_input_ids"] = torch.full((batch, 1), start, dtype=torch.long, device=dev)
-    if "use_cache" in params:
-        kwargs["use_cache"] = False
-    return (), kwargs
 
 
 def split_inputs(model, inputs):

@@ -1,0 +1,143 @@
+"""Example inputs for a Hugging Face model, built from its config and its forward's signature
+(no data): ``symgraph.analyze(model)`` needs no ``inputs=`` for any task transformers ships
+that this module knows the main input of.
+
+- token ids (``input_ids``) in range of the vocabulary, the config's own or its text
+  config's (Gemma 3, Fuyu), avoiding the padding and end-of-sequence tokens; a sequence
+  classification head of an encoder-decoder (BART, T5) reads the end-of-sequence token, so each
+  row ends with exactly one;
+- images (``pixel_values``) at the config's image size and channels, the vision config's in a
+  model of two towers (CLIP: token ids and images);
+- audio: raw samples (``input_values``, Wav2Vec2, HuBERT) long enough for the feature
+  extractor's convolutions to leave several frames; log-mel features (``input_features``) of
+  the shape the encoder expects (Whisper: ``2 × max_source_positions`` frames);
+- decoder inputs of an encoder-decoder (``decoder_input_ids``: its start token, then token
+  ids; for a sequence classification head the ids shifted right, as its model would build);
+- ``use_cache=False`` wherever the forward takes it; floating inputs in the model's dtype.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..errors import InputError
+
+__all__ = ["default_inputs", "is_hf"]
+
+
+def is_hf(model) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except Exception:  # pragma: no cover
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def _device(model) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _sub(cfg, *names):
+    """The first of ``names`` set on ``cfg`` or, failing that, on its text / vision / audio
+    sub-configs (in that order)."""
+    for c in (cfg, *(getattr(cfg, k, None) for k in ("text_config", "vision_config", "audio_config",
+                                                     "encoder"))):
+        for n in names:
+            v = getattr(c, n, None) if c is not None and not isinstance(c, dict) else None
+            if v is not None:
+                return v
+    return None
+
+
+def _ints(v) -> list:
+    v = v if isinstance(v, (list, tuple)) else [v]
+    return [int(x) for x in v if isinstance(x, int) and not isinstance(x, bool)]
+
+
+def _token_ids(model, cfg, batch, seq, gen):
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    vocab = getattr(text, "vocab_size", None) or getattr(cfg, "vocab_size", None)
+    if vocab is None:
+        raise InputError(f"{type(model).__name__}'s config has no vocab_size (nor has its text config); "
+                         "pass inputs=")
+    maxpos = _sub(cfg, "max_position_embeddings", "n_positions")
+    seq = min(seq, maxpos) if isinstance(maxpos, int) and maxpos > 0 else seq
+    special = set(_ints(_sub(cfg, "pad_token_id"))) | set(_ints(_sub(cfg, "eos_token_id")))
+    allowed = torch.tensor([i for i in range(vocab) if i not in special] or list(range(vocab)))
+    ids = allowed[torch.randint(0, len(allowed), (batch, seq), generator=gen)]
+    eos = _ints(_sub(cfg, "eos_token_id"))
+    if getattr(cfg, "is_encoder_decoder", False) and type(model).__name__.endswith("ForSequenceClassification") and eos:
+        ids[:, -1] = eos[0]  # the head reads the hidden state at the (one) end-of-sequence token
+    return ids
+
+
+def _pixels(model, cfg, batch, gen):
+    size = _sub(cfg, "image_size") or 224
+    size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    ch = _sub(cfg, "num_channels") or 3
+    return torch.randn(batch, ch, *size, generator=gen)
+
+
+def _samples(cfg, frames: int = 8) -> int:
+    """Raw audio samples that leave ``frames`` frames after the feature extractor's convolutions."""
+    kernels, strides = _ints(_sub(cfg, "conv_kernel") or []), _ints(_sub(cfg, "conv_stride") or [])
+    n = frames
+    for k, s in reversed(list(zip(kernels, strides))):
+        n = (n - 1) * s + k
+    return n
+
+
+def _features(model, cfg, batch, gen):
+    mel, src = _sub(cfg, "num_mel_bins"), _sub(cfg, "max_source_positions")
+    if mel and src:  # Whisper: channels first, twice the encoder's positions
+        return torch.randn(batch, mel, 2 * src, generator=gen)
+    feat = _sub(cfg, "input_feat_per_channel")
+    if feat:  # Speech2Text: frames first
+        return torch.randn(batch, 16, feat * (_sub(cfg, "input_channels") or 1), generator=gen)
+    raise InputError(f"cannot tell the shape of {type(model).__name__}'s input_features from its config; pass inputs=")
+
+
+def _main(model, cfg, name, batch, seq, gen):
+    if name == "input_ids":
+        return _token_ids(model, cfg, batch, seq, gen)
+    if name == "pixel_values":
+        return _pixels(model, cfg, batch, gen)
+    if name == "input_values":
+        return torch.randn(batch, _samples(cfg), generator=gen)
+    if name == "input_features":
+        return _features(model, cfg, batch, gen)
+    raise InputError(f"cannot build example inputs for main input {name!r}; pass inputs=")
+
+
+def default_inputs(model, batch: int = 2, seq: int = 8):
+    """Example inputs for a Hugging Face model, built from its config (no data needed); see the
+    module's docstring. Returns ``(args, kwargs)``."""
+    if not is_hf(model):
+        raise InputError(
+            f"{type(model).__name__} is not a Hugging Face model, so symgraph cannot build "
+            "example inputs for it; pass inputs=(tensor, ...) positional inputs or a dict of "
+            "keyword inputs.")
+    cfg, dev = model.config, _device(model)
+    name = getattr(model, "main_input_name", "input_ids")
+    params = inspect.signature(model.forward).parameters
+    gen = torch.Generator().manual_seed(0)
+    kwargs = {name: _main(model, cfg, name, batch, seq, gen)}
+    two_towers = getattr(cfg, "vision_config", None) is not None and _sub(
+        cfg, "image_token_id", "image_token_index") is None
+    if name == "input_ids" and "pixel_values" in params and two_towers:  # CLIP-like
+        kwargs["pixel_values"] = _pixels(model, cfg.vision_config, batch, gen)
+    if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        start = _ints(_sub(cfg, "decoder_start_token_id", "pad_token_id"))
+        ids = kwargs[name]
+        if type(model).__name__.endswith("ForSequenceClassification") and name == "input_ids":
+            dec = torch.cat([ids[:, :1], ids[:, :-1]], dim=1)  # the ids shifted right
+        else:
+            dec = _token_ids(model, cfg, batch, max(2, seq // 2), gen)
+        dec[:, 0] = start[0] if start else 0
+        kwargs["decoder_input_ids"] = dec
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    kwargs = {k: v.to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in kwargs.items()}
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    return (), kwargs
