@@ -3,6 +3,7 @@ architecture, one configuration apart from the sizes an alignment can bridge, on
 what their configs differ in, for a refusal found later."""
 from __future__ import annotations
 
+from ..core.finite import same_value
 from ..errors import InputError
 
 __all__ = ["check_same_family", "check_compatible", "config_diff", "width_change", "METADATA", "NOT_FUNCTION"]
@@ -41,7 +42,7 @@ def check_compatible(configs, names):
                              "one architecture")
         for k in sorted(set(base) | set(d)):
             a, b = base.get(k), d.get(k)
-            if k in NOT_FUNCTION or a == b or "dropout" in k or "pdrop" in k:
+            if k in NOT_FUNCTION or same_value(a, b) or "dropout" in k or "pdrop" in k:
                 continue
             if isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and not isinstance(b, bool):
                 continue
@@ -74,7 +75,7 @@ def config_diff(models, names) -> str:
     for name, c in zip(names[1:], cfgs[1:]):
         d = c.to_dict()
         for k in sorted(set(base) | set(d)):
-            if k not in skip and base.get(k) != d.get(k) and not isinstance(base.get(k), (dict, list)):
+            if k not in skip and not same_value(base.get(k), d.get(k)) and not isinstance(base.get(k), (dict, list)):
                 diffs.append(f"{k} {base.get(k)!r} vs {d.get(k)!r}")
     return f" (configs differ: {', '.join(diffs[:6])}{' ...' if len(diffs) > 6 else ''})" if diffs else ""
 
