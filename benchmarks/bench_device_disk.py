@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_device import _sync, header, no_cuda, peaks
+from benchmarks.provenance import matmul_rates, write_beside
 from benchmarks.solver_tally import SolverTally, forced_auction
 from benchmarks.scale.checkpoints import ensure_pair, llama_config, model_sizes, weight_files
 from benchmarks.scale.probe import Probe, meminfo, resident
@@ -398,11 +399,9 @@ def main(argv=None) -> int:
                 r["depths"].append(d)
             results = json.loads(out.read_text()) if out.is_file() else {}
             results[label] = r
-            text = json.dumps(results, indent=1, default=lambda o: None)
-            for path, body in ((out, text), (out.with_suffix(".md"), markdown(json.loads(text)))):
-                tmp = path.with_name(f".{path.name}.tmp")  # whole files only: a timeout may stop us any time
-                tmp.write_text(body)
-                os.replace(tmp, path)
+            results = json.loads(json.dumps(results, default=lambda o: None))
+            write_beside(out, results, markdown(results))  # whole files: a timeout may stop us any time
+    matmul_rates()  # the record's yardstick, measured once before anything is timed
     r["warmup_s"] = None if a.no_warmup else warmup(a, device)
     r["peaks"] = disk_peaks(device) if staged & set(depths) else None
     save()

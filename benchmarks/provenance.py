@@ -206,8 +206,9 @@ def matmul_rates(n: int = 2048) -> dict:
 
 def add_record(out, files, command: str, *, rates: dict | None = None, how: str = "written by the run") -> dict:
     """The entry of ``out/record.json`` for ``files`` (names in ``out``): ``command``, this tree's
-    commit (:func:`commit_info`) and, when given, the machine's matmul ``rates``; an earlier entry
-    naming any of these files is replaced, the others are kept. Returns the entry."""
+    commit (:func:`commit_info`) and, when given, the machine's matmul ``rates``. Earlier entries
+    lose these files and keep the others (files this run did not rewrite keep the run that wrote
+    them); an entry left with none goes. Returns the entry."""
     out = Path(out)
     info = commit_info()
     entry = {"files": sorted(str(f) for f in files), "command": command, "commit": info["commit"],
@@ -218,7 +219,8 @@ def add_record(out, files, command: str, *, rates: dict | None = None, how: str 
         entry["matmul_gflops"] = dict(rates)
     path = out / RECORD
     old = json.loads(path.read_text())["entries"] if path.is_file() else []
-    keep = [e for e in old if not set(e["files"]) & set(entry["files"])]
+    keep = [e | {"files": [f for f in e["files"] if f not in entry["files"]]} for e in old]
+    keep = [e for e in keep if e["files"]]
     path.write_text(json.dumps({"entries": [*keep, entry]}, indent=1, ensure_ascii=False) + "\n")
     return entry
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..provenance import commit_info as commit  # noqa: F401 - the table's commit (re-exported)
+from ..provenance import register
 from .peer import PEER_LABEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,3 +176,6 @@ def write(result: dict, out: Path, log_dirs=()) -> None:
         seed = Path(d).name.removeprefix("parent-seed")
         if src.is_file():
             shutil.copyfile(src, out / f"train_log_seed{seed}.json")
+    logs = [f"train_log_seed{Path(d).name.removeprefix('parent-seed')}.json" for d in log_dirs]
+    register(out, ["results.json", "report.md", "curves.png", *(f for f in logs if (out / f).is_file())],
+             result.get("command"))

@@ -88,15 +88,21 @@ def test_a_file_is_owned_by_its_nearest_record_only(tmp_path):
     assert pv.record_problems(tmp_path, exists=in_history) == ["a/x.md: named by 0 entries of its nearest record.json"]
 
 
-def test_add_record_replaces_the_entry_of_the_same_files(tmp_path, monkeypatch):
+def test_add_record_takes_its_files_from_earlier_entries(tmp_path, monkeypatch):
     monkeypatch.setenv("SYMGRAPH_COMMIT", "abc1234")
     pv.add_record(tmp_path, ["r.md", "r.json"], "python -m benchmarks.one")
     pv.add_record(tmp_path, ["s.md"], "python -m benchmarks.two", rates={"float32": 100.0})
     e = pv.add_record(tmp_path, ["r.json"], "python -m benchmarks.three --fast")
     entries = json.loads((tmp_path / pv.RECORD).read_text())["entries"]
-    assert [x["command"] for x in entries] == ["python -m benchmarks.two", "python -m benchmarks.three --fast"]
-    assert entries[0]["matmul_gflops"] == {"float32": 100.0}
-    assert e == entries[1] and e["commit"] == "abc1234" and e["files"] == ["r.json"]
+    assert [(x["command"], x["files"]) for x in entries] == [
+        ("python -m benchmarks.one", ["r.md"]),   # not rewritten: still the first run's
+        ("python -m benchmarks.two", ["s.md"]), ("python -m benchmarks.three --fast", ["r.json"])]
+    assert entries[1]["matmul_gflops"] == {"float32": 100.0}
+    assert e == entries[2] and e["commit"] == "abc1234"
+    pv.add_record(tmp_path, ["r.md", "s.md"], "python -m benchmarks.four")
+    entries = json.loads((tmp_path / pv.RECORD).read_text())["entries"]
+    assert [(x["command"], x["files"]) for x in entries] == [      # emptied entries go
+        ("python -m benchmarks.three --fast", ["r.json"]), ("python -m benchmarks.four", ["r.md", "s.md"])]
 
 
 def test_command_line_quotes_what_the_shell_would_split():
