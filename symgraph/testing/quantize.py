@@ -47,9 +47,10 @@ def linear_layers(model) -> dict:
     """``{module name: (module, input dim of its weight)}`` of every linear layer but the
     output head (``get_output_embeddings``)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    kept = {id(m) for m in head.modules()} if isinstance(head, torch.nn.Module) else set()
     out = {}
     for name, mod in model.named_modules():
-        if mod is head:
+        if id(mod) in kept:  # the head, and a layer it wraps
             continue
         if isinstance(mod, torch.nn.Linear):
             out[name] = (mod, 1)
