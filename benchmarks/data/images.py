@@ -7,7 +7,7 @@ import functools
 import numpy as np
 import torch
 
-from .data_common import (
+from .common import (
     _DIGIT_MAX_VALUE,
     DIGIT_IMAGE_SIZE,
     EVAL_FRACTION,

@@ -48,7 +48,7 @@ import numpy as np
 
 # the datasets live in sibling modules, one seam each; this module re-exports them under the
 # names the rest of the suite has always used
-from .data_common import (  # noqa: F401
+from .common import (  # noqa: F401
     CODE_MAX_CHARS,
     DIGIT_IMAGE_SIZE,
     EVAL_FRACTION,
@@ -68,9 +68,9 @@ from .data_common import (  # noqa: F401
     _sha,
     cache_dir,
 )
-from .data_images import _digits_cached, digits  # noqa: F401
-from .data_text import corpus_text, split_text  # noqa: F401
-from .data_tokens import get_tokenizer, mlm_mask, random_blocks, token_blocks, token_ids  # noqa: F401
+from .images import _digits_cached, digits  # noqa: F401
+from .text import corpus_text, split_text  # noqa: F401
+from .tokens import get_tokenizer, mlm_mask, random_blocks, token_blocks, token_ids  # noqa: F401
 
 __all__ = [
     "TEXT_CORPORA",

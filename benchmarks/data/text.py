@@ -7,7 +7,7 @@ import functools
 import os
 from pathlib import Path
 
-from .data_common import CODE_MAX_CHARS, EVAL_FRACTION, _check_corpus, _check_split
+from .common import CODE_MAX_CHARS, EVAL_FRACTION, _check_corpus, _check_split
 
 
 def _prose_text() -> str:

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .data_common import (
+from .common import (
     MASK_ID,
     MASK_TOKEN,
     MLM_MASK_FRACTION,
@@ -24,7 +24,7 @@ from .data_common import (
     _sha,
     cache_dir,
 )
-from .data_text import split_text
+from .text import split_text
 
 
 # ---------------------------------------------------------------------------
