@@ -2,7 +2,8 @@
 ``symgraph`` command: a config with a NaN, infinite or negative norm epsilon is refused at load,
 naming the field (also when one directory is given twice: never "differ (nan vs nan)"); a model
 whose finite weights make an activation overflow is refused by the stage that measures it
-(activation statistics of ``--align activations`` and ``compare --data``, REPAIR, ``resize``)
+(activation statistics of ``--align activations`` and ``compare --data``, the similarity weight
+matching solves, REPAIR, ``resize``)
 in one line, instead of a solver's traceback or statistics turned into zeros. Exit 2, one
 paragraph on stderr, nothing written anywhere (the whole workspace hashed before and after)."""
 from __future__ import annotations
@@ -88,6 +89,8 @@ CASES = [
     # finite weights, activations that overflow: refused by the stage that measures them
     ("activation_statistics_merge", _merge("big", "big_b", "--align", "activations", "--data", "data.safetensors"),
      ["activation statistics:", "on batch 0 of the data hold NaN/inf values", "expected a model that computes finite"]),
+    ("weight_similarity_merge", _merge("big", "big_b"),
+     ["alignment: the similarity matrix of a perm class (48 x 48) holds NaN/inf values"]),
     ("activation_statistics_compare", lambda w: ["compare", _i("big")(w), _i("big_b")(w), "--data",
                                                  _i("data.safetensors")(w)],
      ["activation statistics:", "hold NaN/inf values"]),

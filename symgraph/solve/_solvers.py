@@ -11,7 +11,9 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from ..core.elements import Perm, mark_orth, mark_perm
+from ..core.finite import all_finite
 from ..core.groups import GroupKind
+from ..errors import InputError
 from . import turns
 from ._auction import auction
 from ._polar import DEVICE_BATCH_MAX, _decompose, _host, polar  # noqa: F401 (re-exported)
@@ -402,6 +404,10 @@ def solve(kind: GroupKind, S, *, pairs=None, solver: str | None = None, rescale=
     permutation comes back as a :class:`~symgraph.core.elements.Perm` (see :func:`hungarian`);
     ``masses``: ``(a, b)`` unit masses for the transport solvers (uniform where None)."""
     a, b = masses or (None, None)
+    if isinstance(S, torch.Tensor) and not all_finite(S):  # finite weights whose products overflowed
+        raise InputError(f"alignment: the similarity matrix of a {kind} class ({' x '.join(map(str, S.shape))}) "
+                         "holds NaN/inf values; expected finite similarities (weights or activations whose "
+                         "products overflow the dtype cannot be aligned)")
     if solver is None and kind == "orthogonal":
         S = _float(S)
     elif not (solver in (None, "hungarian") and kind == "perm" and _ranked_as_is(S)):
