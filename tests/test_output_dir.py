@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import signal
 import socket
@@ -16,6 +17,7 @@ from collections import namedtuple
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from symgraph.checkpoints import leftovers
 from symgraph.checkpoints.leftovers import RUN_MARKER, process_start, sweep
@@ -219,3 +221,25 @@ def test_a_killed_merge_leaves_what_the_next_run_removes(pair, tmp_path, capsys)
     assert RUN_MARKER not in os.listdir(out) and RUN_MARKER not in json.loads((out / MARKER).read_text())["files"]
     assert digest(out) != previous and digest(out)["model.safetensors"] == previous["model.safetensors"]
     assert digest(pair) == inputs
+
+
+def test_a_killed_runs_spilled_statistics_are_swept_too(tmp_path, capsys):
+    """The statistics a merge spills beside --out (REGMEAN, Fisher, REPAIR) carry a run marker
+    for no one output: closed, nothing is left; left by a dead run, the next run beside them
+    removes them; this process's own, in use, are not touched."""
+    from symgraph.merging.statistics import Spill
+    spill = Spill(str(tmp_path))
+    spill.put({"g": torch.ones(2, 2)})
+    marker = json.loads((pathlib.Path(spill.dir) / RUN_MARKER).read_text())
+    assert marker["out"] is None and marker["pid"] == os.getpid()
+    assert sweep(str(tmp_path / "o"), TMP_PREFIX) == [] and os.path.isdir(spill.dir)  # ours, in use
+    assert torch.equal(spill.get("g"), torch.ones(2, 2))
+    spill.close()
+    assert os.listdir(tmp_path) == []
+    dead = Spill(str(tmp_path))
+    dead.put({"g": torch.ones(2, 2)})
+    path = pathlib.Path(dead.dir) / RUN_MARKER
+    path.write_text(json.dumps({**json.loads(path.read_text()), "pid": _dead_pid()}))
+    assert sweep(str(tmp_path / "o"), TMP_PREFIX) == [dead.dir]
+    assert os.listdir(tmp_path) == []
+    assert "removed 1 temporary directory" in capsys.readouterr().err

@@ -7,7 +7,9 @@ killed outright (SIGKILL, the OOM killer) cannot remove its directory; the next 
 same ``--out`` (:func:`sweep`) removes it when that run is dead — same host and boot, and its
 process id no longer alive or now another process (another start time); or the host rebooted
 since — and says so in one line on stderr. Anything else beside ``--out`` with the temporary
-prefix (no marker, a run still alive, one on another host) is left alone and named.
+prefix (no marker, a run still alive, one on another host) is left alone and named. The
+statistics a run spills beside ``--out`` carry a marker for no one output: the next run beside
+them removes them once their run is dead.
 """
 from __future__ import annotations
 
@@ -54,9 +56,10 @@ def _this_run(out: str, directory: str) -> dict:
             "out": out}
 
 
-def mark_run(directory: str, out: str) -> None:
+def mark_run(directory: str, out: str | None) -> None:
     """Write the run marker into the temporary ``directory`` (just made by this process) made
-    for the output ``out`` (its absolute path)."""
+    for the output ``out`` (its absolute path; None: for no one output, e.g. statistics spilled
+    beside it, which any run sweeping that directory's parent may remove once this run is dead)."""
     fd = os.open(os.path.join(directory, RUN_MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(_this_run(out, directory), f)
@@ -150,7 +153,7 @@ def _verdict(path: str, name: str, out: str) -> str | None:
     marker = _read_marker(path)
     if marker is None:
         return "no run marker: symgraph cannot tell whose it is"
-    if marker.get("out") != out:
+    if marker.get("out") not in (out, None):  # None: a run's spilled statistics, for no one --out
         return None
     if marker.get("pid") == os.getpid() and marker.get("start") == process_start(os.getpid()):
         return None  # this process's own, in use

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from ..alignment.checks import batch_inputs, by_shape
 from ..alignment.graphrun import Stepper, flatten_for, runnable
 from ..core import distributed
+from ..checkpoints.leftovers import RUN_MARKER, mark_run
 from ..core.files import file_id, identity, remove_own
 from ..core.ties import to_device
 from .untie import untie
@@ -42,7 +43,9 @@ __all__ = ["Spill", "MemorySpill", "Stored", "input_grams", "whole_model", "stat
 
 class Spill:
     """Tensors written to safetensors files in a temporary directory under ``parent`` (beside
-    the output's temporary directory; removed by :meth:`close`), read back one at a time."""
+    the output's temporary directory; removed by :meth:`close`), read back one at a time. The
+    directory carries this run's marker, so that the next run beside it removes it should this
+    one be killed (:mod:`symgraph.checkpoints.leftovers`)."""
 
     PREFIX = ".symgraph-tmp-stats-"
 
@@ -51,6 +54,8 @@ class Spill:
         self._made = identity(self.dir)
         self._files: dict = {}  # the files written here -> their identity: all close() deletes
         self.where: dict = {}
+        mark_run(self.dir, None)  # for no one --out: any later run beside it sweeps it once this one is dead
+        self._files[RUN_MARKER] = file_id(os.lstat(os.path.join(self.dir, RUN_MARKER)))
 
     def put(self, tensors: dict):
         if not tensors:
