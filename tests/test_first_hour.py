@@ -164,3 +164,50 @@ def test_a_width_change_is_said_on_stdout_in_the_record_and_the_card(tmp_path, c
     assert main(["merge", str(tmp_path / "a"), str(tmp_path / "a"), "--out", str(tmp_path / "same")]) == 0
     assert "widths differ" not in capsys.readouterr().out
     assert json.loads((tmp_path / "same" / "symgraph_merge.json").read_text())["width_change"] == []
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from symgraph.testing import models
+    root = tmp_path_factory.mktemp("progress")
+    sizes = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
+    for seed in (0, 1):
+        models.build("llama", seed=seed, **sizes).save_pretrained(root / "ab"[seed])
+    ids = torch.randint(0, 64, (32, 12), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, str(root / "data.safetensors"))
+    return root
+
+
+PROGRESS = [
+    (["merge", "{a}", "{b}", "--out", "{o}"], ["aligning: sweep 1", "aligning: sweep 2", "writing"]),
+    (["merge", "{a}", "{b}", "--align", "activations", "--method", "regmean", "--repair", "--data", "{d}",
+      "--out", "{o}"], ["activation statistics (pass 1 of", "statistics:", "REPAIR", "writing"]),
+    (["barrier", "{a}", "{b}", "--data", "{d}", "--align", "none", "--points", "3"], ["barrier:", "0/3 [", "point/s"]),
+    (["compare", "{a}", "{b}", "--null", "2"], ["null (shuffled copies of B):", "0/2 [", "draw/s"]),
+]
+
+
+@pytest.mark.parametrize("args, bars", PROGRESS, ids=["merge", "statistics", "barrier", "compare"])
+def test_progress_bars_show_when_forced_and_never_with_quiet(pair, tmp_path, capsys, monkeypatch, args, bars):
+    from symgraph.cli.main import main
+    fill = dict(a=pair / "a", b=pair / "b", d=pair / "data.safetensors")
+    argv = [x.format(o=tmp_path / "forced", **fill) for x in args]
+    monkeypatch.setenv("SYMGRAPH_PROGRESS", "1")  # as if stderr were a terminal
+    capsys.readouterr()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    for b in bars:
+        assert b in err, (b, err[-2000:])
+    argv = [x.format(o=tmp_path / "quiet", **fill) for x in args]
+    assert main(["--quiet", *argv]) == 0 and capsys.readouterr().err == ""
+    monkeypatch.delenv("SYMGRAPH_PROGRESS")  # stderr is not a terminal here: no bars either
+    argv = [x.format(o=tmp_path / "plain", **fill) for x in args]
+    assert main(argv) == 0 and capsys.readouterr().err == ""
+
+
+def test_quiet_is_taken_before_or_after_the_subcommand():
+    from symgraph.cli.main import build_parser
+    p = build_parser()
+    assert p.parse_args(["--quiet", "compare", "a", "b"]).quiet
+    assert p.parse_args(["compare", "a", "b", "--quiet"]).quiet
+    assert not p.parse_args(["compare", "a", "b"]).quiet

@@ -11,6 +11,7 @@ import torch
 
 from ..core import distributed
 from ..core.finite import require_finite
+from ..core.progress import bar
 from ..core.groups import orthogonal_part
 from .checks import batch_inputs, by_shape
 from .graphrun import (GraphRunner, Stepper, flatten_for, lockstep, meta_constants, on_device, runnable,  # noqa: F401
@@ -205,7 +206,8 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
                 continue
             in_order = sorted(points, key=lambda p: order[p[0]])
             last = in_order[-1] if len(passes) > 1 else (None, None)  # where the runs pause
-            for bi, batch in batches:
+            for bi, batch in bar(batches, desc=f"activation statistics (pass {passes.index(todo) + 1} of "
+                                 f"{len(passes)})", unit="batch"):
                 run = runs.get((si, bi))
                 if run is None:
                     args, kwargs = batch_inputs(sa, batch, bi)

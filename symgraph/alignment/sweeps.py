@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..core.elements import Map, Perm, is_perm
+from ..core.progress import bar
 from .schedule import first_sweep_order, units
 from .shared import Waves
 from .solve_unit import solve_unit
@@ -86,7 +87,7 @@ class Sweeps:
             self.closed = 0.0
             pending = set().union(*(self.ids(u) for u in self.units)) if sweep == 0 else set()
             deferred = []
-            for ui in order:
+            for ui in bar(order, desc=f"aligning: sweep {sweep + 1}", unit="unit"):
                 waves.before(ui)  # several processes: solve the wave first if ui reads it
                 if sweep == 0 and ui in self.presolved:
                     pending -= self.ids(self.units[ui])

@@ -151,6 +151,8 @@ def build_parser():
                 "and merge neural networks.")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line refusals")
     p.add_argument("--version", action="version", version=f"symgraph {__version__}")
+    p.add_argument("--quiet", action="store_true", help="no progress bars on stderr (they show only on a "
+                   "terminal, or anywhere with SYMGRAPH_PROGRESS=1)")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     a = sub.add_parser("analyze", help="report the weight-space symmetries of a model")
@@ -203,6 +205,8 @@ def build_parser():
     d.add_argument("--force", action="store_true", help="replace an existing --out (a previous demo output)")
     d.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     d.set_defaults(func=cmd_demo)
+    for sp in sub.choices.values():  # --quiet after the subcommand too, as --debug
+        sp.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
 
@@ -218,6 +222,15 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
+    from ..core.progress import configure
+    configure(active=True, quiet=getattr(args, "quiet", False))  # the engine's bars, on a terminal
+    try:
+        return _run(args)
+    finally:
+        configure(active=False)
+
+
+def _run(args) -> int:
     debug = getattr(args, "debug", False)
     if debug:
         return args.func(args)

@@ -5,13 +5,12 @@ A's basis; every other buffer is the anchor's."""
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from tqdm import tqdm
+from ..core.progress import bar as progress_bar
 
 from ..alignment import align as align_models
 from ..alignment.checks import check_finite
@@ -101,8 +100,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
                                          progress, **align_options)
         timings["align"] = universe["seconds"]
     alignments: list = []
-    bar = tqdm(models, desc=f"aligning (align={align})", unit="model", file=sys.stderr,
-               leave=False, disable=not progress or align is None)
+    bar = progress_bar(models, desc=f"aligning (align={align})", unit="model", enabled=progress and align is not None)
     for i, m in enumerate(bar):
         t1 = time.perf_counter()
         al = found[i] if found else None

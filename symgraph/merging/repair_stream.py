@@ -45,6 +45,7 @@ from ..errors import InputError, NeedsMemory
 from ..transform.folding import groups
 from ..core import distributed
 from ..core.finite import require_finite
+from ..core.progress import bar
 from .batchnorm import BatchNormReset, batchnorm_layers
 from .repair import RepairLayer, RepairReport, _errors, _Moments, correction, find_sites
 from .views import Aligned, Ledger, _Cache, nbytes
@@ -251,7 +252,7 @@ def repair(job) -> RepairReport:
     events = sorted([(pos[s.node], s) for s in sites] + [(pos[n], mv) for n, mv in norms.items()],
                     key=lambda e: e[0])
     layers, resets = [], []
-    for _, ev in events:
+    for _, ev in bar(events, desc="REPAIR", unit="layer"):
         if isinstance(ev, tuple):
             resets.append(_reset(job, runs, merged, fetch, *ev))
             continue

@@ -53,9 +53,9 @@ class MergeOutcome:
 
 
 def progress_bar(iterable=None, *, enabled: bool = True, **kw):
-    """tqdm on stderr (disabled: a plain pass-through)."""
-    from tqdm import tqdm
-    return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, leave=False, disable=not enabled or None, **kw)
+    """tqdm on stderr (disabled: a plain pass-through; see :mod:`symgraph.core.progress`)."""
+    from ..core.progress import bar
+    return bar(iterable, enabled=enabled, **kw)
 
 
 def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anchor: int | None = None,

@@ -34,6 +34,7 @@ from ..alignment.graphrun import Stepper, flatten_for, runnable
 from ..core import distributed
 from ..checkpoints.leftovers import RUN_MARKER, mark_run
 from ..core.files import file_id, identity, remove_own
+from ..core.progress import bar
 from ..core.ties import to_device
 from .untie import untie
 from .views import Aligned, nbytes
@@ -165,7 +166,7 @@ def input_grams(job, i: int, prefix: str) -> Stored:
         for todo in _passes(sorted(users, key=lambda n: order.get(n, -1)), width, job.stats_bytes):
             grams = {x: torch.zeros(width[x], width[x], dtype=torch.float64, device=device) for x in todo}
             job.ledger.hold(sum(nbytes(g) for g in grams.values()))
-            for bi, batch in batches:
+            for bi, batch in bar(batches, desc="statistics", unit="batch"):
                 if bi not in runs:
                     args, kwargs = batch_inputs(rep, batch, bi)
                     flat = [t.to(device) if isinstance(t, torch.Tensor) else t for t in flatten_for(gm, args, kwargs)]

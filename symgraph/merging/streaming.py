@@ -38,15 +38,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
 from typing import TYPE_CHECKING
 
 import torch
-from tqdm import tqdm
 
 from ..transform.apply import move
 from ..core.finite import all_finite
+from ..core.progress import bar as progress_bar
 from ..errors import InputError
 from ..transform.folding import gauge, groups
 from ..checkpoints.sharded import Checkpoint, KeysDiffer, ShardWriter, parse_size
@@ -209,8 +208,7 @@ class StreamingMerge:
         dev = None if self.device.type == "cpu" else self.device
         fa = Folded(ra, A, self.cache_bytes, self.work_dtype, dev, self.ledger)
         gains = gauge(ra.folds, {n: A.get(n).to(self.device) for f in ra.folds for n in (f.gain, f.shift) if n})
-        with tqdm(total=len(self.ckpts) - 1, desc="aligning", unit="model", file=sys.stderr,
-                  leave=False, disable=not self.progress) as bar:
+        with progress_bar(total=len(self.ckpts) - 1, desc="aligning", unit="model", enabled=self.progress) as bar:
             for i, c in enumerate(self.ckpts):
                 if i == self.anchor:
                     continue
@@ -308,8 +306,7 @@ class StreamingMerge:
     def _emit(self, order, writer):
         """Each task of ``order`` computed and given to ``writer.add(key, tensor)``."""
         A = self.ckpts[self.anchor]
-        with tqdm(total=len(A.keys), desc="writing", unit="tensor", file=sys.stderr, leave=False,
-                  disable=not self.progress) as bar:
+        with progress_bar(total=len(A.keys), desc="writing", unit="tensor", enabled=self.progress) as bar:
             for keys, job in order:
                 pieces = self._pieces(*job) if job else [(keys[0], self._anchors(keys[0]))]
                 for n, v in pieces:
