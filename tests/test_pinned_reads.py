@@ -161,3 +161,25 @@ def test_loading_refuses_a_file_replaced_after_its_headers(pair, tmp_path, monke
     monkeypatch.setattr(loading, "_from_pretrained", load)
     with pytest.raises(InputError, match="model.safetensors' changed during the run"):
         loading.load_local(str(b))
+
+
+def test_without_a_handle_to_spare_the_path_is_pinned(tmp_path, monkeypatch):
+    """At the process's file limit (EMFILE) the identity is taken from the path and checked
+    the same way: a replacement is still refused."""
+    import errno
+    path = tmp_path / "w.safetensors"
+    save_file({"x": torch.ones(3)}, str(path))
+    real_open = os.open
+
+    def full(p, *a, **k):
+        if str(p) == str(path):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(p, *a, **k)
+    monkeypatch.setattr(os, "open", full)
+    pin = PinnedFile(str(path))
+    monkeypatch.setattr(os, "open", real_open)
+    assert pin.fd is None and pin.reader == str(path)
+    pin.check()
+    _saved_again(str(path))
+    with pytest.raises(InputError, match="another file took its name"):
+        pin.check()
