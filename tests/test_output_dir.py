@@ -22,7 +22,7 @@ import torch
 from symgraph.checkpoints import leftovers
 from symgraph.checkpoints.leftovers import RUN_MARKER, process_start, sweep
 from symgraph.checkpoints.loading import read_layout
-from symgraph.checkpoints.outdir import MARKER, TMP_PREFIX, human_bytes
+from symgraph.checkpoints.outdir import MARKER, OLD_PREFIX, TMP_PREFIX, human_bytes
 from symgraph.testing import models
 
 from test_cli import ENV, digest
@@ -153,7 +153,10 @@ def test_sweep_removes_dead_runs_only(tmp_path, capsys):
     unmarked = _leftover(tmp_path, TMP_PREFIX + "unmarked", out, marker=None)
     (unmarked / RUN_MARKER).unlink()
     (tmp_path / (TMP_PREFIX + "file")).write_text("not a directory")
-    removed = sweep(str(out), TMP_PREFIX)
+    aside = tmp_path / (OLD_PREFIX + "x")  # a previous output, moved aside by a run killed in the swap
+    aside.mkdir()
+    (aside / MARKER).write_text("{}")
+    removed = sweep(str(out), TMP_PREFIX, aside=OLD_PREFIX)
     assert sorted(removed) == sorted(map(str, (dead, reused, rebooted)))
     assert not any(os.path.lexists(d) for d in (dead, reused, rebooted))
     for d in (live, mine, elsewhere, other_out, copied, unmarked):
@@ -168,8 +171,10 @@ def test_sweep_removes_dead_runs_only(tmp_path, capsys):
     assert f"{elsewhere} (made by a run on host 'another-host'" in kept
     assert f"{copied} (its run marker does not match it)" in kept
     assert f"{unmarked} (no run marker" in kept
+    assert f"{aside} (a previous output moved aside by a run stopped while replacing it)" in kept
+    assert os.listdir(aside) == [MARKER]
     assert str(mine) not in kept and str(other_out) not in kept  # this process's own; another output's
-    sweep(str(out), TMP_PREFIX)
+    sweep(str(out), TMP_PREFIX, aside=OLD_PREFIX)
     assert capsys.readouterr().err == ""  # named once
 
 

@@ -111,23 +111,28 @@ def _read_marker(directory: str) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
-def sweep(out: str, prefix: str, *, quiet: bool = False) -> list:
+def sweep(out: str, prefix: str, *, aside: str | None = None, quiet: bool = False) -> list:
     """Remove the temporary directories (named ``prefix``...) that dead runs left beside the
     output ``out`` (an absolute path) and return what was removed; say so, and name what is left
-    alone there, in one line each on stderr. This process's own directories are not touched."""
+    alone there, in one line each on stderr. This process's own directories are not touched.
+    Directories named ``aside``... (a previous output moved aside by a run stopped in the
+    instant it was replacing it) are named, never removed."""
     parent = os.path.dirname(out)
     try:
-        names = sorted(n for n in os.listdir(parent) if n.startswith(prefix))
+        names = sorted(n for n in os.listdir(parent) if n.startswith(prefix) or (aside and n.startswith(aside)))
     except OSError:
         return []
     removed, kept = [], []
     for name in names:
         path = os.path.join(parent, name)
-        why = _verdict(path, name, out)
+        why = (_verdict(path, name, out) if name.startswith(prefix) else
+               "a previous output moved aside by a run stopped while replacing it" if os.path.isdir(path) else None)
         if why == "dead":
             remove_own(path, identity(path), prefix)
-            (removed if not os.path.lexists(path) else kept).append(
-                path if not os.path.lexists(path) else f"{path} (not empty after removing its files)")
+            if os.path.lexists(path):
+                kept.append(f"{path} (not empty after removing its files)")
+            else:
+                removed.append(path)
         elif why:
             kept.append(f"{path} ({why})")
     if removed and not quiet:
@@ -136,8 +141,8 @@ def sweep(out: str, prefix: str, *, quiet: bool = False) -> list:
     kept = [k for k in kept if k not in _NAMED]  # each named once per process
     _NAMED.update(kept)
     if kept and not quiet:
-        print(f"symgraph: note: left alone beside --out: {', '.join(kept)}; remove it yourself once no "
-              "symgraph run uses it", file=sys.stderr)
+        print(f"symgraph: note: left alone beside --out: {', '.join(kept)}; symgraph cannot tell that no run "
+              "uses it: move or remove it yourself", file=sys.stderr)
     return removed
 
 

@@ -98,7 +98,7 @@ def check_out(out: str, *, force: bool = False, inputs=()) -> str:
     """The absolute output path, refused (before any work) when writing it could lose data or
     could not end in place; a killed run's temporary directory beside it is removed (and said)."""
     path = _vet(out, force, inputs)[0]
-    sweep(path, TMP_PREFIX)
+    sweep(path, TMP_PREFIX, aside=OLD_PREFIX)
     return path
 
 
