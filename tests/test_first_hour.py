@@ -7,13 +7,14 @@ no step reads is said and recorded as null; the output is sharded like the input
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from test_hostile_round4_inputs import main_in_process
 
@@ -211,3 +212,34 @@ def test_quiet_is_taken_before_or_after_the_subcommand():
     assert p.parse_args(["--quiet", "compare", "a", "b"]).quiet
     assert p.parse_args(["compare", "a", "b", "--quiet"]).quiet
     assert not p.parse_args(["compare", "a", "b"]).quiet
+
+
+def test_the_newcomer_job(ws, capsys):
+    """The issue's first hour on tiny models: two Qwen2-style sharded bf16 checkpoints, a padded
+    data file with its mask, merged by weights and by activations, then barrier and compare."""
+    ids = torch.randint(1, 64, (32, 10), generator=torch.Generator().manual_seed(1))
+    lengths = 6 + torch.arange(32) % 5  # 6..10 tokens, right-padded with 0 to 10
+    mask = (torch.arange(10)[None, :] < lengths[:, None]).long()
+    save_file({"input_ids": ids * mask, "attention_mask": mask}, str(ws / "padded.safetensors"))
+    runs = [["merge", "../qa", "../qb", "--out", "job_w"],
+            ["merge", "../qa", "../qb", "--align", "activations", "--data", "../padded.safetensors", "--out", "job_a"],
+            ["barrier", "../qa", "../qb", "--data", "../padded.safetensors", "--points", "3", "--out", "job_b"],
+            ["compare", "../qa", "../qb", "--data", "../padded.safetensors", "--null", "2", "--out", "job_c"]]
+    for args in runs:
+        rc, err = cli(ws, capsys, *args, seconds=600)
+        assert rc == 0 and "Traceback" not in err, (args, err)
+    for name in ("job_w", "job_a"):
+        out = ws / "work" / name
+        assert len(list(out.glob("model-*-of-00003.safetensors"))) == 3
+        tensors = {}
+        for f in out.glob("*.safetensors"):
+            tensors.update(load_file(str(f)))
+        assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+        assert all(torch.isfinite(t.float()).all() for t in tensors.values())
+    rec = json.loads((ws / "work" / "job_a" / "symgraph_merge.json").read_text())
+    assert rec["options"]["data"] == str(ws / "padded.safetensors") and rec["options"]["data_batches"] == 5
+    rows = json.loads((ws / "work" / "job_b" / "barrier.json").read_text())["rows"]
+    assert {r["align"] for r in rows} >= {"none", "weights"}
+    assert all(math.isfinite(loss) for r in rows for _, loss in r["curve"])
+    verdict = json.loads((ws / "work" / "job_c" / "compare.json").read_text())["verdict"]
+    assert verdict in ("unrelated", "derived")  # two independent seeds: never "same"
