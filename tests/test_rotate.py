@@ -164,3 +164,13 @@ def test_bad_arguments_refused():
         rotate(model, classes=("mlp",))
     with pytest.raises(symgraph.InputError, match="learned"):
         rotate(model, steps=3)
+
+
+def test_bf16_model_keeps_its_dtype_and_certifies_before_rounding():
+    model = built("llama").to(torch.bfloat16)
+    res = rotate(model)
+    assert res.error <= 1e-5
+    assert {p.dtype for p in res.model.parameters()} == {torch.bfloat16}
+    x = ids()
+    base, got = logits(model.float(), x), logits(res.model.float(), x)
+    assert rel(base, got) < 0.05  # bf16 rounding of the rotated weights only

@@ -60,7 +60,8 @@ def rotate(model, how: str = "hadamard", seed: int = 0, *, data=None, classes=("
     ``group_size``, ``loss_fn``: :func:`symgraph.merging.rotate_learned.learn_rotations`).
     ``classes``: the roles to rotate (:data:`CLASSES`). ``inputs``: the inputs to trace and
     certify with (default: built from the config). Raises :class:`CertificationError` when the
-    rotated model's outputs differ by more than ``tol`` (relative, float32)."""
+    rotated model's outputs differ by more than ``tol`` (relative, float32; a 16-bit model is
+    certified on its rotated values before they are rounded to its dtype)."""
     if how not in HOW:
         raise InputError(f"how={how!r}; expected one of {list(HOW)}")
     if how == "learned" and not data:
@@ -77,7 +78,7 @@ def rotate(model, how: str = "hadamard", seed: int = 0, *, data=None, classes=("
     new_values = rotated_state(report, elements, tensors)
     rotated = copy.deepcopy(base)
     write_state(rotated, new_values, report.buffers)
-    error = certificate(base, rotated, report)
+    error = certificate(base, new_values, report)
     if error > tol:
         raise CertificationError(f"rotated {report.model_name}'s outputs differ by {error:.3g} (relative), "
                                  f"expected at most {tol:g}")

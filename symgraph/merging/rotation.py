@@ -12,7 +12,7 @@ from ..core.hadamard import KINDS as ROTATION_KINDS, incoherent
 from ..errors import InputError
 from ..passes.trace import eval_mode, flatten_outputs, output_deviation, select_outputs
 from ..report.api import analyze, tied_parameters
-from ..transform.apply import move
+from ..transform.apply import move, write_state
 from .untie import untie as untie_model
 
 __all__ = ["CLASSES", "rotation_classes", "rotation_elements", "ones_gauge", "rotated_state", "rotation_report",
@@ -91,13 +91,16 @@ def rotation_report(model, untie: bool = True, inputs=None, outputs=None):
     return model, report, False
 
 
-def certificate(model, rotated, report) -> float:
+def certificate(model, values: dict, report) -> float:
     """The largest relative change of the outputs (those ``report`` keeps) between ``model``
-    and ``rotated``, both run in float32 on the report's inputs."""
+    and ``model`` with its tensors replaced by ``values`` (the rotated ones, before any cast to a
+    16-bit dtype), both run in float32 on the report's inputs."""
     args, kwargs = report.inputs
+    base = copy.deepcopy(model).float()
+    rotated = copy.deepcopy(base)
+    write_state(rotated, values, report.buffers)
     got = []
-    for m in (model, rotated):
-        m32 = copy.deepcopy(m).float()
-        with torch.no_grad(), eval_mode(m32):
-            got.append(flatten_outputs(select_outputs(m32(*args, **kwargs), report.outputs)))
+    for m in (base, rotated):
+        with torch.no_grad(), eval_mode(m):
+            got.append(flatten_outputs(select_outputs(m(*args, **kwargs), report.outputs)))
     return output_deviation(*got)
