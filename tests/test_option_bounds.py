@@ -79,6 +79,8 @@ CASES = [
                                       "--out", w / "work" / "o"], [f"--seed {2 ** 64}", "from 0 to 2**32 - 1"]),
     ("resize_seed_negative", lambda w: ["resize", w / "inputs" / "a", "--width", "5=64", "--seed", "-1",
                                         "--out", w / "work" / "o"], ["--seed -1", "from 0 to 2**32 - 1"]),
+    ("rotate_seed_64_bit", lambda w: ["rotate", w / "inputs" / "a", "--seed", str(2 ** 64), "--out", w / "work" / "o"],
+     [f"--seed {2 ** 64}", "from 0 to 2**32 - 1"]),
     ("barrier_points_huge", lambda w: ["barrier", w / "inputs" / "a", w / "inputs" / "b", "--data",
                                        w / "inputs" / "data.safetensors", "--points", str(10 ** 23)],
      [f"--points {10 ** 23}", "at most 1001"]),

@@ -6,7 +6,9 @@ __all__ = ["add_parser"]
 
 
 def cmd_rotate(args) -> int:
+    from ..core.schema import SEED
     from ..merging.rotate_out import rotate_checkpoint
+    SEED.check(args.seed, "--seed")  # before any work
     rec = rotate_checkpoint(args.model, args.out, how=args.how, seed=args.seed, memory_budget=args.memory_budget,
                             classes=tuple(args.classes), untie=not args.keep_tied, force=args.force)
     r = rec["symgraph_rotate"]
