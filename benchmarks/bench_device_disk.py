@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_device import _sync, header, no_cuda, peaks
-from benchmarks.provenance import matmul_rates, write_beside
+from benchmarks.provenance import matmul_rates, table, write_beside
 from benchmarks.solver_tally import SolverTally, forced_auction
 from benchmarks.scale.checkpoints import ensure_pair, llama_config, model_sizes, weight_files
 from benchmarks.scale.probe import Probe, meminfo, resident
@@ -283,10 +283,8 @@ def markdown(results: dict) -> str:
                   f"{r['cache']}` (the pair was just written: with `asis` its pages are in RAM, the share "
                   "measured by mincore is in the table, with the dirty pages not yet written back as the run "
                   f"started{'; the pair was synced first' if any('sync_s' in d for d in r['depths']) else ''}). "
-                  "Outputs are written to the page cache (no fsync).", "",
-                  "| layers | params | pair written | run | wall | analysis | alignment | write | solver | sweeps "
-                  "| peak GPU alloc / reserved | peak RSS | read (× pair) | inputs cached, dirty | output |",
-                  "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "Outputs are written to the page cache (no fsync).", ""]
+        rows = []
         for d in r["depths"]:
             w = d.get("write", {})
             wrote = "reused" if w.get("reused") else f"{_f(w.get('seconds'))} s"
@@ -294,10 +292,10 @@ def markdown(results: dict) -> str:
                 if "wall_s" not in x:
                     run = x.get("running", {})
                     state = f"**failed**: {x['error']}".replace("|", "/") if "error" in x else "**unfinished**"
-                    lines.append(f"| {d['layers']} | {d['params'] / 1e9:.2f} B | {wrote} | {name} "
-                                 f"| {state} after {_f(run.get('elapsed_s'), '.0f')} s (read "
-                                 f"{_f(run.get('read_gb'))} GB, GPU peak {_f(run.get('gpu_peak_gb'))} GB) "
-                                 "| | | | | | | | | | |")
+                    rows.append(f"| {d['layers']} | {d['params'] / 1e9:.2f} B | {wrote} | {name} "
+                                f"| {state} after {_f(run.get('elapsed_s'), '.0f')} s (read "
+                                f"{_f(run.get('read_gb'))} GB, GPU peak {_f(run.get('gpu_peak_gb'))} GB) "
+                                "| | | | | | | | | | |")
                     continue
                 tm, al, c = x["timings"], x["align_seconds"], x["check"]
                 ok = ("ok" if c["ok"] else "**FAILED**") + (" + loads" if c.get("from_pretrained") else "")
@@ -305,14 +303,16 @@ def markdown(results: dict) -> str:
                     ok += f"; rows vs bf16 average: {x['samples_vs_exact_average']:.2g}"
                 if "samples_vs_unaligned" in x:
                     ok += f"; rows vs unaligned: {x['samples_vs_unaligned']:.2g}"
-                lines.append(
-                    f"| {d['layers']} | {d['params'] / 1e9:.2f} B | {wrote} | {name} | "
-                    f"**{x['wall_s']:.1f} s** | {_f(tm.get('analyze'))} | {_f(tm.get('align'))} | "
-                    f"{_f(tm.get('write'))} | {_f(al.get('solver'))} | {al.get('sweeps', '–')} | "
-                    f"{_f(x['peak_gpu_allocated_gb'])} / {_f(x['peak_gpu_reserved_gb'])} GB | "
-                    f"{x['peak_rss_gb']:.1f} GB | {x['read_gb']:.1f} GB ({x['read_x_pair']:.1f}) | "
+                rows.append([
+                    d["layers"], f"{d['params'] / 1e9:.2f} B", wrote, name, f"**{x['wall_s']:.1f} s**",
+                    _f(tm.get("analyze")), _f(tm.get("align")), _f(tm.get("write")), _f(al.get("solver")),
+                    al.get("sweeps", "–"), f"{_f(x['peak_gpu_allocated_gb'])} / {_f(x['peak_gpu_reserved_gb'])} GB",
+                    f"{x['peak_rss_gb']:.1f} GB", f"{x['read_gb']:.1f} GB ({x['read_x_pair']:.1f})",
                     f"{_f(x['inputs_in_page_cache'] and 100 * x['inputs_in_page_cache'], '.0f')}%, "
-                    f"{_f(x.get('meminfo_before', {}).get('dirty_gb'))} GB | {ok} |")
+                    f"{_f(x.get('meminfo_before', {}).get('dirty_gb'))} GB", ok])
+        lines += table(["layers", "params", "pair written", "run", "wall", "analysis", "alignment", "write", "solver",
+                        "sweeps", "peak GPU alloc / reserved", "peak RSS", "read (× pair)", "inputs cached, dirty",
+                        "output"], rows, ["r", "r", "r", None] + ["r"] * 10 + [None])
         lines += [""] + [f"Aligned ÷ unaligned at {d['layers']} layers: {d['ratio']:.1f}x." for d in r["depths"]
                          if "ratio" in d]
         for d in r["depths"]:  # the large solves of each run (finished, or so far)
@@ -326,12 +326,13 @@ def markdown(results: dict) -> str:
             for name, x in d["runs"].items():
                 if "stages" in x:
                     lines += ["", f"Stages, {name} at {d['layers']} layers (each synchronised; wall "
-                              f"{x['wall_s']:.1f} s):", "", "| stage | calls | s | GFLOP | GFLOP/s | of peak | GB |",
-                              "|---|---:|---:|---:|---:|---:|---:|"]
-                    for st, s in sorted(x["stages"].items(), key=lambda kv: -kv[1]["seconds"]):
-                        lines.append(f"| {st} | {s['calls']} | {s['seconds']:.2f} | {_f(s['gflop'] or None, '.0f')} | "
-                                     f"{_f(s['gflops'], '.0f')} | {_f(s['of_peak'] and 100 * s['of_peak'], '.1f')}% | "
-                                     f"{_f(s['gb'] or None, '.2f')} |")
+                              f"{x['wall_s']:.1f} s):", ""]
+                    lines += table(["stage", "calls", "s", "GFLOP", "GFLOP/s", "of peak", "GB"],
+                                   [[st, s["calls"], f"{s['seconds']:.2f}", _f(s["gflop"] or None, ".0f"),
+                                     _f(s["gflops"], ".0f"), f"{_f(s['of_peak'] and 100 * s['of_peak'], '.1f')}%",
+                                     _f(s["gb"] or None, ".2f")]
+                                    for st, s in sorted(x["stages"].items(), key=lambda kv: -kv[1]["seconds"])],
+                                   [None] + ["r"] * 6)
         lines.append("")
     return "\n".join(lines)
 

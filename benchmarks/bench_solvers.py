@@ -336,10 +336,8 @@ def markdown(rec) -> str:
                      f"{r['iterative64_dev_from_svd64']:.1e}"] for r in rec["polar"]],
                    ["r", None] + ["r"] * 9)
     lines += ["", "Deviations: the largest entry-wise difference of the orthogonal factors.", "",
-              "## Assignment: the library's default path, sparse top-k, device auction, dense SciPy", "",
-              "| n | matrix | row maxima a perm. | default (status) | sparse top-k | auction (phases, rounds) "
-              "| SciPy dense (copy) | objective − best: default / sparse / auction / SciPy | planted recovered |",
-              "|---:|---|---|---|---:|---:|---:|---|---:|"]
+              "## Assignment: the library's default path, sparse top-k, device auction, dense SciPy", ""]
+    rows = []
     for r in rec["assign"]:
         sv = r["solvers"]
         d, sp, au, sc = (sv.get(k, {}) for k in ("default", "sparse", "auction", "scipy"))
@@ -347,8 +345,11 @@ def markdown(rec) -> str:
         sci = _s(sc) + (f" ({sc['copy_s']:.2f} s)" if "copy_s" in sc and "seconds" in sc else "")
         diffs = " / ".join(f"{x['objective_vs_best']:.1e}" if "objective_vs_best" in x else "–" for x in (d, sp, au, sc))
         rec_ = max((x.get("planted_recovered", -1) for x in sv.values()), default=-1)
-        lines.append(f"| {r['n']} | {r['matrix']} | {r['row_maxima_permutation']} | {_s(d)} ({d.get('status', '–')}) "
-                     f"| {_s(sp)} | {auc} | {sci} | {diffs} | {'–' if rec_ < 0 else f'{rec_:.3f}'} |")
+        rows.append([r["n"], r["matrix"], r["row_maxima_permutation"], f"{_s(d)} ({d.get('status', '–')})", _s(sp),
+                     auc, sci, diffs, "–" if rec_ < 0 else f"{rec_:.3f}"])
+    lines += table(["n", "matrix", "row maxima a perm.", "default (status)", "sparse top-k", "auction (phases, rounds)",
+                    "SciPy dense (copy)", "objective − best: default / sparse / auction / SciPy", "planted recovered"],
+                   rows, ["r", None, None, None, "r", "r", "r", None, "r"])
     if rec.get("auction_vs_sparse"):
         lines += ["", "Auction faster than the sparse solve: " + ", ".join(
             f"n={v['n']} {v['matrix']}: {v['auction_faster']}" for v in rec["auction_vs_sparse"]) + "."]

@@ -126,13 +126,14 @@ def log(msg: str) -> None:
 
 
 def table(header, rows, align=None) -> list[str]:
-    """A Markdown table's lines: ``header`` (cells), ``rows`` (cells, each ``str()``-ed) and
+    """A Markdown table's lines: ``header`` (cells), ``rows`` (cells, each ``str()``-ed; a row
+    given as a string is a line written as it is, e.g. one whose cells span by hand) and
     ``align``, one of ``"l"``, ``"r"``, ``"c"`` or ``None`` per column (``---``, ``---:``,
     ``:---:``, ``---``; None: every column ``---``)."""
     marks = {"l": ":---", "r": "---:", "c": ":---:", None: "---"}
     align = align or [None] * len(header)
     return ["| " + " | ".join(header) + " |", "|" + "|".join(marks[a] for a in align) + "|",
-            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+            *(row if isinstance(row, str) else "| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
 
 
 # --- what a record names: the command and the commit ---------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..provenance import commit_info as commit  # noqa: F401 - the table's commit (re-exported)
-from ..provenance import register
+from ..provenance import register, table
 from .peer import PEER_LABEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,10 +73,8 @@ def header(result: dict) -> list:
 def markdown(result: dict) -> str:
     rows = {(r["row"], r["space"]): r for r in result["rows"] if r.get("by") != "peer"}
     van = rows.get(("vanilla", "heads"), {}).get("barrier")
-    lines = ["# Theus et al. 2025 protocol: GPT-2 on Tiny Shakespeare", "", *header(result), "",
-             "| method | paper | symgraph, parents' architecture | × vanilla | symgraph, circuit space | "
-             "circuit space (their barrier) | align s | wall s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["# Theus et al. 2025 protocol: GPT-2 on Tiny Shakespeare", "", *header(result), ""]
+    cells = []
     for name in dict.fromkeys(r for r, _ in rows):
         h, c = rows.get((name, "heads")), rows.get((name, "circuits"))
         hb = "—" if h is None or h["barrier"] is None else f"{h['barrier']:.3f}"
@@ -86,7 +84,9 @@ def markdown(result: dict) -> str:
         secs = sum(r["seconds"] for r in (h, c) if r)
         al = max((r.get("align_seconds") or 0.0) for r in (h, c) if r)
         paper = f"{PAPER[name]:.2f}" if name in PAPER else "—"
-        lines.append(f"| {name} | {paper} | {hb} | {ratio} | {cb} | {ct} | {al:.1f} | {secs:.0f} |")
+        cells.append([name, paper, hb, ratio, cb, ct, f"{al:.1f}", f"{secs:.0f}"])
+    lines += table(["method", "paper", "symgraph, parents' architecture", "× vanilla", "symgraph, circuit space",
+                    "circuit space (their barrier)", "align s", "wall s"], cells)
     lines += ["", "Paper: circuit space for the aligned rows, the parents' architecture for vanilla. Barrier: "
               "max L − mean of the ends; theirs: max of L(λ) − (λL_A + (1−λ)L_B). align s: the alignment "
               "alone, the longer of the two spaces (learned rows: their training included); wall s: both "
@@ -117,10 +117,8 @@ def _peer_markdown(result: dict, rows: dict) -> list:
            "Barriers: max L − mean of the ends (theirs: max of L(λ) − (λL_A + (1−λ)L_B)). `_proj`: with their "
            "merger's untrained random near-identity projection, as their eval.py measures weight matching; "
            "`_seen`: embedding rows of tokens seen in training. Their weight matching's time is on the CPU, "
-           f"symgraph's alignment on {result.get('device', 'cpu')}." + _parallel(result), "",
-           "| method | peer, heads | peer, circuits | peer, circuits (their barrier) | symgraph, circuits | "
-           "symgraph, circuits (their barrier) | their weight matching s | symgraph align s | B loss Δ | Δ merger |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           f"symgraph's alignment on {result.get('device', 'cpu')}." + _parallel(result), ""]
+    cells = []
     names = list(dict.fromkeys(r["row"] for r in peer))
     by = {(r["row"], r["space"]): r for r in peer}
     for name in names:
@@ -130,10 +128,12 @@ def _peer_markdown(result: dict, rows: dict) -> list:
         f = (lambda r, k="barrier": "—" if r is None or r.get(k) is None else f"{r[k]:.4f}")
         pi = any_["peer"]
         dm = "—" if pi.get("mid_loss_their_merger") is None else f"{abs(pi['mid_loss_ours'] - pi['mid_loss_their_merger']):.1e}"
-        out.append(f"| {name} | {f(h)} | {f(c)} | {f(c, 'barrier_theirs')} | {f(mine)} | {f(mine, 'barrier_theirs')} | "
-                   f"{any_['align_seconds']:.2f} | "
-                   f"{'—' if mine is None else format(mine['align_seconds'], '.2f')} | {pi['b_loss_rel_change']:.1e} | {dm} |")
-    return out
+        cells.append([name, f(h), f(c), f(c, "barrier_theirs"), f(mine), f(mine, "barrier_theirs"),
+                      f"{any_['align_seconds']:.2f}", "—" if mine is None else format(mine["align_seconds"], ".2f"),
+                      f"{pi['b_loss_rel_change']:.1e}", dm])
+    return out + table(["method", "peer, heads", "peer, circuits", "peer, circuits (their barrier)", "symgraph, circuits",
+                        "symgraph, circuits (their barrier)", "their weight matching s", "symgraph align s",
+                        "B loss Δ", "Δ merger"], cells)
 
 
 def _parallel(result: dict) -> str:

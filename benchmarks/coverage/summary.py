@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from ..provenance import REPO_ROOT, log, register, staged, write_json
+from ..provenance import REPO_ROOT, log, register, staged, table, write_json
 
 from .constants import DEFAULT_OUT, TARGET_COMPLETE, TARGET_MEDIAN_S, TASKS, TOL
 from .family import families, run_isolated
@@ -162,9 +162,8 @@ def markdown(res: dict) -> str:
         lines.append(f"- `{k}` ({len(fams)}): {', '.join(fams)}")
     if not s["unruled_ops"]:
         lines.append("- none")
-    lines += ["", "## Incomplete or unsound families that trace", "",
-              "| model_type | class | task | certificate | missing (module) | blocked by | ops without a rule |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "## Incomplete or unsound families that trace", ""]
+    rows = []
     for r in res["rows"]:
         if r["traced"] and (not r["complete"] or r["sound"] is False):
             miss = "; ".join(sorted({f"{m['kind']}" + (f" ({m['module']})" if m["module"] else "")
@@ -174,18 +173,17 @@ def markdown(res: dict) -> str:
             if n_miss > 4:
                 miss += f" (+{n_miss - 4} more)"
             cert = "-" if r["certificate"] is None else f"{r['certificate']:.1e}"
-            lines.append(f"| {r['model_type']} | {r['class']} | {r['task']} | {cert} | {_cell(miss)} | "
-                         f"{_cell(why)} | {_cell(', '.join(r.get('unruled_ops') or {}) or '-')} |")
-    lines += ["", "## Families that do not trace", "", "| model_type | class | task | stage | error |",
-              "|---|---|---|---|---|"]
-    for r in res["rows"]:
-        if not r["traced"]:
-            e = r.get("error") or {}
-            lines.append(f"| {r['model_type']} | {r['class']} | {r['task']} | {e.get('stage')} | "
-                         f"{_cell(e.get('type'))}: {_cell(e.get('message', ''))[:200]} |")
-    lines += ["", "## Every family", "",
-              "| model_type | class | task | traced | certificate | sound | complete | MLPs | attn | rope | "
-              "unruled ops | analyse s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            rows.append([r["model_type"], r["class"], r["task"], cert, _cell(miss), _cell(why),
+                         _cell(", ".join(r.get("unruled_ops") or {}) or "-")])
+    lines += table(["model_type", "class", "task", "certificate", "missing (module)", "blocked by",
+                    "ops without a rule"], rows)
+    lines += ["", "## Families that do not trace", ""]
+    lines += table(["model_type", "class", "task", "stage", "error"],
+                   [[r["model_type"], r["class"], r["task"], (r.get("error") or {}).get("stage"),
+                     f"{_cell((r.get('error') or {}).get('type'))}: {_cell((r.get('error') or {}).get('message', ''))[:200]}"]
+                    for r in res["rows"] if not r["traced"]])
+    lines += ["", "## Every family", ""]
+    rows = []
     for r in res["rows"]:
         st = r.get("structure") or {}
         cert = "-" if r["certificate"] is None else f"{r['certificate']:.1e}"
@@ -193,9 +191,11 @@ def markdown(res: dict) -> str:
                                    + (" (none possible)" if st.get("rope_blocked") else ""))
         sec = "-" if r.get("analyze_seconds") is None else f"{r['analyze_seconds']:.2f}"
         yes = lambda v: "-" if v is None else ("yes" if v else "**no**")  # noqa: E731
-        lines.append(f"| {r['model_type']} | {r['class']} | {r['task']} | {yes(r['traced'])} | {cert} | "
-                     f"{yes(r['sound'])} | {yes(r['complete'])} | {st.get('mlps', '-')} | "
-                     f"{st.get('multihead_attention', '-')} | {rope} | {len(r.get('unruled_ops') or {}) if r['traced'] else '-'} | {sec} |")
+        rows.append([r["model_type"], r["class"], r["task"], yes(r["traced"]), cert, yes(r["sound"]),
+                     yes(r["complete"]), st.get("mlps", "-"), st.get("multihead_attention", "-"), rope,
+                     len(r.get("unruled_ops") or {}) if r["traced"] else "-", sec])
+    lines += table(["model_type", "class", "task", "traced", "certificate", "sound", "complete", "MLPs", "attn",
+                    "rope", "unruled ops", "analyse s"], rows)
     return "\n".join(lines) + "\n"
 
 

@@ -1,6 +1,7 @@
 """The Markdown table of a scale result."""
 from __future__ import annotations
 
+from ..provenance import table
 from .common import GB, STAGES
 
 
@@ -41,27 +42,26 @@ def markdown(result: dict) -> str:
                   f"Page cache before merges: {rec['cache']}, earlier outputs written back (os.sync)."
                   + _writer_note(rec["pair"]) +
                   f" Run {rec['run']['time']}, symgraph {rec['run']['symgraph_commit']}"
-                  + (f", mergekit/torch/transformers {mk}" if mk else "") + "." + _rates_note(rec), "",
-                  "| stage | wall s | CPU s | peak RSS GB | in GB | out GB | s / layer | time × mergekit "
-                  "| RSS × mergekit | status |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  + (f", mergekit/torch/transformers {mk}" if mk else "") + "." + _rates_note(rec), ""]
+        rows = []
         for name in STAGES:
             r = s.get(name)
             if r is None:
                 continue
             if "skipped" in r:
-                lines.append(f"| {name} | | | | | | | | | skipped: {r['skipped']} |")
+                rows.append(f"| {name} | | | | | | | | | skipped: {r['skipped']} |")
                 continue
             status = "ok" if r["ok"] else f"**failed** rc {r['rc']}: {r.get('error') or ''}".replace("|", "/")
             if name.startswith("read") and r.get("read"):
                 rd = r["read"]
                 status += (f": {rd['bytes'] / GB:.3g} GB in {rd['seconds']:.3g} s = "
                            f"{rd['gb_per_s']:.2f} GB/s (read loop only)")
-            lines.append(f"| {name} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['peak_rss_gb']:.2f} | "
-                         f"{r['bytes_in'] / GB:.3g} | "
-                         f"{_f(r.get('bytes_out') and r['bytes_out'] / GB, '{:.3g}')} | "
-                         f"{r['seconds_per_layer']:.2f} | {_f(r.get('time_ratio_vs_mergekit'))} | "
-                         f"{_f(r.get('rss_ratio_vs_mergekit'))} | {status} |")
+            rows.append([name, f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}", f"{r['peak_rss_gb']:.2f}",
+                         f"{r['bytes_in'] / GB:.3g}", _f(r.get("bytes_out") and r["bytes_out"] / GB, "{:.3g}"),
+                         f"{r['seconds_per_layer']:.2f}", _f(r.get("time_ratio_vs_mergekit")),
+                         _f(r.get("rss_ratio_vs_mergekit")), status])
+        lines += table(["stage", "wall s", "CPU s", "peak RSS GB", "in GB", "out GB", "s / layer", "time × mergekit",
+                        "RSS × mergekit", "status"], rows, [None] + ["r"] * 8 + [None])
         c = rec.get("checks", {})
         checks = [f"{k} {'ok' if v['ok'] else 'FAILED'}" for k, v in c.items()
                   if isinstance(v, dict) and "ok" in v]
