@@ -110,10 +110,15 @@ def write_beside(path, record, markdown: str, command: str | None = None) -> Non
     register(path.parent, [path.name, md.name], command)
 
 
-def register(out, files, command: str | None = None) -> dict:
+def register(out, files, command: str | None = None) -> dict | None:
     """:func:`add_record` with this process's command (:func:`command_line`) unless given, and the
     machine's matmul rates (:func:`matmul_rates`, measured once a process: call it before the
-    runs it must not disturb)."""
+    runs it must not disturb). Not on a copy of the tree whose commit comes from
+    ``$SYMGRAPH_COMMIT`` (a lent device: what comes back from it is a few files, and every one
+    of them counts; the results name their commit, and their entry is added where they are
+    committed): None there."""
+    if commit_info()["source"] == "SYMGRAPH_COMMIT":
+        return None
     return add_record(out, files, command or command_line(), rates=matmul_rates())
 
 

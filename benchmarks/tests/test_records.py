@@ -131,3 +131,12 @@ def test_write_result_writes_the_files_and_their_record(tmp_path, monkeypatch):
     assert set(e["matmul_gflops"]) == {"float32", "bfloat16"} and all(v > 0 for v in e["matmul_gflops"].values())
     assert pv.record_problems(out, exists=in_history) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]   # the staging directory is gone
+
+
+def test_a_copy_without_git_writes_no_record(tmp_path, monkeypatch):
+    """On a lent device (SYMGRAPH_COMMIT, no .git) at most 8 files come back: no record.json
+    there; the files are written as ever."""
+    monkeypatch.setenv("SYMGRAPH_COMMIT", "abc1234")
+    pv.write_beside(tmp_path / "d.json", {"a": 1}, "# d\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.json", "d.md"]
+    assert pv.register(tmp_path, ["d.json"]) is None
