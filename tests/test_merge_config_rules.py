@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import symgraph
 from symgraph.cli.main import main
 from symgraph.errors import InputError
 from symgraph.merging.config import MergeConfig, build_config, merge_options, read_merge_config
@@ -72,3 +73,23 @@ def test_merge_checkpoints_builds_the_same_checked_config(tmp_path):
     assert not (tmp_path / "o").exists()
     job = merge_checkpoints(paths, str(tmp_path / "o"), align=None, memory_budget="64KB")
     assert job.memory_budget == "64KB" and (tmp_path / "o" / "symgraph_merge.json").exists()
+
+
+def test_symgraph_merge_takes_the_same_config():
+    A, B = (models.mlp(s, (6, 16, 12, 3)) for s in (0, 1))
+    data = [{"x": torch.randn(8, 6, generator=torch.Generator().manual_seed(i))} for i in range(2)]
+    data = [(b["x"],) for b in data]
+    cfg = build_config(dict(models=["a", "b"], method="regmean", parameters={"alpha": 0.5}, align="none",
+                            weights=[1, 3]), batches=True)
+    got = symgraph.merge([A, B], data=data, config=cfg).model.state_dict()
+    want = symgraph.merge([A, B], data=data, method="regmean", method_options={"alpha": 0.5}, align=None,
+                          weights=[1, 3]).model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    other = symgraph.merge([A, B], data=data, method="regmean", align=None, weights=[1, 3]).model.state_dict()
+    assert any(not torch.equal(got[k], other[k]) for k in want)  # alpha 0.5 is not the default's merge
+    with pytest.raises(InputError, match=r"takes its options from the config, and method= sets one too"):
+        symgraph.merge([A, B], data=data, config=cfg, method="fisher")
+    with pytest.raises(InputError, match=r"and refine= sets one too"):
+        symgraph.merge([A, B], data=data, config=cfg, refine=3)
+    with pytest.raises(InputError, match="the config names 2 models and merge\\(\\) was given 3"):
+        symgraph.merge([A, B, A], data=data, config=cfg)

@@ -49,7 +49,7 @@ class MergeResult:
 def merge(models, inputs=None, *, weights=None, align="weights", data=None, method="average",
           anchor: int | str = 0, method_options: dict | None = None, progress: bool = False,
           repair: bool = False, universe_options: dict | None = None, attention: str = "heads",
-          untie: bool = False, **align_options) -> MergeResult:
+          untie: bool = False, config=None, **align_options) -> MergeResult:
     """Merge ``models`` (N ≥ 2) into a new model of the anchor's architecture.
 
     align : "weights" (data-free), "activations" (needs ``data``) or None (no alignment).
@@ -74,7 +74,18 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         (:mod:`symgraph.merging.untie`), so the residual stream admits orthogonal maps; the
         merge has ``tie_word_embeddings=False``.
     align_options : :class:`~symgraph.AlignOptions` fields (``solver``, ``inner``, ...).
+    config : a :class:`~symgraph.merging.config.MergeConfig` (the one config of the command line,
+        YAML and :func:`symgraph.merge_checkpoints`, checked whole) giving the merge's options
+        instead of the keywords above, which are then left unset (``inputs``, ``data``,
+        ``progress``, ``universe_options`` and solver options aside); its ``models`` name the
+        ``models`` given (as many). What only a run on disk uses (``out``, ``force``,
+        ``device``, ``memory_budget``, ``max_shard_size``) is :func:`~symgraph.merging.run.run_merge`'s.
     """
+    if config is not None:
+        given = dict(weights=weights, align=align, method=method, anchor=anchor, method_options=method_options,
+                     repair=repair, attention=attention, untie=untie)
+        return merge(models, inputs, data=data, progress=progress, universe_options=universe_options,
+                     **_from_config(config, list(models), data, given, align_options))
     t0 = time.perf_counter()
     models, data = list(models), (list(data) if data is not None else None)
     if attention not in ("heads", "circuits"):
@@ -144,6 +155,31 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         timings["repair"] = repaired.seconds
     timings["total"] = time.perf_counter() - t0
     return MergeResult(out, alignments, timings, repaired, universe)
+
+
+def _from_config(config, models, data, given: dict, align_options: dict) -> dict:
+    """:func:`merge`'s keywords from a ``MergeConfig``, refused in one line when a keyword
+    (``given``, ``align_options``) sets an option the config sets too."""
+    import inspect
+    default = {k: p.default for k, p in inspect.signature(merge).parameters.items()}
+    both = sorted(k for k, v in given.items()
+                  if v is not default[k] and not (type(v) is type(default[k]) and v == default[k]))
+    kw = dict(weights=config.weights, align=None if config.align == "none" else config.align, method=config.method,
+              method_options=dict(config.parameters), anchor=config.anchor, repair=config.repair,
+              attention=config.attention, untie=config.untie, refine=config.refine, fold_norms=config.fold_norms,
+              outputs=config.outputs)
+    kw.update({k: getattr(config, k) for k in ("full_groups", "sketch", "tol", "max_iter", "until")
+               if getattr(config, k)})
+    both += sorted(set(kw) & set(align_options))
+    if both:
+        raise InputError(f"merge(config=...) takes its options from the config, and {both[0]}= sets one too; "
+                         f"expected {both[0]} in the MergeConfig (or no config)")
+    if len(config.models) != len(models):
+        raise InputError(f"the config names {len(config.models)} models and merge() was given {len(models)}; "
+                         "expected one config entry per model")
+    if config.seen_rows:  # Theus et al. 2025: weight matching on the token rows the data holds
+        kw["rows"] = analyze(models[0]).input_rows(data)
+    return {**kw, **align_options}
 
 
 def _device(model) -> torch.device:

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .._version import __version__
 from ..core.ties import to_device
@@ -175,18 +175,9 @@ def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None,
         print(f"symgraph: note: the models are loaded in memory for this merge: {why}", file=sys.stderr)
     if data and cfg.device != "cpu":
         data = [{k: v.to(cfg.device) if hasattr(v, "to") else v for k, v in b.items()} for b in data]
-    full: dict[str, Any] = {"full_groups": True} if cfg.full_groups else {}
     t0 = time.time()
     try:
-        result = merge(models, weights=cfg.weights, align=None if cfg.align == "none" else cfg.align,
-                       data=data, method=cfg.method, method_options=cfg.parameters, repair=cfg.repair,
-                       progress=progress,
-                       refine=cfg.refine, fold_norms=cfg.fold_norms, outputs=cfg.outputs,
-                       anchor="universe" if cfg.anchor == "universe" else anchor,
-                       attention=cfg.attention, untie=cfg.untie,
-                       **full,
-                       **_speed_options(cfg),
-                       **({"rows": _seen_rows(models[0], data)} if cfg.seen_rows else {}))
+        result = merge(models, data=data, progress=progress, config=cfg)  # every option from the one config
     except (StructureMismatchError, InputError) as e:
         raise type(e)(f"{e}{config_diff(models, cfg.models)}") from None
     check_finite(result.model, "the merged model")
@@ -247,13 +238,6 @@ def _speed_options(cfg) -> dict:
     ``until``), for :func:`symgraph.align` in memory and out of core alike; unset ones keep
     align's defaults."""
     return {k: getattr(cfg, k) for k in ("sketch", "tol", "max_iter", "until") if getattr(cfg, k)}
-
-
-def _seen_rows(model, data) -> dict:
-    """``--seen-rows``: the token-embedding rows the data holds (Theus et al. 2025 match on those:
-    a trained model's other rows are its initialisation)."""
-    from ..report.api import analyze
-    return analyze(model).input_rows(data)
 
 
 def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:
