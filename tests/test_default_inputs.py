@@ -104,3 +104,18 @@ def test_t5_cross_attention_heads_certified_and_recovered():
     got, want, was = al.apply(moved).state_dict(), m.state_dict(), moved.state_dict()
     assert max((was[k] - want[k]).abs().max().item() for k in want) > 0.1
     assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-9
+
+
+def test_head_models_keep_their_head_outputs_by_default():
+    m = randomized(MODELS["t5_seq2seq"]())
+    r = symgraph.analyze(m)  # logits, not the encoder's last hidden state
+    assert r.outputs == ("logits",) and r.group_of("shared.weight", 1) != []
+    full = symgraph.analyze(m, outputs="all")  # opt in: hidden states kept fix the stream
+    assert full.outputs is None and full.group_of("shared.weight", 1) == [] and full.certify(m) < 1e-9
+    clip = randomized(MODELS["clip"]())
+    assert symgraph.analyze(clip).outputs == ("logits_per_image", "logits_per_text", "text_embeds", "image_embeds")
+    # a model without a head: every output
+    bert = randomized(T.BertModel(T.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                               num_attention_heads=4, intermediate_size=24,
+                                               max_position_embeddings=16)))
+    assert symgraph.analyze(bert).outputs is None

@@ -4,8 +4,8 @@ decoder streams), CLIP (two towers and a shared L2-normalised embedding space), 
 fused Wqkv with grouped K/V. Each is certified in float64, has the groups it must have, and a
 transformed copy is recovered exactly by weight matching.
 
-Models that also return hidden states (BART's ``encoder_last_hidden_state``, CLIP's towers)
-fix the streams those come from unless ``outputs=`` names the outputs that matter.
+Hidden states a model also returns (BART's ``encoder_last_hidden_state``, CLIP's towers) are
+left out of a head model's default outputs; kept (``outputs="all"``), they fix their streams.
 """
 from __future__ import annotations
 
@@ -103,9 +103,9 @@ def bart():
 
 def test_bart_cross_attention_and_streams():
     m, x = bart(), {"input_ids": ids()}
-    full = symgraph.analyze(m, x)  # returns encoder_last_hidden_state: the stream is fixed
+    full = symgraph.analyze(m, x, outputs="all")  # encoder_last_hidden_state too: the stream is fixed
     assert full.frozen == [] and full.group_of("model.shared.weight", 1) == []
-    r = symgraph.analyze(m, x, outputs=["logits"])
+    r = symgraph.analyze(m, x)  # a head model's default: its outputs other than hidden states
     assert r.outputs == ("logits",) and r.frozen == [] and r.certify(m, x) < CERT
     # one stream: the shared embedding ties encoder, decoder and head
     stream = only(r, "model.shared.weight", 1)

@@ -13,7 +13,7 @@ from .nodes import packet
 from .registry import has_rule
 
 __all__ = ['model_device', 'varying_nodes', 'default_inputs', 'split_inputs', 'eval_mode', 'trace', 'flatten_outputs',
-           'output_deviation']
+           'output_deviation', 'head_outputs', 'HIDDEN_OUTPUTS']
 
 aten = torch.ops.aten
 
@@ -262,6 +262,24 @@ def output_positions(ep, names):
     spec = ep.call_spec.out_spec
     tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
     return frozenset(pytree.tree_leaves(select_outputs(tree, names)))
+
+
+# Output fields that are hidden states, not what a head computes (matched at the name's end).
+HIDDEN_OUTPUTS = ("hidden_state", "hidden_states", "attentions", "past_key_values", "_model_output")
+
+
+def head_outputs(ep):
+    """The default outputs of a head model (an output with ``logits`` in its name): its fields
+    other than hidden states (:data:`HIDDEN_OUTPUTS`: an encoder-decoder's
+    ``encoder_last_hidden_state``, a tower's ``text_model_output``), as names; None (every
+    output) for any other model, or when nothing would be left out."""
+    from torch.utils import _pytree as pytree
+    spec = ep.call_spec.out_spec
+    fields = _fields(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))
+    if not any(isinstance(f, str) and "logits" in f for f in fields):
+        return None
+    keep = tuple(f for f in fields if not (isinstance(f, str) and f.endswith(HIDDEN_OUTPUTS)))
+    return keep if len(keep) < len(fields) else None
 
 
 def flatten_outputs(out) -> list:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..core.ties import tied_groups
 from ..passes import analyze_graph
 from .symmetry import SymmetryReport
-from ..passes.trace import output_positions, trace
+from ..passes.trace import head_outputs, output_positions, trace
 
 __all__ = ["analyze", "tied_parameters"]
 
@@ -31,12 +31,18 @@ def analyze(model, inputs=None, *, strict: bool = False, fold_norms: bool = True
         Describe the model with foldable norm gains folded into the layers that read them
         (``report.folds``): residual streams then admit orthogonal maps, not only permutations.
     outputs : the outputs a symmetry must keep: keys of the model's output (``["logits"]``) or
-        positions of a tuple output. Default: every output. A model that also returns hidden
-        states (``CLIPModel``, BART's ``encoder_last_hidden_state``) fixes the streams they
-        come from, since a symmetry would change them; name the outputs that matter to free them.
+        positions of a tuple output. Default: a head model's (one with a ``logits`` output) outputs
+        other than hidden states (BART's ``encoder_last_hidden_state``, CLIP's
+        ``text_model_output``: see :func:`symgraph.passes.trace.head_outputs`), every output of
+        any other model. ``"all"``: every output; hidden states kept fix the streams they come
+        from, since a symmetry would change them.
     """
     ep, args, kwargs = trace(model, inputs)
     outputs = None if outputs is None else tuple([outputs] if isinstance(outputs, str) else outputs)
+    if outputs is None:
+        outputs = head_outputs(ep)
+    elif outputs == ("all",):
+        outputs = None
     an = analyze_graph(ep, strict=strict, tied=tied_parameters(model), fold_norms=fold_norms,
                        keep=output_positions(ep, outputs))
     return SymmetryReport(an, type(model).__name__, (args, kwargs), outputs)
