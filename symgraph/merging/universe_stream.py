@@ -6,7 +6,8 @@ step a plan of the merge engine instead of float32 states held in memory:
 - round 0: every checkpoint aligned to the first (:meth:`StreamingMerge.align`, the anchor merge);
 - round r ≥ 1: for i = 0..N-1 in turn, the weighted mean of the *other* checkpoints in the
   shared basis (their current alignments, model i's weight 0) is written by an engine of
-  method ``average`` into a temporary checkpoint beside the output, within the memory
+  method ``average`` into a temporary checkpoint beside the output (marked as this run's,
+  removed once aligned to; a killed run's is swept by the next run beside it), within the memory
   budget; the original checkpoint i is aligned to it, tensor by tensor
   (:func:`~symgraph.alignment.driver.align_tensors` through :class:`~.views.Folded` views, as
   the engine aligns any pair), and its alignment replaced at once (Gauss-Seidel);
@@ -20,15 +21,15 @@ in-memory one's (:func:`~.universe.align_universe`) less ``distance`` (a spread 
 which no step here holds)."""
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 import tempfile
 import time
 
 from tqdm import tqdm
 
+from ..checkpoints.leftovers import mark_run
 from ..checkpoints.sharded import Checkpoint
+from ..core.files import identity, remove_own
 from ..transform.folding import gauge
 from .streaming import StreamingMerge
 from .universe import round_changes, universe_options
@@ -43,7 +44,7 @@ SCRATCH_PREFIX = ".symgraph-tmp-universe-"
 def align_universe_streamed(job: StreamingMerge, parent: str, options: dict | None = None) -> dict:
     """Align every checkpoint of ``job`` (its anchor the first) into one shared basis, within
     its budget, and hand the alignments to it (:meth:`StreamingMerge.use`); ``parent``: the
-    directory the rounds' means are written in (a temporary directory in it, removed after);
+    directory the rounds' means are written in (each a temporary directory, removed after);
     ``options``: ``max_rounds``, ``tol`` (:data:`~.universe.DEFAULTS`). Returns the record."""
     opts = universe_options(options)
     t0 = time.perf_counter()
@@ -53,7 +54,6 @@ def align_universe_streamed(job: StreamingMerge, parent: str, options: dict | No
     record = {"rounds": 0, "converged": False, "stopped": "max_rounds", "changed": [], "changed_per_model": [],
               "drifted": [], "max_change": [], "round_seconds": [time.perf_counter() - t0],
               "max_rounds": opts["max_rounds"], "tol": opts["tol"]}
-    scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=parent)
     n = len(job.ckpts)
     bar = tqdm(total=opts["max_rounds"] * n, desc=f"universe (align={job.align_mode})", unit="alignment",
                file=sys.stderr, leave=False, disable=not job.progress)
@@ -62,9 +62,13 @@ def align_universe_streamed(job: StreamingMerge, parent: str, options: dict | No
             t1 = time.perf_counter()
             before = [al.elements if al is not None else {} for al in alignments]
             for i in range(n):
-                target = _mean(job, ra, alignments, i, os.path.join(scratch, f"round{r}-model{i}"))
-                alignments[i] = _align_to(job, ra, reports[i], target, i)
-                shutil.rmtree(target.path)
+                scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=parent)
+                made = identity(scratch)
+                try:
+                    mark_run(scratch, None)  # a killed run's mean is swept by the next run beside it
+                    alignments[i] = _align_to(job, ra, reports[i], _mean(job, ra, alignments, i, scratch), i)
+                finally:
+                    remove_own(scratch, made, SCRATCH_PREFIX)
                 bar.update()
             per_model, drifted, worst = round_changes(before, [al.elements for al in alignments], opts["tol"])
             record["rounds"] = r
@@ -77,7 +81,6 @@ def align_universe_streamed(job: StreamingMerge, parent: str, options: dict | No
                 break
     finally:
         bar.close()
-        shutil.rmtree(scratch, ignore_errors=True)
     record["elements"] = [len(al.elements) for al in alignments]
     record["seconds"] = time.perf_counter() - t0
     job.use(ra, alignments)
@@ -96,7 +99,6 @@ def _mean(job, ra, alignments, i, directory) -> Checkpoint:
                           cache_bytes=job.cache_bytes)
     plan.ledger = job.ledger
     plan.use(ra, alignments)
-    os.makedirs(directory)
     plan.write(directory)
     target = Checkpoint(directory)
     if len({c.dtype for c in job.ckpts}) > 1:  # the job's graphs run in its work dtype (StreamingMerge)
