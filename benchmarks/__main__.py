@@ -1,7 +1,8 @@
 """``python -m benchmarks NAME [ARGS]``: the one runner of every benchmark.
 
 ``NAME`` is a benchmark module ``benchmarks/bench_NAME.py`` (``align``, ``scale``, ``sweeps``,
-...), ``suite``, ``anchor`` or ``coverage``; ``ARGS`` go to its ``main``. ``python -m
+...), ``suite``, ``anchor`` or ``coverage``; ``ARGS`` go to its ``main``. ``record`` adds the
+``record.json`` entry of results brought back from a lent device or measured by hand. ``python -m
 benchmarks`` with no name (or with the suite's flags first: ``python -m benchmarks --quick``)
 runs the suite, as it always did; ``python -m benchmarks --list`` names them all. Each
 benchmark still runs on its own as ``python -m benchmarks.bench_NAME``.
@@ -16,7 +17,7 @@ HERE = Path(__file__).resolve().parent
 
 #: Benchmarks that are not a ``bench_*.py`` module: their name and the module whose ``main`` runs.
 PACKAGES = {"suite": "benchmarks.suite", "anchor": "benchmarks.anchor.table",
-            "coverage": "benchmarks.coverage.summary"}
+            "coverage": "benchmarks.coverage.summary", "record": "benchmarks.provenance"}
 
 
 def benchmarks() -> dict[str, str]:

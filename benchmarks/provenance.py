@@ -4,6 +4,7 @@ machine's matmul rates, results as JSON without NaN or numpy scalars, Markdown t
 (:func:`table`) and the progress log (:func:`log`)."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import json
@@ -210,13 +211,15 @@ def matmul_rates(n: int = 2048) -> dict:
     return {k: round(v, 1) for k, v in matmul_gflops((torch.float32, torch.bfloat16), n=n).items()}
 
 
-def add_record(out, files, command: str, *, rates: dict | None = None, how: str = "written by the run") -> dict:
+def add_record(out, files, command: str, *, rates: dict | None = None, how: str = "written by the run",
+               commit: str | None = None) -> dict:
     """The entry of ``out/record.json`` for ``files`` (names in ``out``): ``command``, this tree's
-    commit (:func:`commit_info`) and, when given, the machine's matmul ``rates``. Earlier entries
+    commit (``commit``, default :func:`commit_info`'s) and, when given, the machine's matmul
+    ``rates``. Earlier entries
     lose these files and keep the others (files this run did not rewrite keep the run that wrote
     them); an entry left with none goes. Returns the entry."""
     out = Path(out)
-    info = commit_info()
+    info = commit_info() if commit is None else {"commit": commit, "dirty": None}
     entry = {"files": sorted(str(f) for f in files), "command": command, "commit": info["commit"],
              "commit_is": "run", "how": how}
     if info["dirty"]:
@@ -273,3 +276,26 @@ def record_problems(root: Path = RESULTS_ROOT, exists=None) -> list[str]:
             problems.append(f"{p.relative_to(root)}: named by {len(owners)} entries of its nearest {RECORD}"
                             + (f" ({', '.join(owners)})" if owners else ""))
     return problems
+
+
+
+def main(argv=None) -> int:
+    """``python -m benchmarks record DIR FILE... --command CMD [--commit SHA]``: the entry of
+    results brought back from a lent device (which writes none) or measured by hand, added to
+    ``DIR/record.json``; the commit must be in this repository's history."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks record", description=main.__doc__.splitlines()[0])
+    ap.add_argument("dir")
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--command", required=True, help="the command that regenerates the files")
+    ap.add_argument("--commit", default="HEAD", help="the commit they ran at (default: HEAD)")
+    ap.add_argument("--how", default="added by hand (python -m benchmarks record)")
+    a = ap.parse_args(argv)
+    missing = [f for f in a.files if not (Path(a.dir) / f).is_file()]
+    sha = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--verify", "-q", f"{a.commit}^{{commit}}"],
+                         capture_output=True, text=True).stdout.strip()
+    if missing or not sha:
+        why = f"no {', '.join(missing)} in {a.dir}" if missing else f"no commit {a.commit!r} in this repository"
+        print(f"python -m benchmarks record: {why}", file=sys.stderr)
+        return 2
+    add_record(a.dir, a.files, a.command, how=a.how, commit=sha)
+    return 0

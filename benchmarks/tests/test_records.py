@@ -140,3 +140,22 @@ def test_a_copy_without_git_writes_no_record(tmp_path, monkeypatch):
     pv.write_beside(tmp_path / "d.json", {"a": 1}, "# d\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.json", "d.md"]
     assert pv.register(tmp_path, ["d.json"]) is None
+
+
+def test_the_record_command_adds_an_entry_by_hand(tmp_path, capsys):
+    from benchmarks import __main__ as runner
+    (tmp_path / "a.md").write_text("a")
+    head = _git("rev-parse", "HEAD").stdout.strip()
+    first = _git("rev-list", "--max-parents=0", "HEAD").stdout.split()[0]
+    assert runner.main(["record", str(tmp_path), "a.md", "--command", "bash x.sh", "--commit", first[:10]]) == 0
+    (e,) = json.loads((tmp_path / pv.RECORD).read_text())["entries"]
+    assert (e["files"], e["command"], e["commit"]) == (["a.md"], "bash x.sh", first) and "matmul_gflops" not in e
+    assert pv.record_problems(tmp_path, exists=in_history) == []
+    assert runner.main(["record", str(tmp_path), "a.md", "--command", "c"]) == 0   # default: HEAD
+    assert json.loads((tmp_path / pv.RECORD).read_text())["entries"][0]["commit"] == head
+    capsys.readouterr()
+    assert runner.main(["record", str(tmp_path), "b.md", "--command", "c"]) == 2
+    assert runner.main(["record", str(tmp_path), "a.md", "--command", "c", "--commit", "0" * 40]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"python -m benchmarks record: no b.md in {tmp_path}",
+                   f"python -m benchmarks record: no commit {'0' * 40!r} in this repository"]
