@@ -1,5 +1,6 @@
 """Example inputs from a model's own config and signature (issue 65): ``symgraph.analyze(model)``
-with no inputs on one tiny model of each task: seq2seq LM (T5, BART), speech CTC (Wav2Vec2),
+with no inputs on one tiny model of each task: seq2seq LM (T5, BART), sequence classification of
+an encoder-decoder (BART, T5: an end-of-sequence token per row), speech CTC (Wav2Vec2),
 speech-to-text (Whisper), two towers (CLIP), a vision-language model whose vocabulary sits in
 its text config (Gemma 3); each certified in float64. T5's cross-attention: its per-head classes
 found, certified, and a transformed copy recovered by weights."""
@@ -30,6 +31,8 @@ def randomized(m):
 MODELS = {
     "t5_seq2seq": lambda: T.AutoModelForSeq2SeqLM.from_config(T.T5Config(**T5)),
     "bart_seq2seq": lambda: T.AutoModelForSeq2SeqLM.from_config(T.BartConfig(**BART)),
+    "bart_sequence_classification": lambda: T.BartForSequenceClassification(T.BartConfig(**BART, num_labels=3)),
+    "t5_sequence_classification": lambda: T.T5ForSequenceClassification(T.T5Config(**T5, num_labels=3)),
     "wav2vec2_ctc": lambda: T.Wav2Vec2ForCTC(T.Wav2Vec2Config(
         vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=24,
         conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=4,
@@ -119,3 +122,18 @@ def test_head_models_keep_their_head_outputs_by_default():
                                                num_attention_heads=4, intermediate_size=24,
                                                max_position_embeddings=16)))
     assert symgraph.analyze(bert).outputs is None
+
+
+def test_bart_sequence_classification_reads_the_eos_token():
+    """The head picks each row's hidden state at its end-of-sequence token (a boolean mask: a
+    size that depends on the data, taken from the example inputs): the stream stays free."""
+    m = randomized(MODELS["bart_sequence_classification"]())
+    r = symgraph.analyze(m)
+    assert r.outputs == ("logits",) and r.frozen == [] and r.certify(m) < 1e-9
+    (stream,) = r.group_of("model.shared.weight", 1)
+    assert ("classification_head.dense.weight", 1) in stream.params
+    moved = symgraph.transform(m, r.random_transform(seed=3, orthogonal=True))
+    al = symgraph.align(m, moved)
+    got, want, was = al.apply(moved).state_dict(), m.state_dict(), moved.state_dict()
+    assert max((was[k] - want[k]).abs().max().item() for k in want) > 0.1
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-9

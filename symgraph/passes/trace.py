@@ -8,6 +8,7 @@ import warnings
 import torch
 
 from ..errors import InputError, TraceError
+from .concrete import concretize, has_data_dependent_sizes
 from .inputs import default_inputs, is_hf
 from .nodes import packet
 from .registry import has_rule
@@ -231,6 +232,8 @@ def trace(model, inputs=None, decompose: bool = True):
             if not table and not retrace:
                 break
             ep = ep.run_decompositions(table)
+        if not on_meta and has_data_dependent_sizes(ep):
+            concretize(ep, *traced)
     return ep, args, kwargs
 
 

@@ -255,6 +255,11 @@ def index(ctx):
     ia = ctx.axes(idx)
     if ia is None:
         return None
+    if _is_mask(idx):  # x[mask]: the masked axes become one axis of the selected entries
+        why = f"{ctx.where}: entries selected by a boolean mask"
+        cons = [Unify(ctx.out[p], xa[p]) for p in range(k)]
+        cons += [Meet(a, "identity", why) for a in [*xa[k:k + len(ia)], *ia, ctx.out[k]]]
+        return cons + [Unify(ctx.out[k + 1 + p], a) for p, a in enumerate(xa[k + len(ia):])]
     lab = ctx.label(idx)
     if lab is not None and lab[1] == ctx.shape(x)[k]:
         # ``w[labels]``: relabelling the class and permuting the indexed axis alike leaves the
@@ -277,6 +282,11 @@ def index(ctx):
     tail = len(ia) + k
     cons += [Unify(ctx.out[tail + p], a) for p, a in enumerate(xa[k + 1:])]
     return cons
+
+
+def _is_mask(node) -> bool:
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(v, torch.Tensor) and v.dtype == torch.bool
 
 
 def _constant_range(values, n):
