@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 
 import pytest
@@ -243,3 +244,27 @@ def test_the_newcomer_job(ws, capsys):
     assert all(math.isfinite(loss) for r in rows for _, loss in r["curve"])
     verdict = json.loads((ws / "work" / "job_c" / "compare.json").read_text())["verdict"]
     assert verdict in ("unrelated", "derived")  # two independent seeds: never "same"
+
+
+def test_a_budget_learned_matching_cannot_fit_is_refused_before_any_alignment(pair, tmp_path, capsys, monkeypatch):
+    from symgraph.alignment import driver
+    from symgraph.merging import learned, streaming
+
+    def never(*a, **k):
+        raise AssertionError("aligned before the budget was checked")
+    args = ["merge", str(pair / "a"), str(pair / "b"), "--refine", "2", "--data", str(pair / "data.safetensors")]
+    with monkeypatch.context() as m:
+        for mod in (driver, learned, streaming):
+            if hasattr(mod, "align_tensors"):
+                m.setattr(mod, "align_tensors", never)
+        t0 = time.perf_counter()
+        r = main_in_process(tmp_path, *args, "--memory-budget", "100KB", "--out", "o", capsys=capsys, cwd=".")
+        took = time.perf_counter() - t0
+    one_line(r.returncode, r.stderr, "learned matching holds", "over half the memory budget (100 kB)",
+             "(the smallest that works)")
+    assert took < 20, took
+    need = re.search(r"at least ([\d.]+ [kMG]?B)", " ".join(r.stderr.split())).group(1)
+    assert not (tmp_path / "o").exists()
+    r = main_in_process(tmp_path, *args, "--memory-budget", need.replace(" ", ""), "--out", "o", capsys=capsys,
+                        cwd=".", seconds=300)
+    assert r.returncode == 0, r.stderr

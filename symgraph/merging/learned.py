@@ -38,6 +38,7 @@ from ..alignment.graphrun import flatten_for, runnable
 from ..alignment.options import AlignOptions
 from ..alignment.refine import START_BATCHES, draw_lambda, learnable, summary, with_labels
 from ..core.elements import Perm
+from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
 from ..errors import InputError, NeedsMemory, TraceError
 from ..passes.trace import output_positions, trace
 from ..transform.apply import move_piece
@@ -46,7 +47,7 @@ from .segments import Kept, Segment, backward_span, live_after, output_node, pla
 from .statistics import Spill
 from .views import elements_on, nbytes
 
-__all__ = ["refined"]
+__all__ = ["refined", "check_budget"]
 
 GRAD = 8  # bytes per element of a moved tensor's gradient (float64)
 
@@ -276,16 +277,11 @@ class _Matching:
         self._use(al)
         params = [p for x in learn.values() for p in x.params]
         # the parameters, their gradients and Adam's two moments; each element, its leaf and gradient
-        state = 4 * sum(nbytes(p) for p in params) + 3 * sum(_dense_bytes(work.elements[gid]) for gid in learn)
+        state = _state(learn, work.elements)
         budget = max(1, self.job.stats_bytes - state)
         if self.job.memory_budget is not None:
             g, _ = self._graph(data[0])
-            op = g.largest(self._cost(g))
-            if state + op > self.job.stats_bytes:
-                raise InputError(f"learned matching holds {state} bytes of learnable elements and their optimiser "
-                                 f"state, and {op} bytes for its largest op: over half the memory budget "
-                                 f"({2 * self.job.stats_bytes} bytes); expected a budget of at least "
-                                 f"{2 * (state + op)} bytes")
+            _check_room(self.job, state, g.largest(self._cost(g)))
         opt = torch.optim.Adam(params, lr=lr)
         gen = torch.Generator().manual_seed(seed)
         losses = []
@@ -338,6 +334,48 @@ class _Matching:
             self.job.ledger.drop(held)
             del w, run
         return float(got[0].detach())
+
+
+def _state(learn, elements) -> int:
+    """Bytes of the learnable elements' parameters, their gradients and Adam's two moments, and
+    of each element, its leaf and gradient."""
+    return (4 * sum(nbytes(p) for x in learn.values() for p in x.params)
+            + 3 * sum(_dense_bytes(elements[gid]) for gid in learn))
+
+
+def _check_room(job, state: int, op: int) -> None:
+    """Refuse a memory budget whose half (the statistics' share) cannot hold learned matching's
+    ``state`` and its largest op, in human units with the smallest budget that works."""
+    if state + op > job.stats_bytes:
+        from ..checkpoints.outdir import human_bytes as hb
+        need = 2 * (state + op)
+        unit = 10 ** max(len(str(need)) - 3, 0)  # three digits, rounded up: the size shown works
+        need = -(-need // unit) * unit
+        raise InputError(f"learned matching holds {hb(state)} of learnable elements and their optimiser state, "
+                         f"and {hb(op)} for its largest op: over half the memory budget "
+                         f"({hb(2 * job.stats_bytes)}); expected --memory-budget of at least "
+                         f"{hb(need)} (the smallest that works)")
+
+
+def check_budget(job, report) -> None:
+    """:func:`_check_room` before any alignment (``report``: the anchor's): the elements' sizes
+    do not depend on their values, so identity elements give the state the solved ones will
+    hold, and the anchor's graph with its loss gives the largest op."""
+    if job.memory_budget is None or not job.refine or not job.data:
+        return
+    from types import SimpleNamespace
+    eye = {g.id: Perm(torch.arange(g.dim)) if g.blocks == 1 and orthogonal_part(g.kind) in PERMUTATION_FAMILY else
+           torch.eye(g.dim, dtype=torch.float64).expand(*([g.blocks] if g.blocks > 1 else []), g.dim, g.dim)
+           for g in report.groups}
+    al = SimpleNamespace(report_a=report, report_b=report, gauge=None, elements=eye)
+    learn = learnable(report, al)
+    matching = _Matching(job, next(i for i in range(len(job.ckpts)) if i != job.anchor))
+    try:
+        matching._use(al)
+        g, _ = matching._graph(job.data[0])
+        _check_room(job, _state(learn, eye), g.largest(matching._cost(g)))
+    finally:
+        matching.close()
 
 
 def _dense_bytes(e) -> int:

@@ -204,6 +204,9 @@ class StreamingMerge:
         if self.rows_from:  # weight matching reads only the embedding rows of the tokens in these batches
             self.align_options = {**self.align_options, "rows": ra.input_rows(self.rows_from)}
         self.timings["analyze"] = time.perf_counter() - t0
+        if self.refine:  # learned matching's room in the budget, refused before any alignment
+            from .learned import check_budget
+            check_budget(self, ra)
         t1 = time.perf_counter()
         dev = None if self.device.type == "cpu" else self.device
         fa = Folded(ra, A, self.cache_bytes, self.work_dtype, dev, self.ledger)
