@@ -14,7 +14,8 @@ import symgraph
 from symgraph.checkpoints.sharded import parse_size
 from symgraph.cli.main import main
 from symgraph.merging.run import merge_checkpoints
-from symgraph.merging.universe_stream import SCRATCH_PREFIX
+from symgraph.merging.streaming import StreamingMerge
+from symgraph.merging.universe_stream import SCRATCH_PREFIX, align_universe_streamed
 from symgraph.testing import models
 
 from engine_helpers import load, rel
@@ -77,6 +78,31 @@ def test_every_method_merges_the_universe_out_of_core_within_the_budget(trio, me
     got = load(root / method)
     assert rel(got, {k: ref[k] for k in got}) <= tol
     assert json.loads((root / method / "symgraph_merge.json").read_text())["options"]["method"] == method
+
+
+def test_activation_universe_out_of_core_equals_in_memory(trio):
+    """Aligned by activations, each round's target is measured with its own weights in memory too
+    (the report of models[0] would run models[0]'s: every round then aligned to model 0, which
+    out of core, where the mean's weights are read, it is not): the same rounds and elements."""
+    root, built = trio
+    ids = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": ids[i:i + 8]} for i in (0, 8)]
+    opts = {"max_rounds": 2}
+    job = StreamingMerge([str(root / f"m{i}") for i in range(3)], align="activations", data=data,
+                         memory_budget="128KB")
+    rec = align_universe_streamed(job, str(root), opts)
+    ref = symgraph.merge(built, anchor="universe", align="activations", data=data, universe_options=opts)
+    assert rec["changed"] == ref.universe["changed"] and rec["changed"][0] > 1
+    for al, want in zip(job.alignments, ref.alignments):
+        assert al.elements.keys() == want.elements.keys()
+        for g, e in al.elements.items():
+            x, y = (v.dense() if hasattr(v, "dense") else v for v in (e, want.elements[g]))
+            assert float((x.double() - y.double()).abs().max()) < 1e-4, g
+    os.makedirs(root / "acts")
+    job.write(str(root / "acts"))
+    got, sd = load(root / "acts"), ref.model.state_dict()
+    assert rel(got, {k: sd[k] for k in got}) <= 1e-5
+    assert 0 < job.ledger.peak <= parse_size("128KB")
 
 
 def test_anchor_index_reaches_the_engine(trio, capsys):

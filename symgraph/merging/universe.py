@@ -116,7 +116,10 @@ def align_universe(models, inputs, ra, align, data, weights, options=None, progr
         before = [al.elements if al is not None else {} for al in alignments]
         for i, m in enumerate(models):
             target = _mean_model(A, states, weights, i, ra)
-            alignments[i] = align_models(target, m, inputs, report_a=ra, report_b=reports[i], **kw)
+            # activation statistics run a report's own graph with the weights it was traced with:
+            # the target's report is the target's (ra would measure models[0]'s activations)
+            own = kw.get("data") is not None
+            alignments[i] = align_models(target, m, inputs, report_a=None if own else ra, report_b=reports[i], **kw)
             states[i] = aligned_state(m, alignments[i], ra)
             bar.update()
         per_model, drifted, worst = round_changes(before, [al.elements for al in alignments], opts["tol"])

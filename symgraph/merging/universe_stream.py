@@ -96,7 +96,8 @@ def _mean(job, ra, alignments, i, directory) -> Checkpoint:
         w = [0.0 if j == i else 1.0 for j in range(len(w))]
     plan = StreamingMerge(job.ckpts, weights=w, align=job.align_mode, anchor=0, fold_norms=job.fold_norms,
                           outputs=job.outputs, device=job.device, memory_budget=job.memory_budget,
-                          cache_bytes=job.cache_bytes)
+                          cache_bytes=job.cache_bytes,  # the data the alignment mode says it was solved on
+                          data=job.data if job.align_mode == "activations" else None)
     plan.ledger = job.ledger
     plan.use(ra, alignments)
     plan.write(directory)
