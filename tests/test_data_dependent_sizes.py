@@ -33,3 +33,31 @@ def test_boolean_mask_selection():
              and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].shape[-1:] == (6,)
              and n.meta["val"].dim() == 2]
     assert (int(keep.sum()), 6) in sizes  # the kept rows, as the example inputs kept them
+
+
+class SharedBias(nn.Module):
+    """Scores plus a constant bias that is the same for every head (zeros plus a causal mask,
+    as T5's cross-attention adds): the heads stay free, permutations only."""
+
+    def __init__(self, d=8, h=2):
+        super().__init__()
+        self.h, self.q, self.k, self.v, self.o = h, nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        B, S, D = x.shape
+        split = lambda t: t.view(B, S, self.h, D // self.h).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        causal = torch.full((S, S), -1e9, dtype=x.dtype).triu(1)[None, None]
+        bias = torch.zeros(1, self.h, S, S, dtype=x.dtype) + causal  # the same for every head
+        w = torch.softmax(q @ k.transpose(-1, -2) + bias, -1)
+        return self.o((w @ v).transpose(1, 2).reshape(B, S, D))
+
+
+def test_constant_bias_shared_by_heads_keeps_them_free():
+    torch.manual_seed(0)
+    m = SharedBias().double().eval()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    r = symgraph.analyze(m, (x,))
+    assert r.certify(m, (x,)) < 1e-12
+    heads = [g for g in r.group_of("q.weight", 0) if g.kind == "perm"]
+    assert [g.size for g in heads] == [2] and heads[0] in r.group_of("o.weight", 1)

@@ -2,7 +2,7 @@
 with no inputs on one tiny model of each task: seq2seq LM (T5, BART), sequence classification of
 an encoder-decoder (BART, T5: an end-of-sequence token per row), speech CTC (Wav2Vec2),
 speech-to-text (Whisper), two towers (CLIP), a vision-language model whose vocabulary sits in
-its text config (Gemma 3); each certified in float64. T5's cross-attention: its per-head classes
+its text config (Gemma 3); each certified in float64. T5's cross-attention: its heads and per-head classes
 found, certified, and a transformed copy recovered by weights."""
 from __future__ import annotations
 
@@ -92,12 +92,16 @@ def test_t5_cross_attention_heads_certified_and_recovered():
     cross = "decoder.block.0.layer.1.EncDecAttention"
     q = r.group_of(f"{cross}.q.weight", 0)
     assert q == r.group_of(f"{cross}.k.weight", 0)  # decoder queries, encoder keys
-    # QK and VO per head, 4 heads of 4; the heads themselves stay in place (T5 adds a constant
-    # position bias of zeros per head to the cross-attention's scores, which fixes the head axis)
-    (qk,) = q
-    (vo,) = r.group_of(f"{cross}.v.weight", 0)
-    assert (qk.kind, qk.dim, qk.blocks, vo.kind, vo.dim, vo.blocks) == ("gl", 4, 4, "gl", 4, 4) and vo != qk
-    assert r.fibre_groups(qk.id) == (None,) and (f"{cross}.o.weight", 1) in vo.params
+    # T5 adds a bias of zeros plus the mask, the same for every head, to the scores: the heads
+    # are a permutation class of their own, QK and VO per head fibred over it
+    (heads,) = [g for g in q if g.kind == "perm"]
+    (qk,) = [g for g in q if g.kind != "perm"]
+    (vo,) = [g for g in r.group_of(f"{cross}.v.weight", 0) if g.kind != "perm"]
+    assert heads.size == 4 and (qk.kind, qk.dim, qk.blocks, vo.kind, vo.dim, vo.blocks) == ("gl", 4, 4, "gl", 4, 4)
+    assert r.fibre_groups(qk.id) == r.fibre_groups(vo.id) == (heads.id,) and vo != qk
+    assert heads in r.group_of(f"{cross}.o.weight", 1) and (f"{cross}.o.weight", 1) in vo.params
+    self_heads = [g for g in r.group_of("decoder.block.0.layer.0.SelfAttention.q.weight", 0) if g.kind == "perm"]
+    assert self_heads and heads not in self_heads
     # one stream: the encoder's, read by the cross-attention's keys and values, is the decoder's
     # too (the embedding is shared)
     (stream,) = r.group_of("encoder.block.0.layer.1.DenseReluDense.wo.weight", 0)

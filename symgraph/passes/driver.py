@@ -22,6 +22,7 @@ from .registry import Label, Meet, NoFiber, Rope, RuleContext, Structure, Unify
 from .patterns.norms import find_norms
 from .patterns.packed import find_packed
 from .fibres import compute_fibres
+from .uniform import uniform_axes
 from .unionfind import AxisUnionFind
 
 __all__ = ['AxisAnalysis', 'FrozenOp', 'analyze_graph']
@@ -103,6 +104,7 @@ class AxisAnalysis:
         self.stacked: dict = {}  # parameter name -> (o, j): viewed with axes o, j as one
         self.raw_axes: dict = {}  # and its stored axes
         self.shared: dict = {}  # leaf -> why it is not per member (stacked.MAX_STACKED)
+        self._uniform: dict = {}  # node -> axes along which a constant does not vary (uniform)
 
     def constant_of(self, node):
         """A lifted constant's values (through copies of it), else None."""
@@ -244,8 +246,12 @@ class AxisAnalysis:
         else:
             self.origin[node] = "const"
         if self.origin[node] == "const" and not _zeros(node):
-            for a in self._all_axes(node):
-                self.uf.meet(a, "identity")
+            ax = self.node_axes.get(node)
+            flat = isinstance(ax, list) and all(isinstance(a, int) for a in ax)
+            same = uniform_axes(node, self._uniform) if flat and node.op == "call_function" else ()
+            for j, a in enumerate(ax if flat else self._all_axes(node)):
+                self.uf.meet(a, "perm" if j in same and flat else "identity",
+                             f"{node.name}: a constant, the same along this axis" if j in same and flat else None)
 
     def _rule(self, node):
         if node.target is operator.getitem:
