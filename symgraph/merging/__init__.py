@@ -1,15 +1,24 @@
-"""Merging: align N models to an anchor, then combine with a registered method.
+"""Merging: align N models to an anchor (or into a shared universe), then combine with a
+registered method, in memory or out of core, on one engine.
 
-- ``registry``  :class:`MergeMethod` and ``@register(name)``; every file here is discovered
+- ``config``, ``rules``, ``options``  the one frozen :class:`~.config.MergeConfig` every entry
+  takes (command line, YAML, :func:`merge`, :func:`~.run.merge_checkpoints`), its rules between
+  options (its validator) and the flags derived from it
+- ``run``       :func:`~.run.run_merge`, the one merge entry of a config
+- ``registry``  :class:`MergeMethod` (its typed ``Parameters``) and ``@register(name)``; every
+  file in ``methods/`` is discovered
 - ``average``, ``fisher``, ``regmean``  one method each
 - ``driver``    :func:`merge` and :class:`MergeResult`
+- ``streaming`` the merge engine; ``universe`` / ``universe_stream``: the shared universe in
+  memory / as rounds of engine plans out of core
 """
 from __future__ import annotations
 
 from .driver import MergeResult, merge
-from .methods.registry import MergeMethod, get, names, register
+from .methods.registry import MergeMethod, MethodParameters, get, names, register
 
 merge_methods = names
 register_merge = register
 
-__all__ = ["merge", "MergeResult", "MergeMethod", "register", "register_merge", "merge_methods", "get", "names"]
+__all__ = ["merge", "MergeResult", "MergeMethod", "MethodParameters", "register", "register_merge", "merge_methods",
+           "get", "names"]
