@@ -106,7 +106,7 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
         json_schema_extra=_opt("a model index (0, 1, ...) or 'universe'", metavar="N|universe"))
     weights: list[Annotated[StrictFloat, Field(allow_inf_nan=False)] | StrictInt] | None = Field(
         None, description="one mixing weight per model (normalised to sum 1; default: equal)",
-        json_schema_extra=_opt("a list of finite numbers, one per model", metavar="W"))
+        json_schema_extra=_opt("a list of numbers, one per model, each finite", metavar="W"))
     data: StrictStr | None = Field(None, description=".safetensors/.pt file with 'input_ids' [N, S] (or "
                                    "'pixel_values'), for activation statistics",
                                    json_schema_extra=_opt("a path to a .safetensors or .pt data file (string)", metavar="FILE"))
