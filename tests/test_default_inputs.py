@@ -64,8 +64,11 @@ def test_analyze_needs_no_inputs(name):
 
 
 def test_inputs_follow_the_config():
-    _, kw = default_inputs(randomized(MODELS["gemma3_text_config"]()))
-    assert set(kw) == {"input_ids", "use_cache"} and 0 <= int(kw["input_ids"].min()) and int(kw["input_ids"].max()) < 64
+    _, kw = default_inputs(randomized(MODELS["gemma3_text_config"]()))  # 4 image tokens a row
+    ids = kw["input_ids"]
+    assert set(kw) == {"input_ids", "pixel_values", "use_cache"} and kw["pixel_values"].shape == (2, 3, 16, 16)
+    assert 0 <= int(ids.min()) and int(ids.max()) < 64 and (ids == 60).sum(1).tolist() == [4, 4]
+    assert not ((ids == 61) | (ids == 62)).any()  # no other special token
     _, kw = default_inputs(randomized(MODELS["clip"]()))  # two towers: ids and images at 16
     assert kw["input_ids"].shape == (2, 8) and kw["pixel_values"].shape == (2, 3, 16, 16)
     assert kw["pixel_values"].dtype == torch.float64  # the model's dtype
@@ -141,3 +144,21 @@ def test_bart_sequence_classification_reads_the_eos_token():
     got, want, was = al.apply(moved).state_dict(), m.state_dict(), moved.state_dict()
     assert max((was[k] - want[k]).abs().max().item() for k in want) > 0.1
     assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-9
+
+
+def test_vision_language_model_reads_its_images():
+    """Gemma 3 writes its image features into the image tokens' embeddings (masked_scatter):
+    the text stream and the projector's output are one class, the image features not an
+    output by default."""
+    m = randomized(MODELS["gemma3_text_config"]())
+    r = symgraph.analyze(m)
+    assert r.outputs == ("logits",) and r.frozen == [] and r.certify(m) < 1e-9
+    stream = r.group_of("model.language_model.embed_tokens.weight", 1)
+    assert stream and stream == r.group_of("model.multi_modal_projector.mm_input_projection_weight", 1)
+    moved = symgraph.transform(m, r.random_transform(seed=3, orthogonal=True))
+    al = symgraph.align(m, moved)
+    got, want = al.apply(moved).state_dict(), m.state_dict()
+    # the vision tower's pooling head is never run (Gemma 3 reads its last hidden state): any
+    # map of its weights keeps the function, and weights alone cannot say which was applied
+    used = [k for k in want if not k.startswith("model.vision_tower.head.")]
+    assert len(used) < len(want) and max((got[k] - want[k]).abs().max().item() for k in used) < 1e-6

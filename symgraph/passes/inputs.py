@@ -3,11 +3,14 @@
 that this module knows the main input of.
 
 - token ids (``input_ids``) in range of the vocabulary, the config's own or its text
-  config's (Gemma 3, Fuyu), avoiding the padding and end-of-sequence tokens; a sequence
+  config's (Gemma 3, Fuyu), avoiding every special token the config names (padding,
+  end-of-sequence, image tokens); a sequence
   classification head of an encoder-decoder (BART, T5) reads the end-of-sequence token, so each
   row ends with exactly one;
 - images (``pixel_values``) at the config's image size and channels, the vision config's in a
-  model of two towers (CLIP: token ids and images);
+  model of two towers (CLIP: token ids and images) and in a vision-language model whose config
+  states its tokens per image (Gemma 3: that many image tokens in each row); other
+  vision-language models get text only;
 - audio: raw samples (``input_values``, Wav2Vec2, HuBERT) long enough for the feature
   extractor's convolutions to leave several frames; log-mel features (``input_features``) of
   the shape the encoder expects (Whisper: ``2 × max_source_positions`` frames);
@@ -63,7 +66,8 @@ def _token_ids(model, cfg, batch, seq, gen):
                          "pass inputs=")
     maxpos = _sub(cfg, "max_position_embeddings", "n_positions")
     seq = min(seq, maxpos) if isinstance(maxpos, int) and maxpos > 0 else seq
-    special = set(_ints(_sub(cfg, "pad_token_id"))) | set(_ints(_sub(cfg, "eos_token_id")))
+    special = {i for c in (cfg, text) for k, v in vars(c).items()
+               if k.endswith(("_token_id", "_token_index", "_token_ids")) for i in _ints(v)}
     allowed = torch.tensor([i for i in range(vocab) if i not in special] or list(range(vocab)))
     ids = allowed[torch.randint(0, len(allowed), (batch, seq), generator=gen)]
     eos = _ints(_sub(cfg, "eos_token_id"))
@@ -98,6 +102,22 @@ def _features(model, cfg, batch, gen):
     raise InputError(f"cannot tell the shape of {type(model).__name__}'s input_features from its config; pass inputs=")
 
 
+def _image_tokens(kwargs, cfg, batch, gen) -> None:
+    """A vision-language model whose config states its tokens per image (Gemma 3's
+    ``mm_tokens_per_image``, ``image_seq_length``): one image per row, its tokens after the
+    first text token; text only otherwise."""
+    token = _ints(_sub(cfg, "image_token_id", "image_token_index"))
+    n = _sub(cfg, "mm_tokens_per_image", "image_seq_length")
+    ids = kwargs["input_ids"]
+    if not token or not isinstance(n, int) or getattr(cfg, "vision_config", None) is None \
+            or n + 2 > (_sub(cfg, "max_position_embeddings") or 1 << 30):
+        return
+    text = ids[:, :max(2, ids.shape[1] - n)]
+    image = torch.full((batch, n), token[0], dtype=ids.dtype)
+    kwargs["input_ids"] = torch.cat([text[:, :1], image, text[:, 1:]], dim=1)
+    kwargs["pixel_values"] = _pixels(None, cfg.vision_config, batch, gen)
+
+
 def _main(model, cfg, name, batch, seq, gen):
     if name == "input_ids":
         return _token_ids(model, cfg, batch, seq, gen)
@@ -127,6 +147,8 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
         cfg, "image_token_id", "image_token_index") is None
     if name == "input_ids" and "pixel_values" in params and two_towers:  # CLIP-like
         kwargs["pixel_values"] = _pixels(model, cfg.vision_config, batch, gen)
+    elif name == "input_ids" and "pixel_values" in params:
+        _image_tokens(kwargs, cfg, batch, gen)
     if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         start = _ints(_sub(cfg, "decoder_start_token_id", "pad_token_id"))
         ids = kwargs[name]

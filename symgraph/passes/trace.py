@@ -268,13 +268,15 @@ def output_positions(ep, names):
 
 
 # Output fields that are hidden states, not what a head computes (matched at the name's end).
-HIDDEN_OUTPUTS = ("hidden_state", "hidden_states", "attentions", "past_key_values", "_model_output")
+HIDDEN_OUTPUTS = ("hidden_state", "hidden_states", "attentions", "past_key_values", "_model_output",
+                  "_outputs")
 
 
 def head_outputs(ep):
     """The default outputs of a head model (an output with ``logits`` in its name): its fields
     other than hidden states (:data:`HIDDEN_OUTPUTS`: an encoder-decoder's
-    ``encoder_last_hidden_state``, a tower's ``text_model_output``), as names; None (every
+    ``encoder_last_hidden_state``, a tower's ``text_model_output``, a vision-language
+    model's ``image_outputs``), as names; None (every
     output) for any other model, or when nothing would be left out."""
     from torch.utils import _pytree as pytree
     spec = ep.call_spec.out_spec

@@ -369,3 +369,25 @@ def along_axis_order(ctx):
         cons += [Meet(xa[k], "perm", f"{ctx.where}: running product is elementwise nonlinear")
                  for k in others if ctx.shape(x)[k] > 1]
     return cons
+
+
+@register(aten.masked_scatter)
+def masked_scatter(ctx):
+    # out = x with the entries ``mask`` selects taken, in order, from ``src`` (a vision-language
+    # model writes its image features into the image tokens' embeddings). Where the mask is the
+    # same along the last axis and ``src``'s rows are that wide, each selected row of x is one
+    # row of src, channel for channel: the last axes of x, src and out are one class; every
+    # other axis names positions picked by data and is fixed.
+    from ..uniform import uniform_axes
+    x, mask, src = ctx.arg(0), ctx.arg(1), ctx.arg(2)
+    xa, ma, sa, out = ctx.axes(x), ctx.axes(mask), ctx.axes(src), ctx.out
+    if xa is None or ma is None or sa is None:
+        return None
+    why = f"{ctx.where}: entries written by a mask"
+    ms, xs = ctx.shape(mask), ctx.shape(x)
+    rows = (ms[-1] == 1 or len(ma) - 1 in uniform_axes(mask, {})) and ctx.shape(src)[-1] == xs[-1]
+    keep = [xa[-1], sa[-1], out[-1]] if rows else []
+    cons = [Unify(o, a) for o, a in zip(out, xa)]
+    if rows:
+        cons.append(Unify(sa[-1], xa[-1]))
+    return cons + [Meet(a, "identity", why) for a in [*xa, *ma, *sa, *out] if a not in keep]
