@@ -85,7 +85,7 @@ def test_offline_hub_id_fails_in_one_line(ws, capsys, monkeypatch):
     from huggingface_hub import constants
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     rc, err = cli(ws, capsys, "merge", "nobody/nothing", "../qa", "--out", "o")
-    one_line(rc, err, "'nobody/nothing'", "HF_HUB_OFFLINE is set")
+    one_line(rc, err, "'nobody/nothing'", "offline: HF_HUB_OFFLINE is set")
 
 
 def test_version(capsys):

@@ -433,7 +433,7 @@ def load_hub(spec: str, hint: str = ""):
     tf = _quiet_transformers()
     _quiet_hub()
     offline = _offline()
-    why = "HF_HUB_OFFLINE is set" if offline else _hub_unreachable()
+    why = "offline: HF_HUB_OFFLINE is set" if offline else _hub_unreachable()
     try:
         cfg = tf.AutoConfig.from_pretrained(spec, local_files_only=why is not None, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - offline, no such repo, ...
