@@ -37,7 +37,7 @@ def test_every_field_has_a_flag_a_key_a_default_a_help_and_a_docs_row():
         action = flags[o.flag]
         assert action.dest == o.key and action.default is None and o.help in action.help, o.key
     schema_flags = {o.flag for o in options(MergeConfig) if o.flag}
-    assert set(flags) - schema_flags == {"-h", "--help", "--config", "--debug"}
+    assert set(flags) - schema_flags == {"-h", "--help", "--config", "--debug", "--quiet"}  # the last two: every command's
 
 
 def test_the_docs_page_is_the_generated_one():

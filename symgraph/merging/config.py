@@ -152,8 +152,8 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
                                             json_schema_extra=_opt(f"a size such as '2GB' or '500MB', above 0 and at most {MAX_BUDGET // 10 ** 9}GB",
                                                                    metavar="SIZE"))
     max_shard_size: StrictStr | None = Field(None, description="largest file of the merged checkpoint, e.g. "
-                                             "2GB; default: the first model's largest file, so the output is "
-                                             "sharded like the input",
+                                             "2GB; default: a sharded anchor's largest shard, so the output is "
+                                             "sharded like the input (else 2 GiB)",
                                              json_schema_extra=_opt("a size such as '2GB' or '500MB'",
                                                                     metavar="SIZE"))
     force: StrictBool = Field(False, description="replace an existing --out (a previous symgraph output)",

@@ -123,13 +123,13 @@ def _without_unused_data(cfg):
 
 
 def _shard_size(cfg, layout) -> int:
-    """Bytes per output file: ``cfg.max_shard_size``, else the anchor's largest file (the output
-    sharded like the input), else the default."""
+    """Bytes per output file: ``cfg.max_shard_size``, else a sharded anchor's largest shard (the
+    output sharded like the input), else the default."""
     from ..checkpoints.sharded import parse_size
     if cfg.max_shard_size:
         return parse_size(cfg.max_shard_size)
     files = set(layout.files.values()) if layout is not None else ()
-    return max(os.path.getsize(f) for f in files) if files else _DEFAULT_SHARD
+    return max(os.path.getsize(f) for f in files) if len(files) > 1 else _DEFAULT_SHARD
 
 
 def _card_yaml(cfg, out: str) -> str:
