@@ -24,7 +24,12 @@ runs the whole table, both parents trained concurrently, in one call on a lent G
 :mod:`benchmarks.anchor.report` writes ``results.json`` (commit, code digest, device, each row's
 options and wall time), ``report.md`` and ``curves.png`` after every row.
 
-Not done yet: their learned matching (``train_merger.py``'s HF Trainer loop) and symgraph's
-learned matching with the paper's budget; the seed papers' released code (Verma & Elbayad,
-Imfeld et al., Zhang et al.).
+``--size small`` runs the same table, their columns included, on parents of the recipe that a
+CPU trains in minutes (:data:`benchmarks.anchor.train.SIZES`; cache ``<cache>/small``, results
+``benchmarks/results/anchor_small``); the paper size needs a GPU (``device.sh``). The learned
+rows run at their budget (:data:`benchmarks.anchor.table.LEARN`): theirs through their
+``train_merger.py`` loop (:func:`benchmarks.anchor.peer_run`), ours for as many steps of the same
+batches.
+
+Not done yet: the seed papers' released code (Verma & Elbayad, Imfeld et al., Zhang et al.).
 """

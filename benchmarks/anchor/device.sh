@@ -1,7 +1,8 @@
 #!/bin/bash
 # The anchor table (issue 43) in one run on a lent CUDA machine, from the repository root:
 #   1. the wheels: symgraph's (.whl -> /tmp/site) and the peer's pins (.peerwhl -> /tmp/peersite:
-#      transformers 4.50.1, tokenizers, huggingface_hub, POT; the image's torch, numpy, scipy,
+#      transformers 4.50.1, tokenizers, huggingface_hub, POT, accelerate (their Trainer, for their
+#      learned matching); the image's torch, numpy, scipy,
 #      einops... serve both);
 #   2. the two parents of Theus et al.'s protocol trained concurrently on the GPU, float32 with
 #      TF32 off, into /tmp/anchor-cache (nothing persists between calls);

@@ -53,7 +53,7 @@ PEER_LABEL = "peer code (Theus et al. 6b207cc)"
 #: Their ``requirements.txt`` pins transformers only; the rest are the versions this recipe was run with.
 PEER_TORCH = "torch==2.13.0"  # the local CPU wheel; installed first so pip does not pull CUDA
 PEER_PINS = ("transformers==4.50.1", "einops==0.8.2", "POT==0.9.7.post1", "scipy==1.17.1",
-             "numpy==2.4.6", "safetensors==0.8.0")
+             "numpy==2.4.6", "safetensors==0.8.0", "accelerate==1.6.0")  # accelerate: their Trainer (learned)
 RUNNER = Path(__file__).resolve().with_name("peer_run.py")
 _NEEDED = ("merger.py", "weight_matching.py", "utils.py", "enums.py")
 #: the first 16 hex digits of the sha256 of each file of :data:`_NEEDED` at :data:`PEER_COMMIT`
@@ -65,6 +65,8 @@ PEER_TRANSFORMERS = "4.50.1"  # their requirements.txt
 #: merger's random near-identity projection and, where it is not the identity, one with it (``_proj``)
 VARIANTS = {"weights": (False, False), "weights_seen": (False, True),
             "weights_perm": (True, False), "weights_perm_seen": (True, True)}
+#: their learned matching (``train_merger.py``, seen-token rows): variant -> permutations_only
+LEARNED = {"learned": False, "learned_perm": True}
 
 
 class PeerError(Exception):
@@ -140,16 +142,20 @@ def ensure_venv(venv: str | os.PathLike, log=print) -> Path:
 
 def start_glue(python, src, model_a, model_b, out, variants=tuple(VARIANTS), token_freqs=None,
                check_ids=None, seed: int = 42, threads: int | None = None, pythonpath: str | None = None,
-               cpus=None) -> dict:
+               cpus=None, learned=(), learn: dict | None = None) -> dict:
     """Start :mod:`.peer_run` with the peer's ``python`` (their venv's, or any with ``pythonpath``
     holding their pins) on two ``save_pretrained`` parents, in the background (``cpus``: the CPU
-    cores it may use; ``threads``: torch's threads there); :func:`finish_glue` waits for it."""
+    cores it may use; ``threads``: torch's threads there; ``learned``: variants of
+    :data:`LEARNED` whose learned matching their ``train_merger.py`` trains, with ``learn``: the
+    token tensors ``train_ids``/``val_ids``, ``tokenizer`` and their budget: ``batch_size``,
+    ``epochs``, ``max_steps``); :func:`finish_glue` waits for it."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     spec = {"src": str(src), "model_a": str(model_a), "model_b": str(model_b), "out": str(out),
             "variants": [{"name": v, "permutations_only": VARIANTS[v][0], "seen": VARIANTS[v][1]} for v in variants],
             "token_freqs": str(token_freqs) if token_freqs else None,
             "check_ids": str(check_ids) if check_ids else None, "seed": seed,
+            "learned": [{"name": v, "permutations_only": LEARNED[v]} for v in learned], "learn": learn,
             "threads": threads or (len(cpus) if cpus else torch.get_num_threads())}
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1", PYTHONPATH=str(pythonpath or ""))
@@ -226,60 +232,73 @@ def _loss(model, ids) -> float:
 
 
 def start_peer(dir_a, dir_b, B, *, test, seen, src, python, work, variants=tuple(VARIANTS),
-               pythonpath: str | None = None, cpus=None) -> dict:
+               pythonpath: str | None = None, cpus=None, learned=(), learn: dict | None = None) -> dict:
     """Start their weight matching on the parents saved in ``dir_a``/``dir_b`` in the background
     (``B``: parent B loaded; ``test``: ``[n, L]`` ids; ``seen``: training ids, their token
     counts); :func:`peer_rows` evaluates what it gives. Their weight matching runs on the CPU, as
-    their code does (it builds its cost matrices there)."""
+    their code does (it builds its cost matrices there). ``learned``/``learn``: their learned
+    matching too (:func:`start_glue`; ``learn["train_ids"]``/``["val_ids"]``: ``[n, L]`` tensors,
+    saved here for their loop)."""
     out = Path(work) / "aligned"
     vocab = B.get_output_embeddings().weight.shape[0]
     out.mkdir(parents=True, exist_ok=True)
     torch.save(torch.bincount(seen.reshape(-1).long(), minlength=vocab).cpu(), out / "token_freqs.pt")
     check = test[:4].clone()
     torch.save(check.cpu(), out / "check_ids.pt")
+    if learned:
+        learn = dict(learn)
+        for k in ("train_ids", "val_ids"):
+            torch.save(learn[k].cpu(), out / f"{k}.pt")
+            learn[k] = str(out / f"{k}.pt")
+        learn["tokenizer"] = str(learn["tokenizer"])
     return {"glue": start_glue(python, src, dir_a, dir_b, out / "models", variants, out / "token_freqs.pt",
-                               out / "check_ids.pt", pythonpath=pythonpath, cpus=cpus),
+                               out / "check_ids.pt", pythonpath=pythonpath, cpus=cpus, learned=learned,
+                               learn=learn if learned else None),
             "commit": check_source(src), "check": check}
 
 
 def peer_rows(job, B, *, test, lambdas, spaces=("heads", "circuits"), eval_bs: int = 8, echo=print) -> list[dict]:
-    """Rows of their weight matching (a :func:`start_peer` job, waited for here), evaluated as
-    :func:`run_row` evaluates symgraph's, on B's device (their models moved there)."""
+    """Rows of their weight matching and learned matching (a :func:`start_peer` job, waited for
+    here), evaluated as :func:`run_row` evaluates symgraph's, on B's device (their models moved there)."""
     import symgraph
     res = finish_glue(job["glue"])
     commit, check = job["commit"], job["check"]
     dev = next(B.parameters()).device
     A = load_exported(res["A"]).to(dev)
     b_loss = _loss(B, check)
-
-    def loss(m):
-        return D.test_loss(m, test, batch_size=eval_bs)
+    base = {"commit": commit, "versions": res["versions"], "python": res["python"], "pythonpath": res["pythonpath"],
+            "align_device": "cpu", "threads": res["threads"], "cpus": res["cpus"]}
     rows = []
+
+    def add(name, path, seconds, info, learned=None):
+        Bal = load_exported(path).to(dev)
+        mid = float(symgraph.interpolate(A, Bal, [0.5], lambda m: _loss(m, check), attention="circuits")[0][1])
+        info = {**base, **info, "b_loss_rel_change": abs(_loss(Bal, check) - b_loss) / b_loss, "mid_loss_ours": mid}
+        for space in spaces:
+            t0 = time.perf_counter()
+            curve = symgraph.interpolate(A, Bal, lambdas, lambda m: D.test_loss(m, test, batch_size=eval_bs),
+                                         attention=space)
+            rows.append({"row": name, "space": space, "by": "peer", "device": str(dev),
+                         "barrier": symgraph.loss_barrier(curve), "barrier_theirs": barrier_theirs(curve),
+                         "curve": curve, "align_seconds": seconds, "seconds": seconds + time.perf_counter() - t0,
+                         "refine_steps": (learned or {}).get("steps") or 0, "refined": learned, "note": None,
+                         "peer": info})
+            echo(f"{name:24s} {space:8s} barrier {rows[-1]['barrier']:.4f} (theirs {rows[-1]['barrier_theirs']:.4f}); "
+                 f"their alignment {seconds:.1f} s")
     for v in res["variants"]:
         for kind in ("noproj", "proj"):
             if kind == "proj" and v["projection_is_identity"]:
                 continue  # permutations only: their projection rounds to the identity
-            name = "peer_" + v["name"] + ("_proj" if kind == "proj" else "")
-            Bal = load_exported(v["dirs"][kind]).to(dev)
-            mid = float(symgraph.interpolate(A, Bal, [0.5], lambda m: _loss(m, check), attention="circuits")[0][1])
-            info = {"commit": commit, "versions": res["versions"], "permutations_only": v["permutations_only"],
-                    "seen_rows": v["seen"], "projection": kind == "proj",
-                    "projection_residual_dist": v["projection_residual_dist"] if kind == "proj" else 0.0,
-                    "replay_max_abs": v["replay_max_abs"], "b_loss_rel_change": abs(_loss(Bal, check) - b_loss) / b_loss,
-                    "mid_loss_their_merger": v.get("merger_mid_loss", {}).get(kind), "mid_loss_ours": mid,
-                    "merger_seconds": v["seconds_merger"], "python": res["python"], "pythonpath": res["pythonpath"],
-                    "align_device": "cpu", "threads": res["threads"], "cpus": res["cpus"]}
-            for space in spaces:
-                t0 = time.perf_counter()
-                curve = symgraph.interpolate(A, Bal, lambdas, loss, attention=space)
-                rows.append({"row": name, "space": space, "by": "peer", "device": str(dev),
-                             "barrier": symgraph.loss_barrier(curve),
-                             "barrier_theirs": barrier_theirs(curve), "curve": curve,
-                             "align_seconds": v["seconds_weight_matching"],
-                             "seconds": v["seconds_weight_matching"] + time.perf_counter() - t0,
-                             "refine_steps": 0, "refined": None, "note": None, "peer": info})
-                echo(f"{name:24s} {space:8s} barrier {rows[-1]['barrier']:.4f} (theirs {rows[-1]['barrier_theirs']:.4f}); "
-                     f"their weight matching {v['seconds_weight_matching']:.1f} s")
+            add("peer_" + v["name"] + ("_proj" if kind == "proj" else ""), v["dirs"][kind], v["seconds_weight_matching"],
+                {"permutations_only": v["permutations_only"], "seen_rows": v["seen"], "projection": kind == "proj",
+                 "projection_residual_dist": v["projection_residual_dist"] if kind == "proj" else 0.0,
+                 "replay_max_abs": v["replay_max_abs"], "mid_loss_their_merger": v.get("merger_mid_loss", {}).get(kind),
+                 "merger_seconds": v["seconds_merger"]})
+    for v in res.get("learned") or []:  # their train_merger.py: seen rows, their trained projection
+        add("peer_" + v["name"], v["dir"], v["seconds"],
+            {"permutations_only": v["permutations_only"], "seen_rows": True, "projection": True, "learned": True,
+             "mid_loss_their_merger": None, "merger_seconds": v["seconds"]},
+            learned={k: v[k] for k in ("steps", "best_checkpoint", "evals", "batch_size", "epochs", "max_steps")})
     return rows
 
 

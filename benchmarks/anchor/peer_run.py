@@ -86,6 +86,103 @@ def _save(model, path, template_config):
     out.save_pretrained(path, safe_serialization=True)
 
 
+def _projection_events(proj, perm: bool, layers: int, utils, MatrixType) -> list:
+    """Their merger's projections as maps to replay (``merger.py``'s ``_project``): the residual's
+    ORTHO (PERM with permutations only), each layer's heads and MLP PERM."""
+    P_res = utils.project(proj["residual"], matrix_type=MatrixType.PERM if perm else MatrixType.ORTHO).detach()
+    pev = [("O", P_res)]
+    for i in range(layers):
+        pev.append(("heads", i, utils.project(proj[f"attention_heads_{i}"], MatrixType.PERM).detach()))
+        pev.append(("mlp", i, utils.project(proj[f"mlp_{i}"], MatrixType.PERM).detach()))
+    return pev
+
+
+def _stand_ins() -> None:
+    """``train_merger.py`` imports ``wandb`` (their logging, off without ``--wandb``) and ``datasets``
+    (their split loading, which the glue replaces by the same splits as token tensors): where
+    either is not installed, a stand-in module lets their file import unchanged."""
+    import types
+
+    def load_from_disk(*a, **k):
+        raise RuntimeError("datasets is not installed: the glue passes the splits as tensors")
+    for name in ("wandb", "datasets"):
+        try:
+            __import__(name)
+        except ImportError:
+            mod = types.ModuleType(name)
+            mod.load_from_disk = load_from_disk
+            sys.modules[name] = mod
+
+
+def _learned(spec: dict, lv: dict, B_abs, cfg, events: list, orig: dict) -> dict:
+    """Their learned matching: ``train_merger.py``'s ``run_training_and_save`` (their HF Trainer
+    loop: AdamW lr 3e-4, cosine, 5% warm-up, weight decay 0.01, validation every 50 steps, early
+    stopping after 10 evaluations without gain, best-validation merger kept; λ ~ U(0.4, 0.6)) with
+    the arguments of their ``run_merger.sh`` (10 epochs, batch 32, ``--early_stop``,
+    ``NARROW_UNIFORM``, token frequencies: seen rows), on our train/validation sequences;
+    ``spec["learn"]`` may set ``batch_size``, ``epochs`` and ``max_steps`` (a smaller budget).
+    The weight matching their merger starts from and its trained projections are replayed on B
+    in their absorbed form and saved as ``out/<name>``."""
+    import argparse
+    import torch
+    from transformers import AutoTokenizer, Trainer, TrainingArguments, set_seed
+
+    _stand_ins()
+    import train_merger
+    import utils
+    from enums import MatrixType
+    learn, out = spec["learn"], spec["out"]
+    ids = {k: torch.load(spec["learn"][k], map_location="cpu").long() for k in ("train_ids", "val_ids")}
+
+    class Seqs(torch.utils.data.Dataset):  # what their group_texts gives: input_ids, attention_mask
+        def __init__(self, x):
+            self.x = x
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.x[i], "attention_mask": torch.ones_like(self.x[i])}
+    args = argparse.Namespace(
+        model_dir_0=spec["model_a"], model_dir_1=spec["model_b"], tokenizer_dir=learn["tokenizer"],
+        output_dir=os.path.join(out, "merger-" + lv["name"]), seed=int(spec.get("seed", 42)),
+        sampler="NARROW_UNIFORM", permutations_only=bool(lv["permutations_only"]), block_size=ids["train_ids"].shape[1],
+        batch_size=int(learn.get("batch_size", 32)), epochs=float(learn.get("epochs", 10)), lr=3e-4,
+        warmup_ratio=0.05, weight_decay=0.01, eval_steps=50, logging_steps=25, save_total_limit=2, fp16=True,
+        early_stop=True, early_stop_patience=10, token_freqs_path=spec["token_freqs"], wandb=False)
+    max_steps = learn.get("max_steps")
+
+    def training_args(**kw):  # their TrainingArguments, capped at max_steps where a budget says so
+        return TrainingArguments(**kw, **({"max_steps": int(max_steps)} if max_steps else {}))
+    trainers = []
+
+    class Recorded(Trainer):  # their Trainer, kept for its state (steps, evaluations, best checkpoint)
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            trainers.append(self)
+    train_merger.TrainingArguments, train_merger.Trainer = training_args, Recorded
+    tok = AutoTokenizer.from_pretrained(args.tokenizer_dir)
+    tok.pad_token = tok.eos_token  # as their main()
+    events.clear()
+    set_seed(args.seed)  # their main(): set_seed(args.seed) before building the merger
+    t0 = time.perf_counter()
+    wrapper = train_merger.run_training_and_save(args, tok, Seqs(ids["train_ids"]), Seqs(ids["val_ids"]))
+    seconds = time.perf_counter() - t0
+    mg = wrapper.merger_model.cpu().eval()
+    pev = _projection_events(mg.proj, args.permutations_only, len(B_abs.transformer.h), utils, MatrixType)
+    B_l = copy.deepcopy(B_abs)
+    with torch.no_grad():
+        _replay(B_l, [*events, *pev], orig)
+    path = os.path.join(out, lv["name"])
+    _save(B_l, path, cfg)
+    state = trainers[-1].state
+    hist = [h for h in state.log_history if "eval_loss" in h]
+    return {"name": lv["name"], "permutations_only": args.permutations_only, "dir": path, "seconds": seconds,
+            "steps": state.global_step, "best_checkpoint": state.best_model_checkpoint,
+            "evals": [(h["step"], h["eval_loss"]) for h in hist], "batch_size": args.batch_size,
+            "epochs": args.epochs, "max_steps": max_steps}
+
+
 def _max_abs(a, b) -> float:
     sa, sb = a.state_dict(), b.state_dict()
     return max(float((sa[k].float() - sb[k].float()).abs().max()) for k in sa if sa[k].is_floating_point())
@@ -169,11 +266,8 @@ def run(spec: dict) -> dict:
         _save(B_al, os.path.join(out, v["name"]), cfg)
         # the merger's untrained projection: residual ORTHO (PERM with permutations only), heads/MLP PERM
         proj = mg.proj
-        P_res = utils.project(proj["residual"], matrix_type=MatrixType.PERM if perm else MatrixType.ORTHO).detach()
-        pev = [("O", P_res)]
-        for i in range(len(B_al.transformer.h)):
-            pev.append(("heads", i, utils.project(proj[f"attention_heads_{i}"], MatrixType.PERM).detach()))
-            pev.append(("mlp", i, utils.project(proj[f"mlp_{i}"], MatrixType.PERM).detach()))
+        pev = _projection_events(proj, perm, len(B_al.transformer.h), utils, MatrixType)
+        P_res = pev[0][1]
         rec["projection_is_identity"] = all(bool(torch.equal(e[-1], torch.eye(e[-1].shape[0]))) for e in pev)
         rec["projection_residual_dist"] = float((P_res - torch.eye(P_res.shape[0])).norm())
         B_pr = copy.deepcopy(B_al)
@@ -191,6 +285,7 @@ def run(spec: dict) -> dict:
                 mid["noproj"] = _lm_loss(mg(input_ids=check).logits, check)
             rec["merger_mid_loss"] = mid
         res["variants"].append(rec)
+    res["learned"] = [_learned(spec, lv, B_abs, cfg, events, orig) for lv in spec.get("learned") or []]
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(res, f, indent=1)
     return res

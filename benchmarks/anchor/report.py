@@ -91,6 +91,13 @@ def markdown(result: dict) -> str:
               "max L − mean of the ends; theirs: max of L(λ) − (λL_A + (1−λ)L_B). align s: the alignment "
               "alone, the longer of the two spaces (learned rows: their training included); wall s: both "
               "spaces, curves included."]
+    budget = (result.get("settings") or {}).get("learn_budget")
+    if budget:
+        lines += ["", f"Learned rows: {result['settings'].get('refine_steps')} steps of batches of {budget['batch_size']} "
+                  "training sequences in the parents' data order (their budget: "
+                  + (f"{budget['max_steps']} steps" if budget.get("max_steps") else f"{budget['epochs']} epochs")
+                  + f" of batch {budget['batch_size']}, as their learned matching below), λ ~ U(0.4, 0.6), "
+                  "Adam lr 1e-3, no early stopping; activation statistics from the same batches."]
     notes = sorted({r["note"] for r in result["rows"] if r.get("note")})
     if notes:
         lines += ["", "Circuit space not evaluated: " + " ".join(notes)]
@@ -116,7 +123,11 @@ def _peer_markdown(result: dict, rows: dict) -> list:
            "(RMSNorm, gains 1), circuits = their space (equal to their merger at λ = 0.5: column Δ merger). "
            "Barriers: max L − mean of the ends (theirs: max of L(λ) − (λL_A + (1−λ)L_B)). `_proj`: with their "
            "merger's untrained random near-identity projection, as their eval.py measures weight matching; "
-           "`_seen`: embedding rows of tokens seen in training. Their weight matching's time is on the CPU, "
+           "`_seen`: embedding rows of tokens seen in training. `peer_learned`, `peer_learned_perm`: their "
+           "learned matching, their `train_merger.py`'s `run_training_and_save` (HF Trainer: AdamW lr 3e-4, cosine, "
+           "5% warm-up, validation every 50 steps, early stopping after 10, best kept; seen rows) with their "
+           "`run_merger.sh` arguments at the budget of the learned rows above, its trained projections replayed on "
+           "B. Their alignment's time (weight matching; learned: their whole training) is on the CPU, "
            f"symgraph's alignment on {result.get('device', 'cpu')}." + _parallel(result), ""]
     cells = []
     names = list(dict.fromkeys(r["row"] for r in peer))
@@ -132,7 +143,7 @@ def _peer_markdown(result: dict, rows: dict) -> list:
                       f"{any_['align_seconds']:.2f}", "—" if mine is None else format(mine["align_seconds"], ".2f"),
                       f"{pi['b_loss_rel_change']:.1e}", dm])
     return out + table(["method", "peer, heads", "peer, circuits", "peer, circuits (their barrier)", "symgraph, circuits",
-                        "symgraph, circuits (their barrier)", "their weight matching s", "symgraph align s",
+                        "symgraph, circuits (their barrier)", "their alignment s", "symgraph align s",
                         "B loss Δ", "Δ merger"], cells)
 
 

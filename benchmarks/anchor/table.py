@@ -31,7 +31,11 @@ computed there (models and batches moved; ``fakegpu``, the test device of
 ``--peer-work WORK`` (or ``--peer-src``/``--peer-venv``, or ``--peer-python``/
 ``--peer-pythonpath`` without a venv) adds the rows of Theus et al.'s own weight matching run on
 the same two parents with their pinned transformers (:mod:`benchmarks.anchor.peer`, "peer code
-(Theus et al. 6b207cc)"), evaluated by the same code. ``--tiny``: tiny float32 parents trained for
+(Theus et al. 6b207cc)"), evaluated by the same code, and of their learned matching at their budget
+(``--peer-learned``; :data:`LEARN`: their ``run_merger.sh``'s 10 epochs of batch 32, a tenth of
+the parents' schedule at ``--size small``), beside symgraph's learned rows trained for as many
+steps of the same batches. ``--size small``: the whole table on parents of the recipe a CPU
+trains in minutes (``<cache>/small``, ``benchmarks/results/anchor_small``). ``--tiny``: tiny float32 parents trained for
 a few minutes (``<cache>/tiny``, results in ``<cache>/tiny/results``), a smoke run of the whole
 command.
 """
@@ -51,6 +55,7 @@ import torch
 from . import data as D
 from .peer import PeerError, barrier_theirs
 from .report import PAPER, code_digest, commit, markdown, previous_rows, write  # noqa: F401 - re-exported
+from .train import DATA_SEED, SIZES
 
 LAMBDAS = np.linspace(0.0, 1.0, 11)
 
@@ -77,6 +82,14 @@ TINY_CONFIG = dict(n_embd=64, n_layer=2, n_head=4, n_inner=256)
 TINY_TRAIN = dict(block_size=64, batch_size=8, epochs=1, eval_every=50, lr=1e-3)
 TINY_STEPS, TINY_TEST = 200, 32
 TINY_ROWS = ["vanilla", "weights", "weights_seen", "weights_perm", "weights_perm_seen"]
+#: ``--size small``: the recipe on small parents (:data:`benchmarks.anchor.train.SIZES`), the
+#: first SMALL_TEST test sequences
+SMALL_TEST = 64
+#: learned matching's budget, theirs (``run_merger.sh``: 10 epochs of batch 32, early stopping)
+#: and ours (the same number of steps of the same batches, no early stopping); small: a tenth of
+#: the parents' schedule, as their 10 epochs are of the parents' 100
+LEARN = {"paper": {"epochs": 10, "batch_size": 32, "max_steps": None},
+         "small": {"epochs": 10, "batch_size": 8, "max_steps": 25}}
 
 
 def _batches(seqs: torch.Tensor, batch_size: int, limit: int) -> list:
@@ -96,14 +109,15 @@ def _clock(dev: torch.device) -> float:
     return time.perf_counter()
 
 
-def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8, seen=None) -> dict:
-    """One row: align B to A as the row says (learned matching trains in the row's space), the
-    curve on the test split in that space, its barrier; computed on the parents' device (the
-    batches, ``test`` and ``seen`` live there too)."""
+def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8, seen=None, learn=None) -> dict:
+    """One row: align B to A as the row says (learned matching trains in the row's space, on
+    ``learn``'s batches, its budget, when given), the curve on the test split in that space, its
+    barrier; computed on the parents' device (the batches, ``test`` and ``seen`` live there too)."""
     import symgraph
     from symgraph.merging.circuits import circuit_between
     align, fold, steps = ROWS[name]
     steps = refine_steps if steps < 0 else steps
+    data = learn if steps and learn else train
     dev = next(A.parameters()).device
     t0 = _clock(dev)
     Bal, note, refined = B, None, None
@@ -115,13 +129,14 @@ def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8,
             rep = symgraph.analyze(A)  # the embedding's rows and the untied head's, as theirs
             extra["rows"] = {**rep.input_rows([{"input_ids": seen.reshape(1, -1)}]), **rep.output_rows(seen)}
             extra.update(SEEN_ROWS[name])
-        al = symgraph.align(A, B, train[0], data=train if align == "activations" else None,
+        al = symgraph.align(A, B, data[0], data=data if align == "activations" else None,
                             fold_norms=fold, refine=steps, **extra)
         Bal, refined = al.apply(B), getattr(al, "refined", None)
         options.update({k: v for k, v in extra.items() if isinstance(v, str)},
                        seen_rows={k: int(v.numel()) for k, v in extra.get("rows", {}).items()} or None,
                        refine_space=("circuits" if "between" in extra else "heads") if steps else None,
-                       data_batches=[list(b["input_ids"].shape) for b in train] if align == "activations" else None)
+                       data_batches={"batches": len(data), "shape": list(data[0]["input_ids"].shape)}
+                       if align == "activations" else None)
     t_align = _clock(dev) - t0
     try:
         curve = symgraph.interpolate(A, Bal, LAMBDAS, _loss_fn(test, eval_bs),
@@ -149,6 +164,18 @@ def _device(name: str) -> torch.device:
     return dev
 
 
+def learn_batches(train_seqs: torch.Tensor, budget: dict) -> list:
+    """The batches of learned matching's budget: ``max_steps`` batches (else ``epochs`` epochs) of
+    ``batch_size`` training sequences in the parents' data order."""
+    bs = budget["batch_size"]
+    steps = budget["max_steps"] or int(budget["epochs"] * D.steps_per_epoch(train_seqs.shape[0], bs))
+    out, epoch = [], 0
+    while len(out) < steps:
+        out += [{"input_ids": x} for x in D.batches(train_seqs, bs, seed=DATA_SEED, epoch=epoch)]
+        epoch += 1
+    return out[:steps]
+
+
 def _parents(a, cache: Path, dev: torch.device):
     """Train (unless ``--no-train``) or load the two parents, on ``dev``; ``(models, save_pretrained
     dirs, a summary of each one's train log)``."""
@@ -159,7 +186,9 @@ def _parents(a, cache: Path, dev: torch.device):
         if a.no_train:
             pass
         elif not a.tiny:
-            train_parent(a.corpus, a.tokenizer, s, cache=cache, max_steps=a.max_steps, **kw)
+            size = SIZES[a.size]
+            train_parent(a.corpus, a.tokenizer, s, cache=cache, max_steps=a.max_steps,
+                         config_overrides=size["config"] or None, **size["train"], **kw)
         elif a.retrain or len((read_log(cache, s) or {}).get("train_loss", [])) < TINY_STEPS:
             train_parent(a.corpus, a.tokenizer, s, cache=cache, max_steps=TINY_STEPS,
                          config_overrides=TINY_CONFIG, **TINY_TRAIN, **kw)
@@ -207,7 +236,10 @@ def _args(argv):
     ap.add_argument("--out", default=None, help="default benchmarks/results/anchor (--tiny: <cache>/tiny/results)")
     ap.add_argument("--seeds", type=int, nargs=2, default=(0, 1))
     ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=None)
-    ap.add_argument("--refine-steps", type=int, default=200)
+    ap.add_argument("--size", choices=list(SIZES), default="paper",
+                    help="paper (the protocol) or small (the recipe on parents a CPU trains in minutes, <cache>/small)")
+    ap.add_argument("--refine-steps", type=int, default=None,
+                    help="learned matching's steps (default: their budget, see LEARN; --tiny 200)")
     ap.add_argument("--data-rows", type=int, default=64, help="training sequences for activation statistics")
     ap.add_argument("--max-steps", type=int, default=None, help="cap parent training (not the protocol)")
     ap.add_argument("--no-circuits", action="store_true")
@@ -230,6 +262,8 @@ def _args(argv):
     ap.add_argument("--peer-pythonpath", default=None,
                     help="PYTHONPATH for --peer-python: a folder with their pins (transformers==4.50.1, ...)")
     ap.add_argument("--peer-variants", nargs="+", choices=list(peer.VARIANTS), default=list(peer.VARIANTS))
+    ap.add_argument("--peer-learned", nargs="*", choices=list(peer.LEARNED), default=None,
+                    help="their learned matching (train_merger.py) at their budget (default: as the table's learned rows)")
     ap.add_argument("--peer-parallel", action="store_true",
                     help="run their weight matching (CPU) while symgraph's rows run, on the other half of the "
                          "CPU cores (each side's time is on its half); their rows are evaluated once it is done")
@@ -244,10 +278,13 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = _args(argv)
     t_start = time.perf_counter()
-    cache = (Path(a.cache) if a.cache else D.default_cache()) / ("tiny" if a.tiny else "")
-    out = Path(a.out) if a.out else (cache / "results" if a.tiny else Path(__file__).resolve().parents[1] / "results" / "anchor")
+    size = "tiny" if a.tiny else a.size
+    cache = (Path(a.cache) if a.cache else D.default_cache()) / ("" if size == "paper" else size)
+    results = Path(__file__).resolve().parents[1] / "results"
+    out = Path(a.out) if a.out else (cache / "results" if a.tiny else results / ("anchor" if size == "paper" else "anchor_" + size))
     rows = a.rows or (TINY_ROWS if a.tiny else list(ROWS))
-    block = TINY_TRAIN["block_size"] if a.tiny else D.BLOCK_SIZE
+    block = {"tiny": TINY_TRAIN["block_size"], "small": SIZES["small"]["train"]["block_size"]}.get(size, D.BLOCK_SIZE)
+    budget = None if a.tiny else LEARN[size]
     try:
         dev = _device(a.device)
         splits = D.load_splits(a.corpus, a.tokenizer, a.cache)
@@ -261,20 +298,30 @@ def main(argv=None) -> int:
         return 0
     env = precision_env(dev, False)  # the table computes in float32 (TF32 off on CUDA)
     eval_bs = a.eval_batch or (8 if dev.type == "cpu" else 32)
-    test = D.sequences(splits["test"], block)[:TINY_TEST if a.tiny else None].to(dev)
-    train = _batches(D.sequences(splits["train"], block).to(dev), 8, a.data_rows)
+    test = D.sequences(splits["test"], block)[:{"tiny": TINY_TEST, "small": SMALL_TEST}.get(size)].to(dev)
+    train_seqs = D.sequences(splits["train"], block).to(dev)
+    train = _batches(train_seqs, 8, a.data_rows)
+    learn = learn_batches(train_seqs, budget) if budget else None
+    refine_steps = a.refine_steps if a.refine_steps is not None else (len(learn) if learn else 200)
+    peer_learned = [r for r in peer.LEARNED if r in rows] if a.peer_learned is None else a.peer_learned
     seen = splits["train"].to(dev)
     done = all(p["done"] for p in info)
     note = ("Parents trained to early stopping." if done else
             "PARENTS NOT TRAINED TO THE PROTOCOL'S END (--max-steps or a stopped run): not comparable to the paper.")
+    if size == "small":
+        note = (f"SMALL SIZE (--size small): parents {SIZES['small']['config']} trained to the recipe over a "
+                f"{SIZES['small']['train']['schedule_steps']}-step schedule (ended by: "
+                f"{', '.join(str(p['stop_reason']) for p in info)}{'' if done else '; NOT DONE'}), first "
+                f"{len(test)} test sequences of {block}: the recipe at a CPU's size, not comparable to the paper's numbers.")
     if a.tiny:
         note = (f"TINY SMOKE RUN (--tiny): {TINY_CONFIG} parents, {TINY_STEPS} steps, first {len(test)} "
                 f"test sequences of {block}: not the protocol, not comparable to the paper.")
     spaces = ("heads",) if a.no_circuits else ("heads", "circuits")
     result = {**{k if k != "source" else "commit_source": v for k, v in commit().items()},
               "code_digest": code_digest(), "device": str(dev), "env": env,
-              "settings": {"tiny": a.tiny, "seeds": list(a.seeds), "rows": rows, "spaces": list(spaces),
-                           "refine_steps": a.refine_steps, "data_rows": a.data_rows, "eval_batch": eval_bs,
+              "settings": {"tiny": a.tiny, "size": size, "seeds": list(a.seeds), "rows": rows, "spaces": list(spaces),
+                           "refine_steps": refine_steps, "learn_budget": budget, "peer_learned": peer_learned,
+                           "data_rows": a.data_rows, "eval_batch": eval_bs,
                            "lambdas": [float(x) for x in LAMBDAS]},
               "parents": info, "parent_test_loss": [D.test_loss(p, test, batch_size=eval_bs) for p in parents],
               "rows": [], "errors": [], "protocol_note": note, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -310,12 +357,14 @@ def main(argv=None) -> int:
     def start_peer(cpus=None):
         src, py, work, pythonpath = peer_paths
         return peer.start_peer(dirs[0], dirs[1], B, test=test, seen=seen, src=src, python=py, work=work,
-                               variants=a.peer_variants, pythonpath=pythonpath, cpus=cpus)
+                               variants=a.peer_variants, pythonpath=pythonpath, cpus=cpus, learned=peer_learned,
+                               learn={**(budget or {}), "tokenizer": a.tokenizer, "train_ids": train_seqs,
+                                      "val_ids": D.sequences(splits["validation"], block)})
     save()
     ok = True
     if peer_paths is not None and a.peer_parallel:
         cores = sorted(os.sched_getaffinity(0))
-        if len(cores) >= 4:  # their half and ours: each side's wall times on its own cores
+        if len(cores) >= 2:  # their half and ours: each side's wall times on its own cores
             mine, theirs = cores[:len(cores) // 2], cores[len(cores) // 2:]
             try:
                 os.sched_setaffinity(0, mine)
@@ -333,7 +382,7 @@ def main(argv=None) -> int:
                 print(f"{name:12s} {space:8s} kept from {out}/results.json (same commit, code and parents)", flush=True)
                 continue
             try:
-                r = run_row(name, A, B, train=train, test=test, refine_steps=a.refine_steps,
+                r = run_row(name, A, B, train=train, test=test, refine_steps=refine_steps, learn=learn,
                             circuits=space == "circuits", seen=seen, eval_bs=eval_bs)
             except Exception as e:  # noqa: BLE001 - one run on a lent machine: record it, go on to the next row
                 traceback.print_exc()

@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.anchor.train --corpus F --tokenizer DIR --seed N [--cache DIR]
 [--device cpu|cuda] [--precision float32|bf16] [--retrain] [--threads T] [--max-steps K]
-[--data-seed S]``
+[--data-seed S] [--size paper|small]``
 
 Follows the authors' ``train.py`` + ``run_train.sh`` (HF Trainer, transformers 4.50.1) with the
 Trainer's defaults made explicit: AdamW (betas 0.9/0.999, eps 1e-8, lr 3e-4, weight decay 0.01 on
@@ -63,6 +63,13 @@ from benchmarks.anchor.data import (
 
 DATA_SEED = 42  # HF TrainingArguments.seed default: the authors' data order and dropout seed
 PRECISIONS = ("float32", "bf16")  # float32: the authors' protocol; bf16: autocast, a variant
+#: ``--size small``: the recipe (AdamW, cosine with 5% warm-up, validation every 50 steps, early
+#: stopping, best-validation model kept, float32, dropout, untied head) on parents a loaded 2-core
+#: CPU trains in minutes: width 64, 2 layers, 4 heads, 64-token sequences, batch 8, a schedule of
+#: 250 steps (lr 1e-3, the schedule's length in place of the paper's 100 epochs)
+SIZES = {"paper": {"config": {}, "train": {}},
+         "small": {"config": dict(n_embd=64, n_layer=2, n_head=4, n_inner=256),
+                   "train": dict(block_size=64, batch_size=8, schedule_steps=250, lr=1e-3)}}
 
 
 def parent_dir(cache: str | os.PathLike, seed: int) -> Path:
@@ -170,6 +177,7 @@ def train(
     device: str | torch.device = "cpu",
     retrain: bool = False,
     eval_batch: int | None = None,
+    schedule_steps: int | None = None,
 ) -> dict:
     """Train (or resume, or return at once if finished) parent ``seed``; returns its train log.
 
@@ -179,7 +187,9 @@ def train(
     is asking for another precision than a finished parent's (``retrain``: start over).
     ``bf16``: forward/backward under bf16 autocast (default float32, the protocol). ``device``:
     where the model, the batches and the evaluation live (``"cuda"``: TF32 off). ``eval_batch``:
-    sequences per evaluation batch (default 8 on the CPU, 64 elsewhere; the mean is the same)."""
+    sequences per evaluation batch (default 8 on the CPU, 64 elsewhere; the mean is the same).
+    ``schedule_steps``: the schedule's length in steps instead of ``epochs`` epochs (training ends
+    there, done, unless early stopping ends it first)."""
     from transformers import GPT2LMHeadModel, get_cosine_schedule_with_warmup
     from transformers.utils import logging as hf_logging
 
@@ -219,14 +229,14 @@ def train(
     if min(train_seqs.shape[0], val_seqs.shape[0], test_seqs.shape[0]) == 0:
         raise AnchorError(f"a split has no complete {block_size}-token sequence")
     spe = steps_per_epoch(train_seqs.shape[0], batch_size)
-    total = epochs * spe
+    total = schedule_steps or epochs * spe
     warmup = math.ceil(warmup_ratio * total)
     cfg = config(block_size=block_size, **(config_overrides or {}))
     protocol = dict(
         seed=seed, data_seed=data_seed, config=cfg.to_diff_dict(), block_size=block_size,
         batch_size=batch_size, epochs=epochs, lr=lr, weight_decay=weight_decay,
         warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm, eval_every=eval_every,
-        patience=patience, bf16=bf16, n_train=int(train_seqs.shape[0]),
+        patience=patience, bf16=bf16, **({"schedule_steps": schedule_steps} if schedule_steps else {}), n_train=int(train_seqs.shape[0]),
         n_val=int(val_seqs.shape[0]), n_test=int(test_seqs.shape[0]),
     )
     protocol["config"].pop("transformers_version", None)
@@ -330,6 +340,8 @@ def train(
                     window = []
             if stop is None and max_steps is not None and step >= max_steps:
                 stop = "max_steps"
+            if stop is None and schedule_steps and step >= total:
+                stop = "schedule"
             if step % eval_every == 0 or stop is not None:
                 if stop is None or stop == "max_steps":
                     checkpoint()
@@ -392,13 +404,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="float32 (the protocol; TF32 off on CUDA) or bf16 autocast (a variant)")
     p.add_argument("--retrain", action="store_true", help="remove this parent's checkpoint and model first")
     p.add_argument("--eval-batch", type=int, default=None, help="sequences per evaluation batch")
+    p.add_argument("--size", choices=list(SIZES), default="paper",
+                   help="paper (the protocol) or small (the recipe on parents a CPU trains in minutes)")
     a = p.parse_args(argv)
+    size = SIZES[a.size]
     try:
         if a.device.startswith("cuda") and not torch.cuda.is_available():
             raise AnchorError(f"--device {a.device}: this machine has no CUDA device")
         train(a.corpus, a.tokenizer, a.seed, cache=a.cache, threads=a.threads,
               max_steps=a.max_steps, data_seed=a.data_seed, device=a.device,
-              bf16=a.precision == "bf16", retrain=a.retrain, eval_batch=a.eval_batch)
+              bf16=a.precision == "bf16", retrain=a.retrain, eval_batch=a.eval_batch,
+              config_overrides=size["config"] or None, **size["train"])
     except AnchorError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

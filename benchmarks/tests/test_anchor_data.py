@@ -171,6 +171,32 @@ def test_full_tiny_run_early_stops_keeps_best_and_returns_when_done(corpus, tmp_
     assert again == tr.read_log(cache, 3) and again["done"]
 
 
+@needs_tokenizer
+def test_a_schedule_of_steps_ends_there_done(corpus, tmp_path):
+    """``schedule_steps`` (``--size small``): the cosine schedule over that many steps, training
+    ends there done (stop reason ``schedule``), the learning rate at its end 0."""
+    cache = tmp_path / "c"
+    log = _tiny_train(corpus, cache, schedule_steps=3, eval_every=2)
+    assert log["done"] and log["stop_reason"] == "schedule" and log["total_steps"] == 3
+    assert len(log["train_loss"]) == 3 and log["protocol"]["schedule_steps"] == 3
+    assert _ckpt(cache)["scheduler"]["_last_lr"] == [0.0, 0.0]
+    assert tr.SIZES["small"]["train"]["schedule_steps"] > 0 and tr.SIZES["paper"] == {"config": {}, "train": {}}
+
+
+def test_learned_budget_batches_follow_the_data_order():
+    """Learned matching's budget: ``max_steps`` batches of ``batch_size`` in the parents' data
+    order, epoch after epoch; else ``epochs`` whole epochs."""
+    from benchmarks.anchor import table
+    seqs = torch.arange(10 * 4).reshape(10, 4)
+    got = table.learn_batches(seqs, {"batch_size": 3, "max_steps": 5, "epochs": 10})
+    want = [*data.batches(seqs, 3, seed=tr.DATA_SEED, epoch=0), *data.batches(seqs, 3, seed=tr.DATA_SEED, epoch=1)]
+    assert len(got) == 5 and [b["input_ids"].shape[0] for b in got] == [3, 3, 3, 1, 3]
+    for g, w in zip(got, want):
+        assert torch.equal(g["input_ids"], w)
+    assert len(table.learn_batches(seqs, {"batch_size": 3, "max_steps": None, "epochs": 2})) == 8
+    assert table.LEARN["paper"] == {"epochs": 10, "batch_size": 32, "max_steps": None}  # their run_merger.sh
+
+
 def test_table_rows_on_tiny_untied_gpt2():
     """The table's rows on two tiny untied GPT-2s: barriers from an 11-point curve whose ends
     are the parents' losses; circuit-space rows (GPT-2 widened in memory, learned matching in
@@ -184,9 +210,11 @@ def test_table_rows_on_tiny_untied_gpt2():
     g = torch.Generator().manual_seed(0)
     test = torch.randint(0, 64, (4, 32), generator=g)
     train = [{"input_ids": torch.randint(0, 64, (4, 32), generator=g)} for _ in range(2)]
-    rows = [table.run_row(n, A, B, train=train, test=test, refine_steps=2, circuits=False,
+    learn = [{"input_ids": torch.randint(0, 64, (2, 32), generator=g)} for _ in range(3)]
+    rows = [table.run_row(n, A, B, train=train, test=test, refine_steps=2, circuits=False, learn=learn,
                           seen=train[0]["input_ids"][:, :3])  # a few of the 64 tokens
             for n in ("vanilla", "weights", "learned", "weights_seen", "weights_cols", "weights_circ")]
+    assert rows[2]["options"]["data_batches"] == {"batches": 3, "shape": [2, 32]}  # the learned budget's batches
     for r in rows:
         assert [lam for lam, _ in r["curve"]] == pytest.approx(list(table.LAMBDAS))
         ends = dict(r["curve"])

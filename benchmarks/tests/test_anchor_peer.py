@@ -111,3 +111,37 @@ def test_their_weight_matching_keeps_b(peer_env, tmp_path):
             assert abs(mid - v["merger_mid_loss"][kind]) <= 1e-4 * mid, (v["name"], kind)
     assert res["variants"][2]["projection_is_identity"]  # permutations only: their projection rounds to I
     assert not res["variants"][0]["projection_is_identity"]
+
+
+@pytest.mark.slow
+def test_their_learned_matching_at_a_budget(peer_env, tmp_path):
+    """Their train_merger.py loop, capped at 3 steps of batch 2: it trains (3 steps, their loss
+    logged), and their learned projection replayed on B keeps B's loss (a symmetry) and moves it."""
+    from benchmarks.tests.test_anchor_data import TOKENIZER
+    if not (TOKENIZER / "tokenizer.json").is_file():
+        pytest.skip(f"GPT-2 tokenizer files not in {TOKENIZER} (set ANCHOR_TOKENIZER)")
+    src, py = peer_env
+    for s in (0, 1):
+        m = build("gpt2", seed=s, vocab=64, hidden=16, layers=2, heads=4, mlp=40, positions=32,
+                  tie_word_embeddings=False)
+        randomize_vectors(m, seed=10 + s)
+        m.save_pretrained(tmp_path / f"p{s}")
+    gen = torch.Generator().manual_seed(0)
+    seqs = {k: torch.randint(0, 64, (n, 32), generator=gen) for k, n in (("train_ids", 12), ("val_ids", 4))}
+    for k, v in seqs.items():
+        torch.save(v, tmp_path / f"{k}.pt")
+    torch.save(torch.bincount(torch.randint(0, 48, (400,), generator=gen), minlength=64), tmp_path / "freqs.pt")
+    learn = {"batch_size": 2, "epochs": 10, "max_steps": 3, "tokenizer": str(TOKENIZER),
+             **{k: str(tmp_path / f"{k}.pt") for k in seqs}}
+    res = peer.run_glue(py, src, tmp_path / "p0", tmp_path / "p1", tmp_path / "out", variants=("weights_seen",),
+                        token_freqs=tmp_path / "freqs.pt", threads=1, learned=("learned", "learned_perm"), learn=learn)
+    assert [v["name"] for v in res["learned"]] == ["learned", "learned_perm"]
+    B_abs = peer.load_exported(res["B"])
+    ids = seqs["val_ids"]
+    lb = _loss(B_abs, ids)
+    for v in res["learned"]:
+        assert v["steps"] == 3 and v["batch_size"] == 2 and v["permutations_only"] == (v["name"] == "learned_perm")
+        Bl = peer.load_exported(v["dir"])
+        assert abs(_loss(Bl, ids) - lb) <= 1e-4 * lb, v["name"]
+        moved = max(float((p - q).abs().max()) for p, q in zip(Bl.parameters(), B_abs.parameters()))
+        assert moved > 1e-3, v["name"]
