@@ -98,3 +98,28 @@ def test_cli_refuses_bad_input(ws, capsys, case):
     code, cap = run(argv[0], capsys)
     one_line_refusal(code, cap, *argv[1])
     assert not out.exists() and not (m / "rotated").exists()
+
+
+def test_cli_keeps_shards_and_a_tied_head(ws, capsys):
+    """A sharded input is written with its shard layout; --keep-tied keeps GPT-2's head tied (its
+    stream then keeps its basis: only the value-output maps rotate)."""
+    m = transformers.AutoModelForCausalLM.from_pretrained(ws / "gpt2", trust_remote_code=False)
+    m.save_pretrained(ws / "gpt2_sharded", max_shard_size="20KB")
+    shards = sorted(f for f in os.listdir(ws / "gpt2_sharded") if f.endswith(".safetensors"))
+    assert len(shards) > 1
+    out = ws / "out_sharded"
+    code, cap = run(["rotate", ws / "gpt2_sharded", "--out", out, "--keep-tied"], capsys)
+    assert code == 0, cap.err
+    assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors")) == shards
+    record = json.load(open(out / "symgraph_merge.json"))["symgraph_rotate"]
+    assert not record["untied"] and record["classes"]["stream"] == [] and record["classes"]["vo"]
+    assert json.load(open(out / "config.json")).get("tie_word_embeddings", True) is not False
+    back = type(m).from_pretrained(out, trust_remote_code=False).eval()
+    assert back.lm_head.weight is back.transformer.wte.weight
+    want = symgraph.rotate(m, untie=False).model.state_dict()
+    got = stored(out)
+    assert all(torch.allclose(v, want[k], rtol=1e-6, atol=1e-7) for k, v in got.items())
+    x = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = m(input_ids=x).logits.double(), back(input_ids=x).logits.double()
+    assert float((a - b).norm() / a.norm()) <= 1e-5
