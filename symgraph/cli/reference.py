@@ -19,6 +19,11 @@ and exit code 2, writing nothing; `--debug` (before or after the subcommand) sho
 instead. Ctrl-C ends with exit code 130, SIGTERM with 143. See
 [troubleshooting](troubleshooting.md) for the refusals and what to do. The options of
 `symgraph merge` are also YAML keys of `--config`: see [merge options](options.md).
+
+Steps that take a while show progress bars on stderr when it is a terminal (alignment per unit
+and sweep, statistics per batch, REPAIR, writing, the barrier per point, compare per null draw;
+`SYMGRAPH_PROGRESS=1` shows them anywhere); `--quiet` (before or after the subcommand) turns
+them off. `symgraph --version` prints the version.
 """
 
 
