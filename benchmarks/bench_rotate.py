@@ -9,8 +9,8 @@ loss gap each rotation closes.
 Quantizer (``symgraph.testing.quantize``, fake quantization): weights round-to-nearest,
 symmetric, in groups of 128 inputs (a row of fewer inputs is one group), the output head kept;
 activations per token, symmetric, at every linear layer's input. Stacked expert weights
-(Mixtral's experts, a grouped matmul) are not linear modules there: neither their weights nor
-their inputs are rounded. Settings: ``W4`` (weights int4, activations float), ``W4A8``,
+(Mixtral's experts) are rounded along their input and the experts' input per token; the
+experts' down projection input (inside their forward) stays in floating point. Settings: ``W4`` (weights int4, activations float), ``W4A8``,
 ``W4A4``, ``W8A8``. Gap closed: ``(L_W4(none) − L_W4(rot)) / (L_W4(none) − L_float)``.
 """
 from __future__ import annotations
@@ -133,8 +133,8 @@ def markdown(record) -> str:
     return "\n".join(lines)
 
 
-NOTES = ("Mixtral's experts are stacked 3-d weights run by a grouped matmul: the simulated quantizer "
-         "rounds neither their weights nor their inputs (attention and router only). BERT is post-norm: "
+NOTES = ("Mixtral's experts are stacked 3-d weights: the simulated quantizer rounds their weights and the "
+         "experts' input, not their down projection's input (inside their forward). BERT is post-norm: "
          "its residual stream has no rotation (the report gives perm), only the heads' value-output maps "
          "rotate. GPT-2's tied head is untied so the stream rotates (one more vocabulary x width matrix). "
          "Learned: Adam on the W4A8 fake-quantized training loss (straight-through), the start kept "

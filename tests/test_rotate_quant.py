@@ -83,3 +83,24 @@ def test_rtn_groups_and_ste():
             assert len(torch.unique(torch.round(part / scale))) <= 16
     Q.rtn(w, 4, 128, ste=True).sum().backward()
     assert torch.equal(w.grad, torch.ones_like(w))
+
+
+def test_stacked_experts_are_quantized():
+    """Mixtral's experts ([experts, out, in] parameters) have their weights rounded along the
+    input and their input rounded per token."""
+    m = models.build("mixtral", seed=0)
+    (name, experts), = [(n, e) for n, e in Q.stacked_experts(m).items() if n.startswith("model.layers.0.")]
+    q = Q.quantize_weights(m, bits=4, group=8)
+    for pname, p in experts.named_parameters(recurse=False):
+        w, wq = p.detach(), q.get_submodule(name).get_parameter(pname).detach()
+        assert not torch.equal(w, wq)
+        assert torch.equal(wq, Q.rtn(w, 4, 8, -1))
+    seen = []
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), Q.activations(m, bits=4):  # the observer runs after the rounding hook
+        h = experts.register_forward_pre_hook(lambda _m, a: seen.append(a[0].detach().clone()))
+        m(input_ids=x)
+    h.remove()
+    (got,) = seen
+    scale = got.abs().amax(-1, keepdim=True) / 7
+    assert torch.allclose(got / scale, torch.round(got / scale), atol=1e-4)  # 4-bit levels per token

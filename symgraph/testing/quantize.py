@@ -11,8 +11,11 @@ and SpinQuant measure, in fake quantization (values rounded, kept in floating po
   pre-hooks.
 
 Linear layers are ``torch.nn.Linear`` and GPT-2's ``Conv1D`` (weight stored ``[in, out]``).
-Stacked expert weights (3-d parameters run by a grouped matmul) are not linear modules here:
-neither their weights nor their inputs are quantized.
+Stacked experts (a module whose own parameters are all 3-d, ``[experts, out, in]`` as
+Hugging Face's Mixtral, Qwen3-MoE and OLMoE store them) have their weights rounded along the last
+dim and their module input rounded per token; what they compute between two of their
+weights (the gated hidden units, the down projection's input) is not reachable by a hook and
+stays in floating point.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ import copy
 
 import torch
 
-__all__ = ["rtn", "per_token", "linear_layers", "quantize_weights", "activations", "weight_values"]
+__all__ = ["rtn", "per_token", "linear_layers", "stacked_experts", "quantize_weights", "activations",
+           "weight_values"]
 
 
 def rtn(w: torch.Tensor, bits: int = 4, group: int = 128, dim: int = -1, ste: bool = False) -> torch.Tensor:
@@ -59,12 +63,27 @@ def linear_layers(model) -> dict:
     return out
 
 
+def stacked_experts(model) -> dict:
+    """``{module name: module}`` of the modules whose own parameters are all 3-d (stacked
+    experts, ``[experts, out, in]``)."""
+    out = {}
+    for name, mod in model.named_modules():
+        own = list(mod.parameters(recurse=False))
+        if own and all(p.dim() == 3 for p in own):
+            out[name] = mod
+    return out
+
+
 def quantize_weights(model, bits: int = 4, group: int = 128):
-    """A copy of ``model`` with every linear layer's weight rounded by :func:`rtn` (the head kept)."""
+    """A copy of ``model`` with every linear layer's weight (and every stacked expert weight)
+    rounded by :func:`rtn` (the head kept)."""
     new = copy.deepcopy(model)
     with torch.no_grad():
         for mod, dim in linear_layers(new).values():
             mod.weight.copy_(rtn(mod.weight, bits, group, dim))
+        for mod in stacked_experts(new).values():
+            for p in mod.parameters(recurse=False):
+                p.copy_(rtn(p, bits, group, -1))
     return new
 
 
@@ -76,16 +95,23 @@ def weight_values(model, values: dict, bits: int = 4, group: int = 128, ste: boo
         key = f"{name}.weight" if name else "weight"
         if key in out:
             out[key] = rtn(out[key], bits, group, dim, ste=ste)
+    for name, mod in stacked_experts(model).items():
+        for pname, _ in mod.named_parameters(recurse=False):
+            key = f"{name}.{pname}" if name else pname
+            if key in out:
+                out[key] = rtn(out[key], bits, group, -1, ste=ste)
     return out
 
 
 @contextlib.contextmanager
 def activations(model, bits: int = 8, ste: bool = False, modules=None):
-    """Within the block, every linear layer of ``model`` (the head kept; only those named in
-    ``modules`` where given) sees its input rounded per token to ``bits`` bits (:func:`per_token`)."""
+    """Within the block, every linear layer of ``model`` and every stacked experts module (the
+    head kept; only those named in ``modules`` where given) sees its input rounded per token to
+    ``bits`` bits (:func:`per_token`)."""
     def hook(_mod, args):
         return (per_token(args[0], bits, ste),) + tuple(args[1:])
-    handles = [mod.register_forward_pre_hook(hook) for name, (mod, _) in linear_layers(model).items()
+    mods = {name: mod for name, (mod, _) in linear_layers(model).items()} | stacked_experts(model)
+    handles = [mod.register_forward_pre_hook(hook) for name, mod in mods.items()
                if modules is None or name in modules]
     try:
         yield model
