@@ -37,6 +37,9 @@ MODELS = {
         vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=24,
         conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=4,
         num_conv_pos_embedding_groups=2)),
+    "ast_audio_classification": lambda: T.ASTForAudioClassification(T.ASTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=24, patch_size=4,
+        frequency_stride=4, time_stride=4, max_length=16, num_mel_bins=16, num_labels=3)),
     "whisper": lambda: T.WhisperForConditionalGeneration(T.WhisperConfig(
         vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, num_mel_bins=8,
@@ -77,6 +80,8 @@ def test_inputs_follow_the_config():
     assert kw["input_values"].dim() == 2
     with torch.no_grad():  # the feature extractor leaves 8 frames
             assert w2v.wav2vec2.feature_extractor(kw["input_values"]).shape[-1] == 8
+    _, kw = default_inputs(randomized(MODELS["ast_audio_classification"]()))  # a spectrogram
+    assert kw["input_values"].shape == (2, 16, 16)
     _, kw = default_inputs(randomized(MODELS["whisper"]()))
     assert kw["input_features"].shape == (2, 8, 16) and kw["decoder_input_ids"][:, 0].tolist() == [2, 2]
     cfg = T.BartConfig(**BART, num_labels=3, eos_token_id=2, pad_token_id=1)

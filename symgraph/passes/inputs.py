@@ -12,8 +12,10 @@ that this module knows the main input of.
   states its tokens per image (Gemma 3: that many image tokens in each row); other
   vision-language models get text only;
 - audio: raw samples (``input_values``, Wav2Vec2, HuBERT) long enough for the feature
-  extractor's convolutions to leave several frames; log-mel features (``input_features``) of
-  the shape the encoder expects (Whisper: ``2 × max_source_positions`` frames);
+  extractor's convolutions to leave several frames, or a spectrogram of the configured length
+  (AST); log-mel features (``input_features``) of the shape the encoder expects (Whisper:
+  ``2 × max_source_positions`` frames, channels first; frames first elsewhere, eight per step
+  of the encoder's subsampling);
 - decoder inputs of an encoder-decoder (``decoder_input_ids``: its start token, then token
   ids; for a sequence classification head the ids shifted right, as its model would build);
 - ``use_cache=False`` wherever the forward takes it; floating inputs in the model's dtype.
@@ -45,7 +47,7 @@ def _sub(cfg, *names):
     """The first of ``names`` set on ``cfg`` or, failing that, on its text / vision / audio
     sub-configs (in that order)."""
     for c in (cfg, *(getattr(cfg, k, None) for k in ("text_config", "vision_config", "audio_config",
-                                                     "encoder"))):
+                                                     "encoder", "encoder_config"))):
         for n in names:
             v = getattr(c, n, None) if c is not None and not isinstance(c, dict) else None
             if v is not None:
@@ -99,6 +101,9 @@ def _features(model, cfg, batch, gen):
     feat = _sub(cfg, "input_feat_per_channel")
     if feat:  # Speech2Text: frames first
         return torch.randn(batch, 16, feat * (_sub(cfg, "input_channels") or 1), generator=gen)
+    width = _sub(cfg, "feature_projection_input_dim") or mel
+    if width:  # frames first (SeamlessM4T, Wav2Vec2-BERT; conformers: Parakeet, Canary), enough
+        return torch.randn(batch, 8 * (_sub(cfg, "subsampling_factor") or 8), width, generator=gen)
     raise InputError(f"cannot tell the shape of {type(model).__name__}'s input_features from its config; pass inputs=")
 
 
@@ -124,6 +129,9 @@ def _main(model, cfg, name, batch, seq, gen):
     if name == "pixel_values":
         return _pixels(model, cfg, batch, gen)
     if name == "input_values":
+        mel, frames = _sub(cfg, "num_mel_bins"), _sub(cfg, "max_length")
+        if mel and isinstance(frames, int):  # a spectrogram (Audio Spectrogram Transformer)
+            return torch.randn(batch, frames, mel, generator=gen)
         return torch.randn(batch, _samples(cfg), generator=gen)
     if name == "input_features":
         return _features(model, cfg, batch, gen)
