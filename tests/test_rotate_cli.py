@@ -69,7 +69,7 @@ def test_cli_equals_in_memory(ws, capsys, name, budget):
     for k, v in got.items():
         assert v.dtype == want[k].dtype, k
         assert torch.allclose(v, want[k], rtol=1e-6, atol=1e-7), (k, float((v - want[k]).abs().max()))
-    record = json.load(open(out / "symgraph_merge.json"))["symgraph_rotate"]
+    record = json.load(open(out / "symgraph_rotate.json"))["symgraph_rotate"]
     if budget:
         limit = int(budget.removesuffix("KB")) * 1000
         assert 0 < record["bytes_held"] <= limit
@@ -111,7 +111,7 @@ def test_cli_keeps_shards_and_a_tied_head(ws, capsys):
     code, cap = run(["rotate", ws / "gpt2_sharded", "--out", out, "--keep-tied"], capsys)
     assert code == 0, cap.err
     assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors")) == shards
-    record = json.load(open(out / "symgraph_merge.json"))["symgraph_rotate"]
+    record = json.load(open(out / "symgraph_rotate.json"))["symgraph_rotate"]
     assert not record["untied"] and record["classes"]["stream"] == [] and record["classes"]["vo"]
     assert json.load(open(out / "config.json")).get("tie_word_embeddings", True) is not False
     back = type(m).from_pretrained(out, trust_remote_code=False).eval()

@@ -193,7 +193,8 @@ def rotate_checkpoint(model: str, out: str, *, how: str = "hadamard", seed: int 
         "kinds": {str(g.id): g.kind for g in report.groups if any(g.id in ids for ids in roles.values())},
         "dtype": str(ckpt.dtype).removeprefix("torch."), "bytes_held": 0}}
     write = _writer(ckpt, report, elements, budget, updates, record["symgraph_rotate"])
-    save_atomic(write, out, force=force, inputs=[model], meta=record, tokenizer_from=ckpt.path)
+    save_atomic(write, out, force=force, inputs=[model], meta=record, tokenizer_from=ckpt.path,
+                record="symgraph_rotate.json")
     record["symgraph_rotate"]["seconds"] = time.time() - t0
     record["out"] = out
     return record
