@@ -9,9 +9,7 @@ import torch
 
 from symgraph.testing import models
 
-from test_cli import digest
-from test_hostile_round3 import _refused
-from test_hostile_round4_inputs import main_in_process
+from cli_helpers import digest, main_in_process, refused
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +30,7 @@ def test_barrier_on_a_classifier_names_the_barrier(ws, extra, capsys):
     w = ws / "inputs"
     r = main_in_process(ws, "barrier", w / "v0", w / "v1", "--data", w / "pix.pt", *extra, "--out",
                         ws / "work" / "o", capsys=capsys)
-    _refused(r, "barrier needs a loss", "ViTForImageClassification computes none from its inputs 'pixel_values'",
+    refused(r, "barrier needs a loss", "ViTForImageClassification computes none from its inputs 'pixel_values'",
              "expected a model that computes its own loss from the data file")
     assert "refine" not in r.stderr and "aligning" not in r.stderr, r.stderr  # refused before any alignment
     assert digest(ws) == before

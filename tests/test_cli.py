@@ -1,7 +1,6 @@
 """The ``symgraph`` command, driven as a subprocess on tiny checkpoints saved to tmp_path."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ import transformers
 
 from conftest import CLI_ENV as ENV
 from conftest import cli
+from cli_helpers import digest
 
 
 def bert(seed):
@@ -27,17 +27,6 @@ def gpt2(seed):
     cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=32,
                                   bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(cfg)
-
-
-def digest(path):
-    """Every file under ``path`` and its sha256."""
-    out = {}
-    for root, _, files in os.walk(path):
-        for f in files:
-            p = os.path.join(root, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, path)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
 
 
 @pytest.fixture(scope="module")

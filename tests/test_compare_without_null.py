@@ -12,7 +12,7 @@ import pytest
 import symgraph
 from symgraph.testing import models
 
-from test_hostile_round4_inputs import main_in_process
+from cli_helpers import main_in_process
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from symgraph.checkpoints.specs import BATCH_ROWS, load_data, unpadded
 from symgraph.testing import models
 
-from test_hostile_round4_inputs import main_in_process
+from cli_helpers import main_in_process
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 N, S, PAD = 32, 12, 5  # rows, tokens per row, padding added

@@ -14,9 +14,7 @@ from symgraph.checkpoints.specs import check_dense, load_data
 from symgraph.errors import InputError
 from symgraph.testing import models
 
-from test_cli import digest
-from test_hostile_round3 import _refused
-from test_hostile_round4_inputs import main_in_process
+from cli_helpers import digest, main_in_process, refused
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 
@@ -60,7 +58,7 @@ def test_exotic_input_ids_refused(ws, name, capsys):
     w = ws / "inputs"
     r = main_in_process(ws, "merge", w / "a", w / "b", "--align", "activations", "--data", w / f"{name}.pt",
                         "--out", ws / "work" / "o", capsys=capsys)
-    _refused(r, f"{name}.pt", _exotic()[name][1], "expected a dense CPU tensor")
+    refused(r, f"{name}.pt", _exotic()[name][1], "expected a dense CPU tensor")
     assert digest(ws) == before
 
 
@@ -68,7 +66,7 @@ def test_byte_pixel_values_refused(ws, capsys):
     before = digest(ws)
     w = ws / "inputs"
     r = main_in_process(ws, "barrier", w / "vit0", w / "vit1", "--data", w / "bytes.pt", capsys=capsys)
-    _refused(r, "'pixel_values' in", "bytes.pt", "has dtype uint8", "expected floating-point pixel values")
+    refused(r, "'pixel_values' in", "bytes.pt", "has dtype uint8", "expected floating-point pixel values")
     assert digest(ws) == before
 
 

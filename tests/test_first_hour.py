@@ -17,7 +17,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from test_hostile_round4_inputs import main_in_process
+from cli_helpers import main_in_process
 
 
 def qwen2(layers: int, seed: int, path, shard: str | None = None):

@@ -8,9 +8,7 @@ import pytest
 
 from symgraph.testing import models
 
-from test_cli import digest
-from test_hostile_round3 import _refused
-from test_hostile_round4_inputs import main_in_process
+from cli_helpers import digest, main_in_process, refused
 
 L = dict(vocab=64, hidden=32, layers=1, heads=4, kv_heads=2, mlp=48, positions=64)
 NO_PNG = 'echo \'Format: "png" not recognized. Use one of: canon cmap dot\' >&2\nexit 1\n'
@@ -36,7 +34,7 @@ def test_failing_dot_is_one_line(ws, tmp_path, monkeypatch, capsys, script, need
     monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
     before = digest(ws)
     r = main_in_process(ws, "analyze", ws / "inputs" / "a", "--png", ws / "work" / "g.png", capsys=capsys)
-    _refused(r, "--png: cannot draw", "g.png", f"Graphviz '{fake}' -Tpng", *needles, "expected a Graphviz that writes PNG")
+    refused(r, "--png: cannot draw", "g.png", f"Graphviz '{fake}' -Tpng", *needles, "expected a Graphviz that writes PNG")
     assert digest(ws) == before and not list((ws / "work").iterdir())  # no picture, no temporary file
 
 

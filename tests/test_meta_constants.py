@@ -37,7 +37,7 @@ def test_a_meta_models_index_constants_have_values_and_its_report_is_the_loaded_
     assert _kinds(built) == _kinds(loaded) and len(built.groups) == 9
 
 
-@pytest.mark.slow  # 15 s; the out-of-core Falcon merge in tests/test_hostile_round3.py runs by default
+@pytest.mark.slow  # 15 s; the out-of-core Falcon merge in tests/test_merge_refusals.py runs by default
 def test_a_transformed_falcon_copy_is_the_same_out_of_core(tmp_path):
     a = _falcon()
     rep = symgraph.analyze(a)

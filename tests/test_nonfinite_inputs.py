@@ -21,9 +21,7 @@ from symgraph.errors import InputError
 from symgraph.passes.trace import output_deviation
 from symgraph.testing import models
 
-from test_cli import digest
-from test_hostile_round3 import _refused
-from test_hostile_round4_inputs import main_in_process
+from cli_helpers import digest, main_in_process, refused
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 
@@ -106,7 +104,7 @@ CASES = [
 def test_refusal(ws, case, argv, needles, capsys):
     before = digest(ws)
     r = main_in_process(ws, *argv(ws), capsys=capsys, seconds=120)
-    _refused(r, *needles)
+    refused(r, *needles)
     assert "differ" not in r.stderr, r.stderr  # never "nan vs nan"
     assert digest(ws) == before  # nothing written (no --out), inputs untouched
 

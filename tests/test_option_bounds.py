@@ -17,9 +17,7 @@ from symgraph.errors import InputError
 from symgraph.merging.resize import resize
 from symgraph.testing import models
 
-from test_cli import digest
-from test_hostile_round3 import _refused
-from test_hostile_round4_inputs import main_in_process
+from cli_helpers import digest, main_in_process, refused
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 
@@ -92,7 +90,7 @@ def test_refusal(ws, case, argv, needles, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SYMGRAPH_CACHE", str(tmp_path / "cache"))  # demo: no training may start
     before = digest(ws)
     r = main_in_process(ws, *argv(ws), capsys=capsys, seconds=60)
-    _refused(r, *needles)
+    refused(r, *needles)
     assert "Traceback" not in r.stderr and "OverflowError" not in r.stderr
     assert digest(ws) == before
     assert not (tmp_path / "cache").exists()

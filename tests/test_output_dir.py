@@ -25,8 +25,7 @@ from symgraph.checkpoints.loading import read_layout
 from symgraph.checkpoints.outdir import MARKER, OLD_PREFIX, TMP_PREFIX, human_bytes
 from symgraph.testing import models
 
-from test_cli import ENV, digest
-from test_hostile_round3 import _refused
+from cli_helpers import ENV, digest, refused
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 
@@ -64,7 +63,7 @@ def test_a_300_byte_name_is_refused_at_once(pair, tmp_path, capsys):
     t0 = time.perf_counter()
     r = _main(tmp_path, "merge", pair / "a", pair / "b", "--out", tmp_path / ("x" * 300), capsys=capsys)
     seconds = time.perf_counter() - t0
-    _refused(r, "--out has a name of 300 bytes", "at most 255 bytes")
+    refused(r, "--out has a name of 300 bytes", "at most 255 bytes")
     assert seconds < 3, seconds  # before the headers are read, let alone the models
     assert os.listdir(tmp_path) == []
     assert digest(pair) == before
@@ -72,7 +71,7 @@ def test_a_300_byte_name_is_refused_at_once(pair, tmp_path, capsys):
 
 def test_a_long_name_in_the_middle_is_refused_too(pair, tmp_path, capsys):
     r = _main(tmp_path, "merge", pair / "a", pair / "b", "--out", tmp_path / ("é" * 150) / "o", capsys=capsys)
-    _refused(r, "--out has a name of 300 bytes")  # 150 two-byte characters
+    refused(r, "--out has a name of 300 bytes")  # 150 two-byte characters
     assert os.listdir(tmp_path) == []
 
 
@@ -88,7 +87,7 @@ def test_a_mount_point_is_refused_before_any_work(pair, tmp_path, monkeypatch, c
     monkeypatch.setattr("symgraph.merging.run.local_layouts", lambda specs: reads.append(specs))
     before = digest(pair)
     r = _main(tmp_path, "merge", pair / "a", pair / "b", "--out", volume, "--force", capsys=capsys)
-    _refused(r, f"--out '{volume}' is a mount point", "a mount point cannot take",
+    refused(r, f"--out '{volume}' is a mount point", "a mount point cannot take",
              f"expected a directory inside it (e.g. --out '{volume / 'merged'}')")
     assert reads == []  # refused before a header was read
     assert sorted(os.listdir(tmp_path)) == ["volume"] and os.listdir(volume) == []
@@ -106,7 +105,7 @@ def test_too_little_free_space_is_refused_in_human_units(pair, tmp_path, monkeyp
     monkeypatch.setattr("symgraph.merging.run._streaming_job", lambda *a, **k: aligned.append(a))
     before = digest(pair)
     r = _main(tmp_path, "merge", pair / "a", pair / "b", "--out", tmp_path / "o", capsys=capsys)
-    _refused(r, f"the merged model needs {human_bytes(need)} but its file system has 1.23 kB free",
+    refused(r, f"the merged model needs {human_bytes(need)} but its file system has 1.23 kB free",
              "expected room for the output")
     assert human_bytes(need).endswith(" kB") and aligned == []
     assert os.listdir(tmp_path) == [] and digest(pair) == before

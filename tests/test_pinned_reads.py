@@ -22,8 +22,7 @@ from symgraph.core.files import PinnedFile
 from symgraph.errors import InputError
 from symgraph.testing import models
 
-from test_cli import digest
-from test_hostile_round3 import _refused
+from cli_helpers import digest, refused
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 
@@ -87,7 +86,7 @@ def test_checkpoint_replaced_mid_merge_is_refused(pair, tmp_path, monkeypatch, c
     monkeypatch.setattr(Checkpoint, "read", read)
     before_a = digest(a)
     r = _main(work, "merge", a, b, "--out", work / "o", "--memory-budget", "1MB", capsys=capsys)
-    _refused(r, f"{target}' changed during the run", "another file took its name", "nothing was written")
+    refused(r, f"{target}' changed during the run", "another file took its name", "nothing was written")
     assert len(reads) == k  # refused at the next read of B, not later
     assert os.listdir(work) == []  # --out not created, no temporary directory left beside it
     assert digest(a) == before_a

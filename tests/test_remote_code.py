@@ -7,7 +7,7 @@ import sys
 
 from symgraph.testing import models
 
-from test_cli import ENV
+from cli_helpers import ENV
 
 
 def test_model_directory_code_never_runs(tmp_path):

@@ -1,4 +1,4 @@
-"""Hostile input, round 4, through the ``symgraph`` command: a model directory is a closed world
+"""Hostile model directories through the ``symgraph`` command: a model directory is a closed world
 (shard indexes and links that point out of it are refused, nothing outside it is copied into
 ``--out``), one reading of a checkpoint shared by both paths (shards that disagree with their
 index refused alike), dtypes from the tensors (not a stale config), config fields of the wrong
@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from symgraph.cli.main import main
 from symgraph.testing import models
 
-from test_cli import ENV, digest
+from cli_helpers import ENV, digest
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 INDEX = "model.safetensors.index.json"

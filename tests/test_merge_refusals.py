@@ -1,4 +1,4 @@
-"""Hostile input, round 3, through the ``symgraph`` command: an ``--out`` inside an input (also
+"""Refusals of a merge through the ``symgraph`` command: an ``--out`` inside an input (also
 through a link), a config that differs in what the model computes (both paths), models stored
 in different dtypes, a width whose model cannot fit, a disk that fills while writing. Each
 ends in exit 2 and one paragraph, or a correct result; nothing outside ``--out`` changes."""
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 import symgraph
 from symgraph.testing import models
 
-from test_cli import ENV, digest
+from cli_helpers import ENV, digest, refused
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 
@@ -43,15 +43,6 @@ def ws(tmp_path_factory):
 def run(ws, *args, preexec=None):
     return subprocess.run([sys.executable, "-m", "symgraph", *map(str, args)], capture_output=True, text=True,
                           env=ENV, cwd=ws / "work", timeout=300, preexec_fn=preexec)
-
-
-def _refused(r, *needles):
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    refusals = r.stderr.count("symgraph:") - r.stderr.count("symgraph: warning") - r.stderr.count("symgraph: note")
-    assert "Traceback" not in r.stderr and refusals == 1, r.stderr
-    err = " ".join(r.stderr.split())
-    for n in needles:
-        assert n in err, (n, err)
 
 
 I = "inputs"  # noqa: E741
@@ -78,7 +69,7 @@ CASES = [
 @pytest.mark.parametrize("case,argv,needles", CASES, ids=[c[0] for c in CASES])
 def test_refusal(ws, case, argv, needles):
     before = digest(ws)
-    _refused(run(ws, *argv(ws)), *needles)
+    refused(run(ws, *argv(ws)), *needles)
     assert digest(ws) == before
 
 
@@ -121,7 +112,7 @@ def test_disk_full_while_writing_is_one_line_and_leaves_nothing(ws, path):
     extra = ["--repair", "--data", ws / I / "data.safetensors"] if path == "in_memory" else []
     before = digest(ws)
     r = run(ws, "merge", ws / I / "a", ws / I / "a", *extra, "--out", ws / "work" / "o", preexec=_small_files)
-    _refused(r, "failed", "nothing was written", "free space")
+    refused(r, "failed", "nothing was written", "free space")
     assert digest(ws) == before and sorted(os.listdir(ws / "work")) == []  # no output, no temporary
 
 

@@ -1,4 +1,4 @@
-"""Hostile input, round 4, through the ``symgraph`` command: a YAML alias bomb ("billion
+"""Hostile configs and data through the ``symgraph`` command: a YAML alias bomb ("billion
 laughs"), an oversized or too deeply nested config, a key given twice, devices that compute
 nothing (``meta``, ``xla``, ``cpu:abc``), data whose ``input_ids`` are a bool mask, floats or
 ids outside the vocabulary, a relative model path that exists only in the working directory
@@ -26,8 +26,7 @@ from safetensors.torch import save_file
 
 from symgraph.testing import models
 
-from test_cli import ENV, digest
-from test_hostile_round3 import _refused
+from cli_helpers import ENV, digest, main_in_process, refused
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 
@@ -77,25 +76,6 @@ def ws(tmp_path_factory):
 def run(ws, *args, cwd="work", timeout=300):
     return subprocess.run([sys.executable, "-m", "symgraph", *map(str, args)], capture_output=True, text=True,
                           env=ENV, cwd=ws / cwd, timeout=timeout)
-
-
-def main_in_process(ws, *args, cwd="work", capsys, seconds=60):
-    """``symgraph ARGS`` through the command's entry point in this process, from ``ws/cwd``:
-    ``(returncode, stderr)`` like a subprocess's; a run over ``seconds`` fails the test."""
-    from symgraph.cli.main import main
-
-    def hang(*_):
-        raise TimeoutError(f"symgraph {' '.join(map(str, args))} ran over {seconds} s")
-    old_cwd, old = os.getcwd(), signal.signal(signal.SIGALRM, hang)
-    os.chdir(ws / cwd)
-    signal.alarm(seconds)
-    try:
-        rc = main([str(a) for a in args])
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-        os.chdir(old_cwd)
-    return SimpleNamespace(returncode=rc, stderr=capsys.readouterr().err)
 
 
 I, C = "inputs", "configs"  # noqa: E741
@@ -166,7 +146,7 @@ def test_refusal(ws, case, argv, needles, capsys):
         r = run(ws, *argv(ws), cwd=cwd, timeout=60)  # the alias bomb used to run until killed
     else:
         r = main_in_process(ws, *argv(ws), cwd=cwd, capsys=capsys)
-    _refused(r, *needles)
+    refused(r, *needles)
     assert time.perf_counter() - t0 < 60, case
     assert digest(ws) == before
 

@@ -17,7 +17,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from test_cli import ENV, bert, digest, gpt2
+from cli_helpers import ENV, digest
+from test_cli import bert, gpt2
 
 
 def llama(seed, head_dim=8):

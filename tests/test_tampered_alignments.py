@@ -1,4 +1,4 @@
-"""Hostile input, round 4: tampered alignment files given to ``symgraph apply``. A real alignment
+"""Tampered alignment files given to ``symgraph apply``. A real alignment
 of two tiny LLaMAs (``symgraph align``) is rewritten with one thing wrong in it: an index vector
 with a repeated, out-of-range or missing entry or of a float dtype, a residual map that is not
 orthogonal (saved as orthogonal, or as a plain matrix), a map of the wrong shape, NaN in a map,
@@ -23,8 +23,7 @@ from safetensors.torch import save_file
 import symgraph
 from symgraph.testing import models
 
-from test_cli import ENV, digest
-from test_hostile_round3 import _refused
+from cli_helpers import ENV, digest, refused
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 ALIGNMENT = "symgraph_alignment.safetensors"
@@ -218,13 +217,13 @@ def refusals(ws):
 
 
 def test_python_m_symgraph_apply_refuses_in_one_line(refusals):
-    _refused(refusals[0]["python -m symgraph"], "repeated_index.safetensors", *CASES["repeated_index"][1])
+    refused(refusals[0]["python -m symgraph"], "repeated_index.safetensors", *CASES["repeated_index"][1])
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_tampered_alignment_is_refused_in_one_line(ws, refusals, name):
     results, before, after, listing, listing_after = refusals
-    _refused(results[name], f"{name}.safetensors", *CASES[name][1])
+    refused(results[name], f"{name}.safetensors", *CASES[name][1])
     assert not (ws / "work" / f"out_{name}").exists()
     assert after == before and listing_after == listing  # nothing written, nothing left behind
 
