@@ -133,10 +133,10 @@ def markdown(res: dict) -> str:
     lines.append(f"| **all** | {s['tried']} | {s['traced']} | {s['sound']} | {s['complete']} |")
     pct = "n/a" if c["complete_fraction"] is None else f"{100 * c['complete_fraction']:.1f} %"
     med = s["median_analyze_seconds"]
-    lines += [
-        "",
+    lines += [""] + ([
         f"- causal LM: **{c['complete']} / {c['traced']} complete of those that trace = {pct}** "
-        f"(target ≥ {100 * c['target']:.0f} %: {'met' if c['meets_target'] else 'NOT met'})",
+        f"(target ≥ {100 * c['target']:.0f} %: {'met' if c['meets_target'] else 'NOT met'})"]
+        if c["tried"] else ["- causal LM: not among the tasks of this run"]) + [
         f"- unsound (certificate > tolerance): {s['unsound']}; failures before a trace, by stage: "
         f"{s['failures_by_stage'] or 'none'}",
         f"- median analysis time per traced family: **{med:.2f} s** (max {s['max_analyze_seconds']:.1f} s; "
