@@ -146,15 +146,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} -h)\n")
 
 
-def build_parser():
-    p = _Parser(prog="symgraph", description="Graph-based symmetry compiler: analyse "
-                "and merge neural networks.")
-    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line refusals")
-    p.add_argument("--version", action="version", version=f"symgraph {__version__}")
-    p.add_argument("--quiet", action="store_true", help="no progress bars on stderr (they show only on a "
-                   "terminal, or anywhere with SYMGRAPH_PROGRESS=1)")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
+def _add_analyze_parser(sub) -> None:
     a = sub.add_parser("analyze", help="report the weight-space symmetries of a model")
     a.add_argument("model", help="save_pretrained directory, demo name (tiny-bert, tiny-gpt2, "
                    "tiny-llama, tiny-vit) or hub id")
@@ -169,6 +161,18 @@ def build_parser():
     a.add_argument("--png", metavar="FILE", help="write the group graph as .png (or .svg)")
     a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     a.set_defaults(func=cmd_analyze)
+
+
+def build_parser():
+    p = _Parser(prog="symgraph", description="Graph-based symmetry compiler: analyse "
+                "and merge neural networks.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line refusals")
+    p.add_argument("--version", action="version", version=f"symgraph {__version__}")
+    p.add_argument("--quiet", action="store_true", help="no progress bars on stderr (they show only on a "
+                   "terminal, or anywhere with SYMGRAPH_PROGRESS=1)")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    _add_analyze_parser(sub)
 
     m = sub.add_parser("merge", help="align and merge N models of one architecture")
     m.add_argument("models", nargs="*", help="two or more model directories / names")
