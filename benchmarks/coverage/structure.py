@@ -150,7 +150,7 @@ def expectations(ep, report, cfg) -> dict:
     for a in atts:
         if a["heads"] < 2:
             continue
-        inside = lambda p: p.startswith(a["module"] + ".")  # noqa: E731
+        inside = lambda p: not a["module"] or p.startswith(a["module"] + ".")  # noqa: E731 (root: every param)
         if a.get("kv_heads") == 1:  # multi-query: one key/value head shared by every query head,
             # so no class can act per head; the heads are complete as one permutation class
             ok = any(g.kind in PERMLIKE and g.dim == a["heads"] and any(

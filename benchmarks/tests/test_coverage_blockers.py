@@ -213,19 +213,18 @@ class GroupedHeads(nn.Module):
         return self.o(a.transpose(2, 3).reshape(b, 32, s))
 
 
-def test_missing_heads_name_the_grouped_convolution():
+def test_heads_of_grouped_convolutions_are_found():
+    """One group per head: the groups are the heads, and each head's query/key (value/output)
+    dims take a map per head (a grouped convolution's outputs vary per group)."""
     model, x = GroupedHeads().eval(), torch.randn(2, 16, 6)
     ep = trace(model, (x,))[0]
     r = symgraph.analyze(model, (x,))
     assert r.certify(model, (x,)) < CERT
     st = expectations(ep, r, model_config())
-    (m,) = st["missing"]
-    assert m["kind"] == "attention-heads" and m["where"] == "q.weight dim 0"
-    assert m["why"] == ("no per-head class: conv1d (aten.conv1d): grouped convolution: its rule takes "
-                        "one map inside every group (maps per group are not modelled)")
+    assert st["missing"] == [] and st["multihead_attention"] == 1
     leaves = r.axis_reasons("q.weight", 0)
     assert [(lf["size"], lf["kind"]) for lf in leaves] == [(4, "perm"), (8, "gl")]
-    assert leaves[1]["fibre"] == [] and len(leaves[1]["nofiber"]) == 2  # the query's and the key's
+    assert len(leaves[1]["fibre"]) == 1 and leaves[1]["nofiber"] == []
 
 
 def model_config():
@@ -315,11 +314,10 @@ def test_rows_still_incomplete_say_why():
     assert r["sound"] and r["certificate"] < CERT and not r["complete"]
     why = {m["kind"]: m["why"] for m in r["structure"]["missing"]}
     assert set(why) == {"attention-heads", "rope"}
-    assert "grouped convolution: its rule takes one map inside every group" in why["attention-heads"]
+    assert ("rotary position embedding [rope] meets conv1d: groups of a grouped convolution"
+            in why["attention-heads"])
     # the depthwise convolution's per-channel kernels fix the rotated pairs to permutations
     assert why["rope"].startswith("the rotated coordinates are narrowed past rotations: rotary position "
                                   "embedding [rope] meets conv1d: groups of a grouped convolution")
-    r = cov.run_family("squeezebert", "SqueezeBertForMaskedLM", "masked_lm")
-    assert {m["why"] for m in r["structure"]["missing"]} == {
-        "no per-head class: conv1d (aten.conv1d): grouped convolution: its rule takes one map inside "
-        "every group (maps per group are not modelled)"}
+    r = cov.run_family("squeezebert", "SqueezeBertForMaskedLM", "masked_lm")  # per-group maps: complete
+    assert r["sound"] and r["complete"] and r["structure"]["missing"] == []
