@@ -33,7 +33,8 @@ def add_parsers(sub, debug_default):
     a.add_argument("--no-fold-norms", action="store_true",
                    help="keep residual streams permutations (do not fold norm gains)")
     a.add_argument("--outputs", nargs="+", metavar="NAME", default=None,
-                   help="the outputs the alignment must keep (e.g. logits); default: all")
+                   help="the outputs the alignment must keep (e.g. logits), or all; "
+                        "default: a head model's outputs other than hidden states")
     a.add_argument("--force", action="store_true", help="replace an existing --out (a previous output)")
     a.add_argument("--debug", action="store_true", default=debug_default)
     a.set_defaults(func=cmd_align)

@@ -154,7 +154,8 @@ def _add_analyze_parser(sub) -> None:
     a.add_argument("--no-fold-norms", action="store_true",
                    help="do not fold norm gains (residual streams stay permutations)")
     a.add_argument("--outputs", nargs="+", metavar="NAME", default=None,
-                   help="the outputs a symmetry must keep (e.g. logits); default: all")
+                   help="the outputs a symmetry must keep (e.g. logits), or all; "
+                        "default: a head model's outputs other than hidden states")
     a.add_argument("--certify", action="store_true",
                    help="apply random elements of every group and print the outputs' deviation")
     a.add_argument("--dot", metavar="FILE", help="write the group graph as Graphviz .dot")
