@@ -6,7 +6,8 @@ axis that a rule leaves unrelated is fixed too.
 
 Buffers are data like constants, except that a floating-point buffer read only by ops whose
 rules relate each of its axes (BatchNorm's running statistics) moves with those classes as a
-parameter would (``buffer_nodes``); any other buffer is fixed, with the reason.
+parameter would (``buffer_nodes``); any other buffer is fixed, with the reason. A buffer
+viewed or cropped before it is added (``bufferviews``) is judged along its chain of views.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from ..errors import UnsupportedOpError
 from . import labels, registry
+from .bufferviews import buffer_views
 from .patterns import rope as _rope
 from .nodes import FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path, output_nodes, packet as _packet, source_line
 from .registry import Label, Meet, NoFiber, Rope, RuleContext, Structure, Unify
@@ -95,6 +97,7 @@ class AxisAnalysis:
         self.param_nodes: dict[str, torch.fx.Node] = {}
         self.buffer_of = dict(sig.inputs_to_buffers)
         self.buffer_nodes: dict[str, torch.fx.Node] = {}  # buffers no rule fixed (after run)
+        self.buffer_views = buffer_views(self.graph, self.buffer_of)  # views of them taking rules
         self.fixed_buffers: dict[str, str] = {}  # the others: name -> why
         self.user_inputs = set(sig.user_inputs)
         self._constants = {n: ep.constants[k] for n, k in sig.inputs_to_lifted_tensor_constants.items()
@@ -176,13 +179,19 @@ class AxisAnalysis:
         """Why ``node`` (a buffer) must stay as it is, or None when it may move."""
         if not (isinstance(v := node.meta.get("val"), torch.Tensor) and v.is_floating_point()):
             return "not a floating-point tensor"
+        return self._readers_fixed(node) if node.users else "not read by the graph"
+
+    def _readers_fixed(self, node):
+        """Why some reader of ``node`` (a buffer or a view of one) leaves an axis unrelated."""
         axes = [a for a in self._all_axes(node) if self.uf.size[a] > 1]
         for user in node.users:
             if user not in self.touched:
                 return f"read by {user.name} ({user.target}), which has no rule relating it"
             if any(a not in self.touched[user] for a in axes):
                 return f"an axis not related by the rule of {user.name} ({user.target})"
-        return None if node.users else "not read by the graph"
+            if user in self.buffer_views and (why := self._readers_fixed(user)) is not None:
+                return why
+        return None
 
     def _tie(self):
         """Tied parameters (one tensor, several names) are one set of axes and one slot."""
@@ -237,6 +246,9 @@ class AxisAnalysis:
                 self.origin[node] = "const"
                 return
             self.node_axes[node] = self._alloc(node.meta.get("val"))
+            if node in self.buffer_views:  # settled with its buffer (_settle_buffers)
+                self.origin[node] = "act"
+                return
             inputs = _flat_nodes(node.args) + _flat_nodes(list(node.kwargs.values()))
             if _packet(node.target) in CONST_OPS or all(
                     self.origin.get(i, "const") == "const" for i in inputs):
@@ -309,7 +321,8 @@ class AxisAnalysis:
             elif isinstance(c, Label):
                 self.labels[node if c.out is None else (node, c.out)] = (c.axis, c.size)
         if node is not None:
-            if any(i.op == "placeholder" and i.name in self.buffer_of for i in node.all_input_nodes):
+            if any((i.op == "placeholder" and i.name in self.buffer_of) or i in self.buffer_views
+                   for i in node.all_input_nodes):
                 self.touched[node] = touched
             # safety net: an output axis no rule spoke of stays fixed
             for a in self._all_axes(node):
