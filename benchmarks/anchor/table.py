@@ -13,7 +13,8 @@ Rows, in the parents' architecture: vanilla averaging, activation matching, weig
 weight matching on the embedding and untied head rows of tokens seen in training only (``weights_seen``, as
 Theus et al. match), and with their other two costs on top (``weights_cols``: each residual block
 scaled by its columns; ``weights_circ``: heads paired by circuit distance), weight matching with
-permutations only (``weights_perm``, ``weights_perm_seen``: ``fold_norms=False``), learned
+permutations only (``weights_perm``, ``weights_perm_seen``: ``fold_norms=False``; ``_folded``: on
+the parents with their norm gains folded into their readers first, :data:`FOLDED`), learned
 matching (residual orthogonal map: symgraph's default on the untied model; and permutations
 only: ``fold_norms=False``). In circuit space (heads twice as wide,
 :mod:`symgraph.merging.circuits`) the same alignments are interpolated in the wider heads,
@@ -69,13 +70,34 @@ ROWS = {
     "weights_circ": ("weights", True, 0),  # seen rows, heads paired by circuit distance
     "weights_perm": ("weights", False, 0),  # permutations only (as Theus et al.'s --permutations_only)
     "weights_perm_seen": ("weights", False, 0),  # permutations only, seen-token rows
+    "weights_perm_folded": ("weights", False, 0),  # permutations only, on the parents with gains folded
+    "weights_perm_seen_folded": ("weights", False, 0),  # the same, seen-token rows
     "learned": ("activations", True, -1),
     "learned_perm": ("activations", False, -1),
 }
 
 #: rows with Theus et al.'s weight-matching costs: the seen-token rows, and what else they set
 SEEN_ROWS = {"weights_seen": {}, "weights_cols": {"block_scale": "columns"},
-             "weights_circ": {"head_cost": "circuits"}, "weights_perm_seen": {}}
+             "weights_circ": {"head_cost": "circuits"}, "weights_perm_seen": {}, "weights_perm_seen_folded": {}}
+#: rows on the parents with their norm gains and shifts folded into their readers (the function
+#: unchanged; Theus et al. match and interpolate in this form): permutations' costs then do not
+#: depend on how a norm's scale is split between its gain and its readers
+FOLDED = {"weights_perm_folded", "weights_perm_seen_folded"}
+
+
+def gains_folded(model):
+    """A copy of ``model`` with its norm gains and shifts folded into their readers
+    (:meth:`SymmetryReport.fold`: gains 1, shifts 0, the same function)."""
+    import copy
+    import symgraph
+    m = copy.deepcopy(model)
+    params = dict(m.named_parameters())
+    new = symgraph.analyze(m).fold({k: p.detach() for k, p in params.items()})
+    with torch.no_grad():
+        for k, v in new.items():
+            params[k].copy_(v.to(params[k].dtype))
+    return m
+
 #: ``--tiny``: parents of this config trained for TINY_STEPS steps in float32 (a smoke run of the
 #: whole command in minutes; not the protocol), evaluated on the first TINY_TEST test sequences
 TINY_CONFIG = dict(n_embd=64, n_layer=2, n_head=4, n_inner=256)
@@ -120,6 +142,8 @@ def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8,
     data = learn if steps and learn else train
     dev = next(A.parameters()).device
     t0 = _clock(dev)
+    if name in FOLDED:
+        A, B = gains_folded(A), gains_folded(B)
     Bal, note, refined = B, None, None
     options = {"align": align, "fold_norms": fold, "refine_steps": steps, "eval_batch": eval_bs,
                "lambdas": len(LAMBDAS), "test_sequences": int(test.shape[0])}

@@ -197,6 +197,36 @@ def test_learned_budget_batches_follow_the_data_order():
     assert table.LEARN["paper"] == {"epochs": 10, "batch_size": 32, "max_steps": None}  # their run_merger.sh
 
 
+def test_folded_rows_run_on_the_parents_with_gains_folded():
+    """``gains_folded``: LayerNorm gains 1, shifts 0 where the readers take them, the same function; a ``_folded`` row's
+    curve ends at the parents' losses, and a function-preserving rescale of a norm's gain
+    against its readers leaves it unchanged (the folded form does not see the split)."""
+    from symgraph.merging.untie import untie
+    from symgraph.testing import models
+    from benchmarks.anchor import table
+    A, B = (untie(models.build("gpt2", seed=s, vocab=64, hidden=32, layers=1, heads=4, positions=64))
+            for s in (0, 1))
+    for m in (A, B):
+        models.randomize_vectors(m, seed=7)
+    test = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
+    Af = table.gains_folded(A)
+    norms = [x for x in Af.modules() if isinstance(x, torch.nn.LayerNorm)]
+    assert norms and all(torch.equal(x.weight, torch.ones_like(x.weight)) for x in norms)
+    assert torch.equal(Af.transformer.h[0].ln_1.bias, torch.zeros(32))  # (ln_f's stays: the head has no bias)
+    assert table.D.test_loss(Af, test) == pytest.approx(table.D.test_loss(A, test), abs=1e-5)
+    r = table.run_row("weights_perm_folded", A, B, train=[{"input_ids": test}], test=test, refine_steps=0,
+                      circuits=False)
+    assert dict(r["curve"])[1.0] == pytest.approx(table.D.test_loss(A, test), abs=1e-5)
+    Bf = dict(table.gains_folded(B).named_parameters())
+    with torch.no_grad():  # gain × s, its reader's input rows / s: the same function, another split
+        s = torch.linspace(0.5, 2.0, 32)
+        blk = B.transformer.h[0]
+        blk.ln_1.weight.mul_(s), blk.ln_1.bias.mul_(s), blk.attn.c_attn.weight.div_(s[:, None])
+    assert not torch.allclose(B.transformer.h[0].attn.c_attn.weight, Bf["transformer.h.0.attn.c_attn.weight"])
+    for k, p in table.gains_folded(B).named_parameters():  # the folded form does not see the split
+        torch.testing.assert_close(p, Bf[k], rtol=1e-5, atol=1e-6)
+
+
 def test_table_rows_on_tiny_untied_gpt2():
     """The table's rows on two tiny untied GPT-2s: barriers from an 11-point curve whose ends
     are the parents' losses; circuit-space rows (GPT-2 widened in memory, learned matching in
