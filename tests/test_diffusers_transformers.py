@@ -18,71 +18,11 @@ Runs where diffusers is installed (the ``test`` extra installs it)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import symgraph
 
 diffusers = pytest.importorskip("diffusers")
-
-
-def _init(model, gen):
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return model.eval().to(torch.float64)
-
-
-def _randn(gen, *shape):
-    return torch.randn(*shape, dtype=torch.float64, generator=gen)
-
-
-def dit():
-    g = torch.Generator().manual_seed(0)
-    m = _init(diffusers.DiTTransformer2DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, num_layers=1,
-        sample_size=4, patch_size=2, num_embeds_ada_norm=10), g)
-    return m, {"hidden_states": _randn(g, 2, 4, 4, 4), "timestep": torch.tensor([3, 7]),
-               "class_labels": torch.tensor([1, 2])}
-
-
-def sd3():
-    g = torch.Generator().manual_seed(0)
-    m = _init(diffusers.SD3Transformer2DModel(
-        sample_size=4, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
-        joint_attention_dim=12, caption_projection_dim=16, pooled_projection_dim=6, out_channels=4,
-        pos_embed_max_size=8), g)
-    return m, {"hidden_states": _randn(g, 2, 4, 4, 4), "timestep": torch.tensor([3, 7]),
-               "encoder_hidden_states": _randn(g, 2, 5, 12), "pooled_projections": _randn(g, 2, 6)}
-
-
-def flux():
-    g = torch.Generator().manual_seed(0)
-    m = _init(diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=12, pooled_projection_dim=6, guidance_embeds=False,
-        axes_dims_rope=(2, 2, 4)), g)
-    return m, {"hidden_states": _randn(g, 2, 6, 8), "timestep": torch.tensor([0.3, 0.7], dtype=torch.float64),
-               "encoder_hidden_states": _randn(g, 2, 5, 12), "pooled_projections": _randn(g, 2, 6),
-               "img_ids": _randn(g, 6, 3), "txt_ids": torch.zeros(5, 3, dtype=torch.float64)}
-
-
-def vae():
-    g = torch.Generator().manual_seed(0)
-    m = _init(diffusers.AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
-        latent_channels=4, norm_num_groups=4, sample_size=8), g)
-    return m, {"sample": _randn(g, 2, 3, 8, 8)}
-
-
-MODELS = {"dit": dit, "sd3": sd3, "flux": flux, "vae": vae}
-
-
-def fixed_params(model, report) -> list:
-    """Parameters no group acts on, folded norm gains and shifts aside."""
-    folded = {n for f in report.folds for n in (f.gain, f.shift) if n}
-    return [n for n, p in model.named_parameters()
-            if n not in folded and not any(report.group_of(n, d) for d in range(p.ndim))]
+from symgraph.testing.diffusion import build, fixed_params  # noqa: E402
 
 
 def recovered(model, report, x) -> tuple[float, float]:
@@ -101,7 +41,7 @@ def recovered(model, report, x) -> tuple[float, float]:
               "single_transformer_blocks.0.attn.norm_q.weight", "single_transformer_blocks.0.attn.norm_k.weight",
               "proj_out.bias"])])
 def test_certified_recovered_and_only_outputs_fixed(name, only_fixed):
-    m, x = MODELS[name]()
+    m, x = build(name)
     r = symgraph.analyze(m, x)
     assert r.frozen == [] and r.fixed_buffers == {}
     assert r.certify(m, x) < 1e-9
@@ -112,7 +52,7 @@ def test_certified_recovered_and_only_outputs_fixed(name, only_fixed):
 
 
 def test_dit_adaln_modulation_and_position_table_move_with_the_stream():
-    m, x = dit()
+    m, x = build("dit")
     r = symgraph.analyze(m, x)
     (stream,) = r.group_of("pos_embed.proj.weight", 0)
     assert stream.kind == "perm" and stream.size == 16
@@ -125,7 +65,7 @@ def test_dit_adaln_modulation_and_position_table_move_with_the_stream():
 
 
 def test_sd3_cropped_position_table_and_joint_attention():
-    m, x = sd3()
+    m, x = build("sd3")
     r = symgraph.analyze(m, x)
     (image,) = r.group_of("pos_embed.proj.weight", 0)
     (text,) = r.group_of("context_embedder.weight", 0)
@@ -140,7 +80,7 @@ def test_sd3_cropped_position_table_and_joint_attention():
 
 
 def test_flux_one_stream_and_rotary_heads():
-    m, x = flux()
+    m, x = build("flux")
     r = symgraph.analyze(m, x)
     (stream,) = r.group_of("x_embedder.weight", 0)
     assert r.group_of("context_embedder.weight", 0) == [stream]  # tokens concatenated
@@ -152,7 +92,7 @@ def test_flux_one_stream_and_rotary_heads():
 
 
 def test_vae_latent_and_group_norm_channels():
-    m, x = vae()
+    m, x = build("vae")
     r = symgraph.analyze(m, x)
     (latent,) = r.group_of("post_quant_conv.weight", 1)
     assert latent.kind == "gl" and latent.size == 4 and ("quant_conv.weight", 0) in latent.params

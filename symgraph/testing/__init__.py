@@ -1,1 +1,2 @@
-"""Tiny models built from configs (``models``) for tests, benchmarks, the demo and examples."""
+"""Tiny models built from configs (``models``; diffusers' models: ``diffusion``) for tests,
+benchmarks, the demo and examples."""
