@@ -1,12 +1,22 @@
 """How the merge engine computes a large tensor group in slices
 (:class:`~symgraph.merging.streaming.StreamingMerge`): along an axis no map and no fold acts on,
-so that the slices are those of the whole computation."""
+so that the slices are those of the whole computation; and the smallest memory budget whose
+plan holds its largest piece (:func:`check_floor`), known before any alignment."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-__all__ = ["split"]
+from ..checkpoints.outdir import human_bytes as hb
+from ..checkpoints.sharded import parse_size
+from ..core.elements import Perm
+from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
+from ..errors import InputError
+from ..transform.folding import groups
+
+__all__ = ["split", "units", "check_floor", "identity_elements"]
 
 
 def split(job, names):
@@ -23,6 +33,14 @@ def split(job, names):
     unsliced tensors (taken from the first slice), then ``streamed`` (or None), written
     slice by slice as it comes (the largest tensor sliced along dim 0 under one checkpoint
     key), then the others (assembled)."""
+    return _choose(job, names, _axes(job, names, job.alignments), job.chunk_bytes)
+
+
+def _axes(job, names, alignments):
+    """What :func:`split` decides from the report, the alignments' classes and the method,
+    whatever the chunk size: ``(shapes, numel, item, [(d, dims), ...])``, the axes ``d`` of the
+    largest tensor along which the group may be sliced (``dims``: see :func:`split`), or None
+    when the group is computed whole at any size."""
     A, R = job.ckpts[job.anchor], job.report
     if R is not None and any(n in R.stacked for n in names):
         return None  # the report's axes are of the viewed (experts × hidden) layout
@@ -32,23 +50,35 @@ def split(job, names):
     shapes = {n: A.shapes[A.key(n)] for n in names}
     numel = {n: int(np.prod(shapes[n], dtype=np.int64)) for n in names}
     big = max(names, key=numel.get)
-    if sum(numel.values()) * item <= job.chunk_bytes:
-        return None
+    ways = []
     for d in range(len(shapes[big])):
-        dims = {big: d} if R is None else _sliceable(job, names, R.axis_key(R.param_axes(big)[d]))
-        if not dims or item * sum(numel[n] for n in names if n not in dims) > job.chunk_bytes:
-            continue
-        if not all(job.how.sliceable(n, e, job.graph_report) for n, e in dims.items()):
+        dims = {big: d} if R is None else _sliceable(job, names, R.axis_key(R.param_axes(big)[d]), alignments)
+        if dims and all(job.how.sliceable(n, e, job.graph_report) for n, e in dims.items()):
+            ways.append((d, dims))
+    return shapes, numel, item, ways
+
+
+def _choose(job, names, axes, chunk: int):
+    """:func:`split`'s answer for a chunk size of ``chunk`` bytes, from :func:`_axes`."""
+    if axes is None:
+        return None
+    shapes, numel, item, ways = axes
+    big = max(names, key=numel.get)
+    if sum(numel.values()) * item <= chunk:
+        return None
+    for d, dims in ways:
+        if item * sum(numel[n] for n in names if n not in dims) > chunk:
             continue  # a whole remainder this large is recomputed for every slice: not worth it
         row = item * sum(numel[n] // max(shapes[n][e], 1) for n, e in dims.items())
         rows = [n for n, e in dims.items() if e == 0 and len(job.keys_of(n)) == 1]
         first = max(rows, key=numel.get) if rows else None
         order = [n for n in names if n not in dims] + [first] * bool(first)
         order += [n for n in dims if n != first]
-        return tuple(order), dims, shapes[big][d], max(1, job.chunk_bytes // max(row, 1)), first
+        return tuple(order), dims, shapes[big][d], max(1, chunk // max(row, 1)), first
     return None
 
-def _sliceable(job, names, key) -> dict | None:
+
+def _sliceable(job, names, key, alignments) -> dict | None:
     """``{name: dim}`` of the tensors of ``names`` with a dim of the anchor's axis class
     ``key``, when the group can be computed in slices along it (see :func:`split`)."""
     A, R = job.ckpts[job.anchor], job.report
@@ -59,7 +89,7 @@ def _sliceable(job, names, key) -> dict | None:
         if len(hits) > 1:
             return None
         dims.update({n: hits[0]} if hits else {})
-    for al, c in zip(job.alignments, job.ckpts):
+    for al, c in zip(alignments, job.ckpts):
         if al is None:
             continue
         rb = al.report_b
@@ -75,3 +105,97 @@ def _sliceable(job, names, key) -> dict | None:
                 if dims.get(w) == axis or (b and dims.get(b) != bias_dim):
                     return None
     return dims
+
+
+def units(job):
+    """The plan's tensor-group tasks in the anchor's key order: ``(key, names)``, the names
+    merged together for the anchor's ``key`` (a norm fold's gain, shift and readers; any other
+    tensor alone), or None for a buffer written as the anchor's own."""
+    A = job.ckpts[job.anchor]
+    unit = groups(job.report.folds) if job.report is not None else {}
+    seen: set[str] = set()
+    for key in A.keys:
+        if key in seen:
+            continue
+        name = A.param_of.get(key)
+        if name is None:  # a buffer: averaged (and moved) or the anchor's
+            names = (key,) if job._averaged(key) else None
+        else:
+            names = unit.get(name, (name,))
+        seen.update((key,) if names is None else (k for n in names for k in job.keys_of(n)))
+        yield key, names
+
+
+def identity_elements(report) -> dict:
+    """An identity element of each of ``report``'s groups, of the form a solved one takes (an
+    index vector for an unfibred permutation group, else ``[blocks,] n × n`` matrices): where a
+    map acts and how large an element is do not depend on the element's values."""
+    return {g.id: Perm(torch.arange(g.dim)) if g.blocks == 1 and orthogonal_part(g.kind) in PERMUTATION_FAMILY else
+            torch.eye(g.dim, dtype=torch.float64).expand(*([g.blocks] if g.blocks > 1 else []), g.dim, g.dim)
+            for g in report.groups}
+
+
+def check_floor(job, budgets) -> None:
+    """Refuse ``job.memory_budget`` before any alignment when the plan's largest piece holds
+    more than it: each group's working copies (one per model and the result, in the work dtype)
+    and the statistics its combine reads (:meth:`~.methods.registry.MergeMethod.held_bytes`),
+    for the group whole or its largest slice (:func:`split` with identity elements: a solved
+    alignment has an element for every group, so it slices the same axes; the anchor's report
+    stands for a model of other widths, whose mismatched axes are never sliced). The message names
+    the piece and the smallest budget that works, rounded up to three digits; ``budgets``:
+    :func:`~symgraph.merging.streaming.budgets`, the chunk size a budget gives."""
+    if job.memory_budget is None:
+        return
+    eye = SimpleNamespace(report_b=job.report, elements=identity_elements(job.report)) if job.report else None
+    alignments = [None if i == job.anchor else eye for i in range(len(job.ckpts))]
+    plan = [(names, _axes(job, names, alignments)) for _, names in units(job) if names is not None]
+    budget = parse_size(job.memory_budget)
+    need, names, sliced = _need(job, plan, job.chunk_bytes)
+    if need <= budget:
+        return
+    what = f"{names[0]!r}" + (f" and the {len(names) - 1} tensors merged with it" if len(names) > 1 else "")
+    raise InputError(f"--memory-budget {hb(budget)} is below what this merge holds at once: {hb(_up(need))} for "
+                     f"{what}{' (its largest slice)' if sliced else ' (held whole)'}, a copy per model and the "
+                     f"result{' with the statistics read for it' if job.how.needs_data else ''}; expected "
+                     f"--memory-budget of at least {hb(_least(job, plan, budget, budgets))} (the smallest that works)")
+
+
+def _up(b: int) -> int:
+    """``b`` rounded up to three significant digits (what a size shown says)."""
+    unit = 10 ** max(len(str(b)) - 3, 0)
+    return -(-b // unit) * unit
+
+
+def _least(job, plan, budget: int, budgets) -> int:
+    """The smallest budget above ``budget`` with three significant digits (what the message
+    shows) whose chunk size gives a plan that fits in it: found within 1%, then digit by digit."""
+    def fits(b):
+        return _need(job, plan, budgets(b, len(job.ckpts))[1])[0] <= b
+
+    b = budget
+    while not fits(_up(b)):
+        b = max(b + 1, int(b * 1.01))
+    b, top = _up(max(budget + 1, int(b / 1.01))), _up(b)
+    while b < top and not fits(b):
+        b = _up(b + 1)
+    return b
+
+
+def _need(job, plan, chunk: int) -> tuple:
+    """``(bytes, names, sliced)`` of the plan's piece that holds most at chunk size ``chunk``: the
+    ledger's count while :meth:`~symgraph.merging.streaming.StreamingMerge._merged` computes it."""
+    A, n, best = job.ckpts[job.anchor], len(job.ckpts), (0, (), False)
+    item = torch.empty((), dtype=job.work_dtype).element_size()
+    for names, axes in plan:
+        s = _choose(job, names, axes, chunk)
+        held = 0
+        for m in names:
+            dtype = A.dtypes.get(A.key(m))
+            if dtype is not None and not dtype.is_floating_point:
+                continue  # integer tensors are the anchor's, never held
+            shape = list(A.shapes[A.key(m)])
+            if s is not None and m in s[1]:
+                shape[s[1][m]] = min(s[3], s[2])
+            held += job.how.held_bytes(m, tuple(shape), item, n, job.graph_report)
+        best = max(best, (held, names, s is not None), key=lambda t: t[0])
+    return best

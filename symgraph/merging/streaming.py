@@ -47,7 +47,7 @@ from ..transform.apply import move
 from ..core.finite import all_finite
 from ..core.progress import bar as progress_bar
 from ..errors import InputError
-from ..transform.folding import gauge, groups
+from ..transform.folding import gauge
 from ..checkpoints.sharded import Checkpoint, KeysDiffer, ShardWriter, parse_size
 from .methods import registry
 from .methods.registry import mixing_weights
@@ -198,6 +198,7 @@ class StreamingMerge:
         if self.align_mode is None:  # nothing to move: every tensor is combined as it is
             if (self.how.needs_data or self.repair) and self.graph_report is None:  # the graph its statistics are taken on
                 self.graph_report = analyze(A.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
+            slicing.check_floor(self, budgets)  # the plan's largest piece within the budget, before any work
             return self.alignments
         ra = analyze(A.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
         self.report = self.graph_report = ra
@@ -207,6 +208,7 @@ class StreamingMerge:
         if self.refine:  # learned matching's room in the budget, refused before any alignment
             from .learned import check_budget
             check_budget(self, ra)
+        slicing.check_floor(self, budgets)  # the plan's largest piece within the budget, before any alignment
         t1 = time.perf_counter()
         dev = None if self.device.type == "cpu" else self.device
         fa = Folded(ra, A, self.cache_bytes, self.work_dtype, dev, self.ledger)
@@ -264,6 +266,8 @@ class StreamingMerge:
         """Statistics, the plan's transforms and REPAIR, then ``write()``."""
         if self.graph_report is None and (self.align_mode is not None or (self.how.needs_data or self.repair)):
             self.align()
+        elif self.align_mode is None:  # unaligned and without statistics: align() did not check the budget
+            slicing.check_floor(self, budgets)
         self.spill = None
         if self.how.needs_data:
             t0 = time.perf_counter()
@@ -287,23 +291,12 @@ class StreamingMerge:
     def _order(self) -> list:
         """``(anchor keys, (names merged for them, split) or None: the anchor's own)`` in the
         anchor's key order: the plan's tensor-group tasks."""
-        A = self.ckpts[self.anchor]
-        unit = groups(self.report.folds) if self.report is not None else {}
         order: list[tuple] = []
-        seen: set[str] = set()
-        for key in A.keys:
-            if key in seen:
-                continue
-            name = A.param_of.get(key)
-            if name is None:  # a buffer: averaged (and moved) or the anchor's
-                names = (key,) if self._averaged(key) else None
-            else:
-                names = unit.get(name, (name,))
+        for key, names in slicing.units(self):
             split = slicing.split(self, names) if names is not None else None
             names = names if split is None else tuple(split[0])  # the order _pieces yields them in
             keys = (key,) if names is None else tuple(k for n in names for k in self.keys_of(n))
             order.append((keys, None if names is None else (names, split)))
-            seen.update(keys)
         return order
 
     def _emit(self, order, writer):

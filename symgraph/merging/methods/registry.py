@@ -21,6 +21,8 @@ Files in ``symgraph/merging/methods/`` are imported on first use, so a new metho
 """
 from __future__ import annotations
 
+import math
+
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ...core.schema import short_repr
@@ -89,6 +91,14 @@ class MergeMethod:
         large tensors along an axis no map acts on; each slice's statistics are the same slice
         of the whole tensor's)."""
         return True
+
+    def held_bytes(self, name: str, shape: tuple, item: int, n: int, report) -> int:
+        """Bytes the engine holds while it combines tensor ``name`` of ``shape`` (a slice's, when
+        it slices it) from ``n`` models, ``item`` bytes an element in the work dtype: each model's
+        copy and the result, and the statistics read for it (of the tensor's own shape where the
+        method takes data)."""
+        stats = n if self.needs_data and self.elementwise_statistics else 0
+        return (n + 1 + stats) * item * math.prod(shape)
 
     def combine_group(self, names, values, stats, weights, report) -> dict:
         """Merged ``{name: tensor}`` of the tensors ``names`` (a unit the engine computes

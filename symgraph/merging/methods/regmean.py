@@ -4,6 +4,7 @@ A Gram ``G = Σ x xᵀ`` moves into the anchor's basis as ``M G Mᵀ``. Under ``
 the Grams are all-reduced over the processes' shards of the data (:mod:`symgraph.core.distributed`)."""
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -74,6 +75,13 @@ class RegMean(Average):
     def sliceable(self, name, dim, report):
         """A linear weight is merged in slices along its outputs only (its Gram is over its inputs)."""
         return all(dim == (0 if layout == "out_in" else 1) for w, _, _, layout in _layers(report) if w == name)
+
+    def held_bytes(self, name, shape, item, n, report):
+        """Besides the copies: each model's float64 Gram over a linear weight's inputs (read
+        whole for any slice), and the weight's solve in float64."""
+        ins = [shape[1 if layout == "out_in" else 0] for w, _, _, layout in _layers(report) if w == name]
+        held = super().held_bytes(name, shape, item, n, report)
+        return held + sum(8 * n * i * i + (8 - item) * math.prod(shape) for i in ins)
 
     def combine_group(self, names, values, stats, weights, report):
         merged = super().combine_group(names, values, stats, weights, report)

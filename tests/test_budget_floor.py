@@ -1,0 +1,118 @@
+"""A ``--memory-budget`` below what the merge plan holds at once (its largest group no slice can
+split, each model's copy and the result, and the statistics read for it) is refused before any
+alignment, in one line naming the smallest budget that works; that budget merges with the
+engine's ledger within it, and one a step below is refused (issue 62)."""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cli_helpers import main_in_process, refused
+from symgraph.checkpoints.sharded import parse_size
+from symgraph.errors import InputError
+from symgraph.merging.streaming import StreamingMerge, budgets
+
+CASES = {  # name: the merge's options
+    "weights": [],
+    "unaligned": ["--align", "none"],
+    "regmean": ["--method", "regmean", "--data", "{d}"],
+    "fisher": ["--method", "fisher", "--data", "{d}"],
+}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from symgraph.testing import models
+    root = tmp_path_factory.mktemp("floor")
+    (root / "work").mkdir()
+    sizes = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
+    for seed in (0, 1):
+        models.build("llama", seed=seed, **sizes).save_pretrained(root / "ab"[seed])
+    ids = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, str(root / "data.safetensors"))
+    return root
+
+
+@pytest.fixture
+def peaks(monkeypatch):
+    """The ledger's peak of every merge the engine writes, in order."""
+    out = []
+    real = StreamingMerge.write
+
+    def write(self, directory):
+        info = real(self, directory)
+        out.append(self.ledger.peak)
+        return info
+    monkeypatch.setattr(StreamingMerge, "write", write)
+    return out
+
+
+def _merge(pair, capsys, case, budget, out):
+    args = [a.format(d=pair / "data.safetensors") for a in CASES[case]]
+    return main_in_process(pair, "merge", pair / "a", pair / "b", *args, "--memory-budget", budget, "--out", out,
+                           capsys=capsys, seconds=300)
+
+
+def _below(size: str) -> str:
+    """The three-digit size one step below ``size`` ("37.3kB" -> "37.2kB")."""
+    n = parse_size(size)
+    unit = 10 ** max(len(str(n)) - 3, 0)
+    return f"{n - unit}B"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_budget_below_the_plan_is_refused_before_alignment_and_the_one_named_works(pair, capsys, monkeypatch,
+                                                                                   peaks, case):
+    from symgraph.alignment import driver
+    from symgraph.merging.methods import registry
+
+    def never(*a, **k):
+        raise AssertionError("work began before the budget was checked")
+    with monkeypatch.context() as m:  # no alignment and no statistics
+        m.setattr(driver, "align_tensors", never)
+        for method in ("average", "regmean", "fisher"):
+            m.setattr(type(registry.get(method)), "streamed_statistics", never)
+        r = _merge(pair, capsys, case, "1KB", f"{case}_1k")
+    refused(r, "--memory-budget 1 kB is below what this merge holds at once", "a copy per model and the result",
+            "(the smallest that works)")
+    assert not (pair / "work" / f"{case}_1k").exists() and peaks == []
+    need = re.search(r"at least ([\d.]+) ([kMG]?B)", " ".join(r.stderr.split()))
+    need = need.group(1) + need.group(2)
+    held = re.search(r"holds at once: ([\d.]+) ([kMG]?B)", " ".join(r.stderr.split()))
+    assert parse_size(held.group(1) + held.group(2)) == parse_size(need)  # the piece named is what needs it
+    r = _merge(pair, capsys, case, need, f"{case}_min")
+    assert r.returncode == 0, r.stderr
+    assert len(peaks) == 1 and 0.99 * parse_size(need) < peaks[0] <= parse_size(need), (peaks, need)
+    r = _merge(pair, capsys, case, _below(need), f"{case}_below")  # the smallest: a step below is refused
+    refused(r, "is below what this merge holds at once", f"at least {parse_size(need) / 1e3:.3g} kB")
+    assert len(peaks) == 1 and not (pair / "work" / f"{case}_below").exists()
+
+
+def test_a_normal_budget_is_unaffected(pair, capsys, peaks):
+    r = _merge(pair, capsys, "weights", "1MB", "normal")
+    assert r.returncode == 0, r.stderr
+    r = main_in_process(pair, "merge", pair / "a", pair / "b", "--out", "unbounded", capsys=capsys, seconds=300)
+    assert r.returncode == 0, r.stderr
+    assert 0 < peaks[0] <= 1_000_000
+    a, b = load_file(str(pair / "work" / "normal" / "model.safetensors")), \
+        load_file(str(pair / "work" / "unbounded" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_floor_is_the_engines_own_count_before_alignment(pair):
+    """Without a refusal, the plan's largest piece found before alignment is the ledger's peak
+    while writing (the caches are smaller here): the check reads the plan split() makes."""
+    from symgraph.merging import slicing
+    job = StreamingMerge([str(pair / "a"), str(pair / "b")], memory_budget="37.3kB")
+    job.align()
+    assert job.alignments[1] is not None
+    os.makedirs(pair / "direct")
+    job.write(str(pair / "direct"))
+    job.memory_budget = "37.2kB"
+    with pytest.raises(InputError, match=r"holds at once: 37.3 kB for 'model\.layers\.\d\.post_attention"):
+        slicing.check_floor(job, budgets)
+    assert job.ledger.peak == 37248  # three float32 copies of a norm gain with the gate and up projections
