@@ -38,12 +38,12 @@ from ..alignment.graphrun import flatten_for, runnable
 from ..alignment.options import AlignOptions
 from ..alignment.refine import START_BATCHES, draw_lambda, learnable, summary, with_labels
 from ..core.elements import Perm
-from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
 from ..errors import InputError, NeedsMemory, TraceError
 from ..passes.trace import output_positions, trace
 from ..transform.apply import move_piece
 from ..transform.folding import for_reader, members
 from .segments import Kept, Segment, backward_span, live_after, output_node, plan_segments
+from .slicing import identity_elements
 from .statistics import Spill
 from .views import elements_on, nbytes
 
@@ -364,9 +364,7 @@ def check_budget(job, report) -> None:
     if job.memory_budget is None or not job.refine or not job.data:
         return
     from types import SimpleNamespace
-    eye = {g.id: Perm(torch.arange(g.dim)) if g.blocks == 1 and orthogonal_part(g.kind) in PERMUTATION_FAMILY else
-           torch.eye(g.dim, dtype=torch.float64).expand(*([g.blocks] if g.blocks > 1 else []), g.dim, g.dim)
-           for g in report.groups}
+    eye = identity_elements(report)
     al = SimpleNamespace(report_a=report, report_b=report, gauge=None, elements=eye)
     learn = learnable(report, al)
     matching = _Matching(job, next(i for i in range(len(job.ckpts)) if i != job.anchor))
