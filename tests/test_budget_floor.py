@@ -21,7 +21,9 @@ CASES = {  # name: the merge's options
     "unaligned": ["--align", "none"],
     "regmean": ["--method", "regmean", "--data", "{d}"],
     "fisher": ["--method", "fisher", "--data", "{d}"],
+    "repair": ["--repair", "--data", "{d}"],  # its cache counted at its share of the budget: a bound
 }
+TIGHT = {"repair": 0.95}  # the peak at the named budget is at least this share of it (else 0.99)
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +85,11 @@ def test_a_budget_below_the_plan_is_refused_before_alignment_and_the_one_named_w
     need = re.search(r"at least ([\d.]+) ([kMG]?B)", " ".join(r.stderr.split()))
     need = need.group(1) + need.group(2)
     held = re.search(r"holds at once: ([\d.]+) ([kMG]?B)", " ".join(r.stderr.split()))
-    assert parse_size(held.group(1) + held.group(2)) == parse_size(need)  # the piece named is what needs it
+    if case != "repair":  # the piece named is what needs it (REPAIR's cache grows with the budget)
+        assert parse_size(held.group(1) + held.group(2)) == parse_size(need)
     r = _merge(pair, capsys, case, need, f"{case}_min")
     assert r.returncode == 0, r.stderr
-    assert len(peaks) == 1 and 0.99 * parse_size(need) < peaks[0] <= parse_size(need), (peaks, need)
+    assert len(peaks) == 1 and TIGHT.get(case, 0.99) * parse_size(need) < peaks[0] <= parse_size(need), (peaks, need)
     r = _merge(pair, capsys, case, _below(need), f"{case}_below")  # the smallest: a step below is refused
     refused(r, "is below what this merge holds at once", f"at least {parse_size(need) / 1e3:.3g} kB")
     assert len(peaks) == 1 and not (pair / "work" / f"{case}_below").exists()

@@ -150,13 +150,14 @@ def check_floor(job, budgets) -> None:
     alignments = [None if i == job.anchor else eye for i in range(len(job.ckpts))]
     plan = [(names, _axes(job, names, alignments)) for _, names in units(job) if names is not None]
     budget = parse_size(job.memory_budget)
-    need, names, sliced = _need(job, plan, job.chunk_bytes)
+    need, names, sliced = _need(job, plan, job.chunk_bytes, job.cache_bytes)
     if need <= budget:
         return
     what = f"{names[0]!r}" + (f" and the {len(names) - 1} tensors merged with it" if len(names) > 1 else "")
     raise InputError(f"--memory-budget {hb(budget)} is below what this merge holds at once: {hb(_up(need))} for "
                      f"{what}{' (its largest slice)' if sliced else ' (held whole)'}, a copy per model and the "
-                     f"result{' with the statistics read for it' if job.how.needs_data else ''}; expected "
+                     f"result{' with the statistics read for it' if job.how.needs_data else ''}"
+                     f"{', and the cache of REPAIR' if job.repair else ''}; expected "
                      f"--memory-budget of at least {hb(_least(job, plan, budget, budgets))} (the smallest that works)")
 
 
@@ -170,7 +171,8 @@ def _least(job, plan, budget: int, budgets) -> int:
     """The smallest budget above ``budget`` with three significant digits (what the message
     shows) whose chunk size gives a plan that fits in it: found within 1%, then digit by digit."""
     def fits(b):
-        return _need(job, plan, budgets(b, len(job.ckpts))[1])[0] <= b
+        cache, chunk, _ = budgets(b, len(job.ckpts))
+        return _need(job, plan, chunk, cache)[0] <= b
 
     b = budget
     while not fits(_up(b)):
@@ -181,9 +183,11 @@ def _least(job, plan, budget: int, budgets) -> int:
     return b
 
 
-def _need(job, plan, chunk: int) -> tuple:
+def _need(job, plan, chunk: int, cache: int) -> tuple:
     """``(bytes, names, sliced)`` of the plan's piece that holds most at chunk size ``chunk``: the
-    ledger's count while :meth:`~symgraph.merging.streaming.StreamingMerge._merged` computes it."""
+    ledger's count while :meth:`~symgraph.merging.streaming.StreamingMerge._merged` computes it
+    (with REPAIR, which computes each piece as it measures the merge, its cache of ``cache`` bytes
+    of merged values besides)."""
     A, n, best = job.ckpts[job.anchor], len(job.ckpts), (0, (), False)
     item = torch.empty((), dtype=job.work_dtype).element_size()
     for names, axes in plan:
@@ -197,5 +201,5 @@ def _need(job, plan, chunk: int) -> tuple:
             if s is not None and m in s[1]:
                 shape[s[1][m]] = min(s[3], s[2])
             held += job.how.held_bytes(m, tuple(shape), item, n, job.graph_report)
-        best = max(best, (held, names, s is not None), key=lambda t: t[0])
+        best = max(best, (held + cache * job.repair, names, s is not None), key=lambda t: t[0])
     return best
