@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
+
 __all__ = ["Unit", "units", "first_sweep_order"]
 
 
@@ -72,21 +74,35 @@ def first_sweep_order(units_, ids_of, solved_groups, feats):
     """Order the first sweep so that each unit is solved when as much of its weight (by
     parameter size) as possible has its other axes known: classes whose features sit on fixed
     axes (the residual stream through the embeddings) go first, then the ones that need them.
+    A unit whose known slots cannot determine it goes after every unit whose can: a rotation
+    class of n units needs n known columns (a conv's output read only by a head of fewer
+    classes, a grouped conv's outputs seen only through their bias), a permutation one.
 
     ``ids_of(unit)``: the group ids the unit solves; ``solved_groups(unit)``: the groups whose
     similarity it computes; ``feats``: the :class:`~.weights.WeightFeatures` (slots, deps)."""
     pending = set().union(*(ids_of(u) for u in units_)) if units_ else set()
     left, order = list(range(len(units_))), []
-    slot_info = {i: [(feats.deps(g, n, d), feats.B[n].numel())
+    slot_info = {i: [(g, feats.deps(g, n, d), feats.numel(n), _columns(feats, n, d))
                      for g in solved_groups(u) for n, d in feats.slots(g)]
                  for i, u in enumerate(units_)}
     while left:
-        def known(i):
-            mine = ids_of(units_[i])
-            tot = sum(w for _, w in slot_info[i]) or 1
-            return sum(w for dep, w in slot_info[i] if not (dep & (pending - mine))) / tot
-        best = max(left, key=lambda i: (known(i), -i))
+        def key(i):
+            unknown = pending - ids_of(units_[i])
+            tot = sum(w for _, _, w, _ in slot_info[i]) or 1
+            known = [(g, w, c) for g, dep, w, c in slot_info[i] if not (dep & unknown)]
+            cols = {g.id: sum(c for h, _, c in known if h.id == g.id) for g in solved_groups(units_[i])}
+            determined = all(cols[g.id] >= (1 if orthogonal_part(g.kind) in PERMUTATION_FAMILY else g.dim)
+                             for g in solved_groups(units_[i]))
+            return determined, sum(w for _, w, _ in known) / tot, -i
+        best = max(left, key=key)
         order.append(best)
         left.remove(best)
         pending -= ids_of(units_[best])
     return order
+
+
+def _columns(feats, name, d) -> int:
+    """How many values slot ``(name, d)`` holds per unit of its axis ``d`` (B's side): at most
+    the rank it adds to its class's similarity."""
+    rb = feats.rb
+    return feats.numel(name) // max(1, rb.axis_size(rb.param_axes(name)[d]))

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-__all__ = ["polar", "LOW", "EXTRA", "TOL", "DEVICE_BATCH_MAX"]
+__all__ = ["polar", "polar_from_svd", "LOW", "EXTRA", "TOL", "DEVICE_BATCH_MAX"]
 
 #: The smallest ``σ_min / s`` the scaled schedule is designed for.
 LOW = 1e-4
@@ -79,8 +79,34 @@ def _decompose(fn, x: torch.Tensor, **kw):
 
 
 def _svd_polar(M: torch.Tensor) -> torch.Tensor:
-    U, _, Vh = _decompose(torch.linalg.svd, M, full_matrices=False)
-    return U @ Vh
+    U, sig, Vh = _decompose(torch.linalg.svd, M, full_matrices=False)
+    return polar_from_svd(U, sig, Vh)
+
+
+def polar_from_svd(U: torch.Tensor, sig: torch.Tensor, Vh: torch.Tensor) -> torch.Tensor:
+    """The polar factor ``U Vᵀ`` of ``M = U Σ Vᵀ`` (``[*, m, n]``, reduced SVD), where ``M``
+    leaves part of it free (singular values at rounding level, by ``torch.linalg.matrix_rank``'s
+    default ``σ_max · max(m, n) · eps``; ``M = 0``) taken as close to the identity as the rest
+    allows: ``U_r V_rᵀ + U_0 Q V_0ᵀ``, ``Q`` the polar factor of ``U_0ᵀ I V_0``. Every such
+    factor maximises ``<Q, M>``; this one keeps the order it was given where nothing says
+    otherwise (a similarity of fewer observations than units: a class solved from part of its
+    slots; a model aligned to itself), where the SVD's basis of the free part is arbitrary."""
+    R = U @ Vh
+    if sig.numel() == 0:
+        return R
+    m, n = U.shape[-2], Vh.shape[-1]
+    free = sig <= sig.amax(-1, keepdim=True) * (max(m, n) * torch.finfo(sig.dtype).eps)
+    if not bool(free.any()):
+        return R
+    R, eye = R.clone(), torch.eye(m, n, dtype=R.dtype, device=R.device)
+    Rf, Uf, Vf = R.view(-1, m, n), U.reshape(-1, m, U.shape[-1]), Vh.reshape(-1, *Vh.shape[-2:])
+    ff = free.reshape(-1, free.shape[-1])
+    for i in ff.any(-1).nonzero().flatten().tolist():
+        k = ff[i]
+        U0, V0 = Uf[i][:, k], Vf[i][k].mT
+        Ub, _, Vbh = torch.linalg.svd(U0.mT @ eye @ V0)
+        Rf[i] = Uf[i][:, ~k] @ Vf[i][~k] + U0 @ (Ub @ Vbh) @ V0.mT
+    return R
 
 
 def polar(M: torch.Tensor, low: float = LOW, extra: int = EXTRA) -> tuple[torch.Tensor, dict]:

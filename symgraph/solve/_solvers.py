@@ -16,7 +16,7 @@ from ..core.groups import GroupKind
 from ..errors import InputError
 from . import turns
 from ._auction import auction
-from ._polar import DEVICE_BATCH_MAX, _decompose, _host, polar  # noqa: F401 (re-exported)
+from ._polar import DEVICE_BATCH_MAX, _decompose, _host, polar, polar_from_svd  # noqa: F401 (re-exported)
 
 __all__ = ['SolveResult', 'hungarian', 'signed_hungarian', 'procrustes', 'procrustes_mean', 'rope_procrustes', 'optimal_transport', 'inner_blocks', 'nested_heads', 'solve', 'SOLVERS', 'ROW_MAXIMA']
 
@@ -167,7 +167,8 @@ def _float(S):
 
 
 def procrustes(S, rescale: bool = False) -> SolveResult:
-    """Orthogonal ``R = U Vᵀ`` maximising ``<R, S>`` where ``S = U Σ Vᵀ``.
+    """Orthogonal ``R = U Vᵀ`` maximising ``<R, S>`` where ``S = U Σ Vᵀ`` (where ``S`` is rank-deficient,
+    the maximiser closest to the identity: :func:`~._polar.polar_from_svd`).
 
     With ``rescale`` (Zhang et al. 2024) the element is ``c·R``; ``c`` is returned in ``extra`` and is not
     applied (scalar rescaling is a merge-time weighting, not a symmetry of the model).
@@ -180,7 +181,7 @@ def procrustes(S, rescale: bool = False) -> SolveResult:
         obj = torch.sum(R * s, dtype=torch.float64)
     else:
         U, sig, Vh = _decompose(torch.linalg.svd, s, full_matrices=False)
-        R = U @ Vh
+        R = polar_from_svd(U, sig, Vh)  # what S leaves free: B's order
         obj = sig.sum()
     dt = time.perf_counter() - t
     if rescale:
