@@ -98,3 +98,18 @@ def test_vae_latent_and_group_norm_channels():
     assert latent.kind == "gl" and latent.size == 4 and ("quant_conv.weight", 0) in latent.params
     hidden = r.group_of("encoder.down_blocks.1.resnets.0.conv1.weight", 0)
     assert sorted((g.kind, g.size, g.blocks) for g in hidden) == [("perm", 4, 1), ("perm", 16, 4)]
+
+
+def test_unet_group_norm_straddling_the_skip_join():
+    # the up path concatenates 16 channels and an 8-channel skip, normalised in 4 groups of 6:
+    # the third group holds 4 of the one and 2 of the other. Its channels were all fixed (with
+    # conv_in and the first down block, which feed the skip); now only groups stay in place
+    m, x = build("unet")
+    r = symgraph.analyze(m, x)
+    assert r.frozen == [] and r.certify(m, x) < 1e-9
+    assert fixed_params(m, r) == ["conv_out.bias"]
+    norm = "up_blocks.0.resnets.1.norm1.weight"
+    assert r.group_of(norm, 0) != [] and all(g.kind == "perm" and g.size < 6 for g in r.group_of(norm, 0))
+    assert r.group_of("conv_in.weight", 0) != []
+    moved, left = recovered(m, r, x)
+    assert moved > 0.1 and left < 1e-6

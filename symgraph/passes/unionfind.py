@@ -136,7 +136,8 @@ class AxisUnionFind:
             ref = _refine_sum(s1, s2)
         else:
             ref = None
-            if self._sum_of_blocks(*((p1, p2) if k1 == "prod" else (p2, p1))):
+            ordered = (p1, p2) if k1 == "prod" else (p2, p1)
+            if self._sum_of_blocks(*ordered) or (r not in self.pairs and self._cut_blocks(r, *ordered)):
                 return
         if ref is None:
             why = f"incompatible structures {k1}{s1} and {k2}{s2}"
@@ -181,6 +182,27 @@ class AxisUnionFind:
                 self._pending.append((q, parts[0][0], qpar ^ parts[0][1]))
             else:
                 self._merge_structure(rq, ("prod", tuple((a, par ^ qpar ^ pq) for a, par in parts)))
+        return True
+
+    def _cut_blocks(self, r, prod_parts, sum_parts) -> bool:
+        """An axis that is both ``prod(B, C)`` (``|B|`` blocks of ``|C|``: GroupNorm's groups)
+        and a concatenation cut inside a block (a UNet's skip connection joined to its up path,
+        then normalised in groups that straddle the join): the blocks stay in place (``B``
+        fixed) and ``C`` is cut at every concatenation cut's offset inside its block, so one
+        element of ``C``'s segments, repeated in every block, keeps both descriptions
+        (``kron(I, blockdiag(s)) = blockdiag(s, ..., s)``). False (nothing done) for a product
+        of more than two parts."""
+        if len(prod_parts) != 2:
+            return False
+        (b, _), (c, cpar) = prod_parts
+        inner, blocks = self.size[c], self.size[b]
+        offsets = sorted({x % inner for x in _cuts([self.size[q] for q, _ in sum_parts])} | {0, inner})
+        atoms = [self.new(hi - lo) for lo, hi in zip(offsets, offsets[1:])]
+        self.meet(b, "identity", f"blocks of {inner} straddle the cuts of a concatenation")
+        rc, pc = self.find(c)
+        self._merge_structure(rc, ("sum", tuple((a, cpar ^ pc) for a in atoms)))
+        self.struct[r] = ("sum", tuple((a, 0) for _ in range(blocks) for a in atoms))
+        self._merge_structure(r, ("sum", tuple(sum_parts)))
         return True
 
 
