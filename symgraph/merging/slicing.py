@@ -93,9 +93,9 @@ def _sliceable(job, names, key, alignments) -> dict | None:
         if al is None:
             continue
         rb = al.report_b
-        for n, d in dims.items():
+        for n, d in dims.items():  # a map acts along the axis: an element of one of its leaf classes' groups
             if (c.shapes[c.key(n)][d] != A.shapes[A.key(n)][d]
-                    or rb.axis_map(rb.param_axes(n)[d], al.elements) is not None):
+                    or any(g in al.elements for g in rb.axis_groups(rb.param_axes(n)[d]))):
                 return None
         for f in rb.folds:
             if f.gain in dims or f.shift in dims:
