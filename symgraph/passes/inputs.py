@@ -19,6 +19,8 @@ that this module knows the main input of.
 - decoder inputs of an encoder-decoder (``decoder_input_ids``: its start token, then token
   ids; for a sequence classification head the ids shifted right, as its model would build);
 - ``use_cache=False`` wherever the forward takes it; floating inputs in the model's dtype.
+
+A diffusers model's example inputs come from :mod:`.diffusion_inputs`.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import inspect
 import torch
 
 from ..errors import InputError
+from .diffusion_inputs import diffusers_inputs, is_diffusers
 
 __all__ = ["default_inputs", "is_hf"]
 
@@ -140,7 +143,9 @@ def _main(model, cfg, name, batch, seq, gen):
 
 def default_inputs(model, batch: int = 2, seq: int = 8):
     """Example inputs for a Hugging Face model, built from its config (no data needed); see the
-    module's docstring. Returns ``(args, kwargs)``."""
+    module's docstring; a diffusers model's: :mod:`.diffusion_inputs`. Returns ``(args, kwargs)``."""
+    if is_diffusers(model):
+        return diffusers_inputs(model)
     if not is_hf(model):
         raise InputError(
             f"{type(model).__name__} is not a Hugging Face model, so symgraph cannot build "
