@@ -119,3 +119,27 @@ def test_the_floor_is_the_engines_own_count_before_alignment(pair):
     with pytest.raises(InputError, match=r"holds at once: 37.3 kB for 'model\.layers\.\d\.post_attention"):
         slicing.check_floor(job, budgets)
     assert job.ledger.peak == 37248  # three float32 copies of a norm gain with the gate and up projections
+
+
+def test_fishers_largest_op_is_its_own_floor(tmp_path_factory, capsys, peaks):
+    """Fisher's backward pass holds its largest op's weights and their sums whole (here the
+    4096-row embedding, which the combine slices): a budget that fits the combine but not that
+    op held 1.12 MB for a 200 kB budget; it is refused naming the op, and the size named merges
+    within it."""
+    from symgraph.testing import models
+    root = tmp_path_factory.mktemp("vocab")
+    (root / "work").mkdir()
+    sizes = dict(vocab=4096, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
+    for seed in (0, 1):
+        models.build("llama", seed=seed, **sizes).save_pretrained(root / "ab"[seed])
+    ids = torch.randint(0, 4096, (16, 12), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, str(root / "data.safetensors"))
+    r = _merge(root, capsys, "fisher", "200KB", "small")
+    refused(r, "--memory-budget 200 kB is below what fisher's statistics need",
+            "largest op (reading 'model.embed_tokens.weight')", "(the smallest that works)")
+    need = re.search(r"at least ([\d.]+) ([kMG]?B)", " ".join(r.stderr.split()))
+    need = need.group(1) + need.group(2)
+    assert parse_size(need) == 1_680_000  # 4096 x 32 float32 weights and sums, over 5/8 of the budget
+    r = _merge(root, capsys, "fisher", need, "fits")
+    assert r.returncode == 0, r.stderr
+    assert len(peaks) == 1 and 1_000_000 < peaks[0] <= parse_size(need), peaks

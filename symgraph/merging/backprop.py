@@ -25,6 +25,8 @@ values kept at the cuts are :mod:`.segments`' (learned matching out of core runs
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..alignment.checks import batch_inputs, by_shape
@@ -34,7 +36,7 @@ from .segments import Kept, Segment, backward_span, live_after, output_node, pla
 from .statistics import Stored
 from .views import Aligned, nbytes
 
-__all__ = ["squared_gradients", "plan_segments"]
+__all__ = ["squared_gradients", "plan_segments", "budget_floor"]
 
 
 def squared_gradients(job, i: int, method, prefix: str) -> Stored:
@@ -179,3 +181,22 @@ def _finish(job, method, al, folded, prefix, done: dict, params, keys, A):
             keys.setdefault(alias, key)
         keys.setdefault(p, key)
     job.spill.put(put)
+
+
+def budget_floor(job) -> tuple:
+    """``(bytes, name)``: the smallest memory budget :func:`squared_gradients` holds its
+    largest op in, and a weight that op reads, from the anchor's graph (no alignment needed).
+    The backward pass holds a segment's weights as read and their gradients' sums (a segment
+    is one op where one op reads more than the statistics' half of the budget), beside the
+    values kept at the cuts (at most a quarter of the budget) and the read weights' cache (a
+    quarter split over the models): the op must fit in the rest."""
+    A, ep = job.ckpts[job.anchor], job.graph_report.exported_program
+    acc = torch.empty((), dtype=job.work_dtype).element_size()
+    params = ep.graph_signature.inputs_to_parameters
+    best = (0, None)
+    for node in ep.graph.nodes:
+        names = {params[a.name] for a in node.all_input_nodes if a.name in params}
+        cost = sum(math.prod(A.shapes[A.key(n)]) * (A.dtypes[A.key(n)].itemsize + acc) for n in names)
+        best = max(best, (cost, min(names, default=None)), key=lambda t: t[0])
+    n = len(job.ckpts)
+    return -(-best[0] * 4 * n // (3 * n - 1)), best[1]

@@ -141,8 +141,10 @@ def check_floor(job, budgets) -> None:
     and the statistics its combine reads (:meth:`~.methods.registry.MergeMethod.held_bytes`),
     for the group whole or its largest slice (:func:`split` with identity elements: a solved
     alignment has an element for every group, so it slices the same axes; the anchor's report
-    stands for a model of other widths, whose mismatched axes are never sliced). The message names
-    the piece and the smallest budget that works, rounded up to three digits; ``budgets``:
+    stands for a model of other widths, whose mismatched axes are never sliced); or below the
+    floor of the method's statistics (:meth:`~.methods.registry.MergeMethod.statistics_floor`).
+    The message names what needs it and the smallest budget that works, rounded up to three
+    digits; ``budgets``:
     :func:`~symgraph.merging.streaming.budgets`, the chunk size a budget gives."""
     if job.memory_budget is None:
         return
@@ -150,15 +152,21 @@ def check_floor(job, budgets) -> None:
     alignments = [None if i == job.anchor else eye for i in range(len(job.ckpts))]
     plan = [(names, _axes(job, names, alignments)) for _, names in units(job) if names is not None]
     budget = parse_size(job.memory_budget)
+    stats, whose = job.how.statistics_floor(job) if job.how.needs_data else (0, None)
     need, names, sliced = _need(job, plan, job.chunk_bytes, job.cache_bytes)
-    if need <= budget:
+    if max(need, stats) <= budget:
         return
+    least = hb(_least(job, plan, budget, budgets, stats))
+    if stats > need:
+        raise InputError(f"--memory-budget {hb(budget)} is below what {job.how.name}'s statistics need: "
+                         f"{hb(_up(stats))} for {whose}; expected --memory-budget of at least {least} "
+                         "(the smallest that works)")
     what = f"{names[0]!r}" + (f" and the {len(names) - 1} tensors merged with it" if len(names) > 1 else "")
     raise InputError(f"--memory-budget {hb(budget)} is below what this merge holds at once: {hb(_up(need))} for "
                      f"{what}{' (its largest slice)' if sliced else ' (held whole)'}, a copy per model and the "
                      f"result{' with the statistics read for it' if job.how.needs_data else ''}"
                      f"{', and the cache of REPAIR' if job.repair else ''}; expected "
-                     f"--memory-budget of at least {hb(_least(job, plan, budget, budgets))} (the smallest that works)")
+                     f"--memory-budget of at least {least} (the smallest that works)")
 
 
 def _up(b: int) -> int:
@@ -167,14 +175,15 @@ def _up(b: int) -> int:
     return -(-b // unit) * unit
 
 
-def _least(job, plan, budget: int, budgets) -> int:
+def _least(job, plan, budget: int, budgets, stats: int = 0) -> int:
     """The smallest budget above ``budget`` with three significant digits (what the message
-    shows) whose chunk size gives a plan that fits in it: found within 1%, then digit by digit."""
+    shows) whose chunk size gives a plan that fits in it, and at least ``stats`` (the method's
+    statistics' floor): found within 1%, then digit by digit."""
     def fits(b):
         cache, chunk, _ = budgets(b, len(job.ckpts))
-        return _need(job, plan, chunk, cache)[0] <= b
+        return b >= stats and _need(job, plan, chunk, cache)[0] <= b
 
-    b = budget
+    b = max(budget, stats - 1)
     while not fits(_up(b)):
         b = max(b + 1, int(b * 1.01))
     b, top = _up(max(budget + 1, int(b / 1.01))), _up(b)

@@ -11,7 +11,7 @@ from ...core import distributed
 from ...alignment.checks import batch_inputs
 from ...transform.apply import map_parameters
 from ...errors import InputError
-from ..backprop import squared_gradients
+from ..backprop import budget_floor, squared_gradients
 from .registry import MergeMethod, MethodParameters, register
 
 __all__ = ['Fisher']
@@ -61,6 +61,10 @@ class Fisher(MergeMethod):
 
     def streamed_statistics(self, job, i):
         return squared_gradients(job, i, self, f"fisher/{i}/")
+
+    def statistics_floor(self, job):
+        need, weight = budget_floor(job)
+        return need, f"its squared gradients' largest op (reading {weight!r}), with the values kept at the cuts"
 
     def combine_group(self, names, values, stats, weights, report):
         # Σ wᵢ (Fᵢ + ε) θᵢ / Σ wᵢ (Fᵢ + ε), three buffers at a time (each model's

@@ -92,6 +92,12 @@ class MergeMethod:
         of the whole tensor's)."""
         return True
 
+    def statistics_floor(self, job) -> tuple:
+        """``(bytes, what)``: the smallest memory budget the method's out-of-core statistics
+        fit in and what needs it (a phrase), known before any alignment; ``(0, None)`` where
+        any budget the combine fits in will do."""
+        return 0, None
+
     def held_bytes(self, name: str, shape: tuple, item: int, n: int, report) -> int:
         """Bytes the engine holds while it combines tensor ``name`` of ``shape`` (a slice's, when
         it slices it) from ``n`` models, ``item`` bytes an element in the work dtype: each model's
