@@ -15,6 +15,7 @@ import torch.nn as nn
 
 import symgraph
 from symgraph.solve import procrustes
+from symgraph.solve._polar import polar
 
 TOL = 1e-6
 
@@ -114,3 +115,18 @@ def test_procrustes_takes_what_the_similarity_leaves_free_as_the_identity():
     S = torch.randn(6, 6, generator=g, dtype=torch.float64)  # full rank: the plain U Vᵀ
     U, _, Vh = torch.linalg.svd(S)
     assert torch.allclose(procrustes(S).element, U @ Vh, atol=1e-12)
+
+
+def test_device_polar_falls_back_to_the_same_completion():
+    """The accelerator's Newton–Schulz polar factor does not converge on a rank-deficient matrix
+    and hands it to the SVD: the same completion (run here on the CPU tensors directly)."""
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(3, 5, 2, generator=g, dtype=torch.float64)
+    S = X @ X.mT  # a batch of three copies of themselves, rank 2 of 5
+    S[1] = torch.randn(5, 5, generator=g, dtype=torch.float64)  # one full rank among them
+    Q, info = polar(S)
+    assert info["fallback"] == 2
+    eye = torch.eye(5, dtype=torch.float64)
+    assert torch.allclose(Q[0], eye, atol=1e-12) and torch.allclose(Q[2], eye, atol=1e-12)
+    U, _, Vh = torch.linalg.svd(S[1])
+    assert torch.allclose(Q[1], U @ Vh, atol=1e-9)
