@@ -48,3 +48,23 @@ def test_buffer_view_read_by_a_matmul_stays_fixed():
     assert r.certify(m, x) < 1e-12
     moved = symgraph.transform(m, r.random_transform(seed=0))
     assert torch.equal(moved.pos, m.pos)
+
+
+class Offsets(torch.nn.Module):
+    """A float table and an integer offset, each viewed before it is added."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.zeros(1, 8))
+        self.register_buffer("offset", torch.arange(4))
+
+    def forward(self, x, ids):
+        return x + self.table.view(2, 4)[:1], ids + self.offset.view(1, 4)
+
+
+def test_only_floating_buffers_chains_take_rules():
+    from symgraph.passes.bufferviews import buffer_views
+    ep = torch.export.export(Offsets(), (torch.zeros(3, 4), torch.zeros(3, 4, dtype=torch.long)), strict=False)
+    found = buffer_views(ep.graph, dict(ep.graph_signature.inputs_to_buffers))
+    reads = {n.args[0].name for n in found if n.args[0].op == "placeholder"}
+    assert reads == {"b_table"} and len(found) == 2  # the view and the slice of the table

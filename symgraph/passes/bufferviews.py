@@ -10,6 +10,8 @@ reader (a matmul with positions, as rotary frequencies are read) leaves the chai
 data, fixed as before."""
 from __future__ import annotations
 
+import torch
+
 from .nodes import packet, packets
 
 __all__ = ["buffer_views"]
@@ -20,11 +22,13 @@ ADD_OPS = packets("add sub")
 
 
 def buffer_views(graph, buffer_of) -> set:
-    """The view nodes of every buffer placeholder (``buffer_of``: placeholder name -> buffer
-    name) whose chain of views ends only in additions."""
+    """The view nodes of every floating-point buffer placeholder (``buffer_of``: placeholder
+    name -> buffer name) whose chain of views ends only in additions."""
     out = set()
     for node in graph.nodes:
-        if node.op == "placeholder" and node.name in buffer_of:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and node.name in buffer_of and isinstance(val, torch.Tensor) \
+                and val.is_floating_point():  # any other buffer is fixed: its views stay constants
             out |= _chain(node)
     return out
 
