@@ -53,7 +53,7 @@ def test_shared_fields_accept_and_refuse_the_same_values(key):
 def test_the_command_line_refuses_what_align_refuses():
     base = {"models": ["a", "b"], "out": "o"}
     for key, value, needle in (("tol", 1.0, "--tol 1.0; expected a relative gain in [0, 1)"),
-                               ("sketch", -1, "--sketch -1; expected a number of projection columns"),
+                               ("sketch", -1, "--sketch -1; expected 0 (exact) to 1048576 projection columns"),
                                ("refine", -2, "--refine -2; expected a number of steps")):
         with pytest.raises(InputError, match=needle.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             merge_options({**base, key: value})

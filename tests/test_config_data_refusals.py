@@ -124,7 +124,7 @@ CASES = [
                                        "--points", 10 ** 12], ["--points 1000000000000", "at most 1001"]),
     # 6. config values of the wrong type or size, named by key
     ("config_null_refine", _config("null_refine"), ["key 'refine' is None", "an integer >= 0"]),
-    ("config_negative_sketch", _config("negative_sketch"), ["key 'sketch' is -4", "projection columns (an integer >= 0"]),
+    ("config_negative_sketch", _config("negative_sketch"), ["key 'sketch' is -4", "expected 0 (exact) to 1048576 projection columns"]),
     ("config_float_refine", _config("float_refine"), ["key 'refine' is 2.5 (float)", "an integer >= 0"]),
     ("config_string_for_a_list", _config("string_models"), ["key 'models' is", "(str); expected a list"]),
     ("config_string_outputs", _config("string_outputs"), ["key 'outputs' is 'logits' (str)", "a list of output"]),

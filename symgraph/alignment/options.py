@@ -127,7 +127,7 @@ class AlignOptions(BaseModel):
     "bf16" (every product in bfloat16, faster on a CPU with bf16 units; each product's result is
     rounded to bfloat16, so the solution can differ from the exact one; see docs/benchmarks.md)."""
     sketch: Columns = Field(0, json_schema_extra=_expects(
-        f"a number of projection columns (an integer >= 0, at most {MAX_COLUMNS}; 0: exact similarity)"))
+        f"0 (exact) to {MAX_COLUMNS} projection columns"))
     """k > 0: permutation classes compare their rows through a shared random projection of k
     columns where a matrix's other axis is wider than 2k (Johnson–Lindenstrauss;
     ``WeightFeatures``); 0 (default) computes the similarity exactly."""
