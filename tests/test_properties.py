@@ -317,3 +317,16 @@ def test_random_networks_certify(net_x):
 @given(networks())
 def test_random_networks_certify_long(net_x):
     check_network(*net_x)
+
+
+@pytest.mark.parametrize("op", ["softmax_d", "softmax_h", "max_center", "sum_scale", "var"])
+def test_heads_merged_head_dim_first_certify(op):
+    """A network the long run drew: heads merged head dim first (``transpose`` before the
+    reshape), so the head dims are the outer factor, fibred over the heads (the inner one).
+    The block route cannot follow that fibring; the map must come from the composed matrix
+    (it raised an IndexError in ``passes.blockmaps``)."""
+    torch.manual_seed(0)
+    net = Net([torch.nn.Linear(2, 4, bias=False), NoRule(), Heads(4, 2, op, True, False),
+               torch.nn.Linear(4, 3, bias=False)]).double()
+    report = check_network(net, torch.randn(B, S, 2, dtype=torch.float64))
+    assert report.groups  # something to certify: the heads and their dims move

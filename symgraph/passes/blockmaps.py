@@ -26,8 +26,8 @@ def block_map(an, axis, elements: dict):
     """What ``axis_map(axis, elements, blocks=True)`` returns (the index vector when the map is
     a permutation, else :class:`Blocks` at the innermost factor's size), for a product axis
     whose factors are leaves, every factor but the innermost carrying a permutation (per fibre)
-    or nothing, and the innermost a square element (or nothing), fibred over factors of the
-    axis only. None for any other axis (the composed matrix decides those)."""
+    or nothing, and the innermost a square element (or nothing), fibred over outer factors of
+    the axis only. None for any other axis (the composed matrix decides those)."""
     uf = an.uf
     r, _ = uf.find(axis)
     s = uf.struct.get(r)
@@ -47,8 +47,8 @@ def block_map(an, axis, elements: dict):
         E, f = _leaf(an, ra, pra ^ pa, elements)
         if E is not None:
             E, f = _gather_fibres(an, E, f, k, factors, fclasses)
-            if any(x not in fclasses for x in f) or E.shape[-1] != E.shape[-2] or E.shape[-1] != sizes[k]:
-                return None
+            if any(x not in fclasses[:m] for x in f) or E.shape[-1] != E.shape[-2] or E.shape[-1] != sizes[k]:
+                return None  # fibred over the innermost factor (heads last) or off the axis
             if k < m and not is_perm(E):
                 return None
         subs.append((E, f))
