@@ -360,7 +360,7 @@ def judge(solve, tol: float, *, null: int = 4, threshold: float = THRESHOLD, alp
         res.verdict = "same"
     elif not null:  # the rule needs a null's level and p-value: with no draw it tells neither way
         res.verdict = "undetermined"
-    elif res.excess >= threshold and res.p_value < alpha:
+    elif res.excess >= threshold and res.p_value is not None and res.p_value < alpha:
         res.verdict = "derived"
     return res
 

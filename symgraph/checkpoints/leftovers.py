@@ -49,7 +49,7 @@ def process_start(pid: int) -> int | None:
         return None
 
 
-def _this_run(out: str, directory: str) -> dict:
+def _this_run(out: str | None, directory: str) -> dict:
     pid = os.getpid()
     return {"pid": pid, "host": socket.gethostname(), "boot": _boot_id(), "start": process_start(pid),
             "token": secrets.token_hex(8), "created": time.time(), "dir": os.path.basename(directory),

@@ -199,10 +199,11 @@ class PinnedFile:
     def check(self) -> None:
         """Refuse (InputError) unless ``path`` still names the pinned file, unchanged."""
         from ..errors import InputError
+        how: str | None
         try:
             now = pin_id(os.stat(self.path))
         except OSError as e:
-            now, how = None, f"it is gone: {e.strerror}"
+            how = f"it is gone: {e.strerror}"
         else:
             held = pin_id(os.fstat(self.fd)) if self.fd is not None else now
             how = (f"another file took its name: inode {self.id[1]} -> {now[1]}" if now[:2] != self.id[:2]

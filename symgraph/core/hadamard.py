@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .groups import sample
+from .groups import GroupKind, sample
 
 __all__ = ["hadamard", "incoherent", "KINDS"]
 
@@ -78,7 +78,7 @@ def hadamard(n: int):
     return None if H is None else H.clone()
 
 
-def incoherent(kind: str, n: int, gen: torch.Generator, batch=(), how: str = "hadamard") -> torch.Tensor:
+def incoherent(kind: GroupKind, n: int, gen: torch.Generator, batch=(), how: str = "hadamard") -> torch.Tensor:
     """``prod(batch)`` elements ``[*batch, n, n]`` (float64) of group ``kind`` acting on ``R^n``,
     each with its own random signs: a randomized Hadamard matrix where ``how`` is
     ``"hadamard"`` and one of order ``n`` is known, else (or for ``how="random"``) Haar-random

@@ -46,7 +46,8 @@ def pieces(report) -> list:
     gain, shift and bias, then every other parameter or moved buffer alone (fold None);
     ``big`` is the piece's largest tensor (sliced by rows when it is over the budget and no
     element moves its rows)."""
-    out, done = [], set()
+    out: list = []
+    done: set = set()
     for f in report.folds:
         for w, _, _ in f.readers:
             fr = for_reader(f, w)
@@ -187,7 +188,7 @@ def rotate_checkpoint(model: str, out: str, *, how: str = "hadamard", seed: int 
     roles = rotation_classes(report, classes)
     elements = rotation_elements(report, roles, how, seed)
     updates = untie_config_updates(ckpt.source.config if ckpt.source is not None else ckpt.config) if untied else {}
-    record = {"symgraph_rotate": {
+    record: dict = {"symgraph_rotate": {
         "symgraph_version": __version__, "model": input_names([model])[0], "how": how, "seed": seed,
         "classes": {r: ids for r, ids in roles.items()}, "untied": untied, "memory_budget": budget,
         "kinds": {str(g.id): g.kind for g in report.groups if any(g.id in ids for ids in roles.values())},

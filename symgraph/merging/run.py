@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -194,7 +195,8 @@ def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None,
     meta["universe"] = result.universe  # the shared universe's rounds (None: an anchor)
     first = os.path.expanduser(cfg.models[0])
     with progress_bar(total=1, enabled=progress, desc="writing") as bar:
-        save_atomic(lambda d: result.model.save_pretrained(d, safe_serialization=True, max_shard_size=shard),
+        model: typing.Any = result.model  # a transformers model (save_pretrained)
+        save_atomic(lambda d: model.save_pretrained(d, safe_serialization=True, max_shard_size=shard),
                     out, force=cfg.force, inputs=inputs, meta=meta,
                     tokenizer_from=first if os.path.isdir(first) else None,
                     card=model_card(_card_yaml(cfg, out), _card_summary(meta)))
