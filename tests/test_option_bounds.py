@@ -62,7 +62,7 @@ CASES = [
     ("weights_inf_in_yaml", _config("inf_weights"), ["key 'weights' is [inf, 1]", "a list of numbers, one per model, each finite"]),
     ("max_iter_huge", _merge("--max-iter", "100000000000"), ["--max-iter 100000000000", "at most 1000"]),
     ("max_iter_huge_in_yaml", _config("huge_sweeps"), ["key 'max_iter' is 100000000000", "at most 1000"]),
-    ("sketch_huge", _merge("--sketch", str(10 ** 23)), [f"--sketch {10 ** 23}", "at most 1048576"]),
+    ("sketch_huge", _merge("--sketch", str(10 ** 23)), [f"--sketch {10 ** 23}", "to 1048576"]),
     ("demo_seconds_inf", lambda w: ["demo", "--seconds", "inf", "--out", w / "work" / "d"],
      ["--seconds inf", "above 0 and at most 86400"]),
     ("demo_seconds_1e999", lambda w: ["demo", "--seconds", "1e999", "--out", w / "work" / "d"], ["--seconds inf"]),

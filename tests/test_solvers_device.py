@@ -10,7 +10,7 @@ from scipy.optimize import linear_sum_assignment
 
 from symgraph.solve import _auction, _solvers as SV
 from symgraph.solve._auction import auction
-from symgraph.solve._polar import polar
+from symgraph.solve._polar import polar, polar_from_svd
 
 F64 = torch.float64
 
@@ -93,14 +93,16 @@ def test_polar_falls_back_to_the_svd(dtype):
     for M in (low_rank, bad):
         Q, info = polar(M)
         assert info["fallback"] == 1
-        U, _, Vh = torch.linalg.svd(M, full_matrices=False)
-        assert torch.equal(Q, U @ Vh)
+        U, S, Vh = torch.linalg.svd(M, full_matrices=False)  # the SVD path's factor, with its free
+        assert torch.equal(Q, polar_from_svd(U, S, Vh))     # part kept closest to the identity
+        if M is low_rank:  # two free directions: not the SVD's arbitrary basis of them
+            assert not torch.equal(Q, U @ Vh)
     zero = torch.zeros(32, 32, dtype=dtype)
     Q, info = polar(torch.stack([good, low_rank, bad, zero]))
     assert info["fallback"] == 3
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     assert float((Q[0].double() - _svd_polar(good)).abs().max()) < tol
-    assert torch.equal(Q[1], (lambda u, s, v: u @ v)(*torch.linalg.svd(low_rank.unsqueeze(0)))[0])
+    assert torch.equal(Q[1], polar_from_svd(*torch.linalg.svd(low_rank.unsqueeze(0)))[0])
     nan = good.clone()
     nan[0, 0] = float("nan")
     with pytest.raises(torch.linalg.LinAlgError):  # as the SVD path does
