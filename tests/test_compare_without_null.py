@@ -12,7 +12,7 @@ import pytest
 import symgraph
 from symgraph.testing import models
 
-from cli_helpers import main_in_process
+from cli_helpers import digest, main_in_process
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 
@@ -30,12 +30,15 @@ def ws(tmp_path_factory):
 
 def test_null_zero_is_undetermined_not_derived(ws, capsys):
     w = ws / "inputs"
+    before = digest(w)
     r = main_in_process(ws, "compare", w / "a", w / "b", "--null", "0", "--out", ws / "work" / "cmp", capsys=capsys)
     assert r.returncode == 0, r.stderr
     rec = json.loads((ws / "work" / "cmp" / "compare.json").read_text())
     assert rec["verdict"] == "undetermined" and rec["p_value"] is None and rec["null"] == []
     assert rec["excess"] >= rec["threshold"]  # the old rule (null level taken as 0) said "derived" here
     assert rec["carriers"] == []
+    assert digest(w) == before  # inputs untouched
+    assert sorted(p.name for p in (ws / "work").iterdir()) == ["cmp"]  # nothing beside --out
 
 
 def test_same_needs_no_null_and_a_drawn_null_decides():
