@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from collections import namedtuple
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from symgraph.checkpoints.loading import read_layout
 from symgraph.checkpoints.outdir import MARKER, OLD_PREFIX, TMP_PREFIX, human_bytes
 from symgraph.testing import models
 
-from cli_helpers import ENV, digest, refused
+from cli_helpers import ENV, digest, main_in_process, refused
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 
@@ -39,20 +38,8 @@ def pair(tmp_path_factory):
 
 
 def _main(cwd, *args, capsys, seconds=120):
-    from symgraph.cli.main import main
-
-    def hang(*_):
-        raise TimeoutError(f"symgraph {' '.join(map(str, args))} ran over {seconds} s")
-    old_cwd, old = os.getcwd(), signal.signal(signal.SIGALRM, hang)
-    os.chdir(cwd)
-    signal.alarm(seconds)
-    try:
-        rc = main([str(a) for a in args])
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-        os.chdir(old_cwd)
-    return SimpleNamespace(returncode=rc, stderr=capsys.readouterr().err)
+    """``symgraph ARGS`` in this process from ``cwd`` (:func:`cli_helpers.main_in_process`)."""
+    return main_in_process(pathlib.Path(cwd), *args, cwd=".", capsys=capsys, seconds=seconds)
 
 
 # --- --out vetted before any work -------------------------------------------------------------

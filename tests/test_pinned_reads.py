@@ -8,8 +8,7 @@ k-th tensor read of B the file is replaced, exactly as ``save_pretrained`` repla
 from __future__ import annotations
 
 import os
-import signal
-from types import SimpleNamespace
+import pathlib
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from symgraph.core.files import PinnedFile
 from symgraph.errors import InputError
 from symgraph.testing import models
 
-from cli_helpers import digest, refused
+from cli_helpers import digest, main_in_process, refused
 
 L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 
@@ -45,20 +44,8 @@ def _saved_again(path, seed=2):
 
 
 def _main(cwd, *args, capsys, seconds=120):
-    from symgraph.cli.main import main
-
-    def hang(*_):
-        raise TimeoutError(f"symgraph {' '.join(map(str, args))} ran over {seconds} s")
-    old_cwd, old = os.getcwd(), signal.signal(signal.SIGALRM, hang)
-    os.chdir(cwd)
-    signal.alarm(seconds)
-    try:
-        rc = main([str(a) for a in args])
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-        os.chdir(old_cwd)
-    return SimpleNamespace(returncode=rc, stderr=capsys.readouterr().err)
+    """``symgraph ARGS`` in this process from ``cwd`` (:func:`cli_helpers.main_in_process`)."""
+    return main_in_process(pathlib.Path(cwd), *args, cwd=".", capsys=capsys, seconds=seconds)
 
 
 @pytest.mark.parametrize("k", [1, 5])
