@@ -17,7 +17,8 @@ HERE = Path(__file__).resolve().parent
 
 #: Benchmarks that are not a ``bench_*.py`` module: their name and the module whose ``main`` runs.
 PACKAGES = {"suite": "benchmarks.suite", "anchor": "benchmarks.anchor.table",
-            "coverage": "benchmarks.coverage.summary", "record": "benchmarks.provenance"}
+            "coverage": "benchmarks.coverage.summary", "record": "benchmarks.provenance",
+            "seeds": "benchmarks.seeds.run"}
 
 
 def benchmarks() -> dict[str, str]:

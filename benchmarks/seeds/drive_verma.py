@@ -1,0 +1,87 @@
+"""Verma & Elbayad (2024), "Merging Text Transformer Models from Different Initializations": their
+code merges the suite's BERT pair. Runs in their venv (``PYTHON drive_verma.py --code DIR --job DIR``).
+
+What their ``experiment/merge_bert_classifiers.py`` does for ``--task mlm --bsz 8 --special-toks
+--permute-heads --no-absval --merge-type all --res-type all --merging-fn match_tensors_permute``
+(every component, one residual permutation from all residual points: the settings of their
+scripts, with their ``configs/bert_books.py`` metric, covariance), on our parents and token
+blocks: their graph of BERT (``graphs.transformer_enc_graph.bert``, its layer and head counts
+set to our model's: their builder fixes 12 and 12, BERT-base), their ``ModelMerge.transform``
+on the alignment blocks in batches of 8 (lengths all equal: no padding). Model 0 is our A (its
+space is the one merged into), model 1 our B.
+
+The λ = 0.5 model is built as their ``evaluation/graphing_mlm.py --unmerge`` builds it from the
+two transformed models: every entry the average, and the output projection untied, ``½ W_A +
+½ W_B' U`` with their ``unmerge`` matrix U (the residual permutation reaches the tied word
+embeddings but not the MLM head's input, so they evaluate with an untied decoder). The state
+written has the decoder's weight and bias apart from the word embeddings and the head's bias.
+"""
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+import driver_common as dc
+
+#: Their command-line flags for the full merge (see the module docstring).
+FLAGS = {"bsz": 8, "special_toks": True, "permute_heads": True, "ignore_heads": False, "no_absval": True,
+         "merge_type": "all", "res_type": "all", "merging_fn": "match_tensors_permute", "qk": False,
+         "merge_cls": False, "save_both": False, "sentence_level": None}
+DECODER = "cls.predictions.decoder.weight"
+#: What their evaluation gives the decoder of its own: the weight above and its bias (their
+#: ``PermAllTrainer`` adds ``cls.predictions.decoder.bias``).
+UNTIED = (DECODER, "cls.predictions.decoder.bias")
+
+
+def graphs(models, cfg):
+    from graphs.transformer_enc_graph import bert
+    out = []
+    for m in models:
+        g = bert(m, merge_type=FLAGS["merge_type"], qk=FLAGS["qk"], classifier=False)
+        g.num_layers, g.num_heads = cfg.num_hidden_layers, cfg.num_attention_heads
+        out.append(g.graphify())
+    return out
+
+
+def main() -> None:
+    import copy
+
+    from transformers import BertConfig, BertForMaskedLM
+    code, job_dir = dc.arguments(__doc__)
+    job = dc.job(job_dir)
+    dc.on_path(code)
+    from model_merger import ModelMerge
+    from utils import get_config_from_name, get_merging_fn
+    from metric_calculators import get_metric_fns
+    config = get_config_from_name("bert_books", device="cpu")
+    ids = load_file(str(job_dir / "batches.safetensors"))["input_ids"]
+    a = dc.parent(job_dir, "a", BertForMaskedLM, BertConfig)
+    b = dc.parent(job_dir, "b", BertForMaskedLM, BertConfig)
+    diffs = dc.check_logits(job_dir, {"a": a, "b": b}, lambda m: m(input_ids=ids[: job["reference_rows"]]).logits)
+    torch.manual_seed(0)  # their script's seeding
+    clock = dc.Clock()
+    bsz = FLAGS["bsz"]
+    loader = [(ids[i:i + bsz], tuple([ids.shape[1]] * len(ids[i:i + bsz]))) for i in range(0, len(ids), bsz)]
+    with torch.no_grad():
+        merge = ModelMerge(*graphs([copy.deepcopy(a), copy.deepcopy(b)], a.config), device="cpu")
+        unmerge, _ = merge.transform(
+            BertForMaskedLM(a.config), [loader], sentence_level=FLAGS["sentence_level"],
+            special_toks=FLAGS["special_toks"], transform_fn=get_merging_fn(FLAGS["merging_fn"]),
+            metric_classes=get_metric_fns(config["merging_metrics"]), permute_heads=FLAGS["permute_heads"],
+            ignore_heads=FLAGS["ignore_heads"], save_both=FLAGS["save_both"], merge_cls=FLAGS["merge_cls"],
+            no_absval=FLAGS["no_absval"], saved_features=None, res_type=FLAGS["res_type"])
+        d1, d2 = merge.graphs[0].model.state_dict(), merge.graphs[1].model.state_dict()
+        mid = {k: 0.5 * d1[k] + 0.5 * d2[k] for k in d1}
+        mid[DECODER] = 0.5 * d1[DECODER] + 0.5 * d2[DECODER] @ unmerge
+    seconds = clock()
+    names = set(load_file(str(job_dir / "a" / "model.safetensors")))  # the exchanged checkpoint's
+    if names - set(mid):
+        raise SystemExit(f"their merged model lacks {sorted(names - set(mid))[:5]}")
+    state = {k: v for k, v in mid.items() if k in names or k in UNTIED}
+    dc.write(job_dir, state, {"seconds": seconds, "flags": FLAGS, "metrics": config["merging_metrics"],
+                              "sequences": int(ids.shape[0]), "parent_logit_diff": diffs,
+                              "untied": list(UNTIED), "shims": []})
+
+
+if __name__ == "__main__":
+    main()

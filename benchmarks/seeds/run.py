@@ -1,0 +1,249 @@
+"""The seed papers' released code beside our reimplementations, on the suite's models.
+
+``python -m benchmarks seeds [--size quick] [--seeds 0 1] [--align-batches 8] [--only NAME ...]
+[--root DIR] [--out DIR]``; ``--setup`` makes the authors' venvs (pinned packages) and says
+where their code goes.
+
+In one run, for each seed paper of :data:`SEEDS`: the suite's pair of that architecture
+(trained, or loaded from the suite's cache, by :func:`benchmarks.train.train_model`), plain
+averaging, our reimplementation (:mod:`benchmarks.methods`), symgraph's activation matching,
+and the authors' code at its pinned commit, run by its own venv's Python through a thin driver
+(:mod:`benchmarks.seeds.exchange` for the files exchanged). The same alignment batches (the
+training split's first ``--align-batches`` batches) go to both sides. Every merged model is the
+λ = 0.5 model and is scored the same way: the suite's held-out loss and metric on the whole
+held-out split, and the midpoint gap ``L(mid) − ½(L_A + L_B)``. Where the authors' code cannot
+run, the row says exactly why (the last line it printed).
+
+The authors' code lives in ``ROOT/seeds-code/NAME`` (an unpacked checkout; its git tree id must
+equal the pinned commit's before anything in it runs) and their venv in ``ROOT/seeds-venv-NAME``;
+``ROOT`` is ``--root``, else ``$SYMGRAPH_SEEDS_ROOT``, else the directory above the repository.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..provenance import REPO_ROOT, log, table, write_result
+from . import exchange
+
+HERE = Path(__file__).resolve().parent
+RESULTS = REPO_ROOT / "benchmarks" / "results" / "seeds"
+
+
+@dataclass(frozen=True)
+class Seed:
+    """One seed paper's released code: where it is, what it runs on, and in which venv."""
+    name: str
+    paper: str
+    repo: str
+    commit: str
+    tree: str
+    arch: str
+    ours: str
+    driver: str
+    requirements: tuple
+    pins: str
+
+
+SEEDS = {
+    "imfeld": Seed(
+        "imfeld", "Imfeld et al. 2024, Transformer Fusion with Optimal Transport", "graldij/transformer-fusion",
+        "204ae23a3f71419319442454dc05693c110b0456", "7170252e5ec383835e0d9386d7168354e081b83a",
+        "vit", "imfeld2024", "drive_imfeld.py",
+        ("torch==2.13.0", "numpy==1.26.4", "POT==0.9.0", "transformers==4.27.4", "tokenizers==0.13.3",
+         "PyYAML==6.0.1", "matplotlib==3.8.3", "scipy==1.12.0", "safetensors==0.8.0"),
+        "their requirements.txt pins, except torch 2.2.1 -> 2.13.0 (the CPU build this machine has; 2.2.1 "
+        "on the package index is the CUDA build) and POT 0.8.2 -> 0.9.0 (0.8.2 ships no Python 3.11 wheel "
+        "and its source build fails with today's setuptools); torchvision, datasets and scikit-learn are "
+        "not installed (only their CIFAR-10 loading and Trainer evaluation use them)"),
+    "verma": Seed(
+        "verma", "Verma & Elbayad 2024, Merging Text Transformer Models from Different Initializations",
+        "nverma1/merging-text-transformers", "0a03fa0336f35790481b843896f8ec32b860d069",
+        "50375d3377cb95d4251288585c09679cffd2486e", "bert", "verma2024", "drive_verma.py",
+        ("torch==2.13.0", "numpy==1.26.4", "transformers==4.38.2", "networkx==3.2.1", "scipy==1.12.0",
+         "matplotlib==3.8.3", "pytorch-nlp==0.5.0", "tqdm==4.70.1", "safetensors==0.8.0"),
+        "their requirements.txt pins no versions: packages of their code's time (March 2024), torch "
+        "2.13.0 (this machine's CPU build); datasets is not installed (only their data loading uses it)"),
+}
+#: Our rows beside each seed's: plain averaging, the reimplementation, symgraph's activation matching.
+OURS = ("vanilla", None, "symgraph_activations")
+#: Rows of the first batch whose logits both sides compare (the exchange check).
+REFERENCE_ROWS = 8
+
+
+def root_dir(given=None) -> Path:
+    return Path(given or os.environ.get("SYMGRAPH_SEEDS_ROOT") or REPO_ROOT.parent).resolve()
+
+
+def places(seed: Seed, root: Path) -> tuple[Path, Path]:
+    """(their code, their venv's python) under ``root``."""
+    return root / "seeds-code" / seed.repo.split("/")[1], root / f"seeds-venv-{seed.name}" / "bin" / "python"
+
+
+def setup(root: Path, names) -> int:
+    """Make each seed's venv with its pinned packages; say where its code goes."""
+    for name in names:
+        s = SEEDS[name]
+        code, python = places(s, root)
+        venv = python.parent.parent
+        if not python.is_file():
+            subprocess.run(["python3", "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *s.requirements], check=True)
+        log(f"{name}: venv {venv} ready; code: git clone https://github.com/{s.repo} {code} && "
+            f"git -C {code} checkout {s.commit}")
+    return 0
+
+
+def _mid(a, out):
+    from ..suite import copy_mid
+    return out.merged if out.merged is not None else copy_mid(a, out.b_aligned)
+
+
+def _score(m, arch: str, parents: dict) -> dict:
+    from .. import evaluate
+    loss = evaluate.eval_loss(m, arch)
+    return {"loss_mid": loss, "gap_mid": loss - 0.5 * (parents["loss_a"] + parents["loss_b"]),
+            "metric_mid": evaluate.eval_metric(m, arch)}
+
+
+def ours(seed: Seed, pair, parents: dict) -> list[dict]:
+    """Our rows for ``seed``'s pair (see :data:`OURS`)."""
+    from .. import methods
+    rows = []
+    for name in (m or seed.ours for m in OURS):
+        t = time.perf_counter()
+        out = methods.METHODS[name][0](pair)
+        seconds = time.perf_counter() - t
+        rows.append({"arch": seed.arch, "method": name, "code": "ours (benchmarks/methods.py)",
+                     "seconds": seconds, **_score(_mid(pair.a, out), seed.arch, parents)})
+        log(f"  {seed.arch} {name:<22} L(mid) {rows[-1]['loss_mid']:.4f}  {seconds:.1f}s")
+    return rows
+
+
+def job_for(seed: Seed, d: Path, a, b, batches: list) -> Path:
+    """The job directory of ``seed``'s driver: the parents, the alignment batches, reference logits."""
+    from .. import evaluate
+    key = "pixel_values" if evaluate.metric_name(seed.arch) == "accuracy" else "input_ids"
+    data = {key: torch.cat([x[key] for x in batches]), "labels": torch.cat([x["labels"] for x in batches])}
+    with torch.no_grad():
+        ref = {n: evaluate.model_logits(m, seed.arch, {key: data[key][:REFERENCE_ROWS]}).contiguous()
+               for n, m in (("a", a), ("b", b))}
+    return exchange.write_job(d, {"a": a, "b": b}, data, ref, {"seed": seed.name, "reference_rows": REFERENCE_ROWS})
+
+
+def theirs(seed: Seed, root: Path, a, b, batches, parents: dict, timeout: float) -> tuple[dict, dict]:
+    """The authors' row for ``seed`` (or why there is none) and what their run reported."""
+    code, python = places(seed, root)
+    row = {"arch": seed.arch, "method": seed.ours, "code": f"authors' ({seed.repo}@{seed.commit[:7]})"}
+    try:
+        if not code.is_dir() or not python.is_file():
+            raise exchange.Failed(f"not set up: no {'code' if not code.is_dir() else 'venv'} under --root "
+                                  f"(python -m benchmarks seeds --setup)")
+        tree = exchange.code_tree(code)
+        if tree != seed.tree:
+            raise exchange.Failed(f"code tree {tree} is not commit {seed.commit[:7]}'s ({seed.tree})")
+        with tempfile.TemporaryDirectory(prefix="seeds-job-") as tmp:
+            job = job_for(seed, Path(tmp), a, b, batches)
+            t = time.perf_counter()
+            exchange.run_driver(python, HERE / seed.driver, code, job, timeout)
+            wall = time.perf_counter() - t
+            info, state = exchange.read_output(job)
+        merged = exchange.load_merged(a, state, info.get("untied"))
+        row.update(seconds=info["seconds"], driver_wall_seconds=wall, **_score(merged, seed.arch, parents))
+        log(f"  {seed.arch} {seed.ours} (authors') L(mid) {row['loss_mid']:.4f}  {info['seconds']:.1f}s")
+        return row, {"status": "ran", **info}
+    except (exchange.Failed, ValueError) as e:
+        why = str(e).replace(str(root), "<root>")
+        log(f"  {seed.arch} {seed.ours} (authors') could not run: {why}")
+        return {**row, "error": why}, {"status": "could not run", "error": why}
+
+
+def run_seed(seed: Seed, args, root: Path) -> tuple[list, dict]:
+    """Every row of one seed paper's comparison, on the suite's first pair of its architecture."""
+    import symgraph
+
+    from .. import evaluate, methods, train
+    sa, sb = args.seeds
+    a, b = (train.train_model(seed.arch, s, args.size) for s in (sa, sb))
+    batches = evaluate.eval_batches(seed.arch, "train", args.align_batches)
+    key = "pixel_values" if evaluate.metric_name(seed.arch) == "accuracy" else "input_ids"
+    data = [(x[key],) for x in batches]
+    pair = methods.Pair(seed.arch, a, b, data, symgraph.analyze(a, data[0]), symgraph.analyze(b, data[0]))
+    parents = {"loss_a": evaluate.eval_loss(a, seed.arch), "loss_b": evaluate.eval_loss(b, seed.arch),
+               "metric_a": evaluate.eval_metric(a, seed.arch), "metric_b": evaluate.eval_metric(b, seed.arch)}
+    rows = ours(seed, pair, parents)
+    row, info = theirs(seed, root, a, b, batches, parents, args.timeout)
+    rows.append(row)
+    for r in rows:
+        r.update(pair=[sa, sb], size=args.size, metric_name=evaluate.metric_name(seed.arch), **parents)
+    return rows, {"paper": seed.paper, "repo": seed.repo, "commit": seed.commit, "tree": seed.tree,
+                  "driver": f"benchmarks/seeds/{seed.driver}", "requirements": list(seed.requirements),
+                  "pins": seed.pins, **info}
+
+
+def markdown(rec: dict) -> str:
+    lines = ["# The seed papers' own code beside our reimplementations", "",
+             f"`{rec['command']}` at commit `{rec['commit']}`: the suite's `{rec['settings']['size']}` pairs "
+             f"(seeds {rec['settings']['seeds']}), {rec['settings']['align_batches']} alignment batches of "
+             "the training split given to every method, every merged model the λ = 0.5 model, scored on "
+             "the whole held-out split. gap = L(mid) − ½(L_A + L_B) (lower is better).", ""]
+    head = ["arch", "method", "code", "L_A", "L_B", "L(mid)", "gap", "metric(mid)", "seconds"]
+    rows = []
+    for r in rec["rows"]:
+        if "error" in r:
+            rows.append([r["arch"], r["method"], r["code"], *["—"] * 5, "could not run: " + r["error"]])
+            continue
+        rows.append([r["arch"], r["method"], r["code"], f"{r['loss_a']:.4f}", f"{r['loss_b']:.4f}",
+                     f"{r['loss_mid']:.4f}", f"{r['gap_mid']:+.4f}",
+                     f"{r['metric_mid']:.4f} ({r['metric_name']})", f"{r['seconds']:.1f}"])
+    lines += table(head, rows, ["l", "l", "l", "r", "r", "r", "r", "r", "r"]) + [""]
+    for name, s in rec["seeds"].items():
+        lines += [f"## {s['paper']}", "",
+                  f"- code: `{s['repo']}` at `{s['commit']}` (tree `{s['tree']}`, checked before running), "
+                  f"driven by `{s['driver']}`; status: **{s['status']}**"
+                  + (f" — `{s['error']}`" if s.get("error") else ""),
+                  f"- venv: {', '.join(s['requirements'])}; {s['pins']}"]
+        if s["status"] == "ran":
+            lines += [f"- ran with Python {s['python']}, torch {s['torch']}, transformers {s['transformers']}; "
+                      f"parents' max |logit difference| after the exchange: {s['parent_logit_diff']}",
+                      f"- run-time shims: {', '.join(s['shims']) or 'none'}"
+                      + (f"; untied in their merged model: {', '.join(s['untied'])}" if s.get("untied") else "")]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from .. import train, zoo
+    from ..provenance import command_line, commit_info
+    ap = argparse.ArgumentParser(prog="python -m benchmarks seeds", description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="+", choices=list(SEEDS), default=list(SEEDS))
+    ap.add_argument("--size", choices=zoo.SIZES, default="quick", help="the suite's model size (default quick)")
+    ap.add_argument("--seeds", type=int, nargs=2, default=(0, 1), help="the pair's training seeds")
+    ap.add_argument("--align-batches", type=int, default=8, help="training-split batches given to every method")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds an author's run may take")
+    ap.add_argument("--root", default=None, help="where seeds-code/ and seeds-venv-NAME/ are")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--setup", action="store_true", help="make the venvs, then stop")
+    a = ap.parse_args(argv)
+    root = root_dir(a.root)
+    if a.setup:
+        return setup(root, a.only)
+    torch.set_num_threads(train.num_threads())
+    rows, seeds = [], {}
+    for name in a.only:
+        log(f"{name}: {SEEDS[name].paper} on the suite's {SEEDS[name].arch} pair ...")
+        r, seeds[name] = run_seed(SEEDS[name], a, root)
+        rows += r
+    rec = {"command": command_line(), "commit": commit_info()["commit"],
+           "settings": {"size": a.size, "seeds": list(a.seeds), "align_batches": a.align_batches,
+                        "threads": torch.get_num_threads()}, "seeds": seeds, "rows": rows}
+    write_result(a.out, ".seeds-", rec, markdown)
+    log(f"wrote {a.out}/results.json and report.md")
+    return 0

@@ -1,0 +1,179 @@
+"""The seeds runner's own parts (benchmarks/seeds): the weight exchange round-trips exactly, a merged
+state is loaded whole or refused, the code-tree check is git's tree id, a driver's failure comes
+back as its last line; and, where the authors' code and venvs are set up, their code run end to
+end on tiny models (skipped, with the reason, where they are not)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks.seeds import exchange, run
+from symgraph.testing import models
+
+
+def tiny_bert(seed=0):
+    return models.build("bert", seed=seed, vocab=64, hidden=16, layers=1, heads=2, mlp=24, positions=16)
+
+
+def test_state_round_trips_bit_exact_with_dtypes_and_tied_tensors(tmp_path):
+    m = tiny_bert()
+    state = dict(m.state_dict())
+    state["half"] = torch.randn(3, 5).to(torch.bfloat16)
+    state["index"] = torch.arange(7)
+    tied = [k for k in state if k.endswith("decoder.weight")]
+    assert tied and state[tied[0]].data_ptr() == m.bert.embeddings.word_embeddings.weight.data_ptr()
+    exchange.save_state(tmp_path / "s.safetensors", state)
+    back = exchange.load_state(tmp_path / "s.safetensors")
+    assert set(back) == set(state)
+    for k, v in state.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
+def saved(m, tmp_path):
+    """``m``'s checkpoint state as ``save_pretrained`` writes it (the names older versions read)."""
+    m.save_pretrained(tmp_path / "m")
+    return exchange.load_state(tmp_path / "m" / "model.safetensors")
+
+
+def test_load_merged_takes_a_complete_state_and_leaves_the_template(tmp_path):
+    a, b = tiny_bert(0), tiny_bert(1)
+    before = {k: v.clone() for k, v in a.state_dict().items()}
+    out = exchange.load_merged(a, saved(b, tmp_path))
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in out.state_dict().items())
+    assert all(torch.equal(v, before[k]) for k, v in a.state_dict().items())
+    x = torch.randint(0, 64, (2, 8))
+    assert torch.equal(out(input_ids=x).logits, b(input_ids=x).logits)
+
+
+def test_load_merged_unties_the_decoder_when_asked(tmp_path):
+    a, b = tiny_bert(0), tiny_bert(1)
+    state = saved(b, tmp_path)
+    dec = torch.randn_like(state["bert.embeddings.word_embeddings.weight"])
+    untied = {"cls.predictions.decoder.weight": dec, "cls.predictions.decoder.bias": state["cls.predictions.bias"]}
+    out = exchange.load_merged(a, {**state, **untied}, list(untied))
+    assert torch.equal(out.cls.predictions.decoder.weight, dec)
+    assert torch.equal(out.bert.embeddings.word_embeddings.weight, state["bert.embeddings.word_embeddings.weight"])
+    assert a.config.tie_word_embeddings  # the template's config is not changed
+
+
+@pytest.mark.parametrize("change", ["drop", "extra", "shape"])
+def test_load_merged_refuses_what_does_not_fit(change, tmp_path):
+    a = tiny_bert()
+    state = saved(a, tmp_path)
+    name = "bert.encoder.layer.0.intermediate.dense.weight"
+    if change == "drop":
+        del state[name]
+    elif change == "extra":
+        state["not.a.weight"] = torch.zeros(1)
+    else:
+        state[name] = torch.zeros(2, 2)
+    with pytest.raises(ValueError, match="does not fit the model"):
+        exchange.load_merged(a, state)
+
+
+def test_job_directory_holds_the_parents_batches_and_reference(tmp_path):
+    a, b = tiny_bert(0), tiny_bert(1)
+    ids = torch.randint(0, 64, (4, 8))
+    d = exchange.write_job(tmp_path / "job", {"a": a, "b": b}, {"input_ids": ids}, {"a": torch.ones(2)},
+                           {"reference_rows": 2})
+    assert torch.equal(exchange.load_state(d / "batches.safetensors")["input_ids"], ids)
+    got = exchange.load_state(d / "b" / "model.safetensors")
+    assert got and all(torch.equal(v, b.state_dict()[k]) for k, v in got.items())
+    import json
+    assert json.loads((d / "a" / "config.json").read_text())["hidden_size"] == 16
+    assert json.loads((d / exchange.JOB).read_text()) == {"models": ["a", "b"], "reference_rows": 2}
+    with pytest.raises(exchange.Failed, match="wrote no"):
+        exchange.read_output(d)
+
+
+def test_code_tree_is_the_commits_tree(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "sub").mkdir(parents=True)
+    (repo / "a.py").write_text("x = 1\n")
+    (repo / "sub" / "b.txt").write_text("b\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    want = subprocess.run([*git, "rev-parse", "HEAD^{tree}"], capture_output=True, text=True).stdout.strip()
+    import shutil
+    shutil.rmtree(repo / ".git")
+    assert exchange.code_tree(repo) == want
+    (repo / "a.py").write_text("x = 2\n")  # an edited file is another tree
+    assert exchange.code_tree(repo) != want
+
+
+def test_run_driver_reports_the_last_line_and_the_timeout(tmp_path):
+    script = tmp_path / "drive.py"
+    script.write_text("import sys, time\nif '--job' not in sys.argv: sys.exit(3)\n"
+                      "print('working', file=sys.stderr)\n"
+                      "if sys.argv[-1].endswith('slow'): time.sleep(30)\n"
+                      "if sys.argv[-1].endswith('bad'): raise KeyError('q_proj')\n")
+    assert "working" in exchange.run_driver(sys.executable, script, tmp_path, tmp_path / "ok", 60)
+    with pytest.raises(exchange.Failed, match=r"^KeyError: 'q_proj'$"):
+        exchange.run_driver(sys.executable, script, tmp_path, tmp_path / "bad", 60)
+    with pytest.raises(exchange.Failed, match="did not finish in 1 s"):
+        exchange.run_driver(sys.executable, script, tmp_path, tmp_path / "slow", 1)
+
+
+def test_every_seed_is_pinned_and_names_its_driver():
+    for s in run.SEEDS.values():
+        assert len(s.commit) == 40 and len(s.tree) == 40
+        assert (run.HERE / s.driver).is_file()
+        assert all("==" in r for r in s.requirements)
+        from benchmarks.methods import METHODS
+        assert s.ours in METHODS
+
+
+def _set_up(name):
+    code, python = run.places(run.SEEDS[name], run.root_dir())
+    if not (code.is_dir() and python.is_file()):
+        pytest.skip(f"the authors' code or venv for {name} is not set up under the seeds root "
+                    f"(python -m benchmarks seeds --setup)")
+
+
+def test_verma_code_recovers_a_permuted_copy_end_to_end():
+    """Their merge of A with a copy of A whose first MLP units are permuted is A again."""
+    _set_up("verma")
+    from benchmarks import evaluate, zoo
+    a = zoo.build_model("bert", 0, "quick")
+    b = tiny_copy_with_permuted_mlp(a)
+    batches = evaluate.eval_batches("bert", "train", 1)
+    parents = {"loss_a": evaluate.eval_loss(a, "bert", max_batches=1), "loss_b": 0.0}
+    row, info = run.theirs(run.SEEDS["verma"], run.root_dir(), a, b, batches, parents, 600)
+    assert info["status"] == "ran", row.get("error")
+    assert info["untied"] == ["cls.predictions.decoder.weight", "cls.predictions.decoder.bias"]
+    assert info["sequences"] == 32
+    assert max(info["parent_logit_diff"].values()) < 1e-3
+    assert row["loss_mid"] == pytest.approx(evaluate.eval_loss(a, "bert"), abs=1e-3)
+
+
+def tiny_copy_with_permuted_mlp(a):
+    import copy
+    b = copy.deepcopy(a)
+    layer = b.bert.encoder.layer[0]
+    perm = torch.randperm(layer.intermediate.dense.out_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        layer.intermediate.dense.weight.copy_(layer.intermediate.dense.weight[perm])
+        layer.intermediate.dense.bias.copy_(layer.intermediate.dense.bias[perm])
+        layer.output.dense.weight.copy_(layer.output.dense.weight[:, perm])
+    return b
+
+
+def test_imfeld_code_fuses_the_vit_pair_end_to_end():
+    """Their fusion runs on our ViTs with their published config and the images we give."""
+    _set_up("imfeld")
+    from benchmarks import evaluate, zoo
+    a, b = zoo.build_model("vit", 0, "quick"), zoo.build_model("vit", 1, "quick")
+    batches = evaluate.eval_batches("vit", "train", 1)
+    parents = {"loss_a": 0.0, "loss_b": 0.0}
+    row, info = run.theirs(run.SEEDS["imfeld"], run.root_dir(), a, b, batches, parents, 600)
+    assert info["status"] == "ran", row.get("error")
+    assert info["images"] == 32 and info["fusion"]["acts"]["num_samples"] == 32
+    assert info["fusion"]["ot_solver"] == "sinkhorn" and info["fusion"]["sinkhorn_reg"] == 0.08
+    assert info["fusion"]["resid_policy"] == "mean"
+    assert max(info["parent_logit_diff"].values()) < 1e-3
+    assert torch.isfinite(torch.tensor(row["loss_mid"]))
