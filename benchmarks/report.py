@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from . import targets
+from .barrier_plot import barrier_plot
 from .methods import DEVIATIONS, METHODS, SEED_METHODS, SYMGRAPH_METHODS, roles
 from .provenance import table
 from .records import FORMER_NAMES, RENAME_NOTE, renamed
@@ -63,34 +64,6 @@ def plots(out: Path, records, keep, archs) -> list[str]:
         keep[arch]["pair"].report_a.save_graph(str(path))
         names.append(path.name)
     return names
-
-
-def barrier_plot(path: Path, records, arch) -> str:
-    """Mean loss along λ for each interpolation method; merged models as points at λ=0.5."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    recs = [r for r in records if r["arch"] == arch and r["kind"] in ("interpolation", "merged")]
-    ends = [0.5 * (r["loss_a"] + r["loss_b"]) for r in recs if r["method"] == recs[0]["method"]]
-    for name in METHODS:
-        rs = [r for r in recs if r["method"] == name]
-        if not rs:
-            continue
-        if rs[0]["kind"] == "interpolation":
-            lam = [x for x, _ in rs[0]["curve"]]
-            loss = np.mean([[y for _, y in r["curve"]] for r in rs], axis=0)
-            style = "-" if name in SYMGRAPH_METHODS else ("--" if name in SEED_METHODS else ":")
-            ax.plot(lam, loss, style, marker="o", ms=2.5, label=name)
-        else:
-            ax.scatter([0.5], [np.mean([r["loss_mid"] for r in rs])], marker="x", s=40, label=name, zorder=3)
-    if ends:
-        ax.axhline(float(np.mean(ends)), color="grey", lw=0.8, ls="-.", label="½(L_A+L_B)")
-    ax.set_xlabel("λ   (λ·θ_A + (1−λ)·θ_B′;  λ=1 is A)")
-    ax.set_ylabel("held-out loss (nats)")
-    n = len({tuple(r["pair"]) for r in recs})
-    ax.set_title(f"{arch}: loss along the interpolation path (mean over {n} pair{'s' * (n > 1)})")
-    ax.legend(fontsize=7, ncol=2)
-    _save(fig, path)
-    return path.name
 
 
 def _output_projection(report):
