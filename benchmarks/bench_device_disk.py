@@ -11,7 +11,7 @@ For each depth a pair of random bf16 checkpoints is written under ``--work`` by
 :mod:`benchmarks.bench_scale`'s writer (sharded as ``save_pretrained`` shards them, the
 model on the meta device, each tensor seeded by its name), its shards by ``--workers``
 processes at once; its time is recorded and not counted. Then, each as the command runs it
-(:func:`symgraph.merging.run.run_merge` with ``streaming=True``: headers, analysis of the
+(:func:`symgraph.app.run.run_merge` with ``streaming=True``: headers, analysis of the
 meta model, alignment from tensors read on demand, the merge written shard by shard and
 renamed into place, its record and card), in this process: the unaligned merge, the aligned
 merge, and at the depths of ``--stages`` the aligned merge again with
@@ -100,8 +100,8 @@ def merge_once(pair, align, device, out, load_check, probe_args, staged=None, bu
     """One ``run_merge`` of the pair into ``out`` (``method``, reading ``data`` if it needs
     data; ``auction``: with the device auction forced, see the module docstring; ``until``:
     when weight matching's sweeps end), measured."""
-    from symgraph.merging.config import MergeConfig
-    from symgraph.merging.run import run_merge
+    from symgraph.app.config import MergeConfig
+    from symgraph.app.run import run_merge
     from benchmarks.scale.checks import check_output
     shutil.rmtree(out, ignore_errors=True)
     inputs = [str(f) for m in (pair["a"], pair["b"]) for f in weight_files(m)]

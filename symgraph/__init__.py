@@ -25,10 +25,10 @@ if TYPE_CHECKING:  # what type checkers and readers see; at run time __getattr__
     from .alignment.compare import compare
     from .core.groups import GroupKind
     from .merging import MergeResult, merge, merge_methods, register_merge
-    from .merging.barrier import interpolate, loss_barrier
-    from .merging.resize import ResizeResult, resize
-    from .merging.rotate import RotateResult, rotate
-    from .merging.run import merge_checkpoints
+    from .evaluation.barrier import interpolate, loss_barrier
+    from .width.resize import ResizeResult, resize
+    from .rotation.rotate import RotateResult, rotate
+    from .app.run import merge_checkpoints
     from .report.api import analyze, tied_parameters
     from .report.symmetry import Group, SymmetryReport, Transform
     from .transform.apply import transform
@@ -48,9 +48,9 @@ _LAZY = {
     "Group": ".report.symmetry", "GroupKind": ".core.groups", "Transform": ".report.symmetry", "transform": ".transform.apply",
     "align": ".alignment", "AlignOptions": ".alignment", "Alignment": ".alignment", "load_alignment": ".alignment",
     "merge": ".merging", "MergeResult": ".merging", "merge_methods": ".merging", "register_merge": ".merging",
-    "merge_checkpoints": ".merging.run", "resize": ".merging.resize", "ResizeResult": ".merging.resize",
-    "rotate": ".merging.rotate", "RotateResult": ".merging.rotate",
-    "interpolate": ".merging.barrier", "loss_barrier": ".merging.barrier",
+    "merge_checkpoints": ".app.run", "resize": ".width.resize", "ResizeResult": ".width.resize",
+    "rotate": ".rotation.rotate", "RotateResult": ".rotation.rotate",
+    "interpolate": ".evaluation.barrier", "loss_barrier": ".evaluation.barrier",
     "compare": ".alignment.compare",
 }
 

@@ -11,7 +11,7 @@ import torch
 import symgraph
 from symgraph import AlignOptions
 from symgraph.errors import InputError
-from symgraph.merging.config import MergeConfig, merge_options
+from symgraph.app.config import MergeConfig, merge_options
 
 #: The fields both schemas declare, with values each must accept and refuse alike.
 SHARED = {

@@ -194,8 +194,8 @@ def test_random_permutations_are_index_vectors_and_act_as_before():
 #: The stage packages in pipeline order: a module may import from its own package and from
 #: packages before it, never after (``errors`` is the floor; the package root and
 #: ``__main__`` only re-export / run).
-STAGES = ["_version", "errors", "core", "testing", "passes", "transform", "report", "solve", "alignment",
-          "checkpoints", "merging", "cli"]
+STAGES = ["_version", "errors", "core", "testing", "passes", "transform", "report", "solve", "alignment", "width",
+          "checkpoints", "merging", "evaluation", "app", "rotation", "cli"]
 
 
 def _imports(path: pathlib.Path):
@@ -294,7 +294,7 @@ def test_coverage_lists_the_ops_without_a_rule():
 
 def test_merge_config_is_frozen_and_validated_once():
     from pydantic import ValidationError
-    from symgraph.merging.config import MergeConfig, defaults, merge_options
+    from symgraph.app.config import MergeConfig, defaults, merge_options
     cfg = merge_options({"models": ["a", "b"], "out": "o", "weights": [1e308, 1e308]})
     with pytest.raises(ValidationError):
         cfg.align = "none"

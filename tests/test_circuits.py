@@ -85,7 +85,7 @@ def gpt2_pair():
 
 @pytest.mark.parametrize("lam", [0.0, 0.3, 1.0])
 def test_gpt2_circuit_merge_in_memory_of_a_transformed_copy_is_the_model(gpt2_pair, lam):
-    from symgraph.merging.widen import Resized
+    from symgraph.width.widen import Resized
     A, B, x = gpt2_pair
     before = {k: v.clone() for k, v in A.state_dict().items()}
     m = symgraph.merge([A, B], weights=[lam, 1 - lam], attention="circuits").model

@@ -101,7 +101,7 @@ def test_an_unrelated_narrower_model_is_unrelated(trio):
 def test_across_widths_an_exact_map_is_still_at_most_derived(trio):
     """A function-preserving widening of A (units copied, outgoing weights split): the
     transport map undoes it exactly, yet the verdict is "derived", never "same"."""
-    from symgraph.merging.resize import resize
+    from symgraph.width.resize import resize
     a = trio[0]
     mlp = [g.id for g in symgraph.analyze(a).groups if g.kind == "perm" and g.size == L["mlp"]]
     wide = resize(a, {mlp[0]: 56}).model

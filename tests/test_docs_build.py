@@ -37,7 +37,7 @@ def test_site_builds_strict_offline_without_warnings(tmp_path):
     assert time.perf_counter() - t0 < 120
     api = (tmp_path / "site" / "api" / "index.html").read_text(encoding="utf-8")
     for name in ("symgraph.report.api.analyze", "symgraph.alignment.driver.align", "symgraph.merging.driver.merge",
-                 "symgraph.merging.run.merge_checkpoints", "symgraph.report.symmetry.SymmetryReport"):
+                 "symgraph.app.run.merge_checkpoints", "symgraph.report.symmetry.SymmetryReport"):
         assert f'id="{name}"' in api, f"the API page lost {name}"
 
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from symgraph.cli.main import main as cli
 from symgraph.errors import InputError
-from symgraph.merging.config import MergeConfig
-from symgraph.merging.run import run_merge
+from symgraph.app.config import MergeConfig
+from symgraph.app.run import run_merge
 from symgraph.merging.streaming import StreamingMerge
 from symgraph.testing import models
 

@@ -10,8 +10,8 @@ import pytest
 import symgraph
 from symgraph.cli.main import main as cli
 from symgraph.errors import InputError
-from symgraph.merging.config import MergeConfig
-from symgraph.merging.run import run_merge
+from symgraph.app.config import MergeConfig
+from symgraph.app.run import run_merge
 from symgraph.testing import models
 
 from engine_helpers import load, rel

@@ -16,8 +16,8 @@ from symgraph.cli.main import main as cli
 from symgraph.core.elements import Perm
 from symgraph.errors import InputError
 from symgraph.merging import learned
-from symgraph.merging.config import MergeConfig
-from symgraph.merging.run import run_merge
+from symgraph.app.config import MergeConfig
+from symgraph.app.run import run_merge
 from symgraph.testing import models
 
 from engine_helpers import load, rel

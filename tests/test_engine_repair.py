@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from symgraph.cli.main import main as cli
 from symgraph.errors import NeedsMemory
 from symgraph.merging import repair_stream
-from symgraph.merging.config import MergeConfig
-from symgraph.merging.run import run_merge
+from symgraph.app.config import MergeConfig
+from symgraph.app.run import run_merge
 from symgraph.merging.streaming import StreamingMerge
 from symgraph.testing import models
 

@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 from symgraph.checkpoints.sharded import Checkpoint, parse_size
 from symgraph.cli.main import main as cli
-from symgraph.merging.config import MergeConfig
-from symgraph.merging.run import run_merge
+from symgraph.app.config import MergeConfig
+from symgraph.app.run import run_merge
 from symgraph.merging.sinks import write_config
 from symgraph.merging.streaming import StreamingMerge
 from symgraph.merging.untie import untie_checkpoint, untie_config_updates

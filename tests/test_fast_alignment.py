@@ -380,7 +380,7 @@ def test_statistics_of_16_bit_activations_in_float32_keep_the_covariance():
 def test_config_reads_exponent_floats(tmp_path):
     """``tol: 1e-3`` in a merge config is a number (YAML 1.2), not the string PyYAML's YAML 1.1
     rules make of it; strings that only look alike stay strings."""
-    from symgraph.merging.config import read_merge_config
+    from symgraph.app.config import read_merge_config
     cfg = tmp_path / "m.yaml"
     cfg.write_text("models: [a, b]\nout: o\ntol: 1e-3\nweights: [2.5E-1, 75e-2]\nmethod: average\n")
     got = read_merge_config(str(cfg))

@@ -10,8 +10,8 @@ import torch
 import symgraph
 from symgraph.cli.main import main
 from symgraph.errors import InputError
-from symgraph.merging.config import MergeConfig, build_config, merge_options, read_merge_config
-from symgraph.merging.run import merge_checkpoints
+from symgraph.app.config import MergeConfig, build_config, merge_options, read_merge_config
+from symgraph.app.run import merge_checkpoints
 from symgraph.testing import models
 
 CASES = [  # (fields, the command line's flags, what the refusal says)

@@ -156,8 +156,8 @@ def test_falcon_activation_alignment_runs_out_of_core_with_its_index_constants(w
     r = run(ws, "merge", *paths, "--align", "activations", "--data", data_file, "--out", tmp_path / "o")
     assert r.returncode == 0 and "loaded in memory" not in r.stderr, r.stderr[-2000:]
     assert json.loads((tmp_path / "o" / "symgraph_merge.json").read_text())["mode"] == "streaming"
-    from symgraph.merging.config import MergeConfig
-    from symgraph.merging.run import run_merge
+    from symgraph.app.config import MergeConfig
+    from symgraph.app.run import run_merge
     cfg = MergeConfig(models=[str(p) for p in paths], out=str(tmp_path / "mem"), align="activations",
                       data=str(data_file))
     assert run_merge(cfg, streaming=False, progress=False).mode == "in-memory"
@@ -172,7 +172,7 @@ def test_falcon_activation_alignment_runs_out_of_core_with_its_index_constants(w
 
 
 def test_model_card_keeps_non_ascii_paths():
-    from symgraph.merging.config import MergeConfig, to_yaml
+    from symgraph.app.config import MergeConfig, to_yaml
     text = to_yaml(MergeConfig(models=["/data/modèle_a", "/data/b"], out="fusionné"))
     assert "modèle_a" in text and "\\x" not in text and "\\u" not in text  # not escaped
 

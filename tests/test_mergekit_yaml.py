@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file
 
 import symgraph
-from symgraph.merging.config import read_merge_config
+from symgraph.app.config import read_merge_config
 from symgraph.testing import models
 
 from conftest import cli

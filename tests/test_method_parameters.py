@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from symgraph.cli.main import main
 from symgraph.errors import InputError
-from symgraph.merging.config import MergeConfig, merge_options, read_merge_config
+from symgraph.app.config import MergeConfig, merge_options, read_merge_config
 from symgraph.merging.methods.registry import get
 from symgraph.testing import models
 

@@ -135,7 +135,7 @@ def test_output_deviation_never_zero_on_nan():
 def test_same_nan_field_is_not_a_difference():
     from transformers import LlamaConfig
 
-    from symgraph.merging.compat import check_compatible
+    from symgraph.app.compat import check_compatible
     nan_a, nan_b, finite = (LlamaConfig(rms_norm_eps=e) for e in (math.nan, math.nan, 1e-6))
     check_compatible([nan_a, nan_b], ["a", "b"])  # one configuration: nothing differs
     with pytest.raises(InputError, match=r"differ in config field 'rms_norm_eps' \(nan vs 1e-06\)"):

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from symgraph.alignment.compare import check_options
 from symgraph.cli.demo import run_demo
 from symgraph.errors import InputError
-from symgraph.merging.resize import resize
+from symgraph.width.resize import resize
 from symgraph.testing import models
 
 from cli_helpers import digest, main_in_process, refused

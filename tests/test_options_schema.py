@@ -9,8 +9,8 @@ import pytest
 
 from symgraph.cli.main import build_parser
 from symgraph.errors import InputError
-from symgraph.merging.config import MERGE_KEYS, MergeConfig, defaults, merge_options, read_merge_config
-from symgraph.merging.options import flag, options, options_page
+from symgraph.app.config import MERGE_KEYS, MergeConfig, defaults, merge_options, read_merge_config
+from symgraph.app.options import flag, options, options_page
 
 DOCS = pathlib.Path(__file__).parents[1] / "docs" / "options.md"
 
@@ -42,7 +42,7 @@ def test_every_field_has_a_flag_a_key_a_default_a_help_and_a_docs_row():
 
 def test_the_docs_page_is_the_generated_one():
     assert DOCS.read_text() == options_page(MergeConfig), \
-        "regenerate: python -m symgraph.merging.config > docs/options.md"
+        "regenerate: python -m symgraph.app.config > docs/options.md"
 
 
 def _cli(argv):
@@ -80,7 +80,7 @@ def test_max_iter_and_until_reach_align_and_are_checked(tmp_path):
     the sweeps of the merge's alignment (passed to ``symgraph.align``, whose defaults they
     share); 0, an unknown rule (argparse's choices on the command line) and either without an alignment are refused, one line each."""
     from symgraph.alignment.options import AlignOptions
-    from symgraph.merging.run import _speed_options
+    from symgraph.app.run import _speed_options
     cfg = _cli(["a", "b", "--out", "o"])
     assert (cfg.max_iter, cfg.until) == (AlignOptions().max_iter, AlignOptions().until) == (6, "gap")
     cfg = _cli(["a", "b", "--out", "o", "--max-iter", "7", "--until", "discrete"])

@@ -73,6 +73,6 @@ def test_every_symgraph_path_exists():
 
 def test_resolver_tells_real_from_stale_names():
     assert resolves("symgraph.analyze") and resolves("symgraph.report.symmetry.SymmetryReport.certify")
-    assert resolves("symgraph.Group.kind") and resolves("symgraph.merging.config.MergeConfig.align")
+    assert resolves("symgraph.Group.kind") and resolves("symgraph.app.config.MergeConfig.align")
     assert not resolves("symgraph.analysis.report") and not resolves("symgraph.shards")
     assert not resolves("symgraph.trace.graph_friendly") and resolves("symgraph.passes.trace.graph_friendly")

@@ -12,7 +12,7 @@ from conftest import cli
 import symgraph
 from symgraph.testing import models
 from symgraph.testing.models import randomize_vectors
-from symgraph.merging.resize import same_role
+from symgraph.width.resize import same_role
 
 
 def _rel(a, b):

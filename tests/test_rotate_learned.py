@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 import symgraph
-from symgraph.merging.rotation import rotation_classes, rotation_elements, rotation_report
-from symgraph.merging.rotate_learned import learn_rotations, quantized_loss
+from symgraph.rotation.classes import rotation_classes, rotation_elements, rotation_report
+from symgraph.rotation.learned import learn_rotations, quantized_loss
 from symgraph.transform.apply import stored_tensors
 
 from test_rotate_quant import outlier_model

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import symgraph
-from symgraph.merging.config import merge_options
-from symgraph.merging.run import run_merge
+from symgraph.app.config import merge_options
+from symgraph.app.run import run_merge
 from symgraph.testing import models
 
 from conftest import cli

@@ -13,7 +13,7 @@ import torch
 import symgraph
 from symgraph.checkpoints.sharded import parse_size
 from symgraph.cli.main import main
-from symgraph.merging.run import merge_checkpoints
+from symgraph.app.run import merge_checkpoints
 from symgraph.merging.streaming import StreamingMerge
 from symgraph.merging.universe_stream import SCRATCH_PREFIX, align_universe_streamed
 from symgraph.testing import models

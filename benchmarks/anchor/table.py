@@ -19,7 +19,7 @@ matching (residual orthogonal map: symgraph's default on the untied model; and p
 only: ``fold_norms=False``). In circuit space (heads twice as wide,
 :mod:`symgraph.merging.circuits`) the same alignments are interpolated in the wider heads,
 (GPT-2's config cannot state the head size: the traced program is widened in memory,
-:mod:`symgraph.merging.widen`), and the learned rows train in that space. Each row also records
+:mod:`symgraph.width.widen`), and the learned rows train in that space. Each row also records
 Theus et al.'s barrier definition (``barrier_theirs``: ``max_λ L(λ) − (λL_A + (1−λ)L_B)``).
 
 ``--device cuda``: parents trained there (TF32 off), and the alignments, curves and test losses

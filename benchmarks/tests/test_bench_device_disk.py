@@ -76,7 +76,7 @@ def test_bench_device_disk_tiny_on_a_device(tmp_path):
 def test_a_failed_run_is_recorded_and_the_next_one_goes_on(tmp_path, monkeypatch):
     """A run that raises (out of device memory, say) is recorded with its error; the runs after
     it are still measured."""
-    import symgraph.merging.run as R
+    import symgraph.app.run as R
     real = R.run_merge
 
     def failing(cfg, **kw):

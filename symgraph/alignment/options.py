@@ -1,7 +1,7 @@
 """How :func:`~symgraph.alignment.driver.align` solves: :class:`AlignOptions`, one frozen pydantic
 schema whose fields carry their type, default, range and description (the docstring under
 each field). The types shared with the merge configuration (``Steps``, ``Columns``,
-``Fraction``, ``Outputs``) are declared here once: :class:`symgraph.merging.config.MergeConfig`
+``Fraction``, ``Outputs``) are declared here once: :class:`symgraph.app.config.MergeConfig`
 annotates its ``refine``, ``sketch``, ``tol``, ``outputs``, ``fold_norms`` and ``full_groups``
 with them and takes their defaults from here, so the command line and the Python API accept
 and refuse the same values. A refused value is an :class:`~symgraph.errors.InputError` of one

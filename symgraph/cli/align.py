@@ -1,13 +1,13 @@
 """``symgraph align A B --out DIR`` and ``symgraph apply ALIGNMENT C --out DIR``: B (or any
 checkpoint of B's architecture, such as a fine-tune of B) written in A's basis, for any tool to
-merge (see :mod:`symgraph.merging.carry`)."""
+merge (see :mod:`symgraph.app.carry`)."""
 from __future__ import annotations
 
 __all__ = ["add_parsers"]
 
 
 def cmd_align(args) -> int:
-    from ..merging.carry import run_align
+    from ..app.carry import run_align
     rec = run_align(args.a, args.b, args.out, align=args.align, data=args.data, force=args.force,
                     fold_norms=not args.no_fold_norms, outputs=args.outputs)
     print(f"wrote {args.b} in the basis of {args.a} (aligned by {args.align}, {rec['seconds']:.1f} s) into "
@@ -16,7 +16,7 @@ def cmd_align(args) -> int:
 
 
 def cmd_apply(args) -> int:
-    from ..merging.carry import run_apply
+    from ..app.carry import run_apply
     rec = run_apply(args.alignment, args.model, args.out, force=args.force)
     print(f"wrote {args.model} carried by {args.alignment} ({rec['symgraph_apply']['seconds']:.1f} s) "
           f"into {rec['out']}")

@@ -28,7 +28,7 @@ def barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, att
 
     from ..alignment.driver import align
     from ..alignment.refine import default_loss
-    from ..merging.barrier import check_points, interpolate, loss_barrier
+    from ..evaluation.barrier import check_points, interpolate, loss_barrier
     points = check_points(points, "points=")
 
     def loss(m):
@@ -53,9 +53,9 @@ def streamed_barrier_curves(A, B, data, aligns=("none", "weights"), points: int 
     (:class:`~symgraph.checkpoints.sharded.Checkpoint`); the alignments are solved as
     ``symgraph merge`` solves them out of core and every point of the line runs the model's own
     program on tensors read and interpolated as each op takes them
-    (:func:`~symgraph.merging.barrier.streamed_curve`): memory holds activations and a few
+    (:func:`~symgraph.evaluation.barrier.streamed_curve`): memory holds activations and a few
     layers' tensors, never a model."""
-    from ..merging.barrier import check_points, loss_barrier, streamed_curve
+    from ..evaluation.barrier import check_points, loss_barrier, streamed_curve
     from ..merging.streaming import StreamingMerge
     points = check_points(points, "points=")
     rows = []
@@ -103,8 +103,8 @@ def cmd_barrier(args) -> int:
     from ..checkpoints.outdir import check_out, save_atomic
     from ..checkpoints.specs import load_data, load_model
     from ..errors import InputError
-    from ..merging.barrier import check_points
-    from ..merging.run import check_paths, input_names
+    from ..evaluation.barrier import check_points
+    from ..app.run import check_paths, input_names
     check_points(args.points, "--points")  # before any work
     inputs = [args.a, args.b, args.data] + ([args.align_data] if args.align_data else [])
     if args.out:
@@ -157,7 +157,7 @@ def _streamed(args, aligns):
         return None
     check_pair(A, B, args.a, args.b)
     if not args.out_of_core:  # in memory when A, B and the line's model fit easily (faster)
-        from ..merging.resize import available_memory
+        from ..width.resize import available_memory
         need = 3 * 4 * sum(int(np.prod(shape, dtype=np.int64)) for shape in A.shapes.values())
         if need < available_memory() // 2:
             return None

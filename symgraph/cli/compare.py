@@ -160,7 +160,7 @@ def _checkpoints(a: str, b: str, out_of_core: bool | None):
         return None
     _widths(A, B, a, b, ())
     if not out_of_core:
-        from ..merging.resize import available_memory
+        from ..width.resize import available_memory
         need = 3 * 4 * sum(int(np.prod(shape, dtype=np.int64)) for shape in A.shapes.values())
         if need < available_memory() // 2:
             return None
@@ -176,7 +176,7 @@ def compare_paths(a: str, b: str, data: str | None = None, *, null: int = 4, see
     from ..alignment.compare import compare
     from ..checkpoints.specs import load_data, load_model
     from ..errors import InputError
-    from ..merging.run import check_paths
+    from ..app.run import check_paths
     from ..alignment.compare import THRESHOLD, check_options
     from ..core.schema import SEED
     check_options(null, THRESHOLD, "--null")
@@ -195,7 +195,7 @@ def compare_paths(a: str, b: str, data: str | None = None, *, null: int = 4, see
 
 def cmd_compare(args) -> int:
     from ..checkpoints.outdir import check_out, save_atomic
-    from ..merging.run import input_names
+    from ..app.run import input_names
     from ..alignment.compare import THRESHOLD, check_options
     from ..core.schema import SEED
     check_options(args.null, THRESHOLD, "--null")  # before any work

@@ -13,9 +13,9 @@ import textwrap
 import time
 
 from .._version import __version__
-from ..merging.config import MergeConfig
-from ..merging.options import add_flags
-from ..merging.run import check_paths, input_names, progress_bar
+from ..app.config import MergeConfig
+from ..app.options import add_flags
+from ..app.run import check_paths, input_names, progress_bar
 from .align import add_parsers as add_align_parsers
 from .barrier import add_parser as add_barrier_parser
 from .compare import add_parser as add_compare_parser
@@ -90,7 +90,7 @@ def cmd_resize(args) -> int:
     from ..report.api import analyze
     from ..checkpoints.specs import load_model
     from ..checkpoints.outdir import check_out, save_atomic
-    from ..merging.resize import resize, same_role
+    from ..width.resize import resize, same_role
     from ..core.schema import SEED
     widths = {}
     for spec in args.width:

@@ -1,5 +1,5 @@
 """``symgraph rotate MODEL --out DIR``: a checkpoint rotated for quantization, out of core
-(see :mod:`symgraph.merging.rotate_out` and :func:`symgraph.rotate`)."""
+(see :mod:`symgraph.rotation.checkpoint` and :func:`symgraph.rotate`)."""
 from __future__ import annotations
 
 __all__ = ["add_parser"]
@@ -7,7 +7,7 @@ __all__ = ["add_parser"]
 
 def cmd_rotate(args) -> int:
     from ..core.schema import SEED
-    from ..merging.rotate_out import rotate_checkpoint
+    from ..rotation.checkpoint import rotate_checkpoint
     SEED.check(args.seed, "--seed")  # before any work
     rec = rotate_checkpoint(args.model, args.out, how=args.how, seed=args.seed, memory_budget=args.memory_budget,
                             classes=tuple(args.classes), untie=not args.keep_tied, force=args.force)

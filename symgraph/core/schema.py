@@ -1,5 +1,5 @@
 """One line for a value an options schema refuses: what every pydantic schema of symgraph
-(:class:`~symgraph.alignment.options.AlignOptions`, :class:`~symgraph.merging.config.MergeConfig`)
+(:class:`~symgraph.alignment.options.AlignOptions`, :class:`~symgraph.app.config.MergeConfig`)
 turns its ``ValidationError`` into, so that a refusal names the option, the value given and what
 the option expects, in the schema's own words (each field's ``json_schema_extra["expected"]``)."""
 from __future__ import annotations

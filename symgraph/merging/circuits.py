@@ -11,7 +11,7 @@ architecture family wherever its config can state a head size (an explicit ``hea
 RoPE pairs keep their own frequencies through per-pair factors (``longrope``-type rope
 parameters, attention factor 1). Where no config field can state it (GPT-2 derives the head
 size from the width), the merged model is the parents' traced program with the head classes
-widened (:mod:`symgraph.merging.widen`), which keeps the parents' softmax scale instead: it
+widened (:mod:`symgraph.width.widen`), which keeps the parents' softmax scale instead: it
 runs in memory and cannot be saved as a checkpoint.
 
 The heads are found from the report (:meth:`~symgraph.report.SymmetryReport.attention_groups`),
@@ -212,7 +212,7 @@ def circuit_merge(models, weights, report):
     Where the config states a head size (``head_dim``), the result is the parents' model class
     with a config saying the new size (saved and loaded like any checkpoint). Otherwise it is
     the parents' own traced program with the head classes widened
-    (:class:`~symgraph.merging.widen.Resized`): in memory only, ``why_not_saved`` says why."""
+    (:class:`~symgraph.width.widen.Resized`): in memory only, ``why_not_saved`` says why."""
     n = len(models)
     why = why_no_config(models[0], n)
     cplan = plan(report, query_scale=why is None)
@@ -224,7 +224,7 @@ def circuit_merge(models, weights, report):
         if cplan.rope:
             raise InputError(why.replace("the merged model runs in memory only", "and its rotary heads "
                              "need per-pair frequencies a config states; expected a config with head_dim"))
-        from .widen import Resized
+        from ..width.widen import Resized
         return Resized(models[0], {k: v.to(dtype) for k, v in merged.items()}, lambda rep: _wider(rep, n), why,
                        key=("circuits", n)).eval()
     cfg = _config(models[0], cplan, n)

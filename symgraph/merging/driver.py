@@ -74,12 +74,12 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         (:mod:`symgraph.merging.untie`), so the residual stream admits orthogonal maps; the
         merge has ``tie_word_embeddings=False``.
     align_options : :class:`~symgraph.AlignOptions` fields (``solver``, ``inner``, ...).
-    config : a :class:`~symgraph.merging.config.MergeConfig` (the one config of the command line,
+    config : a :class:`~symgraph.app.config.MergeConfig` (the one config of the command line,
         YAML and :func:`symgraph.merge_checkpoints`, checked whole) giving the merge's options
         instead of the keywords above, which are then left unset (``inputs``, ``data``,
         ``progress``, ``universe_options`` and solver options aside); its ``models`` name the
         ``models`` given (as many). What only a run on disk uses (``out``, ``force``,
-        ``device``, ``memory_budget``, ``max_shard_size``) is :func:`~symgraph.merging.run.run_merge`'s.
+        ``device``, ``memory_budget``, ``max_shard_size``) is :func:`~symgraph.app.run.run_merge`'s.
     """
     if config is not None:
         given = dict(weights=weights, align=align, method=method, anchor=anchor, method_options=method_options,

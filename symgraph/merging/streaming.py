@@ -29,7 +29,7 @@ alignment); other buffers are the anchor's. The caches, a pass of statistics and
 working copies are sized from one memory budget (:func:`budgets`); :class:`~symgraph.merging.views.Ledger`
 counts the bytes held.
 
-:func:`~symgraph.merging.run.merge_checkpoints` is the Python entry; ``symgraph merge`` runs every
+:func:`~symgraph.app.run.merge_checkpoints` is the Python entry; ``symgraph merge`` runs every
 merge of local checkpoints here, learned matching included. REPAIR (BatchNorm resets included) runs
 as the last step before writing (:mod:`~symgraph.merging.repair_stream`). Untying reads each checkpoint as its untied model
 (:func:`~symgraph.merging.untie.untie_checkpoint`); circuit-space heads widen as they combine (:mod:`.circuits`).

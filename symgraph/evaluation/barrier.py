@@ -43,7 +43,7 @@ def interpolate(a, b, lambdas=None, loss_fn=None, attention: str = "heads"):
             raise InputError(f"models differ at parameter {k!r}; interpolate needs equal shapes")
     if attention == "circuits":
         from ..report import analyze
-        from .circuits import circuit_merge
+        from ..merging.circuits import circuit_merge
         rep = analyze(a)
         return [(float(lam), float(loss_fn(circuit_merge([a, b], [lam, 1 - lam], rep)))) for lam in lambdas]
     m = copy.deepcopy(a)

@@ -1,5 +1,5 @@
 """Everything a merge option is, derived from its one declaration in
-:class:`~symgraph.merging.config.MergeConfig`: a pydantic field whose ``description`` is its
+:class:`~symgraph.app.config.MergeConfig`: a pydantic field whose ``description`` is its
 help and YAML text and whose ``json_schema_extra`` says how the command line spells it
 (``flag``; ``cli: False`` for the keys only a YAML file sets, such as ``models``).
 
@@ -174,7 +174,7 @@ def options_table(schema) -> str:
 def options_page(schema) -> str:
     """``docs/options.md``: the option table with how to regenerate it."""
     return ("# Merge options\n\nEvery option of `symgraph merge`, as a YAML key of `--config` and as a flag "
-            "(the flag wins). Generated from `symgraph.merging.config.MergeConfig` by "
-            "`python -m symgraph.merging.config > docs/options.md`; never edited by hand.\n\n"
+            "(the flag wins). Generated from `symgraph.app.config.MergeConfig` by "
+            "`python -m symgraph.app.config > docs/options.md`; never edited by hand.\n\n"
             + options_table(schema) + "\n")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..core.schema import short_repr
 from ..errors import InputError
-from .methods.registry import names as merge_methods
+from ..merging.methods.registry import names as merge_methods
 
 __all__ = ["from_mergekit", "short_repr"]
 

@@ -20,8 +20,8 @@ import torch
 from ..errors import InputError
 from ..transform.apply import move_piece
 from ..transform.folding import for_reader, members
-from .rotation import ones_gauge, rotation_classes, rotation_elements, rotation_report
-from .untie import untie_config_updates
+from .classes import ones_gauge, rotation_classes, rotation_elements, rotation_report
+from ..merging.untie import untie_config_updates
 
 __all__ = ["rotate_checkpoint", "piece_bytes", "WORK_BYTES"]
 
@@ -135,7 +135,7 @@ def _layout(ckpt) -> list:
 
 def _writer(ckpt, report, elements, budget, config_updates, stats):
     from ..checkpoints.sharded import ShardWriter
-    from .streaming import EXTRA_FILES
+    from ..merging.streaming import EXTRA_FILES
 
     def write(directory):
         gauge = ones_gauge(report, set(report.parameters))
@@ -170,7 +170,7 @@ def rotate_checkpoint(model: str, out: str, *, how: str = "hadamard", seed: int 
     from ..checkpoints.outdir import check_out, save_atomic
     from ..checkpoints.sharded import Checkpoint, parse_size
     from .._version import __version__
-    from .run import check_paths, input_names
+    from ..app.run import check_paths, input_names
     if how not in ("hadamard", "random"):
         raise InputError(f"--how {how!r}; expected 'hadamard' or 'random' (learned rotations need data and "
                          "the model in memory: symgraph.rotate(model, how='learned', data=...))")

@@ -47,7 +47,7 @@ def carry_writer(ckpt, report, elements: dict, gauge: dict):
     :meth:`Alignment.apply` does in memory (so the two give the same values); each value is
     cast back to its own dtype."""
     from ..checkpoints.sharded import ShardWriter
-    from .streaming import EXTRA_FILES
+    from ..merging.streaming import EXTRA_FILES
     unit = groups(report.folds)
     moved_buffers = set(report.buffers)
 
@@ -100,7 +100,7 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
     from ..checkpoints.outdir import check_out, save_atomic
     from .run import _data, check_compatible, check_paths, input_names
     from .config import MergeConfig
-    from .streaming import StreamingMerge
+    from ..merging.streaming import StreamingMerge
     from ..checkpoints.sharded import Checkpoint
     if align not in ("weights", "activations"):
         raise InputError(f"--align {align!r}; expected 'weights' or 'activations' (an alignment to save)")

@@ -1,6 +1,6 @@
 """The rules between a merge's options, which no one field's type can say ("repair needs
 data", "sketch sketches weight matching", "circuits merge by averaging", ...): :func:`check`,
-the validator of :class:`~symgraph.merging.config.MergeConfig`, so every way of building a
+the validator of :class:`~symgraph.app.config.MergeConfig`, so every way of building a
 config (the command line, a YAML file, :func:`symgraph.merge_checkpoints`, Python) is held to
 them, each refusal one line naming the options as they were given."""
 from __future__ import annotations
@@ -8,14 +8,14 @@ from __future__ import annotations
 from ..alignment.options import AlignOptions
 from ..core.schema import error_key, expected, refusal, short_repr
 from ..errors import InputError
-from .methods.registry import get as get_method, mixing_weights
+from ..merging.methods.registry import get as get_method, mixing_weights
 
 __all__ = ["check", "refused"]
 
 
 def check(opts: dict, name, batches: bool = False) -> None:
     """The checks between options, on values the schema accepted (each option's type and range
-    are the schema's job: :class:`~symgraph.merging.config.MergeConfig`, whose alignment fields
+    are the schema's job: :class:`~symgraph.app.config.MergeConfig`, whose alignment fields
     :class:`AlignOptions` declares): the config's validator; ``name(key)`` says where an option came from in
     a refusal (``--refine``, or ``'refine:' in merge.yaml``); ``batches``: the data come as
     batches already loaded, not as ``data``."""

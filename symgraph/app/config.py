@@ -1,10 +1,10 @@
 """The merge configuration: one frozen, validated :class:`MergeConfig` that
-:func:`symgraph.merging.run.run_merge` takes, read from a YAML file and the command line's
+:func:`symgraph.app.run.run_merge` takes, read from a YAML file and the command line's
 options over it (:func:`merge_options`). Defaults and validation live in the schema only.
 
 Every option is declared once, as a field of :class:`MergeConfig` (its description, what a
 refusal says is expected, its metavar): the YAML keys, the ``symgraph merge`` flags
-(:mod:`symgraph.merging.options`), the defaults and the docs' table (``docs/options.md``) are
+(:mod:`symgraph.app.options`), the defaults and the docs' table (``docs/options.md``) are
 derived from that declaration. The alignment options a merge shares with :func:`symgraph.align`
 (``refine``, ``sketch``, ``tol``, ``outputs``, ``fold_norms``, ``full_groups``) take their type,
 range and default from :class:`~symgraph.alignment.options.AlignOptions`, so the two accept and
@@ -18,7 +18,7 @@ refuse the same values. A config is a mapping of those keys (all optional but
 
 Relative paths are read relative to the config file. A mergekit config (``merge_method:
 linear``, ``models: [{model: ..., parameters: {weight: ...}}]``) is read too
-(:func:`~symgraph.merging.mergekit_config.from_mergekit`).
+(:func:`~symgraph.app.mergekit_config.from_mergekit`).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from ..alignment.options import MAX_REFINE, AlignOptions, Columns, Fraction, Out
 from ..checkpoints.sharded import parse_size
 from ..core.schema import error_key, expected, refusal, short_repr as _short
 from ..errors import InputError
-from .methods.registry import get as get_method, names as merge_methods
+from ..merging.methods.registry import get as get_method, names as merge_methods
 from .mergekit_config import from_mergekit
 from .options import flag, given_options
 from .rules import check, refused
@@ -51,7 +51,7 @@ MAX_CONFIG_DEPTH = 32
 
 def _opt(expected: str, cli: bool = True, metavar: str | None = None, flag: str | None = None) -> dict:
     """A field's extra declaration: what a refusal says is ``expected`` of its value, and
-    whether the command line has a flag for it (:mod:`symgraph.merging.options` derives the
+    whether the command line has a flag for it (:mod:`symgraph.app.options` derives the
     flag, its help and the docs' row from the field; ``flag`` when it is not ``--key``)."""
     return {"expected": expected, "cli": cli, **({"metavar": metavar} if metavar else {}),
             **({"flag": flag} if flag else {})}
@@ -287,7 +287,7 @@ def _yaml_loader():
 
 
 def _is_path(spec: str, base: str) -> bool:
-    """Whether a model ``spec`` in a config is a path (as :func:`symgraph.merging.run.check_paths`
+    """Whether a model ``spec`` in a config is a path (as :func:`symgraph.app.run.check_paths`
     tells them): starting with '.', '/' or '~', with more than one '/', or a name that exists
     beside the config; anything else is a demo name or hub id."""
     return (spec.startswith((".", "/", "~")) or spec.count("/") > 1 or spec.endswith("/")
@@ -440,6 +440,6 @@ def to_yaml(cfg: MergeConfig, out: str = "merged") -> str:
     return yaml.safe_dump({**head, **d, "out": out}, sort_keys=False, allow_unicode=True)
 
 
-if __name__ == "__main__":  # python -m symgraph.merging.config > docs/options.md
+if __name__ == "__main__":  # python -m symgraph.app.config > docs/options.md
     from .options import options_page
     print(options_page(MergeConfig), end="")

@@ -1,4 +1,4 @@
-"""The pieces of :func:`symgraph.rotate` (see :mod:`symgraph.merging.rotate`): which classes a
+"""The pieces of :func:`symgraph.rotate` (see :mod:`symgraph.rotation.rotate`): which classes a
 rotation acts on, an incoherent element of each, the rotated values with norm gains folded to
 one, the model to rotate (untied where that frees the stream) and the certificate."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ..errors import InputError
 from ..passes.trace import eval_mode, flatten_outputs, output_deviation, select_outputs
 from ..report.api import analyze, tied_parameters
 from ..transform.apply import move, write_state
-from .untie import untie as untie_model
+from ..merging.untie import untie as untie_model
 
 __all__ = ["CLASSES", "rotation_classes", "rotation_elements", "ones_gauge", "rotated_state", "rotation_report",
            "certificate"]

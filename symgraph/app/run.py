@@ -1,4 +1,4 @@
-"""The one merge entry: :func:`run_merge` takes a :class:`~symgraph.merging.config.MergeConfig`,
+"""The one merge entry: :func:`run_merge` takes a :class:`~symgraph.app.config.MergeConfig`,
 vets the output directory before any work, chooses the out-of-core path (every merge of
 local checkpoints: each method, aligned by weights, by activations or not at all, REPAIR,
 learned matching, circuit-space heads, untying and full groups included) or the in-memory one
@@ -21,11 +21,11 @@ from ..errors import InputError, NeedsMemory, StructureMismatchError
 from ..checkpoints.sharded import KeysDiffer
 from .config import MergeConfig, build_config, to_yaml
 from .compat import check_compatible, check_same_family, config_diff, width_change
-from .methods.registry import MergeMethod, get as get_method
-from .streaming import DEFAULT_SHARD as _DEFAULT_SHARD, Checkpoint, StreamingMerge
+from ..merging.methods.registry import MergeMethod, get as get_method
+from ..merging.streaming import DEFAULT_SHARD as _DEFAULT_SHARD, Checkpoint, StreamingMerge
 
 if TYPE_CHECKING:
-    from .driver import MergeResult
+    from ..merging.driver import MergeResult
 
 __all__ = ["run_merge", "merge_checkpoints", "MergeOutcome", "MIN_USEFUL_ROWS"]
 
@@ -160,13 +160,13 @@ def _merge_in_memory(cfg, layout, out, inputs, data, anchor, progress, why=None,
     from ..alignment.checks import check_finite
     from ..checkpoints.outdir import model_card, save_atomic
     from ..checkpoints.specs import load_model
-    from .driver import merge
+    from ..merging.driver import merge
     models = [to_device(load_model(m), cfg.device)
               for m in progress_bar(cfg.models, enabled=progress, desc="loading", unit="model")]
     check_same_family(models, cfg.models)
     check_compatible([getattr(m, "config", None) for m in models], cfg.models)
     if cfg.attention == "circuits":
-        from .circuits import why_no_config
+        from ..merging.circuits import why_no_config
         why = why_no_config(models[0], len(models))
         if why:
             raise InputError(f"{why} (symgraph.merge(..., attention='circuits') in Python); expected a config "
@@ -250,7 +250,7 @@ def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:
     universe = None
     try:
         if cfg.anchor == "universe":  # rounds of engine plans, their means written beside the output
-            from .universe_stream import align_universe_streamed
+            from ..merging.universe_stream import align_universe_streamed
             universe = align_universe_streamed(job, os.path.dirname(out))
         else:
             job.align()
@@ -419,10 +419,10 @@ def merge_checkpoints(paths, out: str, *, weights=None, align="weights", anchor:
                       data=None, outputs=None, **options) -> StreamingMerge:
     """Merge ``save_pretrained`` checkpoints into ``out`` without loading any model whole
     (see the module docstring), through the one merge entry
-    (:func:`symgraph.merging.run.run_merge`): ``out`` is vetted before any work and written
+    (:func:`symgraph.app.run.run_merge`): ``out`` is vetted before any work and written
     atomically with its record and model card; ``align="activations"`` with ``data=`` batches
     aligns by activation statistics, still out of core; other keywords that are
-    :class:`~symgraph.merging.config.MergeConfig` fields (``method``, ``parameters``, ``repair``,
+    :class:`~symgraph.app.config.MergeConfig` fields (``method``, ``parameters``, ``repair``,
     ``memory_budget``, ...) complete its config, checked whole as the command line's is, and the
     rest reach the engine. Returns the :class:`StreamingMerge` (``alignments``, ``timings``)."""
     fields = {k: options.pop(k) for k in list(options) if k in MergeConfig.model_fields}  # method=, repair=, ...

@@ -23,8 +23,8 @@ import torch
 
 from ..errors import CertificationError, InputError
 from ..transform.apply import stored_tensors, write_state
-from .rotate_learned import learn_rotations
-from .rotation import CLASSES, certificate, rotated_state, rotation_classes, rotation_elements, rotation_report
+from .learned import learn_rotations
+from .classes import CLASSES, certificate, rotated_state, rotation_classes, rotation_elements, rotation_report
 
 __all__ = ["rotate", "RotateResult", "HOW", "CLASSES"]
 
@@ -57,7 +57,7 @@ def rotate(model, how: str = "hadamard", seed: int = 0, *, data=None, classes=("
     orthogonal), ``"random"`` (Haar-random), or ``"learned"`` (SpinQuant-style: start from the
     Hadamard element and minimise the fake-quantized model's loss on ``data``, an iterable of
     keyword batches; ``learn`` takes ``steps``, ``lr``, ``weight_bits``, ``act_bits``,
-    ``group_size``, ``loss_fn``: :func:`symgraph.merging.rotate_learned.learn_rotations`).
+    ``group_size``, ``loss_fn``: :func:`symgraph.rotation.learned.learn_rotations`).
     ``classes``: the roles to rotate (:data:`CLASSES`). ``inputs``: the inputs to trace and
     certify with (default: built from the config). Raises :class:`CertificationError` when the
     rotated model's outputs differ by more than ``tol`` (relative, float32; a 16-bit model is

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from ..alignment.refine import Bound, default_loss, learnable, summary
 from ..errors import InputError
 from ..testing import quantize as Q
-from .rotation import rotated_state
+from .classes import rotated_state
 
 __all__ = ["learn_rotations", "quantized_loss"]
 

@@ -1,0 +1,1 @@
+"""Evaluating merges: interpolation and loss barriers."""

@@ -1,0 +1,1 @@
+"""Rotations for quantization: rotate() in memory, its classes, learned rotations, a checkpoint rotated out of core."""
