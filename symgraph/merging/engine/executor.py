@@ -1,0 +1,156 @@
+"""The executor: runs a merge :class:`~.plan.Plan`'s group tasks in order, within the memory
+budget, on the device.
+
+For each task every model's tensors are read (the slice the task asks for), put on the device,
+carried into the anchor's basis (:func:`~symgraph.transform.apply.move`, in the work dtype where
+a map acts), combined by the method's ``combine_group`` in the work dtype (float32, float64 for
+float64 checkpoints) with the statistics sliced alike, cast to the anchor checkpoint's dtype for
+that tensor, corrected where a step of the plan made a correction (REPAIR), checked finite and
+given to a sink (:class:`~symgraph.checkpoints.sharded.ShardWriter` or a model in memory).
+Every working copy is counted by the :class:`~symgraph.merging.views.Ledger` while held and
+dropped after its last use. The method sees only tensors, never the executor.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...core.finite import all_finite
+from ...core.progress import bar as progress_bar
+from ...errors import InputError
+from ...transform.apply import move
+from ..views import Sliced, elements_on, nbytes
+
+__all__ = ["Executor"]
+
+
+class Executor:
+    """Runs ``plan`` (:class:`~.plan.Plan`): ``alignments`` (one per checkpoint, None for the
+    anchor unless a shared universe's basis), ``combine`` (``(names, values, stats, weights,
+    report) -> merged``: the method's, or a transform's), ``stats`` (per model a mapping or
+    None), the normalised mixing ``weights``, the compute ``device`` and the ``out_device``
+    merged tensors go to, the ``work_dtype``, the ``ledger`` of bytes held, and ``corrections``
+    (parameter name -> f(merged tensor) -> corrected; filled by REPAIR before writing)."""
+
+    def __init__(self, plan, *, alignments, combine, stats, weights, device, out_device, work_dtype, ledger,
+                 corrections, elementwise_statistics=True):
+        self.plan, self.alignments, self.combine = plan, list(alignments), combine
+        self.stats, self.weights = stats, [float(w) for w in weights]
+        self.device, self.out_device, self.work_dtype = torch.device(device), torch.device(out_device), work_dtype
+        self.ledger, self.corrections = ledger, corrections
+        self.elementwise = elementwise_statistics
+        self.on_device: dict = {}  # alignment index -> its elements moved to the device once
+
+    def run(self, writer, progress: bool = False) -> None:
+        """Each task computed in the plan's order and given to ``writer.add(key, tensor)``."""
+        A = self.plan.anchor_checkpoint
+        with progress_bar(total=len(A.keys), desc="writing", unit="tensor", enabled=progress) as bar:
+            for task in self.plan.tasks:
+                if task.names is None:
+                    pieces = [(task.keys[0], self.anchors_own(task.keys[0]))]
+                else:
+                    pieces = self.pieces(task.names, task.split)
+                for n, v in pieces:
+                    for k in self.plan.keys_of(n):
+                        writer.add(k, v)
+                bar.update(len(task.keys))
+
+    def anchors_own(self, key):
+        """The anchor's own tensor ``key`` as written: with its correction, if REPAIR made one
+        (a BatchNorm layer's running statistics no class moves, reset on the data)."""
+        t = self.plan.anchor_checkpoint.read(key)
+        return self.corrections[key](t) if key in self.corrections else t
+
+    def pieces(self, names, split):
+        """``(name, value)`` of the merged ``names`` in write order: whole, or slice by slice
+        (``split``: see :func:`~symgraph.merging.slicing.split`), so that memory holds a few
+        slices of a large tensor in the work dtype (others of its group assembled in the
+        anchor's dtype), not several whole copies."""
+        if split is None:
+            yield from self.merged(names).items()
+            return
+        order, dims, size, step, streamed = split
+        A, whole = self.plan.anchor_checkpoint, {}
+        for start in range(0, size, step):
+            stop = min(start + step, size)
+            out = self.merged(names, {n: (d, start, stop) for n, d in dims.items()})
+            for n in order:
+                if n == streamed or (n not in dims and start == 0):
+                    yield n, out[n]
+                elif n in dims:
+                    if n not in whole:
+                        whole[n] = torch.empty(A.shapes[A.key(n)], dtype=out[n].dtype, device=self.out_device)
+                    whole[n].narrow(dims[n], start, stop - start).copy_(out[n])
+            del out
+        yield from whole.items()
+
+    def merged(self, names, parts=None) -> dict:
+        """Merged values of ``names`` in the anchor's dtypes; ``parts``: ``{name: (dim, start,
+        stop)}``, the slices to compute (the statistics sliced alike). Integer tensors (ids,
+        counts) are the anchor's. Inputs are checked finite through the result (NaN and inf
+        survive averaging and maps); only a non-finite result makes it look for the input
+        that caused it."""
+        parts = parts or {}
+        values, dtypes, ints, held = self.carried(names, parts)
+        A = self.plan.anchor_checkpoint
+        full = {n: A.shapes[A.key(n)] for n in parts}
+        stats = [None if st is None else Sliced(st, parts, full, self.ledger, self.elementwise) for st in self.stats]
+        floats = [n for n in names if n not in ints]
+        merged = self.combine(floats, values, stats, self.weights, self.plan.report)
+        self.ledger.hold(sum(nbytes(v) for v in merged.values()))
+        self.ledger.drop(held + sum(nbytes(v) for v in merged.values()) + sum(st.read for st in stats if st))
+        del values
+        out = {}
+        for n in names:
+            out[n] = ints.pop(n) if n in ints else self.finished(n, merged.pop(n), dtypes[n], names)
+        return out
+
+    def carried(self, names, parts) -> tuple:
+        """Each model's tensors of ``names`` (the ``parts`` asked for) read, on the device, in
+        the anchor's basis and the work dtype: ``(values, dtypes, ints, held)``, the anchor's
+        dtype of each name, its integer tensors (copied as they are) and the bytes held."""
+        n_models, anchor = len(self.plan.sources), self.plan.anchor
+        dtypes, ints, gains, held = {}, {}, {}, 0
+        values: list = [None] * n_models
+        for i in [anchor] + [i for i in range(n_models) if i != anchor]:
+            c, al = self.plan.sources[i], self.alignments[i]
+            vals = {}
+            for n in names:
+                t = c.get(n, check=False, part=parts.get(n))
+                if i == anchor:
+                    dtypes[n] = t.dtype
+                    if not t.dtype.is_floating_point:
+                        ints[n] = t.clone()
+                if n not in ints:
+                    vals[n] = t.to(self.device)
+                    if i == anchor and t.dim() <= 1:
+                        gains[n] = vals[n]  # the gauge B's gains are unfolded into
+            if al is not None:  # the anchor's own alignment (a shared universe) unfolds into its own gauge
+                gauge = al.gauge if i == anchor else gains
+                vals = vals | move(al.report_b, self.elements(i), vals, gauge, dtype=self.work_dtype)
+            values[i] = own = {n: v.to(self.work_dtype) for n, v in vals.items()}
+            size = sum(nbytes(v) for v in own.values())
+            held += size
+            self.ledger.hold(size)
+        return values, dtypes, ints, held
+
+    def finished(self, name, value, dtype, names):
+        """A merged tensor cast to the anchor's ``dtype``, on the output device, corrected, and
+        checked finite in that dtype (overflow too)."""
+        out = value.to(dtype).to(self.out_device)
+        if name in self.corrections:
+            out = self.corrections[name](out)
+        if not all_finite(out):
+            for c in self.plan.sources:
+                for m in names:
+                    c.get(m)  # raises naming the checkpoint and the tensor
+            raise InputError(f"the merged tensor {name!r} is not finite in {dtype} (the inputs are); "
+                             "expected weights whose average stays within the dtype's range")
+        return out
+
+    def elements(self, i) -> dict:
+        """Alignment ``i``'s elements on the device (moved there once)."""
+        if self.device.type == "cpu":
+            return self.alignments[i].elements
+        if i not in self.on_device:
+            self.on_device[i] = elements_on(self.alignments[i].elements, self.device)
+        return self.on_device[i]
