@@ -80,12 +80,12 @@ def test_max_iter_and_until_reach_align_and_are_checked(tmp_path):
     the sweeps of the merge's alignment (passed to ``symgraph.align``, whose defaults they
     share); 0, an unknown rule (argparse's choices on the command line) and either without an alignment are refused, one line each."""
     from symgraph.alignment.options import AlignOptions
-    from symgraph.app.run import _speed_options
+    from symgraph.merging.config import solver_options
     cfg = _cli(["a", "b", "--out", "o"])
     assert (cfg.max_iter, cfg.until) == (AlignOptions().max_iter, AlignOptions().until) == (6, "gap")
     cfg = _cli(["a", "b", "--out", "o", "--max-iter", "7", "--until", "discrete"])
     assert (cfg.max_iter, cfg.until) == (7, "discrete")
-    assert {k: _speed_options(cfg)[k] for k in ("max_iter", "until")} == {"max_iter": 7, "until": "discrete"}
+    assert {k: solver_options(cfg)[k] for k in ("max_iter", "until")} == {"max_iter": 7, "until": "discrete"}
     (tmp_path / "m.yaml").write_text("models: [a, b]\nout: o\nmax_iter: 3\n")
     assert _cli(["--config", str(tmp_path / "m.yaml")]).max_iter == 3
     (tmp_path / "bad.yaml").write_text("models: [a, b]\nout: o\nuntil: never\n")

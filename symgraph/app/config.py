@@ -1,6 +1,7 @@
-"""The merge configuration: one frozen, validated :class:`MergeConfig` that
-:func:`symgraph.app.run.run_merge` takes, read from a YAML file and the command line's
-options over it (:func:`merge_options`). Defaults and validation live in the schema only.
+"""The merge configuration as the command line and YAML files give it: the one frozen, validated
+:class:`~symgraph.merging.config.MergeConfig` (declared, with its rules, in
+:mod:`symgraph.merging.config`) read from a YAML file and the command line's options over it
+(:func:`merge_options`). Defaults and validation live in the schema only.
 
 Every option is declared once, as a field of :class:`MergeConfig` (its description, what a
 refusal says is expected, its metavar): the YAML keys, the ``symgraph merge`` flags
@@ -23,221 +24,21 @@ linear``, ``models: [{model: ..., parameters: {weight: ...}}]``) is read too
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      ValidationError, field_validator, model_validator)
+from pydantic import ValidationError
 
-from ..alignment.options import MAX_REFINE, AlignOptions, Columns, Fraction, Outputs, Steps, Sweeps
-from ..checkpoints.sharded import parse_size
-from ..core.schema import error_key, expected, refusal, short_repr as _short
+from ..core.schema import error_key, refusal, short_repr as _short
 from ..errors import InputError
-from ..merging.methods.registry import get as get_method, names as merge_methods
+from ..merging.config import MAX_REFINE, MERGE_KEYS, MergeConfig, check, refused
 from .mergekit_config import from_mergekit
 from .options import flag, given_options
-from .rules import check, refused
 
-__all__ = ["MERGE_KEYS", "MAX_REFINE", "MergeConfig", "read_merge_config", "merge_options", "defaults", "to_yaml",
-           "from_mergekit", "build_config", "check"]
-
-#: Device types that hold no values (every other one is checked to hold a tensor before a merge).
-NO_COMPUTE_DEVICES = ("meta",)
-#: The largest --memory-budget (bytes: 1000000GB; a larger one is a typo, or an overflow).
-MAX_BUDGET = 10 ** 15
 #: The largest merge config read (a config is a few lines), and how deep its values may nest.
 MAX_CONFIG_BYTES = 1 << 20
 MAX_CONFIG_DEPTH = 32
 
-
-def _opt(expected: str, cli: bool = True, metavar: str | None = None, flag: str | None = None) -> dict:
-    """A field's extra declaration: what a refusal says is ``expected`` of its value, and
-    whether the command line has a flag for it (:mod:`symgraph.app.options` derives the
-    flag, its help and the docs' row from the field; ``flag`` when it is not ``--key``)."""
-    return {"expected": expected, "cli": cli, **({"metavar": metavar} if metavar else {}),
-            **({"flag": flag} if flag else {})}
-
-
-def _align(key: str, description: str, metavar: str | None = None, wanted: str | None = None) -> Any:
-    """A field :class:`~symgraph.alignment.options.AlignOptions` declares too: annotated with the
-    type it declares (``Steps``, ``Columns``, ...: type and range), its default taken from there
-    (and what a refusal expects, unless ``wanted`` says it for the command line); only the
-    command line's description and metavar are added here."""
-    return Field(AlignOptions.model_fields[key].default, description=description,
-                 json_schema_extra=_opt(wanted or expected(AlignOptions, key), metavar=metavar))
-
-
-class _OneLine(type(BaseModel)):  # type: ignore[misc]  # pydantic's model metaclass
-    """``MergeConfig(...)`` refused in one :class:`InputError` line, the command line's (a
-    metaclass: pydantic runs a model's own ``__init__`` inside ``model_validate`` too, without
-    its context)."""
-    def __call__(cls, *args, **fields):
-        try:
-            return super().__call__(*args, **fields)
-        except ValidationError as e:
-            raise InputError(refused(e, fields, lambda k: flag(MergeConfig, k), MergeConfig)) from None
-
-
-class MergeConfig(BaseModel, metaclass=_OneLine):
-    """A merge job (see the module docstring): frozen, and checked whole when built, however it is
-    built (:func:`merge_options` from a command line and a YAML file, :func:`build_config` or
-    ``MergeConfig(...)`` in Python): each field by its type and range, the fields together by
-    :func:`check` (``repair`` needs ``data``, ...). Built in Python, a refusal is one
-    :class:`~symgraph.errors.InputError` line, the one the command line prints."""
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    models: list[StrictStr] = Field(min_length=2, description="the models: save_pretrained directories, demo "
-                                    "names or hub ids (on the command line: the positional arguments)",
-                                    json_schema_extra=_opt("a list of at least 2 model paths / names", cli=False,
-                                                           metavar="models"))
-    out: StrictStr | None = Field(None, description="output directory (must not exist unless --force)",
-                                  json_schema_extra=_opt("an output directory path (string)", metavar="DIR"))
-    align: Literal["weights", "activations", "none"] = Field(
-        "weights", description="how B is put into A's basis first: by weights (data-free), by activations "
-        "(needs data) or not at all", json_schema_extra=_opt("one of 'weights', 'activations', 'none'"))
-    method: StrictStr = Field("average", description="how the aligned models are combined (a registered method)",
-                              json_schema_extra=_opt("a merge method name (symgraph.merge_methods())"))
-    parameters: dict[StrictStr, Any] = Field(
-        {}, description="the merge method's parameters, NAME=VALUE (e.g. alpha=0.1 for regmean; mergekit's "
-        "parameters: key); each method declares its own, recorded in symgraph_merge.json",
-        json_schema_extra=_opt("a mapping of the method's parameter names to values", metavar="NAME=VALUE",
-                               flag="--parameter"))
-    anchor: StrictInt | Literal["universe"] = Field(
-        0, description="the model the others are aligned to (its index), or universe: every model aligned to the "
-        "mean of the others, round after round (MergeMany), out of core within the budget",
-        json_schema_extra=_opt("a model index (0, 1, ...) or 'universe'", metavar="N|universe"))
-    weights: list[Annotated[StrictFloat, Field(allow_inf_nan=False)] | StrictInt] | None = Field(
-        None, description="one mixing weight per model (normalised to sum 1; default: equal)",
-        json_schema_extra=_opt("a list of numbers, one per model, each finite", metavar="W"))
-    data: StrictStr | None = Field(None, description=".safetensors/.pt file with 'input_ids' [N, S] (or "
-                                   "'pixel_values'), for activation statistics",
-                                   json_schema_extra=_opt("a path to a .safetensors or .pt data file (string)", metavar="FILE"))
-    repair: StrictBool = Field(False, description="REPAIR: renormalise the merge's hidden activations to the "
-                               "inputs' interpolated mean and std (needs --data)",
-                               json_schema_extra=_opt("true or false (REPAIR needs data)"))
-    refine: Steps = _align("refine", "learned matching: N optimisation steps after activation matching, on the "
-                           "model's own loss over --data (align then defaults to activations; an explicit "
-                           "--align weights or none is refused)", "N",
-                           f"a number of steps (an integer >= 0, at most {MAX_REFINE}; needs data)")
-    fold_norms: StrictBool = _align("fold_norms", "fold norm gains into the layers that read them, so residual "
-                                    "streams admit rotations (off: they stay permutations)")
-    attention: Literal["heads", "circuits"] = Field(
-        "heads", description="circuits: each merged head interpolates the parents' QK and OV forms (heads N "
-        "times as wide; needs a config with head_dim)", json_schema_extra=_opt("one of 'heads', 'circuits'"))
-    untie: StrictBool = Field(False, description="give a tied head its own weights first (the residual stream "
-                              "then admits orthogonal maps; one more vocabulary x width matrix)",
-                              json_schema_extra=_opt("true or false"))
-    full_groups: StrictBool = _align("full_groups", "after the rotations, fit each head's GL map and each RoPE "
-                                     "pair's scale (the full groups the report claims)")
-    sketch: Columns = _align("sketch", "weight matching compares permutation classes through a shared random "
-                             "projection of K columns where a matrix is wider than 2K (0: exact)", "K")
-    tol: Fraction = _align("tol", "weight matching keeps a class's element unless re-solving it gains more than "
-                           "this fraction of its objective (0: every change)", "X")
-    max_iter: Sweeps = _align("max_iter", "weight matching stops after at most this many sweeps of coordinate "
-                              "descent", "N")
-    until: Literal["exact", "discrete", "gap"] = _align(
-        "until", "the sweeps end, from the second on, once one changes no permutation or head matching and "
-        "closes under 5 percent of any unit's gap to its bound (gap, default), once one changes no element (exact), "
-        "or no permutation or head matching (discrete: faster, rotations less converged)")
-    seen_rows: StrictBool = Field(False, description="weight matching reads only the token-embedding rows of "
-                                  "tokens in --data (Theus et al. 2025)",
-                                  json_schema_extra=_opt("true or false (needs data)"))
-    outputs: Outputs = _align("outputs", "the outputs a symmetry must keep (e.g. logits; default: all)", "NAME",
-                              "a list of output names a symmetry must keep (e.g. [logits])")
-    device: StrictStr = Field("cpu", description="compute on this device (cpu, cuda, cuda:N; like mergekit's "
-                              "--cuda): out of core, tensors are read from disk, computed there and written "
-                              "back; in memory, the models are loaded there",
-                              json_schema_extra=_opt("where to compute: 'cpu', 'cuda' or 'cuda:N'", metavar="DEV"))
-    memory_budget: StrictStr | None = Field(None, description="bytes the out-of-core engine may hold at once "
-                                            "(its caches, a pass of statistics, a group's working copies), "
-                                            "e.g. 2GB; default: fixed sizes of about 0.5 GB",
-                                            json_schema_extra=_opt(f"a size such as '2GB' or '500MB', above 0 and at most {MAX_BUDGET // 10 ** 9}GB",
-                                                                   metavar="SIZE"))
-    max_shard_size: StrictStr | None = Field(None, description="largest file of the merged checkpoint, e.g. "
-                                             "2GB; default: a sharded anchor's largest shard, so the output is "
-                                             "sharded like the input (else 2 GiB)",
-                                             json_schema_extra=_opt("a size such as '2GB' or '500MB'",
-                                                                    metavar="SIZE"))
-    force: StrictBool = Field(False, description="replace an existing --out (a previous symgraph output)",
-                              json_schema_extra=_opt("true or false"))
-
-    @field_validator("memory_budget", "max_shard_size")
-    @classmethod
-    def _a_size(cls, v):
-        if v is not None:
-            try:
-                size = parse_size(v)
-            except (InputError, OverflowError):  # 1e999GB: a float that is inf
-                size = None
-            if size is None or not 0 < size <= MAX_BUDGET:
-                raise ValueError(f"is not a size from 1B to {MAX_BUDGET // 10 ** 9}GB; expected a size such as '2GB' "
-                                 "or '500MB'")
-        return v
-
-    @field_validator("device")
-    @classmethod
-    def _usable_device(cls, v):
-        import torch
-        try:
-            dev = torch.device(v)
-        except (RuntimeError, ValueError):
-            raise ValueError("is not a device name; expected 'cpu', 'cuda' or 'cuda:N'") from None
-        if dev.type in NO_COMPUTE_DEVICES:  # a meta tensor has a shape and no values: nothing to compute with
-            raise ValueError(f"is not a device symgraph computes on ({dev.type} tensors hold no values); expected "
-                             "'cpu', 'cuda' or 'cuda:N'")
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("names a CUDA device but this machine has none (torch.cuda.is_available() is "
-                             "False); expected 'cpu', or a machine with a GPU and a CUDA build of torch")
-        if dev.type != "cpu":
-            try:
-                torch.empty(1, device=dev)
-            except Exception as e:  # noqa: BLE001 - no backend (xla, ipu), not compiled in (xpu), no module (hpu)
-                said = " ".join(str(e).split()).split(". ")[0][:120]  # the first sentence
-                raise ValueError(f"cannot hold a tensor ({type(e).__name__}: {said}); "
-                                 "expected 'cpu', 'cuda', 'cuda:N' or another device this torch build "
-                                 "has") from None
-        return str(dev)
-
-    @field_validator("align", mode="before")
-    @classmethod
-    def _no_yaml_booleans(cls, v):
-        if isinstance(v, bool) or v is None:
-            raise ValueError(f"is the YAML value {v!r} (YAML reads no/off/false as a boolean); write "
-                             "'none' in quotes, or 'weights' / 'activations'")
-        return v
-
-    @field_validator("method")
-    @classmethod
-    def _registered(cls, v):
-        if v not in merge_methods():
-            raise ValueError(f"is not a merge method; expected one of {merge_methods()}")
-        return v
-
-    @model_validator(mode="after")
-    def _consistent(self, info):
-        """The rules between fields (:func:`check`), named as the context's ``name(key)`` says
-        (default: the flags); a context ``{"fields_only": True}`` (a YAML file read before the
-        command line completes it) skips them, ``{"batches": True}`` says data come as batches
-        already loaded rather than as ``data``."""
-        ctx = info.context or {}
-        if not ctx.get("fields_only"):
-            check(self.model_dump(), ctx.get("name") or (lambda k: flag(MergeConfig, k)), ctx.get("batches", False))
-        return self
-
-    @field_validator("parameters")
-    @classmethod
-    def _declared(cls, v, info):
-        """The method's parameters, each checked by its ``Parameters`` declaration (the values
-        typed as it declares them: a command line's ``alpha=0.1`` is the number 0.1)."""
-        if "method" not in info.data:  # the method itself was refused
-            return v
-        try:
-            params = get_method(info.data["method"], **v).params
-        except InputError as e:
-            raise ValueError(str(e)) from None
-        return {k: getattr(params, k) for k in v}
-
-
-#: What each key of a merge config expects (derived from the schema).
-MERGE_KEYS = {k: expected(MergeConfig, k) for k in MergeConfig.model_fields}
+__all__ = ["MERGE_KEYS", "MAX_REFINE", "MergeConfig", "read_merge_config", "merge_options", "defaults", "to_yaml",
+           "from_mergekit", "build_config", "check"]
 
 
 class _Unreadable(Exception):

@@ -11,75 +11,10 @@ help and YAML text and whose ``json_schema_extra`` says how the command line spe
 from __future__ import annotations
 
 import argparse
-import types
-import typing
+
+from ..core.schema import Option, flag, options
 
 __all__ = ["add_flags", "given_options", "options_table", "options_page", "flag", "Option"]
-
-
-class Option(typing.NamedTuple):
-    """One option as the command line sees it."""
-    key: str          # the YAML key and the schema field
-    metavar: str | None
-    flag: str | None  # "--align", "--no-fold-norms"; None: YAML only
-    kind: str         # "bool", "negated", "list", "choice", "int", "float", "str"
-    choices: tuple
-    element: type | None
-    default: object
-    help: str
-
-
-def _kind(annotation):
-    """(kind, choices, element type) of a field's annotation."""
-    annotation = _base(annotation)  # Annotated[list[...], Field(min_length=1)] -> list[...]
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    origin = typing.get_origin(annotation)
-    if origin is typing.Literal:
-        return "choice", tuple(typing.get_args(annotation)), None
-    if origin in (typing.Union, types.UnionType):
-        if all(typing.get_origin(a) is list for a in args):
-            return _kind(args[0])
-        if len(args) == 1:
-            return _kind(args[0])
-        if {_base(a) for a in args} <= {int, float}:
-            return "float", (), None
-        words = [w for a in args if typing.get_origin(a) is typing.Literal for w in typing.get_args(a)]
-        if words and {_base(a) for a in args if typing.get_origin(a) is not typing.Literal} == {int}:
-            return "int_or_choice", tuple(words), int
-    if origin is dict:
-        return "mapping", (), None
-    if origin is list:
-        (inner,) = typing.get_args(annotation) or (str,)
-        el = _base(typing.get_args(inner)[0] if typing.get_origin(inner) is typing.Union else inner)
-        return "list", (), el
-    base = _base(annotation)
-    return {bool: "bool", int: "int", float: "float"}.get(base, "str"), (), None
-
-
-def _base(t):
-    """The plain Python type behind pydantic's strict aliases (``StrictInt`` -> int)."""
-    if typing.get_origin(t) is typing.Annotated:
-        t = typing.get_args(t)[0]
-    return t
-
-
-def options(schema) -> list:
-    """Every field of ``schema`` as an :class:`Option`."""
-    out = []
-    for key, f in schema.model_fields.items():
-        extra = f.json_schema_extra or {}
-        kind, choices, element = _kind(f.annotation)
-        if kind == "bool" and f.default is True:
-            kind = "negated"
-        name = None if extra.get("cli") is False else extra.get("flag") or (
-            "--no-" if kind == "negated" else "--") + key.replace("_", "-")
-        out.append(Option(key, extra.get("metavar"), name, kind, choices, element, f.default, f.description or ""))
-    return out
-
-
-def flag(schema, key: str) -> str:
-    """How the command line spells option ``key`` (``--refine``, ``--no-fold-norms``)."""
-    return next(o.flag for o in options(schema) if o.key == key) or key
 
 
 def add_flags(parser: argparse.ArgumentParser, schema, *, choices_for=None) -> None:

@@ -1,0 +1,331 @@
+"""The one merge configuration: a frozen, validated :class:`MergeConfig` that every entry takes
+(``symgraph merge`` and YAML through :mod:`symgraph.app.config`, :func:`symgraph.merge`,
+:func:`symgraph.merge_checkpoints`, the merge engine), and the rules between its options
+(:func:`check`, its validator: "repair needs data", "sketch sketches weight matching", ...),
+so a config built in Python is held to them too, each refusal one line naming the options as
+they were given. Defaults and validation live here only.
+
+Every option is declared once, as a field (its description, what a refusal says is expected,
+its metavar): the YAML keys, the command-line flags (:mod:`symgraph.app.options`), the defaults
+and the docs' table (``docs/options.md``) are derived from it. The alignment options a merge
+shares with :func:`symgraph.align` take their type, range and default from
+:class:`~symgraph.alignment.options.AlignOptions`.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationError, field_validator, model_validator)
+
+from ..alignment.options import MAX_REFINE, AlignOptions, Columns, Fraction, Outputs, Steps, Sweeps
+from ..checkpoints.sharded import parse_size
+from ..core.schema import error_key, expected, flag, refusal, short_repr
+from ..errors import InputError
+from .methods.registry import get as get_method, mixing_weights, names as merge_methods
+
+__all__ = ["MergeConfig", "MERGE_KEYS", "MAX_REFINE", "MAX_BUDGET", "check", "refused", "engine_config",
+           "solver_options"]
+
+#: Device types that hold no values (every other one is checked to hold a tensor before a merge).
+NO_COMPUTE_DEVICES = ("meta",)
+#: The largest --memory-budget (bytes: 1000000GB; a larger one is a typo, or an overflow).
+MAX_BUDGET = 10 ** 15
+
+
+def _opt(expected: str, cli: bool = True, metavar: str | None = None, flag: str | None = None) -> dict:
+    """A field's extra declaration: what a refusal says is ``expected`` of its value, and
+    whether the command line has a flag for it (:mod:`symgraph.app.options` derives the
+    flag, its help and the docs' row from the field; ``flag`` when it is not ``--key``)."""
+    return {"expected": expected, "cli": cli, **({"metavar": metavar} if metavar else {}),
+            **({"flag": flag} if flag else {})}
+
+
+def _align(key: str, description: str, metavar: str | None = None, wanted: str | None = None) -> Any:
+    """A field :class:`~symgraph.alignment.options.AlignOptions` declares too: annotated with the
+    type it declares (``Steps``, ``Columns``, ...: type and range), its default taken from there
+    (and what a refusal expects, unless ``wanted`` says it for the command line); only the
+    command line's description and metavar are added here."""
+    return Field(AlignOptions.model_fields[key].default, description=description,
+                 json_schema_extra=_opt(wanted or expected(AlignOptions, key), metavar=metavar))
+
+
+class _OneLine(type(BaseModel)):  # type: ignore[misc]  # pydantic's model metaclass
+    """``MergeConfig(...)`` refused in one :class:`InputError` line, the command line's (a
+    metaclass: pydantic runs a model's own ``__init__`` inside ``model_validate`` too, without
+    its context)."""
+    def __call__(cls, *args, **fields):
+        try:
+            return super().__call__(*args, **fields)
+        except ValidationError as e:
+            raise InputError(refused(e, fields, lambda k: flag(MergeConfig, k), MergeConfig)) from None
+
+
+class MergeConfig(BaseModel, metaclass=_OneLine):
+    """A merge job (see the module docstring): frozen, and checked whole when built, however it is
+    built (:func:`merge_options` from a command line and a YAML file, :func:`build_config` or
+    ``MergeConfig(...)`` in Python): each field by its type and range, the fields together by
+    :func:`check` (``repair`` needs ``data``, ...). Built in Python, a refusal is one
+    :class:`~symgraph.errors.InputError` line, the one the command line prints."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    models: list[StrictStr] = Field(min_length=2, description="the models: save_pretrained directories, demo "
+                                    "names or hub ids (on the command line: the positional arguments)",
+                                    json_schema_extra=_opt("a list of at least 2 model paths / names", cli=False,
+                                                           metavar="models"))
+    out: StrictStr | None = Field(None, description="output directory (must not exist unless --force)",
+                                  json_schema_extra=_opt("an output directory path (string)", metavar="DIR"))
+    align: Literal["weights", "activations", "none"] = Field(
+        "weights", description="how B is put into A's basis first: by weights (data-free), by activations "
+        "(needs data) or not at all", json_schema_extra=_opt("one of 'weights', 'activations', 'none'"))
+    method: StrictStr = Field("average", description="how the aligned models are combined (a registered method)",
+                              json_schema_extra=_opt("a merge method name (symgraph.merge_methods())"))
+    parameters: dict[StrictStr, Any] = Field(
+        {}, description="the merge method's parameters, NAME=VALUE (e.g. alpha=0.1 for regmean; mergekit's "
+        "parameters: key); each method declares its own, recorded in symgraph_merge.json",
+        json_schema_extra=_opt("a mapping of the method's parameter names to values", metavar="NAME=VALUE",
+                               flag="--parameter"))
+    anchor: StrictInt | Literal["universe"] = Field(
+        0, description="the model the others are aligned to (its index), or universe: every model aligned to the "
+        "mean of the others, round after round (MergeMany), out of core within the budget",
+        json_schema_extra=_opt("a model index (0, 1, ...) or 'universe'", metavar="N|universe"))
+    weights: list[Annotated[StrictFloat, Field(allow_inf_nan=False)] | StrictInt] | None = Field(
+        None, description="one mixing weight per model (normalised to sum 1; default: equal)",
+        json_schema_extra=_opt("a list of numbers, one per model, each finite", metavar="W"))
+    data: StrictStr | None = Field(None, description=".safetensors/.pt file with 'input_ids' [N, S] (or "
+                                   "'pixel_values'), for activation statistics",
+                                   json_schema_extra=_opt("a path to a .safetensors or .pt data file (string)", metavar="FILE"))
+    repair: StrictBool = Field(False, description="REPAIR: renormalise the merge's hidden activations to the "
+                               "inputs' interpolated mean and std (needs --data)",
+                               json_schema_extra=_opt("true or false (REPAIR needs data)"))
+    refine: Steps = _align("refine", "learned matching: N optimisation steps after activation matching, on the "
+                           "model's own loss over --data (align then defaults to activations; an explicit "
+                           "--align weights or none is refused)", "N",
+                           f"a number of steps (an integer >= 0, at most {MAX_REFINE}; needs data)")
+    fold_norms: StrictBool = _align("fold_norms", "fold norm gains into the layers that read them, so residual "
+                                    "streams admit rotations (off: they stay permutations)")
+    attention: Literal["heads", "circuits"] = Field(
+        "heads", description="circuits: each merged head interpolates the parents' QK and OV forms (heads N "
+        "times as wide; needs a config with head_dim)", json_schema_extra=_opt("one of 'heads', 'circuits'"))
+    untie: StrictBool = Field(False, description="give a tied head its own weights first (the residual stream "
+                              "then admits orthogonal maps; one more vocabulary x width matrix)",
+                              json_schema_extra=_opt("true or false"))
+    full_groups: StrictBool = _align("full_groups", "after the rotations, fit each head's GL map and each RoPE "
+                                     "pair's scale (the full groups the report claims)")
+    sketch: Columns = _align("sketch", "weight matching compares permutation classes through a shared random "
+                             "projection of K columns where a matrix is wider than 2K (0: exact)", "K")
+    tol: Fraction = _align("tol", "weight matching keeps a class's element unless re-solving it gains more than "
+                           "this fraction of its objective (0: every change)", "X")
+    max_iter: Sweeps = _align("max_iter", "weight matching stops after at most this many sweeps of coordinate "
+                              "descent", "N")
+    until: Literal["exact", "discrete", "gap"] = _align(
+        "until", "the sweeps end, from the second on, once one changes no permutation or head matching and "
+        "closes under 5 percent of any unit's gap to its bound (gap, default), once one changes no element (exact), "
+        "or no permutation or head matching (discrete: faster, rotations less converged)")
+    seen_rows: StrictBool = Field(False, description="weight matching reads only the token-embedding rows of "
+                                  "tokens in --data (Theus et al. 2025)",
+                                  json_schema_extra=_opt("true or false (needs data)"))
+    outputs: Outputs = _align("outputs", "the outputs a symmetry must keep (e.g. logits; default: all)", "NAME",
+                              "a list of output names a symmetry must keep (e.g. [logits])")
+    device: StrictStr = Field("cpu", description="compute on this device (cpu, cuda, cuda:N; like mergekit's "
+                              "--cuda): out of core, tensors are read from disk, computed there and written "
+                              "back; in memory, the models are loaded there",
+                              json_schema_extra=_opt("where to compute: 'cpu', 'cuda' or 'cuda:N'", metavar="DEV"))
+    memory_budget: StrictStr | None = Field(None, description="bytes the out-of-core engine may hold at once "
+                                            "(its caches, a pass of statistics, a group's working copies), "
+                                            "e.g. 2GB; default: fixed sizes of about 0.5 GB",
+                                            json_schema_extra=_opt(f"a size such as '2GB' or '500MB', above 0 and at most {MAX_BUDGET // 10 ** 9}GB",
+                                                                   metavar="SIZE"))
+    max_shard_size: StrictStr | None = Field(None, description="largest file of the merged checkpoint, e.g. "
+                                             "2GB; default: a sharded anchor's largest shard, so the output is "
+                                             "sharded like the input (else 2 GiB)",
+                                             json_schema_extra=_opt("a size such as '2GB' or '500MB'",
+                                                                    metavar="SIZE"))
+    force: StrictBool = Field(False, description="replace an existing --out (a previous symgraph output)",
+                              json_schema_extra=_opt("true or false"))
+
+    @field_validator("memory_budget", "max_shard_size")
+    @classmethod
+    def _a_size(cls, v):
+        if v is not None:
+            try:
+                size = parse_size(v)
+            except (InputError, OverflowError):  # 1e999GB: a float that is inf
+                size = None
+            if size is None or not 0 < size <= MAX_BUDGET:
+                raise ValueError(f"is not a size from 1B to {MAX_BUDGET // 10 ** 9}GB; expected a size such as '2GB' "
+                                 "or '500MB'")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _usable_device(cls, v):
+        import torch
+        try:
+            dev = torch.device(v)
+        except (RuntimeError, ValueError):
+            raise ValueError("is not a device name; expected 'cpu', 'cuda' or 'cuda:N'") from None
+        if dev.type in NO_COMPUTE_DEVICES:  # a meta tensor has a shape and no values: nothing to compute with
+            raise ValueError(f"is not a device symgraph computes on ({dev.type} tensors hold no values); expected "
+                             "'cpu', 'cuda' or 'cuda:N'")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("names a CUDA device but this machine has none (torch.cuda.is_available() is "
+                             "False); expected 'cpu', or a machine with a GPU and a CUDA build of torch")
+        if dev.type != "cpu":
+            try:
+                torch.empty(1, device=dev)
+            except Exception as e:  # noqa: BLE001 - no backend (xla, ipu), not compiled in (xpu), no module (hpu)
+                said = " ".join(str(e).split()).split(". ")[0][:120]  # the first sentence
+                raise ValueError(f"cannot hold a tensor ({type(e).__name__}: {said}); "
+                                 "expected 'cpu', 'cuda', 'cuda:N' or another device this torch build "
+                                 "has") from None
+        return str(dev)
+
+    @field_validator("align", mode="before")
+    @classmethod
+    def _no_yaml_booleans(cls, v):
+        if isinstance(v, bool) or v is None:
+            raise ValueError(f"is the YAML value {v!r} (YAML reads no/off/false as a boolean); write "
+                             "'none' in quotes, or 'weights' / 'activations'")
+        return v
+
+    @field_validator("method")
+    @classmethod
+    def _registered(cls, v):
+        if v not in merge_methods():
+            raise ValueError(f"is not a merge method; expected one of {merge_methods()}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self, info):
+        """The rules between fields (:func:`check`), named as the context's ``name(key)`` says
+        (default: the flags); a context ``{"fields_only": True}`` (a YAML file read before the
+        command line completes it) skips them, ``{"batches": True}`` says data come as batches
+        already loaded rather than as ``data``."""
+        ctx = info.context or {}
+        if not ctx.get("fields_only"):
+            check(self.model_dump(), ctx.get("name") or (lambda k: flag(MergeConfig, k)), ctx.get("batches", False))
+        return self
+
+    @field_validator("parameters")
+    @classmethod
+    def _declared(cls, v, info):
+        """The method's parameters, each checked by its ``Parameters`` declaration (the values
+        typed as it declares them: a command line's ``alpha=0.1`` is the number 0.1)."""
+        if "method" not in info.data:  # the method itself was refused
+            return v
+        try:
+            params = get_method(info.data["method"], **v).params
+        except InputError as e:
+            raise ValueError(str(e)) from None
+        return {k: getattr(params, k) for k in v}
+
+
+#: What each key of a merge config expects (derived from the schema).
+MERGE_KEYS = {k: expected(MergeConfig, k) for k in MergeConfig.model_fields}
+
+
+def check(opts: dict, name, batches: bool = False) -> None:
+    """The checks between options, on values the schema accepted (each option's type and range
+    are the schema's job: :class:`~symgraph.app.config.MergeConfig`, whose alignment fields
+    :class:`AlignOptions` declares): the config's validator; ``name(key)`` says where an option came from in
+    a refusal (``--refine``, or ``'refine:' in merge.yaml``); ``batches``: the data come as
+    batches already loaded, not as ``data``."""
+    n = name
+    data = f"{n('data')} FILE" if n("data").startswith("--") else n("data")
+    opts = {**opts, "data": opts["data"] or batches}
+    if opts["refine"] and not opts["data"]:
+        raise InputError(f"{n('refine')} needs {data} (batches for activation matching and the loss)")
+    if opts["refine"] and opts["align"] in ("none", None):
+        raise InputError(f"{n('refine')} needs an alignment to refine; expected {n('align')} activations")
+    if opts["weights"] is not None:
+        mixing_weights(opts["weights"], len(opts["models"]))
+    if opts["attention"] == "circuits" and (opts["method"] != "average" or opts["repair"]):
+        raise InputError(f"{n('attention')} circuits merges by averaging; expected {n('method')} average without "
+                         f"{n('repair')}")
+    if opts["sketch"] and opts["align"] != "weights":
+        raise InputError(f"{n('sketch')} sketches weight matching; expected {n('align')} weights")
+    if opts["tol"] and opts["align"] != "weights":
+        raise InputError(f"{n('tol')} ends the sweeps of weight matching; expected {n('align')} weights")
+    for key in ("max_iter", "until"):
+        if opts[key] != AlignOptions.model_fields[key].default and opts["align"] in ("none", None):
+            raise InputError(f"{n(key)} ends the sweeps of an alignment; expected {n('align')} weights or "
+                             "activations")
+    if opts["seen_rows"] and not opts["data"]:
+        raise InputError(f"{n('seen_rows')} reads the embedding rows of the tokens in the data; expected {data}")
+    if opts["seen_rows"] and opts["align"] != "weights":
+        raise InputError(f"{n('seen_rows')} restricts weight matching; expected {n('align')} weights")
+    if opts["full_groups"] and opts["align"] in ("none", None):
+        raise InputError(f"{n('full_groups')} fits the groups an alignment solves; expected {n('align')} weights "
+                         "or activations")
+    anchor, count = opts["anchor"], len(opts["models"])
+    if anchor == "universe" and (opts["align"] in ("none", None) or opts["attention"] == "circuits"):
+        raise InputError(f"{n('anchor')} universe aligns every model to the mean of the others; expected "
+                         f"{n('align')} weights or activations, with {n('attention')} heads")
+    if anchor != "universe" and not 0 <= anchor < count:
+        raise InputError(f"{n('anchor')} {anchor} is not one of the {count} models; expected an index 0..{count - 1} "
+                         "or universe")
+    if opts["repair"] and not opts["data"]:
+        raise InputError(f"{n('repair')} needs {data} (batches to measure activation statistics on)")
+    needs_data = get_method(opts["method"]).needs_data or opts["align"] == "activations"
+    if needs_data and not opts["data"]:
+        raise InputError(f"{n('align')} {opts['align']} with {n('method')} {opts['method']} needs {data} (a "
+                         ".safetensors or .pt file with a tensor 'input_ids' [N, S]); expected it, or "
+                         f"{n('align')} weights/none with {n('method')} average")
+
+
+def refused(e, given: dict, name, schema) -> str:
+    """One line for the first error of a config's validation (``e``, pydantic's, of ``schema``):
+    a field's names it and the value ``given`` (``name(key)``: a flag, or where a YAML file set
+    it); a rule between fields (:func:`check`) says it all."""
+    err = e.errors()[0]
+    if not err.get("loc"):  # the model's validator: check()'s own line
+        return str(err.get("msg", "")).removeprefix("Value error, ")
+    key = error_key(err)
+    if key not in schema.model_fields:
+        return f"{key!r} is not a merge option; expected only {', '.join(schema.model_fields)}"
+    return refusal(err, f"{name(key)} {short_repr(given.get(key))}", expected(schema, key))
+
+
+def solver_options(config) -> dict:
+    """The alignment options ``config`` sets that reach the solver, in memory and out of core
+    alike (weight matching's ``sketch``, ``tol``, ``max_iter``, ``until``; ``full_groups``);
+    unset ones keep :func:`symgraph.align`'s defaults."""
+    return {k: getattr(config, k) for k in ("sketch", "tol", "max_iter", "until", "full_groups") if getattr(config, k)}
+
+
+def engine_config(sources, config, options: dict, data, method=None) -> tuple:
+    """``(config, align_options)`` for the merge engine over ``sources``: ``config`` as given, or
+    built from keyword ``options`` (the config's fields; ``align=None`` for ``"none"``,
+    ``method_options`` for ``parameters``; sizes and devices as numbers and ``torch.device`` s)
+    and checked by the same rules, ``data`` standing for the data file; the options the config
+    does not hold (``solver``, ``inner``, ``refine_lr``, ...) are returned for the alignment.
+    ``method``: a method instance the config's ``method`` stands for (its name, when registered)."""
+    options = dict(options)
+    if config is not None:
+        return config, options
+    fields = {k: options.pop(k) for k in list(options) if k in MergeConfig.model_fields}
+    if "method_options" in options:
+        fields["parameters"] = dict(options.pop("method_options") or {})
+    if fields.get("align", "weights") is None:
+        fields["align"] = "none"
+    for k in ("memory_budget", "max_shard_size"):
+        if isinstance(fields.get(k), int) and not isinstance(fields[k], bool):
+            fields[k] = f"{fields[k]}B"
+    if "device" in fields:
+        fields["device"] = str(fields["device"])
+    if method is not None and not isinstance(method, str):  # an instance: its parameters are its own
+        fields["method"] = method.name if method.name in merge_methods() else "average"
+        fields.pop("parameters", None)
+    elif method is not None:
+        fields["method"] = method
+    fields["models"] = [str(getattr(s, "path", None) or s) for s in sources]
+    try:
+        return MergeConfig.model_validate(fields, context={"batches": bool(data), "name": _keyword}), options
+    except ValidationError as e:
+        raise InputError(refused(e, fields, _keyword, MergeConfig)) from None
+
+
+def _keyword(key: str) -> str:
+    """How a refusal names option ``key`` given as a Python keyword (``method_options`` for the
+    config's ``parameters``)."""
+    return "method_options" if key == "parameters" else key
