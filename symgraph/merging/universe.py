@@ -8,10 +8,10 @@ shared basis, so the maps between any two models, through it, are cycle-consiste
 
 - round 0: every model aligned to ``models[0]`` (the anchor merge), giving each model's state
   in one shared basis;
-- round r ≥ 1: for i = 0..N-1 in turn, the weighted mean of the other models' current states
-  (the leave-one-out mean, a copy of ``models[0]`` holding it, so :func:`symgraph.align` can
-  trace it) becomes the target, the *original* model i is aligned to it, and model i's state
-  is replaced at once (Gauss-Seidel: the next model sees it);
+- round r ≥ 1: for i = 0..N-1 in turn, the weighted mean of the other models in the shared
+  basis (the leave-one-out mean: a plan of the merge engine, method ``average``, model i's
+  weight 0, :func:`mean_plan`) becomes the target, the *original* model i is aligned to it, and
+  model i's alignment is replaced at once (Gauss-Seidel: the next model sees it);
 - stop after the first round in which no element of any model changed (``converged``), or
   after ``max_rounds``.
 
@@ -30,10 +30,15 @@ method (statistics are then moved with, or measured on, each model's final align
 with an anchor. Where norm gains fold, every state carries the gains of the
 target it was aligned to, which are ``models[0]``'s from round 0 on.
 
-Cost: round 0 plus up to ``max_rounds`` rounds of N alignments (reports are computed once per
-model); N float32 states are held, and each returned alignment keeps its target model (the
-template :meth:`~symgraph.Alignment.apply` needs for other widths), so memory grows by about N
-copies of ``models[0]`` in its dtype.
+The rounds (:func:`run_rounds`) are one loop for models in memory (:func:`align_universe`:
+each mean written into a copy of ``models[0]``, so :func:`symgraph.align` can trace it) and for
+checkpoints out of core (:mod:`.universe_stream`: each mean written beside the output within
+the memory budget); no model's state is held whole besides the mean in memory.
+
+Cost: round 0 plus up to ``max_rounds`` rounds of N alignments and N + 1 engine plans (the N
+means, and the ``distance``'s; reports are computed once per model); each returned alignment
+keeps its target model (the template :meth:`~symgraph.Alignment.apply` needs for other
+widths), so memory grows by about N copies of ``models[0]`` in its dtype.
 """
 from __future__ import annotations
 
@@ -41,17 +46,18 @@ import copy
 import math
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 from tqdm import tqdm
 
 from ..alignment import align as align_models
-from ..transform.apply import write_state
+from ..checkpoints.memory import ModelCheckpoint
 from ..core.elements import Map, Perm
 from ..errors import InputError
-from .state import aligned_state
+from .streaming import StreamingMerge
 
-__all__ = ["DEFAULTS", "align_universe", "universe_options", "round_changes"]
+__all__ = ["DEFAULTS", "align_universe", "universe_options", "round_changes", "run_rounds", "mean_plan", "spread"]
 
 #: ``universe_options`` of :func:`symgraph.merge` and their defaults.
 DEFAULTS = {"max_rounds": 10, "tol": 1e-4}
@@ -76,7 +82,7 @@ def universe_options(options: dict | None) -> dict:
 
 def align_universe(models, inputs, ra, align, data, weights, options=None, progress=False,
                    **align_options):
-    """Align every model of ``models`` into one shared basis (module docstring).
+    """Align every model of ``models`` into one shared basis (module docstring), in memory.
 
     ra : ``models[0]``'s report (every target has its architecture); align : "weights" or
     "activations"; weights : the normalised mixing weights (the leave-one-out means use them
@@ -95,69 +101,120 @@ def align_universe(models, inputs, ra, align, data, weights, options=None, progr
     """
     opts = universe_options(options)
     t0 = time.perf_counter()
-    n, A = len(models), models[0]
+    A = models[0]
+    dev = next((p.device for p in A.parameters()), torch.device("cpu"))
     kw = dict(align_options, data=data if align == "activations" or align_options.get("refine") else None)
-    total = n - 1 + opts["max_rounds"] * n
-    bar = tqdm(total=total, desc=f"universe (align={align})", unit="alignment", file=sys.stderr,
-               leave=False, disable=not progress)
-    alignments, states = [None], [aligned_state(A, None, ra)]
-    for m in models[1:]:  # round 0: the anchor merge
-        alignments.append(align_models(A, m, inputs, report_a=ra, **kw))
-        states.append(aligned_state(m, alignments[-1], ra))
-        bar.update()
-    reports = [ra] + [al.report_b for al in alignments[1:]]
-    record = {"rounds": 0, "converged": False, "stopped": "max_rounds", "changed": [],
-              "changed_per_model": [], "drifted": [], "max_change": [],
-              "distance": [_spread(states, weights)],
-              "round_seconds": [time.perf_counter() - t0], "max_rounds": opts["max_rounds"],
-              "tol": opts["tol"], "elements": [len(al.elements) if al else 0 for al in alignments]}
-    for r in range(1, opts["max_rounds"] + 1):
-        t1 = time.perf_counter()
-        before = [al.elements if al is not None else {} for al in alignments]
-        for i, m in enumerate(models):
-            target = _mean_model(A, states, weights, i, ra)
-            # activation statistics run a report's own graph with the weights it was traced with:
-            # the target's report is the target's (ra would measure models[0]'s activations)
-            own = kw.get("data") is not None
-            alignments[i] = align_models(target, m, inputs, report_a=None if own else ra, report_b=reports[i], **kw)
-            states[i] = aligned_state(m, alignments[i], ra)
-            bar.update()
-        per_model, drifted, worst = round_changes(before, [al.elements for al in alignments], opts["tol"])
-        record["rounds"] = r
-        record["changed"].append(sum(per_model))
-        record["changed_per_model"].append(per_model)
-        record["drifted"].append(drifted)
-        record["max_change"].append(worst)
-        record["distance"].append(_spread(states, weights))
-        record["round_seconds"].append(time.perf_counter() - t1)
-        if not any(per_model):
-            record["converged"], record["stopped"] = True, "converged"
-            break
-    bar.close()
-    record["elements"] = [len(al.elements) for al in alignments]
-    record["seconds"] = time.perf_counter() - t0
+    job = StreamingMerge([ModelCheckpoint(m, f"model {i}") for i, m in enumerate(models)], weights=weights,
+                         align=align, fold_norms=align_options.get("fold_norms", True),
+                         outputs=align_options.get("outputs"), device=dev,
+                         data=data if align == "activations" else None)
+    alignments = [None] + [align_models(A, m, inputs, report_a=ra, **kw) for m in models[1:]]  # round 0
+    record = run_rounds(job, ra, alignments, _InMemory(models, inputs, ra, kw, dev), opts, progress, t0)
     return alignments, record
 
 
-def _mean_model(A, states, weights, i, ra):
-    """A copy of ``A`` holding the weighted mean of every state but the ``i``-th (float32 sums,
-    written in ``A``'s dtypes)."""
-    others = [(float(w), s) for j, (w, s) in enumerate(zip(weights, states)) if j != i]
-    norm = sum(w for w, _ in others)
-    if norm <= 0:  # every other model has weight 0: the plain mean of the others
-        others, norm = [(1.0, s) for _, s in others], float(len(others))
-    mean = {}
-    for k, v in others[0][1].items():
-        if v.is_floating_point():
-            acc = torch.zeros_like(v)
-            for w, s in others:
-                acc.add_(s[k], alpha=w / norm)
-            mean[k] = acc
-        else:
-            mean[k] = v  # integer buffers (e.g. num_batches_tracked): the first's
-    out = copy.deepcopy(A)
-    write_state(out, mean, ra.buffers)
-    return out
+class _InMemory:
+    """The rounds' steps for models in memory: each mean written into a copy of ``models[0]``,
+    and each original model aligned to it by :func:`symgraph.align`."""
+
+    def __init__(self, models, inputs, ra, kw, device):
+        self.models, self.inputs, self.ra, self.kw, self.device = models, inputs, ra, kw, device
+
+    @contextmanager
+    def target(self, plan):
+        out = copy.deepcopy(self.models[0])
+        held = out.state_dict(keep_vars=True)
+        with torch.no_grad():
+            plan.write_into(lambda key, t: held[key].copy_(t), device=self.device)
+        yield out
+
+    def align(self, target, i, rb):
+        # activation statistics run a report's own graph with the weights it was traced with:
+        # the target's report is the target's (ra would measure models[0]'s activations)
+        own = self.kw.get("data") is not None
+        return align_models(target, self.models[i], self.inputs, report_a=None if own else self.ra,
+                            report_b=rb, **self.kw)
+
+
+def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0: float) -> dict:
+    """The rounds r ≥ 1 from round 0's ``alignments`` (replaced in place), in memory and out of
+    core alike: ``job`` is the merge engine over every model (its checkpoints, weights, device,
+    budget and ledger), ``ra`` the anchor's report, ``steps`` where a mean goes and how a model
+    is aligned to it (``steps.target(plan)``: a context holding the mean the engine ``plan``
+    writes; ``steps.align(target, i, report_b)``); ``opts`` checked by :func:`universe_options`.
+    Returns the record (:func:`align_universe`)."""
+    n = len(job.ckpts)
+    reports = [ra] + [al.report_b for al in alignments[1:]]
+    record = {"rounds": 0, "converged": False, "stopped": "max_rounds", "changed": [], "changed_per_model": [],
+              "drifted": [], "max_change": [], "distance": [spread(job, ra, alignments)],
+              "round_seconds": [time.perf_counter() - t0], "max_rounds": opts["max_rounds"], "tol": opts["tol"]}
+    bar = tqdm(total=opts["max_rounds"] * n, desc=f"universe (align={job.align_mode})", unit="alignment",
+               file=sys.stderr, leave=False, disable=not progress)
+    try:
+        for r in range(1, opts["max_rounds"] + 1):
+            t1 = time.perf_counter()
+            before = [al.elements if al is not None else {} for al in alignments]
+            for i in range(n):
+                with steps.target(mean_plan(job, ra, alignments, i)) as target:
+                    alignments[i] = steps.align(target, i, reports[i])
+                bar.update()
+            per_model, drifted, worst = round_changes(before, [al.elements for al in alignments], opts["tol"])
+            record["rounds"] = r
+            for key, value in (("changed", sum(per_model)), ("changed_per_model", per_model),
+                               ("drifted", drifted), ("max_change", worst),
+                               ("distance", spread(job, ra, alignments)),
+                               ("round_seconds", time.perf_counter() - t1)):
+                record[key].append(value)
+            if not any(per_model):
+                record["converged"], record["stopped"] = True, "converged"
+                break
+    finally:
+        bar.close()
+    record["elements"] = [len(al.elements) for al in alignments]
+    record["seconds"] = time.perf_counter() - t0
+    return record
+
+
+def mean_plan(job, ra, alignments, i=None, weights=None) -> StreamingMerge:
+    """An engine plan (method ``average``) over ``job``'s checkpoints in the shared basis
+    (``alignments``; ``ra`` the anchor's report), on its device, within its budget, its tensors
+    counted in its ledger: the weighted mean of every model but the ``i``-th (model ``i``'s
+    weight 0; every other model's weight 0 too: the plain mean of the others), or with ``i``
+    None of all of them."""
+    w = [0.0 if j == i else float(x) for j, x in enumerate(job.weights)]
+    if sum(w) <= 0:
+        w = [0.0 if j == i else 1.0 for j in range(len(w))]
+    plan = StreamingMerge(job.ckpts, weights=w, align=job.align_mode, anchor=0, fold_norms=job.fold_norms,
+                          outputs=job.outputs, device=job.device, memory_budget=job.memory_budget,
+                          cache_bytes=job.cache_bytes,  # the data the alignment mode says it was solved on
+                          data=job.data if job.align_mode == "activations" else None)
+    plan.ledger = job.ledger
+    plan.use(ra, alignments)
+    return plan
+
+
+def spread(job, ra, alignments) -> float:
+    """``Σ_i w_i ‖θ_i − θ̄‖² / Σ_i w_i ‖θ_i‖²`` over the tensors the engine combines (the
+    parameters and the buffers a class moves), every model in the shared basis and ``θ̄`` their
+    weighted mean: one engine plan (:func:`mean_plan`) whose merged tensors go nowhere. A group
+    merged in slices combines its unsliced members once per slice: they count once."""
+    plan, whole, sliced = mean_plan(job, ra, alignments), {}, [0.0, 0.0]
+    anchor, average = plan.ckpts[0], plan.combine
+
+    def measured(names, values, stats, weights, report):
+        mean = average(names, values, stats, weights, report)
+        for k in names:
+            sums = (sum(w * float(((v[k] - mean[k]).double() ** 2).sum()) for w, v in zip(weights, values)),
+                    sum(w * float((v[k].double() ** 2).sum()) for w, v in zip(weights, values)))
+            if tuple(mean[k].shape) == tuple(anchor.shapes[anchor.key(k)]):
+                whole[k] = sums
+            else:
+                sliced[0], sliced[1] = sliced[0] + sums[0], sliced[1] + sums[1]
+        return mean
+    plan.combine = measured
+    plan.write_into(lambda key, t: None)
+    num, den = sliced[0] + sum(a for a, _ in whole.values()), sliced[1] + sum(b for _, b in whole.values())
+    return num / den if den > 0 else 0.0
 
 
 def round_changes(before, after, tol):
@@ -250,17 +307,3 @@ def _matrix(el, other):
     if isinstance(el, Perm):
         return el.dense()
     return el.co if isinstance(el, Map) else el
-
-
-def _spread(states, weights):
-    """``Σ_i w_i ‖θ_i − θ̄‖² / Σ_i w_i ‖θ_i‖²`` over the floating-point tensors,
-    ``θ̄ = Σ_i w_i θ_i``."""
-    num = den = 0.0
-    for k, v in states[0].items():
-        if not v.is_floating_point():
-            continue
-        mean = sum(float(w) * s[k] for w, s in zip(weights, states))
-        for w, s in zip(weights, states):
-            num += float(w) * float(((s[k] - mean).double() ** 2).sum())
-            den += float(w) * float((s[k].double() ** 2).sum())
-    return num / den if den > 0 else 0.0

@@ -1,0 +1,103 @@
+"""One universe (issue 61, item 4): ``symgraph merge a b c --anchor universe --memory-budget B
+--out DIR`` equals ``symgraph.merge([a, b, c], anchor="universe")`` for ``--align weights`` and
+every method the universe merges with, the command's held bytes within the budget; and the
+in-memory universe runs the same rounds of engine plans (no model's state averaged by hand)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import symgraph
+from symgraph.checkpoints.sharded import parse_size
+from symgraph.checkpoints.specs import load_data
+from symgraph.cli.main import main
+from symgraph.merging import streaming, views
+from symgraph.testing import models
+
+from engine_helpers import load
+
+L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory):
+    root = tmp_path_factory.mktemp("universe_cli")
+    built = [models.build("llama", seed=s, **L) for s in range(3)]
+    for i, m in enumerate(built):
+        m.save_pretrained(root / f"m{i}")
+    ids = torch.randint(0, 64, (32, 12), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, str(root / "ids.safetensors"))
+    return root, built
+
+
+@pytest.fixture
+def held(monkeypatch):
+    """The most bytes any of the engine's ledgers held at once while the test ran."""
+    most = [0]
+    hold = views.Ledger.hold
+
+    def counted(self, n):
+        hold(self, n)
+        most[0] = max(most[0], self.now)
+    monkeypatch.setattr(views.Ledger, "hold", counted)
+    return most
+
+
+# RegMean and Fisher read each group's statistics with its tensors: their smallest budget on these
+# models is about 116 kB (64KB is refused in one line naming it, as at an anchor)
+@pytest.mark.parametrize("method,budget", [("average", "64KB"), ("regmean", "128KB"), ("fisher", "128KB")])
+def test_command_line_universe_equals_the_in_memory_universe(trio, capsys, held, method, budget):
+    root, built = trio
+    out = root / f"out_{method}"
+    argv = ["merge", *(str(root / f"m{i}") for i in range(3)), "--anchor", "universe", "--align", "weights",
+            "--memory-budget", budget, "--out", str(out)]
+    data = None
+    if method != "average":
+        argv += ["--method", method, "--data", str(root / "ids.safetensors")]
+        data = load_data(str(root / "ids.safetensors"), built[0])
+    assert main(argv) == 0, capsys.readouterr().err
+    assert 0 < held[0] <= parse_size(budget)
+    rec = json.loads((out / "symgraph_merge.json").read_text())
+    assert (rec["options"]["anchor"], rec["options"]["align"], rec["options"]["method"]) == ("universe", "weights", method)
+    ref = symgraph.merge(built, anchor="universe", align="weights", method=method, data=data)
+    got, want = load(out), ref.model.state_dict()
+    assert max(float((got[k].double() - want[k].double()).abs().max()) for k in got) <= 1e-5
+    u = rec["universe"]
+    assert u["rounds"] == ref.universe["rounds"] >= 1 and u["changed"] == ref.universe["changed"]
+    assert u["distance"] == pytest.approx(ref.universe["distance"], rel=1e-5)  # the same record, distance too
+    assert len(u["distance"]) == u["rounds"] + 1 and u["distance"][-1] < u["distance"][0]
+
+
+def test_method_below_its_budget_floor_refused_in_one_line(trio, capsys):
+    root, _ = trio
+    out = root / "never"
+    rc = main(["merge", *(str(root / f"m{i}") for i in range(3)), "--anchor", "universe", "--method", "fisher",
+               "--data", str(root / "ids.safetensors"), "--memory-budget", "64KB", "--out", str(out)])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("symgraph:") and "warning" not in ln]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "--memory-budget 64 kB is below what this merge holds at once" in " ".join(err.split())
+    assert not out.exists()
+
+
+def test_in_memory_universe_means_are_engine_plans(trio, monkeypatch):
+    """Every round writes N leave-one-out means and one spread (the record's ``distance``) through
+    the engine, and the merge one more: 1 + R·(N + 1) + 1 plans for R rounds."""
+    _, built = trio
+    plans = []
+    write_into = streaming.StreamingMerge.write_into
+
+    def counted(self, add, device=None):
+        plans.append([float(w) for w in self.weights])
+        return write_into(self, add, device)
+    monkeypatch.setattr(streaming.StreamingMerge, "write_into", counted)
+    res = symgraph.merge(built, anchor="universe", universe_options={"max_rounds": 2})
+    assert res.universe["rounds"] == 2 and len(plans) == 1 + 2 * 4 + 1
+    third = pytest.approx([1 / 3] * 3)
+    assert plans[0] == third and plans[-1] == third  # round 0's spread, the merge
+    for r in range(2):  # each round: model i's weight 0 in its mean, then the spread of all
+        assert plans[1 + 4 * r:5 + 4 * r] == [pytest.approx([0, .5, .5]), pytest.approx([.5, 0, .5]),
+                                              pytest.approx([.5, .5, 0]), third]
