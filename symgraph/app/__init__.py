@@ -1,1 +1,13 @@
-"""The application layer: the one frozen MergeConfig, its options and rules, mergekit YAML, run_merge and carry."""
+"""The application layer: what the command line and YAML files give, turned into the one
+:class:`~symgraph.merging.config.MergeConfig` and run.
+
+- ``config``           YAML configs read (sizes and nesting bounded, paths relative to the file),
+  the command line's options over them: :func:`~.config.merge_options`, ``build_config``, ``to_yaml``
+- ``options``          the ``symgraph merge`` flags, the options read back and the docs' table,
+  derived from the config's fields
+- ``mergekit_config``  mergekit configs (``merge_method: linear``) read as symgraph's
+- ``compat``           whether the models' configs can be merged, before any work
+- ``run``              :func:`~.run.run_merge`, the one merge entry of a config (out of core or in
+  memory, the output written atomically with its record and card), and ``merge_checkpoints``
+- ``carry``            B written in A's basis as a standard checkpoint (``symgraph align``/``apply``)
+"""

@@ -1,4 +1,9 @@
-"""Checkpoint I/O: ``specs`` (what a model argument names: a directory, a demo name, a hub id;
-data files), ``loading`` (``from_pretrained``, complete or refused), ``sharded`` (safetensors
-read and written one tensor at a time) and ``outdir`` (the output directory: vetting, atomic
-writes, what symgraph wrote, the model card)."""
+"""Checkpoint I/O.
+
+- ``specs``      what a model argument names (a directory, a demo name, a hub id) and data files
+- ``loading``    ``from_pretrained``, complete or refused
+- ``sharded``    safetensors read and written one tensor at a time, each file pinned for the run
+- ``memory``     a model in memory read through the checkpoint interface (the engine's input)
+- ``outdir``     the output directory: vetted, written atomically, the record and model card
+- ``leftovers``  a killed run's temporary directories, marked and swept
+"""

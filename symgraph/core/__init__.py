@@ -1,4 +1,14 @@
-"""Values every stage shares: the group lattice (``groups``), group elements as index vectors
-and small blocks (``elements``), statistics summed across processes (``distributed``), and the
-finiteness check of weights (``finite``), and one line for a value an options schema refuses
-(``schema``)."""
+"""Values every stage shares.
+
+- ``groups``       the group lattice of axis classes, and sampling of group elements
+- ``elements``     group elements as index vectors and small blocks, and their action on a tensor axis
+- ``gemm``         the large float32 products of alignment and merging (oneDNN)
+- ``hadamard``     Hadamard matrices and the incoherent rotations built from them
+- ``distributed``  sums of statistics over processes (``torch.distributed``)
+- ``finite``       the finiteness checks of weights, configs and statistics
+- ``files``        files by identity: input files pinned for a run, only our own files deleted
+- ``dtypes``       the safetensors dtype names and their torch dtypes
+- ``ties``         tied parameters kept tied where PyTorch would split them
+- ``schema``       one line for a value a schema refuses; flags derived from a schema's fields
+- ``progress``     progress bars on stderr, and ``--quiet``
+"""

@@ -1,1 +1,5 @@
-"""Evaluating merges: interpolation and loss barriers."""
+"""Evaluating merges.
+
+- ``barrier``  the loss along the linear path between two models (:func:`~.barrier.interpolate`)
+  and the loss barrier (:func:`~.barrier.loss_barrier`), in memory or streamed
+"""

@@ -1,4 +1,26 @@
-"""Analysis passes. Importing the rule files registers their rules (one file per op family)."""
+"""Analysis passes: ``torch.export`` traces the model, per-op rules and pattern passes say how
+axes relate, a union-find merges them into classes. Importing the rule files registers their rules.
+
+- ``trace``             ``torch.export`` into an ATen graph
+- ``driver``            axis variables for every tensor, the rules and passes run, classes found
+- ``registry``          the constraint algebra and the rule table
+- ``unionfind``         union-find over axis variables: duality parity, group kinds, structure
+- ``fibres``            which classes are fibred over which (heads over head permutations)
+- ``rules``             per-op rules, one file per op family
+- ``patterns``          pattern passes over several ops (RoPE, norms, packed, stacked)
+- ``nodes``             graph helpers: op packets, the nodes an argument mentions, provenance
+- ``labels``            label tensors: integer values that are coordinates of an axis class
+- ``masks``             activations that may hold an additive mask's fill (never read)
+- ``uniform``           axes along which a constant does not vary (T5's cross-attention bias)
+- ``bufferviews``       buffers viewed or cropped before they are added to activations
+- ``concrete``          concrete sizes for data-dependent values (a mask's selection)
+- ``rows``              the vocabulary rows an input picks and an output produces
+- ``axes``              queries on a finished analysis (an element's matrix along an axis)
+- ``blockmaps``         a head axis' map as blocks
+- ``why``               why an axis's classes are what they are
+- ``inputs``            example inputs from a Hugging Face config and forward signature
+- ``diffusion_inputs``  example inputs for diffusers models
+"""
 from .rules import attention, matrix, pointwise, pooling, reductions, segments, views  # noqa: F401
 from . import labels  # noqa: F401
 from .driver import AxisAnalysis, analyze_graph  # noqa: F401

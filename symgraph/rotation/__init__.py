@@ -1,1 +1,8 @@
-"""Rotations for quantization: rotate() in memory, its classes, learned rotations, a checkpoint rotated out of core."""
+"""Function-preserving rotations for quantization (QuaRot, SpinQuant), chosen from the symmetry
+report.
+
+- ``rotate``      :func:`~.rotate.rotate`: a model in memory rotated, with its certificate
+- ``classes``     which classes a rotation acts on, an incoherent element of each, the values
+- ``learned``     learned rotations (SpinQuant): elements optimised for the quantized loss
+- ``checkpoint``  ``symgraph rotate``: a checkpoint rotated out of core
+"""

@@ -1,1 +1,6 @@
-"""Changing a model's width: resize (optimal transport onto other widths) and widen (a traced program with wider heads)."""
+"""Changing a model's width.
+
+- ``resize``  :func:`~.resize.resize`: permutation classes made wider or narrower (optimal transport)
+- ``widen``   a model's own traced program with some classes resized (circuit-space heads of a
+  model whose config cannot state them)
+"""
