@@ -346,6 +346,12 @@ def judge(solve, tol: float, *, null: int = 4, threshold: float = THRESHOLD, alp
     if null:
         z = (s - mu0) / res.null_std
         res.p_value = 0.5 * math.erfc(z / math.sqrt(2))
+    if same:
+        res.verdict = "same"
+    elif not null:  # the rule needs a null's level and p-value: with no draw it tells neither way
+        res.verdict = "undetermined"
+    elif res.excess >= threshold and res.p_value is not None and res.p_value < alpha:
+        res.verdict = "derived"
     level = mu0 + threshold * (1 - mu0)  # the correlation a layer needs to carry the verdict
     by_layer: dict = {}
     for r in rows:
@@ -353,15 +359,10 @@ def judge(solve, tol: float, *, null: int = 4, threshold: float = THRESHOLD, alp
     for layer, rs in by_layer.items():
         ev = [r for r in rs if not r["gauge"]]
         med = _median([r["correlation"] for r in ev])
+        # a layer carries only a verdict that B comes from A: none in "unrelated" or "undetermined"
         res.layers.append({"layer": layer, "tensors": len(ev), "correlation": med,
                            "rel_distance": max((r["rel_distance"] for r in ev), default=0.0),
-                           "carries": bool(ev) and (same or bool(null)) and med >= level})
-    if same:
-        res.verdict = "same"
-    elif not null:  # the rule needs a null's level and p-value: with no draw it tells neither way
-        res.verdict = "undetermined"
-    elif res.excess >= threshold and res.p_value is not None and res.p_value < alpha:
-        res.verdict = "derived"
+                           "carries": bool(ev) and res.verdict in ("same", "derived") and med >= level})
     return res
 
 

@@ -21,26 +21,39 @@ import gc
 import os
 import sys
 
-__all__ = ["add_parser", "cmd_compare", "plot_layers", "compare_checkpoints", "compare_paths"]
+__all__ = ["add_parser", "cmd_compare", "plot_layers", "layer_bars", "compare_checkpoints", "compare_paths"]
+
+
+#: A bar's colour in compare.png: a layer that carries the verdict, and any other.
+CARRIES, NOT_CARRYING = "tab:red", "tab:gray"
+
+
+def layer_bars(res) -> list:
+    """The bars of compare.png: ``(layer, median correlation, colour)`` of each layer with evidence,
+    painted :data:`CARRIES` only where it carries the verdict (so never when B is "unrelated" or
+    "undetermined": a layer above the level is then no match)."""
+    carried = res.verdict in ("same", "derived")
+    return [(r["layer"], r["correlation"], CARRIES if carried and r["carries"] else NOT_CARRYING)
+            for r in res.layers if r["tensors"]]
 
 
 def plot_layers(res, path: str, title: str = "") -> None:
-    """The median correlation after alignment of each layer (bars), the null level and the
-    level a layer needs to carry a "derived" verdict (lines)."""
+    """The median correlation after alignment of each layer (bars, :func:`layer_bars`), the null
+    level and the level a layer needs to carry a "derived" verdict (lines)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [r for r in res.layers if r["tensors"]]
+    rows = layer_bars(res)
     fig, ax = plt.subplots(figsize=(max(5.0, 0.35 * len(rows) + 2), 3.8))
     xs = range(len(rows))
-    ax.bar(xs, [r["correlation"] for r in rows], color=["tab:red" if r["carries"] else "tab:gray" for r in rows])
+    ax.bar(xs, [c for _, c, _ in rows], color=[colour for _, _, colour in rows])
     mu0 = res.null_mean
     ax.axhline(mu0, color="k", lw=0.8, ls=":", label=f"null (shuffled B) {mu0:.2f}")
     ax.axhline(mu0 + res.threshold * (1 - mu0), color="tab:blue", lw=0.8, ls="--",
                label=f"derived level (excess {res.threshold:g})")
     ax.set_xticks(list(xs))
-    ax.set_xticklabels([r["layer"] for r in rows], rotation=60, ha="right", fontsize=6)
-    ax.set_ylim(min(0.0, min((r["correlation"] for r in rows), default=0.0)), 1.02)
+    ax.set_xticklabels([name for name, _, _ in rows], rotation=60, ha="right", fontsize=6)
+    ax.set_ylim(min(0.0, min((c for _, c, _ in rows), default=0.0)), 1.02)
     ax.set_ylabel("median correlation after alignment")
     ax.set_title(f"{title}: {res.verdict}" if title else res.verdict, fontsize=9)
     ax.legend(fontsize=7, loc="lower right")

@@ -15,6 +15,7 @@ import torch
 from pydantic import Field, StrictFloat, StrictInt
 
 from ..core.schema import Number
+from ..core.progress import quiet
 
 __all__ = ["run_demo", "trained_models", "make_model", "corpus", "batches", "heldout_loss_fn",
            "cache_dir"]
@@ -75,7 +76,7 @@ def trained_models(seconds: float | None = None, retrain: bool = False):
     models = []
     todo = [s for s in SEEDS if retrain or not os.path.isfile(os.path.join(root, f"seed{s}", "model.safetensors"))]
     bar = tqdm(total=round(seconds * len(todo) / len(SEEDS)), desc="training", unit="s", file=sys.stderr,
-               leave=False, disable=not todo, bar_format="{desc}: {n:.0f}/{total}s |{bar}| {postfix}")
+               leave=False, disable=not todo or quiet(), bar_format="{desc}: {n:.0f}/{total}s |{bar}| {postfix}")
     try:
         for s in SEEDS:
             path = os.path.join(root, f"seed{s}")
@@ -141,7 +142,8 @@ def run_demo(out: str = "symgraph-demo", seconds: float | None = None, force_ret
     data = [{"input_ids": x} for x in batches(train_stream, 8, 8, seed=7)]
     lambdas = np.linspace(0, 1, n_lambdas)
     rows, curves = [], {}
-    for name in tqdm(("none", "weights", "activations"), desc="merging", file=sys.stderr, leave=False):
+    for name in tqdm(("none", "weights", "activations"), desc="merging", file=sys.stderr, leave=False,
+                     disable=quiet()):
         align = None if name == "none" else name
         res = symgraph.merge([a, b], align=align, data=data, method="average")
         merged, als = res.model, res.alignments

@@ -169,8 +169,8 @@ def build_parser():
                 "and merge neural networks.")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line refusals")
     p.add_argument("--version", action="version", version=f"symgraph {__version__}")
-    p.add_argument("--quiet", action="store_true", help="no progress bars on stderr (they show only on a "
-                   "terminal, or anywhere with SYMGRAPH_PROGRESS=1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars, notes or warnings on stderr (bars "
+                   "show only on a terminal, or anywhere with SYMGRAPH_PROGRESS=1); refusals still show")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     _add_analyze_parser(sub)
@@ -227,10 +227,11 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
-    from ..core.progress import configure
+    from ..core.progress import configure, silenced
     configure(active=True, quiet=getattr(args, "quiet", False))  # the engine's bars, on a terminal
     try:
-        return _run(args)
+        with silenced():  # --quiet: our notes and warnings too, on every command
+            return _run(args)
     finally:
         configure(active=False)
 

@@ -23,7 +23,8 @@ instead. Ctrl-C ends with exit code 130, SIGTERM with 143. See
 Steps that take a while show progress bars on stderr when it is a terminal (alignment per unit
 and sweep, statistics per batch, REPAIR, writing, the barrier per point, compare per null draw;
 `SYMGRAPH_PROGRESS=1` shows them anywhere); `--quiet` (before or after the subcommand) turns
-them off. `symgraph --version` prints the version.
+them off, and every note and warning of ours with them (a refusal still shows). `symgraph
+--version` prints the version.
 """
 
 

@@ -1,0 +1,60 @@
+"""The provenance verdict (issue 62): compare.png paints a layer as carrying a match only when the
+verdict says B comes from A (an "unrelated" or "undetermined" verdict paints none, however high a
+layer's correlation), and the library's threshold is the one the calibration on trained
+independent pairs chose (``benchmarks/results/provenance_calibration/``)."""
+from __future__ import annotations
+
+import pytest
+
+from symgraph.alignment.compare import THRESHOLD, judge
+from symgraph.cli.compare import CARRIES, NOT_CARRYING, layer_bars, plot_layers
+
+def rows(correlations: dict) -> list:
+    """Rows of ``measure`` with the given correlation per tensor name (``layer.k.w``)."""
+    return [{"name": n, "layer": n.rsplit(".", 1)[0], "shape": [4, 4], "rel_distance": 1.0 - c, "cosine": c,
+             "correlation": c, "gauge": False} for n, c in correlations.items()]
+
+
+def verdict(b_rows: dict, null_level: float, null: int = 4):
+    """:func:`judge` of B with ``b_rows``' correlations against a null whose every tensor
+    correlates ``null_level`` (± a little per draw)."""
+    def solve(draw):
+        if draw is None:
+            return None, rows(b_rows)
+        return None, rows({n: null_level + 0.01 * (draw - 1.5) for n in b_rows})
+    return judge(solve, 1e-5, null=null)
+
+
+# one layer far above the level a layer needs, the rest at the null's: the median is the null's
+HIGH_LAYER = {"m.layers.0.q": 0.95, "m.layers.0.k": 0.95, "m.layers.1.q": 0.2, "m.layers.1.k": 0.2,
+              "m.layers.2.q": 0.2, "m.layers.2.k": 0.2, "lm_head.w": 0.2}
+
+
+def test_an_unrelated_verdict_paints_no_layer_as_a_match(tmp_path):
+    res = verdict(HIGH_LAYER, 0.2)
+    assert res.verdict == "unrelated"
+    level = res.null_mean + res.threshold * (1 - res.null_mean)
+    assert max(r["correlation"] for r in res.layers) > level  # a layer clears the level ...
+    assert res.carriers == [] and not any(r["carries"] for r in res.layers)  # ... yet carries nothing
+    bars = layer_bars(res)
+    assert [name for name, _, _ in bars] == ["m.layers.0", "m.layers.1", "m.layers.2", "lm_head"]
+    assert bars[0][1] == pytest.approx(0.95)
+    assert {colour for _, _, colour in bars} == {NOT_CARRYING}
+    plot_layers(res, str(tmp_path / "compare.png"), "unrelated")
+    assert (tmp_path / "compare.png").stat().st_size > 1000
+
+
+def test_a_derived_verdict_paints_the_layers_above_the_level():
+    derived = dict(HIGH_LAYER, **{"m.layers.1.q": 0.9, "m.layers.1.k": 0.9, "lm_head.w": 0.9})
+    res = verdict(derived, 0.2)
+    assert res.verdict == "derived" and res.excess >= THRESHOLD
+    colours = {name: colour for name, _, colour in layer_bars(res)}
+    assert colours == {"m.layers.0": CARRIES, "m.layers.1": CARRIES, "m.layers.2": NOT_CARRYING,
+                       "lm_head": CARRIES}
+    assert res.carriers == ["m.layers.0", "m.layers.1", "lm_head"]
+
+
+def test_no_null_paints_nothing():
+    res = verdict(HIGH_LAYER, 0.2, null=0)
+    assert res.verdict == "undetermined"
+    assert {colour for _, _, colour in layer_bars(res)} == {NOT_CARRYING}
