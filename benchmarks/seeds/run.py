@@ -50,6 +50,7 @@ class Seed:
     driver: str
     requirements: tuple
     pins: str
+    how: str
 
 
 SEEDS = {
@@ -62,15 +63,24 @@ SEEDS = {
         "their requirements.txt pins, except torch 2.2.1 -> 2.13.0 (the CPU build this machine has; 2.2.1 "
         "on the package index is the CUDA build) and POT 0.8.2 -> 0.9.0 (0.8.2 ships no Python 3.11 wheel "
         "and its source build fails with today's setuptools); torchvision, datasets and scikit-learn are "
-        "not installed (only their CIFAR-10 loading and Trainer evaluation use them)"),
+        "not installed (only their CIFAR-10 loading and Trainer evaluation use them)",
+        "their main.py's steps for their published experiments/fuse_hf_vit_cifar10.yaml (activations, "
+        "Sinkhorn 0.08, residual policy 'mean', Q/K 'separate', every layer fused), our A as their anchor "
+        "model_1; changed: fusion.acts.num_samples = the number of alignment images (theirs 200); their "
+        "seq_filter window_6 applies to 65-token sequences only, so on our 17-token ViT every token counts"),
     "verma": Seed(
         "verma", "Verma & Elbayad 2024, Merging Text Transformer Models from Different Initializations",
         "nverma1/merging-text-transformers", "0a03fa0336f35790481b843896f8ec32b860d069",
         "50375d3377cb95d4251288585c09679cffd2486e", "bert", "verma2024", "drive_verma.py",
         ("torch==2.13.0", "numpy==1.26.4", "transformers==4.38.2", "networkx==3.2.1", "scipy==1.12.0",
          "matplotlib==3.8.3", "pytorch-nlp==0.5.0", "tqdm==4.70.1", "safetensors==0.8.0"),
-        "their requirements.txt pins no versions: packages of their code's time (March 2024), torch "
-        "2.13.0 (this machine's CPU build); datasets is not installed (only their data loading uses it)"),
+        "their requirements.txt pins no versions: transformers, numpy, scipy, networkx and matplotlib "
+        "of their code's time (March 2024), torch 2.13.0 (this machine's CPU build); datasets is not "
+        "installed (only their data loading uses it)",
+        "their merge_bert_classifiers.py with --task mlm --bsz 8 --special-toks --permute-heads --no-absval "
+        "--merge-type all --res-type all (configs/bert_books.py: covariance); their graph builder's 12 layers "
+        "and 12 heads set to our model's; the λ = 0.5 model built as their graphing_mlm.py --unmerge builds "
+        "it (an untied decoder, their unmerge matrix applied to B's)"),
 }
 #: Our rows beside each seed's: plain averaging, the reimplementation, symgraph's activation matching.
 OURS = ("vanilla", None, "symgraph_activations")
@@ -185,7 +195,7 @@ def run_seed(seed: Seed, args, root: Path) -> tuple[list, dict]:
         r.update(pair=[sa, sb], size=args.size, metric_name=evaluate.metric_name(seed.arch), **parents)
     return rows, {"paper": seed.paper, "repo": seed.repo, "commit": seed.commit, "tree": seed.tree,
                   "driver": f"benchmarks/seeds/{seed.driver}", "requirements": list(seed.requirements),
-                  "pins": seed.pins, **info}
+                  "pins": seed.pins, "how": seed.how, **info}
 
 
 def markdown(rec: dict) -> str:
@@ -209,7 +219,7 @@ def markdown(rec: dict) -> str:
                   f"- code: `{s['repo']}` at `{s['commit']}` (tree `{s['tree']}`, checked before running), "
                   f"driven by `{s['driver']}`; status: **{s['status']}**"
                   + (f" — `{s['error']}`" if s.get("error") else ""),
-                  f"- venv: {', '.join(s['requirements'])}; {s['pins']}"]
+                  f"- venv: {', '.join(s['requirements'])}; {s['pins']}", f"- run: {s['how']}"]
         if s["status"] == "ran":
             lines += [f"- ran with Python {s['python']}, torch {s['torch']}, transformers {s['transformers']}; "
                       f"parents' max |logit difference| after the exchange: {s['parent_logit_diff']}",
