@@ -82,6 +82,11 @@ SEEDS = {
         "and 12 heads set to our model's; the λ = 0.5 model built as their graphing_mlm.py --unmerge builds "
         "it (an untied decoder, their unmerge matrix applied to B's)"),
 }
+#: Seed papers whose code this runner does not run yet, and why.
+NOT_RUN = {"zhang2025": "Zhang et al., Beyond the Permutation Symmetry of Transformers: not attempted yet; "
+                        "their code (built on Jin et al.'s dataless-model-merging) merges fine-tuned language "
+                        "models on emotion classification and NER (their example: DeBERTa on NER) through its "
+                        "own data pipeline, and no driver for the suite's pairs exists"}
 #: Our rows beside each seed's: plain averaging, the reimplementation, symgraph's activation matching.
 OURS = ("vanilla", None, "symgraph_activations")
 #: Rows of the first batch whose logits both sides compare (the exchange check).
@@ -226,6 +231,7 @@ def markdown(rec: dict) -> str:
                       f"- run-time shims: {', '.join(s['shims']) or 'none'}"
                       + (f"; untied in their merged model: {', '.join(s['untied'])}" if s.get("untied") else "")]
         lines.append("")
+    lines += [f"Not run: {why}." for why in rec.get("not_run", {}).values()]
     return "\n".join(lines)
 
 
@@ -253,7 +259,8 @@ def main(argv=None) -> int:
         rows += r
     rec = {"command": command_line(), "commit": commit_info()["commit"],
            "settings": {"size": a.size, "seeds": list(a.seeds), "align_batches": a.align_batches,
-                        "threads": torch.get_num_threads()}, "seeds": seeds, "rows": rows}
+                        "threads": torch.get_num_threads()}, "seeds": seeds, "rows": rows,
+           "not_run": NOT_RUN}
     write_result(a.out, ".seeds-", rec, markdown)
     log(f"wrote {a.out}/results.json and report.md")
     return 0
