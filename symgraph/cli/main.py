@@ -21,6 +21,7 @@ from .barrier import add_parser as add_barrier_parser
 from .compare import add_parser as add_compare_parser
 from .merge import cmd_merge
 from .rotate import add_parser as add_rotate_parser
+from .data import add_parser as add_data_parser
 
 __all__ = ['main', 'build_parser']
 
@@ -186,6 +187,7 @@ def build_parser():
     add_align_parsers(sub, argparse.SUPPRESS)
     add_compare_parser(sub, argparse.SUPPRESS)
     add_rotate_parser(sub, argparse.SUPPRESS)
+    add_data_parser(sub, argparse.SUPPRESS)
 
     r = sub.add_parser("resize", help="widen (function-preserving) or shrink (compress) "
                        "permutation classes of a model")
