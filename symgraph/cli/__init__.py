@@ -7,6 +7,7 @@
 - ``barrier``    ``symgraph barrier``: the loss along the path between two models
 - ``compare``    ``symgraph compare``: copy, derived or unrelated (provenance)
 - ``rotate``     ``symgraph rotate``: a checkpoint rotated for quantization
+- ``data``       ``symgraph data``: a data file from text with a tokenizer
 - ``demo``       ``symgraph demo``: two tiny GPT-2s trained and merged
 - ``examples``   report and certify a built-in tiny model
 - ``coverage``   the ops of a traced model that have no rule
