@@ -9,6 +9,10 @@ B's dtypes, sharded like B, loadable by ``from_pretrained`` and mergeable by any
 architecture the same way: a fine-tune of B shares B's basis, so one alignment of the
 pre-trained models carries all of them. Both write through
 :func:`~symgraph.checkpoints.outdir.save_atomic` (vetted before any work, atomic).
+
+:func:`carry_writer` is the one writer of a checkpoint moved by group elements, tensor by
+tensor: B in A's basis here, a checkpoint rotated for quantization in
+:mod:`symgraph.rotation.checkpoint` (row slices within a memory budget).
 """
 from __future__ import annotations
 
@@ -20,11 +24,106 @@ import time
 import torch
 
 from ..errors import InputError
-from ..transform.apply import move
-from ..transform.folding import groups
+from ..transform.apply import move_piece
+from ..transform.folding import for_reader, members
 
-__all__ = ["run_align", "run_apply", "carry_writer"]
+__all__ = ["run_align", "run_apply", "carry_writer", "piece_bytes", "WORK_BYTES"]
 
+#: Bytes held per element of a piece while it is moved: the stored value, its float64 copy,
+#: the folded, moved and unfolded float64 values.
+WORK_BYTES = 40
+
+
+def _keys(ckpt, name) -> list:
+    return [k for k in ckpt.params.get(name, (name,)) if k in ckpt.shapes]
+
+
+def _numel(report, name) -> int:
+    n = 1
+    for s in report.param_shape(name):
+        n *= s
+    return n
+
+
+def pieces(report) -> list:
+    """``[(fold, names, big)]``: each reader of a norm (its fold restricted to it) with the
+    gain, shift and bias, then every other parameter or moved buffer alone (fold None);
+    ``big`` is the piece's largest tensor (sliced by rows when it is over the budget and no
+    element moves its rows)."""
+    out: list = []
+    done: set = set()
+    for f in report.folds:
+        for w, _, _ in f.readers:
+            fr = for_reader(f, w)
+            out.append((fr, members(fr), w))
+            done.update(members(fr))
+    for name in list(report.parameters) + list(report.buffers):
+        if name not in done:
+            out.append((None, (name,), name))
+    return out
+
+
+def _rows_free(report, elements, name) -> bool:
+    if name in report.stacked or not report.param_shape(name):
+        return False
+    return report.axis_map(report.param_axes(name)[0], elements) is None
+
+
+def piece_bytes(report, names) -> int:
+    """Bytes a piece holds while it is moved (:data:`WORK_BYTES` per element)."""
+    return WORK_BYTES * sum(_numel(report, n) for n in names)
+
+
+def _slices(report, elements, names, big, budget, what):
+    """Row ranges of ``big`` to move at a time (one range: the whole piece)."""
+    rows = report.param_shape(big)[0] if report.param_shape(big) else 1
+    need = piece_bytes(report, names)
+    if budget is None or need <= budget:
+        return [(0, rows)], need
+    if not _rows_free(report, elements, big):
+        raise InputError(f"--memory-budget {budget} bytes is below the {need} bytes that {big!r} (with "
+                         f"{len(names) - 1} tensors it is folded with) holds while {what}; expected at least {need}")
+    rest = need - piece_bytes(report, [big])
+    per_row = piece_bytes(report, [big]) // rows
+    step = (budget - rest) // max(per_row, 1)
+    if step < 1:
+        raise InputError(f"--memory-budget {budget} bytes cannot hold one row of {big!r} ({per_row + rest} "
+                         f"bytes); expected at least {per_row + rest}")
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)], rest + step * per_row
+
+
+def _sliced(report, f_names, big, name):
+    """Whether ``name`` is read in the row slices of ``big`` (``big`` and a bias along its rows)."""
+    if name == big:
+        return True
+    shape, bshape = report.param_shape(name), report.param_shape(big)
+    return len(shape) == 1 and bool(bshape) and shape[0] == bshape[0] and name not in f_names
+
+
+def _write_piece(ckpt, report, elements, piece, writer, written, gauge, budget, what):
+    """Move and write one piece (in row slices of ``big`` where the budget asks); returns the
+    bytes it held. A norm's gain and shift, shared by its readers, are written once."""
+    fold, names, big = piece
+    ranges, held = _slices(report, elements, names, big, budget, what)
+    norm = {n for n in names if n in gauge}
+    whole = len(ranges) == 1
+    for a, b in ranges:
+        cut = {n for n in names if not whole and _sliced(report, norm, big, n)}
+        vals = {n: ckpt.get(n, part=(0, a, b) if n in cut else None) for n in names}  # checked finite
+        new = move_piece(report, elements, vals, fold, {n: gauge[n] for n in names if n in gauge} or None)
+        for n in names:
+            if n not in cut and n in written:
+                continue
+            v = new[n].to(vals[n].dtype) if n in new else vals[n]
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                raise InputError(f"{n!r} is not finite in {v.dtype} once {what}; expected elements that keep the "
+                                 "weights in the dtype's range")
+            for k in _keys(ckpt, n):
+                writer.add(k, v)
+            if n not in cut:
+                written.add(n)
+        written.update(cut if b == report.param_shape(big)[0] else ())
+    return held
 
 
 def _layout(ckpt) -> list:
@@ -39,48 +138,48 @@ def _layout(ckpt) -> list:
     return list(files.items())
 
 
-def carry_writer(ckpt, report, elements: dict, gauge: dict):
+def _config(source: str, directory: str, updates: dict | None) -> None:
+    """``config.json`` copied from ``source`` (``updates`` None), or rewritten with ``updates``'s
+    fields (a dict value updates a nested config)."""
+    if updates is None:
+        shutil.copy2(os.path.join(source, "config.json"), os.path.join(directory, "config.json"))
+        return
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    for k, v in updates.items():
+        config[k] = {**config.get(k, {}), **v} if isinstance(v, dict) else v
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def carry_writer(ckpt, report, elements: dict, gauge: dict, *, budget: int | None = None,
+                 config_updates: dict | None = None, stats: dict | None = None, what: str = "carried into A's basis"):
     """A function ``write(directory)`` writing ``ckpt`` moved by ``elements`` (with norm gains
     unfolded into ``gauge``'s) as a checkpoint with ``ckpt``'s keys, dtypes, config and
-    sharding. One fold's tensors (a norm's gain and the layers reading it) are read, moved
-    and written together; every other tensor alone. Maps act in float64, as
-    :meth:`Alignment.apply` does in memory (so the two give the same values); each value is
-    cast back to its own dtype."""
+    sharding: one piece at a time (:func:`pieces`: each reader of a norm with the norm's gain and
+    shift and its bias; every other parameter or moved buffer alone), the rest copied. A piece
+    over ``budget`` bytes (:func:`piece_bytes`) whose rows no element moves is read and written
+    in row slices. Maps act in float64, as :meth:`Alignment.apply` does in memory (so the two
+    give the same values); each value is cast back to its own dtype. ``config.json`` is copied,
+    or rewritten with ``config_updates``; ``stats["bytes_held"]``: the most a piece held;
+    ``what``: the move, as refusals name it."""
     from ..checkpoints.sharded import ShardWriter
     from ..merging.streaming import EXTRA_FILES
-    unit = groups(report.folds)
-    moved_buffers = set(report.buffers)
 
     def write(directory):
-        order, seen = [], set()
-        for key in ckpt.keys:
-            if key in seen:
-                continue
-            name = ckpt.param_of.get(key)
-            if name is None:  # a buffer: moved when a class moves it, else copied
-                names = (key,) if key in moved_buffers else None
-            else:
-                names = unit.get(name, (name,))
-            keys = (key,) if names is None else tuple(k for n in names for k in _keys(ckpt, n))
-            order.append((keys, names))
-            seen.update(keys)
-        writer = ShardWriter(directory, None, [(k, ckpt.shapes[k], ckpt.dtypes[k]) for keys, _ in order for k in keys],
+        writer = ShardWriter(directory, None, [(k, ckpt.shapes[k], ckpt.dtypes[k]) for k in ckpt.keys],
                              layout=_layout(ckpt))
-        for keys, names in order:
-            if names is None:
-                writer.add(keys[0], ckpt.read(keys[0], check=False))
-                continue
-            vals = {n: ckpt.get(n) for n in names}  # checked finite
-            new = move(report, elements, vals, {n: gauge[n] for n in names if n in gauge} or None)
-            for n in names:
-                v = new[n].to(vals[n].dtype) if n in new else vals[n]
-                if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-                    raise InputError(f"{n!r} is not finite in {v.dtype} once carried into A's basis; expected "
-                                     "an alignment whose maps keep the weights in the dtype's range")
-                for k in _keys(ckpt, n):
-                    writer.add(k, v)
+        written: set = set()
+        for piece in pieces(report):
+            held = _write_piece(ckpt, report, elements, piece, writer, written, gauge, budget, what)
+            if stats is not None:
+                stats["bytes_held"] = max(stats.get("bytes_held", 0), held)
+        stored = {k for n in written for k in _keys(ckpt, n)}
+        for key in ckpt.keys:  # buffers no class moves, tensors the graph does not read
+            if key not in stored:
+                writer.add(key, ckpt.read(key, check=False))
         info = writer.close()
-        shutil.copy2(os.path.join(ckpt.path, "config.json"), os.path.join(directory, "config.json"))
+        _config(ckpt.path, directory, config_updates)
         for fn in EXTRA_FILES:
             if os.path.isfile(os.path.join(ckpt.path, fn)):
                 shutil.copy2(os.path.join(ckpt.path, fn), os.path.join(directory, fn))
@@ -88,14 +187,12 @@ def carry_writer(ckpt, report, elements: dict, gauge: dict):
     return write
 
 
-def _keys(ckpt, name) -> list:
-    return [k for k in ckpt.params.get(name, (name,)) if k in ckpt.shapes]
-
-
 def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | None = None, force: bool = False,
-              fold_norms: bool = True, outputs=None, progress: bool = True) -> dict:
+              fold_norms: bool = True, outputs=None, progress: bool = True, **engine) -> dict:
     """Align checkpoint ``b`` to ``a`` and write B in A's basis into ``out`` with the
-    alignment (see the module docstring); returns the record written beside it."""
+    alignment (see the module docstring); returns the record written beside it. ``engine``:
+    the merge engine's other options (``device``, ``memory_budget``, ``sketch``, ``tol``,
+    ``max_iter``, ``until``, ``full_groups``: :class:`~symgraph.merging.config.MergeConfig`'s)."""
     from ..alignment.saved import ALIGNMENT_FILE, save_alignment
     from ..checkpoints.outdir import check_out, save_atomic
     from .run import _data, check_compatible, check_paths, input_names
@@ -123,18 +220,18 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
         raise InputError(f"{a!r} and {b!r} differ in tensor {k!r} ({ckpts[0].shapes.get(k)} vs "
                          f"{ckpts[1].shapes.get(k)}); symgraph align writes B in A's basis, which needs models "
                          "of one width (models of different widths merge with symgraph merge --align weights)")
-    cfg = MergeConfig(models=[a, b], out=out, align=align, data=data, fold_norms=fold_norms, outputs=outputs)
+    cfg = MergeConfig(models=[a, b], out=out, align=align, data=data, fold_norms=fold_norms, outputs=outputs,
+                      **engine)
     batches = _data(cfg, ckpts[0].model) if align == "activations" else None
     if align == "activations" and not batches:
         raise InputError("--align activations needs --data: a .safetensors or .pt file holding 'input_ids' [N, S]")
     t0 = time.time()
-    job = StreamingMerge(ckpts, align=align, data=batches, fold_norms=fold_norms, outputs=outputs,
-                         progress=progress)
+    job = StreamingMerge(ckpts, cfg, data=batches, progress=progress)
     job.align()
     al = job.alignments[1]
     record: dict = {"symgraph_align": {"a": input_names([a])[0], "b": input_names([b])[0], "align": align,
                                  "data": os.path.abspath(data) if data else None, "fold_norms": fold_norms,
-                                 "outputs": list(outputs) if outputs else None,
+                                 "outputs": list(outputs) if outputs else None, **engine,
                                  "seconds_align": time.time() - t0, "alignment": ALIGNMENT_FILE,
                                  "dtype": str(ckpts[1].dtype).removeprefix("torch.")}}
     write = carry_writer(ckpts[1], al.report_b, al.elements, al.gauge)
