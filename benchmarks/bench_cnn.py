@@ -20,9 +20,9 @@ save; the fingerprint hashes widths, recipe, data and :data:`benchmarks.train.CA
 parameter *and* the BatchNorm running statistics (B's in A's basis), as ``symgraph.merge``
 averages them. (The suite's ``symgraph.interpolate`` moves parameters only, which for a
 BatchNorm net would score B' with A's running statistics.) ``+ REPAIR``: at every λ the
-interpolated model's BatchNorm statistics are reset on the reset data (the training split):
-:func:`symgraph.merging.batchnorm.reset_batchnorm`, what ``merge(..., repair=True)`` does for
-BatchNorm nets and what Git Re-Basin and REPAIR do. Each repaired midpoint is also produced
+interpolated model's BatchNorm statistics are reset on the reset data (the training split) by
+the library's REPAIR, ``symgraph.merge([A, B'], weights=[λ, 1−λ], align=None, repair=True)``,
+what Git Re-Basin and REPAIR do for BatchNorm nets. Each repaired midpoint is also produced
 by ``symgraph.merge([A, B], data=..., align=..., repair=True)`` itself (``merge_loss_mid``;
 the same model up to float rounding).
 
@@ -194,12 +194,13 @@ def interpolated(a, b, lam):
 
 
 def _curve(a, b, batches, data, repair: bool):
-    from symgraph.merging.batchnorm import reset_batchnorm
+    import symgraph
     out = []
     for lam in LAMBDAS:
-        m = interpolated(a, b, float(lam))
-        if repair:
-            reset_batchnorm(m, data)
+        if repair:  # the interpolated model, its BatchNorm statistics reset on the data
+            m = symgraph.merge([a, b], weights=[float(lam), 1 - float(lam)], align=None, data=data, repair=True).model
+        else:
+            m = interpolated(a, b, float(lam))
         out.append((float(lam), *evaluate(m, batches)))
     return out
 

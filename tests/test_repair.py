@@ -12,9 +12,12 @@ import transformers
 import symgraph
 from conftest import cli
 from symgraph.testing import models
-from symgraph.merging.repair import find_sites, renormalize
+from symgraph.merging.repair import find_sites
 
 from repair_helpers import moments as _moments
+from repair_helpers import pre_activations as _pre_activations
+from repair_helpers import repair_reference
+from repair_helpers import targets as _targets
 from repair_helpers import one_thread  # noqa: F401 - an autouse fixture
 
 F = torch.nn.functional
@@ -46,28 +49,6 @@ def pair():
     data = [(_task(256, g)[0],) for _ in range(8)]
     test = _task(4096, torch.Generator().manual_seed(8))
     return trained[0], trained[1], data, test
-
-
-def _pre_activations(model, weights, data):
-    """``{weight name: [samples, channels]}``: outputs of the modules owning ``weights``."""
-    out, hooks = {}, []
-    for w in weights:
-        mod = model.get_submodule(w.rsplit(".", 1)[0])
-        hooks.append(mod.register_forward_hook(
-            lambda m, i, o, w=w: out.setdefault(w, []).append(o.detach().double().reshape(-1, o.shape[-1]))))
-    try:
-        with torch.no_grad():
-            for batch in data:
-                model(**batch) if isinstance(batch, dict) else model(*batch)
-    finally:
-        for h in hooks:
-            h.remove()
-    return {w: torch.cat(v) for w, v in out.items()}
-
-
-def _targets(parents, weights, names, data):
-    acts = [_pre_activations(p, names, data) for p in parents]
-    return {n: [sum(w * _moments(a[n])[j] for w, a in zip(weights, acts)) for j in range(3)] for n in names}
 
 
 def test_sites_are_read_from_the_graph():
@@ -129,25 +110,24 @@ def test_repaired_channels_hit_their_targets(pair):
     assert res.timings["repair"] == rep.seconds > 0 and res.timings["total"] >= rep.seconds
 
 
-def test_one_pass_corrects_the_first_layer_exactly(pair):
-    """REPAIR's original scheme: the first repaired layer is exact; later layers were measured
-    before the earlier corrections moved their inputs (on this plain average the corrections
-    compound: the last layers overshoot), which the sequential default avoids."""
+def test_repair_equals_a_brute_force_reference(pair):
+    """The engine's REPAIR (one lockstep pass over the data, op by op) writes the tensors of a
+    brute-force REPAIR of the loaded plain average (forward hooks; each layer in turn measured on
+    the whole data with the earlier ones corrected), weights 1:3; only the repaired layers move."""
     A, B, data, _ = pair
-    plain = symgraph.merge([A, B], data=data, align=None).model
-    one, seq = copy.deepcopy(plain), copy.deepcopy(plain)
-    r1 = renormalize(one, [A, B], [0.5, 0.5], data, sequential=False)
-    rs = renormalize(seq, [A, B], [0.5, 0.5], data)
-    assert r1.passes == 2 + 1 + 1 < rs.passes
-    names = [x.weight for x in r1.layers]
-    targets = _targets([A, B], [0.5, 0.5], names, data)
-    acts = _pre_activations(one, names, data)
-    mean, std, _ = _moments(acts[names[0]])
-    assert torch.allclose(std, targets[names[0]][1], rtol=1e-4, atol=0)
-    assert torch.allclose(mean, targets[names[0]][0], rtol=0, atol=1e-4 * float(targets[names[0]][1].mean()))
-    assert r1.layers[0].after < 1e-5
-    assert r1.layers[1].after > 1e-3 and r1.layers[-1].after > 1e-3
-    assert all(x.after < 1e-5 for x in rs.layers)
+    res = symgraph.merge([A, B], data=data, weights=[1, 3], align=None, repair=True)
+    plain = symgraph.merge([A, B], data=data, weights=[1, 3], align=None).model
+    names = [x.weight for x in res.repair.layers]
+    assert names == [f"{i}.weight" for i in (0, 2, 4, 6)] and res.repair.passes == 2 + 1
+    assert all(x.before > 0.02 and x.after < 1e-5 for x in res.repair.layers)  # a plain average collapses
+    want = copy.deepcopy(plain)
+    repair_reference(want, [A, B], [0.25, 0.75], names, data)
+    got, want, plain = res.model.state_dict(), want.state_dict(), plain.state_dict()
+    assert got.keys() == want.keys()
+    for k in got:
+        assert torch.allclose(got[k], want[k], rtol=2e-5, atol=1e-6), (k, float((got[k] - want[k]).abs().max()))
+        repaired = k.rsplit(".", 1)[0] in {n.rsplit(".", 1)[0] for n in names}
+        assert torch.equal(got[k], plain[k]) != repaired, k
 
 
 def test_repair_lowers_the_loss_of_trained_merges(pair):
@@ -254,16 +234,3 @@ def test_cli_repair(tmp_path):
     y.write_text(f"models: [{a}, {b}]\nout: {tmp_path / 'm3'}\nrepair: yes please\n")
     r = cli("merge", "--config", y)
     assert r.returncode == 2 and "'repair'" in r.stderr
-
-
-def test_a_parent_state_missing_a_parameter_is_refused():
-    """The graph runs on exactly the tensors given: a parent state without some parameter is
-    refused by name, never filled in silently with the anchor's."""
-    A, B = models.build("gpt2", seed=0), models.build("gpt2", seed=1)
-    g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": torch.randint(0, 64, (4, 8), generator=g)}]
-    state = {k: v.detach().clone() for k, v in B.named_parameters()}
-    gone = "transformer.h.0.mlp.c_fc.weight"
-    del state[gone]
-    with pytest.raises(symgraph.InputError, match=gone):
-        renormalize(copy.deepcopy(A), [A, state], [0.5, 0.5], data)

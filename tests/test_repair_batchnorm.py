@@ -138,9 +138,8 @@ def test_batchnorm_reset_lowers_the_loss_of_trained_merges(cnn_pair):
 def test_reset_batchnorm_keeps_modes_and_handles_mixed_nets():
     """A net with a renormalised channel (conv → ReLU) before a conv → BN → ReLU: REPAIR
     corrects the channel and then resets the BatchNorm, whose input the correction moved;
-    both end exact. Train mode, momentum and the batch counter are kept; dict batches work."""
-    from symgraph.merging.batchnorm import reset_batchnorm
-
+    both end exact. Train mode, momentum and the batch counter are kept; dict batches work, and
+    a BatchNorm the forward never calls keeps its merged statistics."""
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -174,8 +173,7 @@ def test_reset_batchnorm_keeps_modes_and_handles_mixed_nets():
             return torch.cat([m.eval().c1(b[0]).double().transpose(0, 1).flatten(1).T for b in data])
     target = 0.5 * (_moments(c1(A))[1] + _moments(c1(B))[1])
     assert torch.allclose(_moments(c1(M))[1], target, rtol=1e-4, atol=0)
-    # dict batches, straight to reset_batchnorm; a BatchNorm never called is left alone; no
-    # data is refused
+    # dict batches; a BatchNorm the forward never calls keeps the merge's (the average) statistics
     class Kw(Net):
         def __init__(self):
             super().__init__()
@@ -183,11 +181,13 @@ def test_reset_batchnorm_keeps_modes_and_handles_mixed_nets():
 
         def forward(self, pixels):
             return super().forward(pixels)
-    K = Kw()
-    unused = copy.deepcopy(K.unused.state_dict())
-    out = reset_batchnorm(K, [{"pixels": b[0]} for b in data])
+    K1, K2 = Kw(), Kw()
+    with torch.no_grad():
+        K2.unused.running_mean.fill_(1.0)
+    kw = [{"pixels": b[0]} for b in data]
+    res, plain = (symgraph.merge([K1, K2], data=kw, align=None, repair=r) for r in (True, False))
+    out = res.repair.batchnorm
     assert [x.name for x in out] == ["bn"] and out[0].samples == 15 * 25
-    assert all(torch.equal(v, K.unused.state_dict()[k]) for k, v in unused.items())
-    _assert_population_statistics(K, data, ["bn"])
-    with pytest.raises(symgraph.InputError, match="needs data"):
-        reset_batchnorm(K, [])
+    assert float(res.model.unused.running_mean[0]) == 0.5
+    assert all(torch.equal(v, res.model.unused.state_dict()[k]) for k, v in plain.model.unused.state_dict().items())
+    _assert_population_statistics(res.model, data, ["bn"])

@@ -15,12 +15,11 @@ from ..core.progress import bar as progress_bar
 from ..alignment import align as align_models
 from ..alignment.checks import check_finite
 from ..report.api import analyze
-from ..errors import InputError, NeedsMemory
+from ..errors import InputError
 from ..checkpoints.memory import ModelCheckpoint
 from .circuits import circuit_merge, why_no_config, wide_model
 from .methods import registry
 from .methods.registry import mixing_weights
-from .batchnorm import repair as repair_loaded
 from .repair import RepairReport
 from .statistics import statistics_in_anchor_basis
 from .streaming import StreamingMerge
@@ -65,7 +64,8 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         nonlinearity gets, on ``data`` (required), the mean and std interpolated from model A
         and the other models in A's basis (:mod:`symgraph.merging.repair`); BatchNorm layers
         get their running statistics recomputed on ``data`` for the merged model
-        (:mod:`symgraph.merging.batchnorm`; ``MergeResult.repair.batchnorm``).
+        (``MergeResult.repair.batchnorm``); both by the merge engine's REPAIR step
+        (:mod:`symgraph.merging.repair_stream`).
     progress : a progress bar (stderr) over the models.
     attention : "heads" (the parents' architecture) or "circuits": every head interpolates its
         ``QKᵀ`` and ``OV`` forms, in heads N times as wide (Theus et al. 2025;
@@ -129,13 +129,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         timings["total"] = time.perf_counter() - t0
         return MergeResult(out, alignments, timings, None, universe)
     job = _engine(models, how, align, anchor, w, data, repair, attention, align_options)
-    loaded_repair = False
-    try:
-        job.use(ra, alignments)
-    except NeedsMemory:  # BatchNorm statistics the graph reads outside a batch-norm op: REPAIR
-        job = _engine(models, how, align, anchor, w, data, False, attention, align_options)  # of the loaded merge
-        job.use(ra, alignments)
-        loaded_repair = True
+    job.use(ra, alignments)
     out, finish = _output_model(job, A)
     targets = out.state_dict(keep_vars=True)
 
@@ -147,9 +141,6 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     timings["statistics"] = job.timings.get("statistics", 0.0)
     timings["combine"] = time.perf_counter() - t3 - timings["statistics"]
     repaired = job.repair_report
-    if loaded_repair:  # the merged model itself measured, the parents carried into A's basis
-        parents = [m if al is None else al.apply(m) for m, al in zip(models, alignments)]
-        repaired = repair_loaded(out, parents, w, data, ra)
     if repair:
         assert repaired is not None  # written with repair=True
         timings["repair"] = repaired.seconds

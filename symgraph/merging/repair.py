@@ -1,4 +1,5 @@
-"""REPAIR (Jordan et al., ICLR 2023): renormalise the merged model's pre-activations.
+"""REPAIR (Jordan et al., ICLR 2023): the math the merge engine's REPAIR step uses
+(:mod:`~symgraph.merging.repair_stream` runs it, op by op, on the merge as it is written).
 
 Averaging networks, even aligned ones, shrinks the spread of their hidden units ("variance
 collapse"): a merged unit mixes units that are only partly correlated, and its std on the data
@@ -6,7 +7,7 @@ falls below the parents'. REPAIR measures on data every repaired channel ``c`` o
 (model A and the other models *in A's basis*) and of the merge, and gives the merged channel
 the interpolated statistics ``μ*_c = Σ_i w_i μ_{i,c}``, ``σ*_c = Σ_i w_i σ_{i,c}`` by an affine
 change of the layer that produces it (weight row ``W[c]``, bias ``b[c]``; ``μ_c``, ``σ_c``
-the merge's)::
+the merge's; :func:`correction`)::
 
     s = σ*_c / σ_c      W'[c] = s · W[c]      b'[c] = s · (b[c] − μ_c) + μ*_c
 
@@ -22,37 +23,30 @@ reduction combined back with the channel, ``x · rsqrt(mean x²)``), which would
 hidden units (GPT-2, BERT, ViT, LLaMA gate and up) and conv channels before a ReLU; not
 attention projections, residual writers, heads, or convs followed by a BatchNorm.
 
-Statistics are taken at those graph nodes (:func:`~symgraph.alignment.graphrun.run_capture`) by
-running the anchor's exported graph on each model's tensors (``torch.func.functional_call``; out of
-core: :mod:`~symgraph.merging.repair_stream`). Every sample counts (batch, positions, pixels; padding too). Under ``torch.distributed`` each
-process measures its own batches and the per-channel sums and counts are all-reduced
-(:mod:`symgraph.core.distributed`) before the moments are taken.
+Per-channel moments are streamed float64 sums (:class:`Moments`): every sample counts (batch,
+positions, pixels; padding too), and under ``torch.distributed`` the sums and counts are
+all-reduced (:mod:`symgraph.core.distributed`) before the moments are taken.
 
-``sequential=True`` (default) corrects in *waves* — every repaired layer with no uncorrected
-repaired layer among its graph ancestors (a block's gate and up are one wave) — re-measuring
-the merge before each wave (a run that stops at the wave's last node), so every channel ends at
-its target. REPAIR's reference code gets this approximately in one pass: its reset layers are
-train-mode BatchNorms, so each layer sees its predecessors already corrected with per-batch
-statistics. ``sequential=False`` measures once and corrects all: exact for the first layer
-only, since later inputs move after they were measured (on a plain average of two trained MLPs
-the corrections compound and overshoot).
+BatchNorm layers (REPAIR's and Git Re-Basin's reset, Ainsworth et al., ICLR 2023): the merged
+layer's running mean and variance become the population mean and unbiased variance of its
+input in the merged model on the data (:func:`batchnorm_statistics`, per channel on dimension 1).
+
+The report: :class:`RepairReport` (per layer a :class:`RepairLayer`, per BatchNorm module a
+:class:`BatchNormReset`).
 """
 from __future__ import annotations
 
 import operator
-import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from ..core import distributed, finite
-from ..alignment.graphrun import GraphRunner
-from ..alignment.checks import batch_inputs, by_shape
 from ..errors import InputError
 from ..passes.nodes import packet, packets
 
-__all__ = ["Site", "RepairLayer", "RepairReport", "find_sites", "renormalize", "correction"]
+__all__ = ["Site", "find_sites", "Moments", "correction", "layer_errors", "batchnorm_layers",
+           "batchnorm_statistics", "RepairLayer", "BatchNormReset", "RepairReport"]
 
 
 aten = torch.ops.aten
@@ -207,45 +201,28 @@ def find_sites(report) -> list:
     return out
 
 
-def _waves(report, sites) -> list:
-    """Sites grouped so that no site has a graph ancestor among its own or later waves."""
-    names = {s.node for s in sites}
-    depth: dict = {}
-    wave: dict = {}
-    out: dict = {}
-    for n in report.exported_program.graph.nodes:
-        d = max((depth[i] for i in n.all_input_nodes if i in depth), default=0)
-        if n.name in names:
-            wave[n.name], d = d, d + 1
-        depth[n] = d
-    for s in sites:
-        out.setdefault(wave[s.node], []).append(s)
-    return [out[k] for k in sorted(out)]
+def batchnorm_layers(model) -> list:
+    """Names of the BatchNorm modules of ``model`` with running statistics (registration order)."""
+    return [n for n, m in model.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+            and m.running_mean is not None and m.running_var is not None]
 
 
 # --- measuring -------------------------------------------------------------------------------
 
 
-class _Done(Exception):  # raised inside the interpreter once the last wanted node has run
-    pass
+class Moments:
+    """Streamed per-channel sums (float64) ``[n, Σx, Σx²]`` per key; ``add(key, x, dim)`` takes
+    the values ``x`` whose channels lie along ``dim``."""
 
+    def __init__(self):
+        self.sums: dict = {}  # key -> [n, Σx, Σx²]
 
-class _Moments:
-    """Streamed per-channel sums (float64) at the wanted nodes ``dims`` (``{node name: (key,
-    channel dim)}``), as a ``run_capture`` sink that stops the run after node ``last``."""
-
-    def __init__(self, dims: dict, last: str | None, sums=None):
-        self.dims, self.last = dims, last
-        self.sums = sums if sums is not None else {}  # key -> [n, Σx, Σx²]
-
-    def __setitem__(self, name, x):
-        key, dim = self.dims[name]
+    def add(self, key, x, dim: int):
         x = x.detach().movedim(dim, -1)
         x = x.reshape(-1, x.shape[-1]).double()
         acc = self.sums.setdefault(key, [0, 0, 0])
         acc[0], acc[1], acc[2] = acc[0] + x.shape[0], acc[1] + x.sum(0), acc[2] + (x * x).sum(0)
-        if name == self.last:
-            raise _Done
 
     def all_reduce(self):
         """Sum the counts and sums over all processes (a no-op when not distributed)."""
@@ -264,37 +241,54 @@ class _Moments:
         return mean, (sq - mean * mean).clamp_min(0).sqrt(), sq.sqrt()
 
 
-class _Graphs:
-    """The anchor's exported graph per batch shape, with its sites there."""
+def batchnorm_statistics(moments: Moments, key, module: str) -> tuple:
+    """``(mean, unbiased variance, samples)`` per channel of BatchNorm module ``module``'s input,
+    whose sums ``moments`` holds at ``key``; refused with fewer than 2 values per channel."""
+    n, s1, s2 = moments.sums.get(key, (0, 0, 0))
+    n = int(n)
+    if n < 2:
+        raise InputError(f"BatchNorm module {module!r} saw {n} value(s) per channel on the data; "
+                         "expected at least 2")
+    mean = s1 / n
+    var = (s2 / n - mean * mean).clamp_min(0) * (n / (n - 1))
+    finite.require_finite("REPAIR", f"the input statistics of BatchNorm module {module!r}", mean, var)
+    return mean, var, n
 
-    def __init__(self, report, model, data, sites):
-        self.groups = []
-        for (rep,), batches in by_shape((report,), (model,), data):
-            here = {s.weight: s for s in (sites if rep is report else find_sites(rep))}
-            if not {s.weight for s in sites} <= set(here):
-                raise InputError("data batches of other shapes give the model other layers to "
-                                 "repair; expected batches of the first batch's shapes")
-            order = {n.name: i for i, n in enumerate(rep.exported_program.graph.nodes)}
-            self.groups.append((rep, GraphRunner(rep.exported_program.module()), here, order, batches))
 
-    def measure(self, tensors: dict, keys) -> _Moments:
-        """Per-channel moments at the sites ``keys`` (weight names) of the model with parameters
-        (and buffers) ``tensors``; each run stops after the last of them."""
-        sums: dict = {}
-        for rep, runner, here, order, batches in self.groups:
-            state = runner.state(tensors)
-            dims = {here[k].node: (k, here[k].channel_dim) for k in keys}
-            sink = _Moments(dims, max(dims, key=order.__getitem__), sums)
-            for bi, batch in batches:
-                args, kwargs = batch_inputs(rep, batch, bi)
-                try:
-                    with torch.no_grad():
-                        torch.func.functional_call(runner, state, (set(dims), sink, args, kwargs),
-                                                   strict=True, tie_weights=False)
-                except _Done:
-                    pass
-        sink.all_reduce()  # sums over every process's batches
-        return sink
+# --- the correction --------------------------------------------------------------------------
+
+
+def correction(site, stats, target) -> dict:
+    """``{parameter: f(tensor) -> corrected}`` of ``site``'s weight (and bias): ``W[c] ← s·W[c]``,
+    ``b[c] ← s·(b[c] − μ_c) + μ*_c`` (no bias: ``s`` from the rms), in float64, cast back."""
+    (mean, std, rms), (t_mean, t_std, t_rms) = stats, target
+    m, t = (std, t_std) if site.bias is not None else (rms, t_rms)
+    # a channel the merge made constant (relative to the layer's targets) cannot be rescaled
+    live = m > 1e-12 * float(t.abs().max().clamp_min(torch.finfo(torch.float64).tiny))
+    scale = torch.where(live, t / torch.where(live, m, torch.ones_like(m)), torch.ones_like(m))
+
+    def weight(W):
+        shape = [1] * W.dim()
+        shape[site.out_dim] = -1
+        return (W.double() * scale.to(W.device).reshape(shape)).to(W.dtype)
+
+    def bias(b):
+        new = scale * (b.double().to(scale.device) - mean) + t_mean
+        return new.to(device=b.device, dtype=b.dtype)
+
+    return {site.weight: weight} | ({site.bias: bias} if site.bias is not None else {})
+
+
+def layer_errors(stats, target, statistic):
+    """``(mean |m/t − 1|, mean |μ − μ*| / σ*)`` over the channels with a positive target, ``m``
+    the std (``statistic="std"``) or the root mean square (``"rms"``)."""
+    (mean, std, rms), (t_mean, t_std, t_rms) = stats, target
+    m, t = (std, t_std) if statistic == "std" else (rms, t_rms)
+    ok = t > 0
+    if not ok.any():
+        return 0.0, 0.0
+    return ((m[ok] / t[ok]) - 1).abs().mean().item(), \
+        ((mean[ok] - t_mean[ok]).abs() / t_std[ok].clamp_min(1e-30)).mean().item()
 
 
 # --- the report ------------------------------------------------------------------------------
@@ -320,11 +314,28 @@ class RepairLayer:
 
 
 @dataclass
+class BatchNormReset:
+    """One reset BatchNorm module ``name`` with ``channels`` channels, measured on ``samples``
+    values per channel. ``std_ratio``: the mean over its channels of ``σ_data / σ_running``
+    before the reset (below 1: the merge's variance collapsed); ``mean_shift``: the mean of
+    ``|μ_data − μ_running| / σ_data``."""
+    name: str
+    channels: int
+    samples: int
+    std_ratio: float
+    mean_shift: float
+
+    def to_dict(self):
+        return dict(self.__dict__)
+
+
+@dataclass
 class RepairReport:
-    """What REPAIR did: ``layers`` (:class:`RepairLayer`, graph order), ``sequential``,
+    """What REPAIR did: ``layers`` (:class:`RepairLayer`, graph order), ``sequential`` (each
+    layer measured with every earlier correction applied: always, kept in the record),
     ``passes`` over the data (parents and merged model), ``seconds``; ``batchnorm``: the
     BatchNorm modules whose running statistics were reset on the data, forward order
-    (:class:`~symgraph.merging.batchnorm.BatchNormReset`)."""
+    (:class:`BatchNormReset`)."""
     layers: list = field(default_factory=list)
     sequential: bool = True
     passes: int = 0
@@ -344,107 +355,3 @@ class RepairReport:
         b, a = (sum(getattr(x, k) for x in self.layers) / n for k in ("before", "after"))
         return (f"REPAIR: {n} layers, {sum(x.channels for x in self.layers)} channels; mean "
                 f"|σ/σ*−1| {b:.3g} → {a:.3g}{'; ' + bn if bn else ''} ({self.seconds:.1f} s)")
-
-
-def _errors(stats, target, statistic):
-    """``(mean |m/t − 1|, mean |μ − μ*| / σ*)`` over the channels with a positive target."""
-    (mean, std, rms), (t_mean, t_std, t_rms) = stats, target
-    m, t = (std, t_std) if statistic == "std" else (rms, t_rms)
-    ok = t > 0
-    if not ok.any():
-        return 0.0, 0.0
-    return ((m[ok] / t[ok]) - 1).abs().mean().item(), \
-        ((mean[ok] - t_mean[ok]).abs() / t_std[ok].clamp_min(1e-30)).mean().item()
-
-
-# --- the correction --------------------------------------------------------------------------
-
-
-def renormalize(model, parents, weights, data, report=None, *, sequential: bool = True) -> RepairReport:
-    """REPAIR ``model`` (the merge, modified in place) towards the interpolated statistics of
-    ``parents`` with mixing ``weights``, measured on ``data`` (a list of batches, the models' input).
-
-    parents : models, or ``{name: tensor}`` parameter states, of ``model``'s architecture and
-        in its basis (aligned); missing names are ``model``'s.
-    report : ``symgraph.analyze(model)`` (or of any model of that architecture); traced on
-        ``data[0]`` when None.
-    sequential : correct in waves, re-measuring the merge before each (see the module
-        docstring); False: measure once and correct every layer from that one measurement.
-
-    Returns a :class:`RepairReport`; for a layer without a bias (``"rms"``) only the root mean
-    square is matched, so its ``mean_after`` is not expected to be 0.
-    """
-    t0 = time.perf_counter()
-    data = list(data) if data is not None else []
-    weights = [float(w) for w in weights]
-    if not data:
-        raise InputError("REPAIR needs data: a non-empty list of batches to measure activations on")
-    if len(weights) != len(parents) or sum(weights) <= 0:
-        raise InputError(f"REPAIR needs one mixing weight per parent ({len(parents)}), with a "
-                         f"positive sum; got {weights}")
-    weights = [w / sum(weights) for w in weights]
-    if report is None:
-        from ..report.api import analyze
-        report = analyze(model, data[0])
-    sites = find_sites(report)
-    if not sites:
-        warnings.warn("REPAIR found no channel to repair (no linear or conv output feeds an "
-                      "elementwise nonlinearity without a normalisation first)", stacklevel=2)
-        return RepairReport([], sequential, 0, time.perf_counter() - t0)
-    graphs, keys = _Graphs(report, model, data, sites), [s.weight for s in sites]
-    own = {**dict(model.named_buffers()), **dict(model.named_parameters())}
-    targets = {k: [0, 0, 0] for k in keys}  # the parents' interpolated (mean, std, rms)
-    for p, w in zip(parents, weights):
-        src = {**dict(p.named_buffers()), **dict(p.named_parameters())} \
-            if isinstance(p, torch.nn.Module) else p
-        mom = graphs.measure({k: v.detach().to(device=own[k].device, dtype=own[k].dtype)
-                              if k in own else v.detach() for k, v in src.items()}, keys)
-        for k in keys:
-            targets[k] = [t + w * x for t, x in zip(targets[k], mom.stats(k))]
-
-    def merged(ks):
-        return graphs.measure({k: v.detach() for k, v in own.items()}, ks)
-
-    before = merged(keys)
-    waves = _waves(report, sites) if sequential else [sites]
-    for i, wave in enumerate(waves):
-        mom = before if i == 0 else merged([s.weight for s in wave])
-        for s in wave:
-            _correct(model, s, mom.stats(s.weight), targets[s.weight])
-    after, layers = merged(keys), []
-    for s in sites:
-        kind = "std" if s.bias is not None else "rms"
-        b, mb = _errors(before.stats(s.weight), targets[s.weight], kind)
-        a, ma = _errors(after.stats(s.weight), targets[s.weight], kind)
-        layers.append(RepairLayer(s.weight, s.bias, s.channels, kind, b, a, mb, ma))
-    passes = len(parents) + len(waves) + 1
-    return RepairReport(layers, sequential, passes, time.perf_counter() - t0)
-
-
-def _correct(model, site, stats, target):
-    """Correct ``site``'s layer of ``model`` in place (see :func:`correction`)."""
-    with torch.no_grad():
-        for name, fix in correction(site, stats, target).items():
-            p = model.get_parameter(name)
-            p.copy_(fix(p.detach()))
-
-
-def correction(site, stats, target) -> dict:
-    """``{parameter: f(tensor) -> corrected}`` of ``site``'s weight (and bias): ``W[c] ← s·W[c]``,
-    ``b[c] ← s·(b[c] − μ_c) + μ*_c`` (no bias: ``s`` from the rms), in float64, cast back."""
-    (mean, std, rms), (t_mean, t_std, t_rms) = stats, target
-    m, t = (std, t_std) if site.bias is not None else (rms, t_rms)
-    # a channel the merge made constant (relative to the layer's targets) cannot be rescaled
-    live = m > 1e-12 * float(t.abs().max().clamp_min(torch.finfo(torch.float64).tiny))
-    scale = torch.where(live, t / torch.where(live, m, torch.ones_like(m)), torch.ones_like(m))
-
-    def weight(W):
-        shape = [1] * W.dim()
-        shape[site.out_dim] = -1
-        return (W.double() * scale.to(W.device).reshape(shape)).to(W.dtype)
-
-    def bias(b):
-        new = scale * (b.double().to(scale.device) - mean) + t_mean
-        return new.to(device=b.device, dtype=b.dtype)
-
-    return {site.weight: weight} | ({site.bias: bias} if site.bias is not None else {})

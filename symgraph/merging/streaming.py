@@ -193,8 +193,8 @@ class StreamingMerge:
         t0 = time.perf_counter()
         A = self.ckpts[self.anchor]
         example = self.data[0] if self.data else None
-        if self.repair:
-            repair_stream.check(self)
+        if self.repair:  # a BatchNorm REPAIR cannot reset is refused before any work
+            repair_stream.check(A.model, self.graph_report, example, fold_norms=self.fold_norms, outputs=self.outputs)
         if self.align_mode is None:  # nothing to move: every tensor is combined as it is
             if (self.how.needs_data or self.repair) and self.graph_report is None:  # the graph its statistics are taken on
                 self.graph_report = analyze(A.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
@@ -243,7 +243,7 @@ class StreamingMerge:
         :func:`symgraph.merge` finds them for models in memory (the anchor's own entry is not
         None only for a shared universe's basis)."""
         if self.repair:
-            repair_stream.check(self)
+            repair_stream.check(self.ckpts[self.anchor].model, report)
         self.graph_report = report
         self.report = report if self.align_mode is not None else None
         self.alignments = list(alignments)
@@ -279,7 +279,7 @@ class StreamingMerge:
             for step in self.prepare:
                 step(self)
             if self.repair:  # last: it measures the merge as written
-                self.repair_report = repair_stream.repair(self)
+                self.repair_report = repair_stream.repair(repair_stream.RepairContext.of(self))
             t1 = time.perf_counter()
             info = write()
             self.timings["write"] = time.perf_counter() - t1
