@@ -33,12 +33,11 @@ HIGH_LAYER = {"m.layers.0.q": 0.95, "m.layers.0.k": 0.95, "m.layers.1.q": 0.2, "
 def test_an_unrelated_verdict_paints_no_layer_as_a_match(tmp_path):
     res = verdict(HIGH_LAYER, 0.2)
     assert res.verdict == "unrelated"
-    level = res.null_mean + res.threshold * (1 - res.null_mean)
-    assert max(r["correlation"] for r in res.layers) > level  # a layer clears the level ...
+    assert max(r["excess"] for r in res.layers) > res.threshold  # a layer clears the threshold ...
     assert res.carriers == [] and not any(r["carries"] for r in res.layers)  # ... yet carries nothing
     bars = layer_bars(res)
     assert [name for name, _, _ in bars] == ["m.layers.0", "m.layers.1", "m.layers.2", "lm_head"]
-    assert bars[0][1] == pytest.approx(0.95)
+    assert bars[0][1] == pytest.approx((0.95 - 0.2) / (1 - 0.2))  # its excess over its own null level
     assert {colour for _, _, colour in bars} == {NOT_CARRYING}
     plot_layers(res, str(tmp_path / "compare.png"), "unrelated")
     assert (tmp_path / "compare.png").stat().st_size > 1000
@@ -58,3 +57,28 @@ def test_no_null_paints_nothing():
     res = verdict(HIGH_LAYER, 0.2, null=0)
     assert res.verdict == "undetermined"
     assert {colour for _, _, colour in layer_bars(res)} == {NOT_CARRYING}
+
+
+def test_the_excess_reads_each_matrix_against_its_own_null_and_leaves_vectors_out():
+    """A matrix's excess is measured from its own null level (a large matrix aligned by continuous
+    groups correlates with noise; a vector hardly); vectors (biases, shifts: alike from the same
+    data) are evidence only where a layer has no matrix."""
+    b = {"m.layers.0.w": 0.6, "m.layers.1.w": 0.3, "m.layers.1.b": 0.99, "m.norm.b": 0.9}
+    levels = {"m.layers.0.w": 0.4, "m.layers.1.w": 0.0, "m.layers.1.b": 0.0, "m.norm.b": 0.5}
+    shapes = {"m.layers.0.w": [8, 8], "m.layers.1.w": [8, 8], "m.layers.1.b": [8], "m.norm.b": [8]}
+
+    def with_shapes(corr):
+        return [r | {"shape": shapes[r["name"]]} for r in rows(corr)]
+
+    def solve(draw):
+        if draw is None:
+            return None, with_shapes(b)
+        return None, with_shapes({n: v + 0.01 * (draw - 1.5) for n, v in levels.items()})
+    res = judge(solve, 1e-5, null=4)
+    ex = {r["name"]: r["excess"] for r in res.tensors}
+    assert ex["m.layers.0.w"] == pytest.approx((0.6 - 0.4) / 0.6) and ex["m.layers.1.w"] == pytest.approx(0.3)
+    assert res.excess == pytest.approx(0.5 * ((0.6 - 0.4) / 0.6 + 0.3))  # the median of the two matrices
+    assert res.statistic == pytest.approx(0.45)  # the median correlation of the matrices, the vectors left out
+    layers = {r["layer"]: r for r in res.layers}
+    assert layers["m.layers.1"]["tensors"] == 1 and layers["m.layers.1"]["excess"] == pytest.approx(0.3)
+    assert layers["m.norm"]["tensors"] == 1 and layers["m.norm"]["excess"] == pytest.approx(0.8)  # no matrix there

@@ -29,17 +29,18 @@ CARRIES, NOT_CARRYING = "tab:red", "tab:gray"
 
 
 def layer_bars(res) -> list:
-    """The bars of compare.png: ``(layer, median correlation, colour)`` of each layer with evidence,
-    painted :data:`CARRIES` only where it carries the verdict (so never when B is "unrelated" or
-    "undetermined": a layer above the level is then no match)."""
+    """The bars of compare.png: ``(layer, excess, colour)`` of each layer with evidence (the median
+    excess of its weight matrices over their null levels), painted :data:`CARRIES` only where it
+    carries the verdict (so never when B is "unrelated" or "undetermined": a layer above the
+    threshold is then no match)."""
     carried = res.verdict in ("same", "derived")
-    return [(r["layer"], r["correlation"], CARRIES if carried and r["carries"] else NOT_CARRYING)
+    return [(r["layer"], r["excess"], CARRIES if carried and r["carries"] else NOT_CARRYING)
             for r in res.layers if r["tensors"]]
 
 
 def plot_layers(res, path: str, title: str = "") -> None:
-    """The median correlation after alignment of each layer (bars, :func:`layer_bars`), the null
-    level and the level a layer needs to carry a "derived" verdict (lines)."""
+    """Each layer's excess over the null (bars, :func:`layer_bars`: 0 is the shuffled copies' level,
+    1 is A), and the threshold a layer needs to carry a "derived" verdict (line)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -47,14 +48,12 @@ def plot_layers(res, path: str, title: str = "") -> None:
     fig, ax = plt.subplots(figsize=(max(5.0, 0.35 * len(rows) + 2), 3.8))
     xs = range(len(rows))
     ax.bar(xs, [c for _, c, _ in rows], color=[colour for _, _, colour in rows])
-    mu0 = res.null_mean
-    ax.axhline(mu0, color="k", lw=0.8, ls=":", label=f"null (shuffled B) {mu0:.2f}")
-    ax.axhline(mu0 + res.threshold * (1 - mu0), color="tab:blue", lw=0.8, ls="--",
-               label=f"derived level (excess {res.threshold:g})")
+    ax.axhline(0.0, color="k", lw=0.8, ls=":", label="null (shuffled B)")
+    ax.axhline(res.threshold, color="tab:blue", lw=0.8, ls="--", label=f"derived needs {res.threshold:g}")
     ax.set_xticks(list(xs))
     ax.set_xticklabels([name for name, _, _ in rows], rotation=60, ha="right", fontsize=6)
-    ax.set_ylim(min(0.0, min((c for _, c, _ in rows), default=0.0)), 1.02)
-    ax.set_ylabel("median correlation after alignment")
+    ax.set_ylim(min(0.0, min((c for _, c, _ in rows), default=0.0)) - 0.02, 1.02)
+    ax.set_ylabel("excess over the null (A: 1)")
     ax.set_title(f"{title}: {res.verdict}" if title else res.verdict, fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
