@@ -10,4 +10,6 @@
 - ``run``              :func:`~.run.run_merge`, the one merge entry of a config (out of core or in
   memory, the output written atomically with its record and card), and ``merge_checkpoints``
 - ``carry``            B written in A's basis as a standard checkpoint (``symgraph align``/``apply``)
+  by :func:`~.carry.carry_writer`, the one writer of a checkpoint moved by group elements
+  (``symgraph rotate``'s too)
 """

@@ -4,5 +4,6 @@ report.
 - ``rotate``      :func:`~.rotate.rotate`: a model in memory rotated, with its certificate
 - ``classes``     which classes a rotation acts on, an incoherent element of each, the values
 - ``learned``     learned rotations (SpinQuant): elements optimised for the quantized loss
-- ``checkpoint``  ``symgraph rotate``: a checkpoint rotated out of core
+- ``checkpoint``  ``symgraph rotate``: a checkpoint rotated out of core, written by
+  :func:`~symgraph.app.carry.carry_writer`
 """
