@@ -112,8 +112,7 @@ def test_every_batchnorm_module_normalises_through_a_batchnorm_op(cls, training)
     ``F.batch_norm`` on a module's statistics, trace to a batch-norm op that reads them (in train
     mode too: the analysis traces in eval mode), and no class of transformers or diffusers
     subclasses a BatchNorm module (their frozen BatchNorms are not BatchNorm modules and are not
-    reset). A BatchNorm module such a model never calls (Flux 2's VAE's latent statistics) is
-    not read by its graph, so not refused either."""
+    reset)."""
     shape = {"BatchNorm1d": (2, 3), "BatchNorm3d": (2, 3, 3, 3, 3)}.get(cls, (2, 3, 3, 3))
     bn = getattr(torch.nn, cls if cls != "functional" else "BatchNorm2d")(4)
 
@@ -148,6 +147,24 @@ def test_no_model_of_transformers_or_diffusers_subclasses_a_batchnorm_module():
         assert len(files) > 500, package
         found[package] = [str(p) for p in files if subclass.search(p.read_text(errors="replace"))]
     assert found == {"transformers": [], "diffusers": []}
+
+
+def test_a_batchnorm_module_the_forward_never_calls_is_not_refused():
+    """Flux 2's VAE holds a BatchNorm of its latents that only its pipelines read: the model's
+    graph never reads it, so REPAIR neither refuses nor resets it."""
+    from diffusers import AutoencoderKLFlux2
+    torch.manual_seed(0)
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
+                             up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=4,
+                             norm_num_groups=4, sample_size=16, mid_block_add_attention=False).eval()
+    assert [n for n, m in vae.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)] == ["bn"]
+    rep = symgraph.analyze(vae, (torch.randn(1, 3, 16, 16),))
+    assert repair_stream.batchnorm_nodes(rep) == {}
+    sig, graph = rep.exported_program.graph_signature, rep.exported_program.graph
+    read = {sig.inputs_to_buffers[x.name] for x in graph.nodes
+            if x.op == "placeholder" and x.users and x.name in sig.inputs_to_buffers}
+    assert not {"bn.running_mean", "bn.running_var"} & read
+    repair_stream.check(vae, rep)
 
 
 @pytest.fixture(scope="module")
