@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from symgraph.cli.main import main as cli
 from symgraph.core.elements import Perm
 from symgraph.errors import InputError
+from symgraph.alignment import learning
 from symgraph.merging import learned
 from symgraph.app.config import MergeConfig
 from symgraph.app.run import run_merge
@@ -47,25 +48,28 @@ def _dense(e):
 
 class _Watch:
     """What the refine of the out-of-core job saw: the ledger's peak and bytes held when each of
-    its phases began, the segments each step ran, and the elements before refining."""
+    the shared steps' phases (:mod:`symgraph.alignment.learning`) began with the out-of-core
+    objective, the segments each step ran, and the elements before refining."""
 
     def __init__(self, monkeypatch):
         self.peaks, self.segments, self.start = {}, [], None
-        for name in ("choose_start", "refine"):
-            real = getattr(learned._Matching, name)
+        for name in ("choose_start", "refine_elements"):
+            real = getattr(learning, name)
 
-            def wrapped(m, *args, _real=real, _name=name, **kw):
-                ledger = m.job.ledger
-                if _name == "refine":
-                    self.start = dict(args[0].elements)
+            def wrapped(first, objective, *args, _real=real, _name=name, **kw):
+                if not isinstance(objective, learned._Matching):  # the in-memory merge's
+                    return _real(first, objective, *args, **kw)
+                ledger = objective.how.ledger
+                if _name == "refine_elements":
+                    self.start = dict(first.elements)
                 before, ledger.peak = ledger.peak, ledger.now
                 self.peaks[_name] = (ledger.now, None)
                 try:
-                    return _real(m, *args, **kw)
+                    return _real(first, objective, *args, **kw)
                 finally:
                     self.peaks[_name] = (self.peaks[_name][0], ledger.peak)
                     ledger.peak = max(before, ledger.peak)
-            monkeypatch.setattr(learned._Matching, name, wrapped)
+            monkeypatch.setattr(learning, name, wrapped)
         real_segments = learned._Graph.segments
 
         def segments(g, cost, budget):
@@ -134,7 +138,7 @@ def test_refine_out_of_core_equals_in_memory_and_holds_its_budget(pair, tmp_path
     watch = _compare(pair, tmp_path, monkeypatch, capsys, cli_run=tied)
     if not tied:  # norm gains folded into the residual stream's rotation, moved back into A's
         assert len(watch.job.report.folds) >= 2 * SIZES["layers"]
-    for phase in ("choose_start", "refine"):
+    for phase in ("choose_start", "refine_elements"):
         held, peak = watch.peaks[phase]
         assert held == 0 and 0 < peak <= BUDGET, (phase, peak)
     assert min(watch.segments) >= 2 and max(watch.segments) >= 4  # the model does not fit one segment

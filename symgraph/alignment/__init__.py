@@ -9,6 +9,8 @@ an :class:`Alignment` keyed by group id.
 - ``sweeps``      the coordinate-descent loop over units
 - ``rescale``     Zhang et al. 2024's per-head scalars after the rotations; GL and unit-scale fits
 - ``fullgroups``  fitting the full groups from loaded models or checkpoints read on demand
+- ``learning``    learned matching's steps (start, λ, Adam, projection back), whatever computes the loss
+- ``refine``      learned matching in memory: the interpolated model's loss
 - ``result``      :class:`Alignment` (apply / state / to_json / save)
 - ``saved``       an alignment as a safetensors file (:func:`load_alignment`)
 - ``options``     :class:`AlignOptions`: every option of :func:`align`, typed and checked once

@@ -13,7 +13,8 @@ from .activations import act_matrix, activation_similarity
 from .checks import check_compatible, check_finite
 from .masses import mass_function
 from .options import AlignOptions
-from .refine import choose_start, refine
+from .learning import learned_matching
+from .refine import InMemory
 from .fullgroups import ModelSides, fit_full_groups
 from .rescale import fit_scales
 from .result import Alignment
@@ -131,13 +132,8 @@ def _refined(al, model_a, model_b, data, opts) -> Alignment:
     quick one). ``refined["start"]`` says which, ``refined["start_loss"]`` their losses."""
     t0 = time.perf_counter()
     starts = {"activations": al, "weights": _solved(al.report_a, al.report_b, model_a, model_b, None, opts)}
-    name, losses = choose_start(starts, model_a, model_b, data, opts.loss_fn, between=opts.between)
-    best = starts[name]
-    best.seconds = {**al.seconds, "start": time.perf_counter() - t0}
-    best.refined = refine(best, model_a, model_b, data, opts.refine, opts.loss_fn, opts.refine_lr,
-                          between=opts.between)
-    best.refined.update(start=name, start_loss=losses)
-    return best
+    return learned_matching(starts, InMemory(model_a, model_b, opts.loss_fn, opts.between), data, opts.refine,
+                            opts.refine_lr, t0)
 
 
 def _solve(ra, rb, feats, opts, data=None, models=None, fetch=None, budget=None, device=None):

@@ -1,14 +1,12 @@
-"""Learned matching out of core: :func:`symgraph.alignment.refine.refine` on checkpoints, for
-``symgraph merge --refine N`` in the merge engine
-(:class:`~symgraph.merging.streaming.StreamingMerge`), no model loaded.
+"""Learned matching out of core: :func:`symgraph.alignment.learning.learned_matching` on
+checkpoints, for ``symgraph merge --refine N`` in the merge engine, no model loaded; what it
+takes of the engine is one :class:`Learning`, built where it is called.
 
-As in memory (:func:`symgraph.align` with ``refine``): model B is aligned to the anchor by
-activations and by weights alone; the start is the one whose model halfway between them has
-the lower mean loss on the first :data:`~symgraph.alignment.refine.START_BATCHES` batches;
-each of the N steps draws ``λ ~ U(0.4, 0.6)`` from the same seeded generator, takes batch
-``step mod len(data)`` and makes an Adam step on the loss of ``(1 − λ)·θ_A + λ·θ_B′``, B′
-carried into A's basis by the current (learnable) elements (:func:`~symgraph.alignment.refine.learnable`);
-the elements are projected back onto their groups, then full groups are fitted.
+As in memory (:func:`symgraph.align` with ``refine``), and by the same steps
+(:mod:`symgraph.alignment.learning`: the start, λ's draws, Adam, the projection back onto the
+groups, the record): model B is aligned to the anchor by activations and by weights alone, the
+better start is refined, then full groups are fitted. Only how a loss and its gradient are
+computed is this module's (:class:`_Matching`, an :class:`~symgraph.alignment.learning.Objective`).
 
 The loss is the model's own, ``labels = input_ids`` added for a language model as
 :func:`~symgraph.alignment.refine.default_loss` adds them: the anchor's model (on ``meta``) is
@@ -25,18 +23,18 @@ the values at the cuts (spilled to disk beyond a quarter of it).
 """
 from __future__ import annotations
 
-import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from ..alignment.driver import align_tensors
 from ..alignment.fullgroups import fit_full_groups
 from ..alignment.graphrun import flatten_for, runnable
+from ..alignment.learning import Objective, learnable, learned_matching
 from ..alignment.options import AlignOptions
-from ..alignment.refine import START_BATCHES, draw_lambda, learnable, summary, with_labels
+from ..alignment.refine import with_labels
 from ..core.elements import Perm
 from ..errors import InputError, NeedsMemory, TraceError
 from ..passes.trace import output_positions, trace
@@ -45,38 +43,51 @@ from ..transform.folding import for_reader, members
 from .segments import Kept, Segment, backward_span, live_after, output_node, plan_segments
 from .slicing import identity_elements
 from .statistics import Spill
-from .views import elements_on, nbytes
+from .views import Ledger, elements_on, nbytes
 
-__all__ = ["refined", "check_budget"]
+__all__ = ["Learning", "refined", "check_budget"]
 
 GRAD = 8  # bytes per element of a moved tensor's gradient (float64)
 
 
-def refined(job, i, ra, rb, views, gains, sides, acts):
-    """Model ``i``'s alignment to the anchor by learned matching (``job.refine`` steps of
-    ``job.refine_lr``): :func:`~symgraph.alignment.driver.align_tensors` on the job's
-    :class:`~.views.Folded` ``views`` (A's, B's) by activations (``acts``: its options) and by
-    weights, the better start refined; ``sides``: what full groups read (fitted after, as in
-    memory)."""
-    opts = dict(job.align_options)
+@dataclass(frozen=True)
+class Learning:
+    """What learned matching out of core takes of the merge engine."""
+
+    anchor: Any  #: the anchor's checkpoint: its model (on meta) traced, never run; its tensors read
+    data: list  #: the batches, keyword tensors
+    steps: int  #: Adam steps
+    lr: float  #: their size
+    device: torch.device  #: where the segments run
+    ledger: Ledger  #: the engine's bytes held
+    room: int  #: bytes learned matching may hold: the statistics' share of the memory budget
+    budgeted: bool  #: whether a memory budget was given (then ``room`` is checked before any alignment)
+    work_dtype: torch.dtype  #: the alignment's exact dtype
+    align_options: dict = field(default_factory=dict)  #: align_tensors' other options (full_groups included)
+    progress: bool = True  #: a progress bar on a terminal
+
+
+def refined(how: Learning, b, ra, rb, views, gains, sides, acts):
+    """Checkpoint ``b``'s alignment to the anchor by learned matching:
+    :func:`~symgraph.alignment.driver.align_tensors` on the :class:`~.views.Folded` ``views``
+    (A's, B's) by activations (``acts``: its options) and by weights, the better start refined;
+    ``sides``: what full groups read (fitted after, as in memory)."""
+    opts: dict[str, Any] = dict(how.align_options)
     full = opts.pop("full_groups", False)
-    solve = lambda **kw: align_tensors(ra, rb, *views, gains, exact_dtype=job.work_dtype, **kw, **opts)  # noqa: E731
+    fa, fb = views
+    solve = lambda **kw: align_tensors(ra, rb, fa, fb, gains, **{"exact_dtype": how.work_dtype, **kw, **opts})  # noqa: E731
     al = solve(**acts)
     t0 = time.perf_counter()
     starts = {"activations": al, "weights": solve()}
     for v in views:  # the folded caches are not read again: their budget goes to the segments
         v.clear()
-    matching = _Matching(job, i)
+    matching = _Matching(how, b)
     try:
-        name, losses = matching.choose_start(starts)
-        best = starts[name]
-        best.seconds = {**al.seconds, "start": time.perf_counter() - t0}
-        best.refined = matching.refine(best, job.refine, job.refine_lr)
-        best.refined.update(start=name, start_loss=losses)
+        best = learned_matching(starts, matching, how.data, how.steps, how.lr, t0, how.progress)
     finally:
         matching.close()
     if full:
-        best.full_groups = fit_full_groups(best, sides, AlignOptions.build(None, **job.align_options))
+        best.full_groups = fit_full_groups(best, sides, AlignOptions.build(None, **how.align_options))
     else:
         sides.release()
     return best
@@ -130,37 +141,18 @@ class _Graph:
         return self.plans[budget]
 
 
-class _Matching:
-    """Model ``i`` of ``job`` between the anchor and its alignment, run in segments."""
+class _Between:
+    """The tensors of the model between A and B′, B read through one alignment (its report,
+    gains and A's tied names), each computed from the two checkpoints' stored tensors."""
 
-    def __init__(self, job, i) -> None:
-        self.job, self.A, self.B, self.device = job, job.ckpts[job.anchor], job.ckpts[i], job.device
-        self.model = self.A.model  # on meta: traced, never run
-        self.graphs: dict = {}  # batch shapes -> _Graph
-        self.spill = Spill()  # the values at the cuts beyond the room: an empty directory until then
-        self.room = job.stats_bytes // 2
-        self.steps = 0
-
-    def close(self):
-        self.spill.close()
-
-    def _use(self, al):
-        """Read B through alignment ``al`` (its report, gains and keep names)."""
-        self.rb = al.report_b
-        self.gauge = {k: v.to(self.device) for k, v in al.gauge.items()} if al.gauge else None
+    def __init__(self, A, B, al, device) -> None:
+        self.A, self.B, self.device, self.rb = A, B, device, al.report_b
+        self.gauge = {k: v.to(device) for k, v in al.gauge.items()} if al.gauge else None
         self.keep = {o: k for k, others in al.report_a.aliases.items() for o in others}
         self.folds = {m: f for f in self.rb.folds for m in members(f)}
         self.moved = set(self.rb.parameters)
 
-    def _graph(self, batch):
-        kw = loss_inputs(self.model, batch)
-        shapes = tuple(sorted((k, tuple(v.shape)) for k, v in kw.items() if isinstance(v, torch.Tensor)))
-        if shapes not in self.graphs:
-            self.graphs[shapes] = _Graph(self.model, kw, self.device)
-        g = self.graphs[shapes]
-        return g, g.flat(kw, self.device)
-
-    def _piece(self, key):
+    def piece(self, key):
         """The tensors moved with ``key`` (its fold's part for it: gain, shift, reader, bias) and that fold."""
         f = self.folds.get(key)
         if f is None:
@@ -168,7 +160,7 @@ class _Matching:
         f = for_reader(f, key)
         return members(f), f
 
-    def _cost(self, g) -> dict:
+    def cost(self, g) -> dict:
         """Bytes a segment holds for each graph tensor: A's, the moved piece of B's (stored,
         float64 and its gradient) and the value between them; a buffer's own."""
         out = {}
@@ -177,12 +169,12 @@ class _Matching:
                 out[n] = t.numel() * t.element_size()
                 continue
             key = self.keep.get(n, n)
-            piece = self._piece(key)[0] if key in self.moved else ()
+            piece = self.piece(key)[0] if key in self.moved else ()
             sizes = [self.A.model.get_parameter(m) for m in piece]
             out[n] = 2 * t.numel() * t.element_size() + sum(p.numel() * (p.element_size() + 2 * GRAD) for p in sizes)
         return out
 
-    def _weights(self, g, a, b, els, lam):
+    def weights(self, g, a, b, els, lam):
         """The tensors segment ``[a, b)`` reads of the model between A and B′ (tied names share
         one), and the bytes they took."""
         w, done, held = {}, {}, 0
@@ -193,12 +185,13 @@ class _Matching:
                     continue
                 key = self.keep.get(n, n)
                 if key not in done:
-                    done[key], took = self._between(g, n, key, els, lam)
+                    done[key], took = self.tensor(g, n, key, els, lam)
                     held += took
                 w[n] = done[key]
         return w, held
 
-    def _between(self, g, n, key, els, lam):
+    def tensor(self, g, n, key, els, lam):
+        """Graph tensor ``n`` (stored as ``key``) of the model between A and B′, and the bytes it took."""
         if n not in g.params:  # a buffer: the anchor's, as functional_call leaves the module's own
             t = self.A.fetch(n).to(self.device)
             return t, nbytes(t)
@@ -211,7 +204,7 @@ class _Matching:
         took = nbytes(a)
         b = a
         if key in self.moved:
-            piece, fold = self._piece(key)
+            piece, fold = self.piece(key)
             raw = {m: self.B.get(m, check=False).to(self.device) for m in piece}
             moved = move_piece(self.rb, els, raw, fold, self.gauge)
             b = moved.get(key, raw[key]).to(a.dtype)
@@ -219,16 +212,48 @@ class _Matching:
         w = (1 - lam) * a + lam * b  # as refine.linear: λ the weight of B′
         return w, took + nbytes(w)
 
+
+class _Matching(Objective):
+    """Learned matching's losses out of core: checkpoint ``b`` between the anchor and its
+    alignment, the anchor's traced graph run in segments."""
+
+    def __init__(self, how: Learning, b) -> None:
+        self.how, self.B = how, b
+        self.graphs: dict = {}  # batch shapes -> _Graph
+        self.spill = Spill()  # the values at the cuts beyond the room: an empty directory until then
+        self.runs = 0  # steps run: each one's values at the cuts under its own names
+
+    def close(self):
+        self.spill.close()
+
+    def working(self, elements: dict) -> dict:
+        return elements_on(elements, self.how.device)
+
+    def stored(self, elements: dict) -> dict:
+        return elements_on(elements, "cpu")
+
+    def _kept(self, prefix: str) -> Kept:
+        return Kept(self.how.ledger, self.how.room // 2, self.spill, self.how.device, prefix)
+
+    def _graph(self, batch):
+        model = self.how.anchor.model  # on meta: traced, never run
+        kw = loss_inputs(model, batch)
+        shapes = tuple(sorted((k, tuple(v.shape)) for k, v in kw.items() if isinstance(v, torch.Tensor)))
+        if shapes not in self.graphs:
+            self.graphs[shapes] = _Graph(model, kw, self.how.device)
+        g = self.graphs[shapes]
+        return g, g.flat(kw, self.how.device)
+
     def _forward(self, g, segs, flats, els, lam, kept, keep: bool):
         """The segments run on every batch without gradients, each segment's tensors computed
         once: the values crossing each cut put in ``kept`` (``keep``: left there for a
         backward pass, which starts from the last segment, not run here); returns each
         batch's loss when every segment is run."""
         losses = [0.0] * len(flats)
-        ledger = self.job.ledger
+        ledger = self.how.ledger
         with torch.no_grad():
             for k, (a, b) in enumerate(segs[:-1] if keep else segs):
-                w, held = self._weights(g, a, b, els, lam)
+                w, held = self.between.weights(g, a, b, els, lam)
                 ledger.hold(held)
                 run = Segment(g.gm, w)
                 for j, flat in enumerate(flats):
@@ -243,81 +268,62 @@ class _Matching:
                 del w, run
         return losses
 
-    def choose_start(self, starts: dict):
-        """:func:`~symgraph.alignment.refine.choose_start` out of core: the start (of ``{name:
-        Alignment}``) whose midpoint model has the lowest mean loss on the first batches, and
-        every start's loss."""
-        data = list(self.job.data)[:START_BATCHES]
-        losses = {}
-        for name, al in starts.items():
-            self._use(al)
-            els = elements_on(al.elements, self.device)
-            got: dict = {}
-            for j, batch in enumerate(data):
-                g, flat = self._graph(batch)
-                got.setdefault(id(g), (g, []))[1].append((j, flat))
-            values = [0.0] * len(data)
-            for g, items in got.values():
-                kept = Kept(self.job.ledger, self.room, self.spill, self.device, f"start/{name}/{id(g)}/")
-                segs = g.segments(self._cost(g), max(1, self.job.stats_bytes))
-                for (j, _), v in zip(items, self._forward(g, segs, [f for _, f in items], els, 0.5, kept, False)):
-                    values[j] = v
-            losses[name] = sum(values) / len(values)
-        return min(losses, key=losses.__getitem__), losses
+    def start_loss(self, al, batches: list) -> float:
+        """The midpoint model's mean loss on ``batches``, the batches of one traced shape run together."""
+        self.between = _Between(self.how.anchor, self.B, al, self.how.device)
+        els = elements_on(al.elements, self.how.device)
+        got: dict = {}
+        for j, batch in enumerate(batches):
+            g, flat = self._graph(batch)
+            got.setdefault(id(g), (g, []))[1].append((j, flat))
+        values = [0.0] * len(batches)
+        for g, items in got.values():
+            kept = self._kept(f"start/{id(al)}/{id(g)}/")
+            segs = g.segments(self.between.cost(g), max(1, self.how.room))
+            for (j, _), v in zip(items, self._forward(g, segs, [f for _, f in items], els, 0.5, kept, False)):
+                values[j] = v
+        return sum(values) / len(values)
 
-    def refine(self, al, steps: int, lr: float, seed: int = 0) -> dict:
-        """:func:`~symgraph.alignment.refine.refine` out of core: ``al``'s elements optimised
-        in place for ``steps`` steps; returns what happened, as it does."""
-        data = self.job.data
-        work = replace(al, elements=elements_on(al.elements, self.device))
-        learn = learnable(al.report_a, work)
-        if not learn:
-            return {"steps": 0, "classes": 0}
-        t0 = time.perf_counter()
-        self._use(al)
-        params = [p for x in learn.values() for p in x.params]
-        # the parameters, their gradients and Adam's two moments; each element, its leaf and gradient
-        state = _state(learn, work.elements)
-        budget = max(1, self.job.stats_bytes - state)
-        if self.job.memory_budget is not None:
-            g, _ = self._graph(data[0])
-            _check_room(self.job, state, g.largest(self._cost(g)))
-        opt = torch.optim.Adam(params, lr=lr)
-        gen = torch.Generator().manual_seed(seed)
-        losses = []
-        self.job.ledger.hold(state)
-        try:
-            bar = tqdm(range(steps), desc="refine", unit="step", file=sys.stderr, leave=False,
-                       disable=not self.job.progress or None)
-            for step in bar:
-                batch = data[step % len(data)]
-                lam = draw_lambda(gen)
-                live = {gid: x.element() for gid, x in learn.items()}
-                leaves = {gid: e.detach().requires_grad_(True) for gid, e in live.items()}
-                loss = self._step(batch, work.elements, leaves, lam, budget)
-                opt.zero_grad()
-                pairs = [(live[gid], t.grad) for gid, t in leaves.items() if t.grad is not None]
-                if pairs:
-                    torch.autograd.backward([e for e, _ in pairs], [gr for _, gr in pairs])
-                opt.step()
-                losses.append(loss)
-                bar.set_postfix(loss=f"{loss:.4f}")
-        finally:
-            self.job.ledger.drop(state)
-        for gid, x in learn.items():
-            al.elements[gid] = elements_on({gid: x.final()}, "cpu")[gid]
-        return summary(losses, steps, len(learn), time.perf_counter() - t0)
+    def begin(self, al, elements: dict, learn: dict) -> None:
+        """Refuse a room that cannot hold the elements' state and the largest op (with a
+        budget given), then hold that state: the learnable elements' parameters, their
+        gradients and Adam's two moments; each element, its leaf and gradient."""
+        self.between, self.elements = _Between(self.how.anchor, self.B, al, self.how.device), elements
+        self.state = self._room_for(learn, elements)
+        self.how.ledger.hold(self.state)
 
-    def _step(self, batch, elements, leaves, lam, budget) -> float:
+    def _room_for(self, learn, elements) -> int:
+        """The bytes of the state of ``learn`` (:func:`_state`); with a budget, refused where
+        the room cannot hold it and the largest op of the first batch's graph."""
+        state = _state(learn, elements)
+        if self.how.budgeted:
+            g, _ = self._graph(self.how.data[0])
+            _check_room(self.how.room, state, g.largest(self.between.cost(g)))
+        return state
+
+    def end(self) -> None:
+        self.how.ledger.drop(self.state)
+
+    def step(self, live: dict, batch, lam: float) -> float:
+        """One batch's loss, differentiated segment by segment into a leaf per element, each
+        leaf's gradient carried back through ``live`` into the element's parameters."""
+        leaves = {gid: e.detach().requires_grad_(True) for gid, e in live.items()}
+        loss = self._step(batch, leaves, lam, max(1, self.how.room - self.state))
+        pairs = [(live[gid], t.grad) for gid, t in leaves.items() if t.grad is not None]
+        if pairs:
+            torch.autograd.backward([e for e, _ in pairs], [gr for _, gr in pairs])
+        return loss
+
+    def _step(self, batch, leaves, lam, budget) -> float:
         """One batch's loss of the model between A and B′, differentiated segment by segment
         into ``leaves`` (``{group id: leaf}``, the learnable elements)."""
         g, flat = self._graph(batch)
-        segs = g.segments(self._cost(g), budget)
-        self.steps += 1
-        kept = Kept(self.job.ledger, self.room, self.spill, self.device, f"refine/{self.steps}/")
-        fixed = {**elements, **{gid: t.detach() for gid, t in leaves.items()}}
+        segs = g.segments(self.between.cost(g), budget)
+        self.runs += 1
+        kept = self._kept(f"refine/{self.runs}/")
+        fixed = {**self.elements, **{gid: t.detach() for gid, t in leaves.items()}}
         self._forward(g, segs, [flat], fixed, lam, kept, True)
-        els, got = {**elements, **leaves}, []
+        els, got = {**self.elements, **leaves}, []
         up: dict = {}  # node -> gradients at the current cut
 
         def loss(env):
@@ -326,12 +332,12 @@ class _Matching:
         for k in range(len(segs) - 1, -1, -1):
             a, b = segs[k]
             with torch.enable_grad():
-                w, held = self._weights(g, a, b, els, lam)
-            self.job.ledger.hold(held)
+                w, held = self.between.weights(g, a, b, els, lam)
+            self.how.ledger.hold(held)
             run = Segment(g.gm, w)
             up = backward_span(run, kept.pop(0, k) if k else {}, a, b, None if k else flat, up,
                                loss if b == len(g.order) else None)
-            self.job.ledger.drop(held)
+            self.how.ledger.drop(held)
             del w, run
         return float(got[0].detach())
 
@@ -343,35 +349,33 @@ def _state(learn, elements) -> int:
             + 3 * sum(_dense_bytes(elements[gid]) for gid in learn))
 
 
-def _check_room(job, state: int, op: int) -> None:
-    """Refuse a memory budget whose half (the statistics' share) cannot hold learned matching's
-    ``state`` and its largest op, in human units with the smallest budget that works."""
-    if state + op > job.stats_bytes:
+def _check_room(room: int, state: int, op: int) -> None:
+    """Refuse a memory budget whose half (the statistics' share, ``room``) cannot hold learned
+    matching's ``state`` and its largest op, in human units with the smallest budget that works."""
+    if state + op > room:
         from ..checkpoints.outdir import human_bytes as hb
         need = 2 * (state + op)
         unit = 10 ** max(len(str(need)) - 3, 0)  # three digits, rounded up: the size shown works
         need = -(-need // unit) * unit
         raise InputError(f"learned matching holds {hb(state)} of learnable elements and their optimiser state, "
                          f"and {hb(op)} for its largest op: over half the memory budget "
-                         f"({hb(2 * job.stats_bytes)}); expected --memory-budget of at least "
+                         f"({hb(2 * room)}); expected --memory-budget of at least "
                          f"{hb(need)} (the smallest that works)")
 
 
-def check_budget(job, report) -> None:
+def check_budget(how: Learning, report) -> None:
     """:func:`_check_room` before any alignment (``report``: the anchor's): the elements' sizes
     do not depend on their values, so identity elements give the state the solved ones will
     hold, and the anchor's graph with its loss gives the largest op."""
-    if job.memory_budget is None or not job.refine or not job.data:
+    if not how.budgeted or not how.steps or not how.data:
         return
     from types import SimpleNamespace
     eye = identity_elements(report)
     al = SimpleNamespace(report_a=report, report_b=report, gauge=None, elements=eye)
-    learn = learnable(report, al)
-    matching = _Matching(job, next(i for i in range(len(job.ckpts)) if i != job.anchor))
+    matching = _Matching(how, None)  # B is not read: the sizes are the anchor's
     try:
-        matching._use(al)
-        g, _ = matching._graph(job.data[0])
-        _check_room(job, _state(learn, eye), g.largest(matching._cost(g)))
+        matching.between = _Between(how.anchor, None, al, how.device)
+        matching._room_for(learnable(report, al), eye)
     finally:
         matching.close()
 

@@ -206,8 +206,10 @@ class StreamingMerge:
             self.align_options = {**self.align_options, "rows": ra.input_rows(self.rows_from)}
         self.timings["analyze"] = time.perf_counter() - t0
         if self.refine:  # learned matching's room in the budget, refused before any alignment
-            from .learned import check_budget
-            check_budget(self, ra)
+            from .learned import Learning, check_budget
+            learning = Learning(A, self.data, self.refine, self.refine_lr, self.device, self.ledger, self.stats_bytes,
+                                self.memory_budget is not None, self.work_dtype, self.align_options, self.progress)
+            check_budget(learning, ra)
         slicing.check_floor(self, budgets)  # the plan's largest piece within the budget, before any alignment
         t1 = time.perf_counter()
         dev = None if self.device.type == "cpu" else self.device
@@ -227,7 +229,7 @@ class StreamingMerge:
                 sides = Sides(A, c, (fa, fb), self.cache_bytes, self.ledger, dev)  # what full groups read
                 if self.refine:  # imported here: the engine loads nothing of a step it does not run
                     from .learned import refined
-                    self.alignments[i] = refined(self, i, ra, rb, (fa, fb), gains, sides, acts)
+                    self.alignments[i] = refined(learning, c, ra, rb, (fa, fb), gains, sides, acts)
                 else:
                     self.alignments[i] = align_tensors(ra, rb, fa, fb, gains, exact_dtype=self.work_dtype,
                                                        sides=sides, **acts, **self.align_options)
