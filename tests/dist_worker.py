@@ -20,7 +20,7 @@ from symgraph.testing import models  # noqa: E402
 from symgraph.alignment.activations import ActStats, activation_similarity  # noqa: E402
 from symgraph.core.elements import Perm  # noqa: E402
 from symgraph.merging.methods.fisher import Fisher  # noqa: E402
-from symgraph.merging.methods.regmean import RegMean  # noqa: E402
+from statistics_reference import input_grams, squared_gradients  # noqa: E402
 
 BATCHES, BATCH, SEQ = 5, 2, 8  # 5 batches: uneven shards of 3 and 2
 
@@ -46,8 +46,8 @@ def compute(A, B, data) -> dict:
         out[f"act.{i}.n"] = s.n
         out.update({f"act.{i}.{f}": getattr(s, f) for f in ("sa", "sb", "saa", "sbb", "sab")
                     if getattr(s, f) is not None})
-    out.update({f"fisher.{k}": v for k, v in Fisher().statistics(B, rb, data).items()})
-    out.update({f"regmean.{k}": v for k, v in RegMean().statistics(B, rb, data).items()})
+    out.update({f"fisher.{k}": v for k, v in squared_gradients(B, rb, data, Fisher.statistic.loss).items()})
+    out.update({f"regmean.{k}": v for k, v in input_grams(B, rb, data).items()})
     al = symgraph.align(A, B, data=data, report_a=ra, report_b=rb)
     for k, v in al.elements.items():  # a permutation as its index vector
         out[f"align.{k}"] = v.index if isinstance(v, Perm) else v

@@ -69,15 +69,17 @@ def _below(size: str) -> str:
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_budget_below_the_plan_is_refused_before_alignment_and_the_one_named_works(pair, capsys, monkeypatch,
                                                                                    peaks, case):
+    import dataclasses
+
     from symgraph.alignment import driver
-    from symgraph.merging.methods import registry
+    from symgraph.merging.engine.statistics import TAKERS
 
     def never(*a, **k):
         raise AssertionError("work began before the budget was checked")
     with monkeypatch.context() as m:  # no alignment and no statistics
         m.setattr(driver, "align_tensors", never)
-        for method in ("average", "regmean", "fisher"):
-            m.setattr(type(registry.get(method)), "streamed_statistics", never)
+        for kind, taker in list(TAKERS.items()):
+            m.setitem(TAKERS, kind, dataclasses.replace(taker, take=never))
         r = _merge(pair, capsys, case, "1KB", f"{case}_1k")
     refused(r, "--memory-budget 1 kB is below what this merge holds at once", "a copy per model and the result",
             "(the smallest that works)")

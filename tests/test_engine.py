@@ -121,9 +121,10 @@ def test_grams_taken_in_passes_equal_one_pass(pair, tmp_path, monkeypatch):
         job = StreamingMerge([str(pair / "m0"), str(pair / "m1")], method="regmean", data=_data(pair))
         job.stats_bytes = budget
         job.align()
+        from symgraph.merging.engine.statistics import StatisticsContext, take
         from symgraph.merging.statistics import Spill
         job.spill = Spill(str(tmp_path))
-        st = job.how.streamed_statistics(job, 1)
+        st = take(job.how.statistic, StatisticsContext.of(job), 1)
         grams[budget] = {k: st[k] for k in st}
         job.spill.close()
     assert len(passes[0]) > 2 and len(passes[1]) == 1

@@ -1,6 +1,6 @@
 """Squared gradients out of core (:mod:`symgraph.merging.backprop`): the traced graph cut into
 segments and differentiated one segment at a time gives the statistic the loaded model gives
-(Fisher's, :func:`~symgraph.merging.statistics.whole_model`), whatever the budget; each
+(Fisher's, the brute-force reference of ``statistics_reference``), whatever the budget; each
 segment holds at most the budget of weights; a tied weight's batch gradient is summed over
 the segments that read it before it is squared."""
 from __future__ import annotations
@@ -8,9 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import statistics_reference
+from symgraph.checkpoints.specs import load_local
 from symgraph.merging.backprop import plan_segments, squared_gradients
+from symgraph.merging.engine.statistics import StatisticsContext
 from symgraph.merging.methods.fisher import Fisher
-from symgraph.merging.statistics import Spill, whole_model
+from symgraph.merging.statistics import Spill
 from symgraph.merging.streaming import StreamingMerge
 from symgraph.testing import models
 
@@ -30,13 +33,24 @@ def _data():
     return [{"input_ids": torch.randint(0, 64, (4, 12), generator=g)} for _ in range(3)]
 
 
-def _stats(job, i, fn, tmp_path):
+def _stats(job, i, tmp_path):
+    """Model ``i``'s squared gradients out of core, as the engine takes Fisher's statistic."""
     job.spill = Spill(str(tmp_path))
     try:
-        st = fn(job, i, Fisher(), f"f/{i}/")
+        st = squared_gradients(StatisticsContext.of(job), i, Fisher.statistic, f"f/{i}/")
         return {k: st[k].clone() for k in st}
     finally:
         job.spill.close()
+
+
+def _loaded(job, i):
+    """Model ``i``'s Fisher of the loaded model in the anchor's basis (the reference)."""
+    al = job.alignments[i]
+    rep = al.report_b if al is not None else job.graph_report
+    stat = statistics_reference.in_anchor_basis(Fisher.statistic, load_local(job.ckpts[i].path), rep, al,
+                                                job.graph_report, job.data)
+    A = job.ckpts[job.anchor]
+    return {alias: v for k, v in stat.items() for alias in {k, *A.params.get(k, ())}}  # every name of a tied one
 
 
 @pytest.mark.parametrize("align", ["none", "weights"])
@@ -48,11 +62,11 @@ def test_segments_give_the_loaded_models_squared_gradients(pair, tmp_path, align
     job = StreamingMerge([str(pair / "m0"), str(pair / "m1")], method="fisher", data=_data(), align=align)
     job.align()
     for i in (0, 1):
-        ref = _stats(job, i, lambda j, i, m, p: whole_model(j, i, m, p), tmp_path)
+        ref = _loaded(job, i)
         assert len(ref) >= 20 and all(v.dtype == torch.float64 for v in ref.values())
         for budget in (4 << 10, 1 << 30):
             job.stats_bytes = budget
-            got = _stats(job, i, squared_gradients, tmp_path)
+            got = _stats(job, i, tmp_path)
             assert set(got) == set(ref)
             for k, v in ref.items():
                 assert v.abs().max() > 0, k

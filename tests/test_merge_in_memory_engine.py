@@ -12,7 +12,6 @@ import torch
 import symgraph
 from symgraph.checkpoints.memory import ModelCheckpoint
 from symgraph.errors import InputError
-from symgraph.merging import MergeMethod
 from symgraph.merging.streaming import StreamingMerge
 from symgraph.testing import models
 
@@ -66,25 +65,6 @@ def test_regmean_of_a_layer_reading_the_input_is_the_average():
     assert torch.allclose(reg.state_dict()[first], avg.state_dict()[first], atol=1e-6)
     later = [k for k, p in A.named_parameters() if p.dim() == 2][1]
     assert not torch.allclose(reg.state_dict()[later], avg.state_dict()[later], atol=1e-4)  # Grams differ there
-
-
-def test_a_method_with_only_in_memory_statistics_runs_through_the_engine():
-    """A registered method that declares ``statistics`` and ``to_anchor`` only (no out-of-core
-    form) runs in memory: the engine measures each loaded model as it is."""
-    class Scaled(MergeMethod):
-        name, needs_data = "scaled_test", True
-
-        def statistics(self, model, report, data):
-            return {k: torch.full_like(p, float(i + 1), dtype=torch.float32)
-                    for i, (k, p) in enumerate(model.named_parameters())}
-
-        def combine_group(self, names, values, stats, weights, report):
-            return {k: sum(w * v[k] * s[k] for w, v, s in zip(weights, values, stats)) for k in names}
-    A, B, data = _mlp_pair()
-    res = symgraph.merge([A, B], data=data, method=Scaled(), align=None)
-    for i, (k, p) in enumerate(res.model.named_parameters()):
-        want = (i + 1) * (0.5 * A.get_parameter(k) + 0.5 * B.get_parameter(k))
-        assert torch.allclose(p, want, atol=1e-6), k
 
 
 def test_model_checkpoint_reads_copies_and_refuses_non_finite():

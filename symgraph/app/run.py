@@ -21,7 +21,7 @@ from ..errors import InputError, NeedsMemory, StructureMismatchError
 from ..checkpoints.sharded import KeysDiffer
 from .config import MergeConfig, build_config, to_yaml
 from .compat import check_compatible, check_same_family, config_diff, width_change
-from ..merging.methods.registry import MergeMethod, get as get_method
+from ..merging.methods.registry import get as get_method
 from ..merging.streaming import DEFAULT_SHARD as _DEFAULT_SHARD, Checkpoint, StreamingMerge
 
 if TYPE_CHECKING:
@@ -142,11 +142,8 @@ def _card_yaml(cfg, out: str) -> str:
 
 def _needs_memory(cfg) -> str | None:
     """Why the job needs its models in memory, or None (the merge engine runs it out of core)."""
-    how = get_method(cfg.method)
     if cfg.anchor == "universe" and (cfg.refine or cfg.untie):
         return "the shared universe out of core takes no learned matching or untying"
-    if how.needs_data and type(how).streamed_statistics is MergeMethod.streamed_statistics:
-        return f"method {cfg.method!r} takes its statistics of loaded models only"
     local = [m for m in cfg.models if os.path.isdir(os.path.expanduser(m))]
     if len(local) != len(cfg.models):
         return "not every model is a local checkpoint directory"

@@ -21,14 +21,13 @@ class ModelCheckpoint:
     (under their first name, as ``save_pretrained`` stores them); :meth:`read` returns a copy
     (the engine never holds the caller's tensors), :meth:`fetch` the module's own tensor
     (parameters, persistent and computed buffers: a graph run reads them, never writes).
-    ``model`` is the module itself (the analysis traces it as it is); ``module`` is kept for
-    the statistics a method takes of a whole model (:func:`~symgraph.merging.statistics.whole_model`).
-    The module is never modified."""
+    ``model`` is the module itself (the analysis traces it as it is). The module is never
+    modified."""
 
     def __init__(self, module: torch.nn.Module, label: str):
         if not isinstance(module, torch.nn.Module):
             raise InputError(f"{label} must be a torch.nn.Module, got {type(module).__name__}")
-        self.module = self.model = module
+        self.model = module
         self.path = label
         self.config = getattr(module, "config", None)
         self.cls = type(module)

@@ -1,5 +1,5 @@
-"""Squared gradients of a whole model taken out of core, for statistics such as Fisher's
-(:meth:`~symgraph.merging.methods.registry.MergeMethod.streamed_statistics`).
+"""Squared gradients of a whole model taken out of core: the engine's
+:class:`~symgraph.merging.engine.statistics.SquaredGradients` (Fisher's statistic).
 
 The anchor's traced graph is cut into **segments** of consecutive ops, each reading at most
 about a budget of weights, the cuts placed where the fewest activation bytes cross (between
@@ -11,7 +11,7 @@ layers, on the residual stream). Gradient checkpointing, one segment at a time:
 2. **backward**, segments in reverse: the segment's weights read again as leaves that take
    gradients, each batch's segment recomputed from its kept inputs and differentiated with the
    gradients the later segment left at its outputs (the last segment starts from the
-   method's loss on the graph's first output, the logits); each weight's gradient of each
+   declared loss on the graph's first output, the logits); each weight's gradient of each
    batch is squared and summed in the work dtype (float32; float64 for float64 models) — a
    weight read by several segments (a tied embedding and head) has its batch gradient summed
    over them first, as autograd sums a tied parameter's — and a weight whose every reader
@@ -39,14 +39,15 @@ from .views import Aligned, nbytes
 __all__ = ["squared_gradients", "plan_segments", "budget_floor"]
 
 
-def squared_gradients(job, i: int, method, prefix: str) -> Stored:
+def squared_gradients(job, i: int, kind, prefix: str) -> Stored:
     """Model ``i``'s ``Σ_batches (∂ loss / ∂ w)²`` per parameter (in the work dtype: float32 sums
     of squares are within ``batches · 2⁻²⁴`` of the exact, and a 1.1B model's 32000-row embedding
-    then holds 262 MB of sums, not 524), ``loss`` the
-    method's (:meth:`loss` of the graph's first output) on ``job.data``, measured in the
-    anchor's basis as :func:`~symgraph.merging.statistics.statistics_in_anchor_basis` measures it
-    in memory: on the aligned model where norm gains fold, else in the model's own basis and
-    moved by the method's :meth:`to_anchor`. Segments of the traced graph are run forward
+    then holds 262 MB of sums, not 524), ``loss`` the ``kind``'s
+    (:class:`~symgraph.merging.engine.statistics.SquaredGradients`: ``kind.loss`` of the graph's
+    first output) on ``job.data``, measured in the anchor's basis: on the aligned model where
+    norm gains fold (B's gains carried into A's, which no map of the sums expresses), else in
+    the model's own basis and moved by ``kind.to_anchor`` (the squared map). ``job``: a
+    :class:`~symgraph.merging.engine.statistics.StatisticsContext`. Segments of the traced graph are run forward
     and backward one at a time (see the module's docstring); summed over the processes
     under ``torch.distributed``; written to ``job.spill`` as each weight is done."""
     A, ra = job.ckpts[job.anchor], job.graph_report
@@ -128,7 +129,7 @@ def squared_gradients(job, i: int, method, prefix: str) -> Stored:
             run = Segment(gm, w)
             leaf = {canon(n): t for n, t in w.items() if n in grads and t.requires_grad}
             for j, flat in enumerate(flats):
-                last = (lambda env: method.loss(env[first])) if b == len(order) else None
+                last = (lambda env: kind.loss(env[first])) if b == len(order) else None
                 up[j] = backward_span(run, kept.pop(j, k) if k else {}, a, b, None if k else flat, up[j], last)
                 for p, t in leaf.items():
                     g, t.grad = t.grad, None
@@ -143,12 +144,12 @@ def squared_gradients(job, i: int, method, prefix: str) -> Stored:
                         sums[p] = torch.zeros(g.shape, dtype=job.work_dtype, device=g.device)
                     _add_square(sums[p], g)
             done = {p for p in mine if min(readers.get(p, {k})) == k}
-            _finish(job, method, al, folded, prefix, {p: sums.pop(p) for p in done}, params, keys, A)
+            _finish(job, kind, al, folded, prefix, {p: sums.pop(p) for p in done}, params, keys, A)
             job.ledger.drop(holds)
             del w, run, leaf
     view.clear()
     missing = {A.param_of[n] for n in params} - set(keys)  # parameters no op reads: zero, as in memory
-    _finish(job, method, al, folded, prefix, {p: None for p in missing}, params, keys, A)
+    _finish(job, kind, al, folded, prefix, {p: None for p in missing}, params, keys, A)
     return Stored(job.spill, keys, None if device == "cpu" else device)
 
 
@@ -161,7 +162,7 @@ def _add_square(acc, g, step: int = 1 << 21):
         a[i:i + step].addcmul_(x, x)
 
 
-def _finish(job, method, al, folded, prefix, done: dict, params, keys, A):
+def _finish(job, kind, al, folded, prefix, done: dict, params, keys, A):
     """The finished sums (None: zero) summed over the processes, moved into the anchor's
     basis, written to the spill (adding to what an earlier batch shape wrote) and named."""
     if not done:
@@ -172,7 +173,7 @@ def _finish(job, method, al, folded, prefix, done: dict, params, keys, A):
         full[p] = s if s is not None else torch.zeros(shape, dtype=job.work_dtype, device=job.device)
     full = distributed.all_reduce_dict(full)
     if not folded and al is not None:
-        full = method.to_anchor(full, al)
+        full = kind.to_anchor(full, al)
     put = {}
     for p, s in full.items():
         key = f"{prefix}{p}"

@@ -21,10 +21,9 @@ from .circuits import circuit_merge, why_no_config, wide_model
 from .methods import registry
 from .methods.registry import mixing_weights
 from .repair import RepairReport
-from .statistics import statistics_in_anchor_basis
 from .streaming import StreamingMerge
 
-__all__ = ["MergeResult", "merge", "statistics_in_anchor_basis"]
+__all__ = ["MergeResult", "merge"]
 
 
 @dataclass

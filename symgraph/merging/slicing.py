@@ -15,6 +15,7 @@ from ..core.elements import Perm
 from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
 from ..errors import InputError
 from ..transform.folding import groups
+from .engine.statistics import StatisticsContext, floor
 
 __all__ = ["split", "units", "check_floor", "identity_elements"]
 
@@ -142,7 +143,7 @@ def check_floor(job, budgets) -> None:
     for the group whole or its largest slice (:func:`split` with identity elements: a solved
     alignment has an element for every group, so it slices the same axes; the anchor's report
     stands for a model of other widths, whose mismatched axes are never sliced); or below the
-    floor of the method's statistics (:meth:`~.methods.registry.MergeMethod.statistics_floor`).
+    floor of the method's statistics (:func:`~.engine.statistics.floor` of its kind).
     The message names what needs it and the smallest budget that works, rounded up to three
     digits; ``budgets``:
     :func:`~symgraph.merging.streaming.budgets`, the chunk size a budget gives."""
@@ -152,7 +153,7 @@ def check_floor(job, budgets) -> None:
     alignments = [None if i == job.anchor else eye for i in range(len(job.ckpts))]
     plan = [(names, _axes(job, names, alignments)) for _, names in units(job) if names is not None]
     budget = parse_size(job.memory_budget)
-    stats, whose = job.how.statistics_floor(job) if job.how.needs_data else (0, None)
+    stats, whose = floor(job.how.statistic, StatisticsContext.of(job))
     need, names, sliced = _need(job, plan, job.chunk_bytes, job.cache_bytes)
     if max(need, stats) <= budget:
         return

@@ -1,22 +1,18 @@
-"""A merge method's statistics taken out of core, for the merge engine
-(:class:`~symgraph.merging.streaming.StreamingMerge`).
+"""Statistics over data taken out of core, and the store they are spilled to, for the merge
+engine's vocabulary of statistics (:mod:`symgraph.merging.engine.statistics`).
 
-Two kinds, as the methods declare them (:meth:`~symgraph.merging.methods.registry.MergeMethod.streamed_statistics`):
-
-* **sums over data at the inputs of linear maps** (RegMean's input Grams): the anchor's
-  traced graph runs op by op on each model's tensors carried into the anchor's basis
-  (:class:`~symgraph.merging.views.Aligned`), each weight read when an op takes it
-  (:class:`~symgraph.alignment.graphrun.Stepper`); the inputs are taken in passes whose Grams
-  fit the budget, every batch's run paused where a pass ends and resumed by the next (each op
-  runs once per batch), and a pass's Grams are written to disk as it ends;
-* **statistics of the whole model**: one model is loaded at a time, measured as
-  :func:`symgraph.merge` measures it, written to disk and freed, so two parents never sit in
-  memory together (a method whose statistic needs the loaded model; Fisher's squared
-  gradients are taken without loading it, segment by segment, by
-  :func:`~symgraph.merging.backprop.squared_gradients`).
+:func:`input_grams` takes **sums over data at the inputs of linear maps** (the
+:class:`~symgraph.merging.engine.statistics.InputGrams` kind, RegMean's): the anchor's traced
+graph runs op by op on each model's tensors carried into the anchor's basis
+(:class:`~symgraph.merging.views.Aligned`), each weight read when an op takes it
+(:class:`~symgraph.alignment.graphrun.Stepper`); the inputs are taken in passes whose Grams fit
+the budget, every batch's run paused where a pass ends and resumed by the next (each op runs
+once per batch), and a pass's Grams are written to disk as it ends. Squared gradients are
+:mod:`symgraph.merging.backprop`'s.
 
 :class:`Spill` is the disk store: safetensors files in a temporary directory beside the
-output's, read back one tensor at a time by the combine step.
+output's, read back one tensor at a time by the combine step (:class:`MemorySpill` keeps them
+in memory for a merge of loaded models).
 """
 from __future__ import annotations
 
@@ -26,7 +22,6 @@ from collections.abc import Mapping
 
 import torch
 from safetensors import safe_open
-from torch.utils._pytree import tree_map
 from safetensors.torch import save_file
 
 from ..alignment.checks import batch_inputs, by_shape
@@ -35,11 +30,9 @@ from ..core import distributed
 from ..checkpoints.leftovers import RUN_MARKER, mark_run
 from ..core.files import file_id, identity, remove_own
 from ..core.progress import bar
-from ..core.ties import to_device
-from .untie import untie
 from .views import Aligned, nbytes
 
-__all__ = ["Spill", "MemorySpill", "Stored", "input_grams", "whole_model", "statistics_in_anchor_basis"]
+__all__ = ["Spill", "MemorySpill", "Stored", "input_grams"]
 
 
 class Spill:
@@ -137,10 +130,11 @@ class Stored(Mapping):
 
 
 def input_grams(job, i: int, prefix: str) -> Stored:
-    """RegMean's statistic of model ``i`` of ``job``: per linear weight of the anchor's report,
-    the Gram ``Σ x xᵀ`` (float64) of its input over ``job.data``, with the model carried into
-    the anchor's basis (as :func:`symgraph.merge` measures an aligned model). Summed over the
-    processes under ``torch.distributed``."""
+    """RegMean's statistic of model ``i``: per linear weight of the anchor's report, the Gram
+    ``Σ x xᵀ`` (float64) of its input over ``job.data``, with the model carried into the
+    anchor's basis. ``job``: a :class:`~symgraph.merging.engine.statistics.StatisticsContext`
+    (the checkpoints, alignments, budget, ledger and spill). Summed over the processes under
+    ``torch.distributed``."""
     A, ra = job.ckpts[job.anchor], job.graph_report
     view = Aligned(job.ckpts[i], job.alignments[i], A, ra, job.work_dtype, job.cache_bytes, job.ledger)
     device = job.device
@@ -198,42 +192,3 @@ def _passes(xs, width, budget):
         out[-1].append(x)
         size += n
     return [p for p in out if p]
-
-
-def whole_model(job, i: int, method, prefix: str) -> Stored:
-    """A statistic that needs the whole model (Fisher's squared gradients): model ``i`` loaded
-    alone (in its stored dtype, on ``job.device``), measured in the anchor's basis exactly as
-    :func:`symgraph.merge` measures it (untied when its checkpoint is read untied), written to
-    ``job.spill`` and freed."""
-    loaded = getattr(job.ckpts[i], "module", None)  # a model in memory (ModelCheckpoint): measured as it is
-    if loaded is None:
-        from ..checkpoints.specs import load_local
-        m = to_device(load_local(job.ckpts[i].path), job.device)
-        if job.ckpts[i].source is not None:  # read as its untied model (StreamingMerge(untie=True))
-            m = untie(m)
-    else:
-        m = loaded
-    held = 0 if loaded is not None else sum(nbytes(p) for p in m.parameters())
-    job.ledger.hold(held)
-    al = job.alignments[i]
-    rep = al.report_b if al is not None else job.graph_report
-    data = job.data if job.device.type == "cpu" else [  # batches of any structure (dicts, tuples)
-        tree_map(lambda v: v.to(job.device) if isinstance(v, torch.Tensor) else v, b) for b in job.data]
-    stat = statistics_in_anchor_basis(method, m, rep, al, job.graph_report, data)
-    job.ledger.drop(held)
-    del m
-    job.spill.put({f"{prefix}{k}": v for k, v in stat.items()})
-    keys = {k: f"{prefix}{k}" for k in stat}
-    for k in list(keys):  # every name a tied parameter goes by
-        for alias in job.ckpts[job.anchor].params.get(k, ()):
-            keys.setdefault(alias, keys[k])
-    return Stored(job.spill, keys, None if job.device == "cpu" else job.device)
-
-
-def statistics_in_anchor_basis(how, m, rep, al, ra, data):
-    """The method's statistics of model ``m`` (loaded) in the anchor's basis. Where norm gains
-    fold, B's gains are carried into A's (``Alignment.gauge``), which no map of B's statistics
-    expresses: they are measured on the aligned model itself."""
-    if al is not None and ra.folds:
-        return how.statistics(al.apply(m), ra, data)
-    return how.to_anchor(how.statistics(m, rep, data), al)

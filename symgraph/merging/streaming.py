@@ -56,6 +56,7 @@ from .sinks import Into, write_config
 from .statistics import MemorySpill, Spill
 from .untie import untie_checkpoint, untie_config_updates
 from .views import DEFAULT_CACHE, Folded, Ledger, Sides, Sliced, elements_on, nbytes, return_freed_memory
+from .engine.statistics import StatisticsContext, take
 
 if TYPE_CHECKING:
     from ..report.symmetry import SymmetryReport
@@ -87,7 +88,7 @@ class StreamingMerge:
     architecture; ``align``: "weights", "activations" (with ``data``, batches as for
     :func:`symgraph.align`) or None; ``weights``: mixing weights (uniform by default);
     ``method``: a registered merge method (``method_options`` to its constructor) whose
-    statistics it takes out of core (:meth:`~symgraph.merging.methods.registry.MergeMethod.streamed_statistics`,
+    statistics it takes out of core (its declared kind, :mod:`symgraph.merging.engine.statistics`,
     on ``data``); ``device``: where tensors are computed (read from disk on the CPU, written
     back from it); ``memory_budget``: bytes the engine may hold at once (its caches, a pass's
     statistics, a group's working copies; see :func:`budgets`); ``untie``: tied parameters
@@ -276,7 +277,8 @@ class StreamingMerge:
             self.spill = make_spill()
         try:
             if self.spill is not None:
-                self.stats = [self.how.streamed_statistics(self, i) for i in range(len(self.ckpts))]
+                context = StatisticsContext.of(self)  # what the takers read, not the engine
+                self.stats = [take(self.how.statistic, context, i) for i in range(len(self.ckpts))]
                 self.timings["statistics"] = time.perf_counter() - t0
             for step in self.prepare:
                 step(self)

@@ -1,18 +1,31 @@
 """The registry of merge methods.
 
-A method is a class registered under a name with :func:`register`. It may collect a
-statistic of each model on the data (in that model's own basis), say how that statistic moves
-into the anchor's basis together with the weights, and combines the aligned weights::
+A method is data: its typed **Parameters**, the **statistic** it needs of each model on the
+data (None: none), and how one tensor group **combines** (``combine_group``). It is a class
+registered under a name with :func:`register`, and it never sees the merge engine: the
+engine reads its declarations, takes the statistic, and calls ``combine_group`` one group (or
+one slice of a group) at a time, in memory and out of core alike::
 
     @register("average")
     class Average(MergeMethod):
+        statistic = None
         def combine_group(self, names, values, stats, weights, report):
             return {k: sum(w * v[k] for w, v in zip(weights, values)) for k in names}
 
-A method with parameters declares them once, as a pydantic model named ``Parameters`` (types,
-ranges, defaults, descriptions): the constructor, YAML ``parameters:`` (mergekit's key), the
-``--parameter NAME=VALUE`` flag and the record ``symgraph_merge.json`` all take them from it, and
-each validated value is an attribute of the instance (``self.alpha``)::
+A method that needs data declares one kind of the engine's vocabulary
+(:mod:`symgraph.merging.engine.statistics`) and finds each model's statistic, in the
+anchor's basis, in ``stats`` (one mapping ``name -> tensor`` per model)::
+
+    class Grams(Average):
+        statistic = InputGrams()                      # Σ xᵀx at each linear weight's input
+    class Squared(Average):
+        statistic = SquaredGradients(loss=my_loss)    # Σ (∂ my_loss(logits) / ∂ w)²
+
+``needs_data`` follows (``statistic is not None``). A method with parameters declares them
+once, as a pydantic model named ``Parameters`` (types, ranges, defaults, descriptions): the
+constructor, YAML ``parameters:`` (mergekit's key), the ``--parameter NAME=VALUE`` flag and the
+record ``symgraph_merge.json`` all take them from it, and each validated value is an attribute
+of the instance (``self.alpha``)::
 
     class Parameters(MethodParameters):
         alpha: float = Field(0.9, ge=0, le=1, description="...")
@@ -22,12 +35,13 @@ Files in ``symgraph/merging/methods/`` are imported on first use, so a new metho
 from __future__ import annotations
 
 import math
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ...core.schema import short_repr
 from ...errors import InputError
-from ..statistics import whole_model
+from ..engine.statistics import check_kind
 
 __all__ = ["MergeMethod", "MethodParameters", "register", "get", "names", "mixing_weights", "describe_parameters"]
 
@@ -43,60 +57,39 @@ class MethodParameters(BaseModel):
 class MergeMethod:
     """Base class: plain weighted averaging needs no statistics."""
     name = "?"
-    needs_data = False
+    #: The statistic of each model the method's combine reads, a kind of the engine's
+    #: vocabulary (:mod:`symgraph.merging.engine.statistics`), or None: none.
+    statistic: ClassVar[Any] = None
     #: The method's parameters (see the module docstring); validated by the constructor.
     Parameters: type[MethodParameters] = MethodParameters
-    #: Whether each statistic has its tensor's own shape, element for element (Fisher's
-    #: squared gradients): a slice of the tensor then reads only that slice of its statistic.
-    #: False for statistics of another shape (RegMean's Gram over a weight's inputs, square
-    #: like a square weight): read whole.
-    elementwise_statistics = True
 
     def __init__(self, **parameters):
         self.params = validate_parameters(type(self), parameters)
         for k, v in self.params.model_dump().items():  # each value an attribute (self.alpha)
             setattr(self, k, v)
 
+    @property
+    def needs_data(self) -> bool:
+        """Whether the method takes a statistic on the data (it declares one)."""
+        return self.statistic is not None
+
+    @property
+    def elementwise_statistics(self) -> bool:
+        """Whether each statistic has its tensor's own shape, element for element (squared
+        gradients): a slice of the tensor then reads only that slice of its statistic. False
+        for statistics of another shape (a Gram over a weight's inputs): read whole."""
+        return getattr(self.statistic, "elementwise", True)
+
     @classmethod
     def parameters(cls) -> dict:
         """The method's parameters and their defaults, as its ``Parameters`` declares them."""
         return {k: f.default for k, f in cls.Parameters.model_fields.items()}
-
-    def statistics(self, model, report, data):
-        """A statistic of ``model`` (in its own basis), or None."""
-        return None
-
-    def to_anchor(self, stat, alignment):
-        """``stat`` moved into the anchor's basis by ``alignment`` (None: not aligned)."""
-        return stat
-
-    def streamed_statistics(self, job, i: int):
-        """Out of core: model ``i``'s statistic in the anchor's basis as a mapping ``name ->
-        tensor`` (read when asked for), taken by the merge engine ``job``
-        (:class:`~symgraph.merging.streaming.StreamingMerge`) within its budget; None when the
-        method needs none. A method that needs data implements it with
-        :func:`~symgraph.merging.statistics.input_grams` (sums over data at linear inputs),
-        :func:`~symgraph.merging.backprop.squared_gradients` (squared gradients of a loss, the
-        graph differentiated segment by segment) or
-        :func:`~symgraph.merging.statistics.whole_model` (one model loaded at a time); without
-        it the merge loads the models, saying so."""
-        if not self.needs_data:
-            return None
-        if getattr(job.ckpts[i], "module", None) is None:
-            raise NotImplementedError(f"merge method {self.name!r} takes its statistics of loaded models only")
-        return whole_model(job, i, self, f"{self.name}/{i}/")  # models in memory: measured as they are
 
     def sliceable(self, name: str, dim: int, report) -> bool:
         """Whether tensor ``name`` may be merged in slices along ``dim`` (the engine slices
         large tensors along an axis no map acts on; each slice's statistics are the same slice
         of the whole tensor's)."""
         return True
-
-    def statistics_floor(self, job) -> tuple:
-        """``(bytes, what)``: the smallest memory budget the method's out-of-core statistics
-        fit in and what needs it (a phrase), known before any alignment; ``(0, None)`` where
-        any budget the combine fits in will do."""
-        return 0, None
 
     def held_bytes(self, name: str, shape: tuple, item: int, n: int, report) -> int:
         """Bytes the engine holds while it combines tensor ``name`` of ``shape`` (a slice's, when
@@ -127,6 +120,7 @@ def register(name: str):
     def deco(cls):
         if not (isinstance(cls, type) and issubclass(cls, MergeMethod)):
             raise TypeError(f"@register({name!r}) expects a MergeMethod subclass, got {cls!r}")
+        check_kind(cls.statistic)
         cls.name = name
         _METHODS[name] = cls
         return cls
@@ -141,6 +135,7 @@ def names() -> tuple:
 def get(method, **kw) -> MergeMethod:
     """A method instance from a registered name (``kw`` to its constructor) or an instance."""
     if isinstance(method, MergeMethod):
+        check_kind(method.statistic)
         return method
     _discover()
     if method not in _METHODS:

@@ -1,7 +1,8 @@
 """RegMean: per linear layer, ``W* = (Σ wᵢ Wᵢ Gᵢ)(Σ wᵢ Gᵢ)⁻¹`` with ``Gᵢ`` the Gram matrix of the
 layer's inputs in model i, regularised towards its diagonal; other parameters are averaged.
-A Gram ``G = Σ x xᵀ`` moves into the anchor's basis as ``M G Mᵀ``. Under ``torch.distributed``
-the Grams are all-reduced over the processes' shards of the data (:mod:`symgraph.core.distributed`)."""
+The Grams are the engine's :class:`~symgraph.merging.engine.statistics.InputGrams`, taken of
+each model carried into the anchor's basis (summed over the processes' shards of the data under
+``torch.distributed``)."""
 from __future__ import annotations
 
 import math
@@ -10,10 +11,7 @@ import weakref
 import torch
 from pydantic import Field
 
-from ...core import distributed
-from ...alignment.graphrun import GraphRunner
-from ...alignment.checks import batch_inputs, by_shape
-from ..statistics import input_grams
+from ..engine.statistics import InputGrams
 from .average import Average
 from .registry import MethodParameters, register
 
@@ -22,55 +20,12 @@ __all__ = ['RegMean']
 
 @register("regmean")
 class RegMean(Average):
-    needs_data = True
+    statistic = InputGrams()  # a Gram over each weight's inputs: read whole for any slice
 
     class Parameters(MethodParameters):
         alpha: float = Field(0.9, ge=0, le=1, allow_inf_nan=False,
                              description="a number in [0, 1]: each Gram is alpha G + (1 - alpha) diag(G), "
                                          "1 the plain Gram, 0 its diagonal alone")
-
-    def statistics(self, model, report, data):
-        grams = {}
-        for (rep,), batches in by_shape((report,), (model,), data):  # other shapes: traced again
-            layers = rep.linear_layers()
-            names = {x for _, x, _, _ in layers}
-            # the graph runs on ``model``'s tensors (not those it was traced with): statistics
-            # of an aligned copy measured with the anchor's report
-            runner = GraphRunner(rep.exported_program.module())
-            values = runner.state({**dict(model.named_buffers()), **dict(model.named_parameters())})
-            for i, batch in batches:
-                args, kwargs = batch_inputs(rep, batch, i)
-                cap = {}
-                with torch.no_grad():
-                    torch.func.functional_call(runner, values, (names, cap, args, kwargs),
-                                               strict=True, tie_weights=False)
-                for w, x, _, _ in layers:
-                    if x in cap:
-                        X = cap[x].double().reshape(-1, cap[x].shape[-1])
-                        grams[w] = grams.get(w, 0) + X.T @ X
-        return distributed.all_reduce_dict(grams)  # sums over every process's batches
-
-    def to_anchor(self, grams, alignment):
-        if alignment is None:
-            return grams
-        rb = alignment.report_b
-        out = {}
-        for w, _, axis, _ in rb.linear_layers():
-            if w not in grams:
-                continue
-            M, G = rb.axis_map(axis, alignment.elements), grams[w]
-            if M is None:
-                out[w] = G
-            elif M.dim() == 1:  # a permutation's index vector
-                out[w] = G[M][:, M]
-            else:
-                out[w] = M @ G @ M.T
-        return out
-
-    def streamed_statistics(self, job, i):
-        return input_grams(job, i, f"regmean/{i}/")
-
-    elementwise_statistics = False  # a Gram over the weight's inputs, never sliced with it
 
     def sliceable(self, name, dim, report):
         """A linear weight is merged in slices along its outputs only (its Gram is over its inputs)."""
