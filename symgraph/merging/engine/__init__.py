@@ -5,6 +5,9 @@
 - ``executor``  :class:`~.executor.Executor`: runs a plan's tasks in order on the device
   within the budget (read, carry into the anchor's basis, combine by the method, cast, correct,
   write), counting every byte it holds
+- ``statistics``  the statistics a method may declare (:class:`~.statistics.InputGrams`,
+  :class:`~.statistics.SquaredGradients`), the :class:`~.statistics.StatisticsContext` the
+  engine builds, and :func:`~.statistics.take` / :func:`~.statistics.floor` per kind
 """
 from __future__ import annotations
 
