@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import types
 
 import pytest
 import torch
