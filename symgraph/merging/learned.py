@@ -93,17 +93,6 @@ def refined(how: Learning, b, ra, rb, views, gains, sides, acts):
     return best
 
 
-def loss_inputs(model, batch) -> dict:
-    """The keyword inputs the model computes its own loss from: ``batch`` with ``labels =
-    input_ids`` for a model with an output embedding (as
-    :func:`~symgraph.alignment.refine.default_loss` adds them)."""
-    if not isinstance(batch, dict):
-        raise InputError(f"refine needs a loss, and {type(model).__name__} computes none from a batch of "
-                         f"{type(batch).__name__}; expected batches of keyword tensors (language models: "
-                         "labels = input_ids)")
-    return with_labels(model, batch)
-
-
 class _Graph:
     """The anchor's model traced with its loss on one batch shape, as segments."""
 
@@ -237,7 +226,11 @@ class _Matching(Objective):
 
     def _graph(self, batch):
         model = self.how.anchor.model  # on meta: traced, never run
-        kw = loss_inputs(model, batch)
+        if not isinstance(batch, dict):
+            raise InputError(f"refine needs a loss, and {type(model).__name__} computes none from a batch of "
+                             f"{type(batch).__name__}; expected batches of keyword tensors (language models: "
+                             "labels = input_ids)")
+        kw = with_labels(model, batch)  # the inputs of the model's own loss, as default_loss adds them
         shapes = tuple(sorted((k, tuple(v.shape)) for k, v in kw.items() if isinstance(v, torch.Tensor)))
         if shapes not in self.graphs:
             self.graphs[shapes] = _Graph(model, kw, self.how.device)
@@ -271,7 +264,7 @@ class _Matching(Objective):
     def start_loss(self, al, batches: list) -> float:
         """The midpoint model's mean loss on ``batches``, the batches of one traced shape run together."""
         self.between = _Between(self.how.anchor, self.B, al, self.how.device)
-        els = elements_on(al.elements, self.how.device)
+        els = self.working(al.elements)
         got: dict = {}
         for j, batch in enumerate(batches):
             g, flat = self._graph(batch)
