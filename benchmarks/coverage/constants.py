@@ -19,4 +19,5 @@ TASKS = {
 
 TOL = 1e-6
 TARGET_COMPLETE = 0.95      # of the causal-LM families that trace
+TARGET_RUNS = 0.97          # sound and complete, of what transformers builds and runs
 TARGET_MEDIAN_S = 5.0       # median analysis seconds per family, 2 cores

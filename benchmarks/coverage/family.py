@@ -59,6 +59,7 @@ def run_family(model_type: str, class_name: str, task: str) -> dict:
     Exceptions are caught per stage and recorded; the row says how far it got."""
     import symgraph
     from symgraph.cli.coverage import unruled_ops
+    from symgraph.passes.inputs import default_inputs
     from symgraph.report.certify import FLOAT32_TOL
     rec = {"model_type": model_type, "class": class_name, "task": task, "stage": "config",
            "traced": False, "sound": None, "complete": None, "certificate": None, "error": None}
@@ -76,6 +77,10 @@ def run_family(model_type: str, class_name: str, task: str) -> dict:
             model, _ = build(model_type, class_name)
             rec["parameters"] = sum(p.numel() for p in model.parameters())
             cfg = model.config
+            stage = "inputs"
+            args, kwargs = default_inputs(model)
+            stage = "eager"
+            run_eagerly(model, args, kwargs)
             stage = "trace"
             with _one_trace() as traced:
                 t = time.perf_counter()
@@ -113,6 +118,14 @@ def run_family(model_type: str, class_name: str, task: str) -> dict:
     rec["stage"] = stage
     rec["seconds"] = time.perf_counter() - t0
     return rec
+
+
+def run_eagerly(model, args, kwargs) -> None:
+    """The model's own forward on its example inputs, as transformers runs it (no trace): a
+    row whose forward fails here is one transformers cannot run at the shrunk size."""
+    import torch
+    with torch.no_grad():
+        model(*args, **kwargs)
 
 
 def _where(e) -> str:

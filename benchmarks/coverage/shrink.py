@@ -114,6 +114,8 @@ def _level_fields(cfg) -> dict:
         names = [p for p in inspect.signature(type(cfg).__init__).parameters if p not in ("self", "kwargs")]
     out = {}
     for n in names:
+        if n.startswith("_") and isinstance(getattr(type(cfg), n[1:], None), property):
+            n = n[1:]  # a backbone's _out_indices: passed by its public name (out_indices)
         try:
             out[n] = getattr(cfg, n)
         except Exception:  # noqa: BLE001 - per-layer attributes refuse a global read
@@ -121,6 +123,8 @@ def _level_fields(cfg) -> dict:
             # is the instance's own, and the per-layer overrides are derived from other fields
             if n in vars(cfg):
                 out[n] = vars(cfg)[n]
+    if isinstance(getattr(type(cfg), "out_indices", None), property) and "out_indices" not in out:
+        out["out_indices"] = cfg.out_indices  # a backbone's stages read (ResNet: not a field)
     return out
 
 
@@ -180,6 +184,13 @@ def _shrink_level(cfg, id_map) -> dict:
     q_new = _pow2_floor(min(q_old, HEADS)) if q_old else HEADS
     old_layers = next((v for k, v in fields.items() if role(k) == "layers_main" and _is_int(v)), None)
     new_layers = min(old_layers, LAYERS) if old_layers else None
+    outputs = _output_layers(fields, old_layers)
+    if outputs and new_layers:  # one layer more than the outputs it selects (DPT's 4 features)
+        new_layers = min(old_layers, max(new_layers, outputs + 1))
+    widths = {v: max(8, int(round(v * scale / 8)) * 8) for k, v in fields.items()
+              if role(k) == "width" and _is_int(v) and v > 8 and scale != 1.0}
+    counts = {k: (v, min(v, 1)) for k, v in fields.items()
+              if role(k) == "layers_other" and _is_int(v) and v > 1}
     # an MoE width set while the expert counts are left None (Dots1: the config's defaults
     # would build torch.empty(None, ...)): the counts get their shrunk values
     moe = any(role(k) == "width" and "moe" in _tokens(k) and _is_int(v) and v > 0
@@ -200,6 +211,14 @@ def _shrink_level(cfg, id_map) -> dict:
         elif r is None and isinstance(v, (list, tuple)) and old_layers and new_layers != old_layers \
                 and len(v) == old_layers:
             new = type(v)(v[:new_layers])
+        elif isinstance(v, (list, tuple)) and r not in ("layers_main", "layers_other") \
+                and _per_count(k, v, counts):  # one entry per layer of a qualified count
+            new = type(v)(v[:_per_count(k, v, counts)])
+        elif _is_int_list(v) and len(v) > 1 and len(set(v)) == 1 and v[0] in widths:
+            new = type(v)([widths[v[0]]] * len(v))  # one shrunk width per level (RT-DETR's decoder)
+        elif r == "layer_index" and "out" in _tokens(k) and _is_int_list(v) and new_layers:
+            # the layers whose outputs a head reads: as many as before, the last ones kept
+            new = type(v)(range(new_layers - len(v), new_layers))
         elif r == "width" and _is_int_list(v) and old_layers and len(v) == old_layers:
             # one width per layer (Gemma 3n's intermediate sizes): cut and scaled as one
             new = type(v)(max(8, int(round(x * scale / 8)) * 8) if x > 8 else x for x in v[:new_layers])
@@ -231,7 +250,7 @@ def _shrink_level(cfg, id_map) -> dict:
             elif r == "head_dim":
                 new = HEAD_DIM if v > 0 else v
             elif r == "layers_main":
-                new = min(v, LAYERS)
+                new = new_layers if new_layers and v == old_layers else min(v, LAYERS)
             elif r == "layers_other":
                 new = min(v, 1)
             elif r == "experts":
@@ -246,15 +265,48 @@ def _shrink_level(cfg, id_map) -> dict:
                 new = max(8, int(round(v * scale / 8)) * 8)
         if new != v:
             out[k] = new
+    if "out_indices" in out and "out_features" in fields:
+        out["out_features"] = None  # derived from the indices by the backbone's config
     return out
+
+
+def _output_layers(fields, old_layers) -> int:
+    """The longest list of layers whose outputs a head reads (``out_indices``,
+    ``backbone_out_indices``), 0 if none."""
+    return max((len(v) for k, v in fields.items() if role(k) == "layer_index" and "out" in _tokens(k)
+                and _is_int_list(v) and old_layers and len(v) > 1 and max(v) <= old_layers), default=0)
+
+
+def _per_count(name, v, counts) -> int:
+    """The new length of a list with one entry per layer of a qualified layer count named
+    alike (Speech2Text's ``conv_kernel_sizes`` beside ``num_conv_layers``), else 0."""
+    own = set(_tokens(name)) - {"num", "n", "layers", "layer", "size", "sizes"}
+    for k, (old, new) in counts.items():
+        if len(v) == old and own & (set(_tokens(k)) - {"num", "n", "layers", "layer"}):
+            return new
+    return 0
 
 
 def tiny_config(model_type: str):
     """``(config, overrides)``: the class's default config shrunk by :func:`shrink`."""
     from transformers import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
-    overrides = shrink(cls())
+    default, extra = _default_config(cls)
+    overrides = {**shrink(default), **extra}
     return cls(**overrides), overrides
+
+
+def _default_config(cls):
+    """``(config, extra overrides)``: the class's defaults; a default backbone that needs timm
+    (DETR's ResNet-50), when timm is not installed, replaced by the config's own transformers
+    backbone (``use_timm_backbone=False``), never with pretrained weights."""
+    import importlib.util
+    cfg = cls()
+    backbone = getattr(cfg, "backbone_config", None)
+    if getattr(backbone, "model_type", None) == "timm_backbone" and importlib.util.find_spec("timm") is None:
+        extra = {"use_timm_backbone": False, "use_pretrained_backbone": False}
+        return cls(**extra), extra
+    return cfg, {}
 
 
 # --- building ---------------------------------------------------------------------------------
