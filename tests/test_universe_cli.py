@@ -84,20 +84,22 @@ def test_method_below_its_budget_floor_refused_in_one_line(trio, capsys):
 
 
 def test_in_memory_universe_means_are_engine_plans(trio, monkeypatch):
-    """Every round writes N leave-one-out means and one spread (the record's ``distance``) through
-    the engine, and the merge one more: 1 + R·(N + 1) + 1 plans for R rounds."""
+    """Every round writes N leave-one-out means through the engine (model 0's reads every model
+    and measures the round's starting ``distance``; another model's leaves that model unread),
+    then one plan measures the last distance and one merges: R·N + 2 plans for R rounds."""
     _, built = trio
     plans = []
     write_into = streaming.StreamingMerge.write_into
 
     def counted(self, add, device=None):
-        plans.append([float(w) for w in self.weights])
+        plans.append(([c.path for c in self.ckpts], [float(w) for w in self.weights]))
         return write_into(self, add, device)
     monkeypatch.setattr(streaming.StreamingMerge, "write_into", counted)
     res = symgraph.merge(built, anchor="universe", universe_options={"max_rounds": 2})
-    assert res.universe["rounds"] == 2 and len(plans) == 1 + 2 * 4 + 1
-    third = pytest.approx([1 / 3] * 3)
-    assert plans[0] == third and plans[-1] == third  # round 0's spread, the merge
-    for r in range(2):  # each round: model i's weight 0 in its mean, then the spread of all
-        assert plans[1 + 4 * r:5 + 4 * r] == [pytest.approx([0, .5, .5]), pytest.approx([.5, 0, .5]),
-                                              pytest.approx([.5, .5, 0]), third]
+    assert res.universe["rounds"] == 2 and len(res.universe["distance"]) == 3 and len(plans) == 2 * 3 + 2
+    every = ["model 0", "model 1", "model 2"]
+    assert plans[-2:] == [(every, pytest.approx([1 / 3] * 3))] * 2  # the last distance, the merge
+    for r in range(2):
+        assert plans[3 * r:3 * r + 3] == [(every, pytest.approx([0, .5, .5])),
+                                          (["model 0", "model 2"], pytest.approx([.5, .5])),
+                                          (["model 0", "model 1"], pytest.approx([.5, .5]))]

@@ -35,8 +35,9 @@ each mean written into a copy of ``models[0]``, so :func:`symgraph.align` can tr
 checkpoints out of core (:mod:`.universe_stream`: each mean written beside the output within
 the memory budget); no model's state is held whole besides the mean in memory.
 
-Cost: round 0 plus up to ``max_rounds`` rounds of N alignments and N + 1 engine plans (the N
-means, and the ``distance``'s; reports are computed once per model); each returned alignment
+Cost: round 0 plus up to ``max_rounds`` rounds of N alignments and N engine plans (the N
+means: model 0's reads every model, each other one every model but the one left out), one more
+plan for the last ``distance``; reports are computed once per model; each returned alignment
 keeps its target model (the template :meth:`~symgraph.Alignment.apply` needs for other
 widths), so memory grows by about N copies of ``models[0]`` in its dtype.
 """
@@ -57,7 +58,7 @@ from ..core.elements import Map, Perm
 from ..errors import InputError
 from .streaming import StreamingMerge
 
-__all__ = ["DEFAULTS", "align_universe", "universe_options", "round_changes", "run_rounds", "mean_plan", "spread"]
+__all__ = ["DEFAULTS", "align_universe", "universe_options", "round_changes", "run_rounds", "mean_plan", "Spread"]
 
 #: ``universe_options`` of :func:`symgraph.merge` and their defaults.
 DEFAULTS = {"max_rounds": 10, "tol": 1e-4}
@@ -142,12 +143,13 @@ def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0:
     budget and ledger), ``ra`` the anchor's report, ``steps`` where a mean goes and how a model
     is aligned to it (``steps.target(plan)``: a context holding the mean the engine ``plan``
     writes; ``steps.align(target, i, report_b)``); ``opts`` checked by :func:`universe_options`.
-    Returns the record (:func:`align_universe`)."""
+    The ``distance`` at a round's start is measured by its first plan (model 0's mean, which
+    reads every model), the last one by one more plan. Returns the record (:func:`align_universe`)."""
     n = len(job.ckpts)
     reports = [ra] + [al.report_b for al in alignments[1:]]
     record = {"rounds": 0, "converged": False, "stopped": "max_rounds", "changed": [], "changed_per_model": [],
-              "drifted": [], "max_change": [], "distance": [spread(job, ra, alignments)],
-              "round_seconds": [time.perf_counter() - t0], "max_rounds": opts["max_rounds"], "tol": opts["tol"]}
+              "drifted": [], "max_change": [], "distance": [], "round_seconds": [time.perf_counter() - t0],
+              "max_rounds": opts["max_rounds"], "tol": opts["tol"]}
     bar = tqdm(total=opts["max_rounds"] * n, desc=f"universe (align={job.align_mode})", unit="alignment",
                file=sys.stderr, leave=False, disable=not progress)
     try:
@@ -155,14 +157,16 @@ def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0:
             t1 = time.perf_counter()
             before = [al.elements if al is not None else {} for al in alignments]
             for i in range(n):
-                with steps.target(mean_plan(job, ra, alignments, i)) as target:
+                plan = mean_plan(job, ra, alignments, i)
+                spread = Spread(plan, job.weights) if i == 0 else None
+                with steps.target(plan) as target:
+                    record["distance"] += [spread.value()] if spread else []
                     alignments[i] = steps.align(target, i, reports[i])
                 bar.update()
             per_model, drifted, worst = round_changes(before, [al.elements for al in alignments], opts["tol"])
             record["rounds"] = r
             for key, value in (("changed", sum(per_model)), ("changed_per_model", per_model),
                                ("drifted", drifted), ("max_change", worst),
-                               ("distance", spread(job, ra, alignments)),
                                ("round_seconds", time.perf_counter() - t1)):
                 record[key].append(value)
             if not any(per_model):
@@ -170,51 +174,65 @@ def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0:
                 break
     finally:
         bar.close()
+    last = mean_plan(job, ra, alignments)
+    spread = Spread(last, job.weights)
+    last.write_into(lambda key, t: None)
+    record["distance"].append(spread.value())
     record["elements"] = [len(al.elements) for al in alignments]
     record["seconds"] = time.perf_counter() - t0
     return record
 
 
-def mean_plan(job, ra, alignments, i=None, weights=None) -> StreamingMerge:
+def mean_plan(job, ra, alignments, i=None) -> StreamingMerge:
     """An engine plan (method ``average``) over ``job``'s checkpoints in the shared basis
     (``alignments``; ``ra`` the anchor's report), on its device, within its budget, its tensors
-    counted in its ledger: the weighted mean of every model but the ``i``-th (model ``i``'s
-    weight 0; every other model's weight 0 too: the plain mean of the others), or with ``i``
-    None of all of them."""
-    w = [0.0 if j == i else float(x) for j, x in enumerate(job.weights)]
+    counted in its ledger: the weighted mean of every model but the ``i``-th (every other model's
+    weight 0 too: the plain mean of the others), or with ``i`` None of all of them. Model 0's
+    checkpoint, whose keys and dtypes the mean has, is read even at weight 0; another model
+    left out is not read (unless only one other is left)."""
+    keep = [j for j in range(len(job.ckpts)) if j != i or j == 0]
+    keep = keep if len(keep) > 1 else list(range(len(job.ckpts)))
+    w = [0.0 if j == i else float(job.weights[j]) for j in keep]
     if sum(w) <= 0:
-        w = [0.0 if j == i else 1.0 for j in range(len(w))]
-    plan = StreamingMerge(job.ckpts, weights=w, align=job.align_mode, anchor=0, fold_norms=job.fold_norms,
-                          outputs=job.outputs, device=job.device, memory_budget=job.memory_budget,
-                          cache_bytes=job.cache_bytes,  # the data the alignment mode says it was solved on
+        w = [0.0 if j == i else 1.0 for j in keep]
+    plan = StreamingMerge([job.ckpts[j] for j in keep], weights=w, align=job.align_mode, anchor=0,
+                          fold_norms=job.fold_norms, outputs=job.outputs, device=job.device,
+                          memory_budget=job.memory_budget, cache_bytes=job.cache_bytes,
+                          # the data the alignment mode says it was solved on
                           data=job.data if job.align_mode == "activations" else None)
     plan.ledger = job.ledger
-    plan.use(ra, alignments)
+    plan.use(ra, [alignments[j] for j in keep])
     return plan
 
 
-def spread(job, ra, alignments) -> float:
-    """``Σ_i w_i ‖θ_i − θ̄‖² / Σ_i w_i ‖θ_i‖²`` over the tensors the engine combines (the
-    parameters and the buffers a class moves), every model in the shared basis and ``θ̄`` their
-    weighted mean: one engine plan (:func:`mean_plan`) whose merged tensors go nowhere. A group
-    merged in slices combines its unsliced members once per slice: they count once."""
-    plan, whole, sliced = mean_plan(job, ra, alignments), {}, [0.0, 0.0]
-    anchor, average = plan.ckpts[0], plan.combine
+class Spread:
+    """``Σ_i w_i ‖θ_i − θ̄‖² / Σ_i w_i ‖θ_i‖²`` (:meth:`value`) of every model in the shared
+    basis, ``θ̄ = Σ_i w_i θ_i`` with the job's ``weights``, over the tensors the engine combines
+    (the parameters and the buffers a class moves), measured as ``plan`` (one that reads every
+    model) combines them. A group merged in slices combines its unsliced members once per slice:
+    they count once."""
 
-    def measured(names, values, stats, weights, report):
-        mean = average(names, values, stats, weights, report)
-        for k in names:
-            sums = (sum(w * float(((v[k] - mean[k]).double() ** 2).sum()) for w, v in zip(weights, values)),
-                    sum(w * float((v[k].double() ** 2).sum()) for w, v in zip(weights, values)))
-            if tuple(mean[k].shape) == tuple(anchor.shapes[anchor.key(k)]):
-                whole[k] = sums
-            else:
-                sliced[0], sliced[1] = sliced[0] + sums[0], sliced[1] + sums[1]
-        return mean
-    plan.combine = measured
-    plan.write_into(lambda key, t: None)
-    num, den = sliced[0] + sum(a for a, _ in whole.values()), sliced[1] + sum(b for _, b in whole.values())
-    return num / den if den > 0 else 0.0
+    def __init__(self, plan, weights):
+        self.whole: dict = {}
+        self.sliced = [0.0, 0.0]
+        combine, anchor, w = plan.combine, plan.ckpts[0], [float(x) for x in weights]
+
+        def measured(names, values, stats, plan_weights, report):
+            for k in names:
+                mean = sum(x * v[k] for x, v in zip(w, values))
+                sums = (sum(x * float(((v[k] - mean).double() ** 2).sum()) for x, v in zip(w, values)),
+                        sum(x * float((v[k].double() ** 2).sum()) for x, v in zip(w, values)))
+                if tuple(mean.shape) == tuple(anchor.shapes[anchor.key(k)]):
+                    self.whole[k] = sums
+                else:
+                    self.sliced = [self.sliced[0] + sums[0], self.sliced[1] + sums[1]]
+            return combine(names, values, stats, plan_weights, report)
+        plan.combine = measured
+
+    def value(self) -> float:
+        num = self.sliced[0] + sum(a for a, _ in self.whole.values())
+        den = self.sliced[1] + sum(b for _, b in self.whole.values())
+        return num / den if den > 0 else 0.0
 
 
 def round_changes(before, after, tol):
