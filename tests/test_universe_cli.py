@@ -71,15 +71,23 @@ def test_command_line_universe_equals_the_in_memory_universe(trio, capsys, held,
     assert len(u["distance"]) == u["rounds"] + 1 and u["distance"][-1] < u["distance"][0]
 
 
-def test_method_below_its_budget_floor_refused_in_one_line(trio, capsys):
+@pytest.mark.parametrize("argv,said", [
+    # a method that reads statistics with each group, below its smallest budget (as at an anchor)
+    (["--method", "fisher", "--data", "ids.safetensors", "--memory-budget", "64KB"],
+     "--memory-budget 64 kB is below what this merge holds at once"),
+    # circuit-space heads average every model's circuits in one anchor's heads: no universe
+    (["--attention", "circuits"], "--anchor universe aligns every model to the mean of the others; expected "
+                                  "--align weights or activations, with --attention heads"),
+])
+def test_universe_refusals_in_one_line(trio, capsys, argv, said):
     root, _ = trio
     out = root / "never"
-    rc = main(["merge", *(str(root / f"m{i}") for i in range(3)), "--anchor", "universe", "--method", "fisher",
-               "--data", str(root / "ids.safetensors"), "--memory-budget", "64KB", "--out", str(out)])
+    argv = [str(root / a) if a.endswith(".safetensors") else a for a in argv]
+    rc = main(["merge", *(str(root / f"m{i}") for i in range(3)), "--anchor", "universe", *argv, "--out", str(out)])
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("symgraph:") and "warning" not in ln]
     assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert "--memory-budget 64 kB is below what this merge holds at once" in " ".join(err.split())
+    assert said in " ".join(err.split())
     assert not out.exists()
 
 
