@@ -52,7 +52,7 @@ def rotate_checkpoint(model: str, out: str, *, how: str = "hadamard", seed: int 
         "classes": {r: ids for r, ids in roles.items()}, "untied": untied, "memory_budget": budget,
         "kinds": {str(g.id): g.kind for g in report.groups if any(g.id in ids for ids in roles.values())},
         "dtype": str(ckpt.dtype).removeprefix("torch."), "bytes_held": 0}}
-    write = carry_writer(ckpt, report, elements, ones_gauge(report, set(report.parameters)), budget=budget,
+    write = carry_writer(ckpt, report, elements, ones_gauge(report, dict.fromkeys(report.parameters)), budget=budget,
                          config_updates=updates, stats=record["symgraph_rotate"], what="rotated")
     save_atomic(write, out, force=force, inputs=[model], meta=record, tokenizer_from=ckpt.path,
                 record="symgraph_rotate.json")
