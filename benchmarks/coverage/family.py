@@ -161,7 +161,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child(conn, fam, mem_gb, threads):
+def _child(conn, fam, mem_gb, threads, run=None):
     try:
         _die_with_parent()
         devnull = os.open(os.devnull, os.O_WRONLY)  # the children's warnings would bury the log
@@ -172,7 +172,7 @@ def _child(conn, fam, mem_gb, threads):
             resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
         import torch
         torch.set_num_threads(threads)
-        conn.send(run_family(*fam))
+        conn.send((run or run_family)(*fam))
     except BaseException as e:  # noqa: BLE001
         try:
             conn.send({"model_type": fam[0], "class": fam[1], "task": fam[2], "stage": "child",
@@ -186,9 +186,12 @@ def _child(conn, fam, mem_gb, threads):
 
 
 def run_isolated(fams, jobs: int = 2, timeout: float = 120.0, mem_gb: float | None = 6.0,
-                 log=None) -> list:
+                 log=None, run=None, warm=("llama", "LlamaForCausalLM", "causal_lm")) -> list:
     """Run each family in a forked child (``jobs`` at a time), under a memory limit and a
-    timeout; returns the rows in the order of ``fams``."""
+    timeout; returns the rows in the order of ``fams``. ``run``: the function of one row
+    (default :func:`run_family`), called with a family's fields; ``warm``: the fields of the
+    row run once in the parent first (the caches every child inherits)."""
+    run = run or run_family
     import multiprocessing as mp
 
     import symgraph  # noqa: F401 - imported once here, inherited by every forked child
@@ -200,7 +203,7 @@ def run_isolated(fams, jobs: int = 2, timeout: float = 120.0, mem_gb: float | No
     torch.set_num_threads(1)
     with contextlib.redirect_stderr(None), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run_family("llama", "LlamaForCausalLM", "causal_lm")
+        run(*warm)
     ctx = mp.get_context("fork")
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
     pending = list(enumerate(fams))
@@ -210,7 +213,7 @@ def run_isolated(fams, jobs: int = 2, timeout: float = 120.0, mem_gb: float | No
         while pending and len(running) < jobs:
             i, fam = pending.pop(0)
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, args=(send, fam, mem_gb, threads), daemon=True)
+            p = ctx.Process(target=_child, args=(send, fam, mem_gb, threads, run), daemon=True)
             p.start()
             send.close()
             running[i] = (p, recv, time.perf_counter())

@@ -1,0 +1,444 @@
+"""Coverage of the vision zoos: every timm family and every torchvision classification family,
+its smallest variant built with random weights, traced, analysed, certified and checked for
+completeness (issue 65, item 4).
+
+    python -m benchmarks.coverage.vision [--zoo timm torchvision] [--only FAMILY ...] [--out DIR]
+                                         [--jobs 2] [--timeout 120] [--mem-gb 6]
+
+A **family** is a module of the zoo: ``timm.list_modules()`` (``resnet``, ``vision_transformer``,
+...) and the modules of ``torchvision.models`` that hold its classification models
+(``torchvision.models.list_models(module=torchvision.models)`` grouped by the module of each
+builder). One row per family:
+
+1. **config** (choose the variant): the smallest variant by parameter count, each candidate built
+   on the ``meta`` device (no weights). timm families with many variants are first narrowed by
+   the size words of their names (``atto`` < ``femto`` < ... < ``tiny`` < ``small``: the smallest
+   word present), then the 8 shortest names are counted.
+2. **build**: random weights (``pretrained=False`` / ``weights=None``), float32, ``eval()``.
+3. **run eagerly**: the model's own forward on one random image, at the first size it runs at:
+   64x64, 96x96 (the default build), then built for that size (``img_size=`` in timm,
+   ``image_size=`` in torchvision), then the default size of its config. A model the zoo cannot
+   build or run at any of them is listed apart with its exception (not in the denominator).
+4. **trace + analyse**: ``symgraph.analyze(model, (image,))`` (timed).
+5. **certify**: ``report.certify`` in float64 (the model cast), infinite tolerance so the value is
+   recorded; sound when ≤ 1e-6.
+6. **complete**, from the traced graph (never from module names):
+
+   - *channels*: the output channels of every convolution (grouped and depthwise included) and
+     every linear map whose output reaches a nonlinearity or a norm (batch, layer, group or RMS
+     norm) through elementwise and layout ops belong to a permutation-type class of the report
+     (``report.groups`` of a kind from ``perm`` up; a channel axis in ``report.frozen`` fails);
+   - *MLPs*: every up projection - nonlinearity - down projection pair shares such a class
+     (:func:`~.structure.mlp_units`: conv-BN-ReLU-conv included);
+   - *attention heads*: every attention site with more than one head has a class with head
+     blocks (:func:`~.attention.attention_units`).
+
+   A model whose analysis misses any of them is incomplete; each missing entry names its module
+   and what blocks it (:mod:`.why`).
+7. **ops without a rule**: ``symgraph.cli.coverage.unruled_ops``.
+
+Each family runs in a forked child (:func:`~.family.run_isolated`: memory limit, timeout).
+Results: ``coverage_vision.json`` and ``coverage_vision.md`` in ``--out``, headed by the command
+and the commit, and their entry in the directory's ``record.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import os
+import re
+import shlex
+import sys
+import time
+import types
+import warnings
+
+from ..provenance import REPO_ROOT, log, register, staged, table, write_json
+from .constants import TOL
+from .family import _first_line, _one_trace, _where, blockers, run_isolated
+from .graph import _pname, _shape, _source, linear_weight
+from .structure import _NONLINEAR, PERMLIKE, expectations
+from .summary import _cell, _counts, _whys, git_info
+
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "coverage_vision"
+ZOOS = ("timm", "torchvision")
+TARGET = 0.90
+#: size words of timm's variant names, smallest first
+SIZE_WORDS = ("atto", "zepto", "femto", "pico", "nano", "micro", "xxxs", "xxs", "xs", "tiny", "mini",
+              "small")
+MAX_CANDIDATES = 8
+SIZES = (64, 96)
+NORMS = {"batch_norm", "_native_batch_norm_legit_no_training", "_native_batch_norm_legit",
+         "native_batch_norm", "layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
+         "rms_norm", "_fused_rms_norm", "instance_norm"}
+#: ops a channel passes through on its way to a nonlinearity or a norm
+THROUGH = {"add", "sub", "mul", "div", "clone", "contiguous", "_to_copy", "alias", "detach", "dropout",
+           "transpose", "permute", "view", "reshape", "_unsafe_view", "flatten", "unsqueeze",
+           "squeeze", "expand", "to", "type_as", "pad", "constant_pad_nd"}
+CONVS = ("convolution", "conv1d", "conv2d", "conv3d")
+
+
+# --- the families and their smallest variant ------------------------------------------------------
+
+
+def families(zoos=ZOOS, only=None) -> list:
+    """``[(family, "", zoo)]``: every family of each zoo (the variant is chosen in its child)."""
+    out = []
+    for zoo in zoos:
+        for fam in sorted(variants(zoo)):
+            if not only or fam in only:
+                out.append((fam, "", zoo))
+    return out
+
+
+def variants(zoo: str) -> dict:
+    """``{family: [model names]}`` of a zoo."""
+    groups = collections.defaultdict(list)
+    if zoo == "timm":
+        import timm
+        for mod in timm.list_modules():
+            names = timm.list_models(module=mod)
+            if names:
+                groups[mod] = list(names)
+    else:
+        import torchvision
+        tvm = torchvision.models
+        for name in tvm.list_models(module=tvm):
+            groups[tvm.get_model_builder(name).__module__.rsplit(".", 1)[-1]].append(name)
+    return dict(groups)
+
+
+def candidates(names) -> list:
+    """The names worth counting: those with the smallest size word present (all when none has
+    one), at most :data:`MAX_CANDIDATES`, shortest first."""
+    def rank(name):
+        parts = set(re.split(r"[_\-.]", name.lower()))
+        return min((i for i, w in enumerate(SIZE_WORDS) if w in parts), default=len(SIZE_WORDS))
+    best = min((rank(n) for n in names), default=0)
+    keep = [n for n in names if rank(n) == best]
+    return sorted(keep, key=lambda n: (len(n), n))[:MAX_CANDIDATES]
+
+
+def smallest(names, count) -> tuple:
+    """``(name, parameters)`` of the candidate with the fewest parameters (``count(name)``:
+    its count, or an exception when it cannot be built); ties: the earlier name."""
+    best, n_best, errors = None, math.inf, []
+    for name in candidates(names):
+        try:
+            n = count(name)
+        except Exception as e:  # noqa: BLE001 - a variant that cannot be built is not chosen
+            errors.append(f"{name}: {type(e).__name__}: {_first_line(e)}")
+            continue
+        if n < n_best:
+            best, n_best = name, n
+    if best is None:
+        raise RuntimeError("no variant builds: " + "; ".join(errors[:2]))
+    return best, n_best
+
+
+def build(zoo: str, name: str, device=None, size=None):
+    """The model (random weights, eval mode); ``size``: built for that image size."""
+    import torch
+    with warnings.catch_warnings(), torch.device(device or "cpu"):
+        warnings.simplefilter("ignore")
+        if zoo == "timm":
+            import timm
+            kw = {"img_size": size} if size else {}
+            model = timm.create_model(name, pretrained=False, **kw)
+        else:
+            import torchvision
+            kw = {"image_size": size} if size else {}
+            model = torchvision.models.get_model(name, weights=None, **kw)
+    return model.eval()
+
+
+def meta_count(zoo: str):
+    def count(name):
+        return sum(p.numel() for p in build(zoo, name, device="meta").parameters())
+    return count
+
+
+def default_size(zoo: str, name: str, model) -> tuple:
+    """``(channels, height, width)`` of the model's own config."""
+    if zoo == "timm":
+        cfg = getattr(model, "pretrained_cfg", None) or {}
+        if cfg.get("input_size"):
+            return tuple(cfg["input_size"])
+    return (3, 299, 299) if "inception" in name else (3, 224, 224)
+
+
+def runnable(zoo: str, name: str):
+    """``(model, image, how)``: the first build and image size the model's own forward runs at
+    (:data:`SIZES` as built, then built for each, then its default size)."""
+    import torch
+    model = build(zoo, name)
+    chans = default_size(zoo, name, model)[0]
+    tries = [(None, s) for s in SIZES] + [(s, s) for s in SIZES] + [(None, None)]
+    last = None
+    for built_for, s in tries:
+        try:
+            m = model if built_for is None else build(zoo, name, size=built_for)
+            shape = (chans, s, s) if s else default_size(zoo, name, m)
+            x = torch.randn(1, *shape, generator=torch.Generator().manual_seed(0))
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                m(x)
+            return m, x, {"input": list(shape), "built_for": built_for}
+        except Exception as e:  # noqa: BLE001 - the next size
+            last = e
+    raise last
+
+
+# --- completeness -----------------------------------------------------------------------------------
+
+
+def channel_slots(ep) -> list:
+    """``[(module, (param, dim))]``: the output-channel slot of each convolution (any groups)
+    or linear map whose output reaches a nonlinearity or a norm through :data:`THROUGH` ops."""
+    users = collections.defaultdict(list)
+    for n in ep.graph.nodes:
+        for a in n.all_input_nodes:
+            users[a].append(n)
+    out = []
+    for n in ep.graph.nodes:
+        if n.op != "call_function":
+            continue
+        slot = _out_slot(ep, n)
+        if slot is None or (_shape(n) or (0, 0))[1:2] == (1,) or not _feeds(n, users):
+            continue
+        mods = [p for p, _ in reversed(list((n.meta.get("nn_module_stack") or {}).values()))]
+        out.append((_clean(mods[0]) if mods else "", slot))
+    return out
+
+
+def _out_slot(ep, n):
+    if _pname(n) in CONVS and len(n.args) > 1 and hasattr(n.args[1], "op"):
+        if _pname(n) == "convolution" and n.args[6]:
+            return None  # transposed: its output channels are the weight's dim 1
+        return _source(ep, n.args[1], 0)
+    w = linear_weight(ep, n)
+    return None if w is None else w[1]
+
+
+def _feeds(node, users) -> bool:
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        for u in users[n]:
+            name = _pname(u)
+            if name in _NONLINEAR or name in NORMS:
+                return True
+            if name in THROUGH and u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return False
+
+
+def _clean(path: str) -> str:
+    path = path.replace("L['self'].", "").replace("L['self']", "")
+    return path.replace("[", ".").replace("]", "").replace("'", "").strip(".")
+
+
+def completeness(ep, report) -> dict:
+    """:func:`~.structure.expectations` (MLPs, attention heads; no config: no rope) and the
+    channel classes (:func:`channel_slots`): ``missing`` holds ``{"kind": "channels", ...}``
+    for each channel slot in no permutation-type class."""
+    st = expectations(ep, report, types.SimpleNamespace())
+    held = {tuple(s) for g in report.groups if g.kind in PERMLIKE for s in g.params}
+    slots = channel_slots(ep)
+    st["channels"] = len(slots)
+    for mod, slot in slots:
+        if tuple(slot) not in held:
+            st["missing"].append({"kind": "channels", "module": mod, "slots": [list(slot)],
+                                  "why": _frozen_why(report, slot)})
+    return st
+
+
+def _frozen_why(report, slot) -> str:
+    """The reasons the analysis recorded for the slot's class."""
+    try:
+        leaves = report.axis_reasons(*slot)
+    except (KeyError, IndexError, ValueError):
+        return "not in any class"
+    whys = []
+    for leaf in leaves:
+        for _, w in leaf.get("reasons", ())[-1:]:
+            w = re.sub(r"\b([A-Za-z]\w*?)_\d+(?=[ :])", r"\1", w)
+            if w not in whys:
+                whys.append(w)
+    return "fixed: " + "; ".join(whys[:2]) if whys else "no op recorded"
+
+
+# --- one family ---------------------------------------------------------------------------------
+
+
+def run_vision(family: str, _unused: str, zoo: str) -> dict:
+    """One row: choose, build, run, analyse, certify, check one family (each stage's failure
+    recorded, as :func:`~.family.run_family` does)."""
+    rec = {"model_type": family, "class": None, "task": zoo, "stage": "config", "traced": False,
+           "sound": None, "complete": None, "certificate": None, "error": None}
+    t0 = time.perf_counter()
+    stage = "config"
+    try:
+        rec["class"], rec["parameters"] = smallest(variants(zoo)[family], meta_count(zoo))
+        rec["variants"] = len(variants(zoo)[family])
+        stage = "build"
+        build(zoo, rec["class"])
+        stage = "eager"
+        model, x, how = runnable(zoo, rec["class"])
+        rec.update(how)
+        stage = "trace"
+        report = _analyse(rec, model, x)
+        stage = "certify"
+        t = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            worst = report.certify(model, (x,), tol=math.inf)
+        f32 = any("float32" in str(w.message) for w in caught)
+        rec["certify_seconds"] = time.perf_counter() - t
+        rec["certificate"], rec["certificate_dtype"] = worst, "float32" if f32 else "float64"
+        rec["sound"] = bool(worst <= TOL)
+        stage = "done"
+    except BaseException as e:  # noqa: BLE001 - every failure is a row
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        rec["error"] = {"stage": stage, "type": type(e).__name__, "message": _first_line(e),
+                        "where": _where(e)}
+    rec["stage"] = stage
+    rec["seconds"] = time.perf_counter() - t0
+    return rec
+
+
+def _analyse(rec, model, x):
+    import symgraph
+    import symgraph.passes.trace as tr
+    from symgraph.cli.coverage import unruled_ops
+    inputs = (x,)
+    with _one_trace():
+        t = time.perf_counter()
+        report = symgraph.analyze(model, inputs)
+        rec["analyze_seconds"] = time.perf_counter() - t
+        rec["traced"] = True
+        rec["groups"] = len(report.groups)
+        rec["group_kinds"] = dict(sorted(collections.Counter(g.kind for g in report.groups).items()))
+        rec["frozen"] = sorted({(str(f.op), f.module) for f in report.frozen})
+        rec["unruled_ops"] = dict(sorted(unruled_ops(model, inputs).items()))
+        rec["structure"] = completeness(tr.trace(model, inputs)[0], report)
+        rec["complete"] = not rec["structure"]["missing"]
+        rec["blockers"] = blockers(rec)
+    return report
+
+
+# --- the table ------------------------------------------------------------------------------------
+
+
+def summarize(rows) -> dict:
+    """Per zoo and overall: :func:`~.summary._counts` (``runs``: what the zoo builds and runs),
+    the target over it, the missing kinds with what blocks them, the ops without a rule."""
+    by = {z: _counts([r for r in rows if r["task"] == z]) for z in ZOOS if any(r["task"] == z for r in rows)}
+    by["all"] = _counts(rows)
+    for b in by.values():
+        b["meets_target"] = bool(b["runs"]) and b["sound_and_complete"] / b["runs"] >= TARGET
+    blocked = collections.defaultdict(lambda: collections.defaultdict(list))
+    unruled = collections.defaultdict(list)
+    for r in rows:
+        for k, why in _whys(r):
+            blocked[k][why].append(f"{r['task']}/{r['model_type']}")
+        for op in r.get("unruled_ops") or {}:
+            unruled[op].append(f"{r['task']}/{r['model_type']}")
+    return {"by_zoo": by, "target": TARGET, "unsound": sum(r["sound"] is False for r in rows),
+            "blocked_by": {k: dict(v) for k, v in blocked.items()},
+            "unruled_ops": dict(sorted(unruled.items(), key=lambda kv: -len(kv[1])))}
+
+
+def markdown(res) -> str:
+    h, s = res["header"], res["summary"]
+    lines = ["# Coverage of the vision zoos (timm, torchvision)", "",
+             f"- command: `{h['command']}`", f"- commit: `{h['git']['commit']}`"
+             + (" (dirty working tree)" if h["git"].get("dirty") else ""),
+             f"- {', '.join(f'{k} {v}' for k, v in h['versions'].items())}; {h['jobs']} families at a "
+             f"time, timeout {h['timeout_s']:.0f} s, memory limit {h['mem_gb']} GB; wall {h['wall_seconds']:.0f} s",
+             "- one row per family (a module of the zoo), its smallest variant by parameter count, random "
+             "weights; complete: every channel class, MLP and attention head a vision model must have "
+             "(`benchmarks/coverage/vision.py`'s docstring)", "",
+             "| zoo | tried | cannot build | cannot run | runs | traced | sound | complete "
+             f"| sound and complete / runs (target ≥ {100 * TARGET:.0f} %) |", "|---|---|---|---|---|---|---|---|---|"]
+    for z, b in s["by_zoo"].items():
+        pct = "n/a" if not b["runs"] else f"{100 * b['sound_and_complete'] / b['runs']:.1f} %"
+        lines.append(f"| {z} | {b['tried']} | {b['cannot_build']} | {b['cannot_run']} | {b['runs']} | "
+                     f"{b['traced']} | {b['sound']} | {b['complete']} | {b['sound_and_complete']} = {pct} "
+                     f"({'met' if b['meets_target'] else 'NOT met'}) |")
+    lines += ["", f"- unsound (certificate > {TOL:g}): {s['unsound']}", "", "## What blocks a class", ""]
+    for k, whys in s["blocked_by"].items():
+        for why, fams in sorted(whys.items(), key=lambda kv: -len(kv[1])):
+            lines.append(f"- `{k}` ({len(fams)}): {_cell(why)[:300]}: {', '.join(fams)}")
+    lines += ["", "## Ops without a rule", ""]
+    lines += [f"- `{op}` ({len(f)}): {', '.join(f)}" for op, f in s["unruled_ops"].items()] or ["- none"]
+    lines += ["", "## Every family", ""]
+    lines += table(["zoo", "family", "model", "params", "input", "stage", "certificate", "sound", "complete",
+                    "missing", "unruled ops", "analyse s", "error"], [_row(r) for r in res["rows"]])
+    return "\n".join(lines) + "\n"
+
+
+def _row(r) -> list:
+    yes = lambda v: "-" if v is None else ("yes" if v else "**no**")  # noqa: E731
+    miss = collections.Counter(m["kind"] for m in (r.get("structure") or {}).get("missing", []))
+    err = r.get("error") or {}
+    return [r["task"], r["model_type"], r.get("class") or "-", r.get("parameters", "-"),
+            "x".join(map(str, r.get("input") or [])) or "-", r["stage"],
+            "-" if r["certificate"] is None else f"{r['certificate']:.1e}", yes(r["sound"]), yes(r["complete"]),
+            ", ".join(f"{k} {v}" for k, v in sorted(miss.items())) or "-",
+            len(r.get("unruled_ops") or {}) if r["traced"] else "-",
+            "-" if r.get("analyze_seconds") is None else f"{r['analyze_seconds']:.1f}",
+            _cell(f"{err.get('type')}: {err.get('message', '')}")[:160] if err else ""]
+
+
+def versions() -> dict:
+    import timm
+    import torch
+    import torchvision
+    return {"torch": torch.__version__, "torchvision": torchvision.__version__, "timm": timm.__version__}
+
+
+def run(out=None, zoos=ZOOS, only=None, jobs=2, timeout=120.0, mem_gb=6.0, command=None, log=None) -> dict:
+    t0 = time.perf_counter()
+    git = git_info()
+    fams = families(zoos, only)
+    if only and len({f[0] for f in fams}) < len(set(only)):
+        raise SystemExit(f"unknown families: {', '.join(sorted(set(only) - {f[0] for f in fams}))}")
+    rows = run_isolated(fams, jobs, timeout, mem_gb, log, run=run_vision, warm=("resnet", "", "torchvision"))
+    res = {"header": {"command": command or "python -m benchmarks.coverage.vision", "git": git,
+                      "versions": versions(), "jobs": jobs, "timeout_s": timeout, "mem_gb": mem_gb,
+                      "tolerance": TOL, "zoos": list(zoos), "only": only,
+                      "wall_seconds": time.perf_counter() - t0},
+           "summary": summarize(rows), "rows": rows}
+    if out:
+        with staged(out, ".coverage-vision-") as tmp:
+            write_json(tmp / "coverage_vision.json", res)
+            (tmp / "coverage_vision.md").write_text(markdown(res))
+        register(out, ["coverage_vision.json", "coverage_vision.md"], res["header"]["command"])
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.coverage.vision", description=__doc__.splitlines()[0])
+    ap.add_argument("--zoo", nargs="+", choices=ZOOS, default=list(ZOOS))
+    ap.add_argument("--only", nargs="+", default=None, metavar="FAMILY", help="families to run (default: all)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: %(default)s)")
+    ap.add_argument("--jobs", type=int, default=2, help="families at a time (default 2)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per family (default 120)")
+    ap.add_argument("--mem-gb", type=float, default=6.0, help="address-space limit per family (0: none)")
+    a = ap.parse_args(argv)
+    command = " ".join(["python -m benchmarks.coverage.vision"]
+                       + [shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv)])
+    res = run(a.out, tuple(a.zoo), a.only, a.jobs, a.timeout, a.mem_gb or None, command, log)
+    for z, b in res["summary"]["by_zoo"].items():
+        print(f"{z}: tried {b['tried']} runs {b['runs']} traced {b['traced']} sound {b['sound']} "
+              f"complete {b['complete']} sound+complete {b['sound_and_complete']}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    sys.exit(main())
