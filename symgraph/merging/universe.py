@@ -189,9 +189,11 @@ def mean_plan(job, ra, alignments, i=None) -> StreamingMerge:
     counted in its ledger: the weighted mean of every model but the ``i``-th (every other model's
     weight 0 too: the plain mean of the others), or with ``i`` None of all of them. Model 0's
     checkpoint, whose keys and dtypes the mean has, is read even at weight 0; another model
-    left out is not read (unless only one other is left)."""
+    left out is not read, unless only one other is left or the checkpoints' dtypes differ (the
+    plan then computes in the job's work dtype, which depends on every checkpoint's)."""
     keep = [j for j in range(len(job.ckpts)) if j != i or j == 0]
-    keep = keep if len(keep) > 1 else list(range(len(job.ckpts)))
+    if len(keep) < 2 or len({c.dtype for c in job.ckpts}) > 1:
+        keep = list(range(len(job.ckpts)))
     w = [0.0 if j == i else float(job.weights[j]) for j in keep]
     if sum(w) <= 0:
         w = [0.0 if j == i else 1.0 for j in keep]
