@@ -186,11 +186,13 @@ def _child(conn, fam, mem_gb, threads, run=None):
 
 
 def run_isolated(fams, jobs: int = 2, timeout: float = 120.0, mem_gb: float | None = 6.0,
-                 log=None, run=None, warm=("llama", "LlamaForCausalLM", "causal_lm")) -> list:
+                 log=None, run=None, warm=("llama", "LlamaForCausalLM", "causal_lm"),
+                 stop=None) -> list:
     """Run each family in a forked child (``jobs`` at a time), under a memory limit and a
     timeout; returns the rows in the order of ``fams``. ``run``: the function of one row
     (default :func:`run_family`), called with a family's fields; ``warm``: the fields of the
-    row run once in the parent first (the caches every child inherits)."""
+    row run once in the parent first (the caches every child inherits); ``stop()``: true when no
+    further family may start (its row stays None)."""
     run = run or run_family
     import multiprocessing as mp
 
@@ -210,6 +212,8 @@ def run_isolated(fams, jobs: int = 2, timeout: float = 120.0, mem_gb: float | No
     running = {}   # index -> (process, conn, start)
     rows = [None] * len(fams)
     while pending or running:
+        if stop is not None and stop():
+            pending = []
         while pending and len(running) < jobs:
             i, fam = pending.pop(0)
             recv, send = ctx.Pipe(duplex=False)

@@ -3,7 +3,7 @@ its smallest variant built with random weights, traced, analysed, certified and 
 completeness (issue 65, item 4).
 
     python -m benchmarks.coverage.vision [--zoo timm torchvision] [--only FAMILY ...] [--out DIR]
-                                         [--jobs 2] [--timeout 120] [--mem-gb 6]
+                                         [--jobs 2] [--timeout 120] [--mem-gb 6] [--budget S]
 
 A **family** is a module of the zoo: ``timm.list_modules()`` (``resnet``, ``vision_transformer``,
 ...) and the modules of ``torchvision.models`` that hold its classification models
@@ -37,7 +37,9 @@ builder). One row per family:
    and what blocks it (:mod:`.why`).
 7. **ops without a rule**: ``symgraph.cli.coverage.unruled_ops``.
 
-Each family runs in a forked child (:func:`~.family.run_isolated`: memory limit, timeout).
+Each family runs in a forked child (:func:`~.family.run_isolated`: memory limit, timeout);
+``--budget S``: no family starts after S seconds, the rest are listed as not run (each zoo's
+families go in a random order of ``--seed``, so what ran is a uniform sample).
 Results: ``coverage_vision.json`` and ``coverage_vision.md`` in ``--out``, headed by the command
 and the commit, and their entry in the directory's ``record.json``.
 """
@@ -54,16 +56,15 @@ import time
 import types
 import warnings
 
-from ..provenance import REPO_ROOT, log, register, staged, table, write_json
+from ..provenance import REPO_ROOT, log, register, staged, write_json
 from .constants import TOL
 from .family import _first_line, _one_trace, _where, blockers, run_isolated
 from .graph import _pname, _shape, _source, linear_weight
 from .structure import _NONLINEAR, PERMLIKE, expectations
-from .summary import _cell, _counts, _whys, git_info
+from .summary import git_info
+from .vision_table import TARGET, ZOOS, markdown, summarize  # noqa: F401 - re-exported
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "coverage_vision"
-ZOOS = ("timm", "torchvision")
-TARGET = 0.90
 #: size words of timm's variant names, smallest first
 SIZE_WORDS = ("atto", "zepto", "femto", "pico", "nano", "micro", "xxxs", "xxs", "xs", "tiny", "mini",
               "small")
@@ -82,13 +83,16 @@ CONVS = ("convolution", "conv1d", "conv2d", "conv3d")
 # --- the families and their smallest variant ------------------------------------------------------
 
 
-def families(zoos=ZOOS, only=None) -> list:
-    """``[(family, "", zoo)]``: every family of each zoo (the variant is chosen in its child)."""
+def families(zoos=ZOOS, only=None, seed: int = 0) -> list:
+    """``[(family, "", zoo)]``: every family of each zoo (the variant is chosen in its child),
+    zoo by zoo, each zoo's in a random order drawn from ``seed`` (a run whose ``--budget`` ends
+    before the last family has run a uniform sample of the zoo)."""
+    import random
     out = []
     for zoo in zoos:
-        for fam in sorted(variants(zoo)):
-            if not only or fam in only:
-                out.append((fam, "", zoo))
+        fams = sorted(variants(zoo))
+        random.Random(seed).shuffle(fams)
+        out += [(fam, "", zoo) for fam in fams if not only or fam in only]
     return out
 
 
@@ -330,70 +334,6 @@ def _analyse(rec, model, x):
     return report
 
 
-# --- the table ------------------------------------------------------------------------------------
-
-
-def summarize(rows) -> dict:
-    """Per zoo and overall: :func:`~.summary._counts` (``runs``: what the zoo builds and runs),
-    the target over it, the missing kinds with what blocks them, the ops without a rule."""
-    by = {z: _counts([r for r in rows if r["task"] == z]) for z in ZOOS if any(r["task"] == z for r in rows)}
-    by["all"] = _counts(rows)
-    for b in by.values():
-        b["meets_target"] = bool(b["runs"]) and b["sound_and_complete"] / b["runs"] >= TARGET
-    blocked = collections.defaultdict(lambda: collections.defaultdict(list))
-    unruled = collections.defaultdict(list)
-    for r in rows:
-        for k, why in _whys(r):
-            blocked[k][why].append(f"{r['task']}/{r['model_type']}")
-        for op in r.get("unruled_ops") or {}:
-            unruled[op].append(f"{r['task']}/{r['model_type']}")
-    return {"by_zoo": by, "target": TARGET, "unsound": sum(r["sound"] is False for r in rows),
-            "blocked_by": {k: dict(v) for k, v in blocked.items()},
-            "unruled_ops": dict(sorted(unruled.items(), key=lambda kv: -len(kv[1])))}
-
-
-def markdown(res) -> str:
-    h, s = res["header"], res["summary"]
-    lines = ["# Coverage of the vision zoos (timm, torchvision)", "",
-             f"- command: `{h['command']}`", f"- commit: `{h['git']['commit']}`"
-             + (" (dirty working tree)" if h["git"].get("dirty") else ""),
-             f"- {', '.join(f'{k} {v}' for k, v in h['versions'].items())}; {h['jobs']} families at a "
-             f"time, timeout {h['timeout_s']:.0f} s, memory limit {h['mem_gb']} GB; wall {h['wall_seconds']:.0f} s",
-             "- one row per family (a module of the zoo), its smallest variant by parameter count, random "
-             "weights; complete: every channel class, MLP and attention head a vision model must have "
-             "(`benchmarks/coverage/vision.py`'s docstring)", "",
-             "| zoo | tried | cannot build | cannot run | runs | traced | sound | complete "
-             f"| sound and complete / runs (target ≥ {100 * TARGET:.0f} %) |", "|---|---|---|---|---|---|---|---|---|"]
-    for z, b in s["by_zoo"].items():
-        pct = "n/a" if not b["runs"] else f"{100 * b['sound_and_complete'] / b['runs']:.1f} %"
-        lines.append(f"| {z} | {b['tried']} | {b['cannot_build']} | {b['cannot_run']} | {b['runs']} | "
-                     f"{b['traced']} | {b['sound']} | {b['complete']} | {b['sound_and_complete']} = {pct} "
-                     f"({'met' if b['meets_target'] else 'NOT met'}) |")
-    lines += ["", f"- unsound (certificate > {TOL:g}): {s['unsound']}", "", "## What blocks a class", ""]
-    for k, whys in s["blocked_by"].items():
-        for why, fams in sorted(whys.items(), key=lambda kv: -len(kv[1])):
-            lines.append(f"- `{k}` ({len(fams)}): {_cell(why)[:300]}: {', '.join(fams)}")
-    lines += ["", "## Ops without a rule", ""]
-    lines += [f"- `{op}` ({len(f)}): {', '.join(f)}" for op, f in s["unruled_ops"].items()] or ["- none"]
-    lines += ["", "## Every family", ""]
-    lines += table(["zoo", "family", "model", "params", "input", "stage", "certificate", "sound", "complete",
-                    "missing", "unruled ops", "analyse s", "error"], [_row(r) for r in res["rows"]])
-    return "\n".join(lines) + "\n"
-
-
-def _row(r) -> list:
-    yes = lambda v: "-" if v is None else ("yes" if v else "**no**")  # noqa: E731
-    miss = collections.Counter(m["kind"] for m in (r.get("structure") or {}).get("missing", []))
-    err = r.get("error") or {}
-    return [r["task"], r["model_type"], r.get("class") or "-", r.get("parameters", "-"),
-            "x".join(map(str, r.get("input") or [])) or "-", r["stage"],
-            "-" if r["certificate"] is None else f"{r['certificate']:.1e}", yes(r["sound"]), yes(r["complete"]),
-            ", ".join(f"{k} {v}" for k, v in sorted(miss.items())) or "-",
-            len(r.get("unruled_ops") or {}) if r["traced"] else "-",
-            "-" if r.get("analyze_seconds") is None else f"{r['analyze_seconds']:.1f}",
-            _cell(f"{err.get('type')}: {err.get('message', '')}")[:160] if err else ""]
-
-
 def versions() -> dict:
     import timm
     import torch
@@ -401,16 +341,24 @@ def versions() -> dict:
     return {"torch": torch.__version__, "torchvision": torchvision.__version__, "timm": timm.__version__}
 
 
-def run(out=None, zoos=ZOOS, only=None, jobs=2, timeout=120.0, mem_gb=6.0, command=None, log=None) -> dict:
+def run(out=None, zoos=ZOOS, only=None, jobs=2, timeout=120.0, mem_gb=6.0, command=None, log=None,
+        budget=None, seed=0) -> dict:
+    """Run the families (``budget``: seconds after which no family starts; those not started
+    are rows of stage ``not_run``) and write the table into ``out``."""
     t0 = time.perf_counter()
     git = git_info()
-    fams = families(zoos, only)
+    fams = families(zoos, only, seed)
     if only and len({f[0] for f in fams}) < len(set(only)):
         raise SystemExit(f"unknown families: {', '.join(sorted(set(only) - {f[0] for f in fams}))}")
-    rows = run_isolated(fams, jobs, timeout, mem_gb, log, run=run_vision, warm=("resnet", "", "torchvision"))
+    stop = None if budget is None else (lambda: time.perf_counter() - t0 > budget)
+    rows = run_isolated(fams, jobs, timeout, mem_gb, log, run=run_vision, warm=("resnet", "", "torchvision"),
+                        stop=stop)
+    rows = [r or {"model_type": f[0], "class": None, "task": f[2], "stage": "not_run", "traced": False,
+                  "sound": None, "complete": None, "certificate": None, "error": None}
+            for r, f in zip(rows, fams)]
     res = {"header": {"command": command or "python -m benchmarks.coverage.vision", "git": git,
                       "versions": versions(), "jobs": jobs, "timeout_s": timeout, "mem_gb": mem_gb,
-                      "tolerance": TOL, "zoos": list(zoos), "only": only,
+                      "tolerance": TOL, "zoos": list(zoos), "only": only, "budget_s": budget, "seed": seed,
                       "wall_seconds": time.perf_counter() - t0},
            "summary": summarize(rows), "rows": rows}
     if out:
@@ -429,10 +377,12 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="families at a time (default 2)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per family (default 120)")
     ap.add_argument("--mem-gb", type=float, default=6.0, help="address-space limit per family (0: none)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds after which no family starts")
+    ap.add_argument("--seed", type=int, default=0, help="the order of each zoo's families (default 0)")
     a = ap.parse_args(argv)
     command = " ".join(["python -m benchmarks.coverage.vision"]
                        + [shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv)])
-    res = run(a.out, tuple(a.zoo), a.only, a.jobs, a.timeout, a.mem_gb or None, command, log)
+    res = run(a.out, tuple(a.zoo), a.only, a.jobs, a.timeout, a.mem_gb or None, command, log, a.budget, a.seed)
     for z, b in res["summary"]["by_zoo"].items():
         print(f"{z}: tried {b['tried']} runs {b['runs']} traced {b['traced']} sound {b['sound']} "
               f"complete {b['complete']} sound+complete {b['sound_and_complete']}")

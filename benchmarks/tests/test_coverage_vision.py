@@ -1,0 +1,126 @@
+"""The vision coverage table's pure parts (issue 65, item 4), without timm or torchvision: the
+choice of a family's smallest variant, the completeness check on hand-written models, and the
+table's totals."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import symgraph
+from benchmarks.coverage.vision import (TARGET, candidates, channel_slots, completeness, markdown,
+                                        smallest, summarize)
+from symgraph.passes.trace import trace
+
+
+def test_candidates_keep_the_smallest_size_word_shortest_first():
+    names = ["convnext_small", "convnext_atto_ols", "convnext_atto", "convnext_tiny", "convnext_base"]
+    assert candidates(names) == ["convnext_atto", "convnext_atto_ols"]
+    # no size word: every name, shortest first, at most MAX_CANDIDATES
+    assert candidates(["resnet101", "resnet18", "resnet50"]) == ["resnet18", "resnet50", "resnet101"]
+    assert len(candidates([f"net{i:03d}" for i in range(40)])) == 8
+
+
+def test_smallest_counts_and_skips_what_cannot_be_built():
+    sizes = {"a18": 11, "a34": 21, "a10": None}
+
+    def count(name):
+        if sizes[name] is None:
+            raise RuntimeError("cannot build")
+        return sizes[name]
+    assert smallest(list(sizes), count) == ("a18", 11)
+    try:
+        smallest(["a10"], count)
+    except RuntimeError as e:
+        assert "no variant builds" in str(e) and "a10" in str(e)
+    else:
+        raise AssertionError("a family with no buildable variant must fail")
+
+
+class DepthwiseBlock(nn.Module):
+    """conv-BN-ReLU, a depthwise conv, a projection, a residual: the MobileNet op pattern."""
+
+    def __init__(self, c=8, hidden=16):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.bn0 = nn.BatchNorm2d(c)
+        self.expand = nn.Conv2d(c, hidden, 1)
+        self.dw = nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden)
+        self.bn1 = nn.BatchNorm2d(hidden)
+        self.project = nn.Conv2d(hidden, c, 1)
+        self.head = nn.Linear(c, 5)
+
+    def forward(self, x):
+        x = torch.relu(self.bn0(self.stem(x)))
+        y = torch.relu(self.bn1(self.dw(torch.relu(self.expand(x)))))
+        x = x + self.project(y)
+        return self.head(x.mean((2, 3)))
+
+
+def test_channel_slots_are_the_convolutions_before_a_nonlinearity_or_a_norm():
+    torch.manual_seed(0)
+    m = DepthwiseBlock().eval()
+    x = torch.randn(1, 3, 8, 8)
+    ep = trace(m, (x,))[0]
+    slots = {s for _, s in channel_slots(ep)}
+    # the projection reaches no nonlinearity or norm (a residual add, then a mean and the head),
+    # the head is the output: neither is expected
+    assert slots == {("stem.weight", 0), ("expand.weight", 0), ("dw.weight", 0)}
+    report = symgraph.analyze(m, (x,))
+    st = completeness(ep, report)
+    assert st["channels"] == 3 and st["missing"] == [], st["missing"]
+    assert report.certify(m, (x,)) < 1e-9
+
+
+class Fixed(nn.Module):
+    """A channel multiplied by a constant varying along it: no permutation survives."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.register_buffer("scale", torch.arange(1.0, 5.0).view(1, 4, 1, 1))
+
+    def forward(self, x):
+        return torch.relu(self.conv(x) * self.scale).sum((2, 3))
+
+
+def test_a_frozen_channel_is_missing_with_its_reason():
+    m = Fixed().eval()
+    x = torch.randn(1, 3, 4, 4)
+    ep = trace(m, (x,))[0]
+    st = completeness(ep, symgraph.analyze(m, (x,)))
+    miss = [e for e in st["missing"] if e["kind"] == "channels"]
+    assert [e["slots"] for e in miss] == [[["conv.weight", 0]]]
+    assert miss[0]["why"]
+
+
+def _row(zoo, fam, stage, sound=None, complete=None):
+    traced = stage == "done"
+    if stage == "not_run":
+        return {"model_type": fam, "class": None, "task": zoo, "stage": stage, "traced": False,
+                "sound": None, "complete": None, "certificate": None, "error": None}
+    return {"model_type": fam, "class": fam + "_t", "task": zoo, "stage": stage, "traced": traced,
+            "sound": sound, "complete": complete, "certificate": 1e-15 if traced else None,
+            "error": None if traced else {"stage": stage, "type": "E", "message": "m"},
+            "structure": {"missing": [] if complete else
+                          [{"kind": "channels", "module": "m", "why": "fixed: op"}]} if traced else None}
+
+
+def test_summary_counts_what_the_zoo_runs_and_the_target():
+    rows = [_row("timm", f"f{i}", "done", True, True) for i in range(9)]
+    rows += [_row("timm", "bad", "done", True, False), _row("timm", "nobuild", "build"),
+             _row("timm", "norun", "eager"), _row("timm", "notrace", "trace"),
+             _row("torchvision", "resnet", "done", True, True), _row("timm", "late", "not_run")]
+    s = summarize(rows)
+    t = s["by_zoo"]["timm"]
+    assert (t["tried"], t["cannot_build"], t["cannot_run"], t["runs"]) == (13, 1, 1, 11)
+    assert t["sound_and_complete"] == 9 and t["meets_target"] == (9 / 11 >= TARGET) is False
+    assert s["by_zoo"]["torchvision"]["meets_target"] is True
+    assert s["blocked_by"] == {"channels": {"fixed: op": ["timm/bad"]}}
+    assert s["not_run"] == ["timm/late"]  # never started: in no count
+    res = {"header": {"command": "python -m benchmarks.coverage.vision", "git": {"commit": "abc"},
+                      "versions": {"torch": "x"}, "jobs": 2, "timeout_s": 120.0, "mem_gb": 6.0,
+                      "wall_seconds": 1.0}, "summary": s, "rows": rows}
+    md = markdown(res)
+    assert "| timm | 13 | 1 | 1 | 11 | 10 | 10 | 9 | 9 = 81.8 % (NOT met) |" in md
+    assert "`channels` (1): fixed: op: timm/bad" in md
+    assert "- not run (1: the run's time budget was spent first" in md
