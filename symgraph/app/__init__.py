@@ -5,6 +5,8 @@
   the command line's options over them: :func:`~.config.merge_options`, ``build_config``, ``to_yaml``
 - ``options``          the ``symgraph merge`` flags, the options read back and the docs' table,
   derived from the config's fields
+- ``commands``         the options of ``symgraph align``, ``barrier`` and ``compare``: a schema each,
+  sharing merge's fields (flags, defaults and refusals as merge's)
 - ``mergekit_config``  mergekit configs (``merge_method: linear``) read as symgraph's
 - ``compat``           whether the models' configs can be merged, before any work
 - ``run``              :func:`~.run.run_merge`, the one merge entry of a config (out of core or in

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 
+from pydantic_core import PydanticUndefined
+
 from ..core.schema import Option, flag, options
 
 __all__ = ["add_flags", "given_options", "options_table", "options_page", "flag", "Option"]
@@ -25,15 +27,18 @@ def add_flags(parser: argparse.ArgumentParser, schema, *, choices_for=None) -> N
         if o.flag is None:
             continue
         dest = o.key
-        default = o.default if o.default not in (None, [], (), {}) else None
+        required = o.default is PydanticUndefined  # a command's option without a default (align --out)
+        default = o.default if not required and o.default not in (None, [], (), {}) else None
         shown = f" (default: {default})" if default is not None and o.kind not in ("bool", "negated") else ""
         text = f"switch off the default: {o.help}" if o.kind == "negated" else o.help  # says what it turns off
-        kw = dict(dest=dest, default=None, help=text + shown)
+        kw = dict(dest=dest, default=None, help=text + shown, **({"required": True} if required else {}))
         if o.kind in ("bool", "negated"):
             kw["action"] = "store_const"
             kw["const"] = o.kind == "bool"
         elif o.kind == "list":
             kw.update(nargs="+", type=o.element or str, metavar=o.metavar or o.key.upper())
+            if o.choices:  # a list of words (barrier --align none weights)
+                kw.update(choices=o.choices, metavar=o.metavar)
         elif o.kind == "mapping":  # NAME=VALUE, the flag given once per name
             kw.update(action="append", metavar=o.metavar or "NAME=VALUE")
         elif o.kind == "int_or_choice":  # --anchor 2 or --anchor universe

@@ -8,9 +8,11 @@ __all__ = ["add_parsers"]
 
 def cmd_align(args) -> int:
     from ..app.carry import run_align
-    rec = run_align(args.a, args.b, args.out, align=args.align, data=args.data, force=args.force,
-                    fold_norms=not args.no_fold_norms, outputs=args.outputs)
-    print(f"wrote {args.b} in the basis of {args.a} (aligned by {args.align}, {rec['seconds']:.1f} s) into "
+    from ..app.commands import AlignCommand, engine_options, read_command
+    cmd = read_command(vars(args), AlignCommand)
+    rec = run_align(args.a, args.b, cmd.out, align=cmd.align, data=cmd.data, force=cmd.force,
+                    **engine_options(cmd, cmd.align))
+    print(f"wrote {args.b} in the basis of {args.a} (aligned by {cmd.align}, {rec['seconds']:.1f} s) into "
           f"{rec['out']}, with the alignment in {rec['symgraph_align']['alignment']}")
     return 0
 
@@ -24,18 +26,12 @@ def cmd_apply(args) -> int:
 
 
 def add_parsers(sub, debug_default):
+    from ..app.commands import AlignCommand
+    from ..app.options import add_flags
     a = sub.add_parser("align", help="write B in A's basis (and the alignment), for any tool to merge")
     a.add_argument("a", help="model A, the basis (save_pretrained directory)")
     a.add_argument("b", help="model B, of A's architecture and widths (save_pretrained directory)")
-    a.add_argument("--out", metavar="DIR", required=True, help="output directory (must not exist unless --force)")
-    a.add_argument("--align", choices=("weights", "activations"), default="weights")
-    a.add_argument("--data", metavar="FILE", help=".safetensors/.pt with 'input_ids' [N, S] (for activations)")
-    a.add_argument("--no-fold-norms", action="store_true",
-                   help="keep residual streams permutations (do not fold norm gains)")
-    a.add_argument("--outputs", nargs="+", metavar="NAME", default=None,
-                   help="the outputs the alignment must keep (e.g. logits), or all; "
-                        "default: a head model's outputs other than hidden states")
-    a.add_argument("--force", action="store_true", help="replace an existing --out (a previous output)")
+    add_flags(a, AlignCommand)  # every option, from its declaration (merge's, where it shares one)
     a.add_argument("--debug", action="store_true", default=debug_default)
     a.set_defaults(func=cmd_align)
 

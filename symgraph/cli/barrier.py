@@ -19,11 +19,12 @@ NO_LOSS = ("a model that computes its own loss from the data file (a causal or m
 
 
 def barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, attention: str = "heads",
-                   align_data=None) -> list:
+                   align_data=None, **options) -> list:
     """``[{"align", "curve": [(λ, loss)], "barrier", "seconds"}]``: the mean loss over ``data``
     (the model's own loss: language models use ``labels = input_ids``) at ``points`` values of
     λ from B (0) to A (1), with B aligned to A as each row says (activations measured on
-    ``align_data``, default ``data``)."""
+    ``align_data``, default ``data``; ``options``: :func:`symgraph.align`'s, weight matching's
+    ``sketch`` and ``tol`` for the weights row only)."""
     import torch
 
     from ..alignment.driver import align
@@ -41,20 +42,23 @@ def barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, att
     rows, adata = [], align_data or data
     for how in aligns:
         t0 = time.perf_counter()
-        Bal = B if how == "none" else align(A, B, adata[0], data=adata if how == "activations" else None).apply(B)
+        Bal = B if how == "none" else align(A, B, adata[0], data=adata if how == "activations" else None,
+                                            **row_options(how, options)).apply(B)
         curve = interpolate(A, Bal, np.linspace(0.0, 1.0, points), loss, attention=attention)
         rows.append({"align": how, "curve": curve, "barrier": loss_barrier(curve),
                      "midpoint": dict(curve).get(0.5), "seconds": time.perf_counter() - t0})
     return rows
 
 
-def streamed_barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, align_data=None) -> list:
+def streamed_barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, align_data=None,
+                            **options) -> list:
     """:func:`barrier_curves` out of core: ``A``, ``B`` are checkpoints
     (:class:`~symgraph.checkpoints.sharded.Checkpoint`); the alignments are solved as
     ``symgraph merge`` solves them out of core and every point of the line runs the model's own
     program on tensors read and interpolated as each op takes them
     (:func:`~symgraph.evaluation.barrier.streamed_curve`): memory holds activations and a few
-    layers' tensors, never a model."""
+    layers' tensors, never a model. ``options``: the engine's (``symgraph merge``'s alignment
+    options, ``device``, ``memory_budget``; ``sketch`` and ``tol`` for the weights row only)."""
     from ..evaluation.barrier import check_points, loss_barrier, streamed_curve
     from ..merging.streaming import StreamingMerge
     points = check_points(points, "points=")
@@ -63,13 +67,20 @@ def streamed_barrier_curves(A, B, data, aligns=("none", "weights"), points: int 
         t0 = time.perf_counter()
         al = None
         if how != "none":
-            job = StreamingMerge([A, B], align=how, data=(align_data or data) if how == "activations" else None)
+            job = StreamingMerge([A, B], align=how, data=(align_data or data) if how == "activations" else None,
+                                 **row_options(how, options))
             job.align()
             al = job.alignments[1]
         curve = streamed_curve(A, B, data, np.linspace(0.0, 1.0, points), al)
         rows.append({"align": how, "curve": curve, "barrier": loss_barrier(curve),
                      "midpoint": dict(curve).get(0.5), "seconds": time.perf_counter() - t0})
     return rows
+
+
+def row_options(how: str, options: dict) -> dict:
+    """The alignment ``options`` of one row: weight matching's ``sketch`` and ``tol`` only for
+    the weights row (activation matching refuses them)."""
+    return {k: v for k, v in options.items() if how == "weights" or k not in ("sketch", "tol")}
 
 
 def _table(rows, attention) -> str:
@@ -100,94 +111,102 @@ def _plot(rows, path, title):
 
 
 def cmd_barrier(args) -> int:
-    from ..checkpoints.outdir import check_out, save_atomic
-    from ..checkpoints.specs import load_data, load_model
-    from ..errors import InputError
-    from ..evaluation.barrier import check_points
+    from ..app.commands import BarrierCommand, engine_given, engine_options, read_command
     from ..app.run import check_paths, input_names
-    check_points(args.points, "--points")  # before any work
-    inputs = [args.a, args.b, args.data] + ([args.align_data] if args.align_data else [])
-    if args.out:
-        check_out(args.out, force=args.force, inputs=inputs)  # before any work
+    from ..checkpoints.outdir import check_out, save_atomic
+    cmd = read_command(vars(args), BarrierCommand)  # every option, before any work
+    inputs = [args.a, args.b, cmd.data] + ([cmd.align_data] if cmd.align_data else [])
+    if cmd.out:
+        check_out(cmd.out, force=cmd.force, inputs=inputs)  # before any work
     check_paths([args.a, args.b])
-    aligns = tuple(dict.fromkeys(args.align))
-    rows = _streamed(args, aligns) if args.attention == "heads" else None
+    aligns, options = tuple(dict.fromkeys(cmd.align)), engine_options(cmd)
+    rows = _streamed(args.a, args.b, cmd, aligns, options) if cmd.attention == "heads" else None
     mode = "out of core" if rows is not None else "in memory"
     if rows is None:
-        A, B = load_model(args.a), load_model(args.b)
-        if type(A) is not type(B):
-            raise InputError(f"{args.a!r} is a {type(A).__name__} but {args.b!r} is a {type(B).__name__}; "
-                             "expected two models of one architecture")
-        data = load_data(args.data, A)
-        adata = load_data(args.align_data, A) if args.align_data else None
-        rows = barrier_curves(A, B, data, aligns, args.points, args.attention, adata)
-    print(_table(rows, args.attention))
-    if args.out:
-        record = {"inputs": input_names([args.a, args.b]), "data": os.path.abspath(args.data),
-                  "align_data": os.path.abspath(args.align_data) if args.align_data else None,
-                  "attention": args.attention, "mode": mode, "rows": rows}
+        _in_memory_only(engine_given(cmd), cmd.attention)
+        rows = _loaded(args.a, args.b, cmd, aligns, options)
+    print(_table(rows, cmd.attention))
+    if cmd.out:
+        record = {"inputs": input_names([args.a, args.b]), "data": os.path.abspath(cmd.data),
+                  "align_data": os.path.abspath(cmd.align_data) if cmd.align_data else None,
+                  "attention": cmd.attention, "mode": mode, "options": options, "rows": rows}
 
         def write(d):
             with open(os.path.join(d, "barrier.json"), "w", encoding="utf-8") as f:
                 json.dump(record, f, indent=1)
             _plot(rows, os.path.join(d, "barrier.png"), f"{os.path.basename(str(args.a))} vs "
                   f"{os.path.basename(str(args.b))}")
-        out = save_atomic(write, args.out, force=args.force, inputs=inputs, meta={"mode": "barrier"},
+        out = save_atomic(write, cmd.out, force=cmd.force, inputs=inputs, meta={"mode": "barrier"},
                           record="symgraph_barrier.json")
         print(f"wrote {out}/barrier.json and barrier.png")
     return 0
 
 
-def _streamed(args, aligns):
+def _in_memory_only(engine: list, attention: str) -> None:
+    """Refuse the out-of-core engine's own options (``--device``, ``--memory-budget``) on the
+    path that loads the models."""
+    from ..errors import InputError
+    if engine:
+        why = "--attention circuits loads the models" if attention == "circuits" else \
+            "the models are loaded (not two save_pretrained directories read as stored, or too little memory)"
+        raise InputError(f"{' and '.join(engine)} set the out-of-core engine, and {why}; expected two "
+                         f"save_pretrained directories with --attention heads, or no {' or '.join(engine)}")
+
+
+def _loaded(a: str, b: str, cmd, aligns, options) -> list:
+    """The rows with both models loaded (:func:`barrier_curves`)."""
+    from ..checkpoints.specs import load_data, load_model
+    from ..errors import InputError
+    A, B = load_model(a), load_model(b)
+    if type(A) is not type(B):
+        raise InputError(f"{a!r} is a {type(A).__name__} but {b!r} is a {type(B).__name__}; "
+                         "expected two models of one architecture")
+    data = load_data(cmd.data, A)
+    adata = load_data(cmd.align_data, A) if cmd.align_data else None
+    return barrier_curves(A, B, data, aligns, cmd.points, cmd.attention, adata, **options)
+
+
+def _streamed(a: str, b: str, cmd, aligns, options):
     """The rows out of core when both models are local checkpoints whose tensors the model
     uses as stored and three float32 copies of a model would take over half the available
-    memory (or ``--out-of-core``); None (load them) otherwise, with a note when a graph needs
-    the weights."""
+    memory (or ``--out-of-core``, ``--device`` or ``--memory-budget``); None (load them)
+    otherwise, with a note when a graph needs the weights."""
     import sys
 
+    from ..app.commands import engine_given
     from ..checkpoints.sharded import check_pair
     from ..checkpoints.specs import load_data
     from ..errors import NeedsMemory
     from ..merging.streaming import Checkpoint, KeysDiffer
-    if not all(os.path.isdir(os.path.expanduser(p)) for p in (args.a, args.b)):
+    if not all(os.path.isdir(os.path.expanduser(p)) for p in (a, b)):
         return None
     try:
-        A, B = (Checkpoint(os.path.expanduser(p)) for p in (args.a, args.b))
+        A, B = (Checkpoint(os.path.expanduser(p)) for p in (a, b))
     except KeysDiffer:
         return None
-    check_pair(A, B, args.a, args.b)
-    if not args.out_of_core:  # in memory when A, B and the line's model fit easily (faster)
+    check_pair(A, B, a, b)
+    if not cmd.out_of_core and not engine_given(cmd):  # in memory when A, B and the line's model fit easily
         from ..width.resize import available_memory
         need = 3 * 4 * sum(int(np.prod(shape, dtype=np.int64)) for shape in A.shapes.values())
         if need < available_memory() // 2:
             return None
-    data = load_data(args.data, A.model)
-    adata = load_data(args.align_data, A.model) if args.align_data else None
+    data = load_data(cmd.data, A.model)
+    adata = load_data(cmd.align_data, A.model) if cmd.align_data else None
     try:
-        return streamed_barrier_curves(A, B, data, aligns, args.points, adata)
+        return streamed_barrier_curves(A, B, data, aligns, cmd.points, adata, **options)
     except NeedsMemory as e:
         print(f"symgraph: note: {e}, so the models are loaded in memory", file=sys.stderr)
         return None
 
 
 def add_parser(sub, debug_default):
+    from ..app.commands import BarrierCommand
+    from ..app.options import add_flags
     b = sub.add_parser("barrier", help="the loss along the line between two models, with and without "
                        "alignment (does alignment help on your pair and data?)")
     b.add_argument("a", help="model A (save_pretrained directory, demo name or hub id)")
     b.add_argument("b", help="model B, of A's architecture")
-    b.add_argument("--data", required=True, metavar="FILE", help=".safetensors/.pt with 'input_ids' [N, S]")
-    b.add_argument("--align-data", metavar="FILE", default=None,
-                   help="batches for activation matching (default: --data; the loss is always on --data)")
-    b.add_argument("--align", nargs="+", choices=("none", "weights", "activations"),
-                   default=["none", "weights", "activations"], help="the alignments to compare")
-    b.add_argument("--attention", choices=("heads", "circuits"), default="heads",
-                   help="circuits: the line in circuit space (heads N times as wide)")
-    b.add_argument("--points", type=int, default=11, help="values of λ, 3 to 1001 (default 11)")
-    b.add_argument("--out-of-core", action="store_true",
-                   help="never load a model whole (the default only for models that would not fit "
-                   "easily): slower, each point runs the model op by op on tensors read from disk")
-    b.add_argument("--out", metavar="DIR", help="write barrier.json and barrier.png into this new directory")
-    b.add_argument("--force", action="store_true", help="replace an existing --out (a previous output)")
+    add_flags(b, BarrierCommand)  # every option, from its declaration (merge's, where it shares one)
     b.add_argument("--debug", action="store_true", default=debug_default)
     b.set_defaults(func=cmd_barrier)
     return b

@@ -93,14 +93,16 @@ def _widths(A, B, a: str, b: str, names) -> dict:
 
 
 def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | None = None,
-                        alpha: float | None = None, seed: int = 0, fold_norms: bool = True, memory_budget=None):
+                        alpha: float | None = None, seed: int = 0, fold_norms: bool = True, memory_budget=None,
+                        **engine):
     """:func:`~symgraph.alignment.compare.compare` out of core: ``A``, ``B`` are
     :class:`~symgraph.checkpoints.sharded.Checkpoint` s (or ``save_pretrained`` directories).
     Each alignment (B's, then each shuffled copy's) is the merge engine's
     (``memory_budget``: as ``symgraph merge --memory-budget``), and each tensor of B in A's
     basis is read, moved and measured one at a time. Rotations are solved and applied in
     float64 for 32- and 64-bit checkpoints (as in memory: the same numbers), in float32 for
-    16-bit ones (as the engine merges them)."""
+    16-bit ones (as the engine merges them). ``engine``: the engine's other options
+    (``device``, weight matching's ``sketch``: ``symgraph merge``'s)."""
     import torch
 
     from ..alignment.compare import (ALPHA, THRESHOLD, check_aligned, check_options, gauge_names, judge, measure,
@@ -124,7 +126,7 @@ def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | No
     def solve(draw):
         Bv = B if draw is None else _shuffled_checkpoint(B, [n for n in names if n not in gauge], seed, draw)
         job = StreamingMerge([A, Bv], align="weights" if data is None else "activations", data=data,
-                             fold_norms=fold_norms, memory_budget=memory_budget, full_groups=True)
+                             fold_norms=fold_norms, memory_budget=memory_budget, full_groups=True, **engine)
         job.work_dtype = work  # what rotations are solved in (the engine's own choice is float32)
         try:
             al = job.align()[1]
@@ -180,11 +182,13 @@ def _checkpoints(a: str, b: str, out_of_core: bool | None):
 
 
 def compare_paths(a: str, b: str, data: str | None = None, *, null: int = 4, seed: int = 0,
-                  out_of_core: bool | None = None):
+                  out_of_core: bool | None = None, fold_norms: bool = True, **engine):
     """What ``symgraph compare A B`` computes: the :class:`~symgraph.alignment.compare.Comparison`
     of model specs ``a`` and ``b`` (``save_pretrained`` directories, demo names, hub ids; ``data``:
     a file of batches), out of core or in memory (``out_of_core``: None decides by size, True
-    asks for it, False loads the models); ``.mode`` says which."""
+    asks for it, False loads the models); ``.mode`` says which. ``engine``: options only the
+    out-of-core engine takes (``device``, ``memory_budget``, ``sketch``): given, they compare out
+    of core, or are refused when the models cannot be read so."""
     from ..alignment.compare import compare
     from ..checkpoints.specs import load_data, load_model
     from ..errors import InputError
@@ -194,31 +198,36 @@ def compare_paths(a: str, b: str, data: str | None = None, *, null: int = 4, see
     check_options(null, THRESHOLD, "--null")
     SEED.check(seed, "--seed")
     check_paths([a, b])
-    ckpts = _checkpoints(a, b, out_of_core)
+    ckpts = _checkpoints(a, b, True if engine else out_of_core)
     if ckpts is not None:
         ca, cb = ckpts
-        return compare_checkpoints(ca, cb, load_data(data, ca.model) if data else None, null=null, seed=seed)
+        return compare_checkpoints(ca, cb, load_data(data, ca.model) if data else None, null=null, seed=seed,
+                                   fold_norms=fold_norms, **engine)
+    if engine:
+        from ..app.commands import CompareCommand
+        from ..core.schema import flag
+        said = " and ".join(flag(CompareCommand, k) for k in engine)
+        raise InputError(f"{said} set the out-of-core engine, and these models are loaded (not two "
+                         f"save_pretrained directories read as stored); expected those, or no {said}")
     A, B = load_model(a), load_model(b)
     if type(A) is not type(B):
         raise InputError(f"{a!r} is a {type(A).__name__} but {b!r} is a {type(B).__name__}; "
                          "expected two models of one architecture")
-    return compare(A, B, load_data(data, A) if data else None, null=null, seed=seed)
+    return compare(A, B, load_data(data, A) if data else None, null=null, seed=seed, fold_norms=fold_norms)
 
 
 def cmd_compare(args) -> int:
-    from ..checkpoints.outdir import check_out, save_atomic
+    from ..app.commands import CompareCommand, engine_options, read_command
     from ..app.run import input_names
-    from ..alignment.compare import THRESHOLD, check_options
-    from ..core.schema import SEED
-    check_options(args.null, THRESHOLD, "--null")  # before any work
-    SEED.check(args.seed, "--seed")
-    inputs = [args.a, args.b] + ([args.data] if args.data else [])
-    if args.out:
-        check_out(args.out, force=args.force, inputs=inputs)  # before any work
-    res = compare_paths(args.a, args.b, args.data, null=args.null, seed=args.seed,
-                        out_of_core=True if args.out_of_core else None)
-    print(res.to_json() if args.json else res.summary())
-    if args.out:
+    from ..checkpoints.outdir import check_out, save_atomic
+    cmd = read_command(vars(args), CompareCommand)  # every option, before any work
+    inputs = [args.a, args.b] + ([cmd.data] if cmd.data else [])
+    if cmd.out:
+        check_out(cmd.out, force=cmd.force, inputs=inputs)  # before any work
+    res = compare_paths(args.a, args.b, cmd.data, null=cmd.null, seed=cmd.seed,
+                        out_of_core=True if cmd.out_of_core else None, **engine_options(cmd))
+    print(res.to_json() if cmd.as_json else res.summary())
+    if cmd.out:
         record = res.to_json()
 
         def write(d):
@@ -227,31 +236,23 @@ def cmd_compare(args) -> int:
             plot_layers(res, os.path.join(d, "compare.png"),
                         f"{os.path.basename(os.path.normpath(str(args.b)))} in the basis of "
                         f"{os.path.basename(os.path.normpath(str(args.a)))}")
-        out = save_atomic(write, args.out, force=args.force, inputs=inputs,
+        out = save_atomic(write, cmd.out, force=cmd.force, inputs=inputs,
                           meta={"mode": "compare", "inputs": input_names([args.a, args.b]), "verdict": res.verdict},
                           record="symgraph_compare.json")
-        if not args.json:
+        if not cmd.as_json:
             print(f"wrote {out}/compare.json and compare.png")
     return 0
 
 
 def add_parser(sub, debug_default):
+    from ..app.commands import CompareCommand
+    from ..app.options import add_flags
     c = sub.add_parser("compare", help="whether B is a copy of A (same), derived from it or unrelated, "
                        "up to every symmetry the graph admits")
     c.add_argument("a", help="model A (save_pretrained directory, demo name or hub id)")
     c.add_argument("b", help="model B, of A's architecture (other widths are compared through the "
                    "alignment's transport maps: at most derived)")
-    c.add_argument("--data", metavar="FILE", help=".safetensors/.pt with 'input_ids' [N, S]: align by "
-                   "activations (default: by weights)")
-    c.add_argument("--null", type=int, default=4, metavar="N",
-                   help="shuffled copies of B aligned for the null (default 4; 0: none, no p-value)")
-    c.add_argument("--seed", type=int, default=0, help="seed of the shuffles")
-    c.add_argument("--json", action="store_true", help="print the per-tensor numbers as JSON")
-    c.add_argument("--out", metavar="DIR", help="write compare.json and compare.png into this new directory")
-    c.add_argument("--out-of-core", action="store_true",
-                   help="read two save_pretrained directories tensor by tensor, never a whole model (default: "
-                   "when loading both would take over half the available memory)")
-    c.add_argument("--force", action="store_true", help="replace an existing --out (a previous output)")
+    add_flags(c, CompareCommand)  # every option, from its declaration (merge's, where it shares one)
     c.add_argument("--debug", action="store_true", default=debug_default)
     c.set_defaults(func=cmd_compare)
     return c

@@ -53,7 +53,8 @@ class Number:
     enters (the command line names its flag, the Python API its keyword)."""
 
     def __init__(self, annotation, expected: str):
-        self.adapter, self.expected = TypeAdapter(annotation), expected
+        self.annotation, self.expected = annotation, expected  # a schema's field may take both
+        self.adapter = TypeAdapter(annotation)
 
     def check(self, value, said: str):
         """``value`` as the declaration reads it, or an :class:`~symgraph.errors.InputError` of one
@@ -102,6 +103,8 @@ def _kind(annotation):
         return "mapping", (), None
     if origin is list:
         (inner,) = typing.get_args(annotation) or (str,)
+        if typing.get_origin(inner) is typing.Literal:  # barrier --align none weights: one or more words
+            return "list", tuple(typing.get_args(inner)), str
         el = _base(typing.get_args(inner)[0] if typing.get_origin(inner) is typing.Union else inner)
         return "list", (), el
     base = _base(annotation)
