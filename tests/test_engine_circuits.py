@@ -101,13 +101,13 @@ def test_the_circuit_merge_holds_no_more_than_its_budget(pair, tmp_path):
 
 def test_what_memory_refuses_the_engine_refuses(pair, tmp_path):
     paths = [str(pair / "m0"), str(pair / "m1")]
-    with pytest.raises(InputError, match="expected 'heads' or 'circuits'"):
-        StreamingMerge(paths, attention="wide")
+    with pytest.raises(InputError, match="attention 'wide'; expected one of 'heads', 'circuits'"):
+        StreamingMerge(paths, attention="wide")  # the config's own refusal, as on the command line
     data = [{"input_ids": torch.randint(0, 64, (4, 8))}]
-    with pytest.raises(InputError, match="weighted averaging.*expected method=.average. without repair"):
-        StreamingMerge(paths, attention="circuits", method="fisher", data=data)
-    with pytest.raises(InputError, match="not method='average' with repair"):
-        StreamingMerge(paths, attention="circuits", repair=True, data=data)
+    for kw in ({"method": "fisher"}, {"repair": True}):  # the config's rule, one line for both
+        with pytest.raises(InputError, match="attention circuits merges by averaging; expected method average "
+                           "without repair"):
+            StreamingMerge(paths, attention="circuits", data=data, **kw)
     for i in range(2):
         models.build("gpt2", seed=i, vocab=64, hidden=32, layers=2, heads=4, positions=64).save_pretrained(
             str(tmp_path / f"g{i}"))

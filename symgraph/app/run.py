@@ -215,28 +215,15 @@ def _streaming_job(cfg, layouts, data, anchor, progress, options):
         data = _data(cfg, ckpts[0].model)
     if cfg.seen_rows:
         options = {**options, "rows_from": data}
-    if cfg.full_groups:  # fitted after the orthogonal solve from the stored tensors, as in memory
-        options = {**options, "full_groups": True}
+    options = dict(options)
+    shard = options.pop("max_shard_size", None)  # the input's shard size when the config sets none
+    sizes = {} if shard is None else {"max_shard_size": shard if isinstance(shard, str) else f"{shard}B"}
+    engine = cfg.model_copy(update={"align": align, "out": None, **sizes})
     try:
-        needs = align == "activations" or stats
-        if cfg.refine:
-            options = {**options, "refine": cfg.refine}
-        return StreamingMerge(ckpts, weights=cfg.weights, align=align, method=cfg.method,
-                              method_options=cfg.parameters,
-                              data=data if needs else None, anchor=anchor, device=cfg.device,
-                              memory_budget=cfg.memory_budget, fold_norms=cfg.fold_norms, outputs=cfg.outputs,
-                              progress=progress, untie=cfg.untie, attention=cfg.attention, repair=cfg.repair,
-                              **_speed_options(cfg),
-                              **options)
+        return StreamingMerge(ckpts, engine, data=data if align == "activations" or stats else None,
+                              progress=progress, **options)
     except InputError as e:
         raise type(e)(f"{e}{config_diff(ckpts, cfg.models)}") from None
-
-
-def _speed_options(cfg) -> dict:
-    """Weight matching's speed options the config sets (``sketch``, ``tol``, ``max_iter``,
-    ``until``), for :func:`symgraph.align` in memory and out of core alike; unset ones keep
-    align's defaults."""
-    return {k: getattr(cfg, k) for k in ("sketch", "tol", "max_iter", "until") if getattr(cfg, k)}
 
 
 def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:

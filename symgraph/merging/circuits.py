@@ -299,9 +299,7 @@ def streamed(job, attention: str):
     """Circuit-space heads in the out-of-core engine (a
     :class:`~symgraph.merging.streaming.StreamingMerge` with ``attention="circuits"``): refuses
     what :func:`circuit_merge` refuses, then sets the job's hooks (:class:`Streamed`); None
-    for ``attention="heads"`` (the parents' heads, nothing to set)."""
-    if attention not in ("heads", "circuits"):
-        raise InputError(f"attention={attention!r}; expected 'heads' or 'circuits'")
+    for ``attention="heads"`` (the parents' heads, nothing to set; the config checked the value)."""
     return Streamed(job) if attention == "circuits" else None
 
 

@@ -18,6 +18,7 @@ from ..report.api import analyze
 from ..errors import InputError
 from ..checkpoints.memory import ModelCheckpoint
 from .circuits import circuit_merge, why_no_config, wide_model
+from .config import solver_options
 from .methods import registry
 from .methods.registry import mixing_weights
 from .repair import RepairReport
@@ -158,8 +159,7 @@ def _from_config(config, models, data, given: dict, align_options: dict) -> dict
               method_options=dict(config.parameters), anchor=config.anchor, repair=config.repair,
               attention=config.attention, untie=config.untie, refine=config.refine, fold_norms=config.fold_norms,
               outputs=config.outputs)
-    kw.update({k: getattr(config, k) for k in ("full_groups", "sketch", "tol", "max_iter", "until")
-               if getattr(config, k)})
+    kw.update(solver_options(config))
     both += sorted(set(kw) & set(align_options))
     if both:
         raise InputError(f"merge(config=...) takes its options from the config, and {both[0]}= sets one too; "

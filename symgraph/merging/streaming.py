@@ -43,19 +43,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..transform.apply import move
-from ..core.finite import all_finite
 from ..core.progress import bar as progress_bar
 from ..errors import InputError
 from ..transform.folding import gauge
 from ..checkpoints.sharded import Checkpoint, KeysDiffer, ShardWriter, parse_size
 from .methods import registry
 from .methods.registry import mixing_weights
+from .config import MergeConfig, engine_config, solver_options
 from . import repair_stream, slicing
 from .sinks import Into, write_config
 from .statistics import MemorySpill, Spill
 from .untie import untie_checkpoint, untie_config_updates
-from .views import DEFAULT_CACHE, Folded, Ledger, Sides, Sliced, elements_on, nbytes, return_freed_memory
+from .views import DEFAULT_CACHE, Folded, Ledger, Sides, return_freed_memory
+from .engine import Executor, Plan, build_plan
 from .engine.statistics import StatisticsContext, take
 
 if TYPE_CHECKING:
@@ -85,70 +85,54 @@ class StreamingMerge:
     """Analyse, align and write a merge of checkpoints without loading any of them whole.
 
     ``paths``: two or more ``save_pretrained`` directories (or :class:`Checkpoint` s) of one
-    architecture; ``align``: "weights", "activations" (with ``data``, batches as for
-    :func:`symgraph.align`) or None; ``weights``: mixing weights (uniform by default);
-    ``method``: a registered merge method (``method_options`` to its constructor) whose
-    statistics it takes out of core (its declared kind, :mod:`symgraph.merging.engine.statistics`,
-    on ``data``); ``device``: where tensors are computed (read from disk on the CPU, written
-    back from it); ``memory_budget``: bytes the engine may hold at once (its caches, a pass's
-    statistics, a group's working copies; see :func:`budgets`); ``untie``: tied parameters
-    get their own tensors first and ``attention`` picks heads or circuits, as in :func:`symgraph.merge`;
-    ``refine``: learned matching's steps after activation matching (``refine_lr`` their step
-    size; :mod:`.learned`), as ``symgraph.align(..., refine=N)`` takes them. The constructor
-    reads headers only; :meth:`align` solves; :meth:`write` takes the method's
-    statistics and writes the merged checkpoint into a directory (``save_atomic`` passes its temporary one).
+    architecture; ``config``: the one :class:`~symgraph.merging.config.MergeConfig` (its
+    ``models`` and ``out`` are the caller's), or its fields as keyword ``options`` (``align=None``
+    for ``"none"``, ``method_options`` for ``parameters``: :func:`~.config.engine_config`), checked
+    by the same rules; options the config does not hold (``solver``, ``inner``, ``refine_lr``)
+    go to the alignment. ``data``: batches (as for :func:`symgraph.align`), for activation
+    matching, the method's statistics (its declared kind, :mod:`.engine.statistics`) and REPAIR;
+    ``method``: a method instance the config's ``method`` stands for; ``rows_from``: batches whose
+    tokens' embedding rows weight matching reads; ``cache_bytes``: each model's cache without a
+    memory budget (:func:`budgets`). The constructor reads headers only; :meth:`align` solves;
+    :meth:`write` takes the method's statistics and writes the merged checkpoint into a
+    directory (``save_atomic`` passes its temporary one).
     """
 
-    def __init__(self, paths, *, weights=None, align="weights", anchor: int = 0, fold_norms: bool = True,
-                 max_shard_size=DEFAULT_SHARD, progress: bool = False, cache_bytes: int = DEFAULT_CACHE,
-                 outputs=None, data=None, rows_from=None, method="average", method_options=None,
-                 device="cpu", memory_budget=None, untie=False, attention="heads", repair=False, **align_options):
+    def __init__(self, paths, config: MergeConfig | None = None, *, data=None, progress: bool = False,
+                 rows_from=None, method=None, cache_bytes: int = DEFAULT_CACHE, **options):
         paths = list(paths)
         if len(paths) < 2:
             raise InputError(f"merge needs at least 2 checkpoints, got {len(paths)}")
-        if align not in ("weights", "activations", None, "none"):
-            raise InputError(f"align={align!r}; expected 'weights', 'activations' or None")
         data = list(data) if data is not None else None
-        if align == "activations" and not data:
-            raise InputError("align='activations' needs data: a list of batches (e.g. dicts with 'input_ids')")
-        self.how = registry.get(method, **(method_options or {}))
-        if self.how.needs_data and not data:
+        self.config, align_options = engine_config(paths, config, options, data, method)
+        cfg = self.config
+        if cfg.refine and cfg.align != "activations":
+            raise InputError(f"refine={cfg.refine} starts from activation matching and lowers a loss on the data; "
+                             "expected align='activations' with data")
+        self.how = registry.get(method if method is not None else cfg.method, **dict(cfg.parameters))
+        if self.how.needs_data and not data:  # a method instance the config does not name
             raise InputError(f"method={self.how.name!r} needs data: a list of batches (e.g. dicts with 'input_ids')")
-        if repair and not data:
-            raise InputError("repair=True needs data: a list of batches to measure activations on")
-        self.repair = bool(repair)
-        self.repair_report: RepairReport | None = None  # what REPAIR did (repair=True), once written
-        if data and align != "activations" and not self.how.needs_data and not repair:
+        if data and cfg.align != "activations" and not self.how.needs_data and not cfg.repair:
             raise InputError(f"data is used by align='activations' or a method that takes statistics, got "
-                             f"align={align!r} and method={self.how.name!r}")
-        if not 0 <= anchor < len(paths):
-            raise InputError(f"anchor={anchor} is not one of the {len(paths)} checkpoints")
-        self.weights = mixing_weights(weights, len(paths))
-        self.align_mode = None if align in (None, "none") else align
-        self.anchor, self.fold_norms, self.progress = anchor, fold_norms, progress
-        self.outputs = outputs  # the outputs the alignment keeps (None: all)
-        self.data = data
-        self.shard_bytes = parse_size(max_shard_size)
-        self.device = torch.device(device)
+                             f"align={cfg.align!r} and method={self.how.name!r}")
+        self.repair_report: RepairReport | None = None  # what REPAIR did (repair=True), once written
+        self.weights = mixing_weights(cfg.weights, len(paths))
+        self.progress, self.data = progress, data
+        self.device = torch.device(cfg.device)
         self.out_device = torch.device("cpu")  # where merged tensors go (written from the CPU; write_into: any)
-        self.cache_bytes, self.chunk_bytes, self.stats_bytes = budgets(memory_budget, len(paths), cache_bytes)
-        self.memory_budget = memory_budget  # as given (None: the defaults, which learned matching's state may exceed)
+        self.cache_bytes, self.chunk_bytes, self.stats_bytes = budgets(cfg.memory_budget, len(paths), cache_bytes)
         self.ledger = Ledger()  # the bytes of tensors the engine holds (its peak is what the budget bounds)
         self.stats: list = [None] * len(paths)
-        self._device_elements: dict = {}  # alignment index -> its elements moved to the device once
-        # learned matching (refine=N steps after activation matching, :mod:`.learned`); the rest go to align_tensors
-        self.refine, self.refine_lr = align_options.pop("refine", 0), align_options.pop("refine_lr", 1e-3)
-        if self.refine and (self.align_mode != "activations" or not data):
-            raise InputError(f"refine={self.refine} starts from activation matching and lowers a loss on the data; "
-                             "expected align='activations' with data")
-        if self.refine and {"loss_fn", "between"} & set(align_options):
+        self._measuring = None  # the executor a step that measures the merge as written uses (REPAIR)
+        if cfg.refine and {"loss_fn", "between"} & set(align_options):
             raise InputError("out of core, learned matching lowers the model's own loss on the anchor's "
                              "architecture; expected no loss_fn or between (symgraph.align takes them)")
-        self.align_options = align_options
+        self.refine_lr = align_options.pop("refine_lr", 1e-3)
+        self.align_options = align_options | solver_options(cfg)
         self.rows_from = list(rows_from) if rows_from is not None else None  # batches: read only their tokens' rows
         return_freed_memory()
         self.ckpts = [Checkpoint(os.fspath(p)) if isinstance(p, (str, os.PathLike)) else p for p in paths]  # or ModelCheckpoints
-        self.ckpts = [untie_checkpoint(c) for c in self.ckpts] if untie else self.ckpts  # before the checks
+        self.ckpts = [untie_checkpoint(c) for c in self.ckpts] if cfg.untie else self.ckpts  # before the checks
         self._check_family()
         # rotations are solved and applied in float32 for 16- and 32-bit weights (their own
         # precision is far coarser), in float64 for float64 checkpoints
@@ -167,10 +151,21 @@ class StreamingMerge:
         self.combine = self.how.combine_group  # (names, values, stats, weights, report) -> merged
         self.out_shapes: dict = {}      # anchor key -> the shape written (default: the anchor's)
         self.corrections: dict = {}     # parameter name -> f(merged tensor in its dtype) -> corrected
-        self.config_updates = untie_config_updates(getattr(self.ckpts[anchor].source, "config", None))  # config.json fields
+        self.config_updates = untie_config_updates(getattr(self.ckpts[self.anchor].source, "config", None))  # config.json fields
         self.prepare: list = []         # f(job), run after the statistics and before writing
         from .circuits import streamed  # imported here: the engine loads nothing of a transform it does not run
-        self.circuits = streamed(self, attention)  # circuit-space heads' hooks, set on this job (None: heads)
+        self.circuits = streamed(self, cfg.attention)  # circuit-space heads' hooks, set on this job (None: heads)
+
+    # the settings of the one config, as the engine's steps read them
+    anchor = property(lambda self: 0 if self.config.anchor == "universe" else self.config.anchor)
+    align_mode = property(lambda self: None if self.config.align == "none" else self.config.align)
+    fold_norms = property(lambda self: self.config.fold_norms)
+    outputs = property(lambda self: self.config.outputs)
+    repair = property(lambda self: self.config.repair)
+    refine = property(lambda self: self.config.refine)
+    memory_budget = property(lambda self: self.config.memory_budget)
+    shard_bytes = property(lambda self: parse_size(self.config.max_shard_size) if self.config.max_shard_size
+                           else DEFAULT_SHARD)
 
     def _check_family(self):
         A = self.ckpts[self.anchor]
@@ -292,38 +287,27 @@ class StreamingMerge:
             if self.spill is not None:
                 self.spill.close()
 
-    def _order(self) -> list:
-        """``(anchor keys, (names merged for them, split) or None: the anchor's own)`` in the
-        anchor's key order: the plan's tensor-group tasks."""
-        order: list[tuple] = []
-        for key, names in slicing.units(self):
-            split = slicing.split(self, names) if names is not None else None
-            names = names if split is None else tuple(split[0])  # the order _pieces yields them in
-            keys = (key,) if names is None else tuple(k for n in names for k in self.keys_of(n))
-            order.append((keys, None if names is None else (names, split)))
-        return order
+    def plan(self):
+        """The plan of this merge (:class:`~.engine.plan.Plan`): its tasks in the anchor's key
+        order, once the alignment is known."""
+        return build_plan(self, self.graph_report, self.out_shapes)
 
-    def _emit(self, order, writer):
-        """Each task of ``order`` computed and given to ``writer.add(key, tensor)``."""
-        A = self.ckpts[self.anchor]
-        with progress_bar(total=len(A.keys), desc="writing", unit="tensor", enabled=self.progress) as bar:
-            for keys, job in order:
-                pieces = self._pieces(*job) if job else [(keys[0], self._anchors(keys[0]))]
-                for n, v in pieces:
-                    for k in self.keys_of(n):
-                        writer.add(k, v)
-                bar.update(len(keys))
+    def executor(self, plan=None):
+        """The :class:`~.engine.executor.Executor` of ``plan`` (default: :meth:`plan`) over this
+        merge's alignments, method, statistics, device and ledger."""
+        return Executor(plan or self.plan(), alignments=self.alignments, combine=self.combine, stats=self.stats,
+                        weights=self.weights, device=self.device, out_device=self.out_device,
+                        work_dtype=self.work_dtype, ledger=self.ledger, corrections=self.corrections,
+                        elementwise_statistics=self.how.elementwise_statistics)
 
     def _write_into(self, sink: Into) -> dict:
-        self._emit(self._order(), sink)
+        self.executor().run(sink, self.progress)
         return sink.close()
 
     def _write(self, directory: str) -> dict:
-        A = self.ckpts[self.anchor]
-        order = self._order()
-        writer = ShardWriter(directory, self.shard_bytes,
-                              [(k, self.out_shapes.get(k, A.shapes[k]), A.dtypes[k]) for keys, _ in order for k in keys])
-        self._emit(order, writer)
+        A, plan = self.ckpts[self.anchor], self.plan()
+        writer = ShardWriter(directory, self.shard_bytes, list(plan.outputs))
+        self.executor(plan).run(writer, self.progress)
         info = writer.close()
         write_config(A.path, directory, self.config_updates)
         for fn in EXTRA_FILES:
@@ -331,12 +315,6 @@ class StreamingMerge:
             if os.path.isfile(src):
                 shutil.copy2(src, os.path.join(directory, fn))
         return info
-
-    def _anchors(self, key):
-        """The anchor's own tensor ``key`` as written: with its correction, if REPAIR made one
-        (a BatchNorm layer's running statistics no class moves, reset on the data)."""
-        t = self.ckpts[self.anchor].read(key)
-        return self.corrections[key](t) if key in self.corrections else t
 
     def _averaged(self, buffer) -> bool:
         """A floating-point buffer some class moves (or any one, without alignment)."""
@@ -353,89 +331,10 @@ class StreamingMerge:
         A = self.ckpts[self.anchor]
         return [k for k in A.params.get(name, (name,)) if k in A.shapes]
 
-    def _pieces(self, names, split):
-        """``(name, value)`` of the merged ``names`` in write order: whole, or slice by slice
-        (``split``: see :func:`~symgraph.merging.slicing.split`), so that memory holds a few slices of a large tensor
-        in the work dtype (others of its group assembled in the anchor's dtype), not several
-        whole copies."""
-        if split is None:
-            yield from self._merged(names).items()
-            return
-        order, dims, size, step, streamed = split
-        A, whole = self.ckpts[self.anchor], {}
-        for start in range(0, size, step):
-            stop = min(start + step, size)
-            out = self._merged(names, {n: (d, start, stop) for n, d in dims.items()})
-            for n in order:
-                if n == streamed or (n not in dims and start == 0):
-                    yield n, out[n]
-                elif n in dims:
-                    if n not in whole:
-                        whole[n] = torch.empty(A.shapes[A.key(n)], dtype=out[n].dtype, device=self.out_device)
-                    whole[n].narrow(dims[n], start, stop - start).copy_(out[n])
-            del out
-        yield from whole.items()
-
     def _merged(self, names, parts=None) -> dict:
-        """Merged values of ``names`` in the anchor's dtypes: each model's tensors read, put on
-        the device, moved into the anchor's basis (in the work dtype where a map acts) and
-        combined by the method in the work dtype (float32, float64 for float64 checkpoints)
-        with its statistics; ``parts``: ``{name: (dim, start, stop)}``, the slices to compute of
-        those tensors (see :func:`~symgraph.merging.slicing.split`), the statistics sliced alike. Integer tensors (ids,
-        counts) are the anchor's."""
-        A, parts, dev = self.ckpts[self.anchor], parts or {}, self.device
-        # inputs are checked finite through the result (NaN and inf survive averaging and
-        # maps); only a non-finite result makes us look for the input that caused it
-        dtypes, ints, gains, held = {}, {}, {}, 0
-        values: list[dict[str, torch.Tensor] | None] = [None] * len(self.ckpts)
-        for i in [self.anchor] + [i for i in range(len(self.ckpts)) if i != self.anchor]:
-            c, al = self.ckpts[i], self.alignments[i]
-            vals = {}
-            for n in names:
-                t = c.get(n, check=False, part=parts.get(n))
-                if i == self.anchor:
-                    dtypes[n] = t.dtype
-                    if not t.dtype.is_floating_point:
-                        ints[n] = t.clone()
-                if n not in ints:
-                    vals[n] = t.to(dev)
-                    if i == self.anchor and t.dim() <= 1:
-                        gains[n] = vals[n]  # the gauge B's gains are unfolded into
-            if al is not None:  # the anchor's own alignment (a shared universe) unfolds into its own gauge
-                gauge = al.gauge if i == self.anchor else gains
-                vals = vals | move(al.report_b, self._elements(i), vals, gauge, dtype=self.work_dtype)
-            values[i] = own = {n: v.to(self.work_dtype) for n, v in vals.items()}
-            held += sum(nbytes(v) for v in own.values())
-            self.ledger.hold(sum(nbytes(v) for v in own.values()))
-        full = {n: A.shapes[A.key(n)] for n in parts}
-        stats = [None if st is None else Sliced(st, parts, full, self.ledger, self.how.elementwise_statistics)
-                 for st in self.stats]
-        floats = [n for n in names if n not in ints]
-        merged = self.combine(floats, values, stats, self.weights.tolist(), self.graph_report)
-        self.ledger.hold(sum(nbytes(v) for v in merged.values()))
-        self.ledger.drop(held + sum(nbytes(v) for v in merged.values()) + sum(st.read for st in stats if st))
-        del values
-        out = {}
-        for n in names:
-            if n in ints:
-                out[n] = ints.pop(n)
-                continue
-            out[n] = merged.pop(n).to(dtypes[n]).to(self.out_device)
-            if n in self.corrections:
-                out[n] = self.corrections[n](out[n])
-            if not all_finite(out[n]):  # checked in the output dtype: overflow too
-                for c in self.ckpts:
-                    for m in names:
-                        c.get(m)  # raises naming the checkpoint and the tensor
-                raise InputError(f"the merged tensor {n!r} is not finite in {dtypes[n]} (the inputs "
-                                 "are); expected weights whose average stays within the dtype's range")
-        return out
-
-    def _elements(self, i) -> dict:
-        """Alignment ``i``'s elements on the device (moved there once)."""
-        if self.device.type == "cpu":
-            return self.alignments[i].elements
-        if i not in self._device_elements:
-            self._device_elements[i] = elements_on(self.alignments[i].elements, self.device)
-        return self._device_elements[i]
+        """Merged values of ``names`` (``parts``: slices), as the executor computes them for
+        a step of the plan that measures the merge as it is written (REPAIR)."""
+        if self._measuring is None:
+            self._measuring = self.executor(Plan(tuple(self.ckpts), self.anchor, (), (), self.graph_report))
+        return self._measuring.merged(names, parts)
 
