@@ -98,8 +98,7 @@ def choose_threshold(null, positive) -> tuple[float, str]:
     """The threshold from the data: the midpoint of the highest excess of an independent pair and
     the lowest of a derived one, to two decimals (as far from either side as it can be); the
     highest independent excess plus 0.01 where the two overlap. Returns it and the rule."""
-    hi = max(null)
-    lo = min(positive) if positive else hi + 0.2
+    hi, lo = max(null), min(positive)
     if lo > hi:
         return round(0.5 * (hi + lo), 2), "midpoint of the highest independent and the lowest derived excess"
     return round(hi + 0.01, 2), "the highest independent excess + 0.01 (independent and derived overlap)"
@@ -185,7 +184,7 @@ def run(families, seeds: int, bases: int, steps: int) -> dict:
         rows += got
     null = [r["excess"] for r in rows if r["kind"] == "independent"]
     pos = [r["excess"] for r in rows if r["kind"] not in ("independent", "permuted")]
-    chosen, rule = choose_threshold(null, pos)
+    chosen, rule = choose_threshold(null, pos) if pos else (None, "none: no derived pairs in this run")
     kinds = sorted({r["kind"] for r in rows})
     return {"commit": git_state(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "families": list(families),
@@ -196,7 +195,8 @@ def run(families, seeds: int, bases: int, steps: int) -> dict:
             "excess": {k: _distribution([r["excess"] for r in rows if r["kind"] == k]) for k in kinds},
             "null_by_family": {f: _distribution([r["excess"] for r in rows if r["kind"] == "independent"
                                                  and r["family"] == f]) for f in families},
-            "at_library": rates(rows, THRESHOLD), "at_chosen": rates(rows, chosen),
+            "at_library": rates(rows, THRESHOLD),
+            "at_chosen": rates(rows, chosen) if chosen is not None else None,
             "sweep": [rates(rows, t) for t in (0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)],
             "training": info, "rows": rows, "seconds": time.perf_counter() - t0}
 
@@ -220,7 +220,8 @@ def markdown(r) -> str:
              + ", and a permuted exact copy; every B moved by a random element of the full groups, then "
              f"`symgraph.compare(A, B)` with its default null (4 shuffled copies), alpha {r['alpha']:g}.", "",
              f"**At the library's threshold ({r['library_threshold']:g})**: {_rate_line(lib)}.", "",
-             f"**Chosen threshold {r['chosen_threshold']:g}** (rule: {r['rule']}): {_rate_line(ch)}.", "",
+             (f"**Chosen threshold {r['chosen_threshold']:g}** (rule: {r['rule']}): {_rate_line(ch)}." if ch else
+              "No derived pairs in this run (`--bases 0`): no threshold chosen."), "",
              "Excess by kind:", ""]
     lines += table(["pairs", "n", "min", "median", "mean", "sd", "max"],
                    [[n, d["n"], *(f"{d[x]:.3f}" for x in ("min", "median", "mean", "sd", "max"))]
@@ -255,7 +256,7 @@ def plot(r, out) -> None:
             ax.scatter([x + 0.15 * (j - 1)] * len(ys), ys, s=14, marker=marks[f],
                        color="tab:gray" if k == "independent" else "tab:red", label=f if x == 0 else None)
     ax.axhline(r["library_threshold"], ls=":", lw=0.9, color="k", label=f"threshold {r['library_threshold']:g}")
-    if r["chosen_threshold"] != r["library_threshold"]:
+    if r["chosen_threshold"] not in (None, r["library_threshold"]):
         ax.axhline(r["chosen_threshold"], ls="--", lw=0.9, color="tab:blue",
                    label=f"chosen {r['chosen_threshold']:g}")
     ax.set_xticks(range(len(kinds)))
