@@ -10,8 +10,8 @@ A **family** is a module of the zoo: ``timm.list_modules()`` (``resnet``, ``visi
 (``torchvision.models.list_models(module=torchvision.models)`` grouped by the module of each
 builder). One row per family:
 
-1. **config** (choose the variant): the smallest variant by parameter count, each candidate built
-   on the ``meta`` device (no weights). timm families with many variants are first narrowed by
+1. **config** (choose the variant): the smallest variant by parameter count (torchvision's
+   own ``num_params`` of its weights; else each candidate built on the ``meta`` device). timm families with many variants are first narrowed by
    the size words of their names (``atto`` < ``femto`` < ... < ``tiny`` < ``small``: the smallest
    word present), then the 8 shortest names are counted.
 2. **build**: random weights (``pretrained=False`` / ``weights=None``), float32, ``eval()``.
@@ -26,7 +26,8 @@ builder). One row per family:
 
    - *channels*: the output channels of every convolution (grouped and depthwise included) and
      every linear map whose output reaches a nonlinearity or a norm (batch, layer, group or RMS
-     norm) through elementwise and layout ops belong to a permutation-type class of the report
+     norm) through elementwise and layout ops, and is read later by another convolution or
+     linear map (hidden channels, not logits), belong to a permutation-type class of the report
      (``report.groups`` of a kind from ``perm`` up; a channel axis in ``report.frozen`` fails);
    - *MLPs*: every up projection - nonlinearity - down projection pair shares such a class
      (:func:`~.structure.mlp_units`: conv-BN-ReLU-conv included);
@@ -158,7 +159,15 @@ def build(zoo: str, name: str, device=None, size=None):
 
 
 def meta_count(zoo: str):
+    """A variant's parameter count: torchvision's own (its weights' ``num_params``), else the
+    model built on the ``meta`` device counted."""
     def count(name):
+        if zoo == "torchvision":
+            import torchvision
+            try:
+                return min(w.meta["num_params"] for w in torchvision.models.get_model_weights(name))
+            except (ValueError, KeyError):
+                pass
         return sum(p.numel() for p in build(zoo, name, device="meta").parameters())
     return count
 
@@ -199,7 +208,9 @@ def runnable(zoo: str, name: str):
 
 def channel_slots(ep) -> list:
     """``[(module, (param, dim))]``: the output-channel slot of each convolution (any groups)
-    or linear map whose output reaches a nonlinearity or a norm through :data:`THROUGH` ops."""
+    or linear map whose output reaches a nonlinearity or a norm through :data:`THROUGH` ops,
+    and then another convolution or linear map (a hidden channel: a classifier's logits are
+    the model's output, whatever follows them)."""
     users = collections.defaultdict(list)
     for n in ep.graph.nodes:
         for a in n.all_input_nodes:
@@ -209,7 +220,8 @@ def channel_slots(ep) -> list:
         if n.op != "call_function":
             continue
         slot = _out_slot(ep, n)
-        if slot is None or (_shape(n) or (0, 0))[1:2] == (1,) or not _feeds(n, users):
+        if slot is None or (_shape(n) or (0, 0))[1:2] == (1,) or not _feeds(n, users) \
+                or not _read_later(ep, n, users):
             continue
         mods = [p for p, _ in reversed(list((n.meta.get("nn_module_stack") or {}).values()))]
         out.append((_clean(mods[0]) if mods else "", slot))
@@ -234,6 +246,19 @@ def _feeds(node, users) -> bool:
             if name in _NONLINEAR or name in NORMS:
                 return True
             if name in THROUGH and u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return False
+
+
+def _read_later(ep, node, users) -> bool:
+    """Whether any op downstream of ``node`` is a convolution or linear map of a parameter."""
+    stack, seen = [node], {node}
+    while stack:
+        for u in users[stack.pop()]:
+            if u not in seen and u.op == "call_function":
+                if _out_slot(ep, u) is not None:
+                    return True
                 seen.add(u)
                 stack.append(u)
     return False

@@ -71,16 +71,34 @@ def test_channel_slots_are_the_convolutions_before_a_nonlinearity_or_a_norm():
     assert report.certify(m, (x,)) < 1e-9
 
 
+class ConvClassifier(nn.Module):
+    """SqueezeNet's head: a convolution to the classes, a ReLU, a mean: logits, not channels."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Conv2d(3, 6, 3)
+        self.classifier = nn.Conv2d(6, 4, 1)
+
+    def forward(self, x):
+        return torch.relu(self.classifier(torch.relu(self.body(x)))).mean((2, 3))
+
+
+def test_a_convolution_to_the_outputs_is_no_hidden_channel():
+    ep = trace(ConvClassifier().eval(), (torch.randn(1, 3, 6, 6),))[0]
+    assert [s for _, s in channel_slots(ep)] == [("body.weight", 0)]
+
+
 class Fixed(nn.Module):
     """A channel multiplied by a constant varying along it: no permutation survives."""
 
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 1)
-        self.register_buffer("scale", torch.arange(1.0, 5.0).view(1, 4, 1, 1))
+        self.out = nn.Linear(4, 2)
 
     def forward(self, x):
-        return torch.relu(self.conv(x) * self.scale).sum((2, 3))
+        scale = torch.arange(1.0, 5.0, device=x.device).view(1, 4, 1, 1)  # made in the graph
+        return self.out(torch.relu(self.conv(x) * scale).sum((2, 3)))
 
 
 def test_a_frozen_channel_is_missing_with_its_reason():
