@@ -74,6 +74,12 @@ def write(job_dir: Path, state: dict, info: dict) -> None:
     (job_dir / "out.json").write_text(json.dumps(info, indent=1))
 
 
+def save_variant(job_dir: Path, name: str, entries: dict) -> None:
+    """``variant_NAME.safetensors``: entries that replace the merged state's in a second row."""
+    save_file({k: v.detach().contiguous().clone() for k, v in entries.items()},
+              str(job_dir / f"variant_{name}.safetensors"))
+
+
 class Clock:
     def __init__(self):
         self.t = time.perf_counter()

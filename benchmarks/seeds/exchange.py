@@ -61,13 +61,22 @@ def write_job(d, models: dict, batches: dict, reference: dict, settings: dict) -
     return d
 
 
-def read_output(d) -> tuple[dict, dict]:
-    """``(out.json, out.safetensors)`` of a finished job; :class:`Failed` when the driver wrote
-    neither."""
+def read_output(d) -> tuple[dict, dict, dict]:
+    """``(out.json, out.safetensors, variants)`` of a finished job: each variant ``NAME`` that
+    ``out.json`` names is the merged state with the entries of ``variant_NAME.safetensors``
+    in place of its own. :class:`Failed` when the driver wrote no output or a variant names an
+    entry the state lacks."""
     d = Path(d)
     if not (d / OUT).is_file() or not (d / "out.safetensors").is_file():
         raise Failed(f"the driver wrote no {OUT} and out.safetensors in its job directory")
-    return json.loads((d / OUT).read_text()), load_state(d / "out.safetensors")
+    info, state = json.loads((d / OUT).read_text()), load_state(d / "out.safetensors")
+    variants = {}
+    for name in info.get("variants", {}):
+        swap = load_state(d / f"variant_{name}.safetensors")
+        if set(swap) - set(state):
+            raise Failed(f"variant {name} replaces entries the merged state lacks: {sorted(set(swap) - set(state))}")
+        variants[name] = {**state, **swap}
+    return info, state, variants
 
 
 def load_merged(template: torch.nn.Module, state: dict, untied=()) -> torch.nn.Module:

@@ -153,8 +153,9 @@ def job_for(seed: Seed, d: Path, a, b, batches: list) -> Path:
     return exchange.write_job(d, {"a": a, "b": b}, data, ref, {"seed": seed.name, "reference_rows": REFERENCE_ROWS})
 
 
-def theirs(seed: Seed, root: Path, a, b, batches, parents: dict, timeout: float) -> tuple[dict, dict]:
-    """The authors' row for ``seed`` (or why there is none) and what their run reported."""
+def theirs(seed: Seed, root: Path, a, b, batches, parents: dict, timeout: float) -> tuple[list, dict]:
+    """The authors' rows for ``seed`` (their merged model, then each variant their driver names),
+    or one row saying why there is none; and what their run reported."""
     code, python = places(seed, root)
     row = {"arch": seed.arch, "method": seed.ours, "code": f"authors' ({seed.repo}@{seed.commit[:7]})"}
     try:
@@ -169,15 +170,18 @@ def theirs(seed: Seed, root: Path, a, b, batches, parents: dict, timeout: float)
             t = time.perf_counter()
             exchange.run_driver(python, HERE / seed.driver, code, job, timeout)
             wall = time.perf_counter() - t
-            info, state = exchange.read_output(job)
-        merged = exchange.load_merged(a, state, info.get("untied"))
-        row.update(seconds=info["seconds"], driver_wall_seconds=wall, **_score(merged, seed.arch, parents))
-        log(f"  {seed.arch} {seed.ours} (authors') L(mid) {row['loss_mid']:.4f}  {info['seconds']:.1f}s")
-        return row, {"status": "ran", **info}
+            info, state, variants = exchange.read_output(job)
+        rows = []
+        for name, st in [(None, state), *variants.items()]:
+            merged = exchange.load_merged(a, st, info.get("untied"))
+            rows.append({**row, "method": seed.ours + (f" ({name})" if name else ""), "seconds": info["seconds"],
+                         "driver_wall_seconds": wall, **_score(merged, seed.arch, parents)})
+            log(f"  {seed.arch} {rows[-1]['method']} (authors') L(mid) {rows[-1]['loss_mid']:.4f}")
+        return rows, {"status": "ran", **info}
     except (exchange.Failed, ValueError) as e:
         why = str(e).replace(str(root), "<root>")
         log(f"  {seed.arch} {seed.ours} (authors') could not run: {why}")
-        return {**row, "error": why}, {"status": "could not run", "error": why}
+        return [{**row, "error": why}], {"status": "could not run", "error": why}
 
 
 def run_seed(seed: Seed, args, root: Path) -> tuple[list, dict]:
@@ -194,8 +198,8 @@ def run_seed(seed: Seed, args, root: Path) -> tuple[list, dict]:
     parents = {"loss_a": evaluate.eval_loss(a, seed.arch), "loss_b": evaluate.eval_loss(b, seed.arch),
                "metric_a": evaluate.eval_metric(a, seed.arch), "metric_b": evaluate.eval_metric(b, seed.arch)}
     rows = ours(seed, pair, parents)
-    row, info = theirs(seed, root, a, b, batches, parents, args.timeout)
-    rows.append(row)
+    more, info = theirs(seed, root, a, b, batches, parents, args.timeout)
+    rows += more
     for r in rows:
         r.update(pair=[sa, sb], size=args.size, metric_name=evaluate.metric_name(seed.arch), **parents)
     return rows, {"paper": seed.paper, "repo": seed.repo, "commit": seed.commit, "tree": seed.tree,
@@ -230,6 +234,10 @@ def markdown(rec: dict) -> str:
                       f"parents' max |logit difference| after the exchange: {s['parent_logit_diff']}",
                       f"- run-time shims: {', '.join(s['shims']) or 'none'}"
                       + (f"; untied in their merged model: {', '.join(s['untied'])}" if s.get("untied") else "")]
+            lines += [f"- variant `{k}`: {v}" for k, v in s.get("variants", {}).items()]
+            if s.get("b_transformed_logit_diff"):
+                lines.append("- their transformed B with each untied decoder against B, max |logit difference|: "
+                             + "; ".join(f"{k}: {v:.3g}" for k, v in s["b_transformed_logit_diff"].items()))
         lines.append("")
     lines += [f"Not run: {why}." for why in rec.get("not_run", {}).values()]
     return "\n".join(lines)

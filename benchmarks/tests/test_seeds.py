@@ -89,6 +89,21 @@ def test_job_directory_holds_the_parents_batches_and_reference(tmp_path):
         exchange.read_output(d)
 
 
+def test_read_output_gives_each_variant_the_state_with_its_entries_swapped(tmp_path):
+    state = {"w": torch.ones(2, 2), "v": torch.zeros(3)}
+    exchange.save_state(tmp_path / "out.safetensors", state)
+    exchange.save_state(tmp_path / "variant_other.safetensors", {"w": torch.full((2, 2), 7.0)})
+    import json
+    (tmp_path / exchange.OUT).write_text(json.dumps({"variants": {"other": "w set to 7"}}))
+    info, got, variants = exchange.read_output(tmp_path)
+    assert info["variants"] == {"other": "w set to 7"} and torch.equal(got["w"], state["w"])
+    assert set(variants) == {"other"} and torch.equal(variants["other"]["w"], torch.full((2, 2), 7.0))
+    assert torch.equal(variants["other"]["v"], state["v"])
+    exchange.save_state(tmp_path / "variant_other.safetensors", {"u": torch.ones(1)})
+    with pytest.raises(exchange.Failed, match="lacks"):
+        exchange.read_output(tmp_path)
+
+
 def test_code_tree_is_the_commits_tree(tmp_path):
     repo = tmp_path / "repo"
     (repo / "sub").mkdir(parents=True)
@@ -143,12 +158,15 @@ def test_verma_code_recovers_a_permuted_copy_end_to_end():
     b = tiny_copy_with_permuted_mlp(a)
     batches = evaluate.eval_batches("bert", "train", 1)
     parents = {"loss_a": evaluate.eval_loss(a, "bert", max_batches=1), "loss_b": 0.0}
-    row, info = run.theirs(run.SEEDS["verma"], run.root_dir(), a, b, batches, parents, 600)
-    assert info["status"] == "ran", row.get("error")
+    rows, info = run.theirs(run.SEEDS["verma"], run.root_dir(), a, b, batches, parents, 600)
+    assert info["status"] == "ran", rows[0].get("error")
+    assert [r["method"] for r in rows] == ["verma2024", "verma2024 (decoder_restored)"]
     assert info["untied"] == ["cls.predictions.decoder.weight", "cls.predictions.decoder.bias"]
     assert info["sequences"] == 32
     assert max(info["parent_logit_diff"].values()) < 1e-3
-    assert row["loss_mid"] == pytest.approx(evaluate.eval_loss(a, "bert"), abs=1e-3)
+    for row in rows:  # the residual stream is not permuted here: U is the identity, both decoders agree
+        assert row["loss_mid"] == pytest.approx(evaluate.eval_loss(a, "bert"), abs=1e-3)
+    assert max(info["b_transformed_logit_diff"].values()) < 1e-3
 
 
 def tiny_copy_with_permuted_mlp(a):
@@ -170,8 +188,10 @@ def test_imfeld_code_fuses_the_vit_pair_end_to_end():
     a, b = zoo.build_model("vit", 0, "quick"), zoo.build_model("vit", 1, "quick")
     batches = evaluate.eval_batches("vit", "train", 1)
     parents = {"loss_a": 0.0, "loss_b": 0.0}
-    row, info = run.theirs(run.SEEDS["imfeld"], run.root_dir(), a, b, batches, parents, 600)
-    assert info["status"] == "ran", row.get("error")
+    rows, info = run.theirs(run.SEEDS["imfeld"], run.root_dir(), a, b, batches, parents, 600)
+    assert info["status"] == "ran", rows[0].get("error")
+    assert len(rows) == 1
+    row = rows[0]
     assert info["images"] == 32 and info["fusion"]["acts"]["num_samples"] == 32
     assert info["fusion"]["ot_solver"] == "sinkhorn" and info["fusion"]["sinkhorn_reg"] == 0.08
     assert info["fusion"]["resid_policy"] == "mean"
