@@ -89,6 +89,9 @@ def test_a_bad_engine_value_is_refused_in_merges_one_line(tmp_path, capsys, flag
     (["barrier", "--data", "d", "--align", "none", "--max-iter", "3"], "--max-iter ends the sweeps of an alignment"),
     (["barrier", "--data", "d", "--align", "activations", "--tol", "0.1"], "--tol ends the sweeps of weight matching"),
     (["barrier", "--data", "d", "--align", "weights", "--align-data", "e"], "--align-data is the data of activation"),
+    (["barrier", "--data", "d", "--attention", "circuits", "--out-of-core"], "--attention circuits draws the line "
+     "in memory, and --out-of-core run(s) it out of core"),
+    (["barrier", "--data", "d", "--attention", "circuits", "--memory-budget", "1MB"], "and --memory-budget run(s)"),
     (["barrier", "--data", "d", "--points", "2"], "--points 2; expected at least 3 and at most 1001"),
     (["compare", "--data", "d", "--sketch", "8"], "--sketch sketches weight matching, and with --data compare"),
     (["compare", "--null", "-1"], "--null -1; expected a number of shuffled copies"),
@@ -145,3 +148,6 @@ def test_barrier_and_compare_run_out_of_core_with_a_budget(pair, capsys):
     r = main_in_process(pair, "compare", "tiny-llama", "tiny-llama", "--null", "0", "--memory-budget", "1MB",
                         capsys=capsys)
     refused(r, "--memory-budget set the out-of-core engine")
+    r = main_in_process(pair, "barrier", "tiny-llama", "tiny-llama", "--data", pair / "data.safetensors",
+                        "--memory-budget", "1MB", capsys=capsys)
+    refused(r, "--memory-budget set the out-of-core engine, and the models are loaded")

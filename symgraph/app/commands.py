@@ -111,6 +111,10 @@ AlignCommand = _command(
 def _barrier_rules(self):
     if self.align_data is not None and "activations" not in self.align:
         raise InputError("--align-data is the data of activation matching; expected --align with activations")
+    core = engine_given(self) + (["--out-of-core"] if self.out_of_core else [])
+    if core and self.attention == "circuits":
+        raise InputError(f"--attention circuits draws the line in memory, and {' and '.join(core)} run(s) it out of "
+                         f"core; expected --attention heads, or no {' or '.join(core)}")
     _merge_rules(self, "weights" if "weights" in self.align else max(self.align, key=lambda a: a != "none"))
     return self
 

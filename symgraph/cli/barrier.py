@@ -123,7 +123,7 @@ def cmd_barrier(args) -> int:
     rows = _streamed(args.a, args.b, cmd, aligns, options) if cmd.attention == "heads" else None
     mode = "out of core" if rows is not None else "in memory"
     if rows is None:
-        _in_memory_only(engine_given(cmd), cmd.attention)
+        _in_memory_only(engine_given(cmd))
         rows = _loaded(args.a, args.b, cmd, aligns, options)
     print(_table(rows, cmd.attention))
     if cmd.out:
@@ -142,15 +142,14 @@ def cmd_barrier(args) -> int:
     return 0
 
 
-def _in_memory_only(engine: list, attention: str) -> None:
+def _in_memory_only(engine: list) -> None:
     """Refuse the out-of-core engine's own options (``--device``, ``--memory-budget``) on the
-    path that loads the models."""
+    path that loads the models (``--attention circuits`` with them: the schema refuses)."""
     from ..errors import InputError
     if engine:
-        why = "--attention circuits loads the models" if attention == "circuits" else \
-            "the models are loaded (not two save_pretrained directories read as stored, or too little memory)"
-        raise InputError(f"{' and '.join(engine)} set the out-of-core engine, and {why}; expected two "
-                         f"save_pretrained directories with --attention heads, or no {' or '.join(engine)}")
+        raise InputError(f"{' and '.join(engine)} set the out-of-core engine, and the models are loaded (not two "
+                         "save_pretrained directories read as stored, or too little memory); expected two "
+                         f"save_pretrained directories, or no {' or '.join(engine)}")
 
 
 def _loaded(a: str, b: str, cmd, aligns, options) -> list:
