@@ -44,7 +44,8 @@ def shared(key: str, description: str | None = None, required: bool = False) -> 
     its default (none when ``required``), its description (unless the command words it itself)
     and its extra declaration (what a refusal expects, the metavar)."""
     f = MergeConfig.model_fields[key]
-    annotation: Any = Annotated[(f.annotation, *f.metadata)] if f.metadata else f.annotation
+    parts = (f.annotation, *f.metadata)  # the type and its range (``Ge``, ``Le``, ``Strict``)
+    annotation: Any = Annotated[parts] if f.metadata else f.annotation  # type: ignore[valid-type]
     return annotation, Field(... if required else f.default, description=description or f.description,
                              json_schema_extra=dict(f.json_schema_extra or {}))  # type: ignore[arg-type]
 
@@ -55,7 +56,7 @@ def _validators(keys) -> dict:
     for name, d in MergeConfig.__pydantic_decorators__.field_validators.items():
         fields = [k for k in d.info.fields if k in keys]
         if fields:
-            out[name] = field_validator(*fields, mode=d.info.mode)(d.func.__func__)
+            out[name] = field_validator(*fields, mode=d.info.mode)(getattr(d.func, "__func__", d.func))
     return out
 
 
