@@ -14,7 +14,9 @@ builder). One row per family:
    own ``num_params`` of its weights; else each candidate built on the ``meta`` device). timm families with many variants are first narrowed by
    the size words of their names (``atto`` < ``femto`` < ... < ``tiny`` < ``small``: the smallest
    word present), then the 8 shortest names are counted.
-2. **build**: random weights (``pretrained=False`` / ``weights=None``), float32, ``eval()``.
+2. **build**: random weights (``pretrained=False`` / ``weights=None``), float32, ``eval()``; what
+   the initialiser leaves constant re-drawn (:func:`redraw`: norms, biases, layer scales, zero
+   heads, BatchNorm's running statistics).
 3. **run eagerly**: the model's own forward on one random image, at the first size it runs at:
    64x64, 96x96 (the default build), then built for that size (``img_size=`` in timm,
    ``image_size=`` in torchvision), then the default size of its config. A model the zoo cannot
@@ -155,7 +157,32 @@ def build(zoo: str, name: str, device=None, size=None):
             import torchvision
             kw = {"image_size": size} if size else {}
             model = torchvision.models.get_model(name, weights=None, **kw)
-    return model.eval()
+    return redraw(model.eval())
+
+
+def redraw(model, seed: int = 0):
+    """Re-draw what an initialiser leaves constant, as :func:`~.shrink.build` does: every 1-d
+    parameter (``*weight`` 1 + 0.5·N, else 0.5·N), every constant matrix (a zero head: 0.02·N)
+    and BatchNorm's running statistics (mean in [-0.5, 0.5], variance in [0.5, 1.5]); a constant hides a
+    wrong slot from the certificate. Meta models are left alone."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda t, f: t.copy_(f(torch.rand(t.shape, generator=gen, dtype=t.dtype)))  # noqa: E731
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_meta or not p.is_floating_point():
+                continue
+            if p.dim() == 1:
+                p.copy_((1.0 if name.endswith("weight") else 0.0)
+                        + 0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            elif p.numel() > 1 and float(p.std()) == 0.0:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        for name, b in model.named_buffers():
+            if not b.is_meta and b.is_floating_point() and name.endswith("running_mean"):
+                rand(b, lambda u: u - 0.5)
+            elif not b.is_meta and b.is_floating_point() and name.endswith("running_var"):
+                rand(b, lambda u: u + 0.5)
+    return model
 
 
 def meta_count(zoo: str):

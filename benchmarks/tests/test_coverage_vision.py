@@ -142,3 +142,15 @@ def test_summary_counts_what_the_zoo_runs_and_the_target():
     assert "| timm | 13 | 1 | 1 | 11 | 10 | 10 | 9 | 9 = 81.8 % (NOT met) |" in md
     assert "`channels` (1): fixed: op: timm/bad" in md
     assert "- not run (1: the run's time budget was spent first" in md
+
+
+def test_redraw_leaves_nothing_constant_that_hides_a_slot():
+    from benchmarks.coverage.vision import redraw
+    m = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 3))
+    nn.init.zeros_(m[3].weight)
+    redraw(m.eval())
+    bn = m[1]
+    for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var, m[3].weight, m[3].bias):
+        assert float(t.std()) > 0.01
+    assert float(bn.running_var.min()) >= 0.5 and float(bn.running_var.max()) <= 1.5
+    assert float(bn.running_mean.abs().max()) <= 0.5
