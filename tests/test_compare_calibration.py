@@ -4,6 +4,9 @@ layer's correlation), and the library's threshold is the one the calibration on 
 independent pairs chose (``benchmarks/results/provenance_calibration/``)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from symgraph.alignment.compare import THRESHOLD, judge
@@ -82,3 +85,22 @@ def test_the_excess_reads_each_matrix_against_its_own_null_and_leaves_vectors_ou
     layers = {r["layer"]: r for r in res.layers}
     assert layers["m.layers.1"]["tensors"] == 1 and layers["m.layers.1"]["excess"] == pytest.approx(0.3)
     assert layers["m.norm"]["tensors"] == 1 and layers["m.norm"]["excess"] == pytest.approx(0.8)  # no matrix there
+
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "provenance_calibration"
+
+
+def test_the_library_threshold_is_the_calibrated_one():
+    """The default is the threshold the calibration chose by its stated rule (the midpoint of the
+    highest independent and the lowest derived excess), and at it no independent pair of the
+    calibration is called derived while every derived copy is (or "same")."""
+    r = json.loads((RESULTS / "results.json").read_text())
+    assert THRESHOLD == pytest.approx(r["chosen_threshold"])
+    assert len(r["families"]) >= 3 and r["seeds"] >= 4
+    at = r["at_chosen"]
+    assert at["negatives"] == len(r["families"]) * r["seeds"] * (r["seeds"] - 1) // 2  # every independent pair
+    assert at["false_positives"] == 0 and at["tpr"] == 1.0, at
+    null = [x["excess"] for x in r["rows"] if x["kind"] == "independent"]
+    derived = [x["excess"] for x in r["rows"] if x["kind"] not in ("independent", "permuted")]
+    assert max(null) < THRESHOLD <= min(derived)
+    assert THRESHOLD == pytest.approx(round(0.5 * (max(null) + min(derived)), 2))

@@ -62,7 +62,7 @@ __all__ = ["compare", "Comparison", "SAME_TOL", "THRESHOLD", "tolerance", "layer
 #: Relative Frobenius distance under which a tensor counts as equal, by the coarser dtype.
 SAME_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 #: ``excess`` at or above which B is "derived" from A (see the module docstring).
-THRESHOLD = 0.3
+THRESHOLD = 0.29
 #: The one-sided p-value below which a "derived" verdict is given.
 ALPHA = 1e-3
 #: The most shuffled copies a null draws (each is one more alignment of a whole model).
