@@ -92,3 +92,25 @@ def test_tied_llama_merge_keeps_the_tie_and_equals_the_average():
     assert M.get_output_embeddings().weight is M.get_input_embeddings().weight
     for k, p in M.named_parameters():
         assert torch.allclose(p, 0.5 * A.get_parameter(k) + 0.5 * B.get_parameter(k), atol=1e-6), k
+
+
+def test_models_in_different_dtypes_merge_in_memory_as_out_of_core(tmp_path):
+    """A float32 and a bfloat16 model merged in memory: the graphs run in the work dtype (the
+    anchor's architecture retyped on meta), the merge has the anchor's dtypes, and it equals the
+    out-of-core merge of the same models saved."""
+    import symgraph
+    from symgraph.app.run import merge_checkpoints
+    from symgraph.testing import models as zoo
+    sizes = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
+    a = zoo.build("llama", seed=0, **sizes)
+    b = zoo.build("llama", seed=1, **sizes).to(torch.bfloat16)
+    merged = symgraph.merge([a, b]).model
+    assert {p.dtype for p in merged.parameters()} == {torch.float32}
+    a.save_pretrained(tmp_path / "a")
+    b.save_pretrained(tmp_path / "b")
+    merge_checkpoints([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "out"))
+    from safetensors.torch import load_file
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for k, v in merged.state_dict().items():
+        if k in out:
+            torch.testing.assert_close(out[k], v, atol=1e-6, rtol=1e-6)

@@ -27,7 +27,7 @@ class ModelCheckpoint:
     def __init__(self, module: torch.nn.Module, label: str):
         if not isinstance(module, torch.nn.Module):
             raise InputError(f"{label} must be a torch.nn.Module, got {type(module).__name__}")
-        self.model = module
+        self.model = self.module = module  # model: what the analysis traces (retyped: on meta)
         self.path = label
         self.config = getattr(module, "config", None)
         self.cls = type(module)
