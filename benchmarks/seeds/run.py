@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..provenance import REPO_ROOT, log, table, write_result
+from ..provenance import REPO_ROOT, add_record, log, matmul_rates, staged, table, write_json
 from . import exchange
 
 HERE = Path(__file__).resolve().parent
@@ -209,7 +209,7 @@ def run_seed(seed: Seed, args, root: Path) -> tuple[list, dict]:
 
 def markdown(rec: dict) -> str:
     lines = ["# The seed papers' own code beside our reimplementations", "",
-             f"`{rec['command']}` at commit `{rec['commit']}`: the suite's `{rec['settings']['size']}` pairs "
+             f"`{rec['command']}` at commit `{rec['commit']}` (symgraph `{rec['symgraph']}`): the suite's `{rec['settings']['size']}` pairs "
              f"(seeds {rec['settings']['seeds']}), {rec['settings']['align_batches']} alignment batches of "
              "the training split given to every method, every merged model the λ = 0.5 model, scored on "
              "the whole held-out split. gap = L(mid) − ½(L_A + L_B) (lower is better).", ""]
@@ -245,7 +245,7 @@ def markdown(rec: dict) -> str:
 
 def main(argv=None) -> int:
     from .. import train, zoo
-    from ..provenance import command_line, commit_info
+    from ..provenance import command_line, commit_info, git_state
     ap = argparse.ArgumentParser(prog="python -m benchmarks seeds", description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", choices=list(SEEDS), default=list(SEEDS))
     ap.add_argument("--size", choices=zoo.SIZES, default="quick", help="the suite's model size (default quick)")
@@ -260,15 +260,21 @@ def main(argv=None) -> int:
     if a.setup:
         return setup(root, a.only)
     torch.set_num_threads(train.num_threads())
+    start, ours_state, rates = commit_info(), git_state(), matmul_rates()  # the run's start names it
     rows, seeds = [], {}
     for name in a.only:
         log(f"{name}: {SEEDS[name].paper} on the suite's {SEEDS[name].arch} pair ...")
         r, seeds[name] = run_seed(SEEDS[name], a, root)
         rows += r
-    rec = {"command": command_line(), "commit": commit_info()["commit"],
+    rec = {"command": command_line(), "commit": start["commit"], "dirty": start["dirty"],
+           "symgraph": ours_state,
            "settings": {"size": a.size, "seeds": list(a.seeds), "align_batches": a.align_batches,
                         "threads": torch.get_num_threads()}, "seeds": seeds, "rows": rows,
            "not_run": NOT_RUN}
-    write_result(a.out, ".seeds-", rec, markdown)
+    with staged(a.out, ".seeds-") as tmp:
+        write_json(tmp / "results.json", rec)
+        (tmp / "report.md").write_text(markdown(rec))
+    if start["source"] != "SYMGRAPH_COMMIT":  # a lent device's results get their entry where committed
+        add_record(a.out, ["report.md", "results.json"], rec["command"], rates=rates, commit=start["commit"])
     log(f"wrote {a.out}/results.json and report.md")
     return 0
