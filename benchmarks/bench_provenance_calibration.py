@@ -177,7 +177,7 @@ def _distribution(x) -> dict:
 def run(families, seeds: int, bases: int, steps: int) -> dict:
     """Every family's rows, the null's and positives' distributions, the chosen threshold and the
     rates at the library's threshold and at the chosen one."""
-    t0 = time.perf_counter()
+    t0, commit = time.perf_counter(), git_state()  # the commit the run starts from (HEAD may move on)
     rows, info = [], {}
     for f in families:
         got, info[f] = _family(f, seeds, bases, steps, len(rows))
@@ -186,7 +186,7 @@ def run(families, seeds: int, bases: int, steps: int) -> dict:
     pos = [r["excess"] for r in rows if r["kind"] not in ("independent", "permuted")]
     chosen, rule = choose_threshold(null, pos) if pos else (None, "none: no derived pairs in this run")
     kinds = sorted({r["kind"] for r in rows})
-    return {"commit": git_state(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
+    return {"commit": commit, "when": datetime.datetime.now().isoformat(timespec="seconds"),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "families": list(families),
             "sizes": SIZES, "seeds": seeds, "bases": bases, "steps": steps, "lr": LR, "block": BLOCK,
             "batch": BATCH, "kinds": {k: {"corpus": c, "steps": max(1, round(m * steps)), "lr": lr}
