@@ -42,7 +42,7 @@ def write_moved(src: str, dst: str, seed: int = 0, work=None) -> dict:
     import torch
 
     from symgraph.checkpoints.sharded import Checkpoint, ShardWriter, parse_size
-    from symgraph.merging.views import Aligned
+    from symgraph.merging.engine.views import Aligned
     from symgraph.report.api import analyze
     t0 = time.perf_counter()
     c = Checkpoint(src)

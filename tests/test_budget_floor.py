@@ -111,7 +111,7 @@ def test_a_normal_budget_is_unaffected(pair, capsys, peaks):
 def test_the_floor_is_the_engines_own_count_before_alignment(pair):
     """Without a refusal, the plan's largest piece found before alignment is the ledger's peak
     while writing (the caches are smaller here): the check reads the plan split() makes."""
-    from symgraph.merging import slicing
+    from symgraph.merging.engine import slicing
     job = StreamingMerge([str(pair / "a"), str(pair / "b")], memory_budget="37.3kB")
     job.align()
     assert job.alignments[1] is not None

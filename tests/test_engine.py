@@ -112,7 +112,7 @@ def _data(pair):
 def test_grams_taken_in_passes_equal_one_pass(pair, tmp_path, monkeypatch):
     """RegMean's Grams in several passes over the data (each batch's run paused where a pass
     ends) are the Grams of one pass."""
-    from symgraph.merging import statistics
+    from symgraph.merging.engine import sums as statistics
     passes = []
     real = statistics._passes
     monkeypatch.setattr(statistics, "_passes", lambda *a: passes.append(real(*a)) or passes[-1])
@@ -122,7 +122,7 @@ def test_grams_taken_in_passes_equal_one_pass(pair, tmp_path, monkeypatch):
         job.stats_bytes = budget
         job.align()
         from symgraph.merging.engine.statistics import StatisticsContext, take
-        from symgraph.merging.statistics import Spill
+        from symgraph.merging.engine.sums import Spill
         job.spill = Spill(str(tmp_path))
         st = take(job.how.statistic, StatisticsContext.of(job), 1)
         grams[budget] = {k: st[k] for k in st}
@@ -168,7 +168,7 @@ def test_a_merge_that_loads_the_models_says_why(tmp_path, capsys):
 def test_the_spill_deletes_only_what_it_wrote(tmp_path):
     """Statistics spilled beside the output are removed with their directory, but a file that
     something else put there stays (and so does the directory)."""
-    from symgraph.merging.statistics import Spill
+    from symgraph.merging.engine.sums import Spill
     spill = Spill(str(tmp_path))
     spill.put({"g": torch.ones(3)})
     assert torch.equal(spill.get("g"), torch.ones(3))
@@ -187,7 +187,7 @@ def test_statistics_of_a_group_merged_in_slices(pair, tmp_path, monkeypatch, met
     own shape) are read from the store slice by slice, never whole; RegMean's Grams (over a
     weight's inputs: square like a square weight, which is sliced along its outputs) whole.
     The merge is the whole computation's, byte for byte."""
-    from symgraph.merging import statistics
+    from symgraph.merging.engine import sums as statistics
     reads: list = []
     real = statistics.Spill.get
 

@@ -1,4 +1,4 @@
-"""Squared gradients out of core (:mod:`symgraph.merging.backprop`): the traced graph cut into
+"""Squared gradients out of core (:mod:`symgraph.merging.engine.gradients`): the traced graph cut into
 segments and differentiated one segment at a time gives the statistic the loaded model gives
 (Fisher's, the brute-force reference of ``statistics_reference``), whatever the budget; each
 segment holds at most the budget of weights; a tied weight's batch gradient is summed over
@@ -10,10 +10,10 @@ import torch
 
 import statistics_reference
 from symgraph.checkpoints.specs import load_local
-from symgraph.merging.backprop import plan_segments, squared_gradients
+from symgraph.merging.engine.gradients import plan_segments, squared_gradients
 from symgraph.merging.engine.statistics import StatisticsContext
 from symgraph.merging.methods.fisher import Fisher
-from symgraph.merging.statistics import Spill
+from symgraph.merging.engine.sums import Spill
 from symgraph.merging.streaming import StreamingMerge
 from symgraph.testing import models
 

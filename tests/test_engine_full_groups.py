@@ -105,7 +105,7 @@ def test_the_fit_from_checkpoints_is_the_fit_from_loaded_models(pair):
     from symgraph.alignment.fullgroups import ModelSides, fit_full_groups
     from symgraph.checkpoints.specs import load_model
     from symgraph.merging.streaming import StreamingMerge
-    from symgraph.merging.views import Folded, Ledger, Sides
+    from symgraph.merging.engine.views import Folded, Ledger, Sides
     job = StreamingMerge([str(pair / "m0"), str(pair / "m1")])
     job.align()
     al, (A, B), ledger = job.alignments[1], job.ckpts, Ledger()

@@ -218,7 +218,7 @@ def test_a_killed_runs_spilled_statistics_are_swept_too(tmp_path, capsys):
     """The statistics a merge spills beside --out (REGMEAN, Fisher, REPAIR) carry a run marker
     for no one output: closed, nothing is left; left by a dead run, the next run beside them
     removes them; this process's own, in use, are not touched."""
-    from symgraph.merging.statistics import Spill
+    from symgraph.merging.engine.sums import Spill
     spill = Spill(str(tmp_path))
     spill.put({"g": torch.ones(2, 2)})
     marker = json.loads((pathlib.Path(spill.dir) / RUN_MARKER).read_text())

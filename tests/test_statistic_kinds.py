@@ -23,7 +23,7 @@ from symgraph.merging.engine.statistics import TAKERS, StatisticsContext, Taker,
 from symgraph.merging.methods import registry
 from symgraph.merging.methods.average import Average
 from symgraph.merging.methods.fisher import Fisher, predictive_nll
-from symgraph.merging.statistics import MemorySpill, Stored
+from symgraph.merging.engine.sums import MemorySpill, Stored
 from symgraph.merging.streaming import StreamingMerge
 from symgraph.testing import models
 

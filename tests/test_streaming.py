@@ -179,7 +179,7 @@ def test_merging_in_slices_is_bit_identical(tmp_path, monkeypatch, name, stream)
     job.align()
     os.makedirs(tmp_path / "whole")
     job.write(str(tmp_path / "whole"))
-    from symgraph.merging import slicing
+    from symgraph.merging.engine import slicing
     splits, split = [], slicing.split
 
     def spy(job, names):

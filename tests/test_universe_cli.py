@@ -14,7 +14,8 @@ import symgraph
 from symgraph.checkpoints.sharded import parse_size
 from symgraph.checkpoints.specs import load_data
 from symgraph.cli.main import main
-from symgraph.merging import streaming, views
+from symgraph.merging import streaming
+from symgraph.merging.engine import views
 from symgraph.testing import models
 
 from engine_helpers import load

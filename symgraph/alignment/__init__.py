@@ -3,7 +3,13 @@ an :class:`Alignment` keyed by group id.
 
 - ``checks``      refusals before aligning (finiteness, structure, data batches)
 - ``weights``     similarity of a class from the weights, per parameter slot, cached
+- ``products``    the slot products of weight matching (views gathered, cross products in slices)
+- ``sums``        the sums weight matching owns and their Cauchy–Schwarz bounds
+- ``shared``      weight matching shared between processes (``torch.distributed``)
 - ``activations`` similarity from activations at the observation points the rules mark
+- ``graphrun``    exported graphs run op by op, each weight read when an op takes it: the one
+  runner of activations, statistics, REPAIR and learned matching
+- ``masses``      unit masses for transport between classes of different widths
 - ``schedule``    solve units (head families, single classes) and the first sweep's order
 - ``solve_unit``  one unit from its similarity matrices (nested matching for heads, any depth)
 - ``sweeps``      the coordinate-descent loop over units
@@ -15,6 +21,7 @@ an :class:`Alignment` keyed by group id.
 - ``saved``       an alignment as a safetensors file (:func:`load_alignment`)
 - ``options``     :class:`AlignOptions`: every option of :func:`align`, typed and checked once
 - ``driver``      :func:`align`
+- ``compare``     :func:`~.compare.compare`: is B a copy of A, derived from it, or unrelated
 """
 from __future__ import annotations
 

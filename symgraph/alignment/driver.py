@@ -174,7 +174,7 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
     CPU when None: where the tensors' similarities are computed); ``stats_budget``
     (bytes): statistics taken in passes and solved as each completes (see
     :func:`_with_activations`). ``full_groups`` reads the stored tensors through ``sides``
-    (see :mod:`~.fullgroups`; :class:`symgraph.merging.views.Sides` reads checkpoints), released
+    (see :mod:`~.fullgroups`; :class:`symgraph.merging.engine.views.Sides` reads checkpoints), released
     at the end. The result has no
     template (``Alignment.state`` works; ``apply`` needs a ``template``)."""
     opts = AlignOptions.build(options, **option_kw)
@@ -182,7 +182,7 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
         raise InputError("refine and rescale need the models themselves; use symgraph.align")
     if opts.full_groups and sides is None:
         raise InputError("full_groups from tensors needs sides: A's stored tensors and B's in A's basis "
-                         "(symgraph.merging.views.Sides); use symgraph.align for models")
+                         "(symgraph.merging.engine.views.Sides); use symgraph.align for models")
     if data is not None and fetch is None:
         raise InputError("activation statistics from tensors need fetch: two functions name -> tensor")
     t0 = time.perf_counter()

@@ -3,7 +3,7 @@ scaled permutation's unit scales, each head's GL map and RoPE's pair scales
 (:mod:`~symgraph.alignment.rescale`), alternated with re-solving the continuous classes.
 
 What the fit reads of the two models comes through a *sides* object, so that it runs on loaded
-models (:class:`ModelSides`) and out of core (:class:`symgraph.merging.views.Sides`, the
+models (:class:`ModelSides`) and out of core (:class:`symgraph.merging.engine.views.Sides`, the
 checkpoints read on demand) with the same numbers:
 
 - ``anchor(name)``: A's stored parameter (norm gains not folded);

@@ -8,7 +8,7 @@ Two ``save_pretrained`` directories are compared out of core (:func:`compare_che
 when loading both would take over half the available memory, or with ``--out-of-core``: B is
 aligned to A by the merge engine (:class:`~symgraph.merging.streaming.StreamingMerge`, full
 groups fitted from the stored tensors) and read into A's basis tensor by tensor
-(:class:`~symgraph.merging.views.Aligned`); the shuffled copies of the null are read the same
+(:class:`~symgraph.merging.engine.views.Aligned`); the shuffled copies of the null are read the same
 way, so no model is ever whole in memory. The verdict is the same function's
 (:func:`~symgraph.alignment.compare.judge`) on the same numbers. Models of different widths
 (e.g. another ``intermediate_size``) are compared through the transport maps on both paths
@@ -109,7 +109,7 @@ def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | No
                                      tolerance, width_refusal)
     from ..errors import InputError, StructureMismatchError
     from ..merging.streaming import Checkpoint, StreamingMerge
-    from ..merging.views import Aligned
+    from ..merging.engine.views import Aligned
     threshold = THRESHOLD if threshold is None else threshold
     alpha = ALPHA if alpha is None else alpha
     check_options(null, threshold)

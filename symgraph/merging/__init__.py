@@ -1,18 +1,22 @@
 """Merging: align N models to an anchor (or into a shared universe), then combine with a
 registered method, in memory or out of core, on one engine.
 
-- ``config``, ``rules``, ``options``  the one frozen :class:`~.config.MergeConfig` every entry
-  takes (command line, YAML, :func:`merge`, :func:`~.run.merge_checkpoints`), its rules between
-  options (its validator) and the flags derived from it
-- ``run``       :func:`~.run.run_merge`, the one merge entry of a config
-- ``registry``  :class:`MergeMethod` (its typed ``Parameters``) and ``@register(name)``; every
-  file in ``methods/`` is discovered
-- ``engine.statistics``  the statistics a method may declare (:class:`InputGrams`,
-  :class:`SquaredGradients`), which the engine takes out of core
-- ``average``, ``fisher``, ``regmean``  one method each
-- ``driver``    :func:`merge` and :class:`MergeResult`
-- ``streaming`` the merge engine; ``universe`` / ``universe_stream``: the shared universe in
-  memory / as rounds of engine plans out of core
+- ``config``         the one frozen :class:`~.config.MergeConfig` every entry takes (command line,
+  YAML, :func:`merge`, :func:`symgraph.merge_checkpoints`, the engine) and its rules, its validator
+- ``methods``        the methods: :class:`MergeMethod` (typed ``Parameters``, a declared
+  ``statistic``, ``combine_group``) and ``@register(name)``; one file per method
+- ``engine``         the plan and its executor, the statistics' vocabulary and takers, the budget's
+  views and ledger
+- ``streaming``      :class:`~.streaming.StreamingMerge`: a merge's steps over checkpoints or models
+  (plan, align, statistics, REPAIR, write), from one config
+- ``driver``         :func:`merge` and :class:`MergeResult`: models in memory, aligned, then the engine
+- ``learned``        learned matching out of core: the segmented graph as the loop's objective
+- ``repair``         REPAIR's sites, moments and corrections, and its report
+- ``repair_stream``  REPAIR as the engine's step, BatchNorm resets in the same pass
+- ``universe``       the shared universe: rounds of engine plans (in memory and out of core)
+- ``universe_stream`` the universe out of core: its rounds' means written within the budget
+- ``circuits``       circuit-space heads: the parents' QK and OV forms, as the engine's combine
+- ``untie``          tied parameters given their own tensors (models and checkpoints)
 """
 from __future__ import annotations
 

@@ -40,10 +40,10 @@ from ..errors import InputError, NeedsMemory, TraceError
 from ..passes.trace import output_positions, trace
 from ..transform.apply import move_piece
 from ..transform.folding import for_reader, members
-from .segments import Kept, Segment, backward_span, live_after, output_node, plan_segments
-from .slicing import identity_elements
-from .statistics import Spill
-from .views import Ledger, elements_on, nbytes
+from .engine.segments import Kept, Segment, backward_span, live_after, output_node, plan_segments
+from .engine.slicing import identity_elements
+from .engine.sums import Spill
+from .engine.views import Ledger, elements_on, nbytes
 
 __all__ = ["Learning", "refined", "check_budget"]
 

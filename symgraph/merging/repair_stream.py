@@ -49,7 +49,7 @@ from ..transform.folding import groups
 from ..core.progress import bar
 from .repair import (BatchNormReset, Moments, RepairLayer, RepairReport, batchnorm_layers, batchnorm_statistics,
                      correction, find_sites, layer_errors)
-from .views import Aligned, Ledger, _Cache, nbytes
+from .engine.views import Aligned, Ledger, _Cache, nbytes
 
 __all__ = ["RepairContext", "check", "repair", "batchnorm_nodes"]
 

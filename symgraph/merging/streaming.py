@@ -6,14 +6,14 @@ Its steps, in :class:`StreamingMerge`:
    complete from their headers, their model built on the ``meta`` device for the analysis;
 2. **align** — every other checkpoint is solved against the anchor by weight matching
    (:func:`symgraph.alignment.driver.align_tensors`) through lazy, norm-folded views
-   (:class:`~symgraph.merging.views.Folded`), or by activations: the graphs of the anchor and
+   (:class:`~symgraph.merging.engine.views.Folded`), or by activations: the graphs of the anchor and
    the other model run side by side on the data, op by op, each weight read when an op takes
    it (:class:`~symgraph.alignment.graphrun.Stepper`); with ``refine=N``, learned matching
    from the better of the activation and weight alignments, the model between the two
    differentiated segment by segment (:mod:`.learned`); full groups then fitted from the
    stored tensors (:class:`~.views.Sides`);
 3. **statistics** — the merge method's (RegMean's input Grams, Fisher's squared gradients)
-   are taken out of core and spilled to disk (:mod:`symgraph.merging.statistics`);
+   are taken out of core and spilled to disk (:mod:`symgraph.merging.engine.sums`);
 4. **read, carry, combine, write** — one tensor group at a time (a norm fold's gain, shift and
    readers together; every other tensor alone), each model's tensors are read, put on the
    device, carried into the anchor's basis, combined by the method
@@ -26,7 +26,7 @@ on (an embedding's and LM head's vocabulary), bit for bit the whole computation,
 working copies never exist whole. Floating-point buffers a class moves (BatchNorm's running
 statistics) are moved and combined like the weights (all floating-point buffers without
 alignment); other buffers are the anchor's. The caches, a pass of statistics and a group's
-working copies are sized from one memory budget (:func:`budgets`); :class:`~symgraph.merging.views.Ledger`
+working copies are sized from one memory budget (:func:`budgets`); :class:`~symgraph.merging.engine.views.Ledger`
 counts the bytes held.
 
 :func:`~symgraph.app.run.merge_checkpoints` is the Python entry; ``symgraph merge`` runs every
@@ -50,11 +50,12 @@ from ..checkpoints.sharded import Checkpoint, KeysDiffer, ShardWriter, parse_siz
 from .methods import registry
 from .methods.registry import mixing_weights
 from .config import MergeConfig, engine_config, solver_options
-from . import repair_stream, slicing
-from .sinks import Into, write_config
-from .statistics import MemorySpill, Spill
+from . import repair_stream
+from .engine import slicing
+from .engine.sinks import Into, write_config
+from .engine.sums import MemorySpill, Spill
 from .untie import untie_checkpoint, untie_config_updates
-from .views import DEFAULT_CACHE, Folded, Ledger, Sides, return_freed_memory
+from .engine.views import DEFAULT_CACHE, Folded, Ledger, Sides, return_freed_memory
 from .engine import Executor, Plan, build_plan
 from .engine.statistics import StatisticsContext, take
 

@@ -31,7 +31,7 @@ from ..core.files import identity, remove_own
 from ..transform.folding import gauge
 from .streaming import StreamingMerge
 from .universe import run_rounds, universe_options
-from .views import Folded, Sides
+from .engine.views import Folded, Sides
 
 __all__ = ["align_universe_streamed", "SCRATCH_PREFIX"]
 

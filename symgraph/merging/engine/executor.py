@@ -7,7 +7,7 @@ a map acts), combined by the method's ``combine_group`` in the work dtype (float
 float64 checkpoints) with the statistics sliced alike, cast to the anchor checkpoint's dtype for
 that tensor, corrected where a step of the plan made a correction (REPAIR), checked finite and
 given to a sink (:class:`~symgraph.checkpoints.sharded.ShardWriter` or a model in memory).
-Every working copy is counted by the :class:`~symgraph.merging.views.Ledger` while held and
+Every working copy is counted by the :class:`~symgraph.merging.engine.views.Ledger` while held and
 dropped after its last use. The method sees only tensors, never the executor.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ...core.finite import all_finite
 from ...core.progress import bar as progress_bar
 from ...errors import InputError
 from ...transform.apply import move
-from ..views import Sliced, elements_on, nbytes
+from .views import Sliced, elements_on, nbytes
 
 __all__ = ["Executor"]
 
@@ -62,7 +62,7 @@ class Executor:
 
     def pieces(self, names, split):
         """``(name, value)`` of the merged ``names`` in write order: whole, or slice by slice
-        (``split``: see :func:`~symgraph.merging.slicing.split`), so that memory holds a few
+        (``split``: see :func:`~symgraph.merging.engine.slicing.split`), so that memory holds a few
         slices of a large tensor in the work dtype (others of its group assembled in the
         anchor's dtype), not several whole copies."""
         if split is None:

@@ -3,17 +3,17 @@
 A :class:`GroupTask` writes one or more of the anchor checkpoint's keys: the parameters merged
 together for them (a norm fold's gain, shift and readers; any other tensor alone), read from
 every model, or — ``names`` None — the anchor's own tensor (a buffer no class moves), and how
-it is computed in slices when it is large (:func:`~symgraph.merging.slicing.split`). The
+it is computed in slices when it is large (:func:`~symgraph.merging.engine.slicing.split`). The
 :class:`Plan` holds the tasks in the anchor's key order and the output's layout (each key's
 shape and dtype as written); the :class:`~.executor.Executor` runs it. Built by
 :func:`build_plan` from the engine's state once its alignment is known; the smallest budget a
-plan fits in is checked before any alignment (:func:`~symgraph.merging.slicing.check_floor`).
+plan fits in is checked before any alignment (:func:`~symgraph.merging.engine.slicing.check_floor`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import slicing
+from . import slicing
 
 __all__ = ["GroupTask", "Plan", "build_plan"]
 
@@ -21,7 +21,7 @@ __all__ = ["GroupTask", "Plan", "build_plan"]
 @dataclass(frozen=True)
 class GroupTask:
     """Writes the anchor's ``keys``: the merge of ``names`` (None: the anchor's own tensor of
-    ``keys[0]``), whole or in slices (``split``, see :func:`~symgraph.merging.slicing.split`)."""
+    ``keys[0]``), whole or in slices (``split``, see :func:`~symgraph.merging.engine.slicing.split`)."""
     keys: tuple
     names: tuple | None = None
     split: tuple | None = None

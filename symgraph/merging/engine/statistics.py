@@ -8,11 +8,11 @@ the checkpoints, alignments, data, device, budget, ledger and spill), never from
 
 * :class:`InputGrams` — per linear weight, ``Σ x xᵀ`` (float64) of its input over the data
   (RegMean's), by the op-by-op run of the anchor's graph on each model carried into the
-  anchor's basis (:func:`~symgraph.merging.statistics.input_grams`); in a model's own basis a
+  anchor's basis (:func:`~symgraph.merging.engine.sums.input_grams`); in a model's own basis a
   Gram moves as ``M G Mᵀ`` (a permutation: ``G[p][:, p]``).
 * :class:`SquaredGradients` — per parameter, ``Σ_batches (∂ loss / ∂ w)²`` of a declared
   function of the logits (Fisher's), the graph differentiated segment by segment
-  (:func:`~symgraph.merging.backprop.squared_gradients`); it moves with the squared map
+  (:func:`~symgraph.merging.engine.gradients.squared_gradients`); it moves with the squared map
   ``M ⊙ M``.
 
 A new kind is one frozen dataclass and one taker registered for its class with
@@ -25,8 +25,8 @@ from typing import Any, ClassVar
 
 from ...errors import InputError
 from ...transform.apply import map_parameters
-from ..backprop import budget_floor, squared_gradients
-from ..statistics import Stored, input_grams
+from .gradients import budget_floor, squared_gradients
+from .sums import Stored, input_grams
 
 __all__ = ["InputGrams", "SquaredGradients", "StatisticsContext", "Taker", "TAKERS", "takes", "take", "floor",
            "check_kind"]

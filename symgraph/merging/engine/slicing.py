@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..checkpoints.outdir import human_bytes as hb
-from ..checkpoints.sharded import parse_size
-from ..core.elements import Perm
-from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
-from ..errors import InputError
-from ..transform.folding import groups
-from .engine.statistics import StatisticsContext, floor
+from ...checkpoints.outdir import human_bytes as hb
+from ...checkpoints.sharded import parse_size
+from ...core.elements import Perm
+from ...core.groups import PERMUTATION_FAMILY, orthogonal_part
+from ...errors import InputError
+from ...transform.folding import groups
+from .statistics import StatisticsContext, floor
 
 __all__ = ["split", "units", "check_floor", "identity_elements"]
 

@@ -29,11 +29,11 @@ import math
 
 import torch
 
-from ..alignment.checks import batch_inputs, by_shape
-from ..alignment.graphrun import flatten_for, runnable
-from ..core import distributed
+from ...alignment.checks import batch_inputs, by_shape
+from ...alignment.graphrun import flatten_for, runnable
+from ...core import distributed
 from .segments import Kept, Segment, backward_span, live_after, output_node, plan_segments
-from .statistics import Stored
+from .sums import Stored
 from .views import Aligned, nbytes
 
 __all__ = ["squared_gradients", "plan_segments", "budget_floor"]

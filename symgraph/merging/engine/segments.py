@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from ..alignment.graphrun import Stepper
+from ...alignment.graphrun import Stepper
 from .views import nbytes
 
 __all__ = ["plan_segments", "Segment", "Kept", "backward_span", "leaf", "tensors_in", "output_node",
@@ -94,7 +94,7 @@ def live_after(pos: dict, node, stop: int) -> bool:
 
 class Kept:
     """The values crossing each cut, per batch: held while they fit ``room`` bytes (counted in
-    ``ledger``), the rest written to ``spill`` (a :class:`~symgraph.merging.statistics.Spill`;
+    ``ledger``), the rest written to ``spill`` (a :class:`~symgraph.merging.engine.sums.Spill`;
     one file per batch and cut) and read back onto ``device`` when asked for. A model's depth
     then costs disk, not memory."""
 

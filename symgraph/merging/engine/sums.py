@@ -4,11 +4,11 @@ engine's vocabulary of statistics (:mod:`symgraph.merging.engine.statistics`).
 :func:`input_grams` takes **sums over data at the inputs of linear maps** (the
 :class:`~symgraph.merging.engine.statistics.InputGrams` kind, RegMean's): the anchor's traced
 graph runs op by op on each model's tensors carried into the anchor's basis
-(:class:`~symgraph.merging.views.Aligned`), each weight read when an op takes it
+(:class:`~symgraph.merging.engine.views.Aligned`), each weight read when an op takes it
 (:class:`~symgraph.alignment.graphrun.Stepper`); the inputs are taken in passes whose Grams fit
 the budget, every batch's run paused where a pass ends and resumed by the next (each op runs
 once per batch), and a pass's Grams are written to disk as it ends. Squared gradients are
-:mod:`symgraph.merging.backprop`'s.
+:mod:`symgraph.merging.engine.gradients`'s.
 
 :class:`Spill` is the disk store: safetensors files in a temporary directory beside the
 output's, read back one tensor at a time by the combine step (:class:`MemorySpill` keeps them
@@ -24,12 +24,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..alignment.checks import batch_inputs, by_shape
-from ..alignment.graphrun import Stepper, flatten_for, runnable
-from ..core import distributed
-from ..checkpoints.leftovers import RUN_MARKER, mark_run
-from ..core.files import file_id, identity, remove_own
-from ..core.progress import bar
+from ...alignment.checks import batch_inputs, by_shape
+from ...alignment.graphrun import Stepper, flatten_for, runnable
+from ...core import distributed
+from ...checkpoints.leftovers import RUN_MARKER, mark_run
+from ...core.files import file_id, identity, remove_own
+from ...core.progress import bar
 from .views import Aligned, nbytes
 
 __all__ = ["Spill", "MemorySpill", "Stored", "input_grams"]

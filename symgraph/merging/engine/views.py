@@ -15,10 +15,10 @@ from dataclasses import replace
 
 import torch
 
-from ..alignment.weights import WeightFeatures
-from ..transform import folding
-from ..transform.apply import move
-from ..transform.folding import groups, members
+from ...alignment.weights import WeightFeatures
+from ...transform import folding
+from ...transform.apply import move
+from ...transform.folding import groups, members
 
 __all__ = ["Folded", "Aligned", "Sides", "Ledger", "Sliced", "nbytes", "elements_on", "fit_dtype", "DEFAULT_CACHE",
            "return_freed_memory"]
@@ -33,7 +33,7 @@ def nbytes(t) -> int:
 
 def elements_on(elements: dict, device) -> dict:
     """An alignment's ``elements`` with their tensors on ``device`` (the engine computes there)."""
-    from ..core.elements import Map, Perm
+    from ...core.elements import Map, Perm
     out = {}
     for k, e in elements.items():
         if isinstance(e, Perm):
