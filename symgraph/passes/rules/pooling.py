@@ -1,5 +1,6 @@
 """Rules for ops that act on the trailing spatial axes of every channel alike: pooling,
-reflection / replication padding, upsampling.
+reflection / replication padding, upsampling, sampling at given positions (``grid_sampler_2d``,
+deformable attention: the batch axis is shared with the positions, whose coordinates are fixed).
 
 Each leading axis (batch, channels) passes through: the op is applied to every channel's
 spatial slice separately, so a map along the channels commutes with it when the per-slice
@@ -58,3 +59,15 @@ def spatial(ctx):
                                         "per channel, not linear")
                  for a, n in zip(lead, shape) if n > 1]
     return cons
+
+
+@register([p for p in (getattr(aten, "grid_sampler_2d", None),) if p is not None])
+def grid_sample(ctx):
+    """``out[n, c] = K(grid[n]) · x[n, c]``: linear in each channel's slice with one kernel for
+    every channel, so any map of the channels passes; ``n`` indexes the positions too."""
+    x, grid = ctx.arg(0), ctx.arg(1)
+    xa, ga, out = ctx.axes(x), ctx.axes(grid), ctx.out
+    why = f"{ctx.where}: sampled positions of grid_sampler_2d"
+    cons = [Unify(out[0], xa[0]), Unify(ga[0], xa[0]), Unify(out[1], xa[1])]
+    cons += [Meet(a, "identity", why) for a in (*xa[2:], *ga[1:], *out[2:])]
+    return cons + [NoFiber(xa[1], s) for s in xa[2:]]
