@@ -88,17 +88,8 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
                      **_from_config(config, list(models), data, given, align_options))
     t0 = time.perf_counter()
     models, data = list(models), (list(data) if data is not None else None)
-    if attention not in ("heads", "circuits"):
-        raise InputError(f"attention={attention!r}; expected 'heads' or 'circuits'")
-    if untie:
-        from .untie import untie as untie_model
-        models = [untie_model(m) for m in models]
-    how = registry.get(method, **(method_options or {}))
-    if attention == "circuits" and (how.name != "average" or repair or anchor == "universe"):
-        raise InputError("attention='circuits' merges by weighted averaging to one anchor; expected "
-                         "method='average' without repair or a universe")
-    align, w = _check_arguments(models, how, align, data, weights, repair)
-    anchor = _check_anchor(anchor, len(models), align, universe_options)
+    models, how, align, w, anchor = _checked(models, method, method_options, align, data, weights, repair,
+                                             anchor, universe_options, attention, untie)
     inputs = data[0] if inputs is None and data is not None else inputs
     A = models[0 if anchor == "universe" else anchor]
     ra = analyze(A, inputs, fold_norms=align_options.get("fold_norms", True),
@@ -110,18 +101,9 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         found, universe = align_universe(models, inputs, ra, align, data, w, universe_options,
                                          progress, **align_options)
         timings["align"] = universe["seconds"]
-    alignments: list = []
-    bar = progress_bar(models, desc=f"aligning (align={align})", unit="model", enabled=progress and align is not None)
-    for i, m in enumerate(bar):
-        t1 = time.perf_counter()
-        al = found[i] if found else None
-        if al is None and i != anchor and align is not None:
-            al = align_models(A, m, inputs, data=data if align == "activations" or align_options.get("refine")
-                              else None, report_a=ra, **align_options)
-        elif i != anchor and align is None:
-            _check_same_shapes(A, m, i)
-        alignments.append(al)
-        timings["align"] += time.perf_counter() - t1
+    t1 = time.perf_counter()
+    alignments = found or _aligned(models, A, ra, inputs, align, data, anchor, progress, align_options)
+    timings["align"] += time.perf_counter() - t1 if not found else 0.0
     t3 = time.perf_counter()
     if attention == "circuits" and why_no_config(A, len(models)):  # a traced program widened: in memory only
         out = _circuits_without_config(models, alignments, w, anchor, ra)
@@ -130,14 +112,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         return MergeResult(out, alignments, timings, None, universe)
     job = _engine(models, how, align, anchor, w, data, repair, attention, align_options)
     job.use(ra, alignments)
-    out, finish = _output_model(job, A)
-    targets = out.state_dict(keep_vars=True)
-
-    def put(key, t):
-        with torch.no_grad():
-            targets[key].copy_(t)
-    job.write_into(put, device=_device(A))
-    finish(out)
+    out = _written(job, A)
     timings["statistics"] = job.timings.get("statistics", 0.0)
     timings["combine"] = time.perf_counter() - t3 - timings["statistics"]
     repaired = job.repair_report
@@ -146,6 +121,53 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         timings["repair"] = repaired.seconds
     timings["total"] = time.perf_counter() - t0
     return MergeResult(out, alignments, timings, repaired, universe)
+
+
+def _checked(models, method, method_options, align, data, weights, repair, anchor, universe_options, attention,
+             untie) -> tuple:
+    """``(models, method, align, weights, anchor)`` checked: the models untied if asked, the
+    method built, the alignment mode, the normalised mixing weights and the anchor."""
+    if attention not in ("heads", "circuits"):
+        raise InputError(f"attention={attention!r}; expected 'heads' or 'circuits'")
+    if untie:
+        from .untie import untie as untie_model
+        models = [untie_model(m) for m in models]
+    how = registry.get(method, **(method_options or {}))
+    if attention == "circuits" and (how.name != "average" or repair or anchor == "universe"):
+        raise InputError("attention='circuits' merges by weighted averaging to one anchor; expected "
+                         "method='average' without repair or a universe")
+    align, w = _check_arguments(models, how, align, data, weights, repair)
+    return models, how, align, w, _check_anchor(anchor, len(models), align, universe_options)
+
+
+def _aligned(models, A, ra, inputs, align, data, anchor, progress, align_options) -> list:
+    """One :class:`~symgraph.Alignment` per model into ``A``'s basis (None for the anchor, and for
+    every model without alignment, whose shapes must then be the anchor's)."""
+    alignments: list = []
+    bar = progress_bar(models, desc=f"aligning (align={align})", unit="model", enabled=progress and align is not None)
+    for i, m in enumerate(bar):
+        al = None
+        if i != anchor and align is not None:
+            al = align_models(A, m, inputs, data=data if align == "activations" or align_options.get("refine")
+                              else None, report_a=ra, **align_options)
+        elif i != anchor:
+            _check_same_shapes(A, m, i)
+        alignments.append(al)
+    return alignments
+
+
+def _written(job, A):
+    """The merged model: the engine's every merged tensor written into a copy of ``A`` (or the
+    model of wider heads circuit space builds)."""
+    out, finish = _output_model(job, A)
+    targets = out.state_dict(keep_vars=True)
+
+    def put(key, t):
+        with torch.no_grad():
+            targets[key].copy_(t)
+    job.write_into(put, device=_device(A))
+    finish(out)
+    return out
 
 
 def _from_config(config, models, data, given: dict, align_options: dict) -> dict:
