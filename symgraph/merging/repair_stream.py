@@ -49,7 +49,7 @@ from ..transform.folding import groups
 from ..core.progress import bar
 from .repair import (BatchNormReset, Moments, RepairLayer, RepairReport, batchnorm_layers, batchnorm_statistics,
                      correction, find_sites, layer_errors)
-from .engine.views import Aligned, Ledger, _Cache, nbytes
+from .engine.views import Aligned, Ledger, TensorCache, nbytes
 
 __all__ = ["RepairContext", "check", "repair", "batchnorm_nodes"]
 
@@ -169,7 +169,7 @@ class _Merged:
     def __init__(self, ctx: RepairContext):
         self.ctx, self.params = ctx, set(ctx.graph_report.parameters)
         self.fixes: dict = {}  # the corrections registered through this view
-        self._cache = _Cache(ctx.cache_bytes, ctx.ledger)
+        self._cache = TensorCache(ctx.cache_bytes, ctx.ledger)
 
     def fetch(self, name):
         n = self.ctx.merged_name(name)

@@ -20,8 +20,8 @@ from ...transform import folding
 from ...transform.apply import move
 from ...transform.folding import groups, members
 
-__all__ = ["Folded", "Aligned", "Sides", "Ledger", "Sliced", "nbytes", "elements_on", "fit_dtype", "DEFAULT_CACHE",
-           "return_freed_memory"]
+__all__ = ["Folded", "TensorCache", "Aligned", "Sides", "Ledger", "Sliced", "nbytes", "elements_on", "fit_dtype",
+           "DEFAULT_CACHE", "return_freed_memory"]
 
 DEFAULT_CACHE = 64 << 20  # bytes of folded tensors kept per model while aligning (about a layer of 1.1B's MLP)
 
@@ -62,7 +62,7 @@ class Ledger:
         self.now -= int(n)
 
 
-class _Cache:
+class TensorCache:
     """Most recently used ``name -> tensor`` up to ``budget`` bytes (a larger tensor is not
     kept), its bytes counted in ``ledger``."""
 
@@ -116,8 +116,8 @@ class Folded(Mapping):
                  device=None, ledger: Ledger | None = None):
         self.report, self.ckpt, self.dtype, self.device = report, ckpt, dtype, device
         self.folds = {n: f for f in report.folds for n in members(f)}
-        self._cache = _Cache(budget, ledger)
-        self._near = _Cache(min(budget, DEFAULT_CACHE), ledger) if device is not None else None
+        self._cache = TensorCache(budget, ledger)
+        self._near = TensorCache(min(budget, DEFAULT_CACHE), ledger) if device is not None else None
         self._pin = device is not None and torch.device(device).type == "cuda"
 
     def _host(self, name):
@@ -178,7 +178,7 @@ class Aligned:
         self.report = alignment.report_b if alignment is not None else report
         self.units = groups(self.report.folds) if alignment is not None else {}
         self.known = set(self.report.parameters) | set(self.report.buffers) if self.report is not None else set()
-        self._cache = _Cache(budget, ledger)
+        self._cache = TensorCache(budget, ledger)
 
     def _name(self, name):
         """The report's name of graph attribute ``name`` (a tied parameter goes by several)."""
@@ -227,7 +227,7 @@ class Sides:
         self.A, self.ckpt, self.folded, self.device = anchor, ckpt, tuple(folded), device
         self.budget, self.ledger = budget, ledger or Ledger()
         self.work = fit_dtype(anchor, ckpt)
-        self._a = _Cache(budget, self.ledger)
+        self._a = TensorCache(budget, self.ledger)
         self._view: Aligned | None = None
 
     def anchor(self, name):
