@@ -85,7 +85,8 @@ def argmax(ctx):
                    ctx.out, kind="identity", what="arg-reduction")
 
 
-@register([aten.sum.default, aten.mean.default, aten.amax.default, aten.max.default])
+# amax's one overload (``amax.default``) takes ``dim`` (reduce_dims); max.default is over all
+@register([aten.sum.default, aten.mean.default, aten.max.default])
 def reduce_all(ctx):
     return _reduce(ctx, ctx.arg(0), None, False, ctx.out,
                    linear=ctx.node.target.overloadpacket in _LINEAR)
