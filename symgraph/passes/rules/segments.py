@@ -391,3 +391,18 @@ def masked_scatter(ctx):
     if rows:
         cons.append(Unify(sa[-1], xa[-1]))
     return cons + [Meet(a, "identity", why) for a in [*xa, *ma, *sa, *out] if a not in keep]
+
+
+@register([aten.unfold])
+def sliding_windows(ctx):
+    # x.unfold(d, size, step): axis d becomes the windows' index and a new last axis the position
+    # in each window, both read along d in order (fixed, as flip's); the other axes pass through
+    # and their elements may not vary along d (windows overlap).
+    x = ctx.arg(0)
+    xa = ctx.axes(x)
+    d = dim(ctx.arg(1), len(xa))
+    out = ctx.out
+    cons = [Unify(out[k], xa[k]) for k in range(len(xa)) if k != d]
+    cons += [Meet(a, "identity", f"{ctx.where}: sliding windows along this axis")
+             for a in (xa[d], out[d], out[-1])]
+    return cons + [NoFiber(xa[k], xa[d]) for k in range(len(xa)) if k != d]
