@@ -132,7 +132,7 @@ def merge_once(pair, align, device, out, load_check, probe_args, staged=None, bu
     job = res.job
     al = job.alignments[1] if align != "none" else None
     cuda = device.type == "cuda"
-    rec.update(mode=res.mode, timings=dict(job.timings), ledger_peak_gb=job.ledger.peak / GB,
+    rec.update(mode=res.mode, timings=dict(job.timings), ledger_peak_gb=job.resources.ledger.peak / GB,
                align_seconds={k: v for k, v in (al.seconds if al else {}).items() if isinstance(v, (int, float))},
                peak_gpu_allocated_gb=torch.cuda.max_memory_allocated(device) / GB if cuda else None,
                peak_gpu_reserved_gb=torch.cuda.max_memory_reserved(device) / GB if cuda else None,

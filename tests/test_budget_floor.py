@@ -47,7 +47,7 @@ def peaks(monkeypatch):
 
     def write(self, directory):
         info = real(self, directory)
-        out.append(self.ledger.peak)
+        out.append(self.resources.ledger.peak)
         return info
     monkeypatch.setattr(StreamingMerge, "write", write)
     return out
@@ -120,7 +120,7 @@ def test_the_floor_is_the_engines_own_count_before_alignment(pair):
     job.config = job.config.model_copy(update={"memory_budget": "37.2kB"})
     with pytest.raises(InputError, match=r"holds at once: 37.3 kB for 'model\.layers\.\d\.post_attention"):
         slicing.check_floor(job, budgets)
-    assert job.ledger.peak == 37248  # three float32 copies of a norm gain with the gate and up projections
+    assert job.resources.ledger.peak == 37248  # three float32 copies of a norm gain with the gate and up projections
 
 
 def test_fishers_largest_op_is_its_own_floor(tmp_path_factory, capsys, peaks):

@@ -58,11 +58,10 @@ def test_merge_holds_one_group_of_tensors_at_a_time(monkeypatch):
     a, b = _pair(torch.bfloat16)
     symgraph.merge([a, b])
     (job,) = jobs
-    largest = max(sum(4 * a.get_parameter(n).numel() for n in job_names) for _, task in job._order() if task
-                  for job_names in [task[0]])
+    largest = max(sum(4 * a.get_parameter(n).numel() for n in task.names) for task in job.plan().tasks if task.names)
     parent = sum(p.numel() * p.element_size() for p in a.parameters())
-    assert 0 < job.ledger.peak <= 3 * largest  # two models' copies of a group and its merge
-    assert job.ledger.peak < parent  # less than one bf16 parent, let alone two float32 states
+    assert 0 < job.resources.ledger.peak <= 3 * largest  # two models' copies of a group and its merge
+    assert job.resources.ledger.peak < parent  # less than one bf16 parent, let alone two float32 states
 
 
 def test_nothing_is_created_on_the_default_device():

@@ -98,8 +98,8 @@ def test_the_engine_holds_no_more_than_its_budget(pair, tmp_path, method):
         job.align()
         os.makedirs(tmp_path / budget)
         job.write(str(tmp_path / budget))
-        assert 0 < job.ledger.peak <= {"128KB": 128 << 10, "1MB": 1 << 20}[budget]
-        assert job.ledger.now == 0  # everything it held was let go
+        assert 0 < job.resources.ledger.peak <= {"128KB": 128 << 10, "1MB": 1 << 20}[budget]
+        assert job.resources.ledger.now == 0  # everything it held was let go
         tensors[budget] = _load(tmp_path / budget)
     assert _rel(tensors["128KB"], tensors["1MB"]) < 1e-6
 
@@ -119,7 +119,7 @@ def test_grams_taken_in_passes_equal_one_pass(pair, tmp_path, monkeypatch):
     grams = {}
     for budget in (1 << 10, 1 << 30):
         job = StreamingMerge([str(pair / "m0"), str(pair / "m1")], method="regmean", data=_data(pair))
-        job.stats_bytes = budget
+        job.resources.stats_bytes = budget
         job.align()
         from symgraph.merging.engine.statistics import StatisticsContext, take
         from symgraph.merging.engine.sums import Spill
@@ -200,7 +200,7 @@ def test_statistics_of_a_group_merged_in_slices(pair, tmp_path, monkeypatch, met
     for chunk in (1 << 30, 1000):
         job = StreamingMerge([str(pair / "m0"), str(pair / "m1")], method=method, data=_data(pair), align="none")
         job.align()
-        job.chunk_bytes = chunk
+        job.resources.chunk_bytes = chunk
         reads.clear()
         os.makedirs(tmp_path / str(chunk))
         job.write(str(tmp_path / str(chunk)))

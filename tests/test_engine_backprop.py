@@ -65,7 +65,7 @@ def test_segments_give_the_loaded_models_squared_gradients(pair, tmp_path, align
         ref = _loaded(job, i)
         assert len(ref) >= 20 and all(v.dtype == torch.float64 for v in ref.values())
         for budget in (4 << 10, 1 << 30):
-            job.stats_bytes = budget
+            job.resources.stats_bytes = budget
             got = _stats(job, i, tmp_path)
             assert set(got) == set(ref)
             for k, v in ref.items():

@@ -94,8 +94,8 @@ def test_the_circuit_merge_holds_no_more_than_its_budget(pair, tmp_path):
     job = StreamingMerge([str(pair / "m0"), str(pair / "m1")], attention="circuits", memory_budget=budget)
     job.align()
     job.write(str(tmp_path))
-    assert 0 < job.ledger.peak <= budget
-    assert job.ledger.now == 0  # everything it held was let go
+    assert 0 < job.resources.ledger.peak <= budget
+    assert job.resources.ledger.now == 0  # everything it held was let go
     assert json.load(open(tmp_path / "config.json"))["head_dim"] == 16
 
 

@@ -64,7 +64,7 @@ def test_a_transformed_copy_merges_back_out_of_core_within_the_budget(pair, tmp_
     job = _streamed([pair / "m0", pair / "t0"], tmp_path / "full")
     A, merged = _load(pair / "m0"), _load(tmp_path / "full")
     assert _rel(merged, A) < 1e-5
-    assert 0 < job.ledger.peak <= parse_size(BUDGET) and job.ledger.now == 0
+    assert 0 < job.resources.ledger.peak <= parse_size(BUDGET) and job.resources.ledger.now == 0
     _streamed([pair / "m0", pair / "t0"], tmp_path / "orth", full=False)
     assert _rel(_load(tmp_path / "orth"), A) > 1e-3  # the orthogonal solve alone is not exact
 
@@ -79,7 +79,7 @@ def test_relu_unit_scales_are_fitted_out_of_core(tmp_path):
     job = _streamed([tmp_path / "a", tmp_path / "b"], tmp_path / "o")
     assert any(str(v).endswith("unit scales") for v in job.alignments[1].full_groups.values())
     assert _rel(_load(tmp_path / "o"), _load(tmp_path / "a")) < 1e-5
-    assert job.ledger.now == 0
+    assert job.resources.ledger.now == 0
 
 
 def test_align_tensors_needs_the_stored_tensors_for_full_groups():

@@ -67,10 +67,10 @@ def test_repair_holds_no_more_than_its_budget(pair, tmp_path):
     job.align()
     os.makedirs(tmp_path / "o")
     job.write(str(tmp_path / "o"))
-    assert 0 < job.ledger.peak <= 256 << 10
-    assert job.ledger.now == 0
+    assert 0 < job.resources.ledger.peak <= 256 << 10
+    assert job.resources.ledger.now == 0
     llama = "llama" in str(pair)  # gate and up without biases; GPT-2's c_fc with one
-    assert len(job.repair_report.layers) == (4 if llama else 2) and len(job.corrections) == 4
+    assert len(job.repair_report.layers) == (4 if llama else 2) and len(job.transforms.corrections) == 4
 
 
 @pytest.mark.slow  # the aligned case runs by default, here and in tests/test_engine.py

@@ -93,11 +93,11 @@ def test_untie_runs_out_of_core_and_equals_in_memory(pair, tmp_path, method, cap
 
 def test_the_untied_engine_holds_no_more_than_its_budget(pair, tmp_path):
     job = StreamingMerge([str(pair / "m0"), str(pair / "m1")], memory_budget="256KB", untie=True)
-    assert job.config_updates == {"tie_word_embeddings": False}
+    assert job.transforms.config_updates == {"tie_word_embeddings": False}
     job.align()
     job.write(str(tmp_path))
-    assert 0 < job.ledger.peak <= parse_size("256KB")
-    assert job.ledger.now == 0  # everything it held was let go
+    assert 0 < job.resources.ledger.peak <= parse_size("256KB")
+    assert job.resources.ledger.now == 0  # everything it held was let go
     assert HEAD in _load(tmp_path)
 
 

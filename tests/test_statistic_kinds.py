@@ -107,7 +107,7 @@ def test_a_method_declaring_input_grams_runs_out_of_core_as_regmean(llamas, tmp_
                              memory_budget="256KB")
         (tmp_path / name).mkdir()
         job.write(str(tmp_path / name))
-        assert 0 < job.ledger.peak <= 256 << 10 and job.ledger.now == 0
+        assert 0 < job.resources.ledger.peak <= 256 << 10 and job.resources.ledger.now == 0
         out[name] = load(tmp_path / name)
     assert rel(out["mine"], out["regmean"]) < 1e-6
 

@@ -188,7 +188,7 @@ def test_merging_in_slices_is_bit_identical(tmp_path, monkeypatch, name, stream)
         splits.append(s)
         return s
     monkeypatch.setattr(slicing, "split", spy)
-    job.chunk_bytes = 1000  # what a memory budget of about 6 KB gives two models
+    job.resources.chunk_bytes = 1000  # what a memory budget of about 6 KB gives two models
     os.makedirs(tmp_path / "sliced")
     job.write(str(tmp_path / "sliced"))
     done = [s for s in splits if s is not None]

@@ -56,7 +56,7 @@ def test_the_universe_rounds_hold_no_more_than_the_budget(trio):
     root, _ = trio
     job = merge_checkpoints([str(root / f"m{i}") for i in range(3)], str(root / "py"), anchor="universe",
                             memory_budget=BUDGET)
-    assert 0 < job.ledger.peak <= parse_size(BUDGET) and job.ledger.now == 0
+    assert 0 < job.resources.ledger.peak <= parse_size(BUDGET) and job.resources.ledger.now == 0
     cli = root / "cli"
     if cli.exists():  # the same plan as the command's
         got, want = load(root / "py"), load(cli)
@@ -73,7 +73,7 @@ def test_every_method_merges_the_universe_out_of_core_within_the_budget(trio, me
     data = [{"input_ids": ids[i:i + 8]} for i in (0, 8)]
     job = merge_checkpoints([str(root / f"m{i}") for i in range(3)], str(root / method), anchor="universe",
                             method=method, data=data, memory_budget="128KB")  # a statistics pass: as test_engine's
-    assert 0 < job.ledger.peak <= parse_size("128KB") and job.ledger.now == 0
+    assert 0 < job.resources.ledger.peak <= parse_size("128KB") and job.resources.ledger.now == 0
     ref = symgraph.merge(built, anchor="universe", method=method, data=data).model.state_dict()
     got = load(root / method)
     assert rel(got, {k: ref[k] for k in got}) <= tol
@@ -102,7 +102,7 @@ def test_activation_universe_out_of_core_equals_in_memory(trio):
     job.write(str(root / "acts"))
     got, sd = load(root / "acts"), ref.model.state_dict()
     assert rel(got, {k: sd[k] for k in got}) <= 1e-5
-    assert 0 < job.ledger.peak <= parse_size("128KB")
+    assert 0 < job.resources.ledger.peak <= parse_size("128KB")
 
 
 def test_anchor_index_reaches_the_engine(trio, capsys):

@@ -243,7 +243,7 @@ def _merge_streaming(job, cfg, out, inputs) -> MergeOutcome:
     anchor = job.ckpts[job.anchor]
     meta = _meta(cfg, job.data, mode="streaming", seconds=time.time() - t0, alignments=job.alignments,
                  dtype=anchor.dtype, repair=None, input_dtypes=[c.dtype for c in job.ckpts])
-    merged = job.circuits.built()[2] if job.circuits is not None else anchor.model  # meta models, no tensors
+    merged = job.transforms.circuits.built()[2] if job.transforms.circuits is not None else anchor.model  # meta models, no tensors
     meta["architecture"] = _architecture_change((anchor.source or anchor).model, merged)
     meta["width_change"] = width_change([c.config for c in job.ckpts], cfg.models, job.anchor)
     meta["universe"] = universe

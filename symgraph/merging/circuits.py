@@ -305,8 +305,8 @@ def streamed(job, attention: str):
 
 class Streamed:
     """The hooks of an out-of-core circuit-space merge, set on ``job`` before it writes
-    (``job.prepare``): the plan from the anchor's report, the widened shapes
-    (``job.out_shapes``), the config fields :func:`_config` changes (``job.config_updates``)
+    (``job.transforms.prepare``): the plan from the anchor's report, the widened shapes
+    (``job.transforms.out_shapes``), the config fields :func:`_config` changes (``job.transforms.config_updates``)
     and a combine that widens the planned tensors by :func:`circuit_state`, the anchor first
     as :func:`~symgraph.merging.driver.merge` orders it, so the result is the in-memory one."""
 
@@ -321,7 +321,7 @@ class Streamed:
             raise InputError(f"{why} (symgraph.merge(..., attention='circuits') in Python); expected a config "
                              "with head_dim (LLaMA, Qwen2, Mistral, Gemma...) for a saved checkpoint")
         self.job, self._built = job, None
-        job.prepare.append(self.prepare)
+        job.transforms.prepare.append(self.prepare)
 
     def built(self):
         """``(plan, config, meta model)`` of the merge, from the anchor's report (analysed here
@@ -364,10 +364,10 @@ class Streamed:
                     if tuple(A.shapes[key]) != shape:
                         raise InputError(f"checkpoint tensor {key!r} is stored as {tuple(A.shapes[key])}, not "
                                          f"{shape} as its parameter; expected heads stored as the model holds them")
-                    job.out_shapes[key] = tuple(wide)
+                    job.transforms.out_shapes[key] = tuple(wide)
         before = A.model.config.to_dict()
-        job.config_updates.update({k: v for k, v in cfg.to_dict().items() if before.get(k) != v})
-        job.combine = self.combine
+        job.transforms.config_updates.update({k: v for k, v in cfg.to_dict().items() if before.get(k) != v})
+        job.transforms.combine = self.combine
 
     def combine(self, names, values, stats, weights, report) -> dict:
         """The merged ``names`` (every model's ``values`` in the anchor's basis, the anchor

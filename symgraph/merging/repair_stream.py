@@ -99,10 +99,10 @@ class RepairContext:
             return name if name in known else next((n for n in tied if n in known), None)
 
         def parent(i):
-            return Aligned(job.ckpts[i], job.alignments[i], A, ra, job.work_dtype, job.cache_bytes, job.ledger)
+            return Aligned(job.ckpts[i], job.alignments[i], A, ra, job.resources.work_dtype, job.resources.cache_bytes, job.resources.ledger)
         return cls(ra, A.model, job.data, tuple(job.weights.tolist()), parent, job._merged,
                    groups(job.report.folds) if job.report is not None else {}, merged_name, A.fetch,
-                   job.corrections.update, job.device, job.cache_bytes, job.ledger)
+                   job.transforms.corrections.update, job.resources.device, job.resources.cache_bytes, job.resources.ledger)
 
 
 def batchnorm_nodes(report) -> dict:

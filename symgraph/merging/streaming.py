@@ -55,8 +55,9 @@ from .engine import slicing
 from .engine.sinks import Into, write_config
 from .engine.sums import MemorySpill, Spill
 from .untie import untie_checkpoint, untie_config_updates
-from .engine.views import DEFAULT_CACHE, Folded, Ledger, Sides, return_freed_memory
+from .engine.views import DEFAULT_CACHE, Folded, Sides, return_freed_memory
 from .engine import Executor, Plan, build_plan
+from .engine.executor import Resources, Transforms
 from .engine.statistics import StatisticsContext, take
 
 if TYPE_CHECKING:
@@ -119,10 +120,8 @@ class StreamingMerge:
         self.repair_report: RepairReport | None = None  # what REPAIR did (repair=True), once written
         self.weights = mixing_weights(cfg.weights, len(paths))
         self.progress, self.data = progress, data
-        self.device = torch.device(cfg.device)
-        self.out_device = torch.device("cpu")  # where merged tensors go (written from the CPU; write_into: any)
-        self.cache_bytes, self.chunk_bytes, self.stats_bytes = budgets(cfg.memory_budget, len(paths), cache_bytes)
-        self.ledger = Ledger()  # the bytes of tensors the engine holds (its peak is what the budget bounds)
+        cache, chunk, stats = budgets(cfg.memory_budget, len(paths), cache_bytes)
+        self.resources = Resources(torch.device(cfg.device), torch.device("cpu"), torch.float32, cache, chunk, stats)
         self.stats: list = [None] * len(paths)
         self._measuring = None  # the executor a step that measures the merge as written uses (REPAIR)
         if cfg.refine and {"loss_fn", "between"} & set(align_options):
@@ -137,10 +136,11 @@ class StreamingMerge:
         self._check_family()
         # rotations are solved and applied in float32 for 16- and 32-bit weights (their own
         # precision is far coarser), in float64 for float64 checkpoints
-        self.work_dtype = torch.float64 if any(c.dtype == torch.float64 for c in self.ckpts) else torch.float32
+        if any(c.dtype == torch.float64 for c in self.ckpts):
+            self.resources.work_dtype = torch.float64
         if len({c.dtype for c in self.ckpts}) > 1:  # stored in different dtypes: every graph (traced on
             for c in self.ckpts:                    # meta) runs in the work dtype, tensors cast up to it
-                c.model = c.retyped(self.work_dtype)
+                c.model = c.retyped(self.resources.work_dtype)
         self.alignments: list = [None] * len(paths)
         # the anchor's report (None: not aligned) and the graph the method's statistics run on
         self.report: SymmetryReport | None = None
@@ -149,13 +149,10 @@ class StreamingMerge:
         self.spill: Spill | MemorySpill | None = None  # the method's statistics while writing
         # what a transform of the plan changes (REPAIR, circuit-space heads, untying): the
         # combine of a group, the shapes written, corrections of merged tensors, the config
-        self.combine = self.how.combine_group  # (names, values, stats, weights, report) -> merged
-        self.out_shapes: dict = {}      # anchor key -> the shape written (default: the anchor's)
-        self.corrections: dict = {}     # parameter name -> f(merged tensor in its dtype) -> corrected
-        self.config_updates = untie_config_updates(getattr(self.ckpts[self.anchor].source, "config", None))  # config.json fields
-        self.prepare: list = []         # f(job), run after the statistics and before writing
+        self.transforms = Transforms(self.how.combine_group, untie_config_updates(
+            getattr(self.ckpts[self.anchor].source, "config", None)))
         from .circuits import streamed  # imported here: the engine loads nothing of a transform it does not run
-        self.circuits = streamed(self, cfg.attention)  # circuit-space heads' hooks, set on this job (None: heads)
+        self.transforms.circuits = streamed(self, cfg.attention)  # circuit-space heads' hooks, set here (None: heads)
 
     # the settings of the one config, as the engine's steps read them
     anchor = property(lambda self: 0 if self.config.anchor == "universe" else self.config.anchor)
@@ -204,14 +201,15 @@ class StreamingMerge:
         self.timings["analyze"] = time.perf_counter() - t0
         if self.refine:  # learned matching's room in the budget, refused before any alignment
             from .learned import Learning, check_budget
-            learning = Learning(A, self.data, self.refine, self.refine_lr, self.device, self.ledger, self.stats_bytes,
-                                self.memory_budget is not None, self.work_dtype, self.align_options, self.progress)
+            res = self.resources
+            learning = Learning(A, self.data, self.refine, self.refine_lr, res.device, res.ledger, res.stats_bytes,
+                                self.memory_budget is not None, res.work_dtype, self.align_options, self.progress)
             check_budget(learning, ra)
         slicing.check_floor(self, budgets)  # the plan's largest piece within the budget, before any alignment
         t1 = time.perf_counter()
-        dev = None if self.device.type == "cpu" else self.device
-        fa = Folded(ra, A, self.cache_bytes, self.work_dtype, dev, self.ledger)
-        gains = gauge(ra.folds, {n: A.get(n).to(self.device) for f in ra.folds for n in (f.gain, f.shift) if n})
+        dev = None if self.resources.device.type == "cpu" else self.resources.device
+        fa = Folded(ra, A, self.resources.cache_bytes, self.resources.work_dtype, dev, self.resources.ledger)
+        gains = gauge(ra.folds, {n: A.get(n).to(self.resources.device) for f in ra.folds for n in (f.gain, f.shift) if n})
         with progress_bar(total=len(self.ckpts) - 1, desc="aligning", unit="model", enabled=self.progress) as bar:
             for i, c in enumerate(self.ckpts):
                 if i == self.anchor:
@@ -219,16 +217,16 @@ class StreamingMerge:
                 same = {n: tuple(p.shape) for n, p in c.model.named_parameters()} == \
                        {n: tuple(p.shape) for n, p in A.model.named_parameters()}
                 rb = ra if same else analyze(c.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
-                fb = Folded(rb, c, self.cache_bytes, self.work_dtype, dev, self.ledger)
+                fb = Folded(rb, c, self.resources.cache_bytes, self.resources.work_dtype, dev, self.resources.ledger)
                 acts = {} if self.align_mode != "activations" else dict(
-                    data=self.data, models=(A.model, c.model), fetch=(A.fetch, c.fetch), stats_budget=self.stats_bytes,
+                    data=self.data, models=(A.model, c.model), fetch=(A.fetch, c.fetch), stats_budget=self.resources.stats_bytes,
                     device=dev)
-                sides = Sides(A, c, (fa, fb), self.cache_bytes, self.ledger, dev)  # what full groups read
+                sides = Sides(A, c, (fa, fb), self.resources.cache_bytes, self.resources.ledger, dev)  # what full groups read
                 if self.refine:  # imported here: the engine loads nothing of a step it does not run
                     from .learned import refined
                     self.alignments[i] = refined(learning, c, ra, rb, (fa, fb), gains, sides, acts)
                 else:
-                    self.alignments[i] = align_tensors(ra, rb, fa, fb, gains, exact_dtype=self.work_dtype,
+                    self.alignments[i] = align_tensors(ra, rb, fa, fb, gains, exact_dtype=self.resources.work_dtype,
                                                        sides=sides, **acts, **self.align_options)
                 fb.clear()
                 bar.update()
@@ -258,7 +256,7 @@ class StreamingMerge:
         """The merge of models in memory: statistics kept in memory, each merged tensor given to
         ``add(key, tensor)`` (in the anchor's dtype for that key, on ``device``: default the
         job's) as it is computed; returns ``{"tensors": n, "bytes": total, "shards": 0}``."""
-        self.out_device = torch.device(device) if device is not None else self.device
+        self.resources.out_device = torch.device(device) if device is not None else self.resources.device
         return self._finish(MemorySpill, lambda: self._write_into(Into(add)))
 
     def _finish(self, make_spill, write) -> dict:
@@ -276,7 +274,7 @@ class StreamingMerge:
                 context = StatisticsContext.of(self)  # what the takers read, not the engine
                 self.stats = [take(self.how.statistic, context, i) for i in range(len(self.ckpts))]
                 self.timings["statistics"] = time.perf_counter() - t0
-            for step in self.prepare:
+            for step in self.transforms.prepare:
                 step(self)
             if self.repair:  # last: it measures the merge as written
                 self.repair_report = repair_stream.repair(repair_stream.RepairContext.of(self))
@@ -291,14 +289,13 @@ class StreamingMerge:
     def plan(self):
         """The plan of this merge (:class:`~.engine.plan.Plan`): its tasks in the anchor's key
         order, once the alignment is known."""
-        return build_plan(self, self.graph_report, self.out_shapes)
+        return build_plan(self, self.graph_report, self.transforms.out_shapes)
 
     def executor(self, plan=None):
         """The :class:`~.engine.executor.Executor` of ``plan`` (default: :meth:`plan`) over this
         merge's alignments, method, statistics, device and ledger."""
-        return Executor(plan or self.plan(), alignments=self.alignments, combine=self.combine, stats=self.stats,
-                        weights=self.weights, device=self.device, out_device=self.out_device,
-                        work_dtype=self.work_dtype, ledger=self.ledger, corrections=self.corrections,
+        return Executor(plan or self.plan(), alignments=self.alignments, stats=self.stats, weights=self.weights,
+                        resources=self.resources, transforms=self.transforms,
                         elementwise_statistics=self.how.elementwise_statistics)
 
     def _write_into(self, sink: Into) -> dict:
@@ -310,7 +307,7 @@ class StreamingMerge:
         writer = ShardWriter(directory, self.shard_bytes, list(plan.outputs))
         self.executor(plan).run(writer, self.progress)
         info = writer.close()
-        write_config(A.path, directory, self.config_updates)
+        write_config(A.path, directory, self.transforms.config_updates)
         for fn in EXTRA_FILES:
             src = os.path.join(A.path, fn)
             if os.path.isfile(src):

@@ -198,11 +198,11 @@ def mean_plan(job, ra, alignments, i=None) -> StreamingMerge:
     if sum(w) <= 0:
         w = [0.0 if j == i else 1.0 for j in keep]
     plan = StreamingMerge([job.ckpts[j] for j in keep], weights=w, align=job.align_mode, anchor=0,
-                          fold_norms=job.fold_norms, outputs=job.outputs, device=job.device,
-                          memory_budget=job.memory_budget, cache_bytes=job.cache_bytes,
+                          fold_norms=job.fold_norms, outputs=job.outputs, device=job.resources.device,
+                          memory_budget=job.memory_budget, cache_bytes=job.resources.cache_bytes,
                           # the data the alignment mode says it was solved on
                           data=job.data if job.align_mode == "activations" else None)
-    plan.ledger = job.ledger
+    plan.resources.ledger = job.resources.ledger
     plan.use(ra, [alignments[j] for j in keep])
     return plan
 
@@ -217,7 +217,7 @@ class Spread:
     def __init__(self, plan, weights):
         self.whole: dict = {}
         self.sliced = [0.0, 0.0]
-        combine, anchor, w = plan.combine, plan.ckpts[0], [float(x) for x in weights]
+        combine, anchor, w = plan.transforms.combine, plan.ckpts[0], [float(x) for x in weights]
 
         def measured(names, values, stats, plan_weights, report):
             for k in names:
@@ -229,7 +229,7 @@ class Spread:
                 else:
                     self.sliced = [self.sliced[0] + sums[0], self.sliced[1] + sums[1]]
             return combine(names, values, stats, plan_weights, report)
-        plan.combine = measured
+        plan.transforms.combine = measured
 
     def value(self) -> float:
         num = self.sliced[0] + sum(a for a, _ in self.whole.values())

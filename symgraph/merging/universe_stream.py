@@ -69,7 +69,7 @@ class _OnDisk:
             plan.write(scratch)
             target = Checkpoint(scratch)
             if len({c.dtype for c in self.job.ckpts}) > 1:  # the job's graphs run in its work dtype
-                target.model = target.retyped(self.job.work_dtype)
+                target.model = target.retyped(self.job.resources.work_dtype)
             yield target
         finally:
             remove_own(scratch, made, SCRATCH_PREFIX)
@@ -80,16 +80,16 @@ class _OnDisk:
         reads any pair."""
         from ..alignment.driver import align_tensors
         job, ra, c = self.job, self.job.report, self.job.ckpts[i]
-        dev = None if job.device.type == "cpu" else job.device
-        fa = Folded(ra, target, job.cache_bytes, job.work_dtype, dev, job.ledger)
-        fb = Folded(rb, c, job.cache_bytes, job.work_dtype, dev, job.ledger)
-        gains = gauge(ra.folds, {n: target.get(n).to(job.device) for f in ra.folds for n in (f.gain, f.shift) if n})
+        dev = None if job.resources.device.type == "cpu" else job.resources.device
+        fa = Folded(ra, target, job.resources.cache_bytes, job.resources.work_dtype, dev, job.resources.ledger)
+        fb = Folded(rb, c, job.resources.cache_bytes, job.resources.work_dtype, dev, job.resources.ledger)
+        gains = gauge(ra.folds, {n: target.get(n).to(job.resources.device) for f in ra.folds for n in (f.gain, f.shift) if n})
         acts = {} if job.align_mode != "activations" else dict(
             data=job.data, models=(target.model, c.model), fetch=(target.fetch, c.fetch),
-            stats_budget=job.stats_bytes, device=dev)
-        sides = Sides(target, c, (fa, fb), job.cache_bytes, job.ledger, dev)
+            stats_budget=job.resources.stats_bytes, device=dev)
+        sides = Sides(target, c, (fa, fb), job.resources.cache_bytes, job.resources.ledger, dev)
         try:
-            return align_tensors(ra, rb, fa, fb, gains, exact_dtype=job.work_dtype, sides=sides, **acts,
+            return align_tensors(ra, rb, fa, fb, gains, exact_dtype=job.resources.work_dtype, sides=sides, **acts,
                                  **job.align_options)
         finally:
             fa.clear()

@@ -12,31 +12,63 @@ dropped after its last use. The method sees only tensors, never the executor.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ...core.finite import all_finite
 from ...core.progress import bar as progress_bar
 from ...errors import InputError
 from ...transform.apply import move
-from .views import Sliced, elements_on, nbytes
+from .views import Ledger, Sliced, elements_on, nbytes
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "Resources", "Transforms"]
+
+
+@dataclass
+class Resources:
+    """What a merge computes with and within: the compute ``device``, the ``out_device`` merged
+    tensors go to (the CPU for files), the ``work_dtype`` (float32; float64 for float64
+    checkpoints), the byte sizes the memory budget gives (each model's cache of folded or moved
+    tensors, a group's chunk above which it is computed in slices, a pass of statistics) and the
+    :class:`~.views.Ledger` of bytes held, whose peak the budget bounds."""
+    device: torch.device
+    out_device: torch.device
+    work_dtype: torch.dtype
+    cache_bytes: int
+    chunk_bytes: int
+    stats_bytes: int
+    ledger: Ledger = field(default_factory=Ledger)
+
+
+@dataclass
+class Transforms:
+    """What a transform of the plan changes (REPAIR, circuit-space heads, untying): the
+    ``combine`` of a group (``(names, values, stats, weights, report) -> merged``), the
+    ``config_updates`` of the output's ``config.json``, the shapes written instead of the
+    anchor's (``out_shapes``), ``corrections`` of merged tensors (name -> f(tensor) ->
+    corrected), the steps run after the statistics and before writing (``prepare``: f(job)) and
+    the circuit-space hooks (``circuits``; None: the parents' heads)."""
+    combine: object
+    config_updates: dict
+    out_shapes: dict = field(default_factory=dict)
+    corrections: dict = field(default_factory=dict)
+    prepare: list = field(default_factory=list)
+    circuits: object = None
 
 
 class Executor:
     """Runs ``plan`` (:class:`~.plan.Plan`): ``alignments`` (one per checkpoint, None for the
-    anchor unless a shared universe's basis), ``combine`` (``(names, values, stats, weights,
-    report) -> merged``: the method's, or a transform's), ``stats`` (per model a mapping or
-    None), the normalised mixing ``weights``, the compute ``device`` and the ``out_device``
-    merged tensors go to, the ``work_dtype``, the ``ledger`` of bytes held, and ``corrections``
-    (parameter name -> f(merged tensor) -> corrected; filled by REPAIR before writing)."""
+    anchor unless a shared universe's basis), ``stats`` (per model a mapping or None), the
+    normalised mixing ``weights``, the merge's :class:`Resources` (device, output device, work
+    dtype, ledger) and :class:`Transforms` (the combine: the method's or a transform's; the
+    corrections REPAIR fills before writing)."""
 
-    def __init__(self, plan, *, alignments, combine, stats, weights, device, out_device, work_dtype, ledger,
-                 corrections, elementwise_statistics=True):
-        self.plan, self.alignments, self.combine = plan, list(alignments), combine
-        self.stats, self.weights = stats, [float(w) for w in weights]
-        self.device, self.out_device, self.work_dtype = torch.device(device), torch.device(out_device), work_dtype
-        self.ledger, self.corrections = ledger, corrections
+    def __init__(self, plan, *, alignments, stats, weights, resources: Resources, transforms: Transforms,
+                 elementwise_statistics=True):
+        self.plan, self.alignments, self.stats = plan, list(alignments), stats
+        self.weights = [float(w) for w in weights]
+        self.resources, self.transforms = resources, transforms
         self.elementwise = elementwise_statistics
         self.on_device: dict = {}  # alignment index -> its elements moved to the device once
 
@@ -58,7 +90,7 @@ class Executor:
         """The anchor's own tensor ``key`` as written: with its correction, if REPAIR made one
         (a BatchNorm layer's running statistics no class moves, reset on the data)."""
         t = self.plan.anchor_checkpoint.read(key)
-        return self.corrections[key](t) if key in self.corrections else t
+        return self.transforms.corrections[key](t) if key in self.transforms.corrections else t
 
     def pieces(self, names, split):
         """``(name, value)`` of the merged ``names`` in write order: whole, or slice by slice
@@ -78,7 +110,7 @@ class Executor:
                     yield n, out[n]
                 elif n in dims:
                     if n not in whole:
-                        whole[n] = torch.empty(A.shapes[A.key(n)], dtype=out[n].dtype, device=self.out_device)
+                        whole[n] = torch.empty(A.shapes[A.key(n)], dtype=out[n].dtype, device=self.resources.out_device)
                     whole[n].narrow(dims[n], start, stop - start).copy_(out[n])
             del out
         yield from whole.items()
@@ -93,11 +125,11 @@ class Executor:
         values, dtypes, ints, held = self.carried(names, parts)
         A = self.plan.anchor_checkpoint
         full = {n: A.shapes[A.key(n)] for n in parts}
-        stats = [None if st is None else Sliced(st, parts, full, self.ledger, self.elementwise) for st in self.stats]
+        stats = [None if st is None else Sliced(st, parts, full, self.resources.ledger, self.elementwise) for st in self.stats]
         floats = [n for n in names if n not in ints]
-        merged = self.combine(floats, values, stats, self.weights, self.plan.report)
-        self.ledger.hold(sum(nbytes(v) for v in merged.values()))
-        self.ledger.drop(held + sum(nbytes(v) for v in merged.values()) + sum(st.read for st in stats if st))
+        merged = self.transforms.combine(floats, values, stats, self.weights, self.plan.report)
+        self.resources.ledger.hold(sum(nbytes(v) for v in merged.values()))
+        self.resources.ledger.drop(held + sum(nbytes(v) for v in merged.values()) + sum(st.read for st in stats if st))
         del values
         out = {}
         for n in names:
@@ -121,24 +153,24 @@ class Executor:
                     if not t.dtype.is_floating_point:
                         ints[n] = t.clone()
                 if n not in ints:
-                    vals[n] = t.to(self.device)
+                    vals[n] = t.to(self.resources.device)
                     if i == anchor and t.dim() <= 1:
                         gains[n] = vals[n]  # the gauge B's gains are unfolded into
             if al is not None:  # the anchor's own alignment (a shared universe) unfolds into its own gauge
                 gauge = al.gauge if i == anchor else gains
-                vals = vals | move(al.report_b, self.elements(i), vals, gauge, dtype=self.work_dtype)
-            values[i] = own = {n: v.to(self.work_dtype) for n, v in vals.items()}
+                vals = vals | move(al.report_b, self.elements(i), vals, gauge, dtype=self.resources.work_dtype)
+            values[i] = own = {n: v.to(self.resources.work_dtype) for n, v in vals.items()}
             size = sum(nbytes(v) for v in own.values())
             held += size
-            self.ledger.hold(size)
+            self.resources.ledger.hold(size)
         return values, dtypes, ints, held
 
     def finished(self, name, value, dtype, names):
         """A merged tensor cast to the anchor's ``dtype``, on the output device, corrected, and
         checked finite in that dtype (overflow too)."""
-        out = value.to(dtype).to(self.out_device)
-        if name in self.corrections:
-            out = self.corrections[name](out)
+        out = value.to(dtype).to(self.resources.out_device)
+        if name in self.transforms.corrections:
+            out = self.transforms.corrections[name](out)
         if not all_finite(out):
             for c in self.plan.sources:
                 for m in names:
@@ -149,8 +181,8 @@ class Executor:
 
     def elements(self, i) -> dict:
         """Alignment ``i``'s elements on the device (moved there once)."""
-        if self.device.type == "cpu":
+        if self.resources.device.type == "cpu":
             return self.alignments[i].elements
         if i not in self.on_device:
-            self.on_device[i] = elements_on(self.alignments[i].elements, self.device)
+            self.on_device[i] = elements_on(self.alignments[i].elements, self.resources.device)
         return self.on_device[i]

@@ -53,19 +53,19 @@ def squared_gradients(job, i: int, kind, prefix: str) -> Stored:
     A, ra = job.ckpts[job.anchor], job.graph_report
     al = job.alignments[i]
     folded = al is not None and bool(ra.folds)
-    view = Aligned(job.ckpts[i], al if folded else None, A, ra, job.work_dtype, job.cache_bytes, job.ledger)
+    view = Aligned(job.ckpts[i], al if folded else None, A, ra, job.resources.work_dtype, job.resources.cache_bytes, job.resources.ledger)
     canon = lambda n: A.param_of.get(n, n)  # noqa: E731 - a tied parameter's names -> one
     params = set(A.param_of)
-    device = job.device
+    device = job.resources.device
     keys: dict = {}
     for (rep,), batches in by_shape((ra,), (A.model,), job.data):
         gm = runnable(rep.exported_program.module(), device)
         named = dict(gm.named_parameters(remove_duplicate=False))
         grads = {n for n in named if n in params}
         item = {n: t.element_size() for n, t in named.items()}
-        acc = torch.empty((), dtype=job.work_dtype).element_size()
+        acc = torch.empty((), dtype=job.resources.work_dtype).element_size()
         cost = {n: t.numel() * (2 * item[n] + acc) for n, t in named.items()}  # weight, grad, sum
-        segments = plan_segments(gm, cost, max(1, job.stats_bytes))
+        segments = plan_segments(gm, cost, max(1, job.resources.stats_bytes))
         readers: dict = {}  # parameter -> the segments that read it
         order = list(gm.graph.nodes)
         for k, (a, b) in enumerate(segments):
@@ -101,16 +101,16 @@ def squared_gradients(job, i: int, kind, prefix: str) -> Stored:
             return w
 
         # 1. forward: the values crossing each cut, per batch
-        kept = Kept(job.ledger, job.stats_bytes // 2, job.spill, device, f"{prefix}cuts/{len(keys)}/")
+        kept = Kept(job.resources.ledger, job.resources.stats_bytes // 2, job.spill, device, f"{prefix}cuts/{len(keys)}/")
         with torch.no_grad():
             for k, (a, b) in enumerate(segments[:-1]):
                 w = read(a, b, False)
-                job.ledger.hold(sum(nbytes(t) for t in w.values()))
+                job.resources.ledger.hold(sum(nbytes(t) for t in w.values()))
                 run = Segment(gm, w)
                 for j, flat in enumerate(flats):
                     env = run.span(kept.get(j, k) if k else {}, a, b, None if k else flat)
                     kept.put(j, k + 1, {n: v for n, v in env.items() if live_after(pos, n, b)})
-                job.ledger.drop(sum(nbytes(t) for t in w.values()))
+                job.resources.ledger.drop(sum(nbytes(t) for t in w.values()))
                 del w, run
         # 2. backward, segments in reverse
         up: list[dict] = [{} for _ in flats]  # per batch: node -> gradient at the current cut
@@ -125,7 +125,7 @@ def squared_gradients(job, i: int, kind, prefix: str) -> Stored:
             uniq = {id(t): t for t in w.values()}  # tied names share a tensor
             holds = sum(nbytes(t) for t in uniq.values()) + sum(acc * t.numel() for t in uniq.values()
                                                                 if t.requires_grad)
-            job.ledger.hold(holds)
+            job.resources.ledger.hold(holds)
             run = Segment(gm, w)
             leaf = {canon(n): t for n, t in w.items() if n in grads and t.requires_grad}
             for j, flat in enumerate(flats):
@@ -141,11 +141,11 @@ def squared_gradients(job, i: int, kind, prefix: str) -> Stored:
                             pending[j][p] = g
                             continue
                     if sums[p] is None:
-                        sums[p] = torch.zeros(g.shape, dtype=job.work_dtype, device=g.device)
+                        sums[p] = torch.zeros(g.shape, dtype=job.resources.work_dtype, device=g.device)
                     _add_square(sums[p], g)
             done = {p for p in mine if min(readers.get(p, {k})) == k}
             _finish(job, kind, al, folded, prefix, {p: sums.pop(p) for p in done}, params, keys, A)
-            job.ledger.drop(holds)
+            job.resources.ledger.drop(holds)
             del w, run, leaf
     view.clear()
     missing = {A.param_of[n] for n in params} - set(keys)  # parameters no op reads: zero, as in memory
@@ -170,7 +170,7 @@ def _finish(job, kind, al, folded, prefix, done: dict, params, keys, A):
     full = {}
     for p, s in done.items():
         shape = A.model.get_parameter(p).shape
-        full[p] = s if s is not None else torch.zeros(shape, dtype=job.work_dtype, device=job.device)
+        full[p] = s if s is not None else torch.zeros(shape, dtype=job.resources.work_dtype, device=job.resources.device)
     full = distributed.all_reduce_dict(full)
     if not folded and al is not None:
         full = kind.to_anchor(full, al)
@@ -192,7 +192,7 @@ def budget_floor(job) -> tuple:
     values kept at the cuts (at most a quarter of the budget) and the read weights' cache (a
     quarter split over the models): the op must fit in the rest."""
     A, ep = job.ckpts[job.anchor], job.graph_report.exported_program
-    acc = torch.empty((), dtype=job.work_dtype).element_size()
+    acc = torch.empty((), dtype=job.resources.work_dtype).element_size()
     params = ep.graph_signature.inputs_to_parameters
     best = (0, None)
     for node in ep.graph.nodes:

@@ -34,7 +34,7 @@ def split(job, names):
     unsliced tensors (taken from the first slice), then ``streamed`` (or None), written
     slice by slice as it comes (the largest tensor sliced along dim 0 under one checkpoint
     key), then the others (assembled)."""
-    return _choose(job, names, _axes(job, names, job.alignments), job.chunk_bytes)
+    return _choose(job, names, _axes(job, names, job.alignments), job.resources.chunk_bytes)
 
 
 def _axes(job, names, alignments):
@@ -45,9 +45,9 @@ def _axes(job, names, alignments):
     A, R = job.ckpts[job.anchor], job.report
     if R is not None and any(n in R.stacked for n in names):
         return None  # the report's axes are of the viewed (experts × hidden) layout
-    if any(n in job.corrections or A.key(n) in job.out_shapes for n in names):
+    if any(n in job.transforms.corrections or A.key(n) in job.transforms.out_shapes for n in names):
         return None  # a transform's tensors are computed whole
-    item = torch.empty((), dtype=job.work_dtype).element_size()
+    item = torch.empty((), dtype=job.resources.work_dtype).element_size()
     shapes = {n: A.shapes[A.key(n)] for n in names}
     numel = {n: int(np.prod(shapes[n], dtype=np.int64)) for n in names}
     big = max(names, key=numel.get)
@@ -154,7 +154,7 @@ def check_floor(job, budgets) -> None:
     plan = [(names, _axes(job, names, alignments)) for _, names in units(job) if names is not None]
     budget = parse_size(job.memory_budget)
     stats, whose = floor(job.how.statistic, StatisticsContext.of(job))
-    need, names, sliced = _need(job, plan, job.chunk_bytes, job.cache_bytes)
+    need, names, sliced = _need(job, plan, job.resources.chunk_bytes, job.resources.cache_bytes)
     if max(need, stats) <= budget:
         return
     least = hb(_least(job, plan, budget, budgets, stats))
@@ -199,7 +199,7 @@ def _need(job, plan, chunk: int, cache: int) -> tuple:
     (with REPAIR, which computes each piece as it measures the merge, its cache of ``cache`` bytes
     of merged values besides)."""
     A, n, best = job.ckpts[job.anchor], len(job.ckpts), (0, (), False)
-    item = torch.empty((), dtype=job.work_dtype).element_size()
+    item = torch.empty((), dtype=job.resources.work_dtype).element_size()
     for names, axes in plan:
         s = _choose(job, names, axes, chunk)
         held = 0

@@ -77,27 +77,22 @@ class StatisticsContext:
     """What a taker reads: the checkpoints ``ckpts`` (``anchor`` the index of the one whose
     basis the statistics are taken in), one alignment per checkpoint (None: not moved), the
     anchor's analysis ``graph_report`` (the graph the data runs through), the ``data`` (a list
-    of batches), the compute ``device`` and ``work_dtype``, the bytes of each model's cache of
-    carried tensors (``cache_bytes``) and of a pass of statistics (``stats_bytes``), the
-    ``ledger`` of bytes held and the ``spill`` the statistics are written to (None before the
-    statistics step: enough for :func:`floor`)."""
+    of batches), the merge's :class:`~.executor.Resources` (device, work dtype, the bytes of each
+    model's cache and of a pass of statistics, the ledger of bytes held) and the ``spill`` the
+    statistics are written to (None before the statistics step: enough for :func:`floor`)."""
     ckpts: tuple
     alignments: tuple
     anchor: int
     graph_report: Any
     data: Any
-    device: Any
-    work_dtype: Any
-    cache_bytes: int
-    stats_bytes: int
-    ledger: Any
+    resources: Any
     spill: Any = None
 
     @classmethod
     def of(cls, job) -> StatisticsContext:
         """The context of the merge engine ``job`` as it stands."""
-        return cls(tuple(job.ckpts), tuple(job.alignments), job.anchor, job.graph_report, job.data, job.device,
-                   job.work_dtype, job.cache_bytes, job.stats_bytes, job.ledger, job.spill)
+        return cls(tuple(job.ckpts), tuple(job.alignments), job.anchor, job.graph_report, job.data, job.resources,
+                   job.spill)
 
 
 @dataclass(frozen=True)

@@ -136,8 +136,8 @@ def input_grams(job, i: int, prefix: str) -> Stored:
     (the checkpoints, alignments, budget, ledger and spill). Summed over the processes under
     ``torch.distributed``."""
     A, ra = job.ckpts[job.anchor], job.graph_report
-    view = Aligned(job.ckpts[i], job.alignments[i], A, ra, job.work_dtype, job.cache_bytes, job.ledger)
-    device = job.device
+    view = Aligned(job.ckpts[i], job.alignments[i], A, ra, job.resources.work_dtype, job.resources.cache_bytes, job.resources.ledger)
+    device = job.resources.device
     keys: dict = {}
     for (rep,), batches in by_shape((ra,), (A.model,), job.data):
         layers = rep.linear_layers()
@@ -157,9 +157,9 @@ def input_grams(job, i: int, prefix: str) -> Stored:
         gm = runnable(rep.exported_program.module(), device)
         fetch = view.fetch if device == "cpu" else (lambda n: view.fetch(n).to(device))
         runs = {}
-        for todo in _passes(sorted(users, key=lambda n: order.get(n, -1)), width, job.stats_bytes):
+        for todo in _passes(sorted(users, key=lambda n: order.get(n, -1)), width, job.resources.stats_bytes):
             grams = {x: torch.zeros(width[x], width[x], dtype=torch.float64, device=device) for x in todo}
-            job.ledger.hold(sum(nbytes(g) for g in grams.values()))
+            job.resources.ledger.hold(sum(nbytes(g) for g in grams.values()))
             for bi, batch in bar(batches, desc="statistics", unit="batch"):
                 if bi not in runs:
                     args, kwargs = batch_inputs(rep, batch, bi)
@@ -173,7 +173,7 @@ def input_grams(job, i: int, prefix: str) -> Stored:
             grams = distributed.all_reduce_dict(grams)
             for x, g in grams.items():  # a batch shape traced again adds to the first shape's Grams
                 job.spill.put({key[x]: g + job.spill.get(key[x]) if key[x] in job.spill else g})
-            job.ledger.drop(sum(nbytes(g) for g in grams.values()))
+            job.resources.ledger.drop(sum(nbytes(g) for g in grams.values()))
             del grams
         runs.clear()
     view.clear()
