@@ -25,9 +25,9 @@ import tempfile
 
 import torch
 
-from ..core.files import check_input_file, copy_regular, model_file
+from ..core.files import check_input_file, copy_regular, identity, model_file, remove_own
 from ..errors import InputError
-from .outdir import TOKENIZER_FILES, check_new_file
+from .outdir import TMP_PREFIX, TOKENIZER_FILES, check_new_file
 
 __all__ = ["load_tokenizer", "tokenize", "write_data_file", "MODES"]
 
@@ -134,10 +134,12 @@ def write_data_file(texts, tokenizer: str, out: str, *, max_length: int = 128, m
         raise InputError(f"--out {out!r}; expected a new file name ending in .safetensors")
     real = check_new_file(out, "--out", inputs=[tokenizer, *inputs])
     data = tokenize(texts, load_tokenizer(tokenizer), max_length, mode)
-    fd, tmp = tempfile.mkstemp(prefix=".symgraph-tmp-", suffix=".safetensors", dir=os.path.dirname(real))
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".safetensors", dir=os.path.dirname(real))
     os.close(fd)
+    made = identity(tmp)
     try:
         save_file({k: v.contiguous() for k, v in data.items()}, tmp)
+        made = identity(tmp)  # the file save_file wrote (it may have replaced the one made above)
         try:
             os.link(tmp, real)  # fails rather than replace a file that appeared meanwhile
         except OSError as e:
@@ -147,7 +149,7 @@ def write_data_file(texts, tokenizer: str, out: str, *, max_length: int = 128, m
             tmp = None
     finally:
         if tmp is not None:
-            os.unlink(tmp)
+            remove_own(tmp, made, TMP_PREFIX)  # only the file made here, whatever the name holds now
     ids, mask = data["input_ids"], data["attention_mask"]
     return {"out": real, "rows": int(ids.shape[0]), "length": int(ids.shape[1]), "tokens": int(mask.sum()),
             "padding": int(mask.numel() - mask.sum())}
