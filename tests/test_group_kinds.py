@@ -21,7 +21,8 @@ OTHER_KINDS = {
     "alignment/": {"single", "family", "fixed-heads"},  # solve units (alignment.sweeps)
     "alignment/saved.py": {"map", "perm-matrix", "matrix"},  # how a saved element is stored
     "merging/circuits.py": {"leaf", "sum", "default"},  # circuit-space layout nodes
-    "app/options.py": {"bool", "negated", "list", "choice", "int", "float", "mapping", "int_or_choice"},  # option types
+    "core/schema.py": {"bool", "negated", "list", "choice", "int", "float", "mapping", "int_or_choice"},  # option types
+    "app/options.py": {"bool", "negated", "list", "choice", "int", "float", "mapping", "int_or_choice"},  # their flags
     "checkpoints/specs.py": {"local", "demo", "hub"},  # what a model argument names
     "passes/driver.py": {"sum", "prod"},  # axis structures
     "passes/unionfind.py": {"sum", "prod"},

@@ -318,7 +318,7 @@ def _tensor_excess(rows, null_rows) -> None:
     """Each row's ``null`` (its tensor's mean correlation over the shuffled copies: a large matrix
     aligned with continuous groups correlates with noise, a vector hardly) and ``excess``: where
     its correlation lies between that level (0) and A's own (1)."""
-    levels = {}
+    levels: dict = {}
     for rs in null_rows:
         for r in rs:
             levels.setdefault(r["name"], []).append(r["correlation"])

@@ -134,6 +134,7 @@ def write_data_file(texts, tokenizer: str, out: str, *, max_length: int = 128, m
         raise InputError(f"--out {out!r}; expected a new file name ending in .safetensors")
     real = check_new_file(out, "--out", inputs=[tokenizer, *inputs])
     data = tokenize(texts, load_tokenizer(tokenizer), max_length, mode)
+    tmp: str | None
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".safetensors", dir=os.path.dirname(real))
     os.close(fd)
     made = identity(tmp)

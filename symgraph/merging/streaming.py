@@ -123,7 +123,7 @@ class StreamingMerge:
         cache, chunk, stats = budgets(cfg.memory_budget, len(paths), cache_bytes)
         self.resources = Resources(torch.device(cfg.device), torch.device("cpu"), torch.float32, cache, chunk, stats)
         self.stats: list = [None] * len(paths)
-        self._measuring = None  # the executor a step that measures the merge as written uses (REPAIR)
+        self._measuring: Executor | None = None  # the executor a step that measures the merge as written uses (REPAIR)
         if cfg.refine and {"loss_fn", "between"} & set(align_options):
             raise InputError("out of core, learned matching lowers the model's own loss on the anchor's "
                              "architecture; expected no loss_fn or between (symgraph.align takes them)")

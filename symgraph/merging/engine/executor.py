@@ -12,6 +12,7 @@ dropped after its last use. The method sees only tensors, never the executor.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +50,7 @@ class Transforms:
     anchor's (``out_shapes``), ``corrections`` of merged tensors (name -> f(tensor) ->
     corrected), the steps run after the statistics and before writing (``prepare``: f(job)) and
     the circuit-space hooks (``circuits``; None: the parents' heads)."""
-    combine: object
+    combine: Callable
     config_updates: dict
     out_shapes: dict = field(default_factory=dict)
     corrections: dict = field(default_factory=dict)

@@ -10,7 +10,6 @@ __all__ = ['Average']
 
 @register("average")
 class Average(MergeMethod):
-    statistic = None  # no data: the aligned weights alone
 
     def combine_group(self, names, values, stats, weights, report):
         return {k: _weighted_sum(weights, [v[k] for v in values]) for k in names}
