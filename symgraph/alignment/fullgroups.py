@@ -27,8 +27,8 @@ import torch
 
 from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
 from ..transform.apply import map_parameters
-from .rescale import _head_maps, fit_gl, fit_unit_scales
-from .solve_unit import _solve_single
+from .rescale import head_maps, fit_gl, fit_unit_scales
+from .solve_unit import solve_single
 from .weights import WeightFeatures
 
 __all__ = ["ModelSides", "fit_full_groups"]
@@ -109,7 +109,7 @@ def _alternate(al, feats, sel, opts, rounds, tol) -> dict:
                 continue
             sim, _, _ = feats.similarity(g, b_of[g.id], al.elements, False)
             if sim is not None:
-                al.elements[g.id] = _solve_single(g, sim, opts, lambda _g: None)[1]
+                al.elements[g.id] = solve_single(g, sim, opts, lambda _g: None)[1]
                 feats.versions[g.id] = feats.versions.get(g.id, 0) + 1
         for g in members:  # the heads' orthogonal parts (RoPE rotations) again, against the new streams
             el = _resolve_member(al, g, feats, b_of[g.id], opts)
@@ -150,7 +150,7 @@ def _clean_pass(al, feats, free, b_of, opts) -> set:
             sv = torch.linalg.svdvals(sim.double())
             if float(sv[-1]) <= 1e-6 * float(sv[0]):
                 continue  # its clean slots leave it undetermined
-            al.elements[g.id] = _solve_single(g, sim, opts, lambda _g: None)[1]
+            al.elements[g.id] = solve_single(g, sim, opts, lambda _g: None)[1]
             feats.versions[g.id] = feats.versions.get(g.id, 0) + 1
             waiting.discard(g.id)
             solved.add(g.id)
@@ -202,7 +202,7 @@ class _Moved:
 def _resolve_member(al, g, feats, gb, opts):
     """The orthogonal part of a head class ``g`` (fibred over one head class whose heads were
     matched by a permutation) solved again per matched head pair; None otherwise."""
-    fib = _head_maps(al, g)
+    fib = head_maps(al, g)
     E = al.elements[g.id]
     if fib is None or len(fib) != 1 or E.dim() != 3:
         return None
@@ -215,7 +215,7 @@ def _resolve_member(al, g, feats, gb, opts):
     else:  # E is indexed by B's heads: B head index[i] is A head i
         ha = torch.empty_like(fib[0].index).to(sim.device)
         ha[fib[0].index.to(sim.device)] = torch.arange(len(ha), device=sim.device)
-    _, el = _solve_single(g, sim[ha, hb], opts, lambda _g: None)
+    _, el = solve_single(g, sim[ha, hb], opts, lambda _g: None)
     if not isinstance(el, torch.Tensor) or el.shape != E.shape:
         return None
     return el.to(E.dtype)

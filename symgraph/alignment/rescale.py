@@ -26,7 +26,7 @@ def fit_scales(al, model_a, model_b, groups):
     for g in targets:
         E = al.elements[g.id]
         nblk = int(np.prod(E.shape[:-2])) if E.dim() > 2 else 1
-        fib = _head_maps(al, g)  # E's blocks are indexed by B's heads, the views below by A's
+        fib = head_maps(al, g)  # E's blocks are indexed by B's heads, the views below by A's
         if fib is None:
             continue
         acc = torch.zeros(nblk, 4, dtype=torch.float64, device=E.device)  # co: Σb², Σab; contra: Σb², Σab
@@ -99,7 +99,7 @@ def _best_scales(q, c, kk, dd, iters: int = 80):
     return torch.where(f(t) < f(torch.zeros_like(t)), torch.exp(t), torch.ones_like(t))
 
 
-def _head_maps(al, g):
+def head_maps(al, g):
     """The element of each class ``g`` is fibred over (None for a fixed one), or None when
     heads were matched by a soft or rectangular map (no per-head correspondence)."""
     fib = [None if f is None else al.elements.get(f) for f in al.report_a.fibre_groups(g.id)]
@@ -145,7 +145,7 @@ def fit_gl(al, sides, groups) -> dict:
         E = al.elements[g.id]
         n = E.shape[-1]
         nblk = int(np.prod(E.shape[:-2])) if E.dim() > 2 else 1
-        fib = _head_maps(al, g)
+        fib = head_maps(al, g)
         if fib is None:
             continue
         acc = torch.zeros(2, 2, nblk, n, n, dtype=torch.float64, device=E.device)  # [co/contra][XaXbᵀ, XbXbᵀ]

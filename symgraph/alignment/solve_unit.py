@@ -23,7 +23,7 @@ def solve_unit(unit, sims, opts, masses=None, scores=None, dims_b=None) -> list:
     masses = masses or (lambda g: None)
     if unit.kind == "single":
         g, s = sims[0]
-        res, el = _solve_single(g, s, opts, masses)
+        res, el = solve_single(g, s, opts, masses)
         return [(g, el, res)]
     if unit.deep:
         return _solve_tree(unit, sims, opts, masses, scores or {}, dims_b or {})
@@ -99,7 +99,9 @@ def element_from(result):
     return Map.from_plan(el)
 
 
-def _solve_single(g, s, opts, masses):
+def solve_single(g, s, opts, masses):
+    """``(result, element)`` of one unfibred class ``g`` from its similarity ``s``, by its kind's
+    solver (``opts``: the alignment options; ``masses(g)``: unit masses between widths, or None)."""
     kind = orthogonal_part(g.kind)
     nA, nB = s.shape[-2:]
     if s.dim() == 3:  # fibred over a fixed class, solved per fibre entry

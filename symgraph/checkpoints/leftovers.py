@@ -23,6 +23,9 @@ import time
 
 from ..core.files import identity, remove_own
 
+#: The markers this process wrote: real directory -> the marker file's (device, inode).
+_MARKED: dict = {}
+
 __all__ = ["RUN_MARKER", "mark_run", "unmark_run", "sweep", "run_alive", "process_start"]
 
 RUN_MARKER = ".symgraph-run.json"
@@ -60,17 +63,18 @@ def mark_run(directory: str, out: str | None) -> None:
     """Write the run marker into the temporary ``directory`` (just made by this process) made
     for the output ``out`` (its absolute path; None: for no one output, e.g. statistics spilled
     beside it, which any run sweeping that directory's parent may remove once this run is dead)."""
-    fd = os.open(os.path.join(directory, RUN_MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    path = os.path.join(directory, RUN_MARKER)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(_this_run(out, directory), f)
+    _MARKED[os.path.realpath(directory)] = identity(path)  # what unmark_run may remove
 
 
 def unmark_run(directory: str) -> str:
     """Remove the run marker before ``directory`` (returned) becomes the output."""
-    try:
-        os.unlink(os.path.join(directory, RUN_MARKER))
-    except FileNotFoundError:
-        pass
+    made = _MARKED.pop(os.path.realpath(directory), None)
+    if made is not None:  # only the marker this process wrote there, whatever the name holds now
+        remove_own(os.path.join(directory, RUN_MARKER), made, RUN_MARKER)
     return directory
 
 
