@@ -53,10 +53,6 @@ class Plan:
         A = self.anchor_checkpoint
         return [k for k in A.params.get(name, (name,)) if k in A.shapes]
 
-    def merged_tasks(self) -> int:
-        """How many tasks merge tensors of every model (the rest copy the anchor's)."""
-        return sum(t.names is not None for t in self.tasks)
-
 
 def build_plan(job, report, out_shapes: dict) -> Plan:
     """The plan of ``job`` (the engine, its alignment known): the tasks in the anchor's key
