@@ -148,10 +148,23 @@ def table(header, rows, align=None) -> list[str]:
 def commit_info(root: Path = REPO_ROOT) -> dict:
     """``{"commit", "dirty", "source"}``: ``$SYMGRAPH_COMMIT`` (a copy of the tree without
     ``.git``, e.g. on a lent GPU machine), else ``git rev-parse HEAD`` and whether tracked files
-    differ from it; ``commit`` None when neither is there."""
+    differ from it, as they were when this process first asked (a run names the commit it
+    started at, even if the tree moves on while it runs; this module asks on import); ``commit``
+    None when neither is there."""
     env = os.environ.get("SYMGRAPH_COMMIT")
     if env:
         return {"commit": env.strip(), "dirty": None, "source": "SYMGRAPH_COMMIT"}
+    key = str(Path(root).resolve())
+    if key not in _STARTED:
+        _STARTED[key] = _git_state(root)
+    return dict(_STARTED[key])
+
+
+#: ``{tree: commit_info}``: each tree's state when this process first asked.
+_STARTED: dict = {}
+
+
+def _git_state(root) -> dict:
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
         st = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
@@ -299,3 +312,6 @@ def main(argv=None) -> int:
         return 2
     add_record(a.dir, a.files, a.command, how=a.how, commit=sha)
     return 0
+
+
+commit_info()  # the commit this process starts at, whatever the tree holds when a run ends

@@ -159,3 +159,24 @@ def test_the_record_command_adds_an_entry_by_hand(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"python -m benchmarks record: no b.md in {tmp_path}",
                    f"python -m benchmarks record: no commit {'0' * 40!r} in this repository"]
+
+
+def test_a_record_names_the_commit_its_run_started_at(tmp_path, monkeypatch):
+    """The tree moving on while a run works (a commit lands) does not change the commit its
+    record names: the state of the tree when the process first asked."""
+    monkeypatch.delenv("SYMGRAPH_COMMIT", raising=False)
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                       check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f").write_text("1")
+    git("add", "f")
+    git("commit", "-qm", "one")
+    first = pv.commit_info(tmp_path)
+    (tmp_path / "f").write_text("2")
+    git("commit", "-qam", "two")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert head.stdout.strip() != first["commit"]
+    assert pv.commit_info(tmp_path) == first and first["source"] == "git" and first["dirty"] is False
