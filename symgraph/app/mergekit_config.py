@@ -3,6 +3,7 @@ parameters: {weight: ...}}]``): :func:`from_mergekit`. symgraph aligns first, so
 combine task vectors against a shared base model are refused with the reason."""
 from __future__ import annotations
 
+from ..core.progress import note
 from ..core.schema import short_repr
 from ..errors import InputError
 from ..merging.methods.registry import names as merge_methods
@@ -42,9 +43,8 @@ def from_mergekit(cfg: dict, path: str) -> dict:
         if not isinstance(dtype, str) or dtype not in ("float32", "float16", "bfloat16", "float64"):
             raise InputError(f"{where}: dtype {short_repr(dtype)}; expected float32, float16 or bfloat16 (mergekit's "
                              "compute dtype)")
-        import sys
-        print(f"symgraph: note: dtype {dtype} in {where}: symgraph computes in float32 (float64 for float64 "
-              "models) and writes each tensor in the first model's dtype", file=sys.stderr)
+        note(f"dtype {dtype} in {where}: symgraph computes in float32 (float64 for float64 models) and "
+             "writes each tensor in the first model's dtype")
     top = cfg.pop("parameters", None) or {}
     if not isinstance(top, dict):
         raise InputError(f"{where}: parameters is {short_repr(top)} ({type(top).__name__}); expected a mapping "

@@ -18,10 +18,10 @@ import os
 import secrets
 import socket
 import stat
-import sys
 import time
 
 from ..core.files import identity, remove_own
+from ..core.progress import note
 
 #: The markers this process wrote: real directory -> the marker file's (device, inode).
 _MARKED: dict = {}
@@ -140,13 +140,13 @@ def sweep(out: str, prefix: str, *, aside: str | None = None, quiet: bool = Fals
         elif why:
             kept.append(f"{path} ({why})")
     if removed and not quiet:
-        print(f"symgraph: note: removed {len(removed)} temporary director{'y' if len(removed) == 1 else 'ies'} "
-              f"left beside --out by a killed symgraph run: {', '.join(removed)}", file=sys.stderr)
+        note(f"removed {len(removed)} temporary director{'y' if len(removed) == 1 else 'ies'} "
+             f"left beside --out by a killed symgraph run: {', '.join(removed)}")
     kept = [k for k in kept if k not in _NAMED]  # each named once per process
     _NAMED.update(kept)
     if kept and not quiet:
-        print(f"symgraph: note: left alone beside --out: {', '.join(kept)}; symgraph cannot tell that no run "
-              "uses it: move or remove it yourself", file=sys.stderr)
+        note(f"left alone beside --out: {', '.join(kept)}; symgraph cannot tell that no run "
+             "uses it: move or remove it yourself")
     return removed
 
 
