@@ -9,7 +9,8 @@ its gradient carried into the elements' parameters, and takes an Adam step; the 
 then projected exactly onto their groups and :func:`summary` says what happened. How the loss
 and gradient are computed is the objective's: in memory, the interpolated model's ``loss_fn``
 (:class:`symgraph.alignment.refine.InMemory`); out of core, the anchor's traced graph run in
-segments (:mod:`symgraph.merging.learned`).
+segments (:mod:`symgraph.merging.learned`). The Adam loop itself (:func:`optimise`) is also
+learned rotations' (:mod:`symgraph.rotation.learned`), whose step takes no ``λ``.
 
 Continuous classes are optimised on their group: rotations through
 ``torch.nn.utils.parametrizations.orthogonal`` (the orthogonal maps fixing 𝟙 as
@@ -33,8 +34,8 @@ from .. import solve as S
 from ..core.elements import Map, Perm
 from ..core.groups import PERMUTATION_FAMILY, ones_basis, orthogonal_part, pair_rotations
 
-__all__ = ["Objective", "learnable", "choose_start", "refine_elements", "learned_matching", "draw_lambda",
-           "summary", "START_BATCHES"]
+__all__ = ["Objective", "learnable", "choose_start", "optimise", "refine_elements", "learned_matching",
+           "draw_lambda", "summary", "START_BATCHES"]
 
 #: Batches :func:`choose_start` evaluates each candidate start on.
 START_BATCHES = 8
@@ -177,30 +178,42 @@ def choose_start(starts: dict, objective: Objective, data, batches: int = START_
     return min(losses, key=losses.__getitem__), losses
 
 
+def optimise(learn: dict, step, data, steps: int, lr: float, *, desc: str = "refine",
+             progress: bool = True) -> list:
+    """The one step loop of learned matching and learned rotations: ``steps`` Adam steps of
+    size ``lr`` on the parameters of ``learn`` (``{class id: its parametrisation}``,
+    :func:`learnable`); step ``k`` calls ``step(live, data[k mod len(data)])``, ``live`` the
+    learnable elements as functions of their parameters, which returns the batch's loss with
+    its gradient carried back through ``live``. Returns the steps' losses."""
+    opt = torch.optim.Adam([p for x in learn.values() for p in x.params], lr=lr)
+    losses: list = []
+    bar = tqdm(range(steps), desc=desc, unit="step", file=sys.stderr, leave=False,
+               disable=None if progress else True)  # None: only on a terminal
+    for k in bar:
+        live = {gid: x.element() for gid, x in learn.items()}
+        opt.zero_grad()
+        losses.append(step(live, data[k % len(data)]))
+        opt.step()
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    return losses
+
+
 def refine_elements(al, objective: Objective, data, steps: int, lr: float = 1e-3, seed: int = 0,
                     progress: bool = True) -> dict:
     """Optimise ``al``'s learnable elements in place for ``steps`` Adam steps of size ``lr``
-    on batches of ``data`` (see the module docstring); returns :func:`summary`'s record, or
-    ``{"steps": 0, "classes": 0}`` when no element is learnable."""
+    on batches of ``data`` (see the module docstring; :func:`optimise`, each step's ``λ`` drawn
+    from a generator seeded by ``seed``); returns :func:`summary`'s record, or ``{"steps": 0,
+    "classes": 0}`` when no element is learnable."""
     elements = objective.working(al.elements)
     learn = learnable(al.report_a, SimpleNamespace(elements=elements))
     if not learn:
         return {"steps": 0, "classes": 0}
     t0 = time.perf_counter()
-    opt = torch.optim.Adam([p for x in learn.values() for p in x.params], lr=lr)
     gen = torch.Generator().manual_seed(seed)
-    losses: list = []
-    bar = tqdm(range(steps), desc="refine", unit="step", file=sys.stderr, leave=False,
-               disable=None if progress else True)  # None: only on a terminal
     objective.begin(al, elements, learn)
     try:
-        for step in bar:
-            batch, lam = data[step % len(data)], draw_lambda(gen)
-            live = {gid: x.element() for gid, x in learn.items()}
-            opt.zero_grad()
-            losses.append(objective.step(live, batch, lam))
-            opt.step()
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        losses = optimise(learn, lambda live, batch: objective.step(live, batch, draw_lambda(gen)), data, steps,
+                          lr, progress=progress)
     finally:
         objective.end()
     al.elements.update(objective.stored({gid: x.final() for gid, x in learn.items()}))

@@ -11,10 +11,9 @@ permutation classes.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
+from ..passes.trace import eval_mode
 from ..transform.apply import move
 from ..errors import InputError
 from .learning import START_BATCHES, Objective, draw_lambda, learnable, refine_elements, summary
@@ -104,7 +103,7 @@ class InMemory(Objective):
 
     def start_loss(self, al, batches: list) -> float:
         ta, tb = _values(al, self.model_a, self.model_b)
-        with _evaluating(self.model_a), torch.no_grad():
+        with eval_mode(self.model_a), torch.no_grad():
             model = self.between(ta, _carried(al, ta, tb, al.elements), 0.5)
             got = [float(_call(self.loss_fn, model, b)) for b in batches]
         return sum(got) / len(got)
@@ -124,17 +123,6 @@ class InMemory(Objective):
     def end(self) -> None:
         self.model_a.train(self.was)
         del self.ta, self.tb, self.al, self.elements
-
-
-@contextlib.contextmanager
-def _evaluating(model):
-    """``model`` in eval mode (no dropout) for the block; its own mode restored after."""
-    was = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was)
 
 
 def _values(al, model_a, model_b):

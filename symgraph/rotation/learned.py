@@ -1,10 +1,12 @@
 """Learned rotations (SpinQuant, Liu et al. 2024): the rotation classes' elements optimised so
 that the fake-quantized rotated model has low loss on data.
 
-Learned matching's machinery does the work (:mod:`symgraph.alignment.refine`): its
-parametrisation of each class on its group (``torch.nn.utils.parametrizations.orthogonal``;
-the maps fixing 𝟙 as ``H diag(1, R) Hᵀ``), its model run on other values (``Bound``), its
-loss (the model's own) and its exact projection back onto the group at the end. Each step
+Learned matching's machinery does the work (:mod:`symgraph.alignment.learning`): its one step
+loop (:func:`~symgraph.alignment.learning.optimise`: Adam, batch ``k mod len(data)`` at step
+``k``, no ``λ``), its parametrisation of each class on its group
+(``torch.nn.utils.parametrizations.orthogonal``; the maps fixing 𝟙 as ``H diag(1, R) Hᵀ``),
+its model run on other values (``Bound``), its loss (the model's own) and its exact
+projection back onto the group at the end. Each step
 rotates the weights with the current elements (norm gains folded), rounds the linear layers'
 weights (RTN, ``weight_bits``, groups of ``group_size``) and their inputs (per token,
 ``act_bits``) with a straight-through estimator (:mod:`symgraph.testing.quantize`), and takes
@@ -14,16 +16,17 @@ quantized loss on the training batches: never worse than the start there.
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from types import SimpleNamespace
 
 import torch
-from tqdm import tqdm
 
-from ..alignment.refine import Bound, default_loss, learnable, summary
+from ..alignment.learning import learnable, optimise, summary
+from ..alignment.refine import Bound, default_loss
 from ..errors import InputError
+from ..passes.trace import eval_mode
 from ..testing import quantize as Q
+from ..transform.apply import stored_tensors
 from .classes import rotated_state
 
 __all__ = ["learn_rotations", "quantized_loss"]
@@ -59,11 +62,12 @@ def _acts(model, bits, ste):
     return contextlib.nullcontext() if bits is None else Q.activations(model, bits, ste=ste)
 
 
-def learn_rotations(model, report, elements: dict, data, *, seed: int = 0, steps: int = 50, lr: float = 1e-3,
+def learn_rotations(model, report, elements: dict, data, *, steps: int = 50, lr: float = 1e-3,
                     weight_bits: int | None = 4, act_bits: int | None = 8, group_size: int = 128,
                     loss_fn=None, progress: bool = False, keep_best: bool = True):
     """``(elements, info)``: ``elements`` (``{group id: rotation}``, the start) optimised for
-    ``steps`` Adam steps on ``data`` (a list of keyword batches), see the module docstring.
+    ``steps`` Adam steps on ``data`` (a list of keyword batches, step ``k`` on batch ``k mod
+    len(data)``; nothing random is drawn), see the module docstring.
     ``info``: ``steps``, ``classes``, ``loss_first``/``loss_last`` (training, fake-quantized),
     ``start``/``end`` (mean quantized loss on ``data`` without the estimator), ``kept``
     (``"learned"`` or ``"start"``; ``keep_best=False``: always the learned), ``seconds``."""
@@ -73,33 +77,22 @@ def learn_rotations(model, report, elements: dict, data, *, seed: int = 0, steps
     if steps < 1:
         raise InputError(f"steps={steps}; expected a positive number of optimisation steps")
     learn = learnable(report, SimpleNamespace(elements=dict(elements)))
-    from ..transform.apply import stored_tensors
     tensors = stored_tensors(report, model, check=True)
     opts = dict(weight_bits=weight_bits, act_bits=act_bits, group_size=group_size, loss_fn=loss_fn)
     start = quantized_loss(model, report, elements, tensors, data, **opts)
     if not learn:
         return elements, {"steps": 0, "classes": 0, "start": start, "end": start, "kept": "start"}
     t0 = time.perf_counter()
-    torch.manual_seed(seed)
-    opt = torch.optim.Adam([p for x in learn.values() for p in x.params], lr=lr)
-    loss_fn_ = loss_fn or default_loss
-    losses = []
-    bar = tqdm(range(steps), desc="learn rotations", unit="step", file=sys.stderr, leave=False,
-               disable=None if progress else True)
-    was = model.training
-    model.eval()
-    try:
-        for step in bar:
-            els = {**elements, **{gid: x.element() for gid, x in learn.items()}}
-            with _acts(model, act_bits, ste=True):
-                loss = loss_fn_(Bound(model, _values(model, report, els, tensors, weight_bits, group_size)),
-                                data[step % len(data)])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-    finally:
-        model.train(was)
+    loss_fn = loss_fn or default_loss
+
+    def step(live: dict, batch) -> float:
+        with _acts(model, act_bits, ste=True):
+            vals = _values(model, report, {**elements, **live}, tensors, weight_bits, group_size)
+            loss = loss_fn(Bound(model, vals), batch)
+        loss.backward()
+        return loss.item()
+    with eval_mode(model):
+        losses = optimise(learn, step, data, steps, lr, desc="learn rotations", progress=progress)
     learned = {**elements, **{gid: x.final() for gid, x in learn.items()}}
     end = quantized_loss(model, report, learned, tensors, data, **opts)
     better = end <= start or not keep_best

@@ -74,7 +74,7 @@ def rotate(model, how: str = "hadamard", seed: int = 0, *, data=None, classes=("
     tensors = stored_tensors(report, base, check=True)
     trained: dict = {}
     if how == "learned":
-        elements, trained = learn_rotations(base, report, elements, data, seed=seed, **learn)
+        elements, trained = learn_rotations(base, report, elements, data, **learn)
     new_values = rotated_state(report, elements, tensors)
     rotated = copy.deepcopy(base)
     write_state(rotated, new_values, report.buffers)
