@@ -1,30 +1,26 @@
 """Learned matching out of core: :func:`symgraph.alignment.learning.learned_matching` on
 checkpoints, for ``symgraph merge --refine N`` in the merge engine, no model loaded; what it
-takes of the engine is one :class:`Learning`, built where it is called.
+takes of the engine is one :class:`Learning`, built where it is called. The start, the steps
+and the record are learning's, as in memory; only how a loss and its gradient are computed is
+this module's (:class:`_Matching`, an :class:`~symgraph.alignment.learning.Objective`).
 
-As in memory (:func:`symgraph.align` with ``refine``), and by the same steps
-(:mod:`symgraph.alignment.learning`: the start, λ's draws, Adam, the projection back onto the
-groups, the record): model B is aligned to the anchor by activations and by weights alone, the
-better start is refined, then full groups are fitted. Only how a loss and its gradient are
-computed is this module's (:class:`_Matching`, an :class:`~symgraph.alignment.learning.Objective`).
-
-The loss is the model's own, ``labels = input_ids`` added for a language model as
-:func:`~symgraph.alignment.refine.default_loss` adds them: the anchor's model (on ``meta``) is
-traced with its labels, one graph per batch shape, and run in segments (:mod:`.segments`): a
-forward pass keeps the values crossing each cut, then each segment, last first, is recomputed
-from them with its weights a differentiable function of the elements,
-``w = (1 − λ)·a + λ·move(b)``, each tensor computed from the two checkpoints' tensors read for
-that segment (a norm fold's reader with its gain, shift and bias: :func:`~symgraph.transform.apply.move_piece`,
-the values :func:`~symgraph.transform.apply.move` gives the whole model). Autograd sums each
-element's gradient over the segments in one leaf per element; it is carried to the element's
-parameters once per step. Buffers are the anchor's, as in memory. Memory holds the elements'
-parameters and Adam's moments, one segment's tensors (the rest of half the memory budget) and
-the values at the cuts (spilled to disk beyond a quarter of it).
+The loss is the model's own (labels as :func:`~symgraph.alignment.refine.default_loss` adds
+them): the anchor's model (on ``meta``) traced with its labels, one graph per batch shape, run
+in segments (:mod:`.segments`): a forward pass keeps the values crossing each cut, then each
+segment, last first, is recomputed with its weights ``w = (1 − λ)·a + λ·move(b)`` a
+differentiable function of the elements, from the two checkpoints' tensors read for that
+segment (a norm fold's reader with its gain, shift and bias:
+:func:`~symgraph.transform.apply.move_piece`). Each element's gradient is summed over the
+segments in one leaf and carried to its parameters once per step. Buffers are the anchor's.
+Memory holds the elements' parameters and Adam's moments, one segment's tensors (the rest of
+half the memory budget) and the values at the cuts (spilled to disk beyond a quarter of it).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -35,7 +31,6 @@ from ..alignment.graphrun import flatten_for, runnable
 from ..alignment.learning import Objective, learnable, learned_matching
 from ..alignment.options import AlignOptions
 from ..alignment.refine import with_labels
-from ..core.elements import Perm
 from ..errors import InputError, NeedsMemory, TraceError
 from ..passes.trace import output_positions, trace
 from ..transform.apply import move_piece
@@ -281,17 +276,29 @@ class _Matching(Objective):
         """Refuse a room that cannot hold the elements' state and the largest op (with a
         budget given), then hold that state: the learnable elements' parameters, their
         gradients and Adam's two moments; each element, its leaf and gradient."""
-        self.between, self.elements = _Between(self.how.anchor, self.B, al, self.how.device), elements
-        self.state = self._room_for(learn, elements)
+        self.state, self.elements = self._room_for(al, learn, elements), elements
         self.how.ledger.hold(self.state)
 
-    def _room_for(self, learn, elements) -> int:
-        """The bytes of the state of ``learn`` (:func:`_state`); with a budget, refused where
-        the room cannot hold it and the largest op of the first batch's graph."""
+    def _room_for(self, al, learn, elements) -> int:
+        """The bytes of the state of ``learn`` (:func:`_state`), B read through ``al``; with a
+        budget, refused where its half (the statistics' share, the room) cannot hold that
+        state and the largest op of the first batch's graph, in human units with the smallest
+        budget that works."""
+        self.between = _Between(self.how.anchor, self.B, al, self.how.device)
         state = _state(learn, elements)
-        if self.how.budgeted:
-            g, _ = self._graph(self.how.data[0])
-            _check_room(self.how.room, state, g.largest(self.between.cost(g)))
+        if not self.how.budgeted:
+            return state
+        g, _ = self._graph(self.how.data[0])
+        op, room = g.largest(self.between.cost(g)), self.how.room
+        if state + op > room:
+            from ..checkpoints.outdir import human_bytes as hb
+            need = 2 * (state + op)
+            unit = 10 ** max(len(str(need)) - 3, 0)  # three digits, rounded up: the size shown works
+            need = -(-need // unit) * unit
+            raise InputError(f"learned matching holds {hb(state)} of learnable elements and their optimiser state, "
+                             f"and {hb(op)} for its largest op: over half the memory budget "
+                             f"({hb(2 * room)}); expected --memory-budget of at least "
+                             f"{hb(need)} (the smallest that works)")
         return state
 
     def end(self) -> None:
@@ -301,21 +308,11 @@ class _Matching(Objective):
         """One batch's loss, differentiated segment by segment into a leaf per element, each
         leaf's gradient carried back through ``live`` into the element's parameters."""
         leaves = {gid: e.detach().requires_grad_(True) for gid, e in live.items()}
-        loss = self._step(batch, leaves, lam, max(1, self.how.room - self.state))
-        pairs = [(live[gid], t.grad) for gid, t in leaves.items() if t.grad is not None]
-        if pairs:
-            torch.autograd.backward([e for e, _ in pairs], [gr for _, gr in pairs])
-        return loss
-
-    def _step(self, batch, leaves, lam, budget) -> float:
-        """One batch's loss of the model between A and B′, differentiated segment by segment
-        into ``leaves`` (``{group id: leaf}``, the learnable elements)."""
         g, flat = self._graph(batch)
-        segs = g.segments(self.between.cost(g), budget)
+        segs = g.segments(self.between.cost(g), max(1, self.how.room - self.state))
         self.runs += 1
         kept = self._kept(f"refine/{self.runs}/")
-        fixed = {**self.elements, **{gid: t.detach() for gid, t in leaves.items()}}
-        self._forward(g, segs, [flat], fixed, lam, kept, True)
+        self._forward(g, segs, [flat], {**self.elements, **{i: t.detach() for i, t in leaves.items()}}, lam, kept, True)
         els, got = {**self.elements, **leaves}, []
         up: dict = {}  # node -> gradients at the current cut
 
@@ -327,11 +324,13 @@ class _Matching(Objective):
             with torch.enable_grad():
                 w, held = self.between.weights(g, a, b, els, lam)
             self.how.ledger.hold(held)
-            run = Segment(g.gm, w)
-            up = backward_span(run, kept.pop(0, k) if k else {}, a, b, None if k else flat, up,
+            up = backward_span(Segment(g.gm, w), kept.pop(0, k) if k else {}, a, b, None if k else flat, up,
                                loss if b == len(g.order) else None)
             self.how.ledger.drop(held)
-            del w, run
+            del w
+        pairs = [(live[gid], t.grad) for gid, t in leaves.items() if t.grad is not None]
+        if pairs:
+            torch.autograd.backward([e for e, _ in pairs], [gr for _, gr in pairs])
         return float(got[0].detach())
 
 
@@ -339,42 +338,20 @@ def _state(learn, elements) -> int:
     """Bytes of the learnable elements' parameters, their gradients and Adam's two moments, and
     of each element, its leaf and gradient."""
     return (4 * sum(nbytes(p) for x in learn.values() for p in x.params)
-            + 3 * sum(_dense_bytes(elements[gid]) for gid in learn))
-
-
-def _check_room(room: int, state: int, op: int) -> None:
-    """Refuse a memory budget whose half (the statistics' share, ``room``) cannot hold learned
-    matching's ``state`` and its largest op, in human units with the smallest budget that works."""
-    if state + op > room:
-        from ..checkpoints.outdir import human_bytes as hb
-        need = 2 * (state + op)
-        unit = 10 ** max(len(str(need)) - 3, 0)  # three digits, rounded up: the size shown works
-        need = -(-need // unit) * unit
-        raise InputError(f"learned matching holds {hb(state)} of learnable elements and their optimiser state, "
-                         f"and {hb(op)} for its largest op: over half the memory budget "
-                         f"({hb(2 * room)}); expected --memory-budget of at least "
-                         f"{hb(need)} (the smallest that works)")
+            + 3 * 8 * sum(math.prod(elements[gid].shape) for gid in learn))
 
 
 def check_budget(how: Learning, report) -> None:
-    """:func:`_check_room` before any alignment (``report``: the anchor's): the elements' sizes
-    do not depend on their values, so identity elements give the state the solved ones will
-    hold, and the anchor's graph with its loss gives the largest op."""
+    """Learned matching's room checked before any alignment (``report``: the anchor's): the
+    elements' sizes do not depend on their values, so identity elements give the state the
+    solved ones will hold, and the anchor's graph with its loss gives the largest op."""
     if not how.budgeted or not how.steps or not how.data:
         return
-    from types import SimpleNamespace
     eye = identity_elements(report)
     al = SimpleNamespace(report_a=report, report_b=report, gauge=None, elements=eye)
     matching = _Matching(how, None)  # B is not read: the sizes are the anchor's
     try:
-        matching.between = _Between(how.anchor, None, al, how.device)
-        matching._room_for(learnable(report, al), eye)
+        matching._room_for(al, learnable(report, al), eye)
     finally:
         matching.close()
 
-
-def _dense_bytes(e) -> int:
-    """The bytes of element ``e`` as a float64 matrix (what a learnable element is)."""
-    if isinstance(e, Perm):
-        return e.index.numel() * e.index.shape[-1] * 8
-    return e.numel() * 8
