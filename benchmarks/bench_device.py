@@ -50,11 +50,11 @@ def peaks(device: torch.device, n: int | None = None, svd_n: int = 4096, heads: 
     # a 7B layer's head pairs (32 x 32 of 128², float64), as solve.nested_heads scores them: on
     # the device, and as the library does (through the host: PyTorch's CUDA eigh loops over
     # matrices > 32²)
-    from symgraph.solve._solvers import _decompose
+    from symgraph.solve._polar import decompose
     g = torch.randn(32, 32, 128, 128, device=device, dtype=torch.float64)
     g = g @ g.mT
     out["heads_eigvalsh_device_s"] = best_time(lambda: torch.linalg.eigvalsh(g), 1, lambda: _sync(device))
-    out["heads_eigvalsh_host_s"] = best_time(lambda: _decompose(torch.linalg.eigvalsh, g), 1, lambda: _sync(device))
+    out["heads_eigvalsh_host_s"] = best_time(lambda: decompose(torch.linalg.eigvalsh, g), 1, lambda: _sync(device))
     return out
 
 

@@ -18,7 +18,8 @@ import torch
 from ..core.elements import Map, Perm, inv_t
 
 __all__ = ["axis_matrix", "coord_table", "leaf_views", "other_leaf_elements", "observation_points",
-           "leaves_with_parity", "stored_slots", "axis_tree", "resized_shapes"]
+           "leaves_with_parity", "stored_slots", "axis_tree", "resized_shapes",
+           "leaf_element", "flat_factors", "gather_fibres", "application_order"]
 
 
 def axis_matrix(an, axis: int, elements: dict, parity: int = 0):
@@ -35,7 +36,10 @@ def axis_matrix(an, axis: int, elements: dict, parity: int = 0):
     return E
 
 
-def _leaf(an, r, p, elements):
+def leaf_element(an, r, p, elements):
+    """The element of leaf class ``r`` on an axis of parity ``p`` (its inverse transpose, or a
+    map's contra side, when ``p``), shaped ``[*fibres, a, b]``, with its fibres; ``(None, ())``
+    when the class has none."""
     E = elements.get(r)
     if E is None:
         return None, ()
@@ -49,7 +53,7 @@ def _leaf(an, r, p, elements):
     return E.reshape(*(an.uf.size[f] for f in fib), *E.shape[-2:]), fib  # fibres may come flat
 
 
-def _factors(an, axis, par):
+def flat_factors(an, axis, par):
     """Flatten nested products: list of (axis, parity) factors."""
     r, p = an.uf.find(axis)
     p ^= par
@@ -57,41 +61,56 @@ def _factors(an, axis, par):
     if s is not None and s[0] == "prod":
         out = []
         for a, pa in s[1]:
-            out += _factors(an, a, pa ^ p)
+            out += flat_factors(an, a, pa ^ p)
         return out
     return [(axis, par)]
 
 
 def _node(an, axis, par, elements):
+    """``(E, fibres)``: the matrix of ``axis`` (parity ``par``), fibred over the classes
+    ``fibres``; ``(None, ())`` when it is the identity."""
     uf = an.uf
     r, p = uf.find(axis)
     p ^= par
     s = uf.struct.get(r)
     if s is None:
-        return _leaf(an, r, p, elements)
+        return leaf_element(an, r, p, elements)
     kind, parts = s
     if kind == "sum":
-        subs = [(_node(an, a, pa ^ p, elements), uf.size[uf.find(a)[0]]) for a, pa in parts]
-        if all(E is None for (E, _), _ in subs):
-            return None, ()
-        fibres = []
-        for (E, f), _ in subs:
-            fibres += [x for x in f if x not in fibres]
-        blocks = []
-        dev = next(E.device for (E, _), _ in subs if E is not None)  # the elements' device
-        for (E, f), m in subs:
-            E = torch.eye(m, dtype=torch.float64, device=dev) if E is None else E
-            blocks.append(_broadcast_fibres(E, f, fibres, uf))
-        na, nb = sum(b.shape[-2] for b in blocks), sum(b.shape[-1] for b in blocks)
-        out = torch.zeros(*[uf.size[x] for x in fibres], na, nb, dtype=torch.float64, device=dev)
-        oa = ob = 0
-        for b in blocks:
-            out[..., oa:oa + b.shape[-2], ob:ob + b.shape[-1]] = b
-            oa, ob = oa + b.shape[-2], ob + b.shape[-1]
-        return out, tuple(fibres)
-    # product
-    n = uf.size[r]
-    factors = _factors(an, axis, par)
+        return _sum_node(an, parts, p, elements)
+    return _product_node(an, axis, par, elements)
+
+
+def _sum_node(an, parts, p, elements):
+    """A direct sum's matrix: its parts' matrices (the identity for a part without one) on the
+    diagonal, each broadcast over the fibres of all of them."""
+    uf = an.uf
+    subs = [(_node(an, a, pa ^ p, elements), uf.size[uf.find(a)[0]]) for a, pa in parts]
+    if all(E is None for (E, _), _ in subs):
+        return None, ()
+    fibres = []
+    for (E, f), _ in subs:
+        fibres += [x for x in f if x not in fibres]
+    blocks = []
+    dev = next(E.device for (E, _), _ in subs if E is not None)  # the elements' device
+    for (E, f), m in subs:
+        E = torch.eye(m, dtype=torch.float64, device=dev) if E is None else E
+        blocks.append(_broadcast_fibres(E, f, fibres, uf))
+    na, nb = sum(b.shape[-2] for b in blocks), sum(b.shape[-1] for b in blocks)
+    out = torch.zeros(*[uf.size[x] for x in fibres], na, nb, dtype=torch.float64, device=dev)
+    oa = ob = 0
+    for b in blocks:
+        out[..., oa:oa + b.shape[-2], ob:ob + b.shape[-1]] = b
+        oa, ob = oa + b.shape[-2], ob + b.shape[-1]
+    return out, tuple(fibres)
+
+
+def _product_node(an, axis, par, elements):
+    """A product's matrix: each factor's element applied along its factor axis of the
+    identity, in :func:`application_order`, fibred over the classes outside the product."""
+    uf = an.uf
+    n = uf.size[uf.find(axis)[0]]
+    factors = flat_factors(an, axis, par)
     fclasses = [uf.find(a)[0] for a, _ in factors]
     fsizes = [uf.size[c] for c in fclasses]
     subs = []
@@ -100,10 +119,10 @@ def _node(an, axis, par, elements):
         if ra in uf.struct:  # a sum inside a product
             subs.append(_node(an, a, pa, elements))
         else:
-            subs.append(_leaf(an, ra, pra ^ pa, elements))
+            subs.append(leaf_element(an, ra, pra ^ pa, elements))
     if all(E is None for E, _ in subs):
         return None, ()
-    subs = [(E, f) if E is None else _gather_fibres(an, E, f, k, factors, fclasses) for k, (E, f) in enumerate(subs)]
+    subs = [(E, f) if E is None else gather_fibres(an, E, f, k, factors, fclasses) for k, (E, f) in enumerate(subs)]
     outer = []
     for _, f in subs:
         outer += [x for x in f if x not in fclasses and x not in outer]
@@ -115,7 +134,7 @@ def _node(an, axis, par, elements):
     dev = next(E.device for E, _ in subs if E is not None)  # the elements' device
     X = torch.eye(n, dtype=torch.float64, device=dev).reshape(*fsizes, n)
     X = X.expand(*osz, *fsizes, n).clone() if osz else X
-    for k in _application_order(subs, fclasses):
+    for k in application_order(subs, fclasses):
         E, f = subs[k]
         if E is None:
             continue
@@ -128,7 +147,7 @@ def _node(an, axis, par, elements):
     return X.reshape(*osz, -1, n), tuple(outer)
 
 
-def _gather_fibres(an, E, fib, k, factors, fclasses):
+def gather_fibres(an, E, fib, k, factors, fclasses):
     """Factor ``k``'s element fibred over a leaf that lies inside another factor (a
     concatenation of copies of it: a head axis cut in halves, the halves one class) read per
     coordinate of that factor: ``E``'s fibre dim indexed by the leaf's coordinate there (every
@@ -146,7 +165,7 @@ def _gather_fibres(an, E, fib, k, factors, fclasses):
     return E, tuple(fib)
 
 
-def _application_order(subs, fclasses):
+def application_order(subs, fclasses):
     """Innermost factor first, but a factor fibred over another factor of the same product
     always acts before it: fibred elements are indexed by the *source* index of their outer
     factor, whichever order the factors have in this flatten (``(H, d)`` or ``(d, H)``)."""

@@ -17,7 +17,7 @@ import math
 import torch
 
 from ..core.elements import Blocks, is_perm
-from .axes import _application_order, _factors, _gather_fibres, _leaf
+from .axes import application_order, flat_factors, gather_fibres, leaf_element
 
 __all__ = ["block_map"]
 
@@ -33,7 +33,7 @@ def block_map(an, axis, elements: dict):
     s = uf.struct.get(r)
     if s is None or s[0] != "prod":
         return None
-    factors = _factors(an, axis, 0)
+    factors = flat_factors(an, axis, 0)
     fclasses = [uf.find(a)[0] for a, _ in factors]
     if any(c in uf.struct for c in fclasses) or len(set(fclasses)) != len(fclasses):
         return None
@@ -44,9 +44,9 @@ def block_map(an, axis, elements: dict):
     subs = []
     for k, (a, pa) in enumerate(factors):
         ra, pra = uf.find(a)
-        E, f = _leaf(an, ra, pra ^ pa, elements)
+        E, f = leaf_element(an, ra, pra ^ pa, elements)
         if E is not None:
-            E, f = _gather_fibres(an, E, f, k, factors, fclasses)
+            E, f = gather_fibres(an, E, f, k, factors, fclasses)
             if any(x not in fclasses[:m] for x in f) or E.shape[-1] != E.shape[-2] or E.shape[-1] != sizes[k]:
                 return None  # fibred over the innermost factor (heads last) or off the axis
             if k < m and not is_perm(E):
@@ -60,7 +60,7 @@ def block_map(an, axis, elements: dict):
     coords = [(ar // math.prod(sizes[j + 1:m])) % sizes[j] for j in range(m)]  # replaced, never
     # written to: they index the elements (autograd keeps them when the elements are learned)
     blocks = None
-    for k in _application_order(subs, fclasses):
+    for k in application_order(subs, fclasses):
         E, f = subs[k]
         if E is None:
             continue

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .nodes import packet
-from .rules.reductions import _nonlinear_others
+from .rules.reductions import nonlinear_others
 from .registry import Label, Meet, NoFiber, Unify, dim, register
 
 __all__ = ["RELAYOUT", "flow", "label_index", "topk"]
@@ -88,6 +88,6 @@ def topk(ctx):
             Meet(vals[d], "identity", f"{ctx.where}: ranked entries"), Unify(vals[d], idx[d])]
     for o in (vals, idx):
         cons += [Unify(o[i], a) for i, a in enumerate(xa) if i != d]
-    cons += _nonlinear_others(ctx, xa, ctx.shape(x), {d}, "top-k")
+    cons += nonlinear_others(ctx, xa, ctx.shape(x), {d}, "top-k")
     cons += [NoFiber(xa[i], xa[d]) for i in range(len(xa)) if i != d]
     return cons + [Label(1, xa[d], ctx.shape(x)[d])]

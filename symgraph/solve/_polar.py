@@ -30,7 +30,7 @@ import math
 
 import torch
 
-__all__ = ["polar", "polar_from_svd", "LOW", "EXTRA", "TOL", "DEVICE_BATCH_MAX"]
+__all__ = ["polar", "polar_from_svd", "decompose", "LOW", "EXTRA", "TOL", "DEVICE_BATCH_MAX"]
 
 #: The smallest ``σ_min / s`` the scaled schedule is designed for.
 LOW = 1e-4
@@ -68,7 +68,7 @@ def _host(x: torch.Tensor) -> bool:
     return x.device.type != "cpu" and x.dim() > 2 and x.shape[:-2].numel() > 1 and x.shape[-1] > DEVICE_BATCH_MAX
 
 
-def _decompose(fn, x: torch.Tensor, **kw):
+def decompose(fn, x: torch.Tensor, **kw):
     """``fn(x, **kw)`` (a ``torch.linalg`` decomposition), on the host for a batch that the
     device's kernels would solve one matrix at a time (see :func:`_host`); the results on
     ``x``'s device."""
@@ -79,7 +79,7 @@ def _decompose(fn, x: torch.Tensor, **kw):
 
 
 def _svd_polar(M: torch.Tensor) -> torch.Tensor:
-    U, sig, Vh = _decompose(torch.linalg.svd, M, full_matrices=False)
+    U, sig, Vh = decompose(torch.linalg.svd, M, full_matrices=False)
     return polar_from_svd(U, sig, Vh)
 
 

@@ -16,7 +16,7 @@ from ..core.groups import GroupKind
 from ..errors import InputError
 from . import turns
 from ._auction import auction
-from ._polar import DEVICE_BATCH_MAX, _decompose, _host, polar, polar_from_svd  # noqa: F401 (re-exported)
+from ._polar import DEVICE_BATCH_MAX, decompose, polar, polar_from_svd  # noqa: F401 (re-exported)
 
 __all__ = ['SolveResult', 'hungarian', 'signed_hungarian', 'procrustes', 'procrustes_mean', 'rope_procrustes', 'optimal_transport', 'inner_blocks', 'nested_heads', 'solve', 'SOLVERS', 'ROW_MAXIMA']
 
@@ -180,7 +180,7 @@ def procrustes(S, rescale: bool = False) -> SolveResult:
         R, extra["polar"] = polar(s)
         obj = torch.sum(R * s, dtype=torch.float64)
     else:
-        U, sig, Vh = _decompose(torch.linalg.svd, s, full_matrices=False)
+        U, sig, Vh = decompose(torch.linalg.svd, s, full_matrices=False)
         R = polar_from_svd(U, sig, Vh)  # what S leaves free: B's order
         obj = sig.sum()
     dt = time.perf_counter() - t
@@ -208,7 +208,7 @@ def procrustes_mean(S) -> SolveResult:
             inner[..., 1:, 1:] = Q
             obj = obj + (Q * T[..., 1:, 1:]).sum((-1, -2))
         else:
-            U, sig, Vh = _decompose(torch.linalg.svd, T[..., 1:, 1:], full_matrices=False)
+            U, sig, Vh = decompose(torch.linalg.svd, T[..., 1:, 1:], full_matrices=False)
             inner[..., 1:, 1:] = U @ Vh
             obj = obj + sig.sum(-1)
     R = H @ inner @ H.mT
@@ -331,7 +331,7 @@ def pair_objectives(S, kind: GroupKind, pr, inner: str, given=None) -> tuple:
         if _on_device(S):  # every pair's polar factor, batched: matmuls on the device
             obj = (polar(S)[0] * S).sum((-1, -2))
         else:
-            ev = _decompose(torch.linalg.eigvalsh, S @ S.mT)
+            ev = decompose(torch.linalg.eigvalsh, S @ S.mT)
             obj = ev.clamp_min(0).sqrt().sum(-1)
         secs += time.perf_counter() - t
         el = None

@@ -63,7 +63,7 @@ def _ends(an, node, labels, n, out):
     it takes entries ``a..b-1`` of the ``"n"`` axis: ``select``/``unbind`` (one entry, the axis
     gone), a ``slice`` with step 1 or an ``index`` by a literal range (the axis kept, labelled
     ``"seg"``); False if a path does anything else."""
-    from ..rules.segments import _constant_range
+    from ..rules.segments import constant_range
     for u in node.users:
         p = packet(u.target)
         k = labels.index("n")
@@ -85,7 +85,7 @@ def _ends(an, node, labels, n, out):
                 return False
             out.append((u, (a, b), labels[:k] + ["seg"] + labels[k + 1:]))
         elif p is aten.index and len(u.args[1]) == k + 1 and all(i is None for i in u.args[1][:k]):
-            seg = _constant_range(an.constant_of(u.args[1][k]), n) if u.args[1][k] is not None else None
+            seg = constant_range(an.constant_of(u.args[1][k]), n) if u.args[1][k] is not None else None
             if seg is None:
                 return False
             out.append((u, seg, labels[:k] + ["seg"] + labels[k + 1:]))

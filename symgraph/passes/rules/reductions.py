@@ -20,7 +20,7 @@ aten = torch.ops.aten
 _LINEAR = {aten.sum, aten.mean}
 
 
-def _nonlinear_others(ctx, xa, shape, reduced, what):
+def nonlinear_others(ctx, xa, shape, reduced, what):
     """A nonlinear function of each slice along ``reduced`` (max, variance, softmax, norms) is
     an elementwise-nonlinear map along every other axis: only permutations commute with it."""
     return [Meet(xa[i], "perm", f"{ctx.where}: {what} is nonlinear along this axis")
@@ -43,7 +43,7 @@ def _reduce(ctx, x, dims, keepdim, out, kind="perm", what="reduction", linear=Fa
     cons += [NoFiber(xa[i], xa[d], f"{what} along another axis combines its slices, which must "
                      "share one map") for i in range(n) if i not in dims for d in dims]
     if not linear:
-        cons += _nonlinear_others(ctx, xa, ctx.shape(x), dims, what)
+        cons += nonlinear_others(ctx, xa, ctx.shape(x), dims, what)
     return cons
 
 
@@ -114,7 +114,7 @@ def softmax(ctx):
     d = dim(ctx.arg(1), len(xa))
     cons = [Unify(o, a) for o, a in zip(ctx.out, xa)]
     cons.append(Meet(xa[d], "perm", f"{ctx.where}: softmax over this axis"))
-    cons += _nonlinear_others(ctx, xa, ctx.shape(x), {d}, "softmax")
+    cons += nonlinear_others(ctx, xa, ctx.shape(x), {d}, "softmax")
     return cons + [NoFiber(xa[i], xa[d]) for i in range(len(xa)) if i != d]
 
 
@@ -134,7 +134,7 @@ def _norm_layer(ctx, x, normalized_ndim, params, out, unscaled="perm"):
         if pa is not None:
             cons += [Unify(a, b) for a, b in zip(norm_axes[len(norm_axes) - len(pa):], pa)]
     cons += [NoFiber(a, b) for a in xa[: n - normalized_ndim] for b in norm_axes]
-    return cons + _nonlinear_others(ctx, xa, ctx.shape(x), set(range(n - normalized_ndim, n)),
+    return cons + nonlinear_others(ctx, xa, ctx.shape(x), set(range(n - normalized_ndim, n)),
                                     "normalisation")
 
 

@@ -265,7 +265,7 @@ def index(ctx):
         # ``w[labels]``: relabelling the class and permuting the indexed axis alike leaves the
         # result unchanged (:mod:`symgraph.passes.labels`)
         cons = [Unify(xa[k], lab[0]), Meet(xa[k], "perm", f"{ctx.where}: indexed by labels")]
-    elif (seg := _constant_range(ctx.constant(idx), ctx.shape(x)[k])) is not None and len(ia) == 1:
+    elif (seg := constant_range(ctx.constant(idx), ctx.shape(x)[k])) is not None and len(ia) == 1:
         # ``x[..., [a, a+1, ..., b-1]]`` with literal indices (Falcon's multi-query split
         # ``qkv[..., [-2], :]``): a slice, the axis a sum of segments
         a, b = seg
@@ -289,7 +289,7 @@ def _is_mask(node) -> bool:
     return isinstance(v, torch.Tensor) and v.dtype == torch.bool
 
 
-def _constant_range(values, n):
+def constant_range(values, n):
     """``(a, b)`` when ``values`` is a literal 1-D index tensor holding ``a, a+1, ..., b-1``
     (negative indices counted from ``n``), else None."""
     if values is None or values.dim() != 1 or values.numel() == 0 or values.is_floating_point():
