@@ -31,22 +31,9 @@ import torch.nn.functional as F
 
 from . import data, zoo
 
-__all__ = [
-    "EVAL_BATCH_SIZE",
-    "EVAL_MASK_SEED",
-    "LOSS_FN_MAX_BATCHES",
-    "Batch",
-    "eval_batches",
-    "model_logits",
-    "batch_loss",
-    "eval_loss",
-    "eval_metric",
-    "metric_name",
-    "higher_is_better",
-    "loss_fn_for",
-    "example_inputs",
-    "baseline_loss",
-]
+__all__ = ["EVAL_BATCH_SIZE", "EVAL_MASK_SEED", "LOSS_FN_MAX_BATCHES", "Batch", "eval_batches", "model_logits",
+           "batch_loss", "eval_loss", "eval_metric", "metric_name", "higher_is_better", "loss_fn_for",
+           "example_inputs", "baseline_loss"]
 
 #: Sequences (images) per evaluation batch.
 EVAL_BATCH_SIZE = 32
@@ -59,11 +46,6 @@ LOSS_FN_MAX_BATCHES = 4
 #: for BERT and equal to ``input_ids`` for causal LMs) or
 #: ``{"pixel_values", "labels"}`` for the ViT.
 Batch = dict[str, torch.Tensor]
-
-
-# ---------------------------------------------------------------------------
-# Batches
-# ---------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,29 +68,11 @@ def _all_eval_batches(arch: str, split: str) -> tuple[Batch, ...]:
 
 
 def eval_batches(arch: str, split: str = "eval", max_batches: int | None = None) -> list[Batch]:
-    """Return the deterministic evaluation batches of ``arch``.
-
-    Parameters
-    ----------
-    arch : str
-        A key of :data:`benchmarks.zoo.SPECS`.
-    split : {"eval", "train"}
-        Data split; ``"train"`` gives the same layout on the training data.
-    max_batches : int, optional
-        Keep only the first ``max_batches`` batches (all when ``None``).
-
-    Returns
-    -------
-    list of dict
-        Batches as described by :data:`Batch` (shared tensors: do not modify).
-    """
+    """The deterministic evaluation batches (:data:`Batch`, shared tensors: do not modify) of
+    ``arch`` (a key of :data:`benchmarks.zoo.SPECS`, as everywhere here) on ``split`` ("eval";
+    "train": the same layout on the training data), the first ``max_batches`` (None: all)."""
     batches = _all_eval_batches(arch, split)
     return list(batches if max_batches is None else batches[:max_batches])
-
-
-# ---------------------------------------------------------------------------
-# Losses
-# ---------------------------------------------------------------------------
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -119,26 +83,9 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 
 
 def model_logits(model: torch.nn.Module, arch: str, batch: Batch) -> torch.Tensor:
-    """Run ``model`` on a batch and return its logits.
-
-    Decoders are called with ``use_cache=False``. Inputs are moved to the
-    model's device.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-        A zoo model of architecture ``arch`` (or anything with the same call
-        signature returning an object with ``.logits``).
-    arch : str
-        A key of :data:`benchmarks.zoo.SPECS`.
-    batch : dict
-        A :data:`Batch`.
-
-    Returns
-    -------
-    torch.Tensor
-        ``(batch, seq, vocab)`` for LMs, ``(batch, classes)`` for the ViT.
-    """
+    """``model``'s logits on ``batch`` (moved to its device; decoders called with
+    ``use_cache=False``): ``(batch, seq, vocab)`` for LMs, ``(batch, classes)`` for the ViT.
+    ``model``: a zoo model of ``arch`` or anything so called that returns ``.logits``."""
     spec = zoo.get_spec(arch)
     device = _device_of(model)
     if spec.task == "cls":
@@ -160,22 +107,8 @@ def _loss_sum(logits: torch.Tensor, arch: str, labels: torch.Tensor) -> tuple[to
 
 
 def batch_loss(model: torch.nn.Module, arch: str, batch: Batch) -> torch.Tensor:
-    """Mean training/evaluation loss of ``model`` on one batch (differentiable).
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-        A zoo model of architecture ``arch``.
-    arch : str
-        A key of :data:`benchmarks.zoo.SPECS`.
-    batch : dict
-        A :data:`Batch`.
-
-    Returns
-    -------
-    torch.Tensor
-        Scalar loss (see the module docstring for its definition per task).
-    """
+    """``model``'s mean loss on one batch (differentiable; the module docstring defines it per
+    task)."""
     total, count = _loss_sum(model_logits(model, arch, batch), arch, batch["labels"])
     return total / max(count, 1)
 
@@ -201,31 +134,9 @@ def _evaluate(model: torch.nn.Module, arch: str, batches: list[Batch]) -> tuple[
     return loss_total / count, correct / count
 
 
-def eval_loss(
-    model: torch.nn.Module,
-    arch: str,
-    split: str = "eval",
-    max_batches: int | None = None,
-) -> float:
-    """Mean held-out loss of ``model``.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-        A zoo model of architecture ``arch``; its train/eval mode is restored.
-    arch : str
-        A key of :data:`benchmarks.zoo.SPECS`.
-    split : {"eval", "train"}
-        Data split (default: the held-out split).
-    max_batches : int, optional
-        Use only the first ``max_batches`` evaluation batches (all if ``None``).
-
-    Returns
-    -------
-    float
-        Token-weighted MLM loss on masked tokens (BERT), next-token loss
-        (GPT-2, LLaMA), or image-weighted cross-entropy (ViT), in nats.
-    """
+def eval_loss(model: torch.nn.Module, arch: str, split: str = "eval", max_batches: int | None = None) -> float:
+    """``model``'s mean loss in nats on :func:`eval_batches` ``(arch, split, max_batches)``,
+    token- (image-) weighted; its train/eval mode is restored."""
     return _evaluate(model, arch, eval_batches(arch, split, max_batches))[0]
 
 
@@ -239,54 +150,18 @@ def higher_is_better(arch: str) -> bool:
     return metric_name(arch) == "accuracy"
 
 
-def eval_metric(
-    model: torch.nn.Module,
-    arch: str,
-    split: str = "eval",
-    max_batches: int | None = None,
-) -> float:
-    """Task metric of ``model`` on held-out data.
-
-    Parameters
-    ----------
-    model, arch, split, max_batches
-        As in :func:`eval_loss`.
-
-    Returns
-    -------
-    float
-        Classification accuracy in [0, 1] for the ViT; perplexity
-        ``exp(eval_loss)`` for the language models.
-    """
+def eval_metric(model: torch.nn.Module, arch: str, split: str = "eval", max_batches: int | None = None) -> float:
+    """``model``'s task metric on the batches of :func:`eval_loss`: accuracy in [0, 1] for the
+    ViT, perplexity ``exp(eval_loss)`` for the language models."""
     loss, accuracy = _evaluate(model, arch, eval_batches(arch, split, max_batches))
     return accuracy if metric_name(arch) == "accuracy" else math.exp(loss)
 
 
-def loss_fn_for(
-    arch: str,
-    split: str = "eval",
-    max_batches: int | None = LOSS_FN_MAX_BATCHES,
-) -> Callable[[torch.nn.Module], float]:
-    """Return a ``model -> float`` loss callable, e.g. for loss-barrier curves.
-
-    The batches are fixed when this is called, so every model (e.g. each
-    interpolation point) is scored on exactly the same data.
-
-    Parameters
-    ----------
-    arch : str
-        A key of :data:`benchmarks.zoo.SPECS`.
-    split : {"eval", "train"}
-        Data split.
-    max_batches : int or None, optional
-        Number of batches used (default :data:`LOSS_FN_MAX_BATCHES`; ``None``
-        for the whole split).
-
-    Returns
-    -------
-    callable
-        ``f(model) -> float`` computing :func:`eval_loss` on those batches.
-    """
+def loss_fn_for(arch: str, split: str = "eval",
+                max_batches: int | None = LOSS_FN_MAX_BATCHES) -> Callable[[torch.nn.Module], float]:
+    """``f(model) -> float``: :func:`eval_loss` on batches fixed now (every model, e.g. each
+    point of a loss-barrier curve, scored on the same data); ``max_batches`` None: the whole
+    split."""
     batches = eval_batches(arch, split, max_batches)
 
     def loss_fn(model: torch.nn.Module) -> float:
@@ -297,23 +172,9 @@ def loss_fn_for(
 
 
 def example_inputs(arch: str, batch_size: int = 2) -> tuple[torch.Tensor, ...]:
-    """Return a small real batch of positional inputs for tracing ``arch``.
-
-    Parameters
-    ----------
-    arch : str
-        A key of :data:`benchmarks.zoo.SPECS`.
-    batch_size : int, optional
-        Number of sequences / images (default 2).
-
-    Returns
-    -------
-    tuple of torch.Tensor
-        ``(input_ids,)`` of shape ``(batch_size, block_size)`` (LongTensor,
-        masked for BERT) for LMs, or ``(pixel_values,)`` of shape
-        ``(batch_size, 1, 8, 8)`` for the ViT; call as ``model(*inputs)``
-        (decoders additionally with ``use_cache=False``).
-    """
+    """A small real batch of positional inputs for tracing ``arch``: ``(input_ids,)`` of shape
+    ``(batch_size, block_size)`` (masked for BERT) or the ViT's ``(pixel_values,)``, ``(batch_size,
+    1, 8, 8)``; call as ``model(*inputs)`` (decoders also with ``use_cache=False``)."""
     batch = eval_batches(arch, "eval", 1)[0]
     key = "pixel_values" if zoo.get_spec(arch).task == "cls" else "input_ids"
     if batch[key].shape[0] < batch_size:
@@ -323,24 +184,9 @@ def example_inputs(arch: str, batch_size: int = 2) -> tuple[torch.Tensor, ...]:
 
 @functools.lru_cache(maxsize=None)
 def baseline_loss(arch: str, split: str = "eval") -> float:
-    """Loss of the best input-independent predictor, as a "learned anything?" bar.
-
-    For LMs: cross-entropy of the add-one-smoothed unigram distribution of the
-    training tokens, scored on the same targets as :func:`eval_loss`. For the
-    ViT: cross-entropy of the training class frequencies.
-
-    Parameters
-    ----------
-    arch : str
-        A key of :data:`benchmarks.zoo.SPECS`.
-    split : {"eval", "train"}
-        Split whose targets are scored.
-
-    Returns
-    -------
-    float
-        Baseline loss in nats.
-    """
+    """The loss in nats of the best input-independent predictor on ``split``'s targets (those of
+    :func:`eval_loss`), a "learned anything?" bar: the add-one-smoothed unigram distribution of
+    the training tokens (LMs), the training class frequencies (ViT)."""
     spec = zoo.get_spec(arch)
     if spec.task == "cls":
         train_targets = data.digits("train")[1]

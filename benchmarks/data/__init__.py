@@ -48,79 +48,24 @@ import numpy as np
 
 # the datasets live in sibling modules, one seam each; this module re-exports them under the
 # names the rest of the suite has always used
-from .common import (  # noqa: F401
-    CODE_MAX_CHARS,
-    DIGIT_IMAGE_SIZE,
-    EVAL_FRACTION,
-    MASK_ID,
-    MASK_TOKEN,
-    MLM_MASK_FRACTION,
-    MLM_PROBABILITY,
-    MLM_RANDOM_FRACTION,
-    NUM_DIGIT_CLASSES,
-    PAD_ID,
-    PAD_TOKEN,
-    SPECIAL_TOKENS,
-    SPLIT_SEED,
-    TEXT_CORPORA,
-    VOCAB_SIZE,
-    _check_corpus,
-    _sha,
-    cache_dir,
-)
+from .common import (CODE_MAX_CHARS, DIGIT_IMAGE_SIZE, EVAL_FRACTION, MASK_ID, MASK_TOKEN,  # noqa: F401
+                     MLM_MASK_FRACTION, MLM_PROBABILITY, MLM_RANDOM_FRACTION, NUM_DIGIT_CLASSES, PAD_ID, PAD_TOKEN,
+                     SPECIAL_TOKENS, SPLIT_SEED, TEXT_CORPORA, VOCAB_SIZE, _check_corpus, _sha, cache_dir)
 from .images import _digits_cached, digits  # noqa: F401
 from .text import corpus_text, split_text  # noqa: F401
 from .tokens import get_tokenizer, mlm_mask, random_blocks, token_blocks, token_ids  # noqa: F401
 
-__all__ = [
-    "TEXT_CORPORA",
-    "VOCAB_SIZE",
-    "PAD_TOKEN",
-    "MASK_TOKEN",
-    "PAD_ID",
-    "MASK_ID",
-    "SPECIAL_TOKENS",
-    "EVAL_FRACTION",
-    "SPLIT_SEED",
-    "MLM_PROBABILITY",
-    "NUM_DIGIT_CLASSES",
-    "DIGIT_IMAGE_SIZE",
-    "cache_dir",
-    "corpus_text",
-    "split_text",
-    "get_tokenizer",
-    "token_ids",
-    "token_blocks",
-    "random_blocks",
-    "mlm_mask",
-    "digits",
-    "data_fingerprint",
-]
-
-
-# ---------------------------------------------------------------------------
-# Fingerprints (for cache keys)
-# ---------------------------------------------------------------------------
+__all__ = ["TEXT_CORPORA", "VOCAB_SIZE", "PAD_TOKEN", "MASK_TOKEN", "PAD_ID", "MASK_ID", "SPECIAL_TOKENS",
+           "EVAL_FRACTION", "SPLIT_SEED", "MLM_PROBABILITY", "NUM_DIGIT_CLASSES", "DIGIT_IMAGE_SIZE", "cache_dir",
+           "corpus_text", "split_text", "get_tokenizer", "token_ids", "token_blocks", "random_blocks", "mlm_mask",
+           "digits", "data_fingerprint"]
 
 
 @functools.lru_cache(maxsize=None)
 def data_fingerprint(dataset: str) -> str:
-    """Return a short hash identifying the exact contents of a dataset.
-
-    Used in cache keys so that checkpoints trained on a different Python
-    installation (hence a different standard library or ``pydoc`` text) are
-    never silently reused.
-
-    Parameters
-    ----------
-    dataset : {"prose", "code", "digits"}
-        Which dataset.
-
-    Returns
-    -------
-    str
-        12 hexadecimal characters.
-    """
+    """12 hexadecimal characters naming the exact contents of ``dataset`` ("prose", "code" or
+    "digits"): in cache keys, so that checkpoints trained on another Python installation (another
+    standard library or ``pydoc`` text) are never silently reused."""
     if dataset == "digits":
         x, y, perm = _digits_cached()
         h = hashlib.sha256()

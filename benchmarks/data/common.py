@@ -7,9 +7,7 @@ import hashlib
 import os
 from pathlib import Path
 
-# ---------------------------------------------------------------------------
-# Constants (the single place where data-side sizes live)
-# ---------------------------------------------------------------------------
+# the constants: the single place where data-side sizes live
 
 #: Text corpora understood by :func:`corpus_text`.
 TEXT_CORPORA = ("prose", "code")
@@ -40,28 +38,13 @@ _TOKENIZER_VERSION = 1
 _SPLITS = ("train", "eval")
 
 
-# ---------------------------------------------------------------------------
-# Cache directory
-# ---------------------------------------------------------------------------
-
-
 def cache_dir() -> Path:
-    """Return the root cache directory of the benchmark suite.
-
-    Taken from the environment variable ``SYMGRAPH_CACHE`` (read at every
-    call, so tests can redirect it), defaulting to ``~/.cache/symgraph``.
-    The directory is created if needed.
-
-    Returns
-    -------
-    pathlib.Path
-        Absolute path of the cache directory.
-    """
+    """The benchmark suite's cache directory, absolute, created if needed: ``$SYMGRAPH_CACHE``
+    (read at every call, so tests can redirect it), else ``~/.cache/symgraph``."""
     root = os.environ.get("SYMGRAPH_CACHE") or os.path.join("~", ".cache", "symgraph")
     path = Path(root).expanduser().resolve()
     path.mkdir(parents=True, exist_ok=True)
     return path
-
 
 
 def _check_split(split: str) -> None:
@@ -72,7 +55,6 @@ def _check_split(split: str) -> None:
 def _check_corpus(corpus: str) -> None:
     if corpus not in TEXT_CORPORA:
         raise ValueError(f"corpus must be one of {TEXT_CORPORA}, got {corpus!r}")
-
 
 
 def _sha(text: str) -> str:

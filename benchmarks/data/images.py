@@ -7,13 +7,7 @@ import functools
 import numpy as np
 import torch
 
-from .common import (
-    _DIGIT_MAX_VALUE,
-    DIGIT_IMAGE_SIZE,
-    EVAL_FRACTION,
-    SPLIT_SEED,
-    _check_split,
-)
+from .common import _DIGIT_MAX_VALUE, DIGIT_IMAGE_SIZE, EVAL_FRACTION, SPLIT_SEED, _check_split
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,21 +23,9 @@ def _digits_cached() -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
 
 
 def digits(split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return one split of the scikit-learn digits dataset, shaped for a ViT.
-
-    Parameters
-    ----------
-    split : {"train", "eval"}
-        ``"eval"`` is the last :data:`EVAL_FRACTION` (rounded up) of a fixed
-        permutation (seed :data:`SPLIT_SEED`); ``"train"`` is the rest.
-
-    Returns
-    -------
-    images : torch.FloatTensor
-        Shape ``(n, 1, 8, 8)``, values in [-1, 1].
-    labels : torch.LongTensor
-        Shape ``(n,)``, values in 0..9.
-    """
+    """``(images (n, 1, 8, 8) in [-1, 1], labels (n,) in 0..9)`` of one split of the scikit-learn
+    digits, shaped for a ViT: "eval" is the last :data:`EVAL_FRACTION` (rounded up) of a fixed
+    permutation (seed :data:`SPLIT_SEED`), "train" the rest."""
     _check_split(split)
     x, y, perm = _digits_cached()
     n_eval = int(np.ceil(len(perm) * EVAL_FRACTION))

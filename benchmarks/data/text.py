@@ -32,18 +32,8 @@ def _code_text(max_chars: int = CODE_MAX_CHARS) -> str:
 
 @functools.lru_cache(maxsize=None)
 def corpus_text(corpus: str) -> str:
-    """Return the full raw text of a text corpus.
-
-    Parameters
-    ----------
-    corpus : {"prose", "code"}
-        Which corpus (see the module docstring).
-
-    Returns
-    -------
-    str
-        The whole corpus, deterministic for a given Python installation.
-    """
+    """The whole raw text of ``corpus`` ("prose" or "code", see :mod:`benchmarks.data`),
+    deterministic for a given Python installation."""
     _check_corpus(corpus)
     return _prose_text() if corpus == "prose" else _code_text()
 
@@ -56,24 +46,8 @@ def _split_point(text: str) -> int:
 
 
 def split_text(corpus: str, split: str) -> str:
-    """Return the train or held-out part of a text corpus.
-
-    The last :data:`EVAL_FRACTION` of the characters, starting at a line
-    boundary, form ``"eval"``; everything before forms ``"train"``. The two
-    parts are disjoint and concatenate to :func:`corpus_text`.
-
-    Parameters
-    ----------
-    corpus : {"prose", "code"}
-        Which corpus.
-    split : {"train", "eval"}
-        Which part.
-
-    Returns
-    -------
-    str
-        The requested part of the corpus.
-    """
+    """``split`` of ``corpus``: the last :data:`EVAL_FRACTION` of the characters, from a line
+    start, is "eval", the rest "train" (disjoint; together :func:`corpus_text`)."""
     _check_split(split)
     text = corpus_text(corpus)
     cut = _split_point(text)

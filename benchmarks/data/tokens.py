@@ -8,28 +8,9 @@ import os
 
 import torch
 
-from .common import (
-    MASK_ID,
-    MASK_TOKEN,
-    MLM_MASK_FRACTION,
-    MLM_PROBABILITY,
-    MLM_RANDOM_FRACTION,
-    PAD_ID,
-    PAD_TOKEN,
-    SPECIAL_TOKENS,
-    VOCAB_SIZE,
-    _TOKENIZER_VERSION,
-    _check_corpus,
-    _check_split,
-    _sha,
-    cache_dir,
-)
+from .common import (MASK_ID, MASK_TOKEN, MLM_MASK_FRACTION, MLM_PROBABILITY, MLM_RANDOM_FRACTION, PAD_ID, PAD_TOKEN,
+                     SPECIAL_TOKENS, VOCAB_SIZE, _TOKENIZER_VERSION, _check_corpus, _check_split, _sha, cache_dir)
 from .text import split_text
-
-
-# ---------------------------------------------------------------------------
-# Tokenizer
-# ---------------------------------------------------------------------------
 
 
 def _train_tokenizer(text: str, vocab_size: int):
@@ -38,38 +19,18 @@ def _train_tokenizer(text: str, vocab_size: int):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        min_frequency=2,
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2,
+                                  show_progress=False)
     tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
     return tokenizer
 
 
 @functools.lru_cache(maxsize=None)
 def get_tokenizer(corpus: str, vocab_size: int = VOCAB_SIZE):
-    """Return the byte-level BPE tokenizer of a text corpus.
-
-    Trained on the ``"train"`` split only. Loaded from the on-disk cache when
-    present, otherwise trained (well under a second) and written atomically.
-
-    Parameters
-    ----------
-    corpus : {"prose", "code"}
-        Which corpus the tokenizer is trained on.
-    vocab_size : int, optional
-        Vocabulary size including the special tokens; default
-        :data:`VOCAB_SIZE`.
-
-    Returns
-    -------
-    tokenizers.Tokenizer
-        Tokenizer with ``[PAD]`` = 0 and ``[MASK]`` = 1. ``decode(encode(s))``
-        reproduces ``s`` exactly.
-    """
+    """The byte-level BPE tokenizer of ``corpus``'s "train" split (``vocab_size`` entries, the
+    special tokens included: ``[PAD]`` = 0, ``[MASK]`` = 1; ``decode(encode(s)) == s``), from the
+    on-disk cache, else trained (well under a second) and written atomically."""
     from tokenizers import Tokenizer
 
     _check_corpus(corpus)
@@ -103,128 +64,39 @@ def _token_ids_cached(corpus: str, split: str) -> torch.Tensor:
 
 
 def token_ids(corpus: str, split: str) -> torch.Tensor:
-    """Return the token stream of one split of a text corpus.
-
-    Parameters
-    ----------
-    corpus : {"prose", "code"}
-        Which corpus.
-    split : {"train", "eval"}
-        Which split.
-
-    Returns
-    -------
-    torch.LongTensor
-        1-D tensor of token ids (a fresh clone; safe to modify).
-    """
+    """The token ids of ``split`` ("train" or "eval") of ``corpus`` ("prose" or "code"), 1-D (a
+    fresh clone: safe to modify)."""
     _check_corpus(corpus)
     _check_split(split)
     return _token_ids_cached(corpus, split).clone()
 
 
 def token_blocks(corpus: str, split: str, block_size: int) -> torch.Tensor:
-    """Cut a split into consecutive, non-overlapping fixed-length blocks.
-
-    The trailing remainder shorter than ``block_size`` is dropped. This is the
-    deterministic layout used for evaluation.
-
-    Parameters
-    ----------
-    corpus : {"prose", "code"}
-        Which corpus.
-    split : {"train", "eval"}
-        Which split.
-    block_size : int
-        Tokens per block.
-
-    Returns
-    -------
-    torch.LongTensor
-        Tensor of shape ``(n_blocks, block_size)``.
-    """
+    """:func:`token_ids` cut into consecutive blocks, ``(n_blocks, block_size)`` (the shorter
+    remainder dropped): the deterministic layout of evaluation."""
     ids = _token_ids_cached(corpus, split)
     n = len(ids) // block_size
     return ids[: n * block_size].reshape(n, block_size).clone()
 
 
-def random_blocks(
-    corpus: str,
-    split: str,
-    block_size: int,
-    batch_size: int,
-    generator: torch.Generator,
-) -> torch.Tensor:
-    """Sample a batch of blocks at random offsets of a split.
-
-    Used for training: the data order is fully determined by ``generator``.
-
-    Parameters
-    ----------
-    corpus : {"prose", "code"}
-        Which corpus.
-    split : {"train", "eval"}
-        Which split.
-    block_size : int
-        Tokens per block.
-    batch_size : int
-        Number of blocks.
-    generator : torch.Generator
-        Source of randomness for the offsets (advanced in place).
-
-    Returns
-    -------
-    torch.LongTensor
-        Tensor of shape ``(batch_size, block_size)``.
-    """
+def random_blocks(corpus: str, split: str, block_size: int, batch_size: int,
+                  generator: torch.Generator) -> torch.Tensor:
+    """``batch_size`` blocks of :func:`token_ids` at random offsets, ``(batch_size, block_size)``:
+    training's batches, their order fully determined by ``generator`` (advanced in place)."""
     ids = _token_ids_cached(corpus, split)
     starts = torch.randint(0, len(ids) - block_size + 1, (batch_size,), generator=generator)
     return ids[starts[:, None] + torch.arange(block_size)]
 
 
-# ---------------------------------------------------------------------------
-# Masked language modelling
-# ---------------------------------------------------------------------------
-
-
-def mlm_mask(
-    input_ids: torch.Tensor,
-    seed: int | None = None,
-    *,
-    generator: torch.Generator | None = None,
-    mlm_probability: float = MLM_PROBABILITY,
-    vocab_size: int = VOCAB_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply BERT-style masking to a batch of token ids.
-
-    Each non-special token is selected independently with probability
-    ``mlm_probability``. Of the selected tokens 80% are replaced by
-    ``[MASK]``, 10% by a uniformly random non-special token and 10% are left
-    unchanged. Labels hold the original id at selected positions and -100
-    (ignored by the loss) everywhere else.
-
-    Parameters
-    ----------
-    input_ids : torch.LongTensor
-        Token ids of any shape; not modified.
-    seed : int, optional
-        Seed of a fresh generator; the result is a deterministic function of
-        ``(input_ids, seed)``. Exactly one of ``seed`` and ``generator`` must
-        be given.
-    generator : torch.Generator, optional
-        Generator to draw from (advanced in place), e.g. for per-step dynamic
-        masking during training.
-    mlm_probability : float, optional
-        Selection probability, default :data:`MLM_PROBABILITY` (0.15).
-    vocab_size : int, optional
-        Vocabulary size for the random replacements.
-
-    Returns
-    -------
-    masked_ids : torch.LongTensor
-        Input ids after masking, same shape as ``input_ids``.
-    labels : torch.LongTensor
-        Original ids at selected positions, -100 elsewhere.
-    """
+def mlm_mask(input_ids: torch.Tensor, seed: int | None = None, *, generator: torch.Generator | None = None,
+             mlm_probability: float = MLM_PROBABILITY,
+             vocab_size: int = VOCAB_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(masked ids, labels)``: BERT-style masking of ``input_ids`` (any shape; not modified).
+    Each non-special token is selected with probability ``mlm_probability``; of those 80% become
+    ``[MASK]``, 10% a uniformly random non-special token below ``vocab_size``, 10% stay. Labels:
+    the original id where selected, -100 (ignored by the loss) elsewhere. Exactly one of ``seed``
+    (a fresh generator: a deterministic function of ``(input_ids, seed)``) and ``generator``
+    (advanced in place, e.g. per-step dynamic masking in training)."""
     if (seed is None) == (generator is None):
         raise ValueError("give exactly one of seed and generator")
     if generator is None:
