@@ -117,3 +117,25 @@ def test_the_start_is_the_lower_loss_on_the_first_batches(aligned):
     assert best is starts["weights"] and best.refined["start"] == "weights" and best.refined["steps"] == 2
     assert best.refined["start_loss"] == {"activations": 2.5, "weights": 1.5}
     assert best.seconds["made"] == 2.5 and best.seconds["start"] > 0  # the first start's seconds, and the choice's
+
+
+def test_optimise_is_adam_on_the_parameters_one_batch_a_step():
+    """The one loop (learned matching's and learned rotations'): step ``k`` gets batch ``k mod
+    len(data)`` and the elements as functions of the parameters; Adam's first step moves each
+    parameter by ``lr`` against its gradient's sign; the losses come back in order."""
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64))
+    learn = {"g": type("L", (), {"params": [p], "element": lambda self: 2 * p})()}
+    c = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+    seen = []
+
+    def step(live, batch):
+        seen.append((batch, live["g"].detach().clone()))
+        loss = (live["g"] * c).sum() * batch
+        loss.backward()
+        return float(loss)
+    losses = learning.optimise(learn, step, [1.0, 3.0], steps=3, lr=0.1, progress=False)
+    assert [b for b, _ in seen] == [1.0, 3.0, 1.0]
+    assert torch.equal(seen[0][1], torch.tensor([2.0, -4.0, 6.0], dtype=torch.float64))
+    assert torch.allclose(seen[1][1], 2 * (torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64) - 0.1 * c.sign()),
+                          atol=1e-7, rtol=0)  # Adam: lr · g / (|g| + 1e-8)
+    assert losses == [float((e * c).sum() * b) for b, e in seen]

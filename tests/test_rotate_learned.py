@@ -41,3 +41,27 @@ def test_learned_quantized_loss_not_worse_than_the_start():
     assert got <= want + 1e-9
     assert info["start"] == want and min(info["start"], info["end"]) == got
     assert info["loss_first"] != info["loss_last"]
+
+
+def test_learned_rotations_run_learned_matchings_loop_and_leave_the_global_generator(monkeypatch):
+    """One optimiser (issue 64): the steps are :func:`symgraph.alignment.learning.optimise`'s,
+    every batch in turn; nothing random is drawn, and the global generator is not reseeded."""
+    from symgraph.alignment import learning
+    from symgraph.rotation import learned
+    calls = []
+
+    def spy(learn, step, data, steps, lr, **kw):
+        calls.append((len(learn), len(data), steps, lr, kw["desc"]))
+        return real(learn, step, data, steps, lr, **kw)
+    real = learning.optimise
+    monkeypatch.setattr(learned, "optimise", spy)
+    m = outlier_model("llama")
+    base, report, _ = rotation_report(m)
+    start = rotation_elements(report, rotation_classes(report), "hadamard", 0)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    els, info = learn_rotations(base, report, start, DATA, steps=4, lr=2e-2, keep_best=False, **OPTS)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert calls == [(3, 3, 4, 2e-2, "learn rotations")] and info["steps"] == 4 and info["classes"] == 3
+    again, _ = learn_rotations(base, report, start, DATA, steps=4, lr=2e-2, keep_best=False, **OPTS)
+    assert all(torch.equal(els[g], again[g]) for g in els)  # deterministic without a seed
