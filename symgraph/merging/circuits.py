@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ..core.ties import retie, tied_groups
 from ..errors import InputError
 
-__all__ = ["circuit_merge", "circuit_state", "circuit_between", "CircuitPlan", "plan", "streamed", "Streamed"]
+__all__ = ["circuit_merge", "circuit_state", "circuit_between", "CircuitPlan", "plan", "why_no_config", "wide_model",
+           "wide_shapes", "streamed", "Widening", "CircuitHeads"]
 
 
 class CircuitPlan:
@@ -90,13 +93,6 @@ def _leaves(tree, wide) -> list:
     return [g for t in tree[1] for g in _leaves(t, wide)]
 
 
-def _size(tree) -> int:
-    if tree[0] == "leaf":
-        return tree[1]
-    parts = [_size(t) for t in tree[1]]
-    return math.prod(parts) if tree[0] == "prod" else sum(parts)
-
-
 def _rope_half(g) -> int:
     pairs = [tuple(p) for p in (g.pairs or ())]
     half = g.dim // 2
@@ -120,7 +116,7 @@ def _widen(ts, dim, tree, weights, scales, wide):
         if half is not None:
             parts = [p.narrow(dim, 0, half) for p in parts] + [p.narrow(dim, half, half) for p in parts]
         return torch.cat(parts, dim)
-    sizes = [_size(t) for t in sub]
+    sizes = [_wide(t, wide, 1) for t in sub]
     if kind == "sum":
         pieces = [t.split(sizes, dim) for t in ts]
         return torch.cat([_widen([p[j] for p in pieces], dim, part, weights, scales, wide)
@@ -213,50 +209,61 @@ def circuit_merge(models, weights, report):
     with a config saying the new size (saved and loaded like any checkpoint). Otherwise it is
     the parents' own traced program with the head classes widened
     (:class:`~symgraph.width.widen.Resized`): in memory only, ``why_not_saved`` says why."""
-    n = len(models)
-    why = why_no_config(models[0], n)
+    n, A = len(models), models[0]
+    why = why_no_config(A, n)
     cplan = plan(report, query_scale=why is None)
-    dtype = next(models[0].parameters()).dtype
+    dtype = next(A.parameters()).dtype
+    if why is not None and cplan.rope:
+        raise InputError(why.replace("the merged model runs in memory only", "and its rotary heads "
+                         "need per-pair frequencies a config states; expected a config with head_dim"))
+    if why is None:
+        cfg = _config(A, cplan, n)
+        new, finish = wide_model(A, cfg, next(A.parameters()).device)
+        wide_shapes(cplan, cfg, _shapes(A), _shapes(new), n)  # refused before any tensor is computed
     states = [{k: v.detach().to(torch.promote_types(v.dtype, torch.float32)) for k, v in m.state_dict().items()}
               for m in models]
-    merged = circuit_state(states, [float(w) for w in weights], cplan)
+    merged = {k: v.to(dtype) for k, v in circuit_state(states, [float(w) for w in weights], cplan).items()}
     if why is not None:
-        if cplan.rope:
-            raise InputError(why.replace("the merged model runs in memory only", "and its rotary heads "
-                             "need per-pair frequencies a config states; expected a config with head_dim"))
         from ..width.widen import Resized
-        return Resized(models[0], {k: v.to(dtype) for k, v in merged.items()}, lambda rep: _wider(rep, n), why,
-                       key=("circuits", n)).eval()
-    cfg = _config(models[0], cplan, n)
-    with torch.device("meta"):
-        new = type(models[0])(cfg)
-    tied = tied_groups(new)  # to_empty and load_state_dict(assign=True) give each tied name its own tensor
-    new = new.to_empty(device=next(models[0].parameters()).device)
-    want = new.state_dict()
-    missing, extra = sorted(set(want) - set(merged)), sorted(set(merged) - set(want))
-    if missing or extra:
-        raise InputError(f"the circuit-space model and the parents disagree on tensors (missing {missing[:3]}, "
-                         f"unexpected {extra[:3]}); expected the parents' tensors, heads widened")
-    wrong = [k for k, v in merged.items() if tuple(want[k].shape) != tuple(v.shape)]
-    if wrong:
-        raise InputError(f"{type(cfg).__name__} with head_dim {cfg.head_dim} builds {wrong[0]} as "
-                         f"{tuple(want[wrong[0]].shape)}, not {tuple(merged[wrong[0]].shape)}; the config "
-                         "cannot express the wider heads")
-    new.load_state_dict({k: v.to(dtype) for k, v in merged.items()}, strict=True, assign=True)
-    retie(new, tied)
-    _recompute_buffers(new, cfg)
-    return new.eval()
+        return Resized(A, merged, lambda rep: _wider(rep, n), why, key=("circuits", n)).eval()
+    new.load_state_dict(merged, strict=True, assign=True)
+    finish(new)
+    return new
+
+
+def _shapes(model) -> dict:
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def wide_shapes(cplan: CircuitPlan, cfg, old: dict, want: dict, n: int) -> dict:
+    """``{name: shape}``: the parents' tensors (``old``: name -> shape) with their heads ``n``
+    times as wide, refused where the model class built from ``cfg`` (``want``: its shapes) holds
+    other tensors or other shapes."""
+    if set(old) != set(want):
+        k = sorted(set(old) ^ set(want))[0]
+        raise InputError(f"{type(cfg).__name__} with head_dim {cfg.head_dim} and the parents disagree on "
+                         f"tensor {k!r}; expected the parents' tensors, heads widened")
+    out = {}
+    for name, shape in old.items():
+        wide = list(shape)
+        if name in cplan.slots:
+            dim, tree, _ = cplan.slots[name]
+            wide[dim] = _wide(tree, cplan.wide, n)
+        if tuple(wide) != want[name]:
+            raise InputError(f"{type(cfg).__name__} with head_dim {cfg.head_dim} builds {name} as "
+                             f"{want[name]}, not {tuple(wide)}; the config cannot express the wider heads")
+        out[name] = tuple(wide)
+    return out
 
 
 def wide_model(A, cfg, device):
     """``(model, finish)``: ``A``'s class built from the circuit-space ``cfg`` with empty tensors on
     ``device`` (tied names each their own until ``finish(model)``, run once every tensor is
-    written, ties them again and rebuilds the buffers the config computes), as
-    :func:`circuit_merge` builds it; what the merge engine writes a merge of models in memory
-    into."""
+    written, ties them again and rebuilds the buffers the config computes): what
+    :func:`circuit_merge` and the merge engine over models in memory write into."""
     with torch.device("meta"):
         new = type(A)(cfg)
-    tied = tied_groups(new)
+    tied = tied_groups(new)  # to_empty and load_state_dict(assign=True) give each tied name its own tensor
     new = new.to_empty(device=device)
 
     def finish(model):
@@ -295,91 +302,85 @@ def circuit_between(model_a, report=None):
     return between
 
 
-def streamed(job, attention: str):
-    """Circuit-space heads in the out-of-core engine (a
-    :class:`~symgraph.merging.streaming.StreamingMerge` with ``attention="circuits"``): refuses
-    what :func:`circuit_merge` refuses, then sets the job's hooks (:class:`Streamed`); None
-    for ``attention="heads"`` (the parents' heads, nothing to set; the config checked the value)."""
-    return Streamed(job) if attention == "circuits" else None
+def streamed(config, checkpoints, method: str, report: Callable):
+    """Circuit-space heads as a transform of the merge engine's plan, for ``config.attention ==
+    "circuits"`` (:class:`CircuitHeads`; None for ``"heads"``: the parents' heads, nothing to
+    change). ``checkpoints``: the merge's, ``config.anchor`` the index of the anchor; ``method``:
+    the merge method's name; ``report()``: the anchor's report once aligned (None unaligned:
+    analysed here as ``config`` says)."""
+    return CircuitHeads(config, checkpoints, method, report) if config.attention == "circuits" else None
 
 
-class Streamed:
-    """The hooks of an out-of-core circuit-space merge, set on ``job`` before it writes
-    (``job.transforms.prepare``): the plan from the anchor's report, the widened shapes
-    (``job.transforms.out_shapes``), the config fields :func:`_config` changes (``job.transforms.config_updates``)
-    and a combine that widens the planned tensors by :func:`circuit_state`, the anchor first
-    as :func:`~symgraph.merging.driver.merge` orders it, so the result is the in-memory one."""
+@dataclass(frozen=True)
+class Widening:
+    """What circuit-space heads change in a merge's plan: the shapes written instead of the
+    anchor's (``out_shapes``: key -> shape), the output config's fields (``config_updates``) and the
+    ``combine`` of a group (``(names, values, stats, weights, report) -> merged``)."""
+    out_shapes: dict
+    config_updates: dict
+    combine: Callable
 
-    def __init__(self, job):
-        n, A = len(job.ckpts), job.ckpts[job.anchor]
-        if job.how.name != "average" or getattr(job, "repair", False):
-            raise InputError(f"attention='circuits' merges by weighted averaging, not method={job.how.name!r}"
-                             f"{' with repair' if getattr(job, 'repair', False) else ''}; expected "
-                             "method='average' without repair")
-        why = why_no_config(A.model, n)
+
+class CircuitHeads:
+    """Circuit-space heads out of core: refuses what :func:`circuit_merge` refuses, and gives
+    the merge engine its :class:`Widening` (:meth:`widening`): the widened shapes, the config
+    fields :func:`_config` changes and a combine that widens the planned tensors by
+    :func:`circuit_state`, the anchor first as :func:`~symgraph.merging.driver.merge` orders it, so
+    the result is the in-memory one. It reads only what it is given, never the engine."""
+
+    def __init__(self, config, checkpoints, method: str, report: Callable):
+        self.anchor, self.n, self.config = int(config.anchor), len(checkpoints), config
+        self.checkpoint, self.report, self._built = checkpoints[self.anchor], report, None
+        if method != "average":
+            raise InputError(f"attention='circuits' merges by weighted averaging, not method={method!r}; "
+                             "expected method='average' without repair")
+        why = why_no_config(self.checkpoint.model, self.n)
         if why:
             raise InputError(f"{why} (symgraph.merge(..., attention='circuits') in Python); expected a config "
                              "with head_dim (LLaMA, Qwen2, Mistral, Gemma...) for a saved checkpoint")
-        self.job, self._built = job, None
-        job.transforms.prepare.append(self.prepare)
 
     def built(self):
         """``(plan, config, meta model)`` of the merge, from the anchor's report (analysed here
-        when the job is not aligned), as :func:`circuit_merge` builds them."""
+        when the merge is not aligned), as :func:`circuit_merge` builds them."""
         if self._built is None:
-            job = self.job
-            A = job.ckpts[job.anchor].model  # on the meta device: a config and shapes, no tensors
-            report = job.report
+            A = self.checkpoint.model  # on the meta device: a config and shapes, no tensors
+            report = self.report()
             if report is None:
                 from ..report.api import analyze
-                report = analyze(A, job.data[0] if job.data else None, fold_norms=job.fold_norms,
-                                 outputs=job.outputs)
+                report = analyze(A, None, fold_norms=self.config.fold_norms, outputs=self.config.outputs)
             cplan = plan(report)
-            cfg = _config(A, cplan, len(job.ckpts))
+            cfg = _config(A, cplan, self.n)
             with torch.device("meta"):
                 self._built = (cplan, cfg, type(A)(cfg))
         return self._built
 
-    def prepare(self, job):
-        """Set the job's shapes, config fields and combine (checked against the model class
+    def widening(self) -> Widening:
+        """The shapes, config fields and combine of the merge (checked against the model class
         the new config builds, as :func:`circuit_merge` checks them)."""
         cplan, cfg, new = self.built()
-        A, n = job.ckpts[job.anchor], len(job.ckpts)
-        old = {k: tuple(v.shape) for k, v in A.model.state_dict().items()}
-        want = {k: tuple(v.shape) for k, v in new.state_dict().items()}
-        if set(old) != set(want):
-            k = sorted(set(old) ^ set(want))[0]
-            raise InputError(f"{type(cfg).__name__} with head_dim {cfg.head_dim} and the parents disagree on "
-                             f"tensor {k!r}; expected the parents' tensors, heads widened")
-        for name, shape in old.items():
-            wide = list(shape)
-            if name in cplan.slots:
-                dim, tree, _ = cplan.slots[name]
-                wide[dim] = _wide(tree, cplan.wide, n)
-            if tuple(wide) != want[name]:
-                raise InputError(f"{type(cfg).__name__} with head_dim {cfg.head_dim} builds {name} as "
-                                 f"{want[name]}, not {tuple(wide)}; the config cannot express the wider heads")
-            if name in cplan.slots:
-                for key in job.keys_of(name):
-                    if tuple(A.shapes[key]) != shape:
-                        raise InputError(f"checkpoint tensor {key!r} is stored as {tuple(A.shapes[key])}, not "
-                                         f"{shape} as its parameter; expected heads stored as the model holds them")
-                    job.transforms.out_shapes[key] = tuple(wide)
+        A = self.checkpoint
+        old = _shapes(A.model)
+        wide, out_shapes = wide_shapes(cplan, cfg, old, _shapes(new), self.n), {}
+        for name in cplan.slots:
+            for key in (k for k in A.params.get(name, (name,)) if k in A.shapes):
+                if tuple(A.shapes[key]) != old[name]:
+                    raise InputError(f"checkpoint tensor {key!r} is stored as {tuple(A.shapes[key])}, not "
+                                     f"{old[name]} as its parameter; expected heads stored as the model holds them")
+                out_shapes[key] = wide[name]
         before = A.model.config.to_dict()
-        job.transforms.config_updates.update({k: v for k, v in cfg.to_dict().items() if before.get(k) != v})
-        job.transforms.combine = self.combine
+        return Widening(out_shapes, {k: v for k, v in cfg.to_dict().items() if before.get(k) != v}, self.combine)
 
     def combine(self, names, values, stats, weights, report) -> dict:
         """The merged ``names`` (every model's ``values`` in the anchor's basis, the anchor
         first), by :func:`circuit_state`."""
-        order = [self.job.anchor] + [i for i in range(len(values)) if i != self.job.anchor]
+        order = [self.anchor] + [i for i in range(len(values)) if i != self.anchor]
         return circuit_state([{k: values[i][k] for k in names} for i in order], [weights[i] for i in order],
                              self.built()[0])
 
 
 def _wide(tree, wide, n) -> int:
     """The size of an axis of structure ``tree`` once its head-size leaves in ``wide`` are
-    ``n`` times as wide (what :func:`_widen` makes of it)."""
+    ``n`` times as wide (what :func:`_widen` makes of it; ``n`` 1: its size)."""
     if tree[0] == "leaf":
         return tree[1] * (n if tree[2] in wide else 1)
     parts = [_wide(t, wide, n) for t in tree[1]]

@@ -56,8 +56,9 @@ from .engine.sinks import Into, write_config
 from .engine.sums import MemorySpill, Spill
 from .untie import untie_checkpoint, untie_config_updates
 from .engine.views import DEFAULT_CACHE, Folded, Sides, return_freed_memory
-from .engine import Executor, Plan, build_plan
+from .engine import Executor, build_plan
 from .engine.executor import Resources, Transforms
+from .engine.measuring import RepairContext
 from .engine.statistics import StatisticsContext, take
 
 if TYPE_CHECKING:
@@ -123,7 +124,6 @@ class StreamingMerge:
         cache, chunk, stats = budgets(cfg.memory_budget, len(paths), cache_bytes)
         self.resources = Resources(torch.device(cfg.device), torch.device("cpu"), torch.float32, cache, chunk, stats)
         self.stats: list = [None] * len(paths)
-        self._measuring: Executor | None = None  # the executor a step that measures the merge as written uses (REPAIR)
         if cfg.refine and {"loss_fn", "between"} & set(align_options):
             raise InputError("out of core, learned matching lowers the model's own loss on the anchor's "
                              "architecture; expected no loss_fn or between (symgraph.align takes them)")
@@ -152,7 +152,7 @@ class StreamingMerge:
         self.transforms = Transforms(self.how.combine_group, untie_config_updates(
             getattr(self.ckpts[self.anchor].source, "config", None)))
         from .circuits import streamed  # imported here: the engine loads nothing of a transform it does not run
-        self.transforms.circuits = streamed(self, cfg.attention)  # circuit-space heads' hooks, set here (None: heads)
+        self.transforms.circuits = streamed(cfg, self.ckpts, self.how.name, lambda: self.report)  # None: heads
 
     # the settings of the one config, as the engine's steps read them
     anchor = property(lambda self: 0 if self.config.anchor == "universe" else self.config.anchor)
@@ -274,10 +274,10 @@ class StreamingMerge:
                 context = StatisticsContext.of(self)  # what the takers read, not the engine
                 self.stats = [take(self.how.statistic, context, i) for i in range(len(self.ckpts))]
                 self.timings["statistics"] = time.perf_counter() - t0
-            for step in self.transforms.prepare:
-                step(self)
+            if self.transforms.circuits is not None:  # circuit-space heads: their shapes, config fields, combine
+                self.transforms.apply(self.transforms.circuits.widening())
             if self.repair:  # last: it measures the merge as written
-                self.repair_report = repair_stream.repair(repair_stream.RepairContext.of(self))
+                self.repair_report = repair_stream.repair(RepairContext.of(self))
             t1 = time.perf_counter()
             info = write()
             self.timings["write"] = time.perf_counter() - t1
@@ -328,11 +328,3 @@ class StreamingMerge:
         """The anchor checkpoint's keys holding parameter (or buffer) ``name``."""
         A = self.ckpts[self.anchor]
         return [k for k in A.params.get(name, (name,)) if k in A.shapes]
-
-    def _merged(self, names, parts=None) -> dict:
-        """Merged values of ``names`` (``parts``: slices), as the executor computes them for
-        a step of the plan that measures the merge as it is written (REPAIR)."""
-        if self._measuring is None:
-            self._measuring = self.executor(Plan(tuple(self.ckpts), self.anchor, (), (), self.graph_report))
-        return self._measuring.merged(names, parts)
-

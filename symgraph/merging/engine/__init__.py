@@ -17,6 +17,8 @@
 - ``sums``        sums over data taken out of core (RegMean's input Grams by the op-by-op
   runner) and the store they spill to
 - ``gradients``   squared gradients of a loss, the graph differentiated segment by segment
+- ``measuring``   the merge as the executor computes it, corrected as a step measures it, and
+  the :class:`~.measuring.RepairContext` the engine builds for REPAIR
 - ``segments``    the traced graph cut into segments of at most the budget's weights
 """
 from __future__ import annotations

@@ -48,14 +48,20 @@ class Transforms:
     ``combine`` of a group (``(names, values, stats, weights, report) -> merged``), the
     ``config_updates`` of the output's ``config.json``, the shapes written instead of the
     anchor's (``out_shapes``), ``corrections`` of merged tensors (name -> f(tensor) ->
-    corrected), the steps run after the statistics and before writing (``prepare``: f(job)) and
-    the circuit-space hooks (``circuits``; None: the parents' heads)."""
+    corrected) and the circuit-space heads (``circuits``; None: the parents' heads), whose
+    ``widening()`` :meth:`apply` takes."""
     combine: Callable
     config_updates: dict
     out_shapes: dict = field(default_factory=dict)
     corrections: dict = field(default_factory=dict)
-    prepare: list = field(default_factory=list)
     circuits: object = None
+
+    def apply(self, change) -> None:
+        """Take a transform's ``out_shapes``, ``config_updates`` and ``combine`` (circuit-space
+        heads' :class:`~symgraph.merging.circuits.Widening`)."""
+        self.out_shapes.update(change.out_shapes)
+        self.config_updates.update(change.config_updates)
+        self.combine = change.combine
 
 
 class Executor:

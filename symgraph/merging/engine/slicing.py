@@ -195,7 +195,7 @@ def _least(job, plan, budget: int, budgets, stats: int = 0) -> int:
 
 def _need(job, plan, chunk: int, cache: int) -> tuple:
     """``(bytes, names, sliced)`` of the plan's piece that holds most at chunk size ``chunk``: the
-    ledger's count while :meth:`~symgraph.merging.streaming.StreamingMerge._merged` computes it
+    ledger's count while :meth:`~symgraph.merging.engine.executor.Executor.merged` computes it
     (with REPAIR, which computes each piece as it measures the merge, its cache of ``cache`` bytes
     of merged values besides)."""
     A, n, best = job.ckpts[job.anchor], len(job.ckpts), (0, (), False)
