@@ -27,9 +27,9 @@ import os
 
 from pydantic import ValidationError
 
-from ..core.schema import error_key, refusal, short_repr as _short
+from ..core.schema import error_key, refusal, refused, short_repr as _short
 from ..errors import InputError
-from ..merging.config import MAX_REFINE, MERGE_KEYS, MergeConfig, check, refused
+from ..merging.config import MAX_REFINE, MERGE_KEYS, MergeConfig, check
 from .mergekit_config import from_mergekit
 from .options import flag, given_options
 
@@ -95,8 +95,9 @@ def _is_path(spec: str, base: str) -> bool:
             or os.path.exists(os.path.join(base, spec)))
 
 
-def read_merge_config(path: str) -> dict:
-    """The options of a YAML merge config, validated; paths relative to the config file."""
+def _read_yaml(path: str) -> dict:
+    """The mapping a YAML merge config holds, read within its bounds (size, depth, no aliases),
+    or one :class:`InputError` line."""
     import yaml
     keys = ", ".join(MERGE_KEYS)
     from ..core.files import check_input_file
@@ -118,6 +119,12 @@ def read_merge_config(path: str) -> dict:
                          f"expected a mapping with keys {keys}") from None
     if not isinstance(cfg, dict):
         raise InputError(f"merge config {path!r} holds a {type(cfg).__name__}; expected a mapping with keys {keys}")
+    return cfg
+
+
+def read_merge_config(path: str) -> dict:
+    """The options of a YAML merge config, validated; paths relative to the config file."""
+    cfg = _read_yaml(path)
     listed = cfg.get("models")
     if "merge_method" in cfg or (isinstance(listed, list) and any(isinstance(m, dict) for m in listed)):
         cfg = from_mergekit(cfg, path)

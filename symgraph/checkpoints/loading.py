@@ -22,14 +22,15 @@ from ..core.files import PinnedFile, model_file
 from ..errors import InputError
 
 __all__ = ["check_checkpoint_dir", "read_layout", "read_config", "build_meta", "Layout", "load_local", "load_hub",
-           "refuse_incomplete", "check_weights_finite"]
+           "refuse_incomplete", "check_weights_finite", "quiet_transformers"]
 
 SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 EXPECTED = "a save_pretrained directory (config.json + model.safetensors)"
 
 
-def _quiet_transformers():
+def quiet_transformers():
+    """transformers imported with its logging at errors only and no progress bars."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import transformers
     transformers.logging.set_verbosity_error()
@@ -163,7 +164,7 @@ def read_config(path: str):
     one line when transformers cannot read it (a field of the wrong type or value) or when it
     names no model class transformers ships."""
     refuse_remote_code(path)
-    tf = _quiet_transformers()
+    tf = quiet_transformers()
     cfg_path = os.path.join(path, "config.json")
     try:
         cfg = tf.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
@@ -430,7 +431,7 @@ def _quiet_hub():
 def load_hub(spec: str, hint: str = ""):
     """A hub id, loaded completely or refused; offline (``HF_HUB_OFFLINE``) or with the hub
     out of reach, only from the local cache, and a name it lacks fails at once in one line."""
-    tf = _quiet_transformers()
+    tf = quiet_transformers()
     _quiet_hub()
     offline = _offline()
     why = "offline: HF_HUB_OFFLINE is set" if offline else _hub_unreachable()

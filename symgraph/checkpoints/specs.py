@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from .loading import _quiet_transformers, check_checkpoint_dir, load_hub, load_local
+from .loading import quiet_transformers, check_checkpoint_dir, load_hub, load_local
 from ..core.files import check_input_file
 from ..errors import InputError
 from .outdir import TOKENIZER_FILES, check_out, save_atomic  # noqa: F401 - re-exported
@@ -39,7 +39,7 @@ def demo_model(name: str):
     everything but the sizes."""
     if name not in DEMO_MODELS:
         raise InputError(f"unknown demo model {name!r}; expected one of {', '.join(DEMO_MODELS)}")
-    _quiet_transformers()
+    quiet_transformers()
     from ..testing import models
     arch, cls, sizes = _DEMO_SIZES[name]
     return models.build(arch, 0, base="hf", cls=cls, **sizes)
@@ -104,6 +104,36 @@ def check_dense(x: torch.Tensor, where: str) -> None:
 def load_data(path: str, model=None):
     """Batches of ``BATCH_ROWS`` rows from a ``.safetensors``/``.pt`` file with ``input_ids`` or
     ``pixel_values``. Returns a list of keyword dicts."""
+    d = _read_tensors(path)
+    main = getattr(model, "main_input_name", None) if model is not None else None
+    key = main if main in d else next((k for k in ("input_ids", "pixel_values") if k in d), None)
+    if key is None:
+        raise InputError(f"data file {path!r} has keys {sorted(d)}; expected a tensor 'input_ids' [N, S] "
+                         "or 'pixel_values' [N, C, H, W]")
+    if main and key != main:
+        raise InputError(f"data file {path!r} holds {key!r} but the model's input is {main!r}; expected "
+                         f"a tensor {main!r}")
+    x = d[key]
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"{key!r} in {path!r} is a {type(x).__name__}; expected a tensor")
+    for k, t in d.items():  # every tensor of the file, read or not, is an ordinary one
+        if isinstance(t, torch.Tensor):
+            check_dense(t, f"{str(k)[:80]!r} in {path!r}")
+    x = x.detach()
+    x = _token_ids(x, path, getattr(model, "config", None)) if key == "input_ids" else _pixels(x, path)
+    unused = sorted(k for k in d if k not in (key, "attention_mask"))
+    if unused:
+        print(f"symgraph: warning: data file {path!r} holds {unused}, which symgraph does not read (it reads "
+              f"{key!r} and 'attention_mask')", file=sys.stderr)
+    if "attention_mask" in d:
+        return unpadded(x, d["attention_mask"], path) if key == "input_ids" else _no_mask(path, key)
+    # batches of BATCH_ROWS rows and a last, smaller one (traced again for its shape): no row dropped
+    return [{key: x[i:i + BATCH_ROWS]} for i in range(0, x.shape[0], BATCH_ROWS)]
+
+
+def _read_tensors(path: str) -> dict:
+    """The tensors of a data file by name (a ``.pt`` file's lone tensor as ``input_ids``), read
+    without running code, or refused in one line."""
     check_input_file(path, "data file", DATA_EXPECTED)
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
@@ -124,60 +154,46 @@ def load_data(path: str, model=None):
     if not isinstance(d, dict):
         raise InputError(f"data file {path!r} holds a {type(d).__name__}; expected a dict with a tensor "
                          "'input_ids' [N, S] or 'pixel_values' [N, C, H, W]")
-    main = getattr(model, "main_input_name", None) if model is not None else None
-    key = main if main in d else next((k for k in ("input_ids", "pixel_values") if k in d), None)
-    if key is None:
-        raise InputError(f"data file {path!r} has keys {sorted(d)}; expected a tensor 'input_ids' [N, S] "
-                         "or 'pixel_values' [N, C, H, W]")
-    if main and key != main:
-        raise InputError(f"data file {path!r} holds {key!r} but the model's input is {main!r}; expected "
-                         f"a tensor {main!r}")
-    x = d[key]
-    if not isinstance(x, torch.Tensor):
-        raise InputError(f"{key!r} in {path!r} is a {type(x).__name__}; expected a tensor")
-    for k, t in d.items():  # every tensor of the file, read or not, is an ordinary one
-        if isinstance(t, torch.Tensor):
-            check_dense(t, f"{str(k)[:80]!r} in {path!r}")
-    x = x.detach()
-    if key == "input_ids":
-        if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] < 1:
-            raise InputError(f"'input_ids' in {path!r} has shape {tuple(x.shape)}; expected a 2-d tensor "
-                             "[N, S] of token ids (N rows, S tokens)")
-        if x.dtype == torch.bool or torch.is_floating_point(x) or torch.is_complex(x):
-            what = "a bool mask" if x.dtype == torch.bool else "not token ids"
-            raise InputError(f"'input_ids' in {path!r} has dtype {str(x.dtype).removeprefix('torch.')} ({what}); "
-                             "expected an integer tensor of token ids (int64 or int32)")
-        cfg = getattr(model, "config", None)
-        vocab = getattr(cfg, "vocab_size", None)
-        vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
-        lo, hi = (int(v) for v in (x.numpy().min(), x.numpy().max()))  # numpy: torch has no min of uint16..64
-        if lo < 0 or hi >= (vocab if vocab is not None else 2 ** 63):
-            raise InputError(f"'input_ids' in {path!r} range over [{lo}, {hi}]; expected ids in "
-                             + (f"[0, {vocab - 1}] (the model's vocabulary of {vocab} tokens)" if vocab is not None
-                                else "[0, 2**63) (token ids are never negative)"))
-        x = x.long()
-        maxpos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-        if maxpos and x.shape[1] > maxpos:
-            raise InputError(f"'input_ids' in {path!r} has {x.shape[1]} tokens per row; expected at "
-                             f"most {maxpos} (the model's max_position_embeddings)")
-    else:
-        if x.dim() != 4:
-            raise InputError(f"'pixel_values' in {path!r} has shape {tuple(x.shape)}; expected a 4-d "
-                             "tensor [N, C, H, W]")
-        if not x.is_floating_point():
-            raise InputError(f"'pixel_values' in {path!r} has dtype {str(x.dtype).removeprefix('torch.')}; expected "
-                             "floating-point pixel values (the image processor's output, not raw bytes)")
-        x = x.float()
-        if not torch.isfinite(x).all():
-            raise InputError(f"'pixel_values' in {path!r} contains NaN/inf; expected finite values")
-    unused = sorted(k for k in d if k not in (key, "attention_mask"))
-    if unused:
-        print(f"symgraph: warning: data file {path!r} holds {unused}, which symgraph does not read (it reads "
-              f"{key!r} and 'attention_mask')", file=sys.stderr)
-    if "attention_mask" in d:
-        return unpadded(x, d["attention_mask"], path) if key == "input_ids" else _no_mask(path, key)
-    # batches of BATCH_ROWS rows and a last, smaller one (traced again for its shape): no row dropped
-    return [{key: x[i:i + BATCH_ROWS]} for i in range(0, x.shape[0], BATCH_ROWS)]
+    return d
+
+
+def _token_ids(x: torch.Tensor, path: str, cfg) -> torch.Tensor:
+    """``input_ids`` as int64, refused unless a 2-d tensor of ids in the vocabulary of the
+    model's config ``cfg`` (any non-negative id without one), rows no longer than its positions."""
+    if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] < 1:
+        raise InputError(f"'input_ids' in {path!r} has shape {tuple(x.shape)}; expected a 2-d tensor "
+                         "[N, S] of token ids (N rows, S tokens)")
+    if x.dtype == torch.bool or torch.is_floating_point(x) or torch.is_complex(x):
+        what = "a bool mask" if x.dtype == torch.bool else "not token ids"
+        raise InputError(f"'input_ids' in {path!r} has dtype {str(x.dtype).removeprefix('torch.')} ({what}); "
+                         "expected an integer tensor of token ids (int64 or int32)")
+    vocab = getattr(cfg, "vocab_size", None)
+    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+    lo, hi = (int(v) for v in (x.numpy().min(), x.numpy().max()))  # numpy: torch has no min of uint16..64
+    if lo < 0 or hi >= (vocab if vocab is not None else 2 ** 63):
+        raise InputError(f"'input_ids' in {path!r} range over [{lo}, {hi}]; expected ids in "
+                         + (f"[0, {vocab - 1}] (the model's vocabulary of {vocab} tokens)" if vocab is not None
+                            else "[0, 2**63) (token ids are never negative)"))
+    x = x.long()
+    maxpos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if maxpos and x.shape[1] > maxpos:
+        raise InputError(f"'input_ids' in {path!r} has {x.shape[1]} tokens per row; expected at "
+                         f"most {maxpos} (the model's max_position_embeddings)")
+    return x
+
+
+def _pixels(x: torch.Tensor, path: str) -> torch.Tensor:
+    """``pixel_values`` as float32, refused unless a 4-d tensor of finite floating-point values."""
+    if x.dim() != 4:
+        raise InputError(f"'pixel_values' in {path!r} has shape {tuple(x.shape)}; expected a 4-d "
+                         "tensor [N, C, H, W]")
+    if not x.is_floating_point():
+        raise InputError(f"'pixel_values' in {path!r} has dtype {str(x.dtype).removeprefix('torch.')}; expected "
+                         "floating-point pixel values (the image processor's output, not raw bytes)")
+    x = x.float()
+    if not torch.isfinite(x).all():
+        raise InputError(f"'pixel_values' in {path!r} contains NaN/inf; expected finite values")
+    return x
 
 
 def _no_mask(path, key):

@@ -10,5 +10,6 @@
 - ``dtypes``       the safetensors dtype names and their torch dtypes
 - ``ties``         tied parameters kept tied where PyTorch would split them
 - ``schema``       one line for a value a schema refuses; flags derived from a schema's fields
+- ``devices``      the devices symgraph computes on, checked to hold a tensor before any work
 - ``progress``     progress bars on stderr, and ``--quiet``
 """

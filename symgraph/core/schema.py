@@ -10,7 +10,7 @@ from typing import Annotated, Any, Mapping
 
 from pydantic import Field, StrictInt, TypeAdapter, ValidationError
 
-__all__ = ["short_repr", "expected", "error_key", "refusal", "Number", "SEED", "Option", "options", "flag"]
+__all__ = ["short_repr", "expected", "error_key", "refusal", "refused", "Number", "SEED", "Option", "options", "flag"]
 
 
 def short_repr(v, n: int = 80) -> str:
@@ -44,6 +44,19 @@ def refusal(err: Mapping[str, Any], said: str, wanted: str) -> str:
     if err.get("type") == "value_error":
         return f"{said}: {why}" if "expected" in why else f"{said} ({why}); expected {wanted}"
     return f"{said}; expected {wanted}"
+
+
+def refused(e, given: Mapping[str, Any], name, schema) -> str:
+    """One line for the first error of a config's validation (``e``, pydantic's, of ``schema``):
+    a field's names it and the value ``given`` (``name(key)``: a flag, or where a YAML file set
+    it); a rule between fields (the model's validator) says it all."""
+    err = e.errors()[0]
+    if not err.get("loc"):  # the model's validator: its own line
+        return str(err.get("msg", "")).removeprefix("Value error, ")
+    key = error_key(err)
+    if key not in schema.model_fields:
+        return f"{key!r} is not a merge option; expected only {', '.join(schema.model_fields)}"
+    return refusal(err, f"{name(key)} {short_repr(given.get(key))}", expected(schema, key))
 
 
 class Number:

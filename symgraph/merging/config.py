@@ -3,42 +3,39 @@
 :func:`symgraph.merge_checkpoints`, the merge engine), and the rules between its options
 (:func:`check`, its validator: "repair needs data", "sketch sketches weight matching", ...),
 so a config built in Python is held to them too, each refusal one line naming the options as
-they were given. Defaults and validation live here only.
-
-Every option is declared once, as a field (its description, what a refusal says is expected,
-its metavar): the YAML keys, the command-line flags (:mod:`symgraph.app.options`), the defaults
-and the docs' table (``docs/options.md``) are derived from it. The alignment options a merge
-shares with :func:`symgraph.align` take their type, range and default from
-:class:`~symgraph.alignment.options.AlignOptions`.
+they were given. Defaults and validation live here only; every option is declared once, as a
+field, from which the YAML keys, flags and docs are derived (see :mod:`symgraph.app.config`).
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError, field_validator, model_validator)
 
 from ..alignment.options import MAX_REFINE, AlignOptions, Columns, Fraction, Outputs, Steps, Sweeps
 from ..checkpoints.sharded import parse_size
-from ..core.schema import error_key, expected, flag, refusal, short_repr
+from ..core.devices import usable_device
+from ..core.schema import expected, flag, refused
 from ..errors import InputError
 from .methods.registry import get as get_method, mixing_weights, names as merge_methods
 
 __all__ = ["MergeConfig", "MERGE_KEYS", "MAX_REFINE", "MAX_BUDGET", "check", "refused", "engine_config",
            "solver_options"]
 
-#: Device types that hold no values (every other one is checked to hold a tensor before a merge).
-NO_COMPUTE_DEVICES = ("meta",)
 #: The largest --memory-budget (bytes: 1000000GB; a larger one is a typo, or an overflow).
 MAX_BUDGET = 10 ** 15
 
 
-def _opt(expected: str, cli: bool = True, metavar: str | None = None, flag: str | None = None) -> dict:
-    """A field's extra declaration: what a refusal says is ``expected`` of its value, and
-    whether the command line has a flag for it (:mod:`symgraph.app.options` derives the
-    flag, its help and the docs' row from the field; ``flag`` when it is not ``--key``)."""
-    return {"expected": expected, "cli": cli, **({"metavar": metavar} if metavar else {}),
-            **({"flag": flag} if flag else {})}
+def _field(default, description: str, expected: str, *, cli: bool = True, metavar: str | None = None,
+           flag: str | None = None, **constraints) -> Any:
+    """A field's declaration: its default, its ``description`` (the help and YAML text), what a
+    refusal says is ``expected`` of its value, and whether the command line has a flag for it
+    (:mod:`symgraph.app.options` derives the flag, its help and the docs' row from the field;
+    ``flag`` when it is not ``--key``)."""
+    extra = {"expected": expected, "cli": cli, **({"metavar": metavar} if metavar else {}),
+             **({"flag": flag} if flag else {})}
+    return Field(default, description=description, json_schema_extra=extra, **constraints)
 
 
 def _align(key: str, description: str, metavar: str | None = None, wanted: str | None = None) -> Any:
@@ -46,8 +43,15 @@ def _align(key: str, description: str, metavar: str | None = None, wanted: str |
     type it declares (``Steps``, ``Columns``, ...: type and range), its default taken from there
     (and what a refusal expects, unless ``wanted`` says it for the command line); only the
     command line's description and metavar are added here."""
-    return Field(AlignOptions.model_fields[key].default, description=description,
-                 json_schema_extra=_opt(wanted or expected(AlignOptions, key), metavar=metavar))
+    return _field(AlignOptions.model_fields[key].default, description, wanted or expected(AlignOptions, key),
+                  metavar=metavar)
+
+
+def _registered(method: str) -> str:
+    """``method``, refused unless a registered merge method."""
+    if method not in merge_methods():
+        raise ValueError(f"is not a merge method; expected one of {merge_methods()}")
+    return method
 
 
 class _OneLine(type(BaseModel)):  # type: ignore[misc]  # pydantic's model metaclass
@@ -68,47 +72,45 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
     :func:`check` (``repair`` needs ``data``, ...). Built in Python, a refusal is one
     :class:`~symgraph.errors.InputError` line, the one the command line prints."""
     model_config = ConfigDict(extra="forbid", frozen=True)
-    models: list[StrictStr] = Field(min_length=2, description="the models: save_pretrained directories, demo "
-                                    "names or hub ids (on the command line: the positional arguments)",
-                                    json_schema_extra=_opt("a list of at least 2 model paths / names", cli=False,
-                                                           metavar="models"))
-    out: StrictStr | None = Field(None, description="output directory (must not exist unless --force)",
-                                  json_schema_extra=_opt("an output directory path (string)", metavar="DIR"))
-    align: Literal["weights", "activations", "none"] = Field(
-        "weights", description="how B is put into A's basis first: by weights (data-free), by activations "
-        "(needs data) or not at all", json_schema_extra=_opt("one of 'weights', 'activations', 'none'"))
-    method: StrictStr = Field("average", description="how the aligned models are combined (a registered method)",
-                              json_schema_extra=_opt("a merge method name (symgraph.merge_methods())"))
-    parameters: dict[StrictStr, Any] = Field(
-        {}, description="the merge method's parameters, NAME=VALUE (e.g. alpha=0.1 for regmean; mergekit's "
-        "parameters: key); each method declares its own, recorded in symgraph_merge.json",
-        json_schema_extra=_opt("a mapping of the method's parameter names to values", metavar="NAME=VALUE",
-                               flag="--parameter"))
-    anchor: StrictInt | Literal["universe"] = Field(
-        0, description="the model the others are aligned to (its index), or universe: every model aligned to the "
-        "mean of the others, round after round (MergeMany), out of core within the budget",
-        json_schema_extra=_opt("a model index (0, 1, ...) or 'universe'", metavar="N|universe"))
-    weights: list[Annotated[StrictFloat, Field(allow_inf_nan=False)] | StrictInt] | None = Field(
-        None, description="one mixing weight per model (normalised to sum 1; default: equal)",
-        json_schema_extra=_opt("a list of numbers, one per model, each finite", metavar="W"))
-    data: StrictStr | None = Field(None, description=".safetensors/.pt file with 'input_ids' [N, S] (or "
-                                   "'pixel_values'), for activation statistics",
-                                   json_schema_extra=_opt("a path to a .safetensors or .pt data file (string)", metavar="FILE"))
-    repair: StrictBool = Field(False, description="REPAIR: renormalise the merge's hidden activations to the "
-                               "inputs' interpolated mean and std (needs --data)",
-                               json_schema_extra=_opt("true or false (REPAIR needs data)"))
+    models: list[StrictStr] = _field(..., "the models: save_pretrained directories, demo names or hub ids (on the "
+                                     "command line: the positional arguments)",
+                                     "a list of at least 2 model paths / names", cli=False, metavar="models",
+                                     min_length=2)
+    out: StrictStr | None = _field(None, "output directory (must not exist unless --force)",
+                                   "an output directory path (string)", metavar="DIR")
+    align: Literal["weights", "activations", "none"] = _field(
+        "weights", "how B is put into A's basis first: by weights (data-free), by activations (needs data) or not "
+        "at all", "one of 'weights', 'activations', 'none'")
+    method: Annotated[StrictStr, AfterValidator(_registered)] = _field(
+        "average", "how the aligned models are combined (a registered method)",
+        "a merge method name (symgraph.merge_methods())")
+    parameters: dict[StrictStr, Any] = _field(
+        {}, "the merge method's parameters, NAME=VALUE (e.g. alpha=0.1 for regmean; mergekit's parameters: key); "
+        "each method declares its own, recorded in symgraph_merge.json",
+        "a mapping of the method's parameter names to values", metavar="NAME=VALUE", flag="--parameter")
+    anchor: StrictInt | Literal["universe"] = _field(
+        0, "the model the others are aligned to (its index), or universe: every model aligned to the mean of the "
+        "others, round after round (MergeMany), out of core within the budget",
+        "a model index (0, 1, ...) or 'universe'", metavar="N|universe")
+    weights: list[Annotated[StrictFloat, Field(allow_inf_nan=False)] | StrictInt] | None = _field(
+        None, "one mixing weight per model (normalised to sum 1; default: equal)",
+        "a list of numbers, one per model, each finite", metavar="W")
+    data: StrictStr | None = _field(None, ".safetensors/.pt file with 'input_ids' [N, S] (or 'pixel_values'), for "
+                                    "activation statistics", "a path to a .safetensors or .pt data file (string)",
+                                    metavar="FILE")
+    repair: StrictBool = _field(False, "REPAIR: renormalise the merge's hidden activations to the inputs' "
+                                "interpolated mean and std (needs --data)", "true or false (REPAIR needs data)")
     refine: Steps = _align("refine", "learned matching: N optimisation steps after activation matching, on the "
                            "model's own loss over --data (align then defaults to activations; an explicit "
                            "--align weights or none is refused)", "N",
                            f"a number of steps (an integer >= 0, at most {MAX_REFINE}; needs data)")
     fold_norms: StrictBool = _align("fold_norms", "fold norm gains into the layers that read them, so residual "
                                     "streams admit rotations (off: they stay permutations)")
-    attention: Literal["heads", "circuits"] = Field(
-        "heads", description="circuits: each merged head interpolates the parents' QK and OV forms (heads N "
-        "times as wide; needs a config with head_dim)", json_schema_extra=_opt("one of 'heads', 'circuits'"))
-    untie: StrictBool = Field(False, description="give a tied head its own weights first (the residual stream "
-                              "then admits orthogonal maps; one more vocabulary x width matrix)",
-                              json_schema_extra=_opt("true or false"))
+    attention: Literal["heads", "circuits"] = _field(
+        "heads", "circuits: each merged head interpolates the parents' QK and OV forms (heads N times as wide; "
+        "needs a config with head_dim)", "one of 'heads', 'circuits'")
+    untie: StrictBool = _field(False, "give a tied head its own weights first (the residual stream then admits "
+                               "orthogonal maps; one more vocabulary x width matrix)", "true or false")
     full_groups: StrictBool = _align("full_groups", "after the rotations, fit each head's GL map and each RoPE "
                                      "pair's scale (the full groups the report claims)")
     sketch: Columns = _align("sketch", "weight matching compares permutation classes through a shared random "
@@ -121,27 +123,22 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
         "until", "the sweeps end, from the second on, once one changes no permutation or head matching and "
         "closes under 5 percent of any unit's gap to its bound (gap, default), once one changes no element (exact), "
         "or no permutation or head matching (discrete: faster, rotations less converged)")
-    seen_rows: StrictBool = Field(False, description="weight matching reads only the token-embedding rows of "
-                                  "tokens in --data (Theus et al. 2025)",
-                                  json_schema_extra=_opt("true or false (needs data)"))
+    seen_rows: StrictBool = _field(False, "weight matching reads only the token-embedding rows of tokens in --data "
+                                   "(Theus et al. 2025)", "true or false (needs data)")
     outputs: Outputs = _align("outputs", "the outputs a symmetry must keep (e.g. logits; default: all)", "NAME",
                               "a list of output names a symmetry must keep (e.g. [logits])")
-    device: StrictStr = Field("cpu", description="compute on this device (cpu, cuda, cuda:N; like mergekit's "
-                              "--cuda): out of core, tensors are read from disk, computed there and written "
-                              "back; in memory, the models are loaded there",
-                              json_schema_extra=_opt("where to compute: 'cpu', 'cuda' or 'cuda:N'", metavar="DEV"))
-    memory_budget: StrictStr | None = Field(None, description="bytes the out-of-core engine may hold at once "
-                                            "(its caches, a pass of statistics, a group's working copies), "
-                                            "e.g. 2GB; default: fixed sizes of about 0.5 GB",
-                                            json_schema_extra=_opt(f"a size such as '2GB' or '500MB', above 0 and at most {MAX_BUDGET // 10 ** 9}GB",
-                                                                   metavar="SIZE"))
-    max_shard_size: StrictStr | None = Field(None, description="largest file of the merged checkpoint, e.g. "
-                                             "2GB; default: a sharded anchor's largest shard, so the output is "
-                                             "sharded like the input (else 2 GiB)",
-                                             json_schema_extra=_opt("a size such as '2GB' or '500MB'",
-                                                                    metavar="SIZE"))
-    force: StrictBool = Field(False, description="replace an existing --out (a previous symgraph output)",
-                              json_schema_extra=_opt("true or false"))
+    device: StrictStr = _field("cpu", "compute on this device (cpu, cuda, cuda:N; like mergekit's --cuda): out of "
+                               "core, tensors are read from disk, computed there and written back; in memory, the "
+                               "models are loaded there", "where to compute: 'cpu', 'cuda' or 'cuda:N'",
+                               metavar="DEV")
+    memory_budget: StrictStr | None = _field(
+        None, "bytes the out-of-core engine may hold at once (its caches, a pass of statistics, a group's working "
+        "copies), e.g. 2GB; default: fixed sizes of about 0.5 GB",
+        f"a size such as '2GB' or '500MB', above 0 and at most {MAX_BUDGET // 10 ** 9}GB", metavar="SIZE")
+    max_shard_size: StrictStr | None = _field(
+        None, "largest file of the merged checkpoint, e.g. 2GB; default: a sharded anchor's largest shard, so the "
+        "output is sharded like the input (else 2 GiB)", "a size such as '2GB' or '500MB'", metavar="SIZE")
+    force: StrictBool = _field(False, "replace an existing --out (a previous symgraph output)", "true or false")
 
     @field_validator("memory_budget", "max_shard_size")
     @classmethod
@@ -159,26 +156,7 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
     @field_validator("device")
     @classmethod
     def _usable_device(cls, v):
-        import torch
-        try:
-            dev = torch.device(v)
-        except (RuntimeError, ValueError):
-            raise ValueError("is not a device name; expected 'cpu', 'cuda' or 'cuda:N'") from None
-        if dev.type in NO_COMPUTE_DEVICES:  # a meta tensor has a shape and no values: nothing to compute with
-            raise ValueError(f"is not a device symgraph computes on ({dev.type} tensors hold no values); expected "
-                             "'cpu', 'cuda' or 'cuda:N'")
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("names a CUDA device but this machine has none (torch.cuda.is_available() is "
-                             "False); expected 'cpu', or a machine with a GPU and a CUDA build of torch")
-        if dev.type != "cpu":
-            try:
-                torch.empty(1, device=dev)
-            except Exception as e:  # noqa: BLE001 - no backend (xla, ipu), not compiled in (xpu), no module (hpu)
-                said = " ".join(str(e).split()).split(". ")[0][:120]  # the first sentence
-                raise ValueError(f"cannot hold a tensor ({type(e).__name__}: {said}); "
-                                 "expected 'cpu', 'cuda', 'cuda:N' or another device this torch build "
-                                 "has") from None
-        return str(dev)
+        return usable_device(v)
 
     @field_validator("align", mode="before")
     @classmethod
@@ -186,13 +164,6 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
         if isinstance(v, bool) or v is None:
             raise ValueError(f"is the YAML value {v!r} (YAML reads no/off/false as a boolean); write "
                              "'none' in quotes, or 'weights' / 'activations'")
-        return v
-
-    @field_validator("method")
-    @classmethod
-    def _registered(cls, v):
-        if v not in merge_methods():
-            raise ValueError(f"is not a merge method; expected one of {merge_methods()}")
         return v
 
     @model_validator(mode="after")
@@ -205,6 +176,12 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
         if not ctx.get("fields_only"):
             check(self.model_dump(), ctx.get("name") or (lambda k: flag(MergeConfig, k)), ctx.get("batches", False))
         return self
+
+    @property
+    def takes_statistics(self) -> bool:
+        """Whether a step of the merge takes statistics on its data: activation or learned
+        matching, REPAIR, or the method's own (``seen_rows`` only reads which tokens occur)."""
+        return self.align == "activations" or bool(self.refine) or self.repair or get_method(self.method).needs_data
 
     @field_validator("parameters")
     @classmethod
@@ -271,19 +248,6 @@ def check(opts: dict, name, batches: bool = False) -> None:
         raise InputError(f"{n('align')} {opts['align']} with {n('method')} {opts['method']} needs {data} (a "
                          ".safetensors or .pt file with a tensor 'input_ids' [N, S]); expected it, or "
                          f"{n('align')} weights/none with {n('method')} average")
-
-
-def refused(e, given: dict, name, schema) -> str:
-    """One line for the first error of a config's validation (``e``, pydantic's, of ``schema``):
-    a field's names it and the value ``given`` (``name(key)``: a flag, or where a YAML file set
-    it); a rule between fields (:func:`check`) says it all."""
-    err = e.errors()[0]
-    if not err.get("loc"):  # the model's validator: check()'s own line
-        return str(err.get("msg", "")).removeprefix("Value error, ")
-    key = error_key(err)
-    if key not in schema.model_fields:
-        return f"{key!r} is not a merge option; expected only {', '.join(schema.model_fields)}"
-    return refusal(err, f"{name(key)} {short_repr(given.get(key))}", expected(schema, key))
 
 
 def solver_options(config) -> dict:
