@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ class Transforms:
     config_updates: dict
     out_shapes: dict = field(default_factory=dict)
     corrections: dict = field(default_factory=dict)
-    circuits: object = None
+    circuits: Any = None  # a CircuitHeads (merging.circuits)
 
     def apply(self, change) -> None:
         """Take a transform's ``out_shapes``, ``config_updates`` and ``combine`` (circuit-space
