@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from ..registry import Meet, Rope, Unify
-from ..nodes import ndim, op_of
+from ..nodes import op_of
+from .lastaxis import MOVES, moved
 from .rope_forms import complex_ropes, escapes, linear_ropes, split_part, value_source
 
 __all__ = ['find_rope']
@@ -39,7 +40,6 @@ def _signed_map(node, x, nodes):
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return None
     p = op_of(node)
-    nd = ndim(node)
     part = split_part(node)
     if part is not None:  # ``x1, x2 = x.chunk(2, -1)`` (ESM's rotate_half): slices of x
         v = _signed_map(part[1], x, nodes)
@@ -49,44 +49,8 @@ def _signed_map(node, x, nodes):
     elif p in (aten.neg,):
         v = _signed_map(node.args[0], x, nodes)
         out = None if v is None else -v
-    elif p in (aten.slice,):
-        src, d = node.args[0], node.args[1] if len(node.args) > 1 else 0
-        if d not in (-1, ndim(src) - 1):
-            return None
-        v = _signed_map(src, x, nodes)
-        if v is None or v.ndim != 1:
-            return None
-        start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
-        end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else len(v)
-        step = node.args[4] if len(node.args) > 4 else 1
-        out = v[start:min(end, len(v)):step]
-    elif p in (aten.cat, aten.stack):
-        tensors, d = node.args[0], node.args[1] if len(node.args) > 1 else 0
-        if d not in (-1, nd - 1):
-            return None
-        vs = [_signed_map(t, x, nodes) for t in tensors]
-        if any(v is None or v.ndim != 1 for v in vs):
-            return None
-        out = np.concatenate(vs) if p == aten.cat else np.stack(vs, axis=-1)
-    elif p in (aten.unsqueeze,):
-        src, d = node.args
-        if d not in (-1, nd - 1):
-            return None
-        v = _signed_map(src, x, nodes)
-        out = None if v is None or v.ndim != 1 else v[:, None]
-    elif p in (aten.view, aten.reshape, aten.flatten, aten._unsafe_view):
-        src = node.args[0]
-        v = _signed_map(src, x, nodes)
-        if v is None:
-            return None
-        in_shape = tuple(src.meta["val"].shape)
-        out_shape = tuple(node.meta["val"].shape)
-        if v.ndim == 2 and in_shape[:-2] == out_shape[:-1] and out_shape[-1] == v.size:
-            out = v.reshape(-1)
-        elif v.ndim == 1 and in_shape == out_shape:
-            out = v
-        else:
-            return None
+    elif p in MOVES:  # slices, concatenations, stacks, unsqueezes and reshapes of the last axis
+        out = moved(node, lambda src: _signed_map(src, x, nodes))
     elif p in (aten.clone, aten.contiguous, aten.alias, aten.to, aten._to_copy, aten.type_as):
         out = _signed_map(node.args[0], x, nodes)  # copies and casts (after the rotation, ERNIE)
     else:
@@ -169,36 +133,14 @@ class _ConstIds:
         if node.op != "call_function":
             return None
         if node.target is operator.getitem and _subgraph(node.args[0]) is not None:
-            sub, operands = _subgraph(node.args[0])
-            inner = [n for n in sub.graph.nodes if n.op == "placeholder"]
-            self.alias.update(zip(inner, operands))
-            out = next(n for n in sub.graph.nodes if n.op == "output").args[0]
-            return self.ids(out[node.args[1]], k)
+            return self._subgraph_ids(node, k)
         p = op_of(node)
         tail = shape[len(shape) - k:]
         nd = len(shape)
         if p in _ELEMENTWISE:
-            ops = [a for a in list(node.args) + list(node.kwargs.values())
-                   if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-            if not ops:
-                return None
-            arrs = []
-            for a in ops:
-                ash = tuple(a.meta["val"].shape)
-                arr = self.ids(a, k)
-                kk = min(k, len(ash))
-                arrs.append(arr.reshape((1,) * (k - kk) + tuple(arr.shape)))
-            return self._combine(arrs, tail)
+            return self._elementwise_ids(node, k, tail)
         if p in _VIEWS:
-            src = node.args[0]
-            ss = tuple(int(x) for x in src.meta["val"].shape)
-            n = int(np.prod(tail))
-            for m in range(0, len(ss) + 1):
-                if int(np.prod(ss[len(ss) - m:])) == n:
-                    return self.ids(src, m).reshape(tail)
-                if int(np.prod(ss[len(ss) - m:])) > n:
-                    return None
-            return None
+            return self._view_ids(node.args[0], tail)
         if p == aten.expand:
             src = node.args[0]
             ss = tuple(int(x) for x in src.meta["val"].shape)
@@ -206,15 +148,7 @@ class _ConstIds:
             arr = self.ids(src, kk)
             return np.broadcast_to(arr.reshape((1,) * (k - kk) + tuple(arr.shape)), tail)
         if p in (aten.cat, aten.stack):
-            tensors = node.args[0]
-            d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-            d = d + nd if d < 0 else d
-            if p == aten.cat and d >= nd - k:
-                return np.concatenate([self.ids(t, k) for t in tensors], axis=d - (nd - k))
-            if p == aten.stack and d >= nd - k:
-                return np.stack([self.ids(t, k - 1) for t in tensors], axis=d - (nd - k))
-            # along a leading dim: each trailing coordinate must agree in every input
-            return self._combine([self.ids(t, k) for t in tensors], tail)
+            return self._joined_ids(node, p, k, nd, tail)
         if p == aten.repeat_interleave and isinstance(node.args[1], int):
             src, reps = node.args[0], node.args[1]
             d = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
@@ -224,35 +158,88 @@ class _ConstIds:
             arr = self.ids(src, k)
             return arr if d < nd - k else np.repeat(arr, reps, axis=d - (nd - k))
         if p == aten.slice:
-            src, d = node.args[0], node.args[1] if len(node.args) > 1 else 0
-            d = d + nd if d < 0 else d
-            arr = self.ids(src, k)
-            if d < nd - k:
-                return arr
-            n = arr.shape[d - (nd - k)]
-            start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
-            end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else n
-            step = node.args[4] if len(node.args) > 4 else 1
-            idx = [slice(None)] * k
-            idx[d - (nd - k)] = slice(start, min(end, n), step)
-            return arr[tuple(idx)]
+            return self._sliced_ids(node, k, nd)
         if node.target is operator.getitem and op_of(node.args[0]) in (aten.split, aten.split_with_sizes):
-            sp, i = node.args
-            src, sizes = sp.args[0], sp.args[1]
-            d = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
-            d = d + nd if d < 0 else d
-            arr = self.ids(src, k)
-            if d < nd - k:
-                return arr
-            n = arr.shape[d - (nd - k)]
-            if isinstance(sizes, int):
-                sizes = [sizes] * (-(-n // sizes))
-            start = sum(sizes[:i])
-            idx = [slice(None)] * k
-            idx[d - (nd - k)] = slice(start, start + sizes[i])
-            return arr[tuple(idx)]
+            return self._split_ids(node, k, nd)
         return None
 
+    def _subgraph_ids(self, node, k):
+        """An output of a wrapped subgraph: its placeholders read as the operands given."""
+        sub, operands = _subgraph(node.args[0])
+        inner = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        self.alias.update(zip(inner, operands))
+        out = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+        return self.ids(out[node.args[1]], k)
+
+    def _elementwise_ids(self, node, k, tail):
+        """An elementwise op: its tensor operands' ids, broadcast, combined."""
+        ops = [a for a in list(node.args) + list(node.kwargs.values())
+               if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        if not ops:
+            return None
+        arrs = []
+        for a in ops:
+            ash = tuple(a.meta["val"].shape)
+            arr = self.ids(a, k)
+            kk = min(k, len(ash))
+            arrs.append(arr.reshape((1,) * (k - kk) + tuple(arr.shape)))
+        return self._combine(arrs, tail)
+
+    def _view_ids(self, src, tail):
+        """A view: the source's ids over as many trailing dims as hold ``tail``'s entries."""
+        ss = tuple(int(x) for x in src.meta["val"].shape)
+        n = int(np.prod(tail))
+        for m in range(0, len(ss) + 1):
+            if int(np.prod(ss[len(ss) - m:])) == n:
+                return self.ids(src, m).reshape(tail)
+            if int(np.prod(ss[len(ss) - m:])) > n:
+                return None
+        return None
+
+    def _joined_ids(self, node, p, k, nd, tail):
+        """A concatenation or stack: along a trailing dim the inputs' ids side by side, along
+        a leading one each trailing coordinate must agree in every input."""
+        tensors = node.args[0]
+        d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        d = d + nd if d < 0 else d
+        if p == aten.cat and d >= nd - k:
+            return np.concatenate([self.ids(t, k) for t in tensors], axis=d - (nd - k))
+        if p == aten.stack and d >= nd - k:
+            return np.stack([self.ids(t, k - 1) for t in tensors], axis=d - (nd - k))
+        return self._combine([self.ids(t, k) for t in tensors], tail)
+
+    def _sliced_ids(self, node, k, nd):
+        """A slice: the source's ids, sliced where the dim is a trailing one."""
+        src, d = node.args[0], node.args[1] if len(node.args) > 1 else 0
+        d = d + nd if d < 0 else d
+        arr = self.ids(src, k)
+        if d < nd - k:
+            return arr
+        n = arr.shape[d - (nd - k)]
+        start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+        end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else n
+        step = node.args[4] if len(node.args) > 4 else 1
+        idx = [slice(None)] * k
+        idx[d - (nd - k)] = slice(start, min(end, n), step)
+        return arr[tuple(idx)]
+
+    def _split_ids(self, node, k, nd):
+        """A part of a ``split``: the source's ids, that part's range where the dim is a
+        trailing one."""
+        sp, i = node.args
+        src, sizes = sp.args[0], sp.args[1]
+        d = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
+        d = d + nd if d < 0 else d
+        arr = self.ids(src, k)
+        if d < nd - k:
+            return arr
+        n = arr.shape[d - (nd - k)]
+        if isinstance(sizes, int):
+            sizes = [sizes] * (-(-n // sizes))
+        start = sum(sizes[:i])
+        idx = [slice(None)] * k
+        idx[d - (nd - k)] = slice(start, start + sizes[i])
+        return arr[tuple(idx)]
 
 def _subgraph(node):
     """``(GraphModule, operands)`` of a higher-order op that runs a subgraph

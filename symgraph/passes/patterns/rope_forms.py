@@ -13,6 +13,7 @@ import torch
 
 from ..registry import Meet, Rope, Unify
 from ..nodes import ndim, op_of
+from .lastaxis import MOVES, moved
 from .rope_twist import cancelling
 
 __all__ = ["complex_ropes", "linear_ropes", "split_part", "value_source"]
@@ -230,63 +231,16 @@ class _LinearForm:
                 return None
             self.nodes.add(part[0])
             return v[part[2]:part[3]]
-        p, nd = op_of(node), ndim(node)
+        p = op_of(node)
         if p in _COPIES:
             return self(node.args[0])
         if p == aten.neg:
             v = self(node.args[0])
             return None if v is None else _map(v, lambda f: {k: _coef_neg(c) for k, c in f.items()})
-        if p == aten.slice:
-            src, d = node.args[0], node.args[1] if len(node.args) > 1 else 0
-            if d not in (-1, ndim(src) - 1):
-                return None
-            v = self(src)
-            if v is None or v.ndim != 1:
-                return None
-            start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
-            end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else len(v)
-            step = node.args[4] if len(node.args) > 4 else 1
-            return v[start:min(end, len(v)):step]
-        if p in (aten.cat, aten.stack):
-            tensors, d = node.args[0], node.args[1] if len(node.args) > 1 else 0
-            if d not in (-1, nd - 1):
-                return None
-            vs = [self(t) for t in tensors]
-            if any(v is None or v.ndim != 1 for v in vs):
-                return None
-            return np.concatenate(vs) if p == aten.cat else np.stack(vs, axis=-1)
-        if p == aten.unsqueeze:
-            src, d = node.args
-            v = self(src) if d in (-1, nd - 1) else None
-            return None if v is None or v.ndim != 1 else v[:, None]
-        if p in (aten.view, aten.reshape, aten.flatten, aten._unsafe_view):
-            src = node.args[0]
-            v = self(src)
-            if v is None:
-                return None
-            in_shape, out_shape = tuple(src.meta["val"].shape), tuple(node.meta["val"].shape)
-            if v.ndim == 2 and in_shape[:-2] == out_shape[:-1] and out_shape[-1] == v.size:
-                return v.reshape(-1)
-            return v if v.ndim == 1 and in_shape == out_shape else None
+        if p in MOVES:  # slices, concatenations, stacks, unsqueezes and reshapes of the last axis
+            return moved(node, self)
         if p in (aten.mul, aten.div):
-            split = _const_operand(node, self.origin)
-            if split is None:
-                return None
-            a, c = split
-            v = self(a)
-            if v is None or v.ndim != 1:
-                return None
-            fs = _factors(c, len(v), self.ids)
-            if fs is None:
-                return None
-            if isinstance(c, torch.fx.Node):
-                self.consts.append(c)
-            inv = p == aten.div
-            out = np.empty(len(v), dtype=object)
-            for i, (f, fac) in enumerate(zip(v, fs)):
-                fac = ("inv",) + fac if inv else fac
-                out[i] = {k: _coef_mul(cf, fac) for k, cf in f.items()}
-            return out
+            return self._scaled(node, p == aten.div)
         if p in (aten.add, aten.sub):
             if node.kwargs.get("alpha", 1) != 1 or len(node.args) > 2:
                 return None
@@ -299,6 +253,27 @@ class _LinearForm:
                 out[i] = _form_add(a[i], b[i], sign)
             return out
         return None
+
+    def _scaled(self, node, inv):
+        """A product (a quotient when ``inv``) with a constant: each coefficient times the
+        constant's factor at its coordinate."""
+        split = _const_operand(node, self.origin)
+        if split is None:
+            return None
+        a, c = split
+        v = self(a)
+        if v is None or v.ndim != 1:
+            return None
+        fs = _factors(c, len(v), self.ids)
+        if fs is None:
+            return None
+        if isinstance(c, torch.fx.Node):
+            self.consts.append(c)
+        out = np.empty(len(v), dtype=object)
+        for i, (f, fac) in enumerate(zip(v, fs)):
+            fac = ("inv",) + fac if inv else fac
+            out[i] = {k: _coef_mul(cf, fac) for k, cf in f.items()}
+        return out
 
 
 def _map(v, fn):
