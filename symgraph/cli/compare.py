@@ -109,7 +109,6 @@ def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | No
                                      tolerance, width_refusal)
     from ..errors import InputError, StructureMismatchError
     from ..merging.streaming import Checkpoint, StreamingMerge
-    from ..merging.engine.views import Aligned
     threshold = THRESHOLD if threshold is None else threshold
     alpha = ALPHA if alpha is None else alpha
     check_options(null, threshold)
@@ -126,15 +125,15 @@ def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | No
     def solve(draw):
         Bv = B if draw is None else _shuffled_checkpoint(B, [n for n in names if n not in gauge], seed, draw)
         job = StreamingMerge([A, Bv], align="weights" if data is None else "activations", data=data,
-                             fold_norms=fold_norms, memory_budget=memory_budget, full_groups=True, **engine)
-        job.resources.work_dtype = work  # what rotations are solved in (the engine's own choice is float32)
+                             fold_norms=fold_norms, memory_budget=memory_budget, full_groups=True,
+                             work_dtype=work, **engine)  # what rotations are solved in (the engine's: float32)
         try:
             al = job.align()[1]
         except StructureMismatchError as e:
             raise (width_refusal(widths, e, f"{A.path!r} and {B.path!r}") if widths else e) from None
         if draw is None:
             gauge.update(gauge_names(job.report))
-        view = Aligned(Bv, al, A, None, work, job.resources.cache_bytes, job.resources.ledger)
+        view = job.aligned(1)
 
         def read_b(n, fetch=view.fetch):  # B's tensor in A's basis, refused unless in A's shape
             t = fetch(n)

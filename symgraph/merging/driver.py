@@ -215,9 +215,9 @@ def _output_model(job, A):
     """The model the merged tensors are written into, and what completes it once written: a
     copy of ``A``, or for circuit-space heads ``A``'s class built from the widened config
     (:func:`~symgraph.merging.circuits.wide_model`)."""
-    if job.transforms.circuits is None:
+    if job.config.attention != "circuits":
         return copy.deepcopy(A), lambda m: None
-    return wide_model(A, job.transforms.circuits.built()[1], _device(A))
+    return wide_model(A, job.output_model().config, _device(A))
 
 
 def _circuits_without_config(models, alignments, w, anchor, ra):

@@ -1,44 +1,26 @@
 """The merge engine: checkpoints read tensor by tensor, never a whole model in memory.
 
-Its steps, in :class:`StreamingMerge`:
-
-1. **plan** — the checkpoints are :class:`~symgraph.checkpoints.sharded.Checkpoint` s, checked
-   complete from their headers, their model built on the ``meta`` device for the analysis;
-2. **align** — every other checkpoint is solved against the anchor by weight matching
-   (:func:`symgraph.alignment.driver.align_tensors`) through lazy, norm-folded views
-   (:class:`~symgraph.merging.engine.views.Folded`), or by activations: the graphs of the anchor and
-   the other model run side by side on the data, op by op, each weight read when an op takes
-   it (:class:`~symgraph.alignment.graphrun.Stepper`); with ``refine=N``, learned matching
-   from the better of the activation and weight alignments, the model between the two
-   differentiated segment by segment (:mod:`.learned`); full groups then fitted from the
-   stored tensors (:class:`~.views.Sides`);
-3. **statistics** — the merge method's (RegMean's input Grams, Fisher's squared gradients)
-   are taken out of core and spilled to disk (:mod:`symgraph.merging.engine.sums`);
-4. **read, carry, combine, write** — one tensor group at a time (a norm fold's gain, shift and
-   readers together; every other tensor alone), each model's tensors are read, put on the
-   device, carried into the anchor's basis, combined by the method
-   (:meth:`~symgraph.merging.methods.registry.MergeMethod.combine_group`) in float32 (float64
-   for float64 checkpoints), cast to the anchor checkpoint's dtype for that tensor and streamed
-   into the output shards (:class:`~symgraph.checkpoints.sharded.ShardWriter`).
-
-A group over the chunk size is computed in slices along an axis that no map and no fold acts
-on (an embedding's and LM head's vocabulary), bit for bit the whole computation, so that its
-working copies never exist whole. Floating-point buffers a class moves (BatchNorm's running
-statistics) are moved and combined like the weights (all floating-point buffers without
-alignment); other buffers are the anchor's. The caches, a pass of statistics and a group's
-working copies are sized from one memory budget (:func:`budgets`); :class:`~symgraph.merging.engine.views.Ledger`
-counts the bytes held.
-
-:func:`~symgraph.app.run.merge_checkpoints` is the Python entry; ``symgraph merge`` runs every
-merge of local checkpoints here, learned matching included. REPAIR (BatchNorm resets included) runs
-as the last step before writing (:mod:`~symgraph.merging.repair_stream`). Untying reads each checkpoint as its untied model
-(:func:`~symgraph.merging.untie.untie_checkpoint`); circuit-space heads widen as they combine (:mod:`.circuits`).
+:class:`StreamingMerge` runs a merge's steps from one config: the checkpoints'
+headers read and their models built on ``meta``; **align** every other checkpoint to the
+anchor through lazy, norm-folded views (:class:`~symgraph.merging.engine.views.Folded`), by
+weight matching (:func:`symgraph.alignment.driver.align_tensors`), by activations (the two
+graphs run op by op on the data, :class:`~symgraph.alignment.graphrun.Stepper`) or by learned
+matching (:mod:`.learned`), full groups fitted from the stored tensors; take the method's
+**statistics** out of core (:mod:`.engine.statistics`); run the plan's transforms (circuit-space
+heads, :mod:`.circuits`; untying, :mod:`.untie`) and **REPAIR** (:mod:`.repair_stream`); then
+the **plan** of group tasks (:mod:`.engine.plan`) and its **executor** (:mod:`.engine.executor`:
+read, carry into the anchor's basis, combine, cast, write) within one memory budget
+(:func:`budgets`), every byte held counted by the :class:`~.engine.views.Ledger`.
+:func:`~symgraph.app.run.merge_checkpoints` and ``symgraph merge`` run every merge of local
+checkpoints here; :func:`symgraph.merge` runs models in memory through it.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,7 +37,7 @@ from .engine import slicing
 from .engine.sinks import Into, write_config
 from .engine.sums import MemorySpill, Spill
 from .untie import untie_checkpoint, untie_config_updates
-from .engine.views import DEFAULT_CACHE, Folded, Sides, return_freed_memory
+from .engine.views import DEFAULT_CACHE, Aligned, Folded, Sides, return_freed_memory
 from .engine import Executor, build_plan
 from .engine.executor import Resources, Transforms
 from .engine.measuring import RepairContext
@@ -63,7 +45,6 @@ from .engine.statistics import StatisticsContext, take
 
 if TYPE_CHECKING:
     from ..report.symmetry import SymmetryReport
-    from .repair import RepairReport
 
 __all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "parse_size", "DEFAULT_SHARD", "budgets"]
 
@@ -71,6 +52,7 @@ DEFAULT_SHARD = 2 << 30  # bytes per output shard
 CHUNK_BYTES = 64 << 20  # a group's tensors over this (in the work dtype) are merged in slices of it
 STATS_BYTES = 256 << 20  # activation statistics are taken in passes of this many bytes, solved as each ends
 EXTRA_FILES = ("generation_config.json",)
+ENGINE_ONLY = ("rows_from", "refine_lr")  # align_options the engine resolves itself, not the solver's
 
 
 def budgets(memory_budget, n_models: int, cache_bytes: int = DEFAULT_CACHE) -> tuple:
@@ -82,6 +64,14 @@ def budgets(memory_budget, n_models: int, cache_bytes: int = DEFAULT_CACHE) -> t
         return cache_bytes, CHUNK_BYTES, STATS_BYTES
     b = parse_size(memory_budget)
     return b // (4 * n_models), max(1 << 10, b // (4 * (n_models + 2))), b // 2
+
+
+@dataclass
+class Taken:
+    """The method's statistics: per model what was taken (None: nothing), and the ``spill``
+    holding them while the merge writes."""
+    per_model: list
+    spill: Spill | MemorySpill | None = None
 
 
 class StreamingMerge:
@@ -96,13 +86,22 @@ class StreamingMerge:
     matching, the method's statistics (its declared kind, :mod:`.engine.statistics`) and REPAIR;
     ``method``: a method instance the config's ``method`` stands for; ``rows_from``: batches whose
     tokens' embedding rows weight matching reads; ``cache_bytes``: each model's cache without a
-    memory budget (:func:`budgets`). The constructor reads headers only; :meth:`align` solves;
-    :meth:`write` takes the method's statistics and writes the merged checkpoint into a
-    directory (``save_atomic`` passes its temporary one).
+    memory budget (:func:`budgets`); ``work_dtype``: what rotations are solved and graphs run in
+    (default float32, float64 for float64 checkpoints); ``ledger``: another engine's
+    :class:`~.engine.views.Ledger` this one's bytes count in. The constructor reads headers only.
+
+    The public surface (what code outside the engine reads; every other attribute is the
+    engine's own): ``config``, :attr:`checkpoints`, :attr:`anchor`, ``progress``; the results
+    ``alignments`` (one per checkpoint, None for the anchor), :attr:`report` (the anchor's; None
+    unaligned), ``timings`` and, once written, ``repair_report``; the steps :meth:`align` (or
+    :meth:`use`), :meth:`write` / :meth:`write_into` (the method's statistics, REPAIR, the
+    merged tensors), :meth:`plan`, :meth:`executor`; and what other steps build on:
+    :meth:`output_model`, :meth:`aligned`, :meth:`aligning_to`, :meth:`read`, :meth:`averaging`.
     """
 
     def __init__(self, paths, config: MergeConfig | None = None, *, data=None, progress: bool = False,
-                 rows_from=None, method=None, cache_bytes: int = DEFAULT_CACHE, **options):
+                 rows_from=None, method=None, cache_bytes: int = DEFAULT_CACHE, work_dtype=None, ledger=None,
+                 **options):
         paths = list(paths)
         if len(paths) < 2:
             raise InputError(f"merge needs at least 2 checkpoints, got {len(paths)}")
@@ -118,44 +117,45 @@ class StreamingMerge:
         if data and cfg.align != "activations" and not self.how.needs_data and not cfg.repair:
             raise InputError(f"data is used by align='activations' or a method that takes statistics, got "
                              f"align={cfg.align!r} and method={self.how.name!r}")
-        self.repair_report: RepairReport | None = None  # what REPAIR did (repair=True), once written
-        self.weights = mixing_weights(cfg.weights, len(paths))
-        self.progress, self.data = progress, data
-        cache, chunk, stats = budgets(cfg.memory_budget, len(paths), cache_bytes)
-        self.resources = Resources(torch.device(cfg.device), torch.device("cpu"), torch.float32, cache, chunk, stats)
-        self.stats: list = [None] * len(paths)
         if cfg.refine and {"loss_fn", "between"} & set(align_options):
             raise InputError("out of core, learned matching lowers the model's own loss on the anchor's "
                              "architecture; expected no loss_fn or between (symgraph.align takes them)")
-        self.refine_lr = align_options.pop("refine_lr", 1e-3)
-        self.align_options = align_options | solver_options(cfg)
-        self.rows_from = list(rows_from) if rows_from is not None else None  # batches: read only their tokens' rows
+        mixing_weights(cfg.weights, len(paths))  # refused here, before any work
+        self.data, self.repair_report = data, None  # repair_report: what REPAIR did (repair=True), once written
+        rows = {} if rows_from is None else {"rows_from": list(rows_from)}  # batches: read only their tokens' rows
+        self.align_options = align_options | solver_options(cfg) | rows
+        cache, chunk, stats = budgets(cfg.memory_budget, len(paths), cache_bytes)
+        self.resources = Resources(torch.device(cfg.device), torch.device("cpu"), torch.float32, cache, chunk, stats,
+                                   progress=progress)
+        self.resources.ledger = ledger if ledger is not None else self.resources.ledger
         return_freed_memory()
-        self.ckpts = [Checkpoint(os.fspath(p)) if isinstance(p, (str, os.PathLike)) else p for p in paths]  # or ModelCheckpoints
-        self.ckpts = [untie_checkpoint(c) for c in self.ckpts] if cfg.untie else self.ckpts  # before the checks
+        ckpts = [Checkpoint(os.fspath(p)) if isinstance(p, (str, os.PathLike)) else p for p in paths]  # or ModelCheckpoints
+        self._checkpoints = tuple(untie_checkpoint(c) for c in ckpts) if cfg.untie else tuple(ckpts)  # before the checks
         self._check_family()
         # rotations are solved and applied in float32 for 16- and 32-bit weights (their own
         # precision is far coarser), in float64 for float64 checkpoints
-        if any(c.dtype == torch.float64 for c in self.ckpts):
-            self.resources.work_dtype = torch.float64
-        if len({c.dtype for c in self.ckpts}) > 1:  # stored in different dtypes: every graph (traced on
-            for c in self.ckpts:                    # meta) runs in the work dtype, tensors cast up to it
-                c.model = c.retyped(self.resources.work_dtype)
+        wide = any(c.dtype == torch.float64 for c in self._checkpoints)
+        self.resources.work_dtype = work_dtype or (torch.float64 if wide else torch.float32)
+        for c in self._checkpoints:
+            self.read(c)
         self.alignments: list = [None] * len(paths)
-        # the anchor's report (None: not aligned) and the graph the method's statistics run on
-        self.report: SymmetryReport | None = None
-        self.graph_report: SymmetryReport | None = None  # the anchor's (None: not aligned); the graph statistics run
+        self.graph_report: SymmetryReport | None = None  # the anchor's (None: not analysed): the graph statistics run on
         self.timings: dict = {}
-        self.spill: Spill | MemorySpill | None = None  # the method's statistics while writing
+        self.statistics = Taken([None] * len(paths))
         # what a transform of the plan changes (REPAIR, circuit-space heads, untying): the
         # combine of a group, the shapes written, corrections of merged tensors, the config
         self.transforms = Transforms(self.how.combine_group, untie_config_updates(
-            getattr(self.ckpts[self.anchor].source, "config", None)))
+            getattr(self._checkpoints[self.anchor].source, "config", None)))
         from .circuits import streamed  # imported here: the engine loads nothing of a transform it does not run
-        self.transforms.circuits = streamed(cfg, self.ckpts, self.how.name, lambda: self.report)  # None: heads
+        self.transforms.circuits = streamed(cfg, self._checkpoints, self.how.name, lambda: self.report)  # None: heads
 
-    # the settings of the one config, as the engine's steps read them
+    checkpoints = property(lambda self: self._checkpoints, doc="the checkpoints, as read (untied if asked)")
+    ckpts = checkpoints  # the engine's name
     anchor = property(lambda self: 0 if self.config.anchor == "universe" else self.config.anchor)
+    report = property(lambda self: self.graph_report if self.align_mode is not None else None,
+                      doc="the anchor's report (None: not aligned)")
+    progress = property(lambda self: self.resources.progress)
+    # the settings of the one config, as the engine's steps read them
     align_mode = property(lambda self: None if self.config.align == "none" else self.config.align)
     fold_norms = property(lambda self: self.config.fold_norms)
     outputs = property(lambda self: self.config.outputs)
@@ -164,10 +164,13 @@ class StreamingMerge:
     memory_budget = property(lambda self: self.config.memory_budget)
     shard_bytes = property(lambda self: parse_size(self.config.max_shard_size) if self.config.max_shard_size
                            else DEFAULT_SHARD)
+    weights = property(lambda self: mixing_weights(self.config.weights, len(self._checkpoints)))
+    stats = property(lambda self: self.statistics.per_model)
+    spill = property(lambda self: self.statistics.spill, lambda self, v: setattr(self.statistics, "spill", v))
 
     def _check_family(self):
-        A = self.ckpts[self.anchor]
-        for c in self.ckpts:
+        A = self._checkpoints[self.anchor]
+        for c in self._checkpoints:
             if c.cls is not A.cls:
                 raise InputError(f"{A.path!r} is a {A.cls.__name__} but {c.path!r} is a {c.cls.__name__}; "
                                  "expected models of one architecture")
@@ -180,59 +183,92 @@ class StreamingMerge:
                                      "checkpoints must have the same tensors and shapes (models of "
                                      "different widths need --align weights)")
 
-    def align(self):
-        """Analyse the anchor's meta model and solve every other checkpoint by weights."""
-        from ..alignment.driver import align_tensors
+    def read(self, ckpt):
+        """``ckpt`` (a directory or a :class:`Checkpoint`, e.g. a universe's mean) read as this
+        merge reads its own: its graph (traced on meta) run in the work dtype when the
+        checkpoints' dtypes differ, their tensors cast up to it."""
+        c = Checkpoint(ckpt) if isinstance(ckpt, str) else ckpt
+        if len({x.dtype for x in self._checkpoints}) > 1:
+            c.model = c.retyped(self.resources.work_dtype)
+        return c
+
+    def _analyzed(self, c):
         from ..report.api import analyze
+        return analyze(c.model, self.data[0] if self.data else None, fold_norms=self.fold_norms, outputs=self.outputs)
+
+    def align(self):
+        """Analyse the anchor's meta model and solve every other checkpoint against it."""
         t0 = time.perf_counter()
-        A = self.ckpts[self.anchor]
-        example = self.data[0] if self.data else None
+        A = self._checkpoints[self.anchor]
         if self.repair:  # a BatchNorm REPAIR cannot reset is refused before any work
-            repair_stream.check(A.model, self.graph_report, example, fold_norms=self.fold_norms, outputs=self.outputs)
+            repair_stream.check(A.model, self.graph_report, self.data[0] if self.data else None,
+                                fold_norms=self.fold_norms, outputs=self.outputs)
         if self.align_mode is None:  # nothing to move: every tensor is combined as it is
             if (self.how.needs_data or self.repair) and self.graph_report is None:  # the graph its statistics are taken on
-                self.graph_report = analyze(A.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
+                self.graph_report = self._analyzed(A)
             slicing.check_floor(self, budgets)  # the plan's largest piece within the budget, before any work
             return self.alignments
-        ra = analyze(A.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
-        self.report = self.graph_report = ra
-        if self.rows_from:  # weight matching reads only the embedding rows of the tokens in these batches
-            self.align_options = {**self.align_options, "rows": ra.input_rows(self.rows_from)}
+        self.graph_report = ra = self._analyzed(A)
+        if self.align_options.get("rows_from"):  # weight matching reads only the embedding rows of their tokens
+            self.align_options = {**self.align_options, "rows": ra.input_rows(self.align_options["rows_from"])}
         self.timings["analyze"] = time.perf_counter() - t0
-        if self.refine:  # learned matching's room in the budget, refused before any alignment
-            from .learned import Learning, check_budget
-            res = self.resources
-            learning = Learning(A, self.data, self.refine, self.refine_lr, res.device, res.ledger, res.stats_bytes,
-                                self.memory_budget is not None, res.work_dtype, self.align_options, self.progress)
-            check_budget(learning, ra)
+        learning = self._learning(A, ra) if self.refine else None  # its room in the budget, refused before any alignment
         slicing.check_floor(self, budgets)  # the plan's largest piece within the budget, before any alignment
         t1 = time.perf_counter()
-        dev = None if self.resources.device.type == "cpu" else self.resources.device
-        fa = Folded(ra, A, self.resources.cache_bytes, self.resources.work_dtype, dev, self.resources.ledger)
-        gains = gauge(ra.folds, {n: A.get(n).to(self.resources.device) for f in ra.folds for n in (f.gain, f.shift) if n})
-        with progress_bar(total=len(self.ckpts) - 1, desc="aligning", unit="model", enabled=self.progress) as bar:
-            for i, c in enumerate(self.ckpts):
-                if i == self.anchor:
-                    continue
-                same = {n: tuple(p.shape) for n, p in c.model.named_parameters()} == \
-                       {n: tuple(p.shape) for n, p in A.model.named_parameters()}
-                rb = ra if same else analyze(c.model, example, fold_norms=self.fold_norms, outputs=self.outputs)
-                fb = Folded(rb, c, self.resources.cache_bytes, self.resources.work_dtype, dev, self.resources.ledger)
-                acts = {} if self.align_mode != "activations" else dict(
-                    data=self.data, models=(A.model, c.model), fetch=(A.fetch, c.fetch), stats_budget=self.resources.stats_bytes,
-                    device=dev)
-                sides = Sides(A, c, (fa, fb), self.resources.cache_bytes, self.resources.ledger, dev)  # what full groups read
-                if self.refine:  # imported here: the engine loads nothing of a step it does not run
-                    from .learned import refined
-                    self.alignments[i] = refined(learning, c, ra, rb, (fa, fb), gains, sides, acts)
-                else:
-                    self.alignments[i] = align_tensors(ra, rb, fa, fb, gains, exact_dtype=self.resources.work_dtype,
-                                                       sides=sides, **acts, **self.align_options)
-                fb.clear()
-                bar.update()
-        fa.clear()
+        shapes = lambda c: {n: tuple(p.shape) for n, p in c.model.named_parameters()}  # noqa: E731
+        with self.aligning_to(A, ra) as solve, progress_bar(total=len(self._checkpoints) - 1, desc="aligning",
+                                                            unit="model", enabled=self.progress) as bar:
+            for i, c in enumerate(self._checkpoints):
+                if i != self.anchor:
+                    self.alignments[i] = solve(i, ra if shapes(c) == shapes(A) else self._analyzed(c), learning)
+                    bar.update()
         self.timings["align"] = time.perf_counter() - t1
         return self.alignments
+
+    def _learning(self, A, ra):
+        from .learned import Learning, check_budget
+        res = self.resources
+        learning = Learning(A, self.data, self.refine, self.align_options.get("refine_lr", 1e-3), res.device,
+                            res.ledger, res.stats_bytes, self.memory_budget is not None, res.work_dtype,
+                            self._solver_options(), res.progress)
+        check_budget(learning, ra)
+        return learning
+
+    def _solver_options(self) -> dict:
+        return {k: v for k, v in self.align_options.items() if k not in ENGINE_ONLY}
+
+    @contextmanager
+    def aligning_to(self, target, ra):
+        """The one alignment step (of :meth:`align` and of a shared universe's rounds): a
+        function ``solve(i, report_b, learning=None)`` aligning checkpoint ``i`` (analysed as
+        ``report_b``) to ``target`` (a checkpoint of the anchor's architecture, analysed as
+        ``ra``; its folded view kept while the context is open), both read through norm-folded
+        views, by weights or activations (learned matching with ``learning``), full groups
+        fitted from the stored tensors."""
+        from ..alignment.driver import align_tensors
+        res, opts = self.resources, self._solver_options()
+        dev = None if res.device.type == "cpu" else res.device
+        fa = Folded(ra, target, res.cache_bytes, res.work_dtype, dev, res.ledger)
+        gains = gauge(ra.folds, {n: target.get(n).to(res.device) for f in ra.folds for n in (f.gain, f.shift) if n})
+
+        def solve(i, rb, learning=None):
+            c = self._checkpoints[i]
+            fb = Folded(rb, c, res.cache_bytes, res.work_dtype, dev, res.ledger)
+            acts = {} if self.align_mode != "activations" else dict(
+                data=self.data, models=(target.model, c.model), fetch=(target.fetch, c.fetch),
+                stats_budget=res.stats_bytes, device=dev)
+            sides = Sides(target, c, (fa, fb), res.cache_bytes, res.ledger, dev)  # what full groups read
+            try:
+                if learning is not None:  # imported here: the engine loads nothing of a step it does not run
+                    from .learned import refined
+                    return refined(learning, c, ra, rb, (fa, fb), gains, sides, acts)
+                return align_tensors(ra, rb, fa, fb, gains, exact_dtype=res.work_dtype, sides=sides, **acts, **opts)
+            finally:
+                fb.clear()
+        try:
+            yield solve
+        finally:
+            fa.clear()
 
     def use(self, report, alignments):
         """Take the alignment step's result instead of running :meth:`align`: the anchor's
@@ -240,46 +276,74 @@ class StreamingMerge:
         :func:`symgraph.merge` finds them for models in memory (the anchor's own entry is not
         None only for a shared universe's basis)."""
         if self.repair:
-            repair_stream.check(self.ckpts[self.anchor].model, report)
+            repair_stream.check(self._checkpoints[self.anchor].model, report)
         self.graph_report = report
-        self.report = report if self.align_mode is not None else None
         self.alignments = list(alignments)
+
+    def averaging(self, keep, weights, method=None) -> StreamingMerge:
+        """An engine of method ``average`` (or the ``method`` instance) over this one's
+        checkpoints ``keep`` with mixing ``weights``, anchored at the first, its config
+        otherwise this one's (without REPAIR or learned matching), its bytes counted in this
+        one's ledger: a shared universe's means."""
+        cfg = self.config.model_copy(update=dict(
+            models=[self.config.models[j] for j in keep], weights=[float(w) for w in weights], anchor=0, out=None,
+            method="average", parameters={}, repair=False, refine=0, attention="heads", untie=False))
+        return StreamingMerge([self._checkpoints[j] for j in keep], cfg, method=method, ledger=self.resources.ledger)
+
+    def output_model(self):
+        """The model (on ``meta``) the merged checkpoint builds: the anchor's, or with
+        ``attention="circuits"`` its class with heads as wide as the circuit space."""
+        circuits = self.transforms.circuits
+        return circuits.built()[2] if circuits is not None else self._checkpoints[self.anchor].model
+
+    def aligned(self, i) -> Aligned:
+        """Checkpoint ``i`` in the anchor's basis, read on demand (``fetch(name)``, ``clear()``)
+        in the work dtype, its cache sized and counted as this merge's."""
+        res = self.resources
+        return Aligned(self._checkpoints[i], self.alignments[i], self._checkpoints[self.anchor], self.graph_report,
+                       res.work_dtype, res.cache_bytes, res.ledger)
 
     def write(self, directory: str) -> dict:
         """Take the method's statistics (spilled to a temporary directory beside ``directory``,
         removed after) and write the merged checkpoint into ``directory`` (shards, index,
         config); returns ``{"tensors": n, "bytes": total, "shards": k}``."""
-        return self._finish(lambda: Spill(os.path.dirname(os.path.abspath(directory))),
-                            lambda: self._write(directory))
+        info = self._finish(lambda: Spill(os.path.dirname(os.path.abspath(directory))),
+                            lambda plan: ShardWriter(directory, self.shard_bytes, list(plan.outputs)))
+        A = self._checkpoints[self.anchor]
+        write_config(A.path, directory, self.transforms.config_updates)
+        for fn in EXTRA_FILES:
+            if os.path.isfile(os.path.join(A.path, fn)):
+                shutil.copy2(os.path.join(A.path, fn), os.path.join(directory, fn))
+        return info
 
     def write_into(self, add, device=None) -> dict:
         """The merge of models in memory: statistics kept in memory, each merged tensor given to
         ``add(key, tensor)`` (in the anchor's dtype for that key, on ``device``: default the
         job's) as it is computed; returns ``{"tensors": n, "bytes": total, "shards": 0}``."""
         self.resources.out_device = torch.device(device) if device is not None else self.resources.device
-        return self._finish(MemorySpill, lambda: self._write_into(Into(add)))
+        return self._finish(MemorySpill, lambda plan: Into(add))
 
-    def _finish(self, make_spill, write) -> dict:
-        """Statistics, the plan's transforms and REPAIR, then ``write()``."""
+    def _finish(self, make_spill, make_sink) -> dict:
+        """Statistics, the plan's transforms and REPAIR, then the plan run into ``make_sink(plan)``."""
         if self.graph_report is None and (self.align_mode is not None or (self.how.needs_data or self.repair)):
             self.align()
         elif self.align_mode is None:  # unaligned and without statistics: align() did not check the budget
             slicing.check_floor(self, budgets)
-        self.spill = None
-        if self.how.needs_data:
-            t0 = time.perf_counter()
-            self.spill = make_spill()
+        t0 = time.perf_counter()
+        self.statistics.spill = make_spill() if self.how.needs_data else None
         try:
             if self.spill is not None:
                 context = StatisticsContext.of(self)  # what the takers read, not the engine
-                self.stats = [take(self.how.statistic, context, i) for i in range(len(self.ckpts))]
+                self.statistics.per_model = [take(self.how.statistic, context, i) for i in range(len(self._checkpoints))]
                 self.timings["statistics"] = time.perf_counter() - t0
             if self.transforms.circuits is not None:  # circuit-space heads: their shapes, config fields, combine
                 self.transforms.apply(self.transforms.circuits.widening())
             if self.repair:  # last: it measures the merge as written
                 self.repair_report = repair_stream.repair(RepairContext.of(self))
-            t1 = time.perf_counter()
-            info = write()
+            t1, plan = time.perf_counter(), self.plan()
+            sink = make_sink(plan)
+            self.executor(plan).run(sink, self.progress)
+            info = sink.close()
             self.timings["write"] = time.perf_counter() - t1
             return info
         finally:
@@ -298,25 +362,9 @@ class StreamingMerge:
                         resources=self.resources, transforms=self.transforms,
                         elementwise_statistics=self.how.elementwise_statistics)
 
-    def _write_into(self, sink: Into) -> dict:
-        self.executor().run(sink, self.progress)
-        return sink.close()
-
-    def _write(self, directory: str) -> dict:
-        A, plan = self.ckpts[self.anchor], self.plan()
-        writer = ShardWriter(directory, self.shard_bytes, list(plan.outputs))
-        self.executor(plan).run(writer, self.progress)
-        info = writer.close()
-        write_config(A.path, directory, self.transforms.config_updates)
-        for fn in EXTRA_FILES:
-            src = os.path.join(A.path, fn)
-            if os.path.isfile(src):
-                shutil.copy2(src, os.path.join(directory, fn))
-        return info
-
     def _averaged(self, buffer) -> bool:
         """A floating-point buffer some class moves (or any one, without alignment)."""
-        dtype = self.ckpts[self.anchor].dtypes[buffer]
+        dtype = self._checkpoints[self.anchor].dtypes[buffer]
         if dtype is None or not dtype.is_floating_point:
             return False
         if self.align_mode is None:
@@ -326,5 +374,5 @@ class StreamingMerge:
 
     def keys_of(self, name) -> list:
         """The anchor checkpoint's keys holding parameter (or buffer) ``name``."""
-        A = self.ckpts[self.anchor]
+        A = self._checkpoints[self.anchor]
         return [k for k in A.params.get(name, (name,)) if k in A.shapes]

@@ -56,6 +56,8 @@ from ..alignment import align as align_models
 from ..checkpoints.memory import ModelCheckpoint
 from ..core.elements import Map, Perm
 from ..errors import InputError
+from .methods.average import Average
+from .methods.registry import mixing_weights
 from .streaming import StreamingMerge
 
 __all__ = ["DEFAULTS", "align_universe", "universe_options", "round_changes", "run_rounds", "mean_plan", "Spread"]
@@ -145,21 +147,20 @@ def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0:
     writes; ``steps.align(target, i, report_b)``); ``opts`` checked by :func:`universe_options`.
     The ``distance`` at a round's start is measured by its first plan (model 0's mean, which
     reads every model), the last one by one more plan. Returns the record (:func:`align_universe`)."""
-    n = len(job.ckpts)
+    n, weights = len(job.checkpoints), mixing_weights(job.config.weights, len(job.checkpoints))
     reports = [ra] + [al.report_b for al in alignments[1:]]
     record = {"rounds": 0, "converged": False, "stopped": "max_rounds", "changed": [], "changed_per_model": [],
               "drifted": [], "max_change": [], "distance": [], "round_seconds": [time.perf_counter() - t0],
               "max_rounds": opts["max_rounds"], "tol": opts["tol"]}
-    bar = tqdm(total=opts["max_rounds"] * n, desc=f"universe (align={job.align_mode})", unit="alignment",
+    bar = tqdm(total=opts["max_rounds"] * n, desc=f"universe (align={job.config.align})", unit="alignment",
                file=sys.stderr, leave=False, disable=not progress)
     try:
         for r in range(1, opts["max_rounds"] + 1):
             t1 = time.perf_counter()
             before = [al.elements if al is not None else {} for al in alignments]
             for i in range(n):
-                plan = mean_plan(job, ra, alignments, i)
-                spread = Spread(plan, job.weights) if i == 0 else None
-                with steps.target(plan) as target:
+                spread = Spread(job.checkpoints[0], weights) if i == 0 else None
+                with steps.target(mean_plan(job, ra, alignments, i, spread)) as target:
                     record["distance"] += [spread.value()] if spread else []
                     alignments[i] = steps.align(target, i, reports[i])
                 bar.update()
@@ -174,62 +175,55 @@ def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0:
                 break
     finally:
         bar.close()
-    last = mean_plan(job, ra, alignments)
-    spread = Spread(last, job.weights)
-    last.write_into(lambda key, t: None)
+    spread = Spread(job.checkpoints[0], weights)
+    mean_plan(job, ra, alignments, None, spread).write_into(lambda key, t: None)
     record["distance"].append(spread.value())
     record["elements"] = [len(al.elements) for al in alignments]
     record["seconds"] = time.perf_counter() - t0
     return record
 
 
-def mean_plan(job, ra, alignments, i=None) -> StreamingMerge:
-    """An engine plan (method ``average``) over ``job``'s checkpoints in the shared basis
-    (``alignments``; ``ra`` the anchor's report), on its device, within its budget, its tensors
-    counted in its ledger: the weighted mean of every model but the ``i``-th (every other model's
-    weight 0 too: the plain mean of the others), or with ``i`` None of all of them. Model 0's
-    checkpoint, whose keys and dtypes the mean has, is read even at weight 0; another model
-    left out is not read, unless only one other is left or the checkpoints' dtypes differ (the
-    plan then computes in the job's work dtype, which depends on every checkpoint's)."""
-    keep = [j for j in range(len(job.ckpts)) if j != i or j == 0]
-    if len(keep) < 2 or len({c.dtype for c in job.ckpts}) > 1:
-        keep = list(range(len(job.ckpts)))
-    w = [0.0 if j == i else float(job.weights[j]) for j in keep]
-    if sum(w) <= 0:
-        w = [0.0 if j == i else 1.0 for j in keep]
-    plan = StreamingMerge([job.ckpts[j] for j in keep], weights=w, align=job.align_mode, anchor=0,
-                          fold_norms=job.fold_norms, outputs=job.outputs, device=job.resources.device,
-                          memory_budget=job.memory_budget, cache_bytes=job.resources.cache_bytes,
-                          # the data the alignment mode says it was solved on
-                          data=job.data if job.align_mode == "activations" else None)
-    plan.resources.ledger = job.resources.ledger
+def mean_plan(job, ra, alignments, i=None, method=None) -> StreamingMerge:
+    """An engine plan (method ``average``, or the ``method`` instance: :meth:`StreamingMerge.averaging`)
+    over ``job``'s checkpoints in the shared basis (``alignments``; ``ra`` the anchor's report):
+    the weighted mean of every model but the ``i``-th (every other model's weight 0 too: the
+    plain mean of the others), or with ``i`` None of all of them. Model 0's checkpoint, whose
+    keys and dtypes the mean has, is read even at weight 0; another model left out is not read,
+    unless only one other is left or the checkpoints' dtypes differ (the plan then computes in
+    the job's work dtype, which depends on every checkpoint's)."""
+    ckpts, weights = job.checkpoints, mixing_weights(job.config.weights, len(job.checkpoints))
+    keep = [j for j in range(len(ckpts)) if j != i or j == 0]
+    if len(keep) < 2 or len({c.dtype for c in ckpts}) > 1:
+        keep = list(range(len(ckpts)))
+    w = [0.0 if j == i else float(weights[j]) for j in keep]
+    plan = job.averaging(keep, w if sum(w) > 0 else [0.0 if j == i else 1.0 for j in keep], method)
     plan.use(ra, [alignments[j] for j in keep])
     return plan
 
 
-class Spread:
-    """``Σ_i w_i ‖θ_i − θ̄‖² / Σ_i w_i ‖θ_i‖²`` (:meth:`value`) of every model in the shared
-    basis, ``θ̄ = Σ_i w_i θ_i`` with the job's ``weights``, over the tensors the engine combines
-    (the parameters and the buffers a class moves), measured as ``plan`` (one that reads every
-    model) combines them. A group merged in slices combines its unsliced members once per slice:
-    they count once."""
+class Spread(Average):
+    """Method ``average`` measuring ``Σ_i w_i ‖θ_i − θ̄‖² / Σ_i w_i ‖θ_i‖²`` (:meth:`value`) of
+    every model in the shared basis as a plan reading every model combines them, ``θ̄ = Σ_i w_i
+    θ_i`` with the mixing ``weights``, over the tensors the engine combines (the parameters and
+    the buffers a class moves); ``anchor``: the checkpoint whose shapes the merge has. A group
+    merged in slices combines its unsliced members once per slice: they count once."""
 
-    def __init__(self, plan, weights):
+    def __init__(self, anchor, weights):
+        super().__init__()
+        self.anchor, self.w = anchor, [float(x) for x in weights]
         self.whole: dict = {}
         self.sliced = [0.0, 0.0]
-        combine, anchor, w = plan.transforms.combine, plan.ckpts[0], [float(x) for x in weights]
 
-        def measured(names, values, stats, plan_weights, report):
-            for k in names:
-                mean = sum(x * v[k] for x, v in zip(w, values))
-                sums = (sum(x * float(((v[k] - mean).double() ** 2).sum()) for x, v in zip(w, values)),
-                        sum(x * float((v[k].double() ** 2).sum()) for x, v in zip(w, values)))
-                if tuple(mean.shape) == tuple(anchor.shapes[anchor.key(k)]):
-                    self.whole[k] = sums
-                else:
-                    self.sliced = [self.sliced[0] + sums[0], self.sliced[1] + sums[1]]
-            return combine(names, values, stats, plan_weights, report)
-        plan.transforms.combine = measured
+    def combine_group(self, names, values, stats, weights, report):
+        for k in names:
+            mean = sum(x * v[k] for x, v in zip(self.w, values))
+            sums = (sum(x * float(((v[k] - mean).double() ** 2).sum()) for x, v in zip(self.w, values)),
+                    sum(x * float((v[k].double() ** 2).sum()) for x, v in zip(self.w, values)))
+            if tuple(mean.shape) == tuple(self.anchor.shapes[self.anchor.key(k)]):
+                self.whole[k] = sums
+            else:
+                self.sliced = [self.sliced[0] + sums[0], self.sliced[1] + sums[1]]
+        return super().combine_group(names, values, stats, weights, report)
 
     def value(self) -> float:
         num = self.sliced[0] + sum(a for a, _ in self.whole.values())

@@ -26,12 +26,9 @@ import time
 from contextlib import contextmanager
 
 from ..checkpoints.leftovers import mark_run
-from ..checkpoints.sharded import Checkpoint
 from ..core.files import identity, remove_own
-from ..transform.folding import gauge
 from .streaming import StreamingMerge
 from .universe import run_rounds, universe_options
-from .engine.views import Folded, Sides
 
 __all__ = ["align_universe_streamed", "SCRATCH_PREFIX"]
 
@@ -67,30 +64,12 @@ class _OnDisk:
         try:
             mark_run(scratch, None)
             plan.write(scratch)
-            target = Checkpoint(scratch)
-            if len({c.dtype for c in self.job.ckpts}) > 1:  # the job's graphs run in its work dtype
-                target.model = target.retyped(self.job.resources.work_dtype)
-            yield target
+            yield self.job.read(scratch)  # as the job reads its own checkpoints
         finally:
             remove_own(scratch, made, SCRATCH_PREFIX)
 
     def align(self, target, i, rb):
         """Checkpoint ``i`` aligned to the checkpoint ``target`` (of the anchor's architecture,
-        analysed as the job's report), read through folded views as :meth:`StreamingMerge.align`
-        reads any pair."""
-        from ..alignment.driver import align_tensors
-        job, ra, c = self.job, self.job.report, self.job.ckpts[i]
-        dev = None if job.resources.device.type == "cpu" else job.resources.device
-        fa = Folded(ra, target, job.resources.cache_bytes, job.resources.work_dtype, dev, job.resources.ledger)
-        fb = Folded(rb, c, job.resources.cache_bytes, job.resources.work_dtype, dev, job.resources.ledger)
-        gains = gauge(ra.folds, {n: target.get(n).to(job.resources.device) for f in ra.folds for n in (f.gain, f.shift) if n})
-        acts = {} if job.align_mode != "activations" else dict(
-            data=job.data, models=(target.model, c.model), fetch=(target.fetch, c.fetch),
-            stats_budget=job.resources.stats_bytes, device=dev)
-        sides = Sides(target, c, (fa, fb), job.resources.cache_bytes, job.resources.ledger, dev)
-        try:
-            return align_tensors(ra, rb, fa, fb, gains, exact_dtype=job.resources.work_dtype, sides=sides, **acts,
-                                 **job.align_options)
-        finally:
-            fa.clear()
-            fb.clear()
+        analysed as the job's report), as :meth:`StreamingMerge.align` aligns any pair."""
+        with self.job.aligning_to(target, self.job.report) as solve:
+            return solve(i, rb)

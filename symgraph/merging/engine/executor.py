@@ -32,8 +32,9 @@ class Resources:
     """What a merge computes with and within: the compute ``device``, the ``out_device`` merged
     tensors go to (the CPU for files), the ``work_dtype`` (float32; float64 for float64
     checkpoints), the byte sizes the memory budget gives (each model's cache of folded or moved
-    tensors, a group's chunk above which it is computed in slices, a pass of statistics) and the
-    :class:`~.views.Ledger` of bytes held, whose peak the budget bounds."""
+    tensors, a group's chunk above which it is computed in slices, a pass of statistics), the
+    :class:`~.views.Ledger` of bytes held, whose peak the budget bounds, and whether the steps
+    show a ``progress`` bar."""
     device: torch.device
     out_device: torch.device
     work_dtype: torch.dtype
@@ -41,6 +42,7 @@ class Resources:
     chunk_bytes: int
     stats_bytes: int
     ledger: Ledger = field(default_factory=Ledger)
+    progress: bool = False
 
 
 @dataclass
