@@ -172,41 +172,19 @@ def run(size: str = "quick", pairs=DEFAULT_PAIRS, K: int | None = None, eval_eve
         lr: float | None = None, steps: int | None = None, *, eval_batches: int | None = None,
         align_batches: int = DEFAULT_ALIGN_BATCHES, batch_size: int | None = None,
         data_seed: int = FINETUNE_DATA_SEED, verbose: bool = False) -> dict:
-    """Run the fine-tune-after-fusion protocol (module docstring) on each pair.
+    """The fine-tune-after-fusion protocol (module docstring) on each of ``pairs``, ``(arch_a,
+    seed_a, arch_b, seed_b)`` parents of zoo ``size`` trained ``steps`` (None: the zoo's; part of
+    their cache key); the fusions have A's architecture (the narrow one of a narrow/wide pair).
+    ``K`` fine-tuning steps per contestant (None: :data:`DEFAULT_K` of ``size``), evaluated every
+    ``eval_every`` (must divide ``K``; None: ``K // 20``) on ``eval_batches`` held-out batches
+    (None: all); peak rate ``lr`` (None: :data:`FINETUNE_LR_FRACTION` times the zoo's rate of A);
+    ``batch_size`` (None: the zoo's of A); one data order for every contestant (``data_seed``);
+    ``align_batches`` training batches for ``align="activations"``.
 
-    Parameters
-    ----------
-    size : {"quick", "medium", "full"}
-        Zoo size of the parents.
-    pairs : sequence of (arch_a, seed_a, arch_b, seed_b)
-        Parents; the fusions have A's architecture (A is the narrow model of a narrow/wide pair).
-    K : int, optional
-        Fine-tuning steps per contestant (default :data:`DEFAULT_K` of ``size``).
-    eval_every : int, optional
-        Evaluation interval; must divide ``K`` (default ``K // 20``).
-    lr : float, optional
-        Peak fine-tuning rate (default :data:`FINETUNE_LR_FRACTION` times the zoo's rate of A).
-    steps : int, optional
-        Training steps of the parents (default: the zoo's; part of their cache key).
-    eval_batches : int, optional
-        Held-out batches per evaluation (default: all).
-    align_batches : int
-        Training batches for ``align="activations"``.
-    batch_size : int, optional
-        Fine-tuning batch size (default: the zoo's of A).
-    data_seed : int
-        Seed of the fine-tuning data order, the same for every contestant.
-    verbose : bool
-        Print progress.
-
-    Returns
-    -------
-    dict
-        ``{"protocol": {...}, "pairs": [record, ...]}``; a record has ``pair`` (names, archs,
-        seeds), ``same_width``, ``contestants`` (name -> ``steps``, ``loss``, ``initial_loss``,
-        ``final_loss``, ...), ``vanilla_note`` (why there is no vanilla contestant, or None),
-        ``merge_seconds`` and ``summary`` (see the module docstring).
-    """
+    Returns ``{"protocol": {...}, "pairs": [record, ...]}``; a record has ``pair`` (names, archs,
+    seeds), ``same_width``, ``contestants`` (name -> ``steps``, ``loss``, ``initial_loss``,
+    ``final_loss``, ...), ``vanilla_note`` (why there is no vanilla contestant, or None),
+    ``merge_seconds`` and ``summary`` (see the module docstring)."""
     import symgraph
 
     from . import evaluate, speed, train, zoo

@@ -78,20 +78,15 @@ import json
 import os
 from pathlib import Path
 
-# the parts live in benchmarks/scale/, one job a module; re-exported here, where callers and
-# tests have always found them
+# the parts live in benchmarks/scale/, one job a module (make_tensor and measure: re-exported for
+# tests/test_bench_scale.py)
 from .provenance import write_beside
-from .scale.checkpoints import (dir_bytes, ensure_pair, llama_config, make_tensor, model_sizes,  # noqa: F401
-                                tensor_files, tensor_seed, weight_files, write_checkpoint)
-from .scale.checks import check_output, compare_outputs, load_check_dir  # noqa: F401
-from .scale.common import (_COMMON, DATA_ROWS, DATA_TOKENS, DEFAULT_OUT, DEFAULT_WORK, GB,  # noqa: F401
-                           MERGEKIT_SHARD_PARAMS, MERGEKIT_TORCH, MERGEKIT_VERSION, SHAPES, SHARD_SIZE,
-                           STAGES, _env, log)
-from .scale.measure import _PROGRESS_BAR, _WRAPPER, _last_line, measure  # noqa: F401
-from .scale.mergekit import ensure_mergekit, mergekit_config, mergekit_version  # noqa: F401
-from .scale.pagecache import drop_cache, read_all, warm_cache  # noqa: F401
-from .scale.report import _f, _writer_note, markdown  # noqa: F401
-from .scale.stages import _symgraph_cmd, _token_data, machine_info, run_shape  # noqa: F401
+from .scale.checkpoints import llama_config, make_tensor, write_checkpoint  # noqa: F401
+from .scale.common import DEFAULT_OUT, DEFAULT_WORK, SHAPES, STAGES, log
+from .scale.measure import measure  # noqa: F401
+from .scale.pagecache import read_all
+from .scale.report import markdown
+from .scale.stages import machine_info, run_shape
 
 
 def run(shapes, layers=None, work=DEFAULT_WORK, out=str(DEFAULT_OUT), stages=STAGES, timeout=3600.0,

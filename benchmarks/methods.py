@@ -134,6 +134,12 @@ def _perm_align(p: Pair, **kw):
     return symgraph.align(p.a, p.b, report_a=ra, report_b=rb, fold_norms=False, **kw)
 
 
+def _symgraph(p: Pair, **kw) -> Outcome:
+    """``symgraph.align`` on the pair's reports with ``kw``, timed, as an interpolation outcome."""
+    t0 = time.perf_counter()
+    return _aligned(p, symgraph.align(p.a, p.b, report_a=p.report_a, report_b=p.report_b, **kw), t0)
+
+
 def _aligned(p: Pair, al, t0: float, **extra) -> Outcome:
     b2 = al.apply(p.b)
     return Outcome(b_aligned=b2, alignment=al, seconds=time.perf_counter() - t0,
@@ -266,50 +272,37 @@ def symgraph_weights(p: Pair) -> Outcome:
     """symgraph, data-free: every class the report finds (residual stream, orthogonal where
     norm gains fold, MLP, head permutation with per-head inner rotations, RoPE pair rotations,
     GQA-shared elements), weight matching by coordinate descent."""
-    t0 = time.perf_counter()
-    al = symgraph.align(p.a, p.b, report_a=p.report_a, report_b=p.report_b)
-    return _aligned(p, al, t0)
+    return _symgraph(p)
 
 
 def symgraph_weights_exact(p: Pair) -> Outcome:
     """symgraph_weights with every change taken (``until="exact"``, ``tol=0``: sweeps until
     nothing changes, at most ``max_iter``) and exact products: the reference the fast defaults
     are measured against."""
-    t0 = time.perf_counter()
-    al = symgraph.align(p.a, p.b, report_a=p.report_a, report_b=p.report_b, tol=0.0, similarity="exact",
-                        until="exact")
-    return _aligned(p, al, t0)
+    return _symgraph(p, tol=0.0, similarity="exact", until="exact")
 
 
 def symgraph_weights_bf16(p: Pair) -> Outcome:
     """symgraph_weights with every similarity product in bfloat16 (summed in float32)."""
-    t0 = time.perf_counter()
-    al = symgraph.align(p.a, p.b, report_a=p.report_a, report_b=p.report_b, similarity="bf16")
-    return _aligned(p, al, t0)
+    return _symgraph(p, similarity="bf16")
 
 
 def symgraph_activations(p: Pair) -> Outcome:
     """symgraph from activations: every class, similarity from streamed activation
     correlations / covariances on the alignment data (weights where a class is not observed
     cleanly)."""
-    t0 = time.perf_counter()
-    al = symgraph.align(p.a, p.b, data=p.data, report_a=p.report_a, report_b=p.report_b)
-    return _aligned(p, al, t0)
+    return _symgraph(p, data=p.data)
 
 
 def symgraph_weights_full(p: Pair) -> Outcome:
     """symgraph_weights, then the full groups fitted (``full_groups=True``: GL per head, RoPE
     pair scales, alternated with the residual streams)."""
-    t0 = time.perf_counter()
-    al = symgraph.align(p.a, p.b, report_a=p.report_a, report_b=p.report_b, full_groups=True)
-    return _aligned(p, al, t0)
+    return _symgraph(p, full_groups=True)
 
 
 def symgraph_activations_full(p: Pair) -> Outcome:
     """symgraph_activations, then the full groups fitted (``full_groups=True``)."""
-    t0 = time.perf_counter()
-    al = symgraph.align(p.a, p.b, data=p.data, report_a=p.report_a, report_b=p.report_b, full_groups=True)
-    return _aligned(p, al, t0)
+    return _symgraph(p, data=p.data, full_groups=True)
 
 
 #: Learned matching (symgraph_refine): steps, Adam step size, training batches for the loss.

@@ -46,18 +46,8 @@ from symgraph.testing import models
 
 from . import data, evaluate, zoo
 
-__all__ = [
-    "CACHE_VERSION",
-    "DATA_SEED_OFFSET",
-    "ZOO_ARCHS",
-    "num_threads",
-    "checkpoint_dir",
-    "is_cached",
-    "load_checkpoint",
-    "train_model",
-    "training_info",
-    "train_zoo",
-]
+__all__ = ["CACHE_VERSION", "DATA_SEED_OFFSET", "ZOO_ARCHS", "num_threads", "checkpoint_dir", "is_cached",
+           "load_checkpoint", "train_model", "training_info", "train_zoo"]
 
 #: Bump to invalidate every cached checkpoint.
 CACHE_VERSION = 1
@@ -96,11 +86,6 @@ def _no_progress_bars():
             hf_logging.enable_progress_bar()
 
 
-# ---------------------------------------------------------------------------
-# Cache keys
-# ---------------------------------------------------------------------------
-
-
 def _resolve_steps(arch: str, size: str, steps: int | None) -> int:
     return zoo.get_setting(arch, size).steps if steps is None else int(steps)
 
@@ -124,24 +109,9 @@ def _fingerprint(arch: str, size: str) -> str:
 
 
 def checkpoint_dir(arch: str, seed: int, size: str = "quick", steps: int | None = None) -> Path:
-    """Return the cache directory of a trained checkpoint (it may not exist).
-
-    Parameters
-    ----------
-    arch : str
-        A key of :data:`benchmarks.zoo.SPECS`.
-    seed : int
-        Training seed.
-    size : {"quick", "medium", "full"}
-        Size setting.
-    steps : int, optional
-        Number of training steps (default: the spec's).
-
-    Returns
-    -------
-    pathlib.Path
-        ``<cache>/models/<arch>-<size>-seed<seed>-steps<steps>-<fingerprint>``.
-    """
+    """``<cache>/models/<arch>-<size>-seed<seed>-steps<steps>-<fingerprint>``: the cache directory
+    of ``arch`` (a key of :data:`benchmarks.zoo.SPECS`, as everywhere here) trained from ``seed``
+    at ``size`` for ``steps`` (None: the spec's); it may not exist."""
     steps = _resolve_steps(arch, size, steps)
     name = f"{arch}-{size}-seed{seed}-steps{steps}-{_fingerprint(arch, size)}"
     return data.cache_dir() / "models" / name
@@ -153,22 +123,9 @@ def is_cached(arch: str, seed: int, size: str = "quick", steps: int | None = Non
 
 
 def load_checkpoint(path: str | os.PathLike, arch: str, attn_implementation: str | None = None) -> torch.nn.Module:
-    """Load a checkpoint saved with ``save_pretrained`` (safetensors).
-
-    Parameters
-    ----------
-    path : path-like
-        Checkpoint directory.
-    arch : str
-        A key of :data:`benchmarks.zoo.SPECS` (selects the model class).
-    attn_implementation : str, optional
-        Attention backend; default :data:`benchmarks.zoo.ATTN_IMPLEMENTATION`.
-
-    Returns
-    -------
-    transformers.PreTrainedModel
-        The model in ``eval()`` mode, float32, on CPU.
-    """
+    """The checkpoint ``save_pretrained`` wrote (safetensors) at ``path``, as ``arch``'s class, in
+    ``eval()`` mode, float32, on the CPU (``attn_implementation`` default
+    :data:`benchmarks.zoo.ATTN_IMPLEMENTATION`)."""
     with _no_progress_bars():
         model = zoo.model_class(arch).from_pretrained(
             str(path),
@@ -179,24 +136,12 @@ def load_checkpoint(path: str | os.PathLike, arch: str, attn_implementation: str
 
 
 def training_info(arch: str, seed: int, size: str = "quick", steps: int | None = None) -> dict:
-    """Return the ``training_info.json`` of a cached checkpoint.
-
-    Contains ``train_seconds`` (wall), ``train_cpu_seconds`` (process CPU
-    time, all threads), ``init_eval_loss``, ``eval_loss``,
-    ``final_train_loss`` (mean of the last 10% of steps) and the key fields.
-
-    Raises
-    ------
-    FileNotFoundError
-        If the checkpoint is not cached.
-    """
+    """The ``training_info.json`` of a cached checkpoint (FileNotFoundError if it is not cached):
+    ``train_seconds`` (wall), ``train_cpu_seconds`` (process CPU time, all threads),
+    ``init_eval_loss``, ``eval_loss``, ``final_train_loss`` (mean of the last 10% of steps) and
+    the key fields."""
     path = checkpoint_dir(arch, seed, size, steps) / _INFO_FILE
     return json.loads(path.read_text())
-
-
-# ---------------------------------------------------------------------------
-# Training
-# ---------------------------------------------------------------------------
 
 
 def _batch_sampler(spec: zoo.ModelSpec, batch_size: int, gen: torch.Generator):
@@ -256,44 +201,12 @@ def _save_atomically(model: torch.nn.Module, info: dict, final: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def train_model(
-    arch: str,
-    seed: int,
-    size: str = "quick",
-    steps: int | None = None,
-    *,
-    use_cache: bool = True,
-    force: bool = False,
-    verbose: bool = False,
-    attn_implementation: str | None = None,
-) -> torch.nn.Module:
-    """Return ``arch`` trained from ``seed``, loading it from the cache if present.
-
-    Parameters
-    ----------
-    arch : str
-        A key of :data:`benchmarks.zoo.SPECS`.
-    seed : int
-        Seed of both the initialisation and the data order.
-    size : {"quick", "medium", "full"}
-        Size setting (model size and default number of steps).
-    steps : int, optional
-        Number of AdamW steps (default: the spec's); part of the cache key.
-    use_cache : bool, optional
-        Read from and write to the cache (default True). With False, always
-        train and never write.
-    force : bool, optional
-        Retrain and overwrite even if a cache entry exists.
-    verbose : bool, optional
-        Print progress.
-    attn_implementation : str, optional
-        Attention backend of the returned model.
-
-    Returns
-    -------
-    transformers.PreTrainedModel
-        The trained model in ``eval()`` mode (float32, CPU).
-    """
+def train_model(arch: str, seed: int, size: str = "quick", steps: int | None = None, *, use_cache: bool = True,
+                force: bool = False, verbose: bool = False, attn_implementation: str | None = None) -> torch.nn.Module:
+    """``arch`` at ``size`` trained from ``seed`` (initialisation and data order) for ``steps``
+    AdamW steps (None: the spec's; part of the cache key), in ``eval()`` mode (float32, CPU):
+    from the cache if there, else trained and written to it. ``use_cache`` False: always
+    trained, never written; ``force``: retrained and overwritten; ``verbose``: progress printed."""
     steps = _resolve_steps(arch, size, steps)
     path = checkpoint_dir(arch, seed, size, steps)
     if use_cache and not force and (path / _INFO_FILE).is_file():
@@ -336,30 +249,10 @@ def train_model(
     return model
 
 
-def train_zoo(
-    size: str = "quick",
-    seeds: tuple[int, ...] = (0, 1, 2),
-    archs: tuple[str, ...] = ZOO_ARCHS,
-    verbose: bool = True,
-) -> dict[tuple[str, int], dict]:
-    """Train (or load) every (arch, seed) and return their training info.
-
-    Parameters
-    ----------
-    size : {"quick", "medium", "full"}
-        Size setting.
-    seeds : tuple of int
-        Seeds to train.
-    archs : tuple of str
-        Specs to train (default :data:`ZOO_ARCHS`).
-    verbose : bool
-        Print progress and a summary table.
-
-    Returns
-    -------
-    dict
-        ``{(arch, seed): training_info}``.
-    """
+def train_zoo(size: str = "quick", seeds: tuple[int, ...] = (0, 1, 2), archs: tuple[str, ...] = ZOO_ARCHS,
+              verbose: bool = True) -> dict[tuple[str, int], dict]:
+    """``{(arch, seed): training_info}`` of every (arch, seed), trained or loaded; ``verbose``:
+    progress and a summary table printed."""
     results: dict[tuple[str, int], dict] = {}
     start = time.perf_counter()
     for arch in archs:

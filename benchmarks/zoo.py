@@ -56,22 +56,8 @@ from symgraph.testing import models
 
 from . import data
 
-__all__ = [
-    "ATTN_IMPLEMENTATION",
-    "SIZES",
-    "SizeSetting",
-    "ModelSpec",
-    "SPECS",
-    "ARCHS",
-    "MOE_ARCHS",
-    "VARIANT_ARCHS",
-    "WIDE_NARROW_PAIR",
-    "get_spec",
-    "get_setting",
-    "make_config",
-    "model_class",
-    "build_model",
-]
+__all__ = ["ATTN_IMPLEMENTATION", "SIZES", "SizeSetting", "ModelSpec", "SPECS", "ARCHS", "MOE_ARCHS", "VARIANT_ARCHS",
+           "WIDE_NARROW_PAIR", "get_spec", "get_setting", "make_config", "model_class", "build_model"]
 
 #: Attention implementation used by every model unless overridden.
 ATTN_IMPLEMENTATION = "sdpa"
@@ -81,37 +67,16 @@ SIZES = ("quick", "medium", "full")
 
 @dataclass(frozen=True)
 class SizeSetting:
-    """Architecture size and training budget for one (spec, size) pair.
+    """Architecture size and training budget for one (spec, size) pair."""
 
-    Attributes
-    ----------
-    hidden : int
-        Model (residual stream) width.
-    layers : int
-        Number of transformer blocks.
-    heads : int
-        Number of attention (query) heads.
-    mlp_mult : int
-        MLP hidden width as a multiple of ``hidden``.
-    steps : int
-        Number of AdamW steps.
-    batch_size : int
-        Sequences (or images) per training step.
-    lr : float
-        Peak learning rate (linear warm-up, cosine decay).
-    kv_heads : int or None
-        Key/value heads for grouped-query attention (LLaMA only); ``None``
-        means one per query head.
-    """
-
-    hidden: int
+    hidden: int  # the residual stream's width
     layers: int
-    heads: int
-    mlp_mult: int
-    steps: int
-    batch_size: int
-    lr: float
-    kv_heads: int | None = None
+    heads: int  # attention (query) heads
+    mlp_mult: int  # the MLP's hidden width as a multiple of ``hidden``
+    steps: int  # AdamW steps
+    batch_size: int  # sequences (or images) per step
+    lr: float  # peak learning rate (linear warm-up, cosine decay)
+    kv_heads: int | None = None  # key/value heads of grouped-query attention; None: one per query head
 
     @property
     def mlp_width(self) -> int:
@@ -121,38 +86,19 @@ class SizeSetting:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One entry of the model zoo.
+    """One entry of the model zoo. ``medium`` is the size of the published transformer alignment
+    results (6 layers, width 256, 4 heads, MLP 1024; Theus et al. 2025 use 6-8 layers of width
+    256-512), trained until the held-out loss stops improving."""
 
-    Attributes
-    ----------
-    name : str
-        Key in :data:`SPECS` (also used in cache keys).
-    family : {"bert", "gpt2", "llama", "vit", "mixtral"}
-        Hugging Face model family.
-    task : {"mlm", "clm", "cls"}
-        Training objective: masked LM, causal (next-token) LM, classification.
-    dataset : {"prose", "code", "digits"}
-        Dataset from :mod:`benchmarks.data`.
-    block_size : int
-        Tokens per sequence (LMs; equal for both sizes so evaluation does not
-        depend on size). Ignored by ``cls`` specs.
-    quick, medium, full : SizeSetting
-        The size settings. ``medium`` is the size of the published transformer alignment
-        results (6 layers, width 256, 4 heads, MLP 1024; Theus et al. 2025 use 6-8 layers of
-        width 256-512), trained until the held-out loss stops improving.
-    extra : Mapping[str, Any]
-        Extra family-specific config keyword arguments.
-    """
-
-    name: str
-    family: str
-    task: str
-    dataset: str
-    block_size: int
+    name: str  # its key in SPECS (and in cache keys)
+    family: str  # the Hugging Face family: bert, gpt2, llama, vit, mixtral
+    task: str  # mlm (masked LM), clm (next-token LM), cls (classification)
+    dataset: str  # of benchmarks.data: prose, code, digits
+    block_size: int  # tokens per sequence (LMs; one for every size, so evaluation does not depend on it)
     quick: SizeSetting
     medium: SizeSetting
     full: SizeSetting
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)  # family-specific config keywords
 
     def setting(self, size: str) -> SizeSetting:
         """Return the :class:`SizeSetting` for ``size`` (one of :data:`SIZES`)."""
@@ -230,17 +176,7 @@ WIDE_NARROW_PAIR = ("gpt2", "gpt2_wide")
 
 
 def get_spec(arch: str) -> ModelSpec:
-    """Return the :class:`ModelSpec` called ``arch``.
-
-    Parameters
-    ----------
-    arch : str
-        A key of :data:`SPECS`.
-
-    Returns
-    -------
-    ModelSpec
-    """
+    """The :class:`ModelSpec` called ``arch`` (a key of :data:`SPECS`)."""
     try:
         return SPECS[arch]
     except KeyError:
@@ -275,21 +211,8 @@ def _overrides(spec: ModelSpec, size: str) -> dict[str, Any]:
 
 
 def make_config(arch: str, size: str = "quick"):
-    """Build the Hugging Face config of a zoo model (through :func:`symgraph.testing.models.config`).
-
-    Parameters
-    ----------
-    arch : str
-        A key of :data:`SPECS`.
-    size : {"quick", "medium", "full"}
-        Size setting.
-
-    Returns
-    -------
-    transformers.PretrainedConfig
-        ``BertConfig``, ``GPT2Config``, ``LlamaConfig`` or ``ViTConfig`` with
-        all dropout set to 0 (decoders: ``use_cache=False``).
-    """
+    """The Hugging Face config of zoo model ``arch`` at ``size`` (one of :data:`SIZES`; through
+    :func:`symgraph.testing.models.config`): dropout 0, decoders ``use_cache=False``."""
     spec = get_spec(arch)
     return models.config(spec.family, **_overrides(spec, size))
 
@@ -299,30 +222,10 @@ def model_class(arch: str) -> type:
     return models.model_class(get_spec(arch).family)
 
 
-def build_model(
-    arch: str,
-    seed: int,
-    size: str = "quick",
-    attn_implementation: str | None = None,
-) -> torch.nn.Module:
-    """Build a randomly initialised zoo model (through :func:`symgraph.testing.models.build`).
-
-    Parameters
-    ----------
-    arch : str
-        A key of :data:`SPECS`.
-    seed : int
-        Initialisation seed; the same seed gives bit-identical weights.
-    size : {"quick", "medium", "full"}
-        Size setting.
-    attn_implementation : str, optional
-        Hugging Face attention backend; default :data:`ATTN_IMPLEMENTATION`.
-
-    Returns
-    -------
-    transformers.PreTrainedModel
-        The model, in ``eval()`` mode, on CPU, float32.
-    """
+def build_model(arch: str, seed: int, size: str = "quick", attn_implementation: str | None = None) -> torch.nn.Module:
+    """Zoo model ``arch`` at ``size``, initialised from ``seed`` (bit-identical for a seed), in
+    ``eval()`` mode, on the CPU, float32 (through :func:`symgraph.testing.models.build`);
+    ``attn_implementation`` default :data:`ATTN_IMPLEMENTATION`."""
     spec = get_spec(arch)
     return models.build(spec.family, seed, attn_implementation=attn_implementation or ATTN_IMPLEMENTATION,
                         **_overrides(spec, size))
