@@ -42,22 +42,7 @@ def nested_tree(S: list, kinds: list[GroupKind], pairs: list, parent: list, dims
         F[c] = outer_dims if parent[c] < 0 else (F[parent[c]][0] * dims[parent[c]][0],
                                                  F[parent[c]][1] * dims[parent[c]][1])
     scores = list(scores or [None] * n)
-    V: list[Any] = [None] * n
-    obj: list[Any] = [None] * n
-    sol: list[Any] = [None] * n
-    secs = 0.0
-    for c in reversed(_top_down(parent)):  # every class after the classes fibred over it
-        v = None if S[c] is None else torch.as_tensor(S[c], dtype=torch.float64)
-        (fa, fb), (na, nb) = F[c], dims[c]
-        for d in kids[c]:
-            if obj[d] is not None:  # d's best match of (f_A, i) with (f_B, j), as [F_A, F_B, n_A, n_B]
-                add = obj[d].reshape(fa, na, fb, nb).permute(0, 2, 1, 3)
-                v = add if v is None else v + add.to(v.device)
-        if v is None:
-            continue
-        V[c] = v
-        obj[c], sol[c], t = pair_objectives(v, kinds[c], pairs[c], inner, scores[c] if not kids[c] else None)
-        secs += t
+    V, obj, sol, secs = _bottom_up(S, kinds, pairs, parent, kids, F, dims, inner, scores)
     tops = [c for c in range(n) if parent[c] < 0 and obj[c] is not None]
     if not tops:
         return None, [None] * n
@@ -72,13 +57,47 @@ def nested_tree(S: list, kinds: list[GroupKind], pairs: list, parent: list, dims
         out = (hungarian(score) if (outer == "hungarian" and HA == HB)
                else optimal_transport(score, a=(masses or (None, None))[0], b=(masses or (None, None))[1]))
     assert isinstance(out.element, torch.Tensor)  # a dense assignment or plan
-    dev = score.device
+    results, more = _read_back(out.element, S, parent, F, dims, V, sol, score.device)
+    out.seconds += secs + more
+    return out, results
+
+
+def _bottom_up(S, kinds, pairs, parent, kids, F, dims, inner, scores):
+    """Every class after the classes fibred over it: its block pairs' similarity ``V[c]`` (its
+    own plus each inner class's best match of ``(f_A, i)`` with ``(f_B, j)``), their best
+    objectives and, for a class solved per pair, the elements. Returns ``(V, obj, sol,
+    seconds)``."""
+    n = len(S)
+    V: list[Any] = [None] * n
+    obj: list[Any] = [None] * n
+    sol: list[Any] = [None] * n
+    secs = 0.0
+    for c in reversed(_top_down(parent)):
+        v = None if S[c] is None else torch.as_tensor(S[c], dtype=torch.float64)
+        (fa, fb), (na, nb) = F[c], dims[c]
+        for d in kids[c]:
+            if obj[d] is not None:  # d's best match of (f_A, i) with (f_B, j), as [F_A, F_B, n_A, n_B]
+                add = obj[d].reshape(fa, na, fb, nb).permute(0, 2, 1, 3)
+                v = add if v is None else v + add.to(v.device)
+        if v is None:
+            continue
+        V[c] = v
+        obj[c], sol[c], t = pair_objectives(v, kinds[c], pairs[c], inner, scores[c] if not kids[c] else None)
+        secs += t
+    return V, obj, sol, secs
+
+
+def _read_back(outer_element, S, parent, F, dims, V, sol, dev):
+    """The elements from the outer match down: a class's blocks pair as its outer class's
+    blocks and units were matched. Returns ``([SolveResult or None per class], seconds)``."""
+    n = len(S)
+    secs = 0.0
     match: list[Any] = [None] * n  # per class: B's block f -> the A block it is matched to
     results: list[Any] = [None] * n
     for c in _top_down(parent):
         p = parent[c]
         if p < 0:
-            match[c] = out.element.argmax(0).to(dev)
+            match[c] = outer_element.argmax(0).to(dev)
         elif results[p] is not None:  # (f_B, j) -> (match of f_B, the A unit j went to)
             units = results[p].element.argmax(-2).to(dev)  # [F_B(p), n_B(p)]
             match[c] = (match[p][:, None] * dims[p][0] + units).reshape(-1)
@@ -95,9 +114,7 @@ def nested_tree(S: list, kinds: list[GroupKind], pairs: list, parent: list, dims
         nA, nB = dims[c]
         own = 0.0 if S[c] is None else float((el * torch.as_tensor(S[c], dtype=torch.float64)[match[c], blocks]).sum())
         results[c] = SolveResult(el, own, extra={"plan": nA != nB})
-    out.seconds += secs
-    return out, results
-
+    return results, secs
 
 def _top_down(parent) -> list:
     """The classes' indices, each after the class it is fibred over."""
