@@ -163,6 +163,20 @@ def _parse_meta(raw, where):
     """The metadata record, refused unless it is this format's, with every key present and of
     its type; with B's (and A's) groups (``{id: ElementGroup}``) read from the saved structure
     after checking it against its fingerprint."""
+    meta = _record(raw, where)
+    parsed = {side: _structure(meta, side, where) for side in ("a", "b")}
+    (tb, _, folds), (ta, shapes, _) = parsed["b"], parsed["a"]  # the gauge holds A's gains: A's shapes
+    groups = {}
+    for gid, (kind, size, dim, blocks, outer) in tb.items():
+        a = ta.get(gid)
+        groups[gid] = ElementGroup(gid, kind, dim, blocks, _fibre(tb, gid), a[2] if a else None,
+                                   _fibre(ta, gid) if a else None)
+    return meta, groups, shapes, folds
+
+
+def _record(raw, where):
+    """The metadata record as JSON, refused unless it is this format's with every key present
+    and of its type."""
     try:
         meta = json.loads(raw) if raw is not None else None
     except (ValueError, RecursionError) as e:
@@ -189,47 +203,44 @@ def _parse_meta(raw, where):
                                             and all(isinstance(o, str) for o in opts["outputs"]))):
         raise InputError(f"{where}: metadata 'options' is {json.dumps(opts)[:80]}; expected fold_norms a boolean "
                          "and outputs null or a list of names")
-    parsed = {}
-    for side in ("a", "b"):
-        text = meta[f"structure_{side}"]
-        if _digest(text) != meta[f"fingerprint_{side}"]:
-            raise InputError(f"{where}: metadata 'structure_{side}' does not match 'fingerprint_{side}'; expected "
-                             "the record symgraph align wrote, unaltered")
-        try:
-            gs, shapes, folds = json.loads(text)
-            table = {}
+    return meta
 
-            def ints(*xs):
-                return all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)
-            for gid, kind, size, dim, blocks, _params, _variance, outer in gs:
-                if not (ints(gid, size, dim, blocks) and isinstance(kind, str) and isinstance(outer, list)
-                        and ints(*outer)):
-                    raise ValueError(f"group entry {gid!r}")
-                table[gid] = (kind, size, dim, blocks, outer)
-            shapes = {n: tuple(sh) for n, sh in shapes}
-            if not all(isinstance(n, str) and isinstance(sh, tuple) and ints(*sh) for n, sh in shapes.items()):
-                raise ValueError("parameter shapes")
-            folds = [(a, b) for a, b in folds]
-            if not all(isinstance(a, str) and isinstance(b, (str, type(None))) for a, b in folds):
-                raise ValueError("folds")
-        except (ValueError, TypeError, RecursionError) as e:
-            raise InputError(f"{where}: metadata 'structure_{side}' is malformed ({str(e)[:60]}); expected the "
-                             "record symgraph align wrote") from None
-        parsed[side] = (table, shapes, folds)
-    (tb, _, folds), (ta, shapes, _) = parsed["b"], parsed["a"]  # the gauge holds A's gains: A's shapes
 
-    def fibre(table, gid):
-        _, size, dim, blocks, outer = table[gid]
-        sizes = [table[o][1] for o in outer if o in table]
-        return tuple(sizes) if len(sizes) == len(outer) and math.prod(sizes) == blocks else None
+def _structure(meta, side, where):
+    """One side's saved structure, checked against its fingerprint: ``({group id: (kind,
+    size, dim, blocks, outer)}, {parameter: shape}, [(gain, reader)])``."""
+    text = meta[f"structure_{side}"]
+    if _digest(text) != meta[f"fingerprint_{side}"]:
+        raise InputError(f"{where}: metadata 'structure_{side}' does not match 'fingerprint_{side}'; expected "
+                         "the record symgraph align wrote, unaltered")
+    try:
+        gs, shapes, folds = json.loads(text)
+        table = {}
 
-    groups = {}
-    for gid, (kind, size, dim, blocks, outer) in tb.items():
-        a = ta.get(gid)
-        groups[gid] = ElementGroup(gid, kind, dim, blocks, fibre(tb, gid), a[2] if a else None,
-                                   fibre(ta, gid) if a else None)
-    return meta, groups, shapes, folds
+        def ints(*xs):
+            return all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)
+        for gid, kind, size, dim, blocks, _params, _variance, outer in gs:
+            if not (ints(gid, size, dim, blocks) and isinstance(kind, str) and isinstance(outer, list)
+                    and ints(*outer)):
+                raise ValueError(f"group entry {gid!r}")
+            table[gid] = (kind, size, dim, blocks, outer)
+        shapes = {n: tuple(sh) for n, sh in shapes}
+        if not all(isinstance(n, str) and isinstance(sh, tuple) and ints(*sh) for n, sh in shapes.items()):
+            raise ValueError("parameter shapes")
+        folds = [(a, b) for a, b in folds]
+        if not all(isinstance(a, str) and isinstance(b, (str, type(None))) for a, b in folds):
+            raise ValueError("folds")
+    except (ValueError, TypeError, RecursionError) as e:
+        raise InputError(f"{where}: metadata 'structure_{side}' is malformed ({str(e)[:60]}); expected the "
+                         "record symgraph align wrote") from None
+    return table, shapes, folds
 
+
+def _fibre(table, gid):
+    """The sizes of a group's outer classes, when they are all saved and make up its blocks."""
+    _, size, dim, blocks, outer = table[gid]
+    sizes = [table[o][1] for o in outer if o in table]
+    return tuple(sizes) if len(sizes) == len(outer) and math.prod(sizes) == blocks else None
 
 def _plan(header, kinds, groups, shapes, folds, where):
     """``[(group id, saved kind)]``, refused unless every tensor in the file is one that the
