@@ -70,9 +70,9 @@ def rel(a, b):
     return float((a - b).norm() / a.norm())
 
 
-#: Families whose residual stream rotates. The others: BERT's post-norm stream, and Gemma's,
-#: whose ``x · (1 + w)`` gain the analysis does not fold (its report says ``perm``).
-STREAM = {"llama", "llama_tied", "qwen2", "phi3", "mistral", "gpt2", "opt", "mixtral", "qwen3_moe",
+#: Families whose residual stream rotates (Gemma's ``x · (1 + w)`` gains fold with their offset).
+#: The other: BERT's post-norm stream.
+STREAM = {"llama", "llama_tied", "qwen2", "phi3", "mistral", "gemma", "gpt2", "opt", "mixtral", "qwen3_moe",
           "phi", "neox"}
 
 
@@ -90,9 +90,9 @@ def test_rotate_certifies_saves_and_reloads(name, tmp_path):
     assert bool(res.roles["stream"]) == (name in STREAM)
     moved = [k for k, v in res.model.state_dict().items() if k in before and not torch.equal(before[k], v)]
     assert len(moved) >= 4
-    for f in res.report.folds:  # every folded gain is the identity, every folded shift zero
+    for f in res.report.folds:  # every folded gain is the identity (1 − offset stored), every folded shift zero
         g = res.model.get_parameter(f.gain)
-        assert torch.equal(g, torch.ones_like(g)), f.gain
+        assert torch.equal(g, torch.full_like(g, 1 - f.offset)), f.gain
         if f.shift and not f.keep_shift:
             b = res.model.get_parameter(f.shift)
             assert torch.equal(b, torch.zeros_like(b)), f.shift
@@ -107,6 +107,47 @@ def test_rotate_certifies_saves_and_reloads(name, tmp_path):
     assert type(back) is type(model)
     assert rel(base, logits(back, x)) <= 1e-5
     assert torch.equal(logits(back, x), got)
+
+
+def test_gemma_offset_gains_fold_with_their_offset():
+    """Gemma's RMSNorm reads ``1 + w``: the analysis folds ``diag(1 + w)`` into the readers and
+    the rotated model stores ``w = 0``; folding as if the gain were ``w`` (no offset) would not
+    keep the function, and the certificate says so."""
+    from dataclasses import replace
+    from symgraph.rotation.classes import certificate, rotation_report
+    from symgraph.transform import folding
+    from symgraph.transform.apply import stored_tensors
+    model = built("gemma")
+    res = rotate(model, how="hadamard", seed=0)
+    assert res.untied and res.roles["stream"] and res.error <= 1e-5
+    assert len(res.report.folds) == 5 and {f.offset for f in res.report.folds} == {1.0}
+    for f in res.report.folds:
+        w = model.get_parameter(f.gain)
+        assert float(w.abs().min()) > 0 and torch.equal(res.model.get_parameter(f.gain), torch.zeros_like(w))
+    assert res.report.certify(res.model) <= 1e-6
+    base, report, _ = rotation_report(model)
+    tensors = stored_tensors(report, base)
+    assert certificate(base, folding.fold(report.folds, tensors), report) <= 1e-6
+    wrong = folding.fold([replace(f, offset=0.0) for f in report.folds], tensors)
+    assert certificate(base, wrong, report) > 1e-2
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma2_and_gemma3_post_norms_keep_the_stream(name):
+    """Gemma 2 and 3 also normalise each branch's output on the stream (``h + (1 + w) ⊙
+    rms(o_proj z)``): that gain has no linear reader to fold into, so the stream admits only
+    permutations (the report says so, no fold kept) and ``rotate`` rotates the heads it finds
+    (Gemma 3's value-output maps; Gemma 2's softcapped eager attention yields none), certified."""
+    tf = transformers
+    cfg = dict(num_key_value_heads=2, head_dim=8, **LM)
+    make = {"gemma2": lambda: tf.Gemma2ForCausalLM(_cfg("Gemma2Config", **cfg)),
+            "gemma3": lambda: tf.Gemma3ForCausalLM(_cfg("Gemma3TextConfig", **cfg))}[name]
+    torch.manual_seed(0)
+    model = models.randomize_vectors(make().eval(), seed=1)
+    res = rotate(model, how="hadamard", seed=0)
+    assert res.roles["stream"] == [] and res.report.folds == [] and not res.untied
+    assert bool(res.roles["vo"]) == (name == "gemma3")
+    assert res.error <= 1e-5 and rel(logits(model, ids()), logits(res.model, ids())) <= 1e-5
 
 
 def test_stream_rotation_spreads_an_outlier_channel():

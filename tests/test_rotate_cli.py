@@ -25,6 +25,11 @@ def ws(tmp_path_factory):
     for name, arch, kw in (("llama", "llama", L), ("gpt2", "gpt2", {})):
         m = models.randomize_vectors(models.build(arch, seed=0, **kw), seed=1)
         m.save_pretrained(root / name)
+    torch.manual_seed(0)  # Gemma: norm gains read as 1 + w, and a tied head
+    gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=8, intermediate_size=48, max_position_embeddings=64, use_cache=False))
+    models.randomize_vectors(gemma, seed=1).save_pretrained(root / "gemma")
     return root
 
 
@@ -54,7 +59,8 @@ def one_line_refusal(code, cap, *needles):
         assert n in text, (n, text)
 
 
-@pytest.mark.parametrize("name,budget", [("llama", None), ("llama", "70KB"), ("gpt2", None), ("gpt2", "36KB")])
+@pytest.mark.parametrize("name,budget", [("llama", None), ("llama", "70KB"), ("gpt2", None), ("gpt2", "36KB"),
+                                         ("gemma", None)])
 def test_cli_equals_in_memory(ws, capsys, name, budget):
     out = ws / f"out_{name}_{budget}"
     before = {k: v.clone() for k, v in stored(ws / name).items()}
@@ -78,7 +84,7 @@ def test_cli_equals_in_memory(ws, capsys, name, budget):
     with torch.no_grad():
         a, b = model(input_ids=x).logits.double(), back(input_ids=x).logits.double()
     assert float((a - b).norm() / a.norm()) <= 1e-5
-    if name == "gpt2":  # tied head untied: the stream rotates
+    if name in ("gpt2", "gemma"):  # tied head untied: the stream rotates
         assert record["untied"] and json.load(open(out / "config.json"))["tie_word_embeddings"] is False
         assert "lm_head.weight" in got
 

@@ -59,11 +59,12 @@ def rotation_elements(report, roles: dict, how: str = "hadamard", seed: int = 0)
 
 def ones_gauge(report, tensors: dict) -> dict:
     """Gains of one and shifts of zero for every fold of ``report``: unfolding into them leaves
-    the folded values (the form a rotated model is written in)."""
+    the folded values (the form a rotated model is written in). A gain read with an offset
+    (Gemma's ``1 + w``) is one where its parameter is ``1 − offset``."""
     out = {}
     for f in report.folds:
         if f.gain in tensors:
-            out[f.gain] = torch.ones(report.param_shape(f.gain), dtype=torch.float64)
+            out[f.gain] = torch.full(report.param_shape(f.gain), 1.0 - f.offset, dtype=torch.float64)
         if f.shift and f.shift in tensors:
             out[f.shift] = torch.zeros(report.param_shape(f.shift), dtype=torch.float64)
     return out

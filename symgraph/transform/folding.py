@@ -5,7 +5,9 @@ linear layers that read it. :func:`fold` moves them into the readers (``W ← W 
 ``b ← b + W β``, ``g ← 1``, ``β ← 0``), the form the analysis describes; :func:`unfold` moves
 them back out with the gains and shifts of a *gauge* (the model's own, or the anchor's when
 B is carried into A's basis: ``W ← W diag(1/g)``, ``b ← b − W β``). Both keep the function.
-A shift the readers cannot take (one has no bias) stays on the stream as ``β / g``.
+A shift the readers cannot take (one has no bias) stays on the stream as ``β / g``. A gain
+read with an offset (Gemma's ``x · (1 + w)``: ``Fold.offset`` 1) is ``g = w + offset``: folded,
+``w ← 1 − offset``; a gauge holds the parameters ``w``.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def fold(folds, tensors: dict, dtype=torch.float64) -> dict:
     for f in folds:
         if f.gain not in tensors:
             continue
-        g = tensors[f.gain].to(dtype)
+        g = _gain(f, tensors[f.gain].to(dtype))
         beta = tensors[f.shift].to(dtype) if f.shift else None
         if f.keep_shift:
             _nonzero(f, g)
@@ -40,7 +42,7 @@ def fold(folds, tensors: dict, dtype=torch.float64) -> dict:
             if beta is not None:
                 out[b] = tensors[b].to(dtype) + torch.tensordot(W, beta, dims=([axis], [0]))
             out[w] = W * _along(g, axis, W.dim())
-        out[f.gain] = torch.ones_like(g)
+        out[f.gain] = torch.ones_like(g) - f.offset if f.offset else torch.ones_like(g)
         if beta is not None:
             out[f.shift] = torch.zeros_like(beta)
     return out
@@ -53,7 +55,8 @@ def unfold(folds, tensors: dict, gauge: dict, dtype=torch.float64) -> dict:
     for f in folds:
         if f.gain not in tensors:
             continue
-        g = gauge[f.gain].to(dtype).to(tensors[f.gain].device)
+        kept = gauge[f.gain].to(dtype).to(tensors[f.gain].device)
+        g = _gain(f, kept)
         _nonzero(f, g)
         beta = gauge[f.shift].to(dtype).to(g.device) if f.shift else None
         if f.keep_shift:
@@ -63,10 +66,15 @@ def unfold(folds, tensors: dict, gauge: dict, dtype=torch.float64) -> dict:
             if beta is not None:
                 out[b] = tensors[b].to(dtype) - torch.tensordot(W, beta, dims=([axis], [0]))
             out[w] = W
-        out[f.gain] = g.clone()
+        out[f.gain] = kept.clone()
         if beta is not None:
             out[f.shift] = beta.clone()
     return out
+
+
+def _gain(f, w):
+    """The gain ``f``'s norm reads from its parameter's value ``w``: ``w + f.offset``."""
+    return w + f.offset if f.offset else w
 
 
 def _nonzero(f, g):

@@ -16,8 +16,9 @@ A fold needs: the gain (and shift) used by this norm only; every reader a linear
 cannot absorb a gain: the stream then stays a permutation class); with a shift, every reader
 has a bias used nowhere else, or the shift stays. Paths may pass through casts, eval-mode dropout, reshapes that
 keep the last axis and selections along other axes. With a shift and a reader without a
-bias, the shift stays on the stream as ``β / g`` (gains must then have no zero entry). No
-module names are consulted.
+bias, the shift stays on the stream as ``β / g`` (gains must then have no zero entry). A gain
+read with a constant offset, ``(c + w) ⊙ y`` (Gemma's ``1 + w``), folds as ``diag(c + w)``
+(:attr:`Fold.offset`). No module names are consulted.
 """
 from __future__ import annotations
 
@@ -47,10 +48,11 @@ class Fold:
     readers: tuple
     node: str
     keep_shift: bool = False  # the shift stays on the stream as β/g (a reader has no bias)
+    offset: float = 0.0  # the gain read is the parameter plus this (Gemma's ``x · (1 + w)``: 1)
 
     def to_dict(self):
         return {"gain": self.gain, "shift": self.shift, "node": self.node,
-                "keep_shift": self.keep_shift,
+                "keep_shift": self.keep_shift, "offset": self.offset,
                 "readers": [[w, d, b] for w, d, b in self.readers]}
 
 
@@ -251,10 +253,31 @@ def _gain_of_rms(y, g):
             continue
         if op_of(u) is aten.mul and len(u.args) == 2:
             other = u.args[1] if u.args[0] is n else (u.args[0] if u.args[1] is n else None)
-            gain = g.param(other, 1)
+            gain, offset = g.param(other, 1), 0.0
+            if gain is None:
+                gain, offset = _offset_gain(g, other)
             if gain is not None and _shape(u) == _shape(n):
-                return u, n, other, gain
+                return u, n, other, gain, offset
         return None
+
+
+def _offset_gain(g, node):
+    """``(gain, c)`` if ``node`` is ``c + w`` (``w`` a vector parameter used there only, through
+    floating-point casts; ``c`` a number: Gemma's ``1 + w``), else ``(None, 0.0)``."""
+    node = _node(node)
+    if op_of(node) is not aten.add or len(node.args) != 2 or node.kwargs or len(_users(node)) != 1:
+        return None, 0.0
+    a, b = node.args
+    w, c = (a, b) if isinstance(b, (int, float)) and not isinstance(b, bool) else (b, a)
+    if not isinstance(c, (int, float)) or isinstance(c, bool) or not isinstance(w, torch.fx.Node):
+        return None, 0.0
+    while op_of(w) in _CASTS and len(_users(w)) == 1 and _node(w.args[0]) is not None \
+            and _transparent(w, w.args[0], 0):  # a floating-point cast (the width is not read)
+        w = w.args[0]
+    if w.op != "placeholder" or len(_users(w)) != 1 or ndim(w) != 1:
+        return None, 0.0
+    name = g.names.get(w.name)
+    return (None, 0.0) if name is None or name in g.tied else (name, float(c))
 
 
 def _normalised(an, x, out, kind, why):
@@ -294,14 +317,14 @@ def find_norms(an, fold: bool = True, skip=frozenset()):
             if hit is not None and hit[0].name in skip:
                 hit = None
             if hit is not None:
-                G, t, gnode, gain = hit
+                G, t, gnode, gain, offset = hit
                 readers = g.readers(G, _shape(G)[-1], shift=False)
                 if readers is not None:
                     claimed.add(G)
                     hidden.add(G)
                     cons += [Unify(o, a) for o, a in zip(an.axes_of(G), an.axes_of(t))]
                     cons += _fixed(an, [gnode], f"{G.name}: gain folded into its readers")
-                    folds.append(Fold(gain, None, readers, G.name))
+                    folds.append(Fold(gain, None, readers, G.name, offset=offset))
         elif fold and op_of(node) in _NORM_OPS and len(node.args) > 2 \
                 and node.name not in skip:
             layer = op_of(node) is aten.layer_norm
