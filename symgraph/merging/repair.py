@@ -23,7 +23,7 @@ reduction combined back with the channel, ``x · rsqrt(mean x²)``), which would
 hidden units (GPT-2, BERT, ViT, LLaMA gate and up) and conv channels before a ReLU; not
 attention projections, residual writers, heads, or convs followed by a BatchNorm.
 
-Per-channel moments are streamed float64 sums (:class:`Moments`): every sample counts (batch,
+Per-channel moments are float64 sums (:class:`Moments`): every sample counts (batch,
 positions, pixels; padding too), and under ``torch.distributed`` the sums and counts are
 all-reduced (:mod:`symgraph.core.distributed`) before the moments are taken.
 
@@ -37,7 +37,7 @@ The report: :class:`RepairReport` (per layer a :class:`RepairLayer`, per BatchNo
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -70,7 +70,6 @@ _NORMS = packets("layer_norm native_layer_norm batch_norm native_batch_norm _nat
                   "_fused_rms_norm softmax _softmax log_softmax _log_softmax _safe_softmax")
 _REDUCTIONS = packets("mean sum var std var_mean std_mean norm linalg_vector_norm amax amin "
                        "logsumexp max min prod")
-_SKIP = packets("_assert_tensor_metadata")
 
 
 # --- which channels ---------------------------------------------------------------------------
@@ -212,40 +211,33 @@ def batchnorm_layers(model) -> list:
 
 
 class Moments:
-    """Streamed per-channel sums (float64) ``[n, Σx, Σx²]`` per key; ``add(key, x, dim)`` takes
-    the values ``x`` whose channels lie along ``dim``."""
+    """Per-channel float64 sums ``n``, ``s1 = Σx``, ``s2 = Σx²`` at ``key`` (named in refusals)
+    of the tensors ``values`` whose channels lie along ``dim``, summed over the processes under
+    ``torch.distributed``."""
 
-    def __init__(self):
-        self.sums: dict = {}  # key -> [n, Σx, Σx²]
+    def __init__(self, key, values, dim: int):
+        self.key, acc = key, [0, 0, 0]
+        for x in values:
+            x = x.detach().movedim(dim, -1)
+            x = x.reshape(-1, x.shape[-1]).double()
+            acc = [acc[0] + x.shape[0], acc[1] + x.sum(0), acc[2] + (x * x).sum(0)]
+        if distributed.is_active():
+            total = distributed.all_reduce_dict({(key, j): x for j, x in enumerate(acc)
+                                                 if j == 0 or isinstance(x, torch.Tensor)})
+            acc = [total.get((key, j), x) for j, x in enumerate(acc)]
+        self.n, self.s1, self.s2 = acc
 
-    def add(self, key, x, dim: int):
-        x = x.detach().movedim(dim, -1)
-        x = x.reshape(-1, x.shape[-1]).double()
-        acc = self.sums.setdefault(key, [0, 0, 0])
-        acc[0], acc[1], acc[2] = acc[0] + x.shape[0], acc[1] + x.sum(0), acc[2] + (x * x).sum(0)
-
-    def all_reduce(self):
-        """Sum the counts and sums over all processes (a no-op when not distributed)."""
-        if not distributed.is_active():
-            return
-        local = {(k, j): x for k, acc in self.sums.items() for j, x in enumerate(acc)
-                 if j == 0 or isinstance(x, torch.Tensor)}
-        total = distributed.all_reduce_dict(local)
-        for k, j in total:
-            self.sums.setdefault(k, [0, 0, 0])[j] = total[(k, j)]
-
-    def stats(self, key):
+    def stats(self) -> tuple:
         """``(mean, std, rms)`` per channel."""
-        n, s1, s2 = self.sums[key]
-        mean, sq = finite.require_finite("REPAIR", f"the channel statistics at {key!r} on the data", s1 / n, s2 / n)
+        mean, sq = finite.require_finite("REPAIR", f"the channel statistics at {self.key!r} on the data",
+                                         self.s1 / self.n, self.s2 / self.n)
         return mean, (sq - mean * mean).clamp_min(0).sqrt(), sq.sqrt()
 
 
-def batchnorm_statistics(moments: Moments, key, module: str) -> tuple:
+def batchnorm_statistics(moments: Moments, module: str) -> tuple:
     """``(mean, unbiased variance, samples)`` per channel of BatchNorm module ``module``'s input,
-    whose sums ``moments`` holds at ``key``; refused with fewer than 2 values per channel."""
-    n, s1, s2 = moments.sums.get(key, (0, 0, 0))
-    n = int(n)
+    whose sums ``moments`` holds; refused with fewer than 2 values per channel."""
+    n, s1, s2 = int(moments.n), moments.s1, moments.s2
     if n < 2:
         raise InputError(f"BatchNorm module {module!r} saw {n} value(s) per channel on the data; "
                          "expected at least 2")
@@ -309,9 +301,6 @@ class RepairLayer:
     mean_before: float
     mean_after: float
 
-    def to_dict(self):
-        return dict(self.__dict__)
-
 
 @dataclass
 class BatchNormReset:
@@ -326,7 +315,7 @@ class BatchNormReset:
     mean_shift: float
 
     def to_dict(self):
-        return dict(self.__dict__)
+        return asdict(self)
 
 
 @dataclass
@@ -343,9 +332,7 @@ class RepairReport:
     batchnorm: list = field(default_factory=list)
 
     def to_dict(self):
-        return {"sequential": self.sequential, "passes": self.passes, "seconds": self.seconds,
-                "layers": [x.to_dict() for x in self.layers],
-                "batchnorm": [x.to_dict() for x in self.batchnorm]}
+        return asdict(self)  # the layers and BatchNorm modules as dicts too
 
     def summary(self) -> str:
         n, nb = len(self.layers), len(self.batchnorm)

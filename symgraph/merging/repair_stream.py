@@ -12,20 +12,17 @@ Measured on the anchor's traced graph run op by op
   with the mixing weights;
 * **the merge, corrected as it runs** — the merged tensors computed by the engine on demand
   (read, carry, combine, cast: ``RepairContext.merged``). All batches run in lockstep and pause
-  just before each repaired layer (graph order); the layer is run once with its merged weights
-  to measure the merge there, its correction (:func:`~symgraph.merging.repair.correction`) is
-  registered with the engine (``RepairContext.merged.correct``), and the runs go on through the
-  corrected layer. A layer's ancestors among the repaired layers are all corrected by then, so
-  every layer is measured with every earlier correction applied — one pass over the data.
-  ``after`` is measured on the corrected layer's output as the runs pass it; ``before`` is the
-  merge at the layer with every earlier layer corrected.
+  just before each repaired layer and each BatchNorm layer (a batch-norm op of the graph whose
+  running statistics are buffers), in graph order. A repaired layer is run once with its merged
+  weights to measure the merge there and its correction
+  (:func:`~symgraph.merging.repair.correction`) is registered with the engine
+  (``RepairContext.merged.correct``); a BatchNorm layer's running statistics become the
+  population mean and unbiased variance of its input over every batch
+  (:func:`~symgraph.merging.repair.batchnorm_statistics`). The runs then go on through the
+  corrected layer, so every layer is measured with every earlier one final: one pass over the
+  data. ``before`` is the merge at the layer, ``after`` its corrected output as the runs pass it.
 
-BatchNorm layers (the graph's batch-norm ops whose running statistics are buffers) are reset
-in the same pass: the runs pause before each, the population mean and unbiased variance of its
-input over every batch (:func:`~symgraph.merging.repair.batchnorm_statistics`) become the
-merge's running statistics (a correction of those buffers), and the runs go on through it.
-Every BatchNorm and repaired layer is thus measured with every one before it final. A
-BatchNorm module whose statistics the graph reads other than through a batch-norm op is
+A BatchNorm module whose statistics the graph reads other than through a batch-norm op is
 refused (:func:`check`): every ``torch.nn`` BatchNorm module and ``F.batch_norm`` trace to one,
 and no model of transformers or diffusers subclasses them (``tests/test_engine_repair.py``).
 
@@ -162,16 +159,6 @@ class _Runs:
                     yield v
 
 
-def _moments(site, values) -> tuple:
-    """``(mean, std, rms)`` per channel of ``values`` at ``site``, over every batch (summed over
-    the processes under ``torch.distributed``)."""
-    sums = Moments()
-    for v in values:
-        sums.add(site.weight, v, site.channel_dim)
-    sums.all_reduce()
-    return sums.stats(site.weight)
-
-
 def repair(ctx: RepairContext) -> RepairReport:
     """REPAIR the merge of ``ctx``: registers each repaired layer's correction, and each
     BatchNorm layer's reset running statistics, with the engine (``ctx.merged.correct``) and
@@ -224,7 +211,7 @@ def _targets(ctx: RepairContext, shapes, sites) -> dict:
         fetch = _Last(view.fetch, ctx.device, ctx.ledger)
         runs = _Runs(shapes, fetch, ctx.device)
         for s in sites:
-            got = _moments(s, runs.through(s.weight))
+            got = Moments(s.weight, runs.through(s.weight), s.channel_dim).stats()
             targets[s.weight] = [t + w * x for t, x in zip(targets[s.weight], got)]
         fetch.forget()
         view.clear()
@@ -234,11 +221,12 @@ def _targets(ctx: RepairContext, shapes, sites) -> dict:
 def _renormalise(runs: _Runs, merged: Merged, fetch: _Last, site, target) -> RepairLayer:
     """Measure the merge at ``site`` (the runs paused before it), register its correction
     towards ``target`` and run every batch through the corrected layer."""
-    runs.to(site.weight)
-    before = _moments(site, runs.at(site.weight))
+    k, dim = site.weight, site.channel_dim
+    runs.to(k)
+    before = Moments(k, runs.at(k), dim).stats()
     merged.correct(correction(site, before, target))
     fetch.forget()  # the layer's weights are read again, corrected
-    after = _moments(site, runs.through(site.weight))
+    after = Moments(k, runs.through(k), dim).stats()
     kind = "std" if site.bias is not None else "rms"
     (b, mb), (a, ma) = layer_errors(before, target, kind), layer_errors(after, target, kind)
     return RepairLayer(site.weight, site.bias, site.channels, kind, b, a, mb, ma)
@@ -248,12 +236,9 @@ def _reset(runs: _Runs, merged: Merged, fetch: _Last, mean_name, var_name) -> Ba
     """Reset one BatchNorm layer (running statistics ``mean_name``, ``var_name``): its input's
     population mean and unbiased variance over every batch, measured with the runs paused
     before it, become the merge's running statistics."""
-    sums, module = Moments(), mean_name.rsplit(".", 1)[0]
+    module = mean_name.rsplit(".", 1)[0]
     runs.to(mean_name)
-    for x in runs.inputs(mean_name):
-        sums.add(mean_name, x, 1)  # channels on dimension 1
-    sums.all_reduce()
-    mean, var, n = batchnorm_statistics(sums, mean_name, module)
+    mean, var, n = batchnorm_statistics(Moments(mean_name, runs.inputs(mean_name), 1), module)  # channels on dim 1
     old_m, old_v = merged.fetch(mean_name).double().cpu(), merged.fetch(var_name).double().cpu()
     mean, var = mean.cpu(), var.cpu()
     std = var.sqrt()

@@ -87,10 +87,11 @@ class _Segmented:
             for n in self.attributes(a, b):
                 if n in self.grads:
                     self.readers.setdefault(self.canon(n), set()).add(k)
-        self.flats = []
+        self.flats = []  # each batch's inputs, on the device
         for bi, batch in batches:
             args, kwargs = batch_inputs(rep, batch, bi)
-            self.flats.append([t.to(device) if isinstance(t, torch.Tensor) else t for t in flatten_for(gm, args, kwargs)])
+            flat = flatten_for(gm, args, kwargs)
+            self.flats.append([t.to(device) if isinstance(t, torch.Tensor) else t for t in flat])
         self.first = output_node(next(n for n in self.order if n.op == "output"))
 
     def attributes(self, a, b) -> list:
