@@ -104,9 +104,7 @@ class DigitsCNN(nn.Module):
 def _checkpoint_dir(seed: int, size: str, steps: int) -> Path:
     from . import data, train
     payload = {"version": train.CACHE_VERSION, "widths": WIDTHS[size], "batch_size": BATCH_SIZE,
-               "lr": LR, "data": data.data_fingerprint("digits"),
-               "optim": [train.WARMUP_FRACTION, train.MIN_LR_FRACTION, train.WEIGHT_DECAY,
-                         list(train.ADAM_BETAS), train.GRAD_CLIP, train.DATA_SEED_OFFSET]}
+               "lr": LR, "data": data.data_fingerprint("digits"), "optim": train.OPTIM}
     fp = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:10]
     return data.cache_dir() / "models" / f"cnn-{size}-seed{seed}-steps{steps}-{fp}"
 
@@ -114,8 +112,6 @@ def _checkpoint_dir(seed: int, size: str, steps: int) -> Path:
 def train_cnn(seed: int, size: str = "quick", steps: int | None = None) -> tuple:
     """``(model, training info)``: :class:`DigitsCNN` trained from ``seed`` (see the module
     docstring), loaded from the cache when there."""
-    from symgraph.testing import models
-
     from . import data, train
     steps = STEPS[size] if steps is None else int(steps)
     path = _checkpoint_dir(seed, size, steps)
@@ -131,19 +127,15 @@ def train_cnn(seed: int, size: str = "quick", steps: int | None = None) -> tuple
     torch.manual_seed(seed)
     model = DigitsCNN(WIDTHS[size])
     t = time.perf_counter()
-    losses = models.train(model, sample, steps=steps, lr=LR, threads=train.num_threads(),
-                          loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
-                          weight_decay=train.WEIGHT_DECAY, betas=train.ADAM_BETAS,
-                          grad_clip=train.GRAD_CLIP,
-                          schedule=models.warmup_cosine(steps, train.WARMUP_FRACTION,
-                                                        train.MIN_LR_FRACTION))
+    losses = train.fit(model, sample, steps, LR, threads=train.num_threads(),
+                       loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
     loss, acc = evaluate(model, _eval_batches())
     tail = losses[-max(1, steps // 10):]
     info = {"arch": "cnn", "size": size, "seed": seed, "steps": steps, "widths": list(WIDTHS[size]),
             "train_seconds": time.perf_counter() - t, "eval_loss": loss, "eval_accuracy": acc,
             "final_train_loss": sum(tail) / len(tail), "num_threads": train.num_threads(),
             "num_parameters": sum(p.numel() for p in model.parameters())}
-    train._save_atomically(model, info, path)
+    train.save_atomically(model, info, path)
     return model, info
 
 

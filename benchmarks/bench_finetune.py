@@ -103,12 +103,10 @@ def _check_pair(pair) -> None:
 def _finetune(model, arch: str, K: int, eval_every: int, lr: float, batch_size: int, data_seed: int,
               loss_fn) -> dict:
     """Fine-tune a copy of ``model`` for ``K`` steps; the held-out loss every ``eval_every`` steps."""
-    from symgraph.testing import models
-
     from . import evaluate, train, zoo
     model = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(data_seed)
-    sample = train._batch_sampler(zoo.get_spec(arch), batch_size, gen)
+    sample = train.batch_sampler(zoo.get_spec(arch), batch_size, gen)
     steps, losses = [0], [loss_fn(model)]
 
     def progress(step: int, _loss: float, _elapsed: float) -> None:
@@ -117,10 +115,8 @@ def _finetune(model, arch: str, K: int, eval_every: int, lr: float, batch_size: 
             losses.append(loss_fn(model))  # restores train() mode afterwards
 
     start = time.perf_counter()
-    train_losses = models.train(
-        model, sample, steps=K, lr=lr, loss_fn=lambda m, batch: evaluate.batch_loss(m, arch, batch),
-        weight_decay=train.WEIGHT_DECAY, betas=train.ADAM_BETAS, grad_clip=train.GRAD_CLIP,
-        schedule=models.warmup_cosine(K, train.WARMUP_FRACTION, train.MIN_LR_FRACTION), progress=progress)
+    train_losses = train.fit(model, sample, K, lr, loss_fn=lambda m, batch: evaluate.batch_loss(m, arch, batch),
+                             progress=progress)
     seconds = time.perf_counter() - start
     tail = train_losses[-max(1, K // 10):] if train_losses else [float("nan")]
     return {"arch": arch, "steps": steps, "loss": losses, "initial_loss": losses[0], "final_loss": losses[-1],

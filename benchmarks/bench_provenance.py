@@ -144,11 +144,6 @@ def raw_score(a, b) -> float:
     return float(np.median([_cos(sa[k].double(), sb[k].double()) for k in sa if sa[k].dim() >= 2]))
 
 
-def auc(pos, neg) -> float:
-    """P(score of a positive > score of a negative), ties counted half."""
-    return float(np.mean([(p > n) + 0.5 * (p == n) for p in pos for n in neg]))
-
-
 # --- the run ---------------------------------------------------------------------------
 
 
@@ -208,7 +203,7 @@ def run(n_models: int, n_bases: int, steps: int, finetune_steps: int, long_steps
     pos = [r for r in rows if r["label"] == 1 and r["kind"] != "copy"]
     table = {}
     for score in ("excess", "statistic", "huref", "raw"):
-        table[score] = {"auc": auc([r[score] for r in pos], [r[score] for r in neg]),
+        table[score] = {"auc": peer.auc([r[score] for r in pos], [r[score] for r in neg]),
                         "null_max": max(r[score] for r in neg),
                         "positive_min": {k: min(r[score] for r in pos if r["kind"] == k)
                                          for k in KINDS}}

@@ -41,7 +41,7 @@ from symgraph.testing import models
 
 from . import data
 from .provenance import git_state, log, table, write_result
-from .train import ADAM_BETAS, DATA_SEED_OFFSET, GRAD_CLIP, MIN_LR_FRACTION, WARMUP_FRACTION, WEIGHT_DECAY
+from .train import DATA_SEED_OFFSET, fit
 
 __all__ = ["FAMILIES", "KINDS", "build", "train", "derived", "choose_threshold", "rates", "run", "markdown",
            "plot", "main"]
@@ -77,8 +77,7 @@ def train(model, corpus: str, seed: int, steps: int, lr: float) -> float:
     def sample():
         ids = data.random_blocks(corpus, "train", BLOCK, BATCH, gen)
         return {"input_ids": ids, "labels": ids}
-    models.train(model, sample, steps=steps, lr=lr, weight_decay=WEIGHT_DECAY, betas=ADAM_BETAS,
-                 grad_clip=GRAD_CLIP, schedule=models.warmup_cosine(steps, WARMUP_FRACTION, MIN_LR_FRACTION))
+    fit(model, sample, steps, lr)
     ids = data.token_blocks(corpus, "eval", BLOCK)[:8]
     with torch.no_grad():
         return float(model(input_ids=ids, labels=ids).loss)

@@ -32,7 +32,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -184,6 +183,7 @@ def score_pairs(pairs, python, work=None, threads: int = 1, timeout: float | Non
 
 
 def auc(pos, neg) -> float:
+    """P(score of a positive > score of a negative), ties counted half (the ROC AUC)."""
     return float(np.mean([(p > n) + 0.5 * (p == n) for p in pos for n in neg]))
 
 

@@ -47,7 +47,8 @@ from symgraph.testing import models
 from . import data, evaluate, zoo
 
 __all__ = ["CACHE_VERSION", "DATA_SEED_OFFSET", "ZOO_ARCHS", "num_threads", "checkpoint_dir", "is_cached",
-           "load_checkpoint", "train_model", "training_info", "train_zoo"]
+           "load_checkpoint", "train_model", "training_info", "train_zoo", "fit", "OPTIM",
+           "batch_sampler", "save_atomically"]
 
 #: Bump to invalidate every cached checkpoint.
 CACHE_VERSION = 1
@@ -61,6 +62,8 @@ ADAM_BETAS = (0.9, 0.98)
 GRAD_CLIP = 1.0
 #: Default number of CPU threads for training (override: ``SYMGRAPH_NUM_THREADS``).
 DEFAULT_NUM_THREADS = 2
+#: The optimiser settings above as they enter every cache key.
+OPTIM = [WARMUP_FRACTION, MIN_LR_FRACTION, WEIGHT_DECAY, list(ADAM_BETAS), GRAD_CLIP, DATA_SEED_OFFSET]
 #: Every spec trained by :func:`train_zoo`: the 4 base archs + the wide model.
 ZOO_ARCHS = zoo.ARCHS + (zoo.WIDE_NARROW_PAIR[1],)
 
@@ -102,7 +105,7 @@ def _fingerprint(arch: str, size: str) -> str:
         "setting": {k: v for k, v in dataclasses.asdict(spec.setting(size)).items() if k != "steps"},
         "config": {k: v for k, v in zoo.make_config(arch, size).to_dict().items() if k != "transformers_version"},
         "extra": dict(spec.extra),
-        "optim": [WARMUP_FRACTION, MIN_LR_FRACTION, WEIGHT_DECAY, list(ADAM_BETAS), GRAD_CLIP, DATA_SEED_OFFSET],
+        "optim": OPTIM,
     }
     blob = json.dumps(payload, sort_keys=True).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()[:10]
@@ -144,7 +147,7 @@ def training_info(arch: str, seed: int, size: str = "quick", steps: int | None =
     return json.loads(path.read_text())
 
 
-def _batch_sampler(spec: zoo.ModelSpec, batch_size: int, gen: torch.Generator):
+def batch_sampler(spec: zoo.ModelSpec, batch_size: int, gen: torch.Generator):
     """Return a no-argument callable drawing training batches from ``gen``."""
     if spec.task == "cls":
         x, y = data.digits("train")
@@ -165,6 +168,15 @@ def _batch_sampler(spec: zoo.ModelSpec, batch_size: int, gen: torch.Generator):
     return sample
 
 
+def fit(model: torch.nn.Module, sample, steps: int, lr: float, **kw) -> list[float]:
+    """:func:`symgraph.testing.models.train` of ``model`` in place with the suite's optimiser
+    (AdamW, weight decay on matrices, clipping, warm-up cosine to ``MIN_LR_FRACTION`` of ``lr``)
+    on ``sample()``'s batches; ``kw``: its other arguments. The per-step training losses."""
+    return models.train(model, sample, steps=steps, lr=lr, weight_decay=WEIGHT_DECAY, betas=ADAM_BETAS,
+                        grad_clip=GRAD_CLIP, schedule=models.warmup_cosine(steps, WARMUP_FRACTION, MIN_LR_FRACTION),
+                        **kw)
+
+
 def _fit(model: torch.nn.Module, arch: str, size: str, seed: int, steps: int, verbose: bool) -> list[float]:
     """Train ``model`` in place (:func:`symgraph.testing.models.train`); return the per-step training losses."""
     spec = zoo.get_spec(arch)
@@ -176,15 +188,12 @@ def _fit(model: torch.nn.Module, arch: str, size: str, seed: int, steps: int, ve
         if verbose and step % every == 0:
             print(f"  [{arch} seed={seed}] step {step}/{steps} loss {loss:.3f}", flush=True)
 
-    return models.train(
-        model, _batch_sampler(spec, setting.batch_size, gen), steps=steps, lr=setting.lr,
-        loss_fn=lambda m, batch: evaluate.batch_loss(m, arch, batch),
-        weight_decay=WEIGHT_DECAY, betas=ADAM_BETAS, grad_clip=GRAD_CLIP,
-        schedule=models.warmup_cosine(steps, WARMUP_FRACTION, MIN_LR_FRACTION), progress=report,
-    )
+    return fit(model, batch_sampler(spec, setting.batch_size, gen), steps, setting.lr,
+               loss_fn=lambda m, batch: evaluate.batch_loss(m, arch, batch), progress=report)
 
 
-def _save_atomically(model: torch.nn.Module, info: dict, final: Path) -> None:
+def save_atomically(model: torch.nn.Module, info: dict, final: Path) -> None:
+    """``model`` and its ``info`` into ``final`` through a sibling renamed into place (never partial)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
@@ -245,7 +254,7 @@ def train_model(arch: str, seed: int, size: str = "quick", steps: int | None = N
     if use_cache:
         if force and path.exists():
             shutil.rmtree(path)
-        _save_atomically(model, info, path)
+        save_atomically(model, info, path)
     return model
 
 
