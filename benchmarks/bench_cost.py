@@ -224,8 +224,8 @@ def run(shape="1b", layers=2, work="/tmp/symgraph-scale", align="weights", extra
     shutil.rmtree(out, ignore_errors=True)
     if align == "activations":  # bench_scale's data: DATA_ROWS random rows of DATA_TOKENS ids
         from benchmarks.scale.common import SHAPES
-        from benchmarks.scale.stages import _token_data
-        extra = [*extra, "--data", _token_data(Path(pair["dir"]), SHAPES[shape].get("vocab_size", 32000))]
+        from benchmarks.scale.stages import token_data
+        extra = [*extra, "--data", token_data(pair["dir"], SHAPES[shape].get("vocab_size", 32000))]
     from symgraph.cli.main import main as cli
     c = instrument()
     t0 = time.perf_counter()

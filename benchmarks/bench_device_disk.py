@@ -64,6 +64,7 @@ from benchmarks.provenance import matmul_rates, table, write_beside
 from benchmarks.solver_tally import SolverTally, forced_auction
 from benchmarks.scale.checkpoints import ensure_pair, llama_config, model_sizes, weight_files
 from benchmarks.scale.probe import Probe, meminfo, resident
+from benchmarks.scale.stages import token_data
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "device" / "disk.json"
 DEFAULT_WORK = "/tmp/symgraph-device-disk"
@@ -152,17 +153,6 @@ def merge_once(pair, align, device, out, load_check, probe_args, staged=None, bu
     return rec
 
 
-def _token_data(d, vocab: int, rows: int) -> str:
-    """A data file of random token ids (``rows`` sequences of 128) in the pair's directory, for
-    the methods that read data (their statistics' cost, not their quality, is measured)."""
-    from safetensors.torch import save_file
-    path = Path(d) / "data.safetensors"
-    if not path.exists():
-        g = torch.Generator().manual_seed(0)
-        save_file({"input_ids": torch.randint(0, vocab, (rows, 128), generator=g)}, str(path))
-    return str(path)
-
-
 def _tensors(e):
     for attr in ("index", "co", "contra"):
         if isinstance(getattr(e, attr, None), torch.Tensor):
@@ -198,7 +188,7 @@ def run_depth(a, layers, device, staged_pk, save) -> dict:
         runs = [r for r in runs if r[1] == "none"]
     runs = [(*r, "average") for r in runs] + [(f"{m}, unaligned", "none", None, a.memory_budget, False, m)
                                               for m in a.methods]
-    data = _token_data(pair["dir"], config.vocab_size, a.data_rows) if a.methods else None
+    data = token_data(pair["dir"], config.vocab_size, a.data_rows) if a.methods else None
     load_check, got = sizes["bytes"] <= a.load_check_gb * GB, {}
     for name, align, pk, budget, auction, method in runs:
         if a.cache == "cold":

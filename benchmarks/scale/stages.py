@@ -138,7 +138,7 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
         cmd = _symgraph_cmd() + ["merge", a, b, "--out", str(out), "--align", align, *how]
         cmd += SWEEP_FLAGS.get(name, [])
         if align == "activations" or method != "average":
-            cmd += ["--data", _token_data(Path(pair["dir"]), config.vocab_size)]
+            cmd += ["--data", token_data(pair["dir"], config.vocab_size)]
         prep_cache()
         r = measure(cmd, timeout=timeout, env=_env(), cwd=REPO_ROOT, log_prefix=str(logdir / name))
         r["cmd"] = [str(c) for c in cmd]
@@ -177,11 +177,12 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
     return rec
 
 
-def _token_data(directory: Path, vocab: int) -> str:
-    """A data file of :data:`DATA_ROWS` × :data:`DATA_TOKENS` random token ids (seed 0)."""
+def token_data(directory, vocab: int, rows: int = DATA_ROWS) -> str:
+    """``directory/data.safetensors``: ``rows`` × :data:`DATA_TOKENS` random token ids (seed 0),
+    the data of the methods that read data (their statistics' cost, not their quality, is measured)."""
     import torch
     from safetensors.torch import save_file
-    path = directory / "data.safetensors"
-    ids = torch.randint(0, vocab, (DATA_ROWS, DATA_TOKENS), generator=torch.Generator().manual_seed(0))
+    path = Path(directory) / "data.safetensors"
+    ids = torch.randint(0, vocab, (rows, DATA_TOKENS), generator=torch.Generator().manual_seed(0))
     save_file({"input_ids": ids}, str(path))
     return str(path)
