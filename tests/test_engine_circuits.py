@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import symgraph
 from symgraph.cli.main import main as cli
 from symgraph.errors import InputError
 from symgraph.app.config import MergeConfig
@@ -113,3 +114,43 @@ def test_what_memory_refuses_the_engine_refuses(pair, tmp_path):
             str(tmp_path / f"g{i}"))
     with pytest.raises(InputError, match="no head_dim field"):
         StreamingMerge([str(tmp_path / "g0"), str(tmp_path / "g1")], attention="circuits")
+
+
+def test_circuit_heads_widen_the_plan_from_what_they_are_given(pair, tmp_path):
+    """The transform reads only its arguments (the config, the checkpoints, the method's name, the
+    anchor's report), never an engine: its widening is the wider shapes of every head tensor,
+    the config fields that state them, and a combine equal to :func:`circuit_state`."""
+    from symgraph.checkpoints.sharded import Checkpoint
+    from symgraph.merging.circuits import CircuitHeads, circuit_state, streamed
+    ckpts = [Checkpoint(str(pair / f"m{i}")) for i in range(2)]
+    cfg = MergeConfig(models=[str(pair / "m0"), str(pair / "m1")], attention="circuits", anchor=1)
+    assert streamed(cfg.model_copy(update={"attention": "heads"}), ckpts, "average", lambda: None) is None
+    heads = streamed(cfg, ckpts, "average", lambda: None)  # unaligned: the anchor analysed by the transform
+    wide = heads.widening()
+    layer = "model.layers.0.self_attn."
+    assert wide.out_shapes[layer + "q_proj.weight"] == (4 * 16, 32)  # 4 heads of 2 x 8
+    assert wide.out_shapes[layer + "k_proj.weight"] == (2 * 16, 32) and wide.out_shapes[layer + "o_proj.weight"] == (32, 64)
+    assert not any("mlp" in k or "norm" in k for k in wide.out_shapes)  # only the heads widen
+    assert wide.config_updates["head_dim"] == 16 and wide.config_updates["rope_parameters"]["rope_type"] == "longrope"
+    names = [layer + p for p in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")]
+    values = [{n: c.get(n) for n in names} for c in ckpts]
+    got = wide.combine(names, values, [None, None], [0.3, 0.7], None)
+    want = circuit_state([values[1], values[0]], [0.7, 0.3], heads.built()[0])  # the anchor (1) first
+    assert all(torch.equal(got[n], want[n]) for n in names) and got[names[0]].shape == (64, 32)
+    with pytest.raises(InputError, match="not method='mine'; expected method='average'"):
+        CircuitHeads(cfg, ckpts, "mine", lambda: None)
+
+
+def test_a_config_that_cannot_hold_the_wider_heads_is_refused_naming_the_tensor():
+    from symgraph.merging.circuits import plan, wide_shapes
+    from symgraph.width.heads import wide_config
+    m = models.build("llama", seed=0, **SIZES)
+    cplan = plan(symgraph.analyze(m))
+    cfg = wide_config(m, cplan.head_dim, 2, cplan.rope)
+    old = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+    want = dict(old)  # a model class that ignored the new head size
+    with pytest.raises(InputError, match="builds model.layers.0.self_attn.q_proj.weight as \\(32, 32\\), not "
+                       "\\(64, 32\\); the config cannot express the wider heads"):
+        wide_shapes(cplan, cfg, old, want, 2)
+    with pytest.raises(InputError, match="disagree on tensor 'extra'"):
+        wide_shapes(cplan, cfg, old, {**want, "extra": (1,)}, 2)

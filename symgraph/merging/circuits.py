@@ -7,27 +7,25 @@ query/key side ``Q = [√w_1·Q_1; …; √w_N·Q_N]`` and ``K = [√w_1·K_1; �
 ``q·k = Σ w_i q_i·k_i``; on the value/output side ``V = [√w_i·V_i]`` and ``O = [√w_i·O_i]``, so
 ``O·V = Σ w_i O_i V_i``. The softmax scale of the wider head is folded into the query side
 (``√N``). Every other weight is the weighted average. The merged model stays in the parents'
-architecture family wherever its config can state a head size (an explicit ``head_dim``);
-RoPE pairs keep their own frequencies through per-pair factors (``longrope``-type rope
-parameters, attention factor 1). Where no config field can state it (GPT-2 derives the head
-size from the width), the merged model is the parents' traced program with the head classes
-widened (:mod:`symgraph.width.widen`), which keeps the parents' softmax scale instead: it
-runs in memory and cannot be saved as a checkpoint.
+architecture family wherever its config can state a head size (an explicit ``head_dim``;
+RoPE pairs keep their own frequencies: :mod:`symgraph.width.heads`). Where no config field
+can state it (GPT-2 derives the head size from the width), the merged model is the parents'
+traced program with the head classes widened (:mod:`symgraph.width.widen`), which keeps the
+parents' softmax scale instead: it runs in memory and cannot be saved as a checkpoint.
 
 The heads are found from the report (:meth:`~symgraph.report.SymmetryReport.attention_groups`),
 never from module names.
 """
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..core.ties import retie, tied_groups
 from ..errors import InputError
+from ..width.heads import why_no_config, wide_config, wide_model
 
 __all__ = ["circuit_merge", "circuit_state", "circuit_between", "CircuitPlan", "plan", "why_no_config", "wide_model",
            "wide_shapes", "streamed", "Widening", "CircuitHeads"]
@@ -152,54 +150,6 @@ def _wider(report, n) -> dict:
     return {g: n * dims[g] for g in plan(report, query_scale=False).wide}
 
 
-def why_no_config(model, n) -> str | None:
-    """Why ``model``'s config cannot state ``n``-fold heads, or None where it can."""
-    cfg = getattr(model, "config", None)
-    if cfg is None or "head_dim" not in cfg.to_dict():
-        name = type(cfg).__name__ if cfg is not None else type(model).__name__
-        return (f"{name} has no head_dim field (its head size is derived from the width), so a checkpoint "
-                f"cannot state the {n}x wider circuit-space heads; the merged model runs in memory only")
-    return None
-
-
-def _config(model, cplan: CircuitPlan, n: int):
-    """The merged model's config: head size ``n·d`` (refused where the config cannot say it),
-    RoPE pairs at their own frequencies."""
-    cfg = copy.deepcopy(model.config)
-    d, new = cplan.head_dim, cplan.head_dim * n
-    if cfg.head_dim != d:
-        raise InputError(f"config head_dim {cfg.head_dim} but the report's heads are {d} wide")
-    if cplan.rope:
-        rp = dict(cfg.rope_parameters or {})
-        inv = _inv_freq(model, cfg, d)
-        theta = float(rp.get("rope_theta", 10000.0))
-        target = inv.repeat(n).double()  # pair j of the wide head: pair j mod d/2 of a model
-        j = torch.arange(0, new, 2, dtype=torch.float64) / new
-        factors = (1.0 / (target * theta ** j)).tolist()
-        cfg.rope_parameters = {"rope_type": "longrope", "rope_theta": theta, "short_factor": factors,
-                               "long_factor": factors, "factor": 1.0, "attention_factor": 1.0,
-                               "original_max_position_embeddings": cfg.max_position_embeddings}
-    cfg.head_dim = new
-    return cfg
-
-
-def _inv_freq(model, cfg, d):
-    """The parents' per-pair RoPE frequencies (``d/2``), from transformers' own rope setup."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    rp = cfg.rope_parameters or {}
-    kind = rp.get("rope_type", "default")
-    if kind == "default":
-        theta = float(rp.get("rope_theta", 10000.0))
-        if rp.get("partial_rotary_factor", 1.0) != 1.0:
-            raise InputError("partial rotary heads are not supported by circuit-space export")
-        return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    inv, factor = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
-    if abs(float(factor) - 1.0) > 1e-12:
-        raise InputError(f"rope_type {kind!r} scales attention by {factor}; circuit-space export keeps only "
-                         "rope types with attention factor 1")
-    return inv.double()
-
-
 def circuit_merge(models, weights, report):
     """Circuit-space merge of ``models`` (aligned, one architecture) with mixing ``weights``
     into a new model whose heads are ``len(models)`` times as wide; ``report`` is the
@@ -217,7 +167,7 @@ def circuit_merge(models, weights, report):
         raise InputError(why.replace("the merged model runs in memory only", "and its rotary heads "
                          "need per-pair frequencies a config states; expected a config with head_dim"))
     if why is None:
-        cfg = _config(A, cplan, n)
+        cfg = wide_config(A, cplan.head_dim, n, cplan.rope)
         new, finish = wide_model(A, cfg, next(A.parameters()).device)
         wide_shapes(cplan, cfg, _shapes(A), _shapes(new), n)  # refused before any tensor is computed
     states = [{k: v.detach().to(torch.promote_types(v.dtype, torch.float32)) for k, v in m.state_dict().items()}
@@ -254,35 +204,6 @@ def wide_shapes(cplan: CircuitPlan, cfg, old: dict, want: dict, n: int) -> dict:
                              f"{want[name]}, not {tuple(wide)}; the config cannot express the wider heads")
         out[name] = tuple(wide)
     return out
-
-
-def wide_model(A, cfg, device):
-    """``(model, finish)``: ``A``'s class built from the circuit-space ``cfg`` with empty tensors on
-    ``device`` (tied names each their own until ``finish(model)``, run once every tensor is
-    written, ties them again and rebuilds the buffers the config computes): what
-    :func:`circuit_merge` and the merge engine over models in memory write into."""
-    with torch.device("meta"):
-        new = type(A)(cfg)
-    tied = tied_groups(new)  # to_empty and load_state_dict(assign=True) give each tied name its own tensor
-    new = new.to_empty(device=device)
-
-    def finish(model):
-        retie(model, tied)
-        _recompute_buffers(model, cfg)
-        model.eval()
-    return new, finish
-
-
-def _recompute_buffers(model, cfg):
-    """Non-persistent buffers (RoPE frequencies) hold no saved value: rebuild the modules that
-    own them from the new config, on the model's device."""
-    dev = next(model.parameters()).device
-    for name, mod in list(model.named_modules()):
-        if not getattr(mod, "_non_persistent_buffers_set", None) or any(True for _ in mod.parameters(recurse=False)):
-            continue
-        fresh = type(mod)(config=cfg).to(dev)  # built on the CPU: its buffers are small
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, fresh)
 
 
 def circuit_between(model_a, report=None):
@@ -324,7 +245,7 @@ class Widening:
 class CircuitHeads:
     """Circuit-space heads out of core: refuses what :func:`circuit_merge` refuses, and gives
     the merge engine its :class:`Widening` (:meth:`widening`): the widened shapes, the config
-    fields :func:`_config` changes and a combine that widens the planned tensors by
+    fields :func:`~symgraph.width.heads.wide_config` changes and a combine that widens the planned tensors by
     :func:`circuit_state`, the anchor first as :func:`~symgraph.merging.driver.merge` orders it, so
     the result is the in-memory one. It reads only what it is given, never the engine."""
 
@@ -349,7 +270,7 @@ class CircuitHeads:
                 from ..report.api import analyze
                 report = analyze(A, None, fold_norms=self.config.fold_norms, outputs=self.config.outputs)
             cplan = plan(report)
-            cfg = _config(A, cplan, self.n)
+            cfg = wide_config(A, cplan.head_dim, self.n, cplan.rope)
             with torch.device("meta"):
                 self._built = (cplan, cfg, type(A)(cfg))
         return self._built
@@ -358,15 +279,9 @@ class CircuitHeads:
         """The shapes, config fields and combine of the merge (checked against the model class
         the new config builds, as :func:`circuit_merge` checks them)."""
         cplan, cfg, new = self.built()
-        A = self.checkpoint
-        old = _shapes(A.model)
-        wide, out_shapes = wide_shapes(cplan, cfg, old, _shapes(new), self.n), {}
-        for name in cplan.slots:
-            for key in (k for k in A.params.get(name, (name,)) if k in A.shapes):
-                if tuple(A.shapes[key]) != old[name]:
-                    raise InputError(f"checkpoint tensor {key!r} is stored as {tuple(A.shapes[key])}, not "
-                                     f"{old[name]} as its parameter; expected heads stored as the model holds them")
-                out_shapes[key] = wide[name]
+        A = self.checkpoint  # its stored shapes are its model's (checked when it was opened)
+        wide = wide_shapes(cplan, cfg, _shapes(A.model), _shapes(new), self.n)
+        out_shapes = {k: wide[name] for name in cplan.slots for k in A.params.get(name, (name,)) if k in A.shapes}
         before = A.model.config.to_dict()
         return Widening(out_shapes, {k: v for k, v in cfg.to_dict().items() if before.get(k) != v}, self.combine)
 
