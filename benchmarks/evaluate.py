@@ -33,7 +33,7 @@ from . import data, zoo
 
 __all__ = ["EVAL_BATCH_SIZE", "EVAL_MASK_SEED", "LOSS_FN_MAX_BATCHES", "Batch", "eval_batches", "model_logits",
            "batch_loss", "eval_loss", "eval_metric", "metric_name", "higher_is_better", "loss_fn_for",
-           "example_inputs", "baseline_loss"]
+           "example_inputs", "baseline_loss", "input_key"]
 
 #: Sequences (images) per evaluation batch.
 EVAL_BATCH_SIZE = 32
@@ -140,6 +140,11 @@ def eval_loss(model: torch.nn.Module, arch: str, split: str = "eval", max_batche
     return _evaluate(model, arch, eval_batches(arch, split, max_batches))[0]
 
 
+def input_key(arch: str) -> str:
+    """The name of ``arch``'s positional input in a :data:`Batch`: "pixel_values" or "input_ids"."""
+    return "pixel_values" if zoo.get_spec(arch).task == "cls" else "input_ids"
+
+
 def metric_name(arch: str) -> str:
     """Name of :func:`eval_metric` for ``arch``: "accuracy" or "perplexity"."""
     return "accuracy" if zoo.get_spec(arch).task == "cls" else "perplexity"
@@ -176,7 +181,7 @@ def example_inputs(arch: str, batch_size: int = 2) -> tuple[torch.Tensor, ...]:
     ``(batch_size, block_size)`` (masked for BERT) or the ViT's ``(pixel_values,)``, ``(batch_size,
     1, 8, 8)``; call as ``model(*inputs)`` (decoders also with ``use_cache=False``)."""
     batch = eval_batches(arch, "eval", 1)[0]
-    key = "pixel_values" if zoo.get_spec(arch).task == "cls" else "input_ids"
+    key = input_key(arch)
     if batch[key].shape[0] < batch_size:
         raise ValueError(f"batch_size must be <= {EVAL_BATCH_SIZE}")
     return (batch[key][:batch_size].clone(),)

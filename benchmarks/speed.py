@@ -51,8 +51,7 @@ def peak_rss(interval: float = 1e-3):
 def alignment_data(arch: str, n_batches: int) -> list:
     """Training-split batches as positional-input tuples (the form ``symgraph.align`` takes)."""
     from . import evaluate
-    key = "pixel_values" if evaluate.metric_name(arch) == "accuracy" else "input_ids"
-    return [(b[key],) for b in evaluate.eval_batches(arch, "train", n_batches)]
+    return [(b[evaluate.input_key(arch)],) for b in evaluate.eval_batches(arch, "train", n_batches)]
 
 
 def measure(arch: str, size: str = "quick", seeds=(0, 1), batches: int = 4, steps: int | None = None) -> dict:

@@ -145,7 +145,7 @@ def ours(seed: Seed, pair, parents: dict) -> list[dict]:
 def job_for(seed: Seed, d: Path, a, b, batches: list) -> Path:
     """The job directory of ``seed``'s driver: the parents, the alignment batches, reference logits."""
     from .. import evaluate
-    key = "pixel_values" if evaluate.metric_name(seed.arch) == "accuracy" else "input_ids"
+    key = evaluate.input_key(seed.arch)
     data = {key: torch.cat([x[key] for x in batches]), "labels": torch.cat([x["labels"] for x in batches])}
     with torch.no_grad():
         ref = {n: evaluate.model_logits(m, seed.arch, {key: data[key][:REFERENCE_ROWS]}).contiguous()
@@ -192,8 +192,7 @@ def run_seed(seed: Seed, args, root: Path) -> tuple[list, dict]:
     sa, sb = args.seeds
     a, b = (train.train_model(seed.arch, s, args.size) for s in (sa, sb))
     batches = evaluate.eval_batches(seed.arch, "train", args.align_batches)
-    key = "pixel_values" if evaluate.metric_name(seed.arch) == "accuracy" else "input_ids"
-    data = [(x[key],) for x in batches]
+    data = [(x[evaluate.input_key(seed.arch)],) for x in batches]
     pair = methods.Pair(seed.arch, a, b, data, symgraph.analyze(a, data[0]), symgraph.analyze(b, data[0]))
     parents = {"loss_a": evaluate.eval_loss(a, seed.arch), "loss_b": evaluate.eval_loss(b, seed.arch),
                "metric_a": evaluate.eval_metric(a, seed.arch), "metric_b": evaluate.eval_metric(b, seed.arch)}
