@@ -173,17 +173,7 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
     fa, fb = fetch or (None, None)
     if fetch is not None and dev.type != "cpu":
         fa, fb = (lambda name, f=f: f(name).to(dev) for f in fetch)
-    shapes = []
-    for (sa, sb), batches in by_shape((ra, rb), models, data):
-        spairs = [(sa.groups[ga.id], sb.groups[gb.id]) for ga, gb in pairs]
-        plan, views = _plan(sa, sb, spairs)
-        gm_a = sa.exported_program.module()
-        gm_b = gm_a if sb is sa else sb.exported_program.module()  # a Stepper keeps its own state
-        if fetch is not None:  # traced where the models were (maybe meta); run on the device
-            for gm in (gm_a,) if gm_b is gm_a else (gm_a, gm_b):
-                runnable(gm, dev)  # in place
-        order = {name: pos for pos, (name, _, _) in enumerate(sa.nodes())}
-        shapes.append((sa, plan, views, gm_a, gm_b, batches, order))
+    shapes = _shapes(ra, rb, data, pairs, models, dev if fetch is not None else None)
     sa0, plan0, order0 = shapes[0][0], shapes[0][1], shapes[0][-1]
     passes = [list(range(len(pairs)))] if on_done is None else _passes(sa0, plan0, order0, pairs, budget)
     # Each pass resumes every batch's two runs where the last pass paused them (their live
@@ -196,11 +186,7 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
     for todo in passes:
         for si, (sa, plan, views, gm_a, gm_b, batches, order) in enumerate(shapes):
             stop = max([order[a] for i in todo for a, _, _ in plan[i]] + [reached[si]])
-            points: dict = {}  # (node in A, node in B) -> [(pair index, its views)]
-            for i in sorted(pending):
-                for node_a, node_b, _ in plan[i]:
-                    if reached[si] < order[node_a] <= stop:
-                        points.setdefault((node_a, node_b), []).append((i, views[(i, node_a)]))
+            points = _points(plan, views, order, pending, reached[si], stop)
             reached[si] = stop
             if not points:
                 continue
@@ -231,6 +217,36 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
             on_done(todo, stats)
     runs.clear()  # the paused runs' live values
     return stats
+
+
+def _shapes(ra, rb, data, pairs, models, dev):
+    """Per shape of the batches: ``(A's report, plan, views, A's graph, B's graph, batches,
+    A's node order)``, the reports traced at that shape (:func:`~.checks.by_shape`) and the
+    graphs made runnable on ``dev`` in place (when not None: traced where the models were,
+    maybe ``meta``)."""
+    shapes = []
+    for (sa, sb), batches in by_shape((ra, rb), models, data):
+        spairs = [(sa.groups[ga.id], sb.groups[gb.id]) for ga, gb in pairs]
+        plan, views = _plan(sa, sb, spairs)
+        gm_a = sa.exported_program.module()
+        gm_b = gm_a if sb is sa else sb.exported_program.module()  # a Stepper keeps its own state
+        if dev is not None:
+            for gm in (gm_a,) if gm_b is gm_a else (gm_a, gm_b):
+                runnable(gm, dev)  # in place
+        order = {name: pos for pos, (name, _, _) in enumerate(sa.nodes())}
+        shapes.append((sa, plan, views, gm_a, gm_b, batches, order))
+    return shapes
+
+
+def _points(plan, views, order, pending, reached, stop):
+    """``{(node in A, node in B): [(pair index, its views)]}``: the observation points of the
+    pairs not complete yet (``pending``) after position ``reached`` up to ``stop``."""
+    points: dict = {}
+    for i in sorted(pending):
+        for node_a, node_b, _ in plan[i]:
+            if reached < order[node_a] <= stop:
+                points.setdefault((node_a, node_b), []).append((i, views[(i, node_a)]))
+    return points
 
 
 _WIDE = (torch.float32, torch.float64)

@@ -29,20 +29,8 @@ def fit_scales(al, model_a, model_b, groups):
         fib = head_maps(al, g)  # E's blocks are indexed by B's heads, the views below by A's
         if fib is None:
             continue
-        acc = torch.zeros(nblk, 4, dtype=torch.float64, device=E.device)  # co: Σb², Σab; contra: Σb², Σab
-        for name, d in g.params:
-            ax = ra.param_axes(name)
-            ta = ra.view(name, model_a.get_parameter(name).detach().double())
-            tb = ra.view(name, Bp[name].double())
-            # each occurrence's own variance: a packed projection (GPT-2's c_attn) holds the
-            # class's Q (co) and K (contra) leaves in one slot
-            for idx, nf, parity in ra.leaf_views(ax[d], g.id, with_parity=True):
-                xa = gather(ta, d, idx, nf).reshape(nblk, -1)
-                xb = gather(tb, d, idx, nf).reshape(nblk, -1)
-                k = 2 * parity
-                acc[:, k] += (xb * xb).sum(1)
-                acc[:, k + 1] += (xa * xb).sum(1)
-        acc = _by_b_heads(acc.reshape(*E.shape[:-2], 4), fib, 0)
+        acc = _slot_sums(ra, g, lambda name: model_a.get_parameter(name).detach(), Bp.__getitem__, nblk, E.device)
+        acc = _by_b_heads(acc.T.reshape(*E.shape[:-2], 4), fib, 0)
         scales = [_best_scale(*row) for row in acc.reshape(nblk, 4).cpu().tolist()]
         sc = torch.tensor(scales, dtype=torch.float64).to(E.device).reshape(*E.shape[:-2], 1, 1)
         al.elements[g.id] = E * sc
@@ -69,19 +57,29 @@ def fit_unit_scales(al, sides, groups) -> dict:
         P = E.dense() if isinstance(E, Perm) else E.double()
         if P.dim() != 2 or P.shape[0] != P.shape[1]:
             continue
-        acc = torch.zeros(4, P.shape[0], dtype=torch.float64, device=P.device)  # co Σb², Σab; contra
-        for name, d in g.params:
-            ax = ra.param_axes(name)
-            ta = ra.view(name, sides.anchor(name).double())
-            tb = ra.view(name, Bp[name].double())
-            for idx, nf, parity in ra.leaf_views(ax[d], g.id, with_parity=True):
-                xa, xb = gather(ta, d, idx, nf).reshape(P.shape[0], -1), gather(tb, d, idx, nf).reshape(P.shape[0], -1)
-                acc[2 * parity] += (xb * xb).sum(1)
-                acc[2 * parity + 1] += (xa * xb).sum(1)
-        scales = _best_scales(*acc)
+        scales = _best_scales(*_slot_sums(ra, g, sides.anchor, Bp.__getitem__, P.shape[0], P.device))
         al.elements[g.id] = scales[:, None] * P
         out[g.id] = int((scales != 1).sum())
     return out
+
+
+def _slot_sums(ra, g, a_of, b_of, rows, device):
+    """``[4, rows]`` float64 sums over the slots of class ``g``, per block (a ``gl`` class's
+    heads) or unit: ``Σ b²``, ``Σ a·b`` over its co occurrences, then over its contra ones, of A's
+    tensors (``a_of(name)``) and B's in A's basis (``b_of(name)``). Each occurrence counts on its
+    own side: a packed projection (GPT-2's c_attn) holds a class's Q (co) and K (contra) leaves
+    in one slot."""
+    acc = torch.zeros(4, rows, dtype=torch.float64, device=device)
+    for name, d in g.params:
+        ax = ra.param_axes(name)
+        ta = ra.view(name, a_of(name).double())
+        tb = ra.view(name, b_of(name).double())
+        for idx, nf, parity in ra.leaf_views(ax[d], g.id, with_parity=True):
+            xa = gather(ta, d, idx, nf).reshape(rows, -1)
+            xb = gather(tb, d, idx, nf).reshape(rows, -1)
+            acc[2 * parity] += (xb * xb).sum(1)
+            acc[2 * parity + 1] += (xa * xb).sum(1)
+    return acc
 
 
 def _best_scales(q, c, kk, dd, iters: int = 80):

@@ -201,17 +201,8 @@ class WeightFeatures:
                         total = add_into(total, hit[1])
                         bound = plus_bound(bound, hit[2])
                     continue
-            hit = self._cache.get(key)
-            if hit is None or hit[0] != ver:
-                val = (self._slot(ga, gb, name, d, elements, cross_fibres, exact, circ) if shared is None
-                       else shared[key])  # computed by one of the processes (see .shared)
-                # kept when small, or when it reads no other class (fixed for the whole solve:
-                # the embeddings' and head's Grams of a residual stream)
-                if val[0] is not None and (val[0].numel() <= self.CACHE_NUMEL or not dep) and not val[3]:
-                    self._cache[key] = (ver, val)
-            else:
-                val = hit[1]
-            s, a2, b2, partial, cp, fro = val
+            s, a2, b2, partial, cp, fro = self._slot_value(
+                key, ver, dep, shared, lambda: self._slot(ga, gb, name, d, elements, cross_fibres, exact, circ))
             complete &= not partial
             if s is None:
                 if pool is not None:
@@ -227,8 +218,26 @@ class WeightFeatures:
                 got = fresh.setdefault(pool, [ver, None, True, 0.0])
                 got[1], got[2], got[3] = add_into(got[1], s), got[2] and not partial, plus_bound(got[3], fro)
         self._keep_pools(fresh)
-        total = settled(total)
-        if circ and parts is not None and total is not None and total.dim() == 4 and all(
+        total = self._finished(ga, settled(total), na2, nb2, bound, parts if circ else None)
+        return total, complete, frozenset(used)
+
+    def _slot_value(self, key, ver, dep, shared, compute):
+        """A slot's contribution: cached with the present versions, else computed (``compute``,
+        or by one of the processes: ``shared``, see .shared) and kept when small, or when it
+        reads no other class (fixed for the whole solve: the embeddings' and head's Grams of a
+        residual stream)."""
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == ver:
+            return hit[1]
+        val = compute() if shared is None else shared[key]
+        if val[0] is not None and (val[0].numel() <= self.CACHE_NUMEL or not dep) and not val[3]:
+            self._cache[key] = (ver, val)
+        return val
+
+    def _finished(self, ga, total, na2, nb2, bound, parts):
+        """The summed similarity: circuit scores kept from ``parts`` (circuits: both sides
+        seen), scaled per head pair by the features' norms, its bound noted."""
+        if parts is not None and total is not None and total.dim() == 4 and all(
                 isinstance(x, torch.Tensor) for p in parts for x in p):  # both sides of the circuit seen
             self.head_scores[ga.id] = _circuit_scores(*(torch.stack(p) for p in parts))
         if total is not None and total.dim() == 4:
@@ -239,7 +248,7 @@ class WeightFeatures:
             bound = float(total.shape[1])  # each B fibre's matched pair scores at most 1
         if self.bounds is not None:
             self.bounds[ga.id] = bound
-        return total, complete, frozenset(used)
+        return total
 
     def _misses(self, ga, gb, cross_fibres, usable):
         """``[(cache key, name, dim, cost)]``: the slots :meth:`similarity` computes (neither
@@ -294,17 +303,24 @@ class WeightFeatures:
                 self._pool[pool] = (ver, total, fro)
                 self._pool_bytes += size
 
-    def _slot(self, ga, gb, name, d, elements, cross_fibres, exact, circ=False):
-        ax_a, ax_b = self.ra.param_axes(name), self.rb.param_axes(name)
-        total, a2, b2, parts, fro = None, 0.0, 0.0, None, 0.0
-        va, vb = self.ra.leaf_views(ax_a[d], ga.id), self.rb.leaf_views(ax_b[d], gb.id)
-        parity = [k for *_, k in self.ra.leaf_views(ax_a[d], ga.id, with_parity=True)] if circ else []
-        others = self.rb.other_leaf_elements(ax_b[d], gb.id, elements) if va else []  # per view
+    def _views(self, ga, gb, axis_a, axis_b, elements, circ):
+        """The slot's views of the class in A and B, the parity of each (circuits), and B's
+        elements of the other leaves in each; a view read by a class nested under ``gb`` is
+        left to that class."""
+        va, vb = self.ra.leaf_views(axis_a, ga.id), self.rb.leaf_views(axis_b, gb.id)
+        parity = [k for *_, k in self.ra.leaf_views(axis_a, ga.id, with_parity=True)] if circ else []
+        others = self.rb.other_leaf_elements(axis_b, gb.id, elements) if va else []  # per view
         if self.nested.get(gb.id) and va:  # views read by a class nested under this one: its own
-            keep = [v for v, o in enumerate(self.rb.other_leaf_groups(ax_b[d], gb.id))
+            keep = [v for v, o in enumerate(self.rb.other_leaf_groups(axis_b, gb.id))
                     if not self.nested[gb.id] & set(o)]
             va, vb, others = [va[v] for v in keep], [vb[v] for v in keep], [others[v] for v in keep]
             parity = [parity[v] for v in keep] if parity else parity
+        return va, vb, parity, others
+
+    def _slot(self, ga, gb, name, d, elements, cross_fibres, exact, circ=False):
+        ax_a, ax_b = self.ra.param_axes(name), self.rb.param_axes(name)
+        total, a2, b2, parts, fro = None, 0.0, 0.0, None, 0.0
+        va, vb, parity, others = self._views(ga, gb, ax_a[d], ax_b[d], elements, circ)
         ta, tb = self.ra.view(name, self.A[name]), self.rb.view(name, self.B[name])
         r = self.rows.get(name)
         if r is not None and d != 0 and ta.dim() == len(ax_a) and not self.rb.axis_groups(ax_b[0]):
