@@ -1,8 +1,8 @@
 """The merge measured as it is written, for a step of the plan that corrects it (REPAIR): the
 merged model's tensors computed by the executor one unit at a time with the corrections
-registered so far (:class:`Merged`), each parent in the anchor's basis
-(:class:`~.views.Aligned`), and the :class:`RepairContext` the engine builds of them
-(:meth:`RepairContext.of`): the step reads its context, never the engine."""
+registered so far (:class:`Merged`), each parent in the anchor's basis, and the
+:class:`RepairContext` the engine builds of them (:meth:`RepairContext.of`): the step reads
+its context, never the engine."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,7 +11,7 @@ from typing import Any
 
 from ...transform.folding import groups
 from .plan import Plan
-from .views import Aligned, Ledger, TensorCache
+from .views import Ledger, TensorCache
 
 __all__ = ["Merged", "RepairContext"]
 
@@ -82,14 +82,11 @@ class RepairContext:
     @classmethod
     def of(cls, job) -> RepairContext:
         """The context of the merge engine ``job`` whose alignment and statistics are done."""
-        A, ra, res = job.ckpts[job.anchor], job.graph_report, job.resources
+        A, ra, res = job.checkpoints[job.anchor], job.graph_report, job.resources
         known = set(ra.parameters) | {b for b in ra.buffers if job._averaged(b)}
         if job.align_mode is None:  # every floating-point buffer is combined
             known |= {k for k in A.keys if A.param_of.get(k) is None and job._averaged(k)}
         units = groups(job.report.folds) if job.report is not None else {}
-        merged = Merged(A, known, units, job.executor(Plan(tuple(job.ckpts), job.anchor, (), (), ra)))
-
-        def parent(i):
-            return Aligned(job.ckpts[i], job.alignments[i], A, ra, res.work_dtype, res.cache_bytes, res.ledger)
-        return cls(ra, A.model, job.data, tuple(job.weights.tolist()), parent, merged, res.device, res.cache_bytes,
-                   res.ledger)
+        merged = Merged(A, known, units, job.executor(Plan(tuple(job.checkpoints), job.anchor, (), (), ra)))
+        return cls(ra, A.model, job.data, tuple(job.weights.tolist()), job.aligned, merged, res.device,
+                   res.cache_bytes, res.ledger)
