@@ -76,10 +76,6 @@ def _timed(fn, *a):
     return time.perf_counter() - t, out
 
 
-def _max_rss_mb() -> float:
-    return peak_rss_mb()
-
-
 def run(out: str | None = None, layers: int | None = None, repeats: int = 3) -> dict:
     """Run the benchmark; write JSON to ``out`` (when given) and return the results."""
     import symgraph
@@ -132,7 +128,7 @@ def run(out: str | None = None, layers: int | None = None, repeats: int = 3) -> 
         "passes_fraction": (t_passes + t_report) / exp_med,
         "breakdown_s": {"trace": t_trace, "passes": t_passes, "report": t_report},
         "tracemalloc_peak_mb": peak / 2 ** 20,
-        "max_rss_mb": _max_rss_mb(),
+        "max_rss_mb": peak_rss_mb(),
         "groups": len(report.groups),
         "group_kinds": dict(sorted(kinds.items())),
         "frozen_ops": len(report.frozen),

@@ -20,7 +20,7 @@ from pathlib import Path
 from symgraph.checkpoints.outdir import identity, remove_own
 
 __all__ = ["REPO_ROOT", "RECORD", "RESULTS_ROOT", "git_state", "jsonable", "machine_free", "write_json", "staged", "write_result", "write_beside",
-           "register", "log", "table", "commit_info", "command_line", "best_time", "matmul_gflops", "matmul_rates", "add_record", "record_problems"]
+           "register", "log", "table", "cell", "commit_info", "command_line", "best_time", "matmul_gflops", "matmul_rates", "add_record", "record_problems"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -140,6 +140,11 @@ def table(header, rows, align=None) -> list[str]:
     align = align or [None] * len(header)
     return ["| " + " | ".join(header) + " |", "|" + "|".join(marks[a] for a in align) + "|",
             *(row if isinstance(row, str) else "| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
+
+def cell(x, spec: str = ".3f", none: str = "—") -> str:
+    """A table cell: ``format(x, spec)``, or ``none`` where ``x`` is None."""
+    return none if x is None else format(x, spec)
 
 
 # --- what a record names: the command and the commit ---------------------------------------------

@@ -20,6 +20,7 @@ import symgraph
 from symgraph.cli.compare import compare_paths
 
 from .families import FAMILIES, build
+from .provenance import cell
 
 __all__ = ["TARGET", "family_row", "run_families", "families_markdown"]
 
@@ -105,10 +106,6 @@ def run_families(names=None, seed: int = 0, out_of_core: bool = True) -> dict:
             "seconds": time.perf_counter() - t0, "torch": torch.__version__}
 
 
-def _e(x) -> str:
-    return "—" if x is None else f"{x:.1e}"
-
-
 def families_markdown(f: dict) -> str:
     """The section of ``report.md``: one row per family."""
     ooc = f["out_of_core"]
@@ -122,21 +119,21 @@ def families_markdown(f: dict) -> str:
              "before alignment.", "",
              f"**In memory (what `symgraph compare` runs for models this small): {f['same_in_memory']}/"
              f"{f['families']} families 'same' within {f['target']:.0e}** (largest error "
-             f"{_e(f['max_error_in_memory'])})." + (
+             f"{cell(f['max_error_in_memory'], '.1e')})." + (
                  f" Out of core: {f['same_out_of_core']}/{f['families']} (largest error of those "
-                 f"{_e(f['max_error_out_of_core'])}; {len(f['loaded_instead'])} loaded in memory instead, marked: "
-                 "transformers renames their stored tensors on load)." if ooc else "")
+                 f"{cell(f['max_error_out_of_core'], '.1e')}; {len(f['loaded_instead'])} loaded in memory "
+                 "instead, marked: transformers renames their stored tensors on load)." if ooc else "")
              + f" All rows ok: {f['passed']}/{f['families']}; {f['seconds']:.0f} s.", ""]
     head = "| family | verdict | error | moved | " + ("out of core: verdict | error | " if ooc else "") + \
            "group kinds filled | seconds |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for r in f["rows"]:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted((r.get("kinds") or {}).items()))
-        cells = [r["family"], r.get("verdict", "error"), _e(r.get("error")), _e(r.get("moved"))]
+        cells = [r["family"], r.get("verdict", "error"), cell(r.get("error"), '.1e'), cell(r.get("moved"), '.1e')]
         if ooc:
             mode = r.get("ooc_mode")
             cells += [r.get("ooc_verdict", "—") + ("" if mode in (None, "out of core") else f" ({mode})"),
-                      _e(r.get("ooc_error"))]
+                      cell(r.get("ooc_error"), '.1e')]
         cells += [kinds or "—", f"{r['seconds']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     failed = [r for r in f["rows"] if not r["ok"]]

@@ -33,9 +33,12 @@ import os
 import shutil
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
+
+from .provenance import cell
 
 KIT, VERSION = "cisco-ai-provenance-kit", "1.0.0"
 NAME = f"{KIT} {VERSION}"
@@ -228,8 +231,7 @@ def attach(rows, scored: dict) -> None:
         row["cisco_detail"] = {k: v for k, v in s.items() if k not in ("pipeline", "identity")}
 
 
-def _f(x, fmt=".3f") -> str:
-    return "n/a" if x is None else format(x, fmt)
+_f = partial(cell, none="n/a")
 
 
 def table_rows(p: dict) -> list[str]:

@@ -13,6 +13,7 @@ method; the best of aligned Fisher and RegMean. A target is met when:
 from __future__ import annotations
 
 from .methods import SEED_METHODS, SYMGRAPH_METHODS
+from .provenance import cell
 from .records import renamed
 
 __all__ = ["WITHOUT_REFINE", "WITH_REFINE", "SEEDS", "ALIGNED_MERGES", "targets", "section"]
@@ -64,10 +65,6 @@ def targets(records, archs) -> list[dict]:
     return out
 
 
-def _cell(x, digits=3):
-    return "—" if x is None else f"{x:.{digits}f}"
-
-
 def _named(pair):
     name, x = pair
     return "—" if x is None else f"{x:.3f} `{name}`"
@@ -90,6 +87,6 @@ def section(records, archs) -> list[str]:
     for r in rows:
         met = ["—" if r["met"][k] is None else ("yes" if r["met"][k] else "no") for k in names]
         L.append(f"| {r['arch']} | {r['vanilla']:.3f} | {_named(r['without'])} "
-                 f"({_cell(r['ratio_without'], 2)}) | {_cell(r['refine'])} ({_cell(r['ratio_refine'], 2)}) | "
+                 f"({cell(r['ratio_without'], '.2f')}) | {cell(r['refine'])} ({cell(r['ratio_refine'], '.2f')}) | "
                  f"{_named(r['seed'])} | {_named(r['aligned'])} | " + " | ".join(met) + " |")
     return L

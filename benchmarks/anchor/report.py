@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..provenance import commit_info as commit  # noqa: F401 - the table's commit (re-exported)
-from ..provenance import register, table
+from ..provenance import cell, register, table
 from .peer import PEER_LABEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,10 +52,6 @@ def previous_rows(out: Path, result: dict) -> dict:
     return {(r["row"], r["space"]): r for r in prev.get("rows", []) if r.get("by") != "peer"}
 
 
-def _fmt(x, spec=".3f") -> str:
-    return "—" if x is None else format(x, spec)
-
-
 def header(result: dict) -> list:
     env = result.get("env") or {}
     par = sorted({f"{p.get('precision')} on {p.get('device')}" for p in result.get("parents") or []}) or ["unknown"]
@@ -80,7 +76,7 @@ def markdown(result: dict) -> str:
         hb = "—" if h is None or h["barrier"] is None else f"{h['barrier']:.3f}"
         ratio = "—" if h is None or h["barrier"] is None or not van else f"{h['barrier'] / van:.2f}"
         cb = "—" if c is None else (f"{c['barrier']:.3f}" if c["barrier"] is not None else "n/a")
-        ct = "—" if c is None else _fmt(c.get("barrier_theirs"))
+        ct = "—" if c is None else cell(c.get("barrier_theirs"))
         secs = sum(r["seconds"] for r in (h, c) if r)
         al = max((r.get("align_seconds") or 0.0) for r in (h, c) if r)
         paper = f"{PAPER[name]:.2f}" if name in PAPER else "—"
