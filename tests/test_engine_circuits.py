@@ -129,7 +129,8 @@ def test_circuit_heads_widen_the_plan_from_what_they_are_given(pair, tmp_path):
     wide = heads.widening()
     layer = "model.layers.0.self_attn."
     assert wide.out_shapes[layer + "q_proj.weight"] == (4 * 16, 32)  # 4 heads of 2 x 8
-    assert wide.out_shapes[layer + "k_proj.weight"] == (2 * 16, 32) and wide.out_shapes[layer + "o_proj.weight"] == (32, 64)
+    assert wide.out_shapes[layer + "k_proj.weight"] == (2 * 16, 32)  # 2 KV heads
+    assert wide.out_shapes[layer + "o_proj.weight"] == (32, 64)
     assert not any("mlp" in k or "norm" in k for k in wide.out_shapes)  # only the heads widen
     assert wide.config_updates["head_dim"] == 16 and wide.config_updates["rope_parameters"]["rope_type"] == "longrope"
     names = [layer + p for p in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")]

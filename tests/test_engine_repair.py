@@ -73,6 +73,30 @@ def test_repair_holds_no_more_than_its_budget(pair, tmp_path):
     assert len(job.repair_report.layers) == (4 if llama else 2) and len(job.transforms.corrections) == 4
 
 
+def test_repair_reads_the_merge_through_the_context_the_engine_builds(pair):
+    """``RepairContext.of`` is the one reader of the engine: its ``merged`` view computes a unit by
+    the executor (here the plain average, unaligned), its corrections reach the engine's plan
+    (the executor that writes applies them) and the view's cache alike; ``parent(i)`` is model
+    ``i`` in the anchor's basis; a tied or unmerged graph input is the anchor's own."""
+    from symgraph.checkpoints.sharded import Checkpoint
+    from symgraph.merging.engine.measuring import RepairContext
+    ids = load_file(str(pair / "data.safetensors"))["input_ids"]
+    job = StreamingMerge([str(pair / "m0"), str(pair / "m1")], data=[{"input_ids": ids[:8]}], repair=True,
+                         align="none", weights=[0.25, 0.75])
+    job.align()
+    ctx = RepairContext.of(job)
+    assert ctx.weights == (0.25, 0.75) and ctx.graph_report is job.graph_report and ctx.data == job.data
+    a, b = (Checkpoint(str(pair / f"m{i}")) for i in range(2))
+    name = next(n for n in job.graph_report.parameters if n.endswith(("mlp.down_proj.weight", "mlp.c_proj.weight")))
+    assert torch.equal(ctx.merged.fetch(name), (0.25 * a.get(name) + 0.75 * b.get(name)).to(a.get(name).dtype))
+    assert torch.equal(ctx.parent(1).fetch(name), b.get(name))  # no alignment: B as stored
+    ctx.merged.correct({name: lambda t: 2 * t})
+    doubled = 2 * (0.25 * a.get(name) + 0.75 * b.get(name))
+    assert torch.equal(ctx.merged.fetch(name), doubled) and name in job.transforms.corrections
+    assert torch.equal(job.executor().merged((name,))[name], doubled)  # what the engine writes
+    ctx.merged.clear()
+
+
 @pytest.mark.slow  # the aligned case runs by default, here and in tests/test_engine.py
 def test_repair_without_alignment_equals_in_memory(pair, tmp_path):
     data = str(pair / "data.safetensors")
