@@ -17,25 +17,21 @@ def fit_scales(al, model_a, model_b, groups):
     minimising ``Σ_co ‖A − a·B'‖² + Σ_contra ‖A − B'/a‖²`` over its slots, where ``B'`` is B
     in A's basis. ``a·E`` is still in GL (co slots scale by ``a``, contra by ``1/a``), so the
     model's function is unchanged. Updates ``al.elements``; returns ``{group id: [a, ...]}``."""
-    ra = al.report_a
     targets = [g for g in groups if g.kind == "gl" and isinstance(al.elements.get(g.id), torch.Tensor)]
-    if not targets:
-        return {}
-    Bp = al.state(model_b)
-    out = {}
-    for g in targets:
-        E = al.elements[g.id]
+
+    def fit(g, E, Bp):
         nblk = int(np.prod(E.shape[:-2])) if E.dim() > 2 else 1
         fib = head_maps(al, g)  # E's blocks are indexed by B's heads, the views below by A's
         if fib is None:
-            continue
-        acc = _slot_sums(ra, g, lambda name: model_a.get_parameter(name).detach(), Bp.__getitem__, nblk, E.device)
+            return None
+        acc = _slot_sums(al.report_a, g, lambda name: model_a.get_parameter(name).detach(), Bp.__getitem__, nblk,
+                         E.device)
         acc = _by_b_heads(acc.T.reshape(*E.shape[:-2], 4), fib, 0)
         scales = [_best_scale(*row) for row in acc.reshape(nblk, 4).cpu().tolist()]
         sc = torch.tensor(scales, dtype=torch.float64).to(E.device).reshape(*E.shape[:-2], 1, 1)
         al.elements[g.id] = E * sc
-        out[g.id] = scales
-    return out
+        return scales
+    return _each_class(al, targets, lambda: al.state(model_b), fit)
 
 
 def fit_unit_scales(al, sides, groups) -> dict:
@@ -45,21 +41,31 @@ def fit_unit_scales(al, sides, groups) -> dict:
     copy). The element becomes ``diag(s)·P`` (dense: ``n×n``). ``sides``: A's stored tensors
     and B's in A's basis (:mod:`~.fullgroups`). Updates ``al.elements``; returns ``{group id:
     number of units rescaled}``."""
-    ra = al.report_a
     targets = [g for g in groups if g.kind == "scaled_perm" and not g.outer
                and isinstance(al.elements.get(g.id), (Perm, torch.Tensor))]
-    if not targets:
-        return {}
-    Bp = sides.moved(al)
-    out = {}
-    for g in targets:
-        E = al.elements[g.id]
+
+    def fit(g, E, Bp):
         P = E.dense() if isinstance(E, Perm) else E.double()
         if P.dim() != 2 or P.shape[0] != P.shape[1]:
-            continue
-        scales = _best_scales(*_slot_sums(ra, g, sides.anchor, Bp.__getitem__, P.shape[0], P.device))
+            return None
+        scales = _best_scales(*_slot_sums(al.report_a, g, sides.anchor, Bp.__getitem__, P.shape[0], P.device))
         al.elements[g.id] = scales[:, None] * P
-        out[g.id] = int((scales != 1).sum())
+        return int((scales != 1).sum())
+    return _each_class(al, targets, lambda: sides.moved(al), fit)
+
+
+def _each_class(al, targets, moved, fit) -> dict:
+    """``{group id: fit(group, its element, B in A's basis)}`` over the ``targets`` that ``fit``
+    does not pass over (None), with B moved into A's basis once (``moved()``), and only when
+    there is a target."""
+    if not targets:
+        return {}
+    Bp = moved()
+    out = {}
+    for g in targets:
+        got = fit(g, al.elements[g.id], Bp)
+        if got is not None:
+            out[g.id] = got
     return out
 
 
@@ -135,17 +141,13 @@ def fit_gl(al, sides, groups) -> dict:
     ra = al.report_a
     targets = [g for g in groups if g.kind in ("gl", "rope") and isinstance(al.elements.get(g.id), torch.Tensor)
                and al.elements[g.id].dim() >= 2 and al.elements[g.id].shape[-1] == al.elements[g.id].shape[-2]]
-    if not targets:
-        return {}
-    Bp = sides.moved(al)
-    out = {}
-    for g in targets:
-        E = al.elements[g.id]
+
+    def fit(g, E, Bp):
         n = E.shape[-1]
         nblk = int(np.prod(E.shape[:-2])) if E.dim() > 2 else 1
         fib = head_maps(al, g)
         if fib is None:
-            continue
+            return None
         acc = torch.zeros(2, 2, nblk, n, n, dtype=torch.float64, device=E.device)  # [co/contra][XaXbᵀ, XbXbᵀ]
         for name, d in dict.fromkeys(g.params):  # a packed slot (q and k in one) is listed twice
             ax = ra.param_axes(name)
@@ -159,8 +161,8 @@ def fit_gl(al, sides, groups) -> dict:
         acc = _by_b_heads(acc.reshape(2, 2, *E.shape[:-2], n, n), fib, 2).reshape(2, 2, nblk, n, n)
         G, kept = (_pair_scales if g.kind == "rope" else _best_gl)(acc, g)
         al.elements[g.id] = (G.reshape(E.shape).to(E.dtype) @ E)
-        out[g.id] = kept
-    return out
+        return kept
+    return _each_class(al, targets, lambda: sides.moved(al), fit)
 
 
 def _objective(G, acc):
