@@ -141,6 +141,21 @@ def _main(model, cfg, name, batch, seq, gen):
     raise InputError(f"cannot build example inputs for main input {name!r}; pass inputs=")
 
 
+_MAIN = ("input_ids", "pixel_values", "input_values", "input_features")
+
+
+def _main_input(model, params):
+    """The main input's name and the config it is built from: the model's own, or, where the
+    model names a generic one (a speech encoder-decoder's ``inputs``), its encoder's when the
+    forward takes that by name too (``input_values``, ``input_features``)."""
+    name = getattr(model, "main_input_name", "input_ids")
+    enc = model.get_encoder() if name not in _MAIN and hasattr(model, "get_encoder") else None
+    sub = getattr(enc, "main_input_name", None)
+    if sub in _MAIN and sub in params and getattr(enc, "config", None) is not None:
+        return sub, enc.config
+    return name, model.config
+
+
 def default_inputs(model, batch: int = 2, seq: int = 8):
     """Example inputs for a Hugging Face model, built from its config (no data needed); see the
     module's docstring; a diffusers model's: :mod:`.diffusion_inputs`. Returns ``(args, kwargs)``."""
@@ -152,10 +167,10 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
             "example inputs for it; pass inputs=(tensor, ...) positional inputs or a dict of "
             "keyword inputs.")
     cfg, dev = model.config, _device(model)
-    name = getattr(model, "main_input_name", "input_ids")
     params = inspect.signature(model.forward).parameters
+    name, main_cfg = _main_input(model, params)
     gen = torch.Generator().manual_seed(0)
-    kwargs = {name: _main(model, cfg, name, batch, seq, gen)}
+    kwargs = {name: _main(model, main_cfg, name, batch, seq, gen)}
     two_towers = getattr(cfg, "vision_config", None) is not None and _sub(
         cfg, "image_token_id", "image_token_index") is None
     if name == "input_ids" and "pixel_values" in params and two_towers:  # CLIP-like
@@ -171,6 +186,9 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
             dec = _token_ids(model, cfg, batch, max(2, seq // 2), gen)
         dec[:, 0] = start[0] if start else 0
         kwargs["decoder_input_ids"] = dec
+        if name == "input_ids" and "attention_mask" in params:  # the encoder's: all ones (a
+            # traced encoder stack makes none: LongT5's, Switch Transformers')
+            kwargs["attention_mask"] = torch.ones_like(ids)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     kwargs = {k: v.to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in kwargs.items()}
     if "use_cache" in params:

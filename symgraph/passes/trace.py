@@ -64,19 +64,51 @@ def graph_friendly(model):
     (``config._experts_implementation``). ``grouped_mm`` sorts tokens by expert, an order that
     depends on the routing labels' values, so no rule can follow the experts through it;
     ``batched_mm`` (the same function) gathers each token's expert weights and uses batched
-    matmuls (:mod:`symgraph.passes.labels`). Trace and certify with ``batched_mm``; every config
-    is restored afterwards."""
-    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
-               and isinstance(getattr(c, "_experts_implementation", None), str)}
-    saved = {k: c._experts_implementation for k, c in configs.items()}
+    matmuls (:mod:`symgraph.passes.labels`). Trace and certify with ``batched_mm``, and with
+    every config's ``use_cache`` off (a model whose forward takes no ``use_cache`` but reads its
+    config's, as a vision- or audio-language model's inner decoder does, would otherwise return
+    a ``DynamicCache``, which no exported program can hold); every config is restored afterwards."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    experts = {k: c._experts_implementation for k, c in configs.items()
+               if isinstance(getattr(c, "_experts_implementation", None), str)}
+    for c in list(configs.values()):  # sub-configs no module of their own holds (text, audio)
+        for v in vars(c).values() if hasattr(c, "__dict__") else ():
+            if hasattr(v, "__dict__") and "use_cache" in vars(v):
+                configs.setdefault(id(v), v)
+    caches = {k: True for k, c in configs.items() if hasattr(c, "__dict__") and vars(c).get("use_cache") is True}
     try:
-        for c in configs.values():
-            if c._experts_implementation not in ("batched_mm", "eager"):
-                c._experts_implementation = "batched_mm"
+        for k in experts:
+            if configs[k]._experts_implementation not in ("batched_mm", "eager"):
+                configs[k]._experts_implementation = "batched_mm"
+        for k in caches:
+            configs[k].use_cache = False
         yield model
     finally:
-        for k, c in configs.items():
-            c._experts_implementation = saved[k]
+        for k, v in experts.items():
+            configs[k]._experts_implementation = v
+        for k, v in caches.items():
+            configs[k].use_cache = v
+
+
+@contextlib.contextmanager
+def conversions_in_place():
+    """A forward that converts a submodule to the dtype and device it already has (a router kept
+    in float32: ``self.classifier.to(self.dtype)``) changes nothing, but under ``torch.export``
+    its parameters are functional tensors that ``Module.to`` tries, and fails, to swap: while
+    tracing, such a conversion returns the module as it is; any other runs as usual."""
+    orig = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        device, dtype, _, fmt = torch._C._nn._parse_to(*args, **kwargs)
+        same = all((device is None or t.device == device)
+                   and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+                   for t in (*self.parameters(), *self.buffers()))
+        return self if same and fmt is None else orig(self, *args, **kwargs)
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = orig
 
 
 def varying_nodes(ep):
@@ -219,7 +251,8 @@ def trace(model, inputs=None, decompose: bool = True):
     with eval_mode(model), graph_friendly(model), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            ep = torch.export.export(model, *traced, strict=False)
+            with conversions_in_place():
+                ep = torch.export.export(model, *traced, strict=False)
         except Exception as e:  # noqa: BLE001 - report any tracing failure uniformly
             raise TraceError(
                 f"torch.export could not trace {type(model).__name__}: "
