@@ -96,7 +96,7 @@ def run_family(model_type: str, class_name: str, task: str) -> dict:
                 rec["unruled_seconds"] = time.perf_counter() - t
                 stage = "structure"
                 ep = traced(model)[0]
-                rec["structure"] = expectations(ep, report, cfg)
+                rec["structure"] = expectations(ep, report, cfg, symgraph.tied_parameters(model))
                 rec["complete"] = not rec["structure"]["missing"]
                 rec["blockers"] = blockers(rec)
             stage = "certify"

@@ -25,11 +25,36 @@ _NONLINEAR = {"gelu", "silu", "relu", "tanh", "sigmoid", "erf", "exp", "pow", "l
 PERMLIKE = {"perm", "scaled_perm", "signed_perm", "orthogonal", "orthogonal_mean", "gl"}
 
 
+def _coordinates(ep, users, lin) -> set:
+    """Linear-like ops whose outputs are coordinates, not hidden units: what they compute reaches
+    the graph's outputs (a detection head's boxes) or the sampled positions of
+    ``grid_sampler_2d`` (deformable attention's reference points) through ops other than
+    linear-like ones, norms and reductions; either reads each output channel as itself, so no
+    map of those channels can exist."""
+    out = set()
+    for up in lin:
+        stack, seen = [up], {up}
+        while stack and up not in out:
+            node = stack.pop()
+            for u in users[node]:
+                name = _pname(u)
+                if u.op == "output" or name == "grid_sampler_2d" and u.args[1] is node:
+                    out.add(up)
+                    break
+                if u.op != "call_function" or u in lin or name in _STOP - {"cat", "stack"} \
+                        or name in _LINEAR or u in seen:
+                    continue
+                seen.add(u)
+                stack.append(u)
+    return out
+
+
 def mlp_units(ep) -> list:
     """Every MLP of the graph: ``{"module", "up": [(param, out dim)], "down": (param, in dim)}``
     for each linear-like op (the down projection) that a linear-like op (an up projection)
     reaches through elementwise ops including a nonlinearity, with no residual add, norm,
-    attention, softmax or reduction on the way."""
+    attention, softmax or reduction on the way; an up projection whose outputs are coordinates
+    (:func:`_coordinates`) opens no MLP."""
     users = collections.defaultdict(list)
     for n in ep.graph.nodes:
         for a in n.all_input_nodes:
@@ -41,7 +66,10 @@ def mlp_units(ep) -> list:
             if w is not None:
                 lin[n] = w
     units = {}
+    coordinates = _coordinates(ep, users, lin)
     for up, (_, up_out, _) in lin.items():
+        if up in coordinates:
+            continue
         stack, seen = [(up, False)], set()
         while stack:
             node, nl = stack.pop()
@@ -106,10 +134,13 @@ def has_rope(cfg) -> bool:
     return False
 
 
-def expectations(ep, report, cfg) -> dict:
+def expectations(ep, report, cfg, tied=()) -> dict:
     """What a complete report must contain, derived from the graph and the config, and what
     this one lacks: ``{"mlps", "attention", "rope_expected", "rope_classes", "missing": [...]}``.
-    Each missing entry is ``{"kind": "mlp-perm" | "attention-heads" | "rope", "module": ...}``."""
+    Each missing entry is ``{"kind": "mlp-perm" | "attention-heads" | "rope", "module": ...}``.
+    ``tied``: groups of parameter names sharing one tensor (``symgraph.tied_parameters``): the
+    graph may read a tensor under any of its names, the report names each once."""
+    alias = {n: g for g in tied for n in g}
     slots = collections.defaultdict(set)   # (param, dim) -> kinds of the groups holding it
     headed = set()                         # params in a class with head blocks
     for g in report.groups:
@@ -132,7 +163,7 @@ def expectations(ep, report, cfg) -> dict:
         """Groups on ``slot``; a stacked expert tensor's slots may be reported per expert (in
         another dim numbering), so for those any group of that size on that tensor counts."""
         p, d = slot
-        got = set(by_slot.get((p, d), set()))
+        got = {g for q in alias.get(p, (p,)) for g in by_slot.get((q, d), ())}
         shp = shapes.get(p) or ()
         if len(shp) >= 3 and d < len(shp):  # a fused gate/up tensor holds the class twice
             got |= by_stacked.get((p, shp[d]), set())
