@@ -71,7 +71,7 @@ def test_a_mount_point_is_refused_before_any_work(pair, tmp_path, monkeypatch, c
     real_ismount = os.path.ismount
     monkeypatch.setattr(os.path, "ismount", lambda p: os.path.realpath(p) == str(volume) or real_ismount(p))
     reads = []
-    monkeypatch.setattr("symgraph.app.run.local_layouts", lambda specs: reads.append(specs))
+    monkeypatch.setattr("symgraph.checkpoints.inputs.local_layouts", lambda specs: reads.append(specs))
     before = digest(pair)
     r = _main(tmp_path, "merge", pair / "a", pair / "b", "--out", volume, "--force", capsys=capsys)
     refused(r, f"--out '{volume}' is a mount point", "a mount point cannot take",
@@ -89,7 +89,7 @@ def test_too_little_free_space_is_refused_in_human_units(pair, tmp_path, monkeyp
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 ** 9, 10 ** 9 - 1234, 1234))
     aligned = []
-    monkeypatch.setattr("symgraph.app.run._streaming_job", lambda *a, **k: aligned.append(a))
+    monkeypatch.setattr("symgraph.app.run._engine", lambda *a, **k: aligned.append(a))
     before = digest(pair)
     r = _main(tmp_path, "merge", pair / "a", pair / "b", "--out", tmp_path / "o", capsys=capsys)
     refused(r, f"the merged model needs {human_bytes(need)} but its file system has 1.23 kB free",

@@ -1,6 +1,7 @@
 """Checkpoint I/O.
 
 - ``specs``      what a model argument names (a directory, a demo name, a hub id) and data files
+- ``inputs``     a merge's inputs checked before any work (output, headers, data file, shard size)
 - ``textdata``   a data file from text with the model's own tokenizer (``symgraph data``)
 - ``loading``    ``from_pretrained``, complete or refused
 - ``sharded``    safetensors read and written one tensor at a time, each file pinned for the run

@@ -33,8 +33,8 @@ def _field(default, description: str, expected: str, *, cli: bool = True, metava
     refusal says is ``expected`` of its value, and whether the command line has a flag for it
     (:mod:`symgraph.app.options` derives the flag, its help and the docs' row from the field;
     ``flag`` when it is not ``--key``)."""
-    extra = {"expected": expected, "cli": cli, **({"metavar": metavar} if metavar else {}),
-             **({"flag": flag} if flag else {})}
+    extra: dict[str, Any] = {"expected": expected, "cli": cli, **({"metavar": metavar} if metavar else {}),
+                             **({"flag": flag} if flag else {})}
     return Field(default, description=description, json_schema_extra=extra, **constraints)
 
 
