@@ -216,7 +216,8 @@ class Moments:
     ``torch.distributed``."""
 
     def __init__(self, key, values, dim: int):
-        self.key, acc = key, [0, 0, 0]
+        self.key = key
+        acc: list = [0, 0, 0]  # the count, then float64 sums once a value is added
         for x in values:
             x = x.detach().movedim(dim, -1)
             x = x.reshape(-1, x.shape[-1]).double()
