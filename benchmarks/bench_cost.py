@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from .provenance import best_time, commit_info, matmul_gflops, table, write_beside
+from .provenance import best_time, commit_info, matmul_gflops, table, write_entry
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cost" / "cost.json"
 
@@ -321,10 +321,7 @@ def main(argv=None) -> int:
     r = run(a.shape, a.layers, a.work, a.align,
             [*(["--sketch", str(a.sketch)] if a.sketch else []), *(["--tol", str(a.tol)] if a.tol else [])])
     label = a.label or f"{a.shape}-L{a.layers}-{r['commit']}"
-    out = Path(a.out)
-    results = json.loads(out.read_text()) if out.is_file() else {}
-    results[label] = r
-    write_beside(out, results, markdown(results))
+    write_entry(a.out, label, r, markdown)
     print(markdown({label: r}))
     return 0 if r["rc"] == 0 else 1
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.provenance import best_time, matmul_gflops, table, write_beside
+from benchmarks.provenance import best_time, matmul_gflops, table, write_entry
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "device" / "device.json"
 
@@ -156,39 +156,45 @@ def header(shape: str, device: torch.device, commit: str) -> dict:
             "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def no_cuda(device: torch.device, prog: str) -> bool:
-    """Whether ``device`` is CUDA on a machine without it (said on stderr)."""
+def device_args(prog: str, doc: str, layers: str, out: Path, layers_note: str = "",
+                devices: str = "cuda or cpu") -> argparse.ArgumentParser:
+    """The parser of a device benchmark with the arguments both take (``--layers`` default
+    ``layers``, ``--out`` ``out``)."""
+    ap = argparse.ArgumentParser(prog=f"python -m benchmarks.{prog}", description=doc.splitlines()[0])
+    ap.add_argument("--shape", default="7b", help="a bench_scale shape: tiny, 1b, 7b")
+    ap.add_argument("--layers", default=layers, help="comma-separated depths, run in this order" + layers_note)
+    ap.add_argument("--stages", default="2", help="depths (of --layers) also run with stage counters")
+    ap.add_argument("--device", default="cuda", help=devices)
+    ap.add_argument("--label", default=None)
+    ap.add_argument("--commit", default=os.environ.get("SYMGRAPH_COMMIT", "?"))
+    ap.add_argument("--out", default=str(out))
+    return ap
+
+
+def device_plan(a, prog: str):
+    """``(device, depths, depths with stage counters, out)`` of :func:`device_args`' parsed ``a``
+    (``out``'s directory made); None where ``--device cuda`` finds no CUDA device (said on stderr)."""
+    device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"{prog}: --device cuda but this machine has no CUDA device", file=sys.stderr)
-        return True
-    return False
+        return None
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return device, [int(x) for x in a.layers.split(",")], {int(x) for x in a.stages.split(",") if x}, out
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_device", description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="7b")
-    ap.add_argument("--layers", default="2", help="comma-separated depths, run in this order (32: 218 s on an H200)")
-    ap.add_argument("--stages", default="2", help="depths (of --layers) also run with stage counters")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--label", default=None)
-    ap.add_argument("--commit", default=os.environ.get("SYMGRAPH_COMMIT", "?"))
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
-    a = ap.parse_args(argv)
-    device = torch.device(a.device)
-    if no_cuda(device, "bench_device"):
+    a = device_args("bench_device", __doc__, "2", DEFAULT_OUT, " (32: 218 s on an H200)").parse_args(argv)
+    plan = device_plan(a, "bench_device")
+    if plan is None:
         return 2
-    depths = [int(x) for x in a.layers.split(",")]
-    staged = {int(x) for x in a.stages.split(",") if x}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    device, depths, staged, out = plan
     label = a.label or f"{a.shape}-{device.type}-{a.commit}"
     r = {**header(a.shape, device, a.commit), "peaks": peaks(device), "depths": []}
     print(json.dumps(r["peaks"]), file=sys.stderr, flush=True)
     for layers in depths:  # each depth is written as soon as it is done
         r["depths"].append(run_depth(a.shape, layers, device, layers in staged, r["peaks"]))
-        results = json.loads(out.read_text()) if out.is_file() else {}
-        results[label] = r
-        write_beside(out, results, markdown(results))
+        write_entry(out, label, r, markdown)
         print(markdown({label: r}), file=sys.stderr, flush=True)
     return 0
 

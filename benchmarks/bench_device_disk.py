@@ -47,9 +47,7 @@ beside the plain average's).
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import shutil
 import sys
@@ -59,8 +57,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_device import _sync, header, no_cuda, peaks
-from benchmarks.provenance import matmul_rates, table, write_beside
+from benchmarks.bench_device import _sync, device_args, device_plan, header, peaks
+from benchmarks.provenance import matmul_rates, table, write_entry
 from benchmarks.solver_tally import SolverTally, forced_auction
 from benchmarks.scale.checkpoints import ensure_pair, llama_config, model_sizes, weight_files
 from benchmarks.scale.probe import Probe, meminfo, resident
@@ -328,11 +326,8 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_device_disk", description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="7b", help="a bench_scale shape: tiny, 1b, 7b")
-    ap.add_argument("--layers", default="2,32", help="comma-separated depths, run in this order")
-    ap.add_argument("--stages", default="2", help="depths (of --layers) also run with stage counters")
-    ap.add_argument("--device", default="cuda", help="cuda, cpu, or fakegpu (the test device)")
+    ap = device_args("bench_device_disk", __doc__, "2,32", DEFAULT_OUT,
+                     devices="cuda, cpu, or fakegpu (the test device)")
     ap.add_argument("--work", default=DEFAULT_WORK, help="pairs and outputs (local disk)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes writing the pair")
     ap.add_argument("--cache", choices=("asis", "cold"), default="asis")
@@ -355,9 +350,6 @@ def main(argv=None) -> int:
     ap.add_argument("--sync", action="store_true", help="write the pair back to disk before the runs (os.sync)")
     ap.add_argument("--aligned-first", action="store_true", help="the aligned merge before the unaligned one")
     ap.add_argument("--keep", action="store_true", help="keep the pairs")
-    ap.add_argument("--label", default=None)
-    ap.add_argument("--commit", default=os.environ.get("SYMGRAPH_COMMIT", "?"))
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
     a = ap.parse_args(argv)
     a.budget_runs = [(int(x.split(":")[0]), x.split(":")[1]) for x in a.budget_runs.split(",") if x]
     a.methods = [m for m in a.methods.split(",") if m]
@@ -369,14 +361,11 @@ def main(argv=None) -> int:
     if a.device.startswith("fakegpu"):
         from symgraph.testing.device import install
         install()
-    device = torch.device(a.device)
-    if no_cuda(device, "bench_device_disk"):
+    plan = device_plan(a, "bench_device_disk")
+    if plan is None:
         return 2
     from benchmarks.harness import machine_info
-    depths = [int(x) for x in a.layers.split(",")]
-    staged = {int(x) for x in a.stages.split(",") if x}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    device, depths, staged, out = plan
     Path(a.work).mkdir(parents=True, exist_ok=True)
     threads = f"-solver-threads-{a.solver_threads}" if a.solver_threads is not None else ""
     label = a.label or f"{a.shape}-{device.type}-disk{threads}-{a.commit}"
@@ -388,10 +377,7 @@ def main(argv=None) -> int:
         with lock:
             if d is not None and all(x is not d for x in r["depths"]):
                 r["depths"].append(d)
-            results = json.loads(out.read_text()) if out.is_file() else {}
-            results[label] = r
-            results = json.loads(json.dumps(results, default=lambda o: None))
-            write_beside(out, results, markdown(results))  # whole files: a timeout may stop us any time
+            write_entry(out, label, r, markdown)  # whole files: a timeout may stop us any time
     matmul_rates()  # the record's yardstick, measured once before anything is timed
     r["warmup_s"] = None if a.no_warmup else warmup(a, device)
     r["peaks"] = disk_peaks(device) if staged & set(depths) else None

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from symgraph.checkpoints.outdir import identity, remove_own
 
-__all__ = ["REPO_ROOT", "RECORD", "RESULTS_ROOT", "git_state", "jsonable", "machine_free", "write_json", "staged", "write_result", "write_beside",
-           "register", "log", "table", "cell", "commit_info", "command_line", "best_time", "matmul_gflops", "matmul_rates", "add_record", "record_problems"]
+__all__ = ["REPO_ROOT", "RECORD", "RESULTS_ROOT", "git_state", "jsonable", "machine_free", "write_json", "staged",
+           "write_result", "write_beside", "write_entry", "register", "log", "table", "cell", "commit_info",
+           "command_line", "best_time", "matmul_gflops", "matmul_rates", "add_record", "record_problems"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,6 +110,18 @@ def write_beside(path, record, markdown: str, command: str | None = None) -> Non
         tmp.write_text(text)
         os.replace(tmp, p)
     register(path.parent, [path.name, md.name], command)
+
+
+def write_entry(path, label: str, record, markdown) -> dict:
+    """``record`` as entry ``label`` of the results at ``path`` (``{label: record}`` JSON, the
+    other entries kept; what is not JSON written null), with ``markdown(all of them)`` beside it
+    (:func:`write_beside`). Returns all the entries."""
+    path = Path(path)
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    results[label] = record
+    results = json.loads(json.dumps(results, default=lambda o: None))
+    write_beside(path, results, markdown(results))
+    return results
 
 
 def register(out, files, command: str | None = None) -> dict | None:
