@@ -16,6 +16,7 @@ experts' down projection input (inside their forward) stays in floating point. S
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -38,21 +39,9 @@ LEARN_BATCHES = 4
 def quantized_loss(model, arch, batches, wbits, abits) -> float:
     """Held-out loss of ``model`` with weights rounded to ``wbits`` and linear inputs to ``abits``."""
     m = model if wbits is None else Q.quantize_weights(model, wbits, GROUP)
-    losses = []
-    with torch.no_grad():
-        ctx = Q.activations(m, abits) if abits is not None else _null()
-        with ctx:
-            for b in batches:
-                losses.append(float(evaluate.batch_loss(m, arch, b)))
+    with torch.no_grad(), Q.activations(m, abits) if abits is not None else contextlib.nullcontext():
+        losses = [float(evaluate.batch_loss(m, arch, b)) for b in batches]
     return sum(losses) / len(losses)
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _rotated(model, arch, how, learn_steps, quarot=None):
