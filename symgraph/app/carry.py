@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 
 import torch
@@ -138,20 +137,6 @@ def _layout(ckpt) -> list:
     return list(files.items())
 
 
-def _config(source: str, directory: str, updates: dict | None) -> None:
-    """``config.json`` copied from ``source`` (``updates`` None), or rewritten with ``updates``'s
-    fields (a dict value updates a nested config)."""
-    if updates is None:
-        shutil.copy2(os.path.join(source, "config.json"), os.path.join(directory, "config.json"))
-        return
-    with open(os.path.join(source, "config.json")) as f:
-        config = json.load(f)
-    for k, v in updates.items():
-        config[k] = {**config.get(k, {}), **v} if isinstance(v, dict) else v
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-
-
 def carry_writer(ckpt, report, elements: dict, gauge: dict, *, budget: int | None = None,
                  config_updates: dict | None = None, stats: dict | None = None, what: str = "carried into A's basis"):
     """A function ``write(directory)`` writing ``ckpt`` moved by ``elements`` (with norm gains
@@ -164,7 +149,7 @@ def carry_writer(ckpt, report, elements: dict, gauge: dict, *, budget: int | Non
     or rewritten with ``config_updates``; ``stats["bytes_held"]``: the most a piece held;
     ``what``: the move, as refusals name it."""
     from ..checkpoints.sharded import ShardWriter
-    from ..merging.streaming import EXTRA_FILES
+    from ..merging.streaming import write_metadata
 
     def write(directory):
         writer = ShardWriter(directory, None, [(k, ckpt.shapes[k], ckpt.dtypes[k]) for k in ckpt.keys],
@@ -179,10 +164,7 @@ def carry_writer(ckpt, report, elements: dict, gauge: dict, *, budget: int | Non
             if key not in stored:
                 writer.add(key, ckpt.read(key, check=False))
         info = writer.close()
-        _config(ckpt.path, directory, config_updates)
-        for fn in EXTRA_FILES:
-            if os.path.isfile(os.path.join(ckpt.path, fn)):
-                shutil.copy2(os.path.join(ckpt.path, fn), os.path.join(directory, fn))
+        write_metadata(ckpt.path, directory, config_updates)
         return info
     return write
 

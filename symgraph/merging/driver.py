@@ -4,7 +4,6 @@ report's ``buffers``: running statistics) are the weighted average of the models
 A's basis; every other buffer is the anchor's."""
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 
@@ -17,7 +16,7 @@ from ..alignment.checks import check_finite
 from ..report.api import analyze
 from ..errors import InputError
 from ..checkpoints.memory import ModelCheckpoint
-from .circuits import circuit_merge, why_no_config, wide_model
+from .circuits import circuit_merge, why_no_config
 from .config import solver_options
 from .methods import registry
 from .methods.registry import mixing_weights
@@ -112,7 +111,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         return MergeResult(out, alignments, timings, None, universe)
     job = _engine(models, how, align, anchor, w, data, repair, attention, align_options)
     job.use(ra, alignments)
-    out = _written(job, A)
+    out = job.merged_model(A)
     timings["statistics"] = job.timings.get("statistics", 0.0)
     timings["combine"] = time.perf_counter() - t3 - timings["statistics"]
     repaired = job.repair_report
@@ -156,20 +155,6 @@ def _aligned(models, A, ra, inputs, align, data, anchor, progress, align_options
     return alignments
 
 
-def _written(job, A):
-    """The merged model: the engine's every merged tensor written into a copy of ``A`` (or the
-    model of wider heads circuit space builds)."""
-    out, finish = _output_model(job, A)
-    targets = out.state_dict(keep_vars=True)
-
-    def put(key, t):
-        with torch.no_grad():
-            targets[key].copy_(t)
-    job.write_into(put, device=_device(A))
-    finish(out)
-    return out
-
-
 def _from_config(config, models, data, given: dict, align_options: dict) -> dict:
     """:func:`merge`'s keywords from a ``MergeConfig``, refused in one line when a keyword
     (``given``, ``align_options``) sets an option the config sets too."""
@@ -209,15 +194,6 @@ def _engine(models, how, align, anchor, w, data, repair, attention, align_option
                           fold_norms=align_options.get("fold_norms", True), outputs=align_options.get("outputs"),
                           data=data if needs else None, method=how, device=_device(models[0]), repair=repair,
                           attention=attention)
-
-
-def _output_model(job, A):
-    """The model the merged tensors are written into, and what completes it once written: a
-    copy of ``A``, or for circuit-space heads ``A``'s class built from the widened config
-    (:func:`~symgraph.merging.circuits.wide_model`)."""
-    if job.config.attention != "circuits":
-        return copy.deepcopy(A), lambda m: None
-    return wide_model(A, job.output_model().config, _device(A))
 
 
 def _circuits_without_config(models, alignments, w, anchor, ra):

@@ -16,6 +16,7 @@ checkpoints here; :func:`symgraph.merge` runs models in memory through it.
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import time
@@ -45,6 +46,7 @@ from .engine.statistics import StatisticsContext, take
 
 if TYPE_CHECKING:
     from ..report.symmetry import SymmetryReport
+    from .repair import RepairReport
 
 __all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "parse_size", "DEFAULT_SHARD", "budgets"]
 
@@ -64,6 +66,15 @@ def budgets(memory_budget, n_models: int, cache_bytes: int = DEFAULT_CACHE) -> t
         return cache_bytes, CHUNK_BYTES, STATS_BYTES
     b = parse_size(memory_budget)
     return b // (4 * n_models), max(1 << 10, b // (4 * (n_models + 2))), b // 2
+
+
+def write_metadata(source: str, directory: str, updates: dict | None) -> None:
+    """``config.json`` (with the fields ``updates`` changes) and the :data:`EXTRA_FILES` of the
+    checkpoint directory ``source`` into ``directory``."""
+    write_config(source, directory, updates or {})
+    for fn in EXTRA_FILES:
+        if os.path.isfile(os.path.join(source, fn)):
+            shutil.copy2(os.path.join(source, fn), os.path.join(directory, fn))
 
 
 @dataclass
@@ -94,8 +105,8 @@ class StreamingMerge:
     engine's own): ``config``, :attr:`checkpoints`, :attr:`anchor`, ``progress``; the results
     ``alignments`` (one per checkpoint, None for the anchor), :attr:`report` (the anchor's; None
     unaligned), ``timings`` and, once written, ``repair_report``; the steps :meth:`align` (or
-    :meth:`use`), :meth:`write` / :meth:`write_into` (the method's statistics, REPAIR, the
-    merged tensors), :meth:`plan`, :meth:`executor`; and what other steps build on:
+    :meth:`use`), :meth:`write` / :meth:`write_into` / :meth:`merged_model` (the method's
+    statistics, REPAIR, the merged tensors), :meth:`plan`, :meth:`executor`; and what other steps build on:
     :meth:`output_model`, :meth:`aligned`, :meth:`aligning_to`, :meth:`read`, :meth:`averaging`.
     """
 
@@ -121,7 +132,8 @@ class StreamingMerge:
             raise InputError("out of core, learned matching lowers the model's own loss on the anchor's "
                              "architecture; expected no loss_fn or between (symgraph.align takes them)")
         mixing_weights(cfg.weights, len(paths))  # refused here, before any work
-        self.data, self.repair_report = data, None  # repair_report: what REPAIR did (repair=True), once written
+        self.data = data
+        self.repair_report: RepairReport | None = None  # what REPAIR did (repair=True), once written
         rows = {} if rows_from is None else {"rows_from": list(rows_from)}  # batches: read only their tokens' rows
         self.align_options = align_options | solver_options(cfg) | rows
         cache, chunk, stats = budgets(cfg.memory_budget, len(paths), cache_bytes)
@@ -133,11 +145,12 @@ class StreamingMerge:
         self._checkpoints = tuple(untie_checkpoint(c) for c in ckpts) if cfg.untie else tuple(ckpts)  # before the checks
         self._check_family()
         # rotations are solved and applied in float32 for 16- and 32-bit weights (their own
-        # precision is far coarser), in float64 for float64 checkpoints
+        # precision is far coarser), in float64 for float64 checkpoints; the graphs run alike
         wide = any(c.dtype == torch.float64 for c in self._checkpoints)
-        self.resources.work_dtype = work_dtype or (torch.float64 if wide else torch.float32)
+        self.resources.work_dtype = torch.float64 if wide else torch.float32
         for c in self._checkpoints:
             self.read(c)
+        self.resources.work_dtype = work_dtype or self.resources.work_dtype
         self.alignments: list = [None] * len(paths)
         self.graph_report: SymmetryReport | None = None  # the anchor's (None: not analysed): the graph statistics run on
         self.timings: dict = {}
@@ -147,7 +160,7 @@ class StreamingMerge:
         self.transforms = Transforms(self.how.combine_group, untie_config_updates(
             getattr(self._checkpoints[self.anchor].source, "config", None)))
         from .circuits import streamed  # imported here: the engine loads nothing of a transform it does not run
-        self.transforms.circuits = streamed(cfg, self._checkpoints, self.how.name, lambda: self.report)  # None: heads
+        self.transforms.circuits = streamed(cfg, self._checkpoints, self.how.name, lambda: self.graph_report)
 
     checkpoints = property(lambda self: self._checkpoints, doc="the checkpoints, as read (untied if asked)")
     ckpts = checkpoints  # the engine's name
@@ -157,15 +170,9 @@ class StreamingMerge:
     progress = property(lambda self: self.resources.progress)
     # the settings of the one config, as the engine's steps read them
     align_mode = property(lambda self: None if self.config.align == "none" else self.config.align)
-    fold_norms = property(lambda self: self.config.fold_norms)
-    outputs = property(lambda self: self.config.outputs)
     repair = property(lambda self: self.config.repair)
-    refine = property(lambda self: self.config.refine)
     memory_budget = property(lambda self: self.config.memory_budget)
-    shard_bytes = property(lambda self: parse_size(self.config.max_shard_size) if self.config.max_shard_size
-                           else DEFAULT_SHARD)
     weights = property(lambda self: mixing_weights(self.config.weights, len(self._checkpoints)))
-    stats = property(lambda self: self.statistics.per_model)
     spill = property(lambda self: self.statistics.spill, lambda self, v: setattr(self.statistics, "spill", v))
 
     def _check_family(self):
@@ -194,7 +201,8 @@ class StreamingMerge:
 
     def _analyzed(self, c):
         from ..report.api import analyze
-        return analyze(c.model, self.data[0] if self.data else None, fold_norms=self.fold_norms, outputs=self.outputs)
+        cfg = self.config
+        return analyze(c.model, self.data[0] if self.data else None, fold_norms=cfg.fold_norms, outputs=cfg.outputs)
 
     def align(self):
         """Analyse the anchor's meta model and solve every other checkpoint against it."""
@@ -202,7 +210,7 @@ class StreamingMerge:
         A = self._checkpoints[self.anchor]
         if self.repair:  # a BatchNorm REPAIR cannot reset is refused before any work
             repair_stream.check(A.model, self.graph_report, self.data[0] if self.data else None,
-                                fold_norms=self.fold_norms, outputs=self.outputs)
+                                fold_norms=self.config.fold_norms, outputs=self.config.outputs)
         if self.align_mode is None:  # nothing to move: every tensor is combined as it is
             if (self.how.needs_data or self.repair) and self.graph_report is None:  # the graph its statistics are taken on
                 self.graph_report = self._analyzed(A)
@@ -212,7 +220,7 @@ class StreamingMerge:
         if self.align_options.get("rows_from"):  # weight matching reads only the embedding rows of their tokens
             self.align_options = {**self.align_options, "rows": ra.input_rows(self.align_options["rows_from"])}
         self.timings["analyze"] = time.perf_counter() - t0
-        learning = self._learning(A, ra) if self.refine else None  # its room in the budget, refused before any alignment
+        learning = self._learning(A, ra) if self.config.refine else None  # its room in the budget, refused before any alignment
         slicing.check_floor(self, budgets)  # the plan's largest piece within the budget, before any alignment
         t1 = time.perf_counter()
         shapes = lambda c: {n: tuple(p.shape) for n, p in c.model.named_parameters()}  # noqa: E731
@@ -228,7 +236,7 @@ class StreamingMerge:
     def _learning(self, A, ra):
         from .learned import Learning, check_budget
         res = self.resources
-        learning = Learning(A, self.data, self.refine, self.align_options.get("refine_lr", 1e-3), res.device,
+        learning = Learning(A, self.data, self.config.refine, self.align_options.get("refine_lr", 1e-3), res.device,
                             res.ledger, res.stats_bytes, self.memory_budget is not None, res.work_dtype,
                             self._solver_options(), res.progress)
         check_budget(learning, ra)
@@ -303,17 +311,32 @@ class StreamingMerge:
         return Aligned(self._checkpoints[i], self.alignments[i], self._checkpoints[self.anchor], self.graph_report,
                        res.work_dtype, res.cache_bytes, res.ledger)
 
+    def merged_model(self, template):
+        """The merge of models in memory (:meth:`write_into`) written into a copy of ``template``
+        (the anchor's model) on its device, or for circuit-space heads into its class built from
+        the widened config (:func:`~symgraph.merging.circuits.wide_model`)."""
+        from .circuits import wide_model
+        device = next((p.device for p in template.parameters()), torch.device("cpu"))
+        wide = self.config.attention == "circuits"
+        out, finish = wide_model(template, self.output_model().config, device) if wide else (copy.deepcopy(template), None)
+        targets = out.state_dict(keep_vars=True)
+
+        def put(key, t):
+            with torch.no_grad():
+                targets[key].copy_(t)
+        self.write_into(put, device=device)
+        if finish is not None:
+            finish(out)
+        return out
+
     def write(self, directory: str) -> dict:
         """Take the method's statistics (spilled to a temporary directory beside ``directory``,
         removed after) and write the merged checkpoint into ``directory`` (shards, index,
         config); returns ``{"tensors": n, "bytes": total, "shards": k}``."""
+        shard = parse_size(self.config.max_shard_size) if self.config.max_shard_size else DEFAULT_SHARD
         info = self._finish(lambda: Spill(os.path.dirname(os.path.abspath(directory))),
-                            lambda plan: ShardWriter(directory, self.shard_bytes, list(plan.outputs)))
-        A = self._checkpoints[self.anchor]
-        write_config(A.path, directory, self.transforms.config_updates)
-        for fn in EXTRA_FILES:
-            if os.path.isfile(os.path.join(A.path, fn)):
-                shutil.copy2(os.path.join(A.path, fn), os.path.join(directory, fn))
+                            lambda plan: ShardWriter(directory, shard, list(plan.outputs)))
+        write_metadata(self._checkpoints[self.anchor].path, directory, self.transforms.config_updates)
         return info
 
     def write_into(self, add, device=None) -> dict:
@@ -358,8 +381,8 @@ class StreamingMerge:
     def executor(self, plan=None):
         """The :class:`~.engine.executor.Executor` of ``plan`` (default: :meth:`plan`) over this
         merge's alignments, method, statistics, device and ledger."""
-        return Executor(plan or self.plan(), alignments=self.alignments, stats=self.stats, weights=self.weights,
-                        resources=self.resources, transforms=self.transforms,
+        return Executor(plan or self.plan(), alignments=self.alignments, stats=self.statistics.per_model,
+                        weights=self.weights, resources=self.resources, transforms=self.transforms,
                         elementwise_statistics=self.how.elementwise_statistics)
 
     def _averaged(self, buffer) -> bool:

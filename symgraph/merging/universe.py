@@ -43,7 +43,6 @@ widths), so memory grows by about N copies of ``models[0]`` in its dtype.
 """
 from __future__ import annotations
 
-import copy
 import math
 import sys
 import time
@@ -112,7 +111,7 @@ def align_universe(models, inputs, ra, align, data, weights, options=None, progr
                          outputs=align_options.get("outputs"), device=dev,
                          data=data if align == "activations" else None)
     alignments = [None] + [align_models(A, m, inputs, report_a=ra, **kw) for m in models[1:]]  # round 0
-    record = run_rounds(job, ra, alignments, _InMemory(models, inputs, ra, kw, dev), opts, progress, t0)
+    record = run_rounds(job, ra, alignments, _InMemory(models, inputs, ra, kw), opts, progress, t0)
     return alignments, record
 
 
@@ -120,16 +119,12 @@ class _InMemory:
     """The rounds' steps for models in memory: each mean written into a copy of ``models[0]``,
     and each original model aligned to it by :func:`symgraph.align`."""
 
-    def __init__(self, models, inputs, ra, kw, device):
-        self.models, self.inputs, self.ra, self.kw, self.device = models, inputs, ra, kw, device
+    def __init__(self, models, inputs, ra, kw):
+        self.models, self.inputs, self.ra, self.kw = models, inputs, ra, kw
 
     @contextmanager
     def target(self, plan):
-        out = copy.deepcopy(self.models[0])
-        held = out.state_dict(keep_vars=True)
-        with torch.no_grad():
-            plan.write_into(lambda key, t: held[key].copy_(t), device=self.device)
-        yield out
+        yield plan.merged_model(self.models[0])
 
     def align(self, target, i, rb):
         # activation statistics run a report's own graph with the weights it was traced with:

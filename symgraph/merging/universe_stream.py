@@ -1,24 +1,12 @@
 """The shared universe out of core: ``symgraph merge a b c --anchor universe``.
 
-The rounds of :mod:`.universe` (MergeMany, Ainsworth et al., Git Re-Basin, Algorithm 3), each
-step a plan of the merge engine instead of float32 states held in memory:
-
-- round 0: every checkpoint aligned to the first (:meth:`StreamingMerge.align`, the anchor merge);
-- round r ≥ 1: for i = 0..N-1 in turn, the weighted mean of the *other* checkpoints in the
-  shared basis (their current alignments, model i's weight 0) is written by an engine of
-  method ``average`` into a temporary checkpoint beside the output (marked as this run's,
-  removed once aligned to; a killed run's is swept by the next run beside it), within the memory
-  budget; the original checkpoint i is aligned to it, tensor by tensor
-  (:func:`~symgraph.alignment.driver.align_tensors` through :class:`~.views.Folded` views, as
-  the engine aligns any pair), and its alignment replaced at once (Gauss-Seidel);
-- stop after the first round in which no element changed (:func:`~.universe.round_changes`,
-  drift of the whole universe not counted), or after ``max_rounds``.
-
-The rounds are :func:`~.universe.run_rounds`, the loop of the in-memory universe; only where a
-mean goes and how a checkpoint is aligned to it differ. The merge then runs on the same engine
-with every checkpoint's alignment into the universe (:meth:`StreamingMerge.use`). Every held
-tensor is counted in the job's :class:`~.views.Ledger`, so its peak bounds the universe's
-rounds too. The record is the in-memory one's (:func:`~.universe.align_universe`)."""
+The rounds of :mod:`.universe` (:func:`~.universe.run_rounds`, the in-memory universe's loop),
+each leave-one-out mean an engine plan (:meth:`StreamingMerge.averaging`) written within the
+memory budget into a temporary checkpoint beside the output (marked as this run's, removed once
+aligned to; a killed run's is swept by the next run beside it), each checkpoint aligned to it
+by the engine's one alignment step (:meth:`StreamingMerge.aligning_to`). The merge then runs on
+the same engine with every checkpoint's alignment into the universe (:meth:`StreamingMerge.use`);
+every held tensor is counted in the job's ledger, so its peak bounds the rounds too."""
 from __future__ import annotations
 
 import tempfile
