@@ -99,12 +99,7 @@ class Counter:
 
 
 def _cross_cost(r, xa, xb, nf, cross_fibres):
-    F = 1
-    for s in xa.shape[:nf]:
-        F *= s
-    Fb = 1
-    for s in xb.shape[:nf]:
-        Fb *= s
+    F, Fb = math.prod(xa.shape[:nf]), math.prod(xb.shape[:nf])
     n, m, nb = xa.shape[-2], xa.shape[-1], xb.shape[-2]
     pairs = F * Fb if (nf and cross_fibres) else F
     return None, 2.0 * pairs * n * nb * m, 0.0, str(xa.dtype)[6:]

@@ -3,6 +3,7 @@ out as ``save_pretrained`` lays them out, and helpers over checkpoint directorie
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -67,7 +68,7 @@ def write_checkpoints(jobs, config, workers: int = 1, max_shard_size=SHARD_SIZE)
         tmps.append(tmp)
     shards = [(str(tmp / f), [(n, tuple(sd[n].shape)) for n in names], seed)
               for tmp, (_, seed) in zip(tmps, jobs) for f, names in split.filename_to_tensors.items()]
-    shards.sort(key=lambda s: -sum(_numel(shape) for _, shape in s[1]))  # largest first: no long tail
+    shards.sort(key=lambda s: -sum(math.prod(shape) for _, shape in s[1]))  # largest first: no long tail
     t = time.perf_counter()
     if workers <= 1:
         for s in shards:
@@ -98,13 +99,6 @@ def write_checkpoints(jobs, config, workers: int = 1, max_shard_size=SHARD_SIZE)
                     "parameters": model.num_parameters()})
     seconds = time.perf_counter() - t
     return [dict(o, seconds=seconds, workers=max(1, workers)) for o in out]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _one_thread():
