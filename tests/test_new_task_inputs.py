@@ -66,7 +66,8 @@ def test_speech_encoder_decoder_reads_its_encoders_main_input():
     m = randomized(T.SpeechEncoderDecoderModel(config=T.SpeechEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)))
     assert m.main_input_name == "inputs"
     _, kw = default_inputs(m)
-    assert set(kw) == {"input_values", "decoder_input_ids", "use_cache"} and kw["input_values"].dim() == 2
+    assert set(kw) == {"input_values", "decoder_input_ids", "decoder_attention_mask", "use_cache"}
+    assert kw["input_values"].dim() == 2
     with torch.no_grad():  # raw samples the feature extractor turns into 8 frames
         assert m.encoder.feature_extractor(kw["input_values"]).shape[-1] == 8
     r = symgraph.analyze(m)
@@ -132,3 +133,20 @@ def test_a_conversion_that_changes_nothing_traces():
     with conversions_in_place():  # a conversion that changes something still converts
         assert Router().classifier.to(torch.float64).weight.dtype == torch.float64
     assert torch.nn.Module.to.__name__ == "to" and torch.nn.Module.to is nn.Module.to
+
+
+def test_fsmt_decoder_gets_a_mask_and_traces():
+    """FSMT looks for padding in its decoder ids when given no decoder mask (``if not
+    mask.any()``: a branch on the ids' values that no trace follows): all ones are given."""
+    cfg = T.FSMTConfig(langs=["en", "de"], src_vocab_size=64, tgt_vocab_size=64, d_model=16, encoder_layers=1,
+                       decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+                       encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=32)
+    m = randomized(T.FSMTForConditionalGeneration(cfg))
+    _, kw = default_inputs(m)
+    assert torch.equal(kw["decoder_attention_mask"], torch.ones(2, 4, dtype=torch.long))
+    r = symgraph.analyze(m)
+    assert r.outputs == ("logits",) and r.frozen == [] and r.certify(m) < 1e-9
+    heads = [g for g in r.group_of("model.decoder.layers.0.encoder_attn.k_proj.weight", 0) if g.kind == "perm"]
+    assert [g.size for g in heads] == [4]  # the cross-attention's heads
+    moved_by, left = recovered(m, r)
+    assert moved_by > 0.1 and left < 1e-9

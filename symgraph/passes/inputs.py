@@ -189,6 +189,9 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
         if name == "input_ids" and "attention_mask" in params:  # the encoder's: all ones (a
             # traced encoder stack makes none: LongT5's, Switch Transformers')
             kwargs["attention_mask"] = torch.ones_like(ids)
+        if "decoder_attention_mask" in params:  # all ones: a decoder that would look for padding
+            # in its ids otherwise branches on their values (FSMT), which no trace can follow
+            kwargs["decoder_attention_mask"] = torch.ones_like(dec)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     kwargs = {k: v.to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in kwargs.items()}
     if "use_cache" in params:
