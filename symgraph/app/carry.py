@@ -149,7 +149,7 @@ def carry_writer(ckpt, report, elements: dict, gauge: dict, *, budget: int | Non
     or rewritten with ``config_updates``; ``stats["bytes_held"]``: the most a piece held;
     ``what``: the move, as refusals name it."""
     from ..checkpoints.sharded import ShardWriter
-    from ..merging.streaming import write_metadata
+    from ..merging.engine.sinks import write_config
 
     def write(directory):
         writer = ShardWriter(directory, None, [(k, ckpt.shapes[k], ckpt.dtypes[k]) for k in ckpt.keys],
@@ -164,7 +164,7 @@ def carry_writer(ckpt, report, elements: dict, gauge: dict, *, budget: int | Non
             if key not in stored:
                 writer.add(key, ckpt.read(key, check=False))
         info = writer.close()
-        write_metadata(ckpt.path, directory, config_updates)
+        write_config(ckpt.path, directory, config_updates)
         return info
     return write
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,7 +52,6 @@ __all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "parse_size",
 DEFAULT_SHARD = 2 << 30  # bytes per output shard
 CHUNK_BYTES = 64 << 20  # a group's tensors over this (in the work dtype) are merged in slices of it
 STATS_BYTES = 256 << 20  # activation statistics are taken in passes of this many bytes, solved as each ends
-EXTRA_FILES = ("generation_config.json",)
 ENGINE_ONLY = ("rows_from", "refine_lr")  # align_options the engine resolves itself, not the solver's
 
 
@@ -66,15 +64,6 @@ def budgets(memory_budget, n_models: int, cache_bytes: int = DEFAULT_CACHE) -> t
         return cache_bytes, CHUNK_BYTES, STATS_BYTES
     b = parse_size(memory_budget)
     return b // (4 * n_models), max(1 << 10, b // (4 * (n_models + 2))), b // 2
-
-
-def write_metadata(source: str, directory: str, updates: dict | None) -> None:
-    """``config.json`` (with the fields ``updates`` changes) and the :data:`EXTRA_FILES` of the
-    checkpoint directory ``source`` into ``directory``."""
-    write_config(source, directory, updates or {})
-    for fn in EXTRA_FILES:
-        if os.path.isfile(os.path.join(source, fn)):
-            shutil.copy2(os.path.join(source, fn), os.path.join(directory, fn))
 
 
 @dataclass
@@ -336,7 +325,7 @@ class StreamingMerge:
         shard = parse_size(self.config.max_shard_size) if self.config.max_shard_size else DEFAULT_SHARD
         info = self._finish(lambda: Spill(os.path.dirname(os.path.abspath(directory))),
                             lambda plan: ShardWriter(directory, shard, list(plan.outputs)))
-        write_metadata(self._checkpoints[self.anchor].path, directory, self.transforms.config_updates)
+        write_config(self._checkpoints[self.anchor].path, directory, self.transforms.config_updates)
         return info
 
     def write_into(self, add, device=None) -> dict:

@@ -1,7 +1,7 @@
 """Where the merge engine's tensors go besides the output shards
 (:class:`~symgraph.checkpoints.sharded.ShardWriter`): a function that takes each merged tensor
 (:class:`Into`: a merge of models in memory fills its model with them), and the output's
-``config.json`` (:func:`write_config`)."""
+``config.json`` and :data:`EXTRA_FILES` (:func:`write_config`)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,10 @@ import shutil
 
 from .views import nbytes
 
-__all__ = ["Into", "write_config"]
+__all__ = ["Into", "write_config", "EXTRA_FILES"]
+
+#: Files of the anchor's directory copied beside the output's ``config.json``.
+EXTRA_FILES = ("generation_config.json",)
 
 
 class Into:
@@ -28,9 +31,13 @@ class Into:
         return {"tensors": self.tensors, "bytes": self.bytes, "shards": 0}
 
 
-def write_config(source_dir: str, directory: str, updates: dict) -> None:
+def write_config(source_dir: str, directory: str, updates: dict | None) -> None:
     """The anchor's ``config.json`` (from ``source_dir``) into ``directory``, with the fields the
-    merge changes (``updates``; a dict value updates a nested config such as ``text_config``)."""
+    merge changes (``updates``; a dict value updates a nested config such as ``text_config``),
+    and its :data:`EXTRA_FILES`."""
+    for fn in EXTRA_FILES:
+        if os.path.isfile(os.path.join(source_dir, fn)):
+            shutil.copy2(os.path.join(source_dir, fn), os.path.join(directory, fn))
     src, dst = os.path.join(source_dir, "config.json"), os.path.join(directory, "config.json")
     if not updates:
         shutil.copy2(src, dst)
