@@ -24,14 +24,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness import sync
 from benchmarks.provenance import best_time, matmul_gflops, table, write_entry
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "device" / "device.json"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def peaks(device: torch.device, n: int | None = None, svd_n: int = 4096, heads: bool = True) -> dict:
@@ -40,11 +36,11 @@ def peaks(device: torch.device, n: int | None = None, svd_n: int = 4096, heads: 
     n = n or (8192 if device.type == "cuda" else 4096)
     out = {"mm_n": n, "svd_n": svd_n}
     out |= {f"mm_{k}_gflops": v for k, v in matmul_gflops(
-        (torch.float32, torch.bfloat16, torch.float64), n, device, lambda: _sync(device)).items()}
+        (torch.float32, torch.bfloat16, torch.float64), n, device, lambda: sync(device)).items()}
     for dt in (torch.float64, torch.float32):
         s = torch.randn(svd_n, svd_n, device=device, dtype=dt)
         out[f"svd_{str(dt)[6:]}_gflops"] = 22 * svd_n ** 3 / best_time(
-            lambda: torch.linalg.svd(s, full_matrices=False), 1, lambda: _sync(device)) / 1e9
+            lambda: torch.linalg.svd(s, full_matrices=False), 1, lambda: sync(device)) / 1e9
     if not heads:
         return out
     # a 7B layer's head pairs (32 x 32 of 128², float64), as solve.nested_heads scores them: on
@@ -53,8 +49,8 @@ def peaks(device: torch.device, n: int | None = None, svd_n: int = 4096, heads: 
     from symgraph.solve._polar import decompose
     g = torch.randn(32, 32, 128, 128, device=device, dtype=torch.float64)
     g = g @ g.mT
-    out["heads_eigvalsh_device_s"] = best_time(lambda: torch.linalg.eigvalsh(g), 1, lambda: _sync(device))
-    out["heads_eigvalsh_host_s"] = best_time(lambda: decompose(torch.linalg.eigvalsh, g), 1, lambda: _sync(device))
+    out["heads_eigvalsh_device_s"] = best_time(lambda: torch.linalg.eigvalsh(g), 1, lambda: sync(device))
+    out["heads_eigvalsh_host_s"] = best_time(lambda: decompose(torch.linalg.eigvalsh, g), 1, lambda: sync(device))
     return out
 
 
@@ -78,10 +74,10 @@ def build(shape: str, layers: int, seed: int, device: torch.device):
 
 def _timed_merge(a, b, device, align):
     import symgraph
-    _sync(device)
+    sync(device)
     t = time.perf_counter()
     res = symgraph.merge([a, b], align=align)
-    _sync(device)
+    sync(device)
     return res, time.perf_counter() - t
 
 
@@ -102,7 +98,7 @@ def run_depth(shape: str, layers: int, device: torch.device, staged: bool, pk: d
     out["ratio"] = out["aligned_seconds"] / out["unaligned_seconds"]
     if staged:
         from benchmarks.bench_cost import instrument, stage_rows
-        c = instrument(sync=lambda: _sync(device))
+        c = instrument(sync=lambda: sync(device))
         t = time.perf_counter()
         try:
             _timed_merge(a, b, device, "weights")

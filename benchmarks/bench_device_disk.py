@@ -57,7 +57,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_device import _sync, device_args, device_plan, header, peaks
+from benchmarks.bench_device import device_args, device_plan, header, peaks
+from benchmarks.harness import sync
 from benchmarks.provenance import matmul_rates, table, write_entry
 from benchmarks.solver_tally import SolverTally, forced_auction
 from benchmarks.scale.checkpoints import ensure_pair, llama_config, model_sizes, weight_files
@@ -114,15 +115,15 @@ def merge_once(pair, align, device, out, load_check, probe_args, staged=None, bu
     counter = None
     if staged is not None:
         from benchmarks.bench_cost import instrument
-        counter = instrument(sync=lambda: _sync(device))
+        counter = instrument(sync=lambda: sync(device))
     try:
         with forced_auction(auction), SolverTally() as tally, Probe(probe_args[0], device, *probe_args[1:]) as p:
             from symgraph.solve import _solvers as SV
             rec["sparse_n"], rec["auction_min"] = SV.SPARSE_N, SV.AUCTION_MIN
-            _sync(device)
+            sync(device)
             t = time.perf_counter()
             res = run_merge(cfg, streaming=True, progress=False)
-            _sync(device)
+            sync(device)
             rec["wall_s"] = time.perf_counter() - t
         rec["solver_calls"] = tally.summary()
     finally:

@@ -52,15 +52,11 @@ import time
 import numpy as np
 import torch
 
+from .harness import sync
 from .provenance import REPO_ROOT, git_state, table, write_result
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "solvers"
 BIG = 4096  # from this size on: one timed call, no warm-up
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _Timeout(Exception):
@@ -86,12 +82,12 @@ def _limited(f, seconds):
 def _best(f, repeat, device, warm=True, limit=None):
     if warm:
         _limited(f, limit)
-        _sync(device)
+        sync(device)
     best, out = float("inf"), None
     for _ in range(max(1, repeat)):
         t = time.perf_counter()
         out = _limited(f, limit)
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return best, out
 
@@ -246,7 +242,7 @@ def bench_assign_row(n, kind, S, planted, extra, device, repeat, limit):
             t, (cols, info) = _best(lambda f=f: f(S), repeat, device, warm=n < BIG, limit=left)
         except _Timeout as e:
             row["solvers"][name] = {"timeout": str(e)}
-            _sync(device)
+            sync(device)
             print(f"  {kind} n={n} {name}: {e}", flush=True)
             continue
         rec = {"seconds": t, **info}
@@ -267,7 +263,7 @@ def bench_dense_row(row, S, device, limit):
     if left <= 0:
         row["solvers"]["scipy"] = {"skipped": "budget spent"}
         return
-    _sync(device)
+    sync(device)
     t = time.perf_counter()
     s = S.detach().double().cpu().numpy()
     copy = time.perf_counter() - t

@@ -11,7 +11,7 @@ from pathlib import Path
 
 GB = 1024 ** 3
 
-__all__ = ["machine_info", "peak_rss_mb"]
+__all__ = ["machine_info", "peak_rss_mb", "sync"]
 
 
 def machine_info() -> dict:
@@ -34,6 +34,13 @@ def machine_info() -> dict:
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "device": "cpu",
             "cuda_available": torch.cuda.is_available(), "platform": platform.platform()}
+
+
+def sync(device) -> None:
+    """Waits for ``device``'s queued work (CUDA runs asynchronously; elsewhere: nothing to wait for)."""
+    if device.type == "cuda":
+        import torch
+        torch.cuda.synchronize(device)
 
 
 def peak_rss_mb() -> float:
