@@ -227,7 +227,7 @@ def streamed(config, checkpoints, method: str, report: Callable):
     """Circuit-space heads as a transform of the merge engine's plan, for ``config.attention ==
     "circuits"`` (:class:`CircuitHeads`; None for ``"heads"``: the parents' heads, nothing to
     change). ``checkpoints``: the merge's, ``config.anchor`` the index of the anchor; ``method``:
-    the merge method's name; ``report()``: the anchor's report once aligned (None unaligned:
+    the merge method's name; ``report()``: the anchor's report once the merge has one (None:
     analysed here as ``config`` says)."""
     return CircuitHeads(config, checkpoints, method, report) if config.attention == "circuits" else None
 
