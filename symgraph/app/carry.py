@@ -177,7 +177,7 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
     ``max_iter``, ``until``, ``full_groups``: :class:`~symgraph.merging.config.MergeConfig`'s)."""
     from ..alignment.saved import ALIGNMENT_FILE, save_alignment
     from ..checkpoints.outdir import check_out, save_atomic
-    from .run import _data, check_compatible, check_paths, input_names
+    from .run import check_compatible, check_paths, input_names, read_batches
     from .config import MergeConfig
     from ..merging.streaming import StreamingMerge
     from ..checkpoints.sharded import Checkpoint
@@ -204,7 +204,7 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
                          "of one width (models of different widths merge with symgraph merge --align weights)")
     cfg = MergeConfig(models=[a, b], out=out, align=align, data=data, fold_norms=fold_norms, outputs=outputs,
                       **engine)
-    batches = _data(cfg, ckpts[0].model) if align == "activations" else None
+    batches = read_batches(data, ckpts[0].model) if align == "activations" else None
     if align == "activations" and not batches:
         raise InputError("--align activations needs --data: a .safetensors or .pt file holding 'input_ids' [N, S]")
     t0 = time.time()

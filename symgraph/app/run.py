@@ -261,7 +261,3 @@ def merge_checkpoints(paths, out: str, *, weights=None, align="weights", anchor:
                     max_shard_size=max_shard_size, **options).job
     assert isinstance(job, StreamingMerge)  # streaming=True runs out of core or raises
     return job
-
-
-def _data(cfg, model):  # the name app/carry.py imported until it reads read_batches (removed once it does)
-    return read_batches(cfg.data, model, statistics=cfg.takes_statistics)
