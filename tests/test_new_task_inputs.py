@@ -150,3 +150,21 @@ def test_fsmt_decoder_gets_a_mask_and_traces():
     assert [g.size for g in heads] == [4]  # the cross-attention's heads
     moved_by, left = recovered(m, r)
     assert moved_by > 0.1 and left < 1e-9
+
+
+def test_moonshine_raw_samples_from_its_convolutions():
+    """Moonshine's convolutions over the raw samples are fixed in its code, not its config: the
+    samples are sized from the Conv1d modules that read them (kernel 127 stride 64, 7/3, 3/2)."""
+    cfg = T.MoonshineConfig(vocab_size=64, hidden_size=16, intermediate_size=24, encoder_num_hidden_layers=1,
+                            decoder_num_hidden_layers=1, encoder_num_attention_heads=4,
+                            decoder_num_attention_heads=4, max_position_embeddings=64)
+    m = randomized(T.MoonshineForConditionalGeneration(cfg))
+    _, kw = default_inputs(m)
+    assert kw["input_values"].shape == (2, (((8 - 1) * 2 + 3 - 1) * 3 + 7 - 1) * 64 + 127)  # 3583
+    with torch.no_grad():
+        enc = m.get_encoder()
+        x = enc.conv3(torch.tanh(enc.conv2(torch.tanh(enc.conv1(kw["input_values"][:, None])))))
+    assert x.shape[-1] == 8
+    r = symgraph.analyze(m)
+    assert r.outputs == ("logits",) and r.certify(m) < 1e-9
+    assert [g.kind for g in r.group_of("model.encoder.conv2.weight", 0)]  # the convolutions' channels

@@ -88,11 +88,24 @@ def _pixels(model, cfg, batch, gen):
     return torch.randn(batch, ch, *size, generator=gen)
 
 
-def _samples(cfg, frames: int = 8) -> int:
+def _raw_convolutions(model) -> list:
+    """``(kernel, stride)`` of the 1-d convolutions that read raw samples, for a config that
+    does not state them (Moonshine's are fixed in its code): the first ``Conv1d`` with one
+    input channel and each next one (in module order) whose input is the last one's output."""
+    chain = []
+    for m in model.modules() if model is not None else ():
+        if isinstance(m, torch.nn.Conv1d) and (m.in_channels == 1 if not chain else m.in_channels == chain[-1][2]):
+            chain.append((m.kernel_size[0], m.stride[0], m.out_channels))
+        elif isinstance(m, torch.nn.Conv1d) and chain:
+            break
+    return [(k, s) for k, s, _ in chain]
+
+
+def _samples(cfg, frames: int = 8, model=None) -> int:
     """Raw audio samples that leave ``frames`` frames after the feature extractor's convolutions."""
     kernels, strides = _ints(_sub(cfg, "conv_kernel") or []), _ints(_sub(cfg, "conv_stride") or [])
-    n = frames
-    for k, s in reversed(list(zip(kernels, strides))):
+    n, convs = frames, list(zip(kernels, strides)) or _raw_convolutions(model)
+    for k, s in reversed(convs):
         n = (n - 1) * s + k
     return n
 
@@ -135,7 +148,7 @@ def _main(model, cfg, name, batch, seq, gen):
         mel, frames = _sub(cfg, "num_mel_bins"), _sub(cfg, "max_length")
         if mel and isinstance(frames, int):  # a spectrogram (Audio Spectrogram Transformer)
             return torch.randn(batch, frames, mel, generator=gen)
-        return torch.randn(batch, _samples(cfg), generator=gen)
+        return torch.randn(batch, _samples(cfg, model=model), generator=gen)
     if name == "input_features":
         return _features(model, cfg, batch, gen)
     raise InputError(f"cannot build example inputs for main input {name!r}; pass inputs=")
