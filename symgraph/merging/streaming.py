@@ -337,10 +337,8 @@ class StreamingMerge:
 
     def _finish(self, make_spill, make_sink) -> dict:
         """Statistics, the plan's transforms and REPAIR, then the plan run into ``make_sink(plan)``."""
-        if self.graph_report is None and (self.align_mode is not None or (self.how.needs_data or self.repair)):
+        if self.graph_report is None or self.align_mode is None:  # unaligned: align() checks the budget
             self.align()
-        elif self.align_mode is None:  # unaligned and without statistics: align() did not check the budget
-            slicing.check_floor(self, budgets)
         t0 = time.perf_counter()
         self.statistics.spill = make_spill() if self.how.needs_data else None
         try:
