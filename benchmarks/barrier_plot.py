@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .provenance import register
+from .provenance import pyplot, register, save_figure
 from .records import renamed
 
 __all__ = ["HERO", "LABELS", "ENDS_TOL", "ends_at_the_parents", "curves", "figure", "barrier_plot", "main"]
@@ -55,10 +55,7 @@ def curves(records, arch, methods=HERO) -> dict:
 
 def figure(records, arch, methods=HERO):
     """The figure of ``arch``: the loss along λ of :func:`curves`, and the parents' mean loss."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8.6, 4.2))
+    fig, ax = pyplot().subplots(figsize=(8.6, 4.2))
     drawn = curves(records, arch, methods)
     for name, (lam, loss) in drawn.items():
         colour, style = _STYLE.get(name, (None, "-"))
@@ -79,11 +76,7 @@ def figure(records, arch, methods=HERO):
 
 def barrier_plot(path: Path, records, arch, methods=HERO) -> str:
     """:func:`figure` of ``arch`` written to ``path``; returns its name."""
-    import matplotlib.pyplot as plt
-    fig = figure(records, arch, methods)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return Path(path).name
+    return save_figure(figure(records, arch, methods), path, bbox_inches="tight")
 
 
 def main(argv=None) -> int:

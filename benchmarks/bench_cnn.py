@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .provenance import REPO_ROOT, git_state, log, write_result
+from .provenance import REPO_ROOT, git_state, log, pyplot, save_figure, write_result
 
 __all__ = ["WIDTHS", "STEPS", "DigitsCNN", "train_cnn", "run", "markdown", "plot", "main"]
 
@@ -316,11 +316,10 @@ def markdown(res) -> str:
 def plot(res, out_dir) -> list:
     """``cnn_curves.png``: loss and accuracy along λ for the first pair, a colour per
     alignment, dashed without REPAIR, solid with; returns the file names written."""
-    from .report import _plt, _save
     recs = res["records"]
     if not recs:
         return []
-    plt = _plt()
+    plt = pyplot()
     pair = recs[0]["pair"]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     colours = {"vanilla": "tab:gray", "weights": "tab:blue", "activations": "tab:red"}
@@ -341,8 +340,7 @@ def plot(res, out_dir) -> list:
     fig.tight_layout()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _save(fig, out / "cnn_curves.png")
-    return ["cnn_curves.png"]
+    return [save_figure(fig, out / "cnn_curves.png", bbox_inches="tight")]
 
 
 def main(argv=None) -> None:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .provenance import register, staged, table, write_json
+from .provenance import pyplot, register, save_figure, staged, table, write_json
 
 __all__ = [
     "DEFAULT_PAIRS",
@@ -272,10 +272,7 @@ def plot(result: dict, out_dir) -> list[str]:
     """One PNG per pair in ``out_dir``: held-out loss vs fine-tuning step, one line per contestant.
 
     Returns the paths written."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -294,8 +291,7 @@ def plot(result: dict, out_dir) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         path = out_dir / f"finetune_{rec['pair']['slug']}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        plt.close(fig)
+        save_figure(fig, path, bbox_inches="tight")
         paths.append(str(path))
     return paths
 

@@ -50,7 +50,7 @@ from symgraph.alignment.compare import THRESHOLD
 from symgraph.testing import models
 
 from . import provenance_peer as peer
-from .provenance import git_state, table, write_result
+from .provenance import git_state, pyplot, save_figure, table, write_result
 from .families import FAMILIES
 from .provenance_families import families_markdown, run_families
 
@@ -277,9 +277,7 @@ def markdown(r) -> str:
 
 
 def plot(r, out) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     panels = [("excess", "compare (excess)"), ("huref", "HuRef-style (reimpl.)"), ("raw", "raw cosine")]
     if r.get("peer_cisco"):
         panels += [("cisco", "cisco kit: pipeline"), ("cisco_identity", "cisco kit: identity"),
@@ -298,8 +296,7 @@ def plot(r, out) -> None:
         ax.set_xticklabels(kinds, rotation=40, fontsize=7)
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(Path(out) / "scores.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, Path(out) / "scores.png", 120)
 
 
 def main(argv=None) -> int:

@@ -40,7 +40,7 @@ from symgraph.alignment.compare import ALPHA, THRESHOLD
 from symgraph.testing import models
 
 from . import data
-from .provenance import git_state, log, table, write_result
+from .provenance import git_state, log, pyplot, save_figure, table, write_result
 from .train import DATA_SEED_OFFSET, fit
 
 __all__ = ["FAMILIES", "KINDS", "build", "train", "derived", "choose_threshold", "rates", "run", "markdown",
@@ -243,9 +243,7 @@ def markdown(r) -> str:
 def plot(r, out) -> None:
     """``excess.png``: each pair's excess by kind (independent grey, derived red), the library's
     and the chosen threshold."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     kinds = ["independent", *[k for k in r["kinds"]], "permuted"]
     fig, ax = plt.subplots(figsize=(7, 3.8))
     marks = {f: m for f, m in zip(r["families"], "os^v")}
@@ -264,8 +262,7 @@ def plot(r, out) -> None:
     ax.set_title("compare on trained pairs: independent (grey) and derived (red)", fontsize=9)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    fig.savefig(Path(out) / "excess.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, Path(out) / "excess.png", 120)
 
 
 def main(argv=None) -> int:

@@ -23,7 +23,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .provenance import log, table, write_result
+from .provenance import log, pyplot, save_figure, table, write_result
 
 MODES = ("vanilla", "anchor", "universe")
 ARCHS = ("gpt2", "llama", "bert", "vit")
@@ -129,10 +129,7 @@ def plot(records, out_dir) -> list[str]:
     """``universe_barrier.png`` (barrier against N, one panel per architecture, a line per
     mode) and ``universe_rounds.png`` (changed elements per universe round); returns the file
     names written into ``out_dir``."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     archs = list(dict.fromkeys(r["arch"] for r in records))
@@ -153,9 +150,7 @@ def plot(records, out_dir) -> list[str]:
     axes[0][0].set_ylabel("L(average) − mean parent loss")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "universe_barrier.png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    written.append("universe_barrier.png")
+    written.append(save_figure(fig, out / "universe_barrier.png", bbox_inches="tight"))
     uni = [r for r in records if r["mode"] == "universe" and r["changed"]]
     if uni:
         fig, ax = plt.subplots(figsize=(5, 3.4))
@@ -167,9 +162,7 @@ def plot(records, out_dir) -> list[str]:
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "universe_rounds.png", dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        written.append("universe_rounds.png")
+        written.append(save_figure(fig, out / "universe_rounds.png", bbox_inches="tight"))
     return written
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from symgraph.checkpoints.outdir import identity, remove_own
 
 __all__ = ["REPO_ROOT", "RECORD", "RESULTS_ROOT", "git_state", "jsonable", "machine_free", "write_json", "staged",
-           "write_result", "write_beside", "write_entry", "register", "log", "table", "cell", "commit_info",
+           "write_result", "write_beside", "write_entry", "register", "log", "table", "cell",
+           "pyplot", "save_figure", "commit_info",
            "command_line", "best_time", "matmul_gflops", "matmul_rates", "add_record", "record_problems"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -158,6 +159,22 @@ def table(header, rows, align=None) -> list[str]:
 def cell(x, spec: str = ".3f", none: str = "—") -> str:
     """A table cell: ``format(x, spec)``, or ``none`` where ``x`` is None."""
     return none if x is None else format(x, spec)
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend: a benchmark's figures are files, never a window."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig, path, dpi: int = 110, **savefig) -> str:
+    """``fig`` written to ``path`` (``savefig``'s keywords, e.g. ``bbox_inches="tight"``) and
+    closed; the file's name."""
+    fig.savefig(path, dpi=dpi, **savefig)
+    pyplot().close(fig)
+    return Path(path).name
 
 
 # --- what a record names: the command and the commit ---------------------------------------------

@@ -12,25 +12,12 @@ import torch
 from . import targets
 from .barrier_plot import barrier_plot
 from .methods import DEVIATIONS, METHODS, SEED_METHODS, SYMGRAPH_METHODS, roles
-from .provenance import table
+from .provenance import pyplot, save_figure, table
 from .records import FORMER_NAMES, RENAME_NOTE, renamed
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 HEATMAP_ARCHS = ("gpt2", "bert", "vit", "llama")
 GRAPH_ARCHS = ("llama", "gpt2", "bert", "vit")
-
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _save(fig, path: Path) -> None:
-    plt = _plt()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
 
 
 def _mean_std(xs):
@@ -99,7 +86,7 @@ def correlation_heatmap(path: Path, arch, keep) -> str:
     """Cross-correlation of A's and B's attention outputs (input of the first layer's output
     projection), before and after alignment (symgraph, activations); head boundaries drawn."""
     from . import evaluate
-    plt = _plt()
+    plt = pyplot()
     p = keep["pair"]
     module, dh = _output_projection(p.report_a)
     batches = evaluate.eval_batches(arch, "eval", 2)
@@ -117,7 +104,7 @@ def correlation_heatmap(path: Path, arch, keep) -> str:
         ax.set_ylabel("A feature")
     fig.colorbar(im, ax=axes, shrink=0.8)
     fig.suptitle(f"{arch}: corr(A, B) of the attention output (input of {module}), {dh}-dim heads")
-    _save(fig, path)
+    save_figure(fig, path, bbox_inches="tight")
     keep["heatmap"] = {"module": module, "head_dim": dh, "diag_before": float(np.mean(np.diag(before))),
                        "diag_after": float(np.mean(np.diag(after)))}
     return path.name

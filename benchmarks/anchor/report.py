@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..provenance import commit_info as commit  # noqa: F401 - the table's commit (re-exported)
-from ..provenance import cell, register, table
+from ..provenance import cell, pyplot, register, save_figure, table
 from .peer import PEER_LABEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,9 +152,7 @@ def _parallel(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in result["rows"]:
         if r["curve"]:
@@ -165,8 +163,7 @@ def plot(result: dict, path: Path) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=5, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, 120)
 
 
 def write(result: dict, out: Path, log_dirs=()) -> None:
