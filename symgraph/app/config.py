@@ -88,9 +88,10 @@ def _yaml_loader():
 
 
 def _is_path(spec: str, base: str) -> bool:
-    """Whether a model ``spec`` in a config is a path (as :func:`symgraph.app.run.check_paths`
-    tells them): starting with '.', '/' or '~', with more than one '/', or a name that exists
-    beside the config; anything else is a demo name or hub id."""
+    """Whether a model ``spec`` in a config is a path (as
+    :func:`symgraph.checkpoints.inputs.check_paths` tells them): starting with '.', '/' or '~',
+    with more than one '/', or a name that exists beside the config; anything else is a demo
+    name or hub id."""
     return (spec.startswith((".", "/", "~")) or spec.count("/") > 1 or spec.endswith("/")
             or os.path.exists(os.path.join(base, spec)))
 
