@@ -94,11 +94,11 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     ra = analyze(A, inputs, fold_norms=align_options.get("fold_norms", True),
                  outputs=align_options.get("outputs"))
     timings = {"analyze": time.perf_counter() - t0, "align": 0.0, "statistics": 0.0}
-    universe, found = None, None
-    if anchor == "universe":  # every model's alignment to the mean of the others
+    universe, found, job = None, None, None
+    if anchor == "universe":  # every model's alignment to the mean of the others, the engine's rounds
         from .universe import align_universe
-        found, universe = align_universe(models, inputs, ra, align, data, w, universe_options,
-                                         progress, **align_options)
+        job = _engine(models, how, align, anchor, w, data, repair, attention, align_options)
+        found, universe = align_universe(job, models, inputs, ra, data, universe_options, progress, **align_options)
         timings["align"] = universe["seconds"]
     t1 = time.perf_counter()
     alignments = found or _aligned(models, A, ra, inputs, align, data, anchor, progress, align_options)
@@ -109,7 +109,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         timings["combine"] = time.perf_counter() - t3
         timings["total"] = time.perf_counter() - t0
         return MergeResult(out, alignments, timings, None, universe)
-    job = _engine(models, how, align, anchor, w, data, repair, attention, align_options)
+    job = job or _engine(models, how, align, anchor, w, data, repair, attention, align_options)
     job.use(ra, alignments)
     out = job.merged_model(A)
     timings["statistics"] = job.timings.get("statistics", 0.0)

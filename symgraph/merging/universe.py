@@ -52,7 +52,6 @@ import torch
 from tqdm import tqdm
 
 from ..alignment import align as align_models
-from ..checkpoints.memory import ModelCheckpoint
 from ..core.elements import Map, Perm
 from ..errors import InputError
 from .methods.average import Average
@@ -82,13 +81,13 @@ def universe_options(options: dict | None) -> dict:
     return out
 
 
-def align_universe(models, inputs, ra, align, data, weights, options=None, progress=False,
-                   **align_options):
+def align_universe(job, models, inputs, ra, data, options=None, progress=False, **align_options):
     """Align every model of ``models`` into one shared basis (module docstring), in memory.
 
-    ra : ``models[0]``'s report (every target has its architecture); align : "weights" or
-    "activations"; weights : the normalised mixing weights (the leave-one-out means use them
-    renormalised); options : ``max_rounds``, ``tol`` (:data:`DEFAULTS`).
+    job : the merge engine over ``models`` (its config's ``align``, "weights" or "activations",
+    and mixing weights, which the leave-one-out means renormalise; the means are its plans);
+    ra : ``models[0]``'s report (every target has its architecture); options : ``max_rounds``,
+    ``tol`` (:data:`DEFAULTS`).
 
     Returns ``(alignments, record)``: per model the :class:`~symgraph.Alignment` of the
     original model into the universe (``models[0]``'s included), and a JSON-able record:
@@ -103,13 +102,8 @@ def align_universe(models, inputs, ra, align, data, weights, options=None, progr
     """
     opts = universe_options(options)
     t0 = time.perf_counter()
-    A = models[0]
-    dev = next((p.device for p in A.parameters()), torch.device("cpu"))
+    A, align = models[0], job.config.align
     kw = dict(align_options, data=data if align == "activations" or align_options.get("refine") else None)
-    job = StreamingMerge([ModelCheckpoint(m, f"model {i}") for i, m in enumerate(models)], weights=weights,
-                         align=align, fold_norms=align_options.get("fold_norms", True),
-                         outputs=align_options.get("outputs"), device=dev,
-                         data=data if align == "activations" else None)
     alignments = [None] + [align_models(A, m, inputs, report_a=ra, **kw) for m in models[1:]]  # round 0
     record = run_rounds(job, ra, alignments, _InMemory(models, inputs, ra, kw), opts, progress, t0)
     return alignments, record

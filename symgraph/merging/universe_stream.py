@@ -38,9 +38,7 @@ def align_universe_streamed(job: StreamingMerge, parent: str, options: dict | No
 
 
 class _OnDisk:
-    """The rounds' steps out of core: each mean written into a temporary directory in
-    ``parent`` (marked as this run's, removed once aligned to; a killed run's is swept by the
-    next run beside it), and each checkpoint aligned to it through folded views."""
+    """The rounds' steps out of core (module docstring): each mean in a temporary directory in ``parent``."""
 
     def __init__(self, job, parent):
         self.job, self.parent = job, parent
@@ -56,8 +54,6 @@ class _OnDisk:
         finally:
             remove_own(scratch, made, SCRATCH_PREFIX)
 
-    def align(self, target, i, rb):
-        """Checkpoint ``i`` aligned to the checkpoint ``target`` (of the anchor's architecture,
-        analysed as the job's report), as :meth:`StreamingMerge.align` aligns any pair."""
+    def align(self, target, i, rb):  # the target has the anchor's architecture: the job's report
         with self.job.aligning_to(target, self.job.report) as solve:
             return solve(i, rb)
