@@ -95,8 +95,8 @@ class StreamingMerge:
     ``alignments`` (one per checkpoint, None for the anchor), :attr:`report` (the anchor's; None
     unaligned), ``timings`` and, once written, ``repair_report``; the steps :meth:`align` (or
     :meth:`use`), :meth:`write` / :meth:`write_into` / :meth:`merged_model` (the method's
-    statistics, REPAIR, the merged tensors), :meth:`plan`, :meth:`executor`; and what other steps build on:
-    :meth:`output_model`, :meth:`aligned`, :meth:`aligning_to`, :meth:`read`, :meth:`averaging`.
+    statistics, REPAIR, the merged tensors), :meth:`plan`, :meth:`executor`; and what other steps
+    build on: :meth:`output_model`, :meth:`aligned`, :meth:`aligning_to`, :meth:`read`, :meth:`averaging`.
     """
 
     def __init__(self, paths, config: MergeConfig | None = None, *, data=None, progress: bool = False,
@@ -130,8 +130,8 @@ class StreamingMerge:
                                    progress=progress)
         self.resources.ledger = ledger if ledger is not None else self.resources.ledger
         return_freed_memory()
-        ckpts = [Checkpoint(os.fspath(p)) if isinstance(p, (str, os.PathLike)) else p for p in paths]  # or ModelCheckpoints
-        self._checkpoints = tuple(untie_checkpoint(c) for c in ckpts) if cfg.untie else tuple(ckpts)  # before the checks
+        ckpts = [Checkpoint(os.fspath(p)) if isinstance(p, (str, os.PathLike)) else p for p in paths]  # or in memory
+        self._checkpoints = tuple(untie_checkpoint(c) for c in ckpts) if cfg.untie else tuple(ckpts)  # then checked
         self._check_family()
         # rotations are solved and applied in float32 for 16- and 32-bit weights (their own
         # precision is far coarser), in float64 for float64 checkpoints; the graphs run alike
@@ -141,7 +141,7 @@ class StreamingMerge:
             self.read(c)
         self.resources.work_dtype = work_dtype or self.resources.work_dtype
         self.alignments: list = [None] * len(paths)
-        self.graph_report: SymmetryReport | None = None  # the anchor's (None: not analysed): the graph statistics run on
+        self.graph_report: SymmetryReport | None = None  # the anchor's (None: not analysed), statistics' graph too
         self.timings: dict = {}
         self.statistics = Taken([None] * len(paths))
         # what a transform of the plan changes (REPAIR, circuit-space heads, untying): the
@@ -201,7 +201,7 @@ class StreamingMerge:
             repair_stream.check(A.model, self.graph_report, self.data[0] if self.data else None,
                                 fold_norms=self.config.fold_norms, outputs=self.config.outputs)
         if self.align_mode is None:  # nothing to move: every tensor is combined as it is
-            if (self.how.needs_data or self.repair) and self.graph_report is None:  # the graph its statistics are taken on
+            if (self.how.needs_data or self.repair) and self.graph_report is None:  # the graph statistics run on
                 self.graph_report = self._analyzed(A)
             slicing.check_floor(self, budgets)  # the plan's largest piece within the budget, before any work
             return self.alignments
@@ -209,7 +209,7 @@ class StreamingMerge:
         if self.align_options.get("rows_from"):  # weight matching reads only the embedding rows of their tokens
             self.align_options = {**self.align_options, "rows": ra.input_rows(self.align_options["rows_from"])}
         self.timings["analyze"] = time.perf_counter() - t0
-        learning = self._learning(A, ra) if self.config.refine else None  # its room in the budget, refused before any alignment
+        learning = self._learning(A, ra) if self.config.refine else None  # its room in the budget checked here
         slicing.check_floor(self, budgets)  # the plan's largest piece within the budget, before any alignment
         t1 = time.perf_counter()
         shapes = lambda c: {n: tuple(p.shape) for n, p in c.model.named_parameters()}  # noqa: E731
@@ -306,8 +306,8 @@ class StreamingMerge:
         the widened config (:func:`~symgraph.merging.circuits.wide_model`)."""
         from .circuits import wide_model
         device = next((p.device for p in template.parameters()), torch.device("cpu"))
-        wide = self.config.attention == "circuits"
-        out, finish = wide_model(template, self.output_model().config, device) if wide else (copy.deepcopy(template), None)
+        out, finish = (wide_model(template, self.output_model().config, device) if self.config.attention == "circuits"
+                       else (copy.deepcopy(template), None))
         targets = out.state_dict(keep_vars=True)
 
         def put(key, t):
@@ -344,7 +344,7 @@ class StreamingMerge:
         try:
             if self.spill is not None:
                 context = StatisticsContext.of(self)  # what the takers read, not the engine
-                self.statistics.per_model = [take(self.how.statistic, context, i) for i in range(len(self._checkpoints))]
+                self.statistics.per_model = [take(self.how.statistic, context, i) for i in range(len(self.checkpoints))]
                 self.timings["statistics"] = time.perf_counter() - t0
             if self.transforms.circuits is not None:  # circuit-space heads: their shapes, config fields, combine
                 self.transforms.apply(self.transforms.circuits.widening())
