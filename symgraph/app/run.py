@@ -11,7 +11,6 @@ converts, and graphs the engine cannot run without weights. The ``symgraph merge
 from __future__ import annotations
 
 import os
-import sys
 import time
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..checkpoints.inputs import (DEFAULT_SHARD, MIN_USEFUL_ROWS, Inputs, check_dtype_kinds, check_paths,
                                   input_names, local_layouts, read_batches)
+from ..core.progress import note
 from ..core.ties import to_device
 from ..errors import InputError, NeedsMemory, StructureMismatchError
 from .config import MergeConfig, build_config
@@ -79,7 +79,7 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
                           anchor=0 if cfg.anchor == "universe" else cfg.anchor,  # whose architecture the merge has
                           max_shard_size=options.pop("max_shard_size", cfg.max_shard_size))
     if unused:  # said once the inputs are checked (a refusal is the one line on stderr)
-        print(unused, file=sys.stderr)
+        note(unused, "warning")
         cfg = cfg.model_copy(update={"data": None})  # the record and the card then say data: null
     job, batches, why = (None, None, None) if streaming is False else _engine(cfg, inputs, data, progress, options)
     if job is None and streaming:
@@ -92,7 +92,7 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
             if streaming:
                 raise InputError(f"this merge cannot run out of core: {e}; expected a merge the "
                                  "out-of-core path can run, or streaming=None to load the models") from None
-            print(f"symgraph: note: {e}, so the models are loaded in memory for this merge", file=sys.stderr)
+            note(f"{e}, so the models are loaded in memory for this merge")
     return _merge_in_memory(cfg, inputs, data, progress, why if streaming is None else None)
 
 
@@ -101,7 +101,7 @@ def _unused_data(cfg) -> str | None:
     None."""
     if not cfg.data or cfg.takes_statistics or cfg.seen_rows:
         return None
-    return (f"symgraph: warning: --data {cfg.data!r} is used by no step of this merge (--align {cfg.align}, "
+    return (f"--data {cfg.data!r} is used by no step of this merge (--align {cfg.align}, "
             f"method {cfg.method}, no --repair, --refine or --seen-rows); the merge goes on without it")
 
 
@@ -172,7 +172,7 @@ def _merge_in_memory(cfg, inputs, data, progress, why=None) -> MergeOutcome:
     if data is None:
         data = read_batches(cfg.data, models[0], statistics=cfg.takes_statistics)
     if why:
-        print(f"symgraph: note: the models are loaded in memory for this merge: {why}", file=sys.stderr)
+        note(f"the models are loaded in memory for this merge: {why}")
     t0 = time.time()
     result = _merged(cfg, models, data, progress)
     layout = inputs.layouts[inputs.anchor]

@@ -6,11 +6,11 @@ line. The batches of a data file are read for a model by :func:`read_batches`.""
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 
 from ..core.files import check_input_file
 from ..errors import InputError
+from ..core.progress import note
 from .loading import KeysDiffer, Layout, read_layout
 from .outdir import check_out, check_space
 from .sharded import Checkpoint, parse_size
@@ -125,6 +125,6 @@ def read_batches(path: str | None, model, *, statistics: bool = True) -> list | 
     data = load_data(path, model) if path else None
     rows = sum(next(iter(b.values())).shape[0] for b in data) if data else 0
     if data and rows < MIN_USEFUL_ROWS and statistics:
-        print(f"symgraph: warning: only {rows} row{'s' if rows != 1 else ''} of data in {path!r}; statistics from "
-              f"fewer than {MIN_USEFUL_ROWS} rows are noisy (the merge goes on)", file=sys.stderr)
+        note(f"only {rows} row{'s' if rows != 1 else ''} of data in {path!r}; statistics from fewer than "
+             f"{MIN_USEFUL_ROWS} rows are noisy (the merge goes on)", "warning")
     return data

@@ -5,13 +5,13 @@ Writing is :mod:`symgraph.checkpoints.outdir`'s job.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
 from .loading import quiet_transformers, check_checkpoint_dir, load_hub, load_local
 from ..core.files import check_input_file
 from ..errors import InputError
+from ..core.progress import note
 from .outdir import TOKENIZER_FILES, check_out, save_atomic  # noqa: F401 - re-exported
 
 __all__ = ["DEMO_MODELS", "BATCH_ROWS", "MODEL_EXPECTED", "model_kind", "demo_model", "load_model", "load_data",
@@ -123,8 +123,8 @@ def load_data(path: str, model=None):
     x = _token_ids(x, path, getattr(model, "config", None)) if key == "input_ids" else _pixels(x, path)
     unused = sorted(k for k in d if k not in (key, "attention_mask"))
     if unused:
-        print(f"symgraph: warning: data file {path!r} holds {unused}, which symgraph does not read (it reads "
-              f"{key!r} and 'attention_mask')", file=sys.stderr)
+        note(f"data file {path!r} holds {unused}, which symgraph does not read (it reads {key!r} and "
+             "'attention_mask')", "warning")
     if "attention_mask" in d:
         return unpadded(x, d["attention_mask"], path) if key == "input_ids" else _no_mask(path, key)
     # batches of BATCH_ROWS rows and a last, smaller one (traced again for its shape): no row dropped
