@@ -170,11 +170,10 @@ def _streamed(a: str, b: str, cmd, aligns, options):
     uses as stored and three float32 copies of a model would take over half the available
     memory (or ``--out-of-core``, ``--device`` or ``--memory-budget``); None (load them)
     otherwise, with a note when a graph needs the weights."""
-    import sys
-
     from ..app.commands import engine_given
     from ..checkpoints.sharded import check_pair
     from ..checkpoints.specs import load_data
+    from ..core.progress import note
     from ..errors import NeedsMemory
     from ..merging.streaming import Checkpoint, KeysDiffer
     if not all(os.path.isdir(os.path.expanduser(p)) for p in (a, b)):
@@ -194,7 +193,7 @@ def _streamed(a: str, b: str, cmd, aligns, options):
     try:
         return streamed_barrier_curves(A, B, data, aligns, cmd.points, adata, **options)
     except NeedsMemory as e:
-        print(f"symgraph: note: {e}, so the models are loaded in memory", file=sys.stderr)
+        note(f"{e}, so the models are loaded in memory")
         return None
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import gc
 import os
-import sys
 
 __all__ = ["add_parser", "cmd_compare", "plot_layers", "layer_bars", "compare_checkpoints", "compare_paths"]
 
@@ -158,18 +157,17 @@ def _checkpoints(a: str, b: str, out_of_core: bool | None):
     over half the available memory); None: load them."""
     import numpy as np
 
+    from ..core.progress import note
     from ..merging.streaming import Checkpoint, KeysDiffer
     if out_of_core is False or not all(os.path.isdir(os.path.expanduser(p)) for p in (a, b)):
         if out_of_core:
-            print("symgraph: note: --out-of-core needs two save_pretrained directories; the models are "
-                  "loaded in memory", file=sys.stderr)
+            note("--out-of-core needs two save_pretrained directories; the models are loaded in memory")
         return None
     try:
         A, B = (Checkpoint(os.path.expanduser(p)) for p in (a, b))
     except KeysDiffer:
         if out_of_core:
-            print("symgraph: note: transformers renames these checkpoints' tensors on load; the models are "
-                  "loaded in memory", file=sys.stderr)
+            note("transformers renames these checkpoints' tensors on load; the models are loaded in memory")
         return None
     _widths(A, B, a, b, ())
     if not out_of_core:

@@ -7,10 +7,11 @@ anywhere with ``SYMGRAPH_PROGRESS=1`` (forced, e.g. to record a run); never with
 engine show theirs when the command line (or :func:`configure`) turns them on; a library call
 that asks for ``progress=True`` shows its own bars as it always has.
 
-``--quiet`` silences our notes and warnings too: the lines on stderr that begin with one of
-:data:`NOTE_PREFIXES` (:func:`note` writes them) and Python warnings, for as long as
-:func:`silenced` holds (``symgraph``'s ``main`` holds it around every command). A refusal (exit
-2, one line) is never silenced."""
+``--quiet`` silences our notes and warnings too: every line on stderr that begins with one of
+:data:`NOTE_PREFIXES` is written by :func:`note`, which drops it (a test keeps any other writer
+of them out of the package), and Python warnings, for as long as :func:`silenced` holds
+(``symgraph``'s ``main`` holds it around every command). A refusal (exit 2, one line) is never
+silenced."""
 from __future__ import annotations
 
 import contextlib
@@ -44,48 +45,17 @@ def note(message: str, kind: str = "note") -> None:
         print(f"symgraph: {kind}: {message}", file=sys.stderr)
 
 
-class _Sieve:
-    """``stream`` without the writes that begin a line with one of :data:`NOTE_PREFIXES` (a
-    ``print`` writes its text in one call, then its newline, which goes with it)."""
-
-    def __init__(self, stream):
-        self._stream, self._at_start, self._eat_newline = stream, True, False
-
-    def write(self, s: str) -> int:
-        n = len(s)
-        if self._eat_newline and s.startswith("\n"):
-            s = s[1:]
-        self._eat_newline = False
-        if self._at_start and s.startswith(NOTE_PREFIXES):
-            self._eat_newline = not s.endswith("\n")
-            return n
-        if s:
-            self._at_start = s.endswith("\n")
-            self._stream.write(s)
-        return n
-
-    def __getattr__(self, name):  # flush, fileno, isatty, encoding ... of the stream itself
-        return getattr(self._stream, name)
-
-
 @contextlib.contextmanager
 def silenced():
-    """While held and ``--quiet`` was given (:func:`configure`): our notes and warnings on stderr
-    (lines beginning with :data:`NOTE_PREFIXES`, whichever module prints them) and Python
-    warnings are dropped; everything else on stderr passes. Without ``--quiet``: nothing changes."""
+    """While held and ``--quiet`` was given (:func:`configure`): Python warnings are dropped
+    (:func:`note` drops our own notes and warnings itself); everything else on stderr passes.
+    Without ``--quiet``: nothing changes."""
     if not _STATE[1]:
         yield
         return
-    old = sys.stderr
-    sieve = _Sieve(old)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sys.stderr = sieve
-        try:
-            yield
-        finally:
-            if sys.stderr is sieve:
-                sys.stderr = old
+        yield
 
 
 def bar(iterable=None, *, enabled: bool | None = None, **kw):
