@@ -364,3 +364,38 @@ def test_the_report_keeps_its_axis_queries_apart():
     line = next(ln for ln in api.splitlines() if "members: [groups" in ln)
     documented = set(line.split("[", 1)[1].rstrip("]").replace(" ", "").split(","))
     assert documented and not documented & queries
+
+
+def _function_lines(fn) -> int:
+    """A function's length as the rule counts it: from its first statement after the docstring
+    to its last line (nested functions and classes count in it)."""
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return body[-1].end_lineno - body[0].lineno + 1 if body else 0
+
+
+def test_no_function_over_60_lines():
+    """A longer function is split into named steps that read as the algorithm (issue 61)."""
+    sample = ast.parse('def f():\n    """doc\n    string"""\n' + "    x = 1\n" * 61).body[0]
+    assert _function_lines(sample) == 61  # the docstring aside
+    long = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _function_lines(node) > 60:
+                long[f"{rel}::{node.name}"] = _function_lines(node)
+    assert long == {}
+
+
+def test_no_private_name_imported_across_modules():
+    """``from .x import _y`` anywhere, inside functions too, within a stage as across stages
+    (issue 61): a helper two modules share is public in one of them, or lives in the module
+    that uses it."""
+    found = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        for line, parts, names in _imports(path):
+            found += [f"{rel}:{line}: {'.'.join(parts)}.{n}" for n in names if n.startswith("_")
+                      and not n.startswith("__")]
+    assert found == []
