@@ -21,6 +21,7 @@ OTHER_KINDS = {
     "alignment/": {"single", "family", "fixed-heads"},  # solve units (alignment.sweeps)
     "alignment/saved.py": {"map", "perm-matrix", "matrix"},  # how a saved element is stored
     "merging/circuits.py": {"leaf", "sum", "default"},  # circuit-space layout nodes
+    "width/heads.py": {"default"},  # transformers' rope_type of the circuit-space config
     "core/schema.py": {"bool", "negated", "list", "choice", "int", "float", "mapping", "int_or_choice"},  # option types
     "app/options.py": {"bool", "negated", "list", "choice", "int", "float", "mapping", "int_or_choice"},  # their flags
     "checkpoints/specs.py": {"local", "demo", "hub"},  # what a model argument names
