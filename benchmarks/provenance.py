@@ -53,9 +53,11 @@ def jsonable(x):
 
 
 def machine_free(text: str) -> str:
-    """``text`` with this checkout's path written ``<repo>`` and the home directory ``~``: a
-    committed record names no machine's paths (tests/test_machine_paths.py checks the tree)."""
-    for path, name in ((str(REPO_ROOT), "<repo>"), (str(Path.home()), "~")):
+    """``text`` with this checkout's path written ``<repo>``, the running Python's environment
+    (a venv outside the checkout) ``<venv>`` and the home directory ``~``: a committed record
+    names no machine's paths (tests/test_machine_paths.py checks the tree)."""
+    venv = sys.prefix if sys.prefix != sys.base_prefix else ""  # a venv's, never a system prefix
+    for path, name in ((str(REPO_ROOT), "<repo>"), (venv, "<venv>"), (str(Path.home()), "~")):
         if len(path) > 1:
             text = text.replace(path + "/", name + "/").replace(f'"{path}"', f'"{name}"')
     return text

@@ -180,3 +180,13 @@ def test_a_record_names_the_commit_its_run_started_at(tmp_path, monkeypatch):
     head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True)
     assert head.stdout.strip() != first["commit"]
     assert pv.commit_info(tmp_path) == first and first["source"] == "git" and first["dirty"] is False
+
+
+def test_a_venv_outside_the_checkout_is_written_venv(monkeypatch):
+    """A record that names the interpreter's environment (an executable it ran) names no machine
+    path when the venv lies outside the checkout; a system interpreter's prefix is left alone."""
+    monkeypatch.setattr("sys.prefix", "/opt/envs/sg")
+    monkeypatch.setattr("sys.base_prefix", "/usr")
+    assert pv.machine_free('["/opt/envs/sg/bin/symgraph", "/opt/envs/sgx"]') == '["<venv>/bin/symgraph", "/opt/envs/sgx"]'
+    monkeypatch.setattr("sys.prefix", "/usr")
+    assert pv.machine_free('"/usr/bin/python"') == '"/usr/bin/python"'

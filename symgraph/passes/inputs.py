@@ -92,7 +92,7 @@ def _raw_convolutions(model) -> list:
     """``(kernel, stride)`` of the 1-d convolutions that read raw samples, for a config that
     does not state them (Moonshine's are fixed in its code): the first ``Conv1d`` with one
     input channel and each next one (in module order) whose input is the last one's output."""
-    chain = []
+    chain: list[tuple[int, int, int]] = []
     for m in model.modules() if model is not None else ():
         if isinstance(m, torch.nn.Conv1d) and (m.in_channels == 1 if not chain else m.in_channels == chain[-1][2]):
             chain.append((m.kernel_size[0], m.stride[0], m.out_channels))
