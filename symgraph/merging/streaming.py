@@ -28,6 +28,7 @@ import torch
 from ..core.progress import bar as progress_bar
 from ..errors import InputError
 from ..transform.folding import gauge
+from ..checkpoints.inputs import DEFAULT_SHARD
 from ..checkpoints.sharded import Checkpoint, KeysDiffer, ShardWriter, parse_size
 from .methods import registry
 from .methods.registry import mixing_weights
@@ -49,7 +50,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "parse_size", "DEFAULT_SHARD", "budgets"]
 
-DEFAULT_SHARD = 2 << 30  # bytes per output shard
 CHUNK_BYTES = 64 << 20  # a group's tensors over this (in the work dtype) are merged in slices of it
 STATS_BYTES = 256 << 20  # activation statistics are taken in passes of this many bytes, solved as each ends
 ENGINE_ONLY = ("rows_from", "refine_lr")  # align_options the engine resolves itself, not the solver's
