@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import symgraph
+from symgraph.testing.models import randomized
 from symgraph.passes.inputs import default_inputs
 
 transformers = pytest.importorskip("transformers")
@@ -18,14 +19,6 @@ T = transformers
 BART = dict(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
             decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=20, max_position_embeddings=32)
 T5 = dict(vocab_size=64, d_model=16, d_kv=4, d_ff=24, num_layers=1, num_decoder_layers=1, num_heads=4)
-
-
-def randomized(m):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return m.eval().double()
 
 
 MODELS = {

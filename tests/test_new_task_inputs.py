@@ -13,19 +13,12 @@ import torch
 import torch.nn as nn
 
 import symgraph
+from symgraph.testing.models import randomized
 from symgraph.passes.inputs import default_inputs
 from symgraph.passes.trace import conversions_in_place, graph_friendly
 
 transformers = pytest.importorskip("transformers")
 T = transformers
-
-
-def randomized(m):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return m.eval().double()
 
 
 def recovered(m, r):

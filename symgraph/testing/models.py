@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-__all__ = ["ARCHS", "DECODERS", "MODEL_CLASSES", "TINY", "DROPOUT_FIELDS", "ATTN_IMPLEMENTATION",
+__all__ = ["randomized", "ARCHS", "DECODERS", "MODEL_CLASSES", "TINY", "DROPOUT_FIELDS", "ATTN_IMPLEMENTATION",
            "config", "model_class", "build", "randomize_vectors", "transformer_encoder", "mlp",
            "train", "warmup_cosine"]
 
@@ -223,6 +223,17 @@ def randomize_vectors(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
                 noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.5 * noise)
     return model
+
+
+def randomized(model: torch.nn.Module, seed: int = 0, scale: float = 0.3) -> torch.nn.Module:
+    """Every parameter re-drawn as ``scale``·N(0, 1) (one generator seeded ``seed``, in
+    parameter order), in ``eval()`` mode and float64: a model whose function no initialiser's
+    zeros or ones make special, for tests that transform and recover it."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model.eval().double()
 
 
 def transformer_encoder(seed: int = 0, d: int = 16, heads: int = 4, ff: int = 40,
