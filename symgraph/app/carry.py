@@ -23,6 +23,7 @@ import time
 import torch
 
 from ..errors import InputError
+from ..merging.engine.plan import keys_of
 from ..transform.apply import move_piece
 from ..transform.folding import for_reader, members
 
@@ -31,10 +32,6 @@ __all__ = ["run_align", "run_apply", "carry_writer", "piece_bytes", "WORK_BYTES"
 #: Bytes held per element of a piece while it is moved: the stored value, its float64 copy,
 #: the folded, moved and unfolded float64 values.
 WORK_BYTES = 40
-
-
-def _keys(ckpt, name) -> list:
-    return [k for k in ckpt.params.get(name, (name,)) if k in ckpt.shapes]
 
 
 def _numel(report, name) -> int:
@@ -117,7 +114,7 @@ def _write_piece(ckpt, report, elements, piece, writer, written, gauge, budget, 
             if v.is_floating_point() and not bool(torch.isfinite(v).all()):
                 raise InputError(f"{n!r} is not finite in {v.dtype} once {what}; expected elements that keep the "
                                  "weights in the dtype's range")
-            for k in _keys(ckpt, n):
+            for k in keys_of(ckpt, n):
                 writer.add(k, v)
             if n not in cut:
                 written.add(n)
@@ -159,7 +156,7 @@ def carry_writer(ckpt, report, elements: dict, gauge: dict, *, budget: int | Non
             held = _write_piece(ckpt, report, elements, piece, writer, written, gauge, budget, what)
             if stats is not None:
                 stats["bytes_held"] = max(stats.get("bytes_held", 0), held)
-        stored = {k for n in written for k in _keys(ckpt, n)}
+        stored = {k for n in written for k in keys_of(ckpt, n)}
         for key in ckpt.keys:  # buffers no class moves, tensors the graph does not read
             if key not in stored:
                 writer.add(key, ckpt.read(key, check=False))
@@ -177,7 +174,8 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
     ``max_iter``, ``until``, ``full_groups``: :class:`~symgraph.merging.config.MergeConfig`'s)."""
     from ..alignment.saved import ALIGNMENT_FILE, save_alignment
     from ..checkpoints.outdir import check_out, save_atomic
-    from .run import check_compatible, check_paths, input_names, read_batches
+    from ..checkpoints.inputs import check_paths, input_names, read_batches
+    from .compat import check_compatible
     from .config import MergeConfig
     from ..merging.streaming import StreamingMerge
     from ..checkpoints.sharded import Checkpoint
@@ -238,7 +236,7 @@ def run_apply(alignment: str, model: str, out: str, *, force: bool = False) -> d
     from ..checkpoints.outdir import check_out, save_atomic
     from ..checkpoints.sharded import Checkpoint
     from ..report.api import analyze
-    from .run import check_paths, input_names
+    from ..checkpoints.inputs import check_paths, input_names
     out = check_out(out, force=force, inputs=[alignment, model])
     check_paths([model])
     al = load_alignment(alignment)

@@ -112,7 +112,7 @@ def _plot(rows, path, title):
 
 def cmd_barrier(args) -> int:
     from ..app.commands import BarrierCommand, engine_given, engine_options, read_command
-    from ..app.run import check_paths, input_names
+    from ..checkpoints.inputs import check_paths, input_names
     from ..checkpoints.outdir import check_out, save_atomic
     cmd = read_command(vars(args), BarrierCommand)  # every option, before any work
     inputs = [args.a, args.b, cmd.data] + ([cmd.align_data] if cmd.align_data else [])

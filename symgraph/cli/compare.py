@@ -189,7 +189,7 @@ def compare_paths(a: str, b: str, data: str | None = None, *, null: int = 4, see
     from ..alignment.compare import compare
     from ..checkpoints.specs import load_data, load_model
     from ..errors import InputError
-    from ..app.run import check_paths
+    from ..checkpoints.inputs import check_paths
     from ..alignment.compare import THRESHOLD, check_options
     from ..core.schema import SEED
     check_options(null, THRESHOLD, "--null")
@@ -215,7 +215,7 @@ def compare_paths(a: str, b: str, data: str | None = None, *, null: int = 4, see
 
 def cmd_compare(args) -> int:
     from ..app.commands import CompareCommand, engine_options, read_command
-    from ..app.run import input_names
+    from ..checkpoints.inputs import input_names
     from ..checkpoints.outdir import check_out, save_atomic
     cmd = read_command(vars(args), CompareCommand)  # every option, before any work
     inputs = [args.a, args.b] + ([cmd.data] if cmd.data else [])

@@ -15,7 +15,8 @@ import time
 from .._version import __version__
 from ..app.config import MergeConfig
 from ..app.options import add_flags
-from ..app.run import check_paths, input_names, progress_bar
+from ..app.run import progress_bar
+from ..checkpoints.inputs import check_paths, input_names
 from .align import add_parsers as add_align_parsers
 from .barrier import add_parser as add_barrier_parser
 from .compare import add_parser as add_compare_parser

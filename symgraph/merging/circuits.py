@@ -26,6 +26,7 @@ import torch
 
 from ..errors import InputError
 from ..width.heads import why_no_config, wide_config, wide_model
+from .engine.plan import keys_of
 
 __all__ = ["circuit_merge", "circuit_state", "circuit_between", "CircuitPlan", "plan", "why_no_config", "wide_model",
            "wide_shapes", "streamed", "Widening", "CircuitHeads"]
@@ -281,7 +282,7 @@ class CircuitHeads:
         cplan, cfg, new = self.built()
         A = self.checkpoint  # its stored shapes are its model's (checked when it was opened)
         wide = wide_shapes(cplan, cfg, _shapes(A.model), _shapes(new), self.n)
-        out_shapes = {k: wide[name] for name in cplan.slots for k in A.params.get(name, (name,)) if k in A.shapes}
+        out_shapes = {k: wide[name] for name in cplan.slots for k in keys_of(A, name)}
         before = A.model.config.to_dict()
         return Widening(out_shapes, {k: v for k, v in cfg.to_dict().items() if before.get(k) != v}, self.combine)
 

@@ -29,7 +29,7 @@ def rotate_checkpoint(model: str, out: str, *, how: str = "hadamard", seed: int 
     from ..checkpoints.outdir import check_out, save_atomic
     from ..checkpoints.sharded import Checkpoint, parse_size
     from .._version import __version__
-    from ..app.run import check_paths, input_names
+    from ..checkpoints.inputs import check_paths, input_names
     if how not in ("hadamard", "random"):
         raise InputError(f"--how {how!r}; expected 'hadamard' or 'random' (learned rotations need data and "
                          "the model in memory: symgraph.rotate(model, how='learned', data=...))")

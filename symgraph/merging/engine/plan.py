@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from . import slicing
 
-__all__ = ["GroupTask", "Plan", "build_plan"]
+__all__ = ["GroupTask", "Plan", "build_plan", "keys_of"]
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,12 @@ class Plan:
         return self.sources[self.anchor]
 
     def keys_of(self, name) -> list:
-        """The anchor checkpoint's keys holding parameter (or buffer) ``name``."""
-        A = self.anchor_checkpoint
-        return [k for k in A.params.get(name, (name,)) if k in A.shapes]
+        return keys_of(self.anchor_checkpoint, name)
+
+
+def keys_of(ckpt, name) -> list:
+    """The keys of checkpoint ``ckpt`` holding parameter (or buffer) ``name``."""
+    return [k for k in ckpt.params.get(name, (name,)) if k in ckpt.shapes]
 
 
 def build_plan(job, report, out_shapes: dict) -> Plan:
