@@ -27,7 +27,6 @@ import torch
 
 from ..alignment.driver import align_tensors
 from ..alignment.fullgroups import fit_full_groups
-from ..alignment.graphrun import flatten_for, runnable
 from ..alignment.learning import Objective, learnable, learned_matching
 from ..alignment.options import AlignOptions
 from ..alignment.refine import with_labels
@@ -35,7 +34,7 @@ from ..errors import InputError, NeedsMemory, TraceError
 from ..passes.trace import output_positions, trace
 from ..transform.apply import move_piece
 from ..transform.folding import for_reader, members
-from .engine.segments import Kept, Segment, backward_span, live_after, output_node, plan_segments
+from .engine.segments import Graph, Kept, Segment, backward_span, output_node, plan_segments
 from .engine.slicing import identity_elements
 from .engine.sums import Spill
 from .engine.views import Ledger, elements_on, nbytes
@@ -88,7 +87,7 @@ def refined(how: Learning, b, ra, rb, views, gains, sides, acts):
     return best
 
 
-class _Graph:
+class _Graph(Graph):
     """The anchor's model traced with its loss on one batch shape, as segments."""
 
     def __init__(self, model, kw, device) -> None:
@@ -102,18 +101,12 @@ class _Graph:
             raise InputError(f"refine needs a loss, and {type(model).__name__} computes none from its inputs "
                              "alone (language models do: labels = input_ids); expected a model that returns "
                              "a loss") from None
-        gm = runnable(ep.module(), device)
-        self.gm, self.order = gm, list(gm.graph.nodes)
-        self.pos = {n: p for p, n in enumerate(self.order)}
+        super().__init__(ep, device)
         self.loss = output_node(next(n for n in self.order if n.op == "output"), min(where))
-        self.params = dict(gm.named_parameters(remove_duplicate=False))
-        self.lazy = set(self.params) | {n for n, _ in gm.named_buffers(remove_duplicate=False)}
-        self.buffers = dict(gm.named_buffers(remove_duplicate=False))
         self.plans: dict = {}
 
-    def flat(self, kw, device) -> list:
-        full = {**{k: v for k, v in self.traced.items() if not isinstance(v, torch.Tensor)}, **kw}
-        return [t.to(device) if isinstance(t, torch.Tensor) else t for t in flatten_for(self.gm, (), full)]
+    def batch(self, kw) -> list:
+        return self.inputs((), {**{k: v for k, v in self.traced.items() if not isinstance(v, torch.Tensor)}, **kw})
 
     def largest(self, cost) -> int:
         """The most bytes of tensors one op reads (the least a segment holds)."""
@@ -162,16 +155,14 @@ class _Between:
         """The tensors segment ``[a, b)`` reads of the model between A and B′ (tied names share
         one), and the bytes they took."""
         w, done, held = {}, {}, 0
-        for node in g.order[a:b]:
-            for x in node.all_input_nodes:
-                n = x.target
-                if x.op != "get_attr" or n not in g.lazy or n in w:
-                    continue
-                key = self.keep.get(n, n)
-                if key not in done:
-                    done[key], took = self.tensor(g, n, key, els, lam)
-                    held += took
-                w[n] = done[key]
+        for n in g.attributes(a, b):
+            if n not in g.lazy or n in w:
+                continue
+            key = self.keep.get(n, n)
+            if key not in done:
+                done[key], took = self.tensor(g, n, key, els, lam)
+                held += took
+            w[n] = done[key]
         return w, held
 
     def tensor(self, g, n, key, els, lam):
@@ -230,31 +221,13 @@ class _Matching(Objective):
         if shapes not in self.graphs:
             self.graphs[shapes] = _Graph(model, kw, self.how.device)
         g = self.graphs[shapes]
-        return g, g.flat(kw, self.how.device)
+        return g, g.batch(kw)
 
     def _forward(self, g, segs, flats, els, lam, kept, keep: bool):
-        """The segments run on every batch without gradients, each segment's tensors computed
-        once: the values crossing each cut put in ``kept`` (``keep``: left there for a
-        backward pass, which starts from the last segment, not run here); returns each
-        batch's loss when every segment is run."""
-        losses = [0.0] * len(flats)
-        ledger = self.how.ledger
-        with torch.no_grad():
-            for k, (a, b) in enumerate(segs[:-1] if keep else segs):
-                w, held = self.between.weights(g, a, b, els, lam)
-                ledger.hold(held)
-                run = Segment(g.gm, w)
-                for j, flat in enumerate(flats):
-                    start = (kept.get(j, k) if keep else kept.pop(j, k)) if k else {}
-                    env = run.span(start, a, b, None if k else flat)
-                    if b == len(g.order):
-                        losses[j] = float(env[g.loss])
-                    else:
-                        kept.put(j, k + 1, {x: v for x, v in env.items() if live_after(g.pos, x, b)})
-                    del env, start
-                ledger.drop(held)
-                del w, run
-        return losses
+        """:meth:`~.engine.segments.Graph.forward` on the model between A and B′; each batch's
+        loss when every segment is run (not ``keep``)."""
+        return g.forward(segs, flats, lambda a, b: self.between.weights(g, a, b, els, lam), self.how.ledger, kept,
+                         keep, lambda env: float(env[g.loss]))
 
     def start_loss(self, al, batches: list) -> float:
         """The midpoint model's mean loss on ``batches``, the batches of one traced shape run together."""

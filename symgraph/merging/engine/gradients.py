@@ -30,9 +30,8 @@ import math
 import torch
 
 from ...alignment.checks import batch_inputs, by_shape
-from ...alignment.graphrun import flatten_for, runnable
 from ...core import distributed
-from .segments import Kept, Segment, backward_span, live_after, output_node, plan_segments
+from .segments import Graph, Kept, Segment, backward_span, output_node, plan_segments
 from .sums import Stored
 from .views import Aligned, nbytes
 
@@ -64,39 +63,27 @@ def squared_gradients(ctx, i: int, kind, prefix: str) -> Stored:
     return Stored(ctx.spill, done.keys, None if res.device == "cpu" else res.device)
 
 
-class _Segmented:
+class _Segmented(Graph):
     """The graph traced for one batch shape (``rep``), on ``device``, cut into ``segments`` of
     about ``stats_bytes`` of weights, gradients and sums each; ``readers``: parameter -> the
     segments that read it; ``flats``: each batch's inputs; ``read(a, b, leaves)``: the weights of
     segment ``[a, b)`` from ``view``."""
 
     def __init__(self, rep, batches, view, A, device, work_dtype, stats_bytes: int):
-        self.view, self.device = view, device
-        self.gm = gm = runnable(rep.exported_program.module(), device)
-        named = dict(gm.named_parameters(remove_duplicate=False))
+        super().__init__(rep.exported_program, device)
+        self.view = view
         self.canon = lambda n: A.param_of.get(n, n)  # a tied parameter's names -> one
-        self.grads = {n for n in named if n in A.param_of}
+        self.grads = {n for n in self.params if n in A.param_of}
         acc = torch.empty((), dtype=work_dtype).element_size()
-        cost = {n: t.numel() * (2 * t.element_size() + acc) for n, t in named.items()}  # weight, grad, sum
-        self.segments = plan_segments(gm, cost, max(1, stats_bytes))
-        self.order = list(gm.graph.nodes)
-        self.pos = {n: p for p, n in enumerate(self.order)}
-        self.lazy = set(named) | {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+        cost = {n: t.numel() * (2 * t.element_size() + acc) for n, t in self.params.items()}  # weight, grad, sum
+        self.segments = plan_segments(self.gm, cost, max(1, stats_bytes))
         self.readers: dict = {}
         for k, (a, b) in enumerate(self.segments):
             for n in self.attributes(a, b):
                 if n in self.grads:
                     self.readers.setdefault(self.canon(n), set()).add(k)
-        self.flats = []  # each batch's inputs, on the device
-        for bi, batch in batches:
-            args, kwargs = batch_inputs(rep, batch, bi)
-            flat = flatten_for(gm, args, kwargs)
-            self.flats.append([t.to(device) if isinstance(t, torch.Tensor) else t for t in flat])
+        self.flats = [self.inputs(*batch_inputs(rep, batch, bi)) for bi, batch in batches]
         self.first = output_node(next(n for n in self.order if n.op == "output"))
-
-    def attributes(self, a, b) -> list:
-        """The graph attributes (weights, buffers) the ops of segment ``[a, b)`` read, in order."""
-        return [x.target for node in self.order[a:b] for x in node.all_input_nodes if x.op == "get_attr"]
 
     def read(self, a, b, leaves: bool) -> dict:
         """The weights segment [a, b) reads; tied names share one tensor (one leaf, whose
@@ -117,16 +104,11 @@ class _Segmented:
 def _forward(graph: _Segmented, res, spill, prefix: str) -> Kept:
     """1. forward, without gradients: the values crossing each cut, per batch."""
     kept = Kept(res.ledger, res.stats_bytes // 2, spill, graph.device, prefix)
-    with torch.no_grad():
-        for k, (a, b) in enumerate(graph.segments[:-1]):
-            w = graph.read(a, b, False)
-            res.ledger.hold(sum(nbytes(t) for t in w.values()))
-            run = Segment(graph.gm, w)
-            for j, flat in enumerate(graph.flats):
-                env = run.span(kept.get(j, k) if k else {}, a, b, None if k else flat)
-                kept.put(j, k + 1, {n: v for n, v in env.items() if live_after(graph.pos, n, b)})
-            res.ledger.drop(sum(nbytes(t) for t in w.values()))
-            del w, run
+
+    def read(a, b):
+        w = graph.read(a, b, False)
+        return w, sum(nbytes(t) for t in w.values())
+    graph.forward(graph.segments, graph.flats, read, res.ledger, kept)
     return kept
 
 

@@ -1,24 +1,25 @@
 """A traced graph cut into segments and run one segment at a time, forward and backward
-(gradient checkpointing out of core): what :mod:`.backprop` (squared gradients) and
-:mod:`.learned` (learned matching) share.
+(gradient checkpointing out of core): what :mod:`.gradients` (squared gradients) and
+:mod:`~symgraph.merging.learned` (learned matching) share.
 
 :func:`plan_segments` cuts the graph's ops into segments that read at most about a budget of
-weights, each cut where the fewest activation bytes cross. A :class:`Segment` runs an op range
-from the values crossing its first cut, its weights given by the caller (read for that
-segment only); :class:`Kept` holds the values crossing each cut per batch (spilled to disk
-beyond its room); :func:`backward_span` recomputes a segment from its kept inputs as leaves
-and differentiates it, from a loss (the last segment) or from the gradients the later segment
-left at its outputs.
+weights, each cut where the fewest activation bytes cross. A :class:`Graph` is the traced
+program made runnable, its forward pass run segment by segment (:meth:`Graph.forward`); a
+:class:`Segment` runs an op range from the values crossing its first cut, its weights given by
+the caller; :class:`Kept` holds the values crossing each cut per batch (spilled to disk beyond
+its room); :func:`backward_span` recomputes a segment from its kept inputs as leaves and
+differentiates it, from a loss (the last segment) or from the gradients the later segment left
+at its outputs.
 """
 from __future__ import annotations
 
 import torch
 import torch.utils._pytree as pytree
 
-from ...alignment.graphrun import Stepper
+from ...alignment.graphrun import Stepper, flatten_for, runnable
 from .views import nbytes
 
-__all__ = ["plan_segments", "Segment", "Kept", "backward_span", "leaf", "tensors_in", "output_node",
+__all__ = ["plan_segments", "Graph", "Segment", "Kept", "backward_span", "leaf", "tensors_in", "output_node",
            "live_after"]
 
 
@@ -84,6 +85,52 @@ class Segment(Stepper):
             for dead in self.user_to_last_uses.get(node, ()):
                 self.env.pop(dead, None)
         out, self.env = self.env, {}
+        return out
+
+
+class Graph:
+    """The program of ``ep`` (an exported program) made runnable on ``device``: ``gm``, its
+    nodes in ``order`` and their positions ``pos``, its ``params`` and ``buffers`` by name
+    (``lazy``: both names, each read by the caller for the segments that take it)."""
+
+    def __init__(self, ep, device) -> None:
+        self.gm, self.device = runnable(ep.module(), device), device
+        self.order = list(self.gm.graph.nodes)
+        self.pos = {n: p for p, n in enumerate(self.order)}
+        self.params = dict(self.gm.named_parameters(remove_duplicate=False))
+        self.buffers = dict(self.gm.named_buffers(remove_duplicate=False))
+        self.lazy = set(self.params) | set(self.buffers)
+
+    def attributes(self, a, b) -> list:
+        """The graph attributes (weights, buffers) the ops of segment ``[a, b)`` read, in order."""
+        return [x.target for node in self.order[a:b] for x in node.all_input_nodes if x.op == "get_attr"]
+
+    def inputs(self, args, kwargs) -> list:
+        """A batch's flat inputs, on the device."""
+        return [t.to(self.device) if isinstance(t, torch.Tensor) else t for t in flatten_for(self.gm, args, kwargs)]
+
+    def forward(self, segments, flats, read, ledger, kept, keep: bool = True, last=None) -> list:
+        """The ``segments`` run on every batch (``flats``) without gradients, each segment's
+        weights read once (``read(a, b) -> (weights, bytes held)``, counted in ``ledger``): the
+        values crossing each cut put in ``kept`` (``keep``: left there for a backward pass,
+        which starts from the last segment, not run here); otherwise every segment is run and
+        each batch's ``last(values)`` of the last one returned."""
+        out: list = [None] * len(flats)
+        with torch.no_grad():
+            for k, (a, b) in enumerate(segments[:-1] if keep else segments):
+                w, held = read(a, b)
+                ledger.hold(held)
+                run = Segment(self.gm, w)
+                for j, flat in enumerate(flats):
+                    start = (kept.get(j, k) if keep else kept.pop(j, k)) if k else {}
+                    env = run.span(start, a, b, None if k else flat)
+                    if b == len(self.order):
+                        out[j] = last(env)
+                    else:
+                        kept.put(j, k + 1, {x: v for x, v in env.items() if live_after(self.pos, x, b)})
+                    del env, start
+                ledger.drop(held)
+                del w, run
         return out
 
 
