@@ -1,17 +1,22 @@
 """Rotations for quantization (issue 64): briefly trained zoo models of several families, their
 held-out loss in float and under simulated quantization, without rotation and rotated by
-``symgraph.rotate`` (randomized Hadamard, Haar-random, learned), and the share of the int4
-loss gap each rotation closes.
+``symgraph.rotate`` (randomized Hadamard, Haar-random at two seeds, learned), and the share of
+each setting's loss gap each rotation closes. Each model also as an ``outliers`` variant of the
+same function (:func:`symgraph.rotation.outliers.with_outliers`: a few channels of every
+foldable norm's gain ×30, its readers' columns ×1/30), the activation outliers trained LLMs have
+and rotations are for.
 
     python -m benchmarks.bench_rotate [--archs llama gpt2 mixtral bert] [--learn-steps 30]
-        [--train-steps 150] [--out benchmarks/results/rotate]
+        [--train-steps 150] [--hows none hadamard random random@1 learned] [--quarot DIR]
+        [--out benchmarks/results/rotate]
 
 Quantizer (``symgraph.testing.quantize``, fake quantization): weights round-to-nearest,
 symmetric, in groups of 128 inputs (a row of fewer inputs is one group), the output head kept;
 activations per token, symmetric, at every linear layer's input. Stacked expert weights
 (Mixtral's experts) are rounded along their input and the experts' input per token; the
 experts' down projection input (inside their forward) stays in floating point. Settings: ``W4`` (weights int4, activations float), ``W4A8``,
-``W4A4``, ``W8A8``. Gap closed: ``(L_W4(none) − L_W4(rot)) / (L_W4(none) − L_float)``.
+``W4A4``, ``W8A8``. Gap closed, per setting: ``(L(none) − L(rot)) / (L(none) − L_float)``, given
+where the gap is resolved (:func:`gaps`), else the loss change itself.
 """
 from __future__ import annotations
 
@@ -22,18 +27,28 @@ import time
 import torch
 
 import symgraph
+from symgraph.errors import InputError
+from symgraph.rotation.outliers import with_outliers
 from symgraph.testing import quantize as Q
 
 from . import evaluate, train
 from .provenance import commit_info, command_line, log, table, write_result
 
-__all__ = ["SETTINGS", "quantized_loss", "run_arch", "main"]
+__all__ = ["SETTINGS", "quantized_loss", "gaps", "run_rows", "run_arch", "markdown", "main"]
 
 #: ``name: (weight bits, activation bits)``; None: not rounded.
 SETTINGS = {"float": (None, None), "W4": (4, None), "W4A8": (4, 8), "W4A4": (4, 4), "W8A8": (8, 8)}
 GROUP = 128
 EVAL_BATCHES = 4
 LEARN_BATCHES = 4
+#: The second random rotation (seed 1): its difference to ``random`` (seed 0) is the noise level.
+NOISE_ROW = "random@1"
+#: A gap closed is a share only where the unrotated gap is at least this many nats of loss ...
+GAP_MIN = 0.002
+#: ... and this many times the noise level; below, the table gives the loss change itself.
+NOISE_TIMES = 5
+#: The outlier variant: channels per norm, factor.
+OUTLIERS = (4, 30.0)
 
 
 def quantized_loss(model, arch, batches, wbits, abits) -> float:
@@ -54,12 +69,13 @@ def _rotated(model, arch, how, learn_steps, quarot=None):
         return m, {"certificate": _deviation(model, m, arch), "seconds": time.perf_counter() - t0,
                    "classes": {"QuaRot's own code": 1}}
     t0 = time.perf_counter()
-    kw = {}
-    if how == "learned":
+    name, _, seed = how.partition("@")
+    kw = {"classes": ()} if name == "fold" else {}  # the norm gains folded, nothing rotated
+    if name == "learned":
         data = evaluate.eval_batches(arch, "train", max_batches=LEARN_BATCHES)
         kw = dict(data=data, steps=learn_steps, lr=1e-2, weight_bits=4, act_bits=8, group_size=GROUP,
                   loss_fn=lambda m, b: evaluate.batch_loss(m, arch, b))
-    res = symgraph.rotate(model, how=how, seed=0, **kw)
+    res = symgraph.rotate(model, how="hadamard" if name == "fold" else name, seed=int(seed or 0), **kw)
     info = {"certificate": res.error, "untied": res.untied, "seconds": time.perf_counter() - t0,
             "classes": {k: len(v) for k, v in res.roles.items()}}
     if res.learned:
@@ -75,22 +91,92 @@ def _deviation(model, other, arch) -> float:
     return float((x - y).norm() / x.norm())
 
 
-def run_arch(arch: str, hows, learn_steps: int, train_steps: int, quarot=None) -> dict:
-    """Losses of ``arch`` (trained ``train_steps`` steps, seed 0, quick size) per rotation and setting."""
+def gaps(rows: dict) -> dict:
+    """Per quantized setting: the unrotated model's loss ``gap`` to float, the ``noise`` (the
+    two random rotations' difference, :data:`NOISE_ROW`), whether the gap is ``resolved``
+    (at least :data:`GAP_MIN` nats and :data:`NOISE_TIMES` × the noise), each rotation's share
+    of the gap ``closed`` and its loss change ``delta`` to the unrotated model."""
+    base = rows["none"]["loss"]
+    out = {}
+    for s in SETTINGS:
+        if s == "float":
+            continue
+        gap = base[s] - base["float"]
+        noise = abs(rows[NOISE_ROW]["loss"][s] - rows["random"]["loss"][s]) if NOISE_ROW in rows else None
+        out[s] = {"gap": gap, "noise": noise, "resolved": gap >= max(GAP_MIN, NOISE_TIMES * (noise or 0.0)),
+                  "closed": {h: (base[s] - r["loss"][s]) / gap if gap > 0 else None
+                             for h, r in rows.items() if h != "none"},
+                  "delta": {h: r["loss"][s] - base[s] for h, r in rows.items() if h != "none"}}
+    return out
+
+
+def run_rows(model, arch, hows, learn_steps, batches, quarot=None, label=None) -> dict:
+    """``{how: {"loss": {setting: loss}, ...}}`` of ``model`` rotated each way of ``hows``."""
+    rows = {}
+    for how in hows:
+        log(f"bench_rotate: {label or arch} {how}")
+        m, info = _rotated(model, arch, how, learn_steps, quarot)
+        rows[how] = {"loss": {name: quantized_loss(m, arch, batches, w, a) for name, (w, a) in SETTINGS.items()},
+                     **info}
+    return rows
+
+
+def run_arch(arch: str, hows, learn_steps: int, train_steps: int, quarot=None, outliers=(4, 30.0)) -> dict:
+    """Losses of ``arch`` (trained ``train_steps`` steps, seed 0, quick size) per rotation and
+    setting, for the trained model (``plain``) and its function-preserving ``outliers`` variant
+    (:func:`symgraph.rotation.outliers.with_outliers`: ``outliers`` = channels, factor)."""
     model = train.train_model(arch, seed=0, size="quick", steps=train_steps)
     batches = evaluate.eval_batches(arch, "eval", max_batches=EVAL_BATCHES)
-    out = {"arch": arch, "rows": {}}
     hows = list(hows) + (["quarot"] if quarot and arch == "llama" else [])
-    for how in hows:
-        log(f"bench_rotate: {arch} {how}")
-        m, info = _rotated(model, arch, how, learn_steps, quarot)
-        losses = {name: quantized_loss(m, arch, batches, w, a) for name, (w, a) in SETTINGS.items()}
-        out["rows"][how] = {"loss": losses, **info}
-    base = out["rows"]["none"]["loss"]
-    gap = base["W4"] - base["float"]
-    for how, row in out["rows"].items():
-        row["w4_gap_closed"] = (base["W4"] - row["loss"]["W4"]) / gap if gap > 0 else None
+    variants = {"plain": (model, {})}
+    if outliers:
+        try:
+            o = with_outliers(model, channels=outliers[0], factor=outliers[1], seed=0)
+            variants["outliers"] = (o.model, {"channels": o.channels, "norms": len(o.norms),
+                                              "untied": o.untied, "certificate": o.error})
+        except InputError as e:  # no foldable norm (post-norm BERT): nothing to put outliers on
+            variants["outliers"] = (None, {"skipped": str(e)})
+    out = {"arch": arch, "variants": {}}
+    for name, (m, info) in variants.items():
+        if m is None:
+            out["variants"][name] = info
+            continue
+        rows = run_rows(m, arch, hows, learn_steps, batches, quarot, label=f"{arch} {name}")
+        out["variants"][name] = {**info, "rows": rows, "gaps": gaps(rows)}
     return out
+
+
+def _share(g, how) -> str:
+    """A gap table's cell: the share closed where the gap is resolved, else the loss change."""
+    if how not in g["closed"] or g["closed"][how] is None:
+        return "-"
+    if g["resolved"]:
+        return f"{100 * g['closed'][how]:.0f}%"
+    return f"Δ{g['delta'][how]:+.4f}"
+
+
+def _loss_rows(record) -> list:
+    rows = []
+    for r in record["archs"]:
+        for variant, v in r["variants"].items():
+            if "skipped" in v:
+                rows.append([r["arch"], variant, "(none: no foldable norm)", *["-"] * (len(SETTINGS) + 2)])
+                continue
+            for how, row in v["rows"].items():
+                rows.append([r["arch"], variant, how, *(f"{row['loss'][s]:.4f}" for s in SETTINGS),
+                             f"{row['certificate']:.1e}" if "certificate" in row else "-",
+                             ", ".join(f"{k} {n}" for k, n in row.get("classes", {}).items()) or "-"])
+    return rows
+
+
+def _gap_rows(record, hows) -> list:
+    rows = []
+    for r in record["archs"]:
+        for variant, v in r["variants"].items():
+            for s, g in v.get("gaps", {}).items():
+                rows.append([r["arch"], variant, s, f"{g['gap']:.4f}",
+                             "-" if g["noise"] is None else f"{g['noise']:.4f}", *(_share(g, h) for h in hows)])
+    return rows
 
 
 def markdown(record) -> str:
@@ -100,17 +186,23 @@ def markdown(record) -> str:
              f"Held-out loss (quick zoo models, seed 0, {record['train_steps']} training steps; first "
              f"{EVAL_BATCHES} evaluation batches). Weights RTN symmetric, groups of {GROUP} inputs (a row of "
              "fewer inputs: one group), head kept; activations per token at every linear input. "
-             "Gap closed: share of the W4 loss gap to float that the rotation removes.", ""]
-    header = ["model", "rotation", *SETTINGS, "W4 gap closed", "certificate", "classes"]
-    rows = []
-    for r in record["archs"]:
-        for how, row in r["rows"].items():
-            gap = row["w4_gap_closed"]
-            rows.append([r["arch"], how, *(f"{row['loss'][s]:.4f}" for s in SETTINGS),
-                         "-" if how == "none" or gap is None else f"{100 * gap:.0f}%",
-                         f"{row['certificate']:.1e}" if "certificate" in row else "-",
-                         ", ".join(f"{k} {v}" for k, v in row.get("classes", {}).items()) or "-"])
-    lines += table(header, rows, ["l", "l", *["r"] * (len(header) - 2)])
+             f"Variants: `plain`, the trained model; `outliers`, the same function with {OUTLIERS[0]} channels of "
+             f"every foldable norm's gain (and shift) ×{OUTLIERS[1]:g} and the matching input columns of that "
+             f"norm's readers ×1/{OUTLIERS[1]:g} (`symgraph.rotation.outliers.with_outliers`; the readers' "
+             "inputs get outlier channels, as trained LLMs have). Rows: `fold`, the norm gains folded into "
+             "their readers and nothing rotated (what `symgraph rotate` does before it rotates); `random` seed 0, "
+             "`random@1` seed 1 (the noise level), `hadamard` and `learned` seed 0.", ""]
+    header = ["model", "variant", "rotation", *SETTINGS, "certificate", "classes"]
+    lines += table(header, _loss_rows(record), ["l", "l", "l", *["r"] * (len(header) - 3)])
+    hows = list(dict.fromkeys(h for r in record["archs"] for v in r["variants"].values()
+                              for h in v.get("rows", {}) if h != "none"))
+    lines += ["", "## Share of the loss gap closed", "",
+              "Gap: the unrotated model's loss minus the float loss, per setting. Noise: |random − random@1|, "
+              "two rotation seeds of one model. A rotation's share of the gap closed, `(L_none − L_rot) / gap`, "
+              f"is given where the gap is at least {GAP_MIN} nats and {NOISE_TIMES}× the noise; below that the gap "
+              "is not resolved and the cell gives the loss change `Δ = L_rot − L_none` (negative: better).", ""]
+    header = ["model", "variant", "setting", "gap", "noise", *hows]
+    lines += table(header, _gap_rows(record, hows), ["l", "l", "l", *["r"] * (len(header) - 3)])
     lines += ["", "Notes: " + record["notes"], ""]
     if record.get("quarot"):
         lines += [f"QuaRot: spcl/QuaRot at `{record['quarot']['commit']}`, its `fake_quant` rotation code run "
@@ -125,7 +217,12 @@ def markdown(record) -> str:
 NOTES = ("Mixtral's experts are stacked 3-d weights: the simulated quantizer rounds their weights and the "
          "experts' input, not their down projection's input (inside their forward). BERT is post-norm: "
          "its residual stream has no rotation (the report gives perm), only the heads' value-output maps "
-         "rotate. GPT-2's tied head is untied so the stream rotates (one more vocabulary x width matrix). "
+         "rotate, and no norm folds, so it has no outlier variant (its norms' outputs are the stream itself). "
+         "GPT-2's tied head is untied so the stream rotates (one more vocabulary x width matrix); its outlier "
+         "variant is untied too, so the final norm gets outliers. "
+         "The outlier variant is the plain model in another gauge of its norms: folding the gains into the "
+         "readers gives back the plain model's folded weights, so its `fold` row equals the plain model's and "
+         "removes these outliers without any rotation; a rotation's own effect is its difference to `fold`. "
          "Learned: Adam on the W4A8 fake-quantized training loss (straight-through), the start kept "
          "where the learned elements' quantized loss on the training batches is higher.")
 
@@ -133,7 +230,9 @@ NOTES = ("Mixtral's experts are stacked 3-d weights: the simulated quantizer rou
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--archs", nargs="+", default=["llama", "gpt2", "mixtral", "bert"])
-    p.add_argument("--hows", nargs="+", default=["none", "hadamard", "random", "learned"])
+    p.add_argument("--hows", nargs="+", default=["none", "fold", "hadamard", "random", NOISE_ROW, "learned"],
+                   help="fold (norm gains folded, no rotation), hadamard, random, learned; NAME@SEED: another "
+                        "seed than 0")
     p.add_argument("--learn-steps", type=int, default=30)
     p.add_argument("--train-steps", type=int, default=150, help="AdamW steps of each zoo model (cached)")
     p.add_argument("--out", default="benchmarks/results/rotate")
@@ -145,10 +244,10 @@ def main(argv=None) -> None:
     from .rotate_quarot import quarot_commit
     record = {"command": command_line(argv, "benchmarks.bench_rotate"), "commit": commit_info(),
               "threads": torch.get_num_threads(), "group": GROUP, "settings": SETTINGS,
-              "train_steps": args.train_steps,
+              "train_steps": args.train_steps, "outliers": {"channels": OUTLIERS[0], "factor": OUTLIERS[1]},
               "quarot": None if not args.quarot else {"commit": quarot_commit(args.quarot)},
               "archs": [run_arch(a, ["none"] + [h for h in args.hows if h != "none"], args.learn_steps,
-                                 args.train_steps, args.quarot) for a in args.archs], "notes": NOTES}
+                                 args.train_steps, args.quarot, OUTLIERS) for a in args.archs], "notes": NOTES}
     record["seconds"] = time.perf_counter() - t0
     write_result(args.out, ".bench-rotate-", record, markdown, json_name="rotate.json", md_name="rotate.md",
                  command=record["command"])

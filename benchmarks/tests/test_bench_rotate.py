@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.bench_rotate import SETTINGS, markdown
+from benchmarks.bench_rotate import GAP_MIN, NOISE_ROW, NOISE_TIMES, SETTINGS, gaps, markdown
 from benchmarks.rotate_quarot import _fht
 from symgraph.core.hadamard import hadamard
 from symgraph.testing import models
@@ -32,9 +32,35 @@ def test_quantized_losses_order():
     assert loss(4, 4) != base
 
 
+def _rows(**by_how):
+    """Rows of losses: each ``how`` its float and quantized losses (one value for every setting but float)."""
+    return {h: {"loss": {"float": 1.0, **{s: v for s in SETTINGS if s != "float"}}} for h, v in by_how.items()}
+
+
+def test_gaps_share_noise_and_resolution():
+    rows = _rows(none=1.1, hadamard=1.02, random=1.03, **{NOISE_ROW: 1.04})
+    g = gaps(rows)["W4A8"]
+    assert abs(g["gap"] - 0.1) < 1e-12 and abs(g["noise"] - 0.01) < 1e-12
+    assert g["resolved"]  # 0.1 >= max(GAP_MIN, NOISE_TIMES * 0.01)
+    assert abs(g["closed"]["hadamard"] - 0.8) < 1e-9 and abs(g["closed"]["random"] - 0.7) < 1e-9
+    assert abs(g["delta"]["hadamard"] + 0.08) < 1e-12
+    small = gaps(_rows(none=1.0 + GAP_MIN / 2, random=1.0, **{NOISE_ROW: 1.0}))["W4"]
+    assert not small["resolved"]  # below the absolute floor
+    noisy = gaps(_rows(none=1.05, random=1.0, **{NOISE_ROW: 1.05 / NOISE_TIMES + 0.99}))["W4"]
+    assert noisy["noise"] * NOISE_TIMES > noisy["gap"] and not noisy["resolved"]
+    assert gaps(_rows(none=1.0, hadamard=0.9))["W4"]["closed"]["hadamard"] is None  # no gap: no share
+
+
 def test_markdown_names_command_and_commit():
-    row = {"loss": {s: 1.0 for s in SETTINGS}, "w4_gap_closed": None}
+    plain = _rows(none=1.1, hadamard=1.02, random=1.03, **{NOISE_ROW: 1.04})
+    tiny = _rows(none=1.0 + GAP_MIN / 4, hadamard=1.0, random=1.0, **{NOISE_ROW: 1.0})
     rec = {"command": "python -m benchmarks.bench_rotate", "commit": {"commit": "abc", "dirty": False},
-           "train_steps": 150, "notes": "n", "archs": [{"arch": "llama", "rows": {"none": row}}]}
+           "train_steps": 150, "notes": "n",
+           "archs": [{"arch": "llama", "variants": {"plain": {"rows": plain, "gaps": gaps(plain)},
+                                                     "outliers": {"rows": tiny, "gaps": gaps(tiny)}}},
+                     {"arch": "bert", "variants": {"outliers": {"skipped": "no foldable norm"}}}]}
     text = markdown(rec)
-    assert "`python -m benchmarks.bench_rotate`" in text and "`abc`" in text and "| llama | none |" in text
+    assert "`python -m benchmarks.bench_rotate`" in text and "`abc`" in text
+    assert "| llama | plain | none |" in text and "| bert | outliers | (none: no foldable norm) |" in text
+    assert "| llama | plain | W4A8 | 0.1000 | 0.0100 | 80% | 70% | 60% |" in text
+    assert f"| llama | outliers | W4 | {GAP_MIN / 4:.4f} | 0.0000 | Δ{-GAP_MIN / 4:+.4f} |" in text

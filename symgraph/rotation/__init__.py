@@ -4,6 +4,8 @@ report.
 - ``rotate``      :func:`~.rotate.rotate`: a model in memory rotated, with its certificate
 - ``classes``     which classes a rotation acts on, an incoherent element of each, the values
 - ``learned``     learned rotations (SpinQuant): elements optimised for the quantized loss
+- ``outliers``    :func:`~.outliers.with_outliers`: a model of the same function with activation
+  outliers at its norms' readers (what rotations are for; the benchmark's variant)
 - ``checkpoint``  ``symgraph rotate``: a checkpoint rotated out of core, written by
   :func:`~symgraph.app.carry.carry_writer`
 """
