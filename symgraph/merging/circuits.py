@@ -44,9 +44,8 @@ class CircuitPlan:
 
 def plan(report, query_scale: bool = True) -> CircuitPlan:
     """The widening of every attention head of ``report``'s model: the head-size classes of
-    its attention ops, and every parameter axis they are part of (also packed, as GPT-2's
-    ``c_attn``). ``query_scale``: fold the wider head's softmax scale (``√N``) into the query
-    side (a config that states the new head size), or leave it to the program (:mod:`.widen`)."""
+    its attention ops and every parameter axis they are part of (packed ones too).
+    ``query_scale``: fold the wider head's softmax scale (``√N``) into the query side."""
     by_gid = {g.id: g for g in report.groups}
     sites = report.attention_groups()
     if not sites:
@@ -152,14 +151,10 @@ def _wider(report, n) -> dict:
 
 
 def circuit_merge(models, weights, report):
-    """Circuit-space merge of ``models`` (aligned, one architecture) with mixing ``weights``
-    into a new model whose heads are ``len(models)`` times as wide; ``report`` is the
-    anchor's; parents are left untouched.
-
-    Where the config states a head size (``head_dim``), the result is the parents' model class
-    with a config saying the new size (saved and loaded like any checkpoint). Otherwise it is
-    the parents' own traced program with the head classes widened
-    (:class:`~symgraph.width.widen.Resized`): in memory only, ``why_not_saved`` says why."""
+    """Circuit-space merge of ``models`` (aligned, one architecture; ``report`` the anchor's)
+    with mixing ``weights``, heads ``len(models)`` times as wide: the parents' model class with
+    a config stating the head size, or where none can, their traced program with the head
+    classes widened (:class:`~symgraph.width.widen.Resized`, in memory only)."""
     n, A = len(models), models[0]
     why = why_no_config(A, n)
     cplan = plan(report, query_scale=why is None)
@@ -187,9 +182,8 @@ def _shapes(model) -> dict:
 
 
 def wide_shapes(cplan: CircuitPlan, cfg, old: dict, want: dict, n: int) -> dict:
-    """``{name: shape}``: the parents' tensors (``old``: name -> shape) with their heads ``n``
-    times as wide, refused where the model class built from ``cfg`` (``want``: its shapes) holds
-    other tensors or other shapes."""
+    """``{name: shape}``: the parents' shapes ``old`` with heads ``n`` times as wide, refused
+    where the model class built from ``cfg`` (its shapes ``want``) disagrees."""
     if set(old) != set(want):
         k = sorted(set(old) ^ set(want))[0]
         raise InputError(f"{type(cfg).__name__} with head_dim {cfg.head_dim} and the parents disagree on "
@@ -225,11 +219,9 @@ def circuit_between(model_a, report=None):
 
 
 def streamed(config, checkpoints, method: str, report: Callable):
-    """Circuit-space heads as a transform of the merge engine's plan, for ``config.attention ==
-    "circuits"`` (:class:`CircuitHeads`; None for ``"heads"``: the parents' heads, nothing to
-    change). ``checkpoints``: the merge's, ``config.anchor`` the index of the anchor; ``method``:
-    the merge method's name; ``report()``: the anchor's report once the merge has one (None:
-    analysed here as ``config`` says)."""
+    """Circuit-space heads as a transform of the merge engine's plan (:class:`CircuitHeads`),
+    or None for ``config.attention == "heads"``; ``report()``: the anchor's report once the
+    merge has one (None: analysed here as ``config`` says)."""
     return CircuitHeads(config, checkpoints, method, report) if config.attention == "circuits" else None
 
 
@@ -244,11 +236,9 @@ class Widening:
 
 
 class CircuitHeads:
-    """Circuit-space heads out of core: refuses what :func:`circuit_merge` refuses, and gives
-    the merge engine its :class:`Widening` (:meth:`widening`): the widened shapes, the config
-    fields :func:`~symgraph.width.heads.wide_config` changes and a combine that widens the planned tensors by
-    :func:`circuit_state`, the anchor first as :func:`~symgraph.merging.driver.merge` orders it, so
-    the result is the in-memory one. It reads only what it is given, never the engine."""
+    """Circuit-space heads in the merge engine: refuses what :func:`circuit_merge` refuses and
+    gives the engine its :class:`Widening` (:meth:`widening`), whose combine is
+    :func:`circuit_state` with the anchor first, as in memory. It never sees the engine."""
 
     def __init__(self, config, checkpoints, method: str, report: Callable):
         self.anchor, self.n, self.config = int(config.anchor), len(checkpoints), config
@@ -262,8 +252,7 @@ class CircuitHeads:
                              "with head_dim (LLaMA, Qwen2, Mistral, Gemma...) for a saved checkpoint")
 
     def built(self):
-        """``(plan, config, meta model)`` of the merge, from the anchor's report (analysed here
-        when the merge is not aligned), as :func:`circuit_merge` builds them."""
+        """``(plan, config, meta model)`` of the merge, as :func:`circuit_merge` builds them."""
         if self._built is None:
             A = self.checkpoint.model  # on the meta device: a config and shapes, no tensors
             report = self.report()

@@ -1,10 +1,8 @@
 """The one merge configuration: a frozen, validated :class:`MergeConfig` that every entry takes
 (``symgraph merge`` and YAML through :mod:`symgraph.app.config`, :func:`symgraph.merge`,
 :func:`symgraph.merge_checkpoints`, the merge engine), and the rules between its options
-(:func:`check`, its validator: "repair needs data", "sketch sketches weight matching", ...),
-so a config built in Python is held to them too, each refusal one line naming the options as
-they were given. Defaults and validation live here only; every option is declared once, as a
-field, from which the YAML keys, flags and docs are derived (see :mod:`symgraph.app.config`).
+(:func:`check`, its validator), each refusal one line naming the options as they were given.
+Every option is declared once, as a field: the YAML keys, flags and docs derive from it.
 """
 from __future__ import annotations
 
@@ -29,20 +27,17 @@ MAX_BUDGET = 10 ** 15
 
 def _field(default, description: str, expected: str, *, cli: bool = True, metavar: str | None = None,
            flag: str | None = None, **constraints) -> Any:
-    """A field's declaration: its default, its ``description`` (the help and YAML text), what a
-    refusal says is ``expected`` of its value, and whether the command line has a flag for it
-    (:mod:`symgraph.app.options` derives the flag, its help and the docs' row from the field;
-    ``flag`` when it is not ``--key``)."""
+    """A field's declaration: its default, ``description`` (the help and YAML text), what a
+    refusal says is ``expected``, and whether the command line has a flag for it (``flag``
+    when it is not ``--key``; :mod:`symgraph.app.options` derives it)."""
     extra: dict[str, Any] = {"expected": expected, "cli": cli, **({"metavar": metavar} if metavar else {}),
                              **({"flag": flag} if flag else {})}
     return Field(default, description=description, json_schema_extra=extra, **constraints)
 
 
 def _align(key: str, description: str, metavar: str | None = None, wanted: str | None = None) -> Any:
-    """A field :class:`~symgraph.alignment.options.AlignOptions` declares too: annotated with the
-    type it declares (``Steps``, ``Columns``, ...: type and range), its default taken from there
-    (and what a refusal expects, unless ``wanted`` says it for the command line); only the
-    command line's description and metavar are added here."""
+    """A field :class:`~symgraph.alignment.options.AlignOptions` declares too (annotated with its
+    type there), its default and what a refusal expects (unless ``wanted``) taken from there."""
     return _field(AlignOptions.model_fields[key].default, description, wanted or expected(AlignOptions, key),
                   metavar=metavar)
 
@@ -56,8 +51,7 @@ def _registered(method: str) -> str:
 
 class _OneLine(type(BaseModel)):  # type: ignore[misc]  # pydantic's model metaclass
     """``MergeConfig(...)`` refused in one :class:`InputError` line, the command line's (a
-    metaclass: pydantic runs a model's own ``__init__`` inside ``model_validate`` too, without
-    its context)."""
+    metaclass: pydantic runs a model's own ``__init__`` inside ``model_validate`` too)."""
     def __call__(cls, *args, **fields):
         try:
             return super().__call__(*args, **fields)
@@ -66,11 +60,9 @@ class _OneLine(type(BaseModel)):  # type: ignore[misc]  # pydantic's model metac
 
 
 class MergeConfig(BaseModel, metaclass=_OneLine):
-    """A merge job (see the module docstring): frozen, and checked whole when built, however it is
-    built (:func:`merge_options` from a command line and a YAML file, :func:`build_config` or
-    ``MergeConfig(...)`` in Python): each field by its type and range, the fields together by
-    :func:`check` (``repair`` needs ``data``, ...). Built in Python, a refusal is one
-    :class:`~symgraph.errors.InputError` line, the one the command line prints."""
+    """A merge job (see the module docstring): frozen, and checked whole however it is built
+    (from a command line and YAML, :func:`build_config` or ``MergeConfig(...)``): each field by
+    its type and range, the fields together by :func:`check`, in the command line's one line."""
     model_config = ConfigDict(extra="forbid", frozen=True)
     models: list[StrictStr] = _field(..., "the models: save_pretrained directories, demo names or hub ids (on the "
                                      "command line: the positional arguments)",
@@ -169,9 +161,8 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
     @model_validator(mode="after")
     def _consistent(self, info):
         """The rules between fields (:func:`check`), named as the context's ``name(key)`` says
-        (default: the flags); a context ``{"fields_only": True}`` (a YAML file read before the
-        command line completes it) skips them, ``{"batches": True}`` says data come as batches
-        already loaded rather than as ``data``."""
+        (default: the flags); context ``fields_only`` (a YAML file the command line will
+        complete) skips them, ``batches``: data come as batches already loaded."""
         ctx = info.context or {}
         if not ctx.get("fields_only"):
             check(self.model_dump(), ctx.get("name") or (lambda k: flag(MergeConfig, k)), ctx.get("batches", False))
@@ -202,11 +193,9 @@ MERGE_KEYS = {k: expected(MergeConfig, k) for k in MergeConfig.model_fields}
 
 
 def check(opts: dict, name, batches: bool = False) -> None:
-    """The checks between options, on values the schema accepted (each option's type and range
-    are the schema's job: :class:`~symgraph.app.config.MergeConfig`, whose alignment fields
-    :class:`AlignOptions` declares): the config's validator; ``name(key)`` says where an option came from in
-    a refusal (``--refine``, or ``'refine:' in merge.yaml``); ``batches``: the data come as
-    batches already loaded, not as ``data``."""
+    """The checks between options the schema accepted, the config's validator; ``name(key)``
+    says where an option came from in a refusal (``--refine``, ``'refine:' in merge.yaml``);
+    ``batches``: the data come as batches already loaded, not as ``data``."""
     n = name
     data = f"{n('data')} FILE" if n("data").startswith("--") else n("data")
     opts = {**opts, "data": opts["data"] or batches}
@@ -259,11 +248,10 @@ def solver_options(config) -> dict:
 
 def engine_config(sources, config, options: dict, data, method=None) -> tuple:
     """``(config, align_options)`` for the merge engine over ``sources``: ``config`` as given, or
-    built from keyword ``options`` (the config's fields; ``align=None`` for ``"none"``,
-    ``method_options`` for ``parameters``; sizes and devices as numbers and ``torch.device`` s)
-    and checked by the same rules, ``data`` standing for the data file; the options the config
-    does not hold (``solver``, ``inner``, ``refine_lr``, ...) are returned for the alignment.
-    ``method``: a method instance the config's ``method`` stands for (its name, when registered)."""
+    built from keyword ``options`` (``align=None`` for ``"none"``, ``method_options`` for
+    ``parameters``, sizes and devices as numbers and ``torch.device`` s) by the same rules,
+    ``data`` standing for the data file; options the config does not hold go to the alignment.
+    ``method``: a method instance the config's ``method`` stands for."""
     options = dict(options)
     if config is not None:
         return config, options

@@ -30,13 +30,10 @@ __all__ = ["MergeResult", "merge"]
 class MergeResult:
     """What :func:`merge` returns: the merged ``model`` (the anchor's architecture and dtypes),
     one :class:`~symgraph.Alignment` per input model (None for the anchor and when not
-    aligned; with ``anchor="universe"`` every model's, into the shared basis), and ``timings``
-    in seconds (``analyze``, ``align``, ``statistics``, ``combine``, ``repair`` with
-    ``repair=True``, ``total``). ``repair``: with ``repair=True``
-    the :class:`~symgraph.merging.repair.RepairReport` (per repaired layer the mean
-    ``|σ_merged/σ_target − 1|`` before and after), else None. ``universe``: with
-    ``anchor="universe"`` what the rounds did (``rounds``, per round ``changed`` elements,
-    ``converged``, ...; see :func:`~symgraph.merging.universe.align_universe`), else None."""
+    aligned; with ``anchor="universe"`` every model's), ``timings`` in seconds (``analyze``,
+    ``align``, ``statistics``, ``combine``, ``repair``, ``total``), ``repair`` (the
+    :class:`~symgraph.merging.repair.RepairReport`, with ``repair=True``) and ``universe``
+    (what the rounds did: :func:`~symgraph.merging.universe.align_universe`'s record)."""
     model: torch.nn.Module
     alignments: list
     timings: dict = field(default_factory=dict)
@@ -59,12 +56,9 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         align every model to the mean of the others until no element changes (MergeMany;
         :mod:`symgraph.merging.universe`, options ``universe_options``: ``max_rounds``,
         ``tol``); the result has models[0]'s architecture and every model an alignment.
-    repair : REPAIR (Jordan et al. 2023) after combining: every hidden channel that feeds a
-        nonlinearity gets, on ``data`` (required), the mean and std interpolated from model A
-        and the other models in A's basis (:mod:`symgraph.merging.repair`); BatchNorm layers
-        get their running statistics recomputed on ``data`` for the merged model
-        (``MergeResult.repair.batchnorm``); both by the merge engine's REPAIR step
-        (:mod:`symgraph.merging.repair_stream`).
+    repair : REPAIR (Jordan et al. 2023; :mod:`symgraph.merging.repair`): every hidden channel
+        that feeds a nonlinearity gets, on ``data`` (required), the mean and std interpolated
+        from the models in A's basis; BatchNorm layers get their running statistics recomputed.
     progress : a progress bar (stderr) over the models.
     attention : "heads" (the parents' architecture) or "circuits": every head interpolates its
         ``QKᵀ`` and ``OV`` forms, in heads N times as wide (Theus et al. 2025;
@@ -73,12 +67,10 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
         (:mod:`symgraph.merging.untie`), so the residual stream admits orthogonal maps; the
         merge has ``tie_word_embeddings=False``.
     align_options : :class:`~symgraph.AlignOptions` fields (``solver``, ``inner``, ...).
-    config : a :class:`~symgraph.app.config.MergeConfig` (the one config of the command line,
-        YAML and :func:`symgraph.merge_checkpoints`, checked whole) giving the merge's options
-        instead of the keywords above, which are then left unset (``inputs``, ``data``,
-        ``progress``, ``universe_options`` and solver options aside); its ``models`` name the
-        ``models`` given (as many). What only a run on disk uses (``out``, ``force``,
-        ``device``, ``memory_budget``, ``max_shard_size``) is :func:`~symgraph.app.run.run_merge`'s.
+    config : a :class:`~symgraph.app.config.MergeConfig` (the command line's and YAML's)
+        giving the options instead of the keywords above, which are then left unset
+        (``inputs``, ``data``, ``progress``, ``universe_options`` and solver options aside);
+        one entry of its ``models`` per model; its on-disk options are ``run_merge``'s.
     """
     if config is not None:
         given = dict(weights=weights, align=align, method=method, anchor=anchor, method_options=method_options,
@@ -146,11 +138,9 @@ def _aligned(models, A, ra, inputs, align, data, anchor, progress, align_options
     bar = progress_bar(models, desc=f"aligning (align={align})", unit="model", enabled=progress and align is not None)
     for i, m in enumerate(bar):
         al = None
-        if i != anchor and align is not None:
+        if i != anchor and align is not None:  # unaligned, the engine refuses other shapes
             al = align_models(A, m, inputs, data=data if align == "activations" or align_options.get("refine")
                               else None, report_a=ra, **align_options)
-        elif i != anchor:
-            _check_same_shapes(A, m, i)
         alignments.append(al)
     return alignments
 
@@ -185,9 +175,8 @@ def _device(model) -> torch.device:
 
 
 def _engine(models, how, align, anchor, w, data, repair, attention, align_options) -> StreamingMerge:
-    """The merge engine over ``models`` in memory (each a :class:`ModelCheckpoint`), on their
-    device, without a memory budget (the models are loaded already): what the alignment found
-    is given to it (:meth:`StreamingMerge.use`)."""
+    """The merge engine over ``models`` in memory (:class:`ModelCheckpoint` s), on their
+    device, without a memory budget."""
     needs = how.needs_data or repair or align == "activations"  # the engine checks the data is used
     return StreamingMerge([ModelCheckpoint(m, f"model {i}") for i, m in enumerate(models)], weights=w,
                           align=align, anchor=0 if anchor == "universe" else anchor,
@@ -240,19 +229,4 @@ def _check_anchor(anchor, n, align, universe_options=None):
     if isinstance(anchor, bool) or not isinstance(anchor, (int, np.integer)) or not -n <= anchor < n:
         raise InputError(f"anchor={anchor!r}; expected a model index (0..{n - 1}) or 'universe'")
     return int(anchor) % n
-
-
-def _check_same_shapes(A, m, i):
-    anchor_params, params = dict(A.named_parameters()), dict(m.named_parameters())
-    if set(anchor_params) != set(params):
-        only_a, only_m = sorted(set(anchor_params) - set(params)), sorted(set(params) - set(anchor_params))
-        raise InputError(f"model {i} and the anchor have different parameters (only in the anchor: "
-                         f"{only_a[:3]}, only in model {i}: {only_m[:3]}); expected one architecture "
-                         "and depth")
-    for k, p in params.items():
-        if k in anchor_params and tuple(p.shape) != tuple(anchor_params[k].shape):
-            raise InputError(f"model {i} parameter {k!r} has shape {tuple(p.shape)}, the "
-                             f"anchor's is {tuple(anchor_params[k].shape)}: models of "
-                             "different widths need alignment (align='weights' or 'activations'; "
-                             "on the command line --align weights or --align activations)")
 

@@ -1,19 +1,16 @@
 """Learned matching out of core: :func:`symgraph.alignment.learning.learned_matching` on
-checkpoints, for ``symgraph merge --refine N`` in the merge engine, no model loaded; what it
-takes of the engine is one :class:`Learning`, built where it is called. The start, the steps
-and the record are learning's, as in memory; only how a loss and its gradient are computed is
-this module's (:class:`_Matching`, an :class:`~symgraph.alignment.learning.Objective`).
+checkpoints, for ``symgraph merge --refine N``, no model loaded. The start, the steps and the
+record are learning's, as in memory; only how a loss and its gradient are computed is this
+module's (:class:`_Matching`, an :class:`~symgraph.alignment.learning.Objective`).
 
 The loss is the model's own (labels as :func:`~symgraph.alignment.refine.default_loss` adds
 them): the anchor's model (on ``meta``) traced with its labels, one graph per batch shape, run
-in segments (:mod:`.segments`): a forward pass keeps the values crossing each cut, then each
-segment, last first, is recomputed with its weights ``w = (1 − λ)·a + λ·move(b)`` a
-differentiable function of the elements, from the two checkpoints' tensors read for that
-segment (a norm fold's reader with its gain, shift and bias:
-:func:`~symgraph.transform.apply.move_piece`). Each element's gradient is summed over the
-segments in one leaf and carried to its parameters once per step. Buffers are the anchor's.
-Memory holds the elements' parameters and Adam's moments, one segment's tensors (the rest of
-half the memory budget) and the values at the cuts (spilled to disk beyond a quarter of it).
+in segments (:mod:`.engine.segments`), each segment's weights ``w = (1 − λ)·a + λ·move(b)`` a
+differentiable function of the elements, computed from the two checkpoints' tensors
+(:func:`~symgraph.transform.apply.move_piece`). Each element's gradient is summed over the
+segments in one leaf and carried to its parameters once per step. Memory holds the elements'
+state, one segment's tensors (half the memory budget) and the values at the cuts (spilled to
+disk beyond a quarter of it).
 """
 from __future__ import annotations
 
@@ -62,10 +59,9 @@ class Learning:
 
 
 def refined(how: Learning, b, ra, rb, views, gains, sides, acts):
-    """Checkpoint ``b``'s alignment to the anchor by learned matching:
-    :func:`~symgraph.alignment.driver.align_tensors` on the :class:`~.views.Folded` ``views``
-    (A's, B's) by activations (``acts``: its options) and by weights, the better start refined;
-    ``sides``: what full groups read (fitted after, as in memory)."""
+    """Checkpoint ``b``'s alignment to the anchor by learned matching: the better of
+    :func:`~symgraph.alignment.driver.align_tensors` on the folded ``views`` by activations
+    (``acts``: its options) and by weights refined; ``sides``: what full groups read."""
     opts: dict[str, Any] = dict(how.align_options)
     full = opts.pop("full_groups", False)
     fa, fb = views
@@ -246,17 +242,15 @@ class _Matching(Objective):
         return sum(values) / len(values)
 
     def begin(self, al, elements: dict, learn: dict) -> None:
-        """Refuse a room that cannot hold the elements' state and the largest op (with a
-        budget given), then hold that state: the learnable elements' parameters, their
-        gradients and Adam's two moments; each element, its leaf and gradient."""
+        """Hold the elements' state (:func:`_state`), refused (with a budget) where the room
+        cannot hold it and the largest op."""
         self.state, self.elements = self._room_for(al, learn, elements), elements
         self.how.ledger.hold(self.state)
 
     def _room_for(self, al, learn, elements) -> int:
         """The bytes of the state of ``learn`` (:func:`_state`), B read through ``al``; with a
-        budget, refused where its half (the statistics' share, the room) cannot hold that
-        state and the largest op of the first batch's graph, in human units with the smallest
-        budget that works."""
+        budget, refused where the room cannot hold it and the first batch's largest op, naming
+        the smallest budget that works."""
         self.between = _Between(self.how.anchor, self.B, al, self.how.device)
         state = _state(learn, elements)
         if not self.how.budgeted:
@@ -315,9 +309,8 @@ def _state(learn, elements) -> int:
 
 
 def check_budget(how: Learning, report) -> None:
-    """Learned matching's room checked before any alignment (``report``: the anchor's): the
-    elements' sizes do not depend on their values, so identity elements give the state the
-    solved ones will hold, and the anchor's graph with its loss gives the largest op."""
+    """Learned matching's room checked before any alignment (``report``: the anchor's), with
+    identity elements: the state's size does not depend on the elements' values."""
     if not how.budgeted or not how.steps or not how.data:
         return
     eye = identity_elements(report)

@@ -1,38 +1,25 @@
-"""REPAIR (Jordan et al., ICLR 2023): the math the merge engine's REPAIR step uses
+"""REPAIR (Jordan et al., ICLR 2023): the math of the merge engine's REPAIR step
 (:mod:`~symgraph.merging.repair_stream` runs it, op by op, on the merge as it is written).
 
 Averaging networks, even aligned ones, shrinks the spread of their hidden units ("variance
-collapse"): a merged unit mixes units that are only partly correlated, and its std on the data
-falls below the parents'. REPAIR measures on data every repaired channel ``c`` of the parents
-(model A and the other models *in A's basis*) and of the merge, and gives the merged channel
-the interpolated statistics ``μ*_c = Σ_i w_i μ_{i,c}``, ``σ*_c = Σ_i w_i σ_{i,c}`` by an affine
-change of the layer that produces it (weight row ``W[c]``, bias ``b[c]``; ``μ_c``, ``σ_c``
-the merge's; :func:`correction`)::
+collapse"). REPAIR measures every repaired channel ``c`` of the parents (in A's basis) and of
+the merge on data, and gives the merged channel the interpolated ``μ*_c = Σ_i w_i μ_{i,c}``,
+``σ*_c = Σ_i w_i σ_{i,c}`` by an affine change of the layer that produces it
+(:func:`correction`; ``μ_c``, ``σ_c`` the merge's)::
 
     s = σ*_c / σ_c      W'[c] = s · W[c]      b'[c] = s · (b[c] − μ_c) + μ*_c
 
-exactly, for the same input. A layer without a bias is only rescaled, ``s = rms*_c / rms_c``.
+A layer without a bias is only rescaled, ``s = rms*_c / rms_c``. The channels
+(:func:`find_sites`), from the exported graph, never from names: the outputs of a linear or
+conv on a parameter weight (used there only) that, through relayouts, casts and affine maps by
+constants, reach an elementwise nonlinearity or a product with another learned input-dependent
+tensor (a gate), with no normalisation first (a norm, softmax, or a decomposed one: a
+reduction combined back with the channel), which would undo it: MLP hidden units and conv
+channels before a ReLU; not attention projections, residual writers or convs before a BatchNorm.
 
-Which channels (:func:`find_sites`), from the exported graph, never from names: the outputs of
-a ``linear`` / ``addmm`` / ``mm`` / ``conv`` on a parameter weight (used there only; the bias
-too) that, through relayouts, casts and affine maps by constants, reach an elementwise
-nonlinearity (``gelu``, ``relu``, ``silu``, ``pow`` of a decomposed GELU, ...) or a product with
-another learned input-dependent tensor (a gate: SwiGLU's up), and no normalisation first
-(``layer_norm``, ``batch_norm``, ``group_norm``, ``rms_norm``, softmax, or a decomposed one: a
-reduction combined back with the channel, ``x · rsqrt(mean x²)``), which would undo it. So MLP
-hidden units (GPT-2, BERT, ViT, LLaMA gate and up) and conv channels before a ReLU; not
-attention projections, residual writers, heads, or convs followed by a BatchNorm.
-
-Per-channel moments are float64 sums (:class:`Moments`): every sample counts (batch,
-positions, pixels; padding too), and under ``torch.distributed`` the sums and counts are
-all-reduced (:mod:`symgraph.core.distributed`) before the moments are taken.
-
-BatchNorm layers (REPAIR's and Git Re-Basin's reset, Ainsworth et al., ICLR 2023): the merged
-layer's running mean and variance become the population mean and unbiased variance of its
-input in the merged model on the data (:func:`batchnorm_statistics`, per channel on dimension 1).
-
-The report: :class:`RepairReport` (per layer a :class:`RepairLayer`, per BatchNorm module a
-:class:`BatchNormReset`).
+Per-channel moments are float64 sums (:class:`Moments`) over every sample, all-reduced under
+``torch.distributed``. BatchNorm layers (Ainsworth et al.'s reset) get the population mean and
+unbiased variance of their input in the merge (:func:`batchnorm_statistics`).
 """
 from __future__ import annotations
 
@@ -179,8 +166,7 @@ def _decomposed_norm(A, varying):
 
 
 def find_sites(report) -> list:
-    """The layers REPAIR corrects in the model of ``report`` (graph order): see the module
-    docstring. Read from ``report.exported_program`` only."""
+    """The layers REPAIR corrects in the model of ``report`` (graph order; module docstring)."""
     ep = report.exported_program
     sig, graph = ep.graph_signature, ep.graph
     params = dict(sig.inputs_to_parameters)
@@ -289,10 +275,9 @@ def layer_errors(stats, target, statistic):
 
 @dataclass
 class RepairLayer:
-    """One repaired layer. ``statistic``: ``"std"`` (with a bias: mean and std matched) or
-    ``"rms"`` (no bias: rescaled only). ``before`` / ``after``: the mean over its channels of
-    ``|σ_merged / σ_target − 1|`` (root mean squares for ``"rms"``) before REPAIR and after;
-    ``mean_before`` / ``mean_after``: the mean of ``|μ_merged − μ_target| / σ_target``."""
+    """One repaired layer, ``statistic`` ``"std"`` (a bias: mean and std matched) or ``"rms"``;
+    ``before`` / ``after``: the channels' mean ``|σ_merged / σ_target − 1|`` (or of the rms),
+    ``mean_before`` / ``mean_after``: of ``|μ_merged − μ_target| / σ_target``."""
     weight: str
     bias: str | None
     channels: int
@@ -305,10 +290,9 @@ class RepairLayer:
 
 @dataclass
 class BatchNormReset:
-    """One reset BatchNorm module ``name`` with ``channels`` channels, measured on ``samples``
-    values per channel. ``std_ratio``: the mean over its channels of ``σ_data / σ_running``
-    before the reset (below 1: the merge's variance collapsed); ``mean_shift``: the mean of
-    ``|μ_data − μ_running| / σ_data``."""
+    """One reset BatchNorm module, measured on ``samples`` values per channel; ``std_ratio``:
+    the channels' mean ``σ_data / σ_running`` before the reset (below 1: variance collapsed),
+    ``mean_shift``: of ``|μ_data − μ_running| / σ_data``."""
     name: str
     channels: int
     samples: int
@@ -322,10 +306,8 @@ class BatchNormReset:
 @dataclass
 class RepairReport:
     """What REPAIR did: ``layers`` (:class:`RepairLayer`, graph order), ``sequential`` (each
-    layer measured with every earlier correction applied: always, kept in the record),
-    ``passes`` over the data (parents and merged model), ``seconds``; ``batchnorm``: the
-    BatchNorm modules whose running statistics were reset on the data, forward order
-    (:class:`BatchNormReset`)."""
+    layer measured with every earlier one corrected: always), ``passes`` over the data,
+    ``seconds``, ``batchnorm`` (:class:`BatchNormReset`, forward order)."""
     layers: list = field(default_factory=list)
     sequential: bool = True
     passes: int = 0

@@ -1,45 +1,27 @@
 """N models in one universe: ``merge(models, anchor="universe")``.
 
-Aligning every model to one anchor biases the merge toward the anchor, and models 1..N-1 are
-never matched to each other. Here every model is aligned to the mean of the *others* instead
-(MergeMany, Ainsworth et al., Git Re-Basin, ICLR 2023, Algorithm 3). As in C2M3's universe
-(Crisostomi et al. 2024; there solved jointly by Frank-Wolfe) every model has one map into a
-shared basis, so the maps between any two models, through it, are cycle-consistent. The rounds:
+Aligning every model to one anchor biases the merge toward it, and never matches the others
+to each other. Here every model is aligned to the mean of the *others* (MergeMany, Ainsworth
+et al., Git Re-Basin, ICLR 2023, Algorithm 3); as in C2M3 (Crisostomi et al. 2024) every model
+has one map into a shared basis, so the maps between any two, through it, are cycle-consistent:
 
-- round 0: every model aligned to ``models[0]`` (the anchor merge), giving each model's state
-  in one shared basis;
-- round r ≥ 1: for i = 0..N-1 in turn, the weighted mean of the other models in the shared
-  basis (the leave-one-out mean: a plan of the merge engine, method ``average``, model i's
-  weight 0, :func:`mean_plan`) becomes the target, the *original* model i is aligned to it, and
-  model i's alignment is replaced at once (Gauss-Seidel: the next model sees it);
-- stop after the first round in which no element of any model changed (``converged``), or
-  after ``max_rounds``.
+- round 0: every model aligned to ``models[0]`` (the anchor merge, which ``models[0]`` enters
+  with the identity);
+- round r ≥ 1: for each model i in turn, the weighted mean of the others in the shared basis
+  (an engine plan, method ``average``, model i's weight 0: :func:`mean_plan`) is the target
+  the *original* model i is aligned to, its alignment replaced at once (Gauss-Seidel);
+- stop after a round that changed no element of any model (``converged``), or ``max_rounds``.
 
 An element is unchanged when it is the same permutation, or a matrix / transport map whose
-entries moved by at most ``tol`` (rotations and Sinkhorn maps are found by continuous solvers;
-bitwise equality would only come at a float fixed point). ``models[0]`` enters round 0 with the
-identity. The universe's basis itself is only defined up to one group element applied to every
-model; a class in which every model moved by the same element in a round (the rounds turning
-the whole universe, as a steady common rotation of RoPE pairs does) has *drifted*, which
-changes neither the average's function nor any model's place relative to the others, and is
-not counted as a change.
+entries moved by at most ``tol``. A class in which every model moved by one common element in
+a round has *drifted* (the basis turning as a whole, e.g. a common rotation of RoPE pairs): not
+counted as a change, as it changes neither the average's function nor any model's place.
 
-Every element is solved by the usual solvers (Hungarian, Procrustes, RoPE, OT, or Sinkhorn
-with ``solver="sinkhorn"``), so heterogeneous widths, activations, ``refine`` and every merge
-method (statistics are then moved with, or measured on, each model's final alignment) work as
-with an anchor. Where norm gains fold, every state carries the gains of the
-target it was aligned to, which are ``models[0]``'s from round 0 on.
-
-The rounds (:func:`run_rounds`) are one loop for models in memory (:func:`align_universe`:
-each mean written into a copy of ``models[0]``, so :func:`symgraph.align` can trace it) and for
-checkpoints out of core (:mod:`.universe_stream`: each mean written beside the output within
-the memory budget); no model's state is held whole besides the mean in memory.
-
-Cost: round 0 plus up to ``max_rounds`` rounds of N alignments and N engine plans (the N
-means: model 0's reads every model, each other one every model but the one left out), one more
-plan for the last ``distance``; reports are computed once per model; each returned alignment
-keeps its target model (the template :meth:`~symgraph.Alignment.apply` needs for other
-widths), so memory grows by about N copies of ``models[0]`` in its dtype.
+Elements are solved by the usual solvers, so heterogeneous widths, activations, ``refine`` and
+every merge method work as with an anchor; where norm gains fold, every state carries
+``models[0]``'s gains. The rounds (:func:`run_rounds`) are one loop in memory
+(:func:`align_universe`: each mean written into a copy of ``models[0]``) and out of core
+(:mod:`.universe_stream`: each mean written beside the output within the memory budget).
 """
 from __future__ import annotations
 
@@ -82,23 +64,16 @@ def universe_options(options: dict | None) -> dict:
 
 
 def align_universe(job, models, inputs, ra, data, options=None, progress=False, **align_options):
-    """Align every model of ``models`` into one shared basis (module docstring), in memory.
+    """Align every model of ``models`` into one shared basis (module docstring), in memory:
+    ``job`` is the merge engine over them (its ``align``, mixing weights and plans), ``ra``
+    ``models[0]``'s report, ``options`` ``max_rounds`` and ``tol`` (:data:`DEFAULTS`).
 
-    job : the merge engine over ``models`` (its config's ``align``, "weights" or "activations",
-    and mixing weights, which the leave-one-out means renormalise; the means are its plans);
-    ra : ``models[0]``'s report (every target has its architecture); options : ``max_rounds``,
-    ``tol`` (:data:`DEFAULTS`).
-
-    Returns ``(alignments, record)``: per model the :class:`~symgraph.Alignment` of the
-    original model into the universe (``models[0]``'s included), and a JSON-able record:
-    ``rounds`` (universe rounds run after round 0), ``converged`` (the last round changed
-    nothing), ``stopped`` ("converged" / "max_rounds"), per round ``changed`` (elements that
-    changed, all models), ``changed_per_model``, ``drifted`` (groups whose every model moved by
-    one common element: the universe's basis turning as a whole, see :func:`round_changes`; not a
-    change), ``max_change`` (largest entry change of a matrix element, 0 when there are none),
-    ``distance`` (round 0 first: ``Σ w_i‖θ_i − θ̄‖² / Σ w_i‖θ_i‖²``, the spread MergeMany
-    shrinks), ``round_seconds`` (round 0 first); ``elements`` (per model), ``max_rounds``,
-    ``tol``, ``seconds`` (total).
+    Returns ``(alignments, record)``: per model its :class:`~symgraph.Alignment` into the
+    universe, and a JSON-able record: ``rounds``, ``converged``, ``stopped`` ("converged" /
+    "max_rounds"), per round ``changed`` (elements, all models), ``changed_per_model``,
+    ``drifted`` (:func:`round_changes`), ``max_change`` and ``round_seconds`` (round 0 first),
+    ``distance`` (round 0 first: ``Σ w_i‖θ_i − θ̄‖² / Σ w_i‖θ_i‖²``, :class:`Spread`);
+    ``elements`` per model, ``max_rounds``, ``tol``, ``seconds``.
     """
     opts = universe_options(options)
     t0 = time.perf_counter()
@@ -130,12 +105,11 @@ class _InMemory:
 
 def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0: float) -> dict:
     """The rounds r ≥ 1 from round 0's ``alignments`` (replaced in place), in memory and out of
-    core alike: ``job`` is the merge engine over every model (its checkpoints, weights, device,
-    budget and ledger), ``ra`` the anchor's report, ``steps`` where a mean goes and how a model
-    is aligned to it (``steps.target(plan)``: a context holding the mean the engine ``plan``
-    writes; ``steps.align(target, i, report_b)``); ``opts`` checked by :func:`universe_options`.
-    The ``distance`` at a round's start is measured by its first plan (model 0's mean, which
-    reads every model), the last one by one more plan. Returns the record (:func:`align_universe`)."""
+    core: ``job`` the merge engine over every model, ``ra`` the anchor's report, ``steps`` where
+    a mean goes (``steps.target(plan)``: a context holding the mean ``plan`` writes) and how a
+    model is aligned to it (``steps.align(target, i, report_b)``). Each round's ``distance`` is
+    measured by its first plan (model 0's mean reads every model), the last by one more plan.
+    Returns the record (:func:`align_universe`)."""
     n, weights = len(job.checkpoints), mixing_weights(job.config.weights, len(job.checkpoints))
     reports = [ra] + [al.report_b for al in alignments[1:]]
     record = {"rounds": 0, "converged": False, "stopped": "max_rounds", "changed": [], "changed_per_model": [],
@@ -173,13 +147,11 @@ def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0:
 
 
 def mean_plan(job, ra, alignments, i=None, method=None) -> StreamingMerge:
-    """An engine plan (method ``average``, or the ``method`` instance: :meth:`StreamingMerge.averaging`)
-    over ``job``'s checkpoints in the shared basis (``alignments``; ``ra`` the anchor's report):
-    the weighted mean of every model but the ``i``-th (every other model's weight 0 too: the
-    plain mean of the others), or with ``i`` None of all of them. Model 0's checkpoint, whose
-    keys and dtypes the mean has, is read even at weight 0; another model left out is not read,
-    unless only one other is left or the checkpoints' dtypes differ (the plan then computes in
-    the job's work dtype, which depends on every checkpoint's)."""
+    """An engine plan (method ``average``, or the ``method`` instance) over ``job``'s checkpoints
+    in the shared basis (``alignments``): the weighted mean of every model but the ``i``-th (the
+    plain mean of the others where their weights are 0), or of all with ``i`` None. Model 0,
+    whose keys and dtypes the mean has, is read even at weight 0; another model left out is
+    not, unless only one other is left or the dtypes differ (the work dtype depends on all)."""
     ckpts, weights = job.checkpoints, mixing_weights(job.config.weights, len(job.checkpoints))
     keep = [j for j in range(len(ckpts)) if j != i or j == 0]
     if len(keep) < 2 or len({c.dtype for c in ckpts}) > 1:
@@ -191,11 +163,10 @@ def mean_plan(job, ra, alignments, i=None, method=None) -> StreamingMerge:
 
 
 class Spread(Average):
-    """Method ``average`` measuring ``Σ_i w_i ‖θ_i − θ̄‖² / Σ_i w_i ‖θ_i‖²`` (:meth:`value`) of
-    every model in the shared basis as a plan reading every model combines them, ``θ̄ = Σ_i w_i
-    θ_i`` with the mixing ``weights``, over the tensors the engine combines (the parameters and
-    the buffers a class moves); ``anchor``: the checkpoint whose shapes the merge has. A group
-    merged in slices combines its unsliced members once per slice: they count once."""
+    """Method ``average`` measuring ``Σ_i w_i ‖θ_i − θ̄‖² / Σ_i w_i ‖θ_i‖²`` (:meth:`value`) as a
+    plan reading every model combines the tensors (``anchor``: the checkpoint whose shapes the
+    merge has). A group merged in slices combines its unsliced members once per slice: they
+    count once."""
 
     def __init__(self, anchor, weights):
         super().__init__()
@@ -222,14 +193,10 @@ class Spread(Average):
 
 def round_changes(before, after, tol):
     """One round's changes: (per model the number of its elements that changed, the number of
-    groups that moved only as a whole, the largest entry change of a matrix element).
-
-    ``before`` / ``after``: each model's elements at the start and end of the round (a missing
-    element is the identity). The universe's basis is defined up to one element ``D`` applied
-    to every model, and the rounds may drift along it (e.g. a steady common rotation of RoPE
-    pairs): a group whose every model moved by the same step ``E_i' E_i⁻¹ = D`` (within
-    ``tol``) counts as drifted, not changed — the merge is then ``D`` applied to the same
-    average, the same function."""
+    groups that only drifted, the largest entry change of a matrix element). ``before`` /
+    ``after``: each model's elements at the round's start and end (missing: the identity). A
+    group whose every model moved by one step ``E_i' E_i⁻¹ = D`` (within ``tol``) drifted: the
+    merge is then ``D`` applied to the same average, the same function."""
     n, worst, drifted = len(after), 0.0, 0
     per_model = [0] * n
     for gid in set().union(*before, *after):
@@ -281,18 +248,14 @@ def _same_step(x, y, tol):
 
 
 def _difference(a, b):
-    """The largest entry difference of two elements (None: they differ and the difference is
-    not a matter of degree: two different permutations or different shapes; 0.0 for equal
-    permutations). A missing element is the identity."""
-    if isinstance(a, Perm) and isinstance(b, Perm):
-        return 0.0 if torch.equal(a.index, b.index.to(a.index.device)) else None
-    if (a is None or isinstance(a, Perm)) and (b is None or isinstance(b, Perm)):
-        ia = None if a is None else a.index
-        ib = None if b is None else b.index
-        if ia is None and ib is None:
-            return 0.0
-        idx = ib if ia is None else ia
-        return 0.0 if torch.equal(idx.cpu(), torch.arange(len(idx))) else None
+    """The largest entry difference of two elements (a missing one is the identity); None where
+    they differ not by degree (two different permutations, or different shapes)."""
+    if a is None and b is None:
+        return 0.0
+    if all(x is None or isinstance(x, Perm) for x in (a, b)):
+        n = len((a if a is not None else b).index)
+        ia, ib = (torch.arange(n) if x is None else x.index.cpu() for x in (a, b))
+        return 0.0 if torch.equal(ia, ib) else None
     ma, mb = _matrix(a, b), _matrix(b, a)
     if ma.shape != mb.shape:
         return None

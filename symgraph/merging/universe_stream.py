@@ -1,12 +1,9 @@
 """The shared universe out of core: ``symgraph merge a b c --anchor universe``.
 
-The rounds of :mod:`.universe` (:func:`~.universe.run_rounds`, the in-memory universe's loop),
-each leave-one-out mean an engine plan (:meth:`StreamingMerge.averaging`) written within the
-memory budget into a temporary checkpoint beside the output (marked as this run's, removed once
-aligned to; a killed run's is swept by the next run beside it), each checkpoint aligned to it
-by the engine's one alignment step (:meth:`StreamingMerge.aligning_to`). The merge then runs on
-the same engine with every checkpoint's alignment into the universe (:meth:`StreamingMerge.use`);
-every held tensor is counted in the job's ledger, so its peak bounds the rounds too."""
+The rounds of :func:`~.universe.run_rounds`, each leave-one-out mean an engine plan written
+within the memory budget into a temporary checkpoint beside the output (marked as this run's,
+removed once aligned to), each checkpoint aligned to it by the engine's one alignment step
+(:meth:`StreamingMerge.aligning_to`); every held tensor is counted in the job's ledger."""
 from __future__ import annotations
 
 import tempfile
@@ -25,9 +22,8 @@ SCRATCH_PREFIX = ".symgraph-tmp-universe-"
 
 
 def align_universe_streamed(job: StreamingMerge, parent: str, options: dict | None = None) -> dict:
-    """Align every checkpoint of ``job`` (its anchor the first) into one shared basis, within
-    its budget, and hand the alignments to it (:meth:`StreamingMerge.use`); ``parent``: the
-    directory the rounds' means are written in (each a temporary directory, removed after);
+    """Align every checkpoint of ``job`` into one shared basis within its budget and hand the
+    alignments to it; ``parent``: where the rounds' means are written (each removed after);
     ``options``: ``max_rounds``, ``tol`` (:data:`~.universe.DEFAULTS`). Returns the record."""
     opts = universe_options(options)
     t0 = time.perf_counter()

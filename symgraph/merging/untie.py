@@ -10,7 +10,7 @@ import torch
 
 from ..report.api import tied_parameters
 
-__all__ = ["untie", "untie_cost", "untie_checkpoint", "untie_config_updates"]
+__all__ = ["untie", "untie_checkpoint", "untie_config_updates"]
 
 
 def untie(model):
@@ -56,12 +56,3 @@ def untie_config_updates(config) -> dict:
             out[field] = {"tie_word_embeddings": False}
     return out
 
-
-def untie_cost(model) -> dict:
-    """What untying adds: ``{"tensors": [name, ...], "parameters": count}``."""
-    names, count = [], 0
-    for group in tied_parameters(model):
-        p = model.get_parameter(group[0])
-        names += group[1:]
-        count += p.numel() * (len(group) - 1)
-    return {"tensors": names, "parameters": count}

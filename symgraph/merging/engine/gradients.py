@@ -1,27 +1,18 @@
 """Squared gradients of a whole model taken out of core: the engine's
 :class:`~symgraph.merging.engine.statistics.SquaredGradients` (Fisher's statistic).
 
-The anchor's traced graph is cut into **segments** of consecutive ops, each reading at most
-about a budget of weights, the cuts placed where the fewest activation bytes cross (between
-layers, on the residual stream). Gradient checkpointing, one segment at a time:
+The anchor's traced graph is cut into segments of consecutive ops, each reading at most about
+a budget of weights (:mod:`.segments`), and run with gradient checkpointing, one segment at a
+time: 1. **forward**, without gradients, keeping each batch's values crossing the next cut;
+2. **backward**, segments in reverse: the segment's weights read again as leaves, each batch's
+segment recomputed from its kept inputs and differentiated with the gradients the later
+segment left (the last starts from the declared loss on the graph's first output); each
+weight's batch gradient squared and summed in the work dtype (a weight several segments read,
+a tied embedding and head, has its batch gradient summed over them first, as autograd sums a
+tied parameter's), and a weight whose every reader is done written to disk and freed.
 
-1. **forward**, without gradients: for each segment, its weights read once, every batch run
-   through it, and the values crossing the next cut kept (about one residual stream per batch
-   and cut);
-2. **backward**, segments in reverse: the segment's weights read again as leaves that take
-   gradients, each batch's segment recomputed from its kept inputs and differentiated with the
-   gradients the later segment left at its outputs (the last segment starts from the
-   declared loss on the graph's first output, the logits); each weight's gradient of each
-   batch is squared and summed in the work dtype (float32; float64 for float64 models) — a
-   weight read by several segments (a tied embedding and head) has its batch gradient summed
-   over them first, as autograd sums a tied parameter's — and a weight whose every reader
-   is done is written to disk and freed.
-
-Memory holds one segment's weights, their sums and one batch's activations within
-the segment, whatever the model's depth. The ops are the traced graph's own, so the
-gradients are those of the eager model (the tests compare them); each value is computed the
-same way in the recomputation as in the forward pass. The cutting, the segments' runs and the
-values kept at the cuts are :mod:`.segments`' (learned matching out of core runs on them too).
+Memory holds one segment's weights and sums and one batch's activations within it, whatever
+the depth. The ops are the traced graph's own, so the gradients are the eager model's.
 """
 from __future__ import annotations
 
@@ -39,16 +30,12 @@ __all__ = ["squared_gradients", "plan_segments", "budget_floor"]
 
 
 def squared_gradients(ctx, i: int, kind, prefix: str) -> Stored:
-    """Model ``i``'s ``Σ_batches (∂ loss / ∂ w)²`` per parameter (in the work dtype: float32 sums
-    of squares are within ``batches · 2⁻²⁴`` of the exact, and a 1.1B model's 32000-row embedding
-    then holds 262 MB of sums, not 524), ``loss`` the ``kind``'s
-    (:class:`~symgraph.merging.engine.statistics.SquaredGradients`: ``kind.loss`` of the graph's
-    first output) on ``ctx.data``, measured in the anchor's basis: on the aligned model where
-    norm gains fold (B's gains carried into A's, which no map of the sums expresses), else in
-    the model's own basis and moved by ``kind.to_anchor`` (the squared map). ``ctx``: a
-    :class:`~symgraph.merging.engine.statistics.StatisticsContext`. Segments of the traced graph are run forward
-    and backward one at a time (see the module's docstring); summed over the processes
-    under ``torch.distributed``; written to ``ctx.spill`` as each weight is done."""
+    """Model ``i``'s ``Σ_batches (∂ loss / ∂ w)²`` per parameter in the work dtype (float32 sums
+    are within ``batches · 2⁻²⁴`` of the exact, at half the bytes), ``loss`` the ``kind``'s on
+    ``ctx.data``, in the anchor's basis: measured on the aligned model where norm gains fold
+    (which no map of the sums expresses), else in the model's own basis and moved by
+    ``kind.to_anchor``. ``ctx``: a :class:`~.statistics.StatisticsContext`; summed over the
+    processes under ``torch.distributed``; written to ``ctx.spill`` as each weight is done."""
     A, ra, res = ctx.ckpts[ctx.anchor], ctx.graph_report, ctx.resources
     al = ctx.alignments[i]
     folded = al is not None and bool(ra.folds)
@@ -64,10 +51,9 @@ def squared_gradients(ctx, i: int, kind, prefix: str) -> Stored:
 
 
 class _Segmented(Graph):
-    """The graph traced for one batch shape (``rep``), on ``device``, cut into ``segments`` of
-    about ``stats_bytes`` of weights, gradients and sums each; ``readers``: parameter -> the
-    segments that read it; ``flats``: each batch's inputs; ``read(a, b, leaves)``: the weights of
-    segment ``[a, b)`` from ``view``."""
+    """The graph traced for one batch shape (``rep``) cut into ``segments`` of about
+    ``stats_bytes`` of weights, gradients and sums each; ``readers``: parameter -> the segments
+    that read it; ``flats``: each batch's inputs."""
 
     def __init__(self, rep, batches, view, A, device, work_dtype, stats_bytes: int):
         super().__init__(rep.exported_program, device)
@@ -168,8 +154,8 @@ def _add_square(acc, g, step: int = 1 << 21):
 
 class _Done:
     """Called with finished sums (``{parameter: sum}``; None: zero): summed over the processes,
-    moved into the anchor's basis by ``alignment`` (None: measured there), written to the
-    context's spill (adding to what an earlier batch shape wrote) and named in ``keys``."""
+    moved into the anchor's basis by ``alignment`` (None: measured there), added to the
+    context's spill and named in ``keys``."""
 
     def __init__(self, ctx, kind, alignment, prefix: str):
         self.ctx, self.kind, self.alignment, self.prefix = ctx, kind, alignment, prefix
@@ -197,11 +183,8 @@ class _Done:
 
 def budget_floor(ctx) -> tuple:
     """``(bytes, name)``: the smallest memory budget :func:`squared_gradients` holds its
-    largest op in, and a weight that op reads, from the anchor's graph (no alignment needed).
-    The backward pass holds a segment's weights as read and their gradients' sums (a segment
-    is one op where one op reads more than the statistics' half of the budget), beside the
-    values kept at the cuts (at most a quarter of the budget) and the read weights' cache (a
-    quarter split over the models): the op must fit in the rest."""
+    largest op in (its weights and their sums, beside the values at the cuts, a quarter of
+    the budget, and the models' caches, a quarter), and a weight that op reads."""
     A, ep = ctx.ckpts[ctx.anchor], ctx.graph_report.exported_program
     acc = torch.empty((), dtype=ctx.resources.work_dtype).element_size()
     params = ep.graph_signature.inputs_to_parameters

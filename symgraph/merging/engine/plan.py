@@ -1,13 +1,10 @@
 """A merge as a plan: the tasks that write the output, each declaring what it reads.
 
-A :class:`GroupTask` writes one or more of the anchor checkpoint's keys: the parameters merged
-together for them (a norm fold's gain, shift and readers; any other tensor alone), read from
-every model, or — ``names`` None — the anchor's own tensor (a buffer no class moves), and how
-it is computed in slices when it is large (:func:`~symgraph.merging.engine.slicing.split`). The
-:class:`Plan` holds the tasks in the anchor's key order and the output's layout (each key's
-shape and dtype as written); the :class:`~.executor.Executor` runs it. Built by
-:func:`build_plan` from the engine's state once its alignment is known; the smallest budget a
-plan fits in is checked before any alignment (:func:`~symgraph.merging.engine.slicing.check_floor`).
+A :class:`GroupTask` writes some of the anchor checkpoint's keys: the parameters merged
+together (a norm fold's gain, shift and readers; any other tensor alone), or the anchor's own
+tensor (a buffer no class moves), whole or in slices (:func:`.slicing.split`). The
+:class:`Plan` holds the tasks in the anchor's key order and the output's layout; the
+:class:`~.executor.Executor` runs it. Built by :func:`build_plan` once the alignment is known.
 """
 from __future__ import annotations
 
@@ -27,8 +24,7 @@ class GroupTask:
     split: tuple | None = None
 
     def reads(self) -> tuple:
-        """The parameter (or buffer) names this task reads from every model (the anchor only
-        for its own tensor)."""
+        """The names this task reads from every model (the anchor only, for its own tensor)."""
         return self.names if self.names is not None else self.keys[:1]
 
 

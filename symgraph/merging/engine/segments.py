@@ -69,8 +69,8 @@ def plan_segments(gm, cost: dict, budget: int) -> list:
 
 
 class Segment(Stepper):
-    """``gm`` run over positions ``[start, stop)`` from the values crossing ``start``; its
-    weights come from ``weights`` (``name -> tensor``, read by the caller once per segment)."""
+    """``gm`` run over positions ``[start, stop)`` from the values crossing ``start``, its
+    weights from ``weights`` (``name -> tensor``)."""
 
     def __init__(self, gm, weights):
         super().__init__(gm, weights.__getitem__)
@@ -110,11 +110,10 @@ class Graph:
         return [t.to(self.device) if isinstance(t, torch.Tensor) else t for t in flatten_for(self.gm, args, kwargs)]
 
     def forward(self, segments, flats, read, ledger, kept, keep: bool = True, last=None) -> list:
-        """The ``segments`` run on every batch (``flats``) without gradients, each segment's
-        weights read once (``read(a, b) -> (weights, bytes held)``, counted in ``ledger``): the
-        values crossing each cut put in ``kept`` (``keep``: left there for a backward pass,
-        which starts from the last segment, not run here); otherwise every segment is run and
-        each batch's ``last(values)`` of the last one returned."""
+        """The ``segments`` run on every batch (``flats``) without gradients, each one's weights
+        read once (``read(a, b) -> (weights, bytes)``): the values crossing each cut put in
+        ``kept`` (``keep``: left there for a backward pass, the last segment not run), else
+        every segment run and each batch's ``last(values)`` of the last returned."""
         out: list = [None] * len(flats)
         with torch.no_grad():
             for k, (a, b) in enumerate(segments[:-1] if keep else segments):
@@ -179,12 +178,10 @@ class Kept:
 
 
 def backward_span(run, kept: dict, start: int, stop: int, flat, up: dict, loss=None) -> dict:
-    """Segment ``[start, stop)`` recomputed by ``run`` (a :class:`Segment`) from ``kept`` (the
-    values crossing its first cut; ``flat``: the graph's inputs, for the first segment) as
-    leaves, and differentiated: from ``loss(env)`` (a scalar; the last segment) or from ``up``
-    (``{node: [gradient per tensor]}`` the later segment left at this one's outputs). Gradients
-    accumulate in the leaves the segment's weights were computed from; returns the gradients
-    at the segment's inputs (``up`` for the segment before)."""
+    """Segment ``[start, stop)`` recomputed by ``run`` from ``kept`` (the values crossing its
+    first cut; ``flat``: the graph's inputs, for the first segment) as leaves, differentiated
+    from ``loss(env)`` (the last segment) or from ``up`` (``{node: [gradient per tensor]}`` the
+    later segment left at its outputs); returns the gradients at its inputs (the next ``up``)."""
     with torch.enable_grad():
         inputs = {n: leaf(v) for n, v in kept.items()}
         env = run.span(inputs, start, stop, flat)

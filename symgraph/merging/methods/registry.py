@@ -1,10 +1,9 @@
 """The registry of merge methods.
 
 A method is data: its typed **Parameters**, the **statistic** it needs of each model on the
-data (None: none), and how one tensor group **combines** (``combine_group``). It is a class
-registered under a name with :func:`register`, and it never sees the merge engine: the
-engine reads its declarations, takes the statistic, and calls ``combine_group`` one group (or
-one slice of a group) at a time, in memory and out of core alike::
+data (None: none), and how one tensor group **combines** (``combine_group``), registered under
+a name with :func:`register`. It never sees the merge engine, which reads its declarations,
+takes the statistic, and calls ``combine_group`` one group (or slice of one) at a time::
 
     @register("average")
     class Average(MergeMethod):
@@ -21,11 +20,9 @@ anchor's basis, in ``stats`` (one mapping ``name -> tensor`` per model)::
     class Squared(Average):
         statistic = SquaredGradients(loss=my_loss)    # Σ (∂ my_loss(logits) / ∂ w)²
 
-``needs_data`` follows (``statistic is not None``). A method with parameters declares them
-once, as a pydantic model named ``Parameters`` (types, ranges, defaults, descriptions): the
-constructor, YAML ``parameters:`` (mergekit's key), the ``--parameter NAME=VALUE`` flag and the
-record ``symgraph_merge.json`` all take them from it, and each validated value is an attribute
-of the instance (``self.alpha``)::
+A method's parameters are declared once, as a pydantic model named ``Parameters``: the
+constructor, YAML ``parameters:`` (mergekit's key), ``--parameter NAME=VALUE`` and the record
+``symgraph_merge.json`` take them from it; each value is an attribute (``self.alpha``)::
 
     class Parameters(MethodParameters):
         alpha: float = Field(0.9, ge=0, le=1, description="...")
@@ -75,9 +72,8 @@ class MergeMethod:
 
     @property
     def elementwise_statistics(self) -> bool:
-        """Whether each statistic has its tensor's own shape, element for element (squared
-        gradients): a slice of the tensor then reads only that slice of its statistic. False
-        for statistics of another shape (a Gram over a weight's inputs): read whole."""
+        """Whether each statistic has its tensor's shape (squared gradients: a slice reads its
+        slice), not another (a Gram over a weight's inputs: read whole)."""
         return getattr(self.statistic, "elementwise", True)
 
     @classmethod
@@ -86,33 +82,23 @@ class MergeMethod:
         return {k: f.default for k, f in cls.Parameters.model_fields.items()}
 
     def sliceable(self, name: str, dim: int, report) -> bool:
-        """Whether tensor ``name`` may be merged in slices along ``dim`` (the engine slices
-        large tensors along an axis no map acts on; each slice's statistics are the same slice
-        of the whole tensor's)."""
+        """Whether tensor ``name`` may be merged in slices along ``dim`` (an axis no map acts on)."""
         return True
 
     def held_bytes(self, name: str, shape: tuple, item: int, n: int, report) -> int:
-        """Bytes the engine holds while it combines tensor ``name`` of ``shape`` (a slice's, when
-        it slices it) from ``n`` models, ``item`` bytes an element in the work dtype: each model's
-        copy and the result, and the statistics read for it (of the tensor's own shape where the
-        method takes data)."""
+        """Bytes held while tensor ``name`` of ``shape`` (or a slice's) is combined from ``n``
+        models, ``item`` bytes an element: each model's copy, the result and the statistics."""
         stats = n if self.needs_data and self.elementwise_statistics else 0
         return (n + 1 + stats) * item * math.prod(shape)
 
     def combine_group(self, names, values, stats, weights, report) -> dict:
-        """Merged ``{name: tensor}`` of the tensors ``names`` (a unit the engine computes
-        together: a norm fold's members, or one tensor, or a slice of them along an axis no map
-        acts on) from each model's ``values`` (a list of ``{name: tensor}`` in the anchor's basis,
-        float32, or float64 for float64 models), their ``stats`` (mappings, or None) and the
-        normalised mixing ``weights``; ``report`` is the anchor's (None without alignment)."""
+        """Merged ``{name: tensor}`` of ``names`` (a norm fold's members, one tensor, or a slice
+        of them) from each model's ``values`` (``{name: tensor}`` in the anchor's basis, in the
+        work dtype), their ``stats`` (mappings, or None) and the normalised mixing ``weights``;
+        ``report`` is the anchor's (None without alignment)."""
         raise InputError(f"merge method {self.name!r} ({type(self).__name__}) defines no combine_group; "
                          "expected combine_group(names, values, stats, weights, report), which the merge "
                          "engine calls for each group of tensors (in memory and out of core alike)")
-
-    def combine(self, states, stats, weights, report) -> dict:
-        """Merged ``{name: tensor}`` of whole aligned ``states``: :meth:`combine_group` over
-        every name (what :func:`symgraph.merge` calls with models in memory)."""
-        return self.combine_group(list(states[0]), states, stats, weights, report)
 
 
 def register(name: str):
