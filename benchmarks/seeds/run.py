@@ -51,6 +51,10 @@ class Seed:
     requirements: tuple
     pins: str
     how: str
+    #: pip options of the venv's install (``--no-deps``: every package is pinned in requirements)
+    pip_options: tuple = ()
+    #: our further rows beside this seed's (after :data:`OURS`)
+    also: tuple = ()
 
 
 SEEDS = {
@@ -81,12 +85,33 @@ SEEDS = {
         "--merge-type all --res-type all (configs/bert_books.py: covariance); their graph builder's 12 layers "
         "and 12 heads set to our model's; the λ = 0.5 model built as their graphing_mlm.py --unmerge builds "
         "it (an untied decoder, their unmerge matrix applied to B's)"),
+    "zhang": Seed(
+        "zhang", "Zhang et al. 2025, Beyond the Permutation Symmetry of Transformers: The Role of Rotation for "
+        "Model Fusion", "zhengzaiyi/RotationSymmetry", "b89d081429d6e6351f3449d60df5562dfa146664",
+        "a49c192047b7e6ccecc6d2423ffde2d67e62b51d", "bert", "zhang2025", "drive_zhang.py",
+        ("torch==2.13.0", "numpy==1.24.2", "scipy==1.10.1", "POT==0.9.0", "PyYAML==6.0", "transformers==4.20.1",
+         "huggingface-hub==0.13.0", "packaging==23.0", "regex==2022.10.31", "requests==2.28.2", "tqdm==4.65.0",
+         "filelock==3.9.0", "urllib3==1.26.14", "certifi==2022.12.7", "idna==3.4", "charset-normalizer==3.1.0",
+         "fsspec==2023.3.0", "typing_extensions==4.16.0", "sympy==1.14.0", "mpmath==1.3.0", "networkx==3.6.1",
+         "Jinja2==3.1.6", "MarkupSafe==3.0.4", "setuptools==84.2.1", "safetensors==0.8.0"),
+        "their requirements.txt pins (installed with pip --no-deps, every package listed), except torch 1.13.1 "
+        "-> 2.13.0 (the CPU build this machine has; 1.13.1 ships no Python 3.11 CPU wheel here), POT 0.8.2 -> "
+        "0.9.0 (0.8.2 ships no Python 3.11 wheel and its source build fails with today's setuptools), "
+        "typing_extensions 4.5.0 -> 4.16.0 (torch 2.13 needs >= 4.10) and torch's own dependencies (sympy, "
+        "mpmath, networkx, Jinja2, MarkupSafe, setuptools) added; tokenizers 0.12.1 is not installed (it ships no Python "
+        "3.11 wheel and its source build needs Rust; only their tokenizer loading uses it, and transformers "
+        "4.20.1 checks its version only where it is installed), nor datasets, pandas, pyarrow, scikit-learn "
+        "and the aiohttp stack (their data loading and metrics only)",
+        "their PermutationInvarianMerger (src/model_merge/pi_merger.py, merger.algo 'pi', data-free) as their "
+        "merge_to_global runs it: match_ffns (Permute_IO), match_attentions (Chunk_SVD_QK, Chunk_SVD_VO), "
+        "avg_merge; configured by src/configs/defaults.yaml's merger block and their published "
+        "src/configs/exps/roberta-base/roberta-pi.yaml, whose module patterns name BERT's modules as they "
+        "are (RoBERTa is BERT's code; each pattern matches one module per layer, checked); our B the local "
+        "model, our A the anchor (their nearest-to-the-average rule is a tie for two models)",
+        pip_options=("--no-deps",), also=("zhang2025_rescale", "symgraph_weights")),
 }
 #: Seed papers whose code this runner does not run yet, and why.
-NOT_RUN = {"zhang2025": "Zhang et al., Beyond the Permutation Symmetry of Transformers: not attempted yet; "
-                        "their code (built on Jin et al.'s dataless-model-merging) merges fine-tuned language "
-                        "models on emotion classification and NER (their example: DeBERTa on NER) through its "
-                        "own data pipeline, and no driver for the suite's pairs exists"}
+NOT_RUN: dict = {}
 #: Our rows beside each seed's: plain averaging, the reimplementation, symgraph's activation matching.
 OURS = ("vanilla", None, "symgraph_activations")
 #: Rows of the first batch whose logits both sides compare (the exchange check).
@@ -110,7 +135,7 @@ def setup(root: Path, names) -> int:
         venv = python.parent.parent
         if not python.is_file():
             subprocess.run(["python3", "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *s.requirements], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *s.pip_options, *s.requirements], check=True)
         log(f"{name}: venv {venv} ready; code: git clone https://github.com/{s.repo} {code} && "
             f"git -C {code} checkout {s.commit}")
     return 0
@@ -132,7 +157,7 @@ def ours(seed: Seed, pair, parents: dict) -> list[dict]:
     """Our rows for ``seed``'s pair (see :data:`OURS`)."""
     from .. import methods
     rows = []
-    for name in (m or seed.ours for m in OURS):
+    for name in (*(m or seed.ours for m in OURS), *seed.also):
         t = time.perf_counter()
         out = methods.METHODS[name][0](pair)
         seconds = time.perf_counter() - t
@@ -174,7 +199,8 @@ def theirs(seed: Seed, root: Path, a, b, batches, parents: dict, timeout: float)
         rows = []
         for name, st in [(None, state), *variants.items()]:
             merged = exchange.load_merged(a, st, info.get("untied"))
-            rows.append({**row, "method": seed.ours + (f" ({name})" if name else ""), "seconds": info["seconds"],
+            seconds = info.get("variant_seconds", {}).get(name, info["seconds"])
+            rows.append({**row, "method": seed.ours + (f" ({name})" if name else ""), "seconds": seconds,
                          "driver_wall_seconds": wall, **_score(merged, seed.arch, parents)})
             log(f"  {seed.arch} {rows[-1]['method']} (authors') L(mid) {rows[-1]['loss_mid']:.4f}")
         return rows, {"status": "ran", **info}
@@ -233,9 +259,11 @@ def markdown(rec: dict) -> str:
                       f"parents' max |logit difference| after the exchange: {s['parent_logit_diff']}",
                       f"- run-time shims: {', '.join(s['shims']) or 'none'}"
                       + (f"; untied in their merged model: {', '.join(s['untied'])}" if s.get("untied") else "")]
+            lines += [f"- {n}" for n in s.get("notes", [])]
             lines += [f"- variant `{k}`: {v}" for k, v in s.get("variants", {}).items()]
             if s.get("b_transformed_logit_diff"):
-                lines.append("- their transformed B with each untied decoder against B, max |logit difference|: "
+                what = s.get("b_check_what", "their transformed B with each untied decoder against B")
+                lines.append(f"- {what}, max |logit difference|: "
                              + "; ".join(f"{k}: {v:.3g}" for k, v in s["b_transformed_logit_diff"].items()))
         lines.append("")
     lines += [f"Not run: {why}." for why in rec.get("not_run", {}).values()]

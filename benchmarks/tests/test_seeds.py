@@ -197,3 +197,69 @@ def test_imfeld_code_fuses_the_vit_pair_end_to_end():
     assert info["fusion"]["resid_policy"] == "mean"
     assert max(info["parent_logit_diff"].values()) < 1e-3
     assert torch.isfinite(torch.tensor(row["loss_mid"]))
+
+
+def rotated_heads_copy(a, seed=0):
+    """``a`` with every layer's heads rotated (one random orthogonal per head for Q/K, another for
+    V/O) and the first layer's MLP units permuted: the same function in other coordinates."""
+    import copy
+    b, g = copy.deepcopy(a), torch.Generator().manual_seed(seed)
+    heads = a.config.num_attention_heads
+    d = a.config.hidden_size // heads
+    with torch.no_grad():
+        for layer in b.bert.encoder.layer:
+            att = layer.attention
+            for h in range(heads):
+                rows = slice(h * d, (h + 1) * d)
+                r_qk, r_vo = (torch.linalg.qr(torch.randn(d, d, generator=g))[0] for _ in range(2))
+                for lin, r in ((att.self.query, r_qk), (att.self.key, r_qk), (att.self.value, r_vo)):
+                    lin.weight[rows] = r @ lin.weight[rows]
+                    lin.bias[rows] = r @ lin.bias[rows]
+                att.output.dense.weight[:, rows] = att.output.dense.weight[:, rows] @ r_vo.T
+    return tiny_copy_with_permuted_mlp(b)
+
+
+def test_zhang_code_recovers_a_rotated_copy_end_to_end():
+    """Their merge of A with a copy of A in other coordinates (heads rotated, MLP units permuted)
+    is A again, as published and in both per-head variants; the patterns matched every layer."""
+    _set_up("zhang")
+    from benchmarks import evaluate, zoo
+    a = zoo.build_model("bert", 0, "quick")
+    b = rotated_heads_copy(a)
+    x = torch.randint(0, 64, (2, 16))
+    assert torch.allclose(b(input_ids=x).logits, a(input_ids=x).logits, atol=1e-4)  # the copy is A
+    assert not torch.allclose(b.bert.encoder.layer[1].attention.self.query.weight,
+                              a.bert.encoder.layer[1].attention.self.query.weight, atol=1e-3)
+    batches = evaluate.eval_batches("bert", "train", 1)
+    loss_a = evaluate.eval_loss(a, "bert")
+    rows, info = run.theirs(run.SEEDS["zhang"], run.root_dir(), a, b, batches, {"loss_a": loss_a, "loss_b": loss_a}, 600)
+    assert info["status"] == "ran", rows[0].get("error")
+    assert [r["method"] for r in rows] == ["zhang2025", "zhang2025 (per_head)", "zhang2025 (per_head_rescale)"]
+    assert info["patterns_matched"] == {"attn_patterns.pattern0": 2, "ffn_patterns.pattern0": 2}
+    assert info["transformers"] == "4.20.1" and info["anchor"] == "a"
+    assert max(info["parent_logit_diff"].values()) < 1e-3
+    assert max(info["b_transformed_logit_diff"].values()) < 1e-4
+    for row in rows:
+        assert row["loss_mid"] == pytest.approx(loss_a, abs=1e-4), row["method"]
+
+
+def test_zhang_code_as_published_rotates_across_our_heads():
+    """On our 16-wide heads their pi_merger's 64-row blocks (their helpers' default) change B's
+    function; their later per-head helpers, given our heads, keep it; their BERT helpers given
+    our head size stop at their own shape error."""
+    _set_up("zhang")
+    from benchmarks import evaluate, zoo
+    a, b = zoo.build_model("bert", 0, "quick"), zoo.build_model("bert", 1, "quick")
+    with torch.no_grad():  # peaked attention and logits of order one (still a model B)
+        b.bert.embeddings.word_embeddings.weight.mul_(50.0)
+        for layer in b.bert.encoder.layer:
+            layer.attention.self.query.weight.mul_(20.0)
+    batches = evaluate.eval_batches("bert", "train", 1)
+    rows, info = run.theirs(run.SEEDS["zhang"], run.root_dir(), a, b, batches, {"loss_a": 0.0, "loss_b": 0.0}, 600)
+    assert info["status"] == "ran", rows[0].get("error")
+    check = info["b_transformed_logit_diff"]
+    assert check["pi_merger (as published: blocks of 64 rows)"] > 1e-2
+    assert check["per_head"] < 1e-4 and check["per_head_rescale"] < 1e-4
+    assert info["heads"] == 4 and info["head_size"] == 16 and info["their_block_rows"] == 64
+    assert info["bert_helpers_at_our_head_size"].startswith("RuntimeError: The size of tensor a (16)")
+    assert all(torch.isfinite(torch.tensor(r["loss_mid"])) for r in rows)
