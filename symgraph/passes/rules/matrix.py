@@ -91,25 +91,30 @@ def conv(ctx):
     # O may take a map per group (each group's rows are its own: a product G × O, as heads ×
     # head_dim, where every tensor says which group); I takes one map for every group (the
     # weight's I axis has no G beside it). Depthwise (I = O = 1): input and output channels are
-    # one class G.
+    # one class G. A transposed convolution's weight is ``[G·I, O, *k]``, its channel map per
+    # group ``W_gᵀ``: the same with the weight's two channel axes swapped (I may take a map per
+    # group, O one map for every group).
     x, w, b = ctx.arg(0), ctx.arg(1), ctx.arg(2, "bias")
     groups = ctx.arg(8 if ctx.node.target == aten.convolution.default else 6, "groups", 1)
-    if ctx.node.target == aten.convolution.default and ctx.arg(6, "transposed", False):
-        return None
+    tr = ctx.node.target == aten.convolution.default and bool(ctx.arg(6, "transposed", False))
     xa, wa, out = ctx.axes(x), ctx.axes(w), ctx.out
     batched = len(xa) == len(wa)
     off = 1 if batched else 0
     cons = [Unify(out[0], xa[0])] if batched else []
+    w_out, w_in = (wa[1], wa[0]) if tr else (wa[0], wa[1])
     if groups == 1:
-        cons += [Unify(xa[off], wa[1], dual=True), Unify(out[off], wa[0])]
+        cons += [Unify(xa[off], w_in, dual=True), Unify(out[off], w_out)]
     else:
         wshape = ctx.shape(w)
         g = ctx.new_axis(groups)
-        i, o = ctx.new_axis(wshape[1]), ctx.new_axis(wshape[0] // groups)
+        n_in, n_out = (wshape[0] // groups, wshape[1]) if tr else (wshape[1], wshape[0] // groups)
+        i, o = ctx.new_axis(n_in), ctx.new_axis(n_out)
+        whole, one = (xa[off], o) if tr else (out[off], i)
         cons += [Structure(xa[off], "prod", (g, i)), Structure(out[off], "prod", (g, o)),
-                 Unify(out[off], wa[0]), Unify(i, wa[1], dual=True),
+                 Unify(whole, wa[0], dual=tr), Unify(one, wa[1], dual=not tr),
                  Meet(g, "perm", f"{ctx.where}: groups of a grouped convolution (permuted whole; "
-                                 "its inputs inside a group one map for every group)")]
+                                 f"its {'outputs' if tr else 'inputs'} inside a group one map for "
+                                 "every group)")]
     if ctx.axes(b) is not None:
         cons.append(Unify(out[off], ctx.axes(b)[0]))
     why = f"{ctx.where}: spatial axis of a convolution"
