@@ -14,7 +14,8 @@ builder). One row per family:
    own ``num_params`` of its weights; else each candidate built on the ``meta`` device). timm families with many variants are first narrowed by
    the size words of their names (``atto`` < ``femto`` < ... < ``tiny`` < ``small``: the smallest
    word present), then the 8 shortest names are counted.
-2. **build**: random weights (``pretrained=False`` / ``weights=None``), float32, ``eval()``; what
+2. **build**: random weights (``pretrained=False`` / ``weights=None``; a timm feature extractor,
+   ``num_classes=0``, whose stream is its output, given a head), float32, ``eval()``; what
    the initialiser leaves constant re-drawn (:func:`redraw`: norms, biases, layer scales, zero
    heads, BatchNorm's running statistics).
 3. **run eagerly**: the model's own forward on one random image, at the first size it runs at:
@@ -72,6 +73,7 @@ DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "coverage_vision"
 SIZE_WORDS = ("atto", "zepto", "femto", "pico", "nano", "micro", "xxxs", "xxs", "xs", "tiny", "mini",
               "small")
 MAX_CANDIDATES = 8
+HEAD_CLASSES = 1000  # a head for a variant built without one (timm's ``num_classes=0``)
 SIZES = (64, 96)
 NORMS = {"batch_norm", "_native_batch_norm_legit_no_training", "_native_batch_norm_legit",
          "native_batch_norm", "layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
@@ -144,8 +146,8 @@ def smallest(names, count) -> tuple:
     return best, n_best
 
 
-def build(zoo: str, name: str, device=None, size=None):
-    """The model (random weights, eval mode); ``size``: built for that image size."""
+def build(zoo: str, name: str, device=None, size=None, head: bool = True):
+    """The model (random weights, eval mode), built for image ``size``, with a head (``head``)."""
     import torch
     with warnings.catch_warnings(), torch.device(device or "cpu"):
         warnings.simplefilter("ignore")
@@ -153,6 +155,8 @@ def build(zoo: str, name: str, device=None, size=None):
             import timm
             kw = {"img_size": size} if size else {}
             model = timm.create_model(name, pretrained=False, **kw)
+            if head and getattr(model, "num_classes", None) == 0:  # a feature extractor
+                model = timm.create_model(name, pretrained=False, num_classes=HEAD_CLASSES, **kw)
         else:
             import torchvision
             kw = {"image_size": size} if size else {}
@@ -195,7 +199,7 @@ def meta_count(zoo: str):
                 return min(w.meta["num_params"] for w in torchvision.models.get_model_weights(name))
             except (ValueError, KeyError):
                 pass
-        return sum(p.numel() for p in build(zoo, name, device="meta").parameters())
+        return sum(p.numel() for p in build(zoo, name, device="meta", head=False).parameters())
     return count
 
 
