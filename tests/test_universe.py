@@ -201,11 +201,11 @@ def test_soft_maps_stop_at_max_rounds_or_converge(trained):
 def test_bad_input_is_refused(trained):
     ms = trained[:2]
     cases = [
-        (dict(models=ms, anchor="foo"), r"anchor='foo'.*'universe'"),
-        (dict(models=ms, anchor=2), r"anchor=2; expected a model index \(0\.\.1\)"),
-        (dict(models=ms, anchor=True), r"anchor=True"),
+        (dict(models=ms, anchor="foo"), r"anchor 'foo'; expected a model index .* or 'universe'"),
+        (dict(models=ms, anchor=2), r"anchor 2 is not one of the 2 models; expected an index 0\.\.1"),
+        (dict(models=ms, anchor=True), r"anchor True; expected a model index"),
         (dict(models=ms[:1], anchor="universe"), r"at least 2 models, got 1"),
-        (dict(models=ms, anchor="universe", align=None), r"needs align='weights' or 'activations'"),
+        (dict(models=ms, anchor="universe", align=None), r"anchor universe .*; expected align weights or activations"),
         (dict(models=ms, anchor="universe", universe_options={"rounds": 3}),
          r"unknown universe option\(s\) \['rounds'\]"),
         (dict(models=ms, anchor="universe", universe_options={"max_rounds": 0}), r"max_rounds=0"),
