@@ -154,3 +154,27 @@ def test_redraw_leaves_nothing_constant_that_hides_a_slot():
         assert float(t.std()) > 0.01
     assert float(bn.running_var.min()) >= 0.5 and float(bn.running_var.max()) <= 1.5
     assert float(bn.running_mean.abs().max()) <= 0.5
+
+
+def test_a_feature_extractor_is_built_with_a_head_and_counted_without(monkeypatch):
+    """timm's ``num_classes=0`` variants return their stream: built with a head for the
+    analysis, counted without it when the smallest variant is chosen (a fake ``timm``)."""
+    import types
+
+    from benchmarks.coverage.vision import HEAD_CLASSES, build, meta_count
+
+    class Net(nn.Module):
+        def __init__(self, num_classes):
+            super().__init__()
+            self.num_classes, self.body = num_classes, nn.Linear(4, 4)
+            self.head = nn.Linear(4, num_classes) if num_classes else nn.Identity()
+
+    calls = []
+    def create_model(name, pretrained=False, num_classes=None, **kw):
+        calls.append((name, num_classes))
+        return Net({"extractor": 0, "classifier": 7}[name] if num_classes is None else num_classes)
+    monkeypatch.setitem(__import__("sys").modules, "timm", types.SimpleNamespace(create_model=create_model))
+    assert build("timm", "extractor").head.out_features == HEAD_CLASSES
+    assert build("timm", "classifier").head.out_features == 7  # its own head kept
+    assert calls == [("extractor", None), ("extractor", HEAD_CLASSES), ("classifier", None)]
+    assert meta_count("timm")("extractor") == 20  # the body alone: the head is not counted
