@@ -25,9 +25,10 @@ __all__ = ["block_map"]
 def block_map(an, axis, elements: dict):
     """What ``axis_map(axis, elements, blocks=True)`` returns (the index vector when the map is
     a permutation, else :class:`Blocks` at the innermost factor's size), for a product axis
-    whose factors are leaves, every factor but the innermost carrying a permutation (per fibre)
-    or nothing, and the innermost a square element (or nothing), fibred over outer factors of
-    the axis only. None for any other axis (the composed matrix decides those)."""
+    whose factors are leaves, every factor but the innermost carrying a permutation (per fibre;
+    signed or scaled: each block scaled) or nothing, and the innermost a square element (or
+    nothing), fibred over outer factors of the axis only. None for any other axis (the composed
+    matrix decides those)."""
     uf = an.uf
     r, _ = uf.find(axis)
     s = uf.struct.get(r)
@@ -49,17 +50,39 @@ def block_map(an, axis, elements: dict):
             E, f = gather_fibres(an, E, f, k, factors, fclasses)
             if any(x not in fclasses[:m] for x in f) or E.shape[-1] != E.shape[-2] or E.shape[-1] != sizes[k]:
                 return None  # fibred over the innermost factor (heads last) or off the axis
-            if k < m and not is_perm(E):
+            if k < m and not _monomial(E):
                 return None
         subs.append((E, f))
     if all(E is None for E, _ in subs):
         return None  # the identity: axis_matrix says so at once
     dev = next(E.device for E, _ in subs if E is not None)
     H = math.prod(sizes[:m])
+    coords, blocks, scale = _carry(subs, fclasses, sizes, m, dev)
+    target = sum(coords[j] * math.prod(sizes[j + 1:m]) for j in range(m))
+    index = torch.empty(H, dtype=torch.long, device=dev)
+    index[target] = torch.arange(H, device=dev)  # output block -> the source block it reads
+    if blocks is None and scale is None:  # the whole map is a permutation of blocks: its index vector
+        return (index[:, None] * b + torch.arange(b, device=dev)).reshape(-1)
+    if blocks is None:
+        blocks = torch.eye(b, dtype=torch.float64, device=dev).expand(H, b, b)
+    blocks = blocks[index] if scale is None else blocks[index] * scale[index, None, None]
+    if is_perm(blocks):  # a permutation within each block too
+        return (index[:, None] * b + blocks.argmax(-1)).reshape(-1)
+    if not bool((blocks != 0).flatten(1).any(1).all()):
+        return None  # a zero block: not a map of this form
+    return Blocks(index, blocks)
+
+
+def _carry(subs, fclasses, sizes, m, dev):
+    """``(coords, blocks, scale)``: where each block goes (its coordinate in each outer factor),
+    the innermost factor's element per block (None: none), and the product of the nonzeros of
+    the outer factors' scaled or signed permutations per block (None: all permutations), each
+    indexed by the block's source position."""
+    H = math.prod(sizes[:m])
     ar = torch.arange(H, device=dev)  # each block's coordinates in the outer factors, row-major
     coords = [(ar // math.prod(sizes[j + 1:m])) % sizes[j] for j in range(m)]  # replaced, never
     # written to: they index the elements (autograd keeps them when the elements are learned)
-    blocks = None
+    blocks = scale = None
     for k in application_order(subs, fclasses):
         E, f = subs[k]
         if E is None:
@@ -68,16 +91,20 @@ def block_map(an, axis, elements: dict):
         Eh = E[at] if at else E.expand(H, *E.shape[-2:])  # [H, n, n]: each block's element
         if k == m:
             blocks = Eh.to(torch.float64)  # applied to the identity: its own entries
-        else:  # the coordinate this factor sends each block's to: the row of the 1 in its column
-            coords[k] = Eh[torch.arange(H, device=dev), :, coords[k]].argmax(-1)
-    target = sum(coords[j] * math.prod(sizes[j + 1:m]) for j in range(m))
-    index = torch.empty(H, dtype=torch.long, device=dev)
-    index[target] = torch.arange(H, device=dev)  # output block -> the source block it reads
-    if blocks is None:  # the whole map is a permutation of blocks: its index vector
-        return (index[:, None] * b + torch.arange(b, device=dev)).reshape(-1)
-    blocks = blocks[index]
-    if is_perm(blocks):  # a permutation within each block too
-        return (index[:, None] * b + blocks.argmax(-1)).reshape(-1)
-    if not bool((blocks != 0).flatten(1).any(1).all()):
-        return None  # a zero block: not a map of this form
-    return Blocks(index, blocks)
+            continue
+        # the coordinate this factor sends each block's to: the row of the nonzero in its column
+        col = Eh[ar, :, coords[k]]
+        if is_perm(E):
+            coords[k] = col.argmax(-1)
+            continue
+        new = col.abs().argmax(-1)
+        s = col.gather(-1, new[:, None])[:, 0].to(torch.float64)
+        scale, coords[k] = (s if scale is None else scale * s), new
+    return coords, blocks, scale
+
+
+def _monomial(E) -> bool:
+    """One nonzero per row and per column (a permutation, signed or scaled): it moves whole
+    blocks, scaling each."""
+    nz = E != 0
+    return bool((nz.sum(-1) == 1).all()) and bool((nz.sum(-2) == 1).all())
