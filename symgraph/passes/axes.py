@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..core.elements import Map, Perm, inv_t
+from . import sites
 
 __all__ = ["axis_matrix", "coord_table", "leaf_views", "other_leaf_elements", "observation_points",
            "leaves_with_parity", "stored_slots", "axis_tree", "resized_shapes",
@@ -392,15 +393,9 @@ def linear_layers(an) -> list:
 
 
 def attention_sites(an) -> list:
-    """``[(node name, query head-size axis, value head-size axis)]`` per
-    ``scaled_dot_product_attention`` op (the key's axis is unified with the query's)."""
-    sdpa = torch.ops.aten.scaled_dot_product_attention
-    out = []
-    for node in an.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "overloadpacket", None) is sdpa:
-            q, _, v = node.args[:3]
-            out.append((node.name, an.node_axes[q][-1], an.node_axes[v][-1]))
-    return out
+    """``[(node name, query head-size axis, value head-size axis)]`` per attention op,
+    ``scaled_dot_product_attention`` or written out (:func:`.sites.attention_sites`)."""
+    return sites.attention_sites(an)
 
 
 def axis_tree(an, axis):
