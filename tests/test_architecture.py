@@ -157,7 +157,7 @@ def test_new_merge_method_is_a_registered_class():
     with torch.no_grad():  # aligned B: B's function in A's basis
         torch.testing.assert_close(res.model(*inputs), b(*inputs), atol=1e-5, rtol=1e-5)
         assert not torch.allclose(res.model(*inputs), a(*inputs), atol=1e-3)
-    with pytest.raises(symgraph.InputError, match="unknown method"):
+    with pytest.raises(symgraph.InputError, match="method .no_such_method.: is not a merge method; expected one of"):
         symgraph.merge([a, copy.deepcopy(b)], inputs, method="no_such_method")
 
     class WholeStatesOnly(MergeMethod):  # the former whole-state API: refused in one line

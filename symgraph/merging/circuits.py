@@ -5,16 +5,11 @@ Theus et al. rewrite every head as ``(d+1)``-wide circuit matrices before interp
 function needs only a head N times as wide (N models, mixing weights ``w_i``): on the
 query/key side ``Q = [√w_1·Q_1; …; √w_N·Q_N]`` and ``K = [√w_1·K_1; …]`` (biases included), so
 ``q·k = Σ w_i q_i·k_i``; on the value/output side ``V = [√w_i·V_i]`` and ``O = [√w_i·O_i]``, so
-``O·V = Σ w_i O_i V_i``. The softmax scale of the wider head is folded into the query side
-(``√N``). Every other weight is the weighted average. The merged model stays in the parents'
-architecture family wherever its config can state a head size (an explicit ``head_dim``;
-RoPE pairs keep their own frequencies: :mod:`symgraph.width.heads`). Where no config field
-can state it (GPT-2 derives the head size from the width), the merged model is the parents'
-traced program with the head classes widened (:mod:`symgraph.width.widen`), which keeps the
-parents' softmax scale instead: it runs in memory and cannot be saved as a checkpoint.
-
-The heads are found from the report (:meth:`~symgraph.report.SymmetryReport.attention_groups`),
-never from module names.
+``O·V = Σ w_i O_i V_i``; the wider head's softmax scale is folded into the query side
+(``√N``). Every other weight is the weighted average. The merge is the parents' model class
+where its config can state a head size (``head_dim``: :mod:`symgraph.width.heads`), else their
+traced program with the head classes widened (:mod:`symgraph.width.widen`), in memory only.
+The heads are found from the report, never from module names.
 """
 from __future__ import annotations
 

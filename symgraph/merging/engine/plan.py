@@ -23,10 +23,6 @@ class GroupTask:
     names: tuple | None = None
     split: tuple | None = None
 
-    def reads(self) -> tuple:
-        """The names this task reads from every model (the anchor only, for its own tensor)."""
-        return self.names if self.names is not None else self.keys[:1]
-
 
 @dataclass(frozen=True)
 class Plan:

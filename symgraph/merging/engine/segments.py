@@ -19,8 +19,7 @@ import torch.utils._pytree as pytree
 from ...alignment.graphrun import Stepper, flatten_for, runnable
 from .views import nbytes
 
-__all__ = ["plan_segments", "Graph", "Segment", "Kept", "backward_span", "leaf", "tensors_in", "output_node",
-           "live_after"]
+__all__ = ["plan_segments", "Graph", "Segment", "Kept", "backward_span", "leaf", "output_node", "live_after"]
 
 
 def _val_bytes(node) -> int:
@@ -150,7 +149,7 @@ class Kept:
         self.disk: dict = {}  # (batch, cut) -> (values not written, {node: key})
 
     def put(self, j, k, env):
-        size = sum(nbytes(t) for v in env.values() for t in tensors_in(v))
+        size = sum(nbytes(t) for v in env.values() for t in pytree.tree_leaves(v))
         if size <= self.room:
             self.room -= size
             self.ledger.hold(size)
@@ -190,13 +189,13 @@ def backward_span(run, kept: dict, start: int, stop: int, flat, up: dict, loss=N
         else:
             outs, gs = [], []
             for n, g in up.items():
-                for v, gv in zip(tensors_in(env.get(n)), g):
+                for v, gv in zip(pytree.tree_leaves(env.get(n)), g):
                     if gv is not None and isinstance(v, torch.Tensor) and v.requires_grad:
                         outs.append(v)
                         gs.append(gv)
         if outs:
             torch.autograd.backward(outs, gs)
-    got = {n: [t.grad if isinstance(t, torch.Tensor) else None for t in tensors_in(v)] for n, v in inputs.items()}
+    got = {n: [t.grad if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(v)] for n, v in inputs.items()}
     return {n: g for n, g in got.items() if any(x is not None for x in g)}
 
 
@@ -205,11 +204,6 @@ def leaf(v):
     tuples and lists, as multi-output ops give them) detached leaves that take gradients."""
     return pytree.tree_map(lambda t: t.detach().requires_grad_(True)
                            if isinstance(t, torch.Tensor) and t.is_floating_point() else t, v)
-
-
-def tensors_in(v) -> list:
-    """The tensors (and other leaves) of a value, a tuple or a list of them."""
-    return pytree.tree_leaves(v)
 
 
 def output_node(out_node, position: int | None = None):

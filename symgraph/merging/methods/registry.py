@@ -154,13 +154,10 @@ def validate_parameters(cls, given) -> MethodParameters:
         err = e.errors()[0]
         key = str(err["loc"][0]) if err.get("loc") else "?"
         why = str(err.get("msg", "")).removeprefix("Value error, ")
+        f = cls.Parameters.model_fields.get(key)
+        words = "(a valid value)" if f is None else f"({f.description or 'see the method'}; default {f.default!r})"
         raise InputError(f"merge method {cls.name!r} parameter {key!r} is {short_repr(given.get(key))} "
-                         f"({why}); expected {key} {_field_words(cls.Parameters.model_fields.get(key))}") from None
-
-
-def _field_words(f) -> str:
-    """A parameter's declaration in words: its description and default."""
-    return "(a valid value)" if f is None else f"({f.description or 'see the method'}; default {f.default!r})"
+                         f"({why}); expected {key} {words}") from None
 
 
 def _discover():
