@@ -120,12 +120,30 @@ def test_batchnorm_statistics_read_outside_a_batchnorm_op_are_refused():
     repair_stream.check(plain, symgraph.analyze(plain, (x,)))
     model = ReadsStatistics()
     for refuse in (lambda: repair_stream.check(model, symgraph.analyze(model, (x,))),
-                   lambda: repair_stream.check(model, None, (x,)),
                    lambda: symgraph.merge([model, ReadsStatistics()], data=data, align=None, repair=True)):
         with pytest.raises(InputError, match="reads 'bn.running_mean' outside a batch-norm op") as e:
             refuse()
         assert not isinstance(e.value, NeedsMemory) and "\n" not in str(e.value)
     assert symgraph.merge([model, ReadsStatistics()], data=data, align=None).repair is None  # no REPAIR: merged
+
+
+@pytest.mark.parametrize("align", ["weights", "none"])
+def test_the_anchor_is_analysed_once_before_any_work(monkeypatch, align):
+    """``StreamingMerge.align`` analyses the anchor once, and REPAIR's BatchNorm check, the
+    budget's floor and the alignment read that analysis (REPAIR's check of a BatchNorm net
+    traced it a second time before)."""
+    from symgraph.checkpoints.memory import ModelCheckpoint
+    from symgraph.report import api
+    torch.manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 2)).eval() for _ in range(2)]
+    traced, analyze = [], api.analyze
+    monkeypatch.setattr(api, "analyze", lambda *a, **k: traced.append(a[0]) or analyze(*a, **k))
+    job = StreamingMerge([ModelCheckpoint(m, f"model {i}") for i, m in enumerate(nets)], align=align,
+                         data=[(torch.randn(6, 3),)], repair=True, memory_budget="1MB")
+    job.align()
+    assert traced == [nets[0]] and job.graph_report is not None
+    assert (job.alignments[1] is not None) == (align == "weights")
 
 
 @pytest.mark.parametrize("cls", ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "functional"])

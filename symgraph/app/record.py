@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 from .._version import __version__
-from ..checkpoints.inputs import input_names
 from ..checkpoints.outdir import model_card
 from ..merging.methods.registry import get as get_method
 from .compat import width_change
@@ -16,10 +15,11 @@ from .config import to_yaml
 __all__ = ["record", "architecture_change", "card"]
 
 
-def record(cfg, data, *, mode, seconds, alignments, dtype, input_dtypes, configs, parent, merged, anchor=0,
+def record(cfg, data, names, *, mode, seconds, alignments, dtype, input_dtypes, configs, parent, merged, anchor=0,
            repair=None, universe=None) -> dict:
     """The record ``symgraph_merge.json`` holds, the same keys on both paths (``mode``):
-    ``data``, the batches the merge read (None: none); ``dtype`` the merged model's and
+    ``data``, the batches the merge read (None: none); ``names``, the inputs as recorded
+    (:attr:`~symgraph.checkpoints.inputs.Inputs.names`); ``dtype`` the merged model's and
     ``input_dtypes`` the inputs'; ``configs``, the inputs' configs, whose widths are compared
     with the ``anchor``'s; ``parent`` (the anchor's model) and ``merged`` (on ``meta`` out of
     core), whose architectures are compared; REPAIR's report (``repair``; out of core set once
@@ -29,7 +29,7 @@ def record(cfg, data, *, mode, seconds, alignments, dtype, input_dtypes, configs
     options["parameters"] = get_method(cfg.method, **cfg.parameters).params.model_dump()  # defaults too
     options["data"] = os.path.abspath(cfg.data) if cfg.data and data else None
     options["data_batches"] = len(data) if data else 0
-    return {"symgraph_version": __version__, "inputs": input_names(cfg.models), "options": options,
+    return {"symgraph_version": __version__, "inputs": list(names), "options": options,
             "dtype": str(dtype).removeprefix("torch."), "mode": mode, "seconds": seconds,
             "alignments": _solver_summary(alignments), "repair": repair,
             "input_dtypes": [str(d).removeprefix("torch.") for d in input_dtypes],
@@ -55,10 +55,10 @@ def architecture_change(parent, merged) -> list:
 
 def card(cfg, out: str, meta: dict) -> str:
     """The model card: the config that reproduces the merge wherever it is run (the inputs and
-    ``out`` as absolute paths: a config's relative paths are relative to the config file) and
-    a summary of the record ``meta``."""
+    ``out`` as absolute paths, the inputs as the record ``meta`` names them: a config's relative
+    paths are relative to the config file) and a summary of the record."""
     data = os.path.abspath(cfg.data) if cfg.data else None
-    config = to_yaml(cfg.model_copy(update={"models": input_names(cfg.models), "data": data}), out)
+    config = to_yaml(cfg.model_copy(update={"models": meta["inputs"], "data": data}), out)
     return model_card(config, _card_summary(meta))
 
 

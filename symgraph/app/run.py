@@ -16,8 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..checkpoints.inputs import (DEFAULT_SHARD, MIN_USEFUL_ROWS, Inputs, check_dtype_kinds, check_paths,
-                                  input_names, local_layouts, read_batches)
+from ..checkpoints.inputs import DEFAULT_SHARD, Inputs, read_batches
 from ..core.progress import note
 from ..core.ties import to_device
 from ..errors import InputError, NeedsMemory, StructureMismatchError
@@ -29,8 +28,7 @@ from ..merging.streaming import StreamingMerge
 if TYPE_CHECKING:
     from ..merging.driver import MergeResult
 
-__all__ = ["run_merge", "merge_checkpoints", "MergeOutcome", "MIN_USEFUL_ROWS", "check_paths", "input_names",
-           "local_layouts", "check_dtype_kinds", "check_compatible", "read_batches"]
+__all__ = ["run_merge", "merge_checkpoints", "MergeOutcome", "progress_bar"]
 
 
 @dataclass
@@ -145,7 +143,7 @@ def _merge_streaming(job, cfg, inputs, data) -> MergeOutcome:
     except (StructureMismatchError, InputError) as e:
         raise type(e)(f"{e}{config_diff(job.checkpoints, cfg.models)}") from None
     ckpts, anchor = job.checkpoints, job.checkpoints[job.anchor]
-    meta = record(cfg, data, mode="streaming", seconds=time.time() - t0, alignments=job.alignments,
+    meta = record(cfg, data, inputs.names, mode="streaming", seconds=time.time() - t0, alignments=job.alignments,
                   dtype=anchor.dtype, input_dtypes=[c.dtype for c in ckpts], configs=[c.config for c in ckpts],
                   parent=(anchor.source or anchor).model, merged=job.output_model(), anchor=job.anchor,
                   universe=universe)  # the models on meta
@@ -178,7 +176,7 @@ def _merge_in_memory(cfg, inputs, data, progress, why=None) -> MergeOutcome:
     layout = inputs.layouts[inputs.anchor]
     if layout is not None:  # the anchor's headers (None: a demo name or hub id)
         _as_stored(result.model, layout)
-    meta = record(cfg, data, mode="in-memory", seconds=time.time() - t0, alignments=result.alignments,
+    meta = record(cfg, data, inputs.names, mode="in-memory", seconds=time.time() - t0, alignments=result.alignments,
                   dtype=next(result.model.parameters()).dtype,
                   input_dtypes=[next(m.parameters()).dtype for m in models],
                   configs=[getattr(m, "config", None) for m in models], parent=models[0], merged=result.model,

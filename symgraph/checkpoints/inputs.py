@@ -27,13 +27,15 @@ MIN_USEFUL_ROWS = 32  # fewer data rows than this: warn that activation statisti
 class Inputs:
     """What a merge reads and writes, checked: ``out`` (absolute, vetted), the ``layouts`` of
     the models (None for a demo name or hub id), ``files`` (the models and the data file, which
-    the output may not touch), ``anchor`` (the model whose architecture the merge has) and
-    ``shard`` (bytes per output file)."""
+    the output may not touch), ``anchor`` (the model whose architecture the merge has),
+    ``shard`` (bytes per output file) and ``names`` (the models as the record names them:
+    :func:`input_names`)."""
     out: str
     layouts: list
     files: list
     anchor: int
     shard: int
+    names: list
 
     @classmethod
     def check(cls, models, out, *, force: bool = False, data: str | None = None, anchor: int = 0,
@@ -52,10 +54,10 @@ class Inputs:
         check_dtype_kinds(layouts, models)
         if layouts[anchor] is not None:
             check_space(out, layouts[anchor].nbytes)
-        shard = shard_size(max_shard_size, layouts[anchor])
+        shard, names = shard_size(max_shard_size, layouts[anchor]), input_names(models)
         if data:
             check_input_file(data, "data file", DATA_EXPECTED)
-        return cls(out, layouts, files, anchor, shard)
+        return cls(out, layouts, files, anchor, shard, names)
 
     @property
     def local(self) -> bool:

@@ -70,17 +70,14 @@ def batchnorm_nodes(report) -> dict:
     return out
 
 
-def check(model, report=None, example=None, **analyze_options):
+def check(model, report):
     """Refuse, in one line, a ``model`` with a BatchNorm module whose running statistics its
-    traced graph (``report``; None: ``analyze(model, example, **analyze_options)``) reads other
-    than through a batch-norm op: REPAIR resets them where the graph normalises with them. A
-    module the graph never reads keeps its merged statistics."""
+    traced graph (``report``, its analysis) reads other than through a batch-norm op: REPAIR
+    resets them where the graph normalises with them. A module the graph never reads keeps its
+    merged statistics."""
     names = batchnorm_layers(model)
     if not names:
         return
-    if report is None:
-        from ..report.api import analyze
-        report = analyze(model, example, **analyze_options)
     ep = report.exported_program
     read = {b for n, b in ep.graph_signature.inputs_to_buffers.items()
             if any(x.name == n and x.users for x in ep.graph.nodes if x.op == "placeholder")}

@@ -40,6 +40,7 @@ from .engine.sums import MemorySpill, Spill
 from .untie import untie_checkpoint, untie_config_updates
 from .engine.views import DEFAULT_CACHE, Aligned, Folded, Sides, return_freed_memory
 from .engine import Executor, build_plan
+from .engine.plan import keys_of
 from .engine.executor import Resources, Transforms
 from .engine.measuring import RepairContext
 from .engine.statistics import StatisticsContext, take
@@ -195,31 +196,36 @@ class StreamingMerge:
         return analyze(c.model, self.data[0] if self.data else None, fold_norms=cfg.fold_norms, outputs=cfg.outputs)
 
     def align(self):
-        """Analyse the anchor's meta model and solve every other checkpoint against it."""
-        t0 = time.perf_counter()
+        """The merge's steps up to its alignment, each once, in the pipeline's order: the anchor's
+        meta model analysed (unaligned, only where the statistics or REPAIR run its graph), and
+        each model of other widths, with the embedding rows weight matching reads; what is refused
+        before any work (a BatchNorm REPAIR cannot reset, learned matching's room, the plan's
+        largest piece in the memory budget); then every other checkpoint solved against the anchor."""
         A = self._checkpoints[self.anchor]
-        if self.repair:  # a BatchNorm REPAIR cannot reset is refused before any work
-            repair_stream.check(A.model, self.graph_report, self.data[0] if self.data else None,
-                                fold_norms=self.config.fold_norms, outputs=self.config.outputs)
-        if self.align_mode is None:  # nothing to move: every tensor is combined as it is
-            if (self.how.needs_data or self.repair) and self.graph_report is None:  # the graph statistics run on
-                self.graph_report = self._analyzed(A)
-            slicing.check_floor(self, budgets)  # the plan's largest piece within the budget, before any work
-            return self.alignments
-        self.graph_report = ra = self._analyzed(A)
-        if self.align_options.get("rows_from"):  # weight matching reads only the embedding rows of their tokens
-            self.align_options = {**self.align_options, "rows": ra.input_rows(self.align_options["rows_from"])}
-        self.timings["analyze"] = time.perf_counter() - t0
-        learning = self._learning(A, ra) if self.config.refine else None  # its room in the budget checked here
-        slicing.check_floor(self, budgets)  # the plan's largest piece within the budget, before any alignment
-        t1 = time.perf_counter()
+        aligned = self.align_mode is not None
+        t0 = time.perf_counter()
+        if aligned or ((self.how.needs_data or self.repair) and self.graph_report is None):
+            self.graph_report = self._analyzed(A)
+        ra = self.graph_report
         shapes = lambda c: {n: tuple(p.shape) for n, p in c.model.named_parameters()}  # noqa: E731
-        with self.aligning_to(A, ra) as solve, progress_bar(total=len(self._checkpoints) - 1, desc="aligning",
-                                                            unit="model", enabled=self.progress) as bar:
-            for i, c in enumerate(self._checkpoints):
-                if i != self.anchor:
-                    self.alignments[i] = solve(i, ra if shapes(c) == shapes(A) else self._analyzed(c), learning)
-                    bar.update()
+        others = {i: ra if shapes(c) == shapes(A) else self._analyzed(c)  # a model of other widths: its own
+                  for i, c in enumerate(self._checkpoints) if aligned and i != self.anchor}
+        if aligned:
+            self.timings["analyze"] = time.perf_counter() - t0
+        if aligned and self.align_options.get("rows_from"):  # only their tokens' embedding rows
+            self.align_options = {**self.align_options, "rows": ra.input_rows(self.align_options["rows_from"])}
+        if self.repair:
+            repair_stream.check(A.model, ra)
+        learning = self._learning(A, ra) if self.config.refine else None
+        slicing.check_floor(self, budgets)
+        if not aligned:  # nothing to move: every tensor is combined as it is
+            return self.alignments
+        t1 = time.perf_counter()
+        with self.aligning_to(A, ra) as solve, progress_bar(total=len(others), desc="aligning", unit="model",
+                                                            enabled=self.progress) as bar:
+            for i, rb in others.items():
+                self.alignments[i] = solve(i, rb, learning)
+                bar.update()
         self.timings["align"] = time.perf_counter() - t1
         return self.alignments
 
@@ -385,5 +391,4 @@ class StreamingMerge:
 
     def keys_of(self, name) -> list:
         """The anchor checkpoint's keys holding parameter (or buffer) ``name``."""
-        A = self._checkpoints[self.anchor]
-        return [k for k in A.params.get(name, (name,)) if k in A.shapes]
+        return keys_of(self._checkpoints[self.anchor], name)
