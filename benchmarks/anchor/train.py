@@ -98,15 +98,10 @@ def read_log(cache: str | os.PathLike, seed: int) -> dict | None:
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-def _atomic_json(path: Path, obj: dict) -> None:
+def _atomic(path: Path, obj: dict, save: Callable = lambda obj, p: p.write_text(json.dumps(obj, indent=1))) -> None:
+    """``save(obj, tmp)`` into a sibling of ``path`` renamed into place (default: JSON)."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
-def _atomic_torch(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
+    save(obj, tmp)
     os.replace(tmp, path)
 
 
@@ -120,7 +115,7 @@ def _save_best(model, out: Path, log: dict) -> None:
     if next(model.parameters()).device.type != "cpu":  # safetensors reads host memory
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     model.save_pretrained(str(tmp), state_dict=state)
-    _atomic_json(tmp / "train_log.json", log)
+    _atomic(tmp / "train_log.json", log)
     if out.exists():
         os.replace(out, old)
     os.replace(tmp, out)
@@ -130,7 +125,7 @@ def _save_best(model, out: Path, log: dict) -> None:
 
 def _write_log(out: Path, log: dict) -> None:
     if out.is_dir():
-        _atomic_json(out / "train_log.json", log)
+        _atomic(out / "train_log.json", log)
 
 
 def _recover_best_dir(out: Path) -> None:
@@ -153,32 +148,14 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def train(
-    corpus: str | os.PathLike,
-    tokenizer_dir: str | os.PathLike,
-    seed: int,
-    cache: str | os.PathLike | None = None,
-    threads: int | None = None,
-    max_steps: int | None = None,
-    data_seed: int = DATA_SEED,
-    config_overrides: dict | None = None,
-    block_size: int = BLOCK_SIZE,
-    batch_size: int = 32,
-    epochs: int = 100,
-    lr: float = 3e-4,
-    weight_decay: float = 0.01,
-    warmup_ratio: float = 0.05,
-    max_grad_norm: float = 1.0,
-    eval_every: int = 50,
-    patience: int = 5,
-    bf16: bool = False,
-    log_every: int = 5,
-    echo: Callable[[str], None] | None = None,
-    device: str | torch.device = "cpu",
-    retrain: bool = False,
-    eval_batch: int | None = None,
-    schedule_steps: int | None = None,
-) -> dict:
+def train(corpus: str | os.PathLike, tokenizer_dir: str | os.PathLike, seed: int,
+          cache: str | os.PathLike | None = None, threads: int | None = None, max_steps: int | None = None,
+          data_seed: int = DATA_SEED, config_overrides: dict | None = None, block_size: int = BLOCK_SIZE,
+          batch_size: int = 32, epochs: int = 100, lr: float = 3e-4, weight_decay: float = 0.01,
+          warmup_ratio: float = 0.05, max_grad_norm: float = 1.0, eval_every: int = 50, patience: int = 5,
+          bf16: bool = False, log_every: int = 5, echo: Callable[[str], None] | None = None,
+          device: str | torch.device = "cpu", retrain: bool = False, eval_batch: int | None = None,
+          schedule_steps: int | None = None) -> dict:
     """Train (or resume, or return at once if finished) parent ``seed``; returns its train log.
 
     ``max_steps`` stops after that global step with a checkpoint (the run is not ``done``; the
@@ -190,183 +167,224 @@ def train(
     sequences per evaluation batch (default 8 on the CPU, 64 elsewhere; the mean is the same).
     ``schedule_steps``: the schedule's length in steps instead of ``epochs`` epochs (training ends
     there, done, unless early stopping ends it first)."""
-    from transformers import GPT2LMHeadModel, get_cosine_schedule_with_warmup
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-
-    def say(msg: str) -> None:
-        (echo or (lambda m: print(m, flush=True)))(msg)
-
+    say = echo or (lambda m: print(m, flush=True))
     cache = Path(cache) if cache is not None else default_cache()
     cache.mkdir(parents=True, exist_ok=True)
-    out, ckpt_path = parent_dir(cache, seed), checkpoint_path(cache, seed)
-    if retrain:
-        for p in (ckpt_path, out):
-            if p.is_dir():
-                shutil.rmtree(p)
-            elif p.exists():
-                p.unlink()
-    _recover_best_dir(out)
-    prev = read_log(cache, seed)
-    if prev is not None and prev.get("done"):
-        was = bool(prev.get("protocol", {}).get("bf16", False))
-        if was != bool(bf16):
-            raise AnchorError(f"parent seed {seed} in {cache} was trained in {PRECISIONS[was]}, not "
-                              f"{PRECISIONS[bool(bf16)]}: use another cache, or retrain it (--retrain)")
-        say(f"seed {seed}: already trained (test loss {prev.get('final_test_loss')}), {out}")
+    prev = _finished(cache, seed, bf16, retrain)
+    if prev is not None:
+        say(f"seed {seed}: already trained (test loss {prev.get('final_test_loss')}), {parent_dir(cache, seed)}")
         return prev
     if threads:
         torch.set_num_threads(int(threads))
     dev = torch.device(device)
-    env = precision_env(dev, bf16)
-    eval_bs = eval_batch or (8 if dev.type == "cpu" else 64)
-
     splits = load_splits(corpus, tokenizer_dir, cache=cache)
-    train_seqs = sequences(splits["train"], block_size).to(dev)
-    val_seqs = sequences(splits["validation"], block_size).to(dev)
-    test_seqs = sequences(splits["test"], block_size).to(dev)
-    if min(train_seqs.shape[0], val_seqs.shape[0], test_seqs.shape[0]) == 0:
+    seqs = {k: sequences(splits[k], block_size).to(dev) for k in ("train", "validation", "test")}
+    if min(s.shape[0] for s in seqs.values()) == 0:
         raise AnchorError(f"a split has no complete {block_size}-token sequence")
-    spe = steps_per_epoch(train_seqs.shape[0], batch_size)
-    total = schedule_steps or epochs * spe
-    warmup = math.ceil(warmup_ratio * total)
     cfg = config(block_size=block_size, **(config_overrides or {}))
     protocol = dict(
         seed=seed, data_seed=data_seed, config=cfg.to_diff_dict(), block_size=block_size,
         batch_size=batch_size, epochs=epochs, lr=lr, weight_decay=weight_decay,
         warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm, eval_every=eval_every,
-        patience=patience, bf16=bf16, **({"schedule_steps": schedule_steps} if schedule_steps else {}), n_train=int(train_seqs.shape[0]),
-        n_val=int(val_seqs.shape[0]), n_test=int(test_seqs.shape[0]),
+        patience=patience, bf16=bf16, **({"schedule_steps": schedule_steps} if schedule_steps else {}),
+        n_train=int(seqs["train"].shape[0]), n_val=int(seqs["validation"].shape[0]), n_test=int(seqs["test"].shape[0]),
     )
     protocol["config"].pop("transformers_version", None)
+    run = _Run(cache, cfg, protocol, dev, say, seqs, eval_batch or (8 if dev.type == "cpu" else 64))
+    return run.finish(run.loop(max_steps, log_every))
 
-    torch.manual_seed(seed)
-    model = GPT2LMHeadModel(cfg).to(dev)  # initialised on the CPU: the same parent on every device
-    model.config.use_cache = False  # after ``protocol``: whole sequences, no key/value cache to build
-    model.train()
-    opt = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.999), eps=1e-8)
-    sched = get_cosine_schedule_with_warmup(opt, warmup, total)
-    torch.manual_seed(data_seed)  # the dropout stream (global RNG, CUDA's too), same for every parent
 
-    st = dict(step=0, epoch=0, batch=0, best_val=None, best_step=None, bad_evals=0, done=False)
-    log = dict(
-        seed=seed, data_seed=data_seed, protocol=protocol, steps_per_epoch=spe, total_steps=total,
-        warmup_steps=warmup, n_params=sum(p.numel() for p in model.parameters()), train_loss=[],
-        step_seconds=[], evals=[], best_step=None, best_val_loss=None, final_test_loss=None,
-        stop_reason=None, done=False, wall_seconds=0.0,
-    )
-    if ckpt_path.is_file():
-        ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        if ck["protocol"] != protocol:
-            raise AnchorError(f"checkpoint {ckpt_path} was made with other settings; remove it to restart")
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        torch.set_rng_state(ck["rng"])
-        if dev.type == "cuda" and ck.get("rng_cuda") is not None:
-            torch.cuda.set_rng_state(ck["rng_cuda"], dev)
-        st, log = ck["state"], ck["log"]
-        say(f"seed {seed}: resumed at step {st['step']} (epoch {st['epoch']}, batch {st['batch']})")
-    else:
-        say(f"seed {seed}: {log['n_params']} params, {protocol['n_train']}/{protocol['n_val']}/"
-            f"{protocol['n_test']} train/val/test sequences of {block_size}, {spe} steps/epoch, "
-            f"{total} steps max, {warmup} warm-up")
+def _finished(cache: Path, seed: int, bf16: bool, retrain: bool) -> dict | None:
+    """The train log of parent ``seed`` when it is done (in the precision asked for: else an
+    error), else None; ``retrain`` removes its checkpoint and model first, and a model left aside
+    by a run stopped between :func:`_save_best`'s two renames is put back."""
+    out, ckpt_path = parent_dir(cache, seed), checkpoint_path(cache, seed)
+    if retrain:
+        if out.exists():
+            shutil.rmtree(out)
+        ckpt_path.unlink(missing_ok=True)
+    _recover_best_dir(out)
+    prev = read_log(cache, seed)
+    if prev is None or not prev.get("done"):
+        return None
+    was = bool(prev.get("protocol", {}).get("bf16", False))
+    if was != bool(bf16):
+        raise AnchorError(f"parent seed {seed} in {cache} was trained in {PRECISIONS[was]}, not "
+                          f"{PRECISIONS[bool(bf16)]}: use another cache, or retrain it (--retrain)")
+    return prev
 
-    log.update(device=env["device"], precision=env["precision"])
-    attn = getattr(model.config, "_attn_implementation", None)  # sdpa, as their Trainer's default
-    log["runs"] = log.get("runs", []) + [dict(env, start_step=st["step"], attn_implementation=attn)]
 
-    def checkpoint() -> None:  # host copies: a checkpoint resumes on any device
-        host = lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
-        _atomic_torch(ckpt_path, dict(
-            protocol=protocol, model=tree_map(host, model.state_dict()), optimizer=tree_map(host, opt.state_dict()),
-            scheduler=sched.state_dict(), rng=torch.get_rng_state(),
-            rng_cuda=torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None, state=st, log=log))
+class _Run:
+    """One parent's training under ``protocol``: the model (seeded by ``protocol["seed"]``), AdamW
+    and the cosine schedule, the loop's state ``st`` and the train ``log``, resumed from the
+    checkpoint when there is one; :meth:`loop` trains, :meth:`finish` scores the best model."""
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    window: list[tuple[float, float]] = []
-    stop = None
-    while st["epoch"] < epochs and stop is None:
-        for xb in batches(train_seqs, batch_size, seed=data_seed, epoch=st["epoch"], start=st["batch"]):
-            t0 = time.perf_counter()
-            with torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-                logits = model(input_ids=xb).logits
-            loss = lm_loss(logits, xb)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-            opt.step()
-            sched.step()
-            dt = time.perf_counter() - t0
-            st["step"] += 1
-            st["batch"] += 1
-            lv = loss.item()
-            log["train_loss"].append(round(lv, 6))
-            log["step_seconds"].append(round(dt, 4))
-            log["wall_seconds"] += dt
-            window.append((lv, dt))
-            step = st["step"]
-            if step % eval_every == 0:
-                t1 = time.perf_counter()
-                val = test_loss(model, val_seqs, batch_size=eval_bs)
-                ev_s = time.perf_counter() - t1
-                log["wall_seconds"] += ev_s
-                best = st["best_val"] is None or (val < st["best_val"] and abs(val - st["best_val"]) > 0.0)
-                if best:
-                    st.update(best_val=val, best_step=step, bad_evals=0)
-                    log.update(best_step=step, best_val_loss=val)
-                else:
-                    st["bad_evals"] += 1
-                log["evals"].append(dict(step=step, epoch=round(step / spe, 3), val_loss=round(val, 6),
-                                         best=best, eval_seconds=round(ev_s, 2)))
-                if st["bad_evals"] >= patience:
-                    stop = "early_stop"
-                if best:
-                    _save_best(model, out, log)
-                else:
-                    _write_log(out, log)
-                tl = sum(w[0] for w in window) / max(len(window), 1)
-                tag = " *best*" if best else f" (no gain {st['bad_evals']}/{patience})"
-                say(f"step {step} ep {step / spe:.2f} train {tl:.4f} val {val:.4f}{tag} "
-                    f"lr {sched.get_last_lr()[0]:.2e} {dt:.2f} s/step eval {ev_s:.1f} s")
-                window = []
-            elif step % log_every == 0 or step <= 3:
-                tl = sum(w[0] for w in window) / len(window)
-                ts = sum(w[1] for w in window) / len(window)
-                say(f"step {step} ep {step / spe:.2f} train {tl:.4f} lr {sched.get_last_lr()[0]:.2e} "
-                    f"{ts:.2f} s/step")
-                if step > 3:
-                    window = []
-            if stop is None and max_steps is not None and step >= max_steps:
-                stop = "max_steps"
-            if stop is None and schedule_steps and step >= total:
-                stop = "schedule"
-            if step % eval_every == 0 or stop is not None:
-                if stop is None or stop == "max_steps":
-                    checkpoint()
-            if stop is not None:
-                break
+    def __init__(self, cache: Path, cfg, protocol: dict, dev: torch.device, say: Callable[[str], None],
+                 seqs: dict, eval_bs: int):
+        from transformers import GPT2LMHeadModel, get_cosine_schedule_with_warmup
+        p, seed = protocol, protocol["seed"]
+        self.protocol, self.dev, self.say, self.seqs, self.eval_bs = protocol, dev, say, seqs, eval_bs
+        self.out, self.ckpt_path = parent_dir(cache, seed), checkpoint_path(cache, seed)
+        self.spe = steps_per_epoch(p["n_train"], p["batch_size"])
+        self.total = p.get("schedule_steps") or p["epochs"] * self.spe
+        warmup = math.ceil(p["warmup_ratio"] * self.total)
+        env = precision_env(dev, p["bf16"])
+        torch.manual_seed(seed)
+        self.model = GPT2LMHeadModel(cfg).to(dev)  # initialised on the CPU: the same parent on every device
+        self.model.config.use_cache = False  # after ``protocol``: whole sequences, no key/value cache to build
+        self.model.train()
+        self.opt = torch.optim.AdamW(param_groups(self.model, p["weight_decay"]), lr=p["lr"], betas=(0.9, 0.999),
+                                     eps=1e-8)
+        self.sched = get_cosine_schedule_with_warmup(self.opt, warmup, self.total)
+        torch.manual_seed(p["data_seed"])  # the dropout stream (global RNG, CUDA's too), same for every parent
+        self.st = dict(step=0, epoch=0, batch=0, best_val=None, best_step=None, bad_evals=0, done=False)
+        self.log = dict(
+            seed=seed, data_seed=p["data_seed"], protocol=p, steps_per_epoch=self.spe, total_steps=self.total,
+            warmup_steps=warmup, n_params=sum(x.numel() for x in self.model.parameters()), train_loss=[],
+            step_seconds=[], evals=[], best_step=None, best_val_loss=None, final_test_loss=None,
+            stop_reason=None, done=False, wall_seconds=0.0,
+        )
+        if self.ckpt_path.is_file():
+            self._resume()
         else:
-            st["epoch"] += 1
-            st["batch"] = 0
-    if stop == "max_steps":
-        say(f"seed {seed}: stopped at step {st['step']} (--max-steps), checkpoint {ckpt_path}")
+            say(f"seed {seed}: {self.log['n_params']} params, {p['n_train']}/{p['n_val']}/{p['n_test']} "
+                f"train/val/test sequences of {p['block_size']}, {self.spe} steps/epoch, {self.total} steps max, "
+                f"{warmup} warm-up")
+        self.log.update(device=env["device"], precision=env["precision"])
+        attn = getattr(self.model.config, "_attn_implementation", None)  # sdpa, as their Trainer's default
+        self.log["runs"] = self.log.get("runs", []) + [dict(env, start_step=self.st["step"], attn_implementation=attn)]
+
+    def _resume(self) -> None:
+        ck = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)
+        if ck["protocol"] != self.protocol:
+            raise AnchorError(f"checkpoint {self.ckpt_path} was made with other settings; remove it to restart")
+        self.model.load_state_dict(ck["model"])
+        self.opt.load_state_dict(ck["optimizer"])
+        self.sched.load_state_dict(ck["scheduler"])
+        torch.set_rng_state(ck["rng"])
+        if self.dev.type == "cuda" and ck.get("rng_cuda") is not None:
+            torch.cuda.set_rng_state(ck["rng_cuda"], self.dev)
+        self.st, self.log = ck["state"], ck["log"]
+        st = self.st
+        self.say(f"seed {self.protocol['seed']}: resumed at step {st['step']} (epoch {st['epoch']}, "
+                 f"batch {st['batch']})")
+
+    def checkpoint(self) -> None:
+        """The resume checkpoint, host copies: a checkpoint resumes on any device."""
+        host = lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
+        cuda = self.dev.type == "cuda"
+        _atomic(self.ckpt_path, dict(
+            protocol=self.protocol, model=tree_map(host, self.model.state_dict()),
+            optimizer=tree_map(host, self.opt.state_dict()), scheduler=self.sched.state_dict(),
+            rng=torch.get_rng_state(), rng_cuda=torch.cuda.get_rng_state(self.dev) if cuda else None,
+            state=self.st, log=self.log), torch.save)
+
+    def step(self, xb: torch.Tensor) -> tuple[float, float]:
+        """One optimizer step on the batch ``xb``, logged; ``(loss, seconds)``."""
+        p, st, log = self.protocol, self.st, self.log
+        t0 = time.perf_counter()
+        with torch.autocast(self.dev.type, dtype=torch.bfloat16) if p["bf16"] else contextlib.nullcontext():
+            logits = self.model(input_ids=xb).logits
+        loss = lm_loss(logits, xb)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([x for x in self.model.parameters() if x.requires_grad], p["max_grad_norm"])
+        self.opt.step()
+        self.sched.step()
+        dt = time.perf_counter() - t0
+        st["step"] += 1
+        st["batch"] += 1
+        lv = loss.item()
+        log["train_loss"].append(round(lv, 6))
+        log["step_seconds"].append(round(dt, 4))
+        log["wall_seconds"] += dt
+        return lv, dt
+
+    def evaluate(self, window: list) -> bool:
+        """Validation loss at this step: the best model saved when it improves strictly, the log
+        written; said with the train loss of ``window``'s steps. True when patience runs out."""
+        p, st, log, step = self.protocol, self.st, self.log, self.st["step"]
+        t1 = time.perf_counter()
+        val = test_loss(self.model, self.seqs["validation"], batch_size=self.eval_bs)
+        ev_s = time.perf_counter() - t1
+        log["wall_seconds"] += ev_s
+        best = st["best_val"] is None or (val < st["best_val"] and abs(val - st["best_val"]) > 0.0)
+        if best:
+            st.update(best_val=val, best_step=step, bad_evals=0)
+            log.update(best_step=step, best_val_loss=val)
+        else:
+            st["bad_evals"] += 1
+        log["evals"].append(dict(step=step, epoch=round(step / self.spe, 3), val_loss=round(val, 6),
+                                 best=best, eval_seconds=round(ev_s, 2)))
+        if best:
+            _save_best(self.model, self.out, log)
+        else:
+            _write_log(self.out, log)
+        tl = sum(w[0] for w in window) / max(len(window), 1)
+        tag = " *best*" if best else f" (no gain {st['bad_evals']}/{p['patience']})"
+        self.say(f"step {step} ep {step / self.spe:.2f} train {tl:.4f} val {val:.4f}{tag} "
+                 f"lr {self.sched.get_last_lr()[0]:.2e} {window[-1][1]:.2f} s/step eval {ev_s:.1f} s")
+        return st["bad_evals"] >= p["patience"]
+
+    def loop(self, max_steps: int | None, log_every: int) -> str | None:
+        """Epochs of steps from where the state stands, evaluated every ``eval_every`` steps (and
+        checkpointed there) until the epochs end (None), early stopping (``"early_stop"``), the
+        schedule's end (``"schedule"``) or ``max_steps`` (``"max_steps"``, checkpointed)."""
+        p, st = self.protocol, self.st
+        window: list[tuple[float, float]] = []
+        stop = None
+        while st["epoch"] < p["epochs"] and stop is None:
+            for xb in batches(self.seqs["train"], p["batch_size"], seed=p["data_seed"], epoch=st["epoch"],
+                              start=st["batch"]):
+                window.append(self.step(xb))
+                step = st["step"]
+                if step % p["eval_every"] == 0:
+                    stop = "early_stop" if self.evaluate(window) else None
+                    window = []
+                elif step % log_every == 0 or step <= 3:
+                    tl, ts = (sum(w[i] for w in window) / len(window) for i in (0, 1))
+                    self.say(f"step {step} ep {step / self.spe:.2f} train {tl:.4f} "
+                             f"lr {self.sched.get_last_lr()[0]:.2e} {ts:.2f} s/step")
+                    if step > 3:
+                        window = []
+                if stop is None and max_steps is not None and step >= max_steps:
+                    stop = "max_steps"
+                if stop is None and p.get("schedule_steps") and step >= self.total:
+                    stop = "schedule"
+                if (step % p["eval_every"] == 0 or stop is not None) and stop in (None, "max_steps"):
+                    self.checkpoint()
+                if stop is not None:
+                    break
+            else:
+                st["epoch"] += 1
+                st["batch"] = 0
+        return stop
+
+    def finish(self, stop: str | None) -> dict:
+        """The train log once :meth:`loop` has stopped for ``stop``: unless at ``max_steps``, the
+        best model (the last one when never evaluated) scored on test, the run done."""
+        from transformers import GPT2LMHeadModel
+        st, log, seed = self.st, self.log, self.protocol["seed"]
+        if stop == "max_steps":
+            self.say(f"seed {seed}: stopped at step {st['step']} (--max-steps), checkpoint {self.ckpt_path}")
+            return log
+        log["stop_reason"] = stop or "epochs"
+        if st["best_step"] is None:  # never evaluated: keep the final model as the parent
+            val = test_loss(self.model, self.seqs["validation"], batch_size=self.eval_bs)
+            st.update(best_val=val, best_step=st["step"])
+            log.update(best_step=st["step"], best_val_loss=val)
+            _save_best(self.model, self.out, log)
+        best_model = GPT2LMHeadModel.from_pretrained(str(self.out)).to(self.dev)
+        log["final_test_loss"] = test_loss(best_model, self.seqs["test"], batch_size=self.eval_bs)
+        log["done"] = st["done"] = True
+        _write_log(self.out, log)
+        self.checkpoint()
+        self.say(f"seed {seed}: done ({log['stop_reason']}) at step {st['step']}, best step {log['best_step']} "
+                 f"val {log['best_val_loss']:.4f} test {log['final_test_loss']:.4f} -> {self.out}")
         return log
-    log["stop_reason"] = stop or "epochs"
-    if st["best_step"] is None:  # never evaluated: keep the final model as the parent
-        val = test_loss(model, val_seqs, batch_size=eval_bs)
-        st.update(best_val=val, best_step=st["step"])
-        log.update(best_step=st["step"], best_val_loss=val)
-        _save_best(model, out, log)
-    best_model = GPT2LMHeadModel.from_pretrained(str(out)).to(dev)
-    log["final_test_loss"] = test_loss(best_model, test_seqs, batch_size=eval_bs)
-    log["done"] = st["done"] = True
-    _write_log(out, log)
-    checkpoint()
-    say(f"seed {seed}: done ({log['stop_reason']}) at step {st['step']}, best step {log['best_step']} "
-        f"val {log['best_val_loss']:.4f} test {log['final_test_loss']:.4f} -> {out}")
-    return log
 
 
 def precision_env(dev: torch.device, bf16: bool) -> dict:

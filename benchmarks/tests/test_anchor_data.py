@@ -183,6 +183,21 @@ def test_a_schedule_of_steps_ends_there_done(corpus, tmp_path):
     assert tr.SIZES["small"]["train"]["schedule_steps"] > 0 and tr.SIZES["paper"] == {"config": {}, "train": {}}
 
 
+@needs_tokenizer
+def test_a_finished_parent_is_refused_in_another_precision_and_retrained_on_request(corpus, tmp_path):
+    """A done parent asked for in bf16 is an error naming both precisions; ``retrain`` removes
+    its checkpoint and model and trains it again from the start, to the same weights."""
+    cache = tmp_path / "c"
+    first = _tiny_train(corpus, cache, schedule_steps=3, eval_every=2)
+    with pytest.raises(data.AnchorError, match="was trained in float32, not bf16"):
+        _tiny_train(corpus, cache, schedule_steps=3, eval_every=2, bf16=True)
+    said = []
+    again = _tiny_train(corpus, cache, schedule_steps=3, eval_every=2, retrain=True, echo=said.append)
+    assert not any("already trained" in m or "resumed" in m for m in said) and again["done"]
+    assert again["train_loss"] == first["train_loss"] and len(again["runs"]) == 1
+    assert not (cache / "parent-seed3.old").exists() and tr.read_log(cache, 3) == again
+
+
 def test_learned_budget_batches_follow_the_data_order():
     """Learned matching's budget: ``max_steps`` batches of ``batch_size`` in the parents' data
     order, epoch after epoch; else ``epochs`` whole epochs."""
