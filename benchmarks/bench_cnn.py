@@ -49,7 +49,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .provenance import REPO_ROOT, git_state, log, pyplot, save_figure, write_result
+from .provenance import (REPO_ROOT, git_state, log, markdown_table, mean_sd, mean_sd_cell, pyplot,
+                         save_figure, write_result)
 
 __all__ = ["WIDTHS", "STEPS", "DigitsCNN", "train_cnn", "run", "markdown", "plot", "main"]
 
@@ -277,7 +278,6 @@ METHOD_ORDER = ("vanilla", "vanilla+repair", "weights", "weights+repair", "activ
 def markdown(res) -> str:
     """``report.md``: the parents, then per method the barrier, midpoint loss / accuracy and
     accuracy drop (mean ± sd over the pairs), then every pair."""
-    from .report import _fmt, _mean_std, _table
     st, recs = res["settings"], res["records"]
     pairs = list(dict.fromkeys(tuple(r["pair"]) for r in recs))
     lines = ["# CNN with BatchNorm on digits: alignment and REPAIR", "",
@@ -293,23 +293,23 @@ def markdown(res) -> str:
              "Barrier `max_λ L(λ) − ½(L_A + L_B)` (cross-entropy, nats), accuracy drop "
              "`½(acc_A + acc_B) − min_λ acc(λ)`; mean ± sd over pairs.", "",
              "![curves](cnn_curves.png)", ""]
-    lines.append(_table(["seed", "loss", "accuracy", "train s"],
-                        [[s, f"{m['loss']:.4f}", f"{m['accuracy']:.4f}", f"{m['train_seconds']:.1f}"]
-                         for s, m in res["models"].items()]))
+    lines.append(markdown_table(["seed", "loss", "accuracy", "train s"],
+                                [[s, f"{m['loss']:.4f}", f"{m['accuracy']:.4f}", f"{m['train_seconds']:.1f}"]
+                                 for s, m in res["models"].items()]))
     rows = []
     for m in METHOD_ORDER:
         rs = [r for r in recs if r["method"] == m]
         if rs:
-            stat = lambda k: _fmt(_mean_std([r[k] for r in rs]), 4)  # noqa: E731
+            stat = lambda k: mean_sd_cell(mean_sd([r[k] for r in rs]), 4)  # noqa: E731
             rows.append([m, stat("barrier"), stat("loss_mid"), stat("acc_mid"), stat("acc_drop"),
                          stat("merge_loss_mid") if "merge_loss_mid" in rs[0] else "—"])
-    lines += ["", _table(["method", "barrier", "L(0.5)", "acc(0.5)", "acc drop",
-                          "L(merge, repair=True)"], rows), ""]
+    lines += ["", markdown_table(["method", "barrier", "L(0.5)", "acc(0.5)", "acc drop",
+                                  "L(merge, repair=True)"], rows), ""]
     by = {(tuple(r["pair"]), r["method"]): r for r in recs}
     rows = [[f"{a}-{b}"] + [f"{by[((a, b), m)]['barrier']:.4f} / {by[((a, b), m)]['acc_mid']:.4f}"
                             if ((a, b), m) in by else "—" for m in METHOD_ORDER] for a, b in pairs]
     lines += ["Per pair: barrier / accuracy at λ = 0.5.", "",
-              _table(["pair", *METHOD_ORDER], rows), ""]
+              markdown_table(["pair", *METHOD_ORDER], rows), ""]
     return "\n".join(lines)
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from symgraph.checkpoints.outdir import identity, remove_own
 
 __all__ = ["REPO_ROOT", "RECORD", "RESULTS_ROOT", "git_state", "jsonable", "machine_free", "write_json", "staged",
-           "write_result", "write_beside", "write_entry", "register", "log", "table", "cell",
+           "write_result", "write_beside", "write_entry", "register", "log", "table", "markdown_table", "cell",
+           "mean_sd", "mean_sd_cell",
            "pyplot", "save_figure", "commit_info",
            "command_line", "best_time", "matmul_gflops", "matmul_rates", "add_record", "record_problems"]
 
@@ -158,9 +159,32 @@ def table(header, rows, align=None) -> list[str]:
             *(row if isinstance(row, str) else "| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
 
 
+def markdown_table(header, rows, align=None) -> str:
+    """:func:`table`'s lines as one string."""
+    return "\n".join(table(header, rows, align))
+
+
 def cell(x, spec: str = ".3f", none: str = "—") -> str:
     """A table cell: ``format(x, spec)``, or ``none`` where ``x`` is None."""
     return none if x is None else format(x, spec)
+
+
+def mean_sd(xs) -> tuple:
+    """``(mean, sample standard deviation, n)`` of the values in ``xs`` that are not None
+    (sd 0 for one value; ``(None, None, 0)`` for none)."""
+    import numpy as np
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None, 0
+    return float(np.mean(xs)), float(np.std(xs, ddof=1)) if len(xs) > 1 else 0.0, len(xs)
+
+
+def mean_sd_cell(ms, digits: int = 3) -> str:
+    """A table cell of :func:`mean_sd`'s ``ms``: ``m ± s`` (``m`` for one value, ``—`` for none)."""
+    m, s, n = ms
+    if m is None:
+        return "—"
+    return f"{m:.{digits}f} ± {s:.{digits}f}" if n > 1 else f"{m:.{digits}f}"
 
 
 def pyplot():

@@ -12,26 +12,12 @@ import torch
 from . import targets
 from .barrier_plot import barrier_plot
 from .methods import DEVIATIONS, METHODS, SEED_METHODS, SYMGRAPH_METHODS, roles
-from .provenance import pyplot, save_figure, table
+from .provenance import markdown_table, mean_sd, mean_sd_cell, pyplot, save_figure
 from .records import FORMER_NAMES, RENAME_NOTE, renamed
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 HEATMAP_ARCHS = ("gpt2", "bert", "vit", "llama")
 GRAPH_ARCHS = ("llama", "gpt2", "bert", "vit")
-
-
-def _mean_std(xs):
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return None, None, 0
-    return float(np.mean(xs)), float(np.std(xs, ddof=1)) if len(xs) > 1 else 0.0, len(xs)
-
-
-def _fmt(ms, digits=3):
-    m, s, n = ms
-    if m is None:
-        return "—"
-    return f"{m:.{digits}f} ± {s:.{digits}f}" if n > 1 else f"{m:.{digits}f}"
 
 
 # --- figures ---------------------------------------------------------------------------------
@@ -117,12 +103,8 @@ def _by(records, **kw):
     return [r for r in records if all(r.get(k) == v for k, v in kw.items())]
 
 
-def _table(header, rows):
-    return "\n".join(table(header, rows))
-
-
 def _stat(records, arch, method, key):
-    return _mean_std([r[key] for r in _by(records, arch=arch, method=method)])
+    return mean_sd([r[key] for r in _by(records, arch=arch, method=method)])
 
 
 def markdown(records, summary, figures) -> str:
@@ -153,9 +135,10 @@ def markdown(records, summary, figures) -> str:
         rs = _by(records, arch=a, method=methods[0])
         losses = {s: l for r in rs for s, l in zip(r["pair"], (r["loss_a"], r["loss_b"]))}
         mets = {s: m for r in rs for s, m in zip(r["pair"], (r["metric_a"], r["metric_b"]))}
-        rows.append([a, rs[0]["metric_name"], _fmt(_mean_std(list(losses.values()))),
-                     _fmt(_mean_std(list(mets.values()))), f"{evaluate.baseline_loss(a):.3f}"])
-    L.append(_table(["arch", "metric", "held-out loss (seeds)", "metric (seeds)", "unigram/prior loss"], rows))
+        rows.append([a, rs[0]["metric_name"], mean_sd_cell(mean_sd(list(losses.values()))),
+                     mean_sd_cell(mean_sd(list(mets.values()))), f"{evaluate.baseline_loss(a):.3f}"])
+    L.append(markdown_table(["arch", "metric", "held-out loss (seeds)", "metric (seeds)", "unigram/prior loss"],
+                            rows))
     L += ["", "## Loss barrier (mean ± std over pairs; lower is better)", "",
           "Interpolation methods: `max_λ L(λθ_A + (1−λ)θ_B′) − ½(L_A + L_B)` on the 21-point grid, "
           "with the original B's loss. Fisher / RegMean produce one merged model: their entry is the "
@@ -172,10 +155,10 @@ def markdown(records, summary, figures) -> str:
     soft = [r for r in records if r["method"] == "imfeld2024" and r["kind"] == "interpolation"]
     if soft:
         L += ["", "Soft transport maps (imfeld2024) change B's function: L(B′) − L(B) = "
-              + ", ".join(f"{a}: {_fmt(_mean_std([r['loss_b_aligned'] - r['loss_b'] for r in soft if r['arch'] == a]))}"
+              + ", ".join(f"{a}: {mean_sd_cell(mean_sd([r['loss_b_aligned'] - r['loss_b'] for r in soft if r['arch'] == a]))}"
                           for a in archs) + " nats; the barrier measured against B′'s own endpoint "
               "(`barrier_curve`) is " + ", ".join(
-                  f"{a}: {_fmt(_mean_std([r['barrier_curve'] for r in soft if r['arch'] == a]))}" for a in archs) + "."]
+                  f"{a}: {mean_sd_cell(mean_sd([r['barrier_curve'] for r in soft if r['arch'] == a]))}" for a in archs) + "."]
     L += _hetero_section(records)
     L += _speed_section(records, archs)
     L += ["", "## Figures", ""]
@@ -200,10 +183,10 @@ def _metric_table(records, archs, methods, key, best=min, digits=3):
     for m in methods:
         row = [m]
         for a in archs:
-            s = _fmt(stats[(m, a)], digits)
+            s = mean_sd_cell(stats[(m, a)], digits)
             row.append(f"**{s}**" if best is not None and stats[(m, a)][0] == bests[a] else s)
         rows.append(row)
-    return _table(["method"] + list(archs), rows)
+    return markdown_table(["method"] + list(archs), rows)
 
 
 def _hetero_section(records):
@@ -217,11 +200,11 @@ def _hetero_section(records):
     rows = []
     for m in dict.fromkeys(r["method"] for r in hs):
         rs = [r for r in hs if r["method"] == m]
-        ms = lambda k: _fmt(_mean_std([r[k] for r in rs]))  # noqa: E731
+        ms = lambda k: mean_sd_cell(mean_sd([r[k] for r in rs]))  # noqa: E731
         rows.append([m, len(rs), ms("loss_a"), ms("loss_b"), ms("loss_b_aligned"), ms("loss_mid"),
                      ms("gain_vs_narrow"), ms("metric_a"), ms("metric_mid")])
-    L.append(_table(["method", "pairs", "L(narrow)", "L(wide)", "L(wide→narrow width)", "L(merged)",
-                     "vs narrow alone", "ppl(narrow)", "ppl(merged)"], rows))
+    L.append(markdown_table(["method", "pairs", "L(narrow)", "L(wide)", "L(wide→narrow width)", "L(merged)",
+                             "vs narrow alone", "ppl(narrow)", "ppl(merged)"], rows))
     return L
 
 
@@ -243,9 +226,9 @@ def _speed_section(records, archs):
                          f"{d['align_weights']['seconds']:.2f}", f"{d['align_activations']['seconds']:.2f}",
                          f"{d['analyze']['peak_rss_mb']:.0f}", f"{d['align_weights']['peak_rss_mb']:.0f}",
                          f"{d['align_activations']['peak_rss_mb']:.0f}"])
-        L.append(_table(["arch", "params", "groups", "analyze s (one model)", "align s (weights)",
-                         "align s (activations)", "peak MB analyze (both)", "peak MB align(w)", "peak MB align(act)"],
-                        rows))
+        L.append(markdown_table(["arch", "params", "groups", "analyze s (one model)", "align s (weights)",
+                                 "align s (activations)", "peak MB analyze (both)", "peak MB align(w)",
+                                 "peak MB align(act)"], rows))
     for path in sorted(glob.glob(str(RESULTS_DIR / "align_bert_base*.json"))):
         # records written before the seed methods were named after their papers say seed003
         d = {k.replace("seed003", "zhang2025"): v for k, v in json.loads(Path(path).read_text()).items()}
@@ -362,7 +345,7 @@ def findings(records, archs, methods, summary) -> list[str]:
             bar = mean(a, "imfeld2024")
             if mid is not None and sym is not None:
                 parts.append(f"{a} L(0.5) {mid:.3f} vs symgraph_activations {sym:.3f} (barrier {bar:.3f})")
-        rise = _mean_std([r["loss_b_aligned"] - r["loss_b"] for r in soft])[0]
+        rise = mean_sd([r["loss_b_aligned"] - r["loss_b"] for r in soft])[0]
         F.append(f"- `imfeld2024`'s soft maps are not symmetries: B′ is a different function (L(B′) − L(B) = "
                  f"{rise:+.3f} nats on average), so its barrier against the original endpoints includes "
                  "that loss; midpoints: " + "; ".join(parts) + ".")
@@ -370,7 +353,7 @@ def findings(records, archs, methods, summary) -> list[str]:
     if hs:
         parts = []
         for m in dict.fromkeys(r["method"] for r in hs):
-            g = _mean_std([r["gain_vs_narrow"] for r in hs if r["method"] == m])[0]
+            g = mean_sd([r["gain_vs_narrow"] for r in hs if r["method"] == m])[0]
             parts.append(f"`{m}` {'beats' if g > 0 else 'does not beat'} the narrow model alone ({g:+.3f} nats)")
         F.append("- Heterogeneous fusion (wide → narrow, then average): " + "; ".join(parts) + ".")
     hm = summary.get("heatmap")

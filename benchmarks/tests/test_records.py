@@ -113,6 +113,16 @@ def test_command_line_quotes_what_the_shell_would_split():
 def test_table_aligns_columns():
     assert pv.table(["a", "b"], [[1, "x"], [2.5, None]], align=[None, "r"]) == [
         "| a | b |", "|---|---:|", "| 1 | x |", "| 2.5 | None |"]
+    assert pv.markdown_table(["a"], [[1]], ["c"]) == "| a |\n|:---:|\n| 1 |"
+
+
+def test_mean_sd_cells():
+    """Mean ± sample standard deviation over the values that are there, as the reports write it."""
+    assert pv.mean_sd([1.0, None, 2.0, 3.0]) == (2.0, 1.0, 3)
+    assert pv.mean_sd([None]) == (None, None, 0) and pv.mean_sd([0.5]) == (0.5, 0.0, 1)
+    assert pv.mean_sd_cell(pv.mean_sd([1.0, 2.0, 3.0])) == "2.000 ± 1.000"
+    assert pv.mean_sd_cell(pv.mean_sd([0.12345]), 4) == "0.1235"
+    assert pv.mean_sd_cell(pv.mean_sd([])) == "—"
 
 
 def test_write_result_writes_the_files_and_their_record(tmp_path, monkeypatch):
