@@ -1,17 +1,19 @@
 """What every benchmark measures the same way: the machine it ran on (:func:`machine_info`) and
 this process's peak resident memory (:func:`peak_rss_mb`); the sampled peak of a code region
-is :func:`benchmarks.speed.peak_rss`, a child process's is :func:`benchmarks.scale.measure.measure`."""
+is :func:`benchmarks.speed.peak_rss`, a child process's is :func:`benchmarks.scale.measure.measure`.
+Commands run one after the other into a log (a peer's venv made): :func:`run_logged`."""
 from __future__ import annotations
 
 import os
 import platform
 import resource
+import subprocess
 import sys
 from pathlib import Path
 
 GB = 1024 ** 3
 
-__all__ = ["machine_info", "peak_rss_mb", "sync"]
+__all__ = ["machine_info", "peak_rss_mb", "sync", "run_logged"]
 
 
 def machine_info() -> dict:
@@ -47,3 +49,15 @@ def peak_rss_mb() -> float:
     """This process's peak resident set so far (``ru_maxrss``), in MiB."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
+
+
+def run_logged(commands, log_file) -> list | None:
+    """Runs ``commands`` (argument lists) one after the other, each one's command line and output
+    written into ``log_file``, until one fails; that one (None: every one succeeded)."""
+    with open(log_file, "w") as lf:
+        for cmd in commands:
+            lf.write("$ " + " ".join(map(str, cmd)) + "\n")
+            lf.flush()
+            if subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT).returncode != 0:
+                return cmd
+    return None

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .harness import run_logged
 from .provenance import cell
 
 KIT, VERSION = "cisco-ai-provenance-kit", "1.0.0"
@@ -89,10 +90,10 @@ def ensure_venv(venv, python: str | None = None, log=print) -> Path:
     logf = venv.with_name(venv.name + "-install.log")
     log(f"creating {venv} with {python}: pip install {KIT}=={VERSION} (torch included; log {logf}) ...")
     venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(logf, "w") as lf:
-        for cmd in ([python, "-m", "venv", str(venv)], [str(py), "-m", "pip", "install", f"{KIT}=={VERSION}"]):
-            if subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT).returncode != 0:
-                raise PeerError(f"could not create the kit's venv: {' '.join(cmd[-2:])} failed (see {logf})")
+    failed = run_logged([[python, "-m", "venv", str(venv)], [str(py), "-m", "pip", "install", f"{KIT}=={VERSION}"]],
+                        logf)
+    if failed:
+        raise PeerError(f"could not create the kit's venv: {' '.join(failed[-2:])} failed (see {logf})")
     if kit_version(py) != VERSION:
         raise PeerError(f"{py} has {KIT} {kit_version(py)}, not {VERSION}")
     return py

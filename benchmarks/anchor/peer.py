@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from . import data as D
+from ..harness import run_logged
 
 PEER_URL = "https://github.com/antoniohonsell/Generalized-LMC-for-Transformers"
 PEER_COMMIT = "6b207cc4ed21ae363d70f9e7875e14385996588e"
@@ -131,12 +132,10 @@ def ensure_venv(venv: str | os.PathLike, log=print) -> Path:
     logf = venv.with_name(venv.name + "-install.log")
     pip = [str(py), "-m", "pip", "install", "-q"]
     venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(logf, "w") as lf:
-        for cmd in ([sys.executable, "-m", "venv", "--clear", str(venv)], pip + [PEER_TORCH], pip + list(PEER_PINS)):
-            lf.write("$ " + " ".join(cmd) + "\n")
-            lf.flush()
-            if subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT).returncode != 0:
-                raise PeerError(f"could not create the peer venv: {cmd[-1]} failed (see {logf})")
+    failed = run_logged([[sys.executable, "-m", "venv", "--clear", str(venv)], pip + [PEER_TORCH],
+                         pip + list(PEER_PINS)], logf)
+    if failed:
+        raise PeerError(f"could not create the peer venv: {failed[-1]} failed (see {logf})")
     return py
 
 
