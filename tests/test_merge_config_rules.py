@@ -93,3 +93,5 @@ def test_symgraph_merge_takes_the_same_config():
         symgraph.merge([A, B], data=data, config=cfg, refine=3)
     with pytest.raises(InputError, match="the config names 2 models and merge\\(\\) was given 3"):
         symgraph.merge([A, B, A], data=data, config=cfg)
+    with pytest.raises(InputError, match=r"^the config's merge takes statistics on data .*; expected data="):
+        symgraph.merge([A, B], data[0], config=cfg)  # RegMean's Grams, and no batches given

@@ -144,6 +144,9 @@ def _config(models, config, given: dict, data, align_options: dict) -> tuple:
     if len(config.models) != len(models):
         raise InputError(f"the config names {len(config.models)} models and merge() was given {len(models)}; "
                          "expected one config entry per model")
+    if config.takes_statistics and data is None:
+        raise InputError("the config's merge takes statistics on data (activations, refine, repair or its method); "
+                         "expected data=[batches]")
     return config, align_options
 
 
