@@ -42,10 +42,12 @@ _ZEROS = {aten.zeros, aten.zeros_like, aten.new_zeros}
 _FULL = {aten.full, aten.full_like, aten.new_full}
 
 
-#: ops whose output holds only values of their first argument (a copy of zeros is zeros)
+#: ops whose output holds only values of their first argument (a copy of zeros is zeros; an
+#: LSTM's zero state is unbound per layer, then each layer's taken by ``getitem``)
 _COPIES = {aten.clone, aten.alias, aten._to_copy, aten.contiguous, aten.detach, aten.expand,
            aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.transpose, aten.t,
-           aten.unsqueeze, aten.squeeze, aten.lift_fresh_copy}
+           aten.unsqueeze, aten.squeeze, aten.lift_fresh_copy, aten.unbind, aten.select,
+           aten.slice, aten.split, aten.split_with_sizes, aten.chunk, aten.narrow, operator.getitem}
 
 
 def _zeros(node) -> bool:
