@@ -19,7 +19,7 @@ from ..errors import UnsupportedOpError
 from . import labels, registry
 from .bufferviews import buffer_views
 from .patterns import rope as _rope
-from .nodes import FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path, output_nodes, packet as _packet, source_line
+from .nodes import READ_AS_NUMBER, FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path, output_nodes, packet as _packet, source_line
 from .registry import Label, Meet, NoFiber, Rope, RuleContext, Structure, Unify
 from .patterns.norms import find_norms
 from .patterns.packed import find_packed
@@ -152,7 +152,10 @@ class AxisAnalysis:
         claimed = claimed | normed | packed
         live = live_nodes(self.graph, self.keep)
         for node in self.graph.nodes:
-            if node.op == "call_function" and node not in claimed and self.origin[node] == "act" \
+            if node.op == "call_function" and _packet(node.target) in READ_AS_NUMBER:
+                for a in self._all_axes(node.args[0]):  # a number the program branches on: an output
+                    self.uf.meet(a, "identity", f"{node.name}: read as a number")
+            elif node.op == "call_function" and node not in claimed and self.origin[node] == "act" \
                     and node in live:
                 self._apply(labels.flow(self.labels, node), None)
                 self._rule(node)
@@ -165,7 +168,19 @@ class AxisAnalysis:
                     if out in self.labels:
                         self.uf.meet(self.labels[out][0], "identity", "labels in a graph output")
         self._settle_buffers()
+        self._fix_unread(live)
         return self
+
+    def _fix_unread(self, live):
+        """A parameter no kept output depends on (an audio tower a text-only input never
+        reaches) constrains nothing, so any map of it would keep the function; but nothing
+        observed says which map would align it, and a free class as wide as such a tower's
+        layers (thousands of channels) costs a dense element in every transform, sample and
+        solve for nothing: it stays as it is, and the report says why."""
+        for name, node in self.param_nodes.items():
+            if node not in live:
+                for a in self._all_axes(node):
+                    self.uf.meet(a, "identity", f"parameter {name}: no output kept reads it on these inputs")
 
     def _settle_buffers(self):
         """Keep a buffer movable only where every reader's rule related each of its axes; fix

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["FrozenOp", "flat_nodes", "live_nodes", "module_path", "ndim", "op_of", "output_nodes", "packet", "packets",
+__all__ = ["FrozenOp", "READ_AS_NUMBER", "flat_nodes", "live_nodes", "module_path", "ndim", "op_of", "output_nodes", "packet", "packets",
            "source_line", "tensor_axes"]
 
 
@@ -87,11 +87,16 @@ def source_line(node) -> str:
     return ""
 
 
+#: ops that hand a tensor's value to Python as a number (a branch or a size is taken on it)
+READ_AS_NUMBER = {torch.ops.aten._local_scalar_dense}
+
+
 def live_nodes(graph, keep=None) -> set:
     """Nodes whose values can reach the graph's output (only the outputs at the positions in
     ``keep``, when given). A value used only for its shape (``embed_positions(x[:, :, -1])``)
     is dead after export and constrains nothing. Ops that mutate an argument count as live,
-    with everything they read."""
+    with everything they read, and so does every value the program reads as a number
+    (``_local_scalar_dense``: ``.item()``, a branch or a size taken on it): it is an output."""
     live, stack = set(), []
     for n in graph.nodes:
         t = n.target
@@ -99,7 +104,7 @@ def live_nodes(graph, keep=None) -> set:
             live.add(n)
             stack += [o for i, o in enumerate(output_nodes(n))
                       if o is not None and (keep is None or i in keep)]
-        elif isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable:
+        elif isinstance(t, torch._ops.OpOverload) and (t._schema.is_mutable or t.overloadpacket in READ_AS_NUMBER):
             stack.append(n)
     while stack:
         n = stack.pop()

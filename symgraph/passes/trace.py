@@ -229,6 +229,48 @@ def _fake_twin_trace(model, args, kwargs):
                                    strict=False)
 
 
+def _data_dependent(e) -> bool:
+    """Whether ``e`` (or an exception it was raised from) is a guard on a value the data decides
+    (``if mask.any().item():``, a loop over ``nonzero()``'s rows)."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, GuardOnDataDependentSymNode):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _export(model, traced, on_meta: bool):
+    """``torch.export`` of ``model`` on ``traced``. A forward that branches on a value of its
+    data (LED's global attention ``if is_index_global_attn.any().item()``, a mixture's loop over
+    the experts its router picked) cannot be traced symbolically; with weights at hand it is
+    traced again with those values taken from a real run on the example inputs
+    (``fake_tensor_propagate_real_tensors``, what ``torch.export.draft_export`` does, without its
+    log files): each branch is the one the example takes, asserted in the graph. The analysis
+    keeps every value the program reads as a number unchanged (:func:`.nodes.live_nodes`), so a
+    symmetry it finds never changes a branch taken. On ``meta`` there is no value to take."""
+    try:
+        return torch.export.export(model, *traced, strict=False)
+    except Exception as e:  # noqa: BLE001 - re-raised unless a data-dependent guard
+        if on_meta or not _data_dependent(e):
+            raise
+        first = e
+    import logging
+    shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes.level
+    shapes.setLevel(logging.ERROR)  # one warning per specialised guard otherwise
+    try:
+        with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True,
+                                           generate_fake_kernels_from_real_mismatches=True):
+            return torch.export.export(model, *traced, strict=False)
+    except Exception:  # noqa: BLE001 - the guard is what the user must hear about
+        raise first from None
+    finally:
+        shapes.setLevel(level)
+
+
 def trace(model, inputs=None, decompose: bool = True):
     """Export ``model`` (unchanged; eval mode inside) to an ATen-level ExportedProgram.
 
@@ -252,7 +294,7 @@ def trace(model, inputs=None, decompose: bool = True):
         warnings.simplefilter("ignore")
         try:
             with conversions_in_place():
-                ep = torch.export.export(model, *traced, strict=False)
+                ep = _export(model, traced, on_meta)
         except Exception as e:  # noqa: BLE001 - report any tracing failure uniformly
             raise TraceError(
                 f"torch.export could not trace {type(model).__name__}: "

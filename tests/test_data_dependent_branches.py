@@ -1,0 +1,127 @@
+"""Issue 65, the trace errors and timeouts of the new-tasks table. A forward that branches on a
+value of its data (LED's ``if is_index_global_attn.flatten().any().item():``) cannot be traced
+symbolically: it is traced with the example's branch taken (``passes.trace._export``), and every
+value the program reads as a number is kept as an output, so no class the report claims can
+change a branch. A parameter that no output reads on the example inputs (an audio tower that a
+text-only input never reaches: VibeVoice's tokenizers, 8192 channels wide) is left fixed, with
+the reason, instead of a free class the size of its widest layer."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import symgraph
+from symgraph.errors import TraceError
+from symgraph.passes.trace import trace
+
+
+class GlobalBranch(nn.Module):
+    """An MLP whose output gets an extra term only when the mask marks some token (LED)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.extra = nn.Linear(6, 12), nn.Linear(12, 6), nn.Linear(6, 6)
+
+    def forward(self, x, mask):
+        h = self.down(torch.relu(self.up(x)))
+        if mask.flatten().any().item():
+            h = h + self.extra(x)
+        return h
+
+
+class ChannelBranch(nn.Module):
+    """A branch on one hidden unit's value: permuting the units would change the branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 12), nn.Linear(12, 6)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        if (h[..., 0].sum() > 0).item():
+            return self.down(h)
+        return 2 * self.down(h)
+
+
+class DeadTower(nn.Module):
+    """A text path and a tower no output reads (its input not given)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 12), nn.Linear(12, 6)
+        self.tower = nn.Sequential(nn.Linear(6, 40), nn.GELU(), nn.Linear(40, 6))
+
+    def forward(self, x, audio=None):
+        h = self.down(torch.relu(self.up(x)))
+        return h if audio is None else h + self.tower(audio)
+
+
+def _slots(rep, kind=None):
+    return {(p, d): g.kind for g in rep.groups if kind is None or g.kind == kind for p, d in g.params}
+
+
+def _inputs(mask_any=True):
+    torch.manual_seed(1)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[0, 1] = mask_any
+    return {"x": torch.randn(2, 5, 6), "mask": mask}
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_a_data_dependent_branch_is_traced_as_taken_and_certified(taken):
+    torch.manual_seed(0)
+    A, inp = GlobalBranch().eval(), _inputs(taken)
+    ep, _, _ = trace(A, inp)
+    assert any(n.target is torch.ops.aten._assert_scalar.default for n in ep.graph.nodes)
+    used = set(ep.graph_signature.inputs_to_parameters.values())
+    users = {ep.graph_signature.inputs_to_parameters[n.name]: len(n.users) for n in ep.graph.nodes
+             if n.op == "placeholder" and n.name in ep.graph_signature.inputs_to_parameters}
+    assert "extra.weight" in used and (users["extra.weight"] > 0) == taken  # the branch taken
+    rep = symgraph.analyze(A, inp)
+    perm = _slots(rep)
+    # the MLP's hidden units: one permutation class holding up's rows and down's columns
+    hidden = [g for g in rep.groups if ("up.weight", 0) in g.params]
+    assert len(hidden) == 1 and hidden[0].kind in ("perm", "scaled_perm")
+    assert ("down.weight", 1) in hidden[0].params and ("up.bias", 0) in hidden[0].params
+    assert perm[("up.weight", 0)] in ("perm", "scaled_perm")
+    assert rep.certify(A, inp) <= 1e-6
+    B = symgraph.transform(A, rep.random_transform(seed=3, orthogonal=True))
+    assert float((A.up.weight - B.up.weight).abs().max()) > 0.1  # really scrambled
+    C = symgraph.align(A, B, inp).apply(B)
+    for (n, p), q in zip(A.named_parameters(), C.parameters()):
+        assert float((p - q).abs().max()) < 1e-6, n
+
+
+def test_a_unit_read_as_a_number_is_never_permuted():
+    torch.manual_seed(0)
+    A, x = ChannelBranch().eval(), torch.randn(4, 6)
+    rep = symgraph.analyze(A, (x,))
+    assert _slots(rep).get(("up.weight", 0), "identity") == "identity"  # the branch reads unit 0
+    assert rep.certify(A, (x,)) <= 1e-6
+
+
+def test_a_guard_on_meta_still_refused_with_the_reason():
+    with torch.device("meta"):
+        A = GlobalBranch()
+    with pytest.raises(TraceError, match="data-dependent"):
+        trace(A, _inputs())
+
+
+def test_parameters_no_output_reads_stay_fixed_with_the_reason():
+    torch.manual_seed(0)
+    A, x = DeadTower().eval(), torch.randn(3, 6)
+    rep = symgraph.analyze(A, (x,))
+    slots = _slots(rep)
+    for p in ("tower.0.weight", "tower.0.bias", "tower.2.weight"):
+        assert slots.get((p, 0), "identity") == "identity"
+    assert not any(g.kind == "gl" and g.size >= 40 for g in rep.groups)
+    hidden = next(g for g in rep.groups if ("up.weight", 0) in g.params)
+    assert hidden.kind in ("perm", "scaled_perm") and ("down.weight", 1) in hidden.params
+    assert rep.certify(A, (x,)) <= 1e-6
+    from symgraph.passes.driver import analyze_graph
+    ep, _, _ = trace(A, (x,))
+    an = analyze_graph(ep)
+    axis = an.node_axes[an.param_nodes["tower.0.weight"]][0]
+    reasons = " ".join(w for _, w in an.uf.reasons.get(an.uf.find(axis)[0], []) if w)
+    assert "no output kept reads it" in reasons
