@@ -13,15 +13,14 @@ assignment through the LSAP solver), since on this exactly-recoverable pair it a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from .provenance import register
-from .speed import _rss_now_mb, peak_rss
+from .provenance import write_beside
+from .speed import peak_rss, rss_now_mb
 
 
 def zhang2025_matching(A, B, layers, heads):
@@ -55,7 +54,7 @@ def zhang2025_matching(A, B, layers, heads):
     return time.perf_counter() - t0, solver_s
 
 
-def run(layers: int = 12, out: str | None = None, threads: int | None = None) -> dict:
+def run(layers: int = 12, threads: int | None = None) -> dict:
     import transformers
     import symgraph
     transformers.logging.set_verbosity_error()
@@ -68,7 +67,7 @@ def run(layers: int = 12, out: str | None = None, threads: int | None = None) ->
     B = symgraph.transform(A, rep.random_transform(seed=1, orthogonal=True))
     weights_mb = 2 * sum(p.numel() * p.element_size() for p in A.parameters()) / 2 ** 20
     from symgraph.solve import _solvers
-    rss_before = _rss_now_mb()
+    rss_before = rss_now_mb()
     with peak_rss() as mem:
         t = time.perf_counter()
         al = symgraph.align(A, B, report_a=rep)
@@ -111,10 +110,6 @@ def run(layers: int = 12, out: str | None = None, threads: int | None = None) ->
     }
     for k, v in res.items():
         print(f"{k:>32}: {v:.4g}" if isinstance(v, float) else f"{k:>32}: {v}")
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(res, f, indent=2)
     return res
 
 
@@ -124,9 +119,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/align_bert_base.json")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     a = ap.parse_args(argv)
-    run(a.layers, a.out, a.threads)
+    res = run(a.layers, a.threads)
     if a.out:
-        register(os.path.dirname(os.path.abspath(a.out)), [os.path.basename(a.out)])
+        write_beside(a.out, res)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import json
 import os
 import platform
 import statistics
@@ -29,7 +28,7 @@ import warnings
 import torch
 
 from .harness import peak_rss_mb
-from .provenance import register
+from .provenance import write_beside
 
 DEFAULT_OUT = os.path.join("benchmarks", "results", "analyze_8b.json")
 
@@ -76,8 +75,8 @@ def _timed(fn, *a):
     return time.perf_counter() - t, out
 
 
-def run(out: str | None = None, layers: int | None = None, repeats: int = 3) -> dict:
-    """Run the benchmark; write JSON to ``out`` (when given) and return the results."""
+def run(layers: int | None = None, repeats: int = 3) -> dict:
+    """Run the benchmark; return the results."""
     import symgraph
     from symgraph.passes import analyze_graph
     from symgraph.passes.trace import trace
@@ -141,13 +140,6 @@ def run(out: str | None = None, layers: int | None = None, repeats: int = 3) -> 
     res["transformers"] = transformers.__version__
     res["meets_targets"] = bool(res["ratio"] <= TARGET_RATIO
                                 and max(res["tracemalloc_peak_mb"], res["max_rss_mb"]) < TARGET_PEAK_MB)
-    if out:
-        d = os.path.dirname(os.path.abspath(out))
-        os.makedirs(d, exist_ok=True)
-        tmp = out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(res, f, indent=2)
-        os.replace(tmp, out)
     return res
 
 
@@ -177,9 +169,9 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (32)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
-    res = run(args.out, layers=args.layers, repeats=args.repeats)
+    res = run(layers=args.layers, repeats=args.repeats)
     if args.out:
-        register(os.path.dirname(os.path.abspath(args.out)), [os.path.basename(args.out)])
+        write_beside(args.out, res)
     print(format_table(res))
     print(f"wrote {args.out}")
     return 0

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .provenance import REPO_ROOT, git_state, register, table, write_json
+from .provenance import REPO_ROOT, git_state, table, write_result
 
 WORKER = Path(__file__).resolve().parent / "engine_equivalence_worker.py"
 CASES = ("mlp/average", "mlp/regmean", "mlp/repair", "mlp/universe_regmean",
@@ -76,12 +76,9 @@ def main(argv=None) -> int:
             print(f"  {c}: {row.get('max_rel_diff', row.get('error', ra.get('error') or rb.get('error')))}",
                   file=sys.stderr)
     state = git_state()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", {"before": before_commit, "after": state, "cases": rows,
-                                      "written": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    (out / "report.md").write_text(report(rows, before_commit, state))
-    register(out, ["results.json", "report.md"])
+    write_result(a.out, ".engine-", {"before": before_commit, "after": state, "cases": rows,
+                                     "written": time.strftime("%Y-%m-%dT%H:%M:%S")},
+                 lambda _: report(rows, before_commit, state))
     return 0
 
 

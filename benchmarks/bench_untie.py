@@ -20,7 +20,7 @@ import symgraph
 from symgraph.merging.untie import untie
 
 from . import evaluate, train
-from .provenance import register, write_json
+from .provenance import write_beside
 
 LAMBDAS = np.linspace(0, 1, 11)
 
@@ -58,10 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "untied"))
     a = ap.parse_args(argv)
     res = run(a.size, a.seeds, a.max_batches)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / f"untie_merge_{a.size}.json", res)
-    register(out, [f"untie_merge_{a.size}.json"])
+    write_beside(Path(a.out) / f"untie_merge_{a.size}.json", res)
     print(f"mean barrier: vanilla {res['mean']['vanilla']:.3f}, weights (tied) {res['mean']['weights_tied']:.3f} "
           f"({res['ratio_tied']:.2f}x), weights (untied merge) {res['mean']['weights_untied']:.3f} "
           f"({res['ratio_untied']:.2f}x)")

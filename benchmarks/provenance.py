@@ -102,18 +102,20 @@ def write_result(out, prefix: str, record, markdown, plot=None, json_name: str =
     register(out, names, command)
 
 
-def write_beside(path, record, markdown: str, command: str | None = None) -> None:
-    """``record`` as JSON at ``path`` (:func:`write_json`'s form) and ``markdown`` beside it
-    (``.md``), each file replaced whole (a run stopped at any time leaves whole files), and
-    their entry in the directory's ``record.json`` (:func:`register`)."""
+def write_beside(path, record, markdown: str | None = None, command: str | None = None) -> None:
+    """``record`` as JSON at ``path`` (:func:`write_json`'s form) and ``markdown``, when given,
+    beside it (``.md``), each file replaced whole (a run stopped at any time leaves whole files),
+    and their entry in the directory's ``record.json`` (:func:`register`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    md = path.with_suffix(".md")
-    for p, text in ((path, machine_free(json.dumps(jsonable(record), indent=1))), (md, markdown)):
+    files = {path: machine_free(json.dumps(jsonable(record), indent=1))}
+    if markdown is not None:
+        files[path.with_suffix(".md")] = markdown
+    for p, text in files.items():
         tmp = p.with_name(f".{p.name}.tmp")
         tmp.write_text(text)
         os.replace(tmp, p)
-    register(path.parent, [path.name, md.name], command)
+    register(path.parent, [p.name for p in files], command)
 
 
 def write_entry(path, label: str, record, markdown) -> dict:

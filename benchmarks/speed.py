@@ -20,7 +20,7 @@ import time
 from contextlib import contextmanager
 
 
-def _rss_now_mb() -> float:
+def rss_now_mb() -> float:
     with open("/proc/self/statm") as f:
         pages = int(f.read().split()[1])
     return pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
@@ -30,12 +30,12 @@ def _rss_now_mb() -> float:
 def peak_rss(interval: float = 1e-3):
     """Sample the resident set while the block runs; yields a dict whose ``"peak_mb"`` is set
     on exit (the largest sample, MB)."""
-    box = {"peak_mb": _rss_now_mb()}
+    box = {"peak_mb": rss_now_mb()}
     stop = threading.Event()
 
     def sample():
         while not stop.is_set():
-            box["peak_mb"] = max(box["peak_mb"], _rss_now_mb())
+            box["peak_mb"] = max(box["peak_mb"], rss_now_mb())
             stop.wait(interval)
 
     th = threading.Thread(target=sample, daemon=True)
@@ -45,7 +45,7 @@ def peak_rss(interval: float = 1e-3):
     finally:
         stop.set()
         th.join()
-        box["peak_mb"] = max(box["peak_mb"], _rss_now_mb())
+        box["peak_mb"] = max(box["peak_mb"], rss_now_mb())
 
 
 def alignment_data(arch: str, n_batches: int) -> list:
@@ -65,7 +65,7 @@ def measure(arch: str, size: str = "quick", seeds=(0, 1), batches: int = 4, step
     a = train.train_model(arch, seeds[0], size, steps)
     b = train.train_model(arch, seeds[1], size, steps)
     data = alignment_data(arch, batches)
-    base = _rss_now_mb()
+    base = rss_now_mb()
     with peak_rss() as m_an:
         t = time.perf_counter()
         ra = symgraph.analyze(a, data[0])

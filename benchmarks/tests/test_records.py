@@ -143,6 +143,16 @@ def test_write_result_writes_the_files_and_their_record(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]   # the staging directory is gone
 
 
+def test_a_json_result_alone_is_written_whole_with_its_record(tmp_path, monkeypatch):
+    """``write_beside`` without a markdown: the JSON (strict, no machine path) and its entry only."""
+    monkeypatch.delenv("SYMGRAPH_COMMIT", raising=False)
+    pv.write_beside(tmp_path / "r" / "a.json", {"x": float("inf"), "p": str(pv.REPO_ROOT)}, command="python -m b")
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["a.json", pv.RECORD]
+    assert json.loads((tmp_path / "r" / "a.json").read_text()) == {"x": None, "p": "<repo>"}
+    (e,) = json.loads((tmp_path / "r" / pv.RECORD).read_text())["entries"]
+    assert e["files"] == ["a.json"] and e["command"] == "python -m b"
+
+
 def test_a_copy_without_git_writes_no_record(tmp_path, monkeypatch):
     """On a lent device (SYMGRAPH_COMMIT, no .git) at most 8 files come back: no record.json
     there; the files are written as ever."""
