@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .provenance import pyplot, register, save_figure, staged, table, write_json
+from .provenance import pyplot, save_figure, table, write_result
 
 __all__ = [
     "DEFAULT_PAIRS",
@@ -389,14 +389,10 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     result = run(a.size, K=a.K, eval_every=a.eval_every, lr=a.lr, steps=a.steps,
                  eval_batches=a.eval_batches, align_batches=a.align_batches, verbose=True)
-    out = Path(a.out).resolve()
-    with staged(out, ".finetune-") as tmp:
-        figures = [Path(f).name for f in plot(result, tmp)]
-        result["protocol"]["figures"] = figures
-        write_json(tmp / "results.json", result)
-        (tmp / "report.md").write_text(markdown(result))
-    register(out, ["results.json", "report.md", *figures])
-    print(f"wrote {out}/results.json, report.md and {len(figures)} figure(s)")
+    def figures(res, tmp):  # the record names its figures
+        res["protocol"]["figures"] = [Path(f).name for f in plot(res, tmp)]
+    write_result(a.out, ".finetune-", result, markdown, figures)
+    print(f"wrote {Path(a.out).resolve()}/results.json, report.md and {len(result['protocol']['figures'])} figure(s)")
     return result
 
 

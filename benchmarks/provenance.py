@@ -89,15 +89,15 @@ def staged(out, prefix: str = ".bench-"):
 
 def write_result(out, prefix: str, record, markdown, plot=None, json_name: str = "results.json",
                  md_name: str = "report.md", command: str | None = None) -> None:
-    """``record`` as JSON, its ``markdown(record)`` report and ``plot(record, dir)``'s figures,
-    written into ``out`` through :func:`staged`, and their entry in ``out``'s ``record.json``
-    (:func:`register`): ``command`` (default: this process's, :func:`command_line`), the
-    commit, the machine's matmul rates."""
+    """``plot(record, dir)``'s figures (first: it may note them in ``record``), ``record`` as JSON
+    and its ``markdown(record)`` report, written into ``out`` through :func:`staged`, and their
+    entry in ``out``'s ``record.json`` (:func:`register`): ``command`` (default: this process's,
+    :func:`command_line`), the commit, the machine's matmul rates."""
     with staged(out, prefix) as tmp:
-        write_json(tmp / json_name, record)
-        (tmp / md_name).write_text(markdown(record))
         if plot is not None:
             plot(record, tmp)
+        write_json(tmp / json_name, record)
+        (tmp / md_name).write_text(markdown(record))
         names = [f.name for f in tmp.iterdir()]
     register(out, names, command)
 
