@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
-import sys
 import time
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import torch
 import symgraph
 
 from . import evaluate, train
-from .provenance import git_state, table, write_beside
+from .provenance import command_line, git_state, table, write_beside
 
 LAMBDAS = np.linspace(0.0, 1.0, 11)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "speed_quality" / "sweeps.json"
@@ -143,8 +142,8 @@ def main(argv=None) -> int:
                     help="run only these settings (names as in the table; the exact reference always runs)")
     a = ap.parse_args(argv)
     res = run(a.archs, a.size, only=a.settings)
-    meta = {"command": " ".join(["python -m benchmarks.bench_sweeps", *(argv if argv is not None else sys.argv[1:])]),
-            "commit": git_state(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta = {"command": command_line(argv, module="benchmarks.bench_sweeps"), "commit": git_state(),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     write_beside(a.out, {"run": meta, **res}, markdown(res, meta), meta["command"])
     print(markdown(res, meta))
     return 0
