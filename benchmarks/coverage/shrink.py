@@ -18,6 +18,7 @@ EXPERTS = 4
 EXPERTS_PER_TOKEN = 2
 VOCAB = 256
 IMAGE = 64
+WINDOW = 16          # local attention windows (Longformer's sequences are padded to one)
 
 _MAIN_WIDTH = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "emb_dim", "embedding_size",
                "hidden_dim")
@@ -58,7 +59,7 @@ def role(name: str) -> str | None:
     """The role of an int config field, from its name alone: ``vocab``, ``token_id``, ``layers``
     (``layers_main`` / ``layers_other``), ``layer_index``, ``heads`` / ``kv_heads``,
     ``head_dim``, ``experts`` / ``experts_shared`` / ``experts_per_token``, ``groups``,
-    ``image``, ``width``; None for every other field (left at its default)."""
+    ``image``, ``window``, ``width``; None for every other field (left at its default)."""
     t = _tokens(name)
     s = set(t)
     if name.startswith("_"):
@@ -69,6 +70,8 @@ def role(name: str) -> str | None:
         return "vocab"  # (vocab_size_per_layer_input: Gemma 3n's and 4's per-layer embeddings)
     if "image" in s and t[-1] == "size":
         return "image"
+    if t[-2:] == ["attention", "window"] or t[-3:] == ["attention", "window", "size"]:
+        return "window"
     if ("head" in s or "heads" in s) and (s & {"dim", "size", "d", "channels"}) and "prediction" not in s:
         return "head_dim"
     if name in ("d_kv", "kv_channels", "dim_head", "d_head", "mamba_headdim"):
@@ -136,7 +139,9 @@ def shrink(cfg) -> dict:
 
     * widths (hidden / intermediate / embedding / ffn / model / rank / state sizes): scaled by
       ``HIDDEN / main width`` (the first of hidden_size, d_model, n_embd, dim, embed_dim, ...),
-      rounded to a multiple of 8 (at least 8; widths <= 8 kept). A list of widths with one per
+      rounded to a multiple of 8 (at least 8; widths <= 8 kept); a ``..._hidden_size`` equal to
+      the main width of some (sub-)config names that tower's width: HIDDEN, as that one becomes;
+      a group count equal to a width (one group per channel) is shrunk as that width. A list of widths with one per
       layer is cut to the new layer count and scaled alike; other lists of widths are left alone.
     * heads: the largest power of two <= min(default, 4); kv heads: = heads when the default is
       multi-head, 1 when multi-query, else 2; head dims: ``HIDDEN / HEADS`` = 16.
@@ -147,13 +152,27 @@ def shrink(cfg) -> dict:
     * experts -> min(., 4), shared experts -> min(., 1), experts per token -> min(., 2); the
       same 4, 1, 2 for counts left None on a level with a positive MoE width (a width field
       named with ``moe``: ``moe_intermediate_size``); routing and state groups -> 1;
-      vocabularies -> min(., 256), token ids beyond it renumbered from the top; image sizes
-      -> min(., 64).
+      vocabularies -> min(., 256) (a ``vocab_size`` left None -> 256), token ids beyond it
+      renumbered from the top; image sizes
+      -> min(., 64); attention windows (``attention_window``, ``..._attention_window_size``)
+      -> min(., 16).
 
     Only declared fields are passed, so derived ones (``qk_head_dim``, ``layer_types`` computed
     from the layer count) are recomputed by the config itself.
     """
-    return _shrink_level(cfg, _vocab_ids(cfg))
+    return _shrink_level(cfg, _vocab_ids(cfg), _main_widths(cfg))
+
+
+def _main_widths(cfg) -> set:
+    """The main widths (> HIDDEN) of ``cfg`` and of every sub-config: each becomes HIDDEN."""
+    from transformers import PretrainedConfig
+    fields = _level_fields(cfg)
+    main = next((fields[k] for k in _MAIN_WIDTH if _is_int(fields.get(k)) and fields[k] > 0), None)
+    out = {main} if main and main > HIDDEN else set()
+    for v in fields.values():
+        if isinstance(v, PretrainedConfig):
+            out |= _main_widths(v)
+    return out
 
 
 def _vocab_ids(cfg) -> dict:
@@ -173,7 +192,7 @@ def _vocab_ids(cfg) -> dict:
     return {old: VOCAB - 1 - i for i, old in enumerate(sorted(ids, reverse=True))}
 
 
-def _shrink_level(cfg, id_map) -> dict:
+def _shrink_level(cfg, id_map, mains=frozenset()) -> dict:
     from transformers import PretrainedConfig
     fields = _level_fields(cfg)
     out = {}
@@ -197,7 +216,7 @@ def _shrink_level(cfg, id_map) -> dict:
               for k, v in fields.items())
     for k, v in fields.items():
         if isinstance(v, PretrainedConfig):
-            sub = _shrink_level(v, id_map)
+            sub = _shrink_level(v, id_map, mains)
             full = _level_fields(v)
             full = {a: b for a, b in full.items() if not isinstance(b, PretrainedConfig)}
             out[k] = {**full, **sub, "model_type": getattr(v, "model_type", None)}
@@ -208,6 +227,8 @@ def _shrink_level(cfg, id_map) -> dict:
         new = v
         if v is None and moe and r in _UNSET_EXPERTS:
             new = _UNSET_EXPERTS[r]
+        elif v is None and k == "vocab_size":  # left for a checkpoint to state (a CTC head's
+            new = VOCAB                        # letters: Wav2Vec2-BERT, ESM): the shrunk one
         elif r is None and isinstance(v, (list, tuple)) and old_layers and new_layers != old_layers \
                 and len(v) == old_layers:
             new = type(v)(v[:new_layers])
@@ -243,6 +264,8 @@ def _shrink_level(cfg, id_map) -> dict:
                 new = id_map.get(v, v)
             elif r == "image":
                 new = min(v, IMAGE)
+            elif r == "window":
+                new = min(v, WINDOW) if v > 0 else v
             elif r == "heads":
                 new = _pow2_floor(min(v, HEADS)) if v > 0 else v
             elif r == "kv_heads":
@@ -261,8 +284,12 @@ def _shrink_level(cfg, id_map) -> dict:
                 new = min(v, EXPERTS_PER_TOKEN)
             elif r == "groups":
                 new = min(v, 1) if v > 0 else v
+            elif r == "width" and k.endswith("hidden_size") and v in mains:
+                new = HIDDEN  # another tower's width named here (a head's audio_hidden_size)
             elif r == "width" and v > 8:
                 new = max(8, int(round(v * scale / 8)) * 8)
+            elif r is None and "groups" in _tokens(k) and v in widths:
+                new = widths[v]  # one group per channel (a depthwise convolution's): shrunk alike
         if new != v:
             out[k] = new
     if "out_indices" in out and "out_features" in fields:

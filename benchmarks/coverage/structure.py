@@ -49,11 +49,40 @@ def _coordinates(ep, users, lin) -> set:
     return out
 
 
+def _width(ep, slot):
+    """The size of a parameter's dim (``(param, dim)``), None when the program does not say."""
+    t = ep.state_dict.get(slot[0]) if slot else None
+    return tuple(t.shape)[slot[1]] if t is not None and slot[1] < t.dim() else None
+
+
+def _coded(node, depth: int = 16) -> bool:
+    """Whether ``node``'s channels are a code built by stacking distinct functions of its inputs
+    (DAB-DETR's sine embedding of box coordinates: ``stack([sin(x/t_k), cos(x/t_k)])`` over
+    frequencies ``t_k``): found through views, copies and elementwise ops back to a ``stack``
+    before any linear-like op. Hidden units gated by such a code read each channel as a
+    different function (a frequency of a coordinate), so no map of them can exist."""
+    stack, seen = [node], set()
+    while stack and len(seen) < 4 * depth:
+        n = stack.pop()
+        if not hasattr(n, "op") or n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        name = _pname(n)
+        if name == "stack":
+            return True
+        if name in _LINEAR or name in _STOP - {"cat"}:
+            continue
+        stack += n.all_input_nodes
+    return False
+
+
 def mlp_units(ep) -> list:
     """Every MLP of the graph: ``{"module", "up": [(param, out dim)], "down": (param, in dim)}``
     for each linear-like op (the down projection) that a linear-like op (an up projection)
     reaches through elementwise ops including a nonlinearity, with no residual add, norm,
-    attention, softmax or reduction on the way; an up projection whose outputs are coordinates
+    attention, softmax or reduction on the way, its up width equal to its down width (a
+    ``select`` of one entry of a two-channel output is no hidden layer), and no gate whose other
+    factor is a stacked code (:func:`_coded`); an up projection whose outputs are coordinates
     (:func:`_coordinates`) opens no MLP."""
     users = collections.defaultdict(list)
     for n in ep.graph.nodes:
@@ -78,7 +107,7 @@ def mlp_units(ep) -> list:
                     continue
                 name = _pname(u)
                 if u in lin:
-                    if nl and lin[u][0] is node:
+                    if nl and lin[u][0] is node and _width(ep, up_out) == _width(ep, lin[u][2]):
                         unit = units.setdefault(u, {"module": ".".join(lin[u][2][0].split(".")[:-2]),
                                                     "up": [], "down": lin[u][2]})
                         if up_out not in unit["up"]:
@@ -92,6 +121,8 @@ def mlp_units(ep) -> list:
                     varying = [a for a in others if not _is_constant(ep, a)]
                     if varying and name in ("add", "sub", "rsub", "add_"):
                         continue  # a residual (or a merge of branches): not inside one MLP
+                    if varying and name in ("mul", "div", "mul_") and any(_coded(a) for a in varying):
+                        continue  # gated by a code: each channel its own function, none exchangeable
                     if varying and name in ("mul", "div", "mul_"):
                         nl2 = True  # a gate (SwiGLU / GeGLU)
                 if (u, nl2) not in seen:
