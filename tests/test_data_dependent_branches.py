@@ -125,3 +125,9 @@ def test_parameters_no_output_reads_stay_fixed_with_the_reason():
     axis = an.node_axes[an.param_nodes["tower.0.weight"]][0]
     reasons = " ".join(w for _, w in an.uf.reasons.get(an.uf.find(axis)[0], []) if w)
     assert "no output kept reads it" in reasons
+
+
+def test_the_recovered_guard_prints_no_partial_graph(capsys):
+    torch.manual_seed(0)
+    trace(GlobalBranch().eval(), _inputs())
+    assert "def forward" not in capsys.readouterr().err

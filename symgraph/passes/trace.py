@@ -251,10 +251,15 @@ def _export(model, traced, on_meta: bool):
     log files): each branch is the one the example takes, asserted in the graph. The analysis
     keeps every value the program reads as a number unchanged (:func:`.nodes.live_nodes`), so a
     symmetry it finds never changes a branch taken. On ``meta`` there is no value to take."""
+    import io
+    import sys
+    dump = io.StringIO()  # torch prints the partial graph of a failed export to stderr
     try:
-        return torch.export.export(model, *traced, strict=False)
+        with contextlib.redirect_stderr(dump):
+            return torch.export.export(model, *traced, strict=False)
     except Exception as e:  # noqa: BLE001 - re-raised unless a data-dependent guard
         if on_meta or not _data_dependent(e):
+            sys.stderr.write(dump.getvalue())
             raise
         first = e
     import logging
