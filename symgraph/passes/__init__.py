@@ -16,6 +16,7 @@ axes relate, a union-find merges them into classes. Importing the rule files reg
 - ``concrete``          concrete sizes for data-dependent values (a mask's selection)
 - ``rows``              the vocabulary rows an input picks and an output produces
 - ``axes``              queries on a finished analysis (an element's matrix along an axis)
+- ``sites``             where a graph computes attention (SDPA ops, or attention written out)
 - ``blockmaps``         a head axis' map as blocks
 - ``why``               why an axis's classes are what they are
 - ``inputs``            example inputs from a Hugging Face config and forward signature
