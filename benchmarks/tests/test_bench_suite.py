@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 
 import pytest
@@ -26,16 +25,10 @@ STEPS = 20
 def suite(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     out = tmp_path_factory.mktemp("out") / "suite"
-    old = os.environ.get("SYMGRAPH_CACHE")
-    os.environ["SYMGRAPH_CACHE"] = str(cache)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SYMGRAPH_CACHE", str(cache))
         summary = runner.run(str(out), quick=True, archs=["vit"], seeds=[0, 1], steps=STEPS)
         cached = [train.is_cached("vit", s, "quick", STEPS) for s in (0, 1)]
-    finally:
-        if old is None:
-            os.environ.pop("SYMGRAPH_CACHE")
-        else:
-            os.environ["SYMGRAPH_CACHE"] = old
     records = json.loads((out / "results.json").read_text())
     return {"out": out, "summary": summary, "records": records, "cached": cached,
             "report": (out / "report.md").read_text()}
