@@ -15,7 +15,7 @@ from symgraph.checkpoints.sharded import parse_size
 from symgraph.cli.main import main
 from symgraph.app.run import merge_checkpoints
 from symgraph.merging.streaming import StreamingMerge
-from symgraph.merging.universe_stream import SCRATCH_PREFIX, align_universe_streamed
+from symgraph.merging.universe import SCRATCH_PREFIX, align_universe_streamed
 from symgraph.testing import models
 
 from engine_helpers import load, rel

@@ -13,8 +13,8 @@ registered method, in memory or out of core, on one engine.
 - ``learned``        learned matching out of core: the segmented graph as the loop's objective
 - ``repair``         REPAIR's sites, moments and corrections, and its report
 - ``repair_stream``  REPAIR as the engine's step, BatchNorm resets in the same pass
-- ``universe``       the shared universe: rounds of engine plans (in memory and out of core)
-- ``universe_stream`` the universe out of core: its rounds' means written within the budget
+- ``universe``       the shared universe: rounds of engine plans (in memory and out of core, the
+  rounds' means written within the budget)
 - ``circuits``       circuit-space heads: the parents' QK and OV forms, as the engine's combine
 - ``untie``          tied parameters given their own tensors (models and checkpoints)
 """

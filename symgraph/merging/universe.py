@@ -21,12 +21,16 @@ Elements are solved by the usual solvers, so heterogeneous widths, activations, 
 every merge method work as with an anchor; where norm gains fold, every state carries
 ``models[0]``'s gains. The rounds (:func:`run_rounds`) are one loop in memory
 (:func:`align_universe`: each mean written into a copy of ``models[0]``) and out of core
-(:mod:`.universe_stream`: each mean written beside the output within the memory budget).
+(:func:`align_universe_streamed`: each mean an engine plan written within the memory budget
+into a temporary checkpoint beside the output, marked as this run's and removed once aligned
+to; each checkpoint aligned to it by the engine's one alignment step,
+:meth:`~.streaming.StreamingMerge.aligning_to`; every held tensor counted in the job's ledger).
 """
 from __future__ import annotations
 
 import math
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 
@@ -34,16 +38,21 @@ import torch
 from tqdm import tqdm
 
 from ..alignment import align as align_models
+from ..checkpoints.leftovers import mark_run
 from ..core.elements import Map, Perm
+from ..core.files import identity, remove_own
 from ..errors import InputError
 from .methods.average import Average
 from .methods.registry import mixing_weights
 from .streaming import StreamingMerge
 
-__all__ = ["DEFAULTS", "align_universe", "universe_options", "round_changes", "run_rounds", "mean_plan", "Spread"]
+__all__ = ["DEFAULTS", "SCRATCH_PREFIX", "align_universe", "align_universe_streamed", "universe_options",
+           "round_changes", "run_rounds", "mean_plan", "Spread"]
 
 #: ``universe_options`` of :func:`symgraph.merge` and their defaults.
 DEFAULTS = {"max_rounds": 10, "tol": 1e-4}
+#: The temporary directory of the rounds' means out of core, beside the output (removed at the end).
+SCRATCH_PREFIX = ".symgraph-tmp-universe-"
 
 
 def universe_options(options: dict | None) -> dict:
@@ -101,6 +110,41 @@ class _InMemory:
         own = self.kw.get("data") is not None
         return align_models(target, self.models[i], self.inputs, report_a=None if own else self.ra,
                             report_b=rb, **self.kw)
+
+
+def align_universe_streamed(job: StreamingMerge, parent: str, options: dict | None = None) -> dict:
+    """Align every checkpoint of ``job`` into one shared basis within its budget, out of core,
+    and hand the alignments to it; ``parent``: where the rounds' means are written (each
+    removed after); ``options`` as :func:`align_universe`'s. Returns the record."""
+    opts = universe_options(options)
+    t0 = time.perf_counter()
+    alignments = list(job.align())  # round 0: the anchor merge
+    record = run_rounds(job, job.report, alignments, _OnDisk(job, parent), opts, job.progress, t0)
+    job.use(job.report, alignments)
+    return record
+
+
+class _OnDisk:
+    """The rounds' steps out of core: each mean in a temporary directory in ``parent``, read as
+    the job reads its own checkpoints; the target has the anchor's architecture (the job's report)."""
+
+    def __init__(self, job, parent):
+        self.job, self.parent = job, parent
+
+    @contextmanager
+    def target(self, plan):
+        scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=self.parent)
+        made = identity(scratch)
+        try:
+            mark_run(scratch, None)
+            plan.write(scratch)
+            yield self.job.read(scratch)
+        finally:
+            remove_own(scratch, made, SCRATCH_PREFIX)
+
+    def align(self, target, i, rb):
+        with self.job.aligning_to(target, self.job.report) as solve:
+            return solve(i, rb)
 
 
 def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0: float) -> dict:
