@@ -175,7 +175,7 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
     from ..alignment.saved import ALIGNMENT_FILE, save_alignment
     from ..checkpoints.outdir import check_out, save_atomic
     from ..checkpoints.inputs import check_paths, input_names, read_batches
-    from .compat import check_compatible
+    from .compat import check_same_configs
     from .config import MergeConfig
     from ..merging.streaming import StreamingMerge
     from ..checkpoints.sharded import Checkpoint
@@ -193,7 +193,7 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
             raise InputError(f"{p!r} is not a local checkpoint directory; expected save_pretrained directories "
                              "(symgraph align reads and writes checkpoints out of core)")
     ckpts = [Checkpoint(os.path.expanduser(p)) for p in (a, b)]
-    check_compatible([c.config for c in ckpts], [a, b])
+    check_same_configs([c.config for c in ckpts], [a, b])
     if ckpts[0].shapes != ckpts[1].shapes:
         k = sorted(k for k in set(ckpts[0].shapes) | set(ckpts[1].shapes)
                    if ckpts[0].shapes.get(k) != ckpts[1].shapes.get(k))[0]

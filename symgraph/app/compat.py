@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..core.finite import same_value
 from ..errors import InputError
 
-__all__ = ["check_same_family", "check_compatible", "config_diff", "width_change", "METADATA", "NOT_FUNCTION"]
+__all__ = ["check_same_family", "check_same_configs", "config_diff", "width_change", "METADATA", "NOT_FUNCTION"]
 
 
 def check_same_family(models, names):
@@ -26,7 +26,7 @@ NOT_FUNCTION = METADATA | {"use_cache", "return_dict", "output_attentions", "out
                  "_attn_implementation_autoset", "problem_type"}
 
 
-def check_compatible(configs, names):
+def check_same_configs(configs, names):
     """Refuse, before any work, models whose configs differ in a field that changes the function
     but not the tensors' shapes (an activation, a RoPE base, a norm epsilon, a flag): the merged
     model would silently follow the anchor's. Integer fields (sizes) are left to the shape

@@ -17,18 +17,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..checkpoints.inputs import DEFAULT_SHARD, Inputs, read_batches
-from ..core.progress import note
+from ..core.progress import bar as progress_bar, note
 from ..core.ties import to_device
 from ..errors import InputError, NeedsMemory, StructureMismatchError
 from .config import MergeConfig, build_config
-from .compat import check_compatible, check_same_family, config_diff
+from .compat import check_same_configs, check_same_family, config_diff
 from .record import card, record
 from ..merging.streaming import StreamingMerge
 
 if TYPE_CHECKING:
     from ..merging.driver import MergeResult
 
-__all__ = ["run_merge", "merge_checkpoints", "MergeOutcome", "progress_bar"]
+__all__ = ["run_merge", "merge_checkpoints", "MergeOutcome"]
 
 
 @dataclass
@@ -52,12 +52,6 @@ class MergeOutcome:
         return f"merged {self.n_models} models ({how}{where}) into {self.out}{moved}"
 
 
-def progress_bar(iterable=None, *, enabled: bool = True, **kw):
-    """tqdm on stderr (disabled: a plain pass-through; see :mod:`symgraph.core.progress`)."""
-    from ..core.progress import bar
-    return bar(iterable, enabled=enabled, **kw)
-
-
 def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anchor: int | None = None,
               progress: bool = True, **streaming_options) -> MergeOutcome:
     """Merge ``cfg.models`` into ``cfg.out``.
@@ -68,7 +62,7 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
     ``anchor`` (kept for callers: ``cfg.anchor``'s value, which it replaces) and
     ``streaming_options`` (``max_shard_size``, ``cache_bytes``) reach the out-of-core job. With
     ``cfg.anchor == "universe"`` every model is aligned into a shared universe
-    (:mod:`.universe_stream` out of core, :mod:`.universe` in memory) and the merge has the
+    (:mod:`symgraph.merging.universe`, out of core or in memory) and the merge has the
     first model's architecture."""
     if anchor is not None and anchor != cfg.anchor:
         cfg = build_config({**cfg.model_dump(), "anchor": anchor}, batches=data is not None)
@@ -114,7 +108,7 @@ def _engine(cfg, inputs, data, progress, options) -> tuple:
     ckpts = inputs.open(cfg.models) if why is None else None
     if ckpts is None:
         return None, None, why or "its tensor names are converted by from_pretrained"
-    check_compatible([c.config for c in ckpts], cfg.models)
+    check_same_configs([c.config for c in ckpts], cfg.models)
     if (cfg.takes_statistics or cfg.seen_rows) and data is None:
         data = read_batches(cfg.data, ckpts[0].model, statistics=cfg.takes_statistics)
     if cfg.seen_rows:
@@ -136,7 +130,7 @@ def _merge_streaming(job, cfg, inputs, data) -> MergeOutcome:
     universe = None
     try:
         if cfg.anchor == "universe":
-            from ..merging.universe_stream import align_universe_streamed
+            from ..merging.universe import align_universe_streamed
             universe = align_universe_streamed(job, os.path.dirname(inputs.out))
         else:
             job.align()
@@ -190,7 +184,7 @@ def _check_loaded(cfg, models) -> None:
     """Refuse loaded models of different classes or configs, and circuit-space heads of a
     model whose saved config could not state their size."""
     check_same_family(models, cfg.models)
-    check_compatible([getattr(m, "config", None) for m in models], cfg.models)
+    check_same_configs([getattr(m, "config", None) for m in models], cfg.models)
     if cfg.attention == "circuits":
         from ..merging.circuits import why_no_config
         why = why_no_config(models[0], len(models))

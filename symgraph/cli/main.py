@@ -15,7 +15,7 @@ import time
 from .._version import __version__
 from ..app.config import MergeConfig
 from ..app.options import add_flags
-from ..app.run import progress_bar
+from ..core.progress import bar as progress_bar
 from ..checkpoints.inputs import check_paths, input_names
 from .align import add_parsers as add_align_parsers
 from .barrier import add_parser as add_barrier_parser
@@ -58,7 +58,7 @@ def cmd_analyze(args) -> int:
         raise _Refusal(f"--dot {args.dot!r} must end in .dot")
     if args.png and not args.png.lower().endswith((".png", ".svg")):
         raise _Refusal(f"--png {args.png!r} must end in .png (or .svg)")
-    with progress_bar(total=2, desc="analyze") as bar:
+    with progress_bar(total=2, enabled=True, desc="analyze") as bar:
         bar.set_postfix_str("loading")
         model = load_model(args.model)
         bar.update()
