@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from cli_helpers import main_in_process, refused
 from symgraph.checkpoints.sharded import parse_size
 from symgraph.errors import InputError
-from symgraph.merging.streaming import StreamingMerge, budgets
+from symgraph.merging.streaming import StreamingMerge
 
 CASES = {  # name: the merge's options
     "weights": [],
@@ -119,7 +119,7 @@ def test_the_floor_is_the_engines_own_count_before_alignment(pair):
     job.write(str(pair / "direct"))
     job.config = job.config.model_copy(update={"memory_budget": "37.2kB"})
     with pytest.raises(InputError, match=r"holds at once: 37.3 kB for 'model\.layers\.\d\.post_attention"):
-        slicing.check_floor(job, budgets)
+        slicing.check_floor(job)
     assert job.resources.ledger.peak == 37248  # three float32 copies of a norm gain with the gate and up projections
 
 

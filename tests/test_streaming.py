@@ -213,12 +213,12 @@ def test_activation_alignment_out_of_core_equals_in_memory(tmp_path, monkeypatch
     also when the statistics are taken class by class in passes (``passes``: a 1-byte budget),
     each class solved and its statistics dropped as its pass ends."""
     import symgraph.alignment.activations as acts
-    import symgraph.merging.streaming as streaming
+    import symgraph.merging.engine.slicing as slicing
     pa, pb = _pair(tmp_path, name, dtype=dtype)
     data = _batches()
     seen = []
     if passes:
-        monkeypatch.setattr(streaming, "STATS_BYTES", 1)
+        monkeypatch.setattr(slicing, "STATS_BYTES", 1)
         run = acts.activation_similarity
 
         def spy(*a, on_done=None, **kw):

@@ -10,7 +10,7 @@ matching (:mod:`.learned`), full groups fitted from the stored tensors; take the
 heads, :mod:`.circuits`; untying, :mod:`.untie`) and **REPAIR** (:mod:`.repair_stream`); then
 the **plan** of group tasks (:mod:`.engine.plan`) and its **executor** (:mod:`.engine.executor`:
 read, carry into the anchor's basis, combine, cast, write) within one memory budget
-(:func:`budgets`), every byte held counted by the :class:`~.engine.views.Ledger`.
+(:func:`~.engine.slicing.budgets`), every byte held counted by the :class:`~.engine.views.Ledger`.
 :func:`~symgraph.app.run.merge_checkpoints` and ``symgraph merge`` run every merge of local
 checkpoints here; :func:`symgraph.merge` runs models in memory through it.
 """
@@ -35,6 +35,7 @@ from .methods.registry import mixing_weights
 from .config import MergeConfig, engine_config, solver_options
 from . import repair_stream
 from .engine import slicing
+from .engine.slicing import budgets
 from .engine.sinks import Into, write_config
 from .engine.sums import MemorySpill, Spill
 from .untie import untie_checkpoint, untie_config_updates
@@ -51,20 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "parse_size", "DEFAULT_SHARD", "budgets"]
 
-CHUNK_BYTES = 64 << 20  # a group's tensors over this (in the work dtype) are merged in slices of it
-STATS_BYTES = 256 << 20  # activation statistics are taken in passes of this many bytes, solved as each ends
 ENGINE_ONLY = ("rows_from", "refine_lr")  # align_options the engine resolves itself, not the solver's
-
-
-def budgets(memory_budget, n_models: int, cache_bytes: int = DEFAULT_CACHE) -> tuple:
-    """``(cache, chunk, stats)`` bytes from a memory budget (None: the defaults): each
-    model's cache of folded or moved tensors, the size of a group above which it is merged in
-    slices (each of the ``n_models`` models' working copies and the result held at once), and a
-    pass of statistics (activation cross-moments, RegMean's Grams)."""
-    if memory_budget is None:
-        return cache_bytes, CHUNK_BYTES, STATS_BYTES
-    b = parse_size(memory_budget)
-    return b // (4 * n_models), max(1 << 10, b // (4 * (n_models + 2))), b // 2
 
 
 @dataclass
@@ -87,7 +75,7 @@ class StreamingMerge:
     matching, the method's statistics (its declared kind, :mod:`.engine.statistics`) and REPAIR;
     ``method``: a method instance the config's ``method`` stands for; ``rows_from``: batches whose
     tokens' embedding rows weight matching reads; ``cache_bytes``: each model's cache without a
-    memory budget (:func:`budgets`); ``work_dtype``: what rotations are solved and graphs run in
+    memory budget (:func:`~.engine.slicing.budgets`); ``work_dtype``: what rotations are solved and graphs run in
     (default float32, float64 for float64 checkpoints); ``ledger``: another engine's
     :class:`~.engine.views.Ledger` this one's bytes count in. The constructor reads headers only.
 
@@ -217,7 +205,7 @@ class StreamingMerge:
         if self.repair:
             repair_stream.check(A.model, ra)
         learning = self._learning(A, ra) if self.config.refine else None
-        slicing.check_floor(self, budgets)
+        slicing.check_floor(self)
         if not aligned:  # nothing to move: every tensor is combined as it is
             return self.alignments
         t1 = time.perf_counter()

@@ -1,7 +1,8 @@
 """How the merge engine computes a large tensor group in slices
 (:class:`~symgraph.merging.streaming.StreamingMerge`): along an axis no map and no fold acts on,
 so that the slices are those of the whole computation; and the smallest memory budget whose
-plan holds its largest piece (:func:`check_floor`), known before any alignment."""
+plan holds its largest piece (:func:`check_floor`), known before any alignment, and what a
+budget gives each of the engine's holdings (:func:`budgets`)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -16,8 +17,23 @@ from ...core.groups import PERMUTATION_FAMILY, orthogonal_part
 from ...errors import InputError
 from ...transform.folding import groups
 from .statistics import StatisticsContext, floor
+from .views import DEFAULT_CACHE
 
-__all__ = ["split", "units", "check_floor", "identity_elements"]
+__all__ = ["split", "units", "check_floor", "identity_elements", "budgets"]
+
+CHUNK_BYTES = 64 << 20  # a group's tensors over this (in the work dtype) are merged in slices of it
+STATS_BYTES = 256 << 20  # activation statistics are taken in passes of this many bytes, solved as each ends
+
+
+def budgets(memory_budget, n_models: int, cache_bytes: int = DEFAULT_CACHE) -> tuple:
+    """``(cache, chunk, stats)`` bytes from a memory budget (None: the defaults): each
+    model's cache of folded or moved tensors, the size of a group above which it is merged in
+    slices (each of the ``n_models`` models' working copies and the result held at once), and a
+    pass of statistics (activation cross-moments, RegMean's Grams)."""
+    if memory_budget is None:
+        return cache_bytes, CHUNK_BYTES, STATS_BYTES
+    b = parse_size(memory_budget)
+    return b // (4 * n_models), max(1 << 10, b // (4 * (n_models + 2))), b // 2
 
 
 def split(job, names):
@@ -136,7 +152,7 @@ def identity_elements(report) -> dict:
             for g in report.groups}
 
 
-def check_floor(job, budgets) -> None:
+def check_floor(job) -> None:
     """Refuse ``job.memory_budget`` before any alignment when the plan's largest piece holds
     more than it: each group's working copies (one per model and the result, in the work dtype)
     and the statistics its combine reads (:meth:`~.methods.registry.MergeMethod.held_bytes`),
@@ -144,9 +160,8 @@ def check_floor(job, budgets) -> None:
     alignment has an element for every group, so it slices the same axes; the anchor's report
     stands for a model of other widths, whose mismatched axes are never sliced); or below the
     floor of the method's statistics (:func:`~.engine.statistics.floor` of its kind).
-    The message names what needs it and the smallest budget that works, rounded up to three
-    digits; ``budgets``:
-    :func:`~symgraph.merging.streaming.budgets`, the chunk size a budget gives."""
+    The message names what needs it and the smallest budget that works (the chunk size
+    :func:`budgets` gives it), rounded up to three digits."""
     if job.memory_budget is None:
         return
     eye = SimpleNamespace(report_b=job.report, elements=identity_elements(job.report)) if job.report else None
@@ -157,7 +172,7 @@ def check_floor(job, budgets) -> None:
     need, names, sliced = _need(job, plan, job.resources.chunk_bytes, job.resources.cache_bytes)
     if max(need, stats) <= budget:
         return
-    least = hb(_least(job, plan, budget, budgets, stats))
+    least = hb(_least(job, plan, budget, stats))
     if stats > need:
         raise InputError(f"--memory-budget {hb(budget)} is below what {job.how.name}'s statistics need: "
                          f"{hb(_up(stats))} for {whose}; expected --memory-budget of at least {least} "
@@ -176,7 +191,7 @@ def _up(b: int) -> int:
     return -(-b // unit) * unit
 
 
-def _least(job, plan, budget: int, budgets, stats: int = 0) -> int:
+def _least(job, plan, budget: int, stats: int = 0) -> int:
     """The smallest budget above ``budget`` with three significant digits (what the message
     shows) whose chunk size gives a plan that fits in it, and at least ``stats`` (the method's
     statistics' floor): found within 1%, then digit by digit."""
