@@ -332,7 +332,7 @@ class StreamingMerge:
 
     def _finish(self, make_spill, make_sink) -> dict:
         """Statistics, the plan's transforms and REPAIR, then the plan run into ``make_sink(plan)``."""
-        if self.graph_report is None or self.align_mode is None:  # unaligned: align() checks the budget
+        if self.graph_report is None:  # neither align() nor use() ran (or nothing needed a report)
             self.align()
         t0 = time.perf_counter()
         self.statistics.spill = make_spill() if self.how.needs_data else None
