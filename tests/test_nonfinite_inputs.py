@@ -135,7 +135,7 @@ def test_output_deviation_never_zero_on_nan():
 def test_same_nan_field_is_not_a_difference():
     from transformers import LlamaConfig
 
-    from symgraph.app.compat import check_same_configs
+    from symgraph.checkpoints.specs import check_same_configs
     nan_a, nan_b, finite = (LlamaConfig(rms_norm_eps=e) for e in (math.nan, math.nan, 1e-6))
     check_same_configs([nan_a, nan_b], ["a", "b"])  # one configuration: nothing differs
     with pytest.raises(InputError, match=r"differ in config field 'rms_norm_eps' \(nan vs 1e-06\)"):

@@ -8,7 +8,6 @@
 - ``commands``         the options of ``symgraph align``, ``barrier`` and ``compare``: a schema each,
   sharing merge's fields (flags, defaults and refusals as merge's)
 - ``mergekit_config``  mergekit configs (``merge_method: linear``) read as symgraph's
-- ``compat``           whether the models' configs can be merged, before any work
 - ``run``              :func:`~.run.run_merge`, the one merge entry of a config, as its steps: inputs
   checked, engine built, aligned, written atomically (out of core or in memory), recorded; and
   ``merge_checkpoints``

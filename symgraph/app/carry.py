@@ -175,7 +175,7 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
     from ..alignment.saved import ALIGNMENT_FILE, save_alignment
     from ..checkpoints.outdir import check_out, save_atomic
     from ..checkpoints.inputs import check_paths, input_names, read_batches
-    from .compat import check_same_configs
+    from ..checkpoints.specs import check_same_configs
     from .config import MergeConfig
     from ..merging.streaming import StreamingMerge
     from ..checkpoints.sharded import Checkpoint

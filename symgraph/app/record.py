@@ -9,7 +9,7 @@ import os
 from .._version import __version__
 from ..checkpoints.outdir import model_card
 from ..merging.methods.registry import get as get_method
-from .compat import width_change
+from ..checkpoints.specs import width_change
 from .config import to_yaml
 
 __all__ = ["record", "architecture_change", "card"]

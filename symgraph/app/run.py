@@ -21,7 +21,7 @@ from ..core.progress import bar as progress_bar, note
 from ..core.ties import to_device
 from ..errors import InputError, NeedsMemory, StructureMismatchError
 from .config import MergeConfig, build_config
-from .compat import check_same_configs, check_same_family, config_diff
+from ..checkpoints.specs import check_same_configs, check_same_family, config_diff
 from .record import card, record
 from ..merging.streaming import StreamingMerge
 
