@@ -32,7 +32,7 @@ from ..passes.trace import output_positions, trace
 from ..transform.apply import move_piece
 from ..transform.folding import for_reader, members
 from .engine.segments import Graph, Kept, Segment, backward_span, output_node, plan_segments
-from .engine.slicing import identity_elements
+from .engine.slicing import identity_elements, rounded_up
 from .engine.sums import Spill
 from .engine.views import Ledger, elements_on, nbytes
 
@@ -259,9 +259,7 @@ class _Matching(Objective):
         op, room = g.largest(self.between.cost(g)), self.how.room
         if state + op > room:
             from ..checkpoints.outdir import human_bytes as hb
-            need = 2 * (state + op)
-            unit = 10 ** max(len(str(need)) - 3, 0)  # three digits, rounded up: the size shown works
-            need = -(-need // unit) * unit
+            need = rounded_up(2 * (state + op))
             raise InputError(f"learned matching holds {hb(state)} of learnable elements and their optimiser state, "
                              f"and {hb(op)} for its largest op: over half the memory budget "
                              f"({hb(2 * room)}); expected --memory-budget of at least "

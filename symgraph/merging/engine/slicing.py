@@ -19,7 +19,7 @@ from ...transform.folding import groups
 from .statistics import StatisticsContext, floor
 from .views import DEFAULT_CACHE
 
-__all__ = ["split", "units", "check_floor", "identity_elements", "budgets"]
+__all__ = ["split", "units", "check_floor", "identity_elements", "budgets", "rounded_up"]
 
 CHUNK_BYTES = 64 << 20  # a group's tensors over this (in the work dtype) are merged in slices of it
 STATS_BYTES = 256 << 20  # activation statistics are taken in passes of this many bytes, solved as each ends
@@ -175,17 +175,17 @@ def check_floor(job) -> None:
     least = hb(_least(job, plan, budget, stats))
     if stats > need:
         raise InputError(f"--memory-budget {hb(budget)} is below what {job.how.name}'s statistics need: "
-                         f"{hb(_up(stats))} for {whose}; expected --memory-budget of at least {least} "
+                         f"{hb(rounded_up(stats))} for {whose}; expected --memory-budget of at least {least} "
                          "(the smallest that works)")
     what = f"{names[0]!r}" + (f" and the {len(names) - 1} tensors merged with it" if len(names) > 1 else "")
-    raise InputError(f"--memory-budget {hb(budget)} is below what this merge holds at once: {hb(_up(need))} for "
-                     f"{what}{' (its largest slice)' if sliced else ' (held whole)'}, a copy per model and the "
+    raise InputError(f"--memory-budget {hb(budget)} is below what this merge holds at once: {hb(rounded_up(need))} "
+                     f"for {what}{' (its largest slice)' if sliced else ' (held whole)'}, a copy per model and the "
                      f"result{' with the statistics read for it' if job.how.needs_data else ''}"
                      f"{', and the cache of REPAIR' if job.repair else ''}; expected "
                      f"--memory-budget of at least {least} (the smallest that works)")
 
 
-def _up(b: int) -> int:
+def rounded_up(b: int) -> int:
     """``b`` rounded up to three significant digits (what a size shown says)."""
     unit = 10 ** max(len(str(b)) - 3, 0)
     return -(-b // unit) * unit
@@ -200,11 +200,11 @@ def _least(job, plan, budget: int, stats: int = 0) -> int:
         return b >= stats and _need(job, plan, chunk, cache)[0] <= b
 
     b = max(budget, stats - 1)
-    while not fits(_up(b)):
+    while not fits(rounded_up(b)):
         b = max(b + 1, int(b * 1.01))
-    b, top = _up(max(budget + 1, int(b / 1.01))), _up(b)
+    b, top = rounded_up(max(budget + 1, int(b / 1.01))), rounded_up(b)
     while b < top and not fits(b):
-        b = _up(b + 1)
+        b = rounded_up(b + 1)
     return b
 
 
