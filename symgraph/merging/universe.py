@@ -29,18 +29,17 @@ to; each checkpoint aligned to it by the engine's one alignment step,
 from __future__ import annotations
 
 import math
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
 
 import torch
-from tqdm import tqdm
 
 from ..alignment import align as align_models
 from ..checkpoints.leftovers import mark_run
 from ..core.elements import Map, Perm
 from ..core.files import identity, remove_own
+from ..core.progress import bar as progress_bar
 from ..errors import InputError
 from .methods.average import Average
 from .methods.registry import mixing_weights
@@ -159,9 +158,8 @@ def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0:
     record = {"rounds": 0, "converged": False, "stopped": "max_rounds", "changed": [], "changed_per_model": [],
               "drifted": [], "max_change": [], "distance": [], "round_seconds": [time.perf_counter() - t0],
               "max_rounds": opts["max_rounds"], "tol": opts["tol"]}
-    bar = tqdm(total=opts["max_rounds"] * n, desc=f"universe (align={job.config.align})", unit="alignment",
-               file=sys.stderr, leave=False, disable=not progress)
-    try:
+    with progress_bar(total=opts["max_rounds"] * n, desc=f"universe (align={job.config.align})", unit="alignment",
+                      enabled=progress) as bar:
         for r in range(1, opts["max_rounds"] + 1):
             t1 = time.perf_counter()
             before = [al.elements if al is not None else {} for al in alignments]
@@ -180,8 +178,6 @@ def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0:
             if not any(per_model):
                 record["converged"], record["stopped"] = True, "converged"
                 break
-    finally:
-        bar.close()
     spread = Spread(job.checkpoints[0], weights)
     mean_plan(job, ra, alignments, None, spread).write_into(lambda key, t: None)
     record["distance"].append(spread.value())
