@@ -19,6 +19,7 @@ EXPERTS_PER_TOKEN = 2
 VOCAB = 256
 IMAGE = 64
 WINDOW = 16          # local attention windows (Longformer's sequences are padded to one)
+FILTERS = 8          # a convolutional codec's first channel count (doubled at each downsampling)
 
 _MAIN_WIDTH = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "emb_dim", "embedding_size",
                "hidden_dim")
@@ -59,7 +60,7 @@ def role(name: str) -> str | None:
     """The role of an int config field, from its name alone: ``vocab``, ``token_id``, ``layers``
     (``layers_main`` / ``layers_other``), ``layer_index``, ``heads`` / ``kv_heads``,
     ``head_dim``, ``experts`` / ``experts_shared`` / ``experts_per_token``, ``groups``,
-    ``image``, ``window``, ``width``; None for every other field (left at its default)."""
+    ``image``, ``window``, ``filters``, ``width``; None for every other field (left at its default)."""
     t = _tokens(name)
     s = set(t)
     if name.startswith("_"):
@@ -72,6 +73,8 @@ def role(name: str) -> str | None:
         return "image"
     if t[-2:] == ["attention", "window"] or t[-3:] == ["attention", "window", "size"]:
         return "window"
+    if name == "num_filters":
+        return "filters"
     if ("head" in s or "heads" in s) and (s & {"dim", "size", "d", "channels"}) and "prediction" not in s:
         return "head_dim"
     if name in ("d_kv", "kv_channels", "dim_head", "d_head", "mamba_headdim"):
@@ -155,7 +158,8 @@ def shrink(cfg) -> dict:
       vocabularies -> min(., 256) (a ``vocab_size`` left None -> 256), token ids beyond it
       renumbered from the top; image sizes
       -> min(., 64); attention windows (``attention_window``, ``..._attention_window_size``)
-      -> min(., 16).
+      -> min(., 16); a codec's first filter count (``num_filters``, doubled at each of its
+      downsampling stages: VibeVoice's tokenizers reach 2048 channels from 32) -> min(., 8).
 
     Only declared fields are passed, so derived ones (``qk_head_dim``, ``layer_types`` computed
     from the layer count) are recomputed by the config itself.
@@ -266,6 +270,8 @@ def _shrink_level(cfg, id_map, mains=frozenset()) -> dict:
                 new = min(v, IMAGE)
             elif r == "window":
                 new = min(v, WINDOW) if v > 0 else v
+            elif r == "filters":
+                new = min(v, FILTERS) if v > 0 else v
             elif r == "heads":
                 new = _pow2_floor(min(v, HEADS)) if v > 0 else v
             elif r == "kv_heads":

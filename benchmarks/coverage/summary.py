@@ -239,7 +239,7 @@ RULE = ("widths x 64/main width (multiple of 8; a list of one width per layer cu
         "None beside an MoE width), routing/state groups -> 1, a group count equal to a width (one per "
         "channel) shrunk with it, a ..._hidden_size equal to another tower's width -> 64; vocab (also "
         "per-layer input vocabularies; a vocab_size left None) -> 256 (token ids renumbered); image "
-        "size -> 64; attention windows -> 16; per-layer attributes of "
+        "size -> 64; attention windows -> 16; a codec's num_filters -> 8; per-layer attributes of "
         "heterogeneous configs by their global value; recursively in sub-configs "
         "(benchmarks.coverage.shrink)")
 

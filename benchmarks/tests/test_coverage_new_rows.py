@@ -74,3 +74,14 @@ def test_no_mlp_through_a_selected_entry_or_a_stacked_code():
     ep, _, _ = trace(m, (torch.randn(2, 3, 8), torch.rand(2, 3, 2)))
     units = {u["down"][0]: sorted(p for p, _ in u["up"]) for u in mlp_units(ep)}
     assert units == {"down.weight": ["gate.weight", "up.weight"]}
+
+
+def test_a_codecs_first_filter_count_is_shrunk():
+    # VibeVoice's tokenizers double 32 filters over six downsamplings (2048 channels, an 8192-wide
+    # FFN): certify ran out of its 6 GB; from 8 filters the widest layer is 512
+    assert cov.role("num_filters") == "filters"
+    cfg, _ = cov.tiny_config("vibevoice_asr")
+    for sub in (cfg.acoustic_tokenizer_encoder_config, cfg.semantic_tokenizer_encoder_config):
+        assert sub.num_filters == 8
+    model, _ = cov.build("vibevoice_asr", "VibeVoiceAsrForConditionalGeneration")
+    assert max(p.numel() for p in model.parameters()) <= 2 ** 21  # was 2 ** 24 (8192 x 2048)
