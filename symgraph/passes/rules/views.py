@@ -174,3 +174,40 @@ def view_as_real(ctx):
     xa = ctx.axes(ctx.arg(0))
     why = f"{ctx.where}: real and imaginary parts"
     return [Unify(o, a) for o, a in zip(ctx.out[:-1], xa)] + [Meet(ctx.out[-1], "identity", why)]
+
+
+def _strided_axes(val, size, stride, offset) -> dict:
+    """``{output axis: input axis}`` of :func:`as_strided` on a contiguous ``val``: an output
+    axis with the size and stride of the outermost input axis when every other output axis
+    (with the offset) stays inside one of its rows; one with stride 1 and the size of the
+    innermost when every other stride and the offset are multiples of that size."""
+    xs = tuple(val.shape)
+    if len(xs) < 2 or not val.is_contiguous() or val.storage_offset() != 0 or min(stride, default=0) < 0:
+        return {}
+    outer, inner = math.prod(xs[1:]), xs[-1]
+    kept: dict = {}
+    for j, (n, s) in enumerate(zip(size, stride)):
+        reach = offset + sum((m - 1) * t for k, (m, t) in enumerate(zip(size, stride)) if k != j)
+        if 0 not in kept.values() and n == xs[0] > 1 and s == outer and reach < outer:
+            kept[j] = 0
+        elif len(xs) - 1 not in kept.values() and n == inner > 1 and s == 1 and offset % inner == 0 \
+                and all(t % inner == 0 for k, t in enumerate(stride) if k != j and size[k] > 1):
+            kept[j] = len(xs) - 1
+    return kept
+
+
+@register([aten.as_strided, aten.as_strided_copy])
+def as_strided(ctx):
+    """``x.as_strided(size, stride, offset)``, windows of ``x``'s storage (Longformer's
+    overlapping chunks of the sequence): the outermost and innermost axes of a contiguous ``x``
+    pass through where the windows keep them whole (:func:`_strided_axes`: a map of those axes
+    moves whole rows, or the same coordinate of every row); every other axis is fixed."""
+    x = ctx.arg(0)
+    xa, val = ctx.axes(x), x.meta.get("val")
+    size, stride = [int(s) for s in ctx.arg(1)], [int(s) for s in ctx.arg(2)]
+    offset = int(ctx.arg(3) or 0) if len(ctx.args) > 3 else 0
+    kept = _strided_axes(val, size, stride, offset) if isinstance(val, torch.Tensor) else {}
+    why = f"{ctx.where}: windows of the storage"
+    cons: list = [Unify(ctx.out[j], xa[k]) for j, k in kept.items()]
+    cons += [Meet(ctx.out[j], "identity", why) for j in range(len(size)) if j not in kept]
+    return cons + [Meet(xa[k], "identity", why) for k in range(len(xa)) if k not in kept.values()]
