@@ -27,11 +27,10 @@ SVD path always did. So do matrices with a non-finite entry or ``M = 0``.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import torch
 
-__all__ = ["polar", "polar_from_svd", "decompose", "one_thread", "LOW", "EXTRA", "TOL", "DEVICE_BATCH_MAX"]
+__all__ = ["polar", "polar_from_svd", "decompose", "LOW", "EXTRA", "TOL", "DEVICE_BATCH_MAX"]
 
 #: The smallest ``σ_min / s`` the scaled schedule is designed for.
 LOW = 1e-4
@@ -72,34 +71,11 @@ def _host(x: torch.Tensor) -> bool:
 def decompose(fn, x: torch.Tensor, **kw):
     """``fn(x, **kw)`` (a ``torch.linalg`` decomposition), on the host for a batch that the
     device's kernels would solve one matrix at a time (see :func:`_host`); the results on
-    ``x``'s device. On the host it runs on one thread (:func:`one_thread`)."""
-    if x.device.type != "cpu" and not _host(x):
+    ``x``'s device."""
+    if not _host(x):
         return fn(x, **kw)
-    with one_thread():
-        out = fn(x.cpu(), **kw)
-    if x.device.type == "cpu":
-        return out
+    out = fn(x.cpu(), **kw)
     return out.to(x.device) if isinstance(out, torch.Tensor) else tuple(o.to(x.device) for o in out)
-
-
-@contextmanager
-def one_thread():
-    """PyTorch's intra-op threads set to one for the block (restored after). The host's LAPACK
-    (MKL) decomposes far faster on one thread than on several on a busy machine: every
-    Householder step of its SVD waits for all its threads, and a thread the system has
-    descheduled stalls the others. A 2048² float32 SVD (the residual stream's Procrustes at
-    the 1.1B shape) took 8 s on one thread and 70 s on two with the machine's two cores
-    shared by about 14 processes; a batch of 32 SVDs of 64² 0.03 s and 1.2-3.4 s. One thread
-    also makes the result the same whatever the number of cores (MKL's threaded SVD differs
-    in the last bits between thread counts)."""
-    n = torch.get_num_threads()
-    if n > 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if n > 1:
-            torch.set_num_threads(n)
 
 
 def _svd_polar(M: torch.Tensor) -> torch.Tensor:
@@ -128,7 +104,7 @@ def polar_from_svd(U: torch.Tensor, sig: torch.Tensor, Vh: torch.Tensor) -> torc
     for i in ff.any(-1).nonzero().flatten().tolist():
         k = ff[i]
         U0, V0 = Uf[i][:, k], Vf[i][k].mT
-        Ub, _, Vbh = decompose(torch.linalg.svd, U0.mT @ eye @ V0)
+        Ub, _, Vbh = torch.linalg.svd(U0.mT @ eye @ V0)
         Rf[i] = Uf[i][:, ~k] @ Vf[i][~k] + U0 @ (Ub @ Vbh) @ V0.mT
     return R
 
