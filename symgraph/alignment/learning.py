@@ -69,17 +69,12 @@ class Objective:
         return elements
 
 
-class _Holder(torch.nn.Module):
-    def __init__(self, W):
+class _Learned(torch.nn.Module):
+    """The trainable parametrisation of one class's element (of group ``kind``)."""
+
+    def __init__(self, g, E, kind):
         super().__init__()
-        self.weight = torch.nn.Parameter(W.clone())
-
-
-class _Learned:
-    """The trainable parametrisation of one class's element."""
-
-    def __init__(self, g, E):
-        self.kind = orthogonal_part(g.kind)
+        self.kind = kind
         self.H = None
         if self.kind in PERMUTATION_FAMILY:
             P = E.dense() if isinstance(E, Perm) else E
@@ -94,11 +89,11 @@ class _Learned:
             if self.kind == "orthogonal_mean":
                 self.H = ones_basis(E.shape[-1], device=E.device)
                 E = (self.H.mT @ E @ self.H)[..., 1:, 1:]
-            self.mod = _Holder(E.double())
-            parametrizations.orthogonal(self.mod, "weight")
+            self.weight = torch.nn.Parameter(E.double().clone())
+            parametrizations.orthogonal(self, "weight")
             with torch.no_grad():
-                self.mod.weight = E.double()  # right inverse: start at the solved element
-            self.params = list(self.mod.parameters())
+                self.weight = E.double()  # right inverse: start at the solved element
+            self.params = list(self.parameters())
 
     def _project(self, score):
         """The nearest element of the (signed) permutation group (a straight-through target)."""
@@ -113,7 +108,7 @@ class _Learned:
             return hard + self.score - self.score.detach()
         if self.kind == "rope":
             return pair_rotations(self.base, self.pairs, torch.cos(self.theta), torch.sin(self.theta))
-        W = self.mod.weight
+        W = self.weight
         if self.H is None:
             return W
         n = self.H.shape[0]
@@ -152,7 +147,7 @@ def learnable(report, al) -> dict:
                                   and not torch.allclose(E @ E.mT, torch.eye(E.shape[-1], dtype=E.dtype, device=E.device),
                                                          atol=1e-8)):
             continue
-        out[g.id] = _Learned(g, E)
+        out[g.id] = _Learned(g, E, kind)
     return out
 
 
