@@ -12,7 +12,6 @@ import torch
 from ..core import distributed
 from ..core.finite import require_finite
 from ..core.progress import bar
-from ..core.groups import orthogonal_part
 from .checks import batch_inputs, by_shape
 from .graphrun import (GraphRunner, Stepper, flatten_for, lockstep, meta_constants, on_device, runnable,  # noqa: F401
                        run_capture, streamed_outputs)
@@ -22,6 +21,8 @@ __all__ = ["ActStats", "all_reduce_stats", "activation_similarity", "act_matrix"
 
 
 _SUMS = ("sa", "sb", "saa", "sbb", "sab")
+#: The kinds whose similarity is a covariance, not a correlation: rotations (gl: its orthogonal part).
+_ROTATIONS = ("orthogonal", "orthogonal_mean", "gl", "rope")
 
 
 class ActStats:
@@ -113,7 +114,7 @@ class ActStats:
         ma, mb = self.sa / n, self.sb / n
         # in place on one copy of sab (a 11008-wide MLP's is 1 GB in float64)
         cov = (self.sab / n).sub_(ma[:, None, :, None] * mb[None, :, None, :])
-        if kind in ("orthogonal", "orthogonal_mean", "gl", "rope"):
+        if kind in _ROTATIONS:
             return cov
         sa = (self.saa / n - ma * ma).clamp_min(1e-12).sqrt()
         sb = (self.sbb / n - mb * mb).clamp_min(1e-12).sqrt()
@@ -328,9 +329,8 @@ def _act_gather(x, k, idx, nf):
 def act_matrix(stats, g, cross):
     if stats.n == 0:
         return None
-    kind = orthogonal_part(g.kind)
-    m = stats.matrix(kind)  # [Fa, Fb, n, n]
-    if kind in ("orthogonal", "orthogonal_mean", "rope") and m.shape[0] > 1:
+    m = stats.matrix(g.kind)  # [Fa, Fb, n, n]
+    if g.kind in _ROTATIONS and m.shape[0] > 1:
         n = max(stats.n, 1)
         va = (stats.saa / n - (stats.sa / n) ** 2).sum(-1).clamp_min(1e-30).sqrt()
         vb = (stats.sbb / n - (stats.sb / n) ** 2).sum(-1).clamp_min(1e-30).sqrt()
