@@ -2,7 +2,8 @@
 value of its data (LED's ``if is_index_global_attn.flatten().any().item():``) cannot be traced
 symbolically: it is traced with the example's branch taken (``passes.trace._export``), and every
 value the program reads as a number is kept as an output, so no class the report claims can
-change a branch. A parameter that no output reads on the example inputs (an audio tower that a
+change a branch; where a branch not taken reads parameters, every parameter stays fixed (what that
+branch does with them is unknown). A parameter that no output reads on the example inputs (an audio tower that a
 text-only input never reaches: VibeVoice's tokenizers, 8192 channels wide) is left fixed, with
 the reason, instead of a free class the size of its widest layer."""
 from __future__ import annotations
@@ -68,16 +69,29 @@ def _inputs(mask_any=True):
     return {"x": torch.randn(2, 5, 6), "mask": mask}
 
 
-@pytest.mark.parametrize("taken", [True, False])
-def test_a_data_dependent_branch_is_traced_as_taken_and_certified(taken):
+def test_a_branch_not_taken_that_reads_parameters_leaves_nothing_claimed():
+    """The branch not taken reads ``extra``, with activations the trace never saw: what it
+    would need of the other classes is unknown, so every parameter stays as it is."""
     torch.manual_seed(0)
-    A, inp = GlobalBranch().eval(), _inputs(taken)
+    A, inp = GlobalBranch().eval(), _inputs(False)
+    rep = symgraph.analyze(A, inp)
+    assert set(_slots(rep).values()) <= {"identity"}
+    from symgraph.passes.driver import analyze_graph
+    an = analyze_graph(trace(A, inp)[0])
+    axis = an.node_axes[an.param_nodes["up.weight"]][0]
+    reasons = " ".join(w for _, w in an.uf.reasons.get(an.uf.find(axis)[0], []) if w)
+    assert "branch the example inputs do not take reads extra.weight" in reasons
+
+
+def test_a_data_dependent_branch_is_traced_as_taken_and_certified():
+    torch.manual_seed(0)
+    A, inp = GlobalBranch().eval(), _inputs(True)
     ep, _, _ = trace(A, inp)
     assert any(n.target is torch.ops.aten._assert_scalar.default for n in ep.graph.nodes)
     used = set(ep.graph_signature.inputs_to_parameters.values())
     users = {ep.graph_signature.inputs_to_parameters[n.name]: len(n.users) for n in ep.graph.nodes
              if n.op == "placeholder" and n.name in ep.graph_signature.inputs_to_parameters}
-    assert "extra.weight" in used and (users["extra.weight"] > 0) == taken  # the branch taken
+    assert "extra.weight" in used and users["extra.weight"] > 0  # the branch taken
     rep = symgraph.analyze(A, inp)
     perm = _slots(rep)
     # the MLP's hidden units: one permutation class holding up's rows and down's columns

@@ -19,7 +19,7 @@ from ..errors import UnsupportedOpError
 from . import labels, registry
 from .bufferviews import buffer_views
 from .patterns import rope as _rope
-from .nodes import READ_AS_NUMBER, FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path, output_nodes, packet as _packet, source_line
+from .nodes import BRANCHES_TAKEN, READ_AS_NUMBER, FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path, output_nodes, packet as _packet, source_line
 from .registry import Label, Meet, NoFiber, Rope, RuleContext, Structure, Unify
 from .patterns.norms import find_norms
 from .patterns.packed import find_packed
@@ -177,10 +177,19 @@ class AxisAnalysis:
         observed says which map would align it, and a free class as wide as such a tower's
         layers (thousands of channels) costs a dense element in every transform, sample and
         solve for nothing: it stays as it is, and the report says why."""
-        for name, node in self.param_nodes.items():
-            if node not in live:
+        unread = [name for name, node in self.param_nodes.items() if node not in live]
+        if unread and self.graph.owning_module.meta.get(BRANCHES_TAKEN, False):
+            # traced with its data-dependent branches as the example takes them: a branch not
+            # taken reads these parameters, with activations the trace never saw
+            why = (f"a data-dependent branch the example inputs do not take reads {unread[0]}"
+                   f"{f' (and {len(unread) - 1} more)' if len(unread) > 1 else ''}: unknown")
+            for node in self.param_nodes.values():
                 for a in self._all_axes(node):
-                    self.uf.meet(a, "identity", f"parameter {name}: no output kept reads it on these inputs")
+                    self.uf.meet(a, "identity", why)
+            return
+        for name in unread:
+            for a in self._all_axes(self.param_nodes[name]):
+                self.uf.meet(a, "identity", f"parameter {name}: no output kept reads it on these inputs")
 
     def _settle_buffers(self):
         """Keep a buffer movable only where every reader's rule related each of its axes; fix

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["FrozenOp", "READ_AS_NUMBER", "flat_nodes", "live_nodes", "module_path", "ndim", "op_of", "output_nodes", "packet", "packets",
+__all__ = ["BRANCHES_TAKEN", "FrozenOp", "READ_AS_NUMBER", "flat_nodes", "live_nodes", "module_path", "ndim", "op_of", "output_nodes", "packet", "packets",
            "source_line", "tensor_axes"]
 
 
@@ -89,6 +89,7 @@ def source_line(node) -> str:
 
 #: ops that hand a tensor's value to Python as a number (a branch or a size is taken on it)
 READ_AS_NUMBER = {torch.ops.aten._local_scalar_dense}
+BRANCHES_TAKEN = "symgraph_branches_taken"  # graph meta: data-dependent branches traced as taken
 
 
 def live_nodes(graph, keep=None) -> set:

@@ -10,7 +10,7 @@ import torch
 from ..errors import InputError, TraceError
 from .concrete import concretize, has_data_dependent_sizes
 from .inputs import default_inputs, is_hf
-from .nodes import packet
+from .nodes import BRANCHES_TAKEN, packet
 from .registry import has_rule
 
 __all__ = ['model_device', 'varying_nodes', 'default_inputs', 'split_inputs', 'eval_mode', 'trace', 'flatten_outputs',
@@ -250,13 +250,16 @@ def _export(model, traced, on_meta: bool):
     (``fake_tensor_propagate_real_tensors``, what ``torch.export.draft_export`` does, without its
     log files): each branch is the one the example takes, asserted in the graph. The analysis
     keeps every value the program reads as a number unchanged (:func:`.nodes.live_nodes`), so a
-    symmetry it finds never changes a branch taken. On ``meta`` there is no value to take."""
+    symmetry it finds never changes a branch taken; where a branch not taken reads parameters,
+    the analysis fixes every parameter (:meth:`.driver.AxisAnalysis.run`: what that branch does
+    with them was never seen). On ``meta`` there is no value to take. Returns the program and
+    whether branches were taken."""
     import io
     import sys
     dump = io.StringIO()  # torch prints the partial graph of a failed export to stderr
     try:
         with contextlib.redirect_stderr(dump):
-            return torch.export.export(model, *traced, strict=False)
+            return torch.export.export(model, *traced, strict=False), False
     except Exception as e:  # noqa: BLE001 - re-raised unless a data-dependent guard
         if on_meta or not _data_dependent(e):
             sys.stderr.write(dump.getvalue())
@@ -269,7 +272,7 @@ def _export(model, traced, on_meta: bool):
     try:
         with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True,
                                            generate_fake_kernels_from_real_mismatches=True):
-            return torch.export.export(model, *traced, strict=False)
+            return torch.export.export(model, *traced, strict=False), True
     except Exception:  # noqa: BLE001 - the guard is what the user must hear about
         raise first from None
     finally:
@@ -299,7 +302,7 @@ def trace(model, inputs=None, decompose: bool = True):
         warnings.simplefilter("ignore")
         try:
             with conversions_in_place():
-                ep = _export(model, traced, on_meta)
+                ep, branched = _export(model, traced, on_meta)
         except Exception as e:  # noqa: BLE001 - report any tracing failure uniformly
             raise TraceError(
                 f"torch.export could not trace {type(model).__name__}: "
@@ -314,6 +317,7 @@ def trace(model, inputs=None, decompose: bool = True):
             ep = ep.run_decompositions(table)
         if not on_meta and has_data_dependent_sizes(ep):
             concretize(ep, *traced)
+        ep.graph_module.meta[BRANCHES_TAKEN] = branched
     return ep, args, kwargs
 
 
