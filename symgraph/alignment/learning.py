@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from .. import solve as S
 from ..core.elements import Map, Perm
-from ..core.groups import PERMUTATION_FAMILY, ones_basis, orthogonal_part, pair_rotations
+from ..core.groups import PERMUTATION_FAMILY, ones_basis, pair_rotations
 
 __all__ = ["Objective", "learnable", "choose_start", "optimise", "refine_elements", "learned_matching",
            "draw_lambda", "summary", "START_BATCHES"]
@@ -70,11 +70,12 @@ class Objective:
 
 
 class _Learned(torch.nn.Module):
-    """The trainable parametrisation of one class's element (of group ``kind``)."""
+    """The trainable parametrisation of one class's element: on its group (a ``gl`` class's
+    orthogonal part, a ``scaled_perm`` class's permutations)."""
 
-    def __init__(self, g, E, kind):
+    def __init__(self, g, E):
         super().__init__()
-        self.kind = kind
+        self.kind = g.kind
         self.H = None
         if self.kind in PERMUTATION_FAMILY:
             P = E.dense() if isinstance(E, Perm) else E
@@ -140,14 +141,14 @@ def learnable(report, al) -> dict:
         E = al.elements.get(g.id)
         if E is None or isinstance(E, Map) or g.id in heads:
             continue
-        kind = orthogonal_part(g.kind)
+        kind = g.kind
         if kind in PERMUTATION_FAMILY and (g.outer or not isinstance(E, (Perm, torch.Tensor))):
             continue
-        if kind == "identity" or (kind == "orthogonal" and isinstance(E, torch.Tensor)
+        if kind == "identity" or (kind in ("orthogonal", "gl") and isinstance(E, torch.Tensor)
                                   and not torch.allclose(E @ E.mT, torch.eye(E.shape[-1], dtype=E.dtype, device=E.device),
                                                          atol=1e-8)):
             continue
-        out[g.id] = _Learned(g, E, kind)
+        out[g.id] = _Learned(g, E)
     return out
 
 
