@@ -41,7 +41,6 @@ from .engine.sums import MemorySpill, Spill
 from .untie import untie_checkpoint, untie_config_updates
 from .engine.views import DEFAULT_CACHE, Aligned, Folded, Sides, return_freed_memory
 from .engine import Executor, build_plan
-from .engine.plan import keys_of
 from .engine.executor import Resources, Transforms
 from .engine.measuring import RepairContext
 from .engine.statistics import StatisticsContext, take
@@ -376,7 +375,3 @@ class StreamingMerge:
             return True
         assert self.report is not None  # aligned: write() runs align() first
         return buffer in self.report.buffers
-
-    def keys_of(self, name) -> list:
-        """The anchor checkpoint's keys holding parameter (or buffer) ``name``."""
-        return keys_of(self._checkpoints[self.anchor], name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import slicing
+from .slicing import keys_of
 
 __all__ = ["GroupTask", "Plan", "build_plan", "keys_of"]
 
@@ -44,11 +45,6 @@ class Plan:
         return keys_of(self.anchor_checkpoint, name)
 
 
-def keys_of(ckpt, name) -> list:
-    """The keys of checkpoint ``ckpt`` holding parameter (or buffer) ``name``."""
-    return [k for k in ckpt.params.get(name, (name,)) if k in ckpt.shapes]
-
-
 def build_plan(job, report, out_shapes: dict) -> Plan:
     """The plan of ``job`` (the engine, its alignment known): the tasks in the anchor's key
     order, ``report`` (the anchor's, for the combine) and the shapes a transform writes instead of
@@ -58,7 +54,7 @@ def build_plan(job, report, out_shapes: dict) -> Plan:
     for key, names in slicing.units(job):
         split = slicing.split(job, names) if names is not None else None
         names = names if split is None else tuple(split[0])  # the order the executor yields them in
-        keys = (key,) if names is None else tuple(k for n in names for k in job.keys_of(n))
+        keys = (key,) if names is None else tuple(k for n in names for k in keys_of(A, n))
         tasks.append(GroupTask(keys, names, split))
     outputs = tuple((k, out_shapes.get(k, A.shapes[k]), A.dtypes[k]) for t in tasks for k in t.keys)
     return Plan(tuple(job.ckpts), job.anchor, tuple(tasks), outputs, report)

@@ -13,13 +13,13 @@ import torch
 from ...checkpoints.outdir import human_bytes as hb
 from ...checkpoints.sharded import parse_size
 from ...core.elements import Perm
-from ...core.groups import PERMUTATION_FAMILY, orthogonal_part
+from ...core.groups import PERMUTATION_FAMILY
 from ...errors import InputError
 from ...transform.folding import groups
 from .statistics import StatisticsContext, floor
 from .views import DEFAULT_CACHE
 
-__all__ = ["split", "units", "check_floor", "identity_elements", "budgets", "rounded_up"]
+__all__ = ["split", "units", "check_floor", "identity_elements", "budgets", "rounded_up", "keys_of"]
 
 CHUNK_BYTES = 64 << 20  # a group's tensors over this (in the work dtype) are merged in slices of it
 STATS_BYTES = 256 << 20  # activation statistics are taken in passes of this many bytes, solved as each ends
@@ -34,6 +34,11 @@ def budgets(memory_budget, n_models: int, cache_bytes: int = DEFAULT_CACHE) -> t
         return cache_bytes, CHUNK_BYTES, STATS_BYTES
     b = parse_size(memory_budget)
     return b // (4 * n_models), max(1 << 10, b // (4 * (n_models + 2))), b // 2
+
+
+def keys_of(ckpt, name) -> list:
+    """The keys of checkpoint ``ckpt`` holding parameter (or buffer) ``name``."""
+    return [k for k in ckpt.params.get(name, (name,)) if k in ckpt.shapes]
 
 
 def split(job, names):
@@ -87,7 +92,7 @@ def _choose(job, names, axes, chunk: int):
         if item * sum(numel[n] for n in names if n not in dims) > chunk:
             continue  # a whole remainder this large is recomputed for every slice: not worth it
         row = item * sum(numel[n] // max(shapes[n][e], 1) for n, e in dims.items())
-        rows = [n for n, e in dims.items() if e == 0 and len(job.keys_of(n)) == 1]
+        rows = [n for n, e in dims.items() if e == 0 and len(keys_of(job.ckpts[job.anchor], n)) == 1]
         first = max(rows, key=numel.get) if rows else None
         order = [n for n in names if n not in dims] + [first] * bool(first)
         order += [n for n in dims if n != first]
@@ -139,7 +144,7 @@ def units(job):
             names = (key,) if job._averaged(key) else None
         else:
             names = unit.get(name, (name,))
-        seen.update((key,) if names is None else (k for n in names for k in job.keys_of(n)))
+        seen.update((key,) if names is None else (k for n in names for k in keys_of(A, n)))
         yield key, names
 
 
@@ -147,7 +152,7 @@ def identity_elements(report) -> dict:
     """An identity element of each of ``report``'s groups, of the form a solved one takes (an
     index vector for an unfibred permutation group, else ``[blocks,] n × n`` matrices): where a
     map acts and how large an element is do not depend on the element's values."""
-    return {g.id: Perm(torch.arange(g.dim)) if g.blocks == 1 and orthogonal_part(g.kind) in PERMUTATION_FAMILY else
+    return {g.id: Perm(torch.arange(g.dim)) if g.blocks == 1 and g.kind in PERMUTATION_FAMILY else
             torch.eye(g.dim, dtype=torch.float64).expand(*([g.blocks] if g.blocks > 1 else []), g.dim, g.dim)
             for g in report.groups}
 
