@@ -85,9 +85,9 @@ BUILDERS = {
 # rotary GQA, fused grouped QKV, packed in_proj); the rest is slow
 FAST = {"modernbert", "llama", "fused_gqa", "multihead_attention"}
 # BART in float16 has a data-dependent branch (``if hidden_states.dtype == torch.float16 and
-# not torch.isfinite(hidden_states).all(): clamp``, in 37 transformers models): torch.export
-# cannot trace it (test_bart_float16_is_not_traced below)
-UNTRACEABLE = {("bart", torch.float16)}
+# not torch.isfinite(hidden_states).all(): clamp``, in 37 transformers models): it is traced as
+# the example takes it (passes.trace._export) and its report joins the comparison above
+# (test_bart_float16_is_traced_through_its_branch below)
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,19 +108,20 @@ def test_report_is_the_same_in_every_dtype(name):
     want = summary(report(name, torch.float32))
     assert want["groups"], name
     for dtype in DTYPES[1:]:
-        if (name, dtype) in UNTRACEABLE:
-            continue
         got = summary(report(name, dtype))
         for part in want:
             assert got[part] == want[part], (name, dtype, part)
 
 
 @pytest.mark.slow
-def test_bart_float16_is_not_traced():
-    """Not a different report: no report (tracing fails). If this starts to pass, drop
-    UNTRACEABLE and the BART fp16 report joins the comparison above."""
-    with pytest.raises(symgraph.TraceError, match="data-dependent"):
-        report("bart", torch.float16)
+def test_bart_float16_is_traced_through_its_branch():
+    """The clamp branch reads no parameter, so the report claims what float32's does (the
+    comparison above) and no op is left without a rule."""
+    from symgraph.passes.nodes import BRANCHES_TAKEN
+    rep = report("bart", torch.float16)
+    assert rep.exported_program.graph_module.meta[BRANCHES_TAKEN] is True
+    assert rep.frozen == []
+    assert summary(rep) == summary(report("bart", torch.float32))
 
 
 # --- ModernBERT: the rotary classes in bf16 ------------------------------------------------

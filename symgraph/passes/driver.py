@@ -178,18 +178,13 @@ class AxisAnalysis:
         layers (thousands of channels) costs a dense element in every transform, sample and
         solve for nothing: it stays as it is, and the report says why."""
         unread = [name for name, node in self.param_nodes.items() if node not in live]
-        if unread and self.graph.owning_module.meta.get(BRANCHES_TAKEN, False):
-            # traced with its data-dependent branches as the example takes them: a branch not
-            # taken reads these parameters, with activations the trace never saw
-            why = (f"a data-dependent branch the example inputs do not take reads {unread[0]}"
-                   f"{f' (and {len(unread) - 1} more)' if len(unread) > 1 else ''}: unknown")
-            for node in self.param_nodes.values():
-                for a in self._all_axes(node):
-                    self.uf.meet(a, "identity", why)
-            return
-        for name in unread:
+        blind = unread and self.graph.owning_module.meta.get(BRANCHES_TAKEN, False)
+        # blind: a data-dependent branch not taken reads them, with activations never traced
+        why = (f"a data-dependent branch the example inputs do not take reads {unread[0]} (and "
+               f"{len(unread) - 1} more): unknown") if blind else "no output kept reads it on these inputs"
+        for name in self.param_nodes if blind else unread:
             for a in self._all_axes(self.param_nodes[name]):
-                self.uf.meet(a, "identity", f"parameter {name}: no output kept reads it on these inputs")
+                self.uf.meet(a, "identity", why if blind else f"parameter {name}: {why}")
 
     def _settle_buffers(self):
         """Keep a buffer movable only where every reader's rule related each of its axes; fix
@@ -367,6 +362,8 @@ class AxisAnalysis:
         axes = self._all_axes(node)
         for i in _flat_nodes(node.args) + _flat_nodes(list(node.kwargs.values())):
             axes += self._all_axes(i)
+        if not axes:  # no axis to fix (a check on a 0-d value: torch._check's _is_all_true)
+            return
         reason = f"{node.name}: {why or f'no rule for {node.target}'}"
         for a in axes:
             self.uf.meet(a, "identity", reason)
