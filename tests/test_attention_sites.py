@@ -13,6 +13,8 @@ import torch
 import symgraph
 from symgraph.testing import models
 
+from function_helpers import logits as _logits, rel
+
 transformers = pytest.importorskip("transformers")
 V = 64
 X = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -33,12 +35,7 @@ def gemma2(softcap=0.5):
 
 
 def logits(m, x=X):
-    with torch.no_grad():
-        return m(input_ids=x).logits.double()
-
-
-def rel(a, b):
-    return float((a - b).norm() / a.norm())
+    return _logits(m, x)
 
 
 def rel_params(a, b):

@@ -12,6 +12,8 @@ from symgraph.core.hadamard import hadamard, incoherent
 from symgraph import rotate
 from symgraph.testing import models
 
+from function_helpers import logits, rel
+
 transformers = pytest.importorskip("transformers")
 
 V = 64
@@ -58,16 +60,6 @@ def built(name):
 
 def ids(n=9, seed=2):
     return torch.randint(0, V, (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model, x):
-    with torch.no_grad():
-        out = model(input_ids=x)
-    return (out.logits if hasattr(out, "logits") else out[0]).double()
-
-
-def rel(a, b):
-    return float((a - b).norm() / a.norm())
 
 
 #: Families whose residual stream rotates (Gemma's ``x · (1 + w)`` gains fold with their offset).

@@ -12,6 +12,8 @@ from symgraph.errors import InputError
 from symgraph.merging.untie import untie
 from symgraph.rotation.outliers import with_outliers
 from symgraph.testing import models
+
+from function_helpers import logits as _logits, rel
 from symgraph.testing import quantize as Q
 
 pytest.importorskip("transformers")
@@ -27,12 +29,7 @@ def build(arch):
 
 
 def logits(m, x=X):
-    with torch.no_grad():
-        return m(input_ids=x).logits.double()
-
-
-def rel(a, b):
-    return float((a - b).norm() / a.norm())
+    return _logits(m, x)
 
 
 def reader_inputs(model, names):

@@ -12,6 +12,7 @@ import torch
 
 import symgraph
 
+from function_helpers import assert_recovered
 from rules_helpers import B, analyze, structure, summary, x_of
 
 
@@ -70,6 +71,4 @@ def test_permuted_copy_recovered_by_weights(groups, mid, out):
     with torch.no_grad():
         assert torch.allclose(moved(x), model(x), atol=1e-5)
         assert not torch.equal(moved.ct.weight, model.ct.weight)
-    back = symgraph.align(model, moved, (x,)).apply(moved)
-    for k, v in model.state_dict().items():
-        assert torch.allclose(back.state_dict()[k], v, atol=1e-6, rtol=0), k
+    assert_recovered(model, moved, (x,))
