@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..provenance import commit_info as commit  # noqa: F401 - the table's commit (re-exported)
-from ..provenance import cell, pyplot, register, save_figure, table
+from ..provenance import cell, pyplot, register, save_figure, table, write_json
 from .peer import PEER_LABEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,7 +171,7 @@ def write(result: dict, out: Path, log_dirs=()) -> None:
     ``train_log.json`` (from ``log_dirs``) as ``train_log_seed{N}.json``."""
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "results.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
+    write_json(tmp, result)  # strict JSON (no NaN), no machine paths
     os.replace(tmp, out / "results.json")
     (out / "report.md").write_text(markdown(result))
     plot(result, out / "curves.png")

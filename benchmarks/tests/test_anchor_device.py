@@ -122,6 +122,21 @@ def test_a_resumed_run_keeps_rows_of_the_same_commit_code_device_and_parents_onl
     assert report.previous_rows(tmp_path / "none", base) == {}
 
 
+def test_the_results_are_strict_json_without_machine_paths(tmp_path):
+    """A row whose barrier is NaN is written null (strict JSON), and a path inside this checkout
+    is written ``<repo>``: ``results.json`` goes through the benchmarks' one JSON writer."""
+    import json
+    from benchmarks.provenance import REPO_ROOT
+    rows = [{"row": "weights", "space": "heads", "barrier": float("nan"), "curve": [], "seconds": 1.0,
+             "note": str(REPO_ROOT / "x.txt")}]
+    report.write({"commit": "abc", "parent_test_loss": [5.1, 5.2], "protocol_note": "", "command": "c",
+                  "rows": rows}, tmp_path)
+    text = (tmp_path / "results.json").read_text()
+    row = json.loads(text)["rows"][0]  # json.loads accepts NaN: check the text too
+    assert "NaN" not in text and row["barrier"] is None
+    assert str(REPO_ROOT) not in text and row["note"] == "<repo>/x.txt"
+
+
 def test_a_copy_of_their_source_without_git_is_known_by_its_digests(tmp_path, monkeypatch):
     import hashlib
     for f in ("merger.py", "weight_matching.py", "utils.py", "enums.py"):
