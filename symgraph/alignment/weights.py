@@ -11,7 +11,7 @@ from .products import HALF, cross, cross_by_columns, gather, sliced
 from .sums import add_into, frobenius, plus_bound, settled  # noqa: F401 (frobenius: re-exported)
 from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
 
-__all__ = ["WeightFeatures", "gather", "cross"]
+__all__ = ["WeightFeatures", "gather", "cross", "circuit_scores"]
 
 
 class WeightFeatures:
@@ -239,7 +239,7 @@ class WeightFeatures:
         seen), scaled per head pair by the features' norms, its bound noted."""
         if parts is not None and total is not None and total.dim() == 4 and all(
                 isinstance(x, torch.Tensor) for p in parts for x in p):  # both sides of the circuit seen
-            self.head_scores[ga.id] = _circuit_scores(*(torch.stack(p) for p in parts))
+            self.head_scores[ga.id] = circuit_scores(*(torch.stack(p) for p in parts))
         if total is not None and total.dim() == 4:
             # per head pair, scale by the features' norms: the matching pair then scores
             # exactly 1 per class and every other pair at most 1 (Cauchy-Schwarz)
@@ -413,7 +413,7 @@ def _add_parity(parts, k, values):
     return parts
 
 
-def _circuit_scores(S, GA, GB):
+def circuit_scores(S, GA, GB):
     """``-‖C_A,i − C_B,j‖ / mean_i ‖C_A,i‖`` for every head pair, from the co (0) and contra (1)
     parts: ``S [2, H_A, H_B, n, n]`` (``X_A X_B′ᵀ``), ``GA [2, H_A, n, n]``, ``GB [2, H_B, n, n]``
     (each model's own Grams). With ``C = Xᵀ Y``: ``<C_A, C_B> = Σ (X_A X_Bᵀ) ⊙ (Y_A Y_Bᵀ)``."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import symgraph
-from symgraph.alignment.weights import WeightFeatures, _circuit_scores
+from symgraph.alignment.weights import WeightFeatures, circuit_scores
 from symgraph.testing import models
 
 
@@ -26,7 +26,7 @@ def test_circuit_scores_are_the_circuit_distances():
     GB = torch.stack([XB @ XB.mT, YB @ YB.mT])
     CA, CB = XA.mT @ YA, XB.mT @ YB  # [H, m, m]
     want = -(CA[:, None] - CB[None]).flatten(2).norm(dim=-1) / CA.flatten(1).norm(dim=-1).mean()
-    torch.testing.assert_close(_circuit_scores(S, GA, GB), want)
+    torch.testing.assert_close(circuit_scores(S, GA, GB), want)
 
 
 def test_circuit_scores_ignore_the_gl_part_of_a_transformed_copy():
