@@ -73,6 +73,29 @@ def test_too_few_rows_for_statistics_warn_once(ws, capsys):
     assert read_batches(None, model) is None and capsys.readouterr().err == ""  # seen_rows only: no warning
 
 
+@pytest.mark.parametrize("streaming", [True, False])
+def test_the_data_file_is_checked_once_where_the_inputs_are(ws, tmp_path, monkeypatch, streaming):
+    """One check of the data file per run (``Inputs.check``), whichever path reads it; the
+    batches read from it are the ones :func:`~symgraph.checkpoints.specs.load_data` gives."""
+    import symgraph.checkpoints.inputs as inputs_module
+    import symgraph.checkpoints.specs as specs
+    import symgraph.core.files as files
+    from symgraph.checkpoints.specs import load_data
+    seen, check = [], files.check_input_file
+    for module in (files, specs, inputs_module):  # every name the check goes by
+        monkeypatch.setattr(module, "check_input_file", lambda p, what, *a: (seen.append((str(p), what)),
+                                                                            check(p, what, *a)))
+    data = str(ws / "few.safetensors")
+    cfg = build_config({"models": [str(ws / "a"), str(ws / "b")], "out": str(tmp_path / "o"), "data": data,
+                        "align": "activations"})
+    outcome = run_merge(cfg, streaming=streaming, progress=False)
+    assert outcome.mode == ("streaming" if streaming else "in-memory")
+    assert seen == [(data, "data file")]
+    model = models.build("llama", seed=0, **L)
+    assert [b["input_ids"].tolist() for b in read_batches(data, model)] == [b["input_ids"].tolist()
+                                                                            for b in load_data(data, model)]
+
+
 @pytest.mark.parametrize("fields, takes", [({}, False), ({"align": "activations"}, True), ({"repair": True}, True),
                                           ({"method": "regmean"}, True), ({"seen_rows": True}, False),
                                           ({"refine": 2, "align": "activations"}, True)])

@@ -14,7 +14,7 @@ from ..core.progress import note
 from .loading import KeysDiffer, Layout, read_layout
 from .outdir import check_out, check_space
 from .sharded import Checkpoint, parse_size
-from .specs import DATA_EXPECTED, check_checkpoint_dir, load_data, model_kind
+from .specs import DATA_EXPECTED, check_checkpoint_dir, model_kind, read_data
 
 __all__ = ["Inputs", "DEFAULT_SHARD", "MIN_USEFUL_ROWS", "check_paths", "local_layouts", "check_dtype_kinds",
            "input_names", "read_batches"]
@@ -121,10 +121,10 @@ def input_names(specs) -> list:
 
 
 def read_batches(path: str | None, model, *, statistics: bool = True) -> list | None:
-    """The batches of data file ``path`` for ``model`` (None without a file), with a warning
-    when ``statistics`` are taken on fewer than :data:`MIN_USEFUL_ROWS` rows (``seen_rows``
-    alone only reads which tokens occur)."""
-    data = load_data(path, model) if path else None
+    """The batches of data file ``path`` for ``model`` (None without a file; ``path`` checked
+    a regular file once, by :meth:`Inputs.check`), with a warning when ``statistics`` are taken
+    on fewer than :data:`MIN_USEFUL_ROWS` rows (``seen_rows`` alone only reads which tokens occur)."""
+    data = read_data(path, model) if path else None
     rows = sum(next(iter(b.values())).shape[0] for b in data) if data else 0
     if data and rows < MIN_USEFUL_ROWS and statistics:
         note(f"only {rows} row{'s' if rows != 1 else ''} of data in {path!r}; statistics from fewer than "

@@ -18,8 +18,9 @@ from ..core.progress import note
 from .outdir import TOKENIZER_FILES, check_out, save_atomic  # noqa: F401 - re-exported
 
 __all__ = ["DEMO_MODELS", "BATCH_ROWS", "MODEL_EXPECTED", "model_kind", "demo_model", "load_model", "load_data",
-           "unpadded", "check_checkpoint_dir", "load_local", "check_out", "save_atomic", "TOKENIZER_FILES",
-           "check_same_family", "check_same_configs", "config_diff", "width_change", "METADATA", "NOT_FUNCTION"]
+           "read_data", "unpadded", "check_checkpoint_dir", "load_local", "check_out", "save_atomic",
+           "TOKENIZER_FILES", "check_same_family", "check_same_configs", "config_diff", "width_change", "METADATA",
+           "NOT_FUNCTION"]
 
 DEMO_MODELS = ("tiny-bert", "tiny-gpt2", "tiny-llama", "tiny-vit")
 # name -> (symgraph.testing.models architecture, model class, sizes)
@@ -107,7 +108,14 @@ def check_dense(x: torch.Tensor, where: str) -> None:
 
 def load_data(path: str, model=None):
     """Batches of ``BATCH_ROWS`` rows from a ``.safetensors``/``.pt`` file with ``input_ids`` or
-    ``pixel_values``. Returns a list of keyword dicts."""
+    ``pixel_values``, the file refused first unless a regular file (:func:`read_data`)."""
+    check_input_file(path, "data file", DATA_EXPECTED)
+    return read_data(path, model)
+
+
+def read_data(path: str, model=None):
+    """Batches of ``BATCH_ROWS`` rows from data file ``path``, already checked a regular file (a
+    merge's :class:`~.inputs.Inputs`, :func:`load_data`). Returns a list of keyword dicts."""
     d = _read_tensors(path)
     main = getattr(model, "main_input_name", None) if model is not None else None
     key = main if main in d else next((k for k in ("input_ids", "pixel_values") if k in d), None)
@@ -138,7 +146,6 @@ def load_data(path: str, model=None):
 def _read_tensors(path: str) -> dict:
     """The tensors of a data file by name (a ``.pt`` file's lone tensor as ``input_ids``), read
     without running code, or refused in one line."""
-    check_input_file(path, "data file", DATA_EXPECTED)
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
         try:
