@@ -1,10 +1,11 @@
 """Scale benchmark: ``symgraph merge`` on LLaMA-shaped bf16 checkpoints against mergekit's
 linear merge of the same pair, in the same run.
 
-    python -m benchmarks.bench_scale [--shapes tiny,1b,7b] [--layers N] [--work DIR]
-                                     [--out benchmarks/results/scale.json]
+    python -m benchmarks.bench_scale [--shapes tiny,155m,1b,7b] [--layers N] [--work DIR]
+                                     [--memory-budget SIZE] [--out benchmarks/results/scale.json]
 
-Checkpoints. For each shape (``tiny``: 2 layers, hidden 256; ``1b``: TinyLlama-1.1B, 2048/5632,
+Checkpoints. For each shape (``tiny``: 2 layers, hidden 256; ``155m``: 155.3 M parameters,
+768/2816, 12 layers, 12 heads; ``1b``: TinyLlama-1.1B, 2048/5632,
 22 layers, 32 heads, 4 KV heads; ``7b``: Llama-2-7B, 4096/11008, 32 layers, 32 heads, 32 KV
 heads; vocab 32000; ``--layers`` overrides the depth) a pair of random bf16 checkpoints is
 written once under ``--work`` and reused while its ``pair.json`` matches. The model is built on
@@ -47,6 +48,7 @@ rc -9) is recorded with its return code and the last line of its stderr, and the
 * ``symgraph_regmean`` / ``symgraph_fisher`` / ``symgraph_repair``: ``symgraph merge A B --align
   weights`` with ``--method regmean``, ``--method fisher`` or ``--repair`` and ``--data D``: the
   merge engine's statistics (input Grams, squared gradients, REPAIR's channel moments) out of core.
+  ``--memory-budget SIZE`` is given to every symgraph stage (the engine's default otherwise).
 
 Before each merge stage the earlier stages' outputs are written back (``os.sync``: a disk that
 writes back slower than a merge writes would otherwise charge one stage for another's output)
@@ -90,7 +92,8 @@ from .scale.stages import machine_info, run_shape
 
 
 def run(shapes, layers=None, work=DEFAULT_WORK, out=str(DEFAULT_OUT), stages=STAGES, timeout=3600.0,
-        cache="warm", mergekit_venv=None, load_check_gb=0.5, keep_outputs=False, append=False) -> dict:
+        cache="warm", mergekit_venv=None, load_check_gb=0.5, keep_outputs=False, append=False,
+        memory_budget=None) -> dict:
     import torch
     import transformers
     transformers.logging.set_verbosity_error()
@@ -109,7 +112,7 @@ def run(shapes, layers=None, work=DEFAULT_WORK, out=str(DEFAULT_OUT), stages=STA
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     for shape in shapes:
         rec = run_shape(shape, layers, work, stages, timeout, cache, mergekit_venv, load_check_gb,
-                        keep_outputs)
+                        keep_outputs, memory_budget)
         rec["machine"] = result["machine"]
         result["shapes"].append(rec)
         _write(result, out)  # after every shape, so a later crash keeps what was measured
@@ -140,6 +143,8 @@ def main(argv=None) -> None:
                     help="load outputs with from_pretrained up to this model size (default 0.5 GB)")
     ap.add_argument("--keep-outputs", action="store_true", help="keep the merged checkpoints")
     ap.add_argument("--append", action="store_true", help="keep other shapes' entries of an existing --out")
+    ap.add_argument("--memory-budget", default=None, metavar="SIZE",
+                    help="the symgraph stages' --memory-budget, e.g. 256MB (default: the engine's)")
     ap.add_argument("--_read", metavar="DIR", help=argparse.SUPPRESS)
     ap.add_argument("--_write", nargs=4, metavar=("DIR", "SHAPE", "LAYERS", "SEED"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -160,8 +165,15 @@ def main(argv=None) -> None:
             ap.error(f"unknown stage {s!r}; expected some of {', '.join(STAGES)}")
     if a.layers is not None and a.layers < 1:
         ap.error("--layers must be >= 1")
+    if a.memory_budget is not None:
+        from symgraph.checkpoints.sharded import parse_size
+        from symgraph.errors import InputError
+        try:
+            parse_size(a.memory_budget)
+        except InputError:
+            ap.error(f"--memory-budget {a.memory_budget!r}; expected a positive size such as 256MB")
     run(shapes, a.layers, a.work, a.out, stages, a.timeout, a.cache, a.mergekit_venv, a.load_check_gb,
-        a.keep_outputs, a.append)
+        a.keep_outputs, a.append, a.memory_budget)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ SHAPES = {
     "1b": dict(_COMMON, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
                rms_norm_eps=1e-5),
+    # 155.3 M parameters (embeddings and head 49.2 M of them): the size of the engine's memory
+    # targets at a small budget (RegMean and REPAIR out of core at --memory-budget 256MB)
+    "155m": dict(_COMMON, hidden_size=768, intermediate_size=2816, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
+                 rms_norm_eps=1e-5),
     "7b": dict(_COMMON, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
                rms_norm_eps=1e-5),

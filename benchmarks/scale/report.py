@@ -40,6 +40,8 @@ def markdown(result: dict) -> str:
                   f"embeddings + head + norm {rec['nonlayer_bytes'] / GB:.3f} GB; full depth "
                   f"{rec['full_model_bytes'] / GB:.2f} GB per model. "
                   f"Page cache before merges: {rec['cache']}, earlier outputs written back (os.sync)."
+                  + (f" symgraph's --memory-budget: {rec['run']['memory_budget']}."
+                     if rec["run"].get("memory_budget") else "")
                   + _writer_note(rec["pair"]) +
                   f" Run {rec['run']['time']}, symgraph {rec['run']['symgraph_commit']}"
                   + (f", mergekit/torch/transformers {mk}" if mk else "") + "." + _rates_note(rec), ""]

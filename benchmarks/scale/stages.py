@@ -25,6 +25,16 @@ SWEEP_FLAGS = {"symgraph_weights_exact": ["--until", "exact"],  # once no elemen
                "symgraph_weights_tol": ["--tol", "1e-3"]}
 
 
+#: The symgraph stages: ``(--align, --method)``; ``repair``: ``--repair`` after a plain average.
+MERGE_STAGES = {"symgraph_none": ("none", "average"), "symgraph_weights": ("weights", "average"),
+                "symgraph_weights_exact": ("weights", "average"),  # --until exact: the former default
+                "symgraph_weights_discrete": ("weights", "average"),  # --until discrete: fewer sweeps
+                "symgraph_weights_tol": ("weights", "average"),  # --tol 1e-3: fewer sweeps
+                "symgraph_activations": ("activations", "average"),
+                "symgraph_regmean": ("weights", "regmean"), "symgraph_fisher": ("weights", "fisher"),
+                "symgraph_repair": ("weights", "repair")}
+
+
 def _symgraph_cmd() -> list:
     exe = Path(sys.executable).parent / "symgraph"
     if exe.exists():
@@ -33,8 +43,32 @@ def _symgraph_cmd() -> list:
 
 
 
+def merge_command(name: str, a, b, out, data=None, memory_budget: str | None = None) -> list:
+    """The ``symgraph merge`` command line of the symgraph stage ``name`` (one of
+    :data:`MERGE_STAGES`): ``data`` the token file of the stages that read data (given where one
+    needs it, refused where none does), ``memory_budget`` the engine's ``--memory-budget`` (None:
+    its default)."""
+    align, method = MERGE_STAGES[name]
+    how = ["--repair"] if method == "repair" else ["--method", method]  # REPAIR after a plain average
+    cmd = _symgraph_cmd() + ["merge", str(a), str(b), "--out", str(out), "--align", align, *how]
+    cmd += SWEEP_FLAGS.get(name, [])
+    if (data is not None) != needs_data(name):
+        raise ValueError(f"stage {name}: data {'missing' if data is None else 'given but not read'}")
+    if data is not None:
+        cmd += ["--data", str(data)]
+    if memory_budget is not None:
+        cmd += ["--memory-budget", memory_budget]
+    return cmd
+
+
+def needs_data(name: str) -> bool:
+    align, method = MERGE_STAGES[name]
+    return align == "activations" or method != "average"
+
+
 def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float, cache: str,
-              mergekit_venv: Path, load_check_gb: float, keep_outputs: bool) -> dict:
+              mergekit_venv: Path, load_check_gb: float, keep_outputs: bool,
+              memory_budget: str | None = None) -> dict:
     config = llama_config(shape, layers)
     n_layers = config.num_hidden_layers
     full = model_sizes(llama_config(shape))
@@ -50,7 +84,7 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
            **sizes, "full_model_parameters": full["parameters"], "full_model_bytes": full["bytes"],
            "bytes_on_disk_per_model": dir_bytes(a), "pair": pair, "cache": cache, "stages": {},
            "run": {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "symgraph_commit": git_state(),
-                   "timeout_s": timeout}}
+                   "timeout_s": timeout, "memory_budget": memory_budget}}
     outdir = Path(pair["dir"]) / "out"
     outdir.mkdir(exist_ok=True)
     logdir = Path(pair["dir"]) / "logs"
@@ -123,22 +157,13 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
             finish("mergekit_linear", r, mk_out)
 
     # symgraph
-    for name, align, method in (("symgraph_none", "none", "average"), ("symgraph_weights", "weights", "average"),
-                                ("symgraph_weights_exact", "weights", "average"),  # --until exact: the former default
-                                ("symgraph_weights_discrete", "weights", "average"),  # --until discrete: fewer sweeps
-                                ("symgraph_weights_tol", "weights", "average"),  # --tol 1e-3: fewer sweeps
-                                ("symgraph_activations", "activations", "average"),
-                                ("symgraph_regmean", "weights", "regmean"), ("symgraph_fisher", "weights", "fisher"),
-                                ("symgraph_repair", "weights", "repair")):
+    for name in MERGE_STAGES:
         if name not in stages:
             continue
         out = outdir / name
         shutil.rmtree(out, ignore_errors=True)
-        how = ["--repair"] if method == "repair" else ["--method", method]  # REPAIR after a plain average
-        cmd = _symgraph_cmd() + ["merge", a, b, "--out", str(out), "--align", align, *how]
-        cmd += SWEEP_FLAGS.get(name, [])
-        if align == "activations" or method != "average":
-            cmd += ["--data", token_data(pair["dir"], config.vocab_size)]
+        data = token_data(pair["dir"], config.vocab_size) if needs_data(name) else None
+        cmd = merge_command(name, a, b, out, data, memory_budget)
         prep_cache()
         r = measure(cmd, timeout=timeout, env=_env(), cwd=REPO_ROOT, log_prefix=str(logdir / name))
         r["cmd"] = [str(c) for c in cmd]

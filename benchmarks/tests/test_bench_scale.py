@@ -73,3 +73,35 @@ def test_wrapper_records_failure_and_timeout():
     slow = bs.measure([sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
     assert slow["timed_out"] and slow["rc"] != 0 and slow["wall_s"] < 30
     assert "timed out" in slow["error"]
+
+
+def test_155m_shape_has_155m_parameters():
+    from benchmarks.scale.checkpoints import model_sizes
+    sizes = model_sizes(bs.llama_config("155m"))
+    assert 155.0e6 < sizes["parameters"] < 155.6e6
+    assert sizes["parameters"] == 155_339_520
+
+
+def test_merge_commands_name_the_method_the_data_and_the_budget():
+    from benchmarks.scale.stages import merge_command
+    reg = merge_command("symgraph_regmean", "A", "B", "O", data="D", memory_budget="256MB")
+    i = reg.index("merge")
+    assert reg[i:] == ["merge", "A", "B", "--out", "O", "--align", "weights", "--method", "regmean",
+                       "--data", "D", "--memory-budget", "256MB"]
+    rep = merge_command("symgraph_repair", "A", "B", "O", data="D", memory_budget="256MB")
+    assert rep[rep.index("merge"):] == ["merge", "A", "B", "--out", "O", "--align", "weights", "--repair",
+                                        "--data", "D", "--memory-budget", "256MB"]
+    w = merge_command("symgraph_weights", "A", "B", "O")
+    assert "--memory-budget" not in w and "--data" not in w
+    with pytest.raises(ValueError, match="data missing"):
+        merge_command("symgraph_repair", "A", "B", "O")
+    with pytest.raises(ValueError, match="not read"):
+        merge_command("symgraph_weights", "A", "B", "O", data="D")
+
+
+def test_a_bad_memory_budget_is_refused_before_any_work(capsys):
+    with pytest.raises(SystemExit) as e:
+        bs.main(["--shapes", "155m", "--stages", "symgraph_regmean", "--memory-budget", "lots"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--memory-budget 'lots'" in err and "256MB" in err
