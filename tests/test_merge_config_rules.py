@@ -72,7 +72,7 @@ def test_merge_checkpoints_builds_the_same_checked_config(tmp_path):
                           data=[{"input_ids": torch.zeros(2, 4, dtype=torch.long)}])
     assert not (tmp_path / "o").exists()
     job = merge_checkpoints(paths, str(tmp_path / "o"), align=None, memory_budget="64KB")
-    assert job.memory_budget == "64KB" and (tmp_path / "o" / "symgraph_merge.json").exists()
+    assert job.config.memory_budget == "64KB" and (tmp_path / "o" / "symgraph_merge.json").exists()
 
 
 def test_symgraph_merge_takes_the_same_config():

@@ -113,9 +113,9 @@ class StreamingMerge:
         self.repair_report: RepairReport | None = None  # what REPAIR did (repair=True), once written
         rows = {} if rows_from is None else {"rows_from": list(rows_from)}  # batches: read only their tokens' rows
         self.align_options = align_options | solver_options(cfg) | rows
-        cache, chunk, stats = budgets(cfg.memory_budget, len(paths), cache_bytes)
-        self.resources = Resources(torch.device(cfg.device), torch.device("cpu"), torch.float32, cache, chunk, stats,
-                                   progress=progress)
+        budget = parse_size(cfg.memory_budget) if cfg.memory_budget is not None else None  # parsed once
+        self.resources = Resources(torch.device(cfg.device), torch.device("cpu"), torch.float32,
+                                   *budgets(budget, len(paths), cache_bytes), progress=progress, budget=budget)
         self.resources.ledger = ledger if ledger is not None else self.resources.ledger
         return_freed_memory()
         ckpts = [Checkpoint(os.fspath(p)) if isinstance(p, (str, os.PathLike)) else p for p in paths]  # or in memory
@@ -149,7 +149,6 @@ class StreamingMerge:
     align_mode = property(lambda self: None if self.config.align == "none" else self.config.align)
     repair = property(lambda self: self.config.repair)
     refine = property(lambda self: self.config.refine)
-    memory_budget = property(lambda self: self.config.memory_budget)
     weights = property(lambda self: mixing_weights(self.config.weights, len(self._checkpoints)))
     spill = property(lambda self: self.statistics.spill, lambda self, v: setattr(self.statistics, "spill", v))
 
@@ -220,7 +219,7 @@ class StreamingMerge:
         from .learned import Learning, check_budget
         res = self.resources
         learning = Learning(A, self.data, self.config.refine, self.align_options.get("refine_lr", 1e-3), res.device,
-                            res.ledger, res.stats_bytes, self.memory_budget is not None, res.work_dtype,
+                            res.ledger, res.stats_bytes, res.budget is not None, res.work_dtype,
                             self._solver_options(), res.progress)
         check_budget(learning, ra)
         return learning

@@ -33,8 +33,8 @@ class Resources:
     tensors go to (the CPU for files), the ``work_dtype`` (float32; float64 for float64
     checkpoints), the byte sizes the memory budget gives (each model's cache of folded or moved
     tensors, a group's chunk above which it is computed in slices, a pass of statistics), the
-    :class:`~.views.Ledger` of bytes held, whose peak the budget bounds, and whether the steps
-    show a ``progress`` bar."""
+    :class:`~.views.Ledger` of bytes held, whose peak the budget bounds, whether the steps
+    show a ``progress`` bar, and the memory ``budget`` itself (bytes; None: none given)."""
     device: torch.device
     out_device: torch.device
     work_dtype: torch.dtype
@@ -43,6 +43,7 @@ class Resources:
     stats_bytes: int
     ledger: Ledger = field(default_factory=Ledger)
     progress: bool = False
+    budget: int | None = None
 
 
 @dataclass

@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from ...checkpoints.outdir import human_bytes as hb
-from ...checkpoints.sharded import parse_size
 from ...core.elements import Perm
 from ...core.groups import PERMUTATION_FAMILY
 from ...errors import InputError
@@ -25,14 +24,13 @@ CHUNK_BYTES = 64 << 20  # a group's tensors over this (in the work dtype) are me
 STATS_BYTES = 256 << 20  # activation statistics are taken in passes of this many bytes, solved as each ends
 
 
-def budgets(memory_budget, n_models: int, cache_bytes: int = DEFAULT_CACHE) -> tuple:
-    """``(cache, chunk, stats)`` bytes from a memory budget (None: the defaults): each
+def budgets(b: int | None, n_models: int, cache_bytes: int = DEFAULT_CACHE) -> tuple:
+    """``(cache, chunk, stats)`` bytes from a memory budget of ``b`` bytes (None: the defaults): each
     model's cache of folded or moved tensors, the size of a group above which it is merged in
     slices (each of the ``n_models`` models' working copies and the result held at once), and a
     pass of statistics (activation cross-moments, RegMean's Grams)."""
-    if memory_budget is None:
+    if b is None:
         return cache_bytes, CHUNK_BYTES, STATS_BYTES
-    b = parse_size(memory_budget)
     return b // (4 * n_models), max(1 << 10, b // (4 * (n_models + 2))), b // 2
 
 
@@ -158,7 +156,7 @@ def identity_elements(report) -> dict:
 
 
 def check_floor(job) -> None:
-    """Refuse ``job.memory_budget`` before any alignment when the plan's largest piece holds
+    """Refuse the memory budget (``job.resources.budget``) before any alignment when the plan's largest piece holds
     more than it: each group's working copies (one per model and the result, in the work dtype)
     and the statistics its combine reads (:meth:`~.methods.registry.MergeMethod.held_bytes`),
     for the group whole or its largest slice (:func:`split` with identity elements: a solved
@@ -167,12 +165,12 @@ def check_floor(job) -> None:
     floor of the method's statistics (:func:`~.engine.statistics.floor` of its kind).
     The message names what needs it and the smallest budget that works (the chunk size
     :func:`budgets` gives it), rounded up to three digits."""
-    if job.memory_budget is None:
+    budget = job.resources.budget
+    if budget is None:
         return
     eye = SimpleNamespace(report_b=job.report, elements=identity_elements(job.report)) if job.report else None
     alignments = [None if i == job.anchor else eye for i in range(len(job.ckpts))]
     plan = [(names, _axes(job, names, alignments)) for _, names in units(job) if names is not None]
-    budget = parse_size(job.memory_budget)
     stats, whose = floor(job.how.statistic, StatisticsContext.of(job))
     need, names, sliced = _need(job, plan, job.resources.chunk_bytes, job.resources.cache_bytes)
     if max(need, stats) <= budget:
