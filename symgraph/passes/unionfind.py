@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from ..core.groups import GroupKind, meet
-from .rules.views import refine
+from .rules.views import refine, refined_parts
 
 __all__ = ['AxisUnionFind']
 
@@ -147,16 +147,13 @@ class AxisUnionFind:
             for p, _ in p1 + p2:
                 self.meet(p, "identity", why)
             return
-        sizes, a_parts, b_parts = ref
-        atoms = [self.new(s) for s in sizes]
-        for parts, idxs in ((p1, a_parts), (p2, b_parts)):
-            for (p, par), idx in zip(parts, idxs):
-                if len(idx) == 1:
-                    self._pending.append((p, atoms[idx[0]], par))
-                else:
-                    rp, pp = self.find(p)
-                    sub = tuple((atoms[i], par ^ pp) for i in idx)
-                    self._merge_structure(rp, (k1, sub))
+        atoms, made = refined_parts(ref, (p1, p2), self.new)
+        for (p, par), of in made:
+            if len(of) == 1:
+                self._pending.append((p, of[0], par))
+            else:
+                rp, pp = self.find(p)
+                self._merge_structure(rp, (k1, tuple((a, par ^ pp) for a in of)))
         self.struct[r] = (k1, tuple((a, 0) for a in atoms))
 
     def _sum_of_blocks(self, prod_parts, sum_parts) -> bool:

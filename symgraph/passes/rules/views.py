@@ -47,6 +47,15 @@ def refine(a_sizes, b_sizes):
     return atoms, a_parts, b_parts
 
 
+def refined_parts(ref, sides, new) -> tuple:
+    """The atoms of the common refinement ``ref`` (:func:`refine`'s answer), each made by
+    ``new(size)``, and every part of the two ``sides`` (the factors of each factorisation, as
+    ``(axis, x)`` pairs) with the atoms it is made of: ``(atoms, [((axis, x), [atom, ...]), ...])``."""
+    atoms = [new(s) for s in ref[0]]
+    return atoms, [(part, [atoms[k] for k in idx]) for side, idxs in zip(sides, ref[1:])
+                   for part, idx in zip(side, idxs)]
+
+
 def reshape_constraints(ctx, in_axes, in_shape, out_axes, out_shape):
     ins = [(a, s) for a, s in zip(in_axes, in_shape) if s != 1]
     outs = [(a, s) for a, s in zip(out_axes, out_shape) if s != 1]
@@ -68,14 +77,8 @@ def reshape_constraints(ctx, in_axes, in_shape, out_axes, out_shape):
             why = f"{ctx.where}: reshape mixes axes {[s for _, s in gi]} -> {[s for _, s in gj]}"
             cons += [Meet(a, "identity", why) for a, _ in gi + gj]
             continue
-        sizes, a_parts, b_parts = ref
-        atoms = [ctx.new_axis(s) for s in sizes]
-        for group, parts in ((gi, a_parts), (gj, b_parts)):
-            for (axis, _), idx in zip(group, parts):
-                if len(idx) == 1:
-                    cons.append(Unify(axis, atoms[idx[0]]))
-                else:
-                    cons.append(Structure(axis, "prod", tuple(atoms[k] for k in idx)))
+        for (axis, _), of in refined_parts(ref, (gi, gj), ctx.new_axis)[1]:
+            cons.append(Unify(axis, of[0]) if len(of) == 1 else Structure(axis, "prod", tuple(of)))
     return cons
 
 
