@@ -34,7 +34,7 @@ from symgraph.testing import quantize as Q
 from . import evaluate, train
 from .provenance import commit_info, command_line, log, table, write_result
 
-__all__ = ["SETTINGS", "quantized_loss", "gaps", "run_rows", "run_arch", "markdown", "main"]
+__all__ = ["SETTINGS", "quantized_loss", "gaps", "run_rows", "run_arch", "loss_rows", "gap_rows", "markdown", "main"]
 
 #: ``name: (weight bits, activation bits)``; None: not rounded.
 SETTINGS = {"float": (None, None), "W4": (4, None), "W4A8": (4, 8), "W4A4": (4, 4), "W8A8": (8, 8)}
@@ -155,7 +155,7 @@ def _share(g, how) -> str:
     return f"Δ{g['delta'][how]:+.4f}"
 
 
-def _loss_rows(record) -> list:
+def loss_rows(record) -> list:
     rows = []
     for r in record["archs"]:
         for variant, v in r["variants"].items():
@@ -169,7 +169,7 @@ def _loss_rows(record) -> list:
     return rows
 
 
-def _gap_rows(record, hows) -> list:
+def gap_rows(record, hows) -> list:
     rows = []
     for r in record["archs"]:
         for variant, v in r["variants"].items():
@@ -193,7 +193,7 @@ def markdown(record) -> str:
              "their readers and nothing rotated (what `symgraph rotate` does before it rotates); `random` seed 0, "
              "`random@1` seed 1 (the noise level), `hadamard` and `learned` seed 0.", ""]
     header = ["model", "variant", "rotation", *SETTINGS, "certificate", "classes"]
-    lines += table(header, _loss_rows(record), ["l", "l", "l", *["r"] * (len(header) - 3)])
+    lines += table(header, loss_rows(record), ["l", "l", "l", *["r"] * (len(header) - 3)])
     hows = list(dict.fromkeys(h for r in record["archs"] for v in r["variants"].values()
                               for h in v.get("rows", {}) if h != "none"))
     lines += ["", "## Share of the loss gap closed", "",
@@ -202,7 +202,7 @@ def markdown(record) -> str:
               f"is given where the gap is at least {GAP_MIN} nats and {NOISE_TIMES}× the noise; below that the gap "
               "is not resolved and the cell gives the loss change `Δ = L_rot − L_none` (negative: better).", ""]
     header = ["model", "variant", "setting", "gap", "noise", *hows]
-    lines += table(header, _gap_rows(record, hows), ["l", "l", "l", *["r"] * (len(header) - 3)])
+    lines += table(header, gap_rows(record, hows), ["l", "l", "l", *["r"] * (len(header) - 3)])
     lines += ["", "Notes: " + record["notes"], ""]
     if record.get("quarot"):
         lines += [f"QuaRot: spcl/QuaRot at `{record['quarot']['commit']}`, its `fake_quant` rotation code run "

@@ -1,0 +1,156 @@
+"""Rotations for quantization on massive residual-stream channels (issue 64): the ``stream``
+variant of :mod:`benchmarks.bench_rotate`. Its ``outliers`` variant puts outliers in the norm
+gains, which folding alone removes; trained LLMs carry theirs in the residual stream itself
+(Sun et al. 2024, massive activations; Dettmers et al. 2022, LLM.int8()), where folding leaves
+them and only a rotation of the stream spreads them.
+
+The variant: the benchmark's trained ``plain`` model, ``channels`` channels of its token
+embedding raised by ``factor`` × the embedding's RMS
+(:func:`symgraph.rotation.stream.with_massive_channels`), then fine-tuned ``tune_steps`` steps
+on the training data with the zoo's own optimiser (:func:`benchmarks.train.fit`, the spec's
+batch size and peak rate, a data seed of its own), so the model adapts and its float loss
+recovers. Printed and recorded: the float loss of the plain, the raised and the fine-tuned
+model, and the largest over the median channel RMS at every folded norm's input of each
+(:func:`symgraph.rotation.stream.norm_input_ratios`). Rows, settings, quantizer, noise and the
+resolution rule are :mod:`benchmarks.bench_rotate`'s.
+
+    python -m benchmarks.bench_rotate_stream [--archs llama gpt2] [--channels 4] [--factor 30]
+        [--tune-steps 60] [--hows none fold hadamard random random@1 learned] [--quarot DIR]
+        [--out benchmarks/results/rotate_stream]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from symgraph.rotation.stream import norm_input_ratios, with_massive_channels
+
+from . import evaluate, train, zoo
+from .bench_rotate import EVAL_BATCHES, NOISE_ROW, SETTINGS, gap_rows, gaps, loss_rows, run_rows
+from .provenance import commit_info, command_line, log, table, write_result
+
+__all__ = ["STREAM_DATA_SEED", "stream_variant", "run_arch", "markdown", "main"]
+
+#: The fine-tuning's data order: a generator of its own, not the plain model's training draw.
+STREAM_DATA_SEED = train.DATA_SEED_OFFSET + 64
+
+
+def _state(model, arch, batches) -> dict:
+    """The float loss of ``model`` on ``batches`` and the channel ratio at every folded norm's input
+    (on the first batch)."""
+    ratios = norm_input_ratios(model, lambda m: evaluate.model_logits(m, arch, batches[0]))
+    with torch.no_grad():
+        loss = sum(float(evaluate.batch_loss(model, arch, b)) for b in batches) / len(batches)
+    return {"loss": loss, "ratios": ratios}
+
+
+def stream_variant(arch, plain, channels: int, factor: float, tune_steps: int, seed: int = 0):
+    """``(model, info)``: ``plain`` with massive stream channels, fine-tuned (module docstring);
+    ``info``: the channels, the offset, the steps and the ``plain`` / ``raised`` / ``tuned`` states
+    (:func:`_state`), the training losses' first and last tenth."""
+    batches = evaluate.eval_batches(arch, "eval", max_batches=EVAL_BATCHES)
+    mass = with_massive_channels(plain, channels=channels, factor=factor, seed=seed)
+    info = {"channels": mass.channels, "factor": factor, "offset": mass.offset, "tune_steps": tune_steps,
+            "plain": _state(plain, arch, batches), "raised": _state(mass.model, arch, batches)}
+    spec = zoo.get_spec(arch)
+    setting = spec.setting("quick")
+    gen = torch.Generator().manual_seed(STREAM_DATA_SEED + seed)
+    model = mass.model.train()
+    t0 = time.perf_counter()
+    losses = train.fit(model, train.batch_sampler(spec, setting.batch_size, gen), tune_steps, setting.lr,
+                       loss_fn=lambda m, b: evaluate.batch_loss(m, arch, b))
+    model.eval()
+    tenth = max(1, tune_steps // 10)
+    info.update(tune_seconds=time.perf_counter() - t0, train_first=sum(losses[:tenth]) / tenth,
+                train_last=sum(losses[-tenth:]) / tenth, tuned=_state(model, arch, batches))
+    for k in ("plain", "raised", "tuned"):
+        s = info[k]
+        log(f"bench_rotate_stream: {arch} {k}: float loss {s['loss']:.4f}, max/median channel RMS at the "
+            f"norms' inputs {', '.join(f'{r:.1f}' for r in s['ratios'].values())}")
+    return model, info
+
+
+def run_arch(arch: str, hows, learn_steps: int, train_steps: int, tune_steps: int, channels: int,
+             factor: float, quarot=None) -> dict:
+    """The ``stream`` variant of ``arch`` (plain: trained ``train_steps`` steps, seed 0, quick) and
+    its losses per rotation and setting (:func:`benchmarks.bench_rotate.run_rows`)."""
+    plain = train.train_model(arch, seed=0, size="quick", steps=train_steps)
+    model, info = stream_variant(arch, plain, channels, factor, tune_steps)
+    batches = evaluate.eval_batches(arch, "eval", max_batches=EVAL_BATCHES)
+    hows = list(hows) + (["quarot"] if quarot and arch == "llama" else [])
+    rows = run_rows(model, arch, hows, learn_steps, batches, quarot, label=f"{arch} stream")
+    return {"arch": arch, "variants": {"stream": {**info, "rows": rows, "gaps": gaps(rows)}}}
+
+
+def _state_rows(record) -> list:
+    rows = []
+    for r in record["archs"]:
+        v = r["variants"]["stream"]
+        for k in ("plain", "raised", "tuned"):
+            rows.append([r["arch"], k, f"{v[k]['loss']:.4f}",
+                         " / ".join(f"{x:.1f}" for x in v[k]["ratios"].values())])
+    return rows
+
+
+def markdown(record) -> str:
+    lines = ["# Rotations for quantization: massive residual-stream channels (issue 64)", "",
+             f"Command: `{record['command']}`  ", f"Commit: `{record['commit']['commit']}` "
+             f"(tracked files differ: {record['commit']['dirty']})", "",
+             f"Variant `stream`: the trained `plain` zoo model (quick, seed 0, {record['train_steps']} steps) with "
+             f"{record['channels']} channels of its token embedding raised by {record['factor']:g} × the "
+             f"embedding's RMS (`symgraph.rotation.stream.with_massive_channels`), then fine-tuned "
+             f"{record['tune_steps']} steps (the zoo's AdamW schedule, batch size and peak rate, its own data "
+             "seed). Massive channels in the stream survive folding: a norm's input keeps them. Quantizer, rows, "
+             "noise and resolution rule as `benchmarks/results/rotate/rotate.md`.", "",
+             "## The variant", "",
+             "Float loss (first evaluation batches) and max/median channel RMS at each folded norm's input, in "
+             "model order (first batch): `plain`, the trained model; `raised`, the channels added, not "
+             "trained; `tuned`, after fine-tuning (the model benchmarked).", ""]
+    lines += table(["model", "state", "float loss", "max/median channel RMS at the norms' inputs"],
+                   _state_rows(record), ["l", "l", "r", "l"])
+    lines += ["", "## Losses", ""]
+    header = ["model", "variant", "rotation", *SETTINGS, "certificate", "classes"]
+    lines += table(header, loss_rows(record), ["l", "l", "l", *["r"] * (len(header) - 3)])
+    hows = list(dict.fromkeys(h for r in record["archs"] for v in r["variants"].values()
+                              for h in v.get("rows", {}) if h != "none"))
+    lines += ["", "## Share of the loss gap closed", "",
+              "As in the rotate table: `(L_none − L_rot) / gap` where the gap is resolved, else `Δ = L_rot − L_none`.",
+              ""]
+    header = ["model", "variant", "setting", "gap", "noise", *hows]
+    lines += table(header, gap_rows(record, hows), ["l", "l", "l", *["r"] * (len(header) - 3)])
+    return "\n".join(lines + [""])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--archs", nargs="+", default=["llama", "gpt2"])
+    p.add_argument("--hows", nargs="+", default=["none", "fold", "hadamard", "random", NOISE_ROW, "learned"])
+    p.add_argument("--channels", type=int, default=4)
+    p.add_argument("--factor", type=float, default=30.0, help="the offset, in units of the embedding's RMS")
+    p.add_argument("--tune-steps", type=int, default=60)
+    p.add_argument("--learn-steps", type=int, default=30)
+    p.add_argument("--train-steps", type=int, default=150, help="AdamW steps of each plain zoo model (cached)")
+    p.add_argument("--out", default="benchmarks/results/rotate_stream")
+    p.add_argument("--quarot", metavar="DIR", default=None,
+                   help="a checkout of github.com/spcl/QuaRot: its own rotation code on the LLaMA model")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    from .rotate_quarot import quarot_commit
+    hows = ["none"] + [h for h in args.hows if h != "none"]
+    record = {"command": command_line(argv, "benchmarks.bench_rotate_stream"), "commit": commit_info(),
+              "threads": torch.get_num_threads(), "settings": SETTINGS, "train_steps": args.train_steps,
+              "channels": args.channels, "factor": args.factor, "tune_steps": args.tune_steps,
+              "quarot": None if not args.quarot else {"commit": quarot_commit(args.quarot)},
+              "archs": [run_arch(a, hows, args.learn_steps, args.train_steps, args.tune_steps, args.channels,
+                                 args.factor, args.quarot) for a in args.archs]}
+    record["seconds"] = time.perf_counter() - t0
+    write_result(args.out, ".bench-rotate-stream-", record, markdown, json_name="rotate_stream.json",
+                 md_name="rotate_stream.md", command=record["command"])
+    print(markdown(record))
+
+
+if __name__ == "__main__":
+    main()
