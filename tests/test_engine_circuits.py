@@ -155,3 +155,23 @@ def test_a_config_that_cannot_hold_the_wider_heads_is_refused_naming_the_tensor(
         wide_shapes(cplan, cfg, old, want, 2)
     with pytest.raises(InputError, match="disagree on tensor 'extra'"):
         wide_shapes(cplan, cfg, old, {**want, "extra": (1,)}, 2)
+
+
+def test_the_circuit_line_is_the_engines_circuit_merge():
+    """``circuit_merge`` (the barrier's circuit-space line, learned matching's ``between``) of
+    models whose config states wider heads is the merge engine's: the tensors of
+    ``symgraph.merge(..., attention="circuits")`` bit for bit, and the circuit-space function
+    of the interpolation (``Σ w_i`` of each head's forms) at the ends."""
+    from symgraph.merging.circuits import circuit_merge
+    A, B = (models.build("llama", seed=i, **SIZES) for i in range(2))
+    Bal = symgraph.align(A, B).apply(B)
+    rep = symgraph.analyze(A)
+    for w in ([0.3, 0.7], [1.0, 0.0]):
+        line = circuit_merge([A, Bal], w, rep)
+        merged = symgraph.merge([A, Bal], weights=w, align=None, attention="circuits").model
+        assert type(line) is type(merged) and line.config.head_dim == 2 * A.config.head_dim
+        a, b = line.state_dict(), merged.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(line(x).logits, A(x).logits, atol=1e-5, rtol=0)  # weight 1 on A: A's function

@@ -148,28 +148,29 @@ def _wider(report, n) -> dict:
 def circuit_merge(models, weights, report):
     """Circuit-space merge of ``models`` (aligned, one architecture; ``report`` the anchor's)
     with mixing ``weights``, heads ``len(models)`` times as wide: the parents' model class with
-    a config stating the head size, or where none can, their traced program with the head
-    classes widened (:class:`~symgraph.width.widen.Resized`, in memory only)."""
+    a config stating the head size (the merge engine's, :class:`CircuitHeads`), or where none
+    can, their traced program with the head classes widened (:class:`~symgraph.width.widen.Resized`,
+    in memory only)."""
     n, A = len(models), models[0]
     why = why_no_config(A, n)
-    cplan = plan(report, query_scale=why is None)
-    dtype = next(A.parameters()).dtype
-    if why is not None and cplan.rope:
+    if why is None:
+        from ..checkpoints.memory import ModelCheckpoint
+        from .streaming import StreamingMerge
+        job = StreamingMerge([ModelCheckpoint(m, f"model {i}") for i, m in enumerate(models)], align=None,
+                             attention="circuits", weights=[float(w) for w in weights],
+                             device=next(A.parameters()).device)
+        job.use(report, [None] * n)
+        return job.merged_model(A)
+    cplan = plan(report, query_scale=False)
+    if cplan.rope:
         raise InputError(why.replace("the merged model runs in memory only", "and its rotary heads "
                          "need per-pair frequencies a config states; expected a config with head_dim"))
-    if why is None:
-        cfg = wide_config(A, cplan.head_dim, n, cplan.rope)
-        new, finish = wide_model(A, cfg, next(A.parameters()).device)
-        wide_shapes(cplan, cfg, _shapes(A), _shapes(new), n)  # refused before any tensor is computed
     states = [{k: v.detach().to(torch.promote_types(v.dtype, torch.float32)) for k, v in m.state_dict().items()}
               for m in models]
+    dtype = next(A.parameters()).dtype
     merged = {k: v.to(dtype) for k, v in circuit_state(states, [float(w) for w in weights], cplan).items()}
-    if why is not None:
-        from ..width.widen import Resized
-        return Resized(A, merged, lambda rep: _wider(rep, n), why, key=("circuits", n)).eval()
-    new.load_state_dict(merged, strict=True, assign=True)
-    finish(new)
-    return new
+    from ..width.widen import Resized
+    return Resized(A, merged, lambda rep: _wider(rep, n), why, key=("circuits", n)).eval()
 
 
 def _shapes(model) -> dict:
