@@ -100,7 +100,7 @@ def test_gpt2_circuit_merge_in_memory_of_a_transformed_copy_is_the_model(gpt2_pa
 
 @pytest.mark.slow  # ~25-40 s; the default suite's budget is 10 minutes
 def test_gpt2_circuit_endpoints_interpolate_and_learned_matching():
-    from symgraph.merging.circuits import circuit_between
+    from symgraph.merging.driver import circuit_between
     A, B = models.build("gpt2", seed=0, **GPT2), models.build("gpt2", seed=1, **GPT2)
     x = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
     al = symgraph.align(A, B)

@@ -162,7 +162,7 @@ def test_the_circuit_line_is_the_engines_circuit_merge():
     models whose config states wider heads is the merge engine's: the tensors of
     ``symgraph.merge(..., attention="circuits")`` bit for bit, and the circuit-space function
     of the interpolation (``Σ w_i`` of each head's forms) at the ends."""
-    from symgraph.merging.circuits import circuit_merge
+    from symgraph.merging.driver import circuit_merge
     A, B = (models.build("llama", seed=i, **SIZES) for i in range(2))
     Bal = symgraph.align(A, B).apply(B)
     rep = symgraph.analyze(A)

@@ -136,7 +136,7 @@ def run_row(name, A, B, *, train, test, refine_steps, circuits: bool, eval_bs=8,
     ``learn``'s batches, its budget, when given), the curve on the test split in that space, its
     barrier; computed on the parents' device (the batches, ``test`` and ``seen`` live there too)."""
     import symgraph
-    from symgraph.merging.circuits import circuit_between
+    from symgraph.merging.driver import circuit_between
     align, fold, steps = ROWS[name]
     steps = refine_steps if steps < 0 else steps
     data = learn if steps and learn else train

@@ -115,7 +115,7 @@ class AlignOptions(BaseModel):
         "a function between(θ_A, θ_B′, λ) -> model, or None (the linear interpolation)"))
     """``between(θ_A, θ_B′, λ) -> model``: the model between A and B that learned matching trains
     (default: the linear interpolation in A's architecture;
-    ``symgraph.merging.circuits.circuit_between(model_a)`` trains in circuit space)."""
+    ``symgraph.merging.driver.circuit_between(model_a)`` trains in circuit space)."""
     full_groups: StrictBool = Field(False, json_schema_extra=_expects("true or false"))
     """After the orthogonal parts are solved, fit the rest of the groups the report claims (GL per
     head on QK and VO, the scales of RoPE's scaled rotations: :func:`~symgraph.alignment.rescale.fit_gl`),

@@ -30,7 +30,7 @@ def interpolate(a, b, lambdas=None, loss_fn=None, attention: str = "heads"):
 
     ``attention="circuits"``: along the circuit-space line instead (Theus et al. 2025): every
     head computes ``λ·QK_A + (1−λ)·QK_B`` and ``λ·OV_A + (1−λ)·OV_B``
-    (:func:`symgraph.merging.circuits.circuit_merge`); the end points are A and B."""
+    (:func:`symgraph.merging.driver.circuit_merge`); the end points are A and B."""
     if loss_fn is None:
         raise InputError("interpolate needs loss_fn(model) -> float")
     lambdas = np.linspace(0, 1, 21) if lambdas is None else lambdas
@@ -43,7 +43,7 @@ def interpolate(a, b, lambdas=None, loss_fn=None, attention: str = "heads"):
             raise InputError(f"models differ at parameter {k!r}; interpolate needs equal shapes")
     if attention == "circuits":
         from ..report import analyze
-        from ..merging.circuits import circuit_merge
+        from ..merging.driver import circuit_merge
         rep = analyze(a)
         return [(float(lam), float(loss_fn(circuit_merge([a, b], [lam, 1 - lam], rep)))) for lam in lambdas]
     m = copy.deepcopy(a)

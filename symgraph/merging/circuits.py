@@ -23,8 +23,8 @@ from ..errors import InputError
 from ..width.heads import why_no_config, wide_config, wide_model
 from .engine.plan import keys_of
 
-__all__ = ["circuit_merge", "circuit_state", "circuit_between", "CircuitPlan", "plan", "why_no_config", "wide_model",
-           "wide_shapes", "streamed", "Widening", "CircuitHeads"]
+__all__ = ["widened_program", "circuit_state", "CircuitPlan", "plan", "why_no_config", "wide_model", "wide_shapes",
+           "streamed", "Widening", "CircuitHeads"]
 
 
 class CircuitPlan:
@@ -145,22 +145,12 @@ def _wider(report, n) -> dict:
     return {g: n * dims[g] for g in plan(report, query_scale=False).wide}
 
 
-def circuit_merge(models, weights, report):
-    """Circuit-space merge of ``models`` (aligned, one architecture; ``report`` the anchor's)
-    with mixing ``weights``, heads ``len(models)`` times as wide: the parents' model class with
-    a config stating the head size (the merge engine's, :class:`CircuitHeads`), or where none
-    can, their traced program with the head classes widened (:class:`~symgraph.width.widen.Resized`,
-    in memory only)."""
+def widened_program(models, weights, report, why: str):
+    """The circuit-space merge of ``models`` (aligned, one architecture; ``report`` the anchor's)
+    with mixing ``weights`` where no config can state the wider head size (``why``): their traced
+    program with the head classes widened (:class:`~symgraph.width.widen.Resized`, in memory
+    only; :func:`~symgraph.merging.driver.circuit_merge` runs the others through the engine)."""
     n, A = len(models), models[0]
-    why = why_no_config(A, n)
-    if why is None:
-        from ..checkpoints.memory import ModelCheckpoint
-        from .streaming import StreamingMerge
-        job = StreamingMerge([ModelCheckpoint(m, f"model {i}") for i, m in enumerate(models)], align=None,
-                             attention="circuits", weights=[float(w) for w in weights],
-                             device=next(A.parameters()).device)
-        job.use(report, [None] * n)
-        return job.merged_model(A)
     cplan = plan(report, query_scale=False)
     if cplan.rope:
         raise InputError(why.replace("the merged model runs in memory only", "and its rotary heads "
@@ -197,23 +187,6 @@ def wide_shapes(cplan: CircuitPlan, cfg, old: dict, want: dict, n: int) -> dict:
     return out
 
 
-def circuit_between(model_a, report=None):
-    """Learned matching in circuit space (Theus et al. 2025): ``between(θ_A, θ_B′, λ)`` gives
-    the circuit-space model of A and B′ with weights ``(1 − λ, λ)`` on those (differentiable)
-    tensors, for ``symgraph.align(..., refine=N, between=circuit_between(A))``."""
-    from ..alignment.refine import Bound
-    from ..report import analyze
-    report = report if report is not None else analyze(model_a)
-    why = why_no_config(model_a, 2)
-    cplan = plan(report, query_scale=why is None)
-    skeleton = circuit_merge([model_a, model_a], [0.5, 0.5], report)
-
-    def between(ta, tb, lam):
-        state = circuit_state([ta, tb], [1 - lam, lam], cplan)
-        return skeleton.with_state(state) if why else Bound(skeleton, state)
-    return between
-
-
 def streamed(config, checkpoints, method: str, report: Callable):
     """Circuit-space heads as a transform of the merge engine's plan (:class:`CircuitHeads`),
     or None for ``config.attention == "heads"``; ``report()``: the anchor's report once the
@@ -232,9 +205,10 @@ class Widening:
 
 
 class CircuitHeads:
-    """Circuit-space heads in the merge engine: refuses what :func:`circuit_merge` refuses and
-    gives the engine its :class:`Widening` (:meth:`widening`), whose combine is
-    :func:`circuit_state` with the anchor first, as in memory. It never sees the engine."""
+    """Circuit-space heads in the merge engine: refuses another method than averaging and a
+    config that cannot state the wider heads, and gives the engine its :class:`Widening`
+    (:meth:`widening`), whose combine is :func:`circuit_state` with the anchor first. It never
+    sees the engine."""
 
     def __init__(self, config, checkpoints, method: str, report: Callable):
         self.anchor, self.n, self.config = int(config.anchor), len(checkpoints), config
@@ -248,7 +222,7 @@ class CircuitHeads:
                              "with head_dim (LLaMA, Qwen2, Mistral, Gemma...) for a saved checkpoint")
 
     def built(self):
-        """``(plan, config, meta model)`` of the merge, as :func:`circuit_merge` builds them."""
+        """``(plan, config, meta model)`` of the merge."""
         if self._built is None:
             A = self.checkpoint.model  # on the meta device: a config and shapes, no tensors
             report = self.report()
@@ -263,7 +237,7 @@ class CircuitHeads:
 
     def widening(self) -> Widening:
         """The shapes, config fields and combine of the merge (checked against the model class
-        the new config builds, as :func:`circuit_merge` checks them)."""
+        the new config builds)."""
         cplan, cfg, new = self.built()
         A = self.checkpoint  # its stored shapes are its model's (checked when it was opened)
         wide = wide_shapes(cplan, cfg, _shapes(A.model), _shapes(new), self.n)

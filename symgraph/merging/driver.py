@@ -15,14 +15,14 @@ from ..alignment.checks import check_finite
 from ..report.api import analyze
 from ..errors import InputError
 from ..checkpoints.memory import ModelCheckpoint
-from .circuits import circuit_merge, why_no_config
+from .circuits import circuit_state, plan, why_no_config, widened_program
 from .config import MergeConfig, engine_config, solver_options
 from .methods import registry
 from .methods.registry import mixing_weights
 from .repair import RepairReport
 from .streaming import StreamingMerge
 
-__all__ = ["MergeResult", "merge"]
+__all__ = ["MergeResult", "merge", "circuit_merge", "circuit_between"]
 
 
 @dataclass
@@ -178,8 +178,40 @@ def _engine(models, config, how, data) -> StreamingMerge:
 
 def _circuits_without_config(models, alignments, w, anchor, ra):
     """Circuit-space heads for a model whose config cannot state them: the parents' traced
-    program widened (:func:`~symgraph.merging.circuits.circuit_merge`), in memory only."""
+    program widened (:func:`~symgraph.merging.circuits.widened_program`), in memory only."""
     parents = [m if al is None else al.apply(m) for m, al in zip(models, alignments)]
     parents = parents[anchor:anchor + 1] + parents[:anchor] + parents[anchor + 1:]
     ws = [w[anchor]] + [x for i, x in enumerate(w) if i != anchor]
     return circuit_merge(parents, ws, ra)  # the head classes do not depend on folding
+
+
+def circuit_merge(models, weights, report):
+    """Circuit-space merge of ``models`` (aligned, one architecture; ``report`` the anchor's)
+    with mixing ``weights``, heads ``len(models)`` times as wide: the merge engine's (its
+    circuit-space transform, :class:`~.circuits.CircuitHeads`) into the parents' model class
+    where a config can state the head size, else their traced program widened
+    (:func:`~.circuits.widened_program`, in memory only)."""
+    A = models[0]
+    why = why_no_config(A, len(models))
+    if why is not None:
+        return widened_program(models, weights, report, why)
+    job = StreamingMerge([ModelCheckpoint(m, f"model {i}") for i, m in enumerate(models)], align=None,
+                         attention="circuits", weights=[float(w) for w in weights], device=next(A.parameters()).device)
+    job.use(report, [None] * len(models))
+    return job.merged_model(A)
+
+
+def circuit_between(model_a, report=None):
+    """Learned matching in circuit space (Theus et al. 2025): ``between(θ_A, θ_B′, λ)`` gives
+    the circuit-space model of A and B′ with weights ``(1 − λ, λ)`` on those (differentiable)
+    tensors, for ``symgraph.align(..., refine=N, between=circuit_between(A))``."""
+    from ..alignment.refine import Bound
+    report = report if report is not None else analyze(model_a)
+    why = why_no_config(model_a, 2)
+    cplan = plan(report, query_scale=why is None)
+    skeleton = circuit_merge([model_a, model_a], [0.5, 0.5], report)
+
+    def between(ta, tb, lam):
+        state = circuit_state([ta, tb], [1 - lam, lam], cplan)
+        return skeleton.with_state(state) if why else Bound(skeleton, state)
+    return between
