@@ -16,7 +16,6 @@ tensor: B in A's basis here, a checkpoint rotated for quantization in
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -258,10 +257,3 @@ def run_apply(alignment: str, model: str, out: str, *, force: bool = False) -> d
     record["symgraph_apply"]["seconds"] = time.time() - t0
     record["out"] = out
     return record
-
-
-def read_record(directory: str) -> dict:
-    """The record :func:`run_align` / :func:`run_apply` wrote beside a checkpoint."""
-    from ..checkpoints.outdir import MARKER, record_of
-    with open(os.path.join(directory, record_of(os.listdir(directory)) or MARKER)) as f:
-        return json.load(f)
