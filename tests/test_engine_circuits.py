@@ -121,11 +121,10 @@ def test_circuit_heads_widen_the_plan_from_what_they_are_given(pair, tmp_path):
     anchor's report), never an engine: its widening is the wider shapes of every head tensor,
     the config fields that state them, and a combine equal to :func:`circuit_state`."""
     from symgraph.checkpoints.sharded import Checkpoint
-    from symgraph.merging.circuits import CircuitHeads, circuit_state, streamed
+    from symgraph.merging.circuits import CircuitHeads, circuit_state
     ckpts = [Checkpoint(str(pair / f"m{i}")) for i in range(2)]
     cfg = MergeConfig(models=[str(pair / "m0"), str(pair / "m1")], attention="circuits", anchor=1)
-    assert streamed(cfg.model_copy(update={"attention": "heads"}), ckpts, "average", lambda: None) is None
-    heads = streamed(cfg, ckpts, "average", lambda: None)  # unaligned: the anchor analysed by the transform
+    heads = CircuitHeads(cfg, ckpts, "average", lambda: None)  # unaligned: the anchor analysed by the transform
     wide = heads.widening()
     layer = "model.layers.0.self_attn."
     assert wide.out_shapes[layer + "q_proj.weight"] == (4 * 16, 32)  # 4 heads of 2 x 8

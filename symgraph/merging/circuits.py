@@ -24,7 +24,7 @@ from ..width.heads import why_no_config, wide_config, wide_model
 from .engine.plan import keys_of
 
 __all__ = ["widened_program", "circuit_state", "CircuitPlan", "plan", "why_no_config", "wide_model", "wide_shapes",
-           "streamed", "Widening", "CircuitHeads"]
+           "Widening", "CircuitHeads"]
 
 
 class CircuitPlan:
@@ -185,13 +185,6 @@ def wide_shapes(cplan: CircuitPlan, cfg, old: dict, want: dict, n: int) -> dict:
                              f"{want[name]}, not {tuple(wide)}; the config cannot express the wider heads")
         out[name] = tuple(wide)
     return out
-
-
-def streamed(config, checkpoints, method: str, report: Callable):
-    """Circuit-space heads as a transform of the merge engine's plan (:class:`CircuitHeads`),
-    or None for ``config.attention == "heads"``; ``report()``: the anchor's report once the
-    merge has one (None: analysed here as ``config`` says)."""
-    return CircuitHeads(config, checkpoints, method, report) if config.attention == "circuits" else None
 
 
 @dataclass(frozen=True)

@@ -136,8 +136,9 @@ class StreamingMerge:
         # combine of a group, the shapes written, corrections of merged tensors, the config
         self.transforms = Transforms(self.how.combine_group, untie_config_updates(
             getattr(self._checkpoints[self.anchor].source, "config", None)))
-        from .circuits import streamed  # imported here: the engine loads nothing of a transform it does not run
-        self.transforms.circuits = streamed(cfg, self._checkpoints, self.how.name, lambda: self.graph_report)
+        if cfg.attention == "circuits":  # imported here: the engine loads nothing of a transform it does not run
+            from .circuits import CircuitHeads
+            self.transforms.circuits = CircuitHeads(cfg, self._checkpoints, self.how.name, lambda: self.graph_report)
 
     checkpoints = property(lambda self: self._checkpoints, doc="the checkpoints, as read (untied if asked)")
     ckpts = checkpoints  # the engine's name
