@@ -300,7 +300,26 @@ def _shrink_level(cfg, id_map, mains=frozenset()) -> dict:
             out[k] = new
     if "out_indices" in out and "out_features" in fields:
         out["out_features"] = None  # derived from the indices by the backbone's config
+    out.update(_tokens_per_image(fields, out))
     return out
+
+
+def _tokens_per_image(fields, out) -> dict:
+    """A vision-language level's image tokens per image (``mm_tokens_per_image``,
+    ``image_seq_length``) as a square no larger than the patches of its vision config's shrunk
+    image (Gemma 3 pools ``image/patch`` patches a side down to ``√tokens``: 256 tokens from a
+    64-pixel image of 14-pixel patches would pool with a kernel of 0)."""
+    vision = out.get("vision_config")
+    image, patch = (vision or {}).get("image_size"), (vision or {}).get("patch_size")
+    if not (_is_int(image) and _is_int(patch) and patch > 0):
+        return {}
+    side = max(1, image // patch)
+    res = {}
+    for k in ("mm_tokens_per_image", "image_seq_length"):
+        v = fields.get(k)
+        if _is_int(v) and v > side * side:
+            res[k] = side * side
+    return res
 
 
 def _output_layers(fields, old_layers) -> int:

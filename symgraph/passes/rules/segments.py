@@ -32,6 +32,11 @@ def slice_(ctx):
     start = ctx.arg(2, "start", None) or 0
     end = ctx.arg(3, "end", None)
     step = ctx.arg(4, "step", 1) or 1
+    if not all(isinstance(v, int) for v in (n, start, step)) or not isinstance(end, (int, type(None))):
+        # bounds computed in the program (Mistral 3's image features cut at each image's
+        # size): which entries are kept is unknown here, so the sliced axis is fixed
+        why = f"{ctx.where}: slice with bounds computed in the program"
+        return _others(xa, ctx.out, d) + [Meet(xa[d], "identity", why), Meet(ctx.out[d], "identity", why)]
     end = n if end is None or end >= _BIG else end
     start, end = (start + n if start < 0 else start), (end + n if end < 0 else end)
     start, end = max(0, min(start, n)), max(0, min(end, n))

@@ -1,0 +1,81 @@
+"""Issue 65, vision-language rows (``image_text_to_text``): a model that states no image tokens
+per image gets as many as its own ``get_image_features`` returns (LLaVA), so its vision tower is
+read and aligned; the shrink rule keeps Gemma 3's tokens per image a square within the shrunk
+image's patches (256 tokens from 4×4 patches pooled with a kernel of 0: "stride should not be
+zero"); a slice whose bounds the program computes (Mistral 3's per-image features) fixes the
+sliced axis instead of failing the analysis."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import symgraph
+from benchmarks import coverage as cov
+from benchmarks.coverage.family import run_eagerly
+from symgraph.passes.inputs import default_inputs
+from symgraph.testing.models import randomized
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llava():
+    cfg = transformers.LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=24,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=20,
+                           num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=4),
+        image_token_index=60, vision_feature_layer=-1)
+    return randomized(transformers.LlavaForConditionalGeneration(cfg))
+
+
+def test_image_tokens_counted_by_the_models_own_features():
+    m = _llava()
+    assert getattr(m.config, "image_seq_length", None) in (None, 576)  # the config's is not these images'
+    _, kw = default_inputs(m)
+    ids = kw["input_ids"]
+    # (16/4)² patches, the class token dropped by the default feature strategy: 16 per image
+    assert kw["pixel_values"].shape == (2, 3, 16, 16) and (ids == 60).sum(1).tolist() == [16, 16]
+    assert ids[:, 0].ne(60).all() and ids[:, -1].ne(60).all() and ids.shape[1] == 1 + 16 + 1  # text around it
+    r = symgraph.analyze(m)
+    assert r.certify(m) < 1e-6
+    # the vision tower is read: its MLP's hidden units are a permutation class
+    fc = r.group_of("model.vision_tower.encoder.layers.0.mlp.fc1.weight", 0)
+    assert [g.kind for g in fc] == ["perm"] and fc[0].size == 20
+    assert ("model.vision_tower.encoder.layers.0.mlp.fc2.weight", 1) in fc[0].params
+
+
+def test_gemma3_tokens_per_image_fit_the_shrunk_image():
+    cfg, over = cov.tiny_config("gemma3")
+    side = cfg.vision_config.image_size // cfg.vision_config.patch_size
+    assert cfg.vision_config.image_size == cov.IMAGE and over["mm_tokens_per_image"] == side * side == 16
+    model, _ = cov.build("gemma3", "Gemma3ForConditionalGeneration")
+    args, kw = default_inputs(model)
+    assert (kw["input_ids"] == cfg.image_token_id).sum(1).tolist() == [16, 16]
+    run_eagerly(model, args, kw)  # transformers runs it: pooled with a kernel of 1
+
+
+class Cut(nn.Module):
+    """A hidden layer, and a slice of another projection up to a count read from the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 12), nn.Linear(12, 4), nn.Linear(4, 4)
+
+    def forward(self, x, n):
+        h = self.a(x)
+        k = n.sum().item()
+        torch._check(k >= 1)
+        torch._check(k <= 12)
+        return self.c(torch.relu(self.b(h))) + h[:, :k].sum(-1, keepdim=True)
+
+
+def test_slice_with_bounds_computed_in_the_program_fixes_its_axis():
+    m = Cut().double()
+    inputs = (torch.randn(3, 8, dtype=torch.float64), torch.tensor([2, 3]))
+    r = symgraph.analyze(m, inputs=inputs)
+    assert r.group_of("a.weight", 0) == []  # the cut axis: which entries are kept is unknown
+    (hidden,) = r.group_of("b.weight", 0)
+    assert hidden.kind == "scaled_perm" and hidden.size == 4 and ("c.weight", 1) in hidden.params
+    assert r.certify(m, inputs=inputs) < 1e-6
