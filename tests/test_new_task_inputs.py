@@ -59,8 +59,9 @@ def test_speech_encoder_decoder_reads_its_encoders_main_input():
     m = randomized(T.SpeechEncoderDecoderModel(config=T.SpeechEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)))
     assert m.main_input_name == "inputs"
     _, kw = default_inputs(m)
-    assert set(kw) == {"input_values", "decoder_input_ids", "decoder_attention_mask", "use_cache"}
-    assert kw["input_values"].dim() == 2
+    assert set(kw) == {"input_values", "decoder_input_ids", "decoder_attention_mask", "use_cache",
+                       "mask_time_indices"}  # handed to the encoder: its masked_spec_embed read
+    assert kw["input_values"].dim() == 2 and kw["mask_time_indices"].shape == (2, 8)
     with torch.no_grad():  # raw samples the feature extractor turns into 8 frames
         assert m.encoder.feature_extractor(kw["input_values"]).shape[-1] == 8
     r = symgraph.analyze(m)

@@ -19,7 +19,8 @@ from ..errors import UnsupportedOpError
 from . import labels, registry
 from .bufferviews import buffer_views
 from .patterns import rope as _rope
-from .nodes import BRANCHES_TAKEN, READ_AS_NUMBER, FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path, output_nodes, packet as _packet, source_line
+from .nodes import (BRANCHES_TAKEN, READ_AS_NUMBER, FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path,
+                    output_nodes, packet as _packet, source_line, UNREAD, unread_parameters)
 from .registry import Label, Meet, NoFiber, Rope, RuleContext, Structure, Unify
 from .patterns.norms import find_norms
 from .patterns.packed import find_packed
@@ -101,6 +102,7 @@ class AxisAnalysis:
         self.buffer_nodes: dict[str, torch.fx.Node] = {}  # buffers no rule fixed (after run)
         self.buffer_views = buffer_views(self.graph, self.buffer_of)  # views of them taking rules
         self.fixed_buffers: dict[str, str] = {}  # the others: name -> why
+        self.unread_why: str | None = None  # why every parameter is fixed (one is never read)
         self.user_inputs = set(sig.user_inputs)
         self._constants = {n: ep.constants[k] for n, k in sig.inputs_to_lifted_tensor_constants.items()
                            if isinstance(ep.constants.get(k), torch.Tensor)}
@@ -172,19 +174,20 @@ class AxisAnalysis:
         return self
 
     def _fix_unread(self, live):
-        """A parameter no kept output depends on (an audio tower a text-only input never
-        reaches) constrains nothing, so any map of it would keep the function; but nothing
-        observed says which map would align it, and a free class as wide as such a tower's
-        layers (thousands of channels) costs a dense element in every transform, sample and
-        solve for nothing: it stays as it is, and the report says why."""
-        unread = [name for name, node in self.param_nodes.items() if node not in live]
-        blind = unread and self.graph.owning_module.meta.get(BRANCHES_TAKEN, False)
-        # blind: a data-dependent branch not taken reads them, with activations never traced
-        why = (f"a data-dependent branch the example inputs do not take reads {unread[0]} (and "
-               f"{len(unread) - 1} more): unknown") if blind else "no output kept reads it on these inputs"
-        for name in self.param_nodes if blind else unread:
-            for a in self._all_axes(self.param_nodes[name]):
-                self.uf.meet(a, "identity", why if blind else f"parameter {name}: {why}")
+        """A parameter the traced program never reads (:func:`.nodes.unread_parameters`: an audio
+        tower text-only inputs never reach, a branch not taken) is read on other inputs, what it
+        needs of any class unknown: every parameter stays as it is, the reason names it. One the
+        program reads but no kept output depends on (a pooler's output dropped) alone stays."""
+        meta = self.graph.owning_module.meta
+        unread = meta[UNREAD] if UNREAD in meta else unread_parameters(self.ep)
+        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+        why = (f"a data-dependent branch the example inputs do not take reads {unread[0]}{more}: unknown"
+               if meta.get(BRANCHES_TAKEN, False) else
+               f"{unread[0]}{more} is never read by the traced inputs: pass inputs that use it") if unread else None
+        self.unread_why = why
+        for name, node in self.param_nodes.items():
+            for a in self._all_axes(node) if unread or node not in live else ():
+                self.uf.meet(a, "identity", why or f"parameter {name}: no output kept reads it on these inputs")
 
     def _settle_buffers(self):
         """Keep a buffer movable only where every reader's rule related each of its axes; fix

@@ -16,6 +16,10 @@ that this module knows the main input of.
   (AST); log-mel features (``input_features``) of the shape the encoder expects (Whisper:
   ``2 × max_source_positions`` frames, channels first; frames first elsewhere, eight per step
   of the encoder's subsampling);
+- a speech language model's audio (``input_features``) and as many audio tokens as its
+  ``get_audio_features`` returns; masked frames (``mask_time_indices``) wherever the forward
+  or, through its ``**kwargs``, its encoder takes them (Wav2Vec2, HuBERT): every tower the
+  signature can reach is read, since one the trace never reads leaves nothing claimed;
 - decoder inputs of an encoder-decoder (``decoder_input_ids``: its start token, then token
   ids; for a sequence classification head the ids shifted right, as its model would build);
 - ``use_cache=False`` wherever the forward takes it; floating inputs in the model's dtype.
@@ -174,6 +178,74 @@ def _features_per_image(model, pixels, extra) -> int | None:
     return total // len(pixels) if total and total % len(pixels) == 0 else None
 
 
+def _feature_mask(fn, feats, mel) -> dict:
+    """An all-ones mask of the feature frames (the axis that is not ``mel`` channels wide),
+    under the name ``fn`` takes it by, if any (``input_features_mask``, ``feature_attention_mask``)."""
+    names = [n for n in inspect.signature(fn).parameters if "feature" in n and n.endswith("mask")]
+    frames = feats.shape[2] if feats.shape[1] == mel else feats.shape[1]
+    return {names[0]: torch.ones(feats.shape[0], frames, dtype=torch.long)} if names else {}
+
+
+def _audio_tokens(model, kwargs, params, batch, gen) -> None:
+    """A speech language model (Audio Flamingo 3, GLM-ASR) reads audio where its token ids
+    hold its audio token: log-mel features of its audio config's shape (frames first, else
+    channels first: the layout its own ``get_audio_features`` takes), and in each row as many
+    audio tokens as that gives embeddings; text only where it takes neither (the report then
+    names a parameter the inputs never read)."""
+    cfg = model.config
+    token, audio = _ints(_sub(cfg, "audio_token_id", "audio_token_index")), getattr(cfg, "audio_config", None)
+    fn = getattr(model, "get_audio_features", None)
+    if not token or audio is None or fn is None or "input_features" not in params:
+        return
+    feats = _features(model, audio, batch, gen).to(next(model.parameters()).dtype)
+    out, mel = None, _sub(audio, "num_mel_bins", "feature_size")
+    for f in (feats, feats.transpose(1, 2)):  # frames first, or channels first (GLM-ASR)
+        try:
+            with torch.no_grad():
+                out = fn(f, **_feature_mask(fn, f, mel))
+        except Exception:  # noqa: BLE001 - the other layout, or no audio tokens at all
+            continue
+        feats = f
+        break
+    masks = _feature_mask(model.forward, feats, mel)
+    emb = getattr(out, "pooler_output", out)
+    width = _sub(cfg, "hidden_size")
+    if not isinstance(emb, torch.Tensor) or not width or emb.numel() % (batch * width):
+        return
+    n, ids = emb.numel() // (batch * width), kwargs["input_ids"]
+    kwargs["input_ids"] = torch.cat([ids[:, :1], torch.full((batch, n), token[0], dtype=ids.dtype), ids[:, 1:]], 1)
+    kwargs["input_features"] = feats
+    kwargs.update(masks)
+
+
+def _passes_on(model, params, name: str) -> bool:
+    """Whether the forward takes ``name``: by name, or in its ``**kwargs`` where a submodule's
+    forward takes it by name (a CTC head hands them to its encoder)."""
+    if name in params:
+        return True
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return False
+    return any(name in inspect.signature(m.forward).parameters for m in model.modules() if m is not model)
+
+
+def _time_mask(model, kwargs, name, batch) -> None:
+    """Time steps to mask (``mask_time_indices``, where the forward takes it: Wav2Vec2, HuBERT,
+    SEW): every third frame after the feature extractor, so the program reads the masked
+    frames' learned embedding (``masked_spec_embed``) as any input that masks would."""
+    x = kwargs[name]
+    lengths = next((m._get_feat_extract_output_lengths for m in model.modules()
+                    if hasattr(m, "_get_feat_extract_output_lengths")), None)  # the encoder's
+    if name == "input_values" and lengths is not None:
+        frames = int(lengths(torch.tensor(x.shape[-1])))
+    elif name == "input_features" and x.dim() == 3:
+        frames = x.shape[1]
+    else:
+        return
+    mask = torch.zeros(batch, frames, dtype=torch.bool)
+    mask[:, 1::3] = True
+    kwargs["mask_time_indices"] = mask
+
+
 def _main(model, cfg, name, batch, seq, gen):
     if name == "input_ids":
         return _token_ids(model, cfg, batch, seq, gen)
@@ -225,6 +297,10 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
         kwargs["pixel_values"] = _pixels(model, cfg.vision_config, batch, gen)
     elif name == "input_ids" and "pixel_values" in params:
         _image_tokens(model, kwargs, cfg, batch, gen)
+    if name == "input_ids" and "input_features" in params:
+        _audio_tokens(model, kwargs, params, batch, gen)
+    if _passes_on(model, params, "mask_time_indices"):
+        _time_mask(model, kwargs, name, batch)
     if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         start = _ints(_sub(cfg, "decoder_start_token_id", "pad_token_id"))
         ids = kwargs[name]

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["BRANCHES_TAKEN", "FrozenOp", "READ_AS_NUMBER", "flat_nodes", "live_nodes", "module_path", "ndim", "op_of", "output_nodes", "packet", "packets",
-           "source_line", "tensor_axes"]
+__all__ = ["BRANCHES_TAKEN", "UNREAD", "FrozenOp", "READ_AS_NUMBER", "flat_nodes", "live_nodes", "module_path", "ndim", "op_of", "output_nodes", "packet", "packets",
+           "source_line", "tensor_axes", "unread_parameters"]
 
 
 def packet(t):
@@ -90,6 +90,7 @@ def source_line(node) -> str:
 #: ops that hand a tensor's value to Python as a number (a branch or a size is taken on it)
 READ_AS_NUMBER = {torch.ops.aten._local_scalar_dense}
 BRANCHES_TAKEN = "symgraph_branches_taken"  # graph meta: data-dependent branches traced as taken
+UNREAD = "symgraph_unread"  # graph meta: parameters the program as exported never reads
 
 
 def live_nodes(graph, keep=None) -> set:
@@ -113,6 +114,17 @@ def live_nodes(graph, keep=None) -> set:
             live.add(n)
             stack += n.all_input_nodes
     return live
+
+
+def unread_parameters(ep) -> list:
+    """Names of the parameters no node of ``ep`` reads; a name tied to a tensor the program
+    reads under another name (export routes every use to one) is read. On the program as
+    exported (:func:`.trace.trace` keeps it as ``UNREAD``): the decompositions drop dead code,
+    and a value computed then dropped (a pooler's) is read."""
+    sd, sig = ep.state_dict, ep.graph_signature.inputs_to_parameters
+    nodes = {sig[n.name]: n for n in ep.graph.nodes if n.op == "placeholder" and n.name in sig}
+    read = {id(sd[n]) for n, node in nodes.items() if node.users and n in sd}
+    return [n for n, node in nodes.items() if not node.users and (n not in sd or id(sd[n]) not in read)]
 
 
 def output_nodes(node) -> list:

@@ -10,7 +10,7 @@ import torch
 from ..errors import InputError, TraceError
 from .concrete import concretize, has_data_dependent_sizes
 from .inputs import default_inputs, is_hf
-from .nodes import BRANCHES_TAKEN, packet
+from .nodes import BRANCHES_TAKEN, UNREAD, packet, unread_parameters
 from .registry import has_rule
 
 __all__ = ['model_device', 'varying_nodes', 'default_inputs', 'split_inputs', 'eval_mode', 'trace', 'flatten_outputs',
@@ -310,6 +310,7 @@ def trace(model, inputs=None, decompose: bool = True):
                 f"Hint: {_hint(model, args, kwargs)}") from e
         if on_meta:
             _constants_from_fake_twin(ep, model, *given)
+        unread = unread_parameters(ep)  # before the decompositions drop dead code
         for _ in range(3 if decompose else 0):
             table, retrace = _unruled_decomposable(ep)
             if not table and not retrace:
@@ -318,6 +319,7 @@ def trace(model, inputs=None, decompose: bool = True):
         if not on_meta and has_data_dependent_sizes(ep):
             concretize(ep, *traced)
         ep.graph_module.meta[BRANCHES_TAKEN] = branched
+        ep.graph_module.meta[UNREAD] = unread
     return ep, args, kwargs
 
 

@@ -18,6 +18,8 @@ def summary(report) -> str:
              f"{report.degrees_of_freedom} continuous degrees of freedom, "
              f"{sum(f.why == 'no rule' for f in report.frozen)} ops without a rule"
              + "".join(f", {n} ops whose rule failed" for n in [sum(f.why != 'no rule' for f in report.frozen)] if n)]
+    if getattr(report, "unread", None):
+        lines.append(f"Every parameter stays fixed: {report.unread}")
     w = max([len("module")] + [len(g.module or "(model)") for g in report.groups])
     hdr = f"{'id':>4}  {'module':<{w}} {'kind':<12} {'size':>6} {'blocks':>6} {'outer':<8} params"
     lines += [hdr, "-" * len(hdr)]

@@ -279,6 +279,8 @@ class SymmetryReport(AxisQueries):
         self._inputs = inputs
         self.groups: list[Group] = []
         self.frozen = analysis.frozen
+        # why every parameter stays fixed: one is never read by the traced inputs (None: none)
+        self.unread = getattr(analysis, "unread_why", None)
         self._nodes: list | None = None
         self._build()
 
@@ -366,7 +368,8 @@ class SymmetryReport(AxisQueries):
                 "buffers": self.buffers, "fixed_buffers": self.fixed_buffers,
                 "folds": [f.to_dict() for f in self.folds],
                 "stacked": {k: list(v) for k, v in self.stacked.items()},
-                "degrees_of_freedom": self.degrees_of_freedom}
+                "degrees_of_freedom": self.degrees_of_freedom,
+                **({"unread": self.unread} if self.unread else {})}
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **({"indent": 2} | kw))

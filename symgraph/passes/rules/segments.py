@@ -411,3 +411,32 @@ def sliding_windows(ctx):
     cons += [Meet(a, "identity", f"{ctx.where}: sliding windows along this axis")
              for a in (xa[d], out[d], out[-1])]
     return cons + [NoFiber(xa[k], xa[d]) for k in range(len(xa)) if k != d]
+
+
+@register([aten.index_put.default, aten.index_put_.default])
+def index_put(ctx):
+    """``x[idx] = v`` (Wav2Vec2's ``hidden[mask_time_indices] = masked_spec_embed``): the
+    output is ``x``; the indexed axes are fixed (which entries are written depends on their
+    order); ``v`` broadcasts against ``x[idx]`` from the right, so each of its axes that lies
+    on an axis of ``x`` transforms with it, and an axis of ``x`` that ``v`` only broadcasts
+    along (a size 1, or no axis) is fixed."""
+    x, indices, v = ctx.arg(0), ctx.arg(1), ctx.arg(2)
+    xa, va = ctx.axes(x), ctx.axes(v)
+    picked = [k for k, i in enumerate(indices) if i is not None]
+    if not picked or picked != list(range(picked[0], picked[-1] + 1)) or va is None:
+        return None
+    why = f"{ctx.where}: entries written at indexed places"
+    k, span = picked[0], sum(len(ctx.shape(indices[p])) if _is_mask(indices[p]) else 1 for p in picked)
+    ia = [a for p in picked for a in ctx.axes(indices[p])]
+    n_sel = 1 if _is_mask(indices[k]) else max(len(ctx.shape(indices[p])) for p in picked)
+    cons = [Unify(o, a) for o, a in zip(ctx.out, xa)] + [Meet(a, "identity", why) for a in [*xa[k:k + span], *ia]]
+    sel = [*xa[:k], *[None] * n_sel, *xa[k + span:]]
+    xs, vs = ctx.shape(x), ctx.shape(v)
+    sizes = [*xs[:k], *[None] * n_sel, *xs[k + span:]]
+    for j in range(1, len(sel) + 1):
+        a, vax = sel[-j], va[-j] if j <= len(va) else None
+        if a is not None and vax is not None and vs[-j] == sizes[-j]:
+            cons.append(Unify(vax, a))
+        else:
+            cons += [Meet(b, "identity", why) for b in (a, vax) if b is not None]
+    return cons + [Meet(b, "identity", why) for b in va[:max(0, len(va) - len(sel))]]
