@@ -9,13 +9,15 @@ embedding raised by ``factor`` × the embedding's RMS
 (:func:`symgraph.rotation.stream.with_massive_channels`), then fine-tuned ``tune_steps`` steps
 on the training data with the zoo's own optimiser (:func:`benchmarks.train.fit`, the spec's
 batch size and peak rate, a data seed of its own), so the model adapts and its float loss
-recovers. Printed and recorded: the float loss of the plain, the raised and the fine-tuned
+recovers; ``--hold W`` adds W × the mean squared relative distance of those channels at every
+folded norm's input to the offset to the fine-tuning loss, so that the model keeps them (it
+otherwise learns to cancel them after the first layer). Printed and recorded: the float loss of the plain, the raised and the fine-tuned
 model, and the largest over the median channel RMS at every folded norm's input of each
 (:func:`symgraph.rotation.stream.norm_input_ratios`). Rows, settings, quantizer, noise and the
 resolution rule are :mod:`benchmarks.bench_rotate`'s.
 
     python -m benchmarks.bench_rotate_stream [--archs llama gpt2] [--channels 4] [--factor 30]
-        [--tune-steps 60] [--hows none fold hadamard random random@1 learned] [--quarot DIR]
+        [--tune-steps 60] [--hold 0] [--hows none fold hadamard random random@1 learned] [--quarot DIR]
         [--out benchmarks/results/rotate_stream]
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 
 import torch
 
-from symgraph.rotation.stream import norm_input_ratios, with_massive_channels
+from symgraph.rotation.stream import norm_input_ratios, norm_inputs, with_massive_channels
 
 from . import evaluate, train, zoo
 from .bench_rotate import EVAL_BATCHES, NOISE_ROW, SETTINGS, gap_rows, gaps, loss_rows, run_rows
@@ -46,21 +48,36 @@ def _state(model, arch, batches) -> dict:
     return {"loss": loss, "ratios": ratios}
 
 
-def stream_variant(arch, plain, channels: int, factor: float, tune_steps: int, seed: int = 0):
-    """``(model, info)``: ``plain`` with massive stream channels, fine-tuned (module docstring);
-    ``info``: the channels, the offset, the steps and the ``plain`` / ``raised`` / ``tuned`` states
-    (:func:`_state`), the training losses' first and last tenth."""
+def _held(arch, seen: dict, channels, offset: float, hold: float):
+    """The fine-tuning loss: the model's own, plus ``hold`` × the mean squared relative distance of
+    the massive ``channels`` at every folded norm's input to ``offset`` (0: the model's loss alone)."""
+    def loss_fn(m, b):
+        seen.clear()
+        loss = evaluate.batch_loss(m, arch, b)
+        if not hold:
+            return loss
+        terms = [(x[:, channels] / offset - 1).pow(2).mean() for xs in seen.values() for x in xs]
+        return loss + hold * torch.stack(terms).mean()
+    return loss_fn
+
+
+def stream_variant(arch, plain, channels: int, factor: float, tune_steps: int, hold: float = 0.0, seed: int = 0):
+    """``(model, info)``: ``plain`` with massive stream channels, fine-tuned (module docstring;
+    ``hold``: the weight of the term keeping them at every norm's input); ``info``: the channels,
+    the offset, the steps and the ``plain`` / ``raised`` / ``tuned`` states (:func:`_state`), the
+    training losses' first and last tenth."""
     batches = evaluate.eval_batches(arch, "eval", max_batches=EVAL_BATCHES)
     mass = with_massive_channels(plain, channels=channels, factor=factor, seed=seed)
     info = {"channels": mass.channels, "factor": factor, "offset": mass.offset, "tune_steps": tune_steps,
-            "plain": _state(plain, arch, batches), "raised": _state(mass.model, arch, batches)}
+            "hold": hold, "plain": _state(plain, arch, batches), "raised": _state(mass.model, arch, batches)}
     spec = zoo.get_spec(arch)
     setting = spec.setting("quick")
     gen = torch.Generator().manual_seed(STREAM_DATA_SEED + seed)
-    model = mass.model.train()
+    model = mass.model
     t0 = time.perf_counter()
-    losses = train.fit(model, train.batch_sampler(spec, setting.batch_size, gen), tune_steps, setting.lr,
-                       loss_fn=lambda m, b: evaluate.batch_loss(m, arch, b))
+    with norm_inputs(model, detach=False) as seen:
+        losses = train.fit(model.train(), train.batch_sampler(spec, setting.batch_size, gen), tune_steps,
+                           setting.lr, loss_fn=_held(arch, seen, mass.channels, mass.offset, hold))
     model.eval()
     tenth = max(1, tune_steps // 10)
     info.update(tune_seconds=time.perf_counter() - t0, train_first=sum(losses[:tenth]) / tenth,
@@ -73,11 +90,11 @@ def stream_variant(arch, plain, channels: int, factor: float, tune_steps: int, s
 
 
 def run_arch(arch: str, hows, learn_steps: int, train_steps: int, tune_steps: int, channels: int,
-             factor: float, quarot=None) -> dict:
+             factor: float, hold: float = 0.0, quarot=None) -> dict:
     """The ``stream`` variant of ``arch`` (plain: trained ``train_steps`` steps, seed 0, quick) and
     its losses per rotation and setting (:func:`benchmarks.bench_rotate.run_rows`)."""
     plain = train.train_model(arch, seed=0, size="quick", steps=train_steps)
-    model, info = stream_variant(arch, plain, channels, factor, tune_steps)
+    model, info = stream_variant(arch, plain, channels, factor, tune_steps, hold)
     batches = evaluate.eval_batches(arch, "eval", max_batches=EVAL_BATCHES)
     hows = list(hows) + (["quarot"] if quarot and arch == "llama" else [])
     rows = run_rows(model, arch, hows, learn_steps, batches, quarot, label=f"{arch} stream")
@@ -102,7 +119,9 @@ def markdown(record) -> str:
              f"{record['channels']} channels of its token embedding raised by {record['factor']:g} × the "
              f"embedding's RMS (`symgraph.rotation.stream.with_massive_channels`), then fine-tuned "
              f"{record['tune_steps']} steps (the zoo's AdamW schedule, batch size and peak rate, its own data "
-             "seed). Massive channels in the stream survive folding: a norm's input keeps them. Quantizer, rows, "
+             "seed" + (f"; plus {record['hold']:g} × the mean squared relative distance of those channels at every "
+                       "folded norm's input to the offset, which keeps them massive through the layers"
+                       if record.get("hold") else "") + "). Massive channels in the stream survive folding: a norm's input keeps them. Quantizer, rows, "
              "noise and resolution rule as `benchmarks/results/rotate/rotate.md`.", "",
              "## The variant", "",
              "Float loss (first evaluation batches) and max/median channel RMS at each folded norm's input, in "
@@ -130,6 +149,8 @@ def main(argv=None) -> None:
     p.add_argument("--channels", type=int, default=4)
     p.add_argument("--factor", type=float, default=30.0, help="the offset, in units of the embedding's RMS")
     p.add_argument("--tune-steps", type=int, default=60)
+    p.add_argument("--hold", type=float, default=0.0,
+                   help="weight of a fine-tuning term keeping the channels at every norm's input (0: none)")
     p.add_argument("--learn-steps", type=int, default=30)
     p.add_argument("--train-steps", type=int, default=150, help="AdamW steps of each plain zoo model (cached)")
     p.add_argument("--out", default="benchmarks/results/rotate_stream")
@@ -143,9 +164,10 @@ def main(argv=None) -> None:
     record = {"command": command_line(argv, "benchmarks.bench_rotate_stream"), "commit": commit_info(),
               "threads": torch.get_num_threads(), "settings": SETTINGS, "train_steps": args.train_steps,
               "channels": args.channels, "factor": args.factor, "tune_steps": args.tune_steps,
+              "hold": args.hold,
               "quarot": None if not args.quarot else {"commit": quarot_commit(args.quarot)},
               "archs": [run_arch(a, hows, args.learn_steps, args.train_steps, args.tune_steps, args.channels,
-                                 args.factor, args.quarot) for a in args.archs]}
+                                 args.factor, args.hold, args.quarot) for a in args.archs]}
     record["seconds"] = time.perf_counter() - t0
     write_result(args.out, ".bench-rotate-stream-", record, markdown, json_name="rotate_stream.json",
                  md_name="rotate_stream.md", command=record["command"])

@@ -10,6 +10,7 @@ them where the quantizer meets them: at the inputs of every norm the report fold
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ import torch
 from ..errors import InputError
 from .classes import rotation_report
 
-__all__ = ["Massive", "with_massive_channels", "norm_input_ratios", "channel_ratio"]
+__all__ = ["Massive", "with_massive_channels", "norm_inputs", "norm_input_ratios", "channel_ratio"]
 
 
 @dataclass
@@ -60,27 +61,35 @@ def channel_ratio(x: torch.Tensor) -> float:
     return float(rms.max() / rms.median().clamp(min=1e-30))
 
 
-def norm_input_ratios(model, run, inputs=None) -> dict:
-    """``{norm gain: channel_ratio of its input}`` for every norm the rotation report of
-    ``model`` folds (the norm's module is the one that owns its gain), its inputs taken while
-    ``run(model)`` runs (all of them pooled)."""
+@contextlib.contextmanager
+def norm_inputs(model, inputs=None, detach: bool = True):
+    """Within the block, ``seen[gain]`` collects (appends) the input of every norm the rotation
+    report of ``model`` folds, each flattened to ``[tokens, width]`` (the norm's module is the one
+    that owns its gain); ``detach=False`` keeps the graph (a training term on them)."""
     _, report, _ = rotation_report(model, inputs=inputs)
     seen: dict = {}
     handles = []
     for gain in dict.fromkeys(f.gain for f in report.folds):
-        owner = gain.rpartition(".")[0]
         try:
-            mod = model.get_submodule(owner)
+            mod = model.get_submodule(gain.rpartition(".")[0])
         except AttributeError:
             continue
 
         def hook(_m, args, key=gain):
-            seen.setdefault(key, []).append(args[0].detach().reshape(-1, args[0].shape[-1]))
+            x = args[0].detach() if detach else args[0]
+            seen.setdefault(key, []).append(x.reshape(-1, x.shape[-1]))
         handles.append(mod.register_forward_pre_hook(hook))
     try:
-        with torch.no_grad():
-            run(model)
+        yield seen
     finally:
         for h in handles:
             h.remove()
+
+
+def norm_input_ratios(model, run, inputs=None) -> dict:
+    """``{norm gain: channel_ratio of its input}`` for every norm the rotation report of
+    ``model`` folds (:func:`norm_inputs`), its inputs taken while ``run(model)`` runs (all of
+    them pooled)."""
+    with norm_inputs(model, inputs) as seen, torch.no_grad():
+        run(model)
     return {k: channel_ratio(torch.cat(v)) for k, v in seen.items()}
