@@ -11,7 +11,7 @@ from typing import Any
 
 from ...transform.folding import groups
 from .plan import Plan
-from .views import Ledger, TensorCache
+from .views import Ledger, TensorCache, known_name
 
 __all__ = ["Merged", "RepairContext"]
 
@@ -29,15 +29,8 @@ class Merged:
         self.fixes: dict = {}  # the corrections registered through this view
         self._cache = TensorCache(executor.resources.cache_bytes, executor.resources.ledger)
 
-    def _name(self, name):
-        """The name under which the engine merges graph input ``name`` (a tied name: the one it
-        merges), or None: it writes the anchor's own."""
-        A = self.anchor
-        tied = A.params.get(A.param_of.get(A.key(name)), ())
-        return name if name in self.known else next((n for n in tied if n in self.known), None)
-
     def fetch(self, name):
-        n = self._name(name)
+        n = known_name(self.anchor, name, self.known)  # the name the engine merges it under
         if n is None:  # the anchor's own (computed rotary frequencies, counters), or its
             v = self.anchor.fetch(name)  # BatchNorm statistics no class moves, once reset
             return self.fixes[name](v) if name in self.fixes else v

@@ -21,7 +21,7 @@ from ...transform.apply import move
 from ...transform.folding import groups, members
 
 __all__ = ["Folded", "TensorCache", "Aligned", "Sides", "Ledger", "Sliced", "nbytes", "elements_on", "fit_dtype",
-           "DEFAULT_CACHE", "return_freed_memory"]
+           "known_name", "DEFAULT_CACHE", "return_freed_memory"]
 
 DEFAULT_CACHE = 64 << 20  # bytes of folded tensors kept per model while aligning (about a layer of 1.1B's MLP)
 
@@ -180,15 +180,8 @@ class Aligned:
         self.known = set(self.report.parameters) | set(self.report.buffers) if self.report is not None else set()
         self._cache = TensorCache(budget, ledger)
 
-    def _name(self, name):
-        """The report's name of graph attribute ``name`` (a tied parameter goes by several)."""
-        if name in self.known:
-            return name
-        p = self.ckpt.param_of.get(self.ckpt.key(name))
-        return next((n for n in self.ckpt.params.get(p, ()) if n in self.known), name)
-
     def fetch(self, name):
-        n = self._name(name)
+        n = known_name(self.ckpt, name, self.known, name)
         v = self._cache.get(n)
         if v is not None:
             return v
@@ -259,6 +252,14 @@ class Sides:
         if self._view is not None:
             self._view.clear()
         self._view = None
+
+
+def known_name(ckpt, name, known, default=None):
+    """``name`` if in ``known``, else the name in ``known`` that its tied parameter (stored
+    once in ``ckpt``) also goes by, else ``default``."""
+    if name in known:
+        return name
+    return next((n for n in ckpt.params.get(ckpt.param_of.get(ckpt.key(name)), ()) if n in known), default)
 
 
 def fit_dtype(*ckpts) -> torch.dtype:
