@@ -77,11 +77,15 @@ def test_inputs_that_read_the_tower_give_its_classes_on_both_kinds():
     hidden = next(g for g in rep.groups if ("tower.0.weight", 0) in g.params)
     assert hidden.kind == "perm" and ("tower.2.weight", 1) in hidden.params
     assert rep.certify(A, _both()) <= 1e-6
-    B = symgraph.transform(A, rep.random_transform(seed=3))
+    B = symgraph.transform(A, rep.random_transform(seed=3, orthogonal=True))
     assert float((A.tower[0].weight - B.tower[0].weight).abs().max()) > 0.1
     assert float((A.embed.weight - B.embed.weight).abs().max()) > 0.1
     assert _same(A, B, _both()) < 1e-5
     assert _same(A, B, _text()) < 1e-5  # the other input kind keeps its function too
+    C = symgraph.align(A, B, _both()).apply(B)  # B aligned back: the merge of A and B is A
+    for (n, p), q in zip(A.named_parameters(), C.parameters()):
+        assert float((p - q).abs().max()) < 1e-5, n
+    assert _same(A, C, _text()) < 1e-5
 
 
 def test_a_read_output_not_kept_fixes_only_its_own_parameters():
