@@ -179,4 +179,4 @@ def test_the_engine_refuses_what_learned_matching_cannot_do_out_of_core(tmp_path
             StreamingMerge(paths, refine=2, **kw)
     with pytest.raises(InputError, match="model's own loss.*expected no loss_fn or between"):
         StreamingMerge(paths, refine=2, align="activations", data=data, loss_fn=lambda m, b: 0)
-    assert StreamingMerge(paths, refine=2, align="activations", data=data).refine == 2
+    assert StreamingMerge(paths, refine=2, align="activations", data=data).config.refine == 2

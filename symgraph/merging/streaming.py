@@ -149,7 +149,6 @@ class StreamingMerge:
     # the settings of the one config, as the engine's steps read them
     align_mode = property(lambda self: None if self.config.align == "none" else self.config.align)
     repair = property(lambda self: self.config.repair)
-    refine = property(lambda self: self.config.refine)
     weights = property(lambda self: mixing_weights(self.config.weights, len(self._checkpoints)))
     spill = property(lambda self: self.statistics.spill, lambda self, v: setattr(self.statistics, "spill", v))
 
