@@ -181,8 +181,7 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
     checks = {"from_pretrained": load_check}
     t = time.perf_counter()
     checks["inputs"] = {m: check_output(p, a, load_check) for m, p in (("a", a), ("b", b))}
-    for name in ("mergekit_linear", "symgraph_none", "symgraph_weights", "symgraph_weights_exact", "symgraph_weights_discrete", "symgraph_weights_tol",
-                 "symgraph_activations"):
+    for name in ("mergekit_linear", *MERGE_STAGES):  # every output: names, shapes, bf16 (and loads)
         r = rec["stages"].get(name, {})
         if r.get("ok") and r.get("out"):
             checks[name] = check_output(r["out"], a, load_check)
