@@ -197,7 +197,10 @@ def _audio_tokens(model, kwargs, params, batch, gen) -> None:
     fn = getattr(model, "get_audio_features", None)
     if not token or audio is None or fn is None or "input_features" not in params:
         return
-    feats = _features(model, audio, batch, gen).to(next(model.parameters()).dtype)
+    try:
+        feats = _features(model, audio, batch, gen).to(next(model.parameters()).dtype)
+    except InputError:  # an audio config that does not tell its features' shape: text only
+        return
     out, mel = None, _sub(audio, "num_mel_bins", "feature_size")
     for f in (feats, feats.transpose(1, 2)):  # frames first, or channels first (GLM-ASR)
         try:
