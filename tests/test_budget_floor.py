@@ -119,7 +119,7 @@ def test_the_floor_is_the_engines_own_count_before_alignment(pair):
     job.write(str(pair / "direct"))
     job.resources.budget = 37_200  # the budget the check reads, parsed once: 37.2kB
     with pytest.raises(InputError, match=r"holds at once: 37.3 kB for 'model\.layers\.\d\.post_attention"):
-        slicing.check_floor(job)
+        slicing.check_floor(job, slicing.identity_alignment(job.report))
     assert job.resources.ledger.peak == 37248  # three float32 copies of a norm gain with the gate and up projections
 
 

@@ -114,7 +114,7 @@ def _engine(cfg, inputs, data, progress, options) -> tuple:
     if cfg.seen_rows:
         options["rows_from"] = data
     engine = cfg.model_copy(update={"align": "activations" if cfg.refine else cfg.align,  # learned matching starts
-                                    "out": None, "max_shard_size": f"{inputs.shard}B"})  # from activations
+                                    "out": None})  # from activations
     batches = data if cfg.takes_statistics else None
     try:
         return StreamingMerge(ckpts, engine, data=batches, progress=progress, **options), batches, None
@@ -143,7 +143,7 @@ def _merge_streaming(job, cfg, inputs, data) -> MergeOutcome:
                   universe=universe)  # the models on meta
 
     def write(directory):  # the record's REPAIR entry and the card once the merge is measured
-        info = job.write(directory)
+        info = job.write(directory, inputs.shard)
         for c in ckpts:  # no input changed under the run, up to its end
             getattr(c, "check_unchanged", lambda: None)()
         meta["repair"] = job.repair_report.to_dict() if job.repair_report is not None else None

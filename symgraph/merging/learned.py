@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from ..passes.trace import output_positions, trace
 from ..transform.apply import move_piece
 from ..transform.folding import for_reader, members
 from .engine.segments import Graph, Kept, Segment, backward_span, output_node, plan_segments
-from .engine.slicing import identity_elements, rounded_up
+from .engine.slicing import rounded_up
 from .engine.sums import Spill
 from .engine.views import Ledger, elements_on, nbytes
 
@@ -306,16 +305,14 @@ def _state(learn, elements) -> int:
             + 3 * 8 * sum(math.prod(elements[gid].shape) for gid in learn))
 
 
-def check_budget(how: Learning, report) -> None:
-    """Learned matching's room checked before any alignment (``report``: the anchor's), with
-    identity elements: the state's size does not depend on the elements' values."""
+def check_budget(how: Learning, eye) -> None:
+    """Learned matching's room checked before any alignment, with ``eye``, the anchor's
+    :func:`~.engine.slicing.identity_alignment`: the state's size does not depend on the elements' values."""
     if not how.budgeted or not how.steps or not how.data:
         return
-    eye = identity_elements(report)
-    al = SimpleNamespace(report_a=report, report_b=report, gauge=None, elements=eye)
     matching = _Matching(how, None)  # B is not read: the sizes are the anchor's
     try:
-        matching._room_for(al, learnable(report, al), eye)
+        matching._room_for(eye, learnable(eye.report_a, eye), eye.elements)
     finally:
         matching.close()
 

@@ -21,6 +21,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -81,7 +82,7 @@ class StreamingMerge:
     The public surface (what code outside the engine reads; every other attribute is the
     engine's own): ``config``, :attr:`checkpoints`, :attr:`anchor`, ``progress``; the results
     ``alignments`` (one per checkpoint, None for the anchor), :attr:`report` (the anchor's; None
-    unaligned), ``timings`` and, once written, ``repair_report``; the steps :meth:`align` (or
+    unaligned), ``weights`` (the mixing weights, normalised), ``timings`` and, once written, ``repair_report``; the steps :meth:`align` (or
     :meth:`use`), :meth:`write` / :meth:`write_into` / :meth:`merged_model` (the method's
     statistics, REPAIR, the merged tensors), :meth:`plan`, :meth:`executor`; and what other steps
     build on: :meth:`output_model`, :meth:`aligned`, :meth:`aligning_to`, :meth:`read`, :meth:`averaging`.
@@ -108,7 +109,6 @@ class StreamingMerge:
         if cfg.refine and {"loss_fn", "between"} & set(align_options):
             raise InputError("out of core, learned matching lowers the model's own loss on the anchor's "
                              "architecture; expected no loss_fn or between (symgraph.align takes them)")
-        mixing_weights(cfg.weights, len(paths))  # refused here, before any work
         self.data = data
         self.repair_report: RepairReport | None = None  # what REPAIR did (repair=True), once written
         rows = {} if rows_from is None else {"rows_from": list(rows_from)}  # batches: read only their tokens' rows
@@ -121,6 +121,7 @@ class StreamingMerge:
         ckpts = [Checkpoint(os.fspath(p)) if isinstance(p, (str, os.PathLike)) else p for p in paths]  # or in memory
         self._checkpoints = tuple(untie_checkpoint(c) for c in ckpts) if cfg.untie else tuple(ckpts)  # then checked
         self._check_family()
+        self.weights  # computed once, refused here before any tensor is read
         # rotations are solved and applied in float32 for 16- and 32-bit weights (their own
         # precision is far coarser), in float64 for float64 checkpoints; the graphs run alike
         wide = any(c.dtype == torch.float64 for c in self._checkpoints)
@@ -149,7 +150,7 @@ class StreamingMerge:
     # the settings of the one config, as the engine's steps read them
     align_mode = property(lambda self: None if self.config.align == "none" else self.config.align)
     repair = property(lambda self: self.config.repair)
-    weights = property(lambda self: mixing_weights(self.config.weights, len(self._checkpoints)))
+    weights = cached_property(lambda self: mixing_weights(self.config.weights, len(self._checkpoints)))
     spill = property(lambda self: self.statistics.spill, lambda self, v: setattr(self.statistics, "spill", v))
 
     def _check_family(self):
@@ -202,8 +203,9 @@ class StreamingMerge:
             self.align_options = {**self.align_options, "rows": ra.input_rows(self.align_options["rows_from"])}
         if self.repair:
             repair_stream.check(A.model, ra)
-        learning = self._learning(A, ra) if self.config.refine else None
-        slicing.check_floor(self)
+        eye = slicing.identity_alignment(ra) if aligned and self.resources.budget is not None else None
+        learning = self._learning(A, eye) if self.config.refine else None
+        slicing.check_floor(self, eye)
         if not aligned:  # nothing to move: every tensor is combined as it is
             return self.alignments
         t1 = time.perf_counter()
@@ -215,13 +217,14 @@ class StreamingMerge:
         self.timings["align"] = time.perf_counter() - t1
         return self.alignments
 
-    def _learning(self, A, ra):
+    def _learning(self, A, eye):
+        """Learned matching's settings, its room checked with ``eye`` (:func:`~.engine.slicing.identity_alignment`)."""
         from .learned import Learning, check_budget
         res = self.resources
         learning = Learning(A, self.data, self.config.refine, self.align_options.get("refine_lr", 1e-3), res.device,
                             res.ledger, res.stats_bytes, res.budget is not None, res.work_dtype,
                             self._solver_options(), res.progress)
-        check_budget(learning, ra)
+        check_budget(learning, eye)
         return learning
 
     def _solver_options(self) -> dict:
@@ -311,11 +314,13 @@ class StreamingMerge:
             finish(out)
         return out
 
-    def write(self, directory: str) -> dict:
+    def write(self, directory: str, shard: int | None = None) -> dict:
         """Take the method's statistics (spilled to a temporary directory beside ``directory``,
-        removed after) and write the merged checkpoint into ``directory`` (shards, index,
-        config); returns ``{"tensors": n, "bytes": total, "shards": k}``."""
-        shard = parse_size(self.config.max_shard_size) if self.config.max_shard_size else DEFAULT_SHARD
+        removed after) and write the merged checkpoint into ``directory`` (shards of at most
+        ``shard`` bytes, default the config's ``max_shard_size`` or 2 GiB, an index, the config);
+        returns ``{"tensors": n, "bytes": total, "shards": k}``."""
+        if shard is None:
+            shard = parse_size(self.config.max_shard_size) if self.config.max_shard_size else DEFAULT_SHARD
         info = self._finish(lambda: Spill(os.path.dirname(os.path.abspath(directory))),
                             lambda plan: ShardWriter(directory, shard, list(plan.outputs)))
         write_config(self._checkpoints[self.anchor].path, directory, self.transforms.config_updates)

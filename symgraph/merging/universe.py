@@ -42,7 +42,6 @@ from ..core.files import identity, remove_own
 from ..core.progress import bar as progress_bar
 from ..errors import InputError
 from .methods.average import Average
-from .methods.registry import mixing_weights
 from .streaming import StreamingMerge
 
 __all__ = ["DEFAULTS", "SCRATCH_PREFIX", "align_universe", "align_universe_streamed", "universe_options",
@@ -153,7 +152,7 @@ def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0:
     model is aligned to it (``steps.align(target, i, report_b)``). Each round's ``distance`` is
     measured by its first plan (model 0's mean reads every model), the last by one more plan.
     Returns the record (:func:`align_universe`)."""
-    n, weights = len(job.checkpoints), mixing_weights(job.config.weights, len(job.checkpoints))
+    n, weights = len(job.checkpoints), job.weights
     reports = [ra] + [al.report_b for al in alignments[1:]]
     record = {"rounds": 0, "converged": False, "stopped": "max_rounds", "changed": [], "changed_per_model": [],
               "drifted": [], "max_change": [], "distance": [], "round_seconds": [time.perf_counter() - t0],
@@ -192,7 +191,7 @@ def mean_plan(job, ra, alignments, i=None, method=None) -> StreamingMerge:
     plain mean of the others where their weights are 0), or of all with ``i`` None. Model 0,
     whose keys and dtypes the mean has, is read even at weight 0; another model left out is
     not, unless only one other is left or the dtypes differ (the work dtype depends on all)."""
-    ckpts, weights = job.checkpoints, mixing_weights(job.config.weights, len(job.checkpoints))
+    ckpts, weights = job.checkpoints, job.weights
     keep = [j for j in range(len(ckpts)) if j != i or j == 0]
     if len(keep) < 2 or len({c.dtype for c in ckpts}) > 1:
         keep = list(range(len(ckpts)))

@@ -18,7 +18,7 @@ from ...transform.folding import groups
 from .statistics import StatisticsContext, floor
 from .views import DEFAULT_CACHE
 
-__all__ = ["split", "units", "check_floor", "identity_elements", "budgets", "rounded_up", "keys_of"]
+__all__ = ["split", "units", "check_floor", "identity_alignment", "budgets", "rounded_up", "keys_of"]
 
 CHUNK_BYTES = 64 << 20  # a group's tensors over this (in the work dtype) are merged in slices of it
 STATS_BYTES = 256 << 20  # activation statistics are taken in passes of this many bytes, solved as each ends
@@ -146,29 +146,31 @@ def units(job):
         yield key, names
 
 
-def identity_elements(report) -> dict:
-    """An identity element of each of ``report``'s groups, of the form a solved one takes (an
-    index vector for an unfibred permutation group, else ``[blocks,] n × n`` matrices): where a
-    map acts and how large an element is do not depend on the element's values."""
-    return {g.id: Perm(torch.arange(g.dim)) if g.blocks == 1 and g.kind in PERMUTATION_FAMILY else
-            torch.eye(g.dim, dtype=torch.float64).expand(*([g.blocks] if g.blocks > 1 else []), g.dim, g.dim)
-            for g in report.groups}
+def identity_alignment(report) -> SimpleNamespace:
+    """The anchor aligned to itself, as the checks before any alignment read an alignment
+    (:func:`check_floor`, learned matching's room): ``report`` on both sides, no gauge, and an
+    identity element of each group of the form a solved one takes (an index vector for an
+    unfibred permutation group, else ``[blocks,] n × n`` matrices): where a map acts and how
+    large an element is do not depend on the element's values."""
+    eye = {g.id: Perm(torch.arange(g.dim)) if g.blocks == 1 and g.kind in PERMUTATION_FAMILY else
+           torch.eye(g.dim, dtype=torch.float64).expand(*([g.blocks] if g.blocks > 1 else []), g.dim, g.dim)
+           for g in report.groups}
+    return SimpleNamespace(report_a=report, report_b=report, gauge=None, elements=eye)
 
 
-def check_floor(job) -> None:
+def check_floor(job, eye) -> None:
     """Refuse the memory budget (``job.resources.budget``) before any alignment when the plan's largest piece holds
     more than it: each group's working copies (one per model and the result, in the work dtype)
     and the statistics its combine reads (:meth:`~.methods.registry.MergeMethod.held_bytes`),
-    for the group whole or its largest slice (:func:`split` with identity elements: a solved
-    alignment has an element for every group, so it slices the same axes; the anchor's report
-    stands for a model of other widths, whose mismatched axes are never sliced); or below the
-    floor of the method's statistics (:func:`~.engine.statistics.floor` of its kind).
-    The message names what needs it and the smallest budget that works (the chunk size
-    :func:`budgets` gives it), rounded up to three digits."""
+    for the group whole or its largest slice (:func:`split` with ``eye``, the anchor's
+    :func:`identity_alignment`, None unaligned: a solved alignment has an element for every
+    group, so it slices the same axes; the anchor's report stands for a model of other widths,
+    whose mismatched axes are never sliced); or below the floor of the method's statistics
+    (:func:`~.engine.statistics.floor` of its kind). The message names what needs it and the
+    smallest budget that works (the chunk size :func:`budgets` gives it), rounded up to three digits."""
     budget = job.resources.budget
     if budget is None:
         return
-    eye = SimpleNamespace(report_b=job.report, elements=identity_elements(job.report)) if job.report else None
     alignments = [None if i == job.anchor else eye for i in range(len(job.ckpts))]
     plan = [(names, _axes(job, names, alignments)) for _, names in units(job) if names is not None]
     stats, whose = floor(job.how.statistic, StatisticsContext.of(job))
