@@ -233,6 +233,11 @@ def _shrink_level(cfg, id_map, mains=frozenset()) -> dict:
             new = _UNSET_EXPERTS[r]
         elif v is None and k == "vocab_size":  # left for a checkpoint to state (a CTC head's
             new = VOCAB                        # letters: Wav2Vec2-BERT, ESM): the shrunk one
+        elif v is None and r == "head_dim" and k == "head_dim" and q_old and main:
+            new = int(main * scale) // q_new  # left None beside a head count, read as is by the
+            #                                  model (Ministral, HunYuan): the width per head
+        elif v is None and r == "kv_heads" and q_old:
+            new = q_new  # left None (Nemotron's default): multi-head, as the configs that set it
         elif r is None and isinstance(v, (list, tuple)) and old_layers and new_layers != old_layers \
                 and len(v) == old_layers:
             new = type(v)(v[:new_layers])
@@ -301,7 +306,26 @@ def _shrink_level(cfg, id_map, mains=frozenset()) -> dict:
     if "out_indices" in out and "out_features" in fields:
         out["out_features"] = None  # derived from the indices by the backbone's config
     out.update(_tokens_per_image(fields, out))
+    out.update(_state_head_dims(fields, out, int(main * scale) if main else None))
     return out
+
+
+def _state_head_dims(fields, out, width) -> dict:
+    """A state-space level's head width, derived so that heads × head width = expand × width
+    (the validators of Mamba 2, Bamba, Falcon-H1): for each ``...expand`` field, the one head
+    count and the one head width named with the same prefix (``mamba_n_heads``,
+    ``mamba_d_head`` beside ``mamba_expand``; ``num_heads``, ``head_dim`` beside ``expand``)."""
+    res: dict = {}
+    for k, e in fields.items() if width else ():
+        pre = k[:-len("expand")]
+        if not (k.endswith("expand") and _is_int(e) and e > 0):
+            continue
+        heads = [h for h in fields if h.startswith(pre) and role(h) == "heads"]
+        dims = [h for h in fields if h.startswith(pre) and role(h) == "head_dim"]
+        n = out.get(heads[0], fields[heads[0]]) if len(heads) == 1 and len(dims) == 1 else None
+        if _is_int(n) and n > 0 and (e * width) % n == 0:
+            res[dims[0]] = e * width // n
+    return res
 
 
 def _tokens_per_image(fields, out) -> dict:
@@ -371,12 +395,16 @@ def build(model_type: str, class_name: str, seed: int = 0):
     import torch
     import transformers
     cfg, overrides = tiny_config(model_type)
+    cls = getattr(transformers, class_name)
+    own = getattr(cls, "config_class", None)
+    if isinstance(own, type) and not isinstance(cfg, own) and isinstance(cfg.get_text_config(), own):
+        cfg = cfg.get_text_config()  # the class's own config: a composite's text config (Qwen3.5's LM)
     if class_name.endswith("ForSequenceClassification") and getattr(cfg, "pad_token_id", 0) is None:
         vocab = getattr(cfg, "vocab_size", None)
         cfg.pad_token_id = (vocab if _is_int(vocab) else VOCAB) - 1
         overrides = {**overrides, "pad_token_id": cfg.pad_token_id}
     torch.manual_seed(seed)
-    model = getattr(transformers, class_name)(cfg).float().eval()
+    model = cls(cfg).float().eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

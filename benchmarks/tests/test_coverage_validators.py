@@ -69,3 +69,22 @@ def test_what_transformers_cannot_build_or_run_is_apart_from_the_denominator():
     c = cov.summarize([ok, ran, ours, beit])["by_task"]["ctc"]
     assert (c["tried"], c["cannot_build"], c["cannot_run"], c["runs"]) == (4, 1, 1, 2)
     assert c["sound_and_complete"] == 1 and c["fraction"] == 0.5 and not c["meets_target"]
+
+
+@pytest.mark.parametrize("model_type, heads, dim, expand", [
+    ("mamba2", "num_heads", "head_dim", "expand"), ("bamba", "mamba_n_heads", "mamba_d_head", "mamba_expand")])
+def test_state_space_heads_times_head_width_is_expand_times_width(model_type, heads, dim, expand):
+    # Mamba 2's and Bamba's validators: heads × head width = expand × hidden (128 = 4 × 32)
+    cfg, over = cov.tiny_config(model_type)
+    assert getattr(cfg, heads) * getattr(cfg, dim) == getattr(cfg, expand) * cfg.hidden_size == 2 * cov.HIDDEN
+    assert over[dim] == 32 and getattr(cfg, heads) == 4
+
+
+def test_head_width_and_kv_heads_left_none_are_derived():
+    # Ministral reads config.head_dim as is (None: None ** -0.5); Nemotron divides by its
+    # num_key_value_heads (None by default): the shrunk config states them
+    cfg, over = cov.tiny_config("ministral")
+    assert over["head_dim"] == cfg.head_dim == cfg.hidden_size // cfg.num_attention_heads == 16
+    cfg, over = cov.tiny_config("nemotron")
+    assert over["num_key_value_heads"] == cfg.num_key_value_heads == cfg.num_attention_heads == 4
+    _row_sound_and_complete("ministral", "MinistralForCausalLM", "causal_lm")
