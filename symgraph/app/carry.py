@@ -22,7 +22,7 @@ import time
 import torch
 
 from ..errors import InputError
-from ..merging.engine.plan import keys_of
+from ..merging.engine.slicing import keys_of
 from ..transform.apply import move_piece
 from ..transform.folding import for_reader, members
 

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import InputError
 from ..width.heads import why_no_config, wide_config, wide_model
-from .engine.plan import keys_of
+from .engine.slicing import keys_of
 
 __all__ = ["widened_program", "circuit_state", "CircuitPlan", "plan", "why_no_config", "wide_model", "wide_shapes",
            "Widening", "CircuitHeads"]

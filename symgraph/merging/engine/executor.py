@@ -22,6 +22,7 @@ from ...core.finite import all_finite
 from ...core.progress import bar as progress_bar
 from ...errors import InputError
 from ...transform.apply import move
+from .slicing import keys_of
 from .views import Ledger, Sliced, elements_on, nbytes
 
 __all__ = ["Executor", "Resources", "Transforms"]
@@ -93,7 +94,7 @@ class Executor:
                 else:
                     pieces = self.pieces(task.names, task.split)
                 for n, v in pieces:
-                    for k in self.plan.keys_of(n):
+                    for k in keys_of(A, n):
                         writer.add(k, v)
                 bar.update(len(task.keys))
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from . import slicing
 from .slicing import keys_of
 
-__all__ = ["GroupTask", "Plan", "build_plan", "keys_of"]
+__all__ = ["GroupTask", "Plan", "build_plan"]
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,6 @@ class Plan:
     @property
     def anchor_checkpoint(self):
         return self.sources[self.anchor]
-
-    def keys_of(self, name) -> list:
-        return keys_of(self.anchor_checkpoint, name)
 
 
 def build_plan(job, report, out_shapes: dict) -> Plan:
