@@ -79,3 +79,24 @@ def test_slice_with_bounds_computed_in_the_program_fixes_its_axis():
     (hidden,) = r.group_of("b.weight", 0)
     assert hidden.kind == "scaled_perm" and hidden.size == 4 and ("c.weight", 1) in hidden.params
     assert r.certify(m, inputs=inputs) < 1e-6
+
+
+def test_a_decoder_alone_reads_its_cross_attention():
+    # BART's causal LM holds cross-attention that reads encoder states only when given them;
+    # left unread, every class would be fixed. BERT as a decoder without cross-attention refuses
+    # them, and gets none.
+    bart = randomized(transformers.BartForCausalLM(transformers.BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=20, max_position_embeddings=32)))
+    _, kw = default_inputs(bart)
+    assert kw["encoder_hidden_states"].shape == (2, 4, 16)
+    r = symgraph.analyze(bart)
+    assert r.certify(bart) < 1e-6
+    k = "model.decoder.layers.0.encoder_attn.k_proj.weight"
+    assert any(g.kind == "perm" and g.size == 4 for g in r.group_of(k, 0))  # its heads
+    (mlp,) = r.group_of("model.decoder.layers.0.fc1.weight", 0)
+    assert mlp.kind == "perm" and mlp.size == 20
+    bert = transformers.BertLMHeadModel(transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=24,
+        is_decoder=True))
+    assert "encoder_hidden_states" not in default_inputs(bert)[1]

@@ -279,6 +279,25 @@ def _main_input(model, params):
     return name, model.config
 
 
+def _encoder_states(model, kwargs, cfg, batch, gen) -> None:
+    """A decoder used alone whose layers hold cross-attention (the causal LMs of BART, Pegasus,
+    Marian) reads them only when given encoder states: four positions of its width, kept where
+    its own forward runs on them (BERT as a decoder without cross-attention refuses them)."""
+    width = _sub(cfg, "cross_attention_hidden_size", "encoder_hidden_size", "d_model", "hidden_size")
+    p = next((q for q in model.parameters() if q.is_floating_point()), None)
+    if not isinstance(width, int) or p is None:
+        return
+    states = torch.randn(batch, 4, width, generator=gen)
+    trial = {k: v.to(p.device) for k, v in kwargs.items()}
+    try:
+        with torch.no_grad():
+            model(**trial, encoder_hidden_states=states.to(p.device, p.dtype),
+                  **({"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}))
+    except Exception:  # noqa: BLE001 - no cross-attention to read them: the inputs stay as they are
+        return
+    kwargs["encoder_hidden_states"] = states
+
+
 def default_inputs(model, batch: int = 2, seq: int = 8):
     """Example inputs for a Hugging Face model, built from its config (no data needed); see the
     module's docstring; a diffusers model's: :mod:`.diffusion_inputs`. Returns ``(args, kwargs)``."""
@@ -319,6 +338,8 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
         if "decoder_attention_mask" in params:  # all ones: a decoder that would look for padding
             # in its ids otherwise branches on their values (FSMT), which no trace can follow
             kwargs["decoder_attention_mask"] = torch.ones_like(dec)
+    elif name == "input_ids" and "encoder_hidden_states" in params:
+        _encoder_states(model, kwargs, cfg, batch, gen)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     kwargs = {k: v.to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in kwargs.items()}
     if "use_cache" in params:
