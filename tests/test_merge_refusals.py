@@ -252,3 +252,21 @@ def test_special_files_bad_indexes_and_yaml_values_are_one_line(ws, tmp_path, ca
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     assert digest(ws) == before
+
+
+def test_unaligned_models_of_other_widths_or_classes_are_refused_naming_the_tensor():
+    """The engine's check of its checkpoints (``sharded.check_pair``, as ``symgraph align`` and
+    ``barrier`` check theirs): without alignment the first tensor whose shape differs is named
+    with both shapes; models of two classes are refused at any alignment."""
+    from symgraph.checkpoints.memory import ModelCheckpoint
+    from symgraph.merging.streaming import StreamingMerge
+    a, wide = models.build("llama", seed=0, **L), models.build("llama", seed=1, **{**L, "mlp": 40})
+    pair = [ModelCheckpoint(a, "model 0"), ModelCheckpoint(wide, "model 1")]
+    with pytest.raises(symgraph.InputError, match=r"^'model 0' and 'model 1' differ in tensor 'model\.layers\.0\.mlp"
+                       r"\.down_proj\.weight' \(\(32, 48\) vs \(32, 40\)\); without alignment .* --align weights\)$"):
+        StreamingMerge(pair, align=None)
+    assert StreamingMerge(pair, align="weights").alignments == [None, None]  # aligned: other widths are fine
+    gpt = models.build("gpt2", seed=0, vocab=64, hidden=32, layers=2, heads=4, positions=64)
+    with pytest.raises(symgraph.InputError, match=r"^'model 0' is a LlamaForCausalLM but 'model 1' is a "
+                       r"GPT2LMHeadModel; expected models of one architecture$"):
+        StreamingMerge([pair[0], ModelCheckpoint(gpt, "model 1")])

@@ -177,7 +177,7 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
     from ..checkpoints.specs import check_same_configs
     from .config import MergeConfig
     from ..merging.streaming import StreamingMerge
-    from ..checkpoints.sharded import Checkpoint
+    from ..checkpoints.sharded import Checkpoint, check_pair
     if align not in ("weights", "activations"):
         raise InputError(f"--align {align!r}; expected 'weights' or 'activations' (an alignment to save)")
     inputs = [a, b] + ([data] if data else [])
@@ -193,12 +193,8 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
                              "(symgraph align reads and writes checkpoints out of core)")
     ckpts = [Checkpoint(os.path.expanduser(p)) for p in (a, b)]
     check_same_configs([c.config for c in ckpts], [a, b])
-    if ckpts[0].shapes != ckpts[1].shapes:
-        k = sorted(k for k in set(ckpts[0].shapes) | set(ckpts[1].shapes)
-                   if ckpts[0].shapes.get(k) != ckpts[1].shapes.get(k))[0]
-        raise InputError(f"{a!r} and {b!r} differ in tensor {k!r} ({ckpts[0].shapes.get(k)} vs "
-                         f"{ckpts[1].shapes.get(k)}); symgraph align writes B in A's basis, which needs models "
-                         "of one width (models of different widths merge with symgraph merge --align weights)")
+    check_pair(*ckpts, a, b, "symgraph align writes B in A's basis, which needs models of one width (models of "
+               "different widths merge with symgraph merge --align weights)")
     cfg = MergeConfig(models=[a, b], out=out, align=align, data=data, fold_norms=fold_norms, outputs=outputs,
                       **engine)
     batches = read_batches(data, ckpts[0].model) if align == "activations" else None

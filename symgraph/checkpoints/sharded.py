@@ -48,16 +48,18 @@ def parse_size(size) -> int:
                 return int(v * f)
     raise InputError(f"shard size {size!r}; expected a positive size such as '2GB' or '500MB'")
 
-def check_pair(A, B, a: str = "A", b: str = "B") -> None:
+def check_pair(A, B, a: str = "A", b: str = "B", width: str | None = "expected two models of one architecture "
+               "and width") -> None:
     """Refuse two :class:`Checkpoint` s (named ``a`` and ``b`` in the message) that are not one
-    architecture at one width: their classes differ, or a tensor's shape (or presence) does."""
+    architecture (their classes differ) or, unless ``width`` is None, not one width (a tensor's
+    shape or presence differs; ``width`` says what is expected)."""
     if A.cls is not B.cls:
-        raise InputError(f"{a!r} is a {A.cls.__name__} but {b!r} is a {B.cls.__name__}; expected two models "
+        raise InputError(f"{a!r} is a {A.cls.__name__} but {b!r} is a {B.cls.__name__}; expected models "
                          "of one architecture")
-    if A.shapes != B.shapes:
+    if width is not None and A.shapes != B.shapes:
         k = sorted(k for k in set(A.shapes) | set(B.shapes) if A.shapes.get(k) != B.shapes.get(k))[0]
         raise InputError(f"{a!r} and {b!r} differ in tensor {k!r} ({A.shapes.get(k, 'missing')} vs "
-                         f"{B.shapes.get(k, 'missing')}); expected two models of one architecture and width")
+                         f"{B.shapes.get(k, 'missing')}); {width}")
 
 
 class Checkpoint:

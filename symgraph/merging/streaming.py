@@ -30,7 +30,7 @@ from ..core.progress import bar as progress_bar
 from ..errors import InputError
 from ..transform.folding import gauge
 from ..checkpoints.inputs import DEFAULT_SHARD
-from ..checkpoints.sharded import Checkpoint, KeysDiffer, ShardWriter, parse_size
+from ..checkpoints.sharded import Checkpoint, KeysDiffer, ShardWriter, check_pair, parse_size
 from .methods import registry
 from .methods.registry import mixing_weights
 from .config import MergeConfig, engine_config, solver_options
@@ -156,17 +156,8 @@ class StreamingMerge:
     def _check_family(self):
         A = self._checkpoints[self.anchor]
         for c in self._checkpoints:
-            if c.cls is not A.cls:
-                raise InputError(f"{A.path!r} is a {A.cls.__name__} but {c.path!r} is a {c.cls.__name__}; "
-                                 "expected models of one architecture")
-            if self.align_mode is None:
-                other = sorted(k for k in A.shapes if c.shapes.get(k) != A.shapes[k])
-                if other or set(c.shapes) != set(A.shapes):
-                    k = (other or sorted(set(c.shapes) ^ set(A.shapes)))[0]
-                    raise InputError(f"{c.path!r} and the anchor {A.path!r} differ in tensor {k!r} "
-                                     f"({c.shapes.get(k)} vs {A.shapes.get(k)}); without alignment the "
-                                     "checkpoints must have the same tensors and shapes (models of "
-                                     "different widths need --align weights)")
+            check_pair(A, c, A.path, c.path, None if self.align_mode else "without alignment the checkpoints must "
+                       "have the same tensors and shapes (models of different widths need --align weights)")
 
     def read(self, ckpt):
         """``ckpt`` (a directory or a :class:`Checkpoint`, e.g. a universe's mean) read as this
@@ -194,8 +185,7 @@ class StreamingMerge:
         if aligned or ((self.how.needs_data or self.repair) and self.graph_report is None):
             self.graph_report = self._analyzed(A)
         ra = self.graph_report
-        shapes = lambda c: {n: tuple(p.shape) for n, p in c.model.named_parameters()}  # noqa: E731
-        others = {i: ra if shapes(c) == shapes(A) else self._analyzed(c)  # a model of other widths: its own
+        others = {i: ra if c.shapes == A.shapes else self._analyzed(c)  # a model of other widths: its own
                   for i, c in enumerate(self._checkpoints) if aligned and i != self.anchor}
         if aligned:
             self.timings["analyze"] = time.perf_counter() - t0
