@@ -86,16 +86,17 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     ra = analyze(A, inputs, fold_norms=config.fold_norms, outputs=config.outputs)
     rows = {"rows": ra.input_rows(data)} if config.seen_rows else {}  # Theus et al. 2025: the data's token rows
     align_options = dict(align_options, refine=config.refine, fold_norms=config.fold_norms, outputs=config.outputs,
+                         data=data if align == "activations" or config.refine else None,  # what aligning reads
                          **solver_options(config), **rows)
     timings = {"analyze": time.perf_counter() - t0, "align": 0.0, "statistics": 0.0}
     universe, found, job = None, None, None
     if anchor == "universe":  # every model's alignment to the mean of the others, the engine's rounds
         from .universe import align_universe
         job = _engine(models, config, how, data)
-        found, universe = align_universe(job, models, inputs, ra, data, universe_options, progress, **align_options)
+        found, universe = align_universe(job, models, inputs, ra, universe_options, progress, **align_options)
         timings["align"] = universe["seconds"]
     t1 = time.perf_counter()
-    alignments = found or _aligned(models, A, ra, inputs, align, data, anchor, progress, align_options)
+    alignments = found or _aligned(models, A, ra, inputs, align, anchor, progress, align_options)
     timings["align"] += time.perf_counter() - t1 if not found else 0.0
     t3 = time.perf_counter()
     if config.attention == "circuits" and why_no_config(A, len(models)):  # a traced program widened: in memory
@@ -150,7 +151,7 @@ def _config(models, config, given: dict, data, align_options: dict) -> tuple:
     return config, align_options
 
 
-def _aligned(models, A, ra, inputs, align, data, anchor, progress, align_options) -> list:
+def _aligned(models, A, ra, inputs, align, anchor, progress, align_options) -> list:
     """One :class:`~symgraph.Alignment` per model into ``A``'s basis (None for the anchor, and for
     every model without alignment, whose shapes must then be the anchor's)."""
     alignments: list = []
@@ -158,8 +159,7 @@ def _aligned(models, A, ra, inputs, align, data, anchor, progress, align_options
     for i, m in enumerate(bar):
         al = None
         if i != anchor and align is not None:  # unaligned, the engine refuses other shapes
-            al = align_models(A, m, inputs, data=data if align == "activations" or align_options.get("refine")
-                              else None, report_a=ra, **align_options)
+            al = align_models(A, m, inputs, report_a=ra, **align_options)
         alignments.append(al)
     return alignments
 

@@ -121,16 +121,13 @@ class _Between:
         self.A, self.B, self.device, self.rb = A, B, device, al.report_b
         self.gauge = {k: v.to(device) for k, v in al.gauge.items()} if al.gauge else None
         self.keep = {o: k for k, others in al.report_a.aliases.items() for o in others}
-        self.folds = {m: f for f in self.rb.folds for m in members(f)}
+        # each folded tensor's part of its fold (gain, shift, reader, bias), found once
+        self.pieces = {m: (members(r), r) for f in self.rb.folds for m in members(f) for r in [for_reader(f, m)]}
         self.moved = set(self.rb.parameters)
 
     def piece(self, key):
         """The tensors moved with ``key`` (its fold's part for it: gain, shift, reader, bias) and that fold."""
-        f = self.folds.get(key)
-        if f is None:
-            return (key,), None
-        f = for_reader(f, key)
-        return members(f), f
+        return self.pieces.get(key, ((key,), None))
 
     def cost(self, g) -> dict:
         """Bytes a segment holds for each graph tensor: A's, the moved piece of B's (stored,

@@ -70,10 +70,11 @@ def universe_options(options: dict | None) -> dict:
     return out
 
 
-def align_universe(job, models, inputs, ra, data, options=None, progress=False, **align_options):
+def align_universe(job, models, inputs, ra, options=None, progress=False, **align_options):
     """Align every model of ``models`` into one shared basis (module docstring), in memory:
     ``job`` is the merge engine over them (its ``align``, mixing weights and plans), ``ra``
-    ``models[0]``'s report, ``options`` ``max_rounds`` and ``tol`` (:data:`DEFAULTS`).
+    ``models[0]``'s report, ``options`` ``max_rounds`` and ``tol`` (:data:`DEFAULTS`),
+    ``align_options`` :func:`symgraph.align`'s (``data`` included: what aligning reads).
 
     Returns ``(alignments, record)``: per model its :class:`~symgraph.Alignment` into the
     universe, and a JSON-able record: ``rounds``, ``converged``, ``stopped`` ("converged" /
@@ -84,10 +85,9 @@ def align_universe(job, models, inputs, ra, data, options=None, progress=False, 
     """
     opts = universe_options(options)
     t0 = time.perf_counter()
-    A, align = models[0], job.config.align
-    kw = dict(align_options, data=data if align == "activations" or align_options.get("refine") else None)
-    alignments = [None] + [align_models(A, m, inputs, report_a=ra, **kw) for m in models[1:]]  # round 0
-    record = run_rounds(job, ra, alignments, _InMemory(models, inputs, ra, kw), opts, progress, t0)
+    A = models[0]
+    alignments = [None] + [align_models(A, m, inputs, report_a=ra, **align_options) for m in models[1:]]  # round 0
+    record = run_rounds(job, ra, alignments, _InMemory(models, inputs, ra, align_options), opts, progress, t0)
     return alignments, record
 
 

@@ -115,7 +115,7 @@ class Folded(Mapping):
     def __init__(self, report, ckpt, budget: int = DEFAULT_CACHE, dtype=torch.float64,
                  device=None, ledger: Ledger | None = None):
         self.report, self.ckpt, self.dtype, self.device = report, ckpt, dtype, device
-        self.folds = {n: f for f in report.folds for n in members(f)}
+        self.folds = {n: folding.for_reader(f, n) for f in report.folds for n in members(f)}  # each tensor's part
         self._cache = TensorCache(budget, ledger)
         self._near = TensorCache(min(budget, DEFAULT_CACHE), ledger) if device is not None else None
         self._pin = device is not None and torch.device(device).type == "cuda"
@@ -128,7 +128,6 @@ class Folded(Mapping):
         if f is None:
             v = self.ckpt.get(name)
         else:  # this tensor's part of its fold only: the gain (and shift), its reader, its bias
-            f = folding.for_reader(f, name)
             raw = {n: self.ckpt.get(n) for n in members(f)}
             v = folding.fold([f], raw, _fold_dtype(f, raw, self.dtype)).get(name, raw[name]).to(raw[name].dtype)
         if self._pin and nbytes(v) <= self._cache.budget:
