@@ -193,8 +193,8 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
                              "(symgraph align reads and writes checkpoints out of core)")
     ckpts = [Checkpoint(os.path.expanduser(p)) for p in (a, b)]
     check_same_configs([c.config for c in ckpts], [a, b])
-    check_pair(*ckpts, a, b, "symgraph align writes B in A's basis, which needs models of one width (models of "
-               "different widths merge with symgraph merge --align weights)")
+    check_pair(ckpts[0], ckpts[1], a, b, "symgraph align writes B in A's basis, which needs models of one width "
+               "(models of different widths merge with symgraph merge --align weights)")
     cfg = MergeConfig(models=[a, b], out=out, align=align, data=data, fold_norms=fold_norms, outputs=outputs,
                       **engine)
     batches = read_batches(data, ckpts[0].model) if align == "activations" else None

@@ -24,7 +24,7 @@ CHUNK_BYTES = 64 << 20  # a group's tensors over this (in the work dtype) are me
 STATS_BYTES = 256 << 20  # activation statistics are taken in passes of this many bytes, solved as each ends
 
 
-def budgets(b: int | None, n_models: int, cache_bytes: int = DEFAULT_CACHE) -> tuple:
+def budgets(b: int | None, n_models: int, cache_bytes: int = DEFAULT_CACHE) -> tuple[int, int, int]:
     """``(cache, chunk, stats)`` bytes from a memory budget of ``b`` bytes (None: the defaults): each
     model's cache of folded or moved tensors, the size of a group above which it is merged in
     slices (each of the ``n_models`` models' working copies and the result held at once), and a
