@@ -299,9 +299,6 @@ class BatchNormReset:
     std_ratio: float
     mean_shift: float
 
-    def to_dict(self):
-        return asdict(self)
-
 
 @dataclass
 class RepairReport:
