@@ -186,11 +186,8 @@ def _check_loaded(cfg, models) -> None:
     check_same_family(models, cfg.models)
     check_same_configs([getattr(m, "config", None) for m in models], cfg.models)
     if cfg.attention == "circuits":
-        from ..merging.circuits import why_no_config
-        why = why_no_config(models[0], len(models))
-        if why:
-            raise InputError(f"{why} (symgraph.merge(..., attention='circuits') in Python); expected a config "
-                             "with head_dim (LLaMA, Qwen2, Mistral, Gemma...) for a saved checkpoint")
+        from ..width.heads import check_config
+        check_config(models[0], len(models))
 
 
 def _merged(cfg, models, data, progress):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from ..width.heads import why_no_config, wide_config, wide_model
+from ..width.heads import check_config, why_no_config, wide_config, wide_model
 from .engine.slicing import keys_of
 
 __all__ = ["widened_program", "circuit_state", "CircuitPlan", "plan", "why_no_config", "wide_model", "wide_shapes",
@@ -209,10 +209,7 @@ class CircuitHeads:
         if method != "average":
             raise InputError(f"attention='circuits' merges by weighted averaging, not method={method!r}; "
                              "expected method='average' without repair")
-        why = why_no_config(self.checkpoint.model, self.n)
-        if why:
-            raise InputError(f"{why} (symgraph.merge(..., attention='circuits') in Python); expected a config "
-                             "with head_dim (LLaMA, Qwen2, Mistral, Gemma...) for a saved checkpoint")
+        check_config(self.checkpoint.model, self.n)
 
     def built(self):
         """``(plan, config, meta model)`` of the merge."""

@@ -16,7 +16,7 @@ import torch
 from ..core.ties import retie, tied_groups
 from ..errors import InputError
 
-__all__ = ["why_no_config", "wide_config", "wide_model"]
+__all__ = ["why_no_config", "check_config", "wide_config", "wide_model"]
 
 
 def why_no_config(model, n) -> str | None:
@@ -27,6 +27,15 @@ def why_no_config(model, n) -> str | None:
         return (f"{name} has no head_dim field (its head size is derived from the width), so a checkpoint "
                 f"cannot state the {n}x wider circuit-space heads; the merged model runs in memory only")
     return None
+
+
+def check_config(model, n) -> None:
+    """Refuse circuit-space heads of ``n`` models like ``model`` for a saved checkpoint where
+    :func:`why_no_config` says why its config cannot state them."""
+    why = why_no_config(model, n)
+    if why:
+        raise InputError(f"{why} (symgraph.merge(..., attention='circuits') in Python); expected a config "
+                         "with head_dim (LLaMA, Qwen2, Mistral, Gemma...) for a saved checkpoint")
 
 
 def wide_config(model, head_dim: int, n: int, rope: bool):
