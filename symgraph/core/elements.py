@@ -10,7 +10,7 @@ import torch
 
 from .gemm import linear
 
-__all__ = ["Perm", "Map", "Blocks", "is_perm", "inv_t", "apply_along", "mark_perm", "mark_orth"]
+__all__ = ["Perm", "Map", "Blocks", "is_perm", "inv_t", "apply_along", "mark_perm", "mark_orth", "elements_on"]
 
 
 def mark_perm(P: torch.Tensor) -> torch.Tensor:
@@ -62,6 +62,9 @@ class Perm:
         n = len(self.index)
         return torch.Size((n, n))
 
+    def to(self, device) -> "Perm":
+        return Perm(self.index.to(device))
+
     def dense(self, dtype=torch.float64):
         n = len(self.index)
         M = torch.zeros(n, n, dtype=dtype, device=self.index.device)
@@ -91,6 +94,9 @@ class Map:
     @property
     def shape(self):
         return self.co.shape
+
+    def to(self, device) -> "Map":
+        return Map(self.co.to(device), self.contra.to(device))
 
 
 class Blocks:
@@ -137,6 +143,12 @@ class Blocks:
         M = torch.zeros(H, b, H, b, dtype=self.blocks.dtype, device=self.blocks.device)
         M[torch.arange(H, device=M.device), :, self.index] = self.blocks
         return M.reshape(H * b, H * b)
+
+
+def elements_on(elements: dict, device) -> dict:
+    """An alignment's ``elements`` (group id -> :class:`Perm`, :class:`Map` or matrix) with their
+    tensors on ``device``."""
+    return {k: e.to(device) if isinstance(e, (Perm, Map, torch.Tensor)) else e for k, e in elements.items()}
 
 
 def apply_along(t: torch.Tensor, d: int, M) -> torch.Tensor:

@@ -26,6 +26,7 @@ from ..alignment.fullgroups import fit_full_groups
 from ..alignment.learning import Objective, learnable, learned_matching
 from ..alignment.options import AlignOptions
 from ..alignment.refine import with_labels
+from ..core.elements import elements_on
 from ..errors import InputError, NeedsMemory, TraceError
 from ..passes.trace import output_positions, trace
 from ..transform.apply import move_piece
@@ -33,7 +34,7 @@ from ..transform.folding import for_reader, members
 from .engine.segments import Graph, Kept, Segment, backward_span, output_node, plan_segments
 from .engine.slicing import rounded_up
 from .engine.sums import Spill
-from .engine.views import Ledger, elements_on, nbytes
+from .engine.views import Ledger, nbytes
 
 __all__ = ["Learning", "refined", "check_budget"]
 

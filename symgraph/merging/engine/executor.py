@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
+from ...core.elements import elements_on
 from ...core.finite import all_finite
 from ...core.progress import bar as progress_bar
 from ...errors import InputError
 from ...transform.apply import move
 from .slicing import keys_of
-from .views import Ledger, Sliced, elements_on, nbytes
+from .views import Ledger, Sliced, nbytes
 
 __all__ = ["Executor", "Resources", "Transforms"]
 

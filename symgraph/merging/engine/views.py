@@ -16,11 +16,12 @@ from dataclasses import replace
 import torch
 
 from ...alignment.weights import WeightFeatures
+from ...core.elements import elements_on
 from ...transform import folding
 from ...transform.apply import move
 from ...transform.folding import groups, members
 
-__all__ = ["Folded", "TensorCache", "Aligned", "Sides", "Ledger", "Sliced", "nbytes", "elements_on", "fit_dtype",
+__all__ = ["Folded", "TensorCache", "Aligned", "Sides", "Ledger", "Sliced", "nbytes", "fit_dtype",
            "known_name", "DEFAULT_CACHE", "return_freed_memory"]
 
 DEFAULT_CACHE = 64 << 20  # bytes of folded tensors kept per model while aligning (about a layer of 1.1B's MLP)
@@ -29,21 +30,6 @@ DEFAULT_CACHE = 64 << 20  # bytes of folded tensors kept per model while alignin
 def nbytes(t) -> int:
     """The bytes of a tensor's elements (0 for anything else)."""
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-def elements_on(elements: dict, device) -> dict:
-    """An alignment's ``elements`` with their tensors on ``device`` (the engine computes there)."""
-    from ...core.elements import Map, Perm
-    out = {}
-    for k, e in elements.items():
-        if isinstance(e, Perm):
-            e = Perm(e.index.to(device))
-        elif isinstance(e, Map):
-            e = Map(e.co.to(device), e.contra.to(device))
-        elif isinstance(e, torch.Tensor):
-            e = e.to(device)
-        out[k] = e
-    return out
 
 
 class Ledger:
