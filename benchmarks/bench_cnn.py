@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -249,7 +250,7 @@ def run(size: str = "quick", seeds=(0, 1, 2), pairs: int | None = None, steps: i
                     res = symgraph.merge([A, B], data=data, align=align, repair=True)
                     rec["merge_loss_mid"], rec["merge_acc_mid"] = evaluate(res.model, batches)
                     rec["merge_seconds"] = time.perf_counter() - t
-                    rec["batchnorm"] = [x.to_dict() for x in res.repair.batchnorm]
+                    rec["batchnorm"] = [dataclasses.asdict(x) for x in res.repair.batchnorm]
                     rec["repair_seconds"] = res.repair.seconds
                 records.append(rec)
                 if verbose:
