@@ -45,8 +45,8 @@ def peaks(monkeypatch):
     out = []
     real = StreamingMerge.write
 
-    def write(self, directory):
-        info = real(self, directory)
+    def write(self, directory, *args, **kwargs):
+        info = real(self, directory, *args, **kwargs)
         out.append(self.resources.ledger.peak)
         return info
     monkeypatch.setattr(StreamingMerge, "write", write)
