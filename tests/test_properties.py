@@ -143,8 +143,11 @@ class Heads(torch.nn.Module):
         self.h, self.d, self.op, self.swap = heads, c // heads, op, swap
         self.inp = torch.nn.Linear(c, c, bias=bias)
         self.out = torch.nn.Linear(c, c, bias=bias)
-        self.p_hd = torch.nn.Parameter(torch.randn(heads, c // heads))
-        self.p_d = torch.nn.Parameter(torch.randn(c // heads))
+        # only the parameters its op reads: a parameter the program never reads fixes every class
+        if op == "scale_hd":
+            self.p_hd = torch.nn.Parameter(torch.randn(heads, c // heads))
+        if op == "scale_d":
+            self.p_d = torch.nn.Parameter(torch.randn(c // heads))
 
     def forward(self, x):
         b, s, c = x.shape
