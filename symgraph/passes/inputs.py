@@ -281,26 +281,22 @@ def _main_input(model, params):
 
 def _encoder_states(model, kwargs, cfg, batch, gen) -> None:
     """A decoder used alone whose layers hold cross-attention (the causal LMs of BART, Pegasus,
-    Marian) reads them only when given encoder states: four positions of its width, kept where
-    its own forward runs on them and its output changes with them (BERT as a decoder without
-    cross-attention refuses them; RoBERTa's masked LM takes them and ignores them)."""
+    Marian) reads them only when given encoder states: four positions of its width, for a model
+    its config says is a decoder (RoBERTa's masked LM takes them and ignores them), kept where
+    its own forward runs on them (BERT as a decoder without cross-attention refuses them)."""
     width = _sub(cfg, "cross_attention_hidden_size", "encoder_hidden_size", "d_model", "hidden_size")
     p = next((q for q in model.parameters() if q.is_floating_point()), None)
-    if not isinstance(width, int) or p is None:
+    if not getattr(cfg, "is_decoder", False) or not isinstance(width, int) or p is None:
         return
     states = torch.randn(batch, 4, width, generator=gen)
     trial = {k: v.to(p.device) for k, v in kwargs.items()}
-    trial |= {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-    training = model.training
     try:
-        with torch.no_grad():  # in eval mode: dropout would tell the two runs apart
-            outs = [model.eval()(**trial, encoder_hidden_states=s.to(p.device, p.dtype))[0] for s in (states, -states)]
+        with torch.no_grad():
+            model(**trial, encoder_hidden_states=states.to(p.device, p.dtype),
+                  **({"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}))
     except Exception:  # noqa: BLE001 - no cross-attention to read them: the inputs stay as they are
         return
-    finally:
-        model.train(training)
-    if not torch.equal(*outs):  # read: a forward that takes them and ignores them (RoBERTa's MLM) gets none
-        kwargs["encoder_hidden_states"] = states
+    kwargs["encoder_hidden_states"] = states
 
 
 def default_inputs(model, batch: int = 2, seq: int = 8):
