@@ -179,6 +179,18 @@ def gap_rows(record, hows) -> list:
     return rows
 
 
+def tables(record, gap_note: str) -> list:
+    """The losses table and the section on the share of the gap closed (``gap_note`` its
+    explanation), as Markdown lines: this benchmark's and its variants' (``bench_rotate_stream``)."""
+    header = ["model", "variant", "rotation", *SETTINGS, "certificate", "classes"]
+    lines = table(header, loss_rows(record), ["l", "l", "l", *["r"] * (len(header) - 3)])
+    hows = list(dict.fromkeys(h for r in record["archs"] for v in r["variants"].values()
+                              for h in v.get("rows", {}) if h != "none"))
+    lines += ["", "## Share of the loss gap closed", "", gap_note, ""]
+    header = ["model", "variant", "setting", "gap", "noise", *hows]
+    return lines + table(header, gap_rows(record, hows), ["l", "l", "l", *["r"] * (len(header) - 3)])
+
+
 def markdown(record) -> str:
     lines = ["# Rotations for quantization (issue 64)", "",
              f"Command: `{record['command']}`  ", f"Commit: `{record['commit']['commit']}` "
@@ -192,17 +204,11 @@ def markdown(record) -> str:
              "inputs get outlier channels, as trained LLMs have). Rows: `fold`, the norm gains folded into "
              "their readers and nothing rotated (what `symgraph rotate` does before it rotates); `random` seed 0, "
              "`random@1` seed 1 (the noise level), `hadamard` and `learned` seed 0.", ""]
-    header = ["model", "variant", "rotation", *SETTINGS, "certificate", "classes"]
-    lines += table(header, loss_rows(record), ["l", "l", "l", *["r"] * (len(header) - 3)])
-    hows = list(dict.fromkeys(h for r in record["archs"] for v in r["variants"].values()
-                              for h in v.get("rows", {}) if h != "none"))
-    lines += ["", "## Share of the loss gap closed", "",
-              "Gap: the unrotated model's loss minus the float loss, per setting. Noise: |random − random@1|, "
-              "two rotation seeds of one model. A rotation's share of the gap closed, `(L_none − L_rot) / gap`, "
-              f"is given where the gap is at least {GAP_MIN} nats and {NOISE_TIMES}× the noise; below that the gap "
-              "is not resolved and the cell gives the loss change `Δ = L_rot − L_none` (negative: better).", ""]
-    header = ["model", "variant", "setting", "gap", "noise", *hows]
-    lines += table(header, gap_rows(record, hows), ["l", "l", "l", *["r"] * (len(header) - 3)])
+    lines += tables(record, "Gap: the unrotated model's loss minus the float loss, per setting. Noise: "
+                    "|random − random@1|, two rotation seeds of one model. A rotation's share of the gap closed, "
+                    f"`(L_none − L_rot) / gap`, is given where the gap is at least {GAP_MIN} nats and "
+                    f"{NOISE_TIMES}× the noise; below that the gap is not resolved and the cell gives the loss "
+                    "change `Δ = L_rot − L_none` (negative: better).")
     lines += ["", "Notes: " + record["notes"], ""]
     if record.get("quarot"):
         lines += [f"QuaRot: spcl/QuaRot at `{record['quarot']['commit']}`, its `fake_quant` rotation code run "

@@ -30,7 +30,7 @@ import torch
 from symgraph.rotation.stream import norm_input_ratios, norm_inputs, with_massive_channels
 
 from . import evaluate, train, zoo
-from .bench_rotate import EVAL_BATCHES, NOISE_ROW, SETTINGS, gap_rows, gaps, loss_rows, run_rows
+from .bench_rotate import EVAL_BATCHES, NOISE_ROW, SETTINGS, gaps, run_rows, tables
 from .provenance import commit_info, command_line, log, table, write_result
 
 __all__ = ["STREAM_DATA_SEED", "stream_variant", "run_arch", "markdown", "main"]
@@ -130,15 +130,8 @@ def markdown(record) -> str:
     lines += table(["model", "state", "float loss", "max/median channel RMS at the norms' inputs"],
                    _state_rows(record), ["l", "l", "r", "l"])
     lines += ["", "## Losses", ""]
-    header = ["model", "variant", "rotation", *SETTINGS, "certificate", "classes"]
-    lines += table(header, loss_rows(record), ["l", "l", "l", *["r"] * (len(header) - 3)])
-    hows = list(dict.fromkeys(h for r in record["archs"] for v in r["variants"].values()
-                              for h in v.get("rows", {}) if h != "none"))
-    lines += ["", "## Share of the loss gap closed", "",
-              "As in the rotate table: `(L_none − L_rot) / gap` where the gap is resolved, else `Δ = L_rot − L_none`.",
-              ""]
-    header = ["model", "variant", "setting", "gap", "noise", *hows]
-    lines += table(header, gap_rows(record, hows), ["l", "l", "l", *["r"] * (len(header) - 3)])
+    lines += tables(record, "As in the rotate table: `(L_none − L_rot) / gap` where the gap is resolved, "
+                    "else `Δ = L_rot − L_none`.")
     return "\n".join(lines + [""])
 
 
