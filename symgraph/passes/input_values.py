@@ -1,0 +1,56 @@
+"""Values read from a Hugging Face config for example inputs (see :mod:`.inputs`): a setting
+of the config or of its text / vision / audio sub-configs, token ids in range of the vocabulary,
+images of the configured size, the device the model sits on."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError
+
+__all__ = ["config_value", "device_of", "ints", "pixels", "token_ids"]
+
+
+def device_of(model) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def config_value(cfg, *names):
+    """The first of ``names`` set on ``cfg`` or, failing that, on its text / vision / audio
+    sub-configs (in that order)."""
+    for c in (cfg, *(getattr(cfg, k, None) for k in ("text_config", "vision_config", "audio_config",
+                                                     "encoder", "encoder_config"))):
+        for n in names:
+            v = getattr(c, n, None) if c is not None and not isinstance(c, dict) else None
+            if v is not None:
+                return v
+    return None
+
+
+def ints(v) -> list:
+    v = v if isinstance(v, (list, tuple)) else [v]
+    return [int(x) for x in v if isinstance(x, int) and not isinstance(x, bool)]
+
+
+def token_ids(model, cfg, batch, seq, gen):
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    vocab = getattr(text, "vocab_size", None) or getattr(cfg, "vocab_size", None)
+    if vocab is None:
+        raise InputError(f"{type(model).__name__}'s config has no vocab_size (nor has its text config); "
+                         "pass inputs=")
+    maxpos = config_value(cfg, "max_position_embeddings", "n_positions")
+    seq = min(seq, maxpos) if isinstance(maxpos, int) and maxpos > 0 else seq
+    special = {i for c in (cfg, text) for k, v in vars(c).items()
+               if k.endswith(("_token_id", "_token_index", "_token_ids")) for i in ints(v)}
+    allowed = torch.tensor([i for i in range(vocab) if i not in special] or list(range(vocab)))
+    ids = allowed[torch.randint(0, len(allowed), (batch, seq), generator=gen)]
+    eos = ints(config_value(cfg, "eos_token_id"))
+    if getattr(cfg, "is_encoder_decoder", False) and type(model).__name__.endswith("ForSequenceClassification") and eos:
+        ids[:, -1] = eos[0]  # the head reads the hidden state at the (one) end-of-sequence token
+    return ids
+
+
+def pixels(model, cfg, batch, gen):
+    size = config_value(cfg, "image_size") or 224
+    size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    ch = config_value(cfg, "num_channels") or 3
+    return torch.randn(batch, ch, *size, generator=gen)
