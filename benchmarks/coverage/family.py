@@ -115,9 +115,24 @@ def run_family(model_type: str, class_name: str, task: str) -> dict:
             raise
         rec["error"] = {"stage": stage, "type": type(e).__name__, "message": _first_line(e),
                         "where": _where(e)}
+        if stage in ("config", "build", "eager"):
+            rec["error"]["transformers_fails"] = transformers_fails(model_type, class_name, stage, e)
     rec["stage"] = stage
     rec["seconds"] = time.perf_counter() - t0
     return rec
+
+
+def transformers_fails(model_type: str, class_name: str, stage: str, e: BaseException):
+    """Whether a row that fails before the trace fails for transformers itself (out of the
+    denominator), by the cheapest sound test: its own default config of the family fails to
+    validate, or the class fails to be constructed on it (meta device), with the same exception
+    type. A failure at the shrunk size alone is the shrink rule's; an eager failure is ours too
+    (our example inputs, or our shrink: transformers ships no inputs to prove it otherwise)."""
+    from .shrink import fails_at_default
+    if stage == "eager":
+        return False
+    at_default = fails_at_default(model_type, class_name)
+    return bool(at_default) and at_default.split(":")[0] == type(e).__name__
 
 
 def run_eagerly(model, args, kwargs) -> None:

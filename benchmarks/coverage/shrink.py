@@ -2,9 +2,7 @@
 the model built on it."""
 from __future__ import annotations
 
-
-
-
+from .consistent import kept_layers, mrope_sections, state_head_dims, tokens_per_image
 
 
 # --- the one shrinking rule -------------------------------------------------------------------
@@ -134,7 +132,7 @@ def _level_fields(cfg) -> dict:
     return out
 
 
-def shrink(cfg) -> dict:
+def shrink(cfg, kinds: bool = True) -> dict:
     """The keyword overrides that make ``cfg`` (a config of its class's defaults) tiny.
 
     One rule, by field name (:func:`role`), for every config and, recursively, every sub-config
@@ -164,7 +162,7 @@ def shrink(cfg) -> dict:
     Only declared fields are passed, so derived ones (``qk_head_dim``, ``layer_types`` computed
     from the layer count) are recomputed by the config itself.
     """
-    return _shrink_level(cfg, _vocab_ids(cfg), _main_widths(cfg))
+    return _shrink_level(cfg, _vocab_ids(cfg), _main_widths(cfg), kinds)
 
 
 def _main_widths(cfg) -> set:
@@ -196,7 +194,7 @@ def _vocab_ids(cfg) -> dict:
     return {old: VOCAB - 1 - i for i, old in enumerate(sorted(ids, reverse=True))}
 
 
-def _shrink_level(cfg, id_map, mains=frozenset()) -> dict:
+def _shrink_level(cfg, id_map, mains=frozenset(), kinds=True) -> dict:
     from transformers import PretrainedConfig
     fields = _level_fields(cfg)
     out = {}
@@ -210,6 +208,8 @@ def _shrink_level(cfg, id_map, mains=frozenset()) -> dict:
     outputs = _output_layers(fields, old_layers)
     if outputs and new_layers:  # one layer more than the outputs it selects (DPT's 4 features)
         new_layers = min(old_layers, max(new_layers, outputs + 1))
+    keep = kept_layers(fields, old_layers, new_layers, role, kinds)
+    new_layers = len(keep) if keep else new_layers
     widths = {v: max(8, int(round(v * scale / 8)) * 8) for k, v in fields.items()
               if role(k) == "width" and _is_int(v) and v > 8 and scale != 1.0}
     counts = {k: (v, min(v, 1)) for k, v in fields.items()
@@ -220,7 +220,7 @@ def _shrink_level(cfg, id_map, mains=frozenset()) -> dict:
               for k, v in fields.items())
     for k, v in fields.items():
         if isinstance(v, PretrainedConfig):
-            sub = _shrink_level(v, id_map, mains)
+            sub = _shrink_level(v, id_map, mains, kinds)
             full = _level_fields(v)
             full = {a: b for a, b in full.items() if not isinstance(b, PretrainedConfig)}
             out[k] = {**full, **sub, "model_type": getattr(v, "model_type", None)}
@@ -228,6 +228,11 @@ def _shrink_level(cfg, id_map, mains=frozenset()) -> dict:
                 del out[k]["model_type"]
             continue
         r = role(k)
+        orig = v
+        per_layer = keep is not None and isinstance(v, (list, tuple)) and len(v) == old_layers \
+            and r not in ("layers_main", "layers_other")
+        if per_layer:  # one entry per layer: the kept layers' entries
+            v = type(v)(v[i] for i in keep)
         new = v
         if v is None and moe and r in _UNSET_EXPERTS:
             new = _UNSET_EXPERTS[r]
@@ -238,9 +243,6 @@ def _shrink_level(cfg, id_map, mains=frozenset()) -> dict:
             #                                  model (Ministral, HunYuan): the width per head
         elif v is None and r == "kv_heads" and q_old:
             new = q_new  # left None (Nemotron's default): multi-head, as the configs that set it
-        elif r is None and isinstance(v, (list, tuple)) and old_layers and new_layers != old_layers \
-                and len(v) == old_layers:
-            new = type(v)(v[:new_layers])
         elif isinstance(v, (list, tuple)) and r not in ("layers_main", "layers_other") \
                 and _per_count(k, v, counts):  # one entry per layer of a qualified count
             new = type(v)(v[:_per_count(k, v, counts)])
@@ -249,9 +251,9 @@ def _shrink_level(cfg, id_map, mains=frozenset()) -> dict:
         elif r == "layer_index" and "out" in _tokens(k) and _is_int_list(v) and new_layers:
             # the layers whose outputs a head reads: as many as before, the last ones kept
             new = type(v)(range(new_layers - len(v), new_layers))
-        elif r == "width" and _is_int_list(v) and old_layers and len(v) == old_layers:
+        elif r == "width" and _is_int_list(v) and per_layer:
             # one width per layer (Gemma 3n's intermediate sizes): cut and scaled as one
-            new = type(v)(max(8, int(round(x * scale / 8)) * 8) if x > 8 else x for x in v[:new_layers])
+            new = type(v)(max(8, int(round(x * scale / 8)) * 8) if x > 8 else x for x in v)
         elif _is_int_list(v) and r in ("heads", "layers_main", "layers_other", "token_id", "layer_index"):
             if r == "heads":
                 new = type(v)(_pow2_floor(min(x, HEADS)) for x in v)
@@ -301,49 +303,15 @@ def _shrink_level(cfg, id_map, mains=frozenset()) -> dict:
                 new = max(8, int(round(v * scale / 8)) * 8)
             elif r is None and "groups" in _tokens(k) and v in widths:
                 new = widths[v]  # one group per channel (a depthwise convolution's): shrunk alike
-        if new != v:
+        if new != orig:
             out[k] = new
     if "out_indices" in out and "out_features" in fields:
         out["out_features"] = None  # derived from the indices by the backbone's config
-    out.update(_tokens_per_image(fields, out))
-    out.update(_state_head_dims(fields, out, int(main * scale) if main else None))
+    out.update(tokens_per_image(fields, out))
+    width = int(main * scale) if main else None
+    out.update(state_head_dims(fields, out, width, role))
+    out.update(mrope_sections(cfg, fields, out, width, q_new))
     return out
-
-
-def _state_head_dims(fields, out, width) -> dict:
-    """A state-space level's head width, derived so that heads × head width = expand × width
-    (the validators of Mamba 2, Bamba, Falcon-H1): for each ``...expand`` field, the one head
-    count and the one head width named with the same prefix (``mamba_n_heads``,
-    ``mamba_d_head`` beside ``mamba_expand``; ``num_heads``, ``head_dim`` beside ``expand``)."""
-    res: dict = {}
-    for k, e in fields.items() if width else ():
-        pre = k[:-len("expand")]
-        if not (k.endswith("expand") and _is_int(e) and e > 0):
-            continue
-        heads = [h for h in fields if h.startswith(pre) and role(h) == "heads"]
-        dims = [h for h in fields if h.startswith(pre) and role(h) == "head_dim"]
-        n = out.get(heads[0], fields[heads[0]]) if len(heads) == 1 and len(dims) == 1 else None
-        if _is_int(n) and n > 0 and (e * width) % n == 0:
-            res[dims[0]] = e * width // n
-    return res
-
-
-def _tokens_per_image(fields, out) -> dict:
-    """A vision-language level's image tokens per image (``mm_tokens_per_image``,
-    ``image_seq_length``) as a square no larger than the patches of its vision config's shrunk
-    image (Gemma 3 pools ``image/patch`` patches a side down to ``√tokens``: 256 tokens from a
-    64-pixel image of 14-pixel patches would pool with a kernel of 0)."""
-    vision = out.get("vision_config")
-    image, patch = (vision or {}).get("image_size"), (vision or {}).get("patch_size")
-    if not (_is_int(image) and _is_int(patch) and patch > 0):
-        return {}
-    side = max(1, image // patch)
-    res = {}
-    for k in ("mm_tokens_per_image", "image_seq_length"):
-        v = fields.get(k)
-        if _is_int(v) and v > side * side:
-            res[k] = side * side
-    return res
 
 
 def _output_layers(fields, old_layers) -> int:
@@ -363,13 +331,21 @@ def _per_count(name, v, counts) -> int:
     return 0
 
 
-def tiny_config(model_type: str):
-    """``(config, overrides)``: the class's default config shrunk by :func:`shrink`."""
+def tiny_config(model_type: str, kinds: bool | None = None):
+    """``(config, overrides)``: the class's default config shrunk by :func:`shrink`; ``kinds``
+    None: the layers that keep each kind of a per-layer list (:func:`.consistent.kept_layers`)
+    where that config validates, else the first layers."""
     from transformers import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
     default, extra = _default_config(cls)
-    overrides = {**shrink(default), **extra}
-    return cls(**overrides), overrides
+    for keep in ((True, False) if kinds is None else (kinds,)):
+        overrides = {**shrink(default, keep), **extra}
+        try:
+            return cls(**overrides), overrides
+        except Exception:  # noqa: BLE001 - the validators' verdict: the other cut, else raised
+            if keep is False or kinds is not None or overrides == {**shrink(default, False), **extra}:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _default_config(cls):
@@ -388,23 +364,70 @@ def _default_config(cls):
 # --- building ---------------------------------------------------------------------------------
 
 
+def own_config(cls, cfg):
+    """The config ``cls`` is built on: ``cfg``, or a composite's text config when that is the
+    class's own (Qwen3.5's LM)."""
+    own = getattr(cls, "config_class", None)
+    if not isinstance(own, type) or isinstance(cfg, own):
+        return cfg
+    try:
+        text = cfg.get_text_config()
+    except ValueError:  # more than one text config (MusicGen's text encoder and decoder)
+        text = None
+    if isinstance(text, own):
+        return text
+    subs = [v for v in vars(cfg).values() if isinstance(v, own)]
+    return subs[0] if len(subs) == 1 else cfg  # the one sub-config of the class's kind (its decoder)
+
+
+def _construct(cls, class_name, model_type, kinds, seed):
+    """``(model, overrides)``: ``cls`` on the tiny config (:func:`tiny_config`'s ``kinds``)."""
+    import torch
+    cfg, overrides = tiny_config(model_type, kinds)
+    cfg = own_config(cls, cfg)
+    if class_name.endswith("ForSequenceClassification") and getattr(cfg, "pad_token_id", 0) is None:
+        vocab = getattr(cfg, "vocab_size", None)
+        cfg.pad_token_id = (vocab if _is_int(vocab) else VOCAB) - 1
+        overrides = {**overrides, "pad_token_id": cfg.pad_token_id}
+    torch.manual_seed(seed)
+    return cls(cfg), overrides
+
+
+def fails_at_default(model_type: str, class_name: str) -> str | None:
+    """``"Type: message"`` of the exception with which transformers' own default config of the
+    family fails to validate, or ``class_name`` fails to be constructed on it (on the meta
+    device: no memory, no weights); None when both succeed."""
+    import torch
+    import transformers
+    from transformers import CONFIG_MAPPING
+    try:
+        cls = getattr(transformers, class_name)
+        cfg = own_config(cls, _default_config(CONFIG_MAPPING[model_type])[0])
+        with torch.device("meta"):
+            cls(cfg)
+    except Exception as e:  # noqa: BLE001 - any failure of transformers' own is the answer
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+    return None
+
+
 def build(model_type: str, class_name: str, seed: int = 0):
     """``(model, overrides)``: ``class_name`` on the tiny config, float32, eval, random weights.
     A sequence classifier without a pad token gets the last id of its vocabulary as one: it
     finds each row's last token by the pad token, and the example batch has two rows."""
     import torch
     import transformers
-    cfg, overrides = tiny_config(model_type)
     cls = getattr(transformers, class_name)
-    own = getattr(cls, "config_class", None)
-    if isinstance(own, type) and not isinstance(cfg, own) and isinstance(cfg.get_text_config(), own):
-        cfg = cfg.get_text_config()  # the class's own config: a composite's text config (Qwen3.5's LM)
-    if class_name.endswith("ForSequenceClassification") and getattr(cfg, "pad_token_id", 0) is None:
-        vocab = getattr(cfg, "vocab_size", None)
-        cfg.pad_token_id = (vocab if _is_int(vocab) else VOCAB) - 1
-        overrides = {**overrides, "pad_token_id": cfg.pad_token_id}
-    torch.manual_seed(seed)
-    model = cls(cfg).float().eval()
+    try:
+        model, overrides = _construct(cls, class_name, model_type, None, seed)
+    except Exception:  # a class that refuses the layers of each kind: the first layers, if other
+        try:
+            first = tiny_config(model_type, False)[1] != tiny_config(model_type)[1]
+        except Exception:  # noqa: BLE001 - the first layers do not even validate
+            first = False
+        if not first:
+            raise
+        model, overrides = _construct(cls, class_name, model_type, False, seed)
+    model = model.float().eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -79,15 +79,25 @@ def summarize(rows) -> dict:
     }
 
 
-#: stages at which transformers itself fails: its config's validators, its model's constructor,
-#: its own forward on the example inputs (a row failing there is not in the denominator)
+#: stages at which transformers itself may fail: its config's validators, its model's
+#: constructor, its own forward on the example inputs. A transformers row is out of the
+#: denominator only when its error says ``transformers_fails`` (:func:`.family.transformers_fails`:
+#: transformers' own default config fails the same way); rows without that mark (a zoo's) by stage
 NOT_TRANSFORMERS = {"config": "cannot build", "build": "cannot build", "eager": "cannot run"}
+
+
+def theirs(r) -> bool:
+    """Whether a row failed for transformers itself (or a zoo), not for us."""
+    e = r.get("error") or {}
+    if r["traced"] or e.get("stage") not in NOT_TRANSFORMERS:
+        return False
+    return bool(e.get("transformers_fails", True))
 
 
 def _counts(rows) -> dict:
     """A task's (or all rows') counts: ``runs`` is what transformers builds and runs eagerly
-    at the shrunk size, the denominator of ``fraction`` (sound and complete / runs)."""
-    stage = [(r.get("error") or {}).get("stage") if not r["traced"] else None for r in rows]
+    (every row but those :func:`theirs`), the denominator of ``fraction`` (sound and complete / runs)."""
+    stage = [(r.get("error") or {}).get("stage") if theirs(r) else None for r in rows]
     built = sum(st not in ("config", "build") for st in stage)
     runs = sum(st not in NOT_TRANSFORMERS for st in stage)
     good = sum(bool(r["complete"]) and bool(r["sound"]) for r in rows)
@@ -143,8 +153,13 @@ def markdown(res: dict) -> str:
         "",
         "## Totals",
         "",
-        "Runs: built and run eagerly by transformers itself at the shrunk size (its denominator: "
-        "rows that transformers cannot build or run are listed below with the exception).",
+        "Runs (the denominator): every row but those transformers itself cannot build: a row that "
+        "fails to validate its config or construct its class at the shrunk size counts as "
+        "transformers' only when transformers' own default config of the family fails the same way "
+        "(same exception type; the class constructed on the meta device); otherwise the failure is "
+        "the shrink rule's and counts against us. A row whose eager forward fails on our example "
+        "inputs counts against us too (no inputs of transformers' own prove it otherwise). Rows of "
+        "either kind are listed below with the exception.",
         "",
     ]
     lines += _totals(s)
@@ -194,15 +209,15 @@ def markdown(res: dict) -> str:
                          _cell(", ".join(r.get("unruled_ops") or {}) or "-")])
     lines += table(["model_type", "class", "task", "certificate", "missing (module)", "blocked by",
                     "ops without a rule"], rows)
-    for title, ours in (("Families that run but do not trace", True),
-                        ("Rows transformers cannot build or run at the shrunk size", False)):
+    for title, ours in (("Rows that fail before the analysis for a reason of ours (shrink rule, "
+                         "example inputs, trace)", True),
+                        ("Rows transformers cannot build at its own default config either", False)):
         lines += ["", f"## {title}", ""]
         lines += table(["model_type", "class", "task", "stage", "error"],
                        [[r["model_type"], r["class"], r["task"], (r.get("error") or {}).get("stage"),
                          f"{_cell((r.get('error') or {}).get('type'))}: "
                          f"{_cell((r.get('error') or {}).get('message', ''))[:200]}"]
-                        for r in res["rows"] if not r["traced"]
-                        and ((r.get("error") or {}).get("stage") not in NOT_TRANSFORMERS) == ours])
+                        for r in res["rows"] if not r["traced"] and theirs(r) != ours])
     lines += ["", "## Every family", ""]
     rows = []
     for r in res["rows"]:

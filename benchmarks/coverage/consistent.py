@@ -1,0 +1,124 @@
+"""Sizes the shrink rule derives from others so that a shrunk config passes its own validators
+and its model's shape checks (issue 65): each rule reads what the config states (a field, a
+list's relation to another field), never a family's name."""
+from __future__ import annotations
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _new(fields, out, k):
+    """A field's shrunk value (its default where the rule left it)."""
+    return out.get(k, fields.get(k))
+
+
+def head_width(fields, out, width, heads):
+    """A level's shrunk width per attention head: its ``head_dim`` when it states one, else its
+    shrunk width over its shrunk head count (as transformers' rotary code derives it)."""
+    hd = _new(fields, out, "head_dim")
+    if _is_int(hd) and hd > 0:
+        return hd
+    return width // heads if width and heads else None
+
+
+def kept_layers(fields, old, new, role, kinds: bool = True) -> list | None:
+    """The layers a shrunk config keeps (None: all): the first ``new``, unless a list with one
+    kind per layer (``layer_types``, ``mlp_layer_types``: strings or flags) would lose a kind
+    (OLMo-Hybrid's validator wants an attention layer among its linear ones): then the first
+    layer of each kind of every such list, and the first others up to ``new``, in order.
+    ``kinds`` False: the first ``new`` layers."""
+    if not (_is_int(old) and _is_int(new) and 0 < new < old):
+        return None
+    if not kinds:
+        return list(range(new))
+    lists = [v for k, v in fields.items() if isinstance(v, (list, tuple)) and len(v) == old
+             and role(k) is None and all(isinstance(x, (str, bool)) for x in v)]
+    chosen: set = set()
+    for v in lists:
+        for kind in dict.fromkeys(v):
+            if not any(v[i] == kind for i in chosen):
+                chosen.add(list(v).index(kind))
+    rest = [i for i in range(old) if i not in chosen]
+    return sorted(chosen | set(rest[:max(0, new - len(chosen))]))
+
+
+def split_to(old, total: int) -> list:
+    """``old`` (positive ints) scaled to ``total`` with each entry at least 1, proportions kept
+    as nearly as rounding allows; the remainder goes to the last entries."""
+    n = len(old)
+    s = sum(old)
+    new = [max(1, x * total // s) for x in old]
+    i = n - 1
+    while sum(new) != total:
+        step = 1 if sum(new) < total else -1
+        if new[i] + step >= 1:
+            new[i] += step
+        i = (i - 1) % n
+    return new
+
+
+def mrope_sections(cfg, fields, out, width, heads) -> dict:
+    """Multimodal rotary sections (``rope_parameters["mrope_section"]``: time, height, width) that
+    must sum to half the rotary width per head: scaled to the shrunk one. Set where the config
+    states a section or its class names ``mrope_section`` among its rope keys (a model that
+    reads its own default: Qwen2-VL's [16, 24, 24] sums to 64 = 128 / 2)."""
+    rp = _new(fields, out, "rope_parameters")
+    if not isinstance(rp, dict) or not rp or any(isinstance(x, dict) for x in rp.values()):
+        return {}  # none, or one per layer type
+    names = getattr(type(cfg), "ignore_keys_at_rope_validation", None) or ()
+    if "mrope_section" not in rp and "mrope_section" not in names:
+        return {}
+    rope = _new(fields, out, "qk_rope_head_dim")
+    head = rope if _is_int(rope) and rope > 0 else head_width(fields, out, width, heads)
+    factor = rp.get("partial_rotary_factor") or fields.get("partial_rotary_factor") or 1.0
+    if not head:
+        return {}
+    total = int(head * factor) // 2
+    old = rp.get("mrope_section")
+    old = list(old) if isinstance(old, (list, tuple)) and old and all(_is_int(x) and x > 0 for x in old) \
+        else [1, 1, 1]
+    if total < len(old) or sum(old) == total and "mrope_section" in rp:
+        return {}
+    return {"rope_parameters": {**rp, "mrope_section": split_to(old, total)}}
+
+
+def state_head_dims(fields, out, width, role) -> dict:
+    """A state-space level's head width, derived so that heads × head width = expand × width
+    (the validators of Mamba 2, Bamba, Falcon-H1): for each ``...expand`` field, the one head
+    count and the one head width named with the same prefix (``mamba_n_heads``,
+    ``mamba_d_head`` beside ``mamba_expand``; ``num_heads``, ``head_dim`` beside ``expand``).
+    A state width stated beside them (Falcon-H1's ``mamba_d_ssm``, shrunk as a width) replaces
+    expand × width."""
+    res: dict = {}
+    for k, e in fields.items() if width else ():
+        pre = k[:-len("expand")]
+        if not (k.endswith("expand") and _is_int(e) and e > 0):
+            continue
+        heads = [h for h in fields if h.startswith(pre) and role(h) == "heads"]
+        dims = [h for h in fields if h.startswith(pre) and role(h) == "head_dim"]
+        n = out.get(heads[0], fields[heads[0]]) if len(heads) == 1 and len(dims) == 1 else None
+        states = [_new(fields, out, h) for h in fields if h.startswith(pre) and "ssm" in h.split("_")
+                  and role(h) == "width" and _is_int(_new(fields, out, h))]
+        inner = states[0] if len(states) == 1 else e * width
+        if _is_int(n) and n > 0 and inner % n == 0:
+            res[dims[0]] = inner // n
+    return res
+
+
+def tokens_per_image(fields, out) -> dict:
+    """A vision-language level's image tokens per image (``mm_tokens_per_image``,
+    ``image_seq_length``) as a square no larger than the patches of its vision config's shrunk
+    image (Gemma 3 pools ``image/patch`` patches a side down to ``√tokens``: 256 tokens from a
+    64-pixel image of 14-pixel patches would pool with a kernel of 0)."""
+    vision = out.get("vision_config")
+    image, patch = (vision or {}).get("image_size"), (vision or {}).get("patch_size")
+    if not (_is_int(image) and _is_int(patch) and patch > 0):
+        return {}
+    side = max(1, image // patch)
+    res = {}
+    for k in ("mm_tokens_per_image", "image_seq_length"):
+        v = fields.get(k)
+        if _is_int(v) and v > side * side:
+            res[k] = side * side
+    return res

@@ -1,0 +1,124 @@
+"""The shrink rule derives consistent sizes from what each config validates (issue 65), and a
+row counts as one transformers cannot build only when transformers' own default config fails
+the same way: a failure of the shrink rule or of our example inputs counts against us."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import coverage as cov
+from benchmarks.coverage.consistent import split_to
+from benchmarks.coverage.family import run_eagerly, transformers_fails
+from benchmarks.coverage.shrink import fails_at_default
+from symgraph.passes.inputs import default_inputs
+
+
+def _runs(model_type, class_name):
+    """The class built on the tiny config and run eagerly on our example inputs: its output."""
+    model, _ = cov.build(model_type, class_name)
+    args, kwargs = default_inputs(model)
+    with torch.no_grad():
+        out = model(*args, **kwargs)
+    run_eagerly(model, args, kwargs)
+    return model, out
+
+
+def test_split_to_keeps_proportions_and_total():
+    assert split_to([16, 24, 24], 8) == [2, 3, 3]
+    assert split_to([24, 20, 20], 8) == [3, 2, 3]
+    assert split_to([1, 1, 1], 4) == [1, 1, 2]
+    assert split_to([8, 12, 12], 4) == [1, 1, 2]
+
+
+@pytest.mark.parametrize("model_type, half", [("qwen2_vl", 8), ("glm4v_moe", 4), ("cosmos3_edge", 8),
+                                              ("hy_v4_vl", 8)])
+def test_mrope_sections_sum_to_half_the_shrunk_rotary_width(model_type, half):
+    # Qwen2-VL reads its modeling default [16, 24, 24] (sum 64 = 128 / 2) unless the config
+    # states one; GLM-4V-MoE rotates half of each 16-wide head; Cosmos3 and HY-V4 validate it
+    cfg, over = cov.tiny_config(model_type)
+    text = cfg.get_text_config()
+    sec = text.rope_parameters["mrope_section"]
+    assert len(sec) == 3 and min(sec) >= 1 and sum(sec) == half
+    head = getattr(text, "qk_rope_head_dim", None) or getattr(text, "head_dim", None) \
+        or text.hidden_size // text.num_attention_heads
+    factor = text.rope_parameters.get("partial_rotary_factor", 1.0)
+    assert int(head * factor) // 2 == half
+
+
+def test_qwen2_vl_runs_eagerly_with_derived_sections():
+    model, out = _runs("qwen2_vl", "Qwen2VLForConditionalGeneration")
+    assert out.logits.shape[-1] == model.config.get_text_config().vocab_size
+    assert torch.isfinite(out.logits).all()
+
+
+def test_a_failure_only_at_the_shrunk_size_is_ours():
+    # BEiT's default config reads one layer and its segmentation head demands four: transformers'
+    assert fails_at_default("beit", "BeitForSemanticSegmentation").startswith("ValueError")
+    assert transformers_fails("beit", "BeitForSemanticSegmentation", "build", ValueError("x"))
+    # a different exception type at the default (there: none at all) is no reproduction
+    assert fails_at_default("llama", "LlamaForCausalLM") is None
+    assert not transformers_fails("llama", "LlamaForCausalLM", "config", ValueError("x"))
+    # an eager failure is on our inputs: ours
+    assert not transformers_fails("beit", "BeitForSemanticSegmentation", "eager", ValueError("x"))
+
+
+def test_denominator_holds_every_row_but_transformers_own_failures():
+    ok = {"model_type": "x", "class": "X", "task": "ctc", "traced": True, "sound": True,
+          "complete": True, "certificate": 0.0, "error": None}
+    fail = {**ok, "traced": False, "sound": None, "complete": None}
+    rows = [ok,
+            {**fail, "error": {"stage": "config", "type": "E", "message": "m", "transformers_fails": False}},
+            {**fail, "error": {"stage": "build", "type": "E", "message": "m", "transformers_fails": True}},
+            {**fail, "error": {"stage": "eager", "type": "E", "message": "m", "transformers_fails": False}},
+            {**fail, "error": {"stage": "trace", "type": "E", "message": "m"}}]
+    c = cov.summarize(rows)["by_task"]["ctc"]
+    assert (c["tried"], c["cannot_build"], c["cannot_run"], c["runs"]) == (5, 1, 0, 4)
+    assert c["sound_and_complete"] == 1 and c["fraction"] == 0.25
+    res = {"header": {"command": "c", "git": {"commit": "abc"}, "machine": {"transformers": "t", "torch": "t",
+                                                                             "cores": 2},
+                      "jobs": 1, "threads": 1, "timeout_s": 1.0, "mem_gb": 1, "wall_seconds": 1.0, "rule": "r"},
+           "summary": cov.summarize(rows), "rows": rows}
+    md = cov.markdown(res)
+    ours = md.split("## Rows that fail before the analysis")[1].split("## Rows transformers cannot build")[0]
+    theirs = md.split("## Rows transformers cannot build")[1].split("## Every family")[0]
+    assert ours.count("| x | X | ctc |") == 3 and theirs.count("| x | X | ctc |") == 1
+    assert "| build |" in theirs and "| build |" not in ours
+
+
+@pytest.mark.parametrize("model_type, field, kinds", [
+    ("olmo_hybrid", "layer_types", {"linear_attention", "full_attention"}),
+    ("neomme", "layer_types", {"sliding_attention", "full_attention"}),
+    ("qwen3_5_text", "layer_types", {"linear_attention", "full_attention"})])
+def test_layer_lists_keep_a_layer_of_each_kind(model_type, field, kinds):
+    # OLMo-Hybrid and NeoMME validate an attention layer among the others; the first two
+    # layers of each are of one kind
+    from transformers import CONFIG_MAPPING
+    default = getattr(CONFIG_MAPPING[model_type](), field)
+    assert len(set(default[:2])) == 1 and set(default) == kinds
+    cfg, _ = cov.tiny_config(model_type)
+    assert set(getattr(cfg, field)) == kinds and len(getattr(cfg, field)) == cfg.num_hidden_layers == 2
+
+
+def test_per_layer_head_counts_follow_the_kept_layers():
+    # Laguna validates len(num_attention_heads_per_layer) == num_hidden_layers
+    cfg, _ = cov.tiny_config("laguna")
+    assert list(cfg.num_attention_heads_per_layer) == [4, 4] and cfg.num_hidden_layers == 2
+    assert len(cfg.mlp_layer_types) == 2
+
+
+def test_a_class_refusing_the_kinds_gets_the_first_layers():
+    # Gemma 3n's shared-cache layers must reuse a kind an earlier layer produces: with a
+    # sliding and a full layer the one shared layer (full) has no producer, so the class
+    # refuses it and the first layers (two sliding) are built
+    kept, _ = cov.tiny_config("gemma3n_text")
+    assert set(kept.layer_types) == {"sliding_attention", "full_attention"}
+    model, over = cov.build("gemma3n_text", "Gemma3nForCausalLM")
+    assert list(model.config.layer_types) == list(over["layer_types"]) == ["sliding_attention"] * 2
+
+
+def test_state_width_stated_beside_expand():
+    # Falcon-H1: mamba_d_head × mamba_n_heads == mamba_d_ssm (shrunk as a width)
+    cfg, _ = cov.tiny_config("falcon_h1")
+    assert cfg.mamba_d_head * cfg.mamba_n_heads == cfg.mamba_d_ssm == 16
+    model, out = _runs("falcon_h1", "FalconH1ForCausalLM")
+    assert out.logits.shape[-1] == model.config.vocab_size and torch.isfinite(out.logits).all()
