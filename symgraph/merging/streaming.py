@@ -267,11 +267,13 @@ class StreamingMerge:
         """An engine of method ``average`` (or the ``method`` instance) over this one's
         checkpoints ``keep`` with mixing ``weights``, anchored at the first, its config
         otherwise this one's (without REPAIR or learned matching), its bytes counted in this
-        one's ledger: a shared universe's means."""
+        one's ledger, each piece in float64 where the budget leaves room: a shared universe's means."""
         cfg = self.config.model_copy(update=dict(
             models=[self.config.models[j] for j in keep], weights=[float(w) for w in weights], anchor=0, out=None,
             method="average", parameters={}, repair=False, refine=0, attention="heads", untie=False))
-        return StreamingMerge([self._checkpoints[j] for j in keep], cfg, method=method, ledger=self.resources.ledger)
+        mean = StreamingMerge([self._checkpoints[j] for j in keep], cfg, method=method, ledger=self.resources.ledger)
+        mean.resources.exact = torch.float64
+        return mean
 
     def output_model(self):
         """The model (on ``meta``) the merged checkpoint builds: the anchor's, or with

@@ -12,6 +12,7 @@ dropped after its last use. The method sees only tensors, never the executor.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,8 @@ class Resources:
     checkpoints), the byte sizes the memory budget gives (each model's cache of folded or moved
     tensors, a group's chunk above which it is computed in slices, a pass of statistics), the
     :class:`~.views.Ledger` of bytes held, whose peak the budget bounds, whether the steps
-    show a ``progress`` bar, and the memory ``budget`` itself (bytes; None: none given)."""
+    show a ``progress`` bar, the memory ``budget`` itself (bytes; None: none given), and the
+    ``exact`` dtype a piece is carried and combined in where it fits (:meth:`Executor.dtype`)."""
     device: torch.device
     out_device: torch.device
     work_dtype: torch.dtype
@@ -46,6 +48,7 @@ class Resources:
     ledger: Ledger = field(default_factory=Ledger)
     progress: bool = False
     budget: int | None = None
+    exact: torch.dtype | None = None
 
 
 @dataclass
@@ -151,9 +154,9 @@ class Executor:
 
     def carried(self, names, parts) -> tuple:
         """Each model's tensors of ``names`` (the ``parts`` asked for) read, on the device, in
-        the anchor's basis and the work dtype: ``(values, dtypes, ints, held)``, the anchor's
+        the anchor's basis and :meth:`dtype`: ``(values, dtypes, ints, held)``, the anchor's
         dtype of each name, its integer tensors (copied as they are) and the bytes held."""
-        n_models, anchor = len(self.plan.sources), self.plan.anchor
+        n_models, anchor, work = len(self.plan.sources), self.plan.anchor, self.dtype(names, parts)
         dtypes, ints, gains, held = {}, {}, {}, 0
         values: list = [None] * n_models
         for i in [anchor] + [i for i in range(n_models) if i != anchor]:
@@ -171,12 +174,27 @@ class Executor:
                         gains[n] = vals[n]  # the gauge B's gains are unfolded into
             if al is not None:  # the anchor's own alignment (a shared universe) unfolds into its own gauge
                 gauge = al.gauge if i == anchor else gains
-                vals = vals | move(al.report_b, self.elements(i), vals, gauge, dtype=self.resources.work_dtype)
-            values[i] = own = {n: v.to(self.resources.work_dtype) for n, v in vals.items()}
+                vals = vals | move(al.report_b, self.elements(i), vals, gauge, dtype=work)
+            values[i] = own = {n: v.to(work) for n, v in vals.items()}
             size = sum(nbytes(v) for v in own.values())
             held += size
             self.resources.ledger.hold(size)
         return values, dtypes, ints, held
+
+    def dtype(self, names, parts) -> torch.dtype:
+        """What the piece ``names`` (``parts``) is carried and combined in: the ``exact`` dtype (a
+        universe's means: float64, rounded once) where a copy per model and the result fit in
+        what the budget leaves beside every byte the ledger holds (a parent merge's too); else
+        the work dtype."""
+        res, A = self.resources, self.plan.anchor_checkpoint
+        if res.exact is None:
+            return res.work_dtype
+        shapes = [list(A.shapes[A.key(n)]) for n in names]
+        for n, shape in zip(names, shapes):
+            if n in parts:
+                shape[parts[n][0]] = parts[n][2] - parts[n][1]
+        need = (len(self.plan.sources) + 1) * sum(math.prod(s) for s in shapes) * res.exact.itemsize
+        return res.exact if res.budget is None or res.ledger.now + need <= res.budget else res.work_dtype
 
     def finished(self, name, value, dtype, names):
         """A merged tensor cast to the anchor's ``dtype``, on the output device, corrected, and
