@@ -22,10 +22,13 @@ that this module knows the main input of.
   signature can reach is read, since one the trace never reads leaves nothing claimed;
 - decoder inputs of an encoder-decoder (``decoder_input_ids``: its start token, then token
   ids; for a sequence classification head the ids shifted right, as its model would build);
-- ``use_cache=False`` wherever the forward takes it; floating inputs in the model's dtype.
+- ``use_cache=False`` wherever the forward takes it; floating inputs in the model's dtype;
+- optional inputs that read parameters the main input leaves unread (masked patches, a
+  decoder's encoder states), each kept where the forward reads more parameters on it.
 
 Values read from the config are in :mod:`.input_values`, images in :mod:`.image_inputs`, audio
-in :mod:`.audio_inputs`; a diffusers model's example inputs come from :mod:`.diffusion_inputs`.
+in :mod:`.audio_inputs`, optional inputs in :mod:`.optional_inputs`; a diffusers model's example
+inputs come from :mod:`.diffusion_inputs`.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from .audio_inputs import audio_tokens, features, samples, time_mask
 from .diffusion_inputs import diffusers_inputs, is_diffusers
 from .image_inputs import image_tokens
 from .input_values import config_value, device_of, ints, pixels, token_ids
+from .optional_inputs import Trials, encoder_states, masked_patches, passes_on
 
 __all__ = ["default_inputs", "is_hf"]
 
@@ -48,16 +52,6 @@ def is_hf(model) -> bool:
     except Exception:  # pragma: no cover
         return False
     return isinstance(model, PreTrainedModel)
-
-
-def _passes_on(model, params, name: str) -> bool:
-    """Whether the forward takes ``name``: by name, or in its ``**kwargs`` where a submodule's
-    forward takes it by name (a CTC head hands them to its encoder)."""
-    if name in params:
-        return True
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return False
-    return any(name in inspect.signature(m.forward).parameters for m in model.modules() if m is not model)
 
 
 def _main(model, cfg, name, batch, seq, gen):
@@ -90,26 +84,6 @@ def _main_input(model, params):
     return name, model.config
 
 
-def _encoder_states(model, kwargs, cfg, batch, gen) -> None:
-    """A decoder used alone whose layers hold cross-attention (the causal LMs of BART, Pegasus,
-    Marian) reads them only when given encoder states: four positions of its width, for a model
-    its config says is a decoder (RoBERTa's masked LM takes them and ignores them), kept where
-    its own forward runs on them (BERT as a decoder without cross-attention refuses them)."""
-    width = config_value(cfg, "cross_attention_hidden_size", "encoder_hidden_size", "d_model", "hidden_size")
-    p = next((q for q in model.parameters() if q.is_floating_point()), None)
-    if not getattr(cfg, "is_decoder", False) or not isinstance(width, int) or p is None:
-        return
-    states = torch.randn(batch, 4, width, generator=gen)
-    trial = {k: v.to(p.device) for k, v in kwargs.items()}
-    try:
-        with torch.no_grad():
-            model(**trial, encoder_hidden_states=states.to(p.device, p.dtype),
-                  **({"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}))
-    except Exception:  # noqa: BLE001 - no cross-attention to read them: the inputs stay as they are
-        return
-    kwargs["encoder_hidden_states"] = states
-
-
 def default_inputs(model, batch: int = 2, seq: int = 8):
     """Example inputs for a Hugging Face model, built from its config (no data needed); see the
     module's docstring; a diffusers model's: :mod:`.diffusion_inputs`. Returns ``(args, kwargs)``."""
@@ -133,8 +107,11 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
         image_tokens(model, kwargs, cfg, batch, gen)
     if name == "input_ids" and "input_features" in params:
         audio_tokens(model, kwargs, params, batch, gen)
-    if _passes_on(model, params, "mask_time_indices"):
+    if passes_on(model, params, "mask_time_indices"):
         time_mask(model, kwargs, name, batch)
+    trials = Trials(model, kwargs)
+    if name == "pixel_values":
+        masked_patches(model, trials, params, batch)
     if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         start = ints(config_value(cfg, "decoder_start_token_id", "pad_token_id"))
         ids = kwargs[name]
@@ -150,8 +127,8 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
         if "decoder_attention_mask" in params:  # all ones: a decoder that would look for padding
             # in its ids otherwise branches on their values (FSMT), which no trace can follow
             kwargs["decoder_attention_mask"] = torch.ones_like(dec)
-    elif name == "input_ids" and "encoder_hidden_states" in params:
-        _encoder_states(model, kwargs, cfg, batch, gen)
+    elif name == "input_ids":
+        encoder_states(trials, params, cfg, batch, gen)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     kwargs = {k: v.to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in kwargs.items()}
     if "use_cache" in params:

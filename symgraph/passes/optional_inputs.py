@@ -1,0 +1,126 @@
+"""Optional inputs a forward takes that read parameters the main input alone leaves unread (see
+:mod:`.inputs`): a parameter the traced program never reads fixes every class, so the example
+inputs reach it as a user's inputs would. An optional input is kept only where the model's own
+forward runs on it (a trial run in eval mode, without gradients, on any device, ``meta``
+included) and reads a parameter it read on none of the inputs before; a forward that refuses
+it, or takes it and ignores it, keeps the inputs it had.
+
+- encoder states (``encoder_hidden_states``; ``encoder_outputs``: Whisper's causal LM;
+  ``cross_attention_states``: Mllama's) for a decoder used alone whose layers hold
+  cross-attention (the causal LMs of BART, Pegasus, Marian): four positions of its width;
+  RoBERTa's masked LM takes them and ignores them, BERT as a decoder refuses them;
+- masked patches (``bool_masked_pos``: DINOv2): every third patch replaced by the learned mask
+  token, the same idea as Wav2Vec2's masked frames.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .input_values import config_value, device_of
+
+__all__ = ["Trials", "encoder_states", "masked_patches", "passes_on"]
+
+# the names transformers gives a decoder's encoder states (BART's, Whisper's causal LM; Mllama's)
+_ENCODER_STATES = ("encoder_hidden_states", "encoder_outputs", "cross_attention_states")
+
+
+def passes_on(model, params, name: str) -> bool:
+    """Whether the forward takes ``name``: by name, or in its ``**kwargs`` where a submodule's
+    forward takes it by name (a classification head hands them to its backbone)."""
+    if name in params:
+        return True
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return False
+    return any(name in inspect.signature(m.forward).parameters for m in model.modules() if m is not model)
+
+
+class _Reads(TorchDispatchMode):
+    """Records which of ``names`` (tensor id -> parameter name) any op takes."""
+
+    def __init__(self, names: dict):
+        super().__init__()
+        self.names, self.seen = names, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for a in tree_flatten((args, kwargs or {}))[0]:
+            if isinstance(a, torch.Tensor) and id(a) in self.names:
+                self.seen.add(self.names[id(a)])
+        return func(*args, **(kwargs or {}))
+
+
+class Trials:
+    """Trial runs of ``model`` on ``kwargs`` (the example inputs so far, updated in place by
+    :meth:`offer`): the parameters the forward reads on them, found once."""
+
+    def __init__(self, model, kwargs: dict):
+        self.model, self.kwargs, self._base = model, kwargs, (None, None)
+
+    def reads(self, kwargs: dict) -> frozenset | None:
+        """Names of the parameters the forward reads on ``kwargs``; None where it refuses them."""
+        model, dev = self.model, device_of(self.model)
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        trial = {k: (v.to(dev, dtype) if v.is_floating_point() else v.to(dev)) if isinstance(v, torch.Tensor) else v
+                 for k, v in kwargs.items()}
+        if "use_cache" in inspect.signature(model.forward).parameters:
+            trial["use_cache"] = False
+        flags = [(m, m.training) for m in model.modules()]
+        mode = _Reads({id(p): n for n, p in model.named_parameters()})
+        # on meta, under fake tensors as torch.export runs it (transformers skips its checks of
+        # values there, which no meta tensor holds); the parameters' reads are seen before
+        fake = FakeTensorMode(allow_non_fake_inputs=True) if dev.type == "meta" else contextlib.nullcontext()
+        try:
+            with torch.no_grad(), fake, mode:
+                model.eval()(**trial)
+        except Exception:  # noqa: BLE001 - the forward refuses these inputs
+            return None
+        finally:
+            for m, f in flags:
+                m.training = f
+        return frozenset(mode.seen)
+
+    def offer(self, extra: dict) -> bool:
+        """Add ``extra`` to the inputs where the forward runs on them and reads a parameter it
+        read on none before; whether it did."""
+        now = {k: id(v) for k, v in self.kwargs.items()}
+        if self._base[0] != now:  # the inputs changed since the last trial
+            self._base = (now, self.reads(self.kwargs) or frozenset())
+        new = self.reads({**self.kwargs, **extra})
+        if new is None or not new - self._base[1]:
+            return False
+        self.kwargs.update(extra)
+        self._base = ({k: id(v) for k, v in self.kwargs.items()}, new)
+        return True
+
+
+def _pair(v):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+
+
+def masked_patches(model, trials: Trials, params, batch) -> None:
+    """Masked patches (``bool_masked_pos``, where the forward or, through its ``**kwargs``, its
+    backbone takes it): every third of the image's patches (its size over the config's patch
+    size), where the forward reads the mask token on them (ViT's classifier has none)."""
+    images = trials.kwargs.get("pixel_values")
+    if images is None or images.dim() != 4 or not passes_on(model, params, "bool_masked_pos"):
+        return
+    (ph, pw), (h, w) = _pair(config_value(model.config, "patch_size")), images.shape[-2:]
+    if not all(isinstance(x, int) and x > 0 for x in (ph, pw)):
+        return
+    mask = torch.zeros(batch, (h // ph) * (w // pw), dtype=torch.bool)
+    mask[:, 1::3] = True
+    trials.offer({"bool_masked_pos": mask})
+
+
+def encoder_states(trials: Trials, params, cfg, batch, gen) -> None:
+    """Encoder states under the first name the forward takes them by (see the module's
+    docstring): four positions of the width the config gives cross-attention's input."""
+    width = config_value(cfg, "cross_attention_hidden_size", "encoder_hidden_size", "d_model", "hidden_size")
+    name = next((n for n in _ENCODER_STATES if n in params), None)
+    if name is not None and isinstance(width, int):
+        trials.offer({name: torch.randn(batch, 4, width, generator=gen)})

@@ -1,0 +1,114 @@
+"""Issue 65, optional inputs that read parameters the main input alone leaves unread (a parameter
+the traced program never reads fixes every class): DINOv2's mask token (``bool_masked_pos``),
+the encoder states of a decoder used alone (Whisper's causal LM: ``encoder_outputs``; Mllama's:
+``cross_attention_states``). Each is kept only where the forward runs on it and reads a
+parameter it read on none of the inputs before: ViT's classifier has no mask token, RoBERTa's
+masked LM takes encoder states and ignores them, so neither gets them. Each model analysed with
+no inputs reads every parameter, claims the newly read ones, certifies in float64, and the
+example inputs are the same on the ``meta`` device."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import symgraph
+from symgraph.passes.inputs import default_inputs
+from symgraph.testing.models import randomized
+
+transformers = pytest.importorskip("transformers")
+T = transformers
+
+VIT = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=24, image_size=16,
+           patch_size=4, num_labels=3)
+
+
+def _claimed(rep) -> set:
+    return {p for g in rep.groups if g.kind != "identity" for p, _ in g.params}
+
+
+def _keys_on_meta(build) -> set:
+    with torch.device("meta"):
+        m = build()
+    return set(default_inputs(m)[1])
+
+
+def _dinov2():
+    return T.Dinov2ForImageClassification(T.Dinov2Config(**VIT))
+
+
+def test_dinov2_reads_its_mask_token_on_masked_patches():
+    m = randomized(_dinov2())
+    _, kw = default_inputs(m)
+    mask = kw["bool_masked_pos"]
+    assert mask.dtype == torch.bool and mask.shape == (2, 16)  # (16 / 4)² patches per image
+    assert mask[:, 1::3].all() and int(mask.sum()) == 2 * 5
+    rep = symgraph.analyze(m)
+    assert rep.unread is None and rep.frozen == []
+    assert "dinov2.embeddings.mask_token" in _claimed(rep)
+    stream = rep.group_of("dinov2.embeddings.mask_token", 1)
+    assert stream and all(g.kind != "identity" for g in stream)
+    assert rep.certify(m) <= 1e-6
+    assert _keys_on_meta(_dinov2) == set(kw)
+
+
+def test_vit_without_a_mask_token_gets_no_mask():
+    m = randomized(T.ViTForImageClassification(T.ViTConfig(**VIT)))
+    assert set(default_inputs(m)[1]) == {"pixel_values"}
+
+
+WHISPER = dict(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=24, decoder_ffn_dim=24, num_mel_bins=8,
+               max_source_positions=8, max_target_positions=16, pad_token_id=1, bos_token_id=2, eos_token_id=3,
+               decoder_start_token_id=2)
+
+
+def _whisper():
+    return T.WhisperForCausalLM(T.WhisperConfig(**WHISPER))
+
+
+def test_whisper_causal_lm_reads_its_cross_attention():
+    m = randomized(_whisper())
+    _, kw = default_inputs(m)
+    assert set(kw) == {"input_ids", "encoder_outputs", "use_cache"}
+    assert kw["encoder_outputs"].shape == (2, 4, 16)
+    rep = symgraph.analyze(m)
+    assert rep.unread is None and rep.frozen == []
+    assert {"model.decoder.layers.0.encoder_attn.k_proj.weight",
+            "model.decoder.layers.0.encoder_attn.v_proj.weight"} <= _claimed(rep)
+    heads = [g for g in rep.group_of("model.decoder.layers.0.encoder_attn.q_proj.weight", 0) if g.kind == "perm"]
+    assert [g.size for g in heads] == [4]  # the cross-attention's heads
+    assert rep.certify(m) <= 1e-6
+    assert _keys_on_meta(_whisper) == set(kw)
+
+
+def _mllama():
+    return T.MllamaForCausalLM(T.MllamaTextConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, cross_attention_layers=[1], max_position_embeddings=32, pad_token_id=63))
+
+
+def test_mllama_causal_lm_reads_its_cross_attention_layers():
+    m = randomized(_mllama())
+    _, kw = default_inputs(m)
+    assert kw["cross_attention_states"].shape == (2, 4, 16)
+    rep = symgraph.analyze(m)
+    assert rep.unread is None
+    assert {"model.layers.1.cross_attn.k_proj.weight", "model.layers.1.cross_attn.o_proj.weight",
+            "model.layers.1.mlp.up_proj.weight"} <= _claimed(rep)
+    assert rep.certify(m) <= 1e-6
+    assert _keys_on_meta(_mllama) == set(kw)
+
+
+def test_a_masked_lm_that_ignores_encoder_states_gets_none():
+    m = randomized(T.RobertaForMaskedLM(T.RobertaConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=24,
+        max_position_embeddings=40)))
+    assert set(default_inputs(m)[1]) == {"input_ids"}
+
+
+def test_trials_leave_every_modules_mode_as_it_was():
+    m = randomized(_dinov2()).train()
+    m.dinov2.encoder.eval()
+    before = [x.training for x in m.modules()]
+    default_inputs(m)
+    assert [x.training for x in m.modules()] == before
