@@ -41,7 +41,7 @@ def features(model, cfg, batch, gen):
     feat = config_value(cfg, "input_feat_per_channel")
     if feat:  # Speech2Text: frames first
         return torch.randn(batch, 16, feat * (config_value(cfg, "input_channels") or 1), generator=gen)
-    width = config_value(cfg, "feature_projection_input_dim") or mel
+    width = config_value(cfg, "feature_projection_input_dim") or mel or config_value(cfg, "input_dim")
     if width:  # frames first (SeamlessM4T, Wav2Vec2-BERT; conformers: Parakeet, Canary), enough
         return torch.randn(batch, 8 * (config_value(cfg, "subsampling_factor") or 8), width, generator=gen)
     raise InputError(f"cannot tell the shape of {type(model).__name__}'s input_features from its config; pass inputs=")
@@ -55,39 +55,132 @@ def _feature_mask(fn, feats, mel) -> dict:
     return {names[0]: torch.ones(feats.shape[0], frames, dtype=torch.long)} if names else {}
 
 
-def audio_tokens(model, kwargs, params, batch, gen) -> None:
-    """A speech language model (Audio Flamingo 3, GLM-ASR) reads audio where its token ids
-    hold its audio token: log-mel features of its audio config's shape (frames first, else
-    channels first: the layout its own ``get_audio_features`` takes), and in each row as many
-    audio tokens as that gives embeddings; text only where it takes neither (the report then
-    names a parameter the inputs never read)."""
+def _extractor(model):
+    """transformers' own feature extractor of the model's type (or of its audio config's), built
+    with its defaults and the config's mel bins; None where transformers names none or it cannot
+    be built here (a library it needs is not installed)."""
+    import transformers
+    from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
     cfg = model.config
-    token, audio = ints(config_value(cfg, "audio_token_id", "audio_token_index")), getattr(cfg, "audio_config", None)
-    fn = getattr(model, "get_audio_features", None)
-    if not token or audio is None or fn is None or "input_features" not in params:
-        return
+    kinds = (getattr(c, "model_type", None) for c in (cfg, getattr(cfg, "audio_config", None)))
+    name = next((FEATURE_EXTRACTOR_MAPPING_NAMES[k] for k in kinds if k in FEATURE_EXTRACTOR_MAPPING_NAMES), None)
+    mel = config_value(cfg, "num_mel_bins")
     try:
-        feats = features(model, audio, batch, gen).to(next(model.parameters()).dtype)
-    except InputError:  # an audio config that does not tell its features' shape: text only
-        return
-    out, mel = None, config_value(audio, "num_mel_bins", "feature_size")
-    for f in (feats, feats.transpose(1, 2)):  # frames first, or channels first (GLM-ASR)
+        cls = getattr(transformers, name)
+        takes = inspect.signature(cls.__init__).parameters
+        return cls(**({"feature_size": mel} if isinstance(mel, int) and "feature_size" in takes else {}))
+    except Exception:  # noqa: BLE001 - none named, or a missing backend: the config's shape instead
+        return None
+
+
+def _extracted(fe, params, batch, gen) -> dict:
+    """The extractor's tensors for half a second of random audio per row at its sampling rate,
+    those the forward takes (its ``attention_mask`` under the forward's feature-mask name: the
+    token ids keep their own)."""
+    rate = int(getattr(fe, "sampling_rate", None) or 16000)
+    wave = list((0.1 * torch.randn(batch, rate // 2, generator=gen)).numpy())
+    out = None
+    for extra in ({"return_attention_mask": True}, {}):
         try:
-            with torch.no_grad():
-                out = fn(f, **_feature_mask(fn, f, mel))
-        except Exception:  # noqa: BLE001 - the other layout, or no audio tokens at all
+            out = fe(wave, sampling_rate=rate, return_tensors="pt", **extra)
+            break
+        except Exception:  # noqa: BLE001 - an extractor that takes no such option
             continue
-        feats = f
-        break
-    masks = _feature_mask(model.forward, feats, mel)
-    emb = getattr(out, "pooler_output", out)
-    width = config_value(cfg, "hidden_size")
-    if not isinstance(emb, torch.Tensor) or not width or emb.numel() % (batch * width):
+    mask = next((n for n in params if "feature" in n and n.endswith("mask")), None)
+    kw = {}
+    for k, v in (out or {}).items():
+        k = mask if k == "attention_mask" else k
+        if k in params and isinstance(v, torch.Tensor):
+            kw[k] = v.long() if v.dtype == torch.int32 else v
+    return kw if any(v.is_floating_point() for v in kw.values()) else {}
+
+
+def _layouts(model, cfg, params, batch, gen) -> list:
+    """Candidate audio inputs: the feature extractor's, then log-mel features of the audio
+    config's shape frames first and channels first (with an all-ones mask where taken)."""
+    fe = _extractor(model)
+    out = [kw for kw in ([_extracted(fe, params, batch, gen)] if fe is not None else []) if kw]
+    audio = getattr(cfg, "audio_config", None) or getattr(cfg, "encoder_config", None)  # Granite Speech: the latter
+    if "input_features" not in params or audio is None:
+        return out
+    try:
+        feats = features(model, audio, batch, gen)
+    except InputError:  # an audio config that does not tell its features' shape
+        return out
+    mel = config_value(audio, "num_mel_bins", "feature_size")
+    return out + [{"input_features": f, **_feature_mask(model.forward, f, mel)} for f in (feats, feats.transpose(1, 2))]
+
+
+def _counts(model, kw, batch) -> list:
+    """Candidate numbers of audio tokens per row: as many as the model's own
+    ``get_audio_features`` gives embeddings, and each length its encoder's
+    ``_get_feat_extract_output_lengths`` gives for the unmasked frames (or samples)."""
+    out, fn = [], getattr(model, "get_audio_features", None)
+    try:
+        with torch.no_grad():
+            emb = fn(**kw) if fn is not None else None
+        emb = getattr(emb, "pooler_output", emb)  # embeddings of the text's width, last
+        if isinstance(emb, torch.Tensor) and emb.dim() > 1 and emb[..., 0].numel() % batch == 0:
+            out.append(emb[..., 0].numel() // batch)
+    except Exception:  # noqa: BLE001 - it needs the token ids too, or other inputs: the lengths
+        pass
+    lengths = next((m._get_feat_extract_output_lengths for m in model.modules()
+                    if hasattr(m, "_get_feat_extract_output_lengths")), None)
+    mask = next((v for k, v in kw.items() if k.endswith("mask")), None)
+    x = next(v for v in kw.values() if v.is_floating_point())
+    frames = mask.sum(-1)[:1] if mask is not None else torch.tensor([x.shape[-1], x.shape[1]])
+    try:
+        got = lengths(frames) if lengths is not None else ()
+    except Exception:  # noqa: BLE001 - a lengths function of other inputs
+        got = ()
+    for v in got if isinstance(got, (tuple, list)) else (got,):
+        out += [int(n) for n in torch.as_tensor(v).flatten().tolist()]
+    return list(dict.fromkeys(n for n in out if n > 0))
+
+
+def _runs(model, kwargs) -> bool:
+    p = next((q for q in model.parameters() if q.is_floating_point()), None)
+    trial = {k: v.to(p.device, p.dtype) if v.is_floating_point() else v.to(p.device) for k, v in kwargs.items()}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        trial["use_cache"] = False
+    try:
+        with torch.no_grad():
+            model(**trial)
+    except Exception:  # noqa: BLE001 - these audio inputs do not fit the model
+        return False
+    return True
+
+
+def audio_tokens(model, kwargs, params, batch, gen) -> None:
+    """A speech language model (Audio Flamingo 3, Qwen2-Audio, GLM-ASR, OmniASR) reads audio
+    where its token ids hold its audio token: the audio its own feature extractor makes of half a
+    second of random samples (else log-mel features of its audio config's shape, frames first or
+    channels first), and in each row as many audio tokens as that gives embeddings (counted by
+    its ``get_audio_features`` or its encoder's output lengths); the first of these its own
+    forward runs on. Text only where none runs (the report then names a parameter the inputs
+    never read)."""
+    cfg = model.config
+    token = ints(config_value(cfg, "audio_token_id", "audio_token_index"))
+    if not token or not any(p.is_floating_point() for p in model.parameters()):
         return
-    n, ids = emb.numel() // (batch * width), kwargs["input_ids"]
-    kwargs["input_ids"] = torch.cat([ids[:, :1], torch.full((batch, n), token[0], dtype=ids.dtype), ids[:, 1:]], 1)
-    kwargs["input_features"] = feats
-    kwargs.update(masks)
+    ids = kwargs["input_ids"]
+    for kw in _layouts(model, cfg, params, batch, gen):
+        for n in _counts(model, kw, batch):
+            run = torch.full((batch, n), token[0], dtype=ids.dtype)
+            trial = {**kwargs, **kw, "input_ids": torch.cat([ids[:, :1], run, ids[:, 1:]], 1)}
+            if _runs(model, trial):
+                kwargs.update(trial)
+                _no_sampling(kwargs, params)
+                return
+
+
+def _no_sampling(kwargs, params) -> None:
+    """A forward that draws its audio latents at random unless told not to (VibeVoice's
+    ``sample``, a flag on by default) is told not to: the example's output must be a function
+    of its inputs, or no certificate can compare two runs."""
+    flag = params.get("sample")
+    if flag is not None and flag.default is True:
+        kwargs["sample"] = False
 
 
 def time_mask(model, kwargs, name, batch) -> None:

@@ -105,7 +105,7 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
         kwargs["pixel_values"] = pixels(model, cfg.vision_config, batch, gen)
     elif name == "input_ids" and "pixel_values" in params:
         image_tokens(model, kwargs, cfg, batch, gen)
-    if name == "input_ids" and "input_features" in params:
+    if name == "input_ids" and ({"input_features", "input_values"} & set(params)):
         audio_tokens(model, kwargs, params, batch, gen)
     if passes_on(model, params, "mask_time_indices"):
         time_mask(model, kwargs, name, batch)
@@ -130,7 +130,8 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
     elif name == "input_ids":
         encoder_states(trials, params, cfg, batch, gen)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    kwargs = {k: v.to(dev, dtype) if v.is_floating_point() else v.to(dev) for k, v in kwargs.items()}
+    kwargs = {k: v if not isinstance(v, torch.Tensor) else v.to(dev, dtype) if v.is_floating_point() else v.to(dev)
+              for k, v in kwargs.items()}  # a flag (``sample=False``) as it is
     if "use_cache" in params:
         kwargs["use_cache"] = False
     return (), kwargs

@@ -1,0 +1,56 @@
+"""Issue 65: speech language models read their audio. ``symgraph.analyze(model)`` with no
+inputs gives a speech language model the audio its own feature extractor makes (transformers'
+class for the model type, built with its defaults and the config's mel bins) or, where there is
+none, features of its audio config's shape, and in each row as many audio tokens as the model's
+own ``get_audio_features`` or its encoder's output lengths count; the audio tower is then read,
+its classes claimed and certified. One tiny model per mechanism."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import symgraph
+from symgraph.passes.inputs import default_inputs
+
+T = pytest.importorskip("transformers")
+
+
+def _text(**kw):
+    return T.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048, **kw)
+
+
+def _claimed(rep, prefix) -> set:
+    return {p for g in rep.groups if g.kind != "identity" for p, _ in g.params if p.startswith(prefix)}
+
+
+def _params(m, prefix) -> set:
+    return {n for n, _ in m.named_parameters() if n.startswith(prefix)}
+
+
+def _reads_its_audio(m, tower: str, tol: float = 1e-6):
+    rep = symgraph.analyze(m)
+    assert rep.unread is None  # every parameter read: the tower's classes are not fixed
+    claimed = _claimed(rep, tower)
+    weights = {n for n in _params(m, tower) if n.endswith("weight") and "norm" not in n}
+    assert weights and weights <= claimed, sorted(weights - claimed)[:4]
+    assert rep.certify(m) <= tol
+    return rep
+
+
+def test_qwen2_audio_whisper_features_counted_by_its_encoder_lengths():
+    """Qwen2-Audio has no ``get_audio_features``: its feature extractor (Whisper's, at the
+    config's 16 mel bins) pads half a second to 3000 frames with a mask of the 50 real ones,
+    under the forward's name for it (``feature_attention_mask``); its encoder's output lengths
+    of those frames count the audio tokens (12 per row)."""
+    audio = T.Qwen2AudioEncoderConfig(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=48,
+                                      num_mel_bins=16)
+    torch.manual_seed(0)
+    m = T.Qwen2AudioForConditionalGeneration(T.Qwen2AudioConfig(audio_config=audio, text_config=_text(),
+                                                                audio_token_index=63)).eval()
+    _, kw = default_inputs(m)
+    assert kw["input_features"].shape == (2, 16, 3000) and "attention_mask" not in kw
+    assert kw["feature_attention_mask"].sum(-1).tolist() == [50, 50]
+    _, want = m.model.audio_tower._get_feat_extract_output_lengths(kw["feature_attention_mask"].sum(-1))
+    assert (kw["input_ids"] == 63).sum(1).tolist() == want.tolist() == [12, 12]
+    _reads_its_audio(m, "model.audio_tower.")
