@@ -25,8 +25,9 @@ def head_width(fields, out, width, heads):
 def kept_layers(fields, old, new, role, kinds: bool = True) -> list | None:
     """The layers a shrunk config keeps (None: all): the first ``new``, unless a list with one
     kind per layer (``layer_types``, ``mlp_layer_types``: strings or flags) would lose a kind
-    (OLMo-Hybrid's validator wants an attention layer among its linear ones): then the first
-    layer of each kind of every such list, and the first others up to ``new``, in order.
+    (OLMo-Hybrid's validator wants an attention layer among its linear ones): then the fewest
+    layers that hold every kind of every such list (greedy: the layer with the most kinds still
+    missing, the first on ties), and the first others up to ``new``, in order.
     ``kinds`` False: the first ``new`` layers."""
     if not (_is_int(old) and _is_int(new) and 0 < new < old):
         return None
@@ -34,13 +35,60 @@ def kept_layers(fields, old, new, role, kinds: bool = True) -> list | None:
         return list(range(new))
     lists = [v for k, v in fields.items() if isinstance(v, (list, tuple)) and len(v) == old
              and role(k) is None and all(isinstance(x, (str, bool)) for x in v)]
+    need = {(j, kind) for j, v in enumerate(lists) for kind in v}
     chosen: set = set()
-    for v in lists:
-        for kind in dict.fromkeys(v):
-            if not any(v[i] == kind for i in chosen):
-                chosen.add(list(v).index(kind))
+    while need:  # greedy cover: the layer holding the most kinds still missing, the first on ties
+        best = max(range(old), key=lambda i: (sum((j, v[i]) in need for j, v in enumerate(lists)), -i))
+        chosen.add(best)
+        need -= {(j, v[best]) for j, v in enumerate(lists)}
     rest = [i for i in range(old) if i not in chosen]
     return sorted(chosen | set(rest[:max(0, new - len(chosen))]))
+
+
+def partition(fields, old, new, role):
+    """The new main layer count when qualified counts partition the old one (Dory's input,
+    recurrent and output layers sum to ``num_hidden_layers``): their shrunk sum (each -> 1)."""
+    parts = [v for k, v in fields.items() if role(k) == "layers_other" and _is_int(v) and v >= 0]
+    if not (_is_int(old) and _is_int(new) and len(parts) > 1 and sum(parts) == old):
+        return new
+    return min(old, sum(min(v, 1) for v in parts))
+
+
+def repeats(v, old, new):
+    """A list of ``[kinds, times]`` pairs that spells one kind per layer (GPT-Neo's
+    ``attention_types`` [[["global", "local"], 12]] for 24 layers), its times scaled so that it
+    spells ``new`` layers; None when it is no such list or cannot."""
+    if not (_is_int(old) and _is_int(new) and 0 < new < old and v):
+        return None
+    pairs = [x for x in v if isinstance(x, (list, tuple)) and len(x) == 2
+             and isinstance(x[0], (list, tuple)) and x[0] and _is_int(x[1]) and x[1] > 0]
+    if len(pairs) != len(v) or sum(len(k) * n for k, n in pairs) != old:
+        return None
+    out = [[list(k), max(1, n * new // old)] for k, n in pairs]
+    return type(v)(out) if sum(len(k) * n for k, n in out) == new else None
+
+
+def windows(fields, out) -> dict:
+    """A windowed vision level's ``window_size`` no larger than the patch grid of its last stage
+    (Swin's shrunk image / patch / 2^(stages - 1)): its attention's position bias is built for
+    the window, while a stage smaller than the window attends to the whole stage."""
+    w, image, patch, depths = (_new(fields, out, k) for k in ("window_size", "image_size", "patch_size",
+                                                                "depths"))
+    if not (_is_int(w) and _is_int(image) and _is_int(patch) and patch > 0
+            and isinstance(depths, (list, tuple)) and depths):
+        return {}
+    last = max(1, image // patch // 2 ** (len(depths) - 1))
+    return {"window_size": last} if w > last else {}
+
+
+def per_count(name, v, counts) -> int:
+    """The new length of a list with one entry per layer of a qualified layer count named
+    alike (Speech2Text's ``conv_kernel_sizes`` beside ``num_conv_layers``), else 0."""
+    own = set(name.lower().split("_")) - {"num", "n", "layers", "layer", "size", "sizes"}
+    for k, (old, new) in counts.items():
+        if len(v) == old and own & (set(k.lower().split("_")) - {"num", "n", "layers", "layer"}):
+            return new
+    return 0
 
 
 def split_to(old, total: int) -> list:

@@ -2,7 +2,8 @@
 the model built on it."""
 from __future__ import annotations
 
-from .consistent import kept_layers, mrope_sections, state_head_dims, tokens_per_image
+from .consistent import (kept_layers, mrope_sections, partition, per_count, repeats, split_to,
+                         state_head_dims, tokens_per_image, windows)
 
 
 # --- the one shrinking rule -------------------------------------------------------------------
@@ -208,6 +209,7 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=True) -> dict:
     outputs = _output_layers(fields, old_layers)
     if outputs and new_layers:  # one layer more than the outputs it selects (DPT's 4 features)
         new_layers = min(old_layers, max(new_layers, outputs + 1))
+    new_layers = partition(fields, old_layers, new_layers, role)
     keep = kept_layers(fields, old_layers, new_layers, role, kinds)
     new_layers = len(keep) if keep else new_layers
     widths = {v: max(8, int(round(v * scale / 8)) * 8) for k, v in fields.items()
@@ -241,13 +243,18 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=True) -> dict:
         elif v is None and r == "head_dim" and k == "head_dim" and q_old and main:
             new = int(main * scale) // q_new  # left None beside a head count, read as is by the
             #                                  model (Ministral, HunYuan): the width per head
-        elif v is None and r == "kv_heads" and q_old:
+        elif v is None and r == "kv_heads" and q_old and k.startswith("num_"):
             new = q_new  # left None (Nemotron's default): multi-head, as the configs that set it
         elif isinstance(v, (list, tuple)) and r not in ("layers_main", "layers_other") \
-                and _per_count(k, v, counts):  # one entry per layer of a qualified count
-            new = type(v)(v[:_per_count(k, v, counts)])
+                and per_count(k, v, counts):  # one entry per layer of a qualified count
+            new = type(v)(v[:per_count(k, v, counts)])
         elif _is_int_list(v) and len(v) > 1 and len(set(v)) == 1 and v[0] in widths:
             new = type(v)([widths[v[0]]] * len(v))  # one shrunk width per level (RT-DETR's decoder)
+        elif r == "width" and _is_int_list(v) and len(v) > 1 and sum(v) == main and scale != 1.0:
+            new = type(v)(split_to(v, int(main * scale)))  # parts of the width (Reformer's axial
+            #                                                 position embeddings sum to it)
+        elif isinstance(v, (list, tuple)) and repeats(v, old_layers, new_layers):
+            new = repeats(v, old_layers, new_layers)  # a pattern of layer kinds repeated (GPT-Neo)
         elif r == "layer_index" and "out" in _tokens(k) and _is_int_list(v) and new_layers:
             # the layers whose outputs a head reads: as many as before, the last ones kept
             new = type(v)(range(new_layers - len(v), new_layers))
@@ -297,10 +304,13 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=True) -> dict:
                 new = min(v, EXPERTS_PER_TOKEN)
             elif r == "groups":
                 new = min(v, 1) if v > 0 else v
-            elif r == "width" and k.endswith("hidden_size") and v in mains:
-                new = HIDDEN  # another tower's width named here (a head's audio_hidden_size)
+            elif r == "width" and v in mains and (k.endswith("hidden_size") or "out" in _tokens(k)):
+                new = HIDDEN  # another tower's width named here (a head's audio_hidden_size,
+                #               Dots3's vision adapter_out_dim: the text width)
             elif r == "width" and v > 8:
                 new = max(8, int(round(v * scale / 8)) * 8)
+            elif r is None and v == main and scale != 1.0 and _tokens(k)[-1] in ("size", "dim"):
+                new = int(main * scale)  # a size equal to the width is the width (an adapter's input)
             elif r is None and "groups" in _tokens(k) and v in widths:
                 new = widths[v]  # one group per channel (a depthwise convolution's): shrunk alike
         if new != orig:
@@ -311,6 +321,7 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=True) -> dict:
     width = int(main * scale) if main else None
     out.update(state_head_dims(fields, out, width, role))
     out.update(mrope_sections(cfg, fields, out, width, q_new))
+    out.update(windows(fields, out))
     return out
 
 
@@ -319,16 +330,6 @@ def _output_layers(fields, old_layers) -> int:
     ``backbone_out_indices``), 0 if none."""
     return max((len(v) for k, v in fields.items() if role(k) == "layer_index" and "out" in _tokens(k)
                 and _is_int_list(v) and old_layers and len(v) > 1 and max(v) <= old_layers), default=0)
-
-
-def _per_count(name, v, counts) -> int:
-    """The new length of a list with one entry per layer of a qualified layer count named
-    alike (Speech2Text's ``conv_kernel_sizes`` beside ``num_conv_layers``), else 0."""
-    own = set(_tokens(name)) - {"num", "n", "layers", "layer", "size", "sizes"}
-    for k, (old, new) in counts.items():
-        if len(v) == old and own & (set(_tokens(k)) - {"num", "n", "layers", "layer"}):
-            return new
-    return 0
 
 
 def tiny_config(model_type: str, kinds: bool | None = None):

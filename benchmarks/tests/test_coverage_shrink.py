@@ -122,3 +122,55 @@ def test_state_width_stated_beside_expand():
     assert cfg.mamba_d_head * cfg.mamba_n_heads == cfg.mamba_d_ssm == 16
     model, out = _runs("falcon_h1", "FalconH1ForCausalLM")
     assert out.logits.shape[-1] == model.config.vocab_size and torch.isfinite(out.logits).all()
+
+
+def test_fewest_layers_hold_every_kind():
+    # Kimi-Linear: three linear layers then a full one; the first layer is dense, the others
+    # sparse: the full (and sparse) layer covers both lists' missing kinds, two layers in all
+    cfg, _ = cov.tiny_config("kimi_linear")
+    assert cfg.num_hidden_layers == 2
+    assert set(cfg.layer_types) == {"linear_attention", "full_attention"}
+    assert set(cfg.mlp_layer_types) == {"dense", "sparse"}
+
+
+def test_qualified_counts_partitioning_the_layers_set_their_number():
+    # Dory validates n_input + n_recurrent + n_output == num_hidden_layers (8 + 20 + 8 = 36)
+    cfg, _ = cov.tiny_config("dory")
+    assert (cfg.n_input_layers, cfg.n_recurrent_layers, cfg.n_output_layers) == (1, 1, 1)
+    assert cfg.num_hidden_layers == 3 == len(cfg.layer_types)
+
+
+def test_a_repeated_pattern_of_layer_kinds_spells_the_new_layers():
+    # GPT-Neo validates len(attention_layers) == num_layers; attention_types repeats a pair
+    cfg, over = cov.tiny_config("gpt_neo")
+    assert over["attention_types"] == [[["global", "local"], 1]]
+    assert cfg.attention_layers == ["global", "local"] and cfg.num_layers == 2
+
+
+def test_parts_of_the_width_and_sizes_equal_to_it():
+    # Reformer: axial position embedding widths sum to hidden_size (64 + 192 = 256 -> 64)
+    cfg, _ = cov.tiny_config("reformer")
+    assert sum(cfg.axial_pos_embds_dim) == cfg.hidden_size == 64
+    assert list(cfg.axial_pos_embds_dim) == [16, 48]
+    # Dots3: the audio adapter's input is its width; the vision adapter's output the text width
+    cfg, _ = cov.tiny_config("dots3_note")
+    assert cfg.audio_config.adapter_input_size == cfg.audio_config.hidden_size == 64
+    assert cfg.vision_config.adapter_out_dim == cfg.text_config.hidden_size == 64
+    _runs("reformer", "ReformerForMaskedLM")
+
+
+def test_qsa_fields_left_none_stay_none():
+    # Qwen4-exp: the indexer's fields are all set or all None (none by default): a kv head count
+    # left None is filled only for the level's own num_... count
+    cfg, _ = cov.tiny_config("qwen4_exp_text")
+    assert cfg.indexer_kv_heads is None and cfg.indexer_n_heads is None
+
+
+@pytest.mark.parametrize("model_type, class_name", [("swin", "SwinForImageClassification"),
+                                                    ("donut-swin", "DonutSwinForImageClassification")])
+def test_window_no_larger_than_the_last_stage(model_type, class_name):
+    # Swin: 64-pixel image, 4-pixel patches, 4 stages: 16, 8, 4, 2 patches a side; window 7 -> 2
+    cfg, _ = cov.tiny_config(model_type)
+    assert cfg.window_size == cfg.image_size // cfg.patch_size // 2 ** (len(cfg.depths) - 1) == 2
+    model, out = _runs(model_type, class_name)
+    assert out.logits.shape == (out.logits.shape[0], model.config.num_labels)
