@@ -54,3 +54,22 @@ def test_qwen2_audio_whisper_features_counted_by_its_encoder_lengths():
     _, want = m.model.audio_tower._get_feat_extract_output_lengths(kw["feature_attention_mask"].sum(-1))
     assert (kw["input_ids"] == 63).sum(1).tolist() == want.tolist() == [12, 12]
     _reads_its_audio(m, "model.audio_tower.")
+
+
+def test_vibevoice_asr_raw_samples_from_its_extractor_and_no_sampling():
+    """VibeVoice ASR reads raw samples (``input_values``, its extractor's 24 kHz: half a second
+    is 12800 samples with their ``padding_mask``), counted by its own ``get_audio_features``
+    (4 latents per row after its 3200× downsampling); its forward draws its latents at random
+    unless ``sample=False``, which the inputs say, so two runs agree and the certificate holds."""
+    enc = dict(hidden_size=16, num_filters=4, depths=(1,) * 7)
+    cfg = T.VibeVoiceAsrConfig(acoustic_tokenizer_encoder_config=enc, semantic_tokenizer_encoder_config=enc,
+                               text_config=_text(), audio_token_id=63, audio_bos_token_id=61, audio_eos_token_id=62)
+    torch.manual_seed(0)
+    m = T.VibeVoiceAsrForConditionalGeneration(cfg).eval()
+    _, kw = default_inputs(m)
+    assert kw["input_values"].shape == (2, 1, 12800) and kw["padding_mask"].shape == (2, 12800)
+    assert kw["sample"] is False
+    with torch.no_grad():
+        emb = m.get_audio_features(kw["input_values"], kw["padding_mask"], sample=False).pooler_output
+    assert (kw["input_ids"] == 63).sum(1).tolist() == [4, 4] and emb[..., 0].numel() == 8
+    _reads_its_audio(m, "model.acoustic_tokenizer_encoder.")
