@@ -10,8 +10,8 @@ from .graph import LAYOUT_OPS, _LINEAR, _is_constant, _module_paths, _pname, _sh
 __all__ = ["attention_units", "ROPE_BLOCKED", "ROPE_ABSENT"]
 
 
-ROPE_BLOCKED = ("query/key norm (mean-subtracting, or with per-dimension gains) before the "
-                "rotation: the gains do not commute with the rotations, so only a discrete "
+ROPE_BLOCKED = ("query/key norm (mean-subtracting, or with per-dimension gains) before or after "
+                "the rotation: the gains do not commute with the rotations, so only a discrete "
                 "subgroup of each pair's SO(2) survives and no rope class exists")
 ROPE_ABSENT = ("the config has rotary parameters but the traced graph rotates nothing: no attention "
                "site multiplies its queries by a position table, and no sin, cos or complex value "
@@ -201,7 +201,9 @@ def _normalised(ep, node) -> tuple:
     between its projection and it; ``blocked`` whether every rotation's input is, on every path
     back to the projection, normalised by a norm the rotations cannot pass: a mean-subtracting
     norm, or a norm followed by per-dimension gains (a rotation commutes with an RMS scale
-    alone, and a gain right after the projection folds into it). Then no ``rope`` class can
+    alone, and a gain right after the projection folds into it); or every path from the query
+    back to the projection is, the norm lying after the rotations (scores that weigh each rotated
+    coordinate by its own gain admit no rotation of a pair whose two gains differ). Then no ``rope`` class can
     exist: only a discrete subgroup (quarter turns with a swap of the pair's gains) survives.
     A norm on coordinates that are not rotated (another branch of a ``cat``) blocks nothing."""
     rotations, stack, seen = [], [node], set()
@@ -237,8 +239,10 @@ def _normalised(ep, node) -> tuple:
             out = bool(ins) and all(covered(a, g) for a in ins)
         memo[n, gained] = out
         return out
-    blocked = bool(rotations) and all(covered(a, False) for r in rotations
-                                      for a in r.all_input_nodes if not _is_constant(ep, a))
+    before = all(covered(a, False) for r in rotations for a in r.all_input_nodes if not _is_constant(ep, a))
+    # or after them: every path from the query back to its projection passes such a norm
+    # (HunYuan's query/key RMS norms with gains on the rotated head)
+    blocked = bool(rotations) and (before or covered(node, False))
     return blocked, bool(rotations)
 
 
