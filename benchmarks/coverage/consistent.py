@@ -91,6 +91,24 @@ def per_count(name, v, counts) -> int:
     return 0
 
 
+def head_dim_sums(fields, out, role) -> dict:
+    """A head width that is the sum of two others named within it (DeepSeek-style attention's
+    ``qk_head_dim`` = ``qk_nope_head_dim`` + ``qk_rope_head_dim``, when declared): the sum of
+    their shrunk values."""
+    dims = {k: v for k, v in fields.items() if role(k) == "head_dim" and _is_int(v) and v > 0}
+    res = {}
+    for k, v in dims.items():
+        own = set(k.split("_"))
+        if not own - {"head", "dim", "size"}:
+            continue  # a plain head_dim names no parts
+        parts = [(a, b) for a in dims for b in dims if a < b and k not in (a, b)
+                 and dims[a] + dims[b] == v and own <= set(a.split("_")) & set(b.split("_"))]
+        if len(parts) == 1:
+            a, b = parts[0]
+            res[k] = _new(fields, out, a) + _new(fields, out, b)
+    return res
+
+
 def split_to(old, total: int) -> list:
     """``old`` (positive ints) scaled to ``total`` with each entry at least 1, proportions kept
     as nearly as rounding allows; the remainder goes to the last entries."""

@@ -2,7 +2,7 @@
 the model built on it."""
 from __future__ import annotations
 
-from .consistent import (kept_layers, mrope_sections, partition, per_count, repeats, split_to,
+from .consistent import (head_dim_sums, kept_layers, mrope_sections, partition, per_count, repeats, split_to,
                          state_head_dims, tokens_per_image, windows)
 
 
@@ -322,6 +322,7 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=True) -> dict:
     out.update(state_head_dims(fields, out, width, role))
     out.update(mrope_sections(cfg, fields, out, width, q_new))
     out.update(windows(fields, out))
+    out.update(head_dim_sums(fields, out, role))
     return out
 
 

@@ -174,3 +174,13 @@ def test_window_no_larger_than_the_last_stage(model_type, class_name):
     assert cfg.window_size == cfg.image_size // cfg.patch_size // 2 ** (len(cfg.depths) - 1) == 2
     model, out = _runs(model_type, class_name)
     assert out.logits.shape == (out.logits.shape[0], model.config.num_labels)
+
+
+def test_a_head_width_summing_two_named_within_it():
+    # LongCat-Flash declares qk_head_dim = qk_nope_head_dim + qk_rope_head_dim (128 + 64)
+    cfg, _ = cov.tiny_config("longcat_flash")
+    assert cfg.qk_head_dim == cfg.qk_nope_head_dim + cfg.qk_rope_head_dim == 32
+    # a plain head_dim is no sum (Qwen3.5's 256 = 128 + 128 linear key and value widths)
+    assert cov.tiny_config("qwen3_5_text")[0].head_dim == 16
+    model, out = _runs("longcat_flash", "LongcatFlashForCausalLM")
+    assert out.logits.shape[-1] == model.config.vocab_size and torch.isfinite(out.logits).all()
