@@ -47,9 +47,9 @@ def _loaded(job, i):
     """Model ``i``'s Fisher of the loaded model in the anchor's basis (the reference)."""
     al = job.alignments[i]
     rep = al.report_b if al is not None else job.graph_report
-    stat = statistics_reference.in_anchor_basis(Fisher.statistic, load_local(job.ckpts[i].path), rep, al,
+    stat = statistics_reference.in_anchor_basis(Fisher.statistic, load_local(job.checkpoints[i].path), rep, al,
                                                 job.graph_report, job.data)
-    A = job.ckpts[job.anchor]
+    A = job.checkpoints[job.anchor]
     return {alias: v for k, v in stat.items() for alias in {k, *A.params.get(k, ())}}  # every name of a tied one
 
 

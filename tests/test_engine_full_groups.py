@@ -108,7 +108,7 @@ def test_the_fit_from_checkpoints_is_the_fit_from_loaded_models(pair):
     from symgraph.merging.engine.views import Folded, Ledger, Sides
     job = StreamingMerge([str(pair / "m0"), str(pair / "m1")])
     job.align()
-    al, (A, B), ledger = job.alignments[1], job.ckpts, Ledger()
+    al, (A, B), ledger = job.alignments[1], job.checkpoints, Ledger()
     fits = []
     for sides in (ModelSides(load_model(str(pair / "m0")), load_model(str(pair / "m1"))),
                   Sides(A, B, (Folded(job.report, A, ledger=ledger), Folded(job.report, B, ledger=ledger)),

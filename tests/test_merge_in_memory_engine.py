@@ -35,7 +35,7 @@ def test_in_memory_merge_is_the_engine_and_writes_no_file(kw, monkeypatch, tmp_p
     real = StreamingMerge.write_into
 
     def spy(self, add, device=None):
-        calls.append(type(self.ckpts[0]))
+        calls.append(type(self.checkpoints[0]))
         return real(self, add, device)
     monkeypatch.setattr(StreamingMerge, "write_into", spy)
     monkeypatch.setenv("TMPDIR", str(tmp_path))

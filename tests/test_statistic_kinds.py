@@ -182,7 +182,7 @@ def test_take_and_floor_are_none_and_zero_without_a_statistic(llamas):
     assert need > 0 and "largest op" in what
     job.spill = MemorySpill()
     st = take(Fisher.statistic, StatisticsContext.of(job), 0)
-    assert set(st) >= {n for n, _ in job.ckpts[0].model.named_parameters()}
+    assert set(st) >= {n for n, _ in job.checkpoints[0].model.named_parameters()}
 
 
 def test_needs_data_follows_the_declared_statistic():

@@ -101,7 +101,7 @@ def test_in_memory_universe_means_are_engine_plans(trio, monkeypatch):
     write_into = streaming.StreamingMerge.write_into
 
     def counted(self, add, device=None):
-        plans.append(([c.path for c in self.ckpts], [float(w) for w in self.weights]))
+        plans.append(([c.path for c in self.checkpoints], [float(w) for w in self.weights]))
         return write_into(self, add, device)
     monkeypatch.setattr(streaming.StreamingMerge, "write_into", counted)
     res = symgraph.merge(built, anchor="universe", universe_options={"max_rounds": 2})

@@ -208,21 +208,15 @@ def check(opts: dict, name, batches: bool = False) -> None:
     if opts["attention"] == "circuits" and (opts["method"] != "average" or opts["repair"]):
         raise InputError(f"{n('attention')} circuits merges by averaging; expected {n('method')} average without "
                          f"{n('repair')}")
-    if opts["sketch"] and opts["align"] != "weights":
-        raise InputError(f"{n('sketch')} sketches weight matching; expected {n('align')} weights")
-    if opts["tol"] and opts["align"] != "weights":
-        raise InputError(f"{n('tol')} ends the sweeps of weight matching; expected {n('align')} weights")
-    for key in ("max_iter", "until"):
-        if opts[key] != AlignOptions.model_fields[key].default and opts["align"] in ("none", None):
-            raise InputError(f"{n(key)} ends the sweeps of an alignment; expected {n('align')} weights or "
-                             "activations")
     if opts["seen_rows"] and not opts["data"]:
         raise InputError(f"{n('seen_rows')} reads the embedding rows of the tokens in the data; expected {data}")
-    if opts["seen_rows"] and opts["align"] != "weights":
-        raise InputError(f"{n('seen_rows')} restricts weight matching; expected {n('align')} weights")
-    if opts["full_groups"] and opts["align"] in ("none", None):
-        raise InputError(f"{n('full_groups')} fits the groups an alignment solves; expected {n('align')} weights "
-                         "or activations")
+    for key, what in (("sketch", "sketches"), ("tol", "ends the sweeps of"), ("seen_rows", "restricts")):
+        if opts[key] and opts["align"] != "weights":
+            raise InputError(f"{n(key)} {what} weight matching; expected {n('align')} weights")
+    sweeps = "ends the sweeps of an alignment"
+    for key, what in (("max_iter", sweeps), ("until", sweeps), ("full_groups", "fits the groups an alignment solves")):
+        if opts[key] != AlignOptions.model_fields[key].default and opts["align"] in ("none", None):
+            raise InputError(f"{n(key)} {what}; expected {n('align')} weights or activations")
     anchor, count = opts["anchor"], len(opts["models"])
     if anchor == "universe" and (opts["align"] in ("none", None) or opts["attention"] == "circuits"):
         raise InputError(f"{n('anchor')} universe aligns every model to the mean of the others; expected "

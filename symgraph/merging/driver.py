@@ -168,10 +168,8 @@ def _engine(models, config, how, data) -> StreamingMerge:
     """The merge engine over ``models`` in memory (:class:`ModelCheckpoint` s), on their
     device, without a memory budget; it aligns nothing (the alignments are given to it)."""
     needs = how.needs_data or config.repair or config.align == "activations"  # the engine checks data is used
-    w = [float(x) for x in mixing_weights(config.weights, len(models))]
     device = next((p.device for p in models[0].parameters()), torch.device("cpu"))
-    cfg = config.model_copy(update=dict(weights=w, device=str(device), refine=0, untie=False, memory_budget=None,
-                                        out=None))
+    cfg = config.model_copy(update=dict(device=str(device), refine=0, untie=False, memory_budget=None, out=None))
     return StreamingMerge([ModelCheckpoint(m, f"model {i}") for i, m in enumerate(models)], cfg,
                           data=data if needs else None, method=how)
 

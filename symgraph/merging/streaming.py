@@ -142,14 +142,12 @@ class StreamingMerge:
             self.transforms.circuits = CircuitHeads(cfg, self._checkpoints, self.how.name, lambda: self.graph_report)
 
     checkpoints = property(lambda self: self._checkpoints, doc="the checkpoints, as read (untied if asked)")
-    ckpts = checkpoints  # the engine's name
     anchor = property(lambda self: 0 if self.config.anchor == "universe" else self.config.anchor)
     report = property(lambda self: self.graph_report if self.align_mode is not None else None,
                       doc="the anchor's report (None: not aligned)")
     progress = property(lambda self: self.resources.progress)
     # the settings of the one config, as the engine's steps read them
     align_mode = property(lambda self: None if self.config.align == "none" else self.config.align)
-    repair = property(lambda self: self.config.repair)
     weights = cached_property(lambda self: mixing_weights(self.config.weights, len(self._checkpoints)))
     spill = property(lambda self: self.statistics.spill, lambda self, v: setattr(self.statistics, "spill", v))
 
@@ -182,7 +180,7 @@ class StreamingMerge:
         A = self._checkpoints[self.anchor]
         aligned = self.align_mode is not None
         t0 = time.perf_counter()
-        if aligned or ((self.how.needs_data or self.repair) and self.graph_report is None):
+        if aligned or ((self.how.needs_data or self.config.repair) and self.graph_report is None):
             self.graph_report = self._analyzed(A)
         ra = self.graph_report
         others = {i: ra if c.shapes == A.shapes else self._analyzed(c)  # a model of other widths: its own
@@ -191,7 +189,7 @@ class StreamingMerge:
             self.timings["analyze"] = time.perf_counter() - t0
         if aligned and self.align_options.get("rows_from"):  # only their tokens' embedding rows
             self.align_options = {**self.align_options, "rows": ra.input_rows(self.align_options["rows_from"])}
-        if self.repair:
+        if self.config.repair:
             repair_stream.check(A.model, ra)
         eye = slicing.identity_alignment(ra) if aligned and self.resources.budget is not None else None
         learning = self._learning(A, eye) if self.config.refine else None
@@ -258,7 +256,7 @@ class StreamingMerge:
         ``report`` and one :class:`~symgraph.Alignment` (or None) per checkpoint, as
         :func:`symgraph.merge` finds them for models in memory (the anchor's own entry is not
         None only for a shared universe's basis)."""
-        if self.repair:
+        if self.config.repair:
             repair_stream.check(self._checkpoints[self.anchor].model, report)
         self.graph_report = report
         self.alignments = list(alignments)
@@ -338,7 +336,7 @@ class StreamingMerge:
                 self.timings["statistics"] = time.perf_counter() - t0
             if self.transforms.circuits is not None:  # circuit-space heads: their shapes, config fields, combine
                 self.transforms.apply(self.transforms.circuits.widening())
-            if self.repair:  # last: it measures the merge as written
+            if self.config.repair:  # last: it measures the merge as written
                 self.repair_report = repair_stream.repair(RepairContext.of(self))
             t1, plan = time.perf_counter(), self.plan()
             sink = make_sink(plan)

@@ -37,8 +37,8 @@ class Resources:
     checkpoints), the byte sizes the memory budget gives (each model's cache of folded or moved
     tensors, a group's chunk above which it is computed in slices, a pass of statistics), the
     :class:`~.views.Ledger` of bytes held, whose peak the budget bounds, whether the steps
-    show a ``progress`` bar, the memory ``budget`` itself (bytes; None: none given), and the
-    ``exact`` dtype a piece is carried and combined in where it fits (:meth:`Executor.dtype`)."""
+    show a ``progress`` bar, the memory ``budget`` (bytes; None: none given) and the ``exact``
+    dtype a piece is carried and combined in where it fits (:meth:`Executor.dtype`)."""
     device: torch.device
     out_device: torch.device
     work_dtype: torch.dtype
@@ -183,18 +183,16 @@ class Executor:
 
     def dtype(self, names, parts) -> torch.dtype:
         """What the piece ``names`` (``parts``) is carried and combined in: the ``exact`` dtype (a
-        universe's means: float64, rounded once) where a copy per model and the result fit in
-        what the budget leaves beside every byte the ledger holds (a parent merge's too); else
-        the work dtype."""
+        universe's means: float64, rounded once) where a copy per model and the result fit in what
+        the budget leaves beside all the ledger holds (a parent merge's too), else the work dtype."""
         res, A = self.resources, self.plan.anchor_checkpoint
-        if res.exact is None:
+        shapes = {n: list(A.shapes[A.key(n)]) for n in names}
+        for n, (d, start, stop) in parts.items():
+            shapes[n][d] = stop - start
+        numel = (len(self.plan.sources) + 1) * sum(map(math.prod, shapes.values()))
+        if res.exact is None or (res.budget is not None and res.ledger.now + numel * res.exact.itemsize > res.budget):
             return res.work_dtype
-        shapes = [list(A.shapes[A.key(n)]) for n in names]
-        for n, shape in zip(names, shapes):
-            if n in parts:
-                shape[parts[n][0]] = parts[n][2] - parts[n][1]
-        need = (len(self.plan.sources) + 1) * sum(math.prod(s) for s in shapes) * res.exact.itemsize
-        return res.exact if res.budget is None or res.ledger.now + need <= res.budget else res.work_dtype
+        return res.exact
 
     def finished(self, name, value, dtype, names):
         """A merged tensor cast to the anchor's ``dtype``, on the output device, corrected, and

@@ -46,7 +46,7 @@ def build_plan(job, report, out_shapes: dict) -> Plan:
     """The plan of ``job`` (the engine, its alignment known): the tasks in the anchor's key
     order, ``report`` (the anchor's, for the combine) and the shapes a transform writes instead of
     the anchor's (``out_shapes``: circuit-space heads)."""
-    A = job.ckpts[job.anchor]
+    A = job.checkpoints[job.anchor]
     tasks = []
     for key, names in slicing.units(job):
         split = slicing.split(job, names) if names is not None else None
@@ -54,4 +54,4 @@ def build_plan(job, report, out_shapes: dict) -> Plan:
         keys = (key,) if names is None else tuple(k for n in names for k in keys_of(A, n))
         tasks.append(GroupTask(keys, names, split))
     outputs = tuple((k, out_shapes.get(k, A.shapes[k]), A.dtypes[k]) for t in tasks for k in t.keys)
-    return Plan(tuple(job.ckpts), job.anchor, tuple(tasks), outputs, report)
+    return Plan(tuple(job.checkpoints), job.anchor, tuple(tasks), outputs, report)

@@ -61,7 +61,7 @@ def _axes(job, names, alignments):
     whatever the chunk size: ``(shapes, numel, item, [(d, dims), ...])``, the axes ``d`` of the
     largest tensor along which the group may be sliced (``dims``: see :func:`split`), or None
     when the group is computed whole at any size."""
-    A, R = job.ckpts[job.anchor], job.report
+    A, R = job.checkpoints[job.anchor], job.report
     if R is not None and any(n in R.stacked for n in names):
         return None  # the report's axes are of the viewed (experts × hidden) layout
     if any(n in job.transforms.corrections or A.key(n) in job.transforms.out_shapes for n in names):
@@ -90,7 +90,7 @@ def _choose(job, names, axes, chunk: int):
         if item * sum(numel[n] for n in names if n not in dims) > chunk:
             continue  # a whole remainder this large is recomputed for every slice: not worth it
         row = item * sum(numel[n] // max(shapes[n][e], 1) for n, e in dims.items())
-        rows = [n for n, e in dims.items() if e == 0 and len(keys_of(job.ckpts[job.anchor], n)) == 1]
+        rows = [n for n, e in dims.items() if e == 0 and len(keys_of(job.checkpoints[job.anchor], n)) == 1]
         first = max(rows, key=numel.get) if rows else None
         order = [n for n in names if n not in dims] + [first] * bool(first)
         order += [n for n in dims if n != first]
@@ -101,7 +101,7 @@ def _choose(job, names, axes, chunk: int):
 def _sliceable(job, names, key, alignments) -> dict | None:
     """``{name: dim}`` of the tensors of ``names`` with a dim of the anchor's axis class
     ``key``, when the group can be computed in slices along it (see :func:`split`)."""
-    A, R = job.ckpts[job.anchor], job.report
+    A, R = job.checkpoints[job.anchor], job.report
     assert R is not None  # _split asks only with a report
     dims: dict[str, int] = {}
     for n in names:
@@ -109,7 +109,7 @@ def _sliceable(job, names, key, alignments) -> dict | None:
         if len(hits) > 1:
             return None
         dims.update({n: hits[0]} if hits else {})
-    for al, c in zip(alignments, job.ckpts):
+    for al, c in zip(alignments, job.checkpoints):
         if al is None:
             continue
         rb = al.report_b
@@ -131,7 +131,7 @@ def units(job):
     """The plan's tensor-group tasks in the anchor's key order: ``(key, names)``, the names
     merged together for the anchor's ``key`` (a norm fold's gain, shift and readers; any other
     tensor alone), or None for a buffer written as the anchor's own."""
-    A = job.ckpts[job.anchor]
+    A = job.checkpoints[job.anchor]
     unit = groups(job.report.folds) if job.report is not None else {}
     seen: set[str] = set()
     for key in A.keys:
@@ -171,7 +171,7 @@ def check_floor(job, eye) -> None:
     budget = job.resources.budget
     if budget is None:
         return
-    alignments = [None if i == job.anchor else eye for i in range(len(job.ckpts))]
+    alignments = [None if i == job.anchor else eye for i in range(len(job.checkpoints))]
     plan = [(names, _axes(job, names, alignments)) for _, names in units(job) if names is not None]
     stats, whose = floor(job.how.statistic, StatisticsContext.of(job))
     need, names, sliced = _need(job, plan, job.resources.chunk_bytes, job.resources.cache_bytes)
@@ -186,7 +186,7 @@ def check_floor(job, eye) -> None:
     raise InputError(f"--memory-budget {hb(budget)} is below what this merge holds at once: {hb(rounded_up(need))} "
                      f"for {what}{' (its largest slice)' if sliced else ' (held whole)'}, a copy per model and the "
                      f"result{' with the statistics read for it' if job.how.needs_data else ''}"
-                     f"{', and the cache of REPAIR' if job.repair else ''}; expected "
+                     f"{', and the cache of REPAIR' if job.config.repair else ''}; expected "
                      f"--memory-budget of at least {least} (the smallest that works)")
 
 
@@ -201,7 +201,7 @@ def _least(job, plan, budget: int, stats: int = 0) -> int:
     shows) whose chunk size gives a plan that fits in it, and at least ``stats`` (the method's
     statistics' floor): found within 1%, then digit by digit."""
     def fits(b):
-        cache, chunk, _ = budgets(b, len(job.ckpts))
+        cache, chunk, _ = budgets(b, len(job.checkpoints))
         return b >= stats and _need(job, plan, chunk, cache)[0] <= b
 
     b = max(budget, stats - 1)
@@ -218,7 +218,7 @@ def _need(job, plan, chunk: int, cache: int) -> tuple:
     ledger's count while :meth:`~symgraph.merging.engine.executor.Executor.merged` computes it
     (with REPAIR, which computes each piece as it measures the merge, its cache of ``cache`` bytes
     of merged values besides)."""
-    A, n, best = job.ckpts[job.anchor], len(job.ckpts), (0, (), False)
+    A, n, best = job.checkpoints[job.anchor], len(job.checkpoints), (0, (), False)
     item = torch.empty((), dtype=job.resources.work_dtype).element_size()
     for names, axes in plan:
         s = _choose(job, names, axes, chunk)
@@ -231,5 +231,5 @@ def _need(job, plan, chunk: int, cache: int) -> tuple:
             if s is not None and m in s[1]:
                 shape[s[1][m]] = min(s[3], s[2])
             held += job.how.held_bytes(m, tuple(shape), item, n, job.graph_report)
-        best = max(best, (held + cache * job.repair, names, s is not None), key=lambda t: t[0])
+        best = max(best, (held + cache * job.config.repair, names, s is not None), key=lambda t: t[0])
     return best

@@ -91,7 +91,7 @@ class StatisticsContext:
     @classmethod
     def of(cls, job) -> StatisticsContext:
         """The context of the merge engine ``job`` as it stands."""
-        return cls(tuple(job.ckpts), tuple(job.alignments), job.anchor, job.graph_report, job.data, job.resources,
+        return cls(tuple(job.checkpoints), tuple(job.alignments), job.anchor, job.graph_report, job.data, job.resources,
                    job.spill)
 
 
