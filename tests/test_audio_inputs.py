@@ -73,3 +73,24 @@ def test_vibevoice_asr_raw_samples_from_its_extractor_and_no_sampling():
         emb = m.get_audio_features(kw["input_values"], kw["padding_mask"], sample=False).pooler_output
     assert (kw["input_ids"] == 63).sum(1).tolist() == [4, 4] and emb[..., 0].numel() == 8
     _reads_its_audio(m, "model.acoustic_tokenizer_encoder.")
+
+
+def test_omniasr_audio_written_by_a_mask_moved_by_dtype_keeps_the_text_stream():
+    """OmniASR writes its audio embeddings into the audio tokens' embeddings by
+    ``masked_scatter`` with the mask ``eq(ids).unsqueeze(-1).expand_as(embeds).to(device)``:
+    the mask is the same along the hidden axis (``expand_as`` and ``to`` keep that), so each
+    audio-token row is one projected row, channel for channel, and the text stream keeps its
+    classes (it was fixed while ``expand_as``/``to`` hid the mask's uniformity)."""
+    audio = T.OmniASRAudioConfig(hidden_size=32, conv_dim=[16] * 7, num_attention_heads=2, num_hidden_layers=1,
+                                 num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=16, intermediate_size=48)
+    torch.manual_seed(0)
+    m = T.OmniASRForConditionalGeneration(T.OmniASRConfig(audio_config=audio, text_config=T.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=2048), audio_token_id=63)).eval()
+    _, kw = default_inputs(m)
+    assert kw["input_values"].shape[-1] > 0 and (kw["input_ids"] == 63).sum().item() > 0
+    rep = _reads_its_audio(m, "model.audio_tower.")
+    stream = rep.group_of("model.language_model.embed_tokens.weight", 1)
+    assert stream and all(g.kind != "identity" for g in stream)
+    assert stream == rep.group_of("model.multi_modal_projector.weight", 0)
+    assert not [f for f in rep.frozen if "masked_scatter" in str(f.op)]

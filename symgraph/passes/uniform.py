@@ -16,7 +16,8 @@ _ELEMENTWISE = {aten.add, aten.sub, aten.mul, aten.div, aten.where, aten.masked_
                 aten.minimum, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.logical_and,
                 aten.logical_or, aten.logical_not, aten.bitwise_and, aten.bitwise_or, aten.bitwise_not,
                 aten.neg, aten.clone, aten.alias, aten._to_copy, aten.contiguous, aten.detach,
-                aten.lift_fresh_copy, aten.rsub, aten.clamp, aten.abs, aten.exp}
+                aten.lift_fresh_copy, aten.rsub, aten.clamp, aten.abs, aten.exp,
+                aten.to}  # ``to`` as traced (a dtype or device only: OmniASR's audio mask)
 _FILLS = {aten.zeros, aten.zeros_like, aten.new_zeros, aten.full, aten.full_like, aten.new_full, aten.ones,
           aten.ones_like, aten.new_ones, aten.scalar_tensor}
 
@@ -43,7 +44,7 @@ def uniform_axes(node, memo: dict) -> frozenset:
         ops = [a for a in node.args if isinstance(a, torch.fx.Node)]
         if all(_shape(a) is not None for a in ops):
             out |= {j for j in range(len(shape)) if all(_along(a, j, len(shape), memo) for a in ops)}
-    elif p is aten.expand and isinstance(node.args[0], torch.fx.Node):
+    elif p in (aten.expand, aten.expand_as) and isinstance(node.args[0], torch.fx.Node):
         src = _shape(node.args[0])
         if src is not None:
             out |= {j for j in range(len(shape)) if _along(node.args[0], j, len(shape), memo)}
