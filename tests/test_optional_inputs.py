@@ -112,3 +112,56 @@ def test_trials_leave_every_modules_mode_as_it_was():
     before = [x.training for x in m.modules()]
     default_inputs(m)
     assert [x.training for x in m.modules()] == before
+
+
+# --- main inputs of a generic name, and a vocabulary only the tokenizer states ---------------
+
+PERCEIVER = dict(num_latents=4, d_latents=16, d_model=16, num_blocks=1, num_self_attends_per_block=1,
+                 num_self_attention_heads=2, num_cross_attention_heads=1, qk_channels=8, v_channels=16,
+                 vocab_size=64, max_position_embeddings=12, image_size=8, num_labels=3)
+
+
+def test_perceiver_reads_token_ids_or_images_as_its_forward_takes_them():
+    m = randomized(T.PerceiverForMaskedLM(T.PerceiverConfig(**PERCEIVER)))
+    assert m.main_input_name == "inputs"
+    _, kw = default_inputs(m)
+    assert set(kw) == {"inputs"} and kw["inputs"].dtype == torch.long and kw["inputs"].shape == (2, 8)
+    assert int(kw["inputs"].max()) < 64
+    rep = symgraph.analyze(m)
+    assert rep.unread is None and rep.groups and rep.certify(m) <= 1e-6
+    assert any(g.kind != "identity" for g in rep.group_of("perceiver.embeddings.latents", 1))
+    m = randomized(T.PerceiverForImageClassificationLearned(T.PerceiverConfig(**PERCEIVER)))
+    _, kw = default_inputs(m)  # token ids refused (a convolution reads them): the config's images
+    assert set(kw) == {"inputs"} and kw["inputs"].shape == (2, 3, 8, 8) and kw["inputs"].is_floating_point()
+    rep = symgraph.analyze(m)
+    assert rep.unread is None and rep.groups and rep.certify(m) <= 1e-6
+
+
+def test_canine_reads_code_points_from_its_tokenizers_vocabulary():
+    cfg = T.CanineConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                         num_hash_functions=2, num_hash_buckets=32, downsampling_rate=2,
+                         max_position_embeddings=64, local_transformer_stride=4, num_labels=3)
+    assert getattr(cfg, "vocab_size", None) is None
+    m = randomized(T.CanineForSequenceClassification(cfg))
+    _, kw = default_inputs(m)
+    ids = kw["input_ids"]
+    assert ids.shape == (2, 8) and int(ids.max()) < 0x110000 and int(ids.max()) > 255  # code points
+    assert not set(ids.flatten().tolist()) & {cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id}
+    rep = symgraph.analyze(m)
+    assert rep.unread is None and rep.groups and rep.certify(m) <= 1e-6
+
+
+def test_a_main_input_no_builder_fits_is_refused_in_one_line():
+    class Tabular(T.PreTrainedModel):
+        config_class = T.PretrainedConfig
+        main_input_name = "state"
+
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.lin = torch.nn.Linear(5, 3)
+
+        def forward(self, state):
+            return self.lin(state)
+    m = Tabular(T.PretrainedConfig())
+    with pytest.raises(symgraph.errors.InputError, match="main input 'state'; pass inputs="):
+        default_inputs(m)

@@ -33,10 +33,11 @@ def ints(v) -> list:
 
 def token_ids(model, cfg, batch, seq, gen):
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    vocab = getattr(text, "vocab_size", None) or getattr(cfg, "vocab_size", None)
+    vocab = getattr(text, "vocab_size", None) or getattr(cfg, "vocab_size", None) or _rows(model) \
+        or _tokenizer_vocab(cfg)
     if vocab is None:
-        raise InputError(f"{type(model).__name__}'s config has no vocab_size (nor has its text config); "
-                         "pass inputs=")
+        raise InputError(f"{type(model).__name__}'s config has no vocab_size (nor has its text config), and "
+                         "neither its input embeddings nor its tokenizer tell one; pass inputs=")
     maxpos = config_value(cfg, "max_position_embeddings", "n_positions")
     seq = min(seq, maxpos) if isinstance(maxpos, int) and maxpos > 0 else seq
     special = {i for c in (cfg, text) for k, v in vars(c).items()
@@ -47,6 +48,28 @@ def token_ids(model, cfg, batch, seq, gen):
     if getattr(cfg, "is_encoder_decoder", False) and type(model).__name__.endswith("ForSequenceClassification") and eos:
         ids[:, -1] = eos[0]  # the head reads the hidden state at the (one) end-of-sequence token
     return ids
+
+
+def _rows(model) -> int | None:
+    """The rows of the model's input embeddings (a config that states no vocabulary)."""
+    try:
+        emb = model.get_input_embeddings()
+    except Exception:  # noqa: BLE001 - a model that keeps none where transformers looks
+        return None
+    return emb.num_embeddings if isinstance(emb, torch.nn.Embedding) else None
+
+
+def _tokenizer_vocab(cfg) -> int | None:
+    """The vocabulary of the tokenizer transformers names for the config's model type, where it
+    is built with no files (CANINE's: Unicode code points), for a model that states no
+    vocabulary in its config and has no input embeddings."""
+    try:
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+        names = TOKENIZER_MAPPING_NAMES.get(getattr(cfg, "model_type", None))
+        names = names if isinstance(names, (tuple, list)) else (names,)
+        return next(len(tokenizer_class_from_name(n)()) for n in names if n)
+    except Exception:  # noqa: BLE001 - none, or one that needs its files: no vocabulary known
+        return None
 
 
 def pixels(model, cfg, batch, gen):

@@ -3,8 +3,9 @@
 that this module knows the main input of.
 
 - token ids (``input_ids``) in range of the vocabulary, the config's own or its text
-  config's (Gemma 3, Fuyu), avoiding every special token the config names (padding,
-  end-of-sequence, image tokens); a sequence
+  config's (Gemma 3, Fuyu), else its input embeddings' rows, else its tokenizer's where that
+  is built with no files (CANINE: Unicode code points), avoiding every special token the
+  config names (padding, end-of-sequence, image tokens); a sequence
   classification head of an encoder-decoder (BART, T5) reads the end-of-sequence token, so each
   row ends with exactly one;
 - images (``pixel_values``) at the config's image size and channels, the vision config's in a
@@ -20,6 +21,8 @@ that this module knows the main input of.
   ``get_audio_features`` returns; masked frames (``mask_time_indices``) wherever the forward
   or, through its ``**kwargs``, its encoder takes them (Wav2Vec2, HuBERT): every tower the
   signature can reach is read, since one the trace never reads leaves nothing claimed;
+- a main input of a generic name (Perceiver's ``inputs``): token ids or images, the first
+  the forward runs on;
 - decoder inputs of an encoder-decoder (``decoder_input_ids``: its start token, then token
   ids; for a sequence classification head the ids shifted right, as its model would build);
 - ``use_cache=False`` wherever the forward takes it; floating inputs in the model's dtype;
@@ -66,6 +69,19 @@ def _main(model, cfg, name, batch, seq, gen):
         return torch.randn(batch, samples(cfg, model=model), generator=gen)
     if name == "input_features":
         return features(model, cfg, batch, gen)
+    return _generic_main(model, cfg, name, batch, seq, gen)
+
+
+def _generic_main(model, cfg, name, batch, seq, gen):
+    """A main input of a generic name (Perceiver's ``inputs``): token ids, else images, the
+    first the forward runs on."""
+    for build in (lambda: token_ids(model, cfg, batch, seq, gen), lambda: pixels(model, cfg, batch, gen)):
+        try:
+            x = build()
+        except InputError:
+            continue
+        if Trials(model, {}).reads({name: x}) is not None:
+            return x
     raise InputError(f"cannot build example inputs for main input {name!r}; pass inputs=")
 
 
