@@ -100,3 +100,94 @@ def test_a_decoder_alone_reads_its_cross_attention():
         vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=24,
         is_decoder=True))
     assert "encoder_hidden_states" not in default_inputs(bert)[1]
+
+
+def _tower_read(model_type, class_name, fc1, size):
+    """``model_type``'s tiny coverage model analysed with no inputs: sound, and the vision
+    tower's first MLP (``fc1``'s output, ``size`` units) a permutation class."""
+    model, _ = cov.build(model_type, class_name)
+    r = symgraph.analyze(model)
+    assert r.certify(model) < 1e-6
+    groups = r.group_of(fc1, 0)
+    assert [(g.kind, g.size) for g in groups] == [("perm", size)]
+    return model, r
+
+
+def test_grid_of_patches_from_the_qwen_vl_processor():
+    # LFM3-VL takes a grid (image_grid_thw) of flattened patches, made by the Qwen2-VL image
+    # processor transformers maps it to, sized to the shrunk vision config: 4 × 4 patches merged
+    # 2 × 2 -> 4 image tokens a row; its video tower is its image tower: no video. (Its trace
+    # stops at the vision attention's cumulative lengths: torch's real-tensor propagation of
+    # cumsum, a limit of the trace, not of these inputs.)
+    model, _ = cov.build("lfm3_vl", "Lfm3VlForConditionalGeneration")
+    _, kw = default_inputs(model)
+    assert kw["image_grid_thw"].tolist() == [[1, 4, 4]] * 2 and "pixel_values_videos" not in kw
+    assert kw["pixel_values"].shape == (2 * 16, 3 * 2 * 16 * 16)  # C·T·P·P values a patch
+    assert (kw["input_ids"] == model.config.image_token_id).sum(1).tolist() == [4, 4]
+    run_eagerly(model, (), kw)
+
+
+def test_base_models_image_features_count_the_tokens():
+    # DeepSeek-VL's get_image_features is on its base model only
+    model, _ = cov.build("deepseek_vl", "DeepseekVLForConditionalGeneration")
+    assert getattr(model, "get_image_features", None) is None
+    _, kw = default_inputs(model)
+    assert (kw["input_ids"] == model.config.image_token_id).sum(1).tolist() == [16, 16]  # (64/16)² patches
+    _tower_read("deepseek_vl", "DeepseekVLForConditionalGeneration",
+                "model.vision_model.encoder.layers.0.mlp.fc1.weight", model.config.vision_config.intermediate_size)
+
+
+def test_tiles_without_a_processor_and_an_encoders_vision_config():
+    # ModernVBERT (no image processor in transformers' mapping) takes Idefics-style tiles
+    # because its forward takes pixel_attention_mask; T5Gemma 2's vision config is its encoder's
+    model, _ = cov.build("modernvbert", "ModernVBertForMaskedLM")
+    _, kw = default_inputs(model)
+    assert kw["pixel_values"].shape == (2, 1, 3, 64, 64) and kw["pixel_attention_mask"].all()
+    assert (kw["input_ids"] == model.config.image_token_id).sum(1).tolist() == [1, 1]
+    run_eagerly(model, (), kw)
+    t5, _ = cov.build("t5gemma2", "T5Gemma2ForConditionalGeneration")
+    assert getattr(t5.config, "vision_config", None) is None
+    _, kw = default_inputs(t5)
+    assert kw["pixel_values"].shape == (2, 3, 64, 64)
+    assert (kw["input_ids"] == t5.config.encoder.image_token_id).sum(1).tolist() == [16, 16]
+    run_eagerly(t5, (), kw)
+
+
+def test_patches_as_rows_fuyu_and_naflex():
+    # Fuyu (no vision config) embeds rows of patches by one linear map; LFM2-VL's SigLIP 2
+    # (NaFlex) takes them with their grid and a mask of real patches
+    fuyu, _ = cov.build("fuyu", "FuyuForCausalLM")
+    _, kw = default_inputs(fuyu)
+    p = fuyu.config.patch_size
+    assert kw["pixel_values"].shape == (2, 4, 3 * p * p)  # a 64-pixel image: 2 × 2 patches of 30
+    assert (kw["input_ids"] == fuyu.config.image_token_id).sum(1).tolist() == [4, 4]
+    r = symgraph.analyze(fuyu)
+    assert r.certify(fuyu) < 1e-6
+    assert r.group_of("model.vision_embed_tokens.weight", 0)  # the patch embedding is claimed
+    lfm, _ = cov.build("lfm2_vl", "Lfm2VlForConditionalGeneration")
+    _, kw = default_inputs(lfm)
+    assert kw["spatial_shapes"].tolist() == [[2, 2]] * 2 and kw["pixel_attention_mask"].all()
+    run_eagerly(lfm, (), kw)
+
+
+def test_a_video_tower_the_images_leave_unread_gets_a_video():
+    # Video-LLaVA's videos go through a tower of their own: one video of two frames a row and
+    # as many video tokens as get_video_features returns (two frames of 16 patches and a class
+    # token each), after the image's 16 tokens
+    model, _ = cov.build("video_llava", "VideoLlavaForConditionalGeneration")
+    _, kw = default_inputs(model)
+    ids = kw["input_ids"]
+    assert kw["pixel_values_videos"].shape == (2, 2, 3, 64, 64)
+    assert (ids == model.config.video_token_id).sum(1).tolist() == [34, 34]
+    assert (ids == model.config.image_token_id).sum(1).tolist() == [16, 16]
+    run_eagerly(model, (), kw)
+
+
+def test_modality_of_each_token_where_the_forward_takes_it():
+    # Cosmos 3's multimodal RoPE reads each token's modality (mm_token_type_ids: 1 an image
+    # token, 0 text), as transformers' processors mark it; without it the forward refuses images
+    model, _ = cov.build("cosmos3_edge", "Cosmos3EdgeForConditionalGeneration")
+    _, kw = default_inputs(model)
+    image = kw["input_ids"] == model.config.image_token_id
+    assert image.sum() > 0 and torch.equal(kw["mm_token_type_ids"], image.int())
+    run_eagerly(model, (), kw)

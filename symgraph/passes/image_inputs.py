@@ -6,7 +6,7 @@ import inspect
 
 import torch
 
-from .image_processing import patch_grids, processed_images, tiles
+from .image_processing import patch_grids, patch_rows, processed_images, tiles
 from .input_values import config_value, device_of, ints, pixels
 
 __all__ = ["image_tokens"]
@@ -21,8 +21,10 @@ def image_tokens(model, kwargs, cfg, batch, gen) -> None:
     ``mm_tokens_per_image``, ``image_seq_length``); text only where none tells (the report then
     names a parameter the inputs never read)."""
     token = ints(config_value(cfg, "image_token_id", "image_token_index"))
-    vision = config_value(cfg, "vision_config")  # an encoder-decoder's: its encoder's (T5Gemma 2)
-    if not token or vision is None:
+    # an encoder-decoder's vision config is its encoder's (T5Gemma 2); a model without one states
+    # its patches itself (Fuyu)
+    vision = config_value(cfg, "vision_config") or cfg
+    if not token:
         return
     images, n = _counted(model, vision, batch, gen)
     n = n if n is not None else config_value(cfg, "mm_tokens_per_image", "image_seq_length")
@@ -30,11 +32,55 @@ def image_tokens(model, kwargs, cfg, batch, gen) -> None:
         return
     if n + 2 > (config_value(cfg, "max_position_embeddings") or 1 << 30):
         return
-    ids = kwargs["input_ids"]
-    text = ids[:, :max(2, ids.shape[1] - n)]
-    image = torch.full((batch, n), token[0], dtype=ids.dtype)
-    kwargs["input_ids"] = torch.cat([text[:, :1], image, text[:, 1:]], dim=1)
+    _insert(kwargs, token[0], n, batch)
     kwargs.update(images)
+    _video_tokens(model, kwargs, cfg, images, batch, gen)
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        # each token's modality, as transformers' processors mark it (multimodal RoPE reads it)
+        ids, video = kwargs["input_ids"], ints(config_value(cfg, "video_token_id", "video_token_index"))
+        kwargs["mm_token_type_ids"] = (ids == token[0]).int() + 2 * (ids == (video or [-1])[0]).int()
+
+
+def _insert(kwargs, token: int, n: int, batch: int, drop: bool = True) -> None:
+    """``n`` tokens ``token`` in each row of ``input_ids``, after its first token, in place of
+    as many of its last ones as leaves two text tokens (``drop``; else added: ids with image
+    tokens already)."""
+    ids = kwargs["input_ids"]
+    text = ids[:, :max(2, ids.shape[1] - n)] if drop else ids
+    image = torch.full((batch, n), token, dtype=ids.dtype)
+    kwargs["input_ids"] = torch.cat([text[:, :1], image, text[:, 1:]], dim=1)
+
+
+def _video_tokens(model, kwargs, cfg, images, batch, gen) -> None:
+    """A video tower the images leave unread (Video-LLaVA's: ``get_video_features`` runs modules
+    ``get_image_features`` does not): one video a row, two frames of the images' size
+    (``pixel_values_videos``), and as many video tokens as its features; nothing otherwise (a
+    video through the image tower reads nothing new: Qwen-VL)."""
+    token = ints(config_value(cfg, "video_token_id", "video_token_index"))
+    get = _features_getter(model, "get_video_features")
+    px = images.get("pixel_values")
+    if not token or get is None or px is None or px.dim() != 4 \
+            or "pixel_values_videos" not in inspect.signature(model.forward).parameters:
+        return
+    video = torch.randn(px.shape[0], 2, *px.shape[1:], generator=gen)
+    seen_images, _ = _modules_run(model, _image_features(model), images)
+    seen_videos, n = _modules_run(model, get, {"pixel_values_videos": video}, batch)
+    total = kwargs["input_ids"].shape[1] + (n or 0)
+    if n is None or seen_videos <= seen_images or total > (config_value(cfg, "max_position_embeddings") or 1 << 30):
+        return
+    _insert(kwargs, token[0], n, batch, drop=False)
+    kwargs["pixel_values_videos"] = video
+
+
+def _modules_run(model, get, inputs: dict, batch: int = 1) -> tuple:
+    """The modules of ``model`` that ``get(**inputs)`` runs, and its features per row (or None)."""
+    seen, hooks = set(), [m.register_forward_hook(lambda m, a, o: seen.add(id(m))) for m in model.modules()]
+    try:
+        n = _features_per_image(model, inputs, batch, get)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen, n
 
 
 def _counted(model, vision, batch, gen) -> tuple:
@@ -46,7 +92,8 @@ def _counted(model, vision, batch, gen) -> tuple:
     if n is not None:
         return plain, n
     made = processed_images(model, vision, params, batch, gen)
-    for images in [made] * bool(made) + patch_grids(vision, params, batch, gen) + tiles(vision, params, batch, gen):
+    shaped = [f(vision, params, batch, gen) for f in (patch_grids, tiles, patch_rows)]
+    for images in [made] * bool(made) + [c for cs in shaped for c in cs]:
         n = _features_per_image(model, images, batch)
         if n is not None:
             return images, n
@@ -63,18 +110,21 @@ def _plain(model, vision, batch, gen) -> dict:
     return images
 
 
+def _features_getter(model, name: str):
+    """The model's method ``name`` (``get_image_features``), or its base model's."""
+    return getattr(model, name, None) or getattr(getattr(model, "model", None), name, None)
+
+
 def _image_features(model):
-    """The model's ``get_image_features``, or its base model's."""
-    return getattr(model, "get_image_features", None) or getattr(getattr(model, "model", None),
-                                                                 "get_image_features", None)
+    return _features_getter(model, "get_image_features")
 
 
-def _features_per_image(model, images: dict, batch: int) -> int | None:
+def _features_per_image(model, images: dict, batch: int, get=None) -> int | None:
     """Image features per row that the model's ``get_image_features`` returns for ``images``
     (its keyword inputs; one image a row) (a list of per-image features or one tensor), each of
     the width of the model's input embeddings; None when it has none, refuses these images, or
-    returns another width or an uneven count."""
-    get, emb = _image_features(model), model.get_input_embeddings()
+    returns another width or an uneven count. ``get``: another such method (videos')."""
+    get, emb = get or _image_features(model), model.get_input_embeddings()
     width = getattr(emb, "embedding_dim", None)
     if get is None or not isinstance(width, int):
         return None
@@ -87,7 +137,9 @@ def _features_per_image(model, images: dict, batch: int) -> int | None:
             out = get(**args)
     except Exception:  # noqa: BLE001 - a tower that needs more than these inputs: text only
         return None
-    feats = getattr(out, "pooler_output", None) if not isinstance(out, (torch.Tensor, list, tuple)) else out
+    feats = out if isinstance(out, (torch.Tensor, list, tuple)) else getattr(out, "pooler_output", None)
+    if feats is None:  # the patches' embeddings are the features (Fuyu)
+        feats = getattr(out, "last_hidden_state", None)
     feats = [feats] if isinstance(feats, torch.Tensor) else list(feats or ())
     if not feats or any(not isinstance(f, torch.Tensor) or f.shape[-1] != width for f in feats):
         return None

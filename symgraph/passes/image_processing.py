@@ -8,7 +8,7 @@ import torch
 
 from .input_values import config_value
 
-__all__ = ["image_side", "patch_grids", "processed_images", "tiles"]
+__all__ = ["image_side", "patch_grids", "patch_rows", "processed_images", "tiles"]
 
 # a processor's setting -> the vision config's names for it (transformers' own spellings)
 _SETTINGS = {
@@ -59,9 +59,11 @@ def _sized(value, side: int):
     return stated or None
 
 
-def configured_processor(model_type: str, vision):
+def configured_processor(model_type: str, vision, cfg=None):
     """The processor for ``model_type`` with its defaults, its patch / merge / temporal settings
-    the vision config's, its sizes ``image_side`` and no splitting into tiles; None if none."""
+    the vision config's, its sizes ``image_side`` and no splitting into tiles; a size of a second
+    tower (``high_res_size``) that of ``cfg``'s config of that name (``high_res_vision_config``);
+    None if none."""
     cls, side = _processor_class(model_type), image_side(vision)
     if cls is None or side is None:
         return None
@@ -75,6 +77,12 @@ def configured_processor(model_type: str, vision):
         sized = _sized(v, side) if v is not None else None
         if sized is not None:
             setattr(proc, attr, type(v)(**sized) if isinstance(sized, dict) and not isinstance(v, dict) else sized)
+    for attr, v in list(vars(proc).items()):
+        tower = getattr(cfg, attr[:-len("size")] + "vision_config", None) if attr.endswith("_size") else None
+        other = _first_int(config_value(tower, "image_size")) if tower is not None else None
+        sized = _sized(v, other) if other and v is not None else None
+        if sized is not None:
+            setattr(proc, attr, type(v)(**sized) if isinstance(sized, dict) and not isinstance(v, dict) else sized)
     if getattr(proc, "do_image_splitting", None):
         proc.do_image_splitting = False
     return proc
@@ -84,7 +92,7 @@ def processed_images(model, vision, params, batch: int, gen) -> dict | None:
     """Image inputs for ``batch`` rows of one random image each, made by the model's own image
     processor (:func:`configured_processor`), kept where the forward (``params``) takes them; None
     when transformers has no such processor or it refuses these images."""
-    proc = configured_processor(getattr(model.config, "model_type", ""), vision)
+    proc = configured_processor(getattr(model.config, "model_type", ""), vision, model.config)
     side = image_side(vision)
     if proc is None:
         return None
@@ -126,3 +134,19 @@ def tiles(vision, params, batch: int, gen) -> list:
     ch = _first_int(config_value(vision, "num_channels", "in_channels")) or 3
     return [{"pixel_values": torch.randn(batch, 1, ch, side, side, generator=gen),
              "pixel_attention_mask": torch.ones(batch, 1, side, side, dtype=torch.bool)}]
+
+
+def patch_rows(vision, params, batch: int, gen) -> list:
+    """An image as rows of patches, ``C·P·P`` values each, ``(side / P)²`` of them: where the
+    forward takes their grid (``spatial_shapes``, NaFlex: with a mask of real patches) and, for a
+    tower that embeds patches by one linear map (Fuyu), alone."""
+    patch, side = _first_int(config_value(vision, "patch_size")), image_side(vision)
+    if patch is None or side is None:
+        return []
+    ch = _first_int(config_value(vision, "num_channels", "in_channels")) or 3
+    per_side = max(1, side // patch)
+    rows = {"pixel_values": torch.randn(batch, per_side * per_side, ch * patch * patch, generator=gen)}
+    if "spatial_shapes" not in params:
+        return [rows]
+    return [{**rows, "spatial_shapes": torch.tensor([[per_side, per_side]] * batch),
+             "pixel_attention_mask": torch.ones(batch, per_side * per_side, dtype=torch.bool)}]
