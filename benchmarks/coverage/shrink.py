@@ -161,7 +161,9 @@ def shrink(cfg, kinds: bool = True) -> dict:
       downsampling stages: VibeVoice's tokenizers reach 2048 channels from 32) -> min(., 8).
 
     Only declared fields are passed, so derived ones (``qk_head_dim``, ``layer_types`` computed
-    from the layer count) are recomputed by the config itself.
+    from the layer count) are recomputed by the config itself. Sizes the config's validators
+    relate to others are derived by :mod:`.consistent` (which layers are kept, mrope sections,
+    windows, state and summed head widths, ...); ``kinds`` False keeps the first layers.
     """
     return _shrink_level(cfg, _vocab_ids(cfg), _main_widths(cfg), kinds)
 

@@ -256,7 +256,12 @@ RULE = ("widths x 64/main width (multiple of 8; a list of one width per layer cu
         "per-layer input vocabularies; a vocab_size left None) -> 256 (token ids renumbered); image "
         "size -> 64; attention windows -> 16; a codec's num_filters -> 8; per-layer attributes of "
         "heterogeneous configs by their global value; recursively in sub-configs "
-        "(benchmarks.coverage.shrink)")
+        "(benchmarks.coverage.shrink). Derived for the configs' validators "
+        "(benchmarks.coverage.consistent): the kept layers hold every kind of each per-layer list "
+        "(the first layers where the class refuses that), every per-layer list follows them; mrope "
+        "sections sum to half the shrunk rotary width; a Swin window fits the last stage; qualified "
+        "counts partitioning the layers set their number; a repeated layer pattern spells them; "
+        "parts of the width and sizes equal to it follow it; state and summed head widths derived")
 
 
 def run(out=None, only=None, tasks=None, jobs: int = 2, timeout: float = 120.0, mem_gb: float | None = 6.0,
