@@ -165,3 +165,25 @@ def test_a_main_input_no_builder_fits_is_refused_in_one_line():
     m = Tabular(T.PretrainedConfig())
     with pytest.raises(symgraph.errors.InputError, match="main input 'state'; pass inputs="):
         default_inputs(m)
+
+
+LUKE = dict(vocab_size=64, entity_vocab_size=10, hidden_size=16, entity_emb_size=8, num_hidden_layers=1,
+            num_attention_heads=4, intermediate_size=24, max_position_embeddings=32, num_labels=3)
+
+
+@pytest.mark.parametrize("cls", ["LukeForMaskedLM", "LukeForSequenceClassification"])
+def test_luke_reads_its_entities(cls):
+    m = randomized(getattr(T, cls)(T.LukeConfig(**LUKE)))
+    _, kw = default_inputs(m)
+    ids, pos = kw["entity_ids"], kw["entity_position_ids"]
+    assert ids.shape == (2, 2) and int(ids.min()) >= 1 and int(ids.max()) < 10
+    assert pos.tolist() == [[[0, 1], [2, -1]]] * 2 and kw["entity_attention_mask"].tolist() == [[1, 1]] * 2
+    rep = symgraph.analyze(m)
+    assert rep.unread is None
+    claimed = _claimed(rep)
+    assert {"luke.entity_embeddings.entity_embeddings.weight",
+            "luke.encoder.layer.0.attention.self.e2w_query.weight"} <= claimed
+    # the entity embeddings' own width (8) is a class of its own, mapped up to the stream's
+    assert any(g.kind != "identity" and g.size == 8
+               for g in rep.group_of("luke.entity_embeddings.entity_embeddings.weight", 1))
+    assert rep.certify(m) <= 1e-6

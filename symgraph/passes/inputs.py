@@ -26,8 +26,8 @@ that this module knows the main input of.
 - decoder inputs of an encoder-decoder (``decoder_input_ids``: its start token, then token
   ids; for a sequence classification head the ids shifted right, as its model would build);
 - ``use_cache=False`` wherever the forward takes it; floating inputs in the model's dtype;
-- optional inputs that read parameters the main input leaves unread (masked patches, a
-  decoder's encoder states), each kept where the forward reads more parameters on it.
+- optional inputs that read parameters the main input leaves unread (masked patches,
+  entities, a decoder's encoder states), each kept where the forward reads more parameters on it.
 
 Values read from the config are in :mod:`.input_values`, images in :mod:`.image_inputs`, audio
 in :mod:`.audio_inputs`, optional inputs in :mod:`.optional_inputs`; a diffusers model's example
@@ -44,7 +44,7 @@ from .audio_inputs import audio_tokens, features, samples, time_mask
 from .diffusion_inputs import diffusers_inputs, is_diffusers
 from .image_inputs import image_tokens
 from .input_values import config_value, device_of, ints, pixels, token_ids
-from .optional_inputs import Trials, encoder_states, masked_patches, passes_on
+from .optional_inputs import Trials, encoder_states, entities, masked_patches, passes_on
 
 __all__ = ["default_inputs", "is_hf"]
 
@@ -128,6 +128,8 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
     trials = Trials(model, kwargs)
     if name == "pixel_values":
         masked_patches(model, trials, params, batch)
+    if name == "input_ids":
+        entities(trials, params, cfg, batch, gen)
     if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         start = ints(config_value(cfg, "decoder_start_token_id", "pad_token_id"))
         ids = kwargs[name]

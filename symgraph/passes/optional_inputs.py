@@ -9,6 +9,8 @@ it, or takes it and ignores it, keeps the inputs it had.
   ``cross_attention_states``: Mllama's) for a decoder used alone whose layers hold
   cross-attention (the causal LMs of BART, Pegasus, Marian): four positions of its width;
   RoBERTa's masked LM takes them and ignores them, BERT as a decoder refuses them;
+- entities (``entity_ids`` in range of the config's ``entity_vocab_size``, each mentioned at
+  token positions ``entity_position_ids``: LUKE), read by their own embeddings and attention;
 - masked patches (``bool_masked_pos``: DINOv2): every third patch replaced by the learned mask
   token, the same idea as Wav2Vec2's masked frames.
 """
@@ -24,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from .input_values import config_value, device_of
 
-__all__ = ["Trials", "encoder_states", "masked_patches", "passes_on"]
+__all__ = ["Trials", "encoder_states", "entities", "masked_patches", "passes_on"]
 
 # the names transformers gives a decoder's encoder states (BART's, Whisper's causal LM; Mllama's)
 _ENCODER_STATES = ("encoder_hidden_states", "encoder_outputs", "cross_attention_states")
@@ -124,3 +126,17 @@ def encoder_states(trials: Trials, params, cfg, batch, gen) -> None:
     name = next((n for n in _ENCODER_STATES if n in params), None)
     if name is not None and isinstance(width, int):
         trials.offer({name: torch.randn(batch, 4, width, generator=gen)})
+
+
+def entities(trials: Trials, params, cfg, batch, gen) -> None:
+    """Two entities a row (see the module's docstring), none the padding entity 0: the first
+    mentioned by the first two tokens, the second by the third (positions padded with -1)."""
+    n, ids = config_value(cfg, "entity_vocab_size"), trials.kwargs.get("input_ids")
+    if not {"entity_ids", "entity_position_ids"} <= set(params) or not isinstance(n, int) or n < 2 \
+            or ids is None or ids.shape[1] < 3:
+        return
+    extra = {"entity_ids": torch.randint(1, n, (batch, 2), generator=gen),
+             "entity_position_ids": torch.tensor([[0, 1], [2, -1]]).expand(batch, 2, 2).clone()}
+    if "entity_attention_mask" in params:
+        extra["entity_attention_mask"] = torch.ones(batch, 2, dtype=torch.long)
+    trials.offer(extra)
