@@ -306,9 +306,10 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=True) -> dict:
                 new = min(v, EXPERTS_PER_TOKEN)
             elif r == "groups":
                 new = min(v, 1) if v > 0 else v
-            elif r == "width" and v in mains and (k.endswith("hidden_size") or "out" in _tokens(k)):
-                new = HIDDEN  # another tower's width named here (a head's audio_hidden_size,
-                #               Dots3's vision adapter_out_dim: the text width)
+            elif r == "width" and v in mains and ({"hidden", "size"} <= set(_tokens(k))
+                                                  or "out" in _tokens(k)):
+                new = HIDDEN  # another tower's width named here (a head's audio_hidden_size, BLT's
+                #               hidden_size_global, Dots3's vision adapter_out_dim: the text width)
             elif r == "width" and v > 8:
                 new = max(8, int(round(v * scale / 8)) * 8)
             elif r is None and v == main and scale != 1.0 and _tokens(k)[-1] in ("size", "dim"):

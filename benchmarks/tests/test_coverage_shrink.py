@@ -184,3 +184,12 @@ def test_a_head_width_summing_two_named_within_it():
     assert cov.tiny_config("qwen3_5_text")[0].head_dim == 16
     model, out = _runs("longcat_flash", "LongcatFlashForCausalLM")
     assert out.logits.shape[-1] == model.config.vocab_size and torch.isfinite(out.logits).all()
+
+
+def test_another_towers_width_named_in_a_local_one():
+    # BLT's local encoder and decoder name the global transformer's width (hidden_size_global)
+    cfg, _ = cov.tiny_config("blt")
+    assert cfg.encoder_config.hidden_size_global == cfg.decoder_config.hidden_size_global \
+        == cfg.global_config.hidden_size == 64
+    model, out = _runs("blt", "BltForCausalLM")
+    assert torch.isfinite(out.logits).all()
