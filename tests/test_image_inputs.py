@@ -50,8 +50,9 @@ def test_processor_takes_the_vision_configs_patch_merge_and_frames():
     proc = configured_processor("qwen2_vl", vision)
     assert (proc.patch_size, proc.merge_size, proc.temporal_patch_size) == (8, 2, 1)
     assert image_side(vision) == 2 * 2 * 8  # no image_size: two merged patches a side
-    # Qwen-VL's size bounds are pixel counts, not sides: left as they are
-    assert proc.size.shortest_edge == transformers.Qwen2VLImageProcessorPil().size.shortest_edge
+    # Qwen-VL's size bounds are pixel counts, not sides: one merged patch (16²) at least, the
+    # image (32²) at most, so it is never enlarged (its default least count is 56²)
+    assert (proc.size.shortest_edge, proc.size.longest_edge) == (16 * 16, 32 * 32)
 
 
 def test_processed_images_keep_only_what_the_forward_takes():
@@ -62,10 +63,9 @@ def test_processed_images_keep_only_what_the_forward_takes():
     params = inspect.signature(transformers.Qwen2VLForConditionalGeneration.forward).parameters
     out = processed_images(model, cfg.vision_config, params, 2, torch.Generator().manual_seed(0))
     assert set(out) == {"pixel_values", "image_grid_thw"}
-    # a 32-pixel image, raised by the processor's own least pixel count (56²) to 64 pixels (a
-    # multiple of patch × merge = 16): 8 × 8 patches of 8
-    assert out["image_grid_thw"].tolist() == [[1, 8, 8]] * 2
-    assert out["pixel_values"].shape == (2 * 64, 3 * 8 * 8)
+    # a 32-pixel image: 4 × 4 patches of 8
+    assert out["image_grid_thw"].tolist() == [[1, 4, 4]] * 2
+    assert out["pixel_values"].shape == (2 * 16, 3 * 8 * 8)
     assert processed_images(model, cfg.vision_config, {"input_ids": None}, 2, torch.Generator()) is None
 
 

@@ -47,16 +47,24 @@ def image_side(vision) -> int | None:
     return 2 * merge * patch if patch else None
 
 
-def _sized(value, side: int):
-    """``value`` (a size setting of the processor) for images of ``side``: each side it states."""
+def _sized(value, side: int, factor: int | None = None):
+    """``value`` (a size setting of the processor) for images of ``side``: each side it states;
+    for a processor that merges patches (``factor``: patch × merge; Qwen-VL's smart resize) the
+    shortest and longest edge are bounds on the pixel count: at least one merged patch, at most
+    ``side²``, so the image is never enlarged."""
     keys = ("height", "width", "longest_edge", "shortest_edge")
     if isinstance(value, int) and not isinstance(value, bool):
         return side
     get = value.get if isinstance(value, dict) else (lambda k: getattr(value, k, None))
     stated = {k: side for k in keys if get(k) is not None}
-    if "longest_edge" in stated and "shortest_edge" in stated:  # pixel counts bounds (Qwen-VL)
-        return None
+    if factor and "longest_edge" in stated and "shortest_edge" in stated:
+        return {"shortest_edge": factor * factor, "longest_edge": max(side * side, factor * factor)}
     return stated or None
+
+
+def _merged_patch(proc) -> int | None:
+    patch, merge = _first_int(getattr(proc, "patch_size", None)), _first_int(getattr(proc, "merge_size", None))
+    return patch * merge if patch and merge else None
 
 
 def configured_processor(model_type: str, vision, cfg=None):
@@ -74,7 +82,7 @@ def configured_processor(model_type: str, vision, cfg=None):
             setattr(proc, attr, v)
     for attr in ("size", "crop_size", "max_image_size"):
         v = getattr(proc, attr, None)
-        sized = _sized(v, side) if v is not None else None
+        sized = _sized(v, side, _merged_patch(proc)) if v is not None else None
         if sized is not None:
             setattr(proc, attr, type(v)(**sized) if isinstance(sized, dict) and not isinstance(v, dict) else sized)
     for attr, v in list(vars(proc).items()):
