@@ -94,3 +94,53 @@ def test_omniasr_audio_written_by_a_mask_moved_by_dtype_keeps_the_text_stream():
     assert stream and all(g.kind != "identity" for g in stream)
     assert stream == rep.group_of("model.multi_modal_projector.weight", 0)
     assert not [f for f in rep.frozen if "masked_scatter" in str(f.op)]
+
+
+def test_fun_asr_nano_features_stack_frames_of_mel_bins():
+    """Fun-ASR-Nano's feature extractor needs torchaudio (not installed): features of its audio
+    config's shape reach the encoder, whose frames stack ``num_stacked_frames`` consecutive
+    mel frames (8 bins × 3 = 24 channels), with the forward's ``input_features_mask``; its own
+    ``get_audio_features`` counts the audio tokens."""
+    text = T.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
+    cfg = T.FunAsrNanoConfig(
+        audio_config=dict(num_mel_bins=8, num_stacked_frames=3, hidden_size=32, num_attention_heads=2,
+                          intermediate_size=48, num_hidden_layers=1, num_timestamp_prediction_layers=1),
+        adaptor_config=dict(hidden_size=32, intermediate_size=8, num_attention_heads=2, num_hidden_layers=1,
+                            projector_hidden_size=40),
+        text_config=text, audio_token_id=63)
+    torch.manual_seed(0)
+    m = T.FunAsrNanoForConditionalGeneration(cfg).eval()
+    _, kw = default_inputs(m)
+    assert kw["input_features"].shape == (2, 64, 24) and kw["input_features_mask"].shape == (2, 64)
+    with torch.no_grad():
+        n = m.get_audio_features(kw["input_features"], kw["input_features_mask"]).pooler_output.shape[0]
+    assert (kw["input_ids"] == 63).sum().item() == n == 128
+    _reads_its_audio(m, "model.audio_tower.")
+
+
+def test_nemotron_transcribe_nested_mel_bins_and_frames_padded_to_the_subsampling():
+    """Nemotron 3.5 Transcribe states its mel bins two configs deep
+    (``audio_config.asr_config.num_mel_bins``): its own feature extractor is built at 16 bins,
+    and its 51 frames are padded on the right to a multiple of ``subsampling_factor`` (8), the
+    mask 0 there, as its processor does (its encoder refuses any other length); the audio
+    tokens are as many as ``get_audio_features`` gives, and the logits depend on the audio."""
+    layers = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, num_mel_bins=16, subsampling_factor=8)
+    text = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048)
+    audio = dict(asr_config=layers, diarization_config=dict(
+        audio_config=layers, head_config=dict(hidden_size=32, audio_hidden_size=32)))
+    torch.manual_seed(0)
+    m = T.Nemotron3_5TranscribeForConditionalGeneration(T.Nemotron3_5TranscribeConfig(
+        audio_config=audio, text_config=text, audio_token_id=63)).eval()
+    _, kw = default_inputs(m)
+    feats, mask = kw["input_features"], kw["input_features_mask"]
+    assert feats.shape == (2, 56, 16) and mask.shape == (2, 56)
+    assert not mask[:, 51:].any() and (feats[:, 51:] == 0).all()
+    with torch.no_grad():
+        n = m.get_audio_features(feats, mask).pooler_output.shape[0]
+        base = m(**kw).logits
+        other = m(**{**kw, "input_features": torch.randn_like(feats)}).logits
+    assert (kw["input_ids"] == 63).sum().item() == n == 14
+    assert (base - other).abs().max().item() > 1e-4

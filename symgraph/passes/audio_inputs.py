@@ -41,10 +41,33 @@ def features(model, cfg, batch, gen):
     feat = config_value(cfg, "input_feat_per_channel")
     if feat:  # Speech2Text: frames first
         return torch.randn(batch, 16, feat * (config_value(cfg, "input_channels") or 1), generator=gen)
-    width = config_value(cfg, "feature_projection_input_dim") or mel or config_value(cfg, "input_dim")
+    width = config_value(cfg, "feature_projection_input_dim") or _channels(cfg) or config_value(cfg, "input_dim")
     if width:  # frames first (SeamlessM4T, Wav2Vec2-BERT; conformers: Parakeet, Canary), enough
         return torch.randn(batch, 8 * (config_value(cfg, "subsampling_factor") or 8), width, generator=gen)
     raise InputError(f"cannot tell the shape of {type(model).__name__}'s input_features from its config; pass inputs=")
+
+
+def _channels(cfg) -> int | None:
+    """The feature channels of a frame: the mel bins, times ``num_stacked_frames`` where the
+    config stacks that many consecutive frames into one (low frame rate: Fun-ASR-Nano)."""
+    mel = config_value(cfg, "num_mel_bins")
+    return mel * (config_value(cfg, "num_stacked_frames") or 1) if isinstance(mel, int) else None
+
+
+def _nested_value(cfg, *names):
+    """The first of ``names`` set on ``cfg`` or on a config nested in it at any depth, breadth
+    first (Nemotron 3.5 Transcribe: ``audio_config.asr_config.num_mel_bins``)."""
+    queue, seen = [cfg], set()
+    while queue:
+        c = queue.pop(0)
+        if c is None or isinstance(c, dict) or id(c) in seen:
+            continue
+        seen.add(id(c))
+        got = next((getattr(c, n) for n in names if getattr(c, n, None) is not None), None)
+        if got is not None:
+            return got
+        queue += [v for v in vars(c).values() if hasattr(v, "to_dict") and hasattr(v, "model_type")]
+    return None
 
 
 def _feature_mask(fn, feats, mel) -> dict:
@@ -64,7 +87,7 @@ def _extractor(model):
     cfg = model.config
     kinds = (getattr(c, "model_type", None) for c in (cfg, getattr(cfg, "audio_config", None)))
     name = next((FEATURE_EXTRACTOR_MAPPING_NAMES[k] for k in kinds if k in FEATURE_EXTRACTOR_MAPPING_NAMES), None)
-    mel = config_value(cfg, "num_mel_bins")
+    mel = config_value(cfg, "num_mel_bins") or _nested_value(cfg, "num_mel_bins")
     try:
         cls = getattr(transformers, name)
         takes = inspect.signature(cls.__init__).parameters
@@ -95,11 +118,33 @@ def _extracted(fe, params, batch, gen) -> dict:
     return kw if any(v.is_floating_point() for v in kw.values()) else {}
 
 
+def _padded(kw, factor, value) -> dict | None:
+    """``kw`` with its feature frames (the mask's axis) padded on the right to a multiple of
+    ``factor`` (``value`` in the features, 0 in the mask), as a processor pads for an encoder
+    that subsamples by that factor (Nemotron 3.5 Transcribe); None where there is nothing to
+    pad or the frames' axis is not plain."""
+    mask = next((k for k, v in kw.items() if k.endswith("mask")), None)
+    if not isinstance(factor, int) or factor < 2 or mask is None or -kw[mask].shape[-1] % factor == 0:
+        return None
+    n, out = kw[mask].shape[-1], {}
+    for k, v in kw.items():
+        axes = [d for d in range(1, v.dim()) if v.shape[d] == n]
+        if len(axes) != 1:
+            return None
+        shape = list(v.shape)
+        shape[axes[0]] = -n % factor
+        fill = 0 if k == mask else value
+        out[k] = torch.cat([v, torch.full(shape, fill, dtype=v.dtype)], axes[0])
+    return out
+
+
 def _layouts(model, cfg, params, batch, gen) -> list:
     """Candidate audio inputs: the feature extractor's, then log-mel features of the audio
     config's shape frames first and channels first (with an all-ones mask where taken)."""
     fe = _extractor(model)
-    out = [kw for kw in ([_extracted(fe, params, batch, gen)] if fe is not None else []) if kw]
+    got = [kw for kw in ([_extracted(fe, params, batch, gen)] if fe is not None else []) if kw]
+    factor = _nested_value(cfg, "subsampling_factor")
+    out = [p for kw in got for p in (_padded(kw, factor, getattr(fe, "padding_value", 0.0)), kw) if p]
     audio = getattr(cfg, "audio_config", None) or getattr(cfg, "encoder_config", None)  # Granite Speech: the latter
     if "input_features" not in params or audio is None:
         return out
