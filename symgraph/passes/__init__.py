@@ -20,6 +20,11 @@ axes relate, a union-find merges them into classes. Importing the rule files reg
 - ``blockmaps``         a head axis' map as blocks
 - ``why``               why an axis's classes are what they are
 - ``inputs``            example inputs from a Hugging Face config and forward signature
+- ``input_values``      the config values example inputs are built from (sizes, token ids)
+- ``optional_inputs``   optional inputs that read parameters the main input leaves unread
+- ``image_inputs``      a vision-language model's images and image tokens
+- ``image_processing``  images made by the model's own image processor from transformers
+- ``audio_inputs``      audio: raw samples, features, a speech model's audio tokens
 - ``diffusion_inputs``  example inputs for diffusers models
 """
 from .rules import attention, matrix, pointwise, pooling, reductions, segments, views  # noqa: F401
