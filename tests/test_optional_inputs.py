@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
 import symgraph
 from symgraph.passes.inputs import default_inputs
@@ -187,3 +188,38 @@ def test_luke_reads_its_entities(cls):
     assert any(g.kind != "identity" and g.size == 8
                for g in rep.group_of("luke.entity_embeddings.entity_embeddings.weight", 1))
     assert rep.certify(m) <= 1e-6
+
+
+class Windowed(T.PreTrainedModel):
+    """Token ids read by a compressor only over whole windows of 32 tokens (as DeepSeek V4's
+    heavily compressed attention over 128); ``dead``: a layer no forward ever calls."""
+    config_class = T.PretrainedConfig
+
+    def __init__(self, cfg, dead=False):
+        super().__init__(cfg)
+        self.embed, self.up, self.down = nn.Embedding(64, 8), nn.Linear(8, 12), nn.Linear(12, 8)
+        self.compress, self.head = nn.Linear(8, 8), nn.Linear(8, 5)
+        self.dead = nn.Linear(8, 8) if dead else None
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        h = h + self.down(torch.relu(self.up(h)))
+        usable = h.shape[1] // 32 * 32
+        if usable:
+            windows = h[:, :usable].reshape(h.shape[0], -1, 32, 8).mean(2)
+            h = h + self.compress(windows).mean(1, keepdim=True)
+        return self.head(h)
+
+
+def test_token_ids_lengthened_until_a_windowed_compressor_reads_them():
+    torch.manual_seed(0)
+    cfg = T.PretrainedConfig(vocab_size=64, max_position_embeddings=512)
+    m = Windowed(cfg).eval()
+    _, kw = default_inputs(m)
+    assert set(kw) == {"input_ids"} and kw["input_ids"].shape == (2, 32)  # 8, 16: no whole window
+    rep = symgraph.analyze(m)
+    assert rep.unread is None and "compress.weight" in _claimed(rep) and rep.certify(m) <= 1e-6
+    m = Windowed(cfg, dead=True).eval()  # a layer never called: the first length that reads more
+    assert default_inputs(m)[1]["input_ids"].shape == (2, 32)
+    cfg = T.PretrainedConfig(vocab_size=64, max_position_embeddings=16)  # no room: eight tokens
+    assert default_inputs(Windowed(cfg).eval())[1]["input_ids"].shape == (2, 8)

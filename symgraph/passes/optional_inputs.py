@@ -11,6 +11,8 @@ it, or takes it and ignores it, keeps the inputs it had.
   RoBERTa's masked LM takes them and ignores them, BERT as a decoder refuses them;
 - entities (``entity_ids`` in range of the config's ``entity_vocab_size``, each mentioned at
   token positions ``entity_position_ids``: LUKE), read by their own embeddings and attention;
+- token ids alone, lengthened where they leave a parameter unread (DeepSeek V4's compressor
+  reads windows of 128 tokens);
 - masked patches (``bool_masked_pos``: DINOv2): every third patch replaced by the learned mask
   token, the same idea as Wav2Vec2's masked frames.
 """
@@ -24,9 +26,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .input_values import config_value, device_of
+from .input_values import config_value, device_of, token_ids
 
-__all__ = ["Trials", "encoder_states", "entities", "masked_patches", "passes_on"]
+__all__ = ["Trials", "encoder_states", "entities", "long_enough", "masked_patches", "passes_on"]
 
 # the names transformers gives a decoder's encoder states (BART's, Whisper's causal LM; Mllama's)
 _ENCODER_STATES = ("encoder_hidden_states", "encoder_outputs", "cross_attention_states")
@@ -86,14 +88,19 @@ class Trials:
                 m.training = f
         return frozenset(mode.seen)
 
-    def offer(self, extra: dict) -> bool:
-        """Add ``extra`` to the inputs where the forward runs on them and reads a parameter it
-        read on none before; whether it did."""
+    def base(self) -> frozenset:
+        """The parameters the forward reads on the inputs as they are (none: it refuses them)."""
         now = {k: id(v) for k, v in self.kwargs.items()}
         if self._base[0] != now:  # the inputs changed since the last trial
             self._base = (now, self.reads(self.kwargs) or frozenset())
+        return self._base[1]
+
+    def offer(self, extra: dict) -> bool:
+        """Add ``extra`` to the inputs (or put it in place of those of the same name) where the
+        forward runs on them and reads a parameter it read on none before; whether it did."""
+        base = self.base()
         new = self.reads({**self.kwargs, **extra})
-        if new is None or not new - self._base[1]:
+        if new is None or not new - base:
             return False
         self.kwargs.update(extra)
         self._base = ({k: id(v) for k, v in self.kwargs.items()}, new)
@@ -140,3 +147,22 @@ def entities(trials: Trials, params, cfg, batch, gen) -> None:
     if "entity_attention_mask" in params:
         extra["entity_attention_mask"] = torch.ones(batch, 2, dtype=torch.long)
     trials.offer(extra)
+
+
+LONGEST = 256  # the longest example sequence tried
+
+
+def long_enough(model, trials: Trials, cfg, batch, gen) -> None:
+    """Where the forward takes token ids alone and leaves a parameter unread on them, ids of
+    twice the length, and again, up to :data:`LONGEST` and the config's positions, until it
+    reads more (a compressor that reads only whole windows of tokens)."""
+    ids = trials.kwargs.get("input_ids")
+    if set(trials.kwargs) != {"input_ids"} or ids is None:
+        return
+    if trials.base() >= {n for n, _ in model.named_parameters()}:
+        return
+    maxpos = config_value(cfg, "max_position_embeddings", "n_positions")
+    top = min(LONGEST, maxpos) if isinstance(maxpos, int) and maxpos > 0 else LONGEST
+    seq = ids.shape[1] * 2
+    while seq <= top and not trials.offer({"input_ids": token_ids(model, cfg, batch, seq, gen)}):
+        seq *= 2
