@@ -22,7 +22,7 @@ def head_width(fields, out, width, heads):
     return width // heads if width and heads else None
 
 
-def kept_layers(fields, old, new, role, kinds: bool = True) -> list | None:
+def kept_layers(fields, old, new, role, kinds: bool = False) -> list | None:
     """The layers a shrunk config keeps (None: all): the first ``new``, unless a list with one
     kind per layer (``layer_types``, ``mlp_layer_types``: strings or flags) would lose a kind
     (OLMo-Hybrid's validator wants an attention layer among its linear ones): then the fewest

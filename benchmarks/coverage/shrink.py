@@ -133,7 +133,7 @@ def _level_fields(cfg) -> dict:
     return out
 
 
-def shrink(cfg, kinds: bool = True) -> dict:
+def shrink(cfg, kinds: bool = False) -> dict:
     """The keyword overrides that make ``cfg`` (a config of its class's defaults) tiny.
 
     One rule, by field name (:func:`role`), for every config and, recursively, every sub-config
@@ -163,7 +163,8 @@ def shrink(cfg, kinds: bool = True) -> dict:
     Only declared fields are passed, so derived ones (``qk_head_dim``, ``layer_types`` computed
     from the layer count) are recomputed by the config itself. Sizes the config's validators
     relate to others are derived by :mod:`.consistent` (which layers are kept, mrope sections,
-    windows, state and summed head widths, ...); ``kinds`` False keeps the first layers.
+    windows, state and summed head widths, ...); ``kinds`` True keeps a layer of each kind of
+    every per-layer list, False the first layers.
     """
     return _shrink_level(cfg, _vocab_ids(cfg), _main_widths(cfg), kinds)
 
@@ -197,7 +198,7 @@ def _vocab_ids(cfg) -> dict:
     return {old: VOCAB - 1 - i for i, old in enumerate(sorted(ids, reverse=True))}
 
 
-def _shrink_level(cfg, id_map, mains=frozenset(), kinds=True) -> dict:
+def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
     from transformers import PretrainedConfig
     fields = _level_fields(cfg)
     out = {}
@@ -338,17 +339,18 @@ def _output_layers(fields, old_layers) -> int:
 
 def tiny_config(model_type: str, kinds: bool | None = None):
     """``(config, overrides)``: the class's default config shrunk by :func:`shrink`; ``kinds``
-    None: the layers that keep each kind of a per-layer list (:func:`.consistent.kept_layers`)
-    where that config validates, else the first layers."""
+    None: the first layers where that config validates, else the layers that keep each kind of
+    its per-layer lists (:func:`.consistent.kept_layers`: OLMo-Hybrid's validator wants an
+    attention layer among its linear ones)."""
     from transformers import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
     default, extra = _default_config(cls)
-    for keep in ((True, False) if kinds is None else (kinds,)):
+    for keep in ((False, True) if kinds is None else (kinds,)):
         overrides = {**shrink(default, keep), **extra}
         try:
             return cls(**overrides), overrides
         except Exception:  # noqa: BLE001 - the validators' verdict: the other cut, else raised
-            if keep is False or kinds is not None or overrides == {**shrink(default, False), **extra}:
+            if keep is True or kinds is not None or overrides == {**shrink(default, True), **extra}:
                 raise
     raise AssertionError("unreachable")
 
@@ -385,10 +387,10 @@ def own_config(cls, cfg):
     return subs[0] if len(subs) == 1 else cfg  # the one sub-config of the class's kind (its decoder)
 
 
-def _construct(cls, class_name, model_type, kinds, seed):
-    """``(model, overrides)``: ``cls`` on the tiny config (:func:`tiny_config`'s ``kinds``)."""
+def _construct(cls, class_name, model_type, seed):
+    """``(model, overrides)``: ``cls`` on the tiny config (:func:`tiny_config`)."""
     import torch
-    cfg, overrides = tiny_config(model_type, kinds)
+    cfg, overrides = tiny_config(model_type)
     cfg = own_config(cls, cfg)
     if class_name.endswith("ForSequenceClassification") and getattr(cfg, "pad_token_id", 0) is None:
         vocab = getattr(cfg, "vocab_size", None)
@@ -422,16 +424,7 @@ def build(model_type: str, class_name: str, seed: int = 0):
     import torch
     import transformers
     cls = getattr(transformers, class_name)
-    try:
-        model, overrides = _construct(cls, class_name, model_type, None, seed)
-    except Exception:  # a class that refuses the layers of each kind: the first layers, if other
-        try:
-            first = tiny_config(model_type, False)[1] != tiny_config(model_type)[1]
-        except Exception:  # noqa: BLE001 - the first layers do not even validate
-            first = False
-        if not first:
-            raise
-        model, overrides = _construct(cls, class_name, model_type, False, seed)
+    model, overrides = _construct(cls, class_name, model_type, seed)
     model = model.float().eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

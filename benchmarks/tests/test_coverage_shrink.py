@@ -87,16 +87,24 @@ def test_denominator_holds_every_row_but_transformers_own_failures():
 
 @pytest.mark.parametrize("model_type, field, kinds", [
     ("olmo_hybrid", "layer_types", {"linear_attention", "full_attention"}),
-    ("neomme", "layer_types", {"sliding_attention", "full_attention"}),
-    ("qwen3_5_text", "layer_types", {"linear_attention", "full_attention"})])
-def test_layer_lists_keep_a_layer_of_each_kind(model_type, field, kinds):
+    ("neomme", "layer_types", {"sliding_attention", "full_attention"})])
+def test_layer_lists_keep_a_layer_of_each_kind_the_validator_needs(model_type, field, kinds):
     # OLMo-Hybrid and NeoMME validate an attention layer among the others; the first two
     # layers of each are of one kind
     from transformers import CONFIG_MAPPING
     default = getattr(CONFIG_MAPPING[model_type](), field)
     assert len(set(default[:2])) == 1 and set(default) == kinds
+    with pytest.raises(Exception, match="full_attention|attention layer"):
+        cov.tiny_config(model_type, kinds=False)
     cfg, _ = cov.tiny_config(model_type)
     assert set(getattr(cfg, field)) == kinds and len(getattr(cfg, field)) == cfg.num_hidden_layers == 2
+
+
+def test_first_layers_where_they_validate():
+    # Gemma 3 and Qwen3.5 validate their first layers (all sliding, all linear): kept
+    for model_type, kind in (("gemma3_text", "sliding_attention"), ("qwen3_5_text", "linear_attention")):
+        cfg, over = cov.tiny_config(model_type)
+        assert list(cfg.layer_types) == list(over["layer_types"]) == [kind] * 2
 
 
 def test_per_layer_head_counts_follow_the_kept_layers():
@@ -104,16 +112,6 @@ def test_per_layer_head_counts_follow_the_kept_layers():
     cfg, _ = cov.tiny_config("laguna")
     assert list(cfg.num_attention_heads_per_layer) == [4, 4] and cfg.num_hidden_layers == 2
     assert len(cfg.mlp_layer_types) == 2
-
-
-def test_a_class_refusing_the_kinds_gets_the_first_layers():
-    # Gemma 3n's shared-cache layers must reuse a kind an earlier layer produces: with a
-    # sliding and a full layer the one shared layer (full) has no producer, so the class
-    # refuses it and the first layers (two sliding) are built
-    kept, _ = cov.tiny_config("gemma3n_text")
-    assert set(kept.layer_types) == {"sliding_attention", "full_attention"}
-    model, over = cov.build("gemma3n_text", "Gemma3nForCausalLM")
-    assert list(model.config.layer_types) == list(over["layer_types"]) == ["sliding_attention"] * 2
 
 
 def test_state_width_stated_beside_expand():
@@ -127,7 +125,7 @@ def test_state_width_stated_beside_expand():
 def test_fewest_layers_hold_every_kind():
     # Kimi-Linear: three linear layers then a full one; the first layer is dense, the others
     # sparse: the full (and sparse) layer covers both lists' missing kinds, two layers in all
-    cfg, _ = cov.tiny_config("kimi_linear")
+    cfg, _ = cov.tiny_config("kimi_linear", kinds=True)
     assert cfg.num_hidden_layers == 2
     assert set(cfg.layer_types) == {"linear_attention", "full_attention"}
     assert set(cfg.mlp_layer_types) == {"dense", "sparse"}
