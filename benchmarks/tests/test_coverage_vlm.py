@@ -191,3 +191,16 @@ def test_modality_of_each_token_where_the_forward_takes_it():
     image = kw["input_ids"] == model.config.image_token_id
     assert image.sum() > 0 and torch.equal(kw["mm_token_type_ids"], image.int())
     run_eagerly(model, (), kw)
+
+
+def test_multimodal_rope_positions_are_the_models_own():
+    # GLM-4V's multimodal RoPE positions come from a Python loop over each token's modality,
+    # which no trace can follow: the inputs carry them, computed by the model's own
+    # compute_3d_position_ids, so the forward's output is what it computes without them
+    model, _ = cov.build("glm4v", "Glm4vForConditionalGeneration")
+    _, kw = default_inputs(model)
+    assert kw["position_ids"].shape == (3, *kw["input_ids"].shape)
+    given = {k: v for k, v in kw.items() if k != "position_ids"}
+    with torch.no_grad():
+        ours, theirs = model(**kw).logits, model(**given).logits
+    assert torch.equal(ours, theirs)

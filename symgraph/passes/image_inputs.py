@@ -39,6 +39,27 @@ def image_tokens(model, kwargs, cfg, batch, gen) -> None:
         # each token's modality, as transformers' processors mark it (multimodal RoPE reads it)
         ids, video = kwargs["input_ids"], ints(config_value(cfg, "video_token_id", "video_token_index"))
         kwargs["mm_token_type_ids"] = (ids == token[0]).int() + 2 * (ids == (video or [-1])[0]).int()
+    _position_ids(model, kwargs)
+
+
+def _position_ids(model, kwargs) -> None:
+    """Multimodal RoPE's positions (``position_ids``), computed by the model's own
+    ``compute_3d_position_ids`` on these inputs: its Python loop over each token's modality
+    (Qwen-VL, GLM-4V) branches on values no trace can follow; the positions are what the model
+    computes itself, and depend on no parameter."""
+    get = _features_getter(model, "compute_3d_position_ids")
+    if get is None or "position_ids" not in inspect.signature(model.forward).parameters:
+        return
+    takes = inspect.signature(get).parameters
+    args = {k: v for k, v in kwargs.items() if k in takes and k != "inputs_embeds"}
+    try:
+        with torch.no_grad():
+            embeds = model.get_input_embeddings()(kwargs["input_ids"].to(device_of(model)))
+            pos = get(**{k: v.to(device_of(model)) for k, v in args.items()}, inputs_embeds=embeds)
+    except Exception:  # noqa: BLE001 - positions the forward computes itself, as it would
+        return
+    if isinstance(pos, torch.Tensor):
+        kwargs["position_ids"] = pos.cpu()
 
 
 def _insert(kwargs, token: int, n: int, batch: int, drop: bool = True) -> None:
