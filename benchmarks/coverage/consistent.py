@@ -110,17 +110,19 @@ def head_dim_sums(fields, out, role) -> dict:
 
 
 def split_to(old, total: int) -> list:
-    """``old`` (positive ints) scaled to ``total`` with each entry at least 1, proportions kept
-    as nearly as rounding allows; the remainder goes to the last entries."""
-    n = len(old)
+    """``old`` (positive ints) scaled to ``total`` by largest remainders (the first on ties, so
+    equal entries stay equal where the total allows: ERNIE-VL stacks its equal height and width
+    sections), each at least 1."""
     s = sum(old)
-    new = [max(1, x * total // s) for x in old]
-    i = n - 1
-    while sum(new) != total:
-        step = 1 if sum(new) < total else -1
-        if new[i] + step >= 1:
-            new[i] += step
-        i = (i - 1) % n
+    exact = [x * total / s for x in old]
+    new = [max(1, int(e)) for e in exact]
+    order = sorted(range(len(old)), key=lambda i: (-(exact[i] - int(exact[i])), i))
+    k = 0
+    while sum(new) < total:
+        new[order[k % len(old)]] += 1
+        k += 1
+    while sum(new) > total:  # entries raised to 1: taken back from the largest
+        new[max(range(len(new)), key=lambda i: (new[i], -i))] -= 1
     return new
 
 

@@ -25,9 +25,11 @@ def _runs(model_type, class_name):
 
 def test_split_to_keeps_proportions_and_total():
     assert split_to([16, 24, 24], 8) == [2, 3, 3]
-    assert split_to([24, 20, 20], 8) == [3, 2, 3]
-    assert split_to([1, 1, 1], 4) == [1, 1, 2]
-    assert split_to([8, 12, 12], 4) == [1, 1, 2]
+    assert split_to([24, 20, 20], 8) == [3, 3, 2]
+    assert split_to([1, 1, 1], 8) == [3, 3, 2]  # ERNIE-VL's default [22, 22, 20]: h == w kept
+    assert split_to([22, 22, 20], 8) == [3, 3, 2]
+    assert split_to([8, 12, 12], 4) == [1, 2, 1]
+    assert split_to([1, 30], 4) == [1, 3] and split_to([64, 192], 64) == [16, 48]
 
 
 @pytest.mark.parametrize("model_type, half", [("qwen2_vl", 8), ("glm4v_moe", 4), ("cosmos3_edge", 8),
