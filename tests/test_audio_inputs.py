@@ -144,3 +144,26 @@ def test_nemotron_transcribe_nested_mel_bins_and_frames_padded_to_the_subsamplin
         other = m(**{**kw, "input_features": torch.randn_like(feats)}).logits
     assert (kw["input_ids"] == 63).sum().item() == n == 14
     assert (base - other).abs().max().item() > 1e-4
+
+
+def test_granite_speech_optional_mask_of_projected_features_left_out():
+    """Granite Speech's extractor needs torchaudio (not installed): features of its encoder
+    config's shape (``input_dim`` channels, frames first) reach the encoder. Its forward's
+    ``input_features_mask`` masks the projected features, not the frames: the all-ones frame
+    mask does not fit, so the inputs leave the optional mask out, and the audio tokens are as
+    many as its Q-Former projector gives (15 per row); the encoder is read and claimed."""
+    text = dict(model_type="granite", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048)
+    enc = dict(input_dim=8, hidden_dim=32, num_layers=2, num_heads=2, dim_head=16, output_dim=6, context_size=16,
+               conv_kernel_size=3, feedforward_mult=2)
+    proj = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48,
+                encoder_hidden_size=32, vocab_size=64)
+    torch.manual_seed(0)
+    m = T.GraniteSpeechForConditionalGeneration(T.GraniteSpeechConfig(
+        text_config=text, encoder_config=enc, projector_config=proj, audio_token_id=63)).eval()
+    _, kw = default_inputs(m)
+    assert kw["input_features"].shape == (2, 64, 8) and "input_features_mask" not in kw
+    with torch.no_grad():
+        emb = m.get_audio_features(kw["input_features"]).pooler_output
+    assert (kw["input_ids"] == 63).sum(1).tolist() == [emb.shape[1]] * 2 == [15, 15]
+    _reads_its_audio(m, "model.encoder.")

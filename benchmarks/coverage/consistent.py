@@ -190,3 +190,41 @@ def tokens_per_image(fields, out) -> dict:
         if _is_int(v) and v > side * side:
             res[k] = side * side
     return res
+
+
+def _width_of(sub: dict, main_keys) -> int | None:
+    return next((sub[k] for k in main_keys if _is_int(sub.get(k)) and sub[k] > 0), None)
+
+
+def tower_widths(fields, out, main_keys) -> dict:
+    """Widths one sub-config hands another, kept equal when both are shrunk. transformers'
+    default composites do not always state them equal (Qwen3-ASR's audio ``output_dim`` 3584 is
+    Qwen2.5-Omni-7B's text width, beside a 2048-wide text config; Granite Speech's Q-Former
+    ``encoder_hidden_size`` 1408 is BLIP-2's vision width, beside a 1024-wide encoder), but
+    the models' code needs them equal and real checkpoints state them so. Two rules, by name:
+
+    * beside a ``text_config``, a sub-config's output width (a ``dim``/``size`` named ``out`` or
+      ``output``) at least the text's default width is what the tower writes into the text
+      stream (Qwen3-ASR, Qwen3-Omni's audio and vision): the text's shrunk width. A smaller
+      one is a head of its own (Granite Speech's 42 CTC classes) and left alone;
+    * a ``<name>_hidden_size`` in a sub-config beside a ``<name>_config`` is that config's
+      width (Granite Speech's projector reads its ``encoder_config``'s states).
+    """
+    subs = {k: v for k, v in out.items() if isinstance(v, dict) and k.endswith("_config")}
+    text_old = _width_of(vars(fields["text_config"]), main_keys) if "text_config" in subs else None
+    text_new = _width_of(subs.get("text_config", {}), main_keys)
+    res = {}
+    for name, sub in subs.items():
+        new = {}
+        for k, v in sub.items():
+            t = k.split("_")
+            old = vars(fields[name]).get(k)  # not getattr: a per-layer field refuses a global read
+            if name != "text_config" and text_new and _is_int(old) and text_old and old >= text_old \
+                    and {"out", "output"} & set(t) and t[-1] in ("dim", "size"):
+                new[k] = text_new
+            elif t[-2:] == ["hidden", "size"] and len(t) > 2 and "_".join(t[:-2]) + "_config" in subs:
+                width = _width_of(subs["_".join(t[:-2]) + "_config"], main_keys)
+                new.update({k: width} if width and v != width else {})
+        if any(sub.get(k) != v for k, v in new.items()):
+            res[name] = {**sub, **new}
+    return res

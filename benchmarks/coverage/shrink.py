@@ -3,7 +3,7 @@ the model built on it."""
 from __future__ import annotations
 
 from .consistent import (head_dim_sums, kept_layers, mrope_sections, partition, per_count, repeats, split_to,
-                         state_head_dims, tokens_per_image, windows)
+                         state_head_dims, tokens_per_image, tower_widths, windows)
 
 
 # --- the one shrinking rule -------------------------------------------------------------------
@@ -327,6 +327,7 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
     out.update(mrope_sections(cfg, fields, out, width, q_new))
     out.update(windows(fields, out))
     out.update(head_dim_sums(fields, out, role))
+    out.update(tower_widths(fields, out, _MAIN_WIDTH))
     return out
 
 

@@ -153,7 +153,10 @@ def _layouts(model, cfg, params, batch, gen) -> list:
     except InputError:  # an audio config that does not tell its features' shape
         return out
     mel = config_value(audio, "num_mel_bins", "feature_size")
-    return out + [{"input_features": f, **_feature_mask(model.forward, f, mel)} for f in (feats, feats.transpose(1, 2))]
+    # with an all-ones mask of the frames where the forward takes one, then without it (an
+    # optional mask of something else: Granite Speech's masks its projected features)
+    masked = [{"input_features": f, **_feature_mask(model.forward, f, mel)} for f in (feats, feats.transpose(1, 2))]
+    return out + masked + [{"input_features": kw["input_features"]} for kw in masked if len(kw) > 1]
 
 
 def _counts(model, kw, batch) -> list:
