@@ -32,7 +32,8 @@ def _reads_its_audio(m, tower: str, tol: float = 1e-6):
     rep = symgraph.analyze(m)
     assert rep.unread is None  # every parameter read: the tower's classes are not fixed
     claimed = _claimed(rep, tower)
-    weights = {n for n in _params(m, tower) if n.endswith("weight") and "norm" not in n}
+    trained = {n for n, p in m.named_parameters() if p.requires_grad}  # not Voxtral's fixed sinusoids
+    weights = {n for n in _params(m, tower) & trained if n.endswith("weight") and "norm" not in n}
     assert weights and weights <= claimed, sorted(weights - claimed)[:4]
     assert rep.certify(m) <= tol
     return rep
@@ -167,3 +168,22 @@ def test_granite_speech_optional_mask_of_projected_features_left_out():
         emb = m.get_audio_features(kw["input_features"]).pooler_output
     assert (kw["input_ids"] == 63).sum(1).tolist() == [emb.shape[1]] * 2 == [15, 15]
     _reads_its_audio(m, "model.encoder.")
+
+
+def test_voxtral_reads_its_audio_where_its_config_states_the_audio_token():
+    """Voxtral's default config leaves ``audio_token_id`` None (its checkpoints state 24, the
+    id ``VoxtralProcessor`` hard-codes): no id is guessed, so a config without one gets text
+    only (the report then names the audio tower unread). With the id stated, Whisper's
+    extractor pads to 3000 frames and the encoder's 1000 embeddings per row are its tokens."""
+    audio = T.VoxtralEncoderConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                                   num_mel_bins=16)
+    text = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    unstated = T.VoxtralForConditionalGeneration(T.VoxtralConfig(audio_config=audio, text_config=text)).eval()
+    assert "input_features" not in default_inputs(unstated)[1]
+    m = T.VoxtralForConditionalGeneration(T.VoxtralConfig(audio_config=audio, text_config=text,
+                                                          audio_token_id=63)).eval()
+    _, kw = default_inputs(m)
+    assert kw["input_features"].shape == (2, 16, 3000) and (kw["input_ids"] == 63).sum(1).tolist() == [1000, 1000]
+    _reads_its_audio(m, "model.audio_tower.")
