@@ -149,13 +149,13 @@ def entities(trials: Trials, params, cfg, batch, gen) -> None:
     trials.offer(extra)
 
 
-LONGEST = 256  # the longest example sequence tried
+LONGEST = 128  # the longest example sequence tried (DeepSeek V4 compresses windows of 128)
 
 
 def long_enough(model, trials: Trials, cfg, batch, gen) -> None:
-    """Where the forward takes token ids alone and leaves a parameter unread on them, ids of
-    twice the length, and again, up to :data:`LONGEST` and the config's positions, until it
-    reads more (a compressor that reads only whole windows of tokens)."""
+    """Where the forward takes token ids alone and leaves a parameter unread on them, and reads
+    more on ids of :data:`LONGEST` (or the config's positions), the shortest of twice the length,
+    and again, on which it does (a compressor that reads only whole windows of tokens)."""
     ids = trials.kwargs.get("input_ids")
     if set(trials.kwargs) != {"input_ids"} or ids is None:
         return
@@ -163,6 +163,14 @@ def long_enough(model, trials: Trials, cfg, batch, gen) -> None:
         return
     maxpos = config_value(cfg, "max_position_embeddings", "n_positions")
     top = min(LONGEST, maxpos) if isinstance(maxpos, int) and maxpos > 0 else LONGEST
+    if top <= ids.shape[1]:
+        return
+    longest = token_ids(model, cfg, batch, top, gen)
+    reads = trials.reads({"input_ids": longest})
+    if reads is None or not reads - trials.base():  # (one trial for a parameter no ids read)
+        return
     seq = ids.shape[1] * 2
-    while seq <= top and not trials.offer({"input_ids": token_ids(model, cfg, batch, seq, gen)}):
+    while seq < top and not trials.offer({"input_ids": token_ids(model, cfg, batch, seq, gen)}):
         seq *= 2
+    if seq >= top:
+        trials.offer({"input_ids": longest})
