@@ -46,6 +46,7 @@ from .diffusion_inputs import diffusers_inputs, is_diffusers
 from .image_inputs import image_tokens
 from .input_values import config_value, device_of, ints, pixels, token_ids
 from .optional_inputs import Trials, encoder_states, entities, long_enough, masked_patches, passes_on
+from .paired_inputs import paired_inputs
 
 __all__ = ["default_inputs", "is_hf"]
 
@@ -124,6 +125,7 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
         image_tokens(model, kwargs, cfg, batch, gen)
     if name == "input_ids" and ({"input_features", "input_values"} & set(params)):
         audio_tokens(model, kwargs, params, batch, gen)
+    paired_inputs(model, kwargs, params, name, batch, seq, gen)  # text beside images, languages
     if passes_on(model, params, "mask_time_indices"):
         time_mask(model, kwargs, name, batch)
     trials = Trials(model, kwargs)

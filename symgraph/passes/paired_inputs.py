@@ -1,0 +1,55 @@
+"""Inputs a forward needs beside its main one (see :mod:`.inputs`), built from its signature and
+its config, never from the model's name:
+
+- text for a model whose main input is images and whose forward also takes token ids (BLIP's
+  captioner, BLIP-2, InstructBLIP, Kosmos-2): token ids of the text config's vocabulary, with
+  as many image tokens (the config's ``image_token_id``) as its query tokens
+  (``num_query_tokens``, ``latent_query_num``) where the config names one; the positions the
+  image's embeddings take where the forward takes their mask (``image_embeds_position_mask``);
+- a second tokenizer's ids (``qformer_input_ids``: the instruction a Q-Former reads) in range of
+  the vocabulary of the sub-config of that name (``qformer_config``);
+- each row's language (``lang_ids``: X-MOD's adapters), one of the config's ``languages``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .input_values import config_value, ints, token_ids
+
+__all__ = ["paired_inputs"]
+
+
+def paired_inputs(model, kwargs: dict, params, name: str, batch: int, seq: int, gen) -> None:
+    """Add to ``kwargs`` (the main input's) what the forward (``params``) needs beside it: see the
+    module's docstring."""
+    cfg = model.config
+    if name != "input_ids" and "input_ids" in params and "input_ids" not in kwargs:
+        _text_for_images(model, kwargs, params, cfg, batch, seq, gen)
+    for key in [p for p in params if p.endswith("_input_ids") and p != "decoder_input_ids"]:
+        sub = getattr(cfg, key[:-len("input_ids")] + "config", None)  # qformer_ -> qformer_config
+        vocab = getattr(sub, "vocab_size", None)
+        if isinstance(vocab, int) and vocab > 0 and key not in kwargs:
+            kwargs[key] = token_ids(model, sub, batch, seq, gen)
+            mask = key[:-len("input_ids")] + "attention_mask"
+            if mask in params:
+                kwargs[mask] = torch.ones_like(kwargs[key])
+    langs = getattr(cfg, "languages", None)
+    if "lang_ids" in params and isinstance(langs, (list, tuple)) and langs:
+        # every row a language, as many of them as there are rows
+        kwargs["lang_ids"] = torch.arange(batch) % len(langs)
+
+
+def _text_for_images(model, kwargs, params, cfg, batch, seq, gen) -> None:
+    """Token ids for an image model that reads text too (see the module's docstring)."""
+    ids = token_ids(model, cfg, batch, seq, gen)
+    n = config_value(cfg, "num_query_tokens", "latent_query_num")
+    token = ints(config_value(cfg, "image_token_id", "image_token_index"))
+    if isinstance(n, int) and n > 0 and (token or "image_embeds_position_mask" in params):
+        # the image's embeddings after the first token, where the processor puts them
+        fill = token[0] if token else int(ids[0, 0])
+        ids = torch.cat([ids[:, :1], torch.full((batch, n), fill, dtype=ids.dtype), ids[:, 1:]], dim=1)
+        if "image_embeds_position_mask" in params:
+            mask = torch.zeros_like(ids, dtype=torch.bool)
+            mask[:, 1:1 + n] = True
+            kwargs["image_embeds_position_mask"] = mask
+    kwargs["input_ids"] = ids
