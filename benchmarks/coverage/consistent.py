@@ -192,6 +192,16 @@ def tokens_per_image(fields, out) -> dict:
     return res
 
 
+def query_image_tokens(fields, out, free_id: int) -> dict:
+    """An image (video) token left None beside query tokens (``num_query_tokens``: BLIP-2's,
+    InstructBLIP's): the forward puts each query's output at a token of that id, so a config
+    without one cannot take text (real checkpoints state it); the shrunk config's is
+    ``free_id``, the highest id no other token takes."""
+    if not _is_int(_new(fields, out, "num_query_tokens")):
+        return {}
+    return {k: free_id for k in ("image_token_index", "video_token_index") if k in fields and fields[k] is None}
+
+
 def _width_of(sub: dict, main_keys) -> int | None:
     return next((sub[k] for k in main_keys if _is_int(sub.get(k)) and sub[k] > 0), None)
 

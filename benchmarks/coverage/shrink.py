@@ -3,7 +3,8 @@ the model built on it."""
 from __future__ import annotations
 
 from .consistent import (head_dim_sums, kept_layers, mrope_sections, partition, per_count, repeats, split_to,
-                         state_head_dims, tokens_per_image, tower_widths, windows)
+                         query_image_tokens, state_head_dims, tokens_per_image, tower_widths,
+                         windows)
 
 
 # --- the one shrinking rule -------------------------------------------------------------------
@@ -322,6 +323,7 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
     if "out_indices" in out and "out_features" in fields:
         out["out_features"] = None  # derived from the indices by the backbone's config
     out.update(tokens_per_image(fields, out))
+    out.update(query_image_tokens(fields, out, VOCAB - 1 - len(id_map)))
     width = int(main * scale) if main else None
     out.update(state_head_dims(fields, out, width, role))
     out.update(mrope_sections(cfg, fields, out, width, q_new))

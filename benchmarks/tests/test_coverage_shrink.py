@@ -193,3 +193,23 @@ def test_another_towers_width_named_in_a_local_one():
         == cfg.global_config.hidden_size == 64
     model, out = _runs("blt", "BltForCausalLM")
     assert torch.isfinite(out.logits).all()
+
+
+
+@pytest.mark.parametrize("model_type, cls, field, frames", [
+    ("blip-2", "Blip2ForConditionalGeneration", "image_token_index", 1),
+    ("instructblip", "InstructBlipForConditionalGeneration", "image_token_index", 1),
+    ("instructblipvideo", "InstructBlipVideoForConditionalGeneration", "video_token_index", 2)])
+def test_query_tokens_get_an_image_token_of_their_own(model_type, cls, field, frames):
+    """transformers' default leaves the token None, where its forward compares the ids with it:
+    the shrunk config states one, in the text vocabulary and no other token's id; the example
+    text holds one a query (a frame's queries each) and the model runs on it."""
+    cfg, overrides = cov.tiny_config(model_type)
+    token, text = overrides[field], cfg.get_text_config()
+    assert getattr(cfg, field) == token and 0 <= token < text.vocab_size
+    assert token not in {text.pad_token_id, text.bos_token_id, text.eos_token_id}
+    model, _ = cov.build(model_type, cls)
+    args, kwargs = default_inputs(model)
+    counts = (kwargs["input_ids"] == token).sum(1).tolist()
+    assert counts == [cfg.num_query_tokens * frames] * 2
+    run_eagerly(model, args, kwargs)

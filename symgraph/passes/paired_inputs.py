@@ -6,6 +6,8 @@ its config, never from the model's name:
   as many image tokens (the config's ``image_token_id``) as its query tokens
   (``num_query_tokens``, ``latent_query_num``) where the config names one; the positions the
   image's embeddings take where the forward takes their mask (``image_embeds_position_mask``);
+- a video's frames where the main images are one (the config names a video token and the
+  forward takes no separate videos: InstructBLIP-Video), each frame its own query tokens;
 - a second tokenizer's ids (``qformer_input_ids``: the instruction a Q-Former reads) in range of
   the vocabulary of the sub-config of that name (``qformer_config``);
 - each row's language (``lang_ids``: X-MOD's adapters), one of the config's ``languages``.
@@ -18,13 +20,20 @@ from .input_values import config_value, ints, token_ids
 
 __all__ = ["paired_inputs"]
 
+FRAMES = 2  # the frames of an example video
+
 
 def paired_inputs(model, kwargs: dict, params, name: str, batch: int, seq: int, gen) -> None:
     """Add to ``kwargs`` (the main input's) what the forward (``params``) needs beside it: see the
     module's docstring."""
     cfg = model.config
+    frames = 1
+    if name == "pixel_values" and kwargs[name].dim() == 4 and "pixel_values_videos" not in params \
+            and config_value(cfg, "video_token_id", "video_token_index") is not None:
+        frames = FRAMES  # its images are a video's frames (InstructBLIP-Video)
+        kwargs[name] = torch.stack([kwargs[name]] * frames, dim=1)
     if name != "input_ids" and "input_ids" in params and "input_ids" not in kwargs:
-        _text_for_images(model, kwargs, params, cfg, batch, seq, gen)
+        _text_for_images(model, kwargs, params, cfg, batch, seq, gen, frames)
     for key in [p for p in params if p.endswith("_input_ids") and p != "decoder_input_ids"]:
         sub = getattr(cfg, key[:-len("input_ids")] + "config", None)  # qformer_ -> qformer_config
         vocab = getattr(sub, "vocab_size", None)
@@ -39,11 +48,13 @@ def paired_inputs(model, kwargs: dict, params, name: str, batch: int, seq: int, 
         kwargs["lang_ids"] = torch.arange(batch) % len(langs)
 
 
-def _text_for_images(model, kwargs, params, cfg, batch, seq, gen) -> None:
-    """Token ids for an image model that reads text too (see the module's docstring)."""
+def _text_for_images(model, kwargs, params, cfg, batch, seq, gen, frames: int = 1) -> None:
+    """Token ids for an image model that reads text too (see the module's docstring); a video's
+    ``frames`` each take their own query tokens."""
     ids = token_ids(model, cfg, batch, seq, gen)
     n = config_value(cfg, "num_query_tokens", "latent_query_num")
-    token = ints(config_value(cfg, "image_token_id", "image_token_index"))
+    n = n * frames if isinstance(n, int) else n
+    token = ints(config_value(cfg, "image_token_id", "image_token_index", "video_token_id", "video_token_index"))
     if isinstance(n, int) and n > 0 and (token or "image_embeds_position_mask" in params):
         # the image's embeddings after the first token, where the processor puts them
         fill = token[0] if token else int(ids[0, 0])
