@@ -9,6 +9,7 @@ import torch
 
 from ..errors import InputError, TraceError
 from .concrete import concretize, has_data_dependent_sizes
+from .export_inputs import precomputed_inputs
 from .inputs import default_inputs, is_hf
 from .nodes import BRANCHES_TAKEN, UNREAD, packet, unread_parameters
 from .registry import has_rule
@@ -260,11 +261,27 @@ def _export(model, traced, on_meta: bool):
     try:
         with contextlib.redirect_stderr(dump):
             return torch.export.export(model, *traced, strict=False), False
-    except Exception as e:  # noqa: BLE001 - re-raised unless a data-dependent guard
-        if on_meta or not _data_dependent(e):
+    except Exception as e:  # noqa: BLE001 - re-raised unless precomputed inputs or real values help
+        if on_meta:
             sys.stderr.write(dump.getvalue())
             raise
         first = e
+    with precomputed_inputs(model, *traced, flatten_outputs) as handed:
+        try:
+            if handed:
+                with contextlib.redirect_stderr(io.StringIO()):
+                    return torch.export.export(model, *traced, strict=False), False
+        except Exception as e:  # noqa: BLE001 - the first failure is what the user hears about
+            first = e if _data_dependent(e) and not _data_dependent(first) else first
+        if not _data_dependent(first):
+            sys.stderr.write(dump.getvalue())
+            raise first
+        return _export_real_values(model, traced, first), True
+
+
+def _export_real_values(model, traced, first):
+    """``torch.export`` with the values the data decides taken from a real run (see
+    :func:`_export`); ``first`` (the symbolic trace's failure) raised if that fails too."""
     import logging
     shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
     level = shapes.level
@@ -272,7 +289,7 @@ def _export(model, traced, on_meta: bool):
     try:
         with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True,
                                            generate_fake_kernels_from_real_mismatches=True):
-            return torch.export.export(model, *traced, strict=False), True
+            return torch.export.export(model, *traced, strict=False)
     except Exception:  # noqa: BLE001 - the guard is what the user must hear about
         raise first from None
     finally:

@@ -1,0 +1,170 @@
+"""Values a submodule would compute from its data, computed before the trace by transformers' own
+export support (:func:`transformers.exporters.utils.precompute_export_inputs`) and handed to that
+submodule while ``torch.export`` traces (see :mod:`.trace`).
+
+A vision encoder that packs images of any size into one sequence computes its attention segments
+(``cu_seqlens``), its patches' positions and interpolation taps from each image's grid with loops
+over ``.tolist()``, ``repeat_interleave`` and ``cumsum``: no symbolic trace follows them, and the
+real-value propagation :func:`.trace.trace` falls back on trips on torch's own ``cumsum``
+decomposition (its fake and real dtypes differ). transformers lets those values be passed in
+(``transformers.vision_utils``: each ``get_vision_*`` pops its value from the encoder's keyword
+arguments), and its exporter computes them from the inputs the encoder receives. Here the model
+runs once with every submodule's call recorded; the values transformers precomputes for a call
+are handed to that submodule, at that call, while tracing: in the encoder's own keyword arguments,
+so a name the text model also takes (``position_ids``) never clashes. The values depend on the
+example's sizes only, never on a parameter. The forward with them is checked to return what it
+returns without them; else nothing is handed over.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+__all__ = ["precomputed_inputs"]
+
+
+def _precompute():
+    try:
+        from transformers.exporters.utils import precompute_export_inputs
+    except Exception:  # noqa: BLE001 - a transformers without exporters: nothing precomputed
+        return None
+    return precompute_export_inputs
+
+
+def _takes_keywords(module) -> inspect.Signature | None:
+    """The signature of ``module``'s forward when it takes arbitrary keyword arguments."""
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+    return sig if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()) else None
+
+
+def _bound(sig, args, kwargs) -> inspect.BoundArguments | None:
+    try:
+        return sig.bind(*args, **kwargs)
+    except TypeError:
+        return None
+
+
+def _named(sig, ba) -> dict:
+    """A call's arguments by name: the named ones and those in its ``**kwargs``."""
+    out = {}
+    for k, v in ba.arguments.items():
+        if sig.parameters[k].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(v)
+        elif sig.parameters[k].kind is not inspect.Parameter.VAR_POSITIONAL:
+            out[k] = v
+    return out
+
+
+@contextlib.contextmanager
+def _hooks(model, hook):
+    """``hook(module, sig, args, kwargs)`` before every call of every submodule of ``model``
+    whose forward takes ``**kwargs``."""
+    handles = []
+    for m in model.modules():
+        sig = _takes_keywords(m) if m is not model else None
+        if sig is not None:
+            handles.append(m.register_forward_pre_hook(
+                lambda mod, a, k, sig=sig: hook(mod, sig, a, k), with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _calls(model, args, kwargs) -> list:
+    """``(module, its arguments by name)`` for every call the forward makes of a submodule that
+    takes ``**kwargs``, in order; and the forward's output."""
+    calls = []
+
+    def record(mod, sig, a, k):
+        ba = _bound(sig, a, k)
+        if ba is not None:
+            calls.append((mod, _named(sig, ba)))
+    with _hooks(model, record), torch.no_grad():
+        out = model(*args, **kwargs)
+    return calls, out
+
+
+def _extras(calls, precompute) -> dict:
+    """Per module, per call of it: the values transformers precomputes for that call that the
+    call was not given (an empty dict for a call with none)."""
+    extras = {}
+    for mod, given in calls:
+        inputs = dict(given)
+        try:
+            with torch.no_grad():
+                precompute(mod, inputs)
+        except Exception:  # noqa: BLE001 - a call transformers cannot precompute for
+            inputs = given
+        new = {k: v for k, v in inputs.items() if given.get(k) is None and v is not None}
+        extras.setdefault(id(mod), []).append(new)
+    return {k: v for k, v in extras.items() if any(v)}
+
+
+def _injector(extras):
+    """A pre-hook handing each call its precomputed values (the n-th call of a module the n-th
+    call's), and the counters a new forward resets."""
+    seen = {}
+
+    def hook(mod, sig, a, k):
+        per_call = extras.get(id(mod))
+        if not per_call:
+            return None
+        i = seen.get(id(mod), 0)
+        seen[id(mod)] = i + 1
+        new = per_call[i % len(per_call)]
+        ba = _bound(sig, a, k)
+        if not new or ba is None:
+            return None
+        var = next(n for n, p in sig.parameters.items() if p.kind is p.VAR_KEYWORD)
+        for key, v in new.items():
+            if key in sig.parameters and sig.parameters[key].kind is not inspect.Parameter.VAR_KEYWORD:
+                ba.arguments[key] = v
+            else:
+                ba.arguments.setdefault(var, {})[key] = v
+        return ba.args, ba.kwargs
+    return hook, seen
+
+
+def _same(a, b, flatten) -> bool:
+    xs, ys = flatten(a), flatten(b)
+    return len(xs) == len(ys) and all(x.shape == y.shape and torch.allclose(x, y, rtol=1e-5, atol=1e-6, equal_nan=True)
+                                      for x, y in zip(xs, ys))
+
+
+@contextlib.contextmanager
+def precomputed_inputs(model, args, kwargs, flatten):
+    """While inside, each submodule call of ``model``'s forward on ``args``/``kwargs`` receives
+    the values transformers precomputes for it; yields whether there are any (none: transformers
+    has no exporters, the forward fails eagerly, no call needs one, or the forward with them
+    returns anything else: ``flatten`` makes an output its floating-point tensors)."""
+    precompute = _precompute()
+    try:
+        calls, base = _calls(model, args, kwargs) if precompute else ([], None)
+    except Exception:  # noqa: BLE001 - a forward that does not run eagerly: nothing to hand over
+        calls = []
+    extras = _extras(calls, precompute) if calls else {}
+    if not extras:
+        yield False
+        return
+    inject, seen = _injector(extras)
+    reset = model.register_forward_pre_hook(lambda *_: seen.clear())
+    try:
+        with _hooks(model, inject):
+            try:
+                with torch.no_grad():
+                    ok = _same(base, model(*args, **kwargs), flatten)
+            except Exception:  # noqa: BLE001 - the forward refuses them: nothing handed over
+                ok = False
+            if ok:
+                yield True
+        if not ok:
+            yield False
+    finally:
+        reset.remove()
