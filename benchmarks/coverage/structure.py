@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import collections
 
+from symgraph.passes.nodes import live_nodes
+from symgraph.passes.trace import output_positions
+
 from .attention import ROPE_ABSENT, ROPE_BLOCKED, attention_units  # noqa: F401 - re-exported
 from .graph import _LINEAR, _is_constant, _pname, _shape, linear_weight
 from .why import explain
@@ -76,14 +79,16 @@ def _coded(node, depth: int = 16) -> bool:
     return False
 
 
-def mlp_units(ep) -> list:
+def mlp_units(ep, live=None) -> list:
     """Every MLP of the graph: ``{"module", "up": [(param, out dim)], "down": (param, in dim)}``
     for each linear-like op (the down projection) that a linear-like op (an up projection)
     reaches through elementwise ops including a nonlinearity, with no residual add, norm,
     attention, softmax or reduction on the way, its up width equal to its down width (a
     ``select`` of one entry of a two-channel output is no hidden layer), and no gate whose other
     factor is a stacked code (:func:`_coded`); an up projection whose outputs are coordinates
-    (:func:`_coordinates`) opens no MLP."""
+    (:func:`_coordinates`) opens no MLP. ``live``: the nodes whose values reach a kept output
+    (:func:`symgraph.passes.nodes.live_nodes`); an MLP whose down projection is not among them
+    is dead code for those outputs and left out."""
     users = collections.defaultdict(list)
     for n in ep.graph.nodes:
         for a in n.all_input_nodes:
@@ -107,7 +112,7 @@ def mlp_units(ep) -> list:
                     continue
                 name = _pname(u)
                 if u in lin:
-                    if nl and lin[u][0] is node and _width(ep, up_out) == _width(ep, lin[u][2]):
+                    if nl and lin[u][0] is node and (live is None or u in live) and _width(ep, up_out) == _width(ep, lin[u][2]):
                         unit = units.setdefault(u, {"module": ".".join(lin[u][2][0].split(".")[:-2]),
                                                     "up": [], "down": lin[u][2]})
                         if up_out not in unit["up"]:
@@ -201,14 +206,19 @@ def expectations(ep, report, cfg, tied=()) -> dict:
             if shp[d] % 2 == 0:
                 got |= by_stacked.get((p, shp[d] // 2), set())
         return got
+    # units no kept output depends on (LLaVA's last vision layer under vision_feature_layer=-2,
+    # SigLIP's attention-pooling head beside a mean-pooling classifier) are dead code: any map
+    # of their weights keeps the function, none is expected; the analysis fixes their weights
+    live = live_nodes(ep.graph, output_positions(ep, getattr(report, "outputs", None)))
     missing = []
-    mlps = mlp_units(ep)
+    mlps = mlp_units(ep, live)
     for u in mlps:
         down = holders(tuple(u["down"]))
         if not any(down & holders(tuple(s)) for s in u["up"]):
             missing.append({"kind": "mlp-perm", "module": u["module"],
                             "slots": [list(s) for s in u["up"]] + [list(u["down"])]})
-    atts = attention_units(ep)
+    every = attention_units(ep, nodes=True)
+    atts = [{k: v for k, v in a.items() if k not in ("query", "key")} for a in every if a["query"] in live]
     for a in atts:
         if a["heads"] < 2:
             continue
@@ -233,7 +243,7 @@ def expectations(ep, report, cfg, tied=()) -> dict:
     if rope_expected and not rope_classes:
         missing.append({"kind": "rope", "module": ""})
     explain(ep, report, missing)  # what blocks each, from the analysis
-    return {"mlps": len(mlps), "attention": len(atts), "qk_norm": sum(a["qk_norm"] for a in atts),
+    return {"mlps": len(mlps), "attention": len(atts), "dead_attention": len(every) - len(atts), "qk_norm": sum(a["qk_norm"] for a in atts),
             "multihead_attention": sum(a["heads"] > 1 for a in atts),
             "multi_query": sum(a.get("kv_heads") == 1 and a["heads"] > 1 for a in atts),
             "rope_expected": rope_expected, "rope_classes": rope_classes,

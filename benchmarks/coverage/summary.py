@@ -161,6 +161,11 @@ def markdown(res: dict) -> str:
         "inputs counts against us too (no inputs of transformers' own prove it otherwise). Rows of "
         "either kind are listed below with the exception.",
         "",
+        "Complete: every MLP, multi-head attention site and rotary embedding the traced graph "
+        "holds has its class in the report; units no kept output depends on (a vision layer past "
+        "the one a model's features are taken from, a pooling head its classifier does not use) "
+        "are dead code, whose weights any map keeps, and are not expected.",
+        "",
     ]
     lines += _totals(s)
     pct = "n/a" if c["complete_fraction"] is None else f"{100 * c['complete_fraction']:.1f} %"
