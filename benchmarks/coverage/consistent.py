@@ -202,6 +202,48 @@ def query_image_tokens(fields, out, free_id: int) -> dict:
     return {k: free_id for k in ("image_token_index", "video_token_index") if k in fields and fields[k] is None}
 
 
+def sliding_window(fields, window: int) -> dict:
+    """A ``sliding_window`` left None on a level that names sliding attention in another field
+    (Step3p7's ``num_sliding_attention_heads``: its forward builds the sliding mask whatever
+    its layer types): the shrunk window ``window``."""
+    named = any("sliding" in k and k != "sliding_window" and v is not None for k, v in fields.items())
+    return {"sliding_window": window} if "sliding_window" in fields and fields["sliding_window"] is None \
+        and named else {}
+
+
+def feature_layers(fields, out) -> dict:
+    """The vision tower's layers a level reads features from (``vision_feature_layer``: one
+    index or a list, VipLLaVA's five), each within the shrunk tower's hidden states (its layers
+    and the embeddings' output: ``-(L + 1) .. L``); a list keeps its length, which the
+    projector's width counts."""
+    layers = (out.get("vision_config") or {}).get("num_hidden_layers")
+    if not _is_int(layers) or layers < 1:
+        return {}
+    res = {}
+    for k, v in fields.items():
+        if "feature" not in k or "layer" not in k or not (_is_int(v) or isinstance(v, (list, tuple)) and v
+                                                          and all(_is_int(x) for x in v)):
+            continue
+        clamp = [max(-(layers + 1), min(layers, x)) for x in ([v] if _is_int(v) else v)]
+        new = clamp[0] if _is_int(v) else type(v)(clamp)
+        if new != v:
+            res[k] = new
+    return res
+
+
+def grid_pinpoints(fields, out) -> dict:
+    """The resolutions a high-resolution image is tiled at (``image_grid_pinpoints``, multiples
+    of the vision tower's image size: LLaVA-NeXT's 336 × (1, 2, 3)) as the same multiples of
+    the shrunk image size."""
+    v, vision = fields.get("image_grid_pinpoints"), out.get("vision_config") or {}
+    new_size, old_size = vision.get("image_size"), getattr(fields.get("vision_config"), "image_size", None)
+    if not (isinstance(v, (list, tuple)) and v and _is_int(new_size) and _is_int(old_size)) or new_size == old_size:
+        return {}
+    if not all(isinstance(p, (list, tuple)) and all(_is_int(x) and x % old_size == 0 for x in p) for p in v):
+        return {}
+    return {"image_grid_pinpoints": [[x // old_size * new_size for x in p] for p in v]}
+
+
 def _width_of(sub: dict, main_keys) -> int | None:
     return next((sub[k] for k in main_keys if _is_int(sub.get(k)) and sub[k] > 0), None)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .consistent import (head_dim_sums, kept_layers, mrope_sections, partition, per_count, repeats, split_to,
                          query_image_tokens, state_head_dims, tokens_per_image, tower_widths,
-                         windows)
+                         windows, sliding_window, feature_layers, grid_pinpoints)
 
 
 # --- the one shrinking rule -------------------------------------------------------------------
@@ -324,6 +324,9 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
         out["out_features"] = None  # derived from the indices by the backbone's config
     out.update(tokens_per_image(fields, out))
     out.update(query_image_tokens(fields, out, VOCAB - 1 - len(id_map)))
+    out.update(sliding_window(fields, WINDOW))
+    out.update(feature_layers(fields, out))
+    out.update(grid_pinpoints(fields, out))
     width = int(main * scale) if main else None
     out.update(state_head_dims(fields, out, width, role))
     out.update(mrope_sections(cfg, fields, out, width, q_new))
@@ -395,7 +398,7 @@ def _construct(cls, class_name, model_type, seed):
     import torch
     cfg, overrides = tiny_config(model_type)
     cfg = own_config(cls, cfg)
-    if class_name.endswith("ForSequenceClassification") and getattr(cfg, "pad_token_id", 0) is None:
+    if class_name.endswith(("ForSequenceClassification", "ForMaskedLM")) and getattr(cfg, "pad_token_id", 0) is None:
         vocab = getattr(cfg, "vocab_size", None)
         cfg.pad_token_id = (vocab if _is_int(vocab) else VOCAB) - 1
         overrides = {**overrides, "pad_token_id": cfg.pad_token_id}
@@ -422,8 +425,10 @@ def fails_at_default(model_type: str, class_name: str) -> str | None:
 
 def build(model_type: str, class_name: str, seed: int = 0):
     """``(model, overrides)``: ``class_name`` on the tiny config, float32, eval, random weights.
-    A sequence classifier without a pad token gets the last id of its vocabulary as one: it
-    finds each row's last token by the pad token, and the example batch has two rows."""
+    A sequence classifier or masked LM without a pad token gets the last id of its vocabulary
+    as one: a classifier finds each row's last token by the pad token (the example batch has two
+    rows), a masked LM counts positions from it (ESM's, as RoBERTa's; real checkpoints state
+    one)."""
     import torch
     import transformers
     cls = getattr(transformers, class_name)

@@ -213,3 +213,38 @@ def test_query_tokens_get_an_image_token_of_their_own(model_type, cls, field, fr
     counts = (kwargs["input_ids"] == token).sum(1).tolist()
     assert counts == [cfg.num_query_tokens * frames] * 2
     run_eagerly(model, args, kwargs)
+
+
+def test_sliding_window_stated_where_sliding_attention_is_named():
+    cfg, overrides = cov.tiny_config("step3p7")
+    assert overrides["text_config"]["sliding_window"] == 16 == cfg.get_text_config().sliding_window
+    _runs("step3p7", "Step3p7ForConditionalGeneration")
+
+
+def test_feature_layers_within_the_shrunk_vision_tower():
+    cfg, overrides = cov.tiny_config("vipllava")
+    layers = cfg.vision_config.num_hidden_layers
+    assert list(overrides["vision_feature_layer"]) == [-2, -3, -3, -3, 2]  # five kept, in range
+    assert all(-(layers + 1) <= i <= layers for i in cfg.vision_feature_layer)
+    model, out = _runs("vipllava", "VipLlavaForConditionalGeneration")
+    assert torch.isfinite(out.logits).all()
+
+
+@pytest.mark.parametrize("model_type, cls", [("llava_next", "LlavaNextForConditionalGeneration"),
+                                             ("llava_next_video", "LlavaNextVideoForConditionalGeneration")])
+def test_grid_pinpoints_are_multiples_of_the_shrunk_image(model_type, cls):
+    cfg, overrides = cov.tiny_config(model_type)
+    assert overrides["image_grid_pinpoints"] == [[64, 128], [128, 64], [128, 128], [192, 64], [64, 192]]
+    model, _ = cov.build(model_type, cls)
+    args, kwargs = default_inputs(model)
+    # the model's own processor tiles a 64-pixel image at 64 x 128: two tiles and the overview
+    assert kwargs["pixel_values"].shape == (2, 3, 3, 64, 64)
+    assert kwargs["image_sizes"].tolist() == [[64, 64]] * 2
+    run_eagerly(model, args, kwargs)
+
+
+def test_a_masked_lm_without_a_pad_token_counts_positions_from_one():
+    """ESM's default config states no pad token, from which its masked LM counts positions."""
+    model, out = _runs("esm", "EsmForMaskedLM")
+    assert model.config.pad_token_id == model.config.vocab_size - 1
+    assert out.logits.shape[-1] == model.config.vocab_size

@@ -91,6 +91,10 @@ def configured_processor(model_type: str, vision, cfg=None):
         sized = _sized(v, other) if other and v is not None else None
         if sized is not None:
             setattr(proc, attr, type(v)(**sized) if isinstance(sized, dict) and not isinstance(v, dict) else sized)
+    for attr, v in list(vars(proc).items()):  # a list the config states by the same name: the
+        stated = getattr(cfg, attr, None)     # tiles' resolutions (LLaVA-NeXT's image_grid_pinpoints)
+        if isinstance(v, list) and isinstance(stated, list) and stated:
+            setattr(proc, attr, [list(x) if isinstance(x, (list, tuple)) else x for x in stated])
     if getattr(proc, "do_image_splitting", None):
         proc.do_image_splitting = False
     return proc
