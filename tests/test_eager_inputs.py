@@ -84,3 +84,32 @@ def test_xmod_without_languages_given_refuses_as_transformers_does():
     kwargs.pop("lang_ids")
     with pytest.raises(ValueError, match="Input language unknown"):
         model(*args, **kwargs)
+
+
+def test_naflex_classifier_reads_rows_of_patches_with_their_grid():
+    cfg = T.Siglip2Config(vision_config=dict(SMALL, patch_size=4, num_patches=16),
+                          text_config=dict(SMALL, vocab_size=64))
+    torch.manual_seed(0)
+    model = T.Siglip2ForImageClassification(cfg).eval()
+    kwargs, out = _run(model)
+    n = kwargs["spatial_shapes"].prod(-1)
+    assert kwargs["pixel_values"].shape == (2, int(n[0]), 3 * 4 * 4)
+    assert kwargs["pixel_attention_mask"].all() and kwargs["pixel_attention_mask"].shape == (2, int(n[0]))
+    assert out.logits.shape == (2, 2)
+
+
+def test_video_frames_each_take_their_query_tokens():
+    """InstructBLIP-Video: the main images are a video's frames; each frame's queries take as
+    many video tokens; the Q-Former's instruction is of its own vocabulary."""
+    cfg = T.InstructBlipVideoConfig(
+        vision_config=_vision(), qformer_config=dict(SMALL, vocab_size=40, encoder_hidden_size=32),
+        text_config=dict(model_type="opt", vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+                         num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=64),
+        num_query_tokens=3, video_token_index=63)
+    torch.manual_seed(0)
+    model = T.InstructBlipVideoForConditionalGeneration(cfg).eval()
+    kwargs, out = _run(model)
+    assert kwargs["pixel_values"].shape == (2, 2, 3, 28, 28)
+    assert (kwargs["input_ids"] == 63).sum(1).tolist() == [6, 6]  # 3 queries x 2 frames
+    assert int(kwargs["qformer_input_ids"].max()) < 40 and kwargs["qformer_attention_mask"].all()
+    assert out.logits.shape[-1] == 64

@@ -6,6 +6,8 @@ its config, never from the model's name:
   as many image tokens (the config's ``image_token_id``) as its query tokens
   (``num_query_tokens``, ``latent_query_num``) where the config names one; the positions the
   image's embeddings take where the forward takes their mask (``image_embeds_position_mask``);
+- an image as rows of patches with their grid (``spatial_shapes``, NaFlex: SigLIP 2) where
+  the forward takes that grid;
 - a video's frames where the main images are one (the config names a video token and the
   forward takes no separate videos: InstructBLIP-Video), each frame its own query tokens;
 - a second tokenizer's ids (``qformer_input_ids``: the instruction a Q-Former reads) in range of
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .image_processing import patch_rows
 from .input_values import config_value, ints, token_ids
 
 __all__ = ["paired_inputs"]
@@ -27,6 +30,10 @@ def paired_inputs(model, kwargs: dict, params, name: str, batch: int, seq: int, 
     """Add to ``kwargs`` (the main input's) what the forward (``params``) needs beside it: see the
     module's docstring."""
     cfg = model.config
+    if name == "pixel_values" and "spatial_shapes" in params and kwargs[name].dim() == 4:
+        # NaFlex: the image as rows of patches, with their grid and mask (SigLIP 2's classifier)
+        rows = patch_rows(getattr(cfg, "vision_config", None) or cfg, params, batch, gen)
+        kwargs.update(rows[0] if rows else {})
     frames = 1
     if name == "pixel_values" and kwargs[name].dim() == 4 and "pixel_values_videos" not in params \
             and config_value(cfg, "video_token_id", "video_token_index") is not None:
@@ -64,3 +71,4 @@ def _text_for_images(model, kwargs, params, cfg, batch, seq, gen, frames: int = 
             mask[:, 1:1 + n] = True
             kwargs["image_embeds_position_mask"] = mask
     kwargs["input_ids"] = ids
+
