@@ -113,3 +113,13 @@ def test_video_frames_each_take_their_query_tokens():
     assert (kwargs["input_ids"] == 63).sum(1).tolist() == [6, 6]  # 3 queries x 2 frames
     assert int(kwargs["qformer_input_ids"].max()) < 40 and kwargs["qformer_attention_mask"].all()
     assert out.logits.shape[-1] == 64
+
+
+def test_a_decoder_of_codebooks_takes_one_row_of_ids_per_codebook():
+    cfg = T.MusicgenDecoderConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_codebooks=3, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = T.MusicgenForCausalLM(cfg).eval()
+    kwargs, out = _run(model)
+    assert kwargs["input_ids"].shape == (2 * 3, 8) and int(kwargs["input_ids"].max()) < 64
+    assert out.logits.shape == (2 * 3, 8, 64)  # a row of logits per example and codebook

@@ -12,6 +12,8 @@ its config, never from the model's name:
   forward takes no separate videos: InstructBLIP-Video), each frame its own query tokens;
 - a second tokenizer's ids (``qformer_input_ids``: the instruction a Q-Former reads) in range of
   the vocabulary of the sub-config of that name (``qformer_config``);
+- one row of token ids per codebook (``num_codebooks``) where the forward refuses one per
+  example (MusicGen's decoder);
 - each row's language (``lang_ids``: X-MOD's adapters), one of the config's ``languages``.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from .image_processing import patch_rows
 from .input_values import config_value, ints, token_ids
+from .optional_inputs import Trials
 
 __all__ = ["paired_inputs"]
 
@@ -49,6 +52,9 @@ def paired_inputs(model, kwargs: dict, params, name: str, batch: int, seq: int, 
             mask = key[:-len("input_ids")] + "attention_mask"
             if mask in params:
                 kwargs[mask] = torch.ones_like(kwargs[key])
+    books = config_value(cfg, "num_codebooks")
+    if name == "input_ids" and isinstance(books, int) and books > 1:
+        _codebooks(model, kwargs, cfg, books, batch, seq, gen)
     langs = getattr(cfg, "languages", None)
     if "lang_ids" in params and isinstance(langs, (list, tuple)) and langs:
         # every row a language, as many of them as there are rows
@@ -72,3 +78,14 @@ def _text_for_images(model, kwargs, params, cfg, batch, seq, gen, frames: int = 
             kwargs["image_embeds_position_mask"] = mask
     kwargs["input_ids"] = ids
 
+
+
+def _codebooks(model, kwargs, cfg, books: int, batch: int, seq: int, gen) -> None:
+    """Where the forward refuses a row of ids per example and runs on one per codebook
+    (``batch × num_codebooks`` rows: MusicGen's decoder), the latter."""
+    trials = Trials(model, kwargs)
+    if trials.reads(kwargs) is not None:
+        return
+    ids = token_ids(model, cfg, batch * books, seq, gen)
+    if trials.reads({**kwargs, "input_ids": ids}) is not None:
+        kwargs["input_ids"] = ids
