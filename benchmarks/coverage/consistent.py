@@ -205,8 +205,9 @@ def query_image_tokens(fields, out, free_id: int) -> dict:
 def sliding_window(fields, window: int) -> dict:
     """A ``sliding_window`` left None on a level that names sliding attention in another field
     (Step3p7's ``num_sliding_attention_heads``: its forward builds the sliding mask whatever
-    its layer types): the shrunk window ``window``."""
-    named = any("sliding" in k and k != "sliding_window" and v is not None for k, v in fields.items())
+    its layer types; a flag that turns it off, Qwen2's ``use_sliding_window=False``, names none):
+    the shrunk window ``window``."""
+    named = any("sliding" in k and k != "sliding_window" and v not in (None, False, 0) for k, v in fields.items())
     return {"sliding_window": window} if "sliding_window" in fields and fields["sliding_window"] is None \
         and named else {}
 

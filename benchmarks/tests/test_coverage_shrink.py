@@ -219,6 +219,8 @@ def test_sliding_window_stated_where_sliding_attention_is_named():
     cfg, overrides = cov.tiny_config("step3p7")
     assert overrides["text_config"]["sliding_window"] == 16 == cfg.get_text_config().sliding_window
     _runs("step3p7", "Step3p7ForConditionalGeneration")
+    cfg, overrides = cov.tiny_config("qwen2_vl")  # use_sliding_window=False names no sliding attention
+    assert cfg.get_text_config().sliding_window is None
 
 
 def test_feature_layers_within_the_shrunk_vision_tower():
