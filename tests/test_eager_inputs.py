@@ -123,3 +123,18 @@ def test_a_decoder_of_codebooks_takes_one_row_of_ids_per_codebook():
     kwargs, out = _run(model)
     assert kwargs["input_ids"].shape == (2 * 3, 8) and int(kwargs["input_ids"].max()) < 64
     assert out.logits.shape == (2 * 3, 8, 64)  # a row of logits per example and codebook
+
+
+def test_idefics_tokens_each_attend_to_the_rows_one_image():
+    cfg = T.IdeficsConfig(vocab_size=64, additional_vocab_size=0, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, cross_layer_interval=1,
+                          max_position_embeddings=32,
+                          vision_config=dict(embed_dim=32, image_size=28, patch_size=14, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=4),
+                          perceiver_config=dict(use_resampler=False))
+    torch.manual_seed(0)
+    model = T.IdeficsForVisionText2Text(cfg).eval()
+    kwargs, out = _run(model)
+    assert kwargs["pixel_values"].shape == (2, 1, 3, 28, 28)
+    assert kwargs["image_attention_mask"].shape == (2, 8, 1) and kwargs["image_attention_mask"].all()
+    assert out.logits.shape == (2, 8, 64)

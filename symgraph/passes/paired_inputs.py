@@ -12,6 +12,8 @@ its config, never from the model's name:
   forward takes no separate videos: InstructBLIP-Video), each frame its own query tokens;
 - a second tokenizer's ids (``qformer_input_ids``: the instruction a Q-Former reads) in range of
   the vocabulary of the sub-config of that name (``qformer_config``);
+- one image a row (``pixel_values`` of ``batch × 1 × C × H × W``) that every token attends to
+  where the forward takes which images each token sees (``image_attention_mask``: Idefics);
 - one row of token ids per codebook (``num_codebooks``) where the forward refuses one per
   example (MusicGen's decoder);
 - each row's language (``lang_ids``: X-MOD's adapters), one of the config's ``languages``.
@@ -52,6 +54,11 @@ def paired_inputs(model, kwargs: dict, params, name: str, batch: int, seq: int, 
             mask = key[:-len("input_ids")] + "attention_mask"
             if mask in params:
                 kwargs[mask] = torch.ones_like(kwargs[key])
+    px, ids = kwargs.get("pixel_values"), kwargs.get("input_ids")
+    if "image_attention_mask" in params and px is not None and px.dim() == 4 and ids is not None:
+        # one image a row, every token attending to it (Idefics' gated cross-attention)
+        kwargs["pixel_values"] = px.unsqueeze(1)
+        kwargs["image_attention_mask"] = torch.ones(*ids.shape, 1, dtype=torch.long)
     books = config_value(cfg, "num_codebooks")
     if name == "input_ids" and isinstance(books, int) and books > 1:
         _codebooks(model, kwargs, cfg, books, batch, seq, gen)
