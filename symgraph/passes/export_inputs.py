@@ -12,8 +12,10 @@ arguments), and its exporter computes them from the inputs the encoder receives.
 runs once with every submodule's call recorded; the values transformers precomputes for a call
 are handed to that submodule, at that call, while tracing: in the encoder's own keyword arguments,
 so a name the text model also takes (``position_ids``) never clashes. The values depend on the
-example's sizes only, never on a parameter. The forward with them is checked to return what it
-returns without them; else nothing is handed over.
+example's sizes only, never on a parameter. transformers' own patches for ``torch.export`` are in
+place meanwhile (its exporter's ``apply_patches("dynamo")``: a packed vision attention's loop over
+segments as one batched attention). The forward with both is checked to return what it returns
+without them; else nothing is handed over.
 """
 from __future__ import annotations
 
@@ -25,12 +27,15 @@ import torch
 __all__ = ["precomputed_inputs"]
 
 
-def _precompute():
+def _exporter():
+    """transformers' ``precompute_export_inputs`` and its ``torch.export`` patches (a context
+    manager), or None without its exporters."""
     try:
-        from transformers.exporters.utils import precompute_export_inputs
+        import transformers.exporters.exporter_dynamo  # noqa: F401 - registers the dynamo patches
+        from transformers.exporters.utils import apply_patches, precompute_export_inputs
     except Exception:  # noqa: BLE001 - a transformers without exporters: nothing precomputed
         return None
-    return precompute_export_inputs
+    return precompute_export_inputs, lambda: apply_patches("dynamo")
 
 
 def _takes_keywords(module) -> inspect.Signature | None:
@@ -102,7 +107,9 @@ def _extras(calls, precompute) -> dict:
                 precompute(mod, inputs)
         except Exception:  # noqa: BLE001 - a call transformers cannot precompute for
             inputs = given
-        new = {k: v for k, v in inputs.items() if given.get(k) is None and v is not None}
+        # new values, and a tensor replaced by its Python values (``image_sizes`` as ints)
+        new = {k: v for k, v in inputs.items() if v is not None and (
+            given.get(k) is None or (torch.is_tensor(given[k]) and not torch.is_tensor(v)))}
         extras.setdefault(id(mod), []).append(new)
     return {k: v for k, v in extras.items() if any(v)}
 
@@ -141,22 +148,23 @@ def _same(a, b, flatten) -> bool:
 @contextlib.contextmanager
 def precomputed_inputs(model, args, kwargs, flatten):
     """While inside, each submodule call of ``model``'s forward on ``args``/``kwargs`` receives
-    the values transformers precomputes for it; yields whether there are any (none: transformers
-    has no exporters, the forward fails eagerly, no call needs one, or the forward with them
-    returns anything else: ``flatten`` makes an output its floating-point tensors)."""
-    precompute = _precompute()
+    the values transformers precomputes for it, and transformers' own ``torch.export`` patches
+    (``apply_patches("dynamo")``: packed vision attention as one batched attention, SDPA's math
+    kernel on the CPU) are in place; yields whether (not: transformers has no exporters, the
+    forward fails eagerly, or returns anything else with them: ``flatten`` makes an output its
+    floating-point tensors)."""
+    exporter = _exporter()
     try:
-        calls, base = _calls(model, args, kwargs) if precompute else ([], None)
+        calls, base = _calls(model, args, kwargs) if exporter else ([], None)
     except Exception:  # noqa: BLE001 - a forward that does not run eagerly: nothing to hand over
         calls = []
-    extras = _extras(calls, precompute) if calls else {}
-    if not extras:
+    if not calls:
         yield False
         return
-    inject, seen = _injector(extras)
+    inject, seen = _injector(_extras(calls, exporter[0]))
     reset = model.register_forward_pre_hook(lambda *_: seen.clear())
     try:
-        with _hooks(model, inject):
+        with exporter[1](), _hooks(model, inject):
             try:
                 with torch.no_grad():
                     ok = _same(base, model(*args, **kwargs), flatten)
