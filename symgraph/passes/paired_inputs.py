@@ -44,7 +44,8 @@ def paired_inputs(model, kwargs: dict, params, name: str, batch: int, seq: int, 
             and config_value(cfg, "video_token_id", "video_token_index") is not None:
         frames = FRAMES  # its images are a video's frames (InstructBLIP-Video)
         kwargs[name] = torch.stack([kwargs[name]] * frames, dim=1)
-    if name != "input_ids" and "input_ids" in params and "input_ids" not in kwargs:
+    text = name != "input_ids" and "input_ids" in params and "input_ids" not in kwargs
+    if text:
         _text_for_images(model, kwargs, params, cfg, batch, seq, gen, frames)
     for key in [p for p in params if p.endswith("_input_ids") and p != "decoder_input_ids"]:
         sub = getattr(cfg, key[:-len("input_ids")] + "config", None)  # qformer_ -> qformer_config
@@ -66,6 +67,13 @@ def paired_inputs(model, kwargs: dict, params, name: str, batch: int, seq: int, 
     if "lang_ids" in params and isinstance(langs, (list, tuple)) and langs:
         # every row a language, as many of them as there are rows
         kwargs["lang_ids"] = torch.arange(batch) % len(langs)
+    if text and Trials(model, {}).reads(kwargs) is None:
+        # text the forward refuses beside its main input (Perceiver's ``input_ids`` is a
+        # deprecated alias of its main input ``inputs``): the inputs go without it where they run
+        without = {k: v for k, v in kwargs.items() if k not in ("input_ids", "image_embeds_position_mask")}
+        if Trials(model, {}).reads(without) is not None:
+            kwargs.clear()
+            kwargs.update(without)
 
 
 def _text_for_images(model, kwargs, params, cfg, batch, seq, gen, frames: int = 1) -> None:
