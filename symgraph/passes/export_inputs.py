@@ -126,16 +126,18 @@ def _injector(extras):
         i = seen.get(id(mod), 0)
         seen[id(mod)] = i + 1
         new = per_call[i % len(per_call)]
-        ba = _bound(sig, a, k)
-        if not new or ba is None:
+        if not new:
             return None
-        var = next(n for n, p in sig.parameters.items() if p.kind is p.VAR_KEYWORD)
+        # a value for an argument given by position replaces it there; any other is a keyword
+        names = [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        a, k = list(a), dict(k)
         for key, v in new.items():
-            if key in sig.parameters and sig.parameters[key].kind is not inspect.Parameter.VAR_KEYWORD:
-                ba.arguments[key] = v
+            at = names.index(key) if key in names else len(a)
+            if at < len(a):
+                a[at] = v
             else:
-                ba.arguments.setdefault(var, {})[key] = v
-        return ba.args, ba.kwargs
+                k[key] = v
+        return tuple(a), k
     return hook, seen
 
 
