@@ -25,6 +25,8 @@ axes relate, a union-find merges them into classes. Importing the rule files reg
 - ``image_inputs``      a vision-language model's images and image tokens
 - ``image_processing``  images made by the model's own image processor from transformers
 - ``audio_inputs``      audio: raw samples, features, a speech model's audio tokens
+- ``paired_inputs``     inputs a forward needs beside its main one (text beside images, languages)
+- ``export_inputs``     the values transformers' exporter precomputes for a trace (vision segments)
 - ``diffusion_inputs``  example inputs for diffusers models
 """
 from .rules import attention, matrix, pointwise, pooling, reductions, segments, views  # noqa: F401
