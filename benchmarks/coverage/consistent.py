@@ -232,6 +232,27 @@ def feature_layers(fields, out) -> dict:
     return res
 
 
+def layer_spans(fields, old: int | None, new: int | None) -> dict:
+    """Fields that point at layers of the main stack or count them in blocks (Inkling 2's loop
+    over ``loop_layer_index_start .. _end``, ``n_layers_per_attn_res_block``) scaled with the
+    layer count from ``old`` to ``new`` layers: an index within ``0 .. new``, a count per block
+    within ``1 .. new`` (a positive index stays positive, an end is rounded up: the span stays
+    non-empty); a loop past the shrunk stack would leave its layers unread."""
+    if not (_is_int(old) and _is_int(new)) or old <= new:
+        return {}
+    res = {}
+    for k, v in fields.items():
+        toks = k.split("_")
+        if not _is_int(v) or not {"layer", "layers"} & set(toks) or v > old:
+            continue
+        if "index" in toks:
+            x = -(-v * new // old) if "end" in toks else v * new // old
+            res[k] = max(1 if v > 0 else 0, min(new, x))
+        elif toks[:3] == ["n", "layers", "per"]:
+            res[k] = max(1, min(new, v * new // old))
+    return {k: v for k, v in res.items() if v != fields[k]}
+
+
 def grid_pinpoints(fields, out) -> dict:
     """The resolutions a high-resolution image is tiled at (``image_grid_pinpoints``, multiples
     of the vision tower's image size: LLaVA-NeXT's 336 × (1, 2, 3)) as the same multiples of

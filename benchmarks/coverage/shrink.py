@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .consistent import (head_dim_sums, kept_layers, mrope_sections, partition, per_count, repeats, split_to,
                          query_image_tokens, state_head_dims, tokens_per_image, tower_widths,
-                         windows, sliding_window, feature_layers, grid_pinpoints)
+                         windows, sliding_window, feature_layers, grid_pinpoints, layer_spans)
 
 
 # --- the one shrinking rule -------------------------------------------------------------------
@@ -326,6 +326,7 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
     out.update(query_image_tokens(fields, out, VOCAB - 1 - len(id_map)))
     out.update(sliding_window(fields, WINDOW))
     out.update(feature_layers(fields, out))
+    out.update(layer_spans(fields, old_layers, new_layers))
     out.update(grid_pinpoints(fields, out))
     width = int(main * scale) if main else None
     out.update(state_head_dims(fields, out, width, role))

@@ -250,3 +250,14 @@ def test_a_masked_lm_without_a_pad_token_counts_positions_from_one():
     model, out = _runs("esm", "EsmForMaskedLM")
     assert model.config.pad_token_id == model.config.vocab_size - 1
     assert out.logits.shape[-1] == model.config.vocab_size
+
+
+def test_a_loop_over_layers_stays_inside_the_shrunk_stack():
+    """Inkling 2's loop over layers 6..18 of 24, in blocks of 6: with 2 layers it loops over
+    layer 1 (a positive start stays positive, an end rounds up), in blocks of 1, so every layer's
+    parameters are read (the loop past the stack left them unread)."""
+    cfg, _ = cov.tiny_config("inkling2_loop_text")
+    assert (cfg.num_hidden_layers, cfg.loop_layer_index_start, cfg.loop_layer_index_end,
+            cfg.n_layers_per_attn_res_block) == (2, 1, 2, 1)
+    model, out = _runs("inkling2_loop_text", "Inkling2LoopForCausalLM")
+    assert out.logits.shape[-1] == 256
