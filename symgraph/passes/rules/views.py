@@ -135,6 +135,14 @@ def expand(ctx):
 MAX_COPIES = 64
 
 
+def _count(r) -> int | None:
+    """A repeat count as a number; None where the trace leaves it a value of the graph."""
+    try:
+        return int(r)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
 @register(aten.repeat)
 def repeat(ctx):
     """``x.repeat(r_0, ..., r_k)``: along each dim, ``r`` copies of ``x`` one after the other,
@@ -143,12 +151,15 @@ def repeat(ctx):
     dims, are broadcasts (values constant along them), as :func:`expand`'s."""
     x = ctx.arg(0)
     xa, xs = ctx.axes(x), ctx.shape(x)
-    out, reps = ctx.out, [int(r) for r in ctx.arg(1)]
+    out, reps = ctx.out, [_count(r) for r in ctx.arg(1)]
     off, why = len(out) - len(xa), f"{ctx.where}: repeated (broadcast) axis"
     cons: list = []
     for o, r in enumerate(reps):
         k = o - off
-        if k >= 0 and r == 1:
+        if r is None:  # a count the program computes (a graph value): copies of unknown number
+            fixed = f"{ctx.where}: a number of copies the program computes"
+            cons += [Meet(out[o], "identity", fixed)] + ([Meet(xa[k], "identity", fixed)] if k >= 0 else [])
+        elif k >= 0 and r == 1:
             cons.append(Unify(out[o], xa[k]))
         elif k < 0 or xs[k] == 1:
             cons.append(Meet(out[o], "perm", why))
