@@ -188,6 +188,8 @@ def _counts(model, kw, batch) -> list:
 
 def _runs(model, kwargs) -> bool:
     p = next((q for q in model.parameters() if q.is_floating_point()), None)
+    if p is None:
+        return False
     trial = {k: v.to(p.device, p.dtype) if v.is_floating_point() else v.to(p.device) for k, v in kwargs.items()}
     if "use_cache" in inspect.signature(model.forward).parameters:
         trial["use_cache"] = False

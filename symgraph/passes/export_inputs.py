@@ -82,10 +82,10 @@ def _hooks(model, hook):
             h.remove()
 
 
-def _calls(model, args, kwargs) -> list:
+def _calls(model, args, kwargs) -> tuple:
     """``(module, its arguments by name)`` for every call the forward makes of a submodule that
     takes ``**kwargs``, in order; and the forward's output."""
-    calls = []
+    calls: list = []
 
     def record(mod, sig, a, k):
         ba = _bound(sig, a, k)
@@ -99,7 +99,7 @@ def _calls(model, args, kwargs) -> list:
 def _extras(calls, precompute) -> dict:
     """Per module, per call of it: the values transformers precomputes for that call that the
     call was not given (an empty dict for a call with none)."""
-    extras = {}
+    extras: dict = {}
     for mod, given in calls:
         inputs = dict(given)
         try:

@@ -4,6 +4,8 @@ the shrunk vision config where their settings share a name, run on small random 
 row; what it returns that the model's forward takes is the example's image inputs."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .input_values import config_value
@@ -18,7 +20,7 @@ _SETTINGS = {
 }
 
 
-def _processor_class(model_type: str):
+def _processor_class(model_type: str) -> Any:
     """The PIL image processor transformers names for ``model_type`` (the torchvision one needs
     a package this library does not require), or None."""
     try:
@@ -77,11 +79,11 @@ def configured_processor(model_type: str, vision, cfg=None):
         return None
     proc = cls()
     for attr, names in _SETTINGS.items():
-        v = _first_int(config_value(vision, *names))
-        if v is not None and isinstance(getattr(proc, attr, None), int):
-            setattr(proc, attr, v)
+        n = _first_int(config_value(vision, *names))
+        if n is not None and isinstance(getattr(proc, attr, None), int):
+            setattr(proc, attr, n)
     for attr in ("size", "crop_size", "max_image_size"):
-        v = getattr(proc, attr, None)
+        v: Any = getattr(proc, attr, None)
         sized = _sized(v, side, _merged_patch(proc)) if v is not None else None
         if sized is not None:
             setattr(proc, attr, type(v)(**sized) if isinstance(sized, dict) and not isinstance(v, dict) else sized)
@@ -109,7 +111,7 @@ def processed_images(model, vision, params, batch: int, gen) -> dict | None:
     if proc is None:
         return None
     ch = _first_int(config_value(vision, "num_channels", "in_channels")) or 3
-    images = [[torch.randint(0, 256, (side, side, ch), generator=gen, dtype=torch.uint8).numpy()]
+    images = [[torch.randint(0, 256, (int(side or 1), int(side or 1), ch), generator=gen, dtype=torch.uint8).numpy()]
               for _ in range(batch)]
     try:
         out = proc(images, return_tensors="pt")

@@ -65,9 +65,9 @@ def _tokenizer_vocab(cfg) -> int | None:
     vocabulary in its config and has no input embeddings."""
     try:
         from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
-        names = TOKENIZER_MAPPING_NAMES.get(getattr(cfg, "model_type", None))
-        names = names if isinstance(names, (tuple, list)) else (names,)
-        return next(len(tokenizer_class_from_name(n)()) for n in names if n)
+        found = TOKENIZER_MAPPING_NAMES.get(str(getattr(cfg, "model_type", "")))
+        names = list(found) if isinstance(found, (tuple, list)) else [found]
+        return next(len(cls()) for n in names if n and (cls := tokenizer_class_from_name(n)) is not None)
     except Exception:  # noqa: BLE001 - none, or one that needs its files: no vocabulary known
         return None
 

@@ -49,7 +49,7 @@ class _Reads(TorchDispatchMode):
 
     def __init__(self, names: dict):
         super().__init__()
-        self.names, self.seen = names, set()
+        self.names, self.seen = names, set[str]()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for a in tree_flatten((args, kwargs or {}))[0]:
@@ -63,7 +63,8 @@ class Trials:
     :meth:`offer`): the parameters the forward reads on them, found once."""
 
     def __init__(self, model, kwargs: dict):
-        self.model, self.kwargs, self._base = model, kwargs, (None, None)
+        self.model, self.kwargs = model, kwargs
+        self._base: tuple[dict | None, frozenset] = (None, frozenset())
 
     def reads(self, kwargs: dict) -> frozenset | None:
         """Names of the parameters the forward reads on ``kwargs``; None where it refuses them."""

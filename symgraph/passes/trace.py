@@ -266,7 +266,7 @@ def _export(model, traced, on_meta: bool):
             sys.stderr.write(dump.getvalue())
             raise
         first = e
-    with precomputed_inputs(model, *traced, flatten_outputs) as handed:
+    with precomputed_inputs(model, traced[0], traced[1], flatten_outputs) as handed:
         try:
             if handed:
                 with contextlib.redirect_stderr(io.StringIO()):
