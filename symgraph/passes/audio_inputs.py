@@ -8,6 +8,7 @@ import torch
 
 from ..errors import InputError
 from .input_values import config_value, ints
+from .optional_inputs import Trials
 
 __all__ = ["audio_tokens", "features", "samples", "time_mask"]
 
@@ -186,21 +187,6 @@ def _counts(model, kw, batch) -> list:
     return list(dict.fromkeys(n for n in out if n > 0))
 
 
-def _runs(model, kwargs) -> bool:
-    p = next((q for q in model.parameters() if q.is_floating_point()), None)
-    if p is None:
-        return False
-    trial = {k: v.to(p.device, p.dtype) if v.is_floating_point() else v.to(p.device) for k, v in kwargs.items()}
-    if "use_cache" in inspect.signature(model.forward).parameters:
-        trial["use_cache"] = False
-    try:
-        with torch.no_grad():
-            model(**trial)
-    except Exception:  # noqa: BLE001 - these audio inputs do not fit the model
-        return False
-    return True
-
-
 def audio_tokens(model, kwargs, params, batch, gen) -> None:
     """A speech language model (Audio Flamingo 3, Qwen2-Audio, GLM-ASR, OmniASR) reads audio
     where its token ids hold its audio token: the audio its own feature extractor makes of half a
@@ -218,7 +204,7 @@ def audio_tokens(model, kwargs, params, batch, gen) -> None:
         for n in _counts(model, kw, batch):
             run = torch.full((batch, n), token[0], dtype=ids.dtype)
             trial = {**kwargs, **kw, "input_ids": torch.cat([ids[:, :1], run, ids[:, 1:]], 1)}
-            if _runs(model, trial):
+            if Trials(model, {}).reads(trial) is not None:  # the forward runs on them
                 kwargs.update(trial)
                 _no_sampling(kwargs, params)
                 return
