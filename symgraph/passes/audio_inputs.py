@@ -7,7 +7,7 @@ import inspect
 import torch
 
 from ..errors import InputError
-from .input_values import config_value, ints
+from .input_values import config_value, ints, token_ids
 from .optional_inputs import Trials
 
 __all__ = ["audio_tokens", "features", "samples", "time_mask"]
@@ -194,16 +194,24 @@ def audio_tokens(model, kwargs, params, batch, gen) -> None:
     channels first), and in each row as many audio tokens as that gives embeddings (counted by
     its ``get_audio_features`` or its encoder's output lengths); the first of these its own
     forward runs on. Text only where none runs (the report then names a parameter the inputs
-    never read)."""
+    never read).
+
+    A model with no audio token whose forward refuses text alone adds each audio embedding to
+    a token's (Voxtral Realtime: one token per embedding): token ids as many as the audio gives
+    embeddings."""
     cfg = model.config
     token = ints(config_value(cfg, "audio_token_id", "audio_token_index"))
-    if not token or not any(p.is_floating_point() for p in model.parameters()):
+    if not any(p.is_floating_point() for p in model.parameters()):
         return
+    if not token and Trials(model, {}).reads(kwargs) is not None:
+        return  # text alone runs, and no token says where audio goes
     ids = kwargs["input_ids"]
     for kw in _layouts(model, cfg, params, batch, gen):
         for n in _counts(model, kw, batch):
-            run = torch.full((batch, n), token[0], dtype=ids.dtype)
-            trial = {**kwargs, **kw, "input_ids": torch.cat([ids[:, :1], run, ids[:, 1:]], 1)}
+            run = torch.full((batch, n), token[0], dtype=ids.dtype) if token else None
+            text = torch.cat([ids[:, :1], run, ids[:, 1:]], 1) if run is not None \
+                else token_ids(model, cfg, batch, n, gen)
+            trial = {**kwargs, **kw, "input_ids": text}
             if Trials(model, {}).reads(trial) is not None:  # the forward runs on them
                 kwargs.update(trial)
                 _no_sampling(kwargs, params)
