@@ -302,3 +302,51 @@ def tower_widths(fields, out, main_keys) -> dict:
         if any(sub.get(k) != v for k, v in new.items()):
             res[name] = {**sub, **new}
     return res
+
+
+def derived_sizes(fields, out, main, width) -> dict:
+    """The sizes below, derived on a level whose main width goes from ``main`` to ``width``."""
+    return {**layout_parts(fields, main, width), **stage_depths(fields, out),
+            **multipliers(fields, main, width)}
+
+
+def layout_parts(fields, main, width) -> dict:
+    """A layout embedding's parts (``coordinate_size`` for each of a box's four coordinates,
+    ``shape_size`` for its height and width: LayoutLMv3 concatenates them into the width, 4 ×
+    128 + 2 × 128 = 768), where the defaults fill the width so: shrunk to fill the shrunk one."""
+    c, s = fields.get("coordinate_size"), fields.get("shape_size")
+    if not (_is_int(c) and _is_int(s) and _is_int(main) and _is_int(width) and 4 * c + 2 * s == main
+            and width != main and width % 2 == 0 and width >= 6):
+        return {}
+    c = width // 6
+    return {"coordinate_size": c, "shape_size": (width - 4 * c) // 2}
+
+
+def stage_depths(fields, out) -> dict:
+    """A per-stage depth list whose default stage ``i`` holds more than ``i`` layers (CvT's
+    ``depth`` [1, 2, 10]: its stage ``i`` reads its drop-path rates, one per layer, at index
+    ``i``) keeps that when shrunk: ``min(default, i + 1)`` layers at stage ``i``."""
+    res = {}
+    for k, v in out.items():
+        old = fields.get(k)
+        if not (isinstance(v, (list, tuple)) and isinstance(old, (list, tuple)) and len(v) == len(old) > 1
+                and all(_is_int(x) for x in (*v, *old)) and "depth" in k.split("_")):
+            continue
+        if all(x > i for i, x in enumerate(old)) and any(x <= i for i, x in enumerate(v)):
+            res[k] = type(v)(max(x, min(o, i + 1)) for i, (x, o) in enumerate(zip(v, old)))
+    return res
+
+
+def multipliers(fields, main, width) -> dict:
+    """Channel and depth multipliers of a scaled convolutional family (EfficientNet's
+    ``width_coefficient``, by which every stage's channels and its last convolution's 1280 are
+    multiplied, so its main width ``hidden_dim`` 2560 is 1280 × 2.0; ``depth_coefficient``, by
+    which every stage's blocks are): the width multiplier scaled as the main width, the depth
+    multiplier at most 1."""
+    res: dict = {}
+    w, d = fields.get("width_coefficient"), fields.get("depth_coefficient")
+    if isinstance(w, float) and _is_int(main) and _is_int(width) and width < main:
+        res["width_coefficient"] = w * width / main
+    if isinstance(d, float) and d > 1.0 and res:
+        res["depth_coefficient"] = 1.0
+    return res

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .consistent import (head_dim_sums, kept_layers, mrope_sections, partition, per_count, repeats, split_to,
                          query_image_tokens, state_head_dims, tokens_per_image, tower_widths,
-                         windows, sliding_window, feature_layers, grid_pinpoints, layer_spans)
+                         windows, sliding_window, feature_layers, grid_pinpoints, layer_spans, derived_sizes)
 
 
 # --- the one shrinking rule -------------------------------------------------------------------
@@ -330,6 +330,7 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
     out.update(grid_pinpoints(fields, out))
     width = int(main * scale) if main else None
     out.update(state_head_dims(fields, out, width, role))
+    out.update(derived_sizes(fields, out, main, width))
     out.update(mrope_sections(cfg, fields, out, width, q_new))
     out.update(windows(fields, out))
     out.update(head_dim_sums(fields, out, role))

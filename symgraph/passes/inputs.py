@@ -27,7 +27,8 @@ that this module knows the main input of.
   ids; for a sequence classification head the ids shifted right, as its model would build);
 - ``use_cache=False`` wherever the forward takes it; floating inputs in the model's dtype;
 - optional inputs that read parameters the main input leaves unread (masked patches,
-  entities, a decoder's encoder states; token ids alone lengthened), each kept where the
+  entities, a decoder's encoder states, a document's boxes and page; token ids alone
+  lengthened), each kept where the
   forward reads more parameters on it.
 
 Values read from the config are in :mod:`.input_values`, images in :mod:`.image_inputs`, audio
@@ -45,7 +46,7 @@ from .audio_inputs import audio_tokens, features, samples, time_mask
 from .diffusion_inputs import diffusers_inputs, is_diffusers
 from .image_inputs import image_tokens
 from .input_values import config_value, device_of, ints, pixels, token_ids
-from .optional_inputs import Trials, encoder_states, entities, long_enough, masked_patches, passes_on
+from .optional_inputs import Trials, encoder_states, entities, layout, long_enough, masked_patches, passes_on
 from .paired_inputs import paired_inputs
 
 __all__ = ["default_inputs", "is_hf"]
@@ -151,6 +152,8 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
     elif name == "input_ids":
         encoder_states(trials, params, cfg, batch, gen)
         long_enough(model, trials, cfg, batch, gen)
+    if name == "input_ids":  # boxes (and a page) once the decoder's inputs are there (UDOP)
+        layout(trials, params, cfg, batch, gen)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     kwargs = {k: v if not isinstance(v, torch.Tensor) else v.to(dev, dtype) if v.is_floating_point() else v.to(dev)
               for k, v in kwargs.items()}  # a flag (``sample=False``) as it is

@@ -14,7 +14,9 @@ it, or takes it and ignores it, keeps the inputs it had.
 - token ids alone, lengthened where they leave a parameter unread (DeepSeek V4's compressor
   reads windows of 128 tokens);
 - masked patches (``bool_masked_pos``: DINOv2): every third patch replaced by the learned mask
-  token, the same idea as Wav2Vec2's masked frames.
+  token, the same idea as Wav2Vec2's masked frames;
+- a document's layout (``bbox``: LayoutLMv3, LiLT, UDOP): a box per token, and its page image
+  (``pixel_values``) where the forward takes one beside the ids and no image token places it.
 """
 from __future__ import annotations
 
@@ -26,9 +28,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .input_values import config_value, device_of, token_ids
+from .input_values import config_value, device_of, pixels, token_ids
 
-__all__ = ["Trials", "encoder_states", "entities", "long_enough", "masked_patches", "passes_on"]
+__all__ = ["Trials", "encoder_states", "entities", "layout", "long_enough", "masked_patches", "passes_on"]
 
 # the names transformers gives a decoder's encoder states (BART's, Whisper's causal LM; Mllama's)
 _ENCODER_STATES = ("encoder_hidden_states", "encoder_outputs", "cross_attention_states")
@@ -175,3 +177,23 @@ def long_enough(model, trials: Trials, cfg, batch, gen) -> None:
         seq *= 2
     if seq >= top:
         trials.offer({"input_ids": longest})
+
+
+def layout(trials: Trials, params, cfg, batch, gen) -> None:
+    """A document's layout: a box per token (``bbox``: ``x0 < x1``, ``y0 < y1``), integer
+    coordinates below the config's ``max_2d_position_embeddings`` as LayoutLM's processors make
+    them, else the same boxes as fractions of the page (UDOP reads them in ``[0, 1]``); then the
+    page's image (``pixel_values`` at the vision config's size, else the config's) where the
+    forward takes one and no image token places it (LayoutLMv3's and UDOP's patch embeddings)."""
+    ids = trials.kwargs.get("input_ids")
+    if ids is not None and "bbox" in params and "bbox" not in trials.kwargs:
+        top = config_value(cfg, "max_2d_position_embeddings")
+        top = top if isinstance(top, int) and top > 4 else 1000
+        lo = torch.randint(0, top // 2, (*ids.shape, 2), generator=gen)
+        hi = lo + torch.randint(1, top // 2, (*ids.shape, 2), generator=gen)
+        box = torch.stack([lo[..., 0], lo[..., 1], hi[..., 0], hi[..., 1]], dim=-1)
+        if not trials.offer({"bbox": box}):
+            trials.offer({"bbox": box.float() / top})
+    if "bbox" in params and "pixel_values" in params and "pixel_values" not in trials.kwargs \
+            and config_value(cfg, "image_token_id", "image_token_index") is None:
+        trials.offer({"pixel_values": pixels(trials.model, config_value(cfg, "vision_config") or cfg, batch, gen)})

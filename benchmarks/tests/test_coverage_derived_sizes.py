@@ -1,0 +1,53 @@
+"""Sizes the shrink rule derives so that a family's model runs at the shrunk width (issue 65):
+a layout embedding's coordinate and shape parts fill the width (LayoutLMv3), a per-stage depth
+list keeps stage ``i`` deeper than ``i`` where the default does (CvT), a scaled convolutional
+family's width multiplier follows its main width (EfficientNet). Each row then runs, traces,
+certifies and is complete on ``symgraph.analyze(model)`` with no inputs."""
+from __future__ import annotations
+
+from benchmarks import coverage as cov
+from benchmarks.coverage.consistent import layout_parts, multipliers, stage_depths
+
+
+def _row_sound_and_complete(model_type, class_name, task):
+    r = cov.run_family(model_type, class_name, task)
+    assert r["error"] is None, r["error"]
+    assert r["traced"] and r["stage"] == "done"
+    assert r["certificate"] <= 1e-6 and r["sound"]
+    assert r["complete"] and r["structure"]["missing"] == []
+    return r
+
+
+def test_layout_parts_fill_the_shrunk_width():
+    assert layout_parts({"coordinate_size": 128, "shape_size": 128}, 768, 64) == \
+        {"coordinate_size": 10, "shape_size": 12}  # 4 × 10 + 2 × 12 = 64
+    assert layout_parts({"coordinate_size": 128, "shape_size": 128}, 768, 48) == \
+        {"coordinate_size": 8, "shape_size": 8}
+    assert layout_parts({"coordinate_size": 100, "shape_size": 128}, 768, 64) == {}  # no such sum
+    assert layout_parts({"coordinate_size": 128}, 768, 64) == {}
+    cfg, _ = cov.tiny_config("layoutlmv3")
+    assert 4 * cfg.coordinate_size + 2 * cfg.shape_size == cfg.hidden_size == cov.HIDDEN
+
+
+def test_stage_depths_stay_deeper_than_their_index():
+    assert stage_depths({"depth": [1, 2, 10]}, {"depth": [1, 1, 1]}) == {"depth": [1, 2, 3]}
+    assert stage_depths({"depth": (1, 2, 10)}, {"depth": (1, 1, 1)}) == {"depth": (1, 2, 3)}
+    assert stage_depths({"depths": [2, 2, 6, 2]}, {"depths": [1, 1, 1, 1]}) == {}  # Swin's: no such default
+    assert stage_depths({"depth": [1, 2, 10]}, {"depth": [1, 2, 3]}) == {}  # already so
+    cfg, _ = cov.tiny_config("cvt")
+    assert list(cfg.depth) == [1, 2, 3]
+
+
+def test_width_multiplier_follows_the_main_width():
+    assert multipliers({"width_coefficient": 2.0, "depth_coefficient": 3.1}, 2560, 64) == \
+        {"width_coefficient": 0.05, "depth_coefficient": 1.0}
+    assert multipliers({"width_coefficient": 2.0, "depth_coefficient": 3.1}, 64, 64) == {}  # not shrunk
+    assert multipliers({"width_multiplier": 1.0}, 2560, 64) == {}
+    cfg, _ = cov.tiny_config("efficientnet")
+    assert cfg.hidden_dim == cov.HIDDEN and cfg.width_coefficient == 0.05 and cfg.depth_coefficient == 1.0
+
+
+def test_rows_run_and_are_complete():
+    r = _row_sound_and_complete("efficientnet", "EfficientNetForImageClassification", "image_cls")
+    assert r["group_kinds"].get("perm", 0) > 0
+    _row_sound_and_complete("layoutlmv3", "LayoutLMv3ForSequenceClassification", "seq_cls")
