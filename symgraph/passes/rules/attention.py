@@ -22,16 +22,17 @@ def sdpa(ctx):
     mask = ctx.arg(3, "attn_mask")
     gqa = ctx.node.kwargs.get("enable_gqa", False) or ctx.arg(7, default=False)
     qa, ka, va, out = ctx.axes(q), ctx.axes(k), ctx.axes(v), ctx.out
-    qs, ks, vs = ctx.shape(q), ctx.shape(k), ctx.shape(v)
+    qs, ks, vs, outs = ctx.shape(q), ctx.shape(k), ctx.shape(v), ctx.out_shape
     nb = len(out) - 2
     cons = []
     for o in range(nb):
-        cons.append(Unify(out[o], qa[o]))
+        if qs[o] == outs[o]:  # else a query of one row broadcast over the keys' batch (a Q-Former's
+            cons.append(Unify(out[o], qa[o]))  # learned queries): one element, nothing to move
         for axes, shape in ((ka, ks), (va, vs)):
             kk = o - (nb - (len(axes) - 2))
             if kk < 0:
                 continue
-            if shape[kk] == qs[o]:
+            if shape[kk] == outs[o]:
                 cons.append(Unify(out[o], axes[kk]))
             elif gqa and o == nb - 1 and shape[kk] > 1 and qs[o] % shape[kk] == 0:
                 if axes is ka:
@@ -40,7 +41,7 @@ def sdpa(ctx):
                              Meet(rep, "perm", f"{ctx.where}: query heads sharing a kv head")]
                 else:
                     cons.append(Unify(ka[kk - (len(ka) - len(va))], axes[kk]))
-        if qs[o] > 1:
+        if outs[o] > 1:
             cons.append(Meet(out[o], "perm", f"{ctx.where}: attention batch/head axis"))
     cons += [Unify(qa[-1], ka[-1], dual=True), Unify(ka[-2], va[-2]),
              Meet(ka[-2], "perm", f"{ctx.where}: softmax over keys"),

@@ -1,0 +1,84 @@
+"""Issue 65, new-task coverage rows that were sound but claimed little: a Q-Former's learned
+queries attend over a batch of audio windows (Granite Speech: one row of queries broadcast over
+the keys' rows, which the attention rule paired as one axis and froze), and a speech LM whose
+default config names no audio token (Voxtral: the shrink rule gives it a free id, as a real
+checkpoint states one). Each on a tiny model, no inputs needed where the model is Hugging Face's."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import symgraph
+
+T = pytest.importorskip("transformers")
+
+
+class LearnedQueries(torch.nn.Module):
+    """Three learned queries (one row) attend over each row of ``x``: 4 heads of 4."""
+
+    def __init__(self, d=16, heads=4, queries=3):
+        super().__init__()
+        self.heads = heads
+        self.query = torch.nn.Parameter(torch.randn(1, queries, d))
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+
+    def split(self, t):
+        return t.view(t.shape[0], t.shape[1], self.heads, -1).transpose(1, 2)
+
+    def forward(self, x):
+        q, k, v = self.split(self.q(self.query)), self.split(self.k(x)), self.split(self.v(x))
+        a = F.scaled_dot_product_attention(q, k, v)  # (1, H, 3, d) against (B, H, n, d): (B, H, 3, d)
+        return self.o(a.transpose(1, 2).reshape(x.shape[0], q.shape[2], -1))
+
+
+def _group_of(rep, slot):
+    """The head-structured class (an element per head) holding ``slot``."""
+    return next((g for g in rep.groups if g.blocks > 1 and slot in [tuple(p) for p in g.params]), None)
+
+
+def test_a_query_of_one_row_broadcast_over_the_keys_batch_keeps_its_heads():
+    """The query's batch axis (1) is broadcast against the keys' (5): the rule pairs only axes of
+    one size, so the heads of q and k are one class (their contraction dual), v's and o's
+    another, nothing frozen by the attention, and a random element leaves the output as it is."""
+    torch.manual_seed(0)
+    m = LearnedQueries().eval()
+    x = torch.randn(5, 7, 16)
+    rep = symgraph.analyze(m, (x,))
+    assert not [f for f in rep.frozen if "scaled_dot_product" in str(f.op)]
+    qk, vo = _group_of(rep, ("q.weight", 0)), _group_of(rep, ("v.weight", 0))
+    assert qk is not None and qk.kind != "identity" and ("k.weight", 0) in [tuple(p) for p in qk.params]
+    assert vo is not None and vo.kind != "identity" and ("o.weight", 1) in [tuple(p) for p in vo.params]
+    assert qk.blocks == 4 and vo.blocks == 4  # an element per head
+    assert rep.certify(m, (x,)) <= 1e-6
+
+
+def _granite_speech():
+    enc = T.GraniteSpeechEncoderConfig(input_dim=8, num_layers=2, hidden_dim=32, feedforward_mult=2, num_heads=2,
+                                       dim_head=16, output_dim=8, context_size=16, max_pos_emb=64,
+                                       conv_kernel_size=3)
+    proj = T.Blip2QFormerConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48,
+                                encoder_hidden_size=32, cross_attention_frequency=1)
+    text = T.GraniteConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = T.GraniteSpeechConfig(encoder_config=enc, projector_config=proj, text_config=text, audio_token_id=63,
+                                window_size=4, downsample_rate=2)
+    torch.manual_seed(0)
+    return T.GraniteSpeechForConditionalGeneration(cfg).eval()
+
+
+def test_granite_speech_claims_its_q_former_cross_attention_heads():
+    """Granite Speech's projector: a Q-Former whose learned queries (one row) cross-attend to
+    each window of the audio encoder's states (a batch of windows). ``analyze`` with no inputs
+    reads every parameter and claims the cross-attention's query and key projections as one
+    head-structured class, and its value and output projections as another; certified."""
+    m = _granite_speech()  # two encoder layers: the middle one's CTC self-conditioning is read
+    rep = symgraph.analyze(m)
+    assert rep.unread is None
+    assert not [f for f in rep.frozen if "scaled_dot_product" in str(f.op)]
+    cross = "model.projector.qformer.encoder.layer.0.crossattention."
+    qk = _group_of(rep, (cross + "attention.query.weight", 0))
+    vo = _group_of(rep, (cross + "attention.value.weight", 0))
+    assert qk is not None and qk.blocks == 2 and (cross + "attention.key.weight", 0) in [tuple(p) for p in qk.params]
+    assert vo is not None and vo.blocks == 2 and (cross + "output.dense.weight", 1) in [tuple(p) for p in vo.params]
+    assert rep.certify(m) <= 1e-6
