@@ -1,17 +1,20 @@
 """Where the coordinates of a value's last axis go through the ops that only move them: a slice
-of that axis, a concatenation or stack along it, an unsqueeze after it, and a reshape that
-merges it with (or keeps it apart from) the axis before it. The RoPE passes follow a record per
+of that axis, a concatenation or stack along it, an unsqueeze after it, a reshape that merges
+it with (or keeps it apart from) the axis before it or splits it into pairs, and one part of an
+``unbind`` of those pairs (diffusers' interleaved rotary: ``x.reshape(..., -1, 2).unbind(-1)``). The RoPE passes follow a record per
 coordinate through these ops alike: signed indices (:mod:`.rope`), linear forms
 (:mod:`.rope_forms`).
 """
 from __future__ import annotations
+
+import operator
 
 import numpy as np
 import torch
 
 from ..nodes import ndim, op_of
 
-__all__ = ["MOVES", "moved"]
+__all__ = ["MOVES", "moved", "unbind_part"]
 
 aten = torch.ops.aten
 
@@ -67,4 +70,23 @@ def _reshaped(node, read):
     in_shape, out_shape = tuple(src.meta["val"].shape), tuple(node.meta["val"].shape)
     if v.ndim == 2 and in_shape[:-2] == out_shape[:-1] and out_shape[-1] == v.size:
         return v.reshape(-1)
+    if v.ndim == 1 and len(out_shape) >= 2 and in_shape[:-1] == out_shape[:-2] \
+            and out_shape[-2] * out_shape[-1] == v.size:  # the last axis split: ``(..., d/k, k)``
+        return v.reshape(out_shape[-2:])
     return v if v.ndim == 1 and in_shape == out_shape else None
+
+
+def unbind_part(node):
+    """``(unbind, source, i)`` where ``node`` is part ``i`` of an ``unbind`` of ``source``'s
+    last axis (its record's second axis, after a reshape into pairs); else None."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and node.target is operator.getitem and len(node.args) == 2):
+        return None
+    ub, i = node.args
+    if not (isinstance(ub, torch.fx.Node) and op_of(ub) == aten.unbind and isinstance(i, int)):
+        return None
+    src = ub.args[0]
+    d = ub.args[1] if len(ub.args) > 1 else ub.kwargs.get("dim", 0)
+    if not isinstance(src, torch.fx.Node) or d not in (-1, ndim(src) - 1):
+        return None
+    return ub, src, i

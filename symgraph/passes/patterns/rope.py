@@ -20,7 +20,7 @@ import torch
 
 from ..registry import Meet, Rope, Unify
 from ..nodes import op_of
-from .lastaxis import MOVES, moved
+from .lastaxis import MOVES, moved, unbind_part
 from .rope_forms import complex_ropes, escapes, linear_ropes, split_part, value_source
 
 __all__ = ['find_rope']
@@ -46,6 +46,11 @@ def _signed_map(node, x, nodes):
         out = None if v is None or v.ndim != 1 else v[part[2]:part[3]]
         if out is not None:
             nodes.add(part[0])
+    elif (ub := unbind_part(node)) is not None:  # one coordinate of each pair (diffusers)
+        v = _signed_map(ub[1], x, nodes)
+        out = None if v is None or v.ndim != 2 else v[:, ub[2]]
+        if out is not None:
+            nodes.add(ub[0])
     elif p in (aten.neg,):
         v = _signed_map(node.args[0], x, nodes)
         out = None if v is None else -v
@@ -264,16 +269,51 @@ def _pair_symmetric(const, pairs, ids):
     return all(v[i] == v[j] for i, j in pairs)
 
 
-def _split_mul(node, origin):
-    """mul(a, b) → (varying operand, constant operand) or None."""
+class _Tables:
+    """Which values can be rotary tables: constants, or values computed from the caller's
+    inputs alone, with no parameter on the way (Flux computes its angles from the position ids
+    it is given). No map acts on either, so a rotation by them commutes with a class exactly
+    when the tables are pair-symmetric, which :func:`_pair_symmetric` checks on how they are
+    computed, whatever their values."""
+
+    def __init__(self, origin):
+        self.origin, self.memo = origin, {}
+
+    def __call__(self, node) -> bool:
+        todo, out = [node], True
+        while todo:
+            n = todo.pop()
+            if n in self.memo:
+                out = out and self.memo[n]
+                continue
+            kind = self.origin(n)
+            if kind == "const" or n.op == "placeholder":
+                self.memo[n] = kind != "param"
+                out = out and self.memo[n]
+                continue
+            if n.op != "call_function":
+                self.memo[n] = False
+                return False
+            ins = [a for a in n.all_input_nodes if a not in self.memo]
+            if ins:
+                todo += [n, *ins]
+                continue
+            self.memo[n] = all(self.memo[a] for a in n.all_input_nodes)
+            out = out and self.memo[n]
+        return out
+
+
+def _split_mul(node, table):
+    """mul(a, b) → (varying operand, table operand) or None (``table``: a :class:`_Tables`)."""
     if not (isinstance(node, torch.fx.Node) and op_of(node) == aten.mul):
         return None
     a, b = node.args[:2]
     if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
         return None
-    if origin(a) == "const" and origin(b) != "const":
+    ta, tb = table(a), table(b)
+    if ta and not tb:
         return b, a
-    if origin(b) == "const" and origin(a) != "const":
+    if tb and not ta:
         return a, b
     return None
 
@@ -286,11 +326,11 @@ def find_rope(graph, origin, axes_of, shape_of):
     (:func:`~.rope_forms.complex_ropes`) and concatenated per-pair linear forms
     (:func:`~.rope_forms.linear_ropes`)."""
     claimed, cons = set(), []
-    ids = _ConstIds()
+    ids, table = _ConstIds(), _Tables(origin)
     for node in graph.nodes:
         if node.op != "call_function" or op_of(node) != aten.add:
             continue
-        ops = [_split_mul(a, origin) for a in node.args[:2]]
+        ops = [_split_mul(a, table) for a in node.args[:2]]
         if any(o is None for o in ops):
             continue
         for (x, c), (r, s) in (ops, ops[::-1]):
