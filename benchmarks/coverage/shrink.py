@@ -3,8 +3,9 @@ the model built on it."""
 from __future__ import annotations
 
 from .consistent import (head_dim_sums, kept_layers, mrope_sections, partition, per_count, repeats, split_to,
-                         query_image_tokens, state_head_dims, tokens_per_image, tower_widths,
+                         query_image_tokens, state_head_dims, tokens_per_image,
                          windows, sliding_window, feature_layers, grid_pinpoints, layer_spans, derived_sizes)
+from .towers import tower_rules
 
 
 # --- the one shrinking rule -------------------------------------------------------------------
@@ -334,7 +335,7 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
     out.update(mrope_sections(cfg, fields, out, width, q_new))
     out.update(windows(fields, out))
     out.update(head_dim_sums(fields, out, role))
-    out.update(tower_widths(fields, out, _MAIN_WIDTH))
+    out.update(tower_rules(fields, out, _MAIN_WIDTH, q_new if q_old else None, HEAD_DIM, VOCAB))
     return out
 
 
