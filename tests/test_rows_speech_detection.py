@@ -60,3 +60,68 @@ def test_voxtral_realtime_adds_audio_to_as_many_tokens_as_its_embeddings():
     with torch.no_grad():
         assert m(**kw).logits.shape == (2, 8, 64)
     _certified_and_claims(m, ["model.audio_tower.layers.", "model.multi_modal_projector."])
+
+
+def test_omniasr_ctc_raw_samples_from_its_extractor_with_a_channel_axis():
+    """OmniASR's CTC model reads raw samples as ``batch × 1 × samples``: the config's shape
+    (``batch × samples``) is refused, so the inputs are what its own feature extractor makes of
+    half a second at 16 kHz (8000 samples, with its all-ones ``padding_mask``)."""
+    audio = T.OmniASRAudioConfig(hidden_size=32, conv_dim=[16] * 7, num_attention_heads=2, num_hidden_layers=1,
+                                 num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=16, intermediate_size=48)
+    torch.manual_seed(0)
+    m = T.OmniASRForCTC(T.OmniASRCTCConfig(audio_config=audio, vocab_size=40)).eval()
+    _, kw = default_inputs(m)
+    assert kw["input_values"].shape == (2, 1, 8000)
+    assert kw["padding_mask"].shape == (2, 8000) and bool(kw["padding_mask"].all())
+    with torch.no_grad():
+        logits = m(**kw).logits
+    n = 8000
+    for k, s in zip(audio.conv_kernel, audio.conv_stride):  # the convolutions' frames: 24
+        n = (n - k) // s + 1
+    assert logits.shape == (2, n, 40) and n == 24
+    _certified_and_claims(m, [""])
+
+
+def test_granite_speech5_ctc_features_as_wide_as_the_linear_that_reads_them():
+    """Granite Speech 5's encoder reads ``4 × num_mel_bins`` features a frame (its extractor
+    stacks two frames of bins and their deltas; it needs torchaudio, absent here): the config's
+    16 bins are refused, and the frames are rebuilt as wide as the first linear map that reads
+    them takes (64)."""
+    enc = T.GraniteSpeech5EncoderConfig(vocab_size=24, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=2, num_mel_bins=16, max_position_embeddings=64,
+                                        context_size=16)
+    torch.manual_seed(0)
+    m = T.GraniteSpeech5ForCTC(T.GraniteSpeech5CTCConfig(encoder_config=enc, vocab_size=24)).eval()
+    _, kw = default_inputs(m)
+    x = kw["input_features"]
+    assert x.shape[0] == 2 and x.shape[-1] == 64 == 4 * 16
+    with torch.no_grad():
+        assert m(**kw).logits.shape[-1] == 24
+    _certified_and_claims(m, [""])
+
+
+def _dia():
+    enc = T.DiaEncoderConfig(max_position_embeddings=64, num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                             num_key_value_heads=2, head_dim=16, intermediate_size=48, vocab_size=64)
+    dec = T.DiaDecoderConfig(max_position_embeddings=64, num_hidden_layers=1, hidden_size=32, intermediate_size=48,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, cross_num_attention_heads=2,
+                             cross_head_dim=16, cross_num_key_value_heads=2, cross_hidden_size=32, vocab_size=40,
+                             num_channels=3, pad_token_id=39, eos_token_id=38, bos_token_id=37)
+    torch.manual_seed(0)
+    return T.DiaForConditionalGeneration(T.DiaConfig(encoder_config=enc, decoder_config=dec,
+                                                     delay_pattern=[0, 1, 2])).eval()
+
+
+def test_dia_decoder_ids_a_column_per_channel_of_its_decoder_vocabulary():
+    """Dia's decoder reads one audio code per channel a position (``decoder_config.num_channels``):
+    ids of one a position are refused, so they are ``batch × positions × 3``, in range of the
+    decoder's own vocabulary (40, not the encoder's 64), avoiding its special tokens after the
+    start token (its ``bos_token_id``) that begins every channel."""
+    m = _dia()
+    _, kw = default_inputs(m)
+    dec = kw["decoder_input_ids"]
+    assert dec.shape == (2, 4, 3) and kw["input_ids"].shape == (2, 8)
+    assert dec[:, 0].eq(37).all() and int(dec[:, 1:].max()) < 37
+    with torch.no_grad():
+        assert m(**kw).logits.shape[-1] == 40
+    _certified_and_claims(m, ["model.encoder.layers.", "model.decoder.layers."])

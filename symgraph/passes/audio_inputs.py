@@ -10,7 +10,7 @@ from ..errors import InputError
 from .input_values import config_value, ints, token_ids
 from .optional_inputs import Trials
 
-__all__ = ["audio_tokens", "features", "samples", "time_mask"]
+__all__ = ["audio_tokens", "features", "refused_audio", "samples", "time_mask"]
 
 
 def _raw_convolutions(model) -> list:
@@ -158,6 +158,44 @@ def _layouts(model, cfg, params, batch, gen) -> list:
     # optional mask of something else: Granite Speech's masks its projected features)
     masked = [{"input_features": f, **_feature_mask(model.forward, f, mel)} for f in (feats, feats.transpose(1, 2))]
     return out + masked + [{"input_features": kw["input_features"]} for kw in masked if len(kw) > 1]
+
+
+def refused_audio(model, kwargs, name, params, batch, gen) -> None:
+    """A main audio input (``kwargs[name]``) the forward refuses at the config's shape, in place:
+    what transformers' own feature extractor makes of half a second of random audio, where the
+    forward runs on it (OmniASR's raw samples take a channel axis of one); else features as wide
+    as the first linear map that reads their frames takes (Granite Speech 5's extractor stacks
+    two frames of mel bins and their deltas, four times the config's bins, and needs torchaudio)."""
+    trials = Trials(model, {})
+    if trials.reads(kwargs) is not None:
+        return
+    fe = _extractor(model)
+    got = _extracted(fe, params, batch, gen) if fe is not None else {}
+    if name in got and trials.reads(got) is not None:
+        kwargs.update(got)
+        return
+    x, width = kwargs[name], _reader_width(model, kwargs, name)
+    wide = torch.randn(*x.shape[:-1], width, generator=gen) if width else None
+    if wide is not None and trials.reads({**kwargs, name: wide}) is not None:
+        kwargs[name] = wide
+
+
+def _reader_width(model, kwargs, name) -> int | None:
+    """The input width of the first ``nn.Linear`` the forward applies to a tensor with the frames
+    of ``kwargs[name]`` (all its axes but the last), where that is not its width; None otherwise."""
+    x, got = kwargs[name], list[int]()
+
+    def pre(m, args):
+        a = args[0] if args else None
+        if not got and isinstance(a, torch.Tensor) and a.dim() == x.dim() and a.shape[:-1] == x.shape[:-1]:
+            got.append(m.in_features)
+    hooks = [m.register_forward_pre_hook(pre) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        Trials(model, {}).reads(kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return got[0] if got and got[0] != x.shape[-1] else None
 
 
 def _counts(model, kw, batch) -> list:

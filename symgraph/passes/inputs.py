@@ -42,12 +42,12 @@ import inspect
 import torch
 
 from ..errors import InputError
-from .audio_inputs import audio_tokens, features, samples, time_mask
+from .audio_inputs import audio_tokens, features, refused_audio, samples, time_mask
 from .diffusion_inputs import diffusers_inputs, is_diffusers
 from .image_inputs import image_tokens
 from .input_values import config_value, device_of, ints, pixels, token_ids
 from .optional_inputs import Trials, encoder_states, entities, layout, long_enough, masked_patches, passes_on
-from .paired_inputs import paired_inputs
+from .paired_inputs import decoder_channels, paired_inputs
 
 __all__ = ["default_inputs", "is_hf"]
 
@@ -118,6 +118,8 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
     name, main_cfg = _main_input(model, params)
     gen = torch.Generator().manual_seed(0)
     kwargs = {name: _main(model, main_cfg, name, batch, seq, gen)}
+    if name in ("input_values", "input_features"):  # the extractor's where the config's is refused
+        refused_audio(model, kwargs, name, params, batch, gen)
     two_towers = getattr(cfg, "vision_config", None) is not None and config_value(
         cfg, "image_token_id", "image_token_index") is None
     if name == "input_ids" and "pixel_values" in params and two_towers:  # CLIP-like
@@ -149,6 +151,7 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
         if "decoder_attention_mask" in params:  # all ones: a decoder that would look for padding
             # in its ids otherwise branches on their values (FSMT), which no trace can follow
             kwargs["decoder_attention_mask"] = torch.ones_like(dec)
+        decoder_channels(model, kwargs, cfg, batch, gen)  # a column per channel (Dia)
     elif name == "input_ids":
         encoder_states(trials, params, cfg, batch, gen)
         long_enough(model, trials, cfg, batch, gen)

@@ -11,12 +11,15 @@ its config, never from the model's name:
 - a video's frames where the main images are one (the config names a video token and the
   forward takes no separate videos: InstructBLIP-Video), each frame its own query tokens;
 - a second tokenizer's ids (``qformer_input_ids``: the instruction a Q-Former reads) in range of
-  the vocabulary of the sub-config of that name (``qformer_config``);
+  the vocabulary of the sub-config of that name (``qformer_config``), or of its encoder's
+  (``protein_encoder_config``: the protein sequence Evolla's encoder reads);
 - one image a row (``pixel_values`` of ``batch × 1 × C × H × W``) that every token attends to
   where the forward takes which images each token sees (``image_attention_mask``: Idefics);
 - one row of token ids per codebook (``num_codebooks``) where the forward refuses one per
   example (MusicGen's decoder);
-- each row's language (``lang_ids``: X-MOD's adapters), one of the config's ``languages``.
+- each row's language (``lang_ids``: X-MOD's adapters), one of the config's ``languages``;
+- decoder ids with one column per channel of the decoder config (``num_channels``,
+  ``num_codebooks``) where the forward refuses one a position (Dia's audio codes).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from .image_processing import patch_rows
 from .input_values import config_value, ints, token_ids
 from .optional_inputs import Trials
 
-__all__ = ["paired_inputs"]
+__all__ = ["decoder_channels", "paired_inputs"]
 
 FRAMES = 2  # the frames of an example video
 
@@ -48,7 +51,8 @@ def paired_inputs(model, kwargs: dict, params, name: str, batch: int, seq: int, 
     if text:
         _text_for_images(model, kwargs, params, cfg, batch, seq, gen, frames)
     for key in [p for p in params if p.endswith("_input_ids") and p != "decoder_input_ids"]:
-        sub = getattr(cfg, key[:-len("input_ids")] + "config", None)  # qformer_ -> qformer_config
+        pre = key[:-len("input_ids")]  # qformer_ -> qformer_config; protein_ -> its encoder's
+        sub = getattr(cfg, pre + "config", None) or getattr(cfg, pre + "encoder_config", None)  # (Evolla)
         vocab = getattr(sub, "vocab_size", None)
         if isinstance(vocab, int) and vocab > 0 and key not in kwargs:
             kwargs[key] = token_ids(model, sub, batch, seq, gen)
@@ -104,3 +108,21 @@ def _codebooks(model, kwargs, cfg, books: int, batch: int, seq: int, gen) -> Non
     ids = token_ids(model, cfg, batch * books, seq, gen)
     if trials.reads({**kwargs, "input_ids": ids}) is not None:
         kwargs["input_ids"] = ids
+
+
+def decoder_channels(model, kwargs: dict, cfg, batch: int, gen) -> None:
+    """Where the forward refuses ``decoder_input_ids`` of one id a position and its decoder config
+    states parallel streams (``num_channels``, ``num_codebooks``: Dia's nine channels of audio
+    codes), ids of ``batch × positions × channels`` in range of the decoder's vocabulary, each
+    channel starting at its start token, where the forward runs on them."""
+    dec = kwargs.get("decoder_input_ids")
+    sub = getattr(cfg, "decoder_config", None)
+    k = config_value(sub, "num_codebooks", "num_channels") if sub is not None else None
+    if dec is None or dec.dim() != 2 or not isinstance(k, int) or k < 2 or Trials(model, {}).reads(kwargs) is not None:
+        return
+    ids = token_ids(model, sub, batch * k, dec.shape[1], gen).reshape(batch, k, -1).transpose(1, 2).contiguous()
+    start = ints(config_value(sub, "decoder_start_token_id", "bos_token_id"))
+    ids[:, 0] = start[0] if start else dec[:, :1]
+    trial = {**kwargs, "decoder_input_ids": ids}
+    if Trials(model, {}).reads(trial) is not None:
+        kwargs.update(trial)
