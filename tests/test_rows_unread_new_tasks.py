@@ -82,3 +82,47 @@ def test_granite_speech_claims_its_q_former_cross_attention_heads():
     assert qk is not None and qk.blocks == 2 and (cross + "attention.key.weight", 0) in [tuple(p) for p in qk.params]
     assert vo is not None and vo.blocks == 2 and (cross + "output.dense.weight", 1) in [tuple(p) for p in vo.params]
     assert rep.certify(m) <= 1e-6
+
+
+def test_an_audio_token_left_none_beside_an_audio_config_gets_a_free_id():
+    """The shrink rule's audio token: transformers' default Voxtral config names none (its forward
+    then never reads the audio tower); the shrunk one takes the highest free id, or the next below
+    where the image rule took that one; a level with no audio config, or one that states its
+    token, is left alone."""
+    from benchmarks.coverage.media_tokens import audio_token
+    fields = vars(T.VoxtralConfig())
+    assert fields["audio_token_id"] is None
+    assert audio_token(fields, {}, 255) == {"audio_token_id": 255}
+    assert audio_token(fields, {"image_token_index": 255}, 255) == {"audio_token_id": 254}
+    assert audio_token({**fields, "audio_token_id": 24}, {}, 255) == {}
+    assert audio_token({"audio_token_id": None, "audio_config": None}, {}, 255) == {}
+
+
+def _voxtral(token):
+    audio = T.VoxtralEncoderConfig(vocab_size=64, hidden_size=32, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=2, num_mel_bins=16, max_source_positions=16)
+    text = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return T.VoxtralForConditionalGeneration(T.VoxtralConfig(audio_config=audio, text_config=text,
+                                                             audio_token_id=token)).eval()
+
+
+def test_voxtral_with_an_audio_token_reads_and_claims_its_audio_tower():
+    """With an audio token (the id the rule gives) the example inputs hold log-mel features (16
+    bins, 32 frames) and as many audio tokens as its projector gives embeddings; ``analyze`` with
+    no inputs reads every parameter, claims every matrix of the audio tower and projector, and
+    certifies. Without one (transformers' default) the tower is unread and nothing is claimed."""
+    from symgraph.passes.inputs import default_inputs
+    m = _voxtral(63)
+    _, kw = default_inputs(m)
+    assert kw["input_features"].shape == (2, 16, 32) and int((kw["input_ids"] == 63).sum()) == 2 * 4
+    rep = symgraph.analyze(m)
+    assert rep.unread is None
+    claimed = {p for g in rep.groups if g.kind != "identity" for p, _ in g.params}
+    tower = {n for n, p in m.named_parameters() if p.dim() > 1 and n.startswith(("model.audio_tower.layers.",
+                                                                                "model.multi_modal_projector."))}
+    assert tower and tower <= claimed, sorted(tower - claimed)[:4]
+    assert rep.certify(m) <= 1e-6
+    bare = symgraph.analyze(_voxtral(None))
+    assert bare.unread is not None and "audio_tower" in bare.unread and not bare.groups
