@@ -7,20 +7,19 @@ copy recovered by weight matching; one row per model.
 ``benchmarks/results/coverage_diffusers``) and their entry in its ``record.json``.
 
 Columns: traced (exported and analysed), sound (certificate ≤ 1e-6), complete (no op without a
-rule, and every fixed parameter fixed only because the graph's output reads it: the last
-layer's bias), frozen
-ops, fixed parameters (no group on any dimension; folded norm gains aside), the certificate,
-the recovery error (largest weight difference after aligning the transformed copy back), and
-the analysis and alignment times.
+rule, and every class the graph's structure calls for found: each ResNet block's channels,
+each MLP's hidden units (the timestep embedding's among them), each attention's heads; the
+vision table's rule, :func:`benchmarks.coverage.vision.completeness`), missing (those not
+found), frozen ops, fixed parameters (no group on any dimension; folded norm gains aside), the
+certificate, the recovery error (largest weight difference after aligning the transformed copy
+back), and the analysis and alignment times.
 
 What stays fixed, and why (the markdown lists each parameter with the reason the analysis
-records): the output layer's bias everywhere; in Flux the query/key RMSNorm gains, since the
-rotary tables are computed from the position ids given as inputs (``img_ids``, ``txt_ids``),
-which the RoPE pass does not read as constant tables, so the interleaved rotation's ``stack``
-fixes the head dimension (were it read, the per-dimension gains before the rotation would still
-leave no continuous rope class); in the UNet the channels that the up path's concatenation
-(skip connection) joins inside one GroupNorm group (a ``sum`` and a ``prod`` structure whose
-cuts disagree: the union-find fixes the class)."""
+records): the output layer's bias everywhere; in Flux the query/key RMSNorm gains, which
+scale each coordinate of a head before the rotary embedding turns each pair of coordinates by
+its own angle (the tables are computed from the position ids ``img_ids``/``txt_ids`` and read
+as RoPE): no map of those coordinates but the identity keeps both, so the gains are fixed by
+the function itself, as in Qwen3's ``q_norm``."""
 from __future__ import annotations
 
 import argparse
@@ -43,7 +42,10 @@ def _why(report, name) -> str:
 def row(name: str) -> dict:
     """One model: analysed, certified, recovered; failures recorded with their stage."""
     import symgraph
+    import symgraph.passes.trace as tr
     from symgraph.testing.diffusion import build, fixed_params
+
+    from .coverage.vision import completeness
     rec = {"model": name, "traced": False, "sound": None, "complete": None, "error": None}
     stage = "build"
     try:
@@ -58,7 +60,8 @@ def row(name: str) -> dict:
         rec.update({"groups": len(r.groups), "frozen_ops": sorted({str(f.op) for f in r.frozen}),
                     "fixed_buffers": r.fixed_buffers, "moved_buffers": r.buffers,
                     "fixed_params": {n: _why(r, n) for n in fixed}})
-        rec["complete"] = not r.frozen and all(why == OUTPUT for why in rec["fixed_params"].values())
+        rec["missing"] = completeness(tr.trace(m, x)[0], r)["missing"]
+        rec["complete"] = not r.frozen and not rec["missing"]
         stage = "certify"
         rec["certificate"] = r.certify(m, x, tol=float("inf"))
         rec["sound"] = rec["certificate"] <= TOL
@@ -82,18 +85,21 @@ def _num(v, fmt):
 
 def markdown(res) -> str:
     rows = [(r["model"], r.get("class", "-"), r.get("parameters", "-"), r["traced"], r["sound"], r["complete"],
-             len(r.get("frozen_ops", [])), len(r.get("fixed_params", {})), r.get("groups", "-"),
+             len(r.get("missing", [])), len(r.get("frozen_ops", [])), len(r.get("fixed_params", {})),
+             r.get("groups", "-"),
              _num(r.get("certificate"), ".1e"), _num(r.get("recovery_error"), ".1e"),
              _num(r.get("analyze_seconds"), ".2f"), _num(r.get("align_seconds"), ".2f")) for r in res["rows"]]
     lines = ["# Coverage of diffusers models", "",
              f"- command: `{res['command']}`", f"- commit: `{res['commit']}`" + (" (dirty)" if res["dirty"] else ""),
              f"- diffusers {res['diffusers']}, torch {res['torch']}; tiny models from configs, float64, "
              f"weights N(0, 0.3²) (symgraph.testing.diffusion); sound: certificate ≤ {TOL:g}", "",
-             *table(["model", "class", "params", "traced", "sound", "complete", "frozen ops", "fixed params",
-                     "groups", "certificate", "recovery error", "analysis s", "align s"], rows,
-                    ["l", "l", "r", "c", "c", "c", "r", "r", "r", "r", "r", "r", "r"]), "",
+             *table(["model", "class", "params", "traced", "sound", "complete", "missing", "frozen ops",
+                     "fixed params", "groups", "certificate", "recovery error", "analysis s", "align s"], rows,
+                    ["l", "l", "r", "c", "c", "c", "r", "r", "r", "r", "r", "r", "r", "r"]), "",
              "## Fixed parameters and why", ""]
     for r in res["rows"]:
+        for miss in r.get("missing", []):
+            lines.append(f"- {r['model']}: missing {miss['kind']} of `{miss.get('module', '')}`: {miss.get('why', '')}")
         for n, why in r.get("fixed_params", {}).items():
             lines.append(f"- {r['model']}: `{n}`: {why}")
         if r.get("error"):

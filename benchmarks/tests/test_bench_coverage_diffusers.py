@@ -17,7 +17,7 @@ def test_dit_row_table_and_record(tmp_path, monkeypatch):
     res = json.loads((tmp_path / "coverage.json").read_text())
     (row,) = res["rows"]
     assert row["model"] == "dit" and row["class"] == "DiTTransformer2DModel" and row["error"] is None
-    assert row["traced"] and row["sound"] and row["complete"]
+    assert row["traced"] and row["sound"] and row["complete"] and row["missing"] == []
     assert row["certificate"] < 1e-9 and row["recovery_error"] < 1e-6 < 0.1 < row["moved"]
     assert row["frozen_ops"] == [] and list(row["fixed_params"]) == ["proj_out_2.bias"]
     assert row["moved_buffers"] == ["pos_embed.pos_embed"]
