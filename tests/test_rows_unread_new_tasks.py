@@ -85,17 +85,21 @@ def test_granite_speech_claims_its_q_former_cross_attention_heads():
 
 
 def test_an_audio_token_left_none_beside_an_audio_config_gets_a_free_id():
-    """The shrink rule's audio token: transformers' default Voxtral config names none (its forward
-    then never reads the audio tower); the shrunk one takes the highest free id, or the next below
-    where the image rule took that one; a level with no audio config, or one that states its
-    token, is left alone."""
-    from benchmarks.coverage.media_tokens import audio_token
+    """The shrink rule's placeholder tokens (:func:`benchmarks.coverage.towers.placeholder_tokens`)
+    cover audio: transformers' default Voxtral config names no audio token (its forward then never
+    reads the audio tower); the shrunk one takes the highest id no other token takes; a level with
+    no audio config, or one that states its token, is left alone; image tokens as before."""
+    from benchmarks.coverage.shrink import tiny_config
+    from benchmarks.coverage.towers import placeholder_tokens
     fields = vars(T.VoxtralConfig())
     assert fields["audio_token_id"] is None
-    assert audio_token(fields, {}, 255) == {"audio_token_id": 255}
-    assert audio_token(fields, {"image_token_index": 255}, 255) == {"audio_token_id": 254}
-    assert audio_token({**fields, "audio_token_id": 24}, {}, 255) == {}
-    assert audio_token({"audio_token_id": None, "audio_config": None}, {}, 255) == {}
+    assert placeholder_tokens(fields, {}, 256) == {"audio_token_id": 255}
+    assert placeholder_tokens(fields, {"pad_token_id": 255}, 256) == {"audio_token_id": 254}
+    assert placeholder_tokens({**fields, "audio_token_id": 24}, {}, 256) == {}
+    assert placeholder_tokens({"audio_token_id": None, "audio_config": None}, {}, 256) == {}
+    assert placeholder_tokens({"image_token_id": None, "vision_config": object()}, {}, 256) == {"image_token_id": 255}
+    cfg, overrides = tiny_config("voxtral")
+    assert cfg.audio_token_id == overrides["audio_token_id"] == 255 < cfg.text_config.vocab_size
 
 
 def _voxtral(token):

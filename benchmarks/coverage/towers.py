@@ -60,16 +60,22 @@ def _token_ids(d: dict) -> set:
     return ids
 
 
+_PLACEHOLDERS = {"vision_config": ("image_token_id", "image_token_index", "video_token_id", "video_token_index"),
+                 "audio_config": ("audio_token_id", "audio_token_index")}
+
+
 def placeholder_tokens(fields, out, vocab: int) -> dict:
     """An image (video) token a composite with a ``vision_config`` declares and leaves None
     (``image_token_id``, ``video_token_id``: MiniCPM-V 4.6's and 4.7's, MiniCPM-OCR's, whose
-    processors take them from the tokenizer's placeholder): the forward skips the vision tower
-    without one, so the model could read no image at all; real checkpoints state it. The shrunk
-    config's: the highest ids below ``vocab`` that no other token of the config takes, one each."""
-    if fields.get("vision_config") is None:
+    processors take them from the tokenizer's placeholder), an audio token beside an
+    ``audio_config`` (Voxtral's): the forward skips the tower without one, so the model could
+    read no image (audio) at all; real checkpoints state it (Voxtral Mini's audio token is 24).
+    The shrunk config's: the highest ids below ``vocab`` that no other token of the config
+    takes, one each."""
+    names = [k for sub, keys in _PLACEHOLDERS.items() if fields.get(sub) is not None
+             for k in keys if k in fields and fields[k] is None and out.get(k) is None]
+    if not names:
         return {}
-    names = [k for k in ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
-             if k in fields and fields[k] is None and out.get(k) is None]
     stated = {k: v for k, v in fields.items() if not hasattr(v, "to_dict")}
     used = _token_ids({**stated, **out}) | {x for k, v in fields.items() if hasattr(v, "to_dict")
                                              for x in _token_ids(v.to_dict())}
