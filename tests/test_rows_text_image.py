@@ -62,3 +62,47 @@ def test_no_boxes_for_a_model_without_a_layout():
                                                      num_attention_heads=2, intermediate_size=48)).eval()
     _, kw = default_inputs(m)
     assert "bbox" not in kw and "pixel_values" not in kw
+
+
+def _levit():
+    cfg = T.LevitConfig(image_size=64, hidden_sizes=[32, 48, 64], num_attention_heads=[2, 2, 2], depths=[1, 1, 1],
+                        key_dim=[8, 8, 8], num_labels=3)
+    torch.manual_seed(0)
+    m = T.LevitForImageClassification(cfg).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("attention_biases"):  # zeros at init: random, so a wrong map would show
+                p.copy_(torch.randn_like(p))
+    return m
+
+
+def test_levit_attention_biases_read_from_the_parameter_not_its_cache():
+    """LeViT caches its gathered attention biases in eval mode (per device) and drops them on
+    ``train()``; a trace after any eval run would read the cache, a constant, and leave the
+    parameter unread (every class fixed). Tracing and certifying from ``train()`` then ``eval()``
+    reads the parameter: each stage's heads are permuted with their biases."""
+    m = _levit()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        before = m(pixel_values=x).logits  # fills the cache
+    rep = symgraph.analyze(m)
+    assert rep.unread is None
+    biases = {n for n, _ in m.named_parameters() if n.endswith("attention_biases")}
+    claimed = {p for g in rep.groups if g.kind != "identity" for p, _ in g.params}
+    assert biases and biases <= claimed, sorted(biases - claimed)
+    assert any(g.kind == "perm" and g.size == 2 and any(p in biases for p, _ in g.params) for g in rep.groups)
+    assert rep.certify(m) <= 1e-6
+    with torch.no_grad():  # nothing traced stays cached: the model runs as before
+        assert torch.allclose(m(pixel_values=x).logits, before)
+    assert float((before[0] - before[1]).abs().max()) > 0.1 * float(before.abs().max())  # input-dependent
+    with torch.no_grad():
+        m(pixel_values=x)  # the cache filled again: a moved copy must not keep it
+    for seed in range(8):
+        moved = symgraph.transform(m, rep.random_transform(seed=seed))
+        old, new = dict(m.named_parameters()), dict(moved.named_parameters())
+        if any(not torch.equal(old[n], new[n]) for n in biases):
+            break
+    assert any(not torch.equal(old[n], new[n]) for n in biases)  # some heads' biases moved
+    with torch.no_grad():
+        out = moved.eval()(pixel_values=x).logits  # (small logits at init: compared relatively)
+    assert float((out - before).abs().max() / before.abs().max()) < 1e-4

@@ -49,12 +49,17 @@ def split_inputs(model, inputs):
 
 @contextlib.contextmanager
 def eval_mode(model):
-    """Put ``model`` in eval mode and restore every module's flag afterwards."""
+    """Put ``model`` in eval mode and restore every module's flag afterwards. Entered and left
+    through ``train()``, by which a module drops what it caches from its parameters while in
+    eval (LeViT's gathered attention biases): the program run or traced reads the parameters
+    as they are now, and no traced value stays cached."""
     flags = [(m, m.training) for m in model.modules()]
+    model.train()
     model.eval()
     try:
         yield model
     finally:
+        model.train()
         for m, f in flags:
             m.training = f
 

@@ -151,4 +151,8 @@ def transform(model, t):
     ``model`` itself is never modified."""
     new = copy.deepcopy(model)
     write_state(new, transformed_state(t.report, t, model), t.report.buffers)
+    flags = [(m, m.training) for m in new.modules()]
+    new.train()  # by which a module drops what it cached from the old parameters (LeViT's biases)
+    for m, f in flags:
+        m.training = f
     return new
