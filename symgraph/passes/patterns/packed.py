@@ -14,6 +14,9 @@ part, a product of its own head and head-dimension axes. The count may also come
 factors: Persimmon's ``view(b, s, H, 3, d)`` then ``select(3, i)`` makes the packed axis
 ``H × (d ⊕ d ⊕ d)``, one head axis (the layout moves a head's Q, K and V rows together) and a
 part per entry, each fibred over the heads as a separate projection's head dimension is.
+Views on the way may merge runs of axes other than the count (SAM's ``reshape(B, h·w, 3, H, d)``
+of a ``(B, h, w, 3·H·d)`` projection, then ``reshape(3, B·H, h·w, d)``): an entry's merged axis
+is the product of the axes it merges, its head factor its part's.
 """
 from __future__ import annotations
 
@@ -31,6 +34,45 @@ aten = torch.ops.aten
 
 _RELAYOUT = {aten.unsqueeze, aten.transpose, aten.permute, aten.squeeze, aten.contiguous,
              aten.clone, aten.alias}
+_VIEWS = {aten.view, aten.reshape, aten._unsafe_view}
+
+
+def _runs(xs, os_) -> list | None:
+    """For each axis of shape ``os_``, the run of consecutive axes of ``xs`` it merges
+    (``(B, h, w)`` -> ``(B, h·w)``: ``[[0], [1, 2]]``); None where it splits one, or a size is 1."""
+    if any(int(v) < 2 for v in (*xs, *os_)):
+        return None
+    out, i = [], 0
+    for o in os_:
+        run: list = []
+        p = 1
+        while i < len(xs) and p < int(o):
+            p, run, i = p * int(xs[i]), run + [i], i + 1
+        if p != int(o):
+            return None
+        out.append(run)
+    return out if i == len(xs) else None
+
+
+def _merge_label(labels) -> tuple | None:
+    """The label of an axis merging axes labelled ``labels``: ``("x", parts)``; None where one
+    is the count or a segment (those stay axes of their own)."""
+    parts: list = []
+    for lab in labels:
+        if lab in ("n", "seg") or lab is None:
+            return None
+        parts += list(lab[1]) if isinstance(lab, tuple) and lab[0] == "x" else [lab]
+    return ("x", tuple(parts))
+
+
+def _merged(an, labels, node):
+    """The labels of a view that merges runs of consecutive axes other than the count (SAM's
+    ``reshape(3, B·H, h·w, d)``), or None."""
+    runs = _runs(an.shape_of(node.args[0]) or (), an.shape_of(node) or ())
+    if runs is None or len(runs) == len(labels) and all(len(r) == 1 for r in runs):
+        return None if runs is None else list(labels)
+    out = [labels[r[0]] if len(r) == 1 else _merge_label([labels[k] for k in r]) for r in runs]
+    return None if any(o is None and len(r) > 1 for o, r in zip(out, runs)) else out
 
 
 def _relayout(labels, node):
@@ -89,8 +131,8 @@ def _ends(an, node, labels, n, out):
             if seg is None:
                 return False
             out.append((u, seg, labels[:k] + ["seg"] + labels[k + 1:]))
-        elif p in _RELAYOUT:
-            lab = _relayout(labels, u)
+        elif p in _RELAYOUT or p in _VIEWS:
+            lab = _relayout(labels, u) if p in _RELAYOUT else _merged(an, labels, u)
             if lab is None or "n" not in lab or not _ends(an, u, lab, n, out):
                 return False
         else:
@@ -117,11 +159,11 @@ def find_packed(an):
         split = _last_axis_split(an, node)
         if split is None:
             continue
-        x, xa, factors_ = split
+        x, xa, factors_, lead = split
         for c in range(len(factors_) - 1):  # the count: the factor the selects take apart
             # (never the last: a split of the last factor alone is the slice rules' business)
             pre, n, ms = factors_[:c], factors_[c], factors_[c + 1:]
-            labels = list(range(len(xa) - 1)) + [("p", i) for i in range(c)] + ["n"] + \
+            labels = list(lead) + [("p", i) for i in range(c)] + ["n"] + \
                 [("m", j) for j in range(len(ms))]
             ends = []
             if _ends(an, node, labels, n, ends) and _tiles([e for _, e, _ in ends], n):
@@ -151,7 +193,9 @@ def find_packed(an):
         for end, seg, lab in ends:
             f = factors[seg]
             for o, tag in zip(an.axes_of(end), lab):
-                if tag == "seg":
+                if isinstance(tag, tuple) and tag[0] == "x":
+                    cons.append(Structure(o, "prod", tuple(_axis(t, xa, outer, f, kept[seg]) for t in tag[1])))
+                elif tag == "seg":
                     cons.append(Unify(o, f[0]))
                 elif isinstance(tag, tuple) and tag[0] == "p":
                     cons.append(Unify(o, outer[tag[1]]))
@@ -164,9 +208,18 @@ def find_packed(an):
     return claimed, cons
 
 
+def _axis(tag, xa, outer, f, kept):
+    """The axis a label names: an input axis, a factor before the count, or one after it."""
+    if isinstance(tag, int):
+        return xa[tag]
+    return outer[tag[1]] if tag[0] == "p" else f[tag[1] + (1 if kept else 0)]
+
+
 def _last_axis_split(an, node):
-    """``(input, its axes, [f, ...])`` when ``node`` unflattens (or views) an activation's last
-    axis into factors ``(f, ...)``, all > 1, keeping its other axes; else None."""
+    """``(input, its axes, [f, ...], labels of the leading axes)`` when ``node`` unflattens (or
+    views) an activation's last axis into factors ``(f, ...)``, all > 1, keeping its other axes
+    or merging runs of them (SAM's ``reshape(B, h·w, 3, H, d)`` of a ``(B, h, w, 3·H·d)``
+    projection: the merged axis labelled ``("x", (1, 2))``); else None."""
     p = packet(node.target)
     if p not in (aten.unflatten, aten.view, aten.reshape, aten._unsafe_view) or not node.args:
         return None
@@ -175,10 +228,14 @@ def _last_axis_split(an, node):
     if xa is None or xs is None or os_ is None or an.origin_of(x) != "act" or len(os_) < len(xs) + 1:
         return None
     lead = len(xs) - 1
-    if list(os_[:lead]) != list(xs[:lead]) or math.prod(os_[lead:]) != xs[-1]:
+    if list(os_[:lead]) == list(xs[:lead]) and math.prod(os_[lead:]) == xs[-1]:
+        fs = [int(f) for f in os_[lead:]]
+        return (x, xa, fs, list(range(lead))) if all(f > 1 for f in fs) else None
+    k = next((k for k in range(1, len(os_) - 1) if math.prod(os_[k:]) == xs[-1]), None)
+    runs = _runs(xs[:lead], os_[:k]) if k is not None and lead else None
+    if runs is None or any(int(f) < 2 for f in os_[k:]):
         return None
-    fs = [int(f) for f in os_[lead:]]
-    return (x, xa, fs) if all(f > 1 for f in fs) else None
+    return x, xa, [int(f) for f in os_[k:]], [r[0] if len(r) == 1 else ("x", tuple(r)) for r in runs]
 
 
 def _chain(node, stop):
