@@ -125,3 +125,61 @@ def test_dia_decoder_ids_a_column_per_channel_of_its_decoder_vocabulary():
     with torch.no_grad():
         assert m(**kw).logits.shape[-1] == 40
     _certified_and_claims(m, ["model.encoder.layers.", "model.decoder.layers."])
+
+
+# --- detectors: sizes the shrink rule derives from the backbone (benchmarks/coverage/detection.py)
+
+
+def test_feature_width_follows_the_backbone_stage_it_reads():
+    """A detector's width named for a feature map whose default is a backbone stage's output
+    channels follows that stage: scaled with the detector (128 -> 32) it would no longer match
+    an unscaled backbone's 128, so it takes the backbone's shrunk value; a width that matches no
+    stage, or is not named for a feature, is left as the rule made it."""
+    from types import SimpleNamespace
+
+    from benchmarks.coverage.detection import feature_widths
+    old = SimpleNamespace(stage_out_channels=[128, 512], stage_in_channels=[48, 128], hidden_sizes=[256, 512],
+                          to_dict=dict)
+    fields = {"backbone_config": old, "x4_feat_dim": 128, "encoder_hidden_dim": 256, "y_feat_dim": 96}
+    new_bb = {"stage_out_channels": [128, 512], "stage_in_channels": [48, 128], "hidden_sizes": [256, 512]}
+    out = {"backbone_config": new_bb, "x4_feat_dim": 32, "encoder_hidden_dim": 64, "y_feat_dim": 24}
+    assert feature_widths(fields, out) == {"x4_feat_dim": 128}
+    out["backbone_config"] = {**new_bb, "stage_out_channels": [32, 128]}
+    assert feature_widths(fields, out) == {"x4_feat_dim": 32}
+
+
+def test_object_queries_no_more_than_the_patches_of_the_shrunk_image():
+    from benchmarks.coverage.detection import object_queries
+    bb = {"image_size": 64, "patch_size": 14}
+    assert object_queries({"num_queries": 300}, {"backbone_config": bb}) == {"num_queries": 16}
+    assert object_queries({"num_queries": 10}, {"backbone_config": bb}) == {}
+    assert object_queries({"num_queries": 300}, {"backbone_config": {"image_size": 64}}) == {}
+
+
+def test_pp_doclayout_v3_mask_head_reads_the_backbone_stage_it_is_sized_for():
+    """PP-DocLayout V3's tiny config: ``x4_feat_dim`` stays the HGNet-V2 backbone's first stage's
+    128 channels (scaled to 32 the mask head's convolution refused them), and the model runs."""
+    from benchmarks.coverage.shrink import build, tiny_config
+    cfg, _ = tiny_config("pp_doclayout_v3")
+    assert cfg.x4_feat_dim == cfg.backbone_config.stage_out_channels[0] == 128
+    m, _ = build("pp_doclayout_v3", "PPDocLayoutV3ForObjectDetection")
+    _, kw = default_inputs(m)
+    with torch.no_grad():
+        out = m(**kw)
+    assert out.logits.shape[:2] == (2, cfg.num_queries)
+
+
+def test_rf_detr_runs_and_names_the_training_only_query_groups():
+    """RF-DETR's tiny config takes 16 queries, the patches of its backbone's 64-pixel image in
+    14-pixel patches (300 could not be taken as the top-k of 16 proposals), and runs. In eval
+    mode it reads only the first of its ``group_detr`` query groups (the others are Group DETR's
+    training-time queries), so the report claims nothing and says why; it certifies."""
+    from benchmarks.coverage.shrink import build
+    m, _ = build("rf_detr", "RfDetrForObjectDetection")
+    assert m.config.num_queries == 16 and m.config.group_detr > 1
+    _, kw = default_inputs(m)
+    with torch.no_grad():
+        assert m(**kw).logits.shape == (2, 16, m.config.num_labels)
+    rep = symgraph.analyze(m)
+    assert rep.unread is not None and "never read" in rep.unread
+    assert rep.certify(m) <= 1e-6

@@ -6,7 +6,7 @@ from .consistent import (head_dim_sums, kept_layers, mrope_sections, partition, 
                          query_image_tokens, state_head_dims, tokens_per_image,
                          windows, sliding_window, feature_layers, grid_pinpoints, layer_spans, derived_sizes)
 from .towers import tower_rules
-
+from .detection import backbone_rules
 
 # --- the one shrinking rule -------------------------------------------------------------------
 
@@ -336,7 +336,7 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
     out.update(windows(fields, out))
     out.update(head_dim_sums(fields, out, role))
     out.update(tower_rules(fields, out, _MAIN_WIDTH, q_new if q_old else None, HEAD_DIM, VOCAB))
-    return out
+    return {**out, **backbone_rules(fields, out)}
 
 
 def _output_layers(fields, old_layers) -> int:
