@@ -183,3 +183,22 @@ def test_rf_detr_runs_and_names_the_training_only_query_groups():
     rep = symgraph.analyze(m)
     assert rep.unread is not None and "never read" in rep.unread
     assert rep.certify(m) <= 1e-6
+
+
+def test_led_first_token_global_reads_the_global_projections():
+    """LED's encoder (Longformer's attention) reads its global query/key/value projections only
+    on a branch a globally attending token takes (``aten.any`` of the mask): the inputs mark the
+    first token of each row global (``global_attention_mask``), so the traced program reads
+    them, their classes are claimed, and the report certifies."""
+    cfg = T.LEDConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                      decoder_attention_heads=2, encoder_ffn_dim=48, decoder_ffn_dim=48, attention_window=[4],
+                      max_encoder_position_embeddings=64, max_decoder_position_embeddings=64, pad_token_id=1,
+                      eos_token_id=2, bos_token_id=0, decoder_start_token_id=2)
+    torch.manual_seed(0)
+    m = T.LEDForConditionalGeneration(cfg).eval()
+    _, kw = default_inputs(m)
+    g = kw["global_attention_mask"]
+    assert g.shape == kw["input_ids"].shape and g[:, 0].eq(1).all() and int(g.sum()) == g.shape[0]
+    rep = _certified_and_claims(m, ["led.encoder.layers.0.self_attn.longformer_self_attn.query_global",
+                                    "led.encoder.layers.0.self_attn.longformer_self_attn.value_global"])
+    assert rep.group_of("led.encoder.layers.0.self_attn.longformer_self_attn.query_global.weight", 0)

@@ -47,7 +47,7 @@ from .diffusion_inputs import diffusers_inputs, is_diffusers
 from .image_inputs import image_tokens
 from .input_values import config_value, device_of, ints, pixels, token_ids
 from .optional_inputs import Trials, encoder_states, entities, layout, long_enough, masked_patches, passes_on
-from .paired_inputs import decoder_channels, paired_inputs
+from .paired_inputs import decoder_channels, global_tokens, paired_inputs
 
 __all__ = ["default_inputs", "is_hf"]
 
@@ -157,6 +157,7 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
         long_enough(model, trials, cfg, batch, gen)
     if name == "input_ids":  # boxes (and a page) once the decoder's inputs are there (UDOP)
         layout(trials, params, cfg, batch, gen)
+        global_tokens(trials, params, batch)  # the first token attends globally (LED)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     kwargs = {k: v if not isinstance(v, torch.Tensor) else v.to(dev, dtype) if v.is_floating_point() else v.to(dev)
               for k, v in kwargs.items()}  # a flag (``sample=False``) as it is

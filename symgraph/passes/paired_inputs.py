@@ -19,7 +19,8 @@ its config, never from the model's name:
   example (MusicGen's decoder);
 - each row's language (``lang_ids``: X-MOD's adapters), one of the config's ``languages``;
 - decoder ids with one column per channel of the decoder config (``num_channels``,
-  ``num_codebooks``) where the forward refuses one a position (Dia's audio codes).
+  ``num_codebooks``) where the forward refuses one a position (Dia's audio codes);
+- the first token of each row attending globally (``global_attention_mask``: Longformer, LED).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from .image_processing import patch_rows
 from .input_values import config_value, ints, token_ids
 from .optional_inputs import Trials
 
-__all__ = ["decoder_channels", "paired_inputs"]
+__all__ = ["decoder_channels", "global_tokens", "paired_inputs"]
 
 FRAMES = 2  # the frames of an example video
 
@@ -126,3 +127,16 @@ def decoder_channels(model, kwargs: dict, cfg, batch: int, gen) -> None:
     trial = {**kwargs, "decoder_input_ids": ids}
     if Trials(model, {}).reads(trial) is not None:
         kwargs.update(trial)
+
+
+def global_tokens(trials: Trials, params, batch: int) -> None:
+    """The first token of each row attending globally (``global_attention_mask``), where the
+    forward takes it and reads more parameters on it: Longformer's and LED's global query, key
+    and value projections are read only on a branch that a token attending globally takes (their
+    classification heads and summarisation examples mark the first token so)."""
+    ids = trials.kwargs.get("input_ids")
+    if "global_attention_mask" not in params or ids is None or ids.dim() != 2 or ids.shape[0] != batch:
+        return
+    mask = torch.zeros_like(ids)
+    mask[:, 0] = 1
+    trials.offer({"global_attention_mask": mask})
