@@ -130,12 +130,15 @@ def mrope_sections(cfg, fields, out, width, heads) -> dict:
     """Multimodal rotary sections (``rope_parameters["mrope_section"]``: time, height, width) that
     must sum to half the rotary width per head: scaled to the shrunk one. Set where the config
     states a section or its class names ``mrope_section`` among its rope keys (a model that
-    reads its own default: Qwen2-VL's [16, 24, 24] sums to 64 = 128 / 2)."""
+    reads its own default: Qwen2-VL's [16, 24, 24] sums to 64 = 128 / 2), or, on a level with a
+    vocabulary, its family's model code reads one with a default of its own (PaddleOCR-VL's
+    ``rope_parameters.get("mrope_section", [16, 24, 24])``, which its config names nowhere)."""
     rp = _new(fields, out, "rope_parameters")
     if not isinstance(rp, dict) or not rp or any(isinstance(x, dict) for x in rp.values()):
         return {}  # none, or one per layer type
     names = getattr(type(cfg), "ignore_keys_at_rope_validation", None) or ()
-    if "mrope_section" not in rp and "mrope_section" not in names:
+    code = "vocab_size" in fields and read_with_default(cfg, "mrope_section")  # a text level's
+    if "mrope_section" not in rp and "mrope_section" not in names and not code:
         return {}
     rope = _new(fields, out, "qk_rope_head_dim")
     head = rope if _is_int(rope) and rope > 0 else head_width(fields, out, width, heads)
@@ -149,6 +152,22 @@ def mrope_sections(cfg, fields, out, width, heads) -> dict:
     if total < len(old) or sum(old) == total and "mrope_section" in rp:
         return {}
     return {"rope_parameters": {**rp, "mrope_section": split_to(old, total)}}
+
+
+def read_with_default(cfg, key: str) -> bool:
+    """Whether the model code of ``cfg``'s family (the ``modeling_`` module beside its config's
+    ``configuration_`` one) reads ``key`` from a dict with a default (``.get("key", ...)``)."""
+    import importlib
+    import inspect
+    import re
+    name = type(cfg).__module__
+    if ".configuration_" not in name:
+        return False
+    try:
+        code = inspect.getsource(importlib.import_module(name.replace(".configuration_", ".modeling_")))
+    except Exception:  # noqa: BLE001 - no such module, or no source: nothing read
+        return False
+    return re.search(r"""\.get\(\s*["']%s["']\s*,""" % re.escape(key), code) is not None
 
 
 def state_head_dims(fields, out, width, role) -> dict:

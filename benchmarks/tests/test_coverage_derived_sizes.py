@@ -51,3 +51,19 @@ def test_rows_run_and_are_complete():
     r = _row_sound_and_complete("efficientnet", "EfficientNetForImageClassification", "image_cls")
     assert r["group_kinds"].get("perm", 0) > 0
     _row_sound_and_complete("layoutlmv3", "LayoutLMv3ForSequenceClassification", "seq_cls")
+
+
+def test_mrope_sections_a_model_reads_with_its_own_default():
+    """PaddleOCR-VL's text model reads ``rope_parameters.get("mrope_section", [16, 24, 24])``
+    (64 = half its 128-wide heads), a key its config names nowhere: the shrunk config states
+    sections summing to half the shrunk head width. A family whose code reads none gets none."""
+    from transformers import CONFIG_MAPPING
+
+    from benchmarks.coverage.consistent import read_with_default
+    assert read_with_default(CONFIG_MAPPING["paddleocr_vl"]().text_config, "mrope_section")
+    assert not read_with_default(CONFIG_MAPPING["llama"](), "mrope_section")
+    cfg, _ = cov.tiny_config("paddleocr_vl")
+    text = cfg.text_config
+    assert sum(text.rope_parameters["mrope_section"]) == text.head_dim // 2 == 8
+    assert "mrope_section" not in (cov.tiny_config("llama")[0].rope_parameters or {})
+    _row_sound_and_complete("paddleocr_vl", "PaddleOCRVLForConditionalGeneration", "image_text_to_text")
