@@ -24,6 +24,7 @@ axes relate, a union-find merges them into classes. Importing the rule files reg
 - ``optional_inputs``   optional inputs that read parameters the main input leaves unread
 - ``image_inputs``      a vision-language model's images and image tokens
 - ``image_processing``  images made by the model's own image processor from transformers
+- ``tower_inputs``      image layouts for towers the others do not fit (tokens' own pixels)
 - ``audio_inputs``      audio: raw samples, features, a speech model's audio tokens
 - ``paired_inputs``     inputs a forward needs beside its main one (text beside images, languages)
 - ``export_inputs``     the values transformers' exporter precomputes for a trace (vision segments)

@@ -2,7 +2,8 @@
 
 ``softmax(q kᵀ / √d) v`` per batch/head: the head axes are independent problems (perm); q and
 k contract over the head dimension, so ``q ↦ A q, k ↦ A^{-T} k`` (any invertible A, per head)
-leaves the scores unchanged; v's head dimension passes to the output untouched. With
+leaves the scores unchanged; v's head dimension passes to the output untouched; the rows of q
+and of k (with v's) may only be permuted (the softmax of each row is nonlinear). With
 ``enable_gqa`` the query heads are ``Prod(kv_heads, group)``.
 """
 from __future__ import annotations
@@ -46,6 +47,9 @@ def sdpa(ctx):
     cons += [Unify(qa[-1], ka[-1], dual=True), Unify(ka[-2], va[-2]),
              Meet(ka[-2], "perm", f"{ctx.where}: softmax over keys"),
              Unify(out[-2], qa[-2]), Unify(out[-1], va[-1])]
+    if qs[-2] > 1:  # each query row's softmax is its own: rows may only be permuted (a channel
+        # axis attended over, DaViT's channel attention in Florence 2, is no token axis)
+        cons.append(Meet(qa[-2], "perm", f"{ctx.where}: softmax per query row"))
     ma, ms = ctx.axes(mask), ctx.shape(mask)
     if ma is not None:
         full = list(out[:-1]) + [ka[-2]]

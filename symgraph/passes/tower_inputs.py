@@ -1,0 +1,31 @@
+"""Image inputs for vision towers the other layouts of :mod:`.image_processing` do not fit (see
+:mod:`.image_inputs`, which tries each against the model's own ``get_image_features``), built
+from the vision config and the forward's signature, never from the model's name."""
+from __future__ import annotations
+
+import torch
+
+from .input_values import config_value
+
+__all__ = ["merged_patches"]
+
+
+def _int(v) -> int | None:
+    v = v[0] if isinstance(v, (list, tuple)) and v else v
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def merged_patches(vision, params, batch: int, gen) -> list:
+    """Where the forward takes ``image_grid_thw`` counted in the text's image tokens (one per
+    ``merge × merge`` patches: Inkling 2) rather than in patches: each row's image as a grid of
+    ``2 × 2`` tokens, each token's pixels one small image of ``P·merge`` a side, channels last
+    (``tokens × P·merge × P·merge × C``) or first; none without a patch and a merge size."""
+    patch = _int(config_value(vision, "patch_size"))
+    merge = _int(config_value(vision, "spatial_merge_size", "merge_size", "merge_kernel_size"))
+    if "image_grid_thw" not in params or patch is None or merge is None or merge < 2:
+        return []
+    ch = _int(config_value(vision, "num_channels", "in_channels")) or 3
+    side, n = patch * merge, 4 * batch
+    grid = torch.tensor([[1, 2, 2]] * batch)
+    return [{"pixel_values": torch.randn(*shape, generator=gen), "image_grid_thw": grid}
+            for shape in ((n, side, side, ch), (n, ch, side, side))]
