@@ -202,3 +202,22 @@ def test_led_first_token_global_reads_the_global_projections():
     rep = _certified_and_claims(m, ["led.encoder.layers.0.self_attn.longformer_self_attn.query_global",
                                     "led.encoder.layers.0.self_attn.longformer_self_attn.value_global"])
     assert rep.group_of("led.encoder.layers.0.self_attn.longformer_self_attn.query_global.weight", 0)
+
+
+def test_kyutai_ids_a_text_column_and_one_per_codebook_codec_named_unread():
+    """Kyutai's speech-to-text forward reads, a position, its text token and one audio code per
+    codebook (``batch × positions × (num_codebooks + 1)``); one row per example is refused, and
+    so are ``batch × num_codebooks`` rows and a column per codebook alone. Its codec (Mimi)
+    turns audio into those codes only in ``generate``: the forward never reads it, so the report
+    claims nothing and names it; it certifies."""
+    from benchmarks.coverage.shrink import build
+    m, _ = build("kyutai_speech_to_text", "KyutaiSpeechToTextForConditionalGeneration")
+    books = m.config.num_codebooks
+    _, kw = default_inputs(m)
+    ids = kw["input_ids"]
+    assert ids.shape == (2, 8, books + 1) and int(ids.max()) < m.config.vocab_size
+    with torch.no_grad():
+        assert m(**kw).logits.shape == (2, 8, m.config.vocab_size)
+    rep = symgraph.analyze(m)
+    assert rep.unread is not None and rep.unread.startswith("codec_model.")
+    assert rep.certify(m) <= 1e-6

@@ -16,7 +16,7 @@ its config, never from the model's name:
 - one image a row (``pixel_values`` of ``batch × 1 × C × H × W``) that every token attends to
   where the forward takes which images each token sees (``image_attention_mask``: Idefics);
 - one row of token ids per codebook (``num_codebooks``) where the forward refuses one per
-  example (MusicGen's decoder);
+  example (MusicGen's decoder), else a column per codebook (and one of text: Kyutai);
 - each row's language (``lang_ids``: X-MOD's adapters), one of the config's ``languages``;
 - decoder ids with one column per channel of the decoder config (``num_channels``,
   ``num_codebooks``) where the forward refuses one a position (Dia's audio codes);
@@ -102,13 +102,21 @@ def _text_for_images(model, kwargs, params, cfg, batch, seq, gen, frames: int = 
 
 def _codebooks(model, kwargs, cfg, books: int, batch: int, seq: int, gen) -> None:
     """Where the forward refuses a row of ids per example and runs on one per codebook
-    (``batch × num_codebooks`` rows: MusicGen's decoder), the latter."""
+    (``batch × num_codebooks`` rows: MusicGen's decoder), the latter; else, where it runs on a
+    column per stream a position (``batch × positions × streams``: Kyutai's text token and then
+    one audio code per codebook, ``num_codebooks + 1``; the codebooks alone), the first such."""
     trials = Trials(model, kwargs)
     if trials.reads(kwargs) is not None:
         return
     ids = token_ids(model, cfg, batch * books, seq, gen)
     if trials.reads({**kwargs, "input_ids": ids}) is not None:
         kwargs["input_ids"] = ids
+        return
+    for k in (books + 1, books):
+        ids = token_ids(model, cfg, batch * k, seq, gen).reshape(batch, k, seq).transpose(1, 2).contiguous()
+        if trials.reads({**kwargs, "input_ids": ids}) is not None:
+            kwargs["input_ids"] = ids
+            return
 
 
 def decoder_channels(model, kwargs: dict, cfg, batch: int, gen) -> None:
