@@ -357,10 +357,34 @@ def merged_widths(fields, out, main_keys) -> dict:
     return res
 
 
-def derived_sizes(fields, out, main, width) -> dict:
-    """The sizes below, derived on a level whose main width goes from ``main`` to ``width``."""
+def derived_sizes(fields, out, main, width, cfg=None, free: int | None = None) -> dict:
+    """The sizes below, derived on a level whose main width goes from ``main`` to ``width``;
+    token ids its model code reads with defaults of its own numbered down from ``free``."""
     return {**layout_parts(fields, main, width), **stage_depths(fields, out),
-            **multipliers(fields, main, width)}
+            **multipliers(fields, main, width), **code_token_ids(cfg, fields, free)}
+
+
+def code_token_ids(cfg, fields, free: int | None) -> dict:
+    """Token ids the family's model code reads from the config with a default of its own that
+    the config does not declare (ShieldGemma 2's ``getattr(config, "yes_token_index", 10_784)``,
+    a logit it selects): each default at or past ``free`` (beyond the shrunk vocabulary) stated
+    in the shrunk config as ``free``, ``free - 1``, ... (a model would index past its logits)."""
+    import importlib
+    import inspect
+    import re
+    name = type(cfg).__module__ if cfg is not None else ""
+    if not _is_int(free) or ".configuration_" not in name:
+        return {}
+    try:
+        code = inspect.getsource(importlib.import_module(name.replace(".configuration_", ".modeling_")))
+    except Exception:  # noqa: BLE001 - no such module, or no source: nothing read
+        return {}
+    found = re.findall(r"""getattr\(\s*config\s*,\s*["'](\w+_token_(?:id|index))["']\s*,\s*([\d_]+)\s*\)""", code)
+    res: dict = {}
+    for key, default in found:
+        if key not in fields and key not in res and int(default) >= free:
+            res[key] = free - len(res)
+    return res
 
 
 def layout_parts(fields, main, width) -> dict:

@@ -331,7 +331,7 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
     out.update(grid_pinpoints(fields, out))
     width = int(main * scale) if main else None
     out.update(state_head_dims(fields, out, width, role))
-    out.update(derived_sizes(fields, out, main, width))
+    out.update(derived_sizes(fields, out, main, width, cfg, VOCAB - 2 - len(id_map)))
     out.update(mrope_sections(cfg, fields, out, width, q_new))
     out.update(windows(fields, out))
     out.update(head_dim_sums(fields, out, role))

@@ -67,3 +67,22 @@ def test_mrope_sections_a_model_reads_with_its_own_default():
     assert sum(text.rope_parameters["mrope_section"]) == text.head_dim // 2 == 8
     assert "mrope_section" not in (cov.tiny_config("llama")[0].rope_parameters or {})
     _row_sound_and_complete("paddleocr_vl", "PaddleOCRVLForConditionalGeneration", "image_text_to_text")
+
+
+def test_token_ids_a_model_reads_with_its_own_default():
+    """ShieldGemma 2 selects the logits of ``getattr(config, "yes_token_index", 10_784)`` and
+    ``"no_token_index"`` (3771), ids its config does not declare: beyond the shrunk vocabulary
+    they index past the logits, so the shrunk config states them, below the renumbered ones."""
+    from transformers import CONFIG_MAPPING
+
+    from benchmarks.coverage.consistent import code_token_ids
+    sg = CONFIG_MAPPING["shieldgemma2"]()
+    assert code_token_ids(sg, {}, 251) == {"yes_token_index": 251, "no_token_index": 250}
+    assert code_token_ids(sg, {"yes_token_index": 7}, 251) == {"no_token_index": 251}  # declared: kept
+    assert code_token_ids(sg, {}, 20_000) == {}  # both defaults within the vocabulary
+    assert code_token_ids(CONFIG_MAPPING["llama"](), {}, 251) == {}
+    cfg, _ = cov.tiny_config("shieldgemma2")
+    ids = {cfg.yes_token_index, cfg.no_token_index}
+    assert max(ids) < cfg.text_config.vocab_size and len(ids) == 2
+    assert not ids & {cfg.image_token_index, cfg.boi_token_index, cfg.eoi_token_index}
+    _row_sound_and_complete("shieldgemma2", "ShieldGemma2ForImageClassification", "image_cls")
