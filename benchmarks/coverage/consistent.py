@@ -361,7 +361,20 @@ def derived_sizes(fields, out, main, width, cfg=None, free: int | None = None) -
     """The sizes below, derived on a level whose main width goes from ``main`` to ``width``;
     token ids its model code reads with defaults of its own numbered down from ``free``."""
     return {**layout_parts(fields, main, width), **stage_depths(fields, out),
-            **multipliers(fields, main, width), **code_token_ids(cfg, fields, free)}
+            **multipliers(fields, main, width), **code_token_ids(cfg, fields, free), **all_shared(fields, out)}
+
+
+def all_shared(fields, out) -> dict:
+    """A count of layers that share another's key-value cache (``num_kv_shared_layers``) that
+    is every layer by default (Gemma 4's unified assistant: all 30 read the target model's
+    cache; its validator refuses a layer kind that one layer makes and none other reads):
+    every shrunk layer."""
+    main = next((k for k in ("num_hidden_layers", "num_layers") if _is_int(fields.get(k))), None)
+    new = out.get(main) if main else None
+    if not _is_int(new):
+        return {}
+    return {k: new for k, v in fields.items() if _is_int(v) and v == fields[main] and v > new
+            and "shared" in k.split("_") and k.endswith("_layers")}
 
 
 def code_token_ids(cfg, fields, free: int | None) -> dict:

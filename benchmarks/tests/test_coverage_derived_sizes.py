@@ -86,3 +86,18 @@ def test_token_ids_a_model_reads_with_its_own_default():
     assert max(ids) < cfg.text_config.vocab_size and len(ids) == 2
     assert not ids & {cfg.image_token_index, cfg.boi_token_index, cfg.eoi_token_index}
     _row_sound_and_complete("shieldgemma2", "ShieldGemma2ForImageClassification", "image_cls")
+
+
+def test_layers_all_sharing_a_cache_stay_all():
+    """Gemma 4's unified assistant reads every layer's key-value cache from its target model
+    (``num_kv_shared_layers`` = ``num_hidden_layers`` = 30); shrunk to one shared layer of two,
+    its validator refuses the layer kind that the unshared one makes and nothing reads."""
+    from benchmarks.coverage.consistent import all_shared
+    fields = {"num_hidden_layers": 30, "num_kv_shared_layers": 30, "max_window_layers": 30}
+    assert all_shared(fields, {"num_hidden_layers": 2}) == {"num_kv_shared_layers": 2}
+    assert all_shared({"num_hidden_layers": 30, "num_kv_shared_layers": 20}, {"num_hidden_layers": 2}) == {}
+    cfg, _ = cov.tiny_config("gemma4_unified_assistant")
+    text = cfg.get_text_config()
+    assert text.num_kv_shared_layers == text.num_hidden_layers == 2
+    assert text.kv_sharing_modes == ["reuse", "reuse"]
+    cov.build("gemma4_unified_assistant", "Gemma4UnifiedAssistantForCausalLM")  # builds (it did not)
