@@ -335,7 +335,7 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
     out.update(mrope_sections(cfg, fields, out, width, q_new))
     out.update(windows(fields, out))
     out.update(head_dim_sums(fields, out, role))
-    out.update(tower_rules(fields, out, _MAIN_WIDTH, q_new if q_old else None, HEAD_DIM, VOCAB))
+    out.update(tower_rules(fields, out, _MAIN_WIDTH, q_new if q_old else None, HEAD_DIM, VOCAB, role))
     return {**out, **backbone_rules(fields, out)}
 
 

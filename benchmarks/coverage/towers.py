@@ -15,15 +15,33 @@ def _width_of(fields: dict, main_keys) -> int | None:
     return next((fields[k] for k in main_keys if _is_int(fields.get(k)) and fields[k] > 0), None)
 
 
-def tower_rules(fields, out, main_keys, heads: int | None, head_dim: int, vocab: int) -> dict:
-    """:func:`.consistent.tower_widths`, then :func:`stream_widths`, :func:`rotary_widths` and
-    :func:`placeholder_tokens` on what it leaves (one dict of overrides of the level)."""
+def tower_rules(fields, out, main_keys, heads: int | None, head_dim: int, vocab: int, role=None) -> dict:
+    """:func:`.consistent.tower_widths`, then :func:`stream_widths`, :func:`rotary_widths`,
+    :func:`placeholder_tokens`, :func:`handed_channels` and :func:`layer_ids` on what it leaves
+    (one dict of overrides of the level); ``role``: the shrink rule's role of a field's name."""
     res = tower_widths(fields, out, main_keys)
+    res.update(layer_ids(fields, out, role) if role is not None else {})
     res.update(stream_widths(fields, {**out, **res}, main_keys))
     res.update(rotary_widths(fields, {**out, **res}, main_keys, heads, head_dim))
     res.update(placeholder_tokens(fields, {**out, **res}, vocab))
     res.update(handed_channels(fields, {**out, **res}, main_keys))
     return res
+
+
+def layer_ids(fields, out, role) -> dict:
+    """A layer named by its index in a field ``..._layer_id`` (MiniCPM-V's vision
+    ``insert_layer_id`` 6: the layer after which its ViT merger runs) past the shrunk stack:
+    scaled with the main layer count, so that layer exists (a merger after no layer is never
+    read); an index within the stack is kept. A composite that states it too (and hands its own
+    to the sub-config: MiniCPM-V's) states the sub-config's shrunk one."""
+    main = next((k for k, v in fields.items() if role(k) == "layers_main" and _is_int(v) and v > 0), None)
+    old, new = (fields[main], out.get(main, fields[main])) if main else (None, None)
+    if not (_is_int(old) and _is_int(new) and 0 < new < old):
+        subs = [v for v in out.values() if isinstance(v, dict)]
+        return {k: min(found) for k, v in fields.items() if k.split("_")[-2:] == ["layer", "id"] and _is_int(v)
+                and len(found := {s[k] for s in subs if _is_int(s.get(k)) and s[k] != v}) == 1}
+    return {k: min(new - 1, v * new // old) for k, v in fields.items()
+            if k.split("_")[-2:] == ["layer", "id"] and _is_int(v) and new <= v < old}
 
 
 def handed_channels(fields, out, main_keys) -> dict:

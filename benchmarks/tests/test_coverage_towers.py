@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.coverage.shrink import tiny_config
-from benchmarks.coverage.towers import handed_channels, placeholder_tokens, rotary_widths, stream_widths
+from benchmarks.coverage.shrink import role, tiny_config
+from benchmarks.coverage.towers import handed_channels, layer_ids, placeholder_tokens, rotary_widths, stream_widths
 
 T = pytest.importorskip("transformers")
 
@@ -54,6 +54,18 @@ def test_channels_handed_to_another_tower_end_in_its_width():
     sam, enc = T.UnlimitedOcrConfig().vision_config.sam_config, T.UnlimitedOcrConfig().vision_config.encoder_config
     out = {"sam_config": {"hidden_size": 64, "downsample_channels": [512, 1000]}, "encoder_config": {"hidden_size": 64}}
     assert handed_channels({"sam_config": sam, "encoder_config": enc}, out, ("hidden_size",)) == {}
+
+
+def test_a_merger_after_a_layer_past_the_stack_moves_into_it():
+    assert T.MiniCPMV4_6Config().insert_layer_id == T.MiniCPMV4_6Config().vision_config.insert_layer_id == 6
+    for family in ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr"):
+        cfg, over = tiny_config(family)
+        layers = cfg.vision_config.num_hidden_layers
+        # the composite hands its own index to the vision config: both name a layer of the stack
+        assert over["insert_layer_id"] == cfg.vision_config.insert_layer_id == layers - 1 == 1
+    fields = {"num_hidden_layers": 12, "insert_layer_id": 6, "first_layer_id": 0}
+    assert layer_ids(fields, {"num_hidden_layers": 2}, role) == {"insert_layer_id": 1}
+    assert layer_ids({**fields, "insert_layer_id": 1}, {"num_hidden_layers": 2}, role) == {}  # within it
 
 
 def test_rules_leave_other_widths_alone():
