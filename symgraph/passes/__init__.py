@@ -28,6 +28,7 @@ axes relate, a union-find merges them into classes. Importing the rule files reg
 - ``audio_inputs``      audio: raw samples, features, a speech model's audio tokens
 - ``paired_inputs``     inputs a forward needs beside its main one (text beside images, languages)
 - ``export_inputs``     the values transformers' exporter precomputes for a trace (vision segments)
+- ``real_values``       a trace with the values the data decides taken from a real run
 - ``diffusion_inputs``  example inputs for diffusers models
 """
 from .rules import attention, matrix, pointwise, pooling, reductions, segments, views  # noqa: F401

@@ -25,7 +25,9 @@ that this module knows the main input of.
   the forward runs on;
 - decoder inputs of an encoder-decoder (``decoder_input_ids``: its start token, then token
   ids; for a sequence classification head the ids shifted right, as its model would build);
-- ``use_cache=False`` wherever the forward takes it; floating inputs in the model's dtype;
+- ``use_cache=False`` wherever the forward takes it by name, and through its ``**kwargs`` where
+  it refuses the inputs without (a hybrid cache of linear-attention layers only); floating
+  inputs in the model's dtype;
 - optional inputs that read parameters the main input leaves unread (masked patches,
   entities, a decoder's encoder states, a document's boxes and page; token ids alone
   lengthened), each kept where the
@@ -46,7 +48,8 @@ from .audio_inputs import audio_tokens, features, refused_audio, samples, time_m
 from .diffusion_inputs import diffusers_inputs, is_diffusers
 from .image_inputs import image_tokens
 from .input_values import config_value, device_of, ints, pixels, token_ids
-from .optional_inputs import Trials, encoder_states, entities, layout, long_enough, masked_patches, passes_on
+from .optional_inputs import (Trials, caches_off, encoder_states, entities, layout, long_enough, masked_patches,
+                              passes_on)
 from .paired_inputs import decoder_channels, global_tokens, paired_inputs
 
 __all__ = ["default_inputs", "is_hf"]
@@ -132,6 +135,7 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
     if passes_on(model, params, "mask_time_indices"):
         time_mask(model, kwargs, name, batch)
     trials = Trials(model, kwargs)
+    caches_off(model, trials, params)
     if name == "pixel_values":
         masked_patches(model, trials, params, batch)
     if name == "input_ids":

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from .input_values import config_value, device_of, pixels, token_ids
 
-__all__ = ["Trials", "encoder_states", "entities", "layout", "long_enough", "masked_patches", "passes_on"]
+__all__ = ["Trials", "caches_off", "encoder_states", "entities", "layout", "long_enough", "masked_patches", "passes_on"]
 
 # the names transformers gives a decoder's encoder states (BART's, Whisper's causal LM; Mllama's)
 _ENCODER_STATES = ("encoder_hidden_states", "encoder_outputs", "cross_attention_states")
@@ -108,6 +108,19 @@ class Trials:
         self.kwargs.update(extra)
         self._base = ({k: id(v) for k, v in self.kwargs.items()}, new)
         return True
+
+
+def caches_off(model, trials: Trials, params) -> None:
+    """``use_cache=False`` where the forward takes it only through its ``**kwargs`` and refuses
+    the inputs without it while it runs on them with it: a decoder that reads its config's
+    ``use_cache`` builds a cache, and a hybrid one of linear-attention layers only cannot say how
+    long it is (Qwen3.5's vision-language model at two layers: "``get_seq_length`` can only be
+    called on Attention layers"). A forward that runs without it keeps its inputs (T5Gemma's
+    classifier refuses it)."""
+    if "use_cache" in params or not passes_on(model, params, "use_cache"):
+        return
+    if trials.reads(trials.kwargs) is None and trials.reads({**trials.kwargs, "use_cache": False}) is not None:
+        trials.kwargs["use_cache"] = False
 
 
 def _pair(v):

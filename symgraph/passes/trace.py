@@ -12,6 +12,7 @@ from .concrete import concretize, has_data_dependent_sizes
 from .export_inputs import precomputed_inputs
 from .inputs import default_inputs, is_hf
 from .nodes import BRANCHES_TAKEN, UNREAD, packet, unread_parameters
+from .real_values import export_real_values, real_values
 from .registry import has_rule
 
 __all__ = ['model_device', 'varying_nodes', 'default_inputs', 'split_inputs', 'eval_mode', 'trace', 'flatten_outputs',
@@ -281,24 +282,7 @@ def _export(model, traced, on_meta: bool):
         if not _data_dependent(first):
             sys.stderr.write(dump.getvalue())
             raise first
-        return _export_real_values(model, traced, first), True
-
-
-def _export_real_values(model, traced, first):
-    """``torch.export`` with the values the data decides taken from a real run (see
-    :func:`_export`); ``first`` (the symbolic trace's failure) raised if that fails too."""
-    import logging
-    shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level = shapes.level
-    shapes.setLevel(logging.ERROR)  # one warning per specialised guard otherwise
-    try:
-        with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True,
-                                           generate_fake_kernels_from_real_mismatches=True):
-            return torch.export.export(model, *traced, strict=False)
-    except Exception:  # noqa: BLE001 - the guard is what the user must hear about
-        raise first from None
-    finally:
-        shapes.setLevel(level)
+        return export_real_values(model, traced, first), True
 
 
 def trace(model, inputs=None, decompose: bool = True):
@@ -337,7 +321,8 @@ def trace(model, inputs=None, decompose: bool = True):
             table, retrace = _unruled_decomposable(ep)
             if not table and not retrace:
                 break
-            ep = ep.run_decompositions(table)
+            with real_values() if branched else contextlib.nullcontext():  # its values' real ones
+                ep = ep.run_decompositions(table)
         if not on_meta and has_data_dependent_sizes(ep):
             concretize(ep, *traced)
         ep.graph_module.meta[BRANCHES_TAKEN] = branched
