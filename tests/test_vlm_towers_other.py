@@ -6,6 +6,10 @@ traced program never reads fixes every class, so such a model claimed nothing):
   width, a multiple of one tower's: MuseGlimmer's ``out_hidden_size``);
 - a tower whose grid counts the text's image tokens, each token's pixels one small image
   channels last (Inkling 2), gets such images;
+- a model with an image token and no ``get_image_features`` (its text cross-attends to the
+  images: Mllama) gets what its own image processor makes, kept where the forward reads more;
+  the shrink rule keeps its tower's output width (the last and the listed layers' states
+  joined) in step with the layers it lists;
 - a second sequence read by an encoder whose config is ``<name>_encoder_config`` (Evolla's
   protein) is given;
 - attention over channels (DaViT's channel attention in Florence 2, which the images now reach):
@@ -75,6 +79,10 @@ def test_a_towers_projection_is_the_text_width():
     glimmer = _tiny("muse_glimmer")
     assert glimmer["out_hidden_size"] == 4 * glimmer["vision_config"]["hidden_size"] == 256
     assert "projector_hidden_size" not in glimmer  # a width no tower divides: left alone
+    florence = _tiny("florence2")["vision_config"]  # a width per stage, the last 1024: / 4
+    assert tuple(florence["embed_dim"]) == (32, 64, 128, 256) and florence["projection_dim"] == 64
+    mllama = _tiny("mllama")["vision_config"]  # 7680 = 1280 × (1 + 5 listed layers)
+    assert mllama["vision_output_dim"] == 64 * (1 + len(mllama["intermediate_layers_indices"])) == 128
     clip = _tiny("clip")
     assert clip["vision_config"]["projection_dim"] != clip["text_config"]["hidden_size"]
 
@@ -112,4 +120,19 @@ def test_evolla_reads_its_protein_encoder():
     ids = kw["protein_input_ids"]
     assert ids.shape[0] == 2 and int(ids.max()) < m.config.protein_encoder_config.vocab_size
     assert (kw["protein_attention_mask"] == 1).all()
+    assert _reads_everything(m, kw) == set()
+
+
+def test_mllama_images_through_its_processor():
+    """Mllama counts no image features: its processor's tiles (one image of four tiles a row),
+    their aspect ratio ids and mask are kept since the forward reads its vision tower on them;
+    the decoder's encoder states are then not offered (the images make them)."""
+    from benchmarks.coverage.shrink import build
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m, _ = build("mllama", "MllamaForConditionalGeneration")
+    _, kw = default_inputs(m)
+    assert tuple(kw["pixel_values"].shape) == (2, 1, 4, 3, 64, 64)
+    assert tuple(kw["aspect_ratio_ids"].shape) == (2, 1) and tuple(kw["aspect_ratio_mask"].shape) == (2, 1, 4)
+    assert "cross_attention_states" not in kw
     assert _reads_everything(m, kw) == set()

@@ -3,6 +3,8 @@ and its model's shape checks (issue 65): each rule reads what the config states 
 list's relation to another field), never a family's name."""
 from __future__ import annotations
 
+from .tower_sizes import concatenated, image_token, merged_widths, stage_widths
+
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -302,11 +304,14 @@ def tower_widths(fields, out, main_keys) -> dict:
       one is a head of its own (Granite Speech's 42 CTC classes) and left alone;
     * a ``<name>_hidden_size`` in a sub-config beside a ``<name>_config`` is that config's
       width (Granite Speech's projector reads its ``encoder_config``'s states);
+    * a sub-config's output width that joins the states of a list of its layers to the last
+      one's is its width times one more than that list's length (:func:`.tower_sizes.concatenated`);
     * in a config with an image token, the vision config's ``projection_dim`` is the width of
       the features that take the image tokens' places in the text (Janus' aligner, Florence 2's
       projector; transformers' Janus default states 2048 beside a 4096-wide text): the text's.
 
-    Widths of the composite's own (a level with no width of its own) are in :func:`merged_widths`.
+    Widths of the composite's own (a level with no width of its own) are in
+    :func:`.tower_sizes.merged_widths`.
     """
     subs = {k: v for k, v in out.items() if isinstance(v, dict) and k.endswith("_config")}
     text_old = _width_of(vars(fields["text_config"]), main_keys) if "text_config" in subs else None
@@ -317,51 +322,29 @@ def tower_widths(fields, out, main_keys) -> dict:
         for k, v in sub.items():
             t = k.split("_")
             old = vars(fields[name]).get(k)  # not getattr: a per-layer field refuses a global read
-            if name != "text_config" and text_new and _is_int(old) and text_old and old >= text_old \
+            joined = concatenated(vars(fields[name]), sub, k, old, main_keys)
+            if joined is not None:
+                new[k] = joined
+            elif name != "text_config" and text_new and _is_int(old) and text_old and old >= text_old \
                     and {"out", "output"} & set(t) and t[-1] in ("dim", "size"):
                 new[k] = text_new
             elif t[-2:] == ["hidden", "size"] and len(t) > 2 and "_".join(t[:-2]) + "_config" in subs:
                 width = _width_of(subs["_".join(t[:-2]) + "_config"], main_keys)
                 new.update({k: width} if width and v != width else {})
             elif name == "vision_config" and k == "projection_dim" and text_new and _is_int(v) \
-                    and _image_token(fields):
+                    and image_token(fields):
                 new[k] = text_new
         if any(sub.get(k) != v for k, v in new.items()):
             res[name] = {**sub, **new}
     return {**res, **merged_widths(fields, out, main_keys)}
 
 
-def _image_token(fields) -> bool:
-    return any(_is_int(fields.get(k)) for k in ("image_token_id", "image_token_index"))
-
-
-def merged_widths(fields, out, main_keys) -> dict:
-    """A width of a composite config that states no width of its own (so none is scaled) and
-    is a whole multiple of exactly one sub-config's width: that multiple of the shrunk width
-    (MuseGlimmer's ``out_hidden_size`` 6144 is its 1536-wide vision tower's features with
-    2 × 2 patches merged: 4 × the shrunk 64); a width no sub-config divides is left alone."""
-    if _width_of(fields, main_keys) is not None:
-        return {}
-    subs = {k: (_width_of(vars(fields[k]), main_keys), _width_of(v, main_keys)) for k, v in out.items()
-            if isinstance(v, dict) and k.endswith("_config") and hasattr(fields.get(k), "to_dict")}
-    res = {}
-    for k, v in fields.items():
-        t = k.split("_")
-        if not (_is_int(v) and t[-1] in ("size", "dim") and {"hidden", "out", "output"} & set(t)
-                and "token" not in t and k not in out):
-            continue
-        found = [(v // old, new) for old, new in subs.values()
-                 if _is_int(old) and _is_int(new) and old > new and v % old == 0 and v // old <= 16]
-        if len(found) == 1:
-            res[k] = found[0][0] * found[0][1]
-    return res
-
-
 def derived_sizes(fields, out, main, width, cfg=None, free: int | None = None) -> dict:
     """The sizes below, derived on a level whose main width goes from ``main`` to ``width``;
     token ids its model code reads with defaults of its own numbered down from ``free``."""
     return {**layout_parts(fields, main, width), **stage_depths(fields, out),
-            **multipliers(fields, main, width), **code_token_ids(cfg, fields, free), **all_shared(fields, out)}
+            **multipliers(fields, main, width), **code_token_ids(cfg, fields, free), **all_shared(fields, out),
+            **stage_widths(fields, main)}
 
 
 def all_shared(fields, out) -> dict:

@@ -8,7 +8,7 @@ import torch
 
 from .image_processing import patch_grids, patch_rows, processed_images, tiles
 from .input_values import config_value, device_of, ints, pixels
-from .tower_inputs import merged_patches
+from .tower_inputs import cross_attended, merged_patches
 
 __all__ = ["image_tokens"]
 
@@ -30,6 +30,8 @@ def image_tokens(model, kwargs, cfg, batch, gen) -> None:
     images, n = _counted(model, vision, batch, gen)
     n = n if n is not None else config_value(cfg, "mm_tokens_per_image", "image_seq_length")
     if not isinstance(n, int):
+        if _image_features(model) is None:  # no tokens to count: images the text cross-attends to
+            cross_attended(model, kwargs, vision, batch, gen)
         return
     if n + 2 > (config_value(cfg, "max_position_embeddings") or 1 << 30):
         return

@@ -3,11 +3,15 @@
 from the vision config and the forward's signature, never from the model's name."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
+from .image_processing import processed_images
 from .input_values import config_value
+from .optional_inputs import Trials
 
-__all__ = ["merged_patches"]
+__all__ = ["cross_attended", "merged_patches"]
 
 
 def _int(v) -> int | None:
@@ -29,3 +33,13 @@ def merged_patches(vision, params, batch: int, gen) -> list:
     grid = torch.tensor([[1, 2, 2]] * batch)
     return [{"pixel_values": torch.randn(*shape, generator=gen), "image_grid_thw": grid}
             for shape in ((n, side, side, ch), (n, ch, side, side))]
+
+
+def cross_attended(model, kwargs: dict, vision, batch: int, gen) -> None:
+    """A model with an image token and no ``get_image_features`` to count its features by (its
+    text cross-attends to the images: Mllama): the images its own image processor makes (tiles,
+    their aspect ratios and masks), kept where the forward reads more parameters on them."""
+    params = inspect.signature(model.forward).parameters
+    images = processed_images(model, vision, params, batch, gen)
+    if images:
+        Trials(model, kwargs).offer(images)

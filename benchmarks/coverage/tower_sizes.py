@@ -1,0 +1,73 @@
+"""Widths one config's towers hand each other, derived so that a shrunk composite config's
+towers still fit (issue 65; used by :mod:`.consistent`): each rule reads what the configs state
+(a field's relation to another's), never a family's name."""
+from __future__ import annotations
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def width_of(level: dict, main_keys) -> int | None:
+    """A level's main width: the first of ``main_keys`` it states as a positive int."""
+    return next((level[k] for k in main_keys if is_int(level.get(k)) and level[k] > 0), None)
+
+
+def concatenated(old_fields: dict, sub: dict, k: str, old, main_keys) -> int | None:
+    """A sub-config's output width that is its width times one more than a list of layer indices
+    it states (those layers' states joined to the last one's: Mllama's ``vision_output_dim``
+    7680 = 1280 × (1 + 5 ``intermediate_layers_indices``)): the shrunk width times one more
+    than the shrunk list's length; None for any other."""
+    w_old, w_new = width_of(old_fields, main_keys), width_of(sub, main_keys)
+    if not (is_int(old) and w_old and w_new and {"out", "output"} & set(k.split("_"))):
+        return None
+    for f, layers in old_fields.items():
+        kept = sub.get(f)
+        if "layers" in f.split("_") and isinstance(layers, (list, tuple)) and layers \
+                and all(is_int(x) for x in layers) and old == w_old * (1 + len(layers)) \
+                and isinstance(kept, (list, tuple)):
+            return w_new * (1 + len(kept))
+    return None
+
+
+def image_token(fields) -> bool:
+    return any(is_int(fields.get(k)) for k in ("image_token_id", "image_token_index"))
+
+
+def merged_widths(fields, out, main_keys) -> dict:
+    """A width of a composite config that states no width of its own (so none is scaled) and
+    is a whole multiple of exactly one sub-config's width: that multiple of the shrunk width
+    (MuseGlimmer's ``out_hidden_size`` 6144 is its 1536-wide vision tower's features with
+    2 × 2 patches merged: 4 × the shrunk 64); a width no sub-config divides is left alone."""
+    if width_of(fields, main_keys) is not None:
+        return {}
+    subs = {k: (width_of(vars(fields[k]), main_keys), width_of(v, main_keys)) for k, v in out.items()
+            if isinstance(v, dict) and k.endswith("_config") and hasattr(fields.get(k), "to_dict")}
+    res = {}
+    for k, v in fields.items():
+        t = k.split("_")
+        if not (is_int(v) and t[-1] in ("size", "dim") and {"hidden", "out", "output"} & set(t)
+                and "token" not in t and k not in out):
+            continue
+        found = [(v // old, new) for old, new in subs.values()
+                 if is_int(old) and is_int(new) and old > new and v % old == 0 and v // old <= 16]
+        if len(found) == 1:
+            res[k] = found[0][0] * found[0][1]
+    return res
+
+
+STAGE_WIDTH = 256  # the last stage's shrunk width where a level's width is one per stage
+
+
+def stage_widths(fields, main) -> dict:
+    """A level that states its width as one per stage (Florence 2's DaViT ``embed_dim``
+    [128, 256, 512, 1024]), so that no width of its own is scaled: every stage's divided by one
+    factor, the last to :data:`STAGE_WIDTH` (their ratios, and the head and group counts that
+    divide them, kept); a list the factor does not divide is left alone."""
+    v = fields.get("embed_dim")
+    if main is not None or not (isinstance(v, (list, tuple)) and len(v) > 1 and all(is_int(x) for x in v)):
+        return {}
+    f = v[-1] // STAGE_WIDTH
+    if f < 2 or any(x % f for x in v):
+        return {}
+    return {"embed_dim": type(v)(x // f for x in v)}
