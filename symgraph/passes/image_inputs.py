@@ -38,10 +38,11 @@ def image_tokens(model, kwargs, cfg, batch, gen) -> None:
     _insert(kwargs, token[0], n, batch)
     kwargs.update(images)
     _video_tokens(model, kwargs, cfg, images, batch, gen)
-    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
-        # each token's modality, as transformers' processors mark it (multimodal RoPE reads it)
+    marks = [k for k in inspect.signature(model.forward).parameters if k.endswith("mm_token_type_ids")]
+    if marks:  # each token's modality, as transformers' processors mark it (multimodal RoPE reads
+        # it; ERNIE-VL's mixture routes image tokens to its vision experts by moe_mm_token_type_ids)
         ids, video = kwargs["input_ids"], ints(config_value(cfg, "video_token_id", "video_token_index"))
-        kwargs["mm_token_type_ids"] = (ids == token[0]).int() + 2 * (ids == (video or [-1])[0]).int()
+        kwargs.update(dict.fromkeys(marks, (ids == token[0]).int() + 2 * (ids == (video or [-1])[0]).int()))
     _position_ids(model, kwargs)
 
 
