@@ -142,9 +142,13 @@ def _injector(extras):
 
 
 def _same(a, b, flatten) -> bool:
+    """The same outputs up to float32 round-off relative to each output's largest value
+    (transformers' patched kernels sum in another order: MuseSpark's logits move by 1.6e-6 of 2.6)."""
     xs, ys = flatten(a), flatten(b)
-    return len(xs) == len(ys) and all(x.shape == y.shape and torch.allclose(x, y, rtol=1e-5, atol=1e-6, equal_nan=True)
-                                      for x, y in zip(xs, ys))
+    scale = [max(1.0, float(x.abs().max())) if x.numel() else 1.0 for x in xs]
+    return len(xs) == len(ys) and all(
+        x.shape == y.shape and torch.allclose(x, y, rtol=1e-5, atol=1e-5 * s, equal_nan=True)
+        for x, y, s in zip(xs, ys, scale))
 
 
 @contextlib.contextmanager
