@@ -10,6 +10,8 @@ traced program never reads fixes every class, so such a model claimed nothing):
   images: Mllama) gets what its own image processor makes, kept where the forward reads more;
   the shrink rule keeps its tower's output width (the last and the listed layers' states
   joined) in step with the layers it lists;
+- a speech tower whose ``get_audio_features`` is its base model's (MuseSpark's) counts its
+  audio tokens by it;
 - a second sequence read by an encoder whose config is ``<name>_encoder_config`` (Evolla's
   protein) is given;
 - attention over channels (DaViT's channel attention in Florence 2, which the images now reach):
@@ -135,4 +137,18 @@ def test_mllama_images_through_its_processor():
     assert tuple(kw["pixel_values"].shape) == (2, 1, 4, 3, 64, 64)
     assert tuple(kw["aspect_ratio_ids"].shape) == (2, 1) and tuple(kw["aspect_ratio_mask"].shape) == (2, 1, 4)
     assert "cross_attention_states" not in kw
+    assert _reads_everything(m, kw) == set()
+
+
+def test_muse_spark_reads_its_images_and_its_audio():
+    """MuseSpark: its vision tower's merged width fits (4 × 64), so its images' features are
+    counted; its audio features are counted by its base model's ``get_audio_features`` (125
+    tokens for half a second of its extractor's audio), so its audio tower is read too."""
+    from benchmarks.coverage.shrink import build
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m, _ = build("muse_spark", "MuseSparkForConditionalGeneration")
+    _, kw = default_inputs(m)
+    assert kw["image_grid_thw"].shape[0] == 2 and "input_values_mask" in kw
+    assert ((kw["input_ids"] == m.config.audio_token_id).sum(1) == 125).all()
     assert _reads_everything(m, kw) == set()

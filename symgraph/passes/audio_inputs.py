@@ -202,7 +202,10 @@ def _counts(model, kw, batch) -> list:
     """Candidate numbers of audio tokens per row: as many as the model's own
     ``get_audio_features`` gives embeddings, and each length its encoder's
     ``_get_feat_extract_output_lengths`` gives for the unmasked frames (or samples)."""
-    out, fn = [], getattr(model, "get_audio_features", None)
+    # the model's own, or its base model's (MuseSpark's is on ``model.model``)
+    out = []
+    fn = getattr(model, "get_audio_features", None) \
+        or getattr(getattr(model, "model", None), "get_audio_features", None)
     try:
         with torch.no_grad():
             emb = fn(**kw) if fn is not None else None
