@@ -10,7 +10,7 @@ import torch
 
 from .input_values import config_value
 
-__all__ = ["image_side", "patch_grids", "patch_rows", "processed_images", "tiles"]
+__all__ = ["image_side", "packed_patches", "patch_grids", "patch_rows", "processed_images", "tiles"]
 
 # a processor's setting -> the vision config's names for it (transformers' own spellings)
 _SETTINGS = {
@@ -164,3 +164,18 @@ def patch_rows(vision, params, batch: int, gen) -> list:
         return [rows]
     return [{**rows, "spatial_shapes": torch.tensor([[per_side, per_side]] * batch),
              "pixel_attention_mask": torch.ones(batch, per_side * per_side, dtype=torch.bool)}]
+
+
+def packed_patches(vision, params, batch: int, gen) -> list:
+    """Where the forward takes ``target_sizes`` (NaViT-packed patches, as MiniCPM-V's processors
+    make them, for a model whose processor needs torchvision: MiniCPM-OCR) and the vision config
+    a patch size: every row's image a grid of ``g × g`` patches, all of them side by side in one
+    ``C × P × (n·P)`` strip, and each image's grid; ``g`` the patches a side of ``image_side``
+    (even: window and merge kernels take 2 × 2), then twice that."""
+    patch, side = _first_int(config_value(vision, "patch_size")), image_side(vision)
+    if "target_sizes" not in params or patch is None or side is None:
+        return []
+    ch = _first_int(config_value(vision, "num_channels", "in_channels")) or 3
+    g = max(2, side // patch + side // patch % 2)
+    return [{"pixel_values": torch.randn(1, ch, patch, batch * k * k * patch, generator=gen),
+             "target_sizes": torch.tensor([[k, k]] * batch, dtype=torch.int32)} for k in (g, 2 * g)]
