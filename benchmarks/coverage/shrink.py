@@ -401,10 +401,10 @@ def _construct(cls, class_name, model_type, seed):
     import torch
     cfg, overrides = tiny_config(model_type)
     cfg = own_config(cls, cfg)
-    if class_name.endswith(("ForSequenceClassification", "ForMaskedLM")) and getattr(cfg, "pad_token_id", 0) is None:
-        vocab = getattr(cfg, "vocab_size", None)
-        cfg.pad_token_id = (vocab if _is_int(vocab) else VOCAB) - 1
-        overrides = {**overrides, "pad_token_id": cfg.pad_token_id}
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg  # a composite's decoder reads it
+    if class_name.endswith(("ForSequenceClassification", "ForMaskedLM")) and getattr(text, "pad_token_id", 0) is None:
+        text.pad_token_id = (getattr(text, "vocab_size", None) if _is_int(getattr(text, "vocab_size", None)) else VOCAB) - 1
+        overrides = {**overrides, "pad_token_id": text.pad_token_id}
     torch.manual_seed(seed)
     return cls(cfg), overrides
 

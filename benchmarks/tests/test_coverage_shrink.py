@@ -261,3 +261,14 @@ def test_a_loop_over_layers_stays_inside_the_shrunk_stack():
             cfg.n_layers_per_attn_res_block) == (2, 1, 2, 1)
     model, out = _runs("inkling2_loop_text", "Inkling2LoopForCausalLM")
     assert out.logits.shape[-1] == 256
+
+
+def test_composite_classifier_gets_a_pad_token_on_its_text_config():
+    """Qwen3.5's classifier reads the pad token of its text config (the composite config has
+    none of its own): the tiny model gets the text vocabulary's last id there, and a batch of
+    two rows runs."""
+    model, overrides = cov.build("qwen3_5", "Qwen3_5ForSequenceClassification")
+    text = model.config.get_text_config()
+    assert text.pad_token_id == text.vocab_size - 1 == overrides["pad_token_id"]
+    _, out = _runs("qwen3_5", "Qwen3_5ForSequenceClassification")
+    assert out.logits.shape[0] == 2 and torch.isfinite(out.logits).all()
