@@ -3,6 +3,7 @@ and its model's shape checks (issue 65): each rule reads what the config states 
 list's relation to another field), never a family's name."""
 from __future__ import annotations
 
+from .code_divisors import divided_widths
 from .tower_sizes import concatenated, image_token, merged_widths, stage_widths
 
 
@@ -344,7 +345,7 @@ def derived_sizes(fields, out, main, width, cfg=None, free: int | None = None) -
     token ids its model code reads with defaults of its own numbered down from ``free``."""
     return {**layout_parts(fields, main, width), **stage_depths(fields, out),
             **multipliers(fields, main, width), **code_token_ids(cfg, fields, free), **all_shared(fields, out),
-            **stage_widths(fields, main)}
+            **stage_widths(fields, main), **divided_widths(cfg, fields, out)}
 
 
 def all_shared(fields, out) -> dict:

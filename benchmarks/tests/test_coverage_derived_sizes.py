@@ -101,3 +101,26 @@ def test_layers_all_sharing_a_cache_stay_all():
     assert text.num_kv_shared_layers == text.num_hidden_layers == 2
     assert text.kv_sharing_modes == ["reuse", "reuse"]
     cov.build("gemma4_unified_assistant", "Gemma4UnifiedAssistantForCausalLM")  # builds (it did not)
+
+
+def test_widths_the_model_code_divides_by_a_literal():
+    """LiLT's layout embedding joins six ``config.hidden_size // 6`` parts into a linear of
+    width ``hidden_size`` (768 = 6 × 128): the shrunk 64 is no multiple of 6, so it becomes the
+    least common multiple 192 (still a multiple of the heads and the channel shrink ratio);
+    a width the code divides by a power of two that the shrunk one already is stays."""
+    from transformers import CONFIG_MAPPING
+
+    from benchmarks.coverage.code_divisors import divided_widths, model_source
+    src = "a = nn.Linear(config.hidden_size // 6, 2)\nb = config.intermediate_size // 4\n"
+    fields = {"hidden_size": 768, "intermediate_size": 3072}
+    assert divided_widths(None, fields, {"hidden_size": 64, "intermediate_size": 256}, src) == {"hidden_size": 192}
+    assert divided_widths(None, fields, {"hidden_size": 48}, src) == {}  # already a multiple
+    assert divided_widths(None, {"hidden_size": 760}, {"hidden_size": 64}, src) == {}  # nor is the default
+    assert divided_widths(None, fields, {}, src) == {}  # not shrunk: the default's own
+    assert "config.hidden_size // 6" in model_source(CONFIG_MAPPING["lilt"]())
+    assert divided_widths(CONFIG_MAPPING["llama"](), {"hidden_size": 4096}, {"hidden_size": 64}) == {}
+    cfg, overrides = cov.tiny_config("lilt")
+    assert cfg.hidden_size == overrides["hidden_size"] == 192
+    assert cfg.hidden_size % 6 == 0 and cfg.hidden_size % (cfg.num_attention_heads * cfg.channel_shrink_ratio) == 0
+    r = _row_sound_and_complete("lilt", "LiltForSequenceClassification", "seq_cls")
+    assert r["group_kinds"].get("perm", 0) > 0
