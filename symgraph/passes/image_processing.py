@@ -10,7 +10,8 @@ import torch
 
 from .input_values import config_value
 
-__all__ = ["image_side", "packed_patches", "patch_grids", "patch_rows", "processed_images", "tiles"]
+__all__ = ["image_side", "packed_patches", "patch_grids", "patch_rows", "processed_images", "processor_class",
+           "tiles"]
 
 # a processor's setting -> the vision config's names for it (transformers' own spellings)
 _SETTINGS = {
@@ -20,7 +21,7 @@ _SETTINGS = {
 }
 
 
-def _processor_class(model_type: str) -> Any:
+def processor_class(model_type: str) -> Any:
     """The PIL image processor transformers names for ``model_type`` (the torchvision one needs
     a package this library does not require), or None."""
     try:
@@ -74,7 +75,7 @@ def configured_processor(model_type: str, vision, cfg=None):
     the vision config's, its sizes ``image_side`` and no splitting into tiles; a size of a second
     tower (``high_res_size``) that of ``cfg``'s config of that name (``high_res_vision_config``);
     None if none."""
-    cls, side = _processor_class(model_type), image_side(vision)
+    cls, side = processor_class(model_type), image_side(vision)
     if cls is None or side is None:
         return None
     proc = cls()
