@@ -4,7 +4,7 @@ list's relation to another field), never a family's name."""
 from __future__ import annotations
 
 from .code_divisors import divided_widths
-from .tower_sizes import concatenated, image_token, merged_widths, stage_widths
+from .tower_sizes import concatenated, image_token, merged_widths, patch_pixels, query_tokens, stage_widths
 
 
 def _is_int(v) -> bool:
@@ -345,7 +345,8 @@ def derived_sizes(fields, out, main, width, cfg=None, free: int | None = None) -
     token ids its model code reads with defaults of its own numbered down from ``free``."""
     return {**layout_parts(fields, main, width), **stage_depths(fields, out),
             **multipliers(fields, main, width), **code_token_ids(cfg, fields, free), **all_shared(fields, out),
-            **stage_widths(fields, main), **divided_widths(cfg, fields, out)}
+            **stage_widths(fields, main), **divided_widths(cfg, fields, out), **query_tokens(fields),
+            **patch_pixels(fields, out)}
 
 
 def all_shared(fields, out) -> dict:

@@ -3,6 +3,8 @@ towers still fit (issue 65; used by :mod:`.consistent`): each rule reads what th
 (a field's relation to another's), never a family's name."""
 from __future__ import annotations
 
+import math
+
 
 def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -71,3 +73,29 @@ def stage_widths(fields, main) -> dict:
     if f < 2 or any(x % f for x in v):
         return {}
     return {"embed_dim": type(v)(x // f for x in v)}
+
+
+QUERY_TOKENS = 64  # image tokens a row at most: a tower's learned queries (Kosmos-2's default)
+
+
+def query_tokens(fields) -> dict:
+    """A count of learned queries whose outputs take as many token positions in each row of
+    text (``latent_query_num``, ``num_query_tokens``: Kosmos-2.5's 2048): at most
+    :data:`QUERY_TOKENS`, so that the example's rows stay short."""
+    return {k: QUERY_TOKENS for k in ("latent_query_num", "num_query_tokens")
+            if is_int(fields.get(k)) and fields[k] > QUERY_TOKENS}
+
+
+def patch_pixels(fields, out) -> dict:
+    """A patch embedding's input width (``patch_embed_hidden_size``: one patch's ``C·P·P``
+    pixels as the image processor flattens them, Pix2Struct's 3 × 16 × 16 = 768) that the
+    shrink changed because it equalled the model's width: kept, since it is the input's width
+    (``C`` the level's channels, 3 unless stated), not the model's."""
+    ch = fields.get("num_channels") if is_int(fields.get("num_channels")) else 3
+    res = {}
+    for k, v in fields.items():
+        t = set(k.split("_"))
+        if "patch" in t and {"hidden", "embed"} & t and k.split("_")[-1] in ("size", "dim") and is_int(v) \
+                and k in out and out[k] != v and ch > 0 and v % ch == 0 and math.isqrt(v // ch) ** 2 == v // ch:
+            res[k] = v
+    return res

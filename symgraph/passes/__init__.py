@@ -25,6 +25,7 @@ axes relate, a union-find merges them into classes. Importing the rule files reg
 - ``image_inputs``      a vision-language model's images and image tokens
 - ``image_processing``  images made by the model's own image processor from transformers
 - ``tower_inputs``      image layouts for towers the others do not fit (tokens' own pixels)
+- ``patch_inputs``      Pix2Struct-style flattened patches, as the main input or beside text
 - ``audio_inputs``      audio: raw samples, features, a speech model's audio tokens
 - ``paired_inputs``     inputs a forward needs beside its main one (text beside images, languages)
 - ``export_inputs``     the values transformers' exporter precomputes for a trace (vision segments)

@@ -51,6 +51,7 @@ from .input_values import config_value, device_of, ints, pixels, token_ids
 from .optional_inputs import (Trials, caches_off, encoder_states, entities, layout, long_enough, masked_patches,
                               passes_on)
 from .paired_inputs import decoder_channels, global_tokens, paired_inputs
+from .patch_inputs import flattened_patches, patches_beside_text
 
 __all__ = ["default_inputs", "is_hf"]
 
@@ -75,6 +76,10 @@ def _main(model, cfg, name, batch, seq, gen):
         return torch.randn(batch, samples(cfg, model=model), generator=gen)
     if name == "input_features":
         return features(model, cfg, batch, gen)
+    if name == "flattened_patches":  # Pix2Struct's patches with their rows and columns
+        x = flattened_patches(model, config_value(cfg, "vision_config") or cfg, batch, gen)
+        if x is not None:
+            return x
     return _generic_main(model, cfg, name, batch, seq, gen)
 
 
@@ -129,6 +134,7 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
         kwargs["pixel_values"] = pixels(model, cfg.vision_config, batch, gen)
     elif name == "input_ids" and "pixel_values" in params:
         image_tokens(model, kwargs, cfg, batch, gen)
+    patches_beside_text(model, kwargs, cfg, batch, gen)  # beside token ids (Kosmos-2.5)
     if name == "input_ids" and ({"input_features", "input_values"} & set(params)):
         audio_tokens(model, kwargs, params, batch, gen)
     paired_inputs(model, kwargs, params, name, batch, seq, gen)  # text beside images, languages
