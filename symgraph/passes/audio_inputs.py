@@ -38,7 +38,7 @@ def samples(cfg, frames: int = 8, model=None) -> int:
 def features(model, cfg, batch, gen):
     mel, src = config_value(cfg, "num_mel_bins"), config_value(cfg, "max_source_positions")
     if mel and src:  # Whisper: channels first, twice the encoder's positions
-        return torch.randn(batch, mel, 2 * src, generator=gen)
+        return torch.randn(batch, mel, _windowed(cfg, 2 * src), generator=gen)
     feat = config_value(cfg, "input_feat_per_channel")
     if feat:  # Speech2Text: frames first
         return torch.randn(batch, 16, feat * (config_value(cfg, "input_channels") or 1), generator=gen)
@@ -46,6 +46,14 @@ def features(model, cfg, batch, gen):
     if width:  # frames first (SeamlessM4T, Wav2Vec2-BERT; conformers: Parakeet, Canary), enough
         return torch.randn(batch, 8 * (config_value(cfg, "subsampling_factor") or 8), width, generator=gen)
     raise InputError(f"cannot tell the shape of {type(model).__name__}'s input_features from its config; pass inputs=")
+
+
+def _windowed(cfg, frames: int) -> int:
+    """``frames`` cut to a whole number of the windows an audio encoder attends within
+    (``n_window_infer`` frames: Qwen3-Omni's and Qwen3-ASR's), so that each window is as long as
+    every other: transformers' export patch runs the windows as one batch, which needs that."""
+    w = config_value(cfg, "n_window_infer")
+    return frames // w * w if isinstance(w, int) and 0 < w <= frames else frames
 
 
 def _channels(cfg) -> int | None:

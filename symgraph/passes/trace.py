@@ -10,6 +10,7 @@ import torch
 from ..errors import InputError, TraceError
 from .concrete import concretize, has_data_dependent_sizes
 from .export_inputs import precomputed_inputs
+from .index_lists import stacked_index_lists
 from .inputs import default_inputs, is_hf
 from .nodes import BRANCHES_TAKEN, UNREAD, packet, unread_parameters
 from .real_values import export_real_values, real_values
@@ -307,7 +308,7 @@ def trace(model, inputs=None, decompose: bool = True):
     with eval_mode(model), graph_friendly(model), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            with conversions_in_place():
+            with conversions_in_place(), stacked_index_lists():
                 ep, branched = _export(model, traced, on_meta)
         except Exception as e:  # noqa: BLE001 - report any tracing failure uniformly
             raise TraceError(
