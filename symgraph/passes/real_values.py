@@ -20,7 +20,11 @@ here, never by changing what the program computes:
   unbinds it into one wrong piece while its length is symbolic: the assertion above makes it the
   example's;
 - a one-element tensor formatted into a string (``self[f"expert_{idx}"]``: the module a loop
-  calls) is formatted as its Python value, that value asserted in the graph.
+  calls) is formatted as its Python value, that value asserted in the graph;
+- a parameter's real value is copied only where it is a plain ``Tensor``
+  (``meta_utils._safe_copy``), so every ``nn.Parameter`` got uninitialised memory as its real
+  value and a router's choice was taken from garbage (Switch Transformers: every token to
+  expert 0, the other experts never read): a parameter's data is copied as any tensor's.
 
 ``run_decompositions`` of a program so made re-traces it with the same fake values, which carry
 the real ones: :func:`real_values` is in place for that too.
@@ -76,12 +80,21 @@ def _specialised(original):
     return bindings
 
 
+def _parameters_copied(original):
+    """``meta_utils._safe_copy``/``_safe_clone`` taking an ``nn.Parameter`` as its data."""
+    def copy(*args):
+        *rest, src = args
+        return original(*rest, src.data if isinstance(src, torch.nn.Parameter) else src)
+    return copy
+
+
 @contextlib.contextmanager
 def real_value_fixes():
     """While inside, the workarounds of the module's docstring are in place."""
-    from torch._subclasses import fake_utils
+    from torch._subclasses import fake_utils, meta_utils
     from torch.fx.experimental import symbolic_shapes
-    patches = [(fake_utils, "_check_fake_real_tensors", _offsets_unchecked),
+    patches = [(meta_utils, "_safe_copy", _parameters_copied), (meta_utils, "_safe_clone", _parameters_copied),
+               (fake_utils, "_check_fake_real_tensors", _offsets_unchecked),
                (symbolic_shapes, "compute_unbacked_bindings", _specialised),
                (torch.Tensor, "__format__", _formatted)]
     saved = [(owner, name, getattr(owner, name), make) for owner, name, make in patches if hasattr(owner, name)]

@@ -1,0 +1,102 @@
+"""Issue 65: a mixture of experts traced with the values its data decides (a router's choice,
+:mod:`symgraph.passes.real_values`) routes the example tokens as the eager model does.
+
+Switch Transformers and LongCat-Flash traced, certified and claimed nothing: torch 2.13 gives
+every ``nn.Parameter`` uninitialised memory as its real value in that mode (its
+``meta_utils._safe_copy`` copies plain tensors only), so the router's choice was taken from
+garbage (every token to one expert, capacity-capped) and the experts the eager run reads were
+left unread, which fixes every class. The example tokens were never the cause: the eager run on
+them reads every expert.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import symgraph
+from symgraph.passes.nodes import UNREAD
+from symgraph.passes.trace import trace
+
+
+def _groups_holding(rep, slot):
+    return [g for g in rep.groups if slot in g.params]
+
+
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wi, self.wo = nn.Linear(4, 16, bias=False), nn.Linear(16, 4, bias=False)
+
+    def forward(self, x):
+        return self.wo(torch.relu(self.wi(x)))
+
+
+class Top1(nn.Module):
+    """A top-1 router (its weights pick expert ``i`` for a token largest in channel ``i``) and
+    a loop over the experts it picked, each named by its index (Switch Transformers)."""
+
+    def __init__(self, n=3):
+        super().__init__()
+        self.router = nn.Linear(4, n, bias=False)
+        with torch.no_grad():
+            self.router.weight.copy_(torch.eye(n, 4))
+        self.experts = nn.ModuleDict({f"expert_{i}": Expert() for i in range(n)})
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        picked = nn.functional.one_hot(self.router(flat).argmax(-1), len(self.experts))
+        out = torch.zeros_like(flat)
+        for e in (picked.sum(0) > 0).nonzero():
+            rows = picked[:, e[0]].nonzero().squeeze(-1)
+            out = out.index_add(0, rows, self.experts[f"expert_{e[0]}"](flat[rows]))
+        return (flat + out).reshape(x.shape)
+
+
+def _tokens():
+    """Eight tokens: one for expert 0, two for expert 1, five for expert 2."""
+    torch.manual_seed(0)
+    x = torch.rand(8, 4) * 0.1
+    for i, e in enumerate([0, 1, 1, 2, 2, 2, 2, 2]):
+        x[i, e] = 1.0 + i
+    return x.reshape(2, 4, 4)
+
+
+def test_the_traced_router_routes_as_the_eager_one():
+    model = Top1().eval()
+    x = _tokens()
+    counts = torch.bincount(model.router(x.reshape(-1, 4)).argmax(-1), minlength=3)
+    assert counts.tolist() == [1, 2, 5]
+    ep, _, _ = trace(model, (x,))
+    assert ep.graph_module.meta[UNREAD] == []  # every expert is read, as in the eager run
+    # the program asserts each expert's rows the example's: it runs on the example, and agrees
+    with torch.no_grad():
+        assert torch.allclose(ep.module()(x), model(x), atol=1e-6)
+    rep = symgraph.analyze(model, (x,))
+    for i in range(3):
+        (hidden,) = _groups_holding(rep, (f"experts.expert_{i}.wi.weight", 0))
+        assert hidden.kind in ("perm", "scaled_perm") and hidden.size == 16
+        assert (f"experts.expert_{i}.wo.weight", 1) in hidden.params
+    assert rep.certify(model, (x,)) <= 1e-6
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_switch_transformers_experts_each_claimed():
+    from transformers.models.switch_transformers import modeling_switch_transformers as switch
+    cfg = transformers.SwitchTransformersConfig(d_model=16, d_ff=24, num_experts=4, expert_capacity=8)
+    torch.manual_seed(0)
+    mlp = switch.SwitchTransformersSparseMLP(cfg).eval()
+    x = torch.randn(2, 8, 16)
+    with torch.no_grad():
+        chosen, _, _ = mlp.router(x)
+    assert (chosen.sum((0, 1)) > 0).all()  # the eager run reads every expert
+    ep, _, _ = trace(mlp, (x,))
+    assert ep.graph_module.meta[UNREAD] == []
+    rep = symgraph.analyze(mlp, (x,))
+    for i in range(4):
+        (hidden,) = _groups_holding(rep, (f"experts.expert_{i}.wi.weight", 0))
+        assert hidden.kind == "scaled_perm" and hidden.size == 24  # ReLU: positive homogeneity
+        assert (f"experts.expert_{i}.wo.weight", 1) in hidden.params
+    assert rep.certify(mlp, (x,)) <= 1e-6
