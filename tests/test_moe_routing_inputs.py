@@ -100,3 +100,21 @@ def test_switch_transformers_experts_each_claimed():
         assert hidden.kind == "scaled_perm" and hidden.size == 24  # ReLU: positive homogeneity
         assert (f"experts.expert_{i}.wo.weight", 1) in hidden.params
     assert rep.certify(mlp, (x,)) <= 1e-6
+
+
+def test_a_second_router_routes_on_the_first_mixtures_real_output():
+    """Switch's experts add into their output in place (``index_add_``); a second mixture's
+    router reads that output, so its real value must be the sum, not the zeros it started as."""
+    from transformers.models.switch_transformers import modeling_switch_transformers as switch
+    cfg = transformers.SwitchTransformersConfig(d_model=16, d_ff=24, num_experts=4, expert_capacity=8)
+    torch.manual_seed(0)
+    first, second = (switch.SwitchTransformersLayerFF(cfg, is_sparse=True) for _ in range(2))
+    model = nn.Sequential(first, second).eval()
+    x = torch.randn(2, 8, 16)
+    with torch.no_grad():  # eager: every expert of both is read
+        assert (first.mlp.router(first.layer_norm(x))[0].sum((0, 1)) > 0).all()
+        assert (second.mlp.router(second.layer_norm(first(x)))[0].sum((0, 1)) > 0).all()
+    ep, _, _ = trace(model, (x,))
+    assert ep.graph_module.meta[UNREAD] == []
+    with torch.no_grad():  # the sizes it asserts are the example's: it runs on it, and agrees
+        assert torch.allclose(ep.module()(x), model(x), atol=1e-6)

@@ -24,7 +24,11 @@ here, never by changing what the program computes:
 - a parameter's real value is copied only where it is a plain ``Tensor``
   (``meta_utils._safe_copy``), so every ``nn.Parameter`` got uninitialised memory as its real
   value and a router's choice was taken from garbage (Switch Transformers: every token to
-  expert 0, the other experts never read): a parameter's data is copied as any tensor's.
+  expert 0, the other experts never read): a parameter's data is copied as any tensor's;
+- an in-place ``index_add_`` (a mixture's experts added into their output, Switch
+  Transformers) leaves its real value as it was before the op, so a later router chose from
+  stale values and the program asserted sizes the example never has: it is run as
+  ``index_add`` copied into place (``copy_``), the same values.
 
 ``run_decompositions`` of a program so made re-traces it with the same fake values, which carry
 the real ones: :func:`real_values` is in place for that too.
@@ -88,6 +92,13 @@ def _parameters_copied(original):
     return copy
 
 
+def _added_then_copied(original):
+    """``Tensor.index_add_`` as ``index_add`` copied into place."""
+    def index_add_(self, dim, index, source, *, alpha=1):
+        return self.copy_(torch.index_add(self, dim, index, source, alpha=alpha))
+    return index_add_
+
+
 @contextlib.contextmanager
 def real_value_fixes():
     """While inside, the workarounds of the module's docstring are in place."""
@@ -96,7 +107,7 @@ def real_value_fixes():
     patches = [(meta_utils, "_safe_copy", _parameters_copied), (meta_utils, "_safe_clone", _parameters_copied),
                (fake_utils, "_check_fake_real_tensors", _offsets_unchecked),
                (symbolic_shapes, "compute_unbacked_bindings", _specialised),
-               (torch.Tensor, "__format__", _formatted)]
+               (torch.Tensor, "__format__", _formatted), (torch.Tensor, "index_add_", _added_then_copied)]
     saved = [(owner, name, getattr(owner, name), make) for owner, name, make in patches if hasattr(owner, name)]
     try:
         for owner, name, original, make in saved:
