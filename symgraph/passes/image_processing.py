@@ -126,8 +126,12 @@ def patch_grids(vision, params, batch: int, gen) -> list:
     can run (a torchvision-only one): each row's image as a grid of ``2·merge × 2·merge`` patches
     (one frame), its patches flattened (``C·T·P·P`` values each: Qwen-VL's layout), as small
     images (``C × P × P``) or as their pixels (``P·P`` rows of ``C`` each); the model's own
-    ``get_image_features`` tells which it takes."""
+    ``get_image_features`` tells which it takes. A grid of rows and columns only
+    (``image_grid_hw``: RADIO's tower in Nemotron-H Omni) has no frames."""
     patch = _first_int(config_value(vision, "patch_size"))
+    if "image_grid_hw" in params and patch is not None and "image_grid_thw" not in params:
+        return [{"pixel_values": g["pixel_values"], "image_grid_hw": g["image_grid_thw"][:, 1:]}
+                for g in patch_grids(vision, {"image_grid_thw": None}, batch, gen)]
     if "image_grid_thw" not in params or patch is None:
         return []
     merge = _first_int(config_value(vision, "spatial_merge_size", "merge_size", "merge_kernel_size")) or 1
