@@ -2,7 +2,9 @@
 (``image_grid_hw``: RADIO's in Nemotron-H Omni) gets flattened patches and that grid, so its
 images are read; its videos share the image token (a forward that reads images cannot also read
 videos: their placeholders are counted against the images' features), so the video patch
-projection is the one parameter left unread."""
+projection is the one parameter left unread. Inkling's discrete audio (``audio_input_ids``:
+frames of one code per codebook) and its images (each patch its own clip of
+``temporal_patch_size`` frames, channels last, one text token each) are both read."""
 from __future__ import annotations
 
 import warnings
@@ -42,3 +44,25 @@ def test_nemotron_h_omni_reads_its_image_tower():
     read = Trials(m, {}).reads(kw)
     assert read is not None
     assert {n for n, _ in m.named_parameters()} - read == {"vision_model.embeddings.video_patch_projection.weight"}
+
+
+def test_inkling_reads_its_audio_codes_and_its_patch_clips():
+    import symgraph
+    from benchmarks.coverage.shrink import build
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m, _ = build("inkling_mm_model", "InklingForConditionalGeneration")
+    a, v = m.config.audio_config, m.config.vision_config
+    _, kw = default_inputs(m)
+    codes = kw["audio_input_ids"]
+    assert tuple(codes.shape) == (2, 8, a.num_codebooks) and 0 <= int(codes.min()) and int(codes.max()) < a.codebook_size
+    assert tuple(kw["pixel_values"].shape) == (8, v.temporal_patch_size, v.patch_size, v.patch_size, v.num_channels)
+    ids = kw["input_ids"]
+    assert ((ids == m.config.audio_token_id).sum(1) == 8).all() and ((ids == m.config.image_token_id).sum(1) == 4).all()
+    read = Trials(m, {}).reads(kw)
+    assert read is not None and {n for n, _ in m.named_parameters()} - read == set()
+    rep = symgraph.analyze(m)  # no inputs
+    assert rep.certify(m) <= 1e-6
+    emb = [g for g in rep.groups if ("model.audio_tower.embed_audio_tokens.embed_audio_tokens.weight", 1)
+           in [tuple(p) for p in g.params]]
+    assert emb and emb[0].size == m.config.text_config.hidden_size and emb[0].kind == "perm"  # the residual stream

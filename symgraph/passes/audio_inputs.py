@@ -225,10 +225,10 @@ def _counts(model, kw, batch) -> list:
     lengths = next((m._get_feat_extract_output_lengths for m in model.modules()
                     if hasattr(m, "_get_feat_extract_output_lengths")), None)
     mask = next((v for k, v in kw.items() if k.endswith("mask")), None)
-    x = next(v for v in kw.values() if v.is_floating_point())
-    frames = mask.sum(-1)[:1] if mask is not None else torch.tensor([x.shape[-1], x.shape[1]])
+    x = next((v for v in kw.values() if v.is_floating_point()), None)
+    frames = mask.sum(-1)[:1] if mask is not None else torch.tensor([x.shape[-1], x.shape[1]]) if x is not None else None
     try:
-        got = lengths(frames) if lengths is not None else ()
+        got = lengths(frames) if lengths is not None and frames is not None else ()
     except Exception:  # noqa: BLE001 - a lengths function of other inputs
         got = ()
     for v in got if isinstance(got, (tuple, list)) else (got,):
@@ -255,7 +255,7 @@ def audio_tokens(model, kwargs, params, batch, gen) -> None:
     if not token and Trials(model, {}).reads(kwargs) is not None:
         return  # text alone runs, and no token says where audio goes
     ids = kwargs["input_ids"]
-    for kw in _layouts(model, cfg, params, batch, gen):
+    for kw in _layouts(model, cfg, params, batch, gen) + _codes(cfg, params, batch, gen):
         for n in _counts(model, kw, batch):
             run = torch.full((batch, n), token[0], dtype=ids.dtype) if token else None
             text = torch.cat([ids[:, :1], run, ids[:, 1:]], 1) if run is not None \
@@ -265,6 +265,18 @@ def audio_tokens(model, kwargs, params, batch, gen) -> None:
                 kwargs.update(trial)
                 _no_sampling(kwargs, params)
                 return
+
+
+def _codes(cfg, params, batch, gen) -> list:
+    """Discrete audio (``audio_input_ids``, frames of one code per codebook: Inkling's dMel
+    bins): eight frames a row, each code in range of the audio config's ``codebook_size``, one per
+    its ``num_codebooks``; none where the forward or the audio config does not tell."""
+    audio = getattr(cfg, "audio_config", None)
+    books = ints(config_value(audio, "num_codebooks")) if audio is not None else []
+    size = ints(config_value(audio, "codebook_size")) if audio is not None else []
+    if "audio_input_ids" not in params or not books or not size:
+        return []
+    return [{"audio_input_ids": torch.randint(0, size[0], (batch, 8, books[0]), generator=gen)}]
 
 
 def _no_sampling(kwargs, params) -> None:

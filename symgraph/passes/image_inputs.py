@@ -8,7 +8,7 @@ import torch
 
 from .image_processing import packed_patches, patch_grids, patch_rows, processed_images, tiles
 from .input_values import config_value, device_of, ints, pixels
-from .tower_inputs import cross_attended, merged_patches
+from .tower_inputs import cross_attended, merged_patches, temporal_patches
 
 __all__ = ["image_tokens"]
 
@@ -117,7 +117,7 @@ def _counted(model, vision, batch, gen) -> tuple:
     if n is not None:
         return plain, n
     made = processed_images(model, vision, params, batch, gen)
-    layouts = (patch_grids, tiles, patch_rows, merged_patches, packed_patches)
+    layouts = (patch_grids, tiles, patch_rows, merged_patches, packed_patches, temporal_patches)
     shaped = [f(vision, params, batch, gen) for f in layouts]
     for images in [made] * bool(made) + [c for cs in shaped for c in cs]:
         n = _features_per_image(model, images, batch)

@@ -135,7 +135,7 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
     elif name == "input_ids" and "pixel_values" in params:
         image_tokens(model, kwargs, cfg, batch, gen)
     patches_beside_text(model, kwargs, cfg, batch, gen)  # beside token ids (Kosmos-2.5)
-    if name == "input_ids" and ({"input_features", "input_values"} & set(params)):
+    if name == "input_ids" and ({"input_features", "input_values", "audio_input_ids"} & set(params)):
         audio_tokens(model, kwargs, params, batch, gen)
     paired_inputs(model, kwargs, params, name, batch, seq, gen)  # text beside images, languages
     if passes_on(model, params, "mask_time_indices"):

@@ -11,7 +11,7 @@ from .image_processing import processed_images
 from .input_values import config_value
 from .optional_inputs import Trials
 
-__all__ = ["cross_attended", "merged_patches"]
+__all__ = ["cross_attended", "merged_patches", "temporal_patches"]
 
 
 def _int(v) -> int | None:
@@ -33,6 +33,20 @@ def merged_patches(vision, params, batch: int, gen) -> list:
     grid = torch.tensor([[1, 2, 2]] * batch)
     return [{"pixel_values": torch.randn(*shape, generator=gen), "image_grid_thw": grid}
             for shape in ((n, side, side, ch), (n, ch, side, side))]
+
+
+def temporal_patches(vision, params, batch: int, gen) -> list:
+    """A tower that takes each patch as its own small clip, one text token each, with no grid
+    (Inkling's, whose processor needs torchvision): four patches a row, each
+    ``temporal_patch_size`` frames of ``P × P`` pixels, channels last (``T × P × P × C``) or
+    first; none without a patch and a temporal patch size."""
+    patch = _int(config_value(vision, "patch_size"))
+    frames = _int(config_value(vision, "temporal_patch_size"))
+    if patch is None or frames is None or "pixel_values" not in params:
+        return []
+    ch, n = _int(config_value(vision, "num_channels", "in_channels")) or 3, 4 * batch
+    return [{"pixel_values": torch.randn(*shape, generator=gen)}
+            for shape in ((n, frames, patch, patch, ch), (n, ch, frames, patch, patch))]
 
 
 def cross_attended(model, kwargs: dict, vision, batch: int, gen) -> None:
