@@ -85,6 +85,7 @@ _ELEMENTWISE = {
     aten.cos, aten.sin, aten.exp, aten.neg, aten.mul, aten.div, aten.add, aten.sub, aten.rsub,
     aten.pow, aten.reciprocal, aten.sqrt, aten.rsqrt, aten._to_copy, aten.clone,
     aten.contiguous, aten.alias, aten.detach, aten.lift_fresh_copy, aten.to, aten.type_as,
+    aten.where, aten.copy,  # a choice or copy of its operands: equal where all are equal
 }
 _VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
           aten.unsqueeze, aten.squeeze}
@@ -164,6 +165,12 @@ class _ConstIds:
             return arr if d < nd - k else np.repeat(arr, reps, axis=d - (nd - k))
         if p == aten.slice:
             return self._sliced_ids(node, k, nd)
+        if p == aten.select:
+            return self._selected_ids(node, k, nd)
+        if p == aten.slice_scatter:  # ``f[..., a:b:c] = g[..., a:b:c]`` (interleaved M-RoPE)
+            return self._scattered_ids(node, k, nd, tail)
+        if p == aten.index:  # rows reordered (Qwen2.5-VL's windows): trailing dims kept
+            return self._indexed_ids(node, k, nd)
         if node.target is operator.getitem and op_of(node.args[0]) in (aten.split, aten.split_with_sizes):
             return self._split_ids(node, k, nd)
         return None
@@ -227,6 +234,45 @@ class _ConstIds:
         idx = [slice(None)] * k
         idx[d - (nd - k)] = slice(start, min(end, n), step)
         return arr[tuple(idx)]
+
+    def _selected_ids(self, node, k, nd):
+        """``src.select(d, i)``: the source's ids, index ``i`` taken where ``d`` is a trailing dim."""
+        src, d, i = node.args[:3]
+        ns = nd + 1
+        d = d + ns if d < 0 else d
+        if d < ns - k:
+            return self.ids(src, k)
+        arr = self.ids(src, k + 1)
+        return np.take(arr, i, axis=d - (ns - k - 1))
+
+    def _indexed_ids(self, node, k, nd):
+        """``src[i, j, ...]`` with index tensors on leading dims only: the source's ids (its
+        trailing dims come through in order); else None."""
+        src, idx = node.args[:2]
+        ns = len(src.meta["val"].shape)
+        last = max((i for i, t in enumerate(idx) if t is not None), default=ns)
+        if last >= ns - k or tuple(src.meta["val"].shape[ns - k:]) != tuple(node.meta["val"].shape[nd - k:]):
+            return None
+        return self.ids(src, k)
+
+    def _scattered_ids(self, node, k, nd, tail):
+        """``slice_scatter(x, y, d, start, end, step)``: x's ids with y's in that slice where
+        ``d`` is a trailing dim; along a leading one, equal only where both are equal."""
+        x, y = node.args[:2]
+        d = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        d = d + nd if d < 0 else d
+        a, b = self.ids(x, k), self.ids(y, k)
+        if d < nd - k:
+            return self._combine([a, b], tail)
+        out, ax = np.array(np.broadcast_to(a, tail)), d - (nd - k)
+        n = out.shape[ax]
+        start = node.args[3] if len(node.args) > 3 and node.args[3] is not None else 0
+        end = node.args[4] if len(node.args) > 4 and node.args[4] is not None else n
+        step = node.args[5] if len(node.args) > 5 else 1
+        idx = [slice(None)] * k
+        idx[ax] = slice(start, min(end, n), step)
+        out[tuple(idx)] = b
+        return out
 
     def _split_ids(self, node, k, nd):
         """A part of a ``split``: the source's ids, that part's range where the dim is a
