@@ -48,8 +48,8 @@ from .audio_inputs import audio_tokens, features, refused_audio, samples, time_m
 from .diffusion_inputs import diffusers_inputs, is_diffusers
 from .image_inputs import image_tokens
 from .input_values import config_value, device_of, ints, pixels, token_ids
-from .optional_inputs import (Trials, caches_off, encoder_states, entities, layout, long_enough, masked_patches,
-                              passes_on)
+from .optional_inputs import (Trials, caches_off, encoder_states, entities, long_enough, masked_patches,
+                              passes_on, text_extras)
 from .paired_inputs import decoder_channels, global_tokens, paired_inputs
 from .patch_inputs import flattened_patches, patches_beside_text
 
@@ -166,7 +166,7 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
         encoder_states(trials, params, cfg, batch, gen)
         long_enough(model, trials, cfg, batch, gen)
     if name == "input_ids":  # boxes (and a page) once the decoder's inputs are there (UDOP)
-        layout(trials, params, cfg, batch, gen)
+        text_extras(trials, params, cfg, batch, gen)  # boxes; segments, a query stream (XLNet)
         global_tokens(trials, params, batch)  # the first token attends globally (LED)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     kwargs = {k: v if not isinstance(v, torch.Tensor) else v.to(dev, dtype) if v.is_floating_point() else v.to(dev)

@@ -16,7 +16,10 @@ it, or takes it and ignores it, keeps the inputs it had.
 - masked patches (``bool_masked_pos``: DINOv2): every third patch replaced by the learned mask
   token, the same idea as Wav2Vec2's masked frames;
 - a document's layout (``bbox``: LayoutLMv3, LiLT, UDOP): a box per token, and its page image
-  (``pixel_values``) where the forward takes one beside the ids and no image token places it.
+  (``pixel_values``) where the forward takes one beside the ids and no image token places it;
+- two segments (``token_type_ids``: XLNet's segment embeddings and bias are read only on them);
+- positions to predict (``target_mapping``, ``perm_mask``: XLNet's query stream, which reads its
+  mask embedding), built as its own generation builds them: the last token, seen by no position.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from torch.utils._pytree import tree_flatten
 
 from .input_values import config_value, device_of, pixels, token_ids
 
-__all__ = ["Trials", "caches_off", "encoder_states", "entities", "layout", "long_enough", "masked_patches", "passes_on"]
+__all__ = ["Trials", "caches_off", "encoder_states", "entities", "layout", "long_enough", "masked_patches", "passes_on",
+           "segments_and_targets", "text_extras"]
 
 # the names transformers gives a decoder's encoder states (BART's, Whisper's causal LM; Mllama's)
 _ENCODER_STATES = ("encoder_hidden_states", "encoder_outputs", "cross_attention_states")
@@ -210,3 +214,30 @@ def layout(trials: Trials, params, cfg, batch, gen) -> None:
     if "bbox" in params and "pixel_values" in params and "pixel_values" not in trials.kwargs \
             and config_value(cfg, "image_token_id", "image_token_index") is None:
         trials.offer({"pixel_values": pixels(trials.model, config_value(cfg, "vision_config") or cfg, batch, gen)})
+
+
+def segments_and_targets(trials: Trials, params, cfg, batch: int) -> None:
+    """Two segments of the token ids (``token_type_ids``: the first half 0, the rest 1) where the
+    config allows two types; then the positions to predict (``target_mapping``: one, the last
+    token; ``perm_mask``: no position sees it, as XLNet's ``prepare_inputs_for_generation``
+    builds them). Each kept only where the forward reads a parameter more on it."""
+    ids = trials.kwargs.get("input_ids")
+    if ids is None or ids.dim() != 2 or ids.shape[1] < 2:
+        return
+    seq, types = ids.shape[1], config_value(cfg, "type_vocab_size")
+    if "token_type_ids" in params and "token_type_ids" not in trials.kwargs \
+            and (not isinstance(types, int) or types >= 2):
+        trials.offer({"token_type_ids": (torch.arange(seq) >= seq // 2).long().expand(batch, seq).clone()})
+    if {"target_mapping", "perm_mask"} <= set(params) and "target_mapping" not in trials.kwargs:
+        target = torch.zeros(batch, 1, seq)
+        target[:, 0, -1] = 1.0
+        perm = torch.zeros(batch, seq, seq)
+        perm[:, :, -1] = 1.0
+        trials.offer({"target_mapping": target, "perm_mask": perm})
+
+
+def text_extras(trials: Trials, params, cfg, batch: int, gen) -> None:
+    """What token ids may come with: a document's layout (:func:`layout`), then segments and the
+    positions to predict (:func:`segments_and_targets`)."""
+    layout(trials, params, cfg, batch, gen)
+    segments_and_targets(trials, params, cfg, batch)
