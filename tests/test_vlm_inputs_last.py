@@ -4,7 +4,8 @@ images are read; its videos share the image token (a forward that reads images c
 videos: their placeholders are counted against the images' features), so the video patch
 projection is the one parameter left unread. Inkling's discrete audio (``audio_input_ids``:
 frames of one code per codebook) and its images (each patch its own clip of
-``temporal_patch_size`` frames, channels last, one text token each) are both read."""
+``temporal_patch_size`` frames, channels last, one text token each) are both read. NeoMME's patches (a flat list of ``3·P·P``-wide patches,
+embedded to its hidden width past its factorised token embeddings) are counted and read."""
 from __future__ import annotations
 
 import warnings
@@ -66,3 +67,28 @@ def test_inkling_reads_its_audio_codes_and_its_patch_clips():
     emb = [g for g in rep.groups if ("model.audio_tower.embed_audio_tokens.embed_audio_tokens.weight", 1)
            in [tuple(p) for p in g.params]]
     assert emb and emb[0].size == m.config.text_config.hidden_size and emb[0].kind == "perm"  # the residual stream
+
+
+def test_neomme_reads_its_flat_patches():
+    """NeoMME's token embeddings are factorised (``embedding_rank`` wide), its patch features
+    ``hidden_size`` wide: the features are counted by the text's width, and the rows of patches
+    its placeholders cannot take are refused for one flat list of ``batch × n`` patches."""
+    import symgraph
+    from benchmarks.coverage.shrink import build
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m, _ = build("neomme", "NeoMMEForMaskedLM")
+    c = m.config
+    assert m.get_input_embeddings().embedding_dim != c.hidden_size
+    _, kw = default_inputs(m)
+    n = (c.image_size // c.patch_size) ** 2 if getattr(c, "image_size", None) else None
+    px, ids = kw["pixel_values"], kw["input_ids"]
+    assert px.dim() == 2 and px.shape[1] == c.patch_dim
+    assert int((ids == c.image_token_id).sum()) == px.shape[0] and ((ids == c.image_token_id).sum(1) == px.shape[0] // 2).all()
+    assert n is None or px.shape[0] == 2 * n
+    read = Trials(m, {}).reads(kw)
+    assert read is not None and {n for n, _ in m.named_parameters()} - read == set()
+    rep = symgraph.analyze(m)
+    assert rep.certify(m) <= 1e-6
+    up = [g for g in rep.groups if ("model.patch_embeddings.up_proj.weight", 0) in [tuple(p) for p in g.params]]
+    assert up and up[0].kind == "perm" and up[0].size == 2 * c.hidden_size  # the patch stem's hidden units

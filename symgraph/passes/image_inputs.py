@@ -8,6 +8,7 @@ import torch
 
 from .image_processing import packed_patches, patch_grids, patch_rows, processed_images, tiles
 from .input_values import config_value, device_of, ints, pixels
+from .optional_inputs import Trials
 from .tower_inputs import cross_attended, merged_patches, temporal_patches
 
 __all__ = ["image_tokens"]
@@ -27,7 +28,7 @@ def image_tokens(model, kwargs, cfg, batch, gen) -> None:
     vision = config_value(cfg, "vision_config") or cfg
     if not token:
         return
-    images, n = _counted(model, vision, batch, gen)
+    images, n = _counted(model, vision, batch, gen, lambda im, k: _runs(model, kwargs, token[0], im, k, batch))
     n = n if n is not None else config_value(cfg, "mm_tokens_per_image", "image_seq_length")
     if not isinstance(n, int):
         if _image_features(model) is None:  # no tokens to count: images the text cross-attends to
@@ -108,22 +109,36 @@ def _modules_run(model, get, inputs: dict, batch: int = 1) -> tuple:
     return seen, n
 
 
-def _counted(model, vision, batch, gen) -> tuple:
-    """The first of the candidate image inputs whose features ``get_image_features`` counts, and
-    that count per row; else plain pixels and None."""
+def _candidates(model, vision, batch, gen):
+    """Candidate image inputs, in order: plain pixels, the model's own processor's, each layout's."""
     params = inspect.signature(model.forward).parameters
-    plain = _plain(model, vision, batch, gen)
-    n = _features_per_image(model, plain, batch)
-    if n is not None:
-        return plain, n
+    yield _plain(model, vision, batch, gen)
     made = processed_images(model, vision, params, batch, gen)
-    layouts = (patch_grids, tiles, patch_rows, merged_patches, packed_patches, temporal_patches)
-    shaped = [f(vision, params, batch, gen) for f in layouts]
-    for images in [made] * bool(made) + [c for cs in shaped for c in cs]:
+    if made:
+        yield made
+    for layout in (patch_grids, tiles, patch_rows, merged_patches, packed_patches, temporal_patches):
+        yield from layout(vision, params, batch, gen)
+
+
+def _counted(model, vision, batch, gen, runs) -> tuple:
+    """The first of the candidate image inputs whose features ``get_image_features`` counts and
+    on which (``runs(images, count)``) the forward runs, and that count per row; else the first
+    counted (the trace then says why it fails); else plain pixels and None."""
+    first = None
+    for images in _candidates(model, vision, batch, gen):
         n = _features_per_image(model, images, batch)
-        if n is not None:
+        if n is not None and runs(images, n):
             return images, n
-    return plain, None
+        first = first or ((images, n) if n is not None else None)
+    return first or (_plain(model, vision, batch, gen), None)
+
+
+def _runs(model, kwargs, token: int, images: dict, n: int, batch: int) -> bool:
+    """Whether the forward runs on ``kwargs`` with ``images`` and ``n`` image tokens a row (features
+    counted per row that its placeholders cannot take are refused: NeoMME's patches, flat)."""
+    trial = dict(kwargs)
+    _insert(trial, token, n, batch)
+    return Trials(model, {}).reads({**trial, **images}) is not None
 
 
 def _plain(model, vision, batch, gen) -> dict:
@@ -148,10 +163,13 @@ def _image_features(model):
 def _features_per_image(model, images: dict, batch: int, get=None) -> int | None:
     """Image features per row that the model's ``get_image_features`` returns for ``images``
     (its keyword inputs; one image a row) (a list of per-image features or one tensor), each of
-    the width of the model's input embeddings; None when it has none, refuses these images, or
-    returns another width or an uneven count. ``get``: another such method (videos')."""
+    the width of the model's input embeddings or of its text's hidden states (factorised
+    embeddings: NeoMME); None when it has none, refuses these images, or returns another width or
+    an uneven count. ``get``: another such method (videos')."""
     get, emb = get or _image_features(model), model.get_input_embeddings()
     width = getattr(emb, "embedding_dim", None)
+    text = getattr(model.config, "text_config", None) or model.config
+    widths = {width, getattr(text, "hidden_size", None)}
     if get is None or not isinstance(width, int):
         return None
     p = next((q for q in model.parameters() if q.is_floating_point()), None)
@@ -167,7 +185,8 @@ def _features_per_image(model, images: dict, batch: int, get=None) -> int | None
     if feats is None:  # the patches' embeddings are the features (Fuyu)
         feats = getattr(out, "last_hidden_state", None)
     feats = [feats] if isinstance(feats, torch.Tensor) else list(feats or ())
-    if not feats or any(not isinstance(f, torch.Tensor) or f.shape[-1] != width for f in feats):
+    if not feats or any(not isinstance(f, torch.Tensor) or f.shape[-1] not in widths for f in feats):
         return None
+    width = feats[0].shape[-1]
     total = sum(f.numel() for f in feats) // width
     return total // batch if total and total % batch == 0 else None

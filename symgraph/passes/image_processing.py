@@ -158,7 +158,8 @@ def tiles(vision, params, batch: int, gen) -> list:
 def patch_rows(vision, params, batch: int, gen) -> list:
     """An image as rows of patches, ``C·P·P`` values each, ``(side / P)²`` of them: where the
     forward takes their grid (``spatial_shapes``, NaFlex: with a mask of real patches) and, for a
-    tower that embeds patches by one linear map (Fuyu), alone."""
+    tower that embeds patches by one linear map (Fuyu), alone, then every row's patches in one
+    flat list (NeoMME)."""
     patch, side = _first_int(config_value(vision, "patch_size")), image_side(vision)
     if patch is None or side is None:
         return []
@@ -166,7 +167,7 @@ def patch_rows(vision, params, batch: int, gen) -> list:
     per_side = max(1, side // patch)
     rows = {"pixel_values": torch.randn(batch, per_side * per_side, ch * patch * patch, generator=gen)}
     if "spatial_shapes" not in params:
-        return [rows]
+        return [rows, {"pixel_values": rows["pixel_values"].flatten(0, 1)}]
     return [{**rows, "spatial_shapes": torch.tensor([[per_side, per_side]] * batch),
              "pixel_attention_mask": torch.ones(batch, per_side * per_side, dtype=torch.bool)}]
 
