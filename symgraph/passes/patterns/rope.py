@@ -332,9 +332,9 @@ class _Tables:
             if n in self.memo:
                 out = out and self.memo[n]
                 continue
-            kind = self.origin(n)
-            if kind == "const" or n.op == "placeholder":
-                self.memo[n] = kind != "param"
+            source = self.origin(n)
+            if source == "const" or n.op == "placeholder":
+                self.memo[n] = source != "param"
                 out = out and self.memo[n]
                 continue
             if n.op != "call_function":
