@@ -4,6 +4,7 @@ list's relation to another field), never a family's name."""
 from __future__ import annotations
 
 from .code_divisors import divided_widths
+from .token_ranges import code_ranges
 from .tower_sizes import concatenated, image_token, merged_widths, patch_pixels, query_tokens, stage_widths
 
 
@@ -346,7 +347,7 @@ def derived_sizes(fields, out, main, width, cfg=None, free: int | None = None) -
     return {**layout_parts(fields, main, width), **stage_depths(fields, out),
             **multipliers(fields, main, width), **code_token_ids(cfg, fields, free), **all_shared(fields, out),
             **stage_widths(fields, main), **divided_widths(cfg, fields, out), **query_tokens(fields),
-            **patch_pixels(fields, out)}
+            **patch_pixels(fields, out), **code_ranges(fields, out, free)}
 
 
 def all_shared(fields, out) -> dict:
