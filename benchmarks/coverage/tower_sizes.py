@@ -99,3 +99,29 @@ def patch_pixels(fields, out) -> dict:
                 and k in out and out[k] != v and ch > 0 and v % ch == 0 and math.isqrt(v // ch) ** 2 == v // ch:
             res[k] = v
     return res
+
+
+def patch_queries(fields, out) -> dict:
+    """A map from an image's patch count to the learned queries its projector pools it into (a
+    dict of counts whose name says patch and query: Aria's ``projector_patch_to_query_dict``
+    ``{1225: 128, 4900: 256}``, 490- and 980-pixel images of 14-pixel patches), keyed by the
+    patches of the shrunk vision config's image (``(image / patch)²``), as many queries as patches
+    (at most the fewest it stated): an image of the shrunk size finds its patch count there, as
+    a real checkpoint's image of its own size does (its projector refuses any other count)."""
+    vision = out.get("vision_config") or {}
+    image, patch = vision.get("image_size"), vision.get("patch_size")
+    if not (is_int(image) and is_int(patch) and 0 < patch <= image):
+        return {}
+    n = (image // patch) ** 2
+    res = {}
+    for k, v in fields.items():
+        t = set(k.split("_"))
+        if not ({"patch", "query"} <= t and isinstance(v, dict) and v):
+            continue
+        try:
+            counts = {int(a): int(b) for a, b in v.items()}
+        except (TypeError, ValueError):
+            continue
+        if n not in counts and min(counts.values()) > 0:
+            res[k] = {n: min(n, min(counts.values()))}
+    return res

@@ -5,6 +5,7 @@ name and default, a head count, rotary parameters), never a family's name."""
 from __future__ import annotations
 
 from .consistent import tower_widths
+from .tower_sizes import patch_queries
 
 
 def _is_int(v) -> bool:
@@ -17,7 +18,8 @@ def _width_of(fields: dict, main_keys) -> int | None:
 
 def tower_rules(fields, out, main_keys, heads: int | None, head_dim: int, vocab: int, role=None) -> dict:
     """:func:`.consistent.tower_widths`, then :func:`stream_widths`, :func:`rotary_widths`,
-    :func:`placeholder_tokens`, :func:`handed_channels` and :func:`layer_ids` on what it leaves
+    :func:`placeholder_tokens`, :func:`handed_channels`, :func:`layer_ids` and
+    :func:`.tower_sizes.patch_queries` on what it leaves
     (one dict of overrides of the level); ``role``: the shrink rule's role of a field's name."""
     res = tower_widths(fields, out, main_keys)
     res.update(layer_ids(fields, out, role) if role is not None else {})
@@ -25,6 +27,7 @@ def tower_rules(fields, out, main_keys, heads: int | None, head_dim: int, vocab:
     res.update(rotary_widths(fields, {**out, **res}, main_keys, heads, head_dim))
     res.update(placeholder_tokens(fields, {**out, **res}, vocab))
     res.update(handed_channels(fields, {**out, **res}, main_keys))
+    res.update(patch_queries(fields, {**out, **res}))
     return res
 
 
