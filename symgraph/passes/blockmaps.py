@@ -16,10 +16,10 @@ import math
 
 import torch
 
-from ..core.elements import Blocks, is_perm
+from ..core.elements import Blocks, Perm, is_perm
 from .axes import application_order, flat_factors, gather_fibres, leaf_element
 
-__all__ = ["block_map"]
+__all__ = ["block_map", "sum_index"]
 
 
 def block_map(an, axis, elements: dict):
@@ -27,11 +27,13 @@ def block_map(an, axis, elements: dict):
     a permutation, else :class:`Blocks` at the innermost factor's size), for a product axis
     whose factors are leaves, every factor but the innermost carrying a permutation (per fibre;
     signed or scaled: each block scaled) or nothing, and the innermost a square element (or
-    nothing), fibred over outer factors of the axis only. None for any other axis (the composed
-    matrix decides those)."""
+    nothing), fibred over outer factors of the axis only; for a direct sum of permuted parts,
+    :func:`sum_index`. None for any other axis (the composed matrix decides those)."""
     uf = an.uf
     r, _ = uf.find(axis)
     s = uf.struct.get(r)
+    if s is not None and s[0] == "sum":
+        return sum_index(an, axis, elements)
     if s is None or s[0] != "prod":
         return None
     factors = flat_factors(an, axis, 0)
@@ -71,6 +73,42 @@ def block_map(an, axis, elements: dict):
     if not bool((blocks != 0).flatten(1).any(1).all()):
         return None  # a zero block: not a map of this form
     return Blocks(index, blocks)
+
+
+def sum_index(an, axis, elements: dict):
+    """The index vector of a direct sum's map (a fused projection's segments: SwiGLU's gate and
+    up halves of one ``linear``) whose parts are unfibred classes, each permuted (a
+    :class:`~symgraph.core.elements.Perm`) or left alone, or sums of such: each part's index
+    vector shifted to the part's offset, in place of the ``n×n`` matrix (a projector's 36864
+    rows are 10 GB dense in float64). None where a part is anything else, or where no part
+    moves (the identity: the composed matrix says so at once)."""
+    got = _sum_pieces(an, axis, elements)
+    if got is None or not got[1]:
+        return None
+    return got[0]
+
+
+def _sum_pieces(an, axis, elements: dict):
+    """``(index, moved)`` of :func:`sum_index`, or None."""
+    uf = an.uf
+    pieces, moved, at = [], False, 0
+    for a, _ in uf.struct[uf.find(axis)[0]][1]:
+        ra, _ = uf.find(a)
+        if ra in uf.struct:
+            sub = _sum_pieces(an, a, elements) if uf.struct[ra][0] == "sum" else None
+            if sub is None:
+                return None
+            index, m = sub
+        else:
+            E = elements.get(ra)
+            if E is not None and (not isinstance(E, Perm) or an.fibre.get(ra, ())):
+                return None
+            index, m = (torch.arange(uf.size[ra]) if E is None else E.index), E is not None
+        pieces.append(index + at)
+        moved |= m
+        at += uf.size[ra]
+    dev = next((p.device for p in pieces if p.device.type != "cpu"), pieces[0].device)
+    return torch.cat([p.to(dev) for p in pieces]), moved
 
 
 def _carry(subs, fclasses, sizes, m, dev):
