@@ -5,13 +5,18 @@ nothing):
 - a projector that pools an image's patches into learned queries, as many as a map from patch
   counts states (Aria's ``projector_patch_to_query_dict``): the shrink rule keys that map by the
   shrunk image's patch count, so the images the examples build at the vision config's size reach
-  the tower, as a real checkpoint's images of its own size do.
+  the tower, as a real checkpoint's images of its own size do;
+- Molmo2: its image token is stored as ``image_patch_id`` (the config's ``attribute_map``), which
+  the shrink rule now renumbers into the vocabulary and the example text avoids; its processor
+  needs torchvision, so its images are laid out as that processor lays them: one crop of patches a
+  row, each image token pooling a block of patches (``image_token_pooling``, ``image_grids``).
 """
 from __future__ import annotations
 
 import warnings
 
 import pytest
+import torch
 
 import symgraph
 from symgraph.passes.inputs import default_inputs
@@ -61,4 +66,47 @@ def test_aria_reads_its_vision_tower():
     assert any(p.startswith("model.vision_tower.") for p in slots)
     assert any(p.startswith("model.multi_modal_projector.") for p in slots)
     assert any(p.startswith("model.language_model.layers.") for p in slots)
+    assert rep.certify(m) <= 1e-6
+
+
+def test_an_aliased_token_id_is_renumbered_into_the_vocabulary():
+    from benchmarks.coverage.tower_sizes import aliased_token_ids
+
+    class Cfg:
+        attribute_map = {"image_token_id": "image_patch_id", "video_token_id": "image_patch_id",
+                         "hidden_dim": "hidden_size", "pad_token_index": "pad_token_id"}
+    fields = {"image_patch_id": 151938, "hidden_size": 4096, "pad_token_id": 0}
+    assert aliased_token_ids(Cfg(), fields, 249) == {"image_patch_id": 249}
+    assert aliased_token_ids(Cfg(), {"image_patch_id": 7}, 249) == {}  # within the vocabulary: kept
+    assert aliased_token_ids(None, fields, 249) == {}
+
+
+def test_pooled_patches_index_one_crop_a_row():
+    from symgraph.passes.tower_inputs import pooled_patches
+    vision = type("V", (), {"patch_size": 14, "image_size": [378, 378], "num_channels": 3})()
+    gen = torch.Generator().manual_seed(0)
+    assert pooled_patches(vision, {"pixel_values": None}, 2, gen) == []  # not the forward's inputs
+    (images,) = pooled_patches(vision, {"image_token_pooling": None, "image_grids": None}, 2, gen)
+    assert tuple(images["pixel_values"].shape) == (2, 27 * 27, 3 * 14 * 14)
+    pool = images["image_token_pooling"]
+    assert tuple(pool.shape) == (8, 4) and images["image_grids"].tolist() == [[2, 2, 0, 0]] * 2
+    assert pool[:4].max() < 27 * 27 <= pool[4:].min() and len(set(pool.flatten().tolist())) == 32
+    assert pool[0].tolist() == [0, 1, 27, 28]  # a 2 × 2 block of patches
+
+
+def test_molmo2_reads_its_vision_tower_and_adapter():
+    m = _build("molmo2", "Molmo2ForConditionalGeneration")
+    cfg = m.config
+    token = cfg.image_token_id
+    assert token == cfg.image_patch_id < cfg.text_config.vocab_size + cfg.text_config.additional_vocab_size
+    assert token not in {cfg.image_start_token_id, cfg.image_end_token_id, cfg.low_res_image_start_token_id}
+    _, kw = default_inputs(m)
+    assert tuple(kw["pixel_values"].shape) == (2, 27 * 27, 3 * 14 * 14)
+    assert ((kw["input_ids"] == token).sum(1) == 4).all()  # the 2 × 2 pooled tokens, none else
+    assert torch.equal(kw["mm_token_type_ids"], (kw["input_ids"] == token).int())
+    assert _unread(m, kw) == set()
+    rep = symgraph.analyze(m)
+    slots = {p for g in rep.groups for p, *_ in g.params}
+    for tower in ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model."):
+        assert any(p.startswith(tower) for p in slots), tower
     assert rep.certify(m) <= 1e-6

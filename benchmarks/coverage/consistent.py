@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from .code_divisors import divided_widths
 from .token_ranges import code_ranges
-from .tower_sizes import concatenated, image_token, merged_widths, patch_pixels, query_tokens, stage_widths
+from .tower_sizes import (aliased_token_ids, concatenated, image_token, merged_widths, patch_pixels, query_tokens,
+                          stage_widths)
 
 
 def _is_int(v) -> bool:
@@ -344,8 +345,10 @@ def tower_widths(fields, out, main_keys) -> dict:
 def derived_sizes(fields, out, main, width, cfg=None, free: int | None = None) -> dict:
     """The sizes below, derived on a level whose main width goes from ``main`` to ``width``;
     token ids its model code reads with defaults of its own numbered down from ``free``."""
-    return {**layout_parts(fields, main, width), **stage_depths(fields, out),
-            **multipliers(fields, main, width), **code_token_ids(cfg, fields, free), **all_shared(fields, out),
+    code = code_token_ids(cfg, fields, free)
+    aliased = aliased_token_ids(cfg, fields, free - len(code) if free is not None else None)
+    return {**layout_parts(fields, main, width), **stage_depths(fields, out), **aliased,
+            **multipliers(fields, main, width), **code, **all_shared(fields, out),
             **stage_widths(fields, main), **divided_widths(cfg, fields, out), **query_tokens(fields),
             **patch_pixels(fields, out), **code_ranges(fields, out, free)}
 

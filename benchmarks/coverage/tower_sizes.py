@@ -125,3 +125,21 @@ def patch_queries(fields, out) -> dict:
         if n not in counts and min(counts.values()) > 0:
             res[k] = {n: min(n, min(counts.values()))}
     return res
+
+
+def aliased_token_ids(cfg, fields, free: int | None) -> dict:
+    """A token id the config stores under a name of its own, which its ``attribute_map`` gives
+    a token id's name (Molmo2's ``image_token_id`` and ``video_token_id`` are ``image_patch_id``
+    151938), so that the shrink rule's renumbering by name missed it: at or past ``free`` (beyond
+    the shrunk vocabulary), stated in the shrunk config as ``free``, ``free - 1``, ... (the
+    model would embed past its vocabulary, and text could hold no image)."""
+    amap = getattr(type(cfg), "attribute_map", None) if cfg is not None else None
+    if not (is_int(free) and isinstance(amap, dict)):
+        return {}
+    names = sorted({t for a, t in amap.items() if a.endswith(("_token_id", "_token_index"))
+                    and not t.endswith(("_token_id", "_token_index")) and is_int(fields.get(t))})
+    res: dict = {}
+    for t in names:
+        if fields[t] >= free:
+            res[t] = free - len(res)
+    return res

@@ -9,7 +9,7 @@ import torch
 from .image_processing import packed_patches, patch_grids, patch_rows, processed_images, tiles
 from .input_values import config_value, device_of, ints, pixels
 from .optional_inputs import Trials
-from .tower_inputs import cross_attended, merged_patches, temporal_patches
+from .tower_inputs import cross_attended, merged_patches, pooled_patches, temporal_patches
 
 __all__ = ["image_tokens"]
 
@@ -43,7 +43,8 @@ def image_tokens(model, kwargs, cfg, batch, gen) -> None:
     if marks:  # each token's modality, as transformers' processors mark it (multimodal RoPE reads
         # it; ERNIE-VL's mixture routes image tokens to its vision experts by moe_mm_token_type_ids)
         ids, video = kwargs["input_ids"], ints(config_value(cfg, "video_token_id", "video_token_index"))
-        kwargs.update(dict.fromkeys(marks, (ids == token[0]).int() + 2 * (ids == (video or [-1])[0]).int()))
+        image = ids == token[0]  # (a video token that is the image token marks images: Molmo2's)
+        kwargs.update(dict.fromkeys(marks, image.int() + 2 * ((ids == (video or [-1])[0]) & ~image).int()))
     _position_ids(model, kwargs)
 
 
@@ -116,7 +117,7 @@ def _candidates(model, vision, batch, gen):
     made = processed_images(model, vision, params, batch, gen)
     if made:
         yield made
-    for layout in (patch_grids, tiles, patch_rows, merged_patches, packed_patches, temporal_patches):
+    for layout in (patch_grids, tiles, patch_rows, merged_patches, packed_patches, temporal_patches, pooled_patches):
         yield from layout(vision, params, batch, gen)
 
 

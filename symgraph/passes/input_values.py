@@ -40,7 +40,7 @@ def token_ids(model, cfg, batch, seq, gen):
                          "neither its input embeddings nor its tokenizer tell one; pass inputs=")
     maxpos = config_value(cfg, "max_position_embeddings", "n_positions")
     seq = min(seq, maxpos) if isinstance(maxpos, int) and maxpos > 0 else seq
-    special = {i for c in (cfg, text) for k, v in vars(c).items()
+    special = {i for c in (cfg, text) for k, v in _named(c).items()
                if k.endswith(("_token_id", "_token_index", "_token_ids")) for i in ints(v)}
     allowed = torch.tensor([i for i in range(vocab) if i not in special] or list(range(vocab)))
     ids = allowed[torch.randint(0, len(allowed), (batch, seq), generator=gen)]
@@ -48,6 +48,14 @@ def token_ids(model, cfg, batch, seq, gen):
     if getattr(cfg, "is_encoder_decoder", False) and type(model).__name__.endswith("ForSequenceClassification") and eos:
         ids[:, -1] = eos[0]  # the head reads the hidden state at the (one) end-of-sequence token
     return ids
+
+
+def _named(cfg) -> dict:
+    """The config's settings, and those its ``attribute_map`` names (Molmo2's ``image_token_id``
+    is its ``image_patch_id``)."""
+    amap = getattr(type(cfg), "attribute_map", None)
+    aliases = {a: getattr(cfg, a, None) for a in amap} if isinstance(amap, dict) else {}
+    return {**vars(cfg), **aliases}
 
 
 def _rows(model) -> int | None:

@@ -11,7 +11,7 @@ from .image_processing import processed_images
 from .input_values import config_value
 from .optional_inputs import Trials
 
-__all__ = ["cross_attended", "merged_patches", "temporal_patches"]
+__all__ = ["cross_attended", "merged_patches", "pooled_patches", "temporal_patches"]
 
 
 def _int(v) -> int | None:
@@ -47,6 +47,25 @@ def temporal_patches(vision, params, batch: int, gen) -> list:
     ch, n = _int(config_value(vision, "num_channels", "in_channels")) or 3, 4 * batch
     return [{"pixel_values": torch.randn(*shape, generator=gen)}
             for shape in ((n, frames, patch, patch, ch), (n, ch, frames, patch, patch))]
+
+
+def pooled_patches(vision, params, batch: int, gen) -> list:
+    """Where the forward takes the patches each image token pools (``image_token_pooling``:
+    indices into every crop's patches, -1 a slot left empty) and each image's grid of tokens
+    (``image_grids``: the low-resolution image's rows and columns, then its high-resolution
+    crops'), as Molmo2's processor (which needs torchvision) makes them: each row's image one
+    crop of ``(side / P)²`` patches of ``C·P·P`` values, its 2 × 2 tokens each pooling a 2 × 2
+    block of patches, no high-resolution crops; none without a patch size."""
+    patch, side = _int(config_value(vision, "patch_size")), _int(config_value(vision, "image_size"))
+    if not {"image_token_pooling", "image_grids"} <= set(params) or patch is None or side is None:
+        return []
+    ch, s = _int(config_value(vision, "num_channels", "in_channels")) or 3, side // patch
+    if s < 4:
+        return []
+    blocks = [[b * s * s + (r + i) * s + c + j for i in (0, 1) for j in (0, 1)]
+              for b in range(batch) for r in (0, 2) for c in (0, 2)]
+    return [{"pixel_values": torch.randn(batch, s * s, ch * patch * patch, generator=gen),
+             "image_token_pooling": torch.tensor(blocks), "image_grids": torch.tensor([[2, 2, 0, 0]] * batch)}]
 
 
 def cross_attended(model, kwargs: dict, vision, batch: int, gen) -> None:
