@@ -8,10 +8,11 @@ tensor it appears in tells, at each of its coordinates, which coordinate of ``X`
 to: ``X`` on another axis of an activation, a label class the activation carries, or ``X``
 on the same axis at *every* coordinate where ``L`` is (a product of the two, or of ``L`` and
 a concatenation of copies of ``X``, as a head axis cut in halves and the halves unified);
-stored tensors only on the same axis (or a label class on another one, which
-:func:`.patterns.stacked.stack` then views as a product). A class of one coordinate neither
-has nor is a fibre (one block is no fibre). Dropping a candidate is always sound: one element
-for every coordinate of ``X`` is a subgroup of one per coordinate.
+stored tensors only on the same axis (or, on another one, a label class or a class a product
+puts before ``L``, as XLNet's ``q [d_model, heads, head_dim]`` read as ``d_model × (heads ·
+head_dim)``: :func:`.patterns.stacked.stack` then views the tensor as a product). A class of
+one coordinate neither has nor is a fibre (one block is no fibre). Dropping a candidate is
+always sound: one element for every coordinate of ``X`` is a subgroup of one per coordinate.
 """
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ def compute_fibres(an) -> None:
     cand = _prod_candidates(an)
     classes = stacked.label_classes(an)  # experts: fibres across a parameter's axes
     carry = stacked.carried(an, classes) if classes else {}
-    labelled = {node: _labelled(an, node, classes) for node in an.param_nodes.values()} \
-        if classes else {}
-    for node, per_axis in labelled.items():
-        for a, other in zip(an.node_axes[node], per_axis):
+    for node in an.param_nodes.values() if classes else ():
+        for a, other in zip(an.node_axes[node], _labelled(an, node, classes)):
             for leaf in an.leaves(a):
                 cand.setdefault(leaf, set()).update(other - {leaf})
+    beside = _beside(an, cand)  # heads stored on their own axis (XLNet's q [d, heads, head_dim])
+    outer = classes | beside
+    labelled = {node: _labelled(an, node, outer) for node in an.param_nodes.values()} \
+        if outer else {}
     fib = {leaf: {x for x in c if an.uf.size[x] > 1} for leaf, c in cand.items()
            if an.uf.size[leaf] > 1}
     fib = {leaf: c for leaf, c in fib.items() if c}
@@ -57,7 +60,7 @@ def compute_fibres(an) -> None:
                 if leaf in fib:
                     fib[leaf] -= set(an.leaves(over))
     an.fibre = {leaf: tuple(sorted(f)) for leaf, f in fib.items() if f and an.kind(leaf) != "identity"}
-    an.stacked = stacked.stack(an, classes) if classes else {}
+    an.stacked = stacked.stack(an, classes, beside) if outer else {}
     _order_fibres(an)
     _chains(an)
 
@@ -90,6 +93,22 @@ def _prod_candidates(an) -> dict:
                 cand.setdefault(leaf, set()).update(x for x in seen if an.kind(x) in ("perm", "identity"))
             seen += pl
     return cand
+
+
+def _beside(an, cand) -> set:
+    """Roots of the leaf classes that a product made a candidate base of another leaf (heads
+    before head dims) and that a stored tensor holds on another axis than that leaf, unsplit
+    (XLNet's ``q [d_model, heads, head_dim]``, read through a view as ``d_model × (heads ·
+    head_dim)``). Such a tensor says per coordinate which head it belongs to, as a label class
+    on another axis says which expert: :func:`.patterns.stacked.stack` views it as a product."""
+    out: set = set()
+    for node in an.param_nodes.values():
+        roots = [an.uf.find(a)[0] for a in an.node_axes[node]]
+        for j, a in enumerate(an.node_axes[node]):
+            for leaf in an.leaves(a):
+                out.update(r for o, r in enumerate(roots)
+                           if o != j and r not in an.uf.struct and r in cand.get(leaf, ()))
+    return out
 
 
 def _labelled(an, node, classes) -> list:

@@ -120,17 +120,20 @@ def _keeps_rows(node) -> bool:
     return packet(t) in _KEEP_ROWS
 
 
-def stack(an, classes) -> dict:
-    """Parameters whose axis ``j`` holds a class fibred over the label class on axis ``o``:
-    ``{name: (o, j)}``, with their node axes replaced by the viewed ones (a new product axis
-    ``(E, L)`` at ``o``). A class fibred over ``E`` on two axes of one tensor cannot be viewed
-    so: it loses that fibre (one element for every member: a subgroup, still sound). The
-    stored axes of the viewed parameters are kept in ``an.raw_axes``.
+def stack(an, classes, beside=frozenset()) -> dict:
+    """Parameters whose axis ``j`` holds a class fibred over the label class on axis ``o``, or
+    over one of the classes ``beside`` (heads stored on their own axis, as XLNet's
+    ``q [d_model, heads, head_dim]``): ``{name: (o, j)}``, with their node axes replaced by the
+    viewed ones (a new product axis ``(E, L)`` at ``o``). A class fibred over ``E`` on two
+    axes of one tensor cannot be viewed so: it loses that fibre (one element for every member:
+    a subgroup, still sound). The stored axes of the viewed parameters are kept in
+    ``an.raw_axes``.
 
     Per-member elements cost ``(E·L)²`` entries where they act (the viewed axis' matrix, the
     nested matching's similarity of every member pair): beyond :data:`MAX_STACKED` (as much
     as the head maps of a 4096-wide attention) the class keeps one element for all members,
-    and ``an.shared[leaf]`` says why."""
+    and ``an.shared[leaf]`` says why (not over ``beside``: per-head maps cost what they cost
+    for heads reshaped from one axis)."""
     an.raw_axes, an.shared = {}, {}
     of = {m: r for r in classes for m in members(an, r)}  # member leaf -> its label class
     for leaf, fib in list(an.fibre.items()):  # stored flat ([E·I, d]) or stacked alike
@@ -144,13 +147,14 @@ def stack(an, classes) -> dict:
                 an.fibre[leaf] = tuple(f for f in an.fibre[leaf] if f not in ms)
         if not an.fibre[leaf]:
             del an.fibre[leaf]
+    outer = set(classes) | set(beside)
     while True:
         plan, drop = {}, set()
         for name, node in an.param_nodes.items():
             ax = an.node_axes[node]
             for o, a in enumerate(ax):
                 r = an.uf.find(a)[0]
-                mset = set(members(an, r)) if r in classes else set()
+                mset = set(members(an, r)) if r in outer else set()
                 if not mset:
                     continue
                 dims = [j for j, b in enumerate(ax) if j != o
