@@ -23,6 +23,18 @@ def one(groups, what):
     return groups[0]
 
 
+def certified_mlp(model, up: str, down: str, size: int):
+    """``model`` analysed with no inputs and certified, its MLP's hidden units one permutation
+    class of ``size`` at ``up``'s output that ``down`` reads; returns the report."""
+    import symgraph
+    r = symgraph.analyze(model)
+    assert r.certify(model) < TOL
+    (mlp,) = r.group_of(up, 0)
+    assert mlp.kind == "perm" and mlp.size == size
+    assert (down, 1) in mlp.params
+    return r
+
+
 def rel_change(a, b):
     return ((a.double() - b.double()).norm() / a.double().norm().clamp_min(1e-30)).item()
 

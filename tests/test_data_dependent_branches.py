@@ -14,20 +14,11 @@ import torch.nn as nn
 import symgraph
 from symgraph.errors import TraceError
 from symgraph.passes.trace import trace
+from tiny_modules import MaskBranch
 
 
-class GlobalBranch(nn.Module):
+class GlobalBranch(MaskBranch):
     """An MLP whose output gets an extra term only when the mask marks some token (LED)."""
-
-    def __init__(self):
-        super().__init__()
-        self.up, self.down, self.extra = nn.Linear(6, 12), nn.Linear(12, 6), nn.Linear(6, 6)
-
-    def forward(self, x, mask):
-        h = self.down(torch.relu(self.up(x)))
-        if mask.flatten().any().item():
-            h = h + self.extra(x)
-        return h
 
 
 class ChannelBranch(nn.Module):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import symgraph
 from analyze_helpers import TOL, in_layer, names, one
-from test_families_full_groups import _rel
+from tiny_modules import RotaryAttention, recovered_by_weights
 
 
 def _tables(pos, hd, section=(2, 1, 1), rewrite=None):
@@ -49,21 +49,10 @@ def rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-class Tiny(nn.Module):
-    def __init__(self, d=16, heads=2, hd=8, rewrite=None, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.h, self.hd, self.rewrite = heads, hd, rewrite
-        self.q, self.k, self.v = (nn.Linear(d, heads * hd) for _ in range(3))
-        self.o, self.out = nn.Linear(heads * hd, d), nn.Linear(d, 3)
-
-    def forward(self, x, pos):
-        b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, self.h, self.hd).transpose(1, 2) for p in (self.q, self.k, self.v))
-        cos, sin = _tables(pos, self.hd, rewrite=self.rewrite)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        a = F.scaled_dot_product_attention(q, k, v)
-        return self.out(x + self.o(a.transpose(1, 2).reshape(b, s, -1)))
+def Tiny(rewrite=None, **kw):
+    """One attention layer turned by :func:`_tables` (``rewrite``) in ``rotate_half``'s pairs."""
+    return RotaryAttention(lambda pos, hd: _tables(pos, hd, rewrite=rewrite),
+                           lambda x, cos, sin: x * cos + rotate_half(x) * sin, **kw)
 
 
 def _inputs(seed=0, b=2, s=5):
@@ -89,12 +78,7 @@ def test_interleaved_mrope_written_in_place_gives_rotate_half_pairs(rewrite):
 def test_interleaved_mrope_written_in_place_recovered_by_weights():
     m = Tiny(rewrite="both").eval()
     x, pos = _inputs()
-    rep = symgraph.analyze(m, inputs=(x, pos))
-    B = symgraph.transform(m, rep.random_transform(seed=1))
-    assert _rel(m, B) > 0.1
-    assert rep.certify(B, (x, pos)) <= TOL
-    al = symgraph.align(m, B, (x, pos), report_a=rep, full_groups=True)
-    assert _rel(m, al.apply(B)) < 1e-5
+    recovered_by_weights(m, symgraph.analyze(m, inputs=(x, pos)), (x, pos))
 
 
 def test_write_into_one_half_breaks_the_pairs():
@@ -150,10 +134,7 @@ def test_window_reordered_axial_tables_give_rotate_half_pairs():
     assert (rope.blocks, rope.dim) == (2, 8)
     assert rope.pairs == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert rep.certify(m, (x,)) <= TOL
-    B = symgraph.transform(m, rep.random_transform(seed=1))
-    assert _rel(m, B) > 0.1
-    al = symgraph.align(m, B, (x,), report_a=rep, full_groups=True)
-    assert _rel(m, al.apply(B)) < 1e-5
+    recovered_by_weights(m, rep, (x,))
 
 
 def test_index_on_the_table_coordinates_is_no_rotation():

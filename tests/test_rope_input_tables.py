@@ -10,12 +10,10 @@ pair-symmetric by construction (a different angle per coordinate) is no rotation
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import symgraph
 from analyze_helpers import TOL, in_layer, names, one
-from test_families_full_groups import _rel
+from tiny_modules import RotaryAttention, recovered_by_weights
 
 
 def _tables(pos, n, paired=True):
@@ -34,21 +32,9 @@ def rotate(x, cos, sin):  # diffusers' apply_rotary_emb(use_real_unbind_dim=-1)
     return x * cos + x_rotated * sin
 
 
-class Tiny(nn.Module):
-    def __init__(self, d=16, heads=2, hd=8, paired=True, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.h, self.hd, self.paired = heads, hd, paired
-        self.q, self.k, self.v = (nn.Linear(d, heads * hd) for _ in range(3))
-        self.o, self.out = nn.Linear(heads * hd, d), nn.Linear(d, 3)
-
-    def forward(self, x, pos):
-        b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, self.h, self.hd).transpose(1, 2) for p in (self.q, self.k, self.v))
-        cos, sin = _tables(pos, self.hd, self.paired)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        a = F.scaled_dot_product_attention(q, k, v)
-        return self.out(x + self.o(a.transpose(1, 2).reshape(b, s, -1)))
+def Tiny(paired=True, **kw):
+    """One attention layer turned by :func:`_tables` (``paired``) as diffusers' :func:`rotate`."""
+    return RotaryAttention(lambda pos, hd: _tables(pos, hd, paired), rotate, **kw)
 
 
 def _inputs(seed=0, b=2, s=5):
@@ -71,12 +57,7 @@ def test_tables_from_input_positions_give_rope_pairs_of_neighbours():
 def test_tables_from_input_positions_recovered_by_weights():
     m = Tiny().eval()
     x, pos = _inputs()
-    rep = symgraph.analyze(m, inputs=(x, pos))
-    B = symgraph.transform(m, rep.random_transform(seed=1))
-    assert _rel(m, B) > 0.1
-    assert rep.certify(B, (x, pos)) <= TOL
-    al = symgraph.align(m, B, (x, pos), report_a=rep, full_groups=True)
-    assert _rel(m, al.apply(B)) < 1e-5
+    recovered_by_weights(m, symgraph.analyze(m, inputs=(x, pos)), (x, pos))
 
 
 def test_tables_not_pair_symmetric_are_no_rotation():

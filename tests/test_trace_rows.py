@@ -14,63 +14,28 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 import symgraph
 from symgraph.passes.inputs import default_inputs
 from symgraph.passes.trace import trace
 from symgraph.testing.models import randomized
+from tiny_modules import ExpertLoop, MaskBranch, experts_claimed
 
 
 def _groups_holding(rep, slot):
     return [g for g in rep.groups if slot in g.params]
 
 
-class GlobalRows(nn.Module):
+class GlobalRows(MaskBranch):
     """An MLP whose rows at the tokens a mask marks get an extra projection, taken only when the
     mask marks some token (Longformer's global attention): the selection's size is the data's,
     and ``einsum`` (no rule: decomposed after the trace) reads it."""
 
-    def __init__(self):
-        super().__init__()
-        self.up, self.down, self.extra = nn.Linear(6, 12), nn.Linear(12, 6), nn.Linear(6, 6)
-
-    def forward(self, x, mask):
-        h = self.down(torch.relu(self.up(x)))
-        if mask.flatten().any().item():
-            rows, cols = mask.nonzero(as_tuple=True)
-            picked = self.extra(x[rows, cols])
-            h = h.index_put((rows, cols), torch.einsum("nd,n->nd", picked, torch.ones(picked.shape[0])),
-                            accumulate=True)
-        return h
-
-
-class Expert(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.wi, self.wo = nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)
-
-    def forward(self, x):
-        return self.wo(torch.relu(self.wi(x)))
-
-
-class ExpertLoop(nn.Module):
-    """A top-1 router and a loop over the experts it picked, each named by its index (Switch
-    Transformers): ``for e in hit: self.experts[f"expert_{e[0]}"]``."""
-
-    def __init__(self, n=3):
-        super().__init__()
-        self.router = nn.Linear(8, n, bias=False)
-        self.experts = nn.ModuleDict({f"expert_{i}": Expert() for i in range(n)})
-
-    def forward(self, x):
-        flat = x.reshape(-1, x.shape[-1])
-        picked = nn.functional.one_hot(self.router(flat).argmax(-1), len(self.experts))
-        out = torch.zeros_like(flat)
-        for e in (picked.sum(0) > 0).nonzero():
-            rows = picked[:, e[0]].nonzero().squeeze(-1)
-            out = out.index_add(0, rows, self.experts[f"expert_{e[0]}"](flat[rows]))
-        return (flat + out).reshape(x.shape)
+    def extra_term(self, h, x, mask):
+        rows, cols = mask.nonzero(as_tuple=True)
+        picked = self.extra(x[rows, cols])
+        return h.index_put((rows, cols), torch.einsum("nd,n->nd", picked, torch.ones(picked.shape[0])),
+                           accumulate=True)
 
 
 def test_a_masked_selection_inside_a_data_branch_traces_and_certifies():
@@ -92,16 +57,11 @@ def test_a_masked_selection_inside_a_data_branch_traces_and_certifies():
 
 def test_a_loop_over_the_experts_a_router_picked_traces_and_certifies():
     torch.manual_seed(0)
-    model = ExpertLoop().eval()
+    model = ExpertLoop(8).eval()
     x = torch.randn(2, 6, 8)
     hit = set(model.router(x.reshape(-1, 8)).argmax(-1).tolist())
     assert hit == {0, 1, 2}  # every expert is read: none is left fixed as unread
-    rep = symgraph.analyze(model, (x,))
-    for i in range(3):
-        (hidden,) = _groups_holding(rep, (f"experts.expert_{i}.wi.weight", 0))
-        assert hidden.kind in ("perm", "scaled_perm") and hidden.size == 16
-        assert (f"experts.expert_{i}.wo.weight", 1) in hidden.params
-    assert rep.certify(model, (x,)) <= 1e-6
+    experts_claimed(model, x)
 
 
 transformers = pytest.importorskip("transformers")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import symgraph
 from symgraph.passes import export_inputs
 from symgraph.passes.inputs import default_inputs
 from symgraph.passes.trace import flatten_outputs, trace
 from symgraph.testing.models import randomized
+from analyze_helpers import certified_mlp
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.exporters.utils")
@@ -47,11 +47,7 @@ def test_packed_vision_tower_traces_with_precomputed_segments():
 
 def test_analyze_without_inputs_claims_the_vision_tower():
     m = _glm4v()
-    r = symgraph.analyze(m)
-    assert r.certify(m) < 1e-6
-    (mlp,) = r.group_of("model.visual.blocks.0.mlp.gate_proj.weight", 0)
-    assert mlp.kind == "perm" and mlp.size == 32
-    assert ("model.visual.blocks.0.mlp.down_proj.weight", 1) in mlp.params
+    r = certified_mlp(m, "model.visual.blocks.0.mlp.gate_proj.weight", "model.visual.blocks.0.mlp.down_proj.weight", 32)
     # the attention's heads and head widths, at the output projection's input
     heads = r.group_of("model.visual.blocks.0.attn.proj.weight", 1)
     assert len(heads) >= 1 and all(g.kind != "identity" for g in heads)

@@ -12,6 +12,7 @@ import torch
 import symgraph
 from symgraph.passes.inputs import default_inputs
 from symgraph.testing.models import randomized
+from analyze_helpers import certified_mlp
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,12 +51,8 @@ def test_qwen2_vl_inputs_read_the_vision_tower():
 
 
 def test_qwen2_vl_analysed_without_inputs_claims_tower_and_text():
-    m = _qwen2_vl()
-    r = symgraph.analyze(m)
-    assert r.certify(m) < 1e-6
-    (mlp,) = r.group_of("model.visual.blocks.0.mlp.fc1.weight", 0)
-    assert mlp.kind == "perm" and mlp.size == 64  # embed_dim × mlp_ratio
-    assert ("model.visual.blocks.0.mlp.fc2.weight", 1) in mlp.params
+    m = _qwen2_vl()  # the tower's MLP: embed_dim × mlp_ratio = 64 units
+    r = certified_mlp(m, "model.visual.blocks.0.mlp.fc1.weight", "model.visual.blocks.0.mlp.fc2.weight", 64)
     (text_mlp,) = r.group_of("model.language_model.layers.0.mlp.up_proj.weight", 0)
     assert text_mlp.kind == "perm" and text_mlp.size == 40
     assert ("model.language_model.layers.0.mlp.down_proj.weight", 1) in text_mlp.params
@@ -65,11 +62,8 @@ def test_qwen2_vl_analysed_without_inputs_claims_tower_and_text():
 
 def test_qwen3_vl_analysed_without_inputs_claims_tower_and_deepstack():
     m = _qwen3_vl()
-    r = symgraph.analyze(m)
-    assert r.certify(m) < 1e-6
-    (mlp,) = r.group_of("model.visual.blocks.1.mlp.linear_fc1.weight", 0)
-    assert mlp.kind == "perm" and mlp.size == 24
-    assert ("model.visual.blocks.1.mlp.linear_fc2.weight", 1) in mlp.params
+    r = certified_mlp(m, "model.visual.blocks.1.mlp.linear_fc1.weight", "model.visual.blocks.1.mlp.linear_fc2.weight",
+                      24)
     (text_mlp,) = r.group_of("model.language_model.layers.0.mlp.gate_proj.weight", 0)
     assert text_mlp.kind == "perm" and text_mlp.size == 40
 

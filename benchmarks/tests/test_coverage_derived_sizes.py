@@ -6,16 +6,8 @@ certifies and is complete on ``symgraph.analyze(model)`` with no inputs."""
 from __future__ import annotations
 
 from benchmarks import coverage as cov
+from benchmarks.tests.rows import row_sound_and_complete
 from benchmarks.coverage.consistent import layout_parts, multipliers, stage_depths
-
-
-def _row_sound_and_complete(model_type, class_name, task):
-    r = cov.run_family(model_type, class_name, task)
-    assert r["error"] is None, r["error"]
-    assert r["traced"] and r["stage"] == "done"
-    assert r["certificate"] <= 1e-6 and r["sound"]
-    assert r["complete"] and r["structure"]["missing"] == []
-    return r
 
 
 def test_layout_parts_fill_the_shrunk_width():
@@ -48,9 +40,9 @@ def test_width_multiplier_follows_the_main_width():
 
 
 def test_rows_run_and_are_complete():
-    r = _row_sound_and_complete("efficientnet", "EfficientNetForImageClassification", "image_cls")
+    r = row_sound_and_complete("efficientnet", "EfficientNetForImageClassification", "image_cls")
     assert r["group_kinds"].get("perm", 0) > 0
-    _row_sound_and_complete("layoutlmv3", "LayoutLMv3ForSequenceClassification", "seq_cls")
+    row_sound_and_complete("layoutlmv3", "LayoutLMv3ForSequenceClassification", "seq_cls")
 
 
 def test_mrope_sections_a_model_reads_with_its_own_default():
@@ -66,7 +58,7 @@ def test_mrope_sections_a_model_reads_with_its_own_default():
     text = cfg.text_config
     assert sum(text.rope_parameters["mrope_section"]) == text.head_dim // 2 == 8
     assert "mrope_section" not in (cov.tiny_config("llama")[0].rope_parameters or {})
-    _row_sound_and_complete("paddleocr_vl", "PaddleOCRVLForConditionalGeneration", "image_text_to_text")
+    row_sound_and_complete("paddleocr_vl", "PaddleOCRVLForConditionalGeneration", "image_text_to_text")
 
 
 def test_token_ids_a_model_reads_with_its_own_default():
@@ -85,7 +77,7 @@ def test_token_ids_a_model_reads_with_its_own_default():
     ids = {cfg.yes_token_index, cfg.no_token_index}
     assert max(ids) < cfg.text_config.vocab_size and len(ids) == 2
     assert not ids & {cfg.image_token_index, cfg.boi_token_index, cfg.eoi_token_index}
-    _row_sound_and_complete("shieldgemma2", "ShieldGemma2ForImageClassification", "image_cls")
+    row_sound_and_complete("shieldgemma2", "ShieldGemma2ForImageClassification", "image_cls")
 
 
 def test_layers_all_sharing_a_cache_stay_all():
@@ -122,5 +114,5 @@ def test_widths_the_model_code_divides_by_a_literal():
     cfg, overrides = cov.tiny_config("lilt")
     assert cfg.hidden_size == overrides["hidden_size"] == 192
     assert cfg.hidden_size % 6 == 0 and cfg.hidden_size % (cfg.num_attention_heads * cfg.channel_shrink_ratio) == 0
-    r = _row_sound_and_complete("lilt", "LiltForSequenceClassification", "seq_cls")
+    r = row_sound_and_complete("lilt", "LiltForSequenceClassification", "seq_cls")
     assert r["group_kinds"].get("perm", 0) > 0

@@ -10,15 +10,7 @@ import importlib.util
 import pytest
 
 from benchmarks import coverage as cov
-
-
-def _row_sound_and_complete(model_type, class_name, task):
-    r = cov.run_family(model_type, class_name, task)
-    assert r["error"] is None, r["error"]
-    assert r["traced"] and r["stage"] == "done"
-    assert r["certificate"] <= 1e-6 and r["sound"]
-    assert r["complete"] and r["structure"]["missing"] == []
-    return r
+from benchmarks.tests.rows import row_sound_and_complete
 
 
 def test_per_layer_list_follows_its_qualified_count():
@@ -26,7 +18,7 @@ def test_per_layer_list_follows_its_qualified_count():
     cfg, over = cov.tiny_config("speech_to_text")
     assert cfg.num_conv_layers == 1 and len(cfg.conv_kernel_sizes) == 1
     assert over["conv_kernel_sizes"] == type(over["conv_kernel_sizes"])(cfg.conv_kernel_sizes)
-    r = _row_sound_and_complete("speech_to_text", "Speech2TextForConditionalGeneration", "speech_seq2seq")
+    r = row_sound_and_complete("speech_to_text", "Speech2TextForConditionalGeneration", "speech_seq2seq")
     assert r["structure"]["multihead_attention"] >= 4
 
 
@@ -52,7 +44,7 @@ def test_backbone_stages_and_repeated_widths_are_kept_consistent():
     cfg, _ = cov.tiny_config("rt_detr")
     assert list(cfg.backbone_config.out_indices) == [2, 3, 4]
     assert list(cfg.decoder_in_channels) == [cfg.encoder_hidden_dim] * 3 == [64] * 3
-    _row_sound_and_complete("upernet", "UperNetForSemanticSegmentation", "semantic_segmentation")
+    row_sound_and_complete("upernet", "UperNetForSemanticSegmentation", "semantic_segmentation")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("timm") is not None, reason="timm installed: its backbone is kept")
@@ -93,4 +85,4 @@ def test_head_width_and_kv_heads_left_none_are_derived():
     assert over["head_dim"] == cfg.head_dim == cfg.hidden_size // cfg.num_attention_heads == 16
     cfg, over = cov.tiny_config("nemotron")
     assert over["num_key_value_heads"] == cfg.num_key_value_heads == cfg.num_attention_heads == 4
-    _row_sound_and_complete("ministral", "MinistralForCausalLM", "causal_lm")
+    row_sound_and_complete("ministral", "MinistralForCausalLM", "causal_lm")
