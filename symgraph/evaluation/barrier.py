@@ -72,9 +72,8 @@ def interpolated_fetch(A, B, lam: float, al=None):
     first read and kept until each is read; integer tensors are A's. Computed in float32
     (float64 for float64 tensors), returned in A's dtype."""
     from ..transform.apply import move
-    from ..transform.folding import groups
     rb = al.report_b if al is not None else None
-    unit = groups(rb.folds) if rb is not None else {}
+    unit = rb.fold_groups if rb is not None else {}
     moved = set(rb.parameters) | set(rb.buffers) if rb is not None else set()
     canon = {o: k for k, others in rb.aliases.items() for o in others} if rb is not None else {}
     held: dict = {}

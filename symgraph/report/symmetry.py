@@ -5,6 +5,7 @@ Classes are named by group id everywhere outside.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any
@@ -69,6 +70,12 @@ class AxisQueries:
         """Norms whose gains fold into their readers (:class:`~symgraph.passes.patterns.norms.Fold`):
         the groups describe the model with these folded; transforms fold first, unfold after."""
         return list(self._analysis.folds)
+
+    @functools.cached_property
+    def fold_groups(self) -> dict:
+        """``{parameter: the tensors folded, moved and unfolded with it}`` for every parameter a
+        fold touches (:func:`~symgraph.transform.folding.groups`), computed once per report."""
+        return folding.groups(self._analysis.folds)
 
     def fold(self, tensors: dict, dtype=torch.float64) -> dict:
         """New values (in ``dtype``) of the parameters the folds change: gains 1, shifts 0."""

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...transform.folding import groups
 from .plan import Plan
 from .views import Ledger, TensorCache, known_name
 
@@ -79,7 +78,7 @@ class RepairContext:
         known = set(ra.parameters) | {b for b in ra.buffers if job._averaged(b)}
         if job.align_mode is None:  # every floating-point buffer is combined
             known |= {k for k in A.keys if A.param_of.get(k) is None and job._averaged(k)}
-        units = groups(job.report.folds) if job.report is not None else {}
+        units = job.report.fold_groups if job.report is not None else {}
         merged = Merged(A, known, units, job.executor(Plan(tuple(job.checkpoints), job.anchor, (), (), ra)))
         return cls(ra, A.model, job.data, tuple(job.weights.tolist()), job.aligned, merged, res.device,
                    res.cache_bytes, res.ledger)

@@ -14,7 +14,6 @@ from ...checkpoints.outdir import human_bytes as hb
 from ...core.elements import Perm
 from ...core.groups import PERMUTATION_FAMILY
 from ...errors import InputError
-from ...transform.folding import groups
 from .statistics import StatisticsContext, floor
 from .views import DEFAULT_CACHE
 
@@ -132,7 +131,7 @@ def units(job):
     merged together for the anchor's ``key`` (a norm fold's gain, shift and readers; any other
     tensor alone), or None for a buffer written as the anchor's own."""
     A = job.checkpoints[job.anchor]
-    unit = groups(job.report.folds) if job.report is not None else {}
+    unit = job.report.fold_groups if job.report is not None else {}
     seen: set[str] = set()
     for key in A.keys:
         if key in seen:

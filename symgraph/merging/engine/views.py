@@ -19,7 +19,6 @@ from ...alignment.weights import WeightFeatures
 from ...core.elements import elements_on
 from ...transform import folding
 from ...transform.apply import move
-from ...transform.folding import groups, members
 
 __all__ = ["Folded", "TensorCache", "Aligned", "Sides", "Ledger", "Sliced", "nbytes", "fit_dtype",
            "known_name", "DEFAULT_CACHE", "return_freed_memory"]
@@ -101,7 +100,7 @@ class Folded(Mapping):
     def __init__(self, report, ckpt, budget: int = DEFAULT_CACHE, dtype=torch.float64,
                  device=None, ledger: Ledger | None = None):
         self.report, self.ckpt, self.dtype, self.device = report, ckpt, dtype, device
-        self.folds = {n: folding.for_reader(f, n) for f in report.folds for n in members(f)}  # each tensor's part
+        self.folds = {n: folding.for_reader(f, n) for f in report.folds for n in folding.members(f)}  # per tensor
         self._cache = TensorCache(budget, ledger)
         self._near = TensorCache(min(budget, DEFAULT_CACHE), ledger) if device is not None else None
         self._pin = device is not None and torch.device(device).type == "cuda"
@@ -114,7 +113,7 @@ class Folded(Mapping):
         if f is None:
             v = self.ckpt.get(name)
         else:  # this tensor's part of its fold only: the gain (and shift), its reader, its bias
-            raw = {n: self.ckpt.get(n) for n in members(f)}
+            raw = {n: self.ckpt.get(n) for n in folding.members(f)}
             v = folding.fold([f], raw, _fold_dtype(f, raw, self.dtype)).get(name, raw[name]).to(raw[name].dtype)
         if self._pin and nbytes(v) <= self._cache.budget:
             try:
@@ -161,7 +160,7 @@ class Aligned:
                  ledger: Ledger | None = None):
         self.ckpt, self.alignment, self.anchor, self.work = ckpt, alignment, anchor, work
         self.report = alignment.report_b if alignment is not None else report
-        self.units = groups(self.report.folds) if alignment is not None else {}
+        self.units = self.report.fold_groups if alignment is not None else {}
         self.known = set(self.report.parameters) | set(self.report.buffers) if self.report is not None else set()
         self._cache = TensorCache(budget, ledger)
 
