@@ -172,8 +172,8 @@ def test_the_engine_refuses_what_learned_matching_cannot_do_out_of_core(tmp_path
     d = _pair(tmp_path_factory.mktemp("refusals"), True, rows=8)
     paths = [str(d / "m0"), str(d / "m1")]
     data = [{"input_ids": torch.zeros(2, 4, dtype=torch.long)}]
-    for kw, why in (({"align": "weights", "data": data}, "refine=2 starts from activation matching.*expected "
-                     "align='activations'"),
+    for kw, why in (({"align": "weights", "data": data}, "refine starts from activation matching.*align says "
+                     "weights; expected align activations"),
                     ({"align": "weights"}, "refine needs data"), ({"align": "activations"}, "refine needs data")):
         with pytest.raises(InputError, match=why):
             StreamingMerge(paths, refine=2, **kw)

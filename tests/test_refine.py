@@ -125,7 +125,8 @@ def test_cli_refine_and_no_fold_norms(tmp_path, pair):
     for args, msg in ((["--refine", "3"], "--refine needs --data"),
                       (["--refine", "-2", "--data", tmp_path / "d.safetensors"], "expected a number of steps"),
                       (["--refine", "2", "--align", "none", "--data", tmp_path / "d.safetensors"],
-                       "needs an alignment")):
+                       "--refine starts from activation matching, and --align says none; expected --align "
+                       "activations")):
         r = cli("merge", tmp_path / "a", tmp_path / "b", "--out", tmp_path / "x", *args)
         assert r.returncode == 2 and msg in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
         assert not (tmp_path / "x").exists()

@@ -223,13 +223,8 @@ def merge_options(args: dict) -> MergeConfig:
     def where(k):
         return f"'{k}:' in {config}" if k in from_file else flag(MergeConfig, k)
     _job(opts)
-    if opts["refine"] and opts["align"] == "weights" and ("align" in given or "align" in from_file):
-        raise InputError(f"{where('refine')} starts from activation matching, and {where('align')} says weights; "
-                         f"expected {flag(MergeConfig, 'align')} activations (or no align: refine sets it)")
-    cfg = build_config(opts, name=where)  # every field, then the rules between them (check)
-    if cfg.refine:  # learned matching starts from activation matching (said in --help; an explicit align refused)
-        cfg = cfg.model_copy(update={"align": "activations"})
-    return cfg
+    given_keys = {"models", *given, *from_file}  # the rest take the schema's defaults (align: refine's)
+    return build_config({k: v for k, v in opts.items() if k in given_keys}, name=where)
 
 
 def _job(opts: dict) -> None:

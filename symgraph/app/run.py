@@ -113,8 +113,7 @@ def _engine(cfg, inputs, data, progress, options) -> tuple:
         data = read_batches(cfg.data, ckpts[0].model, statistics=cfg.takes_statistics)
     if cfg.seen_rows:
         options["rows_from"] = data
-    engine = cfg.model_copy(update={"align": "activations" if cfg.refine else cfg.align,  # learned matching starts
-                                    "out": None})  # from activations
+    engine = cfg.model_copy(update={"out": None})
     batches = data if cfg.takes_statistics else None
     try:
         return StreamingMerge(ckpts, engine, data=batches, progress=progress, **options), batches, None
@@ -243,9 +242,10 @@ def merge_checkpoints(paths, out: str, *, weights=None, align="weights", anchor:
     ``memory_budget``, ...) complete its config, checked whole as the command line's is, and the
     rest reach the engine. Returns the :class:`StreamingMerge` (``alignments``, ``timings``)."""
     fields = {k: options.pop(k) for k in list(options) if k in MergeConfig.model_fields}  # method=, repair=, ...
-    cfg = build_config(dict(models=[str(p) for p in paths], out=str(out), weights=weights,
-                            align="none" if align is None else align, force=force, fold_norms=fold_norms,
-                            outputs=outputs, anchor=anchor, **fields), batches=data is not None)
+    given = {} if align == "weights" else {"align": "none" if align is None else align}  # the default: refine's
+    cfg = build_config(dict(models=[str(p) for p in paths], out=str(out), weights=weights, force=force,
+                            fold_norms=fold_norms, outputs=outputs, anchor=anchor, **given, **fields),
+                       batches=data is not None)
     job = run_merge(cfg, streaming=True, data=data, progress=progress,
                     max_shard_size=max_shard_size, **options).job
     assert isinstance(job, StreamingMerge)  # streaming=True runs out of core or raises

@@ -158,6 +158,13 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
                              "'none' in quotes, or 'weights' / 'activations'")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _learned_from_activations(cls, fields, info):
+        """Learned matching starts from activation matching: ``refine`` without ``align`` aligns by them."""
+        learned = isinstance(fields, dict) and fields.get("refine") and "align" not in fields
+        return {**fields, "align": "activations"} if learned and not (info.context or {}).get("fields_only") else fields
+
     @model_validator(mode="after")
     def _consistent(self, info):
         """The rules between fields (:func:`check`), named as the context's ``name(key)`` says
@@ -170,9 +177,9 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
 
     @property
     def takes_statistics(self) -> bool:
-        """Whether a step of the merge takes statistics on its data: activation or learned
-        matching, REPAIR, or the method's own (``seen_rows`` only reads which tokens occur)."""
-        return self.align == "activations" or bool(self.refine) or self.repair or get_method(self.method).needs_data
+        """Whether a step of the merge takes statistics on its data: activation matching (learned
+        matching's start too), REPAIR, or the method's own (``seen_rows`` only reads which tokens occur)."""
+        return self.align == "activations" or self.repair or get_method(self.method).needs_data
 
     @field_validator("parameters")
     @classmethod
@@ -201,8 +208,10 @@ def check(opts: dict, name, batches: bool = False) -> None:
     opts = {**opts, "data": opts["data"] or batches}
     if opts["refine"] and not opts["data"]:
         raise InputError(f"{n('refine')} needs {data} (batches for activation matching and the loss)")
-    if opts["refine"] and opts["align"] in ("none", None):
-        raise InputError(f"{n('refine')} needs an alignment to refine; expected {n('align')} activations")
+    if opts["refine"] and opts["align"] != "activations":  # no align given: activations (the validator's)
+        a = n("align") if n("align").startswith("--") else "align"
+        raise InputError(f"{n('refine')} starts from activation matching, and {n('align')} says {opts['align']}; "
+                         f"expected {a} activations")
     if opts["weights"] is not None:
         mixing_weights(opts["weights"], len(opts["models"]))
     if opts["attention"] == "circuits" and (opts["method"] != "average" or opts["repair"]):

@@ -46,7 +46,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
           untie: bool = False, config=None, **align_options) -> MergeResult:
     """Merge ``models`` (N ≥ 2) into a new model of the anchor's architecture.
 
-    align : "weights" (data-free), "activations" (needs ``data``) or None (no alignment).
+    align : "weights" (data-free), "activations" (needs ``data``; the default with ``refine``) or None.
     method : a registered name (``symgraph.merge_methods()``) or a
         :class:`~symgraph.merging.MergeMethod` instance; ``method_options``: its parameters.
     weights : per-model mixing weights (default uniform).
@@ -86,7 +86,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     ra = analyze(A, inputs, fold_norms=config.fold_norms, outputs=config.outputs)
     rows = {"rows": ra.input_rows(data)} if config.seen_rows else {}  # Theus et al. 2025: the data's token rows
     align_options = dict(align_options, refine=config.refine, fold_norms=config.fold_norms, outputs=config.outputs,
-                         data=data if align == "activations" or config.refine else None,  # what aligning reads
+                         data=data if align == "activations" else None,  # what aligning reads
                          **solver_options(config), **rows)
     timings = {"analyze": time.perf_counter() - t0, "align": 0.0, "statistics": 0.0}
     universe, found, job = None, None, None
@@ -128,17 +128,15 @@ def _config(models, config, given: dict, data, align_options: dict) -> tuple:
         raise InputError("data is empty; expected at least one batch")
     for i, m in enumerate(models):
         check_finite(m, f"model {i}")
+    d = merge.__kwdefaults__ or {}  # the keywords set; one at its default is the config's (align: refine's)
+    given = {k: v for k, v in given.items() if v is not d[k] and not (type(v) is type(d[k]) and v == d[k])}
     if config is None:
-        n, a = len(models), given["anchor"]
+        n, a = len(models), given.get("anchor", 0)
         if isinstance(a, (int, np.integer)) and not isinstance(a, bool):
             a = int(a) + n if -n <= a < 0 else int(a)
         options = {**{k: v for k, v in given.items() if k != "method"}, "anchor": a, **align_options}
-        return engine_config([f"model {i}" for i in range(n)], None, options, data, given["method"])
-    import inspect
-    default = {k: p.default for k, p in inspect.signature(merge).parameters.items()}
-    both = sorted(k for k, v in given.items()
-                  if v is not default[k] and not (type(v) is type(default[k]) and v == default[k]))
-    both += sorted(set(MergeConfig.model_fields) & set(align_options))
+        return engine_config([f"model {i}" for i in range(n)], None, options, data, given.get("method"))
+    both = sorted(given) + sorted(set(MergeConfig.model_fields) & set(align_options))
     if both:
         raise InputError(f"merge(config=...) takes its options from the config, and {both[0]}= sets one too; "
                          f"expected {both[0]} in the MergeConfig (or no config)")
@@ -167,11 +165,10 @@ def _aligned(models, A, ra, inputs, align, anchor, progress, align_options) -> l
 def _engine(models, config, how, data) -> StreamingMerge:
     """The merge engine over ``models`` in memory (:class:`ModelCheckpoint` s), on their
     device, without a memory budget; it aligns nothing (the alignments are given to it)."""
-    needs = how.needs_data or config.repair or config.align == "activations"  # the engine checks data is used
     device = next((p.device for p in models[0].parameters()), torch.device("cpu"))
     cfg = config.model_copy(update=dict(device=str(device), refine=0, untie=False, memory_budget=None, out=None))
-    return StreamingMerge([ModelCheckpoint(m, f"model {i}") for i, m in enumerate(models)], cfg,
-                          data=data if needs else None, method=how)
+    return StreamingMerge([ModelCheckpoint(m, f"model {i}") for i, m in enumerate(models)], cfg,  # data: if used
+                          data=data if how.needs_data or config.takes_statistics else None, method=how)
 
 
 def _circuits_without_config(models, alignments, w, anchor, ra):

@@ -97,13 +97,10 @@ class StreamingMerge:
         data = list(data) if data is not None else None
         self.config, align_options = engine_config(paths, config, options, data, method)
         cfg = self.config
-        if cfg.refine and cfg.align != "activations":
-            raise InputError(f"refine={cfg.refine} starts from activation matching and lowers a loss on the data; "
-                             "expected align='activations' with data")
         self.how = registry.get(method if method is not None else cfg.method, **dict(cfg.parameters))
         if self.how.needs_data and not data:  # a method instance the config does not name
             raise InputError(f"method={self.how.name!r} needs data: a list of batches (e.g. dicts with 'input_ids')")
-        if data and cfg.align != "activations" and not self.how.needs_data and not cfg.repair:
+        if data and not (cfg.takes_statistics or self.how.needs_data):
             raise InputError(f"data is used by align='activations' or a method that takes statistics, got "
                              f"align={cfg.align!r} and method={self.how.name!r}")
         if cfg.refine and {"loss_fn", "between"} & set(align_options):
