@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Meet, Structure, Unify, broadcast, register
+from ..registry import Meet, NoFiber, Structure, Unify, broadcast, register
 
 __all__: list = []  # rule file: its rules register themselves on import
 
@@ -32,21 +32,29 @@ def addmm(ctx):
     # bias + x @ W  with W [in, out] (GPT-2's Conv1D).
     b, x, w = ctx.arg(0), ctx.arg(1), ctx.arg(2)
     xa, wa, out = ctx.axes(x), ctx.axes(w), ctx.out
-    cons = [Unify(out[0], xa[0]), Unify(xa[1], wa[0], dual=True), Unify(out[1], wa[1])]
+    cons = [Unify(out[0], xa[0]), Unify(xa[1], wa[0], dual=True), Unify(out[1], wa[1])] + _summed(xa, wa)
     cons += broadcast(out, ctx.out_shape, [b], ctx, on_broadcast="perm")
     return cons
+
+
+def _summed(a, b) -> list:
+    """A product sums over the contracted axis (``a[-1]``, ``b[-2]``): a row of ``a`` or a
+    column of ``b`` mixes its slices, so no element of theirs may vary along it (heads summed
+    by a ``[heads, heads]`` matrix while each head's dims took a map of their own)."""
+    why = "a matrix product sums over this axis"
+    return [NoFiber(a[-2], a[-1], why), NoFiber(b[-1], b[-2], why)]
 
 
 @register(aten.mm, observe=True)
 def mm(ctx):
     a, b = ctx.axes(ctx.arg(0)), ctx.axes(ctx.arg(1))
-    return [Unify(ctx.out[0], a[0]), Unify(a[1], b[0], dual=True), Unify(ctx.out[1], b[1])]
+    return [Unify(ctx.out[0], a[0]), Unify(a[1], b[0], dual=True), Unify(ctx.out[1], b[1])] + _summed(a, b)
 
 
 def _batched_product(ctx, a_node, b_node):
     a, b, out = ctx.axes(a_node), ctx.axes(b_node), ctx.out
     ash, bsh = ctx.shape(a_node), ctx.shape(b_node)
-    cons = [Unify(a[-1], b[-2], dual=True), Unify(out[-2], a[-2]), Unify(out[-1], b[-1])]
+    cons = [Unify(a[-1], b[-2], dual=True), Unify(out[-2], a[-2]), Unify(out[-1], b[-1])] + _summed(a, b)
     nb = len(out) - 2
     for o in range(nb):
         for axes, shape in ((a, ash), (b, bsh)):
