@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import tempfile
+import warnings
 
 import pytest
 import torch
@@ -70,7 +72,45 @@ def _custom(cls):
     return build
 
 
+def _row(model_type, cls):
+    """A row of the coverage tables, built as the tool builds it (its shrunk config)."""
+    def build():
+        from benchmarks.coverage.shrink import build as shrunk
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return shrunk(model_type, cls)[0].eval(), None, {}
+    return build
+
+
+# rows of the coverage tables whose example inputs come from trial runs of the forward through
+# mixture-of-experts blocks, and whose vision towers take values transformers precomputes
+# (``passes.export_inputs``): Inkling's audio codes and patch clips; Inkling 2's and 2-loop's
+# images; GLM-4.5V's and Qwen3-VL-MoE's towers. In float64 transformers' default ``grouped_mm``
+# has no kernel, so every trial failed and Inkling's audio tower was left unread (16 groups in
+# float32, 0 in float64) until the trials ran under the trace's experts implementation
+# (``passes.experts``); in bfloat16 the check that the precomputed values change nothing held
+# the outputs to float32's round-off, so nothing was handed over (GLM-4.5V froze its tower's
+# ``repeat_interleave``, Qwen3-VL-MoE and Inkling 2 failed to trace)
+ROWS = {"inkling_mm_model": ("inkling_mm_model", "InklingForConditionalGeneration"),
+        "inkling2": ("inkling2", "Inkling2ForConditionalGeneration"),
+        "inkling2_loop": ("inkling2_loop", "Inkling2LoopForConditionalGeneration"),
+        "glm4v_moe": ("glm4v_moe", "Glm4vMoeForConditionalGeneration"),
+        "qwen3_vl_moe": ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration")}
+_SAVED: dict = {}
+
+
+def _loaded(name, dtype):
+    """Row ``name`` saved and loaded in ``dtype`` as a checkpoint is: the modules its class keeps
+    in float32 (``_keep_in_fp32_modules_strict``: Inkling 2's router, whose forward casts its
+    input to float32) stay float32, which ``.to(dtype)`` would not keep."""
+    if name not in _SAVED:
+        _SAVED[name] = tempfile.TemporaryDirectory()
+        _model(name)[0].save_pretrained(_SAVED[name].name)
+    cls = getattr(tf, ROWS[name][1])
+    return cls.from_pretrained(_SAVED[name].name, dtype=dtype, trust_remote_code=False).eval()
+
 BUILDERS = {
+    **{name: _row(*row) for name, row in ROWS.items()},
     "swin": _swin,
     "bart": lambda: (fam.bart(), {"input_ids": fam.ids()}, {"outputs": ["logits"]}),
     "clip": _clip,
@@ -99,7 +139,8 @@ def _model(name):
 def report(name, dtype):
     """``name`` analysed in ``dtype`` (a copy of the model and its floating-point inputs cast)."""
     model, inputs, options = _model(name)
-    return symgraph.analyze(copy.deepcopy(model).to(dtype), cast_floats(inputs, dtype), **options)
+    model = _loaded(name, dtype) if name in ROWS else copy.deepcopy(model).to(dtype)
+    return symgraph.analyze(model, cast_floats(inputs, dtype), **options)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow)
@@ -111,6 +152,9 @@ def test_report_is_the_same_in_every_dtype(name):
         got = summary(report(name, dtype))
         for part in want:
             assert got[part] == want[part], (name, dtype, part)
+    if name in ROWS:  # each dtype's report certified as the coverage tool does (in float64)
+        for dtype in DTYPES:
+            assert report(name, dtype).certify(_model(name)[0]) <= 1e-6, (name, dtype)
 
 
 @pytest.mark.slow
@@ -122,6 +166,36 @@ def test_bart_float16_is_traced_through_its_branch():
     assert rep.exported_program.graph_module.meta[BRANCHES_TAKEN] is True
     assert rep.frozen == []
     assert summary(rep) == summary(report("bart", torch.float32))
+
+
+# --- example inputs through mixture-of-experts blocks in every dtype ------------------------
+def _shapes(kwargs):
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+def test_inkling_inputs_and_report_in_float64():
+    """Inkling's trial runs go through its experts in every dtype: the float64 model gets the
+    float32 model's inputs (its audio codes among them), its experts implementation is left as
+    it was, and its report claims the same 16 groups, certified in float64."""
+    from symgraph.passes.inputs import default_inputs
+    model = _model("inkling_mm_model")[0]  # (its router casts its own weight: ``.to`` runs)
+    _, want = default_inputs(model)
+    assert {"input_ids", "pixel_values", "audio_input_ids"} <= set(want)
+    for dtype in (torch.float64, torch.bfloat16):
+        m = copy.deepcopy(model).to(dtype)
+        before = m.config.text_config._experts_implementation
+        _, got = default_inputs(m)
+        assert _shapes(got) == _shapes(want), dtype
+        assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["audio_input_ids"],
+                                                                                want["audio_input_ids"])
+        assert got["pixel_values"].dtype == dtype
+        assert m.config.text_config._experts_implementation == before == "grouped_mm"
+    rep = report("inkling_mm_model", torch.float64)
+    assert rep.unread is None and len(rep.groups) == 16
+    assert sorted(g.kind for g in rep.groups) == ["gl"] * 2 + ["perm"] * 14
+    assert summary(rep) == summary(report("inkling_mm_model", torch.float32))
+    assert rep.certify(model) <= 1e-6
+    assert report("inkling_mm_model", torch.bfloat16).certify(model) <= 1e-6
 
 
 # --- ModernBERT: the rotary classes in bf16 ------------------------------------------------

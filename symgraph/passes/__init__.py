@@ -29,6 +29,7 @@ axes relate, a union-find merges them into classes. Importing the rule files reg
 - ``audio_inputs``      audio: raw samples, features, a speech model's audio tokens
 - ``paired_inputs``     inputs a forward needs beside its main one (text beside images, languages)
 - ``export_inputs``     the values transformers' exporter precomputes for a trace (vision segments)
+- ``experts``           the experts implementation a mixture-of-experts block is run and traced under
 - ``real_values``       a trace with the values the data decides taken from a real run
 - ``index_lists``       indices given as sequences of 0-dim tensors, stacked while tracing
 - ``diffusion_inputs``  example inputs for diffusers models

@@ -141,14 +141,25 @@ def _injector(extras):
     return hook, seen
 
 
-def _same(a, b, flatten) -> bool:
-    """The same outputs up to float32 round-off relative to each output's largest value
-    (transformers' patched kernels sum in another order: MuseSpark's logits move by 1.6e-6 of 2.6)."""
+def _same(a, b, flatten, narrowest) -> bool:
+    """The same outputs up to round-off relative to each output's largest value (transformers'
+    patched kernels sum in another order: MuseSpark's logits move by 1.6e-6 of 2.6 in float32, a
+    bfloat16 vision-language model's by up to one bfloat16 epsilon, 2⁻⁷, float32 logits
+    included): 1e-5 for a model of float32 or float64, sixteen epsilons of ``narrowest`` (the
+    narrowest floating dtype of its parameters) for a narrower one; else a bfloat16 model would
+    be handed nothing, and its report would differ from its float32 one's."""
     xs, ys = flatten(a), flatten(b)
     scale = [max(1.0, float(x.abs().max())) if x.numel() else 1.0 for x in xs]
+    tol = max(1e-5, 16 * torch.finfo(narrowest).eps)
     return len(xs) == len(ys) and all(
-        x.shape == y.shape and torch.allclose(x, y, rtol=1e-5, atol=1e-5 * s, equal_nan=True)
+        x.shape == y.shape and torch.allclose(x, y, rtol=tol, atol=tol * s, equal_nan=True)
         for x, y, s in zip(xs, ys, scale))
+
+
+def _narrowest(model) -> torch.dtype:
+    """The floating dtype of ``model``'s parameters with the largest epsilon (float32: none)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} or {torch.float32}
+    return max(dtypes, key=lambda d: torch.finfo(d).eps)
 
 
 @contextlib.contextmanager
@@ -173,7 +184,7 @@ def precomputed_inputs(model, args, kwargs, flatten):
         with exporter[1](), _hooks(model, inject):
             try:
                 with torch.no_grad():
-                    ok = _same(base, model(*args, **kwargs), flatten)
+                    ok = _same(base, model(*args, **kwargs), flatten, _narrowest(model))
             except Exception:  # noqa: BLE001 - the forward refuses them: nothing handed over
                 ok = False
             if ok:

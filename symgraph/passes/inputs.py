@@ -46,6 +46,7 @@ import torch
 from ..errors import InputError
 from .audio_inputs import audio_tokens, features, refused_audio, samples, time_mask
 from .diffusion_inputs import diffusers_inputs, is_diffusers
+from .experts import batched_experts
 from .image_inputs import image_tokens
 from .input_values import config_value, device_of, ints, pixels, token_ids
 from .optional_inputs import (Trials, caches_off, encoder_states, entities, long_enough, masked_patches,
@@ -113,7 +114,10 @@ def _main_input(model, params):
 
 def default_inputs(model, batch: int = 2, seq: int = 8):
     """Example inputs for a Hugging Face model, built from its config (no data needed); see the
-    module's docstring; a diffusers model's: :mod:`.diffusion_inputs`. Returns ``(args, kwargs)``."""
+    module's docstring; a diffusers model's: :mod:`.diffusion_inputs`. Returns ``(args, kwargs)``.
+    Every trial run of the forward and its feature functions runs under the experts
+    implementation the trace runs under (:mod:`.experts`), so the inputs do not depend on the
+    model's dtype (``grouped_mm`` has no float64 kernel: every trial would fail)."""
     if is_diffusers(model):
         return diffusers_inputs(model)
     if not is_hf(model):
@@ -121,6 +125,12 @@ def default_inputs(model, batch: int = 2, seq: int = 8):
             f"{type(model).__name__} is not a Hugging Face model, so symgraph cannot build "
             "example inputs for it; pass inputs=(tensor, ...) positional inputs or a dict of "
             "keyword inputs.")
+    with batched_experts(model):
+        return _hf_inputs(model, batch, seq)
+
+
+def _hf_inputs(model, batch: int, seq: int):
+    """:func:`default_inputs` of a Hugging Face model."""
     cfg, dev = model.config, device_of(model)
     params = inspect.signature(model.forward).parameters
     name, main_cfg = _main_input(model, params)

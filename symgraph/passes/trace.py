@@ -9,6 +9,7 @@ import torch
 
 from ..errors import InputError, TraceError
 from .concrete import concretize, has_data_dependent_sizes
+from .experts import batched_experts
 from .export_inputs import precomputed_inputs
 from .index_lists import stacked_index_lists
 from .inputs import default_inputs, is_hf
@@ -69,31 +70,23 @@ def eval_mode(model):
 @contextlib.contextmanager
 def graph_friendly(model):
     """Hugging Face mixture-of-experts blocks run under an *experts implementation*
-    (``config._experts_implementation``). ``grouped_mm`` sorts tokens by expert, an order that
-    depends on the routing labels' values, so no rule can follow the experts through it;
-    ``batched_mm`` (the same function) gathers each token's expert weights and uses batched
-    matmuls (:mod:`symgraph.passes.labels`). Trace and certify with ``batched_mm``, and with
+    (``config._experts_implementation``): trace and certify with ``batched_mm``
+    (:mod:`.experts`: ``grouped_mm`` sorts tokens by expert, which no rule follows), and with
     every config's ``use_cache`` off (a model whose forward takes no ``use_cache`` but reads its
     config's, as a vision- or audio-language model's inner decoder does, would otherwise return
     a ``DynamicCache``, which no exported program can hold); every config is restored afterwards."""
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
-    experts = {k: c._experts_implementation for k, c in configs.items()
-               if isinstance(getattr(c, "_experts_implementation", None), str)}
     for c in list(configs.values()):  # sub-configs no module of their own holds (text, audio)
         for v in vars(c).values() if hasattr(c, "__dict__") else ():
             if hasattr(v, "__dict__") and "use_cache" in vars(v):
                 configs.setdefault(id(v), v)
     caches = {k: True for k, c in configs.items() if hasattr(c, "__dict__") and vars(c).get("use_cache") is True}
     try:
-        for k in experts:
-            if configs[k]._experts_implementation not in ("batched_mm", "eager"):
-                configs[k]._experts_implementation = "batched_mm"
-        for k in caches:
-            configs[k].use_cache = False
-        yield model
+        with batched_experts(model):
+            for k in caches:
+                configs[k].use_cache = False
+            yield model
     finally:
-        for k, v in experts.items():
-            configs[k]._experts_implementation = v
         for k, v in caches.items():
             configs[k].use_cache = v
 
