@@ -19,6 +19,7 @@ import os
 import numpy as np
 import torch
 
+from ..core.devices import parameters_on_meta
 from ..core.dtypes import SAFETENSORS_NAMES as _ST_NAMES
 from .loading import (KeysDiffer, build_meta, check_checkpoint_dir, check_tensors, parameter_names,
                       read_config, read_layout)
@@ -183,18 +184,8 @@ def computed_buffers(cls, config) -> dict:
     """``{name: tensor}`` of the buffers ``cls(config)`` computes on the CPU. The model is
     built with every parameter on ``meta`` as it is registered (no weight memory, no
     initialisation work), so only its buffers take memory."""
-    register = torch.nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        if param is not None and not param.is_meta:
-            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-    # a deliberate monkeypatch for the length of the constructor call, restored below
-    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]  # scoped patch
-    try:
+    with parameters_on_meta():
         model = cls(config)
-    finally:
-        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]  # restore
     return {n: b for n, b in model.named_buffers(remove_duplicate=False) if not b.is_meta}
 
 

@@ -1,7 +1,10 @@
-"""The devices symgraph computes on: a device name checked to hold a tensor before any work."""
+"""The devices symgraph computes on: a device name checked to hold a tensor before any work;
+modules built with every parameter on ``meta``."""
 from __future__ import annotations
 
-__all__ = ["NO_COMPUTE_DEVICES", "usable_device"]
+import contextlib
+
+__all__ = ["NO_COMPUTE_DEVICES", "parameters_on_meta", "usable_device"]
 
 #: Device types that hold no values (every other one is checked to hold a tensor before a merge).
 NO_COMPUTE_DEVICES = ("meta",)
@@ -32,3 +35,25 @@ def usable_device(name: str) -> str:
                              "expected 'cpu', 'cuda', 'cuda:N' or another device this torch build "
                              "has") from None
     return str(dev)
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """While inside, every parameter a module registers is put on the ``meta`` device as it is
+    registered. ``torch.device("meta")`` alone misses a parameter made by a legacy constructor
+    (``nn.Parameter(torch.FloatTensor(n))``: XLNet's attention and mask embedding), which ignores
+    the default device: the model would hold it on the CPU beside the others on meta, and no
+    trace of it could run (meta and cpu tensors in one op)."""
+    import torch
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+    # a deliberate monkeypatch for the length of the block, restored below
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]  # scoped patch
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]  # restore
