@@ -100,3 +100,26 @@ def test_a_model_that_cannot_be_traced_on_meta_is_refused_in_one_line(pair, caps
     flat = " ".join(err.split())
     assert "torch.export could not trace XLNetLMHeadModel" in flat and "meta and cpu" in flat, flat
     assert not out.exists()
+
+
+# --- float64: the same claims as float32 ----------------------------------------------------
+# XLNet's query stream (target_mapping, which reads its mask embedding) contracts its relative
+# positions, made at float32 (``arange(...).float()``), with the weights, which refuses float64
+# ones: the float64 model kept no query stream, left ``mask_emb`` unread and claimed nothing. A
+# float64 model is now traced and tried in float64 throughout (core.dtypes.float64_throughout).
+
+def test_float64_claims_what_float32_does():
+    from test_dtype_independence import summary
+    r32, model = symgraph.analyze(xlnet(0)), xlnet(0, torch.float64)
+    r64 = symgraph.analyze(model)
+    assert "target_mapping" in r64.inputs[1] and r64.inputs[1]["target_mapping"].dtype == torch.float64
+    assert summary(r64) == summary(r32)
+    assert sum(g.kind == "gl" and g.blocks == H for g in r64.groups) == 4
+    assert r64.certify(model, tol=1e-9) < 1e-9
+
+
+def test_float64_checkpoint_on_meta_claims_what_float32_does(tmp_path):
+    xlnet(0, torch.float64).save_pretrained(tmp_path / "a64")
+    model = Checkpoint(str(tmp_path / "a64")).model
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert classes(symgraph.analyze(model)) == classes(symgraph.analyze(xlnet(0)))

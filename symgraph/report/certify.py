@@ -7,8 +7,8 @@ import copy
 import warnings
 
 import torch
-from torch.overrides import TorchFunctionMode
 
+from ..core.dtypes import wide_floats
 from ..passes.trace import eval_mode, flatten_outputs, graph_friendly, output_deviation, select_outputs, split_inputs
 from ..errors import CertificationError, InputError
 
@@ -75,46 +75,6 @@ def _certify_in(report, model, args, kwargs, trials, dtype, experts=None) -> flo
                 out = flatten_outputs(select_outputs(mt(*args, **kwargs), report.outputs))
             worst = max(worst, output_deviation(base, out))
     return worst
-
-
-_NARROW = {torch.float32: torch.float64, torch.float16: torch.float64, torch.bfloat16: torch.float64,
-           torch.complex64: torch.complex128, torch.complex32: torch.complex128}
-_TO_DOUBLE = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16}
-
-
-def _widen(x):
-    if isinstance(x, torch.dtype):
-        return _NARROW.get(x, x)
-    if type(x) in (list, tuple):
-        return type(x)(_widen(v) for v in x)
-    return x
-
-
-class _WideFloats(TorchFunctionMode):
-    """Every float dtype a torch call asks for (``.to(torch.float32)``, ``.float()``,
-    ``softmax(dtype=...)``, ``arange(dtype=torch.float)``) read as float64 (complex as complex128);
-    a reinterpreting ``view(dtype)`` is left alone."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _TO_DOUBLE and args and isinstance(args[0], torch.Tensor):
-            return args[0].double()
-        if func is torch.Tensor.view:
-            return func(*args, **kwargs)
-        return func(*_widen(tuple(args)), **{k: _widen(v) for k, v in kwargs.items()})
-
-
-@contextlib.contextmanager
-def wide_floats():
-    """Run a float64 model in float64 throughout: its own casts to narrower float dtypes, and
-    tensors made at the default dtype, stay float64 (see :func:`certify`)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        with _WideFloats():
-            yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def cast_floats(x, dtype):
