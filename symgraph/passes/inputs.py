@@ -22,7 +22,8 @@ that this module knows the main input of.
   or, through its ``**kwargs``, its encoder takes them (Wav2Vec2, HuBERT): every tower the
   signature can reach is read, since one the trace never reads leaves nothing claimed;
 - a main input of a generic name (Perceiver's ``inputs``): token ids or images, the first
-  the forward runs on;
+  the forward runs on; a policy's state vector, its cameras and the noise and time it would
+  draw (PI0: :mod:`.policy_inputs`);
 - decoder inputs of an encoder-decoder (``decoder_input_ids``: its start token, then token
   ids; for a sequence classification head the ids shifted right, as its model would build);
 - ``use_cache=False`` wherever the forward takes it by name, and through its ``**kwargs`` where
@@ -53,6 +54,7 @@ from .optional_inputs import (Trials, caches_off, encoder_states, entities, long
                               passes_on, text_extras)
 from .paired_inputs import decoder_channels, global_tokens, paired_inputs
 from .patch_inputs import flattened_patches, patches_beside_text
+from .policy_inputs import vector_main
 
 __all__ = ["default_inputs", "is_hf"]
 
@@ -86,7 +88,10 @@ def _main(model, cfg, name, batch, seq, gen):
 
 def _generic_main(model, cfg, name, batch, seq, gen):
     """A main input of a generic name (Perceiver's ``inputs``): token ids, else images, the
-    first the forward runs on."""
+    first the forward runs on; a vector of the width the config states for it (PI0's ``state``)."""
+    vector = vector_main(cfg, name, batch, gen)
+    if vector is not None:
+        return vector
     for build in (lambda: token_ids(model, cfg, batch, seq, gen), lambda: pixels(model, cfg, batch, gen)):
         try:
             x = build()

@@ -20,7 +20,8 @@ its config, never from the model's name:
 - each row's language (``lang_ids``: X-MOD's adapters), one of the config's ``languages``;
 - decoder ids with one column per channel of the decoder config (``num_channels``,
   ``num_codebooks``) where the forward refuses one a position (Dia's audio codes);
-- the first token of each row attending globally (``global_attention_mask``: Longformer, LED).
+- the first token of each row attending globally (``global_attention_mask``: Longformer, LED);
+- a policy's cameras and the noise and time it would draw (PI0: :mod:`.policy_inputs`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 from .image_processing import patch_rows
 from .input_values import config_value, ints, token_ids
 from .optional_inputs import Trials
+from .policy_inputs import camera_images, drawn_inputs
 
 __all__ = ["decoder_channels", "global_tokens", "paired_inputs"]
 
@@ -72,6 +74,8 @@ def paired_inputs(model, kwargs: dict, params, name: str, batch: int, seq: int, 
     if "lang_ids" in params and isinstance(langs, (list, tuple)) and langs:
         # every row a language, as many of them as there are rows
         kwargs["lang_ids"] = torch.arange(batch) % len(langs)
+    camera_images(model, kwargs, batch, gen)  # a policy's cameras (PI0)
+    drawn_inputs(model, kwargs, batch, gen)  # the noise and time it would draw
     if text and Trials(model, {}).reads(kwargs) is None:
         # text the forward refuses beside its main input (Perceiver's ``input_ids`` is a
         # deprecated alias of its main input ``inputs``): the inputs go without it where they run
