@@ -1,4 +1,4 @@
-"""XLNet from disk: ``symgraph merge a b`` of two saved XLNets (issue 69).
+"""XLNet from disk and in every dtype: ``symgraph merge a b`` of two saved XLNets (issue 69).
 
 XLNet makes its attention projections and its mask embedding with a legacy constructor
 (``nn.Parameter(torch.FloatTensor(...))``), which ignores ``torch.device("meta")``: the model an
@@ -10,7 +10,9 @@ built with every parameter put on meta as it is registered
 Asserted: every parameter of a checkpoint's model on meta; the report of that model traced on
 meta the same as the in-memory model's (every head class included); the command-line merge
 equal to ``symgraph.merge`` in memory; a model that cannot be traced on meta refused in one
-line (exit 2), never a traceback.
+line (exit 2), never a traceback. And XLNet in float64, bfloat16 and float16 claims what it
+claims in float32 (its query stream's contraction of float32 positions with the weights run in
+the weights' dtype: :func:`symgraph.core.dtypes.parameters_dtype`).
 """
 from __future__ import annotations
 
@@ -102,24 +104,46 @@ def test_a_model_that_cannot_be_traced_on_meta_is_refused_in_one_line(pair, caps
     assert not out.exists()
 
 
-# --- float64: the same claims as float32 ----------------------------------------------------
+# --- every dtype: the same claims as float32 -----------------------------------------------
 # XLNet's query stream (target_mapping, which reads its mask embedding) contracts its relative
-# positions, made at float32 (``arange(...).float()``), with the weights, which refuses float64
-# ones: the float64 model kept no query stream, left ``mask_emb`` unread and claimed nothing. A
-# float64 model is now traced and tried in float64 throughout (core.dtypes.float64_throughout).
+# positions, made at float32 (``arange(...).float()``), with the weights without casting them
+# (its other stream does): float64, bfloat16 and float16 weights refuse them, so the model kept
+# no query stream, left ``mask_emb`` unread and claimed nothing. Such a contraction now runs in
+# the parameters' dtype (core.dtypes.parameters_dtype).
+NARROW_AND_WIDE = [torch.float64, torch.bfloat16, torch.float16]
 
-def test_float64_claims_what_float32_does():
+
+@pytest.mark.parametrize("dtype", NARROW_AND_WIDE)
+def test_every_dtype_claims_what_float32_does(dtype):
     from test_dtype_independence import summary
-    r32, model = symgraph.analyze(xlnet(0)), xlnet(0, torch.float64)
-    r64 = symgraph.analyze(model)
-    assert "target_mapping" in r64.inputs[1] and r64.inputs[1]["target_mapping"].dtype == torch.float64
-    assert summary(r64) == summary(r32)
-    assert sum(g.kind == "gl" and g.blocks == H for g in r64.groups) == 4
-    assert r64.certify(model, tol=1e-9) < 1e-9
+    r32, model = symgraph.analyze(xlnet(0)), xlnet(0, dtype)
+    r = symgraph.analyze(model)
+    assert "target_mapping" in r.inputs[1] and r.inputs[1]["target_mapping"].dtype == dtype
+    assert summary(r) == summary(r32)
+    assert sum(g.kind == "gl" and g.blocks == H for g in r.groups) == 4
+    assert r.certify(model, tol=1e-9) < 1e-9
 
 
-def test_float64_checkpoint_on_meta_claims_what_float32_does(tmp_path):
-    xlnet(0, torch.float64).save_pretrained(tmp_path / "a64")
-    model = Checkpoint(str(tmp_path / "a64")).model
-    assert {p.dtype for p in model.parameters()} == {torch.float64}
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_checkpoint_on_meta_claims_what_float32_does(tmp_path, dtype):
+    xlnet(0, dtype).save_pretrained(tmp_path / "a")
+    model = Checkpoint(str(tmp_path / "a")).model
+    assert {p.dtype for p in model.parameters()} == {dtype}
     assert classes(symgraph.analyze(model)) == classes(symgraph.analyze(xlnet(0)))
+
+
+def test_a_contraction_torch_accepts_runs_as_it_is():
+    """Only a contraction torch refuses (floating operands of two dtypes) is cast: one of a
+    single dtype, even not the parameters', and every other op, run unchanged."""
+    from symgraph.core.dtypes import parameters_dtype
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    a, b = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 5)
+    with parameters_dtype(model):
+        same = torch.einsum("ij,jk->ik", a, a.T @ a)
+        mixed = torch.einsum("ij,jk->ik", a.float(), b.to(torch.bfloat16))
+        added = a + b.sum()
+    assert same.dtype == torch.float64 and added.dtype == torch.float64
+    assert mixed.dtype == torch.bfloat16
+    torch.testing.assert_close(mixed, a.to(torch.bfloat16) @ b.to(torch.bfloat16))
+    with pytest.raises(RuntimeError):  # outside: refused, as torch refuses it
+        torch.einsum("ij,jk->ik", a.float(), b.to(torch.bfloat16))

@@ -1,14 +1,16 @@
 """The safetensors dtype names symgraph reads and writes, and their torch dtypes (one table
 for checkpoints, output shards and alignment files); a float64 model run in float64 throughout
-(:func:`wide_floats`: certificates, and the trace and trial runs of a float64 model)."""
+(:func:`wide_floats`: certificates); a contraction of operands of two floating dtypes run in the
+model's (:func:`parameters_dtype`)."""
 from __future__ import annotations
 
 import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["SAFETENSORS_DTYPES", "SAFETENSORS_NAMES", "float64_throughout", "wide_floats"]
+__all__ = ["SAFETENSORS_DTYPES", "SAFETENSORS_NAMES", "parameters_dtype", "wide_floats"]
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -56,12 +58,39 @@ def wide_floats():
         torch.set_default_dtype(old)
 
 
-def float64_throughout(model):
-    """:func:`wide_floats` where every floating parameter of ``model`` is float64, else nothing:
-    a float64 model traced, and tried on example inputs, as its float32 twin is. Its own casts
-    to float32 (XLNet's relative positions, ``arange(...).float()``) otherwise meet float64
-    weights in one op, which refuses them (XLNet's query stream: "expected scalar type Double
-    but found Float"), and the report of a float64 model would claim less than the float32
-    one's."""
+class _OneDtype(TorchFunctionMode):
+    """A contraction (:data:`_CONTRACTIONS`) whose floating operands differ in dtype, which torch
+    refuses, run with them cast to ``dtype``; every other call as it is."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _CONTRACTIONS:
+            floats = {a.dtype for a in tree_flatten((args, kwargs))[0]
+                      if isinstance(a, torch.Tensor) and a.is_floating_point()}
+            if len(floats) > 1 and self.dtype in floats:
+                cast = lambda a: a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a  # noqa: E731
+                args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        return func(*args, **kwargs)
+
+
+_CONTRACTIONS = {torch.einsum, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.mm,
+                 torch.nn.functional.linear}
+
+
+def parameters_dtype(model):
+    """While inside, a contraction of tensors of different floating dtypes (``einsum``,
+    ``matmul``, ``linear``: torch refuses them) runs in the dtype of ``model``'s floating
+    parameters, where they have one, as a model's own cast would make it (XLNet's
+    ``r.type(self.r.dtype)``); every call torch accepts runs as it is. XLNet's query stream
+    (``target_mapping``) contracts relative positions it makes at float32
+    (``arange(...).float()``) with the weights without that cast: in float64, bfloat16 or
+    float16 its forward refused the query stream, left ``mask_emb`` unread and its report
+    claimed nothing, where float32's claims every head's maps. The trace, the certificate
+    and the trial runs that choose example inputs run under it, so the report does not depend
+    on the model's dtype."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    return wide_floats() if dtypes == {torch.float64} else contextlib.nullcontext()
+    return _OneDtype(next(iter(dtypes))) if len(dtypes) == 1 else contextlib.nullcontext()

@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..core.dtypes import float64_throughout
+from ..core.dtypes import parameters_dtype
 from .input_values import config_value, device_of, pixels, token_ids
 
 __all__ = ["Trials", "caches_off", "encoder_states", "entities", "layout", "long_enough", "masked_patches", "passes_on",
@@ -87,7 +87,7 @@ class Trials:
         # values there, which no meta tensor holds); the parameters' reads are seen before
         fake = FakeTensorMode(allow_non_fake_inputs=True) if dev.type == "meta" else contextlib.nullcontext()
         try:
-            with torch.no_grad(), fake, mode, float64_throughout(model):  # as the trace runs it
+            with torch.no_grad(), fake, mode, parameters_dtype(model):  # as the trace runs it
                 model.eval()(**trial)
         except Exception:  # noqa: BLE001 - the forward refuses these inputs
             return None

@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from ..core.dtypes import float64_throughout
+from ..core.dtypes import parameters_dtype
 from ..errors import InputError, TraceError
 from .concrete import concretize, has_data_dependent_sizes
 from .experts import batched_experts
@@ -76,7 +76,8 @@ def graph_friendly(model):
     every config's ``use_cache`` off (a model whose forward takes no ``use_cache`` but reads its
     config's, as a vision- or audio-language model's inner decoder does, would otherwise return
     a ``DynamicCache``, which no exported program can hold); every config is restored afterwards.
-    A float64 model runs in float64 throughout (:func:`symgraph.core.dtypes.float64_throughout`)."""
+    A contraction of two floating dtypes runs in the parameters' dtype
+    (:func:`symgraph.core.dtypes.parameters_dtype`)."""
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
     for c in list(configs.values()):  # sub-configs no module of their own holds (text, audio)
         for v in vars(c).values() if hasattr(c, "__dict__") else ():
@@ -84,7 +85,7 @@ def graph_friendly(model):
                 configs.setdefault(id(v), v)
     caches = {k: True for k, c in configs.items() if hasattr(c, "__dict__") and vars(c).get("use_cache") is True}
     try:
-        with batched_experts(model), float64_throughout(model):
+        with batched_experts(model), parameters_dtype(model):
             for k in caches:
                 configs[k].use_cache = False
             yield model
