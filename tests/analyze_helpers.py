@@ -1,5 +1,6 @@
 """Helpers of the ``symgraph.analyze`` tests (``test_analyze*.py``): the tolerance, selecting
-groups by parameter prefix, and the MLP table of the tiny transformers."""
+groups by parameter prefix, the MLP table of the tiny transformers, a coverage row's model built
+as the coverage tool builds it, and the parameters example inputs leave unread."""
 from __future__ import annotations
 
 TOL = 1e-6
@@ -45,3 +46,22 @@ MLP = {  # layer prefix, MLP up-projection (param, out dim), MLP width attribute
     "llama": ("model.layers.{i}.", ("mlp.up_proj.weight", 0), "intermediate_size"),
     "vit": ("vit.layers.{i}.", ("mlp.fc1.weight", 0), "intermediate_size"),
 }
+
+
+def coverage_row(model_type: str, class_name: str):
+    """The model of a coverage table's row, built as ``benchmarks.coverage`` builds it (its
+    shrunk config, random weights), without the library's warnings."""
+    import warnings
+
+    from benchmarks.coverage.shrink import build
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build(model_type, class_name)[0]
+
+
+def unread(model, kwargs) -> set:
+    """The parameters of ``model`` its forward on ``kwargs`` never reads (the forward must run)."""
+    from symgraph.passes.optional_inputs import Trials
+    read = Trials(model, {}).reads(kwargs)
+    assert read is not None
+    return {n for n, _ in model.named_parameters()} - read

@@ -22,8 +22,8 @@ import torch
 
 import symgraph
 from symgraph.passes.inputs import default_inputs
-from symgraph.passes.optional_inputs import Trials
 from symgraph.passes.patch_inputs import flattened_patches, patch_side
+from analyze_helpers import unread
 
 T = pytest.importorskip("transformers")
 
@@ -49,12 +49,6 @@ def _kosmos25(queries=4):
         vision_config=_vision(intermediate_size=64, head_dim=8, max_num_patches=64), latent_query_num=queries)
     torch.manual_seed(0)
     return T.Kosmos2_5ForConditionalGeneration(cfg).eval()
-
-
-def _unread(model, kwargs):
-    read = Trials(model, {}).reads(kwargs)
-    assert read is not None
-    return {n for n, _ in model.named_parameters()} - read
 
 
 def _kinds(rep, slot):
@@ -90,7 +84,7 @@ def test_pix2struct_main_input_reads_every_parameter_and_certifies():
     _, kwargs = default_inputs(model)
     assert tuple(kwargs["flattened_patches"].shape) == (2, 16, 50)
     assert kwargs["decoder_input_ids"][:, 0].tolist() == [0, 0]
-    assert _unread(model, kwargs) == set()
+    assert unread(model, kwargs) == set()
     rep = symgraph.analyze(model)
     assert rep.unread is None
     assert _kinds(rep, ("encoder.embeddings.patch_projection.weight", 0)) == ["perm"]  # the tower's stream
@@ -106,7 +100,7 @@ def test_kosmos25_patches_beside_text_one_position_per_query():
     assert tuple(kwargs["flattened_patches"].shape) == (2, 16, 50)
     assert ids.shape == mask.shape == (2, 12)
     assert mask.sum(1).tolist() == [4, 4] and mask[:, 1:5].eq(1).all() and mask[:, 0].eq(0).all()
-    assert _unread(model, kwargs) == set()
+    assert unread(model, kwargs) == set()
     rep = symgraph.analyze(model)
     assert rep.unread is None
     assert _kinds(rep, ("vision_model.encoder.layer.0.attention.query.weight", 0)) == ["gl", "perm"]

@@ -5,29 +5,14 @@ example inputs for main input 'state'"): its main input a state vector of the co
 """
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 import symgraph
 from symgraph.passes.inputs import default_inputs
-from symgraph.passes.optional_inputs import Trials
+from analyze_helpers import coverage_row, unread
 
 pytest.importorskip("transformers")
-
-
-def _build(model_type, class_name):
-    from benchmarks.coverage.shrink import build
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return build(model_type, class_name)[0]
-
-
-def _unread(model, kwargs):
-    read = Trials(model, {}).reads(kwargs)
-    assert read is not None
-    return {n for n, _ in model.named_parameters()} - read
 
 
 def test_a_state_vector_of_the_configs_width():
@@ -47,7 +32,7 @@ def test_pi0_state_cameras_and_fixed_draws():
     parameter is read but the DiT's token embedding, which its forward never reads (the DiT
     takes the actions' embeddings): the analysis runs with no inputs and, that parameter
     unread, claims nothing (soundly)."""
-    m = _build("pi0", "PI0ForConditionalGeneration")
+    m = coverage_row("pi0", "PI0ForConditionalGeneration")
     cfg = m.config
     _, kw = default_inputs(m)
     assert tuple(kw["state"].shape) == (2, cfg.max_state_dim)
@@ -58,7 +43,7 @@ def test_pi0_state_cameras_and_fixed_draws():
     with torch.no_grad():
         a, b = m(**kw).logits, m(**kw).logits
     assert torch.equal(a, b)  # nothing drawn at random
-    assert _unread(m, kw) == {"model.dit.embed_tokens.weight"}
+    assert unread(m, kw) == {"model.dit.embed_tokens.weight"}
     rep = symgraph.analyze(m)
     assert "model.dit.embed_tokens.weight" in (rep.unread or "") and not rep.groups
     assert rep.certify(m) <= 1e-6

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import symgraph
 from symgraph.passes.inputs import default_inputs
-from symgraph.passes.optional_inputs import Trials
+from analyze_helpers import unread
 
 T = pytest.importorskip("transformers")
 
@@ -89,12 +89,6 @@ def test_a_towers_projection_is_the_text_width():
     assert clip["vision_config"]["projection_dim"] != clip["text_config"]["hidden_size"]
 
 
-def _reads_everything(model, kwargs):
-    read = Trials(model, {}).reads(kwargs)
-    assert read is not None
-    return {n for n, _ in model.named_parameters()} - read
-
-
 def test_inkling2_images_counted_in_tokens():
     """Inkling 2's tower takes one small image (patch × merge a side, channels last) per text
     image token, its grid counted in those tokens: 2 × 2 tokens a row, every parameter read."""
@@ -108,7 +102,7 @@ def test_inkling2_images_counted_in_tokens():
     assert tuple(kw["pixel_values"].shape) == (8, side, side, v.num_channels)
     assert kw["image_grid_thw"].tolist() == [[1, 2, 2]] * 2
     assert ((kw["input_ids"] == m.config.image_token_id).sum(1) == 4).all()
-    assert _reads_everything(m, kw) == set()
+    assert unread(m, kw) == set()
 
 
 def test_evolla_reads_its_protein_encoder():
@@ -122,7 +116,7 @@ def test_evolla_reads_its_protein_encoder():
     ids = kw["protein_input_ids"]
     assert ids.shape[0] == 2 and int(ids.max()) < m.config.protein_encoder_config.vocab_size
     assert (kw["protein_attention_mask"] == 1).all()
-    assert _reads_everything(m, kw) == set()
+    assert unread(m, kw) == set()
 
 
 def test_mllama_images_through_its_processor():
@@ -137,7 +131,7 @@ def test_mllama_images_through_its_processor():
     assert tuple(kw["pixel_values"].shape) == (2, 1, 4, 3, 64, 64)
     assert tuple(kw["aspect_ratio_ids"].shape) == (2, 1) and tuple(kw["aspect_ratio_mask"].shape) == (2, 1, 4)
     assert "cross_attention_states" not in kw
-    assert _reads_everything(m, kw) == set()
+    assert unread(m, kw) == set()
 
 
 def test_muse_spark_reads_its_images_and_its_audio():
@@ -151,4 +145,4 @@ def test_muse_spark_reads_its_images_and_its_audio():
     _, kw = default_inputs(m)
     assert kw["image_grid_thw"].shape[0] == 2 and "input_values_mask" in kw
     assert ((kw["input_ids"] == m.config.audio_token_id).sum(1) == 125).all()
-    assert _reads_everything(m, kw) == set()
+    assert unread(m, kw) == set()

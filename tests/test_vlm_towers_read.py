@@ -13,29 +13,14 @@ nothing):
 """
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 import symgraph
 from symgraph.passes.inputs import default_inputs
-from symgraph.passes.optional_inputs import Trials
+from analyze_helpers import coverage_row, unread
 
 pytest.importorskip("transformers")
-
-
-def _build(model_type, class_name):
-    from benchmarks.coverage.shrink import build
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return build(model_type, class_name)[0]
-
-
-def _unread(model, kwargs):
-    read = Trials(model, {}).reads(kwargs)
-    assert read is not None
-    return {n for n, _ in model.named_parameters()} - read
 
 
 def test_patch_query_map_keyed_by_the_shrunk_patch_count():
@@ -54,13 +39,13 @@ def test_aria_reads_its_vision_tower():
     """Aria's shrunk projector takes the 2 × 2 patches of a 64-pixel image of 32-pixel patches:
     the examples hold that image and 4 image tokens a row, every parameter is read, and the
     analysis (no inputs) claims the vision tower's and the text's classes, soundly."""
-    m = _build("aria", "AriaForConditionalGeneration")
+    m = coverage_row("aria", "AriaForConditionalGeneration")
     v = m.config.vision_config
     assert m.config.projector_patch_to_query_dict == {(v.image_size // v.patch_size) ** 2: 4}
     _, kw = default_inputs(m)
     assert tuple(kw["pixel_values"].shape) == (2, v.num_channels, v.image_size, v.image_size)
     assert ((kw["input_ids"] == m.config.image_token_id).sum(1) == 4).all()
-    assert _unread(m, kw) == set()
+    assert unread(m, kw) == set()
     rep = symgraph.analyze(m)
     slots = {p for g in rep.groups for p, *_ in g.params}
     assert any(p.startswith("model.vision_tower.") for p in slots)
@@ -95,7 +80,7 @@ def test_pooled_patches_index_one_crop_a_row():
 
 
 def test_molmo2_reads_its_vision_tower_and_adapter():
-    m = _build("molmo2", "Molmo2ForConditionalGeneration")
+    m = coverage_row("molmo2", "Molmo2ForConditionalGeneration")
     cfg = m.config
     token = cfg.image_token_id
     assert token == cfg.image_patch_id < cfg.text_config.vocab_size + cfg.text_config.additional_vocab_size
@@ -104,7 +89,7 @@ def test_molmo2_reads_its_vision_tower_and_adapter():
     assert tuple(kw["pixel_values"].shape) == (2, 27 * 27, 3 * 14 * 14)
     assert ((kw["input_ids"] == token).sum(1) == 4).all()  # the 2 × 2 pooled tokens, none else
     assert torch.equal(kw["mm_token_type_ids"], (kw["input_ids"] == token).int())
-    assert _unread(m, kw) == set()
+    assert unread(m, kw) == set()
     rep = symgraph.analyze(m)
     slots = {p for g in rep.groups for p, *_ in g.params}
     for tower in ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model."):
