@@ -146,10 +146,11 @@ def smallest(names, count) -> tuple:
     return best, n_best
 
 
-def build(zoo: str, name: str, device=None, size=None, head: bool = True):
-    """The model (random weights, eval mode), built for image ``size``, with a head (``head``)."""
+def build(zoo: str, name: str, device=None, size=None, head: bool = True, seed: int = 0):
+    """The model (weights from ``seed``, global generator untouched; issue 69), eval, for ``size``, with a ``head``."""
     import torch
-    with warnings.catch_warnings(), torch.device(device or "cpu"):
+    with warnings.catch_warnings(), torch.device(device or "cpu"), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
         warnings.simplefilter("ignore")
         if zoo == "timm":
             import timm
@@ -159,9 +160,8 @@ def build(zoo: str, name: str, device=None, size=None, head: bool = True):
                 model = timm.create_model(name, pretrained=False, num_classes=HEAD_CLASSES, **kw)
         else:
             import torchvision
-            kw = {"image_size": size} if size else {}
-            model = torchvision.models.get_model(name, weights=None, **kw)
-    return redraw(model.eval())
+            model = torchvision.models.get_model(name, weights=None, **({"image_size": size} if size else {}))
+    return redraw(model.eval(), seed)
 
 
 def redraw(model, seed: int = 0):

@@ -178,3 +178,27 @@ def test_a_feature_extractor_is_built_with_a_head_and_counted_without(monkeypatc
     assert build("timm", "classifier").head.out_features == 7  # its own head kept
     assert calls == [("extractor", None), ("extractor", HEAD_CLASSES), ("classifier", None)]
     assert meta_count("timm")("extractor") == 20  # the body alone: the head is not counted
+
+
+def test_build_draws_the_same_model_whatever_ran_before(monkeypatch):
+    """A row's weights come from its own seed, not from the global generator's state (issue 69:
+    halonet_h1's certificate moved with the draw), and the global generator is left as it was."""
+    import types
+
+    import torch
+
+    from benchmarks.coverage.vision import build
+
+    def create_model(name, pretrained=False, **kw):
+        return nn.Sequential(nn.Conv2d(3, 4, 1), nn.Flatten(), nn.Linear(4, 3))
+    monkeypatch.setitem(__import__("sys").modules, "timm", types.SimpleNamespace(create_model=create_model))
+    torch.manual_seed(1)
+    a = build("timm", "net")
+    torch.rand(5)
+    state = torch.get_rng_state()
+    b = build("timm", "net")
+    assert torch.equal(torch.get_rng_state(), state)
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+    c = build("timm", "net", seed=1)
+    assert not torch.equal(a[0].weight, c[0].weight)
