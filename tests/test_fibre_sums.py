@@ -51,3 +51,17 @@ def test_heads_scaled_one_by_one_keep_a_map_per_head():
     dims = [g for g in r.group_of("a.weight", 0) if g.id != heads.id]
     assert [(g.kind, g.dim, g.blocks, g.outer) for g in dims] == [("perm", 3, 4, [heads.id])]
     assert r.certify(m, (x,), tol=1e-9) < 1e-9
+
+
+def test_heads_beside_an_axis_holding_every_heads_dims_stay_as_they_were():
+    """Doge's ``dt_proj.weight [heads, kv_heads · head_dim]``: each row reads every head's value
+    dims, so the heads on its first axis are no base of the head dims on its second (XLNet's
+    ``q [d_model, heads, head_dim]`` holds the head dims alone there). Viewing it as one axis of
+    (head, head dim) made the certificate fail at 4.4e-3; the block structure of the second axis
+    already carries each key/value head's map."""
+    from analyze_helpers import coverage_row
+    for cls in ("DogeForCausalLM", "DogeForSequenceClassification"):
+        model = coverage_row("doge", cls).double()
+        report = symgraph.analyze(model)
+        assert len(report.groups) == 7 and not report.frozen
+        assert report.certify(model) < 1e-12

@@ -105,7 +105,7 @@ def _beside(an, cand) -> set:
     for node in an.param_nodes.values():
         roots = [an.uf.find(a)[0] for a in an.node_axes[node]]
         for j, a in enumerate(an.node_axes[node]):
-            for leaf in an.leaves(a):
+            for leaf in stacked.alone(an, a):
                 out.update(r for o, r in enumerate(roots)
                            if o != j and r not in an.uf.struct and r in cand.get(leaf, ()))
     return out

@@ -36,7 +36,7 @@ import torch
 from ..labels import RELAYOUT, label_index
 from ..nodes import packet, tensor_axes
 
-__all__ = ["carried", "label_classes", "members", "stack", "view_of", "unview_of"]
+__all__ = ["carried", "label_classes", "alone", "members", "stack", "view_of", "unview_of"]
 
 aten = torch.ops.aten
 
@@ -157,8 +157,9 @@ def stack(an, classes, beside=frozenset()) -> dict:
                 mset = set(members(an, r)) if r in outer else set()
                 if not mset:
                     continue
+                held = an.leaves if r in classes else lambda b: alone(an, b)  # heads: see alone
                 dims = [j for j, b in enumerate(ax) if j != o
-                        and any(mset & set(an.fibre.get(leaf, ())) for leaf in an.leaves(b))]
+                        and any(mset & set(an.fibre.get(leaf, ())) for leaf in held(b))]
                 if len(dims) == 1 and name not in plan:
                     plan[name] = (o, dims[0])
                 elif dims:
@@ -181,6 +182,15 @@ def stack(an, classes, beside=frozenset()) -> dict:
         del ax[j]
         an.node_axes[node] = ax
     return plan
+
+
+def alone(an, axis) -> list:
+    """``[leaf]`` where ``axis`` holds one leaf class alone, else ``[]``. Heads on their own axis
+    are viewed with a head-dim axis only when that axis holds the head dims alone (XLNet's
+    ``q [d_model, heads, head_dim]``): an axis holding a product (Doge's ``dt_proj.weight [heads,
+    kv_heads · head_dim]``, each row reading every head's dims) already carries its blocks."""
+    leaves = an.leaves(axis)
+    return leaves if len(leaves) == 1 else []
 
 
 def _pos(o, j):
