@@ -11,7 +11,7 @@ from .input_values import config_value, device_of, ints, pixels
 from .optional_inputs import Trials
 from .tower_inputs import cross_attended, merged_patches, pooled_patches, temporal_patches
 
-__all__ = ["image_tokens"]
+__all__ = ["features_per_image", "image_tokens"]
 
 
 def image_tokens(model, kwargs, cfg, batch, gen) -> None:
@@ -103,7 +103,7 @@ def _modules_run(model, get, inputs: dict, batch: int = 1) -> tuple:
     """The modules of ``model`` that ``get(**inputs)`` runs, and its features per row (or None)."""
     seen, hooks = set(), [m.register_forward_hook(lambda m, a, o: seen.add(id(m))) for m in model.modules()]
     try:
-        n = _features_per_image(model, inputs, batch, get)
+        n = features_per_image(model, inputs, batch, get)
     finally:
         for h in hooks:
             h.remove()
@@ -127,7 +127,7 @@ def _counted(model, vision, batch, gen, runs) -> tuple:
     counted (the trace then says why it fails); else plain pixels and None."""
     first = None
     for images in _candidates(model, vision, batch, gen):
-        n = _features_per_image(model, images, batch)
+        n = features_per_image(model, images, batch)
         if n is not None and runs(images, n):
             return images, n
         first = first or ((images, n) if n is not None else None)
@@ -161,7 +161,7 @@ def _image_features(model):
     return _features_getter(model, "get_image_features")
 
 
-def _features_per_image(model, images: dict, batch: int, get=None) -> int | None:
+def features_per_image(model, images: dict, batch: int, get=None) -> int | None:
     """Image features per row that the model's ``get_image_features`` returns for ``images``
     (its keyword inputs; one image a row) (a list of per-image features or one tensor), each of
     the width of the model's input embeddings or of its text's hidden states (factorised

@@ -19,7 +19,8 @@ import inspect
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .input_values import config_value, device_of, ints, pixels
+from .image_inputs import features_per_image
+from .input_values import config_value, ints, pixels
 from .optional_inputs import Trials
 
 __all__ = ["camera_images", "drawn_inputs", "vector_main"]
@@ -46,18 +47,6 @@ def _vision_language(model):
     return found[0] if len(owners) == 1 else None
 
 
-def _features(module, px: torch.Tensor) -> int | None:
-    """Features per image that ``module.get_image_features`` returns for the images ``px``."""
-    p = next((q for q in module.parameters() if q.is_floating_point()), None)
-    try:
-        with torch.no_grad():
-            out = module.get_image_features(px.to(device_of(module), p.dtype if p is not None else px.dtype))
-    except Exception:  # noqa: BLE001 - a tower these images do not fit: none counted
-        return None
-    feats = out if isinstance(out, torch.Tensor) else getattr(out, "pooler_output", None)
-    return int(feats.shape[1]) if isinstance(feats, torch.Tensor) and feats.dim() == 3 else None
-
-
 def camera_images(model, kwargs: dict, batch: int, gen) -> None:
     """One camera a row and its image tokens (see the module's docstring), kept where the forward
     runs on them."""
@@ -71,7 +60,7 @@ def camera_images(model, kwargs: dict, batch: int, gen) -> None:
         return
     module, sub = found
     px = pixels(None, sub.vision_config, batch, gen)
-    n = _features(module, px)
+    n = features_per_image(module, {"pixel_values": px}, batch)
     token = ints(config_value(sub, "image_token_id", "image_token_index"))[0]
     if n is None:
         return
