@@ -68,7 +68,8 @@ def camera_images(model, kwargs: dict, batch: int, gen) -> None:
     image = torch.full((batch, n), token, dtype=ids.dtype)
     trial = {**kwargs, "input_ids": torch.cat([text[:, :1], image, text[:, 1:]], dim=1),
              "pixel_values": px.unsqueeze(1), "pixel_attention_mask": torch.ones(batch, 1, dtype=torch.bool)}
-    if Trials(model, {}).reads({**trial, **_drawn(model, trial, params, batch, gen)}) is not None:
+    trial.update(_drawn(model, trial, params, batch, gen))  # kept: :func:`drawn_inputs` then draws nothing
+    if Trials(model, {}).reads(trial) is not None:
         kwargs.update(trial)
 
 
