@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import symgraph
-from symgraph.checkpoints import loading
 from symgraph.checkpoints.sharded import Checkpoint
 from symgraph.cli.main import main
+from symgraph.core import devices
 
 from engine_helpers import load
 
@@ -94,7 +94,7 @@ def test_a_model_that_cannot_be_traced_on_meta_is_refused_in_one_line(pair, caps
     """Without every parameter on meta (as before the fix) the trace mixes devices: the command
     exits 2 with one line naming the trace failure, and writes nothing."""
     root, _ = pair
-    monkeypatch.setattr(loading, "parameters_on_meta", contextlib.nullcontext)
+    monkeypatch.setattr(devices, "parameters_on_meta", contextlib.nullcontext)
     out = root / "refused"
     rc = main(["merge", str(root / "a"), str(root / "b"), "--out", str(out)])
     err = capsys.readouterr().err

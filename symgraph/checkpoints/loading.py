@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.devices import parameters_on_meta
+from ..core.devices import meta_model
 from ..core.dtypes import SAFETENSORS_DTYPES
 from ..core.finite import check_config_numbers
 from ..core.files import PinnedFile, model_file
@@ -191,8 +191,7 @@ def build_meta(cls, config, layout: Layout, where: str):
         init(self, *a, **k)
     torch.nn.Module.__init__ = counted  # type: ignore[method-assign]  # deliberate: counts modules while building
     try:
-        with torch.device("meta"), parameters_on_meta():  # every parameter, a legacy constructor's too
-            return cls(config).to(layout.dtype).eval()
+        return meta_model(cls, config).to(layout.dtype).eval()  # every parameter, a legacy constructor's too
     except _TooManyModules:
         raise InputError(f"{where} builds more than {limit} modules for a checkpoint of {len(layout.keys)} "
                          "tensors; expected a config whose sizes match its weights") from None

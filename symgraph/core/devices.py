@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-__all__ = ["NO_COMPUTE_DEVICES", "parameters_on_meta", "usable_device"]
+__all__ = ["NO_COMPUTE_DEVICES", "meta_model", "parameters_on_meta", "usable_device"]
 
 #: Device types that hold no values (every other one is checked to hold a tensor before a merge).
 NO_COMPUTE_DEVICES = ("meta",)
@@ -57,3 +57,13 @@ def parameters_on_meta():
         yield
     finally:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]  # restore
+
+
+def meta_model(cls, config):
+    """``cls(config)`` built on the ``meta`` device with every parameter there (a legacy
+    constructor's too, moved as it is registered: :func:`parameters_on_meta`): a skeleton of
+    shapes and ties that holds no weights (the checkpoint loader's model, resizing's shape
+    probes, the circuit-space models)."""
+    import torch
+    with torch.device("meta"), parameters_on_meta():
+        return cls(config)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.devices import meta_model
 from ..errors import InputError
 from ..width.heads import check_config, why_no_config, wide_config, wide_model
 from .engine.slicing import keys_of
@@ -221,8 +222,7 @@ class CircuitHeads:
                 report = analyze(A, None, fold_norms=self.config.fold_norms, outputs=self.config.outputs)
             cplan = plan(report)
             cfg = wide_config(A, cplan.head_dim, self.n, cplan.rope)
-            with torch.device("meta"):
-                self._built = (cplan, cfg, type(A)(cfg))
+            self._built = (cplan, cfg, meta_model(type(A), cfg))
         return self._built
 
     def widening(self) -> Widening:

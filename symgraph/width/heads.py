@@ -13,6 +13,7 @@ import copy
 
 import torch
 
+from ..core.devices import meta_model
 from ..core.ties import retie, tied_groups
 from ..errors import InputError
 
@@ -81,8 +82,7 @@ def wide_model(A, cfg, device):
     ``device`` (tied names each their own until ``finish(model)``, run once every tensor is
     written, ties them again and rebuilds the buffers the config computes): what circuit-space
     merges write into (:mod:`symgraph.merging.circuits`)."""
-    with torch.device("meta"):
-        new = type(A)(cfg)
+    new = meta_model(type(A), cfg)
     tied = tied_groups(new)  # to_empty and load_state_dict(assign=True) give each tied name its own tensor
     new = new.to_empty(device=device)
 

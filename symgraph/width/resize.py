@@ -29,6 +29,7 @@ import torch
 from ..alignment.masses import slices, unit_masses
 from ..report.api import analyze
 from ..transform.apply import move, stored_tensors
+from ..core.devices import meta_model
 from ..core.elements import Map
 from ..core.finite import require_finite
 from ..core.schema import SEED
@@ -382,8 +383,7 @@ def _with(cfg, changes: dict):
 
 def _meta_shapes(model, cfg) -> dict:
     try:
-        with torch.device("meta"):
-            m = type(model)(cfg)
+        m = meta_model(type(model), cfg)
     except Exception:  # an inconsistent candidate config (e.g. heads not dividing the width)
         return {}
     return {k: tuple(v.shape) for k, v in m.state_dict().items()}
