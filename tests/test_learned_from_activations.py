@@ -2,8 +2,9 @@
 (``MergeConfig._learned_from_activations`` and :func:`symgraph.merging.config.check`). ``refine``
 with no ``align`` given aligns by activations on every entry (``MergeConfig``, the command line
 and YAML, ``symgraph.merge``, ``merge_checkpoints``, the engine); any other ``align`` given is
-refused in one line, never silently replaced. ``symgraph.merge(refine=N)`` with ``align`` left at
-its default merges exactly as ``align="activations"`` does."""
+refused in one line, never silently replaced (``align="weights"`` too, the value an unset ``align``
+otherwise takes: a keyword left unset is :data:`symgraph.core.schema.UNSET`).
+``symgraph.merge(refine=N)`` with ``align`` left unset merges exactly as ``align="activations"`` does."""
 from __future__ import annotations
 
 import pytest
@@ -75,8 +76,10 @@ def test_merge_refine_with_align_at_its_default_is_the_activations_merge(pair):
     assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w)
     plain = symgraph.merge([A, B], data=data, align="activations").model.state_dict()
     assert any(not torch.equal(g[k], plain[k]) for k in w)  # the steps did move B
-    with pytest.raises(InputError, match=rf"^refine {SAID[:20]}.*align says none"):
-        symgraph.merge([A, B], data=data, refine=2, align=None)
+    for given, said in ((None, "none"), ("weights", "weights")):  # "weights", the default value, given
+        with pytest.raises(InputError) as e:
+            symgraph.merge([A, B], data=data, refine=2, align=given)
+        assert str(e.value) == f"refine {SAID}, and align says {said}; expected align activations"
 
 
 def test_merge_checkpoints_and_the_engine_take_refine_without_align(pair, tmp_path):
@@ -86,6 +89,8 @@ def test_merge_checkpoints_and_the_engine_take_refine_without_align(pair, tmp_pa
     assert StreamingMerge(paths, refine=2, data=_batches()).config.align == "activations"  # was refused
     job = merge_checkpoints(paths, str(tmp_path / "o"), refine=2, data=_batches())
     assert job.config.align == "activations" and job.alignments[1].refined["steps"] == 2
-    with pytest.raises(InputError, match=rf"^--refine {SAID[:20]}.*--align says none"):
-        merge_checkpoints(paths, str(tmp_path / "p"), align=None, refine=2, data=_batches())
+    for given, said in ((None, "none"), ("weights", "weights")):
+        with pytest.raises(InputError) as e:
+            merge_checkpoints(paths, str(tmp_path / "p"), align=given, refine=2, data=_batches())
+        assert str(e.value) == f"--refine {SAID}, and --align says {said}; expected --align activations"
     assert not (tmp_path / "p").exists()

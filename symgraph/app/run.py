@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..checkpoints.inputs import DEFAULT_SHARD, Inputs, read_batches
 from ..core.progress import bar as progress_bar, note
+from ..core.schema import UNSET
 from ..core.ties import to_device
 from ..errors import InputError, NeedsMemory, StructureMismatchError
 from .config import MergeConfig, build_config
@@ -230,19 +231,20 @@ def _as_stored(model, layout):
                 t.data = t.data.to(want)
 
 
-def merge_checkpoints(paths, out: str, *, weights=None, align="weights", anchor: int | str = 0, force: bool = False,
+def merge_checkpoints(paths, out: str, *, weights=None, align=UNSET, anchor: int | str = 0, force: bool = False,
                       fold_norms: bool = True, max_shard_size=DEFAULT_SHARD, progress: bool = False,
                       data=None, outputs=None, **options) -> StreamingMerge:
     """Merge ``save_pretrained`` checkpoints into ``out`` without loading any model whole
     (see the module docstring), through the one merge entry
     (:func:`symgraph.app.run.run_merge`): ``out`` is vetted before any work and written
     atomically with its record and model card; ``align="activations"`` with ``data=`` batches
-    aligns by activation statistics, still out of core; other keywords that are
+    aligns by activation statistics, still out of core (``align`` left unset: "weights", or
+    "activations" with ``refine``, which refuses another given); other keywords that are
     :class:`~symgraph.app.config.MergeConfig` fields (``method``, ``parameters``, ``repair``,
     ``memory_budget``, ...) complete its config, checked whole as the command line's is, and the
     rest reach the engine. Returns the :class:`StreamingMerge` (``alignments``, ``timings``)."""
     fields = {k: options.pop(k) for k in list(options) if k in MergeConfig.model_fields}  # method=, repair=, ...
-    given = {} if align == "weights" else {"align": "none" if align is None else align}  # the default: refine's
+    given = {} if align is UNSET else {"align": "none" if align is None else align}  # unset: the config's default
     cfg = build_config(dict(models=[str(p) for p in paths], out=str(out), weights=weights, force=force,
                             fold_norms=fold_norms, outputs=outputs, anchor=anchor, **given, **fields),
                        batches=data is not None)

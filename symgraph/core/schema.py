@@ -10,7 +10,8 @@ from typing import Annotated, Any, Mapping
 
 from pydantic import Field, StrictInt, TypeAdapter, ValidationError
 
-__all__ = ["short_repr", "expected", "error_key", "refusal", "refused", "Number", "SEED", "Option", "options", "flag"]
+__all__ = ["short_repr", "expected", "error_key", "refusal", "refused", "Number", "SEED", "Option", "options", "flag",
+           "UNSET", "Unset"]
 
 
 def short_repr(v, n: int = 80) -> str:
@@ -81,6 +82,18 @@ class Number:
 
 #: A random seed: every generator symgraph seeds (torch's, numpy's) takes it as it is.
 SEED = Number(Annotated[StrictInt, Field(ge=0, le=2 ** 32 - 1)], "a seed, an integer from 0 to 2**32 - 1")
+
+
+class Unset:
+    """The type of :data:`UNSET`."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+#: The default of a Python keyword whose default the schema holds (``symgraph.merge``'s ``align``):
+#: a keyword left unset takes the schema's default, one given (its default value too) is checked.
+UNSET: Any = Unset()
 
 
 class Option(typing.NamedTuple):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from ..core.progress import bar as progress_bar
+from ..core.schema import UNSET
 
 from ..alignment import align as align_models
 from ..alignment.checks import check_finite
@@ -40,13 +41,13 @@ class MergeResult:
     universe: dict | None = None
 
 
-def merge(models, inputs=None, *, weights=None, align="weights", data=None, method="average",
+def merge(models, inputs=None, *, weights=None, align=UNSET, data=None, method="average",
           anchor: int | str = 0, method_options: dict | None = None, progress: bool = False,
           repair: bool = False, universe_options: dict | None = None, attention: str = "heads",
           untie: bool = False, config=None, **align_options) -> MergeResult:
     """Merge ``models`` (N ≥ 2) into a new model of the anchor's architecture.
 
-    align : "weights" (data-free), "activations" (needs ``data``; the default with ``refine``) or None.
+    align : "weights" (data-free, the default), "activations" (needs ``data``; refine's default and only value) or None.
     method : a registered name (``symgraph.merge_methods()``) or a
         :class:`~symgraph.merging.MergeMethod` instance; ``method_options``: its parameters.
     weights : per-model mixing weights (default uniform).
@@ -110,8 +111,7 @@ def merge(models, inputs=None, *, weights=None, align="weights", data=None, meth
     timings["statistics"] = job.timings.get("statistics", 0.0)
     timings["combine"] = time.perf_counter() - t3 - timings["statistics"]
     repaired = job.repair_report
-    if config.repair:
-        assert repaired is not None  # written with repair=True
+    if repaired is not None:  # written with repair=True
         timings["repair"] = repaired.seconds
     timings["total"] = time.perf_counter() - t0
     return MergeResult(out, alignments, timings, repaired, universe)
@@ -128,7 +128,7 @@ def _config(models, config, given: dict, data, align_options: dict) -> tuple:
         raise InputError("data is empty; expected at least one batch")
     for i, m in enumerate(models):
         check_finite(m, f"model {i}")
-    d = merge.__kwdefaults__ or {}  # the keywords set; one at its default is the config's (align: refine's)
+    d = merge.__kwdefaults__ or {}  # the keywords set; one UNSET or at its default is the config's
     given = {k: v for k, v in given.items() if v is not d[k] and not (type(v) is type(d[k]) and v == d[k])}
     if config is None:
         n, a = len(models), given.get("anchor", 0)
