@@ -18,6 +18,7 @@ import torch
 from ..errors import UnsupportedOpError
 from . import labels, registry
 from .bufferviews import buffer_views
+from .deadcode import split_dead
 from .patterns import rope as _rope
 from .nodes import (BRANCHES_TAKEN, READ_AS_NUMBER, FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path,
                     output_nodes, packet as _packet, source_line, UNREAD, unread_parameters)
@@ -65,6 +66,11 @@ def _zeros(node) -> bool:
     return False
 
 
+def _ints(x) -> list:
+    """The ints of a nested list of them (a node's axes), in order."""
+    return [x] if isinstance(x, int) else [i for y in x for i in _ints(y)] if isinstance(x, list) else []
+
+
 # Stream groups a norm fold can open up.
 WIDE = ("orthogonal", "orthogonal_mean")
 
@@ -103,6 +109,7 @@ class AxisAnalysis:
         self.buffer_views = buffer_views(self.graph, self.buffer_of)  # views of them taking rules
         self.fixed_buffers: dict[str, str] = {}  # the others: name -> why
         self.unread_why: str | None = None  # why every parameter is fixed (one is never read)
+        self.dead: dict = {}  # unread parameters no method reads -> the proof's reason
         self.user_inputs = set(sig.user_inputs)
         self._constants = {n: ep.constants[k] for n, k in sig.inputs_to_lifted_tensor_constants.items()
                            if isinstance(ep.constants.get(k), torch.Tensor)}
@@ -177,9 +184,10 @@ class AxisAnalysis:
         """A parameter the traced program never reads (:func:`.nodes.unread_parameters`: an audio
         tower text-only inputs never reach, a branch not taken) is read on other inputs, what it
         needs of any class unknown: every parameter stays as it is, the reason names it. One the
-        program reads but no kept output depends on (a pooler's output dropped) alone stays."""
+        program reads but no kept output depends on (a pooler's output dropped), or one no method
+        reads (``.deadcode``: :func:`.trace.trace` keeps them as ``DEAD``), alone stays."""
         meta = self.graph.owning_module.meta
-        unread = meta[UNREAD] if UNREAD in meta else unread_parameters(self.ep)
+        unread, self.dead = split_dead(meta[UNREAD] if UNREAD in meta else unread_parameters(self.ep), meta)
         more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
         why = (f"a data-dependent branch the example inputs do not take reads {unread[0]}{more}: unknown"
                if meta.get(BRANCHES_TAKEN, False) else
@@ -187,7 +195,8 @@ class AxisAnalysis:
         self.unread_why = why
         for name, node in self.param_nodes.items():
             for a in self._all_axes(node) if unread or node not in live else ():
-                self.uf.meet(a, "identity", why or f"parameter {name}: no output kept reads it on these inputs")
+                self.uf.meet(a, "identity", why or (f"{name} is {self.dead[name]}" if name in self.dead else
+                                                    f"parameter {name}: no output kept reads it on these inputs"))
 
     def _settle_buffers(self):
         """Keep a buffer movable only where every reader's rule related each of its axes; fix
@@ -238,16 +247,7 @@ class AxisAnalysis:
             self.param_nodes[keep] = knode
 
     def _all_axes(self, node):
-        ax = self.node_axes.get(node)
-        out = []
-        def walk(x):
-            if isinstance(x, int):
-                out.append(x)
-            elif isinstance(x, list):
-                for y in x:
-                    walk(y)
-        walk(ax)
-        return out
+        return _ints(self.node_axes.get(node))
 
     def _classify(self, node):
         if node.op == "placeholder":

@@ -14,6 +14,7 @@ from .experts import batched_experts
 from .export_inputs import precomputed_inputs
 from .index_lists import stacked_index_lists
 from .inputs import default_inputs, is_hf
+from .deadcode import DEAD, dead_parameters
 from .nodes import BRANCHES_TAKEN, UNREAD, packet, unread_parameters
 from .real_values import export_real_values, real_values
 from .registry import has_rule
@@ -324,6 +325,7 @@ def trace(model, inputs=None, decompose: bool = True):
             concretize(ep, *traced)
         ep.graph_module.meta[BRANCHES_TAKEN] = branched
         ep.graph_module.meta[UNREAD] = unread
+    ep.graph_module.meta[DEAD] = dead_parameters(model, unread)  # as defined: outside graph_friendly
     return ep, args, kwargs
 
 

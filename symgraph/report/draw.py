@@ -20,6 +20,9 @@ def summary(report) -> str:
              + "".join(f", {n} ops whose rule failed" for n in [sum(f.why != 'no rule' for f in report.frozen)] if n)]
     if getattr(report, "unread", None):
         lines.append(f"Every parameter stays fixed: {report.unread}")
+    dead = list(getattr(report, "dead_parameters", {}).items())
+    lines += [f"{name} alone stays fixed: {why}" for name, why in dead[:6]]
+    lines += [f"(and {len(dead) - 6} more parameters no method reads)"] if len(dead) > 6 else []
     w = max([len("module")] + [len(g.module or "(model)") for g in report.groups])
     hdr = f"{'id':>4}  {'module':<{w}} {'kind':<12} {'size':>6} {'blocks':>6} {'outer':<8} params"
     lines += [hdr, "-" * len(hdr)]

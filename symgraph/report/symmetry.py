@@ -288,6 +288,8 @@ class SymmetryReport(AxisQueries):
         self.frozen = analysis.frozen
         # why every parameter stays fixed: one is never read by the traced inputs (None: none)
         self.unread = getattr(analysis, "unread_why", None)
+        # unread parameters no method of their source reads: each stays fixed alone (name -> why)
+        self.dead_parameters: dict = dict(getattr(analysis, "dead", {}))
         self._nodes: list | None = None
         self._build()
 
@@ -376,7 +378,8 @@ class SymmetryReport(AxisQueries):
                 "folds": [f.to_dict() for f in self.folds],
                 "stacked": {k: list(v) for k, v in self.stacked.items()},
                 "degrees_of_freedom": self.degrees_of_freedom,
-                **({"unread": self.unread} if self.unread else {})}
+                **({"unread": self.unread} if self.unread else {}),
+                **({"dead_parameters": self.dead_parameters} if self.dead_parameters else {})}
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **({"indent": 2} | kw))

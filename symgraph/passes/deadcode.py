@@ -1,0 +1,249 @@
+"""Parameters dead in their model's own source: a conservative, static proof (``ast`` over the
+source files of the module classes, never running any code).
+
+An unread parameter (:func:`.nodes.unread_parameters`) is in general read by code the trace did
+not take (another input kind, another method), so the analysis fixes every parameter. Some are
+read by nothing: MarkupLM's ``xpath_unitseq2_embeddings``, an ``nn.Linear`` its ``__init__``
+assigns and no method calls. For such a parameter at ``m1.….mk.p`` take ``M``, the deepest
+module on the path whose class is not torch's own, and ``a``, the path's name after it (the
+attribute leading to the parameter, or the parameter). It is dead when, in every source file
+defining the class of ``M`` or a base of it (torch's classes excluded) or the class of a module
+above ``M``, outside ``__init__`` and weight-initialisation functions (``INIT_FUNCTIONS``):
+
+- ``a`` is never loaded as an attribute (``x.a``; ``self.a`` counts only in methods of ``M``'s
+  classes, since elsewhere ``self`` is another object), augmented or deleted, and is part of no
+  string constant (``getattr``, ``_modules["a"]``, key maps); ``X.a = y.a``, ``y`` an argument
+  of the function, only moves a tensor into a slot named ``a`` (Reformer's
+  ``set_output_embeddings``) and is no read;
+- ``M``'s classes never reach their members by a name not written there: ``self.children()``,
+  ``self.parameters()``, ``self._modules``, ``self.__dict__`` (``GENERIC``), ``getattr(self,
+  name)`` with a computed name, ``self`` handed on, returned or stored, a ``__getattr__`` of
+  their own;
+- ``a`` is no position in a list, ``M`` no ``Sequential``/``ModuleList``/``ModuleDict``, no
+  base of ``M`` a torch layer (its forward reads ``weight`` by name) and no module above ``M``
+  a torch module other than those containers.
+
+Anything that cannot be located or parsed is not proven. Each file is parsed once (cached by
+its path, size and modification time).
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import os
+
+import torch
+
+__all__ = ["DEAD", "dead_parameters", "dead_reason", "split_dead"]
+
+DEAD = "symgraph_dead"  # graph meta: unread parameters proven dead -> the proof's reason
+
+#: functions that only initialise weights or build the module: their reads are not the model's
+INIT_FUNCTIONS = frozenset({"__init__", "_init_weights", "init_weights", "_initialize_weights"})
+#: attributes and methods that reach a module's children or parameters without naming them
+GENERIC = frozenset({"children", "named_children", "modules", "named_modules", "parameters",
+                     "named_parameters", "buffers", "named_buffers", "_modules", "_parameters",
+                     "_buffers", "__dict__", "apply", "state_dict", "get_submodule", "get_parameter",
+                     "__getattr__", "__getattribute__"})
+_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+class _Facts(ast.NodeVisitor):
+    """What one source file does with attribute names: ``loads`` maps a name to the classes
+    whose ``self`` it is loaded on (None: any other receiver), ``words`` holds the string
+    constants, ``generic`` the classes reaching their children generically, ``classes`` every
+    class's qualified name."""
+
+    def __init__(self):
+        self.loads: dict = {}
+        self.words: list = []
+        self.generic: set = set()
+        self.classes: set = set()
+        self._scope: list = []  # ('class', qualname) or ('def', name, self name, class, arguments)
+
+    def _where(self):
+        """The innermost method's (self name, class qualname), or (None, None)."""
+        for s in reversed(self._scope):
+            if s[0] == "def" and s[2] is not None:
+                return s[2], s[3]
+        return None, None
+
+    def _skipped(self) -> bool:
+        return any(s[0] == "def" and s[1] in INIT_FUNCTIONS for s in self._scope)
+
+    def visit_ClassDef(self, node):
+        outer = next((s[1] for s in reversed(self._scope) if s[0] == "class"), None)
+        qual = f"{outer}.{node.name}" if outer else node.name
+        self.classes.add(qual)
+        self._scope.append(("class", qual))
+        self.generic_visit(node)
+        self._scope.pop()
+
+    def visit_FunctionDef(self, node):
+        parent = self._scope[-1] if self._scope else None
+        static = any(ast.unparse(d) in ("staticmethod", "classmethod") for d in node.decorator_list)
+        args = node.args.posonlyargs + node.args.args
+        me = args[0].arg if parent and parent[0] == "class" and args and not static else None
+        if me is not None and node.name in ("__getattr__", "__getattribute__"):
+            self.generic.add(parent[1])
+        names = {a.arg for a in args + node.args.kwonlyargs} - {me}
+        self._scope.append(("def", node.name, me, parent[1] if me else None, names))
+        self.generic_visit(node)
+        self._scope.pop()
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def _mine(self, node) -> bool:
+        """Whether ``node`` is the innermost method's ``self`` (or ``super()``)."""
+        me, _ = self._where()
+        return (isinstance(node, ast.Name) and node.id == me) or (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super")
+
+    def _reach(self):
+        """The innermost method's class reaches its members by no name this file shows."""
+        _, cls = self._where()
+        if cls is not None and not self._skipped():
+            self.generic.add(cls)
+
+    def _load(self, node):
+        _, cls = self._where()
+        self.loads.setdefault(node.attr, set()).add(cls if self._mine(node.value) else None)
+
+    def visit_Attribute(self, node):
+        if not self._skipped():
+            if node.attr in GENERIC and self._mine(node.value):
+                self._reach()
+            if not isinstance(node.ctx, ast.Store):
+                self._load(node)
+        if not self._mine(node.value):  # self.x: the receiver is no bare use of self
+            self.visit(node.value)
+
+    def visit_Name(self, node):
+        me, _ = self._where()
+        if node.id == me:  # self handed on, returned or stored: what reads it is not here
+            self._reach()
+
+    def visit_Assign(self, node):
+        """``X.a = y.a``, ``y`` an argument of the function: a tensor moved into a slot ``a``
+        (Reformer's ``set_output_embeddings``), no read of one."""
+        for t in node.targets:
+            self.visit(t)
+        v, fn = node.value, next((s for s in reversed(self._scope) if s[0] == "def"), None)
+        moved = (isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name) and fn is not None
+                 and v.value.id in fn[4] and all(isinstance(t, ast.Attribute) and t.attr == v.attr
+                                                  for t in node.targets))
+        if not moved:
+            self.visit(v)
+
+    def visit_AugAssign(self, node):
+        if isinstance(node.target, ast.Attribute) and not self._skipped():
+            self._load(node.target)
+        self.generic_visit(node)
+
+    def visit_Expr(self, node):
+        if not (isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            self.generic_visit(node)  # a bare string (a docstring) is never a value
+
+    def visit_Constant(self, node):
+        if isinstance(node.value, str) and not self._skipped():
+            self.words.append(node.value)
+
+    def visit_Call(self, node):
+        """``self(x)``, ``isinstance(self, C)``, ``getattr(self, "a")``: no reach past a name;
+        ``getattr(self, name)`` with a computed name, ``f(self)``: a reach."""
+        func = node.func.id if isinstance(node.func, ast.Name) else None
+        named = func in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1 \
+            and isinstance(node.args[1], ast.Constant)
+        quiet = func in ("isinstance", "super", "type", "id") or named
+        if not self._mine(node.func):
+            self.visit(node.func)
+        for a in node.args + [k.value for k in node.keywords]:
+            if not (quiet and self._mine(a)):
+                self.visit(a)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(path: str, size: int, mtime: int):
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    facts = _Facts()
+    facts.visit(tree)
+    return facts
+
+
+def _facts(path: str):
+    st = os.stat(path)
+    return _parsed(path, st.st_size, st.st_mtime_ns)
+
+
+def _source(cls):
+    """(file, qualname) where ``cls`` is written, or None."""
+    try:
+        path = inspect.getsourcefile(cls)
+    except (TypeError, OSError):
+        return None
+    return (path, cls.__qualname__) if path and os.path.isfile(path) else None
+
+
+def _torch_own(cls) -> bool:
+    return cls.__module__.split(".")[0] in ("torch", "builtins")
+
+
+def _holder(model, path: list):
+    """(modules above the holder, the holder, the name after it) on ``path``, or None."""
+    chain, m = [model], model
+    for seg in path[:-1]:
+        m = m._modules.get(seg) if isinstance(m, torch.nn.Module) else None
+        if m is None:
+            return None
+        chain.append(m)
+    at = max((i for i, m in enumerate(chain) if not _torch_own(type(m))), default=None)
+    return None if at is None else (chain[:at], chain[at], path[at])
+
+
+def dead_reason(model, name: str) -> str | None:
+    """Why the parameter ``name`` of ``model`` is never read by any method (None: not proven)."""
+    found = _holder(model, name.split("."))
+    if found is None:
+        return None
+    above, holder, attr = found
+    if attr.isdigit() or isinstance(holder, _CONTAINERS) or any(  # torch's layers read by name
+            _torch_own(c) and c not in (torch.nn.Module, object) for c in type(holder).__mro__) or any(
+            _torch_own(type(m)) and not isinstance(m, _CONTAINERS) for m in above):
+        return None
+    mro = [_source(c) for c in type(holder).__mro__ if not _torch_own(c)]
+    outer = [_source(type(m)) for m in above if not _torch_own(type(m))]
+    if any(s is None for s in mro + outer):
+        return None
+    try:
+        facts = {p: _facts(p) for p, _ in mro + outer}
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return None
+    if any(q not in facts[p].classes or q in facts[p].generic for p, q in mro):
+        return None
+    for p, f in facts.items():
+        mine = {q for pp, q in mro if pp == p}
+        if any(c is None or c in mine for c in f.loads.get(attr, ())) or any(attr in w for w in f.words):
+            return None
+    files = ", ".join(dict.fromkeys(os.path.basename(p) for p, _ in mro + outer))
+    return f"never read by any method of {files} (static check)"
+
+
+def dead_parameters(model, names) -> dict:
+    """The parameters among ``names`` proven dead, each with the proof's one-line reason."""
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    out = {}
+    for name in names:
+        why = dead_reason(model, name)
+        if why is not None:
+            out[name] = why
+    return out
+
+
+def split_dead(unread, meta) -> tuple:
+    """``unread`` less the parameters proven dead (``meta[DEAD]``, kept by :func:`.trace.trace`),
+    and those, each with its reason."""
+    dead = {n: why for n, why in meta.get(DEAD, {}).items() if n in unread}
+    return [n for n in unread if n not in dead], dead

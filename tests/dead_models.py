@@ -1,0 +1,61 @@
+"""Tiny models for tests/test_dead_parameters.py: a linear layer and a vector their forward never
+reads, read by another method, by a computed name, or a list item never run. Their names are in
+no string of this file, as the static check of ``symgraph.passes.deadcode`` requires."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class DeadMLP(nn.Module):
+    """An MLP holding a linear layer and a vector that no method reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.spare = nn.Linear(16, 16)
+        self.sep = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class ReadElsewhere(DeadMLP):
+    """The same layer and vector, read by a method the forward does not call."""
+
+    def predict(self, x):
+        return self.spare(torch.relu(self.up(x))) + self.sep
+
+
+class ReadByName(DeadMLP):
+    """The same layer and vector, reached by a name computed at run time."""
+
+    def pick(self, which):
+        return getattr(self, f"sp{which}")
+
+
+class Blocks(nn.Module):
+    """A list of layers of which the forward runs only the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(6, 16), nn.Linear(16, 16)])
+        self.down = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.blocks[0](x)))
+
+
+class Stack(nn.ModuleList):
+    """A list of the model's own class: its items are reached by iteration."""
+
+
+class Scaled(nn.Linear):
+    """A torch layer subclassed: torch's own forward reads its parameters by name."""
+
+
+class Handed(DeadMLP):
+    """The same layer and vector, reached by a function ``self`` is handed to."""
+
+    def visit(self, fn):
+        return fn(self)

@@ -1,0 +1,112 @@
+"""Issue 65, parameters dead in the model's own code (``symgraph.passes.deadcode``). An unread
+parameter no method of its module's source reads (MarkupLM's ``xpath_unitseq2_embeddings``) is
+proven dead by a static check of that source: it alone stays fixed, the rest of the model keeps
+its classes, and the report lists it. One read by another method, through a computed name, or
+a list item, is not proven: every parameter stays fixed, as for any unread parameter."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import symgraph
+from symgraph.passes.deadcode import dead_parameters
+
+from dead_models import Blocks, DeadMLP, Handed, ReadByName, ReadElsewhere, Scaled, Stack
+
+# the models live in a file of their own: the names this file asserts on are strings here
+STATIC = "never read by any method of dead_models.py (static check)"
+
+
+def _x():
+    torch.manual_seed(1)
+    return (torch.randn(4, 6),)
+
+
+def _hidden(rep):
+    return next(g for g in rep.groups if ("up.weight", 0) in g.params)
+
+
+def test_dead_parameters_stay_fixed_alone_and_the_mlp_is_found():
+    torch.manual_seed(0)
+    A = DeadMLP().eval()
+    rep = symgraph.analyze(A, _x())
+    assert rep.unread is None
+    assert rep.dead_parameters == {"spare.weight": STATIC, "spare.bias": STATIC, "sep": STATIC}
+    hidden = _hidden(rep)
+    assert hidden.kind == "scaled_perm" and hidden.size == 16  # ReLU: positive scales too
+    assert set(hidden.params) == {("up.weight", 0), ("up.bias", 0), ("down.weight", 1)}
+    assert not any(p.startswith(("spare.", "sep")) for g in rep.groups for p, _ in g.params)
+    why = [r for leaf in rep.axis_reasons("spare.weight", 0) for _, r in leaf["reasons"]]
+    assert f"spare.weight is {STATIC}" in why
+    assert f"sep alone stays fixed: {STATIC}" in rep.summary()
+    assert rep.to_dict()["dead_parameters"] == rep.dead_parameters
+    assert rep.certify(A, _x()) <= 1e-12
+    B = symgraph.transform(A, rep.random_transform(seed=3, orthogonal=True))  # a permutation
+    assert float((A.up.weight - B.up.weight).abs().max()) > 0.1
+    assert torch.equal(A.spare.weight, B.spare.weight) and torch.equal(A.sep, B.sep)
+    C = symgraph.align(A, B, _x()).apply(B)  # weights only: B aligned back is A
+    for (n, p), q in zip(A.named_parameters(), C.parameters()):
+        assert float((p - q).abs().max()) < 1e-6, n
+
+
+@pytest.mark.parametrize("cls", [ReadElsewhere, ReadByName])
+def test_a_layer_read_by_another_method_or_a_computed_name_fixes_everything(cls):
+    torch.manual_seed(0)
+    A = cls().eval()
+    rep = symgraph.analyze(A, _x())
+    assert rep.dead_parameters == {} and rep.groups == []
+    assert rep.unread == ("sep (and 2 more) is never read by the traced inputs: "
+                          "pass inputs that use it")
+    why = [r for leaf in rep.axis_reasons("up.weight", 0) for _, r in leaf["reasons"]]
+    assert rep.unread in why
+
+
+def test_a_list_item_never_iterated_is_not_proven_dead():
+    torch.manual_seed(0)
+    A = Blocks().eval()
+    rep = symgraph.analyze(A, _x())
+    assert rep.dead_parameters == {} and rep.groups == []
+    assert rep.unread.startswith("blocks.1.weight (and 1 more) is never read by the traced inputs")
+
+
+def test_the_proof_refuses_what_it_cannot_see():
+    A = DeadMLP()
+    assert dead_parameters(A, ["spare.weight", "up.weight"]) == {"spare.weight": STATIC}
+    assert dead_parameters(nn.Sequential(nn.Linear(2, 2)), ["0.weight"]) == {}  # torch's own class
+    Local = type("Local", (nn.Module,), {})  # no source to read
+    m = Local()
+    m.spare = nn.Linear(2, 2)
+    assert dead_parameters(m, ["spare.weight"]) == {}
+    assert dead_parameters(A, ["no.such.parameter"]) == {}
+    assert dead_parameters(Handed(), ["spare.weight"]) == {}  # self handed to another function
+    assert dead_parameters(Stack([nn.Linear(2, 2)]), ["0.weight"]) == {}  # a list of its own class
+    assert dead_parameters(Scaled(2, 2), ["weight"]) == {}  # nn.Linear's forward reads it
+    assert dead_parameters(nn.Sequential(DeadMLP()), ["0.spare.weight"]) == {"0.spare.weight": STATIC}
+    inside = nn.Linear(2, 2)  # a torch layer above: its code may name what it holds
+    inside.add_module("inner", DeadMLP())
+    assert dead_parameters(inside, ["inner.spare.weight"]) == {}
+
+
+def test_markuplm_sequence_classification_is_complete():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MarkupLMConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=32, max_depth=4, xpath_unit_hidden_size=8, num_labels=3)
+    torch.manual_seed(0)
+    A = transformers.MarkupLMForSequenceClassification(cfg).eval()
+    rep = symgraph.analyze(A)
+    spare = "markuplm.embeddings.xpath_embeddings.xpath_unitseq2_embeddings"
+    assert rep.unread is None
+    assert rep.dead_parameters == {f"{spare}.{p}": "never read by any method of modeling_markuplm.py "
+                                   "(static check)" for p in ("weight", "bias")}
+    (mlp,) = [g for g in rep.groups if ("markuplm.encoder.layer.0.intermediate.dense.weight", 0) in g.params]
+    assert mlp.kind == "perm" and mlp.size == 24
+    stream = rep.group_of("markuplm.embeddings.word_embeddings.weight", 1)
+    assert stream and stream[0].kind != "identity"
+    assert rep.certify(A) <= 1e-6
+    B = symgraph.transform(A, rep.random_transform(seed=3, orthogonal=True))
+    C = symgraph.align(A, B).apply(B)  # weights only
+    want, was, got = A.state_dict(), B.state_dict(), C.state_dict()
+    assert max(float((was[k] - want[k]).abs().max()) for k in want) > 0.1
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) < 1e-5
