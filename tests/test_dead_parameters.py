@@ -110,3 +110,22 @@ def test_markuplm_sequence_classification_is_complete():
     want, was, got = A.state_dict(), B.state_dict(), C.state_dict()
     assert max(float((was[k] - want[k]).abs().max()) for k in want) > 0.1
     assert max(float((got[k] - want[k]).abs().max()) for k in want) < 1e-5
+
+
+@pytest.mark.parametrize("model_type, cls, name, dead", [
+    # ReformerOnlyLMHead.bias: `bias` is loaded in that file only as `new_embeddings.bias`, moved
+    ("reformer", "ReformerForMaskedLM", "lm_head.bias", True),
+    ("hunyuan_vl", "HunYuanVLForConditionalGeneration", "model.vision_tower.patch_merger.image_sep", True),
+    ("esm", "EsmForMaskedLM", "esm.contact_head.regression.weight", False),  # predict_contacts reads it
+    ("udop", "UdopForConditionalGeneration", "decoder.embed_patches.proj.weight", False),  # read on pixels
+    # its own _freeze_parameters and PreTrainedModel (dtype, post_init) reach parameters generically
+    ("qwen2_5_omni_thinker", "Qwen2_5OmniThinkerForConditionalGeneration",
+     "model.audio_tower.audio_bos_eos_token.weight", False),
+])
+def test_coverage_rows_dead_or_not(model_type, cls, name, dead):
+    pytest.importorskip("transformers")
+    from analyze_helpers import coverage_row
+    m = coverage_row(model_type, cls)
+    assert name in dict(m.named_parameters())
+    why = f"never read by any method of modeling_{model_type}.py (static check)"
+    assert dead_parameters(m, [name]) == ({name: why} if dead else {})
