@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from .code_divisors import divided_widths
 from .token_ranges import code_ranges
-from .tower_sizes import (aliased_token_ids, concatenated, image_token, merged_widths, patch_pixels, query_tokens,
-                          stage_widths)
+from .tower_sizes import (aliased_token_ids, concatenated, image_token, merged_widths, multiplied_channels, patch_pixels,
+                          query_tokens, stage_widths)
 
 
 def _is_int(v) -> bool:
@@ -349,7 +349,8 @@ def derived_sizes(fields, out, main, width, cfg=None, free: int | None = None) -
     aliased = aliased_token_ids(cfg, fields, free - len(code) if free is not None else None)
     return {**layout_parts(fields, main, width), **stage_depths(fields, out), **aliased,
             **multipliers(fields, main, width), **code, **all_shared(fields, out),
-            **stage_widths(fields, main), **divided_widths(cfg, fields, out), **query_tokens(fields),
+            **stage_widths(fields, main), **multiplied_channels(fields, main, width),
+            **divided_widths(cfg, fields, out), **query_tokens(fields),
             **patch_pixels(fields, out), **code_ranges(fields, out, free)}
 
 
