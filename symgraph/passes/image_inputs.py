@@ -3,6 +3,7 @@ each row of token ids, as many image tokens as the model's own tower returns fea
 from __future__ import annotations
 
 import inspect
+import re
 
 import torch
 
@@ -11,7 +12,7 @@ from .input_values import config_value, device_of, ints, pixels
 from .optional_inputs import Trials
 from .tower_inputs import cross_attended, merged_patches, pooled_patches, temporal_patches
 
-__all__ = ["features_per_image", "image_tokens"]
+__all__ = ["features_per_image", "image_tokens", "tower_modes"]
 
 
 def image_tokens(model, kwargs, cfg, batch, gen) -> None:
@@ -21,7 +22,8 @@ def image_tokens(model, kwargs, cfg, batch, gen) -> None:
     else what the model's own image processor makes of such an image (grids of patches: Qwen-VL;
     tiles and their masks: Idefics); else as the config states (Gemma 3's
     ``mm_tokens_per_image``, ``image_seq_length``); text only where none tells (the report then
-    names a parameter the inputs never read)."""
+    names a parameter the inputs never read). A mode of the tower that reads more parameters than
+    the config's (:func:`tower_modes`: MiniCPM-OCR's ViT merger) is passed, with its own count."""
     token = ints(config_value(cfg, "image_token_id", "image_token_index"))
     # an encoder-decoder's vision config is its encoder's (T5Gemma 2); a model without one states
     # its patches itself (Fuyu)
@@ -29,6 +31,8 @@ def image_tokens(model, kwargs, cfg, batch, gen) -> None:
     if not token:
         return
     images, n = _counted(model, vision, batch, gen, lambda im, k: _runs(model, kwargs, token[0], im, k, batch))
+    if n is not None:
+        images, n = _mode_reading_more(model, kwargs, token[0], images, n, batch)
     n = n if n is not None else config_value(cfg, "mm_tokens_per_image", "image_seq_length")
     if not isinstance(n, int):
         if _image_features(model) is None:  # no tokens to count: images the text cross-attends to
@@ -142,6 +146,43 @@ def _runs(model, kwargs, token: int, images: dict, n: int, batch: int) -> bool:
     return Trials(model, {}).reads({**trial, **images}) is not None
 
 
+def _mode_reading_more(model, kwargs, token: int, images: dict, n: int, batch: int) -> tuple:
+    """``(images, n)`` with a mode of the image tower (:func:`tower_modes`) added where the forward
+    runs on it, with its own count of image tokens, and reads a parameter it reads on none without
+    (MiniCPM-OCR's default ``downsample_mode`` ``"4x"`` skips its ViT merger, which ``"16x"``
+    runs); else as they are."""
+    def reads(im, k):
+        trial = dict(kwargs)
+        _insert(trial, token, k, batch)
+        return Trials(model, {}).reads({**trial, **im})
+    base = None
+    for name, value in tower_modes(model):
+        with_mode = {**images, name: value}
+        k = features_per_image(model, with_mode, batch)
+        more = reads(with_mode, k) if k is not None else None
+        base = reads(images, n) if base is None and more is not None else base
+        if more is not None and base is not None and more - base:
+            return with_mode, k
+    return images, n
+
+
+def tower_modes(model) -> list:
+    """``[(name, value)]``: each string keyword of ``get_image_features`` (the model's, its base
+    model's) that the config states too (its default: MiniCPM-OCR's ``downsample_mode`` ``"4x"``),
+    at each other value that the keyword's own entry in the method's docstring quotes as a string
+    (`` `"16x"` ``), in order."""
+    out: list = []
+    for get in (getattr(model, "get_image_features", None),  # the base model's where the head's
+                getattr(getattr(model, "model", None), "get_image_features", None)):  # passes *args on
+        doc = (inspect.getdoc(get) or "") if get is not None else ""
+        for name in inspect.signature(get).parameters if get is not None else ():
+            default = getattr(model.config, name, None)
+            entry = re.search(r"^[ \t]*%s \(`str`.*\n((?:[ \t]{6,}.*\n?)*)" % re.escape(name), doc, re.M)
+            if isinstance(default, str) and entry is not None:
+                out += [(name, v) for v in re.findall(r'`"([^"`]+)"`', entry.group(1)) if v != default]
+    return list(dict.fromkeys(out))
+
+
 def _plain(model, vision, batch, gen) -> dict:
     """Pixels at the vision config's size, and each image's size where ``get_image_features``
     takes one (Mistral 3)."""
@@ -175,8 +216,8 @@ def features_per_image(model, images: dict, batch: int, get=None) -> int | None:
         return None
     p = next((q for q in model.parameters() if q.is_floating_point()), None)
     dev = device_of(model)
-    args = {k: v.to(dev, p.dtype) if v.is_floating_point() and p is not None else v.to(dev)
-            for k, v in images.items()}
+    args = {k: (v.to(dev, p.dtype) if v.is_floating_point() and p is not None else v.to(dev))
+            if isinstance(v, torch.Tensor) else v for k, v in images.items()}  # a mode as it is
     try:
         with torch.no_grad():
             out = get(**args)
