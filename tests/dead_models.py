@@ -59,3 +59,24 @@ class Handed(DeadMLP):
 
     def visit(self, fn):
         return fn(self)
+
+
+
+class Hooked(nn.Module):
+    """A layer its forward never runs, which a hook of another class may read."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.extra = nn.Linear(6, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.up(x)
+
+
+class Hooker(nn.Module):
+    """A hook whose own ``self`` is the module it is put on (any: a ``Hooked`` too)."""
+
+    def hook(self):
+        def read(self, inputs, output):
+            return self.extra(output)
+        return read

@@ -12,7 +12,7 @@ import torch.nn as nn
 import symgraph
 from symgraph.passes.deadcode import dead_parameters
 
-from dead_models import Blocks, DeadMLP, Handed, ReadByName, ReadElsewhere, Scaled, Stack
+from dead_models import Blocks, DeadMLP, Handed, Hooked, ReadByName, ReadElsewhere, Scaled, Stack
 
 # the models live in a file of their own: the names this file asserts on are strings here
 STATIC = "never read by any method of dead_models.py (static check)"
@@ -80,6 +80,7 @@ def test_the_proof_refuses_what_it_cannot_see():
     assert dead_parameters(m, ["spare.weight"]) == {}
     assert dead_parameters(A, ["no.such.parameter"]) == {}
     assert dead_parameters(Handed(), ["spare.weight"]) == {}  # self handed to another function
+    assert dead_parameters(Hooked(), ["extra.weight"]) == {}  # Hooker's hook: its self is any module
     assert dead_parameters(Stack([nn.Linear(2, 2)]), ["0.weight"]) == {}  # a list of its own class
     assert dead_parameters(Scaled(2, 2), ["weight"]) == {}  # nn.Linear's forward reads it
     assert dead_parameters(nn.Sequential(DeadMLP()), ["0.spare.weight"]) == {"0.spare.weight": STATIC}

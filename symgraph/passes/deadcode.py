@@ -63,11 +63,10 @@ class _Facts(ast.NodeVisitor):
         self._scope: list = []  # ('class', qualname) or ('def', name, self name, class, arguments)
 
     def _where(self):
-        """The innermost method's (self name, class qualname), or (None, None)."""
-        for s in reversed(self._scope):
-            if s[0] == "def" and s[2] is not None:
-                return s[2], s[3]
-        return None, None
+        """The innermost function's (self name, class qualname): a method's own, inherited by
+        the functions inside it; (None, None) outside methods."""
+        s = next((s for s in reversed(self._scope) if s[0] == "def"), None)
+        return (s[2], s[3]) if s else (None, None)
 
     def _skipped(self) -> bool:
         return any(s[0] == "def" and s[1] in INIT_FUNCTIONS for s in self._scope)
@@ -83,12 +82,27 @@ class _Facts(ast.NodeVisitor):
     def visit_FunctionDef(self, node):
         parent = self._scope[-1] if self._scope else None
         static = any(ast.unparse(d) in ("staticmethod", "classmethod") for d in node.decorator_list)
-        args = node.args.posonlyargs + node.args.args
-        me = args[0].arg if parent and parent[0] == "class" and args and not static else None
-        if me is not None and node.name in ("__getattr__", "__getattribute__"):
-            self.generic.add(parent[1])
-        names = {a.arg for a in args + node.args.kwonlyargs} - {me}
-        self._scope.append(("def", node.name, me, parent[1] if me else None, names))
+        args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+        if parent and parent[0] == "class":  # a method: its first argument is the instance
+            me, cls = (args[0].arg, parent[1]) if args and not static else (None, None)
+            if me is not None and node.name in ("__getattr__", "__getattribute__"):
+                self.generic.add(cls)
+            self._function(node, node.name, args, me, cls)
+        else:
+            self._inner(node, node.name, args)
+
+    def visit_Lambda(self, node):
+        self._inner(node, "<lambda>", node.args.posonlyargs + node.args.args + node.args.kwonlyargs)
+
+    def _inner(self, node, name, args):
+        """A function that is no method inherits the enclosing method's ``self``, unless an
+        argument of its own takes that name (a hook's ``self``): another object, whose
+        attributes count as any receiver's."""
+        me, cls = self._where()
+        self._function(node, name, args, *(("", None) if me in {a.arg for a in args} else (me, cls)))
+
+    def _function(self, node, name, args, me, cls):
+        self._scope.append(("def", name, me, cls, {a.arg for a in args} - {me}))
         self.generic_visit(node)
         self._scope.pop()
 
