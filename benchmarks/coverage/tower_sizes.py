@@ -79,13 +79,15 @@ def multiplied_channels(fields, main, width) -> dict:
     """The channel counts of a convolutional encoder whose stages' widths a list of multipliers
     states (``channel_multiplier``: Apertus 1.5's vision tokenizer, ``base_channels`` 256 × (1, 1,
     2, 2, 4) a stage, its ``latent_channels`` 256 into a codebook of ``embed_dim`` 256): widths,
-    scaled as the level's main width goes from ``main`` to ``width`` (a multiple of 8, at least 8);
-    the image's channels (``in_channels`` 3, at most 8) are none."""
+    scaled as the level's main width goes from ``main`` to ``width`` (a multiple of 8), but none
+    below ``width`` (the model code normalises them in groups of a literal count: Emu3's VQ-VAE
+    ``GroupNorm(num_groups=32)``, whose 256 base channels would become 16 beside its width 1024 ->
+    64); the image's channels (``in_channels`` 3, a latent of 4: at most 8) are none."""
     multiplied = any("channel" in k and "multiplier" in k and isinstance(v, (list, tuple)) for k, v in fields.items())
     if not (multiplied and is_int(main) and is_int(width) and 0 < width < main):
         return {}
-    return {k: max(8, int(round(v * width / main / 8)) * 8) for k, v in fields.items()
-            if k.endswith("_channels") and is_int(v) and v > 8}
+    return {k: max(width, int(round(v * width / main / 8)) * 8) for k, v in fields.items()
+            if k.endswith("_channels") and is_int(v) and width < v}
 
 
 QUERY_TOKENS = 64  # image tokens a row at most: a tower's learned queries (Kosmos-2's default)

@@ -122,18 +122,23 @@ def test_channels_beside_stage_multipliers_are_widths():
     """Apertus 1.5's vision tokenizer is a convolutional encoder of ``base_channels`` 256 ×
     ``channel_multiplier`` (1, 1, 2, 2, 4) a stage into ``latent_channels`` 256 (its codebook's
     ``embed_dim`` 256): its channels scale as its width (184.6M of the row's 185M parameters
-    were its, unshrunk); the image's 3 channels and a level without multipliers stay."""
+    were its, unshrunk), none below the shrunk width; the image's 3 channels and a level
+    without multipliers stay."""
     from benchmarks.coverage.tower_sizes import multiplied_channels
     fields = {"embed_dim": 256, "base_channels": 256, "latent_channels": 256, "in_channels": 3,
               "channel_multiplier": [1, 1, 2, 2, 4]}
     assert multiplied_channels(fields, 256, 64) == {"base_channels": 64, "latent_channels": 64}
-    assert multiplied_channels({**fields, "base_channels": 128}, 256, 64) == {"base_channels": 32,
-                                                                              "latent_channels": 64}
+    assert multiplied_channels({**fields, "base_channels": 128}, 256, 64) == \
+        {"base_channels": 64, "latent_channels": 64}  # 32: none below the width
+    # Emu3's VQ-VAE: 256 base channels beside a width of 1024 -> 64, not 16 (GroupNorm of 32 groups)
+    assert multiplied_channels({**fields, "latent_channels": 4}, 1024, 64) == {"base_channels": 64}
     assert multiplied_channels(fields, 256, 256) == {}  # not shrunk
     del fields["channel_multiplier"]
     assert multiplied_channels(fields, 256, 64) == {}  # no stages multiplied: channels of their own
     cfg, _ = cov.tiny_config("apertus1p5")
     v = cfg.vision_config
     assert (v.embed_dim, v.base_channels, v.latent_channels, v.in_channels) == (64, 64, 64, 3)
+    assert cov.tiny_config("emu3")[0].vq_config.base_channels == 64
     model, _ = cov.build("apertus1p5", "Apertus1p5ForConditionalGeneration")
     assert sum(p.numel() for p in model.model.vision_tokenizer.parameters()) < 12_000_000  # was 184.6M
+
