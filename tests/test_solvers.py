@@ -148,30 +148,6 @@ def test_procrustes_random_similarity_is_orthogonal_optimum():
     assert r.objective == pytest.approx(float((r.element * S).sum()), rel=1e-10)
 
 
-def test_large_float32_procrustes_on_the_cpu_takes_the_polar_iteration(monkeypatch):
-    """A float32 CPU similarity of side >= HOST_POLAR_MIN is solved by matrix products (no SVD)
-    and equals the SVD's factor to float32 round-off; a rank-deficient one still goes to the SVD
-    (its free part taken closest to the identity); float64 and small sides keep the SVD."""
-    n = _solvers.HOST_POLAR_MIN
-    g = torch.Generator().manual_seed(3)
-    W = torch.randn(n, 2 * n, generator=g) / n ** 0.5
-    S = W @ (W + 0.3 * torch.randn(n, 2 * n, generator=g)).T
-    U, _, Vh = torch.linalg.svd(S.double())
-    calls = []
-    real = torch.linalg.svd
-    monkeypatch.setattr(torch.linalg, "svd", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    r = procrustes(S)
-    assert calls == [] and r.extra["polar"]["fallback"] == 0
-    assert float((r.element.double() - U @ Vh).abs().max()) < 1e-5
-    assert r.objective == pytest.approx(float(torch.linalg.matrix_norm(S.double(), "nuc")), rel=1e-5)
-    low = S.clone()
-    low[:, : n // 2] = 0  # rank n/2: the iteration does not settle
-    assert procrustes(low).extra["polar"]["fallback"] == 1 and tuple(calls[0][-2:]) == (n, n)
-    calls.clear()
-    assert "polar" not in procrustes(S.double()).extra and "polar" not in procrustes(S[:64, :64]).extra
-    assert len(calls) == 2
-
-
 def _rot(n, pairs_angles):
     R = torch.eye(n, dtype=F64)
     for (i, j), th in pairs_angles:

@@ -25,10 +25,6 @@ ROW_MAXIMA = True  # skip the assignment when the row maxima already form a perm
 #: On an accelerator: assignments by the auction on the device (:mod:`._auction`), Procrustes
 #: by the Newton–Schulz polar factor (:mod:`._polar`); CPU tensors keep SciPy and the SVD.
 ON_DEVICE = True
-#: ... except float32 CPU similarities of this side or more, whose Procrustes factor is the
-#: iteration's too: at 2048² (a 1.1B residual stream) 17–19 s against the SVD's 38–56 s on 2
-#: loaded cores, 7.6e-7 apart (float64 keeps the SVD: 149 s against 70 s).
-HOST_POLAR_MIN = 512
 #: The smallest square side the device auction takes: each of its rounds (about 2n of them)
 #: is a dozen kernel launches and a host sync, which below this side cost more than SciPy's
 #: solve plus the similarity's copy to the host (an estimate from the rounds counted by
@@ -38,11 +34,6 @@ AUCTION_MIN = 2048
 
 def _on_device(x) -> bool:
     return ON_DEVICE and isinstance(x, torch.Tensor) and x.device.type != "cpu"
-
-
-def _by_products(s: torch.Tensor) -> bool:
-    """Whether the polar factor of ``s`` is taken by matrix products (:func:`._polar.polar`)."""
-    return _on_device(s) or (s.dtype == torch.float32 and min(s.shape[-2:]) >= HOST_POLAR_MIN)
 
 
 @dataclass
@@ -185,7 +176,7 @@ def procrustes(S, rescale: bool = False) -> SolveResult:
     s = _float(S)
     t = time.perf_counter()
     extra: dict = {}
-    if _by_products(s):  # matmuls at full rate; the SVD only where the iteration fails
+    if _on_device(s):  # matmuls at the device's rate; the SVD only where the iteration fails
         R, extra["polar"] = polar(s)
         obj = torch.sum(R * s, dtype=torch.float64)
     else:
