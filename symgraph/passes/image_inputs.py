@@ -141,9 +141,15 @@ def _counted(model, vision, batch, gen, runs) -> tuple:
 def _runs(model, kwargs, token: int, images: dict, n: int, batch: int) -> bool:
     """Whether the forward runs on ``kwargs`` with ``images`` and ``n`` image tokens a row (features
     counted per row that its placeholders cannot take are refused: NeoMME's patches, flat)."""
+    return _reads(model, kwargs, token, images, n, batch) is not None
+
+
+def _reads(model, kwargs, token: int, images: dict, n: int, batch: int):
+    """The parameters the forward reads on ``kwargs`` with ``images`` and ``n`` image tokens a row
+    (:meth:`.optional_inputs.Trials.reads`; None where it fails)."""
     trial = dict(kwargs)
     _insert(trial, token, n, batch)
-    return Trials(model, {}).reads({**trial, **images}) is not None
+    return Trials(model, {}).reads({**trial, **images})
 
 
 def _mode_reading_more(model, kwargs, token: int, images: dict, n: int, batch: int) -> tuple:
@@ -151,16 +157,12 @@ def _mode_reading_more(model, kwargs, token: int, images: dict, n: int, batch: i
     runs on it, with its own count of image tokens, and reads a parameter it reads on none without
     (MiniCPM-OCR's default ``downsample_mode`` ``"4x"`` skips its ViT merger, which ``"16x"``
     runs); else as they are."""
-    def reads(im, k):
-        trial = dict(kwargs)
-        _insert(trial, token, k, batch)
-        return Trials(model, {}).reads({**trial, **im})
     base = None
     for name, value in tower_modes(model):
         with_mode = {**images, name: value}
         k = features_per_image(model, with_mode, batch)
-        more = reads(with_mode, k) if k is not None else None
-        base = reads(images, n) if base is None and more is not None else base
+        more = _reads(model, kwargs, token, with_mode, k, batch) if k is not None else None
+        base = _reads(model, kwargs, token, images, n, batch) if base is None and more is not None else base
         if more is not None and base is not None and more - base:
             return with_mode, k
     return images, n
