@@ -62,6 +62,37 @@ class Handed(DeadMLP):
 
 
 
+def plain(module):
+    """Asks what ``module`` is, and reaches none of its members."""
+    return isinstance(module, nn.Sequential)
+
+
+def walks(module):
+    """Reaches every member of ``module``."""
+    return list(module.children())
+
+
+class Shelved(nn.Module):
+    """An MLP holding a block its forward never calls (whose own forward reads its layer), and
+    handing ``self`` to a function that only asks what it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.shelf = Blocks()
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        return self.down(h) if not plain(self) else h
+
+
+class Walked(Shelved):
+    """The same, but ``self`` also goes to a function that reaches every member."""
+
+    def visit(self):
+        return walks(self)
+
+
 class Hooked(nn.Module):
     """A layer its forward never runs, which a hook of another class may read."""
 

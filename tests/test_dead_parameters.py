@@ -12,7 +12,7 @@ import torch.nn as nn
 import symgraph
 from symgraph.passes.deadcode import dead_parameters
 
-from dead_models import Blocks, DeadMLP, Handed, Hooked, ReadByName, ReadElsewhere, Scaled, Stack
+from dead_models import Blocks, DeadMLP, Handed, Hooked, ReadByName, ReadElsewhere, Scaled, Shelved, Stack, Walked
 
 # the models live in a file of their own: the names this file asserts on are strings here
 STATIC = "never read by any method of dead_models.py (static check)"
@@ -87,6 +87,33 @@ def test_the_proof_refuses_what_it_cannot_see():
     inside = nn.Linear(2, 2)  # a torch layer above: its code may name what it holds
     inside.add_module("inner", DeadMLP())
     assert dead_parameters(inside, ["inner.spare.weight"]) == {}
+
+
+def test_a_block_never_called_is_dead_whatever_its_own_forward_reads():
+    torch.manual_seed(0)
+    A = Shelved().eval()
+    rep = symgraph.analyze(A, _x())
+    shelf = [n for n, _ in A.named_parameters() if n.startswith("shelf.")]
+    assert len(shelf) == 6 and rep.unread is None
+    assert rep.dead_parameters == {n: STATIC for n in shelf}  # Blocks.forward reads them: not called
+    hidden = _hidden(rep)
+    assert hidden.size == 16 and set(hidden.params) == {("up.weight", 0), ("up.bias", 0), ("down.weight", 1)}
+    assert rep.certify(A, _x()) <= 1e-12
+    # ``self`` handed to a function reaching its members: nothing under it is proven dead
+    assert dead_parameters(Walked(), shelf) == {}
+
+
+def test_wav2vec2_conformer_positional_convolution_is_dead():
+    pytest.importorskip("transformers")
+    from analyze_helpers import coverage_row
+    m = coverage_row("wav2vec2-conformer", "Wav2Vec2ConformerForCTC")
+    names = [n for n, _ in m.named_parameters() if ".pos_conv_embed." in n]
+    why = "never read by any method of modeling_wav2vec2_conformer.py (static check)"
+    assert len(names) == 3 and dead_parameters(m, names) == {n: why for n in names}
+    rep = symgraph.analyze(m)
+    assert rep.unread is None and set(rep.dead_parameters) == set(names)
+    assert rep.certify(m) <= 1e-6
+    assert rep.group_of("wav2vec2_conformer.encoder.layers.0.ffn1.intermediate_dense.weight", 0)[0].kind == "perm"
 
 
 def test_markuplm_sequence_classification_is_complete():

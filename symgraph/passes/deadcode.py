@@ -4,9 +4,11 @@ source files of the module classes, never running any code).
 An unread parameter (:func:`.nodes.unread_parameters`) is in general read by code the trace did
 not take (another input kind, another method), so the analysis fixes every parameter. Some are
 read by nothing: MarkupLM's ``xpath_unitseq2_embeddings``, an ``nn.Linear`` its ``__init__``
-assigns and no method calls. For such a parameter at ``m1.….mk.p`` take ``M``, the deepest
-module on the path whose class is not torch's own, and ``a``, the path's name after it (the
-attribute leading to the parameter, or the parameter). It is dead when, in every source file
+assigns and no method calls. For such a parameter at ``m1.….mk.p`` take ``M``, a module on the
+path whose class is not torch's own (each tried, deepest first: Wav2Vec2-Conformer's encoder
+never calls its ``pos_conv_embed``, whose own forward reads its convolution), and ``a``, the
+path's name after it (the attribute leading to the parameter, or the parameter). It is dead
+when, in every source file
 defining the class of ``M`` or a base of it (torch's classes excluded) or the class of a module
 above ``M``, outside ``__init__`` and weight-initialisation functions (``INIT_FUNCTIONS``):
 
@@ -18,7 +20,9 @@ above ``M``, outside ``__init__`` and weight-initialisation functions (``INIT_FU
 - ``M``'s classes never reach their members by a name not written there: ``self.children()``,
   ``self.parameters()``, ``self._modules``, ``self.__dict__`` (``GENERIC``), ``getattr(self,
   name)`` with a computed name, ``self`` handed on, returned or stored, a ``__getattr__`` of
-  their own;
+  their own; ``self`` handed to a module-level function is allowed where that function's own
+  source, read the same way with the argument as its ``self``, reaches no member but by names
+  other than ``a`` and hands it on to nothing (``is_fsdp_managed_module(self)``);
 - ``a`` is no position in a list, ``M`` no ``Sequential``/``ModuleList``/``ModuleDict``, no
   base of ``M`` a torch layer (its forward reads ``weight`` by name) and no module above ``M``
   a torch module other than those containers.
@@ -59,6 +63,7 @@ class _Facts(ast.NodeVisitor):
         self.loads: dict = {}
         self.words: list = []
         self.generic: set = set()
+        self.handed: dict = {}  # class -> {(function name, position)}: f(self) with f a plain name
         self.classes: set = set()
         self._scope: list = []  # ('class', qualname) or ('def', name, self name, class, arguments)
 
@@ -172,9 +177,15 @@ class _Facts(ast.NodeVisitor):
         quiet = func in ("isinstance", "super", "type", "id") or named
         if not self._mine(node.func):
             self.visit(node.func)
-        for a in node.args + [k.value for k in node.keywords]:
-            if not (quiet and self._mine(a)):
+        _, cls = self._where()
+        for i, a in enumerate(node.args):
+            if self._mine(a) and func is not None and not quiet and cls is not None and not self._skipped():
+                self.handed.setdefault(cls, set()).add((func, i))  # checked where it goes
+            elif not (quiet and self._mine(a)):
                 self.visit(a)
+        for k in node.keywords:
+            if not (quiet and self._mine(k.value)):
+                self.visit(k.value)
 
 
 @functools.lru_cache(maxsize=256)
@@ -191,6 +202,43 @@ def _facts(path: str):
     return _parsed(path, st.st_size, st.st_mtime_ns)
 
 
+def _handed_safely(cls, name: str, pos: int, attr: str) -> bool:
+    """Whether the plain function ``name`` that ``cls``'s methods hand their ``self`` to (at
+    position ``pos``) reaches no member of it but by names other than ``attr``
+    (``is_fsdp_managed_module(self)`` asks ``isinstance`` and a named ``getattr``): its own
+    source, parsed as a method whose ``self`` is that argument; a function handing it on again
+    is not followed."""
+    import sys
+    fn = getattr(sys.modules.get(cls.__module__), name, None)
+    where = _source(fn) if inspect.isfunction(fn) and "." not in fn.__qualname__ else None
+    if where is None:
+        return False
+    st = os.stat(where[0])
+    try:
+        facts = _callee(where[0], st.st_size, st.st_mtime_ns, where[1], pos)
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return False
+    return facts is not None and not facts.generic and not facts.handed and attr not in facts.loads \
+        and not any(attr in w for w in facts.words)
+
+
+@functools.lru_cache(maxsize=256)
+def _callee(path: str, size: int, mtime: int, name: str, pos: int):
+    """What the module-level function ``name`` of ``path`` does with its argument at ``pos``
+    (a :class:`_Facts`, that argument its ``self``), or None where it has none there."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.name == name), None)
+    if node is None or pos >= len(node.args.posonlyargs + node.args.args):
+        return None
+    args = node.args.posonlyargs + node.args.args
+    facts = _Facts()
+    facts._function(node, name, node.args.posonlyargs + node.args.args + node.args.kwonlyargs,
+                    args[pos].arg, "<callee>")
+    return facts
+
+
 def _source(cls):
     """(file, qualname) where ``cls`` is written, or None."""
     try:
@@ -204,24 +252,32 @@ def _torch_own(cls) -> bool:
     return cls.__module__.split(".")[0] in ("torch", "builtins")
 
 
-def _holder(model, path: list):
-    """(modules above the holder, the holder, the name after it) on ``path``, or None."""
+def _holders(model, path: list) -> list:
+    """Each (modules above the holder, the holder, the name after it) on ``path``, the holder
+    any module on it whose class is not torch's own, deepest first: a submodule no method
+    reaches (Wav2Vec2-Conformer's ``pos_conv_embed``, built and never called) leaves every
+    parameter under it unread, whatever the classes below it do."""
     chain, m = [model], model
     for seg in path[:-1]:
         m = m._modules.get(seg) if isinstance(m, torch.nn.Module) else None
         if m is None:
-            return None
+            return []
         chain.append(m)
-    at = max((i for i, m in enumerate(chain) if not _torch_own(type(m))), default=None)
-    return None if at is None else (chain[:at], chain[at], path[at])
+    return [(chain[:i], chain[i], path[i]) for i in reversed(range(len(chain)))
+            if not _torch_own(type(chain[i]))]
 
 
 def dead_reason(model, name: str) -> str | None:
     """Why the parameter ``name`` of ``model`` is never read by any method (None: not proven)."""
-    found = _holder(model, name.split("."))
-    if found is None:
-        return None
-    above, holder, attr = found
+    for above, holder, attr in _holders(model, name.split(".")):
+        why = _unreached(above, holder, attr)
+        if why is not None:
+            return why
+    return None
+
+
+def _unreached(above, holder, attr) -> str | None:
+    """Why ``holder``'s member ``attr`` is never reached by any method (None: not proven)."""
     if attr.isdigit() or isinstance(holder, _CONTAINERS) or any(  # torch's layers read by name
             _torch_own(c) and c not in (torch.nn.Module, object) for c in type(holder).__mro__) or any(
             _torch_own(type(m)) and not isinstance(m, _CONTAINERS) for m in above):
@@ -235,6 +291,10 @@ def dead_reason(model, name: str) -> str | None:
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
         return None
     if any(q not in facts[p].classes or q in facts[p].generic for p, q in mro):
+        return None
+    classes = [c for c in type(holder).__mro__ if not _torch_own(c)]
+    if not all(_handed_safely(c, f, i, attr) for c, (p, q) in zip(classes, mro)
+               for f, i in facts[p].handed.get(q, ())):
         return None
     for p, f in facts.items():
         mine = {q for pp, q in mro if pp == p}
