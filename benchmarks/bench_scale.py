@@ -3,6 +3,7 @@ linear merge of the same pair, in the same run.
 
     python -m benchmarks.bench_scale [--shapes tiny,155m,1b,7b] [--layers N] [--work DIR]
                                      [--memory-budget SIZE] [--out benchmarks/results/scale.json]
+                                     [--baseline REF --stages ...,symgraph_weights_baseline]
 
 Checkpoints. For each shape (``tiny``: 2 layers, hidden 256; ``155m``: 155.3 M parameters,
 768/2816, 12 layers, 12 heads; ``1b``: TinyLlama-1.1B, 2048/5632,
@@ -49,6 +50,10 @@ rc -9) is recorded with its return code and the last line of its stderr, and the
   weights`` with ``--method regmean``, ``--method fisher`` or ``--repair`` and ``--data D``: the
   merge engine's statistics (input Grams, squared gradients, REPAIR's channel moments) out of core.
   ``--memory-budget SIZE`` is given to every symgraph stage (the engine's default otherwise).
+* ``symgraph_weights_baseline`` (only with ``--baseline REF``): ``symgraph_weights``' command
+  run as ``python -m symgraph`` in this repository's tree at ``REF`` (``git archive`` under
+  ``--work``), in the same environment: the speed of this commit against an older one in the
+  same run, on the same machine (``time_ratio_vs_baseline`` of ``symgraph_weights``).
 
 Before each merge stage the earlier stages' outputs are written back (``os.sync``: a disk that
 writes back slower than a merge writes would otherwise charge one stage for another's output)
@@ -84,16 +89,18 @@ from pathlib import Path
 # tests/test_bench_scale.py)
 from .provenance import write_beside
 from .scale.checkpoints import llama_config, make_tensor, write_checkpoint  # noqa: F401
-from .scale.common import DEFAULT_OUT, DEFAULT_WORK, SHAPES, STAGES, log
+from .scale.common import BASELINE, DEFAULT_OUT, DEFAULT_WORK, SHAPES, STAGES, log
 from .scale.measure import measure  # noqa: F401
 from .scale.pagecache import read_all
 from .scale.report import markdown
-from .scale.stages import machine_info, run_shape
+from .scale.stages import baseline_tree, machine_info, run_shape
+
+DEFAULT_STAGES = tuple(s for s in STAGES if s != BASELINE)  # the baseline runs when asked for
 
 
-def run(shapes, layers=None, work=DEFAULT_WORK, out=str(DEFAULT_OUT), stages=STAGES, timeout=3600.0,
+def run(shapes, layers=None, work=DEFAULT_WORK, out=str(DEFAULT_OUT), stages=DEFAULT_STAGES, timeout=3600.0,
         cache="warm", mergekit_venv=None, load_check_gb=0.5, keep_outputs=False, append=False,
-        memory_budget=None) -> dict:
+        memory_budget=None, baseline=None) -> dict:
     import torch
     import transformers
     transformers.logging.set_verbosity_error()
@@ -110,9 +117,10 @@ def run(shapes, layers=None, work=DEFAULT_WORK, out=str(DEFAULT_OUT), stages=STA
         except (ValueError, KeyError):
             pass
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    tree = baseline_tree(work, baseline) if baseline else None
     for shape in shapes:
         rec = run_shape(shape, layers, work, stages, timeout, cache, mergekit_venv, load_check_gb,
-                        keep_outputs, memory_budget)
+                        keep_outputs, memory_budget, tree)
         rec["machine"] = result["machine"]
         result["shapes"].append(rec)
         _write(result, out)  # after every shape, so a later crash keeps what was measured
@@ -133,7 +141,7 @@ def main(argv=None) -> None:
     ap.add_argument("--work", default=DEFAULT_WORK, help=f"checkpoints, outputs, logs, mergekit venv "
                     f"(default {DEFAULT_WORK})")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="JSON results; the .md goes next to it")
-    ap.add_argument("--stages", default=",".join(STAGES),
+    ap.add_argument("--stages", default=",".join(DEFAULT_STAGES),
                     help="comma-separated subset of " + ", ".join(STAGES))
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per stage (default 3600)")
     ap.add_argument("--cache", choices=("warm", "cold"), default="warm",
@@ -145,6 +153,8 @@ def main(argv=None) -> None:
     ap.add_argument("--append", action="store_true", help="keep other shapes' entries of an existing --out")
     ap.add_argument("--memory-budget", default=None, metavar="SIZE",
                     help="the symgraph stages' --memory-budget, e.g. 256MB (default: the engine's)")
+    ap.add_argument("--baseline", metavar="REF", default=None,
+                    help="the commit whose symgraph_weights_baseline stage runs (that stage needs it)")
     ap.add_argument("--_read", metavar="DIR", help=argparse.SUPPRESS)
     ap.add_argument("--_write", nargs=4, metavar=("DIR", "SHAPE", "LAYERS", "SEED"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -163,6 +173,8 @@ def main(argv=None) -> None:
     for s in stages:
         if s not in STAGES:
             ap.error(f"unknown stage {s!r}; expected some of {', '.join(STAGES)}")
+    if (a.baseline is None) == (BASELINE in stages):
+        ap.error(f"--baseline REF and the stage {BASELINE} go together")
     if a.layers is not None and a.layers < 1:
         ap.error("--layers must be >= 1")
     if a.memory_budget is not None:
@@ -173,7 +185,7 @@ def main(argv=None) -> None:
         except InputError:
             ap.error(f"--memory-budget {a.memory_budget!r}; expected a positive size such as 256MB")
     run(shapes, a.layers, a.work, a.out, stages, a.timeout, a.cache, a.mergekit_venv, a.load_check_gb,
-        a.keep_outputs, a.append, a.memory_budget)
+        a.keep_outputs, a.append, a.memory_budget, a.baseline)
 
 
 if __name__ == "__main__":

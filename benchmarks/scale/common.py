@@ -39,7 +39,9 @@ SHAPES = {
 }
 STAGES = ("read_cold", "read_warm", "mergekit_linear", "symgraph_none", "symgraph_weights", "symgraph_weights_exact",
           "symgraph_weights_discrete",
-          "symgraph_weights_tol", "symgraph_activations", "symgraph_regmean", "symgraph_fisher", "symgraph_repair")
+          "symgraph_weights_tol", "symgraph_activations", "symgraph_regmean", "symgraph_fisher", "symgraph_repair",
+          "symgraph_weights_baseline")
+BASELINE = "symgraph_weights_baseline"  # symgraph_weights' command run from another commit's tree
 DATA_ROWS, DATA_TOKENS = 32, 128  # symgraph_activations' data: 4 batches of 8 rows
 
 

@@ -69,6 +69,10 @@ def markdown(result: dict) -> str:
                   if isinstance(v, dict) and "ok" in v]
         checks = [f"input {m_} {'ok' if v['ok'] else 'FAILED'}"
                   for m_, v in c.get("inputs", {}).items()] + checks
+        if s.get("symgraph_weights", {}).get("time_ratio_vs_baseline"):
+            lines += ["", f"symgraph_weights against the same command at the baseline commit "
+                      f"`{rec['run']['baseline_commit']}` (symgraph_weights_baseline, this run): "
+                      f"{s['symgraph_weights']['time_ratio_vs_baseline']:.3f}× its time."]
         sweeps = [f"{n_} {', '.join(map(str, r_['sweeps']))}" for n_, r_ in rec["stages"].items() if r_.get("sweeps")]
         if sweeps:
             lines += ["", "Sweeps of weight matching (from each output's `symgraph_merge.json`): " + "; ".join(sweeps) + "."]

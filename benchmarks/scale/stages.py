@@ -13,7 +13,7 @@ from ..provenance import REPO_ROOT, git_state
 from .checkpoints import dir_bytes, ensure_pair, llama_config, model_sizes, weight_files
 from .checks import check_output, compare_outputs
 from ..harness import machine_info  # noqa: F401 - used by run_shape's records
-from .common import DATA_ROWS, DATA_TOKENS, ENTRY, GB, MERGEKIT_SHARD_PARAMS, SHAPES, _env, log
+from .common import BASELINE, DATA_ROWS, DATA_TOKENS, ENTRY, GB, MERGEKIT_SHARD_PARAMS, SHAPES, _env, log
 from .measure import matmul_rates, measure
 from .mergekit import ensure_mergekit, mergekit_config, mergekit_version
 from .pagecache import drop_cache, warm_cache
@@ -32,12 +32,12 @@ MERGE_STAGES = {"symgraph_none": ("none", "average"), "symgraph_weights": ("weig
                 "symgraph_weights_tol": ("weights", "average"),  # --tol 1e-3: fewer sweeps
                 "symgraph_activations": ("activations", "average"),
                 "symgraph_regmean": ("weights", "regmean"), "symgraph_fisher": ("weights", "fisher"),
-                "symgraph_repair": ("weights", "repair")}
+                "symgraph_repair": ("weights", "repair"), BASELINE: ("weights", "average")}
 
 
-def _symgraph_cmd() -> list:
+def _symgraph_cmd(name: str = "") -> list:
     exe = Path(sys.executable).parent / "symgraph"
-    if exe.exists():
+    if exe.exists() and name != BASELINE:  # the baseline: python -m symgraph in its own tree
         return [str(exe)]
     return [sys.executable, "-m", "symgraph"]
 
@@ -50,7 +50,7 @@ def merge_command(name: str, a, b, out, data=None, memory_budget: str | None = N
     its default)."""
     align, method = MERGE_STAGES[name]
     how = ["--repair"] if method == "repair" else ["--method", method]  # REPAIR after a plain average
-    cmd = _symgraph_cmd() + ["merge", str(a), str(b), "--out", str(out), "--align", align, *how]
+    cmd = _symgraph_cmd(name) + ["merge", str(a), str(b), "--out", str(out), "--align", align, *how]
     cmd += SWEEP_FLAGS.get(name, [])
     if (data is not None) != needs_data(name):
         raise ValueError(f"stage {name}: data {'missing' if data is None else 'given but not read'}")
@@ -66,9 +66,24 @@ def needs_data(name: str) -> bool:
     return align == "activations" or method != "average"
 
 
+def baseline_tree(work: Path, ref: str) -> dict:
+    """This repository's tree at ``ref`` (``git archive``, once, under ``work``): the baseline
+    stage runs ``python -m symgraph`` there, so its code is that commit's and its environment
+    this run's."""
+    import subprocess
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{ref}^{{commit}}"], cwd=REPO_ROOT, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    tree = Path(work) / f"baseline-{sha[:12]}"
+    if not (tree / "symgraph" / "__main__.py").exists():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", sha], cwd=REPO_ROOT, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return {"commit": sha, "dir": str(tree)}
+
+
 def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float, cache: str,
               mergekit_venv: Path, load_check_gb: float, keep_outputs: bool,
-              memory_budget: str | None = None) -> dict:
+              memory_budget: str | None = None, baseline: dict | None = None) -> dict:
     config = llama_config(shape, layers)
     n_layers = config.num_hidden_layers
     full = model_sizes(llama_config(shape))
@@ -84,7 +99,8 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
            **sizes, "full_model_parameters": full["parameters"], "full_model_bytes": full["bytes"],
            "bytes_on_disk_per_model": dir_bytes(a), "pair": pair, "cache": cache, "stages": {},
            "run": {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "symgraph_commit": git_state(),
-                   "timeout_s": timeout, "memory_budget": memory_budget}}
+                   "timeout_s": timeout, "memory_budget": memory_budget,
+                   "baseline_commit": baseline and baseline["commit"]}}
     outdir = Path(pair["dir"]) / "out"
     outdir.mkdir(exist_ok=True)
     logdir = Path(pair["dir"]) / "logs"
@@ -165,7 +181,9 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
         data = token_data(pair["dir"], config.vocab_size) if needs_data(name) else None
         cmd = merge_command(name, a, b, out, data, memory_budget)
         prep_cache()
-        r = measure(cmd, timeout=timeout, env=_env(), cwd=REPO_ROOT, log_prefix=str(logdir / name))
+        there = baseline["dir"] if name == BASELINE else REPO_ROOT  # python -m symgraph finds its tree first
+        env = _env(PYTHONPATH=baseline["dir"]) if name == BASELINE else _env()
+        r = measure(cmd, timeout=timeout, env=env, cwd=there, log_prefix=str(logdir / name))
         r["cmd"] = [str(c) for c in cmd]
         finish(name, r, out)
 
@@ -175,6 +193,9 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
         if name.startswith("symgraph") and mk.get("ok") and r.get("ok"):
             r["time_ratio_vs_mergekit"] = r["wall_s"] / mk["wall_s"]
             r["rss_ratio_vs_mergekit"] = r["peak_rss_bytes"] / mk["peak_rss_bytes"]
+    base, now = rec["stages"].get(BASELINE, {}), rec["stages"].get("symgraph_weights", {})
+    if base.get("ok") and now.get("ok"):
+        now["time_ratio_vs_baseline"] = now["wall_s"] / base["wall_s"]
 
     # checks
     load_check = sizes["bytes"] <= load_check_gb * GB

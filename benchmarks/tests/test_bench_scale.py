@@ -105,3 +105,22 @@ def test_a_bad_memory_budget_is_refused_before_any_work(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--memory-budget 'lots'" in err and "256MB" in err
+
+
+def test_the_baseline_stage_runs_another_commits_tree(tmp_path, capsys):
+    import subprocess
+    from benchmarks.scale.stages import baseline_tree, merge_command
+    base = merge_command("symgraph_weights_baseline", "A", "B", "O")
+    assert base[:3] == [sys.executable, "-m", "symgraph"]  # found in the tree it runs in
+    w = merge_command("symgraph_weights", "A", "B", "O")
+    assert base[3:] == w[w.index("merge"):]
+    ref = "HEAD~1"
+    tree = baseline_tree(tmp_path, ref)
+    want = subprocess.run(["git", "rev-parse", ref], capture_output=True, text=True, check=True).stdout.strip()
+    assert tree["commit"] == want and tree["dir"].endswith(want[:12])
+    shown = subprocess.run(["git", "show", f"{want}:symgraph/__init__.py"], capture_output=True, check=True).stdout
+    assert (tmp_path / f"baseline-{want[:12]}" / "symgraph" / "__init__.py").read_bytes() == shown
+    for argv in (["--stages", "symgraph_weights_baseline"], ["--baseline", "HEAD"]):  # only together
+        with pytest.raises(SystemExit) as e:
+            bs.main(["--shapes", "tiny", *argv])
+        assert e.value.code == 2 and "go together" in capsys.readouterr().err
