@@ -48,6 +48,20 @@ class DeadTower(nn.Module):
         return h if audio is None else h + self.tower(audio)
 
 
+class BranchAndTower(MaskBranch):
+    """A data-dependent branch taken (the mask marks a token) beside a tower no branch reads:
+    only an ``audio`` input reaches it (Qwen2.5-Omni's length check branches on the data while
+    its ``audio_bos_eos_token`` is read by nothing, UDOP's decoder patch embedding by no call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tower = nn.Linear(6, 6)
+
+    def forward(self, x, mask, audio=None):
+        h = super().forward(x, mask)
+        return h if audio is None else h + self.tower(audio)
+
+
 def _slots(rep, kind=None):
     return {(p, d): g.kind for g in rep.groups if kind is None or g.kind == kind for p, d in g.params}
 
@@ -70,7 +84,7 @@ def test_a_branch_not_taken_that_reads_parameters_leaves_nothing_claimed():
     an = analyze_graph(trace(A, inp)[0])
     axis = an.node_axes[an.param_nodes["up.weight"]][0]
     reasons = " ".join(w for _, w in an.uf.reasons.get(an.uf.find(axis)[0], []) if w)
-    assert "branch the example inputs do not take reads extra.weight" in reasons
+    assert "extra.weight (and 1 more) is not read on the example inputs, traced with data-dependent" in reasons
 
 
 def test_a_data_dependent_branch_is_traced_as_taken_and_certified():
@@ -134,3 +148,17 @@ def test_the_recovered_guard_prints_no_partial_graph(capsys):
     torch.manual_seed(0)
     trace(GlobalBranch().eval(), _inputs())
     assert "def forward" not in capsys.readouterr().err
+
+
+def test_an_unread_parameter_beside_a_branch_taken_is_not_said_to_be_read_by_a_branch():
+    """The branch taken reads ``extra``; ``tower`` is read by no branch: the reason says the
+    trace branched on the data, never that a branch not taken reads the tower."""
+    torch.manual_seed(0)
+    A, inp = BranchAndTower().eval(), _inputs(True)
+    rep = symgraph.analyze(A, inp)
+    assert rep.exported_program.graph_module.meta["symgraph_branches_taken"] is True
+    assert set(_slots(rep).values()) <= {"identity"}
+    assert rep.unread == ("tower.weight (and 1 more) is not read on the example inputs, traced with "
+                          "data-dependent branches: unknown")
+    assert "branch the example inputs do not take" not in rep.unread
+    assert rep.certify(A, inp) <= 1e-6

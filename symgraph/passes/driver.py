@@ -182,14 +182,14 @@ class AxisAnalysis:
 
     def _fix_unread(self, live):
         """A parameter the traced program never reads (:func:`.nodes.unread_parameters`: an audio
-        tower text-only inputs never reach, a branch not taken) is read on other inputs, what it
-        needs of any class unknown: every parameter stays as it is, the reason names it. One the
+        tower text-only inputs never reach, a branch not taken) may be read elsewhere, what it
+        needs unknown: every parameter stays as it is, the reason names it (not where). One the
         program reads but no kept output depends on (a pooler's output dropped), or one no method
         reads (``.deadcode``: :func:`.trace.trace` keeps them as ``DEAD``), alone stays."""
         meta = self.graph.owning_module.meta
         unread, self.dead = split_dead(meta[UNREAD] if UNREAD in meta else unread_parameters(self.ep), meta)
         more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
-        why = (f"a data-dependent branch the example inputs do not take reads {unread[0]}{more}: unknown"
+        why = (f"{unread[0]}{more} is not read on the example inputs, traced with data-dependent branches: unknown"
                if meta.get(BRANCHES_TAKEN, False) else
                f"{unread[0]}{more} is never read by the traced inputs: pass inputs that use it") if unread else None
         self.unread_why = why
