@@ -1,8 +1,8 @@
 """Issue 65, the last vision-language rows: a tower whose grid states rows and columns only
 (``image_grid_hw``: RADIO's in Nemotron-H Omni) gets flattened patches and that grid, so its
-images are read; its videos share the image token (a forward that reads images cannot also read
-videos: their placeholders are counted against the images' features), so the video patch
-projection is the one parameter left unread. Inkling's discrete audio (``audio_input_ids``:
+images are read; its videos share the image token, so one tubelet a row with as many features
+as an image's goes on the image tokens and the video patch projection is read too
+(tests/test_image_inputs_video.py). Inkling's discrete audio (``audio_input_ids``:
 frames of one code per codebook) and its images (each patch its own clip of
 ``temporal_patch_size`` frames, channels last, one text token each) are both read. NeoMME's patches (a flat list of ``3·P·P``-wide patches,
 embedded to its hidden width past its factorised token embeddings) are counted and read."""
@@ -44,7 +44,8 @@ def test_nemotron_h_omni_reads_its_image_tower():
     assert ((kw["input_ids"] == m.config.image_token_id).sum(1) == 1).all()  # 2 × 2 patches: one token
     read = Trials(m, {}).reads(kw)
     assert read is not None
-    assert {n for n, _ in m.named_parameters()} - read == {"vision_model.embeddings.video_patch_projection.weight"}
+    assert {n for n, _ in m.named_parameters()} - read == set()
+    assert tuple(kw["pixel_values_videos"].shape) == (2, 1, 2 * v.num_channels, 2 * v.patch_size, 2 * v.patch_size)
 
 
 def test_inkling_reads_its_audio_codes_and_its_patch_clips():

@@ -3,6 +3,7 @@ each row of token ids, as many image tokens as the model's own tower returns fea
 from __future__ import annotations
 
 import inspect
+import math
 import re
 
 import torch
@@ -84,23 +85,66 @@ def _insert(kwargs, token: int, n: int, batch: int, drop: bool = True) -> None:
 
 def _video_tokens(model, kwargs, cfg, images, batch, gen) -> None:
     """A video tower the images leave unread (Video-LLaVA's: ``get_video_features`` runs modules
-    ``get_image_features`` does not): one video a row, two frames of the images' size
-    (``pixel_values_videos``), and as many video tokens as its features; nothing otherwise (a
-    video through the image tower reads nothing new: Qwen-VL)."""
+    ``get_image_features`` does not): one video a row (``pixel_values_videos``, :func:`_video`)
+    and as many video tokens as its features; nothing otherwise (a video through the image tower
+    reads nothing new: Qwen-VL). A forward that runs on the video with no video token added puts
+    its features on the image tokens (:func:`_on_image_tokens`)."""
     token = ints(config_value(cfg, "video_token_id", "video_token_index"))
     get = _features_getter(model, "get_video_features")
-    px = images.get("pixel_values")
-    if not token or get is None or px is None or px.dim() != 4 \
+    video = _video(model, cfg, images, batch, gen)
+    if not token or get is None or video is None \
             or "pixel_values_videos" not in inspect.signature(model.forward).parameters:
         return
-    video = torch.randn(px.shape[0], 2, *px.shape[1:], generator=gen)
-    seen_images, _ = _modules_run(model, _image_features(model), images)
+    seen_images, n_image = _modules_run(model, _image_features(model), images, batch)
     seen_videos, n = _modules_run(model, get, {"pixel_values_videos": video}, batch)
-    total = kwargs["input_ids"].shape[1] + (n or 0)
-    if n is None or seen_videos <= seen_images or total > (config_value(cfg, "max_position_embeddings") or 1 << 30):
+    if n is None or seen_videos <= seen_images:
+        return
+    if n == n_image and _on_image_tokens(model, kwargs, video):
+        return
+    if kwargs["input_ids"].shape[1] + n > (config_value(cfg, "max_position_embeddings") or 1 << 30):
         return
     _insert(kwargs, token[0], n, batch, drop=False)
     kwargs["pixel_values_videos"] = video
+
+
+def _on_image_tokens(model, kwargs, video) -> bool:
+    """Whether the forward runs on ``kwargs`` (one image a row, its tokens placed) with ``video``
+    and no video token (then taken): its videos' placeholders are the image token's, and their
+    features overwrite the images' on them (Nemotron-H Omni's, whose ``video_token_id`` no
+    forward reads). No output then depends on a parameter only the images read (the patch
+    projection of packed images): it moves with its classes, which the certificate judges on the
+    images alone (tests/test_image_inputs_video.py), not on these inputs."""
+    trial = {**kwargs, "pixel_values_videos": video}
+    if Trials(model, {}).reads(trial) is None:
+        return False
+    kwargs.update(trial)
+    return True
+
+
+def _video(model, cfg, images, batch, gen):
+    """One video a row: two frames of the images' size where they are 4-D (Video-LLaVA); else
+    the shape the forward's docstring gives ``pixel_values_videos`` where it has five entries
+    (Nemotron-H Omni's ``(num_videos, num_tubelets, video_temporal_patch_size * num_channels,
+    height, width)``): one video a row, one tubelet (or frame), channels the product of the
+    values the entry names (the vision config's, else the config's), frames as large as the first image's patch grid (an integer
+    ``(num_images, 2 or 3)`` input: ``image_grid_hw``) times the vision config's patch size; None
+    where neither tells."""
+    px = images.get("pixel_values")
+    if isinstance(px, torch.Tensor) and px.dim() == 4:
+        return torch.randn(px.shape[0], 2, *px.shape[1:], generator=gen)
+    shape = re.search(r"^\s*pixel_values_videos \(`[^`]*` of shape `\(([^)]*)\)`",
+                      inspect.getdoc(model.forward) or "", re.M)
+    dims = [d.strip() for d in shape.group(1).split(",")] if shape else []
+    vision = config_value(cfg, "vision_config") or cfg
+    channels = [getattr(vision, f.strip(), None) or getattr(cfg, f.strip(), None) for f in
+                (dims[2].split("*") if len(dims) == 5 else ["-"])]
+    grids = [v for k, v in images.items() if k.endswith("grid_hw") or k.endswith("grid_thw")]
+    patch = getattr(vision, "patch_size", None)
+    if len(dims) != 5 or not all(isinstance(c, int) for c in channels) or len(grids) != 1 \
+            or not isinstance(patch, int) or grids[0].dim() != 2:
+        return None
+    height, width = (int(s) * patch for s in grids[0][0, -2:])
+    return torch.randn(batch, 1, math.prod(channels), height, width, generator=gen)
 
 
 def _modules_run(model, get, inputs: dict, batch: int = 1) -> tuple:
