@@ -91,6 +91,13 @@ def test_symgraph_merge_takes_the_same_config():
         symgraph.merge([A, B], data=data, config=cfg, method="fisher")
     with pytest.raises(InputError, match=r"and refine= sets one too"):
         symgraph.merge([A, B], data=data, config=cfg, refine=3)
+    for k, v in dict(method="average", anchor=0, repair=False, untie=False, attention="heads").items():
+        with pytest.raises(InputError, match=rf"and {k}= sets one too"):  # at the default's value too
+            symgraph.merge([A, B], data=data, config=cfg, **{k: v})
+    plain = symgraph.merge([A, B], data[0]).model.state_dict()  # every option the config's default
+    spelled = symgraph.merge([A, B], data[0], method="average", anchor=0, repair=False, untie=False, attention="heads",
+                             weights=None, method_options=None).model.state_dict()
+    assert all(torch.equal(plain[k], spelled[k]) for k in plain)
     with pytest.raises(InputError, match="the config names 2 models and merge\\(\\) was given 3"):
         symgraph.merge([A, B, A], data=data, config=cfg)
     with pytest.raises(InputError, match=r"^the config's merge takes statistics on data .*; expected data="):

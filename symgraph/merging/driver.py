@@ -41,26 +41,31 @@ class MergeResult:
     universe: dict | None = None
 
 
-def merge(models, inputs=None, *, weights=None, align=UNSET, data=None, method="average",
-          anchor: int | str = 0, method_options: dict | None = None, progress: bool = False,
-          repair: bool = False, universe_options: dict | None = None, attention: str = "heads",
-          untie: bool = False, config=None, **align_options) -> MergeResult:
+def merge(models, inputs=None, *, weights=UNSET, align=UNSET, data=None, method=UNSET,
+          anchor: int | str = UNSET, method_options: dict | None = UNSET, progress: bool = False,
+          repair: bool = UNSET, universe_options: dict | None = None, attention: str = UNSET,
+          untie: bool = UNSET, config=None, **align_options) -> MergeResult:
     """Merge ``models`` (N ≥ 2) into a new model of the anchor's architecture.
 
+    The options a :class:`~symgraph.app.config.MergeConfig` holds (``weights``, ``align``,
+    ``method``, ``anchor``, ``method_options``, ``repair``, ``attention``, ``untie`` and the
+    config's fields among ``align_options``) are unset unless given: their defaults are the
+    config's, and with ``config=`` any of them given is refused, even at its default's value.
+
     align : "weights" (data-free, the default), "activations" (needs ``data``; refine's default and only value) or None.
-    method : a registered name (``symgraph.merge_methods()``) or a
+    method : a registered name (``symgraph.merge_methods()``; default "average") or a
         :class:`~symgraph.merging.MergeMethod` instance; ``method_options``: its parameters.
     weights : per-model mixing weights (default uniform).
-    anchor : the index of the model whose basis the others are aligned to, or "universe":
+    anchor : the index (default 0) of the model whose basis the others are aligned to, or "universe":
         every model aligned to the mean of the others (:mod:`symgraph.merging.universe`,
         ``universe_options``: ``max_rounds``, ``tol``), in models[0]'s architecture.
-    repair : REPAIR (Jordan et al. 2023; :mod:`symgraph.merging.repair`): every hidden channel
+    repair : REPAIR (Jordan et al. 2023; :mod:`symgraph.merging.repair`; default off): every hidden channel
         that feeds a nonlinearity gets, on ``data`` (required), the mean and std interpolated
         from the models in A's basis; BatchNorm layers get their running statistics recomputed.
     progress : a progress bar (stderr) over the models.
-    attention : "heads" or "circuits": every head interpolates its ``QKᵀ`` and ``OV`` forms,
+    attention : "heads" (the default) or "circuits": every head interpolates its ``QKᵀ`` and ``OV`` forms,
         in heads N times as wide (:mod:`symgraph.merging.circuits`; method "average" only).
-    untie : give tied weights their own tensors first (:mod:`symgraph.merging.untie`).
+    untie : give tied weights their own tensors first (:mod:`symgraph.merging.untie`; default off).
     align_options : :class:`~symgraph.AlignOptions` fields (``solver``, ``inner``, ...).
     config : a :class:`~symgraph.app.config.MergeConfig` (the command line's and YAML's)
         giving the options instead of the keywords above, which are then left unset
@@ -78,7 +83,8 @@ def merge(models, inputs=None, *, weights=None, align=UNSET, data=None, method="
     if config.untie:
         from .untie import untie as untie_model
         models = [untie_model(m) for m in models]
-    how = registry.get(method) if not isinstance(method, str) else registry.get(config.method, **config.parameters)
+    instance = method is not UNSET and not isinstance(method, str)  # a MergeMethod the config does not name
+    how = registry.get(method) if instance else registry.get(config.method, **config.parameters)
     if how.needs_data and data is None:  # a method instance the config does not name
         raise InputError(f"method={how.name!r} needs data (an iterable of batches)")
     inputs = data[0] if inputs is None and data is not None else inputs
@@ -128,8 +134,7 @@ def _config(models, config, given: dict, data, align_options: dict) -> tuple:
         raise InputError("data is empty; expected at least one batch")
     for i, m in enumerate(models):
         check_finite(m, f"model {i}")
-    d = merge.__kwdefaults__ or {}  # the keywords set; one UNSET or at its default is the config's
-    given = {k: v for k, v in given.items() if v is not d[k] and not (type(v) is type(d[k]) and v == d[k])}
+    given = {k: v for k, v in given.items() if v is not UNSET}  # the keywords set; the others are the config's
     if config is None:
         n, a = len(models), given.get("anchor", 0)
         if isinstance(a, (int, np.integer)) and not isinstance(a, bool):
