@@ -12,7 +12,7 @@ import torch.nn as nn
 import symgraph
 from symgraph.passes.deadcode import dead_parameters
 
-from dead_models import Blocks, DeadMLP, Handed, Hooked, ReadByName, ReadElsewhere, Scaled, Shelved, Stack, Walked
+from dead_models import Blocks, DeadMLP, Handed, Hooked, ReadByName, ReadElsewhere, Scaled, Shadowed, Shelved, Stack, Walked
 
 # the models live in a file of their own: the names this file asserts on are strings here
 STATIC = "never read by any method of dead_models.py (static check)"
@@ -101,6 +101,7 @@ def test_a_block_never_called_is_dead_whatever_its_own_forward_reads():
     assert rep.certify(A, _x()) <= 1e-12
     # ``self`` handed to a function reaching its members: nothing under it is proven dead
     assert dead_parameters(Walked(), shelf) == {}
+    assert dead_parameters(Shadowed(), shelf) == {}  # ``plain`` bound as an argument: any function
 
 
 def test_wav2vec2_conformer_positional_convolution_is_dead():

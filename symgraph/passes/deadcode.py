@@ -64,8 +64,9 @@ class _Facts(ast.NodeVisitor):
         self.words: list = []
         self.generic: set = set()
         self.handed: dict = {}  # class -> {(function name, position)}: f(self) with f a plain name
+        self._calls: list = []  # (class, function name, position, the enclosing functions' names)
         self.classes: set = set()
-        self._scope: list = []  # ('class', qualname) or ('def', name, self name, class, arguments)
+        self._scope: list = []  # ('class', qualname) or ('def', name, self name, class, arguments, bound names)
 
     def _where(self):
         """The innermost function's (self name, class qualname): a method's own, inherited by
@@ -107,7 +108,7 @@ class _Facts(ast.NodeVisitor):
         self._function(node, name, args, *(("", None) if me in {a.arg for a in args} else (me, cls)))
 
     def _function(self, node, name, args, me, cls):
-        self._scope.append(("def", name, me, cls, {a.arg for a in args} - {me}))
+        self._scope.append(("def", name, me, cls, {a.arg for a in args} - {me}, {a.arg for a in args}))
         self.generic_visit(node)
         self._scope.pop()
 
@@ -138,7 +139,21 @@ class _Facts(ast.NodeVisitor):
         if not self._mine(node.value):  # self.x: the receiver is no bare use of self
             self.visit(node.value)
 
+    def _bind(self, name: str):
+        """``name`` bound in the innermost function (an assignment, a loop, an import)."""
+        s = next((s for s in reversed(self._scope) if s[0] == "def"), None)
+        if s is not None:
+            s[5].add(name)
+
+    def visit_Import(self, node):
+        for a in node.names:
+            self._bind((a.asname or a.name).split(".")[0])
+
+    visit_ImportFrom = visit_Import
+
     def visit_Name(self, node):
+        if isinstance(node.ctx, ast.Store):
+            self._bind(node.id)
         me, _ = self._where()
         if node.id == me:  # self handed on, returned or stored: what reads it is not here
             self._reach()
@@ -180,12 +195,25 @@ class _Facts(ast.NodeVisitor):
         _, cls = self._where()
         for i, a in enumerate(node.args):
             if self._mine(a) and func is not None and not quiet and cls is not None and not self._skipped():
-                self.handed.setdefault(cls, set()).add((func, i))  # checked where it goes
+                names = [s[5] for s in self._scope if s[0] == "def"]  # complete once the file is read
+                self._calls.append((cls, func, i, names))  # checked where it goes: see finish
             elif not (quiet and self._mine(a)):
                 self.visit(a)
         for k in node.keywords:
             if not (quiet and self._mine(k.value)):
                 self.visit(k.value)
+
+
+    def finish(self):
+        """Each ``f(self)`` seen: ``f`` a module-level function (to be read where it goes,
+        ``handed``) unless a function around the call binds the name, then a reach."""
+        for cls, func, i, names in self._calls:
+            if any(func in n for n in names):
+                self.generic.add(cls)
+            else:
+                self.handed.setdefault(cls, set()).add((func, i))
+        self._calls = []
+        return self
 
 
 @functools.lru_cache(maxsize=256)
@@ -194,7 +222,7 @@ def _parsed(path: str, size: int, mtime: int):
         tree = ast.parse(f.read(), filename=path)
     facts = _Facts()
     facts.visit(tree)
-    return facts
+    return facts.finish()
 
 
 def _facts(path: str):
@@ -236,7 +264,7 @@ def _callee(path: str, size: int, mtime: int, name: str, pos: int):
     facts = _Facts()
     facts._function(node, name, node.args.posonlyargs + node.args.args + node.args.kwonlyargs,
                     args[pos].arg, "<callee>")
-    return facts
+    return facts.finish()
 
 
 def _source(cls):
