@@ -91,9 +91,10 @@ def _video_tokens(model, kwargs, cfg, images, batch, gen) -> None:
     its features on the image tokens (:func:`_on_image_tokens`)."""
     token = ints(config_value(cfg, "video_token_id", "video_token_index"))
     get = _features_getter(model, "get_video_features")
+    if not token or get is None or "pixel_values_videos" not in inspect.signature(model.forward).parameters:
+        return
     video = _video(model, cfg, images, batch, gen)
-    if not token or get is None or video is None \
-            or "pixel_values_videos" not in inspect.signature(model.forward).parameters:
+    if video is None:
         return
     seen_images, n_image = _modules_run(model, _image_features(model), images, batch)
     seen_videos, n = _modules_run(model, get, {"pixel_values_videos": video}, batch)
@@ -110,8 +111,8 @@ def _video_tokens(model, kwargs, cfg, images, batch, gen) -> None:
 def _on_image_tokens(model, kwargs, video) -> bool:
     """Whether the forward runs on ``kwargs`` (one image a row, its tokens placed) with ``video``
     and no video token (then taken): its videos' placeholders are the image token's, and their
-    features overwrite the images' on them (Nemotron-H Omni's, whose ``video_token_id`` no
-    forward reads). No output then depends on a parameter only the images read (the patch
+    features overwrite the images' on them (Nemotron-H Omni's: its forward reads no
+    ``video_token_id``). No output then depends on a parameter only the images read (the patch
     projection of packed images): it moves with its classes, which the certificate judges on the
     images alone (tests/test_image_inputs_video.py), not on these inputs."""
     trial = {**kwargs, "pixel_values_videos": video}
@@ -126,9 +127,9 @@ def _video(model, cfg, images, batch, gen):
     the shape the forward's docstring gives ``pixel_values_videos`` where it has five entries
     (Nemotron-H Omni's ``(num_videos, num_tubelets, video_temporal_patch_size * num_channels,
     height, width)``): one video a row, one tubelet (or frame), channels the product of the
-    values the entry names (the vision config's, else the config's), frames as large as the first image's patch grid (an integer
-    ``(num_images, 2 or 3)`` input: ``image_grid_hw``) times the vision config's patch size; None
-    where neither tells."""
+    values the entry names (the vision config's, else the config's), frames as large as the
+    first image's patch grid (an integer ``(num_images, 2 or 3)`` input: ``image_grid_hw``)
+    times the vision config's patch size; None where neither tells."""
     px = images.get("pixel_values")
     if isinstance(px, torch.Tensor) and px.dim() == 4:
         return torch.randn(px.shape[0], 2, *px.shape[1:], generator=gen)
@@ -144,7 +145,9 @@ def _video(model, cfg, images, batch, gen):
             or not isinstance(patch, int) or grids[0].dim() != 2:
         return None
     height, width = (int(s) * patch for s in grids[0][0, -2:])
-    return torch.randn(batch, 1, math.prod(channels), height, width, generator=gen)
+    own = torch.Generator()  # gen's draws stay as they were where the video is not taken
+    own.set_state(gen.get_state())
+    return torch.randn(batch, 1, math.prod(channels), height, width, generator=own)
 
 
 def _modules_run(model, get, inputs: dict, batch: int = 1) -> tuple:
