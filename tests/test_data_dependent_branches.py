@@ -162,3 +162,29 @@ def test_an_unread_parameter_beside_a_branch_taken_is_not_said_to_be_read_by_a_b
                           "data-dependent branches: unknown")
     assert "branch the example inputs do not take" not in rep.unread
     assert rep.certify(A, inp) <= 1e-6
+
+
+class Selected(nn.Module):
+    """An MLP whose output keeps the rows a mask on the input selects: a size the data decides."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        rows = torch.nonzero(x[:, 0] > 0).squeeze(-1)
+        return self.down(torch.relu(self.up(x))[rows])
+
+
+def test_a_size_the_data_decides_is_taken_from_the_run_or_refused_on_meta():
+    torch.manual_seed(0)
+    x = torch.tensor([[1.0, 0, 0, 0], [-1, 0, 0, 0], [2, 1, 0, 0]]) + 0.1 * torch.randn(3, 4)
+    A = Selected().eval()
+    rep = symgraph.analyze(A, (x,))
+    (hidden,) = rep.groups
+    assert hidden.size == 8 and ("up.weight", 0) in hidden.params
+    assert rep.certify(A, (x,)) <= 1e-12
+    with pytest.raises(TraceError, match=r"^Selected: the size of nonzero .* depends on the data .*line \d+, in forward\), and a model on "
+                                         r"the meta device holds no values to take it from; expected the model "
+                                         r"with its weights"):
+        symgraph.analyze(Selected().to("meta"), (x,))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["has_data_dependent_sizes", "concretize"]
+__all__ = ["has_data_dependent_sizes", "unsized_nodes", "concretize"]
 
 
 def _unbacked(v) -> bool:
@@ -19,6 +19,11 @@ def _unbacked(v) -> bool:
 
 def has_data_dependent_sizes(ep) -> bool:
     return any(_unbacked(n.meta.get("val")) for n in ep.graph.nodes)
+
+
+def unsized_nodes(ep) -> list:
+    """The nodes of ``ep`` whose value's size the data decides (unbacked)."""
+    return [n for n in ep.graph.nodes if _unbacked(n.meta.get("val"))]
 
 
 def _meta_like(v, got):

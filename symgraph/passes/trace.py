@@ -321,12 +321,31 @@ def trace(model, inputs=None, decompose: bool = True):
                 break
             with real_values() if branched else contextlib.nullcontext():  # its values' real ones
                 ep = ep.run_decompositions(table)
-        if not on_meta and has_data_dependent_sizes(ep):
-            concretize(ep, *traced)
+        if has_data_dependent_sizes(ep) and (on_meta or not concretize(ep, *traced)):
+            _refuse_unsized(ep, model, on_meta)
         ep.graph_module.meta[BRANCHES_TAKEN] = branched
         ep.graph_module.meta[UNREAD] = unread
     ep.graph_module.meta[DEAD] = dead_parameters(model, unread)  # as defined: outside graph_friendly
     return ep, args, kwargs
+
+
+def _refuse_unsized(ep, model, on_meta: bool) -> None:
+    """Raise :class:`TraceError` where a value the analysis sizes (any but the driver's ignored
+    ops') still has a size only the data decides (``nonzero``, a boolean mask's selection):
+    on ``meta`` no value is at hand, and elsewhere the program could not be run on the example
+    inputs to take it (:func:`.concrete.concretize`). None otherwise."""
+    from .concrete import unsized_nodes
+    from .driver import IGNORED
+    left = [n for n in unsized_nodes(ep) if n.op == "placeholder" or packet(n) not in IGNORED]
+    if not left:
+        return
+    where = left[0].meta.get("stack_trace", "").strip().splitlines()
+    raise TraceError(
+        f"{type(model).__name__}: the size of {left[0].name} ({len(left)} value(s) in all) depends on the "
+        f"data{' (' + where[-2].strip() + ')' if len(where) > 1 else ''}, and "
+        + ("a model on the meta device holds no values to take it from; expected the model with its weights "
+           "(load it on the CPU)" if on_meta else
+           "the program could not be run on the example inputs to take it; expected inputs it runs on"))
 
 
 def _fields(tree) -> list:
