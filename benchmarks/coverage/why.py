@@ -20,21 +20,29 @@ _MAX = 3
 def explain(ep, report, missing) -> None:
     """Add ``"why"`` (the ops or patterns that block it: ``"op: reason; ..."``, node names
     without their numbering, so that every layer reads alike) and ``"where"`` (the weight axis
-    read) to each entry of ``missing`` (:func:`~.structure.expectations`)."""
+    read) to each entry of ``missing`` (:func:`~.structure.expectations`). A slot the graph
+    reads under another name of a tied tensor (a box head shared by the model and its decoder)
+    is asked of the report under the name it reports."""
     units = {u["module"]: u for u in attention_units(ep, nodes=True)}
+    named = reported_names(report)
     for m in missing:
         if "why" in m:
             continue
         why, where = None, None
         if m["kind"] == "attention-heads" and m["module"] in units:
-            why, where = _heads(ep, report, units[m["module"]])
+            why, where = _heads(ep, report, units[m["module"]], named)
         elif m["kind"] == "rope":
             why = _rope(report, [u for u in units.values() if u["rotated"] and not u["qk_norm"]])
         elif m["kind"] == "mlp-perm" and m.get("slots"):
-            why = _slots(report, [tuple(s) for s in m["slots"]])
+            why = _slots(report, [(named.get(p, p), d) for p, d in m["slots"]])
         m["why"] = why or "no op recorded (a class is missing that no constraint ruled out)"
         if where:
             m["where"] = where
+
+
+def reported_names(report) -> dict:
+    """``{other name: reported name}`` for each tied tensor (``report.aliases``)."""
+    return {o: k for k, others in report.aliases.items() for o in others}
 
 
 def projection(ep, node):
@@ -58,10 +66,11 @@ def projection(ep, node):
     return None
 
 
-def _heads(ep, report, unit):
+def _heads(ep, report, unit, named):
     slot = projection(ep, unit["query"])
     if slot is None:
         return "the query is no projection of a parameter (no head class can hold it)", None
+    slot = (named.get(slot[0], slot[0]), slot[1])
     items = []
     for leaf in report.axis_reasons(*slot):
         items += leaf["nofiber"]  # what kept the head dimensions from varying per head
