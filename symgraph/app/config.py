@@ -27,7 +27,7 @@ import os
 
 from pydantic import ValidationError
 
-from ..core.schema import error_key, refusal, refused, short_repr as _short
+from ..core.schema import error_key, quoted, refusal, refused, short_repr as _short
 from ..errors import InputError
 from ..merging.config import MAX_REFINE, MERGE_KEYS, MergeConfig, check
 from .mergekit_config import from_mergekit
@@ -116,7 +116,7 @@ def _read_yaml(path: str) -> dict:
         raise InputError(f"merge config {path!r} is not valid YAML ({str(e).splitlines()[0][:200]}); expected a "
                          f"mapping with keys {keys}") from None
     except (ValueError, OverflowError, RecursionError) as e:  # a value YAML parses but Python cannot hold
-        raise InputError(f"merge config {path!r} holds a value that cannot be read ({' '.join(str(e).split())[:160]}); "
+        raise InputError(f"merge config {path!r} holds a value that cannot be read ({quoted(e, 160)}); "
                          f"expected a mapping with keys {keys}") from None
     if not isinstance(cfg, dict):
         raise InputError(f"merge config {path!r} holds a {type(cfg).__name__}; expected a mapping with keys {keys}")

@@ -20,6 +20,7 @@ from ..core.devices import meta_model
 from ..core.dtypes import SAFETENSORS_DTYPES
 from ..core.finite import check_config_numbers
 from ..core.files import PinnedFile, model_file
+from ..core.schema import quoted
 from ..errors import InputError
 
 __all__ = ["check_checkpoint_dir", "read_layout", "read_config", "build_meta", "Layout", "load_local", "load_hub",
@@ -150,7 +151,7 @@ def read_layout(path: str) -> Layout:
         except InputError:
             raise
         except Exception as e:  # noqa: BLE001 - safetensors' own errors (truncated, corrupt header)
-            raise InputError(f"cannot read the weights of {path!r} ({name}): {' '.join(str(e).split())[:200]}; "
+            raise InputError(f"cannot read the weights of {path!r} ({name}): {quoted(e)}; "
                              "expected valid safetensors files written by save_pretrained") from None
     absent = sorted(set(weight_map or ()) - set(where))
     if absent:
@@ -170,7 +171,7 @@ def read_config(path: str):
     try:
         cfg = tf.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - a missing or mistyped field (huggingface_hub's strict dataclasses)
-        raise InputError(f"cannot read {cfg_path}: {' '.join(str(e).split())[:200]}; expected a "
+        raise InputError(f"cannot read {cfg_path}: {quoted(e)}; expected a "
                          "Hugging Face config written by save_pretrained") from None
     check_config_numbers(cfg.to_dict(), cfg_path)  # a NaN or negative epsilon: a model that computes NaN
     return cfg, _model_class(tf, cfg, cfg_path)
@@ -198,7 +199,7 @@ def build_meta(cls, config, layout: Layout, where: str):
     except (InputError, MemoryError):
         raise
     except Exception as e:  # noqa: BLE001 - a config field of the wrong type or value, an attention backend
-        raise InputError(f"{where} cannot build {cls.__name__} ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+        raise InputError(f"{where} cannot build {cls.__name__} ({type(e).__name__}: {quoted(e)}); "
                          "expected a config whose fields have the types and values transformers accepts") from None
     finally:
         torch.nn.Module.__init__ = init  # type: ignore[method-assign]  # put back
@@ -259,7 +260,7 @@ def read_index(index: str) -> dict:
     try:
         raw = read_json(index)
     except (OSError, ValueError) as e:
-        raise InputError(f"cannot read {index!r} ({' '.join(str(e).split())[:200]}); {expected}") from None
+        raise InputError(f"cannot read {index!r} ({quoted(e)}); {expected}") from None
     if not isinstance(raw, dict):
         raise InputError(f"{index!r} holds a JSON {type(raw).__name__}; {expected}")
     wm = raw.get("weight_map")
@@ -298,7 +299,7 @@ def refuse_remote_code(path: str) -> None:
     except OSError:
         return  # unreadable configs are refused by the loader with their own message
     except ValueError as e:
-        raise InputError(f"cannot read {cfg_path}: {' '.join(str(e).split())[:200]}; expected a Hugging Face "
+        raise InputError(f"cannot read {cfg_path}: {quoted(e)}; expected a Hugging Face "
                          "config written by save_pretrained") from None
     auto = raw.get("auto_map") if isinstance(raw, dict) else None
     if auto:
@@ -360,11 +361,11 @@ def _from_pretrained(cls, source, where, **kw):
         model, info = cls.from_pretrained(source, use_safetensors=True,
                                           output_loading_info=True, trust_remote_code=False, **kw)
     except (OSError, ValueError, RuntimeError, KeyError, EnvironmentError) as e:
-        msg = " ".join(str(e).split())[:300] or type(e).__name__
+        msg = quoted(e, 300)
         raise InputError(f"cannot load {where}: {msg}; expected {EXPECTED} with valid safetensors "
                          "weights") from None
     except Exception as e:  # noqa: BLE001 - safetensors' own errors (truncated, corrupt header)
-        msg = " ".join(str(e).split())[:300] or type(e).__name__
+        msg = quoted(e, 300)
         raise InputError(f"cannot read the weights of {where}: {msg}; expected valid safetensors "
                          "files written by save_pretrained") from None
     refuse_incomplete(info, where, cls.__name__)
@@ -441,7 +442,7 @@ def load_hub(spec: str, hint: str = ""):
         if why is not None:
             raise InputError(f"no model directory {spec!r} here{hint} and it is not in the local hub cache "
                              f"({why}); expected {EXPECTED}, or a hub id the hub can serve") from None
-        msg = " ".join(str(e).split())[:200] or type(e).__name__
+        msg = quoted(e)
         raise InputError(f"no model directory {spec!r} here{hint} and the Hugging Face hub could not load it "
                          f"({msg}); expected {EXPECTED}, or a hub id with safetensors weights") from None
     check_config_numbers(cfg.to_dict(), f"the config of {spec!r}")

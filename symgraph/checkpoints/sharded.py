@@ -24,6 +24,7 @@ from ..core.dtypes import SAFETENSORS_NAMES as _ST_NAMES
 from .loading import (KeysDiffer, build_meta, check_checkpoint_dir, check_tensors, parameter_names,
                       read_config, read_layout)
 from ..core.finite import check_read
+from ..core.schema import quoted
 from ..errors import InputError
 
 __all__ = ["Checkpoint", "KeysDiffer", "check_pair", "ShardWriter", "parse_size", "INDEX", "SINGLE"]
@@ -131,7 +132,7 @@ class Checkpoint:
             if pin is not None:
                 pin.check()  # a file that changed says so
             raise InputError(f"cannot read the weights of {self.path!r} ({os.path.basename(file)}): "
-                             f"{' '.join(str(e).split())[:200]}; expected valid safetensors files written "
+                             f"{quoted(e)}; expected valid safetensors files written "
                              "by save_pretrained") from None
 
     def read(self, key: str, check: bool = True, part=None) -> torch.Tensor:

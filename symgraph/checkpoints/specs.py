@@ -15,6 +15,7 @@ from ..core.files import check_input_file
 from ..core.finite import same_value
 from ..errors import InputError
 from ..core.progress import note
+from ..core.schema import quoted
 from .outdir import TOKENIZER_FILES, check_out, save_atomic  # noqa: F401 - re-exported
 
 __all__ = ["DEMO_MODELS", "BATCH_ROWS", "MODEL_EXPECTED", "model_kind", "demo_model", "load_model", "load_data",
@@ -151,13 +152,15 @@ def _read_tensors(path: str) -> dict:
         try:
             d = load_file(path)
         except Exception as e:  # noqa: BLE001
-            raise InputError(f"cannot read data file {path!r}: {e}; expected a valid safetensors file") from None
+            raise InputError(f"cannot read data file {path!r}: {quoted(e)}; expected a valid safetensors file") from None
     elif path.endswith((".pt", ".pth")):
         try:
             d = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001
-            raise InputError(f"cannot read data file {path!r} with weights_only=True: {e}; expected a "
-                             "dict of tensors or a tensor") from None
+        except Exception as e:  # noqa: BLE001 - torch's advice (load with weights_only=False) left out
+            why = " ".join((str(e).partition("WeightsUnpickler error:")[2] or str(e)).split())
+            raise InputError(f"cannot read data file {path!r} with weights_only=True (symgraph runs no code "
+                             f"from a file): {quoted(why.partition(' Check the documentation')[0])}; expected "
+                             "a dict of tensors or a tensor") from None
         if isinstance(d, torch.Tensor):
             d = {"input_ids": d}
     else:

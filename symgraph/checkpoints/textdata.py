@@ -26,6 +26,7 @@ import tempfile
 import torch
 
 from ..core.files import check_input_file, copy_regular, identity, model_file, remove_own
+from ..core.schema import quoted
 from ..errors import InputError
 from .outdir import TMP_PREFIX, TOKENIZER_FILES, check_new_file
 
@@ -56,7 +57,7 @@ def load_tokenizer(directory: str):
             tok = AutoTokenizer.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
         except (OSError, ValueError, KeyError) as e:
             raise InputError(f"--tokenizer {directory!r} cannot be loaded ({type(e).__name__}: "
-                             f"{' '.join(str(e).split())[:160]}); expected a tokenizer saved by save_pretrained") from None
+                             f"{quoted(e, 160)}); expected a tokenizer saved by save_pretrained") from None
     if tok.pad_token is None:  # LLaMA-style tokenizers have none: pad with the end token, as is usual
         if tok.eos_token is None:
             raise InputError(f"the tokenizer in {directory!r} has neither a padding nor an end token; expected a "

@@ -4,13 +4,14 @@ turns its ``ValidationError`` into, so that a refusal names the option, the valu
 the option expects, in the schema's own words (each field's ``json_schema_extra["expected"]``)."""
 from __future__ import annotations
 
+import re
 import types
 import typing
 from typing import Annotated, Any, Mapping
 
 from pydantic import Field, StrictInt, TypeAdapter, ValidationError
 
-__all__ = ["short_repr", "expected", "error_key", "refusal", "refused", "Number", "SEED", "Option", "options", "flag",
+__all__ = ["short_repr", "quoted", "expected", "error_key", "refusal", "refused", "Number", "SEED", "Option", "options", "flag",
            "UNSET", "Unset"]
 
 
@@ -20,6 +21,21 @@ def short_repr(v, n: int = 80) -> str:
     r = repr(v)
     r = " ".join(r.split()) if "\n" in r else r
     return r if len(r) <= n else r[:n] + "..."
+
+
+def quoted(e, n: int = 200) -> str:
+    """A library's message (an exception, or its text) on one line, quoted in a refusal: its
+    first sentences that fit in ``n`` characters, or its first ``n`` cut at a word (``...``
+    marks the cut); the exception's type name when it says nothing."""
+    s = " ".join(str(e).split()) or type(e).__name__
+    if len(s) <= n:
+        return s
+    kept = ""
+    for sentence in re.split(r"(?<=[.!?])\s+", s):
+        if len(kept) + len(sentence) + 1 > n:
+            break
+        kept = f"{kept} {sentence}".strip()
+    return kept or s[:n].rsplit(" ", 1)[0] + " ..."
 
 
 def expected(schema, key: str, fallback: str = "a valid value") -> str:

@@ -1,0 +1,52 @@
+"""Hostile inputs a new user's hour found (issues 61/65): a ``.pt`` data file whose pickle
+would run code, a config naming a model type transformers does not know. Each is refused in one line that names what was wrong and what was
+expected, quoting a library's message only as far as it is about the input (never torch's advice
+to load the file with ``weights_only=False``, never a word cut in half)."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+
+import symgraph
+from symgraph.checkpoints.loading import read_config
+from symgraph.checkpoints.specs import load_data
+from symgraph.core.schema import quoted
+
+
+class _Touch:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_a_pickle_that_runs_code_is_refused_without_torchs_advice(tmp_path):
+    ran = tmp_path / "ran"
+    path = tmp_path / "evil.pt"
+    path.write_bytes(pickle.dumps({"input_ids": _Touch(ran)}))
+    with pytest.raises(symgraph.InputError) as e:
+        load_data(str(path))
+    assert str(e.value) == (f"cannot read data file {str(path)!r} with weights_only=True (symgraph runs no code "
+                            "from a file): Unsupported operand 149; expected a dict of tensors or a tensor")
+    assert not ran.exists()
+
+
+def test_an_unknown_model_type_is_quoted_to_its_first_sentence(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "evil", "architectures": ["EvilModel"]}))
+    with pytest.raises(symgraph.InputError) as e:
+        read_config(str(tmp_path))
+    assert str(e.value) == (f"cannot read {tmp_path}/config.json: The checkpoint you are trying to load has model "
+                            "type `evil` but Transformers does not recognize this architecture.; expected a "
+                            "Hugging Face config written by save_pretrained")
+
+
+def test_quoted_keeps_whole_sentences_or_cuts_at_a_word():
+    assert quoted(ValueError("one  line\nof text")) == "one line of text"
+    assert quoted(ValueError()) == "ValueError"
+    assert quoted("First sentence. " + "x" * 300, 40) == "First sentence."
+    assert quoted("alpha beta gamma delta", 12) == "alpha beta ..."
+    assert quoted("y" * 30, 10) == "y" * 10 + " ..."
