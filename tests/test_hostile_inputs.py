@@ -1,7 +1,8 @@
-"""Hostile inputs a new user's hour found (issues 61/65): a ``.pt`` data file whose pickle
-would run code, a config naming a model type transformers does not know. Each is refused in one line that names what was wrong and what was
-expected, quoting a library's message only as far as it is about the input (never torch's advice
-to load the file with ``weights_only=False``, never a word cut in half)."""
+"""Hostile inputs a new user's hour found (issues 61/65): ``merge()`` given something that is
+not a list of models in memory, a ``.pt`` data file whose pickle would run code, a config naming
+a model type transformers does not know. Each is refused in one line that names what was wrong
+and what was expected, quoting a library's message only as far as it is about the input (never
+torch's advice to load the file with ``weights_only=False``, never a word cut in half)."""
 from __future__ import annotations
 
 import json
@@ -9,11 +10,31 @@ import os
 import pickle
 
 import pytest
+import torch
 
 import symgraph
 from symgraph.checkpoints.loading import read_config
 from symgraph.checkpoints.specs import load_data
 from symgraph.core.schema import quoted
+from symgraph.testing import models
+
+L = dict(vocab=64, hidden=16, layers=1, heads=2, kv_heads=1, mlp=24, positions=32)
+
+
+def test_merge_refuses_what_is_not_a_model_in_memory():
+    m = models.build("llama", seed=0, **L)
+    with pytest.raises(symgraph.InputError) as e:
+        symgraph.merge([m, "b"])
+    assert str(e.value) == ("models[1] is a str, not a torch.nn.Module; expected models in memory (merge "
+                            "checkpoints on disk with symgraph.merge_checkpoints)")
+    with pytest.raises(symgraph.InputError) as e:
+        symgraph.merge([m, None])
+    assert str(e.value).startswith("models[1] is a NoneType, not a torch.nn.Module;")
+    for one in (m, torch.nn.Sequential(m, models.build("llama", seed=1, **L))):  # not a list of models
+        with pytest.raises(symgraph.InputError) as e:
+            symgraph.merge(one)
+        assert str(e.value) == (f"models is a {type(one).__name__}; expected a list of torch.nn.Module "
+                                "models (at least 2)")
 
 
 class _Touch:

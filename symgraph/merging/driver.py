@@ -73,7 +73,7 @@ def merge(models, inputs=None, *, weights=UNSET, align=UNSET, data=None, method=
         one entry of its ``models`` per model; its on-disk options are ``run_merge``'s.
     """
     t0 = time.perf_counter()
-    models, data = list(models), (list(data) if data is not None else None)
+    models, data = _model_list(models), (list(data) if data is not None else None)
     given = dict(weights=weights, align=align, method=method, anchor=anchor, method_options=method_options,
                  repair=repair, attention=attention, untie=untie)
     config, align_options = _config(models, config, given, data, align_options)
@@ -121,6 +121,20 @@ def merge(models, inputs=None, *, weights=UNSET, align=UNSET, data=None, method=
         timings["repair"] = repaired.seconds
     timings["total"] = time.perf_counter() - t0
     return MergeResult(out, alignments, timings, repaired, universe)
+
+
+def _model_list(models) -> list:
+    """``models`` as a list, each a ``torch.nn.Module``, or refused in one line (one module,
+    not a list of them, is refused too: an ``nn.Sequential`` would iterate over its layers)."""
+    if isinstance(models, (torch.nn.Module, str, bytes)) or not hasattr(models, "__iter__"):
+        raise InputError(f"models is a {type(models).__name__}; expected a list of torch.nn.Module models "
+                         "(at least 2)")
+    models = list(models)
+    for i, m in enumerate(models):
+        if not isinstance(m, torch.nn.Module):
+            raise InputError(f"models[{i}] is a {type(m).__name__}, not a torch.nn.Module; expected models in "
+                             "memory (merge checkpoints on disk with symgraph.merge_checkpoints)")
+    return models
 
 
 def _config(models, config, given: dict, data, align_options: dict) -> tuple:
