@@ -37,6 +37,17 @@ def test_merge_refuses_what_is_not_a_model_in_memory():
                                 "models (at least 2)")
 
 
+@pytest.mark.parametrize("shape", [(0, 8), (4, 0), (8,)])
+def test_token_ids_without_a_row_or_a_token_are_refused_saying_so(tmp_path, shape):
+    from safetensors.torch import save_file
+    path = str(tmp_path / "ids.safetensors")
+    save_file({"input_ids": torch.zeros(shape, dtype=torch.long)}, path)
+    with pytest.raises(symgraph.InputError) as e:
+        load_data(path)
+    assert str(e.value) == (f"'input_ids' in {path!r} has shape {shape}; expected a 2-d tensor [N, S] of token "
+                            "ids (N ≥ 1 rows of S ≥ 1 tokens)")
+
+
 class _Touch:
     def __init__(self, path):
         self.path = path
