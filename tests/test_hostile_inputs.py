@@ -48,6 +48,19 @@ def test_token_ids_without_a_row_or_a_token_are_refused_saying_so(tmp_path, shap
                             "ids (N ≥ 1 rows of S ≥ 1 tokens)")
 
 
+def test_a_nan_checkpoint_loaded_whole_is_named_once_quoted(tmp_path):
+    from symgraph.checkpoints.loading import load_local
+    m = models.build("llama", seed=0, **L)
+    with torch.no_grad():
+        m.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    m.save_pretrained(tmp_path / "nan")
+    path = str(tmp_path / "nan")
+    with pytest.raises(symgraph.InputError) as e:
+        load_local(path)
+    assert str(e.value) == (f"checkpoint {path!r} has 1 NaN/inf values in tensor 'model.layers.0.mlp.up_proj."
+                            "weight'; expected finite weights (was the model trained with a diverging loss?)")
+
+
 class _Touch:
     def __init__(self, path):
         self.path = path

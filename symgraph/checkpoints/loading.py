@@ -351,7 +351,7 @@ def check_weights_finite(model, where: str):
     for name, p in model.named_parameters():
         if p.is_floating_point() and not torch.isfinite(p).all():
             bad = int((~torch.isfinite(p)).sum())
-            raise InputError(f"checkpoint {where!r} has {bad} NaN/inf values in tensor {name!r}; "
+            raise InputError(f"checkpoint {where} has {bad} NaN/inf values in tensor {name!r}; "
                              "expected finite weights (was the model trained with a diverging loss?)")
 
 
