@@ -61,6 +61,17 @@ def test_a_nan_checkpoint_loaded_whole_is_named_once_quoted(tmp_path):
                             "weight'; expected finite weights (was the model trained with a diverging loss?)")
 
 
+def test_merge_checkpoints_names_its_keywords_not_the_flags(tmp_path):
+    paths, out = [str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "out")
+    with pytest.raises(symgraph.InputError) as e:
+        symgraph.merge_checkpoints(paths, out, memory_budget=0)
+    assert str(e.value) == "memory_budget 0; expected a size such as '2GB' or '500MB', above 0 and at most 1000000GB"
+    with pytest.raises(symgraph.InputError) as e:
+        symgraph.merge_checkpoints(paths, out, max_iter=0)
+    assert str(e.value) == "max_iter 0; expected a number of sweeps (an integer >= 1, at most 1000)"
+    assert not os.path.exists(out)
+
+
 class _Touch:
     def __init__(self, path):
         self.path = path

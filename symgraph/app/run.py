@@ -247,7 +247,7 @@ def merge_checkpoints(paths, out: str, *, weights=None, align=UNSET, anchor: int
     given = {} if align is UNSET else {"align": "none" if align is None else align}  # unset: the config's default
     cfg = build_config(dict(models=[str(p) for p in paths], out=str(out), weights=weights, force=force,
                             fold_norms=fold_norms, outputs=outputs, anchor=anchor, **given, **fields),
-                       batches=data is not None)
+                       batches=data is not None, name=str)  # refusals name the keywords
     job = run_merge(cfg, streaming=True, data=data, progress=progress,
                     max_shard_size=max_shard_size, **options).job
     assert isinstance(job, StreamingMerge)  # streaming=True runs out of core or raises
