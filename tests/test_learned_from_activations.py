@@ -92,5 +92,5 @@ def test_merge_checkpoints_and_the_engine_take_refine_without_align(pair, tmp_pa
     for given, said in ((None, "none"), ("weights", "weights")):
         with pytest.raises(InputError) as e:
             merge_checkpoints(paths, str(tmp_path / "p"), align=given, refine=2, data=_batches())
-        assert str(e.value) == f"--refine {SAID}, and --align says {said}; expected --align activations"
+        assert str(e.value) == f"refine {SAID}, and align says {said}; expected align activations"  # as merge()
     assert not (tmp_path / "p").exists()
