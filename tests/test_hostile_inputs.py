@@ -61,6 +61,17 @@ def test_a_nan_checkpoint_loaded_whole_is_named_once_quoted(tmp_path):
                             "weight'; expected finite weights (was the model trained with a diverging loss?)")
 
 
+def test_transform_refuses_what_is_not_a_model_or_an_element():
+    m = models.build("llama", seed=0, **L)
+    t = symgraph.analyze(m).random_transform()
+    with pytest.raises(symgraph.InputError) as e:
+        symgraph.transform(m, None)
+    assert str(e.value) == "transform's t is a NoneType; expected a Transform (such as report.random_transform())"
+    with pytest.raises(symgraph.InputError) as e:
+        symgraph.transform("a", t)
+    assert str(e.value) == "transform's model is a str; expected a torch.nn.Module"
+
+
 def test_merge_checkpoints_names_its_keywords_not_the_flags(tmp_path):
     paths, out = [str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "out")
     with pytest.raises(symgraph.InputError) as e:

@@ -149,6 +149,11 @@ def _pieces(report, tensors):
 def transform(model, t):
     """Return a copy of ``model`` moved by the group element ``t`` (a :class:`Transform`);
     ``model`` itself is never modified."""
+    if not isinstance(model, torch.nn.Module):
+        raise InputError(f"transform's model is a {type(model).__name__}; expected a torch.nn.Module")
+    if not (hasattr(t, "report") and hasattr(t, "elements")):
+        raise InputError(f"transform's t is a {type(t).__name__}; expected a Transform (such as "
+                         "report.random_transform())")
     new = copy.deepcopy(model)
     write_state(new, transformed_state(t.report, t, model), t.report.buffers)
     flags = [(m, m.training) for m in new.modules()]
