@@ -38,20 +38,51 @@ def fit_unit_scales(al, sides, groups) -> dict:
     """The positive scale of each unit of a ``scaled_perm`` class (a ReLU's units: a scale ``s``
     on a unit's inputs is undone by ``1/s`` on its outputs), fitted after the permutation:
     per unit ``argmin_s Σ_co ‖a − s·b′‖² + Σ_contra ‖a − b′/s‖²`` (exact for a transformed
-    copy). The element becomes ``diag(s)·P`` (dense: ``n×n``). ``sides``: A's stored tensors
-    and B's in A's basis (:mod:`~.fullgroups`). Updates ``al.elements``; returns ``{group id:
-    number of units rescaled}``."""
+    copy). The element becomes ``diag(s)·P`` (dense: ``n×n``). A slot that another class of
+    units not yet fitted also scales (the weight between two ReLU layers of one MLP) is left
+    out while the class has a slot without one: the classes are fitted in waves, B moved again
+    after each, then once more on all their slots, so a chain of ReLU layers is exact too.
+    ``sides``: A's stored tensors and B's in A's basis (:mod:`~.fullgroups`). Updates
+    ``al.elements``; returns ``{group id: number of units rescaled}``."""
     targets = [g for g in groups if g.kind == "scaled_perm" and not g.outer
                and isinstance(al.elements.get(g.id), (Perm, torch.Tensor))]
+    out: dict = {}
+    partial = []  # classes fitted on some of their slots: fitted again on all at the end
+    while targets:
+        open_ids = {g.id for g in targets}
+        slots = {g.id: _clean_slots(al.report_a, g, open_ids) for g in targets}
+        now = [g for g in targets if slots[g.id]] or targets  # none has one: all on every slot
+        partial += [g for g in now if slots[g.id] and len(slots[g.id]) < len(g.params)]
+        out.update(_fit_units(al, sides, now, {g.id: slots[g.id] or None for g in now}))
+        targets = [g for g in targets if g not in now]
+    if partial:
+        out.update(_fit_units(al, sides, partial, {g.id: None for g in partial}))
+    return out
 
+
+def _fit_units(al, sides, classes, slots) -> dict:
+    """One fit of the unit scales of ``classes``, each on its ``slots`` (None: all), with B
+    moved into A's basis once."""
     def fit(g, E, Bp):
         P = E.dense() if isinstance(E, Perm) else E.double()
         if P.dim() != 2 or P.shape[0] != P.shape[1]:
             return None
-        scales = _best_scales(*_slot_sums(al.report_a, g, sides.anchor, Bp.__getitem__, P.shape[0], P.device))
+        sums = _slot_sums(al.report_a, g, sides.anchor, Bp.__getitem__, P.shape[0], P.device, slots[g.id])
+        scales = _best_scales(*sums)
         al.elements[g.id] = scales[:, None] * P
         return int((scales != 1).sum())
-    return _each_class(al, targets, lambda: sides.moved(al), fit)
+    return _each_class(al, classes, lambda: sides.moved(al), fit)
+
+
+def _clean_slots(ra, g, open_ids) -> list:
+    """The slots of class ``g`` whose tensors no other class of ``open_ids`` also maps."""
+    keep = []
+    for name, d in g.params:
+        ax = ra.param_axes(name)
+        others = {i for k, a in enumerate(ax) if k != d for i in ra.axis_groups(a)}
+        if not others & (open_ids - {g.id}):
+            keep.append((name, d))
+    return keep
 
 
 def _each_class(al, targets, moved, fit) -> dict:
@@ -69,14 +100,14 @@ def _each_class(al, targets, moved, fit) -> dict:
     return out
 
 
-def _slot_sums(ra, g, a_of, b_of, rows, device):
+def _slot_sums(ra, g, a_of, b_of, rows, device, slots=None):
     """``[4, rows]`` float64 sums over the slots of class ``g``, per block (a ``gl`` class's
     heads) or unit: ``Σ b²``, ``Σ a·b`` over its co occurrences, then over its contra ones, of A's
     tensors (``a_of(name)``) and B's in A's basis (``b_of(name)``). Each occurrence counts on its
     own side: a packed projection (GPT-2's c_attn) holds a class's Q (co) and K (contra) leaves
-    in one slot."""
+    in one slot. ``slots``: only these of ``g.params`` (default: all)."""
     acc = torch.zeros(4, rows, dtype=torch.float64, device=device)
-    for name, d in g.params:
+    for name, d in (g.params if slots is None else slots):
         ax = ra.param_axes(name)
         ta = ra.view(name, a_of(name).double())
         tb = ra.view(name, b_of(name).double())
