@@ -83,6 +83,21 @@ def test_merge_checkpoints_names_its_keywords_not_the_flags(tmp_path):
     assert not os.path.exists(out)
 
 
+def test_a_stale_config_dtype_is_replaced_by_the_tensors(tmp_path):
+    for seed in (0, 1):
+        models.build("llama", seed=seed, **L).save_pretrained(tmp_path / f"m{seed}")
+    cfg_path = tmp_path / "m0" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg["dtype"] == "float32"
+    cfg_path.write_text(json.dumps({**cfg, "dtype": "float8_e4m3fn"}))  # float32 tensors
+    symgraph.merge_checkpoints([str(tmp_path / "m0"), str(tmp_path / "m1")], str(tmp_path / "o"), align=None)
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["dtype"] == "float32"
+    merged = type(models.build("llama", seed=0, **L)).from_pretrained(tmp_path / "o")  # failed on the stale dtype
+    assert {p.dtype for p in merged.parameters()} == {torch.float32}
+    symgraph.merge_checkpoints([str(tmp_path / "m1"), str(tmp_path / "m0")], str(tmp_path / "p"), align=None)
+    assert (tmp_path / "p" / "config.json").read_bytes() == (tmp_path / "m1" / "config.json").read_bytes()
+
+
 class _Touch:
     def __init__(self, path):
         self.path = path

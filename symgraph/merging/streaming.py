@@ -310,7 +310,8 @@ class StreamingMerge:
             shard = parse_size(self.config.max_shard_size) if self.config.max_shard_size else DEFAULT_SHARD
         info = self._finish(lambda: Spill(os.path.dirname(os.path.abspath(directory))),
                             lambda plan: ShardWriter(directory, shard, list(plan.outputs)))
-        write_config(self._checkpoints[self.anchor].path, directory, self.transforms.config_updates)
+        anchor = self._checkpoints[self.anchor]
+        write_config(anchor.path, directory, self.transforms.config_updates, anchor.dtype)
         return info
 
     def write_into(self, add, device=None) -> dict:
