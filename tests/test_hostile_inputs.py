@@ -98,6 +98,18 @@ def test_a_stale_config_dtype_is_replaced_by_the_tensors(tmp_path):
     assert (tmp_path / "p" / "config.json").read_bytes() == (tmp_path / "m1" / "config.json").read_bytes()
 
 
+def test_a_mixed_checkpoint_keeps_a_config_dtype_it_has(tmp_path):
+    from safetensors.torch import load_file, save_file
+    for seed in (0, 1):
+        models.build("llama", seed=seed, **L).save_pretrained(tmp_path / f"m{seed}")
+    weights = tmp_path / "m0" / "model.safetensors"
+    sd = load_file(weights)
+    halves = sorted(sd)[: len(sd) // 2 + 1]  # most tensors float16, the config still says float32
+    save_file({k: v.half() if k in halves else v for k, v in sd.items()}, weights, metadata={"format": "pt"})
+    symgraph.merge_checkpoints([str(tmp_path / "m0"), str(tmp_path / "m1")], str(tmp_path / "o"), align=None)
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["dtype"] == "float32"
+
+
 class _Touch:
     def __init__(self, path):
         self.path = path

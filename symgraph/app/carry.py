@@ -160,7 +160,7 @@ def carry_writer(ckpt, report, elements: dict, gauge: dict, *, budget: int | Non
             if key not in stored:
                 writer.add(key, ckpt.read(key, check=False))
         info = writer.close()
-        write_config(ckpt.path, directory, config_updates, ckpt.dtype)
+        write_config(ckpt.path, directory, config_updates, ckpt.dtypes.values())
         return info
     return write
 

@@ -311,7 +311,7 @@ class StreamingMerge:
         info = self._finish(lambda: Spill(os.path.dirname(os.path.abspath(directory))),
                             lambda plan: ShardWriter(directory, shard, list(plan.outputs)))
         anchor = self._checkpoints[self.anchor]
-        write_config(anchor.path, directory, self.transforms.config_updates, anchor.dtype)
+        write_config(anchor.path, directory, self.transforms.config_updates, anchor.dtypes.values())
         return info
 
     def write_into(self, add, device=None) -> dict:

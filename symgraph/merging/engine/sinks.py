@@ -31,21 +31,22 @@ class Into:
         return {"tensors": self.tensors, "bytes": self.bytes, "shards": 0}
 
 
-def write_config(source_dir: str, directory: str, updates: dict | None, dtype=None) -> None:
+def write_config(source_dir: str, directory: str, updates: dict | None, dtypes=()) -> None:
     """The anchor's ``config.json`` (from ``source_dir``) into ``directory``, with the fields the
     merge changes (``updates``; a dict value updates a nested config such as ``text_config``),
-    and its :data:`EXTRA_FILES`. ``dtype``: the written tensors' (``torch.float32``, ...), which
-    replaces a ``dtype`` or ``torch_dtype`` the config states otherwise (a stale one, by which
-    transformers would load the output: ``float8_e4m3fn`` over float32 tensors cannot load)."""
+    and its :data:`EXTRA_FILES`. ``dtypes``: the written tensors' (``torch.float32``, ...); a
+    ``dtype`` or ``torch_dtype`` the config states that none of them has is stale (transformers
+    loads by it: ``float8_e4m3fn`` over float32 tensors cannot load) and becomes their most
+    common floating-point dtype. A checkpoint of mixed dtypes keeps a dtype it has."""
     for fn in EXTRA_FILES:
         if os.path.isfile(os.path.join(source_dir, fn)):
             shutil.copy2(os.path.join(source_dir, fn), os.path.join(directory, fn))
     src, dst = os.path.join(source_dir, "config.json"), os.path.join(directory, "config.json")
     with open(src, encoding="utf-8") as f:
         config = json.load(f)
-    name = str(dtype).removeprefix("torch.") if dtype is not None else None
-    updates = {**(updates or {}), **{k: name for k in ("dtype", "torch_dtype")
-                                     if name is not None and k in config and config[k] != name}}
+    floats = [str(d).removeprefix("torch.") for d in dtypes if d.is_floating_point]
+    updates = {**(updates or {}), **{k: max(set(floats), key=floats.count) for k in ("dtype", "torch_dtype")
+                                     if floats and k in config and config[k] not in floats}}
     if not updates:
         shutil.copy2(src, dst)
         return
