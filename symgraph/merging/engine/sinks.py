@@ -37,7 +37,7 @@ def write_config(source_dir: str, directory: str, updates: dict | None, dtypes=(
     and its :data:`EXTRA_FILES`. ``dtypes``: the written tensors' (``torch.float32``, ...); a
     ``dtype`` or ``torch_dtype`` the config states that none of them has is stale (transformers
     loads by it: ``float8_e4m3fn`` over float32 tensors cannot load) and becomes their most
-    common floating-point dtype. A checkpoint of mixed dtypes keeps a dtype it has."""
+    common floating-point dtype (the first by name on a tie). A checkpoint of mixed dtypes keeps a dtype it has."""
     for fn in EXTRA_FILES:
         if os.path.isfile(os.path.join(source_dir, fn)):
             shutil.copy2(os.path.join(source_dir, fn), os.path.join(directory, fn))
@@ -45,7 +45,7 @@ def write_config(source_dir: str, directory: str, updates: dict | None, dtypes=(
     with open(src, encoding="utf-8") as f:
         config = json.load(f)
     floats = [str(d).removeprefix("torch.") for d in dtypes if d.is_floating_point]
-    updates = {**(updates or {}), **{k: max(set(floats), key=floats.count) for k in ("dtype", "torch_dtype")
+    updates = {**(updates or {}), **{k: max(sorted(set(floats)), key=floats.count) for k in ("dtype", "torch_dtype")
                                      if floats and k in config and config[k] not in floats}}
     if not updates:
         shutil.copy2(src, dst)
