@@ -38,7 +38,7 @@ def concretize(ep, args, kwargs) -> bool:
     """Give every value of ``ep`` whose size depends on the data the size it takes on
     ``args``/``kwargs`` (a meta tensor of that shape). False (nothing changed) when the
     program cannot be run on them (a model on ``meta``) or a value is missing."""
-    wanted = {n.name: n for n in ep.graph.nodes if _unbacked(n.meta.get("val"))}
+    wanted = {n.name: n for n in unsized_nodes(ep)}
     if not wanted:
         return True
     if any(isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values())):

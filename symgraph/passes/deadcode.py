@@ -216,12 +216,18 @@ class _Facts(ast.NodeVisitor):
         return self
 
 
+@functools.lru_cache(maxsize=8)
+def _tree(path: str, size: int, mtime: int):
+    """The parsed source of ``path`` (as of its ``size`` and ``mtime``: a changed file is read
+    again), shared by the class facts and the functions ``self`` is handed to."""
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read(), filename=path)
+
+
 @functools.lru_cache(maxsize=256)
 def _parsed(path: str, size: int, mtime: int):
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), filename=path)
     facts = _Facts()
-    facts.visit(tree)
+    facts.visit(_tree(path, size, mtime))
     return facts.finish()
 
 
@@ -254,9 +260,7 @@ def _handed_safely(cls, name: str, pos: int, attr: str) -> bool:
 def _callee(path: str, size: int, mtime: int, name: str, pos: int):
     """What the module-level function ``name`` of ``path`` does with its argument at ``pos``
     (a :class:`_Facts`, that argument its ``self``), or None where it has none there."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), filename=path)
-    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    node = next((n for n in _tree(path, size, mtime).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
                  and n.name == name), None)
     if node is None or pos >= len(node.args.posonlyargs + node.args.args):
         return None
