@@ -25,6 +25,7 @@ import torch.nn as nn
 import symgraph
 from symgraph.report.symmetry import Transform
 from test_families_full_groups import _rel
+from symgraph.testing.models import randomized as shared_randomized
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,12 +38,10 @@ def ids():
     return {"input_ids": torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(0))}
 
 
+
 def randomized(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():  # HF initialises norms to ones
-            p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return model.eval()
+    """HF initialises norms to ones and some weights to zero: every parameter drawn, float32."""
+    return shared_randomized(model, seed, dtype=torch.float32)
 
 
 def diffllama(kv=4, cls="DiffLlamaForCausalLM"):

@@ -15,18 +15,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import symgraph
+from symgraph.testing.models import randomized
 
 transformers = pytest.importorskip("transformers")
 
 CERT = 1e-9
-
-
-def randomized(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return model.eval().double()
 
 
 def pixels(size=32):

@@ -25,11 +25,11 @@ def test_merge_refuses_what_is_not_a_model_in_memory():
     m = models.build("llama", seed=0, **L)
     with pytest.raises(symgraph.InputError) as e:
         symgraph.merge([m, "b"])
-    assert str(e.value) == ("models[1] is a str, not a torch.nn.Module; expected models in memory (merge "
+    assert str(e.value) == ("models[1] is a str; expected a torch.nn.Module in memory (merge "
                             "checkpoints on disk with symgraph.merge_checkpoints)")
     with pytest.raises(symgraph.InputError) as e:
         symgraph.merge([m, None])
-    assert str(e.value).startswith("models[1] is a NoneType, not a torch.nn.Module;")
+    assert str(e.value).startswith("models[1] is a NoneType; expected a torch.nn.Module")
     for one in (m, torch.nn.Sequential(m, models.build("llama", seed=1, **L))):  # not a list of models
         with pytest.raises(symgraph.InputError) as e:
             symgraph.merge(one)

@@ -20,16 +20,15 @@ import transformers as tf
 import symgraph
 from symgraph.report.symmetry import Transform
 from test_families_full_groups import _batches, _rel
+from symgraph.testing.models import randomized as shared_randomized
 
 V, D, H, HD = 64, 32, 4, 8
 
 
+
 def randomized(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():  # HF's ones and zeros hide a wrong slot
-            p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return model.eval()
+    """HF initialises norms to ones and some weights to zero: every parameter drawn, float32."""
+    return shared_randomized(model, seed, dtype=torch.float32)
 
 
 def persimmon():

@@ -11,16 +11,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import symgraph
+from symgraph.testing.models import randomized as shared_randomized
 
 CERT = 1e-12
 
 
+
 def randomized(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return model.eval().double()
+    return shared_randomized(model, seed, scale=0.5)
 
 
 class Net(nn.Module):

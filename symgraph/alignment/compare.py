@@ -48,6 +48,7 @@ import torch
 from pydantic import Field, StrictInt
 
 from ..core.schema import Number
+from ..core.finite import require_module
 from ..errors import InputError, StructureMismatchError
 from ..report.api import analyze
 from ..core.progress import bar
@@ -192,8 +193,7 @@ def _check_pair(a, b) -> dict:
     return ``{name: (A's shape, B's shape)}`` of the tensors whose widths differ (in A's order),
     which :func:`check_widths` checks once the models are analysed."""
     for m, label in ((a, "a"), (b, "b")):
-        if not isinstance(m, torch.nn.Module):
-            raise InputError(f"model {label} must be a torch.nn.Module, got {type(m).__name__}")
+        require_module(m, f"model {label}")
     if type(a) is not type(b):
         raise InputError(f"model A is a {type(a).__name__} but model B is a {type(b).__name__}; expected two "
                          "models of one architecture")

@@ -8,6 +8,7 @@ import torch
 
 from ..report.api import analyze
 from ..errors import InputError
+from ..core.finite import require_module
 from ..transform.folding import gauge
 from .activations import act_matrix, activation_similarity
 from .checks import check_compatible, check_finite
@@ -38,8 +39,7 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     """
     opts = AlignOptions.build(options, **option_kw)
     for m, label in ((model_a, "model_a"), (model_b, "model_b")):
-        if not isinstance(m, torch.nn.Module):
-            raise InputError(f"{label} must be a torch.nn.Module, got {type(m).__name__}")
+        require_module(m, label)
         check_finite(m, label)
     data = list(data) if data is not None else None
     if data is not None and len(data) == 0:

@@ -8,7 +8,7 @@ import copy
 
 import torch
 
-from ..core.finite import check_read
+from ..core.finite import check_read, require_module
 from ..errors import InputError
 from .loading import parameter_names
 
@@ -25,8 +25,7 @@ class ModelCheckpoint:
     modified."""
 
     def __init__(self, module: torch.nn.Module, label: str):
-        if not isinstance(module, torch.nn.Module):
-            raise InputError(f"{label} must be a torch.nn.Module, got {type(module).__name__}")
+        require_module(module, label)
         self.model = self.module = module  # model: what the analysis traces (retyped: on meta)
         self.path = label
         self.config = getattr(module, "config", None)

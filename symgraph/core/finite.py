@@ -1,4 +1,5 @@
-"""The finiteness checks every reader of weights, configs and statistics shares."""
+"""The checks every reader of weights, configs and statistics shares: a model is a module
+(:func:`require_module`), its values finite."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,14 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["all_finite", "check_read", "check_config_numbers", "same_value", "require_finite"]
+__all__ = ["all_finite", "check_read", "check_config_numbers", "same_value", "require_finite", "require_module"]
+
+
+def require_module(m, label: str, expected: str = "a torch.nn.Module") -> None:
+    """Refuse ``m`` (named ``label``: ``"model_a"``, ``"models[1]"``) unless it is a
+    ``torch.nn.Module``, in one line naming what it is and what was ``expected``."""
+    if not isinstance(m, torch.nn.Module):
+        raise InputError(f"{label} is a {type(m).__name__}; expected {expected}")
 
 
 def all_finite(t: torch.Tensor) -> bool:

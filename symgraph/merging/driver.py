@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from ..core.progress import bar as progress_bar
 from ..core.schema import UNSET
+from ..core.finite import require_module
 
 from ..alignment import align as align_models
 from ..alignment.checks import check_finite
@@ -131,9 +132,8 @@ def _model_list(models) -> list:
                          "(at least 2)")
     models = list(models)
     for i, m in enumerate(models):
-        if not isinstance(m, torch.nn.Module):
-            raise InputError(f"models[{i}] is a {type(m).__name__}, not a torch.nn.Module; expected models in "
-                             "memory (merge checkpoints on disk with symgraph.merge_checkpoints)")
+        require_module(m, f"models[{i}]", "a torch.nn.Module in memory (merge checkpoints on disk with "
+                       "symgraph.merge_checkpoints)")
     return models
 
 

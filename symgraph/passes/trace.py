@@ -8,6 +8,7 @@ import warnings
 import torch
 
 from ..core.dtypes import parameters_dtype
+from ..core.finite import require_module
 from ..errors import InputError, TraceError
 from .concrete import concretize, has_data_dependent_sizes
 from .experts import batched_experts
@@ -290,8 +291,7 @@ def trace(model, inputs=None, decompose: bool = True):
     analysis fixes the axes they touch. ``decompose=False``: the ops as exported (a graph that
     is only run, never analysed: learned matching's loss).
     """
-    if not isinstance(model, torch.nn.Module):
-        raise InputError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    require_module(model, "the model")
     args, kwargs = split_inputs(model, inputs)
     on_meta = next((p.is_meta for p in model.parameters()), False)
     given = args, kwargs

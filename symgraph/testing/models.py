@@ -225,15 +225,17 @@ def randomize_vectors(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def randomized(model: torch.nn.Module, seed: int = 0, scale: float = 0.3) -> torch.nn.Module:
+def randomized(model: torch.nn.Module, seed: int = 0, scale: float = 0.3,
+               dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     """Every parameter re-drawn as ``scale``·N(0, 1) (one generator seeded ``seed``, in
-    parameter order), in ``eval()`` mode and float64: a model whose function no initialiser's
-    zeros or ones make special, for tests that transform and recover it."""
+    parameter order, drawn in its own dtype), in ``eval()`` mode and ``dtype`` (default float64):
+    a model whose function no initialiser's zeros or ones make special, for tests that transform
+    and recover it."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return model.eval().double()
+    return model.eval().to(dtype)
 
 
 def transformer_encoder(seed: int = 0, d: int = 16, heads: int = 4, ff: int = 40,

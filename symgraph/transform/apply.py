@@ -12,6 +12,7 @@ import copy
 import torch
 
 from ..core.elements import Blocks, apply_along
+from ..core.finite import require_module
 from . import folding
 from ..errors import InputError
 
@@ -149,8 +150,7 @@ def _pieces(report, tensors):
 def transform(model, t):
     """Return a copy of ``model`` moved by the group element ``t`` (a :class:`Transform`);
     ``model`` itself is never modified."""
-    if not isinstance(model, torch.nn.Module):
-        raise InputError(f"transform's model is a {type(model).__name__}; expected a torch.nn.Module")
+    require_module(model, "transform's model")
     if not (hasattr(t, "report") and hasattr(t, "elements")):
         raise InputError(f"transform's t is a {type(t).__name__}; expected a Transform (such as "
                          "report.random_transform())")
