@@ -81,7 +81,10 @@ def _tokenizer_vocab(cfg) -> int | None:
 
 
 def pixels(model, cfg, batch, gen):
-    size = config_value(cfg, "image_size") or 224
+    """Images of the size the config states (``image_size``; a detector's, which states none, its
+    backbone's: LW-DETR's windows tile that image's patches, not any other), else 224 pixels."""
+    size = config_value(cfg, "image_size") or config_value(getattr(cfg, "backbone_config", None), "image_size") \
+        or 224
     size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
     ch = config_value(cfg, "num_channels") or 3
     return torch.randn(batch, ch, *size, generator=gen)
