@@ -8,10 +8,10 @@ import math
 import os
 import resource
 import time
-import traceback
 import warnings
 
 
+from .at_default import where
 from .constants import TASKS, TOL
 from .shrink import build, tiny_config
 from .structure import expectations
@@ -114,7 +114,7 @@ def run_family(model_type: str, class_name: str, task: str) -> dict:
         if isinstance(e, KeyboardInterrupt):
             raise
         rec["error"] = {"stage": stage, "type": type(e).__name__, "message": _first_line(e),
-                        "where": _where(e)}
+                        "where": where(e)}
         if stage in ("config", "build", "eager"):
             rec["error"]["transformers_fails"] = transformers_fails(model_type, class_name, stage, e)
     rec["stage"] = stage
@@ -126,11 +126,16 @@ def transformers_fails(model_type: str, class_name: str, stage: str, e: BaseExce
     """Whether a row that fails before the trace fails for transformers itself (out of the
     denominator), by the cheapest sound test: its own default config of the family fails to
     validate, or the class fails to be constructed on it (meta device), with the same exception
-    type. A failure at the shrunk size alone is the shrink rule's; an eager failure is ours too
-    (our example inputs, or our shrink: transformers ships no inputs to prove it otherwise)."""
+    type; an eager failure, when the class on that default config fails its forward with the
+    same type at the same line (:func:`.at_default.fails_eager_at_default`: run for real, so
+    only a default model small enough to run here can be cleared). A failure at the shrunk size
+    alone is the shrink rule's. This clears the shrink rule, not our example inputs: an input
+    the forward refuses at every size fails at the default too (LW-DETR's 224-pixel images did,
+    before they took its backbone's size), so such a row names its exception and is read."""
+    from .at_default import fails_eager_at_default
     from .shrink import fails_at_default
     if stage == "eager":
-        return False
+        return fails_eager_at_default(model_type, class_name) == f"{type(e).__name__} at {where(e)}"
     at_default = fails_at_default(model_type, class_name)
     return bool(at_default) and at_default.split(":")[0] == type(e).__name__
 
@@ -141,11 +146,6 @@ def run_eagerly(model, args, kwargs) -> None:
     import torch
     with torch.no_grad():
         model(*args, **kwargs)
-
-
-def _where(e) -> str:
-    tb = traceback.extract_tb(e.__traceback__)
-    return f"{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
 
 
 # --- isolation and the run ----------------------------------------------------------------------

@@ -353,7 +353,7 @@ def tiny_config(model_type: str, kinds: bool | None = None):
     attention layer among its linear ones)."""
     from transformers import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
-    default, extra = _default_config(cls)
+    default, extra = default_config(cls)
     for keep in ((False, True) if kinds is None else (kinds,)):
         overrides = {**shrink(default, keep), **extra}
         try:
@@ -364,7 +364,7 @@ def tiny_config(model_type: str, kinds: bool | None = None):
     raise AssertionError("unreachable")
 
 
-def _default_config(cls):
+def default_config(cls):
     """``(config, extra overrides)``: the class's defaults; a default backbone that needs timm
     (DETR's ResNet-50), when timm is not installed, replaced by the config's own transformers
     backbone (``use_timm_backbone=False``), never with pretrained weights."""
@@ -418,7 +418,7 @@ def fails_at_default(model_type: str, class_name: str) -> str | None:
     from transformers import CONFIG_MAPPING
     try:
         cls = getattr(transformers, class_name)
-        cfg = own_config(cls, _default_config(CONFIG_MAPPING[model_type])[0])
+        cfg = own_config(cls, default_config(CONFIG_MAPPING[model_type])[0])
         with torch.device("meta"):
             cls(cfg)
     except Exception as e:  # noqa: BLE001 - any failure of transformers' own is the answer

@@ -1,0 +1,60 @@
+"""An eager failure counts as transformers' only when the class on its family's own default
+config, at full size, fails its forward with the same exception at the same line (issue 65);
+a detector's example images take its backbone's configured size."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.coverage.at_default import fails_eager_at_default
+from benchmarks.coverage.family import transformers_fails
+from benchmarks.coverage.shrink import build
+from symgraph.passes.inputs import default_inputs
+
+T = pytest.importorskip("transformers")
+
+
+def _eager_error(model_type, class_name):
+    model, _ = build(model_type, class_name)
+    args, kwargs = default_inputs(model)
+    with torch.no_grad():
+        try:
+            model(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the row's failure
+            return model, kwargs, e
+    raise AssertionError("ran")
+
+
+def test_a_default_config_that_fails_its_own_forward_is_transformers():
+    # PP-OCRv6's default backbone returns one stage (out_indices [4]) to a neck built for four
+    _, _, e = _eager_error("pp_ocrv6_small_det", "PPOCRV6SmallDetForObjectDetection")
+    assert isinstance(e, RuntimeError) and "expected input" in str(e)
+    assert fails_eager_at_default("pp_ocrv6_small_det", "PPOCRV6SmallDetForObjectDetection") == \
+        "RuntimeError at conv.py:560"
+    assert transformers_fails("pp_ocrv6_small_det", "PPOCRV6SmallDetForObjectDetection", "eager", e)
+
+
+def test_an_eager_failure_the_default_does_not_repeat_is_ours():
+    assert fails_eager_at_default("resnet", "ResNetForImageClassification") is None  # it runs
+    try:
+        raise RuntimeError("ours")
+    except RuntimeError as e:  # raised here: not the line the default fails at
+        assert not transformers_fails("pp_ocrv6_small_det", "PPOCRV6SmallDetForObjectDetection", "eager", e)
+    assert not transformers_fails("resnet", "ResNetForImageClassification", "eager", ValueError("x"))
+
+
+def test_a_default_too_large_to_run_proves_nothing():
+    assert fails_eager_at_default("pp_ocrv6_small_det", "PPOCRV6SmallDetForObjectDetection", most=1000) is None
+
+
+def test_detector_images_take_the_backbones_size():
+    """LW-DETR's ViT backbone tiles its image's patches into ``num_windows`` windows: 224-pixel
+    images (14 × 14 patches) cannot be tiled 4 × 4; the backbone's own 64 pixels can. The row
+    then fails where transformers' default config does: no feature levels to concatenate
+    (``projector_scale_factors`` is empty by default)."""
+    model, kwargs, e = _eager_error("lw_detr", "LwDetrForObjectDetection")
+    side = model.config.backbone_config.image_size
+    assert side == 64 and kwargs["pixel_values"].shape == (2, 3, side, side)
+    assert isinstance(e, ValueError) and "non-empty list" in str(e)
+    assert model.config.projector_scale_factors == ()
+    assert transformers_fails("lw_detr", "LwDetrForObjectDetection", "eager", e)
