@@ -161,6 +161,22 @@ def div(ctx):
     return cons
 
 
+@register([aten.where.self])
+def where(ctx):
+    """``where(c, a, b)``: along an axis the condition is broadcast on (a mask of positions set
+    for every channel: DINOv2's mask token put in place of masked patches) each position takes
+    ``a``'s vector or ``b``'s whole, so a map both take commutes with it; along an axis the
+    condition varies on, or with a value that is no tensor, it is elementwise nonlinear."""
+    c, a, b = ctx.arg(0), ctx.arg(1), ctx.arg(2)
+    if not all(isinstance(v, torch.fx.Node) for v in (c, a, b)):
+        return _nonlinear_nary(ctx)
+    cons = broadcast(ctx.out, ctx.out_shape, [a, b], ctx, on_broadcast="perm")
+    cons += broadcast(ctx.out, ctx.out_shape, [c], ctx)
+    cons += [Meet(o, "perm", f"{ctx.where}: a condition varying along this axis")
+             for i, (o, s) in enumerate(zip(ctx.out, ctx.out_shape)) if s > 1 and _varying(ctx, c, i)]
+    return cons
+
+
 def _nonlinear_nary(ctx):
     tensors = [v for v in ctx.args if isinstance(v, torch.fx.Node)]
     cons = broadcast(ctx.out, ctx.out_shape, tensors, ctx, on_broadcast="perm")
@@ -170,7 +186,7 @@ def _nonlinear_nary(ctx):
 
 
 register([
-    aten.maximum, aten.minimum, aten.pow.Tensor_Tensor, aten.where.self, aten.masked_fill.Scalar,
+    aten.maximum, aten.minimum, aten.pow.Tensor_Tensor, aten.masked_fill.Scalar,
     aten.masked_fill.Tensor, aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.le.Tensor,
     aten.gt.Tensor, aten.ge.Tensor, aten.logical_and, aten.logical_or, aten.logical_xor,
     aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.__and__.Tensor, aten.__or__.Tensor,
