@@ -34,8 +34,8 @@ from torch.utils._pytree import tree_flatten
 from ..core.dtypes import parameters_dtype
 from .input_values import config_value, device_of, pixels, token_ids
 
-__all__ = ["Trials", "caches_off", "encoder_states", "entities", "layout", "long_enough", "masked_patches", "passes_on",
-           "segments_and_targets", "text_extras"]
+__all__ = ["Trials", "caches_off", "encoder_states", "entities", "layout", "long_enough", "masked_patches",
+           "parameter_reads", "passes_on", "segments_and_targets", "text_extras"]
 
 # the names transformers gives a decoder's encoder states (BART's, Whisper's causal LM; Mllama's)
 _ENCODER_STATES = ("encoder_hidden_states", "encoder_outputs", "cross_attention_states")
@@ -65,6 +65,30 @@ class _Reads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def parameter_reads(model, args: tuple, kwargs: dict) -> frozenset | None:
+    """Names of the parameters ``model``'s forward reads on ``args``/``kwargs`` (floating ones
+    put in the parameters' dtype, all on its device), run in eval mode without gradients (each
+    module's mode restored after); None where it refuses them."""
+    dev = device_of(model)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    put = lambda v: (v.to(dev, dtype) if v.is_floating_point() else v.to(dev)) \
+        if isinstance(v, torch.Tensor) else v  # noqa: E731
+    flags = [(m, m.training) for m in model.modules()]
+    mode = _Reads({id(p): n for n, p in model.named_parameters()})
+    # on meta, under fake tensors as torch.export runs it (transformers skips its checks of
+    # values there, which no meta tensor holds); the parameters' reads are seen before
+    fake = FakeTensorMode(allow_non_fake_inputs=True) if dev.type == "meta" else contextlib.nullcontext()
+    try:
+        with torch.no_grad(), fake, mode, parameters_dtype(model):  # as the trace runs it
+            model.eval()(*(put(a) for a in args), **{k: put(v) for k, v in kwargs.items()})
+    except Exception:  # noqa: BLE001 - the forward refuses these inputs
+        return None
+    finally:
+        for m, f in flags:
+            m.training = f
+    return frozenset(mode.seen)
+
+
 class Trials:
     """Trial runs of ``model`` on ``kwargs`` (the example inputs so far, updated in place by
     :meth:`offer`): the parameters the forward reads on them, found once."""
@@ -75,26 +99,11 @@ class Trials:
 
     def reads(self, kwargs: dict) -> frozenset | None:
         """Names of the parameters the forward reads on ``kwargs``; None where it refuses them."""
-        model, dev = self.model, device_of(self.model)
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        trial = {k: (v.to(dev, dtype) if v.is_floating_point() else v.to(dev)) if isinstance(v, torch.Tensor) else v
-                 for k, v in kwargs.items()}
+        model = self.model
+        trial = dict(kwargs)
         if "use_cache" in inspect.signature(model.forward).parameters:
             trial["use_cache"] = False
-        flags = [(m, m.training) for m in model.modules()]
-        mode = _Reads({id(p): n for n, p in model.named_parameters()})
-        # on meta, under fake tensors as torch.export runs it (transformers skips its checks of
-        # values there, which no meta tensor holds); the parameters' reads are seen before
-        fake = FakeTensorMode(allow_non_fake_inputs=True) if dev.type == "meta" else contextlib.nullcontext()
-        try:
-            with torch.no_grad(), fake, mode, parameters_dtype(model):  # as the trace runs it
-                model.eval()(**trial)
-        except Exception:  # noqa: BLE001 - the forward refuses these inputs
-            return None
-        finally:
-            for m, f in flags:
-                m.training = f
-        return frozenset(mode.seen)
+        return parameter_reads(model, (), trial)
 
     def base(self) -> frozenset:
         """The parameters the forward reads on the inputs as they are (none: it refuses them)."""

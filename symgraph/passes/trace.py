@@ -13,6 +13,7 @@ from ..errors import InputError, TraceError
 from .concrete import concretize, has_data_dependent_sizes
 from .experts import batched_experts
 from .export_inputs import precomputed_inputs
+from .holder_inputs import HOLDERS, traced_with_holders
 from .index_lists import stacked_index_lists
 from .inputs import default_inputs, is_hf
 from .deadcode import DEAD, dead_parameters
@@ -302,11 +303,13 @@ def trace(model, inputs=None, decompose: bool = True):
             v.is_floating_point() or not floats) else v
         args, kwargs = tuple(to_meta(a) for a in args), {k: to_meta(v) for k, v in kwargs.items()}
         traced = tuple(to_meta(a, False) for a in args), {k: to_meta(v, False) for k, v in kwargs.items()}
-    with eval_mode(model), graph_friendly(model), warnings.catch_warnings():
+    holders = contextlib.ExitStack()  # the holders' optional arguments, while the program is made
+    with holders, eval_mode(model), graph_friendly(model), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             with conversions_in_place(), stacked_index_lists():
-                ep, branched = _export(model, traced, on_meta)
+                ep, branched, found = traced_with_holders(model, traced, _export(model, traced, on_meta),
+                                                          lambda: _export(model, traced, on_meta), holders)
         except Exception as e:  # noqa: BLE001 - report any tracing failure uniformly
             raise TraceError(
                 f"torch.export could not trace {type(model).__name__}: "
@@ -325,6 +328,7 @@ def trace(model, inputs=None, decompose: bool = True):
             _refuse_unsized(ep, model, on_meta)
         ep.graph_module.meta[BRANCHES_TAKEN] = branched
         ep.graph_module.meta[UNREAD] = unread
+        ep.graph_module.meta[HOLDERS] = found
     ep.graph_module.meta[DEAD] = dead_parameters(model, unread)  # as defined: outside graph_friendly
     return ep, args, kwargs
 
