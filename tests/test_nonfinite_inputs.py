@@ -13,6 +13,7 @@ import math
 import shutil
 
 import pytest
+import transformers
 import torch
 from safetensors.torch import save_file
 
@@ -117,6 +118,28 @@ def test_config_numbers_named_by_their_path():
         with pytest.raises(InputError, match="config field") as e:
             check_config_numbers(cfg, "cfg.json")
         assert needle in str(e.value), str(e.value)
+
+
+def test_an_infinity_the_class_defaults_to_is_allowed():
+    """Mamba-2's (Bamba's, Falcon-H1's, ...) default ``time_step_limit`` is ``(0.0, inf)``: a
+    checkpoint saved with it is read; another infinity, or NaN there, is still refused."""
+    default = transformers.Mamba2Config().to_dict()
+    assert default["time_step_limit"][1] == math.inf
+    check_config_numbers(default, "cfg.json", default)
+    for field, value in (("time_step_limit", [0.0, -math.inf]), ("time_step_limit", [0.0, math.nan]),
+                         ("layer_norm_epsilon", math.inf)):
+        with pytest.raises(InputError, match="config field"):
+            check_config_numbers({**default, field: value}, "cfg.json", default)
+    with pytest.raises(InputError, match="time_step_limit"):  # without the class's defaults
+        check_config_numbers(default, "cfg.json")
+
+
+def test_mamba2_checkpoint_with_its_default_limit_is_read(tmp_path):
+    from symgraph.checkpoints.sharded import Checkpoint
+    cfg = transformers.Mamba2Config(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_heads=4, head_dim=8,
+                                    state_size=4, n_groups=1, expand=2, chunk_size=8)
+    transformers.Mamba2ForCausalLM(cfg).save_pretrained(tmp_path)
+    assert Checkpoint(str(tmp_path)).config.time_step_limit[1] == math.inf
 
 
 def test_nan_equals_nan_in_configs():

@@ -161,6 +161,14 @@ def read_layout(path: str) -> Layout:
     return Layout({k: real[where[k]] for k in keys}, shapes, dtypes, keys, pins)
 
 
+def class_defaults(cfg) -> dict:
+    """The default config of ``cfg``'s class as a dict (empty where it cannot be built)."""
+    try:
+        return type(cfg)().to_dict()
+    except Exception:  # noqa: BLE001 - a class without defaults: every infinity is refused
+        return {}
+
+
 def read_config(path: str):
     """The transformers config of a checked checkpoint directory and its model class, refused in
     one line when transformers cannot read it (a field of the wrong type or value) or when it
@@ -173,7 +181,7 @@ def read_config(path: str):
     except Exception as e:  # noqa: BLE001 - a missing or mistyped field (huggingface_hub's strict dataclasses)
         raise InputError(f"cannot read {cfg_path}: {quoted(e)}; expected a "
                          "Hugging Face config written by save_pretrained") from None
-    check_config_numbers(cfg.to_dict(), cfg_path)  # a NaN or negative epsilon: a model that computes NaN
+    check_config_numbers(cfg.to_dict(), cfg_path, class_defaults(cfg))  # a NaN or negative epsilon: NaN computed
     return cfg, _model_class(tf, cfg, cfg_path)
 
 
@@ -445,6 +453,6 @@ def load_hub(spec: str, hint: str = ""):
         msg = quoted(e)
         raise InputError(f"no model directory {spec!r} here{hint} and the Hugging Face hub could not load it "
                          f"({msg}); expected {EXPECTED}, or a hub id with safetensors weights") from None
-    check_config_numbers(cfg.to_dict(), f"the config of {spec!r}")
+    check_config_numbers(cfg.to_dict(), f"the config of {spec!r}", class_defaults(cfg))
     cls = _model_class(tf, cfg, f"the config of {spec!r}")
     return _from_pretrained(cls, spec, repr(spec), local_files_only=why is not None)

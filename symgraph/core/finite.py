@@ -61,14 +61,17 @@ def _fields(d, prefix=""):
 EPS_SUFFIXES = ("eps", "epsilon")
 
 
-def check_config_numbers(config: dict, where: str) -> None:
+def check_config_numbers(config: dict, where: str, default: dict | None = None) -> None:
     """Refuse, naming the field, a model config (``config.to_dict()``, nested dicts and lists
     included) holding a number that is NaN or infinite, or an epsilon (a field whose name ends
     in ``eps`` / ``epsilon``, e.g. ``rms_norm_eps``) below 0: such a model computes NaN (a
     norm's ``rsqrt(mean(x²) + eps)`` of a negative value), which every later stage would
-    otherwise meet as NaN statistics."""
+    otherwise meet as NaN statistics. An infinity the model class's own ``default`` config
+    holds in that field is its value, not a fault (Mamba-2's ``time_step_limit`` of
+    ``(0.0, inf)``: no upper clamp)."""
+    allowed = {n: v for n, v in _fields(default or {}) if isinstance(v, float) and math.isinf(v)}
     for name, v in _fields(config):
-        if isinstance(v, float) and not math.isfinite(v):
+        if isinstance(v, float) and not math.isfinite(v) and allowed.get(name) != v:
             raise InputError(f"{where}: config field {name!r} is {v!r}; expected a finite number")
         if name.rsplit(".", 1)[-1].lower().endswith(EPS_SUFFIXES) and v < 0:
             raise InputError(f"{where}: config field {name!r} is {v!r}; expected a number >= 0 (an epsilon "
