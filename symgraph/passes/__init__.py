@@ -31,6 +31,7 @@ axes relate, a union-find merges them into classes. Importing the rule files reg
 - ``audio_inputs``      audio: raw samples, features, a speech model's audio tokens
 - ``paired_inputs``     inputs a forward needs beside its main one (text beside images, languages)
 - ``policy_inputs``     a vision-language-action policy's state, cameras and the draws it would make
+- ``shared_inputs``     a draft model's target states (key/value states and hidden states it reads)
 - ``export_inputs``     the values transformers' exporter precomputes for a trace (vision segments)
 - ``experts``           the experts implementation a mixture-of-experts block is run and traced under
 - ``real_values``       a trace with the values the data decides taken from a real run
