@@ -24,6 +24,8 @@ that this module knows the main input of.
 - a main input of a generic name (Perceiver's ``inputs``): token ids or images, the first
   the forward runs on; a policy's state vector, its cameras and the noise and time it would
   draw (PI0: :mod:`.policy_inputs`);
+- a draft model's target states (Gemma 4's assistant: ``shared_kv_states`` and the target's
+  hidden states as ``inputs_embeds``, :mod:`.shared_inputs`), where its forward takes both;
 - decoder inputs of an encoder-decoder (``decoder_input_ids``: its start token, then token
   ids; for a sequence classification head the ids shifted right, as its model would build);
 - ``use_cache=False`` wherever the forward takes it by name, and through its ``**kwargs`` where
@@ -55,6 +57,7 @@ from .optional_inputs import (Trials, caches_off, encoder_states, entities, long
 from .paired_inputs import decoder_channels, global_tokens, paired_inputs
 from .patch_inputs import flattened_patches, patches_beside_text
 from .policy_inputs import vector_main
+from .shared_inputs import shared_states
 
 __all__ = ["default_inputs", "is_hf"]
 
@@ -153,6 +156,7 @@ def _hf_inputs(model, batch: int, seq: int):
     if name == "input_ids" and ({"input_features", "input_values", "audio_input_ids"} & set(params)):
         audio_tokens(model, kwargs, params, batch, gen)
     paired_inputs(model, kwargs, params, name, batch, seq, gen)  # text beside images, languages
+    shared_states(model, kwargs, params, cfg, batch, gen)  # a draft model's target states (Gemma 4's)
     if passes_on(model, params, "mask_time_indices"):
         time_mask(model, kwargs, name, batch)
     trials = Trials(model, kwargs)
