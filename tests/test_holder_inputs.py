@@ -152,3 +152,43 @@ def test_an_optional_argument_that_reads_nothing_new_is_not_kept():
     assert rep.unread is not None and "inner.unused.weight" in rep.unread
     assert HOLDERS in rep.exported_program.graph_module.meta and rep.exported_program.graph_module.meta[HOLDERS] == []
     assert all(g.kind == "identity" for g in rep.groups)  # the unread layer fixes every class
+
+
+class Blowing(nn.Module):
+    """An optional argument that reads ``w`` but makes the result infinite (``0 * inf`` is no zero)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.w = nn.Linear(4, 4), nn.Parameter(torch.randn(4))
+
+    def forward(self, x, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + self.w / (residual - residual)
+        return self.lin(x)
+
+
+class Blown(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.head = Blowing(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.inner(x))
+
+
+def test_an_argument_that_makes_the_holder_infinite_is_not_kept():
+    m, x = Blown().eval(), torch.randn(3, 4)
+    assert holder_injections(m, (x,), {}) == []
+    assert "inner.w" in symgraph.analyze(m, (x,)).unread
+
+
+@pytest.mark.parametrize("build, shape", [(Fused, (5, 4)), (Masked, (2, 7, 6))])
+def test_a_model_on_meta_is_traced_with_the_same_holders_and_classes(build, shape):
+    torch.manual_seed(0)
+    x, real = torch.randn(*shape), build().eval()
+    with torch.device("meta"):
+        m = build().eval()
+    rep, on_meta = symgraph.analyze(real, (x,)), symgraph.analyze(m, (x,))
+    assert on_meta.unread is None
+    assert on_meta.exported_program.graph_module.meta[HOLDERS] == rep.exported_program.graph_module.meta[HOLDERS] != []
+    assert [(g.kind, g.size, g.params) for g in on_meta.groups] == [(g.kind, g.size, g.params) for g in rep.groups]

@@ -97,10 +97,12 @@ def _joined(out, extra):
 
 class _Hook:
     """The forward hook running a holder again on its injected argument (see the module's
-    docstring); ``joined`` counts the runs whose result reached the holder's output."""
+    docstring); ``joined`` counts the runs whose result reached the holder's output. In a trial
+    (``checked``) on real values, a result not finite is not joined (``0 * inf`` is no zero) and
+    counted in ``infinite``."""
 
-    def __init__(self, injection: Injection):
-        self.injection, self.inside, self.joined = injection, False, 0
+    def __init__(self, injection: Injection, checked: bool = False):
+        self.injection, self.inside, self.joined, self.checked, self.infinite = injection, False, 0, checked, 0
 
     def __call__(self, module, args, kwargs, out):
         inj = self.injection
@@ -114,16 +116,19 @@ class _Hook:
             extra = module(*bound.args, **bound.kwargs)
         finally:
             self.inside = False
+        if self.checked and not all(t.is_meta or bool(torch.isfinite(t).all()) for t in _floats(extra, {})):
+            self.infinite += 1
+            return None
         joined = _joined(out, extra)
         self.joined += joined is not None
         return joined
 
 
 @contextlib.contextmanager
-def injected(model, injections):
+def injected(model, injections, checked: bool = False):
     """While inside, each of ``injections`` runs its holder of ``model`` again (see the module's
-    docstring); yields the hooks."""
-    hooks = [_Hook(i) for i in injections]
+    docstring); yields the hooks (``checked``: see :class:`_Hook`)."""
+    hooks = [_Hook(i, checked) for i in injections]
     handles = [model.get_submodule(h.injection.path).register_forward_hook(h, with_kwargs=True) for h in hooks]
     try:
         yield hooks
@@ -201,9 +206,9 @@ def holder_injections(model, args, kwargs) -> list[Injection]:
         mine = {n for n in unread if n.startswith(path + ".")}
         for inj in _candidates(path, arg, calls) if mine and budget > 0 else ():
             budget -= 1
-            with injected(model, [inj]) as (hook,):
+            with injected(model, [inj], checked=True) as (hook,):
                 reads = parameter_reads(model, args, kwargs)
-            if reads is not None and hook.joined and reads & mine:
+            if reads is not None and hook.joined and not hook.infinite and reads & mine:
                 kept.append(inj)
                 unread = [n for n in unread if n not in reads]
                 break

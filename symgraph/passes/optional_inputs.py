@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -78,12 +79,16 @@ def parameter_reads(model, args: tuple, kwargs: dict) -> frozenset | None:
     # on meta, under fake tensors as torch.export runs it (transformers skips its checks of
     # values there, which no meta tensor holds); the parameters' reads are seen before
     fake = FakeTensorMode(allow_non_fake_inputs=True) if dev.type == "meta" else contextlib.nullcontext()
+    log = logging.getLogger("torch._subclasses.fake_tensor")  # logs each refusal under fake tensors
+    level = log.level
     try:
+        log.setLevel(logging.CRITICAL)
         with torch.no_grad(), fake, mode, parameters_dtype(model):  # as the trace runs it
             model.eval()(*(put(a) for a in args), **{k: put(v) for k, v in kwargs.items()})
     except Exception:  # noqa: BLE001 - the forward refuses these inputs
         return None
     finally:
+        log.setLevel(level)
         for m, f in flags:
             m.training = f
     return frozenset(mode.seen)
