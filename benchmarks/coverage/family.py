@@ -127,15 +127,18 @@ def transformers_fails(model_type: str, class_name: str, stage: str, e: BaseExce
     denominator), by the cheapest sound test: its own default config of the family fails to
     validate, or the class fails to be constructed on it (meta device), with the same exception
     type; an eager failure, when the class on that default config fails its forward with the
-    same type at the same line (:func:`.at_default.fails_eager_at_default`: run for real, so
-    only a default model small enough to run here can be cleared). A failure at the shrunk size
-    alone is the shrink rule's. This clears the shrink rule, not our example inputs: an input
-    the forward refuses at every size fails at the default too (LW-DETR's 224-pixel images did,
-    before they took its backbone's size), so such a row names its exception and is read."""
-    from .at_default import fails_eager_at_default
+    same type at the same line of transformers (:func:`.at_default.fails_eager_at_default`:
+    for real, or under fake tensors when the default model is too large to run here). A
+    failure at the shrunk size alone is the shrink rule's. This clears the shrink rule, not our
+    example inputs: an input the forward refuses at every size fails at the default too
+    (LW-DETR's 224-pixel images did, before they took its backbone's size; Gemma 4's
+    assistant's missing states did), so a failure transformers raises on purpose
+    (:func:`.at_default.refusal`) is never cleared, and a cleared row names its exception."""
+    from .at_default import fails_eager_at_default, model_line, refusal
     from .shrink import fails_at_default
     if stage == "eager":
-        return fails_eager_at_default(model_type, class_name) == f"{type(e).__name__} at {where(e)}"
+        return not refusal(e) and fails_eager_at_default(model_type, class_name) == \
+            f"{type(e).__name__} at {model_line(e)}"
     at_default = fails_at_default(model_type, class_name)
     return bool(at_default) and at_default.split(":")[0] == type(e).__name__
 
