@@ -192,3 +192,18 @@ def test_a_model_on_meta_is_traced_with_the_same_holders_and_classes(build, shap
     assert on_meta.unread is None
     assert on_meta.exported_program.graph_module.meta[HOLDERS] == rep.exported_program.graph_module.meta[HOLDERS] != []
     assert [(g.kind, g.size, g.params) for g in on_meta.groups] == [(g.kind, g.size, g.params) for g in rep.groups]
+
+
+@pytest.mark.parametrize("build, shape", [(Fused, (5, 4)), (Masked, (2, 7, 6))])
+def test_alignment_by_activations_runs_the_plain_forward_on_the_users_batches(build, shape):
+    """The statistics come from the program run on the data: its values are the model's, and a
+    moved copy is aligned back from them."""
+    torch.manual_seed(0)
+    m, gen = build().eval(), torch.Generator().manual_seed(7)
+    data = [(torch.randn(*shape, generator=gen),) for _ in range(3)]
+    rep = symgraph.analyze(m, data[0])
+    assert rep.exported_program.graph_module.meta[HOLDERS] != []
+    moved = symgraph.transform(m, rep.random_transform(seed=3, orthogonal=True))
+    al = symgraph.align(m, moved, data=data, report_a=rep)
+    got, want = al.apply(moved).state_dict(), m.state_dict()
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
