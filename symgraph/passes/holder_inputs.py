@@ -9,11 +9,13 @@ Which holder and which argument are found by trial runs that observe the paramet
 (:func:`.optional_inputs.parameter_reads`), keyed on the forward's signature, never on names:
 for an unread parameter, each module above it (nearest first, the model itself excluded: its
 optional inputs are :mod:`.optional_inputs`') that the forward calls with an optional argument
-(default ``None``, annotated as a tensor) left unset. The values tried, in order: each floating
-tensor the holder is called with (a fusion layer's residual is a tensor of its input's shape),
-then a boolean mask, every third entry set (as :func:`.optional_inputs.masked_patches`), of the
-shape of each tensor the holder or one of its children takes or returns, less its last axis.
-One is kept where the holder, run on it, reads a parameter under it that was unread before.
+(default ``None``, annotated as a tensor) left unset; one run of the forward records each such
+call. The values tried, in order: each floating tensor the holder is called with (a fusion
+layer's residual is a tensor of its input's shape), then a boolean mask, every third entry set
+(as :func:`.optional_inputs.masked_patches`), of the shape of each tensor the holder or one of
+its children takes or returns (of three axes or more), less its last axis. One is kept where
+the holder, run alone on its recorded call with the value set, reads a parameter under it that
+was unread, and returns a finite result of its output's form (:data:`MAX_TRIALS` such runs).
 
 The holder then runs twice in the program: as the forward calls it, and on the argument; the
 second result ``r`` is added to the first as ``0 * r``. The program computes the plain forward
@@ -29,7 +31,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .nodes import unread_parameters
 from .optional_inputs import parameter_reads
@@ -84,25 +86,20 @@ def _bound(module, args, kwargs):
 def _joined(out, extra):
     """``out`` with ``0 * x`` added to each floating tensor from ``extra`` of its shape (the
     same structure), or None where they share none."""
-    a, spec = tree_flatten(out)
-    b, spec_b = tree_flatten(extra)
-    if spec != spec_b:
+    (spec, mine), (other_spec, theirs) = _form(out), _form(extra)
+    same = [x is not None and x == y for x, y in zip(mine, theirs)]
+    if spec != other_spec or not any(same):
         return None
-    same = [isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.is_floating_point()
-            and x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b)]
-    if not any(same):
-        return None
+    a, b = tree_flatten(out)[0], tree_flatten(extra)[0]
     return tree_unflatten([x + 0 * y if s else x for x, y, s in zip(a, b, same)], spec)
 
 
 class _Hook:
     """The forward hook running a holder again on its injected argument (see the module's
-    docstring); ``joined`` counts the runs whose result reached the holder's output. In a trial
-    (``checked``) on real values, a result not finite is not joined (``0 * inf`` is no zero) and
-    counted in ``infinite``."""
+    docstring); ``joined`` counts the runs whose result reached the holder's output."""
 
-    def __init__(self, injection: Injection, checked: bool = False):
-        self.injection, self.inside, self.joined, self.checked, self.infinite = injection, False, 0, checked, 0
+    def __init__(self, injection: Injection):
+        self.injection, self.inside, self.joined = injection, False, 0
 
     def __call__(self, module, args, kwargs, out):
         inj = self.injection
@@ -116,19 +113,16 @@ class _Hook:
             extra = module(*bound.args, **bound.kwargs)
         finally:
             self.inside = False
-        if self.checked and not all(t.is_meta or bool(torch.isfinite(t).all()) for t in _floats(extra, {})):
-            self.infinite += 1
-            return None
         joined = _joined(out, extra)
         self.joined += joined is not None
         return joined
 
 
 @contextlib.contextmanager
-def injected(model, injections, checked: bool = False):
+def injected(model, injections):
     """While inside, each of ``injections`` runs its holder of ``model`` again (see the module's
-    docstring); yields the hooks (``checked``: see :class:`_Hook`)."""
-    hooks = [_Hook(i, checked) for i in injections]
+    docstring); yields the hooks."""
+    hooks = [_Hook(i) for i in injections]
     handles = [model.get_submodule(h.injection.path).register_forward_hook(h, with_kwargs=True) for h in hooks]
     try:
         yield hooks
@@ -139,79 +133,122 @@ def injected(model, injections, checked: bool = False):
 
 @dataclass
 class _Call:
-    """A module's first call in the trial: its arguments as bound, its floating inputs, and the
-    shapes its floating inputs and outputs have."""
-    bound: object
-    floats: int
+    """A module's first call in the trial: its arguments as bound (None: they do not bind), its
+    floating inputs, the shapes its floating inputs and outputs have, and its output's form
+    (:func:`_form`)."""
+    bound: inspect.BoundArguments | None
+    floats: list
     shapes: list
+    form: tuple
 
 
-def _calls(model, args, kwargs):
-    """The parameters the forward reads on the inputs (None where it refuses them) and, by
-    name, every module's first call (:class:`_Call`; the model's own excluded)."""
+def _form(out) -> tuple:
+    """``out``'s structure and, per leaf, its shape and dtype where it is a floating tensor."""
+    leaves, spec = tree_flatten(out)
+    return spec, [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+                  for t in leaves]
+
+
+def _joinable(form: tuple, extra) -> bool:
+    """Whether :func:`_joined` of an output of ``form`` and ``extra`` adds anything."""
+    spec, leaves = form
+    other_spec, other = _form(extra)
+    return spec == other_spec and any(a is not None and a == b for a, b in zip(leaves, other))
+
+
+def _calls(model, args, kwargs, holders: set) -> dict:
+    """By name, the first call of each module in ``holders`` and of each of their children
+    (:class:`_Call`; a child's arguments are not kept) in a trial run on the inputs."""
     calls: dict = {}
 
     def record(name):
         def hook(module, a, kw, out):
             if name not in calls:
                 floats = _floats(a, kw)
-                calls[name] = _Call(_bound(module, a, kw), len(floats),
-                                    [tuple(t.shape) for t in floats + _floats(out, {})])
+                mine = name in holders
+                calls[name] = _Call(_bound(module, a, kw) if mine else None, floats if mine else [],
+                                    [tuple(t.shape) for t in floats + _floats(out, {})], _form(out))
         return hook
-    handles = [m.register_forward_hook(record(n), with_kwargs=True) for n, m in model.named_modules() if n]
+    handles = [m.register_forward_hook(record(n), with_kwargs=True) for n, m in model.named_modules()
+               if n in holders or n.rpartition(".")[0] in holders]
     try:
-        return parameter_reads(model, args, kwargs), calls
+        parameter_reads(model, args, kwargs)
     finally:
         for h in handles:
             h.remove()
+    return calls
 
 
 def _candidates(path: str, arg: str, calls: dict) -> list[Injection]:
     """The values tried for ``arg`` of the holder at ``path`` (see the module's docstring)."""
     own = calls[path]
-    tried = [Injection(path, arg, index=i) for i in range(own.floats)]
-    children = [c for n, c in calls.items() if n.startswith(path + ".") and "." not in n[len(path) + 1:]]
+    tried = [Injection(path, arg, index=i) for i in range(len(own.floats))]
+    children = [c for n, c in calls.items() if n.rpartition(".")[0] == path]
     shapes = dict.fromkeys(s[:-1] for c in (*children, own) for s in c.shapes if len(s) >= 3)
     return tried + [Injection(path, arg, shape=s) for s in shapes]
 
 
-def _holders(model, unread: list[str], calls: dict) -> list[tuple[str, str]]:
-    """``(module, argument)`` pairs to try, in order: for each unread parameter, each module
-    above it that the forward called with an optional tensor argument unset, nearest first."""
-    pairs: dict = {}
+def _above(model, unread: list[str]) -> list[str]:
+    """The modules above the unread parameters (the model itself excluded) whose forward takes
+    an optional tensor argument, nearest first."""
+    out: dict = {}
     for name in unread:
         parts = name.split(".")[:-1]
         for k in range(len(parts), 0, -1):
             path = ".".join(parts[:k])
-            call = calls.get(path)
-            if call is None or call.bound is None:
-                continue
-            for arg in _optional_tensors(model.get_submodule(path)):
-                if call.bound.arguments.get(arg) is None:
-                    pairs.setdefault((path, arg), None)
-    return list(pairs)
+            if path not in out:
+                out[path] = bool(_optional_tensors(model.get_submodule(path)))
+    return [p for p, takes in out.items() if takes]
 
 
-def holder_injections(model, args, kwargs) -> list[Injection]:
-    """The holders' optional arguments that make the forward on ``args``/``kwargs`` read a
-    parameter under the holder it reads on none of them alone (see the module's docstring),
-    found in :data:`MAX_TRIALS` trial runs at most; none where every parameter is read or the
-    forward refuses the inputs."""
-    base, calls = _calls(model, args, kwargs)
-    if base is None:
-        return []
-    unread = [n for n, _ in model.named_parameters() if n not in base]
+def _tried(model, call: _Call, inj: Injection) -> frozenset | None:
+    """The parameters (by the model's names) the holder reads, run alone on its recorded call
+    with ``inj``'s argument set, where its result is finite and joins its output; else None."""
+    module = model.get_submodule(inj.path)
+    meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") \
+        if isinstance(t, torch.Tensor) and t.is_meta else t  # noqa: E731 (a trial's fake tensor)
+    assert call.bound is not None  # a holder's call is kept
+    bound = inspect.BoundArguments(call.bound.signature, {k: tree_map(meta, v) for k, v in call.bound.arguments.items()})
+    bound.arguments[inj.arg] = inj.value([meta(t) for t in call.floats])
+    seen: list = []
+    handle = module.register_forward_hook(lambda m, a, out: seen.append(out))
+    try:
+        reads = parameter_reads(module, bound.args, bound.kwargs)
+    finally:
+        handle.remove()
+    if reads is None or not seen or not _joinable(call.form, seen[0]):
+        return None
+    if not all(t.is_meta or bool(torch.isfinite(t).all()) for t in _floats(seen[0], {})):
+        return None  # 0 * inf is no zero
+    return frozenset(f"{inj.path}.{n}" for n in reads)
+
+
+def holder_injections(model, args, kwargs, unread: list[str] | None = None) -> list[Injection]:
+    """The holders' optional arguments that make the holder, run on its call in the forward on
+    ``args``/``kwargs``, read a parameter under it the forward leaves ``unread`` (found by a
+    trial run where not given; see the module's docstring), in :data:`MAX_TRIALS` trial runs of
+    a holder at most; none where every parameter is read or the forward refuses the inputs."""
+    if unread is None:
+        base = parameter_reads(model, args, kwargs)
+        if base is None:
+            return []
+        unread = [n for n, _ in model.named_parameters() if n not in base]
+    holders = _above(model, unread)
+    calls = _calls(model, args, kwargs, set(holders)) if holders else {}
     kept, budget = [], MAX_TRIALS
-    for path, arg in _holders(model, unread, calls):
-        mine = {n for n in unread if n.startswith(path + ".")}
-        for inj in _candidates(path, arg, calls) if mine and budget > 0 else ():
-            budget -= 1
-            with injected(model, [inj], checked=True) as (hook,):
-                reads = parameter_reads(model, args, kwargs)
-            if reads is not None and hook.joined and not hook.infinite and reads & mine:
-                kept.append(inj)
-                unread = [n for n in unread if n not in reads]
-                break
+    for path in holders:
+        call = calls.get(path)
+        if call is None or call.bound is None:  # not called, or called in a way that does not bind
+            continue
+        for arg in [a for a in _optional_tensors(model.get_submodule(path)) if call.bound.arguments.get(a) is None]:
+            mine = {n for n in unread if n.startswith(path + ".")}
+            for inj in _candidates(path, arg, calls) if mine and budget > 0 else ():
+                budget -= 1
+                reads = _tried(model, call, inj)
+                if reads is not None and reads & mine:
+                    kept.append(inj)
+                    unread = [n for n in unread if n not in reads]
+                    break
     return kept
 
 
@@ -221,7 +258,8 @@ def traced_with_holders(model, traced, exported, export, stack: contextlib.ExitS
     holders' injections (:func:`holder_injections`) entered into ``stack`` (they stay while it is
     open: a twin traced for its constants runs them too), or ``exported`` where none is found or
     that export fails. Returns the program, whether branches were taken, and the injections."""
-    found = holder_injections(model, *traced) if unread_parameters(exported[0]) else []
+    unread = unread_parameters(exported[0])
+    found = holder_injections(model, traced[0], traced[1], unread) if unread else []
     if not found:
         return (*exported, [])
     inner = contextlib.ExitStack()
