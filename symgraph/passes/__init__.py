@@ -23,6 +23,7 @@ axes relate, a union-find merges them into classes. Importing the rule files reg
 - ``input_values``      the config values example inputs are built from (sizes, token ids)
 - ``optional_inputs``   optional inputs that read parameters the main input leaves unread
 - ``holder_inputs``     a called module's optional argument that reads a parameter, run in the trace
+- ``entry_points``      another method of the model that reads a parameter, run beside the forward
 - ``deadcode``          unread parameters no method of their module's source reads (a static proof)
 - ``image_inputs``      a vision-language model's images and image tokens
 - ``image_processing``  images made by the model's own image processor from transformers

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .entry_points import entered, entry_points
 from .nodes import unread_parameters
 from .optional_inputs import parameter_reads
 
@@ -255,19 +256,24 @@ def holder_injections(model, args, kwargs, unread: list[str] | None = None) -> l
 def traced_with_holders(model, traced, exported, export, stack: contextlib.ExitStack):
     """``exported`` (``(program, branches taken)``, exported from ``model`` on ``traced``,
     ``(args, kwargs)``) where it reads every parameter; else ``export()`` run again with the
-    holders' injections (:func:`holder_injections`) entered into ``stack`` (they stay while it is
-    open: a twin traced for its constants runs them too), or ``exported`` where none is found or
-    that export fails. Returns the program, whether branches were taken, and the injections."""
+    holders' injections (:func:`holder_injections`) and, for the parameters no holder reads,
+    the methods that read them (:func:`.entry_points.entry_points`) entered into ``stack`` (they
+    stay while it is open: a twin traced for its constants runs them too), or ``exported`` where
+    none is found or that export fails. Returns the program, whether branches were taken, and
+    what was found (injections, then entry points)."""
     unread = unread_parameters(exported[0])
     found = holder_injections(model, traced[0], traced[1], unread) if unread else []
-    if not found:
+    left = [n for n in unread if not any(n.startswith(i.path + ".") for i in found)]
+    entries = entry_points(model, traced[0], traced[1], left) if left else []
+    if not found and not entries:
         return (*exported, [])
     inner = contextlib.ExitStack()
     inner.enter_context(injected(model, found))
+    inner.enter_context(entered(model, entries))
     try:
         ep, branched = export()
     except Exception:  # noqa: BLE001 - the plain program stands, its parameters unread
         inner.close()
         return (*exported, [])
     stack.enter_context(inner)
-    return ep, branched, found
+    return ep, branched, [*found, *entries]

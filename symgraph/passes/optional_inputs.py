@@ -66,10 +66,11 @@ class _Reads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def parameter_reads(model, args: tuple, kwargs: dict) -> frozenset | None:
-    """Names of the parameters ``model``'s forward reads on ``args``/``kwargs`` (floating ones
-    put in the parameters' dtype, all on its device), run in eval mode without gradients (each
-    module's mode restored after); None where it refuses them."""
+def parameter_reads(model, args: tuple, kwargs: dict, run=None) -> frozenset | None:
+    """Names of the parameters ``model``'s forward (or ``run``, a method of it or of a module
+    in it) reads on ``args``/``kwargs`` (floating ones put in the parameters' dtype, all on its
+    device), run in eval mode without gradients (each module's mode restored after); None where
+    it refuses them."""
     dev = device_of(model)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     put = lambda v: (v.to(dev, dtype) if v.is_floating_point() else v.to(dev)) \
@@ -84,7 +85,8 @@ def parameter_reads(model, args: tuple, kwargs: dict) -> frozenset | None:
     try:
         log.setLevel(logging.CRITICAL)
         with torch.no_grad(), fake, mode, parameters_dtype(model):  # as the trace runs it
-            model.eval()(*(put(a) for a in args), **{k: put(v) for k, v in kwargs.items()})
+            model.eval()
+            (run or model)(*(put(a) for a in args), **{k: put(v) for k, v in kwargs.items()})
     except Exception:  # noqa: BLE001 - the forward refuses these inputs
         return None
     finally:

@@ -1,0 +1,194 @@
+"""Other entry points (issue 65): a parameter the forward never reads that another method of the
+model reads (ESM's contact head: ``predict_contacts(tokens, attention_mask)`` runs the model
+for its attention maps and regresses contacts from them). A parameter the traced program never
+reads fixes every class, so the trace also runs the method, in the same program, under the
+model's own parameter names.
+
+The method is found by trial runs that observe the parameters read
+(:func:`.optional_inputs.parameter_reads`), never by its name: for an unread parameter, each
+module above it (nearest first, the model last) whose class, in the model's own source file
+(its module's, not a library base's), defines a public method other than ``forward`` with a
+required argument. Its required arguments: the first takes the main input (the forward's first
+tensor), one the forward was given by the same name takes that, any other an all-ones tensor
+of the main input's shape (a mask that keeps every position). Run as it is, and, where that
+fails and the model can switch (``set_attn_implementation``), under eager attention (a method
+that reads attention maps gets none from SDPA). Kept where it reads an unread parameter.
+
+In the program the method runs after the forward on the same inputs, and ``0 * s`` is added to
+the forward's first floating output, ``s`` the sum of the method's floating results each times
+a constant that varies along every axis: the program computes the plain forward (exactly,
+where the result is finite), its consumers see the model's values on a user's batch, and the
+analysis keeps every axis of the method's result fixed (a constant's axes are), as if it were an
+output: each claim holds of the method too.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .optional_inputs import parameter_reads
+
+__all__ = ["EntryPoint", "entry_points", "entered"]
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    """The method ``method`` of the module at ``path`` (``""``: the model), its required
+    arguments filled as ``fill`` says (``"main"``, ``"ones"`` or the name of a forward input),
+    run under eager attention where ``eager``."""
+    path: str
+    method: str
+    fill: tuple
+    eager: bool = False
+
+
+def _floats(x) -> list:
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _main(args, kwargs):
+    return next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
+
+
+def _methods(module) -> list[tuple[str, list[str]]]:
+    """``(name, required arguments)`` of the public methods other than ``forward`` that the
+    classes of ``module`` define in its own source file, with a required argument."""
+    home, out = type(module).__module__, {}
+    for cls in type(module).__mro__:
+        if cls.__module__ != home:
+            continue
+        for name, f in vars(cls).items():
+            if name.startswith("_") or name == "forward" or name in out or not inspect.isfunction(f):
+                continue
+            params = list(inspect.signature(f).parameters.values())[1:]
+            required = [p.name for p in params if p.default is inspect.Parameter.empty
+                        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            if required and all(p.kind not in (p.VAR_POSITIONAL,) for p in params):
+                out[name] = required
+    return list(out.items())
+
+
+def _arguments(entry: EntryPoint, args, kwargs) -> list | None:
+    main = _main(args, kwargs)
+    if main is None:
+        return None
+    return [main if f == "main" else torch.ones_like(main) if f == "ones" else kwargs[f] for f in entry.fill]
+
+
+@contextlib.contextmanager
+def _attention(model, eager: bool):
+    """Eager attention while inside where ``eager`` (restored after)."""
+    was = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if eager:
+        model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        if eager and was is not None:
+            model.set_attn_implementation(was)
+
+
+def _run(model, entry: EntryPoint, args, kwargs):
+    method = getattr(model.get_submodule(entry.path), entry.method)
+    margs = _arguments(entry, args, kwargs)
+    with _attention(model, entry.eager):
+        return method(*margs)
+
+
+def _tried(model, entry: EntryPoint, args, kwargs) -> frozenset | None:
+    """The parameters the method reads on the inputs, where its result is finite; else None."""
+    seen: list = []
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    args, kwargs = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    reads = parameter_reads(model, (), {}, run=lambda: seen.append(_run(model, entry, args, kwargs)))
+    if reads is None or not seen or not _floats(seen[0]):
+        return None
+    if not all(t.is_meta or bool(torch.isfinite(t).all()) for t in _floats(seen[0])):
+        return None
+    return reads
+
+
+def _entries(model, unread: list[str], kwargs) -> list[EntryPoint]:
+    """The candidates, in order (see the module's docstring)."""
+    paths: dict = {}
+    for name in unread:
+        parts = name.split(".")[:-1]
+        for k in range(len(parts), -1, -1):
+            paths.setdefault(".".join(parts[:k]), None)
+    out = []
+    for path in sorted(paths, key=lambda p: -len(p.split(".")) if p else 0):
+        for name, required in _methods(model.get_submodule(path)):
+            fill = tuple("main" if i == 0 else a if a in kwargs else "ones" for i, a in enumerate(required))
+            out += [EntryPoint(path, name, fill, eager) for eager in (False, True)
+                    if not eager or hasattr(model, "set_attn_implementation")]
+    return out
+
+
+def _meta_twin(model):
+    """A copy of ``model`` whose parameters and buffers are on ``meta`` (tied ones still tied; no
+    weight copied): a method tried on it changes nothing of the model's, whatever it does."""
+    memo: dict = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in memo:
+            empty = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            memo[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+
+def entry_points(model, args, kwargs, unread: list[str], budget: int = 8) -> list[EntryPoint]:
+    """The methods that read a parameter the forward on ``args``/``kwargs`` leaves ``unread``
+    (see the module's docstring), in ``budget`` trial runs at most, each on a new twin of the
+    model on ``meta`` (:func:`_meta_twin`: a method that changes the module it is called on, a
+    setter, changes that twin only)."""
+    kept, left = [], set(unread)
+    for entry in _entries(model, unread, kwargs):
+        if not left or budget <= 0:
+            break
+        if any(e.path == entry.path and e.method == entry.method for e in kept):
+            continue
+        budget -= 1
+        reads = _tried(_meta_twin(model), entry, args, kwargs)  # a twin each: one trial's changes stay its own
+        if reads is not None and reads & left:
+            kept.append(entry)
+            left -= reads
+    return kept
+
+
+def _joined(out, extra):
+    """``out`` with ``0 * s`` added to its first floating tensor (see the module's docstring)."""
+    leaves, spec = tree_flatten(out)
+    first = next((i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    if first is None:
+        return None
+    s = sum((r * torch.linspace(1.0, 2.0, r.numel(), dtype=r.dtype, device=r.device).reshape(r.shape)).sum()
+            for r in extra)
+    leaves[first] = leaves[first] + 0 * s
+    return tree_unflatten(leaves, spec)
+
+
+@contextlib.contextmanager
+def entered(model, entries):
+    """While inside, the model's forward also runs each of ``entries`` (see the module's
+    docstring)."""
+    inside = []
+
+    def hook(module, args, kwargs, out):
+        if inside or not entries:
+            return None
+        inside.append(True)
+        try:
+            extra = [t for e in entries for t in _floats(_run(model, e, args, kwargs))]
+        finally:
+            inside.clear()
+        return _joined(out, extra)
+
+    handle = model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
