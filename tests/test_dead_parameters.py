@@ -50,8 +50,25 @@ def test_dead_parameters_stay_fixed_alone_and_the_mlp_is_found():
         assert float((p - q).abs().max()) < 1e-6, n
 
 
-@pytest.mark.parametrize("cls", [ReadElsewhere, ReadByName])
-def test_a_layer_read_by_another_method_or_a_computed_name_fixes_everything(cls):
+def test_a_layer_read_by_another_method_is_traced_through_that_method():
+    """``predict(x)`` reads the layer and vector: the trace runs it beside the forward
+    (:mod:`symgraph.passes.entry_points`), so they are read and move with the hidden units,
+    and the method's result is kept as it is."""
+    torch.manual_seed(0)
+    A = ReadElsewhere().eval()
+    rep = symgraph.analyze(A, _x())
+    assert rep.dead_parameters == {} and rep.unread is None
+    hidden = _hidden(rep)
+    assert ("spare.weight", 1) in hidden.params and hidden.kind == "scaled_perm"
+    assert rep.group_of("sep", 0) == rep.group_of("spare.weight", 0) == []  # the method's result: fixed
+    assert rep.certify(A, _x()) <= 1e-6
+    B = symgraph.transform(A, rep.random_transform(seed=1))
+    with torch.no_grad():
+        assert float((A.predict(*_x()) - B.predict(*_x())).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("cls", [ReadByName])
+def test_a_layer_read_by_a_computed_name_fixes_everything(cls):
     torch.manual_seed(0)
     A = cls().eval()
     rep = symgraph.analyze(A, _x())
