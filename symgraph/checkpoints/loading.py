@@ -18,7 +18,7 @@ import torch
 
 from ..core.devices import meta_model
 from ..core.dtypes import SAFETENSORS_DTYPES
-from ..core.finite import check_config_numbers
+from ..core.finite import check_config_numbers, class_defaults
 from ..core.files import PinnedFile, model_file
 from ..core.schema import quoted
 from ..errors import InputError
@@ -159,14 +159,6 @@ def read_layout(path: str) -> Layout:
                          "expected a complete checkpoint")
     keys = list(weight_map) if weight_map is not None else list(where)
     return Layout({k: real[where[k]] for k in keys}, shapes, dtypes, keys, pins)
-
-
-def class_defaults(cfg) -> dict:
-    """The default config of ``cfg``'s class as a dict (empty where it cannot be built)."""
-    try:
-        return type(cfg)().to_dict()
-    except Exception:  # noqa: BLE001 - a class without defaults: every infinity is refused
-        return {}
 
 
 def read_config(path: str):

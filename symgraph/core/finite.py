@@ -8,7 +8,8 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["all_finite", "check_read", "check_config_numbers", "same_value", "require_finite", "require_module"]
+__all__ = ["all_finite", "check_read", "check_config_numbers", "same_value", "require_finite", "require_module",
+           "class_defaults"]
 
 
 def require_module(m, label: str, expected: str = "a torch.nn.Module") -> None:
@@ -76,6 +77,15 @@ def check_config_numbers(config: dict, where: str, default: dict | None = None) 
         if name.rsplit(".", 1)[-1].lower().endswith(EPS_SUFFIXES) and v < 0:
             raise InputError(f"{where}: config field {name!r} is {v!r}; expected a number >= 0 (an epsilon "
                              "added to keep a norm's denominator positive)")
+
+
+def class_defaults(cfg) -> dict:
+    """The default config of ``cfg``'s class as a dict (empty where it cannot be built), for
+    :func:`check_config_numbers`."""
+    try:
+        return type(cfg)().to_dict()
+    except Exception:  # noqa: BLE001 - a class without defaults: every infinity is refused
+        return {}
 
 
 def same_value(a, b) -> bool:

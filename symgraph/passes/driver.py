@@ -21,12 +21,13 @@ from .bufferviews import buffer_views
 from .deadcode import split_dead
 from .patterns import rope as _rope
 from .nodes import (BRANCHES_TAKEN, READ_AS_NUMBER, FrozenOp, flat_nodes as _flat_nodes, live_nodes, module_path,
-                    output_nodes, packet as _packet, source_line, UNREAD, unread_parameters)
+                    output_nodes, packet as _packet, source_line, UNREAD, unread_parameters,
+                    unsaved_tensors)
 from .registry import Label, Meet, NoFiber, Rope, RuleContext, Structure, Unify
 from .patterns.norms import find_norms
 from .patterns.packed import find_packed
 from .fibres import compute_fibres
-from .uniform import uniform_axes
+from .uniform import is_zeros, uniform_axes, value_axes
 from .unionfind import AxisUnionFind
 
 __all__ = ['AxisAnalysis', 'FrozenOp', 'analyze_graph']
@@ -40,32 +41,6 @@ CONST_OPS = {
     aten.ones_like, aten.full_like, aten.empty_like, aten.rand, aten.randn, aten.eye,
     aten.tril_indices, aten.triu_indices, aten.linspace, aten.empty_strided,
 }
-_ZEROS = {aten.zeros, aten.zeros_like, aten.new_zeros}
-_FULL = {aten.full, aten.full_like, aten.new_full}
-
-
-#: ops whose output holds only values of their first argument (a copy of zeros is zeros; an
-#: LSTM's zero state is unbound per layer, then each layer's taken by ``getitem``)
-_COPIES = {aten.clone, aten.alias, aten._to_copy, aten.contiguous, aten.detach, aten.expand,
-           aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.transpose, aten.t,
-           aten.unsqueeze, aten.squeeze, aten.lift_fresh_copy, aten.unbind, aten.select,
-           aten.slice, aten.split, aten.split_with_sizes, aten.chunk, aten.narrow, operator.getitem}
-
-
-def _zeros(node) -> bool:
-    """A tensor of zeros (a scan's initial state), or a copy, view or cast of one (xLSTM
-    clones its zero state): every linear map keeps it, so it fixes nothing it is concatenated
-    or added to."""
-    for _ in range(16):
-        p = _packet(node.target) if callable(node.target) else None
-        if p in _COPIES and node.args and isinstance(node.args[0], torch.fx.Node):
-            node = node.args[0]
-            continue
-        return p in _ZEROS or (p in _FULL and len(node.args) > 1 and node.args[-1] == 0
-                               and not isinstance(node.args[-1], bool))
-    return False
-
-
 def _ints(x) -> list:
     """The ints of a nested list of them (a node's axes), in order."""
     return [x] if isinstance(x, int) else [i for y in x for i in _ints(y)] if isinstance(x, list) else []
@@ -105,6 +80,7 @@ class AxisAnalysis:
         self.param_of = dict(sig.inputs_to_parameters)
         self.param_nodes: dict[str, torch.fx.Node] = {}
         self.buffer_of = dict(sig.inputs_to_buffers)
+        self.unsaved = unsaved_tensors(ep)  # what a checkpoint does not store: fixed, as data
         self.buffer_nodes: dict[str, torch.fx.Node] = {}  # buffers no rule fixed (after run)
         self.buffer_views = buffer_views(self.graph, self.buffer_of)  # views of them taking rules
         self.fixed_buffers: dict[str, str] = {}  # the others: name -> why
@@ -252,19 +228,22 @@ class AxisAnalysis:
     def _classify(self, node):
         if node.op == "placeholder":
             self.node_axes[node] = self._alloc(node.meta.get("val"))
+            name = self.param_of.get(node.name) or self.buffer_of.get(node.name)
             if node.name in self.param_of:
                 self.origin[node] = "param"
-                self.param_nodes[self.param_of[node.name]] = node
-            elif node.name in self.user_inputs:
-                self.origin[node] = "act"
+                self.param_nodes[name] = node
+            if node.name in self.user_inputs or name in self.unsaved and node.name in self.param_of:
+                self.origin[node] = self.origin.get(node, "act")
                 for a in self._all_axes(node):
-                    self.uf.meet(a, "identity")
-            elif node.name in self.buffer_of:  # data, but a rule may relate its axes
+                    self.uf.meet(a, "identity", self.unsaved.get(name))
+            elif node.name in self.buffer_of and name not in self.unsaved:  # data a rule may relate
                 self.origin[node] = "const"
-                self.buffer_nodes[self.buffer_of[node.name]] = node
+                self.buffer_nodes[name] = node
                 return  # its axes are settled after the rules (_settle_buffers)
-            else:  # lifted constants are data we do not transform
+            elif node.name not in self.param_of:  # lifted constants (and unsaved buffers): data we do not transform
                 self.origin[node] = "const"
+                if name in self.unsaved:
+                    self.fixed_buffers[name] = self.unsaved[name]
         elif node.op == "call_function":
             if _packet(node.target) in IGNORED:
                 self.origin[node] = "const"
@@ -281,13 +260,15 @@ class AxisAnalysis:
                 self.origin[node] = "act"
         else:
             self.origin[node] = "const"
-        if self.origin[node] == "const" and not _zeros(node):
+        if self.origin[node] == "const" and not is_zeros(node):
             ax = self.node_axes.get(node)
             flat = isinstance(ax, list) and all(isinstance(a, int) for a in ax)
-            same = uniform_axes(node, self._uniform) if flat and node.op == "call_function" else ()
+            same = uniform_axes(node, self._uniform) if flat and node.op == "call_function" else \
+                value_axes(self.ep.constants.get(self.buffer_of.get(node.name, ""))) if flat else ()
             for j, a in enumerate(ax if flat else self._all_axes(node)):
                 self.uf.meet(a, "perm" if j in same and flat else "identity",
-                             f"{node.name}: a constant, the same along this axis" if j in same and flat else None)
+                             f"{node.name}: a constant, the same along this axis" if j in same and flat
+                             else self.unsaved.get(self.buffer_of.get(node.name)))
 
     def _rule(self, node):
         if node.target is operator.getitem:

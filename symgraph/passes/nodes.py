@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["BRANCHES_TAKEN", "UNREAD", "FrozenOp", "READ_AS_NUMBER", "flat_nodes", "live_nodes", "module_path", "ndim", "op_of", "output_nodes", "packet", "packets",
+__all__ = ["BRANCHES_TAKEN", "UNREAD", "UNSAVED", "unsaved_tensors", "unsaved_values", "FrozenOp", "READ_AS_NUMBER", "flat_nodes", "live_nodes", "module_path", "ndim", "op_of", "output_nodes", "packet", "packets",
            "source_line", "tensor_axes", "unread_parameters"]
 
 
@@ -91,6 +91,40 @@ def source_line(node) -> str:
 READ_AS_NUMBER = {torch.ops.aten._local_scalar_dense}
 BRANCHES_TAKEN = "symgraph_branches_taken"  # graph meta: data-dependent branches traced as taken
 UNREAD = "symgraph_unread"  # graph meta: parameters the program as exported never reads
+UNSAVED = "symgraph_unsaved"  # graph meta: parameters the model's save_pretrained leaves out
+
+
+def unsaved_tensors(ep) -> dict:
+    """``{name: why}`` of the parameters and buffers a checkpoint of the model does not store:
+    reloading recomputes them in their first basis, so no symmetry may move them (a model
+    transformed, saved and loaded again must compute what it did). Non-persistent buffers
+    (Speech2Text's sinusoidal positions) and the parameters the model's ``save_pretrained``
+    leaves out (``_keys_to_ignore_on_save``: Marian's sinusoidal positions; kept as ``UNSAVED``
+    by :func:`symgraph.report.api.analyze`)."""
+    why = dict.fromkeys(ep.graph_signature.non_persistent_buffers, "a non-persistent buffer")
+    why |= dict.fromkeys(ep.graph_module.meta.get(UNSAVED, ()), "the model's _keys_to_ignore_on_save")
+    return {n: f"{n} is not saved with the model ({w}): reloading recomputes it, so no symmetry may move it"
+            for n, w in why.items()}
+
+
+def unsaved_values(ep, model) -> None:
+    """Give ``ep`` (``model`` on ``meta`` traced) the values of its non-persistent buffers as
+    ``model``'s class computes them from its config (with its parameters on ``meta``: only the
+    buffers take memory), so the analysis reads them as it reads a real model's; where the
+    model cannot be built again they stay unknown (and fix what they meet)."""
+    from ..core.devices import parameters_on_meta
+    names = [n for n in ep.graph_signature.non_persistent_buffers if getattr(ep.constants.get(n), "is_meta", False)]
+    if not names or getattr(model, "config", None) is None:
+        return
+    try:
+        with parameters_on_meta():
+            built = dict(type(model)(model.config).named_buffers(remove_duplicate=False))
+    except Exception:  # noqa: BLE001 - a class that needs more than its config: values unknown
+        return
+    for n in names:
+        v = built.get(n)
+        if isinstance(v, torch.Tensor) and not v.is_meta and v.shape == ep.constants[n].shape:
+            ep.constants[n] = v
 
 
 def live_nodes(graph, keep=None) -> set:

@@ -4,11 +4,13 @@ axes it varies along; along the others it is ``c·𝟙`` per slice, which every 
 (zeros: every linear map), so the axis need not be fixed, only narrowed to permutations."""
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .nodes import packet
 
-__all__ = ["uniform_axes"]
+__all__ = ["is_zeros", "uniform_axes", "value_axes"]
 
 aten = torch.ops.aten
 
@@ -58,8 +60,43 @@ def uniform_axes(node, memo: dict) -> frozenset:
     return memo[node]
 
 
+def value_axes(t) -> frozenset:
+    """Indices of the axes along which the tensor ``t`` (a stored constant: a buffer a
+    checkpoint does not hold, Falcon-H1's µP multipliers) does not vary; the empty set for
+    anything else, or values unknown (on ``meta``)."""
+    if not isinstance(t, torch.Tensor) or t.is_meta:
+        return frozenset()
+    return frozenset(j for j in range(t.dim()) if bool((t == t.narrow(j, 0, 1)).all()))
+
+
 def _along(operand, j, ndim, memo) -> bool:
     """Whether ``operand``, broadcast (right-aligned) to ``ndim`` axes, does not vary along ``j``."""
     s = _shape(operand)
     k = j - (ndim - len(s))
     return k < 0 or s[k] == 1 or k in uniform_axes(operand, memo)
+
+
+_ZEROS = {aten.zeros, aten.zeros_like, aten.new_zeros}
+_FULL = {aten.full, aten.full_like, aten.new_full}
+
+
+#: ops whose output holds only values of their first argument (a copy of zeros is zeros; an
+#: LSTM's zero state is unbound per layer, then each layer's taken by ``getitem``)
+_COPIES = {aten.clone, aten.alias, aten._to_copy, aten.contiguous, aten.detach, aten.expand,
+           aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.transpose, aten.t,
+           aten.unsqueeze, aten.squeeze, aten.lift_fresh_copy, aten.unbind, aten.select,
+           aten.slice, aten.split, aten.split_with_sizes, aten.chunk, aten.narrow, operator.getitem}
+
+
+def is_zeros(node) -> bool:
+    """A tensor of zeros (a scan's initial state), or a copy, view or cast of one (xLSTM
+    clones its zero state): every linear map keeps it, so it fixes nothing it is concatenated
+    or added to."""
+    for _ in range(16):
+        p = packet(node.target) if callable(node.target) else None
+        if p in _COPIES and node.args and isinstance(node.args[0], torch.fx.Node):
+            node = node.args[0]
+            continue
+        return p in _ZEROS or (p in _FULL and len(node.args) > 1 and node.args[-1] == 0
+                               and not isinstance(node.args[-1], bool))
+    return False

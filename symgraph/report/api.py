@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..core.ties import tied_groups
 from ..passes import analyze_graph
+from ..passes.nodes import UNSAVED, unsaved_values
 from .symmetry import SymmetryReport
 from ..passes.trace import head_outputs, output_positions, trace
 
@@ -38,6 +39,8 @@ def analyze(model, inputs=None, *, strict: bool = False, fold_norms: bool = True
         from, since a symmetry would change them.
     """
     ep, args, kwargs = trace(model, inputs)
+    ep.graph_module.meta[UNSAVED] = sorted(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    unsaved_values(ep, model)  # on meta: the values of what a checkpoint does not store
     outputs = None if outputs is None else tuple([outputs] if isinstance(outputs, str) else outputs)
     if outputs is None:
         outputs = head_outputs(ep)
