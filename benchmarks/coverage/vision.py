@@ -62,7 +62,8 @@ import warnings
 
 from ..provenance import REPO_ROOT, log, register, staged, write_json
 from .constants import TOL
-from .family import _first_line, _one_trace, _where, blockers, run_isolated
+from .at_default import where
+from .family import _first_line, _one_trace, blockers, run_isolated
 from .graph import _pname, _shape, _source, linear_weight
 from .structure import _NONLINEAR, PERMLIKE, expectations
 from .summary import git_info
@@ -364,7 +365,7 @@ def run_vision(family: str, _unused: str, zoo: str) -> dict:
         if isinstance(e, KeyboardInterrupt):
             raise
         rec["error"] = {"stage": stage, "type": type(e).__name__, "message": _first_line(e),
-                        "where": _where(e)}
+                        "where": where(e)}
     rec["stage"] = stage
     rec["seconds"] = time.perf_counter() - t0
     return rec
