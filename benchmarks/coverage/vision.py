@@ -62,8 +62,7 @@ import warnings
 
 from ..provenance import REPO_ROOT, log, register, staged, write_json
 from .constants import TOL
-from .at_default import where
-from .family import _first_line, _one_trace, blockers, run_isolated
+from .family import _first_line, _one_trace, blockers, run_isolated, where
 from .graph import _pname, _shape, _source, linear_weight
 from .structure import _NONLINEAR, PERMLIKE, expectations
 from .summary import git_info
