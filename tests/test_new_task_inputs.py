@@ -34,7 +34,7 @@ def test_longt5_local_attention_gets_an_encoder_mask():
     m = randomized(T.LongT5ForConditionalGeneration(cfg))
     _, kw = default_inputs(m)
     assert torch.equal(kw["attention_mask"], torch.ones(2, 8, dtype=torch.long))
-    assert kw["decoder_input_ids"].shape == (2, 4) and kw["use_cache"] is False
+    assert kw["decoder_input_ids"].shape == (2, 5) and kw["use_cache"] is False
     r = symgraph.analyze(m)
     assert r.outputs == ("logits",) and r.frozen == [] and r.certify(m) < 1e-9
     heads = [g for g in r.group_of("encoder.block.0.layer.0.LocalSelfAttention.q.weight", 0) if g.kind == "perm"]
@@ -137,7 +137,7 @@ def test_fsmt_decoder_gets_a_mask_and_traces():
                        encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=32)
     m = randomized(T.FSMTForConditionalGeneration(cfg))
     _, kw = default_inputs(m)
-    assert torch.equal(kw["decoder_attention_mask"], torch.ones(2, 4, dtype=torch.long))
+    assert torch.equal(kw["decoder_attention_mask"], torch.ones(2, 5, dtype=torch.long))
     r = symgraph.analyze(m)
     assert r.outputs == ("logits",) and r.frozen == [] and r.certify(m) < 1e-9
     heads = [g for g in r.group_of("model.decoder.layers.0.encoder_attn.k_proj.weight", 0) if g.kind == "perm"]

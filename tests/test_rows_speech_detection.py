@@ -120,7 +120,7 @@ def test_dia_decoder_ids_a_column_per_channel_of_its_decoder_vocabulary():
     m = _dia()
     _, kw = default_inputs(m)
     dec = kw["decoder_input_ids"]
-    assert dec.shape == (2, 4, 3) and kw["input_ids"].shape == (2, 8)
+    assert dec.shape == (2, 5, 3) and kw["input_ids"].shape == (2, 8)
     assert dec[:, 0].eq(37).all() and int(dec[:, 1:].max()) < 37
     with torch.no_grad():
         assert m(**kw).logits.shape[-1] == 40
