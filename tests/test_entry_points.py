@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import symgraph
-from symgraph.passes.entry_points import EntryPoint, entry_points
+from symgraph.passes.entry_points import EntryPoint, entry_points, own_methods
 from symgraph.passes.holder_inputs import HOLDERS
 from symgraph.passes.trace import flatten_outputs
 from symgraph.testing.models import randomized
@@ -89,3 +89,10 @@ def test_a_method_that_changes_the_model_is_tried_on_a_twin_only():
     moved = symgraph.transform(m, rep.random_transform(seed=2))
     with torch.no_grad():
         assert float((moved.score(x) - m.score(x)).abs().max()) < 1e-5  # the method's claim too
+
+
+def test_torch_containers_offer_no_methods():
+    """A list of layers above an unread parameter is torch's own: its ``append``, ``insert``
+    and ``pop`` are no entry points (they would spend the trials)."""
+    assert own_methods(torch.nn.ModuleList([torch.nn.Linear(2, 2)])) == [] == own_methods(torch.nn.Linear(2, 2))
+    assert [n for n, _ in own_methods(WithSetter())] == ["set_head", "score"]

@@ -8,9 +8,9 @@ The method is found by trial runs that observe the parameters read
 (:func:`.optional_inputs.parameter_reads`), never by its name: for an unread parameter, each
 module above it (nearest first, the model last) whose class, in the model's own source file
 (its module's, not a library base's), defines a public method other than ``forward`` with a
-required argument. Its required arguments: the first takes the main input (the forward's first
-tensor), one the forward was given by the same name takes that, any other an all-ones tensor
-of the main input's shape (a mask that keeps every position). Run as it is, and, where that
+required argument. Its required arguments: one the forward was given by the same name takes
+that, else the first takes the main input (the forward's first tensor), any other an all-ones
+tensor of the main input's shape (a mask that keeps every position). Run as it is, and, where that
 fails and the model can switch (``set_attn_implementation``), under eager attention (a method
 that reads attention maps gets none from SDPA). Kept where it reads an unread parameter.
 
@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .optional_inputs import parameter_reads
 
-__all__ = ["EntryPoint", "entry_points", "entered"]
+__all__ = ["EntryPoint", "entry_points", "entered", "own_methods"]
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,13 @@ def _main(args, kwargs):
     return next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
 
 
-def _methods(module) -> list[tuple[str, list[str]]]:
+def own_methods(module) -> list[tuple[str, list[str]]]:
     """``(name, required arguments)`` of the public methods other than ``forward`` that the
-    classes of ``module`` define in its own source file, with a required argument."""
+    classes of ``module`` define in its own source file (none for torch's own: a list's
+    ``append``), with a required argument."""
     home, out = type(module).__module__, {}
+    if home.split(".")[0] == "torch":
+        return []
     for cls in type(module).__mro__:
         if cls.__module__ != home:
             continue
@@ -82,20 +85,31 @@ def _arguments(entry: EntryPoint, args, kwargs) -> list | None:
 
 @contextlib.contextmanager
 def _attention(model, eager: bool):
-    """Eager attention while inside where ``eager`` (restored after)."""
-    was = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if eager:
-        model.set_attn_implementation("eager")
+    """Eager attention while inside where ``eager``; every config's attention implementation
+    put back as it was after (set directly: a tower that refuses SDPA would refuse it set back)."""
+    if not eager:
+        yield
+        return
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    for c in list(configs.values()):  # sub-configs no module of its own holds
+        for v in vars(c).values() if hasattr(c, "__dict__") else ():
+            if hasattr(v, "__dict__") and "_attn_implementation_internal" in vars(v):
+                configs.setdefault(id(v), v)
+    saved = {k: vars(c)["_attn_implementation_internal"] for k, c in configs.items()
+             if "_attn_implementation_internal" in vars(c)}
     try:
+        model.set_attn_implementation("eager")
         yield
     finally:
-        if eager and was is not None:
-            model.set_attn_implementation(was)
+        for k, v in saved.items():
+            configs[k]._attn_implementation_internal = v
 
 
 def _run(model, entry: EntryPoint, args, kwargs):
     method = getattr(model.get_submodule(entry.path), entry.method)
     margs = _arguments(entry, args, kwargs)
+    if margs is None:
+        raise ValueError("no tensor input to give the method")  # a trial refused, as a failed run
     with _attention(model, entry.eager):
         return method(*margs)
 
@@ -122,8 +136,8 @@ def _entries(model, unread: list[str], kwargs) -> list[EntryPoint]:
             paths.setdefault(".".join(parts[:k]), None)
     out = []
     for path in sorted(paths, key=lambda p: -len(p.split(".")) if p else 0):
-        for name, required in _methods(model.get_submodule(path)):
-            fill = tuple("main" if i == 0 else a if a in kwargs else "ones" for i, a in enumerate(required))
+        for name, required in own_methods(model.get_submodule(path)):
+            fill = tuple(a if a in kwargs else "main" if i == 0 else "ones" for i, a in enumerate(required))
             out += [EntryPoint(path, name, fill, eager) for eager in (False, True)
                     if not eager or hasattr(model, "set_attn_implementation")]
     return out
@@ -145,7 +159,8 @@ def entry_points(model, args, kwargs, unread: list[str], budget: int = 8) -> lis
     (see the module's docstring), in ``budget`` trial runs at most, each on a new twin of the
     model on ``meta`` (:func:`_meta_twin`: a method that changes the module it is called on, a
     setter, changes that twin only)."""
-    kept, left = [], set(unread)
+    kept: list[EntryPoint] = []
+    left = set(unread)
     for entry in _entries(model, unread, kwargs):
         if not left or budget <= 0:
             break
