@@ -96,3 +96,16 @@ def test_torch_containers_offer_no_methods():
     and ``pop`` are no entry points (they would spend the trials)."""
     assert own_methods(torch.nn.ModuleList([torch.nn.Linear(2, 2)])) == [] == own_methods(torch.nn.Linear(2, 2))
     assert [n for n, _ in own_methods(WithSetter())] == ["set_head", "score"]
+
+
+def test_esm_on_meta_is_traced_through_the_same_method_and_classes():
+    torch.manual_seed(0)
+    real = T.EsmForMaskedLM(T.EsmConfig(**ESM)).eval()
+    with torch.device("meta"):
+        m = T.EsmForMaskedLM(T.EsmConfig(**ESM)).eval()
+    ids = torch.randint(4, 30, (2, 8), generator=torch.Generator().manual_seed(0))
+    rep, on_meta = symgraph.analyze(real, {"input_ids": ids}), symgraph.analyze(m, {"input_ids": ids})
+    assert on_meta.unread is None
+    assert on_meta.exported_program.graph_module.meta[HOLDERS] == rep.exported_program.graph_module.meta[HOLDERS]
+    assert [(g.kind, g.size, g.params) for g in on_meta.groups] == [(g.kind, g.size, g.params) for g in rep.groups]
+    assert len(rep.groups) == 8

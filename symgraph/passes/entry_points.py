@@ -197,7 +197,8 @@ def entered(model, entries):
             return None
         inside.append(True)
         try:
-            extra = [t for e in entries for t in _floats(_run(model, e, args, kwargs))]
+            # the hooked model: a twin traced for its constants runs its own methods
+            extra = [t for e in entries for t in _floats(_run(module, e, args, kwargs))]
         finally:
             inside.clear()
         return _joined(out, extra)
