@@ -14,9 +14,10 @@ IMAGE_CLASSIFICATION}_MAPPING_NAMES``:
    and every constant matrix re-drawn, as the tests do: Hugging Face's ones/zeros hide a wrong slot).
 3. **run eagerly**: the model's own forward on the example inputs of
    ``symgraph.passes.inputs.default_inputs`` (no trace). What transformers cannot build (1, 2)
-   at its own default config either (:func:`transformers_fails`) is listed apart with its
-   exception; the rest, our failures of 1-3 included, is the denominator (``runs``) of the
-   target: sound and complete ≥ 97 % of it, per task and overall.
+   or run (3) at its own default config either, failing the same way (:func:`transformers_fails`;
+   a forward at full size, under fake tensors where too large: :mod:`.at_default`), is listed
+   apart with its exception; the rest, our failures of 1-3 included, is the denominator
+   (``runs``) of the target: sound and complete ≥ 97 % of it, per task and overall.
 4. **trace + analyse**: ``symgraph.analyze(model)`` on its default inputs (timed: the analysis
    seconds of the row).
 5. **certify**: ``report.certify(model)`` with an infinite tolerance so the value is always
