@@ -60,7 +60,7 @@ def test_a_failure_only_at_the_shrunk_size_is_ours():
     # a different exception type at the default (there: none at all) is no reproduction
     assert fails_at_default("llama", "LlamaForCausalLM") is None
     assert not transformers_fails("llama", "LlamaForCausalLM", "config", ValueError("x"))
-    # an eager failure is on our inputs: ours
+    # an eager failure the default config does not repeat (this one has no line) is ours
     assert not transformers_fails("beit", "BeitForSemanticSegmentation", "eager", ValueError("x"))
 
 
