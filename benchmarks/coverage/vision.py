@@ -67,6 +67,7 @@ from .graph import _pname, _shape, _source, linear_weight
 from .structure import _NONLINEAR, PERMLIKE, expectations
 from .summary import git_info
 from .vision_table import TARGET, ZOOS, markdown, summarize  # noqa: F401 - re-exported
+from .why import fixed_unsaved, frozen_why
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "coverage_vision"
 #: size words of timm's variant names, smallest first
@@ -303,31 +304,18 @@ def _clean(path: str) -> str:
 def completeness(ep, report) -> dict:
     """:func:`~.structure.expectations` (MLPs, attention heads; no config: no rope) and the
     channel classes (:func:`channel_slots`): ``missing`` holds ``{"kind": "channels", ...}``
-    for each channel slot in no permutation-type class."""
+    for each channel slot in no permutation-type class, unless a tensor no checkpoint stores
+    fixes it (``report.unsaved``: DiT's stream, to which its recomputed position table is added,
+    cannot move in a checkpoint)."""
     st = expectations(ep, report, types.SimpleNamespace())
     held = {tuple(s) for g in report.groups if g.kind in PERMLIKE for s in g.params}
     slots = channel_slots(ep)
     st["channels"] = len(slots)
     for mod, slot in slots:
-        if tuple(slot) not in held:
+        if tuple(slot) not in held and not fixed_unsaved(report, slot):
             st["missing"].append({"kind": "channels", "module": mod, "slots": [list(slot)],
-                                  "why": _frozen_why(report, slot)})
+                                  "why": frozen_why(report, slot)})
     return st
-
-
-def _frozen_why(report, slot) -> str:
-    """The reasons the analysis recorded for the slot's class."""
-    try:
-        leaves = report.axis_reasons(*slot)
-    except (KeyError, IndexError, ValueError):
-        return "not in any class"
-    whys = []
-    for leaf in leaves:
-        for _, w in leaf.get("reasons", ())[-1:]:
-            w = re.sub(r"\b([A-Za-z]\w*?)_\d+(?=[ :])", r"\1", w)
-            if w not in whys:
-                whys.append(w)
-    return "fixed: " + "; ".join(whys[:2]) if whys else "no op recorded"
 
 
 # --- one family ---------------------------------------------------------------------------------

@@ -152,3 +152,28 @@ def _unnumbered(reason: str) -> str:
     """``conv1d_5 (aten.conv1d): ...`` -> ``conv1d (aten.conv1d): ...``: the node's op, not
     which of its copies."""
     return re.sub(r"\b([A-Za-z]\w*?)_\d+(?=[ :])", r"\1", reason)
+
+
+def fixed_unsaved(report, slot) -> bool:
+    """Whether a tensor no checkpoint of the model stores fixes the slot's class."""
+    unsaved = set(getattr(report, "unsaved", {}).values())
+    try:
+        leaves = report.axis_reasons(*slot)
+    except (KeyError, IndexError, ValueError):
+        return False
+    return any(kind == "identity" and why in unsaved for leaf in leaves for kind, why in leaf.get("reasons", ()))
+
+
+def frozen_why(report, slot) -> str:
+    """The reasons the analysis recorded for the slot's class."""
+    try:
+        leaves = report.axis_reasons(*slot)
+    except (KeyError, IndexError, ValueError):
+        return "not in any class"
+    whys = []
+    for leaf in leaves:
+        for _, w in leaf.get("reasons", ())[-1:]:
+            w = re.sub(r"\b([A-Za-z]\w*?)_\d+(?=[ :])", r"\1", w)
+            if w not in whys:
+                whys.append(w)
+    return "fixed: " + "; ".join(whys[:2]) if whys else "no op recorded"

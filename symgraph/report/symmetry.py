@@ -66,6 +66,12 @@ class AxisQueries:
         return dict(self._analysis.fixed_buffers)
 
     @property
+    def unsaved(self) -> dict:
+        """``{name: why}`` of the parameters and buffers no checkpoint of the model stores (fixed:
+        :func:`symgraph.passes.nodes.unsaved_tensors`)."""
+        return dict(self._analysis.unsaved)
+
+    @property
     def folds(self) -> list:
         """Norms whose gains fold into their readers (:class:`~symgraph.passes.patterns.norms.Fold`):
         the groups describe the model with these folded; transforms fold first, unfold after."""
