@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .optional_inputs import parameter_reads
 
-__all__ = ["EntryPoint", "entry_points", "entered", "own_methods"]
+__all__ = ["EntryPoint", "entry_points", "entered", "entry_results", "own_methods"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,12 @@ def _run(model, entry: EntryPoint, args, kwargs):
         raise ValueError("no tensor input to give the method")  # a trial refused, as a failed run
     with _attention(model, entry.eager):
         return method(*margs)
+
+
+def entry_results(model, entry: EntryPoint, args, kwargs) -> list:
+    """The floating tensors ``entry``'s method returns, run on ``model`` with the forward's inputs
+    ``args``/``kwargs`` as the program runs it (:func:`symgraph.certify` compares them)."""
+    return _floats(_run(model, entry, args, kwargs))
 
 
 def _tried(model, entry: EntryPoint, args, kwargs) -> frozenset | None:
@@ -198,7 +204,7 @@ def entered(model, entries):
         inside.append(True)
         try:
             # the hooked model: a twin traced for its constants runs its own methods
-            extra = [t for e in entries for t in _floats(_run(module, e, args, kwargs))]
+            extra = [t for e in entries for t in entry_results(module, e, args, kwargs)]
         finally:
             inside.clear()
         return _joined(out, extra)

@@ -37,7 +37,8 @@ from .entry_points import entered, entry_points
 from .nodes import unread_parameters
 from .optional_inputs import parameter_reads
 
-__all__ = ["HOLDERS", "Injection", "holder_injections", "injected", "traced_with_holders", "MAX_TRIALS"]
+__all__ = ["HOLDERS", "Injection", "holder_injections", "injected", "substituted", "traced_with_holders",
+           "MAX_TRIALS"]
 
 MAX_TRIALS = 24  # trial runs at most per trace (each one runs the whole forward)
 HOLDERS = "symgraph_holders"  # graph meta: the injections the program was traced under
@@ -84,23 +85,24 @@ def _bound(module, args, kwargs):
         return None
 
 
-def _joined(out, extra):
+def _joined(out, extra, replace: bool = False):
     """``out`` with ``0 * x`` added to each floating tensor from ``extra`` of its shape (the
-    same structure), or None where they share none."""
+    same structure; ``replace``: ``x`` in its place), or None where they share none."""
     (spec, mine), (other_spec, theirs) = _form(out), _form(extra)
     same = [x is not None and x == y for x, y in zip(mine, theirs)]
     if spec != other_spec or not any(same):
         return None
     a, b = tree_flatten(out)[0], tree_flatten(extra)[0]
-    return tree_unflatten([x + 0 * y if s else x for x, y, s in zip(a, b, same)], spec)
+    return tree_unflatten([(y if replace else x + 0 * y) if s else x for x, y, s in zip(a, b, same)], spec)
 
 
 class _Hook:
     """The forward hook running a holder again on its injected argument (see the module's
-    docstring); ``joined`` counts the runs whose result reached the holder's output."""
+    docstring); ``joined`` counts the runs whose result reached the holder's output (added as
+    ``0 *`` it, or in its place where ``replace``)."""
 
-    def __init__(self, injection: Injection):
-        self.injection, self.inside, self.joined = injection, False, 0
+    def __init__(self, injection: Injection, replace: bool = False):
+        self.injection, self.inside, self.joined, self.replace = injection, False, 0, replace
 
     def __call__(self, module, args, kwargs, out):
         inj = self.injection
@@ -114,7 +116,7 @@ class _Hook:
             extra = module(*bound.args, **bound.kwargs)
         finally:
             self.inside = False
-        joined = _joined(out, extra)
+        joined = _joined(out, extra, self.replace)
         self.joined += joined is not None
         return joined
 
@@ -130,6 +132,21 @@ def injected(model, injections):
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def substituted(model, injection: Injection):
+    """While inside, the holder of ``injection`` returns its run on the injected argument in
+    place of its own result (the floating tensors :func:`injected` adds ``0 *`` to): ``model``
+    runs as if the forward handed the holder the argument, the function whose symmetry the
+    program's extra run claims (:func:`symgraph.certify` checks it). Yields the hook, whose
+    ``joined`` counts the calls replaced."""
+    hook = _Hook(injection, replace=True)
+    handle = model.get_submodule(injection.path).register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield hook
+    finally:
+        handle.remove()
 
 
 @dataclass
