@@ -5,12 +5,13 @@ from __future__ import annotations
 import inspect
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from ..errors import InputError
 from .input_values import config_value, ints, token_ids
-from .optional_inputs import Trials
+from .optional_inputs import Trials, parameter_reads
 
-__all__ = ["audio_tokens", "features", "refused_audio", "samples", "time_mask"]
+__all__ = ["audio_tokens", "drop_ignored", "features", "refused_audio", "samples", "time_mask"]
 
 
 def _raw_convolutions(model) -> list:
@@ -291,7 +292,8 @@ def _no_sampling(kwargs, params) -> None:
 def time_mask(model, kwargs, name, batch) -> None:
     """Time steps to mask (``mask_time_indices``, where the forward takes it: Wav2Vec2, HuBERT,
     SEW): every third frame after the feature extractor, so the program reads the masked
-    frames' learned embedding (``masked_spec_embed``) as any input that masks would."""
+    frames' learned embedding (``masked_spec_embed``) as any input that masks would; dropped
+    again where the forward ignores it (:func:`drop_ignored`)."""
     x = kwargs[name]
     lengths = next((m._get_feat_extract_output_lengths for m in model.modules()
                     if hasattr(m, "_get_feat_extract_output_lengths")), None)  # the encoder's
@@ -304,3 +306,23 @@ def time_mask(model, kwargs, name, batch) -> None:
     mask = torch.zeros(batch, frames, dtype=torch.bool)
     mask[:, 1::3] = True
     kwargs["mask_time_indices"] = mask
+
+
+def drop_ignored(model, kwargs: dict, name: str) -> None:
+    """Drop ``kwargs[name]`` where a trial shows the forward ignores it: run with it and without,
+    it reads the same parameters and returns the same values, bit for bit (SpeechT5's forward
+    takes ``mask_time_indices`` in its ``**kwargs``, which :func:`.optional_inputs.passes_on`
+    sees a module under it take, but hands it to none). Kept where either run refuses the
+    inputs, or on ``meta``, where no value shows it."""
+    if name not in kwargs:
+        return
+    outs: list = []
+    run = lambda *a, **kw: outs.append(model(*a, **kw))  # noqa: E731
+    reads = [parameter_reads(model, (), kw, run=run) for kw in (kwargs, {k: v for k, v in kwargs.items() if k != name})]
+    if None in reads or reads[0] != reads[1] or len(outs) != 2:
+        return
+    (a, spec), (b, other) = (tree_flatten(o) for o in outs)
+    a, b = ([t for t in x if isinstance(t, torch.Tensor)] for x in (a, b))
+    if spec == other and len(a) == len(b) and all(
+            not x.is_meta and x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b)):
+        del kwargs[name]

@@ -47,7 +47,7 @@ import inspect
 import torch
 
 from ..errors import InputError
-from .audio_inputs import audio_tokens, features, refused_audio, samples, time_mask
+from .audio_inputs import audio_tokens, drop_ignored, features, refused_audio, samples, time_mask
 from .diffusion_inputs import diffusers_inputs, is_diffusers
 from .experts import batched_experts
 from .image_inputs import image_tokens
@@ -195,4 +195,5 @@ def _hf_inputs(model, batch: int, seq: int):
               for k, v in kwargs.items()}  # a flag (``sample=False``) as it is
     if "use_cache" in params:
         kwargs["use_cache"] = False
+    drop_ignored(model, kwargs, "mask_time_indices")  # a forward may take it in **kwargs, unread
     return (), kwargs
