@@ -15,7 +15,7 @@ from ..passes.holder_inputs import HOLDERS, Injection, substituted
 from ..passes.trace import eval_mode, flatten_outputs, graph_friendly, output_deviation, select_outputs, split_inputs
 from ..errors import CertificationError, InputError
 
-__all__ = ["certify", "cast_floats", "extra_runs", "FLOAT32_TOL"]
+__all__ = ["certify", "cast_floats", "deviation", "extra_runs", "FLOAT32_TOL"]
 
 FLOAT32_TOL = 1e-4  # certificates of models that cannot run in float64
 
@@ -89,13 +89,32 @@ def _certify_in(report, model, args, kwargs, trials, dtype, experts=None) -> tup
             mt = transform(m, report.random_transform(seed=trial))
             with eval_mode(mt), graph_friendly(mt):
                 out = flatten_outputs(select_outputs(mt(*args, **kwargs), report.outputs))
-                got = [("outputs", output_deviation(base, out))] + [
-                    (f"values of {_named(e)}", output_deviation(b, _extra_values(mt, e, own, report.outputs)))
+                got = [("outputs", deviation(base, out))] + [
+                    (f"values of {_named(e)}", deviation(b, _extra_values(mt, e, own, report.outputs)))
                     for e, b in zip(extras, base_extra)]
             for name, d in got:
-                if d > worst:  # as max(worst, d) did before extra runs were judged
+                if d > worst:  # deviation is never NaN
                     worst, where = d, name
     return worst, where
+
+
+def deviation(base: list, out: list) -> float:
+    """:func:`~symgraph.passes.trace.output_deviation` where a value that is not finite must be
+    kept: the same infinity at the same place (a logit masked to ``-inf``) is kept and the finite
+    values are compared; a NaN, or an infinity moved or gained, is a deviation without bound
+    (``inf``: a comparison that skipped a NaN would certify a transform that breaks the model)."""
+    d = output_deviation(base, out)
+    if d == d:
+        return d
+    kept_a, kept_b = [], []
+    for a, b in zip(base, out):
+        bad = ~torch.isfinite(a)
+        if a.isnan().any() or b.isnan().any() or not torch.equal(bad, ~torch.isfinite(b)) \
+                or not torch.equal(a[bad], b[bad]):
+            return float("inf")
+        kept_a.append(torch.where(bad, 0, a))
+        kept_b.append(torch.where(bad, 0, b))
+    return output_deviation(kept_a, kept_b)
 
 
 def extra_runs(report) -> list:
