@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .optional_inputs import parameter_reads
+from .optional_inputs import float_leaves, parameter_reads
 
 __all__ = ["EntryPoint", "entry_points", "entered", "entry_results", "own_methods"]
 
@@ -45,10 +45,6 @@ class EntryPoint:
     method: str
     fill: tuple
     eager: bool = False
-
-
-def _floats(x) -> list:
-    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 def _main(args, kwargs):
@@ -117,7 +113,7 @@ def _run(model, entry: EntryPoint, args, kwargs):
 def entry_results(model, entry: EntryPoint, args, kwargs) -> list:
     """The floating tensors ``entry``'s method returns, run on ``model`` with the forward's inputs
     ``args``/``kwargs`` as the program runs it (:func:`symgraph.certify` compares them)."""
-    return _floats(_run(model, entry, args, kwargs))
+    return float_leaves(_run(model, entry, args, kwargs))
 
 
 def _tried(model, entry: EntryPoint, args, kwargs) -> frozenset | None:
@@ -126,9 +122,9 @@ def _tried(model, entry: EntryPoint, args, kwargs) -> frozenset | None:
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     args, kwargs = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, (args, kwargs))
     reads = parameter_reads(model, (), {}, run=lambda: seen.append(_run(model, entry, args, kwargs)))
-    if reads is None or not seen or not _floats(seen[0]):
+    if reads is None or not seen or not float_leaves(seen[0]):
         return None
-    if not all(t.is_meta or bool(torch.isfinite(t).all()) for t in _floats(seen[0])):
+    if not all(t.is_meta or bool(torch.isfinite(t).all()) for t in float_leaves(seen[0])):
         return None
     return reads
 

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .entry_points import entered, entry_points
 from .nodes import unread_parameters
-from .optional_inputs import parameter_reads
+from .optional_inputs import float_leaves, parameter_reads
 
 __all__ = ["HOLDERS", "Injection", "holder_injections", "injected", "substituted", "traced_with_holders",
            "MAX_TRIALS"]
@@ -73,10 +73,6 @@ def _optional_tensors(module) -> list[str]:
     return [n for n, p in params.items() if p.default is None and "Tensor" in str(p.annotation)]
 
 
-def _floats(args, kwargs) -> list:
-    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-
-
 def _bound(module, args, kwargs):
     """``args``/``kwargs`` bound to ``module.forward``'s signature, or None where they do not bind."""
     try:
@@ -109,7 +105,7 @@ class _Hook:
         bound = _bound(module, args, kwargs)
         if self.inside or bound is None or bound.arguments.get(inj.arg) is not None:
             return None  # the injected run itself, or the forward hands the argument on
-        call = _floats(args, kwargs)
+        call = float_leaves((args, kwargs))
         bound.arguments[inj.arg] = inj.value(call)
         self.inside = True
         try:
@@ -182,10 +178,10 @@ def _calls(model, args, kwargs, holders: set) -> dict:
     def record(name):
         def hook(module, a, kw, out):
             if name not in calls:
-                floats = _floats(a, kw)
+                floats = float_leaves((a, kw))
                 mine = name in holders
                 calls[name] = _Call(_bound(module, a, kw) if mine else None, floats if mine else [],
-                                    [tuple(t.shape) for t in floats + _floats(out, {})], _form(out))
+                                    [tuple(t.shape) for t in floats + float_leaves(out)], _form(out))
         return hook
     handles = [m.register_forward_hook(record(n), with_kwargs=True) for n, m in model.named_modules()
                if n in holders or n.rpartition(".")[0] in holders]
@@ -236,7 +232,7 @@ def _tried(model, call: _Call, inj: Injection) -> frozenset | None:
         handle.remove()
     if reads is None or not seen or not _joinable(call.form, seen[0]):
         return None
-    if not all(t.is_meta or bool(torch.isfinite(t).all()) for t in _floats(seen[0], {})):
+    if not all(t.is_meta or bool(torch.isfinite(t).all()) for t in float_leaves(seen[0])):
         return None  # 0 * inf is no zero
     return frozenset(f"{inj.path}.{n}" for n in reads)
 

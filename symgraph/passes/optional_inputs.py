@@ -35,11 +35,16 @@ from torch.utils._pytree import tree_flatten
 from ..core.dtypes import parameters_dtype
 from .input_values import config_value, device_of, pixels, token_ids
 
-__all__ = ["Trials", "caches_off", "encoder_states", "entities", "layout", "long_enough", "masked_patches",
+__all__ = ["Trials", "float_leaves", "caches_off", "encoder_states", "entities", "layout", "long_enough", "masked_patches",
            "parameter_reads", "passes_on", "segments_and_targets", "text_extras"]
 
 # the names transformers gives a decoder's encoder states (BART's, Whisper's causal LM; Mllama's)
 _ENCODER_STATES = ("encoder_hidden_states", "encoder_outputs", "cross_attention_states")
+
+
+def float_leaves(tree) -> list:
+    """The floating-point tensors among the leaves of ``tree`` (args, kwargs, a module's output)."""
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 def passes_on(model, params, name: str) -> bool:
