@@ -112,7 +112,7 @@ def _run(model, entry: EntryPoint, args, kwargs):
 
 def entry_results(model, entry: EntryPoint, args, kwargs) -> list:
     """The floating tensors ``entry``'s method returns, run on ``model`` with the forward's inputs
-    ``args``/``kwargs`` as the program runs it (:func:`symgraph.certify` compares them)."""
+    ``args``/``kwargs`` as the program runs it (:func:`symgraph.report.certify.certify` compares them)."""
     return float_leaves(_run(model, entry, args, kwargs))
 
 

@@ -135,7 +135,7 @@ def substituted(model, injection: Injection):
     """While inside, the holder of ``injection`` returns its run on the injected argument in
     place of its own result (the floating tensors :func:`injected` adds ``0 *`` to): ``model``
     runs as if the forward handed the holder the argument, the function whose symmetry the
-    program's extra run claims (:func:`symgraph.certify` checks it). Yields the hook, whose
+    program's extra run claims (:func:`symgraph.report.certify.certify` checks it). Yields the hook, whose
     ``joined`` counts the calls replaced."""
     hook = _Hook(injection, replace=True)
     handle = model.get_submodule(injection.path).register_forward_hook(hook, with_kwargs=True)
