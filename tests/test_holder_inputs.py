@@ -137,16 +137,18 @@ class Ignoring(nn.Module):
 
 
 class Outer(nn.Module):
-    def __init__(self):
+    """``inner`` (a holder) under a head: the model whose forward never passes the optional argument."""
+
+    def __init__(self, inner: nn.Module):
         super().__init__()
-        self.inner, self.head = Ignoring(), nn.Linear(4, 2)
+        self.inner, self.head = inner, nn.Linear(4, 2)
 
     def forward(self, x):
         return self.head(self.inner(x))
 
 
 def test_an_optional_argument_that_reads_nothing_new_is_not_kept():
-    m, x = Outer().eval(), torch.randn(3, 4)
+    m, x = Outer(Ignoring()).eval(), torch.randn(3, 4)
     assert holder_injections(m, (x,), {}) == []
     rep = symgraph.analyze(m, (x,))
     assert rep.unread is not None and "inner.unused.weight" in rep.unread
@@ -167,17 +169,8 @@ class Blowing(nn.Module):
         return self.lin(x)
 
 
-class Blown(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inner, self.head = Blowing(), nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.inner(x))
-
-
 def test_an_argument_that_makes_the_holder_infinite_is_not_kept():
-    m, x = Blown().eval(), torch.randn(3, 4)
+    m, x = Outer(Blowing()).eval(), torch.randn(3, 4)
     assert holder_injections(m, (x,), {}) == []
     assert "inner.w" in symgraph.analyze(m, (x,)).unread
 
