@@ -6,9 +6,7 @@ from __future__ import annotations
 import math
 import re
 
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+from .tower_sizes import is_int
 
 
 def model_source(cfg) -> str:
@@ -36,7 +34,7 @@ def divided_widths(cfg, fields, out, source: str | None = None) -> dict:
     for key, d in re.findall(r"config\.(\w+)\s*//\s*(\d+)\b", code):
         d = int(d)
         old, new = fields.get(key), res.get(key, out.get(key))
-        if d > 1 and key in out and _is_int(old) and _is_int(new) and new > 0 \
+        if d > 1 and key in out and is_int(old) and is_int(new) and new > 0 \
                 and old % d == 0 and new % d != 0:
             res[key] = math.lcm(new, d)
     return res

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 from .code_divisors import divided_widths
 from .token_ranges import code_ranges
-from .tower_sizes import (aliased_token_ids, concatenated, image_token, merged_widths, multiplied_channels, patch_pixels,
-                          query_tokens, stage_widths)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+from .tower_sizes import (aliased_token_ids, concatenated, image_token, is_int, merged_widths, multiplied_channels,
+                          patch_pixels, query_tokens, stage_widths, width_of)
 
 
 def _new(fields, out, k):
@@ -22,7 +18,7 @@ def head_width(fields, out, width, heads):
     """A level's shrunk width per attention head: its ``head_dim`` when it states one, else its
     shrunk width over its shrunk head count (as transformers' rotary code derives it)."""
     hd = _new(fields, out, "head_dim")
-    if _is_int(hd) and hd > 0:
+    if is_int(hd) and hd > 0:
         return hd
     return width // heads if width and heads else None
 
@@ -34,7 +30,7 @@ def kept_layers(fields, old, new, role, kinds: bool = False) -> list | None:
     layers that hold every kind of every such list (greedy: the layer with the most kinds still
     missing, the first on ties), and the first others up to ``new``, in order.
     ``kinds`` False: the first ``new`` layers."""
-    if not (_is_int(old) and _is_int(new) and 0 < new < old):
+    if not (is_int(old) and is_int(new) and 0 < new < old):
         return None
     if not kinds:
         return list(range(new))
@@ -53,8 +49,8 @@ def kept_layers(fields, old, new, role, kinds: bool = False) -> list | None:
 def partition(fields, old, new, role):
     """The new main layer count when qualified counts partition the old one (Dory's input,
     recurrent and output layers sum to ``num_hidden_layers``): their shrunk sum (each -> 1)."""
-    parts = [v for k, v in fields.items() if role(k) == "layers_other" and _is_int(v) and v >= 0]
-    if not (_is_int(old) and _is_int(new) and len(parts) > 1 and sum(parts) == old):
+    parts = [v for k, v in fields.items() if role(k) == "layers_other" and is_int(v) and v >= 0]
+    if not (is_int(old) and is_int(new) and len(parts) > 1 and sum(parts) == old):
         return new
     return min(old, sum(min(v, 1) for v in parts))
 
@@ -63,10 +59,10 @@ def repeats(v, old, new):
     """A list of ``[kinds, times]`` pairs that spells one kind per layer (GPT-Neo's
     ``attention_types`` [[["global", "local"], 12]] for 24 layers), its times scaled so that it
     spells ``new`` layers; None when it is no such list or cannot."""
-    if not (_is_int(old) and _is_int(new) and 0 < new < old and v):
+    if not (is_int(old) and is_int(new) and 0 < new < old and v):
         return None
     pairs = [x for x in v if isinstance(x, (list, tuple)) and len(x) == 2
-             and isinstance(x[0], (list, tuple)) and x[0] and _is_int(x[1]) and x[1] > 0]
+             and isinstance(x[0], (list, tuple)) and x[0] and is_int(x[1]) and x[1] > 0]
     if len(pairs) != len(v) or sum(len(k) * n for k, n in pairs) != old:
         return None
     out = [[list(k), max(1, n * new // old)] for k, n in pairs]
@@ -79,7 +75,7 @@ def windows(fields, out) -> dict:
     the window, while a stage smaller than the window attends to the whole stage."""
     w, image, patch, depths = (_new(fields, out, k) for k in ("window_size", "image_size", "patch_size",
                                                                 "depths"))
-    if not (_is_int(w) and _is_int(image) and _is_int(patch) and patch > 0
+    if not (is_int(w) and is_int(image) and is_int(patch) and patch > 0
             and isinstance(depths, (list, tuple)) and depths):
         return {}
     last = max(1, image // patch // 2 ** (len(depths) - 1))
@@ -100,7 +96,7 @@ def head_dim_sums(fields, out, role) -> dict:
     """A head width that is the sum of two others named within it (DeepSeek-style attention's
     ``qk_head_dim`` = ``qk_nope_head_dim`` + ``qk_rope_head_dim``, when declared): the sum of
     their shrunk values."""
-    dims = {k: v for k, v in fields.items() if role(k) == "head_dim" and _is_int(v) and v > 0}
+    dims = {k: v for k, v in fields.items() if role(k) == "head_dim" and is_int(v) and v > 0}
     res = {}
     for k, v in dims.items():
         own = set(k.split("_"))
@@ -146,13 +142,13 @@ def mrope_sections(cfg, fields, out, width, heads) -> dict:
     if "mrope_section" not in rp and "mrope_section" not in names and not code:
         return {}
     rope = _new(fields, out, "qk_rope_head_dim")
-    head = rope if _is_int(rope) and rope > 0 else head_width(fields, out, width, heads)
+    head = rope if is_int(rope) and rope > 0 else head_width(fields, out, width, heads)
     factor = rp.get("partial_rotary_factor") or fields.get("partial_rotary_factor") or 1.0
     if not head:
         return {}
     total = int(head * factor) // 2
     old = rp.get("mrope_section")
-    old = list(old) if isinstance(old, (list, tuple)) and old and all(_is_int(x) and x > 0 for x in old) \
+    old = list(old) if isinstance(old, (list, tuple)) and old and all(is_int(x) and x > 0 for x in old) \
         else [1, 1, 1]
     if total < len(old) or sum(old) == total and "mrope_section" in rp:
         return {}
@@ -185,15 +181,15 @@ def state_head_dims(fields, out, width, role) -> dict:
     res: dict = {}
     for k, e in fields.items() if width else ():
         pre = k[:-len("expand")]
-        if not (k.endswith("expand") and _is_int(e) and e > 0):
+        if not (k.endswith("expand") and is_int(e) and e > 0):
             continue
         heads = [h for h in fields if h.startswith(pre) and role(h) == "heads"]
         dims = [h for h in fields if h.startswith(pre) and role(h) == "head_dim"]
         n = out.get(heads[0], fields[heads[0]]) if len(heads) == 1 and len(dims) == 1 else None
         states = [_new(fields, out, h) for h in fields if h.startswith(pre) and "ssm" in h.split("_")
-                  and role(h) == "width" and _is_int(_new(fields, out, h))]
+                  and role(h) == "width" and is_int(_new(fields, out, h))]
         inner = states[0] if len(states) == 1 else e * width
-        if _is_int(n) and n > 0 and inner % n == 0:
+        if is_int(n) and n > 0 and inner % n == 0:
             res[dims[0]] = inner // n
     return res
 
@@ -205,13 +201,13 @@ def tokens_per_image(fields, out) -> dict:
     64-pixel image of 14-pixel patches would pool with a kernel of 0)."""
     vision = out.get("vision_config")
     image, patch = (vision or {}).get("image_size"), (vision or {}).get("patch_size")
-    if not (_is_int(image) and _is_int(patch) and patch > 0):
+    if not (is_int(image) and is_int(patch) and patch > 0):
         return {}
     side = max(1, image // patch)
     res = {}
     for k in ("mm_tokens_per_image", "image_seq_length"):
         v = fields.get(k)
-        if _is_int(v) and v > side * side:
+        if is_int(v) and v > side * side:
             res[k] = side * side
     return res
 
@@ -221,7 +217,7 @@ def query_image_tokens(fields, out, free_id: int) -> dict:
     InstructBLIP's): the forward puts each query's output at a token of that id, so a config
     without one cannot take text (real checkpoints state it); the shrunk config's is
     ``free_id``, the highest id no other token takes."""
-    if not _is_int(_new(fields, out, "num_query_tokens")):
+    if not is_int(_new(fields, out, "num_query_tokens")):
         return {}
     return {k: free_id for k in ("image_token_index", "video_token_index") if k in fields and fields[k] is None}
 
@@ -242,15 +238,15 @@ def feature_layers(fields, out) -> dict:
     and the embeddings' output: ``-(L + 1) .. L``); a list keeps its length, which the
     projector's width counts."""
     layers = (out.get("vision_config") or {}).get("num_hidden_layers")
-    if not _is_int(layers) or layers < 1:
+    if not is_int(layers) or layers < 1:
         return {}
     res = {}
     for k, v in fields.items():
-        if "feature" not in k or "layer" not in k or not (_is_int(v) or isinstance(v, (list, tuple)) and v
-                                                          and all(_is_int(x) for x in v)):
+        if "feature" not in k or "layer" not in k or not (is_int(v) or isinstance(v, (list, tuple)) and v
+                                                          and all(is_int(x) for x in v)):
             continue
-        clamp = [max(-(layers + 1), min(layers, x)) for x in ([v] if _is_int(v) else v)]
-        new = clamp[0] if _is_int(v) else type(v)(clamp)
+        clamp = [max(-(layers + 1), min(layers, x)) for x in ([v] if is_int(v) else v)]
+        new = clamp[0] if is_int(v) else type(v)(clamp)
         if new != v:
             res[k] = new
     return res
@@ -262,12 +258,12 @@ def layer_spans(fields, old: int | None, new: int | None) -> dict:
     layer count from ``old`` to ``new`` layers: an index within ``0 .. new``, a count per block
     within ``1 .. new`` (a positive index stays positive, an end is rounded up: the span stays
     non-empty); a loop past the shrunk stack would leave its layers unread."""
-    if not (_is_int(old) and _is_int(new)) or old <= new:
+    if not (is_int(old) and is_int(new)) or old <= new:
         return {}
     res = {}
     for k, v in fields.items():
         toks = k.split("_")
-        if not _is_int(v) or not {"layer", "layers"} & set(toks) or v > old:
+        if not is_int(v) or not {"layer", "layers"} & set(toks) or v > old:
             continue
         if "index" in toks:
             x = -(-v * new // old) if "end" in toks else v * new // old
@@ -283,15 +279,11 @@ def grid_pinpoints(fields, out) -> dict:
     the shrunk image size."""
     v, vision = fields.get("image_grid_pinpoints"), out.get("vision_config") or {}
     new_size, old_size = vision.get("image_size"), getattr(fields.get("vision_config"), "image_size", None)
-    if not (isinstance(v, (list, tuple)) and v and _is_int(new_size) and _is_int(old_size)) or new_size == old_size:
+    if not (isinstance(v, (list, tuple)) and v and is_int(new_size) and is_int(old_size)) or new_size == old_size:
         return {}
-    if not all(isinstance(p, (list, tuple)) and all(_is_int(x) and x % old_size == 0 for x in p) for p in v):
+    if not all(isinstance(p, (list, tuple)) and all(is_int(x) and x % old_size == 0 for x in p) for p in v):
         return {}
     return {"image_grid_pinpoints": [[x // old_size * new_size for x in p] for p in v]}
-
-
-def _width_of(sub: dict, main_keys) -> int | None:
-    return next((sub[k] for k in main_keys if _is_int(sub.get(k)) and sub[k] > 0), None)
 
 
 def tower_widths(fields, out, main_keys) -> dict:
@@ -317,8 +309,8 @@ def tower_widths(fields, out, main_keys) -> dict:
     :func:`.tower_sizes.merged_widths`.
     """
     subs = {k: v for k, v in out.items() if isinstance(v, dict) and k.endswith("_config")}
-    text_old = _width_of(vars(fields["text_config"]), main_keys) if "text_config" in subs else None
-    text_new = _width_of(subs.get("text_config", {}), main_keys)
+    text_old = width_of(vars(fields["text_config"]), main_keys) if "text_config" in subs else None
+    text_new = width_of(subs.get("text_config", {}), main_keys)
     res = {}
     for name, sub in subs.items():
         new = {}
@@ -328,13 +320,13 @@ def tower_widths(fields, out, main_keys) -> dict:
             joined = concatenated(vars(fields[name]), sub, k, old, main_keys)
             if joined is not None:
                 new[k] = joined
-            elif name != "text_config" and text_new and _is_int(old) and text_old and old >= text_old \
+            elif name != "text_config" and text_new and is_int(old) and text_old and old >= text_old \
                     and {"out", "output"} & set(t) and t[-1] in ("dim", "size"):
                 new[k] = text_new
             elif t[-2:] == ["hidden", "size"] and len(t) > 2 and "_".join(t[:-2]) + "_config" in subs:
-                width = _width_of(subs["_".join(t[:-2]) + "_config"], main_keys)
+                width = width_of(subs["_".join(t[:-2]) + "_config"], main_keys)
                 new.update({k: width} if width and v != width else {})
-            elif name == "vision_config" and k == "projection_dim" and text_new and _is_int(v) \
+            elif name == "vision_config" and k == "projection_dim" and text_new and is_int(v) \
                     and image_token(fields):
                 new[k] = text_new
         if any(sub.get(k) != v for k, v in new.items()):
@@ -359,11 +351,11 @@ def all_shared(fields, out) -> dict:
     is every layer by default (Gemma 4's unified assistant: all 30 read the target model's
     cache; its validator refuses a layer kind that one layer makes and none other reads):
     every shrunk layer."""
-    main = next((k for k in ("num_hidden_layers", "num_layers") if _is_int(fields.get(k))), None)
+    main = next((k for k in ("num_hidden_layers", "num_layers") if is_int(fields.get(k))), None)
     new = out.get(main) if main else None
-    if not _is_int(new):
+    if not is_int(new):
         return {}
-    return {k: new for k, v in fields.items() if _is_int(v) and v == fields[main] and v > new
+    return {k: new for k, v in fields.items() if is_int(v) and v == fields[main] and v > new
             and "shared" in k.split("_") and k.endswith("_layers")}
 
 
@@ -376,7 +368,7 @@ def code_token_ids(cfg, fields, free: int | None) -> dict:
     import inspect
     import re
     name = type(cfg).__module__ if cfg is not None else ""
-    if not _is_int(free) or ".configuration_" not in name:
+    if not is_int(free) or ".configuration_" not in name:
         return {}
     try:
         code = inspect.getsource(importlib.import_module(name.replace(".configuration_", ".modeling_")))
@@ -395,7 +387,7 @@ def layout_parts(fields, main, width) -> dict:
     ``shape_size`` for its height and width: LayoutLMv3 concatenates them into the width, 4 ×
     128 + 2 × 128 = 768), where the defaults fill the width so: shrunk to fill the shrunk one."""
     c, s = fields.get("coordinate_size"), fields.get("shape_size")
-    if not (_is_int(c) and _is_int(s) and _is_int(main) and _is_int(width) and 4 * c + 2 * s == main
+    if not (is_int(c) and is_int(s) and is_int(main) and is_int(width) and 4 * c + 2 * s == main
             and width != main and width % 2 == 0 and width >= 6):
         return {}
     c = width // 6
@@ -410,7 +402,7 @@ def stage_depths(fields, out) -> dict:
     for k, v in out.items():
         old = fields.get(k)
         if not (isinstance(v, (list, tuple)) and isinstance(old, (list, tuple)) and len(v) == len(old) > 1
-                and all(_is_int(x) for x in (*v, *old)) and "depth" in k.split("_")):
+                and all(is_int(x) for x in (*v, *old)) and "depth" in k.split("_")):
             continue
         if all(x > i for i, x in enumerate(old)) and any(x <= i for i, x in enumerate(v)):
             res[k] = type(v)(max(x, min(o, i + 1)) for i, (x, o) in enumerate(zip(v, old)))
@@ -425,7 +417,7 @@ def multipliers(fields, main, width) -> dict:
     multiplier at most 1."""
     res: dict = {}
     w, d = fields.get("width_coefficient"), fields.get("depth_coefficient")
-    if isinstance(w, float) and _is_int(main) and _is_int(width) and width < main:
+    if isinstance(w, float) and is_int(main) and is_int(width) and width < main:
         res["width_coefficient"] = w * width / main
     if isinstance(d, float) and d > 1.0 and res:
         res["depth_coefficient"] = 1.0

@@ -4,14 +4,12 @@ shrunk backbone makes. Each rule reads what the config states (a field's name an
 the backbone's image and patch sizes), never a family's name."""
 from __future__ import annotations
 
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+from .tower_sizes import is_int
 
 
 def _int_lists(d) -> dict:
     """The backbone's lists of channels per stage (``stage_out_channels``, ``hidden_sizes``)."""
-    return {k: list(v) for k, v in d.items() if isinstance(v, (list, tuple)) and v and all(_is_int(x) for x in v)
+    return {k: list(v) for k, v in d.items() if isinstance(v, (list, tuple)) and v and all(is_int(x) for x in v)
             and ("channels" in k.split("_") and "out" in k.split("_") or k == "hidden_sizes")}
 
 
@@ -32,7 +30,7 @@ def feature_widths(fields, out) -> dict:
     res = {}
     for k, v in out.items():
         d = fields.get(k)
-        if "feat" not in k.split("_") or not (_is_int(v) and _is_int(d)) or v == d:
+        if "feat" not in k.split("_") or not (is_int(v) and is_int(d)) or v == d:
             continue
         found = {new[name][old[name].index(d)] for name in old
                  if d in old[name] and len(new.get(name, ())) == len(old[name])}
@@ -47,7 +45,7 @@ def object_queries(fields, out) -> dict:
     of the 4 × 4 patches of a 64-pixel image in 14-pixel patches cannot be taken)."""
     q, bb = fields.get("num_queries"), out.get("backbone_config")
     image, patch = (bb.get("image_size"), bb.get("patch_size")) if isinstance(bb, dict) else (None, None)
-    if not (_is_int(q) and _is_int(image) and _is_int(patch) and patch > 0 and image >= patch):
+    if not (is_int(q) and is_int(image) and is_int(patch) and patch > 0 and image >= patch):
         return {}
     most = (image // patch) ** 2
     return {"num_queries": most} if q > most else {}

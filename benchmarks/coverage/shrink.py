@@ -7,6 +7,7 @@ from .consistent import (head_dim_sums, kept_layers, mrope_sections, partition, 
                          windows, sliding_window, feature_layers, grid_pinpoints, layer_spans, derived_sizes)
 from .towers import tower_rules
 from .detection import backbone_rules
+from .tower_sizes import is_int
 
 # --- the one shrinking rule -------------------------------------------------------------------
 
@@ -49,12 +50,8 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_int_list(v) -> bool:
-    return isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(x) for x in v)
+    return isinstance(v, (list, tuple)) and len(v) > 0 and all(is_int(x) for x in v)
 
 
 def role(name: str) -> str | None:
@@ -175,7 +172,7 @@ def _main_widths(cfg) -> set:
     """The main widths (> HIDDEN) of ``cfg`` and of every sub-config: each becomes HIDDEN."""
     from transformers import PretrainedConfig
     fields = _level_fields(cfg)
-    main = next((fields[k] for k in _MAIN_WIDTH if _is_int(fields.get(k)) and fields[k] > 0), None)
+    main = next((fields[k] for k in _MAIN_WIDTH if is_int(fields.get(k)) and fields[k] > 0), None)
     out = {main} if main and main > HIDDEN else set()
     for v in fields.values():
         if isinstance(v, PretrainedConfig):
@@ -193,7 +190,7 @@ def _vocab_ids(cfg) -> dict:
             if isinstance(v, PretrainedConfig):
                 walk(v)
             elif role(k) == "token_id":
-                for x in (v if _is_int_list(v) else [v] if _is_int(v) else []):
+                for x in (v if _is_int_list(v) else [v] if is_int(v) else []):
                     if x >= VOCAB:
                         ids.add(x)
     walk(cfg)
@@ -204,12 +201,12 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
     from transformers import PretrainedConfig
     fields = _level_fields(cfg)
     out = {}
-    main = next((fields[k] for k in _MAIN_WIDTH if _is_int(fields.get(k)) and fields[k] > 0), None)
+    main = next((fields[k] for k in _MAIN_WIDTH if is_int(fields.get(k)) and fields[k] > 0), None)
     scale = HIDDEN / main if main and main > HIDDEN else 1.0
-    q_heads = [v for k, v in fields.items() if role(k) == "heads" and _is_int(v)]
+    q_heads = [v for k, v in fields.items() if role(k) == "heads" and is_int(v)]
     q_old = max(q_heads) if q_heads else None
     q_new = _pow2_floor(min(q_old, HEADS)) if q_old else HEADS
-    old_layers = next((v for k, v in fields.items() if role(k) == "layers_main" and _is_int(v)), None)
+    old_layers = next((v for k, v in fields.items() if role(k) == "layers_main" and is_int(v)), None)
     new_layers = min(old_layers, LAYERS) if old_layers else None
     outputs = _output_layers(fields, old_layers)
     if outputs and new_layers:  # one layer more than the outputs it selects (DPT's 4 features)
@@ -218,12 +215,12 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
     keep = kept_layers(fields, old_layers, new_layers, role, kinds)
     new_layers = len(keep) if keep else new_layers
     widths = {v: max(8, int(round(v * scale / 8)) * 8) for k, v in fields.items()
-              if role(k) == "width" and _is_int(v) and v > 8 and scale != 1.0}
+              if role(k) == "width" and is_int(v) and v > 8 and scale != 1.0}
     counts = {k: (v, min(v, 1)) for k, v in fields.items()
-              if role(k) == "layers_other" and _is_int(v) and v > 1}
+              if role(k) == "layers_other" and is_int(v) and v > 1}
     # an MoE width set while the expert counts are left None (Dots1: the config's defaults
     # would build torch.empty(None, ...)): the counts get their shrunk values
-    moe = any(role(k) == "width" and "moe" in _tokens(k) and _is_int(v) and v > 0
+    moe = any(role(k) == "width" and "moe" in _tokens(k) and is_int(v) and v > 0
               for k, v in fields.items())
     for k, v in fields.items():
         if isinstance(v, PretrainedConfig):
@@ -280,7 +277,7 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
                 new = type(v)(id_map.get(x, x) for x in v)
             elif r == "layer_index" and new_layers:
                 new = type(v)(x for x in v if x < new_layers) or type(v)([new_layers - 1])
-        elif _is_int(v):
+        elif is_int(v):
             if r == "vocab":
                 new = min(v, VOCAB)
             elif r == "token_id":
@@ -403,7 +400,7 @@ def _construct(cls, class_name, model_type, seed):
     cfg = own_config(cls, cfg)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg  # a composite's decoder reads it
     if class_name.endswith(("ForSequenceClassification", "ForMaskedLM")) and getattr(text, "pad_token_id", 0) is None:
-        text.pad_token_id = (getattr(text, "vocab_size", None) if _is_int(getattr(text, "vocab_size", None)) else VOCAB) - 1
+        text.pad_token_id = (getattr(text, "vocab_size", None) if is_int(getattr(text, "vocab_size", None)) else VOCAB) - 1
         overrides = {**overrides, "pad_token_id": text.pad_token_id}
     torch.manual_seed(seed)
     return cls(cfg), overrides

@@ -8,12 +8,10 @@ vocabulary to 256 and leaving the rest breaks that; the rule reads the relation 
 defaults, never a family's name."""
 from __future__ import annotations
 
+from .tower_sizes import is_int
+
 #: a shrunk tokenizer's codebook: its codes are the argmax of this many logits
 CODEBOOK = 16
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _levels(fields: dict, out: dict):
@@ -28,7 +26,7 @@ def _vocab(fields: dict, out: dict):
     """``(level, old, new)`` of the one vocabulary shrunk on this level or a sub-config."""
     found = [(name, old["vocab_size"], new.get("vocab_size", old["vocab_size"]))
              for name, old, new in _levels(fields, out)
-             if _is_int(old.get("vocab_size")) and old["vocab_size"] > 0]
+             if is_int(old.get("vocab_size")) and old["vocab_size"] > 0]
     return found[0] if len(found) == 1 else None
 
 
@@ -54,13 +52,13 @@ def code_ranges(fields: dict, out: dict, top: int | None = None) -> dict:
     placed so that the ranges lie end to end as in the defaults, the first at its default's
     share of the shrunk vocabulary, all below ``top`` (the lowest token id the shrink rule
     renumbered from the top; None: the vocabulary's end). Nothing where the level states no such ranges."""
-    offsets = {k: v for k, v in fields.items() if _is_int(v) and v > 0
+    offsets = {k: v for k, v in fields.items() if is_int(v) and v > 0
                and k.endswith("_offset") and "token" in k.split("_")}
     vocab = _vocab(fields, out)
     if not offsets or vocab is None or vocab[1] <= vocab[2]:
         return {}
     books = {(name, k): v for name, old, _ in _levels(fields, out) for k, v in old.items()
-             if k == "codebook_size" and _is_int(v) and v > 0}
+             if k == "codebook_size" and is_int(v) and v > 0}
     chain = _chain(offsets, books, vocab[1])
     if chain is None:
         return {}

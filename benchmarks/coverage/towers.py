@@ -5,15 +5,7 @@ name and default, a head count, rotary parameters), never a family's name."""
 from __future__ import annotations
 
 from .consistent import tower_widths
-from .tower_sizes import patch_queries
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _width_of(fields: dict, main_keys) -> int | None:
-    return next((fields[k] for k in main_keys if _is_int(fields.get(k)) and fields[k] > 0), None)
+from .tower_sizes import is_int, patch_queries, width_of
 
 
 def tower_rules(fields, out, main_keys, heads: int | None, head_dim: int, vocab: int, role=None) -> dict:
@@ -37,14 +29,14 @@ def layer_ids(fields, out, role) -> dict:
     scaled with the main layer count, so that layer exists (a merger after no layer is never
     read); an index within the stack is kept. A composite that states it too (and hands its own
     to the sub-config: MiniCPM-V's) states the sub-config's shrunk one."""
-    main = next((k for k, v in fields.items() if role(k) == "layers_main" and _is_int(v) and v > 0), None)
+    main = next((k for k, v in fields.items() if role(k) == "layers_main" and is_int(v) and v > 0), None)
     old, new = (fields[main], out.get(main, fields[main])) if main else (None, None)
-    if not (_is_int(old) and _is_int(new) and 0 < new < old):
+    if not (is_int(old) and is_int(new) and 0 < new < old):
         subs = [v for v in out.values() if isinstance(v, dict)]
-        return {k: min(found) for k, v in fields.items() if k.split("_")[-2:] == ["layer", "id"] and _is_int(v)
-                and len(found := {s[k] for s in subs if _is_int(s.get(k)) and s[k] != v}) == 1}
+        return {k: min(found) for k, v in fields.items() if k.split("_")[-2:] == ["layer", "id"] and is_int(v)
+                and len(found := {s[k] for s in subs if is_int(s.get(k)) and s[k] != v}) == 1}
     return {k: min(new - 1, v * new // old) for k, v in fields.items()
-            if k.split("_")[-2:] == ["layer", "id"] and _is_int(v) and new <= v < old}
+            if k.split("_")[-2:] == ["layer", "id"] and is_int(v) and new <= v < old}
 
 
 def handed_channels(fields, out, main_keys) -> dict:
@@ -54,15 +46,15 @@ def handed_channels(fields, out, main_keys) -> dict:
     shrunk width (the shrink rule leaves other lists of widths alone). A list named as a main
     width, and the text's width (:func:`.consistent.tower_widths`' concern), are not this rule's."""
     subs = {k: v for k, v in out.items() if isinstance(v, dict) and hasattr(fields.get(k), "to_dict")}
-    widths = {k: (_width_of(vars(fields[k]), main_keys), _width_of(v, main_keys)) for k, v in subs.items()}
+    widths = {k: (width_of(vars(fields[k]), main_keys), width_of(v, main_keys)) for k, v in subs.items()}
     res = {}
     for name, sub in subs.items():
         new = {}
         for k, v in sub.items():
-            if k in main_keys or not (isinstance(v, (list, tuple)) and v and all(_is_int(x) and x > 0 for x in v)):
+            if k in main_keys or not (isinstance(v, (list, tuple)) and v and all(is_int(x) and x > 0 for x in v)):
                 continue  # a tower's own widths per stage (Florence 2's DaViT ``embed_dim``) are its own
             to = [w for other, w in widths.items() if other not in (name, "text_config") and w[0] == v[-1]
-                  and _is_int(w[1])]
+                  and is_int(w[1])]
             if len(to) == 1 and to[0][1] != v[-1] and all(x * to[0][1] % to[0][0] == 0 for x in v):
                 new[k] = type(v)(x * to[0][1] // to[0][0] for x in v)
         if new:
@@ -77,7 +69,7 @@ def _token_ids(d: dict) -> set:
         if isinstance(v, dict):
             ids |= _token_ids(v)
         elif isinstance(k, str) and k.endswith(("_token_id", "_token_index", "_token_ids")):
-            ids |= {x for x in (v if isinstance(v, (list, tuple)) else [v]) if _is_int(x)}
+            ids |= {x for x in (v if isinstance(v, (list, tuple)) else [v]) if is_int(x)}
     return ids
 
 
@@ -117,15 +109,15 @@ def stream_widths(fields, out, main_keys) -> dict:
     text_cfg, vision = fields.get("text_config"), out.get("vision_config")
     if text_cfg is None or not isinstance(vision, dict) or fields.get("vision_config") is None:
         return {}
-    text_old, text_new = _width_of(vars(text_cfg), main_keys), _width_of(out.get("text_config") or {}, main_keys)
+    text_old, text_new = width_of(vars(text_cfg), main_keys), width_of(out.get("text_config") or {}, main_keys)
     old_fields = vars(fields["vision_config"])
-    own_old = _width_of(old_fields, main_keys)
+    own_old = width_of(old_fields, main_keys)
     if not (text_old and text_new and own_old):
         return {}
     new = {}
     for k, v in vision.items():
         t, old = k.split("_"), old_fields.get(k)
-        if {"out", "output"} & set(t) and "hidden" in t and t[-1] in ("dim", "size") and _is_int(old) \
+        if {"out", "output"} & set(t) and "hidden" in t and t[-1] in ("dim", "size") and is_int(old) \
                 and own_old <= old < text_old and v != text_new:
             new[k] = text_new
     return {"vision_config": {**vision, **new}} if new else {}
@@ -139,14 +131,14 @@ def rotary_widths(fields, out, main_keys, heads: int | None, head_dim: int) -> d
     per head, and the tower's 2-D rotary embedding (a quarter of each head's width per axis, in
     pairs) no longer fits its heads."""
     rope = fields.get("rope_parameters")
-    main = next((k for k in main_keys if _is_int(fields.get(k)) and fields[k] > 0), None)
-    old_heads = [v for k, v in fields.items() if k in ("num_heads", "num_attention_heads") and _is_int(v) and v > 0]
-    if not (isinstance(rope, dict) and rope and heads and old_heads and main) or _is_int(fields.get("head_dim")):
+    main = next((k for k in main_keys if is_int(fields.get(k)) and fields[k] > 0), None)
+    old_heads = [v for k, v in fields.items() if k in ("num_heads", "num_attention_heads") and is_int(v) and v > 0]
+    if not (isinstance(rope, dict) and rope and heads and old_heads and main) or is_int(fields.get("head_dim")):
         return {}
     res = {}
     for k in main_keys:
         v = fields.get(k)
-        if _is_int(v) and k != main and v % old_heads[0] == 0 and v // old_heads[0] >= head_dim \
+        if is_int(v) and k != main and v % old_heads[0] == 0 and v // old_heads[0] >= head_dim \
                 and out.get(k, v) != heads * head_dim:
             res[k] = heads * head_dim
     return res

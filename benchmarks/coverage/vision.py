@@ -54,13 +54,12 @@ import collections
 import math
 import os
 import re
-import shlex
 import sys
 import time
 import types
 import warnings
 
-from ..provenance import REPO_ROOT, log, register, staged, write_json
+from ..provenance import REPO_ROOT, command_line, log, write_result
 from .constants import TOL
 from .family import _first_line, _one_trace, blockers, run_isolated, where
 from .graph import _pname, _shape, _source, linear_weight
@@ -406,10 +405,8 @@ def run(out=None, zoos=ZOOS, only=None, jobs=2, timeout=120.0, mem_gb=6.0, comma
                       "wall_seconds": time.perf_counter() - t0},
            "summary": summarize(rows), "rows": rows}
     if out:
-        with staged(out, ".coverage-vision-") as tmp:
-            write_json(tmp / "coverage_vision.json", res)
-            (tmp / "coverage_vision.md").write_text(markdown(res))
-        register(out, ["coverage_vision.json", "coverage_vision.md"], res["header"]["command"])
+        write_result(out, ".coverage-vision-", res, markdown, json_name="coverage_vision.json",
+                     md_name="coverage_vision.md", command=res["header"]["command"])
     return res
 
 
@@ -424,8 +421,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=None, help="seconds after which no family starts")
     ap.add_argument("--seed", type=int, default=0, help="the order of each zoo's families (default 0)")
     a = ap.parse_args(argv)
-    command = " ".join(["python -m benchmarks.coverage.vision"]
-                       + [shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv)])
+    command = command_line(argv, "benchmarks.coverage.vision")
     res = run(a.out, tuple(a.zoo), a.only, a.jobs, a.timeout, a.mem_gb or None, command, log, a.budget, a.seed)
     for z, b in res["summary"]["by_zoo"].items():
         print(f"{z}: tried {b['tried']} runs {b['runs']} traced {b['traced']} sound {b['sound']} "
