@@ -191,7 +191,7 @@ def run_depth(a, layers, device, staged_pk, save) -> dict:
     load_check, got = sizes["bytes"] <= a.load_check_gb * GB, {}
     for name, align, pk, budget, auction, method in runs:
         if a.cache == "cold":
-            from benchmarks.scale.pagecache import drop_cache
+            from benchmarks.scale.checkpoints import drop_cache
             drop_cache([str(f) for m in "ab" for f in weight_files(pair[m])])
 
         def beat(now, name=name):

@@ -26,8 +26,7 @@ from pathlib import Path
 
 from .provenance import REPO_ROOT, git_state, table, write_result
 from .scale.checkpoints import ensure_pair, llama_config, model_sizes
-from .scale.common import DEFAULT_WORK, GB, SHARD_SIZE, _env, log
-from .scale.measure import measure
+from .scale.common import DEFAULT_WORK, GB, SHARD_SIZE, _env, log, measure
 
 OUT = Path(__file__).parent / "results" / "provenance_scale"
 TARGET_GB = 2.0

@@ -18,8 +18,7 @@ from pathlib import Path
 
 from .provenance import commit_info, command_line, log, write_beside
 from .scale.checkpoints import llama_config, write_checkpoint
-from .scale.common import _env
-from .scale.measure import measure
+from .scale.common import _env, measure
 
 __all__ = ["main"]
 

@@ -88,10 +88,8 @@ from pathlib import Path
 # the parts live in benchmarks/scale/, one job a module (make_tensor and measure: re-exported for
 # tests/test_bench_scale.py)
 from .provenance import write_beside
-from .scale.checkpoints import llama_config, make_tensor, write_checkpoint  # noqa: F401
-from .scale.common import BASELINE, DEFAULT_OUT, DEFAULT_WORK, SHAPES, STAGES, log
-from .scale.measure import measure  # noqa: F401
-from .scale.pagecache import read_all
+from .scale.checkpoints import llama_config, make_tensor, read_all, write_checkpoint  # noqa: F401
+from .scale.common import BASELINE, DEFAULT_OUT, DEFAULT_WORK, SHAPES, STAGES, log, measure  # noqa: F401
 from .scale.report import markdown
 from .scale.stages import baseline_tree, machine_info, run_shape
 

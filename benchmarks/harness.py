@@ -1,6 +1,6 @@
 """What every benchmark measures the same way: the machine it ran on (:func:`machine_info`) and
 this process's peak resident memory (:func:`peak_rss_mb`); the sampled peak of a code region
-is :func:`benchmarks.speed.peak_rss`, a child process's is :func:`benchmarks.scale.measure.measure`.
+is :func:`benchmarks.speed.peak_rss`, a child process's is :func:`benchmarks.scale.common.measure`.
 Commands run one after the other into a log (a peer's venv made): :func:`run_logged`."""
 from __future__ import annotations
 

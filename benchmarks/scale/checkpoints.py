@@ -1,5 +1,6 @@
 """Random LLaMA-shaped bf16 checkpoints written tensor by tensor from a meta-device model, laid
-out as ``save_pretrained`` lays them out, and helpers over checkpoint directories."""
+out as ``save_pretrained`` lays them out, helpers over checkpoint directories, page-cache
+control of their files and the read-throughput loop."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,7 @@ import zlib
 from pathlib import Path
 
 from ..provenance import REPO_ROOT
-from .common import ENTRY, GB, SHAPES, SHARD_SIZE, _env, log
-from .measure import measure
+from .common import ENTRY, GB, SHAPES, SHARD_SIZE, _env, log, measure
 
 
 def llama_config(shape: str, layers: int | None = None):
@@ -188,3 +188,42 @@ def tensor_files(path) -> dict:
         with safe_open(str(f), framework="pt") as h:
             out.update({k: f for k in h.keys()})
     return out
+
+
+def drop_cache(paths) -> None:
+    """Evict these files' pages from the page cache (``posix_fadvise(DONTNEED)``; only clean
+    pages go, so dirty ones are flushed first)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm_cache(paths) -> None:
+    buf = bytearray(16 << 20)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def read_all(path) -> dict:
+    """Read every tensor of a checkpoint with ``safe_open(..., framework="pt")``, one at a time,
+    each copied into a fresh tensor (safetensors may return tensors backed by its mmap, whose
+    pages are read only when touched)."""
+    import torch  # noqa: F401 - imported before the clock starts (safetensors imports it lazily)
+    from safetensors import safe_open
+    n = nbytes = 0
+    t = time.perf_counter()
+    for f in weight_files(path):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                x = h.get_tensor(k).clone()  # get_tensor may hand back an mmap view; clone reads it
+                nbytes += x.numel() * x.element_size()
+                n += 1
+                del x
+    s = time.perf_counter() - t
+    return {"tensors": n, "bytes": nbytes, "seconds": s, "gb_per_s": nbytes / GB / s if s else None}

@@ -5,8 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .common import MERGEKIT_TORCH, MERGEKIT_VERSION, log
-from .measure import _last_line
+from ..harness import run_logged
+from .common import MERGEKIT_TORCH, MERGEKIT_VERSION, last_line, log
 
 
 def ensure_mergekit(venv: Path) -> tuple[Path | None, str]:
@@ -17,20 +17,14 @@ def ensure_mergekit(venv: Path) -> tuple[Path | None, str]:
     log(f"  creating {venv} (torch CPU wheel, then mergekit=={MERGEKIT_VERSION}) ...")
     logf = venv.parent / "mergekit-install.log"
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-    steps = [[sys.executable, "-m", "venv", "--clear", str(venv)], pip + [MERGEKIT_TORCH],
-             pip + [f"mergekit=={MERGEKIT_VERSION}"]]
     try:
         venv.parent.mkdir(parents=True, exist_ok=True)
-        with open(logf, "w") as lf:
-            for cmd in steps:
-                lf.write("$ " + " ".join(cmd) + "\n")
-                lf.flush()
-                r = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT)
-                if r.returncode != 0:
-                    return None, (f"could not install mergekit ({cmd[-1]} exited {r.returncode}; "
-                                  f"see {logf}): {_last_line(logf)}")
+        failed = run_logged([[sys.executable, "-m", "venv", "--clear", str(venv)], pip + [MERGEKIT_TORCH],
+                             pip + [f"mergekit=={MERGEKIT_VERSION}"]], logf)
     except OSError as e:
         return None, f"could not create the mergekit venv {venv}: {e}"
+    if failed:
+        return None, f"could not install mergekit ({failed[-1]} failed; see {logf}): {last_line(logf)}"
     if not exe.exists():
         return None, f"mergekit installed but {exe} is missing (see {logf})"
     return exe, f"mergekit venv {venv} (created now)"

@@ -10,13 +10,12 @@ import time
 from pathlib import Path
 
 from ..provenance import REPO_ROOT, git_state
-from .checkpoints import dir_bytes, ensure_pair, llama_config, model_sizes, weight_files
+from .checkpoints import dir_bytes, drop_cache, ensure_pair, llama_config, model_sizes, warm_cache, weight_files
 from .checks import check_output, compare_outputs
 from ..harness import machine_info  # noqa: F401 - used by run_shape's records
-from .common import BASELINE, DATA_ROWS, DATA_TOKENS, ENTRY, GB, MERGEKIT_SHARD_PARAMS, SHAPES, _env, log
-from .measure import matmul_rates, measure
+from .common import (BASELINE, DATA_ROWS, DATA_TOKENS, ENTRY, GB, MERGEKIT_SHARD_PARAMS, SHAPES, _env, log,
+                     matmul_rates, measure)
 from .mergekit import ensure_mergekit, mergekit_config, mergekit_version
-from .pagecache import drop_cache, warm_cache
 
 # the stages that end weight matching's sweeps by another rule than the default (until gap)
 SWEEP_FLAGS = {"symgraph_weights_exact": ["--until", "exact"],  # once no element changes
