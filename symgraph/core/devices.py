@@ -1,10 +1,10 @@
 """The devices symgraph computes on: a device name checked to hold a tensor before any work;
-modules built with every parameter on ``meta``."""
+modules built with every parameter on ``meta``, and weightless twins of a model."""
 from __future__ import annotations
 
 import contextlib
 
-__all__ = ["NO_COMPUTE_DEVICES", "meta_model", "parameters_on_meta", "usable_device"]
+__all__ = ["NO_COMPUTE_DEVICES", "meta_model", "parameters_on_meta", "usable_device", "weightless_twin"]
 
 #: Device types that hold no values (every other one is checked to hold a tensor before a merge).
 NO_COMPUTE_DEVICES = ("meta",)
@@ -67,3 +67,22 @@ def meta_model(cls, config):
     import torch
     with torch.device("meta"), parameters_on_meta():
         return cls(config)
+
+
+def weightless_twin(model, device="meta"):
+    """A copy of ``model`` whose parameters and buffers are empty tensors of their shapes and
+    dtypes (tied ones still tied; no weight copied): on ``meta``, or fake tensors on another
+    ``device`` (a ``FakeTensorMode``'s: no memory, yet a trace on them computes its constants
+    for real). Whatever a method run on the twin does to it leaves the model's own unchanged."""
+    import copy
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    fake = torch.device(device).type != "meta"
+    memo: dict = {}
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        for t in (*model.parameters(), *model.buffers()):
+            if id(t) not in memo:
+                empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+                memo[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+    return copy.deepcopy(model, memo)

@@ -24,13 +24,13 @@ output: each claim holds of the method too.
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ..core.devices import weightless_twin
 from .optional_inputs import float_leaves, parameter_reads
 
 __all__ = ["EntryPoint", "entry_points", "entered", "entry_results", "own_methods"]
@@ -145,22 +145,11 @@ def _entries(model, unread: list[str], kwargs) -> list[EntryPoint]:
     return out
 
 
-def _meta_twin(model):
-    """A copy of ``model`` whose parameters and buffers are on ``meta`` (tied ones still tied; no
-    weight copied): a method tried on it changes nothing of the model's, whatever it does."""
-    memo: dict = {}
-    for t in (*model.parameters(), *model.buffers()):
-        if id(t) not in memo:
-            empty = torch.empty(t.shape, dtype=t.dtype, device="meta")
-            memo[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
-    return copy.deepcopy(model, memo)
-
-
 def entry_points(model, args, kwargs, unread: list[str], budget: int = 8) -> list[EntryPoint]:
     """The methods that read a parameter the forward on ``args``/``kwargs`` leaves ``unread``
     (see the module's docstring), in ``budget`` trial runs at most, each on a new twin of the
-    model on ``meta`` (:func:`_meta_twin`: a method that changes the module it is called on, a
-    setter, changes that twin only)."""
+    model on ``meta`` (:func:`~symgraph.core.devices.weightless_twin`: a method that changes the
+    module it is called on, a setter, changes that twin only)."""
     kept: list[EntryPoint] = []
     left = set(unread)
     for entry in _entries(model, unread, kwargs):
@@ -169,7 +158,7 @@ def entry_points(model, args, kwargs, unread: list[str], budget: int = 8) -> lis
         if any(e.path == entry.path and e.method == entry.method for e in kept):
             continue
         budget -= 1
-        reads = _tried(_meta_twin(model), entry, args, kwargs)  # a twin each: one trial's changes stay its own
+        reads = _tried(weightless_twin(model), entry, args, kwargs)  # a twin each: one trial's changes stay its own
         if reads is not None and reads & left:
             kept.append(entry)
             left -= reads

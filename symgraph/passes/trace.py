@@ -7,6 +7,7 @@ import warnings
 
 import torch
 
+from ..core.devices import weightless_twin
 from ..core.dtypes import parameters_dtype
 from ..core.finite import require_module
 from ..errors import InputError, TraceError
@@ -213,22 +214,9 @@ def _constants_from_fake_twin(ep, model, args, kwargs):
 
 
 def _fake_twin_trace(model, args, kwargs):
-    """``model``'s forward exported on a copy whose parameters and buffers are fake CPU tensors
-    (tied ones still tied), on ``args``/``kwargs`` put on the CPU."""
-    import copy
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    twin, seen = copy.deepcopy(model), {}
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        for mod in twin.modules():
-            for table in (mod._parameters, mod._buffers):
-                for n, t in list(table.items()):
-                    if t is None:
-                        continue
-                    if id(t) not in seen:  # tied tensors stay tied
-                        fake = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-                        seen[id(t)] = torch.nn.Parameter(fake, t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
-                    table[n] = seen[id(t)]
+    """``model``'s forward exported on its twin with fake CPU weights
+    (:func:`~symgraph.core.devices.weightless_twin`), on ``args``/``kwargs`` put on the CPU."""
+    twin = weightless_twin(model, "cpu")
     cpu = lambda v: (torch.zeros(v.shape, dtype=v.dtype) if v.is_meta else v.to("cpu")) \
         if isinstance(v, torch.Tensor) else v  # noqa: E731
     with eval_mode(twin), graph_friendly(twin):
