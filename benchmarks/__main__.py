@@ -48,8 +48,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import os
-    import warnings
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    warnings.filterwarnings("ignore")
-    sys.exit(main())
+    from benchmarks.harness import script
+    script(main)

@@ -26,6 +26,7 @@ import argparse
 import time
 from pathlib import Path
 
+from .harness import script
 from .provenance import commit_info, command_line, log, table, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "coverage_diffusers"
@@ -130,5 +131,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-    sys.exit(main())
+    script(main)

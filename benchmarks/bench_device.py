@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import sync
-from benchmarks.provenance import best_time, matmul_gflops, table, write_entry
+from benchmarks.provenance import best_time, log, matmul_gflops, table, write_entry
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "device" / "device.json"
 
@@ -187,11 +187,11 @@ def main(argv=None) -> int:
     device, depths, staged, out = plan
     label = a.label or f"{a.shape}-{device.type}-{a.commit}"
     r = {**header(a.shape, device, a.commit), "peaks": peaks(device), "depths": []}
-    print(json.dumps(r["peaks"]), file=sys.stderr, flush=True)
+    log(json.dumps(r["peaks"]))
     for layers in depths:  # each depth is written as soon as it is done
         r["depths"].append(run_depth(a.shape, layers, device, layers in staged, r["peaks"]))
         write_entry(out, label, r, markdown)
-        print(markdown({label: r}), file=sys.stderr, flush=True)
+        log(markdown({label: r}))
     return 0
 
 

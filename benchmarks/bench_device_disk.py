@@ -50,7 +50,6 @@ from __future__ import annotations
 import gc
 import os
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
@@ -58,8 +57,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_device import device_args, device_plan, header, peaks
-from benchmarks.harness import sync
-from benchmarks.provenance import matmul_rates, table, write_entry
+from benchmarks.harness import script, sync
+from benchmarks.provenance import log, matmul_rates, table, write_entry
 from benchmarks.solver_tally import SolverTally, forced_auction
 from benchmarks.scale.checkpoints import ensure_pair, llama_config, model_sizes, weight_files
 from benchmarks.scale.probe import Probe, meminfo, resident
@@ -201,10 +200,10 @@ def run_depth(a, layers, device, staged_pk, save) -> dict:
             save(d)
             big = "; ".join(f"{k}: {v['calls']} in {v['seconds']:.1f} s" for k, v in now["solver_calls"].items()
                             if "[n<1024]" not in k)
-            print(f"  [{layers} layers, {name}] {now['elapsed_s']:.0f} s: read {now['read_gb']:.1f} GB, RSS "
-                  f"{now['rss_gb']:.1f} GB" + (f", GPU {now['gpu_now_gb']:.1f} GB now, {now['gpu_peak_gb']:.1f} GB "
-                                               "peak" if now["gpu_now_gb"] is not None else "")
-                  + (f"; {big}" if big else ""), file=sys.stderr, flush=True)
+            log(f"  [{layers} layers, {name}] {now['elapsed_s']:.0f} s: read {now['read_gb']:.1f} GB, RSS "
+                f"{now['rss_gb']:.1f} GB" + (f", GPU {now['gpu_now_gb']:.1f} GB now, {now['gpu_peak_gb']:.1f} GB "
+                                             "peak" if now["gpu_now_gb"] is not None else "")
+                + (f"; {big}" if big else ""))
         d["runs"][name] = {"running": {"elapsed_s": 0.0}}
         save(d)
         try:
@@ -223,7 +222,7 @@ def run_depth(a, layers, device, staged_pk, save) -> dict:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             save(d)
-            print(f"  [{layers} layers, {name}] FAILED: {d['runs'][name]['error']}", file=sys.stderr, flush=True)
+            log(f"  [{layers} layers, {name}] FAILED: {d['runs'][name]['error']}")
             continue
         r["memory_budget"] = budget
         r["read_x_pair"] = r["read_gb"] * GB / (2 * sizes["bytes"])
@@ -238,9 +237,8 @@ def run_depth(a, layers, device, staged_pk, save) -> dict:
         if {"unaligned", "aligned"} <= set(got):
             d["ratio"] = d["runs"]["aligned"]["wall_s"] / d["runs"]["unaligned"]["wall_s"]
         save(d)
-        print(f"  [{layers} layers, {name}] {r['wall_s']:.1f} s, peak GPU "
-              f"{_f(r['peak_gpu_allocated_gb'])} GB, RSS {r['peak_rss_gb']:.2f} GB, read {r['read_gb']:.1f} GB, "
-              f"output {'ok' if r['check']['ok'] else 'FAILED'}", file=sys.stderr, flush=True)
+        log(f"  [{layers} layers, {name}] {r['wall_s']:.1f} s, peak GPU {_f(r['peak_gpu_allocated_gb'])} GB, RSS "
+            f"{r['peak_rss_gb']:.2f} GB, read {r['read_gb']:.1f} GB, output {'ok' if r['check']['ok'] else 'FAILED'}")
     if not a.keep:
         shutil.rmtree(pair["dir"], ignore_errors=True)
     return d
@@ -385,10 +383,9 @@ def main(argv=None) -> int:
     save()
     for layers in depths:
         run_depth(a, layers, device, r["peaks"] if layers in staged else None, save)
-        print(markdown({label: r}), file=sys.stderr, flush=True)
+        log(markdown({label: r}))
     return 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    sys.exit(main())
+    script(main)

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .provenance import REPO_ROOT, git_state, table, write_result
+from .provenance import REPO_ROOT, git_state, log, table, write_result
 
 WORKER = Path(__file__).resolve().parent / "engine_equivalence_worker.py"
 CASES = ("mlp/average", "mlp/regmean", "mlp/repair", "mlp/universe_regmean",
@@ -73,8 +73,7 @@ def main(argv=None) -> int:
             if "error" not in ra and "error" not in rb:
                 row |= _compare(fa, fb)
             rows.append(row)
-            print(f"  {c}: {row.get('max_rel_diff', row.get('error', ra.get('error') or rb.get('error')))}",
-                  file=sys.stderr)
+            log(f"  {c}: {row.get('max_rel_diff', row.get('error', ra.get('error') or rb.get('error')))}")
     state = git_state()
     write_result(a.out, ".engine-", {"before": before_commit, "after": state, "cases": rows,
                                      "written": time.strftime("%Y-%m-%dT%H:%M:%S")},

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from .harness import script
 from .provenance import pyplot, save_figure, table, write_result
 
 __all__ = [
@@ -397,7 +397,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import warnings
-    warnings.filterwarnings("ignore")
-    main()
+    script(main)

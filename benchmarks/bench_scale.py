@@ -87,6 +87,7 @@ from pathlib import Path
 
 # the parts live in benchmarks/scale/, one job a module (make_tensor and measure: re-exported for
 # tests/test_bench_scale.py)
+from .harness import script
 from .provenance import write_beside
 from .scale.checkpoints import llama_config, make_tensor, read_all, write_checkpoint  # noqa: F401
 from .scale.common import BASELINE, DEFAULT_OUT, DEFAULT_WORK, SHAPES, STAGES, log, measure  # noqa: F401
@@ -187,7 +188,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import warnings
-    warnings.filterwarnings("ignore")
-    main()
+    script(main)

@@ -1,7 +1,8 @@
 """What every benchmark measures the same way: the machine it ran on (:func:`machine_info`) and
 this process's peak resident memory (:func:`peak_rss_mb`); the sampled peak of a code region
 is :func:`benchmarks.speed.peak_rss`, a child process's is :func:`benchmarks.scale.common.measure`.
-Commands run one after the other into a log (a peer's venv made): :func:`run_logged`."""
+Commands run one after the other into a log (a peer's venv made): :func:`run_logged`; a
+benchmark's ``main`` run as a command: :func:`script`."""
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 
 GB = 1024 ** 3
 
-__all__ = ["machine_info", "peak_rss_mb", "sync", "run_logged"]
+__all__ = ["machine_info", "peak_rss_mb", "sync", "run_logged", "script"]
 
 
 def machine_info() -> dict:
@@ -61,3 +62,13 @@ def run_logged(commands, log_file) -> list | None:
             if subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT).returncode != 0:
                 return cmd
     return None
+
+
+def script(main, *args) -> None:
+    """Exits with ``main(*args)``'s status (an integer; any other result: 0), run as ``python -m
+    benchmarks NAME`` runs it: transformers' log at errors only, warnings not shown."""
+    import warnings
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore")
+    status = main(*args)
+    sys.exit(status if isinstance(status, int) else 0)

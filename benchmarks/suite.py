@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -42,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .harness import machine_info
+from .harness import machine_info, script
 from .provenance import REPO_ROOT, git_state, log, register, staged, write_json
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -349,7 +348,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import warnings
-    warnings.filterwarnings("ignore")
-    main()
+    script(main)

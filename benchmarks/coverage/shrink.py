@@ -39,7 +39,6 @@ _NOT_WIDTH = {"position", "positions", "patch", "image", "kernel", "window", "ch
 _MAIN_LAYER_TOKENS = {"num", "n", "hidden", "encoder", "decoder", "conf", "layers", "layer"}
 #: expert counts left None beside an MoE width: their shrunk values
 _UNSET_EXPERTS = {"experts": EXPERTS, "experts_shared": 1, "experts_per_token": EXPERTS_PER_TOKEN}
-_INDEX_TOKENS = {"idx", "idxs", "ids", "indices", "indexes", "index", "layers"}
 
 
 def _tokens(name: str) -> list:

@@ -52,13 +52,12 @@ from __future__ import annotations
 import argparse
 import collections
 import math
-import os
 import re
-import sys
 import time
 import types
 import warnings
 
+from ..harness import script
 from ..provenance import REPO_ROOT, command_line, log, write_result
 from .constants import TOL
 from .family import _first_line, _one_trace, blockers, run_isolated, where
@@ -430,5 +429,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    sys.exit(main())
+    script(main)
