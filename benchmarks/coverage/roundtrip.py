@@ -1,0 +1,295 @@
+"""A user's end-to-end check over the coverage's families: a ``save_pretrained`` checkpoint A
+merged, by the command line's entry, with a copy of it moved by a random element of its own
+report; the merge, loaded back by transformers, must compute what A computes.
+
+    python -m benchmarks.coverage.roundtrip [--only FAMILY ...] [--tasks causal_lm ...] [--out DIR]
+                                            [--jobs 1] [--timeout 300] [--mem-gb 6]
+
+One row per family the coverage builds (:func:`.family.families`; the shrunk tiny config, the
+model class of each task and its example inputs of ``symgraph.passes.inputs.default_inputs``),
+each in a forked child under a timeout (:func:`.family.run_isolated`). The stages, each timed
+and any failure recorded with its stage, exception and first line:
+
+1. **build**: the class on the tiny config (:func:`.shrink.build`), every parameter re-drawn in
+   float64 (``symgraph.testing.models.randomized``), saved with ``save_pretrained`` and loaded
+   back with ``from_pretrained(dtype=torch.float64)``: A is the checkpoint, so a tensor its file
+   does not hold is what loading computes. A forward that fails in float64 (a kernel of
+   transformers without float64) is retried in float32, the bound loosened to ``TOL32``; the
+   row says so.
+2. **moved**: ``symgraph.analyze(A)``, ``report.random_transform(seed=1, orthogonal=True)``
+   applied; the moved copy must compute A's kept outputs (``report.outputs``), else the row is
+   an *analysis bug*. It is saved and loaded back (B): a moved tensor its checkpoint drops is an
+   analysis bug too (``moved_saved``).
+3. **merge**: ``symgraph.app.run.run_merge(build_config({"models": [A, B], "out": C}))``, the
+   command line's path.
+4. **load**: ``from_pretrained(C, dtype=torch.float64)``; the row's error is the largest relative
+   deviation of its kept outputs from A's (:func:`symgraph.report.certify.deviation`,
+   ``‖a − b‖ / ‖a‖``, the certificate's measure). It passes at ≤ ``TOL`` (1e-6).
+
+A row failing to build or run at the shrunk size fails for transformers when the coverage says
+so (:func:`.family.transformers_fails`); a row whose A, saved and loaded, does not load or does
+not compute what the model in memory did, is transformers' too (its own round trip).
+Results: ``roundtrip.json`` and ``roundtrip.md`` in ``--out``, with their ``record.json`` entry
+(the command, the commit, the machine)."""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import tempfile
+import time
+import warnings
+
+from ..provenance import REPO_ROOT, log, register, staged, table, write_json
+from .constants import TASKS, TOL
+from .family import families, run_isolated, transformers_fails
+from .at_default import where
+
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "coverage_roundtrip"
+TOL32 = 1e-4   # the bound of a row retried in float32 (transformers cannot run it in float64)
+VERDICTS = ("ok", "merge differs", "analysis bug", "ours fails", "transformers fails", "timeout")
+
+
+#: a copy of the parent's stderr, which the children (whose own goes to /dev/null) write progress to
+PROGRESS = {"fd": None}
+
+
+def first_line(e: BaseException) -> str:
+    """The first non-empty line of ``e``'s message."""
+    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:300]
+
+
+def _loaded(cls, path, dtype):
+    return cls.from_pretrained(path, dtype=dtype).eval()
+
+
+def _kept(model, report, inputs):
+    """The floating-point tensors of ``model``'s kept outputs on ``inputs``."""
+    import torch
+
+    from symgraph.passes.trace import flatten_outputs, select_outputs
+    args, kwargs = inputs
+    with torch.no_grad():
+        return flatten_outputs(select_outputs(model(*args, **kwargs), report.outputs))
+
+
+def _checkpoint_a(model_type, class_name, d, dtype, stage):
+    """The built model re-drawn in ``dtype``, run on its example inputs and saved as A."""
+    import torch
+    import transformers
+
+    from symgraph.passes.inputs import default_inputs
+    from symgraph.testing.models import randomized
+
+    from .shrink import build
+    model = randomized(build(model_type, class_name)[0], dtype=dtype)
+    args, kwargs = default_inputs(model)
+    stage[0] = "eager"
+    with torch.no_grad():
+        model(*args, **kwargs)
+    stage[0] = "save"
+    model.save_pretrained(os.path.join(d, "a"))
+    return getattr(transformers, class_name), model, (args, kwargs)
+
+
+def _stages(rec, model_type, class_name, d, dtype, stage):
+    """The stages of one row at ``dtype``; ``stage[0]`` names the one running."""
+    import symgraph
+    from symgraph.app.config import build_config
+    from symgraph.app.run import run_merge
+    from symgraph.report.certify import deviation
+    tol = TOL if str(dtype) == "torch.float64" else TOL32
+    rec.update(dtype=str(dtype).removeprefix("torch."), tol=tol)
+    stage[0] = "build"
+    cls, model, inputs = _checkpoint_a(model_type, class_name, d, dtype, stage)
+    stage[0] = "reload"
+    a = _loaded(cls, os.path.join(d, "a"), dtype)
+    stage[0] = "analyze"
+    t = time.perf_counter()
+    report = symgraph.analyze(a)
+    rec["analyze_seconds"] = time.perf_counter() - t
+    want = _kept(a, report, inputs)
+    rec["reload_error"] = deviation(_kept(model, report, inputs), want)
+    rec["groups"] = len(report.groups)
+    stage[0] = "moved"
+    moved = symgraph.transform(a, report.random_transform(seed=1, orthogonal=True))
+    rec["moved_weights"] = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), moved.parameters()))
+    rec["moved_error"] = deviation(want, _kept(moved, report, inputs))
+    stage[0] = "moved_saved"
+    moved.save_pretrained(os.path.join(d, "b"))
+    rec["moved_saved_error"] = deviation(want, _kept(_loaded(cls, os.path.join(d, "b"), dtype), report, inputs))
+    stage[0] = "merge"
+    t = time.perf_counter()
+    out = run_merge(build_config({"models": [os.path.join(d, "a"), os.path.join(d, "b")],
+                                  "out": os.path.join(d, "c")}), progress=False)
+    rec.update(merge_seconds=time.perf_counter() - t, merge_mode=out.mode)
+    stage[0] = "load"
+    merged = _loaded(cls, os.path.join(d, "c"), dtype)
+    rec["merged_dtype"] = str(next(merged.parameters()).dtype).removeprefix("torch.")
+    rec["error"] = deviation(want, _kept(merged, report, inputs))
+    stage[0] = "done"
+
+
+def verdict(rec) -> str:
+    """What the row says: ``ok``; ``merge differs`` (the merge computes something else);
+    ``analysis bug`` (the moved copy, in memory or saved, does not compute A's outputs);
+    ``transformers fails`` (it cannot build, run, or load its own checkpoint); else ``ours fails``."""
+    tol, fail = rec.get("tol", TOL), rec.get("failure")
+    for key in ("moved_error", "moved_saved_error"):
+        if rec.get(key) is not None and not rec[key] <= tol:
+            return "analysis bug"
+    if fail:
+        if fail["stage"] == "timeout":
+            return "timeout"
+        return "transformers fails" if fail.get("transformers_fails") else "ours fails"
+    return "ok" if rec.get("error") is not None and rec["error"] <= tol else "merge differs"
+
+
+def _theirs(model_type, class_name, stage, e) -> bool:
+    """Whether a failure at ``stage`` is transformers': building or running as the coverage
+    judges it (:func:`.family.transformers_fails`), saving a model or loading its own checkpoint."""
+    if stage in ("build", "eager"):
+        return bool(transformers_fails(model_type, class_name, stage, e))
+    return stage in ("save", "reload")
+
+
+def run_row(model_type: str, class_name: str, task: str | None) -> dict:
+    """One family's round trip (see the module docstring); every failure is a row. ``task``
+    None: the parent's warm-up, build and analysis alone (a merge leaves worker threads, and a
+    child forked from a process with threads can deadlock on a lock one of them held)."""
+    import torch
+    if task is None:
+        import symgraph
+
+        from .shrink import build
+        return {"groups": len(symgraph.analyze(build(model_type, class_name)[0]).groups)}
+    rec = {"model_type": model_type, "class": class_name, "task": task, "error": None, "failure": None}
+    t0, stage = time.perf_counter(), ["build"]
+    for dtype in (torch.float64, torch.float32):
+        with tempfile.TemporaryDirectory(prefix="roundtrip-") as d, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                _stages(rec, model_type, class_name, d, dtype, stage)
+                rec["failure"] = None
+                break
+            except Exception as e:  # noqa: BLE001 - every failure is a row
+                rec["failure"] = {"stage": stage[0], "type": type(e).__name__, "message": first_line(e),
+                                  "where": where(e)}
+                if dtype == torch.float64 and stage[0] == "eager":  # its forward refuses float64
+                    rec["float64_failure"] = rec["failure"]
+                    continue
+                rec["failure"]["transformers_fails"] = _theirs(model_type, class_name, stage[0], e)
+                break
+    rec.update(stage=stage[0], seconds=time.perf_counter() - t0)
+    rec["verdict"] = verdict(rec)
+    if PROGRESS["fd"] is not None:
+        os.write(PROGRESS["fd"], (_progress(rec) + "\n").encode())
+    return rec
+
+
+def _progress(r) -> str:
+    f = r.get("failure")
+    return (f"{r['task']:<9} {r['model_type']:<26} {r['verdict']:<18} error {_num(r.get('error'))} "
+            f"{r.get('seconds', 0):.0f}s " + (f"{f['stage']}: {f['type']}: {f['message'][:90]}" if f else ""))
+
+
+WARM = ("llama", "LlamaForCausalLM", None)
+
+
+def _cell(x) -> str:
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def _num(v, fmt=".1e"):
+    return "-" if v is None else format(v, fmt)
+
+
+def markdown(res) -> str:
+    """The table of a run: totals by verdict, then one row per family."""
+    h, rows = res["header"], res["rows"]
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in VERDICTS}
+    lines = ["# Round trip: a checkpoint merged with its moved copy, loaded back", "",
+             f"- command: `{h['command']}`",
+             f"- commit: `{h['git']['commit']}`" + (" (dirty)" if h["git"].get("dirty_symgraph") else ""),
+             f"- transformers {h['machine']['transformers']}, torch {h['machine']['torch']}, "
+             f"{h['machine']['cores']} cores; {h['jobs']} family at a time, timeout {h['timeout_s']:.0f} s, "
+             f"memory limit {h['mem_gb']} GB; wall {h['wall_seconds']:.0f} s",
+             f"- families ({len(rows)}): " + (" ".join(h["only"]) if h["only"] else "every one of the tasks")
+             + f"; tasks: {', '.join(h['tasks'])}",
+             f"- bound: error ≤ {TOL:g} (float64); ≤ {TOL32:g} for a row transformers cannot run in float64 "
+             "(retried in float32, its dtype column says so)", "",
+             "| " + " | ".join(VERDICTS) + " |", "|" + "---|" * len(VERDICTS),
+             "| " + " | ".join(str(counts[v]) for v in VERDICTS) + " |", "",
+             "Columns: *moved by* is the largest change of a weight by the random element; *moved* the moved copy's deviation from A's kept outputs in memory, *saved* "
+             "after saving and loading it; *error* the merge's, loaded back. A failure names its stage.", ""]
+    body = []
+    for r in rows:
+        f = r.get("failure") or {}
+        fail = f"{f['stage']}: {f.get('type')}: {_cell(f.get('message', ''))[:160]}" if f else "-"
+        if r.get("float64_failure") and not f:
+            fail = "float64 refused (" + _cell(r["float64_failure"]["message"])[:100] + "): float32"
+        body.append([r["model_type"], r["class"], r["task"], r["verdict"], r.get("dtype", "-"),
+                     r.get("groups", "-"), _num(r.get("moved_weights"), ".2g"), _num(r.get("moved_error")), _num(r.get("moved_saved_error")),
+                     _num(r.get("error")), r.get("merge_mode", "-"), _num(r.get("merge_seconds"), ".1f"),
+                     _num(r.get("seconds"), ".1f"), fail])
+    lines += table(["model_type", "class", "task", "verdict", "dtype", "groups", "moved by", "moved", "saved", "error",
+                    "merge", "merge s", "row s", "failure"], body)
+    return "\n".join(lines) + "\n"
+
+
+def run(out=None, only=None, tasks=None, jobs=1, timeout=300.0, mem_gb=6.0, command=None) -> dict:
+    """The round trip of the selected families; ``roundtrip.json`` / ``.md`` into ``out``."""
+    from ..harness import machine_info
+    from .summary import git_info
+    t0, git = time.perf_counter(), git_info()
+    fams = families(tasks, only)
+    if only:
+        unknown = sorted(set(only) - {f[0] for f in fams} - {f[1] for f in fams})
+        if unknown:
+            raise SystemExit(f"unknown families: {', '.join(unknown)}")
+    PROGRESS["fd"] = os.dup(2)
+    try:
+        rows = run_isolated(fams, jobs, timeout, mem_gb, run=run_row, warm=WARM)
+    finally:
+        os.close(PROGRESS["fd"])
+        PROGRESS["fd"] = None
+    for r in rows:
+        if "verdict" not in r:  # a child that timed out or crashed
+            r.update(failure=dict(r["error"], transformers_fails=False), error=None)
+            r["verdict"] = verdict(r)
+            log(_progress(r))
+    res = {"header": {"command": command or "python -m benchmarks.coverage.roundtrip", "git": git,
+                      "machine": machine_info(), "jobs": jobs, "timeout_s": timeout, "mem_gb": mem_gb,
+                      "tolerance": TOL, "tolerance_float32": TOL32, "tasks": list(tasks or TASKS),
+                      "only": only, "wall_seconds": time.perf_counter() - t0}, "rows": rows}
+    if out:
+        with staged(out, ".roundtrip-") as tmp:
+            write_json(tmp / "roundtrip.json", res)
+            (tmp / "roundtrip.md").write_text(markdown(res))
+        register(out, ["roundtrip.json", "roundtrip.md"], res["header"]["command"])
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.coverage.roundtrip",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="+", default=None, metavar="FAMILY",
+                    help="model types (or class names) to run (default: every one)")
+    ap.add_argument("--tasks", nargs="+", choices=list(TASKS), default=None)
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: %(default)s)")
+    ap.add_argument("--jobs", type=int, default=1, help="families at a time (default 1)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per family (default 300)")
+    ap.add_argument("--mem-gb", type=float, default=6.0, help="address-space limit per family (0: none)")
+    a = ap.parse_args(argv)
+    command = " ".join(["python -m benchmarks.coverage.roundtrip"]
+                       + [shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv)])
+    res = run(a.out, a.only, a.tasks, a.jobs, a.timeout, a.mem_gb or None, command)
+    counts = {v: sum(r["verdict"] == v for r in res["rows"]) for v in VERDICTS}
+    print("  ".join(f"{v}: {n}" for v, n in counts.items()) + f"  -> {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    sys.exit(main())
