@@ -2,9 +2,6 @@
 a LLaMA-shaped bf16 pair, its FLOPs and bytes, its time, and the achieved GFLOP/s and GB/s next
 to the machine's measured matmul peak and read throughput in the same run.
 
-    python -m benchmarks.bench_cost [--shape 1b] [--layers N] [--work DIR] [--label NAME]
-                                    [--out benchmarks/results/cost/cost.json] [--align weights]
-
 The pair is :mod:`benchmarks.bench_scale`'s (same writer, same cache under ``--work``). The
 merge runs in this process with the library's stage functions wrapped (a counting shim, nothing
 else changes); every call is timed and its work counted:

@@ -3,9 +3,6 @@ seeded: ``N(0, 0.02)`` matrices and unit norm gains, :mod:`benchmarks.bench_scal
 merged in memory by ``symgraph.merge(..., align="weights")`` as ``symgraph merge --device``
 does, against the unaligned merge (``align=None``, the linear merge) in the same run.
 
-    python -m benchmarks.bench_device [--shape 7b] [--layers 2] [--device cuda]
-                                      [--stages 2] [--out benchmarks/results/device/device.json]
-
 For each depth: the wall time of the aligned merge (analysis, alignment, combine), the unaligned
 merge's, their ratio, the sweeps run and the device's peak memory. At the depths named in
 ``--stages`` the run is repeated with :mod:`benchmarks.bench_cost`'s stage counters, each stage

@@ -2,11 +2,6 @@
 LLaMA-shaped bf16 pair read from disk, against the unaligned merge (``--align none``) of the
 same pair on the same device in the same process, by depth.
 
-    python -m benchmarks.bench_device_disk [--shape 7b] [--layers 2,32] [--device cuda]
-        [--stages 2] [--work /tmp/symgraph-device-disk] [--workers N] [--cache asis|cold]
-        [--load-check-gb 2] [--auction-layers 32] [--skip-aligned] [--methods regmean]
-        [--out benchmarks/results/device/disk.json]
-
 For each depth a pair of random bf16 checkpoints is written under ``--work`` by
 :mod:`benchmarks.bench_scale`'s writer (sharded as ``save_pretrained`` shards them, the
 model on the meta device, each tensor seeded by its name), its shards by ``--workers``

@@ -3,9 +3,6 @@ solves one after the other and overlapping (:data:`symgraph.solve.turns.THREADS`
 process, alternating the settings; checks that both give the same alignment. Times: the
 coordinate descent (``Sweeps.run``) and the whole ``align`` call.
 
-    python -m benchmarks.bench_host_threads [--shape 1b] [--layers 3] [--threads 1,2] [--repeats 2]
-                                            [--mlp-only] [--torch-threads N]
-
 The pair is built in memory (values as benchmarks/scale writes them: seeded ``N(0,1)·0.02``,
 ones for norms; A seed 0, B seed 1: unrelated models, so every MLP needs its assignment), the
 reports once; ``--mlp-only`` solves the MLPs' classes alone (the rest kept: one wave of

@@ -6,10 +6,6 @@ same function (:func:`symgraph.rotation.outliers.with_outliers`: a few channels 
 foldable norm's gain ×30, its readers' columns ×1/30), the activation outliers trained LLMs have
 and rotations are for.
 
-    python -m benchmarks.bench_rotate [--archs llama gpt2 mixtral bert] [--learn-steps 30]
-        [--train-steps 150] [--hows none hadamard random random@1 learned] [--quarot DIR]
-        [--out benchmarks/results/rotate]
-
 Quantizer (``symgraph.testing.quantize``, fake quantization): weights round-to-nearest,
 symmetric, in groups of 128 inputs (a row of fewer inputs is one group), the output head kept;
 activations per token, symmetric, at every linear layer's input. Stacked expert weights

@@ -3,9 +3,6 @@
 ``--layers``), rotated by the command in a fresh process under ``--memory-budget``; its peak
 resident memory and time, and a check of the output against the input (same keys, shapes and
 dtypes; folded norm gains one).
-
-    python -m benchmarks.bench_rotate_scale [--layers 22] [--budget 1GB] [--work DIR]
-        [--out benchmarks/results/rotate]
 """
 from __future__ import annotations
 

@@ -15,10 +15,6 @@ otherwise learns to cancel them after the first layer). Printed and recorded: th
 model, and the largest over the median channel RMS at every folded norm's input of each
 (:func:`symgraph.rotation.stream.norm_input_ratios`). Rows, settings, quantizer, noise and the
 resolution rule are :mod:`benchmarks.bench_rotate`'s.
-
-    python -m benchmarks.bench_rotate_stream [--archs llama gpt2] [--channels 4] [--factor 30]
-        [--tune-steps 60] [--hold 0] [--hows none fold hadamard random random@1 learned] [--quarot DIR]
-        [--out benchmarks/results/rotate_stream]
 """
 from __future__ import annotations
 

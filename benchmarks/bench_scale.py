@@ -1,10 +1,6 @@
 """Scale benchmark: ``symgraph merge`` on LLaMA-shaped bf16 checkpoints against mergekit's
 linear merge of the same pair, in the same run.
 
-    python -m benchmarks.bench_scale [--shapes tiny,155m,1b,7b] [--layers N] [--work DIR]
-                                     [--memory-budget SIZE] [--out benchmarks/results/scale.json]
-                                     [--baseline REF --stages ...,symgraph_weights_baseline]
-
 Checkpoints. For each shape (``tiny``: 2 layers, hidden 256; ``155m``: 155.3 M parameters,
 768/2816, 12 layers, 12 heads; ``1b``: TinyLlama-1.1B, 2048/5632,
 22 layers, 32 heads, 4 KV heads; ``7b``: Llama-2-7B, 4096/11008, 32 layers, 32 heads, 32 KV

@@ -2,9 +2,6 @@
 LM, masked LM, sequence classification and image classification, built tiny from its own
 config defaults, traced, analysed, certified and checked for completeness by structure.
 
-    python -m benchmarks.coverage [--only FAMILY ...] [--tasks causal_lm ...] [--out DIR]
-                                  [--jobs 2] [--timeout 120] [--mem-gb 6]
-
 One row per (model_type, class, task) of ``MODEL_FOR_{CAUSAL_LM,MASKED_LM,SEQUENCE_CLASSIFICATION,
 IMAGE_CLASSIFICATION}_MAPPING_NAMES``:
 

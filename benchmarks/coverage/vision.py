@@ -2,9 +2,6 @@
 its smallest variant built with random weights, traced, analysed, certified and checked for
 completeness (issue 65, item 4).
 
-    python -m benchmarks.coverage.vision [--zoo timm torchvision] [--only FAMILY ...] [--out DIR]
-                                         [--jobs 2] [--timeout 120] [--mem-gb 6] [--budget S]
-
 A **family** is a module of the zoo: ``timm.list_modules()`` (``resnet``, ``vision_transformer``,
 ...) and the modules of ``torchvision.models`` that hold its classification models
 (``torchvision.models.list_models(module=torchvision.models)`` grouped by the module of each
