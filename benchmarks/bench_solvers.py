@@ -4,10 +4,6 @@
 ``_solvers._sparse_assignment``; the library's default path; SciPy's dense
 ``linear_sum_assignment``): time and agreement.
 
-    python -m benchmarks.bench_solvers [--device cpu] [--out benchmarks/results/solvers]
-        [--polar 256 1024 2048] [--assign 256 1024] [--kinds uniform noisy_perm]
-        [--width 4096] [--budget S] [--call-timeout S] [--dense-max N] [--dense-timeout S]
-
 Polar factor, per size ``n``: a Gaussian matrix (``randn``: condition number of the order of
 ``n``), one with singular values log-spaced from 1 to 1/100, and ``product`` (``A Bᵀ`` of two
 random ``n × 2.7n`` matrices, what the residual stream's similarity of two unrelated models is),

@@ -28,8 +28,7 @@ options and wall time), ``report.md`` and ``curves.png`` after every row.
 CPU trains in minutes (:data:`benchmarks.anchor.train.SIZES`; cache ``<cache>/small``, results
 ``benchmarks/results/anchor_small``); the paper size needs a GPU (``device.sh``). The learned
 rows run at their budget (:data:`benchmarks.anchor.table.LEARN`): theirs through their
-``train_merger.py`` loop (:func:`benchmarks.anchor.peer_run`), ours for as many steps of the same
-batches.
-
-Not done yet: the seed papers' released code (Verma & Elbayad, Imfeld et al., Zhang et al.).
+``train_merger.py`` loop (:mod:`benchmarks.anchor.peer_run`), ours for as many steps of the same
+batches. The seed papers' released code runs beside our reimplementations in
+:mod:`benchmarks.seeds`.
 """
