@@ -1,34 +1,17 @@
-"""REPAIR: the merge engine's last step before writing, which renormalises the merge's hidden
-channels and resets its BatchNorm statistics (the math: :mod:`symgraph.merging.repair`, Jordan
-et al. 2023) without a model in memory. ``symgraph.merge(..., repair=True)`` and ``symgraph
-merge --repair`` both run it; it reads the merge through the
-:class:`~symgraph.merging.engine.measuring.RepairContext` the engine builds, never the engine.
+"""REPAIR as the merge engine's last step before writing (the math: :mod:`.repair`, Jordan et
+al. 2023), without a model in memory, for ``symgraph.merge(..., repair=True)`` and ``symgraph
+merge --repair`` alike; it reads the :class:`~.engine.measuring.RepairContext`, never the engine.
 
-Measured on the anchor's traced graph run op by op
-(:class:`~symgraph.alignment.graphrun.Stepper`), each weight read when an op takes it:
-
-* **targets** — each parent carried into the anchor's basis one unit at a time
-  (``RepairContext.parent``); the per-channel moments at every repaired layer, interpolated
-  with the mixing weights;
-* **the merge, corrected as it runs** — the merged tensors computed by the engine on demand
-  (read, carry, combine, cast: ``RepairContext.merged``). All batches run in lockstep and pause
-  just before each repaired layer and each BatchNorm layer (a batch-norm op of the graph whose
-  running statistics are buffers), in graph order. A repaired layer is run once with its merged
-  weights to measure the merge there and its correction
-  (:func:`~symgraph.merging.repair.correction`) is registered with the engine
-  (``RepairContext.merged.correct``); a BatchNorm layer's running statistics become the
-  population mean and unbiased variance of its input over every batch
-  (:func:`~symgraph.merging.repair.batchnorm_statistics`). The runs then go on through the
-  corrected layer, so every layer is measured with every earlier one final: one pass over the
-  data. ``before`` is the merge at the layer, ``after`` its corrected output as the runs pass it.
-
-A BatchNorm module whose statistics the graph reads other than through a batch-norm op is
-refused (:func:`check`): every ``torch.nn`` BatchNorm module and ``F.batch_norm`` trace to one,
-and no model of transformers or diffusers subclasses them (``tests/test_engine_repair.py``).
-
-The engine then writes every merged tensor with its correction applied. Memory holds each
-batch's live activations at the current layer, a layer's merged weights (the last one read is
-kept whatever its size, for the next batch) and the caches.
+The anchor's traced graph runs op by op (:func:`~.engine.segments.op_by_op`), each weight read
+when an op takes it: first on each parent in the anchor's basis, for the interpolated
+per-channel targets; then on the merge as the engine computes it, all batches in lockstep,
+pausing before each repaired layer and each batch-norm op whose running statistics are buffers,
+in graph order. There a layer's correction (:func:`~.repair.correction`), or a BatchNorm's
+reset statistics, is registered with the engine (``RepairContext.merged.correct``) and the runs
+go on through the corrected layer: every layer is measured with every earlier one final, in one
+pass over the data. A BatchNorm module the graph reads other than through a batch-norm op is
+refused (:func:`check`). Memory holds each batch's live activations, a layer's merged weights
+and the caches.
 """
 from __future__ import annotations
 
@@ -37,13 +20,13 @@ import warnings
 
 import torch
 
-from ..alignment.checks import batch_inputs, by_shape
-from ..alignment.graphrun import Stepper, flatten_for, runnable
+from ..alignment.checks import by_shape
 from ..errors import InputError, NeedsMemory
 from ..core.progress import bar
 from .repair import (BatchNormReset, Moments, RepairLayer, RepairReport, batchnorm_layers, batchnorm_statistics,
                      correction, find_sites, layer_errors)
 from .engine.measuring import Merged, RepairContext
+from .engine.segments import op_by_op
 from .engine.views import Ledger, nbytes
 
 __all__ = ["check", "repair", "batchnorm_nodes"]
@@ -119,12 +102,8 @@ class _Runs:
     def __init__(self, shapes, fetch, device):
         self.graphs = []  # per batch shape: ({key: node name}, the nodes in order, node name -> position, runs)
         for rep, here, batches in shapes:
-            gm = runnable(rep.exported_program.module(), device)
-            order, runs = list(gm.graph.nodes), []
-            for bi, batch in batches:
-                args, kwargs = batch_inputs(rep, batch, bi)
-                runs.append((Stepper(gm, fetch), [t.to(device) if isinstance(t, torch.Tensor) else t
-                                                  for t in flatten_for(gm, args, kwargs)]))
+            gm, runs = op_by_op(rep, batches, fetch, device)
+            order = list(gm.graph.nodes)
             self.graphs.append((here, order, {n.name: i for i, n in enumerate(order)}, runs))
 
     def to(self, key):

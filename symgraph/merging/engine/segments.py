@@ -1,5 +1,6 @@
-"""A traced graph cut into segments and run one segment at a time, forward and backward
-(gradient checkpointing out of core): what :mod:`.gradients` (squared gradients) and
+"""A traced graph run op by op on each batch (:func:`op_by_op`: what the input Grams and REPAIR
+run), or cut into segments and run one segment at a time, forward and backward (gradient
+checkpointing out of core): what :mod:`.gradients` (squared gradients) and
 :mod:`~symgraph.merging.learned` (learned matching) share.
 
 :func:`plan_segments` cuts the graph's ops into segments that read at most about a budget of
@@ -16,10 +17,28 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
+from ...alignment.checks import batch_inputs
 from ...alignment.graphrun import Stepper, flatten_for, runnable
 from .views import nbytes
 
-__all__ = ["plan_segments", "Graph", "Segment", "Kept", "backward_span", "leaf", "output_node", "live_after"]
+__all__ = ["plan_segments", "Graph", "Segment", "Kept", "backward_span", "leaf", "output_node", "live_after",
+           "op_by_op", "flat_inputs"]
+
+
+def flat_inputs(gm, args, kwargs, device) -> list:
+    """A batch's flat inputs to ``gm``, on ``device``."""
+    return [t.to(device) if isinstance(t, torch.Tensor) else t for t in flatten_for(gm, args, kwargs)]
+
+
+def op_by_op(rep, batches, fetch, device) -> tuple:
+    """``rep``'s traced graph made runnable on ``device`` and one op-by-op run of it per batch
+    (``batches``: ``(index, batch)`` pairs), each weight read by ``fetch`` when an op takes it:
+    ``(gm, [(Stepper, flat inputs)])``."""
+    gm, runs = runnable(rep.exported_program.module(), device), []
+    for bi, batch in batches:
+        args, kwargs = batch_inputs(rep, batch, bi)
+        runs.append((Stepper(gm, fetch), flat_inputs(gm, args, kwargs, device)))
+    return gm, runs
 
 
 def _val_bytes(node) -> int:
@@ -106,7 +125,7 @@ class Graph:
 
     def inputs(self, args, kwargs) -> list:
         """A batch's flat inputs, on the device."""
-        return [t.to(self.device) if isinstance(t, torch.Tensor) else t for t in flatten_for(self.gm, args, kwargs)]
+        return flat_inputs(self.gm, args, kwargs, self.device)
 
     def forward(self, segments, flats, read, ledger, kept, keep: bool = True, last=None) -> list:
         """The ``segments`` run on every batch (``flats``) without gradients, each one's weights

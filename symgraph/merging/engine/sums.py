@@ -1,18 +1,10 @@
-"""Statistics over data taken out of core, and the store they are spilled to, for the merge
-engine's vocabulary of statistics (:mod:`symgraph.merging.engine.statistics`).
+"""Statistics over data taken out of core, and the store they are spilled to.
 
-:func:`input_grams` takes **sums over data at the inputs of linear maps** (the
-:class:`~symgraph.merging.engine.statistics.InputGrams` kind, RegMean's): the anchor's traced
-graph runs op by op on each model's tensors carried into the anchor's basis
-(:class:`~symgraph.merging.engine.views.Aligned`), each weight read when an op takes it
-(:class:`~symgraph.alignment.graphrun.Stepper`); the inputs are taken in passes whose Grams fit
-the budget, every batch's run paused where a pass ends and resumed by the next (each op runs
-once per batch), and a pass's Grams are written to disk as it ends. Squared gradients are
-:mod:`symgraph.merging.engine.gradients`'s.
-
-:class:`Spill` is the disk store: safetensors files in a temporary directory beside the
-output's, read back one tensor at a time by the combine step (:class:`MemorySpill` keeps them
-in memory for a merge of loaded models).
+:func:`input_grams` takes RegMean's :class:`~.statistics.InputGrams`: the anchor's graph run op
+by op (:func:`~.segments.op_by_op`) on each model carried into the anchor's basis, in passes
+whose Grams fit the budget (every batch's run paused where a pass ends and resumed by the next:
+each op runs once per batch), a pass's Grams written to disk as it ends. :class:`Spill` is the
+disk store, :class:`MemorySpill` the one in memory for a merge of loaded models.
 """
 from __future__ import annotations
 
@@ -24,12 +16,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ...alignment.checks import batch_inputs, by_shape
-from ...alignment.graphrun import Stepper, flatten_for, runnable
+from ...alignment.checks import by_shape
 from ...core import distributed
 from ...checkpoints.leftovers import RUN_MARKER, mark_run
 from ...core.files import file_id, identity, remove_own
 from ...core.progress import bar
+from .segments import op_by_op
 from .views import Aligned, nbytes
 
 __all__ = ["Spill", "MemorySpill", "Stored", "input_grams"]
@@ -154,18 +146,12 @@ def input_grams(job, i: int, prefix: str) -> Stored:
                  for x, ws in users.items()}
         key = {x: f"{prefix}{min(w for w, _ in ws)}" for x, ws in users.items()}
         keys.update((w, key[x]) for x, ws in users.items() for w, _ in ws)
-        gm = runnable(rep.exported_program.module(), device)
         fetch = view.fetch if device == "cpu" else (lambda n: view.fetch(n).to(device))
-        runs = {}
+        _, runs = op_by_op(rep, batches, fetch, device)
         for todo in _passes(sorted(users, key=lambda n: order.get(n, -1)), width, job.resources.stats_bytes):
             grams = {x: torch.zeros(width[x], width[x], dtype=torch.float64, device=device) for x in todo}
             job.resources.ledger.hold(sum(nbytes(g) for g in grams.values()))
-            for bi, batch in bar(batches, desc="statistics", unit="batch"):
-                if bi not in runs:
-                    args, kwargs = batch_inputs(rep, batch, bi)
-                    flat = [t.to(device) if isinstance(t, torch.Tensor) else t for t in flatten_for(gm, args, kwargs)]
-                    runs[bi] = (Stepper(gm, fetch), flat)
-                step, flat = runs[bi]
+            for step, flat in bar(runs, desc="statistics", unit="batch"):
                 with torch.no_grad():
                     for name, val in step.steps(flat, set(todo), stop=todo[-1]):
                         X = val.double().reshape(-1, val.shape[-1])
