@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .provenance import REPO_ROOT, git_state, table, write_result
 from .scale.checkpoints import ensure_pair, llama_config, model_sizes
-from .scale.common import DEFAULT_WORK, GB, SHARD_SIZE, _env, log, measure
+from .scale.common import DEFAULT_WORK, GB, SHARD_SIZE, child_env, log, measure
 
 OUT = Path(__file__).parent / "results" / "provenance_scale"
 TARGET_GB = 2.0
@@ -66,7 +66,7 @@ def write_moved(src: str, dst: str, seed: int = 0, work=None) -> dict:
 
 def _compare(a: str, b: str, null: int, log_prefix: str, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "symgraph", "compare", a, b, "--out-of-core", "--null", str(null), "--json"]
-    r = measure(cmd, timeout=timeout, env=_env(), cwd=REPO_ROOT, log_prefix=log_prefix)
+    r = measure(cmd, timeout=timeout, env=child_env(), cwd=REPO_ROOT, log_prefix=log_prefix)
     row = {"cmd": cmd[2:], "rc": r["rc"], "timed_out": r["timed_out"], "wall_s": r["wall_s"],
            "peak_rss_gb": r["peak_rss_bytes"] / GB, "error": r.get("error")}
     if r["rc"] == 0:
@@ -85,7 +85,7 @@ def run(layers: int | None, null: int, work: Path, timeout: float) -> dict:
     if not (moved / "config.json").exists():
         log(f"  writing {moved} (A moved by a random full-group element) ...")
         r = measure([sys.executable, "-m", "benchmarks.bench_provenance_scale", "--_moved", pair["a"], str(moved)],
-                    env=_env(), cwd=REPO_ROOT, timeout=timeout)
+                    env=child_env(), cwd=REPO_ROOT, timeout=timeout)
         if r["rc"] != 0:
             raise RuntimeError(f"writing {moved} failed (rc {r['rc']}): {r.get('error')}")
         pair["moved_peak_rss_gb"] = r["peak_rss_bytes"] / GB

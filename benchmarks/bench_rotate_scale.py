@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .provenance import commit_info, command_line, log, write_beside
 from .scale.checkpoints import llama_config, write_checkpoint
-from .scale.common import _env, measure
+from .scale.common import child_env, measure
 
 __all__ = ["main"]
 
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
         cmd = [sys.executable, "-m", "symgraph", "rotate", str(src), "--out", str(dst), "--memory-budget",
                args.budget, "--force"]
         log("bench_rotate_scale: " + " ".join(cmd))
-        r = measure(cmd, env=_env())
+        r = measure(cmd, env=child_env())
         record = {"command": command_line(argv, "benchmarks.bench_rotate_scale"), "commit": commit_info(),
                   "layers": args.layers, "budget": args.budget, "rc": r["rc"], "wall_s": r["wall_s"],
                   "user_s": r["user_s"], "peak_rss_bytes": r["peak_rss_bytes"], "error": r.get("error"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .graph import LAYOUT_OPS, _LINEAR, _is_constant, _module_paths, _pname, _shape, dim_before, linear_weight
+from .graph import LAYOUT_OPS, LINEAR, is_constant, module_paths, pname, node_shape, dim_before, linear_weight
 
 
 __all__ = ["attention_units", "ROPE_BLOCKED", "ROPE_ABSENT"]
@@ -29,19 +29,19 @@ def attention_units(ep, nodes: bool = False) -> list:
     for n in ep.graph.nodes:
         if n.op != "call_function":
             continue
-        name = _pname(n) or str(n.target)
+        name = pname(n) or str(n.target)
         if "scaled_dot_product" in name or "flash_attention" in name:
-            s = _shape(n.args[0]) if n.args and hasattr(n.args[0], "op") else None
+            s = node_shape(n.args[0]) if n.args and hasattr(n.args[0], "op") else None
             query = n.args[0]
         elif name in ("softmax", "_softmax"):
-            s = _shape(n)
+            s = node_shape(n)
             s = s if s is not None and len(s) >= 4 and not _projected_scores(ep, n) else None
             query = n
         else:
             continue
         if s is None or len(s) < 4:
             continue
-        module = next((p for p in _module_paths(n) if p and any(q.startswith(p + ".") for q in params)), "")
+        module = next((p for p in module_paths(n) if p and any(q.startswith(p + ".") for q in params)), "")
         if module not in out:
             key = n.args[1]
             if query is n:  # a softmax: the query and key of the matmul that makes its scores
@@ -65,19 +65,19 @@ def _projected_scores(ep, softmax) -> bool:
     product: a gate or mixing weight (DeepSeek-V4's hyper-connection streams, one learned
     query's pooling), not multi-head attention. A product with a computed operand (queries
     projected from learned latents) is attention."""
-    stack, seen, projected = [a for a in softmax.all_input_nodes if not _is_constant(ep, a)], set(), False
+    stack, seen, projected = [a for a in softmax.all_input_nodes if not is_constant(ep, a)], set(), False
     while stack and len(seen) < 64:
         n = stack.pop()
         if n in seen or not hasattr(n, "op") or n.op != "call_function":
             continue
         seen.add(n)
-        name = _pname(n)
-        if name in _LINEAR or name == "einsum":
+        name = pname(n)
+        if name in LINEAR or name == "einsum":
             if name == "einsum" or linear_weight(ep, n) is None:
                 return False  # query times key
             projected = True
             continue
-        stack.extend(a for a in n.all_input_nodes if not _is_constant(ep, a))
+        stack.extend(a for a in n.all_input_nodes if not is_constant(ep, a))
     return projected and not stack
 
 
@@ -87,8 +87,8 @@ def _broadcast_axis(node, dim) -> bool:
     for _ in range(16):
         if not hasattr(node, "op") or node.op != "call_function" or not node.args:
             return False
-        name, src = _pname(node), node.args[0]
-        so, si = _shape(node), _shape(src) if hasattr(src, "op") else None
+        name, src = pname(node), node.args[0]
+        so, si = node_shape(node), node_shape(src) if hasattr(src, "op") else None
         if so is None or si is None:
             return False
         dim %= len(so)
@@ -121,11 +121,11 @@ def _scores_matmul(softmax):
     for _ in range(16):
         if not hasattr(n, "op") or n.op != "call_function":
             return None
-        if _pname(n) in ("matmul", "bmm"):
+        if pname(n) in ("matmul", "bmm"):
             return n
-        if _pname(n) not in _SCORE_OPS:
+        if pname(n) not in _SCORE_OPS:
             return None
-        ins = [a for a in n.all_input_nodes if _shape(a) is not None and len(_shape(a)) >= 3]
+        ins = [a for a in n.all_input_nodes if node_shape(a) is not None and len(node_shape(a)) >= 3]
         if not ins:
             return None
         n = ins[0]
@@ -136,15 +136,15 @@ def _kv_heads(key, hdim):
     """How many distinct key heads feed an attention whose head axis is ``hdim`` of ``key``:
     the key's head count divided by every broadcast (``expand`` of a unit axis, ``repeat``)
     on its way from the projection; 1 for multi-query attention."""
-    shape = _shape(key)
+    shape = node_shape(key)
     if shape is None or hdim < 0 or hdim >= len(shape):
         return None
     heads, n = int(shape[hdim]), key
     for _ in range(32):
-        name = _pname(n) if hasattr(n, "op") and n.op == "call_function" else None
+        name = pname(n) if hasattr(n, "op") and n.op == "call_function" else None
         if name not in _BROADCAST or not n.args or not hasattr(n.args[0], "op"):
             break
-        src, so, si = n.args[0], _shape(n), _shape(n.args[0])
+        src, so, si = n.args[0], node_shape(n), node_shape(n.args[0])
         if so is not None and si is not None:
             grow = math.prod(so) // max(math.prod(si), 1)  # broadcast copies (1: a relayout)
             if grow > 1 and heads % grow == 0:
@@ -158,20 +158,20 @@ _CENTRED = {"layer_norm", "native_layer_norm", "group_norm", "native_group_norm"
 
 def _gain(ep, n) -> bool:
     """Whether ``n`` multiplies (or, as a norm op, scales) by a per-dimension parameter."""
-    name = _pname(n)
+    name = pname(n)
     if name in ("rms_norm", "_fused_rms_norm", "layer_norm", "native_layer_norm"):
         w = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
         return hasattr(w, "op") and _param_derived(ep, w)
     if name in ("mul", "mul_"):  # varying along the last (head-dimension) axis: a per-head
-        return any(_is_constant(ep, a) and _param_derived(ep, a)  # scale commutes with rotations
-                   and (_shape(a) or (1,))[-1] > 1 for a in n.all_input_nodes)
+        return any(is_constant(ep, a) and _param_derived(ep, a)  # scale commutes with rotations
+                   and (node_shape(a) or (1,))[-1] > 1 for a in n.all_input_nodes)
     return False
 
 
 def _param_derived(ep, node) -> bool:
     """Whether a constant ``node`` with more than one entry is computed from a parameter (a
     norm's gain ``w``, or Gemma's ``1 + w``)."""
-    s = _shape(node)
+    s = node_shape(node)
     if not s or math.prod(s) <= 1:
         return False
     params = ep.graph_signature.inputs_to_parameters
@@ -190,10 +190,10 @@ def _param_derived(ep, node) -> bool:
 def _rotation(ep, n) -> bool:
     """Whether ``n`` multiplies by a position table (RoPE's cos or sin: a constant, not made
     from a parameter, varying along at least two axes)."""
-    if _pname(n) not in ("mul", "mul_"):
+    if pname(n) not in ("mul", "mul_"):
         return False
-    return any(_is_constant(ep, a) and not _param_derived(ep, a)
-               and sum(s > 1 for s in (_shape(a) or ())) >= 2 for a in n.all_input_nodes)
+    return any(is_constant(ep, a) and not _param_derived(ep, a)
+               and sum(s > 1 for s in (node_shape(a) or ())) >= 2 for a in n.all_input_nodes)
 
 
 def _normalised(ep, node) -> tuple:
@@ -214,9 +214,9 @@ def _normalised(ep, node) -> tuple:
         seen.add(n)
         if _rotation(ep, n):
             rotations.append(n)
-        if _pname(n) in _LINEAR and n is not node:
+        if pname(n) in LINEAR and n is not node:
             continue
-        stack.extend(a for a in n.all_input_nodes if not _is_constant(ep, a))
+        stack.extend(a for a in n.all_input_nodes if not is_constant(ep, a))
     memo = {}
 
     def covered(n, gained):
@@ -225,21 +225,21 @@ def _normalised(ep, node) -> tuple:
         memo[n, gained] = False  # a cycle or a deep walk: not proven
         if len(memo) > 2000 or not hasattr(n, "op") or n.op != "call_function":
             return False
-        name = _pname(n)
+        name = pname(n)
         if name in _CENTRED:
             out = True
         elif name in ("rms_norm", "_fused_rms_norm") or name in ("mul", "div") and _norm_scale(n):
             out = gained or _gain(ep, n)
-        elif name in _LINEAR:
+        elif name in LINEAR:
             out = False
         else:
             ins = [n.args[0]] if name in _LIKE else \
-                [a for a in n.all_input_nodes if not _is_constant(ep, a)]  # (*_as: a shape only)
+                [a for a in n.all_input_nodes if not is_constant(ep, a)]  # (*_as: a shape only)
             g = gained or _gain(ep, n)
             out = bool(ins) and all(covered(a, g) for a in ins)
         memo[n, gained] = out
         return out
-    before = all(covered(a, False) for r in rotations for a in r.all_input_nodes if not _is_constant(ep, a))
+    before = all(covered(a, False) for r in rotations for a in r.all_input_nodes if not is_constant(ep, a))
     # or after them: every path from the query back to its projection passes such a norm
     # (HunYuan's query/key RMS norms with gains on the rotated head)
     blocked = bool(rotations) and (before or covered(node, False))
@@ -253,9 +253,9 @@ def _norm_scale(n) -> bool:
     """Whether ``n`` (a mul or div) scales its input by a norm of it: an operand with a unit
     last axis made from an ``rsqrt``, ``sqrt``, power or vector norm (RMS norm, L2
     normalisation)."""
-    so = _shape(n)
+    so = node_shape(n)
     for a in n.all_input_nodes:
-        sa = _shape(a)
+        sa = node_shape(a)
         if not so or not sa or sa[-1] != 1 or so[-1] == 1:
             continue
         stack, seen = [a], set()
@@ -264,7 +264,7 @@ def _norm_scale(n) -> bool:
             if m in seen or not hasattr(m, "op") or m.op != "call_function":
                 continue
             seen.add(m)
-            if _pname(m) in ("rsqrt", "sqrt", "norm", "linalg_vector_norm", "pow"):
+            if pname(m) in ("rsqrt", "sqrt", "norm", "linalg_vector_norm", "pow"):
                 return True
             stack.extend(m.all_input_nodes)
     return False

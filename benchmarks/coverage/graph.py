@@ -9,21 +9,21 @@ _PASS = {"t", "transpose", "permute", "_to_copy", "clone", "contiguous", "alias"
          "lift_fresh_copy", "index", "select", "unsqueeze", "view", "reshape", "_unsafe_view", "to",
          "type_as", "expand_as"}
 #: linear-like ops: (activation arg, weight arg, weight's output dim, weight's input dim)
-_LINEAR = {"linear": (0, 1, 0, 1), "addmm": (1, 2, 1, 0), "mm": (0, 1, 1, 0), "bmm": (0, 1, 2, 1),
+LINEAR = {"linear": (0, 1, 0, 1), "addmm": (1, 2, 1, 0), "mm": (0, 1, 1, 0), "bmm": (0, 1, 2, 1),
            "matmul": (0, 1, -1, -2), "baddbmm": (1, 2, 2, 1), "convolution": (0, 1, 0, 1),
            "conv1d": (0, 1, 0, 1), "conv2d": (0, 1, 0, 1), "conv3d": (0, 1, 0, 1)}
 
-def _pname(n) -> str | None:
+def pname(n) -> str | None:
     p = getattr(n.target, "overloadpacket", None)
     return getattr(p, "__name__", None) if p is not None else None
 
 
-def _shape(n):
+def node_shape(n):
     v = n.meta.get("val") if hasattr(n, "meta") else None
     return tuple(v.shape) if hasattr(v, "shape") else None
 
 
-def _module_paths(n) -> list:
+def module_paths(n) -> list:
     """Module paths of ``n``, innermost first (torch.export's ``nn_module_stack``)."""
     out = []
     for path, _ in reversed(list((n.meta.get("nn_module_stack") or {}).values())):
@@ -49,7 +49,7 @@ def dim_before(node, name: str, dim: int, ndim: int):
     return None if dim == d else dim - (dim > d)
 
 
-def _source(ep, node, dim):
+def slot_source(ep, node, dim):
     """The ``(parameter, dim)`` that ``node``'s dimension ``dim`` reads, walking back through
     copies, transposes, views and expert gathers; None if it is not a parameter's."""
     params = ep.graph_signature.inputs_to_parameters
@@ -58,11 +58,11 @@ def _source(ep, node, dim):
             return None
         if node.op == "placeholder":
             return (params[node.name], dim) if node.name in params else None
-        name, shape = _pname(node), _shape(node)
+        name, shape = pname(node), node_shape(node)
         if name not in _PASS or shape is None or not node.args or not hasattr(node.args[0], "op"):
             return None
         src = node.args[0]
-        sshape = _shape(src)
+        sshape = node_shape(src)
         if sshape is None:
             return None
         dim %= max(len(shape), 1)
@@ -92,7 +92,7 @@ def _source(ep, node, dim):
     return None
 
 
-def _is_constant(ep, node) -> bool:
+def is_constant(ep, node) -> bool:
     """Whether ``node`` is a parameter, buffer or constant (or a scalar), not an activation."""
     if not hasattr(node, "op"):
         return True
@@ -107,36 +107,36 @@ def _is_constant(ep, node) -> bool:
         if not ins:
             return True
         if len(ins) > 1:
-            return all(_is_constant(ep, a) for a in ins)
+            return all(is_constant(ep, a) for a in ins)
         node, seen = ins[0], seen + 1
     return False
 
 
 def _from_param(ep, node) -> bool:
-    s = _shape(node) if hasattr(node, "op") else None
-    return bool(s) and any(_source(ep, node, d) is not None for d in range(len(s)))
+    s = node_shape(node) if hasattr(node, "op") else None
+    return bool(s) and any(slot_source(ep, node, d) is not None for d in range(len(s)))
 
 
 def linear_weight(ep, n):
     """``(activation arg, (param, out dim), (param, in dim))`` of a linear-like op whose weight
     is a parameter, else None."""
-    spec = _LINEAR.get(_pname(n))
+    spec = LINEAR.get(pname(n))
     if spec is None or len(n.args) <= max(spec[0], spec[1]):
         return None
     a, w, od, idim = spec
-    if _pname(n) in ("mm", "bmm", "matmul") and not _from_param(ep, n.args[1]) \
+    if pname(n) in ("mm", "bmm", "matmul") and not _from_param(ep, n.args[1]) \
             and _from_param(ep, n.args[0]):
         a, w, od, idim = 1, 0, -2, -1  # weight on the left: W @ x
-    if _pname(n) == "convolution" and (len(n.args) > 8 and n.args[8] != 1 or n.args[6]):
+    if pname(n) == "convolution" and (len(n.args) > 8 and n.args[8] != 1 or n.args[6]):
         return None  # grouped / transposed convolution
-    if _pname(n) in ("conv1d", "conv2d", "conv3d") and len(n.args) > 6 and n.args[6] != 1:
+    if pname(n) in ("conv1d", "conv2d", "conv3d") and len(n.args) > 6 and n.args[6] != 1:
         return None
     wn = n.args[w]
-    ws = _shape(wn) if hasattr(wn, "op") else None
+    ws = node_shape(wn) if hasattr(wn, "op") else None
     if ws is None:
         return None
-    out = _source(ep, wn, od % len(ws))
-    inn = _source(ep, wn, idim % len(ws))
+    out = slot_source(ep, wn, od % len(ws))
+    inn = slot_source(ep, wn, idim % len(ws))
     if out is None or inn is None:
         return None
     return n.args[a], out, inn

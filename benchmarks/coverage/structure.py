@@ -9,7 +9,7 @@ from symgraph.passes.nodes import live_nodes
 from symgraph.passes.trace import output_positions
 
 from .attention import ROPE_ABSENT, ROPE_BLOCKED, attention_units  # noqa: F401 - re-exported
-from .graph import _LINEAR, _is_constant, _pname, _shape, linear_weight
+from .graph import LINEAR, is_constant, pname, node_shape, linear_weight
 from .why import explain
 
 # --- completeness by structure ----------------------------------------------------------------
@@ -20,7 +20,7 @@ _STOP = {"scaled_dot_product_attention", "softmax", "_softmax", "log_softmax", "
          "native_group_norm", "embedding", "mean", "sum", "amax", "amin", "var", "var_mean", "std",
          "topk", "sort", "argmax", "cat", "stack", "index_add", "index_add_", "scatter_add",
          "scatter", "index_put", "index_put_", "cumsum", "max", "min"}
-_NONLINEAR = {"gelu", "silu", "relu", "tanh", "sigmoid", "erf", "exp", "pow", "leaky_relu", "elu",
+NONLINEAR = {"gelu", "silu", "relu", "tanh", "sigmoid", "erf", "exp", "pow", "leaky_relu", "elu",
               "hardswish", "hardsigmoid", "hardtanh", "mish", "softplus", "relu6", "clamp",
               "clamp_min", "clamp_max", "sin", "cos", "abs", "log_sigmoid", "celu", "selu", "glu",
               "rsqrt", "sqrt", "reciprocal", "log", "square", "prelu", "_prelu_kernel", "where",
@@ -40,12 +40,12 @@ def _coordinates(ep, users, lin) -> set:
         while stack and up not in out:
             node = stack.pop()
             for u in users[node]:
-                name = _pname(u)
+                name = pname(u)
                 if u.op == "output" or name == "grid_sampler_2d" and u.args[1] is node:
                     out.add(up)
                     break
                 if u.op != "call_function" or u in lin or name in _STOP - {"cat", "stack"} \
-                        or name in _LINEAR or u in seen:
+                        or name in LINEAR or u in seen:
                     continue
                 seen.add(u)
                 stack.append(u)
@@ -70,10 +70,10 @@ def _coded(node, depth: int = 16) -> bool:
         if not hasattr(n, "op") or n in seen or n.op != "call_function":
             continue
         seen.add(n)
-        name = _pname(n)
+        name = pname(n)
         if name == "stack":
             return True
-        if name in _LINEAR or name in _STOP - {"cat"}:
+        if name in LINEAR or name in _STOP - {"cat"}:
             continue
         stack += n.all_input_nodes
     return False
@@ -110,7 +110,7 @@ def mlp_units(ep, live=None) -> list:
             for u in users[node]:
                 if u.op != "call_function":
                     continue
-                name = _pname(u)
+                name = pname(u)
                 if u in lin:
                     if nl and lin[u][0] is node and (live is None or u in live) and _width(ep, up_out) == _width(ep, lin[u][2]):
                         unit = units.setdefault(u, {"module": ".".join(lin[u][2][0].split(".")[:-2]),
@@ -118,12 +118,12 @@ def mlp_units(ep, live=None) -> list:
                         if up_out not in unit["up"]:
                             unit["up"].append(up_out)
                     continue
-                if name in _STOP or name in _LINEAR:
+                if name in _STOP or name in LINEAR:
                     continue
-                nl2 = nl or name in _NONLINEAR
+                nl2 = nl or name in NONLINEAR
                 if name in ("add", "sub", "mul", "div", "rsub", "add_", "mul_"):
                     others = [a for a in u.all_input_nodes if a is not node]
-                    varying = [a for a in others if not _is_constant(ep, a)]
+                    varying = [a for a in others if not is_constant(ep, a)]
                     if varying and name in ("add", "sub", "rsub", "add_"):
                         continue  # a residual (or a merge of branches): not inside one MLP
                     if varying and name in ("mul", "div", "mul_") and any(_coded(a) for a in varying):
@@ -138,14 +138,14 @@ def mlp_units(ep, live=None) -> list:
 
 def _trig_reaches_attention(ep) -> bool:
     """Whether a sin, cos or complex value flows into an attention (its scores or output)."""
-    stack = [n for n in ep.graph.nodes if _pname(n) in _TRIG]
+    stack = [n for n in ep.graph.nodes if pname(n) in _TRIG]
     seen = set()
     while stack:
         n = stack.pop()
         if n in seen:
             continue
         seen.add(n)
-        name = _pname(n) or str(n.target)
+        name = pname(n) or str(n.target)
         if "scaled_dot_product" in name or "flash_attention" in name or name in ("softmax", "_softmax"):
             return True
         stack.extend(n.users)
@@ -184,7 +184,7 @@ def expectations(ep, report, cfg, tied=()) -> dict:
             slots[(p, d)].add(g.kind)
         if g.blocks > 1:
             headed.update(p for p, _ in g.params)
-    shapes = {ep.graph_signature.inputs_to_parameters[n.name]: _shape(n) for n in ep.graph.nodes
+    shapes = {ep.graph_signature.inputs_to_parameters[n.name]: node_shape(n) for n in ep.graph.nodes
               if n.op == "placeholder" and n.name in ep.graph_signature.inputs_to_parameters}
     by_slot = collections.defaultdict(set)
     by_stacked = collections.defaultdict(set)  # (param, size) -> groups: stacked (>= 3-d) params

@@ -58,8 +58,8 @@ from ..harness import script
 from ..provenance import REPO_ROOT, command_line, log, write_result
 from .constants import TOL
 from .family import _first_line, _one_trace, blockers, run_isolated, where
-from .graph import _pname, _shape, _source, linear_weight
-from .structure import _NONLINEAR, PERMLIKE, expectations
+from .graph import pname, node_shape, slot_source, linear_weight
+from .structure import NONLINEAR, PERMLIKE, expectations
 from .summary import git_info
 from .vision_table import TARGET, ZOOS, markdown, summarize  # noqa: F401 - re-exported
 from .why import fixed_unsaved, frozen_why
@@ -247,7 +247,7 @@ def channel_slots(ep) -> list:
         if n.op != "call_function":
             continue
         slot = _out_slot(ep, n)
-        if slot is None or (_shape(n) or (0, 0))[1:2] == (1,) or not _feeds(n, users) \
+        if slot is None or (node_shape(n) or (0, 0))[1:2] == (1,) or not _feeds(n, users) \
                 or not _read_later(ep, n, users):
             continue
         mods = [p for p, _ in reversed(list((n.meta.get("nn_module_stack") or {}).values()))]
@@ -256,10 +256,10 @@ def channel_slots(ep) -> list:
 
 
 def _out_slot(ep, n):
-    if _pname(n) in CONVS and len(n.args) > 1 and hasattr(n.args[1], "op"):
-        if _pname(n) == "convolution" and n.args[6]:
+    if pname(n) in CONVS and len(n.args) > 1 and hasattr(n.args[1], "op"):
+        if pname(n) == "convolution" and n.args[6]:
             return None  # transposed: its output channels are the weight's dim 1
-        return _source(ep, n.args[1], 0)
+        return slot_source(ep, n.args[1], 0)
     w = linear_weight(ep, n)
     return None if w is None else w[1]
 
@@ -269,8 +269,8 @@ def _feeds(node, users) -> bool:
     while stack:
         n = stack.pop()
         for u in users[n]:
-            name = _pname(u)
-            if name in _NONLINEAR or name in NORMS:
+            name = pname(u)
+            if name in NONLINEAR or name in NORMS:
                 return True
             if name in THROUGH and u not in seen:
                 seen.add(u)

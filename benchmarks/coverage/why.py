@@ -9,7 +9,7 @@ import re
 from symgraph.core.groups import meet
 
 from .attention import attention_units
-from .graph import _LINEAR, _is_constant, _pname, _source, linear_weight
+from .graph import LINEAR, is_constant, pname, slot_source, linear_weight
 
 __all__ = ["explain"]
 
@@ -54,15 +54,15 @@ def projection(ep, node):
         if n in seen or not hasattr(n, "op") or n.op != "call_function":
             continue
         seen.add(n)
-        if _pname(n) in _LINEAR or _pname(n) == "einsum":
+        if pname(n) in LINEAR or pname(n) == "einsum":
             w = linear_weight(ep, n)
             if w is not None:
                 return w[1]
-            if _pname(n) in ("convolution", "conv1d", "conv2d", "conv3d") and len(n.args) > 1:
-                out = _source(ep, n.args[1], 0)  # grouped: its output channels all the same
+            if pname(n) in ("convolution", "conv1d", "conv2d", "conv3d") and len(n.args) > 1:
+                out = slot_source(ep, n.args[1], 0)  # grouped: its output channels all the same
                 if out is not None:
                     return out
-        queue.extend(a for a in n.all_input_nodes if not _is_constant(ep, a))
+        queue.extend(a for a in n.all_input_nodes if not is_constant(ep, a))
     return None
 
 

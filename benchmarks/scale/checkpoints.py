@@ -13,7 +13,7 @@ import zlib
 from pathlib import Path
 
 from ..provenance import REPO_ROOT
-from .common import ENTRY, GB, SHAPES, SHARD_SIZE, _env, log, measure
+from .common import ENTRY, GB, SHAPES, SHARD_SIZE, child_env, log, measure
 
 
 def llama_config(shape: str, layers: int | None = None):
@@ -157,7 +157,7 @@ def ensure_pair(work: Path, shape: str, layers: int | None, seeds=(0, 1), worker
         # in a child process: the benchmark's own process stays small, and the writer's peak RSS
         # shows it never holds a whole model
         r = measure([sys.executable, "-m", ENTRY, "--_write", str(d / m), shape,
-                     str(config.num_hidden_layers), str(seed)], env=_env(), cwd=REPO_ROOT)
+                     str(config.num_hidden_layers), str(seed)], env=child_env(), cwd=REPO_ROOT)
         if r["rc"] != 0:
             raise RuntimeError(f"writing {d / m} failed (rc {r['rc']}): {r.get('error')}")
         written[m] = json.loads(r["stdout"].strip().splitlines()[-1])

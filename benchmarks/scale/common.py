@@ -52,7 +52,8 @@ BASELINE = "symgraph_weights_baseline"  # symgraph_weights' command run from ano
 DATA_ROWS, DATA_TOKENS = 32, 128  # symgraph_activations' data: 4 batches of 8 rows
 
 
-def _env(**extra) -> dict:
+def child_env(**extra) -> dict:
+    """The environment of a child process: this one's, transformers quiet and offline, plus ``extra``."""
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.update(extra)
     return env

@@ -13,7 +13,7 @@ from ..provenance import REPO_ROOT, git_state
 from .checkpoints import dir_bytes, drop_cache, ensure_pair, llama_config, model_sizes, warm_cache, weight_files
 from .checks import check_output, compare_outputs
 from ..harness import machine_info  # noqa: F401 - used by run_shape's records
-from .common import (BASELINE, DATA_ROWS, DATA_TOKENS, ENTRY, GB, MERGEKIT_SHARD_PARAMS, SHAPES, _env, log,
+from .common import (BASELINE, DATA_ROWS, DATA_TOKENS, ENTRY, GB, MERGEKIT_SHARD_PARAMS, SHAPES, child_env, log,
                      matmul_rates, measure)
 from .mergekit import ensure_mergekit, mergekit_config, mergekit_version
 
@@ -105,7 +105,7 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
     logdir = Path(pair["dir"]) / "logs"
     logdir.mkdir(exist_ok=True)
 
-    rec["matmul_gflops"] = {"before": matmul_rates(_env())}
+    rec["matmul_gflops"] = {"before": matmul_rates(child_env())}
 
     def prep_cache():
         os.sync()  # no stage pays for an earlier stage's writes (this disk writes back at ~40 MB/s)
@@ -142,7 +142,7 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
         else:
             warm_cache(files_a)
         r = measure([sys.executable, "-m", ENTRY, "--_read", a], timeout=timeout,
-                    env=_env(), cwd=REPO_ROOT, log_prefix=str(logdir / name))
+                    env=child_env(), cwd=REPO_ROOT, log_prefix=str(logdir / name))
         if r["rc"] == 0:
             try:
                 r["read"] = json.loads(Path(r["stdout_log"]).read_text().strip().splitlines()[-1])
@@ -166,7 +166,7 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
             cmd = [exe, str(cfg), str(mk_out), "--lazy-unpickle", "--no-async-write", "--no-copy-tokenizer",
                    "--no-cuda", "--out-shard-size", MERGEKIT_SHARD_PARAMS, "--quiet"]
             prep_cache()
-            r = measure(cmd, timeout=timeout, env=_env(CUDA_VISIBLE_DEVICES=""), cwd=pair["dir"],
+            r = measure(cmd, timeout=timeout, env=child_env(CUDA_VISIBLE_DEVICES=""), cwd=pair["dir"],
                         log_prefix=str(logdir / "mergekit_linear"))
             r["cmd"] = [str(c) for c in cmd]
             finish("mergekit_linear", r, mk_out)
@@ -181,7 +181,7 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
         cmd = merge_command(name, a, b, out, data, memory_budget)
         prep_cache()
         there = baseline["dir"] if name == BASELINE else REPO_ROOT  # python -m symgraph finds its tree first
-        env = _env(PYTHONPATH=baseline["dir"]) if name == BASELINE else _env()
+        env = child_env(PYTHONPATH=baseline["dir"]) if name == BASELINE else child_env()
         r = measure(cmd, timeout=timeout, env=env, cwd=there, log_prefix=str(logdir / name))
         r["cmd"] = [str(c) for c in cmd]
         finish(name, r, out)
@@ -208,7 +208,7 @@ def run_shape(shape: str, layers: int | None, work: Path, stages, timeout: float
     st = rec["stages"]
     if st.get("symgraph_none", {}).get("ok") and st.get("mergekit_linear", {}).get("ok"):
         checks["none_vs_mergekit"] = compare_outputs(outdir / "symgraph_none", mk_out, a, b)
-    rec["matmul_gflops"]["after"] = matmul_rates(_env())
+    rec["matmul_gflops"]["after"] = matmul_rates(child_env())
     checks["seconds"] = time.perf_counter() - t
     rec["checks"] = checks
     for k, v in checks.items():
