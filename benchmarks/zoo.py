@@ -1,47 +1,20 @@
 """Model zoo of the benchmark suite: tiny Hugging Face models sized for CPU.
 
-Every model is described by one row of :data:`SPECS`, the single table of
-sizes and training hyper-parameters. A row has a ``quick`` and a ``full``
-:class:`SizeSetting`; ``quick`` is what CI and the default benchmark run use.
+Every model is one row of :data:`SPECS`, the single table of sizes and training budgets, with a
+``quick``, a ``medium`` and a ``full`` :class:`SizeSetting` (``quick``: what CI and the default
+run use). Configs and models are built by :mod:`symgraph.testing.models` (the one builder of
+tiny models); this module holds only the table.
 
-========== ======================== ======== ====================================
-name       class                    data     notes
-========== ======================== ======== ====================================
-bert       ``BertForMaskedLM``      prose    MLM, tied decoder, 1 token type
-gpt2       ``GPT2LMHeadModel``      prose    causal LM, tied head; the "narrow"
-                                             half of the wide/narrow pair
-gpt2_wide  ``GPT2LMHeadModel``      prose    as ``gpt2`` with a 2x wider MLP
-gpt2_untie ``GPT2LMHeadModel``      prose    ``gpt2_untied``: as ``gpt2`` with an
-                                             untied head
-llama      ``LlamaForCausalLM``     code     RoPE, SwiGLU, GQA (2 KV heads for 4
-                                             query heads), RMSNorm, untied head
-vit        ``ViTForImageClassific`` digits   1-channel 8x8 images, 2x2 patches
-mixtral    ``MixtralForCausalLM``   prose    mixture of experts: 4 SwiGLU experts
-                                             (top-2 routing), GQA, RMSNorm, RoPE
-========== ======================== ======== ====================================
+Conventions shared by all models: dropout 0 everywhere (training and evaluation mode give the
+same outputs); attention :data:`ATTN_IMPLEMENTATION` unless overridden; decoders built with
+``use_cache=False`` (callers still pass it to ``forward``); the vocabulary of
+:mod:`benchmarks.data` (``[PAD]`` = 0); a model built by :func:`build_model` for a seed is
+bit-identical across calls (``torch.manual_seed(seed)`` right before construction).
 
-Conventions shared by all models:
-
-* dropout is 0 everywhere, so training / evaluation mode do not change outputs;
-* attention uses :data:`ATTN_IMPLEMENTATION` (``"sdpa"``) unless overridden;
-* decoder configs have ``use_cache=False`` (callers should still pass
-  ``use_cache=False`` to ``forward``);
-* the vocabulary is that of :mod:`benchmarks.data` (``[PAD]`` = 0);
-* a model built with :func:`build_model` for a given seed is bit-identical
-  across calls (``torch.manual_seed(seed)`` immediately before construction).
-
-Configs and models are built by :mod:`symgraph.testing.models` (the one builder of tiny
-models); this module holds only the table of sizes and training budgets.
-
-``gpt2`` and ``gpt2_wide`` (:data:`WIDE_NARROW_PAIR`) differ only in MLP width
-(256 vs 512 hidden units in ``quick``), same depth, embedding width, heads and
-data: the pair for heterogeneous fusion.
-
-``mixtral`` (:data:`MOE_ARCHS`) is not one of the default :data:`ARCHS`: the suite runs it
-with ``python -m benchmarks --archs mixtral`` (its expert order is a permutation class of
-the router rows and stacked expert weights). Nor is ``gpt2_untied`` (:data:`VARIANT_ARCHS`):
-with an untied head the final LayerNorm's gain folds into the head, so its residual stream
-admits the orthogonal maps fixing 𝟙, which the tied ``gpt2`` does not.
+:data:`ARCHS` are the default four. ``mixtral`` (:data:`MOE_ARCHS`: its expert order is a
+permutation class of the router rows and stacked expert weights) and ``gpt2_untied``
+(:data:`VARIANT_ARCHS`) are chosen with ``python -m benchmarks --archs``. ``gpt2`` and
+``gpt2_wide`` (:data:`WIDE_NARROW_PAIR`) differ only in MLP width: the heterogeneous-fusion pair.
 """
 
 from __future__ import annotations
@@ -109,7 +82,7 @@ class ModelSpec:
 
 # --- the spec table ---------------------------------------------------------
 # Quick settings are sized so that all 4 architectures x 3 seeds + gpt2_wide
-# train in a few minutes on 2 CPU cores; full settings are ~4x wider/deeper.
+# train in a few minutes on 2 CPU cores; full settings are twice as wide and deep.
 
 _LM_QUICK = SizeSetting(hidden=64, layers=2, heads=4, mlp_mult=4, steps=500, batch_size=32, lr=3e-3)
 _LM_MEDIUM = SizeSetting(hidden=256, layers=6, heads=4, mlp_mult=4, steps=1000, batch_size=32, lr=1e-3)
