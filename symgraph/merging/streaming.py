@@ -85,7 +85,8 @@ class StreamingMerge:
     unaligned), ``weights`` (the mixing weights, normalised), ``timings`` and, once written, ``repair_report``; the steps :meth:`align` (or
     :meth:`use`), :meth:`write` / :meth:`write_into` / :meth:`merged_model` (the method's
     statistics, REPAIR, the merged tensors), :meth:`plan`, :meth:`executor`; and what other steps
-    build on: :meth:`output_model`, :meth:`aligned`, :meth:`aligning_to`, :meth:`read`, :meth:`averaging`.
+    build on: :meth:`output_model`, :meth:`aligned`, :meth:`aligning_to`, :meth:`read`, :meth:`averaging`,
+    :meth:`averaged`.
     """
 
     def __init__(self, paths, config: MergeConfig | None = None, *, data=None, progress: bool = False,
@@ -130,8 +131,6 @@ class StreamingMerge:
         self.graph_report: SymmetryReport | None = None  # the anchor's (None: not analysed), statistics' graph too
         self.timings: dict = {}
         self.statistics = Taken([None] * len(paths))
-        # what a transform of the plan changes (REPAIR, circuit-space heads, untying): the
-        # combine of a group, the shapes written, corrections of merged tensors, the config
         self.transforms = Transforms(self.how.combine_group, untie_config_updates(
             getattr(self._checkpoints[self.anchor].source, "config", None)))
         if cfg.attention == "circuits":  # imported here: the engine loads nothing of a transform it does not run
@@ -358,8 +357,9 @@ class StreamingMerge:
                         weights=self.weights, resources=self.resources, transforms=self.transforms,
                         elementwise_statistics=self.how.elementwise_statistics)
 
-    def _averaged(self, buffer) -> bool:
-        """A floating-point buffer some class moves (or any one, without alignment)."""
+    def averaged(self, buffer) -> bool:
+        """Whether the anchor's ``buffer`` is combined: a floating-point buffer some class moves
+        (any one, without alignment); else the anchor's own is written."""
         dtype = self._checkpoints[self.anchor].dtypes[buffer]
         if dtype is None or not dtype.is_floating_point:
             return False

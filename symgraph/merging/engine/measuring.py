@@ -75,9 +75,9 @@ class RepairContext:
     def of(cls, job) -> RepairContext:
         """The context of the merge engine ``job`` whose alignment and statistics are done."""
         A, ra, res = job.checkpoints[job.anchor], job.graph_report, job.resources
-        known = set(ra.parameters) | {b for b in ra.buffers if job._averaged(b)}
+        known = set(ra.parameters) | {b for b in ra.buffers if job.averaged(b)}
         if job.align_mode is None:  # every floating-point buffer is combined
-            known |= {k for k in A.keys if A.param_of.get(k) is None and job._averaged(k)}
+            known |= {k for k in A.keys if A.param_of.get(k) is None and job.averaged(k)}
         units = job.report.fold_groups if job.report is not None else {}
         merged = Merged(A, known, units, job.executor(Plan(tuple(job.checkpoints), job.anchor, (), (), ra)))
         return cls(ra, A.model, job.data, tuple(job.weights.tolist()), job.aligned, merged, res.device,

@@ -138,7 +138,7 @@ def units(job):
             continue
         name = A.param_of.get(key)
         if name is None:  # a buffer: averaged (and moved) or the anchor's
-            names = (key,) if job._averaged(key) else None
+            names = (key,) if job.averaged(key) else None
         else:
             names = unit.get(name, (name,))
         seen.update((key,) if names is None else (k for n in names for k in keys_of(A, n)))
