@@ -1,20 +1,16 @@
 """Merging: align N models to an anchor (or into a shared universe), then combine with a
 registered method, in memory or out of core, on one engine.
 
-- ``config``         the one frozen :class:`~.config.MergeConfig` every entry takes (command line,
-  YAML, :func:`merge`, :func:`symgraph.merge_checkpoints`, the engine) and its rules, its validator
-- ``methods``        the methods: :class:`MergeMethod` (typed ``Parameters``, a declared
-  ``statistic``, ``combine_group``) and ``@register(name)``; one file per method
-- ``engine``         the plan and its executor, the statistics' vocabulary and takers, the budget's
-  views and ledger
-- ``streaming``      :class:`~.streaming.StreamingMerge`: a merge's steps over checkpoints or models
-  (plan, align, statistics, REPAIR, write), from one config
+- ``config``         the one frozen :class:`~.config.MergeConfig` every entry takes, and its rules
+- ``methods``        the methods (:class:`MergeMethod`, ``@register(name)``), one file per method
+- ``engine``         the plan, its executor, the statistics' vocabulary, the budget's views and ledger
+- ``streaming``      :class:`~.streaming.StreamingMerge`: a merge's steps (align, statistics,
+  REPAIR, write) over checkpoints or models, from one config
 - ``driver``         :func:`merge` and :class:`MergeResult`: models in memory, aligned, then the engine
 - ``learned``        learned matching out of core: the segmented graph as the loop's objective
 - ``repair``         REPAIR's sites, moments and corrections, and its report
 - ``repair_stream``  REPAIR as the engine's step, BatchNorm resets in the same pass
-- ``universe``       the shared universe: rounds of engine plans (in memory and out of core, the
-  rounds' means written within the budget)
+- ``universe``       the shared universe: rounds of engine plans, in memory and out of core
 - ``circuits``       circuit-space heads: the parents' QK and OV forms, as the engine's combine
 - ``untie``          tied parameters given their own tensors (models and checkpoints)
 """

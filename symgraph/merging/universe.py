@@ -19,12 +19,8 @@ counted as a change, as it changes neither the average's function nor any model'
 
 Elements are solved by the usual solvers, so heterogeneous widths, activations, ``refine`` and
 every merge method work as with an anchor; where norm gains fold, every state carries
-``models[0]``'s gains. The rounds (:func:`run_rounds`) are one loop in memory
-(:func:`align_universe`: each mean written into a copy of ``models[0]``) and out of core
-(:func:`align_universe_streamed`: each mean an engine plan written within the memory budget
-into a temporary checkpoint beside the output, marked as this run's and removed once aligned
-to; each checkpoint aligned to it by the engine's one alignment step,
-:meth:`~.streaming.StreamingMerge.aligning_to`; every held tensor counted in the job's ledger).
+``models[0]``'s gains. The rounds (:func:`run_rounds`) are one loop, in memory
+(:func:`align_universe`) and out of core within the budget (:func:`align_universe_streamed`).
 """
 from __future__ import annotations
 

@@ -193,11 +193,9 @@ class Sides:
     continuous classes are re-solved from (their slices gathered in :attr:`work`).
 
     ``work`` (:func:`fit_dtype`): float64, as in memory, unless both checkpoints' weights are
-    16-bit; then float32 (as the engine solves them): half the bytes and fewer FLOPs (the
-    residual stream's pooled similarities, 17 MB a layer at the 1.1B shape instead of 34, all
-    within :attr:`~symgraph.alignment.weights.WeightFeatures.POOL_BYTES`; the moved heads),
-    and little lost: a product of two 16-bit values is exact in float32, and the moved values
-    are rounded to 16 bits either way."""
+    16-bit; then float32, half the bytes (17 MB of pooled similarities a layer at the 1.1B shape
+    instead of 34) at little loss: a product of two 16-bit values is exact in float32, and the
+    moved values are rounded to 16 bits either way."""
 
     def __init__(self, anchor, ckpt, folded, budget: int = DEFAULT_CACHE, ledger: Ledger | None = None,
                  device=None):

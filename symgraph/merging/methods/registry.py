@@ -1,33 +1,15 @@
-"""The registry of merge methods.
+"""The registry of merge methods (how to write one: ``docs/merge.md``, "Methods").
 
-A method is data: its typed **Parameters**, the **statistic** it needs of each model on the
-data (None: none), and how one tensor group **combines** (``combine_group``), registered under
-a name with :func:`register`. It never sees the merge engine, which reads its declarations,
-takes the statistic, and calls ``combine_group`` one group (or slice of one) at a time::
-
-    @register("average")
-    class Average(MergeMethod):
-        statistic = None
-        def combine_group(self, names, values, stats, weights, report):
-            return {k: sum(w * v[k] for w, v in zip(weights, values)) for k in names}
-
-A method that needs data declares one kind of the engine's vocabulary
-(:mod:`symgraph.merging.engine.statistics`) and finds each model's statistic, in the
-anchor's basis, in ``stats`` (one mapping ``name -> tensor`` per model)::
-
-    class Grams(Average):
-        statistic = InputGrams()                      # Σ xᵀx at each linear weight's input
-    class Squared(Average):
-        statistic = SquaredGradients(loss=my_loss)    # Σ (∂ my_loss(logits) / ∂ w)²
-
-A method's parameters are declared once, as a pydantic model named ``Parameters``: the
-constructor, YAML ``parameters:`` (mergekit's key), ``--parameter NAME=VALUE`` and the record
-``symgraph_merge.json`` take them from it; each value is an attribute (``self.alpha``)::
-
-    class Parameters(MethodParameters):
-        alpha: float = Field(0.9, ge=0, le=1, description="...")
-
-Files in ``symgraph/merging/methods/`` are imported on first use, so a new method is one new file.
+A method is data: its typed **Parameters** (a pydantic model named ``Parameters``: the
+constructor, YAML ``parameters:``, ``--parameter NAME=VALUE`` and the record
+``symgraph_merge.json`` take them from it; each value an attribute, ``self.alpha``), the
+**statistic** it needs of each model on the data (a kind of the engine's vocabulary,
+:mod:`symgraph.merging.engine.statistics`; None: none) and how one tensor group **combines**
+(``combine_group``, which finds each model's statistic, in the anchor's basis, in ``stats``),
+registered under a name with :func:`register`. It never sees the merge engine, which reads its
+declarations, takes the statistic, and calls ``combine_group`` one group (or slice of one) at
+a time. Files in ``symgraph/merging/methods/`` are imported on first use, so a new method is
+one new file.
 """
 from __future__ import annotations
 
