@@ -13,6 +13,8 @@ an :class:`Alignment` keyed by group id.
 - ``schedule``    solve units (head families, single classes) and the first sweep's order
 - ``solve_unit``  one unit from its similarity matrices (nested matching for heads, any depth)
 - ``sweeps``      the coordinate-descent loop over units
+- ``pairs``       a joint start for two permutation classes on one axis (a grouped convolution's
+  groups and the channels each holds)
 - ``rescale``     Zhang et al. 2024's per-head scalars after the rotations; GL and unit-scale fits
 - ``fullgroups``  fitting the full groups from loaded models or checkpoints read on demand
 - ``learning``    learned matching's steps (start, λ, Adam, projection back), whatever computes the loss

@@ -14,6 +14,7 @@ from .activations import act_matrix, activation_similarity
 from .checks import check_compatible, check_finite
 from .masses import mass_function
 from .options import AlignOptions
+from .pairs import start_pairs
 from .learning import learned_matching
 from .refine import InMemory
 from .fullgroups import ModelSides, fit_full_groups
@@ -118,11 +119,25 @@ def _solved(ra, rb, model_a, model_b, data, opts) -> Alignment:
     feats = WeightFeatures.from_models(ra, rb, model_a, model_b, products=opts.similarity,
                                        sketch=opts.sketch, rows=opts.rows,
                                        block_scale=opts.block_scale, head_cost=opts.head_cost)
-    run, n_sweeps = _solve(ra, rb, feats, opts, data, (model_a, model_b))
+    fetch = None if data is None else (_reader(model_a), _reader(model_b))  # not the reports' own
+    run, n_sweeps = _solve(ra, rb, feats, opts, data, (model_a, model_b), fetch,
+                           device=None if data is None else _device(model_a))
     return Alignment(ra, rb, run.elements, run.results, "weights" if data is None else "activations",
                      {"solver": run.solver_seconds, "sweeps": n_sweeps, "deferred": run.deferred},
                      template=model_a, gauge=gauge(ra.folds, dict(model_a.named_parameters())),
                      shared=run.shared)
+
+
+def _reader(model):
+    """``name -> tensor`` of ``model``'s parameters and buffers: the activation statistics run
+    the graphs on the models given, whatever model a report passed in was traced from (the
+    same report for A and B ran A's weights twice: every class came back as the identity)."""
+    named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    return lambda name: named[name].detach()
+
+
+def _device(model):
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _refined(al, model_a, model_b, data, opts) -> Alignment:
@@ -142,6 +157,7 @@ def _solve(ra, rb, feats, opts, data=None, models=None, fetch=None, budget=None,
     run, b_of = _sweeps(ra, rb, feats, opts)
     stats, sweeps = _with_activations(run, ra, rb, b_of, data, models, opts.max_iter, fetch, budget, device)
     run.masses = mass_function(feats, b_of, opts.masses, stats, run.elements)
+    start_pairs(run, feats, observed=lambda g: stats is not None and stats[g.id].n > 0)
     try:
         return run, run.run(sweeps)
     finally:

@@ -159,6 +159,14 @@ class Sweeps:
         so that its statistics can be dropped at once."""
         self.presolved[ui] = self._solve(self.units[ui], set())
 
+    def start(self, solved: dict, uis) -> None:
+        """Take ``solved`` (group id -> ``(element, SolveResult)``) as the first sweep's solve of
+        units ``uis`` (a joint start, see :mod:`.pairs`); the second sweep re-solves them."""
+        for gid, (el, res) in solved.items():
+            self._set(gid, el, res)
+        for ui in uis:
+            self.presolved[ui] = ({}, False)
+
     def _solve(self, unit, pending):
         """Solve one unit and set its elements; returns what it used (see :meth:`_compute`)."""
         record, outcome = self._compute(unit, pending)
