@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..provenance import REPO_ROOT, add_record, log, matmul_rates, staged, table, write_json
+from ..provenance import REPO_ROOT, command_line, commit_info, git_state, log, matmul_rates, table, write_result
 from . import exchange
 
 HERE = Path(__file__).resolve().parent
@@ -272,7 +272,6 @@ def markdown(rec: dict) -> str:
 
 def main(argv=None) -> int:
     from .. import train, zoo
-    from ..provenance import command_line, commit_info, git_state
     ap = argparse.ArgumentParser(prog="python -m benchmarks seeds", description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", choices=list(SEEDS), default=list(SEEDS))
     ap.add_argument("--size", choices=zoo.SIZES, default="quick", help="the suite's model size (default quick)")
@@ -287,7 +286,8 @@ def main(argv=None) -> int:
     if a.setup:
         return setup(root, a.only)
     torch.set_num_threads(train.num_threads())
-    start, ours_state, rates = commit_info(), git_state(), matmul_rates()  # the run's start names it
+    start, ours_state = commit_info(), git_state()  # the run's start names it
+    matmul_rates()  # the record's yardstick, measured (once a process) before the runs
     rows, seeds = [], {}
     for name in a.only:
         log(f"{name}: {SEEDS[name].paper} on the suite's {SEEDS[name].arch} pair ...")
@@ -298,10 +298,6 @@ def main(argv=None) -> int:
            "settings": {"size": a.size, "seeds": list(a.seeds), "align_batches": a.align_batches,
                         "threads": torch.get_num_threads()}, "seeds": seeds, "rows": rows,
            "not_run": NOT_RUN}
-    with staged(a.out, ".seeds-") as tmp:
-        write_json(tmp / "results.json", rec)
-        (tmp / "report.md").write_text(markdown(rec))
-    if start["source"] != "SYMGRAPH_COMMIT":  # a lent device's results get their entry where committed
-        add_record(a.out, ["report.md", "results.json"], rec["command"], rates=rates, commit=start["commit"])
+    write_result(a.out, ".seeds-", rec, markdown, command=rec["command"])  # no entry on a lent device
     log(f"wrote {a.out}/results.json and report.md")
     return 0
