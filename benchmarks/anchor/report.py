@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 
 from ..provenance import commit_info as commit  # noqa: F401 - the table's commit (re-exported)
-from ..provenance import cell, pyplot, register, save_figure, table, write_json
+from ..provenance import cell, pyplot, save_figure, table, write_result
 from .peer import PEER_LABEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -167,19 +166,11 @@ def plot(result: dict, path: Path) -> None:
 
 
 def write(result: dict, out: Path, log_dirs=()) -> None:
-    """``results.json``, ``report.md``, ``curves.png`` into ``out``, and each parent's
-    ``train_log.json`` (from ``log_dirs``) as ``train_log_seed{N}.json``."""
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "results.json.tmp"
-    write_json(tmp, result)  # strict JSON (no NaN), no machine paths
-    os.replace(tmp, out / "results.json")
-    (out / "report.md").write_text(markdown(result))
-    plot(result, out / "curves.png")
-    for d in log_dirs:
-        src = Path(d) / "train_log.json"
-        seed = Path(d).name.removeprefix("parent-seed")
-        if src.is_file():
-            shutil.copyfile(src, out / f"train_log_seed{seed}.json")
-    logs = [f"train_log_seed{Path(d).name.removeprefix('parent-seed')}.json" for d in log_dirs]
-    register(out, ["results.json", "report.md", "curves.png", *(f for f in logs if (out / f).is_file())],
-             result.get("command"))
+    """``results.json``, ``report.md``, ``curves.png`` and each parent's ``train_log.json`` (from
+    ``log_dirs``) as ``train_log_seed{N}.json`` into ``out``, through the one results writer."""
+    def figures(rec, d):
+        plot(rec, d / "curves.png")
+        for src in (Path(x) / "train_log.json" for x in log_dirs):
+            if src.is_file():
+                shutil.copyfile(src, d / f"train_log_seed{src.parent.name.removeprefix('parent-seed')}.json")
+    write_result(out, ".anchor-", result, markdown, figures, command=result.get("command"))
