@@ -137,7 +137,7 @@ def test_write_result_writes_the_files_and_their_record(tmp_path, monkeypatch):
     assert (out / "report.md").read_text() == "| x |\n|---|\n| nan |"
     (e,) = json.loads((out / pv.RECORD).read_text())["entries"]
     assert e["files"] == ["fig.png", "report.md", "results.json"] and e["command"] == "python -m benchmarks.t --n 1"
-    assert e["commit"] == _git("rev-parse", "HEAD").stdout.strip()
+    assert e["commit"] == pv.commit_info()["commit"] and in_history(e["commit"])  # the commit this process began at
     assert set(e["matmul_gflops"]) == {"float32", "bfloat16"} and all(v > 0 for v in e["matmul_gflops"].values())
     assert pv.record_problems(out, exists=in_history) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]   # the staging directory is gone
