@@ -119,3 +119,40 @@ class Shadowed(Shelved):
 
     def visit(self, plain):
         return plain(self)
+
+
+class Strided(nn.Module):
+    """A block applying its second layer only at stride 1 (PP-LCNetV3's rep layer skips its
+    activation block at stride 2); its one string holds that layer's name only inside another
+    word."""
+
+    def __init__(self, stride):
+        super().__init__()
+        self.stride = stride
+        self.conv, self.gate = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        x = self.conv(x)
+        if self.stride != 2:
+            x = self.gate(x)
+        return x
+
+    def extra_repr(self):
+        return "gate_count=1"
+
+
+class Restrided(Strided):
+    """The same block, its stride changed after ``__init__``: the branch proves nothing."""
+
+    def halve(self):
+        self.stride = 1
+
+
+class TrainOnly(Strided):
+    """The second layer run only in training: ``train()`` sets what the branch reads."""
+
+    def forward(self, x):
+        x = self.conv(x)
+        if self.training:
+            x = self.gate(x)
+        return x

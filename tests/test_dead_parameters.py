@@ -175,3 +175,26 @@ def test_coverage_rows_dead_or_not(model_type, cls, name, dead):
     assert name in dict(m.named_parameters())
     why = f"never read by any method of modeling_{model_type}.py (static check)"
     assert dead_parameters(m, [name]) == ({name: why} if dead else {})
+
+
+def test_a_branch_the_block_decides_against_leaves_its_layer_dead():
+    from dead_models import Restrided, Strided, TrainOnly
+    names = ["gate.weight", "gate.bias"]
+    assert dead_parameters(TrainOnly(2).eval(), names) == {}  # read in training
+    assert dead_parameters(Strided(2), names) == {n: STATIC for n in names}
+    assert dead_parameters(Strided(1), names) == {}  # taken: read
+    assert dead_parameters(Restrided(2), names) == {}  # a method stores the stride: not proven
+
+
+def test_pp_ocrv5_activation_block_skipped_at_stride_2_is_dead():
+    pytest.importorskip("transformers")
+    from analyze_helpers import coverage_row
+    m = coverage_row("pp_ocrv5_mobile_det", "PPOCRV5MobileDetForObjectDetection")
+    layers = "model.backbone.encoder.blocks.1.layers"
+    assert m.get_submodule(f"{layers}.0.depthwise_convolution").stride == 2
+    assert m.get_submodule(f"{layers}.1.depthwise_convolution").stride == 1
+    dead = dead_parameters(m, [f"{layers}.{i}.depthwise_convolution.act.lab.scale" for i in (0, 1)])
+    assert list(dead) == [f"{layers}.0.depthwise_convolution.act.lab.scale"]
+    report = symgraph.analyze(m)
+    assert report.unread is None and report.certify(m) <= 1e-6
+    assert any(g.module.endswith("squeeze_excitation_module.convolutions") for g in report.groups)

@@ -13,8 +13,11 @@ defining the class of ``M`` or a base of it (torch's classes excluded) or the cl
 above ``M``, outside ``__init__`` and weight-initialisation functions (``INIT_FUNCTIONS``):
 
 - ``a`` is never loaded as an attribute (``x.a``; ``self.a`` counts only in methods of ``M``'s
-  classes, since elsewhere ``self`` is another object), augmented or deleted, and is part of no
-  string constant (``getattr``, ``_modules["a"]``, key maps); ``X.a = y.a``, ``y`` an argument
+  classes, since elsewhere ``self`` is another object), augmented or deleted, and is a word of no
+  string constant (``getattr``, ``_modules["a"]``, key maps: ``"a"``, ``"x.a.weight"``; not
+  ``"hidden_a"``); a load of ``self.a`` under a branch that ``M``'s own attributes decide against
+  does not count (``if self.stride != 2: self.act(x)`` in a block of stride 2: a number or string in
+  the instance's ``__dict__``, assigned only in ``__init__``); ``X.a = y.a``, ``y`` an argument
   of the function, only moves a tensor into a slot named ``a`` (Reformer's
   ``set_output_embeddings``) and is no read;
 - ``M``'s classes never reach their members by a name not written there: ``self.children()``,
@@ -36,6 +39,7 @@ import ast
 import functools
 import inspect
 import os
+import re
 
 import torch
 
@@ -66,6 +70,9 @@ class _Facts(ast.NodeVisitor):
         self.handed: dict = {}  # class -> {(function name, position)}: f(self) with f a plain name
         self._calls: list = []  # (class, function name, position, the enclosing functions' names)
         self.classes: set = set()
+        self.guarded: dict = {}  # name -> [(class, guards)]: self.name loaded only under guards
+        self.stored: set = set()  # (class or None: another receiver, attribute) assigned outside __init__
+        self._guards: list = []  # the enclosing function's branch conditions: (attribute, op, constant, taken)
         self._scope: list = []  # ('class', qualname) or ('def', name, self name, class, arguments, bound names)
 
     def _where(self):
@@ -109,8 +116,39 @@ class _Facts(ast.NodeVisitor):
 
     def _function(self, node, name, args, me, cls):
         self._scope.append(("def", name, me, cls, {a.arg for a in args} - {me}, {a.arg for a in args}))
+        outer, self._guards = self._guards, []  # a function's body runs wherever it is called
         self.generic_visit(node)
+        self._guards = outer
         self._scope.pop()
+
+    def _guard(self, test):
+        """``(attribute, op, constant)`` of a branch test ``self.x OP c`` (``==``, ``!=``, ``is``,
+        ``is not``, ``<``...), ``self.x`` or ``not self.x`` (op ``bool``); None for any other."""
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            g = self._guard(test.operand)
+            return None if g is None or g[1] != "bool" else (g[0], "not", None)
+        if isinstance(test, ast.Attribute) and self._mine(test.value):
+            return (test.attr, "bool", None)
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.left, ast.Attribute) \
+                and self._mine(test.left.value) and isinstance(test.comparators[0], ast.Constant):
+            return (test.left.attr, type(test.ops[0]).__name__, test.comparators[0].value)
+        return None
+
+    def _branches(self, node, body, orelse):
+        """An ``if`` (statement or expression): each branch visited under its condition."""
+        self.visit(node.test)
+        g = self._guard(node.test)
+        for part, taken in ((body, True), (orelse, False)):
+            self._guards.append(None if g is None else (*g, taken))
+            for x in part if isinstance(part, list) else [part]:
+                self.visit(x)
+            self._guards.pop()
+
+    def visit_If(self, node):
+        self._branches(node, node.body, node.orelse)
+
+    def visit_IfExp(self, node):
+        self._branches(node, node.body, node.orelse)
 
     visit_AsyncFunctionDef = visit_FunctionDef
 
@@ -128,6 +166,10 @@ class _Facts(ast.NodeVisitor):
 
     def _load(self, node):
         _, cls = self._where()
+        guards = tuple(g for g in self._guards if g is not None)
+        if guards and cls is not None and self._mine(node.value):
+            self.guarded.setdefault(node.attr, []).append((cls, guards))
+            return
         self.loads.setdefault(node.attr, set()).add(cls if self._mine(node.value) else None)
 
     def visit_Attribute(self, node):
@@ -136,6 +178,9 @@ class _Facts(ast.NodeVisitor):
                 self._reach()
             if not isinstance(node.ctx, ast.Store):
                 self._load(node)
+            else:
+                _, cls = self._where()
+                self.stored.add((cls if self._mine(node.value) else None, node.attr))
         if not self._mine(node.value):  # self.x: the receiver is no bare use of self
             self.visit(node.value)
 
@@ -253,7 +298,7 @@ def _handed_safely(cls, name: str, pos: int, attr: str) -> bool:
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
         return False
     return facts is not None and not facts.generic and not facts.handed and attr not in facts.loads \
-        and not any(attr in w for w in facts.words)
+        and not _named(attr, facts.words)
 
 
 @functools.lru_cache(maxsize=256)
@@ -330,10 +375,51 @@ def _unreached(above, holder, attr) -> str | None:
         return None
     for p, f in facts.items():
         mine = {q for pp, q in mro if pp == p}
-        if any(c is None or c in mine for c in f.loads.get(attr, ())) or any(attr in w for w in f.words):
+        if any(c is None or c in mine for c in f.loads.get(attr, ())) or _named(attr, f.words):
+            return None
+        if any(c in mine and not _not_taken(holder, guards, facts.values(), {q for _, q in mro})
+               for c, guards in f.guarded.get(attr, ())):
             return None
     files = ", ".join(dict.fromkeys(os.path.basename(p) for p, _ in mro + outer))
     return f"never read by any method of {files} (static check)"
+
+
+_OPS = {"Eq": lambda a, b: a == b, "NotEq": lambda a, b: a != b, "Is": lambda a, b: a is b,
+        "IsNot": lambda a, b: a is not b, "Lt": lambda a, b: a < b, "LtE": lambda a, b: a <= b,
+        "Gt": lambda a, b: a > b, "GtE": lambda a, b: a >= b,
+        "bool": lambda a, _: bool(a), "not": lambda a, _: not a}
+
+
+def _named(attr: str, words) -> bool:
+    """Whether a string constant names ``attr``: as a whole word of it (``"act"``,
+    ``"layers.0.act.weight"``), not inside another name (``"hidden_act"``, ``"activation"``)."""
+    pattern = re.compile(rf"(?<![A-Za-z0-9_]){re.escape(attr)}(?![A-Za-z0-9_])")
+    return any(pattern.search(w) for w in words)
+
+
+#: attributes torch's own methods set after ``__init__`` (``train()``/``eval()``): never decided
+_TORCH_STATE = frozenset(vars(torch.nn.Module()))
+
+
+def _not_taken(holder, guards, facts, classes) -> bool:
+    """Whether one of a load's branch conditions is decided against it by ``holder``'s own
+    attributes (PP-LCNetV3's ``if self.stride != 2: self.act(...)`` in a block of stride 2): a
+    number or string in the instance's ``__dict__`` (nothing runs to read it; not a flag, which
+    code elsewhere may switch: ``gradient_checkpointing``),
+    assigned only in ``__init__`` (no method of its ``classes`` stores it, nor any code on another
+    receiver) and named by no string."""
+    for name, op, const, taken in guards:
+        value = vars(holder).get(name, _OPS)
+        if value is _OPS or name in _TORCH_STATE or isinstance(value, bool) or not isinstance(value, (int, float, str)) or any(
+                (None, name) in f.stored or any((c, name) in f.stored for c in classes) or _named(name, f.words)
+                for f in facts):
+            continue
+        try:
+            if bool(_OPS[op](value, const)) != taken:
+                return True
+        except (KeyError, TypeError):
+            continue
+    return False
 
 
 def dead_parameters(model, names) -> dict:
