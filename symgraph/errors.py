@@ -1,6 +1,7 @@
 """Exceptions raised by symgraph. Every message names what was wrong and what was expected."""
 
-__all__ = ['SymgraphError', 'TraceError', 'UnsupportedOpError', 'CertificationError', 'InputError', 'StructureMismatchError', 'NeedsMemory']
+__all__ = ['SymgraphError', 'TraceError', 'UnsupportedOpError', 'CertificationError', 'InputError', 'StructureMismatchError', 'NeedsMemory',
+           'UnsizedOnMeta']
 
 
 class SymgraphError(Exception):
@@ -29,3 +30,10 @@ class StructureMismatchError(SymgraphError, ValueError):
 
 class NeedsMemory(InputError):
     """An out-of-core job met something only loaded models can run (the in-memory path can)."""
+
+
+class UnsizedOnMeta(TraceError, NeedsMemory):
+    """A model on ``meta`` (a checkpoint read by its headers) whose traced program has a size
+    or a branch only its data decide (``nonzero``, ``unique_consecutive`` of a token mask, a
+    router's ``if expert_mask.any()``): no value is at hand to take it from, and the model
+    loaded with its weights can be traced."""

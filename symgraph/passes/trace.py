@@ -10,7 +10,7 @@ import torch
 from ..core.devices import weightless_twin
 from ..core.dtypes import parameters_dtype
 from ..core.finite import require_module
-from ..errors import InputError, TraceError
+from ..errors import InputError, TraceError, UnsizedOnMeta
 from .concrete import concretize, has_data_dependent_sizes
 from .experts import batched_experts
 from .export_inputs import precomputed_inputs
@@ -299,7 +299,7 @@ def trace(model, inputs=None, decompose: bool = True):
                 ep, branched, found = traced_with_holders(model, traced, _export(model, traced, on_meta),
                                                           lambda: _export(model, traced, on_meta), holders)
         except Exception as e:  # noqa: BLE001 - report any tracing failure uniformly
-            raise TraceError(
+            raise (UnsizedOnMeta if on_meta and _data_dependent(e) else TraceError)(
                 f"torch.export could not trace {type(model).__name__}: "
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
                 f"Hint: {_hint(model, args, kwargs)}") from e
@@ -322,7 +322,8 @@ def trace(model, inputs=None, decompose: bool = True):
 
 
 def _refuse_unsized(ep, model, on_meta: bool) -> None:
-    """Raise :class:`TraceError` where a value the analysis sizes (any but the driver's ignored
+    """Raise :class:`TraceError` (on ``meta``: :class:`UnsizedOnMeta`, which an out-of-core
+    merge answers by loading its models) where a value the analysis sizes (any but the driver's ignored
     ops') still has a size only the data decides (``nonzero``, a boolean mask's selection):
     on ``meta`` no value is at hand, and elsewhere the program could not be run on the example
     inputs to take it (:func:`.concrete.concretize`). None otherwise."""
@@ -332,7 +333,7 @@ def _refuse_unsized(ep, model, on_meta: bool) -> None:
     if not left:
         return
     where = left[0].meta.get("stack_trace", "").strip().splitlines()
-    raise TraceError(
+    raise (UnsizedOnMeta if on_meta else TraceError)(
         f"{type(model).__name__}: the size of {left[0].name} ({len(left)} value(s) in all) depends on the "
         f"data{' (' + where[-2].strip() + ')' if len(where) > 1 else ''}, and "
         + ("a model on the meta device holds no values to take it from; expected the model with its weights "
