@@ -19,7 +19,7 @@ import os
 import numpy as np
 import torch
 
-from ..core.devices import parameters_on_meta
+from ..core.devices import computed_buffers
 from ..core.dtypes import SAFETENSORS_NAMES as _ST_NAMES
 from .loading import (KeysDiffer, build_meta, check_checkpoint_dir, check_tensors, parameter_names,
                       read_config, read_layout)
@@ -180,15 +180,6 @@ class Checkpoint:
         """The parameter ``name`` (any of its tied names), or the buffer ``name``; ``part``:
         as :meth:`read`."""
         return self.read(self.key(name), check, part)
-
-def computed_buffers(cls, config) -> dict:
-    """``{name: tensor}`` of the buffers ``cls(config)`` computes on the CPU. The model is
-    built with every parameter on ``meta`` as it is registered (no weight memory, no
-    initialisation work), so only its buffers take memory."""
-    with parameters_on_meta():
-        model = cls(config)
-    return {n: b for n, b in model.named_buffers(remove_duplicate=False) if not b.is_meta}
-
 
 def _itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size() if dtype is not None else 1

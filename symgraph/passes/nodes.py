@@ -112,13 +112,12 @@ def unsaved_values(ep, model) -> None:
     ``model``'s class computes them from its config (with its parameters on ``meta``: only the
     buffers take memory), so the analysis reads them as it reads a real model's; where the
     model cannot be built again they stay unknown (and fix what they meet)."""
-    from ..core.devices import parameters_on_meta
+    from ..core.devices import computed_buffers
     names = [n for n in ep.graph_signature.non_persistent_buffers if getattr(ep.constants.get(n), "is_meta", False)]
     if not names or getattr(model, "config", None) is None:
         return
     try:
-        with parameters_on_meta():
-            built = dict(type(model)(model.config).named_buffers(remove_duplicate=False))
+        built = computed_buffers(type(model), model.config)
     except Exception:  # noqa: BLE001 - a class that needs more than its config: values unknown
         return
     for n in names:
