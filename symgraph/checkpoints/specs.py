@@ -267,7 +267,9 @@ def check_same_configs(configs, names):
     """Refuse, before any work, models whose configs differ in a field that changes the function
     but not the tensors' shapes (an activation, a RoPE base, a norm epsilon, a flag): the merged
     model would silently follow the anchor's. Integer fields (sizes) are left to the shape
-    checks, which know which widths an alignment can bridge; dropout rates do not count."""
+    checks, which know which widths an alignment can bridge; dropout rates do not count. A
+    sub-config (a vision-language model's ``text_config``) is compared field by field by the
+    same rules: its ``dtype``, which loading stamps, is as much metadata as the top level's."""
     if any(c is None for c in configs):
         return
     base = configs[0].to_dict()
@@ -277,17 +279,34 @@ def check_same_configs(configs, names):
         if kinds[0] != kinds[1]:
             raise InputError(f"{names[0]!r} is a {kinds[0]} but {name!r} is a {kinds[1]}; expected models of "
                              "one architecture")
-        for k in sorted(set(base) | set(d)):
-            a, b = base.get(k), d.get(k)
-            if k in NOT_FUNCTION or same_value(a, b) or "dropout" in k or "pdrop" in k:
-                continue
-            if isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and not isinstance(b, bool):
-                continue
-            if isinstance(a, list) and isinstance(b, list) and len(a) != len(b):
-                _refuse_count(base, d, k, (names[0], name))
-            raise InputError(f"{names[0]!r} and {name!r} differ in config field {k!r} ({a!r} vs {b!r}), which "
-                             "changes what the model computes; expected models of one configuration (apart "
-                             "from widths an alignment can bridge)")
+        found = _difference(base, d)
+        if found is None:
+            continue
+        path, a, b, sub_a, sub_b = found
+        if isinstance(a, list) and isinstance(b, list) and len(a) != len(b):
+            _refuse_count(sub_a, sub_b, path.rsplit(".", 1)[-1], (names[0], name))
+        raise InputError(f"{names[0]!r} and {name!r} differ in config field {path!r} ({a!r} vs {b!r}), which "
+                         "changes what the model computes; expected models of one configuration (apart "
+                         "from widths an alignment can bridge)")
+
+
+def _difference(a: dict, b: dict, prefix: str = ""):
+    """``(path, value in a, value in b, a, b)`` of the first field of two config dicts that changes
+    the function (the rules of :func:`check_same_configs`), descending into sub-configs (dicts
+    that name a ``model_type``); None where there is none."""
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if k in NOT_FUNCTION or same_value(x, y) or "dropout" in k or "pdrop" in k:
+            continue
+        if isinstance(x, int) and isinstance(y, int) and not isinstance(x, bool) and not isinstance(y, bool):
+            continue
+        if isinstance(x, dict) and isinstance(y, dict) and "model_type" in x and "model_type" in y:
+            found = _difference(x, y, f"{prefix}{k}.")
+            if found is not None:
+                return found
+            continue
+        return f"{prefix}{k}", x, y, a, b
+    return None
 
 
 def _refuse_count(a: dict, b: dict, key: str, names) -> None:
