@@ -200,3 +200,39 @@ def test_alignment_by_activations_runs_the_plain_forward_on_the_users_batches(bu
     al = symgraph.align(m, moved, data=data, report_a=rep)
     got, want = al.apply(moved).state_dict(), m.state_dict()
     assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
+
+
+class Connector(nn.Module):
+    """Two paths as Granite-Docling's connector: the fine one, taken on ``fine=True``, keeps
+    every token (twice the coarse path's, which merges pairs); the forward never takes it."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.coarse, self.fine, self.out = nn.Linear(2 * d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x, fine: bool = False):
+        h = self.fine(x) if fine else self.coarse(x.reshape(x.shape[0], x.shape[1] // 2, -1))
+        return self.out(torch.relu(h))
+
+
+class Routed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.conn, self.head = nn.Linear(4, 16), Connector(), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.conn(self.inp(x)))
+
+
+def test_a_switch_left_off_is_tried_on_and_its_longer_result_joins_in_part():
+    torch.manual_seed(0)
+    m, x = Routed().eval(), torch.randn(2, 6, 4)
+    assert holder_injections(m, (x,), {}) == [Injection("conn", "fine", flag=True)]
+    rep = symgraph.analyze(m, (x,))
+    assert rep.unread is None
+    (h,) = rep.group_of("conn.fine.weight", 0)  # the fine path's hidden units: a class of their own
+    assert h.kind == "scaled_perm" and rep.group_of("conn.out.weight", 1) == [h]
+    assert rep.group_of("conn.coarse.weight", 0) == [h]  # both paths feed the one ReLU and out
+    assert rep.certify(m, (x,)) <= 1e-6
+    assert _same_on_another_batch(rep, m, torch.randn(2, 6, 4)) == 0.0
+    assert recovered(m, rep, (x,)) < 1e-5

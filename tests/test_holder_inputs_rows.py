@@ -95,3 +95,14 @@ def test_speecht5_prenet_reads_its_masked_frame_embedding():
     kw = dict(rep.inputs[1])
     kw["input_values"] = torch.randn(kw["input_values"].shape, generator=torch.Generator().manual_seed(5))
     _checked(m, rep, kw)
+
+
+def test_granite_docling_connector_takes_its_fine_path_too():
+    from analyze_helpers import coverage_row
+    m = randomized(coverage_row("granite_docling", "GraniteDoclingForConditionalGeneration"))
+    rep = symgraph.analyze(m)
+    assert [(i.arg, i.flag) for i in _injected(rep)] == [("fine", True)]
+    assert rep.unread is None and rep.certify(m) <= 1e-6
+    path = "model.vision_model.connector.{}.projection.weight"
+    (g,) = rep.group_of(path.format("fine"), 1)  # its input units: a class, as the coarse path's
+    assert g.kind == "perm" and [len(rep.group_of(path.format(p), 1)) for p in ("coarse", "fine")] == [1, 1]

@@ -10,12 +10,15 @@ Which holder and which argument are found by trial runs that observe the paramet
 for an unread parameter, each module above it (nearest first, the model itself excluded: its
 optional inputs are :mod:`.optional_inputs`') that the forward calls with an optional argument
 (default ``None``, annotated as a tensor) left unset; one run of the forward records each such
-call. The values tried, in order: each floating tensor the holder is called with (a fusion
+call; a switch off by default (``fine: bool = False``) is tried on. The values tried for a
+tensor, in order: each floating tensor the holder is called with (a fusion
 layer's residual is a tensor of its input's shape), then a boolean mask, every third entry set
 (as :func:`.optional_inputs.masked_patches`), of the shape of each tensor the holder or one of
 its children takes or returns (of three axes or more), less its last axis. One is kept where
 the holder, run alone on its recorded call with the value set, reads a parameter under it that
-was unread, and returns a finite result of its output's form (:data:`MAX_TRIALS` such runs).
+was unread, and returns a finite result of its output's form (:data:`MAX_TRIALS` such runs):
+a tensor of the same shape, or where none has one, a longer one whose leading part is taken
+(Granite-Docling's fine path: four times the tokens).
 
 The holder then runs twice in the program: as the forward calls it, and on the argument; the
 second result ``r`` is added to the first as ``0 * r``. The program computes the plain forward
@@ -46,15 +49,19 @@ HOLDERS = "symgraph_holders"  # graph meta: the injections the program was trace
 
 @dataclass(frozen=True)
 class Injection:
-    """The holder at ``path`` run again with ``arg`` set: the ``index``-th floating tensor it is
-    called with (``shape`` None), else a boolean mask of ``shape``."""
+    """The holder at ``path`` run again with ``arg`` set: True (``flag``: a switch left off),
+    the ``index``-th floating tensor it is called with (``shape`` None), else a boolean mask of
+    ``shape``."""
     path: str
     arg: str
     index: int | None = None
     shape: tuple | None = None
+    flag: bool = False
 
     def value(self, call: list):
         """The argument for a call whose floating tensors are ``call``."""
+        if self.flag:
+            return True
         if self.shape is None:
             assert self.index is not None  # one of the two is set
             return call[self.index]
@@ -73,6 +80,22 @@ def _optional_tensors(module) -> list[str]:
     return [n for n, p in params.items() if p.default is None and "Tensor" in str(p.annotation)]
 
 
+def _flags(module) -> list[str]:
+    """The arguments of ``module.forward`` that are switches, off by default: ``x: bool = False``
+    (Granite-Docling's connector takes its fine path on ``fine=True``)."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return []
+    return [n for n, p in params.items() if p.default is False and "bool" in str(p.annotation)]
+
+
+def _unset(bound, arg: str, flag: bool) -> bool:
+    """Whether the call left ``arg`` as the injection finds it: None, or a switch off."""
+    value = bound.arguments.get(arg)
+    return value is None or (flag and value is False)
+
+
 def _bound(module, args, kwargs):
     """``args``/``kwargs`` bound to ``module.forward``'s signature, or None where they do not bind."""
     try:
@@ -81,15 +104,30 @@ def _bound(module, args, kwargs):
         return None
 
 
+def _matched(mine: list, theirs: list) -> list:
+    """Per leaf of two outputs' forms, the slices of the second's tensor that meet the first's:
+    all of it where they have one shape; else, where none has, its leading part along the axes
+    where it is longer (a path with four times as many tokens: sequence axes, which no symmetry
+    moves, and the analysis constrains whatever a slice meets); None for a leaf not matched."""
+    same = [() if x is not None and x == y else None for x, y in zip(mine, theirs)]
+    if any(m is not None for m in same):
+        return same
+    return [tuple(slice(0, k) for k in x[0]) if x is not None and y is not None and x[1] == y[1]
+            and len(x[0]) == len(y[0]) and all(k <= j for k, j in zip(x[0], y[0])) else None
+            for x, y in zip(mine, theirs)]
+
+
 def _joined(out, extra, replace: bool = False):
-    """``out`` with ``0 * x`` added to each floating tensor from ``extra`` of its shape (the
-    same structure; ``replace``: ``x`` in its place), or None where they share none."""
+    """``out`` with ``0 * x`` added to each floating tensor ``x`` of ``extra`` that meets one of
+    it (:func:`_matched`; the same structure; ``replace``: ``x`` in its place), or None where
+    none does."""
     (spec, mine), (other_spec, theirs) = _form(out), _form(extra)
-    same = [x is not None and x == y for x, y in zip(mine, theirs)]
-    if spec != other_spec or not any(same):
+    cut = _matched(mine, theirs)
+    if spec != other_spec or all(c is None for c in cut):
         return None
     a, b = tree_flatten(out)[0], tree_flatten(extra)[0]
-    return tree_unflatten([(y if replace else x + 0 * y) if s else x for x, y, s in zip(a, b, same)], spec)
+    return tree_unflatten([x if c is None else (y[c] if replace else x + 0 * y[c]) for x, y, c in zip(a, b, cut)],
+                          spec)
 
 
 class _Hook:
@@ -103,7 +141,7 @@ class _Hook:
     def __call__(self, module, args, kwargs, out):
         inj = self.injection
         bound = _bound(module, args, kwargs)
-        if self.inside or bound is None or bound.arguments.get(inj.arg) is not None:
+        if self.inside or bound is None or not _unset(bound, inj.arg, inj.flag):
             return None  # the injected run itself, or the forward hands the argument on
         call = float_leaves((args, kwargs))
         bound.arguments[inj.arg] = inj.value(call)
@@ -167,7 +205,7 @@ def _joinable(form: tuple, extra) -> bool:
     """Whether :func:`_joined` of an output of ``form`` and ``extra`` adds anything."""
     spec, leaves = form
     other_spec, other = _form(extra)
-    return spec == other_spec and any(a is not None and a == b for a, b in zip(leaves, other))
+    return spec == other_spec and any(c is not None for c in _matched(leaves, other))
 
 
 def _calls(model, args, kwargs, holders: set) -> dict:
@@ -204,14 +242,15 @@ def _candidates(path: str, arg: str, calls: dict) -> list[Injection]:
 
 def _above(model, unread: list[str]) -> list[str]:
     """The modules above the unread parameters (the model itself excluded) whose forward takes
-    an optional tensor argument, nearest first."""
+    an optional tensor argument or a switch (:func:`_flags`), nearest first."""
     out: dict = {}
     for name in unread:
         parts = name.split(".")[:-1]
         for k in range(len(parts), 0, -1):
             path = ".".join(parts[:k])
             if path not in out:
-                out[path] = bool(_optional_tensors(model.get_submodule(path)))
+                m = model.get_submodule(path)
+                out[path] = bool(_optional_tensors(m) or _flags(m))
     return [p for p, takes in out.items() if takes]
 
 
@@ -254,9 +293,12 @@ def holder_injections(model, args, kwargs, unread: list[str] | None = None) -> l
         call = calls.get(path)
         if call is None or call.bound is None:  # not called, or called in a way that does not bind
             continue
-        for arg in [a for a in _optional_tensors(model.get_submodule(path)) if call.bound.arguments.get(a) is None]:
+        holder = model.get_submodule(path)
+        args = [(a, False) for a in _optional_tensors(holder)] + [(a, True) for a in _flags(holder)]
+        for arg, flag in [(a, f) for a, f in args if _unset(call.bound, a, f)]:
             mine = {n for n in unread if n.startswith(path + ".")}
-            for inj in _candidates(path, arg, calls) if mine and budget > 0 else ():
+            tried = [Injection(path, arg, flag=True)] if flag else _candidates(path, arg, calls)
+            for inj in tried if mine and budget > 0 else ():
                 budget -= 1
                 reads = _tried(model, call, inj)
                 if reads is not None and reads & mine:
