@@ -25,20 +25,30 @@ from .solve_unit import solve_single
 __all__ = ["product_pairs", "start_pairs"]
 
 
+#: the crossed similarity ``S [k, k, n, n]`` (float64) of a pair at most this many bytes; a larger
+#: pair keeps the descent's own start
+MAX_BYTES = 256 << 20
+
+
 def product_pairs(report, units, selected) -> list:
     """``[(unit index of the smaller class, unit index of the larger)]``: two single permutation
-    classes that are the only classes of an axis their parameters share, neither fibred."""
+    classes that are the only classes of an axis their parameters share, the two factors of its
+    coordinates (each one of the other's other leaves there: a product, not two concatenated
+    parts), neither fibred, their crossed similarity within :data:`MAX_BYTES`."""
     single = {u.outer.id: i for i, u in enumerate(units)
               if u.kind == "single" and selected(u.outer) and orthogonal_part(u.outer.kind) == "perm"
               and not u.outer.outer}
     found: dict = {}
     for gid, ui in single.items():
         for name, d in dict.fromkeys(report.groups[gid].params):
-            on = report.axis_groups(report.param_axes(name)[d])
-            other = [h for h in on if h != gid]
-            if len(on) == 2 and len(other) == 1 and other[0] in single:
-                pair = sorted((gid, other[0]), key=lambda h: (report.groups[h].dim, h))
-                found[tuple(pair)] = (single[pair[0]], single[pair[1]])
+            axis = report.param_axes(name)[d]
+            other = [h for h in report.axis_groups(axis) if h != gid]
+            if len(other) != 1 or other[0] not in single or len(report.axis_groups(axis)) != 2 or not any(
+                    other[0] in o for o in report.other_leaf_groups(axis, gid)):
+                continue
+            small, large = sorted((gid, other[0]), key=lambda h: (report.groups[h].dim, h))
+            if (report.groups[small].dim * report.groups[large].dim) ** 2 * 8 <= MAX_BYTES:
+                found[(small, large)] = (single[small], single[large])
     return sorted(found.values())
 
 
