@@ -8,6 +8,7 @@ import re
 
 import torch
 
+from ..errors import UnsizedOnMeta
 from .image_processing import packed_patches, patch_grids, patch_rows, processed_images, tiles
 from .input_values import config_value, device_of, ints, pixels
 from .optional_inputs import Trials
@@ -23,7 +24,9 @@ def image_tokens(model, kwargs, cfg, batch, gen) -> None:
     else what the model's own image processor makes of such an image (grids of patches: Qwen-VL;
     tiles and their masks: Idefics); else as the config states (Gemma 3's
     ``mm_tokens_per_image``, ``image_seq_length``); text only where none tells (the report then
-    names a parameter the inputs never read). A mode of the tower that reads more parameters than
+    names a parameter the inputs never read), except on ``meta``, where a count the tower would
+    give with values is refused (:class:`~symgraph.errors.UnsizedOnMeta`: a merge then loads
+    its models rather than leave the tower unread and every class fixed). A mode of the tower that reads more parameters than
     the config's (:func:`tower_modes`: MiniCPM-OCR's ViT merger) is passed, with its own count."""
     token = ints(config_value(cfg, "image_token_id", "image_token_index"))
     # an encoder-decoder's vision config is its encoder's (T5Gemma 2); a model without one states
@@ -38,6 +41,12 @@ def image_tokens(model, kwargs, cfg, batch, gen) -> None:
     if not isinstance(n, int):
         if _image_features(model) is None:  # no tokens to count: images the text cross-attends to
             cross_attended(model, kwargs, vision, batch, gen)
+        elif device_of(model).type == "meta":
+            raise UnsizedOnMeta(
+                f"{type(model).__name__} on the meta device: its get_image_features counts no features for "
+                "any example image (a selection only the pixels decide, such as Idefics3's real images, cannot "
+                "run without values), and text alone would leave its vision tower unread; expected the model "
+                "with its weights")
         return
     if n + 2 > (config_value(cfg, "max_position_embeddings") or 1 << 30):
         return
