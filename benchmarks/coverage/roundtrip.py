@@ -40,9 +40,7 @@ Results: ``roundtrip.json`` and ``roundtrip.md`` in ``--out``, with their ``reco
 (the command, the commit, the machine)."""
 from __future__ import annotations
 
-import argparse
 import os
-import shlex
 import sys
 import tempfile
 import time
@@ -51,6 +49,7 @@ import warnings
 from ..provenance import REPO_ROOT, log, register, staged, table, write_json
 from .constants import TASKS, TOL
 from .family import families, run_isolated, transformers_fails
+from .summary import family_args
 from .at_default import where
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "coverage_roundtrip"
@@ -297,18 +296,8 @@ def run(out=None, only=None, tasks=None, jobs=1, timeout=300.0, mem_gb=6.0, comm
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.coverage.roundtrip",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="+", default=None, metavar="FAMILY",
-                    help="model types (or class names) to run (default: every one)")
-    ap.add_argument("--tasks", nargs="+", choices=list(TASKS), default=None)
-    ap.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: %(default)s)")
-    ap.add_argument("--jobs", type=int, default=1, help="families at a time (default 1)")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per family (default 300)")
-    ap.add_argument("--mem-gb", type=float, default=6.0, help="address-space limit per family (0: none)")
-    a = ap.parse_args(argv)
-    command = " ".join(["python -m benchmarks.coverage.roundtrip"]
-                       + [shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv)])
+    a, command = family_args("python -m benchmarks.coverage.roundtrip", __doc__.splitlines()[0], DEFAULT_OUT, 1,
+                             300.0, argv)
     res = run(a.out, a.only, a.tasks, a.jobs, a.timeout, a.mem_gb or None, command)
     counts = {v: sum(r["verdict"] == v for r in res["rows"]) for v in VERDICTS}
     print("  ".join(f"{v}: {n}" for v, n in counts.items()) + f"  -> {a.out}")

@@ -297,18 +297,23 @@ def run(out=None, only=None, tasks=None, jobs: int = 2, timeout: float = 120.0, 
     return res
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.coverage", description=__doc__.splitlines()[0])
+def family_args(prog: str, description: str, out, jobs: int, timeout: float, argv) -> tuple:
+    """The options of a run over the coverage's families (this table's, the round trip's) parsed
+    from ``argv``, and the command line that ran: ``(namespace, command)``."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--only", nargs="+", default=None, metavar="FAMILY",
                     help="model types (or class names) to run (default: every one)")
     ap.add_argument("--tasks", nargs="+", choices=list(TASKS), default=None)
-    ap.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: %(default)s)")
-    ap.add_argument("--jobs", type=int, default=2, help="families at a time (default 2)")
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per family (default 120)")
+    ap.add_argument("--out", default=str(out), help="output directory (default: %(default)s)")
+    ap.add_argument("--jobs", type=int, default=jobs, help=f"families at a time (default {jobs})")
+    ap.add_argument("--timeout", type=float, default=timeout, help=f"seconds per family (default {timeout:g})")
     ap.add_argument("--mem-gb", type=float, default=6.0, help="address-space limit per family (0: none)")
     a = ap.parse_args(argv)
-    command = " ".join(["python -m benchmarks.coverage"] + [shlex.quote(x) for x in
-                                                             (sys.argv[1:] if argv is None else argv)])
+    return a, " ".join([prog] + [shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv)])
+
+
+def main(argv=None) -> int:
+    a, command = family_args("python -m benchmarks.coverage", __doc__.splitlines()[0], DEFAULT_OUT, 2, 120.0, argv)
     res = run(a.out, a.only, a.tasks, a.jobs, a.timeout, a.mem_gb or None, command,
               log=log)
     s = res["summary"]
