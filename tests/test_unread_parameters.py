@@ -246,3 +246,23 @@ def test_a_speech_language_model_reads_its_audio_tower():
     assert rep.unread is None
     assert any(p.startswith("model.audio_tower.") for p in _claimed(rep))
     assert rep.certify(m) <= 1e-6
+
+
+def test_aligning_or_merging_where_nothing_can_move_is_refused_not_averaged():
+    """Where an unread tower fixes every parameter, aligning finds only the identity: a merge
+    asking for alignment would silently average two unaligned models. It is refused in one
+    line naming the tower and the two ways out; without alignment the average is what was asked."""
+    torch.manual_seed(0)
+    A, B = SpeechLM().eval(), SpeechLM().eval()
+    for call in (lambda: symgraph.align(A, B, inputs=_text()),
+                 lambda: symgraph.merge([A, B], inputs=_text(), align="weights")):
+        try:
+            call()
+        except symgraph.InputError as e:
+            assert "tower.0.weight (and 3 more) is never read" in str(e) and "align 'none'" in str(e)
+        else:
+            raise AssertionError("an alignment of nothing was not refused")
+    merged = symgraph.merge([A, B], inputs=_text(), align="none").model
+    assert torch.equal(merged.up.weight, (A.up.weight + B.up.weight) / 2)
+    al = symgraph.align(A, B, inputs=_both())  # inputs that read the tower: classes to align
+    assert al.report_a.unread is None and any(g.kind != "identity" for g in al.report_a.groups)

@@ -54,7 +54,7 @@ from .at_default import where
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "coverage_roundtrip"
 TOL32 = 1e-4   # the bound of a row retried in float32 (transformers cannot run it in float64)
-VERDICTS = ("ok", "merge differs", "analysis bug", "ours fails", "transformers fails", "timeout")
+VERDICTS = ("ok", "nothing to align", "merge differs", "analysis bug", "ours fails", "transformers fails", "timeout")
 
 
 #: a copy of the parent's stderr, which the children (whose own goes to /dev/null) write progress to
@@ -133,7 +133,7 @@ def _stages(rec, model_type, class_name, d, dtype, stage):
     again = deviation(want, _kept(_loaded(cls, os.path.join(d, "a"), dtype), report, inputs))
     if not again <= tol:
         raise RoundTripError(f"A saved by save_pretrained and loaded again computes {again:.1e} off A")
-    rec["groups"] = len(report.groups)
+    rec["groups"], rec["unread"] = len(report.groups), report.unread
     stage[0] = "moved"
     moved = symgraph.transform(a, report.random_transform(seed=1, orthogonal=True))
     rec["moved_weights"] = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), moved.parameters()))
@@ -143,8 +143,9 @@ def _stages(rec, model_type, class_name, d, dtype, stage):
     rec["moved_saved_error"] = deviation(want, _kept(_loaded(cls, os.path.join(d, "b"), dtype), report, inputs))
     stage[0] = "merge"
     t = time.perf_counter()
+    nothing = {"align": "none"} if report.unread else {}  # refused otherwise: what a user is told to pass
     out = run_merge(build_config({"models": [os.path.join(d, "a"), os.path.join(d, "b")],
-                                  "out": os.path.join(d, "c")}), progress=False)
+                                  "out": os.path.join(d, "c"), **nothing}), progress=False)
     rec.update(merge_seconds=time.perf_counter() - t, merge_mode=out.mode)
     stage[0] = "load"
     merged = _loaded(cls, os.path.join(d, "c"), dtype)
@@ -157,7 +158,9 @@ def _stages(rec, model_type, class_name, d, dtype, stage):
 def verdict(rec) -> str:
     """What the row says: ``ok``; ``merge differs`` (the merge computes something else);
     ``analysis bug`` (the moved copy, in memory or saved, does not compute A's outputs);
-    ``transformers fails`` (it cannot build, run, or load its own checkpoint); else ``ours fails``."""
+    ``transformers fails`` (it cannot build, run, or load its own checkpoint); else ``ours fails``;
+    ``nothing to align`` for a merge equal to A whose report fixes every parameter (one is never
+    read by the traced inputs: the merge is refused unless it asks for no alignment)."""
     tol, fail = rec.get("tol", TOL), rec.get("failure")
     for key in ("moved_error", "moved_saved_error"):
         if rec.get(key) is not None and not rec[key] <= tol:
@@ -166,7 +169,9 @@ def verdict(rec) -> str:
         if fail["stage"] == "timeout":
             return "timeout"
         return "transformers fails" if fail.get("transformers_fails") else "ours fails"
-    return "ok" if rec.get("error") is not None and rec["error"] <= tol else "merge differs"
+    if rec.get("error") is None or not rec["error"] <= tol:
+        return "merge differs"
+    return "nothing to align" if rec.get("unread") else "ok"
 
 
 def _theirs(model_type, class_name, stage, e) -> bool:

@@ -22,6 +22,8 @@ def test_gpt2_merged_with_its_moved_copy_is_gpt2():
 @pytest.mark.parametrize("fields, want", [
     (dict(tol=1e-6, moved_error=1e-12, moved_saved_error=1e-12, error=1e-12), "ok"),
     (dict(tol=1e-6, moved_error=1e-12, moved_saved_error=1e-12, error=3e-3), "merge differs"),
+    (dict(tol=1e-6, moved_error=0.0, moved_saved_error=0.0, error=0.0, unread="x is never read"), "nothing to align"),
+    (dict(tol=1e-6, moved_error=0.0, moved_saved_error=0.0, error=0.2, unread="x is never read"), "merge differs"),
     (dict(tol=1e-6, moved_error=1e-12, moved_saved_error=0.4, error=None,
           failure={"stage": "merge", "transformers_fails": False}), "analysis bug"),
     (dict(tol=1e-6, moved_error=float("nan"), error=None), "analysis bug"),
@@ -41,5 +43,5 @@ def test_table_has_a_line_per_row():
               "machine": {"transformers": "5", "torch": "2", "cores": 2}, "timeout_s": 300, "mem_gb": 6,
               "wall_seconds": 3, "only": ["a", "b"], "tasks": ["causal_lm"]}
     md = rt.markdown({"header": header, "rows": rows})
-    assert "| 1 | 0 | 0 | 1 | 0 | 0 |" in md
+    assert "| 1 | 0 | 0 | 0 | 1 | 0 | 0 |" in md
     assert "| a | C | causal_lm | ok |" in md and "merge: InputError: no" in md

@@ -11,9 +11,9 @@ import torch
 from ..core.elements import Map, Perm, is_perm
 from ..core.groups import GroupKind
 from ..core.finite import all_finite
-from ..errors import InputError, StructureMismatchError
+from ..errors import InputError, NeedsMemory, StructureMismatchError
 
-__all__ = ["check_finite", "check_compatible", "batch_inputs", "by_shape", "ElementGroup", "element_groups",
+__all__ = ["check_finite", "check_compatible", "check_movable", "batch_inputs", "by_shape", "ElementGroup", "element_groups",
            "check_element", "check_element_shape", "element_tol", "COND_LIMIT"]
 
 
@@ -23,6 +23,19 @@ def check_finite(model, label):
             bad = int((~torch.isfinite(p)).sum())
             raise InputError(f"{label} has {bad} NaN/inf values in parameter {name!r}; "
                              "expected finite weights")
+
+
+def check_movable(report):
+    """Refuse to align where ``report`` fixes every parameter because one is never read by the
+    traced inputs (:attr:`~symgraph.report.symmetry.SymmetryReport.unread`): the alignment
+    would be the identity and a merge the plain average of unaligned models, the option asking
+    for alignment silently ignored. :class:`~symgraph.errors.NeedsMemory`, so that a merge
+    whose report was traced on ``meta`` tries again with the models loaded (real values may
+    take the branch that reads it); a loaded model's refusal is the same line."""
+    if getattr(report, "unread", None):
+        raise NeedsMemory(f"nothing can be aligned: every parameter stays fixed, as {report.unread}; "
+                          "expected inputs that read it, or no alignment (align 'none') to combine the "
+                          "models as they are")
 
 
 def check_compatible(ra, rb):

@@ -11,7 +11,7 @@ from ..errors import InputError
 from ..core.finite import require_module
 from ..transform.folding import gauge
 from .activations import act_matrix, activation_similarity
-from .checks import check_compatible, check_finite
+from .checks import check_compatible, check_finite, check_movable
 from .masses import mass_function
 from .options import AlignOptions
 from .pairs import start_pairs
@@ -50,6 +50,7 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     ra = report_a or analyze(model_a, inputs, fold_norms=opts.fold_norms, outputs=opts.outputs)
     rb = report_b or analyze(model_b, inputs, fold_norms=opts.fold_norms, outputs=ra.outputs)
     t_an = time.perf_counter() - t0
+    check_movable(ra)
     check_compatible(ra, rb)
     if opts.refine and data is None:
         raise InputError(f"refine={opts.refine} needs data: batches to compute the loss on")
@@ -202,6 +203,7 @@ def align_tensors(ra, rb, tensors_a, tensors_b, gauge_a: dict, options: AlignOpt
     if data is not None and fetch is None:
         raise InputError("activation statistics from tensors need fetch: two functions name -> tensor")
     t0 = time.perf_counter()
+    check_movable(ra)
     check_compatible(ra, rb)
     feats = WeightFeatures(ra, rb, tensors_a, tensors_b, exact_dtype, products=opts.similarity,
                            sketch=opts.sketch, rows=opts.rows,
