@@ -57,9 +57,8 @@ def card(cfg, out: str, meta: dict) -> str:
     """The model card: the config that reproduces the merge wherever it is run (the inputs and
     ``out`` as absolute paths, the inputs as the record ``meta`` names them: a config's relative
     paths are relative to the config file) and a summary of the record."""
-    data = os.path.abspath(cfg.data) if cfg.data else None
-    config = to_yaml(cfg.model_copy(update={"models": meta["inputs"], "data": data}), out)
-    return model_card(config, _card_summary(meta))
+    summary, data = _card_summary(meta), os.path.abspath(cfg.data) if cfg.data else None
+    return model_card(to_yaml(cfg.model_copy(update={"models": meta["inputs"], "data": data}), out), summary)
 
 
 def _solver_summary(alignments):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,7 +29,7 @@ from ..merging.streaming import StreamingMerge
 if TYPE_CHECKING:
     from ..merging.driver import MergeResult
 
-__all__ = ["run_merge", "merge_checkpoints", "MergeOutcome"]
+__all__ = ["run_merge", "merge_checkpoints", "MergeOutcome", "Merged"]
 
 
 @dataclass
@@ -64,7 +64,8 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
     ``streaming_options`` (``max_shard_size``, ``cache_bytes``) reach the out-of-core job. With
     ``cfg.anchor == "universe"`` every model is aligned into a shared universe
     (:mod:`symgraph.merging.universe`, out of core or in memory) and the merge has the
-    first model's architecture."""
+    first model's architecture. The steps: the inputs checked, the merge done out of core or
+    in memory (:class:`Merged`), then recorded and written (:func:`_written`)."""
     if anchor is not None and anchor != cfg.anchor:
         cfg = build_config({**cfg.model_dump(), "anchor": anchor}, batches=data is not None)
     options, unused = dict(streaming_options), _unused_data(cfg)
@@ -74,19 +75,24 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
     if unused:  # said once the inputs are checked (a refusal is the one line on stderr)
         note(unused, "warning")
         cfg = cfg.model_copy(update={"data": None})  # the record and the card then say data: null
-    job, batches, why = (None, None, None) if streaming is False else _engine(cfg, inputs, data, progress, options)
-    if job is None and streaming:
-        raise InputError(f"this merge cannot run out of core: {why}; expected a merge of local checkpoint "
-                         "directories")
-    if job is not None:
-        try:
-            return _merge_streaming(job, cfg, inputs, batches)
-        except NeedsMemory as e:  # found while aligning, before anything is written
-            if streaming:
-                raise InputError(f"this merge cannot run out of core: {e}; expected a merge the "
-                                 "out-of-core path can run, or streaming=None to load the models") from None
-            note(f"{e}, so the models are loaded in memory for this merge")
-    return _merge_in_memory(cfg, inputs, data, progress, why if streaming is None else None)
+    done, why = (None, None) if streaming is False else _streamed(cfg, inputs, data, progress, options, streaming)
+    if done is None:  # the models loaded: the same record and writing
+        done = _written(cfg, inputs, _merge_in_memory(cfg, inputs, data, progress, why if streaming is None else None))
+    return done
+
+
+@dataclass
+class Merged:
+    """A merge done, not yet written: what the record says of it (``facts``, the keywords of
+    :func:`~symgraph.app.record.record`), ``write(directory)`` writing its checkpoint there,
+    REPAIR's report once written (``repair()``), the tokenizer's source, and the engine or the
+    in-memory result (:attr:`MergeOutcome.job`)."""
+    facts: dict
+    write: Callable
+    repair: Callable
+    tokenizer_from: str | None
+    n_models: int
+    job: StreamingMerge | MergeResult
 
 
 def _unused_data(cfg) -> str | None:
@@ -96,6 +102,26 @@ def _unused_data(cfg) -> str | None:
         return None
     return (f"--data {cfg.data!r} is used by no step of this merge (--align {cfg.align}, "
             f"method {cfg.method}, no --repair, --refine or --seen-rows); the merge goes on without it")
+
+
+def _streamed(cfg, inputs, data, progress, options, required) -> tuple:
+    """``(outcome, None)``: the merge done out of core and written, or ``(None, why)`` when it
+    needs its models in memory (refused when the out-of-core path is ``required``), found
+    before the output is in place."""
+    job, batches, why = _engine(cfg, inputs, data, progress, options)
+    if job is None and required:
+        raise InputError(f"this merge cannot run out of core: {why}; expected a merge of local checkpoint "
+                         "directories")
+    if job is None:
+        return None, why
+    try:
+        return _written(cfg, inputs, _merge_streaming(job, cfg, inputs, batches)), None
+    except NeedsMemory as e:  # found while aligning or writing, before the output is in place
+        if required:
+            raise InputError(f"this merge cannot run out of core: {e}; expected a merge the "
+                             "out-of-core path can run, or streaming=None to load the models") from None
+        note(f"{e}, so the models are loaded in memory for this merge")
+        return None, None
 
 
 def _engine(cfg, inputs, data, progress, options) -> tuple:
@@ -122,10 +148,9 @@ def _engine(cfg, inputs, data, progress, options) -> tuple:
         raise type(e)(f"{e}{config_diff(ckpts, cfg.models)}") from None
 
 
-def _merge_streaming(job, cfg, inputs, data) -> MergeOutcome:
+def _merge_streaming(job, cfg, inputs, data) -> Merged:
     """Out of core: the alignment solved from tensors read on demand (or rounds of a shared
-    universe, their means written beside the output), the merge written shard by shard."""
-    from ..checkpoints.outdir import save_atomic
+    universe, their means written beside the output); the merge is written shard by shard."""
     t0 = time.time()
     universe = None
     try:
@@ -137,27 +162,23 @@ def _merge_streaming(job, cfg, inputs, data) -> MergeOutcome:
     except (StructureMismatchError, InputError) as e:
         raise type(e)(f"{e}{config_diff(job.checkpoints, cfg.models)}") from None
     ckpts, anchor = job.checkpoints, job.checkpoints[job.anchor]
-    meta = record(cfg, data, inputs.names, mode="streaming", seconds=time.time() - t0, alignments=job.alignments,
-                  dtype=anchor.dtype, input_dtypes=[c.dtype for c in ckpts], configs=[c.config for c in ckpts],
-                  parent=(anchor.source or anchor).model, merged=job.output_model(), anchor=job.anchor,
-                  universe=universe)  # the models on meta
+    facts = dict(data=data, mode="streaming", seconds=time.time() - t0, alignments=job.alignments,
+                 dtype=anchor.dtype, input_dtypes=[c.dtype for c in ckpts], configs=[c.config for c in ckpts],
+                 parent=(anchor.source or anchor).model, merged=job.output_model(), anchor=job.anchor,
+                 universe=universe)  # the models on meta
 
-    def write(directory):  # the record's REPAIR entry and the card once the merge is measured
+    def write(directory):
         info = job.write(directory, inputs.shard)
         for c in ckpts:  # no input changed under the run, up to its end
             getattr(c, "check_unchanged", lambda: None)()
-        meta["repair"] = job.repair_report.to_dict() if job.repair_report is not None else None
         return info
-
-    save_atomic(write, inputs.out, force=cfg.force, inputs=inputs.files, meta=meta, tokenizer_from=anchor.path,
-                card=lambda: card(cfg, inputs.out, meta))
-    return MergeOutcome(inputs.out, "streaming", len(ckpts), meta, job)
+    return Merged(facts, write, lambda: job.repair_report, anchor.path, len(ckpts), job)
 
 
-def _merge_in_memory(cfg, inputs, data, progress, why=None) -> MergeOutcome:
+def _merge_in_memory(cfg, inputs, data, progress, why=None) -> Merged:
     """The models loaded (on ``cfg.device``) and merged by :func:`symgraph.merge`; ``why``: the
     reason the engine could not run it out of core, said once the job is checked."""
-    from ..checkpoints.specs import load_model
+    from ..checkpoints.specs import as_stored, load_model
     models = [to_device(load_model(m), cfg.device)
               for m in progress_bar(cfg.models, enabled=progress, desc="loading", unit="model")]
     _check_loaded(cfg, models)
@@ -169,15 +190,18 @@ def _merge_in_memory(cfg, inputs, data, progress, why=None) -> MergeOutcome:
     result = _merged(cfg, models, data, progress)
     layout = inputs.layouts[inputs.anchor]
     if layout is not None:  # the anchor's headers (None: a demo name or hub id)
-        _as_stored(result.model, layout)
-    meta = record(cfg, data, inputs.names, mode="in-memory", seconds=time.time() - t0, alignments=result.alignments,
-                  dtype=next(result.model.parameters()).dtype,
-                  input_dtypes=[next(m.parameters()).dtype for m in models],
-                  configs=[getattr(m, "config", None) for m in models], parent=models[0], merged=result.model,
-                  anchor=inputs.anchor, repair=result.repair.to_dict() if result.repair is not None else None,
-                  universe=result.universe)
-    _save(result.model, cfg, inputs, meta, progress)
-    return MergeOutcome(inputs.out, "in-memory", len(models), meta, result)
+        as_stored(result.model, layout)
+    facts = dict(data=data, mode="in-memory", seconds=time.time() - t0, alignments=result.alignments,
+                 dtype=next(result.model.parameters()).dtype, input_dtypes=[next(m.parameters()).dtype for m in models],
+                 configs=[getattr(m, "config", None) for m in models], parent=models[0], merged=result.model,
+                 anchor=inputs.anchor, universe=result.universe)
+    first = os.path.expanduser(cfg.models[0])
+
+    def write(directory):
+        with progress_bar(total=1, enabled=progress, desc="writing") as bar:
+            result.model.save_pretrained(directory, safe_serialization=True, max_shard_size=inputs.shard)
+            bar.update()
+    return Merged(facts, write, lambda: result.repair, first if os.path.isdir(first) else None, len(models), result)
 
 
 def _check_loaded(cfg, models) -> None:
@@ -207,28 +231,21 @@ def _merged(cfg, models, data, progress):
     return result
 
 
-def _save(model: typing.Any, cfg, inputs, meta, progress) -> None:
-    """The merged ``model`` (a transformers model) written into ``inputs.out`` atomically, with
-    its record, its card and the first model's tokenizer files."""
+def _written(cfg, inputs, merged: Merged) -> MergeOutcome:
+    """The ``merged`` model written into ``inputs.out`` atomically, with its record (REPAIR's
+    entry once the merge is written and measured), its card and the first model's tokenizer
+    files; the same on both paths."""
     from ..checkpoints.outdir import save_atomic
-    first = os.path.expanduser(cfg.models[0])
-    with progress_bar(total=1, enabled=progress, desc="writing") as bar:
-        save_atomic(lambda d: model.save_pretrained(d, safe_serialization=True, max_shard_size=inputs.shard),
-                    inputs.out, force=cfg.force, inputs=inputs.files, meta=meta,
-                    tokenizer_from=first if os.path.isdir(first) else None, card=card(cfg, inputs.out, meta))
-        bar.update()
+    meta = record(cfg, names=inputs.names, **merged.facts)
 
-
-def _as_stored(model, layout):
-    """Each floating-point tensor of the merged ``model`` in the dtype the anchor's checkpoint
-    stores it in (``from_pretrained`` loads every tensor in one dtype; the out-of-core path
-    writes each in its own): the dtypes follow the tensors, not the config."""
-    import torch
-    with torch.no_grad():
-        for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
-            want = layout.dtypes.get(name)
-            if want is not None and want.is_floating_point and t.is_floating_point() and t.dtype != want:
-                t.data = t.data.to(want)
+    def write(directory):
+        info = merged.write(directory)
+        report = merged.repair()
+        meta["repair"] = report.to_dict() if report is not None else None
+        return info
+    save_atomic(write, inputs.out, force=cfg.force, inputs=inputs.files, meta=meta,
+                tokenizer_from=merged.tokenizer_from, card=lambda: card(cfg, inputs.out, meta))
+    return MergeOutcome(inputs.out, merged.facts["mode"], merged.n_models, meta, merged.job)
 
 
 def merge_checkpoints(paths, out: str, *, weights=None, align=UNSET, anchor: int | str = 0, force: bool = False,

@@ -1,6 +1,7 @@
 """Inputs of the command line: models (a ``save_pretrained`` directory, a built-in tiny demo
-model, or a hub id: :mod:`symgraph.checkpoints` loads them exactly) and data files; and whether
-the models of a merge can be merged, from their configs, before any work (one architecture, one
+model, or a hub id: :mod:`symgraph.checkpoints` loads them exactly; :func:`as_stored` casts a
+model loaded whole back to the dtypes a checkpoint stores) and data files; and whether the
+models of a merge can be merged, from their configs, before any work (one architecture, one
 configuration apart from the sizes an alignment can bridge, one depth), and what their configs
 differ in, for a refusal found later. Writing is :mod:`symgraph.checkpoints.outdir`'s job.
 """
@@ -18,8 +19,8 @@ from ..core.progress import note
 from ..core.schema import quoted
 from .outdir import TOKENIZER_FILES, check_out, save_atomic  # noqa: F401 - re-exported
 
-__all__ = ["DEMO_MODELS", "BATCH_ROWS", "MODEL_EXPECTED", "model_kind", "demo_model", "load_model", "load_data",
-           "read_data", "unpadded", "check_checkpoint_dir", "load_local", "check_out", "save_atomic",
+__all__ = ["DEMO_MODELS", "BATCH_ROWS", "MODEL_EXPECTED", "model_kind", "demo_model", "load_model", "as_stored",
+           "load_data", "read_data", "unpadded", "check_checkpoint_dir", "load_local", "check_out", "save_atomic",
            "TOKENIZER_FILES", "check_same_family", "check_same_configs", "config_diff", "width_change", "METADATA",
            "NOT_FUNCTION"]
 
@@ -82,6 +83,17 @@ def load_model(spec: str):
     if kind == "demo":
         return demo_model(spec)
     return load_hub(spec)
+
+
+def as_stored(model, layout) -> None:
+    """Each floating-point tensor of ``model`` (loaded whole) cast to the dtype ``layout`` (a
+    checkpoint's headers) stores it in: ``from_pretrained`` loads every tensor in one dtype, the
+    out-of-core path writes each in its own; the dtypes follow the tensors, not the config."""
+    with torch.no_grad():
+        for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+            want = layout.dtypes.get(name)
+            if want is not None and want.is_floating_point and t.is_floating_point() and t.dtype != want:
+                t.data = t.data.to(want)
 
 
 # --- data ----------------------------------------------------------------------------------
