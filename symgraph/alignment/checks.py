@@ -33,9 +33,8 @@ def check_movable(report):
     whose report was traced on ``meta`` tries again with the models loaded (real values may
     take the branch that reads it); a loaded model's refusal is the same line."""
     if getattr(report, "unread", None):
-        raise NeedsMemory(f"nothing can be aligned: every parameter stays fixed, as {report.unread}; "
-                          "expected inputs that read it, or no alignment (align 'none') to combine the "
-                          "models as they are")
+        raise NeedsMemory(f"nothing can be aligned: every parameter stays fixed ({report.unread}); expected "
+                          "data that reads it, or no alignment (align 'none') to average the models as they are")
 
 
 def check_compatible(ra, rb):
