@@ -25,6 +25,7 @@ axes relate, a union-find merges them into classes. Importing the rule files reg
 - ``holder_inputs``     a called module's optional argument that reads a parameter, run in the trace
 - ``entry_points``      another method of the model that reads a parameter, run beside the forward
 - ``deadcode``          unread parameters no method of their module's source reads (a static proof)
+- ``closed_reads``      unread parameters read only on a path every call of their holder closes (static)
 - ``image_inputs``      a vision-language model's images and image tokens
 - ``image_processing``  images made by the model's own image processor from transformers
 - ``tower_inputs``      image layouts for towers the others do not fit (tokens' own pixels)

@@ -1,0 +1,76 @@
+"""Tiny models for tests/test_closed_reads.py: a block that embeds token ids only when it is
+handed no embeddings, called by its parent always with them (as PI0 calls its action model), and
+variants the static check of ``symgraph.passes.closed_reads`` must refuse. The block's attribute
+names are in no string of this file but its docstrings, as that check requires."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    """An MLP over embeddings, its token ids embedded only when it is given none."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(10, 6)
+        self.up, self.down = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, ids=None, embeds: torch.Tensor | None = None):
+        if embeds is None:
+            embeds = self.table(ids)
+        return self.down(torch.relu(self.up(embeds)))
+
+
+class Pilot(nn.Module):
+    """A projection whose result the block always gets as its embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 6)
+        self.block = Block()
+
+    def forward(self, x: torch.Tensor):
+        return self.run(self.proj(x))
+
+    def run(self, h: torch.Tensor):
+        return self.block(embeds=h)
+
+
+class MaybeNone(Pilot):
+    """The same, the block's embeddings an optional argument: None may reach it."""
+
+    def run(self, h: torch.Tensor | None = None):
+        return self.block(embeds=h)
+
+
+class Tokens(Pilot):
+    """The same, and a method that hands the block token ids."""
+
+    def tokens(self, ids):
+        return self.block(ids)
+
+
+class Reached(Pilot):
+    """The same, and a method that reaches the block's table by name."""
+
+    def rows(self):
+        return self.block.table.weight.shape
+
+
+class Reassigned(Block):
+    """A block that replaces its embeddings before the test: they may be None there."""
+
+    def forward(self, ids=None, embeds: torch.Tensor | None = None):
+        embeds = embeds if ids is None else None
+        if embeds is None:
+            embeds = self.table(ids)
+        return self.down(torch.relu(self.up(embeds)))
+
+
+class PilotOfReassigned(Pilot):
+    """A pilot whose block replaces its embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Reassigned()

@@ -1,0 +1,53 @@
+"""Issue 65, parameters read only on a path every caller closes (``symgraph.passes.closed_reads``).
+A block that embeds token ids only when handed no embeddings, always handed them by its parent
+(PI0's action model, a Gemma model called with ``inputs_embeds``): its table is read by no
+method, stays fixed alone, and the block's hidden units keep their class. A call that may hand
+it None, one that hands it token ids, a reach of the table by name, or embeddings replaced
+before the test: not proven, every parameter stays fixed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import symgraph
+from symgraph.passes.closed_reads import closed_parameters
+
+from closed_models import MaybeNone, Pilot, PilotOfReassigned, Reached, Tokens
+
+WHY = "read by Block.forward only where embeds is None, which every call of block passes a tensor (static check)"
+
+
+def _x():
+    torch.manual_seed(1)
+    return (torch.randn(5, 4),)
+
+
+def test_a_table_every_caller_bypasses_stays_fixed_alone():
+    torch.manual_seed(0)
+    A = Pilot().eval()
+    rep = symgraph.analyze(A, _x())
+    assert rep.unread is None
+    assert rep.dead_parameters == {"block.table.weight": WHY}
+    hidden = next(g for g in rep.groups if ("block.up.weight", 0) in g.params)
+    assert hidden.kind == "scaled_perm" and hidden.size == 16
+    assert not any(p.startswith("block.table") for g in rep.groups for p, _ in g.params)
+    assert rep.certify(A, _x()) <= 1e-12
+    B = symgraph.transform(A, rep.random_transform(seed=3, orthogonal=True))
+    assert float((A.block.up.weight - B.block.up.weight).abs().max()) > 0.1
+    assert torch.equal(A.block.table.weight, B.block.table.weight)
+    C = symgraph.align(A, B, _x()).apply(B)  # weights only: B aligned back is A
+    for (n, p), q in zip(A.named_parameters(), C.parameters()):
+        assert float((p - q).abs().max()) < 1e-6, n
+
+
+@pytest.mark.parametrize("cls", [MaybeNone, Tokens, Reached, PilotOfReassigned])
+def test_a_path_some_caller_or_the_block_may_open_is_not_proven(cls):
+    assert closed_parameters(cls(), ["block.table.weight"]) == {}
+
+
+def test_optional_embeddings_fix_every_class():
+    torch.manual_seed(0)
+    A = MaybeNone().eval()
+    rep = symgraph.analyze(A, _x())
+    assert rep.dead_parameters == {} and rep.unread is not None
+    assert not any(g.size > 1 for g in rep.groups)
