@@ -9,8 +9,12 @@ The method is found by trial runs that observe the parameters read
 module above it (nearest first, the model last) whose class, in the model's own source file
 (its module's, not a library base's), defines a public method other than ``forward`` with a
 required argument. Its required arguments: one the forward was given by the same name takes
-that, else the first takes the main input (the forward's first tensor), any other an all-ones
-tensor of the main input's shape (a mask that keeps every position). Run as it is, and, where that
+that; else one named as a field of a module's output in the forward's run (a model output's
+``asr_last_hidden_state``, which Nemotron 3.5 Transcribe's ``get_word_timestamp_logits``
+takes) the first such field's value, the forward's own (in the program, its traced value: the
+method reads what the parameters computed, so their axes meet); else the first takes the main
+input (the forward's first tensor), any other an all-ones tensor of the main input's shape (a
+mask that keeps every position). Run as it is, and, where that
 fails and the model can switch (``set_attn_implementation``), under eager attention (a method
 that reads attention maps gets none from SDPA). Kept where it reads an unread parameter.
 
@@ -33,14 +37,15 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..core.devices import weightless_twin
 from .optional_inputs import float_leaves, parameter_reads
 
-__all__ = ["EntryPoint", "entry_points", "entered", "entry_results", "own_methods"]
+__all__ = ["FIELD", "EntryPoint", "entry_points", "entered", "entry_results", "own_methods", "recorded"]
 
 
 @dataclass(frozen=True)
 class EntryPoint:
     """The method ``method`` of the module at ``path`` (``""``: the model), its required
-    arguments filled as ``fill`` says (``"main"``, ``"ones"`` or the name of a forward input),
-    run under eager attention where ``eager``."""
+    arguments filled as ``fill`` says (``"main"``, ``"ones"``, the name of a forward input, or
+    ``"field:NAME"``: the field ``NAME`` of a module's output in the forward's run), run under
+    eager attention where ``eager``."""
     path: str
     method: str
     fill: tuple
@@ -72,11 +77,48 @@ def own_methods(module) -> list[tuple[str, list[str]]]:
     return list(out.items())
 
 
-def _arguments(entry: EntryPoint, args, kwargs) -> list | None:
+FIELD = "field:"  # a fill naming a field of a module's output in the forward's run
+
+
+def _fields_of(out, names, into: dict) -> None:
+    """Into ``into``, each of ``names`` that ``out`` (a model output, a dict) holds as a tensor,
+    unless ``into`` has it already (the first module's output that holds it wins)."""
+    if hasattr(out, "keys"):
+        for k in names:
+            if k not in into and k in out.keys() and isinstance(out[k], torch.Tensor):
+                into[k] = out[k]
+
+
+@contextlib.contextmanager
+def recorded(model, names):
+    """While inside, the dict it yields takes, for each of ``names`` (all where None), the first
+    tensor of that name among the fields of the outputs of ``model``'s modules."""
+    got: dict = {}
+    if names is not None and not names:
+        yield got
+        return
+
+    def hook(module, args, out):
+        keys = out.keys() if names is None and hasattr(out, "keys") else names
+        _fields_of(out, keys, got)
+    handles = [m.register_forward_hook(hook) for m in model.modules()]
+    try:
+        yield got
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _fields(entry: EntryPoint) -> list[str]:
+    return [f[len(FIELD):] for f in entry.fill if f.startswith(FIELD)]
+
+
+def _arguments(entry: EntryPoint, args, kwargs, fields: dict) -> list | None:
     main = _main(args, kwargs)
-    if main is None:
+    if main is None or any(n not in fields for n in _fields(entry)):
         return None
-    return [main if f == "main" else torch.ones_like(main) if f == "ones" else kwargs[f] for f in entry.fill]
+    return [main if f == "main" else torch.ones_like(main) if f == "ones" else
+            fields[f[len(FIELD):]] if f.startswith(FIELD) else kwargs[f] for f in entry.fill]
 
 
 @contextlib.contextmanager
@@ -101,19 +143,26 @@ def _attention(model, eager: bool):
             configs[k]._attn_implementation_internal = v
 
 
-def _run(model, entry: EntryPoint, args, kwargs):
+def _run(model, entry: EntryPoint, args, kwargs, fields: dict | None = None):
+    """``entry``'s method run on the inputs; the fields it takes from the forward's run are
+    ``fields``, or, where not given, taken from a run of the forward on the inputs first."""
     method = getattr(model.get_submodule(entry.path), entry.method)
-    margs = _arguments(entry, args, kwargs)
+    if fields is None:
+        with recorded(model, _fields(entry)) as fields:
+            if _fields(entry):
+                model(*args, **kwargs)
+    margs = _arguments(entry, args, kwargs, fields)
     if margs is None:
         raise ValueError("no tensor input to give the method")  # a trial refused, as a failed run
     with _attention(model, entry.eager):
         return method(*margs)
 
 
-def entry_results(model, entry: EntryPoint, args, kwargs) -> list:
+def entry_results(model, entry: EntryPoint, args, kwargs, fields: dict | None = None) -> list:
     """The floating tensors ``entry``'s method returns, run on ``model`` with the forward's inputs
-    ``args``/``kwargs`` as the program runs it (:func:`symgraph.report.certify.certify` compares them)."""
-    return float_leaves(_run(model, entry, args, kwargs))
+    ``args``/``kwargs`` (and the fields of ``fields``, else of a run of the forward on them) as
+    the program runs it (:func:`symgraph.report.certify.certify` compares them)."""
+    return float_leaves(_run(model, entry, args, kwargs, fields))
 
 
 def _tried(model, entry: EntryPoint, args, kwargs) -> frozenset | None:
@@ -129,8 +178,39 @@ def _tried(model, entry: EntryPoint, args, kwargs) -> frozenset | None:
     return reads
 
 
-def _entries(model, unread: list[str], kwargs) -> list[EntryPoint]:
+def _output_fields(model, args, kwargs) -> set[str]:
+    """The names of the tensor fields of the outputs of ``model``'s modules in a trial run of
+    its forward on ``args``/``kwargs`` (none where it refuses them), on a twin on ``meta``."""
+    twin = weightless_twin(model)
+    dev = next((p.device for p in twin.parameters()), torch.device("cpu"))
+    args, kwargs = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    with recorded(twin, None) as got:
+        parameter_reads(twin, args, kwargs)
+    return set(got)
+
+
+def _fill(required: list[str], kwargs, fields) -> tuple:
+    """How ``required`` arguments are filled (see the module's docstring); ``fields()`` gives
+    the output fields of the forward's run, asked only where an argument is no forward input."""
+    out = []
+    for i, a in enumerate(required):
+        if a in kwargs:
+            out.append(a)
+        elif a in fields():
+            out.append(FIELD + a)
+        else:
+            out.append("main" if i == 0 else "ones")
+    return tuple(out)
+
+
+def _entries(model, unread: list[str], args, kwargs) -> list[EntryPoint]:
     """The candidates, in order (see the module's docstring)."""
+    seen: list = []
+
+    def fields() -> set[str]:  # one trial run, where some argument asks for it
+        if not seen:
+            seen.append(_output_fields(model, args, kwargs))
+        return seen[0]
     paths: dict = {}
     for name in unread:
         parts = name.split(".")[:-1]
@@ -139,7 +219,7 @@ def _entries(model, unread: list[str], kwargs) -> list[EntryPoint]:
     out = []
     for path in sorted(paths, key=lambda p: -len(p.split(".")) if p else 0):
         for name, required in own_methods(model.get_submodule(path)):
-            fill = tuple(a if a in kwargs else "main" if i == 0 else "ones" for i, a in enumerate(required))
+            fill = _fill(required, kwargs, fields)
             out += [EntryPoint(path, name, fill, eager) for eager in (False, True)
                     if not eager or hasattr(model, "set_attn_implementation")]
     return out
@@ -152,7 +232,7 @@ def entry_points(model, args, kwargs, unread: list[str], budget: int = 8) -> lis
     module it is called on, a setter, changes that twin only)."""
     kept: list[EntryPoint] = []
     left = set(unread)
-    for entry in _entries(model, unread, kwargs):
+    for entry in _entries(model, unread, args, kwargs):
         if not left or budget <= 0:
             break
         if any(e.path == entry.path and e.method == entry.method for e in kept):
@@ -181,7 +261,12 @@ def _joined(out, extra):
 def entered(model, entries):
     """While inside, the model's forward also runs each of ``entries`` (see the module's
     docstring)."""
-    inside = []
+    inside: list = []
+    names = sorted({n for e in entries for n in _fields(e)})
+
+    def start(module, args):
+        if not inside:
+            got.clear()  # this run's fields only
 
     def hook(module, args, kwargs, out):
         if inside or not entries:
@@ -189,13 +274,15 @@ def entered(model, entries):
         inside.append(True)
         try:
             # the hooked model: a twin traced for its constants runs its own methods
-            extra = [t for e in entries for t in entry_results(module, e, args, kwargs)]
+            extra = [t for e in entries for t in entry_results(module, e, args, kwargs, dict(got))]
         finally:
             inside.clear()
         return _joined(out, extra)
 
-    handle = model.register_forward_hook(hook, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
+    with recorded(model, names) as got:
+        handles = [model.register_forward_pre_hook(start), model.register_forward_hook(hook, with_kwargs=True)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
