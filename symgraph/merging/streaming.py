@@ -301,10 +301,12 @@ class StreamingMerge:
         return out
 
     def write(self, directory: str, shard: int | None = None) -> dict:
-        """Take the method's statistics (spilled to a temporary directory beside ``directory``,
-        removed after) and write the merged checkpoint into ``directory`` (shards of at most
-        ``shard`` bytes, default the config's ``max_shard_size`` or 2 GiB, an index, the config);
-        returns ``{"tensors": n, "bytes": total, "shards": k}``."""
+        """Align first where neither :meth:`align` nor :meth:`use` ran, take the method's
+        statistics (spilled to a temporary directory beside ``directory``, removed after) and
+        write the merged checkpoint into ``directory`` (shards of at most ``shard`` bytes,
+        default the config's ``max_shard_size`` or 2 GiB, an index, the config); returns
+        ``{"tensors": n, "bytes": total, "shards": k}``."""
+        self._ensure_aligned()
         if shard is None:
             shard = parse_size(self.config.max_shard_size) if self.config.max_shard_size else DEFAULT_SHARD
         info = self._finish(lambda: Spill(os.path.dirname(os.path.abspath(directory))),
@@ -314,16 +316,24 @@ class StreamingMerge:
         return info
 
     def write_into(self, add, device=None) -> dict:
-        """The merge of models in memory: statistics kept in memory, each merged tensor given to
-        ``add(key, tensor)`` (in the anchor's dtype for that key, on ``device``: default the
-        job's) as it is computed; returns ``{"tensors": n, "bytes": total, "shards": 0}``."""
+        """The merge of models in memory (aligned first as :meth:`write` is): statistics kept in
+        memory, each merged tensor given to ``add(key, tensor)`` (in the anchor's dtype for that
+        key, on ``device``: default the job's) as it is computed; returns
+        ``{"tensors": n, "bytes": total, "shards": 0}``."""
+        self._ensure_aligned()
         self.resources.out_device = torch.device(device) if device is not None else self.resources.device
         return self._finish(MemorySpill, lambda plan: Into(add))
 
-    def _finish(self, make_spill, make_sink) -> dict:
-        """Statistics, the plan's transforms and REPAIR, then the plan run into ``make_sink(plan)``."""
-        if self.graph_report is None:  # neither align() nor use() ran (or nothing needed a report)
+    def _ensure_aligned(self) -> None:
+        """The alignment step, run by the writing entries when neither :meth:`align` nor
+        :meth:`use` left a report (again, cheaply, where nothing needed one): the executor
+        (:meth:`_finish`) never runs it itself."""
+        if self.graph_report is None:
             self.align()
+
+    def _finish(self, make_spill, make_sink) -> dict:
+        """Statistics, the plan's transforms and REPAIR, then the plan run into ``make_sink(plan)``
+        (the alignment step done: :meth:`_ensure_aligned`)."""
         t0 = time.perf_counter()
         self.statistics.spill = make_spill() if self.how.needs_data else None
         try:
