@@ -77,7 +77,8 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
         cfg = cfg.model_copy(update={"data": None})  # the record and the card then say data: null
     done, why = (None, None) if streaming is False else _streamed(cfg, inputs, data, progress, options, streaming)
     if done is None:  # the models loaded: the same record and writing
-        done = _written(cfg, inputs, _merge_in_memory(cfg, inputs, data, progress, why if streaming is None else None))
+        merged = _merge_in_memory(cfg, inputs, data, progress, why if streaming is None else None)
+        done = _written(cfg, inputs, merged)
     return done
 
 
@@ -115,7 +116,8 @@ def _streamed(cfg, inputs, data, progress, options, required) -> tuple:
     if job is None:
         return None, why
     try:
-        return _written(cfg, inputs, _merge_streaming(job, cfg, inputs, batches)), None
+        merged = _merge_streaming(job, cfg, inputs, batches)
+        return _written(cfg, inputs, merged), None
     except NeedsMemory as e:  # found while aligning or writing, before the output is in place
         if required:
             raise InputError(f"this merge cannot run out of core: {e}; expected a merge the "
