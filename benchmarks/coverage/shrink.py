@@ -315,6 +315,9 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
                 new = int(main * scale)  # a size equal to the width is the width (an adapter's input)
             elif r is None and "groups" in _tokens(k) and v in widths:
                 new = widths[v]  # one group per channel (a depthwise convolution's): shrunk alike
+            elif r is None and _tokens(k)[-2:] == ["codebook", "dim"] and v in widths:
+                new = widths[v]  # a codebook's vectors as wide as a width (Mimi's quantizer
+                #                  compares them with its projection): shrunk alike
         if new != orig:
             out[k] = new
     if "out_indices" in out and "out_features" in fields:

@@ -257,7 +257,7 @@ RULE = ("widths x 64/main width (multiple of 8; a list of one width per layer cu
         "power of two <= 4, kv heads keep MHA/MQA else 2, head dims 16; main layer counts -> 2, other "
         "layer counts and stage depths -> 1; experts -> 4, shared -> 1, per token -> 2 (also when left "
         "None beside an MoE width), routing/state groups -> 1, a group count equal to a width (one per "
-        "channel) shrunk with it, a ..._hidden_size equal to another tower's width -> 64; vocab (also "
+        "channel) and a codebook_dim equal to a width shrunk with it, a ..._hidden_size equal to another tower's width -> 64; vocab (also "
         "per-layer input vocabularies; a vocab_size left None) -> 256 (token ids renumbered); image "
         "size -> 64; attention windows -> 16; a codec's num_filters -> 8; per-layer attributes of "
         "heterogeneous configs by their global value; recursively in sub-configs "
