@@ -9,8 +9,8 @@
   sharing merge's fields (flags, defaults and refusals as merge's)
 - ``mergekit_config``  mergekit configs (``merge_method: linear``) read as symgraph's
 - ``run``              :func:`~.run.run_merge`, the one merge entry of a config, as its steps: inputs
-  checked, engine built, aligned, written atomically (out of core or in memory), recorded; and
-  ``merge_checkpoints``
+  checked, the merge done out of core or in memory, then recorded and written atomically by one
+  step for both paths; and ``merge_checkpoints``
 - ``record``           what a merge records beside the model: ``symgraph_merge.json`` and the card
 - ``carry``            B written in A's basis as a standard checkpoint (``symgraph align``/``apply``)
   by :func:`~.carry.carry_writer`, the one writer of a checkpoint moved by group elements
