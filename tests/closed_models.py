@@ -74,3 +74,56 @@ class PilotOfReassigned(Pilot):
     def __init__(self):
         super().__init__()
         self.block = Reassigned()
+
+
+class Tower(nn.Module):
+    """An MLP holding a marker embedding that no method of it loads by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.marker = nn.Embedding(2, 6)
+        self.up, self.down = nn.Linear(6, 16), nn.Linear(16, 6)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+    def kept(self, n):
+        return n - n // 4
+
+    def freeze(self):
+        for p in self.parameters():  # reaches members by no name: the proof of deadcode stops here
+            p.requires_grad_(False)
+
+
+class Host(nn.Module):
+    """Calls its tower and a method of it, then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.tower, self.head = Tower(), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor):
+        n = self.tower.kept(x.shape[0])
+        return self.head(self.tower(x)[:n])
+
+
+class MarkedTower(Tower):
+    """The same tower, with a method that loads its marker."""
+
+    def kept(self, n):
+        return n - int(self.marker.weight.shape[0])
+
+
+class MarkedHost(Host):
+    """A host whose tower's method loads the marker."""
+
+    def __init__(self):
+        super().__init__()
+        self.tower = MarkedTower()
+
+
+class NamedHost(Host):
+    """A host that also reaches its tower by a name it computes."""
+
+    def pick(self, which):
+        return getattr(self, f"to{which}")

@@ -12,9 +12,10 @@ import torch
 import symgraph
 from symgraph.passes.closed_reads import closed_parameters
 
-from closed_models import MaybeNone, Pilot, PilotOfReassigned, Reached, Tokens
+from closed_models import Host, MarkedHost, MaybeNone, NamedHost, Pilot, PilotOfReassigned, Reached, Tokens
 
-WHY = "read by Block.forward only where embeds is None, which every call of block passes a tensor (static check)"
+WHY = ("loaded by Block.forward, the ways block is called, only where embeds is None, which every call passes "
+       "a tensor (static check)")
 
 
 def _x():
@@ -51,3 +52,31 @@ def test_optional_embeddings_fix_every_class():
     rep = symgraph.analyze(A, _x())
     assert rep.dead_parameters == {} and rep.unread is not None
     assert not any(g.size > 1 for g in rep.groups)
+
+
+def test_a_member_no_way_in_loads_stays_fixed_alone():
+    """Qwen2.5-Omni's audio tower holds an embedding its forward and the method its caller uses
+    never load (another method reaches its parameters by no name, as its ``_freeze_parameters``
+    does: :mod:`symgraph.passes.deadcode` proves nothing): dead, and the tower's hidden units keep
+    their class."""
+    torch.manual_seed(0)
+    A = Host().eval()
+    x = (torch.randn(8, 6),)
+    rep = symgraph.analyze(A, x)
+    assert rep.unread is None
+    assert rep.dead_parameters == {"tower.marker.weight": "loaded by none of Tower.kept, Tower.forward, the ways "
+                                                          "tower is called (static check)"}
+    hidden = next(g for g in rep.groups if ("tower.up.weight", 0) in g.params)
+    assert hidden.kind == "scaled_perm" and hidden.size == 16
+    assert rep.certify(A, x) <= 1e-12
+    B = symgraph.transform(A, rep.random_transform(seed=3, orthogonal=True))
+    assert float((A.tower.up.weight - B.tower.up.weight).abs().max()) > 0.1
+    assert torch.equal(A.tower.marker.weight, B.tower.marker.weight)
+    C = symgraph.align(A, B, x).apply(B)
+    for (n, p), q in zip(A.named_parameters(), C.parameters()):
+        assert float((p - q).abs().max()) < 1e-6, n
+
+
+@pytest.mark.parametrize("cls", [MarkedHost, NamedHost])
+def test_a_member_a_way_in_loads_or_a_name_reaches_is_not_proven(cls):
+    assert closed_parameters(cls(), ["tower.marker.weight"]) == {}

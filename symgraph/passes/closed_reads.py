@@ -1,25 +1,30 @@
-"""Parameters their holder reads only on a path every caller closes (issue 65): a static proof
-beside :mod:`.deadcode`, over the source (``ast``), running no code.
+"""Parameters their holder reads only on a way in that no caller takes (issue 65): a static
+proof beside :mod:`.deadcode`, over the source (``ast``).
 
-PI0's action expert is a Gemma model whose forward embeds ``input_ids`` only ``if inputs_embeds is
+PI0's action model is a Gemma model whose forward embeds ``input_ids`` only ``if inputs_embeds is
 None``, and PI0 calls it only with ``inputs_embeds=action_embeds``, a required tensor argument of
-its own forward: the expert's token embedding is read by no method of the model. For an unread
-parameter at ``m1.….mk.p`` take ``H``, a module on the path with a parent ``P`` (each tried,
-deepest first), ``h`` its name in ``P`` and ``a`` the path's name after it. It is dead when
+its own forward; Qwen2.5-Omni's audio tower holds an ``audio_bos_eos_token`` that neither its
+forward nor the method its caller uses loads (another method reaches its parameters generically,
+so :mod:`.deadcode` proves nothing). For an unread parameter at ``m1.….mk.p`` take ``H``, a
+module on the path with a parent ``P`` (each tried, deepest first), ``h`` its name in ``P`` and
+``a`` the path's name after it. It is dead when
 
 - ``H`` is reached under one path only, as is the parameter; neither ``H``'s class nor ``P``'s
   nor any module's above it is torch's own (but for containers above ``P``);
-- ``H``'s forward (as its class resolves it, under its decorators) loads ``self.a`` only under
-  ``if X is None`` (or the ``else`` of ``if X is not None``), ``X`` one of its arguments that it
-  assigns only under such a test (a ``None`` is replaced; a value never becomes ``None``); names
-  ``a`` in no string; uses ``self`` only to load attributes that are data of the instance
-  (modules, parameters, values in its ``__dict__``: no method or property of its class, which
-  could read ``a``), never ``super()`` nor ``self`` handed on;
 - in the source files of ``P``'s classes and of the modules above ``P``, outside
-  :data:`.deadcode.INIT_FUNCTIONS`, ``h`` is loaded only as ``self.h(...)`` in a method of
-  ``P``'s classes, each such call passes ``X=v`` by keyword, ``v`` an argument of the enclosing
-  function that has no default, is annotated as a tensor and not as optional, and is never
-  assigned there; and no string names ``h``.
+  :data:`.deadcode.INIT_FUNCTIONS`, ``h`` is loaded only as ``self.h(...)`` or ``self.h.m(...)``
+  in a method of ``P``'s classes (the ways in); no string of the own file of ``P``'s class or of
+  a module's above names ``h``, and no method of a class of ``P`` written there reaches members by
+  no name (:data:`.deadcode.GENERIC`, ``self`` handed on): as :mod:`.deadcode` reads the modules
+  above its holder;
+- each way in, ``H``'s forward or method ``m`` as its class resolves it (under its decorators),
+  names ``a`` in no string, uses ``self`` only to load data of the instance (modules,
+  parameters, values in its ``__dict__``: no method or property, which could read ``a``), never
+  ``super()``, ``self`` handed on, nor a function defined inside; a method ``m`` loads ``self.a``
+  nowhere, the forward only under ``if X is None`` (or the ``else`` of ``if X is not None``),
+  ``X`` an argument it assigns only under such a test (a value never becomes ``None``), where each
+  ``self.h(...)`` passes ``X=v`` by keyword, ``v`` an argument of the enclosing function without
+  default, annotated as a tensor and not as optional, and never assigned there.
 
 As :mod:`.deadcode` does, code that reaches modules without naming them above ``H`` (weight
 initialisation, hooks that record outputs, ``enable_input_require_grads``) is taken to run no
@@ -29,6 +34,7 @@ located or parsed is not proven.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import os
 import re
@@ -36,7 +42,7 @@ import textwrap
 
 import torch
 
-from .deadcode import INIT_FUNCTIONS
+from .deadcode import GENERIC, INIT_FUNCTIONS
 
 __all__ = ["closed_reason", "closed_parameters"]
 
@@ -58,19 +64,21 @@ def _words(tree, name: str) -> bool:
                and pattern.search(n.value) for n in ast.walk(tree))
 
 
-def _none_test(test, names) -> tuple | None:
-    """``(X, is_none)`` of a test ``X is None`` (True) or ``X is not None`` (False), ``X`` in ``names``."""
+def _tests(test, names) -> tuple:
+    """What each branch of ``test`` knows, ``(body's, else's)``: ``("none", X)`` where ``X`` (in
+    ``names``) is None there, ``("set", X)`` where it is not; None for a test of another form."""
     if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.left, ast.Name) \
             and test.left.id in names and isinstance(test.comparators[0], ast.Constant) \
             and test.comparators[0].value is None and isinstance(test.ops[0], (ast.Is, ast.IsNot)):
-        return test.left.id, isinstance(test.ops[0], ast.Is)
-    return None
+        none, x = ("none", test.left.id), ("set", test.left.id)
+        return (none, x) if isinstance(test.ops[0], ast.Is) else (x, none)
+    return (None, None)
 
 
 class _Forward(ast.NodeVisitor):
-    """What the holder's forward does: ``reads`` of ``self.a`` (each with the arguments known
-    None there), ``stores`` of its arguments (likewise), ``members`` loaded on ``self``,
-    ``bad`` where ``self`` is used any other way."""
+    """What a method of the holder does: ``reads`` of ``self.a`` (each with what its branches
+    know, :func:`_tests`), ``stores`` of its arguments (likewise), ``members`` loaded (or
+    assigned) on ``self``, ``bad`` where ``self`` is used any other way."""
 
     def __init__(self, fn, attr: str):
         args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
@@ -80,18 +88,20 @@ class _Forward(ast.NodeVisitor):
         self.stores: list = []
         self.members: set = set()
         self.bad = self.me is None
-        self._none: list = []  # per enclosing branch: the argument known None there, or None
+        self._known: list = []  # per enclosing branch: what it knows, or None
         for s in fn.body:
             self.visit(s)
 
+    def _here(self) -> frozenset:
+        return frozenset(k for k in self._known if k is not None)
+
     def _branches(self, node, body, orelse):
         self.visit(node.test)
-        t = _none_test(node.test, self.names)
-        for part, none in ((body, True), (orelse, False)):
-            self._none.append(t[0] if t is not None and t[1] == none else None)
+        for part, known in zip((body, orelse), _tests(node.test, self.names)):
+            self._known.append(known)
             for x in part if isinstance(part, list) else [part]:
                 self.visit(x)
-            self._none.pop()
+            self._known.pop()
 
     def visit_If(self, node):
         self._branches(node, node.body, node.orelse)
@@ -103,7 +113,7 @@ class _Forward(ast.NodeVisitor):
         if isinstance(node.value, ast.Name) and node.value.id == self.me:
             self.members.add(node.attr)
             if node.attr == self.attr:
-                self.reads.append({x for x in self._none if x is not None})
+                self.reads.append(self._here())
             return
         self.generic_visit(node)
 
@@ -111,7 +121,7 @@ class _Forward(ast.NodeVisitor):
         if node.id == self.me:
             self.bad = True  # self handed on, returned or stored
         elif node.id in self.names and not isinstance(node.ctx, ast.Load):
-            self.stores.append((node.id, {x for x in self._none if x is not None}))
+            self.stores.append((node.id, self._here()))
 
     def visit_Call(self, node):
         if isinstance(node.func, ast.Name) and node.func.id == "super":
@@ -145,23 +155,26 @@ def _parsed_function(fn):
     return (path, node) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
 
 
-def _guards(holder, attr: str) -> list | None:
-    """The arguments of ``holder``'s forward each read of ``self.attr`` is guarded by (known
-    None there), one set a read; None where the forward is not as the module's docstring asks."""
-    fn = getattr(type(holder), "forward", None)
+def _data(holder, name: str) -> bool:
+    """Whether ``self.name`` is data of ``holder``: a module, parameter, buffer or value of the
+    instance (no method nor property, which could read anything)."""
+    return name in vars(holder) or name in holder._modules or name in holder._parameters or name in holder._buffers
+
+
+def _guards(holder, method: str, attr: str):
+    """``holder``'s ``method`` read (a :class:`_Forward`), where every load of ``self.attr`` in it
+    is under a branch that knows something and it uses ``self`` only for data (:func:`_data`);
+    else None."""
+    fn = getattr(type(holder), method, None)
     if fn is None or not inspect.isfunction(inspect.unwrap(fn)) or _torch_own(inspect.unwrap(fn)):
         return None
     found = _parsed_function(fn)
     if found is None:
         return None
     f = _Forward(found[1], attr)
-    data = set(vars(holder)) | set(holder._modules) | set(holder._parameters) | set(holder._buffers)
-    if f.bad or not f.reads or any(not r for r in f.reads) or any(m not in data for m in f.members):
+    if f.bad or any(not r for r in f.reads) or not all(_data(holder, m) for m in f.members):
         return None
-    guarded = set().union(*f.reads)
-    if any(x in guarded and x not in known for x, known in f.stores):
-        return None  # an argument a read is guarded by, assigned where it may be a value
-    return f.reads
+    return f
 
 
 def _not_none(value, fn) -> str | None:
@@ -182,42 +195,53 @@ def _not_none(value, fn) -> str | None:
     return None if stored else value.id
 
 
-def _calls(tree, mine: set, h: str):
-    """Each ``(call, method)`` of ``self.h(...)`` in a method of the classes ``mine`` (qualified
-    names) of ``tree``; None where ``h`` is loaded any other way outside init functions."""
+def _calls(tree, mine: set, h: str, strict: bool):
+    """Each ``(call, function, method)`` of ``self.h(...)`` (method None) or ``self.h.m(...)``
+    (method ``m``) in a method of the classes ``mine`` (qualified names) of ``tree``; None where
+    ``h`` is loaded any other way outside init functions, or, where ``strict``, a method of those
+    classes reaches members by no name (:data:`.deadcode.GENERIC`, ``self`` handed on)."""
     out: list = []
+
+    def mine_h(node, me):
+        return isinstance(node, ast.Attribute) and node.attr == h and isinstance(node.value, ast.Name) \
+            and me is not None and node.value.id == me
 
     def walk(node, cls, fn, me):
         if isinstance(node, ast.ClassDef):
             qual = f"{cls}.{node.name}" if cls else node.name
-            for x in node.body:
-                if not walk(x, qual, None, None):
-                    return False
-            return True
+            return all(walk(x, qual, None, None) for x in node.body)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             if getattr(node, "name", None) in INIT_FUNCTIONS:
                 return True
             args = node.args.posonlyargs + node.args.args
             method = fn is None and cls is not None and not isinstance(node, ast.Lambda)
             fn, me = (node, args[0].arg if args and method else None) if method else (node, None)
-        own = isinstance(node, ast.Attribute) and node.attr == h and isinstance(node.value, ast.Name) \
-            and node.value.id == me and me is not None
-        if own and cls not in mine:  # another class's self: another object
+        if mine_h(node, me) and cls not in mine:  # another class's self: another object
             return True
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == h:
-            v = node.func.value
-            if not (isinstance(v, ast.Name) and v.id == me and me is not None):
-                return False
+        if isinstance(node, ast.Call) and (mine_h(node.func, me) or (
+                isinstance(node.func, ast.Attribute) and mine_h(node.func.value, me))):
             if cls in mine:
-                out.append((node, fn))
+                out.append((node, fn, None if mine_h(node.func, me) else node.func.attr))
             return all(walk(x, cls, fn, me) for x in node.args + [k.value for k in node.keywords])
         if isinstance(node, ast.Attribute) and node.attr == h:
             return False
+        if strict and cls in mine and me is not None:
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == me:
+                return node.attr not in GENERIC
+            if isinstance(node, ast.Name) and node.id == me:
+                return False  # self handed on, returned or stored
         return all(walk(x, cls, fn, me) for x in ast.iter_child_nodes(node))
     return out if walk(tree, None, None, None) else None
 
 
 def _tree(path: str):
+    """The parsed source of ``path``, read again where it changed."""
+    st = os.stat(path)
+    return _parsed(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(path: str, size: int, mtime: int):
     with open(path, encoding="utf-8") as f:
         return ast.parse(f.read(), filename=path)
 
@@ -230,28 +254,58 @@ def _source(cls):
     return path if path and os.path.isfile(path) else None
 
 
-def _passed(parent, above, h: str, args: set) -> bool:
-    """Whether every call of ``parent.h`` in its classes' source passes one of ``args`` a value
-    that is not None, and nothing else there or above loads or names ``h``."""
+def _sites(parent, above, h: str) -> list | None:
+    """The calls of ``parent.h`` and of its methods in the source of ``parent``'s classes (see
+    :func:`_calls`); None where anything there or above loads ``h`` otherwise, or a string of
+    the own file of ``parent``'s class or of a module's above names it."""
     classes = [c for c in type(parent).__mro__ if not _torch_own(c)]
     files: dict = {}
+    own = {_source(type(m)) for m in [*above, parent] if not _torch_own(type(m))}
     for c in classes + [type(m) for m in above if not _torch_own(type(m))]:
         path = _source(c)
         if path is None:
-            return False
+            return None
         files.setdefault(path, set()).add(c.__qualname__ if c in classes else None)
+    out: list = []
     for path, mine in files.items():
         try:
             tree = _tree(path)
         except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-            return False
-        calls = _calls(tree, mine - {None}, h)
-        if calls is None or _words(tree, h):
-            return False
-        for call, fn in calls:
-            if not any(k.arg in args and _not_none(k.value, fn) for k in call.keywords):
-                return False
-    return True
+            return None
+        calls = _calls(tree, mine - {None}, h, path in own)
+        if calls is None or (path in own and _words(tree, h)):
+            return None
+        out += calls
+    return out
+
+
+def _holds(known, f, calls) -> str | None:
+    """How ``known`` (what a branch knows, :func:`_tests`) is false on every call in ``calls``
+    (``(call, function)``), in words; None where it may hold."""
+    x = known[1]
+    if known[0] != "none" or any(y == x and ("none", x) not in k for y, k in f.stores):
+        return None  # an argument assigned where it may be a value
+    if not all(any(k.arg == x and _not_none(k.value, fn) for k in call.keywords) for call, fn in calls):
+        return None
+    return f"{x} is None, which every call passes a tensor"
+
+
+def _closed(holder, sites, attr: str) -> list | None:
+    """Why each load of ``holder.attr`` on the calls ``sites`` is never reached (the forward's
+    under a branch every call decides against; another method loads it nowhere); None where not
+    proven."""
+    why: list = []
+    forward = [(call, fn) for call, fn, m in sites if m is None]
+    for method in dict.fromkeys(m or "forward" for _, _, m in sites):
+        f = _guards(holder, method, attr)
+        if f is None or (f.reads and method != "forward"):
+            return None
+        for r in f.reads:
+            found = next((w for k in r if (w := _holds(k, f, forward)) is not None), None)
+            if found is None:
+                return None
+            why.append(found)
+    return list(dict.fromkeys(why))
 
 
 def closed_reason(model, name: str) -> str | None:
@@ -275,14 +329,14 @@ def closed_reason(model, name: str) -> str | None:
         if paths[id(holder)] != 1 or _torch_own(type(holder)) or _torch_own(type(parent)) or any(
                 _torch_own(type(x)) and not isinstance(x, _CONTAINERS) for x in above):
             continue
-        reads = _guards(holder, path[i])
-        if reads is None:
+        sites = _sites(parent, above, path[i - 1])
+        why = _closed(holder, sites, path[i]) if sites else None
+        if sites is None or why is None:
             continue
-        # every read guarded by an argument each call passes a value: one argument per read suffices
-        if all(_passed(parent, above, path[i - 1], r) for r in reads):
-            args = " or ".join(sorted(set().union(*reads)))
-            return (f"read by {type(holder).__name__}.forward only where {args} is None, which every call "
-                    f"of {path[i - 1]} passes a tensor (static check)")
+        called = ", ".join(f"{type(holder).__name__}.{m}" for m in dict.fromkeys(m or "forward" for _, _, m in sites))
+        if not why:
+            return f"loaded by none of {called}, the ways {path[i - 1]} is called (static check)"
+        return f"loaded by {called}, the ways {path[i - 1]} is called, only where {' and '.join(why)} (static check)"
     return None
 
 
