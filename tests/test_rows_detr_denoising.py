@@ -3,17 +3,22 @@ class embedding (contrastive denoising reads it in training, with labels), so ev
 stays fixed. Built without it (``num_denoising=0``), a tiny RT-DETR v2 is complete: every class
 the coverage checker expects is found (the box heads the model shares with its decoder under two
 names, the deformable attention's per-head sampling offsets and weights), it certifies and a
-moved copy is aligned back by weights. With it, each missing class is explained by the unread
-embedding, under the name the report gives a tied tensor."""
+moved copy is aligned back by weights. With it, the embedding is read by a training run
+(:mod:`symgraph.passes.training_runs`) and the row is as complete."""
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
 
 import symgraph
+from symgraph.passes.training_runs import TrainingRun
+from symgraph.report.certify import extra_runs
 from symgraph.testing.models import randomized
 
 T = pytest.importorskip("transformers")
+apply_module = importlib.import_module("symgraph.transform.apply")  # symgraph.transform is also a function
 
 
 def _rt_detr_v2(num_denoising: int):
@@ -65,12 +70,37 @@ def test_rt_detr_v2_without_denoising_is_complete_sound_and_recovered():
     assert _rel(m, back) < 1e-5
 
 
-def test_rt_detr_v2_with_denoising_names_the_unread_embedding_for_every_missing_class():
+def test_rt_detr_v2_with_denoising_reads_its_embedding_in_a_training_run(monkeypatch):
+    """The denoising embedding is read by the model's inner module run again in training mode on
+    labels built from the config: its width axis joins the decoder stream's class, the row is
+    complete, the certificate judges the training run too, and a moved copy comes back by weights;
+    the program still computes the plain eval forward."""
     m = _rt_detr_v2(4)
     rep = symgraph.analyze(m)
-    assert "model.denoising_class_embed.weight" in rep.unread
-    assert rep.groups == [] and rep.certify(m) <= 1e-6
-    missing = _missing(m, rep)
-    box = [x for x in missing if x["module"].startswith("bbox_embed.")]  # read under the alias
-    assert len(box) == 4 and len(missing) == 34
-    assert all("model.denoising_class_embed.weight is never read" in x["why"] for x in missing)
+    assert rep.unread is None and rep.frozen == [] and _missing(m, rep) == []
+    assert extra_runs(rep) == [TrainingRun("model", labels=True)]
+    (stream,) = rep.group_of("model.denoising_class_embed.weight", 1)
+    assert (stream.kind, stream.size) == ("perm", 16)
+    assert rep.group_of("model.decoder.layers.0.self_attn.q_proj.weight", 1) == [stream]
+    assert rep.group_of("model.enc_output.0.weight", 0) == [stream]
+    assert rep.group_of("model.denoising_class_embed.weight", 0) == []  # class ids: fixed
+    x = rep.inputs[1]["pixel_values"]
+    with torch.no_grad():
+        want = m.eval()(pixel_values=x).logits
+        got = rep.exported_program.module()(pixel_values=x).logits
+    assert torch.equal(got, want)
+    assert rep.certify(m) <= 1e-6
+    moved = symgraph.transform(m, rep.random_transform(seed=1))
+    assert _rel(m, moved) > 0.5 and rep.certify(moved) <= 1e-6
+    back = symgraph.align(m, moved, report_a=rep, full_groups=True).apply(moved)
+    assert _rel(m, back) < 1e-5
+    real = apply_module.transform  # every transform certify applies leaves the embedding as it was
+
+    def unmoved(model, t, *a, **kw):
+        out = real(model, t, *a, **kw)
+        with torch.no_grad():
+            out.model.denoising_class_embed.weight.copy_(model.model.denoising_class_embed.weight)
+        return out
+    monkeypatch.setattr(apply_module, "transform", unmoved)
+    with pytest.raises(symgraph.CertificationError, match="run in training mode on labels"):
+        rep.certify(m)  # the eval forward never reads it: only the training run sees it

@@ -24,6 +24,7 @@ axes relate, a union-find merges them into classes. Importing the rule files reg
 - ``optional_inputs``   optional inputs that read parameters the main input leaves unread
 - ``holder_inputs``     a called module's optional argument that reads a parameter, run in the trace
 - ``entry_points``      another method of the model that reads a parameter, run beside the forward
+- ``training_runs``     a module that reads a parameter only in training mode, run again so in the trace
 - ``deadcode``          unread parameters no method of their module's source reads (a static proof)
 - ``closed_reads``      unread parameters read only on a path every call of their holder closes (static)
 - ``image_inputs``      a vision-language model's images and image tokens

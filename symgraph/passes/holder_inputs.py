@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .entry_points import entered, entry_points
 from .nodes import unread_parameters
 from .optional_inputs import float_leaves, parameter_reads
+from .training_runs import trained, training_runs
 
 __all__ = ["HOLDERS", "Injection", "holder_injections", "injected", "substituted", "traced_with_holders",
            "MAX_TRIALS"]
@@ -320,15 +321,17 @@ def traced_with_holders(model, traced, exported, export, stack: contextlib.ExitS
     found = holder_injections(model, traced[0], traced[1], unread) if unread else []
     left = [n for n in unread if not any(n.startswith(i.path + ".") for i in found)]
     entries = entry_points(model, traced[0], traced[1], left) if left else []
-    if not found and not entries:
+    runs = training_runs(model, traced[0], traced[1], left) if left else []
+    if not found and not entries and not runs:
         return (*exported, [])
     inner = contextlib.ExitStack()
     inner.enter_context(injected(model, found))
     inner.enter_context(entered(model, entries))
+    inner.enter_context(trained(model, runs))
     try:
         ep, branched = export()
     except Exception:  # noqa: BLE001 - the plain program stands, its parameters unread
         inner.close()
         return (*exported, [])
     stack.enter_context(inner)
-    return ep, branched, [*found, *entries]
+    return ep, branched, [*found, *entries, *runs]

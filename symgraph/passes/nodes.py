@@ -6,8 +6,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["BRANCHES_TAKEN", "UNREAD", "UNSAVED", "unsaved_tensors", "unsaved_values", "FrozenOp", "READ_AS_NUMBER", "flat_nodes", "live_nodes", "module_path", "ndim", "op_of", "output_nodes", "packet", "packets",
+__all__ = ["BRANCHES_TAKEN", "HIDDEN_OUTPUTS", "UNREAD", "UNSAVED", "unsaved_tensors", "unsaved_values", "FrozenOp", "READ_AS_NUMBER", "flat_nodes", "live_nodes", "module_path", "ndim", "op_of", "output_nodes", "packet", "packets",
            "source_line", "tensor_axes", "unread_parameters"]
+
+# Output fields that are hidden states, not what a head computes (matched at the name's end).
+HIDDEN_OUTPUTS = ("hidden_state", "hidden_states", "attentions", "past_key_values", "_model_output",
+                  "_outputs")
 
 
 def packet(t):

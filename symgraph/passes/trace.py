@@ -19,7 +19,7 @@ from .index_lists import stacked_index_lists
 from .inputs import default_inputs, is_hf
 from .closed_reads import closed_parameters
 from .deadcode import DEAD, dead_parameters
-from .nodes import BRANCHES_TAKEN, UNREAD, packet, unread_parameters
+from .nodes import BRANCHES_TAKEN, HIDDEN_OUTPUTS, UNREAD, packet, unread_parameters
 from .real_values import export_real_values, real_values
 from .registry import has_rule
 
@@ -373,9 +373,6 @@ def output_positions(ep, names):
     return frozenset(pytree.tree_leaves(select_outputs(tree, names)))
 
 
-# Output fields that are hidden states, not what a head computes (matched at the name's end).
-HIDDEN_OUTPUTS = ("hidden_state", "hidden_states", "attentions", "past_key_values", "_model_output",
-                  "_outputs")
 
 
 def head_outputs(ep):

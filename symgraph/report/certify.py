@@ -12,6 +12,7 @@ import torch
 from ..core.dtypes import wide_floats
 from ..passes.entry_points import EntryPoint, entry_results
 from ..passes.holder_inputs import HOLDERS, Injection, substituted
+from ..passes.training_runs import TrainingRun, training_results
 from ..passes.trace import eval_mode, flatten_outputs, graph_friendly, output_deviation, select_outputs, split_inputs
 from ..errors import CertificationError, InputError
 
@@ -36,12 +37,14 @@ def certify(report, model, inputs=None, trials: int = 3, tol: float = 1e-6) -> f
     ``max(tol, FLOAT32_TOL)``, with a warning that says so.
 
     The extra runs the program was traced with (the graph meta's ``HOLDERS``: a holder run on an
-    injected argument, another method run beside the forward) are judged as well, on the
-    report's own inputs (where they were found), in the same worst deviation: the program adds
-    them as ``0 *`` their results, so the outputs alone never see them. A holder's run returns
-    values of its output's space, which the symmetry moves: it is judged by the model's outputs
-    with that run in place of the holder's result (:func:`.holder_inputs.substituted`, one run
-    per injection and trial); a method's results, which the analysis keeps fixed, directly.
+    injected argument, another method run beside the forward, a module run in training mode) are
+    judged as well, on the report's own inputs (where they were found), in the same worst
+    deviation: the program adds them as ``0 *`` their results, so the outputs alone never see
+    them. A holder's run returns values of its output's space, which the symmetry moves: it is
+    judged by the model's outputs with that run in place of the holder's result
+    (:func:`.holder_inputs.substituted`, one run per injection and trial); a method's results
+    and a training run's (:func:`.training_runs.training_results`, under a fixed generator),
+    which the analysis keeps fixed, directly.
     """
     if any(p.is_meta for p in model.parameters()):
         raise InputError("cannot certify a model on the meta device: it has no weights")
@@ -119,8 +122,9 @@ def deviation(base: list, out: list) -> float:
 
 def extra_runs(report) -> list:
     """The extra runs ``report``'s program was traced with: the holders' injections
-    (:class:`.holder_inputs.Injection`) and the other methods run beside the forward
-    (:class:`.entry_points.EntryPoint`); none for a report without a program."""
+    (:class:`.holder_inputs.Injection`), the other methods run beside the forward
+    (:class:`.entry_points.EntryPoint`) and the modules run in training mode
+    (:class:`.training_runs.TrainingRun`); none for a report without a program."""
     try:
         meta = report.exported_program.graph_module.meta
     except AttributeError:
@@ -131,6 +135,8 @@ def extra_runs(report) -> list:
 def _named(extra) -> str:
     if isinstance(extra, Injection):
         return f"the model with {extra.path} run on its {extra.arg}"
+    if isinstance(extra, TrainingRun):
+        return f"{extra.path or 'the model'} run in training mode{' on labels' if extra.labels else ''}"
     return f"{extra.path + '.' if extra.path else ''}{extra.method}"
 
 
@@ -140,6 +146,12 @@ def _extra_values(m, extra, inputs: tuple, outputs) -> list:
     args, kwargs = inputs
     if isinstance(extra, EntryPoint):
         return entry_results(m, extra, args, kwargs)
+    if isinstance(extra, TrainingRun):
+        values = training_results(m, extra, args, kwargs)
+        if not values:
+            raise CertificationError(f"{_named(extra)}: the run was not made on the report's inputs, so it "
+                                     "cannot be judged")
+        return values
     with substituted(m, extra) as hook:
         out = flatten_outputs(select_outputs(m(*args, **kwargs), outputs))
     if not hook.joined:
