@@ -12,7 +12,8 @@ batch statistics are another function) whose forward's source reads ``self.train
 tried with its own ``training`` flag set (only its own: its children stay in eval mode, so
 dropout stays off) and, where its forward takes ``labels: list[dict] | None`` (the detection
 targets of transformers: ``class_labels`` and ``boxes``) and the call left them unset, on
-labels built from the config (:func:`detection_labels`). Kept where the run reads a parameter
+labels built from the config (:func:`detection_labels`; never the model's own labels, which ask
+for its loss). Kept where the run reads a parameter
 that was unread and returns a finite result (:data:`MAX_TRIALS` trials at most).
 
 In the program the module runs again beside its call, in training mode, under a fixed random
