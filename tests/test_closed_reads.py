@@ -80,3 +80,21 @@ def test_a_member_no_way_in_loads_stays_fixed_alone():
 @pytest.mark.parametrize("cls", [MarkedHost, NamedHost])
 def test_a_member_a_way_in_loads_or_a_name_reaches_is_not_proven(cls):
     assert closed_parameters(cls(), ["tower.marker.weight"]) == {}
+
+
+@pytest.mark.parametrize("model_type, cls, name, why", [
+    ("pi0", "PI0ForConditionalGeneration", "model.dit.embed_tokens.weight",
+     "loaded by GemmaModel.forward, the ways dit is called, only where inputs_embeds is None, which every "
+     "call passes a tensor (static check)"),
+    ("qwen2_5_omni_thinker", "Qwen2_5OmniThinkerForConditionalGeneration",
+     "model.audio_tower.audio_bos_eos_token.weight",
+     "loaded by none of Qwen2_5OmniAudioEncoder._get_feat_extract_output_lengths, "
+     "Qwen2_5OmniAudioEncoder.forward, the ways audio_tower is called (static check)"),
+    # the decoder is named in UDOP's own strings (its tied keys): not proven
+    ("udop", "UdopForConditionalGeneration", "decoder.embed_patches.proj.weight", None),
+])
+def test_coverage_rows_closed_or_not(model_type, cls, name, why):
+    pytest.importorskip("transformers")
+    from analyze_helpers import coverage_row
+    m = coverage_row(model_type, cls)
+    assert closed_parameters(m, [name]) == ({name: why} if why else {})

@@ -1,16 +1,17 @@
-"""Issue 65, two image_text_to_text rows where a parameter no example input reads keeps every
+"""Issue 65, an image_text_to_text row where a parameter no example input reads keeps every
 parameter fixed, and the reason says only what is known: the trace took data-dependent branches
-elsewhere, and no branch is claimed to read the parameter. Each parameter is read by no call the
-model makes, but the static proof (``passes.deadcode``) cannot show it:
+elsewhere, and no branch is claimed to read the parameter. The parameter is read by no call the
+model makes, but neither static proof (``passes.deadcode``, ``passes.closed_reads``) can show it:
 
 - UDOP: the decoder's ``embed_patches`` is read only when its stack gets ``pixel_values``, which
   ``UdopForConditionalGeneration.forward`` never hands the decoder; its ``relative_bias`` terms
   past the first (tied to the encoder's) only when the stack is no decoder. The stack's class
   reads both (the encoder is one of it), and it is a ``PreTrainedModel``, whose methods reach
-  their members generically (``tie_weights``, ``to``, ``post_init``).
-- Qwen2.5-Omni thinker: ``audio_tower.audio_bos_eos_token`` is built and read by no method; the
-  trace branches at ``get_audio_features``' length check. The encoder's ``_freeze_parameters``
-  walks ``self.parameters()``, and it too is a ``PreTrainedModel``.
+  their members generically (``tie_weights``, ``to``, ``post_init``); UDOP's own file names the
+  decoder in strings (its tied keys), and the stack's forward reads ``self.dtype``.
+
+(Qwen2.5-Omni thinker's ``audio_tower.audio_bos_eos_token``, once here, is proven dead by
+``passes.closed_reads``: tests/test_closed_reads.py.)
 """
 from __future__ import annotations
 
@@ -28,8 +29,6 @@ ROWS = {
              ["decoder.embed_patches.proj.weight", "decoder.embed_patches.proj.bias",
               "decoder.relative_bias.biases.1.relative_attention_bias.weight",
               "decoder.relative_bias.biases.2.relative_attention_bias.weight"]),
-    "qwen2_5_omni_thinker": ("Qwen2_5OmniThinkerForConditionalGeneration",
-                             ["model.audio_tower.audio_bos_eos_token.weight"]),
 }
 
 
