@@ -74,3 +74,27 @@ def test_the_method_takes_the_forward_field_of_its_name():
         got = rep.exported_program.module()(**kw)
         assert float((got - m(**kw)).abs().max()) < 1e-12
     assert recovered(m, rep, kw) < 1e-5
+
+
+class WithSpare(Transcriber):
+    """A vector that only a private method reads: no trial reads it, and it is not dead."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = torch.nn.Parameter(torch.ones(6))
+
+    def _scale(self, h):
+        return h * self.spare
+
+
+def test_no_method_is_kept_where_a_parameter_stays_unread():
+    """``spare`` fixes every class whatever ``timestamps`` reads: no entry is kept (its trace
+    would cost time for nothing), and the report names ``spare``."""
+    torch.manual_seed(0)
+    m, kw = WithSpare().eval(), _inputs()
+    unread = [n for n, _ in m.named_parameters() if n.startswith("stamp.")]
+    assert entry_points(m, (), kw, unread) == [EntryPoint("", "timestamps", ("field:hidden", "mask"))]
+    assert entry_points(m, (), kw, [*unread, "spare"]) == []
+    rep = symgraph.analyze(m, kw)
+    assert rep.exported_program.graph_module.meta[HOLDERS] == []
+    assert rep.groups == [] and rep.unread.startswith("spare ")

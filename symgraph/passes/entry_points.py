@@ -19,9 +19,10 @@ fails and the model can switch (``set_attn_implementation``), under eager attent
 that reads attention maps gets none from SDPA). Kept where it reads an unread parameter.
 
 In the program the method runs after the forward on the same inputs, and ``0 * s`` is added to
-the forward's first floating output, ``s`` the sum of the method's floating results each times
-a constant that varies along every axis: the program computes the plain forward (exactly,
-where the result is finite), its consumers see the model's values on a user's batch, and the
+the forward's first floating output, ``s`` the sum of the method's tensor results (integer
+ones, codes, as floats: a method whose only result is codes is kept too) each times a constant
+that varies along every axis: the program computes the plain forward (exactly, where the
+result is finite), its consumers see the model's values on a user's batch, and the
 analysis keeps every axis of the method's result fixed (a constant's axes are), as if it were an
 output: each claim holds of the method too.
 """
@@ -35,7 +36,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..core.devices import weightless_twin
-from .optional_inputs import float_leaves, parameter_reads
+from .deadcode import dead_parameters
+from .optional_inputs import parameter_reads
 
 __all__ = ["FIELD", "EntryPoint", "entry_points", "entered", "entry_results", "own_methods", "recorded"]
 
@@ -158,59 +160,68 @@ def _run(model, entry: EntryPoint, args, kwargs, fields: dict | None = None):
         return method(*margs)
 
 
+def _results(out) -> list:
+    """The tensors of ``out``: the floating ones, and the others (codes, masks) as floats."""
+    return [t if t.is_floating_point() else t.float()
+            for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and not t.is_complex()]
+
+
 def entry_results(model, entry: EntryPoint, args, kwargs, fields: dict | None = None) -> list:
-    """The floating tensors ``entry``'s method returns, run on ``model`` with the forward's inputs
-    ``args``/``kwargs`` (and the fields of ``fields``, else of a run of the forward on them) as
-    the program runs it (:func:`symgraph.report.certify.certify` compares them)."""
-    return float_leaves(_run(model, entry, args, kwargs, fields))
+    """The tensors ``entry``'s method returns (:func:`_results`), run on ``model`` with the
+    forward's inputs ``args``/``kwargs`` (and the fields of ``fields``, else of a run of the
+    forward on them) as the program runs it (:func:`symgraph.report.certify.certify` compares them)."""
+    return _results(_run(model, entry, args, kwargs, fields))
 
 
-def _tried(model, entry: EntryPoint, args, kwargs) -> frozenset | None:
-    """The parameters the method reads on the inputs, where its result is finite; else None."""
+def _tried(model, entry: EntryPoint, args, kwargs, fields: dict) -> frozenset | None:
+    """The parameters the method reads on the inputs (the forward's output ``fields`` where it
+    takes one), where its result is finite; else None."""
     seen: list = []
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     args, kwargs = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, (args, kwargs))
-    reads = parameter_reads(model, (), {}, run=lambda: seen.append(_run(model, entry, args, kwargs)))
-    if reads is None or not seen or not float_leaves(seen[0]):
+    reads = parameter_reads(model, (), {}, run=lambda: seen.append(_run(model, entry, args, kwargs, fields)))
+    if reads is None or not seen or not _results(seen[0]):
         return None
-    if not all(t.is_meta or bool(torch.isfinite(t).all()) for t in float_leaves(seen[0])):
+    if not all(t.is_meta or bool(torch.isfinite(t).all()) for t in _results(seen[0])):
         return None
     return reads
 
 
-def _output_fields(model, args, kwargs) -> set[str]:
-    """The names of the tensor fields of the outputs of ``model``'s modules in a trial run of
-    its forward on ``args``/``kwargs`` (none where it refuses them), on a twin on ``meta``."""
-    twin = weightless_twin(model)
-    dev = next((p.device for p in twin.parameters()), torch.device("cpu"))
-    args, kwargs = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, (args, kwargs))
-    with recorded(twin, None) as got:
-        parameter_reads(twin, args, kwargs)
-    return set(got)
+class _Fields:
+    """The tensor fields of the outputs of ``model``'s modules in one trial run of its forward
+    on ``args``/``kwargs``, on a twin on ``meta`` (their shapes, as meta tensors; none where it
+    refuses them), made where first asked."""
+
+    def __init__(self, model, args, kwargs):
+        self.model, self.inputs, self._got = model, (args, kwargs), None
+
+    def get(self) -> dict:
+        if self._got is None:
+            twin = weightless_twin(self.model)
+            dev = next((p.device for p in twin.parameters()), torch.device("cpu"))
+            args, kwargs = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, self.inputs)
+            with recorded(twin, None) as got:
+                parameter_reads(twin, args, kwargs)
+            self._got = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in got.items()}
+        return self._got
 
 
-def _fill(required: list[str], kwargs, fields) -> tuple:
-    """How ``required`` arguments are filled (see the module's docstring); ``fields()`` gives
-    the output fields of the forward's run, asked only where an argument is no forward input."""
+def _fill(required: list[str], kwargs, fields: _Fields) -> tuple:
+    """How ``required`` arguments are filled (see the module's docstring); the forward's output
+    ``fields`` are asked only where an argument is no forward input."""
     out = []
     for i, a in enumerate(required):
         if a in kwargs:
             out.append(a)
-        elif a in fields():
+        elif a in fields.get():
             out.append(FIELD + a)
         else:
             out.append("main" if i == 0 else "ones")
     return tuple(out)
 
 
-def _entries(model, unread: list[str], args, kwargs) -> list[EntryPoint]:
+def _entries(model, unread: list[str], kwargs, fields: _Fields) -> list[EntryPoint]:
     """The candidates, in order (see the module's docstring)."""
-    seen: list = []
-
-    def fields() -> set[str]:  # one trial run, where some argument asks for it
-        if not seen:
-            seen.append(_output_fields(model, args, kwargs))
-        return seen[0]
     paths: dict = {}
     for name in unread:
         parts = name.split(".")[:-1]
@@ -225,24 +236,42 @@ def _entries(model, unread: list[str], args, kwargs) -> list[EntryPoint]:
     return out
 
 
+def _needed(kept: list, unread: set) -> list[EntryPoint]:
+    """The kept entries (``(entry, reads)``) but each whose unread reads the others cover (a
+    method that another kept one calls: Nemotron 3.5 Transcribe's word-timestamp states, which
+    its logits method computes), tried in order."""
+    out = list(kept)
+    for e in kept:
+        rest = [r for x, r in out if x is not e[0]]
+        if (e[1] & unread) <= frozenset().union(*rest):
+            out = [x for x in out if x[0] is not e[0]]
+    return [e for e, _ in out]
+
+
 def entry_points(model, args, kwargs, unread: list[str], budget: int = 8) -> list[EntryPoint]:
     """The methods that read a parameter the forward on ``args``/``kwargs`` leaves ``unread``
     (see the module's docstring), in ``budget`` trial runs at most, each on a new twin of the
-    model on ``meta`` (:func:`~symgraph.core.devices.weightless_twin`: a method that changes the
-    module it is called on, a setter, changes that twin only)."""
-    kept: list[EntryPoint] = []
-    left = set(unread)
-    for entry in _entries(model, unread, args, kwargs):
+    model on ``meta`` (:func:`~symgraph.core.devices.weightless_twin`: a method that
+    changes the module it is called on, a setter, changes that twin only); none whose reads the
+    others cover (:func:`_needed`), and none at all where a parameter neither they read nor
+    :mod:`.deadcode` proves dead is left (it fixes every class whatever they read: their trace
+    would only cost time; Nemotron 3.5 Transcribe's diarization ``silence_embeds``)."""
+    kept: list = []
+    left, fields = set(unread), _Fields(model, args, kwargs)
+    for entry in _entries(model, unread, kwargs, fields):
         if not left or budget <= 0:
             break
-        if any(e.path == entry.path and e.method == entry.method for e in kept):
+        if any(e.path == entry.path and e.method == entry.method for e, _ in kept):
             continue
         budget -= 1
-        reads = _tried(weightless_twin(model), entry, args, kwargs)  # a twin each: one trial's changes stay its own
+        # a twin each: one trial's changes stay its own
+        reads = _tried(weightless_twin(model), entry, args, kwargs, fields.get() if _fields(entry) else {})
         if reads is not None and reads & left:
-            kept.append(entry)
+            kept.append((entry, reads))
             left -= reads
-    return kept
+    if left and set(dead_parameters(model, sorted(left))) != left:
+        return []  # a parameter still unread fixes every class: the methods' trace would buy nothing
+    return _needed(kept, set(unread))
 
 
 def _joined(out, extra):
