@@ -98,3 +98,21 @@ def test_no_method_is_kept_where_a_parameter_stays_unread():
     rep = symgraph.analyze(m, kw)
     assert rep.exported_program.graph_module.meta[HOLDERS] == []
     assert rep.groups == [] and rep.unread.startswith("spare ")
+
+
+class TwoMethods(Transcriber):
+    """``states`` reads the first layer of the head; ``timestamps`` calls it and reads the rest
+    (Nemotron 3.5 Transcribe's word-timestamp states and logits)."""
+
+    def states(self, hidden):
+        return torch.tanh(self.stamp[0](hidden))
+
+    def timestamps(self, hidden, mask):
+        return self.stamp[2](self.states(hidden)) * mask[..., None]
+
+
+def test_a_method_another_kept_one_calls_is_dropped():
+    torch.manual_seed(0)
+    m, kw = TwoMethods().eval(), _inputs()
+    unread = [n for n, _ in m.named_parameters() if n.startswith("stamp.")]
+    assert entry_points(m, (), kw, unread) == [EntryPoint("", "timestamps", ("field:hidden", "mask"))]
