@@ -39,7 +39,14 @@ def cross_by_columns(xa, xb, dtype):
 
 def gather(t, d, idx, nf, others=None):
     """Gather ``t``'s dim ``d`` by ``idx [*F, n, *O]`` → ``[*F, n, m]``; ``others`` holds the
-    current elements of the O leaves (applied first, so B's O coordinates are in A's order)."""
+    current elements of the O leaves (applied first, so B's O coordinates are in A's order).
+
+    A fibred element's fibres index B's coordinates of the classes it is fibred over (as
+    :meth:`~symgraph.alignment.result.Alignment.apply` reads them), so a leaf fibred over
+    another O leaf is applied before that leaf moves its dim into A's order. (In the other
+    order a value head permutation fibred over key heads, Qwen3-Next's linear attention, met
+    its key heads already moved: the value dims came back wrong whenever the fibres'
+    permutations differed.)"""
     moved = t.movedim(d, 0)
     flat = idx.reshape(-1)
     if nf == 0 and idx.dim() == 1 and len(flat) == moved.shape[0] and bool(
@@ -47,10 +54,21 @@ def gather(t, d, idx, nf, others=None):
         x = moved  # the whole axis in order: a view, no copy (embeddings)
     else:
         x = moved[flat.to(moved.device)].reshape(*idx.shape, *moved.shape[1:])
-    for pos, E, fpos in (others or []):
+    for pos, E, fpos in _inner_first(others or [], nf):
         x = _apply_leaf(x, nf + 1 + pos, E, fpos)
     lead = idx.shape[: nf + 1]
     return x.reshape(*lead, -1)
+
+
+def _inner_first(others, nf) -> list:
+    """``others`` ordered so that a leaf comes after every leaf fibred over it (leaf ``pos`` is
+    dim ``nf + 1 + pos``; an element's fibre dims ``fpos``)."""
+    left, out = list(others), []
+    while left:
+        free = next(o for o in left if not any(nf + 1 + o[0] in r[2] for r in left if r is not o))
+        out.append(free)
+        left.remove(free)
+    return out
 
 
 def _apply_leaf(x, pos, E, fpos):
