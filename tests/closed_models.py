@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from closed_mixin import DecodeMixin
+
 
 class Block(nn.Module):
     """An MLP over embeddings, its token ids embedded only when it is given none."""
@@ -127,3 +129,31 @@ class NamedHost(Host):
 
     def pick(self, which):
         return getattr(self, f"to{which}")
+
+
+class DecodingTower(Tower):
+    """A tower whose decoding method, which its host never calls, loads the marker."""
+
+    def decode(self, ids):
+        return self.marker(ids)
+
+
+class DecodingHost(Host):
+    def __init__(self):
+        super().__init__()
+        self.tower = DecodingTower()
+
+
+class Wrapped(nn.Module):
+    """A model around the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.host = DecodingHost()
+
+    def forward(self, x: torch.Tensor):
+        return self.host(x)
+
+
+class WrappedWithMixin(Wrapped, DecodeMixin):
+    """The same model, with a mixin (another file) that decodes through the tower's method."""

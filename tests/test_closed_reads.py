@@ -12,7 +12,8 @@ import torch
 import symgraph
 from symgraph.passes.closed_reads import closed_parameters
 
-from closed_models import Host, MarkedHost, MaybeNone, NamedHost, Pilot, PilotOfReassigned, Reached, Tokens
+from closed_models import (Host, MarkedHost, MaybeNone, NamedHost, Pilot, PilotOfReassigned, Reached, Tokens, Wrapped,
+                           WrappedWithMixin)
 
 WHY = ("loaded by Block.forward, the ways block is called, only where embeds is None, which every call passes "
        "a tensor (static check)")
@@ -98,3 +99,14 @@ def test_coverage_rows_closed_or_not(model_type, cls, name, why):
     from analyze_helpers import coverage_row
     m = coverage_row(model_type, cls)
     assert closed_parameters(m, [name]) == ({name: why} if why else {})
+
+
+def test_a_mixin_of_a_model_above_that_calls_another_method_is_read():
+    """A bound that reads only the model's own class missed a mixin in another file (VibeVoice's
+    generation mixin decodes audio through its tokenizer's ``decode``): every class of every
+    module above is read."""
+    name = "host.tower.marker.weight"
+    assert closed_parameters(Wrapped(), [name]) == {name: "loaded by none of DecodingTower.kept, "
+                                                          "DecodingTower.forward, the ways tower is called "
+                                                          "(static check)"}
+    assert closed_parameters(WrappedWithMixin(), [name]) == {}

@@ -11,7 +11,9 @@ module on the path with a parent ``P`` (each tried, deepest first), ``h`` its na
 
 - ``H`` is reached under one path only, as is the parameter; neither ``H``'s class nor ``P``'s
   nor any module's above it is torch's own (but for containers above ``P``);
-- in the source files of ``P``'s classes and of the modules above ``P``, outside
+- in the source files of ``P``'s classes and of the modules' above ``P`` (every class of
+  each, its bases and mixins too: VibeVoice's generation mixin decodes audio through its
+  tokenizer's ``decode``, which a proof reading only the model's own class missed), outside
   :data:`.deadcode.INIT_FUNCTIONS`, ``h`` is loaded only as ``self.h(...)`` or ``self.h.m(...)``
   in a method of ``P``'s classes (the ways in); no string of the own file of ``P``'s class or of
   a module's above names ``h``, and no method of a class of ``P`` written there reaches members by
@@ -261,7 +263,8 @@ def _sites(parent, above, h: str) -> list | None:
     classes = [c for c in type(parent).__mro__ if not _torch_own(c)]
     files: dict = {}
     own = {_source(type(m)) for m in [*above, parent] if not _torch_own(type(m))}
-    for c in classes + [type(m) for m in above if not _torch_own(type(m))]:
+    up = [k for m in above for k in type(m).__mro__ if not _torch_own(k)]  # a mixin's methods too
+    for c in dict.fromkeys(classes + up):
         path = _source(c)
         if path is None:
             return None

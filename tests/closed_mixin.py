@@ -1,0 +1,7 @@
+"""A generation mixin in a file of its own, as transformers keeps VibeVoice's: it decodes
+through a method of a tower that its host never calls."""
+
+
+class DecodeMixin:
+    def decode_ids(self, ids):
+        return self.host.tower.decode(ids)
