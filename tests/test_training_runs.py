@@ -40,6 +40,7 @@ def test_a_head_read_only_in_training_joins_the_hidden_class():
     torch.manual_seed(0)
     m, x = Gated().eval(), torch.randn(5, 4)
     assert training_runs(m, (x,), {}, ["block.aux.weight", "block.aux.bias"]) == [TrainingRun("block")]
+    assert training_runs(m, (x,), {}, ["block.aux.weight", "block.never"]) == []  # one left unread: none
     rep = symgraph.analyze(m, (x,))
     assert rep.unread is None and extra_runs(rep) == [TrainingRun("block")]
     (hidden,) = rep.group_of("block.up.weight", 0)
