@@ -209,6 +209,7 @@ def training_runs(model, args, kwargs, unread: list[str]) -> list[TrainingRun]:
     transformers' own forward cannot read)."""
     kept: list[TrainingRun] = []
     left, budget = set(unread), MAX_TRIALS
+    tensors = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
     for run in _candidates(model, unread):
         if not left or budget <= 0:
             break
@@ -216,7 +217,8 @@ def training_runs(model, args, kwargs, unread: list[str]) -> list[TrainingRun]:
             continue
         budget -= 1
         reads = _tried(model, run, args, kwargs)
-        if reads is not None and reads & left:
+        read = {tensors.get(n, n) for n in reads or ()}  # a tied tensor: read under each name
+        if reads is not None and any(tensors.get(n, n) in read for n in left):
             kept.append(run)
-            left -= reads
+            left = {n for n in left if tensors.get(n, n) not in read}
     return [] if left else kept
