@@ -27,7 +27,7 @@ def check_finite(model, label):
 
 def check_movable(report):
     """Refuse to align where ``report`` fixes every parameter because one is never read by the
-    traced inputs (:attr:`~symgraph.report.symmetry.SymmetryReport.unread`): the alignment
+    traced inputs (the report's ``unread``): the alignment
     would be the identity and a merge the plain average of unaligned models, the option asking
     for alignment silently ignored. :class:`~symgraph.errors.NeedsMemory`, so that a merge
     whose report was traced on ``meta`` tries again with the models loaded (real values may
