@@ -373,8 +373,6 @@ def output_positions(ep, names):
     return frozenset(pytree.tree_leaves(select_outputs(tree, names)))
 
 
-
-
 def head_outputs(ep):
     """The default outputs of a head model (an output with ``logits`` in its name): its fields
     other than hidden states (:data:`HIDDEN_OUTPUTS`: an encoder-decoder's
