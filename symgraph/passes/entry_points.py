@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..core.devices import weightless_twin
 from .deadcode import dead_parameters
-from .optional_inputs import parameter_reads
+from .optional_inputs import modules_above, parameter_reads
 
 __all__ = ["FIELD", "EntryPoint", "entry_points", "entered", "entry_results", "own_methods", "recorded"]
 
@@ -222,13 +222,8 @@ def _fill(required: list[str], kwargs, fields: _Fields) -> tuple:
 
 def _entries(model, unread: list[str], kwargs, fields: _Fields) -> list[EntryPoint]:
     """The candidates, in order (see the module's docstring)."""
-    paths: dict = {}
-    for name in unread:
-        parts = name.split(".")[:-1]
-        for k in range(len(parts), -1, -1):
-            paths.setdefault(".".join(parts[:k]), None)
     out = []
-    for path in sorted(paths, key=lambda p: -len(p.split(".")) if p else 0):
+    for path in modules_above(unread):
         for name, required in own_methods(model.get_submodule(path)):
             fill = _fill(required, kwargs, fields)
             out += [EntryPoint(path, name, fill, eager) for eager in (False, True)

@@ -36,7 +36,7 @@ from ..core.dtypes import parameters_dtype
 from .input_values import config_value, device_of, pixels, token_ids
 
 __all__ = ["Trials", "float_leaves", "caches_off", "encoder_states", "entities", "layout", "long_enough", "masked_patches",
-           "parameter_reads", "passes_on", "segments_and_targets", "text_extras"]
+           "modules_above", "parameter_reads", "passes_on", "segments_and_targets", "text_extras"]
 
 # the names transformers gives a decoder's encoder states (BART's, Whisper's causal LM; Mllama's)
 _ENCODER_STATES = ("encoder_hidden_states", "encoder_outputs", "cross_attention_states")
@@ -263,3 +263,14 @@ def text_extras(trials: Trials, params, cfg, batch: int, gen) -> None:
     positions to predict (:func:`segments_and_targets`)."""
     layout(trials, params, cfg, batch, gen)
     segments_and_targets(trials, params, cfg, batch)
+
+
+def modules_above(names) -> list[str]:
+    """The paths of the modules above the parameters ``names``, nearest first, the model
+    (``""``) last: where a lever that makes a parameter read is looked for."""
+    paths: dict = {}
+    for name in names:
+        parts = name.split(".")[:-1]
+        for k in range(len(parts), -1, -1):
+            paths.setdefault(".".join(parts[:k]), None)
+    return sorted(paths, key=lambda p: -len(p.split(".")) if p else 0)

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .input_values import config_value
 from .nodes import HIDDEN_OUTPUTS
-from .optional_inputs import float_leaves, parameter_reads
+from .optional_inputs import float_leaves, modules_above, parameter_reads
 
 __all__ = ["TrainingRun", "training_runs", "trained", "training_results", "detection_labels", "MAX_TRIALS", "SEED"]
 
@@ -177,13 +177,8 @@ def training_results(model, run: TrainingRun, args, kwargs) -> list:
 
 def _candidates(model, unread: list[str]) -> list[TrainingRun]:
     """The runs tried, in order (see the module's docstring)."""
-    paths: dict = {}
-    for name in unread:
-        parts = name.split(".")[:-1]
-        for k in range(len(parts), -1, -1):
-            paths.setdefault(".".join(parts[:k]), None)
     out = []
-    for path in sorted(paths, key=lambda p: -len(p.split(".")) if p else 0):
+    for path in modules_above(unread):
         module = model.get_submodule(path)
         if _gates(module):
             out.append(TrainingRun(path))
