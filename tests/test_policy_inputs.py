@@ -30,8 +30,9 @@ def test_pi0_state_cameras_and_fixed_draws():
     tokens as its PaliGemma's ``get_image_features`` returns (16), the noise of the shape the
     forward draws (``chunk_size × max_action_dim``) and a time a row, so two runs agree. Every
     parameter is read but the DiT's token embedding, which its forward never reads (the DiT
-    takes the actions' embeddings): the analysis runs with no inputs and, that parameter
-    unread, claims nothing (soundly)."""
+    takes the actions' embeddings): the analysis runs with no inputs, proves that table read
+    by no method (``symgraph.passes.closed_reads``: PI0 always hands its DiT embeddings), keeps it
+    fixed alone and claims the rest's classes."""
     m = coverage_row("pi0", "PI0ForConditionalGeneration")
     cfg = m.config
     _, kw = default_inputs(m)
@@ -45,5 +46,6 @@ def test_pi0_state_cameras_and_fixed_draws():
     assert torch.equal(a, b)  # nothing drawn at random
     assert unread(m, kw) == {"model.dit.embed_tokens.weight"}
     rep = symgraph.analyze(m)
-    assert "model.dit.embed_tokens.weight" in (rep.unread or "") and not rep.groups
+    assert rep.unread is None and "inputs_embeds is None" in rep.dead_parameters["model.dit.embed_tokens.weight"]
+    assert rep.groups and not any(p == "model.dit.embed_tokens.weight" for g in rep.groups for p, _ in g.params)
     assert rep.certify(m) <= 1e-6
