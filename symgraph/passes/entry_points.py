@@ -39,7 +39,8 @@ from ..core.devices import weightless_twin
 from .deadcode import dead_parameters
 from .optional_inputs import modules_above, parameter_reads
 
-__all__ = ["FIELD", "EntryPoint", "entry_points", "entered", "entry_results", "own_methods", "recorded"]
+__all__ = ["FIELD", "EntryPoint", "entry_points", "entered", "entry_results", "own_methods", "recorded",
+           "varying_sum"]
 
 
 @dataclass(frozen=True)
@@ -275,10 +276,15 @@ def _joined(out, extra):
     first = next((i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
     if first is None:
         return None
-    s = sum((r * torch.linspace(1.0, 2.0, r.numel(), dtype=r.dtype, device=r.device).reshape(r.shape)).sum()
-            for r in extra)
-    leaves[first] = leaves[first] + 0 * s
+    leaves[first] = leaves[first] + 0 * varying_sum(extra)
     return tree_unflatten(leaves, spec)
+
+
+def varying_sum(extra):
+    """The sum of the tensors ``extra``, each times a constant that varies along every axis
+    (so that no axis of theirs can move unseen): what an extra run adds as ``0 *``."""
+    return sum((r * torch.linspace(1.0, 2.0, r.numel(), dtype=r.dtype, device=r.device).reshape(r.shape)).sum()
+               for r in extra)
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .entry_points import varying_sum
 from .input_values import config_value
 from .nodes import HIDDEN_OUTPUTS
 from .optional_inputs import float_leaves, modules_above, parameter_reads
@@ -145,8 +146,7 @@ def _joined(out, extra: list):
     floats = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not floats or not extra:
         return None
-    s = sum((r * torch.linspace(1.0, 2.0, r.numel(), dtype=r.dtype, device=r.device).reshape(r.shape)).sum()
-            for r in extra)
+    s = varying_sum(extra)
     for i in floats:
         leaves[i] = leaves[i] + 0 * s.to(leaves[i].dtype)
     return tree_unflatten(leaves, spec)
