@@ -109,3 +109,24 @@ def test_esm_on_meta_is_traced_through_the_same_method_and_classes():
     assert on_meta.exported_program.graph_module.meta[HOLDERS] == rep.exported_program.graph_module.meta[HOLDERS]
     assert [(g.kind, g.size, g.params) for g in on_meta.groups] == [(g.kind, g.size, g.params) for g in rep.groups]
     assert len(rep.groups) == 8
+
+
+class Overflowing(WithSetter):
+    """``score`` overflows (``exp``) on a batch of large values where the forward does not."""
+
+    def score(self, x):
+        return torch.exp(self.head(torch.relu(self.lin(x))))
+
+
+def test_an_extra_run_that_overflows_leaves_the_forward_exact():
+    """The program adds ``0 * s`` of the method's result: ``s`` infinite would make every
+    output NaN on that batch (statistics, REPAIR's runs); it counts as zero instead."""
+    torch.manual_seed(0)
+    m, x = Overflowing().eval(), torch.randn(3, 4)
+    rep = symgraph.analyze(m, (x,))
+    assert rep.unread is None and rep.certify(m, (x,)) <= 1e-6
+    big = 1e4 * torch.ones(3, 4)
+    with torch.no_grad():
+        assert not torch.isfinite(m.score(big)).all()
+        got, want = rep.exported_program.module()(big), m(big)
+    assert torch.isfinite(got).all() and torch.equal(got, want)

@@ -21,8 +21,8 @@ that reads attention maps gets none from SDPA). Kept where it reads an unread pa
 In the program the method runs after the forward on the same inputs, and ``0 * s`` is added to
 the forward's first floating output, ``s`` the sum of the method's tensor results (integer
 ones, codes, as floats: a method whose only result is codes is kept too) each times a constant
-that varies along every axis: the program computes the plain forward (exactly, where the
-result is finite), its consumers see the model's values on a user's batch, and the
+that varies along every axis: the program computes the plain forward (exactly: where the
+result is not finite, ``s`` counts as zero), its consumers see the model's values on a user's batch, and the
 analysis keeps every axis of the method's result fixed (a constant's axes are), as if it were an
 output: each claim holds of the method too.
 """
@@ -282,9 +282,12 @@ def _joined(out, extra):
 
 def varying_sum(extra):
     """The sum of the tensors ``extra``, each times a constant that varies along every axis
-    (so that no axis of theirs can move unseen): what an extra run adds as ``0 *``."""
-    return sum((r * torch.linspace(1.0, 2.0, r.numel(), dtype=r.dtype, device=r.device).reshape(r.shape)).sum()
-               for r in extra)
+    (so that no axis of theirs can move unseen): what an extra run adds as ``0 *``. Zero where
+    the sum is not finite (a user's batch the extra run overflows on), so ``0 *`` it stays zero
+    and the forward's outputs stay exact."""
+    s = sum((r * torch.linspace(1.0, 2.0, r.numel(), dtype=r.dtype, device=r.device).reshape(r.shape)).sum()
+            for r in extra)
+    return torch.nan_to_num(s, nan=0.0, posinf=0.0, neginf=0.0) if isinstance(s, torch.Tensor) else s
 
 
 @contextlib.contextmanager
