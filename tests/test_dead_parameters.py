@@ -1,8 +1,9 @@
 """Issue 65, parameters dead in the model's own code (``symgraph.passes.deadcode``). An unread
 parameter no method of its module's source reads (MarkupLM's ``xpath_unitseq2_embeddings``) is
 proven dead by a static check of that source: it alone stays fixed, the rest of the model keeps
-its classes, and the report lists it. One read by another method, through a computed name, or
-a list item, is not proven: every parameter stays fixed, as for any unread parameter."""
+its classes, and the report lists it. One read by another method or through a computed name is
+not proven: every parameter stays fixed, as for any unread parameter. A list item is left to
+``symgraph.passes.closed_reads``."""
 from __future__ import annotations
 
 import pytest
@@ -79,12 +80,20 @@ def test_a_layer_read_by_a_computed_name_fixes_everything(cls):
     assert rep.unread in why
 
 
-def test_a_list_item_never_iterated_is_not_proven_dead():
+def test_a_list_item_no_constant_index_names_is_dead_by_the_closed_reads_proof_only():
+    """This proof takes no position in a list; :mod:`symgraph.passes.closed_reads` proves the
+    item dead, its list loaded only as ``self.blocks[0]``."""
     torch.manual_seed(0)
     A = Blocks().eval()
+    names = ["blocks.1.weight", "blocks.1.bias"]
+    assert dead_parameters(A, names) == {}
     rep = symgraph.analyze(A, _x())
-    assert rep.dead_parameters == {} and rep.groups == []
-    assert rep.unread.startswith("blocks.1.weight (and 1 more) is never read by the traced inputs")
+    assert rep.unread is None
+    assert rep.dead_parameters == {n: "blocks is read only at 0, by constant indices in Blocks (static check)"
+                                   for n in names}
+    hidden = next(g for g in rep.groups if ("blocks.0.weight", 0) in g.params)
+    assert hidden.kind == "scaled_perm" and hidden.size == 16
+    assert rep.certify(A, _x()) <= 1e-12
 
 
 def test_the_proof_refuses_what_it_cannot_see():

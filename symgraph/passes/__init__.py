@@ -27,6 +27,7 @@ axes relate, a union-find merges them into classes. Importing the rule files reg
 - ``training_runs``     a module that reads a parameter only in training mode, run again so in the trace
 - ``deadcode``          unread parameters no method of their module's source reads (a static proof)
 - ``closed_reads``      unread parameters read only on a path every call of their holder closes (static)
+- ``member_uses``       where a module's member is used, read from its holders' sources (for closed_reads)
 - ``image_inputs``      a vision-language model's images and image tokens
 - ``image_processing``  images made by the model's own image processor from transformers
 - ``tower_inputs``      image layouts for towers the others do not fit (tokens' own pixels)

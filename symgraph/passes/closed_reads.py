@@ -21,12 +21,33 @@ module on the path with a parent ``P`` (each tried, deepest first), ``h`` its na
   above its holder;
 - each way in, ``H``'s forward or method ``m`` as its class resolves it (under its decorators),
   names ``a`` in no string, uses ``self`` only to load data of the instance (modules,
-  parameters, values in its ``__dict__``: no method or property, which could read ``a``), never
-  ``super()``, ``self`` handed on, nor a function defined inside; a method ``m`` loads ``self.a``
-  nowhere, the forward only under ``if X is None`` (or the ``else`` of ``if X is not None``),
-  ``X`` an argument it assigns only under such a test (a value never becomes ``None``), where each
-  ``self.h(...)`` passes ``X=v`` by keyword, ``v`` an argument of the enclosing function without
-  default, annotated as a tensor and not as optional, and never assigned there.
+  parameters, values in its ``__dict__``, or a name nothing holds, no class included, whose
+  load raises: RF-DETR's ``use_mask_token``) or to call a plain method of ``H``'s class (no
+  static or class method, no property, none of torch's) that is read the same way and loads
+  ``self.a`` nowhere; never ``super()``, ``self`` handed on, nor a function defined inside; a
+  method ``m`` loads ``self.a`` nowhere, the forward only where a branch decides against it:
+  under ``if X is None`` (or the ``else`` of ``if X is not None``), ``X`` an argument it assigns
+  only under such a test (a value never becomes ``None``), where each ``self.h(...)`` passes
+  ``X=v`` by keyword, ``v`` an argument of the enclosing function without default, annotated as
+  a tensor and not as optional, and never assigned there; or under ``if X is not None`` (or the
+  ``else`` of ``if X is None``), ``X`` an argument with default None that it never assigns and
+  no ``self.h(...)`` passes (by position or keyword; no ``*`` nor ``**``). An ``and``'s body
+  knows what each of its operands' bodies know (RF-DETR's Dinov2 embeddings load the mask
+  token under ``if bool_masked_pos is not None and self.use_mask_token``, and their caller passes
+  no mask); an ``or``'s ``else`` likewise.
+
+Two more forms, by the same reading of the sources (:mod:`.member_uses`; here a string of any
+file read must not name ``h``, a decorator's string of several lines, its prose, excepted):
+
+- no way in at all: ``h`` is loaded nowhere; then ``H`` may be torch's own (PP-DocLayoutV4's
+  ``denoising_class_embed``, an embedding its model's forward never loads, the model reaching
+  members by no name in transformers' base classes only);
+- ``P`` a ``ModuleList`` or ``Sequential`` (reached under one path only) at ``l`` of a module
+  ``O`` whose class is not torch's own, ``H`` its entry ``k``: ``l`` is loaded only as
+  ``self.l[c]``, ``c`` an integer constant (``-1`` too), in methods of ``O``'s classes, and no
+  ``c`` is ``k`` on the list's length; an iteration, ``zip``, ``len``, a slice, a computed index,
+  an assignment into it or the list handed on is another load (PP-DocLayoutV4's decoder reads
+  ``self.class_embed[-1]``: its other class heads are dead).
 
 As :mod:`.deadcode` does, code that reaches modules without naming them above ``H`` (weight
 initialisation, hooks that record outputs, ``enable_input_require_grads``) is taken to run no
@@ -36,45 +57,37 @@ located or parsed is not proven.
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
-import os
 import re
 import textwrap
 
 import torch
 
-from .deadcode import GENERIC, INIT_FUNCTIONS
+from .member_uses import index_use, member_sites, torch_own
 
 __all__ = ["closed_reason", "closed_parameters"]
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+_LISTS = (torch.nn.Sequential, torch.nn.ModuleList)
 
-
-def _torch_own(cls) -> bool:
-    return cls.__module__.split(".")[0] in ("torch", "builtins")
-
-
-def _words(tree, name: str) -> bool:
-    """Whether a string constant of ``tree`` (outside init functions; no bare string, a
-    docstring) names ``name`` as a word."""
-    pattern = re.compile(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])")
-    skip = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and f.name in INIT_FUNCTIONS for n in ast.walk(f)}
-    skip |= {id(e.value) for e in ast.walk(tree) if isinstance(e, ast.Expr) and isinstance(e.value, ast.Constant)}
-    return any(isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in skip
-               and pattern.search(n.value) for n in ast.walk(tree))
 
 
 def _tests(test, names) -> tuple:
-    """What each branch of ``test`` knows, ``(body's, else's)``: ``("none", X)`` where ``X`` (in
-    ``names``) is None there, ``("set", X)`` where it is not; None for a test of another form."""
+    """What each branch of ``test`` knows, ``(body's, else's)``, each a tuple: ``("none", X)``
+    where ``X`` (in ``names``) is None there, ``("set", X)`` where it is not; an ``and``'s body
+    knows what each operand's does (an ``or``'s ``else`` likewise), ``not`` swaps them."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _tests(test.operand, names)[::-1]
+    if isinstance(test, ast.BoolOp):
+        parts = [_tests(v, names) for v in test.values]
+        both = tuple(k for b in parts for k in b[0 if isinstance(test.op, ast.And) else 1])
+        return (both, ()) if isinstance(test.op, ast.And) else ((), both)
     if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.left, ast.Name) \
             and test.left.id in names and isinstance(test.comparators[0], ast.Constant) \
             and test.comparators[0].value is None and isinstance(test.ops[0], (ast.Is, ast.IsNot)):
-        none, x = ("none", test.left.id), ("set", test.left.id)
+        none, x = (("none", test.left.id),), (("set", test.left.id),)
         return (none, x) if isinstance(test.ops[0], ast.Is) else (x, none)
-    return (None, None)
+    return ((), ())
 
 
 class _Forward(ast.NodeVisitor):
@@ -84,18 +97,18 @@ class _Forward(ast.NodeVisitor):
 
     def __init__(self, fn, attr: str):
         args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
-        self.me, self.attr = args[0].arg if args else None, attr
+        self.me, self.attr, self.fn = args[0].arg if args else None, attr, fn
         self.names = {a.arg for a in args[1:]} | {a.arg for a in (fn.args.vararg, fn.args.kwarg) if a}
         self.reads: list = []
         self.stores: list = []
         self.members: set = set()
         self.bad = self.me is None
-        self._known: list = []  # per enclosing branch: what it knows, or None
+        self._known: list = []  # per enclosing branch: what it knows
         for s in fn.body:
             self.visit(s)
 
     def _here(self) -> frozenset:
-        return frozenset(k for k in self._known if k is not None)
+        return frozenset(k for ks in self._known for k in ks)
 
     def _branches(self, node, body, orelse):
         self.visit(node.test)
@@ -159,8 +172,11 @@ def _parsed_function(fn):
 
 def _data(holder, name: str) -> bool:
     """Whether ``self.name`` is data of ``holder``: a module, parameter, buffer or value of the
-    instance (no method nor property, which could read anything)."""
-    return name in vars(holder) or name in holder._modules or name in holder._parameters or name in holder._buffers
+    instance (no method nor property, which could read anything), or nothing at all (no class
+    has it, torch's ``__getattr__`` finds none: loading it raises, RF-DETR's ``use_mask_token``)."""
+    absent = inspect.getattr_static(type(holder), name, _data) is _data \
+        and type(holder).__getattr__ is torch.nn.Module.__getattr__
+    return absent or name in vars(holder) or any(name in d for d in (holder._modules, holder._parameters, holder._buffers))
 
 
 def _guards(holder, method: str, attr: str):
@@ -168,15 +184,33 @@ def _guards(holder, method: str, attr: str):
     is under a branch that knows something and it uses ``self`` only for data (:func:`_data`);
     else None."""
     fn = getattr(type(holder), method, None)
-    if fn is None or not inspect.isfunction(inspect.unwrap(fn)) or _torch_own(inspect.unwrap(fn)):
+    if fn is None or not inspect.isfunction(inspect.unwrap(fn)) or torch_own(inspect.unwrap(fn)):
         return None
     found = _parsed_function(fn)
     if found is None:
         return None
     f = _Forward(found[1], attr)
-    if f.bad or any(not r for r in f.reads) or not all(_data(holder, m) for m in f.members):
+    if f.bad or any(not r for r in f.reads) or not all(_data(holder, m) or _plain(holder, m, attr, set())
+                                                       for m in f.members):
         return None
     return f
+
+
+def _plain(holder, name: str, attr: str, seen: set) -> bool:
+    """Whether ``self.name`` is a plain method of ``holder``'s class (none of torch's, no static
+    or class method nor property, no value of the instance over it) that loads ``self.attr``
+    nowhere, names it in no string and uses ``self`` only for data (:func:`_data`) or such
+    methods (each read once, ``seen``)."""
+    if name in seen:
+        return True
+    seen.add(name)
+    fn = inspect.getattr_static(type(holder), name, None)
+    if not inspect.isfunction(fn) or torch_own(inspect.unwrap(fn)) or name in vars(holder):
+        return False
+    found = _parsed_function(fn)
+    f = _Forward(found[1], attr) if found is not None else None
+    return f is not None and not f.bad and not f.reads and all(
+        _data(holder, m) or _plain(holder, m, attr, seen) for m in f.members)
 
 
 def _not_none(value, fn) -> str | None:
@@ -197,100 +231,35 @@ def _not_none(value, fn) -> str | None:
     return None if stored else value.id
 
 
-def _calls(tree, mine: set, h: str, strict: bool):
-    """Each ``(call, function, method)`` of ``self.h(...)`` (method None) or ``self.h.m(...)``
-    (method ``m``) in a method of the classes ``mine`` (qualified names) of ``tree``; None where
-    ``h`` is loaded any other way outside init functions, or, where ``strict``, a method of those
-    classes reaches members by no name (:data:`.deadcode.GENERIC`, ``self`` handed on)."""
-    out: list = []
-
-    def mine_h(node, me):
-        return isinstance(node, ast.Attribute) and node.attr == h and isinstance(node.value, ast.Name) \
-            and me is not None and node.value.id == me
-
-    def walk(node, cls, fn, me):
-        if isinstance(node, ast.ClassDef):
-            qual = f"{cls}.{node.name}" if cls else node.name
-            return all(walk(x, qual, None, None) for x in node.body)
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            if getattr(node, "name", None) in INIT_FUNCTIONS:
-                return True
-            args = node.args.posonlyargs + node.args.args
-            method = fn is None and cls is not None and not isinstance(node, ast.Lambda)
-            fn, me = (node, args[0].arg if args and method else None) if method else (node, None)
-        if mine_h(node, me) and cls not in mine:  # another class's self: another object
-            return True
-        if isinstance(node, ast.Call) and (mine_h(node.func, me) or (
-                isinstance(node.func, ast.Attribute) and mine_h(node.func.value, me))):
-            if cls in mine:
-                out.append((node, fn, None if mine_h(node.func, me) else node.func.attr))
-            return all(walk(x, cls, fn, me) for x in node.args + [k.value for k in node.keywords])
-        if isinstance(node, ast.Attribute) and node.attr == h:
-            return False
-        if strict and cls in mine and me is not None:
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == me:
-                return node.attr not in GENERIC
-            if isinstance(node, ast.Name) and node.id == me:
-                return False  # self handed on, returned or stored
-        return all(walk(x, cls, fn, me) for x in ast.iter_child_nodes(node))
-    return out if walk(tree, None, None, None) else None
-
-
-def _tree(path: str):
-    """The parsed source of ``path``, read again where it changed."""
-    st = os.stat(path)
-    return _parsed(path, st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=64)
-def _parsed(path: str, size: int, mtime: int):
-    with open(path, encoding="utf-8") as f:
-        return ast.parse(f.read(), filename=path)
-
-
-def _source(cls):
-    try:
-        path = inspect.getsourcefile(cls)
-    except (TypeError, OSError):
-        return None
-    return path if path and os.path.isfile(path) else None
-
-
-def _sites(parent, above, h: str) -> list | None:
-    """The calls of ``parent.h`` and of its methods in the source of ``parent``'s classes (see
-    :func:`_calls`); None where anything there or above loads ``h`` otherwise, or a string of
-    the own file of ``parent``'s class or of a module's above names it."""
-    classes = [c for c in type(parent).__mro__ if not _torch_own(c)]
-    files: dict = {}
-    own = {_source(type(m)) for m in [*above, parent] if not _torch_own(type(m))}
-    up = [k for m in above for k in type(m).__mro__ if not _torch_own(k)]  # a mixin's methods too
-    for c in dict.fromkeys(classes + up):
-        path = _source(c)
-        if path is None:
-            return None
-        files.setdefault(path, set()).add(c.__qualname__ if c in classes else None)
-    out: list = []
-    for path, mine in files.items():
-        try:
-            tree = _tree(path)
-        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-            return None
-        calls = _calls(tree, mine - {None}, h, path in own)
-        if calls is None or (path in own and _words(tree, h)):
-            return None
-        out += calls
-    return out
-
 
 def _holds(known, f, calls) -> str | None:
     """How ``known`` (what a branch knows, :func:`_tests`) is false on every call in ``calls``
     (``(call, function)``), in words; None where it may hold."""
     x = known[1]
-    if known[0] != "none" or any(y == x and ("none", x) not in k for y, k in f.stores):
+    if known[0] == "set":
+        return f"{x} is not None, which no call passes" if _left_none(f, x, calls) else None
+    if any(y == x and ("none", x) not in k for y, k in f.stores):
         return None  # an argument assigned where it may be a value
     if not all(any(k.arg == x and _not_none(k.value, fn) for k in call.keywords) for call, fn in calls):
         return None
     return f"{x} is None, which every call passes a tensor"
+
+
+def _left_none(f, x: str, calls) -> bool:
+    """Whether the argument ``x`` of the forward ``f`` read is None on every call of ``calls``:
+    its default is None, the forward never assigns it, and no call passes it (by position or
+    keyword; no ``*`` or ``**`` in any)."""
+    a = f.fn.args
+    pos = a.posonlyargs + a.args
+    defaults = dict(zip([p.arg for p in pos[len(pos) - len(a.defaults):]], a.defaults))
+    defaults |= {k.arg: d for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None}
+    default = defaults.get(x)
+    if not (isinstance(default, ast.Constant) and default.value is None) or any(y == x for y, _ in f.stores):
+        return False
+    at = next((i for i, p in enumerate(pos) if p.arg == x), None)  # the instance's at 0
+    return all(not any(isinstance(v, ast.Starred) for v in call.args)
+               and all(k.arg not in (None, x) for k in call.keywords)
+               and (at is None or len(call.args) < at) for call, _ in calls)
 
 
 def _closed(holder, sites, attr: str) -> list | None:
@@ -329,18 +298,48 @@ def closed_reason(model, name: str) -> str | None:
             paths[id(x)] += 1
     for i in reversed(range(1, len(chain))):
         holder, parent, above = chain[i], chain[i - 1], chain[:i - 1]
-        if paths[id(holder)] != 1 or _torch_own(type(holder)) or _torch_own(type(parent)) or any(
-                _torch_own(type(x)) and not isinstance(x, _CONTAINERS) for x in above):
+        if paths[id(holder)] != 1 or any(torch_own(type(x)) and not isinstance(x, _CONTAINERS) for x in above):
             continue
-        sites = _sites(parent, above, path[i - 1])
-        why = _closed(holder, sites, path[i]) if sites else None
-        if sites is None or why is None:
-            continue
-        called = ", ".join(f"{type(holder).__name__}.{m}" for m in dict.fromkeys(m or "forward" for _, _, m in sites))
-        if not why:
-            return f"loaded by none of {called}, the ways {path[i - 1]} is called (static check)"
-        return f"loaded by {called}, the ways {path[i - 1]} is called, only where {' and '.join(why)} (static check)"
+        if isinstance(parent, _LISTS) and i >= 2 and path[i - 1].isdigit() and paths[id(parent)] == 1:
+            why = _unindexed(chain[i - 2], chain[:i - 2], path[i - 2], len(parent), int(path[i - 1]))
+        else:
+            why = _member(holder, parent, above, path[i - 1], path[i])
+        if why is not None:
+            return why
     return None
+
+
+def _member(holder, parent, above, h: str, a: str) -> str | None:
+    """Why ``parent``'s member ``h`` (``holder``) never loads its own ``a`` (the module's
+    docstring); None where not proven."""
+    if torch_own(type(parent)):
+        return None
+    sites = member_sites(parent, above, h)
+    if sites == [] and member_sites(parent, above, h, anywhere=True) == []:
+        return f"{h} is loaded by no method of {type(parent).__name__} nor above it (static check)"
+    why = _closed(holder, sites, a) if sites and not torch_own(type(holder)) else None
+    if why is None or not sites:
+        return None
+    called = ", ".join(f"{type(holder).__name__}.{m}" for m in dict.fromkeys(m or "forward" for _, _, m in sites))
+    if not why:
+        return f"loaded by none of {called}, the ways {h} is called (static check)"
+    return f"loaded by {called}, the ways {h} is called, only where {' and '.join(why)} (static check)"
+
+
+def _unindexed(owner, above, h: str, size: int, k: int) -> str | None:
+    """Why entry ``k`` of ``owner``'s list ``h`` (of ``size`` entries) is never read: every
+    load of ``h`` is ``self.h[c]``, ``c`` an integer constant other than ``k`` (see the module's
+    docstring); None where not proven."""
+    if torch_own(type(owner)):
+        return None
+    sites = member_sites(owner, above, h, index_use, anywhere=True)
+    if sites is None:
+        return None
+    read = sorted({c % size for _, _, c in sites if -size <= c < size})
+    if k in read:
+        return None
+    at = ", ".join(map(str, read)) or "no index"
+    return f"{h} is read only at {at}, by constant indices in {type(owner).__name__} (static check)"
 
 
 def closed_parameters(model, names) -> dict:
