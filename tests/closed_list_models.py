@@ -132,3 +132,29 @@ class LoadedSpare(Spare):
 
     def rows(self):
         return self.spare.weight.shape[0]
+
+
+class TrainedHeads(nn.Module):
+    """An MLP whose auxiliary head is read only in training mode, then the last of its heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.aux = nn.Linear(4, 6), nn.Linear(6, 2)
+        self.heads = nn.ModuleList([nn.Linear(6, 3) for _ in range(2)])
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        if self.training:
+            return self.heads[-1](h), self.aux(h)
+        return self.heads[-1](h), None
+
+
+class TrainedHost(nn.Module):
+    """Keeps its block's first result."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = TrainedHeads()
+
+    def forward(self, x: torch.Tensor):
+        return self.block(x)[0]

@@ -12,9 +12,11 @@ import torch
 
 import symgraph
 from symgraph.passes.closed_reads import closed_parameters
+from symgraph.passes.training_runs import TrainingRun, training_runs
+from symgraph.report.certify import extra_runs
 
 from closed_list_models import (CountedHeads, Encoder, EncoderOfReading, Heads, IteratedHeads, LoadedSpare,
-                                MaskedEncoder, PickedHeads, SlicedHeads, Spare, ZippedHeads)
+                                MaskedEncoder, PickedHeads, SlicedHeads, Spare, TrainedHost, ZippedHeads)
 from closed_outer_models import OuterHeads
 
 UNPASSED = ("loaded by Patches.forward, the ways patches is called, only where mask is not None, which no call "
@@ -76,3 +78,19 @@ def test_a_member_no_method_loads_is_dead_though_a_mixin_reaches_members_by_no_n
     torch.manual_seed(0)
     _claimed(Spare().eval(), {"spare.weight": UNLOADED}, "up.weight")
     assert closed_parameters(LoadedSpare(), ["spare.weight"]) == {}
+
+
+def test_a_training_run_is_kept_where_what_it_leaves_unread_is_proven_dead():
+    """The run reads the auxiliary head; the list's first head it leaves unread is dead (as
+    RF-DETR's Group DETR runs leave its mask token): the run is kept, the head joins the class."""
+    torch.manual_seed(0)
+    m, x = TrainedHost().eval(), torch.randn(5, 4)
+    unread = ["block.aux.weight", "block.aux.bias", "block.heads.0.weight", "block.heads.0.bias"]
+    assert training_runs(m, (x,), {}, unread) == [TrainingRun("block")]
+    rep = symgraph.analyze(m, (x,))
+    assert rep.unread is None and extra_runs(rep) == [TrainingRun("block")]
+    assert set(rep.dead_parameters) == {"block.heads.0.weight", "block.heads.0.bias"}
+    (hidden,) = rep.group_of("block.up.weight", 0)
+    assert hidden.kind == "scaled_perm" and hidden.size == 6
+    assert rep.group_of("block.aux.weight", 1) == [hidden] and rep.group_of("block.heads.1.weight", 1) == [hidden]
+    assert rep.certify(m) <= 1e-6
