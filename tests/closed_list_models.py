@@ -158,3 +158,33 @@ class TrainedHost(nn.Module):
 
     def forward(self, x: torch.Tensor):
         return self.block(x)[0]
+
+
+class ForwardMaskedEncoder(Encoder):
+    """The same encoder, and a method that hands the embeddings' forward a mask."""
+
+    def masked(self, x, m):
+        return self.patches.forward(x, m)
+
+
+class Chain(nn.Sequential):
+    """Layers run in turn by torch's own forward, the second one assigned by name."""
+
+    def __init__(self):
+        super().__init__(nn.Linear(4, 4))
+        self.spare = nn.Linear(4, 4)
+
+
+class StackedHeads(Heads):
+    """The same, its heads a list of its own class, which may index its own way."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = Stack([nn.Linear(6, 3) for _ in range(3)])
+
+
+class Stack(nn.ModuleList):
+    """A list whose item at any index is its last."""
+
+    def __getitem__(self, i):
+        return super().__getitem__(len(self) - 1 if isinstance(i, int) else i)

@@ -15,8 +15,9 @@ from symgraph.passes.closed_reads import closed_parameters
 from symgraph.passes.training_runs import TrainingRun, training_runs
 from symgraph.report.certify import extra_runs
 
-from closed_list_models import (CountedHeads, Encoder, EncoderOfReading, Heads, IteratedHeads, LoadedSpare,
-                                MaskedEncoder, PickedHeads, SlicedHeads, Spare, TrainedHost, ZippedHeads)
+from closed_list_models import (Chain, CountedHeads, Encoder, EncoderOfReading, ForwardMaskedEncoder, Heads,
+                                IteratedHeads, LoadedSpare, MaskedEncoder, PickedHeads, SlicedHeads, Spare,
+                                StackedHeads, TrainedHost, ZippedHeads)
 from closed_outer_models import OuterHeads
 
 UNPASSED = ("loaded by Patches.forward, the ways patches is called, only where mask is not None, which no call "
@@ -53,7 +54,7 @@ def test_a_token_behind_a_mask_no_caller_passes_is_dead():
     _claimed(Encoder().eval(), {"patches.token": UNPASSED}, "up.weight")
 
 
-@pytest.mark.parametrize("cls", [MaskedEncoder, EncoderOfReading])
+@pytest.mark.parametrize("cls", [MaskedEncoder, ForwardMaskedEncoder, EncoderOfReading])
 def test_a_mask_some_caller_passes_or_a_helper_that_reads_the_token_is_not_proven(cls):
     assert closed_parameters(cls(), ["patches.token"]) == {}
 
@@ -65,8 +66,8 @@ def test_heads_no_constant_index_names_are_dead():
     assert any(("heads.2.weight", 1) in g.params and g.size == 6 for g in rep.groups)
 
 
-@pytest.mark.parametrize("cls", [IteratedHeads, ZippedHeads, PickedHeads, SlicedHeads, CountedHeads])
-def test_heads_iterated_zipped_indexed_by_a_value_sliced_or_handed_on_are_not_proven(cls):
+@pytest.mark.parametrize("cls", [IteratedHeads, ZippedHeads, PickedHeads, SlicedHeads, CountedHeads, StackedHeads])
+def test_heads_iterated_zipped_indexed_by_a_value_sliced_handed_on_or_of_a_list_class_are_not_proven(cls):
     assert closed_parameters(cls(), ["heads.0.weight", "heads.1.bias"]) == {}
 
 
@@ -78,6 +79,7 @@ def test_a_member_no_method_loads_is_dead_though_a_mixin_reaches_members_by_no_n
     torch.manual_seed(0)
     _claimed(Spare().eval(), {"spare.weight": UNLOADED}, "up.weight")
     assert closed_parameters(LoadedSpare(), ["spare.weight"]) == {}
+    assert closed_parameters(Chain(), ["spare.weight"]) == {}  # a Sequential's subclass runs it
 
 
 def test_a_training_run_is_kept_where_what_it_leaves_unread_is_proven_dead():

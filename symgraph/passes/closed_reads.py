@@ -10,12 +10,14 @@ module on the path with a parent ``P`` (each tried, deepest first), ``h`` its na
 ``a`` the path's name after it. It is dead when
 
 - ``H`` is reached under one path only, as is the parameter; neither ``H``'s class nor ``P``'s
-  nor any module's above it is torch's own (but for containers above ``P``);
+  nor any module's above it is torch's own (but for containers above ``P``), nor a base of
+  ``P``'s but ``nn.Module`` (a ``Sequential``'s subclass runs every child in torch's forward);
 - in the source files of ``P``'s classes and of the modules' above ``P`` (every class of
   each, its bases and mixins too: VibeVoice's generation mixin decodes audio through its
   tokenizer's ``decode``, which a proof reading only the model's own class missed), outside
   :data:`.deadcode.INIT_FUNCTIONS`, ``h`` is loaded only as ``self.h(...)`` or ``self.h.m(...)``
-  in a method of ``P``'s classes (the ways in); no string of the own file of ``P``'s class or of
+  in a method of ``P``'s classes (the ways in; ``self.h.forward(...)`` is a call of
+  ``self.h``); no string of the own file of ``P``'s class or of
   a module's above names ``h``, and no method of a class of ``P`` written there reaches members by
   no name (:data:`.deadcode.GENERIC`, ``self`` handed on): as :mod:`.deadcode` reads the modules
   above its holder;
@@ -42,7 +44,8 @@ file read must not name ``h``, a decorator's string of several lines, its prose,
 - no way in at all: ``h`` is loaded nowhere; then ``H`` may be torch's own (PP-DocLayoutV4's
   ``denoising_class_embed``, an embedding its model's forward never loads, the model reaching
   members by no name in transformers' base classes only);
-- ``P`` a ``ModuleList`` or ``Sequential`` (reached under one path only) at ``l`` of a module
+- ``P`` a ``ModuleList`` or ``Sequential`` (torch's class itself: a subclass may index its own
+  way; reached under one path only) at ``l`` of a module
   ``O`` whose class is not torch's own, ``H`` its entry ``k``: ``l`` is loaded only as
   ``self.l[c]``, ``c`` an integer constant (``-1`` too), in methods of ``O``'s classes, and no
   ``c`` is ``k`` on the list's length; an iteration, ``zip``, ``len``, a slice, a computed index,
@@ -63,7 +66,7 @@ import textwrap
 
 import torch
 
-from .member_uses import index_use, member_sites, torch_own
+from .member_uses import index_use, member_sites, torch_based, torch_own
 
 __all__ = ["closed_reason", "closed_parameters"]
 
@@ -175,7 +178,8 @@ def _data(holder, name: str) -> bool:
     instance (no method nor property, which could read anything), or nothing at all (no class
     has it, torch's ``__getattr__`` finds none: loading it raises, RF-DETR's ``use_mask_token``)."""
     absent = inspect.getattr_static(type(holder), name, _data) is _data \
-        and type(holder).__getattr__ is torch.nn.Module.__getattr__
+        and type(holder).__getattr__ is torch.nn.Module.__getattr__ \
+        and type(holder).__getattribute__ is object.__getattribute__
     return absent or name in vars(holder) or any(name in d for d in (holder._modules, holder._parameters, holder._buffers))
 
 
@@ -267,7 +271,7 @@ def _closed(holder, sites, attr: str) -> list | None:
     under a branch every call decides against; another method loads it nowhere); None where not
     proven."""
     why: list = []
-    forward = [(call, fn) for call, fn, m in sites if m is None]
+    forward = [(call, fn) for call, fn, m in sites if m in (None, "forward")]  # self.h.forward(...) too
     for method in dict.fromkeys(m or "forward" for _, _, m in sites):
         f = _guards(holder, method, attr)
         if f is None or (f.reads and method != "forward"):
@@ -300,7 +304,7 @@ def closed_reason(model, name: str) -> str | None:
         holder, parent, above = chain[i], chain[i - 1], chain[:i - 1]
         if paths[id(holder)] != 1 or any(torch_own(type(x)) and not isinstance(x, _CONTAINERS) for x in above):
             continue
-        if isinstance(parent, _LISTS) and i >= 2 and path[i - 1].isdigit() and paths[id(parent)] == 1:
+        if type(parent) in _LISTS and i >= 2 and path[i - 1].isdigit() and paths[id(parent)] == 1:
             why = _unindexed(chain[i - 2], chain[:i - 2], path[i - 2], len(parent), int(path[i - 1]))
         else:
             why = _member(holder, parent, above, path[i - 1], path[i])
@@ -312,7 +316,7 @@ def closed_reason(model, name: str) -> str | None:
 def _member(holder, parent, above, h: str, a: str) -> str | None:
     """Why ``parent``'s member ``h`` (``holder``) never loads its own ``a`` (the module's
     docstring); None where not proven."""
-    if torch_own(type(parent)):
+    if torch_based(type(parent)):
         return None
     sites = member_sites(parent, above, h)
     if sites == [] and member_sites(parent, above, h, anywhere=True) == []:
@@ -330,7 +334,7 @@ def _unindexed(owner, above, h: str, size: int, k: int) -> str | None:
     """Why entry ``k`` of ``owner``'s list ``h`` (of ``size`` entries) is never read: every
     load of ``h`` is ``self.h[c]``, ``c`` an integer constant other than ``k`` (see the module's
     docstring); None where not proven."""
-    if torch_own(type(owner)):
+    if torch_based(type(owner)):
         return None
     sites = member_sites(owner, above, h, index_use, anywhere=True)
     if sites is None:

@@ -11,13 +11,21 @@ import inspect
 import os
 import re
 
+import torch
+
 from .deadcode import GENERIC, INIT_FUNCTIONS
 
-__all__ = ["torch_own", "named_in", "call_use", "index_use", "uses", "member_sites"]
+__all__ = ["torch_own", "torch_based", "named_in", "call_use", "index_use", "uses", "member_sites"]
 
 
 def torch_own(cls) -> bool:
     return cls.__module__.split(".")[0] in ("torch", "builtins")
+
+
+def torch_based(cls) -> bool:
+    """Whether ``cls`` or a base of it is torch's own, but ``nn.Module`` and ``object``: a
+    subclass of ``Sequential`` runs every child in torch's forward, no source read here."""
+    return any(torch_own(c) and c not in (torch.nn.Module, object) for c in cls.__mro__)
 
 
 def named_in(tree, name: str) -> bool:
