@@ -316,7 +316,7 @@ def closed_reason(model, name: str) -> str | None:
 def _member(holder, parent, above, h: str, a: str) -> str | None:
     """Why ``parent``'s member ``h`` (``holder``) never loads its own ``a`` (the module's
     docstring); None where not proven."""
-    if torch_based(type(parent)):
+    if torch_own(type(parent)) or torch_based(type(parent)):
         return None
     sites = member_sites(parent, above, h)
     if sites == [] and member_sites(parent, above, h, anywhere=True) == []:
@@ -334,7 +334,7 @@ def _unindexed(owner, above, h: str, size: int, k: int) -> str | None:
     """Why entry ``k`` of ``owner``'s list ``h`` (of ``size`` entries) is never read: every
     load of ``h`` is ``self.h[c]``, ``c`` an integer constant other than ``k`` (see the module's
     docstring); None where not proven."""
-    if torch_based(type(owner)):
+    if torch_own(type(owner)) or torch_based(type(owner)):
         return None
     sites = member_sites(owner, above, h, index_use, anywhere=True)
     if sites is None:
