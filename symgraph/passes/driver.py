@@ -409,13 +409,15 @@ class AxisAnalysis:
         return self.uf.kind.get(root, "gl")
 
     def leaves(self, axis):
-        """Leaf classes of an axis: itself, or the leaves of its structure's parts."""
-        r, _ = self.uf.find(axis)
-        if r not in self.uf.struct:
-            return [r]
-        out = []
-        for p, _ in self.uf.struct[r][1]:
-            out += self.leaves(p)
+        """Leaf classes of an axis: itself, or the leaves of its structure's parts, in order
+        (a walk, not a recursion: a structure may nest as deep as a time axis is long)."""
+        out, todo = [], [axis]
+        while todo:
+            r, _ = self.uf.find(todo.pop())
+            if r not in self.uf.struct:
+                out.append(r)
+            else:
+                todo.extend(p for p, _ in reversed(self.uf.struct[r][1]))
         return out
 
 

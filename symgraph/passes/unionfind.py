@@ -86,9 +86,17 @@ class AxisUnionFind:
 
     # --- internals -----------------------------------------------------------------------
     def _drain(self):
+        """Settle the queued unions and structure merges. A merge queues its parts' merges
+        rather than recursing: a time axis cut one sample apart twice (a convolution's shifted
+        slices) refines over as many levels as it has samples."""
         while self._pending:
-            a, b, dual = self._pending.pop()
-            self._union1(a, b, dual)
+            item = self._pending.pop()
+            if item[0] == "struct":
+                _, a, (kind, parts) = item
+                r, pr = self.find(a)
+                self._merge_structure(r, (kind, tuple((p, par ^ pr) for p, par in parts)))
+            else:
+                self._union1(*item)
 
     def _union1(self, a, b, dual):
         ra, pa = self.find(a)
@@ -152,8 +160,7 @@ class AxisUnionFind:
             if len(of) == 1:
                 self._pending.append((p, of[0], par))
             else:
-                rp, pp = self.find(p)
-                self._merge_structure(rp, (k1, tuple((a, par ^ pp) for a in of)))
+                self._pending.append(("struct", p, (k1, tuple((a, par) for a in of))))
         self.struct[r] = (k1, tuple((a, 0) for a in atoms))
 
     def _sum_of_blocks(self, prod_parts, sum_parts) -> bool:
