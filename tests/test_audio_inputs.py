@@ -187,3 +187,26 @@ def test_voxtral_reads_its_audio_where_its_config_states_the_audio_token():
     _, kw = default_inputs(m)
     assert kw["input_features"].shape == (2, 16, 3000) and (kw["input_ids"] == 63).sum(1).tolist() == [1000, 1000]
     _reads_its_audio(m, "model.audio_tower.")
+
+
+def test_apertus_audio_tokenizer_counted_by_its_per_clip_features():
+    """Apertus 1.5 tokenizes each clip alone (``get_audio_features`` gives one tensor of
+    embeddings per clip): as many audio tokens per row as its clip gives codes (20 for half a
+    second at a hop of 600 samples); before, none was counted and the tokenizer stayed unread."""
+    text = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, pad_token_id=3, bos_token_id=1, eos_token_id=2)
+    vision = dict(codebook_size=16, embed_dim=32, latent_channels=32, base_channels=32, channel_multiplier=[1, 1],
+                  num_res_blocks=1, attn_resolutions=[], resolution=32)
+    audio = dict(sampling_rate=24000, num_filters=8, upsampling_ratios=[6, 5, 5, 4], num_residual_layers=1,
+                 num_lstm_layers=1, hidden_size=32, codebook_size=16, codebook_dim=32, decoder_hidden_size=32,
+                 decoder_intermediate_size=48, decoder_num_layers=1)
+    cfg = T.Apertus1p5Config(text_config=text, vision_config=vision, audio_config=audio, image_token_id=254,
+                             audio_token_id=255, image_token_offset=125, audio_token_offset=141)
+    torch.manual_seed(0)
+    m = T.Apertus1p5ForConditionalGeneration(cfg).eval()
+    _, kw = default_inputs(m)
+    assert kw["input_values"].shape == (2, 1, 12000) and kw["padding_mask"].shape == (2, 12000)
+    assert (kw["input_ids"] == 255).sum(1).tolist() == [20, 20]
+    with torch.no_grad():
+        codes = m.model.get_audio_tokens(kw["input_values"], kw["padding_mask"])
+    assert [len(c) for c in codes] == [20, 20]

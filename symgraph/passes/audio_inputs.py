@@ -209,7 +209,7 @@ def _reader_width(model, kwargs, name) -> int | None:
 
 def _counts(model, kw, batch) -> list:
     """Candidate numbers of audio tokens per row: as many as the model's own
-    ``get_audio_features`` gives embeddings, and each length its encoder's
+    ``get_audio_features`` gives embeddings (one tensor, or one per clip), and each length its encoder's
     ``_get_feat_extract_output_lengths`` gives for the unmasked frames (or samples)."""
     # the model's own, or its base model's (MuseSpark's is on ``model.model``)
     out = []
@@ -219,6 +219,8 @@ def _counts(model, kw, batch) -> list:
         with torch.no_grad():
             emb = fn(**kw) if fn is not None else None
         emb = getattr(emb, "pooler_output", emb)  # embeddings of the text's width, last
+        if isinstance(emb, (tuple, list)) and emb and all(isinstance(e, torch.Tensor) and e.dim() > 1 for e in emb):
+            emb = torch.cat([e.reshape(-1, e.shape[-1]) for e in emb])  # one tensor per clip (Apertus 1.5)
         if isinstance(emb, torch.Tensor) and emb.dim() > 1 and emb[..., 0].numel() % batch == 0:
             out.append(emb[..., 0].numel() // batch)
     except Exception:  # noqa: BLE001 - it needs the token ids too, or other inputs: the lengths
