@@ -18,6 +18,12 @@ mask that keeps every position). Run as it is, and, where that
 fails and the model can switch (``set_attn_implementation``), under eager attention (a method
 that reads attention maps gets none from SDPA). Kept where it reads an unread parameter.
 
+Tried first: the forward of a sub-model the forward reads nothing of (a module with a config
+and a main input of its own: Kyutai's codec, a Mimi that turns audio into codes only in
+``generate``), outermost first, on its own example inputs (:func:`.inputs.default_inputs` of
+it, from its config), made in the program from their shapes alone (:func:`own_value`); its
+trial runs on the model itself (its buffers may hold the sizes it computes with).
+
 In the program the method runs after the forward on the same inputs, and ``0 * s`` is added to
 the forward's first floating output, ``s`` the sum of the method's tensor results (integer
 ones, codes, as floats: a method whose only result is codes is kept too) each times a constant
@@ -30,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,13 +54,15 @@ __all__ = ["FIELD", "EntryPoint", "entry_points", "entered", "entry_results", "o
 @dataclass(frozen=True)
 class EntryPoint:
     """The method ``method`` of the module at ``path`` (``""``: the model), its required
-    arguments filled as ``fill`` says (``"main"``, ``"ones"``, the name of a forward input, or
-    ``"field:NAME"``: the field ``NAME`` of a module's output in the forward's run), run under
-    eager attention where ``eager``."""
+    arguments filled as ``fill`` says (``"main"``, ``"ones"``, the name of a forward input,
+    ``"field:NAME"``: the field ``NAME`` of a module's output in the forward's run, or
+    ``"own:NAME"``: a sub-model's own example input ``NAME``, of the shape and kind ``own``
+    records as ``(NAME, shape, floating)``), run under eager attention where ``eager``."""
     path: str
     method: str
     fill: tuple
     eager: bool = False
+    own: tuple = ()
 
 
 def _main(args, kwargs):
@@ -116,12 +126,30 @@ def _fields(entry: EntryPoint) -> list[str]:
     return [f[len(FIELD):] for f in entry.fill if f.startswith(FIELD)]
 
 
-def _arguments(entry: EntryPoint, args, kwargs, fields: dict) -> list | None:
+OWN = "own:"  # a fill naming a sub-model's own example input
+
+
+def own_value(shape, floating: bool, module, device):
+    """A sub-model's own example input of ``shape``, made in the program from nothing but its
+    shape (the same on every run, so the certificate sees what the trace saw): floats, in the
+    dtype of ``module``'s parameters, a wave along the flattened entries that takes a new value
+    at each (a sample of a tone, for audio); integers, zeros (the first id, a valid one)."""
+    n = math.prod(shape)
+    if not floating:
+        return torch.zeros(shape, dtype=torch.long, device=device)
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    t = torch.linspace(0.0, 0.37 * max(n - 1, 0), n, dtype=dtype, device=device)
+    return (0.1 * torch.sin(t)).reshape(shape)
+
+
+def _arguments(entry: EntryPoint, args, kwargs, fields: dict, module) -> list | None:
     main = _main(args, kwargs)
     if main is None or any(n not in fields for n in _fields(entry)):
         return None
+    own = {name: own_value(shape, floating, module, main.device) for name, shape, floating in entry.own}
     return [main if f == "main" else torch.ones_like(main) if f == "ones" else
-            fields[f[len(FIELD):]] if f.startswith(FIELD) else kwargs[f] for f in entry.fill]
+            fields[f[len(FIELD):]] if f.startswith(FIELD) else own[f[len(OWN):]] if f.startswith(OWN)
+            else kwargs[f] for f in entry.fill]
 
 
 @contextlib.contextmanager
@@ -154,10 +182,12 @@ def _run(model, entry: EntryPoint, args, kwargs, fields: dict | None = None):
         with recorded(model, _fields(entry)) as fields:
             if _fields(entry):
                 model(*args, **kwargs)
-    margs = _arguments(entry, args, kwargs, fields)
+    margs = _arguments(entry, args, kwargs, fields, model.get_submodule(entry.path))
     if margs is None:
         raise ValueError("no tensor input to give the method")  # a trial refused, as a failed run
     with _attention(model, entry.eager):
+        if entry.own:  # a sub-model's forward: its own inputs by name
+            return method(**{f[len(OWN):]: v for f, v in zip(entry.fill, margs)})
         return method(*margs)
 
 
@@ -221,15 +251,44 @@ def _fill(required: list[str], kwargs, fields: _Fields) -> tuple:
     return tuple(out)
 
 
-def _entries(model, unread: list[str], kwargs, fields: _Fields) -> list[EntryPoint]:
-    """The candidates, in order (see the module's docstring)."""
-    out = []
+def _entries(model, unread: list[str], kwargs, fields: _Fields):
+    """The candidates, in order (see the module's docstring), made as they are asked for."""
     for path in modules_above(unread):
         for name, required in own_methods(model.get_submodule(path)):
             fill = _fill(required, kwargs, fields)
-            out += [EntryPoint(path, name, fill, eager) for eager in (False, True)
-                    if not eager or hasattr(model, "set_attn_implementation")]
-    return out
+            yield from [EntryPoint(path, name, fill, eager) for eager in (False, True)
+                        if not eager or hasattr(model, "set_attn_implementation")]
+
+
+def _required(f) -> list[str]:
+    return [p.name for p in list(inspect.signature(f).parameters.values())
+            if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _sub_models(model, unread: list[str]):
+    """The forwards of the sub-models (modules with a config and a main input of their own, a
+    speech model's codec) the forward never reads, outermost first (one run reads the most),
+    each given its main input and its other required arguments from its own example inputs
+    (:func:`.inputs.default_inputs`, from its config), where they give them all; made as they
+    are asked for (each costs its own trial runs)."""
+    from .inputs import default_inputs  # example inputs import these passes
+    left = set(unread)
+    for path in reversed(modules_above(unread)):
+        sub = model.get_submodule(path)
+        if not path or getattr(sub, "config", None) is None or not hasattr(sub, "main_input_name"):
+            continue
+        if any(f"{path}.{n}" not in left for n, _ in sub.named_parameters()):
+            continue  # the forward reads it: a lever of its call, not a run of its own
+        try:
+            own_args, own_kwargs = default_inputs(sub)
+        except Exception:  # noqa: BLE001 - no example inputs from its config
+            continue
+        takes = inspect.signature(sub.forward).parameters
+        required = [a for a in takes if a in _required(sub.forward) or a == sub.main_input_name]
+        if own_args or any(not isinstance(own_kwargs.get(a), torch.Tensor) for a in required):
+            continue
+        own = tuple((a, tuple(own_kwargs[a].shape), own_kwargs[a].is_floating_point()) for a in required)
+        yield EntryPoint(path, "forward", tuple(OWN + a for a in required), own=own)
 
 
 def _needed(kept: list, unread: set) -> list[EntryPoint]:
@@ -254,14 +313,16 @@ def entry_points(model, args, kwargs, unread: list[str], budget: int = 8) -> lis
     would only cost time; Nemotron 3.5 Transcribe's diarization ``silence_embeds``)."""
     kept: list = []
     left, fields = set(unread), _Fields(model, args, kwargs)
-    for entry in _entries(model, unread, kwargs, fields):
+    for entry in itertools.chain(_sub_models(model, unread), _entries(model, unread, kwargs, fields)):
         if not left or budget <= 0:
             break
         if any(e.path == entry.path and e.method == entry.method for e, _ in kept):
             continue
         budget -= 1
-        # a twin each: one trial's changes stay its own
-        reads = _tried(weightless_twin(model), entry, args, kwargs, fields.get() if _fields(entry) else {})
+        # a twin each: one trial's changes stay its own; a sub-model's forward, no setter, on
+        # the model (its buffers may hold the sizes it computes with: Mimi's paddings)
+        twin = model if entry.own else weightless_twin(model)
+        reads = _tried(twin, entry, args, kwargs, fields.get() if _fields(entry) else {})
         if reads is not None and reads & left:
             kept.append((entry, reads))
             left -= reads

@@ -313,16 +313,17 @@ def traced_with_holders(model, traced, exported, export, stack: contextlib.ExitS
     """``exported`` (``(program, branches taken)``, exported from ``model`` on ``traced``,
     ``(args, kwargs)``) where it reads every parameter; else ``export()`` run again with the
     holders' injections (:func:`holder_injections`) and, for the parameters no holder reads,
-    the methods that read them (:func:`.entry_points.entry_points`) and the modules that read
-    them in training mode (:func:`.training_runs.training_runs`) entered into ``stack`` (they
-    stay while it is open: a twin traced for its constants runs them too), or ``exported`` where
+    the methods that read them (:func:`.entry_points.entry_points`), or, where none is found,
+    the modules that read them in training mode (:func:`.training_runs.training_runs`) entered
+    into ``stack`` (they stay while it is open: a twin traced for its constants runs them too), or ``exported`` where
     none is found or that export fails. Returns the program, whether branches were taken, and
     what was found (injections, entry points, then training runs)."""
     unread = unread_parameters(exported[0])
     found = holder_injections(model, traced[0], traced[1], unread) if unread else []
     left = [n for n in unread if not any(n.startswith(i.path + ".") for i in found)]
     entries = entry_points(model, traced[0], traced[1], left) if left else []
-    runs = training_runs(model, traced[0], traced[1], left) if left else []
+    # methods are kept only where, with deadcode, they read every parameter left: none to train
+    runs = training_runs(model, traced[0], traced[1], left) if left and not entries else []
     if not found and not entries and not runs:
         return (*exported, [])
     inner = contextlib.ExitStack()
