@@ -112,14 +112,9 @@ def uses(tree, mine: set, h: str, strict: bool, take=call_use):
     return out if walk(tree, None, None, None) else None
 
 
-def _tree(path: str):
-    """The parsed source of ``path``, read again where it changed."""
-    st = os.stat(path)
-    return _parsed(path, st.st_size, st.st_mtime_ns)
-
-
 @functools.lru_cache(maxsize=64)
 def _parsed(path: str, size: int, mtime: int):
+    """The parsed source of ``path`` (as of its ``size`` and ``mtime``: a changed file is read again)."""
     with open(path, encoding="utf-8") as f:
         return ast.parse(f.read(), filename=path)
 
@@ -149,11 +144,25 @@ def member_sites(parent, above, h: str, take=call_use, anywhere: bool = False) -
     out: list = []
     for path, mine in files.items():
         try:
-            tree = _tree(path)
+            st = os.stat(path)
+            calls = _file_uses(path, st.st_size, st.st_mtime_ns, frozenset(mine - {None}), h, path in own, take)
+            named = (path in own or anywhere) and _named(path, st.st_size, st.st_mtime_ns, h)
         except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
             return None
-        calls = uses(tree, mine - {None}, h, path in own, take)
-        if calls is None or ((path in own or anywhere) and named_in(tree, h)):
+        if calls is None or named:
             return None
         out += calls
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _file_uses(path: str, size: int, mtime: int, mine: frozenset, h: str, strict: bool, take):
+    """:func:`uses` on the file ``path`` as of its ``size`` and ``mtime`` (every parameter under
+    one member asks the same: each file is walked once a question)."""
+    found = uses(_parsed(path, size, mtime), set(mine), h, strict, take)
+    return None if found is None else tuple(found)
+
+
+@functools.lru_cache(maxsize=1024)
+def _named(path: str, size: int, mtime: int, h: str) -> bool:
+    return named_in(_parsed(path, size, mtime), h)
