@@ -3,6 +3,7 @@ parameter a dimension reads, constants."""
 from __future__ import annotations
 
 import math
+import weakref
 
 
 _PASS = {"t", "transpose", "permute", "_to_copy", "clone", "contiguous", "alias", "detach", "expand",
@@ -92,15 +93,26 @@ def slot_source(ep, node, dim):
     return None
 
 
+_KNOWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per program: its user inputs, answers
+
+
 def is_constant(ep, node) -> bool:
-    """Whether ``node`` is a parameter, buffer or constant (or a scalar), not an activation."""
+    """Whether ``node`` is a parameter, buffer or constant (or a scalar), not an activation.
+    Each node's answer is kept per program: the walks of a node's inputs share their sources
+    (a residual quantizer's chain of 32 subtractions took minutes asked afresh each time)."""
     if not hasattr(node, "op"):
         return True
-    sig = ep.graph_signature
+    users, known = _KNOWN.setdefault(ep, (frozenset(ep.graph_signature.user_inputs), {}))
+    if node not in known:
+        known[node] = _walk(ep, node, users)
+    return known[node]
+
+
+def _walk(ep, node, users) -> bool:
     seen = 0
     while hasattr(node, "op") and seen < 32:
         if node.op == "placeholder":
-            return node.name not in set(sig.user_inputs)
+            return node.name not in users
         if node.op == "get_attr":
             return True
         ins = [a for a in node.all_input_nodes]
