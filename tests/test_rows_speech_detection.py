@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import symgraph
+from symgraph.passes.deadcode import DEAD
 from symgraph.passes.inputs import default_inputs
 
 T = pytest.importorskip("transformers")
@@ -173,7 +174,9 @@ def test_rf_detr_runs_and_names_the_training_only_query_groups():
     """RF-DETR's tiny config takes 16 queries, the patches of its backbone's 64-pixel image in
     14-pixel patches (300 could not be taken as the top-k of 16 proposals), and runs. In eval
     mode it reads only the first of its ``group_detr`` query groups (the others are Group DETR's
-    training-time queries), so the report claims nothing and says why; it certifies."""
+    training-time queries): a run of its model in training mode reads them, its backbone's mask
+    token is proven dead (no caller passes ``bool_masked_pos``), so every parameter is read or
+    dead and the other groups' projections join their classes; it certifies."""
     from benchmarks.coverage.shrink import build
     m, _ = build("rf_detr", "RfDetrForObjectDetection")
     assert m.config.num_queries == 16 and m.config.group_detr > 1
@@ -181,7 +184,10 @@ def test_rf_detr_runs_and_names_the_training_only_query_groups():
     with torch.no_grad():
         assert m(**kw).logits.shape == (2, 16, m.config.num_labels)
     rep = symgraph.analyze(m)
-    assert rep.unread is not None and "never read" in rep.unread
+    assert rep.unread is None
+    assert "model.backbone.backbone.embeddings.mask_token" in rep.exported_program.graph_module.meta[DEAD]
+    # a training-time group's box head: its hidden units (ReLU) scale and permute
+    assert [g.kind for g in rep.group_of("model.enc_out_bbox_embed.1.layers.0.weight", 0)] == ["scaled_perm"]
     assert rep.certify(m) <= 1e-6
 
 
@@ -208,8 +214,9 @@ def test_kyutai_ids_a_text_column_and_one_per_codebook_codec_named_unread():
     """Kyutai's speech-to-text forward reads, a position, its text token and one audio code per
     codebook (``batch × positions × (num_codebooks + 1)``); one row per example is refused, and
     so are ``batch × num_codebooks`` rows and a column per codebook alone. Its codec (Mimi)
-    turns audio into those codes only in ``generate``: the forward never reads it, so the report
-    claims nothing and names it; it certifies."""
+    turns audio into those codes only in ``generate``: the forward never reads it, so it runs on
+    its own example audio beside the forward (a sub-model's entry point), its units are claimed,
+    and it certifies."""
     from benchmarks.coverage.shrink import build
     m, _ = build("kyutai_speech_to_text", "KyutaiSpeechToTextForConditionalGeneration")
     books = m.config.num_codebooks
@@ -219,5 +226,7 @@ def test_kyutai_ids_a_text_column_and_one_per_codebook_codec_named_unread():
     with torch.no_grad():
         assert m(**kw).logits.shape == (2, 8, m.config.vocab_size)
     rep = symgraph.analyze(m)
-    assert rep.unread is not None and rep.unread.startswith("codec_model.")
+    assert rep.unread is None
+    mlp = rep.group_of("codec_model.encoder.encoder_transformer.layers.0.mlp.fc1.weight", 0)
+    assert [g.kind for g in mlp] == ["perm"]
     assert rep.certify(m) <= 1e-6
