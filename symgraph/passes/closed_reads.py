@@ -66,9 +66,10 @@ import textwrap
 
 import torch
 
+from .deadcode import dead_parameters
 from .member_uses import index_use, member_sites, torch_based, torch_own
 
-__all__ = ["closed_reason", "closed_parameters"]
+__all__ = ["closed_reason", "closed_parameters", "proven_dead"]
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 _LISTS = (torch.nn.Sequential, torch.nn.ModuleList)
@@ -351,3 +352,10 @@ def closed_parameters(model, names) -> dict:
     if not isinstance(model, torch.nn.Module):
         return {}
     return {n: why for n in names if (why := closed_reason(model, n)) is not None}
+
+
+def proven_dead(model, names) -> dict:
+    """The parameters among ``names`` proven dead, by :mod:`.deadcode` or by these proofs
+    (for those :mod:`.deadcode` leaves), each with its reason."""
+    dead = dead_parameters(model, names)
+    return {**closed_parameters(model, [n for n in names if n not in dead]), **dead}

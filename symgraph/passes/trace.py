@@ -17,8 +17,8 @@ from .export_inputs import precomputed_inputs
 from .holder_inputs import HOLDERS, traced_with_holders
 from .index_lists import stacked_index_lists
 from .inputs import default_inputs, is_hf
-from .closed_reads import closed_parameters
-from .deadcode import DEAD, dead_parameters
+from .closed_reads import proven_dead
+from .deadcode import DEAD
 from .nodes import BRANCHES_TAKEN, HIDDEN_OUTPUTS, UNREAD, packet, unread_parameters
 from .real_values import export_real_values, real_values
 from .registry import has_rule
@@ -318,8 +318,7 @@ def trace(model, inputs=None, decompose: bool = True):
         ep.graph_module.meta[BRANCHES_TAKEN] = branched
         ep.graph_module.meta[UNREAD] = unread
         ep.graph_module.meta[HOLDERS] = found
-    dead = dead_parameters(model, unread)  # as defined: outside graph_friendly
-    ep.graph_module.meta[DEAD] = {**closed_parameters(model, [n for n in unread if n not in dead]), **dead}
+    ep.graph_module.meta[DEAD] = proven_dead(model, unread)  # as defined: outside graph_friendly
     return ep, args, kwargs
 
 

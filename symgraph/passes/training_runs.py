@@ -35,14 +35,13 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .closed_reads import closed_parameters
-from .deadcode import dead_parameters
+from .closed_reads import proven_dead
 from .entry_points import varying_sum
 from .input_values import config_value
 from .nodes import HIDDEN_OUTPUTS
 from .optional_inputs import float_leaves, modules_above, parameter_reads
 
-__all__ = ["TrainingRun", "training_runs", "proven_dead", "trained", "training_results", "detection_labels",
+__all__ = ["TrainingRun", "training_runs", "trained", "training_results", "detection_labels",
            "MAX_TRIALS", "SEED"]
 
 MAX_TRIALS = 8  # trial runs at most per trace (each one runs the whole forward)
@@ -178,13 +177,6 @@ def training_results(model, run: TrainingRun, args, kwargs) -> list:
     return hooks[0].values or []
 
 
-def proven_dead(model, names) -> dict:
-    """The parameters among ``names`` proven dead, by :mod:`.deadcode` or
-    :mod:`.closed_reads`, each with its reason (as :func:`.trace.trace` proves them)."""
-    dead = dead_parameters(model, names)
-    return {**closed_parameters(model, [n for n in names if n not in dead]), **dead}
-
-
 def _candidates(model, unread: list[str]) -> list[TrainingRun]:
     """The runs tried, in order (see the module's docstring)."""
     out = []
@@ -210,7 +202,7 @@ def _tried(model, run: TrainingRun, args, kwargs) -> frozenset | None:
 def training_runs(model, args, kwargs, unread: list[str]) -> list[TrainingRun]:
     """The training runs that read the parameters the forward on ``args``/``kwargs`` leaves
     ``unread`` (see the module's docstring); none where one stays unread after them and is not
-    proven dead (:func:`proven_dead`): it fixes every class anyway, and the program would grow
+    proven dead (:func:`.closed_reads.proven_dead`): it fixes every class anyway, and the program would grow
     for nothing. RF-DETR's mask token, which transformers' own forward cannot read, is proven
     dead (:mod:`.closed_reads`): its Group DETR groups' runs are kept."""
     kept: list[TrainingRun] = []
