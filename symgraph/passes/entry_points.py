@@ -22,7 +22,13 @@ Tried first: the forward of a sub-model the forward reads nothing of (a module w
 and a main input of its own: Kyutai's codec, a Mimi that turns audio into codes only in
 ``generate``), outermost first, on its own example inputs (:func:`.inputs.default_inputs` of
 it, from its config), made in the program from their shapes alone (:func:`own_value`); its
-trial runs on the model itself (its buffers may hold the sizes it computes with).
+trial runs on the model itself (its buffers may hold the sizes it computes with). Kept only
+where its results include codes (integers): its boundary is then fixed in ``generate`` as in
+the program, so its claims hold there too. One whose results are all floating (a tower, a
+depth decoder) may hand ``generate`` states the model's own moving axes read, or read them:
+fixing its boundary on its own inputs could claim that the two move apart, so it is not kept
+(its parameters stay unread, and they fix every class). Assumed: a sub-model that makes codes
+tokenizes data the user gives (audio, images), not the model's own states.
 
 In the program the method runs after the forward on the same inputs, and ``0 * s`` is added to
 the forward's first floating output, ``s`` the sum of the method's tensor results (integer
@@ -204,14 +210,21 @@ def entry_results(model, entry: EntryPoint, args, kwargs, fields: dict | None = 
     return _results(_run(model, entry, args, kwargs, fields))
 
 
+def _codes(out) -> bool:
+    """Whether ``out`` holds an integer tensor (codes)."""
+    return any(isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+               for t in tree_flatten(out)[0])
+
+
 def _tried(model, entry: EntryPoint, args, kwargs, fields: dict) -> frozenset | None:
     """The parameters the method reads on the inputs (the forward's output ``fields`` where it
-    takes one), where its result is finite; else None."""
+    takes one), where its result is finite and, for a sub-model's forward, holds codes (see
+    the module's docstring); else None."""
     seen: list = []
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     args, kwargs = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, (args, kwargs))
     reads = parameter_reads(model, (), {}, run=lambda: seen.append(_run(model, entry, args, kwargs, fields)))
-    if reads is None or not seen or not _results(seen[0]):
+    if reads is None or not seen or not _results(seen[0]) or (entry.own and not _codes(seen[0])):
         return None
     if not all(t.is_meta or bool(torch.isfinite(t).all()) for t in _results(seen[0])):
         return None
