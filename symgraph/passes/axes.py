@@ -56,37 +56,37 @@ def leaf_element(an, r, p, elements):
 
 def flat_factors(an, axis, par):
     """Flatten nested products: list of (axis, parity) factors."""
-    r, p = an.uf.find(axis)
-    p ^= par
-    s = an.uf.struct.get(r)
-    if s is not None and s[0] == "prod":
-        out = []
-        for a, pa in s[1]:
-            out += flat_factors(an, a, pa ^ p)
-        return out
-    return [(axis, par)]
+    out, todo = [], [(axis, par)]
+    while todo:
+        a, pa = todo.pop()
+        r, p = an.uf.find(a)
+        s = an.uf.struct.get(r)
+        if s is not None and s[0] == "prod":
+            todo.extend((b, pb ^ p ^ pa) for b, pb in reversed(s[1]))
+        else:
+            out.append((a, pa))
+    return out
 
 
 def _node(an, axis, par, elements):
     """``(E, fibres)``: the matrix of ``axis`` (parity ``par``), fibred over the classes
-    ``fibres``; ``(None, ())`` when it is the identity."""
-    uf = an.uf
-    r, p = uf.find(axis)
-    p ^= par
-    s = uf.struct.get(r)
-    if s is None:
-        return leaf_element(an, r, p, elements)
-    kind, parts = s
-    if kind == "sum":
-        return _sum_node(an, parts, p, elements)
-    return _product_node(an, axis, par, elements)
+    ``fibres``; ``(None, ())`` when it is the identity. Sums are walked, not recursed into
+    (:meth:`~.unionfind.AxisUnionFind.fold`); a product (at most log2 of its size deep, its
+    factors of size one dropped) builds its own."""
+    def leaf(r, p):
+        return leaf_element(an, r, p, elements) if r not in an.uf.struct else _product_node(an, r, p, elements)
+
+    def combine(r, p, kind, values):
+        return _sum_node(an, an.uf.struct[r][1], values)
+
+    return an.uf.fold(axis, leaf, combine, par, expand=lambda kind: kind == "sum")
 
 
-def _sum_node(an, parts, p, elements):
-    """A direct sum's matrix: its parts' matrices (the identity for a part without one) on the
-    diagonal, each broadcast over the fibres of all of them."""
+def _sum_node(an, parts, values):
+    """A direct sum's matrix: its parts' matrices ``values`` (the identity for a part without
+    one) on the diagonal, each broadcast over the fibres of all of them."""
     uf = an.uf
-    subs = [(_node(an, a, pa ^ p, elements), uf.size[uf.find(a)[0]]) for a, pa in parts]
+    subs = [(v, uf.size[uf.find(a)[0]]) for v, (a, _) in zip(values, parts)]
     if all(E is None for (E, _), _ in subs):
         return None, ()
     fibres = []
@@ -193,25 +193,22 @@ def _broadcast_fibres(E, have, want, uf):
 
 
 def coord_table(an, axis):
-    """Memoised :func:`_coord_table` (an analysis' structures are final once it is built)."""
-    r = an.uf.find(axis)[0]
-    memo = an.__dict__.setdefault("_coord_tables", {})
-    if r not in memo:
-        memo[r] = _coord_table(an, axis)
-    return memo[r]
-
-
-def _coord_table(an, axis):
     """Per coordinate of ``axis``: the index into each leaf class, and a path id that tells
-    apart the segments of direct sums. Returns ``(paths [n], {leaf_root: idx [n] or -1})``."""
-    uf = an.uf
-    r, _ = uf.find(axis)
-    n = uf.size[r]
-    s = uf.struct.get(r)
-    if s is None:
-        return np.zeros(n, np.int64), {r: np.arange(n)}
-    kind, parts = s
-    subs = [coord_table(an, a) for a, _ in parts]
+    apart the segments of direct sums. Returns ``(paths [n], {leaf_root: idx [n] or -1})``.
+    Memoised in ``an`` for each class on the way (an analysis' structures are final once it
+    is built); a walk, not a recursion."""
+    memo = an.__dict__.setdefault("_coord_tables", {})
+    return an.uf.fold(axis, lambda r, p: _coord_leaf(an.uf.size[r], r),
+                      lambda r, p, kind, subs: _coord_parts(an.uf.size[r], kind, subs), memo=memo)
+
+
+def _coord_leaf(n, r):
+    return np.zeros(n, np.int64), {r: np.arange(n)}
+
+
+def _coord_parts(n, kind, subs):
+    """:func:`coord_table` of a class of size ``n`` structured as ``kind`` over parts whose
+    tables are ``subs``."""
     if kind == "sum":
         paths, leaves, off = [], {}, 0
         for k, (p, t) in enumerate(subs):
@@ -236,15 +233,16 @@ def _coord_table(an, axis):
 
 def _coord_parity(an, axis, par=0) -> dict:
     """Per coordinate of ``axis``: ``{leaf root: parity [n]}`` (1: the leaf acts there by its
-    element's inverse transpose), along :func:`_coord_table`'s layout."""
-    r, p = an.uf.find(axis)
-    p ^= par
-    n = an.uf.size[r]
-    s = an.uf.struct.get(r)
-    if s is None:
-        return {r: np.full(n, p, np.int8)}
-    kind, parts = s
-    subs = [(_coord_parity(an, a, pa ^ p), an.uf.size[an.uf.find(a)[0]]) for a, pa in parts]
+    element's inverse transpose), along :func:`coord_table`'s layout."""
+    uf = an.uf
+    return uf.fold(axis, lambda r, p: {r: np.full(uf.size[r], p, np.int8)},
+                   lambda r, p, kind, ts: _parity_parts(uf.size[r], kind, [
+                       (t, uf.size[uf.find(a)[0]]) for t, (a, _) in zip(ts, uf.struct[r][1])]), par)
+
+
+def _parity_parts(n, kind, subs) -> dict:
+    """:func:`_coord_parity` of a class of size ``n`` structured as ``kind`` over parts
+    ``subs`` (``(table, size)``)."""
     out: dict = {}
     if kind == "sum":
         off = 0
@@ -361,15 +359,18 @@ def stored_slots(an, nodes) -> dict:
 
 
 def leaves_with_parity(an, axis, par=0):
-    """``[(leaf root, parity)]`` of ``axis``: itself, or its structure's parts' leaves."""
-    r, p = an.uf.find(axis)
-    p ^= par
-    s = an.uf.struct.get(r)
-    if s is None:
-        return [(r, p)]
-    out = []
-    for a, pa in s[1]:
-        out += leaves_with_parity(an, a, pa ^ p)
+    """``[(leaf root, parity)]`` of ``axis``: itself, or its structure's parts' leaves, in
+    order (a walk, not a recursion)."""
+    out, todo = [], [(axis, par)]
+    while todo:
+        a, pa = todo.pop()
+        r, p = an.uf.find(a)
+        p ^= pa
+        s = an.uf.struct.get(r)
+        if s is None:
+            out.append((r, p))
+        else:
+            todo.extend((b, pb ^ p) for b, pb in reversed(s[1]))
     return out
 
 
@@ -398,33 +399,20 @@ def attention_sites(an) -> list:
     return sites.attention_sites(an)
 
 
-def axis_tree(an, axis):
-    """``axis`` down to its leaf classes: ``("leaf", size, root)`` or ``(kind, [subtrees])``
-    with kind ``"prod"`` (row-major flatten) or ``"sum"`` (concatenation)."""
-    r, _ = an.uf.find(axis)
-    s = an.uf.struct.get(r)
-    if s is None:
-        return ("leaf", an.uf.size[r], r)
-    return (s[0], [axis_tree(an, p) for p, _ in s[1]])
+def axis_tree(an, axis, name=lambda r: r):
+    """``axis`` down to its leaf classes: ``("leaf", size, name(root))`` or ``(kind,
+    [subtrees])`` with kind ``"prod"`` (row-major flatten) or ``"sum"`` (concatenation)."""
+    return an.uf.fold(axis, lambda r, p: ("leaf", an.uf.size[r], name(r)), lambda r, p, kind, subs: (kind, subs))
 
 
 def resized_shapes(an, sizes: dict) -> dict:
     """Every node's output shape (a list of shapes for a list output) when the leaf classes
     ``sizes`` (``{root: new size}``) change size and every other class keeps its own."""
-    memo: dict = {}
+    memo: dict = {r: int(n) for r, n in sizes.items()}
 
     def size(a):
-        r, _ = an.uf.find(a)
-        if r not in memo:
-            s = an.uf.struct.get(r)
-            if r in sizes:
-                memo[r] = int(sizes[r])
-            elif s is None:
-                memo[r] = an.uf.size[r]
-            else:
-                parts = [size(p) for p, _ in s[1]]
-                memo[r] = int(np.prod(parts)) if s[0] == "prod" else sum(parts)
-        return memo[r]
+        return an.uf.fold(a, lambda r, p: an.uf.size[r],
+                          lambda r, p, kind, parts: int(np.prod(parts)) if kind == "prod" else sum(parts), memo=memo)
 
     def walk(x):
         if isinstance(x, (list, tuple)) and all(isinstance(v, int) for v in x):

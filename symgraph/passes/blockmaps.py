@@ -12,6 +12,7 @@ are permutations; the entries are the elements' own, as in the composed matrix.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -89,26 +90,24 @@ def sum_index(an, axis, elements: dict):
 
 
 def _sum_pieces(an, axis, elements: dict):
-    """``(index, moved)`` of :func:`sum_index`, or None."""
+    """``(index, moved)`` of :func:`sum_index`, or None (sums walked, not recursed into)."""
     uf = an.uf
-    pieces, moved, at = [], False, 0
-    for a, _ in uf.struct[uf.find(axis)[0]][1]:
-        ra, _ = uf.find(a)
-        if ra in uf.struct:
-            sub = _sum_pieces(an, a, elements) if uf.struct[ra][0] == "sum" else None
-            if sub is None:
-                return None
-            index, m = sub
-        else:
-            E = elements.get(ra)
-            if E is not None and (not isinstance(E, Perm) or an.fibre.get(ra, ())):
-                return None
-            index, m = (torch.arange(uf.size[ra]) if E is None else E.index), E is not None
-        pieces.append(index + at)
-        moved |= m
-        at += uf.size[ra]
-    dev = next((p.device for p in pieces if p.device.type != "cpu"), pieces[0].device)
-    return torch.cat([p.to(dev) for p in pieces]), moved
+
+    def leaf(r, p):
+        E = elements.get(r)
+        if r in uf.struct or (E is not None and (not isinstance(E, Perm) or an.fibre.get(r, ()))):
+            return None
+        return (torch.arange(uf.size[r]) if E is None else E.index), E is not None
+
+    def combine(r, p, kind, subs):
+        if any(sub is None for sub in subs):
+            return None
+        sizes = [uf.size[uf.find(a)[0]] for a, _ in uf.struct[r][1]]
+        pieces = [index + at for (index, _), at in zip(subs, itertools.accumulate([0] + sizes[:-1]))]
+        dev = next((x.device for x in pieces if x.device.type != "cpu"), pieces[0].device)
+        return torch.cat([x.to(dev) for x in pieces]), any(m for _, m in subs)
+
+    return uf.fold(axis, leaf, combine, expand=lambda kind: kind == "sum")
 
 
 def _carry(subs, fclasses, sizes, m, dev):

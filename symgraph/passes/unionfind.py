@@ -48,6 +48,38 @@ class AxisUnionFind:
             self.parity[node] = acc
         return root, (self.parity[path[0]] if path else 0)
 
+    def fold(self, axis: int, leaf, combine, par: int = 0, expand=None, memo: dict | None = None):
+        """A value of ``axis`` computed from its structure bottom up, by a walk rather than a
+        recursion (a sum may nest as deep as a time axis is long: ``x[1:]`` beside ``x[:-1]``).
+        ``leaf(root, parity)`` gives a leaf's value, and a structured class's where
+        ``expand(kind)`` says not to descend; ``combine(root, parity, kind, values)`` a
+        structure's from its parts' values, in order. Parities accumulate as :meth:`find`
+        gives them. ``memo`` (``{root: value}``, for values that do not depend on parity) is
+        read and filled on the way."""
+        stack, values = [(axis, par, False)], []
+        while stack:
+            a, pa, ready = stack.pop()
+            r, p = self.find(a)
+            p ^= pa
+            s = self.struct.get(r)
+            if memo is not None and r in memo:
+                values.append(memo[r])
+                continue
+            if s is None or (expand is not None and not expand(s[0])):
+                v = leaf(r, p)
+            elif not ready:
+                stack.append((a, pa, True))
+                stack.extend((c, pc ^ p, False) for c, pc in reversed(s[1]))
+                continue
+            else:
+                k = len(s[1])
+                v = combine(r, p, s[0], values[len(values) - k:])
+                del values[len(values) - k:]
+            if memo is not None:
+                memo[r] = v
+            values.append(v)
+        return values[0]
+
     # --- constraints ---------------------------------------------------------------------
     def meet(self, a: int, kind: GroupKind, reason: str | None = None):
         r, _ = self.find(a)

@@ -162,10 +162,9 @@ class AxisQueries:
         s = an.uf.struct.get(an.uf.find(axis)[0])
         return None if s is None else (s[0], [an.uf.size[an.uf.find(p)[0]] for p, _ in s[1]])
 
-    def axis_tree(self, axis, _t=None):
+    def axis_tree(self, axis):
         """``axis`` down to its leaves: ``("leaf", size, group id or None)`` or ``(kind, [subtrees])``."""
-        t = axis_tree(self._analysis, axis) if _t is None else _t
-        return ("leaf", t[1], self._gid.get(t[2])) if t[0] == "leaf" else (t[0], [self.axis_tree(None, x) for x in t[1]])
+        return axis_tree(self._analysis, axis, self._gid.get)
 
     def resized_shapes(self, sizes: dict) -> dict:
         """``{node name: output shape}`` of the traced graph when groups ``sizes`` (``{group id: new
