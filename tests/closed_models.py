@@ -157,3 +157,15 @@ class Wrapped(nn.Module):
 
 class WrappedWithMixin(Wrapped, DecodeMixin):
     """The same model, with a mixin (another file) that decodes through the tower's method."""
+
+
+class ProbedHost(Host):
+    """A host with a probe that only a public method of it reads (an entry point), beside its
+    tower's marker that no way in loads."""
+
+    def __init__(self):
+        super().__init__()
+        self.probe = nn.Linear(6, 2)
+
+    def predict_probe(self, x: torch.Tensor):
+        return self.probe(self.tower(x))

@@ -12,8 +12,8 @@ import torch
 import symgraph
 from symgraph.passes.closed_reads import closed_parameters
 
-from closed_models import (Host, MarkedHost, MaybeNone, NamedHost, Pilot, PilotOfReassigned, Reached, Tokens, Wrapped,
-                           WrappedWithMixin)
+from closed_models import (Host, MarkedHost, MaybeNone, NamedHost, Pilot, PilotOfReassigned, ProbedHost, Reached,
+                           Tokens, Wrapped, WrappedWithMixin)
 
 WHY = ("loaded by Block.forward, the ways block is called, only where embeds is None, which every call passes "
        "a tensor (static check)")
@@ -110,3 +110,22 @@ def test_a_mixin_of_a_model_above_that_calls_another_method_is_read():
                                                           "DecodingTower.forward, the ways tower is called "
                                                           "(static check)"}
     assert closed_parameters(WrappedWithMixin(), [name]) == {}
+
+
+def test_a_method_beside_a_member_proven_dead_only_statically_is_kept():
+    """The entry points take the trace's proof of what stays unread: a probe only a public
+    method reads runs as an entry point while the tower's marker, which :mod:`.deadcode`
+    cannot prove dead (the tower reaches its members by no name) but the static reading does,
+    stays unread. Before, only :mod:`.deadcode`'s proof counted: the method was dropped and
+    the unread probe fixed every class."""
+    torch.manual_seed(0)
+    A = ProbedHost().eval()
+    x = (torch.randn(8, 6),)
+    rep = symgraph.analyze(A, x)
+    assert rep.unread is None and list(rep.dead_parameters) == ["tower.marker.weight"]
+    hidden = next(g for g in rep.groups if ("tower.up.weight", 0) in g.params)
+    assert hidden.kind == "scaled_perm" and hidden.size == 16
+    assert rep.certify(A, x) <= 1e-12
+    B = symgraph.transform(A, rep.random_transform(seed=3, orthogonal=True))
+    with torch.no_grad():
+        assert float((A.predict_probe(x[0]) - B.predict_probe(x[0])).abs().max()) < 1e-5  # the method too

@@ -50,7 +50,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..core.devices import weightless_twin
-from .deadcode import dead_parameters
+from .closed_reads import proven_dead
 from .optional_inputs import modules_above, parameter_reads
 
 __all__ = ["FIELD", "EntryPoint", "entry_points", "entered", "entry_results", "own_methods", "recorded",
@@ -322,8 +322,9 @@ def entry_points(model, args, kwargs, unread: list[str], budget: int = 8) -> lis
     model on ``meta`` (:func:`~symgraph.core.devices.weightless_twin`: a method that
     changes the module it is called on, a setter, changes that twin only); none whose reads the
     others cover (:func:`_needed`), and none at all where a parameter neither they read nor
-    :mod:`.deadcode` proves dead is left (it fixes every class whatever they read: their trace
-    would only cost time; Nemotron 3.5 Transcribe's diarization ``silence_embeds``)."""
+    a proof shows dead (:func:`.closed_reads.proven_dead`, as the trace takes it) is left (it
+    fixes every class whatever they read: their trace would only cost time; Nemotron 3.5
+    Transcribe's diarization ``silence_embeds``)."""
     kept: list = []
     left, fields = set(unread), _Fields(model, args, kwargs)
     for entry in itertools.chain(_sub_models(model, unread), _entries(model, unread, kwargs, fields)):
@@ -339,7 +340,7 @@ def entry_points(model, args, kwargs, unread: list[str], budget: int = 8) -> lis
         if reads is not None and reads & left:
             kept.append((entry, reads))
             left -= reads
-    if left and set(dead_parameters(model, sorted(left))) != left:
+    if left and set(proven_dead(model, sorted(left))) != left:
         return []  # a parameter still unread fixes every class: the methods' trace would buy nothing
     return _needed(kept, set(unread))
 
