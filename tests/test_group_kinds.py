@@ -28,6 +28,7 @@ OTHER_KINDS = {
     "passes/driver.py": {"sum", "prod"},  # axis structures
     "passes/unionfind.py": {"sum", "prod"},
     "passes/axes.py": {"sum", "prod"},
+    "passes/blockmaps.py": {"sum", "prod"},
     "core/distributed.py": {"tensor", "int", "float"},  # values sent between ranks
     "solve/turns.py": {"ValueError"},  # what a solver worker process answered
 }
