@@ -77,16 +77,16 @@ def _node(an, axis, par, elements):
         return leaf_element(an, r, p, elements) if r not in an.uf.struct else _product_node(an, r, p, elements)
 
     def combine(r, p, kind, values):
-        return _sum_node(an, an.uf.struct[r][1], values)
+        return _sum_node(an, r, values)
 
     return an.uf.fold(axis, leaf, combine, par, expand=lambda kind: kind == "sum")
 
 
-def _sum_node(an, parts, values):
-    """A direct sum's matrix: its parts' matrices ``values`` (the identity for a part without
-    one) on the diagonal, each broadcast over the fibres of all of them."""
+def _sum_node(an, r, values):
+    """The matrix of the direct sum ``r``: its parts' matrices ``values`` (the identity for a
+    part without one) on the diagonal, each broadcast over the fibres of all of them."""
     uf = an.uf
-    subs = [(v, uf.size[uf.find(a)[0]]) for v, (a, _) in zip(values, parts)]
+    subs = list(zip(values, uf.part_sizes(r)))
     if all(E is None for (E, _), _ in subs):
         return None, ()
     fibres = []
@@ -236,8 +236,7 @@ def _coord_parity(an, axis, par=0) -> dict:
     element's inverse transpose), along :func:`coord_table`'s layout."""
     uf = an.uf
     return uf.fold(axis, lambda r, p: {r: np.full(uf.size[r], p, np.int8)},
-                   lambda r, p, kind, ts: _parity_parts(uf.size[r], kind, [
-                       (t, uf.size[uf.find(a)[0]]) for t, (a, _) in zip(ts, uf.struct[r][1])]), par)
+                   lambda r, p, kind, ts: _parity_parts(uf.size[r], kind, list(zip(ts, uf.part_sizes(r)))), par)
 
 
 def _parity_parts(n, kind, subs) -> dict:
@@ -360,18 +359,8 @@ def stored_slots(an, nodes) -> dict:
 
 def leaves_with_parity(an, axis, par=0):
     """``[(leaf root, parity)]`` of ``axis``: itself, or its structure's parts' leaves, in
-    order (a walk, not a recursion)."""
-    out, todo = [], [(axis, par)]
-    while todo:
-        a, pa = todo.pop()
-        r, p = an.uf.find(a)
-        p ^= pa
-        s = an.uf.struct.get(r)
-        if s is None:
-            out.append((r, p))
-        else:
-            todo.extend((b, pb ^ p) for b, pb in reversed(s[1]))
-    return out
+    order (:meth:`~.unionfind.AxisUnionFind.leaves`)."""
+    return an.uf.leaves(axis, par)
 
 
 def linear_layers(an) -> list:

@@ -102,8 +102,8 @@ def _sum_pieces(an, axis, elements: dict):
     def combine(r, p, kind, subs):
         if any(sub is None for sub in subs):
             return None
-        sizes = [uf.size[uf.find(a)[0]] for a, _ in uf.struct[r][1]]
-        pieces = [index + at for (index, _), at in zip(subs, itertools.accumulate([0] + sizes[:-1]))]
+        at = itertools.accumulate([0] + uf.part_sizes(r)[:-1])
+        pieces = [index + o for (index, _), o in zip(subs, at)]
         dev = next((x.device for x in pieces if x.device.type != "cpu"), pieces[0].device)
         return torch.cat([x.to(dev) for x in pieces]), any(m for _, m in subs)
 

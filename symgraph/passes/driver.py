@@ -411,14 +411,7 @@ class AxisAnalysis:
     def leaves(self, axis):
         """Leaf classes of an axis: itself, or the leaves of its structure's parts, in order
         (a walk, not a recursion: a structure may nest as deep as a time axis is long)."""
-        out, todo = [], [axis]
-        while todo:
-            r, _ = self.uf.find(todo.pop())
-            if r not in self.uf.struct:
-                out.append(r)
-            else:
-                todo.extend(p for p, _ in reversed(self.uf.struct[r][1]))
-        return out
+        return [r for r, _ in self.uf.leaves(axis)]
 
 
 def analyze_graph(ep, strict=False, tied=(), fold_norms=True, keep=None) -> AxisAnalysis:

@@ -48,6 +48,24 @@ class AxisUnionFind:
             self.parity[node] = acc
         return root, (self.parity[path[0]] if path else 0)
 
+    def leaves(self, axis: int, par: int = 0) -> list:
+        """``[(leaf root, parity)]`` of ``axis``: itself, or its structure's parts' leaves, in
+        order (a walk, not a recursion: a structure may nest as deep as a time axis is long)."""
+        out, todo = [], [(axis, par)]
+        while todo:
+            a, pa = todo.pop()
+            r, p = self.find(a)
+            p ^= pa
+            if r in self.struct:
+                todo.extend((b, pb ^ p) for b, pb in reversed(self.struct[r][1]))
+            else:
+                out.append((r, p))
+        return out
+
+    def part_sizes(self, r: int) -> list:
+        """The sizes of the parts of the structured class ``r``, in order."""
+        return [self.size[self.find(a)[0]] for a, _ in self.struct[r][1]]
+
     def fold(self, axis: int, leaf, combine, par: int = 0, expand=None, memo: dict | None = None):
         """A value of ``axis`` computed from its structure bottom up, by a walk rather than a
         recursion (a sum may nest as deep as a time axis is long: ``x[1:]`` beside ``x[:-1]``).

@@ -159,8 +159,8 @@ class AxisQueries:
         """``None`` for a leaf axis, else ``(kind, [part sizes])``: ``"prod"`` (flatten) or
         ``"sum"`` (concatenation)."""
         an = self._analysis
-        s = an.uf.struct.get(an.uf.find(axis)[0])
-        return None if s is None else (s[0], [an.uf.size[an.uf.find(p)[0]] for p, _ in s[1]])
+        r = an.uf.find(axis)[0]
+        return (an.uf.struct[r][0], an.uf.part_sizes(r)) if r in an.uf.struct else None
 
     def axis_tree(self, axis):
         """``axis`` down to its leaves: ``("leaf", size, group id or None)`` or ``(kind, [subtrees])``."""
