@@ -2,7 +2,7 @@
 residual stream admits orthogonal maps). For each seed pair of the suite's cached GPT-2s
 (trained tied), the loss barrier on the suite's held-out batches (11-point λ grid) of vanilla
 averaging, weight matching in the tied model (residual stream: permutations) and weight
-matching after :func:`symgraph.merging.untie.untie` (residual stream: O(d) fixing 𝟙).
+matching after :func:`symgraph.core.ties.untie` (residual stream: O(d) fixing 𝟙).
 
 ``python -m benchmarks.bench_untie [--size quick] [--seeds 0 1 2] [--out DIR]``
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 import symgraph
-from symgraph.merging.untie import untie
+from symgraph.core.ties import untie
 
 from . import evaluate, train
 from .provenance import write_beside

@@ -16,7 +16,7 @@ from symgraph.app.config import MergeConfig
 from symgraph.app.run import run_merge
 from symgraph.merging.engine.sinks import write_config
 from symgraph.merging.streaming import StreamingMerge
-from symgraph.merging.untie import untie_checkpoint, untie_config_updates
+from symgraph.core.ties import untie_config_updates
 from symgraph.testing import models
 
 from engine_helpers import load, rel
@@ -52,7 +52,7 @@ _load, _rel = load, rel
 def test_a_checkpoint_read_untied_has_the_head_as_its_own_key(pair):
     c = Checkpoint(str(pair / "m0"))
     assert HEAD not in c.shapes and c.key(HEAD) == EMBED  # save_pretrained stored the tied group once
-    u = untie_checkpoint(c)
+    u = c.untied()
     assert u.source is c and HEAD not in c.keys and HEAD not in c.shapes  # the stored one is untouched
     assert u.keys[-1] == HEAD and u.key(HEAD) == HEAD and u.key(EMBED) == EMBED
     assert u.shapes[HEAD] == c.shapes[EMBED] and u.dtypes[HEAD] == c.dtypes[EMBED]

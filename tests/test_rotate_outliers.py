@@ -9,7 +9,7 @@ import torch
 
 import symgraph
 from symgraph.errors import InputError
-from symgraph.merging.untie import untie
+from symgraph.core.ties import untie
 from symgraph.rotation.outliers import with_outliers
 from symgraph.testing import models
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import symgraph
-from symgraph.merging.untie import untie
+from symgraph.core.ties import untie
 from symgraph.testing import models
 from symgraph.testing import quantize as Q
 

@@ -216,7 +216,7 @@ def test_folded_rows_run_on_the_parents_with_gains_folded():
     """``gains_folded``: LayerNorm gains 1, shifts 0 where the readers take them, the same function; a ``_folded`` row's
     curve ends at the parents' losses, and a function-preserving rescale of a norm's gain
     against its readers leaves it unchanged (the folded form does not see the split)."""
-    from symgraph.merging.untie import untie
+    from symgraph.core.ties import untie
     from symgraph.testing import models
     from benchmarks.anchor import table
     A, B = (untie(models.build("gpt2", seed=s, vocab=64, hidden=32, layers=1, heads=4, positions=64))
@@ -247,7 +247,7 @@ def test_table_rows_on_tiny_untied_gpt2():
     are the parents' losses; circuit-space rows (GPT-2 widened in memory, learned matching in
     that space) whose ends are the parents' losses too."""
     import symgraph
-    from symgraph.merging.untie import untie
+    from symgraph.core.ties import untie
     from symgraph.testing import models
     from benchmarks.anchor import table
     A, B = (untie(models.build("gpt2", seed=s, vocab=64, hidden=32, layers=1, heads=4, positions=64))

@@ -49,6 +49,7 @@ from pydantic import Field, StrictInt
 
 from ..core.schema import Number
 from ..core.finite import require_module
+from ..core.ties import untied_to_match
 from ..errors import InputError, StructureMismatchError
 from ..report.api import analyze
 from ..core.progress import bar
@@ -110,6 +111,7 @@ class Comparison:
     alpha: float = ALPHA
     mode: str = "in memory"  # or "out of core" (``symgraph compare`` on large checkpoints)
     widths: dict = field(default_factory=dict)  # {name: (A's shape, B's)} of the tensors whose widths differ
+    untied: dict = field(default_factory=dict)  # {"A" or "B": the names it tied that the other stores apart}
 
     @property
     def null_mean(self) -> float:
@@ -156,6 +158,9 @@ class Comparison:
             lines.append(f"  widths differ in {len(self.widths)} tensors ({k} {list(x)} in A, {list(y)} in B"
                          + (f", and {more} more" if more else "") + "): B carried into A's shapes by the "
                          "transport maps")
+        for side, names in self.untied.items():
+            lines.append(f"  {side}'s tied parameters untied to compare ({', '.join(names)} stored apart in "
+                         f"{'B' if side == 'A' else 'A'}: one function, the untied form)")
         if self.verdict not in ("unrelated", "undetermined"):
             car = self.carriers
             lines.append(f"  carried by {len(car)}/{len(self.layers)} layers"
@@ -171,7 +176,7 @@ class Comparison:
                 "null": list(self.null), "null_mean": self.null_mean, "null_std": self.null_std,
                 "tolerance": self.tolerance, "max_rel_distance": self.max_rel_distance,
                 "similarity": self.similarity, "mode": self.mode, "group_kinds": self.group_kinds(), "carriers": self.carriers,
-                "widths": {k: [list(x), list(y)] for k, (x, y) in self.widths.items()},
+                "widths": {k: [list(x), list(y)] for k, (x, y) in self.widths.items()}, "untied": self.untied,
                 "layers": self.layers, "tensors": self.tensors, "alignment": self.alignment.to_dict()}
 
     def to_json(self, **kw) -> str:
@@ -412,6 +417,7 @@ def compare(a, b, data=None, *, null: int = 4, threshold: float = THRESHOLD, alp
     verdict is then at most "derived". Shapes that differ along an axis no class maps (a
     vocabulary, a head size) are refused, naming the tensor.
     """
+    a, b, untied = untied_to_match(a, b)
     widths = _check_pair(a, b)
     check_options(null, threshold)
     data = list(data) if data is not None else None
@@ -435,5 +441,8 @@ def compare(a, b, data=None, *, null: int = 4, threshold: float = THRESHOLD, alp
         return al, measure(a_state.__getitem__, state.__getitem__, names, gauge)
 
     dtypes = {p.dtype for p in a_state.values()} | {p.dtype for _, p in b.named_parameters() if p.is_floating_point()}
-    return judge(solve, tolerance(*dtypes), null=null, threshold=threshold, alpha=alpha,
-                 similarity="activations" if data is not None else "weights", widths=widths)
+    res = judge(solve, tolerance(*dtypes), null=null, threshold=threshold, alpha=alpha,
+                similarity="activations" if data is not None else "weights", widths=widths)
+    res.untied = untied
+    return res
+

@@ -4,7 +4,9 @@
 weights or activations, out of core where ``merge`` is) and writes B in A's basis: B's config,
 B's dtypes, sharded like B, loadable by ``from_pretrained`` and mergeable by any tool
 (mergekit's linear, SLERP, TIES/DARE against a base), plus the alignment itself
-(``symgraph_alignment.safetensors``, see :mod:`symgraph.alignment.saved`).
+(``symgraph_alignment.safetensors``, see :mod:`symgraph.alignment.saved`). A tied model and
+its untied form (``symgraph rotate``'s output) are aligned through the tied one read untied; B
+is then written untied.
 :func:`run_apply` (``symgraph apply ALIGNMENT C --out DIR``) carries another checkpoint of B's
 architecture the same way: a fine-tune of B shares B's basis, so one alignment of the
 pre-trained models carries all of them. Both write through
@@ -174,7 +176,9 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
     from ..alignment.saved import ALIGNMENT_FILE, save_alignment
     from ..checkpoints.outdir import check_out, save_atomic
     from ..checkpoints.inputs import check_paths, input_names, read_batches
+    from ..core.ties import untied_to_match
     from ..checkpoints.specs import check_same_configs
+    from ..core.ties import untie_config_updates
     from .config import MergeConfig
     from ..merging.streaming import StreamingMerge
     from ..checkpoints.sharded import Checkpoint, check_pair
@@ -191,7 +195,8 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
         if not os.path.isdir(os.path.expanduser(p)):
             raise InputError(f"{p!r} is not a local checkpoint directory; expected save_pretrained directories "
                              "(symgraph align reads and writes checkpoints out of core)")
-    ckpts = [Checkpoint(os.path.expanduser(p)) for p in (a, b)]
+    A, B, untied = untied_to_match(*(Checkpoint(os.path.expanduser(p)) for p in (a, b)))  # a tied model and
+    ckpts = [A, B]  # its untied form: the tied one read untied (B then written untied)
     check_same_configs([c.config for c in ckpts], [a, b])
     check_pair(ckpts[0], ckpts[1], a, b, "symgraph align writes B in A's basis, which needs models of one width "
                "(models of different widths merge with symgraph merge --align weights)")
@@ -207,9 +212,10 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
     record: dict = {"symgraph_align": {"a": input_names([a])[0], "b": input_names([b])[0], "align": align,
                                  "data": os.path.abspath(data) if data else None, "fold_norms": fold_norms,
                                  "outputs": list(outputs) if outputs else None, **engine,
-                                 "seconds_align": time.time() - t0, "alignment": ALIGNMENT_FILE,
+                                 "seconds_align": time.time() - t0, "alignment": ALIGNMENT_FILE, "untied": untied,
                                  "dtype": str(ckpts[1].dtype).removeprefix("torch.")}}
-    write = carry_writer(ckpts[1], al.report_b, al.elements, al.gauge)
+    write = carry_writer(ckpts[1], al.report_b, al.elements, al.gauge,
+                         config_updates=untie_config_updates(B.source.config) if "B" in untied else None)
 
     def writer(directory):
         info = write(directory)

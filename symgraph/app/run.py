@@ -137,7 +137,7 @@ def _engine(cfg, inputs, data, progress, options) -> tuple:
     ckpts = inputs.open(cfg.models) if why is None else None
     if ckpts is None:
         return None, None, why or "its tensor names are converted by from_pretrained"
-    check_same_configs([c.config for c in ckpts], cfg.models)
+    check_same_configs([c.config for c in ckpts], cfg.models, untie=cfg.untie)
     if (cfg.takes_statistics or cfg.seen_rows) and data is None:
         data = read_batches(cfg.data, ckpts[0].model, statistics=cfg.takes_statistics)
     if cfg.seen_rows:
@@ -210,7 +210,7 @@ def _check_loaded(cfg, models) -> None:
     """Refuse loaded models of different classes or configs, and circuit-space heads of a
     model whose saved config could not state their size."""
     check_same_family(models, cfg.models)
-    check_same_configs([getattr(m, "config", None) for m in models], cfg.models)
+    check_same_configs([getattr(m, "config", None) for m in models], cfg.models, untie=cfg.untie)
     if cfg.attention == "circuits":
         from ..width.heads import check_config
         check_config(models[0], len(models))

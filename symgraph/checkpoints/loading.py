@@ -21,6 +21,7 @@ from ..core.dtypes import SAFETENSORS_DTYPES
 from ..core.finite import check_config_numbers, class_defaults
 from ..core.files import PinnedFile, model_file
 from ..core.schema import quoted
+from ..core.ties import parameter_names
 from ..errors import InputError
 
 __all__ = ["check_checkpoint_dir", "read_layout", "read_config", "build_meta", "Layout", "load_local", "load_hub",
@@ -213,15 +214,6 @@ class KeysDiffer(InputError):
     """The checkpoint's tensor names are not the built model's (transformers renames or
     converts them on load, e.g. fused MoE experts): it can only be merged after
     ``from_pretrained``."""
-
-
-def parameter_names(model) -> dict:
-    """``{parameter: the names it goes by}`` of ``model`` (tied weights share one; the first
-    name in module order is the parameter's)."""
-    by_id: dict = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return {names[0]: names for names in by_id.values()}
 
 
 def check_tensors(model, layout: Layout, path: str) -> dict:

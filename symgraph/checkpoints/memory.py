@@ -10,7 +10,7 @@ import torch
 
 from ..core.finite import check_read, require_module
 from ..errors import InputError
-from .loading import parameter_names
+from ..core.ties import parameter_names
 
 __all__ = ["ModelCheckpoint"]
 

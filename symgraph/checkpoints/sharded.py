@@ -21,10 +21,11 @@ import torch
 
 from ..core.devices import computed_buffers
 from ..core.dtypes import SAFETENSORS_NAMES as _ST_NAMES
-from .loading import (KeysDiffer, build_meta, check_checkpoint_dir, check_tensors, parameter_names,
+from .loading import (KeysDiffer, build_meta, check_checkpoint_dir, check_tensors,
                       read_config, read_layout)
 from ..core.finite import check_read
 from ..core.schema import quoted
+from ..core.ties import parameter_names, untie
 from ..errors import InputError
 
 __all__ = ["Checkpoint", "KeysDiffer", "check_pair", "ShardWriter", "parse_size", "INDEX", "SINGLE"]
@@ -91,13 +92,14 @@ class Checkpoint:
         self._stored: dict[str, str] = {}  # a key the files lack (an untied name) -> the key it is read from
         self.source: Checkpoint | None = None  # the checkpoint as stored, when this one reads it as another model
 
-    def untied(self, model) -> Checkpoint:
+    def untied(self, model=None) -> Checkpoint:
         """This checkpoint read as ``model``: its meta :attr:`model` with tied parameters made
-        separate (:func:`symgraph.merging.untie.untie` of it). Every parameter of ``model`` has
+        separate (:func:`symgraph.core.ties.untie` of it, the default). Every parameter of ``model`` has
         a key: one of its names the files hold, else its first name (as ``save_pretrained`` of
         the untied model names it), read from the tensor that name had here (its tied group's
         stored key); ``keys`` (appended in ``model``'s order), ``shapes`` and ``dtypes`` list
         those keys, so that a writer writes each; ``source`` is this checkpoint, left untouched."""
+        model = untie(self.model) if model is None else model
         out = copy.copy(self)
         out.model, out.config, out.source = model, getattr(model, "config", self.config), self.source or self
         out.params = parameter_names(model)

@@ -17,6 +17,7 @@ from ..core.finite import same_value
 from ..errors import InputError
 from ..core.progress import note
 from ..core.schema import quoted
+from ..core.ties import tie_refusal
 from .outdir import TOKENIZER_FILES, check_out, save_atomic  # noqa: F401 - re-exported
 
 __all__ = ["DEMO_MODELS", "BATCH_ROWS", "MODEL_EXPECTED", "model_kind", "demo_model", "load_model", "as_stored",
@@ -274,14 +275,19 @@ NOT_FUNCTION = METADATA | {"use_cache", "return_dict", "output_attentions", "out
                  "initializer_range", "initializer_factor", "attn_implementation", "_attn_implementation",
                  "_attn_implementation_autoset", "problem_type"}
 
+#: The config field that ties a language model's head to its embedding (transformers' name).
+TIE = "tie_word_embeddings"
 
-def check_same_configs(configs, names):
+
+def check_same_configs(configs, names, untie: bool = False):
     """Refuse, before any work, models whose configs differ in a field that changes the function
     but not the tensors' shapes (an activation, a RoPE base, a norm epsilon, a flag): the merged
     model would silently follow the anchor's. Integer fields (sizes) are left to the shape
     checks, which know which widths an alignment can bridge; dropout rates do not count. A
     sub-config (a vision-language model's ``text_config``) is compared field by field by the
-    same rules: its ``dtype``, which loading stamps, is as much metadata as the top level's."""
+    same rules: its ``dtype``, which loading stamps, is as much metadata as the top level's.
+    A tied head and an untied one (``tie_word_embeddings``) are one function, the untied form
+    the larger: accepted where the job unties (``untie``), else refused naming the option."""
     if any(c is None for c in configs):
         return
     base = configs[0].to_dict()
@@ -291,29 +297,32 @@ def check_same_configs(configs, names):
         if kinds[0] != kinds[1]:
             raise InputError(f"{names[0]!r} is a {kinds[0]} but {name!r} is a {kinds[1]}; expected models of "
                              "one architecture")
-        found = _difference(base, d)
+        found = _difference(base, d, skip=NOT_FUNCTION | ({TIE} if untie else set()))
         if found is None:
             continue
         path, a, b, sub_a, sub_b = found
         if isinstance(a, list) and isinstance(b, list) and len(a) != len(b):
             _refuse_count(sub_a, sub_b, path.rsplit(".", 1)[-1], (names[0], name))
+        if path.rsplit(".", 1)[-1] == TIE:
+            tied, loose = (names[0], name) if a else (name, names[0])
+            raise tie_refusal(repr(tied), repr(loose), f" (config field {path!r}: {a!r} vs {b!r})")
         raise InputError(f"{names[0]!r} and {name!r} differ in config field {path!r} ({a!r} vs {b!r}), which "
                          "changes what the model computes; expected models of one configuration (apart "
                          "from widths an alignment can bridge)")
 
 
-def _difference(a: dict, b: dict, prefix: str = ""):
+def _difference(a: dict, b: dict, prefix: str = "", skip=NOT_FUNCTION):
     """``(path, value in a, value in b, a, b)`` of the first field of two config dicts that changes
-    the function (the rules of :func:`check_same_configs`), descending into sub-configs (dicts
-    that name a ``model_type``); None where there is none."""
+    the function (the rules of :func:`check_same_configs`; ``skip``: the fields that do not),
+    descending into sub-configs (dicts that name a ``model_type``); None where there is none."""
     for k in sorted(set(a) | set(b)):
         x, y = a.get(k), b.get(k)
-        if k in NOT_FUNCTION or same_value(x, y) or "dropout" in k or "pdrop" in k:
+        if k in skip or same_value(x, y) or "dropout" in k or "pdrop" in k:
             continue
         if isinstance(x, int) and isinstance(y, int) and not isinstance(x, bool) and not isinstance(y, bool):
             continue
         if isinstance(x, dict) and isinstance(y, dict) and "model_type" in x and "model_type" in y:
-            found = _difference(x, y, f"{prefix}{k}.")
+            found = _difference(x, y, f"{prefix}{k}.", skip)
             if found is not None:
                 return found
             continue

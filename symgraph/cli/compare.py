@@ -106,12 +106,14 @@ def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | No
 
     from ..alignment.compare import (ALPHA, THRESHOLD, check_aligned, check_options, gauge_names, judge, measure,
                                      tolerance, width_refusal)
+    from ..core.ties import untied_to_match
     from ..errors import InputError, StructureMismatchError
     from ..merging.streaming import Checkpoint, StreamingMerge
     threshold = THRESHOLD if threshold is None else threshold
     alpha = ALPHA if alpha is None else alpha
     check_options(null, threshold)
     A, B = (c if isinstance(c, Checkpoint) else Checkpoint(os.path.expanduser(c)) for c in (A, B))
+    A, B, untied = untied_to_match(A, B)
     names = [n for n, p in A.model.named_parameters() if p.is_floating_point()]
     widths = _widths(A, B, A.path, B.path, names)
     data = list(data) if data is not None else None
@@ -147,7 +149,7 @@ def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | No
 
     res = judge(solve, tolerance(*dtypes), null=null, threshold=threshold, alpha=alpha,
                 similarity="weights" if data is None else "activations", widths=widths)
-    res.mode = "out of core"
+    res.mode, res.untied = "out of core", untied
     return res
 
 
@@ -169,7 +171,9 @@ def _checkpoints(a: str, b: str, out_of_core: bool | None):
         if out_of_core:
             note("transformers renames these checkpoints' tensors on load; the models are loaded in memory")
         return None
-    _widths(A, B, a, b, ())
+    from ..core.ties import untied_to_match
+    loose_a, loose_b, _ = untied_to_match(A, B)  # a tied model and its untied form: compared untied
+    _widths(loose_a, loose_b, a, b, ())
     if not out_of_core:
         from ..width.resize import available_memory
         need = 3 * 4 * sum(int(np.prod(shape, dtype=np.int64)) for shape in A.shapes.values())

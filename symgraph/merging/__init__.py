@@ -12,7 +12,8 @@ registered method, in memory or out of core, on one engine.
 - ``repair_stream``  REPAIR as the engine's step, BatchNorm resets in the same pass
 - ``universe``       the shared universe: rounds of engine plans, in memory and out of core
 - ``circuits``       circuit-space heads: the parents' QK and OV forms, as the engine's combine
-- ``untie``          tied parameters given their own tensors (models and checkpoints)
+  (untying, for ``untie``: :func:`symgraph.core.ties.untie`, and the checkpoint's
+  :meth:`~symgraph.checkpoints.sharded.Checkpoint.untied`)
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import torch
 from ..core.progress import bar as progress_bar
 from ..core.schema import UNSET
 from ..core.finite import require_module
+from ..core.ties import check_ties, untie as untie_model
 
 from ..alignment import align as align_models
 from ..alignment.checks import check_finite
@@ -66,7 +67,7 @@ def merge(models, inputs=None, *, weights=UNSET, align=UNSET, data=None, method=
     progress : a progress bar (stderr) over the models.
     attention : "heads" (the default) or "circuits": every head interpolates its ``QKᵀ`` and ``OV`` forms,
         in heads N times as wide (:mod:`symgraph.merging.circuits`; method "average" only).
-    untie : give tied weights their own tensors first (:mod:`symgraph.merging.untie`; default off).
+    untie : give tied weights their own tensors first (:func:`symgraph.core.ties.untie`; default off).
     align_options : :class:`~symgraph.AlignOptions` fields (``solver``, ``inner``, ...).
     config : a :class:`~symgraph.app.config.MergeConfig` (the command line's and YAML's)
         giving the options instead of the keywords above, which are then left unset
@@ -82,8 +83,9 @@ def merge(models, inputs=None, *, weights=UNSET, align=UNSET, data=None, method=
         raise InputError(f"universe_options={universe_options!r} apply only with anchor='universe', not "
                          f"anchor={config.anchor!r}")
     if config.untie:
-        from .untie import untie as untie_model
         models = [untie_model(m) for m in models]
+    else:  # a tied model beside its untied form (symgraph.rotate's): one function, merged untied if asked
+        check_ties(models)
     instance = method is not UNSET and not isinstance(method, str)  # a MergeMethod the config does not name
     how = registry.get(method) if instance else registry.get(config.method, **config.parameters)
     if how.needs_data and data is None:  # a method instance the config does not name

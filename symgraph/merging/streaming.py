@@ -7,7 +7,7 @@ weight matching (:func:`symgraph.alignment.driver.align_tensors`), by activation
 graphs run op by op on the data, :class:`~symgraph.alignment.graphrun.Stepper`) or by learned
 matching (:mod:`.learned`), full groups fitted from the stored tensors; take the method's
 **statistics** out of core (:mod:`.engine.statistics`); run the plan's transforms (circuit-space
-heads, :mod:`.circuits`; untying, :mod:`.untie`) and **REPAIR** (:mod:`.repair_stream`); then
+heads, :mod:`.circuits`; untying, :func:`~symgraph.core.ties.untie`) and **REPAIR** (:mod:`.repair_stream`); then
 the **plan** of group tasks (:mod:`.engine.plan`) and its **executor** (:mod:`.engine.executor`:
 read, carry into the anchor's basis, combine, cast, write) within one memory budget
 (:func:`~.engine.slicing.budgets`), every byte held counted by the :class:`~.engine.views.Ledger`.
@@ -39,7 +39,7 @@ from .engine import slicing
 from .engine.slicing import budgets
 from .engine.sinks import Into, write_config
 from .engine.sums import MemorySpill, Spill
-from .untie import untie_checkpoint, untie_config_updates
+from ..core.ties import untie_config_updates
 from .engine.views import DEFAULT_CACHE, Aligned, Folded, Sides, return_freed_memory
 from .engine import Executor, build_plan
 from .engine.executor import Resources, Transforms
@@ -117,7 +117,7 @@ class StreamingMerge:
         self.resources.ledger = ledger if ledger is not None else self.resources.ledger
         return_freed_memory()
         ckpts = [Checkpoint(os.fspath(p)) if isinstance(p, (str, os.PathLike)) else p for p in paths]  # or in memory
-        self._checkpoints = tuple(untie_checkpoint(c) for c in ckpts) if cfg.untie else tuple(ckpts)  # then checked
+        self._checkpoints = tuple(c.untied() for c in ckpts) if cfg.untie else tuple(ckpts)  # then checked
         self._check_family()
         self.weights  # computed once, refused here before any tensor is read
         # rotations are solved and applied in float32 for 16- and 32-bit weights (their own

@@ -17,7 +17,7 @@ import time
 from ..app.carry import carry_writer
 from ..errors import InputError
 from .classes import ones_gauge, rotation_classes, rotation_elements, rotation_report
-from ..merging.untie import untie_config_updates
+from ..core.ties import untie_config_updates
 
 __all__ = ["rotate_checkpoint"]
 

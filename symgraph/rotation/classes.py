@@ -13,7 +13,7 @@ from ..errors import InputError
 from ..passes.trace import eval_mode, flatten_outputs, output_deviation, select_outputs
 from ..report.api import analyze, tied_parameters
 from ..transform.apply import move, write_state
-from ..merging.untie import untie as untie_model
+from ..core.ties import untie as untie_model
 
 __all__ = ["CLASSES", "rotation_classes", "rotation_elements", "ones_gauge", "rotated_state", "rotation_report",
            "certificate"]
