@@ -225,6 +225,7 @@ def one_thread():
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.slow
 def test_trained_transformers_aligned_merge_beats_vanilla(arch, one_thread):
     """Two byte-level LMs trained for a few seconds from different seeds (init and data order)
     on pydoc prose: merged at λ=0.5, alignment by weights and by activations both give a lower
@@ -329,6 +330,7 @@ def _more_architectures():
 
 
 @pytest.mark.parametrize("name", list(_more_architectures()))
+@pytest.mark.slow
 def test_exact_recovery_more_architectures(name, one_thread):
     torch.manual_seed(0)
     A = _more_architectures()[name]().eval()
@@ -363,6 +365,7 @@ def test_heads_paired_by_index_when_head_class_not_selected(inner):
     assert _rel_params(A, al.apply(B)) < 1e-6
 
 
+@pytest.mark.slow
 def test_data_of_any_batch_size_and_length():
     """Batches of other shapes than the traced one are traced again: alignment from them is
     still exact, and RegMean / Fisher merges of a model with its transformed copy keep its

@@ -57,6 +57,7 @@ def test_qwen2_audio_whisper_features_counted_by_its_encoder_lengths():
     _reads_its_audio(m, "model.audio_tower.")
 
 
+@pytest.mark.slow
 def test_vibevoice_asr_raw_samples_from_its_extractor_and_no_sampling():
     """VibeVoice ASR reads raw samples (``input_values``, its extractor's 24 kHz: half a second
     is 12800 samples with their ``padding_mask``), counted by its own ``get_audio_features``
@@ -189,6 +190,7 @@ def test_voxtral_reads_its_audio_where_its_config_states_the_audio_token():
     _reads_its_audio(m, "model.audio_tower.")
 
 
+@pytest.mark.slow
 def test_apertus_audio_tokenizer_counted_by_its_per_clip_features():
     """Apertus 1.5 tokenizes each clip alone (``get_audio_features`` gives one tensor of
     embeddings per clip): as many audio tokens per row as its clip gives codes (20 for half a

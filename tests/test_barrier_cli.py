@@ -30,6 +30,7 @@ def pair(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_barrier_table_json_and_plot_match_the_library(pair, tmp_path):
     r = cli("barrier", pair / "m0", pair / "m1", "--data", pair / "data.safetensors", "--align", "none", "weights",
             "--out-of-core", "--out", tmp_path / "o")
@@ -81,11 +82,13 @@ def test_out_of_core_curves_equal_the_in_memory_ones(pair):
 
 @pytest.mark.parametrize("extra,needle", [(["--points", "2"], "at least 3"),
                                           (["--align", "nonsense"], "invalid choice")])
+@pytest.mark.slow
 def test_barrier_refuses_bad_options_in_one_line(pair, extra, needle):
     r = cli("barrier", pair / "m0", pair / "m1", "--data", pair / "data.safetensors", *extra)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_barrier_refuses_two_architectures(pair, tmp_path):
     r = cli("barrier", pair / "m0", pair / "g", "--data", pair / "data.safetensors", "--out", tmp_path / "o")
     assert r.returncode == 2 and "LlamaForCausalLM" in r.stderr and "GPT2LMHeadModel" in r.stderr

@@ -67,6 +67,7 @@ def _below(size: str) -> str:
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_a_budget_below_the_plan_is_refused_before_alignment_and_the_one_named_works(pair, capsys, monkeypatch,
                                                                                    peaks, case):
     import dataclasses

@@ -60,6 +60,7 @@ def test_three_models_give_three_fold_heads(llama_pair):
     torch.testing.assert_close(_logits(res.model, x), _logits(A, x), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_exported_circuit_checkpoint_loads_with_from_pretrained(tmp_path):
     from transformers import AutoModelForCausalLM
     A, B = models.build("llama", seed=0, **LLAMA), models.build("llama", seed=1, **LLAMA)
@@ -123,6 +124,7 @@ def test_gpt2_circuit_endpoints_interpolate_and_learned_matching():
     torch.testing.assert_close(_logits(ref.apply(B), x), _logits(B, x), atol=1e-4, rtol=0)  # still a symmetry
 
 
+@pytest.mark.slow
 def test_gpt2_circuits_cannot_be_saved_and_the_cli_says_why_in_one_line(tmp_path):
     r = cli("merge", "tiny-gpt2", "tiny-gpt2", "--out", tmp_path / "o", "--attention", "circuits")
     assert r.returncode == 2 and "no head_dim field" in r.stderr and "Traceback" not in r.stderr
@@ -150,6 +152,7 @@ def test_untied_merge_frees_the_residual_rotation():
     torch.testing.assert_close(_logits(res.model, x), _logits(G, x), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_untie_is_recorded_with_its_cost(tmp_path):
     r = cli("merge", "tiny-gpt2", "tiny-gpt2", "--out", tmp_path / "o", "--untie")
     assert r.returncode == 0, r.stderr

@@ -53,6 +53,7 @@ def ckpts(tmp_path_factory):
 # --- analyze -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_analyze_table_and_dot(ckpts, tmp_path):
     r = cli("analyze", ckpts / "bert0", "--dot", tmp_path / "g.dot")
     assert r.returncode == 0, r.stderr
@@ -61,6 +62,7 @@ def test_analyze_table_and_dot(ckpts, tmp_path):
     assert (tmp_path / "g.dot").read_text().startswith("digraph")
 
 
+@pytest.mark.slow
 def test_analyze_json(ckpts):
     r = cli("analyze", ckpts / "gpt0", "--json")
     assert r.returncode == 0, r.stderr
@@ -96,6 +98,7 @@ def test_merge_two_checkpoints(ckpts, tmp_path):
     assert digest(ckpts) == before
 
 
+@pytest.mark.slow
 def test_merge_yaml_config(ckpts, tmp_path):
     out = tmp_path / "ymerged"
     cfg = tmp_path / "merge.yaml"
@@ -123,6 +126,7 @@ def refused(r, *needles):
 @pytest.mark.parametrize("case", ["different_arch", "nan", "missing", "empty_dir", "no_weights",
                                   "bad_data", "out_exists", "yaml_bad_key", "yaml_bad_type",
                                   "bad_output", "yaml_bad_output"])
+@pytest.mark.slow
 def test_merge_refusals(ckpts, tmp_path, case):
     before = digest(ckpts)
     out = tmp_path / "out"
@@ -174,6 +178,7 @@ def test_merge_refusals(ckpts, tmp_path, case):
     assert digest(ckpts) == before
 
 
+@pytest.mark.slow
 def test_analyze_refusals(ckpts, tmp_path):
     refused(cli("analyze", tmp_path / "nowhere"), "does not exist")
     # an untraceable model: the CLI turns the TraceError into a refusal with a hint

@@ -1,11 +1,14 @@
 """``symgraph analyze MODEL --certify``: the README's first command certifies what it reports."""
 from __future__ import annotations
 
+import pytest
+
 import re
 
 from conftest import cli
 
 
+@pytest.mark.slow
 def test_analyze_certify_prints_a_small_deviation():
     r = cli("analyze", "tiny-llama", "--certify")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -182,6 +182,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case,argv,needles", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.slow
 def test_refusal(ws, case, argv, needles):
     args = argv(ws)
     before = digest(ws)
@@ -197,6 +198,7 @@ def test_refusal(ws, case, argv, needles):
         assert time.time() - t0 < 30  # no network wait
 
 
+@pytest.mark.slow
 def test_sigterm_while_writing_leaves_nothing(ws):
     """SIGTERM while the output is half written (the temporary directory exists): exit 143, one
     line, no temporary directory, no output, nothing else touched."""
@@ -237,6 +239,7 @@ def test_sigterm_while_writing_leaves_nothing(ws):
     assert digest(ws) == before
 
 
+@pytest.mark.slow
 def test_bf16_sharded_round_trip_keeps_dtype(ws, tmp_path):
     """bf16 inputs saved in shards merge into bf16 output with a model card."""
     srcs = []
@@ -294,6 +297,7 @@ def test_save_pretrained_round_trip_is_exact(arch, tmp_path):
         assert torch.equal(sa[k], sb[k]), k
 
 
+@pytest.mark.slow
 def test_small_odd_sized_data_is_used_whole_with_a_warning(ws, tmp_path):
     g = torch.Generator().manual_seed(1)
     save_file({"input_ids": torch.randint(0, 100, (11, 6), generator=g)}, str(tmp_path / "d.safetensors"))

@@ -268,6 +268,7 @@ def _killer(target: str, attr: str) -> str:
 
 
 @pytest.mark.parametrize("where", ["tracing", "reading_headers"])
+@pytest.mark.slow
 def test_sigterm_ends_with_143_wherever_it_arrives(ws, where):
     """A signal inside code wrapped in a broad ``except`` (torch.export, safetensors) is never
     reported as bad input."""
@@ -281,6 +282,7 @@ def test_sigterm_ends_with_143_wherever_it_arrives(ws, where):
     assert digest(ws) == before and not [f for f in os.listdir(ws) if f.startswith(".") or f == "sig"]
 
 
+@pytest.mark.slow
 def test_sigterm_while_force_replaces_never_hides_the_previous_output(ws, tmp_path, capsys):
     """SIGTERM right after the previous output is moved aside: the new output still goes into
     place (the signal waits for the swap) and the command says so."""

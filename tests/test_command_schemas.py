@@ -134,6 +134,7 @@ def test_align_takes_the_engine_options(pair, capsys):
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_barrier_and_compare_run_out_of_core_with_a_budget(pair, capsys):
     r = main_in_process(pair, "barrier", pair / "m0", pair / "m1", "--data", pair / "data.safetensors", "--align",
                         "none", "weights", "--points", "3", "--memory-budget", "1MB", "--sketch", "4", "--out",

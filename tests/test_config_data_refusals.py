@@ -138,6 +138,7 @@ SUBPROCESS = {"yaml_alias_bomb", "device_meta"}  # through `python -m symgraph` 
 
 
 @pytest.mark.parametrize("case,argv,needles", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.slow
 def test_refusal(ws, case, argv, needles, capsys):
     before = digest(ws)
     cwd = I if case == "config_model_only_in_working_directory" else "work"  # where 'a' and 'b' are
@@ -151,6 +152,7 @@ def test_refusal(ws, case, argv, needles, capsys):
     assert digest(ws) == before
 
 
+@pytest.mark.slow
 def test_config_paths_beside_the_config_merge_from_any_working_directory(ws, tmp_path):
     r = run(ws, "merge", "--config", ws / I / "beside.yaml", "--out", tmp_path / "o")
     assert r.returncode == 0, r.stderr[-2000:]

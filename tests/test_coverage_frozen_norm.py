@@ -74,6 +74,7 @@ def test_table_along_two_axes_read_by_a_product_stays_fixed():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("timm") is not None, reason="timm installed: its backbone is kept")
+@pytest.mark.slow
 def test_detr_backbone_complete_without_inputs():
     from benchmarks import coverage as cov
     r = cov.run_family("detr", "DetrForObjectDetection", "object_detection")

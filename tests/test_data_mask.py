@@ -70,6 +70,7 @@ def test_the_mask_cuts_the_padding_where_batches_are_read(ws):
 
 
 @pytest.mark.parametrize("flags", [("--align", "activations"), ("--method", "regmean", "--repair")])
+@pytest.mark.slow
 def test_padded_rows_with_their_mask_merge_as_the_rows_unpadded(ws, capsys, flags):
     tag = "_".join(f.strip("-") for f in flags)
     plain, rec_plain = merged(ws, capsys, f"plain_{tag}", "plain", *flags)

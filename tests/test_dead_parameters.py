@@ -195,6 +195,7 @@ def test_a_branch_the_block_decides_against_leaves_its_layer_dead():
     assert dead_parameters(Restrided(2), names) == {}  # a method stores the stride: not proven
 
 
+@pytest.mark.slow
 def test_pp_ocrv5_activation_block_skipped_at_stride_2_is_dead():
     pytest.importorskip("transformers")
     from analyze_helpers import coverage_row

@@ -53,6 +53,7 @@ MODELS = {
 
 
 @pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.slow
 def test_analyze_needs_no_inputs(name):
     m = randomized(MODELS[name]())
     r = symgraph.analyze(m)
@@ -144,6 +145,7 @@ def test_bart_sequence_classification_reads_the_eos_token():
     assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-9
 
 
+@pytest.mark.slow
 def test_vision_language_model_reads_its_images():
     """Gemma 3 writes its image features into the image tokens' embeddings (masked_scatter):
     the text stream and the projector's output are one class, the image features not an

@@ -46,6 +46,7 @@ DIT_STREAM = ["pos_embed.proj.weight", "pos_embed.proj.bias", "transformer_block
               "transformer_blocks.0.attn.norm_added_q.weight", "transformer_blocks.0.attn.norm_added_k.weight",
               "single_transformer_blocks.0.attn.norm_q.weight", "single_transformer_blocks.0.attn.norm_k.weight",
               "proj_out.bias"])])
+@pytest.mark.slow
 def test_certified_recovered_and_only_outputs_fixed(name, only_fixed):
     m, x = build(name)
     r = symgraph.analyze(m, x)
@@ -104,6 +105,7 @@ def test_vae_latent_and_group_norm_channels():
     assert sorted((g.kind, g.size, g.blocks) for g in hidden) == [("perm", 4, 1), ("perm", 16, 4)]
 
 
+@pytest.mark.slow
 def test_unet_group_norm_straddling_the_skip_join():
     # the up path concatenates 16 channels and an 8-channel skip, normalised in 4 groups of 6:
     # the third group holds 4 of the one and 2 of the other. Its channels were all fixed (with

@@ -28,6 +28,7 @@ def unet():
     return m, x
 
 
+@pytest.mark.slow
 def test_unet_groups_certified_and_recovered():
     m, x = unet()
     r = symgraph.analyze(m, x)

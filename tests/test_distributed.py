@@ -30,6 +30,7 @@ def _same(x, y, rtol):
     return x == y
 
 
+@pytest.mark.slow
 def test_helpers_across_two_processes(ranks):
     for r, got in enumerate(x["helpers"] for x in ranks):
         assert got["active"] and got["rank"] == r and got["world"] == 2

@@ -145,6 +145,7 @@ def report(name, dtype):
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow)
                                   for n in BUILDERS])
+@pytest.mark.slow
 def test_report_is_the_same_in_every_dtype(name):
     want = summary(report(name, torch.float32))
     assert want["groups"], name
@@ -173,6 +174,7 @@ def _shapes(kwargs):
     return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
 
+@pytest.mark.slow
 def test_inkling_inputs_and_report_in_float64():
     """Inkling's trial runs go through its experts in every dtype: the float64 model gets the
     float32 model's inputs (its audio codes among them), its experts implementation is left as

@@ -84,6 +84,7 @@ def _average(pair, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["average", "regmean", "fisher"])
+@pytest.mark.slow
 def test_the_engine_holds_no_more_than_its_budget(pair, tmp_path, method):
     """The bytes the engine holds (caches, a pass of Grams, a group's working copies, the
     statistics it reads back) stay within the budget, and a smaller budget (more slices,
@@ -133,6 +134,7 @@ def test_grams_taken_in_passes_equal_one_pass(pair, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("method,align", [("average", "weights"), ("regmean", "none"), ("fisher", "none")])
+@pytest.mark.slow
 def test_a_merge_on_another_device_equals_the_cpu(pair, tmp_path, method, align):
     """The engine on the ``fakegpu`` device: each method's merge equals the CPU's (RegMean and
     Fisher unaligned: the device's weight matching solves its rotations in float32 on another

@@ -125,6 +125,7 @@ def _compare(d, tmp_path, monkeypatch, capsys, cli_run: bool, flags=None):
     return watch
 
 
+@pytest.mark.slow
 def test_refine_out_of_core_equals_in_memory_and_holds_its_budget(pair, tmp_path, monkeypatch, capsys):
     """The engine takes --refine (untied pair: run_merge choosing; tied pair: ``symgraph
     merge``); its start and losses, refined elements and merged tensors equal the in-memory

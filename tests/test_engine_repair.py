@@ -40,6 +40,7 @@ def pair(request, tmp_path_factory):
 _load, _rel = load, rel
 
 
+@pytest.mark.slow
 def test_repair_out_of_core_equals_in_memory(pair, tmp_path, capsys):
     data = str(pair / "data.safetensors")
     out = tmp_path / "stream"
@@ -232,6 +233,7 @@ def regnets(tmp_path_factory):
 
 
 @pytest.mark.parametrize("align", ["weights", pytest.param("none", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_batchnorm_models_are_repaired_out_of_core(regnets, tmp_path, align, capsys):
     """``symgraph merge --repair`` on BatchNorm checkpoints runs out of core (every BatchNorm's
     running statistics reset on the data in the same pass as the renormalised channels, each

@@ -41,6 +41,7 @@ class WithCodec(torch.nn.Module):
         return self.down(torch.tanh(self.up(x)))
 
 
+@pytest.mark.slow
 def test_a_sub_model_never_called_runs_on_its_own_inputs():
     torch.manual_seed(0)
     m, x = randomized(WithCodec()).eval(), torch.randn(2, 4, dtype=torch.float64)

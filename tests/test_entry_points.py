@@ -34,6 +34,7 @@ def _contacts(m, ids):
 
 
 @pytest.mark.parametrize("cls", ["EsmForMaskedLM", "EsmForSequenceClassification"])
+@pytest.mark.slow
 def test_esm_contact_head_is_read_by_predict_contacts(cls):
     m = randomized(getattr(T, cls)(T.EsmConfig(**ESM, num_labels=3)))
     rep = symgraph.analyze(m)
@@ -98,6 +99,7 @@ def test_torch_containers_offer_no_methods():
     assert [n for n, _ in own_methods(WithSetter())] == ["set_head", "score"]
 
 
+@pytest.mark.slow
 def test_esm_on_meta_is_traced_through_the_same_method_and_classes():
     torch.manual_seed(0)
     real = T.EsmForMaskedLM(T.EsmConfig(**ESM)).eval()

@@ -68,6 +68,7 @@ def mamba2_config():
                                      num_heads=4, head_dim=8, expand=2, n_groups=1, chunk_size=4, use_cache=False)
 
 
+@pytest.mark.slow
 def test_swin():
     cfg = swin_config()
     m = randomized(transformers.SwinForImageClassification(cfg))
@@ -94,6 +95,7 @@ def bart():
     return randomized(transformers.BartForConditionalGeneration(cfg))
 
 
+@pytest.mark.slow
 def test_bart_cross_attention_and_streams():
     m, x = bart(), {"input_ids": ids()}
     full = symgraph.analyze(m, x, outputs="all")  # encoder_last_hidden_state too: the stream is fixed

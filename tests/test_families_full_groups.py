@@ -33,6 +33,7 @@ def _batches(A, n=3):
 # the two slowest families (20-28 s each) run with -m slow; the default suite took 747 s at 29a92d8 (budget 600 s)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("phi3", "falcon") else n
                                   for n in FAMILIES])
+@pytest.mark.slow
 def test_a_transformed_copy_merges_back_by_weights_and_activations(name):
     A = build(name)
     rep = symgraph.analyze(A)

@@ -133,6 +133,7 @@ def test_merge_card_record_shards_and_unused_data(ws, capsys):
     one_line(rc, err, "--max-shard-size", "'2GB'")
 
 
+@pytest.mark.slow
 def test_each_command_writes_a_record_of_its_own_name(ws, capsys):
     runs = {"compare": ["compare", "../qa", "../qb", "--null", "2", "--out", "c"],
             "barrier": ["barrier", "../qa", "../qb", "--data", "../data.safetensors", "--points", "3",
@@ -190,6 +191,7 @@ PROGRESS = [
 
 
 @pytest.mark.parametrize("args, bars", PROGRESS, ids=["merge", "statistics", "barrier", "compare"])
+@pytest.mark.slow
 def test_progress_bars_show_when_forced_and_never_with_quiet(pair, tmp_path, capsys, monkeypatch, args, bars):
     from symgraph.cli.main import main
     fill = dict(a=pair / "a", b=pair / "b", d=pair / "data.safetensors")
@@ -215,6 +217,7 @@ def test_quiet_is_taken_before_or_after_the_subcommand():
     assert not p.parse_args(["compare", "a", "b"]).quiet
 
 
+@pytest.mark.slow
 def test_the_newcomer_job(ws, capsys):
     """The issue's first hour on tiny models: two Qwen2-style sharded bf16 checkpoints, a padded
     data file with its mask, merged by weights and by activations, then barrier and compare."""

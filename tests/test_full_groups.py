@@ -28,6 +28,7 @@ CASES = [("gpt2", "weights", 1e-6), pytest.param("gpt2", "activations", 1e-6, ma
 
 @pytest.mark.parametrize("arch,align,tol", CASES,
                          ids=[f"{c[0]}-{c[1]}" if isinstance(c, tuple) else f"{c.values[0]}-{c.values[1]}" for c in CASES])
+@pytest.mark.slow
 def test_a_transformed_copy_merges_back_into_the_model(arch, align, tol):
     A = models.build(arch)
     rep = symgraph.analyze(A)

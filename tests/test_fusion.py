@@ -93,6 +93,7 @@ def test_mlp_widened_k_times_fuses_back(k, dtype, tol):
     ("bert", ("intermediate.dense.weight", "intermediate.dense.bias"), ("output.dense.weight",)),
 ])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-6), (torch.float32, 1e-4)])
+@pytest.mark.slow
 def test_transformer_mlp_widened_unevenly_fuses_back(arch, co, contra, dtype, tol):
     A = randomize_vectors(models.build(arch, 0), 0).to(dtype).eval()
     if arch == "bert":  # the MLP's output projection, not the attention's (also "output.dense")

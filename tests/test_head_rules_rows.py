@@ -56,6 +56,7 @@ def test_xlnet_inputs_carry_segments_and_the_query_stream():
     assert kw["perm_mask"][:, :, -1].eq(1).all() and kw["perm_mask"][:, :, :-1].eq(0).all()
 
 
+@pytest.mark.slow
 def test_xlnet_claims_mlp_and_heads_and_certifies(xlnet):
     m, rep = xlnet
     heads = [g for g in rep.groups if g.kind == "perm" and g.dim == 4
@@ -71,6 +72,7 @@ def test_xlnet_claims_mlp_and_heads_and_certifies(xlnet):
     assert rep.certify(m) <= 1e-6
 
 
+@pytest.mark.slow
 def test_xlnet_recovered_by_weights(xlnet):
     a, rep = xlnet
     b = symgraph.transform(a, rep.random_transform(seed=1, orthogonal=True))
@@ -79,6 +81,7 @@ def test_xlnet_recovered_by_weights(xlnet):
     assert _rel_params(a, c) < 1e-6
 
 
+@pytest.mark.slow
 def test_xlnet_classifier_reads_every_parameter():
     m = _xlnet(T.XLNetForSequenceClassification)
     rep = symgraph.analyze(m)

@@ -41,6 +41,7 @@ def _checked(m, rep, other: dict) -> None:
     assert recovered(m, rep, rep.inputs[1]) < 1e-5
 
 
+@pytest.mark.slow
 def test_dpt_fusion_layer_zero_reads_its_residual_layer():
     cfg = T.DPTConfig(hidden_size=16, num_hidden_layers=4, num_attention_heads=4, intermediate_size=24, image_size=32,
                       patch_size=8, backbone_out_indices=[0, 1, 2, 3], fusion_hidden_size=8,
@@ -58,6 +59,7 @@ def test_dpt_fusion_layer_zero_reads_its_residual_layer():
     _checked(m, rep, {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))})
 
 
+@pytest.mark.slow
 def test_tipsv2_dpt_embeddings_read_their_mask_token():
     vision = dict(hidden_size=16, num_hidden_layers=4, num_attention_heads=4, mlp_ratio=2, image_size=28,
                   patch_size=14, num_register_tokens=1, out_indices=[1, 2, 3, 4], reshape_hidden_states=False,
@@ -75,6 +77,7 @@ def test_tipsv2_dpt_embeddings_read_their_mask_token():
     _checked(m, rep, {"pixel_values": x})
 
 
+@pytest.mark.slow
 def test_speecht5_prenet_reads_its_masked_frame_embedding():
     cfg = T.SpeechT5Config(vocab_size=64, hidden_size=16, encoder_layers=1, encoder_attention_heads=4,
                            encoder_ffn_dim=24, decoder_layers=1, decoder_ffn_dim=24, decoder_attention_heads=4,
@@ -97,6 +100,7 @@ def test_speecht5_prenet_reads_its_masked_frame_embedding():
     _checked(m, rep, kw)
 
 
+@pytest.mark.slow
 def test_granite_docling_connector_takes_its_fine_path_too():
     from analyze_helpers import coverage_row
     m = randomized(coverage_row("granite_docling", "GraniteDoclingForConditionalGeneration"))

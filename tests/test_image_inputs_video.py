@@ -51,6 +51,7 @@ def test_one_tubelet_a_row_on_the_image_tokens(omni):
     assert names - without == {"vision_model.embeddings.video_patch_projection.weight"}
 
 
+@pytest.mark.slow
 def test_classes_of_both_towers_certified_on_each(omni):
     """The analysis claims the vision tower's classes (both patch projections move with them),
     the projector's and the text's; the certificate holds on the examples and on each

@@ -184,6 +184,7 @@ def test_gpt_oss_sinks_move_with_their_query_heads(oss):
     torch.testing.assert_close(new[f"{attn}.o_proj.weight"], o, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_gpt_oss_recovered_by_weights():
     A = randomized(gpt_oss())
     rep = symgraph.analyze(A)
@@ -239,6 +240,7 @@ def test_latent_attention_heads_and_per_expert_hidden_units():
     assert (shared.kind, shared.blocks) == ("perm", 1)
 
 
+@pytest.mark.slow
 def test_latent_attention_recovered_by_weights_and_activations():
     A = randomized(deepseek_v2())
     rep = symgraph.analyze(A)

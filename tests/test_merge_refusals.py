@@ -67,6 +67,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case,argv,needles", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.slow
 def test_refusal(ws, case, argv, needles):
     before = digest(ws)
     refused(run(ws, *argv(ws)), *needles)
@@ -82,6 +83,7 @@ def test_resize_class_5_is_an_mlp_class(ws):
 
 
 @pytest.mark.parametrize("align", ["weights", pytest.param("activations", marks=pytest.mark.slow)])  # 28 s; budget
+@pytest.mark.slow
 def test_mixed_dtypes_merge_in_float32_written_in_the_anchors_dtype(ws, tmp_path, align):
     out = tmp_path / "o"
     extra = ["--data", ws / I / "data.safetensors"] if align == "activations" else []
@@ -108,6 +110,7 @@ def _small_files():
 
 
 @pytest.mark.parametrize("path", ["out_of_core", pytest.param("in_memory", marks=pytest.mark.slow)])  # 24 s; budget
+@pytest.mark.slow
 def test_disk_full_while_writing_is_one_line_and_leaves_nothing(ws, path):
     extra = ["--repair", "--data", ws / I / "data.safetensors"] if path == "in_memory" else []
     before = digest(ws)

@@ -20,6 +20,7 @@ def _yaml(tmp_path, text):
     return p
 
 
+@pytest.mark.slow
 def test_linear_with_weights_merges_like_symgraph(tmp_path):
     A, B = models.build("gpt2", seed=0, **G), models.build("gpt2", seed=1, **G)
     A.save_pretrained(tmp_path / "a")

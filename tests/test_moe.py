@@ -62,6 +62,7 @@ def only(report, param, dim):
 
 @pytest.mark.parametrize("build", [pytest.param(olmoe, marks=pytest.mark.slow), qwen3_moe,
                                    pytest.param(mixtral, marks=pytest.mark.slow)])  # two of three: slow (25 s each)
+@pytest.mark.slow
 def test_moe_groups_certified_and_recovered(build):
     model = randomized(build()).double()
     impl = model.config._experts_implementation

@@ -58,6 +58,7 @@ def test_the_traced_router_routes_as_the_eager_one():
 transformers = pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
 def test_switch_transformers_experts_each_claimed():
     from transformers.models.switch_transformers import modeling_switch_transformers as switch
     cfg = transformers.SwitchTransformersConfig(d_model=16, d_ff=24, num_experts=4, expert_capacity=8)
@@ -77,6 +78,7 @@ def test_switch_transformers_experts_each_claimed():
     assert rep.certify(mlp, (x,)) <= 1e-6
 
 
+@pytest.mark.slow
 def test_a_second_router_routes_on_the_first_mixtures_real_output():
     """Switch's experts add into their output in place (``index_add_``); a second mixture's
     router reads that output, so its real value must be the sum, not the zeros it started as."""

@@ -28,6 +28,7 @@ def recovered(m, r):
             max((got[k] - want[k]).abs().max().item() for k in want))
 
 
+@pytest.mark.slow
 def test_longt5_local_attention_gets_an_encoder_mask():
     cfg = T.LongT5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=24, num_layers=1, num_decoder_layers=1,
                          num_heads=4, local_radius=2, encoder_attention_type="local")
@@ -129,6 +130,7 @@ def test_a_conversion_that_changes_nothing_traces():
     assert torch.nn.Module.to.__name__ == "to" and torch.nn.Module.to is nn.Module.to
 
 
+@pytest.mark.slow
 def test_fsmt_decoder_gets_a_mask_and_traces():
     """FSMT looks for padding in its decoder ids when given no decoder mask (``if not
     mask.any()``: a branch on the ids' values that no trace follows): all ones are given."""

@@ -25,6 +25,7 @@ def test_a_state_vector_of_the_configs_width():
     assert vector_main(SimpleNamespace(hidden_size=5), "state", 2, gen) is None
 
 
+@pytest.mark.slow
 def test_pi0_state_cameras_and_fixed_draws():
     """PI0's inputs: a state of ``max_state_dim``, one 64-pixel camera a row and as many image
     tokens as its PaliGemma's ``get_image_features`` returns (16), the noise of the shape the

@@ -311,6 +311,7 @@ _HC = [HealthCheck.too_slow, HealthCheck.data_too_large]
 @settings(max_examples=40, deadline=None, suppress_health_check=_HC, derandomize=True,
           database=None)
 @given(networks())
+@pytest.mark.slow
 def test_random_networks_certify(net_x):
     check_network(*net_x)
 

@@ -65,6 +65,7 @@ def test_decoder_maps_vary_per_head_and_keep_both_streams():
     assert (kept - before).abs().max() < 1e-5 * max(1.0, float(before.abs().max()))
 
 
+@pytest.mark.slow
 def test_analysis_claims_per_head_maps_certifies_and_recovers():
     m = _model()
     _, kw = default_inputs(m)

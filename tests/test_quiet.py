@@ -63,6 +63,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("args, said", CASES, ids=["merge", "compare", "barrier"])
+@pytest.mark.slow
 def test_quiet_silences_our_notes_and_warnings(ws, capsys, args, said):
     fill = dict(a=ws / "a", b=ws / "b", d=ws / "data.safetensors")
     capsys.readouterr()

@@ -136,6 +136,7 @@ def test_cli_refine_and_no_fold_norms(tmp_path, pair):
     assert r.returncode == 2 and "'refine'" in r.stderr
 
 
+@pytest.mark.slow
 def test_cli_usage_errors_are_one_line(tmp_path):
     for args in (["merge", "a", "b", "--out", tmp_path / "x", "--refine", "abc"], ["bogus"], []):
         r = cli(*args)

@@ -1,6 +1,8 @@
 """No code from a model directory ever runs."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import subprocess
 import sys
@@ -10,6 +12,7 @@ from symgraph.testing import models
 from cli_helpers import ENV
 
 
+@pytest.mark.slow
 def test_model_directory_code_never_runs(tmp_path):
     """A config that asks for the directory's own code (``auto_map``) is refused in one line
     before transformers reads it: the code does not run, nothing prompts (stdin closed)."""

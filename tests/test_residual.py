@@ -147,6 +147,7 @@ def test_zero_gain_is_refused_with_one_line():
 
 @pytest.mark.parametrize("arch,kw", [("llama", {}), ("gpt2", {"tie_word_embeddings": False}), ("vit", {})])
 @pytest.mark.parametrize("how", ["weights", "activations"])
+@pytest.mark.slow
 def test_exact_recovery_with_a_residual_rotation(arch, kw, how):
     A = _model(arch, **kw)
     r = symgraph.analyze(A)

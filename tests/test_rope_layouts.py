@@ -202,6 +202,7 @@ def test_concatenated_halves_rotation_pairs_i_with_i_plus_half():
 
 
 @pytest.mark.parametrize("form", ["chunk_cat", "chunk_rotate_half"])
+@pytest.mark.slow
 def test_chunked_halves_rotation_pairs_i_with_i_plus_half(form):
     """The halves taken by ``torch.chunk`` (a ``split`` in the graph: GPT-OSS's
     ``cat((x₁c - x₂s, x₂c + x₁s))``, ESM's ``rotate_half``) of the rotary part that a

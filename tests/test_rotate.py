@@ -69,6 +69,7 @@ STREAM = {"llama", "llama_tied", "qwen2", "phi3", "mistral", "gemma", "gpt2", "o
 
 
 @pytest.mark.parametrize("name", list(families()))
+@pytest.mark.slow
 def test_rotate_certifies_saves_and_reloads(name, tmp_path):
     model = built(name)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -174,6 +175,7 @@ def test_tied_head_kept_rotates_only_the_heads():
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 12, 20, 24, 44, 96, 768, 1536, 5632])
+@pytest.mark.slow
 def test_hadamard_orders(n):
     H = hadamard(n)
     assert H is not None

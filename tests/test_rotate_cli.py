@@ -61,6 +61,7 @@ def one_line_refusal(code, cap, *needles):
 
 @pytest.mark.parametrize("name,budget", [("llama", None), ("llama", "70KB"), ("gpt2", None), ("gpt2", "36KB"),
                                          ("gemma", None)])
+@pytest.mark.slow
 def test_cli_equals_in_memory(ws, capsys, name, budget):
     out = ws / f"out_{name}_{budget}"
     before = {k: v.clone() for k, v in stored(ws / name).items()}

@@ -45,6 +45,7 @@ def reader_inputs(model, names):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
+@pytest.mark.slow
 def test_outliers_keep_the_function_and_scale_gains_and_readers(arch):
     m = build(arch)
     before = {k: v.clone() for k, v in m.state_dict().items()}

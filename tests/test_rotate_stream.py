@@ -100,6 +100,7 @@ def test_channel_ratio():
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.slow
 def test_rotation_spreads_massive_stream_channels_that_folding_keeps(arch):
     plain, massive = trained(arch, massive=False), trained(arch)
     run = lambda m: logits(m, X)  # noqa: E731

@@ -44,6 +44,7 @@ def _rel(a, b) -> float:
     return (num / sum(float(p.double().norm() ** 2) for p in a.parameters())) ** 0.5
 
 
+@pytest.mark.slow
 def test_rt_detr_v2_without_denoising_is_complete_sound_and_recovered():
     m = _rt_detr_v2(0)
     rep = symgraph.analyze(m)
@@ -70,6 +71,7 @@ def test_rt_detr_v2_without_denoising_is_complete_sound_and_recovered():
     assert _rel(m, back) < 1e-5
 
 
+@pytest.mark.slow
 def test_rt_detr_v2_with_denoising_reads_its_embedding_in_a_training_run(monkeypatch):
     """The denoising embedding is read by the model's inner module run again in training mode on
     labels built from the config: its width axis joins the decoder stream's class, the row is

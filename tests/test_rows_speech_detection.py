@@ -170,6 +170,7 @@ def test_pp_doclayout_v3_mask_head_reads_the_backbone_stage_it_is_sized_for():
     assert out.logits.shape[:2] == (2, cfg.num_queries)
 
 
+@pytest.mark.slow
 def test_rf_detr_runs_and_names_the_training_only_query_groups():
     """RF-DETR's tiny config takes 16 queries, the patches of its backbone's 64-pixel image in
     14-pixel patches (300 could not be taken as the top-k of 16 proposals), and runs. In eval
@@ -191,6 +192,7 @@ def test_rf_detr_runs_and_names_the_training_only_query_groups():
     assert rep.certify(m) <= 1e-6
 
 
+@pytest.mark.slow
 def test_led_first_token_global_reads_the_global_projections():
     """LED's encoder (Longformer's attention) reads its global query/key/value projections only
     on a branch a globally attending token takes (``aten.any`` of the mask): the inputs mark the
@@ -210,6 +212,7 @@ def test_led_first_token_global_reads_the_global_projections():
     assert rep.group_of("led.encoder.layers.0.self_attn.longformer_self_attn.query_global.weight", 0)
 
 
+@pytest.mark.slow
 def test_kyutai_ids_a_text_column_and_one_per_codebook_codec_named_unread():
     """Kyutai's speech-to-text forward reads, a position, its text token and one audio code per
     codebook (``batch × positions × (num_codebooks + 1)``); one row per example is refused, and

@@ -33,6 +33,7 @@ ROWS = {
 
 
 @pytest.mark.parametrize("model_type", sorted(ROWS))
+@pytest.mark.slow
 def test_an_unread_parameter_no_branch_reads_keeps_every_parameter_with_a_true_reason(model_type):
     cls, names = ROWS[model_type]
     model = coverage_row(model_type, cls).eval()

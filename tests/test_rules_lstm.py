@@ -60,6 +60,7 @@ def test_a_state_the_caller_passes_fixes_the_units():
 
 
 @pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.slow
 def test_permuted_copy_recovered_by_weights(bidirectional):
     model, x = Seq(bidirectional=bidirectional).eval(), x_of(2, 5, 8)
     report = analyze(model, x)

@@ -61,6 +61,7 @@ def test_seen_rows_out_of_core_equals_in_memory_and_python(ws):
 @pytest.mark.parametrize("extra,needle", [([], "--seen-rows reads the embedding rows of the tokens in the data"),
                                           (["--data", "data.safetensors", "--align", "none"],
                                            "--seen-rows restricts weight matching")])
+@pytest.mark.slow
 def test_seen_rows_refusals(ws, extra, needle):
     r = _run(ws, "merge", ws / "m0", ws / "m1", "--seen-rows", *extra, "--out", ws / "refused")
     assert r.returncode == 2 and "Traceback" not in r.stderr and needle in " ".join(r.stderr.split()), r.stderr

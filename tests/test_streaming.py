@@ -124,6 +124,7 @@ def test_nan_is_refused_and_nothing_is_written(tmp_path, align):
     assert sorted(os.listdir(tmp_path)) == ["a", "b"]
 
 
+@pytest.mark.slow
 def test_cli_streams_plain_averages(tmp_path):
     pa, pb = _pair(tmp_path, "llama")
     r = cli("merge", pa, pb, "--out", str(tmp_path / "out"))
@@ -207,6 +208,7 @@ def _batches(vocab=32, n=3, rows=4, seq=16):
 
 @pytest.mark.parametrize("name,dtype,passes", [("llama", torch.float32, False), ("gpt2", torch.float32, True),
                                                ("llama", torch.float32, True), ("llama", torch.bfloat16, False)])
+@pytest.mark.slow
 def test_activation_alignment_out_of_core_equals_in_memory(tmp_path, monkeypatch, name, dtype, passes):
     """Activation statistics streamed op by op from the checkpoints (graphs traced on meta)
     give the in-memory alignment of the loaded models, element for element, and the same merge;

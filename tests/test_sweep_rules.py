@@ -4,6 +4,8 @@
 Cauchy–Schwarz bound)."""
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 import symgraph
@@ -63,6 +65,7 @@ def test_discrete_change_tells_orders_from_drift():
     assert not _discrete_change(Perm(torch.tensor([1, 0])), Perm(torch.tensor([1, 0])))
 
 
+@pytest.mark.slow
 def test_gap_stops_an_unrelated_pair_and_lets_a_copy_converge():
     """``until="gap"`` (the default): an unrelated pair, whose rotations drift by a small share
     of a gap near the whole bound, stops where the discrete rule does; a transformed copy whose

@@ -216,6 +216,7 @@ def refusals(ws):
     return results, before, digest(ws), listing, sorted(os.listdir(ws / "work"))
 
 
+@pytest.mark.slow
 def test_python_m_symgraph_apply_refuses_in_one_line(refusals):
     refused(refusals[0]["python -m symgraph"], "repeated_index.safetensors", *CASES["repeated_index"][1])
 
@@ -240,6 +241,7 @@ def applied(ws):
         return dict(zip(jobs, pool.map(lambda j: run(ws, "apply", *jobs[j], "--out", ws / "work" / j), jobs)))
 
 
+@pytest.mark.slow
 def test_the_untampered_file_rewritten_still_applies_and_gives_b_function(ws, applied):
     r = applied["ok"]
     assert r.returncode == 0, r.stderr[-2000:]

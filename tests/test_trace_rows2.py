@@ -87,6 +87,7 @@ def test_an_index_of_zero_dim_tensors_traces_and_certifies():
 pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
 def test_udop_traces_and_its_decoder_patch_embeddings_stay_unread():
     """UDOP traces now; its decoder stack is built with patch embeddings and 2-D relative biases
     that ``UdopForConditionalGeneration.forward`` never hands pixels or boxes to (it calls the
@@ -107,6 +108,7 @@ def test_udop_traces_and_its_decoder_patch_embeddings_stay_unread():
     assert rep.certify(model) <= 1e-6
 
 
+@pytest.mark.slow
 def test_qwen3_omni_audio_windows_trace_and_certify():
     from benchmarks.coverage.shrink import build
     model, _ = build("qwen3_omni_moe_thinker", "Qwen3OmniMoeThinkerForConditionalGeneration")

@@ -30,6 +30,7 @@ def _glm4v():
     return randomized(transformers.Glm4vForConditionalGeneration(cfg).eval())
 
 
+@pytest.mark.slow
 def test_packed_vision_tower_traces_with_precomputed_segments():
     m = _glm4v()
     args, kwargs = default_inputs(m)
@@ -45,6 +46,7 @@ def test_packed_vision_tower_traces_with_precomputed_segments():
     assert any(c.dim() == 1 and int(c[0]) == 0 and int(c[-1]) == patches for c in consts)
 
 
+@pytest.mark.slow
 def test_analyze_without_inputs_claims_the_vision_tower():
     m = _glm4v()
     r = certified_mlp(m, "model.visual.blocks.0.mlp.gate_proj.weight", "model.visual.blocks.0.mlp.down_proj.weight", 32)

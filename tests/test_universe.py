@@ -80,6 +80,7 @@ def _copies(name):
 
 
 @pytest.mark.parametrize("name,n", [("mlp", 4), ("mlp", 8), ("llama", 4)])
+@pytest.mark.slow
 def test_transformed_copies_merge_back_to_the_model(name, n):
     A, x, rep, out = _copies(name)
     copies = [A] + [symgraph.transform(A, rep.random_transform(seed=s, orthogonal=True))

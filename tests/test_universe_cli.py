@@ -50,6 +50,7 @@ def held(monkeypatch):
 # RegMean and Fisher read each group's statistics with its tensors: their smallest budget on these
 # models is about 116 kB (64KB is refused in one line naming it, as at an anchor)
 @pytest.mark.parametrize("method,budget", [("average", "64KB"), ("regmean", "128KB"), ("fisher", "128KB")])
+@pytest.mark.slow
 def test_command_line_universe_equals_the_in_memory_universe(trio, capsys, held, method, budget):
     root, built = trio
     out = root / f"out_{method}"

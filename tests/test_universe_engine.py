@@ -33,6 +33,7 @@ def trio(tmp_path_factory):
     return root, built
 
 
+@pytest.mark.slow
 def test_command_line_universe_out_of_core_equals_the_in_memory_universe(trio, capsys):
     root, built = trio
     out = root / "cli"
@@ -52,6 +53,7 @@ def test_command_line_universe_out_of_core_equals_the_in_memory_universe(trio, c
     assert not [p for p in os.listdir(root) if p.startswith(SCRATCH_PREFIX)]  # the rounds' means removed
 
 
+@pytest.mark.slow
 def test_the_universe_rounds_hold_no_more_than_the_budget(trio):
     root, _ = trio
     job = merge_checkpoints([str(root / f"m{i}") for i in range(3)], str(root / "py"), anchor="universe",
@@ -64,6 +66,7 @@ def test_the_universe_rounds_hold_no_more_than_the_budget(trio):
 
 
 @pytest.mark.parametrize("method,tol", [("regmean", 1e-5), ("fisher", 2e-5)])
+@pytest.mark.slow
 def test_every_method_merges_the_universe_out_of_core_within_the_budget(trio, method, tol):
     """RegMean's Grams and Fisher's squared gradients taken out of core with every model's map
     into the universe equal the in-memory universe merge (Fisher's tolerance: its out-of-core
@@ -80,6 +83,7 @@ def test_every_method_merges_the_universe_out_of_core_within_the_budget(trio, me
     assert json.loads((root / method / "symgraph_merge.json").read_text())["options"]["method"] == method
 
 
+@pytest.mark.slow
 def test_activation_universe_out_of_core_equals_in_memory(trio):
     """Aligned by activations, each round's target is measured with its own weights in memory too
     (the report of models[0] would run models[0]'s: every round then aligned to model 0, which

@@ -76,6 +76,7 @@ def test_moved_saved_and_loaded_computes_the_same(tmp_path, build, unsaved, why)
     assert float((want - got).abs().max() / want.abs().max()) < 1e-10
 
 
+@pytest.mark.slow
 def test_merge_of_marian_and_its_moved_copy_is_marian(tmp_path):
     """The command line's merge of a checkpoint with a moved copy of it gives it back."""
     model = marian()
@@ -91,6 +92,7 @@ def test_merge_of_marian_and_its_moved_copy_is_marian(tmp_path):
     assert float((want - got).abs().max() / want.abs().max()) < 1e-10
 
 
+@pytest.mark.slow
 def test_uniform_unsaved_buffer_keeps_its_classes_on_meta_too(tmp_path):
     cfg = tf.FalconH1Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_d_ssm=32,

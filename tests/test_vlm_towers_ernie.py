@@ -35,6 +35,7 @@ def test_every_modality_mask_marks_the_image_tokens():
     assert torch.equal(kwargs["mm_token_type_ids"], image) and torch.equal(kwargs["moe_mm_token_type_ids"], image)
 
 
+@pytest.mark.slow
 def test_vision_experts_are_read_and_claimed():
     m = _ernie_vl()
     r = symgraph.analyze(m)

@@ -60,6 +60,7 @@ def test_qwen2_vl_analysed_without_inputs_claims_tower_and_text():
     assert heads and all(g.kind != "identity" for g in heads)
 
 
+@pytest.mark.slow
 def test_qwen3_vl_analysed_without_inputs_claims_tower_and_deepstack():
     m = _qwen3_vl()
     r = certified_mlp(m, "model.visual.blocks.1.mlp.linear_fc1.weight", "model.visual.blocks.1.mlp.linear_fc2.weight",

@@ -66,6 +66,7 @@ def test_every_parameter_of_a_checkpoints_model_on_meta(pair):
         assert model.get_parameter(n).is_meta
 
 
+@pytest.mark.slow
 def test_meta_trace_claims_what_the_in_memory_one_does(pair):
     root, built = pair
     on_meta = symgraph.analyze(Checkpoint(str(root / "a")).model)
@@ -77,6 +78,7 @@ def test_meta_trace_claims_what_the_in_memory_one_does(pair):
     assert on_meta.frozen == []
 
 
+@pytest.mark.slow
 def test_command_line_merge_equals_the_in_memory_merge(pair, capsys):
     root, built = pair
     out = root / "out"
@@ -114,6 +116,7 @@ NARROW_AND_WIDE = [torch.float64, torch.bfloat16, torch.float16]
 
 
 @pytest.mark.parametrize("dtype", NARROW_AND_WIDE)
+@pytest.mark.slow
 def test_every_dtype_claims_what_float32_does(dtype):
     from test_dtype_independence import summary
     r32, model = symgraph.analyze(xlnet(0)), xlnet(0, dtype)
@@ -125,6 +128,7 @@ def test_every_dtype_claims_what_float32_does(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.slow
 def test_a_checkpoint_on_meta_claims_what_float32_does(tmp_path, dtype):
     xlnet(0, dtype).save_pretrained(tmp_path / "a")
     model = Checkpoint(str(tmp_path / "a")).model

@@ -57,6 +57,7 @@ def only(groups, kind):
 
 
 @pytest.mark.parametrize("layer", [0, 1])
+@pytest.mark.slow
 def test_head_dims_are_fibred_over_the_heads(lm, layer):
     model, r = lm
     at = ATTN.format(layer)
@@ -112,6 +113,7 @@ def test_each_head_takes_its_own_map_on_every_slot(lm):
 
 
 @pytest.mark.parametrize("cls", ["XLNetLMHeadModel", "XLNetForSequenceClassification"])
+@pytest.mark.slow
 def test_transformed_copy_recovered_by_weights(cls):
     A = xlnet(cls)
     rep = symgraph.analyze(A)

@@ -242,6 +242,7 @@ def test_folded_rows_run_on_the_parents_with_gains_folded():
         torch.testing.assert_close(p, Bf[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_table_rows_on_tiny_untied_gpt2():
     """The table's rows on two tiny untied GPT-2s: barriers from an 11-point curve whose ends
     are the parents' losses; circuit-space rows (GPT-2 widened in memory, learned matching in

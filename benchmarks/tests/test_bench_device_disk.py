@@ -44,6 +44,7 @@ def _check_runs(d):
     return al
 
 
+@pytest.mark.slow
 def test_bench_device_disk_tiny_on_the_cpu(tmp_path):
     r, d, md = _run(tmp_path, "cpu", extra=["--discrete-layers", "1"])
     al = _check_runs(d)
@@ -57,6 +58,7 @@ def test_bench_device_disk_tiny_on_the_cpu(tmp_path):
     assert "| 1 | 0.00 B |" in md and "aligned_staged" in md and "Stages, aligned_staged at 1 layers" in md
 
 
+@pytest.mark.slow
 def test_bench_device_disk_tiny_on_a_device(tmp_path):
     """On ``fakegpu`` (a device that is not the CPU): every solver is given device tensors and
     the alignment's elements live there."""

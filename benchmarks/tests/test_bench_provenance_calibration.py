@@ -30,6 +30,7 @@ def test_rates_follow_the_verdicts_rule_at_any_threshold():
     assert low["false_positives"] == 1 and low["fpr"] == pytest.approx(1 / 3) and low["tpr"] == 1.0
 
 
+@pytest.mark.slow
 def test_a_tiny_run_end_to_end(tmp_path):
     r = cal.run(["llama"], seeds=2, bases=1, steps=4)
     kinds = [x["kind"] for x in r["rows"]]

@@ -5,6 +5,8 @@ family's width multiplier follows its main width (EfficientNet). Each row then r
 certifies and is complete on ``symgraph.analyze(model)`` with no inputs."""
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import coverage as cov
 from benchmarks.tests.rows import row_sound_and_complete
 from benchmarks.coverage.consistent import layout_parts, multipliers, stage_depths
@@ -39,12 +41,14 @@ def test_width_multiplier_follows_the_main_width():
     assert cfg.hidden_dim == cov.HIDDEN and cfg.width_coefficient == 0.05 and cfg.depth_coefficient == 1.0
 
 
+@pytest.mark.slow
 def test_rows_run_and_are_complete():
     r = row_sound_and_complete("efficientnet", "EfficientNetForImageClassification", "image_cls")
     assert r["group_kinds"].get("perm", 0) > 0
     row_sound_and_complete("layoutlmv3", "LayoutLMv3ForSequenceClassification", "seq_cls")
 
 
+@pytest.mark.slow
 def test_mrope_sections_a_model_reads_with_its_own_default():
     """PaddleOCR-VL's text model reads ``rope_parameters.get("mrope_section", [16, 24, 24])``
     (64 = half its 128-wide heads), a key its config names nowhere: the shrunk config states
@@ -61,6 +65,7 @@ def test_mrope_sections_a_model_reads_with_its_own_default():
     row_sound_and_complete("paddleocr_vl", "PaddleOCRVLForConditionalGeneration", "image_text_to_text")
 
 
+@pytest.mark.slow
 def test_token_ids_a_model_reads_with_its_own_default():
     """ShieldGemma 2 selects the logits of ``getattr(config, "yes_token_index", 10_784)`` and
     ``"no_token_index"`` (3771), ids its config does not declare: beyond the shrunk vocabulary

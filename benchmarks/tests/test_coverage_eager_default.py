@@ -43,6 +43,7 @@ def test_an_eager_failure_the_default_does_not_repeat_is_ours():
     assert not transformers_fails("resnet", "ResNetForImageClassification", "eager", ValueError("x"))
 
 
+@pytest.mark.slow
 def test_a_default_too_large_to_run_runs_under_fake_tensors():
     # the same verdict without data (a fake run); Llama 4's 108 B-parameter default fails where
     # its forward reads ``image_outputs`` off its language model's output, which has none

@@ -13,6 +13,7 @@ from benchmarks import coverage as cov
 from benchmarks.tests.rows import row_sound_and_complete
 
 
+@pytest.mark.slow
 def test_per_layer_list_follows_its_qualified_count():
     # Speech2Text: len(conv_kernel_sizes) == num_conv_layers is a validator of its config
     cfg, over = cov.tiny_config("speech_to_text")
@@ -22,6 +23,7 @@ def test_per_layer_list_follows_its_qualified_count():
     assert r["structure"]["multihead_attention"] >= 4
 
 
+@pytest.mark.slow
 def test_layers_a_head_reads_keep_their_number():
     # DPT's neck reads 4 layers' outputs (one per neck width): 4 indices, one layer more
     cfg, _ = cov.tiny_config("dpt")
@@ -35,6 +37,7 @@ def test_layers_a_head_reads_keep_their_number():
     assert r["complete"] and not r["structure"]["missing"]
 
 
+@pytest.mark.slow
 def test_backbone_stages_and_repeated_widths_are_kept_consistent():
     # UperNet: the ResNet backbone's out_indices (not a declared field) are passed on
     cfg, _ = cov.tiny_config("upernet")
