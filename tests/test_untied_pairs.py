@@ -1,10 +1,12 @@
 """A tied model beside its untied form (``symgraph rotate`` unties a tied head): one function, so
 ``compare`` and ``align`` take the pair through the tied one untied, and ``merge`` does so with
-``--untie`` (``untie=True``) and refuses without it, in one line naming the option. Before,
+``--untie`` (``untie=True``) and refuses without it, in one line naming the option; ``apply``
+reads a tied fine-tune untied where the alignment was solved for B's untied form. Before,
 every one of them refused the pair as two architectures (``lm_head.weight`` missing vs
 present), although ``symgraph rotate``'s own output was the second model."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -101,6 +103,18 @@ def test_align_writes_the_tied_model_untied_in_the_rotated_basis(pair, tmp_path)
     assert (_logits(m, x) - ref).abs().max() < 1e-5 * ref.abs().max()  # B's function, untied
     record = json.loads((tmp_path / "b_in_r" / "symgraph_align.json").read_text())
     assert record["symgraph_align"]["untied"] == {"B": [HEAD]}
+    tuned = copy.deepcopy(b)  # a tied fine-tune of B: the saved alignment carries it too, untied
+    with torch.no_grad():
+        for q in tuned.parameters():
+            q.add_(0.01 * torch.randn(q.shape, generator=torch.Generator().manual_seed(q.numel())))
+    tuned.save_pretrained(str(tmp_path / "tuned"))
+    assert cli(["apply", str(tmp_path / "b_in_r" / "symgraph_alignment.safetensors"), str(tmp_path / "tuned"),
+                "--out", str(tmp_path / "tuned_in_r")]) == 0
+    m = AutoModelForCausalLM.from_pretrained(str(tmp_path / "tuned_in_r"))
+    assert not m.config.tie_word_embeddings
+    ref = _logits(tuned, x)
+    assert (_logits(m, x) - ref).abs().max() < 1e-5 * ref.abs().max()
+    assert json.loads((tmp_path / "tuned_in_r" / "symgraph_apply.json").read_text())["symgraph_apply"]["untied"]
     assert cli(["align", str(d / "a"), str(d / "r"), "--out", str(tmp_path / "r_in_a")]) == 0
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "r_in_a")).state_dict()
     mine = a.state_dict()

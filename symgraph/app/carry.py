@@ -6,7 +6,8 @@ B's dtypes, sharded like B, loadable by ``from_pretrained`` and mergeable by any
 (mergekit's linear, SLERP, TIES/DARE against a base), plus the alignment itself
 (``symgraph_alignment.safetensors``, see :mod:`symgraph.alignment.saved`). A tied model and
 its untied form (``symgraph rotate``'s output) are aligned through the tied one read untied; B
-is then written untied.
+is then written untied, and ``apply`` reads a tied checkpoint untied where the alignment was
+solved for B's untied form.
 :func:`run_apply` (``symgraph apply ALIGNMENT C --out DIR``) carries another checkpoint of B's
 architecture the same way: a fine-tune of B shares B's basis, so one alignment of the
 pre-trained models carries all of them. Both write through
@@ -236,6 +237,7 @@ def run_apply(alignment: str, model: str, out: str, *, force: bool = False) -> d
     from ..alignment.saved import fingerprint
     from ..checkpoints.outdir import check_out, save_atomic
     from ..checkpoints.sharded import Checkpoint
+    from ..core.ties import untie_config_updates
     from ..report.api import analyze
     from ..checkpoints.inputs import check_paths, input_names
     out = check_out(out, force=force, inputs=[alignment, model])
@@ -246,14 +248,19 @@ def run_apply(alignment: str, model: str, out: str, *, force: bool = False) -> d
     t0 = time.time()
     ckpt = Checkpoint(os.path.expanduser(model))
     report = analyze(ckpt.model, fold_norms=al.options.get("fold_norms", True), outputs=al.options.get("outputs"))
+    untied = fingerprint(report) != al.fingerprints.get("b") and any(len(v) > 1 for v in ckpt.params.values())
+    if untied:  # a tied model, the alignment solved for its untied form (symgraph align beside a rotated model)
+        ckpt = ckpt.untied()
+        report = analyze(ckpt.model, fold_norms=al.options.get("fold_norms", True), outputs=al.options.get("outputs"))
     if fingerprint(report) != al.fingerprints.get("b"):
         raise InputError(f"{model!r} has another symmetry structure than the model B the alignment {alignment!r} "
                          "was solved for (another architecture, width or config); expected a checkpoint of B's "
                          "architecture and shapes, e.g. a fine-tune of B")
     record: dict = {"symgraph_apply": {"alignment": os.path.abspath(os.path.expanduser(alignment)),
-                                 "model": input_names([model])[0], "seconds": None,
+                                 "model": input_names([model])[0], "seconds": None, "untied": untied,
                                  "dtype": str(ckpt.dtype).removeprefix("torch.")}}
-    write = carry_writer(ckpt, report, al.elements, al.gauge)
+    write = carry_writer(ckpt, report, al.elements, al.gauge,
+                         config_updates=untie_config_updates(ckpt.source.config) if untied else None)
     save_atomic(write, out, force=force, inputs=[alignment, model], meta=record, tokenizer_from=ckpt.path,
                 record="symgraph_apply.json")
     record["symgraph_apply"]["seconds"] = time.time() - t0
