@@ -216,7 +216,7 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
                                  "seconds_align": time.time() - t0, "alignment": ALIGNMENT_FILE, "untied": untied,
                                  "dtype": str(ckpts[1].dtype).removeprefix("torch.")}}
     write = carry_writer(ckpts[1], al.report_b, al.elements, al.gauge,
-                         config_updates=untie_config_updates(B.source.config) if "B" in untied else None)
+                         config_updates=untie_config_updates((B.source or B).config) if "B" in untied else None)
 
     def writer(directory):
         info = write(directory)
@@ -260,7 +260,7 @@ def run_apply(alignment: str, model: str, out: str, *, force: bool = False) -> d
                                  "model": input_names([model])[0], "seconds": None, "untied": untied,
                                  "dtype": str(ckpt.dtype).removeprefix("torch.")}}
     write = carry_writer(ckpt, report, al.elements, al.gauge,
-                         config_updates=untie_config_updates(ckpt.source.config) if untied else None)
+                         config_updates=untie_config_updates((ckpt.source or ckpt).config) if untied else None)
     save_atomic(write, out, force=force, inputs=[alignment, model], meta=record, tokenizer_from=ckpt.path,
                 record="symgraph_apply.json")
     record["symgraph_apply"]["seconds"] = time.time() - t0
