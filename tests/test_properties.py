@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import symgraph
@@ -290,6 +290,8 @@ def networks(draw):
 
 
 def check_network(net, x):
+    with torch.no_grad():  # a network that computes NaN (a variance over one head dim) has nothing to certify
+        assume(not net(x).isnan().any())
     report = symgraph.analyze(net, inputs=(x,))
     # the op without a rule is reported, by name, with the module that ran it
     frozen = [f for f in report.frozen if f.op == str(NORULE_OP)]
@@ -334,3 +336,25 @@ def test_heads_merged_head_dim_first_certify(op):
                torch.nn.Linear(4, 3, bias=False)]).double()
     report = check_network(net, torch.randn(B, S, 2, dtype=torch.float64))
     assert report.groups  # something to certify: the heads and their dims move
+
+
+def test_a_network_that_computes_nan_is_refused_not_failed():
+    """A network the long run drew: two heads of one dim each, scaled by their variance over that
+    one dim (NaN: no degree of freedom), so the outputs are NaN before any transform. Certifying
+    it said "symmetry certificate failed ... differ by inf", a soundness failure it was not; it is
+    now refused in one line naming the NaN, and the same network without the NaN certifies."""
+    from symgraph.errors import InputError
+    def net_of(op):
+        torch.manual_seed(0)
+        net = Net([torch.nn.Linear(2, 4, bias=False), NoRule(),
+                   SliceCat(4, 2, Heads(2, 2, op, False, False), Act("relu")), torch.nn.Linear(4, 3, bias=False)])
+        for p in net.parameters():
+            torch.nn.init.normal_(p, std=0.5)
+        return net
+    x = torch.randn(B, S, 2, generator=torch.Generator().manual_seed(0))
+    nan = net_of("var")
+    report = symgraph.analyze(nan, inputs=(x,))
+    assert report.groups and nan(x).isnan().all()
+    with pytest.raises(InputError, match="computes NaN on these inputs before any transform"):
+        report.certify(nan, inputs=(x,))
+    assert check_network(net_of("sum_scale"), x).groups

@@ -87,6 +87,9 @@ def _certify_in(report, model, args, kwargs, trials, dtype, experts=None) -> tup
     wide = wide_floats() if dtype == torch.float64 else contextlib.nullcontext()
     with torch.no_grad(), eval_mode(m), graph_friendly(m), wide:
         base = flatten_outputs(select_outputs(m(*args, **kwargs), report.outputs))
+        if any(bool(b.isnan().any()) for b in base):  # before any transform: nothing to judge against
+            raise InputError(f"{report.model_name} computes NaN on these inputs before any transform, so no "
+                             "transform can be judged; expected inputs on which the model's outputs are numbers")
         base_extra = [_extra_values(m, e, own, report.outputs) for e in extras]
         for trial in range(trials):
             mt = transform(m, report.random_transform(seed=trial))
