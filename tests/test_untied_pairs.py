@@ -15,7 +15,7 @@ import torch
 import symgraph
 from symgraph.cli.compare import compare_paths
 from symgraph.cli.main import main as cli
-from symgraph.core.ties import parameter_names, untie_to_match
+from symgraph.core.ties import parameter_names, side_to_untie
 from symgraph.errors import InputError
 from symgraph.testing import models
 
@@ -45,11 +45,11 @@ def test_the_side_to_untie_is_the_tied_one(pair):
     _, a, b, r = pair
     na, nr = parameter_names(a), parameter_names(r)
     assert HEAD not in na and HEAD in nr
-    assert untie_to_match(na, nr) == 0 and untie_to_match(nr, na) == 1
-    assert untie_to_match(na, parameter_names(b)) is None  # both tied: nothing to untie
-    assert untie_to_match(nr, nr) is None
+    assert side_to_untie(na, nr) == 0 and side_to_untie(nr, na) == 1
+    assert side_to_untie(na, parameter_names(b)) is None  # both tied: nothing to untie
+    assert side_to_untie(nr, nr) is None
     extra = dict(nr, **{"extra.weight": ["extra.weight"]})  # more than the tied names: another model
-    assert untie_to_match(na, extra) is None
+    assert side_to_untie(na, extra) is None
 
 
 def test_compare_in_memory_finds_the_rotated_copy_the_same(pair):

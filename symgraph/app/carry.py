@@ -177,9 +177,8 @@ def run_align(a: str, b: str, out: str, *, align: str = "weights", data: str | N
     from ..alignment.saved import ALIGNMENT_FILE, save_alignment
     from ..checkpoints.outdir import check_out, save_atomic
     from ..checkpoints.inputs import check_paths, input_names, read_batches
-    from ..core.ties import untied_to_match
+    from ..core.ties import untie_config_updates, untied_to_match
     from ..checkpoints.specs import check_same_configs
-    from ..core.ties import untie_config_updates
     from .config import MergeConfig
     from ..merging.streaming import StreamingMerge
     from ..checkpoints.sharded import Checkpoint, check_pair

@@ -8,7 +8,7 @@ own head, the residual stream no longer has to map the vocabulary embedding and 
 projection by one shared element, so it admits its orthogonal maps; the model then stores one
 more ``vocabulary × width`` matrix. A tied model and its untied form (``symgraph rotate``'s
 output, a merge with ``--untie``) compute one function, so a pair of them is compared,
-aligned or merged through the tied one untied (:func:`untie_to_match`)."""
+aligned or merged through the tied one untied (:func:`side_to_untie`)."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +17,7 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["parameter_names", "tied_groups", "retie", "to_device", "untie", "untie_config_updates", "untie_to_match",
+__all__ = ["parameter_names", "tied_groups", "retie", "to_device", "untie", "untie_config_updates", "side_to_untie",
            "untied_to_match", "tie_refusal", "check_ties"]
 
 
@@ -88,7 +88,7 @@ def untie_config_updates(config) -> dict:
     return out
 
 
-def untie_to_match(names_a: dict, names_b: dict) -> int | None:
+def side_to_untie(names_a: dict, names_b: dict) -> int | None:
     """Which of two models of one architecture ties what the other stores apart: 0 or 1, the
     one to :func:`untie` so that both have the same parameters (``names_*``: ``{parameter: the
     names it goes by}``, :func:`parameter_names`; a tied model and its untied form); None where
@@ -110,12 +110,12 @@ def tie_refusal(tied: str, loose: str, why: str = "") -> InputError:
 
 
 def check_ties(models, labels=None) -> None:
-    """Refuse models of which one ties parameters another stores apart (:func:`untie_to_match`),
+    """Refuse models of which one ties parameters another stores apart (:func:`side_to_untie`),
     naming them (``labels``, default "model 0", "model 1", ...)."""
     labels = labels or [f"model {i}" for i in range(len(models))]
     names = [parameter_names(m) for m in models]
     for i in range(1, len(models)):
-        side = untie_to_match(names[0], names[i])
+        side = side_to_untie(names[0], names[i])
         if side is not None:
             pair = (labels[0], labels[i])
             raise tie_refusal(pair[side], pair[1 - side])
@@ -123,7 +123,7 @@ def check_ties(models, labels=None) -> None:
 
 def untied_to_match(a, b) -> tuple:
     """``(a, b, untied)``: the two models, the one that ties parameters the other stores apart
-    (:func:`untie_to_match`: a model and its untied form, ``symgraph rotate``'s output)
+    (:func:`side_to_untie`: a model and its untied form, ``symgraph rotate``'s output)
     replaced by its untied form (:func:`untie` of a model; a checkpoint's ``untied()``, which
     reads the tied tensor under each name); ``untied``: ``{"A" or "B": the names it tied}``
     (empty where neither was)."""
@@ -131,7 +131,7 @@ def untied_to_match(a, b) -> tuple:
     if not (all(stored) or all(isinstance(m, torch.nn.Module) for m in (a, b))):
         return a, b, {}  # refused by the caller's checks
     names = [m.params if s else parameter_names(m) for m, s in zip((a, b), stored)]
-    side = untie_to_match(*names)
+    side = side_to_untie(*names)
     if side is None:
         return a, b, {}
     m = (a, b)[side]
