@@ -187,3 +187,39 @@ def test_crossing_group_structures_fix_the_axis_and_its_parts():
     assert structure(r, "c3.weight", 0) == ("prod", [4, 2])
     assert summary(r) == {("scaled_perm", 4, 1): {("c1.weight", 0), ("c1.bias", 0), ("c2.weight", 1)},
                           ("gl", 8, 4): {("c3.weight", 0), ("c3.bias", 0), ("fc.weight", 1)}}
+
+
+class Aggregate(torch.nn.Module):
+    """Three token vectors stacked and mixed by a ``Conv1d`` over the stack (CoaT's head): the
+    features are the convolution's spatial axis, each position mapped alone when the kernel
+    is 1 (``kernel=3``: neighbouring features mix)."""
+
+    def __init__(self, kernel, bias):
+        super().__init__()
+        self.l1, self.l2, self.l3 = (torch.nn.Linear(6, 8) for _ in range(3))
+        self.agg = torch.nn.Conv1d(3, 1, kernel, padding=kernel // 2, bias=bias)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.stack([torch.tanh(m(x)) for m in (self.l1, self.l2, self.l3)], 1)
+        return self.fc(torch.tanh(self.agg(h).squeeze(1)))
+
+
+@pytest.mark.parametrize("kernel,bias", [(1, True), (1, False), (3, True)])
+def test_a_size_one_kernel_maps_each_position_alone(kernel, bias):
+    """Kernel 1, stride 1, no padding: the spatial axis is a batch of positions, so the
+    features keep one class through the convolution (signed permutations, the tanh's; perm
+    with a bias, added at every position); kernel 3 fixes them. The class is recovered by
+    weights."""
+    x = x_of(B, 6)
+    r = analyze(Aggregate(kernel, bias), x)
+    slots = {(f"l{i}.{t}", 0) for i in (1, 2, 3) for t in ("weight", "bias")} | {("fc.weight", 1)}
+    found = summary(r).get(("perm" if bias else "signed_perm", 8, 1))
+    assert found == (slots if kernel == 1 else None)
+    if kernel == 1:
+        torch.manual_seed(0)
+        m = Aggregate(kernel, bias)
+        moved = symgraph.transform(m, symgraph.analyze(m, (x,)).random_transform(seed=2))
+        back = symgraph.align(m, moved, (x,)).apply(moved)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in
+                   zip(m.state_dict().values(), back.state_dict().values()))

@@ -123,8 +123,32 @@ def conv(ctx):
                  Meet(g, "perm", f"{ctx.where}: groups of a grouped convolution (permuted whole; "
                                  f"its {'outputs' if tr else 'inputs'} inside a group one map for "
                                  "every group)")]
-    if ctx.axes(b) is not None:
+    biased = ctx.axes(b) is not None
+    if biased:
         cons.append(Unify(out[off], ctx.axes(b)[0]))
     why = f"{ctx.where}: spatial axis of a convolution"
-    cons += [Meet(a, "identity", why) for a in list(xa[off + 1:]) + list(wa[2:]) + list(out[off + 1:])]
+    cons += [Meet(a, "identity", why) for a in wa[2:]]
+    for d, (ia, oa) in enumerate(zip(xa[off + 1:], out[off + 1:])):
+        if _pointwise(ctx, d, tr):  # one kernel position, one stride: each position alone
+            cons.append(Unify(oa, ia))
+            if biased:  # the bias is added at every position: a map must keep the all-ones vector
+                cons.append(Meet(oa, "orthogonal_mean", f"{ctx.where}: a bias added at every "
+                                                        "position of a size-1 kernel"))
+        else:
+            cons += [Meet(ia, "identity", why), Meet(oa, "identity", why)]
     return cons
+
+
+def _pointwise(ctx, d: int, transposed: bool) -> bool:
+    """Whether spatial dim ``d`` of a convolution maps each position alone: kernel size 1,
+    stride 1, no padding (nor output padding), so its positions are a batch axis (a kernel-1
+    ``Conv1d`` over stacked tokens: CoaT's aggregation of its three class tokens)."""
+    conv = ctx.node.target == aten.convolution.default
+
+    def at(i, name, default):
+        v = ctx.arg(i, name, default)
+        if isinstance(v, str):  # "valid"; "same" pads nothing where the kernel is 1
+            return 0
+        return v[d] if isinstance(v, (list, tuple)) else v
+    ok = ctx.shape(ctx.arg(1))[2 + d] == 1 and at(3, "stride", 1) == 1 and at(4, "padding", 0) == 0
+    return ok and not (conv and transposed and at(7, "output_padding", 0) != 0)
