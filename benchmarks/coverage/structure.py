@@ -223,13 +223,13 @@ def expectations(ep, report, cfg, tied=()) -> dict:
         if a["heads"] < 2:
             continue
         inside = lambda p: not a["module"] or p.startswith(a["module"] + ".")  # noqa: E731 (root: every param)
-        if a.get("kv_heads") == 1:  # multi-query: one key/value head shared by every query head,
-            # so no class can act per head; the heads are complete as one permutation class
-            ok = any(g.kind in PERMLIKE and g.dim == a["heads"] and any(
+        # heads that share one map inside them (multi-query: one key/value head for every query
+        # head; MViTv2: one pooling kernel run on every head) cannot be moved per head: they are
+        # complete as a permutation class of the head count on a factor of a projection's axis
+        ok = any(inside(p) for p in headed) or any(
+            g.kind in PERMLIKE and g.dim == a["heads"] and any(
                 inside(p) and (shapes.get(p) or ())[d:d + 1] != (g.dim,) for p, d in g.params)
-                for g in report.groups)
-        else:
-            ok = any(inside(p) for p in headed)
+            for g in report.groups)
         if not ok:
             missing.append({"kind": "attention-heads", "module": a["module"], "heads": a["heads"]})
     rope_cfg = has_rope(cfg) and bool(atts)

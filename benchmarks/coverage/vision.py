@@ -17,8 +17,9 @@ builder). One row per family:
    heads, BatchNorm's running statistics).
 3. **run eagerly**: the model's own forward on one random image, at the first size it runs at:
    64x64, 96x96 (the default build), then built for that size (``img_size=`` in timm,
-   ``image_size=`` in torchvision), then the default size of its config. A model the zoo cannot
-   build or run at any of them is listed apart with its exception (not in the denominator).
+   ``image_size=`` in torchvision), then its config's default; the first where a copy in
+   training mode runs too, on two images (Inception's training-only head needs its designed
+   size). A model no size builds or runs is listed apart with its exception (not counted).
 4. **trace + analyse**: ``symgraph.analyze(model, (image,))`` (timed).
 5. **certify**: ``report.certify`` in float64 (the model cast), infinite tolerance so the value is
    recorded; sound when ≤ 1e-6.
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import math
 import re
 import time
@@ -102,10 +104,7 @@ def variants(zoo: str) -> dict:
     groups = collections.defaultdict(list)
     if zoo == "timm":
         import timm
-        for mod in timm.list_modules():
-            names = timm.list_models(module=mod)
-            if names:
-                groups[mod] = list(names)
+        groups.update((mod, list(names)) for mod in timm.list_modules() if (names := timm.list_models(module=mod)))
     else:
         import torchvision
         tvm = torchvision.models
@@ -209,13 +208,13 @@ def default_size(zoo: str, name: str, model) -> tuple:
 
 
 def runnable(zoo: str, name: str):
-    """``(model, image, how)``: the first build and image size the model's own forward runs at
-    (:data:`SIZES` as built, then built for each, then its default size)."""
+    """``(model, image, how)``: the first build and image size (see the module's docstring,
+    stage 3) the model's own forward runs at, in training mode too where any size allows."""
     import torch
     model = build(zoo, name)
     chans = default_size(zoo, name, model)[0]
     tries = [(None, s) for s in SIZES] + [(s, s) for s in SIZES] + [(None, None)]
-    last = None
+    first = last = None
     for built_for, s in tries:
         try:
             m = model if built_for is None else build(zoo, name, size=built_for)
@@ -224,10 +223,28 @@ def runnable(zoo: str, name: str):
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 m(x)
-            return m, x, {"input": list(shape), "built_for": built_for}
         except Exception as e:  # noqa: BLE001 - the next size
             last = e
-    raise last
+            continue
+        found = m, x, {"input": list(shape), "built_for": built_for}
+        first = first or found
+        if _trains(m, shape):
+            return found
+    if first is None:
+        raise last
+    return first
+
+
+def _trains(model, shape) -> bool:
+    """Whether a copy of ``model`` in training mode runs on two images of ``shape``."""
+    import torch
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            copy.deepcopy(model).train()(torch.randn(2, *shape, generator=torch.Generator().manual_seed(1)))
+        return True
+    except Exception:  # noqa: BLE001 - a size training cannot run at
+        return False
 
 
 # --- completeness -----------------------------------------------------------------------------------
@@ -296,14 +313,17 @@ def _clean(path: str) -> str:
     return path.replace("[", ".").replace("]", "").replace("'", "").strip(".")
 
 
-def completeness(ep, report) -> dict:
+def completeness(ep, report, tied=()) -> dict:
     """:func:`~.structure.expectations` (MLPs, attention heads; no config: no rope) and the
     channel classes (:func:`channel_slots`): ``missing`` holds ``{"kind": "channels", ...}``
     for each channel slot in no permutation-type class, unless a tensor no checkpoint stores
     fixes it (``report.unsaved``: DiT's stream, to which its recomputed position table is added,
-    cannot move in a checkpoint)."""
-    st = expectations(ep, report, types.SimpleNamespace())
-    held = {tuple(s) for g in report.groups if g.kind in PERMLIKE for s in g.params}
+    cannot move in a checkpoint). ``tied``: ``symgraph.tied_parameters`` (CoaT runs one MLP
+    on three scales: the graph reads it under any name, the report names it once)."""
+    st = expectations(ep, report, types.SimpleNamespace(), tied)
+    alias = {n: g for g in tied for n in g}
+    held = {(q, d) for g in report.groups if g.kind in PERMLIKE for p, d in g.params
+            for q in alias.get(p, (p,))}
     slots = channel_slots(ep)
     st["channels"] = len(slots)
     for mod, slot in slots:
@@ -367,7 +387,8 @@ def _analyse(rec, model, x):
         rec["group_kinds"] = dict(sorted(collections.Counter(g.kind for g in report.groups).items()))
         rec["frozen"] = sorted({(str(f.op), f.module) for f in report.frozen})
         rec["unruled_ops"] = dict(sorted(unruled_ops(model, inputs).items()))
-        rec["structure"] = completeness(tr.trace(model, inputs)[0], report)
+        rec["structure"] = completeness(tr.trace(model, inputs)[0], report,
+                                          symgraph.tied_parameters(model))
         rec["complete"] = not rec["structure"]["missing"]
         rec["blockers"] = blockers(rec)
     return report
@@ -390,11 +411,9 @@ def run(out=None, zoos=ZOOS, only=None, jobs=2, timeout=120.0, mem_gb=6.0, comma
     if only and len({f[0] for f in fams}) < len(set(only)):
         raise SystemExit(f"unknown families: {', '.join(sorted(set(only) - {f[0] for f in fams}))}")
     stop = None if budget is None else (lambda: time.perf_counter() - t0 > budget)
-    rows = run_isolated(fams, jobs, timeout, mem_gb, log, run=run_vision, warm=("resnet", "", "torchvision"),
-                        stop=stop)
+    rows = run_isolated(fams, jobs, timeout, mem_gb, log, run=run_vision, warm=("resnet", "", "torchvision"), stop=stop)
     rows = [r or {"model_type": f[0], "class": None, "task": f[2], "stage": "not_run", "traced": False,
-                  "sound": None, "complete": None, "certificate": None, "error": None}
-            for r, f in zip(rows, fams)]
+                  "sound": None, "complete": None, "certificate": None, "error": None} for r, f in zip(rows, fams)]
     res = {"header": {"command": command or "python -m benchmarks.coverage.vision", "git": git,
                       "versions": versions(), "jobs": jobs, "timeout_s": timeout, "mem_gb": mem_gb,
                       "tolerance": TOL, "zoos": list(zoos), "only": only, "budget_s": budget, "seed": seed,

@@ -11,6 +11,8 @@
   nothing: RoPE is still expected there."""
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn as nn
@@ -81,3 +83,53 @@ def test_query_norm_blocks_rope_only_with_gains_on_rotated_coordinates(norm, blo
     ep = trace(Attn(norm).eval(), (torch.randn(2, 6, 32),))[0]
     (unit,) = attention_units(ep)
     assert (unit["heads"], unit["kv_heads"], unit["rotated"], unit["qk_norm"]) == (4, 4, True, blocked)
+
+
+class SharedInside(nn.Module):
+    """Two heads of 8 whose queries, keys and values each pass one depthwise kernel and one
+    norm shared by both heads (MViTv2's pooling attention, tokens as a 2x2 grid): the heads
+    permute, but no map acts on one head alone. ``bias``: a fixed score offset per head, which
+    tells the heads apart (no head permutation is left)."""
+
+    def __init__(self, bias=False):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.pool = nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False)
+        self.norm = nn.LayerNorm(8)
+        self.bias = bias
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        def pool(t):
+            t = self.pool(t.reshape(-1, 2, 2, 8).permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+            return self.norm(t.reshape(b, 2, s, 8))
+        q, k, v = pool(q), pool(k), pool(v)
+        scores = (q @ k.transpose(-2, -1)) / 8 ** 0.5
+        if self.bias:  # a constant of the program, not a buffer (a buffer moves with the heads)
+            scores = scores + torch.tensor([0.0, 1.5]).view(1, 2, 1, 1)
+        a = scores.softmax(-1) @ v
+        return self.o(a.transpose(1, 2).reshape(b, s, 16))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_heads_sharing_a_map_inside_are_complete_as_a_head_permutation(bias):
+    """Heads that share their inner maps are complete through a class of the head count on a
+    factor of the projection's axis (the report holds no class with head blocks); with the
+    heads told apart, that class is gone and the site is missing."""
+    import symgraph
+    torch.manual_seed(0)
+    model, x = SharedInside(bias).eval(), (torch.randn(2, 4, 16),)
+    report = symgraph.analyze(model, x)
+    assert report.certify(model, x) < 1e-12
+    assert not any(g.blocks > 1 for g in report.groups)
+    heads = [g for g in report.groups if g.dim == 2 and ("qkv.weight", 0) in g.params]
+    assert len(heads) == (0 if bias else 1)
+    st = cov.expectations(trace(model, x)[0], report, types.SimpleNamespace())  # no config
+    assert st["multihead_attention"] == 1
+    assert [m["kind"] for m in st["missing"]] == (["attention-heads"] if bias else [])
+    if not bias:  # the head permutation is recovered by weights
+        moved = symgraph.transform(model, report.random_transform(seed=1, orthogonal=True))
+        back = symgraph.align(model, moved, x).apply(moved)
+        assert max(float((a - b).abs().max()) for a, b in
+                   zip(model.state_dict().values(), back.state_dict().values())) < 1e-6

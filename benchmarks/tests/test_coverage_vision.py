@@ -3,6 +3,7 @@ choice of a family's smallest variant, the completeness check on hand-written mo
 table's totals."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -111,6 +112,34 @@ def test_a_frozen_channel_is_missing_with_its_reason():
     assert miss[0]["why"]
 
 
+
+class SharedMlp(nn.Module):
+    """One conv-relu-conv MLP run on two scales under two names (CoaT's parallel blocks:
+    ``mlp2 = mlp3``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 1)
+        self.mlp2 = self.mlp3 = nn.Sequential(nn.Conv2d(4, 6, 1), nn.ReLU(), nn.Conv2d(6, 4, 1))
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        return self.out((self.mlp2(h) + self.mlp3(h[..., ::2, ::2]).repeat_interleave(2, -1)
+                         .repeat_interleave(2, -2)).mean((2, 3)))
+
+
+def test_a_module_shared_under_two_names_is_complete_under_either():
+    """The report names a shared tensor once; the graph may read it under the other name, which
+    the check resolves through ``symgraph.tied_parameters`` (without them it finds a miss)."""
+    m = SharedMlp().eval()
+    x = torch.randn(1, 3, 4, 4)
+    ep, report = trace(m, (x,))[0], symgraph.analyze(m, (x,))
+    tied = symgraph.tied_parameters(m)
+    assert any({"mlp2.0.weight", "mlp3.0.weight"} <= set(g) for g in tied)
+    assert completeness(ep, report, tied)["missing"] == []
+    assert completeness(ep, report)["missing"] != []
+
 def _row(zoo, fam, stage, sound=None, complete=None):
     traced = stage == "done"
     if stage == "not_run":
@@ -202,3 +231,39 @@ def test_build_draws_the_same_model_whatever_ran_before(monkeypatch):
         assert torch.equal(p, q), name
     c = build("timm", "net", seed=1)
     assert not torch.equal(a[0].weight, c[0].weight)
+
+
+class _AuxNet(nn.Module):
+    """A classifier whose auxiliary head runs only in training and pools ``aux`` pixels square
+    (Inception's needs its designed size); ``aux=None``: training always fails."""
+
+    def __init__(self, aux):
+        super().__init__()
+        self.aux, self.body, self.head, self.side = aux, nn.Conv2d(3, 4, 1), nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.body(x)
+        out = self.head(h.mean((2, 3)))
+        if self.training:
+            if self.aux is None:
+                raise RuntimeError("no training here")
+            return out, self.side(nn.functional.avg_pool2d(h, self.aux).mean((2, 3)))
+        return out
+
+
+@pytest.mark.parametrize("aux,size", [(80, 96), (None, 64), (40, 64)])
+def test_the_image_size_lets_a_training_only_head_run(monkeypatch, aux, size):
+    """The first image size at which a copy in training mode runs as well, so that the training
+    run reads the auxiliary head; the first size that runs at all where training never does.
+    The model's own state is untouched by the training check."""
+    import types
+
+    from benchmarks.coverage.vision import runnable
+    made = []
+    def create_model(name, pretrained=False, **kw):
+        made.append(_AuxNet(aux))
+        return made[-1]
+    monkeypatch.setitem(__import__("sys").modules, "timm", types.SimpleNamespace(create_model=create_model))
+    model, x, how = runnable("timm", "aux")
+    assert how["input"] == [3, size, size] and tuple(x.shape) == (1, 3, size, size)
+    assert not model.training
