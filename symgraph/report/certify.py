@@ -98,6 +98,7 @@ def _certify_in(report, model, args, kwargs, trials, dtype, experts=None) -> tup
                 got = [("outputs", deviation(base, out))] + [
                     (f"values of {_named(e)}", deviation(b, _extra_values(mt, e, own, report.outputs)))
                     for e, b in zip(extras, base_extra)]
+            del mt  # one transformed copy at a time (the next is built from m, not from it)
             for name, d in got:
                 if d > worst:  # deviation is never NaN
                     worst, where = d, name

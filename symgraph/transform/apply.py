@@ -102,14 +102,21 @@ def move(report, elements: dict, tensors: dict, gauge: dict | None = None, dtype
     is 54 GB). The values are the same: a fold acts on each reader on its own."""
     if cast is not None:
         out: dict = {}
-        for fold, names in _pieces(report, tensors):
-            sub = {k: tensors[k] for k in names}
-            got = _move_piece(report, elements, sub, [fold] if fold else [], gauge, dtype)
-            out.update((k, v.to(cast.get(k, v.dtype))) for k, v in got.items())
+        for got in _moved_pieces(report, elements, tensors, gauge, dtype, cast):
+            out.update(got)
         return out
     if not report.folds:
         return map_parameters(report, elements, tensors, dtype=dtype)
     return _move_piece(report, elements, tensors, report.folds, gauge, dtype)
+
+
+def _moved_pieces(report, elements, tensors, gauge, dtype, cast):
+    """:func:`move`'s values piece by piece, each in its ``cast`` dtype (a fold's gain comes
+    back with each of its readers, the same value each time)."""
+    for fold, names in _pieces(report, tensors):
+        sub = {k: tensors[k] for k in names}
+        got = _move_piece(report, elements, sub, [fold] if fold else [], gauge, dtype)
+        yield {k: v.to(cast.get(k, v.dtype)) for k, v in got.items()}
 
 
 def move_piece(report, elements, tensors: dict, fold=None, gauge: dict | None = None, dtype=torch.float64) -> dict:
@@ -155,7 +162,10 @@ def transform(model, t):
         raise InputError(f"transform's t is a {type(t).__name__}; expected a Transform (such as "
                          "report.random_transform())")
     new = copy.deepcopy(model)
-    write_state(new, transformed_state(t.report, t, model), t.report.buffers)
+    tensors = stored_tensors(t.report, model, check=True)
+    cast = {k: v.dtype for k, v in tensors.items()}
+    for got in _moved_pieces(t.report, t.elements, tensors, None, torch.float64, cast):
+        write_state(new, got, t.report.buffers)  # piece by piece: no second copy of the model
     flags = [(m, m.training) for m in new.modules()]
     new.train()  # by which a module drops what it cached from the old parameters (LeViT's biases)
     for m, f in flags:
