@@ -16,8 +16,7 @@ from ..core.finite import require_module
 from . import folding
 from ..errors import InputError
 
-__all__ = ["map_parameters", "move", "move_piece", "stored_tensors", "write_state", "transformed_state",
-           "transform"]
+__all__ = ["map_parameters", "move", "move_piece", "stored_tensors", "write_state", "transform"]
 
 
 def map_parameters(report, elements: dict, tensors: dict, *, squared: bool = False,
@@ -81,13 +80,6 @@ def write_state(model, state: dict, buffers=()) -> None:
         for name, val in state.items():
             t = _tensor(model, name, name in buffers)
             t.copy_(val.to(device=t.device, dtype=t.dtype))
-
-
-def transformed_state(report, transform, model) -> dict:
-    """New values of every parameter (and moved buffer) the transform moves: ``{fqn: tensor}``
-    in its dtype."""
-    tensors = stored_tensors(report, model, check=True)
-    return move(report, transform.elements, tensors, cast={k: t.dtype for k, t in tensors.items()})
 
 
 def move(report, elements: dict, tensors: dict, gauge: dict | None = None, dtype=torch.float64,
