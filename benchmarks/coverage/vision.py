@@ -430,9 +430,10 @@ def main(argv=None) -> int:
     ap.add_argument("--zoo", nargs="+", choices=ZOOS, default=list(ZOOS))
     ap.add_argument("--only", nargs="+", default=None, metavar="FAMILY", help="families to run (default: all)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: %(default)s)")
-    ap.add_argument("--jobs", type=int, default=2, help="families at a time (default 2)")
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per family (default 120)")
-    ap.add_argument("--mem-gb", type=float, default=6.0, help="address-space limit per family (0: none)")
+    ap.add_argument("--jobs", type=int, default=1, help="families at a time (default 1)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per family (default 300)")
+    ap.add_argument("--mem-gb", type=float, default=18.0, help="address-space limit per family in GB "
+                    "(0: none; default 18, for a 412M ViT's float64 certificate)")
     ap.add_argument("--budget", type=float, default=None, help="seconds after which no family starts")
     ap.add_argument("--seed", type=int, default=0, help="the order of each zoo's families (default 0)")
     a = ap.parse_args(argv)
