@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import math
 import re
@@ -220,31 +221,26 @@ def runnable(zoo: str, name: str):
             m = model if built_for is None else build(zoo, name, size=built_for)
             shape = (chans, s, s) if s else default_size(zoo, name, m)
             x = torch.randn(1, *shape, generator=torch.Generator().manual_seed(0))
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                m(x)
+            _run(m, x)
         except Exception as e:  # noqa: BLE001 - the next size
             last = e
             continue
         found = m, x, {"input": list(shape), "built_for": built_for}
         first = first or found
-        if _trains(m, shape):
+        with contextlib.suppress(Exception):  # in training mode too, on two images
+            _run(copy.deepcopy(m).train(), torch.randn(2, *shape, generator=torch.Generator().manual_seed(1)))
             return found
     if first is None:
         raise last
     return first
 
 
-def _trains(model, shape) -> bool:
-    """Whether a copy of ``model`` in training mode runs on two images of ``shape``."""
+def _run(model, x) -> None:
+    """``model``'s own forward on ``x``, without gradients or warnings."""
     import torch
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            copy.deepcopy(model).train()(torch.randn(2, *shape, generator=torch.Generator().manual_seed(1)))
-        return True
-    except Exception:  # noqa: BLE001 - a size training cannot run at
-        return False
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(x)
 
 
 # --- completeness -----------------------------------------------------------------------------------
