@@ -369,17 +369,19 @@ def test_latent_attention_behind_small_norm_gains_recovered_by_weights(monkeypat
 
 @pytest.mark.slow
 def test_group_limited_routing_recovered_by_weights_and_activations():
-    """Latent attention with low-rank queries: the query and key-value latent spaces (rotations
-    after q_a_layernorm and kv_a_layernorm; layer 0's kv_a_layernorm has a gain of 8e-4), the
-    RoPE rotation shared by every head and each head's QK and VO maps, recovered exactly with the
-    nested routing. The latent rotations are the transform's own inverses (B = T(A))."""
+    """Latent attention with low-rank queries: the residual stream's rotation, the query and
+    key-value latent spaces (rotations after q_a_layernorm and kv_a_layernorm; layer 0's
+    kv_a_layernorm has a gain of 8e-4), the RoPE rotation shared by every head and each head's
+    QK and VO maps, recovered exactly with the nested routing. The latent rotations are the transform's own inverses (B = T(A))."""
     A = randomized(deepseek_v3())
     rep = symgraph.analyze(A)
     T = rep.random_transform(seed=0)
     B = symgraph.transform(A, T)
     assert _rel(A, B) > 0.1
     latent = [g for g in rep.groups if g.kind in ("orthogonal", "rope") and not g.outer]
-    assert len(latent) == 6  # per layer: the query latent, the key-value latent, the shared RoPE
+    # per layer: the query latent, the key-value latent, the shared RoPE; and the residual stream,
+    # whose norms fold although the router reads its weight through a cast (``weight.float()``)
+    assert len(latent) == 7 and sum(g.module == "" for g in latent) == 1
     for data in (None, _batches(A)):
         al = symgraph.align(A, B, data=data, report_a=rep, full_groups=True)
         assert _rel(A, al.apply(B)) < 1e-6, "weights" if data is None else "activations"

@@ -124,18 +124,6 @@ def _write_piece(ckpt, report, elements, piece, writer, written, gauge, budget, 
     return held
 
 
-def _layout(ckpt) -> list:
-    """``[(file name, [keys])]``: the shards of ``ckpt``, for the output to be split (and
-    named) as the input was."""
-    from ..checkpoints.sharded import SINGLE
-    files: dict = {}
-    for k in ckpt.keys:
-        files.setdefault(os.path.basename(ckpt.files[k]), []).append(k)
-    if len(files) == 1:
-        return [(SINGLE, next(iter(files.values())))]
-    return list(files.items())
-
-
 def carry_writer(ckpt, report, elements: dict, gauge: dict, *, budget: int | None = None,
                  config_updates: dict | None = None, stats: dict | None = None, what: str = "carried into A's basis"):
     """A function ``write(directory)`` writing ``ckpt`` moved by ``elements`` (with norm gains
@@ -147,12 +135,12 @@ def carry_writer(ckpt, report, elements: dict, gauge: dict, *, budget: int | Non
     give the same values); each value is cast back to its own dtype. ``config.json`` is copied,
     or rewritten with ``config_updates``; ``stats["bytes_held"]``: the most a piece held;
     ``what``: the move, as refusals name it."""
-    from ..checkpoints.sharded import ShardWriter
+    from ..checkpoints.sharded import input_shards, shard_writer
     from ..merging.engine.sinks import write_config
 
     def write(directory):
-        writer = ShardWriter(directory, None, [(k, ckpt.shapes[k], ckpt.dtypes[k]) for k in ckpt.keys],
-                             layout=_layout(ckpt))
+        writer = shard_writer(ckpt, directory, None, [(k, ckpt.shapes[k], ckpt.dtypes[k]) for k in ckpt.keys],
+                              layout=input_shards(ckpt.keys, ckpt.files))
         written: set = set()
         for piece in pieces(report):
             held = _write_piece(ckpt, report, elements, piece, writer, written, gauge, budget, what)

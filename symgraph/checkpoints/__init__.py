@@ -5,6 +5,8 @@
 - ``textdata``   a data file from text with the model's own tokenizer (``symgraph data``)
 - ``loading``    ``from_pretrained``, complete or refused
 - ``sharded``    safetensors read and written one tensor at a time, each file pinned for the run
+- ``converted``  checkpoints stored as the Hub stores them (per-expert matrices, older names),
+                 read and written through transformers' own conversions, one group at a time
 - ``memory``     a model in memory read through the checkpoint interface (the engine's input)
 - ``outdir``     the output directory: vetted, written atomically, the record and model card
 - ``leftovers``  a killed run's temporary directories, marked and swept

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..core.devices import computed_buffers
+from .converted import Conversion
 from ..core.dtypes import SAFETENSORS_NAMES as _ST_NAMES
 from .loading import (KeysDiffer, build_meta, check_checkpoint_dir, check_tensors,
                       read_config, read_layout)
@@ -28,7 +29,7 @@ from ..core.schema import quoted
 from ..core.ties import parameter_names, untie
 from ..errors import InputError
 
-__all__ = ["Checkpoint", "KeysDiffer", "check_pair", "ShardWriter", "parse_size", "INDEX", "SINGLE"]
+__all__ = ["Checkpoint", "KeysDiffer", "check_pair", "ShardWriter", "parse_size", "shard_writer", "INDEX", "SINGLE"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -80,12 +81,20 @@ class Checkpoint:
         self.path = path
         self.config, self.cls = read_config(path)
         layout = layout or read_layout(path)  # the headers (checked to agree with the index), or the caller's
+        self.dtype = layout.dtype
+        self.model = build_meta(self.cls, self.config, layout, os.path.join(path, "config.json"))
+        self.conversion: Conversion | None = None  # the checkpoint stored as transformers converts on load
+        try:
+            self.params = check_tensors(self.model, layout, path)
+        except KeysDiffer:
+            self.conversion = Conversion.of(self.model, layout)
+            if self.conversion is None:
+                raise
+            layout = self.conversion.layout  # the model's names, each read through the conversion
+            self.params = check_tensors(self.model, layout, path)
         self.files, self.shapes, self.dtypes, self.keys = layout.files, layout.shapes, layout.dtypes, layout.keys
         self.pins = layout.pins  # shard path -> the file opened with the headers (a read checks it)
         self._finite: set = set()  # tensors already checked finite (alignment reads them again per sweep)
-        self.dtype = layout.dtype
-        self.model = build_meta(self.cls, self.config, layout, os.path.join(path, "config.json"))
-        self.params = check_tensors(self.model, layout, path)
         self.key_of = {n: next(a for a in names if a in self.shapes) for n, names in self.params.items()}
         self.param_of = {a: n for n, names in self.params.items() for a in names}
         self._computed: dict[str, torch.Tensor] | None = None  # buffers the constructor computes (fetch builds them once)
@@ -144,10 +153,23 @@ class Checkpoint:
         process's resident memory, and over a whole model would add up to its size. It is the
         file pinned with the headers, checked unchanged before and after the read."""
         stored = self._stored.get(key, key)
-        pin = self.pins.get(self.files[key])
+        if self.conversion is not None and stored in self.conversion.group_of:  # read whole, then sliced
+            t = self.conversion.read(stored, lambda k: self._stored_tensor(self.conversion.source.files[k], k, None))
+            if part is not None:
+                d, start, stop = part
+                t = t[(slice(None),) * d + (slice(start, stop),)].clone()
+        else:
+            t = self._stored_tensor(self.files[key], stored, part)
+        if check:
+            check_read(t, key, self._finite, part is None, f"checkpoint {self.path!r}")
+        return t
+
+    def _stored_tensor(self, file, stored: str, part) -> torch.Tensor:
+        """The tensor ``stored`` of ``file`` (``part``: as :meth:`read`), through its pin."""
+        pin = self.pins.get(file)
         if pin is not None:
             pin.check()
-        with self._handle(self.files[key], pin) as h:
+        with self._handle(file, pin) as h:
             if part is None:
                 t = h.get_tensor(stored)
             else:
@@ -155,8 +177,6 @@ class Checkpoint:
                 t = h.get_slice(stored)[(slice(None),) * d + (slice(start, stop),)]
         if pin is not None:
             pin.check()  # rewritten in place while it was read
-        if check:
-            check_read(t, key, self._finite, part is None, f"checkpoint {self.path!r}")
         return t
 
     def fetch(self, name: str) -> torch.Tensor:
@@ -311,3 +331,25 @@ class ShardWriter:
         return {"tensors": len(self.shard_of), "bytes": self.total, "shards": len(self.shards)}
 
 
+def shard_writer(ckpt, directory, limit, plan, layout=None):
+    """A :class:`ShardWriter` of ``plan`` (``[(key, shape, dtype)]``: ``ckpt``'s tensors, as its
+    model names them) into ``directory``, with ``limit`` or ``layout`` as there; for a checkpoint
+    stored as transformers converts on load (``ckpt.conversion``), a writer that stores them as
+    ``ckpt`` did (:class:`~.converted.ConvertingWriter`; ``layout`` is then ``ckpt``'s own)."""
+    conversion = getattr(ckpt, "conversion", None)
+    if conversion is None:
+        return ShardWriter(directory, limit, list(plan), layout)
+    source = conversion.source
+    own = None if layout is None else input_shards(source.keys, source.files)
+    return conversion.writer(plan, lambda real: ShardWriter(directory, limit, real, own))
+
+
+def input_shards(keys, files) -> list:
+    """``[(file name, [keys])]``: the shards ``keys`` are in (``files``: key -> path), for an
+    output split and named as its input was."""
+    shards: dict = {}
+    for k in keys:
+        shards.setdefault(os.path.basename(files[k]), []).append(k)
+    if len(shards) == 1:
+        return [(SINGLE, next(iter(shards.values())))]
+    return list(shards.items())

@@ -30,7 +30,7 @@ from ..core.progress import bar as progress_bar
 from ..errors import InputError
 from ..transform.folding import gauge
 from ..checkpoints.inputs import DEFAULT_SHARD
-from ..checkpoints.sharded import Checkpoint, KeysDiffer, ShardWriter, check_pair, parse_size
+from ..checkpoints.sharded import Checkpoint, KeysDiffer, check_pair, parse_size, shard_writer
 from .methods import registry
 from .methods.registry import mixing_weights
 from .config import MergeConfig, engine_config, solver_options
@@ -309,9 +309,9 @@ class StreamingMerge:
         self._ensure_aligned()
         if shard is None:
             shard = parse_size(self.config.max_shard_size) if self.config.max_shard_size else DEFAULT_SHARD
-        info = self._finish(lambda: Spill(os.path.dirname(os.path.abspath(directory))),
-                            lambda plan: ShardWriter(directory, shard, list(plan.outputs)))
         anchor = self._checkpoints[self.anchor]
+        info = self._finish(lambda: Spill(os.path.dirname(os.path.abspath(directory))),
+                            lambda plan: shard_writer(anchor, directory, shard, plan.outputs))
         write_config(anchor.path, directory, self.transforms.config_updates, anchor.dtypes.values())
         return info
 

@@ -69,6 +69,16 @@ def _users(node):
     return [u for u in node.users if op_of(u) not in _SKIP]
 
 
+def _stored(x):
+    """The node ``x`` reads a stored value through: ``x`` itself, or what a chain of casts
+    ending in ``x`` casts, each link read once (a router's ``weight.float()``, a no-op check
+    in float32 and a copy in bfloat16: the fold is the same in every dtype)."""
+    x = _node(x)
+    while x is not None and op_of(x) in _CASTS and x.args and len(_users(x)) == 1:
+        x = _node(x.args[0])
+    return x
+
+
 def _last(d, nd):
     return d in (-1, nd - 1)
 
@@ -168,12 +178,13 @@ class _Graph:
         self.tied = {n for t in an.tied if len(t) > 1 for n in t}
 
     def param(self, x, dims):
-        """The parameter fqn of placeholder ``x`` (``dims`` dims, used once), else None."""
-        x = _node(x)
+        """The parameter fqn of placeholder ``x`` (``dims`` dims, used once; read directly or
+        through casts), else None."""
+        x = _stored(x)
         if x is None or x.op != "placeholder" or x.name not in self.names:
             return None
         name = self.names[x.name]
-        if ndim(x) != dims or len(x.users) != 1 or name in self.tied:
+        if ndim(x) != dims or len(_users(x)) != 1 or name in self.tied:
             return None
         return name
 
