@@ -17,6 +17,11 @@ goes to a tensor of the model, every tensor of the model comes from the checkpoi
 model's shape (each group converted once on the ``meta`` device, reading nothing), and the
 conversion back gives exactly the checkpoint's tensors (names, shapes, dtypes). Anything else
 is not converted (the checkpoint is then refused, or loaded by ``from_pretrained``, as before).
+
+A converted tensor is read whole (a row slice is cut from it) and, while it is built, its
+sources are held beside it: reading ``experts.gate_up_proj`` holds twice its bytes for a moment.
+The other tensors one source makes (``q``, ``k`` and ``v`` of a fused ``qkv``) are kept until
+they are read or another group is; the writer holds a group until its last tensor comes.
 """
 from __future__ import annotations
 
