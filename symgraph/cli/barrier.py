@@ -11,11 +11,7 @@ import time
 
 import numpy as np
 
-__all__ = ["cmd_barrier", "barrier_curves", "streamed_barrier_curves", "NO_LOSS"]
-
-#: What a barrier refused for want of a loss expects: the loss is the model's own on the data.
-NO_LOSS = ("a model that computes its own loss from the data file (a causal or masked language model: a data "
-           "file holds no labels), or from Python symgraph.interpolate(a, b, lambdas, loss_fn)")
+__all__ = ["cmd_barrier", "barrier_curves", "streamed_barrier_curves"]
 
 
 def barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, attention: str = "heads",
@@ -29,7 +25,7 @@ def barrier_curves(A, B, data, aligns=("none", "weights"), points: int = 11, att
 
     from ..alignment.driver import align
     from ..alignment.refine import default_loss
-    from ..evaluation.barrier import check_points, interpolate, loss_barrier
+    from ..evaluation.barrier import NO_LOSS, check_points, interpolate, loss_barrier
     points = check_points(points, "points=")
 
     def loss(m):
@@ -59,9 +55,12 @@ def streamed_barrier_curves(A, B, data, aligns=("none", "weights"), points: int 
     (:func:`~symgraph.evaluation.barrier.streamed_curve`): memory holds activations and a few
     layers' tensors, never a model. ``options``: the engine's (``symgraph merge``'s alignment
     options, ``device``, ``memory_budget``; ``sketch`` and ``tol`` for the weights row only)."""
-    from ..evaluation.barrier import check_points, loss_barrier, streamed_curve
+    from ..evaluation.barrier import LossPrograms, check_points, loss_barrier, streamed_curve
     from ..merging.streaming import StreamingMerge
     points = check_points(points, "points=")
+    programs = LossPrograms(A.model)
+    if data:  # before any alignment: a model without a loss of its own is refused at once
+        programs(data[0])
     rows = []
     for how in aligns:
         t0 = time.perf_counter()
@@ -71,7 +70,7 @@ def streamed_barrier_curves(A, B, data, aligns=("none", "weights"), points: int 
                                  **row_options(how, options))
             job.align()
             al = job.alignments[1]
-        curve = streamed_curve(A, B, data, np.linspace(0.0, 1.0, points), al)
+        curve = streamed_curve(A, B, data, np.linspace(0.0, 1.0, points), al, programs)
         rows.append({"align": how, "curve": curve, "barrier": loss_barrier(curve),
                      "midpoint": dict(curve).get(0.5), "seconds": time.perf_counter() - t0})
     return rows

@@ -9,7 +9,7 @@ import torch
 from ..core.progress import bar
 from ..errors import InputError
 
-__all__ = ["interpolate", "loss_barrier", "streamed_curve", "interpolated_fetch"]
+__all__ = ["interpolate", "loss_barrier", "streamed_curve", "interpolated_fetch", "LossPrograms", "NO_LOSS"]
 
 
 #: The most values of λ a barrier curve takes (a step of 0.001; each point evaluates the loss on all the data).
@@ -100,33 +100,58 @@ def interpolated_fetch(A, B, lam: float, al=None):
     return fetch
 
 
-def streamed_curve(A, B, data, lambdas, al=None) -> list:
+#: What a barrier refused for want of a loss expects: the loss is the model's own on the data.
+NO_LOSS = ("a model that computes its own loss from the data file (a causal or masked language model: a data "
+           "file holds no labels), or from Python symgraph.interpolate(a, b, lambdas, loss_fn)")
+
+
+class LossPrograms:
+    """The model's own program for each shape of batch, traced on ``meta`` with ``labels =
+    input_ids`` for a model with an output embedding, so that it computes its own loss; a model
+    whose program returns no loss is refused (:data:`NO_LOSS`) when its first batch is seen."""
+
+    def __init__(self, model):
+        self.model, self.programs = model, {}
+        self.lm = callable(getattr(model, "get_output_embeddings", None)) and model.get_output_embeddings() is not None
+
+    def inputs(self, batch) -> dict:
+        """``batch`` with the labels the model's own loss needs."""
+        return dict(batch) | ({"labels": batch["input_ids"]} if self.lm and "labels" not in batch else {})
+
+    def __call__(self, batch):
+        """``(program, inputs)`` for ``batch``: an ExportedProgram whose outputs hold a scalar loss."""
+        from ..passes.trace import trace
+        kw = self.inputs(batch)
+        key = tuple((k, tuple(v.shape)) for k, v in sorted(kw.items()))
+        if key not in self.programs:
+            meta = {k: torch.zeros(v.shape, dtype=v.dtype, device="meta") for k, v in kw.items()}
+            ep = trace(self.model, meta)[0]
+            outs = ep.graph.output_node().args[0]
+            vals = [getattr(o, "meta", {}).get("val") for o in outs] if isinstance(outs, (list, tuple)) else []
+            if not any(isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point() for v in vals):
+                raise InputError(f"barrier needs a loss, and {type(self.model).__name__} computes none from its "
+                                 f"inputs {', '.join(map(repr, batch))} alone (language models do: labels = "
+                                 f"input_ids); expected {NO_LOSS}")
+            self.programs[key] = ep
+        return self.programs[key], kw
+
+
+def streamed_curve(A, B, data, lambdas, al=None, programs: LossPrograms | None = None) -> list:
     """``[(λ, mean loss over data)]`` along ``λθ_A + (1−λ)θ_B′`` with nothing loaded whole:
-    the model's own program (traced on ``meta`` with ``labels = input_ids`` for a model with an
-    output embedding, so it computes its own loss) runs op by op on tensors read from the
-    checkpoints (:func:`interpolated_fetch`). Equals :func:`interpolate` with the model's own
-    loss."""
+    the model's own program (:class:`LossPrograms`, so it computes its own loss) runs op by op
+    on tensors read from the checkpoints (:func:`interpolated_fetch`). Equals
+    :func:`interpolate` with the model's own loss."""
     from ..alignment.graphrun import streamed_outputs
-    from ..passes.trace import split_inputs, trace
-    lm = callable(getattr(A.model, "get_output_embeddings", None)) and A.model.get_output_embeddings() is not None
-    programs = {}
+    from ..passes.trace import split_inputs
+    programs = programs or LossPrograms(A.model)
     curve = []
     for lam in bar(lambdas, desc="barrier", unit="point"):
         fetch = interpolated_fetch(A, B, float(lam), al)
         total = 0.0
         for batch in data:
-            kw = dict(batch) | ({"labels": batch["input_ids"]} if lm and "labels" not in batch else {})
-            key = tuple((k, tuple(v.shape)) for k, v in sorted(kw.items()))
-            if key not in programs:
-                meta = {k: torch.zeros(v.shape, dtype=v.dtype, device="meta") for k, v in kw.items()}
-                programs[key] = trace(A.model, meta)[0]
+            program, kw = programs(batch)
             args, kwargs = split_inputs(A.model, kw)
-            outs = streamed_outputs(programs[key], args, kwargs, fetch)
-            loss = next((o for o in outs if isinstance(o, torch.Tensor) and o.dim() == 0), None)
-            if loss is None:
-                raise InputError(f"barrier needs a loss, and {type(A.model).__name__} computes none from its inputs "
-                                 f"{', '.join(map(repr, batch))} alone (language models do: labels = input_ids); "
-                                 "expected a model with an output embedding (a causal or masked language model)")
-            total += float(loss)
+            outs = streamed_outputs(program, args, kwargs, fetch)
+            total += float(next(o for o in outs if isinstance(o, torch.Tensor) and o.dim() == 0))
         curve.append((float(lam), total / len(data)))
     return curve
