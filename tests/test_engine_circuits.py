@@ -174,3 +174,29 @@ def test_the_circuit_line_is_the_engines_circuit_merge():
     x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(line(x).logits, A(x).logits, atol=1e-5, rtol=0)  # weight 1 on A: A's function
+
+
+def test_a_config_whose_head_dim_is_none_states_the_wider_heads(tmp_path, capsys):
+    """Mixtral's config holds ``head_dim: None`` (its attention takes width over heads): the
+    circuit merge states the wider heads there too, out of core equal to the in-memory merge,
+    and a head size the config does not state is refused in one line saying what it expects."""
+    from transformers import AutoModelForCausalLM
+    from symgraph.width.heads import wide_config
+    for i in range(2):
+        models.build("mixtral", seed=i).save_pretrained(str(tmp_path / f"x{i}"))
+    a, b = (AutoModelForCausalLM.from_pretrained(str(tmp_path / f"x{i}")).eval() for i in range(2))
+    assert "head_dim" in a.config.to_dict() and a.config.head_dim is None
+    out = tmp_path / "stream"
+    rc = cli(["merge", str(tmp_path / "x0"), str(tmp_path / "x1"), "--attention", "circuits", "--out", str(out),
+              "--memory-budget", "256KB"])
+    assert rc == 0, capsys.readouterr().err
+    assert "circuit-space heads, out of core" in capsys.readouterr().out
+    x = torch.randint(0, a.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
+    m, got = _logits(out, x)
+    d = a.config.hidden_size // a.config.num_attention_heads
+    assert m.config.head_dim == 2 * d
+    with torch.no_grad():
+        want = symgraph.merge([a, b], attention="circuits").model(x).logits.double()
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    with pytest.raises(InputError, match=f"states heads {d} wide but the report's are {d + 1} wide; expected"):
+        wide_config(a, d + 1, 2, False)

@@ -44,8 +44,10 @@ def wide_config(model, head_dim: int, n: int, rope: bool):
     the config's is not ``head_dim``), and with ``rope`` each RoPE pair at its own frequency."""
     cfg = copy.deepcopy(model.config)
     d, new = head_dim, head_dim * n
-    if cfg.head_dim != d:
-        raise InputError(f"config head_dim {cfg.head_dim} but the report's heads are {d} wide")
+    if _head_dim(cfg) != d:
+        raise InputError(f"{type(cfg).__name__} states heads {_head_dim(cfg)} wide but the report's are {d} wide; "
+                         "expected a config whose head_dim (or width over heads, where head_dim is None) is the "
+                         "attention's head size")
     if rope:
         rp = dict(cfg.rope_parameters or {})
         inv = _inv_freq(model, cfg, d)
@@ -58,6 +60,15 @@ def wide_config(model, head_dim: int, n: int, rope: bool):
                                "original_max_position_embeddings": cfg.max_position_embeddings}
     cfg.head_dim = new
     return cfg
+
+
+def _head_dim(cfg):
+    """The head size ``cfg`` states: its ``head_dim``, or where that is None (Mixtral: the
+    attention then takes ``hidden_size // num_attention_heads``) the width over the heads."""
+    if cfg.head_dim is not None:
+        return cfg.head_dim
+    width, heads = getattr(cfg, "hidden_size", None), getattr(cfg, "num_attention_heads", None)
+    return width // heads if isinstance(width, int) and isinstance(heads, int) and heads else None
 
 
 def _inv_freq(model, cfg, d):
