@@ -115,3 +115,27 @@ def test_the_config_updates_reach_a_nested_text_config(tmp_path):
     write_config(str(tmp_path / "in"), str(tmp_path / "out"), untie_config_updates(Gemma3Config()))
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written == {"tie_word_embeddings": False, "text_config": {"hidden_size": 8, "tie_word_embeddings": False}}
+
+
+def test_untie_with_nothing_tied_is_refused_on_every_path(tmp_path, capsys):
+    """``--untie`` on models that tie nothing would change nothing while the summary said
+    "untied": refused in one line, out of core, in memory and in Python, and nothing written."""
+    import symgraph
+    from symgraph.errors import InputError
+    ms = [models.build("llama", seed=i, **SIZES) for i in range(2)]
+    assert not any(m.config.tie_word_embeddings for m in ms)
+    for i, m in enumerate(ms):
+        m.save_pretrained(str(tmp_path / f"l{i}"))
+    said = "no model ties parameters"
+    for extra in ([], ["--memory-budget", "64KB"], ["--device", "cpu"]):
+        capsys.readouterr()
+        rc = cli(["merge", str(tmp_path / "l0"), str(tmp_path / "l1"), "--untie", "--out", str(tmp_path / "o"),
+                  *extra])
+        err = capsys.readouterr().err
+        assert rc == 2 and said in err and "expected models with a tied head" in err, err
+        assert err.count("symgraph:") == 1 and "Traceback" not in err and not (tmp_path / "o").exists()
+    cfg = MergeConfig(models=[str(tmp_path / "l0"), str(tmp_path / "l1")], out=str(tmp_path / "o"), untie=True)
+    with pytest.raises(InputError, match=said):
+        run_merge(cfg, streaming=False, progress=False)
+    with pytest.raises(InputError, match=said):
+        symgraph.merge(ms, untie=True)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from ..checkpoints.inputs import DEFAULT_SHARD, Inputs, read_batches
 from ..core.progress import bar as progress_bar, note
 from ..core.schema import UNSET
-from ..core.ties import to_device
+from ..core.ties import check_untie, to_device
 from ..errors import InputError, NeedsMemory, StructureMismatchError
 from .config import MergeConfig, build_config
 from ..checkpoints.specs import check_same_configs, check_same_family, config_diff
@@ -138,6 +138,8 @@ def _engine(cfg, inputs, data, progress, options) -> tuple:
     if ckpts is None:
         return None, None, why or "its tensor names are converted by from_pretrained"
     check_same_configs([c.config for c in ckpts], cfg.models, untie=cfg.untie)
+    if cfg.untie:
+        check_untie([c.model for c in ckpts], cfg.models)
     if (cfg.takes_statistics or cfg.seen_rows) and data is None:
         data = read_batches(cfg.data, ckpts[0].model, statistics=cfg.takes_statistics)
     if cfg.seen_rows:
@@ -211,6 +213,8 @@ def _check_loaded(cfg, models) -> None:
     model whose saved config could not state their size."""
     check_same_family(models, cfg.models)
     check_same_configs([getattr(m, "config", None) for m in models], cfg.models, untie=cfg.untie)
+    if cfg.untie:
+        check_untie(models, cfg.models)
     if cfg.attention == "circuits":
         from ..width.heads import check_config
         check_config(models[0], len(models))

@@ -18,7 +18,7 @@ import torch
 from ..errors import InputError
 
 __all__ = ["parameter_names", "tied_groups", "retie", "to_device", "untie", "untie_config_updates", "side_to_untie",
-           "untied_to_match", "tie_refusal", "check_ties"]
+           "untied_to_match", "tie_refusal", "check_ties", "check_untie"]
 
 
 def parameter_names(model: torch.nn.Module) -> dict:
@@ -107,6 +107,16 @@ def tie_refusal(tied: str, loose: str, why: str = "") -> InputError:
     return InputError(f"{tied} ties its output head to its input embedding and {loose} stores them apart{why}; "
                       "expected models of one configuration, or --untie (untie=True) to give the tied model its "
                       "own head first")
+
+
+def check_untie(models, labels=None) -> None:
+    """Refuse untying (``--untie``, ``untie=True``) models none of which ties parameters: the
+    option would change nothing, and a merge must not say it untied what it did not."""
+    if not any(tied_groups(m) for m in models):
+        labels = labels or [f"model {i}" for i in range(len(models))]
+        raise InputError(f"--untie (untie=True) given, but no model ties parameters ({', '.join(map(str, labels))} "
+                         "store every tensor apart): nothing to untie; expected models with a tied head "
+                         "(tie_word_embeddings), or no --untie")
 
 
 def check_ties(models, labels=None) -> None:

@@ -11,7 +11,7 @@ import torch
 from ..core.progress import bar as progress_bar
 from ..core.schema import UNSET
 from ..core.finite import require_module
-from ..core.ties import check_ties, untie as untie_model
+from ..core.ties import check_ties, check_untie, untie as untie_model
 
 from ..alignment import align as align_models
 from ..alignment.checks import check_finite
@@ -83,6 +83,7 @@ def merge(models, inputs=None, *, weights=UNSET, align=UNSET, data=None, method=
         raise InputError(f"universe_options={universe_options!r} apply only with anchor='universe', not "
                          f"anchor={config.anchor!r}")
     if config.untie:
+        check_untie(models)
         models = [untie_model(m) for m in models]
     else:  # a tied model beside its untied form (symgraph.rotate's): one function, merged untied if asked
         check_ties(models)
