@@ -128,3 +128,34 @@ def test_a_weight_read_through_a_cast_folds_the_norm_in_every_dtype():
         assert any(r[0].endswith("mlp.gate.weight") for f in rep.folds for r in f.readers)
     assert [(g.kind, g.size) for g in reports[0].groups] == [(g.kind, g.size) for g in reports[1].groups]
     assert reports[0].certify(model.to(torch.float32)) < 1e-12
+
+
+def test_experts_stored_in_two_dtypes_go_out_each_in_its_own(pair, tmp_path):
+    """One expert's matrices in bfloat16, the rest float32: the model's stacked tensor holds them
+    in float32 (exactly) and each goes back in the dtype it came in, out of core (it was loaded
+    in memory and written all float32 before)."""
+    import shutil
+    a, b, _ = pair
+    for src, name in ((a, "a"), (b, "b"), (a, "a_copy")):
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        for f in {f for *_, f in _stored(src).values()}:
+            with safe_open(os.path.join(src, f), "pt") as h:
+                save_file({k: h.get_tensor(k).bfloat16() if ".experts.1." in k else h.get_tensor(k)
+                           for k in h.keys()}, str(d / f), metadata={"format": "pt"})
+    a2, b2 = str(tmp_path / "a"), str(tmp_path / "b")
+    stored = _stored(a2)
+    assert {v[1] for k, v in stored.items() if ".experts.1." in k} == {"BF16"}
+    out = tmp_path / "merged"
+    r = _cli("merge", a2, b2, "--out", str(out), "--memory-budget", "300KB")
+    assert r.returncode == 0 and "loaded in memory" not in r.stderr, r.stderr
+    assert {k: v[:2] for k, v in _stored(str(out)).items()} == {k: v[:2] for k, v in stored.items()}
+    aligned = tmp_path / "aligned"
+    r = _cli("align", a2, str(tmp_path / "a_copy"), "--out", str(aligned))  # A beside its copy: A back
+    assert r.returncode == 0, r.stderr
+    assert _stored(str(aligned)) == stored
+    for f in {f for *_, f in stored.values()}:
+        with safe_open(str(aligned / f), "pt") as h, safe_open(os.path.join(a2, f), "pt") as g:
+            for k in g.keys():
+                torch.testing.assert_close(h.get_tensor(k).double(), g.get_tensor(k).double(), rtol=0,
+                                           atol=1e-6)

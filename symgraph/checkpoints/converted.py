@@ -15,8 +15,9 @@ output is stored as the input was (names, shapes, dtypes, sharding).
 A conversion is used only where it is exact from the headers alone: every checkpoint tensor
 goes to a tensor of the model, every tensor of the model comes from the checkpoint with the
 model's shape (each group converted once on the ``meta`` device, reading nothing), and the
-conversion back gives exactly the checkpoint's tensors (names, shapes, dtypes). Anything else
-is not converted (the checkpoint is then refused, or loaded by ``from_pretrained``, as before).
+conversion back gives exactly the checkpoint's tensors (names and shapes, each in a dtype that
+holds the stored one exactly: experts stored in bfloat16 and float32 stack into float32, and
+each goes back in its own). Anything else is not converted (the checkpoint is then refused, or loaded by ``from_pretrained``, as before).
 
 A converted tensor is read whole (a row slice is cut from it) and, while it is built, its
 sources are held beside it: reading ``experts.gate_up_proj`` holds twice its bytes for a moment.
@@ -132,9 +133,9 @@ class Conversion:
         files = {k: source.files[g.sources[0][1]] for g in groups for k in g.targets}
         layout = Layout(files, {k: made[k][0] for k in keys}, {k: made[k][1] for k in keys}, keys, source.pins)
         conv = cls(model, source, groups, [t for t in transforms if t.was_used()], layout)
-        back = conv.plan(layout.keys, layout.shapes, layout.dtypes)
-        if back is None or {k: (s, d) for k, s, d in back} != {k: (source.shapes[k], source.dtypes[k])
-                                                                for k in source.keys}:
+        back = conv._made(layout.keys, layout.shapes, layout.dtypes)
+        if back is None or {k: s for k, s, _ in back} != {k: source.shapes[k] for k in source.keys} or any(
+                torch.promote_types(source.dtypes[k], d) != d for k, _, d in back):
             return None  # not stored back as it came: loaded by from_pretrained, as before
         return conv
 
@@ -155,8 +156,14 @@ class Conversion:
 
     def plan(self, keys, shapes: dict, dtypes: dict) -> list | None:
         """``[(checkpoint key, shape, dtype)]`` the model's tensors ``keys`` (of ``shapes`` and
-        ``dtypes``) are stored as, in the input's order where it has the key; None where that
-        fails."""
+        ``dtypes``) are stored as, in the input's order where it has the key, each in the dtype
+        the input stored it in (experts stored in two dtypes are one tensor of the wider one in
+        the model, and go back each in its own); None where that fails."""
+        made = self._made(keys, shapes, dtypes)
+        return None if made is None else [(k, s, self.source.dtypes.get(k, d)) for k, s, d in made]
+
+    def _made(self, keys, shapes: dict, dtypes: dict) -> list | None:
+        """:meth:`plan` with the dtypes the conversion back makes."""
         grouped, renamings = self._reverse(keys)
         groups = _on_meta(grouped, shapes, dtypes, self.model, renamings)
         if groups is None:
@@ -189,6 +196,7 @@ class ConvertingWriter:
         if real is None:
             raise RuntimeError("the merged tensors cannot be stored as the checkpoint was")  # a bug: checked on load
         self.inner = make(real)
+        self._stored = {k: d for k, _, d in real}
         self._rows: dict = {}
         self._done: dict = {}
 
@@ -210,7 +218,7 @@ class ConvertingWriter:
             from transformers.core_model_loading import WeightConverter, apply_renamings
             for k, v in made.items():
                 name = apply_renamings(k, self._renamings) if isinstance(proto, WeightConverter) else k
-                self.inner.add(name, v.contiguous())
+                self.inner.add(name, v.to(self._stored[name]).contiguous())
 
     def close(self) -> dict:
         if self._rows or self._done:
