@@ -159,3 +159,26 @@ def test_experts_stored_in_two_dtypes_go_out_each_in_its_own(pair, tmp_path):
             for k in g.keys():
                 torch.testing.assert_close(h.get_tensor(k).double(), g.get_tensor(k).double(), rtol=0,
                                            atol=1e-6)
+
+
+def test_a_missing_expert_is_refused_naming_the_tensor_on_every_command(pair, tmp_path):
+    """One expert's matrix deleted: every command refuses in one line naming the tensor it
+    cannot build (merge and compare load through from_pretrained, whose own refusal pointed at
+    a report its silenced logger never printed)."""
+    import shutil
+    a, _, _ = pair
+    bad = tmp_path / "bad"
+    shutil.copytree(a, bad)
+    index = json.load(open(bad / "model.safetensors.index.json"))
+    gone = "model.layers.0.block_sparse_moe.experts.3.w2.weight"
+    f = index["weight_map"].pop(gone)
+    with safe_open(str(bad / f), "pt") as h:
+        kept = {k: h.get_tensor(k) for k in h.keys() if k != gone}
+    save_file(kept, str(bad / f), metadata={"format": "pt"})
+    json.dump(index, open(bad / "model.safetensors.index.json", "w"))
+    for args in (["merge", str(bad), a, "--out", str(tmp_path / "o")], ["compare", str(bad), a],
+                 ["align", a, str(bad), "--out", str(tmp_path / "o")], ["rotate", str(bad), "--out", str(tmp_path / "o")]):
+        r = _cli(*args)
+        assert r.returncode == 2 and r.stderr.count("symgraph:") == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "down_proj" in r.stderr or "experts.3.w2" in r.stderr, (args[0], r.stderr)
+        assert "above report" not in r.stderr and not (tmp_path / "o").exists()
