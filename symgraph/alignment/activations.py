@@ -171,16 +171,13 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
     returned or given to ``on_done`` (every process must call it)."""
     stats = {i: ActStats() for i in range(len(pairs))}
     dev = torch.device(device if device is not None else "cpu")
-    fa, fb = fetch or (None, None)
-    if fetch is not None and dev.type != "cpu":
-        fa, fb = (lambda name, f=f: f(name).to(dev) for f in fetch)
+    fa, fb = _fetchers(fetch, dev)
     shapes = _shapes(ra, rb, data, pairs, models, dev if fetch is not None else None)
     sa0, plan0, order0 = shapes[0][0], shapes[0][1], shapes[0][-1]
     passes = [list(range(len(pairs)))] if on_done is None else _passes(sa0, plan0, order0, pairs, budget)
-    # Each pass resumes every batch's two runs where the last pass paused them (their live
-    # values kept) and runs them to its last point, capturing there every point of every class
-    # not complete yet: over all passes each op runs once per batch (the graphs are not re-run
-    # from the start), and a class's statistics live from its first point to its pass's end.
+    # Each pass resumes every batch's two runs where the last pass paused them (live values
+    # kept), capturing every point of every class not complete yet: each op runs once per batch
+    # over all passes, and a class's statistics live from its first point to its pass's end.
     runs: dict = {}  # (shape, batch) -> [Stepper A, Stepper B, A's inputs, B's inputs]
     reached = [-1] * len(shapes)  # per shape: the position of the last point run so far
     pending = set(range(len(pairs)))
@@ -197,18 +194,11 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
                                  f"{len(passes)})", unit="batch"):
                 run = runs.get((si, bi))
                 if run is None:
-                    args, kwargs = batch_inputs(sa, batch, bi)
-                    flat = [flatten_for(gm, args, kwargs) for gm in (gm_a, gm_b)]
-                    if fetch is not None:  # the batch where the graphs run
-                        flat = [[t.to(dev) if isinstance(t, torch.Tensor) else t for t in f] for f in flat]
-                    run = [Stepper(gm_a, fa), Stepper(gm_b, fb), *flat]
+                    run = _new_run(sa, batch, bi, gm_a, gm_b, (fa, fb), dev if fetch is not None else None)
                     if last[0] is not None:  # paused: kept for the next pass
                         runs[(si, bi)] = run
-                step_a, step_b, in_a, in_b = run
                 with torch.no_grad():
-                    run_a = step_a.steps(in_a, {a for a, _ in points}, stop=last[0])
-                    run_b = step_b.steps(in_b, {b for _, b in points}, stop=last[1])
-                    for point, xa, xb in lockstep(run_a, run_b, in_order, drain=last[0] is not None):
+                    for point, xa, xb in _lockstep(run, points, in_order, last):
                         require_finite("activation statistics", f"the two models' outputs of op {point[0]!r} on "
                                        f"batch {bi} of the data", xa, xb)
                         _add(stats, points[point], xa, xb, max_samples)
@@ -218,6 +208,32 @@ def activation_similarity(ra, rb, data, pairs, models=None, max_samples=4096, fe
             on_done(todo, stats)
     runs.clear()  # the paused runs' live values
     return stats
+
+
+def _fetchers(fetch, dev):
+    """A's and B's ``name -> tensor`` on ``dev`` (None, None: the graphs' own tensors)."""
+    if fetch is None:
+        return None, None
+    return tuple(fetch) if dev.type == "cpu" else tuple(lambda name, f=f: f(name).to(dev) for f in fetch)
+
+
+def _new_run(sa, batch, bi, gm_a, gm_b, fetch, dev):
+    """``[Stepper A, Stepper B, A's inputs, B's inputs]`` of one batch (moved to ``dev`` when
+    not None: where the graphs run on fetched tensors)."""
+    args, kwargs = batch_inputs(sa, batch, bi)
+    flat = [flatten_for(gm, args, kwargs) for gm in (gm_a, gm_b)]
+    if dev is not None:
+        flat = [[t.to(dev) if isinstance(t, torch.Tensor) else t for t in f] for f in flat]
+    return [Stepper(gm_a, fetch[0]), Stepper(gm_b, fetch[1]), *flat]
+
+
+def _lockstep(run, points, in_order, last):
+    """``(point, A's value, B's value)`` at each of ``points``, the two runs stepped side by
+    side as far as ``last`` (None: to the end)."""
+    step_a, step_b, in_a, in_b = run
+    run_a = step_a.steps(in_a, {a for a, _ in points}, stop=last[0])
+    run_b = step_b.steps(in_b, {b for _, b in points}, stop=last[1])
+    return lockstep(run_a, run_b, in_order, drain=last[0] is not None)
 
 
 def _shapes(ra, rb, data, pairs, models, dev):

@@ -121,35 +121,41 @@ def read_alignment(path: str) -> dict:
             tensors = {k: f.get_tensor(k) for k in header}
     except Exception as e:  # a truncated or corrupted data section
         raise bad_file(e) from None
-    elements = {}
-    for gid, kind in plan:
-        key, g = f"element.{gid}", groups[gid]
-        el: Perm | Map | torch.Tensor
-        if kind == "perm":
-            el = Perm.__new__(Perm)
-            el.index = tensors[key + ".index"]  # checked (integer, in range, each once) before any cast
-            check_element(el, g, stored=kind, where=where)
-            el.index = el.index.long()
-        elif kind == "map":
-            el = Map(tensors[key + ".co"], tensors[key + ".contra"])
-            check_element(el, g, stored=kind, where=where)
-        else:
-            mat = tensors[key]
-            check_element(mat, g, stored=kind, where=where)
-            if kind == "perm-matrix":
-                mat = mark_perm(mat)
-            elif kind == "orthogonal":
-                mat = mark_orth(mat)
-            el = mat
-        elements[gid] = el
+    elements = {gid: _element(tensors, f"element.{gid}", kind, groups[gid], where) for gid, kind in plan}
+    gauge = _gauge(tensors, where)
+    return dict(report_a=None, report_b=None, elements=elements, similarity=meta.get("similarity"), gauge=gauge,
+                fingerprints={"a": meta["fingerprint_a"], "b": meta["fingerprint_b"]},
+                structures={"a": meta["structure_a"], "b": meta["structure_b"]}, options=meta.get("options") or {})
+
+
+def _element(tensors, key, kind, g, where):
+    """The saved element at ``key`` of ``kind``, checked to be in group ``g``."""
+    el: Perm | Map | torch.Tensor
+    if kind == "perm":
+        el = Perm.__new__(Perm)
+        el.index = tensors[key + ".index"]  # checked (integer, in range, each once) before any cast
+        check_element(el, g, stored=kind, where=where)
+        el.index = el.index.long()
+        return el
+    if kind == "map":
+        el = Map(tensors[key + ".co"], tensors[key + ".contra"])
+        check_element(el, g, stored=kind, where=where)
+        return el
+    mat = tensors[key]
+    check_element(mat, g, stored=kind, where=where)
+    if kind == "perm-matrix":
+        return mark_perm(mat)
+    return mark_orth(mat) if kind == "orthogonal" else mat
+
+
+def _gauge(tensors, where) -> dict:
+    """A's folded norm gains saved beside the elements, each finite floating point."""
     gauge = {k.removeprefix("gauge."): v for k, v in tensors.items() if k.startswith("gauge.")}
     for name, t in gauge.items():
         if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise InputError(f"{where}: gauge tensor {name!r} (model A's folded norm gain) is not finite floating "
                              "point; expected A's finite gain")
-    return dict(report_a=None, report_b=None, elements=elements, similarity=meta.get("similarity"), gauge=gauge,
-                fingerprints={"a": meta["fingerprint_a"], "b": meta["fingerprint_b"]},
-                structures={"a": meta["structure_a"], "b": meta["structure_b"]}, options=meta.get("options") or {})
+    return gauge
 
 
 _SAVED_KINDS = ("perm", "map", "perm-matrix", "orthogonal", "matrix")

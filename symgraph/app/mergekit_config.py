@@ -24,6 +24,29 @@ def from_mergekit(cfg: dict, path: str) -> dict:
     methods that need a ``base_model`` are refused with the reason; other keys by name."""
     cfg = dict(cfg)
     where = f"mergekit config {path!r}"
+    cfg["method"] = _method(cfg, where)
+    cfg.pop("base_model", None)
+    dtype = cfg.pop("dtype", None)
+    if dtype is not None:  # mergekit's compute dtype: symgraph computes in float32 (or wider) anyway
+        if not isinstance(dtype, str) or dtype not in ("float32", "float16", "bfloat16", "float64"):
+            raise InputError(f"{where}: dtype {short_repr(dtype)}; expected float32, float16 or bfloat16 (mergekit's "
+                             "compute dtype)")
+        note(f"dtype {dtype} in {where}: symgraph computes in float32 (float64 for float64 models) and "
+             "writes each tensor in the first model's dtype")
+    top = _top_parameters(cfg.pop("parameters", None) or {}, where)
+    if top:  # the method's own (RegMean's alpha, Fisher's eps), checked by its declaration
+        cfg["parameters"] = top
+    models, weights = _models(cfg.get("models") or [], where)
+    if any(w is None for w in weights) and any(w is not None for w in weights):
+        raise InputError(f"{where}: some models have a weight and others not; expected a weight for each or none")
+    cfg["models"] = models
+    if weights and weights[0] is not None:
+        cfg["weights"] = weights
+    return cfg
+
+
+def _method(cfg: dict, where: str) -> str:
+    """symgraph's method for ``cfg``'s ``merge_method`` (popped), or refused in one line."""
     method = cfg.pop("merge_method", "linear")
     if not isinstance(method, str):
         raise InputError(f"{where}: merge_method is {short_repr(method)} ({type(method).__name__}); expected a method "
@@ -36,16 +59,11 @@ def from_mergekit(cfg: dict, path: str) -> dict:
     if method != "linear" and method not in merge_methods():
         raise InputError(f"{where}: merge_method {method!r} has no symgraph counterpart; expected linear "
                          f"(symgraph's average) or one of {merge_methods()}")
-    cfg["method"] = "average" if method == "linear" else method
-    cfg.pop("base_model", None)
-    dtype = cfg.pop("dtype", None)
-    if dtype is not None:  # mergekit's compute dtype: symgraph computes in float32 (or wider) anyway
-        if not isinstance(dtype, str) or dtype not in ("float32", "float16", "bfloat16", "float64"):
-            raise InputError(f"{where}: dtype {short_repr(dtype)}; expected float32, float16 or bfloat16 (mergekit's "
-                             "compute dtype)")
-        note(f"dtype {dtype} in {where}: symgraph computes in float32 (float64 for float64 models) and "
-             "writes each tensor in the first model's dtype")
-    top = cfg.pop("parameters", None) or {}
+    return "average" if method == "linear" else method
+
+
+def _top_parameters(top, where: str) -> dict:
+    """The top-level ``parameters`` less ``normalize`` (which must be true): the method's own."""
     if not isinstance(top, dict):
         raise InputError(f"{where}: parameters is {short_repr(top)} ({type(top).__name__}); expected a mapping "
                          "{normalize: true} or no key")
@@ -53,10 +71,13 @@ def from_mergekit(cfg: dict, path: str) -> dict:
     if top.pop("normalize", True) is not True:
         raise InputError(f"{where}: parameters.normalize false; symgraph always normalises the weights to sum "
                          "to 1; expected normalize: true or no key")
-    if top:  # the method's own (RegMean's alpha, Fisher's eps), checked by its declaration
-        cfg["parameters"] = top
+    return top
+
+
+def _models(entries, where: str) -> tuple[list, list]:
+    """The model paths and their weights (None where not given) of the config's ``models``."""
     models, weights = [], []
-    for i, m in enumerate(cfg.get("models") or []):
+    for i, m in enumerate(entries):
         if not isinstance(m, dict) or not isinstance(m.get("model"), str):
             raise InputError(f"{where}: models[{i}] is {short_repr(m)}; expected {{model: path, parameters: "
                              "{weight: w}}")
@@ -72,9 +93,4 @@ def from_mergekit(cfg: dict, path: str) -> dict:
                              "parameters.weight")
         models.append(m["model"])
         weights.append(w)
-    if any(w is None for w in weights) and any(w is not None for w in weights):
-        raise InputError(f"{where}: some models have a weight and others not; expected a weight for each or none")
-    cfg["models"] = models
-    if weights and weights[0] is not None:
-        cfg["weights"] = weights
-    return cfg
+    return models, weights

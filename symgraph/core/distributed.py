@@ -124,6 +124,19 @@ def all_reduce_dict(d: dict) -> dict:
     distributed; else a new dict (``d`` is not modified)."""
     if not is_active():
         return d
+    union = _union(d)
+    keys = _ordered(union)
+    here = next((v.device for v in d.values() if isinstance(v, torch.Tensor)), None)
+    dev = _device(here)
+    out: dict = {}
+    with torch.no_grad():
+        for wide, ks in _buckets(keys, union):
+            _reduce_bucket(d, union, wide, ks, dev, here if here is not None else dev, out)
+    return {k: out[k] for k in keys}
+
+
+def _union(d: dict) -> dict:
+    """``{key: (kind, shape, dtype)}`` over every process's keys, refused where two disagree."""
     local = {k: _meta(k, v) for k, v in d.items()}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)  # keys, shapes and dtypes of every process
@@ -134,13 +147,12 @@ def all_reduce_dict(d: dict) -> dict:
                 raise InputError(f"statistic {k!r} is {union[k][0]} {list(union[k][1])} "
                                  f"{union[k][2]} on one process and {m[0]} {list(m[1])} {m[2]} on "
                                  f"rank {r}; expected the same models on every process")
-    keys = _ordered(union)
-    here = next((v.device for v in d.values() if isinstance(v, torch.Tensor)), None)
-    dev = _device(here)
-    fill = here if here is not None else dev
+    return union
 
-    # buckets of one reduced dtype, at most _BUCKET elements (or one larger tensor); the same
-    # on every process since they follow the union's metadata only
+
+def _buckets(keys, union) -> list:
+    """``[(reduced dtype, keys)]``: buckets of one reduced dtype, at most ``_BUCKET`` elements
+    (or one larger tensor); the same on every process since they follow the union's metadata."""
     buckets: list[list] = []
     open_: dict[torch.dtype, list] = {}
     for k in keys:
@@ -152,35 +164,35 @@ def all_reduce_dict(d: dict) -> dict:
             buckets.append(b)
         b[1] += n
         b[2].append(k)
+    return [(wide, ks) for wide, _, ks in buckets]
 
-    out: dict = {}
-    with torch.no_grad():
-        for wide, _, ks in buckets:
-            parts = []
-            for k in ks:
-                kind, shape, dtype = union[k]
-                v = d.get(k)
-                if v is None:
-                    parts.append(torch.zeros(_numel(shape), dtype=wide, device=dev))
-                elif kind == "tensor":
-                    parts.append(v.detach().reshape(-1).to(device=dev, dtype=wide))
-                else:
-                    parts.append(torch.tensor([v], dtype=wide, device=dev))
-            buf = torch.cat(parts)  # a new tensor: ``d`` stays as it was
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-            at = 0
-            for k in ks:
-                kind, shape, dtype = union[k]
-                x = buf[at:at + _numel(shape)]
-                at += _numel(shape)
-                if kind == "tensor":
-                    v = d.get(k)
-                    # views of ``buf`` where nothing changes: the bucket holds only results
-                    out[k] = x.reshape(shape).to(device=v.device if v is not None else fill,
-                                                 dtype=dtype)
-                else:
-                    out[k] = int(x.item()) if kind == "int" else float(x.item())
-    return {k: out[k] for k in keys}
+
+def _reduce_bucket(d, union, wide, ks, dev, fill, out):
+    """Sum one bucket's keys over the processes into ``out``, each in its own dtype (a key
+    missing here on ``fill``'s device)."""
+    parts = []
+    for k in ks:
+        kind, shape, dtype = union[k]
+        v = d.get(k)
+        if v is None:
+            parts.append(torch.zeros(_numel(shape), dtype=wide, device=dev))
+        elif kind == "tensor":
+            parts.append(v.detach().reshape(-1).to(device=dev, dtype=wide))
+        else:
+            parts.append(torch.tensor([v], dtype=wide, device=dev))
+    buf = torch.cat(parts)  # a new tensor: ``d`` stays as it was
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    at = 0
+    for k in ks:
+        kind, shape, dtype = union[k]
+        x = buf[at:at + _numel(shape)]
+        at += _numel(shape)
+        if kind == "tensor":
+            v = d.get(k)
+            # views of ``buf`` where nothing changes: the bucket holds only results
+            out[k] = x.reshape(shape).to(device=v.device if v is not None else fill, dtype=dtype)
+        else:
+            out[k] = int(x.item()) if kind == "int" else float(x.item())
 
 
 def _numel(shape) -> int:

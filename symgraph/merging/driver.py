@@ -79,6 +79,35 @@ def merge(models, inputs=None, *, weights=UNSET, align=UNSET, data=None, method=
     given = dict(weights=weights, align=align, method=method, anchor=anchor, method_options=method_options,
                  repair=repair, attention=attention, untie=untie)
     config, align_options = _config(models, config, given, data, align_options)
+    models, how = _prepared(models, config, method, data, universe_options)
+    inputs = data[0] if inputs is None and data is not None else inputs
+    A = models[0 if config.anchor == "universe" else config.anchor]
+    ra = analyze(A, inputs, fold_norms=config.fold_norms, outputs=config.outputs)
+    align_options = dict(align_options, refine=config.refine, fold_norms=config.fold_norms, outputs=config.outputs,
+                         data=data if config.align == "activations" else None,  # what aligning reads
+                         **solver_options(config),
+                         **({"rows": ra.input_rows(data)} if config.seen_rows else {}))  # Theus et al. 2025
+    timings = {"analyze": time.perf_counter() - t0, "align": 0.0, "statistics": 0.0}
+    universe, job = None, None
+    if config.anchor == "universe":  # every model's alignment to the mean of the others, the engine's rounds
+        from .universe import align_universe
+        job = _engine(models, config, how, data)
+        alignments, universe = align_universe(job, models, inputs, ra, universe_options, progress, **align_options)
+        timings["align"] = universe["seconds"]
+    else:
+        t1 = time.perf_counter()
+        alignments = _aligned(models, A, ra, inputs, None if config.align == "none" else config.align,
+                              config.anchor, progress, align_options)
+        timings["align"] = time.perf_counter() - t1
+    result = _combined(models, A, ra, alignments, config, lambda: job or _engine(models, config, how, data), timings)
+    result.universe = universe
+    timings["total"] = time.perf_counter() - t0
+    return result
+
+
+def _prepared(models, config, method, data, universe_options) -> tuple:
+    """``(models, method)``: the models untied if the config asks (refused where nothing is
+    tied), else checked for ties; the method the config names (or the instance given)."""
     if universe_options is not None and config.anchor != "universe":
         raise InputError(f"universe_options={universe_options!r} apply only with anchor='universe', not "
                          f"anchor={config.anchor!r}")
@@ -91,40 +120,27 @@ def merge(models, inputs=None, *, weights=UNSET, align=UNSET, data=None, method=
     how = registry.get(method) if instance else registry.get(config.method, **config.parameters)
     if how.needs_data and data is None:  # a method instance the config does not name
         raise InputError(f"method={how.name!r} needs data (an iterable of batches)")
-    inputs = data[0] if inputs is None and data is not None else inputs
-    anchor, align = config.anchor, (None if config.align == "none" else config.align)
-    A = models[0 if anchor == "universe" else anchor]
-    ra = analyze(A, inputs, fold_norms=config.fold_norms, outputs=config.outputs)
-    rows = {"rows": ra.input_rows(data)} if config.seen_rows else {}  # Theus et al. 2025: the data's token rows
-    align_options = dict(align_options, refine=config.refine, fold_norms=config.fold_norms, outputs=config.outputs,
-                         data=data if align == "activations" else None,  # what aligning reads
-                         **solver_options(config), **rows)
-    timings = {"analyze": time.perf_counter() - t0, "align": 0.0, "statistics": 0.0}
-    universe, found, job = None, None, None
-    if anchor == "universe":  # every model's alignment to the mean of the others, the engine's rounds
-        from .universe import align_universe
-        job = _engine(models, config, how, data)
-        found, universe = align_universe(job, models, inputs, ra, universe_options, progress, **align_options)
-        timings["align"] = universe["seconds"]
-    t1 = time.perf_counter()
-    alignments = found or _aligned(models, A, ra, inputs, align, anchor, progress, align_options)
-    timings["align"] += time.perf_counter() - t1 if not found else 0.0
+    return models, how
+
+
+def _combined(models, A, ra, alignments, config, engine, timings) -> MergeResult:
+    """The models combined by the merge engine (``engine()`` builds it) in A's architecture
+    (circuits in a widened traced program where A's config cannot state wider heads, without
+    an engine: its config refuses them)."""
     t3 = time.perf_counter()
     if config.attention == "circuits" and why_no_config(A, len(models)):  # a traced program widened: in memory
-        out = _circuits_without_config(models, alignments, mixing_weights(config.weights, len(models)), anchor, ra)
+        out = _circuits_without_config(models, alignments, mixing_weights(config.weights, len(models)),
+                                       config.anchor, ra)
         timings["combine"] = time.perf_counter() - t3
-        timings["total"] = time.perf_counter() - t0
-        return MergeResult(out, alignments, timings, None, universe)
-    job = job or _engine(models, config, how, data)
+        return MergeResult(out, alignments, timings)
+    job = engine()
     job.use(ra, alignments)
     out = job.merged_model(A)
     timings["statistics"] = job.timings.get("statistics", 0.0)
     timings["combine"] = time.perf_counter() - t3 - timings["statistics"]
-    repaired = job.repair_report
-    if repaired is not None:  # written with repair=True
-        timings["repair"] = repaired.seconds
-    timings["total"] = time.perf_counter() - t0
-    return MergeResult(out, alignments, timings, repaired, universe)
+    if job.repair_report is not None:  # written with repair=True
+        timings["repair"] = job.repair_report.seconds
+    return MergeResult(out, alignments, timings, job.repair_report)
 
 
 def _model_list(models) -> list:

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .entry_points import entered, entry_points
 from .nodes import unread_parameters
-from .optional_inputs import float_leaves, parameter_reads
+from .optional_inputs import float_leaves, forward_hooks, parameter_reads
 from .training_runs import trained, training_runs
 
 __all__ = ["HOLDERS", "Injection", "holder_injections", "injected", "substituted", "traced_with_holders",
@@ -161,12 +161,8 @@ def injected(model, injections):
     """While inside, each of ``injections`` runs its holder of ``model`` again (see the module's
     docstring); yields the hooks."""
     hooks = [_Hook(i) for i in injections]
-    handles = [model.get_submodule(h.injection.path).register_forward_hook(h, with_kwargs=True) for h in hooks]
-    try:
+    with forward_hooks(model, [(h.injection.path, h) for h in hooks]):
         yield hooks
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @contextlib.contextmanager

@@ -35,8 +35,8 @@ from torch.utils._pytree import tree_flatten
 from ..core.dtypes import parameters_dtype
 from .input_values import config_value, device_of, pixels, token_ids
 
-__all__ = ["Trials", "float_leaves", "caches_off", "encoder_states", "entities", "layout", "long_enough", "masked_patches",
-           "modules_above", "parameter_reads", "passes_on", "segments_and_targets", "text_extras"]
+__all__ = ["Trials", "float_leaves", "forward_hooks", "caches_off", "encoder_states", "entities", "layout",
+           "long_enough", "masked_patches", "modules_above", "parameter_reads", "passes_on", "segments_and_targets", "text_extras"]
 
 # the names transformers gives a decoder's encoder states (BART's, Whisper's causal LM; Mllama's)
 _ENCODER_STATES = ("encoder_hidden_states", "encoder_outputs", "cross_attention_states")
@@ -274,3 +274,15 @@ def modules_above(names) -> list[str]:
         for k in range(len(parts), -1, -1):
             paths.setdefault(".".join(parts[:k]), None)
     return sorted(paths, key=lambda p: -len(p.split(".")) if p else 0)
+
+
+@contextlib.contextmanager
+def forward_hooks(model, hooks):
+    """While inside, each ``(path, hook)`` of ``hooks`` is a forward hook (with keyword
+    arguments) of ``model``'s submodule at ``path``."""
+    handles = [model.get_submodule(path).register_forward_hook(h, with_kwargs=True) for path, h in hooks]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

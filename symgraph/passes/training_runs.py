@@ -39,7 +39,7 @@ from .closed_reads import proven_dead
 from .entry_points import varying_sum
 from .input_values import config_value
 from .nodes import HIDDEN_OUTPUTS
-from .optional_inputs import float_leaves, modules_above, parameter_reads
+from .optional_inputs import float_leaves, forward_hooks, modules_above, parameter_reads
 
 __all__ = ["TrainingRun", "training_runs", "trained", "training_results", "detection_labels",
            "MAX_TRIALS", "SEED"]
@@ -160,12 +160,8 @@ def trained(model, runs):
     beside its call (see the module's docstring); yields the hooks."""
     busy: list = []
     hooks = [_Hook(r, busy) for r in runs]
-    handles = [model.get_submodule(h.run.path).register_forward_hook(h, with_kwargs=True) for h in hooks]
-    try:
+    with forward_hooks(model, [(h.run.path, h) for h in hooks]):
         yield hooks
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def training_results(model, run: TrainingRun, args, kwargs) -> list:

@@ -287,6 +287,29 @@ def _default_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> 
     return model(**batch).loss
 
 
+def _adamw(model, lr, betas, weight_decay, decay_vectors):
+    """AdamW over ``model``'s trainable parameters, decaying the matrices (and the vectors too
+    if ``decay_vectors``)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if decay_vectors:
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def _step(model, loss, opt, sched, grad_clip) -> float:
+    """One optimizer step on ``loss``; returns its value."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    if sched is not None:
+        sched.step()
+    return loss.detach().item()
+
+
 def train(model: torch.nn.Module, sample_batch: Callable[[], Any], *, steps: int | None = None,
           seconds: float | None = None, lr: float = 1e-3,
           loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = _default_loss,
@@ -327,17 +350,8 @@ def train(model: torch.nn.Module, sample_batch: Callable[[], Any], *, steps: int
     """
     if steps is None and seconds is None:
         raise ValueError("train needs a budget: steps and/or seconds")
-    params = [p for p in model.parameters() if p.requires_grad]
-    if decay_vectors:
-        opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
-    else:
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=lr, betas=betas)
+    opt = _adamw(model, lr, betas, weight_decay, decay_vectors)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if schedule is not None else None
-    previous_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
     losses: list[float] = []
     start = time.perf_counter()
 
@@ -345,22 +359,32 @@ def train(model: torch.nn.Module, sample_batch: Callable[[], Any], *, steps: int
         return ((steps is None or len(losses) < steps)
                 and (seconds is None or time.perf_counter() - start < seconds))
 
-    try:
-        model.train()
+    with _threads(threads), _training(model):
         while budget_left():
-            loss = loss_fn(model, sample_batch())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            opt.step()
-            if sched is not None:
-                sched.step()
-            losses.append(loss.detach().item())
+            losses.append(_step(model, loss_fn(model, sample_batch()), opt, sched, grad_clip))
             if progress is not None:
                 progress(len(losses), losses[-1], time.perf_counter() - start)
+    return losses
+
+
+@contextlib.contextmanager
+def _threads(n):
+    """``torch.set_num_threads(n)`` inside (nothing when None), restored after."""
+    previous = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n is not None:
+            torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def _training(model):
+    """``model`` in ``train()`` mode inside, in ``eval()`` mode after."""
+    model.train()
+    try:
+        yield
     finally:
         model.eval()
-        if threads is not None:
-            torch.set_num_threads(previous_threads)
-    return losses

@@ -135,18 +135,7 @@ def stack(an, classes, beside=frozenset()) -> dict:
     and ``an.shared[leaf]`` says why (not over ``beside``: per-head maps cost what they cost
     for heads reshaped from one axis)."""
     an.raw_axes, an.shared = {}, {}
-    of = {m: r for r in classes for m in members(an, r)}  # member leaf -> its label class
-    for leaf, fib in list(an.fibre.items()):  # stored flat ([E·I, d]) or stacked alike
-        for r in {of[f] for f in fib if f in of}:
-            ms = [f for f in fib if of.get(f) == r]
-            n = math.prod(an.uf.size[f] for f in ms)
-            if (n * an.uf.size[leaf]) ** 2 > MAX_STACKED:
-                an.shared[leaf] = (f"one order for all {n} members: per-member "
-                                   f"elements would need more than {MAX_STACKED} entries "
-                                   "(symgraph.passes.patterns.stacked.MAX_STACKED)")
-                an.fibre[leaf] = tuple(f for f in an.fibre[leaf] if f not in ms)
-        if not an.fibre[leaf]:
-            del an.fibre[leaf]
+    _share_large(an, classes)
     outer = set(classes) | set(beside)
     while True:
         plan, drop = {}, set()
@@ -172,16 +161,39 @@ def stack(an, classes, beside=frozenset()) -> dict:
                 if not an.fibre[leaf]:
                     del an.fibre[leaf]
     for name, (o, j) in plan.items():
-        node = an.param_nodes[name]
-        ax = list(an.node_axes[node])
-        an.raw_axes[name] = list(ax)
-        m = an.uf.new(an.uf.size[an.uf.find(ax[o])[0]] * an.uf.size[an.uf.find(ax[j])[0]])
-        an.uf.add_structure(m, "prod", [ax[o], ax[j]])
-        an.roots.add(an.uf.find(m)[0])
-        ax[o] = m
-        del ax[j]
-        an.node_axes[node] = ax
+        _view_axes(an, name, o, j)
     return plan
+
+
+def _share_large(an, classes):
+    """One element for every member of a fibre whose per-member elements would exceed
+    :data:`MAX_STACKED` entries (``an.shared[leaf]`` says why)."""
+    of = {m: r for r in classes for m in members(an, r)}  # member leaf -> its label class
+    for leaf, fib in list(an.fibre.items()):  # stored flat ([E·I, d]) or stacked alike
+        for r in {of[f] for f in fib if f in of}:
+            ms = [f for f in fib if of.get(f) == r]
+            n = math.prod(an.uf.size[f] for f in ms)
+            if (n * an.uf.size[leaf]) ** 2 > MAX_STACKED:
+                an.shared[leaf] = (f"one order for all {n} members: per-member "
+                                   f"elements would need more than {MAX_STACKED} entries "
+                                   "(symgraph.passes.patterns.stacked.MAX_STACKED)")
+                an.fibre[leaf] = tuple(f for f in an.fibre[leaf] if f not in ms)
+        if not an.fibre[leaf]:
+            del an.fibre[leaf]
+
+
+def _view_axes(an, name, o, j):
+    """``name``'s node axes with axis ``j`` folded into axis ``o`` (a new product axis); its
+    stored axes kept in ``an.raw_axes``."""
+    node = an.param_nodes[name]
+    ax = list(an.node_axes[node])
+    an.raw_axes[name] = list(ax)
+    m = an.uf.new(an.uf.size[an.uf.find(ax[o])[0]] * an.uf.size[an.uf.find(ax[j])[0]])
+    an.uf.add_structure(m, "prod", [ax[o], ax[j]])
+    an.roots.add(an.uf.find(m)[0])
+    ax[o] = m
+    del ax[j]
+    an.node_axes[node] = ax
 
 
 def alone(an, axis) -> list:
