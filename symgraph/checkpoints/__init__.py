@@ -3,6 +3,7 @@
 - ``specs``      what a model argument names (a directory, a demo name, a hub id) and data files
 - ``inputs``     a merge's inputs checked before any work (output, headers, data file, shard size)
 - ``textdata``   a data file from text with the model's own tokenizer (``symgraph data``)
+- ``layout``     where each tensor of a checkpoint lives, from the file headers alone
 - ``loading``    ``from_pretrained``, complete or refused
 - ``sharded``    safetensors read and written one tensor at a time, each file pinned for the run
 - ``converted``  checkpoints stored as the Hub stores them (per-expert matrices, older names),

@@ -27,14 +27,16 @@ they are read or another group is; the writer holds a group until its last tenso
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .loading import Layout
+from ..errors import InputError
+from .layout import Layout
 
-__all__ = ["Conversion", "ConvertingWriter"]
+__all__ = ["Conversion", "ConvertingWriter", "conversion_error", "refuse_conversion"]
 
 
 @dataclass
@@ -97,6 +99,71 @@ def _on_meta(groups: dict, shapes: dict, dtypes: dict, model, renamings=()) -> l
         g.targets = {k: (tuple(v.shape), v.dtype) for k, v in made.items()}
         out.append(g)
     return out
+
+
+def conversion_error(model, source: Layout, fetch) -> str | None:
+    """Why transformers' own conversion of the checkpoint ``source`` into ``model``'s tensors
+    fails, as ``from_pretrained`` would fail on it (its refusal points at a report that a
+    silenced logger never prints): the first group that fails on ``meta`` tensors and again on
+    its stored tensors (``fetch(name)``), named with its sources and the error; None where
+    every group converts (a conversion that needs values fails on ``meta`` alone)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        transforms = get_model_conversion_mapping(model)
+    except Exception:  # noqa: BLE001 - not a transformers model, or a mapping it cannot build
+        return None
+    state = dict(model.state_dict())
+    grouped = _grouped(source.keys, transforms, state, getattr(model, "base_model_prefix", None), False) or {}
+    for first, (proto, sources) in grouped.items():
+        g = _Group(proto, first, sources, {})
+        try:
+            g.run(lambda k: torch.empty(source.shapes[k], dtype=source.dtypes[k], device="meta"), model)
+            continue
+        except Exception:  # noqa: BLE001 - tried again on the stored values below
+            pass
+        try:
+            g.run(fetch, model)
+        except Exception as e:  # noqa: BLE001 - transformers' conversion fails on these tensors
+            return (f"{first} cannot be built from its {len(sources)} stored tensors ({_odd(sources, source)}): "
+                    f"{str(e).splitlines()[0][:160] if str(e) else type(e).__name__}")
+    return None
+
+
+def _odd(sources, source: Layout) -> str:
+    """What sets a group's stored tensors apart: the one of another shape than the rest, or
+    how many each source pattern matched (an expert more for one matrix than another)."""
+    names = [k for _, k in sources]
+    shapes = Counter(tuple(source.shapes[k]) for k in names)
+    if len(shapes) > 1:
+        common = shapes.most_common(1)[0][0]
+        odd = [k for k in names if tuple(source.shapes[k]) != common]
+        more = f" (+{len(odd) - 1} more)" if len(odd) > 1 else ""
+        return (f"{odd[0]!r}{more} is {list(source.shapes[odd[0]])} where the other {len(names) - len(odd)} "
+                f"are {list(common)}")
+    return ", ".join(f"{n} stored as {p!r}" for p, n in Counter(p for p, _ in sources).items())
+
+
+def refuse_conversion(model, layout: Layout, where: str) -> None:
+    """Refuse, in one line naming the tensors, a checkpoint whose tensors transformers' own
+    conversions cannot build ``model``'s from (:func:`conversion_error`)."""
+    why = conversion_error(model, layout, lambda key: _stored(layout, key))
+    if why:
+        raise InputError(f"cannot load {where}: {why}; expected the tensors save_pretrained writes for "
+                         "this config")
+
+
+def _stored(layout: Layout, key: str) -> torch.Tensor:
+    """The stored tensor ``key`` of ``layout``, read through its file's pin (checked before and after)."""
+    from safetensors import safe_open
+    file = layout.files[key]
+    pin = layout.pins.get(file)
+    if pin is not None:
+        pin.check()
+    with safe_open(pin.reader if pin is not None else file, framework="pt", device="cpu") as h:
+        t = h.get_tensor(key)
+    if pin is not None:
+        pin.check()
+    return t
 
 
 class Conversion:

@@ -10,9 +10,7 @@ offline (``HF_HUB_OFFLINE=1``) a name that is not in the local cache fails at on
 from __future__ import annotations
 
 import json
-import math
 import os
-from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +21,7 @@ from ..core.files import PinnedFile, model_file
 from ..core.schema import quoted
 from ..core.ties import parameter_names
 from ..errors import InputError
+from .layout import Layout
 
 __all__ = ["check_checkpoint_dir", "read_layout", "read_config", "build_meta", "Layout", "load_local", "load_hub",
            "refuse_incomplete", "check_weights_finite", "quiet_transformers"]
@@ -81,37 +80,6 @@ def check_checkpoint_dir(path: str):
 
 #: safetensors dtype names symgraph reads, and their torch dtypes.
 DTYPES = SAFETENSORS_DTYPES
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where each tensor of a checkpoint lives, from the file headers alone: ``files`` (tensor
-    -> real shard path), ``shapes``, ``dtypes`` (torch dtypes), ``keys`` in index (or file)
-    order. The one reading of a checkpoint every path shares (:func:`read_layout`). ``pins``:
-    shard path -> its :class:`~symgraph.core.files.PinnedFile`, opened when the headers were
-    read: every later read of the run goes through it and is checked against it."""
-    files: dict
-    shapes: dict
-    dtypes: dict
-    keys: list
-    pins: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def check_unchanged(self) -> None:
-        """Refuse (one line, naming the file) a shard replaced or rewritten since it was pinned."""
-        for pin in self.pins.values():
-            pin.check()
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes of the tensors' values (what a model of these tensors takes on disk)."""
-        return sum(math.prod(self.shapes[k]) * torch.empty((), dtype=self.dtypes[k]).element_size()
-                   for k in self.keys)
-
-    @property
-    def dtype(self):
-        """The checkpoint's dtype: its most common floating-point tensor dtype (float32 without one)."""
-        floats = [d for d in self.dtypes.values() if d.is_floating_point]
-        return max(set(floats), key=floats.count) if floats else torch.float32
 
 
 def read_layout(path: str) -> Layout:
@@ -377,10 +345,12 @@ def load_local(path: str):
     check_checkpoint_dir(path)
     cfg, cls = read_config(path)
     layout = read_layout(path)
+    meta = build_meta(cls, cfg, layout, os.path.join(path, "config.json"))
     try:
-        check_tensors(build_meta(cls, cfg, layout, os.path.join(path, "config.json")), layout, path)
-    except KeysDiffer:
-        pass  # names transformers converts on load (fused experts): from_pretrained checks those
+        check_tensors(meta, layout, path)
+    except KeysDiffer:  # names transformers converts on load (fused experts): from_pretrained checks those
+        from .converted import refuse_conversion
+        refuse_conversion(meta, layout, repr(path))
     model = _from_pretrained(cls, path, repr(path), local_files_only=True, dtype=layout.dtype)
     layout.check_unchanged()  # the weights loaded are those of the files whose headers were checked
     return model

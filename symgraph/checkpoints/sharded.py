@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..core.devices import computed_buffers
-from .converted import Conversion
+from .converted import Conversion, refuse_conversion
 from ..core.dtypes import SAFETENSORS_NAMES as _ST_NAMES
 from .loading import (KeysDiffer, build_meta, check_checkpoint_dir, check_tensors,
                       read_config, read_layout)
@@ -89,6 +89,7 @@ class Checkpoint:
         except KeysDiffer:
             self.conversion = Conversion.of(self.model, layout)
             if self.conversion is None:
+                refuse_conversion(self.model, layout, repr(path))
                 raise
             layout = self.conversion.layout  # the model's names, each read through the conversion
             self.params = check_tensors(self.model, layout, path)
