@@ -83,6 +83,25 @@ def _grouped(keys, transforms, state: dict, prefix: str | None, reverse: bool) -
     return groups
 
 
+def _loading_groups(model, source: Layout) -> tuple:
+    """``(transforms, state, groups)``: transformers' conversion mapping of ``model``, its state
+    and ``source``'s keys grouped as ``from_pretrained`` groups them (groups None where a key
+    names no tensor, or where transformers defines no mapping for the model)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        transforms = get_model_conversion_mapping(model)
+    except Exception:  # noqa: BLE001 - not a transformers model, or a mapping it cannot build
+        return [], {}, None
+    state = dict(model.state_dict())
+    return transforms, state, _grouped(source.keys, transforms, state, getattr(model, "base_model_prefix", None),
+                                       False)
+
+
+def _on_meta_fetch(shapes: dict, dtypes: dict):
+    """``name -> meta tensor`` of the stored shape and dtype (nothing read)."""
+    return lambda k: torch.empty(shapes[k], dtype=dtypes[k], device="meta")
+
+
 def _on_meta(groups: dict, shapes: dict, dtypes: dict, model, renamings=()) -> list | None:
     """Each group of :func:`_grouped` run on ``meta`` tensors of ``shapes`` and ``dtypes`` (nothing
     read): its :class:`_Group`, or None where a conversion fails there."""
@@ -91,7 +110,7 @@ def _on_meta(groups: dict, shapes: dict, dtypes: dict, model, renamings=()) -> l
     for first, (proto, sources) in groups.items():
         g = _Group(proto, first, sources, {})
         try:
-            made = g.run(lambda k: torch.empty(shapes[k], dtype=dtypes[k], device="meta"), model)
+            made = g.run(_on_meta_fetch(shapes, dtypes), model)
         except Exception:  # noqa: BLE001 - an operation that needs values: not converted out of core
             return None
         if isinstance(proto, WeightConverter) and renamings:  # saving renames after converting
@@ -107,17 +126,11 @@ def conversion_error(model, source: Layout, fetch) -> str | None:
     silenced logger never prints): the first group that fails on ``meta`` tensors and again on
     its stored tensors (``fetch(name)``), named with its sources and the error; None where
     every group converts (a conversion that needs values fails on ``meta`` alone)."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        transforms = get_model_conversion_mapping(model)
-    except Exception:  # noqa: BLE001 - not a transformers model, or a mapping it cannot build
-        return None
-    state = dict(model.state_dict())
-    grouped = _grouped(source.keys, transforms, state, getattr(model, "base_model_prefix", None), False) or {}
-    for first, (proto, sources) in grouped.items():
+    transforms, state, grouped = _loading_groups(model, source)
+    for first, (proto, sources) in (grouped or {}).items():
         g = _Group(proto, first, sources, {})
         try:
-            g.run(lambda k: torch.empty(source.shapes[k], dtype=source.dtypes[k], device="meta"), model)
+            g.run(_on_meta_fetch(source.shapes, source.dtypes), model)
             continue
         except Exception:  # noqa: BLE001 - tried again on the stored values below
             pass
@@ -183,13 +196,7 @@ class Conversion:
     def of(cls, model, source: Layout) -> Conversion | None:
         """The conversion of ``source`` into ``model``'s tensors, or None where transformers
         defines none for it or it is not exact (see the module's docstring)."""
-        try:
-            from transformers.conversion_mapping import get_model_conversion_mapping
-            transforms = get_model_conversion_mapping(model)
-        except Exception:  # noqa: BLE001 - not a transformers model, or a mapping it cannot build
-            return None
-        state = {k: v for k, v in model.state_dict().items()}
-        grouped = _grouped(source.keys, transforms, state, getattr(model, "base_model_prefix", None), False)
+        transforms, state, grouped = _loading_groups(model, source)
         groups = _on_meta(grouped, source.shapes, source.dtypes, model) if grouped else None
         if not groups:
             return None
