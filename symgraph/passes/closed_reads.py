@@ -66,7 +66,7 @@ import textwrap
 
 import torch
 
-from .deadcode import dead_parameters
+from .deadcode import BranchVisitor, dead_parameters
 from .member_uses import index_use, member_sites, torch_based, torch_own
 
 __all__ = ["closed_reason", "closed_parameters", "proven_dead"]
@@ -94,7 +94,7 @@ def _tests(test, names) -> tuple:
     return ((), ())
 
 
-class _Forward(ast.NodeVisitor):
+class _Forward(BranchVisitor):
     """What a method of the holder does: ``reads`` of ``self.a`` (each with what its branches
     know, :func:`_tests`), ``stores`` of its arguments (likewise), ``members`` loaded (or
     assigned) on ``self``, ``bad`` where ``self`` is used any other way."""
@@ -107,26 +107,15 @@ class _Forward(ast.NodeVisitor):
         self.stores: list = []
         self.members: set = set()
         self.bad = self.me is None
-        self._known: list = []  # per enclosing branch: what it knows
+        self._under: list = []  # per enclosing branch: what it knows
         for s in fn.body:
             self.visit(s)
 
     def _here(self) -> frozenset:
-        return frozenset(k for ks in self._known for k in ks)
+        return frozenset(k for ks in self._under for k in ks)
 
-    def _branches(self, node, body, orelse):
-        self.visit(node.test)
-        for part, known in zip((body, orelse), _tests(node.test, self.names)):
-            self._known.append(known)
-            for x in part if isinstance(part, list) else [part]:
-                self.visit(x)
-            self._known.pop()
-
-    def visit_If(self, node):
-        self._branches(node, node.body, node.orelse)
-
-    def visit_IfExp(self, node):
-        self._branches(node, node.body, node.orelse)
+    def _branch_facts(self, test) -> tuple:
+        return _tests(test, self.names)
 
     def visit_Attribute(self, node):
         if isinstance(node.value, ast.Name) and node.value.id == self.me:

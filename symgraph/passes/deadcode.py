@@ -43,7 +43,7 @@ import re
 
 import torch
 
-__all__ = ["DEAD", "dead_parameters", "dead_reason", "split_dead"]
+__all__ = ["DEAD", "BranchVisitor", "dead_parameters", "dead_reason", "split_dead"]
 
 DEAD = "symgraph_dead"  # graph meta: unread parameters proven dead -> the proof's reason
 
@@ -57,7 +57,26 @@ GENERIC = frozenset({"children", "named_children", "modules", "named_modules", "
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
-class _Facts(ast.NodeVisitor):
+class BranchVisitor(ast.NodeVisitor):
+    """An AST visitor visiting each branch of an ``if`` (statement or expression) under what
+    its condition says: ``_branch_facts(test)`` gives the body's and the ``else``'s entry,
+    held on the stack ``self._under`` while that branch is visited."""
+
+    def _branch_facts(self, test) -> tuple:
+        raise NotImplementedError
+
+    def _branches(self, node):
+        self.visit(node.test)
+        for part, fact in zip((node.body, node.orelse), self._branch_facts(node.test)):
+            self._under.append(fact)
+            for x in part if isinstance(part, list) else [part]:
+                self.visit(x)
+            self._under.pop()
+
+    visit_If = visit_IfExp = _branches
+
+
+class _Facts(BranchVisitor):
     """What one source file does with attribute names: ``loads`` maps a name to the classes
     whose ``self`` it is loaded on (None: any other receiver), ``words`` holds the string
     constants, ``generic`` the classes reaching their children generically, ``classes`` every
@@ -72,7 +91,7 @@ class _Facts(ast.NodeVisitor):
         self.classes: set = set()
         self.guarded: dict = {}  # name -> [(class, guards)]: self.name loaded only under guards
         self.stored: set = set()  # (class or None: another receiver, attribute) assigned outside __init__
-        self._guards: list = []  # the enclosing function's branch conditions: (attribute, op, constant, taken)
+        self._under: list = []  # the enclosing function's branch conditions: (attribute, op, constant, taken)
         self._scope: list = []  # ('class', qualname) or ('def', name, self name, class, arguments, bound names)
 
     def _where(self):
@@ -116,9 +135,9 @@ class _Facts(ast.NodeVisitor):
 
     def _function(self, node, name, args, me, cls):
         self._scope.append(("def", name, me, cls, {a.arg for a in args} - {me}, {a.arg for a in args}))
-        outer, self._guards = self._guards, []  # a function's body runs wherever it is called
+        outer, self._under = self._under, []  # a function's body runs wherever it is called
         self.generic_visit(node)
-        self._guards = outer
+        self._under = outer
         self._scope.pop()
 
     def _guard(self, test):
@@ -134,21 +153,10 @@ class _Facts(ast.NodeVisitor):
             return (test.left.attr, type(test.ops[0]).__name__, test.comparators[0].value)
         return None
 
-    def _branches(self, node, body, orelse):
-        """An ``if`` (statement or expression): each branch visited under its condition."""
-        self.visit(node.test)
-        g = self._guard(node.test)
-        for part, taken in ((body, True), (orelse, False)):
-            self._guards.append(None if g is None else (*g, taken))
-            for x in part if isinstance(part, list) else [part]:
-                self.visit(x)
-            self._guards.pop()
-
-    def visit_If(self, node):
-        self._branches(node, node.body, node.orelse)
-
-    def visit_IfExp(self, node):
-        self._branches(node, node.body, node.orelse)
+    def _branch_facts(self, test) -> tuple:
+        """Each branch's guard: the condition's (attribute, op, constant) and whether taken."""
+        g = self._guard(test)
+        return tuple(None if g is None else (*g, taken) for taken in (True, False))
 
     visit_AsyncFunctionDef = visit_FunctionDef
 
@@ -166,7 +174,7 @@ class _Facts(ast.NodeVisitor):
 
     def _load(self, node):
         _, cls = self._where()
-        guards = tuple(g for g in self._guards if g is not None)
+        guards = tuple(g for g in self._under if g is not None)
         if guards and cls is not None and self._mine(node.value):
             self.guarded.setdefault(node.attr, []).append((cls, guards))
             return
