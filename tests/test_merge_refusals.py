@@ -266,10 +266,58 @@ def test_unaligned_models_of_other_widths_or_classes_are_refused_naming_the_tens
     a, wide = models.build("llama", seed=0, **L), models.build("llama", seed=1, **{**L, "mlp": 40})
     pair = [ModelCheckpoint(a, "model 0"), ModelCheckpoint(wide, "model 1")]
     with pytest.raises(symgraph.InputError, match=r"^'model 0' and 'model 1' differ in tensor 'model\.layers\.0\.mlp"
-                       r"\.down_proj\.weight' \(\(32, 48\) vs \(32, 40\)\); without alignment .* --align weights\)$"):
+                       r"\.down_proj\.weight' \(\(32, 48\) vs \(32, 40\)\); without alignment .* --align weights\) "
+                       r"\(configs differ: intermediate_size 48 vs 40\)$"):
         StreamingMerge(pair, align=None)
     assert StreamingMerge(pair, align="weights").alignments == [None, None]  # aligned: other widths are fine
     gpt = models.build("gpt2", seed=0, vocab=64, hidden=32, layers=2, heads=4, positions=64)
     with pytest.raises(symgraph.InputError, match=r"^'model 0' is a LlamaForCausalLM but 'model 1' is a "
                        r"GPT2LMHeadModel; expected models of one architecture$"):
         StreamingMerge([pair[0], ModelCheckpoint(gpt, "model 1")])
+
+
+@pytest.mark.parametrize("entry", ["merge", "engine"])
+def test_models_whose_configs_change_the_function_are_refused_by_every_entry(entry):
+    """``symgraph.merge`` in Python and the engine refuse, before any work, models whose configs
+    differ in a field that changes the function but no shape (a norm epsilon): the merge
+    would silently follow the anchor's, as the command line already refused."""
+    from symgraph.checkpoints.memory import ModelCheckpoint
+    from symgraph.merging.streaming import StreamingMerge
+    a = models.build("llama", seed=0, **L)
+    b = models.build("llama", seed=1, **L)
+    b.config.rms_norm_eps = 1e-2
+    want = (r"^'model 0' and 'model 1' differ in config field 'rms_norm_eps' \(1e-06 vs 0\.01\), which changes "
+            r"what the model computes; expected models of one configuration \(apart from widths an alignment can "
+            r"bridge\)$")
+    with pytest.raises(symgraph.InputError, match=want):
+        if entry == "merge":
+            symgraph.merge([a, b])
+        else:
+            StreamingMerge([ModelCheckpoint(a, "model 0"), ModelCheckpoint(b, "model 1")])
+    b.config.rms_norm_eps = a.config.rms_norm_eps  # the same configs: merged
+    assert torch.isfinite(next(symgraph.merge([a, b]).model.parameters())).all()
+
+
+@pytest.mark.parametrize("entry", ["merge-activations", "merge-repair", "merge-regmean", "align", "compare",
+                                   "analyze", "engine"])
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_batch(entry):
+    """A batch whose ``input_ids`` leave the vocabulary (here the second of two) is refused in
+    one line naming the batch and the range, before any model runs on it: it used to end in the
+    embedding's "IndexError: index out of range in self" (every Python entry taking data)."""
+    from symgraph.checkpoints.memory import ModelCheckpoint
+    from symgraph.merging.streaming import StreamingMerge
+    a, b = models.build("llama", seed=0, **L), models.build("llama", seed=1, **L)
+    good, bad = {"input_ids": torch.tensor([[1, 2, 3]])}, {"input_ids": torch.tensor([[1, 64, 3]])}
+    run = {"merge-activations": lambda: symgraph.merge([a, b], data=[good, bad], align="activations"),
+           "merge-repair": lambda: symgraph.merge([a, b], data=[good, bad], repair=True),
+           "merge-regmean": lambda: symgraph.merge([a, b], data=[good, bad], method="regmean"),
+           "align": lambda: symgraph.align(a, b, data=[good, bad]),
+           "compare": lambda: symgraph.compare(a, b, data=[good, bad]),
+           "analyze": lambda: symgraph.analyze(a, {"input_ids": torch.tensor([[-1, 2]])}),
+           "engine": lambda: StreamingMerge([ModelCheckpoint(a, "model 0"), ModelCheckpoint(b, "model 1")],
+                                            data=[good, bad], align="activations")}[entry]
+    where = "'input_ids'" if entry == "analyze" else r"'input_ids' of data\[1\]"
+    lo, hi = (-1, 2) if entry == "analyze" else (1, 64)
+    with pytest.raises(symgraph.InputError, match=rf"^{where} range over \[{lo}, {hi}\]; expected ids in \[0, 63\] "
+                       r"\(the model's vocabulary of 64 tokens\)$"):
+        run()

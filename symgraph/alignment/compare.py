@@ -48,7 +48,7 @@ import torch
 from pydantic import Field, StrictInt
 
 from ..core.schema import Number
-from ..core.finite import require_module
+from ..core.finite import batch_list, require_module
 from ..core.ties import untied_to_match
 from ..errors import InputError, StructureMismatchError
 from ..report.api import analyze
@@ -420,9 +420,7 @@ def compare(a, b, data=None, *, null: int = 4, threshold: float = THRESHOLD, alp
     a, b, untied = untied_to_match(a, b)
     widths = _check_pair(a, b)
     check_options(null, threshold)
-    data = list(data) if data is not None else None
-    if data is not None and not data:
-        raise InputError("data is empty; expected at least one batch")
+    data = batch_list(data, a, b)
     inputs = data[0] if inputs is None and data is not None else inputs
     ra = analyze(a, inputs, fold_norms=fold_norms)
     rb = analyze(b, inputs, fold_norms=fold_norms, outputs=ra.outputs)

@@ -8,7 +8,7 @@ import torch
 
 from ..report.api import analyze
 from ..errors import InputError
-from ..core.finite import require_module
+from ..core.finite import batch_list, require_module
 from ..transform.folding import gauge
 from .activations import act_matrix, activation_similarity
 from .checks import check_compatible, check_finite, check_movable
@@ -42,9 +42,7 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     for m, label in ((model_a, "model_a"), (model_b, "model_b")):
         require_module(m, label)
         check_finite(m, label)
-    data = list(data) if data is not None else None
-    if data is not None and len(data) == 0:
-        raise InputError("data is empty; expected at least one batch")
+    data = batch_list(data, model_a, model_b)
     inputs = data[0] if inputs is None and data is not None else inputs
     t0 = time.perf_counter()
     ra = report_a or analyze(model_a, inputs, fold_norms=opts.fold_norms, outputs=opts.outputs)

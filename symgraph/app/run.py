@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 from ..checkpoints.inputs import DEFAULT_SHARD, Inputs, read_batches
 from ..core.progress import bar as progress_bar, note
 from ..core.schema import UNSET
-from ..core.ties import check_untie, to_device
+from ..core.ties import to_device
 from ..errors import InputError, NeedsMemory, StructureMismatchError
 from .config import MergeConfig, build_config
-from ..checkpoints.specs import check_same_configs, check_same_family, config_diff
+from ..checkpoints.specs import with_config_diff
 from .record import card, record
 from ..merging.streaming import StreamingMerge
 
@@ -137,19 +137,13 @@ def _engine(cfg, inputs, data, progress, options) -> tuple:
     ckpts = inputs.open(cfg.models) if why is None else None
     if ckpts is None:
         return None, None, why or "its tensor names are converted by from_pretrained"
-    check_same_configs([c.config for c in ckpts], cfg.models, untie=cfg.untie)
-    if cfg.untie:
-        check_untie([c.model for c in ckpts], cfg.models)
     if (cfg.takes_statistics or cfg.seen_rows) and data is None:
         data = read_batches(cfg.data, ckpts[0].model, statistics=cfg.takes_statistics)
     if cfg.seen_rows:
         options["rows_from"] = data
     engine = cfg.model_copy(update={"out": None})
     batches = data if cfg.takes_statistics else None
-    try:
-        return StreamingMerge(ckpts, engine, data=batches, progress=progress, **options), batches, None
-    except InputError as e:
-        raise type(e)(f"{e}{config_diff(ckpts, cfg.models)}") from None
+    return StreamingMerge(ckpts, engine, data=batches, progress=progress, **options), batches, None
 
 
 def _merge_streaming(job, cfg, inputs, data) -> Merged:
@@ -164,7 +158,7 @@ def _merge_streaming(job, cfg, inputs, data) -> Merged:
         else:
             job.align()
     except (StructureMismatchError, InputError) as e:
-        raise type(e)(f"{e}{config_diff(job.checkpoints, cfg.models)}") from None
+        raise with_config_diff(e, job.checkpoints, cfg.models) from None
     ckpts, anchor = job.checkpoints, job.checkpoints[job.anchor]
     facts = dict(data=data, mode="streaming", seconds=time.time() - t0, alignments=job.alignments,
                  dtype=anchor.dtype, input_dtypes=[c.dtype for c in ckpts], configs=[c.config for c in ckpts],
@@ -185,7 +179,9 @@ def _merge_in_memory(cfg, inputs, data, progress, why=None) -> Merged:
     from ..checkpoints.specs import as_stored, load_model
     models = [to_device(load_model(m), cfg.device)
               for m in progress_bar(cfg.models, enabled=progress, desc="loading", unit="model")]
-    _check_loaded(cfg, models)
+    if cfg.attention == "circuits":  # a model whose saved config could not state their size: refused
+        from ..width.heads import check_config
+        check_config(models[0], len(models))
     if data is None:
         data = read_batches(cfg.data, models[0], statistics=cfg.takes_statistics)
     if why:
@@ -208,18 +204,6 @@ def _merge_in_memory(cfg, inputs, data, progress, why=None) -> Merged:
     return Merged(facts, write, lambda: result.repair, first if os.path.isdir(first) else None, len(models), result)
 
 
-def _check_loaded(cfg, models) -> None:
-    """Refuse loaded models of different classes or configs, and circuit-space heads of a
-    model whose saved config could not state their size."""
-    check_same_family(models, cfg.models)
-    check_same_configs([getattr(m, "config", None) for m in models], cfg.models, untie=cfg.untie)
-    if cfg.untie:
-        check_untie(models, cfg.models)
-    if cfg.attention == "circuits":
-        from ..width.heads import check_config
-        check_config(models[0], len(models))
-
-
 def _merged(cfg, models, data, progress):
     """:func:`symgraph.merge` of the loaded ``models`` on ``cfg.device`` (every option from
     the one config), checked finite and back on the CPU (safetensors reads host memory)."""
@@ -230,7 +214,7 @@ def _merged(cfg, models, data, progress):
     try:
         result = merge(models, data=data, progress=progress, config=cfg)
     except (StructureMismatchError, InputError) as e:
-        raise type(e)(f"{e}{config_diff(models, cfg.models)}") from None
+        raise with_config_diff(e, models, cfg.models) from None
     check_finite(result.model, "the merged model")
     if cfg.device != "cpu":
         result.model.to("cpu")

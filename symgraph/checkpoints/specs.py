@@ -13,7 +13,7 @@ import torch
 
 from .loading import quiet_transformers, check_checkpoint_dir, load_hub, load_local
 from ..core.files import check_input_file
-from ..core.finite import same_value
+from ..core.finite import check_token_ids, same_value
 from ..errors import InputError
 from ..core.progress import note
 from ..core.schema import quoted
@@ -22,8 +22,8 @@ from .outdir import TOKENIZER_FILES, check_out, save_atomic  # noqa: F401 - re-e
 
 __all__ = ["DEMO_MODELS", "BATCH_ROWS", "MODEL_EXPECTED", "model_kind", "demo_model", "load_model", "as_stored",
            "load_data", "read_data", "unpadded", "check_checkpoint_dir", "load_local", "check_out", "save_atomic",
-           "TOKENIZER_FILES", "check_same_family", "check_same_configs", "config_diff", "width_change", "METADATA",
-           "NOT_FUNCTION"]
+           "TOKENIZER_FILES", "check_same_family", "check_same_configs", "config_diff", "with_config_diff",
+           "ConfigsDiffer", "width_change", "METADATA", "NOT_FUNCTION"]
 
 DEMO_MODELS = ("tiny-bert", "tiny-gpt2", "tiny-llama", "tiny-vit")
 # name -> (symgraph.testing.models architecture, model class, sizes)
@@ -194,13 +194,7 @@ def _token_ids(x: torch.Tensor, path: str, cfg) -> torch.Tensor:
         what = "a bool mask" if x.dtype == torch.bool else "not token ids"
         raise InputError(f"'input_ids' in {path!r} has dtype {str(x.dtype).removeprefix('torch.')} ({what}); "
                          "expected an integer tensor of token ids (int64 or int32)")
-    vocab = getattr(cfg, "vocab_size", None)
-    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
-    lo, hi = (int(v) for v in (x.numpy().min(), x.numpy().max()))  # numpy: torch has no min of uint16..64
-    if lo < 0 or hi >= (vocab if vocab is not None else 2 ** 63):
-        raise InputError(f"'input_ids' in {path!r} range over [{lo}, {hi}]; expected ids in "
-                         + (f"[0, {vocab - 1}] (the model's vocabulary of {vocab} tokens)" if vocab is not None
-                            else "[0, 2**63) (token ids are never negative)"))
+    check_token_ids(x, f"'input_ids' in {path!r}", cfg)
     x = x.long()
     maxpos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     if maxpos and x.shape[1] > maxpos:
@@ -283,11 +277,19 @@ def check_same_configs(configs, names, untie: bool = False):
     """Refuse, before any work, models whose configs differ in a field that changes the function
     but not the tensors' shapes (an activation, a RoPE base, a norm epsilon, a flag): the merged
     model would silently follow the anchor's. Integer fields (sizes) are left to the shape
-    checks, which know which widths an alignment can bridge; dropout rates do not count. A
+    checks, which know which widths an alignment can bridge (a size left to its default, None,
+    likewise); dropout rates do not count. A
     sub-config (a vision-language model's ``text_config``) is compared field by field by the
     same rules: its ``dtype``, which loading stamps, is as much metadata as the top level's.
     A tied head and an untied one (``tie_word_embeddings``) are one function, the untied form
     the larger: accepted where the job unties (``untie``), else refused naming the option."""
+    try:
+        _check_same_configs(configs, names, untie)
+    except InputError as e:
+        raise ConfigsDiffer(str(e)) from None
+
+
+def _check_same_configs(configs, names, untie: bool) -> None:
     if any(c is None for c in configs):
         return
     base = configs[0].to_dict()
@@ -319,8 +321,8 @@ def _difference(a: dict, b: dict, prefix: str = "", skip=NOT_FUNCTION):
         x, y = a.get(k), b.get(k)
         if k in skip or same_value(x, y) or "dropout" in k or "pdrop" in k:
             continue
-        if isinstance(x, int) and isinstance(y, int) and not isinstance(x, bool) and not isinstance(y, bool):
-            continue
+        if all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (x, y)):
+            continue  # sizes, one perhaps left to its default (GPT-2's n_inner None: 4 × n_embd)
         if isinstance(x, dict) and isinstance(y, dict) and "model_type" in x and "model_type" in y:
             found = _difference(x, y, f"{prefix}{k}.", skip)
             if found is not None:
@@ -339,6 +341,16 @@ def _refuse_count(a: dict, b: dict, key: str, names) -> None:
         f"config field {key!r} ({n} vs {m} entries)"
     raise InputError(f"{names[0]!r} and {names[1]!r} differ in {what}; expected models of one depth (a merge "
                      "pairs their layers one to one)")
+
+
+class ConfigsDiffer(InputError):
+    """The refusal of :func:`check_same_configs`: it names the field the configs differ in."""
+
+
+def with_config_diff(e: Exception, models, names) -> Exception:
+    """``e`` (a refusal of ``models``, named ``names``) again, its message followed by how their
+    configs differ (:func:`config_diff`); as it is where it names the field already."""
+    return e if isinstance(e, ConfigsDiffer) else type(e)(f"{e}{config_diff(models, names)}")
 
 
 def config_diff(models, names) -> str:

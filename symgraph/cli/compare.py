@@ -106,6 +106,7 @@ def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | No
 
     from ..alignment.compare import (ALPHA, THRESHOLD, check_aligned, check_options, gauge_names, judge, measure,
                                      tolerance, width_refusal)
+    from ..core.finite import batch_list
     from ..core.ties import untied_to_match
     from ..errors import InputError, StructureMismatchError
     from ..merging.streaming import Checkpoint, StreamingMerge
@@ -116,9 +117,7 @@ def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | No
     A, B, untied = untied_to_match(A, B)
     names = [n for n, p in A.model.named_parameters() if p.is_floating_point()]
     widths = _widths(A, B, A.path, B.path, names)
-    data = list(data) if data is not None else None
-    if data is not None and not data:
-        raise InputError("data is empty; expected at least one batch")
+    data = batch_list(data, A, B)
     dtypes = {c.dtypes[c.key(n)] for c in (A, B) for n in names}
     work = torch.float32 if dtypes & {torch.float16, torch.bfloat16} else torch.float64
     gauge: set = set()

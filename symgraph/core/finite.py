@@ -9,7 +9,7 @@ import torch
 from ..errors import InputError
 
 __all__ = ["all_finite", "check_read", "check_config_numbers", "same_value", "require_finite", "require_module",
-           "class_defaults"]
+           "class_defaults", "check_token_ids", "batch_list"]
 
 
 def require_module(m, label: str, expected: str = "a torch.nn.Module") -> None:
@@ -110,3 +110,37 @@ def require_finite(stage: str, what: str, *tensors: torch.Tensor):
             raise InputError(f"{stage}: {what} hold NaN/inf values; expected a model that computes finite "
                              "values there (are activations overflowing the dtype, or a config field off?)")
     return tensors[0] if len(tensors) == 1 else tensors
+
+
+def check_token_ids(x: torch.Tensor, where: str, cfg) -> None:
+    """Refuse token ids ``x`` (named ``where``: ``"'input_ids' in 'data.pt'"``) outside the
+    vocabulary of the model's config ``cfg`` (any non-negative id without one), in one line
+    naming their range, before a model's embedding fails on one ("index out of range")."""
+    if x.numel() == 0 or x.device.type == "meta":
+        return
+    vocab = getattr(cfg, "vocab_size", None)
+    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+    v = x.detach().cpu().numpy()  # numpy: torch has no min of uint16..64
+    lo, hi = int(v.min()), int(v.max())
+    if lo < 0 or hi >= (vocab if vocab is not None else 2 ** 63):
+        raise InputError(f"{where} range over [{lo}, {hi}]; expected ids in "
+                         + (f"[0, {vocab - 1}] (the model's vocabulary of {vocab} tokens)" if vocab is not None
+                            else "[0, 2**63) (token ids are never negative)"))
+
+
+def batch_list(data, *models) -> list | None:
+    """The user's ``data`` (an iterable of batches, or None) as a list, refused where empty or
+    where a batch's ``input_ids`` leave the vocabulary of one of ``models`` (modules or
+    checkpoints: their ``config``), naming the batch, before any model runs on it."""
+    if data is None:
+        return None
+    data = list(data)
+    if not data:
+        raise InputError("data is empty; expected at least one batch")
+    for i, b in enumerate(data):
+        ids = b.get("input_ids") if isinstance(b, dict) else None
+        if isinstance(ids, torch.Tensor) and not (ids.is_floating_point() or ids.is_complex()
+                                                  or ids.dtype == torch.bool):
+            for m in models:
+                check_token_ids(ids, f"'input_ids' of data[{i}]", getattr(m, "config", None))
+    return data

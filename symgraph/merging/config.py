@@ -181,6 +181,16 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
         matching's start too), REPAIR, or the method's own (``seen_rows`` only reads which tokens occur)."""
         return self.align == "activations" or self.repair or get_method(self.method).needs_data
 
+    @property
+    def budget_bytes(self) -> int | None:
+        """``memory_budget`` in bytes, as its validator read it (None: the engine's fixed sizes)."""
+        return None if self.memory_budget is None else parse_size(self.memory_budget)
+
+    @property
+    def shard_bytes(self) -> int | None:
+        """``max_shard_size`` in bytes, as its validator read it (None: the caller's default)."""
+        return None if self.max_shard_size is None else parse_size(self.max_shard_size)
+
     @field_validator("parameters")
     @classmethod
     def _declared(cls, v, info):

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from ..core.progress import bar as progress_bar
 from ..core.schema import UNSET
-from ..core.finite import require_module
+from ..core.finite import batch_list, require_module
 from ..core.ties import check_ties, check_untie, untie as untie_model
 
 from ..alignment import align as align_models
@@ -18,6 +18,7 @@ from ..alignment.checks import check_finite
 from ..report.api import analyze
 from ..errors import InputError
 from ..checkpoints.memory import ModelCheckpoint
+from ..checkpoints.specs import check_same_configs, check_same_family
 from .circuits import circuit_state, plan, why_no_config, widened_program
 from .config import MergeConfig, engine_config, solver_options
 from .methods import registry
@@ -75,7 +76,8 @@ def merge(models, inputs=None, *, weights=UNSET, align=UNSET, data=None, method=
         one entry of its ``models`` per model; its on-disk options are ``run_merge``'s.
     """
     t0 = time.perf_counter()
-    models, data = _model_list(models), (list(data) if data is not None else None)
+    models = _model_list(models)
+    data = batch_list(data, *models)
     given = dict(weights=weights, align=align, method=method, anchor=anchor, method_options=method_options,
                  repair=repair, attention=attention, untie=untie)
     config, align_options = _config(models, config, given, data, align_options)
@@ -106,13 +108,17 @@ def merge(models, inputs=None, *, weights=UNSET, align=UNSET, data=None, method=
 
 
 def _prepared(models, config, method, data, universe_options) -> tuple:
-    """``(models, method)``: the models untied if the config asks (refused where nothing is
-    tied), else checked for ties; the method the config names (or the instance given)."""
+    """``(models, method)``: the models refused where their classes or configs differ (a field
+    that changes the function: the merge would silently follow the anchor's), untied if the
+    config asks (refused where nothing is tied), else checked for ties; the method the config
+    names (or the instance given)."""
     if universe_options is not None and config.anchor != "universe":
         raise InputError(f"universe_options={universe_options!r} apply only with anchor='universe', not "
                          f"anchor={config.anchor!r}")
+    check_same_family(models, config.models)
+    check_same_configs([getattr(m, "config", None) for m in models], config.models, untie=config.untie)
     if config.untie:
-        check_untie(models)
+        check_untie(models, config.models)
         models = [untie_model(m) for m in models]
     else:  # a tied model beside its untied form (symgraph.rotate's): one function, merged untied if asked
         check_ties(models)
@@ -163,8 +169,6 @@ def _config(models, config, given: dict, data, align_options: dict) -> tuple:
     from the end); the models and data checked."""
     if len(models) < 2:
         raise InputError(f"merge needs at least 2 models, got {len(models)}")
-    if data is not None and len(data) == 0:
-        raise InputError("data is empty; expected at least one batch")
     for i, m in enumerate(models):
         check_finite(m, f"model {i}")
     given = {k: v for k, v in given.items() if v is not UNSET}  # the keywords set; the others are the config's

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..core.finite import batch_list
 from ..core.progress import bar as progress_bar
 from ..errors import InputError
 from ..transform.folding import gauge
@@ -39,7 +40,8 @@ from .engine import slicing
 from .engine.slicing import budgets
 from .engine.sinks import Into, write_config
 from .engine.sums import MemorySpill, Spill
-from ..core.ties import untie_config_updates
+from ..core.ties import check_untie, untie_config_updates
+from ..checkpoints.specs import check_same_configs, with_config_diff
 from .engine.views import DEFAULT_CACHE, Aligned, Folded, Sides, return_freed_memory
 from .engine import Executor, build_plan
 from .engine.executor import Resources, Transforms
@@ -111,12 +113,16 @@ class StreamingMerge:
         self.repair_report: RepairReport | None = None  # what REPAIR did (repair=True), once written
         rows = {} if rows_from is None else {"rows_from": list(rows_from)}  # batches: read only their tokens' rows
         self.align_options = align_options | solver_options(cfg) | rows
-        budget = parse_size(cfg.memory_budget) if cfg.memory_budget is not None else None  # parsed once
+        budget = cfg.budget_bytes
         self.resources = Resources(torch.device(cfg.device), torch.device("cpu"), torch.float32,
                                    *budgets(budget, len(paths), cache_bytes), progress=progress, budget=budget)
         self.resources.ledger = ledger if ledger is not None else self.resources.ledger
         return_freed_memory()
         ckpts = [Checkpoint(os.fspath(p)) if isinstance(p, (str, os.PathLike)) else p for p in paths]  # or in memory
+        batch_list(data, *ckpts)  # token ids in every model's vocabulary, before any model runs
+        check_same_configs([c.config for c in ckpts], cfg.models, untie=cfg.untie)  # before any tensor is read
+        if cfg.untie:
+            check_untie([c.model for c in ckpts], cfg.models)
         self._checkpoints = tuple(c.untied() for c in ckpts) if cfg.untie else tuple(ckpts)  # then checked
         self._check_family()
         self.weights  # computed once, refused here before any tensor is read
@@ -149,9 +155,12 @@ class StreamingMerge:
 
     def _check_family(self):
         A = self._checkpoints[self.anchor]
-        for c in self._checkpoints:
-            check_pair(A, c, A.path, c.path, None if self.align_mode else "without alignment the checkpoints must "
-                       "have the same tensors and shapes (models of different widths need --align weights)")
+        try:
+            for c in self._checkpoints:
+                check_pair(A, c, A.path, c.path, None if self.align_mode else "without alignment the checkpoints "
+                           "must have the same tensors and shapes (models of different widths need --align weights)")
+        except InputError as e:
+            raise with_config_diff(e, self._checkpoints, self.config.models) from None
 
     def read(self, ckpt):
         """``ckpt`` (a directory or a :class:`Checkpoint`, e.g. a universe's mean) read as this
@@ -308,7 +317,7 @@ class StreamingMerge:
         ``{"tensors": n, "bytes": total, "shards": k}``."""
         self._ensure_aligned()
         if shard is None:
-            shard = parse_size(self.config.max_shard_size) if self.config.max_shard_size else DEFAULT_SHARD
+            shard = self.config.shard_bytes or DEFAULT_SHARD
         anchor = self._checkpoints[self.anchor]
         info = self._finish(lambda: Spill(os.path.dirname(os.path.abspath(directory))),
                             lambda plan: shard_writer(anchor, directory, shard, plan.outputs))
