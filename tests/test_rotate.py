@@ -199,6 +199,12 @@ def test_bad_arguments_refused():
         rotate(model, classes=("mlp",))
     with pytest.raises(symgraph.InputError, match="learned"):
         rotate(model, steps=3)
+    ids = {"input_ids": torch.tensor([[1, 2, 3]])}
+    with pytest.raises(symgraph.InputError, match=r"^options \['data'\] are for how='learned' only; expected "
+                       r"how='learned' or no data$"):  # a Hadamard rotation reads no data: refused, not ignored
+        rotate(model, data=[ids])
+    with pytest.raises(symgraph.InputError, match=r"^'input_ids' of data\[1\] range over \[1, 999\]"):
+        rotate(model, how="learned", data=[ids, {"input_ids": torch.tensor([[1, 999]])}], steps=1)
 
 
 def test_bf16_model_keeps_its_dtype_and_certifies_before_rounding():

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.finite import batch_list
 from ..errors import CertificationError, InputError
 from ..transform.apply import stored_tensors, write_state
 from .learned import learn_rotations
@@ -64,10 +65,12 @@ def rotate(model, how: str = "hadamard", seed: int = 0, *, data=None, classes=("
     certified on its rotated values before they are rounded to its dtype)."""
     if how not in HOW:
         raise InputError(f"how={how!r}; expected one of {list(HOW)}")
-    if how == "learned" and not data:
+    if how == "learned" and data is None:
         raise InputError("how='learned' needs data: an iterable of keyword batches (input_ids) to learn on")
-    if how != "learned" and learn:
-        raise InputError(f"options {sorted(learn)} are for how='learned' only")
+    if how != "learned" and (learn or data is not None):  # used by no step: refused, never ignored
+        given = sorted(learn) + (["data"] if data is not None else [])
+        raise InputError(f"options {given} are for how='learned' only; expected how='learned' or no {given[0]}")
+    data = batch_list(data, model)
     base, report, untied = rotation_report(model, untie=untie, inputs=inputs, outputs=outputs)
     roles = rotation_classes(report, classes)
     elements = rotation_elements(report, roles, how, seed)
