@@ -316,8 +316,32 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_batch(entry):
            "analyze": lambda: symgraph.analyze(a, {"input_ids": torch.tensor([[-1, 2]])}),
            "engine": lambda: StreamingMerge([ModelCheckpoint(a, "model 0"), ModelCheckpoint(b, "model 1")],
                                             data=[good, bad], align="activations")}[entry]
-    where = "'input_ids'" if entry == "analyze" else r"'input_ids' of data\[1\]"
+    where = "'input_ids' of the inputs" if entry == "analyze" else r"'input_ids' of data\[1\]"
     lo, hi = (-1, 2) if entry == "analyze" else (1, 64)
     with pytest.raises(symgraph.InputError, match=rf"^{where} range over \[{lo}, {hi}\]; expected ids in \[0, 63\] "
                        r"\(the model's vocabulary of 64 tokens\)$"):
         run()
+
+
+@pytest.mark.parametrize("case", ["float-ids", "mask-shape", "mixed-inputs"])
+def test_batches_that_are_not_the_models_inputs_are_refused_naming_the_batch(case):
+    """Batches the model cannot run are refused in one line naming the batch, before any model
+    runs: float ``input_ids`` (were torch.export's trace error), a mask of another shape than its
+    ids (were a broadcast error in the trace), batches of different inputs (were a KeyError)."""
+    a, b = models.build("llama", seed=0, **L), models.build("llama", seed=1, **L)
+    ids = torch.randint(0, 64, (2, 5))
+    data, want = {
+        "float-ids": ([{"input_ids": ids}, {"input_ids": ids.float()}],
+                      r"^'input_ids' of data\[1\] has dtype float32 \(not token ids\); expected an integer tensor"),
+        "mask-shape": ([{"input_ids": ids, "attention_mask": torch.ones(3, 7)}],
+                       r"^'attention_mask' of data\[0\] has shape \(3, 7\) but its 'input_ids' \(2, 5\); expected "
+                       r"one mask entry per token$"),
+        "mixed-inputs": ([{"input_ids": ids}, {"pixel_values": torch.randn(1, 3, 8, 8)}],
+                         r"^data\[1\] holds \['pixel_values'\] where data\[0\] holds \['input_ids'\]; expected "
+                         r"batches of the same inputs$")}[case]
+    with pytest.raises(symgraph.InputError, match=want):
+        symgraph.merge([a, b], data=data, align="activations")
+    with pytest.raises(symgraph.InputError, match=want):
+        symgraph.align(a, b, data=data)
+    good = [{"input_ids": ids, "attention_mask": torch.ones(2, 5, dtype=torch.long)}] * 2
+    assert symgraph.merge([a, b], data=good, align="activations").alignments[1] is not None

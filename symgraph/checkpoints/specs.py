@@ -190,10 +190,6 @@ def _token_ids(x: torch.Tensor, path: str, cfg) -> torch.Tensor:
     if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] < 1:
         raise InputError(f"'input_ids' in {path!r} has shape {tuple(x.shape)}; expected a 2-d tensor "
                          "[N, S] of token ids (N ≥ 1 rows of S ≥ 1 tokens)")
-    if x.dtype == torch.bool or torch.is_floating_point(x) or torch.is_complex(x):
-        what = "a bool mask" if x.dtype == torch.bool else "not token ids"
-        raise InputError(f"'input_ids' in {path!r} has dtype {str(x.dtype).removeprefix('torch.')} ({what}); "
-                         "expected an integer tensor of token ids (int64 or int32)")
     check_token_ids(x, f"'input_ids' in {path!r}", cfg)
     x = x.long()
     maxpos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)

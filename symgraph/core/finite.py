@@ -9,7 +9,7 @@ import torch
 from ..errors import InputError
 
 __all__ = ["all_finite", "check_read", "check_config_numbers", "same_value", "require_finite", "require_module",
-           "class_defaults", "check_token_ids", "batch_list"]
+           "class_defaults", "check_token_ids", "check_token_batch", "batch_list"]
 
 
 def require_module(m, label: str, expected: str = "a torch.nn.Module") -> None:
@@ -113,9 +113,14 @@ def require_finite(stage: str, what: str, *tensors: torch.Tensor):
 
 
 def check_token_ids(x: torch.Tensor, where: str, cfg) -> None:
-    """Refuse token ids ``x`` (named ``where``: ``"'input_ids' in 'data.pt'"``) outside the
-    vocabulary of the model's config ``cfg`` (any non-negative id without one), in one line
-    naming their range, before a model's embedding fails on one ("index out of range")."""
+    """Refuse token ids ``x`` (named ``where``: ``"'input_ids' in 'data.pt'"``) that are not
+    integers or leave the vocabulary of the model's config ``cfg`` (any non-negative id without
+    one), in one line naming their dtype or range, before a model's embedding fails on one
+    ("index out of range")."""
+    if x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
+        what = "a bool mask" if x.dtype == torch.bool else "not token ids"
+        raise InputError(f"{where} has dtype {str(x.dtype).removeprefix('torch.')} ({what}); expected an "
+                         "integer tensor of token ids (int64 or int32)")
     if x.numel() == 0 or x.device.type == "meta":
         return
     vocab = getattr(cfg, "vocab_size", None)
@@ -128,19 +133,36 @@ def check_token_ids(x: torch.Tensor, where: str, cfg) -> None:
                             else "[0, 2**63) (token ids are never negative)"))
 
 
+def check_token_batch(batch, where: str, *models) -> None:
+    """Refuse a keyword batch (named ``where``) whose ``input_ids`` are not token ids of every
+    one of ``models`` (modules or checkpoints: their ``config``; :func:`check_token_ids`) or
+    whose ``attention_mask`` has another shape than its ids (a mask of other rank, a model's
+    own 4-d form, is the model's to read)."""
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    if not isinstance(ids, torch.Tensor):
+        return
+    for m in models:
+        check_token_ids(ids, f"'input_ids' of {where}", getattr(m, "config", None))
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == ids.dim() and mask.shape != ids.shape:  # 4-d: a model's own
+        raise InputError(f"'attention_mask' of {where} has shape {tuple(mask.shape)} but its 'input_ids' "
+                         f"{tuple(ids.shape)}; expected one mask entry per token")
+
+
 def batch_list(data, *models) -> list | None:
-    """The user's ``data`` (an iterable of batches, or None) as a list, refused where empty or
-    where a batch's ``input_ids`` leave the vocabulary of one of ``models`` (modules or
-    checkpoints: their ``config``), naming the batch, before any model runs on it."""
+    """The user's ``data`` (an iterable of batches, or None) as a list, refused before any model
+    runs on it where empty, where its batches hold different inputs, or where a batch's tokens
+    are not token ids of every one of ``models`` (:func:`check_token_batch`), naming the batch."""
     if data is None:
         return None
     data = list(data)
     if not data:
         raise InputError("data is empty; expected at least one batch")
+    keys = [sorted(map(str, b)) if isinstance(b, dict) else None for b in data]
     for i, b in enumerate(data):
-        ids = b.get("input_ids") if isinstance(b, dict) else None
-        if isinstance(ids, torch.Tensor) and not (ids.is_floating_point() or ids.is_complex()
-                                                  or ids.dtype == torch.bool):
-            for m in models:
-                check_token_ids(ids, f"'input_ids' of data[{i}]", getattr(m, "config", None))
+        if keys[i] != keys[0]:
+            raise InputError(f"data[{i}] holds {keys[i] if keys[i] is not None else type(b).__name__} where data[0] "
+                             f"holds {keys[0] if keys[0] is not None else type(data[0]).__name__}; expected "
+                             "batches of the same inputs")
+        check_token_batch(b, f"data[{i}]", *models)
     return data

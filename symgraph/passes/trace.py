@@ -9,7 +9,7 @@ import torch
 
 from ..core.devices import weightless_twin
 from ..core.dtypes import parameters_dtype
-from ..core.finite import check_token_ids, require_module
+from ..core.finite import check_token_batch, require_module
 from ..errors import InputError, TraceError, UnsizedOnMeta
 from .concrete import concretize, has_data_dependent_sizes
 from .experts import batched_experts
@@ -46,24 +46,17 @@ def split_inputs(model, inputs):
     if _is_hf(model) and "use_cache" in inspect.signature(model.forward).parameters:
         extra["use_cache"] = False
     if isinstance(inputs, dict):
-        _check_ids(model, inputs.get("input_ids"))
+        check_token_batch(inputs, "the inputs", model)
         return (), {**extra, **inputs}
     if isinstance(inputs, torch.Tensor):
         if _is_hf(model) and next(iter(inspect.signature(model.forward).parameters), None) == "input_ids":
-            _check_ids(model, inputs)
+            check_token_batch({"input_ids": inputs}, "the inputs", model)
         return (inputs,), extra
     if isinstance(inputs, (tuple, list)):
         return tuple(inputs), extra
     raise InputError(
         f"inputs must be a tuple of positional example inputs or a dict of keyword inputs, "
         f"got {type(inputs).__name__}")
-
-
-def _check_ids(model, ids) -> None:
-    """Token ids the user gave, refused where they leave the model's vocabulary
-    (:func:`~symgraph.core.finite.check_token_ids`) before its embedding fails on them."""
-    if isinstance(ids, torch.Tensor) and not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
-        check_token_ids(ids, "'input_ids'", getattr(model, "config", None))
 
 
 @contextlib.contextmanager
