@@ -95,6 +95,22 @@ def test_barrier_refuses_two_architectures(pair, tmp_path):
     assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("out_of_core", [False, True])
+def test_barrier_refuses_configs_that_change_the_function(pair, tmp_path, out_of_core):
+    """Every point of the line runs in A's config: B's other norm epsilon would be dropped and
+    its end of the curve would not be B. Refused on both paths, and by ``symgraph.interpolate``."""
+    eps = tmp_path / "eps"
+    b = models.build("llama", seed=1, **L)
+    b.config.rms_norm_eps = 1e-2
+    b.save_pretrained(eps)
+    r = cli("barrier", pair / "m0", eps, "--data", pair / "data.safetensors", *(["--out-of-core"] * out_of_core))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "differ in config field 'rms_norm_eps' (1e-06 vs 0.01)" in " ".join(r.stderr.split())
+    if not out_of_core:
+        with pytest.raises(symgraph.InputError, match=r"^'a' and 'b' differ in config field 'rms_norm_eps'"):
+            symgraph.interpolate(models.build("llama", seed=0, **L), b, loss_fn=lambda m: 0.0)
+
+
 @pytest.mark.slow  # trains the demo's two models (a few seconds each)
 def test_barrier_on_the_demo_pair_reproduces_the_demos_table(tmp_path, monkeypatch):
     from symgraph.cli import demo

@@ -153,12 +153,10 @@ def _in_memory_only(engine: list) -> None:
 
 def _loaded(a: str, b: str, cmd, aligns, options) -> list:
     """The rows with both models loaded (:func:`barrier_curves`)."""
-    from ..checkpoints.specs import load_data, load_model
-    from ..errors import InputError
+    from ..checkpoints.specs import check_same_configs, check_same_family, load_data, load_model
     A, B = load_model(a), load_model(b)
-    if type(A) is not type(B):
-        raise InputError(f"{a!r} is a {type(A).__name__} but {b!r} is a {type(B).__name__}; "
-                         "expected two models of one architecture")
+    check_same_family([A, B], [a, b])
+    check_same_configs([getattr(m, "config", None) for m in (A, B)], [a, b])  # the line runs in A's config
     data = load_data(cmd.data, A)
     adata = load_data(cmd.align_data, A) if cmd.align_data else None
     return barrier_curves(A, B, data, aligns, cmd.points, cmd.attention, adata, **options)

@@ -6,6 +6,7 @@ import copy
 import numpy as np
 import torch
 
+from ..checkpoints.specs import check_same_configs
 from ..core.progress import bar
 from ..errors import InputError
 
@@ -41,6 +42,8 @@ def interpolate(a, b, lambdas=None, loss_fn=None, attention: str = "heads"):
     for k in pa:
         if k not in pb or pa[k].shape != pb[k].shape:
             raise InputError(f"models differ at parameter {k!r}; interpolate needs equal shapes")
+    # every point runs in A's config: a field of B's that changes the function would be dropped
+    check_same_configs([getattr(m, "config", None) for m in (a, b)], ["a", "b"])
     if attention == "circuits":
         from ..report import analyze
         from ..merging.driver import circuit_merge
