@@ -345,3 +345,14 @@ def test_batches_that_are_not_the_models_inputs_are_refused_naming_the_batch(cas
         symgraph.align(a, b, data=data)
     good = [{"input_ids": ids, "attention_mask": torch.ones(2, 5, dtype=torch.long)}] * 2
     assert symgraph.merge([a, b], data=good, align="activations").alignments[1] is not None
+
+
+def test_a_model_without_values_is_refused_by_merge_and_align():
+    """A model on ``meta`` (built without weights) was traced like any other and ended in a
+    structure mismatch between the two graphs; refused naming the model and a parameter."""
+    a, b = models.build("llama", seed=0, **L), models.build("llama", seed=1, **L).to("meta")
+    want = r"has parameter 'model\.embed_tokens\.weight' on the meta device \(no values\); expected a model with"
+    with pytest.raises(symgraph.InputError, match=r"^model 1 " + want):
+        symgraph.merge([a, b])
+    with pytest.raises(symgraph.InputError, match=r"^model_b " + want):
+        symgraph.align(a, b)

@@ -17,8 +17,13 @@ __all__ = ["check_finite", "check_compatible", "check_movable", "batch_inputs", 
            "check_element", "check_element_shape", "element_tol", "COND_LIMIT"]
 
 
-def check_finite(model, label):
+def check_finite(model, label, values: bool = False):
+    """Refuse ``model`` (named ``label``) with a NaN/inf parameter, naming it; with ``values``
+    (a user's model to merge or align) also one whose parameters are on ``meta``, without values."""
     for name, p in model.named_parameters():
+        if values and p.is_meta:
+            raise InputError(f"{label} has parameter {name!r} on the meta device (no values); expected a model "
+                             "with its weights (loaded, or moved to a real device)")
         if not p.is_meta and not all_finite(p.detach()):
             bad = int((~torch.isfinite(p)).sum())
             raise InputError(f"{label} has {bad} NaN/inf values in parameter {name!r}; "

@@ -41,7 +41,7 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     opts = AlignOptions.build(options, **option_kw)
     for m, label in ((model_a, "model_a"), (model_b, "model_b")):
         require_module(m, label)
-        check_finite(m, label)
+        check_finite(m, label, values=True)
     data = batch_list(data, model_a, model_b)
     inputs = data[0] if inputs is None and data is not None else inputs
     t0 = time.perf_counter()

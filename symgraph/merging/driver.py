@@ -170,7 +170,7 @@ def _config(models, config, given: dict, data, align_options: dict) -> tuple:
     if len(models) < 2:
         raise InputError(f"merge needs at least 2 models, got {len(models)}")
     for i, m in enumerate(models):
-        check_finite(m, f"model {i}")
+        check_finite(m, f"model {i}", values=True)
     given = {k: v for k, v in given.items() if v is not UNSET}  # the keywords set; the others are the config's
     if config is None:
         n, a = len(models), given.get("anchor", 0)
