@@ -76,8 +76,7 @@ def merge(models, inputs=None, *, weights=UNSET, align=UNSET, data=None, method=
         one entry of its ``models`` per model; its on-disk options are ``run_merge``'s.
     """
     t0 = time.perf_counter()
-    models = _model_list(models)
-    data = batch_list(data, *models)
+    models, data = _model_list(models, data)
     given = dict(weights=weights, align=align, method=method, anchor=anchor, method_options=method_options,
                  repair=repair, attention=attention, untie=untie)
     config, align_options = _config(models, config, given, data, align_options)
@@ -149,9 +148,10 @@ def _combined(models, A, ra, alignments, config, engine, timings) -> MergeResult
     return MergeResult(out, alignments, timings, job.repair_report)
 
 
-def _model_list(models) -> list:
-    """``models`` as a list, each a ``torch.nn.Module``, or refused in one line (one module,
-    not a list of them, is refused too: an ``nn.Sequential`` would iterate over its layers)."""
+def _model_list(models, data) -> tuple:
+    """``(models, data)`` as lists: each model a ``torch.nn.Module``, or refused in one line (one
+    module, not a list of them, is refused too: an ``nn.Sequential`` would iterate over its
+    layers); the batches checked against them (:func:`~symgraph.core.finite.batch_list`)."""
     if isinstance(models, (torch.nn.Module, str, bytes)) or not hasattr(models, "__iter__"):
         raise InputError(f"models is a {type(models).__name__}; expected a list of torch.nn.Module models "
                          "(at least 2)")
@@ -159,7 +159,7 @@ def _model_list(models) -> list:
     for i, m in enumerate(models):
         require_module(m, f"models[{i}]", "a torch.nn.Module in memory (merge checkpoints on disk with "
                        "symgraph.merge_checkpoints)")
-    return models
+    return models, batch_list(data, *models)
 
 
 def _config(models, config, given: dict, data, align_options: dict) -> tuple:
