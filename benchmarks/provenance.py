@@ -282,9 +282,28 @@ def matmul_gflops(dtypes, n: int = 4096, device="cpu", sync=lambda: None) -> dic
 @functools.lru_cache(maxsize=None)
 def matmul_rates(n: int = 2048) -> dict:
     """This machine's float32 and bfloat16 matmul rates, GFLOP/s (``n×n``, best of 3; measured
-    once a process): the yardstick a record's seconds are read against."""
+    once a process): the yardstick a record's seconds are read against. A dtype this machine
+    multiplies slowly is measured at the size (from 256, doubling up to ``n``) whose product
+    first takes 0.1 s: bfloat16 without AVX-512 BF16 runs at about 1 GFLOP/s, where 2048 would
+    take a minute a call."""
     import torch
-    return {k: round(v, 1) for k, v in matmul_gflops((torch.float32, torch.bfloat16), n=n).items()}
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        m = min(256, n)
+        while m < n and _one_product(dt, m) < 0.1:
+            m *= 2
+        out.update(matmul_gflops((dt,), n=m))
+    return {k: round(v, 1) for k, v in out.items()}
+
+
+def _one_product(dtype, n: int) -> float:
+    """Seconds of one ``n×n`` product in ``dtype`` (after a warm-up)."""
+    import torch
+    a, b = (torch.randn(n, n).to(dtype) for _ in range(2))
+    a @ b
+    t = time.perf_counter()
+    a @ b
+    return time.perf_counter() - t
 
 
 def add_record(out, files, command: str, *, rates: dict | None = None, how: str = "written by the run",
