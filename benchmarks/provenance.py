@@ -297,13 +297,10 @@ def matmul_rates(n: int = 2048) -> dict:
 
 
 def _one_product(dtype, n: int) -> float:
-    """Seconds of one ``n×n`` product in ``dtype`` (after a warm-up)."""
+    """Seconds of one ``n×n`` product in ``dtype`` (after a warm-up: :func:`best_time`)."""
     import torch
     a, b = (torch.randn(n, n).to(dtype) for _ in range(2))
-    a @ b
-    t = time.perf_counter()
-    a @ b
-    return time.perf_counter() - t
+    return best_time(lambda: a @ b, n=1)
 
 
 def add_record(out, files, command: str, *, rates: dict | None = None, how: str = "written by the run",

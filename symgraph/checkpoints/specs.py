@@ -269,6 +269,10 @@ NOT_FUNCTION = METADATA | {"use_cache", "return_dict", "output_attentions", "out
 TIE = "tie_word_embeddings"
 
 
+class ConfigsDiffer(InputError):
+    """The refusal of :func:`check_same_configs`: it names the field the configs differ in."""
+
+
 def check_same_configs(configs, names, untie: bool = False):
     """Refuse, before any work, models whose configs differ in a field that changes the function
     but not the tensors' shapes (an activation, a RoPE base, a norm epsilon, a flag): the merged
@@ -279,13 +283,6 @@ def check_same_configs(configs, names, untie: bool = False):
     same rules: its ``dtype``, which loading stamps, is as much metadata as the top level's.
     A tied head and an untied one (``tie_word_embeddings``) are one function, the untied form
     the larger: accepted where the job unties (``untie``), else refused naming the option."""
-    try:
-        _check_same_configs(configs, names, untie)
-    except InputError as e:
-        raise ConfigsDiffer(str(e)) from None
-
-
-def _check_same_configs(configs, names, untie: bool) -> None:
     if any(c is None for c in configs):
         return
     base = configs[0].to_dict()
@@ -293,7 +290,7 @@ def _check_same_configs(configs, names, untie: bool) -> None:
         d = c.to_dict()
         kinds = [(x.get("architectures") or [x.get("model_type")])[0] for x in (base, d)]
         if kinds[0] != kinds[1]:
-            raise InputError(f"{names[0]!r} is a {kinds[0]} but {name!r} is a {kinds[1]}; expected models of "
+            raise ConfigsDiffer(f"{names[0]!r} is a {kinds[0]} but {name!r} is a {kinds[1]}; expected models of "
                              "one architecture")
         found = _difference(base, d, skip=NOT_FUNCTION | ({TIE} if untie else set()))
         if found is None:
@@ -303,8 +300,8 @@ def _check_same_configs(configs, names, untie: bool) -> None:
             _refuse_count(sub_a, sub_b, path.rsplit(".", 1)[-1], (names[0], name))
         if path.rsplit(".", 1)[-1] == TIE:
             tied, loose = (names[0], name) if a else (name, names[0])
-            raise tie_refusal(repr(tied), repr(loose), f" (config field {path!r}: {a!r} vs {b!r})")
-        raise InputError(f"{names[0]!r} and {name!r} differ in config field {path!r} ({a!r} vs {b!r}), which "
+            raise ConfigsDiffer(str(tie_refusal(repr(tied), repr(loose), f" (config field {path!r}: {a!r} vs {b!r})")))
+        raise ConfigsDiffer(f"{names[0]!r} and {name!r} differ in config field {path!r} ({a!r} vs {b!r}), which "
                          "changes what the model computes; expected models of one configuration (apart "
                          "from widths an alignment can bridge)")
 
@@ -335,12 +332,8 @@ def _refuse_count(a: dict, b: dict, key: str, names) -> None:
     count = next((k for k, v in a.items() if v == n and b.get(k) == m and type(v) is int), None)
     what = f"config field {count!r} ({n} vs {m}; {key!r} has one entry each)" if count else \
         f"config field {key!r} ({n} vs {m} entries)"
-    raise InputError(f"{names[0]!r} and {names[1]!r} differ in {what}; expected models of one depth (a merge "
+    raise ConfigsDiffer(f"{names[0]!r} and {names[1]!r} differ in {what}; expected models of one depth (a merge "
                      "pairs their layers one to one)")
-
-
-class ConfigsDiffer(InputError):
-    """The refusal of :func:`check_same_configs`: it names the field the configs differ in."""
 
 
 def with_config_diff(e: Exception, models, names) -> Exception:

@@ -46,11 +46,8 @@ def split_inputs(model, inputs):
     if _is_hf(model) and "use_cache" in inspect.signature(model.forward).parameters:
         extra["use_cache"] = False
     if isinstance(inputs, dict):
-        check_token_batch(inputs, "the inputs", model)
         return (), {**extra, **inputs}
     if isinstance(inputs, torch.Tensor):
-        if _is_hf(model) and next(iter(inspect.signature(model.forward).parameters), None) == "input_ids":
-            check_token_batch({"input_ids": inputs}, "the inputs", model)
         return (inputs,), extra
     if isinstance(inputs, (tuple, list)):
         return tuple(inputs), extra
@@ -286,6 +283,9 @@ def trace(model, inputs=None, decompose: bool = True):
     """
     require_module(model, "the model")
     args, kwargs = split_inputs(model, inputs)
+    if inputs is not None:  # the user's, checked before the export runs them
+        first = next(iter(inspect.signature(model.forward).parameters), None) if _is_hf(model) and args else None
+        check_token_batch({"input_ids": args[0]} if first == "input_ids" else kwargs, "the inputs", model)
     on_meta = next((p.is_meta for p in model.parameters()), False)
     given = args, kwargs
     traced = given
