@@ -271,3 +271,17 @@ def test_a_budget_learned_matching_cannot_fit_is_refused_before_any_alignment(pa
     r = main_in_process(tmp_path, *args, "--memory-budget", need.replace(" ", ""), "--out", "o", capsys=capsys,
                         cwd=".", seconds=300)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_checkpoint_named_twice_is_merged_with_a_warning(ws, capsys):
+    """The same directory named twice (here through a trailing slash) is weighed twice, as
+    mergekit does, and said once: a user who meant two models learns it before the merge."""
+    rc, err = cli(ws, capsys, "merge", "../qa", "../qa/", "--align", "none", "--out", "twice")
+    assert rc == 0, err
+    assert err.count("symgraph: warning") == 1, err
+    assert "models[1] ('../qa/') is the checkpoint models[0] ('../qa') names again" in " ".join(err.split())
+    merged = load_file(str(next((ws / "work" / "twice").glob("*.safetensors"))))
+    original = {}
+    for f in (ws / "qa").glob("*.safetensors"):
+        original.update(load_file(str(f)))
+    assert all(torch.equal(t, original[k]) for k, t in merged.items())  # A/2 + A/2 is A, bit for bit in bf16

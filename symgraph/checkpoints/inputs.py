@@ -84,10 +84,16 @@ def shard_size(given, layout: Layout | None) -> int:
 
 def check_paths(specs):
     """Fail fast on a missing local path or a name that is none of a path, a demo name and an
-    ``owner/name`` hub id, before loading anything (hub ids are tried when loading)."""
-    for m in specs:
+    ``owner/name`` hub id, before loading anything (hub ids are tried when loading); warn of a
+    local checkpoint named twice."""
+    seen = {}
+    for i, m in enumerate(specs):
         if model_kind(m) == "local":
             check_checkpoint_dir(os.path.expanduser(m))
+            first = seen.setdefault(os.path.realpath(os.path.expanduser(m)), i)
+            if first != i:  # allowed (mergekit allows it), but rarely meant
+                note(f"models[{i}] ({m!r}) is the checkpoint models[{first}] ({specs[first]!r}) names again: "
+                     "the merge weighs it twice (--weights weighs a model without repeating it)", "warning")
 
 
 def local_layouts(specs) -> list:
