@@ -1,11 +1,8 @@
 """``python -m benchmarks NAME [ARGS]``: the one runner of every benchmark.
 
-``NAME`` is a benchmark module ``benchmarks/bench_NAME.py`` (``align``, ``scale``, ``sweeps``,
-...), ``suite``, ``anchor`` or ``coverage``; ``ARGS`` go to its ``main``. ``record`` adds the
-``record.json`` entry of results brought back from a lent device or measured by hand. ``python -m
-benchmarks`` with no name (or with the suite's flags first: ``python -m benchmarks --quick``)
-runs the suite, as it always did; ``python -m benchmarks --list`` names them all. Each
-benchmark still runs on its own as ``python -m benchmarks.bench_NAME``.
+``NAME``: a module ``benchmarks/bench_NAME.py`` or one of :data:`PACKAGES`; ``ARGS`` go to its
+``main``. No name (or the suite's flags first: ``python -m benchmarks --quick``) runs the suite;
+``--list`` names them all. Each benchmark also runs on its own as ``python -m benchmarks.bench_NAME``.
 """
 from __future__ import annotations
 

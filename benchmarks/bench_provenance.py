@@ -1,35 +1,24 @@
 """Benchmark: ``symgraph.compare``'s provenance verdict, calibrated without downloads.
 
-Tiny LLaMA-style models (:func:`symgraph.testing.models.build`) are trained briefly from
-different seeds on a synthetic token language (``x -> 3x + 1 mod V`` with 20% noise). The
-null is every pair of independently trained models; the positives are, for a few of them,
-a fine-tune (``--finetune-steps`` on another language, ``x -> 5x + 2``) and a long one
-(``--long-steps`` at a higher learning rate), a 50% magnitude-pruned
-copy, an int8 round-trip (per-tensor symmetric) copy and a merge (the average of the model and
-an independent one aligned to it); every B is then moved by a random element of the full
-groups (``report.random_transform``: orthogonal residual stream, GL per head, RoPE's scaled
-rotations, permutations). Transformed exact copies check the "same" verdict.
+Tiny LLaMAs (:func:`symgraph.testing.models.build`) trained briefly from different seeds on a
+synthetic language (``x -> 3x + 1 mod V``, 20% noise). Null: every pair of independently trained
+models. Positives, for ``--bases`` of them: a fine-tune (``--finetune-steps`` on ``x -> 5x + 2``),
+a long one (``--long-steps`` at a higher rate), a 50% magnitude-pruned copy, an int8 round trip
+(per-tensor symmetric) and a merge (the average with an independent model aligned to it). Every B
+is moved by a random element of the full groups (``report.random_transform``); transformed exact
+copies check the "same" verdict.
 
-Reported: the ROC AUC of the verdict's score (the excess over the shuffled null) and the
-false- and true-positive rates at the verdict's threshold; the same for two baselines on the
-same cases, both reimplementations (labelled so): the raw cosine of the weights without any
-alignment, and HuRef-style invariants (Zeng et al. 2024: ``E W_Qᵀ W_K Eᵀ``, ``E W_Vᵀ W_Oᵀ Eᵀ``,
-``E W_upᵀ W_downᵀ Eᵀ``... per layer, norm gains folded, heads summed, compared by cosine):
-invariant to the residual stream's rotations, the heads' GL and the MLP's permutations by
-construction, hand-coded for LLaMA — where ``compare`` reads its groups from the graph.
-
-A second section (:mod:`benchmarks.provenance_families`) compares a transformed copy of each of
-the 22 tested families (:mod:`benchmarks.families`) as ``symgraph compare`` does, in memory and
-out of core: its verdict and the error of the recovered element applied (target: all "same",
-1e-6).
-
-``--peer-cisco`` scores the same pairs with a peer's own code, cisco-ai-provenance-kit 1.0.0 in a
-venv of its own, offline (:mod:`benchmarks.provenance_peer`): rows in the same table, per-pair
-scores in results.json.
+Reported: the ROC AUC of the verdict's score (the excess over the shuffled null) and the FPR / TPR
+at its threshold; the same for two baselines on the same pairs, both reimplementations: the raw
+weight cosine, and HuRef-style invariants (Zeng et al. 2024: ``E W_Qᵀ W_K Eᵀ``, ``E W_Vᵀ W_Oᵀ Eᵀ``,
+``E W_upᵀ W_downᵀ Eᵀ``... per layer, norm gains folded, heads summed, compared by cosine),
+invariant to the groups by construction and hand-coded for LLaMA, where ``compare`` reads its
+groups from the graph. Then the 22 families' transformed copies (:mod:`benchmarks.provenance_families`)
+and, with ``--peer-cisco``, a peer's own code on the same pairs (:mod:`benchmarks.provenance_peer`).
 
 ``python -m benchmarks.bench_provenance [--models 6] [--families all|none|NAME,...] [--peer-cisco]
-[--out DIR]`` regenerates ``benchmarks/results/provenance/`` (report.md, results.json,
-scores.png): about 4 minutes on one thread of a 2-core machine.
+[--out DIR]`` regenerates ``benchmarks/results/provenance/`` (report.md, results.json, scores.png):
+about 4 minutes on one thread of a 2-core machine.
 """
 from __future__ import annotations
 
@@ -37,8 +26,6 @@ import argparse
 import copy
 import datetime
 import itertools
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -50,12 +37,17 @@ from symgraph.alignment.compare import THRESHOLD
 from symgraph.testing import models
 
 from . import provenance_peer as peer
-from .provenance import git_state, pyplot, save_figure, table, write_result
 from .families import FAMILIES
+from .provenance import git_state, pyplot, save_figure, table, write_result
 from .provenance_families import families_markdown, run_families
 
 SIZES = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
 OUT = Path(__file__).parent / "results" / "provenance"
+KINDS = ("finetune", "finetune_long", "pruned50", "int8", "merge")
+NAMES = {"excess": "compare: excess over shuffled null (verdict's score)",
+         "statistic": "compare: median correlation after alignment",
+         "huref": "baseline (reimplementation): HuRef-style invariants, median cosine",
+         "raw": "baseline: raw weight cosine, no alignment"}
 
 
 def sampler(seed: int, mul: int = 3, add: int = 1, vocab: int = 64):
@@ -73,42 +65,38 @@ def sampler(seed: int, mul: int = 3, add: int = 1, vocab: int = 64):
     return sample
 
 
-def pruned(m, fraction=0.5):
+def _edited(m, f):
+    """A copy of ``m`` with each parameter ``p`` set to ``f(p)``."""
     m = copy.deepcopy(m)
     with torch.no_grad():
         for p in m.parameters():
-            if p.dim() >= 2:
-                k = int(fraction * p.numel())
-                cut = p.abs().flatten().kthvalue(k).values
-                p.mul_(p.abs() > cut)
+            p.copy_(f(p))
     return m
+
+
+def pruned(m, fraction=0.5):
+    def cut(p):
+        return p * (p.abs() > p.abs().flatten().kthvalue(int(fraction * p.numel())).values) if p.dim() >= 2 else p
+    return _edited(m, cut)
 
 
 def int8(m):
-    m = copy.deepcopy(m)
-    with torch.no_grad():
-        for p in m.parameters():
-            scale = p.abs().max().clamp_min(1e-12) / 127
-            p.copy_((p / scale).round().clamp(-127, 127) * scale)
-    return m
+    def rounded(p):
+        scale = p.abs().max().clamp_min(1e-12) / 127
+        return (p / scale).round().clamp(-127, 127) * scale
+    return _edited(m, rounded)
 
 
 def merged(a, x):
-    xa = symgraph.align(a, x).apply(x)
-    m = copy.deepcopy(a)
-    with torch.no_grad():
-        for p, q in zip(m.parameters(), xa.parameters()):
-            p.copy_(0.5 * (p + q))
-    return m
-
-
-# --- baselines (reimplementations) ------------------------------------------------------
+    """The average of ``a`` and ``x`` aligned to it (parameters in the same order)."""
+    xs = iter(list(symgraph.align(a, x).apply(x).parameters()))
+    return _edited(a, lambda p: 0.5 * (p + next(xs)))
 
 
 def huref_invariants(m) -> list:
-    """HuRef-style invariant matrices of a LLaMA (reimplementation, hand-coded for LLaMA's
-    parameter names): each layer's bilinear forms sandwiched by the token embeddings E, norm
-    gains folded, heads summed (GQA keys and values repeated per query head)."""
+    """HuRef-style invariant matrices of a LLaMA (by LLaMA's parameter names): each layer's
+    bilinear forms sandwiched by the token embeddings E, norm gains folded, heads summed (GQA
+    keys and values repeated per query head)."""
     c = m.config
     heads, kv = c.num_attention_heads, c.num_key_value_heads
     hd = c.hidden_size // heads
@@ -144,17 +132,19 @@ def raw_score(a, b) -> float:
     return float(np.median([_cos(sa[k].double(), sb[k].double()) for k in sa if sa[k].dim() >= 2]))
 
 
-# --- the run ---------------------------------------------------------------------------
-
-
-KINDS = ("finetune", "finetune_long", "pruned50", "int8", "merge")
+def compared(A, B, **kw) -> tuple[dict, object]:
+    """``symgraph.compare(A, B, **kw)``'s numbers and seconds as a row, and the comparison."""
+    t0 = time.perf_counter()
+    res = symgraph.compare(A, B, **kw)
+    return {"verdict": res.verdict, "statistic": res.statistic, "excess": res.excess, "p_value": res.p_value,
+            "null_mean": res.null_mean, "max_rel_distance": res.max_rel_distance,
+            "seconds": time.perf_counter() - t0}, res
 
 
 def run(n_models: int, n_bases: int, steps: int, finetune_steps: int, long_steps: int, null: int,
         families=None, peer_python=None, peer_work=None) -> dict:
-    """The calibration (trained tiny LLaMAs) and, unless ``families`` is empty, the copies
-    of the tested families (None: all 22); with ``peer_python`` (the kit's venv's python) the
-    kit scores the same pairs, saved as checkpoints under ``peer_work``."""
+    """The calibration and, unless ``families`` is empty, the families' copies (None: all 22);
+    with ``peer_python`` (the kit's venv's) the kit scores the same pairs, saved under ``peer_work``."""
     t_start = time.perf_counter()
     trained = []
     for s in range(n_models):
@@ -163,84 +153,45 @@ def run(n_models: int, n_bases: int, steps: int, finetune_steps: int, long_steps
         trained.append(m)
     t_train = time.perf_counter() - t_start
     rep = symgraph.analyze(trained[0])
-    cases = []  # (kind, a index, B before the transform, label)
-    for i, j in itertools.combinations(range(n_models), 2):
-        cases.append(("independent", i, trained[j], 0))
-    for i in range(n_bases):
+    cases = [("independent", i, trained[j], 0) for i, j in itertools.combinations(range(n_models), 2)]
+    for i in range(n_bases):  # (kind, A's index, B before the transform, label)
         A = trained[i]
-        tuned = copy.deepcopy(A)
+        tuned, far = copy.deepcopy(A), copy.deepcopy(A)
         models.train(tuned, sampler(200 + i, mul=5, add=2), steps=finetune_steps, lr=1e-3)
-        far = copy.deepcopy(A)
         models.train(far, sampler(300 + i, mul=5, add=2), steps=long_steps, lr=3e-3)
-        partner = trained[(i + n_bases) % n_models]
         cases += [("copy", i, A, 1), ("finetune", i, tuned, 1), ("finetune_long", i, far, 1),
-                  ("pruned50", i, pruned(A), 1),
-                  ("int8", i, int8(A), 1), ("merge", i, merged(A, partner), 1)]
-    rows, pairs, t_save = [], [], 0.0
-    if peer_python:
-        peer_work = Path(peer_work or peer.default_work())
-        peer_work.mkdir(parents=True, exist_ok=True)
-        cdir = Path(tempfile.mkdtemp(prefix="cases-", dir=peer_work))
+                  ("pruned50", i, pruned(A), 1), ("int8", i, int8(A), 1),
+                  ("merge", i, merged(A, trained[(i + n_bases) % n_models]), 1)]
+    rows, moved = [], []
     for n, (kind, i, B, label) in enumerate(cases):
-        A = trained[i]
-        Bt = symgraph.transform(B, rep.random_transform(seed=1000 + n))
-        if peer_python:
-            t0 = time.perf_counter()
-            if not (cdir / f"a{i}").exists():
-                peer.save_checkpoint(A, cdir / f"a{i}")
-            pairs.append((cdir / f"a{i}", peer.save_checkpoint(Bt, cdir / f"b{n}")))
-            t_save += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        res = symgraph.compare(A, Bt, null=null, seed=n)
-        row = {"kind": kind, "a": i, "label": label, "verdict": res.verdict, "statistic": res.statistic,
-               "excess": res.excess, "p_value": res.p_value, "null_mean": res.null_mean,
-               "max_rel_distance": res.max_rel_distance, "carriers": len(res.carriers),
-               "layers": len(res.layers), "seconds": time.perf_counter() - t0,
-               "huref": huref_score(A, Bt), "raw": raw_score(A, Bt)}
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-        rows.append(row)
-    neg = [r for r in rows if r["label"] == 0]
-    pos = [r for r in rows if r["label"] == 1 and r["kind"] != "copy"]
-    table = {}
-    for score in ("excess", "statistic", "huref", "raw"):
-        table[score] = {"auc": peer.auc([r[score] for r in pos], [r[score] for r in neg]),
-                        "null_max": max(r[score] for r in neg),
-                        "positive_min": {k: min(r[score] for r in pos if r["kind"] == k)
-                                         for k in KINDS}}
-    for name in ("huref", "raw"):  # a baseline's threshold: the highest null score (FPR 0 on this null)
-        cut = table[name]["null_max"]
-        table[name]["tpr_at_fpr0"] = float(np.mean([r[name] > cut for r in pos]))
-    t_cal = time.perf_counter() - t_start - t_save  # symgraph's and the baselines' time, not the peer's
-    peer_res = None
-    if peer_python:
-        t0 = time.perf_counter()
-        try:
-            scored = peer.score_pairs(pairs, peer_python, peer_work, threads=torch.get_num_threads())
-        finally:
-            shutil.rmtree(cdir, ignore_errors=True)
-        peer.attach(rows, scored)
-        peer_res = {"name": peer.NAME, "how": peer.HOW, "python": str(peer_python), "versions": scored["versions"],
-                    "pairs": len(pairs), "returncode": scored["returncode"], "scores": peer.peer_table(rows, KINDS),
-                    "seconds_kit": scored["seconds"], "seconds_save": t_save,
-                    "seconds": time.perf_counter() - t0 + t_save}
+        A, Bt = trained[i], symgraph.transform(B, rep.random_transform(seed=1000 + n))
+        moved.append((i, Bt))
+        row, res = compared(A, Bt, null=null, seed=n)
+        rows.append({"kind": kind, "a": i, "label": label, **row, "carriers": len(res.carriers),
+                     "layers": len(res.layers), "huref": huref_score(A, Bt), "raw": raw_score(A, Bt)})
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+    scores = {key: peer.roc(rows, key, KINDS) for key in NAMES}
+    t_cal = time.perf_counter() - t_start  # symgraph's and the baselines' time, not the peer's
+    threads = torch.get_num_threads()
+    peer_res = peer.run(trained, moved, rows, KINDS, peer_python, peer_work, threads) if peer_python else None
     fams = run_families(families) if families != [] else None
-    fp = [r["verdict"] != "unrelated" for r in neg]
-    tp = {k: float(np.mean([r["verdict"] != "unrelated" for r in pos if r["kind"] == k]))
-          for k in KINDS}
+    neg = [r["verdict"] != "unrelated" for r in rows if r["label"] == 0]
+    pos = [r for r in rows if r["label"] == 1 and r["kind"] != "copy"]
+    tpr = lambda rs: float(np.mean([r["verdict"] != "unrelated" for r in rs]))  # noqa: E731
     return {"commit": git_state(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "threads": threads,
             "sizes": SIZES, "models": n_models, "bases": n_bases, "train_steps": steps,
             "finetune_steps": finetune_steps, "long_steps": long_steps, "null_copies": null, "threshold": THRESHOLD,
-            "verdict": {"fpr": float(np.mean(fp)), "false_positives": int(sum(fp)), "negatives": len(neg),
-                        "tpr": float(np.mean([r["verdict"] != "unrelated" for r in pos])), "tpr_by_kind": tp,
+            "verdict": {"fpr": float(np.mean(neg)), "false_positives": int(sum(neg)), "negatives": len(neg),
+                        "tpr": tpr(pos), "tpr_by_kind": {k: tpr([r for r in pos if r["kind"] == k]) for k in KINDS},
                         "same_on_copies": all(r["verdict"] == "same" for r in rows if r["kind"] == "copy"),
                         "same_elsewhere": sum(r["verdict"] == "same" for r in rows if r["kind"] != "copy")},
-            "scores": table, "rows": rows, "families": fams, "peer_cisco": peer_res,
+            "scores": scores, "rows": rows, "families": fams, "peer_cisco": peer_res,
             "seconds": {"train": t_train, "calibration": t_cal, "total": time.perf_counter() - t_start}}
 
 
 def markdown(r) -> str:
-    v, s = r["verdict"], r["scores"]
+    v, s, p = r["verdict"], r["scores"], r.get("peer_cisco")
     lines = [f"# Provenance: `symgraph compare` on tiny LLaMAs (commit {r['commit']}, {r['when']})", "",
              f"{r['models']} models trained {r['train_steps']} steps from different seeds on a synthetic "
              f"language; null: their {v['negatives']} independent pairs; positives per base model "
@@ -255,38 +206,30 @@ def markdown(r) -> str:
              f"all 'same': {v['same_on_copies']}; 'same' elsewhere: {v['same_elsewhere']}. Smallest p-value "
              f"on the null pairs: {min(x['p_value'] for x in r['rows'] if x['label'] == 0):.2g} (the shuffled "
              "null is tighter than independently trained pairs: the p-value alone would not do).", ""]
-    names = {"excess": "compare: excess over shuffled null (verdict's score)",
-             "statistic": "compare: median correlation after alignment",
-             "huref": "baseline (reimplementation): HuRef-style invariants, median cosine",
-             "raw": "baseline: raw weight cosine, no alignment"}
     lines += table(["score", "ROC AUC", "highest null", "lowest positive (" + " / ".join(KINDS) + ")"],
-                   [[name, f"{s[k]['auc']:.3f}", f"{s[k]['null_max']:.3f}",
-                     " / ".join(f"{x:.3f}" for x in s[k]["positive_min"].values())] for k, name in names.items()])
-    if r.get("peer_cisco"):
-        lines += peer.table_rows(r["peer_cisco"])
+                   peer.roc_rows(s, NAMES) + (peer.roc_rows(p["scores"], peer.SCORES) if p else []))
     lines += ["", f"Baselines' TPR with their threshold at the highest null score (FPR 0 on this null): "
               f"HuRef-style {s['huref']['tpr_at_fpr0']:.2f}, raw {s['raw']['tpr_at_fpr0']:.2f}.", ""]
-    if r.get("peer_cisco"):
-        lines += [*peer.summary(r["peer_cisco"]), ""]
+    if p:
+        lines += [*peer.summary(p), ""]
     lines += [f"Runtime: {r['seconds']['calibration']:.0f} s ({r['seconds']['train']:.0f} s training), "
-              f"{r['threads']} threads{', without the peer' if r.get('peer_cisco') else ''}; with the families' "
-              f"copies{' and the peer' if r.get('peer_cisco') else ''} {r['seconds']['total']:.0f} s.", ""]
+              f"{r['threads']} threads{', without the peer' if p else ''}; with the families' "
+              f"copies{' and the peer' if p else ''} {r['seconds']['total']:.0f} s.", ""]
     if r.get("families"):
         lines += [families_markdown(r["families"])]
     return "\n".join(lines)
 
 
 def plot(r, out) -> None:
+    """``scores.png``: each pair's score by kind (independent grey, derived red), per score."""
     plt = pyplot()
     panels = [("excess", "compare (excess)"), ("huref", "HuRef-style (reimpl.)"), ("raw", "raw cosine")]
     if r.get("peer_cisco"):
         panels += [("cisco", "cisco kit: pipeline"), ("cisco_identity", "cisco kit: identity"),
                    ("cisco_eas", "cisco kit: EAS alone")]
-    rows = 1 if len(panels) <= 3 else 2
-    fig, axes = plt.subplots(rows, 3, figsize=(11, 3.4 * rows), squeeze=False)
-    axes = axes.flatten()
+    fig, axes = plt.subplots(len(panels) // 3, 3, figsize=(11, 3.4 * (len(panels) // 3)), squeeze=False)
     kinds = ["independent", *KINDS, "copy"]
-    for ax, (key, title) in zip(axes, panels):
+    for ax, (key, title) in zip(axes.flatten(), panels):
         for x, k in enumerate(kinds):
             ys = [row[key] for row in r["rows"] if row["kind"] == k and row.get(key) is not None]
             ax.scatter([x] * len(ys), ys, s=12, color="tab:gray" if k == "independent" else "tab:red")
@@ -307,16 +250,12 @@ def main(argv=None) -> int:
     ap.add_argument("--finetune-steps", type=int, default=100)
     ap.add_argument("--long-steps", type=int, default=1000, help="steps of the long fine-tune (lr 3e-3)")
     ap.add_argument("--null", type=int, default=4, help="shuffled copies per comparison (compare's default)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (1: two threads on two shared cores oversubscribe)")
-    ap.add_argument("--families", default="all",
-                    help="tested families whose transformed copies are compared: all (22), none, or NAME,NAME")
-    ap.add_argument("--peer-cisco", action="store_true",
-                    help=f"score the same pairs with {peer.NAME} (its own code, its own venv, offline)")
-    ap.add_argument("--peer-cisco-work", default=None,
-                    help="the peer's work directory (checkpoints, its venv): default $SYMGRAPH_PEER_CISCO or "
-                         "/tmp/symgraph-peer-cisco")
-    ap.add_argument("--peer-cisco-venv", default=None, help="the kit's venv (default WORK/venv; created if it has no kit)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--families", default="all", help="families whose copies are compared: all, none or NAME,NAME")
+    ap.add_argument("--peer-cisco", action="store_true", help=f"score the same pairs with {peer.NAME}")
+    ap.add_argument("--peer-cisco-work", default=None, help="the peer's work directory (default "
+                    "$SYMGRAPH_PEER_CISCO or /tmp/symgraph-peer-cisco)")
+    ap.add_argument("--peer-cisco-venv", default=None, help="the kit's venv (default WORK/venv)")
     ap.add_argument("--peer-cisco-python", default=None, help="a Python >= 3.12 to create that venv with")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args(argv)

@@ -1,22 +1,19 @@
-"""Benchmark: the provenance verdict's threshold, calibrated on trained independent pairs (issue 62).
+"""Benchmark: the provenance verdict's threshold, calibrated on trained independent pairs.
 
 ``symgraph compare`` calls B "derived" from A when the excess of its median correlation after
 alignment over a shuffled null (:mod:`symgraph.alignment.compare`) reaches a threshold. The
-shuffled null keeps none of B's structure, so two models trained on the same text from
-different seeds already stand above it: what excess do they reach? Three families of
-:mod:`symgraph.testing.models` (LLaMA, Qwen2, GPT-NeoX), each trained ``--seeds`` times from
-its own initialisation and data order on the repository's prose (:mod:`benchmarks.data`, the
-512-token BPE vocabulary, AdamW with :mod:`benchmarks.train`'s settings and a warm-up-cosine
-schedule). The null is every independent pair of one family; the positives are, for the first
-``--bases`` models of each family, a continued training on the same text (another data
-order), a short fine-tune on another corpus (the standard library's code), a long fine-tune
-there (four times the steps, a higher rate), and a permuted exact copy (which must be "same").
-Every B is moved by a random element of the full groups (``report.random_transform``) before
-it is compared, with ``compare``'s own default null (4 shuffled copies).
+shuffled null keeps none of B's structure, so models trained on the same text from different
+seeds already stand above it: by how much? Three families of :mod:`symgraph.testing.models`
+(LLaMA, Qwen2, GPT-NeoX), each trained ``--seeds`` times from its own initialisation and data
+order on the repository's prose (:mod:`benchmarks.data`, AdamW with :mod:`benchmarks.train`'s
+settings). Null: every independent pair of one family. Positives, for the first ``--bases``
+models: continued training on the same text (another data order), a short and a long fine-tune
+on another corpus (the standard library's code; :data:`KINDS`), and a permuted exact copy (which
+must be "same"). Every B is moved by a random element of the full groups, then compared with
+``compare``'s default null (4 shuffled copies).
 
-The threshold rule (:func:`choose_threshold`): the midpoint of the highest excess of an
-independent pair and the lowest excess of a derived one (permuted copies aside: they are
-"same"), to two decimals — as far from both as the data allow.
+The threshold rule (:func:`choose_threshold`): the midpoint of the highest independent and the
+lowest derived excess (permuted copies aside), to two decimals.
 
 ``python -m benchmarks provenance_calibration [--seeds 5] [--bases 2] [--steps 600] [--out DIR]``
 regenerates ``benchmarks/results/provenance_calibration/`` (report.md, results.json, excess.png):
@@ -40,11 +37,9 @@ from symgraph.alignment.compare import ALPHA, THRESHOLD
 from symgraph.testing import models
 
 from . import data
+from .bench_provenance import compared
 from .provenance import git_state, log, pyplot, save_figure, table, write_result
 from .train import DATA_SEED_OFFSET, fit
-
-__all__ = ["FAMILIES", "KINDS", "build", "train", "derived", "choose_threshold", "rates", "run", "markdown",
-           "plot", "main"]
 
 FAMILIES = ("llama", "qwen2", "neox")
 #: The derived kinds: (name, corpus, steps as a multiple of the parents', peak rate).
@@ -94,9 +89,8 @@ def derived(parent, seed: int, steps: int) -> list:
 
 
 def choose_threshold(null, positive) -> tuple[float, str]:
-    """The threshold from the data: the midpoint of the highest excess of an independent pair and
-    the lowest of a derived one, to two decimals (as far from either side as it can be); the
-    highest independent excess plus 0.01 where the two overlap. Returns it and the rule."""
+    """The threshold and its rule: the midpoint of the highest independent and the lowest derived
+    excess, to two decimals; the highest independent excess + 0.01 where the two overlap."""
     hi, lo = max(null), min(positive)
     if lo > hi:
         return round(0.5 * (hi + lo), 2), "midpoint of the highest independent and the lowest derived excess"
@@ -105,34 +99,26 @@ def choose_threshold(null, positive) -> tuple[float, str]:
 
 def derived_at(row, threshold: float) -> bool:
     """Whether ``row`` would be called derived (or same) at ``threshold`` (the rule of ``judge``)."""
-    if row["verdict"] == "same":
-        return True
-    return row["excess"] >= threshold and row["p_value"] is not None and row["p_value"] < ALPHA
+    p = row["p_value"]
+    return row["verdict"] == "same" or (row["excess"] >= threshold and p is not None and p < ALPHA)
 
 
 def rates(rows, threshold: float) -> dict:
     """False- and true-positive rates of the verdict at ``threshold`` (per kind too)."""
-    neg = [r for r in rows if r["kind"] == "independent"]
-    pos = [r for r in rows if r["kind"] != "independent"]
-    fp = sum(derived_at(r, threshold) for r in neg)
-    by_kind = {k: float(np.mean([derived_at(r, threshold) for r in pos if r["kind"] == k]))
-               for k in sorted({r["kind"] for r in pos})}
-    return {"threshold": threshold, "false_positives": fp, "negatives": len(neg), "fpr": fp / max(len(neg), 1),
-            "true_positives": sum(derived_at(r, threshold) for r in pos), "positives": len(pos),
-            "tpr": float(np.mean([derived_at(r, threshold) for r in pos])) if pos else float("nan"),
-            "tpr_by_kind": by_kind}
+    neg = [derived_at(r, threshold) for r in rows if r["kind"] == "independent"]
+    pos = [(r["kind"], derived_at(r, threshold)) for r in rows if r["kind"] != "independent"]
+    hits = [d for _, d in pos]
+    return {"threshold": threshold, "false_positives": sum(neg), "negatives": len(neg),
+            "fpr": sum(neg) / max(len(neg), 1), "true_positives": sum(hits), "positives": len(pos),
+            "tpr": float(np.mean(hits)) if pos else float("nan"),
+            "tpr_by_kind": {k: float(np.mean([d for j, d in pos if j == k])) for k in sorted({k for k, _ in pos})}}
 
 
 def compare_row(A, B, report, kind: str, family: str, a: int, b, n: int) -> dict:
     """B moved by a random full-group element, then compared with A as ``compare`` does by default."""
-    Bt = symgraph.transform(B, report.random_transform(seed=1000 + n))
-    t0 = time.perf_counter()
-    res = symgraph.compare(A, Bt, seed=n)
-    row = {"family": family, "kind": kind, "a": a, "b": b, "verdict": res.verdict, "statistic": res.statistic,
-           "excess": res.excess, "p_value": res.p_value, "null_mean": res.null_mean,
-           "max_rel_distance": res.max_rel_distance, "seconds": time.perf_counter() - t0}
+    row, res = compared(A, symgraph.transform(B, report.random_transform(seed=1000 + n)), seed=n)
     log(f"{family} {kind} {a}-{b}: {res.verdict}, excess {res.excess:.3f}, p {res.p_value}")
-    return row
+    return {"family": family, "kind": kind, "a": a, "b": b, **row}
 
 
 def _family(family: str, seeds: int, bases: int, steps: int, n0: int) -> tuple[list, dict]:
@@ -207,8 +193,7 @@ def _rate_line(r: dict) -> str:
 
 
 def markdown(r) -> str:
-    lib, ch = r["at_library"], r["at_chosen"]
-    k = r["kinds"]
+    lib, ch, k = r["at_library"], r["at_chosen"], r["kinds"]
     lines = [f"# Provenance calibration: the excess of trained independent pairs (commit {r['commit']}, {r['when']})",
              "", f"{r['seeds']} models per family ({', '.join(r['families'])}; sizes {r['sizes']}) trained "
              f"{r['steps']} steps (AdamW, peak rate {r['lr']}, warm-up cosine, batches of {r['batch']}×{r['block']} "
@@ -244,7 +229,7 @@ def plot(r, out) -> None:
     """``excess.png``: each pair's excess by kind (independent grey, derived red), the library's
     and the chosen threshold."""
     plt = pyplot()
-    kinds = ["independent", *[k for k in r["kinds"]], "permuted"]
+    kinds = ["independent", *r["kinds"], "permuted"]
     fig, ax = plt.subplots(figsize=(7, 3.8))
     marks = {f: m for f, m in zip(r["families"], "os^v")}
     for x, k in enumerate(kinds):

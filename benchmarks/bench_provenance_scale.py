@@ -1,15 +1,11 @@
-"""Benchmark: ``symgraph compare --out-of-core`` on a 1.1B-shaped bf16 pair (issue 45's target:
-≤ 2 GB peak RSS).
+"""Benchmark: ``symgraph compare --out-of-core`` on a 1.1B-shaped bf16 pair (target: ≤ 2 GB peak RSS).
 
-The checkpoints are :mod:`benchmarks.bench_scale`'s (TinyLlama-1.1B's shape, random bf16
-weights, written tensor by tensor): A (seed 0) and an independent C (seed 1), plus B = A moved
-by a random element of the full groups (``report.random_transform``), written tensor by tensor
-from A's checkpoint (:func:`write_moved`: never a whole model in memory). Each comparison runs
-``symgraph compare`` in a child process whose wall time and peak RSS are measured:
-
-* ``copy``: ``compare A B --out-of-core`` (expected "same");
-* ``independent``: ``compare A C --out-of-core --null N`` (expected "unrelated"; each null draw
-  is one more alignment, of a shuffled copy of C read through a view).
+:mod:`benchmarks.bench_scale`'s checkpoints (TinyLlama-1.1B's shape, random bf16 weights): A
+(seed 0), an independent C (seed 1), and B = A moved by a random element of the full groups,
+written tensor by tensor (:func:`write_moved`). Each comparison runs ``symgraph compare`` in a
+child process whose wall time and peak RSS are measured: ``copy``, ``compare A B --out-of-core``
+(expected "same"), and ``independent``, ``compare A C --out-of-core --null N`` (expected
+"unrelated"; each null draw is one more alignment, of a shuffled view of C).
 
 ``python -m benchmarks.bench_provenance_scale [--layers 22] [--null 1] [--work DIR] [--out DIR]``
 writes ``benchmarks/results/provenance_scale/`` (report.md, results.json).
@@ -30,12 +26,12 @@ from .scale.common import DEFAULT_WORK, GB, SHARD_SIZE, child_env, log, measure
 
 OUT = Path(__file__).parent / "results" / "provenance_scale"
 TARGET_GB = 2.0
+EXPECTED = {"copy": "same", "independent": "unrelated"}
 
 
 def write_moved(src: str, dst: str, seed: int = 0, work=None) -> dict:
-    """Checkpoint ``src`` moved by ``report.random_transform(seed)`` (the full groups of its
-    meta model's report) into ``dst``, one unit (a norm's gain with its readers, or one
-    tensor) at a time, in the stored dtypes; returns ``{"seconds", "bytes"}``."""
+    """Checkpoint ``src`` moved by ``random_transform(seed)`` of its meta model's report into ``dst``,
+    one unit (a norm's gain with its readers, or a tensor) at a time; ``{"seconds", "bytes"}``."""
     import time
 
     import torch
@@ -91,7 +87,7 @@ def run(layers: int | None, null: int, work: Path, timeout: float) -> dict:
         pair["moved_peak_rss_gb"] = r["peak_rss_bytes"] / GB
     rows = {"copy": _compare(pair["a"], str(moved), 0, str(d / "log-compare-copy"), timeout),
             "independent": _compare(pair["a"], pair["b"], null, str(d / "log-compare-independent"), timeout)}
-    ok = {"copy": rows["copy"].get("verdict") == "same", "independent": rows["independent"].get("verdict") == "unrelated"}
+    ok = {name: rows[name].get("verdict") == want for name, want in EXPECTED.items()}
     return {"commit": git_state(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
             "shape": "1b", "layers": config.num_hidden_layers, "full_layers": 22, "dtype": "bfloat16",
             "sizes": model_sizes(config), "null": null, "target_peak_rss_gb": TARGET_GB, "pair": pair,
@@ -104,11 +100,12 @@ def markdown(r) -> str:
              f"TinyLlama-1.1B's shape with {r['layers']} of {r['full_layers']} decoder layers "
              f"({r['sizes']['parameters'] / 1e9:.2f} B parameters, {r['sizes']['bytes'] / GB:.2f} GB per model), "
              "random bf16 weights; B = A moved by a random element of the full groups, written tensor by "
-             f"tensor; C independent. Each comparison in its own process. Target: peak RSS ≤ {r['target_peak_rss_gb']} GB.", ""]
+             "tensor; C independent. Each comparison in its own process. Target: peak RSS ≤ "
+             f"{r['target_peak_rss_gb']} GB.", ""]
     rows = [[name, x.get("verdict", "failed: " + str(x.get("error"))), expected,
              f"{x.get('max_rel_distance', float('nan')):.2e}", f"{x.get('excess', float('nan')):.3f}",
              len(x.get("null") or []), f"{x['wall_s']:.0f}", f"{x['peak_rss_gb']:.2f}"]
-            for name, expected in (("copy", "same"), ("independent", "unrelated")) for x in [r["rows"][name]]]
+            for name, expected in EXPECTED.items() for x in [r["rows"][name]]]
     lines += table(["pair", "verdict", "expected", "max rel. distance", "excess", "null draws", "wall s",
                     "peak RSS GB"], rows)
     lines += ["", f"Verdicts as expected: {all(r['verdicts_ok'].values())}; peak RSS within the target: "

@@ -1,8 +1,6 @@
 """The 22 tested families: tiny Hugging Face models whose transformed copies the tests recover
 exactly with the full groups (``tests/test_families_full_groups.py``) and the provenance
-benchmark compares (:mod:`benchmarks.provenance_families`): the eight of
-:data:`symgraph.testing.models.ARCHS` plus fourteen more built from tiny configs here. Names
-pick a builder; nothing in ``symgraph/`` reads them."""
+benchmark compares: the eight of :data:`symgraph.testing.models.ARCHS` plus fourteen built here."""
 from __future__ import annotations
 
 import torch
@@ -10,28 +8,21 @@ import transformers as tf
 
 from symgraph.testing import models
 
-__all__ = ["MORE", "FAMILIES", "build", "batches"]
-
 V = 64
 _T = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+_D = dict(_T, num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32)  # a GQA decoder's
 MORE = {
-    "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**_T, num_key_value_heads=2, intermediate_size=64,
-                                                        max_position_embeddings=32)),
-    "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**_T, num_key_value_heads=2, intermediate_size=64,
-                                                     max_position_embeddings=32, pad_token_id=0)),
-    "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**_T, num_key_value_heads=1, head_dim=8, intermediate_size=64,
-                                                        max_position_embeddings=32)),
-    "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(**_T, ffn_dim=64, max_position_embeddings=32, word_embed_proj_dim=32)),
-    "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**_T, num_key_value_heads=2, intermediate_size=64,
-                                                              max_position_embeddings=32)),
-    "starcoder2": lambda: tf.Starcoder2ForCausalLM(tf.Starcoder2Config(**_T, num_key_value_heads=2, intermediate_size=64,
-                                                                       max_position_embeddings=32)),
-    "olmo": lambda: tf.OlmoForCausalLM(tf.OlmoConfig(**_T, num_key_value_heads=2, intermediate_size=64,
-                                                     max_position_embeddings=32, pad_token_id=0)),
+    "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**_D)),
+    "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**_D, pad_token_id=0)),
+    "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**(_D | dict(num_key_value_heads=1, head_dim=8)))),
+    "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(**_T, ffn_dim=64, max_position_embeddings=32,
+                                                  word_embed_proj_dim=32)),
+    "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**_D)),
+    "starcoder2": lambda: tf.Starcoder2ForCausalLM(tf.Starcoder2Config(**_D)),
+    "olmo": lambda: tf.OlmoForCausalLM(tf.OlmoConfig(**_D, pad_token_id=0)),
     "falcon": lambda: tf.FalconForCausalLM(tf.FalconConfig(**_T, multi_query=True, new_decoder_architecture=False,
                                                            parallel_attn=True, bias=False)),
-    "stablelm": lambda: tf.StableLmForCausalLM(tf.StableLmConfig(**_T, num_key_value_heads=2, intermediate_size=64,
-                                                                 max_position_embeddings=32)),
+    "stablelm": lambda: tf.StableLmForCausalLM(tf.StableLmConfig(**_D)),
     "distilbert": lambda: tf.DistilBertForMaskedLM(tf.DistilBertConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4,
                                                                        hidden_dim=64, max_position_embeddings=32)),
     "roberta": lambda: tf.RobertaForMaskedLM(tf.RobertaConfig(**_T, intermediate_size=64, max_position_embeddings=40)),

@@ -1,7 +1,7 @@
-"""Where a benchmark result comes from and how it is written: the commit and the command it was
-run with (each results directory's ``record.json``, checked by :func:`record_problems`), the
-machine's matmul rates, results as JSON without NaN or numpy scalars, Markdown tables
-(:func:`table`) and the progress log (:func:`log`)."""
+"""How a benchmark result is written and where it comes from: strict JSON naming no machine's
+paths, Markdown tables, figures, the progress log, and each results directory's ``record.json``
+(per file: the command that regenerates it, the commit it ran at, the machine's matmul rates;
+checked by :func:`record_problems`; ``python -m benchmarks record`` adds an entry by hand)."""
 from __future__ import annotations
 
 import argparse
@@ -19,32 +19,31 @@ from pathlib import Path
 
 from symgraph.checkpoints.outdir import identity, remove_own
 
-__all__ = ["REPO_ROOT", "RECORD", "RESULTS_ROOT", "git_state", "jsonable", "machine_free", "write_json", "staged",
-           "write_result", "write_beside", "write_entry", "register", "log", "table", "markdown_table", "cell",
-           "mean_sd", "mean_sd_cell",
-           "pyplot", "save_figure", "commit_info",
-           "command_line", "best_time", "matmul_gflops", "matmul_rates", "add_record", "record_problems"]
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
+RECORD = "record.json"
+RESULTS_ROOT = REPO_ROOT / "benchmarks" / "results"
+
+
+def _git(*args, root=REPO_ROOT) -> str | None:
+    """``git -C root ARGS``'s stripped stdout; None where git fails or is missing."""
+    try:
+        r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+    except OSError:
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
 
 
 def git_state() -> str | None:
-    """The repository's HEAD commit, with "+dirty" when symgraph/ has uncommitted changes."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "symgraph"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
+    """The HEAD commit (short), with "+dirty" when symgraph/ has uncommitted changes."""
+    head, dirty = _git("rev-parse", "--short", "HEAD"), _git("status", "--porcelain", "--", "symgraph")
+    return None if head is None or dirty is None else head + ("+dirty" if dirty else "")
 
 
 def jsonable(x):
-    """``x`` with non-finite floats as None and numpy scalars as Python numbers (strict JSON)."""
+    """``x`` with non-finite floats as None and numpy / torch scalars as Python numbers."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
-    if hasattr(x, "item") and getattr(x, "ndim", None) == 0:  # numpy / torch scalars
+    if hasattr(x, "item") and getattr(x, "ndim", None) == 0:
         return jsonable(x.item())
     if isinstance(x, dict):
         return {k: jsonable(v) for k, v in x.items()}
@@ -54,9 +53,8 @@ def jsonable(x):
 
 
 def machine_free(text: str) -> str:
-    """``text`` with this checkout's path written ``<repo>``, the running Python's environment
-    (a venv outside the checkout) ``<venv>`` and the home directory ``~``: a committed record
-    names no machine's paths (tests/test_machine_paths.py checks the tree)."""
+    """``text`` with this checkout's path written ``<repo>``, a venv's prefix ``<venv>`` and the
+    home directory ``~`` (tests/test_machine_paths.py checks the tree)."""
     venv = sys.prefix if sys.prefix != sys.base_prefix else ""  # a venv's, never a system prefix
     for path, name in ((str(REPO_ROOT), "<repo>"), (venv, "<venv>"), (str(Path.home()), "~")):
         if len(path) > 1:
@@ -65,15 +63,13 @@ def machine_free(text: str) -> str:
 
 
 def write_json(path, obj) -> None:
-    """``obj`` (made :func:`jsonable`, paths :func:`machine_free`) into ``path``."""
     Path(path).write_text(machine_free(json.dumps(jsonable(obj), indent=1)))
 
 
 @contextlib.contextmanager
 def staged(out, prefix: str = ".bench-"):
-    """A temporary sibling of ``out`` to write a result into; on success every file in it is
-    moved into ``out`` (each one atomically replaced). The temporary directory, the only thing
-    ever deleted, goes in any case."""
+    """A temporary sibling of ``out`` to write into; on success each of its files replaces its
+    namesake in ``out`` atomically. Only the temporary directory is ever deleted."""
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
@@ -90,9 +86,7 @@ def staged(out, prefix: str = ".bench-"):
 def write_result(out, prefix: str, record, markdown, plot=None, json_name: str = "results.json",
                  md_name: str = "report.md", command: str | None = None) -> None:
     """``plot(record, dir)``'s figures (first: it may note them in ``record``), ``record`` as JSON
-    and its ``markdown(record)`` report, written into ``out`` through :func:`staged`, and their
-    entry in ``out``'s ``record.json`` (:func:`register`): ``command`` (default: this process's,
-    :func:`command_line`), the commit, the machine's matmul rates."""
+    and ``markdown(record)``, written into ``out`` through :func:`staged`, and :func:`register`-ed."""
     with staged(out, prefix) as tmp:
         if plot is not None:
             plot(record, tmp)
@@ -103,9 +97,8 @@ def write_result(out, prefix: str, record, markdown, plot=None, json_name: str =
 
 
 def write_beside(path, record, markdown: str | None = None, command: str | None = None) -> None:
-    """``record`` as JSON at ``path`` (:func:`write_json`'s form) and ``markdown``, when given,
-    beside it (``.md``), each file replaced whole (a run stopped at any time leaves whole files),
-    and their entry in the directory's ``record.json`` (:func:`register`)."""
+    """``record`` as JSON at ``path`` and ``markdown``, when given, beside it (``.md``), each file
+    replaced whole, and :func:`register`-ed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     files = {path: machine_free(json.dumps(jsonable(record), indent=1))}
@@ -119,9 +112,8 @@ def write_beside(path, record, markdown: str | None = None, command: str | None 
 
 
 def write_entry(path, label: str, record, markdown) -> dict:
-    """``record`` as entry ``label`` of the results at ``path`` (``{label: record}`` JSON, the
-    other entries kept; what is not JSON written null), with ``markdown(all of them)`` beside it
-    (:func:`write_beside`). Returns all the entries."""
+    """``record`` as entry ``label`` of the ``{label: record}`` JSON at ``path`` (other entries
+    kept, what is not JSON null), ``markdown(all entries)`` beside it; returns all entries."""
     path = Path(path)
     results = json.loads(path.read_text()) if path.is_file() else {}
     results[label] = record
@@ -131,30 +123,22 @@ def write_entry(path, label: str, record, markdown) -> dict:
 
 
 def register(out, files, command: str | None = None) -> dict | None:
-    """:func:`add_record` with this process's command (:func:`command_line`) unless given, and the
-    machine's matmul rates (:func:`matmul_rates`, measured once a process: call it before the
-    runs it must not disturb). Not on a copy of the tree whose commit comes from
-    ``$SYMGRAPH_COMMIT`` (a lent device: what comes back from it is a few files, and every one
-    of them counts; the results name their commit, and their entry is added where they are
-    committed): None there."""
+    """:func:`add_record` with this process's command unless given and the machine's
+    :func:`matmul_rates`. None, and no entry, on a copy of the tree with ``$SYMGRAPH_COMMIT``
+    (a lent device: the entry is added where its results are committed)."""
     if commit_info()["source"] == "SYMGRAPH_COMMIT":
         return None
     return add_record(out, files, command or command_line(), rates=matmul_rates())
 
 
-# --- the one logger and the one table writer ----------------------------------------------------
-
-
 def log(msg: str) -> None:
-    """A benchmark's progress line, on stderr (stdout stays for what a command prints)."""
+    """A progress line, on stderr (stdout stays for what a command prints)."""
     print(msg, file=sys.stderr, flush=True)
 
 
 def table(header, rows, align=None) -> list[str]:
-    """A Markdown table's lines: ``header`` (cells), ``rows`` (cells, each ``str()``-ed; a row
-    given as a string is a line written as it is, e.g. one whose cells span by hand) and
-    ``align``, one of ``"l"``, ``"r"``, ``"c"`` or ``None`` per column (``---``, ``---:``,
-    ``:---:``, ``---``; None: every column ``---``)."""
+    """A Markdown table's lines. Cells are ``str()``-ed; a row given as a string is a line as it
+    is. ``align``: per column ``"l"``, ``"r"``, ``"c"`` or None (default: all None)."""
     marks = {"l": ":---", "r": "---:", "c": ":---:", None: "---"}
     align = align or [None] * len(header)
     return ["| " + " | ".join(header) + " |", "|" + "|".join(marks[a] for a in align) + "|",
@@ -162,18 +146,15 @@ def table(header, rows, align=None) -> list[str]:
 
 
 def markdown_table(header, rows, align=None) -> str:
-    """:func:`table`'s lines as one string."""
     return "\n".join(table(header, rows, align))
 
 
 def cell(x, spec: str = ".3f", none: str = "—") -> str:
-    """A table cell: ``format(x, spec)``, or ``none`` where ``x`` is None."""
     return none if x is None else format(x, spec)
 
 
 def mean_sd(xs) -> tuple:
-    """``(mean, sample standard deviation, n)`` of the values in ``xs`` that are not None
-    (sd 0 for one value; ``(None, None, 0)`` for none)."""
+    """``(mean, sample sd, n)`` of the values that are not None (sd 0 for one, ``(None, None, 0)`` for none)."""
     import numpy as np
     xs = [x for x in xs if x is not None]
     if not xs:
@@ -182,7 +163,7 @@ def mean_sd(xs) -> tuple:
 
 
 def mean_sd_cell(ms, digits: int = 3) -> str:
-    """A table cell of :func:`mean_sd`'s ``ms``: ``m ± s`` (``m`` for one value, ``—`` for none)."""
+    """:func:`mean_sd`'s ``ms`` as ``m ± s`` (``m`` for one value, ``—`` for none)."""
     m, s, n = ms
     if m is None:
         return "—"
@@ -190,7 +171,7 @@ def mean_sd_cell(ms, digits: int = 3) -> str:
 
 
 def pyplot():
-    """``matplotlib.pyplot`` on the Agg backend: a benchmark's figures are files, never a window."""
+    """``matplotlib.pyplot`` on the Agg backend."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -198,62 +179,39 @@ def pyplot():
 
 
 def save_figure(fig, path, dpi: int = 110, **savefig) -> str:
-    """``fig`` written to ``path`` (``savefig``'s keywords, e.g. ``bbox_inches="tight"``) and
-    closed; the file's name."""
+    """``fig`` saved to ``path`` and closed; the file's name."""
     fig.savefig(path, dpi=dpi, **savefig)
     pyplot().close(fig)
     return Path(path).name
-
-
-# --- what a record names: the command and the commit ---------------------------------------------
-
-
-def commit_info(root: Path = REPO_ROOT) -> dict:
-    """``{"commit", "dirty", "source"}``: ``$SYMGRAPH_COMMIT`` (a copy of the tree without
-    ``.git``, e.g. on a lent GPU machine), else ``git rev-parse HEAD`` and whether tracked files
-    differ from it, as they were when this process first asked (a run names the commit it
-    started at, even if the tree moves on while it runs; this module asks on import); ``commit``
-    None when neither is there."""
-    env = os.environ.get("SYMGRAPH_COMMIT")
-    if env:
-        return {"commit": env.strip(), "dirty": None, "source": "SYMGRAPH_COMMIT"}
-    key = str(Path(root).resolve())
-    if key not in _STARTED:
-        _STARTED[key] = _git_state(root)
-    return dict(_STARTED[key])
 
 
 #: ``{tree: commit_info}``: each tree's state when this process first asked.
 _STARTED: dict = {}
 
 
-def _git_state(root) -> dict:
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
-        st = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                            capture_output=True, text=True)
-    except OSError:
-        return {"commit": None, "dirty": None, "source": None}
-    if head.returncode != 0:
-        return {"commit": None, "dirty": None, "source": None}
-    return {"commit": head.stdout.strip(), "dirty": bool(st.stdout.strip()) if st.returncode == 0 else None,
-            "source": "git"}
+def commit_info(root: Path = REPO_ROOT) -> dict:
+    """``{"commit", "dirty", "source"}``: ``$SYMGRAPH_COMMIT`` (a copy of the tree without
+    ``.git``), else HEAD and whether tracked files differ from it as they were when this process
+    first asked (a run names the commit it started at; this module asks on import)."""
+    env = os.environ.get("SYMGRAPH_COMMIT")
+    if env:
+        return {"commit": env.strip(), "dirty": None, "source": "SYMGRAPH_COMMIT"}
+    key = str(Path(root).resolve())
+    if key not in _STARTED:
+        head = _git("rev-parse", "HEAD", root=root)
+        st = _git("status", "--porcelain", "--untracked-files=no", root=root)
+        _STARTED[key] = {"commit": head, "dirty": None if head is None or st is None else bool(st),
+                         "source": None if head is None else "git"}
+    return dict(_STARTED[key])
 
 
 def command_line(argv=None, module: str | None = None) -> str:
-    """The command that ran: ``python -m MODULE ARGS`` (``argv`` defaults to ``sys.argv[1:]``;
-    ``module`` to the running ``__main__``'s), each argument shell-quoted."""
+    """``python -m MODULE ARGS``, shell-quoted (defaults: the running ``__main__`` and ``sys.argv[1:]``)."""
     if module is None:
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         module = spec.name.removesuffix(".__main__") if spec is not None else "benchmarks"
     args = sys.argv[1:] if argv is None else list(argv)
     return " ".join(["python", "-m", module, *map(shlex.quote, args)])
-
-
-#: The file in every directory under ``benchmarks/results/`` that names, for each of its files,
-#: the command that regenerates it and the commit it was run at.
-RECORD = "record.json"
-RESULTS_ROOT = REPO_ROOT / "benchmarks" / "results"
 
 
 def best_time(f, n=3, sync=lambda: None) -> float:
@@ -270,7 +228,7 @@ def best_time(f, n=3, sync=lambda: None) -> float:
 
 
 def matmul_gflops(dtypes, n: int = 4096, device="cpu", sync=lambda: None) -> dict:
-    """``{dtype name: GFLOP/s}`` of an ``n×n`` matmul on ``device``, best of 3 (:func:`best_time`)."""
+    """``{dtype name: GFLOP/s}`` of an ``n×n`` matmul on ``device`` (:func:`best_time`)."""
     import torch
     out = {}
     for dt in dtypes:
@@ -281,36 +239,26 @@ def matmul_gflops(dtypes, n: int = 4096, device="cpu", sync=lambda: None) -> dic
 
 @functools.lru_cache(maxsize=None)
 def matmul_rates(n: int = 2048) -> dict:
-    """This machine's float32 and bfloat16 matmul rates, GFLOP/s (``n×n``, best of 3; measured
-    once a process): the yardstick a record's seconds are read against. A dtype this machine
-    multiplies slowly is measured at the size (from 256, doubling up to ``n``) whose product
-    first takes 0.1 s: bfloat16 without AVX-512 BF16 runs at about 1 GFLOP/s, where 2048 would
-    take a minute a call."""
+    """This machine's float32 and bfloat16 matmul GFLOP/s, measured once a process: the yardstick
+    for a record's seconds. A slow dtype (bfloat16 without AVX-512 BF16: about 1 GFLOP/s) is
+    measured at the first size from 256, doubling up to ``n``, whose product takes 0.1 s."""
     import torch
     out = {}
     for dt in (torch.float32, torch.bfloat16):
         m = min(256, n)
-        while m < n and _one_product(dt, m) < 0.1:
+        (name, rate), = matmul_gflops((dt,), n=m).items()
+        while m < n and 2 * m ** 3 / rate / 1e9 < 0.1:
             m *= 2
-        out.update(matmul_gflops((dt,), n=m))
-    return {k: round(v, 1) for k, v in out.items()}
-
-
-def _one_product(dtype, n: int) -> float:
-    """Seconds of one ``n×n`` product in ``dtype`` (after a warm-up: :func:`best_time`)."""
-    import torch
-    a, b = (torch.randn(n, n).to(dtype) for _ in range(2))
-    return best_time(lambda: a @ b, n=1)
+            (name, rate), = matmul_gflops((dt,), n=m).items()
+        out[name] = round(rate, 1)
+    return out
 
 
 def add_record(out, files, command: str, *, rates: dict | None = None, how: str = "written by the run",
                commit: str | None = None) -> dict:
-    """The entry of ``out/record.json`` for ``files`` (names in ``out``): ``command``, this tree's
-    commit (``commit``, default :func:`commit_info`'s) and, when given, the machine's matmul
-    ``rates``. Earlier entries
-    lose these files and keep the others (files this run did not rewrite keep the run that wrote
-    them); an entry left with none goes. Returns the entry."""
-    out = Path(out)
+    """The entry of ``out/record.json`` for ``files``: ``command``, the commit (default
+    :func:`commit_info`'s), the matmul ``rates`` when given. Earlier entries lose these files;
+    an entry left with none goes. Returns the entry."""
     info = commit_info() if commit is None else {"commit": commit, "dirty": None}
     entry = {"files": sorted(str(f) for f in files), "command": command, "commit": info["commit"],
              "commit_is": "run", "how": how}
@@ -318,7 +266,7 @@ def add_record(out, files, command: str, *, rates: dict | None = None, how: str 
         entry["dirty"] = True
     if rates is not None:
         entry["matmul_gflops"] = dict(rates)
-    path = out / RECORD
+    path = Path(out) / RECORD
     old = json.loads(path.read_text())["entries"] if path.is_file() else []
     keep = [e | {"files": [f for f in e["files"] if f not in entry["files"]]} for e in old]
     keep = [e for e in keep if e["files"]]
@@ -327,20 +275,19 @@ def add_record(out, files, command: str, *, rates: dict | None = None, how: str 
 
 
 def _covering(path: Path, root: Path):
-    """The nearest ``record.json`` at or above ``path``'s directory, up to ``root``."""
+    """The nearest directory with a ``record.json`` at or above ``path``'s, up to ``root``."""
     d = path.parent
-    while True:
-        if (d / RECORD).is_file():
-            return d
+    while not (d / RECORD).is_file():
         if d == root:
             return None
         d = d.parent
+    return d
 
 
 def record_problems(root: Path = RESULTS_ROOT, exists=None) -> list[str]:
-    """What is wrong with the records under ``root``, one line each (none: every file is named
-    by exactly one entry of the nearest ``record.json``, every entry names files that exist, a
-    command, or why there is none, and a commit for which ``exists(commit)`` holds)."""
+    """What is wrong with the records under ``root``, one line each: every file must be named by
+    exactly one entry of its nearest ``record.json``, every entry name existing files, a command
+    (or why there is none) and a commit for which ``exists(commit)`` holds."""
     root = Path(root)
     problems, covered = [], {}
     for rec in sorted(root.rglob(RECORD)):
@@ -370,11 +317,9 @@ def record_problems(root: Path = RESULTS_ROOT, exists=None) -> list[str]:
     return problems
 
 
-
 def main(argv=None) -> int:
     """``python -m benchmarks record DIR FILE... --command CMD [--commit SHA]``: the entry of
-    results brought back from a lent device (which writes none) or measured by hand, added to
-    ``DIR/record.json``; the commit must be in this repository's history."""
+    results brought back from a lent device or measured by hand, added to ``DIR/record.json``."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks record", description=main.__doc__.splitlines()[0])
     ap.add_argument("dir")
     ap.add_argument("files", nargs="+")
@@ -383,8 +328,7 @@ def main(argv=None) -> int:
     ap.add_argument("--how", default="added by hand (python -m benchmarks record)")
     a = ap.parse_args(argv)
     missing = [f for f in a.files if not (Path(a.dir) / f).is_file()]
-    sha = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--verify", "-q", f"{a.commit}^{{commit}}"],
-                         capture_output=True, text=True).stdout.strip()
+    sha = _git("rev-parse", "--verify", "-q", f"{a.commit}^{{commit}}")
     if missing or not sha:
         why = f"no {', '.join(missing)} in {a.dir}" if missing else f"no commit {a.commit!r} in this repository"
         print(f"python -m benchmarks record: {why}", file=sys.stderr)

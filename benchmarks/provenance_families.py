@@ -1,12 +1,9 @@
-"""The provenance benchmark's copies section: for each of the 22 tested families
-(:mod:`benchmarks.families`), a tiny model A and a copy B moved by a random element of the full
-groups its report claims (``report.random_transform``: orthogonal streams, GL per head, RoPE's
-scaled rotations, scaled permutations), both written with ``save_pretrained`` and compared as
-``symgraph compare A B`` compares them (:func:`symgraph.cli.compare.compare_paths`): in memory
-(what the command does for models this small), then out of core (``--out-of-core``). Target
-(issue 45): every copy "same", and the recovered element applied to B giving A to 1e-6 (the
-largest relative Frobenius distance over A's tensors). A family that fails is a row with its
-reason."""
+"""The provenance benchmark's copies section: per tested family (:mod:`benchmarks.families`), a
+tiny model A and B = A moved by a random element of the full groups (``report.random_transform``),
+both saved with ``save_pretrained`` and compared as ``symgraph compare A B`` does
+(:func:`symgraph.cli.compare.compare_paths`), in memory, then ``--out-of-core``. Target: every copy
+"same", and the recovered element applied to B giving A within :data:`TARGET`. A family that fails
+is a row with its reason."""
 from __future__ import annotations
 
 import tempfile
@@ -20,9 +17,7 @@ import symgraph
 from symgraph.cli.compare import compare_paths
 
 from .families import FAMILIES, build
-from .provenance import cell
-
-__all__ = ["TARGET", "family_row", "run_families", "families_markdown"]
+from .provenance import cell, table
 
 TARGET = 1e-6  # the largest relative error of A against B with the recovered element applied
 
@@ -31,25 +26,22 @@ def max_rel_error(want: dict, got: dict) -> float:
     """The largest ``‖got − want‖ / ‖want‖`` over ``want``'s floating-point tensors (float64)."""
     out = 0.0
     for k, w in want.items():
-        if not w.is_floating_point():
-            continue
-        w, g = w.detach().double(), got[k].detach().double()
-        out = max(out, float((g - w).norm()) / max(float(w.norm()), 1e-300))
+        if w.is_floating_point():
+            w, g = w.detach().double(), got[k].detach().double()
+            out = max(out, float((g - w).norm()) / max(float(w.norm()), 1e-300))
     return out
 
 
 def _classes(res) -> int:
-    """The number of classes in the report the comparison aligned by."""
     rep = res.alignment.report_a
     return len(rep.groups) if rep is not None else 0
 
 
 def family_row(name: str, seed: int = 0, out_of_core: bool = True) -> dict:
-    """One family's row: ``verdict`` and ``error`` (``max_rel_error`` of A against
-    ``alignment.apply(B)``) in memory, ``ooc_verdict`` / ``ooc_error`` (the largest relative
-    distance of B read into A's basis out of core) and ``ooc_mode``, ``moved`` (B against A
-    before alignment), ``kinds`` (the group kinds the alignment filled), ``ok`` (every verdict
-    "same" and every error within :data:`TARGET`), ``seconds``; ``reason`` when it fails."""
+    """One family's row: in memory ``verdict`` and ``error`` (:func:`max_rel_error` of A against
+    ``alignment.apply(B)``); out of core ``ooc_verdict``, ``ooc_error`` (the largest relative
+    distance of B read into A's basis) and ``ooc_mode``; ``moved`` (B against A before alignment),
+    ``kinds`` (group kinds filled), ``ok`` (all "same" within :data:`TARGET`), ``reason``."""
     t0 = time.perf_counter()
     row: dict = {"family": name, "ok": False, "reason": None}
     try:
@@ -71,8 +63,8 @@ def family_row(name: str, seed: int = 0, out_of_core: bool = True) -> dict:
                 row.update(ooc_verdict=ooc.verdict, ooc_mode=ooc.mode, ooc_classes=_classes(ooc),
                            ooc_error=max((t["rel_distance"] for t in ooc.tensors), default=0.0),
                            seconds_out_of_core=time.perf_counter() - t1)
-        verdicts = [row["verdict"]] + ([row["ooc_verdict"]] if out_of_core else [])
-        errors = [row["error"]] + ([row["ooc_error"]] if out_of_core else [])
+        ways = ["", "ooc_"] if out_of_core else [""]
+        verdicts, errors = [row[w + "verdict"] for w in ways], [row[w + "error"] for w in ways]
         row["ok"] = all(v == "same" for v in verdicts) and all(e <= TARGET for e in errors)
         if not row["ok"]:
             row["reason"] = f"verdicts {verdicts}, errors {', '.join(f'{e:.2e}' for e in errors)}"
@@ -87,17 +79,15 @@ def family_row(name: str, seed: int = 0, out_of_core: bool = True) -> dict:
 
 
 def run_families(names=None, seed: int = 0, out_of_core: bool = True) -> dict:
-    """:func:`family_row` of each family (default: all 22), printed as it comes."""
+    """:func:`family_row` of each family (default: all 22), printed as it comes, and the counts."""
     t0 = time.perf_counter()
     rows = []
     for name in names or FAMILIES:
-        row = family_row(name, seed, out_of_core)
-        print({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in row.items() if k != "traceback"},
+        rows.append(family_row(name, seed, out_of_core))
+        print({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in rows[-1].items() if k != "traceback"},
               flush=True)
-        rows.append(row)
-    def passed(verdict, error):  # rows whose comparison this way is "same" within the target
-        return [r for r in rows if r.get(verdict) == "same" and r[error] <= TARGET]
-    mem, ooc = passed("verdict", "error"), passed("ooc_verdict", "ooc_error")
+    mem = [r for r in rows if r.get("verdict") == "same" and r["error"] <= TARGET]
+    ooc = [r for r in rows if r.get("ooc_verdict") == "same" and r["ooc_error"] <= TARGET]
     return {"rows": rows, "target": TARGET, "seed": seed, "out_of_core": out_of_core, "families": len(rows),
             "passed": sum(r["ok"] for r in rows), "same_in_memory": len(mem),
             "max_error_in_memory": max((r["error"] for r in mem), default=None),
@@ -124,18 +114,17 @@ def families_markdown(f: dict) -> str:
                  f"{cell(f['max_error_out_of_core'], '.1e')}; {len(f['loaded_instead'])} loaded in memory "
                  "instead, marked: transformers renames their stored tensors on load)." if ooc else "")
              + f" All rows ok: {f['passed']}/{f['families']}; {f['seconds']:.0f} s.", ""]
-    head = "| family | verdict | error | moved | " + ("out of core: verdict | error | " if ooc else "") + \
-           "group kinds filled | seconds |"
-    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    rows = []
     for r in f["rows"]:
-        kinds = ", ".join(f"{k} {n}" for k, n in sorted((r.get("kinds") or {}).items()))
-        cells = [r["family"], r.get("verdict", "error"), cell(r.get("error"), '.1e'), cell(r.get("moved"), '.1e')]
+        cells = [r["family"], r.get("verdict", "error"), cell(r.get("error"), ".1e"), cell(r.get("moved"), ".1e")]
         if ooc:
             mode = r.get("ooc_mode")
             cells += [r.get("ooc_verdict", "—") + ("" if mode in (None, "out of core") else f" ({mode})"),
-                      cell(r.get("ooc_error"), '.1e')]
-        cells += [kinds or "—", f"{r['seconds']:.1f}"]
-        lines.append("| " + " | ".join(cells) + " |")
+                      cell(r.get("ooc_error"), ".1e")]
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted((r.get("kinds") or {}).items()))
+        rows.append(cells + [kinds or "—", f"{r['seconds']:.1f}"])
+    ooc_head = ["out of core: verdict", "error"] if ooc else []
+    lines += table(["family", "verdict", "error", "moved", *ooc_head, "group kinds filled", "seconds"], rows)
     failed = [r for r in f["rows"] if not r["ok"]]
     if failed:
         lines += ["", "Failed:"] + [f"- {r['family']}: {r['reason']}" for r in failed]

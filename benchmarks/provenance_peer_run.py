@@ -1,15 +1,9 @@
-"""Run by the kit's own interpreter (:mod:`benchmarks.provenance_peer`), never imported by
-symgraph: cisco-ai-provenance-kit's pairwise comparison on local checkpoints, offline.
-
-``python provenance_peer_run.py < job.json``; job: ``{"pairs": [[A dir, B dir], ...],
-"threads": 1}``. One scanner (``ModelProvenanceScanner``, the ``provenancekit compare``
-pipeline, with ``NullCache``: the CLI's ``--no-cache``) for all the pairs. Prints JSON lines:
-first ``{"versions": ...}``, then per pair ``{"index", "result"}`` (``result`` is what
-``provenancekit compare --json`` prints, the kit's ``format_json``) or ``{"index", "error"}``,
-each with ``seconds``, the kit's ``warnings`` (its structlog events at level warning and
-above) and ``network`` (connection attempts, refused: the run is offline; there should be
-none). A path that is not a local checkpoint (a directory with ``config.json``) is an error,
-never looked up on the hub.
+"""Run by the kit's own interpreter (:mod:`benchmarks.provenance_peer`): cisco-ai-provenance-kit's
+``provenancekit compare`` pipeline (one ``ModelProvenanceScanner`` with ``NullCache``) on local
+checkpoints, offline. ``python provenance_peer_run.py < job.json``, job ``{"pairs": [[A, B], ...],
+"threads": 1}``. Prints JSON lines: ``{"versions": ...}``, then per pair ``{"index", "result"}``
+(the kit's ``format_json``) or ``{"index", "error"}``, with ``seconds``, the kit's ``warnings``
+(structlog, level warning and above) and ``network`` (connection attempts, refused).
 """
 import json
 import logging

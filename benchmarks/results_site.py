@@ -1,12 +1,8 @@
-"""The benchmark results in the documentation site: a mkdocs hook (``hooks:`` in mkdocs.yml).
-
-The results pages live beside their records in ``benchmarks/results/``, outside ``docs/``
-(each is written by the command that measured it). :func:`on_files` adds every results page,
-plot and record to the site under ``results/`` as they are, with an index page for the
-directory tree and for each directory without a report of its own; :func:`on_page_markdown`
-points the documentation's links to them (``../benchmarks/results/suite/report.md``) at those
-copies (a link to a directory goes to its report or index). ``tests/test_docs_build.py`` fails
-on a link in the site that leads nowhere.
+"""A mkdocs hook (``hooks:`` in mkdocs.yml): the results pages, plots and records of
+``benchmarks/results/`` (outside ``docs/``, each beside the record of the command that wrote it)
+in the site under ``results/``, with an index page for each directory without a report of its
+own, and the documentation's links to them (``../benchmarks/results/...``) pointed at those
+copies. ``tests/test_docs_build.py`` fails on a link in the site that leads nowhere.
 """
 from __future__ import annotations
 
@@ -14,8 +10,6 @@ import os
 import re
 
 from mkdocs.structure.files import File
-
-__all__ = ["RESULTS", "SITE_DIR", "on_files", "on_page_markdown", "page_of"]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SITE_DIR = "results"  # where they are in the site
