@@ -1,25 +1,18 @@
-"""Coverage of diffusers models (issue 65): the tiny UNet, DiT, SD3 MMDiT, Flux and VAE of
+"""Coverage of diffusers models: the tiny UNet, DiT, SD3 MMDiT, Flux and VAE of
 ``symgraph.testing.diffusion`` traced, analysed, certified (float64) and a randomly transformed
 copy recovered by weight matching; one row per model.
 
 ``python -m benchmarks coverage_diffusers [--models NAME ...] [--out DIR]``: writes
-``coverage.json`` and ``coverage.md`` into ``DIR`` (default
-``benchmarks/results/coverage_diffusers``) and their entry in its ``record.json``.
+``coverage.json`` and ``coverage.md`` into ``DIR`` and their entry in its ``record.json``.
 
-Columns: traced (exported and analysed), sound (certificate ≤ 1e-6), complete (no op without a
-rule, and every class the graph's structure calls for found: each ResNet block's channels,
-each MLP's hidden units (the timestep embedding's among them), each attention's heads; the
-vision table's rule, :func:`benchmarks.coverage.vision.completeness`), missing (those not
-found), frozen ops, fixed parameters (no group on any dimension; folded norm gains aside), the
-certificate, the recovery error (largest weight difference after aligning the transformed copy
-back), and the analysis and alignment times.
-
-What stays fixed, and why (the markdown lists each parameter with the reason the analysis
-records): the output layer's bias everywhere; in Flux the query/key RMSNorm gains, which
-scale each coordinate of a head before the rotary embedding turns each pair of coordinates by
-its own angle (the tables are computed from the position ids ``img_ids``/``txt_ids`` and read
-as RoPE): no map of those coordinates but the identity keeps both, so the gains are fixed by
-the function itself, as in Qwen3's ``q_norm``."""
+Columns: traced (exported and analysed), sound (certificate ≤ 1e-6), complete (no frozen op, and
+every class the graph's structure calls for found: the vision table's rule,
+:func:`benchmarks.coverage.vision.completeness`), missing (those not found), frozen ops, fixed
+parameters (no group on any dimension; folded norm gains aside), the certificate, the recovery
+error (largest weight difference after aligning the transformed copy back), and the analysis and
+alignment times. The markdown lists each fixed parameter with the reason the analysis records
+(Flux's query/key RMSNorm gains, before a rotation by a distinct angle per pair, are fixed by
+the function itself)."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +20,7 @@ import time
 from pathlib import Path
 
 from .harness import script
-from .provenance import commit_info, command_line, log, table, write_result
+from .provenance import cell, commit_info, command_line, log, table, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "coverage_diffusers"
 TOL = 1e-6
@@ -80,16 +73,11 @@ def row(name: str) -> dict:
     return rec
 
 
-def _num(v, fmt):
-    return "-" if v is None else format(v, fmt)
-
-
 def markdown(res) -> str:
     rows = [(r["model"], r.get("class", "-"), r.get("parameters", "-"), r["traced"], r["sound"], r["complete"],
              len(r.get("missing", [])), len(r.get("frozen_ops", [])), len(r.get("fixed_params", {})),
-             r.get("groups", "-"),
-             _num(r.get("certificate"), ".1e"), _num(r.get("recovery_error"), ".1e"),
-             _num(r.get("analyze_seconds"), ".2f"), _num(r.get("align_seconds"), ".2f")) for r in res["rows"]]
+             r.get("groups", "-"), cell(r.get("certificate"), ".1e", "-"), cell(r.get("recovery_error"), ".1e", "-"),
+             cell(r.get("analyze_seconds"), ".2f", "-"), cell(r.get("align_seconds"), ".2f", "-")) for r in res["rows"]]
     lines = ["# Coverage of diffusers models", "",
              f"- command: `{res['command']}`", f"- commit: `{res['commit']}`" + (" (dirty)" if res["dirty"] else ""),
              f"- diffusers {res['diffusers']}, torch {res['torch']}; tiny models from configs, float64, "
@@ -100,7 +88,8 @@ def markdown(res) -> str:
              "## Fixed parameters and why", ""]
     for r in res["rows"]:
         for miss in r.get("missing", []):
-            lines.append(f"- {r['model']}: missing {miss['kind']} of `{miss.get('module', '')}`: {miss.get('why', '')}")
+            lines.append(f"- {r['model']}: missing {miss['kind']} of `{miss.get('module', '')}`: "
+                         f"{miss.get('why', '')}")
         for n, why in r.get("fixed_params", {}).items():
             lines.append(f"- {r['model']}: `{n}`: {why}")
         if r.get("error"):
@@ -121,9 +110,9 @@ def main(argv=None) -> int:
         log(f"coverage_diffusers: {name}")
         rows.append(row(name))
     info = commit_info()
-    res = {"command": command_line(argv, "benchmarks coverage_diffusers") if argv is not None else command_line(),
-           "commit": info["commit"], "dirty": info["dirty"], "diffusers": diffusers.__version__,
-           "torch": torch.__version__, "tolerance": TOL, "rows": rows}
+    res = {"command": command_line(argv, "benchmarks coverage_diffusers"), "commit": info["commit"],
+           "dirty": info["dirty"], "diffusers": diffusers.__version__, "torch": torch.__version__, "tolerance": TOL,
+           "rows": rows}
     print(markdown(res))
     write_result(a.out, ".coverage-diffusers-", res, markdown, json_name="coverage.json", md_name="coverage.md",
                  command=res["command"])

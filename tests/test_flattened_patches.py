@@ -1,7 +1,7 @@
 """Issue 65: Pix2Struct-style flattened patches (``flattened_patches``: each patch's row and
 column, then its ``C·P·P`` pixels) as example inputs (symgraph/passes/patch_inputs.py), and the
 shrink rules that keep a config's patch width and query tokens consistent
-(benchmarks/coverage/tower_sizes.py):
+(benchmarks/coverage/consistent.py):
 
 - the patch side comes from the vision config's patch embedding width (``patch_embed_hidden_size``
   = ``C·P·P``); the patches are what transformers' own image processor makes (a 4 × 4 grid), or
@@ -136,7 +136,8 @@ def test_shrink_keeps_the_patch_width_and_bounds_the_queries():
 
 
 def test_patch_pixels_rule_keeps_only_a_patchs_pixel_count():
-    from benchmarks.coverage.tower_sizes import patch_pixels, query_tokens
+    from benchmarks.coverage.consistent import patch_pixels
+    from benchmarks.coverage.derived import query_tokens
     fields = {"patch_embed_hidden_size": 768, "hidden_size": 768}
     assert patch_pixels(fields, {"patch_embed_hidden_size": 64}) == {"patch_embed_hidden_size": 768}
     assert patch_pixels(fields, {}) == {}  # unchanged: nothing to keep

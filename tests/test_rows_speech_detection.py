@@ -128,7 +128,7 @@ def test_dia_decoder_ids_a_column_per_channel_of_its_decoder_vocabulary():
     _certified_and_claims(m, ["model.encoder.layers.", "model.decoder.layers."])
 
 
-# --- detectors: sizes the shrink rule derives from the backbone (benchmarks/coverage/detection.py)
+# --- detectors: sizes the shrink rule derives from the backbone (benchmarks/coverage/derived.py)
 
 
 def test_feature_width_follows_the_backbone_stage_it_reads():
@@ -138,7 +138,7 @@ def test_feature_width_follows_the_backbone_stage_it_reads():
     stage, or is not named for a feature, is left as the rule made it."""
     from types import SimpleNamespace
 
-    from benchmarks.coverage.detection import feature_widths
+    from benchmarks.coverage.derived import feature_widths
     old = SimpleNamespace(stage_out_channels=[128, 512], stage_in_channels=[48, 128], hidden_sizes=[256, 512],
                           to_dict=dict)
     fields = {"backbone_config": old, "x4_feat_dim": 128, "encoder_hidden_dim": 256, "y_feat_dim": 96}
@@ -150,7 +150,7 @@ def test_feature_width_follows_the_backbone_stage_it_reads():
 
 
 def test_object_queries_no_more_than_the_patches_of_the_shrunk_image():
-    from benchmarks.coverage.detection import object_queries
+    from benchmarks.coverage.derived import object_queries
     bb = {"image_size": 64, "patch_size": 14}
     assert object_queries({"num_queries": 300}, {"backbone_config": bb}) == {"num_queries": 16}
     assert object_queries({"num_queries": 10}, {"backbone_config": bb}) == {}

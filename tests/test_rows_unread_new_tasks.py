@@ -85,12 +85,12 @@ def test_granite_speech_claims_its_q_former_cross_attention_heads():
 
 
 def test_an_audio_token_left_none_beside_an_audio_config_gets_a_free_id():
-    """The shrink rule's placeholder tokens (:func:`benchmarks.coverage.towers.placeholder_tokens`)
+    """The shrink rule's placeholder tokens (:func:`benchmarks.coverage.derived.placeholder_tokens`)
     cover audio: transformers' default Voxtral config names no audio token (its forward then never
     reads the audio tower); the shrunk one takes the highest id no other token takes; a level with
     no audio config, or one that states its token, is left alone; image tokens as before."""
     from benchmarks.coverage.shrink import tiny_config
-    from benchmarks.coverage.towers import placeholder_tokens
+    from benchmarks.coverage.derived import placeholder_tokens
     fields = vars(T.VoxtralConfig())
     assert fields["audio_token_id"] is None
     assert placeholder_tokens(fields, {}, 256) == {"audio_token_id": 255}

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 
 
 def test_patch_query_map_keyed_by_the_shrunk_patch_count():
-    from benchmarks.coverage.tower_sizes import patch_queries
+    from benchmarks.coverage.derived import patch_queries
     fields = {"projector_patch_to_query_dict": {1225: 128, 4900: 256}, "vocab_size": 10}
     out = {"vision_config": {"image_size": 64, "patch_size": 32}}
     assert patch_queries(fields, out) == {"projector_patch_to_query_dict": {4: 4}}
@@ -55,7 +55,7 @@ def test_aria_reads_its_vision_tower():
 
 
 def test_an_aliased_token_id_is_renumbered_into_the_vocabulary():
-    from benchmarks.coverage.tower_sizes import aliased_token_ids
+    from benchmarks.coverage.derived import aliased_token_ids
 
     class Cfg:
         attribute_map = {"image_token_id": "image_patch_id", "video_token_id": "image_patch_id",

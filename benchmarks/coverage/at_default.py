@@ -1,24 +1,24 @@
-"""Whether a row's eager failure is transformers' own (issue 65): the class on its family's own
-default config, at full size, fails its forward the same way, so the shrink rule is not the
-cause. Run for real where the default model fits beside the row's; a larger one (Llama 4's
-108 B parameters) under fake tensors (shapes without data: transformers then skips its checks
-that read values, as it does under ``torch.export``). Never on the meta device: a meta tensor
-takes no ``.item()`` (a mask's packed-sequence test) and turns ``torch.tensor(None)`` into a
-0-d tensor, so a meta run fails elsewhere than the real one."""
+"""Whether a row's failure is transformers' own: the class on its family's own default config
+fails the same way, so the shrink rule is not the cause. A forward runs for real where the
+default model fits beside the row's, a larger one (Llama 4's 108 B parameters) under fake tensors
+(shapes without data; transformers then skips its checks that read values). Never on the meta
+device: a meta tensor takes no ``.item()``, so a meta run fails elsewhere than the real one."""
 from __future__ import annotations
 
 import os
 import traceback
 
-#: the largest default model run for real (parameters; float32: 1.2 GB), beside the row's tiny
-#: one under the child's memory limit; a larger one runs under fake tensors
+#: the largest default model run for real (parameters; float32: 1.2 GB)
 MOST_PARAMETERS = 300_000_000
+
+
+def _line(frame) -> str:
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}" if frame is not None else ""
 
 
 def where(e: BaseException) -> str:
     """``file:line`` of the frame that raised ``e`` (empty without a traceback)."""
-    tb = traceback.extract_tb(e.__traceback__)
-    return f"{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
+    return _line((traceback.extract_tb(e.__traceback__) or [None])[-1])
 
 
 def _model_frame(e: BaseException):
@@ -26,47 +26,62 @@ def _model_frame(e: BaseException):
     import transformers
     root = os.path.dirname(transformers.__file__) + os.sep
     tb = traceback.extract_tb(e.__traceback__)
-    own = [f for f in tb if f.filename.startswith(root)]
-    return (own or tb or [None])[-1]
+    return ([f for f in tb if f.filename.startswith(root)] or tb or [None])[-1]
 
 
 def model_line(e: BaseException) -> str:
-    """``file:line`` of the innermost frame of ``e`` in transformers' own code (the model's line
-    that failed: the same under fake tensors, whose kernels raise from elsewhere in torch),
-    else of the frame that raised it."""
-    f = _model_frame(e)
-    return f"{os.path.basename(f.filename)}:{f.lineno}" if f is not None else ""
+    """``file:line`` of :func:`_model_frame` (the model's line that failed: the same under fake
+    tensors, whose kernels raise from elsewhere in torch)."""
+    return _line(_model_frame(e))
 
 
 def refusal(e: BaseException) -> bool:
-    """Whether transformers raised ``e`` itself, on purpose (its line is a ``raise``: a check of
-    the forward's arguments, such as Gemma 4's assistant refusing to run without the target's
-    states). Such a failure is never cleared by the default config: our inputs may be what the
-    check refuses at every size."""
+    """Whether transformers raised ``e`` on purpose (its line is a ``raise``: a check of the
+    forward's arguments, Gemma 4's assistant refusing to run without the target's states). The
+    default config never clears it: our inputs may be what it refuses at every size."""
     f = _model_frame(e)
     return f is not None and (f.line or "").lstrip().startswith("raise")
 
 
+def _default(model_type: str, class_name: str):
+    """``(class, config)``: ``class_name`` and the config transformers' default config of
+    ``model_type`` builds it on."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    from .shrink import default_config, own_config
+    cls = getattr(transformers, class_name)
+    return cls, own_config(cls, default_config(CONFIG_MAPPING[model_type])[0])
+
+
+def fails_at_default(model_type: str, class_name: str) -> str | None:
+    """``"Type: message"`` of the exception with which transformers' own default config of the
+    family fails to validate, or ``class_name`` fails to be constructed on it (on the meta
+    device); None when both succeed."""
+    import torch
+    try:
+        cls, cfg = _default(model_type, class_name)
+        with torch.device("meta"):
+            cls(cfg)
+    except Exception as e:  # noqa: BLE001 - any failure of transformers' own is the answer
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+    return None
+
+
 def fails_eager_at_default(model_type: str, class_name: str, most: int = MOST_PARAMETERS) -> str | None:
-    """``"Type at file:line"`` (:func:`model_line`) of the exception with which ``class_name``, built on transformers'
-    own default config of ``model_type`` (eval, its own initialisation), fails its
-    forward on the example inputs :func:`symgraph.passes.inputs.default_inputs` builds for it;
-    for real when the default model has at most ``most`` parameters (counted on the meta
-    device), else under fake tensors. None when it runs, or when the config, the model or its
-    inputs cannot be built (a build failure is :func:`.shrink.fails_at_default`'s)."""
+    """``"Type at file:line"`` (:func:`model_line`) of the exception with which ``class_name`` on
+    its default config (eval, its own initialisation) fails its forward on the example inputs of
+    :func:`symgraph.passes.inputs.default_inputs`: for real when the model has at most ``most``
+    parameters (counted on the meta device), else under fake tensors. None when it runs, or when
+    the model or its inputs cannot be built (that is :func:`fails_at_default`'s)."""
     import contextlib
 
     import torch
-    import transformers
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import CONFIG_MAPPING
 
     from symgraph.passes.inputs import default_inputs
-
-    from .shrink import default_config, own_config
     try:
-        cls = getattr(transformers, class_name)
-        cfg = own_config(cls, default_config(CONFIG_MAPPING[model_type])[0])
+        cls, cfg = _default(model_type, class_name)
         with torch.device("meta"):
             size = sum(p.numel() for p in cls(cfg).parameters())
     except Exception:  # noqa: BLE001 - no forward to compare with

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import math
 
-from .graph import LAYOUT_OPS, LINEAR, is_constant, module_paths, pname, node_shape, dim_before, linear_weight
-
+from .graph import LAYOUT_OPS, LINEAR, dim_before, is_constant, linear_weight, module_paths, node_shape, pname
 
 __all__ = ["attention_units", "ROPE_BLOCKED", "ROPE_ABSENT"]
-
 
 ROPE_BLOCKED = ("query/key norm (mean-subtracting, or with per-dimension gains) before or after "
                 "the rotation: the gains do not commute with the rotations, so only a discrete "
@@ -18,12 +16,11 @@ ROPE_ABSENT = ("the config has rotary parameters but the traced graph rotates no
                "reaches an attention (its layers use no positional encoding)")
 
 
-
-def attention_units(ep, nodes: bool = False) -> list:
-    """Every attention site: ``{"module", "heads"}`` for each ``scaled_dot_product_attention``
-    (heads: dim 1 of the query) and each softmax over a >= 4-d tensor (heads: its dim 1), with
-    the innermost module that holds parameters. One per module. ``nodes``: each unit also
-    holds its query and key nodes (``"query"``, ``"key"``; for :mod:`.why`)."""
+def attention_units(ep) -> list:
+    """Every attention site, one per module (the innermost holding parameters): ``{"module",
+    "heads", "qk_norm", "rotated", "kv_heads", "query", "key"}`` (the last two: nodes) for each
+    ``scaled_dot_product_attention`` (heads: dim 1 of the query) and each softmax over a >= 4-d
+    tensor that is no projection of one activation (heads: its dim 1)."""
     params = list(ep.graph_signature.inputs_to_parameters.values())
     out = {}
     for n in ep.graph.nodes:
@@ -50,21 +47,18 @@ def attention_units(ep, nodes: bool = False) -> list:
             qk_norm, rotated = _normalised(ep, query)
             # a rope class rotates queries and keys alike: a norm on either blocks it
             qk_norm = qk_norm or hasattr(key, "op") and _normalised(ep, key)[0]
-            # a query broadcast along the head axis (one learned query expanded over batch and
-            # positions, as Inkling's block attention residuals) is one head, whatever that axis is
+            # a query broadcast along the head axis (one learned query: Inkling's) is one head
             heads = 1 if query is not n and _broadcast_axis(query, 1) else int(s[1])
             out[module] = {"module": module, "heads": heads, "qk_norm": qk_norm, "rotated": rotated,
                            "kv_heads": _kv_heads(key, len(s) - 3) if hasattr(key, "op") else None,
-                           **({"query": query, "key": key} if nodes else {})}
+                           "query": query, "key": key}
     return list(out.values())
 
 
 def _projected_scores(ep, softmax) -> bool:
-    """Whether a softmax's scores are a projection of one activation (a linear-like op whose
-    weight is a stored parameter, through elementwise ops, views and splits) and no other
-    product: a gate or mixing weight (DeepSeek-V4's hyper-connection streams, one learned
-    query's pooling), not multi-head attention. A product with a computed operand (queries
-    projected from learned latents) is attention."""
+    """Whether a softmax's scores are a projection of one activation (a linear-like op of a stored
+    parameter, through elementwise ops and views) and no other product: a gate or mixing weight
+    (DeepSeek-V4's hyper-connections), not attention."""
     stack, seen, projected = [a for a in softmax.all_input_nodes if not is_constant(ep, a)], set(), False
     while stack and len(seen) < 64:
         n = stack.pop()
@@ -82,8 +76,8 @@ def _projected_scores(ep, softmax) -> bool:
 
 
 def _broadcast_axis(node, dim) -> bool:
-    """Whether axis ``dim`` of ``node`` is a broadcast: made by ``expand`` from a new or unit
-    axis (through copies, casts, transposes and unsqueezes)."""
+    """Whether axis ``dim`` of ``node`` is made by ``expand`` from a new or unit axis (through
+    copies, casts and layout ops)."""
     for _ in range(16):
         if not hasattr(node, "op") or node.op != "call_function" or not node.args:
             return False
@@ -115,8 +109,7 @@ _BROADCAST = {"expand", "expand_as", "unsqueeze", "reshape", "view", "_unsafe_vi
 
 
 def _scores_matmul(softmax):
-    """The ``matmul``/``bmm`` that makes a softmax's scores (through masks, scales and casts),
-    else None."""
+    """The ``matmul``/``bmm`` making a softmax's scores (through masks, scales, casts), else None."""
     n = softmax.args[0] if softmax.args else None
     for _ in range(16):
         if not hasattr(n, "op") or n.op != "call_function":
@@ -133,9 +126,8 @@ def _scores_matmul(softmax):
 
 
 def _kv_heads(key, hdim):
-    """How many distinct key heads feed an attention whose head axis is ``hdim`` of ``key``:
-    the key's head count divided by every broadcast (``expand`` of a unit axis, ``repeat``)
-    on its way from the projection; 1 for multi-query attention."""
+    """The distinct key heads of an attention with head axis ``hdim`` of ``key``: its head count
+    divided by every broadcast on its way from the projection (1: multi-query)."""
     shape = node_shape(key)
     if shape is None or hdim < 0 or hdim >= len(shape):
         return None
@@ -169,8 +161,7 @@ def _gain(ep, n) -> bool:
 
 
 def _param_derived(ep, node) -> bool:
-    """Whether a constant ``node`` with more than one entry is computed from a parameter (a
-    norm's gain ``w``, or Gemma's ``1 + w``)."""
+    """Whether a constant ``node`` of more than one entry is computed from a parameter (Gemma's ``1 + w``)."""
     s = node_shape(node)
     if not s or math.prod(s) <= 1:
         return False
@@ -188,8 +179,8 @@ def _param_derived(ep, node) -> bool:
 
 
 def _rotation(ep, n) -> bool:
-    """Whether ``n`` multiplies by a position table (RoPE's cos or sin: a constant, not made
-    from a parameter, varying along at least two axes)."""
+    """Whether ``n`` multiplies by a position table (a constant not made from a parameter,
+    varying along at least two axes: RoPE's cos or sin)."""
     if pname(n) not in ("mul", "mul_"):
         return False
     return any(is_constant(ep, a) and not _param_derived(ep, a)
@@ -197,15 +188,12 @@ def _rotation(ep, n) -> bool:
 
 
 def _normalised(ep, node) -> tuple:
-    """``(blocked, rotated)`` for the query ``node``: ``rotated`` whether a RoPE rotation lies
-    between its projection and it; ``blocked`` whether every rotation's input is, on every path
-    back to the projection, normalised by a norm the rotations cannot pass: a mean-subtracting
-    norm, or a norm followed by per-dimension gains (a rotation commutes with an RMS scale
-    alone, and a gain right after the projection folds into it); or every path from the query
-    back to the projection is, the norm lying after the rotations (scores that weigh each rotated
-    coordinate by its own gain admit no rotation of a pair whose two gains differ). Then no ``rope`` class can
-    exist: only a discrete subgroup (quarter turns with a swap of the pair's gains) survives.
-    A norm on coordinates that are not rotated (another branch of a ``cat``) blocks nothing."""
+    """``(blocked, rotated)`` for the query ``node``: ``rotated``, whether a RoPE rotation lies
+    between its projection and it; ``blocked``, whether on every path back to the projection each
+    rotation's input (or the query itself, a norm after the rotations) passes a norm the
+    rotations cannot pass: a mean-subtracting norm, or a norm with per-dimension gains (a
+    rotation commutes with an RMS scale alone). Then no ``rope`` class can exist; a norm on
+    coordinates not rotated (another branch of a ``cat``) blocks nothing."""
     rotations, stack, seen = [], [node], set()
     while stack and len(seen) < 400:
         n = stack.pop()
@@ -240,8 +228,7 @@ def _normalised(ep, node) -> tuple:
         memo[n, gained] = out
         return out
     before = all(covered(a, False) for r in rotations for a in r.all_input_nodes if not is_constant(ep, a))
-    # or after them: every path from the query back to its projection passes such a norm
-    # (HunYuan's query/key RMS norms with gains on the rotated head)
+    # or after them (HunYuan's query/key RMS norms with gains on the rotated head)
     blocked = bool(rotations) and (before or covered(node, False))
     return blocked, bool(rotations)
 
@@ -250,9 +237,8 @@ _LIKE = {"type_as", "to", "_to_copy", "expand_as", "view_as", "reshape_as"}
 
 
 def _norm_scale(n) -> bool:
-    """Whether ``n`` (a mul or div) scales its input by a norm of it: an operand with a unit
-    last axis made from an ``rsqrt``, ``sqrt``, power or vector norm (RMS norm, L2
-    normalisation)."""
+    """Whether ``n`` (a mul or div) scales its input by a norm of it: an operand with a unit last
+    axis made from an ``rsqrt``, ``sqrt``, power or vector norm (RMS norm, L2 normalisation)."""
     so = node_shape(n)
     for a in n.all_input_nodes:
         sa = node_shape(a)

@@ -1,6 +1,6 @@
-"""One family traced, analysed, certified and checked; and the isolated run over many."""
+"""One row of the coverage: a family's class built tiny, run, traced, analysed, certified and
+checked complete; and the isolated run over many rows."""
 from __future__ import annotations
-
 
 import collections
 import contextlib
@@ -10,14 +10,26 @@ import resource
 import time
 import warnings
 
-
 from .at_default import where
-from .constants import TASKS, TOL
 from .shrink import build, tiny_config
 from .structure import expectations
 
+TASKS = {task: f"MODEL_FOR_{name}_MAPPING_NAMES" for task, name in (
+    ("causal_lm", "CAUSAL_LM"), ("masked_lm", "MASKED_LM"), ("seq_cls", "SEQUENCE_CLASSIFICATION"),
+    ("image_cls", "IMAGE_CLASSIFICATION"), ("seq2seq_lm", "SEQ_TO_SEQ_CAUSAL_LM"), ("ctc", "CTC"),
+    ("speech_seq2seq", "SPEECH_SEQ_2_SEQ"), ("audio_cls", "AUDIO_CLASSIFICATION"),
+    ("image_text_to_text", "IMAGE_TEXT_TO_TEXT"), ("object_detection", "OBJECT_DETECTION"),
+    ("semantic_segmentation", "SEMANTIC_SEGMENTATION"))}
+TOL = 1e-6
+TARGET_COMPLETE = 0.95      # of the causal-LM families that trace
+TARGET_RUNS = 0.97          # sound and complete, of what transformers builds and runs
+TARGET_MEDIAN_S = 5.0       # median analysis seconds per family, 2 cores
 
-# --- one family -------------------------------------------------------------------------------
+
+def row(model_type, class_name, task, stage="config", error=None) -> dict:
+    """A row before (or without) any result."""
+    return {"model_type": model_type, "class": class_name, "task": task, "stage": stage, "traced": False,
+            "sound": None, "complete": None, "certificate": None, "error": error}
 
 
 def _first_line(e: BaseException) -> str:
@@ -31,10 +43,16 @@ def _first_line(e: BaseException) -> str:
     return first[:300]
 
 
+def failed(rec, e: BaseException) -> None:
+    """``rec``'s error: its stage, the exception's type, first line and where it was raised."""
+    if isinstance(e, KeyboardInterrupt):
+        raise e
+    rec["error"] = {"stage": rec["stage"], "type": type(e).__name__, "message": _first_line(e), "where": where(e)}
+
+
 @contextlib.contextmanager
 def _one_trace():
-    """Trace once per model: ``analyze``, ``unruled_ops`` and :func:`expectations` share the
-    exported program (each would otherwise re-export the same model on the same inputs)."""
+    """Trace once per model and inputs (``analyze``, ``unruled_ops`` and the check share it); yields the tracer."""
     import symgraph.passes.trace as tr
     import symgraph.report.api as api
     orig, cache = tr.trace, {}
@@ -44,111 +62,114 @@ def _one_trace():
         if key not in cache:
             cache[key] = (model, orig(model, inputs))
         return cache[key][1]
-    patched = [(mod, "trace") for mod in (tr, api) if getattr(mod, "trace", None) is orig]
-    for mod, name in patched:
-        setattr(mod, name, cached)
+    patched = [mod for mod in (tr, api) if getattr(mod, "trace", None) is orig]
+    for mod in patched:
+        mod.trace = cached
     try:
-        yield lambda model: cached(model)
+        yield cached
     finally:
-        for mod, name in patched:
-            setattr(mod, name, orig)
+        for mod in patched:
+            mod.trace = orig
+
+
+def analyse(rec, model, inputs, check):
+    """``symgraph.analyze(model, inputs)`` (timed) into ``rec``: its classes, the ops without a rule,
+    ``check(exported program, report)``'s structure (complete: nothing ``missing``) and its blockers."""
+    import symgraph
+    from symgraph.cli.coverage import unruled_ops
+    with _one_trace() as traced:
+        t = time.perf_counter()
+        report = symgraph.analyze(model, inputs)
+        rec.update(analyze_seconds=time.perf_counter() - t, traced=True, groups=len(report.groups),
+                   group_kinds=dict(sorted(collections.Counter(g.kind for g in report.groups).items())),
+                   frozen=sorted({(str(f.op), f.module) for f in report.frozen}), stage="unruled_ops")
+        t = time.perf_counter()
+        rec["unruled_ops"] = dict(sorted(unruled_ops(model, inputs).items()))
+        rec.update(unruled_seconds=time.perf_counter() - t, stage="structure")
+        rec["structure"] = check(traced(model, inputs)[0], report)
+        rec["complete"] = not rec["structure"]["missing"]
+        rec["blockers"] = blockers(rec)
+    return report
+
+
+def certify(rec, report, model, inputs, tol32: float) -> None:
+    """``report.certify`` at an infinite tolerance into ``rec``: sound at ≤ :data:`TOL`, or ``tol32``
+    where the model cannot run in float64."""
+    rec["stage"] = "certify"
+    t = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        worst = report.certify(model, inputs, tol=math.inf)
+    f32 = any("float32" in str(w.message) for w in caught)
+    rec.update(certify_seconds=time.perf_counter() - t, certificate=worst,
+               certificate_dtype="float32" if f32 else "float64", sound=bool(worst <= (tol32 if f32 else TOL)),
+               stage="done")
 
 
 def run_family(model_type: str, class_name: str, task: str) -> dict:
-    """One row: build, analyse, certify, check completeness and rule coverage of one class.
-    Exceptions are caught per stage and recorded; the row says how far it got."""
+    """One row (the package docstring's stages); a failure is recorded with its stage."""
     import symgraph
-    from symgraph.cli.coverage import unruled_ops
     from symgraph.passes.inputs import default_inputs
     from symgraph.report.certify import FLOAT32_TOL
-    rec = {"model_type": model_type, "class": class_name, "task": task, "stage": "config",
-           "traced": False, "sound": None, "complete": None, "certificate": None, "error": None}
+    rec = row(model_type, class_name, task)
     t0 = time.perf_counter()
-    stage = "config"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cfg, overrides = tiny_config(model_type)
-            rec["overrides"] = overrides
-            stage = "build"
+            rec["overrides"] = tiny_config(model_type)[1]
+            rec["stage"] = "build"
             import transformers
             if not hasattr(transformers, class_name):
                 raise ImportError(f"transformers has no class {class_name}")
             model, _ = build(model_type, class_name)
             rec["parameters"] = sum(p.numel() for p in model.parameters())
-            cfg = model.config
-            stage = "inputs"
+            rec["stage"] = "inputs"
             args, kwargs = default_inputs(model)
-            stage = "eager"
+            rec["stage"] = "eager"
             run_eagerly(model, args, kwargs)
-            stage = "trace"
-            with _one_trace() as traced:
-                t = time.perf_counter()
-                report = symgraph.analyze(model)
-                rec["analyze_seconds"] = time.perf_counter() - t
-                rec["traced"] = True
-                rec["groups"] = len(report.groups)
-                rec["group_kinds"] = dict(sorted(collections.Counter(g.kind for g in report.groups).items()))
-                rec["frozen"] = sorted({(str(f.op), f.module) for f in report.frozen})
-                stage = "unruled_ops"
-                t = time.perf_counter()
-                rec["unruled_ops"] = dict(sorted(unruled_ops(model).items()))
-                rec["unruled_seconds"] = time.perf_counter() - t
-                stage = "structure"
-                ep = traced(model)[0]
-                rec["structure"] = expectations(ep, report, cfg, symgraph.tied_parameters(model))
-                rec["complete"] = not rec["structure"]["missing"]
-                rec["blockers"] = blockers(rec)
-            stage = "certify"
-            t = time.perf_counter()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                worst = report.certify(model, tol=math.inf)
-            f32 = any("float32" in str(w.message) for w in caught)
-            rec["certify_seconds"] = time.perf_counter() - t
-            rec["certificate"] = worst
-            rec["certificate_dtype"] = "float32" if f32 else "float64"
-            rec["sound"] = bool(worst <= (max(TOL, FLOAT32_TOL) if f32 else TOL))
-            stage = "done"
+            rec["stage"] = "trace"
+            tied = symgraph.tied_parameters(model)
+            report = analyse(rec, model, None, lambda ep, r: expectations(ep, r, model.config, tied))
+            certify(rec, report, model, None, max(TOL, FLOAT32_TOL))
     except BaseException as e:  # noqa: BLE001 - every failure is a row
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        rec["error"] = {"stage": stage, "type": type(e).__name__, "message": _first_line(e),
-                        "where": where(e)}
-        if stage in ("config", "build", "eager"):
-            rec["error"]["transformers_fails"] = transformers_fails(model_type, class_name, stage, e)
-    rec["stage"] = stage
+        failed(rec, e)
+        if rec["stage"] in ("config", "build", "eager"):
+            rec["error"]["transformers_fails"] = transformers_fails(model_type, class_name, rec["stage"], e)
     rec["seconds"] = time.perf_counter() - t0
     return rec
 
 
 def transformers_fails(model_type: str, class_name: str, stage: str, e: BaseException):
-    """Whether a row that fails before the trace fails for transformers itself (out of the
-    denominator), by the cheapest sound test: its own default config of the family fails to
-    validate, or the class fails to be constructed on it (meta device), with the same exception
-    type; an eager failure, when the class on that default config fails its forward with the
-    same type at the same line of transformers (:func:`.at_default.fails_eager_at_default`:
-    for real, or under fake tensors when the default model is too large to run here). A
-    failure at the shrunk size alone is the shrink rule's. This clears the shrink rule, not our
-    example inputs: an input the forward refuses at every size fails at the default too
-    (LW-DETR's 224-pixel images did, before they took its backbone's size; Gemma 4's
-    assistant's missing states did), so a failure transformers raises on purpose
-    (:func:`.at_default.refusal`) is never cleared, and a cleared row names its exception."""
-    from .at_default import fails_eager_at_default, model_line, refusal
-    from .shrink import fails_at_default
+    """Whether a row failing before the trace fails for transformers itself (out of the
+    denominator): its own default config fails to validate, or the class to be constructed on it,
+    with the same exception type; an eager failure, when the class on that config fails its forward
+    with the same type at the same line (:func:`.at_default.fails_eager_at_default`). A failure
+    transformers raises on purpose (:func:`.at_default.refusal`) is never cleared: our inputs may
+    be what it refuses."""
+    from . import at_default
     if stage == "eager":
-        return not refusal(e) and fails_eager_at_default(model_type, class_name) == \
-            f"{type(e).__name__} at {model_line(e)}"
-    at_default = fails_at_default(model_type, class_name)
-    return bool(at_default) and at_default.split(":")[0] == type(e).__name__
+        return not at_default.refusal(e) and at_default.fails_eager_at_default(model_type, class_name) == \
+            f"{type(e).__name__} at {at_default.model_line(e)}"
+    found = at_default.fails_at_default(model_type, class_name)
+    return bool(found) and found.split(":")[0] == type(e).__name__
 
 
 def run_eagerly(model, args, kwargs) -> None:
-    """The model's own forward on its example inputs, as transformers runs it (no trace): a
-    row whose forward fails here is one transformers cannot run at the shrunk size."""
+    """The model's own forward on its example inputs, as transformers runs it (no trace)."""
     import torch
     with torch.no_grad():
         model(*args, **kwargs)
+
+
+def blockers(r) -> list:
+    """Each missing class kind of a traced row with the frozen ops in its module (and its why)."""
+    out = []
+    for m in r["structure"]["missing"]:
+        mod = m["module"]
+        ops = sorted({op for op, fm in r.get("frozen", ())
+                      if not mod or fm and (fm.startswith(mod) or mod.startswith(fm + "."))})
+        out.append({"kind": m["kind"], "module": mod, "frozen_ops": ops, **({"why": m["why"]} if "why" in m else {})})
+    return out
 
 
 # --- isolation and the run ----------------------------------------------------------------------
@@ -161,27 +182,26 @@ def families(tasks=None, only=None) -> list:
     out = []
     for task in tasks or TASKS:
         for mt, cls in getattr(modeling_auto, TASKS[task]).items():
-            if isinstance(cls, (list, tuple)):
-                cls = cls[0]
-            if only and mt not in only and cls not in only:
-                continue
-            out.append((mt, cls, task))
+            cls = cls[0] if isinstance(cls, (list, tuple)) else cls
+            if not only or mt in only or cls in only:
+                out.append((mt, cls, task))
     return out
 
 
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGKILL when the parent dies (no orphaned families)."""
-    try:
-        import ctypes
-        import signal
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def known(fams, only) -> list:
+    """``fams``, after exiting with the names of ``only`` that none of them has."""
+    unknown = sorted(set(only or ()) - {f[0] for f in fams} - {f[1] for f in fams})
+    if unknown:
+        raise SystemExit(f"unknown families: {', '.join(unknown)}")
+    return fams
 
 
-def _child(conn, fam, mem_gb, threads, run=None):
+def _child(conn, fam, mem_gb, threads, run):
     try:
-        _die_with_parent()
+        with contextlib.suppress(OSError, AttributeError):  # Linux: SIGKILL when the parent dies
+            import ctypes
+            import signal
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         devnull = os.open(os.devnull, os.O_WRONLY)  # the children's warnings would bury the log
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
@@ -190,37 +210,27 @@ def _child(conn, fam, mem_gb, threads, run=None):
             resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
         import torch
         torch.set_num_threads(threads)
-        conn.send((run or run_family)(*fam))
+        conn.send(run(*fam))
     except BaseException as e:  # noqa: BLE001
-        try:
-            conn.send({"model_type": fam[0], "class": fam[1], "task": fam[2], "stage": "child",
-                       "traced": False, "sound": None, "complete": None, "certificate": None,
-                       "error": {"stage": "child", "type": type(e).__name__, "message": _first_line(e)}})
-        except BaseException:  # noqa: BLE001
-            pass
+        with contextlib.suppress(BaseException):
+            conn.send(row(*fam, "child", {"stage": "child", "type": type(e).__name__, "message": _first_line(e)}))
     finally:
         conn.close()
         os._exit(0)
 
 
 def run_isolated(fams, jobs: int = 2, timeout: float = 120.0, mem_gb: float | None = 6.0,
-                 log=None, run=None, warm=("llama", "LlamaForCausalLM", "causal_lm"),
-                 stop=None) -> list:
-    """Run each family in a forked child (``jobs`` at a time), under a memory limit and a
-    timeout; returns the rows in the order of ``fams``. ``run``: the function of one row
-    (default :func:`run_family`), called with a family's fields; ``warm``: the fields of the
-    row run once in the parent first (the caches every child inherits); ``stop()``: true when no
-    further family may start (its row stays None)."""
-    run = run or run_family
+                 log=None, run=run_family, warm=("llama", "LlamaForCausalLM", "causal_lm"), stop=None) -> list:
+    """Each family's ``run(*family)`` in a forked child (``jobs`` at a time) under ``RLIMIT_AS`` and
+    a timeout; the rows in the order of ``fams``. ``warm``: run once in the parent first (the caches
+    every child inherits); ``stop()``: true when no further family may start (its row stays None)."""
     import multiprocessing as mp
 
     import symgraph  # noqa: F401 - imported once here, inherited by every forked child
-    import torch  # noqa: F401
+    import torch
     import transformers
     transformers.logging.set_verbosity_error()
-    # warm torch.export's and the dispatcher's caches once, in one thread (no thread pool is
-    # forked): each child would otherwise pay the first export (seconds) again
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # warm the export's caches in one thread (no thread pool is forked)
     with contextlib.redirect_stderr(None), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run(*warm)
@@ -240,43 +250,35 @@ def run_isolated(fams, jobs: int = 2, timeout: float = 120.0, mem_gb: float | No
             send.close()
             running[i] = (p, recv, time.perf_counter())
         time.sleep(0.05)
-        for i in list(running):
-            p, conn, start = running[i]
-            fam = fams[i]
-            row = None
+        for i, (p, conn, start) in list(running.items()):
+            fam, got = fams[i], None
             if conn.poll():
-                try:
-                    row = conn.recv()
-                except EOFError:
-                    row = None
-                if row is not None:
+                with contextlib.suppress(EOFError):
+                    got = conn.recv()
+                if got is not None:
                     p.join(10)
             elif not p.is_alive():
                 p.join()
-                row = _failed(fam, "crashed", f"child exited with code {p.exitcode}"
-                              + (" (killed: out of memory?)" if p.exitcode in (-9, 137) else ""))
+                got = row(*fam, "crashed", {"stage": "crashed", "type": "Crashed", "message": (
+                    f"child exited with code {p.exitcode}" + (" (killed: out of memory?)" if p.exitcode in (-9, 137)
+                                                               else ""))})
             elif time.perf_counter() - start > timeout:
                 p.kill()
                 p.join()
-                row = _failed(fam, "timeout", f"no result in {timeout:.0f} s")
-            if row is None:
+                got = row(*fam, "timeout", {"stage": "timeout", "type": "Timeout",
+                                             "message": f"no result in {timeout:.0f} s"})
+            if got is None:
                 continue
             if p.is_alive():
                 p.kill()
                 p.join()
-            row["wall_seconds"] = time.perf_counter() - start
-            rows[i] = row
+            got["wall_seconds"] = time.perf_counter() - start
+            rows[i] = got
             conn.close()
             del running[i]
             if log:
-                log(_line(row, sum(r is not None for r in rows), len(fams)))
+                log(_line(got, sum(r is not None for r in rows), len(fams)))
     return rows
-
-
-def _failed(fam, kind, msg) -> dict:
-    return {"model_type": fam[0], "class": fam[1], "task": fam[2], "stage": kind, "traced": False,
-            "sound": None, "complete": None, "certificate": None,
-            "error": {"stage": kind, "type": kind.capitalize(), "message": msg}}
 
 
 def _line(r, k, n) -> str:
@@ -289,16 +291,3 @@ def _line(r, k, n) -> str:
                  f"{'complete' if r['complete'] else 'missing ' + miss} "
                  f"unruled {len(r['unruled_ops'])} {r['analyze_seconds']:.1f}s")
     return f"[{k}/{n}] {r['task']:<9} {r['model_type']:<28} {state}"
-
-
-def blockers(r) -> list:
-    """Why a traced row is incomplete: each missing class kind with the ops without a rule
-    (or frozen ops) in its module, else the kind alone."""
-    out = []
-    for m in r["structure"]["missing"]:
-        mod = m["module"]
-        ops = sorted({op for op, fm in r.get("frozen", ())
-                      if not mod or fm and (fm.startswith(mod) or mod.startswith(fm + "."))})
-        out.append({"kind": m["kind"], "module": mod, "frozen_ops": ops,
-                    **({"why": m["why"]} if "why" in m else {})})
-    return out

@@ -1,10 +1,10 @@
-"""Reading a traced graph for the completeness check: op names, shapes, module paths, the
-parameter a dimension reads, constants."""
+"""Reading a traced graph for the completeness check: op names, shapes, module paths, users,
+the parameter a dimension reads, constants."""
 from __future__ import annotations
 
+import collections
 import math
 import weakref
-
 
 _PASS = {"t", "transpose", "permute", "_to_copy", "clone", "contiguous", "alias", "detach", "expand",
          "lift_fresh_copy", "index", "select", "unsqueeze", "view", "reshape", "_unsafe_view", "to",
@@ -14,6 +14,7 @@ LINEAR = {"linear": (0, 1, 0, 1), "addmm": (1, 2, 1, 0), "mm": (0, 1, 1, 0), "bm
            "matmul": (0, 1, -1, -2), "baddbmm": (1, 2, 2, 1), "convolution": (0, 1, 0, 1),
            "conv1d": (0, 1, 0, 1), "conv2d": (0, 1, 0, 1), "conv3d": (0, 1, 0, 1)}
 
+
 def pname(n) -> str | None:
     p = getattr(n.target, "overloadpacket", None)
     return getattr(p, "__name__", None) if p is not None else None
@@ -22,6 +23,15 @@ def pname(n) -> str | None:
 def node_shape(n):
     v = n.meta.get("val") if hasattr(n, "meta") else None
     return tuple(v.shape) if hasattr(v, "shape") else None
+
+
+def users_of(ep) -> dict:
+    """``{node: [nodes reading it]}`` of the program's graph."""
+    users = collections.defaultdict(list)
+    for n in ep.graph.nodes:
+        for a in n.all_input_nodes:
+            users[a].append(n)
+    return users
 
 
 def module_paths(n) -> list:
@@ -97,9 +107,8 @@ _KNOWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per program: 
 
 
 def is_constant(ep, node) -> bool:
-    """Whether ``node`` is a parameter, buffer or constant (or a scalar), not an activation.
-    Each node's answer is kept per program: the walks of a node's inputs share their sources
-    (a residual quantizer's chain of 32 subtractions took minutes asked afresh each time)."""
+    """Whether ``node`` is a parameter, buffer or constant (or a scalar), not an activation; kept
+    per program and node (a residual quantizer's chain of 32 subtractions, asked afresh, took minutes)."""
     if not hasattr(node, "op"):
         return True
     users, known = _KNOWN.setdefault(ep, (frozenset(ep.graph_signature.user_inputs), {}))
@@ -115,7 +124,7 @@ def _walk(ep, node, users) -> bool:
             return node.name not in users
         if node.op == "get_attr":
             return True
-        ins = [a for a in node.all_input_nodes]
+        ins = node.all_input_nodes
         if not ins:
             return True
         if len(ins) > 1:

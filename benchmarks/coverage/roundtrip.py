@@ -1,69 +1,44 @@
 """A user's end-to-end check over the coverage's families: a ``save_pretrained`` checkpoint A
-merged, by the command line's entry, with a copy of it moved by a random element of its own
-report; the merge, loaded back by transformers, must compute what A computes.
+merged, by the command line's path, with a copy of it moved by a random element of its own report;
+the merge, loaded back by transformers, must compute what A computes. One row per family the
+coverage builds (:func:`.family.families`), each in a forked child under a timeout; the stages:
 
-    python -m benchmarks.coverage.roundtrip [--only FAMILY ...] [--tasks causal_lm ...] [--out DIR]
-                                            [--jobs 1] [--timeout 300] [--mem-gb 6]
+1. **build**: the tiny model (:func:`.shrink.build`) re-drawn in float64
+   (``symgraph.testing.models.randomized``), saved, loaded back (``from_pretrained(dtype=float64)``)
+   and saved again: that is A. An A that, loaded again, computes something else fails at
+   ``reload``. A forward that fails in float64 is retried in float32, the bound ``TOL32``.
+2. **moved**: ``report.random_transform(seed=1, orthogonal=True)`` of ``symgraph.analyze(A)``
+   applied; the moved copy must compute A's kept outputs in memory and saved and loaded back (B),
+   else the row is an *analysis bug*.
+3. **merge**: ``symgraph.app.run.run_merge(build_config({"models": [A, B], "out": C}))``.
+4. **load**: ``from_pretrained(C)``; the row's error is the largest relative deviation of its kept
+   outputs from A's (:func:`symgraph.report.certify.deviation`), float64 throughout with the model's
+   float32 casts kept wide, as the certificate runs (``error_as_run``: as the model runs). It
+   passes at ≤ ``TOL`` (1e-6).
 
-One row per family the coverage builds (:func:`.family.families`; the shrunk tiny config, the
-model class of each task and its example inputs of ``symgraph.passes.inputs.default_inputs``),
-each in a forked child under a timeout (:func:`.family.run_isolated`). The stages, each timed
-and any failure recorded with its stage, exception and first line:
-
-1. **build**: the class on the tiny config (:func:`.shrink.build`), every parameter re-drawn in
-   float64 (``symgraph.testing.models.randomized``), saved with ``save_pretrained``, loaded back
-   with ``from_pretrained(dtype=torch.float64)`` and saved again: A is that checkpoint, as the
-   class loads and writes it (a tensor its file does not hold is what loading computes; its
-   config is the class's own). A whose checkpoint, loaded again, computes something else
-   fails at ``reload``, transformers' round trip. A forward that fails in float64 (a kernel of
-   transformers without float64) is retried in float32, the bound loosened to ``TOL32``; the
-   row says so.
-2. **moved**: ``symgraph.analyze(A)``, ``report.random_transform(seed=1, orthogonal=True)``
-   applied; the moved copy must compute A's kept outputs (``report.outputs``), else the row is
-   an *analysis bug*. It is saved and loaded back (B): a moved tensor its checkpoint drops is an
-   analysis bug too (``moved_saved``).
-3. **merge**: ``symgraph.app.run.run_merge(build_config({"models": [A, B], "out": C}))``, the
-   command line's path.
-4. **load**: ``from_pretrained(C, dtype=torch.float64)``; the row's error is the largest relative
-   deviation of its kept outputs from A's (:func:`symgraph.report.certify.deviation`,
-   ``‖a − b‖ / ‖a‖``, the certificate's measure). It passes at ≤ ``TOL`` (1e-6).
-
-Every deviation is measured as the certificate measures it, float64 throughout (the model's own
-casts to float32 kept wide): a model that computes its norms or router in float32 turns a
-difference of 1e-16 in equal weights into 1e-7 in its outputs (a float32 rounding flipped).
-The row keeps the merge's deviation as the model runs too (``error_as_run``).
-
-A row failing to build or run at the shrunk size fails for transformers when the coverage says
-so (:func:`.family.transformers_fails`); a row whose A, saved and loaded, does not load or does
-not compute what the model in memory did, is transformers' too (its own round trip).
-Results: ``roundtrip.json`` and ``roundtrip.md`` in ``--out``, with their ``record.json`` entry
-(the command, the commit, the machine)."""
+A row failing to build or run fails for transformers when the coverage says so
+(:func:`.family.transformers_fails`), and so does an A that does not load or compute what it did.
+Results: ``roundtrip.json`` and ``roundtrip.md`` in ``--out``, with their ``record.json`` entry.
+"""
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 import warnings
 
-from ..provenance import REPO_ROOT, log, register, staged, table, write_json
-from .constants import TASKS, TOL
-from .family import families, run_isolated, transformers_fails
-from .summary import family_args
-from .at_default import where
+from ..harness import script
+from ..provenance import REPO_ROOT, cell, command_line, log, table, write_result
+from .family import TASKS, TOL, _first_line, families, known, run_isolated, transformers_fails, where
+from .summary import escape, git_info, head, parser
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "coverage_roundtrip"
 TOL32 = 1e-4   # the bound of a row retried in float32 (transformers cannot run it in float64)
 VERDICTS = ("ok", "nothing to align", "merge differs", "analysis bug", "ours fails", "transformers fails", "timeout")
-
+WARM = ("llama", "LlamaForCausalLM", None)
 
 #: a copy of the parent's stderr, which the children (whose own goes to /dev/null) write progress to
 PROGRESS = {"fd": None}
-
-
-def first_line(e: BaseException) -> str:
-    """The first non-empty line of ``e``'s message."""
-    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:300]
 
 
 def _loaded(cls, path, dtype):
@@ -71,10 +46,8 @@ def _loaded(cls, path, dtype):
 
 
 def _kept(model, report, inputs, wide=True):
-    """The floating-point tensors of ``model``'s kept outputs on ``inputs``; ``wide``: a float64
-    model run in float64 throughout, its own casts to float32 (a norm's, a router's softmax, a
-    rotary table's) kept wide, as the certificate runs it (``symgraph.core.dtypes.wide_floats``),
-    so that a deviation is the weights', not float32 round-off of equal values."""
+    """The floating-point tensors of ``model``'s kept outputs on ``inputs``; ``wide``: a float64 model's
+    own float32 casts kept wide (``symgraph.core.dtypes.wide_floats``), as the certificate runs it."""
     import contextlib
 
     import torch
@@ -87,42 +60,37 @@ def _kept(model, report, inputs, wide=True):
         return flatten_outputs(select_outputs(model(*args, **kwargs), report.outputs))
 
 
-def _checkpoint_a(model_type, class_name, d, dtype, stage):
-    """The built model re-drawn in ``dtype``, run on its example inputs and saved as A."""
-    import torch
-    import transformers
-
-    from symgraph.passes.inputs import default_inputs
-    from symgraph.testing.models import randomized
-
-    from .shrink import build
-    model = randomized(build(model_type, class_name)[0], dtype=dtype)
-    args, kwargs = default_inputs(model)
-    stage[0] = "eager"
-    with torch.no_grad():
-        model(*args, **kwargs)
-    stage[0] = "save"
-    model.save_pretrained(os.path.join(d, "built"))
-    return getattr(transformers, class_name), model, (args, kwargs)
-
-
 class RoundTripError(Exception):
     """transformers' own round trip of A (``save_pretrained``, ``from_pretrained``) changes it."""
 
 
 def _stages(rec, model_type, class_name, d, dtype, stage):
     """The stages of one row at ``dtype``; ``stage[0]`` names the one running."""
+    import torch
+    import transformers
+
     import symgraph
     from symgraph.app.config import build_config
     from symgraph.app.run import run_merge
+    from symgraph.passes.inputs import default_inputs
     from symgraph.report.certify import deviation
-    tol = TOL if str(dtype) == "torch.float64" else TOL32
+    from symgraph.testing.models import randomized
+
+    from .shrink import build
+    tol = TOL if dtype == torch.float64 else TOL32
     rec.update(dtype=str(dtype).removeprefix("torch."), tol=tol)
+    path = {k: os.path.join(d, k) for k in ("built", "a", "b", "c")}
     stage[0] = "build"
-    cls, model, inputs = _checkpoint_a(model_type, class_name, d, dtype, stage)
+    model = randomized(build(model_type, class_name)[0], dtype=dtype)
+    cls, inputs = getattr(transformers, class_name), default_inputs(model)
+    stage[0] = "eager"
+    with torch.no_grad():
+        model(*inputs[0], **inputs[1])
+    stage[0] = "save"
+    model.save_pretrained(path["built"])
     stage[0] = "reload"  # A is what a user has: the checkpoint as the class loads and saves it
-    a = _loaded(cls, os.path.join(d, "built"), dtype)
-    a.save_pretrained(os.path.join(d, "a"))
+    a = _loaded(cls, path["built"], dtype)
+    a.save_pretrained(path["a"])
     stage[0] = "analyze"
     t = time.perf_counter()
     report = symgraph.analyze(a)
@@ -130,7 +98,7 @@ def _stages(rec, model_type, class_name, d, dtype, stage):
     want = _kept(a, report, inputs)
     rec["reload_error"] = deviation(_kept(model, report, inputs), want)
     stage[0] = "reload"
-    again = deviation(want, _kept(_loaded(cls, os.path.join(d, "a"), dtype), report, inputs))
+    again = deviation(want, _kept(_loaded(cls, path["a"], dtype), report, inputs))
     if not again <= tol:
         raise RoundTripError(f"A saved by save_pretrained and loaded again computes {again:.1e} off A")
     rec["groups"], rec["unread"] = len(report.groups), report.unread
@@ -139,16 +107,15 @@ def _stages(rec, model_type, class_name, d, dtype, stage):
     rec["moved_weights"] = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), moved.parameters()))
     rec["moved_error"] = deviation(want, _kept(moved, report, inputs))
     stage[0] = "moved_saved"
-    moved.save_pretrained(os.path.join(d, "b"))
-    rec["moved_saved_error"] = deviation(want, _kept(_loaded(cls, os.path.join(d, "b"), dtype), report, inputs))
+    moved.save_pretrained(path["b"])
+    rec["moved_saved_error"] = deviation(want, _kept(_loaded(cls, path["b"], dtype), report, inputs))
     stage[0] = "merge"
     t = time.perf_counter()
     nothing = {"align": "none"} if report.unread else {}  # refused otherwise: what a user is told to pass
-    out = run_merge(build_config({"models": [os.path.join(d, "a"), os.path.join(d, "b")],
-                                  "out": os.path.join(d, "c"), **nothing}), progress=False)
+    out = run_merge(build_config({"models": [path["a"], path["b"]], "out": path["c"], **nothing}), progress=False)
     rec.update(merge_seconds=time.perf_counter() - t, merge_mode=out.mode)
     stage[0] = "load"
-    merged = _loaded(cls, os.path.join(d, "c"), dtype)
+    merged = _loaded(cls, path["c"], dtype)
     rec["merged_dtype"] = str(next(merged.parameters()).dtype).removeprefix("torch.")
     rec["error"] = deviation(want, _kept(merged, report, inputs))
     rec["error_as_run"] = deviation(_kept(a, report, inputs, wide=False), _kept(merged, report, inputs, wide=False))
@@ -156,15 +123,12 @@ def _stages(rec, model_type, class_name, d, dtype, stage):
 
 
 def verdict(rec) -> str:
-    """What the row says: ``ok``; ``merge differs`` (the merge computes something else);
-    ``analysis bug`` (the moved copy, in memory or saved, does not compute A's outputs);
-    ``transformers fails`` (it cannot build, run, or load its own checkpoint); else ``ours fails``;
-    ``nothing to align`` for a merge equal to A whose report fixes every parameter (one is never
-    read by the traced inputs: the merge is refused unless it asks for no alignment)."""
+    """``ok``; ``merge differs``; ``analysis bug`` (the moved copy, in memory or saved, computes something
+    else); ``transformers fails`` (it cannot build, run or load its own checkpoint); else ``ours
+    fails``; ``nothing to align``: a merge equal to A whose report fixes every parameter (one unread)."""
     tol, fail = rec.get("tol", TOL), rec.get("failure")
-    for key in ("moved_error", "moved_saved_error"):
-        if rec.get(key) is not None and not rec[key] <= tol:
-            return "analysis bug"
+    if any(rec.get(k) is not None and not rec[k] <= tol for k in ("moved_error", "moved_saved_error")):
+        return "analysis bug"
     if fail:
         if fail["stage"] == "timeout":
             return "timeout"
@@ -174,18 +138,9 @@ def verdict(rec) -> str:
     return "nothing to align" if rec.get("unread") else "ok"
 
 
-def _theirs(model_type, class_name, stage, e) -> bool:
-    """Whether a failure at ``stage`` is transformers': building or running as the coverage
-    judges it (:func:`.family.transformers_fails`), saving a model or loading its own checkpoint."""
-    if stage in ("build", "eager"):
-        return bool(transformers_fails(model_type, class_name, stage, e))
-    return stage in ("save", "reload")
-
-
 def run_row(model_type: str, class_name: str, task: str | None) -> dict:
-    """One family's round trip (see the module docstring); every failure is a row. ``task``
-    None: the parent's warm-up, build and analysis alone (a merge leaves worker threads, and a
-    child forked from a process with threads can deadlock on a lock one of them held)."""
+    """One family's round trip; every failure is a row. ``task`` None: the parent's warm-up, build and
+    analysis alone (a merge leaves threads, and a child forked from them can deadlock)."""
     import torch
     if task is None:
         import symgraph
@@ -202,12 +157,14 @@ def run_row(model_type: str, class_name: str, task: str | None) -> dict:
                 rec["failure"] = None
                 break
             except Exception as e:  # noqa: BLE001 - every failure is a row
-                rec["failure"] = {"stage": stage[0], "type": type(e).__name__, "message": first_line(e),
+                rec["failure"] = {"stage": stage[0], "type": type(e).__name__, "message": _first_line(e),
                                   "where": where(e)}
                 if dtype == torch.float64 and stage[0] == "eager":  # its forward refuses float64
                     rec["float64_failure"] = rec["failure"]
                     continue
-                rec["failure"]["transformers_fails"] = _theirs(model_type, class_name, stage[0], e)
+                # transformers': building or running as the coverage judges it, saving or loading its own checkpoint
+                rec["failure"]["transformers_fails"] = bool(transformers_fails(model_type, class_name, stage[0], e)) \
+                    if stage[0] in ("build", "eager") else stage[0] in ("save", "reload")
                 break
     rec.update(stage=stage[0], seconds=time.perf_counter() - t0)
     rec["verdict"] = verdict(rec)
@@ -222,61 +179,47 @@ def _progress(r) -> str:
             f"{r.get('seconds', 0):.0f}s " + (f"{f['stage']}: {f['type']}: {f['message'][:90]}" if f else ""))
 
 
-WARM = ("llama", "LlamaForCausalLM", None)
-
-
-def _cell(x) -> str:
-    return str(x).replace("|", "\\|").replace("\n", " ")
-
-
-def _num(v, fmt=".1e"):
-    return "-" if v is None else format(v, fmt)
+def _num(v, fmt=".1e") -> str:
+    return cell(v, fmt, "-")
 
 
 def markdown(res) -> str:
     """The table of a run: totals by verdict, then one row per family."""
     h, rows = res["header"], res["rows"]
     counts = {v: sum(r["verdict"] == v for r in rows) for v in VERDICTS}
-    lines = ["# Round trip: a checkpoint merged with its moved copy, loaded back", "",
-             f"- command: `{h['command']}`",
-             f"- commit: `{h['git']['commit']}`" + (" (dirty)" if h["git"].get("dirty_symgraph") else ""),
-             f"- transformers {h['machine']['transformers']}, torch {h['machine']['torch']}, "
-             f"{h['machine']['cores']} cores; {h['jobs']} family at a time, timeout {h['timeout_s']:.0f} s, "
-             f"memory limit {h['mem_gb']} GB; wall {h['wall_seconds']:.0f} s",
-             f"- families ({len(rows)}): " + (" ".join(h["only"]) if h["only"] else "every one of the tasks")
-             + f"; tasks: {', '.join(h['tasks'])}",
-             f"- bound: error ≤ {TOL:g} (float64); ≤ {TOL32:g} for a row transformers cannot run in float64 "
-             "(retried in float32, its dtype column says so)", "",
-             "| " + " | ".join(VERDICTS) + " |", "|" + "---|" * len(VERDICTS),
-             "| " + " | ".join(str(counts[v]) for v in VERDICTS) + " |", "",
-             "Columns: *moved by* is the largest change of a weight by the random element; *moved* the moved copy's deviation from A's kept outputs in memory, *saved* "
-             "after saving and loading it; *error* the merge's, loaded back (float64 throughout; *as run*: with the model's own float32 casts). A failure names its stage.", ""]
+    lines = head("Round trip: a checkpoint merged with its moved copy, loaded back", h) + [
+        f"- transformers {h['machine']['transformers']}, torch {h['machine']['torch']}, "
+        f"{h['machine']['cores']} cores; {h['jobs']} family at a time, timeout {h['timeout_s']:.0f} s, "
+        f"memory limit {h['mem_gb']} GB; wall {h['wall_seconds']:.0f} s",
+        f"- families ({len(rows)}): " + (" ".join(h["only"]) if h["only"] else "every one of the tasks")
+        + f"; tasks: {', '.join(h['tasks'])}",
+        f"- bound: error ≤ {TOL:g} (float64); ≤ {TOL32:g} for a row transformers cannot run in float64 "
+        "(retried in float32, its dtype column says so)", "",
+        *table(VERDICTS, [[counts[v] for v in VERDICTS]]), "",
+        "Columns: *moved by* is the largest change of a weight by the random element; *moved* the moved copy's "
+        "deviation from A's kept outputs in memory, *saved* after saving and loading it; *error* the merge's, "
+        "loaded back (float64 throughout; *as run*: with the model's own float32 casts). A failure names its "
+        "stage.", ""]
     body = []
     for r in rows:
         f = r.get("failure") or {}
-        fail = f"{f['stage']}: {f.get('type')}: {_cell(f.get('message', ''))[:160]}" if f else "-"
+        fail = f"{f['stage']}: {f.get('type')}: {escape(f.get('message', ''))[:160]}" if f else "-"
         if r.get("float64_failure") and not f:
-            fail = "float64 refused (" + _cell(r["float64_failure"]["message"])[:100] + "): float32"
-        body.append([r["model_type"], r["class"], r["task"], r["verdict"], r.get("dtype", "-"),
-                     r.get("groups", "-"), _num(r.get("moved_weights"), ".2g"), _num(r.get("moved_error")), _num(r.get("moved_saved_error")),
-                     _num(r.get("error")), _num(r.get("error_as_run")), r.get("merge_mode", "-"), _num(r.get("merge_seconds"), ".1f"),
-                     _num(r.get("seconds"), ".1f"), fail])
+            fail = "float64 refused (" + escape(r["float64_failure"]["message"])[:100] + "): float32"
+        body.append([r["model_type"], r["class"], r["task"], r["verdict"], r.get("dtype", "-"), r.get("groups", "-"),
+                     _num(r.get("moved_weights"), ".2g"), _num(r.get("moved_error")), _num(r.get("moved_saved_error")),
+                     _num(r.get("error")), _num(r.get("error_as_run")), r.get("merge_mode", "-"),
+                     _num(r.get("merge_seconds"), ".1f"), _num(r.get("seconds"), ".1f"), fail])
     lines += table(["model_type", "class", "task", "verdict", "dtype", "groups", "moved by", "moved", "saved", "error",
-                    "as run",
-                    "merge", "merge s", "row s", "failure"], body)
+                    "as run", "merge", "merge s", "row s", "failure"], body)
     return "\n".join(lines) + "\n"
 
 
 def run(out=None, only=None, tasks=None, jobs=1, timeout=300.0, mem_gb=6.0, command=None) -> dict:
     """The round trip of the selected families; ``roundtrip.json`` / ``.md`` into ``out``."""
     from ..harness import machine_info
-    from .summary import git_info
     t0, git = time.perf_counter(), git_info()
-    fams = families(tasks, only)
-    if only:
-        unknown = sorted(set(only) - {f[0] for f in fams} - {f[1] for f in fams})
-        if unknown:
-            raise SystemExit(f"unknown families: {', '.join(unknown)}")
+    fams = known(families(tasks, only), only)
     PROGRESS["fd"] = os.dup(2)
     try:
         rows = run_isolated(fams, jobs, timeout, mem_gb, run=run_row, warm=WARM)
@@ -293,22 +236,20 @@ def run(out=None, only=None, tasks=None, jobs=1, timeout=300.0, mem_gb=6.0, comm
                       "tolerance": TOL, "tolerance_float32": TOL32, "tasks": list(tasks or TASKS),
                       "only": only, "wall_seconds": time.perf_counter() - t0}, "rows": rows}
     if out:
-        with staged(out, ".roundtrip-") as tmp:
-            write_json(tmp / "roundtrip.json", res)
-            (tmp / "roundtrip.md").write_text(markdown(res))
-        register(out, ["roundtrip.json", "roundtrip.md"], res["header"]["command"])
+        write_result(out, ".roundtrip-", res, markdown, json_name="roundtrip.json", md_name="roundtrip.md",
+                     command=res["header"]["command"])
     return res
 
 
 def main(argv=None) -> int:
-    a, command = family_args("python -m benchmarks.coverage.roundtrip", __doc__.splitlines()[0], DEFAULT_OUT, 1,
-                             300.0, argv)
-    res = run(a.out, a.only, a.tasks, a.jobs, a.timeout, a.mem_gb or None, command)
+    a = parser("python -m benchmarks.coverage.roundtrip", __doc__.splitlines()[0], DEFAULT_OUT, 1, 300.0)\
+        .parse_args(argv)
+    res = run(a.out, a.only, a.tasks, a.jobs, a.timeout, a.mem_gb or None,
+              command_line(argv, "benchmarks.coverage.roundtrip"))
     counts = {v: sum(r["verdict"] == v for r in res["rows"]) for v in VERDICTS}
     print("  ".join(f"{v}: {n}" for v, n in counts.items()) + f"  -> {a.out}")
     return 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    sys.exit(main())
+    script(main)

@@ -1,15 +1,12 @@
-"""The one generic rule that makes a tiny config of any family (no per-family sizes), and
-the model built on it."""
+"""The one generic rule that makes a tiny config of any family (no per-family sizes: :func:`shrink`),
+and the model built on it."""
 from __future__ import annotations
 
-from .consistent import (head_dim_sums, kept_layers, mrope_sections, partition, per_count, repeats, split_to,
-                         query_image_tokens, state_head_dims, tokens_per_image,
-                         windows, sliding_window, feature_layers, grid_pinpoints, layer_spans, derived_sizes)
-from .towers import tower_rules
-from .detection import backbone_rules
-from .tower_sizes import is_int
-
-# --- the one shrinking rule -------------------------------------------------------------------
+from .consistent import (feature_layers, head_dim_sums, int_list, is_int, kept_layers, layer_spans, mrope_sections,
+                         partition, per_count, repeats, split_to, state_head_dims, width_of, windows)
+from .derived import (derived_sizes, feature_widths, grid_pinpoints, handed_channels, layer_ids, object_queries,
+                      patch_queries, placeholder_tokens, query_image_tokens, rotary_widths, sliding_window,
+                      stream_widths, tokens_per_image, tower_widths)
 
 HIDDEN = 64          # the main width of every (sub-)config
 HEADS = 4            # attention heads (largest power of two <= min(default, HEADS))
@@ -23,6 +20,24 @@ IMAGE = 64
 WINDOW = 16          # local attention windows (Longformer's sequences are padded to one)
 FILTERS = 8          # a convolutional codec's first channel count (doubled at each downsampling)
 
+#: the rule, as a run's results state it
+RULE = ("widths x 64/main width (multiple of 8; a list of one width per layer cut and scaled); heads -> power of "
+        "two <= 4, kv heads keep MHA/MQA else 2, head dims 16; main layer counts -> 2, other layer counts and "
+        "stage depths -> 1; experts -> 4, shared -> 1, per token -> 2 (also when left None beside an MoE width), "
+        "routing/state groups -> 1, a group count equal to a width (one per channel) and a codebook_dim equal to "
+        "a width shrunk with it, a ..._hidden_size equal to another tower's width -> 64; vocab (also per-layer "
+        "input vocabularies; a vocab_size left None) -> 256 (token ids renumbered); image size -> 64; attention "
+        "windows -> 16; a codec's num_filters -> 8; per-layer attributes of heterogeneous configs by their global "
+        "value; recursively in sub-configs (benchmarks.coverage.shrink). Derived for the configs' validators "
+        "(benchmarks.coverage.consistent): the kept layers hold every kind of each per-layer list (the first "
+        "layers where the class refuses that), every per-layer list follows them; mrope sections sum to half the "
+        "shrunk rotary width; a Swin window fits the last stage; qualified counts partitioning the layers set "
+        "their number; a repeated layer pattern spells them; parts of the width and sizes equal to it follow it; "
+        "state and summed head widths derived")
+
+#: the most an int field of each role keeps
+_CAP = {"vocab": VOCAB, "image": IMAGE, "window": WINDOW, "filters": FILTERS, "layers_other": 1, "groups": 1,
+        "experts": EXPERTS, "experts_shared": 1, "experts_per_token": EXPERTS_PER_TOKEN}
 _MAIN_WIDTH = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "emb_dim", "embedding_size",
                "hidden_dim")
 _WIDTH_TOKENS = {"hidden", "intermediate", "embd", "embed", "emb", "embedding", "ffn", "ff", "dff",
@@ -37,8 +52,6 @@ _NOT_WIDTH = {"position", "positions", "patch", "image", "kernel", "window", "ch
               "tag", "subs", "unit", "rel", "padding", "round", "up", "to", "floor", "scale",
               "pretraining", "tp", "loop", "passes", "cycles", "hash", "seed"}
 _MAIN_LAYER_TOKENS = {"num", "n", "hidden", "encoder", "decoder", "conf", "layers", "layer"}
-#: expert counts left None beside an MoE width: their shrunk values
-_UNSET_EXPERTS = {"experts": EXPERTS, "experts_shared": 1, "experts_per_token": EXPERTS_PER_TOKEN}
 
 
 def _tokens(name: str) -> list:
@@ -49,8 +62,9 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def _is_int_list(v) -> bool:
-    return isinstance(v, (list, tuple)) and len(v) > 0 and all(is_int(x) for x in v)
+def _scaled(v: int, scale: float) -> int:
+    """A width scaled, rounded to a multiple of 8 (at least 8)."""
+    return max(8, int(round(v * scale / 8)) * 8)
 
 
 def role(name: str) -> str | None:
@@ -107,8 +121,8 @@ def role(name: str) -> str | None:
 
 
 def _level_fields(cfg) -> dict:
-    """The declared fields of a config (dataclass fields in transformers 5, else its
-    ``__init__`` parameters), with their current values; derived attributes are not fields."""
+    """The declared fields of a config (dataclass fields in transformers 5, else its ``__init__``
+    parameters) with their values; derived attributes are not fields."""
     import dataclasses
     import inspect
     if dataclasses.is_dataclass(cfg):
@@ -121,10 +135,8 @@ def _level_fields(cfg) -> dict:
             n = n[1:]  # a backbone's _out_indices: passed by its public name (out_indices)
         try:
             out[n] = getattr(cfg, n)
-        except Exception:  # noqa: BLE001 - per-layer attributes refuse a global read
-            # (heterogeneous configs: Dots3's heads, ranks and head dims): the global value
-            # is the instance's own, and the per-layer overrides are derived from other fields
-            if n in vars(cfg):
+        except Exception:  # noqa: BLE001 - a per-layer attribute refuses a global read (Dots3's
+            if n in vars(cfg):  # heads): the instance's own value
                 out[n] = vars(cfg)[n]
     if isinstance(getattr(type(cfg), "out_indices", None), property) and "out_indices" not in out:
         out["out_indices"] = cfg.out_indices  # a backbone's stages read (ResNet: not a field)
@@ -132,51 +144,23 @@ def _level_fields(cfg) -> dict:
 
 
 def shrink(cfg, kinds: bool = False) -> dict:
-    """The keyword overrides that make ``cfg`` (a config of its class's defaults) tiny.
-
-    One rule, by field name (:func:`role`), for every config and, recursively, every sub-config
-    (``text_config``, ``vision_config``, ...):
-
-    * widths (hidden / intermediate / embedding / ffn / model / rank / state sizes): scaled by
-      ``HIDDEN / main width`` (the first of hidden_size, d_model, n_embd, dim, embed_dim, ...),
-      rounded to a multiple of 8 (at least 8; widths <= 8 kept); a ``..._hidden_size`` equal to
-      the main width of some (sub-)config names that tower's width: HIDDEN, as that one becomes;
-      a group count equal to a width (one group per channel) is shrunk as that width. A list of widths with one per
-      layer is cut to the new layer count and scaled alike; other lists of widths are left alone.
-    * heads: the largest power of two <= min(default, 4); kv heads: = heads when the default is
-      multi-head, 1 when multi-query, else 2; head dims: ``HIDDEN / HEADS`` = 16.
-    * layers: main counts (num_hidden_layers, n_layer, encoder_layers, depth ...) -> min(., 2),
-      qualified counts (num_dense_layers, num_kv_shared_layers, ...) and per-stage depth lists
-      -> min(., 1); lists as long as the old layer count are cut to the new one; lists of layer
-      indices keep the indices below it (the last layer if none).
-    * experts -> min(., 4), shared experts -> min(., 1), experts per token -> min(., 2); the
-      same 4, 1, 2 for counts left None on a level with a positive MoE width (a width field
-      named with ``moe``: ``moe_intermediate_size``); routing and state groups -> 1;
-      vocabularies -> min(., 256) (a ``vocab_size`` left None -> 256), token ids beyond it
-      renumbered from the top; image sizes
-      -> min(., 64); attention windows (``attention_window``, ``..._attention_window_size``)
-      -> min(., 16); a codec's first filter count (``num_filters``, doubled at each of its
-      downsampling stages: VibeVoice's tokenizers reach 2048 channels from 32) -> min(., 8).
-
-    Only declared fields are passed, so derived ones (``qk_head_dim``, ``layer_types`` computed
-    from the layer count) are recomputed by the config itself. Sizes the config's validators
-    relate to others are derived by :mod:`.consistent` (which layers are kept, mrope sections,
-    windows, state and summed head widths, ...); ``kinds`` True keeps a layer of each kind of
-    every per-layer list, False the first layers.
-    """
+    """The keyword overrides that make ``cfg`` (a config of its class's defaults) tiny: :data:`RULE`,
+    by field name (:func:`role`), on every config and, recursively, every sub-config. Only declared
+    fields are passed, so the config recomputes derived ones (``layer_types``); ``kinds`` True
+    keeps a layer of each kind of every per-layer list, False the first layers."""
     return _shrink_level(cfg, _vocab_ids(cfg), _main_widths(cfg), kinds)
+
+
+def _subs(fields) -> list:
+    from transformers import PretrainedConfig
+    return [v for v in fields.values() if isinstance(v, PretrainedConfig)]
 
 
 def _main_widths(cfg) -> set:
     """The main widths (> HIDDEN) of ``cfg`` and of every sub-config: each becomes HIDDEN."""
-    from transformers import PretrainedConfig
     fields = _level_fields(cfg)
-    main = next((fields[k] for k in _MAIN_WIDTH if is_int(fields.get(k)) and fields[k] > 0), None)
-    out = {main} if main and main > HIDDEN else set()
-    for v in fields.values():
-        if isinstance(v, PretrainedConfig):
-            out |= _main_widths(v)
-    return out
+    main = width_of(fields, _MAIN_WIDTH)
+    return ({main} if main and main > HIDDEN else set()).union(*(_main_widths(v) for v in _subs(fields)))
 
 
 def _vocab_ids(cfg) -> dict:
@@ -189,9 +173,7 @@ def _vocab_ids(cfg) -> dict:
             if isinstance(v, PretrainedConfig):
                 walk(v)
             elif role(k) == "token_id":
-                for x in (v if _is_int_list(v) else [v] if is_int(v) else []):
-                    if x >= VOCAB:
-                        ids.add(x)
+                ids.update(x for x in (v if int_list(v) else [v] if is_int(v) else []) if x >= VOCAB)
     walk(cfg)
     return {old: VOCAB - 1 - i for i, old in enumerate(sorted(ids, reverse=True))}
 
@@ -200,93 +182,78 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
     from transformers import PretrainedConfig
     fields = _level_fields(cfg)
     out = {}
-    main = next((fields[k] for k in _MAIN_WIDTH if is_int(fields.get(k)) and fields[k] > 0), None)
+    main = width_of(fields, _MAIN_WIDTH)
     scale = HIDDEN / main if main and main > HIDDEN else 1.0
     q_heads = [v for k, v in fields.items() if role(k) == "heads" and is_int(v)]
     q_old = max(q_heads) if q_heads else None
     q_new = _pow2_floor(min(q_old, HEADS)) if q_old else HEADS
     old_layers = next((v for k, v in fields.items() if role(k) == "layers_main" and is_int(v)), None)
     new_layers = min(old_layers, LAYERS) if old_layers else None
-    outputs = _output_layers(fields, old_layers)
-    if outputs and new_layers:  # one layer more than the outputs it selects (DPT's 4 features)
+    outputs = max((len(v) for k, v in fields.items() if role(k) == "layer_index" and "out" in _tokens(k)
+                   and int_list(v) and old_layers and len(v) > 1 and max(v) <= old_layers), default=0)
+    if outputs and new_layers:  # one layer more than the outputs a head reads (DPT's 4 features)
         new_layers = min(old_layers, max(new_layers, outputs + 1))
     new_layers = partition(fields, old_layers, new_layers, role)
     keep = kept_layers(fields, old_layers, new_layers, role, kinds)
     new_layers = len(keep) if keep else new_layers
-    widths = {v: max(8, int(round(v * scale / 8)) * 8) for k, v in fields.items()
+    widths = {v: _scaled(v, scale) for k, v in fields.items()
               if role(k) == "width" and is_int(v) and v > 8 and scale != 1.0}
-    counts = {k: (v, min(v, 1)) for k, v in fields.items()
-              if role(k) == "layers_other" and is_int(v) and v > 1}
-    # an MoE width set while the expert counts are left None (Dots1: the config's defaults
-    # would build torch.empty(None, ...)): the counts get their shrunk values
-    moe = any(role(k) == "width" and "moe" in _tokens(k) and is_int(v) and v > 0
-              for k, v in fields.items())
+    counts = {k: (v, min(v, 1)) for k, v in fields.items() if role(k) == "layers_other" and is_int(v) and v > 1}
+    # an MoE width beside expert counts left None (Dots1: torch.empty(None, ...)): the counts get shrunk values
+    moe = any(role(k) == "width" and "moe" in _tokens(k) and is_int(v) and v > 0 for k, v in fields.items())
     for k, v in fields.items():
         if isinstance(v, PretrainedConfig):
-            sub = _shrink_level(v, id_map, mains, kinds)
-            full = _level_fields(v)
-            full = {a: b for a, b in full.items() if not isinstance(b, PretrainedConfig)}
-            out[k] = {**full, **sub, "model_type": getattr(v, "model_type", None)}
+            full = {a: b for a, b in _level_fields(v).items() if not isinstance(b, PretrainedConfig)}
+            out[k] = {**full, **_shrink_level(v, id_map, mains, kinds), "model_type": getattr(v, "model_type", None)}
             if out[k]["model_type"] is None:
                 del out[k]["model_type"]
             continue
-        r = role(k)
-        orig = v
-        per_layer = keep is not None and isinstance(v, (list, tuple)) and len(v) == old_layers \
-            and r not in ("layers_main", "layers_other")
+        r, orig = role(k), v
+        layer_list = r in ("layers_main", "layers_other")
+        per_layer = keep is not None and isinstance(v, (list, tuple)) and len(v) == old_layers and not layer_list
         if per_layer:  # one entry per layer: the kept layers' entries
             v = type(v)(v[i] for i in keep)
         new = v
-        if v is None and moe and r in _UNSET_EXPERTS:
-            new = _UNSET_EXPERTS[r]
-        elif v is None and k == "vocab_size":  # left for a checkpoint to state (a CTC head's
-            new = VOCAB                        # letters: Wav2Vec2-BERT, ESM): the shrunk one
+        if v is None and moe and r in ("experts", "experts_shared", "experts_per_token"):
+            new = _CAP[r]
+        elif v is None and k == "vocab_size":  # left for a checkpoint to state (a CTC head's letters)
+            new = VOCAB
         elif v is None and r == "head_dim" and k == "head_dim" and q_old and main:
-            new = int(main * scale) // q_new  # left None beside a head count, read as is by the
-            #                                  model (Ministral, HunYuan): the width per head
+            new = int(main * scale) // q_new  # left None beside a head count (Ministral): the width per head
         elif v is None and r == "kv_heads" and q_old and k.startswith("num_"):
-            new = q_new  # left None (Nemotron's default): multi-head, as the configs that set it
-        elif isinstance(v, (list, tuple)) and r not in ("layers_main", "layers_other") \
-                and per_count(k, v, counts):  # one entry per layer of a qualified count
-            new = type(v)(v[:per_count(k, v, counts)])
-        elif _is_int_list(v) and len(v) > 1 and len(set(v)) == 1 and v[0] in widths:
+            new = q_new  # left None (Nemotron's default): multi-head
+        elif isinstance(v, (list, tuple)) and not layer_list and per_count(k, v, counts):
+            new = type(v)(v[:per_count(k, v, counts)])  # one entry per layer of a qualified count
+        elif int_list(v) and len(v) > 1 and len(set(v)) == 1 and v[0] in widths:
             new = type(v)([widths[v[0]]] * len(v))  # one shrunk width per level (RT-DETR's decoder)
-        elif r == "width" and _is_int_list(v) and len(v) > 1 and sum(v) == main and scale != 1.0:
-            new = type(v)(split_to(v, int(main * scale)))  # parts of the width (Reformer's axial
-            #                                                 position embeddings sum to it)
+        elif r == "width" and int_list(v) and len(v) > 1 and sum(v) == main and scale != 1.0:
+            new = type(v)(split_to(v, int(main * scale)))  # parts of the width (Reformer's axial positions)
         elif isinstance(v, (list, tuple)) and repeats(v, old_layers, new_layers):
             new = repeats(v, old_layers, new_layers)  # a pattern of layer kinds repeated (GPT-Neo)
-        elif r == "layer_index" and "out" in _tokens(k) and _is_int_list(v) and new_layers:
-            # the layers whose outputs a head reads: as many as before, the last ones kept
-            new = type(v)(range(new_layers - len(v), new_layers))
-        elif r == "width" and _is_int_list(v) and per_layer:
-            # one width per layer (Gemma 3n's intermediate sizes): cut and scaled as one
-            new = type(v)(max(8, int(round(x * scale / 8)) * 8) if x > 8 else x for x in v)
-        elif _is_int_list(v) and r in ("heads", "layers_main", "layers_other", "token_id", "layer_index"):
-            if r == "heads":
-                new = type(v)(_pow2_floor(min(x, HEADS)) for x in v)
-            elif r in ("layers_main", "layers_other"):
-                if old_layers and len(v) == old_layers:  # one entry per layer: a layer list
-                    new = type(v)(v[:new_layers])
-                elif r == "layers_other" and new_layers and all(x < old_layers for x in v if x >= 0):
-                    new = type(v)(x for x in v if x < new_layers) or type(v)([new_layers - 1])
-                else:
-                    new = type(v)(min(x, 1) for x in v)
-            elif r == "token_id":
-                new = type(v)(id_map.get(x, x) for x in v)
-            elif r == "layer_index" and new_layers:
+        elif r == "layer_index" and "out" in _tokens(k) and int_list(v) and new_layers:
+            new = type(v)(range(new_layers - len(v), new_layers))  # the layers a head reads: the last ones
+        elif r == "width" and int_list(v) and per_layer:
+            new = type(v)(_scaled(x, scale) if x > 8 else x for x in v)  # one width per layer (Gemma 3n)
+        elif int_list(v) and r == "heads":
+            new = type(v)(_pow2_floor(min(x, HEADS)) for x in v)
+        elif int_list(v) and layer_list:
+            if old_layers and len(v) == old_layers:  # one entry per layer: a layer list
+                new = type(v)(v[:new_layers])
+            elif r == "layers_other" and new_layers and all(x < old_layers for x in v if x >= 0):
+                new = type(v)(x for x in v if x < new_layers) or type(v)([new_layers - 1])
+            else:
+                new = type(v)(min(x, 1) for x in v)
+        elif int_list(v) and r == "token_id":
+            new = type(v)(id_map.get(x, x) for x in v)
+        elif int_list(v) and r == "layer_index":
+            if new_layers:
                 new = type(v)(x for x in v if x < new_layers) or type(v)([new_layers - 1])
         elif is_int(v):
-            if r == "vocab":
-                new = min(v, VOCAB)
+            toks = _tokens(k)
+            if r in _CAP:
+                new = min(v, _CAP[r])
             elif r == "token_id":
                 new = id_map.get(v, v)
-            elif r == "image":
-                new = min(v, IMAGE)
-            elif r == "window":
-                new = min(v, WINDOW) if v > 0 else v
-            elif r == "filters":
-                new = min(v, FILTERS) if v > 0 else v
             elif r == "heads":
                 new = _pow2_floor(min(v, HEADS)) if v > 0 else v
             elif r == "kv_heads":
@@ -295,29 +262,14 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
                 new = HEAD_DIM if v > 0 else v
             elif r == "layers_main":
                 new = new_layers if new_layers and v == old_layers else min(v, LAYERS)
-            elif r == "layers_other":
-                new = min(v, 1)
-            elif r == "experts":
-                new = min(v, EXPERTS)
-            elif r == "experts_shared":
-                new = min(v, 1)
-            elif r == "experts_per_token":
-                new = min(v, EXPERTS_PER_TOKEN)
-            elif r == "groups":
-                new = min(v, 1) if v > 0 else v
-            elif r == "width" and v in mains and ({"hidden", "size"} <= set(_tokens(k))
-                                                  or "out" in _tokens(k)):
-                new = HIDDEN  # another tower's width named here (a head's audio_hidden_size, BLT's
-                #               hidden_size_global, Dots3's vision adapter_out_dim: the text width)
+            elif r == "width" and v in mains and ({"hidden", "size"} <= set(toks) or "out" in toks):
+                new = HIDDEN  # another tower's width named here (BLT's hidden_size_global)
             elif r == "width" and v > 8:
-                new = max(8, int(round(v * scale / 8)) * 8)
-            elif r is None and v == main and scale != 1.0 and _tokens(k)[-1] in ("size", "dim"):
+                new = _scaled(v, scale)
+            elif r is None and v == main and scale != 1.0 and toks[-1] in ("size", "dim"):
                 new = int(main * scale)  # a size equal to the width is the width (an adapter's input)
-            elif r is None and "groups" in _tokens(k) and v in widths:
-                new = widths[v]  # one group per channel (a depthwise convolution's): shrunk alike
-            elif r is None and _tokens(k)[-2:] == ["codebook", "dim"] and v in widths:
-                new = widths[v]  # a codebook's vectors as wide as a width (Mimi's quantizer
-                #                  compares them with its projection): shrunk alike
+            elif r is None and ("groups" in toks or toks[-2:] == ["codebook", "dim"]) and v in widths:
+                new = widths[v]  # one group per channel, a codebook as wide as a width (Mimi's): alike
         if new != orig:
             out[k] = new
     if "out_indices" in out and "out_features" in fields:
@@ -334,22 +286,19 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
     out.update(mrope_sections(cfg, fields, out, width, q_new))
     out.update(windows(fields, out))
     out.update(head_dim_sums(fields, out, role))
-    out.update(tower_rules(fields, out, _MAIN_WIDTH, q_new if q_old else None, HEAD_DIM, VOCAB, role))
-    return {**out, **backbone_rules(fields, out)}
-
-
-def _output_layers(fields, old_layers) -> int:
-    """The longest list of layers whose outputs a head reads (``out_indices``,
-    ``backbone_out_indices``), 0 if none."""
-    return max((len(v) for k, v in fields.items() if role(k) == "layer_index" and "out" in _tokens(k)
-                and _is_int_list(v) and old_layers and len(v) > 1 and max(v) <= old_layers), default=0)
+    out.update({**tower_widths(fields, out, _MAIN_WIDTH), **layer_ids(fields, out, role)})
+    out.update(stream_widths(fields, out, _MAIN_WIDTH))
+    out.update(rotary_widths(fields, out, _MAIN_WIDTH, q_new if q_old else None, HEAD_DIM))
+    out.update(placeholder_tokens(fields, out, VOCAB))
+    out.update(handed_channels(fields, out, _MAIN_WIDTH))
+    out.update(patch_queries(fields, out))
+    return {**out, **feature_widths(fields, out), **object_queries(fields, out)}
 
 
 def tiny_config(model_type: str, kinds: bool | None = None):
     """``(config, overrides)``: the class's default config shrunk by :func:`shrink`; ``kinds``
-    None: the first layers where that config validates, else the layers that keep each kind of
-    its per-layer lists (:func:`.consistent.kept_layers`: OLMo-Hybrid's validator wants an
-    attention layer among its linear ones)."""
+    None: the first layers where that config validates, else a layer of each kind
+    (:func:`.consistent.kept_layers`)."""
     from transformers import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
     default, extra = default_config(cls)
@@ -358,15 +307,13 @@ def tiny_config(model_type: str, kinds: bool | None = None):
         try:
             return cls(**overrides), overrides
         except Exception:  # noqa: BLE001 - the validators' verdict: the other cut, else raised
-            if keep is True or kinds is not None or overrides == {**shrink(default, True), **extra}:
+            if keep or kinds is not None or overrides == {**shrink(default, True), **extra}:
                 raise
-    raise AssertionError("unreachable")
 
 
 def default_config(cls):
-    """``(config, extra overrides)``: the class's defaults; a default backbone that needs timm
-    (DETR's ResNet-50), when timm is not installed, replaced by the config's own transformers
-    backbone (``use_timm_backbone=False``), never with pretrained weights."""
+    """``(config, extra overrides)``: the class's defaults; a default timm backbone (DETR's), when
+    timm is not installed, replaced by the config's own (``use_timm_backbone=False``), untrained."""
     import importlib.util
     cfg = cls()
     backbone = getattr(cfg, "backbone_config", None)
@@ -376,12 +323,9 @@ def default_config(cls):
     return cfg, {}
 
 
-# --- building ---------------------------------------------------------------------------------
-
-
 def own_config(cls, cfg):
-    """The config ``cls`` is built on: ``cfg``, or a composite's text config when that is the
-    class's own (Qwen3.5's LM)."""
+    """The config ``cls`` is built on: ``cfg``, or the sub-config of the class's own kind (a
+    composite's text config: Qwen3.5's LM; its one decoder)."""
     own = getattr(cls, "config_class", None)
     if not isinstance(own, type) or isinstance(cfg, own):
         return cfg
@@ -392,58 +336,40 @@ def own_config(cls, cfg):
     if isinstance(text, own):
         return text
     subs = [v for v in vars(cfg).values() if isinstance(v, own)]
-    return subs[0] if len(subs) == 1 else cfg  # the one sub-config of the class's kind (its decoder)
+    return subs[0] if len(subs) == 1 else cfg
 
 
-def _construct(cls, class_name, model_type, seed):
-    """``(model, overrides)``: ``cls`` on the tiny config (:func:`tiny_config`)."""
+def redraw_parameters(model, gen) -> None:
+    """Every 1-d parameter re-drawn (``*weight`` 1 + 0.5·N, else 0.5·N: norms at 1 and biases at 0
+    hide a wrong slot, as in tests/conftest) and every constant matrix (0.02·N), from ``gen``."""
     import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_meta or not p.is_floating_point():
+                continue
+            if p.dim() == 1:
+                p.copy_((1.0 if name.endswith("weight") else 0.0)
+                        + 0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            elif p.numel() > 1 and float(p.std()) == 0.0:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def build(model_type: str, class_name: str, seed: int = 0):
+    """``(model, overrides)``: ``class_name`` on the tiny config, float32, eval, random weights
+    (:func:`redraw_parameters`). A sequence classifier or masked LM without a pad token gets the
+    last id of its vocabulary (a classifier finds each row's last token by it, a masked LM counts
+    positions from it, as real checkpoints state one)."""
+    import torch
+    import transformers
+    cls = getattr(transformers, class_name)
     cfg, overrides = tiny_config(model_type)
     cfg = own_config(cls, cfg)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg  # a composite's decoder reads it
     if class_name.endswith(("ForSequenceClassification", "ForMaskedLM")) and getattr(text, "pad_token_id", 0) is None:
-        text.pad_token_id = (getattr(text, "vocab_size", None) if is_int(getattr(text, "vocab_size", None)) else VOCAB) - 1
+        vocab = getattr(text, "vocab_size", None)
+        text.pad_token_id = (vocab if is_int(vocab) else VOCAB) - 1
         overrides = {**overrides, "pad_token_id": text.pad_token_id}
     torch.manual_seed(seed)
-    return cls(cfg), overrides
-
-
-def fails_at_default(model_type: str, class_name: str) -> str | None:
-    """``"Type: message"`` of the exception with which transformers' own default config of the
-    family fails to validate, or ``class_name`` fails to be constructed on it (on the meta
-    device: no memory, no weights); None when both succeed."""
-    import torch
-    import transformers
-    from transformers import CONFIG_MAPPING
-    try:
-        cls = getattr(transformers, class_name)
-        cfg = own_config(cls, default_config(CONFIG_MAPPING[model_type])[0])
-        with torch.device("meta"):
-            cls(cfg)
-    except Exception as e:  # noqa: BLE001 - any failure of transformers' own is the answer
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-    return None
-
-
-def build(model_type: str, class_name: str, seed: int = 0):
-    """``(model, overrides)``: ``class_name`` on the tiny config, float32, eval, random weights.
-    A sequence classifier or masked LM without a pad token gets the last id of its vocabulary
-    as one: a classifier finds each row's last token by the pad token (the example batch has two
-    rows), a masked LM counts positions from it (ESM's, as RoBERTa's; real checkpoints state
-    one)."""
-    import torch
-    import transformers
-    cls = getattr(transformers, class_name)
-    model, overrides = _construct(cls, class_name, model_type, seed)
-    model = model.float().eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.is_meta or p.numel() < 2 and p.dim() != 1:
-                continue
-            if p.dim() == 1:  # as tests/conftest: norms at 1 and biases at 0 hide a wrong slot
-                p.copy_((1.0 if name.endswith("weight") else 0.0)
-                        + 0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-            elif float(p.std()) == 0.0:  # constant (often zero-initialised) matrices
-                p.copy_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    model = cls(cfg).float().eval()
+    redraw_parameters(model, torch.Generator().manual_seed(seed))
     return model, overrides

@@ -2,17 +2,14 @@
 from the traced graph and the config (never from module names)."""
 from __future__ import annotations
 
-
 import collections
 
 from symgraph.passes.nodes import live_nodes
 from symgraph.passes.trace import output_positions
 
-from .attention import ROPE_ABSENT, ROPE_BLOCKED, attention_units  # noqa: F401 - re-exported
-from .graph import LINEAR, is_constant, pname, node_shape, linear_weight
+from .attention import ROPE_ABSENT, ROPE_BLOCKED, attention_units
+from .graph import LINEAR, is_constant, linear_weight, node_shape, pname, users_of
 from .why import explain
-
-# --- completeness by structure ----------------------------------------------------------------
 
 _TRIG = {"sin", "cos", "polar", "view_as_complex"}
 _STOP = {"scaled_dot_product_attention", "softmax", "_softmax", "log_softmax", "_log_softmax",
@@ -28,12 +25,10 @@ NONLINEAR = {"gelu", "silu", "relu", "tanh", "sigmoid", "erf", "exp", "pow", "le
 PERMLIKE = {"perm", "scaled_perm", "signed_perm", "orthogonal", "orthogonal_mean", "gl"}
 
 
-def _coordinates(ep, users, lin) -> set:
-    """Linear-like ops whose outputs are coordinates, not hidden units: what they compute reaches
-    the graph's outputs (a detection head's boxes) or the sampled positions of
-    ``grid_sampler_2d`` (deformable attention's reference points) through ops other than
-    linear-like ones, norms and reductions; either reads each output channel as itself, so no
-    map of those channels can exist."""
+def _coordinates(users, lin) -> set:
+    """Linear-like ops whose outputs are coordinates, not hidden units: they reach the graph's
+    outputs (a detection head's boxes) or the positions ``grid_sampler_2d`` samples (deformable
+    attention) through no linear-like op, norm or reduction; each channel is read as itself."""
     out = set()
     for up in lin:
         stack, seen = [up], {up}
@@ -59,11 +54,9 @@ def _width(ep, slot):
 
 
 def _coded(node, depth: int = 16) -> bool:
-    """Whether ``node``'s channels are a code built by stacking distinct functions of its inputs
-    (DAB-DETR's sine embedding of box coordinates: ``stack([sin(x/t_k), cos(x/t_k)])`` over
-    frequencies ``t_k``): found through views, copies and elementwise ops back to a ``stack``
-    before any linear-like op. Hidden units gated by such a code read each channel as a
-    different function (a frequency of a coordinate), so no map of them can exist."""
+    """Whether ``node``'s channels are a code stacking distinct functions of its inputs (DAB-DETR's
+    sine embedding of box coordinates), found back to a ``stack`` before any linear-like op:
+    hidden units gated by it read each channel as a different function."""
     stack, seen = [node], set()
     while stack and len(seen) < 4 * depth:
         n = stack.pop()
@@ -81,26 +74,16 @@ def _coded(node, depth: int = 16) -> bool:
 
 def mlp_units(ep, live=None) -> list:
     """Every MLP of the graph: ``{"module", "up": [(param, out dim)], "down": (param, in dim)}``
-    for each linear-like op (the down projection) that a linear-like op (an up projection)
-    reaches through elementwise ops including a nonlinearity, with no residual add, norm,
-    attention, softmax or reduction on the way, its up width equal to its down width (a
-    ``select`` of one entry of a two-channel output is no hidden layer), and no gate whose other
-    factor is a stacked code (:func:`_coded`); an up projection whose outputs are coordinates
-    (:func:`_coordinates`) opens no MLP. ``live``: the nodes whose values reach a kept output
-    (:func:`symgraph.passes.nodes.live_nodes`); an MLP whose down projection is not among them
-    is dead code for those outputs and left out."""
-    users = collections.defaultdict(list)
-    for n in ep.graph.nodes:
-        for a in n.all_input_nodes:
-            users[a].append(n)
-    lin = {}
-    for n in ep.graph.nodes:
-        if n.op == "call_function":
-            w = linear_weight(ep, n)
-            if w is not None:
-                lin[n] = w
+    for each linear-like op (the down projection) that a linear-like op (an up projection, not
+    one of :func:`_coordinates`) reaches through elementwise ops including a nonlinearity, with
+    no residual add, norm, attention, softmax or reduction on the way, equal up and down widths,
+    and no gate by a stacked code (:func:`_coded`). ``live``: the nodes reaching a kept output
+    (:func:`symgraph.passes.nodes.live_nodes`); an MLP whose down projection is not among them is
+    dead code and left out."""
+    users = users_of(ep)
+    lin = {n: w for n in ep.graph.nodes if n.op == "call_function" and (w := linear_weight(ep, n)) is not None}
     units = {}
-    coordinates = _coordinates(ep, users, lin)
+    coordinates = _coordinates(users, lin)
     for up, (_, up_out, _) in lin.items():
         if up in coordinates:
             continue
@@ -112,7 +95,8 @@ def mlp_units(ep, live=None) -> list:
                     continue
                 name = pname(u)
                 if u in lin:
-                    if nl and lin[u][0] is node and (live is None or u in live) and _width(ep, up_out) == _width(ep, lin[u][2]):
+                    if nl and lin[u][0] is node and (live is None or u in live) \
+                            and _width(ep, up_out) == _width(ep, lin[u][2]):
                         unit = units.setdefault(u, {"module": ".".join(lin[u][2][0].split(".")[:-2]),
                                                     "up": [], "down": lin[u][2]})
                         if up_out not in unit["up"]:
@@ -120,16 +104,13 @@ def mlp_units(ep, live=None) -> list:
                     continue
                 if name in _STOP or name in LINEAR:
                     continue
-                nl2 = nl or name in NONLINEAR
-                if name in ("add", "sub", "mul", "div", "rsub", "add_", "mul_"):
-                    others = [a for a in u.all_input_nodes if a is not node]
-                    varying = [a for a in others if not is_constant(ep, a)]
-                    if varying and name in ("add", "sub", "rsub", "add_"):
-                        continue  # a residual (or a merge of branches): not inside one MLP
-                    if varying and name in ("mul", "div", "mul_") and any(_coded(a) for a in varying):
-                        continue  # gated by a code: each channel its own function, none exchangeable
-                    if varying and name in ("mul", "div", "mul_"):
-                        nl2 = True  # a gate (SwiGLU / GeGLU)
+                varying = [a for a in u.all_input_nodes if a is not node and not is_constant(ep, a)] \
+                    if name in ("add", "sub", "mul", "div", "rsub", "add_", "mul_") else []
+                if varying and name in ("add", "sub", "rsub", "add_"):
+                    continue  # a residual (or a merge of branches): not inside one MLP
+                if any(_coded(a) for a in varying):
+                    continue  # gated by a code: each channel its own function, none exchangeable
+                nl2 = nl or name in NONLINEAR or bool(varying)  # varying: a gate (SwiGLU / GeGLU)
                 if (u, nl2) not in seen:
                     seen.add((u, nl2))
                     stack.append((u, nl2))
@@ -171,19 +152,12 @@ def has_rope(cfg) -> bool:
 
 
 def expectations(ep, report, cfg, tied=()) -> dict:
-    """What a complete report must contain, derived from the graph and the config, and what
-    this one lacks: ``{"mlps", "attention", "rope_expected", "rope_classes", "missing": [...]}``.
-    Each missing entry is ``{"kind": "mlp-perm" | "attention-heads" | "rope", "module": ...}``.
-    ``tied``: groups of parameter names sharing one tensor (``symgraph.tied_parameters``): the
-    graph may read a tensor under any of its names, the report names each once."""
+    """What a complete report must contain (the package docstring's step 6), derived from the
+    graph and the config, and what this one lacks: ``{"mlps", "attention", "rope_expected",
+    "rope_classes", "missing": [{"kind": "mlp-perm" | "attention-heads" | "rope", "module", "why"}]}``.
+    ``tied``: groups of names of one tensor (``symgraph.tied_parameters``), read under any name."""
     alias = {n: g for g in tied for n in g}
-    slots = collections.defaultdict(set)   # (param, dim) -> kinds of the groups holding it
-    headed = set()                         # params in a class with head blocks
-    for g in report.groups:
-        for p, d in g.params:
-            slots[(p, d)].add(g.kind)
-        if g.blocks > 1:
-            headed.update(p for p, _ in g.params)
+    headed = {p for g in report.groups if g.blocks > 1 for p, _ in g.params}  # in a class with head blocks
     shapes = {ep.graph_signature.inputs_to_parameters[n.name]: node_shape(n) for n in ep.graph.nodes
               if n.op == "placeholder" and n.name in ep.graph_signature.inputs_to_parameters}
     by_slot = collections.defaultdict(set)
@@ -206,9 +180,8 @@ def expectations(ep, report, cfg, tied=()) -> dict:
             if shp[d] % 2 == 0:
                 got |= by_stacked.get((p, shp[d] // 2), set())
         return got
-    # units no kept output depends on (LLaVA's last vision layer under vision_feature_layer=-2,
-    # SigLIP's attention-pooling head beside a mean-pooling classifier) are dead code: any map
-    # of their weights keeps the function, none is expected; the analysis fixes their weights
+    # units no kept output depends on (LLaVA's last vision layer under vision_feature_layer=-2)
+    # are dead code: any map of their weights keeps the function, none is expected
     live = live_nodes(ep.graph, output_positions(ep, getattr(report, "outputs", None)))
     missing = []
     mlps = mlp_units(ep, live)
@@ -217,15 +190,14 @@ def expectations(ep, report, cfg, tied=()) -> dict:
         if not any(down & holders(tuple(s)) for s in u["up"]):
             missing.append({"kind": "mlp-perm", "module": u["module"],
                             "slots": [list(s) for s in u["up"]] + [list(u["down"])]})
-    every = attention_units(ep, nodes=True)
-    atts = [{k: v for k, v in a.items() if k not in ("query", "key")} for a in every if a["query"] in live]
+    every = attention_units(ep)
+    atts = [a for a in every if a["query"] in live]
     for a in atts:
         if a["heads"] < 2:
             continue
         inside = lambda p: not a["module"] or p.startswith(a["module"] + ".")  # noqa: E731 (root: every param)
-        # heads that share one map inside them (multi-query: one key/value head for every query
-        # head; MViTv2: one pooling kernel run on every head) cannot be moved per head: they are
-        # complete as a permutation class of the head count on a factor of a projection's axis
+        # heads sharing one map inside them (multi-query, MViTv2's pooling kernel) cannot move per
+        # head: complete as a permutation class of the head count on a factor of a projection's axis
         ok = any(inside(p) for p in headed) or any(
             g.kind in PERMLIKE and g.dim == a["heads"] and any(
                 inside(p) and (shapes.get(p) or ())[d:d + 1] != (g.dim,) for p, d in g.params)
@@ -234,8 +206,7 @@ def expectations(ep, report, cfg, tied=()) -> dict:
             missing.append({"kind": "attention-heads", "module": a["module"], "heads": a["heads"]})
     rope_cfg = has_rope(cfg) and bool(atts)
     rope_classes = sum(g.kind == "rope" for g in report.groups)
-    # every attention site that rotates its queries normalises them past RoPE's reach: no rope
-    # class can exist (sites without a rotation, such as cross-attention, do not count)
+    # every site rotating its queries normalises them past RoPE's reach: no rope class can exist
     rot = [a for a in atts if a["rotated"]]
     blocked = bool(rot) and all(a["qk_norm"] for a in rot)
     absent = not rot and not _trig_reaches_attention(ep)  # nothing rotates
@@ -243,7 +214,8 @@ def expectations(ep, report, cfg, tied=()) -> dict:
     if rope_expected and not rope_classes:
         missing.append({"kind": "rope", "module": ""})
     explain(ep, report, missing)  # what blocks each, from the analysis
-    return {"mlps": len(mlps), "attention": len(atts), "dead_attention": len(every) - len(atts), "qk_norm": sum(a["qk_norm"] for a in atts),
+    return {"mlps": len(mlps), "attention": len(atts), "dead_attention": len(every) - len(atts),
+            "qk_norm": sum(a["qk_norm"] for a in atts),
             "multihead_attention": sum(a["heads"] > 1 for a in atts),
             "multi_query": sum(a.get("kv_heads") == 1 and a["heads"] > 1 for a in atts),
             "rope_expected": rope_expected, "rope_classes": rope_classes,

@@ -9,22 +9,20 @@ import re
 from symgraph.core.groups import meet
 
 from .attention import attention_units
-from .graph import LINEAR, is_constant, pname, slot_source, linear_weight
+from .graph import LINEAR, is_constant, linear_weight, pname, slot_source
 
 __all__ = ["explain"]
 
-#: at most this many ops named per missing entry
-_MAX = 3
+_MAX = 3  # at most this many ops named per missing entry
 
 
 def explain(ep, report, missing) -> None:
-    """Add ``"why"`` (the ops or patterns that block it: ``"op: reason; ..."``, node names
-    without their numbering, so that every layer reads alike) and ``"where"`` (the weight axis
-    read) to each entry of ``missing`` (:func:`~.structure.expectations`). A slot the graph
-    reads under another name of a tied tensor (a box head shared by the model and its decoder)
-    is asked of the report under the name it reports."""
-    units = {u["module"]: u for u in attention_units(ep, nodes=True)}
-    named = reported_names(report)
+    """Add ``"why"`` (the ops or patterns that block it: ``"op: reason; ..."``, node names without
+    their numbering, so that every layer reads alike) and ``"where"`` (the weight axis read) to
+    each entry of ``missing`` (:func:`~.structure.expectations`). A slot read under another name
+    of a tied tensor is asked of the report under the name it reports (``report.aliases``)."""
+    units = {u["module"]: u for u in attention_units(ep)}
+    named = {o: k for k, others in report.aliases.items() for o in others}
     for m in missing:
         if "why" in m:
             continue
@@ -40,14 +38,9 @@ def explain(ep, report, missing) -> None:
             m["where"] = where
 
 
-def reported_names(report) -> dict:
-    """``{other name: reported name}`` for each tied tensor (``report.aliases``)."""
-    return {o: k for k, others in report.aliases.items() for o in others}
-
-
 def projection(ep, node):
-    """``(param, dim)``: the output slot of the first linear-like op with a parameter weight
-    on the way back from ``node`` (the query's projection), else None."""
+    """``(param, dim)``: the output slot of the first linear-like op of a parameter on the way
+    back from ``node`` (the query's projection), else None."""
     queue, seen = collections.deque([node]), set()
     while queue and len(seen) < 256:
         n = queue.popleft()
@@ -104,9 +97,8 @@ def _slots(report, slots) -> str | None:
 
 
 def _narrowed(leaf, bad) -> list:
-    """Why ``leaf`` has a kind ``bad`` accepts: for a fixed class whose own reasons name two
-    kinds with no common subgroup (rotations met by a permutation), both; else the last reason
-    recorded for a kind ``bad`` accepts (the one that decided)."""
+    """Why ``leaf`` has a kind ``bad`` accepts: for a fixed class whose reasons name two kinds with
+    no common subgroup (rotations met by a permutation), both; else the last such reason."""
     rs = [_kind_cause(k, w) for k, w in leaf["reasons"]]
     if leaf["kind"] == "identity":
         first: dict = {}
@@ -121,10 +113,8 @@ def _narrowed(leaf, bad) -> list:
 
 def _kind_cause(kind, reason):
     """``(kind, reason)`` with ``part of a class narrowed to K (X)`` read as ``(K, X)``."""
-    m = re.match(r"part of a class narrowed to (\w+) \((.*)\)$", reason)
-    while m:
-        kind, reason = m.group(1), m.group(2)
-        m = re.match(r"part of a class narrowed to (\w+) \((.*)\)$", reason)
+    while m := re.match(r"part of a class narrowed to (\w+) \((.*)\)$", reason):
+        kind, reason = m.groups()
     return kind, reason
 
 
@@ -154,26 +144,29 @@ def _unnumbered(reason: str) -> str:
     return re.sub(r"\b([A-Za-z]\w*?)_\d+(?=[ :])", r"\1", reason)
 
 
+def _leaves(report, slot):
+    """``report.axis_reasons(*slot)``, None for a slot in no class."""
+    try:
+        return report.axis_reasons(*slot)
+    except (KeyError, IndexError, ValueError):
+        return None
+
+
 def fixed_unsaved(report, slot) -> bool:
     """Whether a tensor no checkpoint of the model stores fixes the slot's class."""
     unsaved = set(getattr(report, "unsaved", {}).values())
-    try:
-        leaves = report.axis_reasons(*slot)
-    except (KeyError, IndexError, ValueError):
-        return False
-    return any(kind == "identity" and why in unsaved for leaf in leaves for kind, why in leaf.get("reasons", ()))
+    return any(kind == "identity" and why in unsaved for leaf in _leaves(report, slot) or ()
+               for kind, why in leaf.get("reasons", ()))
 
 
 def frozen_why(report, slot) -> str:
     """The reasons the analysis recorded for the slot's class."""
-    try:
-        leaves = report.axis_reasons(*slot)
-    except (KeyError, IndexError, ValueError):
+    leaves = _leaves(report, slot)
+    if leaves is None:
         return "not in any class"
     whys = []
     for leaf in leaves:
         for _, w in leaf.get("reasons", ())[-1:]:
-            w = re.sub(r"\b([A-Za-z]\w*?)_\d+(?=[ :])", r"\1", w)
-            if w not in whys:
-                whys.append(w)
+            if _unnumbered(w) not in whys:
+                whys.append(_unnumbered(w))
     return "fixed: " + "; ".join(whys[:2]) if whys else "no op recorded"

@@ -72,7 +72,7 @@ def test_token_ids_a_model_reads_with_its_own_default():
     they index past the logits, so the shrunk config states them, below the renumbered ones."""
     from transformers import CONFIG_MAPPING
 
-    from benchmarks.coverage.consistent import code_token_ids
+    from benchmarks.coverage.derived import code_token_ids
     sg = CONFIG_MAPPING["shieldgemma2"]()
     assert code_token_ids(sg, {}, 251) == {"yes_token_index": 251, "no_token_index": 250}
     assert code_token_ids(sg, {"yes_token_index": 7}, 251) == {"no_token_index": 251}  # declared: kept
@@ -107,7 +107,7 @@ def test_widths_the_model_code_divides_by_a_literal():
     a width the code divides by a power of two that the shrunk one already is stays."""
     from transformers import CONFIG_MAPPING
 
-    from benchmarks.coverage.code_divisors import divided_widths, model_source
+    from benchmarks.coverage.consistent import divided_widths, model_source
     src = "a = nn.Linear(config.hidden_size // 6, 2)\nb = config.intermediate_size // 4\n"
     fields = {"hidden_size": 768, "intermediate_size": 3072}
     assert divided_widths(None, fields, {"hidden_size": 64, "intermediate_size": 256}, src) == {"hidden_size": 192}
@@ -129,7 +129,7 @@ def test_channels_beside_stage_multipliers_are_widths():
     ``embed_dim`` 256): its channels scale as its width (184.6M of the row's 185M parameters
     were its, unshrunk), none below the shrunk width; the image's 3 channels and a level
     without multipliers stay."""
-    from benchmarks.coverage.tower_sizes import multiplied_channels
+    from benchmarks.coverage.consistent import multiplied_channels
     fields = {"embed_dim": 256, "base_channels": 256, "latent_channels": 256, "in_channels": 3,
               "channel_multiplier": [1, 1, 2, 2, 4]}
     assert multiplied_channels(fields, 256, 64) == {"base_channels": 64, "latent_channels": 64}

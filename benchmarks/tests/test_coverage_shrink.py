@@ -9,7 +9,7 @@ import torch
 from benchmarks import coverage as cov
 from benchmarks.coverage.consistent import split_to
 from benchmarks.coverage.family import run_eagerly, transformers_fails
-from benchmarks.coverage.shrink import fails_at_default
+from benchmarks.coverage.at_default import fails_at_default
 from symgraph.passes.inputs import default_inputs
 
 

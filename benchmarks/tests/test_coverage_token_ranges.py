@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from benchmarks import coverage as cov
-from benchmarks.coverage.token_ranges import CODEBOOK, code_ranges
+from benchmarks.coverage.derived import CODEBOOK, code_ranges
 
 
 class _Sub(SimpleNamespace):

@@ -1,5 +1,5 @@
 """The shrink rule keeps a width one sub-config hands another equal to the receiver's width
-(issue 65, ``consistent.tower_widths``): transformers' default composites of Qwen3-ASR and
+(issue 65, ``derived.tower_widths``): transformers' default composites of Qwen3-ASR and
 Qwen3-Omni state an audio ``output_dim`` (3584) that is not their text width (2048), and
 Granite Speech a Q-Former ``encoder_hidden_size`` (1408) that is not its encoder's width
 (1024); a real checkpoint states them equal and the models' code needs them equal."""

@@ -1,4 +1,4 @@
-"""The shrink rule's vision-tower consistency (issue 65, ``benchmarks.coverage.towers``):
+"""The shrink rule's vision-tower consistency (issue 65, ``benchmarks.coverage.consistent``):
 transformers' default composites state a vision tower's output width apart from the text's
 (Qwen3-VL, GLM-5-Next), a rotary tower's width is scaled by another width of its level
 (Qwen2-VL's ``embed_dim`` beside ``hidden_size``) into heads its 2-D rotary cannot fill, and
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.coverage.shrink import role, tiny_config
-from benchmarks.coverage.towers import handed_channels, layer_ids, placeholder_tokens, rotary_widths, stream_widths
+from benchmarks.coverage.derived import handed_channels, layer_ids, placeholder_tokens, rotary_widths, stream_widths
 
 T = pytest.importorskip("transformers")
 
