@@ -1,35 +1,20 @@
 """Theus et al.'s own released code on our parents: their source, their venv, the glue, the rows.
 
-Their code (GitHub antoniohonsell/Generalized-LMC-for-Transformers, commit 6b207cc, "Add code
-for tiny shakespeare experiments") is never copied into this project: the user fetches it into a
-work directory, and the glue (:mod:`benchmarks.anchor.peer_run`, run by the venv's python)
-imports it from there::
+Their code (antoniohonsell/Generalized-LMC-for-Transformers at 6b207cc) is never copied into this
+project: ``python -m benchmarks.anchor.peer fetch [--work DIR] [--mirror PATH]`` clones it into
+``DIR/Generalized-LMC-for-Transformers`` and ``... venv [--work DIR]`` makes ``DIR/peer-venv``
+with their pinned ``transformers==4.50.1`` and what their merger imports (:data:`PEER_PINS`;
+``DIR``: ``$SYMGRAPH_ANCHOR_PEER``, else ``<anchor cache>/peer``). Without a venv, any interpreter
+with their pins on a ``PYTHONPATH`` runs it (``--peer-python``/``--peer-pythonpath``; the
+transformers it imported is checked); a source copied without ``.git`` is recognised by the
+digests of the files the glue imports (:data:`PEER_SHA256`).
 
-    python -m benchmarks.anchor.peer fetch [--work DIR] [--mirror PATH]   # git clone + checkout 6b207cc
-    python -m benchmarks.anchor.peer venv  [--work DIR]                   # their pins, in DIR/peer-venv
-
-``DIR`` defaults to ``$SYMGRAPH_ANCHOR_PEER``, else ``<anchor cache>/peer``
-(``~/.cache/symgraph/anchor/peer``); the source goes to ``DIR/Generalized-LMC-for-Transformers``,
-the venv to ``DIR/peer-venv`` (created on demand by ``python -m benchmarks.anchor --peer-work
-DIR`` too, as ``benchmarks/scale`` creates mergekit's). The venv holds their pinned
-``transformers==4.50.1`` and what their ``merger.py``/``weight_matching.py``/``utils.py`` import
-(torch: the local CPU wheel 2.13.0, which works with 4.50.1; einops, POT, scipy, numpy,
-safetensors); not wandb/datasets/matplotlib, which only their training and plotting scripts use.
-
-Without a venv (a machine with no network): any interpreter that has torch, numpy, scipy and
-einops, with their pins on a ``PYTHONPATH`` put before its own packages, e.g. wheels of
-``transformers==4.50.1``, ``tokenizers<0.22``, ``huggingface_hub<1.0`` and ``POT`` unpacked with
-``pip install --no-deps --no-index --target DIR *.whl``: ``python -m benchmarks.anchor
---peer-src SRC --peer-python python3 --peer-pythonpath DIR`` (their transformers version is
-checked: a run that imported another one stops). A source copied without its ``.git`` is
-recognised by the digests of the files the glue imports (:data:`PEER_SHA256`).
-
-:func:`peer_rows` runs their weight matching (``GPTMerger`` under their ``eval.py`` seed) on two
-saved parents for each variant of :data:`VARIANTS` and evaluates every exported aligned B against
-their absorbed A with *our* evaluation (:func:`symgraph.interpolate`, the anchor's test loss): in
-circuit space (their space; equal to their merger's interpolation, checked at λ = 0.5 on a batch)
-and with the heads' factors interpolated (``heads``: their absorbed form, LayerNorm → RMSNorm,
-gains 1; not the parents' LayerNorm architecture, which their orthogonal residual map leaves).
+:func:`peer_rows` runs their weight matching (``GPTMerger`` under their ``eval.py`` seed, through
+the glue :mod:`benchmarks.anchor.peer_run`) on the two saved parents for each variant of
+:data:`VARIANTS` and evaluates every exported aligned B against their absorbed A with *our*
+evaluation (:func:`symgraph.interpolate`, the anchor's test loss): in circuit space (their space;
+equal to their merger's interpolation, checked at λ = 0.5 on a batch) and with the heads' factors
+interpolated (``heads``: their absorbed form, LayerNorm → RMSNorm, gains 1).
 """
 from __future__ import annotations
 
@@ -56,12 +41,10 @@ PEER_TORCH = "torch==2.13.0"  # the local CPU wheel; installed first so pip does
 PEER_PINS = ("transformers==4.50.1", "einops==0.8.2", "POT==0.9.7.post1", "scipy==1.17.1",
              "numpy==2.4.6", "safetensors==0.8.0", "accelerate==1.6.0")  # accelerate: their Trainer (learned)
 RUNNER = Path(__file__).resolve().with_name("peer_run.py")
-_NEEDED = ("merger.py", "weight_matching.py", "utils.py", "enums.py")
-#: the first 16 hex digits of the sha256 of each file of :data:`_NEEDED` at :data:`PEER_COMMIT`
+#: the first 16 hex digits of the sha256 of each file the glue imports, at :data:`PEER_COMMIT`
 PEER_SHA256 = {"merger.py": "e1086b2ff2611fa3", "weight_matching.py": "e03eaa557f4c59e3",
                "utils.py": "372ce868384b0bed", "enums.py": "90381919bb73ce8d"}
 PEER_TRANSFORMERS = "4.50.1"  # their requirements.txt
-
 #: variant -> (permutations_only, seen-token rows only); each gives a row without their
 #: merger's random near-identity projection and, where it is not the identity, one with it (``_proj``)
 VARIANTS = {"weights": (False, False), "weights_seen": (False, True),
@@ -92,12 +75,11 @@ def python_of(venv: str | os.PathLike) -> Path:
     return Path(venv) / "bin" / "python"
 
 
-def check_source(src: str | os.PathLike) -> str | None:
+def check_source(src) -> str | None:
     """Their checkout's commit; for a copy without ``.git``, :data:`PEER_COMMIT` when the files the
-    glue imports are those of that commit (:data:`PEER_SHA256`), else None. PeerError when a file
-    the glue imports is missing."""
+    glue imports are that commit's (:data:`PEER_SHA256`), else None. PeerError when one is missing."""
     src = Path(src)
-    missing = [f for f in _NEEDED if not (src / f).is_file()]
+    missing = [f for f in PEER_SHA256 if not (src / f).is_file()]
     if missing:
         raise PeerError(f"no peer source at {src} (missing {', '.join(missing)}); fetch it with "
                         f"`python -m benchmarks.anchor.peer fetch --work DIR`")
@@ -109,7 +91,7 @@ def check_source(src: str | os.PathLike) -> str | None:
     return PEER_COMMIT if same else None
 
 
-def fetch(work: str | os.PathLike, mirror: str | None = None) -> Path:
+def fetch(work, mirror: str | None = None) -> Path:
     """``git clone`` their repository (or a local ``mirror`` of it) into ``work`` and check out
     :data:`PEER_COMMIT`; a checkout already there is only checked out again."""
     src = source_dir(work)
@@ -122,13 +104,13 @@ def fetch(work: str | os.PathLike, mirror: str | None = None) -> Path:
     return src
 
 
-def ensure_venv(venv: str | os.PathLike, log=print) -> Path:
-    """The venv's python, the venv created first if absent (their pins; log in ``<venv>.log``)."""
+def ensure_venv(venv) -> Path:
+    """The venv's python, the venv created first if absent (their pins; log in ``<venv>-install.log``)."""
     venv = Path(venv)
     py = python_of(venv)
     if py.exists():
         return py
-    log(f"creating {venv} ({PEER_TORCH}, then {' '.join(PEER_PINS)}) ...")
+    print(f"creating {venv} ({PEER_TORCH}, then {' '.join(PEER_PINS)}) ...", flush=True)
     logf = venv.with_name(venv.name + "-install.log")
     pip = [str(py), "-m", "pip", "install", "-q"]
     venv.parent.mkdir(parents=True, exist_ok=True)
@@ -142,11 +124,10 @@ def ensure_venv(venv: str | os.PathLike, log=print) -> Path:
 def start_glue(python, src, model_a, model_b, out, variants=tuple(VARIANTS), token_freqs=None,
                check_ids=None, seed: int = 42, threads: int | None = None, pythonpath: str | None = None,
                cpus=None, learned=(), learn: dict | None = None) -> dict:
-    """Start :mod:`.peer_run` with the peer's ``python`` (their venv's, or any with ``pythonpath``
-    holding their pins) on two ``save_pretrained`` parents, in the background (``cpus``: the CPU
-    cores it may use; ``threads``: torch's threads there; ``learned``: variants of
-    :data:`LEARNED` whose learned matching their ``train_merger.py`` trains, with ``learn``: the
-    token tensors ``train_ids``/``val_ids``, ``tokenizer`` and their budget: ``batch_size``,
+    """Start :mod:`.peer_run` with the peer's ``python`` (``pythonpath``: its PYTHONPATH) on two
+    ``save_pretrained`` parents, in the background (``cpus``: the CPU cores it may use;
+    ``learned``: variants of :data:`LEARNED` their ``train_merger.py`` trains, with ``learn``: the
+    token tensors ``train_ids``/``val_ids``, ``tokenizer`` and their budget ``batch_size``,
     ``epochs``, ``max_steps``); :func:`finish_glue` waits for it."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -171,13 +152,12 @@ def finish_glue(job: dict) -> dict:
     rc = job["proc"].wait()
     for f in job["logs"]:
         f.close()
-    out = job["out"]
     if rc != 0:
-        tail = ((out / "glue.stderr").read_text().strip().splitlines() or ["(no output)"])[-1]
+        tail = ((job["out"] / "glue.stderr").read_text().strip().splitlines() or ["(no output)"])[-1]
         raise PeerError(f"the peer glue exited {rc}: {tail}")
-    res = json.loads((out / "glue.stdout").read_text().strip().splitlines()[-1])
-    res["seconds_subprocess"] = time.perf_counter() - job["t0"]
-    res.update(python=job["python"], pythonpath=job["pythonpath"], threads=job["threads"], cpus=job["cpus"])
+    res = json.loads((job["out"] / "glue.stdout").read_text().strip().splitlines()[-1])
+    res.update({k: job[k] for k in ("python", "pythonpath", "threads", "cpus")},
+               seconds_subprocess=time.perf_counter() - job["t0"])
     if res["versions"]["transformers"] != PEER_TRANSFORMERS:
         raise PeerError(f"the peer glue imported transformers {res['versions']['transformers']}, not their "
                         f"{PEER_TRANSFORMERS} ({job['python']}, PYTHONPATH={job['pythonpath'] or ''!r})")
@@ -202,19 +182,14 @@ class RMSNorm(torch.nn.Module):
         return self.weight * (x / x.pow(2).mean(dim=-1, keepdim=True).add(self.eps).sqrt()) + self.bias
 
 
-def _rms_norms(module):
-    for name, child in list(module.named_children()):
-        if isinstance(child, torch.nn.LayerNorm):
-            setattr(module, name, RMSNorm(child.weight, child.bias, child.eps))
-        else:
-            _rms_norms(child)
-    return module
-
-
-def load_exported(path: str | os.PathLike):
+def load_exported(path):
     """A checkpoint the glue wrote, as the model it stands for: GPT-2 with their RMSNorm."""
     from transformers import GPT2LMHeadModel
-    m = _rms_norms(GPT2LMHeadModel.from_pretrained(str(path), attn_implementation="sdpa").eval())
+    m = GPT2LMHeadModel.from_pretrained(str(path), attn_implementation="sdpa").eval()
+    for mod in list(m.modules()):
+        for name, child in list(mod.named_children()):
+            if isinstance(child, torch.nn.LayerNorm):
+                setattr(mod, name, RMSNorm(child.weight, child.bias, child.eps))
     m.config.use_cache = False  # evaluated whole, as the parents (benchmarks.anchor.table)
     return m
 
@@ -226,53 +201,47 @@ def barrier_theirs(curve) -> float:
     return max(l - (lam * la + (1 - lam) * lb) for lam, l in curve)
 
 
-def _loss(model, ids) -> float:
-    return D.test_loss(model, ids, batch_size=len(ids))
-
-
 def start_peer(dir_a, dir_b, B, *, test, seen, src, python, work, variants=tuple(VARIANTS),
                pythonpath: str | None = None, cpus=None, learned=(), learn: dict | None = None) -> dict:
-    """Start their weight matching on the parents saved in ``dir_a``/``dir_b`` in the background
-    (``B``: parent B loaded; ``test``: ``[n, L]`` ids; ``seen``: training ids, their token
-    counts); :func:`peer_rows` evaluates what it gives. Their weight matching runs on the CPU, as
-    their code does (it builds its cost matrices there). ``learned``/``learn``: their learned
-    matching too (:func:`start_glue`; ``learn["train_ids"]``/``["val_ids"]``: ``[n, L]`` tensors,
-    saved here for their loop)."""
+    """Start their weight matching on the parents saved in ``dir_a``/``dir_b`` in the background, on
+    the CPU as their code runs (``B``: parent B loaded; ``test``: ``[n, L]`` ids; ``seen``: training
+    ids, their token counts; ``learned``/``learn``: their learned matching too, :func:`start_glue`,
+    with ``[n, L]`` tensors saved here for their loop); :func:`peer_rows` evaluates what it gives."""
     out = Path(work) / "aligned"
-    vocab = B.get_output_embeddings().weight.shape[0]
     out.mkdir(parents=True, exist_ok=True)
+    vocab = B.get_output_embeddings().weight.shape[0]
     torch.save(torch.bincount(seen.reshape(-1).long(), minlength=vocab).cpu(), out / "token_freqs.pt")
     check = test[:4].clone()
     torch.save(check.cpu(), out / "check_ids.pt")
     if learned:
-        learn = dict(learn)
+        learn = dict(learn, tokenizer=str(learn["tokenizer"]))
         for k in ("train_ids", "val_ids"):
             torch.save(learn[k].cpu(), out / f"{k}.pt")
             learn[k] = str(out / f"{k}.pt")
-        learn["tokenizer"] = str(learn["tokenizer"])
     return {"glue": start_glue(python, src, dir_a, dir_b, out / "models", variants, out / "token_freqs.pt",
                                out / "check_ids.pt", pythonpath=pythonpath, cpus=cpus, learned=learned,
                                learn=learn if learned else None),
             "commit": check_source(src), "check": check}
 
 
-def peer_rows(job, B, *, test, lambdas, spaces=("heads", "circuits"), eval_bs: int = 8, echo=print) -> list[dict]:
+def peer_rows(job, B, *, test, lambdas, spaces=("heads", "circuits"), eval_bs: int = 8) -> list[dict]:
     """Rows of their weight matching and learned matching (a :func:`start_peer` job, waited for
-    here), evaluated as :func:`run_row` evaluates symgraph's, on B's device (their models moved there)."""
+    here), evaluated as symgraph's rows are, on B's device (their models moved there)."""
     import symgraph
     res = finish_glue(job["glue"])
-    commit, check = job["commit"], job["check"]
+    check = job["check"]
     dev = next(B.parameters()).device
     A = load_exported(res["A"]).to(dev)
-    b_loss = _loss(B, check)
-    base = {"commit": commit, "versions": res["versions"], "python": res["python"], "pythonpath": res["pythonpath"],
-            "align_device": "cpu", "threads": res["threads"], "cpus": res["cpus"]}
+    loss = lambda m: D.test_loss(m, check, batch_size=len(check))  # noqa: E731
+    b_loss = loss(B)
+    base = {"commit": job["commit"], "align_device": "cpu", **{k: res[k] for k in (
+        "versions", "python", "pythonpath", "threads", "cpus")}}
     rows = []
 
     def add(name, path, seconds, info, learned=None):
         Bal = load_exported(path).to(dev)
-        mid = float(symgraph.interpolate(A, Bal, [0.5], lambda m: _loss(m, check), attention="circuits")[0][1])
-        info = {**base, **info, "b_loss_rel_change": abs(_loss(Bal, check) - b_loss) / b_loss, "mid_loss_ours": mid}
+        mid = float(symgraph.interpolate(A, Bal, [0.5], loss, attention="circuits")[0][1])
+        info = {**base, **info, "b_loss_rel_change": abs(loss(Bal) - b_loss) / b_loss, "mid_loss_ours": mid}
         for space in spaces:
             t0 = time.perf_counter()
             curve = symgraph.interpolate(A, Bal, lambdas, lambda m: D.test_loss(m, test, batch_size=eval_bs),
@@ -282,13 +251,14 @@ def peer_rows(job, B, *, test, lambdas, spaces=("heads", "circuits"), eval_bs: i
                          "curve": curve, "align_seconds": seconds, "seconds": seconds + time.perf_counter() - t0,
                          "refine_steps": (learned or {}).get("steps") or 0, "refined": learned, "note": None,
                          "peer": info})
-            echo(f"{name:24s} {space:8s} barrier {rows[-1]['barrier']:.4f} (theirs {rows[-1]['barrier_theirs']:.4f}); "
-                 f"their alignment {seconds:.1f} s")
+            print(f"{name:24s} {space:8s} barrier {rows[-1]['barrier']:.4f} (theirs {rows[-1]['barrier_theirs']:.4f}); "
+                  f"their alignment {seconds:.1f} s", flush=True)
     for v in res["variants"]:
         for kind in ("noproj", "proj"):
             if kind == "proj" and v["projection_is_identity"]:
                 continue  # permutations only: their projection rounds to the identity
-            add("peer_" + v["name"] + ("_proj" if kind == "proj" else ""), v["dirs"][kind], v["seconds_weight_matching"],
+            add("peer_" + v["name"] + ("_proj" if kind == "proj" else ""), v["dirs"][kind],
+                v["seconds_weight_matching"],
                 {"permutations_only": v["permutations_only"], "seen_rows": v["seen"], "projection": kind == "proj",
                  "projection_residual_dist": v["projection_residual_dist"] if kind == "proj" else 0.0,
                  "replay_max_abs": v["replay_max_abs"], "mid_loss_their_merger": v.get("merger_mid_loss", {}).get(kind),
@@ -307,15 +277,11 @@ def main(argv=None) -> int:
     f = sub.add_parser("fetch", help=f"clone their repository at {PEER_COMMIT[:7]} into WORK")
     f.add_argument("--work", default=None, help="work directory (default $SYMGRAPH_ANCHOR_PEER or <cache>/peer)")
     f.add_argument("--mirror", default=None, help="clone from this local git mirror instead of GitHub")
-    v = sub.add_parser("venv", help="create WORK/peer-venv with their pins")
-    v.add_argument("--work", default=None)
+    sub.add_parser("venv", help="create WORK/peer-venv with their pins").add_argument("--work", default=None)
     a = ap.parse_args(argv)
     work = Path(a.work) if a.work else default_work()
     try:
-        if a.cmd == "fetch":
-            print(fetch(work, a.mirror))
-        else:
-            print(ensure_venv(venv_dir(work)))
+        print(fetch(work, a.mirror) if a.cmd == "fetch" else ensure_venv(venv_dir(work)))
     except (PeerError, subprocess.CalledProcessError) as e:
         print(f"benchmarks.anchor.peer: {e}", file=sys.stderr)
         return 2

@@ -1,25 +1,19 @@
 """Glue that runs Theus et al.'s released weight matching on two of our saved parents.
 
-Runs INSIDE the peer's venv (their pinned ``transformers==4.50.1``; see
-:mod:`benchmarks.anchor.peer`), as ``<peer-venv>/bin/python peer_run.py SPEC.json``; imports
-nothing from this project. ``SPEC.json``: ``{"src": their checkout (commit 6b207cc),
-"model_a"/"model_b": save_pretrained dirs, "out": dir, "variants": [{"name",
-"permutations_only", "seen"}], "token_freqs": .pt or null, "check_ids": .pt ([n, L] int64) or
-null, "seed": 42, "threads": int or null}``. Prints one JSON line (also ``out/result.json``).
+Runs INSIDE the peer's venv (:mod:`benchmarks.anchor.peer`) as ``python peer_run.py SPEC.json``
+and imports nothing from this project; ``SPEC.json`` is what :func:`benchmarks.anchor.peer.start_glue`
+writes. Prints one JSON line (also ``out/result.json``).
 
 Their algorithm is not changed: each variant builds their ``merger.GPTMerger`` (absorb the norm
-gains, LayerNorm -> RMSNorm, mean subtraction, circuits, then ``weight_matching``: 15 rounds of a
-residual orthogonal map or permutation, head and MLP permutations) under ``set_seed(seed)`` as
-their ``eval.py`` does. Spies on ``ortho_residual``/``permute_heads``/``permute_mlp`` record the
-maps their matching applies; replayed on B in their absorbed form with heads (not circuits),
-they give their aligned B as a GPT-2 checkpoint whose LayerNorms are to be read as their
-RMSNorm (weight 1, ``eps`` of the config): ``out/A`` and ``out/B`` (A and B absorbed, their form, not aligned),
-``out/<variant>`` (B aligned, no projection) and ``out/<variant>_proj`` (B aligned, then the
-merger's untrained random near-identity projection, ``merger.py`` 316-321, as their
-``eval.py`` measures "weight matching"). Checks: the replay's circuits equal their matched B's
-(``replay_max_abs``); their merger's loss at λ = 0.5 on ``check_ids``, with the projection
-and with it set to the identity (``merger_mid_loss``), for the caller to compare with its own
-evaluation of the exported pair.
+gains, LayerNorm -> RMSNorm, mean subtraction, circuits, then ``weight_matching``) under
+``set_seed(seed)`` as their ``eval.py`` does. Spies on ``ortho_residual``/``permute_heads``/
+``permute_mlp`` record the maps their matching applies; replayed on B in their absorbed form with
+heads (not circuits), they give their aligned B as a GPT-2 checkpoint whose LayerNorms are read as
+their RMSNorm: ``out/A`` and ``out/B`` (absorbed, not aligned), ``out/<variant>`` (B aligned) and
+``out/<variant>_proj`` (then the merger's untrained random near-identity projection,
+``merger.py`` 316-321, as their ``eval.py`` measures "weight matching"). Checks: the replay's
+circuits equal their matched B's (``replay_max_abs``); their merger's loss at λ = 0.5 on
+``check_ids`` with and without the projection (``merger_mid_loss``).
 """
 from __future__ import annotations
 
@@ -46,8 +40,7 @@ def _permute_heads_factored(model, i, P):
         w, b = attn.c_attn.weight, attn.c_attn.bias
         m = w.shape[0]
         d = m // h
-        w3 = w.reshape(m, 3, h, d)
-        w.copy_(torch.einsum("ij,mqjd->mqid", P, w3).reshape(m, 3 * m))
+        w.copy_(torch.einsum("ij,mqjd->mqid", P, w.reshape(m, 3, h, d)).reshape(m, 3 * m))
         b.copy_(torch.einsum("ij,qjd->qid", P, b.reshape(3, h, d)).reshape(3 * m))
         pw = attn.c_proj.weight
         pw.copy_(torch.einsum("ij,jdo->ido", P, pw.reshape(h, d, -1)).reshape(pw.shape))
@@ -98,9 +91,8 @@ def _projection_events(proj, perm: bool, layers: int, utils, MatrixType) -> list
 
 
 def _stand_ins() -> None:
-    """``train_merger.py`` imports ``wandb`` (their logging, off without ``--wandb``) and ``datasets``
-    (their split loading, which the glue replaces by the same splits as token tensors): where
-    either is not installed, a stand-in module lets their file import unchanged."""
+    """Stand-ins for ``wandb`` (their logging, off) and ``datasets`` (their split loading, replaced
+    by token tensors) where not installed: ``train_merger.py`` imports both."""
     import types
 
     def load_from_disk(*a, **k):
@@ -115,14 +107,12 @@ def _stand_ins() -> None:
 
 
 def _learned(spec: dict, lv: dict, B_abs, cfg, events: list, orig: dict) -> dict:
-    """Their learned matching: ``train_merger.py``'s ``run_training_and_save`` (their HF Trainer
-    loop: AdamW lr 3e-4, cosine, 5% warm-up, weight decay 0.01, validation every 50 steps, early
-    stopping after 10 evaluations without gain, best-validation merger kept; λ ~ U(0.4, 0.6)) with
-    the arguments of their ``run_merger.sh`` (10 epochs, batch 32, ``--early_stop``,
-    ``NARROW_UNIFORM``, token frequencies: seen rows), on our train/validation sequences;
-    ``spec["learn"]`` may set ``batch_size``, ``epochs`` and ``max_steps`` (a smaller budget).
-    The weight matching their merger starts from and its trained projections are replayed on B
-    in their absorbed form and saved as ``out/<name>``."""
+    """Their learned matching: ``train_merger.py``'s ``run_training_and_save`` (their HF Trainer:
+    AdamW lr 3e-4, cosine, 5% warm-up, weight decay 0.01, validation every 50 steps, early stopping
+    after 10, best merger kept; λ ~ U(0.4, 0.6)) with their ``run_merger.sh`` arguments (10 epochs,
+    batch 32, ``NARROW_UNIFORM``, seen rows) on our train/validation sequences; ``spec["learn"]``
+    may set ``batch_size``, ``epochs`` and ``max_steps``. The weight matching it starts from and its
+    trained projections are replayed on B in their absorbed form, saved as ``out/<name>``."""
     import argparse
     import torch
     from transformers import AutoTokenizer, Trainer, TrainingArguments, set_seed
@@ -263,7 +253,8 @@ def run(spec: dict) -> dict:
         for i in range(len(circ.transformer.h)):
             utils.project_to_attn_circuits(circ, i)
         rec["replay_max_abs"] = _max_abs(circ, m1)  # m1: their matched B (circuit form)
-        _save(B_al, os.path.join(out, v["name"]), cfg)
+        rec["dirs"] = {"noproj": os.path.join(out, v["name"]), "proj": os.path.join(out, v["name"] + "_proj")}
+        _save(B_al, rec["dirs"]["noproj"], cfg)
         # the merger's untrained projection: residual ORTHO (PERM with permutations only), heads/MLP PERM
         proj = mg.proj
         pev = _projection_events(proj, perm, len(B_al.transformer.h), utils, MatrixType)
@@ -273,8 +264,7 @@ def run(spec: dict) -> dict:
         B_pr = copy.deepcopy(B_al)
         with torch.no_grad():
             _replay(B_pr, pev, orig)
-        _save(B_pr, os.path.join(out, v["name"] + "_proj"), cfg)
-        rec["dirs"] = {"noproj": os.path.join(out, v["name"]), "proj": os.path.join(out, v["name"] + "_proj")}
+        _save(B_pr, rec["dirs"]["proj"], cfg)
         if check is not None:  # their merger (their interpolation) at λ = 0.5, with and without the projection
             mid = {}
             with torch.no_grad():

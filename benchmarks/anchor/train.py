@@ -1,36 +1,19 @@
-"""Train one parent of the Theus et al. (2025) Tiny Shakespeare protocol, resumably.
+"""Train one parent of the Theus et al. (2025) Tiny Shakespeare protocol, resumably:
+``python -m benchmarks.anchor.train --corpus F --tokenizer DIR --seed N``.
 
-``python -m benchmarks.anchor.train --corpus F --tokenizer DIR --seed N [--cache DIR]
-[--device cpu|cuda] [--precision float32|bf16] [--retrain] [--threads T] [--max-steps K]
-[--data-seed S] [--size paper|small]``
-
-Follows the authors' ``train.py`` + ``run_train.sh`` (HF Trainer, transformers 4.50.1) with the
-Trainer's defaults made explicit: AdamW (betas 0.9/0.999, eps 1e-8, lr 3e-4, weight decay 0.01 on
-all weights except biases and LayerNorm parameters), gradient-norm clipping at 1.0, cosine schedule
-over ``100 * steps_per_epoch`` steps with ``ceil(0.05 * total)`` linear warm-up steps, batch 32 with
-the last partial batch of an epoch kept, evaluation on validation every 50 steps, early stopping
-after 5 consecutive evaluations without a strict improvement, best-validation model kept and scored
-once on test. Precision: float32, as the authors (their ``run_train.sh`` passes no ``--fp16``); on
-CUDA with TF32 off (``torch.set_float32_matmul_precision("highest")``, cuDNN TF32 off): true float32
-products. ``--precision bf16`` runs forward/backward under bf16 autocast instead (how the first
-committed parents were trained, on the CPU; parameters and optimizer state stay fp32), a variant to
-report separately. Evaluation is always float32. The device, the precision, the matmul precision
-and the torch/transformers versions of each (re)start are recorded in ``train_log.json``
-(``device``, ``precision``, ``runs``). The two parents are independent processes sharing the cache
-(the token file is written atomically): train them concurrently, e.g. on one GPU::
-
-    for s in 0 1; do python -m benchmarks.anchor.train --corpus F --tokenizer DIR --seed $s --device cuda & done; wait
-
-Seeds: ``--seed`` seeds the initialisation (``torch.manual_seed(seed)`` then building the model).
-As in the authors' code -- whose Trainer re-seeds the global RNG with ``TrainingArguments.seed``
-(default 42, never set by their script) -- the data order and the dropout masks come from a data
-seed that is the same for every parent (``--data-seed``, default 42).
-
-Cache layout (``--cache``, default ``$SYMGRAPH_CACHE/anchor`` or ``~/.cache/symgraph/anchor``):
-``tokens-<hash>.pt`` (token ids of the splits), ``parent-seed{N}.ckpt.pt`` (resume checkpoint,
-rewritten atomically at every evaluation), ``parent-seed{N}/`` (best-validation model,
-``save_pretrained`` safetensors, plus ``train_log.json``). Load a parent with
-``GPT2LMHeadModel.from_pretrained(<cache>/parent-seed{N})``.
+The authors' ``train.py`` + ``run_train.sh`` (HF Trainer, transformers 4.50.1) with the Trainer's
+defaults made explicit: AdamW (betas 0.9/0.999, eps 1e-8, lr 3e-4, weight decay 0.01 except on
+biases and LayerNorm parameters), gradient-norm clipping at 1.0, cosine schedule over
+``100 * steps_per_epoch`` steps with ``ceil(0.05 * total)`` warm-up steps, batch 32 (an epoch's
+last partial batch kept), validation every 50 steps, early stopping after 5 evaluations without a
+strict improvement, the best-validation model kept and scored once on test. float32 as theirs (on
+CUDA with TF32 off); ``--precision bf16``: bf16 autocast, a variant. ``--seed`` seeds the
+initialisation; the data order and the dropout masks come from a data seed that is the same for
+every parent (``--data-seed``, 42: their Trainer's ``TrainingArguments.seed`` default). Each
+(re)start's device, precision and versions go into ``train_log.json``. The two parents are
+independent processes sharing the cache (``benchmarks/anchor/device.sh`` trains both at once):
+``tokens-<hash>.pt``, ``parent-seed{N}.ckpt.pt`` (resume checkpoint, rewritten atomically at every
+evaluation) and ``parent-seed{N}/`` (best-validation model, ``save_pretrained``, ``train_log.json``).
 """
 from __future__ import annotations
 
@@ -48,51 +31,38 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_map
 
-from benchmarks.anchor.data import (
-    BLOCK_SIZE,
-    AnchorError,
-    batches,
-    config,
-    default_cache,
-    lm_loss,
-    load_splits,
-    sequences,
-    steps_per_epoch,
-    test_loss,
-)
+from .data import (BLOCK_SIZE, AnchorError, batches, config, default_cache, lm_loss, load_splits, sequences,
+                   steps_per_epoch, test_loss)
 
 DATA_SEED = 42  # HF TrainingArguments.seed default: the authors' data order and dropout seed
 PRECISIONS = ("float32", "bf16")  # float32: the authors' protocol; bf16: autocast, a variant
-#: ``--size small``: the recipe (AdamW, cosine with 5% warm-up, validation every 50 steps, early
-#: stopping, best-validation model kept, float32, dropout, untied head) on parents a loaded 2-core
-#: CPU trains in minutes: width 64, 2 layers, 4 heads, 64-token sequences, batch 8, a schedule of
-#: 250 steps (lr 1e-3, the schedule's length in place of the paper's 100 epochs)
+#: ``--size small``: the recipe on parents a loaded 2-core CPU trains in minutes: width 64, 2
+#: layers, 4 heads, 64-token sequences, batch 8, a schedule of 250 steps (lr 1e-3, the schedule's
+#: length in place of the paper's 100 epochs)
 SIZES = {"paper": {"config": {}, "train": {}},
          "small": {"config": dict(n_embd=64, n_layer=2, n_head=4, n_inner=256),
                    "train": dict(block_size=64, batch_size=8, schedule_steps=250, lr=1e-3)}}
 
 
-def parent_dir(cache: str | os.PathLike, seed: int) -> Path:
+def parent_dir(cache, seed: int) -> Path:
     """Directory of the best-validation model of parent ``seed`` (``save_pretrained`` format)."""
     return Path(cache) / f"parent-seed{seed}"
 
 
-def checkpoint_path(cache: str | os.PathLike, seed: int) -> Path:
-    """The resume checkpoint of parent ``seed``."""
+def checkpoint_path(cache, seed: int) -> Path:
     return Path(cache) / f"parent-seed{seed}.ckpt.pt"
 
 
-def load_parent(cache: str | os.PathLike | None, seed: int):
+def load_parent(cache, seed: int):
     """The trained best-validation parent ``seed`` as a ``GPT2LMHeadModel`` in eval mode."""
     from transformers import GPT2LMHeadModel
-
-    d = parent_dir(cache if cache is not None else default_cache(), seed)
+    d = parent_dir(cache, seed)
     if not (d / "config.json").is_file():
         raise AnchorError(f"no trained parent at {d}")
     return GPT2LMHeadModel.from_pretrained(str(d)).eval()
 
 
-def read_log(cache: str | os.PathLike, seed: int) -> dict | None:
+def read_log(cache, seed: int) -> dict | None:
     """``train_log.json`` of parent ``seed``, or None."""
     p = parent_dir(cache, seed) / "train_log.json"
     return json.loads(p.read_text()) if p.is_file() else None
@@ -109,18 +79,15 @@ def _save_best(model, out: Path, log: dict) -> None:
     """Replace ``out`` by a fresh ``save_pretrained`` directory (written aside, then renamed)."""
     tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
     for p in (tmp, old):
-        if p.exists():
-            shutil.rmtree(p)
-    state = None
-    if next(model.parameters()).device.type != "cpu":  # safetensors reads host memory
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        shutil.rmtree(p, ignore_errors=True)
+    # safetensors reads host memory
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()} if model.device.type != "cpu" else None
     model.save_pretrained(str(tmp), state_dict=state)
     _atomic(tmp / "train_log.json", log)
     if out.exists():
         os.replace(out, old)
     os.replace(tmp, out)
-    if old.exists():
-        shutil.rmtree(old)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_log(out: Path, log: dict) -> None:
@@ -128,47 +95,28 @@ def _write_log(out: Path, log: dict) -> None:
         _atomic(out / "train_log.json", log)
 
 
-def _recover_best_dir(out: Path) -> None:
-    old = out.with_name(out.name + ".old")
-    if not out.exists() and old.exists():  # crashed between the two renames of _save_best
-        os.replace(old, out)
-
-
 def param_groups(model, weight_decay: float) -> list[dict]:
     """AdamW groups as the HF Trainer: no decay for biases and LayerNorm parameters."""
     decay, no_decay = [], []
     for mod in model.modules():
         for name, p in mod.named_parameters(recurse=False):
-            if not p.requires_grad:
-                continue
-            if isinstance(mod, torch.nn.LayerNorm) or "bias" in name:
-                no_decay.append(p)
-            else:
-                decay.append(p)
+            if p.requires_grad:
+                (no_decay if isinstance(mod, torch.nn.LayerNorm) or "bias" in name else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def train(corpus: str | os.PathLike, tokenizer_dir: str | os.PathLike, seed: int,
-          cache: str | os.PathLike | None = None, threads: int | None = None, max_steps: int | None = None,
+def train(corpus, tokenizer_dir, seed: int, cache=None, threads: int | None = None, max_steps: int | None = None,
           data_seed: int = DATA_SEED, config_overrides: dict | None = None, block_size: int = BLOCK_SIZE,
           batch_size: int = 32, epochs: int = 100, lr: float = 3e-4, weight_decay: float = 0.01,
           warmup_ratio: float = 0.05, max_grad_norm: float = 1.0, eval_every: int = 50, patience: int = 5,
           bf16: bool = False, log_every: int = 5, echo: Callable[[str], None] | None = None,
-          device: str | torch.device = "cpu", retrain: bool = False, eval_batch: int | None = None,
-          schedule_steps: int | None = None) -> dict:
+          device: str | torch.device = "cpu", retrain: bool = False, schedule_steps: int | None = None) -> dict:
     """Train (or resume, or return at once if finished) parent ``seed``; returns its train log.
-
-    ``max_steps`` stops after that global step with a checkpoint (the run is not ``done``; the
-    schedule is still the full 100-epoch one). ``config_overrides``/``block_size``/``batch_size``
-    /``eval_every`` exist for tests; changing them for an existing checkpoint is an error, and so
-    is asking for another precision than a finished parent's (``retrain``: start over).
-    ``bf16``: forward/backward under bf16 autocast (default float32, the protocol). ``device``:
-    where the model, the batches and the evaluation live (``"cuda"``: TF32 off). ``eval_batch``:
-    sequences per evaluation batch (default 8 on the CPU, 64 elsewhere; the mean is the same).
-    ``schedule_steps``: the schedule's length in steps instead of ``epochs`` epochs (training ends
-    there, done, unless early stopping ends it first)."""
+    ``max_steps`` stops after that step with a checkpoint (not ``done``: the schedule is the full
+    one); ``schedule_steps``: the schedule's length in steps instead of ``epochs`` epochs (training
+    ends there, done). Other settings than an existing checkpoint's are an error, and so is another
+    precision than a finished parent's (``retrain``: start over)."""
     from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
     say = echo or (lambda m: print(m, flush=True))
     cache = Path(cache) if cache is not None else default_cache()
@@ -193,7 +141,7 @@ def train(corpus: str | os.PathLike, tokenizer_dir: str | os.PathLike, seed: int
         n_train=int(seqs["train"].shape[0]), n_val=int(seqs["validation"].shape[0]), n_test=int(seqs["test"].shape[0]),
     )
     protocol["config"].pop("transformers_version", None)
-    run = _Run(cache, cfg, protocol, dev, say, seqs, eval_batch or (8 if dev.type == "cpu" else 64))
+    run = _Run(cache, cfg, protocol, dev, say, seqs, 8 if dev.type == "cpu" else 64)  # sequences per eval batch
     return run.finish(run.loop(max_steps, log_every))
 
 
@@ -201,12 +149,13 @@ def _finished(cache: Path, seed: int, bf16: bool, retrain: bool) -> dict | None:
     """The train log of parent ``seed`` when it is done (in the precision asked for: else an
     error), else None; ``retrain`` removes its checkpoint and model first, and a model left aside
     by a run stopped between :func:`_save_best`'s two renames is put back."""
-    out, ckpt_path = parent_dir(cache, seed), checkpoint_path(cache, seed)
+    out, old = parent_dir(cache, seed), parent_dir(cache, seed).with_name(f"parent-seed{seed}.old")
     if retrain:
         if out.exists():
             shutil.rmtree(out)
-        ckpt_path.unlink(missing_ok=True)
-    _recover_best_dir(out)
+        checkpoint_path(cache, seed).unlink(missing_ok=True)
+    if not out.exists() and old.exists():
+        os.replace(old, out)
     prev = read_log(cache, seed)
     if prev is None or not prev.get("done"):
         return None
@@ -245,8 +194,7 @@ class _Run:
             seed=seed, data_seed=p["data_seed"], protocol=p, steps_per_epoch=self.spe, total_steps=self.total,
             warmup_steps=warmup, n_params=sum(x.numel() for x in self.model.parameters()), train_loss=[],
             step_seconds=[], evals=[], best_step=None, best_val_loss=None, final_test_loss=None,
-            stop_reason=None, done=False, wall_seconds=0.0,
-        )
+            stop_reason=None, done=False, wall_seconds=0.0)
         if self.ckpt_path.is_file():
             self._resume()
         else:
@@ -268,19 +216,17 @@ class _Run:
         if self.dev.type == "cuda" and ck.get("rng_cuda") is not None:
             torch.cuda.set_rng_state(ck["rng_cuda"], self.dev)
         self.st, self.log = ck["state"], ck["log"]
-        st = self.st
-        self.say(f"seed {self.protocol['seed']}: resumed at step {st['step']} (epoch {st['epoch']}, "
-                 f"batch {st['batch']})")
+        self.say(f"seed {self.protocol['seed']}: resumed at step {self.st['step']} (epoch {self.st['epoch']}, "
+                 f"batch {self.st['batch']})")
 
     def checkpoint(self) -> None:
         """The resume checkpoint, host copies: a checkpoint resumes on any device."""
         host = lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
-        cuda = self.dev.type == "cuda"
+        rng_cuda = torch.cuda.get_rng_state(self.dev) if self.dev.type == "cuda" else None
         _atomic(self.ckpt_path, dict(
             protocol=self.protocol, model=tree_map(host, self.model.state_dict()),
             optimizer=tree_map(host, self.opt.state_dict()), scheduler=self.sched.state_dict(),
-            rng=torch.get_rng_state(), rng_cuda=torch.cuda.get_rng_state(self.dev) if cuda else None,
-            state=self.st, log=self.log), torch.save)
+            rng=torch.get_rng_state(), rng_cuda=rng_cuda, state=self.st, log=self.log), torch.save)
 
     def step(self, xb: torch.Tensor) -> tuple[float, float]:
         """One optimizer step on the batch ``xb``, logged; ``(loss, seconds)``."""
@@ -311,17 +257,15 @@ class _Run:
         val = test_loss(self.model, self.seqs["validation"], batch_size=self.eval_bs)
         ev_s = time.perf_counter() - t1
         log["wall_seconds"] += ev_s
-        best = st["best_val"] is None or (val < st["best_val"] and abs(val - st["best_val"]) > 0.0)
-        if best:
-            st.update(best_val=val, best_step=step, bad_evals=0)
-            log.update(best_step=step, best_val_loss=val)
-        else:
-            st["bad_evals"] += 1
+        best = st["best_val"] is None or val < st["best_val"]
         log["evals"].append(dict(step=step, epoch=round(step / self.spe, 3), val_loss=round(val, 6),
                                  best=best, eval_seconds=round(ev_s, 2)))
         if best:
+            st.update(best_val=val, best_step=step, bad_evals=0)
+            log.update(best_step=step, best_val_loss=val)
             _save_best(self.model, self.out, log)
         else:
+            st["bad_evals"] += 1
             _write_log(self.out, log)
         tl = sum(w[0] for w in window) / max(len(window), 1)
         tag = " *best*" if best else f" (no gain {st['bad_evals']}/{p['patience']})"
@@ -388,22 +332,23 @@ class _Run:
 
 
 def precision_env(dev: torch.device, bf16: bool) -> dict:
-    """Set true float32 matrix products on ``dev`` (CUDA: TF32 off, the legacy switches, which
-    torch 2.11 still honours); what a run records (a switch torch refuses is recorded, not fatal)."""
+    """Set true float32 matrix products on ``dev`` (CUDA: TF32 off, the legacy switches); what a
+    run records (a switch torch refuses is recorded, not fatal)."""
     import transformers
     out: dict = {}
+    cuda = dev.type == "cuda"
     try:
         torch.set_float32_matmul_precision("highest")
-        if dev.type == "cuda":
+        if cuda:
             torch.backends.cudnn.allow_tf32 = False
             torch.backends.cuda.matmul.allow_tf32 = False
         out.update(float32_matmul_precision=torch.get_float32_matmul_precision(),
-                   cuda_matmul_allow_tf32=bool(torch.backends.cuda.matmul.allow_tf32) if dev.type == "cuda" else None,
-                   cudnn_allow_tf32=bool(torch.backends.cudnn.allow_tf32) if dev.type == "cuda" else None)
+                   cuda_matmul_allow_tf32=bool(torch.backends.cuda.matmul.allow_tf32) if cuda else None,
+                   cudnn_allow_tf32=bool(torch.backends.cudnn.allow_tf32) if cuda else None)
     except RuntimeError as e:  # e.g. the new fp32_precision API was used elsewhere in this process
         out["tf32_error"] = str(e).splitlines()[0]
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
-    return dict(device=str(dev) + (f" ({name})" if name else ""), precision=PRECISIONS[bool(bf16)], **out,
+    name = f" ({torch.cuda.get_device_name(dev)})" if cuda else ""
+    return dict(device=str(dev) + name, precision=PRECISIONS[bool(bf16)], **out,
                 torch=torch.__version__, transformers=transformers.__version__)
 
 
@@ -415,23 +360,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", default=None, help="cache dir (default $SYMGRAPH_CACHE/anchor)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--max-steps", type=int, default=None, help="stop (resumably) after this step")
-    p.add_argument("--data-seed", type=int, default=DATA_SEED,
-                   help="data-order and dropout seed (authors: 42 for every parent)")
+    p.add_argument("--data-seed", type=int, default=DATA_SEED, help="data-order and dropout seed (authors: 42)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda: model, batches, evaluation")
-    p.add_argument("--precision", choices=PRECISIONS, default="float32",
-                   help="float32 (the protocol; TF32 off on CUDA) or bf16 autocast (a variant)")
+    p.add_argument("--precision", choices=PRECISIONS, default="float32")
     p.add_argument("--retrain", action="store_true", help="remove this parent's checkpoint and model first")
-    p.add_argument("--eval-batch", type=int, default=None, help="sequences per evaluation batch")
-    p.add_argument("--size", choices=list(SIZES), default="paper",
-                   help="paper (the protocol) or small (the recipe on parents a CPU trains in minutes)")
+    p.add_argument("--size", choices=list(SIZES), default="paper")
     a = p.parse_args(argv)
     size = SIZES[a.size]
     try:
         if a.device.startswith("cuda") and not torch.cuda.is_available():
             raise AnchorError(f"--device {a.device}: this machine has no CUDA device")
-        train(a.corpus, a.tokenizer, a.seed, cache=a.cache, threads=a.threads,
-              max_steps=a.max_steps, data_seed=a.data_seed, device=a.device,
-              bf16=a.precision == "bf16", retrain=a.retrain, eval_batch=a.eval_batch,
+        train(a.corpus, a.tokenizer, a.seed, cache=a.cache, threads=a.threads, max_steps=a.max_steps,
+              data_seed=a.data_seed, device=a.device, bf16=a.precision == "bf16", retrain=a.retrain,
               config_overrides=size["config"] or None, **size["train"])
     except AnchorError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -2,19 +2,17 @@
 suite's ViT pair. Runs in their venv (``PYTHON drive_imfeld.py --code DIR --job DIR``).
 
 What their ``main.py`` does for ``python main.py fuse_hf_vit_cifar10.yaml``, on our parents and
-images: the experiment config is their ``experiments/fuse_hf_vit_cifar10.yaml`` as published
-(activation-based OT, Sinkhorn 0.08, residual policy "mean", Q/K "separate", ...), with one
-value changed: ``fusion.acts.num_samples`` is the number of alignment images in the job (theirs:
-200 CIFAR-10 validation images), so both sides see the same images. Model ``model_1`` is the
-anchor (their ``anker``) and is our A; ``model_0`` is our B. Images are fed one at a time (their
-``get_dataloader``: ``batch_size=1``); activations by their ``get_activations``; the fusion by
-their ``hf_vit_fusion`` with ``alpha = 1 / num_models`` as in ``main.py``; the fused nested
-dictionary is turned into parameters by the walk of their ``get_model``.
+images: their ``experiments/fuse_hf_vit_cifar10.yaml`` as published (activation-based OT,
+Sinkhorn 0.08, residual policy "mean", Q/K "separate", ...) except ``fusion.acts.num_samples``,
+the number of alignment images in the job (theirs: 200 CIFAR-10 validation images). ``model_1``,
+the anchor (their ``anker``), is our A; ``model_0`` our B. Images one at a time (their
+``get_dataloader``: ``batch_size=1``), activations by their ``get_activations``, the fusion by
+their ``hf_vit_fusion`` with ``alpha = 1 / num_models``; the fused nested dictionary turned into
+parameters by the walk of their ``get_model``.
 
 Run-time shim (their files are not edited): ``os.get_terminal_size`` answers 80x24 when the
-output is not a terminal. Their ``fc_fusion`` always builds a debug histogram
-(``log.debug(matrix_stats(...))``: the argument is computed whatever the log level), which asks
-the terminal for its width and fails without one.
+output is not a terminal (their ``fc_fusion`` always computes a debug histogram that asks the
+terminal for its width).
 """
 from __future__ import annotations
 
@@ -22,6 +20,7 @@ import copy
 import logging
 import os
 import random
+import time
 
 import numpy as np
 import torch
@@ -54,8 +53,7 @@ def flat(model, nested: dict) -> dict:
 def main() -> None:
     import yaml
     from transformers import ViTConfig, ViTForImageClassification
-    code, job_dir = dc.arguments(__doc__)
-    job = dc.job(job_dir)
+    code, job_dir, job = dc.arguments(__doc__)
     dc.on_path(code, "otfusion")
     os.get_terminal_size = _terminal_or_default
     from otfusion.hf_vit_fusion import hf_vit_fusion
@@ -68,10 +66,9 @@ def main() -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    a = dc.parent(job_dir, "a", ViTForImageClassification, ViTConfig)
-    b = dc.parent(job_dir, "b", ViTForImageClassification, ViTConfig)
+    a, b = dc.parents(job_dir, ViTForImageClassification, ViTConfig)
     diffs = dc.check_logits(job_dir, {"a": a, "b": b}, lambda m: m(x[: job["reference_rows"]]).logits)
-    clock = dc.Clock()
+    t = time.perf_counter()
     models = [copy.deepcopy(b), copy.deepcopy(a)]  # model_0, model_1 (the anchor)
     weights = {f"model_{i}": model_to_dict(m) for i, m in enumerate(models)}
     loader = [{"pixel_values": x[i:i + 1], "labels": y[i:i + 1]} for i in range(x.shape[0])]
@@ -82,7 +79,7 @@ def main() -> None:
                               acts={"model_1": acts["model_1"], "model_0": acts["model_0"]},
                               alpha=1 / args["fusion"]["num_models"], device=torch.device("cpu"),
                               LOGGING_LEVEL=logging.WARNING)
-    seconds = clock()
+    seconds = time.perf_counter() - t
     state = flat(a, fused)
     dc.write(job_dir, state, {"seconds": seconds, "config": CONFIG, "fusion": args["fusion"],
                               "images": int(x.shape[0]), "parent_logit_diff": diffs,

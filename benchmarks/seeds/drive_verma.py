@@ -3,20 +3,21 @@ code merges the suite's BERT pair. Runs in their venv (``PYTHON drive_verma.py -
 
 What their ``experiment/merge_bert_classifiers.py`` does for ``--task mlm --bsz 8 --special-toks
 --permute-heads --no-absval --merge-type all --res-type all --merging-fn match_tensors_permute``
-(every component, one residual permutation from all residual points: the settings of their
-scripts, with their ``configs/bert_books.py`` metric, covariance), on our parents and token
-blocks: their graph of BERT (``graphs.transformer_enc_graph.bert``, its layer and head counts
-set to our model's: their builder fixes 12 and 12, BERT-base), their ``ModelMerge.transform``
-on the alignment blocks in batches of 8 (lengths all equal: no padding). Model 0 is our A (its
-space is the one merged into), model 1 our B.
+(every component, one residual permutation from all residual points, their ``configs/bert_books.py``
+metric: covariance), on our parents and token blocks: their graph of BERT
+(``graphs.transformer_enc_graph.bert``, its layer and head counts, fixed at BERT-base's 12 and 12,
+set to our model's), their ``ModelMerge.transform`` on the alignment blocks in batches of 8 (all
+of one length: no padding). Model 0 is our A (the space merged into), model 1 our B.
 
-The λ = 0.5 model is built as their ``evaluation/graphing_mlm.py --unmerge`` builds it from the
-two transformed models: every entry the average, and the output projection untied, ``½ W_A +
-½ W_B' U`` with their ``unmerge`` matrix U (the residual permutation reaches the tied word
-embeddings but not the MLM head's input, so they evaluate with an untied decoder). The state
-written has the decoder's weight and bias apart from the word embeddings and the head's bias.
+The λ = 0.5 model is built as their ``evaluation/graphing_mlm.py --unmerge`` builds it: every
+entry the average, and the output projection untied, ``½ W_A + ½ W_B' U`` with their ``unmerge``
+matrix U (the residual permutation reaches the tied word embeddings but not the MLM head's input).
+The state written has the decoder's weight and bias apart from the word embeddings and the head's bias.
 """
 from __future__ import annotations
+
+import copy
+import time
 
 import torch
 from safetensors.torch import load_file
@@ -51,7 +52,6 @@ def their_merge(a, b, ids, config):
     from model_merger import ModelMerge
     from metric_calculators import get_metric_fns
     from utils import get_merging_fn
-    import copy
     bsz = FLAGS["bsz"]
     loader = [(ids[i:i + bsz], tuple([ids.shape[1]] * len(ids[i:i + bsz]))) for i in range(0, len(ids), bsz)]
     merge = ModelMerge(*graphs([copy.deepcopy(a), copy.deepcopy(b)], a.config), device="cpu")
@@ -73,25 +73,23 @@ def untied_logits(m, x, decoder):
 
 def main() -> None:
     from transformers import BertConfig, BertForMaskedLM
-    code, job_dir = dc.arguments(__doc__)
-    job = dc.job(job_dir)
+    code, job_dir, job = dc.arguments(__doc__)
     dc.on_path(code)
     from utils import get_config_from_name
     config = get_config_from_name("bert_books", device="cpu")
     ids = load_file(str(job_dir / "batches.safetensors"))["input_ids"]
-    a = dc.parent(job_dir, "a", BertForMaskedLM, BertConfig)
-    b = dc.parent(job_dir, "b", BertForMaskedLM, BertConfig)
+    a, b = dc.parents(job_dir, BertForMaskedLM, BertConfig)
     x = ids[: job["reference_rows"]]
     diffs = dc.check_logits(job_dir, {"a": a, "b": b}, lambda m: m(input_ids=x).logits)
     torch.manual_seed(0)  # their script's seeding
-    clock = dc.Clock()
+    t = time.perf_counter()
     with torch.no_grad():
         merge, unmerge = their_merge(a, b, ids, config)
         d1, d2 = merge.graphs[0].model.state_dict(), merge.graphs[1].model.state_dict()
         mid = {k: 0.5 * d1[k] + 0.5 * d2[k] for k in d1}
         mid[DECODER] = 0.5 * d1[DECODER] + 0.5 * d2[DECODER] @ unmerge
         restored = 0.5 * d1[DECODER] + 0.5 * d2[DECODER] @ unmerge.T
-        seconds = clock()
+        seconds = time.perf_counter() - t
         ref = b(input_ids=x).logits  # their transformed B with each untied decoder, against B
         b_check = {how: float((untied_logits(merge.graphs[1].model, x, d2[DECODER] @ u) - ref).abs().max())
                    for how, u in (("W_B' U (their graphing_mlm.py)", unmerge), ("W_B' U^T", unmerge.T))}

@@ -1,22 +1,18 @@
-"""The seed papers' released code beside our reimplementations, on the suite's models.
+"""The seed papers' released code beside our reimplementations, on the suite's models:
+``python -m benchmarks seeds`` (``--setup``: make the authors' venvs, pinned packages).
 
-``python -m benchmarks seeds [--size quick] [--seeds 0 1] [--align-batches 8] [--only NAME ...]
-[--root DIR] [--out DIR]``; ``--setup`` makes the authors' venvs (pinned packages) and says
-where their code goes.
+For each seed paper of :data:`SEEDS`: the suite's pair of that architecture (trained, or loaded
+from the suite's cache, by :func:`benchmarks.train.train_model`), plain averaging, our
+reimplementation (:mod:`benchmarks.methods`), symgraph's activation matching, and the authors'
+code at its pinned commit, run by its own venv's Python through a thin driver. The same alignment
+batches (the training split's first ``--align-batches``) go to both sides. Every merged model is
+the λ = 0.5 model, scored the same way: the suite's held-out loss and metric on the whole held-out
+split, and the midpoint gap ``L(mid) − ½(L_A + L_B)``. Where the authors' code cannot run, the
+row says why (the last line it printed).
 
-In one run, for each seed paper of :data:`SEEDS`: the suite's pair of that architecture
-(trained, or loaded from the suite's cache, by :func:`benchmarks.train.train_model`), plain
-averaging, our reimplementation (:mod:`benchmarks.methods`), symgraph's activation matching,
-and the authors' code at its pinned commit, run by its own venv's Python through a thin driver
-(:mod:`benchmarks.seeds.exchange` for the files exchanged). The same alignment batches (the
-training split's first ``--align-batches`` batches) go to both sides. Every merged model is the
-λ = 0.5 model and is scored the same way: the suite's held-out loss and metric on the whole
-held-out split, and the midpoint gap ``L(mid) − ½(L_A + L_B)``. Where the authors' code cannot
-run, the row says exactly why (the last line it printed).
-
-The authors' code lives in ``ROOT/seeds-code/NAME`` (an unpacked checkout; its git tree id must
-equal the pinned commit's before anything in it runs) and their venv in ``ROOT/seeds-venv-NAME``;
-``ROOT`` is ``--root``, else ``$SYMGRAPH_SEEDS_ROOT``, else the directory above the repository.
+The authors' code lives in ``ROOT/seeds-code/NAME`` (an unpacked checkout whose git tree id must
+equal the pinned commit's before anything in it runs), their venv in ``ROOT/seeds-venv-NAME``;
+``ROOT``: ``--root``, else ``$SYMGRAPH_SEEDS_ROOT``, else the directory above the repository.
 """
 from __future__ import annotations
 
@@ -51,10 +47,8 @@ class Seed:
     requirements: tuple
     pins: str
     how: str
-    #: pip options of the venv's install (``--no-deps``: every package is pinned in requirements)
-    pip_options: tuple = ()
-    #: our further rows beside this seed's (after :data:`OURS`)
-    also: tuple = ()
+    pip_options: tuple = ()  # of the venv's install (``--no-deps``: every package is pinned)
+    also: tuple = ()  # our further rows beside this seed's (after OURS)
 
 
 SEEDS = {
@@ -98,8 +92,8 @@ SEEDS = {
         "-> 2.13.0 (the CPU build this machine has; 1.13.1 ships no Python 3.11 CPU wheel here), POT 0.8.2 -> "
         "0.9.0 (0.8.2 ships no Python 3.11 wheel and its source build fails with today's setuptools), "
         "typing_extensions 4.5.0 -> 4.16.0 (torch 2.13 needs >= 4.10) and torch's own dependencies (sympy, "
-        "mpmath, networkx, Jinja2, MarkupSafe, setuptools) added; tokenizers 0.12.1 is not installed (it ships no Python "
-        "3.11 wheel and its source build needs Rust; only their tokenizer loading uses it, and transformers "
+        "mpmath, networkx, Jinja2, MarkupSafe, setuptools) added; tokenizers 0.12.1 is not installed (it ships no "
+        "Python 3.11 wheel and its source build needs Rust; only their tokenizer loading uses it, and transformers "
         "4.20.1 checks its version only where it is installed), nor datasets, pandas, pyarrow, scikit-learn "
         "and the aiohttp stack (their data loading and metrics only)",
         "their PermutationInvarianMerger (src/model_merge/pi_merger.py, merger.algo 'pi', data-free) as their "
@@ -110,8 +104,6 @@ SEEDS = {
         "model, our A the anchor (their nearest-to-the-average rule is a tie for two models)",
         pip_options=("--no-deps",), also=("zhang2025_rescale", "symgraph_weights")),
 }
-#: Seed papers whose code this runner does not run yet, and why.
-NOT_RUN: dict = {}
 #: Our rows beside each seed's: plain averaging, the reimplementation, symgraph's activation matching.
 OURS = ("vanilla", None, "symgraph_activations")
 #: Rows of the first batch whose logits both sides compare (the exchange check).
@@ -141,11 +133,6 @@ def setup(root: Path, names) -> int:
     return 0
 
 
-def _mid(a, out):
-    from ..suite import copy_mid
-    return out.merged if out.merged is not None else copy_mid(a, out.b_aligned)
-
-
 def _score(m, arch: str, parents: dict) -> dict:
     from .. import evaluate
     loss = evaluate.eval_loss(m, arch)
@@ -156,33 +143,27 @@ def _score(m, arch: str, parents: dict) -> dict:
 def ours(seed: Seed, pair, parents: dict) -> list[dict]:
     """Our rows for ``seed``'s pair (see :data:`OURS`)."""
     from .. import methods
+    from ..suite import copy_mid
     rows = []
     for name in (*(m or seed.ours for m in OURS), *seed.also):
         t = time.perf_counter()
         out = methods.METHODS[name][0](pair)
         seconds = time.perf_counter() - t
+        mid = out.merged if out.merged is not None else copy_mid(pair.a, out.b_aligned)
         rows.append({"arch": seed.arch, "method": name, "code": "ours (benchmarks/methods.py)",
-                     "seconds": seconds, **_score(_mid(pair.a, out), seed.arch, parents)})
+                     "seconds": seconds, **_score(mid, seed.arch, parents)})
         log(f"  {seed.arch} {name:<22} L(mid) {rows[-1]['loss_mid']:.4f}  {seconds:.1f}s")
     return rows
-
-
-def job_for(seed: Seed, d: Path, a, b, batches: list) -> Path:
-    """The job directory of ``seed``'s driver: the parents, the alignment batches, reference logits."""
-    from .. import evaluate
-    key = evaluate.input_key(seed.arch)
-    data = {key: torch.cat([x[key] for x in batches]), "labels": torch.cat([x["labels"] for x in batches])}
-    with torch.no_grad():
-        ref = {n: evaluate.model_logits(m, seed.arch, {key: data[key][:REFERENCE_ROWS]}).contiguous()
-               for n, m in (("a", a), ("b", b))}
-    return exchange.write_job(d, {"a": a, "b": b}, data, ref, {"seed": seed.name, "reference_rows": REFERENCE_ROWS})
 
 
 def theirs(seed: Seed, root: Path, a, b, batches, parents: dict, timeout: float) -> tuple[list, dict]:
     """The authors' rows for ``seed`` (their merged model, then each variant their driver names),
     or one row saying why there is none; and what their run reported."""
+    from .. import evaluate
     code, python = places(seed, root)
     row = {"arch": seed.arch, "method": seed.ours, "code": f"authors' ({seed.repo}@{seed.commit[:7]})"}
+    key = evaluate.input_key(seed.arch)
+    data = {key: torch.cat([x[key] for x in batches]), "labels": torch.cat([x["labels"] for x in batches])}
     try:
         if not code.is_dir() or not python.is_file():
             raise exchange.Failed(f"not set up: no {'code' if not code.is_dir() else 'venv'} under --root "
@@ -190,8 +171,11 @@ def theirs(seed: Seed, root: Path, a, b, batches, parents: dict, timeout: float)
         tree = exchange.code_tree(code)
         if tree != seed.tree:
             raise exchange.Failed(f"code tree {tree} is not commit {seed.commit[:7]}'s ({seed.tree})")
-        with tempfile.TemporaryDirectory(prefix="seeds-job-") as tmp:
-            job = job_for(seed, Path(tmp), a, b, batches)
+        with tempfile.TemporaryDirectory(prefix="seeds-job-") as tmp, torch.no_grad():
+            ref = {n: evaluate.model_logits(m, seed.arch, {key: data[key][:REFERENCE_ROWS]}).contiguous()
+                   for n, m in (("a", a), ("b", b))}
+            job = exchange.write_job(Path(tmp), {"a": a, "b": b}, data, ref,
+                                     {"seed": seed.name, "reference_rows": REFERENCE_ROWS})
             t = time.perf_counter()
             exchange.run_driver(python, HERE / seed.driver, code, job, timeout)
             wall = time.perf_counter() - t
@@ -233,22 +217,19 @@ def run_seed(seed: Seed, args, root: Path) -> tuple[list, dict]:
 
 
 def markdown(rec: dict) -> str:
+    st = rec["settings"]
     lines = ["# The seed papers' own code beside our reimplementations", "",
-             f"`{rec['command']}` at commit `{rec['commit']}` (symgraph `{rec['symgraph']}`): the suite's `{rec['settings']['size']}` pairs "
-             f"(seeds {rec['settings']['seeds']}), {rec['settings']['align_batches']} alignment batches of "
+             f"`{rec['command']}` at commit `{rec['commit']}` (symgraph `{rec['symgraph']}`): the suite's "
+             f"`{st['size']}` pairs (seeds {st['seeds']}), {st['align_batches']} alignment batches of "
              "the training split given to every method, every merged model the λ = 0.5 model, scored on "
              "the whole held-out split. gap = L(mid) − ½(L_A + L_B) (lower is better).", ""]
-    head = ["arch", "method", "code", "L_A", "L_B", "L(mid)", "gap", "metric(mid)", "seconds"]
-    rows = []
-    for r in rec["rows"]:
-        if "error" in r:
-            rows.append([r["arch"], r["method"], r["code"], *["—"] * 5, "could not run: " + r["error"]])
-            continue
-        rows.append([r["arch"], r["method"], r["code"], f"{r['loss_a']:.4f}", f"{r['loss_b']:.4f}",
-                     f"{r['loss_mid']:.4f}", f"{r['gap_mid']:+.4f}",
-                     f"{r['metric_mid']:.4f} ({r['metric_name']})", f"{r['seconds']:.1f}"])
-    lines += table(head, rows, ["l", "l", "l", "r", "r", "r", "r", "r", "r"]) + [""]
-    for name, s in rec["seeds"].items():
+    rows = [[r["arch"], r["method"], r["code"], *["—"] * 5, "could not run: " + r["error"]] if "error" in r else
+            [r["arch"], r["method"], r["code"], f"{r['loss_a']:.4f}", f"{r['loss_b']:.4f}", f"{r['loss_mid']:.4f}",
+             f"{r['gap_mid']:+.4f}", f"{r['metric_mid']:.4f} ({r['metric_name']})", f"{r['seconds']:.1f}"]
+            for r in rec["rows"]]
+    lines += table(["arch", "method", "code", "L_A", "L_B", "L(mid)", "gap", "metric(mid)", "seconds"], rows,
+                   ["l", "l", "l", "r", "r", "r", "r", "r", "r"]) + [""]
+    for s in rec["seeds"].values():
         lines += [f"## {s['paper']}", "",
                   f"- code: `{s['repo']}` at `{s['commit']}` (tree `{s['tree']}`, checked before running), "
                   f"driven by `{s['driver']}`; status: **{s['status']}**"
@@ -266,7 +247,6 @@ def markdown(rec: dict) -> str:
                 lines.append(f"- {what}, max |logit difference|: "
                              + "; ".join(f"{k}: {v:.3g}" for k, v in s["b_transformed_logit_diff"].items()))
         lines.append("")
-    lines += [f"Not run: {why}." for why in rec.get("not_run", {}).values()]
     return "\n".join(lines)
 
 
@@ -293,11 +273,9 @@ def main(argv=None) -> int:
         log(f"{name}: {SEEDS[name].paper} on the suite's {SEEDS[name].arch} pair ...")
         r, seeds[name] = run_seed(SEEDS[name], a, root)
         rows += r
-    rec = {"command": command_line(), "commit": start["commit"], "dirty": start["dirty"],
-           "symgraph": ours_state,
+    rec = {"command": command_line(), "commit": start["commit"], "dirty": start["dirty"], "symgraph": ours_state,
            "settings": {"size": a.size, "seeds": list(a.seeds), "align_batches": a.align_batches,
-                        "threads": torch.get_num_threads()}, "seeds": seeds, "rows": rows,
-           "not_run": NOT_RUN}
+                        "threads": torch.get_num_threads()}, "seeds": seeds, "rows": rows, "not_run": {}}
     write_result(a.out, ".seeds-", rec, markdown, command=rec["command"])  # no entry on a lent device
     log(f"wrote {a.out}/results.json and report.md")
     return 0
