@@ -1,20 +1,16 @@
-"""Weight matching of a random bf16 LLaMA pair with the sweeps' independent host assignment
-solves one after the other and overlapping (:data:`symgraph.solve.turns.THREADS`), in one
-process, alternating the settings; checks that both give the same alignment. Times: the
-coordinate descent (``Sweeps.run``) and the whole ``align`` call.
-
-The pair is built in memory (values as benchmarks/scale writes them: seeded ``N(0,1)·0.02``,
-ones for norms; A seed 0, B seed 1: unrelated models, so every MLP needs its assignment), the
-reports once; ``--mlp-only`` solves the MLPs' classes alone (the rest kept: one wave of
-independent units, each a similarity and a large assignment, as the issue-44 profile's 100 MLP
-assignments); ``--torch-threads`` sets torch's intra-op threads (1 leaves the other cores to the
-solves, as a similarity on a GPU does). Printed: seconds per alignment (wall, the solvers' own), sweeps, and the ratio
-of the best time of each setting to the first setting's.
+"""Weight matching of a random bf16 LLaMA pair (built in memory as benchmarks/scale writes it:
+unrelated models, so every MLP needs its assignment) with the sweeps' independent host
+assignment solves one after the other and overlapping (:data:`symgraph.solve.turns.THREADS`,
+``--threads``), alternating, in one process; checks that each gives the same alignment.
+``--mlp-only``: the MLPs' classes alone (one wave of independent units). Printed: the seconds of
+the coordinate descent (``Sweeps.run``) and of the whole ``align`` call (the solvers' own), the
+sweeps, and each setting's best time against the first setting's.
 """
 from __future__ import annotations
 
 import argparse
 import time
+from unittest import mock
 
 import torch
 
@@ -23,8 +19,7 @@ def build(shape: str, layers: int, seed: int):
     from transformers import LlamaForCausalLM
 
     from .scale.checkpoints import llama_config, make_tensor
-    cfg = llama_config(shape, layers)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = LlamaForCausalLM(llama_config(shape, layers)).to(torch.bfloat16).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(make_tensor(name, tuple(p.shape), seed))
@@ -38,10 +33,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--mlp-only", action="store_true")
-    ap.add_argument("--torch-threads", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
     import symgraph
     from symgraph.alignment.sweeps import Sweeps
     from symgraph.core.elements import Perm
@@ -54,11 +46,9 @@ def main(argv=None) -> dict:
             return inner(self, sweeps)
         finally:
             swept.append(time.perf_counter() - t)
-    Sweeps.run = timed  # type: ignore[method-assign]
     A, B = build(args.shape, args.layers, 0), build(args.shape, args.layers, 1)
     ra, rb = symgraph.analyze(A), symgraph.analyze(B)
-    mlp = A.config.intermediate_size
-    kw = {"groups": (lambda g: g.dim == mlp)} if args.mlp_only else {}
+    kw = {"groups": (lambda g: g.dim == A.config.intermediate_size)} if args.mlp_only else {}
     settings = [int(x) for x in args.threads.split(",")]
     times: dict = {k: [] for k in settings}
     first = None
@@ -66,18 +56,17 @@ def main(argv=None) -> dict:
         for k in settings:
             turns.THREADS = k
             t = time.perf_counter()
-            al = symgraph.align(A, B, report_a=ra, report_b=rb, **kw)
+            with mock.patch.object(Sweeps, "run", timed):
+                al = symgraph.align(A, B, report_a=ra, report_b=rb, **kw)
             wall = time.perf_counter() - t
             els = {g: (e.index if isinstance(e, Perm) else e) for g, e in al.elements.items()}
             objs = {g: r.objective for g, r in al.results.items()}
-            if first is None:
-                first = (els, objs, al.seconds["sweeps"])
+            first = first or (els, objs, al.seconds["sweeps"])
             same = (first[2] == al.seconds["sweeps"] and first[1] == objs and first[0].keys() == els.keys()
                     and all(torch.equal(first[0][g], els[g]) for g in els))
             times[k].append((swept[-1], wall))
             print(f"threads={k}: sweeps {swept[-1]:.2f} s, align {wall:.2f} s (solvers "
                   f"{al.seconds['solver']:.2f} s), {al.seconds['sweeps']} sweeps, same alignment: {same}", flush=True)
-    Sweeps.run = inner  # type: ignore[method-assign]
     best = {k: min(v) for k, v in times.items()}
     for k in settings:
         print(f"threads={k}: best sweeps {best[k][0]:.2f} s ({best[settings[0]][0] / best[k][0]:.2f}x "

@@ -1,47 +1,32 @@
 """The solvers' device paths against the host's: the Newton–Schulz polar factor
 (``symgraph.solve._polar``) against the SVD, and the assignment paths of ``symgraph.solve``
-(the device auction, ``symgraph.solve._auction``; the sparse LAPJVsp on top-k candidates,
-``_solvers._sparse_assignment``; the library's default path; SciPy's dense
-``linear_sum_assignment``): time and agreement.
+against SciPy's dense ``linear_sum_assignment``: time and agreement.
 
-Polar factor, per size ``n``: a Gaussian matrix (``randn``: condition number of the order of
-``n``), one with singular values log-spaced from 1 to 1/100, and ``product`` (``A Bᵀ`` of two
-random ``n × 2.7n`` matrices, what the residual stream's similarity of two unrelated models is),
-made in float64 on ``--device``; for each the float32 iteration's steps, fallbacks and time (and
-the float64 iteration's time), the float32 and float64 SVDs' times (``U Vᵀ``, on the device),
-and the largest entry-wise deviations from the float64 SVD's factor.
+Polar factor, per size ``n``, of a Gaussian matrix, one with singular values log-spaced from 1 to
+1/100 and ``product`` (``A Bᵀ`` of two random ``n × 2.7n`` matrices: the residual stream's
+similarity of two unrelated models), made in float64 on ``--device``: the float32 iteration's
+steps, fallbacks and time, the float64 iteration's and the float32 and float64 SVDs' times, and
+the largest entry-wise deviations from the float64 SVD's ``U Vᵀ``.
 
-Assignment, per size ``n`` and matrix kind (``--kinds``): ``uniform`` (``rand``, float64),
-``noisy_perm`` (``P + 0.3·N(0, 1)``, float64), ``mlp_random`` and ``mlp_planted`` (float32, built
-as weight matching builds an MLP's similarity: ``Σ_k W_A^k W_B^kᵀ`` over three ``n × --width``
-weights, gate, up and down; B's rows are ``ρ·A[π] + √(1−ρ²)·noise`` with ``ρ = 0`` for
-``mlp_random``, what the benchmarks' random pairs give, and ``ρ`` at the threshold where row maxima
-stop finding ``π`` for ``mlp_planted``). Solvers, each given the similarity on ``--device``:
-``default`` (``symgraph.solve.solve("perm", S, dense=False)``: row maxima, then the sparse solve
-from ``SPARSE_N`` on, else the auction on a device, else SciPy), ``sparse``
-(``_sparse_assignment``: top-``SPARSE_K`` candidates chosen on the device, LAPJVsp on the host),
-``auction`` (on the device; its certificate's gap), and ``scipy`` (dense, float64 on the host, in a
-forked process that ``--dense-timeout`` stops; the copy to the host timed apart), for ``n <=
---dense-max``. Each solver's objective is computed in float64 from ``S`` and compared with the
-best one found. Rows run in the order of ``--assign`` and ``--kinds``, SciPy last in each;
-every call is stopped past ``--call-timeout`` (an alarm: the auction is a Python loop; SciPy's
-process past ``--dense-timeout``) and no call starts past ``--budget`` seconds. Sizes below 4096
-are timed as the best of ``--repeat`` calls after a warm-up; larger ones once (their warm-up is
-the smaller sizes). Synchronised on CUDA.
-
-Results: ``results.json`` and ``report.md`` in ``--out``, rewritten after every row (a run an
-outer timeout stops still reports); ``auction_vs_sparse`` lists, per size and kind, whether the
-auction was faster than the sparse solve.
+Assignment, per size ``n`` and ``--kinds``: ``uniform`` (``rand``), ``noisy_perm`` (``P + 0.3·N(0,
+1)``), ``mlp_random`` / ``mlp_planted`` (float32, as weight matching builds an MLP's similarity:
+``Σ_k W_A^k W_B^kᵀ`` over three ``n × --width`` weights, B's rows ``ρ·A[π] + √(1−ρ²)·noise``,
+``ρ = 0`` / ``√(2 ln n / (3·width))``, where row maxima stop finding ``π``), solved on the device
+by the library's ``default`` path, ``sparse`` (top-``SPARSE_K`` candidates, LAPJVsp on the host)
+and the ``auction`` (its certificate's gap), and last by ``scipy`` (float64, in a forked process;
+the copy to the host timed apart). Objectives in float64 against the best found. A call stops
+past ``--call-timeout`` (SciPy's past ``--dense-timeout``) and none starts past ``--budget``;
+sizes below 4096: best of ``--repeat`` after a warm-up, larger: one call. ``results.json`` and
+``report.md`` in ``--out`` are rewritten after every row.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import math
+import multiprocessing
 import os
-import pickle
 import platform
-import select
 import signal
 import time
 
@@ -56,12 +41,12 @@ BIG = 4096  # from this size on: one timed call, no warm-up
 
 
 class _Timeout(Exception):
-    pass
+    """A call stopped past its time."""
 
 
 def _limited(f, seconds):
-    """``f()``, stopped by an alarm past ``seconds`` (raises :class:`_Timeout`)."""
-    if seconds is None or not hasattr(signal, "SIGALRM"):
+    """``f()``, stopped by an alarm past ``seconds`` (raises :class:`_Timeout`; None: no alarm)."""
+    if seconds is None:
         return f()
 
     def on_alarm(*_):
@@ -76,6 +61,7 @@ def _limited(f, seconds):
 
 
 def _best(f, repeat, device, warm=True, limit=None):
+    """``(best seconds, result)`` of ``repeat`` calls of ``f`` (after a warm-up call if ``warm``)."""
     if warm:
         _limited(f, limit)
         sync(device)
@@ -88,39 +74,33 @@ def _best(f, repeat, device, warm=True, limit=None):
     return best, out
 
 
-def _gen(device, seed):
-    return torch.Generator(device=device).manual_seed(seed)
-
-
 def _matrix(kind, n, device, g):
+    randn = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64, device=device)  # noqa: E731
     if kind == "gaussian":
-        return torch.randn(n, n, generator=g, dtype=torch.float64, device=device)
+        return randn(n, n)
     if kind == "product":
         m = int(2.6875 * n)  # 11008 / 4096
-        A, B = (torch.randn(n, m, generator=g, dtype=torch.float64, device=device) / math.sqrt(m) for _ in range(2))
-        return A @ B.mT
-    U, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64, device=device))
-    V, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64, device=device))
+        return (randn(n, m) / math.sqrt(m)) @ (randn(n, m) / math.sqrt(m)).mT
+    U, V = torch.linalg.qr(randn(n, n))[0], torch.linalg.qr(randn(n, n))[0]
     return (U * torch.logspace(0, -2, n, dtype=torch.float64, device=device)) @ V.mT
 
 
-def bench_polar(n, device, repeat, seed=0, kinds=("gaussian", "cond100", "product"), rows=None):
-    """The rows of size ``n``, appended to ``rows`` as each is measured (and returned)."""
-    from symgraph.solve._polar import polar
-    g = _gen(device, seed + n)
-    warm = n < BIG
-    rows = [] if rows is None else rows
-    for kind in kinds:
-        M64 = _matrix(kind, n, device, g)
+def _svd_factor(M):
+    U, _, Vh = torch.linalg.svd(M, full_matrices=False)
+    return U @ Vh
 
-        def svd(M):
-            U, _, Vh = torch.linalg.svd(M, full_matrices=False)
-            return U @ Vh
-        t_svd64, ref = _best(lambda: svd(M64), repeat, device, warm)
+
+def bench_polar(n, device, repeat, rows):
+    """The polar rows of size ``n``, appended to ``rows`` as each is measured."""
+    from symgraph.solve._polar import polar
+    g = torch.Generator(device=device).manual_seed(n)
+    for kind in ("gaussian", "cond100", "product"):
+        M64 = _matrix(kind, n, device, g)
         M = M64.float()
-        t_it, (Q, info) = _best(lambda: polar(M), repeat, device, warm)
-        t_it64, (Q64, info64) = _best(lambda: polar(M64), repeat, device, warm)
-        t_svd, R = _best(lambda: svd(M), repeat, device, warm)
+        t_svd64, ref = _best(lambda: _svd_factor(M64), repeat, device, n < BIG)
+        t_it, (Q, info) = _best(lambda: polar(M), repeat, device, n < BIG)
+        t_it64, (Q64, info64) = _best(lambda: polar(M64), repeat, device, n < BIG)
+        t_svd, R = _best(lambda: _svd_factor(M), repeat, device, n < BIG)
         rows.append({"n": n, "matrix": kind, "dtype": "float32", "iterations": info["iterations"],
                      "fallback": info["fallback"], "residual": info["residual"],
                      "iterative_s": t_it, "svd_s": t_svd, "svd64_s": t_svd64, "iterative64_s": t_it64,
@@ -130,25 +110,21 @@ def bench_polar(n, device, repeat, seed=0, kinds=("gaussian", "cond100", "produc
                      "svd32_dev_from_svd64": float((R.double() - ref).abs().max()),
                      "iterative_vs_svd32": float((Q.double() - R.double()).abs().max())})
         print(rows[-1], flush=True)
-    return rows
 
 
 def similarity(kind, n, device, width, seed=0):
     """``(S, planted permutation or None, extra)`` on ``device`` (see the module docstring)."""
-    g = _gen(device, seed + n + 7919 * len(kind))
+    g = torch.Generator(device=device).manual_seed(seed + n + 7919 * len(kind))
     if kind == "uniform":
         return torch.rand(n, n, generator=g, dtype=torch.float64, device=device), None, {}
     perm = torch.randperm(n, generator=g, device=device)
     if kind == "noisy_perm":
         S = torch.eye(n, dtype=torch.float64, device=device)[perm]
         return S + 0.3 * torch.randn(n, n, generator=g, dtype=torch.float64, device=device), perm, {}
-    if kind not in ("mlp_random", "mlp_planted"):
-        raise ValueError(f"unknown matrix kind {kind!r}")
     rho = 0.0 if kind == "mlp_random" else math.sqrt(2 * math.log(n) / (3 * width))
     S = torch.zeros(n, n, dtype=torch.float32, device=device)
     for _ in range(3):  # gate, up, down: each a unit's row (or column) of width entries
-        A = torch.randn(n, width, generator=g, device=device) / math.sqrt(width)
-        N = torch.randn(n, width, generator=g, device=device) / math.sqrt(width)
+        A, N = (torch.randn(n, width, generator=g, device=device) / math.sqrt(width) for _ in range(2))
         B = torch.empty_like(A)
         B[perm] = rho * A + math.sqrt(1 - rho * rho) * N  # B's unit perm[i] is A's unit i
         S += A @ B.mT
@@ -162,41 +138,28 @@ def _objective(S, cols):
 
 
 def _dense_in_child(s: np.ndarray, timeout: float):
-    """SciPy's dense assignment of the host array ``s`` in a forked process: ``(cols, seconds)``,
-    or raises :class:`_Timeout` (the child killed) past ``timeout``."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: SciPy only (no torch, no device)
-        try:
-            os.close(r)
-            from scipy.optimize import linear_sum_assignment
-            t = time.perf_counter()
-            _, c = linear_sum_assignment(s, maximize=True)
-            body = pickle.dumps((c.astype(np.int64), time.perf_counter() - t))
-            with os.fdopen(w, "wb") as f:
-                f.write(body)
-        finally:
-            os._exit(0)
-    os.close(w)
-    data, deadline = b"", time.perf_counter() + timeout
+    """SciPy's dense assignment of the host array ``s`` in a forked process (SciPy only: no torch,
+    no device): ``(cols, seconds)``, or raises :class:`_Timeout` (the child killed) past ``timeout``."""
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child():
+        from scipy.optimize import linear_sum_assignment
+        t = time.perf_counter()
+        _, c = linear_sum_assignment(s, maximize=True)
+        send.send((c.astype(np.int64), time.perf_counter() - t))
+    p = ctx.Process(target=child)
+    p.start()
+    send.close()
     try:
-        with os.fdopen(r, "rb") as f:
-            while True:
-                left = deadline - time.perf_counter()
-                if left <= 0 or not select.select([f], [], [], left)[0]:
-                    raise _Timeout(f"over {timeout:.1f} s")
-                chunk = os.read(f.fileno(), 1 << 20)
-                if not chunk:
-                    break
-                data += chunk
-    except _Timeout:
-        os.kill(pid, signal.SIGKILL)
-        raise
+        if not recv.poll(timeout):
+            raise _Timeout(f"over {timeout:.1f} s")
+        return recv.recv()
+    except EOFError:
+        raise RuntimeError("the SciPy process ended without a result") from None
     finally:
-        os.waitpid(pid, 0)
-    if not data:
-        raise RuntimeError("the SciPy process ended without a result")
-    return pickle.loads(data)
+        p.kill()
+        p.join()
 
 
 def _solvers():
@@ -224,9 +187,8 @@ def _solvers():
 
 def bench_assign_row(n, kind, S, planted, extra, device, repeat, limit):
     """The on-device solvers of one similarity (``dict`` row)."""
-    row = {"n": n, "matrix": kind, "dtype": str(S.dtype)[6:], **extra, "solvers": {}}
-    am = S.argmax(1)
-    row["row_maxima_permutation"] = int(torch.unique(am).numel()) == n
+    row = {"n": n, "matrix": kind, "dtype": str(S.dtype)[6:], **extra, "solvers": {},
+           "row_maxima_permutation": int(torch.unique(S.argmax(1)).numel()) == n}
     if planted is not None:
         row["planted_objective"] = _objective(S, planted)  # row i -> column perm[i]
     for name, f in _solvers().items():
@@ -241,14 +203,12 @@ def bench_assign_row(n, kind, S, planted, extra, device, repeat, limit):
             sync(device)
             print(f"  {kind} n={n} {name}: {e}", flush=True)
             continue
-        rec = {"seconds": t, **info}
+        rec = row["solvers"][name] = {"seconds": t, **info}
         if cols is not None:
-            rec["objective"] = _objective(S, cols)
-            rec["permutation"] = bool(np.unique(np.asarray(cols)).size == n)
+            rec.update(objective=_objective(S, cols), permutation=bool(np.unique(np.asarray(cols)).size == n),
+                       cols=np.asarray(cols))  # cols: dropped before writing
             if planted is not None:
                 rec["planted_recovered"] = float((torch.as_tensor(cols, device=S.device) == planted).double().mean())
-            rec["cols"] = np.asarray(cols)  # dropped before writing
-        row["solvers"][name] = rec
         print(f"  {kind} n={n} {name}: {t:.3f} s {info.get('status', '')}", flush=True)
     return row
 
@@ -279,31 +239,23 @@ def agree(row):
     objs = [x["objective"] for x in row["solvers"].values() if "objective" in x]
     if not objs:
         return
-    best = max(objs)
-    row["best_objective"] = best
+    row["best_objective"] = best = max(objs)
     ref = row["solvers"].get("scipy", {}).get("cols")
-    for x in row["solvers"].values():
-        if "objective" in x:
-            x["objective_vs_best"] = x["objective"] - best
-            if ref is not None and "cols" in x:
-                x["same_as_scipy"] = bool((np.asarray(x["cols"]) == ref).all())
-
-
-def _public(rows):
-    return [{**r, "solvers": {k: {a: b for a, b in v.items() if a != "cols"} for k, v in r["solvers"].items()}}
-            for r in rows]
+    for x in (x for x in row["solvers"].values() if "objective" in x):
+        x["objective_vs_best"] = x["objective"] - best
+        if ref is not None and "cols" in x:
+            x["same_as_scipy"] = bool((np.asarray(x["cols"]) == ref).all())
 
 
 def verdicts(rows):
+    """Per row, whether the auction was faster than the sparse solve."""
     out = []
     for r in rows:
-        a, s = r["solvers"].get("auction", {}), r["solvers"].get("sparse", {})
-        ta = a.get("seconds") if "objective" in a else None
-        ts = s.get("seconds") if "objective" in s else None
-        if ta is None and ts is None:
-            continue
-        out.append({"n": r["n"], "matrix": r["matrix"], "auction_s": ta, "sparse_s": ts,
-                    "auction_faster": ta is not None and (ts is None or ta < ts)})
+        ta, ts = (x.get("seconds") if "objective" in x else None
+                  for x in (r["solvers"].get("auction", {}), r["solvers"].get("sparse", {})))
+        if ta is not None or ts is not None:
+            out.append({"n": r["n"], "matrix": r["matrix"], "auction_s": ta, "sparse_s": ts,
+                        "auction_faster": ta is not None and (ts is None or ta < ts)})
     return out
 
 
@@ -331,16 +283,17 @@ def markdown(rec) -> str:
               "## Assignment: the library's default path, sparse top-k, device auction, dense SciPy", ""]
     rows = []
     for r in rec["assign"]:
-        sv = r["solvers"]
-        d, sp, au, sc = (sv.get(k, {}) for k in ("default", "sparse", "auction", "scipy"))
-        auc = _s(au) + (f" ({au['phases']}, {au['rounds']})" if "rounds" in au else "")
-        sci = _s(sc) + (f" ({sc['copy_s']:.2f} s)" if "copy_s" in sc and "seconds" in sc else "")
-        diffs = " / ".join(f"{x['objective_vs_best']:.1e}" if "objective_vs_best" in x else "–" for x in (d, sp, au, sc))
-        rec_ = max((x.get("planted_recovered", -1) for x in sv.values()), default=-1)
+        d, sp, au, sc = (r["solvers"].get(k, {}) for k in ("default", "sparse", "auction", "scipy"))
+        diffs = " / ".join(f"{x['objective_vs_best']:.1e}" if "objective_vs_best" in x else "–"
+                           for x in (d, sp, au, sc))
+        found = max((x.get("planted_recovered", -1) for x in r["solvers"].values()), default=-1)
         rows.append([r["n"], r["matrix"], r["row_maxima_permutation"], f"{_s(d)} ({d.get('status', '–')})", _s(sp),
-                     auc, sci, diffs, "–" if rec_ < 0 else f"{rec_:.3f}"])
-    lines += table(["n", "matrix", "row maxima a perm.", "default (status)", "sparse top-k", "auction (phases, rounds)",
-                    "SciPy dense (copy)", "objective − best: default / sparse / auction / SciPy", "planted recovered"],
+                     _s(au) + (f" ({au['phases']}, {au['rounds']})" if "rounds" in au else ""),
+                     _s(sc) + (f" ({sc['copy_s']:.2f} s)" if "copy_s" in sc and "seconds" in sc else ""), diffs,
+                     "–" if found < 0 else f"{found:.3f}"])
+    lines += table(["n", "matrix", "row maxima a perm.", "default (status)", "sparse top-k",
+                    "auction (phases, rounds)", "SciPy dense (copy)",
+                    "objective − best: default / sparse / auction / SciPy", "planted recovered"],
                    rows, ["r", None, None, None, "r", "r", "r", None, "r"])
     if rec.get("auction_vs_sparse"):
         lines += ["", "Auction faster than the sparse solve: " + ", ".join(
@@ -353,16 +306,14 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--polar", type=int, nargs="*", default=[256, 1024, 2048])
-    ap.add_argument("--polar-kinds", nargs="*", default=["gaussian", "cond100", "product"])
     ap.add_argument("--assign", type=int, nargs="*", default=[256, 1024])
-    ap.add_argument("--kinds", nargs="*", default=["uniform", "noisy_perm", "mlp_random", "mlp_planted"])
+    kinds = ["uniform", "noisy_perm", "mlp_random", "mlp_planted"]
+    ap.add_argument("--kinds", nargs="*", default=kinds, choices=kinds)
     ap.add_argument("--width", type=int, default=4096, help="the mlp kinds' weight width (the hidden size)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--budget", type=float, default=None, help="no call starts after this many seconds")
     ap.add_argument("--call-timeout", type=float, default=120.0, help="each call stopped past this")
-    ap.add_argument("--dense-max", type=int, default=1 << 30, help="SciPy's dense solve up to this size")
     ap.add_argument("--dense-timeout", type=float, default=120.0)
-    ap.add_argument("--commit", default=os.environ.get("SYMGRAPH_COMMIT"))
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -371,24 +322,25 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
 
     def limit(cap=a.call_timeout):
-        left = math.inf if a.budget is None else a.budget - (time.perf_counter() - t0)
-        return min(cap, left)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or 'CPU'} ({os.cpu_count()} cores)"
-    rec = {"commit": a.commit or git_state(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
-           "device": str(device), "device_name": name, "torch": torch.__version__,
+        return min(cap, math.inf if a.budget is None else a.budget - (time.perf_counter() - t0))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"{platform.processor() or 'CPU'} ({os.cpu_count()} cores)"
+    rec = {"commit": os.environ.get("SYMGRAPH_COMMIT") or git_state(), "device": str(device), "device_name": name,
+           "when": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "repeat": a.repeat, "budget": a.budget, "polar": [], "assign": [],
            "done": False}
     rows: list = []
 
-    def save():
-        rec["assign"] = _public(rows)
+    def save():  # the solvers' columns kept for agree() only
+        rec["assign"] = [r | {"solvers": {k: {a: b for a, b in v.items() if a != "cols"}
+                                          for k, v in r["solvers"].items()}} for r in rows]
         rec["auction_vs_sparse"] = verdicts(rows)
         write_result(a.out, ".solvers-", rec, markdown)
     for n in a.polar:
         if limit() <= 0:
             break
         try:
-            _limited(lambda: bench_polar(n, device, a.repeat, kinds=a.polar_kinds, rows=rec["polar"]), limit())
+            _limited(lambda: bench_polar(n, device, a.repeat, rec["polar"]), limit())
         except _Timeout as e:
             print(f"  polar n={n}: {e}", flush=True)
         save()
@@ -401,10 +353,9 @@ def main(argv=None) -> int:
             rows.append(row)
             agree(row)
             save()
-            if n <= a.dense_max:
-                bench_dense_row(row, S, device, lambda: limit(a.dense_timeout))
-                agree(row)
-                save()
+            bench_dense_row(row, S, device, lambda: limit(a.dense_timeout))
+            agree(row)
+            save()
             del S
     rec["done"] = True
     rec["seconds"] = time.perf_counter() - t0

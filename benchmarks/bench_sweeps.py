@@ -1,26 +1,13 @@
 """What the speed settings of weight matching cost in quality: the suite's trained pairs aligned
-with each setting, the barrier (11-point curve, quick protocol's 4 held-out batches) and the
-number of sweeps, against the exact reference (sweeps until no element changes, ``tol=0``,
-exact products, no sketch, up to 6 sweeps).
+with each setting (:func:`settings`), the barrier (11-point curve, the quick protocol's 4
+held-out batches) and the sweeps, against the exact reference (sweeps until no element changes,
+``tol=0``, exact products, no sketch, up to 6 sweeps); ``bf16 weights, bf16 products`` against
+``bf16 weights, exact`` (the pair cast to bfloat16, each alignment applied to the float32 B).
+Reported per architecture: each pair's barrier and sweeps, the mean, and the exact reference's
+pair-to-pair standard deviation (a setting is "within" when every pair's barrier is within that
+spread of its reference).
 
-    python -m benchmarks.bench_sweeps [--archs gpt2 llama bert vit] [--size quick]
-                                      [--out benchmarks/results/speed_quality/sweeps.json]
-
-Settings: ``until="discrete"`` (from the second sweep on, the loop ends once a sweep changes
-no permutation or head matching), ``until="gap"`` (the default: ... and none of its solves closes
-5% of its unit's gap to the Cauchy–Schwarz bound), ``max_iter=k`` (the loop stops after k sweeps),
-``defer=False`` (every unit whose inputs changed re-solved in every sweep, as before
-deferral), ``head_cost="circuits"`` and ``block_scale="columns"`` (Theus et al. 2025's head
-cost and block scaling), ``tol`` (a unit keeps its element unless a re-solve gains more than that fraction
-of its objective), ``similarity="bf16"`` (products in bfloat16), ``sketch=k`` (a k-column
-projection, k a quarter of the model width so that it applies at these sizes), and a bf16
-checkpoint's case: the pair cast to bfloat16 and aligned with float32 products (``bf16 weights,
-exact``) or with bfloat16 products (the CPU kernels accumulate in float32 and round each result
-to bfloat16), each alignment applied to the float32 B, the second compared with the first.
-Reported per
-architecture: each pair's barrier and sweeps, the mean, and the pair-to-pair standard
-deviation of the exact reference (the issue's yardstick: a setting is "unchanged" when every
-pair's barrier is within that spread of the reference).
+    python -m benchmarks.bench_sweeps [--archs gpt2 llama bert vit] [--size quick] [--settings NAME ...]
 """
 from __future__ import annotations
 
@@ -40,44 +27,28 @@ from .provenance import command_line, git_state, table, write_beside
 
 LAMBDAS = np.linspace(0.0, 1.0, 11)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "speed_quality" / "sweeps.json"
-
-
-#: The exact reference: sweeps until no element changes (``until="exact"``,
-#: ``tol=0``), exact products, at most this many sweeps.
-EXACT_SWEEPS = 6
+EXACT_SWEEPS = 6  # the exact reference's most sweeps
 EXACT = "exact (until=exact, tol=0)"
+REFERENCE = {"bf16 weights, bf16 products": "bf16 weights, exact"}  # default: EXACT
 
 
 def settings(width: int) -> dict:
-    """Each setting as what it changes from the exact reference (``until="exact"``, ``tol=0``,
-    exact products, at most :data:`EXACT_SWEEPS` sweeps)."""
-    base = dict(until="exact", tol=0.0, similarity="exact", max_iter=EXACT_SWEEPS)
-    rows = {EXACT: {},
-            "tol=1e-4": dict(tol=1e-4),
-            "tol=1e-3": dict(tol=1e-3),
-            "tol=1e-2": dict(tol=1e-2),
-            # from the second sweep on, stop once no discrete element changes
-            "until=discrete": dict(until="discrete"),
-            # ... and no solve closes 5% of its unit's gap to the Cauchy–Schwarz bound (the default)
-            "until=gap": dict(until="gap"),
-            # fewer sweeps: the loop stops after this many, converged or not
-            "max_iter=2": dict(max_iter=2),
-            "max_iter=3": dict(max_iter=3),
-            "max_iter=4": dict(max_iter=4),
-            "bf16 products": dict(similarity="bf16"),
-            f"sketch={max(width // 4, 4)}": dict(sketch=max(width // 4, 4)),
-            "no deferral": dict(defer=False),
-            "head_cost=circuits": dict(head_cost="circuits"),
-            "block_scale=columns": dict(block_scale="columns"),
-            # a bf16 checkpoint's case: the pair cast to bfloat16, aligned, the alignment applied
-            # to the float32 B (so that only the alignment differs); bf16 products against
-            # float32 products of the same bf16 weights
+    """Each setting's ``symgraph.align`` keywords (``cast``: the pair's dtype): the exact reference's
+    with what the setting changes: when the sweeps end (``until``: once no discrete element changes,
+    or also no solve closes 5% of its unit's gap to the bound; ``max_iter``), ``tol`` (a unit keeps
+    its element unless a re-solve gains more than that fraction of its objective), bfloat16
+    products, a sketch of a quarter of the width, no deferral, Theus et al. 2025's head cost and
+    block scaling, and the pair cast to bfloat16."""
+    k = max(width // 4, 4)
+    rows = {EXACT: {}, "tol=1e-4": dict(tol=1e-4), "tol=1e-3": dict(tol=1e-3), "tol=1e-2": dict(tol=1e-2),
+            "until=discrete": dict(until="discrete"), "until=gap": dict(until="gap"),
+            "max_iter=2": dict(max_iter=2), "max_iter=3": dict(max_iter=3), "max_iter=4": dict(max_iter=4),
+            "bf16 products": dict(similarity="bf16"), f"sketch={k}": dict(sketch=k), "no deferral": dict(defer=False),
+            "head_cost=circuits": dict(head_cost="circuits"), "block_scale=columns": dict(block_scale="columns"),
             "bf16 weights, exact": dict(cast=torch.bfloat16),
             "bf16 weights, bf16 products": dict(cast=torch.bfloat16, similarity="bf16")}
-    return {name: base | kw for name, kw in rows.items()}
-
-
-REFERENCE = {"bf16 weights, bf16 products": "bf16 weights, exact"}  # default: EXACT
+    return {name: dict(until="exact", tol=0.0, similarity="exact", max_iter=EXACT_SWEEPS) | kw
+            for name, kw in rows.items()}
 
 
 def run(archs, size="quick", seeds=(0, 1, 2), max_batches=4, only=None) -> dict:
@@ -86,21 +57,17 @@ def run(archs, size="quick", seeds=(0, 1, 2), max_batches=4, only=None) -> dict:
         models = {s: train.train_model(arch, s, size=size) for s in seeds}
         loss = evaluate.loss_fn_for(arch, max_batches=max_batches)
         width = getattr(models[seeds[0]].config, "hidden_size", None) or models[seeds[0]].config.n_embd
+        wanted = None if not only else {*only, EXACT, *(REFERENCE.get(o) for o in only)}
         rows = {}
         for name, kw in settings(width).items():
-            if only and name not in only and name != EXACT and name not in {
-                    REFERENCE.get(o) for o in only}:
+            if wanted and name not in wanted:
                 continue
-            per = []
+            per, cast = [], kw.pop("cast", None)
             for a, b in itertools.combinations(seeds, 2):
                 A, B = models[a], models[b]
-                kw = dict(kw)
-                cast = kw.pop("cast", None)
                 t0 = time.perf_counter()
-                if cast is None:
-                    al = symgraph.align(A, B, **kw)
-                else:
-                    al = symgraph.align(copy.deepcopy(A).to(cast), copy.deepcopy(B).to(cast), **kw)
+                pair = (A, B) if cast is None else (copy.deepcopy(A).to(cast), copy.deepcopy(B).to(cast))
+                al = symgraph.align(*pair, **kw)
                 secs = time.perf_counter() - t0
                 bar = symgraph.loss_barrier(symgraph.interpolate(A, al.apply(B), LAMBDAS, loss))
                 per.append({"pair": [a, b], "barrier": bar, "sweeps": al.seconds.get("sweeps"), "align_seconds": secs})

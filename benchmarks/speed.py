@@ -1,14 +1,9 @@
-"""Speed rows of the suite: ``symgraph.analyze`` and ``symgraph.align`` time and peak memory
-on two cached zoo models of one architecture, measured in a fresh process.
-
-A fresh process makes the peak-memory numbers about this work alone: the baseline is the
-resident set after importing and loading the two models; during each step a background thread
-samples the resident set (``/proc/self/statm``, every millisecond) and the step's peak is the
-largest sample minus the baseline. (``ru_maxrss`` is useless here: importing and loading
-already set a higher high-water mark than the tiny models' analysis reaches.)
-
-``python -m benchmarks.speed ARCH [--size quick] [--seeds 0 1] [--batches 4] [--steps N]`` prints one JSON
-object on its last line.
+"""Speed rows of the suite: ``symgraph.analyze`` and ``symgraph.align`` time and peak memory on two
+cached zoo models of one architecture, in a fresh process: the baseline is the resident set after
+importing and loading the models, a step's peak the largest resident set sampled every
+millisecond during it (``/proc/self/statm``) minus the baseline (``ru_maxrss`` would be the
+loading's). ``python -m benchmarks.speed ARCH [--size quick] [--seeds 0 1] [--batches 4]
+[--steps N]`` prints one JSON object on its last line.
 """
 from __future__ import annotations
 
@@ -55,15 +50,14 @@ def alignment_data(arch: str, n_batches: int) -> list:
 
 
 def measure(arch: str, size: str = "quick", seeds=(0, 1), batches: int = 4, steps: int | None = None) -> dict:
-    """Time ``analyze`` (both models) and ``align`` (weights, activations); peak RSS in MB."""
+    """Time ``analyze`` (of one model; the peak: both) and ``align`` (weights, activations); peak RSS in MB."""
     import torch
 
     import symgraph
 
     from . import train
     torch.set_num_threads(train.num_threads())
-    a = train.train_model(arch, seeds[0], size, steps)
-    b = train.train_model(arch, seeds[1], size, steps)
+    a, b = (train.train_model(arch, s, size, steps) for s in seeds)
     data = alignment_data(arch, batches)
     base = rss_now_mb()
     with peak_rss() as m_an:
@@ -71,23 +65,18 @@ def measure(arch: str, size: str = "quick", seeds=(0, 1), batches: int = 4, step
         ra = symgraph.analyze(a, data[0])
         t_an = time.perf_counter() - t
         rb = symgraph.analyze(b, data[0])
-    with peak_rss() as m_w:
-        t = time.perf_counter()
-        symgraph.align(a, b, report_a=ra, report_b=rb)
-        t_w = time.perf_counter() - t
-    with peak_rss() as m_act:
-        t = time.perf_counter()
-        symgraph.align(a, b, data=data, report_a=ra, report_b=rb)
-        t_act = time.perf_counter() - t
-    peak_an, peak_w, peak_act = m_an["peak_mb"], m_w["peak_mb"], m_act["peak_mb"]
-    weights_mb = sum(p.numel() * p.element_size() for p in a.parameters()) / 2 ** 20
+    seconds, peaks = {"analyze": t_an}, {"analyze": m_an["peak_mb"]}
+    for step, kw in (("align_weights", {}), ("align_activations", {"data": data})):
+        with peak_rss() as m:
+            t = time.perf_counter()
+            symgraph.align(a, b, report_a=ra, report_b=rb, **kw)
+            seconds[step] = time.perf_counter() - t
+        peaks[step] = m["peak_mb"]
     return {"arch": arch, "size": size, "seeds": list(seeds), "threads": torch.get_num_threads(),
             "groups": len(ra.groups), "parameters": sum(p.numel() for p in a.parameters()),
-            "model_weights_mb": weights_mb, "baseline_rss_mb": base,
-            "analyze_seconds": t_an, "align_weights_seconds": t_w,
-            "align_activations_seconds": t_act, "alignment_batches": len(data),
-            "peak_rss_analyze_mb": peak_an - base, "peak_rss_align_weights_mb": peak_w - base,
-            "peak_rss_align_activations_mb": peak_act - base}
+            "model_weights_mb": sum(p.numel() * p.element_size() for p in a.parameters()) / 2 ** 20,
+            "baseline_rss_mb": base, **{f"{k}_seconds": v for k, v in seconds.items()},
+            "alignment_batches": len(data), **{f"peak_rss_{k}_mb": v - base for k, v in peaks.items()}}
 
 
 def _main(argv=None):

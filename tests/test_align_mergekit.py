@@ -19,8 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_mergekit_linear_of_the_aligned_checkpoint_is_symgraphs_merge(tmp_path):
-    from benchmarks.scale.common import SHAPES
-    from benchmarks.scale.mergekit import ensure_mergekit, mergekit_config
+    from benchmarks.scale.common import SHAPES, ensure_mergekit, mergekit_config
     cache = Path(os.environ.get("SYMGRAPH_CACHE", Path.home() / ".cache" / "symgraph"))
     exe, msg = ensure_mergekit(cache / "mergekit-venv")
     assert exe is not None, msg  # installing mergekit needs the package index: a failure, not a skip

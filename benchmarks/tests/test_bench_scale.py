@@ -83,7 +83,7 @@ def test_155m_shape_has_155m_parameters():
 
 
 def test_merge_commands_name_the_method_the_data_and_the_budget():
-    from benchmarks.scale.stages import merge_command
+    from benchmarks.bench_scale import merge_command
     reg = merge_command("symgraph_regmean", "A", "B", "O", data="D", memory_budget="256MB")
     i = reg.index("merge")
     assert reg[i:] == ["merge", "A", "B", "--out", "O", "--align", "weights", "--method", "regmean",
@@ -109,7 +109,7 @@ def test_a_bad_memory_budget_is_refused_before_any_work(capsys):
 
 def test_the_baseline_stage_runs_another_commits_tree(tmp_path, capsys):
     import subprocess
-    from benchmarks.scale.stages import baseline_tree, merge_command
+    from benchmarks.bench_scale import baseline_tree, merge_command
     base = merge_command("symgraph_weights_baseline", "A", "B", "O")
     assert base[:3] == [sys.executable, "-m", "symgraph"]  # found in the tree it runs in
     w = merge_command("symgraph_weights", "A", "B", "O")
