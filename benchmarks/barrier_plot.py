@@ -20,13 +20,9 @@ import numpy as np
 from .provenance import pyplot, register, save_figure
 from .records import renamed
 
-__all__ = ["HERO", "LABELS", "ENDS_TOL", "ends_at_the_parents", "curves", "figure", "barrier_plot", "main"]
-
-#: The methods drawn, in order: the docs' names (docs/benchmarks.md, docs/align.md).
-LABELS = {"vanilla": "vanilla (no alignment)",
-          "verma2024": "Verma & Elbayad 2024 (permutations)",
-          "symgraph_weights": "symgraph: weight matching",
-          "symgraph_activations": "symgraph: activation matching",
+#: The methods drawn, in order, in the docs' names (docs/benchmarks.md, docs/align.md).
+LABELS = {"vanilla": "vanilla (no alignment)", "verma2024": "Verma & Elbayad 2024 (permutations)",
+          "symgraph_weights": "symgraph: weight matching", "symgraph_activations": "symgraph: activation matching",
           "symgraph_refine": "symgraph: learned matching"}
 HERO = tuple(LABELS)
 #: The most a curve's ends may differ from the parents' losses (nats): B′ is B moved by a symmetry.
@@ -75,7 +71,7 @@ def figure(records, arch, methods=HERO):
 
 
 def barrier_plot(path: Path, records, arch, methods=HERO) -> str:
-    """:func:`figure` of ``arch`` written to ``path``; returns its name."""
+    """:func:`figure` of ``arch`` written to ``path``; its name."""
     return save_figure(figure(records, arch, methods), path, bbox_inches="tight")
 
 

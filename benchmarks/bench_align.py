@@ -1,12 +1,13 @@
 """Benchmark: ``symgraph.align`` on a BERT-base-shaped pair vs a plain Zhang et al. 2024 matching.
 
 Both models have random weights (12 layers, hidden 768, MLP 3072, 12 heads); B is a random
-symmetry transform of A, so the alignment has a known answer. In the same run we time a plain
-re-implementation of Zhang et al. 2024's matching (FFN Hungarian + per-head Procrustes on QK and VO, no
-residual or head permutation) and report the ratio, the share of time in the assignment/SVD
-solvers, and peak resident memory during `align` (sampled from /proc) relative to the two
-models' weights. The same alignment is also timed with the row-maxima certificate off (every
-assignment through the LSAP solver), since on this exactly-recoverable pair it always applies.
+symmetry transform of A, so the alignment has a known answer. In the same run a plain
+re-implementation of Zhang et al. 2024's matching (FFN Hungarian + per-head Procrustes on QK and
+VO, no residual or head permutation) is timed: the ratio, the share of time in the
+assignment/SVD solvers, and peak resident memory during ``align`` (sampled from /proc) relative
+to the two models' weights. The alignment is also timed with the row-maxima certificate off
+(every assignment through the LSAP solver), since on this exactly-recoverable pair it always
+applies.
 
 ``python -m benchmarks.bench_align [--layers 12] [--out FILE]``
 """
@@ -23,29 +24,30 @@ from .provenance import write_beside
 from .speed import peak_rss, rss_now_mb
 
 
+def _features(M, i: int, heads: int):
+    """Layer ``i``'s FFN unit features and, per head, its QK and VO features."""
+    w = lambda n: M.get_parameter(f"bert.encoder.layer.{i}.{n}").detach()  # noqa: E731
+    q, k, v = (w(f"attention.self.{n}.weight") for n in ("query", "key", "value"))
+    o = w("attention.output.dense.weight")
+    d = q.shape[0] // heads
+    ffn = torch.cat([w("intermediate.dense.weight"), w("intermediate.dense.bias")[:, None],
+                     w("output.dense.weight").T], 1)
+    sl = [slice(h * d, (h + 1) * d) for h in range(heads)]
+    return ffn, [(torch.cat([q[s], k[s]], 1), torch.cat([v[s], o[:, s].T], 1)) for s in sl]
+
+
 def zhang2025_matching(A, B, layers, heads):
-    """FFN Hungarian + per-head Procrustes (QK and VO), from weights (Zhang et al. 2024's recipe), in the
-    weights' own dtype, as a plain implementation would run it."""
+    """FFN Hungarian + per-head Procrustes (QK and VO) from weights, in the weights' own dtype, as
+    a plain implementation would run it: ``(seconds, seconds in the solvers)``."""
     solver_s = 0.0
     t0 = time.perf_counter()
     for i in range(layers):
-        pa = lambda n: A.get_parameter(f"bert.encoder.layer.{i}.{n}").detach()  # noqa: E731
-        pb = lambda n: B.get_parameter(f"bert.encoder.layer.{i}.{n}").detach()  # noqa: E731
-        fa = torch.cat([pa("intermediate.dense.weight"), pa("intermediate.dense.bias")[:, None],
-                        pa("output.dense.weight").T], 1)
-        fb = torch.cat([pb("intermediate.dense.weight"), pb("intermediate.dense.bias")[:, None],
-                        pb("output.dense.weight").T], 1)
+        (fa, ha), (fb, hb) = _features(A, i, heads), _features(B, i, heads)
         S = fa @ fb.T
         t = time.perf_counter()
         linear_sum_assignment(S.numpy(), maximize=True)
         solver_s += time.perf_counter() - t
-        d = pa("attention.self.query.weight").shape[0] // heads
-        for h in range(heads):
-            sl = slice(h * d, (h + 1) * d)
-            qk_a = torch.cat([pa("attention.self.query.weight")[sl], pa("attention.self.key.weight")[sl]], 1)
-            qk_b = torch.cat([pb("attention.self.query.weight")[sl], pb("attention.self.key.weight")[sl]], 1)
-            vo_a = torch.cat([pa("attention.self.value.weight")[sl], pa("attention.output.dense.weight")[:, sl].T], 1)
-            vo_b = torch.cat([pb("attention.self.value.weight")[sl], pb("attention.output.dense.weight")[:, sl].T], 1)
+        for (qk_a, vo_a), (qk_b, vo_b) in zip(ha, hb):
             for x, y in ((qk_a, qk_b), (vo_a, vo_b)):
                 t = time.perf_counter()
                 U, _, Vh = torch.linalg.svd(x @ y.T)
@@ -56,7 +58,9 @@ def zhang2025_matching(A, B, layers, heads):
 
 def run(layers: int = 12, threads: int | None = None) -> dict:
     import transformers
+
     import symgraph
+    from symgraph.solve import _solvers
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
     cfg = transformers.BertConfig(num_hidden_layers=layers, hidden_size=768, intermediate_size=3072,
@@ -66,7 +70,6 @@ def run(layers: int = 12, threads: int | None = None) -> dict:
     rep = symgraph.analyze(A)
     B = symgraph.transform(A, rep.random_transform(seed=1, orthogonal=True))
     weights_mb = 2 * sum(p.numel() * p.element_size() for p in A.parameters()) / 2 ** 20
-    from symgraph.solve import _solvers
     rss_before = rss_now_mb()
     with peak_rss() as mem:
         t = time.perf_counter()

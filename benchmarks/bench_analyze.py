@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import os
 import platform
 import statistics
-import sys
 import time
 import tracemalloc
 import warnings
@@ -30,31 +28,10 @@ import torch
 from .harness import peak_rss_mb
 from .provenance import write_beside
 
-DEFAULT_OUT = os.path.join("benchmarks", "results", "analyze_8b.json")
-
-#: Llama-3-8B shapes.
-LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
-                 max_position_embeddings=8192, rope_theta=500000.0)
-
+LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
 TARGET_RATIO = 1.3
 TARGET_PEAK_MB = 2048.0
-
-
-def build(layers: int | None = None):
-    """The meta-device model and its keyword inputs."""
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
-    transformers.logging.set_verbosity_error()
-    shape = dict(LLAMA3_8B)
-    if layers is not None:
-        shape["num_hidden_layers"] = layers
-    cfg = LlamaConfig(**shape)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model.eval()
-    kwargs = {"input_ids": torch.zeros(1, 8, dtype=torch.long, device="meta"), "use_cache": False}
-    return model, kwargs
 
 
 def _export(model, kwargs):
@@ -76,106 +53,67 @@ def _timed(fn, *a):
 
 
 def run(layers: int | None = None, repeats: int = 3) -> dict:
-    """Run the benchmark; return the results."""
+    import transformers
+
     import symgraph
     from symgraph.passes import analyze_graph
     from symgraph.passes.trace import trace
-
-    model, kwargs = build(layers)
-    n_params = sum(p.numel() for p in model.parameters())
+    transformers.logging.set_verbosity_error()
+    config = {**LLAMA3_8B, **({"num_hidden_layers": layers} if layers else {})}
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    kwargs = {"input_ids": torch.zeros(1, 8, dtype=torch.long, device="meta"), "use_cache": False}
     _export(model, kwargs)  # warm-up: imports, dispatcher and fake-tensor caches
-
     export_s, analyze_s = [], []
-    report = None
     for _ in range(repeats):
-        t, _ep = _timed(_export, model, kwargs)
-        export_s.append(t)
-        del _ep
+        export_s.append(_timed(_export, model, kwargs)[0])
         t, report = _timed(_analyze, model, kwargs)
         analyze_s.append(t)
-
     # where the time goes inside analyze: trace (export + any decompositions) vs the passes
     t_trace, (ep, _args, _kw) = _timed(trace, model, {"input_ids": kwargs["input_ids"]})
     t_passes, an = _timed(analyze_graph, ep, False, symgraph.tied_parameters(model))
     t_report, _ = _timed(symgraph.SymmetryReport, an, type(model).__name__, ((), {}))
     n_nodes = sum(1 for n in ep.graph.nodes if n.op == "call_function")
     del ep, an
-
     gc.collect()
     tracemalloc.start()
     _analyze(model, kwargs)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-
     exp_med, ana_med = statistics.median(export_s), statistics.median(analyze_s)
-    kinds = collections.Counter(g.kind for g in report.groups)
     res = {
-        "model": "LlamaForCausalLM (Llama-3-8B shapes, meta device)",
-        "config": {**LLAMA3_8B, **({"num_hidden_layers": layers} if layers else {})},
-        "parameters": n_params,
-        "graph_nodes": n_nodes,
-        "inputs": {"input_ids": [1, 8], "use_cache": False},
-        "repeats": repeats,
-        "export_s": export_s,
-        "analyze_s": analyze_s,
-        "export_median_s": exp_med,
-        "analyze_median_s": ana_med,
+        "model": "LlamaForCausalLM (Llama-3-8B shapes, meta device)", "config": config,
+        "parameters": sum(p.numel() for p in model.parameters()), "graph_nodes": n_nodes,
+        "inputs": {"input_ids": [1, 8], "use_cache": False}, "repeats": repeats,
+        "export_s": export_s, "analyze_s": analyze_s, "export_median_s": exp_med, "analyze_median_s": ana_med,
         "ratio": ana_med / exp_med,
-        # less sensitive to other load on the machine: best of each
-        "ratio_min": min(analyze_s) / min(export_s),
-        # what the passes add on top of the trace, as a fraction of the export time
-        "passes_fraction": (t_passes + t_report) / exp_med,
+        "ratio_min": min(analyze_s) / min(export_s),  # less sensitive to other load: best of each
+        "passes_fraction": (t_passes + t_report) / exp_med,  # the passes on top of the trace, ÷ export
         "breakdown_s": {"trace": t_trace, "passes": t_passes, "report": t_report},
-        "tracemalloc_peak_mb": peak / 2 ** 20,
-        "max_rss_mb": peak_rss_mb(),
-        "groups": len(report.groups),
-        "group_kinds": dict(sorted(kinds.items())),
-        "frozen_ops": len(report.frozen),
-        "degrees_of_freedom": report.degrees_of_freedom,
+        "tracemalloc_peak_mb": peak / 2 ** 20, "max_rss_mb": peak_rss_mb(), "groups": len(report.groups),
+        "group_kinds": dict(sorted(collections.Counter(g.kind for g in report.groups).items())),
+        "frozen_ops": len(report.frozen), "degrees_of_freedom": report.degrees_of_freedom,
         "targets": {"ratio": TARGET_RATIO, "peak_mb": TARGET_PEAK_MB},
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        "torch": torch.__version__, "python": platform.python_version(), "transformers": transformers.__version__,
     }
-    import transformers
-    res["transformers"] = transformers.__version__
     res["meets_targets"] = bool(res["ratio"] <= TARGET_RATIO
                                 and max(res["tracemalloc_peak_mb"], res["max_rss_mb"]) < TARGET_PEAK_MB)
     return res
 
 
-def format_table(res: dict) -> str:
-    rows = [
-        ("torch.export alone (median)", f"{res['export_median_s']:.2f} s"),
-        ("symgraph.analyze (median)", f"{res['analyze_median_s']:.2f} s"),
-        ("ratio (target <= %.1f)" % res["targets"]["ratio"],
-         f"{res['ratio']:.2f}x (best-of: {res['ratio_min']:.2f}x)"),
-        ("passes + report / export", f"{100 * res['passes_fraction']:.1f} %"),
-        ("  trace / passes / report", "{trace:.2f} / {passes:.2f} / {report:.2f} s".format(
-            **res["breakdown_s"])),
-        ("peak Python memory (tracemalloc)", f"{res['tracemalloc_peak_mb']:.0f} MB"),
-        ("peak RSS of the process", f"{res['max_rss_mb']:.0f} MB"),
-        ("graph nodes / parameters", f"{res['graph_nodes']} / {res['parameters'] / 1e9:.2f} B"),
-        ("groups found", f"{res['groups']}  {res['group_kinds']}"),
-        ("ops without a rule", f"{res['frozen_ops']}"),
-        ("meets targets", "yes" if res["meets_targets"] else "NO"),
-    ]
-    w = max(len(a) for a, _ in rows)
-    return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=DEFAULT_OUT, help="JSON output path (default: %(default)s)")
+    ap.add_argument("--out", default="benchmarks/results/analyze_8b.json", help="JSON output path")
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (32)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     res = run(layers=args.layers, repeats=args.repeats)
     if args.out:
         write_beside(args.out, res)
-    print(format_table(res))
-    print(f"wrote {args.out}")
+    for k, v in res.items():
+        print(f"{k:>22}: {v:.4g}" if isinstance(v, float) else f"{k:>22}: {v}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

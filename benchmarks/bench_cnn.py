@@ -1,35 +1,18 @@
-"""Benchmark: a trained CNN pair with BatchNorm on the digits (issue 14), Git Re-Basin's and
-REPAIR's own setting: vanilla, weight matching, activation matching, each with and without
-REPAIR (BatchNorm statistics reset).
+"""Benchmark: BatchNorm CNN pairs on the digits (Git Re-Basin's and REPAIR's setting): vanilla,
+weight matching and activation matching, each with and without REPAIR.
 
-**Model** -- :class:`DigitsCNN`, VGG-style for the 1×8×8 digits of :mod:`benchmarks.data`:
-conv 3×3 1→w1, BN, ReLU; conv w1→w2, BN, ReLU, max-pool 2; conv w2→w3, BN, ReLU, max-pool 2;
-flatten, linear → 10. Widths :data:`WIDTHS` (quick 16/32/32, full 32/64/64).
+:class:`DigitsCNN` (widths :data:`WIDTHS`) is trained per seed with the zoo's recipe
+(:func:`benchmarks.train.fit`; the seed fixes initialisation and data order) and cached under
+``$SYMGRAPH_CACHE/models/cnn-...``. For each seed pair (A, B), B' is B (``vanilla``) or B aligned
+to A by ``symgraph.align`` from weights or from activations on the training split; the curve
+``λθ_A + (1−λ)θ_B'`` (21 points, λ=1 is A) interpolates the parameters *and* the BatchNorm
+running statistics. ``+repair``: at every λ the BatchNorm statistics are reset on the training
+split (``symgraph.merge([A, B'], weights=[λ, 1−λ], align=None, repair=True)``); each repaired
+midpoint is also ``symgraph.merge([A, B], align=..., repair=True)``'s own (``merge_loss_mid``).
 
-**Training** -- seeds 0, 1, 2 (the suite's), with the zoo's recipe (:mod:`benchmarks.train`:
-AdamW, its betas, weight decay on matrices, gradient clipping, warm-up + cosine schedule) for
-:data:`STEPS` steps of :data:`BATCH_SIZE` training images at peak rate :data:`LR`. As in the
-zoo, the seed fixes *both* the initialisation and the data order (``torch.Generator`` seeded
-``seed + DATA_SEED_OFFSET``). Checkpoints are cached under ``$SYMGRAPH_CACHE/models/
-cnn-<size>-seed<s>-steps<n>-<fingerprint>/`` (written by :func:`benchmarks.train`'s atomic
-save; the fingerprint hashes widths, recipe, data and :data:`benchmarks.train.CACHE_VERSION`).
-
-**Methods**, for each seed pair (A, B): B' is B as it is (``vanilla``), B aligned to A by
-``symgraph.align`` from weights (``weights``) or from activations on the reset data
-(``activations``). The curve ``λθ_A + (1−λ)θ_B'`` (21 points, λ=1 is A) interpolates every
-parameter *and* the BatchNorm running statistics (B's in A's basis), as ``symgraph.merge``
-averages them. (The suite's ``symgraph.interpolate`` moves parameters only, which for a
-BatchNorm net would score B' with A's running statistics.) ``+ REPAIR``: at every λ the
-interpolated model's BatchNorm statistics are reset on the reset data (the training split) by
-the library's REPAIR, ``symgraph.merge([A, B'], weights=[λ, 1−λ], align=None, repair=True)``,
-what Git Re-Basin and REPAIR do for BatchNorm nets. Each repaired midpoint is also produced
-by ``symgraph.merge([A, B], data=..., align=..., repair=True)`` itself (``merge_loss_mid``;
-the same model up to float rounding).
-
-**Numbers** -- cross-entropy (``loss``) and accuracy on the whole held-out split along each
-curve; barrier ``max_λ L(λ) − ½(L_A + L_B)`` with the parents' own losses, the suite's
-definition (``benchmarks/suite.py``); ``barrier_curve``: with the curve's own endpoints
-(``symgraph.loss_barrier``); ``acc_drop``: ``½(acc_A + acc_B) − min_λ acc(λ)``.
+Numbers, on the whole held-out split: cross-entropy and accuracy along each curve; ``barrier``:
+``max_λ L(λ) − ½(L_A + L_B)`` with the parents' own losses; ``barrier_curve``: with the curve's
+endpoints (``symgraph.loss_barrier``); ``acc_drop``: ``½(acc_A + acc_B) − min_λ acc(λ)``.
 
 ``python -m benchmarks.bench_cnn [--size quick] [--seeds 0 1 2] [--out DIR]`` writes
 ``results.json``, ``report.md`` and ``cnn_curves.png`` (default ``benchmarks/results/cnn``).
@@ -50,22 +33,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import symgraph
+
+from . import data as D
+from . import evaluate as ev
+from . import train, zoo
 from .provenance import (REPO_ROOT, git_state, log, markdown_table, mean_sd, mean_sd_cell, pyplot,
                          save_figure, write_result)
 
-__all__ = ["WIDTHS", "STEPS", "DigitsCNN", "train_cnn", "run", "markdown", "plot", "main"]
-
-#: Channel widths of the three convolutions per size.
 WIDTHS = {"quick": (16, 32, 32), "full": (32, 64, 64)}
-#: Training steps per size (override: ``steps``).
 STEPS = {"quick": 400, "full": 1500}
 BATCH_SIZE = 64
 LR = 3e-3
 #: Images per batch of the reset / activation-alignment data (the whole training split).
 DATA_BATCH = 256
 ALIGNS = {"vanilla": None, "weights": "weights", "activations": "activations"}
+METHOD_ORDER = ("vanilla", "vanilla+repair", "weights", "weights+repair", "activations", "activations+repair")
 LAMBDAS = np.linspace(0.0, 1.0, 21).round(4)
-RESULTS = REPO_ROOT / "benchmarks" / "results" / "cnn"
 
 
 class DigitsCNN(nn.Module):
@@ -86,10 +70,9 @@ class DigitsCNN(nn.Module):
         return self.fc(x.flatten(1))
 
     def save_pretrained(self, path, safe_serialization=True):
-        """``model.safetensors`` and ``config.json`` (the widths) into ``path``."""
+        """``model.safetensors`` and ``config.json`` (the widths), as :func:`train.save_atomically` asks."""
         from safetensors.torch import save_file
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()},
-                  str(Path(path) / "model.safetensors"))
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(Path(path) / "model.safetensors"))
         (Path(path) / "config.json").write_text(json.dumps({"widths": list(self.widths)}))
 
     @classmethod
@@ -100,37 +83,22 @@ class DigitsCNN(nn.Module):
         return m.eval()
 
 
-# --- training and the cache -------------------------------------------------------------------
-
-
-def _checkpoint_dir(seed: int, size: str, steps: int) -> Path:
-    from . import data, train
-    payload = {"version": train.CACHE_VERSION, "widths": WIDTHS[size], "batch_size": BATCH_SIZE,
-               "lr": LR, "data": data.data_fingerprint("digits"), "optim": train.OPTIM}
-    fp = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:10]
-    return data.cache_dir() / "models" / f"cnn-{size}-seed{seed}-steps{steps}-{fp}"
-
-
 def train_cnn(seed: int, size: str = "quick", steps: int | None = None) -> tuple:
-    """``(model, training info)``: :class:`DigitsCNN` trained from ``seed`` (see the module
-    docstring), loaded from the cache when there."""
-    from . import data, train
+    """``(model, training info)``: :class:`DigitsCNN` trained from ``seed``, from the cache when there."""
     steps = STEPS[size] if steps is None else int(steps)
-    path = _checkpoint_dir(seed, size, steps)
+    payload = {"version": train.CACHE_VERSION, "widths": WIDTHS[size], "batch_size": BATCH_SIZE,
+               "lr": LR, "data": D.data_fingerprint("digits"), "optim": train.OPTIM}
+    fp = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:10]
+    path = D.cache_dir() / "models" / f"cnn-{size}-seed{seed}-steps{steps}-{fp}"
     if (path / "training_info.json").is_file():
         return DigitsCNN.from_pretrained(path), json.loads((path / "training_info.json").read_text())
-    x, y = data.digits("train")
-    gen = torch.Generator().manual_seed(seed + train.DATA_SEED_OFFSET)
-
-    def sample():
-        i = torch.randint(0, len(y), (BATCH_SIZE,), generator=gen)
-        return x[i], y[i]
-
+    sample = train.batch_sampler(zoo.get_spec("vit"), BATCH_SIZE,  # the training digits
+                                 torch.Generator().manual_seed(seed + train.DATA_SEED_OFFSET))
     torch.manual_seed(seed)
     model = DigitsCNN(WIDTHS[size])
     t = time.perf_counter()
     losses = train.fit(model, sample, steps, LR, threads=train.num_threads(),
-                       loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+                       loss_fn=lambda m, b: F.cross_entropy(m(b["pixel_values"]), b["labels"]))
     loss, acc = evaluate(model, _eval_batches())
     tail = losses[-max(1, steps // 10):]
     info = {"arch": "cnn", "size": size, "seed": seed, "steps": steps, "widths": list(WIDTHS[size]),
@@ -141,23 +109,9 @@ def train_cnn(seed: int, size: str = "quick", steps: int | None = None) -> tuple
     return model, info
 
 
-# --- evaluation -------------------------------------------------------------------------------
-
-
 def _eval_batches():
     """The held-out digits in order, in the suite's evaluation batches."""
-    from . import data, evaluate as ev
-    x, y = data.digits("eval")
-    return [(x[i:i + ev.EVAL_BATCH_SIZE], y[i:i + ev.EVAL_BATCH_SIZE])
-            for i in range(0, len(y), ev.EVAL_BATCH_SIZE)]
-
-
-def reset_data(n_images: int | None = None) -> list:
-    """Training images (the first ``n_images``; None: all) as batches of one tensor: what the
-    BatchNorm statistics are reset on and activations are aligned on."""
-    from . import data
-    x = data.digits("train")[0][:n_images]
-    return [(x[i:i + DATA_BATCH],) for i in range(0, len(x), DATA_BATCH)]
+    return [(b["pixel_values"], b["labels"]) for b in ev.eval_batches("vit")]
 
 
 def evaluate(model, batches) -> tuple:
@@ -188,46 +142,39 @@ def interpolated(a, b, lam):
 
 
 def _curve(a, b, batches, data, repair: bool):
-    import symgraph
     out = []
-    for lam in LAMBDAS:
+    for lam in map(float, LAMBDAS):
         if repair:  # the interpolated model, its BatchNorm statistics reset on the data
-            m = symgraph.merge([a, b], weights=[float(lam), 1 - float(lam)], align=None, data=data, repair=True).model
+            m = symgraph.merge([a, b], weights=[lam, 1 - lam], align=None, data=data, repair=True).model
         else:
-            m = interpolated(a, b, float(lam))
-        out.append((float(lam), *evaluate(m, batches)))
+            m = interpolated(a, b, lam)
+        out.append((lam, *evaluate(m, batches)))
     return out
-
-
-# --- the run ----------------------------------------------------------------------------------
 
 
 def run(size: str = "quick", seeds=(0, 1, 2), pairs: int | None = None, steps: int | None = None,
         *, reset_images: int | None = None, verbose: bool = True) -> dict:
-    """Train (or load) a :class:`DigitsCNN` per seed and run every method on every seed pair
-    (the first ``pairs``; None: all); returns ``{"settings", "models", "records"}``, one
-    record per (pair, method, repair)."""
-    import symgraph
+    """Every method on every seed pair (the first ``pairs``; None: all) of :class:`DigitsCNN`s
+    trained per seed, BatchNorm statistics reset on the first ``reset_images`` training images
+    (None: all); ``{"settings", "models", "records"}``, a record per (pair, method, repair)."""
     t_start = time.perf_counter()
     seeds = tuple(seeds)
     trained = {s: train_cnn(s, size, steps) for s in seeds}
-    batches, data = _eval_batches(), reset_data(reset_images)
+    batches = _eval_batches()
+    x = D.digits("train")[0][:reset_images]
+    data = [(x[i:i + DATA_BATCH],) for i in range(0, len(x), DATA_BATCH)]
     ends = {s: evaluate(m, batches) for s, (m, _) in trained.items()}
     if verbose:
         log("cnn: " + ", ".join(f"seed {s} loss {l:.4f} acc {a:.4f}" for s, (l, a) in ends.items()))
     records = []
-    todo = list(itertools.combinations(seeds, 2))
-    for sa, sb in todo if pairs is None else todo[:pairs]:
+    for sa, sb in list(itertools.combinations(seeds, 2))[:pairs]:
         A, B = trained[sa][0], trained[sb][0]
         (la, aa), (lb, ab) = ends[sa], ends[sb]
         ref = symgraph.analyze(A, data[0])
         for method, align in ALIGNS.items():
             t = time.perf_counter()
-            if align is None:
-                Bp = B
-            else:
-                Bp = symgraph.align(A, B, data[0], data=data if align == "activations" else None,
-                                    report_a=ref).apply(B)
+            Bp = B if align is None else symgraph.align(
+                A, B, data[0], data=data if align == "activations" else None, report_a=ref).apply(B)
             align_s = time.perf_counter() - t
             lb_aligned = evaluate(Bp, batches)[0]
             for repair in (False, True):
@@ -236,21 +183,18 @@ def run(size: str = "quick", seeds=(0, 1, 2), pairs: int | None = None, steps: i
                 losses, accs = [c[1] for c in curve], [c[2] for c in curve]
                 rec = {"pair": [sa, sb], "method": method + ("+repair" if repair else ""),
                        "align": align, "repair": repair, "size": size,
-                       "loss_a": la, "loss_b": lb, "acc_a": aa, "acc_b": ab,
-                       "loss_b_aligned": lb_aligned,
-                       "curve": [[lam, l] for lam, l, _ in curve],
-                       "acc_curve": [[lam, a] for lam, _, a in curve],
+                       "loss_a": la, "loss_b": lb, "acc_a": aa, "acc_b": ab, "loss_b_aligned": lb_aligned,
+                       "curve": [[lam, l] for lam, l, _ in curve], "acc_curve": [[lam, a] for lam, _, a in curve],
                        "barrier": max(losses) - 0.5 * (la + lb),
                        "barrier_curve": symgraph.loss_barrier([(lam, l) for lam, l, _ in curve]),
-                       "acc_drop": 0.5 * (aa + ab) - min(accs),
-                       "loss_mid": losses[10], "acc_mid": accs[10],
+                       "acc_drop": 0.5 * (aa + ab) - min(accs), "loss_mid": losses[10], "acc_mid": accs[10],
                        "align_seconds": align_s, "curve_seconds": time.perf_counter() - t}
                 if repair:  # the library's own repaired midpoint
                     t = time.perf_counter()
                     res = symgraph.merge([A, B], data=data, align=align, repair=True)
                     rec["merge_loss_mid"], rec["merge_acc_mid"] = evaluate(res.model, batches)
                     rec["merge_seconds"] = time.perf_counter() - t
-                    rec["batchnorm"] = [dataclasses.asdict(x) for x in res.repair.batchnorm]
+                    rec["batchnorm"] = [dataclasses.asdict(b) for b in res.repair.batchnorm]
                     rec["repair_seconds"] = res.repair.seconds
                 records.append(rec)
                 if verbose:
@@ -259,26 +203,17 @@ def run(size: str = "quick", seeds=(0, 1, 2), pairs: int | None = None, steps: i
     return {"settings": {"size": size, "seeds": list(seeds), "pairs": pairs,
                          "steps": STEPS[size] if steps is None else steps,
                          "widths": list(WIDTHS[size]), "batch_size": BATCH_SIZE, "lr": LR,
-                         "reset_images": sum(len(b[0]) for b in data),
-                         "eval_images": sum(len(b[1]) for b in batches),
+                         "reset_images": len(x), "eval_images": sum(len(b[1]) for b in batches),
                          "threads": torch.get_num_threads(), "torch": torch.__version__,
-                         "symgraph_commit": git_state(),
-                         "wall_seconds": time.perf_counter() - t_start},
+                         "symgraph_commit": git_state(), "wall_seconds": time.perf_counter() - t_start},
             "models": {str(s): {"loss": ends[s][0], "accuracy": ends[s][1], **info}
                        for s, (_, info) in trained.items()},
             "records": records}
 
 
-# --- report -----------------------------------------------------------------------------------
-
-
-METHOD_ORDER = ("vanilla", "vanilla+repair", "weights", "weights+repair", "activations",
-                "activations+repair")
-
-
 def markdown(res) -> str:
-    """``report.md``: the parents, then per method the barrier, midpoint loss / accuracy and
-    accuracy drop (mean ± sd over the pairs), then every pair."""
+    """``report.md``: the parents, per method the barrier, midpoint loss / accuracy and accuracy
+    drop (mean ± sd over the pairs), then every pair."""
     st, recs = res["settings"], res["records"]
     pairs = list(dict.fromkeys(tuple(r["pair"]) for r in recs))
     lines = ["# CNN with BatchNorm on digits: alignment and REPAIR", "",
@@ -293,42 +228,37 @@ def markdown(res) -> str:
              f"{st['reset_images']} training images (`symgraph.merge(..., repair=True)`). "
              "Barrier `max_λ L(λ) − ½(L_A + L_B)` (cross-entropy, nats), accuracy drop "
              "`½(acc_A + acc_B) − min_λ acc(λ)`; mean ± sd over pairs.", "",
-             "![curves](cnn_curves.png)", ""]
-    lines.append(markdown_table(["seed", "loss", "accuracy", "train s"],
-                                [[s, f"{m['loss']:.4f}", f"{m['accuracy']:.4f}", f"{m['train_seconds']:.1f}"]
-                                 for s, m in res["models"].items()]))
+             "![curves](cnn_curves.png)", "",
+             markdown_table(["seed", "loss", "accuracy", "train s"],
+                            [[s, f"{m['loss']:.4f}", f"{m['accuracy']:.4f}", f"{m['train_seconds']:.1f}"]
+                             for s, m in res["models"].items()])]
     rows = []
     for m in METHOD_ORDER:
         rs = [r for r in recs if r["method"] == m]
+        stat = lambda k: mean_sd_cell(mean_sd([r[k] for r in rs]), 4)  # noqa: E731
         if rs:
-            stat = lambda k: mean_sd_cell(mean_sd([r[k] for r in rs]), 4)  # noqa: E731
             rows.append([m, stat("barrier"), stat("loss_mid"), stat("acc_mid"), stat("acc_drop"),
                          stat("merge_loss_mid") if "merge_loss_mid" in rs[0] else "—"])
-    lines += ["", markdown_table(["method", "barrier", "L(0.5)", "acc(0.5)", "acc drop",
-                                  "L(merge, repair=True)"], rows), ""]
+    lines += ["", markdown_table(["method", "barrier", "L(0.5)", "acc(0.5)", "acc drop", "L(merge, repair=True)"],
+                                 rows), ""]
     by = {(tuple(r["pair"]), r["method"]): r for r in recs}
-    rows = [[f"{a}-{b}"] + [f"{by[((a, b), m)]['barrier']:.4f} / {by[((a, b), m)]['acc_mid']:.4f}"
+    rows = [[f"{a}-{b}"] + [f"{by[(a, b), m]['barrier']:.4f} / {by[(a, b), m]['acc_mid']:.4f}"
                             if ((a, b), m) in by else "—" for m in METHOD_ORDER] for a, b in pairs]
-    lines += ["Per pair: barrier / accuracy at λ = 0.5.", "",
-              markdown_table(["pair", *METHOD_ORDER], rows), ""]
+    lines += ["Per pair: barrier / accuracy at λ = 0.5.", "", markdown_table(["pair", *METHOD_ORDER], rows), ""]
     return "\n".join(lines)
 
 
 def plot(res, out_dir) -> list:
-    """``cnn_curves.png``: loss and accuracy along λ for the first pair, a colour per
-    alignment, dashed without REPAIR, solid with; returns the file names written."""
+    """``cnn_curves.png``: loss and accuracy along λ for the first pair, a colour per alignment,
+    dashed without REPAIR, solid with; the file names written."""
     recs = res["records"]
     if not recs:
         return []
-    plt = pyplot()
-    pair = recs[0]["pair"]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, axes = pyplot().subplots(1, 2, figsize=(9, 3.4))
     colours = {"vanilla": "tab:gray", "weights": "tab:blue", "activations": "tab:red"}
-    for r in recs:
-        if r["pair"] != pair:
-            continue
-        base = r["method"].split("+")[0]
-        style = dict(color=colours[base], ls="-" if r["repair"] else "--",
+    pair = recs[0]["pair"]
+    for r in (r for r in recs if r["pair"] == pair):
+        style = dict(color=colours[r["method"].split("+")[0]], ls="-" if r["repair"] else "--",
                      label=r["method"].replace("+repair", " + REPAIR"))
         for ax, key in zip(axes, ("curve", "acc_curve")):
             ax.plot([x for x, _ in r[key]], [y for _, y in r[key]], **style)
@@ -339,20 +269,17 @@ def plot(res, out_dir) -> list:
     axes[0].set_title(f"CNN + BatchNorm, seeds {pair[0]} and {pair[1]}")
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    return [save_figure(fig, out / "cnn_curves.png", bbox_inches="tight")]
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    return [save_figure(fig, Path(out_dir) / "cnn_curves.png", bbox_inches="tight")]
 
 
 def main(argv=None) -> None:
-    from . import train
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_cnn",
-                                 description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_cnn", description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="quick", choices=tuple(WIDTHS))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--pairs", type=int, default=None, help="seed pairs (default: all)")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: STEPS)")
-    ap.add_argument("--out", default=str(RESULTS), help="directory for results.json / report.md")
+    ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "cnn"))
     a = ap.parse_args(argv)
     torch.set_num_threads(train.num_threads())
     res = run(a.size, a.seeds, a.pairs, a.steps)

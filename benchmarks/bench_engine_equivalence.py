@@ -29,9 +29,8 @@ CASES = ("mlp/average", "mlp/regmean", "mlp/repair", "mlp/universe_regmean",
 
 
 def _run(root: str, case: str, out: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": root}
-    p = subprocess.run([sys.executable, str(WORKER), case, out], env=env, capture_output=True, text=True,
-                       cwd=tempfile.gettempdir())
+    p = subprocess.run([sys.executable, str(WORKER), case, out], env={**os.environ, "PYTHONPATH": root},
+                       capture_output=True, text=True, cwd=tempfile.gettempdir())
     if p.returncode != 0:
         return {"error": (p.stderr.strip().splitlines() or ["?"])[-1][:300]}
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -41,7 +40,8 @@ def _compare(a: str, b: str) -> dict:
     from safetensors.torch import load_file
     x, y = load_file(a), load_file(b)
     if set(x) != set(y):
-        return {"same_keys": False, "only_before": sorted(set(x) - set(y))[:3], "only_after": sorted(set(y) - set(x))[:3]}
+        return {"same_keys": False, "only_before": sorted(set(x) - set(y))[:3],
+                "only_after": sorted(set(y) - set(x))[:3]}
     worst, where, bitwise = 0.0, None, True
     for k in x:
         if x[k].shape != y[k].shape:
@@ -66,8 +66,8 @@ def main(argv=None) -> int:
                                    text=True).stdout.strip() or "?"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        fa, fb = os.path.join(tmp, "before.safetensors"), os.path.join(tmp, "after.safetensors")
         for c in a.cases:
-            fa, fb = os.path.join(tmp, "before.safetensors"), os.path.join(tmp, "after.safetensors")
             ra, rb = _run(before, c, fa), _run(str(REPO_ROOT), c, fb)
             row = {"case": c, "before": ra, "after": rb}
             if "error" not in ra and "error" not in rb:
@@ -89,12 +89,12 @@ def report(rows, before, state) -> str:
              f"(`{before}`) and with this one; the merged states compared tensor by tensor.", ""]
     cells = []
     for r in rows:
-        if "max_rel_diff" not in r:
+        if "max_rel_diff" in r:
+            cells.append([r["case"], f"{r['before']['seconds']:.2f}", f"{r['after']['seconds']:.2f}",
+                          "yes" if r["bitwise"] else "no", f"{r['max_rel_diff']:.1e}", r["at"] or "–"])
+        else:
             err = r["before"].get("error") or r["after"].get("error") or r.get("shape_differs") or r.get("only_after")
             cells.append([r["case"], "–", "–", "–", "–", err])
-            continue
-        cells.append([r["case"], f"{r['before']['seconds']:.2f}", f"{r['after']['seconds']:.2f}",
-                      "yes" if r["bitwise"] else "no", f"{r['max_rel_diff']:.1e}", r["at"] or "–"])
     lines += table(["case", "before s", "after s", "bitwise equal", "max |Δ| / max |θ|", "at"], cells,
                    [None, "r", "r", None, "r", None])
     return "\n".join(lines) + "\n"

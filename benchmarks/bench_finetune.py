@@ -1,32 +1,25 @@
 """Benchmark: fine-tune after fusion (Imfeld et al., ICLR 2024, "Transformer fusion with optimal
-transport", Imfeld et al. 2024).
+transport"): a fused transformer, after a short fine-tuning, beats its converged parents?
 
-The paper's claim: a fused transformer, after a short fine-tuning, beats its converged parents.
-The protocol here, for each pair of parents (A, B) from :func:`benchmarks.train.train_model`:
+For each pair of parents (A, B) from :func:`benchmarks.train.train_model`:
 
 * **contestants** -- each parent as it is (``parent_a``, ``parent_b``); the fusions
-  ``symgraph.merge([A, B], align="weights")`` (``fused_weights``) and ``align="activations"``
-  on :func:`benchmarks.speed.alignment_data` batches (``fused_activations``), both of A's
-  architecture and width; and the vanilla average ``symgraph.merge([A, B], align=None)``
-  (``vanilla``), which is defined only when A and B have the same parameter shapes (for a
-  narrow/wide pair the record says so and has no vanilla contestant);
-* **fine-tuning** -- every contestant is trained for the same ``K`` AdamW steps by
-  :func:`symgraph.testing.models.train` with the suite's optimiser settings (:mod:`benchmarks.train`:
-  betas, weight decay on matrices only, gradient clipping) and schedule
-  (:func:`symgraph.testing.models.warmup_cosine` over the ``K`` steps, warm-up 5%, decay to 10% of the
-  peak), the zoo's batch size, and the same training batches in the same order (the suite's
-  sampler with a fresh ``torch.Generator`` seeded with :data:`FINETUNE_DATA_SEED`, a seed no
-  parent was trained with);
-* **curves** -- the held-out loss (:func:`benchmarks.evaluate.loss_fn_for`, all held-out
-  batches by default) at step 0 and every ``eval_every`` steps up to ``K``;
-* **summary** -- the best parent after ``K`` steps, each fusion after ``K`` steps, the vanilla
-  average after ``K`` steps, and ``fusion_beats_best_parent`` with its ``margin`` (best parent's
-  loss minus the best fusion's loss after ``K`` steps, in nats: positive means fusion is
-  better). Also the first evaluated step at which a fusion is below the best parent at the same
-  step, and the first at which it is below the best parent as trained (step 0, the paper's
-  "converged parents").
-
-A parent fine-tuned in several pairs (``gpt2`` seed 0 below) is fine-tuned once per run.
+  ``symgraph.merge([A, B], align="weights")`` (``fused_weights``) and ``align="activations"`` on
+  :func:`benchmarks.speed.alignment_data` batches (``fused_activations``), both of A's
+  architecture and width; the vanilla average ``symgraph.merge([A, B], align=None)``
+  (``vanilla``), only where A and B have the same parameter shapes;
+* **fine-tuning** -- every contestant trained the same ``K`` AdamW steps by
+  :func:`benchmarks.train.fit` (the zoo's optimiser, warm-up cosine over the ``K`` steps), the
+  zoo's batch size and the same training batches in the same order (a generator seeded with
+  :data:`FINETUNE_DATA_SEED`, a seed no parent was trained with); a parent in several pairs is
+  fine-tuned once;
+* **curves** -- the held-out loss (:func:`benchmarks.evaluate.loss_fn_for`) at step 0 and every
+  ``eval_every`` steps up to ``K``;
+* **summary** -- the best parent after ``K`` steps, each fusion and the vanilla average after
+  ``K`` steps, ``fusion_beats_best_parent`` with its ``margin`` (best parent's loss minus the
+  best fusion's, nats: positive means fusion is better), and the first evaluated step at which a
+  fusion is below the best parent at the same step, and below the best parent as trained (step
+  0, the paper's "converged parents").
 
 ``python -m benchmarks.bench_finetune --out benchmarks/results/finetune [--size quick] [--K 200]``
 writes ``results.json``, ``report.md`` and one ``finetune_<pair>.png`` per pair.
@@ -40,73 +33,33 @@ from pathlib import Path
 
 import torch
 
-from .harness import script
-from .provenance import pyplot, save_figure, table, write_result
+import symgraph
 
-__all__ = [
-    "DEFAULT_PAIRS",
-    "DEFAULT_K",
-    "FINETUNE_LR_FRACTION",
-    "FINETUNE_DATA_SEED",
-    "run",
-    "plot",
-    "markdown",
-    "main",
-]
+from . import evaluate, speed, train, zoo
+from .harness import script
+from .provenance import git_state, log, pyplot, save_figure, table, write_result
 
 #: (arch A, seed A, arch B, seed B): a same-width pair and the narrow/wide pair of the suite.
 DEFAULT_PAIRS = (("gpt2", 0, "gpt2", 1), ("gpt2", 0, "gpt2_wide", 1))
-#: Fine-tuning budget per size (the parents are trained for 500 / 2000 steps).
 DEFAULT_K = {"quick": 200, "full": 500}
-#: Default number of evaluation points after step 0.
+#: Evaluation points after step 0 by default.
 DEFAULT_EVALS = 20
 #: Peak fine-tuning learning rate as a fraction of the zoo's training peak rate.
 FINETUNE_LR_FRACTION = 1.0 / 3.0
-#: Seed of the fine-tuning data order (parents used ``seed + DATA_SEED_OFFSET``: 10000, ...).
 FINETUNE_DATA_SEED = 20_000
-#: Training batches the activation alignment sees (as the suite's default).
 DEFAULT_ALIGN_BATCHES = 8
-
-_LABELS = {"parent_a": "parent A", "parent_b": "parent B", "fused_weights": "fused (weights)",
-           "fused_activations": "fused (activations)", "vanilla": "vanilla average"}
-_STYLES = {"parent_a": ("tab:blue", "--"), "parent_b": ("tab:cyan", "--"),
-           "fused_weights": ("tab:red", "-"), "fused_activations": ("tab:orange", "-"),
-           "vanilla": ("tab:gray", ":")}
-
-
-def _pair_name(pair) -> str:
-    arch_a, seed_a, arch_b, seed_b = pair
-    return f"{arch_a} seed {seed_a} + {arch_b} seed {seed_b}"
-
-
-def _pair_slug(pair) -> str:
-    arch_a, seed_a, arch_b, seed_b = pair
-    return f"{arch_a}-{seed_a}_{arch_b}-{seed_b}"
-
-
-def _same_shapes(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
-    return set(pa) == set(pb) and all(pa[k].shape == pb[k].shape for k in pa)
-
-
-def _check_pair(pair) -> None:
-    from . import zoo
-    arch_a, _, arch_b, _ = pair
-    sa, sb = zoo.get_spec(arch_a), zoo.get_spec(arch_b)
-    same = (sa.family, sa.task, sa.dataset, sa.block_size) == (sb.family, sb.task, sb.dataset, sb.block_size)
-    if not same:
-        raise ValueError(f"pair {pair!r}: the parents must share family, task, dataset and block size "
-                         f"(got {sa.family}/{sa.task}/{sa.dataset}/{sa.block_size} and "
-                         f"{sb.family}/{sb.task}/{sb.dataset}/{sb.block_size})")
+#: contestant -> (label, colour, line style).
+_LOOK = {"parent_a": ("parent A", "tab:blue", "--"), "parent_b": ("parent B", "tab:cyan", "--"),
+         "fused_weights": ("fused (weights)", "tab:red", "-"),
+         "fused_activations": ("fused (activations)", "tab:orange", "-"),
+         "vanilla": ("vanilla average", "tab:gray", ":")}
 
 
 def _finetune(model, arch: str, K: int, eval_every: int, lr: float, batch_size: int, data_seed: int,
               loss_fn) -> dict:
     """Fine-tune a copy of ``model`` for ``K`` steps; the held-out loss every ``eval_every`` steps."""
-    from . import evaluate, train, zoo
     model = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(data_seed)
-    sample = train.batch_sampler(zoo.get_spec(arch), batch_size, gen)
+    sample = train.batch_sampler(zoo.get_spec(arch), batch_size, torch.Generator().manual_seed(data_seed))
     steps, losses = [0], [loss_fn(model)]
 
     def progress(step: int, _loss: float, _elapsed: float) -> None:
@@ -124,21 +77,9 @@ def _finetune(model, arch: str, K: int, eval_every: int, lr: float, batch_size: 
             "num_parameters": sum(p.numel() for p in model.parameters())}
 
 
-def _line(name: str, c: dict) -> str:
-    return f"  {name:<18} {c['initial_loss']:.4f} -> {c['final_loss']:.4f} ({c['finetune_seconds']:.1f}s)"
-
-
-def _first_step_below(curve: dict, reference) -> int | None:
-    """First evaluated step where ``curve`` is below ``reference`` (a list over the same steps, or
-    a number)."""
-    for i, (s, v) in enumerate(zip(curve["steps"], curve["loss"])):
-        ref = reference[i] if isinstance(reference, list) else reference
-        if v < ref:
-            return s
-    return None
-
-
 def _summary(contestants: dict) -> dict:
+    """The summary of the module docstring; a fusion's first evaluated steps below the best parent
+    at the same step and below the best parent as trained."""
     parents = [k for k in ("parent_a", "parent_b") if k in contestants]
     fused = [k for k in ("fused_weights", "fused_activations") if k in contestants]
     best_parent = min(parents, key=lambda k: contestants[k]["final_loss"])
@@ -150,10 +91,11 @@ def _summary(contestants: dict) -> dict:
     for k in fused:
         c = contestants[k]
         per_fused[k] = {"after_K": c["final_loss"], "at_step0": c["initial_loss"],
-                        "beats_best_parent": c["final_loss"] < best_after,
-                        "margin": best_after - c["final_loss"],
-                        "first_step_below_best_parent_same_step": _first_step_below(c, per_step_best),
-                        "first_step_below_best_parent_untuned": _first_step_below(c, best_untuned)}
+                        "beats_best_parent": c["final_loss"] < best_after, "margin": best_after - c["final_loss"],
+                        "first_step_below_best_parent_same_step": next(
+                            (st for st, v, ref in zip(c["steps"], c["loss"], per_step_best) if v < ref), None),
+                        "first_step_below_best_parent_untuned": next(
+                            (st for st, v in zip(c["steps"], c["loss"]) if v < best_untuned), None)}
     best_fused = min(fused, key=lambda k: contestants[k]["final_loss"])
     vanilla = contestants.get("vanilla")
     fused_after = contestants[best_fused]["final_loss"]
@@ -166,31 +108,19 @@ def _summary(contestants: dict) -> dict:
 
 def run(size: str = "quick", pairs=DEFAULT_PAIRS, K: int | None = None, eval_every: int | None = None,
         lr: float | None = None, steps: int | None = None, *, eval_batches: int | None = None,
-        align_batches: int = DEFAULT_ALIGN_BATCHES, batch_size: int | None = None,
-        data_seed: int = FINETUNE_DATA_SEED, verbose: bool = False) -> dict:
-    """The fine-tune-after-fusion protocol (module docstring) on each of ``pairs``, ``(arch_a,
-    seed_a, arch_b, seed_b)`` parents of zoo ``size`` trained ``steps`` (None: the zoo's; part of
-    their cache key); the fusions have A's architecture (the narrow one of a narrow/wide pair).
-    ``K`` fine-tuning steps per contestant (None: :data:`DEFAULT_K` of ``size``), evaluated every
-    ``eval_every`` (must divide ``K``; None: ``K // 20``) on ``eval_batches`` held-out batches
-    (None: all); peak rate ``lr`` (None: :data:`FINETUNE_LR_FRACTION` times the zoo's rate of A);
-    ``batch_size`` (None: the zoo's of A); one data order for every contestant (``data_seed``);
-    ``align_batches`` training batches for ``align="activations"``.
-
-    Returns ``{"protocol": {...}, "pairs": [record, ...]}``; a record has ``pair`` (names, archs,
-    seeds), ``same_width``, ``contestants`` (name -> ``steps``, ``loss``, ``initial_loss``,
-    ``final_loss``, ...), ``vanilla_note`` (why there is no vanilla contestant, or None),
-    ``merge_seconds`` and ``summary`` (see the module docstring)."""
-    import symgraph
-
-    from . import evaluate, speed, train, zoo
-    from .provenance import git_state
-
+        align_batches: int = DEFAULT_ALIGN_BATCHES, verbose: bool = False) -> dict:
+    """The protocol (module docstring) on each of ``pairs``, ``(arch_a, seed_a, arch_b, seed_b)``
+    parents of zoo ``size`` trained ``steps`` (None: the zoo's); ``K`` steps (None:
+    :data:`DEFAULT_K`) evaluated every ``eval_every`` (None: ``K // 20``) on ``eval_batches``
+    held-out batches (None: all); peak rate ``lr`` (None: :data:`FINETUNE_LR_FRACTION` of A's).
+    ``{"protocol", "pairs"}``, a record per pair."""
     pairs = [tuple(p) for p in pairs]
     if not pairs:
         raise ValueError("pairs is empty")
     for p in pairs:
-        _check_pair(p)
+        sa, sb = zoo.get_spec(p[0]), zoo.get_spec(p[2])
+        if (sa.family, sa.task, sa.dataset, sa.block_size) != (sb.family, sb.task, sb.dataset, sb.block_size):
+            raise ValueError(f"pair {p!r}: the parents must share family, task, dataset and block size")
     K = DEFAULT_K[size] if K is None else int(K)
     if K < 1:
         raise ValueError(f"K must be >= 1, got {K}")
@@ -199,12 +129,9 @@ def run(size: str = "quick", pairs=DEFAULT_PAIRS, K: int | None = None, eval_eve
         raise ValueError(f"eval_every must be a positive divisor of K={K}, got {eval_every}")
     setting = zoo.get_setting(pairs[0][0], size)
     lr = FINETUNE_LR_FRACTION * setting.lr if lr is None else float(lr)
-    batch_size = setting.batch_size if batch_size is None else int(batch_size)
-
-    def log(msg: str) -> None:
-        if verbose:
-            print(msg, flush=True)
-
+    say = log if verbose else (lambda msg: None)
+    tune = lambda model, arch: _finetune(model, arch, K, eval_every, lr, setting.batch_size,  # noqa: E731
+                                         FINETUNE_DATA_SEED, evaluate.loss_fn_for(arch, max_batches=eval_batches))
     t_start = time.perf_counter()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(train.num_threads())
@@ -212,52 +139,46 @@ def run(size: str = "quick", pairs=DEFAULT_PAIRS, K: int | None = None, eval_eve
     try:
         for pair in pairs:
             arch_a, seed_a, arch_b, seed_b = pair
-            log(f"pair {_pair_name(pair)} ...")
+            name = f"{arch_a} seed {seed_a} + {arch_b} seed {seed_b}"
+            say(f"pair {name} ...")
             a = train.train_model(arch_a, seed_a, size, steps, verbose=verbose)
             b = train.train_model(arch_b, seed_b, size, steps, verbose=verbose)
             data = speed.alignment_data(arch_a, align_batches)
-            same = _same_shapes(a, b)
+            pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+            same = set(pa) == set(pb) and all(pa[k].shape == pb[k].shape for k in pa)
             merged, merge_seconds = {}, {}
-            for name, align in (("fused_weights", "weights"), ("fused_activations", "activations"),
-                                ("vanilla", None)):
-                if align is None and not same:
-                    continue
-                t = time.perf_counter()
-                merged[name] = symgraph.merge([a, b], align=align,
-                                              data=data if align == "activations" else None).model
-                merge_seconds[name] = time.perf_counter() - t
+            for key, align in (("fused_weights", "weights"), ("fused_activations", "activations"), ("vanilla", None)):
+                if align is not None or same:
+                    t = time.perf_counter()
+                    data_kw = data if align == "activations" else None
+                    merged[key] = symgraph.merge([a, b], align=align, data=data_kw).model
+                    merge_seconds[key] = time.perf_counter() - t
             contestants = {}
-            for name, arch, seed, model in (("parent_a", arch_a, seed_a, a), ("parent_b", arch_b, seed_b, b)):
-                key = (arch, seed)
-                if key not in tuned:
-                    tuned[key] = _finetune(model, arch, K, eval_every, lr, batch_size, data_seed,
-                                           evaluate.loss_fn_for(arch, max_batches=eval_batches))
-                contestants[name] = dict(tuned[key], seed=seed)
-                log(_line(name, contestants[name]))
-            for name, model in merged.items():
-                contestants[name] = _finetune(model, arch_a, K, eval_every, lr, batch_size, data_seed,
-                                              evaluate.loss_fn_for(arch_a, max_batches=eval_batches))
-                log(_line(name, contestants[name]))
-            rec = {"pair": {"name": _pair_name(pair), "slug": _pair_slug(pair), "arch_a": arch_a,
-                            "seed_a": seed_a, "arch_b": arch_b, "seed_b": seed_b},
-                   "same_width": same,
-                   "vanilla_note": None if same else (
-                       "vanilla average not defined: the parents have different parameter shapes "
-                       "(different widths), so there is nothing to average without an alignment"),
-                   "merge_seconds": merge_seconds, "contestants": contestants,
-                   "summary": _summary(contestants)}
-            s = rec["summary"]
-            log(f"  best parent {s['best_parent']} {s['best_parent_after_K']:.4f}, best fused "
+            for key, arch, seed, model in (("parent_a", arch_a, seed_a, a), ("parent_b", arch_b, seed_b, b)):
+                if (arch, seed) not in tuned:
+                    tuned[arch, seed] = tune(model, arch)
+                contestants[key] = dict(tuned[arch, seed], seed=seed)
+            contestants |= {key: tune(model, arch_a) for key, model in merged.items()}
+            for key, c in contestants.items():
+                say(f"  {key:<18} {c['initial_loss']:.4f} -> {c['final_loss']:.4f} ({c['finetune_seconds']:.1f}s)")
+            s = _summary(contestants)
+            records.append({"pair": {"name": name, "slug": f"{arch_a}-{seed_a}_{arch_b}-{seed_b}", "arch_a": arch_a,
+                                     "seed_a": seed_a, "arch_b": arch_b, "seed_b": seed_b},
+                            "same_width": same,
+                            "vanilla_note": None if same else (
+                                "vanilla average not defined: the parents have different parameter shapes "
+                                "(different widths), so there is nothing to average without an alignment"),
+                            "merge_seconds": merge_seconds, "contestants": contestants, "summary": s})
+            say(f"  best parent {s['best_parent']} {s['best_parent_after_K']:.4f}, best fused "
                 f"{s['best_fused']} {s['fused_after_K']:.4f}: beats={s['fusion_beats_best_parent']} "
                 f"margin {s['margin']:+.4f}")
-            records.append(rec)
     finally:
         torch.set_num_threads(previous_threads)
-    protocol = {"size": size, "K": K, "eval_every": eval_every, "lr": lr, "batch_size": batch_size,
+    protocol = {"size": size, "K": K, "eval_every": eval_every, "lr": lr, "batch_size": setting.batch_size,
                 "schedule": f"warmup_cosine(K, warmup {train.WARMUP_FRACTION}, min {train.MIN_LR_FRACTION})",
                 "optimizer": {"name": "AdamW", "betas": list(train.ADAM_BETAS),
                               "weight_decay": train.WEIGHT_DECAY, "grad_clip": train.GRAD_CLIP},
-                "data_seed": data_seed,
+                "data_seed": FINETUNE_DATA_SEED,
                 "eval_batches": len(evaluate.eval_batches(pairs[0][0], "eval", eval_batches)),
                 "align_batches": align_batches, "parent_steps": steps, "threads": train.num_threads(),
                 "torch": torch.__version__, "symgraph_commit": git_state(),
@@ -265,65 +186,53 @@ def run(size: str = "quick", pairs=DEFAULT_PAIRS, K: int | None = None, eval_eve
     return {"protocol": protocol, "pairs": records}
 
 
-# --- report -----------------------------------------------------------------------------------
-
-
 def plot(result: dict, out_dir) -> list[str]:
-    """One PNG per pair in ``out_dir``: held-out loss vs fine-tuning step, one line per contestant.
-
-    Returns the paths written."""
-    plt = pyplot()
+    """One PNG per pair in ``out_dir``: held-out loss vs fine-tuning step, a line per contestant;
+    the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for rec in result["pairs"]:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = pyplot().subplots(figsize=(7, 4.5))
         for name, c in rec["contestants"].items():
-            color, style = _STYLES.get(name, (None, "-"))
-            label = f"{_LABELS.get(name, name)} ({c['arch']}" + (f" seed {c['seed']})" if "seed" in c else ")")
+            label, color, style = _LOOK.get(name, (name, None, "-"))
+            label += f" ({c['arch']}" + (f" seed {c['seed']})" if "seed" in c else ")")
             ax.plot(c["steps"], c["loss"], style, color=color, marker="o", ms=2.5, label=label)
-        s = rec["summary"]
-        ax.axhline(s["best_parent_untuned"], color="k", lw=0.8, ls=(0, (1, 3)),
+        ax.axhline(rec["summary"]["best_parent_untuned"], color="k", lw=0.8, ls=(0, (1, 3)),
                    label="best parent before fine-tuning")
         ax.set_xlabel("fine-tuning step")
         ax.set_ylabel("held-out loss (nats)")
         ax.set_title(f"Fine-tune after fusion: {rec['pair']['name']}", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        path = out_dir / f"finetune_{rec['pair']['slug']}.png"
-        save_figure(fig, path, bbox_inches="tight")
-        paths.append(str(path))
+        paths.append(str(out_dir / f"finetune_{rec['pair']['slug']}.png"))
+        save_figure(fig, paths[-1], bbox_inches="tight")
     return paths
 
 
 def _sentence(rec: dict, K: int) -> str:
     s = rec["summary"]
     best = rec["contestants"][s["best_parent"]]
-    fused = _LABELS[s["best_fused"]]
-    parent = f"{_LABELS[s['best_parent']]} ({best['arch']} seed {best['seed']})"
+    fused = _LOOK[s["best_fused"]][0]
+    parent = f"{_LOOK[s['best_parent']][0]} ({best['arch']} seed {best['seed']})"
+    reach = (f"reaches {s['fused_after_K']:.4f} after {K} steps vs {s['best_parent_after_K']:.4f} for {parent} "
+             f"fine-tuned the same {K} steps")
     if s["fusion_beats_best_parent"]:
-        f = s["fused"][s["best_fused"]]
-        when = f["first_step_below_best_parent_same_step"]
-        text = (f"**{rec['pair']['name']}**: yes, fusion + fine-tune beats the best parent: {fused} reaches "
-                f"{s['fused_after_K']:.4f} after {K} steps vs {s['best_parent_after_K']:.4f} for "
-                f"{parent} fine-tuned the same {K} steps (margin {s['margin']:.4f} nats); it is first below "
-                f"the best parent at equal steps at step {when}.")
+        when = s["fused"][s["best_fused"]]["first_step_below_best_parent_same_step"]
+        text = (f"**{rec['pair']['name']}**: yes, fusion + fine-tune beats the best parent: {fused} {reach} (margin "
+                f"{s['margin']:.4f} nats); it is first below the best parent at equal steps at step {when}.")
     else:
-        text = (f"**{rec['pair']['name']}**: no, fusion + fine-tune does not beat the best parent: the best "
-                f"fusion, {fused}, reaches {s['fused_after_K']:.4f} after {K} steps vs "
-                f"{s['best_parent_after_K']:.4f} for {parent} fine-tuned the same {K} steps "
-                f"({-s['margin']:.4f} nats behind).")
-    untuned = {k: f["first_step_below_best_parent_untuned"] for k, f in s["fused"].items()}
-    below = [f"{_LABELS[k]} at step {v}" for k, v in untuned.items() if v is not None]
-    text += (" Below the best parent as trained (step 0, " f"{s['best_parent_untuned']:.4f}): "
+        text = (f"**{rec['pair']['name']}**: no, fusion + fine-tune does not beat the best parent: the best fusion, "
+                f"{fused}, {reach} ({-s['margin']:.4f} nats behind).")
+    below = [f"{_LOOK[k][0]} at step {f['first_step_below_best_parent_untuned']}" for k, f in s["fused"].items()
+             if f["first_step_below_best_parent_untuned"] is not None]
+    text += (f" Below the best parent as trained (step 0, {s['best_parent_untuned']:.4f}): "
              + (", ".join(below) if below else "never within the budget") + ".")
-    if s["vanilla_after_K"] is not None:
-        gap = abs(s["vanilla_after_K"] - s["fused_after_K"])
-        text += (f" The vanilla average + fine-tune reaches {s['vanilla_after_K']:.4f}, {gap:.4f} nats "
-                 f"{'behind' if s['fusion_beats_vanilla'] else 'ahead of'} the best fusion.")
-    else:
-        text += f" No vanilla contestant: {rec['vanilla_note']}."
-    return text
+    if s["vanilla_after_K"] is None:
+        return text + f" No vanilla contestant: {rec['vanilla_note']}."
+    gap = abs(s["vanilla_after_K"] - s["fused_after_K"])
+    return text + (f" The vanilla average + fine-tune reaches {s['vanilla_after_K']:.4f}, {gap:.4f} nats "
+                   f"{'behind' if s['fusion_beats_vanilla'] else 'ahead of'} the best fusion.")
 
 
 def markdown(result: dict) -> str:
@@ -331,53 +240,42 @@ def markdown(result: dict) -> str:
     p = result["protocol"]
     K = p["K"]
     lines = [
-        "# Fine-tune after fusion",
-        "",
+        "# Fine-tune after fusion", "",
         "Protocol of Imfeld et al. (ICLR 2024, \"Transformer fusion with optimal transport\"): fuse two "
         f"parents, fine-tune the fused model for K = {K} steps, and compare with each parent fine-tuned "
-        "for the same K steps and with the vanilla average (no alignment) + K steps.",
-        "",
+        "for the same K steps and with the vanilla average (no alignment) + K steps.", "",
         f"Size **{p['size']}**; every contestant: AdamW (betas {tuple(p['optimizer']['betas'])}, weight decay "
         f"{p['optimizer']['weight_decay']} on matrices, gradient clip {p['optimizer']['grad_clip']}), peak lr "
         f"{p['lr']:.3g}, {p['schedule']}, batch {p['batch_size']}, the same training batches in the same "
         f"order (data seed {p['data_seed']}). Held-out loss (nats) on {p['eval_batches']} held-out batches "
         f"at step 0 and every {p['eval_every']} steps. Activation alignment on {p['align_batches']} "
         f"training batches. {p['threads']} torch thread(s), torch {p['torch']}, symgraph at "
-        f"`{p['symgraph_commit']}`; wall time {p['wall_seconds']:.0f} s.",
-        "",
+        f"`{p['symgraph_commit']}`; wall time {p['wall_seconds']:.0f} s.", "",
         "Regenerate: `python -m benchmarks.bench_finetune --out benchmarks/results/finetune "
         f"--size {p['size']} --K {K} --eval-every {p['eval_every']} --lr {p['lr']:.6g}"
-        + (f" --steps {p['parent_steps']}" if p["parent_steps"] is not None else "") + "`.",
-        "",
-    ]
+        + (f" --steps {p['parent_steps']}" if p["parent_steps"] is not None else "") + "`.", ""]
     for rec in result["pairs"]:
         s = rec["summary"]
-        lines += [f"## {rec['pair']['name']}", ""]
         rows = []
         for name, c in rec["contestants"].items():
-            model = f"{c['arch']}" + (f" seed {c['seed']}" if "seed" in c else " (A's shape)")
             final = f"{c['final_loss']:.4f}"
             if name == s["best_parent"] or (name == s["best_fused"] and s["fusion_beats_best_parent"]):
                 final = f"**{final}**"
-            rows.append([_LABELS.get(name, name), model, f"{c['initial_loss']:.4f}", final,
+            model = c["arch"] + (f" seed {c['seed']}" if "seed" in c else " (A's shape)")
+            rows.append([_LOOK.get(name, (name,))[0], model, f"{c['initial_loss']:.4f}", final,
                          f"{s['best_parent_after_K'] - c['final_loss']:+.4f}"])
         if rec["vanilla_note"]:
             rows.append(["vanilla average", "—", "—", "—", "—"])
-        lines += table(["contestant", "model", "loss at step 0", f"loss after {K} steps", "best parent − this"], rows)
-        figure = f"![{rec['pair']['name']}](finetune_{rec['pair']['slug']}.png)"
-        lines += ["", _sentence(rec, K), "", figure, ""]
+        header = ["contestant", "model", "loss at step 0", f"loss after {K} steps", "best parent − this"]
+        lines += [f"## {rec['pair']['name']}", "", *table(header, rows), "", _sentence(rec, K), "",
+                  f"![{rec['pair']['name']}](finetune_{rec['pair']['slug']}.png)", ""]
     return "\n".join(lines)
-
-
-# --- command line -----------------------------------------------------------------------------
 
 
 def main(argv=None) -> dict:
     """``python -m benchmarks.bench_finetune --out DIR``: run, then write ``results.json``,
-    ``report.md`` and the PNGs into DIR (built in a temporary sibling, then moved in)."""
-    from . import zoo
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_finetune",
-                                 description=__doc__.split("\n\n")[0])
+    ``report.md`` and the PNGs into DIR."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_finetune", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--size", choices=zoo.SIZES, default="quick")
     ap.add_argument("--K", type=int, default=None, help="fine-tuning steps (default: 200 quick, 500 full)")
@@ -389,10 +287,12 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     result = run(a.size, K=a.K, eval_every=a.eval_every, lr=a.lr, steps=a.steps,
                  eval_batches=a.eval_batches, align_batches=a.align_batches, verbose=True)
+
     def figures(res, tmp):  # the record names its figures
         res["protocol"]["figures"] = [Path(f).name for f in plot(res, tmp)]
     write_result(a.out, ".finetune-", result, markdown, figures)
-    print(f"wrote {Path(a.out).resolve()}/results.json, report.md and {len(result['protocol']['figures'])} figure(s)")
+    n = len(result["protocol"]["figures"])
+    print(f"wrote {Path(a.out).resolve()}/results.json, report.md and {n} figure(s)")
     return result
 
 

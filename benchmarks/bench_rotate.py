@@ -1,18 +1,16 @@
-"""Rotations for quantization (issue 64): briefly trained zoo models of several families, their
-held-out loss in float and under simulated quantization, without rotation and rotated by
-``symgraph.rotate`` (randomized Hadamard, Haar-random at two seeds, learned), and the share of
-each setting's loss gap each rotation closes. Each model also as an ``outliers`` variant of the
-same function (:func:`symgraph.rotation.outliers.with_outliers`: a few channels of every
-foldable norm's gain ×30, its readers' columns ×1/30), the activation outliers trained LLMs have
-and rotations are for.
+"""Rotations for quantization: briefly trained zoo models of several families, their held-out loss
+in float and under simulated quantization, without rotation and rotated by ``symgraph.rotate``
+(randomized Hadamard, Haar-random at two seeds, learned), and the share of each setting's loss
+gap each rotation closes. Each model also as an ``outliers`` variant of the same function
+(:func:`symgraph.rotation.outliers.with_outliers`: a few channels of every foldable norm's gain
+×30, its readers' columns ×1/30), the activation outliers trained LLMs have and rotations are for.
 
 Quantizer (``symgraph.testing.quantize``, fake quantization): weights round-to-nearest,
 symmetric, in groups of 128 inputs (a row of fewer inputs is one group), the output head kept;
-activations per token, symmetric, at every linear layer's input. Stacked expert weights
-(Mixtral's experts) are rounded along their input and the experts' input per token; the
-experts' down projection input (inside their forward) stays in floating point. Settings: ``W4`` (weights int4, activations float), ``W4A8``,
-``W4A4``, ``W8A8``. Gap closed, per setting: ``(L(none) − L(rot)) / (L(none) − L_float)``, given
-where the gap is resolved (:func:`gaps`), else the loss change itself.
+activations per token, symmetric, at every linear layer's input (Mixtral's experts: :data:`NOTES`).
+Settings :data:`SETTINGS`.
+Gap closed, per setting: ``(L(none) − L(rot)) / (L(none) − L_float)``, given where the gap is
+resolved (:func:`gaps`), else the loss change itself.
 """
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ from symgraph.testing import quantize as Q
 
 from . import evaluate, train
 from .provenance import commit_info, command_line, log, table, write_result
-
-__all__ = ["SETTINGS", "quantized_loss", "gaps", "run_rows", "run_arch", "loss_rows", "gap_rows", "markdown", "main"]
+from .rotate_quarot import quarot_commit, quarot_rotated
 
 #: ``name: (weight bits, activation bits)``; None: not rounded.
 SETTINGS = {"float": (None, None), "W4": (4, None), "W4A8": (4, 8), "W4A4": (4, 4), "W8A8": (8, 8)}
@@ -39,12 +36,15 @@ EVAL_BATCHES = 4
 LEARN_BATCHES = 4
 #: The second random rotation (seed 1): its difference to ``random`` (seed 0) is the noise level.
 NOISE_ROW = "random@1"
-#: A gap closed is a share only where the unrotated gap is at least this many nats of loss ...
+#: A gap closed is a share only where the unrotated gap is at least GAP_MIN nats of loss and
+#: NOISE_TIMES × the noise level; below, the table gives the loss change itself.
 GAP_MIN = 0.002
-#: ... and this many times the noise level; below, the table gives the loss change itself.
 NOISE_TIMES = 5
 #: The outlier variant: channels per norm, factor.
 OUTLIERS = (4, 30.0)
+#: The rows by default: fold (the norm gains folded, nothing rotated), hadamard, random, learned;
+#: ``NAME@SEED``: another seed than 0.
+HOWS = ["none", "fold", "hadamard", "random", NOISE_ROW, "learned"]
 
 
 def quantized_loss(model, arch, batches, wbits, abits) -> float:
@@ -58,19 +58,19 @@ def quantized_loss(model, arch, batches, wbits, abits) -> float:
 def _rotated(model, arch, how, learn_steps, quarot=None):
     if how == "none":
         return model, {}
-    if how == "quarot":
-        from .rotate_quarot import quarot_rotated
-        t0 = time.perf_counter()
-        m = quarot_rotated(model, quarot)
-        return m, {"certificate": _deviation(model, m, arch), "seconds": time.perf_counter() - t0,
-                   "classes": {"QuaRot's own code": 1}}
     t0 = time.perf_counter()
+    if how == "quarot":
+        m = quarot_rotated(model, quarot)
+        b = evaluate.eval_batches(arch, "eval", max_batches=1)[0]
+        with torch.no_grad():  # the largest relative change of the logits on one batch
+            x, y = (evaluate.model_logits(n, arch, b).double() for n in (model, m))
+        return m, {"certificate": float((x - y).norm() / x.norm()), "seconds": time.perf_counter() - t0,
+                   "classes": {"QuaRot's own code": 1}}
     name, _, seed = how.partition("@")
     kw = {"classes": ()} if name == "fold" else {}  # the norm gains folded, nothing rotated
     if name == "learned":
-        data = evaluate.eval_batches(arch, "train", max_batches=LEARN_BATCHES)
-        kw = dict(data=data, steps=learn_steps, lr=1e-2, weight_bits=4, act_bits=8, group_size=GROUP,
-                  loss_fn=lambda m, b: evaluate.batch_loss(m, arch, b))
+        kw = dict(data=evaluate.eval_batches(arch, "train", max_batches=LEARN_BATCHES), steps=learn_steps, lr=1e-2,
+                  weight_bits=4, act_bits=8, group_size=GROUP, loss_fn=lambda m, b: evaluate.batch_loss(m, arch, b))
     res = symgraph.rotate(model, how="hadamard" if name == "fold" else name, seed=int(seed or 0), **kw)
     info = {"certificate": res.error, "untied": res.untied, "seconds": time.perf_counter() - t0,
             "classes": {k: len(v) for k, v in res.roles.items()}}
@@ -79,24 +79,13 @@ def _rotated(model, arch, how, learn_steps, quarot=None):
     return res.model, info
 
 
-def _deviation(model, other, arch) -> float:
-    """Largest relative change of the logits on one evaluation batch (float32)."""
-    b = evaluate.eval_batches(arch, "eval", max_batches=1)[0]
-    with torch.no_grad():
-        x, y = (evaluate.model_logits(m, arch, b).double() for m in (model, other))
-    return float((x - y).norm() / x.norm())
-
-
 def gaps(rows: dict) -> dict:
     """Per quantized setting: the unrotated model's loss ``gap`` to float, the ``noise`` (the
-    two random rotations' difference, :data:`NOISE_ROW`), whether the gap is ``resolved``
-    (at least :data:`GAP_MIN` nats and :data:`NOISE_TIMES` × the noise), each rotation's share
-    of the gap ``closed`` and its loss change ``delta`` to the unrotated model."""
+    two random rotations' difference), whether the gap is ``resolved``, each rotation's share of
+    the gap ``closed`` and its loss change ``delta`` to the unrotated model."""
     base = rows["none"]["loss"]
     out = {}
-    for s in SETTINGS:
-        if s == "float":
-            continue
+    for s in list(SETTINGS)[1:]:
         gap = base[s] - base["float"]
         noise = abs(rows[NOISE_ROW]["loss"][s] - rows["random"]["loss"][s]) if NOISE_ROW in rows else None
         out[s] = {"gap": gap, "noise": noise, "resolved": gap >= max(GAP_MIN, NOISE_TIMES * (noise or 0.0)),
@@ -106,100 +95,83 @@ def gaps(rows: dict) -> dict:
     return out
 
 
-def run_rows(model, arch, hows, learn_steps, batches, quarot=None, label=None) -> dict:
-    """``{how: {"loss": {setting: loss}, ...}}`` of ``model`` rotated each way of ``hows``."""
+def run_rows(model, arch, hows, learn_steps, quarot=None, label=None) -> dict:
+    """``{"rows": {how: {"loss": {setting: loss}, ...}}, "gaps": ...}`` of ``model`` rotated each
+    way of ``hows`` (and by QuaRot's code, for the LLaMA model, given a ``quarot`` checkout)."""
+    batches = evaluate.eval_batches(arch, "eval", max_batches=EVAL_BATCHES)
     rows = {}
-    for how in hows:
+    for how in list(hows) + (["quarot"] if quarot and arch == "llama" else []):
         log(f"bench_rotate: {label or arch} {how}")
         m, info = _rotated(model, arch, how, learn_steps, quarot)
         rows[how] = {"loss": {name: quantized_loss(m, arch, batches, w, a) for name, (w, a) in SETTINGS.items()},
                      **info}
-    return rows
+    return {"rows": rows, "gaps": gaps(rows)}
 
 
-def run_arch(arch: str, hows, learn_steps: int, train_steps: int, quarot=None, outliers=(4, 30.0)) -> dict:
+def run_arch(arch: str, hows, learn_steps: int, train_steps: int, quarot=None) -> dict:
     """Losses of ``arch`` (trained ``train_steps`` steps, seed 0, quick size) per rotation and
-    setting, for the trained model (``plain``) and its function-preserving ``outliers`` variant
-    (:func:`symgraph.rotation.outliers.with_outliers`: ``outliers`` = channels, factor)."""
+    setting, for the trained model (``plain``) and its ``outliers`` variant."""
     model = train.train_model(arch, seed=0, size="quick", steps=train_steps)
-    batches = evaluate.eval_batches(arch, "eval", max_batches=EVAL_BATCHES)
-    hows = list(hows) + (["quarot"] if quarot and arch == "llama" else [])
-    variants = {"plain": (model, {})}
-    if outliers:
-        try:
-            o = with_outliers(model, channels=outliers[0], factor=outliers[1], seed=0)
-            variants["outliers"] = (o.model, {"channels": o.channels, "norms": len(o.norms),
-                                              "untied": o.untied, "certificate": o.error})
-        except InputError as e:  # no foldable norm (post-norm BERT): nothing to put outliers on
-            variants["outliers"] = (None, {"skipped": str(e)})
-    out = {"arch": arch, "variants": {}}
-    for name, (m, info) in variants.items():
-        if m is None:
-            out["variants"][name] = info
-            continue
-        rows = run_rows(m, arch, hows, learn_steps, batches, quarot, label=f"{arch} {name}")
-        out["variants"][name] = {**info, "rows": rows, "gaps": gaps(rows)}
+    out = {"arch": arch, "variants": {"plain": run_rows(model, arch, hows, learn_steps, quarot, f"{arch} plain")}}
+    try:
+        o = with_outliers(model, channels=OUTLIERS[0], factor=OUTLIERS[1], seed=0)
+    except InputError as e:  # no foldable norm (post-norm BERT): nothing to put outliers on
+        out["variants"]["outliers"] = {"skipped": str(e)}
+        return out
+    out["variants"]["outliers"] = {"channels": o.channels, "norms": len(o.norms), "untied": o.untied,
+                                   "certificate": o.error,
+                                   **run_rows(o.model, arch, hows, learn_steps, quarot, f"{arch} outliers")}
     return out
 
 
 def _share(g, how) -> str:
     """A gap table's cell: the share closed where the gap is resolved, else the loss change."""
-    if how not in g["closed"] or g["closed"][how] is None:
+    if g["closed"].get(how) is None:
         return "-"
-    if g["resolved"]:
-        return f"{100 * g['closed'][how]:.0f}%"
-    return f"Δ{g['delta'][how]:+.4f}"
-
-
-def loss_rows(record) -> list:
-    rows = []
-    for r in record["archs"]:
-        for variant, v in r["variants"].items():
-            if "skipped" in v:
-                rows.append([r["arch"], variant, "(none: no foldable norm)", *["-"] * (len(SETTINGS) + 2)])
-                continue
-            for how, row in v["rows"].items():
-                rows.append([r["arch"], variant, how, *(f"{row['loss'][s]:.4f}" for s in SETTINGS),
-                             f"{row['certificate']:.1e}" if "certificate" in row else "-",
-                             ", ".join(f"{k} {n}" for k, n in row.get("classes", {}).items()) or "-"])
-    return rows
-
-
-def gap_rows(record, hows) -> list:
-    rows = []
-    for r in record["archs"]:
-        for variant, v in r["variants"].items():
-            for s, g in v.get("gaps", {}).items():
-                rows.append([r["arch"], variant, s, f"{g['gap']:.4f}",
-                             "-" if g["noise"] is None else f"{g['noise']:.4f}", *(_share(g, h) for h in hows)])
-    return rows
+    return f"{100 * g['closed'][how]:.0f}%" if g["resolved"] else f"Δ{g['delta'][how]:+.4f}"
 
 
 def tables(record, gap_note: str) -> list:
     """The losses table and the section on the share of the gap closed (``gap_note`` its
-    explanation), as Markdown lines: this benchmark's and its variants' (``bench_rotate_stream``)."""
-    header = ["model", "variant", "rotation", *SETTINGS, "certificate", "classes"]
-    lines = table(header, loss_rows(record), ["l", "l", "l", *["r"] * (len(header) - 3)])
+    explanation), as Markdown lines: this benchmark's and ``bench_rotate_stream``'s."""
+    rows, gap_rows = [], []
     hows = list(dict.fromkeys(h for r in record["archs"] for v in r["variants"].values()
                               for h in v.get("rows", {}) if h != "none"))
+    for r in record["archs"]:
+        for variant, v in r["variants"].items():
+            if "skipped" in v:
+                rows.append([r["arch"], variant, "(none: no foldable norm)", *["-"] * (len(SETTINGS) + 2)])
+            for how, row in v.get("rows", {}).items():
+                rows.append([r["arch"], variant, how, *(f"{row['loss'][s]:.4f}" for s in SETTINGS),
+                             f"{row['certificate']:.1e}" if "certificate" in row else "-",
+                             ", ".join(f"{k} {n}" for k, n in row.get("classes", {}).items()) or "-"])
+            for s, g in v.get("gaps", {}).items():
+                gap_rows.append([r["arch"], variant, s, f"{g['gap']:.4f}",
+                                 "-" if g["noise"] is None else f"{g['noise']:.4f}", *(_share(g, h) for h in hows)])
+    header = ["model", "variant", "rotation", *SETTINGS, "certificate", "classes"]
+    lines = table(header, rows, ["l", "l", "l", *["r"] * (len(header) - 3)])
     lines += ["", "## Share of the loss gap closed", "", gap_note, ""]
     header = ["model", "variant", "setting", "gap", "noise", *hows]
-    return lines + table(header, gap_rows(record, hows), ["l", "l", "l", *["r"] * (len(header) - 3)])
+    return lines + table(header, gap_rows, ["l", "l", "l", *["r"] * (len(header) - 3)])
+
+
+def header(title: str, record) -> list:
+    """A rotate report's first lines: its title, command and commit."""
+    return [f"# {title}", "", f"Command: `{record['command']}`  ",
+            f"Commit: `{record['commit']['commit']}` (tracked files differ: {record['commit']['dirty']})", ""]
 
 
 def markdown(record) -> str:
-    lines = ["# Rotations for quantization (issue 64)", "",
-             f"Command: `{record['command']}`  ", f"Commit: `{record['commit']['commit']}` "
-             f"(tracked files differ: {record['commit']['dirty']})", "",
-             f"Held-out loss (quick zoo models, seed 0, {record['train_steps']} training steps; first "
-             f"{EVAL_BATCHES} evaluation batches). Weights RTN symmetric, groups of {GROUP} inputs (a row of "
-             "fewer inputs: one group), head kept; activations per token at every linear input. "
-             f"Variants: `plain`, the trained model; `outliers`, the same function with {OUTLIERS[0]} channels of "
-             f"every foldable norm's gain (and shift) ×{OUTLIERS[1]:g} and the matching input columns of that "
-             f"norm's readers ×1/{OUTLIERS[1]:g} (`symgraph.rotation.outliers.with_outliers`; the readers' "
-             "inputs get outlier channels, as trained LLMs have). Rows: `fold`, the norm gains folded into "
-             "their readers and nothing rotated (what `symgraph rotate` does before it rotates); `random` seed 0, "
-             "`random@1` seed 1 (the noise level), `hadamard` and `learned` seed 0.", ""]
+    lines = header("Rotations for quantization (issue 64)", record) + [
+        f"Held-out loss (quick zoo models, seed 0, {record['train_steps']} training steps; first "
+        f"{EVAL_BATCHES} evaluation batches). Weights RTN symmetric, groups of {GROUP} inputs (a row of "
+        "fewer inputs: one group), head kept; activations per token at every linear input. "
+        f"Variants: `plain`, the trained model; `outliers`, the same function with {OUTLIERS[0]} channels of "
+        f"every foldable norm's gain (and shift) ×{OUTLIERS[1]:g} and the matching input columns of that "
+        f"norm's readers ×1/{OUTLIERS[1]:g} (`symgraph.rotation.outliers.with_outliers`; the readers' "
+        "inputs get outlier channels, as trained LLMs have). Rows: `fold`, the norm gains folded into "
+        "their readers and nothing rotated (what `symgraph rotate` does before it rotates); `random` seed 0, "
+        "`random@1` seed 1 (the noise level), `hadamard` and `learned` seed 0.", ""]
     lines += tables(record, "Gap: the unrotated model's loss minus the float loss, per setting. Noise: "
                     "|random − random@1|, two rotation seeds of one model. A rotation's share of the gap closed, "
                     f"`(L_none − L_rot) / gap`, is given where the gap is at least {GAP_MIN} nats and "
@@ -229,31 +201,42 @@ NOTES = ("Mixtral's experts are stacked 3-d weights: the simulated quantizer rou
          "where the learned elements' quantized loss on the training batches is higher.")
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--archs", nargs="+", default=["llama", "gpt2", "mixtral", "bert"])
-    p.add_argument("--hows", nargs="+", default=["none", "fold", "hadamard", "random", NOISE_ROW, "learned"],
-                   help="fold (norm gains folded, no rotation), hadamard, random, learned; NAME@SEED: another "
-                        "seed than 0")
+def arguments(p: argparse.ArgumentParser, archs, out: str) -> None:
+    """The arguments this benchmark and ``bench_rotate_stream`` share."""
+    p.add_argument("--archs", nargs="+", default=archs)
+    p.add_argument("--hows", nargs="+", default=HOWS, help="rows: " + ", ".join(HOWS) + "; NAME@SEED: another seed")
     p.add_argument("--learn-steps", type=int, default=30)
     p.add_argument("--train-steps", type=int, default=150, help="AdamW steps of each zoo model (cached)")
-    p.add_argument("--out", default="benchmarks/results/rotate")
+    p.add_argument("--out", default=out)
     p.add_argument("--quarot", metavar="DIR", default=None,
                    help="a checkout of github.com/spcl/QuaRot: its own rotation code on the LLaMA model")
-    args = p.parse_args(argv)
+
+
+def run_and_write(args, argv, module: str, name: str, record: dict, run_arch, markdown, notes: str | None = None) -> None:
+    """Runs ``run_arch(arch, hows)`` for every arch into ``record`` (with the command, commit and
+    settings), writes ``NAME.json`` and ``NAME.md`` into ``args.out`` and prints the report."""
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    from .rotate_quarot import quarot_commit
-    record = {"command": command_line(argv, "benchmarks.bench_rotate"), "commit": commit_info(),
-              "threads": torch.get_num_threads(), "group": GROUP, "settings": SETTINGS,
-              "train_steps": args.train_steps, "outliers": {"channels": OUTLIERS[0], "factor": OUTLIERS[1]},
-              "quarot": None if not args.quarot else {"commit": quarot_commit(args.quarot)},
-              "archs": [run_arch(a, ["none"] + [h for h in args.hows if h != "none"], args.learn_steps,
-                                 args.train_steps, args.quarot, OUTLIERS) for a in args.archs], "notes": NOTES}
+    hows = ["none"] + [h for h in args.hows if h != "none"]
+    record = {"command": command_line(argv, module), "commit": commit_info(), "threads": torch.get_num_threads(),
+              **record, "quarot": None if not args.quarot else {"commit": quarot_commit(args.quarot)},
+              "archs": [run_arch(a, hows) for a in args.archs]}
+    if notes is not None:
+        record["notes"] = notes
     record["seconds"] = time.perf_counter() - t0
-    write_result(args.out, ".bench-rotate-", record, markdown, json_name="rotate.json", md_name="rotate.md",
-                 command=record["command"])
+    write_result(args.out, f".bench-{name.replace('_', '-')}-", record, markdown, json_name=f"{name}.json",
+                 md_name=f"{name}.md", command=record["command"])
     print(markdown(record))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    arguments(p, ["llama", "gpt2", "mixtral", "bert"], "benchmarks/results/rotate")
+    args = p.parse_args(argv)
+    record = {"group": GROUP, "settings": SETTINGS, "train_steps": args.train_steps,
+              "outliers": {"channels": OUTLIERS[0], "factor": OUTLIERS[1]}}
+    run_and_write(args, argv, "benchmarks.bench_rotate", "rotate", record,
+          lambda a, hows: run_arch(a, hows, args.learn_steps, args.train_steps, args.quarot), markdown, NOTES)
 
 
 if __name__ == "__main__":

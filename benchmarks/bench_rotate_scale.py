@@ -1,8 +1,8 @@
-"""``symgraph rotate`` of a 1.1B-shaped LLaMA checkpoint out of core (issue 64's target: within
-2 GB): a random bf16 checkpoint of the scale benchmark's ``1b`` shape (22 layers unless
-``--layers``), rotated by the command in a fresh process under ``--memory-budget``; its peak
-resident memory and time, and a check of the output against the input (same keys, shapes and
-dtypes; folded norm gains one).
+"""``symgraph rotate`` of a 1.1B-shaped LLaMA checkpoint out of core (target: within 2 GB): a
+random bf16 checkpoint of the scale benchmark's ``1b`` shape (22 layers unless ``--layers``),
+rotated by the command in a fresh process under ``--memory-budget``; its peak resident memory
+and time, and a check of the output against the input (same keys, shapes and dtypes; folded norm
+gains one).
 """
 from __future__ import annotations
 
@@ -13,33 +13,24 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .bench_rotate import header
 from .provenance import commit_info, command_line, log, write_beside
 from .scale.checkpoints import llama_config, write_checkpoint
 from .scale.common import child_env, measure
 
-__all__ = ["main"]
-
 
 def _check(src: Path, out: Path) -> dict:
     from safetensors import safe_open
-    heads = {}
+    meta, ones = {src: {}, out: {}}, True
     for d in (src, out):
-        meta = {}
         for f in sorted(d.glob("*.safetensors")):
             with safe_open(str(f), "pt") as h:
                 for k in h.keys():
                     s = h.get_slice(k)
-                    meta[k] = (tuple(s.get_shape()), s.get_dtype())
-        heads[d] = meta
-    norms = [k for k in heads[out] if k.endswith("norm.weight")]
-    ones = True
-    for f in sorted(out.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            for k in h.keys():
-                if k in norms:
-                    ones &= bool((h.get_tensor(k) == 1).all())
-    return {"same_keys_shapes_dtypes": heads[src] == heads[out], "tensors": len(heads[out]),
-            "norm_gains_one": ones}
+                    meta[d][k] = (tuple(s.get_shape()), s.get_dtype())
+                    if d == out and k.endswith("norm.weight"):
+                        ones &= bool((h.get_tensor(k) == 1).all())
+    return {"same_keys_shapes_dtypes": meta[src] == meta[out], "tensors": len(meta[out]), "norm_gains_one": ones}
 
 
 def main(argv=None) -> None:
@@ -65,19 +56,15 @@ def main(argv=None) -> None:
                   "printed": r.get("stdout", "").strip().splitlines()[-1:] if r.get("stdout") else []}
         if r["rc"] == 0:
             record["check"] = _check(src, dst)
-            record["record"] = json.loads((dst / "symgraph_merge.json").read_text())["symgraph_rotate"]
+            record["record"] = json.loads((dst / "symgraph_rotate.json").read_text())["symgraph_rotate"]
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    md = "\n".join([
-        "# symgraph rotate, 1.1B-shaped checkpoint out of core", "",
-        f"Command: `{record['command']}`  ", f"Commit: `{record['commit']['commit']}` "
-        f"(tracked files differ: {record['commit']['dirty']})", "",
+    md = "\n".join(header("symgraph rotate, 1.1B-shaped checkpoint out of core", record) + [
         f"{args.layers} layers of the `1b` shape (hidden 2048, MLP 5632, 32 heads / 4 KV heads, vocabulary 32000), "
         f"bf16, random weights. `symgraph rotate --memory-budget {args.budget}` in a fresh process: "
         f"exit {record['rc']}, {record['wall_s']:.1f} s wall ({record['user_s']:.1f} s CPU), peak RSS "
-        f"{record['peak_rss_bytes'] / 1e9:.2f} GB.",
-        "", f"Output check: {record.get('check')}", ""])
+        f"{record['peak_rss_bytes'] / 1e9:.2f} GB.", "", f"Output check: {record.get('check')}", ""])
     write_beside(Path(args.out) / "scale.json", record, md, command=record["command"])
     print(md)
 

@@ -1,20 +1,19 @@
-"""Rotations for quantization on massive residual-stream channels (issue 64): the ``stream``
-variant of :mod:`benchmarks.bench_rotate`. Its ``outliers`` variant puts outliers in the norm
-gains, which folding alone removes; trained LLMs carry theirs in the residual stream itself
-(Sun et al. 2024, massive activations; Dettmers et al. 2022, LLM.int8()), where folding leaves
-them and only a rotation of the stream spreads them.
+"""Rotations for quantization on massive residual-stream channels: the ``stream`` variant of
+:mod:`benchmarks.bench_rotate`. Its ``outliers`` variant puts outliers in the norm gains, which
+folding alone removes; trained LLMs carry theirs in the residual stream itself (Sun et al. 2024,
+massive activations; Dettmers et al. 2022, LLM.int8()), where folding leaves them and only a
+rotation of the stream spreads them.
 
-The variant: the benchmark's trained ``plain`` model, ``channels`` channels of its token
-embedding raised by ``factor`` × the embedding's RMS
-(:func:`symgraph.rotation.stream.with_massive_channels`), then fine-tuned ``tune_steps`` steps
-on the training data with the zoo's own optimiser (:func:`benchmarks.train.fit`, the spec's
-batch size and peak rate, a data seed of its own), so the model adapts and its float loss
-recovers; ``--hold W`` adds W × the mean squared relative distance of those channels at every
-folded norm's input to the offset to the fine-tuning loss, so that the model keeps them (it
-otherwise learns to cancel them after the first layer). Printed and recorded: the float loss of the plain, the raised and the fine-tuned
-model, and the largest over the median channel RMS at every folded norm's input of each
-(:func:`symgraph.rotation.stream.norm_input_ratios`). Rows, settings, quantizer, noise and the
-resolution rule are :mod:`benchmarks.bench_rotate`'s.
+The variant: the trained ``plain`` model, ``channels`` channels of its token embedding raised by
+``factor`` × the embedding's RMS (:func:`symgraph.rotation.stream.with_massive_channels`), then
+fine-tuned ``tune_steps`` steps with the zoo's own optimiser (:func:`benchmarks.train.fit`, the
+spec's batch size and peak rate, a data seed of its own) so that its float loss recovers;
+``--hold W`` adds W × the mean squared relative distance of those channels at every folded
+norm's input to the offset to the fine-tuning loss, so that the model keeps them (it otherwise
+learns to cancel them after the first layer). Recorded: the float loss of the plain, the raised
+and the fine-tuned model, and the largest over the median channel RMS at every folded norm's
+input of each (:func:`symgraph.rotation.stream.norm_input_ratios`). Rows, settings, quantizer,
+noise and the resolution rule are :mod:`benchmarks.bench_rotate`'s.
 """
 from __future__ import annotations
 
@@ -26,10 +25,8 @@ import torch
 from symgraph.rotation.stream import norm_input_ratios, norm_inputs, with_massive_channels
 
 from . import evaluate, train, zoo
-from .bench_rotate import EVAL_BATCHES, NOISE_ROW, SETTINGS, gaps, run_rows, tables
-from .provenance import commit_info, command_line, log, table, write_result
-
-__all__ = ["STREAM_DATA_SEED", "stream_variant", "run_arch", "markdown", "main"]
+from .bench_rotate import EVAL_BATCHES, SETTINGS, arguments, header, run_and_write, run_rows, tables
+from .provenance import log, table
 
 #: The fine-tuning's data order: a generator of its own, not the plain model's training draw.
 STREAM_DATA_SEED = train.DATA_SEED_OFFSET + 64
@@ -46,7 +43,7 @@ def _state(model, arch, batches) -> dict:
 
 def _held(arch, seen: dict, channels, offset: float, hold: float):
     """The fine-tuning loss: the model's own, plus ``hold`` × the mean squared relative distance of
-    the massive ``channels`` at every folded norm's input to ``offset`` (0: the model's loss alone)."""
+    the massive ``channels`` at every folded norm's input to ``offset``."""
     def loss_fn(m, b):
         seen.clear()
         loss = evaluate.batch_loss(m, arch, b)
@@ -58,10 +55,9 @@ def _held(arch, seen: dict, channels, offset: float, hold: float):
 
 
 def stream_variant(arch, plain, channels: int, factor: float, tune_steps: int, hold: float = 0.0, seed: int = 0):
-    """``(model, info)``: ``plain`` with massive stream channels, fine-tuned (module docstring;
-    ``hold``: the weight of the term keeping them at every norm's input); ``info``: the channels,
-    the offset, the steps and the ``plain`` / ``raised`` / ``tuned`` states (:func:`_state`), the
-    training losses' first and last tenth."""
+    """``(model, info)``: ``plain`` with massive stream channels, fine-tuned; ``info``: the
+    channels, the offset, the steps, the ``plain`` / ``raised`` / ``tuned`` states (:func:`_state`)
+    and the training losses' first and last tenth."""
     batches = evaluate.eval_batches(arch, "eval", max_batches=EVAL_BATCHES)
     mass = with_massive_channels(plain, channels=channels, factor=factor, seed=seed)
     info = {"channels": mass.channels, "factor": factor, "offset": mass.offset, "tune_steps": tune_steps,
@@ -79,52 +75,40 @@ def stream_variant(arch, plain, channels: int, factor: float, tune_steps: int, h
     info.update(tune_seconds=time.perf_counter() - t0, train_first=sum(losses[:tenth]) / tenth,
                 train_last=sum(losses[-tenth:]) / tenth, tuned=_state(model, arch, batches))
     for k in ("plain", "raised", "tuned"):
-        s = info[k]
-        log(f"bench_rotate_stream: {arch} {k}: float loss {s['loss']:.4f}, max/median channel RMS at the "
-            f"norms' inputs {', '.join(f'{r:.1f}' for r in s['ratios'].values())}")
+        log(f"bench_rotate_stream: {arch} {k}: float loss {info[k]['loss']:.4f}, max/median channel RMS at the "
+            f"norms' inputs {', '.join(f'{r:.1f}' for r in info[k]['ratios'].values())}")
     return model, info
 
 
 def run_arch(arch: str, hows, learn_steps: int, train_steps: int, tune_steps: int, channels: int,
              factor: float, hold: float = 0.0, quarot=None) -> dict:
     """The ``stream`` variant of ``arch`` (plain: trained ``train_steps`` steps, seed 0, quick) and
-    its losses per rotation and setting (:func:`benchmarks.bench_rotate.run_rows`)."""
+    its losses per rotation and setting."""
     plain = train.train_model(arch, seed=0, size="quick", steps=train_steps)
     model, info = stream_variant(arch, plain, channels, factor, tune_steps, hold)
-    batches = evaluate.eval_batches(arch, "eval", max_batches=EVAL_BATCHES)
-    hows = list(hows) + (["quarot"] if quarot and arch == "llama" else [])
-    rows = run_rows(model, arch, hows, learn_steps, batches, quarot, label=f"{arch} stream")
-    return {"arch": arch, "variants": {"stream": {**info, "rows": rows, "gaps": gaps(rows)}}}
-
-
-def _state_rows(record) -> list:
-    rows = []
-    for r in record["archs"]:
-        v = r["variants"]["stream"]
-        for k in ("plain", "raised", "tuned"):
-            rows.append([r["arch"], k, f"{v[k]['loss']:.4f}",
-                         " / ".join(f"{x:.1f}" for x in v[k]["ratios"].values())])
-    return rows
+    return {"arch": arch, "variants": {"stream": {**info, **run_rows(model, arch, hows, learn_steps, quarot,
+                                                                      f"{arch} stream")}}}
 
 
 def markdown(record) -> str:
-    lines = ["# Rotations for quantization: massive residual-stream channels (issue 64)", "",
-             f"Command: `{record['command']}`  ", f"Commit: `{record['commit']['commit']}` "
-             f"(tracked files differ: {record['commit']['dirty']})", "",
-             f"Variant `stream`: the trained `plain` zoo model (quick, seed 0, {record['train_steps']} steps) with "
-             f"{record['channels']} channels of its token embedding raised by {record['factor']:g} × the "
-             f"embedding's RMS (`symgraph.rotation.stream.with_massive_channels`), then fine-tuned "
-             f"{record['tune_steps']} steps (the zoo's AdamW schedule, batch size and peak rate, its own data "
-             "seed" + (f"; plus {record['hold']:g} × the mean squared relative distance of those channels at every "
-                       "folded norm's input to the offset, which keeps them massive through the layers"
-                       if record.get("hold") else "") + "). Massive channels in the stream survive folding: a norm's input keeps them. Quantizer, rows, "
-             "noise and resolution rule as `benchmarks/results/rotate/rotate.md`.", "",
-             "## The variant", "",
-             "Float loss (first evaluation batches) and max/median channel RMS at each folded norm's input, in "
-             "model order (first batch): `plain`, the trained model; `raised`, the channels added, not "
-             "trained; `tuned`, after fine-tuning (the model benchmarked).", ""]
-    lines += table(["model", "state", "float loss", "max/median channel RMS at the norms' inputs"],
-                   _state_rows(record), ["l", "l", "r", "l"])
+    lines = header("Rotations for quantization: massive residual-stream channels (issue 64)", record) + [
+        f"Variant `stream`: the trained `plain` zoo model (quick, seed 0, {record['train_steps']} steps) with "
+        f"{record['channels']} channels of its token embedding raised by {record['factor']:g} × the "
+        f"embedding's RMS (`symgraph.rotation.stream.with_massive_channels`), then fine-tuned "
+        f"{record['tune_steps']} steps (the zoo's AdamW schedule, batch size and peak rate, its own data "
+        "seed" + (f"; plus {record['hold']:g} × the mean squared relative distance of those channels at every "
+                  "folded norm's input to the offset, which keeps them massive through the layers"
+                  if record.get("hold") else "") + "). Massive channels in the stream survive folding: a norm's "
+        "input keeps them. Quantizer, rows, noise and resolution rule as `benchmarks/results/rotate/rotate.md`.", "",
+        "## The variant", "",
+        "Float loss (first evaluation batches) and max/median channel RMS at each folded norm's input, in "
+        "model order (first batch): `plain`, the trained model; `raised`, the channels added, not "
+        "trained; `tuned`, after fine-tuning (the model benchmarked).", ""]
+    states = [[r["arch"], k, f"{r['variants']['stream'][k]['loss']:.4f}",
+               " / ".join(f"{x:.1f}" for x in r["variants"]["stream"][k]["ratios"].values())]
+              for r in record["archs"] for k in ("plain", "raised", "tuned")]
+    lines += table(["model", "state", "float loss", "max/median channel RMS at the norms' inputs"], states,
+                   ["l", "l", "r", "l"])
     lines += ["", "## Losses", ""]
     lines += tables(record, "As in the rotate table: `(L_none − L_rot) / gap` where the gap is resolved, "
                     "else `Δ = L_rot − L_none`.")
@@ -133,34 +117,18 @@ def markdown(record) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--archs", nargs="+", default=["llama", "gpt2"])
-    p.add_argument("--hows", nargs="+", default=["none", "fold", "hadamard", "random", NOISE_ROW, "learned"])
+    arguments(p, ["llama", "gpt2"], "benchmarks/results/rotate_stream")
     p.add_argument("--channels", type=int, default=4)
     p.add_argument("--factor", type=float, default=30.0, help="the offset, in units of the embedding's RMS")
     p.add_argument("--tune-steps", type=int, default=60)
     p.add_argument("--hold", type=float, default=0.0,
                    help="weight of a fine-tuning term keeping the channels at every norm's input (0: none)")
-    p.add_argument("--learn-steps", type=int, default=30)
-    p.add_argument("--train-steps", type=int, default=150, help="AdamW steps of each plain zoo model (cached)")
-    p.add_argument("--out", default="benchmarks/results/rotate_stream")
-    p.add_argument("--quarot", metavar="DIR", default=None,
-                   help="a checkout of github.com/spcl/QuaRot: its own rotation code on the LLaMA model")
-    args = p.parse_args(argv)
-    torch.manual_seed(0)
-    t0 = time.perf_counter()
-    from .rotate_quarot import quarot_commit
-    hows = ["none"] + [h for h in args.hows if h != "none"]
-    record = {"command": command_line(argv, "benchmarks.bench_rotate_stream"), "commit": commit_info(),
-              "threads": torch.get_num_threads(), "settings": SETTINGS, "train_steps": args.train_steps,
-              "channels": args.channels, "factor": args.factor, "tune_steps": args.tune_steps,
-              "hold": args.hold,
-              "quarot": None if not args.quarot else {"commit": quarot_commit(args.quarot)},
-              "archs": [run_arch(a, hows, args.learn_steps, args.train_steps, args.tune_steps, args.channels,
-                                 args.factor, args.hold, args.quarot) for a in args.archs]}
-    record["seconds"] = time.perf_counter() - t0
-    write_result(args.out, ".bench-rotate-stream-", record, markdown, json_name="rotate_stream.json",
-                 md_name="rotate_stream.md", command=record["command"])
-    print(markdown(record))
+    a = p.parse_args(argv)
+    record = {"settings": SETTINGS, "train_steps": a.train_steps, "channels": a.channels, "factor": a.factor,
+              "tune_steps": a.tune_steps, "hold": a.hold}
+    run_and_write(a, argv, "benchmarks.bench_rotate_stream", "rotate_stream", record,
+          lambda arch, hows: run_arch(arch, hows, a.learn_steps, a.train_steps, a.tune_steps, a.channels,
+                                      a.factor, a.hold, a.quarot), markdown)
 
 
 if __name__ == "__main__":

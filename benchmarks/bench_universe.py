@@ -1,18 +1,15 @@
-"""Benchmark: N models merged in one universe vs to an anchor (issue 15, item 4).
+"""Benchmark: N models merged in one universe vs to an anchor.
 
-For each architecture of the suite, ``max(n_models)`` models are trained from seeds 0, 1, ...
-(cached under ``$SYMGRAPH_CACHE``, :func:`benchmarks.train.train_model`), and for each N the
-first N are averaged three ways:
-
-- ``vanilla``: the plain average, no alignment (``align=None``);
-- ``anchor``: every model aligned to model 0, then averaged (``symgraph.merge``'s default);
-- ``universe``: every model aligned to the mean of the others until no element changes
-  (``anchor="universe"``, MergeMany).
+For each architecture, ``max(n_models)`` models are trained from seeds 0, 1, ...
+(:func:`benchmarks.train.train_model`), and for each N the first N are averaged three ways:
+``vanilla`` (no alignment), ``anchor`` (every model aligned to model 0, ``symgraph.merge``'s
+default) and ``universe`` (every model aligned to the mean of the others until no element
+changes: ``anchor="universe"``, MergeMany).
 
 Barrier of the N-model average: ``L(merged) − mean_i L(θ_i)`` on the held-out batches
 (:func:`benchmarks.evaluate.loss_fn_for`). A universe record also carries its rounds, the
-changed elements per round, whether it converged, and the spread
-``Σ w_i‖θ_i − θ̄‖² / Σ w_i‖θ_i‖²`` after the anchor round and at the end.
+changed elements per round, whether it converged, and the spread ``Σ w_i‖θ_i − θ̄‖² / Σ
+w_i‖θ_i‖²`` after the anchor round and at the end.
 
 ``python -m benchmarks.bench_universe [--size quick] [--archs gpt2 llama] [--n 3 4 5]
 [--out DIR]`` prints the table and writes ``universe.json``, ``universe.md`` and plots.
@@ -23,6 +20,9 @@ import argparse
 import time
 from pathlib import Path
 
+import symgraph
+
+from . import evaluate, speed, train, zoo
 from .provenance import log, pyplot, save_figure, table, write_result
 
 MODES = ("vanilla", "anchor", "universe")
@@ -32,12 +32,9 @@ ARCHS = ("gpt2", "llama", "bert", "vit")
 def run(size: str = "quick", archs=ARCHS, n_models=(3, 4, 5), steps: int | None = None, *,
         eval_batches: int | None = 4, align_batches: int = 4, align: str = "weights",
         universe_options: dict | None = None, verbose: bool = True) -> list[dict]:
-    """One record per (arch, N, mode); see the module docstring. ``steps`` overrides the
-    training steps (tests), ``eval_batches`` the held-out batches of every loss (None: all),
-    ``align`` is "weights" or "activations" (then on ``align_batches`` training batches)."""
-    import symgraph
-
-    from . import evaluate, speed, train
+    """One record per (arch, N, mode); ``steps`` overrides the training steps (tests),
+    ``eval_batches`` the held-out batches of every loss (None: all), ``align`` is "weights" or
+    "activations" (on ``align_batches`` training batches)."""
     n_models = sorted({int(n) for n in n_models})
     if not n_models or n_models[0] < 2:
         raise ValueError(f"n_models must be numbers of models >= 2, got {n_models}")
@@ -52,35 +49,31 @@ def run(size: str = "quick", archs=ARCHS, n_models=(3, 4, 5), steps: int | None 
         loss_fn = evaluate.loss_fn_for(arch, max_batches=eval_batches)
         losses = [loss_fn(m) for m in models]
         for n in n_models:
-            ms, parents = models[:n], losses[:n]
-            mean_parent = sum(parents) / n
+            mean_parent = sum(losses[:n]) / n
             for mode in MODES:
-                t = time.perf_counter()
-                kw = {"align": None} if mode == "vanilla" else {"align": align}
+                kw = {"align": None if mode == "vanilla" else align}
                 if align == "activations" and mode != "vanilla":
                     kw["data"] = data
                 if mode == "universe":
                     kw |= {"anchor": "universe", "universe_options": universe_options}
-                res = symgraph.merge(ms, data[0], **kw)
+                t = time.perf_counter()
+                res = symgraph.merge(models[:n], data[0], **kw)
                 seconds = time.perf_counter() - t
                 loss = loss_fn(res.model)
-                rec = {"arch": arch, "size": size, "n_models": n, "seeds": list(seeds[:n]),
-                       "mode": mode, "align": None if mode == "vanilla" else align,
-                       "steps": steps, "parent_losses": parents, "mean_parent_loss": mean_parent,
-                       "loss_merged": loss, "barrier": loss - mean_parent,
+                rec = {"arch": arch, "size": size, "n_models": n, "seeds": list(seeds[:n]), "mode": mode,
+                       "align": kw["align"], "steps": steps, "parent_losses": losses[:n],
+                       "mean_parent_loss": mean_parent, "loss_merged": loss, "barrier": loss - mean_parent,
                        "seconds": seconds, "align_seconds": res.timings.get("align", 0.0),
                        "rounds": None, "converged": None, "stopped": None, "changed": None,
                        "spread_anchor": None, "spread": None}
-                if res.universe is not None:
-                    u = res.universe
-                    rec |= {"rounds": u["rounds"], "converged": u["converged"],
-                            "stopped": u["stopped"], "changed": u["changed"], "drifted": u["drifted"],
-                            "max_change": u["max_change"], "round_seconds": u["round_seconds"],
-                            "spread_anchor": u["distance"][0], "spread": u["distance"][-1]}
+                u = res.universe
+                if u is not None:
+                    rec |= {k: u[k] for k in ("rounds", "converged", "stopped", "changed", "drifted", "max_change",
+                                              "round_seconds")}
+                    rec |= {"spread_anchor": u["distance"][0], "spread": u["distance"][-1]}
                 records.append(rec)
                 if verbose:
-                    extra = "" if res.universe is None else (
-                        f"  rounds {rec['rounds']} ({rec['stopped']}) changed {rec['changed']}")
+                    extra = "" if u is None else f"  rounds {rec['rounds']} ({rec['stopped']}) changed {rec['changed']}"
                     log(f"  {arch} N={n} {mode:<8} L {loss:.4f} (parents {mean_parent:.4f}) "
                         f"barrier {rec['barrier']:+.4f}  {seconds:6.1f}s{extra}")
     return records
@@ -95,52 +88,46 @@ def _table(records):
 
 
 def markdown(records) -> str:
-    """A Markdown table: per architecture and N the barrier of each mode, the universe's gain
-    over the anchor, its rounds and spreads."""
-    wins = sum(1 for by in _table(records).values() if "universe" in by and "anchor" in by
-               and by["universe"]["barrier"] < by["anchor"]["barrier"])
-    total = sum(1 for by in _table(records).values() if "universe" in by and "anchor" in by)
+    """Per architecture and N the barrier of each mode, the universe's gain over the anchor, its
+    rounds and spreads."""
+    both = [by for by in _table(records).values() if "universe" in by and "anchor" in by]
+    wins = sum(by["universe"]["barrier"] < by["anchor"]["barrier"] for by in both)
     lines = ["# N models: anchor vs universe", "",
              "Barrier of the N-model average, `L(merged) − mean parent loss` (lower is better): "
              "`vanilla` averages without alignment, `anchor` aligns every model to model 0, "
              "`universe` aligns every model to the mean of the others until no element changes "
              "(`symgraph.merge(..., anchor=\"universe\")`, MergeMany). Weight matching; "
-             f"the universe has the lower barrier in {wins} of {total} rows.", "",
+             f"the universe has the lower barrier in {wins} of {len(both)} rows.", "",
              "![barrier](universe_barrier.png) ![rounds](universe_rounds.png)", ""]
-    rows = []
     fmt = lambda x: "—" if x is None else f"{x:+.4f}"  # noqa: E731
+    rows = []
     for (arch, n), by in _table(records).items():
-        any_r = next(iter(by.values()))
         b = {m: (by[m]["barrier"] if m in by else None) for m in MODES}
         u, a = by.get("universe"), by.get("anchor")
-        gain = fmt(b["universe"] - b["anchor"]) if u and a else "—"
-        rounds = f"{u['rounds']}" if u else "—"
-        conv = ("yes" if u["converged"] else f"no ({u['stopped']})") if u else "—"
-        spread = f"{u['spread_anchor']:.4f} → {u['spread']:.4f}" if u else "—"
-        secs = (f"{a['align_seconds']:.1f} / {u['align_seconds']:.1f}" if u and a else "—")
-        rows.append([arch, n, f"{any_r['mean_parent_loss']:.4f}", fmt(b["vanilla"]), fmt(b["anchor"]),
-                     fmt(b["universe"]), gain, rounds, conv, spread, secs])
+        rows.append([arch, n, f"{next(iter(by.values()))['mean_parent_loss']:.4f}", fmt(b["vanilla"]),
+                     fmt(b["anchor"]), fmt(b["universe"]), fmt(b["universe"] - b["anchor"]) if u and a else "—",
+                     f"{u['rounds']}" if u else "—",
+                     ("yes" if u["converged"] else f"no ({u['stopped']})") if u else "—",
+                     f"{u['spread_anchor']:.4f} → {u['spread']:.4f}" if u else "—",
+                     f"{a['align_seconds']:.1f} / {u['align_seconds']:.1f}" if u and a else "—"])
     lines += table(["arch", "N", "mean parent loss", "vanilla", "anchor", "universe", "universe − anchor",
                     "rounds", "converged", "spread anchor → universe", "align s (anchor / universe)"], rows)
     return "\n".join(lines) + "\n"
 
 
 def plot(records, out_dir) -> list[str]:
-    """``universe_barrier.png`` (barrier against N, one panel per architecture, a line per
-    mode) and ``universe_rounds.png`` (changed elements per universe round); returns the file
-    names written into ``out_dir``."""
+    """``universe_barrier.png`` (barrier against N, a panel per architecture, a line per mode)
+    and ``universe_rounds.png`` (changed elements per universe round); the file names written."""
     plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     archs = list(dict.fromkeys(r["arch"] for r in records))
     if not archs:
         return []
-    written = []
     fig, axes = plt.subplots(1, len(archs), figsize=(4 * len(archs), 3.4), squeeze=False)
     for ax, arch in zip(axes[0], archs):
         for mode, style in zip(MODES, ("o--", "s-", "^-")):
-            rs = sorted((r for r in records if r["arch"] == arch and r["mode"] == mode),
-                        key=lambda r: r["n_models"])
+            rs = sorted((r for r in records if r["arch"] == arch and r["mode"] == mode), key=lambda r: r["n_models"])
             if rs:
                 ax.plot([r["n_models"] for r in rs], [r["barrier"] for r in rs], style, label=mode)
         ax.set_title(arch)
@@ -150,13 +137,12 @@ def plot(records, out_dir) -> list[str]:
     axes[0][0].set_ylabel("L(average) − mean parent loss")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    written.append(save_figure(fig, out / "universe_barrier.png", bbox_inches="tight"))
+    written = [save_figure(fig, out / "universe_barrier.png", bbox_inches="tight")]
     uni = [r for r in records if r["mode"] == "universe" and r["changed"]]
     if uni:
         fig, ax = plt.subplots(figsize=(5, 3.4))
         for r in uni:
-            ax.plot(range(1, len(r["changed"]) + 1), r["changed"], "o-",
-                    label=f"{r['arch']} N={r['n_models']}")
+            ax.plot(range(1, len(r["changed"]) + 1), r["changed"], "o-", label=f"{r['arch']} N={r['n_models']}")
         ax.set_xlabel("universe round")
         ax.set_ylabel("elements changed")
         ax.xaxis.get_major_locator().set_params(integer=True)
@@ -167,9 +153,7 @@ def plot(records, out_dir) -> list[str]:
 
 
 def main(argv=None) -> None:
-    from . import zoo
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_universe",
-                                 description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_universe", description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="quick", choices=zoo.SIZES)
     ap.add_argument("--archs", nargs="+", default=list(ARCHS))
     ap.add_argument("--n", nargs="+", type=int, default=[3, 4, 5], help="numbers of models merged")

@@ -23,28 +23,23 @@ from . import evaluate, train
 from .provenance import write_beside
 
 LAMBDAS = np.linspace(0, 1, 11)
-
-
-def barrier(A, B, loss) -> float:
-    return symgraph.loss_barrier(symgraph.interpolate(A, B, LAMBDAS, loss))
+KINDS = ("vanilla", "weights_tied", "weights_untied")
 
 
 def run(size: str, seeds, max_batches) -> dict:
     models = {s: train.train_model("gpt2", s, size=size) for s in seeds}
     loss = evaluate.loss_fn_for("gpt2", max_batches=max_batches)
+    barrier = lambda A, B: symgraph.loss_barrier(symgraph.interpolate(A, B, LAMBDAS, loss))  # noqa: E731
     rows = []
     for a, b in itertools.combinations(seeds, 2):
         A, B = models[a], models[b]
-        row = {"pair": [a, b]}
         t0 = time.perf_counter()
-        row["vanilla"] = barrier(A, B, loss)
-        row["weights_tied"] = barrier(A, symgraph.align(A, B).apply(B), loss)
         Au, Bu = untie(A), untie(B)
-        row["weights_untied"] = barrier(Au, symgraph.align(Au, Bu).apply(Bu), loss)
-        row["seconds"] = time.perf_counter() - t0
+        row = {"pair": [a, b], "vanilla": barrier(A, B), "weights_tied": barrier(A, symgraph.align(A, B).apply(B)),
+               "weights_untied": barrier(Au, symgraph.align(Au, Bu).apply(Bu)), "seconds": time.perf_counter() - t0}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    mean = {k: float(np.mean([r[k] for r in rows])) for k in ("vanilla", "weights_tied", "weights_untied")}
+    mean = {k: float(np.mean([r[k] for r in rows])) for k in KINDS}
     return {"size": size, "seeds": list(seeds), "max_batches": max_batches, "rows": rows, "mean": mean,
             "ratio_untied": mean["weights_untied"] / mean["vanilla"],
             "ratio_tied": mean["weights_tied"] / mean["vanilla"]}
@@ -59,9 +54,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     res = run(a.size, a.seeds, a.max_batches)
     write_beside(Path(a.out) / f"untie_merge_{a.size}.json", res)
-    print(f"mean barrier: vanilla {res['mean']['vanilla']:.3f}, weights (tied) {res['mean']['weights_tied']:.3f} "
-          f"({res['ratio_tied']:.2f}x), weights (untied merge) {res['mean']['weights_untied']:.3f} "
-          f"({res['ratio_untied']:.2f}x)")
+    m = res["mean"]
+    print(f"mean barrier: vanilla {m['vanilla']:.3f}, weights (tied) {m['weights_tied']:.3f} "
+          f"({res['ratio_tied']:.2f}x), weights (untied merge) {m['weights_untied']:.3f} ({res['ratio_untied']:.2f}x)")
     return 0
 
 

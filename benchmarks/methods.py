@@ -1,57 +1,43 @@
-"""Merging methods compared by the benchmark suite, one function per method.
+"""Merging methods compared by the benchmark suite (:data:`METHODS`).
 
 Every method takes a :class:`Pair` (anchor ``a``, second model ``b``, their symmetry reports,
-alignment data) and returns an :class:`Outcome`: either ``b`` carried into ``a``'s basis
-(``b_aligned``; the runner then walks the 21-point line ``λθ_A + (1−λ)θ_B'``) or a single
-merged model (``merged``; Fisher and RegMean, which are not interpolations).
+alignment data) and returns an :class:`Outcome`: ``b`` carried into ``a``'s basis
+(``b_aligned``; the runner walks the line ``λθ_A + (1−λ)θ_B'``) or one merged model
+(``merged``: Fisher, RegMean, REPAIR, which are not interpolations).
 
-The seed methods are re-expressed with :func:`symgraph.align` by choosing *which* symmetry
-classes each seed aligns and *how* (solver, inner solve, similarity source). Group roles are
-read from the report's structure, never from module names (:func:`roles`):
-
-* head classes: the ids that appear in some group's ``outer``;
-* head-inner classes: groups fibred over a head class (``outer`` non-empty);
-* residual stream: the unfibred, non-head class with the most parameter slots (a permutation
-  class, or an orthogonal one where norm gains fold: ``report.folds``);
-* MLP: every other unfibred, non-head permutation class;
-* VO-inner vs QK-inner: the output projection is the parameter of a head class whose slot
-  variance is the minority one (Q, K, V carry the heads covariantly, O contravariantly); the
-  continuous head-inner class that also acts on that parameter is VO, the others are QK.
-
-Deviations from the seed papers are listed in each function's docstring and repeated in the
-suite's ``report.md`` (:data:`DEVIATIONS`).
+The seed methods are :func:`symgraph.align` restricted to the symmetry classes each seed aligns,
+with its solver, inner solve and similarity source; :data:`DEVIATIONS` says what differs from
+each paper. Roles are read from the report's structure (:func:`roles`): heads are the ids in
+some group's ``outer``, head-inner classes the groups fibred over one; the residual stream is the
+unfibred, non-head, non-GL class with the most parameter slots, the MLP every other unfibred,
+non-head permutation class; the attention output projection is the head class's parameter of
+minority slot variance (Q, K, V carry the heads covariantly, O contravariantly), and the
+continuous head-inner class acting on it is VO, the others QK.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from types import SimpleNamespace
 
 import torch
 
 import symgraph
+from symgraph.alignment.refine import choose_start, refine
 from symgraph.core.groups import PERMUTATION_FAMILY
 
-__all__ = ["Pair", "Outcome", "Roles", "roles", "METHODS", "DEVIATIONS", "SINKHORN_REG",
-           "vanilla", "verma2024", "zhang2025", "zhang2025_rescale", "imfeld2024",
-           "SEED_METHODS",
-           "fisher", "fisher_aligned", "regmean", "regmean_aligned",
-           "symgraph_weights_perm", "symgraph_activations_perm", "symgraph_weights",
-           "symgraph_activations", "symgraph_refine", "vanilla_repair", "symgraph_repair",
-           "symgraph_weights_full", "symgraph_activations_full", "symgraph_weights_exact",
-           "symgraph_weights_bf16"]
+from . import evaluate
 
-#: Entropic regularisation of Imfeld et al. 2024's Sinkhorn maps (its ViT config: 0.08 with activations).
+#: Entropic regularisation of Imfeld et al. 2024's Sinkhorn maps (its ViT config with activations).
 SINKHORN_REG = 0.08
+#: symgraph_refine: Adam steps, step size and training batches (with labels) of its loss.
+REFINE_STEPS, REFINE_LR, REFINE_BATCHES = 200, 1e-3, 32
 
 
 @dataclass
 class Pair:
-    """Two trained models of one architecture and what every method may use.
-
-    ``data`` is a list of alignment batches (positional-input tuples, training split) and
-    ``report_a`` / ``report_b`` the models' symmetry reports (computed once per pair).
-    """
+    """Two trained models of one architecture, their reports and ``data``, a list of alignment
+    batches (positional-input tuples, training split)."""
     arch: str
     a: torch.nn.Module
     b: torch.nn.Module
@@ -61,71 +47,55 @@ class Pair:
     _perm: tuple | None = field(default=None, repr=False)
 
     def perm_reports(self) -> tuple:
-        """Reports without norm folding (``fold_norms=False``): the residual stream is a
-        permutation class, as in the seed papers."""
+        """Reports without norm folding: the residual stream a permutation class, as in the seeds."""
         if self._perm is None:
-            if not (self.report_a.folds or self.report_b.folds):
-                self._perm = (self.report_a, self.report_b)
-            else:
+            self._perm = (self.report_a, self.report_b)
+            if self.report_a.folds or self.report_b.folds:
                 x = self.data[0] if self.data else None
-                self._perm = (symgraph.analyze(self.a, x, fold_norms=False),
-                              symgraph.analyze(self.b, x, fold_norms=False))
+                self._perm = tuple(symgraph.analyze(m, x, fold_norms=False) for m in (self.a, self.b))
         return self._perm
 
 
 @dataclass
 class Outcome:
-    """What a method produced: ``b_aligned`` (interpolation methods) or ``merged``."""
+    """A method's ``b_aligned`` or ``merged`` model; ``seconds``: its wall time (alignment and
+    merge, no evaluation); ``align_seconds``: inside ``symgraph.align`` (its own clock)."""
     b_aligned: torch.nn.Module | None = None
     merged: torch.nn.Module | None = None
     alignment: object = None
-    seconds: float = 0.0          # wall time of the method (alignment + merge), no evaluation
-    align_seconds: float = 0.0    # time inside symgraph.align (its own clock), if any
+    seconds: float = 0.0
+    align_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
-    @property
-    def kind(self) -> str:
-        return "interpolation" if self.b_aligned is not None else "merged"
 
-
-@dataclass(frozen=True)
-class Roles:
-    """Group ids of a report by structural role (see the module docstring)."""
-    residual: frozenset
-    mlp: frozenset
-    heads: frozenset
-    head_inner: frozenset
-    vo_inner: frozenset
-    qk_inner: frozenset
-    out_params: frozenset  # parameter names of the attention output projections
-
-    @property
-    def continuous_inner(self) -> frozenset:
-        return self.vo_inner | self.qk_inner
-
-
-def roles(report) -> Roles:
-    """Classify ``report.groups`` by structure (no module or parameter names)."""
+def roles(report) -> SimpleNamespace:
+    """Group ids of ``report`` by structural role (no module or parameter names): ``residual``,
+    ``mlp``, ``heads``, ``vo_inner``, ``qk_inner``, ``continuous_inner`` (both) and ``out_params``,
+    the attention output projections' parameter names."""
     groups = report.groups
     heads = frozenset(o for g in groups for o in g.outer)
-    head_inner = frozenset(g.id for g in groups if g.outer)
-    unfibred = [g for g in groups if not g.outer and g.id not in heads and g.kind in PERMUTATION_FAMILY]
-    stream = [g for g in groups if not g.outer and g.id not in heads and g.kind != "gl"]
+    free = [g for g in groups if not g.outer and g.id not in heads]
+    stream = [g for g in free if g.kind != "gl"]
     residual = frozenset([max(stream, key=lambda g: (len(g.params), -g.id)).id]) if stream else frozenset()
-    mlp = frozenset(g.id for g in unfibred if g.id not in residual)
+    mlp = frozenset(g.id for g in free if g.kind in PERMUTATION_FAMILY and g.id not in residual)
     out_params = set()
     for g in groups:
-        if g.id not in heads:
-            continue
-        by_var: dict[str, set] = {}
-        for (name, _), var in zip(g.params, g.variance):
-            by_var.setdefault(var, set()).add(name)
-        if len(by_var) == 2:
-            out_params |= min(by_var.values(), key=len)
+        if g.id in heads:
+            by_var: dict[str, set] = {}
+            for (name, _), var in zip(g.params, g.variance):
+                by_var.setdefault(var, set()).add(name)
+            if len(by_var) == 2:
+                out_params |= min(by_var.values(), key=len)
     continuous = [g for g in groups if g.outer and g.kind not in PERMUTATION_FAMILY]
     vo = frozenset(g.id for g in continuous if any(n in out_params for n, _ in g.params))
     qk = frozenset(g.id for g in continuous if g.id not in vo)
-    return Roles(residual, mlp, heads, head_inner, vo, qk, frozenset(out_params))
+    return SimpleNamespace(residual=residual, mlp=mlp, heads=heads, vo_inner=vo, qk_inner=qk, continuous_inner=vo | qk,
+                           out_params=frozenset(out_params))
+
+
+def _aligned(p: Pair, al, t0: float, **extra) -> Outcome:
+    return Outcome(b_aligned=al.apply(p.b), alignment=al, seconds=time.perf_counter() - t0,
+                   align_seconds=al.seconds.get("total", 0.0), extra=extra)
 
 
 def _perm_align(p: Pair, **kw):
@@ -134,19 +104,28 @@ def _perm_align(p: Pair, **kw):
     return symgraph.align(p.a, p.b, report_a=ra, report_b=rb, fold_norms=False, **kw)
 
 
-def _symgraph(p: Pair, **kw) -> Outcome:
-    """``symgraph.align`` on the pair's reports with ``kw``, timed, as an interpolation outcome."""
-    t0 = time.perf_counter()
-    return _aligned(p, symgraph.align(p.a, p.b, report_a=p.report_a, report_b=p.report_b, **kw), t0)
+def _symgraph(activations: bool = False, perm: bool = False, **kw):
+    """The method ``symgraph.align(**kw)``, timed: from activations on the pair's data or from
+    weights; ``perm``: without norm folding (the residual stream a permutation)."""
+    def method(p: Pair) -> Outcome:
+        t0 = time.perf_counter()
+        opts = dict(kw, data=p.data) if activations else kw
+        if perm:
+            return _aligned(p, _perm_align(p, **opts), t0)
+        return _aligned(p, symgraph.align(p.a, p.b, report_a=p.report_a, report_b=p.report_b, **opts), t0)
+    return method
 
 
-def _aligned(p: Pair, al, t0: float, **extra) -> Outcome:
-    b2 = al.apply(p.b)
-    return Outcome(b_aligned=b2, alignment=al, seconds=time.perf_counter() - t0,
-                   align_seconds=al.seconds.get("total", 0.0), extra=extra)
-
-
-# --- interpolation methods -------------------------------------------------------------------
+def _merge(method: str, align, repair: bool = False):
+    """The merged-model method ``symgraph.merge([a, b], data, method, align, repair)``, timed."""
+    def run(p: Pair) -> Outcome:
+        t0 = time.perf_counter()
+        res = symgraph.merge([p.a, p.b], data=p.data, method=method, align=align, repair=repair)
+        al = res.alignments[1]
+        return Outcome(merged=res.model, alignment=al, seconds=time.perf_counter() - t0,
+                       align_seconds=al.seconds.get("total", 0.0) if al is not None else 0.0,
+                       extra={"repair": res.repair.to_dict()} if res.repair is not None else {})
+    return run
 
 
 def vanilla(p: Pair) -> Outcome:
@@ -155,253 +134,102 @@ def vanilla(p: Pair) -> Outcome:
 
 
 def verma2024(p: Pair) -> Outcome:
-    """Verma & Elbayad 2024: permutations from activation correlations.
-
-    Aligned: MLP units (Hungarian on cross-correlation), residual stream (one permutation for
-    the whole stream, the paper's "All"), attention heads by nested matching (outer Hungarian
-    over head pairs whose cost is the inner Hungarian on the head-dim correlation of the
-    attention output, i.e. the features before the output projection), and the head-dim
-    permutation found there is applied to Q and K as well as V/O, as the paper applies
-    ``P_MHA`` to W_Q, W_K, W_V. Data: training-split batches through both models.
-
-    Deviations: (1) symgraph scores the head-dim block with covariances normalised per head
-    pair (not per-feature correlations) before the inner Hungarian; (2) LLaMA: Q/K head dims
-    carry RoPE, where no permutation but the identity is a symmetry, so Q/K keep their
-    order there; query heads are permuted only within their KV group (GQA), a constraint the
-    paper (no GQA) never meets; (3) BERT-style post-LN and pre-LN blocks are treated alike
-    (the residual class is whatever the graph ties together).
-    """
+    """Verma & Elbayad 2024: permutations from activation correlations (training batches) of the
+    MLP units, the residual stream (one for the whole stream, the paper's "All") and the heads by
+    nested matching (outer Hungarian over head pairs whose cost is the inner Hungarian on the
+    head-dim correlation of the attention output); the head-dim permutation is applied to Q and
+    K as well (the paper's shared ``P_MHA``)."""
     t0 = time.perf_counter()
     ra = p.perm_reports()[0]
-    r = roles(ra)
+    r, ga = roles(ra), ra.groups
     perm_inner = {g.id for g in ra.groups if g.outer and g.kind in PERMUTATION_FAMILY}
     sel = r.residual | r.mlp | r.heads | r.vo_inner | perm_inner
     al = _perm_align(p, data=p.data, inner="hungarian", groups=lambda g: g.id in sel)
-    tied = _tie_qk_to_vo(ra, r, al)
+    tied = 0
+    for qk in sorted(r.qk_inner):  # each QK-inner class takes the VO-inner element of its heads
+        if ga[qk].kind == "rope":
+            continue  # only pair rotations are symmetries under RoPE
+        vo = next((v for v in r.vo_inner if ga[v].outer == ga[qk].outer and al.elements.get(v) is not None
+                   and ga[v].dim == ga[qk].dim), None)
+        if vo is not None:
+            al.elements[qk] = al.elements[vo].clone()
+            tied += 1
     return _aligned(p, al, t0, qk_tied_to_vo=tied)
 
 
-def _tie_qk_to_vo(report, r: Roles, al) -> int:
-    """Give each QK-inner class the VO-inner element of its heads (Verma & Elbayad 2024's shared P_MHA)."""
-    ga = report.groups
-    n = 0
-    for qk in sorted(r.qk_inner):
-        if ga[qk].kind == "rope":
-            continue  # only pair rotations are symmetries under RoPE
-        for vo in r.vo_inner:
-            E = al.elements.get(vo)
-            if ga[vo].outer == ga[qk].outer and E is not None and ga[vo].dim == ga[qk].dim:
-                al.elements[qk] = E.clone()
-                n += 1
-                break
-    return n
-
-
-def zhang2025(p: Pair) -> Outcome:
-    """Zhang et al. 2024: data-free matching from weights.
-
-    Aligned: MLP units by Hungarian on the weight inner products of both MLP matrices (and
-    bias); per attention head an orthogonal Procrustes rotation for the QK pair and one for
-    the VO pair, heads paired by index (no head permutation), residual stream not aligned.
-
-    Deviations: (1) LLaMA's Q/K carry RoPE; a full rotation there would change the function,
-    so the QK rotation is restricted to the 2×2 frequency-pair rotations that commute with
-    RoPE (symgraph's ``rope`` class); (2) GQA: one rotation per KV head (shared by its query
-    heads) for VO and QK; (3) weight similarities are computed after the already-solved
-    classes are applied (coordinate descent, up to symgraph's ``max_iter`` sweeps), where the
-    paper solves each layer once against the unaligned neighbours.
-    """
+def zhang2025(p: Pair, rescale: bool = False) -> Outcome:
+    """Zhang et al. 2024: data-free matching from weights: MLP units by Hungarian on the weight
+    inner products of both MLP matrices (and bias); per attention head an orthogonal Procrustes
+    rotation for the QK pair and one for the VO pair, heads paired by index, residual stream not
+    aligned. ``rescale``: after each head's rotation R a scalar ``a > 0`` per head and QK / VO
+    pair minimising ``‖W_A − a·R W_B‖² + ‖W'_A − R W'_B / a‖²`` (``alignment.scales``)."""
     t0 = time.perf_counter()
     r = roles(p.perm_reports()[0])
     sel = r.mlp | r.continuous_inner
-    al = _perm_align(p, inner="procrustes", groups=lambda g: g.id in sel)
-    return _aligned(p, al, t0)
+    al = _perm_align(p, inner="procrustes", groups=lambda g: g.id in sel, rescale=rescale)
+    return _aligned(p, al, t0, **({"scales": {str(k): v for k, v in al.scales.items()}} if rescale else {}))
 
 
 def zhang2025_rescale(p: Pair) -> Outcome:
-    """:func:`zhang2025` with its scalar rescaling: after each head's rotation R, a scalar ``a > 0``
-    per head and per QK / VO pair minimising ``‖W_A − a·R W_B‖² + ‖W'_A − R W'_B / a‖²``
-    (the query/value side takes ``a``, the key/output side ``1/a``: a GL symmetry), fitted by
-    ``symgraph.align(..., rescale=True)`` (``alignment.scales``).
-    """
-    t0 = time.perf_counter()
-    r = roles(p.perm_reports()[0])
-    sel = r.mlp | r.continuous_inner
-    al = _perm_align(p, inner="procrustes", groups=lambda g: g.id in sel, rescale=True)
-    out = _aligned(p, al, t0)
-    out.extra["scales"] = {str(k): v for k, v in al.scales.items()}
-    return out
+    """:func:`zhang2025` with its per-head scalar rescaling."""
+    return zhang2025(p, rescale=True)
 
 
 def imfeld2024(p: Pair) -> Outcome:
-    """Imfeld et al. 2024: OT fusion with soft Sinkhorn transport maps from activations.
-
-    As in the seed's ViT configuration: activation-based ground metric, Sinkhorn with
-    regularisation :data:`SINKHORN_REG` (0.08), soft maps for the MLP units and the residual
-    stream; every class is aligned.
-
-    Deviations: (1) the seed carries one transport map per residual branch and mixes them
-    with a policy ("mean" in its config); symgraph's residual stream is a single class, so one
-    soft map serves every residual point (the policy-free limit); (2) the seed ignores heads
-    (one map over the full Q, K and V widths, Q and K even "separate"), which is not a
-    symmetry of multi-head attention; here heads are matched by exact OT over head pairs (a
-    hard map) with a Hungarian map inside each head, and Q/K share their head-dim map;
-    (3) the ground cost is ``max(corr) − corr`` (correlations), not the seed's Euclidean
-    distance between standardised activations; for standardised features these order pairs
-    identically up to the max normalisation.
-    """
+    """Imfeld et al. 2024: OT fusion with soft Sinkhorn transport maps (regularisation
+    :data:`SINKHORN_REG`) from activations, for every class, as in the seed's ViT configuration."""
     t0 = time.perf_counter()
-    al = _perm_align(p, data=p.data, solver="sinkhorn", reg=SINKHORN_REG, inner="hungarian")
-    return _aligned(p, al, t0)
-
-
-def symgraph_weights_perm(p: Pair) -> Outcome:
-    """symgraph_weights without norm folding: the residual stream stays a permutation class
-    (the ablation of the residual rotations)."""
-    t0 = time.perf_counter()
-    return _aligned(p, _perm_align(p), t0)
-
-
-def symgraph_activations_perm(p: Pair) -> Outcome:
-    """symgraph_activations without norm folding (residual stream as a permutation)."""
-    t0 = time.perf_counter()
-    return _aligned(p, _perm_align(p, data=p.data), t0)
-
-
-def symgraph_weights(p: Pair) -> Outcome:
-    """symgraph, data-free: every class the report finds (residual stream, orthogonal where
-    norm gains fold, MLP, head permutation with per-head inner rotations, RoPE pair rotations,
-    GQA-shared elements), weight matching by coordinate descent."""
-    return _symgraph(p)
-
-
-def symgraph_weights_exact(p: Pair) -> Outcome:
-    """symgraph_weights with every change taken (``until="exact"``, ``tol=0``: sweeps until
-    nothing changes, at most ``max_iter``) and exact products: the reference the fast defaults
-    are measured against."""
-    return _symgraph(p, tol=0.0, similarity="exact", until="exact")
-
-
-def symgraph_weights_bf16(p: Pair) -> Outcome:
-    """symgraph_weights with every similarity product in bfloat16 (summed in float32)."""
-    return _symgraph(p, similarity="bf16")
-
-
-def symgraph_activations(p: Pair) -> Outcome:
-    """symgraph from activations: every class, similarity from streamed activation
-    correlations / covariances on the alignment data (weights where a class is not observed
-    cleanly)."""
-    return _symgraph(p, data=p.data)
-
-
-def symgraph_weights_full(p: Pair) -> Outcome:
-    """symgraph_weights, then the full groups fitted (``full_groups=True``: GL per head, RoPE
-    pair scales, alternated with the residual streams)."""
-    return _symgraph(p, full_groups=True)
-
-
-def symgraph_activations_full(p: Pair) -> Outcome:
-    """symgraph_activations, then the full groups fitted (``full_groups=True``)."""
-    return _symgraph(p, data=p.data, full_groups=True)
-
-
-#: Learned matching (symgraph_refine): steps, Adam step size, training batches for the loss.
-REFINE_STEPS, REFINE_LR, REFINE_BATCHES = 200, 1e-3, 32
+    return _aligned(p, _perm_align(p, data=p.data, solver="sinkhorn", reg=SINKHORN_REG, inner="hungarian"), t0)
 
 
 def symgraph_refine(p: Pair) -> Outcome:
-    """Learned matching as ``align(..., refine=N)`` does it: from symgraph_activations or
-    symgraph_weights, whichever gives the lower midpoint training loss, the elements are
-    optimised so that the model interpolated at λ ~ U(0.4, 0.6) has low training loss
-    (:data:`REFINE_STEPS` Adam steps on :data:`REFINE_BATCHES` training batches with labels;
-    the benchmark's own loss)."""
-    from symgraph.alignment.refine import choose_start, refine
-
-    from . import evaluate
+    """Learned matching as ``align(..., refine=N)`` does it: from activation or weight matching,
+    whichever has the lower midpoint training loss, the elements optimised so that the model
+    interpolated at λ ~ U(0.4, 0.6) has low training loss (:data:`REFINE_STEPS` Adam steps on
+    :data:`REFINE_BATCHES` training batches; the benchmark's own loss)."""
     t0 = time.perf_counter()
-    starts = {"activations": symgraph.align(p.a, p.b, data=p.data, report_a=p.report_a, report_b=p.report_b),
-              "weights": symgraph.align(p.a, p.b, report_a=p.report_a, report_b=p.report_b)}
+    kw = dict(report_a=p.report_a, report_b=p.report_b)
+    starts = {"activations": symgraph.align(p.a, p.b, data=p.data, **kw), "weights": symgraph.align(p.a, p.b, **kw)}
     batches = evaluate.eval_batches(p.arch, "train", REFINE_BATCHES)
     loss_fn = lambda m, b: evaluate.batch_loss(m, p.arch, b)  # noqa: E731
     name, losses = choose_start(starts, p.a, p.b, batches, loss_fn)
     al = starts[name]
-    al.refined = refine(al, p.a, p.b, batches, REFINE_STEPS, lr=REFINE_LR, progress=False,
-                        loss_fn=loss_fn)
+    al.refined = refine(al, p.a, p.b, batches, REFINE_STEPS, lr=REFINE_LR, progress=False, loss_fn=loss_fn)
     al.refined.update(start=name, start_loss=losses)
     return _aligned(p, al, t0, refined=dict(al.refined))
 
 
-# --- single merged model ---------------------------------------------------------------------
-
-
-def _merge(p: Pair, method: str, align, repair: bool = False) -> Outcome:
-    t0 = time.perf_counter()
-    res = symgraph.merge([p.a, p.b], data=p.data, method=method, align=align, repair=repair)
-    al = res.alignments[1]
-    extra = {"repair": res.repair.to_dict()} if res.repair is not None else {}
-    return Outcome(merged=res.model, alignment=al, seconds=time.perf_counter() - t0,
-                   align_seconds=al.seconds.get("total", 0.0) if al is not None else 0.0,
-                   extra=extra)
-
-
-def vanilla_repair(p: Pair) -> Outcome:
-    """Plain averaging, then REPAIR (``merge(..., align=None, repair=True)``) on the alignment
-    data: hidden pre-activation statistics set to the parents' interpolation."""
-    return _merge(p, "average", None, repair=True)
-
-
-def symgraph_repair(p: Pair) -> Outcome:
-    """symgraph activation matching, averaging, then REPAIR (``merge(..., align="activations",
-    repair=True)``)."""
-    return _merge(p, "average", "activations", repair=True)
-
-
-def fisher(p: Pair) -> Outcome:
-    """Fisher merging (Zhang et al. 2024's base): diagonal Fisher of each model's own predictions on
-    the alignment data, no alignment."""
-    return _merge(p, "fisher", None)
-
-
-def fisher_aligned(p: Pair) -> Outcome:
-    """Fisher merging after symgraph's weight matching (Zhang et al. 2024's "+match" uses data-free
-    matching; here it is symgraph's full alignment rather than Zhang et al. 2024's subset)."""
-    return _merge(p, "fisher", "weights")
-
-
-def regmean(p: Pair) -> Outcome:
-    """RegMean (Zhang et al. 2024's base): per linear layer ``(Σ W_i G_i)(Σ G_i)^{-1}`` with input Grams
-    regularised towards their diagonal (α = 0.9), no alignment."""
-    return _merge(p, "regmean", None)
-
-
-def regmean_aligned(p: Pair) -> Outcome:
-    """RegMean after symgraph's weight matching (Grams transformed with the weights)."""
-    return _merge(p, "regmean", "weights")
-
-
-#: name -> (function, short description). Order = table order.
-METHODS: dict[str, tuple[Callable[[Pair], Outcome], str]] = {
+#: name -> (method, description), in table order. Fisher: diagonal Fisher of each model's own
+#: predictions on the alignment data; RegMean: per linear layer ``(Σ W_i G_i)(Σ G_i)^{-1}``, input
+#: Grams regularised towards their diagonal (α = 0.9); REPAIR: hidden pre-activation statistics
+#: set to the parents' interpolation on the alignment data. ``_exact``: every change taken
+#: (``until="exact"``, ``tol=0``) with exact products, the reference of the fast defaults;
+#: ``_full``: then the full groups fitted (GL per head, RoPE pair scales).
+METHODS = {
     "vanilla": (vanilla, "plain averaging"),
     "verma2024": (verma2024, "Verma & Elbayad: activation perms (FFN, heads nested, residual)"),
     "zhang2025": (zhang2025, "Zhang et al.: FFN Hungarian + per-head Procrustes QK/VO, weights"),
     "zhang2025_rescale": (zhang2025_rescale, "Zhang et al. + per-head scalar rescaling"),
     "imfeld2024": (imfeld2024, "Imfeld et al.: OT fusion, soft Sinkhorn maps from activations"),
-    "fisher": (fisher, "Fisher merging, no alignment"),
-    "fisher_aligned": (fisher_aligned, "Fisher merging after symgraph weight matching"),
-    "vanilla_repair": (vanilla_repair, "plain averaging + REPAIR"),
-    "symgraph_repair": (symgraph_repair, "symgraph activation matching + averaging + REPAIR"),
-    "regmean": (regmean, "RegMean, no alignment"),
-    "regmean_aligned": (regmean_aligned, "RegMean after symgraph weight matching"),
-    "symgraph_weights_perm": (symgraph_weights_perm, "symgraph weight matching, residual as a permutation"),
-    "symgraph_activations_perm": (symgraph_activations_perm,
+    "fisher": (_merge("fisher", None), "Fisher merging, no alignment"),
+    "fisher_aligned": (_merge("fisher", "weights"), "Fisher merging after symgraph weight matching"),
+    "vanilla_repair": (_merge("average", None, repair=True), "plain averaging + REPAIR"),
+    "symgraph_repair": (_merge("average", "activations", repair=True),
+                        "symgraph activation matching + averaging + REPAIR"),
+    "regmean": (_merge("regmean", None), "RegMean, no alignment"),
+    "regmean_aligned": (_merge("regmean", "weights"), "RegMean after symgraph weight matching"),
+    "symgraph_weights_perm": (_symgraph(perm=True), "symgraph weight matching, residual as a permutation"),
+    "symgraph_activations_perm": (_symgraph(True, perm=True),
                                   "symgraph activation matching, residual as a permutation"),
-    "symgraph_weights": (symgraph_weights, "symgraph, all classes, weight matching"),
-    "symgraph_activations": (symgraph_activations, "symgraph, all classes, activation matching"),
-    "symgraph_weights_exact": (symgraph_weights_exact, "symgraph weight matching, tol=0, exact products"),
-    "symgraph_weights_bf16": (symgraph_weights_bf16, "symgraph weight matching, bf16 products"),
+    "symgraph_weights": (_symgraph(), "symgraph, all classes, weight matching"),
+    "symgraph_activations": (_symgraph(True), "symgraph, all classes, activation matching"),
+    "symgraph_weights_exact": (_symgraph(tol=0.0, similarity="exact", until="exact"),
+                               "symgraph weight matching, tol=0, exact products"),
+    "symgraph_weights_bf16": (_symgraph(similarity="bf16"), "symgraph weight matching, bf16 products"),
     "symgraph_refine": (symgraph_refine, "symgraph learned matching (from activations or weights)"),
-    "symgraph_weights_full": (symgraph_weights_full, "symgraph weight matching + full groups (GL, RoPE scales)"),
-    "symgraph_activations_full": (symgraph_activations_full, "symgraph activation matching + full groups"),
+    "symgraph_weights_full": (_symgraph(full_groups=True),
+                              "symgraph weight matching + full groups (GL, RoPE scales)"),
+    "symgraph_activations_full": (_symgraph(True, full_groups=True), "symgraph activation matching + full groups"),
 }
 
 #: Methods that are symgraph's own (the "some symgraph method beats vanilla" check).
@@ -413,7 +241,7 @@ SYMGRAPH_METHODS = ("symgraph_weights_perm", "symgraph_activations_perm", "symgr
 #: The published ("seed") methods the suite compares against, named after their papers.
 SEED_METHODS = ("verma2024", "zhang2025", "zhang2025_rescale", "imfeld2024")
 
-#: One line per seed method: what differs from the paper (also in each docstring).
+#: One line per seed method: what differs from the paper.
 DEVIATIONS = {
     "verma2024": "head-dim scores are covariances normalised per head pair (not per-feature "
                "correlations); LLaMA Q/K keep their head-dim order (RoPE admits no permutation); "

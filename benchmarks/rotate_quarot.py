@@ -1,18 +1,16 @@
 """QuaRot's own released rotation code (spcl/QuaRot, ``fake_quant/``) run on the benchmark's
-LLaMA model, beside ``symgraph rotate`` (issue 64), for :mod:`benchmarks.bench_rotate`.
+LLaMA model, beside ``symgraph rotate``, for :mod:`benchmarks.bench_rotate`.
 
-QuaRot's code does not run on a CPU-only machine as released: ``hadamard_utils`` and
-``quant_utils`` import ``fast_hadamard_transform`` (a CUDA extension, built with nvcc), and
-``hadamard_utils.apply_exact_had_to_linear`` moves every weight to the GPU (``.cuda()``,
-unconditionally); ``utils`` imports ``accelerate`` (for multi-GPU dispatch only). This module
-runs it unchanged with three shims in this process only: ``fast_hadamard_transform`` as the
-same Walsh–Hadamard transform in PyTorch (Sylvester's order, the CUDA kernel's), ``.cuda()``
-as the identity while QuaRot's functions run, and an empty ``accelerate``. Then it does what
-QuaRot's ``main.py`` does for LLaMA with ``--rotate``: ``fuse_layer_norms``, ``rotate_model``
-(``--rotate_mode hadamard``), ``add_actquant`` and the online Hadamard transforms of
-``down_proj``'s input (full) and ``o_proj``'s (across heads). The quantizer is
-:mod:`symgraph.testing.quantize`'s, the same as for symgraph's rotations (QuaRot's own
-activation quantizers stay at 16 bits, i.e. off).
+QuaRot's code does not run on a CPU-only machine as released: it imports
+``fast_hadamard_transform`` (a CUDA extension) and ``accelerate`` (for multi-GPU dispatch
+only), and ``apply_exact_had_to_linear`` moves every weight to the GPU. It runs here unchanged
+with three shims in this process only: ``fast_hadamard_transform`` as the same Walsh–Hadamard
+transform in PyTorch (Sylvester's order, the CUDA kernel's), ``.cuda()`` as the identity while
+QuaRot's functions run, and an empty ``accelerate``. Then it does what QuaRot's ``main.py`` does
+for LLaMA with ``--rotate``: ``fuse_layer_norms``, ``rotate_model`` (``--rotate_mode
+hadamard``), ``add_actquant`` and the online Hadamard transforms of ``down_proj``'s input (full)
+and ``o_proj``'s (across heads). The quantizer is :mod:`symgraph.testing.quantize`'s (QuaRot's
+own activation quantizers stay at 16 bits, i.e. off).
 """
 from __future__ import annotations
 
@@ -25,32 +23,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["quarot_rotated", "quarot_commit"]
-
 
 def _fht(x, scale=1.0):
     """``fast_hadamard_transform.hadamard_transform``: the last dim (a power of two) multiplied
     by Sylvester's Hadamard matrix, times ``scale``."""
-    n = x.shape[-1]
-    shape = x.shape
-    y = x.reshape(-1, n)
-    h = 1
+    n, shape = x.shape[-1], x.shape
+    y, h = x.reshape(-1, n), 1
     while h < n:
         y = y.reshape(-1, n // (2 * h), 2, h)
         y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
         h *= 2
     return (y.reshape(shape) * scale).to(x.dtype)
-
-
-def _shims():
-    fht = types.ModuleType("fast_hadamard_transform")
-    fht.hadamard_transform = _fht
-    acc = types.ModuleType("accelerate")
-    acc.dispatch_model = acc.infer_auto_device_map = None
-    acc_utils = types.ModuleType("accelerate.utils")
-    acc_utils.get_balanced_memory = None
-    acc.utils = acc_utils
-    return {"fast_hadamard_transform": fht, "accelerate": acc, "accelerate.utils": acc_utils}
 
 
 @contextlib.contextmanager
@@ -65,9 +48,15 @@ def _on_cpu():
 
 
 def _import(quarot: Path):
-    path = str(Path(quarot) / "fake_quant")
-    for name, mod in _shims().items():
+    """QuaRot's ``hadamard_utils``, ``quant_utils`` and ``rotation_utils``, with the shims."""
+    fht = types.ModuleType("fast_hadamard_transform")
+    fht.hadamard_transform = _fht
+    acc, acc_utils = types.ModuleType("accelerate"), types.ModuleType("accelerate.utils")
+    acc.dispatch_model = acc.infer_auto_device_map = acc_utils.get_balanced_memory = None
+    acc.utils = acc_utils
+    for name, mod in {"fast_hadamard_transform": fht, "accelerate": acc, "accelerate.utils": acc_utils}.items():
         sys.modules.setdefault(name, mod)
+    path = str(Path(quarot) / "fake_quant")
     if path not in sys.path:
         sys.path.insert(0, path)
     import hadamard_utils  # noqa: E402 - QuaRot's modules, from its checkout
@@ -77,8 +66,8 @@ def _import(quarot: Path):
 
 
 def quarot_rotated(model, quarot: Path):
-    """A copy of the LLaMA ``model`` rotated by QuaRot's code (see the module docstring), with
-    the online Hadamard transforms its ``main.py`` adds; evaluated like any model."""
+    """A copy of the LLaMA ``model`` rotated by QuaRot's code, with the online Hadamard transforms
+    its ``main.py`` adds; evaluated like any model."""
     hadamard_utils, quant_utils, rotation_utils = _import(quarot)
     m = copy.deepcopy(model).float().eval()
     with _on_cpu(), torch.no_grad():

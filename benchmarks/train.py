@@ -1,42 +1,25 @@
 """Training and checkpoint caching for the zoo models.
 
-:func:`train_model` trains ``arch`` from seed ``seed`` with AdamW (linear
-warm-up, cosine decay to 10% of the peak rate, weight decay on matrices only,
-gradient clipping; the loop is :func:`symgraph.testing.models.train`) and caches the
-result. The seed fixes both the initialisation
-(:func:`benchmarks.zoo.build_model`) and the data order (a ``torch.Generator``
-seeded with ``seed + DATA_SEED_OFFSET`` draws the training blocks / images and
-the dynamic BERT masks), so a given (arch, size, seed, steps) is reproducible
-on a given machine and thread count.
+:func:`train_model` trains ``arch`` from seed ``seed`` with AdamW (linear warm-up, cosine decay
+to 10% of the peak rate, weight decay on matrices only, gradient clipping; the loop is
+:func:`symgraph.testing.models.train`) and caches the result. The seed fixes both the
+initialisation (:func:`benchmarks.zoo.build_model`) and the data order (a ``torch.Generator``
+seeded with ``seed + DATA_SEED_OFFSET`` draws the training blocks / images and the dynamic BERT
+masks), so a given (arch, size, seed, steps) is reproducible on a given machine and thread count.
 
-Cache layout (root from ``SYMGRAPH_CACHE``, default ``~/.cache/symgraph``)::
-
-    <root>/models/<arch>-<size>-seed<seed>-steps<steps>-<fingerprint>/
-        config.json
-        model.safetensors
-        training_info.json
-
-The fingerprint hashes everything else that determines the weights (spec
-setting, model config, data contents, optimiser settings,
-:data:`CACHE_VERSION`), so a
+Cache: ``<root>/models/<arch>-<size>-seed<seed>-steps<steps>-<fingerprint>/`` (root
+``$SYMGRAPH_CACHE``, default ``~/.cache/symgraph``) holds ``config.json``, ``model.safetensors``
+and ``training_info.json``. The fingerprint hashes everything else that determines the weights
+(spec setting, model config, data contents, optimiser settings, :data:`CACHE_VERSION`), so a
 changed spec table or Python installation never reuses a stale checkpoint.
-Entries are written to a temporary sibling directory and renamed into place,
-so readers never see a partial checkpoint.
-
-Run ``python -m benchmarks.train [--size quick] [--seeds 0 1 2]`` to pre-train
-the whole zoo and print timings and losses.
 """
-
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -45,41 +28,31 @@ import torch
 from symgraph.testing import models
 
 from . import data, evaluate, zoo
-
-__all__ = ["CACHE_VERSION", "DATA_SEED_OFFSET", "ZOO_ARCHS", "num_threads", "checkpoint_dir", "is_cached",
-           "load_checkpoint", "train_model", "training_info", "train_zoo", "fit", "OPTIM",
-           "batch_sampler", "save_atomically"]
+from .provenance import staged
 
 #: Bump to invalidate every cached checkpoint.
 CACHE_VERSION = 1
 #: Offset between the initialisation seed and the data-order seed.
 DATA_SEED_OFFSET = 10_000
-#: Optimiser settings shared by every spec.
 WARMUP_FRACTION = 0.05
 MIN_LR_FRACTION = 0.1
 WEIGHT_DECAY = 0.01
 ADAM_BETAS = (0.9, 0.98)
 GRAD_CLIP = 1.0
-#: Default number of CPU threads for training (override: ``SYMGRAPH_NUM_THREADS``).
-DEFAULT_NUM_THREADS = 2
 #: The optimiser settings above as they enter every cache key.
 OPTIM = [WARMUP_FRACTION, MIN_LR_FRACTION, WEIGHT_DECAY, list(ADAM_BETAS), GRAD_CLIP, DATA_SEED_OFFSET]
-#: Every spec trained by :func:`train_zoo`: the 4 base archs + the wide model.
-ZOO_ARCHS = zoo.ARCHS + (zoo.WIDE_NARROW_PAIR[1],)
-
 _INFO_FILE = "training_info.json"
 
 
 def num_threads() -> int:
-    """Number of torch threads used for training (env ``SYMGRAPH_NUM_THREADS``, default 2)."""
-    return int(os.environ.get("SYMGRAPH_NUM_THREADS", DEFAULT_NUM_THREADS))
+    """Torch threads for training: ``$SYMGRAPH_NUM_THREADS``, default 2."""
+    return int(os.environ.get("SYMGRAPH_NUM_THREADS", 2))
 
 
 @contextlib.contextmanager
 def _no_progress_bars():
     """Silence the Hugging Face per-shard save / load progress bars."""
     from transformers.utils import logging as hf_logging
-
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -89,73 +62,44 @@ def _no_progress_bars():
             hf_logging.enable_progress_bar()
 
 
-def _resolve_steps(arch: str, size: str, steps: int | None) -> int:
-    return zoo.get_setting(arch, size).steps if steps is None else int(steps)
-
-
 def _fingerprint(arch: str, size: str) -> str:
     spec = zoo.get_spec(arch)
     payload = {
-        "version": CACHE_VERSION,
-        "family": spec.family,
-        "task": spec.task,
-        "dataset": spec.dataset,
-        "data": data.data_fingerprint(spec.dataset),
-        "block_size": spec.block_size,
+        "version": CACHE_VERSION, "family": spec.family, "task": spec.task, "dataset": spec.dataset,
+        "data": data.data_fingerprint(spec.dataset), "block_size": spec.block_size,
         "setting": {k: v for k, v in dataclasses.asdict(spec.setting(size)).items() if k != "steps"},
         "config": {k: v for k, v in zoo.make_config(arch, size).to_dict().items() if k != "transformers_version"},
-        "extra": dict(spec.extra),
-        "optim": OPTIM,
+        "extra": dict(spec.extra), "optim": OPTIM,
     }
-    blob = json.dumps(payload, sort_keys=True).encode("utf-8")
-    return hashlib.sha256(blob).hexdigest()[:10]
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()[:10]
 
 
 def checkpoint_dir(arch: str, seed: int, size: str = "quick", steps: int | None = None) -> Path:
-    """``<cache>/models/<arch>-<size>-seed<seed>-steps<steps>-<fingerprint>``: the cache directory
-    of ``arch`` (a key of :data:`benchmarks.zoo.SPECS`, as everywhere here) trained from ``seed``
-    at ``size`` for ``steps`` (None: the spec's); it may not exist."""
-    steps = _resolve_steps(arch, size, steps)
-    name = f"{arch}-{size}-seed{seed}-steps{steps}-{_fingerprint(arch, size)}"
-    return data.cache_dir() / "models" / name
+    """The cache directory of ``arch`` trained from ``seed`` at ``size`` for ``steps`` (None: the
+    spec's); it may not exist."""
+    steps = zoo.get_setting(arch, size).steps if steps is None else int(steps)
+    return data.cache_dir() / "models" / f"{arch}-{size}-seed{seed}-steps{steps}-{_fingerprint(arch, size)}"
 
 
 def is_cached(arch: str, seed: int, size: str = "quick", steps: int | None = None) -> bool:
-    """Whether a trained checkpoint for these arguments is in the cache."""
     return (checkpoint_dir(arch, seed, size, steps) / _INFO_FILE).is_file()
 
 
-def load_checkpoint(path: str | os.PathLike, arch: str, attn_implementation: str | None = None) -> torch.nn.Module:
-    """The checkpoint ``save_pretrained`` wrote (safetensors) at ``path``, as ``arch``'s class, in
-    ``eval()`` mode, float32, on the CPU (``attn_implementation`` default
-    :data:`benchmarks.zoo.ATTN_IMPLEMENTATION`)."""
-    with _no_progress_bars():
-        model = zoo.model_class(arch).from_pretrained(
-            str(path),
-            attn_implementation=attn_implementation or zoo.ATTN_IMPLEMENTATION,
-            dtype=torch.float32,
-        )
-    return model.eval()
-
-
 def training_info(arch: str, seed: int, size: str = "quick", steps: int | None = None) -> dict:
-    """The ``training_info.json`` of a cached checkpoint (FileNotFoundError if it is not cached):
-    ``train_seconds`` (wall), ``train_cpu_seconds`` (process CPU time, all threads),
-    ``init_eval_loss``, ``eval_loss``, ``final_train_loss`` (mean of the last 10% of steps) and
-    the key fields."""
-    path = checkpoint_dir(arch, seed, size, steps) / _INFO_FILE
-    return json.loads(path.read_text())
+    """The ``training_info.json`` of a cached checkpoint: ``train_seconds`` (wall),
+    ``train_cpu_seconds``, ``init_eval_loss``, ``eval_loss``, ``final_train_loss`` (mean of the
+    last 10% of steps) and the key fields."""
+    return json.loads((checkpoint_dir(arch, seed, size, steps) / _INFO_FILE).read_text())
 
 
 def batch_sampler(spec: zoo.ModelSpec, batch_size: int, gen: torch.Generator):
-    """Return a no-argument callable drawing training batches from ``gen``."""
+    """A no-argument callable drawing training batches from ``gen``."""
     if spec.task == "cls":
         x, y = data.digits("train")
 
         def sample() -> evaluate.Batch:
             idx = torch.randint(0, len(y), (batch_size,), generator=gen)
             return {"pixel_values": x[idx], "labels": y[idx]}
-
         return sample
 
     def sample() -> evaluate.Batch:
@@ -164,7 +108,6 @@ def batch_sampler(spec: zoo.ModelSpec, batch_size: int, gen: torch.Generator):
             inputs, labels = data.mlm_mask(blocks, generator=gen)
             return {"input_ids": inputs, "labels": labels}
         return {"input_ids": blocks, "labels": blocks}
-
     return sample
 
 
@@ -178,7 +121,7 @@ def fit(model: torch.nn.Module, sample, steps: int, lr: float, **kw) -> list[flo
 
 
 def _fit(model: torch.nn.Module, arch: str, size: str, seed: int, steps: int, verbose: bool) -> list[float]:
-    """Train ``model`` in place (:func:`symgraph.testing.models.train`); return the per-step training losses."""
+    """Train ``model`` in place; the per-step training losses."""
     spec = zoo.get_spec(arch)
     setting = spec.setting(size)
     gen = torch.Generator().manual_seed(seed + DATA_SEED_OFFSET)
@@ -193,101 +136,44 @@ def _fit(model: torch.nn.Module, arch: str, size: str, seed: int, steps: int, ve
 
 
 def save_atomically(model: torch.nn.Module, info: dict, final: Path) -> None:
-    """``model`` and its ``info`` into ``final`` through a sibling renamed into place (never partial)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    try:
-        with _no_progress_bars():
-            model.save_pretrained(str(tmp), safe_serialization=True)
+    """``model`` and its ``info`` into ``final``, staged (:func:`benchmarks.provenance.staged`):
+    ``training_info.json``, moved in last, marks a whole checkpoint."""
+    with staged(final, prefix=f".tmp-{final.name}-") as tmp, _no_progress_bars():
+        model.save_pretrained(str(tmp), safe_serialization=True)
         (tmp / _INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / _INFO_FILE).is_file():  # not a concurrent writer's entry
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def train_model(arch: str, seed: int, size: str = "quick", steps: int | None = None, *, use_cache: bool = True,
-                force: bool = False, verbose: bool = False, attn_implementation: str | None = None) -> torch.nn.Module:
-    """``arch`` at ``size`` trained from ``seed`` (initialisation and data order) for ``steps``
-    AdamW steps (None: the spec's; part of the cache key), in ``eval()`` mode (float32, CPU):
-    from the cache if there, else trained and written to it. ``use_cache`` False: always
-    trained, never written; ``force``: retrained and overwritten; ``verbose``: progress printed."""
-    steps = _resolve_steps(arch, size, steps)
+                verbose: bool = False) -> torch.nn.Module:
+    """``arch`` at ``size`` trained from ``seed`` for ``steps`` AdamW steps (None: the spec's), in
+    ``eval()`` mode (float32, CPU): from the cache if there, else trained and written to it
+    (``use_cache`` False: always trained, never written; ``verbose``: progress printed)."""
+    steps = zoo.get_setting(arch, size).steps if steps is None else int(steps)
     path = checkpoint_dir(arch, seed, size, steps)
-    if use_cache and not force and (path / _INFO_FILE).is_file():
-        return load_checkpoint(path, arch, attn_implementation)
-
+    if use_cache and (path / _INFO_FILE).is_file():
+        with _no_progress_bars():
+            model = zoo.model_class(arch).from_pretrained(str(path), attn_implementation=zoo.ATTN_IMPLEMENTATION,
+                                                          dtype=torch.float32)
+        return model.eval()
     record = use_cache or verbose  # the held-out losses only go to the info file / log
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(num_threads())
     try:
-        model = zoo.build_model(arch, seed, size, attn_implementation)
+        model = zoo.build_model(arch, seed, size)
         init_loss = evaluate.eval_loss(model, arch) if record else float("nan")
         start, cpu_start = time.perf_counter(), time.process_time()
         losses = _fit(model, arch, size, seed, steps, verbose)
-        seconds = time.perf_counter() - start
-        cpu_seconds = time.process_time() - cpu_start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         final_loss = evaluate.eval_loss(model, arch) if record else float("nan")
     finally:
         torch.set_num_threads(previous_threads)
     tail = losses[-max(1, steps // 10):] if losses else [float("nan")]
-    info = {
-        "arch": arch,
-        "size": size,
-        "seed": seed,
-        "steps": steps,
-        "train_seconds": seconds,
-        "train_cpu_seconds": cpu_seconds,
-        "init_eval_loss": init_loss,
-        "eval_loss": final_loss,
-        "final_train_loss": sum(tail) / len(tail),
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "num_threads": num_threads(),
-        "cache_version": CACHE_VERSION,
-    }
+    info = {"arch": arch, "size": size, "seed": seed, "steps": steps, "train_seconds": seconds,
+            "train_cpu_seconds": cpu_seconds, "init_eval_loss": init_loss, "eval_loss": final_loss,
+            "final_train_loss": sum(tail) / len(tail), "num_parameters": sum(p.numel() for p in model.parameters()),
+            "num_threads": num_threads(), "cache_version": CACHE_VERSION}
     if verbose:
         print(f"  [{arch} seed={seed}] {seconds:.1f}s eval loss {init_loss:.3f} -> {final_loss:.3f}", flush=True)
     if use_cache:
-        if force and path.exists():
-            shutil.rmtree(path)
         save_atomically(model, info, path)
     return model
-
-
-def train_zoo(size: str = "quick", seeds: tuple[int, ...] = (0, 1, 2), archs: tuple[str, ...] = ZOO_ARCHS,
-              verbose: bool = True) -> dict[tuple[str, int], dict]:
-    """``{(arch, seed): training_info}`` of every (arch, seed), trained or loaded; ``verbose``:
-    progress and a summary table printed."""
-    results: dict[tuple[str, int], dict] = {}
-    start = time.perf_counter()
-    for arch in archs:
-        for seed in seeds:
-            cached = is_cached(arch, seed, size)
-            train_model(arch, seed, size, verbose=verbose and not cached)
-            results[(arch, seed)] = training_info(arch, seed, size)
-    if verbose:
-        print(f"total wall time {time.perf_counter() - start:.1f}s")
-        print(f"{'arch':<10} {'seed':>4} {'train s':>8} {'init':>7} {'eval':>7} {'unigram':>8}")
-        for (arch, seed), info in results.items():
-            print(
-                f"{arch:<10} {seed:>4} {info['train_seconds']:>8.1f} {info['init_eval_loss']:>7.3f} "
-                f"{info['eval_loss']:>7.3f} {evaluate.baseline_loss(arch):>8.3f}"
-            )
-    return results
-
-
-def _main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Pre-train the benchmark model zoo into the cache.")
-    parser.add_argument("--size", choices=zoo.SIZES, default="quick")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--archs", nargs="+", default=list(ZOO_ARCHS), choices=sorted(zoo.SPECS))
-    args = parser.parse_args(argv)
-    train_zoo(args.size, tuple(args.seeds), tuple(args.archs))
-
-
-if __name__ == "__main__":
-    _main()
