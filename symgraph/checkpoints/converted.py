@@ -159,24 +159,10 @@ def _odd(sources, source: Layout) -> str:
 def refuse_conversion(model, layout: Layout, where: str) -> None:
     """Refuse, in one line naming the tensors, a checkpoint whose tensors transformers' own
     conversions cannot build ``model``'s from (:func:`conversion_error`)."""
-    why = conversion_error(model, layout, lambda key: _stored(layout, key))
+    why = conversion_error(model, layout, layout.read)
     if why:
         raise InputError(f"cannot load {where}: {why}; expected the tensors save_pretrained writes for "
                          "this config")
-
-
-def _stored(layout: Layout, key: str) -> torch.Tensor:
-    """The stored tensor ``key`` of ``layout``, read through its file's pin (checked before and after)."""
-    from safetensors import safe_open
-    file = layout.files[key]
-    pin = layout.pins.get(file)
-    if pin is not None:
-        pin.check()
-    with safe_open(pin.reader if pin is not None else file, framework="pt", device="cpu") as h:
-        t = h.get_tensor(key)
-    if pin is not None:
-        pin.check()
-    return t
 
 
 class Conversion:

@@ -24,8 +24,8 @@ from .converted import Conversion, refuse_conversion
 from ..core.dtypes import SAFETENSORS_NAMES as _ST_NAMES
 from .loading import (KeysDiffer, build_meta, check_checkpoint_dir, check_tensors,
                       read_config, read_layout)
+from .layout import read_pinned
 from ..core.finite import check_read
-from ..core.schema import quoted
 from ..core.ties import parameter_names, untie
 from ..errors import InputError
 
@@ -136,17 +136,6 @@ class Checkpoint:
         for pin in self.pins.values():
             pin.check()
 
-    def _handle(self, file, pin=None):
-        from safetensors import safe_open
-        try:
-            return safe_open(pin.reader if pin is not None else file, framework="pt", device="cpu")
-        except Exception as e:  # noqa: BLE001 - safetensors' own errors (truncated, corrupt header)
-            if pin is not None:
-                pin.check()  # a file that changed says so
-            raise InputError(f"cannot read the weights of {self.path!r} ({os.path.basename(file)}): "
-                             f"{quoted(e)}; expected valid safetensors files written "
-                             "by save_pretrained") from None
-
     def read(self, key: str, check: bool = True, part=None) -> torch.Tensor:
         """A checkpoint tensor (a copy), checked finite unless ``check=False`` (the caller
         checks what it computes from it); ``part=(dim, start, stop)`` reads that slice only.
@@ -167,18 +156,7 @@ class Checkpoint:
 
     def _stored_tensor(self, file, stored: str, part) -> torch.Tensor:
         """The tensor ``stored`` of ``file`` (``part``: as :meth:`read`), through its pin."""
-        pin = self.pins.get(file)
-        if pin is not None:
-            pin.check()
-        with self._handle(file, pin) as h:
-            if part is None:
-                t = h.get_tensor(stored)
-            else:
-                d, start, stop = part
-                t = h.get_slice(stored)[(slice(None),) * d + (slice(start, stop),)]
-        if pin is not None:
-            pin.check()  # rewritten in place while it was read
-        return t
+        return read_pinned(self.pins, file, stored, part, self.path)
 
     def fetch(self, name: str) -> torch.Tensor:
         """A graph attribute of the model by name, for running it out of core
