@@ -356,3 +356,32 @@ def test_a_model_without_values_is_refused_by_merge_and_align():
         symgraph.merge([a, b])
     with pytest.raises(symgraph.InputError, match=r"^model_b " + want):
         symgraph.align(a, b)
+
+
+@pytest.mark.parametrize("entry", ["analyze", "merge", "align"])
+def test_an_input_no_forward_takes_is_refused_not_dropped(entry):
+    """A misspelled keyword (``atention_mask``) reached transformers' ``**kwargs`` and was
+    dropped unread: the analysis and the merge ran as if no mask had been given. Now it is
+    refused in one line naming it. Names a submodule's forward takes (the typed ``**kwargs``
+    hand them on) and any name of a forward with untyped ``**kwargs`` still pass."""
+    a, b = models.build("llama", seed=0, **L), models.build("llama", seed=1, **L)
+    batch = {"input_ids": torch.randint(0, 64, (2, 5)), "atention_mask": torch.ones(2, 5, dtype=torch.long)}
+    run = {"analyze": lambda: symgraph.analyze(a, batch),
+           "merge": lambda: symgraph.merge([a, b], data=[batch, batch], align="activations"),
+           "align": lambda: symgraph.align(a, b, data=[batch])}[entry]
+    where = "the inputs" if entry == "analyze" else r"data\[0\]"
+    with pytest.raises(symgraph.InputError, match=rf"^{where} hold \['atention_mask'\], which no forward of "
+                       r"LlamaForCausalLM takes; expected inputs among \[.*'attention_mask'"):
+        run()
+    good = {"input_ids": batch["input_ids"], "attention_mask": batch["atention_mask"],
+            "position_ids": torch.arange(5)[None]}
+    assert symgraph.analyze(a, good).groups  # named parameters and the typed **kwargs' keys pass
+
+    class Free(torch.nn.Module):  # untyped **kwargs: any keyword may be read
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x, **kw):
+            return self.fc(x) * kw.get("scale", 1.0)
+    assert symgraph.analyze(Free(), {"x": torch.randn(2, 4), "scale": 2.0}) is not None

@@ -8,8 +8,8 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["all_finite", "check_read", "check_config_numbers", "same_value", "require_finite", "require_module",
-           "class_defaults", "check_token_ids", "check_token_batch", "batch_list"]
+__all__ = ["all_finite", "check_keywords", "check_read", "check_config_numbers", "same_value", "require_finite",
+           "require_module", "class_defaults", "check_token_ids", "check_token_batch", "batch_list"]
 
 
 def require_module(m, label: str, expected: str = "a torch.nn.Module") -> None:
@@ -149,6 +149,36 @@ def check_token_batch(batch, where: str, *models) -> None:
                          f"{tuple(ids.shape)}; expected one mask entry per token")
 
 
+def check_keywords(model, kwargs: dict, where: str) -> None:
+    """Refuse a keyword input (of ``where``) that no ``forward`` of ``model`` can read by name: one
+    that its forward neither names nor lists in the type of its ``**kwargs`` (transformers'
+    ``Unpack[...]`` of a ``TypedDict``) and that no submodule's forward names either (a forward
+    hands its ``**kwargs`` on: Wav2Vec2's CTC head to the model that reads ``mask_time_indices``).
+    A forward whose ``**kwargs`` is untyped, or whose hints do not resolve, may read any keyword:
+    nothing is refused there (an unknown keyword without ``**kwargs`` is Python's own error)."""
+    import inspect
+    import typing
+    try:
+        params = inspect.signature(model.forward).parameters
+        var = next((p for p in params.values() if p.kind is p.VAR_KEYWORD), None)
+        typed = typing.get_args(typing.get_type_hints(type(model).forward).get(var.name)) if var else ()
+    except Exception:  # noqa: BLE001 - hints that do not resolve say nothing
+        return
+    keys = [t for t in typed if typing.is_typeddict(t)]
+    if var is None or len(keys) != 1 or not (unknown := set(map(str, kwargs)) - set(params)
+                                              - keys[0].__required_keys__ - keys[0].__optional_keys__):
+        return
+    for cls in {type(m) for m in model.modules()}:
+        try:
+            unknown -= set(inspect.signature(cls.forward).parameters)
+        except (TypeError, ValueError, AttributeError):
+            return
+    if unknown:
+        known = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        raise InputError(f"{where} hold {sorted(unknown)}, which no forward of {type(model).__name__} takes; "
+                         f"expected inputs among {sorted(known | set(keys[0].__annotations__))}")
+
+
 def batch_list(data, *models) -> list | None:
     """The user's ``data`` (an iterable of batches, or None) as a list, refused before any model
     runs on it where empty, where its batches hold different inputs, or where a batch's tokens
@@ -165,4 +195,7 @@ def batch_list(data, *models) -> list | None:
                              f"holds {keys[0] if keys[0] is not None else type(data[0]).__name__}; expected "
                              "batches of the same inputs")
         check_token_batch(b, f"data[{i}]", *models)
+    for m in models:  # the batches hold the same inputs: the first one's names stand for all
+        if isinstance(m, torch.nn.Module) and isinstance(data[0], dict):
+            check_keywords(m, data[0], "data[0]")
     return data

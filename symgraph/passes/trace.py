@@ -9,7 +9,7 @@ import torch
 
 from ..core.devices import weightless_twin
 from ..core.dtypes import parameters_dtype
-from ..core.finite import check_token_batch, require_module
+from ..core.finite import check_keywords, check_token_batch, require_module
 from ..errors import InputError, TraceError, UnsizedOnMeta
 from .concrete import concretize, has_data_dependent_sizes
 from .experts import batched_experts
@@ -286,6 +286,7 @@ def trace(model, inputs=None, decompose: bool = True):
     if inputs is not None:  # the user's, checked before the export runs them
         first = next(iter(inspect.signature(model.forward).parameters), None) if _is_hf(model) and args else None
         check_token_batch({"input_ids": args[0]} if first == "input_ids" else kwargs, "the inputs", model)
+        check_keywords(model, kwargs, "the inputs")
     on_meta = next((p.is_meta for p in model.parameters()), False)
     given = args, kwargs
     traced = given
