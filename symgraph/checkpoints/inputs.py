@@ -89,8 +89,9 @@ def check_paths(specs):
     seen = {}
     for i, m in enumerate(specs):
         if model_kind(m) == "local":
-            check_checkpoint_dir(os.path.expanduser(m))
-            first = seen.setdefault(os.path.realpath(os.path.expanduser(m)), i)
+            path = os.path.expanduser(m)
+            check_checkpoint_dir(path)
+            first = seen.setdefault(os.path.realpath(path), i)
             if first != i:  # allowed (mergekit allows it), but rarely meant
                 note(f"models[{i}] ({m!r}) is the checkpoint models[{first}] ({specs[first]!r}) names again: "
                      "the merge weighs it twice (--weights weighs a model without repeating it)", "warning")

@@ -164,19 +164,20 @@ def check_keywords(model, kwargs: dict, where: str) -> None:
         typed = typing.get_args(typing.get_type_hints(type(model).forward).get(var.name)) if var else ()
     except Exception:  # noqa: BLE001 - hints that do not resolve say nothing
         return
-    keys = [t for t in typed if typing.is_typeddict(t)]
-    if var is None or len(keys) != 1 or not (unknown := set(map(str, kwargs)) - set(params)
-                                              - keys[0].__required_keys__ - keys[0].__optional_keys__):
+    typed = [t for t in typed if typing.is_typeddict(t)]
+    if len(typed) != 1:  # untyped **kwargs (or none): nothing to hold a name against
         return
-    for cls in {type(m) for m in model.modules()}:
+    known = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    known |= set(typed[0].__annotations__)
+    unknown = set(map(str, kwargs)) - known
+    for cls in {type(m) for m in model.modules()} if unknown else ():  # names the forward hands on
         try:
             unknown -= set(inspect.signature(cls.forward).parameters)
         except (TypeError, ValueError, AttributeError):
             return
     if unknown:
-        known = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         raise InputError(f"{where} hold {sorted(unknown)}, which no forward of {type(model).__name__} takes; "
-                         f"expected inputs among {sorted(known | set(keys[0].__annotations__))}")
+                         f"expected inputs among {sorted(known)}")
 
 
 def batch_list(data, *models) -> list | None:
