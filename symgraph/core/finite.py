@@ -164,11 +164,11 @@ def check_keywords(model, kwargs: dict, where: str) -> None:
         typed = typing.get_args(typing.get_type_hints(type(model).forward).get(var.name)) if var else ()
     except Exception:  # noqa: BLE001 - hints that do not resolve say nothing
         return
-    typed = [t for t in typed if typing.is_typeddict(t)]
-    if len(typed) != 1:  # untyped **kwargs (or none): nothing to hold a name against
+    dicts = [t for t in typed if typing.is_typeddict(t)]
+    if len(dicts) != 1:  # untyped **kwargs (or none): nothing to hold a name against
         return
     known = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    known |= set(typed[0].__annotations__)
+    known |= set(dicts[0].__annotations__)
     unknown = set(map(str, kwargs)) - known
     for cls in {type(m) for m in model.modules()} if unknown else ():  # names the forward hands on
         try:
