@@ -97,7 +97,10 @@ def _compare(d, tmp_path, monkeypatch, capsys, cli_run: bool, flags=None):
         assert got.mode == "streaming"
         job = got.job
     assert "loaded in memory" not in capsys.readouterr().err  # out of core, not a silent load
+    seen = list(watch.segments), dict(watch.peaks), getattr(watch, "start", None)  # the out-of-core run's
     mem = run_merge(cfg.model_copy(update={"out": str(tmp_path / "mem")}), streaming=False, progress=False)
+    (watch.segments, watch.peaks, watch.start), in_memory = seen, watch.segments[len(seen[0]):]
+    assert in_memory and set(in_memory) == {1}  # the same learned matching in memory: one segment, no budget
     assert mem.mode == "in-memory"
     streamed, loaded = load(tmp_path / "stream"), load(tmp_path / "mem")
     watch.diff, watch.job = rel(streamed, loaded), job

@@ -1,6 +1,6 @@
 """``merge()``: models in memory merged from one :class:`~.config.MergeConfig` (given, or built
-from the keywords by the same rules): aligned to an anchor (or to a shared universe,
-:mod:`.universe`), then combined by the merge engine over them (:mod:`.streaming`)."""
+from the keywords by the same rules) by the merge engine over them (:mod:`.streaming`), which
+aligns them to an anchor and combines them (a shared universe: :mod:`.universe`'s rounds)."""
 from __future__ import annotations
 
 import time
@@ -25,6 +25,8 @@ from .methods import registry
 from .methods.registry import mixing_weights
 from .repair import RepairReport
 from .streaming import StreamingMerge
+
+IN_MEMORY_ONLY = ("loss_fn", "between", "rescale")  # align options only symgraph.align takes: it aligns
 
 __all__ = ["MergeResult", "merge", "circuit_merge", "circuit_between"]
 
@@ -83,27 +85,56 @@ def merge(models, inputs=None, *, weights=UNSET, align=UNSET, data=None, method=
     models, how = _prepared(models, config, method, data, universe_options)
     inputs = data[0] if inputs is None and data is not None else inputs
     A = models[0 if config.anchor == "universe" else config.anchor]
-    ra = analyze(A, inputs, fold_norms=config.fold_norms, outputs=config.outputs)
-    align_options = dict(align_options, refine=config.refine, fold_norms=config.fold_norms, outputs=config.outputs,
-                         data=data if config.align == "activations" else None,  # what aligning reads
-                         **solver_options(config),
-                         **({"rows": ra.input_rows(data)} if config.seen_rows else {}))  # Theus et al. 2025
-    timings = {"analyze": time.perf_counter() - t0, "align": 0.0, "statistics": 0.0}
-    universe, job = None, None
+    job, ra, alignments, universe, timings = _alignments(models, config, how, data, inputs, align_options,
+                                                         universe_options, progress)
+    result = _combined(models, A, ra, alignments, config, lambda: job or _engine(models, config, how, data), timings)
+    result.universe = universe
+    timings["total"] = time.perf_counter() - t0
+    return result
+
+
+def _alignments(models, config, how, data, inputs, align_options, universe_options, progress) -> tuple:
+    """``(job, report, alignments, universe, timings)``: every model aligned into the anchor's
+    basis by the merge engine over the models (``job``), which then combines them; by
+    :func:`symgraph.align` where an option only it takes is given (a loss, ``between``,
+    ``rescale``); or every model into a shared universe, in the engine's rounds."""
+    t0 = time.perf_counter()
+    A = models[0 if config.anchor == "universe" else config.anchor]
+    timings = {"analyze": 0.0, "align": 0.0, "statistics": 0.0}
+    if config.anchor != "universe" and not set(IN_MEMORY_ONLY) & set(align_options):  # the engine aligns
+        job = _engine(models, config, how, data, aligning=dict(align_options, inputs=inputs), progress=progress)
+        alignments = job.align()
+        ra = job.report if job.report is not None else analyze(
+            A, inputs, fold_norms=config.fold_norms, outputs=config.outputs)
+        for al in alignments:
+            if al is not None:
+                al.template = A  # a merge across widths applies it to B in A's shapes
+        timings.update(analyze=job.timings.get("analyze", 0.0), align=job.timings.get("align", 0.0))
+        return job, ra, alignments, None, timings
+    ra, align_options = _analysed(A, inputs, config, data, align_options)
+    timings["analyze"] = time.perf_counter() - t0
     if config.anchor == "universe":  # every model's alignment to the mean of the others, the engine's rounds
         from .universe import align_universe
         job = _engine(models, config, how, data)
         alignments, universe = align_universe(job, models, inputs, ra, universe_options, progress, **align_options)
         timings["align"] = universe["seconds"]
-    else:
-        t1 = time.perf_counter()
-        alignments = _aligned(models, A, ra, inputs, None if config.align == "none" else config.align,
-                              config.anchor, progress, align_options)
-        timings["align"] = time.perf_counter() - t1
-    result = _combined(models, A, ra, alignments, config, lambda: job or _engine(models, config, how, data), timings)
-    result.universe = universe
-    timings["total"] = time.perf_counter() - t0
-    return result
+        return job, ra, alignments, universe, timings
+    bar = progress_bar(models, desc=f"aligning (align={config.align})", unit="model",
+                       enabled=progress and config.align != "none")
+    alignments = [None if i == config.anchor or config.align == "none"  # unaligned: the engine refuses other shapes
+                  else align_models(A, m, inputs, report_a=ra, **align_options) for i, m in enumerate(bar)]
+    timings["align"] = time.perf_counter() - t0 - timings["analyze"]
+    return None, ra, alignments, None, timings
+
+
+def _analysed(A, inputs, config, data, align_options) -> tuple:
+    """``(report, align_options)``: the anchor analysed, and the options :func:`symgraph.align`
+    takes for this config (activation matching's data, the solver's options, seen rows)."""
+    ra = analyze(A, inputs, fold_norms=config.fold_norms, outputs=config.outputs)
+    return ra, dict(align_options, refine=config.refine, fold_norms=config.fold_norms, outputs=config.outputs,
+                    data=data if config.align == "activations" else None,  # what aligning reads
+                    **solver_options(config),
+                    **({"rows": ra.input_rows(data)} if config.seen_rows else {}))  # Theus et al. 2025
 
 
 def _prepared(models, config, method, data, universe_options) -> tuple:
@@ -191,26 +222,19 @@ def _config(models, config, given: dict, data, align_options: dict) -> tuple:
     return config, align_options
 
 
-def _aligned(models, A, ra, inputs, align, anchor, progress, align_options) -> list:
-    """One :class:`~symgraph.Alignment` per model into ``A``'s basis (None for the anchor, and for
-    every model without alignment, whose shapes must then be the anchor's)."""
-    alignments: list = []
-    bar = progress_bar(models, desc=f"aligning (align={align})", unit="model", enabled=progress and align is not None)
-    for i, m in enumerate(bar):
-        al = None
-        if i != anchor and align is not None:  # unaligned, the engine refuses other shapes
-            al = align_models(A, m, inputs, report_a=ra, **align_options)
-        alignments.append(al)
-    return alignments
-
-
-def _engine(models, config, how, data) -> StreamingMerge:
+def _engine(models, config, how, data, aligning=None, progress=False) -> StreamingMerge:
     """The merge engine over ``models`` in memory (:class:`ModelCheckpoint` s), on their
-    device, without a memory budget; it aligns nothing (the alignments are given to it)."""
+    device, without a memory budget: with ``aligning`` (the alignment's options, ``inputs``
+    among them) it aligns them itself, else the alignments are given to it."""
     device = next((p.device for p in models[0].parameters()), torch.device("cpu"))
-    cfg = config.model_copy(update=dict(device=str(device), refine=0, untie=False, memory_budget=None, out=None))
+    update = dict(device=str(device), untie=False, memory_budget=None, out=None)
+    if config.attention == "circuits" and why_no_config(models[config.anchor], len(models)):
+        update["attention"] = "heads"  # it aligns only: the circuits are merged in a widened program
+    cfg = config.model_copy(update=update if aligning is not None else dict(update, refine=0))
+    rows = {"rows_from": data} if aligning is not None and config.seen_rows else {}
     return StreamingMerge([ModelCheckpoint(m, f"model {i}") for i, m in enumerate(models)], cfg,  # data: if used
-                          data=data if how.needs_data or config.takes_statistics else None, method=how)
+                          data=data if how.needs_data or config.takes_statistics else None, method=how,
+                          progress=progress, **(aligning or {}), **rows)
 
 
 def _circuits_without_config(models, alignments, w, anchor, ra):

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "parse_size", "DEFAULT_SHARD", "budgets"]
 
-ENGINE_ONLY = ("rows_from", "refine_lr")  # align_options the engine resolves itself, not the solver's
+ENGINE_ONLY = ("rows_from", "refine_lr", "inputs")  # align_options the engine resolves itself, not the solver's
 
 
 @dataclass
@@ -173,8 +173,9 @@ class StreamingMerge:
 
     def _analyzed(self, c):
         from ..report.api import analyze
-        cfg = self.config
-        return analyze(c.model, self.data[0] if self.data else None, fold_norms=cfg.fold_norms, outputs=cfg.outputs)
+        cfg, inputs = self.config, self.align_options.get("inputs")  # models in memory: symgraph.merge's inputs
+        inputs = inputs if inputs is not None else self.data[0] if self.data else None
+        return analyze(c.model, inputs, fold_norms=cfg.fold_norms, outputs=cfg.outputs)
 
     def align(self):
         """The merge's steps up to its alignment, each once, in the pipeline's order: the anchor's
