@@ -6,7 +6,7 @@ registered method, in memory or out of core, on one engine.
 - ``engine``         the plan, its executor, the statistics' vocabulary, the budget's views and ledger
 - ``streaming``      :class:`~.streaming.StreamingMerge`: a merge's steps (align, statistics,
   REPAIR, write) over checkpoints or models, from one config
-- ``driver``         :func:`merge` and :class:`MergeResult`: models in memory, aligned, then the engine
+- ``driver``         :func:`merge` and :class:`MergeResult`: the engine over models in memory
 - ``learned``        learned matching out of core: the segmented graph as the loop's objective
 - ``repair``         REPAIR's sites, moments and corrections, and its report
 - ``repair_stream``  REPAIR as the engine's step, BatchNorm resets in the same pass
