@@ -61,6 +61,7 @@ def test_command_line_universe_equals_the_in_memory_universe(trio, capsys, held,
         argv += ["--method", method, "--data", str(root / "ids.safetensors")]
         data = load_data(str(root / "ids.safetensors"), built[0])
     assert main(argv) == 0, capsys.readouterr().err
+    assert f"merged 3 models ({method}, align=weights, shared universe, out of core)" in capsys.readouterr().out
     assert 0 < held[0] <= parse_size(budget)
     rec = json.loads((out / "symgraph_merge.json").read_text())
     assert (rec["options"]["anchor"], rec["options"]["align"], rec["options"]["method"]) == ("universe", "weights", method)

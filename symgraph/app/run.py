@@ -45,7 +45,8 @@ class MergeOutcome:
     job: StreamingMerge | MergeResult | None = None
 
     def summary(self, cfg: MergeConfig) -> str:
-        how = (f"{cfg.method}, align={cfg.align}" + (", repair" if cfg.repair else "")
+        how = (f"{cfg.method}, align={cfg.align}" + (f", refine={cfg.refine}" if cfg.refine else "")
+               + (", shared universe" if cfg.anchor == "universe" else "") + (", repair" if cfg.repair else "")
                + (", circuit-space heads" if cfg.attention == "circuits" else "") + (", untied" if cfg.untie else ""))
         where = ", out of core" if self.mode == "streaming" else ""
         widths = self.meta.get("width_change")
