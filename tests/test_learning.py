@@ -139,3 +139,31 @@ def test_optimise_is_adam_on_the_parameters_one_batch_a_step():
     assert torch.allclose(seen[1][1], 2 * (torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64) - 0.1 * c.sign()),
                           atol=1e-7, rtol=0)  # Adam: lr · g / (|g| + 1e-8)
     assert losses == [float((e * c).sum() * b) for b, e in seen]
+
+
+def test_learned_permutations_carry_their_gradient_into_the_moved_tensors():
+    """An MLP's classes are all permutations: learned matching's straight-through elements must
+    reach B's moved tensors with their gradient (an index vector would drop it, and the step's
+    loss would have none to go back through: ``backward`` raised). With a loss of the user's,
+    ``symgraph.align`` and ``symgraph.merge`` refine them, and the same steps give the same record."""
+    from types import SimpleNamespace
+
+    from symgraph.testing.models import mlp
+    from symgraph.transform.apply import move
+    a, b = mlp(0), mlp(1)
+    data = [torch.randn(16, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    al = symgraph.align(a, b, data[0])
+    learn = learning.learnable(al.report_a, SimpleNamespace(elements=al.elements))
+    assert {x.kind for x in learn.values()} == {"perm", "scaled_perm"}
+    live = {gid: x.element() for gid, x in learn.items()}
+    tb = {k: b.get_parameter(k).detach() for k in al.report_b.parameters}
+    moved = move(al.report_b, {**al.elements, **live}, tb, al.gauge or None)
+    assert moved and all(v.requires_grad for v in moved.values())
+    sum(v.sum() for v in moved.values()).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for x in learn.values() for p in x.params)
+    loss = lambda m, x: m(x).pow(2).mean()  # noqa: E731
+    got = symgraph.align(a, b, data[0], data=data, refine=4, loss_fn=loss).refined
+    assert got["steps"] == 4 and got["classes"] == 2
+    merged = symgraph.merge([a, b], data=data, refine=4, loss_fn=loss).alignments[1].refined
+    same = ("steps", "classes", "start", "start_loss", "loss_first", "loss_last")
+    assert {k: merged[k] for k in same} == {k: got[k] for k in same}

@@ -208,7 +208,7 @@ class _Matching(Objective):
         if not isinstance(batch, dict):
             raise InputError(f"refine needs a loss, and {type(model).__name__} computes none from a batch of "
                              f"{type(batch).__name__}; expected batches of keyword tensors (language models: "
-                             "labels = input_ids)")
+                             "labels = input_ids), or from Python loss_fn(model, batch) -> scalar")
         kw = with_labels(model, batch)  # the inputs of the model's own loss, as default_loss adds them
         shapes = tuple(sorted((k, tuple(v.shape)) for k, v in kw.items() if isinstance(v, torch.Tensor)))
         if shapes not in self.graphs:

@@ -180,8 +180,12 @@ class AxisQueries:
         for the identity. ``blocks``: the cheapest form to apply instead of a square matrix: the
         index vector of any permutation, a :class:`~symgraph.core.elements.Blocks` where the
         axis is a product (heads × head dims) and the map moves whole blocks
-        (:func:`~symgraph.core.elements.apply_along` takes each)."""
+        (:func:`~symgraph.core.elements.apply_along` takes each). An element carrying a gradient
+        (learned matching's straight-through permutations) keeps the dense matrix: an index
+        vector would drop its gradient."""
         roots = self._roots(elements)
+        blocks = blocks and not (torch.is_grad_enabled() and any(
+            isinstance(e, torch.Tensor) and e.requires_grad for e in roots.values()))
         fast = block_map(self._analysis, axis, roots) if blocks else None  # see passes.blockmaps
         return fast if fast is not None else self._composed_map(axis, roots, blocks)
 
