@@ -114,3 +114,34 @@ def test_in_memory_universe_means_are_engine_plans(trio, monkeypatch):
         assert plans[3 * r:3 * r + 3] == [(every, pytest.approx([0, .5, .5])),
                                           (["model 0", "model 2"], pytest.approx([.5, .5])),
                                           (["model 0", "model 1"], pytest.approx([.5, .5]))]
+
+
+@pytest.mark.slow  # ten rounds of learned matching, out of core and in memory: about a minute
+def test_universe_with_learned_matching_runs_out_of_core_and_equals_the_in_memory_one(trio, capsys, held):
+    """``--refine N`` with ``--anchor universe``: every round aligns each model to its mean by
+    learned matching, out of core within the budget (no model loaded), and gives the in-memory
+    universe's tensors and rounds, the same engine running both."""
+    root, built = trio
+    out = root / "out_refine"
+    argv = ["merge", *(str(root / f"m{i}") for i in range(3)), "--anchor", "universe", "--refine", "2",
+            "--data", str(root / "ids.safetensors"), "--memory-budget", "1MB", "--out", str(out)]
+    assert main(argv) == 0, capsys.readouterr().err
+    said = capsys.readouterr()
+    assert "loaded in memory" not in said.err
+    assert "(average, align=activations, refine=2, shared universe, out of core)" in said.out
+    assert 0 < held[0] <= parse_size("1MB")
+    rec = json.loads((out / "symgraph_merge.json").read_text())
+    ref = symgraph.merge(built, anchor="universe", refine=2, data=load_data(str(root / "ids.safetensors"), built[0]))
+    got, want = load(out), ref.model.state_dict()
+    assert max(float((got[k].double() - want[k].double()).abs().max()) for k in got) <= 1e-5
+    assert [a["refined"]["steps"] for a in rec["alignments"]] == [2, 2, 2]  # every model, each round
+    assert rec["universe"]["rounds"] == ref.universe["rounds"] and rec["universe"]["changed"] == ref.universe["changed"]
+
+
+def test_a_universe_refuses_what_only_symgraph_align_takes(trio):
+    """A loss of the user's, ``between`` or ``rescale`` reach only :func:`symgraph.align`; a
+    universe's rounds run in the merge engine, so they are refused there in one line."""
+    _, built = trio
+    with pytest.raises(symgraph.InputError, match="anchor='universe' aligns in the merge engine's rounds, which "
+                                                  "take no rescale; expected it with an anchor index"):
+        symgraph.merge(built, anchor="universe", rescale=True)

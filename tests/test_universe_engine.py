@@ -15,7 +15,7 @@ from symgraph.checkpoints.sharded import parse_size
 from symgraph.cli.main import main
 from symgraph.app.run import merge_checkpoints
 from symgraph.merging.streaming import StreamingMerge
-from symgraph.merging.universe import SCRATCH_PREFIX, align_universe_streamed
+from symgraph.merging.universe import SCRATCH_PREFIX, align_universe
 from symgraph.testing import models
 
 from engine_helpers import load, rel
@@ -94,7 +94,7 @@ def test_activation_universe_out_of_core_equals_in_memory(trio):
     opts = {"max_rounds": 2}
     job = StreamingMerge([str(root / f"m{i}") for i in range(3)], align="activations", data=data,
                          memory_budget="128KB")
-    rec = align_universe_streamed(job, str(root), opts)
+    rec = align_universe(job, str(root), opts)
     ref = symgraph.merge(built, anchor="universe", align="activations", data=data, universe_options=opts)
     assert rec["changed"] == ref.universe["changed"] and rec["changed"][0] > 1
     for al, want in zip(job.alignments, ref.alignments):

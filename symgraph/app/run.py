@@ -132,8 +132,8 @@ def _engine(cfg, inputs, data, progress, options) -> tuple:
     reads (the method's statistics, REPAIR's, activation or learned matching's; the tokens
     ``seen_rows`` reads are its option), or ``(None, None, why)`` when the merge needs its
     models in memory."""
-    why = ("the shared universe out of core takes no learned matching or untying"
-           if cfg.anchor == "universe" and (cfg.refine or cfg.untie)
+    why = ("the shared universe out of core takes no untying"
+           if cfg.anchor == "universe" and cfg.untie
            else None if inputs.local else "not every model is a local checkpoint directory")
     ckpts = inputs.open(cfg.models) if why is None else None
     if ckpts is None:
@@ -154,8 +154,8 @@ def _merge_streaming(job, cfg, inputs, data) -> Merged:
     universe = None
     try:
         if cfg.anchor == "universe":
-            from ..merging.universe import align_universe_streamed
-            universe = align_universe_streamed(job, os.path.dirname(inputs.out))
+            from ..merging.universe import align_universe
+            universe = align_universe(job, os.path.dirname(inputs.out))
         else:
             job.align()
     except (StructureMismatchError, InputError) as e:

@@ -95,30 +95,34 @@ def merge(models, inputs=None, *, weights=UNSET, align=UNSET, data=None, method=
 
 def _alignments(models, config, how, data, inputs, align_options, universe_options, progress) -> tuple:
     """``(job, report, alignments, universe, timings)``: every model aligned into the anchor's
-    basis by the merge engine over the models (``job``), which then combines them; by
-    :func:`symgraph.align` where an option only it takes is given (a loss, ``between``,
-    ``rescale``); or every model into a shared universe, in the engine's rounds."""
+    basis, or into a shared universe in rounds, by the merge engine over the models (``job``),
+    which then combines them; by :func:`symgraph.align` where an option only it takes is given
+    (a loss, ``between``, ``rescale``: not in a universe's rounds)."""
     t0 = time.perf_counter()
     A = models[0 if config.anchor == "universe" else config.anchor]
     timings = {"analyze": 0.0, "align": 0.0, "statistics": 0.0}
-    if config.anchor != "universe" and not set(IN_MEMORY_ONLY) & set(align_options):  # the engine aligns
+    only = sorted(set(IN_MEMORY_ONLY) & set(align_options))
+    if only and config.anchor == "universe":
+        raise InputError(f"anchor='universe' aligns in the merge engine's rounds, which take no {only[0]}; "
+                         "expected it with an anchor index (or anchor='universe' without it)")
+    if not only:  # the engine aligns
         job = _engine(models, config, how, data, aligning=dict(align_options, inputs=inputs), progress=progress)
-        alignments = job.align()
+        if config.anchor == "universe":  # every model's alignment to the mean of the others, the engine's rounds
+            from .universe import align_universe
+            universe = align_universe(job, None, universe_options)
+            alignments = job.alignments
+        else:
+            universe, alignments = None, job.align()
         ra = job.report if job.report is not None else analyze(
             A, inputs, fold_norms=config.fold_norms, outputs=config.outputs)
         for al in alignments:
             if al is not None:
                 al.template = A  # a merge across widths applies it to B in A's shapes
-        timings.update(analyze=job.timings.get("analyze", 0.0), align=job.timings.get("align", 0.0))
-        return job, ra, alignments, None, timings
+        timings.update(analyze=job.timings.get("analyze", 0.0),
+                       align=universe["seconds"] if universe else job.timings.get("align", 0.0))
+        return job, ra, alignments, universe, timings
     ra, align_options = _analysed(A, inputs, config, data, align_options)
     timings["analyze"] = time.perf_counter() - t0
-    if config.anchor == "universe":  # every model's alignment to the mean of the others, the engine's rounds
-        from .universe import align_universe
-        job = _engine(models, config, how, data)
-        alignments, universe = align_universe(job, models, inputs, ra, universe_options, progress, **align_options)
-        timings["align"] = universe["seconds"]
-        return job, ra, alignments, universe, timings
     bar = progress_bar(models, desc=f"aligning (align={config.align})", unit="model",
                        enabled=progress and config.align != "none")
     alignments = [None if i == config.anchor or config.align == "none"  # unaligned: the engine refuses other shapes

@@ -198,7 +198,9 @@ class StreamingMerge:
         if self.config.repair:
             repair_stream.check(A.model, ra)
         eye = slicing.identity_alignment(ra) if aligned and self.resources.budget is not None else None
-        learning = self._learning(A, eye) if self.config.refine else None
+        if self.config.refine:  # learned matching's room, before any work
+            from .learned import check_budget
+            check_budget(self._learning(A), eye)
         slicing.check_floor(self, eye)
         if not aligned:  # nothing to move: every tensor is combined as it is
             return self.alignments
@@ -206,20 +208,18 @@ class StreamingMerge:
         with self.aligning_to(A, ra) as solve, progress_bar(total=len(others), desc="aligning", unit="model",
                                                             enabled=self.progress) as bar:
             for i, rb in others.items():
-                self.alignments[i] = solve(i, rb, learning)
+                self.alignments[i] = solve(i, rb)
                 bar.update()
         self.timings["align"] = time.perf_counter() - t1
         return self.alignments
 
-    def _learning(self, A, eye):
-        """Learned matching's settings, its room checked with ``eye`` (:func:`~.engine.slicing.identity_alignment`)."""
-        from .learned import Learning, check_budget
+    def _learning(self, target):
+        """Learned matching's settings towards ``target`` (the anchor, or a universe's mean)."""
+        from .learned import Learning
         res = self.resources
-        learning = Learning(A, self.data, self.config.refine, self.align_options.get("refine_lr", 1e-3), res.device,
-                            res.ledger, res.stats_bytes, res.budget is not None, res.work_dtype,
-                            self._solver_options(), res.progress)
-        check_budget(learning, eye)
-        return learning
+        return Learning(target, self.data, self.config.refine, self.align_options.get("refine_lr", 1e-3), res.device,
+                        res.ledger, res.stats_bytes, res.budget is not None, res.work_dtype,
+                        self._solver_options(), res.progress)
 
     def _solver_options(self) -> dict:
         return {k: v for k, v in self.align_options.items() if k not in ENGINE_ONLY}
@@ -227,18 +227,19 @@ class StreamingMerge:
     @contextmanager
     def aligning_to(self, target, ra):
         """The one alignment step (of :meth:`align` and of a shared universe's rounds): a
-        function ``solve(i, report_b, learning=None)`` aligning checkpoint ``i`` (analysed as
-        ``report_b``) to ``target`` (a checkpoint of the anchor's architecture, analysed as
-        ``ra``; its folded view kept while the context is open), both read through norm-folded
-        views, by weights or activations (learned matching with ``learning``), full groups
-        fitted from the stored tensors."""
+        function ``solve(i, report_b)`` aligning checkpoint ``i`` (analysed as ``report_b``) to
+        ``target`` (a checkpoint of the anchor's architecture, analysed as ``ra``; its folded view
+        kept while the context is open), both read through norm-folded views, by weights or
+        activations (with ``refine``, learned matching towards ``target``), full groups fitted
+        from the stored tensors."""
         from ..alignment.driver import align_tensors
         res, opts = self.resources, self._solver_options()
+        learning = self._learning(target) if self.config.refine else None
         dev = None if res.device.type == "cpu" else res.device
         fa = Folded(ra, target, res.cache_bytes, res.work_dtype, dev, res.ledger)
         gains = gauge(ra.folds, {n: target.get(n).to(res.device) for f in ra.folds for n in (f.gain, f.shift) if n})
 
-        def solve(i, rb, learning=None):
+        def solve(i, rb):
             c = self._checkpoints[i]
             fb = Folded(rb, c, res.cache_bytes, res.work_dtype, dev, res.ledger)
             acts = {} if self.align_mode != "activations" else dict(

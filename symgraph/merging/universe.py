@@ -19,8 +19,8 @@ counted as a change, as it changes neither the average's function nor any model'
 
 Elements are solved by the usual solvers, so heterogeneous widths, activations, ``refine`` and
 every merge method work as with an anchor; where norm gains fold, every state carries
-``models[0]``'s gains. The rounds (:func:`run_rounds`) are one loop, in memory
-(:func:`align_universe`) and out of core within the budget (:func:`align_universe_streamed`).
+``models[0]``'s gains. The rounds (:func:`run_rounds`) are one loop of the merge engine's
+steps (:func:`align_universe`), in memory and out of core within the budget.
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ..alignment import align as align_models
 from ..checkpoints.leftovers import mark_run
+from ..checkpoints.memory import ModelCheckpoint
 from ..core.elements import Map, Perm
 from ..core.files import identity, remove_own
 from ..core.progress import bar as progress_bar
@@ -40,7 +40,7 @@ from ..errors import InputError
 from .methods.average import Average
 from .streaming import StreamingMerge
 
-__all__ = ["DEFAULTS", "SCRATCH_PREFIX", "align_universe", "align_universe_streamed", "universe_options",
+__all__ = ["DEFAULTS", "SCRATCH_PREFIX", "align_universe", "universe_options",
            "round_changes", "run_rounds", "mean_plan", "Spread"]
 
 #: ``universe_options`` of :func:`symgraph.merge` and their defaults.
@@ -66,14 +66,14 @@ def universe_options(options: dict | None) -> dict:
     return out
 
 
-def align_universe(job, models, inputs, ra, options=None, progress=False, **align_options):
-    """Align every model of ``models`` into one shared basis (module docstring), in memory:
-    ``job`` is the merge engine over them (its ``align``, mixing weights and plans), ``ra``
-    ``models[0]``'s report, ``options`` ``max_rounds`` and ``tol`` (:data:`DEFAULTS`),
-    ``align_options`` :func:`symgraph.align`'s (``data`` included: what aligning reads).
+def align_universe(job: StreamingMerge, parent: str | None = None, options: dict | None = None) -> dict:
+    """Align every model of ``job`` (the merge engine over them: its ``align``, mixing weights
+    and plans) into one shared basis and hand the alignments to it (``job.alignments``): out
+    of core within its budget, each round's means written into ``parent`` (each removed
+    after), or with ``parent`` None in memory, each mean a model in memory; ``options``:
+    ``max_rounds`` and ``tol`` (:data:`DEFAULTS`).
 
-    Returns ``(alignments, record)``: per model its :class:`~symgraph.Alignment` into the
-    universe, and a JSON-able record: ``rounds``, ``converged``, ``stopped`` ("converged" /
+    Returns a JSON-able record: ``rounds``, ``converged``, ``stopped`` ("converged" /
     "max_rounds"), per round ``changed`` (elements, all models), ``changed_per_model``,
     ``drifted`` (:func:`round_changes`), ``max_change`` and ``round_seconds`` (round 0 first),
     ``distance`` (round 0 first: ``Σ w_i‖θ_i − θ̄‖² / Σ w_i‖θ_i‖²``, :class:`Spread`);
@@ -81,52 +81,26 @@ def align_universe(job, models, inputs, ra, options=None, progress=False, **alig
     """
     opts = universe_options(options)
     t0 = time.perf_counter()
-    A = models[0]
-    alignments = [None] + [align_models(A, m, inputs, report_a=ra, **align_options) for m in models[1:]]  # round 0
-    record = run_rounds(job, ra, alignments, _InMemory(models, inputs, ra, align_options), opts, progress, t0)
-    return alignments, record
-
-
-class _InMemory:
-    """The rounds' steps for models in memory: each mean written into a copy of ``models[0]``,
-    and each original model aligned to it by :func:`symgraph.align`."""
-
-    def __init__(self, models, inputs, ra, kw):
-        self.models, self.inputs, self.ra, self.kw = models, inputs, ra, kw
-
-    @contextmanager
-    def target(self, plan):
-        yield plan.merged_model(self.models[0])
-
-    def align(self, target, i, rb):
-        # activation statistics run a report's own graph with the weights it was traced with:
-        # the target's report is the target's (ra would measure models[0]'s activations)
-        own = self.kw.get("data") is not None
-        return align_models(target, self.models[i], self.inputs, report_a=None if own else self.ra,
-                            report_b=rb, **self.kw)
-
-
-def align_universe_streamed(job: StreamingMerge, parent: str, options: dict | None = None) -> dict:
-    """Align every checkpoint of ``job`` into one shared basis within its budget, out of core,
-    and hand the alignments to it; ``parent``: where the rounds' means are written (each
-    removed after); ``options`` as :func:`align_universe`'s. Returns the record."""
-    opts = universe_options(options)
-    t0 = time.perf_counter()
     alignments = list(job.align())  # round 0: the anchor merge
-    record = run_rounds(job, job.report, alignments, _OnDisk(job, parent), opts, job.progress, t0)
+    record = run_rounds(job, job.report, alignments, _Steps(job, parent), opts, job.progress, t0)
     job.use(job.report, alignments)
     return record
 
 
-class _OnDisk:
-    """The rounds' steps out of core: each mean in a temporary directory in ``parent``, read as
-    the job reads its own checkpoints; the target has the anchor's architecture (the job's report)."""
+class _Steps:
+    """The rounds' steps: each mean in a temporary directory in ``parent``, read as the job
+    reads its own checkpoints, or (``parent`` None) written into a copy of the anchor's model
+    in memory; each model aligned to it by the job's own step (the target has the anchor's
+    architecture: the job's report)."""
 
     def __init__(self, job, parent):
         self.job, self.parent = job, parent
 
     @contextmanager
     def target(self, plan):
+        if self.parent is None:
+            yield ModelCheckpoint(plan.merged_model(self.job.checkpoints[0].model), "the universe's mean")
+            return
         scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=self.parent)
         made = identity(scratch)
         try:
