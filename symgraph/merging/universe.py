@@ -82,25 +82,22 @@ def align_universe(job: StreamingMerge, parent: str | None = None, options: dict
     opts = universe_options(options)
     t0 = time.perf_counter()
     alignments = list(job.align())  # round 0: the anchor merge
-    record = run_rounds(job, job.report, alignments, _Steps(job, parent), opts, job.progress, t0)
+    steps = _InMemory(job, None) if parent is None else _OnDisk(job, parent)
+    record = run_rounds(job, job.report, alignments, steps, opts, job.progress, t0)
     job.use(job.report, alignments)
     return record
 
 
-class _Steps:
-    """The rounds' steps: each mean in a temporary directory in ``parent``, read as the job
-    reads its own checkpoints, or (``parent`` None) written into a copy of the anchor's model
-    in memory; each model aligned to it by the job's own step (the target has the anchor's
-    architecture: the job's report)."""
+class _OnDisk:
+    """The rounds' steps out of core: each mean in a temporary directory in ``parent``, read as
+    the job reads its own checkpoints; each model aligned to it by the job's own step (the
+    target has the anchor's architecture: the job's report)."""
 
     def __init__(self, job, parent):
         self.job, self.parent = job, parent
 
     @contextmanager
     def target(self, plan):
-        if self.parent is None:
-            yield ModelCheckpoint(plan.merged_model(self.job.checkpoints[0].model), "the universe's mean")
-            return
         scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=self.parent)
         made = identity(scratch)
         try:
@@ -113,6 +110,14 @@ class _Steps:
     def align(self, target, i, rb):
         with self.job.aligning_to(target, self.job.report) as solve:
             return solve(i, rb)
+
+
+class _InMemory(_OnDisk):
+    """The rounds' steps for models in memory: each mean written into a copy of the anchor's model."""
+
+    @contextmanager
+    def target(self, plan):
+        yield ModelCheckpoint(plan.merged_model(self.job.checkpoints[0].model), "the universe's mean")
 
 
 def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0: float) -> dict:
