@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .provenance import REPO_ROOT, git_state, log, table, write_result
+from .provenance import REPO_ROOT, command_line, git_state, log, table, write_result
 
 WORKER = Path(__file__).resolve().parent / "engine_equivalence_worker.py"
 CASES = ("mlp/average", "mlp/regmean", "mlp/repair", "mlp/universe_regmean",
@@ -64,11 +64,12 @@ def main(argv=None) -> int:
     before = os.path.abspath(a.before)
     before_commit = subprocess.run(["git", "-C", before, "rev-parse", "--short", "HEAD"], capture_output=True,
                                    text=True).stdout.strip() or "?"
-    rows = []
+    rows, shown = [], f"<checkout of {before_commit}>"
     with tempfile.TemporaryDirectory() as tmp:
         fa, fb = os.path.join(tmp, "before.safetensors"), os.path.join(tmp, "after.safetensors")
         for c in a.cases:
             ra, rb = _run(before, c, fa), _run(str(REPO_ROOT), c, fb)
+            ra = {k: v.replace(before, shown) if isinstance(v, str) else v for k, v in ra.items()}  # no machine path
             row = {"case": c, "before": ra, "after": rb}
             if "error" not in ra and "error" not in rb:
                 row |= _compare(fa, fb)
@@ -77,7 +78,8 @@ def main(argv=None) -> int:
     state = git_state()
     write_result(a.out, ".engine-", {"before": before_commit, "after": state, "cases": rows,
                                      "written": time.strftime("%Y-%m-%dT%H:%M:%S")},
-                 lambda _: report(rows, before_commit, state))
+                 lambda _: report(rows, before_commit, state),
+                 command=command_line([a2 if a2 != a.before else shown for a2 in (argv or sys.argv[1:])]))
     return 0
 
 
