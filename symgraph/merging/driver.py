@@ -97,7 +97,8 @@ def _alignments(models, config, how, data, inputs, align_options, universe_optio
     """``(job, report, alignments, universe, timings)``: every model aligned into the anchor's
     basis, or into a shared universe in rounds, by the merge engine over the models (``job``),
     which then combines them; by :func:`symgraph.align` where an option only it takes is given
-    (a loss, ``between``, ``rescale``: not in a universe's rounds)."""
+    (a loss, ``between``, ``rescale``: not in a universe's rounds); unaligned, the anchor analysed
+    once for the engine that combines them."""
     t0 = time.perf_counter()
     A = models[0 if config.anchor == "universe" else config.anchor]
     timings = {"analyze": 0.0, "align": 0.0, "statistics": 0.0}
@@ -105,7 +106,7 @@ def _alignments(models, config, how, data, inputs, align_options, universe_optio
     if only and config.anchor == "universe":
         raise InputError(f"anchor='universe' aligns in the merge engine's rounds, which take no {only[0]}; "
                          "expected it with an anchor index (or anchor='universe' without it)")
-    if not only:  # the engine aligns
+    if not only and config.align != "none":  # the engine aligns (unaligned: the anchor analysed below)
         job = _engine(models, config, how, data, aligning=dict(align_options, inputs=inputs), progress=progress)
         if config.anchor == "universe":  # every model's alignment to the mean of the others, the engine's rounds
             from .universe import align_universe
@@ -113,8 +114,7 @@ def _alignments(models, config, how, data, inputs, align_options, universe_optio
             alignments = job.alignments
         else:
             universe, alignments = None, job.align()
-        ra = job.report if job.report is not None else analyze(
-            A, inputs, fold_norms=config.fold_norms, outputs=config.outputs)
+        ra = job.report
         for al in alignments:
             if al is not None:
                 al.template = A  # a merge across widths applies it to B in A's shapes
@@ -174,7 +174,8 @@ def _combined(models, A, ra, alignments, config, engine, timings) -> MergeResult
         timings["combine"] = time.perf_counter() - t3
         return MergeResult(out, alignments, timings)
     job = engine()
-    job.use(ra, alignments)
+    if job.report is not ra:  # alignments found outside the engine (an engine that aligned holds them)
+        job.use(ra, alignments)
     out = job.merged_model(A)
     timings["statistics"] = job.timings.get("statistics", 0.0)
     timings["combine"] = time.perf_counter() - t3 - timings["statistics"]
