@@ -6,6 +6,8 @@ import inspect
 import warnings
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..core.devices import weightless_twin
 from ..core.dtypes import parameters_dtype
@@ -104,7 +106,11 @@ def conversions_in_place():
     """A forward that converts a submodule to the dtype and device it already has (a router kept
     in float32: ``self.classifier.to(self.dtype)``) changes nothing, but under ``torch.export``
     its parameters are functional tensors that ``Module.to`` tries, and fails, to swap: while
-    tracing, such a conversion returns the module as it is; any other runs as usual."""
+    tracing, such a conversion returns the module as it is; any other runs as usual. A deep copy
+    of a value the program computes (``generate`` copies its generation config, which holds the
+    pad token as a tensor) cannot read that value's storage, which a traced value has none of:
+    it is the value cloned in the program, one clone per copy, as ``deepcopy`` keeps shared
+    references shared."""
     orig = torch.nn.Module.to
 
     def to(self, *args, **kwargs):
@@ -114,10 +120,18 @@ def conversions_in_place():
                    for t in (*self.parameters(), *self.buffers()))
         return self if same and fmt is None else orig(self, *args, **kwargs)
     torch.nn.Module.to = to
+    copy_of = torch.Tensor.__deepcopy__
+
+    def deepcopy(self, memo):
+        if id(self) not in memo and isinstance(self, (FakeTensor, FunctionalTensor)):
+            memo[id(self)] = self.clone()  # a value of the program: copied in it
+        return memo[id(self)] if id(self) in memo else copy_of(self, memo)
+    torch.Tensor.__deepcopy__ = deepcopy
     try:
         yield
     finally:
         torch.nn.Module.to = orig
+        torch.Tensor.__deepcopy__ = copy_of
 
 
 def varying_nodes(ep):
