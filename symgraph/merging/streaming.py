@@ -42,7 +42,7 @@ from .engine.sinks import Into, write_config
 from .engine.sums import MemorySpill, Spill
 from ..core.ties import check_untie, untie_config_updates
 from ..checkpoints.specs import check_same_configs, with_config_diff
-from .engine.views import DEFAULT_CACHE, Aligned, Folded, Sides, return_freed_memory
+from .engine.views import DEFAULT_CACHE, Aligned, Folded, Sides, fit_dtype, return_freed_memory
 from .engine import Executor, build_plan
 from .engine.executor import Resources, Transforms
 from .engine.measuring import RepairContext
@@ -77,8 +77,9 @@ class StreamingMerge:
     matching, the method's statistics (its declared kind, :mod:`.engine.statistics`) and REPAIR;
     ``method``: a method instance the config's ``method`` stands for; ``rows_from``: batches whose
     tokens' embedding rows weight matching reads; ``cache_bytes``: each model's cache without a
-    memory budget (:func:`~.engine.slicing.budgets`); ``work_dtype``: what rotations are solved and graphs run in
-    (default float32, float64 for float64 checkpoints); ``ledger``: another engine's
+    memory budget (:func:`~.engine.slicing.budgets`); ``work_dtype``: what rotations are applied and graphs run in
+    (default float32, float64 for float64 checkpoints; rotations are solved in float64 unless
+    every checkpoint is 16-bit); ``ledger``: another engine's
     :class:`~.engine.views.Ledger` this one's bytes count in. The constructor reads headers only.
 
     The public surface (what code outside the engine reads; every other attribute is the
@@ -126,13 +127,17 @@ class StreamingMerge:
         self._checkpoints = tuple(c.untied() for c in ckpts) if cfg.untie else tuple(ckpts)  # then checked
         self._check_family()
         self.weights  # computed once, refused here before any tensor is read
-        # rotations are solved and applied in float32 for 16- and 32-bit weights (their own
-        # precision is far coarser), in float64 for float64 checkpoints; the graphs run alike
+        # rotations are applied in float32 for 16- and 32-bit weights (their own precision is
+        # far coarser), in float64 for float64 checkpoints; the graphs run alike
         wide = any(c.dtype == torch.float64 for c in self._checkpoints)
         self.resources.work_dtype = torch.float64 if wide else torch.float32
         for c in self._checkpoints:
             self.read(c)
         self.resources.work_dtype = work_dtype or self.resources.work_dtype
+        # the alignment solves its rotations in float64 (float32 where every checkpoint is
+        # 16-bit, whose values hold 8-11 bits): its similarities are small, and in memory or out
+        # of core a merge finds the same maps as symgraph.align
+        self.resources.solve_dtype = torch.promote_types(self.resources.work_dtype, fit_dtype(*self._checkpoints))
         self.alignments: list = [None] * len(paths)
         self.graph_report: SymmetryReport | None = None  # the anchor's (None: not analysed), statistics' graph too
         self.timings: dict = {}
@@ -218,7 +223,7 @@ class StreamingMerge:
         from .learned import Learning
         res = self.resources
         return Learning(target, self.data, self.config.refine, self.align_options.get("refine_lr", 1e-3), res.device,
-                        res.ledger, res.stats_bytes, res.budget is not None, res.work_dtype,
+                        res.ledger, res.stats_bytes, res.budget is not None, res.solve_dtype,
                         self._solver_options(), res.progress)
 
     def _solver_options(self) -> dict:
@@ -250,7 +255,7 @@ class StreamingMerge:
                 if learning is not None:  # imported here: the engine loads nothing of a step it does not run
                     from .learned import refined
                     return refined(learning, c, ra, rb, (fa, fb), gains, sides, acts)
-                return align_tensors(ra, rb, fa, fb, gains, exact_dtype=res.work_dtype, sides=sides, **acts, **opts)
+                return align_tensors(ra, rb, fa, fb, gains, exact_dtype=res.solve_dtype, sides=sides, **acts, **opts)
             finally:
                 fb.clear()
         try:

@@ -37,8 +37,9 @@ class Resources:
     checkpoints), the byte sizes the memory budget gives (each model's cache of folded or moved
     tensors, a group's chunk above which it is computed in slices, a pass of statistics), the
     :class:`~.views.Ledger` of bytes held, whose peak the budget bounds, whether the steps
-    show a ``progress`` bar, the memory ``budget`` (bytes; None: none given) and the ``exact``
-    dtype a piece is carried and combined in where it fits (:meth:`Executor.dtype`)."""
+    show a ``progress`` bar, the memory ``budget`` (bytes; None: none given), the ``exact``
+    dtype a piece is carried and combined in where it fits (:meth:`Executor.dtype`) and the
+    ``solve_dtype`` the alignment's rotations are solved in (None: the work dtype)."""
     device: torch.device
     out_device: torch.device
     work_dtype: torch.dtype
@@ -49,6 +50,7 @@ class Resources:
     progress: bool = False
     budget: int | None = None
     exact: torch.dtype | None = None
+    solve_dtype: torch.dtype | None = None
 
 
 @dataclass
