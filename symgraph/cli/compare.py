@@ -126,7 +126,7 @@ def compare_checkpoints(A, B, data=None, *, null: int = 4, threshold: float | No
         Bv = B if draw is None else _shuffled_checkpoint(B, [n for n in names if n not in gauge], seed, draw)
         job = StreamingMerge([A, Bv], align="weights" if data is None else "activations", data=data,
                              fold_norms=fold_norms, memory_budget=memory_budget, full_groups=True,
-                             work_dtype=work, **engine)  # rotations applied (and solved) in float64 but for 16-bit weights
+                             work_dtype=work, **engine)  # what rotations are applied in (solved in float64 unless both are 16-bit)
         try:
             al = job.align()[1]
         except StructureMismatchError as e:

@@ -106,11 +106,7 @@ def conversions_in_place():
     """A forward that converts a submodule to the dtype and device it already has (a router kept
     in float32: ``self.classifier.to(self.dtype)``) changes nothing, but under ``torch.export``
     its parameters are functional tensors that ``Module.to`` tries, and fails, to swap: while
-    tracing, such a conversion returns the module as it is; any other runs as usual. A deep copy
-    of a value the program computes (``generate`` copies its generation config, which holds the
-    pad token as a tensor) cannot read that value's storage, which a traced value has none of:
-    it is the value cloned in the program, one clone per copy, as ``deepcopy`` keeps shared
-    references shared."""
+    tracing, such a conversion returns the module as it is; any other runs as usual."""
     orig = torch.nn.Module.to
 
     def to(self, *args, **kwargs):
@@ -120,17 +116,26 @@ def conversions_in_place():
                    for t in (*self.parameters(), *self.buffers()))
         return self if same and fmt is None else orig(self, *args, **kwargs)
     torch.nn.Module.to = to
-    copy_of = torch.Tensor.__deepcopy__
-
-    def deepcopy(self, memo):
-        if id(self) not in memo and isinstance(self, (FakeTensor, FunctionalTensor)):
-            memo[id(self)] = self.clone()  # a value of the program: copied in it
-        return memo[id(self)] if id(self) in memo else copy_of(self, memo)
-    torch.Tensor.__deepcopy__ = deepcopy
     try:
         yield
     finally:
         torch.nn.Module.to = orig
+
+
+@contextlib.contextmanager
+def copies_in_program():
+    """A deep copy of a value the program computes (``generate`` copies its generation config,
+    which holds the pad token as a tensor) cannot read that value's storage, which a traced
+    value has none of: while tracing, it is the value cloned in the program (``deepcopy``'s
+    memo keeps shared references shared)."""
+    copy_of = torch.Tensor.__deepcopy__
+
+    def deepcopy(self, memo):
+        return self.clone() if isinstance(self, (FakeTensor, FunctionalTensor)) else copy_of(self, memo)
+    torch.Tensor.__deepcopy__ = deepcopy
+    try:
+        yield
+    finally:
         torch.Tensor.__deepcopy__ = copy_of
 
 
@@ -314,7 +319,7 @@ def trace(model, inputs=None, decompose: bool = True):
     with holders, eval_mode(model), graph_friendly(model), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            with conversions_in_place(), stacked_index_lists():
+            with conversions_in_place(), copies_in_program(), stacked_index_lists():
                 ep, branched, found = traced_with_holders(model, traced, _export(model, traced, on_meta),
                                                           lambda: _export(model, traced, on_meta), holders)
         except Exception as e:  # noqa: BLE001 - report any tracing failure uniformly

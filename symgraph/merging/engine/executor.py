@@ -39,7 +39,8 @@ class Resources:
     :class:`~.views.Ledger` of bytes held, whose peak the budget bounds, whether the steps
     show a ``progress`` bar, the memory ``budget`` (bytes; None: none given), the ``exact``
     dtype a piece is carried and combined in where it fits (:meth:`Executor.dtype`) and the
-    ``solve_dtype`` the alignment's rotations are solved in (None: the work dtype)."""
+    ``solve_dtype`` the alignment's rotations are solved in (the engine sets it from its
+    checkpoints: float64 unless every one is 16-bit, never below the work dtype)."""
     device: torch.device
     out_device: torch.device
     work_dtype: torch.dtype
