@@ -214,6 +214,35 @@ def test_a_killed_merge_leaves_what_the_next_run_removes(pair, tmp_path, capsys)
     assert digest(pair) == inputs
 
 
+def test_the_run_marker_appears_only_whole(tmp_path, monkeypatch):
+    """A run killed while it writes its marker must not leave a half marker that no later run
+    can read (the directory would then be left alone for good): the marker's name appears
+    only once its whole text is written."""
+    seen = []
+    real = leftovers._this_run
+
+    def watching(out, directory):
+        seen.append(os.path.exists(os.path.join(directory, RUN_MARKER)))  # before anything is written
+        return real(out, directory)
+
+    monkeypatch.setattr(leftovers, "_this_run", watching)
+    real_replace = os.replace
+
+    def replacing(src, dst):
+        seen.append(os.path.exists(dst))  # still absent while the text is being written
+        assert json.loads(pathlib.Path(src).read_text())["dir"] == "run"
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(leftovers.os, "replace", replacing)
+    (tmp_path / "run").mkdir()
+    leftovers.mark_run(str(tmp_path / "run"), None)
+    assert seen == [False, False]
+    assert os.listdir(tmp_path / "run") == [RUN_MARKER]
+    assert json.loads((tmp_path / "run" / RUN_MARKER).read_text())["pid"] == os.getpid()
+    leftovers.unmark_run(str(tmp_path / "run"))
+    assert os.listdir(tmp_path / "run") == []
+
+
 def test_a_killed_runs_spilled_statistics_are_swept_too(tmp_path, capsys):
     """The statistics a merge spills beside --out (REGMEAN, Fisher, REPAIR) carry a run marker
     for no one output: closed, nothing is left; left by a dead run, the next run beside them

@@ -64,9 +64,12 @@ def mark_run(directory: str, out: str | None) -> None:
     for the output ``out`` (its absolute path; None: for no one output, e.g. statistics spilled
     beside it, which any run sweeping that directory's parent may remove once this run is dead)."""
     path = os.path.join(directory, RUN_MARKER)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    text = json.dumps(_this_run(out, directory))
+    partial = path + ".partial"  # written whole, then named: a run killed meanwhile never leaves a half marker
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(_this_run(out, directory), f)
+        f.write(text)
+    os.replace(partial, path)  # the directory is this process's own, just made
     _MARKED[os.path.realpath(directory)] = identity(path)  # what unmark_run may remove
 
 
