@@ -29,41 +29,89 @@ def check_points(points, name: str = "points") -> int:
 def interpolate(a, b, lambdas=None, loss_fn=None, attention: str = "heads"):
     """Losses along ``λθ_A + (1−λ)θ_B``; returns ``[(λ, loss), ...]`` (21 points by default).
 
+    θ is every parameter and every floating-point buffer (a BatchNorm's running statistics move
+    with its weights; integer buffers, e.g. batch counts, are A's), so λ = 0 is B and λ = 1 is A.
+    ``lambdas``: values in [0, 1]; ``loss_fn(model)`` returns a finite number.
+
     ``attention="circuits"``: along the circuit-space line instead (Theus et al. 2025): every
     head computes ``λ·QK_A + (1−λ)·QK_B`` and ``λ·OV_A + (1−λ)·OV_B``
     (:func:`symgraph.merging.driver.circuit_merge`); the end points are A and B."""
-    if loss_fn is None:
-        raise InputError("interpolate needs loss_fn(model) -> float")
-    lambdas = np.linspace(0, 1, 21) if lambdas is None else lambdas
+    from ..core.finite import require_module
+    if not callable(loss_fn):
+        raise InputError(f"loss_fn is {'missing' if loss_fn is None else type(loss_fn).__name__}; "
+                         "interpolate needs loss_fn(model) -> float")
+    lambdas = np.linspace(0, 1, 21) if lambdas is None else check_lambdas(lambdas)
     if attention not in ("heads", "circuits"):
         raise InputError(f"attention={attention!r}; expected 'heads' or 'circuits'")
-    pa = dict(a.named_parameters())
-    pb = dict(b.named_parameters())
-    for k in pa:
-        if k not in pb or pa[k].shape != pb[k].shape:
-            raise InputError(f"models differ at parameter {k!r}; interpolate needs equal shapes")
+    require_module(a, "a")
+    require_module(b, "b")
+    sa, sb = _state(a), _state(b)
+    for k in sa.keys() | sb.keys():
+        if k not in sa or k not in sb or sa[k].shape != sb[k].shape:
+            where = ("only " + ("A" if k in sa else "B") + " has it") if k not in sa or k not in sb else \
+                f"shapes {tuple(sa[k].shape)} vs {tuple(sb[k].shape)}"
+            raise InputError(f"models differ at {k!r} ({where}); interpolate needs the same tensors of the same shapes")
     # every point runs in A's config: a field of B's that changes the function would be dropped
     check_same_configs([getattr(m, "config", None) for m in (a, b)], ["a", "b"])
     if attention == "circuits":
         from ..report import analyze
         from ..merging.driver import circuit_merge
         rep = analyze(a)
-        return [(float(lam), float(loss_fn(circuit_merge([a, b], [lam, 1 - lam], rep)))) for lam in lambdas]
+        return [(float(lam), _loss(loss_fn, circuit_merge([a, b], [lam, 1 - lam], rep), lam)) for lam in lambdas]
     m = copy.deepcopy(a)
+    mine = {k: v for k, v in _state(m).items() if v.is_floating_point() and not torch.equal(sa[k], sb[k])}
     curve = []
     for lam in bar(lambdas, desc="barrier", unit="point"):
         with torch.no_grad():
-            for k, p in m.named_parameters():
-                p.copy_(lam * pa[k] + (1 - lam) * pb[k])
-        curve.append((float(lam), float(loss_fn(m))))
+            for k, t in mine.items():
+                t.copy_(lam * sa[k] + (1 - lam) * sb[k])
+        curve.append((float(lam), _loss(loss_fn, m, lam)))
     return curve
+
+
+def _state(model) -> dict:
+    """``{name: tensor}`` of the model's parameters and buffers (each tied tensor once)."""
+    return dict(model.named_parameters()) | dict(model.named_buffers())
+
+
+def _loss(loss_fn, model, lam) -> float:
+    """``loss_fn(model)`` as a float, refused unless it is one finite number."""
+    v = loss_fn(model)
+    try:
+        v = float(v)
+    except (TypeError, ValueError, RuntimeError):
+        raise InputError(f"loss_fn returned {type(v).__name__} {tuple(getattr(v, 'shape', ()))} at λ = {lam:g}; "
+                         "expected one number") from None
+    if not np.isfinite(v):
+        raise InputError(f"loss_fn returned {v} at λ = {lam:g}; expected a finite loss")
+    return v
+
+
+def check_lambdas(lambdas) -> list:
+    """``lambdas`` as a list of floats, refused unless it is a non-empty sequence of numbers in
+    [0, 1]."""
+    try:
+        values = [float(x) for x in lambdas]
+    except (TypeError, ValueError):
+        raise InputError(f"lambdas {lambdas!r}: expected a sequence of numbers in [0, 1]") from None
+    bad = [x for x in values if not 0.0 <= x <= 1.0]  # NaN fails both comparisons
+    if not values or bad:
+        raise InputError(f"lambdas {lambdas!r}: expected a non-empty sequence of numbers in [0, 1] "
+                         f"(λ = 1 is A, λ = 0 is B)" + (f"; {bad[0]} is not" if bad else ""))
+    return values
 
 
 def loss_barrier(curve) -> float:
     """``max_λ L(λ) − ½(L(θ_A) + L(θ_B))`` (Verma & Elbayad 2024), with θ_A at λ=1 and θ_B at λ=0."""
-    curve = sorted(curve)
+    try:
+        curve = sorted((float(lam), float(loss)) for lam, loss in curve)
+    except (TypeError, ValueError):
+        raise InputError(f"loss_barrier takes a curve [(λ, loss), ...], as interpolate returns; got {curve!r:.80}") \
+            from None
     if len(curve) < 2:
         raise InputError("loss_barrier needs at least the two end points")
+    if not all(np.isfinite(v) for point in curve for v in point):
+        raise InputError("loss_barrier's curve holds a value that is not finite; expected finite λ and losses")
     lo, hi = curve[0][1], curve[-1][1]
     return max(l for _, l in curve) - 0.5 * (lo + hi)
 
