@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..transform.apply import move, stored_tensors, write_state
+from ..transform.apply import check_model, move, stored_tensors, write_state
 from ..core.elements import Map, Perm
 from ..errors import InputError
 from ..report.api import analyze
@@ -50,6 +50,7 @@ class Alignment:
         """B's report, or for a loaded alignment (no reports) ``model_b``'s, analysed with the
         saved options and refused unless its symmetry structure is B's."""
         if self.report_b is not None:
+            check_model(self.report_b, model_b, "model_b")
             return self.report_b
         rep = analyze(model_b, fold_norms=self.options.get("fold_norms", True), outputs=self.options.get("outputs"))
         if self.fingerprints.get("b") and fingerprint(rep) != self.fingerprints["b"]:

@@ -46,8 +46,10 @@ def certify(report, model, inputs=None, trials: int = 3, tol: float = 1e-6) -> f
     and a training run's (:func:`.training_runs.training_results`, under a fixed generator),
     which the analysis keeps fixed, directly.
     """
+    from ..transform.apply import check_model
     if any(p.is_meta for p in model.parameters()):
         raise InputError("cannot certify a model on the meta device: it has no weights")
+    check_model(report, model, "the model to certify")
     args, kwargs = split_inputs(model, inputs) if inputs is not None else report.inputs
     try:
         (worst, where), used = _certify_in(report, model, args, kwargs, trials, torch.float64), tol

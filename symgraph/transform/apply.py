@@ -16,7 +16,7 @@ from ..core.finite import require_module
 from . import folding
 from ..errors import InputError
 
-__all__ = ["map_parameters", "move", "move_piece", "stored_tensors", "write_state", "transform"]
+__all__ = ["map_parameters", "move", "move_piece", "stored_tensors", "write_state", "transform", "check_model"]
 
 
 def map_parameters(report, elements: dict, tensors: dict, *, squared: bool = False,
@@ -70,6 +70,23 @@ def stored_tensors(report, model, check: bool = False) -> dict:
                     raise InputError(f"{what} {name!r} has shape {tuple(t.shape)}, the report expects {want}")
             out[name] = t.detach()
     return out
+
+
+def check_model(report, model, label: str = "the model") -> None:
+    """Refuse ``model`` (named ``label``) unless it is of the class ``report`` was computed from
+    and holds no parameter the report does not name: a model of another architecture has another
+    symmetry structure, even where its tensors' names and shapes agree (a Qwen3 beside a Llama:
+    per-head query and key norms)."""
+    name, want = type(model).__name__, getattr(report, "model_name", None)
+    if want and name != want:
+        raise InputError(f"{label} is a {name}, but the report was computed from a {want}; expected a model of the "
+                         f"report's architecture (analyse the {name} itself)")
+    known = set(report.parameters) | {o for others in report.aliases.values() for o in others}
+    extra = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in known]
+    if extra:
+        raise InputError(f"{label} has parameters its report does not name ({extra[0]!r}"
+                         + (f" and {len(extra) - 1} more" if len(extra) > 1 else "") + "); expected the model the "
+                         "report was computed from, or one of its architecture and config")
 
 
 def write_state(model, state: dict, buffers=()) -> None:
@@ -153,6 +170,7 @@ def transform(model, t):
     if not (hasattr(t, "report") and hasattr(t, "elements")):
         raise InputError(f"transform's t is a {type(t).__name__}; expected a Transform (such as "
                          "report.random_transform())")
+    check_model(t.report, model, "transform's model")
     new = copy.deepcopy(model)
     tensors = stored_tensors(t.report, model, check=True)
     cast = {k: v.dtype for k, v in tensors.items()}
