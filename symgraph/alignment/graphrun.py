@@ -109,6 +109,11 @@ class Stepper(torch.fx.Interpreter):
             self.lazy = {n for n, _ in named}
             self.dtypes = {n: t.dtype for n, t in named if t.is_floating_point()}
 
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.aten.view.default:  # a view traced on one layout, run on another
+            target = torch.ops.aten.reshape.default  # (a matmul under autograd): the same view where it can
+        return super().call_function(target, args, kwargs)
+
     def get_attr(self, target, args, kwargs):
         if target in self.lazy:
             return _Lazy(target)
@@ -134,6 +139,20 @@ class Stepper(torch.fx.Interpreter):
         if self._paused is None:
             raise RuntimeError("the run is not paused")
         return self._paused[0][node]
+
+    def rerun(self, node) -> None:
+        """Compute ``node`` again in a paused run, its parameters read again (one corrected since)."""
+        if self._paused is None:
+            raise RuntimeError("the run is not paused")
+        env = self._paused[0]
+        gone = [i for i in node.all_input_nodes if i not in env]  # the weight's own node, freed after its use
+        if any(i.op != "get_attr" for i in gone):
+            raise RuntimeError(f"{node.name}'s inputs are no longer live")
+        for i in gone:
+            env[i] = self.run_node(i)
+        env[node] = self.run_node(node)
+        for i in gone:
+            del env[i]
 
     @property
     def position(self) -> int:

@@ -30,6 +30,7 @@ import torch
 
 from ..core import distributed, finite
 from ..errors import InputError
+from ..passes.axes import matmul_weight
 from ..passes.nodes import packet, packets
 
 __all__ = ["Site", "find_sites", "Moments", "correction", "layer_errors", "batchnorm_layers",
@@ -72,11 +73,12 @@ class Site:
     channel_dim: int
     out_dim: int
     channels: int
+    via: str | None = None  # the node that transposes the weight for ``x @ W.T`` (read again once corrected)
 
 
 def _layer(node, params):
     """``(weight, bias, channel dim of the output, output dim of the weight)`` of a linear map on
-    parameters, or None."""
+    parameters, or None (the weight a node, or the node transposing it for ``x @ W.T``)."""
     t, a = node.target, node.args
     isp = lambda x: isinstance(x, torch.fx.Node) and x.name in params  # noqa: E731
     third = a[2] if len(a) > 2 else node.kwargs.get("bias")
@@ -87,8 +89,8 @@ def _layer(node, params):
     elif t == aten.addmm.default and isp(a[2]) and node.kwargs.get("beta", 1) == 1 \
             and node.kwargs.get("alpha", 1) == 1:
         w, bias, ch, od = a[2], a[0], -1, 1
-    elif t == aten.mm.default and isp(a[1]):
-        w, bias, ch, od = a[1], None, -1, 1
+    elif (mw := matmul_weight(node, isp)) is not None:  # x @ W, or x @ W.T
+        w, bias, ch, od = a[1], None, -1, 1 if mw[1] == "in_out" else 0
     elif (t in (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
           or (t == aten.convolution.default and not a[6])) and isp(a[1]):  # a[6]: transposed
         w, bias, ch, od = a[1], third, 1, 0
@@ -176,13 +178,16 @@ def find_sites(report) -> list:
         if (lay := _layer(node, params)) is None:
             continue
         w, b, ch, od = lay
+        via = w if w.name not in params else None  # x @ W.T: the transpose, used there only
+        w = w.args[0] if via is not None else w
         val, wval = node.meta.get("val"), w.meta.get("val")
         if len(w.users) != 1 or (b is not None and len(b.users) != 1) \
                 or val is None or wval is None or val.shape[ch] != wval.shape[od] \
                 or _classify(node, varying) != "activation":
             continue  # shared weights produce other channels elsewhere
         out.append(Site(params[w.name], params[b.name] if b is not None else None, node.name,
-                        ch if ch >= 0 else val.dim() + ch, od, int(wval.shape[od])))
+                        ch if ch >= 0 else val.dim() + ch, od, int(wval.shape[od]),
+                        via.name if via is not None else None))
     return out
 
 

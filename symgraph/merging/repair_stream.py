@@ -94,20 +94,22 @@ class _Last:
 
 class _Runs:
     """Every batch run in lockstep on ``fetch``, each on the graph traced for its shape
-    (``shapes``: ``(report, {key: node name}, batches)``, a key a repaired layer's weight or a
+    (``shapes``: ``(report, {key: node name}, batches, vias)``, a key a repaired layer's weight or a
     BatchNorm's running mean): ``to(key)`` advances each run to just before the node of ``key``,
     ``inputs(key)`` yields each run's input of it, ``at(key)`` runs it on each (without keeping
     it), ``through(key)`` advances each past it and yields its output."""
 
     def __init__(self, shapes, fetch, device):
-        self.graphs = []  # per batch shape: ({key: node name}, the nodes in order, node name -> position, runs)
-        for rep, here, batches in shapes:
+        # per batch shape: ({key: node name}, the nodes in order, node name -> position, runs, {key: the node
+        # transposing a weight for x @ W.T})
+        self.graphs = []
+        for rep, here, batches, vias in shapes:
             gm, runs = op_by_op(rep, batches, fetch, device)
             order = list(gm.graph.nodes)
-            self.graphs.append((here, order, {n.name: i for i, n in enumerate(order)}, runs))
+            self.graphs.append((here, order, {n.name: i for i, n in enumerate(order)}, runs, vias))
 
     def to(self, key):
-        for here, order, pos, runs in self.graphs:
+        for here, order, pos, runs, _ in self.graphs:
             at = pos[here[key]]
             for step, flat in runs:
                 if step.position > at:
@@ -118,19 +120,22 @@ class _Runs:
                         pass
 
     def inputs(self, key):
-        for here, order, pos, runs in self.graphs:
+        for here, order, pos, runs, _ in self.graphs:
             arg = order[pos[here[key]]].args[0]
             for step, _ in runs:
                 yield step.live(arg)
 
     def at(self, key):
-        for here, order, pos, runs in self.graphs:
+        for here, order, pos, runs, _ in self.graphs:
             for step, _ in runs:
                 yield step.run_node(order[pos[here[key]]]).detach()
 
     def through(self, key):
-        for here, _, _, runs in self.graphs:
+        for here, order, pos, runs, vias in self.graphs:
+            via = vias.get(key)
             for step, flat in runs:
+                if via is not None and step.position > pos[via]:  # x @ W.T's transposed weight, read again
+                    step.rerun(order[pos[via]])
                 for _, v in step.steps(flat, frozenset({here[key]}), stop=here[key]):
                     yield v
 
@@ -166,16 +171,17 @@ def repair(ctx: RepairContext) -> RepairReport:
 
 
 def _shapes(ctx: RepairContext, sites, norms) -> list:
-    """``(report, {repaired layer's weight or BatchNorm's running mean: its node}, batches)`` per
-    batch shape."""
+    """``(report, {repaired layer's weight or BatchNorm's running mean: its node}, batches, {weight:
+    the node transposing it for x @ W.T})`` per batch shape."""
     ra, out = ctx.graph_report, []
     for (rep,), batches in by_shape((ra,), (ctx.model,), ctx.data):
-        here = {s.weight: s.node for s in (sites if rep is ra else find_sites(rep))}
+        found = sites if rep is ra else find_sites(rep)
+        here = {s.weight: s.node for s in found}
         here.update({m: n for n, (m, _) in (norms if rep is ra else batchnorm_nodes(rep)).items()})
         if not {s.weight for s in sites} | {m for m, _ in norms.values()} <= set(here):
             raise InputError("data batches of other shapes give the model other layers to repair; expected "
                              "batches of the first batch's shapes")
-        out.append((rep, here, batches))
+        out.append((rep, here, batches, {s.weight: s.via for s in found if s.via is not None}))
     return out
 
 

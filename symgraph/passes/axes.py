@@ -365,7 +365,8 @@ def leaves_with_parity(an, axis, par=0):
 
 def linear_layers(an) -> list:
     """Linear maps on a parameter: ``[(weight name, input node name, input feature axis,
-    layout)]`` with layout ``"out_in"`` (``linear``) or ``"in_out"`` (``addmm``)."""
+    layout)]`` with layout ``"out_in"`` (``linear``, or ``x @ W.T``: a matmul by a transposed
+    2-d parameter) or ``"in_out"`` (``addmm``, or ``x @ W``)."""
     aten = torch.ops.aten
     rev = {n: k for k, n in an.param_nodes.items()}
     out = []
@@ -376,10 +377,42 @@ def linear_layers(an) -> list:
             w, x, layout = rev[node.args[1]], node.args[0], "out_in"
         elif node.target == aten.addmm.default and node.args[2] in rev:
             w, x, layout = rev[node.args[2]], node.args[1], "in_out"
+        elif (found := matmul_weight(node, lambda n: n in rev)) is not None:
+            w, x, layout = rev[found[0]], node.args[0], found[1]
         else:
             continue
         out.append((w, x.name, an.node_axes[x][-1], layout))
     return out
+
+
+def matmul_weight(node, is_param) -> tuple | None:
+    """``(weight node, layout)`` when ``node`` multiplies a value by a 2-d parameter on the right
+    (``matmul`` or ``mm``): ``x @ W`` is ``"in_out"``, ``x @ W.T`` (``W`` through ``t``, a
+    ``permute`` or ``transpose`` of its two dims, used there only) ``"out_in"``; else None."""
+    aten = torch.ops.aten
+    if node.op != "call_function" or node.target not in (aten.matmul.default, aten.mm.default) \
+            or len(node.args) < 2 or not isinstance(node.args[0], torch.fx.Node) or is_param(node.args[0]):
+        return None
+    w, layout = node.args[1], "in_out"
+    if isinstance(w, torch.fx.Node) and w.op == "call_function" and len(w.users) == 1 and w.args \
+            and isinstance(w.args[0], torch.fx.Node) and is_param(w.args[0]) and _swaps_2d(w):
+        w, layout = w.args[0], "out_in"
+    val = w.meta.get("val") if isinstance(w, torch.fx.Node) else None
+    if not (isinstance(w, torch.fx.Node) and is_param(w) and val is not None and val.dim() == 2):
+        return None
+    return w, layout
+
+
+def _swaps_2d(node) -> bool:
+    """Whether ``node`` transposes a 2-d tensor (``t``, ``permute(1, 0)``, ``transpose(0, 1)``)."""
+    aten = torch.ops.aten
+    if node.target == aten.t.default:
+        return True
+    if node.target == aten.permute.default:
+        return list(node.args[1]) == [1, 0]
+    if node.target == aten.transpose.int:
+        return {d % 2 for d in node.args[1:3]} == {0, 1}
+    return False
 
 
 def attention_sites(an) -> list:
