@@ -114,6 +114,9 @@ class Stored(Mapping):
         t = self.spill.get(self._keys[name], part, shape)
         return t if self.device is None else t.to(self.device)
 
+    def __contains__(self, name):
+        return name in self._keys  # without reading the tensor (Mapping's default would)
+
     def __iter__(self):
         return iter(self._keys)
 

@@ -5,17 +5,17 @@ import torch
 
 from .registry import MergeMethod, register
 
-__all__ = ['Average']
+__all__ = ['Average', 'weighted_sum']
 
 
 @register("average")
 class Average(MergeMethod):
 
     def combine_group(self, names, values, stats, weights, report):
-        return {k: _weighted_sum(weights, [v[k] for v in values]) for k in names}
+        return {k: weighted_sum(weights, [v[k] for v in values]) for k in names}
 
 
-def _weighted_sum(weights, tensors):
+def weighted_sum(weights, tensors):
     """``sum(w * t ...)`` bit for bit (each product rounded, added in order, starting from 0: a
     sum of negative zeros is +0), into one new tensor rather than one per product and per sum."""
     out = None

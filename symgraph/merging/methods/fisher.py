@@ -9,6 +9,7 @@ import torch
 from pydantic import Field
 
 from ..engine.statistics import SquaredGradients
+from .average import weighted_sum
 from .registry import MergeMethod, MethodParameters, register
 
 __all__ = ['Fisher', 'predictive_nll']
@@ -35,6 +36,9 @@ class Fisher(MergeMethod):
         # term made in place: the same values, bit for bit, as the expression written out)
         out = {}
         for k in names:
+            if not all(k in f for f in stats):  # no gradient (a buffer: running statistics): averaged
+                out[k] = weighted_sum(weights, [v[k] for v in values])
+                continue
             num = den = None
             for w, f, v in zip(weights, stats, values):
                 t = (f[k] + self.eps).mul_(w)

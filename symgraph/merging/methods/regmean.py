@@ -1,5 +1,6 @@
-"""RegMean: per linear layer, ``W* = (Σ wᵢ Wᵢ Gᵢ)(Σ wᵢ Gᵢ)⁻¹`` with ``Gᵢ`` the Gram matrix of the
-layer's inputs in model i, regularised towards its diagonal; other parameters are averaged.
+"""RegMean: per linear layer, ``W* = (Σ wᵢ Wᵢ Gᵢ + εW̄)(Σ wᵢ Gᵢ + εI)⁻¹`` with ``Gᵢ`` the Gram matrix
+of the layer's inputs in model i, regularised towards its diagonal, and a ridge ``ε`` towards the
+average ``W̄`` (inputs the data never reaches keep it); other parameters are averaged.
 The Grams are the engine's :class:`~symgraph.merging.engine.statistics.InputGrams`, taken of
 each model carried into the anchor's basis (summed over the processes' shards of the data under
 ``torch.distributed``)."""
@@ -16,6 +17,9 @@ from .average import Average
 from .registry import MethodParameters, register
 
 __all__ = ['RegMean']
+
+#: The ridge each Gram sum gets, towards the weights' average (an input the data never reaches).
+RIDGE = 1e-8
 
 
 @register("regmean")
@@ -59,7 +63,11 @@ class RegMean(Average):
                 del t, W
                 den = G.mul_(wi) if den is None else den.add_(G.mul_(wi))
                 del G
-            den.diagonal().add_(1e-8)
+            # a ridge towards the average, not towards zero: an input no model's data reaches
+            # (a unit that never fires) keeps the averaged column, and equal models are kept
+            avg = merged[w] if layout == "out_in" else merged[w].T
+            den.diagonal().add_(RIDGE)
+            num.add_(avg.to(num.dtype), alpha=RIDGE)
             Wm = torch.linalg.solve(den.T, num.T).T
             merged[w] = Wm if layout == "out_in" else Wm.T
         return merged
