@@ -172,7 +172,7 @@ def test_trained_pair_aligned_merge_beats_vanilla():
 def test_bad_inputs():
     torch.manual_seed(0)
     A, G = _bert().eval(), _gpt2().eval()
-    with pytest.raises(symgraph.StructureMismatchError, match="differ"):
+    with pytest.raises(symgraph.StructureMismatchError, match="'model_a' is a BertForMaskedLM but 'model_b' is a GPT2"):
         symgraph.align(A, G)
     cfg = copy.deepcopy(A.config)
     cfg.vocab_size = 60

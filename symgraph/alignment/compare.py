@@ -245,12 +245,14 @@ def check_aligned(name: str, got, want, a: str = "models A and B") -> None:
                          "an axis that no symmetry class maps between widths; expected equal sizes there")
 
 
-def check_options(null, threshold, said: str = "null=") -> None:
-    """Refuse a ``null`` that is not a count of :data:`NULL_DRAWS` (``said``: how it was given) or
-    a ``threshold`` outside (0, 1]."""
+def check_options(null, threshold, said: str = "null=", alpha: float = ALPHA) -> None:
+    """Refuse a ``null`` that is not a count of :data:`NULL_DRAWS` (``said``: how it was given), a
+    ``threshold`` outside (0, 1] or an ``alpha`` (a p-value limit) outside (0, 1)."""
     NULL_DRAWS.check(null, said)
-    if not (isinstance(threshold, (int, float)) and 0 < threshold <= 1):
-        raise InputError(f"threshold={threshold!r}; expected a number in (0, 1]")
+    for name, v, ok, want in (("threshold", threshold, lambda x: 0 < x <= 1, "(0, 1]"),
+                              ("alpha", alpha, lambda x: 0 < x < 1, "(0, 1)")):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+            raise InputError(f"{name}={v!r}; expected a number in {want}")
 
 
 _CHUNK = 1 << 22  # entries per float64 slice of a tensor's statistics (32 MB a copy)
@@ -419,7 +421,7 @@ def compare(a, b, data=None, *, null: int = 4, threshold: float = THRESHOLD, alp
     """
     a, b, untied = untied_to_match(a, b)
     widths = _check_pair(a, b)
-    check_options(null, threshold)
+    check_options(null, threshold, alpha=alpha)
     data = batch_list(data, a, b)
     inputs = data[0] if inputs is None and data is not None else inputs
     ra = analyze(a, inputs, fold_norms=fold_norms)

@@ -7,7 +7,10 @@ import time
 import torch
 
 from ..report.api import analyze
-from ..errors import InputError
+from ..report.symmetry import SymmetryReport
+from ..transform.apply import check_model
+from ..errors import InputError, StructureMismatchError
+from ..core.configs import check_same_family, with_config_diff
 from ..core.finite import batch_list, require_module
 from ..transform.folding import gauge
 from .activations import act_matrix, activation_similarity
@@ -42,8 +45,23 @@ def align(model_a, model_b, inputs=None, *, data=None, report_a=None, report_b=N
     for m, label in ((model_a, "model_a"), (model_b, "model_b")):
         require_module(m, label)
         check_finite(m, label, values=True)
+    check_same_family([model_a, model_b], ["model_a", "model_b"], StructureMismatchError)
+    try:
+        return _aligned(model_a, model_b, inputs, data, report_a, report_b, opts)
+    except StructureMismatchError as e:  # how their configs differ says more than a graph node
+        raise with_config_diff(e, [model_a, model_b], ["model_a", "model_b"]) from None
+
+
+def _aligned(model_a, model_b, inputs, data, report_a, report_b, opts) -> Alignment:
+    """:func:`align` once its arguments are checked."""
     data = batch_list(data, model_a, model_b)
     inputs = data[0] if inputs is None and data is not None else inputs
+    for rep, label, m in ((report_a, "report_a", model_a), (report_b, "report_b", model_b)):
+        if rep is not None and not isinstance(rep, SymmetryReport):
+            raise InputError(f"{label} is a {type(rep).__name__}; expected a SymmetryReport (symgraph.analyze of "
+                             "the model), or None")
+        if rep is not None:
+            check_model(rep, m, label.replace("report", "model"))
     t0 = time.perf_counter()
     ra = report_a or analyze(model_a, inputs, fold_norms=opts.fold_norms, outputs=opts.outputs)
     rb = report_b or analyze(model_b, inputs, fold_norms=opts.fold_norms, outputs=ra.outputs)

@@ -167,6 +167,19 @@ class AlignOptions(BaseModel):
             super().__init__(**data)
         except ValidationError as e:
             raise InputError(_explain(e.errors()[0], data)) from None
+        self._check_together()
+
+    def _check_together(self) -> None:
+        """Refuse an option that only another one's value makes use of (it would be ignored)."""
+        if self.reg is not None and self.solver != "sinkhorn":
+            raise InputError(f"reg={self.reg!r} is the entropic regularisation of solver='sinkhorn', and solver is "
+                             f"{self.solver!r}; expected solver='sinkhorn' with reg (or no reg)")
+        if not self.refine:
+            used = [k for k in ("loss_fn", "between") if getattr(self, k) is not None]
+            used += ["refine_lr"] if self.refine_lr != type(self).model_fields["refine_lr"].default else []
+            if used:
+                raise InputError(f"{used[0]}= is an option of learned matching, and refine is 0; expected refine=N "
+                                 f"(N > 0 steps) with {used[0]} (or no {used[0]})")
 
     @field_validator("rows")
     @classmethod

@@ -13,6 +13,7 @@ from ..core.elements import Map, Perm
 from ..errors import InputError
 from ..report.api import analyze
 from ..report.symmetry import SymmetryReport
+from ..core.finite import require_module
 from .checks import check_finite
 from .saved import fingerprint, read_alignment, save_alignment
 
@@ -84,6 +85,7 @@ class Alignment:
         ``model_b`` is not modified. When widths differ the result has A's architecture
         (``template``, default: the anchor model given to :func:`align`).
         """
+        require_module(model_b, "model_b")
         check_finite(model_b, "model_b")
         rb = self.report_for(model_b)
         state = self._state(model_b, rb)

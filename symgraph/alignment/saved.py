@@ -79,6 +79,10 @@ def save_alignment(al, path: str, *, options: dict | None = None) -> str:
             "options": dict(options if options is not None else al.options),
             "fingerprint_a": _digest(texts["a"]), "fingerprint_b": _digest(texts["b"]),
             "structure_a": texts["a"], "structure_b": texts["b"]}
+    parent = os.path.dirname(os.path.abspath(os.path.expanduser(str(path))))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"the directory of the alignment file {str(path)!r} does not exist; expected an "
+                                "existing directory")
     save_file(tensors, path, metadata={"symgraph": json.dumps(meta)})
     return path
 

@@ -251,6 +251,10 @@ def merge_checkpoints(paths, out: str, *, weights=None, align=UNSET, anchor: int
     :class:`~symgraph.app.config.MergeConfig` fields (``method``, ``parameters``, ``repair``,
     ``memory_budget``, ...) complete its config, checked whole as the command line's is, and the
     rest reach the engine. Returns the :class:`StreamingMerge` (``alignments``, ``timings``)."""
+    if isinstance(paths, (str, bytes, os.PathLike)) or not hasattr(paths, "__iter__"):
+        raise InputError(f"paths is a {type(paths).__name__}; expected a list of at least two checkpoint directories")
+    if not isinstance(out, (str, os.PathLike)):
+        raise InputError(f"out={out!r}; expected the output directory's path")
     fields = {k: options.pop(k) for k in list(options) if k in MergeConfig.model_fields}  # method=, repair=, ...
     given = {} if align is UNSET else {"align": "none" if align is None else align}  # unset: the config's default
     cfg = build_config(dict(models=[str(p) for p in paths], out=str(out), weights=weights, force=force,

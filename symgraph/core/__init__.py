@@ -9,6 +9,7 @@
 - ``files``        files by identity: input files pinned for a run, only our own files deleted
 - ``dtypes``       the safetensors dtype names and their torch dtypes
 - ``ties``         tied parameters kept tied where PyTorch would split them
+- ``configs``      what models' configs differ in: their classes, and the fields a late refusal names
 - ``schema``       one line for a value a schema refuses; flags derived from a schema's fields
 - ``devices``      the devices symgraph computes on, checked to hold a tensor before any work
 - ``progress``     progress bars on stderr, and ``--quiet``

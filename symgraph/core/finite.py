@@ -186,6 +186,9 @@ def batch_list(data, *models) -> list | None:
     are not token ids of every one of ``models`` (:func:`check_token_batch`), naming the batch."""
     if data is None:
         return None
+    if isinstance(data, (torch.Tensor, dict, str, bytes)) or not hasattr(data, "__iter__"):
+        raise InputError(f"data is a {type(data).__name__}; expected a list of batches (each a dict of keyword "
+                         "inputs, or a tuple of tensors)")
     data = list(data)
     if not data:
         raise InputError("data is empty; expected at least one batch")
@@ -195,8 +198,28 @@ def batch_list(data, *models) -> list | None:
             raise InputError(f"data[{i}] holds {keys[i] if keys[i] is not None else type(b).__name__} where data[0] "
                              f"holds {keys[0] if keys[0] is not None else type(data[0]).__name__}; expected "
                              "batches of the same inputs")
+        _check_data_batch(b, f"data[{i}]")
         check_token_batch(b, f"data[{i}]", *models)
     for m in models:  # the batches hold the same inputs: the first one's names stand for all
         if isinstance(m, torch.nn.Module) and isinstance(data[0], dict):
             check_keywords(m, data[0], "data[0]")
     return data
+
+
+def _check_data_batch(batch, where: str) -> None:
+    """Refuse a data batch (named ``where``) holding a tensor on ``meta`` (no values to run on) or
+    token ids that are not a batch of sequences (``[N, S]``, or ``[N, C, S]`` for a multiple
+    choice head) with at least one token, as a data file's would be."""
+    items = batch.items() if isinstance(batch, dict) else enumerate(batch if isinstance(batch, (tuple, list)) else (batch,))
+    for name, t in items:
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            raise InputError(f"{where}'s {name!r} is on the meta device (no values); expected tensors with data")
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    if isinstance(ids, torch.Tensor) and (ids.dim() < 2 or 0 in ids.shape):
+        raise InputError(f"'input_ids' of {where} has shape {tuple(ids.shape)}; expected a batch of sequences [N, S] "
+                         "with at least one token")
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() and (
+            mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all())):
+        raise InputError(f"'attention_mask' of {where} holds values other than 0 and 1; expected 1 for a token, 0 "
+                         "for padding")

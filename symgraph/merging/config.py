@@ -270,7 +270,10 @@ def engine_config(sources, config, options: dict, data, method=None) -> tuple:
         return config, options
     fields = {k: options.pop(k) for k in list(options) if k in MergeConfig.model_fields}
     if "method_options" in options:
-        fields["parameters"] = dict(options.pop("method_options") or {})
+        given = options.pop("method_options")
+        if given is not None and not isinstance(given, dict):
+            raise InputError(f"method_options is a {type(given).__name__}; expected a dict of the method's parameters")
+        fields["parameters"] = dict(given or {})
     if fields.get("align", "weights") is None:
         fields["align"] = "none"
     for k in ("memory_budget", "max_shard_size"):
@@ -278,6 +281,10 @@ def engine_config(sources, config, options: dict, data, method=None) -> tuple:
             fields[k] = f"{fields[k]}B"
     if "device" in fields:
         fields["device"] = str(fields["device"])
+    from .methods.registry import MergeMethod
+    if method is not None and not isinstance(method, (str, MergeMethod)):
+        raise InputError(f"method={method!r}; expected a registered method's name ({', '.join(merge_methods())}) "
+                         "or a MergeMethod instance")
     if method is not None and not isinstance(method, str):  # an instance: its parameters are its own
         fields["method"] = method.name if method.name in merge_methods() else "average"
         fields.pop("parameters", None)

@@ -16,9 +16,9 @@ from ..core.ties import check_ties, check_untie, untie as untie_model
 from ..alignment import align as align_models
 from ..alignment.checks import check_finite
 from ..report.api import analyze
-from ..errors import InputError
+from ..errors import InputError, StructureMismatchError
 from ..checkpoints.memory import ModelCheckpoint
-from ..checkpoints.specs import check_same_configs, check_same_family
+from ..checkpoints.specs import check_same_configs, check_same_family, with_config_diff
 from .circuits import circuit_state, plan, why_no_config, widened_program
 from .config import MergeConfig, engine_config, solver_options
 from .methods import registry
@@ -27,6 +27,7 @@ from .repair import RepairReport
 from .streaming import StreamingMerge
 
 IN_MEMORY_ONLY = ("loss_fn", "between", "rescale")  # align options only symgraph.align takes: it aligns
+ON_DISK = ("out", "force", "max_shard_size", "memory_budget")  # options of a merge written out of core
 
 __all__ = ["MergeResult", "merge", "circuit_merge", "circuit_between"]
 
@@ -78,16 +79,25 @@ def merge(models, inputs=None, *, weights=UNSET, align=UNSET, data=None, method=
         one entry of its ``models`` per model; its on-disk options are ``run_merge``'s.
     """
     t0 = time.perf_counter()
+    if not isinstance(progress, bool):
+        raise InputError(f"progress={progress!r}; expected True or False")
     models, data = _model_list(models, data)
     given = dict(weights=weights, align=align, method=method, anchor=anchor, method_options=method_options,
                  repair=repair, attention=attention, untie=untie)
     config, align_options = _config(models, config, given, data, align_options)
+    if config.align == "none" and align_options:
+        raise InputError(f"{sorted(align_options)[0]}= is an option of the alignment, and align=None aligns "
+                         "nothing; expected align='weights' or 'activations' with it (or no alignment option)")
     models, how = _prepared(models, config, method, data, universe_options)
     inputs = data[0] if inputs is None and data is not None else inputs
     A = models[0 if config.anchor == "universe" else config.anchor]
-    job, ra, alignments, universe, timings = _alignments(models, config, how, data, inputs, align_options,
-                                                         universe_options, progress)
-    result = _combined(models, A, ra, alignments, config, lambda: job or _engine(models, config, how, data), timings)
+    try:
+        job, ra, alignments, universe, timings = _alignments(models, config, how, data, inputs, align_options,
+                                                             universe_options, progress)
+        result = _combined(models, A, ra, alignments, config, lambda: job or _engine(models, config, how, data),
+                           timings)
+    except StructureMismatchError as e:  # how their configs differ says more than a graph node
+        raise with_config_diff(e, models, config.models) from None
     result.universe = universe
     timings["total"] = time.perf_counter() - t0
     return result
@@ -208,6 +218,11 @@ def _config(models, config, given: dict, data, align_options: dict) -> tuple:
     for i, m in enumerate(models):
         check_finite(m, f"model {i}", values=True)
     given = {k: v for k, v in given.items() if v is not UNSET}  # the keywords set; the others are the config's
+    disk = sorted(set(ON_DISK) & set(align_options))
+    if disk:
+        raise InputError(f"merge() returns the merged model in memory, and {disk[0]}= is an option of a merge "
+                         "written to disk; expected symgraph.merge_checkpoints(paths, out, ...) for checkpoints "
+                         "(or result.model.save_pretrained(directory))")
     if config is None:
         n, a = len(models), given.get("anchor", 0)
         if isinstance(a, (int, np.integer)) and not isinstance(a, bool):

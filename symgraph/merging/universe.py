@@ -35,7 +35,7 @@ from ..checkpoints.leftovers import mark_run
 from ..checkpoints.memory import ModelCheckpoint
 from ..core.elements import Map, Perm
 from ..core.files import identity, remove_own
-from ..core.progress import bar as progress_bar
+from ..core.progress import bar as progress_bar, note
 from ..errors import InputError
 from .methods.average import Average
 from .streaming import StreamingMerge
@@ -51,6 +51,9 @@ SCRATCH_PREFIX = ".symgraph-tmp-universe-"
 
 def universe_options(options: dict | None) -> dict:
     """``options`` checked and completed with :data:`DEFAULTS`."""
+    if options is not None and not isinstance(options, dict):
+        raise InputError(f"universe_options is a {type(options).__name__}; expected a dict of some of "
+                         f"{sorted(DEFAULTS)}")
     options = dict(options or {})
     bad = sorted(set(options) - set(DEFAULTS))
     if bad:
@@ -152,6 +155,10 @@ def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0:
             if not any(per_model):
                 record["converged"], record["stopped"] = True, "converged"
                 break
+    if not record["converged"]:
+        note(f"the shared universe stopped at max_rounds={opts['max_rounds']} with {record['changed'][-1]} elements "
+             "still changing in its last round; the merge takes that round's alignments (more rounds: "
+             "universe_options max_rounds)", "warning")
     spread = Spread(job.checkpoints[0], weights)
     mean_plan(job, ra, alignments, None, spread).write_into(lambda key, t: None)
     record["distance"].append(spread.value())

@@ -354,7 +354,8 @@ class SymmetryReport(AxisQueries):
 
         Unfibred permutations are :class:`~symgraph.core.elements.Perm` index vectors (an MLP class
         of 11008 units would be a 1 GB dense matrix); the same seed draws the same elements."""
-        gen = torch.Generator().manual_seed(seed)
+        from ..core.schema import SEED
+        gen = torch.Generator().manual_seed(SEED.check(seed, "seed="))
         elements: dict = {}
         for g in self.groups:
             kind = orthogonal_part(g.kind) if orthogonal else g.kind

@@ -74,8 +74,15 @@ def learn_rotations(model, report, elements: dict, data, *, steps: int = 50, lr:
     data = list(data)
     if not data:
         raise InputError("learned rotations need data: a non-empty list of keyword batches (input_ids)")
-    if steps < 1:
-        raise InputError(f"steps={steps}; expected a positive number of optimisation steps")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InputError(f"steps={steps!r}; expected a positive number of optimisation steps")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
+        raise InputError(f"lr={lr!r}; expected a positive step size")
+    for name, bits in (("weight_bits", weight_bits), ("act_bits", act_bits)):
+        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16):
+            raise InputError(f"{name}={bits!r}; expected a number of bits from 2 to 16, or None (not rounded)")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise InputError(f"group_size={group_size!r}; expected a positive number of weights per quantization group")
     learn = learnable(report, SimpleNamespace(elements=dict(elements)))
     tensors = stored_tensors(report, model, check=True)
     opts = dict(weight_bits=weight_bits, act_bits=act_bits, group_size=group_size, loss_fn=loss_fn)

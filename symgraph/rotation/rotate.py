@@ -63,8 +63,13 @@ def rotate(model, how: str = "hadamard", seed: int = 0, *, data=None, classes=("
     certify with (default: built from the config). Raises :class:`CertificationError` when the
     rotated model's outputs differ by more than ``tol`` (relative, float32; a 16-bit model is
     certified on its rotated values before they are rounded to its dtype)."""
+    from ..core.schema import SEED
     if how not in HOW:
         raise InputError(f"how={how!r}; expected one of {list(HOW)}")
+    SEED.check(seed, "seed=")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < float("inf"):
+        raise InputError(f"tol={tol!r}; expected a positive number (the largest relative change of the outputs)")
+    classes = (classes,) if isinstance(classes, str) else classes
     if how == "learned" and data is None:
         raise InputError("how='learned' needs data: an iterable of keyword batches (input_ids) to learn on")
     if how != "learned" and (learn or data is not None):  # used by no step: refused, never ignored

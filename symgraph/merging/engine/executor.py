@@ -76,6 +76,21 @@ class Transforms:
         self.combine = change.combine
 
 
+def check_combined(merged, names, shapes) -> None:
+    """Refuse what a group's combine returned unless it holds a tensor for each of ``names``, of
+    its given shape (``shapes``; a tensor a transform widens is not in it): a method's slip
+    would otherwise be broadcast into the output, or fail later by name."""
+    got = merged if isinstance(merged, dict) else {}
+    for n in names:
+        t = got.get(n)
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"the merge method's combine_group returned {type(t).__name__} for {n!r}; expected "
+                             "a dict with one tensor per name it is given")
+        if n in shapes and tuple(t.shape) != shapes[n]:
+            raise InputError(f"the merge method's combine_group returned shape {tuple(t.shape)} for {n!r}; "
+                             f"expected {shapes[n]}, the shape of the values it was given")
+
+
 class Executor:
     """Runs ``plan`` (:class:`~.plan.Plan`): ``alignments`` (one per checkpoint, None for the
     anchor unless a shared universe's basis), ``stats`` (per model a mapping or None), the
@@ -146,7 +161,9 @@ class Executor:
         full = {n: A.shapes[A.key(n)] for n in parts}
         stats = [None if st is None else Sliced(st, parts, full, self.resources.ledger, self.elementwise) for st in self.stats]
         floats = [n for n in names if n not in ints]
+        shapes = {n: tuple(values[self.plan.anchor][n].shape) for n in floats if n not in self.transforms.out_shapes}
         merged = self.transforms.combine(floats, values, stats, self.weights, self.plan.report)
+        check_combined(merged, floats, shapes)
         self.resources.ledger.hold(sum(nbytes(v) for v in merged.values()))
         self.resources.ledger.drop(held + sum(nbytes(v) for v in merged.values()) + sum(st.read for st in stats if st))
         del values

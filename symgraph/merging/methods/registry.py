@@ -85,10 +85,19 @@ class MergeMethod:
 
 def register(name: str):
     """Class decorator: make a :class:`MergeMethod` subclass available as ``method=name``."""
+    if not isinstance(name, str) or not name.strip():
+        raise InputError(f"register({name!r}): expected a method's name, a non-empty string")
+
     def deco(cls):
         if not (isinstance(cls, type) and issubclass(cls, MergeMethod)):
             raise TypeError(f"@register({name!r}) expects a MergeMethod subclass, got {cls!r}")
         check_kind(cls.statistic)
+        if not cls.__module__.startswith(f"{__package__}."):  # a user's: the built-ins first, their names taken
+            _discover()
+        old = _METHODS.get(name)
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise InputError(f"merge method {name!r} is registered already ({old.__module__}.{old.__qualname__}); "
+                             "expected a new name")
         cls.name = name
         _METHODS[name] = cls
         return cls
@@ -142,10 +151,16 @@ def validate_parameters(cls, given) -> MethodParameters:
                          f"({why}); expected {key} {words}") from None
 
 
+_FOUND: list = []  # set once the built-in methods' modules are imported
+
+
 def _discover():
     import importlib
     import pkgutil
 
+    if _FOUND:
+        return
+    _FOUND.append(True)
     pkg = importlib.import_module(__package__)
     for mod in pkgutil.iter_modules(pkg.__path__):
         importlib.import_module(f"{__package__}.{mod.name}")
