@@ -45,7 +45,12 @@ def with_labels(model, batch: dict) -> dict:
     and masked LMs) when it has no labels: what the model's own loss is computed from."""
     kw = dict(batch)
     if "labels" not in kw and "input_ids" in kw and has_lm_head(model):
-        kw["labels"] = kw["input_ids"]
+        ids, dec = kw["input_ids"], kw.get("decoder_input_ids")
+        if isinstance(dec, torch.Tensor) and isinstance(ids, torch.Tensor) and dec.shape != ids.shape:
+            raise InputError(f"the model's loss needs labels: its decoder reads decoder_input_ids of shape "
+                             f"{tuple(dec.shape)}, which input_ids {tuple(ids.shape)} cannot label; expected "
+                             "'labels' (the decoder's target ids) in each batch")
+        kw["labels"] = ids
     return kw
 
 

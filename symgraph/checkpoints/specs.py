@@ -13,6 +13,7 @@ import torch
 
 from .loading import quiet_transformers, check_checkpoint_dir, load_hub, load_local
 from ..core.files import check_input_file
+from ..core.configs import METADATA, ConfigsDiffer, check_same_family, config_diff, with_config_diff  # noqa: F401
 from ..core.finite import check_token_ids, same_value
 from ..errors import InputError
 from ..core.progress import note
@@ -152,9 +153,33 @@ def read_data(path: str, model=None):
         note(f"data file {path!r} holds {unused}, which symgraph does not read (it reads {key!r} and "
              "'attention_mask')", "warning")
     if "attention_mask" in d:
-        return unpadded(x, d["attention_mask"], path) if key == "input_ids" else _no_mask(path, key)
-    # batches of BATCH_ROWS rows and a last, smaller one (traced again for its shape): no row dropped
-    return [{key: x[i:i + BATCH_ROWS]} for i in range(0, x.shape[0], BATCH_ROWS)]
+        batches = unpadded(x, d["attention_mask"], path) if key == "input_ids" else _no_mask(path, key)
+    else:  # batches of BATCH_ROWS rows and a last, smaller one (traced again for its shape): no row dropped
+        batches = [{key: x[i:i + BATCH_ROWS]} for i in range(0, x.shape[0], BATCH_ROWS)]
+    return with_decoder_ids(model, batches) if key == "input_ids" else batches
+
+
+def with_decoder_ids(model, batches: list) -> list:
+    """``batches`` of an encoder-decoder model (``config.is_encoder_decoder``, a forward that takes
+    ``decoder_input_ids``) with the decoder's ids added: each row's tokens shifted right behind
+    the decoder's start token, the teacher-forced input of a model asked to reproduce its input
+    (a data file holds one text per row). Other models' batches as they are."""
+    import inspect
+    cfg = getattr(model, "config", None)
+    try:
+        takes = "decoder_input_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        takes = False
+    if not getattr(cfg, "is_encoder_decoder", False) or not takes:
+        return batches
+    from ..passes.input_values import config_value, ints
+    start = (ints(config_value(cfg, "decoder_start_token_id", "pad_token_id")) or [0])[0]
+    out = []
+    for b in batches:
+        ids = b["input_ids"]
+        dec = torch.cat([torch.full_like(ids[:, :1], start), ids[:, :-1]], dim=1)
+        out.append({**b, "decoder_input_ids": dec})
+    return out
 
 
 def _read_tensors(path: str) -> dict:
@@ -248,18 +273,7 @@ def unpadded(ids: torch.Tensor, mask, path: str = "data") -> list:
 
 # --- the models of a merge compared, from their configs --------------------------------------
 
-
-def check_same_family(models, names):
-    """Refuse models of different classes before any work, naming them."""
-    classes = [type(m).__name__ for m in models]
-    for name, cls in zip(names[1:], classes[1:]):
-        if cls != classes[0]:
-            raise InputError(f"{names[0]!r} is a {classes[0]} but {name!r} is a {cls}; expected models of "
-                             "one architecture")
-
-
-#: Config fields that do not change what a model computes in evaluation.
-METADATA = {"_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "_commit_hash"}
+#: Config fields that do not change what a model computes in evaluation: metadata and run-time flags.
 NOT_FUNCTION = METADATA | {"use_cache", "return_dict", "output_attentions", "output_hidden_states", "torchscript",
                  "id2label", "label2id", "tokenizer_class", "task_specific_params", "finetuning_task", "prefix",
                  "initializer_range", "initializer_factor", "attn_implementation", "_attn_implementation",
@@ -267,10 +281,6 @@ NOT_FUNCTION = METADATA | {"use_cache", "return_dict", "output_attentions", "out
 
 #: The config field that ties a language model's head to its embedding (transformers' name).
 TIE = "tie_word_embeddings"
-
-
-class ConfigsDiffer(InputError):
-    """The refusal of :func:`check_same_configs`: it names the field the configs differ in."""
 
 
 def check_same_configs(configs, names, untie: bool = False):
@@ -334,28 +344,6 @@ def _refuse_count(a: dict, b: dict, key: str, names) -> None:
         f"config field {key!r} ({n} vs {m} entries)"
     raise ConfigsDiffer(f"{names[0]!r} and {names[1]!r} differ in {what}; expected models of one depth (a merge "
                      "pairs their layers one to one)")
-
-
-def with_config_diff(e: Exception, models, names) -> Exception:
-    """``e`` (a refusal of ``models``, named ``names``) again, its message followed by how their
-    configs differ (:func:`config_diff`); as it is where it names the field already."""
-    return e if isinstance(e, ConfigsDiffer) else type(e)(f"{e}{config_diff(models, names)}")
-
-
-def config_diff(models, names) -> str:
-    """``" (configs differ: num_hidden_layers 2 vs 3, ...)"`` or ``""``."""
-    skip = METADATA
-    cfgs = [c for c in (getattr(m, "config", None) for m in models) if c is not None]
-    if len(cfgs) != len(models):
-        return ""
-    base = cfgs[0].to_dict()
-    diffs = []
-    for name, c in zip(names[1:], cfgs[1:]):
-        d = c.to_dict()
-        for k in sorted(set(base) | set(d)):
-            if k not in skip and not same_value(base.get(k), d.get(k)) and not isinstance(base.get(k), (dict, list)):
-                diffs.append(f"{k} {base.get(k)!r} vs {d.get(k)!r}")
-    return f" (configs differ: {', '.join(diffs[:6])}{' ...' if len(diffs) > 6 else ''})" if diffs else ""
 
 
 def width_change(configs, names, anchor: int = 0) -> list:
