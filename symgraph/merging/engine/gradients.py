@@ -22,6 +22,7 @@ import torch
 
 from ...alignment.checks import batch_inputs, by_shape
 from ...core import distributed
+from ...core.progress import bar
 from .segments import Graph, Kept, Segment, backward_span, output_node, plan_segments
 from .sums import Stored
 from .views import Aligned, nbytes
@@ -106,6 +107,7 @@ def _backward(graph: _Segmented, kept: Kept, kind, res, done) -> None:
     up: list[dict] = [{} for _ in graph.flats]  # per batch: node -> gradient at the current cut
     pending: list[dict] = [{} for _ in graph.flats]  # per batch: a multi-segment weight's summed gradient
     sums: dict = {}
+    shown = bar(total=len(graph.segments) * len(graph.flats), desc="squared gradients", unit="step")
     for k in range(len(graph.segments) - 1, -1, -1):
         a, b = graph.segments[k]
         w = graph.read(a, b, True)
@@ -124,9 +126,11 @@ def _backward(graph: _Segmented, kept: Kept, kind, res, done) -> None:
                 g, t.grad = t.grad, None
                 if g is not None:
                     _accumulate(sums, pending[j], graph.readers.get(p, ()), p, k, g, res.work_dtype)
+            shown.update()
         done({p: sums.pop(p) for p in mine if min(graph.readers.get(p, {k})) == k})
         res.ledger.drop(holds)
         del w, run, leaf
+    shown.close()
 
 
 def _accumulate(sums: dict, pending: dict, readers, p, k: int, g, dtype) -> None:
