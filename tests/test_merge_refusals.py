@@ -74,6 +74,16 @@ def test_refusal(ws, case, argv, needles):
     assert digest(ws) == before
 
 
+def test_an_out_that_is_a_link_is_refused_and_its_target_untouched(ws, tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere" / "new", tmp_path / "dangling")  # a new directory there, if followed
+    os.symlink(tmp_path / "elsewhere", tmp_path / "to_dir")
+    for link in ("dangling", "to_dir"):
+        r = run(ws, "merge", ws / I / "a", ws / I / "b16", "--out", tmp_path / link)
+        refused(r, "is a symbolic link", "expected the path of a directory itself")
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
 def test_resize_class_5_is_an_mlp_class(ws):
     """The resize case above names class 5: it must be a permutation class (the memory check,
     not a kind refusal, is what stops it)."""

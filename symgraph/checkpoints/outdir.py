@@ -155,6 +155,10 @@ def _vet(out, force, inputs) -> tuple:
     if not out or not str(out).strip():
         raise InputError("--out is empty; expected the path of a new output directory")
     _check_name(str(out))
+    named = os.path.abspath(os.path.expanduser(str(out)))
+    if os.path.islink(named):  # its target could be anywhere (dangling: a new directory there)
+        raise InputError(f"--out {out!r} is a symbolic link (to {os.readlink(named)!r}); expected the path of a "
+                         "directory itself, not a link to one")
     path = _real(str(out))
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
