@@ -76,3 +76,15 @@ def test_regmean_keeps_the_average_where_no_input_reaches():
     dead = out[4].weight[:, 3]
     assert torch.allclose(dead, (a[4].weight[:, 3] + b[4].weight[:, 3]) / 2, atol=1e-6)
     assert dead.abs().max() > 0.01
+
+
+def test_fisher_without_eps_averages_what_no_data_moves():
+    from symgraph.testing import models
+    L = dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=48, positions=64)
+    a, b = models.build("llama", seed=0, **L), models.build("llama", seed=1, **L)
+    data = [{"input_ids": torch.tensor([[3, 5, 7, 9]])}]  # four of 64 tokens: the other rows get no gradient
+    out = symgraph.merge([a, b], method="fisher", method_options={"eps": 0.0}, data=data, align=None).model
+    emb = out.model.embed_tokens.weight
+    assert torch.isfinite(emb).all()
+    avg = (a.model.embed_tokens.weight + b.model.embed_tokens.weight) / 2
+    assert torch.allclose(emb[20], avg[20], atol=1e-7) and not torch.allclose(emb[3], avg[3], atol=1e-4)

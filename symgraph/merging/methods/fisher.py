@@ -29,7 +29,7 @@ class Fisher(MergeMethod):
     class Parameters(MethodParameters):
         eps: float = Field(1e-12, ge=0, allow_inf_nan=False,
                            description="a number >= 0 added to every Fisher value, so coordinates no model's "
-                                       "data moves are averaged by the weights")
+                                       "data moves are averaged by the weights (so they are at 0 too)")
 
     def combine_group(self, names, values, stats, weights, report):
         # Σ wᵢ (Fᵢ + ε) θᵢ / Σ wᵢ (Fᵢ + ε), three buffers at a time (each model's
@@ -46,5 +46,8 @@ class Fisher(MergeMethod):
                 t.mul_(v[k])
                 num = t if num is None else num.add_(t)
             out[k] = num.div_(den)
+            unseen = den == 0  # eps = 0 and no model's data moves it: 0/0, averaged by the weights instead
+            if unseen.any():
+                out[k] = torch.where(unseen, weighted_sum(weights, [v[k] for v in values]), out[k])
         return out
 
