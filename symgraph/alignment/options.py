@@ -123,7 +123,8 @@ class AlignOptions(BaseModel):
     the orthogonal elements."""
     similarity: Literal["exact", "bf16"] = Field("exact", json_schema_extra=_expects("'exact' or 'bf16'"))
     """The precision of the weight-matching products: "exact" (permutation classes in the weights'
-    own dtype, bfloat16 for a bf16 checkpoint; rotations in float64, float32 for 16-bit weights) or
+    own dtype, bfloat16 for a bf16 checkpoint, float32 for a float16 one, whose range products overflow;
+    rotations in float64, float32 for 16-bit weights) or
     "bf16" (every product in bfloat16, faster on a CPU with bf16 units; each product's result is
     rounded to bfloat16, so the solution can differ from the exact one; see docs/benchmarks.md)."""
     sketch: Columns = Field(0, json_schema_extra=_expects(

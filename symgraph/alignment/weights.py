@@ -335,8 +335,8 @@ class WeightFeatures:
             ta, tb = ta.to(torch.bfloat16), tb.to(torch.bfloat16)
         elif exact and not late:
             ta, tb = ta.to(self.exact_dtype), tb.to(self.exact_dtype)
-        elif ta.dtype != tb.dtype:  # models stored in different dtypes: compare in a common one
-            ta, tb = ta.to(acc), tb.to(acc)
+        elif ta.dtype != tb.dtype or ta.dtype == torch.float16:  # different dtypes: a common one; float16:
+            ta, tb = ta.to(acc), tb.to(acc)  # float32, as its products overflow at 65504 (bfloat16's do not)
         if (self.sketch and not exact and ta.dim() == 2 and len(va) == 1 and va[0][1] == 0 and others == [[]]
                 and ta.shape[1 - d] > 2 * self.sketch):
             return self._sketched(ta, tb, d, ax_b[1 - d], va[0][0], vb[0][0], elements, acc)
