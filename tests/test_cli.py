@@ -204,3 +204,12 @@ def test_demo_smoke(tmp_path):
     assert "barrier" in r.stdout and "activations" in r.stdout
     assert (tmp_path / "demo" / "barrier.png").stat().st_size > 0
     assert os.path.isfile(tmp_path / "cache" / "demo-gpt2-char-v1" / "seed0" / "model.safetensors")
+
+
+def test_a_closed_output_pipe_ends_quietly():
+    """``symgraph analyze ... | head``: the reader gone is no bad input (not exit 2, no message)."""
+    p = subprocess.Popen([sys.executable, "-m", "symgraph", "analyze", "tiny-llama"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=ENV)
+    p.stdout.close()  # before the command writes: its first write meets a closed pipe
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141 and "Broken pipe" not in err and "Traceback" not in err, err

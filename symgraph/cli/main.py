@@ -29,6 +29,7 @@ __all__ = ['main', 'build_parser']
 EXIT_REFUSED = 2
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
+EXIT_PIPE = 141  # the reader of stdout went away (``| head``): 128 + SIGPIPE, as a shell reports it
 
 
 
@@ -251,7 +252,12 @@ def _run(args) -> int:
     from ..checkpoints.outdir import Terminated, terminate_on_sigterm
     terminate_on_sigterm()
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe found here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:  # not bad input: end quietly, stdout sent nowhere for the exit's flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
     except TraceError as e:
         return _refuse(f"{e} Hint: symgraph traces the model with torch.export; models with "
                        "data-dependent control flow or unsupported ops cannot be traced. Run with "
