@@ -109,3 +109,13 @@ def test_library_entry_points_take_the_same_bounds(tmp_path):
     m = models.build("llama", seed=0, **L)
     with pytest.raises(InputError, match=r"seed= 18446744073709551616; expected a seed"):
         resize(m, {5: 64}, seed=2 ** 64)
+
+
+def test_sizes_in_every_unit_and_bare_bytes():
+    from symgraph.checkpoints.sharded import parse_size
+    from symgraph.errors import InputError
+    assert [parse_size(s) for s in ("1TB", "2TiB", "100", "1e3", "1.5kB", "2GB")] == [
+        10 ** 12, 2 << 40, 100, 1000, 1500, 2 * 10 ** 9]
+    for bad in ("abc", "0", "-1", "GB", "inf", "nanMB"):
+        with pytest.raises(InputError, match="a bare number is bytes"):
+            parse_size(bad)

@@ -36,21 +36,24 @@ SINGLE = "model.safetensors"
 
 
 def parse_size(size) -> int:
-    """Bytes from an int or a string such as ``"2GB"``, ``"500MB"`` (powers of 1000 as
-    ``save_pretrained``; ``GiB``/``MiB`` powers of 1024)."""
-    if isinstance(size, int) and size > 0:
+    """Bytes from an int or a string such as ``"2GB"``, ``"500MB"``, ``"4096"`` (bytes; kB, MB, GB
+    and TB powers of 1000 as ``save_pretrained``; KiB, MiB, GiB and TiB powers of 1024)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size
     s = str(size).strip().upper()
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "B": 1}
-    for u, f in units.items():
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 10 ** 3, "MB": 10 ** 6,
+             "GB": 10 ** 9, "TB": 10 ** 12, "B": 1}
+    for u, f in [*units.items(), ("", 1)]:  # a bare number: bytes
         if s.endswith(u):
             try:
-                v = float(s[: -len(u)])
+                v = float(s[: len(s) - len(u)])
             except ValueError:
-                break
-            if v > 0:
+                continue
+            if 0 < v < float("inf") and v * f < float("inf"):
                 return int(v * f)
-    raise InputError(f"shard size {size!r}; expected a positive size such as '2GB' or '500MB'")
+            break
+    raise InputError(f"size {size!r}; expected a positive size such as '2GB' or '500MB' (units B, kB, MB, GB, TB, "
+                     "KiB, MiB, GiB, TiB; a bare number is bytes)")
 
 def check_pair(A, B, a: str = "A", b: str = "B", width: str | None = "expected two models of one architecture "
                "and width") -> None:

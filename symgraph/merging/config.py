@@ -142,7 +142,7 @@ class MergeConfig(BaseModel, metaclass=_OneLine):
                 size = None
             if size is None or not 0 < size <= MAX_BUDGET:
                 raise ValueError(f"is not a size from 1B to {MAX_BUDGET // 10 ** 9}GB; expected a size such as '2GB' "
-                                 "or '500MB'")
+                                 "or '500MB' (units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB; a bare number is bytes)")
         return v
 
     @field_validator("device")
