@@ -64,6 +64,9 @@ def test_b_in_a_basis_within_a_budget_equals_it_whole(aligned):
 
 def test_a_piece_whose_rows_move_is_refused_below_its_size(aligned):
     root, _, al = aligned
-    with pytest.raises(InputError, match=r"--memory-budget \d+ bytes is below the \d+ bytes that .* holds while "
-                                         r"carried into A's basis; expected at least \d+"):
+    with pytest.raises(InputError, match=r"--memory-budget \d+ bytes is below the \d+ bytes that moving .* needs at "
+                                         r"the least while carried into A's basis; expected at least \d+") as e:
         _write(root, al, "refused", _budget(al.report_b) - 1)
+    least = int(str(e.value).rsplit(" ", 1)[1])  # the least the refusal names: enough, for every piece
+    assert least == _budget(al.report_b)
+    assert 0 < _write(root, al, "at_least", least)[1] <= least

@@ -90,6 +90,16 @@ def _slices(report, elements, names, big, budget, what):
     return [(a, min(a + step, rows)) for a in range(0, rows, step)], rest + step * per_row
 
 
+def _least_bytes(report, elements, names, big) -> int:
+    """The fewest bytes moving a piece takes: one row of ``big`` with the rest of the piece where
+    no element moves its rows (:func:`_slices`), else the whole piece."""
+    need = piece_bytes(report, names)
+    if not _rows_free(report, elements, big):
+        return need
+    rows = report.param_shape(big)[0] if report.param_shape(big) else 1
+    return need - piece_bytes(report, [big]) + max(piece_bytes(report, [big]) // rows, 1)
+
+
 def _sliced(report, f_names, big, name):
     """Whether ``name`` is read in the row slices of ``big`` (``big`` and a bias along its rows)."""
     if name == big:
@@ -137,6 +147,11 @@ def carry_writer(ckpt, report, elements: dict, gauge: dict, *, budget: int | Non
     ``what``: the move, as refusals name it."""
     from ..checkpoints.sharded import input_shards, shard_writer
     from ..merging.engine.sinks import write_config
+    if budget is not None:  # the largest piece's least need, refused before any work (not piece by piece)
+        floor, big = max((_least_bytes(report, elements, names, big), big) for _, names, big in pieces(report))
+        if budget < floor:
+            raise InputError(f"--memory-budget {budget} bytes is below the {floor} bytes that moving {big!r} "
+                             f"needs at the least while {what}; expected at least {floor}")
 
     def write(directory):
         writer = shard_writer(ckpt, directory, None, [(k, ckpt.shapes[k], ckpt.dtypes[k]) for k in ckpt.keys],
