@@ -285,3 +285,8 @@ def test_a_checkpoint_named_twice_is_merged_with_a_warning(ws, capsys):
     for f in (ws / "qa").glob("*.safetensors"):
         original.update(load_file(str(f)))
     assert all(torch.equal(t, original[k]) for k, t in merged.items())  # A/2 + A/2 is A, bit for bit in bf16
+
+
+def test_a_model_beside_itself_is_no_merge_and_gets_no_merge_warning(ws, capsys):
+    rc, err = cli(ws, capsys, "align", "../qa", "../qa/", "--out", "self_aligned")
+    assert rc == 0 and "warning" not in err and "weighs it twice" not in err, err

@@ -49,7 +49,7 @@ class Inputs:
             raise InputError("merge needs an output directory; expected --out DIR (or 'out:' in the config)")
         files = list(models) + ([data] if data else [])
         out = check_out(out, force=force, inputs=files)  # before a header is read
-        check_paths(models)
+        check_paths(models, merging=True)
         layouts = local_layouts(models)  # the headers, read once for every path
         check_dtype_kinds(layouts, models)
         if layouts[anchor] is not None:
@@ -82,17 +82,18 @@ def shard_size(given, layout: Layout | None) -> int:
     return max(os.path.getsize(f) for f in files) if len(files) > 1 else DEFAULT_SHARD
 
 
-def check_paths(specs):
+def check_paths(specs, merging: bool = False):
     """Fail fast on a missing local path or a name that is none of a path, a demo name and an
-    ``owner/name`` hub id, before loading anything (hub ids are tried when loading); warn of a
-    local checkpoint named twice."""
+    ``owner/name`` hub id, before loading anything (hub ids are tried when loading); ``merging``:
+    warn of a local checkpoint named twice (a merge weighs it twice; compare, barrier and align
+    take a model beside itself as it is)."""
     seen = {}
     for i, m in enumerate(specs):
         if model_kind(m) == "local":
             path = os.path.expanduser(m)
             check_checkpoint_dir(path)
             first = seen.setdefault(os.path.realpath(path), i)
-            if first != i:  # allowed (mergekit allows it), but rarely meant
+            if first != i and merging:  # allowed (mergekit allows it), but rarely meant
                 note(f"models[{i}] ({m!r}) is the checkpoint models[{first}] ({specs[first]!r}) names again: "
                      "the merge weighs it twice (--weights weighs a model without repeating it)", "warning")
 
