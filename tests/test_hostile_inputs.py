@@ -144,3 +144,13 @@ def test_quoted_keeps_whole_sentences_or_cuts_at_a_word():
     assert quoted("First sentence. " + "x" * 300, 40) == "First sentence."
     assert quoted("alpha beta gamma delta", 12) == "alpha beta ..."
     assert quoted("y" * 30, 10) == "y" * 10 + " ..."
+
+
+def test_a_singular_rope_element_is_named_singular():
+    """A RoPE element with a zero row is refused for that (its rows' off-diagonal can be tiny)."""
+    import torch
+    from symgraph.alignment.checks import ElementGroup, check_element
+    el = torch.eye(8, dtype=torch.float64).expand(2, 8, 8).clone()
+    el[0, 0] = 0
+    with pytest.raises(symgraph.InputError, match="a row is zero \\(the block is singular\\)"):
+        check_element(el, ElementGroup(id=1, kind="rope", dim=8, blocks=2, stack=(2,)))

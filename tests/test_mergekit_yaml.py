@@ -41,6 +41,7 @@ def test_linear_with_weights_merges_like_symgraph(tmp_path):
 @pytest.mark.parametrize("text,needle", [
     ("merge_method: ties\nbase_model: a\nmodels:\n  - model: a\n  - model: b\n", "shared base model"),
     ("merge_method: slerp\nmodels:\n  - model: a\n  - model: b\n", "no symgraph counterpart"),
+    ("merge_method: linear\nslices:\n  - sources:\n    - model: a\n      layer_range: [0, 2]\n", "has 'slices'"),
     ("merge_method: linear\ndtype: int8\nmodels:\n  - model: a\n  - model: b\n", "compute dtype"),
     ("merge_method: linear\nmodels:\n  - model: a\n    parameters:\n      weight: 1\n      density: 0.5\n"
      "  - model: b\n", "density"),
@@ -58,3 +59,4 @@ def test_mergekit_refusal_through_the_cli_is_one_paragraph(tmp_path):
                                                   "  - model: b\n"), "--out", tmp_path / "o")
     assert r.returncode == 2 and "shared base model" in " ".join(r.stderr.split()) and "Traceback" not in r.stderr
     assert not (tmp_path / "o").exists()
+

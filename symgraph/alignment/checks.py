@@ -360,7 +360,10 @@ def _check_kind(M, g: ElementGroup, tol: float):
         G = M @ M.mT
         d = torch.diagonal(G, dim1=-2, dim2=-1)
         off = float((G - torch.diag_embed(d)).abs().max() / d.abs().max().clamp_min(1e-300))
-        if off > tol or not bool((d > 0).all()):
+        if not bool((d > 0).all()):
+            raise _Bad("not a (scaled) rotation: a row is zero (the block is singular)",
+                       "a rotation of the RoPE pairs, every row nonzero")
+        if off > tol:
             raise _Bad(f"not a (scaled) rotation: its rows are not orthogonal (off-diagonal of E Eᵀ "
                        f"{off:.2g} of its diagonal)", f"a rotation of the RoPE pairs (within {tol:.1g})")
         if float((d.max() / d.min()).sqrt()) > COND_LIMIT:

@@ -24,6 +24,9 @@ def from_mergekit(cfg: dict, path: str) -> dict:
     methods that need a ``base_model`` are refused with the reason; other keys by name."""
     cfg = dict(cfg)
     where = f"mergekit config {path!r}"
+    if "slices" in cfg:  # layer ranges stitched from several models: no merge of aligned whole models
+        raise InputError(f"{where} has 'slices' (layer ranges of models), which symgraph does not take; expected "
+                         "'models:' listing whole models to align and merge")
     cfg["method"] = _method(cfg, where)
     cfg.pop("base_model", None)
     dtype = cfg.pop("dtype", None)
