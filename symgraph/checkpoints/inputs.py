@@ -87,7 +87,7 @@ def check_paths(specs, merging: bool = False):
     ``owner/name`` hub id, before loading anything (hub ids are tried when loading); ``merging``:
     warn of a local checkpoint named twice (a merge weighs it twice; compare, barrier and align
     take a model beside itself as it is)."""
-    seen = {}
+    seen: dict = {}
     for i, m in enumerate(specs):
         if model_kind(m) == "local":
             path = os.path.expanduser(m)
