@@ -17,6 +17,7 @@ axes relate, a union-find merges them into classes. Importing the rule files reg
 - ``rows``              the vocabulary rows an input picks and an output produces
 - ``axes``              queries on a finished analysis (an element's matrix along an axis)
 - ``sites``             where a graph computes attention (SDPA ops, or attention written out)
+- ``channels``          the channels REPAIR corrects: linear or conv outputs that reach a nonlinearity
 - ``blockmaps``         a head axis' map as blocks
 - ``why``               why an axis's classes are what they are
 - ``inputs``            example inputs from a Hugging Face config and forward signature
