@@ -23,6 +23,7 @@ from symgraph.merging.engine.statistics import TAKERS, StatisticsContext, Taker,
 from symgraph.merging.methods import registry
 from symgraph.merging.methods.average import Average
 from symgraph.merging.methods.fisher import Fisher, predictive_nll
+from symgraph.merging.methods.regmean import RIDGE
 from symgraph.merging.engine.sums import MemorySpill, Stored
 from symgraph.merging.streaming import StreamingMerge
 from symgraph.testing import models
@@ -32,7 +33,7 @@ METHODS = pathlib.Path(registry.__file__).parent
 
 
 class PlainGrams(Average):
-    """A third party's RegMean without regularisation: ``(Σ wᵢ Wᵢ Gᵢ)(Σ wᵢ Gᵢ)⁻¹`` per linear
+    """A third party's RegMean without regularisation: ``(Σ wᵢ Wᵢ Gᵢ + εW̄)(Σ wᵢ Gᵢ + εI)⁻¹`` per linear
     weight, from the Grams it declares; it keeps every Gram it is given (``seen``). Its plan
     (slices, bytes held) is RegMean's."""
     name, statistic = "plain_grams", InputGrams()
@@ -51,7 +52,8 @@ class PlainGrams(Average):
             Ws = [(v[w] if layout == "out_in" else v[w].T).to(torch.float64) for v in values]
             num = sum(x * W @ G for x, W, G in zip(weights, Ws, grams))
             den = sum(x * G for x, G in zip(weights, grams))
-            den.diagonal().add_(1e-8)
+            den.diagonal().add_(RIDGE)  # RegMean's ridge, towards the average (an input no data reaches)
+            num = num + RIDGE * (out[w] if layout == "out_in" else out[w].T).to(torch.float64)
             M = torch.linalg.solve(den.T, num.T).T
             out[w] = M if layout == "out_in" else M.T
         return out

@@ -16,8 +16,8 @@ is the same command as `symgraph`.
 
 Every command refuses bad input with one paragraph on stderr (what was wrong, what was expected)
 and exit code 2, writing nothing; `--debug` (before or after the subcommand) shows the traceback
-instead. Ctrl-C ends with exit code 130, SIGTERM with 143. See
-[troubleshooting](troubleshooting.md) for the refusals and what to do. The options of
+instead. Ctrl-C ends with exit code 130, SIGTERM with 143, and a closed output pipe (`| head`)
+quietly with 141. See [troubleshooting](troubleshooting.md) for the refusals and what to do. The options of
 `symgraph merge` are also YAML keys of `--config`: see [merge options](options.md).
 
 Steps that take a while show progress bars on stderr when it is a terminal (alignment per unit
