@@ -72,32 +72,28 @@ def piece_bytes(report, names) -> int:
     return WORK_BYTES * sum(_numel(report, n) for n in names)
 
 
-def _slices(report, elements, names, big, budget, what):
-    """Row ranges of ``big`` to move at a time (one range: the whole piece)."""
+def _sizes(report, names, big) -> tuple:
+    """``(rows of big, bytes of the whole piece, bytes besides big, bytes per row of big)``."""
     rows = report.param_shape(big)[0] if report.param_shape(big) else 1
-    need = piece_bytes(report, names)
+    need, own = piece_bytes(report, names), piece_bytes(report, [big])
+    return rows, need, need - own, max(own // rows, 1)
+
+
+def _slices(report, names, big, budget):
+    """Row ranges of ``big`` to move at a time (one range: the whole piece), within ``budget``,
+    which :func:`carry_writer` checked against :func:`_least_bytes` before any work."""
+    rows, need, rest, per_row = _sizes(report, names, big)
     if budget is None or need <= budget:
         return [(0, rows)], need
-    if not _rows_free(report, elements, big):
-        raise InputError(f"--memory-budget {budget} bytes is below the {need} bytes that {big!r} (with "
-                         f"{len(names) - 1} tensors it is folded with) holds while {what}; expected at least {need}")
-    rest = need - piece_bytes(report, [big])
-    per_row = piece_bytes(report, [big]) // rows
-    step = (budget - rest) // max(per_row, 1)
-    if step < 1:
-        raise InputError(f"--memory-budget {budget} bytes cannot hold one row of {big!r} ({per_row + rest} "
-                         f"bytes); expected at least {per_row + rest}")
+    step = (budget - rest) // per_row
     return [(a, min(a + step, rows)) for a in range(0, rows, step)], rest + step * per_row
 
 
 def _least_bytes(report, elements, names, big) -> int:
     """The fewest bytes moving a piece takes: one row of ``big`` with the rest of the piece where
     no element moves its rows (:func:`_slices`), else the whole piece."""
-    need = piece_bytes(report, names)
-    if not _rows_free(report, elements, big):
-        return need
-    rows = report.param_shape(big)[0] if report.param_shape(big) else 1
-    return need - piece_bytes(report, [big]) + max(piece_bytes(report, [big]) // rows, 1)
+    _, need, rest, per_row = _sizes(report, names, big)
+    return rest + per_row if _rows_free(report, elements, big) else need
 
 
 def _sliced(report, f_names, big, name):
@@ -112,7 +108,7 @@ def _write_piece(ckpt, report, elements, piece, writer, written, gauge, budget, 
     """Move and write one piece (in row slices of ``big`` where the budget asks); returns the
     bytes it held. A norm's gain and shift, shared by its readers, are written once."""
     fold, names, big = piece
-    ranges, held = _slices(report, elements, names, big, budget, what)
+    ranges, held = _slices(report, names, big, budget)
     norm = {n for n in names if n in gauge}
     whole = len(ranges) == 1
     for a, b in ranges:

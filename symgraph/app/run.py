@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from ..checkpoints.inputs import DEFAULT_SHARD, Inputs, read_batches
 from ..core.progress import bar as progress_bar, note
 from ..core.schema import UNSET
+from ..core.finite import require_list
 from ..core.ties import to_device
 from ..errors import InputError, NeedsMemory, StructureMismatchError
 from .config import MergeConfig, build_config
@@ -251,8 +252,7 @@ def merge_checkpoints(paths, out: str, *, weights=None, align=UNSET, anchor: int
     :class:`~symgraph.app.config.MergeConfig` fields (``method``, ``parameters``, ``repair``,
     ``memory_budget``, ...) complete its config, checked whole as the command line's is, and the
     rest reach the engine. Returns the :class:`StreamingMerge` (``alignments``, ``timings``)."""
-    if isinstance(paths, (str, bytes, os.PathLike)) or not hasattr(paths, "__iter__"):
-        raise InputError(f"paths is a {type(paths).__name__}; expected a list of at least two checkpoint directories")
+    require_list(paths, "paths", "a list of at least two checkpoint directories", (os.PathLike,))
     if not isinstance(out, (str, os.PathLike)):
         raise InputError(f"out={out!r}; expected the output directory's path")
     fields = {k: options.pop(k) for k in list(options) if k in MergeConfig.model_fields}  # method=, repair=, ...

@@ -14,7 +14,7 @@ import torch
 from .loading import quiet_transformers, check_checkpoint_dir, load_hub, load_local
 from ..core.files import check_input_file
 from ..core.configs import METADATA, ConfigsDiffer, check_same_family, config_diff, with_config_diff  # noqa: F401
-from ..core.finite import check_token_ids, same_value
+from ..core.finite import check_token_ids, same_value, zeros_and_ones
 from ..errors import InputError
 from ..core.progress import note
 from ..core.schema import quoted
@@ -253,7 +253,7 @@ def unpadded(ids: torch.Tensor, mask, path: str = "data") -> list:
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise InputError(f"'attention_mask' in {path!r} has shape {shape}; expected {tuple(ids.shape)}, the "
                          "shape of 'input_ids'")
-    if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+    if not zeros_and_ones(mask):
         raise InputError(f"'attention_mask' in {path!r} holds values other than 0 and 1 (dtype "
                          f"{str(mask.dtype).removeprefix('torch.')}); expected 1 for a token, 0 for padding")
     m = mask.bool()

@@ -9,7 +9,21 @@ import torch
 from ..errors import InputError
 
 __all__ = ["all_finite", "check_keywords", "check_read", "check_config_numbers", "same_value", "require_finite",
-           "require_module", "class_defaults", "check_token_ids", "check_token_batch", "batch_list"]
+           "require_module", "require_list", "require_bool", "zeros_and_ones", "class_defaults", "check_token_ids", "check_token_batch", "batch_list"]
+
+
+def require_list(x, label: str, expected: str, single: tuple = ()) -> None:
+    """Refuse ``x`` (named ``label``) unless it is a collection of items rather than one: a
+    string, bytes or anything of the classes ``single`` (a module, a tensor, a dict) is one,
+    though it iterates. One line naming what it is and what was ``expected``."""
+    if isinstance(x, (str, bytes, *single)) or not hasattr(x, "__iter__"):
+        raise InputError(f"{label} is a {type(x).__name__}; expected {expected}")
+
+
+def require_bool(value, name: str) -> None:
+    """Refuse a flag ``name`` that is not ``True`` or ``False`` (``0``, ``'yes'``)."""
+    if not isinstance(value, bool):
+        raise InputError(f"{name}={value!r}; expected True or False")
 
 
 def require_module(m, label: str, expected: str = "a torch.nn.Module") -> None:
@@ -186,9 +200,8 @@ def batch_list(data, *models) -> list | None:
     are not token ids of every one of ``models`` (:func:`check_token_batch`), naming the batch."""
     if data is None:
         return None
-    if isinstance(data, (torch.Tensor, dict, str, bytes)) or not hasattr(data, "__iter__"):
-        raise InputError(f"data is a {type(data).__name__}; expected a list of batches (each a dict of keyword "
-                         "inputs, or a tuple of tensors)")
+    require_list(data, "data", "a list of batches (each a dict of keyword inputs, or a tuple of tensors)",
+                 (torch.Tensor, dict))
     data = list(data)
     if not data:
         raise InputError("data is empty; expected at least one batch")
@@ -206,6 +219,11 @@ def batch_list(data, *models) -> list | None:
     return data
 
 
+def zeros_and_ones(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is 0 or 1 (an attention mask's)."""
+    return not t.is_complex() and bool(((t == 0) | (t == 1)).all())
+
+
 def _check_data_batch(batch, where: str) -> None:
     """Refuse a data batch (named ``where``) holding a tensor on ``meta`` (no values to run on) or
     token ids that are not a batch of sequences (``[N, S]``, or ``[N, C, S]`` for a multiple
@@ -219,7 +237,6 @@ def _check_data_batch(batch, where: str) -> None:
         raise InputError(f"'input_ids' of {where} has shape {tuple(ids.shape)}; expected a batch of sequences [N, S] "
                          "with at least one token")
     mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() and (
-            mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all())):
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() and not zeros_and_ones(mask):
         raise InputError(f"'attention_mask' of {where} holds values other than 0 and 1; expected 1 for a token, 0 "
                          "for padding")

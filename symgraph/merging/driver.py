@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from ..core.progress import bar as progress_bar
 from ..core.schema import UNSET
-from ..core.finite import batch_list, require_module
+from ..core.finite import batch_list, require_bool, require_list, require_module
 from ..core.ties import check_ties, check_untie, untie as untie_model
 
 from ..alignment import align as align_models
@@ -79,8 +79,7 @@ def merge(models, inputs=None, *, weights=UNSET, align=UNSET, data=None, method=
         one entry of its ``models`` per model; its on-disk options are ``run_merge``'s.
     """
     t0 = time.perf_counter()
-    if not isinstance(progress, bool):
-        raise InputError(f"progress={progress!r}; expected True or False")
+    require_bool(progress, "progress")
     models, data = _model_list(models, data)
     given = dict(weights=weights, align=align, method=method, anchor=anchor, method_options=method_options,
                  repair=repair, attention=attention, untie=untie)
@@ -198,9 +197,7 @@ def _model_list(models, data) -> tuple:
     """``(models, data)`` as lists: each model a ``torch.nn.Module``, or refused in one line (one
     module, not a list of them, is refused too: an ``nn.Sequential`` would iterate over its
     layers); the batches checked against them (:func:`~symgraph.core.finite.batch_list`)."""
-    if isinstance(models, (torch.nn.Module, str, bytes)) or not hasattr(models, "__iter__"):
-        raise InputError(f"models is a {type(models).__name__}; expected a list of torch.nn.Module models "
-                         "(at least 2)")
+    require_list(models, "models", "a list of torch.nn.Module models (at least 2)", (torch.nn.Module,))
     models = list(models)
     for i, m in enumerate(models):
         require_module(m, f"models[{i}]", "a torch.nn.Module in memory (merge checkpoints on disk with "

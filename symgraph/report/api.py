@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..core.ties import tied_groups
-from ..errors import InputError
+from ..core.finite import require_bool, require_module
 from ..passes import analyze_graph
 from ..passes.nodes import UNSAVED, unsaved_values
 from .symmetry import SymmetryReport
@@ -13,7 +13,6 @@ __all__ = ["analyze", "tied_parameters"]
 
 def tied_parameters(model) -> list:
     """Groups of parameter names that share one tensor (tied embeddings, shared layers)."""
-    from ..core.finite import require_module
     require_module(model, "model")
     return tied_groups(model)
 
@@ -41,9 +40,8 @@ def analyze(model, inputs=None, *, strict: bool = False, fold_norms: bool = True
         any other model. ``"all"``: every output; hidden states kept fix the streams they come
         from, since a symmetry would change them.
     """
-    for name, v in (("strict", strict), ("fold_norms", fold_norms)):
-        if not isinstance(v, bool):
-            raise InputError(f"{name}={v!r}; expected True or False")
+    require_bool(strict, "strict")
+    require_bool(fold_norms, "fold_norms")
     ep, args, kwargs = trace(model, inputs)
     ep.graph_module.meta[UNSAVED] = sorted(getattr(model, "_keys_to_ignore_on_save", None) or ())
     unsaved_values(ep, model)  # on meta: the values of what a checkpoint does not store
