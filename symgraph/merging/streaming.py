@@ -1,18 +1,13 @@
 """The merge engine: checkpoints read tensor by tensor, never a whole model in memory.
 
-:class:`StreamingMerge` runs a merge's steps from one config: the checkpoints'
-headers read and their models built on ``meta``; **align** every other checkpoint to the
-anchor through lazy, norm-folded views (:class:`~symgraph.merging.engine.views.Folded`), by
-weight matching (:func:`symgraph.alignment.driver.align_tensors`), by activations (the two
-graphs run op by op on the data, :class:`~symgraph.alignment.graphrun.Stepper`) or by learned
-matching (:mod:`.learned`), full groups fitted from the stored tensors; take the method's
-**statistics** out of core (:mod:`.engine.statistics`); run the plan's transforms (circuit-space
-heads, :mod:`.circuits`; untying, :func:`~symgraph.core.ties.untie`) and **REPAIR** (:mod:`.repair_stream`); then
-the **plan** of group tasks (:mod:`.engine.plan`) and its **executor** (:mod:`.engine.executor`:
-read, carry into the anchor's basis, combine, cast, write) within one memory budget
-(:func:`~.engine.slicing.budgets`), every byte held counted by the :class:`~.engine.views.Ledger`.
-:func:`~symgraph.app.run.merge_checkpoints` and ``symgraph merge`` run every merge of local
-checkpoints here; :func:`symgraph.merge` runs models in memory through it.
+:class:`StreamingMerge` holds a merge's state from one config (the checkpoints' headers read,
+their models built on ``meta``) and runs its steps (:mod:`.engine.steps`): analyse, refuse, **align**
+every other checkpoint to the anchor through lazy, norm-folded views
+(:class:`~symgraph.merging.engine.views.Folded`: weight, activation or learned matching), take
+the method's **statistics**, widen, **REPAIR**, then **write**: the plan of group tasks
+(:mod:`.engine.plan`) run by its executor (:mod:`.engine.executor`) within one memory budget,
+every byte held counted by the :class:`~.engine.views.Ledger`. ``symgraph merge`` and
+:func:`symgraph.merge` (models in memory) run every merge through it.
 """
 from __future__ import annotations
 
@@ -27,7 +22,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core.finite import batch_list
-from ..core.progress import bar as progress_bar
 from ..errors import InputError
 from ..transform.folding import gauge
 from ..checkpoints.inputs import DEFAULT_SHARD
@@ -36,7 +30,7 @@ from .methods import registry
 from .methods.registry import mixing_weights
 from .config import MergeConfig, engine_config, solver_options
 from . import repair_stream
-from .engine import slicing
+from .engine import steps
 from .engine.slicing import budgets
 from .engine.sinks import Into, write_config
 from .engine.sums import MemorySpill, Spill
@@ -45,8 +39,6 @@ from ..checkpoints.specs import check_same_configs, with_config_diff
 from .engine.views import DEFAULT_CACHE, Aligned, Folded, Sides, fit_dtype, return_freed_memory
 from .engine import Executor, build_plan
 from .engine.executor import Resources, Transforms
-from .engine.measuring import RepairContext
-from .engine.statistics import StatisticsContext, take
 
 if TYPE_CHECKING:
     from ..report.symmetry import SymmetryReport
@@ -176,49 +168,32 @@ class StreamingMerge:
             c.model = c.retyped(self.resources.work_dtype)
         return c
 
-    def _analyzed(self, c):
+    def analyzed(self, c):
+        """Checkpoint ``c``'s meta model analysed with the config's folding and outputs (the
+        inputs: ``symgraph.merge``'s for models in memory, else the first batch, if any)."""
         from ..report.api import analyze
         cfg, inputs = self.config, self.align_options.get("inputs")  # models in memory: symgraph.merge's inputs
         inputs = inputs if inputs is not None else self.data[0] if self.data else None
         return analyze(c.model, inputs, fold_norms=cfg.fold_norms, outputs=cfg.outputs)
 
+    def run(self, steps: list) -> list:
+        """Run ``steps`` (:mod:`.engine.steps`) in order, each timed under its name where it did work."""
+        for step in steps:
+            t0 = time.perf_counter()
+            if step.run(self):
+                self.timings[step.name] = time.perf_counter() - t0
+        return steps
+
     def align(self):
-        """The merge's steps up to its alignment, each once, in the pipeline's order: the anchor's
-        meta model analysed (unaligned, only where the statistics or REPAIR run its graph), and
-        each model of other widths, with the embedding rows weight matching reads; what is refused
-        before any work (a BatchNorm REPAIR cannot reset, learned matching's room, the plan's
-        largest piece in the memory budget); then every other checkpoint solved against the anchor."""
-        A = self._checkpoints[self.anchor]
-        aligned = self.align_mode is not None
-        t0 = time.perf_counter()
-        if aligned or ((self.how.needs_data or self.config.repair) and self.graph_report is None):
-            self.graph_report = self._analyzed(A)
-        ra = self.graph_report
-        others = {i: ra if c.shapes == A.shapes else self._analyzed(c)  # a model of other widths: its own
-                  for i, c in enumerate(self._checkpoints) if aligned and i != self.anchor}
-        if aligned:
-            self.timings["analyze"] = time.perf_counter() - t0
-        if aligned and self.align_options.get("rows_from"):  # only their tokens' embedding rows
-            self.align_options = {**self.align_options, "rows": ra.input_rows(self.align_options["rows_from"])}
-        if self.config.repair:
-            repair_stream.check(A.model, ra)
-        eye = slicing.identity_alignment(ra) if aligned and self.resources.budget is not None else None
-        if self.config.refine:  # learned matching's room, before any work
-            from .learned import check_budget
-            check_budget(self._learning(A), eye)
-        slicing.check_floor(self, eye)
-        if not aligned:  # nothing to move: every tensor is combined as it is
-            return self.alignments
-        t1 = time.perf_counter()
-        with self.aligning_to(A, ra) as solve, progress_bar(total=len(others), desc="aligning", unit="model",
-                                                            enabled=self.progress) as bar:
-            for i, rb in others.items():
-                self.alignments[i] = solve(i, rb)
-                bar.update()
-        self.timings["align"] = time.perf_counter() - t1
+        """The merge's steps up to its alignment, each once (:mod:`.engine.steps`): the anchor's meta
+        model analysed (unaligned, only where the statistics or REPAIR run its graph), and each
+        model of other widths, with the embedding rows weight matching reads; what is refused
+        before any work; then every other checkpoint solved against the anchor."""
+        analyze = steps.Analyze()
+        self.run([analyze, steps.Refuse(), steps.Align(analyze)])
         return self.alignments
 
-    def _learning(self, target):
+    def learning(self, target):
         """Learned matching's settings towards ``target`` (the anchor, or a universe's mean)."""
         from .learned import Learning
         res = self.resources
@@ -239,7 +214,7 @@ class StreamingMerge:
         from the stored tensors."""
         from ..alignment.driver import align_tensors
         res, opts = self.resources, self._solver_options()
-        learning = self._learning(target) if self.config.refine else None
+        learning = self.learning(target) if self.config.refine else None
         dev = None if res.device.type == "cpu" else res.device
         fa = Folded(ra, target, res.cache_bytes, res.work_dtype, dev, res.ledger)
         gains = gauge(ra.folds, {n: target.get(n).to(res.device) for f in ra.folds for n in (f.gain, f.shift) if n})
@@ -342,31 +317,19 @@ class StreamingMerge:
 
     def _ensure_aligned(self) -> None:
         """The alignment step, run by the writing entries when neither :meth:`align` nor
-        :meth:`use` left a report (again, cheaply, where nothing needed one): the executor
-        (:meth:`_finish`) never runs it itself."""
+        :meth:`use` left a report (again, cheaply, where nothing needed one)."""
         if self.graph_report is None:
             self.align()
 
     def _finish(self, make_spill, make_sink) -> dict:
-        """Statistics, the plan's transforms and REPAIR, then the plan run into ``make_sink(plan)``
-        (the alignment step done: :meth:`_ensure_aligned`)."""
-        t0 = time.perf_counter()
+        """The steps after the alignment (:mod:`.engine.steps`: statistics, the plan's transforms,
+        REPAIR, the plan run into ``make_sink(plan)``), the statistics held in ``make_spill()``
+        while they run (the alignment step done: :meth:`_ensure_aligned`)."""
         self.statistics.spill = make_spill() if self.how.needs_data else None
+        write = steps.Write(make_sink)
         try:
-            if self.spill is not None:
-                context = StatisticsContext.of(self)  # what the takers read, not the engine
-                self.statistics.per_model = [take(self.how.statistic, context, i) for i in range(len(self.checkpoints))]
-                self.timings["statistics"] = time.perf_counter() - t0
-            if self.transforms.circuits is not None:  # circuit-space heads: their shapes, config fields, combine
-                self.transforms.apply(self.transforms.circuits.widening())
-            if self.config.repair:  # last: it measures the merge as written
-                self.repair_report = repair_stream.repair(RepairContext.of(self))
-            t1, plan = time.perf_counter(), self.plan()
-            sink = make_sink(plan)
-            self.executor(plan).run(sink, self.progress)
-            info = sink.close()
-            self.timings["write"] = time.perf_counter() - t1
-            return info
+            self.run([steps.Statistics(), steps.Widen(), steps.Repair(), write])
+            return write.info
         finally:
             if self.spill is not None:
                 self.spill.close()

@@ -1,5 +1,6 @@
 """The merge engine as a plan and an executor, and what they read.
 
+- ``steps``       the merge's steps in order (analyse, refuse, align, statistics, widen, REPAIR, write)
 - ``plan``        :class:`~.plan.Plan` of :class:`~.plan.GroupTask` s: what each output tensor reads
 - ``slicing``     a large group computed in slices, and the smallest budget a plan fits in
 - ``executor``    :class:`~.executor.Executor`: runs a plan's tasks within the budget on the device
