@@ -120,7 +120,8 @@ class _InMemory(_OnDisk):
 
     @contextmanager
     def target(self, plan):
-        yield ModelCheckpoint(plan.merged_model(self.job.checkpoints[0].model), "the universe's mean")
+        mean = plan.merged_model(self.job.checkpoints[0].model)
+        yield ModelCheckpoint(mean, "the universe's mean")
 
 
 def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0: float) -> dict:
@@ -155,15 +156,15 @@ def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0:
             if not any(per_model):
                 record["converged"], record["stopped"] = True, "converged"
                 break
-    if not record["converged"]:
-        note(f"the shared universe stopped at max_rounds={opts['max_rounds']} with {record['changed'][-1]} elements "
-             "still changing in its last round; the merge takes that round's alignments (more rounds: "
-             "universe_options max_rounds)", "warning")
     spread = Spread(job.checkpoints[0], weights)
     mean_plan(job, ra, alignments, None, spread).write_into(lambda key, t: None)
     record["distance"].append(spread.value())
     record["elements"] = [len(al.elements) for al in alignments]
     record["seconds"] = time.perf_counter() - t0
+    if not record["converged"]:
+        note(f"the shared universe stopped at max_rounds={opts['max_rounds']} with {record['changed'][-1]} elements "
+             "still changing in its last round; the merge takes that round's alignments (more rounds: "
+             "universe_options max_rounds)", "warning")
     return record
 
 
