@@ -124,7 +124,8 @@ def test_circuit_heads_widen_the_plan_from_what_they_are_given(pair, tmp_path):
     from symgraph.merging.circuits import CircuitHeads, circuit_state
     ckpts = [Checkpoint(str(pair / f"m{i}")) for i in range(2)]
     cfg = MergeConfig(models=[str(pair / "m0"), str(pair / "m1")], attention="circuits", anchor=1)
-    heads = CircuitHeads(cfg, ckpts, "average", lambda: None)  # unaligned: the anchor analysed by the transform
+    report = symgraph.analyze(ckpts[1].model)  # on meta, as the engine's Analyze step does
+    heads = CircuitHeads(cfg, ckpts, "average", lambda: report)
     wide = heads.widening()
     layer = "model.layers.0.self_attn."
     assert wide.out_shapes[layer + "q_proj.weight"] == (4 * 16, 32)  # 4 heads of 2 x 8

@@ -21,7 +21,7 @@ ENGINE = ROOT / "merging" / "engine"
 #: What code outside the engine may read of a job (the class docstring lists it).
 PUBLIC = {"config", "checkpoints", "anchor", "progress", "alignments", "report", "weights", "timings",
           "repair_report", "align", "use", "write", "write_into", "plan", "executor", "output_model", "aligned",
-          "aligning_to", "read", "averaging", "merged_model"}
+          "aligning_to", "read", "averaging", "merged_model", "prepare", "close", "universe"}
 #: Modules another engineer is switching to the surface (issue 61): empty once they landed.
 NOT_YET: set[str] = set()
 
@@ -70,7 +70,7 @@ def job_reads(path: pathlib.Path) -> list:
 def test_streaming_merge_has_at_most_12_instance_attributes():
     names = instance_attributes(_class("StreamingMerge"))
     assert len(names) <= 12, sorted(names)
-    assert {"config", "alignments", "timings", "repair_report"} <= names  # the results are stored, not derived
+    assert {"config", "alignments", "timings", "reports"} <= names  # the results are stored, not derived
 
 
 def test_the_counter_counts():

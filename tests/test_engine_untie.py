@@ -14,7 +14,7 @@ from symgraph.checkpoints.sharded import Checkpoint, parse_size
 from symgraph.cli.main import main as cli
 from symgraph.app.config import MergeConfig
 from symgraph.app.run import run_merge
-from symgraph.merging.engine.sinks import write_config
+from symgraph.checkpoints.sharded import write_config
 from symgraph.merging.streaming import StreamingMerge
 from symgraph.core.ties import untie_config_updates
 from symgraph.testing import models

@@ -15,7 +15,7 @@ from symgraph.checkpoints.sharded import parse_size
 from symgraph.cli.main import main
 from symgraph.app.run import merge_checkpoints
 from symgraph.merging.streaming import StreamingMerge
-from symgraph.merging.universe import SCRATCH_PREFIX, align_universe
+from symgraph.merging.universe import SCRATCH_PREFIX
 from symgraph.testing import models
 
 from engine_helpers import load, rel
@@ -93,8 +93,9 @@ def test_activation_universe_out_of_core_equals_in_memory(trio):
     data = [{"input_ids": ids[i:i + 8]} for i in (0, 8)]
     opts = {"max_rounds": 2}
     job = StreamingMerge([str(root / f"m{i}") for i in range(3)], align="activations", data=data,
-                         memory_budget="128KB")
-    rec = align_universe(job, str(root), opts)
+                         memory_budget="128KB", anchor="universe", universe=opts, scratch=str(root))
+    job.align()
+    rec = job.universe
     ref = symgraph.merge(built, anchor="universe", align="activations", data=data, universe_options=opts)
     assert rec["changed"] == ref.universe["changed"] and rec["changed"][0] > 1
     for al, want in zip(job.alignments, ref.alignments):

@@ -141,8 +141,7 @@ def carry_writer(ckpt, report, elements: dict, gauge: dict, *, budget: int | Non
     give the same values); each value is cast back to its own dtype. ``config.json`` is copied,
     or rewritten with ``config_updates``; ``stats["bytes_held"]``: the most a piece held;
     ``what``: the move, as refusals name it."""
-    from ..checkpoints.sharded import input_shards, shard_writer
-    from ..merging.engine.sinks import write_config
+    from ..checkpoints.sharded import CheckpointWriter, input_shards
     if budget is not None:  # the largest piece's least need, refused before any work (not piece by piece)
         floor, big = max((_least_bytes(report, elements, names, big), big) for _, names, big in pieces(report))
         if budget < floor:
@@ -150,8 +149,8 @@ def carry_writer(ckpt, report, elements: dict, gauge: dict, *, budget: int | Non
                              f"needs at the least while {what}; expected at least {floor}")
 
     def write(directory):
-        writer = shard_writer(ckpt, directory, None, [(k, ckpt.shapes[k], ckpt.dtypes[k]) for k in ckpt.keys],
-                              layout=input_shards(ckpt.keys, ckpt.files))
+        writer = CheckpointWriter(ckpt, directory, None, [(k, ckpt.shapes[k], ckpt.dtypes[k]) for k in ckpt.keys],
+                                  config_updates, layout=input_shards(ckpt.keys, ckpt.files))
         written: set = set()
         for piece in pieces(report):
             held = _write_piece(ckpt, report, elements, piece, writer, written, gauge, budget, what)
@@ -161,9 +160,7 @@ def carry_writer(ckpt, report, elements: dict, gauge: dict, *, budget: int | Non
         for key in ckpt.keys:  # buffers no class moves, tensors the graph does not read
             if key not in stored:
                 writer.add(key, ckpt.read(key, check=False))
-        info = writer.close()
-        write_config(ckpt.path, directory, config_updates, ckpt.dtypes.values())
-        return info
+        return writer.close()
     return write
 
 

@@ -22,8 +22,8 @@ def record(cfg, data, names, *, mode, seconds, alignments, dtype, input_dtypes, 
     (:attr:`~symgraph.checkpoints.inputs.Inputs.names`); ``dtype`` the merged model's and
     ``input_dtypes`` the inputs'; ``configs``, the inputs' configs, whose widths are compared
     with the ``anchor``'s; ``parent`` (the anchor's model) and ``merged`` (on ``meta`` out of
-    core), whose architectures are compared; REPAIR's report (``repair``; out of core set once
-    written) and the shared ``universe``'s rounds (None: an anchor)."""
+    core), whose architectures are compared; REPAIR's report (``repair``, a
+    :class:`~symgraph.merging.repair.RepairReport`) and the shared ``universe``'s rounds (None: an anchor)."""
     changes, widths = architecture_change(parent, merged), width_change(configs, cfg.models, anchor)
     options = cfg.model_dump(exclude={"models", "out", "force"})
     options["parameters"] = get_method(cfg.method, **cfg.parameters).params.model_dump()  # defaults too
@@ -31,7 +31,7 @@ def record(cfg, data, names, *, mode, seconds, alignments, dtype, input_dtypes, 
     options["data_batches"] = len(data) if data else 0
     return {"symgraph_version": __version__, "inputs": list(names), "options": options,
             "dtype": str(dtype).removeprefix("torch."), "mode": mode, "seconds": seconds,
-            "alignments": _solver_summary(alignments), "repair": repair,
+            "alignments": _solver_summary(alignments), "repair": repair.to_dict() if repair is not None else None,
             "input_dtypes": [str(d).removeprefix("torch.") for d in input_dtypes],
             "architecture": changes, "width_change": widths, "universe": universe}
 

@@ -77,25 +77,22 @@ def run_merge(cfg: MergeConfig, *, streaming: bool | None = None, data=None, anc
     if unused:  # said once the inputs are checked (a refusal is the one line on stderr)
         note(unused, "warning")
         cfg = cfg.model_copy(update={"data": None})  # the record and the card then say data: null
-    done, why = (None, None) if streaming is False else _streamed(cfg, inputs, data, progress, options, streaming)
-    if done is None:  # the models loaded: the same record and writing
-        merged = _merge_in_memory(cfg, inputs, data, progress, why if streaming is None else None)
-        done = _written(cfg, inputs, merged)
-    return done
+    merged = _merge(cfg, inputs, data, progress, options, streaming)
+    return _written(cfg, inputs, merged)
 
 
 @dataclass
 class Merged:
     """A merge done, not yet written: what the record says of it (``facts``, the keywords of
-    :func:`~symgraph.app.record.record`), ``write(directory)`` writing its checkpoint there,
-    REPAIR's report once written (``repair()``), the tokenizer's source, and the engine or the
-    in-memory result (:attr:`MergeOutcome.job`)."""
+    :func:`~symgraph.app.record.record`, REPAIR's report among them), ``write(directory)`` writing
+    its checkpoint there, the tokenizer's source, and the engine or the in-memory result
+    (:attr:`MergeOutcome.job`); ``close()`` frees what the writing would read."""
     facts: dict
     write: Callable
-    repair: Callable
     tokenizer_from: str | None
     n_models: int
     job: StreamingMerge | MergeResult
+    close: Callable = lambda: None
 
 
 def _unused_data(cfg) -> str | None:
@@ -107,25 +104,23 @@ def _unused_data(cfg) -> str | None:
             f"method {cfg.method}, no --repair, --refine or --seen-rows); the merge goes on without it")
 
 
-def _streamed(cfg, inputs, data, progress, options, required) -> tuple:
-    """``(outcome, None)``: the merge done out of core and written, or ``(None, why)`` when it
-    needs its models in memory (refused when the out-of-core path is ``required``), found
-    before the output is in place."""
-    job, batches, why = _engine(cfg, inputs, data, progress, options)
-    if job is None and required:
+def _merge(cfg, inputs, data, progress, options, streaming) -> Merged:
+    """The merge done, not yet written: out of core where the job allows it (``streaming``
+    None; refused, saying why, where True requires it), else with the models loaded (every
+    reason to load them is found before the output is in place)."""
+    job, batches, why = (None, None, None) if streaming is False else _engine(cfg, inputs, data, progress, options)
+    if job is None and streaming:
         raise InputError(f"this merge cannot run out of core: {why}; expected a merge of local checkpoint "
                          "directories")
-    if job is None:
-        return None, why
-    try:
-        merged = _merge_streaming(job, cfg, inputs, batches)
-        return _written(cfg, inputs, merged), None
-    except NeedsMemory as e:  # found while aligning or writing, before the output is in place
-        if required:
-            raise InputError(f"this merge cannot run out of core: {e}; expected a merge the "
-                             "out-of-core path can run, or streaming=None to load the models") from None
-        note(f"{e}, so the models are loaded in memory for this merge")
-        return None, None
+    if job is not None:
+        try:
+            return _merge_streaming(job, cfg, inputs, batches)
+        except NeedsMemory as e:  # found while aligning or preparing, before the output is in place
+            if streaming:
+                raise InputError(f"this merge cannot run out of core: {e}; expected a merge the "
+                                 "out-of-core path can run, or streaming=None to load the models") from None
+            note(f"{e}, so the models are loaded in memory for this merge")
+    return _merge_in_memory(cfg, inputs, data, progress, why if streaming is None else None)
 
 
 def _engine(cfg, inputs, data, progress, options) -> tuple:
@@ -143,6 +138,7 @@ def _engine(cfg, inputs, data, progress, options) -> tuple:
         data = read_batches(cfg.data, ckpts[0].model, statistics=cfg.takes_statistics)
     if cfg.seen_rows:
         options["rows_from"] = data
+    options["scratch"] = os.path.dirname(inputs.out)  # a universe's means, the statistics' spill: beside the output
     engine = cfg.model_copy(update={"out": None})
     batches = data if cfg.takes_statistics else None
     return StreamingMerge(ckpts, engine, data=batches, progress=progress, **options), batches, None
@@ -150,29 +146,25 @@ def _engine(cfg, inputs, data, progress, options) -> tuple:
 
 def _merge_streaming(job, cfg, inputs, data) -> Merged:
     """Out of core: the alignment solved from tensors read on demand (or rounds of a shared
-    universe, their means written beside the output); the merge is written shard by shard."""
+    universe, their means written beside the output), the statistics and REPAIR taken; the
+    merge is written shard by shard."""
     t0 = time.time()
-    universe = None
     try:
-        if cfg.anchor == "universe":
-            from ..merging.universe import align_universe
-            universe = align_universe(job, os.path.dirname(inputs.out))
-        else:
-            job.align()
+        job.prepare()  # aligned (a universe's rounds), statistics (spilled beside the output), REPAIR
     except (StructureMismatchError, InputError) as e:
         raise with_config_diff(e, job.checkpoints, cfg.models) from None
     ckpts, anchor = job.checkpoints, job.checkpoints[job.anchor]
     facts = dict(data=data, mode="streaming", seconds=time.time() - t0, alignments=job.alignments,
                  dtype=anchor.dtype, input_dtypes=[c.dtype for c in ckpts], configs=[c.config for c in ckpts],
                  parent=(anchor.source or anchor).model, merged=job.output_model(), anchor=job.anchor,
-                 universe=universe)  # the models on meta
+                 universe=job.universe, repair=job.repair_report)  # the models on meta
 
     def write(directory):
         info = job.write(directory, inputs.shard)
         for c in ckpts:  # no input changed under the run, up to its end
             getattr(c, "check_unchanged", lambda: None)()
         return info
-    return Merged(facts, write, lambda: job.repair_report, anchor.path, len(ckpts), job)
+    return Merged(facts, write, anchor.path, len(ckpts), job, job.close)
 
 
 def _merge_in_memory(cfg, inputs, data, progress, why=None) -> Merged:
@@ -196,14 +188,15 @@ def _merge_in_memory(cfg, inputs, data, progress, why=None) -> Merged:
     facts = dict(data=data, mode="in-memory", seconds=time.time() - t0, alignments=result.alignments,
                  dtype=next(result.model.parameters()).dtype, input_dtypes=[next(m.parameters()).dtype for m in models],
                  configs=[getattr(m, "config", None) for m in models], parent=models[0], merged=result.model,
-                 anchor=inputs.anchor, universe=result.universe)
+                 anchor=inputs.anchor, universe=result.universe, repair=result.repair)
     first = os.path.expanduser(cfg.models[0])
 
     def write(directory):
         with progress_bar(total=1, enabled=progress, desc="writing") as bar:
             result.model.save_pretrained(directory, safe_serialization=True, max_shard_size=inputs.shard)
             bar.update()
-    return Merged(facts, write, lambda: result.repair, first if os.path.isdir(first) else None, len(models), result)
+    return Merged(facts, write, first if os.path.isdir(first) else None, len(models), result)
+
 
 
 def _merged(cfg, models, data, progress):
@@ -224,19 +217,16 @@ def _merged(cfg, models, data, progress):
 
 
 def _written(cfg, inputs, merged: Merged) -> MergeOutcome:
-    """The ``merged`` model written into ``inputs.out`` atomically, with its record (REPAIR's
-    entry once the merge is written and measured), its card and the first model's tokenizer
-    files; the same on both paths."""
+    """The ``merged`` model written into ``inputs.out`` atomically, with its record, its card and
+    the first model's tokenizer files; the same on both paths."""
     from ..checkpoints.outdir import save_atomic
-    meta = record(cfg, names=inputs.names, **merged.facts)
-
-    def write(directory):
-        info = merged.write(directory)
-        report = merged.repair()
-        meta["repair"] = report.to_dict() if report is not None else None
-        return info
-    save_atomic(write, inputs.out, force=cfg.force, inputs=inputs.files, meta=meta,
-                tokenizer_from=merged.tokenizer_from, card=lambda: card(cfg, inputs.out, meta))
+    try:
+        meta = record(cfg, names=inputs.names, **merged.facts)
+        text = card(cfg, inputs.out, meta)
+        save_atomic(merged.write, inputs.out, force=cfg.force, inputs=inputs.files, meta=meta,
+                    tokenizer_from=merged.tokenizer_from, card=text)
+    finally:
+        merged.close()
     return MergeOutcome(inputs.out, merged.facts["mode"], merged.n_models, meta, merged.job)
 
 

@@ -8,13 +8,15 @@ and each tensor is read, through safetensors' ``safe_open``, only when asked for
 file pinned when its header was read (:class:`~symgraph.core.files.PinnedFile`): a file
 replaced or rewritten during the run is refused, never read as a mix of two versions.
 :class:`ShardWriter` writes tensors whose names, shapes and dtypes are known in advance into
-shards named and indexed as ``save_pretrained`` names them, one tensor at a time.
+shards named and indexed as ``save_pretrained`` names them, one tensor at a time;
+:class:`CheckpointWriter` a whole checkpoint directory: the shards, then the config.
 """
 from __future__ import annotations
 
 import copy
 import json
 import os
+import shutil
 
 import numpy as np
 import torch
@@ -29,7 +31,8 @@ from ..core.finite import check_read
 from ..core.ties import parameter_names, untie
 from ..errors import InputError
 
-__all__ = ["Checkpoint", "KeysDiffer", "check_pair", "ShardWriter", "parse_size", "shard_writer", "INDEX", "SINGLE"]
+__all__ = ["Checkpoint", "KeysDiffer", "check_pair", "ShardWriter", "CheckpointWriter", "parse_size", "shard_writer",
+           "write_config", "EXTRA_FILES", "INDEX", "SINGLE"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -335,3 +338,49 @@ def input_shards(keys, files) -> list:
     if len(shards) == 1:
         return [(SINGLE, next(iter(shards.values())))]
     return list(shards.items())
+
+
+class CheckpointWriter:
+    """A checkpoint of ``ckpt``'s architecture written into ``directory``: the tensors of ``plan``
+    (``[(key, shape, dtype)]``) in shards (:func:`shard_writer`, with ``limit`` or ``layout``),
+    then on :meth:`close` ``ckpt``'s config with ``updates`` (:func:`write_config`)."""
+
+    def __init__(self, ckpt, directory: str, limit, plan, updates: dict | None = None, layout=None):
+        self.shards = shard_writer(ckpt, directory, limit, plan, layout)
+        self.ckpt, self.directory, self.updates = ckpt, directory, updates
+        self.add = self.shards.add
+
+    def close(self) -> dict:
+        info = self.shards.close()
+        write_config(self.ckpt.path, self.directory, self.updates, self.ckpt.dtypes.values())
+        return info
+
+
+#: Files of the anchor's directory copied beside the output's ``config.json``.
+EXTRA_FILES = ("generation_config.json",)
+
+
+def write_config(source_dir: str, directory: str, updates: dict | None, dtypes=()) -> None:
+    """The anchor's ``config.json`` (from ``source_dir``) into ``directory``, with the fields the
+    merge changes (``updates``; a dict value updates a nested config such as ``text_config``),
+    and its :data:`EXTRA_FILES`. ``dtypes``: the written tensors' (``torch.float32``, ...); a
+    ``dtype`` or ``torch_dtype`` the config states that none of them has is stale (transformers
+    loads by it: ``float8_e4m3fn`` over float32 tensors cannot load) and becomes their most
+    common floating-point dtype (the first by name on a tie). A checkpoint of mixed dtypes keeps a dtype it has."""
+    for fn in EXTRA_FILES:
+        if os.path.isfile(os.path.join(source_dir, fn)):
+            shutil.copy2(os.path.join(source_dir, fn), os.path.join(directory, fn))
+    src, dst = os.path.join(source_dir, "config.json"), os.path.join(directory, "config.json")
+    with open(src, encoding="utf-8") as f:
+        config = json.load(f)
+    floats = [str(d).removeprefix("torch.") for d in dtypes if d.is_floating_point]
+    updates = {**(updates or {}), **{k: max(sorted(set(floats)), key=floats.count) for k in ("dtype", "torch_dtype")
+                                     if floats and k in config and config[k] not in floats}}
+    if not updates:
+        shutil.copy2(src, dst)
+        return
+    for k, v in updates.items():
+        config[k] = {**config[k], **v} if isinstance(v, dict) and isinstance(config.get(k), dict) else v
+    with open(dst, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")

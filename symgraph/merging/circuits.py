@@ -202,10 +202,10 @@ class CircuitHeads:
     """Circuit-space heads in the merge engine: refuses another method than averaging and a
     config that cannot state the wider heads, and gives the engine its :class:`Widening`
     (:meth:`widening`), whose combine is :func:`circuit_state` with the anchor first. It never
-    sees the engine."""
+    sees the engine; ``report()`` gives the anchor's analysis once the engine has run it."""
 
     def __init__(self, config, checkpoints, method: str, report: Callable):
-        self.anchor, self.n, self.config = int(config.anchor), len(checkpoints), config
+        self.anchor, self.n = int(config.anchor), len(checkpoints)
         self.checkpoint, self.report, self._built = checkpoints[self.anchor], report, None
         if method != "average":
             raise InputError(f"attention='circuits' merges by weighted averaging, not method={method!r}; "
@@ -216,11 +216,7 @@ class CircuitHeads:
         """``(plan, config, meta model)`` of the merge."""
         if self._built is None:
             A = self.checkpoint.model  # on the meta device: a config and shapes, no tensors
-            report = self.report()
-            if report is None:
-                from ..report.api import analyze
-                report = analyze(A, None, fold_norms=self.config.fold_norms, outputs=self.config.outputs)
-            cplan = plan(report)
+            cplan = plan(self.report())  # the engine's Analyze step ran
             cfg = wide_config(A, cplan.head_dim, self.n, cplan.rope)
             self._built = (cplan, cfg, meta_model(type(A), cfg))
         return self._built

@@ -39,7 +39,7 @@ class MergeResult:
     aligned; with ``anchor="universe"`` every model's), ``timings`` in seconds (``analyze``,
     ``align``, ``statistics``, ``combine``, ``repair``, ``total``), ``repair`` (the
     :class:`~symgraph.merging.repair.RepairReport`, with ``repair=True``) and ``universe``
-    (what the rounds did: :func:`~symgraph.merging.universe.align_universe`'s record)."""
+    (what the rounds did: :func:`~symgraph.merging.universe.rounds`' record)."""
     model: torch.nn.Module
     alignments: list
     timings: dict = field(default_factory=dict)
@@ -116,14 +116,10 @@ def _alignments(models, config, how, data, inputs, align_options, universe_optio
         raise InputError(f"anchor='universe' aligns in the merge engine's rounds, which take no {only[0]}; "
                          "expected it with an anchor index (or anchor='universe' without it)")
     if not only and config.align != "none":  # the engine aligns (unaligned: the anchor analysed below)
-        job = _engine(models, config, how, data, aligning=dict(align_options, inputs=inputs), progress=progress)
-        if config.anchor == "universe":  # every model's alignment to the mean of the others, the engine's rounds
-            from .universe import align_universe
-            universe = align_universe(job, None, universe_options)
-            alignments = job.alignments
-        else:
-            universe, alignments = None, job.align()
-        ra = job.report
+        rounds = {"universe": universe_options} if config.anchor == "universe" else {}  # the engine's rounds
+        job = _engine(models, config, how, data, aligning=dict(align_options, inputs=inputs, **rounds),
+                      progress=progress)
+        alignments, universe, ra = job.align(), job.universe, job.report
         for al in alignments:
             if al is not None:
                 al.template = A  # a merge across widths applies it to B in A's shapes
@@ -158,6 +154,8 @@ def _prepared(models, config, method, data, universe_options) -> tuple:
     if universe_options is not None and config.anchor != "universe":
         raise InputError(f"universe_options={universe_options!r} apply only with anchor='universe', not "
                          f"anchor={config.anchor!r}")
+    from .universe import universe_options as check_rounds
+    check_rounds(universe_options)  # before any work
     check_same_family(models, config.models)
     check_same_configs([getattr(m, "config", None) for m in models], config.models, untie=config.untie)
     if config.untie:

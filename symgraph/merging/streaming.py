@@ -25,14 +25,14 @@ from ..core.finite import batch_list
 from ..errors import InputError
 from ..transform.folding import gauge
 from ..checkpoints.inputs import DEFAULT_SHARD
-from ..checkpoints.sharded import Checkpoint, KeysDiffer, check_pair, parse_size, shard_writer
+from ..checkpoints.sharded import Checkpoint, CheckpointWriter, KeysDiffer, check_pair, parse_size
 from .methods import registry
 from .methods.registry import mixing_weights
 from .config import MergeConfig, engine_config, solver_options
 from . import repair_stream
 from .engine import steps
 from .engine.slicing import budgets
-from .engine.sinks import Into, write_config
+from .engine.sinks import Into
 from .engine.sums import MemorySpill, Spill
 from ..core.ties import check_untie, untie_config_updates
 from ..checkpoints.specs import check_same_configs, with_config_diff
@@ -42,11 +42,12 @@ from .engine.executor import Resources, Transforms
 
 if TYPE_CHECKING:
     from ..report.symmetry import SymmetryReport
-    from .repair import RepairReport
 
 __all__ = ["Checkpoint", "KeysDiffer", "Folded", "StreamingMerge", "parse_size", "DEFAULT_SHARD", "budgets"]
 
-ENGINE_ONLY = ("rows_from", "refine_lr", "inputs")  # align_options the engine resolves itself, not the solver's
+# align_options the engine resolves itself, not the solver's: the seen rows' batches, learned matching's rate,
+# the analysis's inputs, a shared universe's options and where temporary files go (None: memory)
+ENGINE_ONLY = ("rows_from", "refine_lr", "inputs", "universe", "scratch")
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Taken:
     holding them while the merge writes."""
     per_model: list
     spill: Spill | MemorySpill | None = None
+    ready: bool = False  # the steps before writing ran (:meth:`StreamingMerge.prepare`)
 
 
 class StreamingMerge:
@@ -64,8 +66,9 @@ class StreamingMerge:
     architecture; ``config``: the one :class:`~symgraph.merging.config.MergeConfig` (its
     ``models`` and ``out`` are the caller's), or its fields as keyword ``options`` (``align=None``
     for ``"none"``, ``method_options`` for ``parameters``: :func:`~.config.engine_config`), checked
-    by the same rules; options the config does not hold (``solver``, ``inner``, ``refine_lr``)
-    go to the alignment. ``data``: batches (as for :func:`symgraph.align`), for activation
+    by the same rules; options the config does not hold (``solver``, ``inner``, ``refine_lr``;
+    ``universe``: a shared universe's ``max_rounds`` and ``tol``; ``scratch``: the directory its
+    means and the statistics' spill go to, None: memory) go to the alignment. ``data``: batches (as for :func:`symgraph.align`), for activation
     matching, the method's statistics (its declared kind, :mod:`.engine.statistics`) and REPAIR;
     ``method``: a method instance the config's ``method`` stands for; ``rows_from``: batches whose
     tokens' embedding rows weight matching reads; ``cache_bytes``: each model's cache without a
@@ -77,9 +80,11 @@ class StreamingMerge:
     The public surface (what code outside the engine reads; every other attribute is the
     engine's own): ``config``, :attr:`checkpoints`, :attr:`anchor`, ``progress``; the results
     ``alignments`` (one per checkpoint, None for the anchor), :attr:`report` (the anchor's; None
-    unaligned), ``weights`` (the mixing weights, normalised), ``timings`` and, once written, ``repair_report``; the steps :meth:`align` (or
-    :meth:`use`), :meth:`write` / :meth:`write_into` / :meth:`merged_model` (the method's
-    statistics, REPAIR, the merged tensors), :meth:`plan`, :meth:`executor`; and what other steps
+    unaligned), ``weights`` (the mixing weights, normalised), ``timings``, :attr:`universe` and, once prepared,
+    :attr:`repair_report`; the steps :meth:`align` (or
+    :meth:`use`), :meth:`prepare` (the method's statistics, REPAIR) and :meth:`close`,
+    :meth:`write` / :meth:`write_into` / :meth:`merged_model` (the merged tensors), :meth:`plan`,
+    :meth:`executor`; and what other steps
     build on: :meth:`output_model`, :meth:`aligned`, :meth:`aligning_to`, :meth:`read`, :meth:`averaging`,
     :meth:`averaged`.
     """
@@ -103,7 +108,7 @@ class StreamingMerge:
             raise InputError("out of core, learned matching lowers the model's own loss on the anchor's "
                              "architecture; expected no loss_fn or between (symgraph.align takes them)")
         self.data = data
-        self.repair_report: RepairReport | None = None  # what REPAIR did (repair=True), once written
+        self.reports: dict = {"repair": None, "universe": None}  # what REPAIR and a shared universe did
         rows = {} if rows_from is None else {"rows_from": list(rows_from)}  # batches: read only their tokens' rows
         self.align_options = align_options | solver_options(cfg) | rows
         budget = cfg.budget_bytes
@@ -145,6 +150,10 @@ class StreamingMerge:
     report = property(lambda self: self.graph_report if self.align_mode is not None else None,
                       doc="the anchor's report (None: not aligned)")
     progress = property(lambda self: self.resources.progress)
+    repair_report = property(lambda self: self.reports["repair"], lambda self, v: self.reports.update(repair=v),
+                             doc="what REPAIR did (repair=True; a RepairReport), once prepared")
+    universe = property(lambda self: self.reports["universe"], lambda self, v: self.reports.update(universe=v),
+                        doc="a shared universe's rounds (anchor='universe'), once aligned")
     # the settings of the one config, as the engine's steps read them
     align_mode = property(lambda self: None if self.config.align == "none" else self.config.align)
     weights = cached_property(lambda self: mixing_weights(self.config.weights, len(self._checkpoints)))
@@ -188,9 +197,11 @@ class StreamingMerge:
         """The merge's steps up to its alignment, each once (:mod:`.engine.steps`): the anchor's meta
         model analysed (unaligned, only where the statistics or REPAIR run its graph), and each
         model of other widths, with the embedding rows weight matching reads; what is refused
-        before any work; then every other checkpoint solved against the anchor."""
+        before any work; then every other checkpoint solved against the anchor (with
+        ``anchor="universe"``, then rounds of aligning each to the mean of the others)."""
         analyze = steps.Analyze()
-        self.run([analyze, steps.Refuse(), steps.Align(analyze)])
+        rounds = [steps.Universe()] if self.config.anchor == "universe" else []
+        self.run([analyze, steps.Refuse(), steps.Align(analyze), *rounds])
         return self.alignments
 
     def learning(self, target):
@@ -291,48 +302,55 @@ class StreamingMerge:
             finish(out)
         return out
 
+    def prepare(self, scratch: str | None = None) -> StreamingMerge:
+        """The steps between the alignment (run first where neither :meth:`align` nor :meth:`use`
+        ran) and the writing, once (:mod:`.engine.steps`): the method's statistics, spilled to a
+        temporary directory in ``scratch`` (default the ``scratch`` option; None: kept in memory)
+        until :meth:`close`, the plan's transforms and REPAIR. What makes a merge need its models
+        in memory is found here, before anything is written."""
+        spill_parent = scratch if scratch is not None else self.align_options.get("scratch")
+        if self.graph_report is None:  # neither align() nor use() ran (again, cheaply, where nothing needed one)
+            self.align()
+        if self.statistics.ready:
+            return self
+        try:
+            self.run([steps.Statistics(spill_parent), steps.Widen(), steps.Repair()])
+        except BaseException:
+            self.close()
+            raise
+        self.statistics.ready = True
+        return self
+
+    def close(self) -> None:
+        """The statistics' spill removed; a next write prepares again."""
+        if self.spill is not None:
+            self.spill.close()
+        self.statistics.spill, self.statistics.ready = None, False
+
     def write(self, directory: str, shard: int | None = None) -> dict:
-        """Align first where neither :meth:`align` nor :meth:`use` ran, take the method's
-        statistics (spilled to a temporary directory beside ``directory``, removed after) and
-        write the merged checkpoint into ``directory`` (shards of at most ``shard`` bytes,
-        default the config's ``max_shard_size`` or 2 GiB, an index, the config); returns
-        ``{"tensors": n, "bytes": total, "shards": k}``."""
-        self._ensure_aligned()
-        if shard is None:
-            shard = self.config.shard_bytes or DEFAULT_SHARD
-        anchor = self._checkpoints[self.anchor]
-        info = self._finish(lambda: Spill(os.path.dirname(os.path.abspath(directory))),
-                            lambda plan: shard_writer(anchor, directory, shard, plan.outputs))
-        write_config(anchor.path, directory, self.transforms.config_updates, anchor.dtypes.values())
-        return info
+        """The merged checkpoint written into ``directory`` (shards of at most ``shard`` bytes,
+        default the config's ``max_shard_size`` or 2 GiB, an index, the config), prepared first
+        where :meth:`prepare` did not run (the statistics spilled beside ``directory``), closed
+        after; returns ``{"tensors": n, "bytes": total, "shards": k}``."""
+        shard = shard if shard is not None else self.config.shard_bytes or DEFAULT_SHARD
+        anchor = self.prepare(os.path.dirname(os.path.abspath(directory))).checkpoints[self.anchor]
+        return self._written(lambda plan: CheckpointWriter(anchor, directory, shard, plan.outputs,
+                                                             self.transforms.config_updates))
 
     def write_into(self, add, device=None) -> dict:
-        """The merge of models in memory (aligned first as :meth:`write` is): statistics kept in
-        memory, each merged tensor given to ``add(key, tensor)`` (in the anchor's dtype for that
+        """The merge of models in memory (prepared first as :meth:`write` is, its statistics in
+        memory): each merged tensor given to ``add(key, tensor)`` (in the anchor's dtype for that
         key, on ``device``: default the job's) as it is computed; returns
         ``{"tensors": n, "bytes": total, "shards": 0}``."""
-        self._ensure_aligned()
         self.resources.out_device = torch.device(device) if device is not None else self.resources.device
-        return self._finish(MemorySpill, lambda plan: Into(add))
+        return self.prepare()._written(lambda plan: Into(add))
 
-    def _ensure_aligned(self) -> None:
-        """The alignment step, run by the writing entries when neither :meth:`align` nor
-        :meth:`use` left a report (again, cheaply, where nothing needed one)."""
-        if self.graph_report is None:
-            self.align()
-
-    def _finish(self, make_spill, make_sink) -> dict:
-        """The steps after the alignment (:mod:`.engine.steps`: statistics, the plan's transforms,
-        REPAIR, the plan run into ``make_sink(plan)``), the statistics held in ``make_spill()``
-        while they run (the alignment step done: :meth:`_ensure_aligned`)."""
-        self.statistics.spill = make_spill() if self.how.needs_data else None
-        write = steps.Write(make_sink)
+    def _written(self, make_sink) -> dict:
+        """The plan run into ``make_sink(plan)`` (:class:`~.engine.steps.Write`), then closed."""
         try:
-            self.run([steps.Statistics(), steps.Widen(), steps.Repair(), write])
-            return write.info
+            return self.run([steps.Write(make_sink)])[0].info
         finally:
-            if self.spill is not None:
-                self.spill.close()
+            self.close()
 
     def plan(self):
         """The plan of this merge (:class:`~.engine.plan.Plan`): its tasks in the anchor's key

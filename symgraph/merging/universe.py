@@ -20,7 +20,7 @@ counted as a change, as it changes neither the average's function nor any model'
 Elements are solved by the usual solvers, so heterogeneous widths, activations, ``refine`` and
 every merge method work as with an anchor; where norm gains fold, every state carries
 ``models[0]``'s gains. The rounds (:func:`run_rounds`) are one loop of the merge engine's
-steps (:func:`align_universe`), in memory and out of core within the budget.
+steps (:func:`rounds`, the engine's ``Universe`` step), in memory and out of core within the budget.
 """
 from __future__ import annotations
 
@@ -38,9 +38,8 @@ from ..core.files import identity, remove_own
 from ..core.progress import bar as progress_bar, note
 from ..errors import InputError
 from .methods.average import Average
-from .streaming import StreamingMerge
 
-__all__ = ["DEFAULTS", "SCRATCH_PREFIX", "align_universe", "universe_options",
+__all__ = ["DEFAULTS", "SCRATCH_PREFIX", "rounds", "universe_options",
            "round_changes", "run_rounds", "mean_plan", "Spread"]
 
 #: ``universe_options`` of :func:`symgraph.merge` and their defaults.
@@ -69,12 +68,13 @@ def universe_options(options: dict | None) -> dict:
     return out
 
 
-def align_universe(job: StreamingMerge, parent: str | None = None, options: dict | None = None) -> dict:
-    """Align every model of ``job`` (the merge engine over them: its ``align``, mixing weights
-    and plans) into one shared basis and hand the alignments to it (``job.alignments``): out
-    of core within its budget, each round's means written into ``parent`` (each removed
-    after), or with ``parent`` None in memory, each mean a model in memory; ``options``:
-    ``max_rounds`` and ``tol`` (:data:`DEFAULTS`).
+def rounds(job, parent: str | None = None, options: dict | None = None) -> dict:
+    """Align every model of ``job`` (the merge engine over them, aligned to model 0: round 0)
+    into one shared basis and hand the alignments to it (``job.alignments``): out of core
+    within its budget, each round's means written into ``parent`` (each removed after), or
+    with ``parent`` None in memory, each mean a model in memory; ``options``: ``max_rounds``
+    and ``tol`` (:data:`DEFAULTS`). The engine runs it as its align step
+    :class:`~symgraph.merging.engine.steps.Universe` (``anchor="universe"``).
 
     Returns a JSON-able record: ``rounds``, ``converged``, ``stopped`` ("converged" /
     "max_rounds"), per round ``changed`` (elements, all models), ``changed_per_model``,
@@ -83,8 +83,8 @@ def align_universe(job: StreamingMerge, parent: str | None = None, options: dict
     ``elements`` per model, ``max_rounds``, ``tol``, ``seconds``.
     """
     opts = universe_options(options)
-    t0 = time.perf_counter()
-    alignments = list(job.align())  # round 0: the anchor merge
+    t0 = time.perf_counter() - job.timings.get("align", 0.0)  # round 0: the anchor merge, just run
+    alignments = list(job.alignments)
     steps = _InMemory(job, None) if parent is None else _OnDisk(job, parent)
     record = run_rounds(job, job.report, alignments, steps, opts, job.progress, t0)
     job.use(job.report, alignments)
@@ -130,7 +130,7 @@ def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0:
     a mean goes (``steps.target(plan)``: a context holding the mean ``plan`` writes) and how a
     model is aligned to it (``steps.align(target, i, report_b)``). Each round's ``distance`` is
     measured by its first plan (model 0's mean reads every model), the last by one more plan.
-    Returns the record (:func:`align_universe`)."""
+    Returns the record (:func:`rounds`)."""
     n, weights = len(job.checkpoints), job.weights
     reports = [ra] + [al.report_b for al in alignments[1:]]
     record = {"rounds": 0, "converged": False, "stopped": "max_rounds", "changed": [], "changed_per_model": [],
@@ -168,7 +168,7 @@ def run_rounds(job, ra, alignments: list, steps, opts: dict, progress: bool, t0:
     return record
 
 
-def mean_plan(job, ra, alignments, i=None, method=None) -> StreamingMerge:
+def mean_plan(job, ra, alignments, i=None, method=None):
     """An engine plan (method ``average``, or the ``method`` instance) over ``job``'s checkpoints
     in the shared basis (``alignments``): the weighted mean of every model but the ``i``-th (the
     plain mean of the others where their weights are 0), or of all with ``i`` None. Model 0,

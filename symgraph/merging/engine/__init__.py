@@ -5,7 +5,7 @@
 - ``slicing``     a large group computed in slices, and the smallest budget a plan fits in
 - ``executor``    :class:`~.executor.Executor`: runs a plan's tasks within the budget on the device
 - ``views``       lazy tensors the steps read, their caches and the :class:`~.views.Ledger` of bytes
-- ``sinks``       where merged tensors go besides the output shards, and the output's config
+- ``sinks``       where merged tensors go besides a checkpoint directory
 - ``statistics``  the statistics a method may declare and how the engine takes each kind
 - ``sums``        sums over data taken out of core (RegMean's Grams) and the store they spill to
 - ``gradients``   squared gradients of a loss, the graph differentiated segment by segment

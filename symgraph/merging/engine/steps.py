@@ -1,7 +1,7 @@
 """The merge's steps, in the order :class:`~symgraph.merging.streaming.StreamingMerge` runs
-them: :class:`Analyze`, :class:`Refuse`, :class:`Align` (its ``align``; a shared universe then
-runs its rounds), then :class:`Statistics`, :class:`Widen`, :class:`Repair` and :class:`Write`
-(its ``write`` and ``write_into``). Each step reads and sets the engine's state and says
+them: :class:`Analyze`, :class:`Refuse`, :class:`Align` and, for a shared universe,
+:class:`Universe` (its ``align``), then :class:`Statistics`, :class:`Widen` and :class:`Repair` (its
+``prepare``) and :class:`Write` (its ``write`` and ``write_into``). Each step reads and sets the engine's state and says
 whether it did work; the engine then times it under the step's ``name``.
 """
 from __future__ import annotations
@@ -11,13 +11,14 @@ from .. import repair_stream
 from . import slicing
 from .measuring import RepairContext
 from .statistics import StatisticsContext, take
+from .sums import MemorySpill, Spill
 
-__all__ = ["Analyze", "Refuse", "Align", "Statistics", "Widen", "Repair", "Write"]
+__all__ = ["Analyze", "Refuse", "Align", "Universe", "Statistics", "Widen", "Repair", "Write"]
 
 
 class Analyze:
-    """The anchor analysed where the merge is aligned, or where the statistics or REPAIR run its
-    graph; each other model of other widths analysed (``others``: index -> report); the
+    """The anchor analysed where the merge is aligned, or where the statistics, REPAIR or
+    circuit-space heads read its graph; each other model of other widths analysed (``others``: index -> report); the
     embedding rows weight matching reads (``seen_rows``)."""
     name = "analyze"
 
@@ -25,7 +26,8 @@ class Analyze:
 
     def run(self, job) -> bool:
         A, aligned = job.checkpoints[job.anchor], job.align_mode is not None
-        if aligned or ((job.how.needs_data or job.config.repair) and job.graph_report is None):
+        runs_graph = job.how.needs_data or job.config.repair or job.transforms.circuits is not None
+        if aligned or (runs_graph and job.graph_report is None):
             job.graph_report = job.analyzed(A)
         ra = job.graph_report
         self.others = {i: ra if c.shapes == A.shapes else job.analyzed(c)  # a model of other widths: its own
@@ -72,14 +74,31 @@ class Align:
         return True
 
 
-class Statistics:
-    """The method's statistics (its declared kind, :mod:`.statistics`) for every model,
-    where it takes any (the engine's spill holds them)."""
-    name = "statistics"
+class Universe:
+    """A shared universe (``anchor="universe"``): from the :class:`Align` step's round 0, rounds
+    of aligning each model to the mean of the others (:func:`symgraph.merging.universe.rounds`),
+    their means in the ``scratch`` directory (None: memory); the record is the engine's
+    ``universe``."""
+    name = "universe"
 
     def run(self, job) -> bool:
-        if job.spill is None:
+        from ..universe import rounds  # imported here: the engine loads nothing of a step it does not run
+        job.universe = rounds(job, job.align_options.get("scratch"), job.align_options.get("universe"))
+        return True
+
+
+class Statistics:
+    """The method's statistics (its declared kind, :mod:`.statistics`) for every model, where it
+    takes any, held in a spill: a temporary directory in ``spill_parent`` (None: memory)."""
+    name = "statistics"
+
+    def __init__(self, spill_parent: str | None = None):
+        self.spill_parent = spill_parent
+
+    def run(self, job) -> bool:
+        if not job.how.needs_data:
             return False
+        job.spill = MemorySpill() if self.spill_parent is None else Spill(self.spill_parent)
         context = StatisticsContext.of(job)  # what the takers read, not the engine
         job.statistics.per_model = [take(job.how.statistic, context, i) for i in range(len(job.checkpoints))]
         return True
