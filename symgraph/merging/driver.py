@@ -154,8 +154,6 @@ def _prepared(models, config, method, data, universe_options) -> tuple:
     if universe_options is not None and config.anchor != "universe":
         raise InputError(f"universe_options={universe_options!r} apply only with anchor='universe', not "
                          f"anchor={config.anchor!r}")
-    from .universe import universe_options as check_rounds
-    check_rounds(universe_options)  # before any work
     check_same_family(models, config.models)
     check_same_configs([getattr(m, "config", None) for m in models], config.models, untie=config.untie)
     if config.untie:

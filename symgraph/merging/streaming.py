@@ -123,6 +123,9 @@ class StreamingMerge:
             check_untie([c.model for c in ckpts], cfg.models)
         self._checkpoints = tuple(c.untied() for c in ckpts) if cfg.untie else tuple(ckpts)  # then checked
         self._check_family()
+        if cfg.anchor == "universe":  # its rounds' options refused before any work
+            from .universe import universe_options
+            self.align_options["universe"] = universe_options(self.align_options.get("universe"))
         self.weights  # computed once, refused here before any tensor is read
         # rotations are applied in float32 for 16- and 32-bit weights (their own precision is
         # far coarser), in float64 for float64 checkpoints; the graphs run alike

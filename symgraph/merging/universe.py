@@ -84,11 +84,8 @@ def rounds(job, parent: str | None = None, options: dict | None = None) -> dict:
     """
     opts = universe_options(options)
     t0 = time.perf_counter() - job.timings.get("align", 0.0)  # round 0: the anchor merge, just run
-    alignments = list(job.alignments)
     steps = _InMemory(job, None) if parent is None else _OnDisk(job, parent)
-    record = run_rounds(job, job.report, alignments, steps, opts, job.progress, t0)
-    job.use(job.report, alignments)
-    return record
+    return run_rounds(job, job.report, job.alignments, steps, opts, job.progress, t0)  # replaced in place
 
 
 class _OnDisk:
