@@ -113,12 +113,12 @@ def last_line(path) -> str | None:
     return lines[-1][-500:] if lines else None
 
 
-_RATES = ("import json, torch; from benchmarks.provenance import matmul_gflops; "
-          "print(json.dumps(matmul_gflops((torch.float32, torch.bfloat16))))")
+_RATES = "import json; from benchmarks.provenance import matmul_rates; print(json.dumps(matmul_rates(4096)))"
 
 
 def matmul_rates(env=None) -> dict | None:
-    """The machine's float32 and bfloat16 matmul rates now (GFLOP/s, 4096², best of 3) in a fresh
+    """The machine's float32 and bfloat16 matmul rates now (GFLOP/s, up to 4096², best of 3:
+    :func:`benchmarks.provenance.matmul_rates`, which sizes a slow bfloat16 down) in a fresh
     process with the merges' threads: the yardstick of a run's seconds on a machine whose speed
     drifts. None where the probe fails."""
     r = subprocess.run([sys.executable, "-c", _RATES], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
