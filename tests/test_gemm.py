@@ -1,5 +1,6 @@
 """``core.gemm.linear``: ``x @ wᵀ`` through oneDNN for row-major float32 CPU matrices, PyTorch's
-matmul for everything else; the same values to float32 rounding, gradients where asked for."""
+matmul for everything else; the same values to float32 rounding, gradients where asked for.
+Half-precision products on a CPU without fast kernels for them: in float32, rounded once."""
 import pytest
 import torch
 
@@ -29,9 +30,10 @@ def test_row_major_float32_goes_through_onednn_with_matmuls_values(m, n, k, monk
 
 
 def test_everything_else_is_pytorchs_matmul(monkeypatch):
-    """Transposed views, float64, bf16, empty matrices and tensors to differentiate are
-    PyTorch's matmul, exactly."""
+    """Transposed views, float64, bf16 (where it has a fast kernel), empty matrices and tensors
+    to differentiate are PyTorch's matmul, exactly."""
     monkeypatch.setattr(G, "_OP", lambda *a: pytest.fail("oneDNN called"))
+    monkeypatch.setattr(G, "slow_on_cpu", lambda dtype: False)
     x, w = _pair(40, 30, 20)
     for a, b in ((x.mT.contiguous().mT, w), (x, w.mT.contiguous().mT), (x.double(), w.double()),
                  (x.bfloat16(), w.bfloat16()), (x[:0], w), (x, w[:0])):
@@ -48,3 +50,26 @@ def test_a_build_whose_onednn_refuses_falls_back_to_matmul(monkeypatch):
     monkeypatch.setattr(G, "_OP", refuse)
     x, w = _pair(40, 30, 20)
     assert torch.equal(G.linear(x, w), x @ w.mT) and G._OP is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_products_without_a_fast_kernel_run_in_float32_rounded_once(dtype, monkeypatch):
+    """Where the CPU has no fast kernel for a half dtype (PyTorch's reference one runs about
+    1 GFLOP/s), linear, matmul and einsum compute in float32 and round the result once to the
+    operands' dtype: within one rounding of the exact product, like the native kernel."""
+    monkeypatch.setattr(G, "slow_on_cpu", lambda dt: dt in (torch.bfloat16, torch.float16))
+    x, w = (t.to(dtype) for t in _pair(33, 21, 300, seed=1))
+    exact = x.double() @ w.double().mT
+    ulp = exact.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11)
+    for got in (G.linear(x, w), G.matmul(x, w.mT), G.einsum("ik,jk->ij", x, w)):
+        assert got.dtype == dtype
+        assert bool(((got.double() - exact).abs() <= ulp + 1e-6).all())  # one rounding of a float32 sum
+    b = torch.randn(4, 21, 33).to(dtype)
+    torch.testing.assert_close(G.matmul(b, x).double(), b.double() @ x.double(), rtol=2 ** -7, atol=1e-2)
+    xg = x.float().requires_grad_()  # float32 and tensors to differentiate: untouched
+    assert torch.equal(G.matmul(xg, w.float().mT), xg @ w.float().mT)
+
+
+def test_the_probe_names_a_fast_kernel_only_for_half_dtypes():
+    assert G.slow_on_cpu(torch.float32) is False and G.slow_on_cpu(torch.float64) is False
+    assert isinstance(G.slow_on_cpu(torch.bfloat16), bool)

@@ -6,7 +6,7 @@ import string
 
 import torch
 
-from ..core.gemm import linear
+from ..core.gemm import einsum, linear
 
 __all__ = ["gather", "cross", "sliced", "cross_by_columns", "HALF"]
 
@@ -78,7 +78,7 @@ def _apply_leaf(x, pos, E, fpos):
     new = L[x.dim()]
     es = "".join(xs[p] for p in fpos) + new + xs[pos]
     out = [new if i == pos else c for i, c in enumerate(xs)]
-    return torch.einsum(f"{es},{''.join(xs)}->{''.join(out)}", E.to(x.device, x.dtype), x)
+    return einsum(f"{es},{''.join(xs)}->{''.join(out)}", E.to(x.device, x.dtype), x)
 
 
 def cross(xa, xb, nf, cross_fibres):
@@ -87,5 +87,5 @@ def cross(xa, xb, nf, cross_fibres):
     fa = xa.reshape(-1, *xa.shape[nf:])  # flatten fibres into one index
     fb = xb.reshape(-1, *xb.shape[nf:])
     if cross_fibres:
-        return torch.einsum("aim,bjm->abij", fa, fb)
-    return torch.einsum("aim,ajm->aij", fa, fb)
+        return einsum("aim,bjm->abij", fa, fb)
+    return einsum("aim,ajm->aij", fa, fb)

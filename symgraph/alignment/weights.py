@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 
 from ..core.elements import Blocks, apply_along
+from ..core.gemm import matmul
 from .products import HALF, cross, cross_by_columns, gather, sliced
 from .sums import add_into, frobenius, plus_bound, settled  # noqa: F401 (frobenius: re-exported)
 from ..core.groups import PERMUTATION_FAMILY, orthogonal_part
@@ -392,10 +393,10 @@ class WeightFeatures:
             om_b = torch.empty_like(om)
             om_b[M.to(om.device)] = om
         else:
-            om_b = (M.dense() if isinstance(M, Blocks) else M).to(om.device, om.dtype).mT @ om
-        xa = ta.movedim(d, 0)[ia.reshape(-1).to(ta.device)] @ om
-        xb = tb.movedim(d, 0)[ib.reshape(-1).to(tb.device)] @ om_b
-        return (xa @ xb.mT).to(acc), 0.0, 0.0, False, None, None  # a projection: no bound
+            om_b = matmul((M.dense() if isinstance(M, Blocks) else M).to(om.device, om.dtype).mT, om)
+        xa = matmul(ta.movedim(d, 0)[ia.reshape(-1).to(ta.device)], om)
+        xb = matmul(tb.movedim(d, 0)[ib.reshape(-1).to(tb.device)], om_b)
+        return matmul(xa, xb.mT).to(acc), 0.0, 0.0, False, None, None  # a projection: no bound
 
 
 def _applied(t, maps):

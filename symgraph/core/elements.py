@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .gemm import linear
+from .gemm import linear, matmul
 
 __all__ = ["Perm", "Map", "Blocks", "is_perm", "inv_t", "apply_along", "mark_perm", "mark_orth", "elements_on"]
 
@@ -162,7 +162,7 @@ def apply_along(t: torch.Tensor, d: int, M) -> torch.Tensor:
     if isinstance(M, Blocks):
         H, b = M.blocks.shape[:2]
         x = moved.reshape(H, b, -1)[M.index.to(t.device)]
-        return torch.bmm(M.blocks.to(t.device, t.dtype), x).reshape(shape).movedim(0, d)
+        return matmul(M.blocks.to(t.device, t.dtype), x).reshape(shape).movedim(0, d)
     if M.dim() == 1:
         return moved[M.to(t.device)].movedim(0, d)
     if not M.requires_grad and is_perm(M):
@@ -170,5 +170,5 @@ def apply_along(t: torch.Tensor, d: int, M) -> torch.Tensor:
     M = M.to(t.device, t.dtype)
     if d == t.dim() - 1:  # the last dim: one matmul, no transposed copy of t
         return linear(t, M)
-    out = (M @ moved.reshape(shape[0], -1)).reshape(M.shape[0], *shape[1:])
+    out = matmul(M, moved.reshape(shape[0], -1)).reshape(M.shape[0], *shape[1:])
     return out.movedim(0, d)

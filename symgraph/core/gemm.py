@@ -1,16 +1,27 @@
-"""``x @ wᵀ`` for the large float32 products of alignment and merging.
+"""``x @ wᵀ`` and the other matrix products of alignment and merging.
 
 PyTorch multiplies float32 matrices on the CPU with MKL; on this project's reference machine (an
 AMD EPYC with AVX-512) oneDNN's float32 kernel, which PyTorch ships for its own linear layers,
 runs 15–40% faster on the products whose operands are row-major (a residual stream's rotation
 of a weight, the similarity of a weight read along its rows), and as fast where one is a
 transposed view, which MKL reads without a copy. Both compute in float32 with float32
-accumulation; the results differ by the order of the sums (about 1e-6 relative)."""
+accumulation; the results differ by the order of the sums (about 1e-6 relative).
+
+bfloat16 and float16 products (weight matching's permutation classes run in the weights' own
+dtype) have fast CPU kernels only where oneDNN has them (AVX-512 BF16, AVX512-FP16, AMX); on
+other CPUs (AVX2, e.g. AMD EPYC before Zen 4) PyTorch's reference kernel runs about 1 GFLOP/s,
+against 50-100 per core in float32. There they are computed in float32 and rounded once to the
+inputs' dtype, what the fast kernels do too (float32 accumulation, one rounding)."""
 from __future__ import annotations
+
+import functools
 
 import torch
 
-__all__ = ["linear"]
+__all__ = ["linear", "matmul", "einsum", "slow_on_cpu"]
+
+#: oneDNN's probe of its kernels for each half dtype (what PyTorch dispatches CPU products to)
+_PROBES = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
 
 _OP = (getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
        if torch.backends.mkldnn.is_available() else None)
@@ -20,9 +31,46 @@ def _rows(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(-1) == 1 and t.stride(0) >= t.shape[1]
 
 
+@functools.lru_cache(maxsize=None)
+def slow_on_cpu(dtype: torch.dtype) -> bool:
+    """Whether CPU matrix products in ``dtype`` lack a fast kernel on this machine: a half dtype
+    oneDNN has no kernel for here (or whose probe this PyTorch lacks)."""
+    name = _PROBES.get(dtype)
+    if name is None:
+        return False
+    probe = getattr(getattr(torch.ops, "mkldnn", None), name, None)
+    try:
+        return not (torch.backends.mkldnn.is_available() and probe is not None and bool(probe()))
+    except RuntimeError:
+        return True
+
+
+def _slow(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and slow_on_cpu(t.dtype) and not (torch.is_grad_enabled() and t.requires_grad)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b``; half-precision CPU operands without a fast kernel are multiplied in float32
+    and the result rounded to their dtype."""
+    if _slow(a) and a.dtype == b.dtype:
+        return (a.float() @ b.float()).to(a.dtype)
+    return a @ b
+
+
+def einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum``, half-precision CPU operands as :func:`matmul` takes them."""
+    dt = operands[0].dtype
+    if _slow(operands[0]) and all(o.dtype == dt for o in operands):
+        return torch.einsum(equation, *(o.float() for o in operands)).to(dt)
+    return torch.einsum(equation, *operands)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.mT`` (``x [..., k]``, ``w [n, k]``): through oneDNN for float32 CPU matrices
-    stored by rows with nothing to differentiate, else PyTorch's matmul."""
+    stored by rows with nothing to differentiate, half-precision ones as :func:`matmul` takes
+    them, else PyTorch's matmul."""
+    if _slow(x) and x.dtype == w.dtype:
+        return linear(x.float(), w.float()).to(x.dtype)
     if (_OP is not None and x.dtype == torch.float32 and w.dtype == torch.float32
             and x.device.type == "cpu" and w.device.type == "cpu" and _rows(x) and _rows(w)
             and x.shape[0] and w.shape[0] and x.shape[1]
