@@ -73,3 +73,25 @@ def test_half_products_without_a_fast_kernel_run_in_float32_rounded_once(dtype, 
 def test_the_probe_names_a_fast_kernel_only_for_half_dtypes():
     assert G.slow_on_cpu(torch.float32) is False and G.slow_on_cpu(torch.float64) is False
     assert isinstance(G.slow_on_cpu(torch.bfloat16), bool)
+
+
+def test_a_graph_run_computes_half_products_in_float32_where_they_are_slow(monkeypatch):
+    """The op-by-op graph runs (barrier, statistics, REPAIR) send a bf16 model's products
+    through :func:`graph_op`: in float32, rounded once, the model's function to bf16 rounding."""
+    from symgraph.alignment.graphrun import streamed_outputs
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32)).to(torch.bfloat16)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    ep = torch.export.export(m, (x,))
+    state = dict(m.state_dict())
+    fetch = lambda n: state[n.removeprefix("_orig_mod.")]  # noqa: E731
+    seen = []
+    forced = lambda dt: dt in (torch.bfloat16, torch.float16)  # noqa: E731
+    monkeypatch.setattr(G, "slow_on_cpu", lambda dt: seen.append(dt) or forced(dt))
+    got, = streamed_outputs(ep, (x,), {}, fetch)
+    assert got.dtype == torch.bfloat16 and torch.bfloat16 in seen
+    exact = m.double()(x.double())
+    assert (got.double() - exact).abs().max() <= 0.05 * exact.abs().max()  # bf16 roundings only
+    assert G.graph_op(torch.ops.aten.mm.default, (x.float(), x.float().T)) is torch.ops.aten.mm.default
+    assert G.graph_op(torch.ops.aten.gelu.default, (x,)) is torch.ops.aten.gelu.default
+    assert G.graph_op(torch.ops.aten.mm.default, (x, x.T)) is not torch.ops.aten.mm.default

@@ -8,6 +8,7 @@ from collections import Counter
 
 import torch
 
+from ..core.gemm import graph_op
 from ..errors import InputError, NeedsMemory
 
 __all__ = ["run_capture", "GraphRunner", "Stepper", "lockstep", "on_device", "meta_constants",
@@ -112,7 +113,7 @@ class Stepper(torch.fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target is torch.ops.aten.view.default:  # a view traced on one layout, run on another
             target = torch.ops.aten.reshape.default  # (a matmul under autograd): the same view where it can
-        return super().call_function(target, args, kwargs)
+        return super().call_function(graph_op(target, args), args, kwargs)  # half products: core.gemm
 
     def get_attr(self, target, args, kwargs):
         if target in self.lazy:

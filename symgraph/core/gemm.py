@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-__all__ = ["linear", "matmul", "einsum", "slow_on_cpu"]
+__all__ = ["linear", "matmul", "einsum", "graph_op", "slow_on_cpu"]
 
 #: oneDNN's probe of its kernels for each half dtype (what PyTorch dispatches CPU products to)
 _PROBES = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
@@ -63,6 +63,27 @@ def einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
     if _slow(operands[0]) and all(o.dtype == dt for o in operands):
         return torch.einsum(equation, *(o.float() for o in operands)).to(dt)
     return torch.einsum(equation, *operands)
+
+
+#: The products of a traced graph (ATen) that :func:`graph_op` computes in float32
+_GRAPH_PRODUCTS = frozenset(getattr(torch.ops.aten, op).default for op in (
+    "mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "convolution"))
+
+
+def graph_op(target, args):
+    """What a graph run calls for its op ``target`` on ``args``: the op itself, or for a product
+    of CPU half-precision tensors without a fast kernel, the op in float32 rounded once to
+    their dtype (the model's own function, as the fast kernels compute it)."""
+    if target not in _GRAPH_PRODUCTS:
+        return target
+    ts = [a for a in args if isinstance(a, torch.Tensor)]
+    if not ts or not _slow(ts[0]) or any(t.dtype != ts[0].dtype for t in ts):
+        return target
+    dtype = ts[0].dtype
+
+    def in_float32(*a, **k):
+        return target(*(x.float() if isinstance(x, torch.Tensor) else x for x in a), **k).to(dtype)
+    return in_float32
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
