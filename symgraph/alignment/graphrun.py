@@ -15,7 +15,15 @@ __all__ = ["run_capture", "GraphRunner", "Stepper", "lockstep", "on_device", "me
            "streamed_outputs", "flatten_for", "runnable"]
 
 
-class _Capture(torch.fx.Interpreter):
+class _Run(torch.fx.Interpreter):
+    """A graph run: half-precision products where the CPU has no fast kernel for them go
+    through :func:`~symgraph.core.gemm.graph_op` (in float32, rounded once)."""
+
+    def call_function(self, target, args, kwargs):
+        return super().call_function(graph_op(target, args), args, kwargs)
+
+
+class _Capture(_Run):
     def __init__(self, gm, names, sink):
         super().__init__(gm)
         self.names, self.sink = names, sink
@@ -92,7 +100,7 @@ class _Lazy:
         self.name = name
 
 
-class Stepper(torch.fx.Interpreter):
+class Stepper(_Run):
     """An exported graph (``ExportedProgram.module()``) run op by op as a generator of chosen
     outputs. With ``fetch`` (``name -> tensor``), each parameter or buffer is read when an op
     takes it and dropped when the op is done: memory holds the live activations and one op's
@@ -113,7 +121,7 @@ class Stepper(torch.fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target is torch.ops.aten.view.default:  # a view traced on one layout, run on another
             target = torch.ops.aten.reshape.default  # (a matmul under autograd): the same view where it can
-        return super().call_function(graph_op(target, args), args, kwargs)  # half products: core.gemm
+        return super().call_function(target, args, kwargs)
 
     def get_attr(self, target, args, kwargs):
         if target in self.lazy:

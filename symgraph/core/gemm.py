@@ -49,20 +49,28 @@ def _slow(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and slow_on_cpu(t.dtype) and not (torch.is_grad_enabled() and t.requires_grad)
 
 
+def _exact(f, args):
+    """``f``, or where ``args``' tensors share a half dtype whose CPU products are slow (the
+    first tensor decides), ``f`` on their float32 copies with its result rounded once to it."""
+    ts = [a for a in args if isinstance(a, torch.Tensor)]
+    if not ts or not _slow(ts[0]) or any(t.dtype != ts[0].dtype for t in ts):
+        return f
+    dtype = ts[0].dtype
+
+    def in_float32(*a, **k):
+        return f(*(x.float() if isinstance(x, torch.Tensor) else x for x in a), **k).to(dtype)
+    return in_float32
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b``; half-precision CPU operands without a fast kernel are multiplied in float32
     and the result rounded to their dtype."""
-    if _slow(a) and a.dtype == b.dtype:
-        return (a.float() @ b.float()).to(a.dtype)
-    return a @ b
+    return _exact(torch.matmul, (a, b))(a, b)
 
 
 def einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
     """``torch.einsum``, half-precision CPU operands as :func:`matmul` takes them."""
-    dt = operands[0].dtype
-    if _slow(operands[0]) and all(o.dtype == dt for o in operands):
-        return torch.einsum(equation, *(o.float() for o in operands)).to(dt)
-    return torch.einsum(equation, *operands)
+    return _exact(torch.einsum, operands)(equation, *operands)
 
 
 #: The products of a traced graph (ATen) that :func:`graph_op` computes in float32
@@ -74,24 +82,16 @@ def graph_op(target, args):
     """What a graph run calls for its op ``target`` on ``args``: the op itself, or for a product
     of CPU half-precision tensors without a fast kernel, the op in float32 rounded once to
     their dtype (the model's own function, as the fast kernels compute it)."""
-    if target not in _GRAPH_PRODUCTS:
-        return target
-    ts = [a for a in args if isinstance(a, torch.Tensor)]
-    if not ts or not _slow(ts[0]) or any(t.dtype != ts[0].dtype for t in ts):
-        return target
-    dtype = ts[0].dtype
-
-    def in_float32(*a, **k):
-        return target(*(x.float() if isinstance(x, torch.Tensor) else x for x in a), **k).to(dtype)
-    return in_float32
+    return _exact(target, args) if target in _GRAPH_PRODUCTS else target
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.mT`` (``x [..., k]``, ``w [n, k]``): through oneDNN for float32 CPU matrices
     stored by rows with nothing to differentiate, half-precision ones as :func:`matmul` takes
     them, else PyTorch's matmul."""
-    if _slow(x) and x.dtype == w.dtype:
-        return linear(x.float(), w.float()).to(x.dtype)
+    f = _exact(linear, (x, w))
+    if f is not linear:
+        return f(x, w)
     if (_OP is not None and x.dtype == torch.float32 and w.dtype == torch.float32
             and x.device.type == "cpu" and w.device.type == "cpu" and _rows(x) and _rows(w)
             and x.shape[0] and w.shape[0] and x.shape[1]
