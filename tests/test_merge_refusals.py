@@ -147,27 +147,30 @@ def test_mixed_dtypes_with_a_bfloat16_anchor_written_in_bfloat16(ws, tmp_path):
 
 
 @pytest.mark.slow  # 24 s; the meta trace's constants are checked by default in tests/test_meta_constants.py
-def test_falcon_activation_alignment_runs_out_of_core_with_its_index_constants(ws, tmp_path, monkeypatch):
-    """Falcon's multi-query attention creates index constants in its forward; traced on meta
-    they hold no values, so the trace takes them from a fake-CPU twin
-    (``passes.trace._constants_from_fake_twin``) and ``symgraph merge`` runs out of core,
-    equal to the in-memory merge. Without the twin's values the job is refused out of core,
-    and ``symgraph merge`` loads the models (it used to read uninitialised memory)."""
+def test_falcon_activation_alignment_runs_out_of_core_with_its_index_constants(ws, tmp_path, monkeypatch, capsys):
+    """A multi-query attention that creates index constants in its forward (Falcon's before
+    transformers 5.25, :mod:`index_constants`); traced on meta they hold no values, so the trace
+    takes them from a fake-CPU twin (``passes.trace._constants_from_fake_twin``) and ``symgraph
+    merge`` (in this process, where the forward is patched) runs out of core, equal to the
+    in-memory merge. Without the twin's values the job is refused out of core, and ``symgraph
+    merge`` loads the models (it used to read uninitialised memory)."""
     import transformers
+    from index_constants import falcon_config, index_split_falcon
     from symgraph import merge_checkpoints
+    from symgraph.cli.main import main
     from symgraph.passes import trace as trace_module
+    index_split_falcon(monkeypatch)
     paths = []
     for s in (0, 1):
         torch.manual_seed(s)
-        cfg = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                        multi_query=True, new_decoder_architecture=False, parallel_attn=True,
-                                        bias=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-        cfg.architectures = ["FalconForCausalLM"]
+        cfg = falcon_config(bos_token_id=0, eos_token_id=0, pad_token_id=0)
         transformers.FalconForCausalLM(cfg).save_pretrained(tmp_path / f"f{s}")
         paths.append(tmp_path / f"f{s}")
     data_file = ws / I / "data.safetensors"
-    r = run(ws, "merge", *paths, "--align", "activations", "--data", data_file, "--out", tmp_path / "o")
-    assert r.returncode == 0 and "loaded in memory" not in r.stderr, r.stderr[-2000:]
+    code = main(["merge", *map(str, paths), "--align", "activations", "--data", str(data_file),
+                 "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 0 and "loaded in memory" not in err, err[-2000:]
     assert json.loads((tmp_path / "o" / "symgraph_merge.json").read_text())["mode"] == "streaming"
     from symgraph.app.config import MergeConfig
     from symgraph.app.run import run_merge

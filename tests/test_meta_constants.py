@@ -1,7 +1,8 @@
-"""Tensor constants a forward creates on the model's device (Falcon's multi-query split indexes
-``x[..., [-2], :]``): a model built on ``meta`` from a checkpoint's headers holds no values for
-them, so the trace takes them from a twin whose weights are fake CPU tensors; the meta model's
-report then equals the loaded model's, and out-of-core comparison finds every class."""
+"""Tensor constants a forward creates on the model's device (index lists, as Falcon's multi-query
+split ``x[..., [-2], :]`` was before transformers 5.25: :mod:`index_constants`): a model built on
+``meta`` from a checkpoint's headers holds no values for them, so the trace takes them from a twin
+whose weights are fake CPU tensors; the meta model's report then equals the loaded model's, and
+out-of-core comparison finds every class."""
 from __future__ import annotations
 
 import pytest
@@ -9,16 +10,19 @@ import torch
 import transformers
 
 import symgraph
+from index_constants import falcon_config, index_split_falcon
 from symgraph.checkpoints.sharded import Checkpoint
 from symgraph.cli.compare import compare_paths
 
 
+@pytest.fixture(autouse=True)
+def _index_lists(monkeypatch):
+    index_split_falcon(monkeypatch)
+
+
 def _falcon(seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                    multi_query=True, new_decoder_architecture=False, parallel_attn=True, bias=False)
-    cfg.architectures = ["FalconForCausalLM"]
-    return transformers.FalconForCausalLM(cfg).eval()
+    return transformers.FalconForCausalLM(falcon_config()).eval()
 
 
 def _kinds(report):

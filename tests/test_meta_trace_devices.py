@@ -7,22 +7,26 @@ the meta inputs as they were failed on torch 2.11, and the constants stayed unkn
 fails leaves the meta trace as it is."""
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 
 import symgraph
+from index_constants import falcon_config, index_split_falcon
 from symgraph.checkpoints.sharded import Checkpoint
 from symgraph.passes import trace as trace_mod
 
 IDS = {"input_ids": torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))}
 
 
+@pytest.fixture(autouse=True)
+def _index_lists(monkeypatch):
+    index_split_falcon(monkeypatch)  # a forward that creates index constants (Falcon's before 5.25)
+
+
 def _falcon(tmp_path):
     torch.manual_seed(0)
-    cfg = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                    multi_query=True, new_decoder_architecture=False, parallel_attn=True, bias=False)
-    cfg.architectures = ["FalconForCausalLM"]
-    model = transformers.FalconForCausalLM(cfg).eval()
+    model = transformers.FalconForCausalLM(falcon_config(layers=1)).eval()
     model.save_pretrained(tmp_path / "a")
     return model, Checkpoint(str(tmp_path / "a")).model
 

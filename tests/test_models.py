@@ -120,6 +120,31 @@ def test_save_pretrained_round_trip_through_the_cli_loader(tmp_path):
     assert type(loaded) is type(model) and _state_equal(model, loaded)
 
 
+def test_hub_kernels_are_off_and_a_kernelized_model_is_traced_as_it_is(tmp_path, monkeypatch):
+    """transformers ≥ 5.25 loads with ``use_kernels=True`` by default (layers' forwards swapped
+    for kernels fetched from the Hub) and re-kernelizes on every ``train()``/``eval()``: the CLI
+    loader turns them off, and the trace changes modes with torch's own ``train`` (a model the
+    user loaded with kernels is neither re-kernelized nor refused on a device the kernels
+    library does not know); every module's flag is put back."""
+    import transformers
+
+    import symgraph
+    from symgraph.checkpoints.specs import load_local
+    model = models.build("llama", seed=2, hidden=16, mlp=24)
+    model.save_pretrained(str(tmp_path / "m"), safe_serialization=True)
+    loaded = load_local(str(tmp_path / "m"))
+    if not hasattr(transformers.PreTrainedModel, "set_use_kernels"):
+        assert not hasattr(loaded, "use_kernels")
+        return
+    assert loaded.use_kernels is False
+    calls = []
+    monkeypatch.setattr(type(loaded), "train", lambda self, mode=True: calls.append(mode) or self)
+    loaded.model.layers[0].training = True  # one module in training mode: restored as it was
+    rep = symgraph.analyze(loaded)
+    assert calls == [] and rep.certify(loaded) < 1e-6
+    assert loaded.model.layers[0].training and not loaded.model.norm.training
+
+
 def test_callers_build_through_models():
     from symgraph.cli import demo, examples
     from symgraph.checkpoints import specs as io

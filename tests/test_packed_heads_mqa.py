@@ -148,3 +148,51 @@ def test_bigcode_recovered_by_weights_and_activations():
     for data in (None, _batches(A)):
         al = symgraph.align(A, B, data=data, report_a=rep, full_groups=True)
         assert _rel(A, al.apply(B)) < 1e-6, "weights" if data is None else "activations"
+
+
+# --- a multi-query projection taken apart by split (Falcon since transformers 5.25) ----------
+
+class SplitMQA(torch.nn.Module):
+    """One fused ``H·d + d + d`` projection viewed as ``(H + 2) × d`` and taken apart by
+    ``split([H, 1, 1], dim=-2)`` (``form="split"``, Falcon's multi-query attention since
+    transformers 5.25) or by a slice and literal index lists (``"index"``, before it); the key
+    and value heads broadcast to every query head."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.emb, self.ln = torch.nn.Embedding(V, D), torch.nn.LayerNorm(D)
+        self.qkv = torch.nn.Linear(D, (H + 2) * HD, bias=False)
+        self.o, self.head = torch.nn.Linear(D, D, bias=False), torch.nn.Linear(D, V)
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids)
+        (b, s), qkv = input_ids.shape, self.qkv(self.ln(h)).view(*input_ids.shape, -1, HD)
+        if self.form == "split":
+            q, k, v = qkv.split([H, 1, 1], dim=-2)
+        else:
+            q, k, v = qkv[..., :-2, :], qkv[..., [-2], :], qkv[..., [-1], :]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k, v = (t.expand(b, H, s, HD) for t in (k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(h + self.o(a.transpose(1, 2).reshape(b, s, D)))
+
+
+def test_a_multi_query_split_by_sizes_has_the_classes_of_its_index_form():
+    """The packed axis is ``H·d ⊕ d ⊕ d`` whichever way it is taken apart: the query heads a
+    permutation class, Q/K one GL class (no RoPE here), the shared value head a GL class of its
+    own (before ``split`` was read as a packed split, one head-dimension class served Q, K and
+    V: an orthogonal map); a random element certified and recovered by alignment."""
+    kinds = {}
+    for form in ("split", "index"):
+        torch.manual_seed(0)
+        A = randomized(SplitMQA(form))
+        rep = symgraph.analyze(A, ids())
+        kinds[form] = sorted((g.kind, g.dim, g.blocks) for g in rep.groups)
+        assert rep.axis_structure(rep.param_axes("qkv.weight")[0]) == ("sum", [H * HD, HD, HD]), form
+        B = symgraph.transform(A, rep.random_transform(seed=0))
+        assert _rel(A, B) > 0.1 and rep.certify(B, ids()) < 1e-12
+        al = symgraph.align(A, B, ids(), report_a=rep, full_groups=True)
+        assert _rel(A, al.apply(B)) < 1e-6, form
+    assert kinds["split"] == kinds["index"]
+    assert [k for k in kinds["split"] if k[1] == HD] == [("gl", HD, 1), ("gl", HD, 1)]

@@ -77,6 +77,14 @@ def test_pooled_patches_index_one_crop_a_row():
     assert tuple(pool.shape) == (8, 4) and images["image_grids"].tolist() == [[2, 2, 0, 0]] * 2
     assert pool[:4].max() < 27 * 27 <= pool[4:].min() and len(set(pool.flatten().tolist())) == 32
     assert pool[0].tolist() == [0, 1, 27, 28]  # a 2 × 2 block of patches
+    assert "image_num_crops" not in images
+    # a forward that takes each image's crop count (transformers ≥ 5.25) indexes each image's own
+    # patches and adds the offsets itself
+    (own,) = pooled_patches(vision, {"image_token_pooling": None, "image_grids": None,
+                                     "image_num_crops": None}, 2, gen)
+    assert own["image_num_crops"].tolist() == [1, 1]
+    assert torch.equal(own["image_token_pooling"][:4], own["image_token_pooling"][4:])
+    assert torch.equal(own["image_token_pooling"][4:] + 27 * 27, pool[4:])
 
 
 def test_molmo2_reads_its_vision_tower_and_adapter():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.modes import set_mode
 from ..passes.trace import eval_mode
 from ..transform.apply import move
 from ..errors import InputError
@@ -117,7 +118,7 @@ class InMemory(Objective):
         self.al, self.elements = al, dict(elements)
         self.ta, self.tb = _values(al, self.model_a, self.model_b)
         self.was = self.model_a.training
-        self.model_a.eval()  # no dropout while learning; its own mode restored by end()
+        set_mode(self.model_a, False)  # no dropout while learning; its own mode restored by end()
 
     def step(self, live: dict, batch, lam: float) -> float:
         els = {**self.elements, **live}
@@ -126,7 +127,7 @@ class InMemory(Objective):
         return loss.item()
 
     def end(self) -> None:
-        self.model_a.train(self.was)
+        set_mode(self.model_a, self.was)
         del self.ta, self.tb, self.al, self.elements
 
 

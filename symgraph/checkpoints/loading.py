@@ -320,6 +320,10 @@ def _from_pretrained(cls, source, where, **kw):
     # a tensor of another shape is loaded and then refused by refuse_incomplete, naming it
     # (transformers' own refusal points at a report its silenced logger never printed)
     kw.setdefault("ignore_mismatched_sizes", True)
+    if hasattr(cls, "set_use_kernels"):
+        # transformers ≥ 5.25 swaps layers' forwards for kernels fetched from the Hub by default:
+        # code from outside the model's own library, run on its weights; the model is the library's
+        kw.setdefault("use_kernels", False)
     try:
         model, info = cls.from_pretrained(source, use_safetensors=True,
                                           output_loading_info=True, trust_remote_code=False, **kw)

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..core.dtypes import parameters_dtype
+from ..core.modes import set_mode
 from .input_values import config_value, device_of, pixels, token_ids
 
 __all__ = ["Trials", "float_leaves", "forward_hooks", "caches_off", "encoder_states", "entities", "layout",
@@ -90,7 +91,7 @@ def parameter_reads(model, args: tuple, kwargs: dict, run=None) -> frozenset | N
     try:
         log.setLevel(logging.CRITICAL)
         with torch.no_grad(), fake, mode, parameters_dtype(model):  # as the trace runs it
-            model.eval()
+            set_mode(model, False)
             (run or model)(*(put(a) for a in args), **{k: put(v) for k, v in kwargs.items()})
     except Exception:  # noqa: BLE001 - the forward refuses these inputs
         return None

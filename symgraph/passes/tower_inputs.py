@@ -55,17 +55,23 @@ def pooled_patches(vision, params, batch: int, gen) -> list:
     (``image_grids``: the low-resolution image's rows and columns, then its high-resolution
     crops'), as Molmo2's processor (which needs torchvision) makes them: each row's image one
     crop of ``(side / P)²`` patches of ``C·P·P`` values, its 2 × 2 tokens each pooling a 2 × 2
-    block of patches, no high-resolution crops; none without a patch size."""
+    block of patches, no high-resolution crops (``image_num_crops`` one each, where the forward
+    takes it); none without a patch size."""
     patch, side = _int(config_value(vision, "patch_size")), _int(config_value(vision, "image_size"))
     if not {"image_token_pooling", "image_grids"} <= set(params) or patch is None or side is None:
         return []
     ch, s = _int(config_value(vision, "num_channels", "in_channels")) or 3, side // patch
     if s < 4:
         return []
-    blocks = [[b * s * s + (r + i) * s + c + j for i in (0, 1) for j in (0, 1)]
+    # a forward that takes each image's crop count indexes each image's own patches (it adds the
+    # offsets); before it (transformers < 5.25) the indices ran over every image's patches
+    local = "image_num_crops" in params
+    blocks = [[(0 if local else b * s * s) + (r + i) * s + c + j for i in (0, 1) for j in (0, 1)]
               for b in range(batch) for r in (0, 2) for c in (0, 2)]
+    crops = {"image_num_crops": torch.ones(batch, dtype=torch.long)} if local else {}
     return [{"pixel_values": torch.randn(batch, s * s, ch * patch * patch, generator=gen),
-             "image_token_pooling": torch.tensor(blocks), "image_grids": torch.tensor([[2, 2, 0, 0]] * batch)}]
+             "image_token_pooling": torch.tensor(blocks), "image_grids": torch.tensor([[2, 2, 0, 0]] * batch),
+             **crops}]
 
 
 def cross_attended(model, kwargs: dict, vision, batch: int, gen) -> None:

@@ -11,6 +11,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..core.devices import weightless_twin
 from ..core.dtypes import parameters_dtype
+from ..core.modes import set_mode
 from ..core.finite import check_keywords, check_token_batch, require_module
 from ..errors import InputError, TraceError, UnsizedOnMeta
 from .concrete import concretize, has_data_dependent_sizes
@@ -63,14 +64,15 @@ def eval_mode(model):
     """Put ``model`` in eval mode and restore every module's flag afterwards. Entered and left
     through ``train()``, by which a module drops what it caches from its parameters while in
     eval (LeViT's gathered attention biases): the program run or traced reads the parameters
-    as they are now, and no traced value stays cached."""
+    as they are now, and no traced value stays cached (:func:`~symgraph.core.modes.set_mode`:
+    torch's ``train``, not a transformers model's, which re-kernelizes)."""
     flags = [(m, m.training) for m in model.modules()]
-    model.train()
-    model.eval()
+    set_mode(model, True)
+    set_mode(model, False)
     try:
         yield model
     finally:
-        model.train()
+        set_mode(model, True)
         for m, f in flags:
             m.training = f
 

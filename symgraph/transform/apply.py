@@ -13,6 +13,7 @@ import torch
 
 from ..core.elements import Blocks, apply_along
 from ..core.finite import require_module
+from ..core.modes import set_mode
 from . import folding
 from ..errors import InputError
 
@@ -177,7 +178,7 @@ def transform(model, t):
     for got in _moved_pieces(t.report, t.elements, tensors, None, torch.float64, cast):
         write_state(new, got, t.report.buffers)  # piece by piece: no second copy of the model
     flags = [(m, m.training) for m in new.modules()]
-    new.train()  # by which a module drops what it cached from the old parameters (LeViT's biases)
+    set_mode(new, True)  # by which a module drops what it cached from the old parameters (LeViT's biases)
     for m, f in flags:
         m.training = f
     return new

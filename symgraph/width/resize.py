@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.modes import set_mode
 from ..alignment.masses import slices, unit_masses
 from ..report.api import analyze
 from ..transform.apply import move, stored_tensors
@@ -278,7 +279,7 @@ def _build(model, state: dict, report):
     else:
         new = copy.deepcopy(model)
         _replace(new, state)
-    new.eval() if not model.training else new.train()
+    set_mode(new, model.training)
     return new, cfg_changes
 
 

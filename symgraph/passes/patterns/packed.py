@@ -103,8 +103,8 @@ def _relayout(labels, node):
 def _ends(an, node, labels, n, out):
     """Collect ``(end node, (a, b), labels of its output)`` for every path from ``node`` to where
     it takes entries ``a..b-1`` of the ``"n"`` axis: ``select``/``unbind`` (one entry, the axis
-    gone), a ``slice`` with step 1 or an ``index`` by a literal range (the axis kept, labelled
-    ``"seg"``); False if a path does anything else."""
+    gone), a ``slice`` with step 1, a piece of a ``split`` or an ``index`` by a literal range
+    (the axis kept, labelled ``"seg"``); False if a path does anything else."""
     from ..rules.segments import constant_range
     for u in node.users:
         p = packet(u.target)
@@ -126,6 +126,11 @@ def _ends(an, node, labels, n, out):
             if step != 1 or a >= b:
                 return False
             out.append((u, (a, b), labels[:k] + ["seg"] + labels[k + 1:]))
+        elif p in (aten.split, aten.split_with_sizes) and _dim(u, 2, len(labels)) == k:
+            # ``split([H, 1, 1], dim=-2)`` (Falcon's multi-query heads since transformers 5.25):
+            # each piece a slice of its sizes' segment, the axis kept
+            if not _pieces(u, n, labels, k, out):
+                return False
         elif p is aten.index and len(u.args[1]) == k + 1 and all(i is None for i in u.args[1][:k]):
             seg = constant_range(an.constant_of(u.args[1][k]), n) if u.args[1][k] is not None else None
             if seg is None:
@@ -137,6 +142,28 @@ def _ends(an, node, labels, n, out):
                 return False
         else:
             return False
+    return True
+
+
+def _dim(node, at: int, rank: int) -> int:
+    """The ``dim`` argument of ``node`` (positional at ``at``, else the keyword; 0 by default),
+    counted from the front of a tensor of ``rank`` axes."""
+    d = node.args[at] if len(node.args) > at else node.kwargs.get("dim", 0)
+    return d % rank
+
+
+def _pieces(split, n, labels, k, out) -> bool:
+    """The ends of a ``split``/``split_with_sizes`` along the ``"n"`` axis: every use a
+    ``getitem`` of one piece, which keeps the axis (labelled ``"seg"``) over its segment."""
+    sizes = split.args[1]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, n - a) for a in range(0, n, sizes)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    for g in split.users:
+        if g.target is not operator.getitem or not isinstance(g.args[1], int):
+            return False
+        i = g.args[1] % len(sizes)
+        out.append((g, (starts[i], starts[i] + sizes[i]), labels[:k] + ["seg"] + labels[k + 1:]))
     return True
 
 

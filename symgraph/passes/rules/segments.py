@@ -272,7 +272,7 @@ def index(ctx):
         cons = [Unify(xa[k], lab[0]), Meet(xa[k], "perm", f"{ctx.where}: indexed by labels")]
     elif (seg := constant_range(ctx.constant(idx), ctx.shape(x)[k])) is not None and len(ia) == 1:
         # ``x[..., [a, a+1, ..., b-1]]`` with literal indices (Falcon's multi-query split
-        # ``qkv[..., [-2], :]``): a slice, the axis a sum of segments
+        # ``qkv[..., [-2], :]`` before transformers 5.25): a slice, the axis a sum of segments
         a, b = seg
         n = ctx.shape(x)[k]
         parts = ([ctx.new_axis(a)] if a > 0 else []) + [ctx.out[k]] + ([ctx.new_axis(n - b)] if b < n else [])
