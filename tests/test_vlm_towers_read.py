@@ -103,3 +103,43 @@ def test_molmo2_reads_its_vision_tower_and_adapter():
     for tower in ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model."):
         assert any(p.startswith(tower) for p in slots), tower
     assert rep.certify(m) <= 1e-6
+
+
+def test_ovis2_5_reads_its_image_between_boundary_tokens():
+    """Ovis 2.5 counts one image start and one image end token per image (its processor writes
+    them) and adds its learned visual indicators there: the example inputs put each row's image
+    tokens between the two, and every parameter is read."""
+    m = coverage_row("ovis2_5", "Ovis2_5ForConditionalGeneration")
+    cfg = m.config
+    _, kw = default_inputs(m)
+    ids = kw["input_ids"]
+    for row in ids.tolist():
+        image = [i for i, t in enumerate(row) if t == cfg.image_token_id]
+        assert image == list(range(image[0], image[-1] + 1)) and len(image) > 1
+        assert row.count(cfg.image_start_token_id) == row.count(cfg.image_end_token_id) == 1
+        assert row[image[0] - 1] == cfg.image_start_token_id and row[image[-1] + 1] == cfg.image_end_token_id
+    assert unread(m, kw) == set()
+    rep = symgraph.analyze(m)
+    assert rep.certify(m) <= 1e-6 and not rep.unread
+
+
+def test_a_model_returning_its_prefix_cache_is_traced_without_it():
+    """PI0.5 prefills its prefix with ``use_cache=True`` hard-coded and returns the cache, which
+    no exported program holds: the trace leaves the cache out of the output (it is state for
+    ``generate``, not an output); the program's outputs are the model's tensors, certified."""
+    from transformers.cache_utils import Cache
+
+    from symgraph.passes.trace import caches_dropped, flatten_outputs
+    m = coverage_row("pi05", "PI05ForConditionalGeneration")
+    args, kw = default_inputs(m)
+    with torch.no_grad():
+        out = m(*args, **kw)
+        assert any(isinstance(v, Cache) for v in out.values())
+        with caches_dropped(m):
+            kept = m(*args, **kw)
+    assert "forward" not in vars(m)  # the class's forward again
+    assert not any(isinstance(v, Cache) for v in kept.values()) and list(kept) == [k for k in out if k != "cache"]
+    assert all(torch.equal(a, b) for a, b in zip(flatten_outputs(out), flatten_outputs(kept)))
+    rep = symgraph.analyze(m)
+    assert len(rep.exported_program.graph_signature.user_outputs) == len(flatten_outputs(out))
+    assert rep.certify(m) <= 1e-6 and not rep.unread

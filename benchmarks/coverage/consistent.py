@@ -172,6 +172,27 @@ def head_dim_sums(fields, out, role) -> dict:
     return res
 
 
+def group_heads(fields, out, role) -> dict:
+    """A count of heads within one key/value group (Kolibri 1.1's ``index_num_heads``: leading
+    query heads of key head 0, at most 48 / 4 = 12 by default): another heads field at most the
+    query heads per key/value head by default stays at most the shrunk ones (4 / 2 = 2)."""
+    heads = {k: v for k, v in fields.items() if role(k) == "heads" and is_int(v) and v > 0}
+    kv = [k for k, v in fields.items() if role(k) == "kv_heads" and is_int(v) and v > 0]
+    if not heads or not kv:
+        return {}
+    # the attention's own pair where named so (Qwen3-Next's linear-attention heads are others)
+    q = "num_attention_heads" if "num_attention_heads" in heads else max(heads, key=heads.get)
+    kv_key = "num_key_value_heads" if "num_key_value_heads" in kv else \
+        next((k for k in kv if heads[q] % fields[k] == 0), None)
+    if kv_key is None or heads[q] % fields[kv_key]:
+        return {}
+    if not is_int(new_value(fields, out, q)) or not is_int(new_value(fields, out, kv_key)):
+        return {}
+    per_old, per_new = heads[q] // fields[kv_key], new_value(fields, out, q) // new_value(fields, out, kv_key)
+    return {k: per_new for k, v in heads.items()
+            if k != q and v <= per_old < heads[q] and new_value(fields, out, k) > per_new > 0}
+
+
 def split_to(old, total: int) -> list:
     """``old`` (positive ints) scaled to ``total`` by largest remainders, the first on ties (equal
     entries stay equal where the total allows), each at least 1."""

@@ -2,8 +2,8 @@
 and the model built on it."""
 from __future__ import annotations
 
-from .consistent import (feature_layers, head_dim_sums, int_list, is_int, kept_layers, layer_spans, mrope_sections,
-                         partition, per_count, repeats, split_to, state_head_dims, width_of, windows)
+from .consistent import (feature_layers, group_heads, head_dim_sums, int_list, is_int, kept_layers, layer_spans,
+                         mrope_sections, partition, per_count, repeats, split_to, state_head_dims, width_of, windows)
 from .derived import (derived_sizes, feature_widths, grid_pinpoints, handed_channels, layer_ids, object_queries,
                       patch_queries, placeholder_tokens, query_image_tokens, rotary_widths, sliding_window,
                       stream_widths, tokens_per_image, tower_widths)
@@ -286,6 +286,7 @@ def _shrink_level(cfg, id_map, mains=frozenset(), kinds=False) -> dict:
     out.update(mrope_sections(cfg, fields, out, width, q_new))
     out.update(windows(fields, out))
     out.update(head_dim_sums(fields, out, role))
+    out.update(group_heads(fields, out, role))
     out.update({**tower_widths(fields, out, _MAIN_WIDTH), **layer_ids(fields, out, role)})
     out.update(stream_widths(fields, out, _MAIN_WIDTH))
     out.update(rotary_widths(fields, out, _MAIN_WIDTH, q_new if q_old else None, HEAD_DIM))

@@ -186,6 +186,22 @@ def test_a_head_width_summing_two_named_within_it():
     assert out.logits.shape[-1] == model.config.vocab_size and torch.isfinite(out.logits).all()
 
 
+def test_heads_within_a_key_value_group_stay_within_the_shrunk_group():
+    """Kolibri 1.1 scores keys with ``index_num_heads`` leading query heads of key head 0, which
+    its validator bounds by the query heads per key/value head (12 <= 48 / 4 by default): shrunk
+    to 4 query heads over 2 key/value heads, at most 2; a heads field the default leaves above
+    the group size is not one of these (the main count itself: 4)."""
+    from benchmarks.coverage.consistent import group_heads
+    from benchmarks.coverage.shrink import role
+    cfg, _ = cov.tiny_config("kolibri1_1")
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.index_num_heads) == (4, 2, 2)
+    fields = {"num_attention_heads": 48, "num_key_value_heads": 4, "index_num_heads": 12, "n_heads_other": 24}
+    out = {"num_attention_heads": 4, "num_key_value_heads": 2, "index_num_heads": 4, "n_heads_other": 4}
+    assert group_heads(fields, out, role) == {"index_num_heads": 2}
+    model, out = _runs("kolibri1_1", "Kolibri1_1ForCausalLM")
+    assert torch.isfinite(out.logits).all()
+
+
 def test_another_towers_width_named_in_a_local_one():
     # BLT's local encoder and decoder name the global transformer's width (hidden_size_global)
     cfg, _ = cov.tiny_config("blt")

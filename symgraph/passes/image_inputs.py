@@ -52,6 +52,7 @@ def image_tokens(model, kwargs, cfg, batch, gen) -> None:
         return
     _insert(kwargs, token[0], n, batch)
     kwargs.update(images)
+    _bounded(model, kwargs, cfg, n)
     _video_tokens(model, kwargs, cfg, images, batch, gen)
     marks = [k for k in inspect.signature(model.forward).parameters if k.endswith("mm_token_type_ids")]
     if marks:  # each token's modality, as transformers' processors mark it (multimodal RoPE reads
@@ -60,6 +61,22 @@ def image_tokens(model, kwargs, cfg, batch, gen) -> None:
         image = ids == token[0]  # (a video token that is the image token marks images: Molmo2's)
         kwargs.update(dict.fromkeys(marks, image.int() + 2 * ((ids == (video or [-1])[0]) & ~image).int()))
     _position_ids(model, kwargs)
+
+
+def _bounded(model, kwargs, cfg, n: int) -> None:
+    """Each row's image tokens between the config's image start and end tokens, where the
+    forward refuses them without (Ovis 2.5 counts one boundary token of each per image, as its
+    processor writes them, and adds its learned indicators there); unchanged otherwise."""
+    start, end = (ints(config_value(cfg, k)) for k in ("image_start_token_id", "image_end_token_id"))
+    if not (start and end) or Trials(model, {}).reads(kwargs) is not None:
+        return
+    ids = kwargs["input_ids"]
+    rows = len(ids)
+    bounded = torch.cat([ids[:, :1], torch.full((rows, 1), start[0], dtype=ids.dtype), ids[:, 1:1 + n],
+                         torch.full((rows, 1), end[0], dtype=ids.dtype), ids[:, 1 + n:]], dim=1)
+    trial = {**kwargs, "input_ids": bounded}
+    if Trials(model, {}).reads(trial) is not None:
+        kwargs.update(trial)
 
 
 def _position_ids(model, kwargs) -> None:
