@@ -122,15 +122,19 @@ def test_diffllama_groups_and_certificate(diff):
     rope = kind_of(r, f"{ATTN}.q_proj.weight", 0, "rope")
     assert (rope.dim, rope.blocks, rope.outer) == (HD, 2, [pairs.id])
     assert r.group_of(f"{ATTN}.k_proj.weight", 0) == r.group_of(f"{ATTN}.q_proj.weight", 0)
-    vo = kind_of(r, f"{ATTN}.v_proj.weight", 0, "orthogonal")  # a norm without gains after it
-    assert (vo.dim, vo.blocks, vo.outer) == (HD, 2, [pairs.id])
+    # the value heads' two halves (``chunk(v, 2, dim=1)``) each their own orthogonal class (the
+    # norm without gains after them acts on both halves' dimensions, so a block-diagonal map
+    # commutes with it); one class served both before ``chunk`` was read as a packed split
+    vo = [g for g in r.group_of(f"{ATTN}.v_proj.weight", 0) if g.kind == "orthogonal"]
+    assert [(g.dim, g.blocks, g.outer) for g in vo] == 2 * [(HD, 2, [pairs.id])]
+    assert all((f"{ATTN}.o_proj.weight", 1) in g.params for g in vo) and vo[0].id != vo[1].id
     for a, b in (("q1", "k1"), ("q2", "k2")):  # Σ λ_q λ_k: one order of the two vectors' entries
         (lam,) = r.group_of(f"{ATTN}.lambda_{a}", 0)
         assert (lam.kind, lam.dim) == ("perm", HD) and r.group_of(f"{ATTN}.lambda_{b}", 0) == [lam]
     stream = kind_of(r, "model.embed_tokens.weight", 1, "orthogonal")
     assert (stream.dim, stream.blocks) == (D, 1)
     assert sorted((g.kind, g.dim, g.blocks) for g in r.groups) == sorted(
-        [("orthogonal", D, 1)] + 2 * [("perm", 2, 1), ("rope", HD, 2), ("orthogonal", HD, 2),
+        [("orthogonal", D, 1)] + 2 * [("perm", 2, 1), ("rope", HD, 2), ("orthogonal", HD, 2), ("orthogonal", HD, 2),
                                       ("perm", HD, 1), ("perm", HD, 1), ("perm", 24, 1)])
 
 

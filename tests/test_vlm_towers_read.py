@@ -129,7 +129,8 @@ def test_a_model_returning_its_prefix_cache_is_traced_without_it():
     ``generate``, not an output); the program's outputs are the model's tensors, certified."""
     from transformers.cache_utils import Cache
 
-    from symgraph.passes.trace import caches_dropped, flatten_outputs
+    from symgraph.passes.output_caches import caches_dropped
+    from symgraph.passes.trace import flatten_outputs
     m = coverage_row("pi05", "PI05ForConditionalGeneration")
     args, kw = default_inputs(m)
     with torch.no_grad():

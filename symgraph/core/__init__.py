@@ -12,5 +12,6 @@
 - ``configs``      what models' configs differ in: their classes, and the fields a late refusal names
 - ``schema``       one line for a value a schema refuses; flags derived from a schema's fields
 - ``devices``      the devices symgraph computes on, checked to hold a tensor before any work
+- ``modes``        a model's train/eval flag set as torch sets it (no model's own override)
 - ``progress``     progress bars on stderr, and ``--quiet``
 """

@@ -41,6 +41,7 @@ axes relate, a union-find merges them into classes. Importing the rule files reg
 - ``experts``           the experts implementation a mixture-of-experts block is run and traced under
 - ``real_values``       a trace with the values the data decides taken from a real run
 - ``index_lists``       indices given as sequences of 0-dim tensors, stacked while tracing
+- ``output_caches``     a model's output taken without the transformers caches it returns
 - ``diffusion_inputs``  example inputs for diffusers models
 """
 from .rules import attention, matrix, pointwise, pooling, reductions, segments, views  # noqa: F401

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import warnings
 
@@ -20,6 +19,7 @@ from .experts import batched_experts
 from .export_inputs import precomputed_inputs
 from .holder_inputs import HOLDERS, traced_with_holders
 from .index_lists import stacked_index_lists
+from .output_caches import caches_dropped
 from .inputs import default_inputs, is_hf
 from .closed_reads import proven_dead
 from .deadcode import DEAD
@@ -261,12 +261,8 @@ def _data_dependent(e) -> bool:
 
 
 def _export(model, traced, on_meta: bool):
-    """:func:`_export_once`; where the model's output holds a transformers ``Cache`` (PI0.5
-    prefills its prefix with ``use_cache=True`` hard-coded and returns that cache, whatever the
-    config says), which no exported program can hold, again with the caches left out of the
-    output (:func:`caches_dropped`): a cache is state for the next call of ``generate``, not an
-    output a user of the model reads (the certificate compares none either:
-    :func:`flatten_outputs`)."""
+    """:func:`_export_once`; again without the caches of the output where it holds one
+    (:mod:`.output_caches`; the certificate compares none either: :func:`flatten_outputs`)."""
     try:
         return _export_once(model, traced, on_meta)
     except Exception as e:  # noqa: BLE001 - re-raised unless a cache in the output is why
@@ -274,37 +270,6 @@ def _export(model, traced, on_meta: bool):
             raise
     with caches_dropped(model):
         return _export_once(model, traced, on_meta)
-
-
-@contextlib.contextmanager
-def caches_dropped(model):
-    """While inside, ``model``'s forward returns its output without the transformers ``Cache``
-    objects it holds (a model output rebuilt without those fields; ``None`` in their place in
-    a tuple)."""
-    from transformers.cache_utils import Cache
-    forward = model.forward
-
-    def drop(out):
-        if isinstance(out, Cache):
-            return None
-        if type(out) in (tuple, list):
-            return type(out)(drop(v) for v in out)
-        if hasattr(out, "items") and any(isinstance(v, Cache) for v in out.values()):
-            return type(out)(**{k: v for k, v in out.items() if not isinstance(v, Cache)})
-        return out
-
-    @functools.wraps(forward)
-    def without_caches(*args, **kwargs):
-        return drop(forward(*args, **kwargs))
-    own = vars(model).get("forward")  # an instance's own forward (a hook's wrapper) is put back
-    model.forward = without_caches
-    try:
-        yield model
-    finally:
-        if own is None:
-            del model.forward
-        else:
-            model.forward = own
 
 
 def _export_once(model, traced, on_meta: bool):
