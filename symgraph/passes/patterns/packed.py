@@ -26,7 +26,7 @@ import operator
 import torch
 
 from ..nodes import packet
-from ..registry import Structure, Unify
+from ..registry import Structure, Unify, dim
 
 __all__ = ["find_packed"]
 
@@ -126,7 +126,8 @@ def _ends(an, node, labels, n, out):
             if step != 1 or a >= b:
                 return False
             out.append((u, (a, b), labels[:k] + ["seg"] + labels[k + 1:]))
-        elif p in (aten.split, aten.split_with_sizes) and _dim(u, 2, len(labels)) == k:
+        elif p in (aten.split, aten.split_with_sizes) and \
+                dim(u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0), len(labels)) == k:
             # ``split([H, 1, 1], dim=-2)`` (Falcon's multi-query heads since transformers 5.25):
             # each piece a slice of its sizes' segment, the axis kept
             if not _pieces(u, n, labels, k, out):
@@ -143,13 +144,6 @@ def _ends(an, node, labels, n, out):
         else:
             return False
     return True
-
-
-def _dim(node, at: int, rank: int) -> int:
-    """The ``dim`` argument of ``node`` (positional at ``at``, else the keyword; 0 by default),
-    counted from the front of a tensor of ``rank`` axes."""
-    d = node.args[at] if len(node.args) > at else node.kwargs.get("dim", 0)
-    return d % rank
 
 
 def _pieces(split, n, labels, k, out) -> bool:
