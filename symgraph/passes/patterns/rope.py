@@ -412,8 +412,10 @@ def find_rope(graph, origin, axes_of, shape_of):
             cons += new
             break
     unobservable: set = set()
-    for found in (complex_ropes(graph, origin, axes_of, shape_of, claimed),
-                  linear_ropes(graph, origin, axes_of, shape_of, claimed, ids, unobservable)):
+    # the other forms read a table as "const": values computed from the inputs alone count too
+    tables = lambda n: "const" if table(n) else origin(n)  # noqa: E731
+    for found in (complex_ropes(graph, tables, axes_of, shape_of, claimed),
+                  linear_ropes(graph, tables, axes_of, shape_of, claimed, ids, unobservable)):
         for pattern, new in found:
             claimed |= pattern
             cons += new

@@ -5,10 +5,11 @@ only ever meet their partners in an attention contraction, so the layout change 
 ``(2p, 2p+1)`` and writes pair ``p`` at ``(p, p + d/2)``: the output is a fixed coordinate
 permutation ``π`` of a rotation in ``x``'s layout. One class cannot hold both layouts. But where
 every use of the output (and of what is built from it by layout moves: casts, views and
-expands of the leading axes, concatenation or ``slice_scatter`` along the last axis, products
-with factors constant along the last axis) ends in
-``scaled_dot_product_attention``'s query or key, and the other operand carries the same ``π``
-at the same offset of its last axis, the scores ``Σ q_o k_o`` sum over ``π``'s coordinates
+expands of the leading axes, concatenation or ``slice_scatter`` along the permuted axis,
+transposes that keep it among the last two, products with factors constant along it) ends in
+``scaled_dot_product_attention``'s query or key, or in ``q @ kᵀ`` (eager attention, DeepSeek
+sparse attention's indexer), and the other operand carries the same ``π`` at the same offset
+of the contracted axis, the scores ``Σ q_o k_o`` sum over ``π``'s coordinates
 alike: the model computes the same function as one whose rotations keep ``x``'s layout (undo
 ``π`` on both sides). Every rule on the way is blind to the order inside the segment, so that
 model's classes, with the output in ``x``'s class and pairs ``(2p, 2p+1)``, are this model's.
@@ -28,6 +29,7 @@ _CHECKS = {aten._assert_tensor_metadata, aten._assert_scalar, aten._assert_async
 _CASTS = {aten._to_copy, aten.to, aten.type_as, aten.clone, aten.contiguous, aten.alias,
           aten.detach}
 _VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.unsqueeze, aten.squeeze, aten.expand}
+_PRODUCTS = {aten.matmul, aten.bmm}
 
 
 def _shape(node):
@@ -35,39 +37,48 @@ def _shape(node):
     return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def _last(d, nd) -> bool:
-    return isinstance(d, int) and nd is not None and d in (-1, nd - 1)
+def _at(d, nd, axis) -> bool:
+    """Whether dimension ``d`` of an ``nd``-dimensional tensor is its ``axis``-th from the end."""
+    return isinstance(d, int) and nd is not None and nd >= axis and d % nd == nd - axis
 
 
 def _carry(user, src, twist):
-    """The twist ``(offset, π)`` of ``user``'s last axis, given ``src``'s (an operand of it);
+    """The twist ``(offset, π, axis)`` of ``user`` given ``src``'s (an operand of it): the
+    permuted coordinates sit at ``offset`` of the ``axis``-th axis from the end (1: the last;
+    2: the one before, after a transpose of the last two, as a key is for ``q @ kᵀ``);
     ``"end"`` at an attention query or key (checked later), None where it is not understood."""
-    p, off, perm = op_of(user), twist[0], twist[1]
+    p, (off, perm, axis) = op_of(user), twist
     us, ss = _shape(user), _shape(src)
-    if us is None or ss is None or not us or not ss:
+    if us is None or ss is None or len(us) < axis or len(ss) < axis:
         return None
+    kept = us[-axis:] == ss[-axis:]  # the trailing axes up to the twisted one are untouched
     if p in _CASTS or p in _VIEWS:
-        if user.args[0] is not src or us[-1] != ss[-1]:
-            return None
-        return twist
-    if p in (aten.mul, aten.div):  # by a factor constant along the last axis (Mistral 4's scale)
+        return twist if user.args[0] is src and kept else None
+    if p in (aten.mul, aten.div):  # by a factor constant along the twisted axis (Mistral 4's scale)
         a, b = user.args[:2]
         other = b if a is src else a if p == aten.mul and b is src else src
         os_ = _shape(other) if isinstance(other, torch.fx.Node) else ()
-        if other is src or os_ is None or (os_ and os_[-1] != 1) or us[-1] != ss[-1]:
+        if other is src or os_ is None or (len(os_) >= axis and os_[-axis] != 1) or not kept:
             return None
         return twist
-    if p in (aten.transpose, aten.swapaxes, aten.swapdims):
-        a, b = (x % len(ss) for x in user.args[1:3])
-        return twist if user.args[0] is src and len(ss) - 1 not in (a, b) else None
-    if p == aten.permute:
-        return twist if user.args[0] is src and list(user.args[1])[-1] % len(ss) == len(ss) - 1 else None
-    if p == aten.cat:
-        tensors, d = user.args[0], user.args[1] if len(user.args) > 1 else 0
-        if not _last(d, ndim(user)) or list(tensors).count(src) != 1:
+    if p in (aten.transpose, aten.swapaxes, aten.swapdims, aten.permute):
+        if user.args[0] is not src:
             return None
-        before = list(tensors)[:list(tensors).index(src)]
-        return off + sum(_shape(t)[-1] for t in before), perm
+        n = len(ss)
+        dims = list(range(n))
+        if p == aten.permute:
+            dims = [d % n for d in user.args[1]]
+        else:
+            a, b = (x % n for x in user.args[1:3])
+            dims[a], dims[b] = dims[b], dims[a]
+        moved_to = n - dims.index(n - axis)
+        return (off, perm, moved_to) if moved_to in (1, 2) else None
+    if p == aten.cat:
+        tensors, d = list(user.args[0]), user.args[1] if len(user.args) > 1 else 0
+        if not _at(d, len(us), axis) or tensors.count(src) != 1:
+            return None
+        before = tensors[:tensors.index(src)]
+        return off + sum(_shape(t)[-axis] for t in before), perm, axis
     if p == aten.copy:  # copy(dst, src): src's values in dst's shape
         return twist if len(user.args) >= 2 and user.args[1] is src and user.args[0] is not src \
             and us == ss else None
@@ -76,18 +87,21 @@ def _carry(user, src, twist):
         d = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
         start = user.args[3] if len(user.args) > 3 else user.kwargs.get("start")
         step = user.args[5] if len(user.args) > 5 else user.kwargs.get("step", 1)
-        if s is not src or base is src or not _last(d, len(us)) or step != 1:
+        if s is not src or base is src or not _at(d, len(us), axis) or step != 1:
             return None
         start = 0 if start is None else start
-        return (start + off, perm) if isinstance(start, int) and start >= 0 else None
+        return (start + off, perm, axis) if isinstance(start, int) and start >= 0 else None
     if p == aten.scaled_dot_product_attention:
-        return "end" if src in user.args[:2] and list(user.args).count(src) == 1 \
+        return "end" if axis == 1 and src in user.args[:2] and list(user.args).count(src) == 1 \
             and src not in user.kwargs.values() else None
+    if p in _PRODUCTS:  # q @ kᵀ: q's last axis contracts with kᵀ's second to last
+        a, b = user.args[:2]
+        return "end" if a is not b and len(ss) >= 2 and (src, axis) in ((a, 1), (b, 2)) else None
     return None
 
 
 def _walk(seeds):
-    """``{node: (offset, π)}`` over everything built from ``seeds`` by layout moves, and
+    """``{node: (offset, π, axis)}`` over everything built from ``seeds`` by layout moves, and
     whether the walk stayed understood (every use carries the twist to a node or an end)."""
     twisted, stack = dict(seeds), list(seeds)
     while stack:
@@ -109,14 +123,17 @@ def _walk(seeds):
 
 def _mismatched(twisted) -> set:
     """The attentions reached whose query and key are not twisted alike (or whose value, mask
-    or output is)."""
+    or output is): the query's last axis and the key's (``kᵀ``'s second to last, for a product)
+    must hold the same ``π`` at the same offset."""
     bad = set()
     for n in list(twisted):
         for u in n.users:
-            if op_of(u) != aten.scaled_dot_product_attention:
+            if op_of(u) not in _PRODUCTS | {aten.scaled_dot_product_attention}:
                 continue
             q, k = u.args[0], u.args[1]
-            if twisted.get(q) is None or twisted.get(q) != twisted.get(k) or any(
+            key_axis = 1 if op_of(u) == aten.scaled_dot_product_attention else 2
+            tq, tk = twisted.get(q), twisted.get(k)
+            if tq is None or tk is None or tq[2] != 1 or tk[2] != key_axis or tq[:2] != tk[:2] or any(
                     a in twisted for a in list(u.args[2:]) + list(u.kwargs.values())
                     if isinstance(a, torch.fx.Node)):
                 bad.add(u)
@@ -132,7 +149,7 @@ def cancelling(candidates):
     be read there (they are not in its layout)."""
     walks = {}
     for out, perm in candidates:
-        twisted, ok = _walk({out: (0, tuple(perm))})
+        twisted, ok = _walk({out: (0, tuple(perm), 1)})
         if ok:
             walks[out] = (tuple(perm), twisted)
     while walks:
