@@ -13,8 +13,8 @@ process group; a failed one (OOM killer: rc -9) is recorded with its last stderr
 ``read_cold`` / ``read_warm`` read and clone every tensor of model A (GB/s over the loop) after
 dropping its files from the page cache, and from the cache; ``mergekit_linear`` is mergekit 0.1.5
 (its own venv) at 0.5/0.5 in bfloat16 on CPU with its lowest-memory settings; the symgraph stages
-are :data:`MERGE_STAGES` (``--data``: 32 random rows of 128 token ids; ``--memory-budget`` to
-each); ``symgraph_weights_baseline`` runs ``symgraph_weights``' command in this repository's tree
+are :data:`MERGE_STAGES` (``--data``: 32 random rows of 128 token ids; ``--memory-budget`` and
+``--max-iter`` to each); ``symgraph_weights_baseline`` runs ``symgraph_weights``' command in this repository's tree
 at ``--baseline``. Before each merge, earlier outputs are written back (``os.sync``) and the
 inputs read through (``--cache warm``) or dropped. The machine's float32 and bfloat16 matmul rates
 are measured before and after the stages (a fresh process, 4096², best of 3). GB is 10^9 bytes.
@@ -64,16 +64,18 @@ def needs_data(name: str) -> bool:
     return align == "activations" or method != "average"
 
 
-def merge_command(name: str, a, b, out, data=None, memory_budget: str | None = None) -> list:
+def merge_command(name: str, a, b, out, data=None, memory_budget: str | None = None,
+                  max_iter: int | None = None) -> list:
     """The ``symgraph merge`` command line of the symgraph stage ``name``: ``data`` the token file
     of the stages that read data (refused where none does), ``memory_budget`` the engine's
-    ``--memory-budget`` (None: its default)."""
+    ``--memory-budget``, ``max_iter`` weight matching's ``--max-iter`` (None: their defaults)."""
     align, method, flags = MERGE_STAGES[name]
     if (data is not None) != needs_data(name):
         raise ValueError(f"stage {name}: data {'missing' if data is None else 'given but not read'}")
     cmd = [sys.executable, "-m", "symgraph", "merge", str(a), str(b), "--out", str(out), "--align", align,
             *(["--repair"] if method == "repair" else ["--method", method]), *flags]
     cmd += ["--data", str(data)] if data is not None else []
+    cmd += ["--max-iter", str(max_iter)] if max_iter is not None and align == "weights" else []
     return cmd + (["--memory-budget", memory_budget] if memory_budget is not None else [])
 
 
@@ -104,7 +106,7 @@ def run_shape(shape: str, a, baseline: dict | None) -> dict:
            **sizes, "full_model_parameters": full["parameters"], "full_model_bytes": full["bytes"],
            "bytes_on_disk_per_model": dir_bytes(pair["a"]), "pair": pair, "cache": a.cache, "stages": {},
            "run": {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "symgraph_commit": git_state(),
-                   "timeout_s": a.timeout, "memory_budget": a.memory_budget,
+                   "timeout_s": a.timeout, "memory_budget": a.memory_budget, "max_iter": a.max_iter,
                    "baseline_commit": baseline and baseline["commit"]},
            "matmul_gflops": {"before": matmul_rates(child_env())}}
     outdir, logdir, st = here / "out", here / "logs", rec["stages"]
@@ -156,7 +158,7 @@ def run_shape(shape: str, a, baseline: dict | None) -> dict:
                                       "--quiet"], out=mk_out, env=child_env(CUDA_VISIBLE_DEVICES=""), cwd=here)
     for name in (s for s in MERGE_STAGES if s in a.stages):
         data = token_data(here, config.vocab_size) if needs_data(name) else None
-        cmd = merge_command(name, pair["a"], pair["b"], outdir / name, data, a.memory_budget)
+        cmd = merge_command(name, pair["a"], pair["b"], outdir / name, data, a.memory_budget, a.max_iter)
         if name == BASELINE:  # python -m symgraph finds its tree first
             stage(name, cmd, out=outdir / name, env=child_env(PYTHONPATH=baseline["dir"]), cwd=baseline["dir"])
         else:
@@ -237,6 +239,7 @@ def markdown(result: dict) -> str:
                   f"full depth {rec['full_model_bytes'] / GB:.2f} GB per model. Page cache before merges: "
                   f"{rec['cache']}, earlier outputs written back (os.sync)."
                   + (f" symgraph's --memory-budget: {run['memory_budget']}." if run.get("memory_budget") else "")
+                  + (f" Weight matching's --max-iter: {run['max_iter']}." if run.get("max_iter") else "")
                   + writer + f" Run {run['time']}, symgraph {run['symgraph_commit']}"
                   + (f", mergekit/torch/transformers {mk}" if mk else "") + "." + rates, ""]
         rows = []
@@ -294,6 +297,8 @@ def main(argv=None) -> None:
     ap.add_argument("--load-check-gb", type=float, default=0.5, help="from_pretrained outputs up to this model size")
     ap.add_argument("--append", action="store_true", help="keep other shapes' entries of an existing --out")
     ap.add_argument("--memory-budget", default=None, metavar="SIZE", help="the symgraph stages' --memory-budget")
+    ap.add_argument("--max-iter", type=int, default=None, metavar="N",
+                    help="weight matching's sweeps at most (the same for the baseline: a like-for-like time)")
     ap.add_argument("--baseline", metavar="REF", help="the commit of the symgraph_weights_baseline stage")
     ap.add_argument("--_read", metavar="DIR", help=argparse.SUPPRESS)
     ap.add_argument("--_write", nargs=4, metavar=("DIR", "SHAPE", "LAYERS", "SEED"), help=argparse.SUPPRESS)

@@ -92,7 +92,11 @@ def test_merge_commands_name_the_method_the_data_and_the_budget():
     assert rep[rep.index("merge"):] == ["merge", "A", "B", "--out", "O", "--align", "weights", "--repair",
                                         "--data", "D", "--memory-budget", "256MB"]
     w = merge_command("symgraph_weights", "A", "B", "O")
-    assert "--memory-budget" not in w and "--data" not in w
+    assert "--memory-budget" not in w and "--data" not in w and "--max-iter" not in w
+    w3 = merge_command("symgraph_weights_baseline", "A", "B", "O", max_iter=3)
+    assert w3[w3.index("merge"):] == ["merge", "A", "B", "--out", "O", "--align", "weights", "--method", "average",
+                                      "--max-iter", "3"]
+    assert "--max-iter" not in merge_command("symgraph_none", "A", "B", "O", max_iter=3)
     with pytest.raises(ValueError, match="data missing"):
         merge_command("symgraph_repair", "A", "B", "O")
     with pytest.raises(ValueError, match="not read"):
